@@ -1,0 +1,40 @@
+# `make run` and `make test` work on a fresh machine: they create .venv,
+# install torch pinned first (the local CPU wheel, no CUDA download), then the rest.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: run test lint bench install clean prometheus
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	RAY_AUTH_MODE=disabled $(BIN)/dynabatch run examples/digits-hetero.yaml --report dynabatch-report.json
+
+# Prometheus (Debian's package) is needed by the end-to-end tier; install it if missing.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null) || echo "prometheus not installable; e2e tests that need it will fail"
+
+test: $(STAMP) prometheus
+	$(BIN)/ruff check .
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	RAY_AUTH_MODE=disabled $(BIN)/python bench/policy_scale.py
+	RAY_AUTH_MODE=disabled $(BIN)/python bench/hetero.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

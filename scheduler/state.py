@@ -1,0 +1,39 @@
+"""The job lifecycle: an explicit enum with terminal flags and enforced transitions."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class JobState(str, Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+    def can_become(self, new: JobState) -> bool:
+        return new in _TRANSITIONS[self]
+
+
+_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    # RUNNING -> PENDING happens when membership falls below min_workers and the job
+    # waits for nodes.
+    JobState.PENDING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset(
+        {JobState.PENDING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+    ),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class InvalidTransition(ValueError):
+    def __init__(self, old: JobState, new: JobState):
+        super().__init__(f"job is {old.value}; it cannot become {new.value}")
+        self.old, self.new = old, new

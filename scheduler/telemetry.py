@@ -1,0 +1,142 @@
+"""Typed values that cross process boundaries: what a worker reports and what an epoch was.
+
+The same ``EpochRecord`` feeds the CLI table, the REST history, the Prometheus collector
+and the JSON report, so its fields are defined once, here. Pure: no ray, no torch.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler.state import JobState
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class StepTelemetry(_Frozen):
+    """One worker's view of one training step.
+
+    ``compute_s`` is forward + backward (+ emulated slowdown); ``wait_s`` is the weighted
+    all-reduce, which includes waiting for slower peers. A worker with an empty share of a
+    step (possible in an epoch's last, partial step) reports ``samples == 0``.
+    """
+
+    worker: str
+    epoch: int
+    step: int
+    batch: int
+    samples: int
+    compute_s: float
+    wait_s: float
+    loss_sum: float = Field(description="Sum of per-sample losses over the worker's batch.")
+    slowdown: float = 1.0
+
+
+class SegmentResult(_Frozen):
+    """What a worker returns after running a segment of consecutive steps."""
+
+    worker: str
+    steps: list[StepTelemetry]
+    indices: list[int] | None = Field(
+        default=None, description="Sample indices trained, in order (only when recording)."
+    )
+
+
+class WorkerEpochStats(_Frozen):
+    worker: str
+    node: str
+    batch: int = Field(description="Batch size at the end of the epoch.")
+    partition: int = Field(description="Samples this worker trained in the epoch.")
+    steps: int
+    compute_s: float
+    wait_s: float
+    throughput: float = Field(description="Samples per compute-second.")
+    slowdown: float = 1.0
+
+
+class EpochRecord(_Frozen):
+    """One epoch of a job, as the scheduler saw it."""
+
+    epoch: int
+    wall_s: float
+    steps: int
+    dataset_size: int
+    samples_trained: int
+    retried_samples: int = Field(
+        default=0, description="Samples trained twice because a step was retried after a failure."
+    )
+    train_loss: float
+    test_loss: float | None = None
+    test_accuracy: float | None = None
+    utilization: float = Field(description="sum(compute_i) / (n_workers * wall time).")
+    compute_balance: float = Field(description="mean(compute_i) / max(compute_i).")
+    rebalances: int = 0
+    generation: int = 0
+    policy: str
+    emulated: bool = False
+    workers: list[WorkerEpochStats]
+
+
+class WorkerStatus(_Frozen):
+    """A worker's latest allocation and telemetry, for the live view."""
+
+    worker: str
+    node: str
+    rank: int
+    batch: int
+    partition: int
+    throughput: float = 0.0
+    compute_s_per_step: float = 0.0
+    wait_s_per_step: float = 0.0
+    slowdown: float = 1.0
+
+
+class MembershipEvent(_Frozen):
+    """A worker joined, left (drained) or failed."""
+
+    time: float
+    kind: str = Field(description="join, leave or failure")
+    worker: str
+    node: str
+    reason: str
+    generation: int
+
+
+class LogLine(_Frozen):
+    seq: int
+    time: float
+    level: str
+    message: str
+
+
+class JobSnapshot(_Frozen):
+    """The live state of a job, read by the API, the CLI and the metrics collector."""
+
+    job_id: str
+    name: str
+    state: JobState
+    reason: str | None = None
+    epoch: int = 0
+    step: int = 0
+    steps_per_epoch: int = 0
+    epochs: int = 0
+    generation: int = 0
+    policy: str = ""
+    emulated: bool = False
+    workers: list[WorkerStatus] = Field(default_factory=list)
+    train_loss: float | None = None
+    test_accuracy: float | None = None
+    utilization: float | None = None
+    compute_balance: float | None = None
+    rebalances_total: int = 0
+    epochs_completed: int = 0
+    epoch_durations_s: list[float] = Field(default_factory=list)
+    worker_events: dict[str, int] = Field(
+        default_factory=dict, description="Counts keyed 'kind:reason', e.g. 'failure:node lost'."
+    )
+    regroup_seconds_total: float = 0.0
+    retried_samples_total: int = 0
+    started_at: float | None = None
+    finished_at: float | None = None

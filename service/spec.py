@@ -1,0 +1,292 @@
+"""The job specification: one schema for YAML configs, the REST API and the CLI.
+
+Every field is validated here, so bad input is rejected before any Ray work starts,
+with a message that names the field. Invalid *combinations* raise ``ValueError``
+inside validators (pydantic turns them into field-named errors); values that are
+accepted but have no effect produce a ``UserWarning``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+POLICIES = ("static", "dbs", "affine")
+
+IMPORT_PATH_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatasetSpec(_Strict):
+    """Which data to train on.
+
+    ``name`` is a built-in dataset (``synthetic``, ``digits``, ``mnist``, ``cifar10``) or a
+    user loader given by import path ``"pkg.mod:function"``; the function takes the
+    ``options`` mapping as keyword arguments and returns a ``DatasetArrays``.
+    """
+
+    name: str = Field(
+        default="digits",
+        description="Built-in dataset (synthetic, digits, mnist, cifar10) or 'pkg.mod:load'.",
+        examples=["digits", "mnist", "my_pkg.data:load"],
+    )
+    path: str | None = Field(
+        default=None,
+        description="Directory of the MNIST IDX files or of cifar-10-batches-py. For mnist, "
+        "when omitted, MNIST-format data is generated (deterministically, from the seed).",
+    )
+    test_fraction: float = Field(
+        default=0.2, gt=0.0, lt=1.0, description="Held-out split when the dataset has none."
+    )
+    limit: int | None = Field(
+        default=None, ge=1, description="Use at most this many training samples."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments for the loader."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v in ("synthetic", "digits", "mnist", "cifar10"):
+            return v
+        import re
+
+        if not re.match(IMPORT_PATH_PATTERN, v):
+            raise ValueError(
+                f"unknown dataset {v!r}: use synthetic, digits, mnist, cifar10 or 'pkg.mod:function'"
+            )
+        return v
+
+
+class ModelSpec(_Strict):
+    """Which network to train: a built-in (``mlp``, ``lenet``, ``resnet``) or ``pkg.mod:build``."""
+
+    name: str = Field(default="mlp", examples=["mlp", "lenet", "resnet", "my_pkg.nets:build"])
+    hidden: int = Field(default=64, ge=1, le=65536, description="Hidden width for the MLP.")
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v in ("mlp", "lenet", "resnet"):
+            return v
+        import re
+
+        if not re.match(IMPORT_PATH_PATTERN, v):
+            raise ValueError(f"unknown model {v!r}: use mlp, lenet, resnet or 'pkg.mod:function'")
+        return v
+
+
+class OptimizerSpec(_Strict):
+    name: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(default=0.1, gt=0.0, le=10.0)
+    momentum: float = Field(default=0.0, ge=0.0, lt=1.0)
+    weight_decay: float = Field(default=0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _ignored(self) -> OptimizerSpec:
+        if self.name == "adam" and self.momentum:
+            warnings.warn("optimizer.momentum is ignored by adam", UserWarning, stacklevel=2)
+        return self
+
+
+class Disturbance(_Strict):
+    """From ``epoch`` (and ``step`` within it), worker ``worker`` runs ``factor`` times slower."""
+
+    worker: int = Field(ge=0, description="Worker index (rank in the initial membership).")
+    factor: float = Field(ge=1.0, le=1000.0)
+    epoch: int = Field(default=0, ge=0)
+    step: int = Field(default=0, ge=0)
+
+
+class EmulationSpec(_Strict):
+    """Heterogeneity emulation for clusters whose nodes are equal. Off unless set.
+
+    A worker with slowdown f sleeps (f-1) times its measured compute after each compute
+    phase, so its compute time is f times the real one.
+    """
+
+    slowdowns: list[Annotated[float, Field(ge=1.0, le=1000.0)]] = Field(default_factory=list)
+    disturbances: list[Disturbance] = Field(default_factory=list)
+
+
+class RebalanceSpec(_Strict):
+    """When the policy may change the allocation.
+
+    ``epoch``: at epoch boundaries. ``steps``: every ``every_steps`` steps.
+    ``adaptive``: check every ``check_steps`` steps and rebalance when the predicted gain in
+    step time exceeds ``threshold``.
+    """
+
+    mode: Literal["epoch", "steps", "adaptive"] = "epoch"
+    every_steps: int = Field(default=10, ge=1)
+    check_steps: int = Field(default=2, ge=1)
+    threshold: float = Field(default=0.05, ge=0.0, lt=1.0)
+
+
+class CheckpointSpec(_Strict):
+    dir: str | None = Field(default=None, description="Where checkpoints go; none when unset.")
+    every_epochs: int = Field(default=1, ge=1)
+
+
+class JobSpec(_Strict):
+    """A training job. The same schema is used by YAML configs, ``POST /v1/jobs`` and the CLI."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "digits-hetero",
+                    "dataset": {"name": "digits"},
+                    "model": {"name": "mlp", "hidden": 64},
+                    "workers": 4,
+                    "global_batch": 64,
+                    "epochs": 5,
+                    "policy": "affine",
+                    "emulation": {"slowdowns": [1, 1, 2, 4]},
+                }
+            ]
+        },
+    )
+
+    name: str = Field(default="job", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    dataset: DatasetSpec = Field(default_factory=DatasetSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    workers: int | Literal["auto"] = Field(
+        default=2, description="Number of workers, or 'auto' for one per eligible node."
+    )
+    min_workers: int | None = Field(default=None, ge=1, le=4096)
+    max_workers: int | None = Field(default=None, ge=1, le=4096)
+    worker_cpus: float = Field(default=1.0, gt=0.0, le=1024.0)
+    worker_gpus: float = Field(default=0.0, ge=0.0, le=64.0)
+    node_resource: str | None = Field(
+        default=None,
+        description="Only nodes that offer this custom resource are eligible for workers.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    global_batch: int = Field(default=64, ge=1, le=1_000_000)
+    max_batch: int | None = Field(default=None, ge=1, description="Cap on any worker's batch.")
+    epochs: int = Field(default=3, ge=1, le=100_000)
+    policy: Literal["static", "dbs", "affine"] = "affine"
+    rebalance: RebalanceSpec = Field(default_factory=RebalanceSpec)
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    emulation: EmulationSpec = Field(default_factory=EmulationSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    collective_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    worker_wait_timeout_s: float = Field(
+        default=60.0, gt=0.0, le=86400.0,
+        description="How long to wait for min_workers before failing.",
+    )
+    record_indices: bool = Field(
+        default=False, description="Record the sample indices each worker trained (tests)."
+    )
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 1 <= v <= 4096:
+            raise ValueError("must be between 1 and 4096, or 'auto'")
+        return v
+
+    @model_validator(mode="after")
+    def _combinations(self) -> JobSpec:
+        n = self.workers if isinstance(self.workers, int) else None
+        lo, hi = self.min_workers, self.max_workers
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"min_workers ({lo}) is greater than max_workers ({hi})")
+        if n is not None and lo is not None and n < lo:
+            raise ValueError(f"workers ({n}) is below min_workers ({lo})")
+        if n is not None and hi is not None and n > hi:
+            raise ValueError(f"workers ({n}) is above max_workers ({hi})")
+        if n is not None and n > self.global_batch:
+            raise ValueError(
+                f"global_batch ({self.global_batch}) is smaller than workers ({n}): "
+                "every worker needs at least one sample per step"
+            )
+        if self.max_batch is not None and n is not None and self.max_batch * n < self.global_batch:
+            raise ValueError(
+                f"max_batch ({self.max_batch}) x workers ({n}) cannot hold global_batch "
+                f"({self.global_batch})"
+            )
+        slow = self.emulation.slowdowns
+        if slow and n is not None and len(slow) != n:
+            raise ValueError(
+                f"emulation.slowdowns has {len(slow)} entries but workers is {n}"
+            )
+        for d in self.emulation.disturbances:
+            if d.epoch >= self.epochs:
+                warnings.warn(
+                    f"emulation disturbance at epoch {d.epoch} is ignored: the job has "
+                    f"{self.epochs} epochs",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        if self.device == "cuda" and self.worker_gpus == 0:
+            raise ValueError("device 'cuda' needs worker_gpus > 0")
+        return self
+
+    # Helpers used by the scheduler -------------------------------------------------------
+    @property
+    def initial_workers(self) -> int | None:
+        """Workers to start with; None means one per eligible node (``workers: auto``)."""
+        return self.workers if isinstance(self.workers, int) else None
+
+    @property
+    def emulated(self) -> bool:
+        return bool(self.emulation.slowdowns or self.emulation.disturbances)
+
+
+class SpecError(ValueError):
+    """A job spec that failed validation, as one readable line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+def format_validation_error(err: ValidationError) -> list[str]:
+    """One ``field: problem`` string per error, e.g. ``global_batch: Input should be ...``."""
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "spec"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        msg = msg.removeprefix("Value error, ")
+        out.append(f"{loc}: {msg}")
+    return out
+
+
+def parse_spec(data: Any) -> JobSpec:
+    """Validate a mapping into a JobSpec, raising SpecError with field-named messages."""
+    if not isinstance(data, dict):
+        raise SpecError([f"spec: expected a mapping of fields, got {type(data).__name__}"])
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(format_validation_error(err)) from None
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read a YAML (or JSON) config file into a JobSpec."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise SpecError([f"{p}: cannot read config ({err.strerror})"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise SpecError([f"{p}: not valid YAML ({err})".replace("\n", " ")]) from None
+    return parse_spec(data)
