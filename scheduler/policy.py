@@ -296,7 +296,7 @@ class AffinePolicy:
             per_unit = float(np.median(c[known] * cap[known]))
             c = np.where(known, c, per_unit / cap)
             a = np.where(known, a, float(np.median(a[known])))
-        real, t_new = equal_finish(a, c, float(global_batch), lo.astype(float), hi.astype(float))
+        real, _t_new = equal_finish(a, c, float(global_batch), lo.astype(float), hi.astype(float))
         b = round_to_total(real, global_batch, lo, hi)
         predicted = float(np.max(a + c * b))
         if same and current.global_batch == global_batch:

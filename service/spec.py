@@ -61,7 +61,8 @@ class DatasetSpec(_Strict):
 
         if not re.match(IMPORT_PATH_PATTERN, v):
             raise ValueError(
-                f"unknown dataset {v!r}: use synthetic, digits, mnist, cifar10 or 'pkg.mod:function'"
+                f"unknown dataset {v!r}: use synthetic, digits, mnist, cifar10 "
+                "or 'pkg.mod:function'"
             )
         return v
 
