@@ -17,18 +17,24 @@ speed. With statistics ``n = Σw, Sb = Σw·b, St = Σw·t, Sbb = Σw·b², Sbt 
     a = (St − c·Sb) / n
 
 When every observation has the same b the slope is unidentifiable; the fit then falls back
-to the proportional model ``a = 0, c = St / Sb`` (exactly DBS's assumption).
+to the proportional model ``a = 0, c = St / Sb`` (exactly DBS's assumption). A fit whose
+per-sample cost is not a positive finite number (e.g. observations of zero seconds) is
+unusable and treated like no data.
 
 Equal finish: for a global batch B, choose real batches b_i in [lo_i, hi_i] so that every
 worker finishes at the same time T::
 
     b_i(T) = clip((T − a_i) / c_i, lo_i, hi_i),   Σ b_i(T) = B
 
-Σ b_i(T) is monotone in T, so T is found by bisection, vectorised over workers.
+Σ b_i(T) is continuous, non-decreasing and piecewise linear in T (slope Σ 1/c_i over the
+unclipped workers). T is found by a safeguarded Newton (active-set) iteration: from a trial T
+the clipped set is known, and the exact T for that set is one linear solve away; a bracket
+with bisection fallback guarantees progress. It usually ends in 2-4 vectorised passes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +75,7 @@ class AffineFit:
 
 
 def fit(stats: StepTimeStats, min_relative_spread: float = 0.05) -> AffineFit | None:
-    """Least-squares fit of t = a + c·b; proportional fallback; None without data."""
+    """Least-squares fit of t = a + c·b; proportional fallback; None without usable data."""
     if stats.empty:
         return None
     n = stats.n
@@ -78,28 +84,37 @@ def fit(stats: StepTimeStats, min_relative_spread: float = 0.05) -> AffineFit | 
     proportional = AffineFit(0.0, stats.st / stats.sb)
     # A spread of batch sizes below a few percent cannot separate overhead from slope.
     if var_b <= (min_relative_spread * mean_b) ** 2:
-        return proportional
-    c = (n * stats.sbt - stats.sb * stats.st) / (n * stats.sbb - stats.sb * stats.sb)
-    a = (stats.st - c * stats.sb) / n
-    if c <= 0.0:
-        return proportional
-    if a < 0.0:
-        # Noise gave a negative overhead: refit through the origin.
-        return AffineFit(0.0, stats.sbt / stats.sbb)
-    return AffineFit(a, c)
+        out = proportional
+    else:
+        c = (n * stats.sbt - stats.sb * stats.st) / (n * stats.sbb - stats.sb * stats.sb)
+        a = (stats.st - c * stats.sb) / n
+        if c <= 0.0:
+            out = proportional
+        elif a < 0.0:
+            # Noise gave a negative overhead: refit through the origin.
+            out = AffineFit(0.0, stats.sbt / stats.sbb)
+        else:
+            out = AffineFit(a, c)
+    if not (math.isfinite(out.a) and math.isfinite(out.c) and out.c > 0.0 and out.a >= 0.0):
+        return None
+    return out
 
 
 def fit_arrays(
-    n: np.ndarray, sb: np.ndarray, st: np.ndarray, sbb: np.ndarray, sbt: np.ndarray,
+    n: np.ndarray,
+    sb: np.ndarray,
+    st: np.ndarray,
+    sbb: np.ndarray,
+    sbt: np.ndarray,
     min_relative_spread: float = 0.05,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Vectorised :func:`fit` over many workers. Rows without data get c = NaN."""
-    with np.errstate(divide="ignore", invalid="ignore"):
+    """Vectorised :func:`fit` over many workers. Rows :func:`fit` maps to None get NaN."""
+    n, sb, st, sbb, sbt = (np.asarray(x, dtype=np.float64) for x in (n, sb, st, sbb, sbt))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         mean_b = sb / n
         var_b = sbb / n - mean_b * mean_b
         c_prop = st / sb
-        denom = n * sbb - sb * sb
-        c = (n * sbt - sb * st) / denom
+        c = (n * sbt - sb * st) / (n * sbb - sb * sb)
         a = (st - c * sb) / n
         spread_ok = var_b > (min_relative_spread * mean_b) ** 2
         use_prop = ~spread_ok | ~(c > 0.0)
@@ -108,72 +123,132 @@ def fit_arrays(
         neg = a < 0.0
         a = np.where(neg, 0.0, a)
         c = np.where(neg, sbt / sbb, c)
-        no_data = ~((n > 0) & (sb > 0))
-        c = np.where(no_data, np.nan, c)
-        a = np.where(no_data, np.nan, a)
+        ok = (n > 0.0) & (sb > 0.0) & (c > 0.0) & np.isfinite(c) & (a >= 0.0) & np.isfinite(a)
+        c = np.where(ok, c, np.nan)
+        a = np.where(ok, a, np.nan)
     return a, c
 
 
 def equal_finish(
-    a: np.ndarray, c: np.ndarray, total: float, lo: np.ndarray, hi: np.ndarray,
+    a: np.ndarray,
+    c: np.ndarray,
+    total: float,
+    lo: np.ndarray,
+    hi: np.ndarray,
     iterations: int = 100,
 ) -> tuple[np.ndarray, float]:
     """Real batches b_i in [lo_i, hi_i] summing to ``total`` that equalise a_i + c_i·b_i.
 
     Returns (b, T): T is the common finish time of the unclipped workers.
-    Requires Σlo ≤ total ≤ Σhi and every c_i > 0.
+    Requires Σlo ≤ total ≤ Σhi, lo ≤ hi and every c_i > 0 (finite).
+
+    Solver: f(T) = Σ clip((T − a_i)/c_i, lo_i, hi_i) is piecewise linear and non-decreasing.
+    At a trial T the unclipped set F is known and the root of f's linear piece through T is
+    ``T + (total − f(T)) / Σ_F 1/c_i`` — exact once F is the final set. Steps that leave the
+    bracket, or a bracket that fails to halve, fall back to bisection, so at most
+    ``iterations`` passes are made; the last residual is spread over the unclipped workers.
     """
-    if lo.sum() > total + 1e-9 or hi.sum() < total - 1e-9:
-        raise ValueError(f"no split of {total} fits the bounds (sum lo={lo.sum()}, hi={hi.sum()})")
-    t_lo = float(np.min(a + c * lo))
-    t_hi = float(np.max(a + c * hi))
-    for _ in range(iterations):
-        t = 0.5 * (t_lo + t_hi)
-        s = np.clip((t - a) / c, lo, hi).sum()
-        if s < total:
+    a = np.asarray(a, dtype=np.float64)
+    c = np.asarray(c, dtype=np.float64)
+    lo = np.asarray(lo, dtype=np.float64)
+    hi = np.asarray(hi, dtype=np.float64)
+    sum_lo = float(lo.sum())
+    sum_hi = float(hi.sum())
+    slack = 1e-9 * max(1.0, abs(total))
+    if sum_lo > total + slack or sum_hi < total - slack:
+        raise ValueError(f"no split of {total} fits the bounds (sum lo={sum_lo}, hi={sum_hi})")
+    if (lo > hi).any():
+        raise ValueError("every lower bound must be at most its upper bound")
+    if not (np.isfinite(c).all() and (c > 0.0).all() and np.isfinite(a).all()):
+        raise ValueError("every c must be positive and finite, every a finite")
+    w = 1.0 / c
+    t_lo = float((a + c * lo).min())
+    t_hi = float((a + c * hi).max())
+    if total <= sum_lo:
+        return lo.copy(), t_lo
+    if total >= sum_hi:
+        return hi.copy(), t_hi
+    # First guess: nobody clipped (exact when no bound binds).
+    t = (total + float(a @ w)) / float(w.sum())
+    width = t_hi - t_lo
+    slow = 0
+    b = lo
+    for _ in range(max(iterations, 1)):
+        if not t_lo < t < t_hi:
+            t = 0.5 * (t_lo + t_hi)
+        x = (t - a) * w
+        b = np.clip(x, lo, hi)
+        err = total - float(b.sum())
+        if abs(err) <= slack:
+            break
+        if err > 0.0:
             t_lo = t
         else:
             t_hi = t
-        if t_hi - t_lo <= 1e-12 * max(t_hi, 1e-12):
+        new_width = t_hi - t_lo
+        if new_width <= 4e-16 * max(abs(t_hi), abs(t_lo)):
             break
-    b = np.clip((t_hi - a) / c, lo, hi)
-    # Put the bisection's residual on the workers that are not clipped.
-    resid = total - b.sum()
-    free = (b > lo) & (b < hi) if resid else np.zeros_like(b, dtype=bool)
-    if resid and free.any():
-        b[free] += resid * (1.0 / c[free]) / (1.0 / c[free]).sum()
-        b = np.clip(b, lo, hi)
-    return b, t_hi
+        # Two passes in a row that fail to halve the bracket: bisect (bounds the work).
+        slow = slow + 1 if new_width > 0.5 * width else 0
+        width = new_width
+        slope = float(w @ ((x > lo) & (x < hi)))
+        if slope > 0.0 and slow < 2:
+            t = t + err / slope  # exact if the clipped set is final; bisected if outside
+        else:
+            t = 0.5 * (t_lo + t_hi)
+            slow = 0
+    b = np.array(b, dtype=np.float64)  # own the buffer (b may alias lo)
+    resid = total - float(b.sum())
+    if resid:
+        free = (b > lo) & (b < hi)
+        if free.any():
+            wf = w[free]
+            step = resid / float(wf.sum())  # a last Newton step on the final free set
+            b[free] += step * wf
+            np.clip(b, lo, hi, out=b)
+            t += step
+    return b, float(t)
 
 
 def round_to_total(x: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Integers in [lo, hi] summing to ``total``, nearest to real ``x`` (largest remainder).
 
-    ``lo``/``hi`` are integer arrays with Σlo ≤ total ≤ Σhi.
+    ``lo``/``hi`` are integer arrays with Σlo ≤ total ≤ Σhi. When Σ clip(x, lo, hi) equals
+    ``total`` every output is within 1 of its (clipped) ``x``.
     """
+    lo = np.asarray(lo, dtype=np.int64)
+    hi = np.asarray(hi, dtype=np.int64)
+    total = int(total)
+    if int(lo.sum()) > total:
+        raise ValueError("total is below the sum of lower bounds")
+    if int(hi.sum()) < total:
+        raise ValueError("total exceeds the sum of upper bounds")
     x = np.clip(np.asarray(x, dtype=np.float64), lo, hi)
-    out = np.floor(x).astype(np.int64)
-    out = np.clip(out, lo, hi)
-    deficit = int(total - out.sum())
+    out = np.clip(np.floor(x).astype(np.int64), lo, hi)
+    deficit = total - int(out.sum())
     while deficit > 0:
-        room = hi - out
-        eligible = int((room > 0).sum())
+        room = out < hi
+        eligible = int(room.sum())
         if eligible == 0:
             raise ValueError("total exceeds the sum of upper bounds")
-        frac = np.where(room > 0, x - out, -np.inf)
         k = min(deficit, eligible)
-        # Largest remainders first; a second pass only if float error left a gap.
-        pick = np.argpartition(-frac, k - 1)[:k]
-        out[pick] += 1
+        if k == eligible:
+            out[room] += 1
+        else:
+            # Largest remainders first; another pass only if float error left a gap.
+            frac = np.where(room, x - out, -np.inf)
+            out[np.argpartition(frac, -k)[-k:]] += 1
         deficit -= k
     while deficit < 0:
-        room = out - lo
-        eligible = int((room > 0).sum())
+        room = out > lo
+        eligible = int(room.sum())
         if eligible == 0:
             raise ValueError("total is below the sum of lower bounds")
-        frac = np.where(room > 0, x - out, np.inf)
         k = min(-deficit, eligible)
-        pick = np.argpartition(frac, k - 1)[:k]
-        out[pick] -= 1
+        if k == eligible:
+            out[room] -= 1
+        else:
+            frac = np.where(room, x - out, np.inf)
+            out[np.argpartition(frac, k - 1)[:k]] -= 1
         deficit += k
     return out

@@ -42,6 +42,9 @@ class SegmentResult(_Frozen):
     indices: list[int] | None = Field(
         default=None, description="Sample indices trained, in order (only when recording)."
     )
+    error: str | None = Field(
+        default=None, description="Why the segment stopped early (a peer failed, a timeout)."
+    )
 
 
 class WorkerEpochStats(_Frozen):

@@ -1,9 +1,11 @@
 """The job specification: one schema for YAML configs, the REST API and the CLI.
 
 Every field is validated here, so bad input is rejected before any Ray work starts,
-with a message that names the field. Invalid *combinations* raise ``ValueError``
-inside validators (pydantic turns them into field-named errors); values that are
-accepted but have no effect produce a ``UserWarning``.
+with a message that names the field. Invalid *combinations* are collected by the
+JobSpec model validator as ``(field path, problem)`` pairs and raised together as one
+``_CombinationError`` (a ``ValueError``), which :func:`format_validation_error` expands to
+one ``field: problem`` line each; values that are accepted but have no effect produce a
+``UserWarning``. ``str(SpecError)`` is always a single line.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 POLICIES = ("static", "dbs", "affine")
+MAX_WORKERS = 4096
 
 IMPORT_PATH_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
@@ -138,6 +141,14 @@ class CheckpointSpec(_Strict):
     every_epochs: int = Field(default=1, ge=1)
 
 
+class _CombinationError(ValueError):
+    """Invalid combinations of fields, each as (dotted field path, problem)."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{loc}: {msg}" for loc, msg in problems))
+
+
 class JobSpec(_Strict):
     """A training job. The same schema is used by YAML configs, ``POST /v1/jobs`` and the CLI."""
 
@@ -184,47 +195,78 @@ class JobSpec(_Strict):
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
     emulation: EmulationSpec = Field(default_factory=EmulationSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    collective_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    collective_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
     worker_wait_timeout_s: float = Field(
-        default=60.0, gt=0.0, le=86400.0,
+        default=60.0,
+        gt=0.0,
+        le=86400.0,
         description="How long to wait for min_workers before failing.",
     )
     record_indices: bool = Field(
         default=False, description="Record the sample indices each worker trained (tests)."
     )
 
-    @field_validator("workers")
+    @field_validator("workers", mode="before")
     @classmethod
-    def _workers(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and not 1 <= v <= 4096:
-            raise ValueError("must be between 1 and 4096, or 'auto'")
-        return v
+    def _workers(cls, v: Any) -> int | str:
+        # One clear message instead of one per member of the int | 'auto' union; a YAML
+        # boolean is not a worker count.
+        problem = f"must be an integer between 1 and {MAX_WORKERS}, or 'auto'"
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int | float | str):
+            raise ValueError(problem)
+        try:
+            f = float(v)
+        except ValueError:
+            raise ValueError(problem) from None
+        if not f.is_integer() or not 1 <= f <= MAX_WORKERS:
+            raise ValueError(problem)
+        return int(f)
 
     @model_validator(mode="after")
     def _combinations(self) -> JobSpec:
+        problems: list[tuple[str, str]] = []
+
+        def bad(field: str, problem: str) -> None:
+            problems.append((field, problem))
+
         n = self.workers if isinstance(self.workers, int) else None
         lo, hi = self.min_workers, self.max_workers
         if lo is not None and hi is not None and lo > hi:
-            raise ValueError(f"min_workers ({lo}) is greater than max_workers ({hi})")
+            bad("min_workers", f"min_workers ({lo}) is greater than max_workers ({hi})")
         if n is not None and lo is not None and n < lo:
-            raise ValueError(f"workers ({n}) is below min_workers ({lo})")
+            bad("workers", f"workers ({n}) is below min_workers ({lo})")
         if n is not None and hi is not None and n > hi:
-            raise ValueError(f"workers ({n}) is above max_workers ({hi})")
+            bad("workers", f"workers ({n}) is above max_workers ({hi})")
         if n is not None and n > self.global_batch:
-            raise ValueError(
+            bad(
+                "global_batch",
                 f"global_batch ({self.global_batch}) is smaller than workers ({n}): "
-                "every worker needs at least one sample per step"
+                "every worker needs at least one sample per step",
             )
         if self.max_batch is not None and n is not None and self.max_batch * n < self.global_batch:
-            raise ValueError(
+            bad(
+                "max_batch",
                 f"max_batch ({self.max_batch}) x workers ({n}) cannot hold global_batch "
-                f"({self.global_batch})"
+                f"({self.global_batch})",
             )
         slow = self.emulation.slowdowns
         if slow and n is not None and len(slow) != n:
-            raise ValueError(
-                f"emulation.slowdowns has {len(slow)} entries but workers is {n}"
+            bad(
+                "emulation.slowdowns",
+                f"emulation.slowdowns has {len(slow)} entries but workers is {n}",
             )
+        for i, d in enumerate(self.emulation.disturbances):
+            if n is not None and d.worker >= n:
+                bad(
+                    f"emulation.disturbances.{i}.worker",
+                    f"worker {d.worker} does not exist: workers is {n} (ranks 0..{n - 1})",
+                )
+        if self.device == "cuda" and self.worker_gpus == 0:
+            bad("worker_gpus", "device 'cuda' needs worker_gpus > 0")
+        if problems:
+            raise _CombinationError(problems)
         for d in self.emulation.disturbances:
             if d.epoch >= self.epochs:
                 warnings.warn(
@@ -233,8 +275,6 @@ class JobSpec(_Strict):
                     UserWarning,
                     stacklevel=2,
                 )
-        if self.device == "cuda" and self.worker_gpus == 0:
-            raise ValueError("device 'cuda' needs worker_gpus > 0")
         return self
 
     # Helpers used by the scheduler -------------------------------------------------------
@@ -252,15 +292,21 @@ class SpecError(ValueError):
     """A job spec that failed validation, as one readable line per problem."""
 
     def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("; ".join(problems))
+        self.problems = [" ".join(p.split()) for p in problems]  # one line each
+        super().__init__("; ".join(self.problems))
 
 
 def format_validation_error(err: ValidationError) -> list[str]:
     """One ``field: problem`` string per error, e.g. ``global_batch: Input should be ...``."""
     out = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "spec"
+        loc = ".".join(str(p) for p in e["loc"])
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, _CombinationError):
+            prefix = f"{loc}." if loc else ""
+            out.extend(f"{prefix}{field}: {problem}" for field, problem in cause.problems)
+            continue
+        loc = loc or "spec"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"

@@ -1,0 +1,200 @@
+"""The FastAPI application: ``create_app(settings, cluster=None, service=None)``.
+
+Nothing happens at import time. ``create_app`` wires the store, the cluster client and the
+JobService (or takes the ones it is given, for tests), a per-app Prometheus registry and the
+middleware; the lifespan connects to Ray, re-attaches live jobs and runs the sync loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.limits import BodyLimitMiddleware
+from api.metrics import JobCollector, RequestMetricsMiddleware, RequestStats
+from api.routes import health, jobs, nodes
+from scheduler.state import InvalidTransition
+from service.jobs import ClusterClient, ClusterError, ClusterUnavailable, JobNotFound, JobService
+from service.settings import Settings
+from service.store import JobStore
+
+log = logging.getLogger("dynabatch.api")
+
+DESCRIPTION = """\
+Submit, watch and cancel heterogeneity-aware elastic data-parallel training jobs on Ray.
+
+When the service runs with `DYNABATCH_API_TOKEN`, job data and every mutation need
+`Authorization: Bearer <token>`. Bad input gets 422 with one message per field.
+"""
+
+BODY_PARSE_ERROR = "There was an error parsing the body"
+_LOC_PREFIXES = ("body", "query", "path", "header", "cookie")
+
+
+def _field_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per problem, naming the field (``rebalance.mode``) and what is wrong.
+
+    A spec's invalid combinations arrive as one model-level error carrying every
+    ``(field, problem)`` pair; they are split into one entry each.
+    """
+    out: list[dict[str, Any]] = []
+    for e in errors:
+        loc: list[str | int] = [p if isinstance(p, int) else str(p) for p in e.get("loc", ())]
+        kind = str(e.get("type", ""))
+        cause = (e.get("ctx") or {}).get("error")
+        problems = getattr(cause, "problems", None)
+        if isinstance(problems, list) and problems and all(
+            isinstance(p, tuple) and len(p) == 2 for p in problems
+        ):
+            for field, problem in problems:
+                out.append({
+                    "loc": [*loc, *str(field).split(".")],
+                    "field": str(field),
+                    "msg": str(problem),
+                    "type": kind,
+                })
+            continue
+        rest = loc[1:] if loc and loc[0] in _LOC_PREFIXES else loc
+        field = ".".join(str(p) for p in rest) or ("spec" if loc[:1] == ["body"] else "request")
+        msg = str(e.get("msg", "invalid"))
+        if kind == "extra_forbidden":
+            msg = "unknown field"
+        elif kind == "json_invalid":
+            loc, field = ["body"], "body"
+            msg = f"not valid JSON ({cause})" if cause else "not valid JSON"
+        elif loc == ["body"] and kind == "missing":
+            msg = "a JSON body is required"
+        elif loc == ["body"] and kind in ("model_attributes_type", "dict_type", "model_type"):
+            msg = "expected a JSON object of job spec fields"
+        msg = msg.removeprefix("Value error, ")
+        out.append({"loc": loc, "field": field, "msg": msg, "type": kind})
+    return out
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        return JSONResponse(
+            {"detail": _field_errors(list(err.errors()))},
+            status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> Response:
+        # FastAPI answers 400 for a body it cannot decode (not UTF-8, say); that is bad
+        # input like any other, so it gets the same 422 shape.
+        if err.status_code == status.HTTP_400_BAD_REQUEST and err.detail == BODY_PARSE_ERROR:
+            problem = {"loc": ["body"], "field": "body", "type": "body_decode",
+                       "msg": "not valid JSON (cannot decode the body)"}
+            return JSONResponse(
+                {"detail": [problem]}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT
+            )
+        return await http_exception_handler(request, err)
+
+    @app.exception_handler(JobNotFound)
+    async def not_found(_: Request, err: JobNotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(err)}, status_code=status.HTTP_404_NOT_FOUND)
+
+    @app.exception_handler(InvalidTransition)
+    async def conflict(_: Request, err: InvalidTransition) -> JSONResponse:
+        return JSONResponse({"detail": str(err)}, status_code=status.HTTP_409_CONFLICT)
+
+    @app.exception_handler(ClusterUnavailable)
+    async def unavailable(_: Request, err: ClusterUnavailable) -> JSONResponse:
+        return JSONResponse(
+            {"detail": f"Ray is not reachable: {err}"},
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        )
+
+    @app.exception_handler(ClusterError)
+    async def cluster_error(_: Request, err: ClusterError) -> JSONResponse:
+        return JSONResponse(
+            {"detail": f"Ray call failed: {err}"}, status_code=status.HTTP_502_BAD_GATEWAY
+        )
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, err: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(
+            {"detail": f"internal error ({type(err).__name__})"},
+            status_code=status.HTTP_500_INTERNAL_SERVER_ERROR,
+        )
+
+
+def build_service(settings: Settings, cluster: ClusterClient | None = None) -> JobService:
+    """The JobService the settings describe: SQLite store and (by default) Ray."""
+    if cluster is None:
+        from service.ray_client import RayClusterClient
+
+        cluster = RayClusterClient(
+            settings.ray_address,
+            num_cpus=settings.ray_num_cpus,
+            call_timeout_s=settings.ray_call_timeout_s,
+        )
+    return JobService(
+        JobStore(settings.db_path),
+        cluster,
+        sync_interval_s=settings.sync_interval_s,
+        metrics_retention_s=settings.metrics_retention_s,
+        release_finished=settings.release_finished,
+    )
+
+
+def create_app(
+    settings: Settings | None = None,
+    cluster: ClusterClient | None = None,
+    service: JobService | None = None,
+) -> FastAPI:
+    settings = settings if settings is not None else Settings()
+    owns_service = service is None
+    svc = service if service is not None else build_service(settings, cluster)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await run_in_threadpool(svc.cluster.connect)
+        await run_in_threadpool(svc.start)
+        try:
+            yield
+        finally:
+            await run_in_threadpool(svc.stop)
+            if owns_service:
+                await run_in_threadpool(svc.cluster.close)
+                svc.store.close()
+
+    app = FastAPI(
+        title="dynabatch",
+        version="0.1.0",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        openapi_tags=[
+            {"name": "jobs", "description": "Training jobs."},
+            {"name": "cluster", "description": "The Ray cluster."},
+            {"name": "health", "description": "Liveness, readiness and metrics."},
+        ],
+    )
+    registry = CollectorRegistry()
+    requests = RequestStats()
+    registry.register(JobCollector(svc, requests))
+    app.state.settings = settings
+    app.state.service = svc
+    app.state.registry = registry
+
+    _install_error_handlers(app)
+    app.include_router(jobs.router)
+    app.include_router(nodes.router)
+    app.include_router(health.health)
+    app.include_router(health.metrics)
+    # The last added is outermost: metrics see every response, 413s included.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetricsMiddleware, stats=requests)
+    return app

@@ -1,0 +1,75 @@
+"""Shared route dependencies: the app's JobService and settings, and the bearer-token check."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Path, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from api.schemas import JOB_ID_EXAMPLE, ErrorResponse
+from service.jobs import JOB_ID_PATTERN, JobService
+from service.settings import Settings
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="Needed when the service runs with DYNABATCH_API_TOKEN set.",
+)
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_service(request: Request) -> JobService:
+    return request.app.state.service
+
+
+def _check(settings: Settings, creds: HTTPAuthorizationCredentials | None) -> None:
+    token = settings.token
+    if token is None:
+        return
+    given = creds.credentials if creds is not None else ""
+    if not secrets.compare_digest(given.encode(), token.encode()):
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            detail="missing or invalid bearer token" if given else "missing bearer token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+ServiceDep = Annotated[JobService, Depends(get_service)]
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def require_token(settings: SettingsDep, creds: Credentials) -> None:
+    """Job data and every mutation need the token, when one is configured."""
+    _check(settings, creds)
+
+
+def require_token_for_health(settings: SettingsDep, creds: Credentials) -> None:
+    if settings.auth_health:
+        _check(settings, creds)
+
+
+def require_token_for_metrics(settings: SettingsDep, creds: Credentials) -> None:
+    if settings.auth_metrics:
+        _check(settings, creds)
+
+
+JobId = Annotated[
+    str,
+    Path(
+        pattern=JOB_ID_PATTERN,
+        description="12 lowercase hex digits, as returned by POST /v1/jobs.",
+        examples=[JOB_ID_EXAMPLE],
+    ),
+]
+
+ERRORS = {
+    401: {"model": ErrorResponse, "description": "Missing or invalid bearer token."},
+    413: {"model": ErrorResponse, "description": "Request body too large."},
+}
+NOT_FOUND = {404: {"model": ErrorResponse, "description": "No job with this id."}}

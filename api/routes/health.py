@@ -1,0 +1,57 @@
+"""Liveness, readiness (Ray reachable) and the Prometheus exposition."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, Response, status
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api.deps import (
+    ERRORS,
+    ServiceDep,
+    SettingsDep,
+    require_token_for_health,
+    require_token_for_metrics,
+)
+from api.schemas import Health, Readiness
+
+health = APIRouter(
+    tags=["health"], dependencies=[Depends(require_token_for_health)], responses=ERRORS
+)
+metrics = APIRouter(
+    tags=["health"], dependencies=[Depends(require_token_for_metrics)], responses=ERRORS
+)
+
+
+@health.get("/healthz", response_model=Health, summary="The API process is up")
+def healthz() -> Health:
+    return Health(status="ok")
+
+
+@health.get(
+    "/readyz",
+    response_model=Readiness,
+    summary="Ray is reachable",
+    responses={503: {"model": Readiness, "description": "Ray is not reachable."}},
+)
+def readyz(service: ServiceDep, settings: SettingsDep) -> Response:
+    cluster = service.cluster
+    ready = service.ready
+    body = Readiness(
+        status="ready" if ready else "unavailable",
+        ray=cluster.address,
+        embedded=cluster.embedded,
+    )
+    code = status.HTTP_200_OK if ready else status.HTTP_503_SERVICE_UNAVAILABLE
+    return JSONResponse(body.model_dump(), status_code=code)
+
+
+@metrics.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
+def prometheus_metrics(request: Request) -> Response:
+    data = generate_latest(request.app.state.registry)
+    return Response(content=data, media_type=CONTENT_TYPE_LATEST)

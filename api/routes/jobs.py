@@ -1,0 +1,140 @@
+"""/v1/jobs: submit, list, inspect, history, logs, cancel. Thin: JobService does the work."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Depends, Query, Response, status
+
+from api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, require_token
+from api.schemas import (
+    CancelRequest,
+    ErrorResponse,
+    JobDetail,
+    JobHistory,
+    JobList,
+    JobLogs,
+    JobSubmitted,
+    JobSummary,
+)
+from scheduler.state import JobState
+from service.spec import JobSpec
+
+router = APIRouter(
+    prefix="/v1/jobs",
+    tags=["jobs"],
+    dependencies=[Depends(require_token)],
+    responses=ERRORS,
+)
+
+_SPEC_EXAMPLES = {
+    "digits": {
+        "summary": "Digits, two workers, one twice as slow",
+        "value": {
+            "name": "digits-hetero",
+            "dataset": {"name": "digits"},
+            "workers": 2,
+            "global_batch": 64,
+            "epochs": 3,
+            "policy": "affine",
+            "emulation": {"slowdowns": [1, 2]},
+        },
+    },
+    "minimal": {"summary": "All defaults", "value": {}},
+}
+
+
+def _spec_warnings(spec: JobSpec) -> list[str]:
+    """Warnings (accepted settings with no effect) that validating this spec raises."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        JobSpec.model_validate(spec.model_dump())
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobSubmitted,
+    summary="Submit a job",
+    responses={503: {"model": ErrorResponse, "description": "Ray is not reachable."}},
+)
+def submit_job(
+    spec: Annotated[JobSpec, Body(openapi_examples=_SPEC_EXAMPLES)],
+    service: ServiceDep,
+    response: Response,
+) -> JobSubmitted:
+    """Start a training job. The body is the same job spec as the CLI's YAML config."""
+    rec = service.submit(spec)
+    response.headers["Location"] = f"/v1/jobs/{rec.id}"
+    return JobSubmitted(
+        job_id=rec.id,
+        name=rec.name,
+        state=rec.state,
+        reason=rec.reason,
+        warnings=_spec_warnings(spec),
+    )
+
+
+@router.get("", response_model=JobList, summary="List jobs, newest first")
+def list_jobs(
+    service: ServiceDep,
+    state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
+    offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+) -> JobList:
+    records, total = service.list(state, offset=offset, limit=limit)
+    return JobList(
+        items=[JobSummary.of(r) for r in records], total=total, offset=offset, limit=limit
+    )
+
+
+@router.get("/{job_id}", response_model=JobDetail, summary="A job's state", responses=NOT_FOUND)
+def get_job(job_id: JobId, service: ServiceDep) -> JobDetail:
+    """State, epoch, step, the latest per-worker allocation and telemetry, loss, accuracy."""
+    return JobDetail.of(service.get(job_id))
+
+
+@router.get(
+    "/{job_id}/history",
+    response_model=JobHistory,
+    summary="Per-epoch records",
+    responses=NOT_FOUND,
+)
+def get_history(
+    job_id: JobId,
+    service: ServiceDep,
+    since: Annotated[int, Query(ge=0, le=2**31 - 1, description="First epoch.")] = 0,
+) -> JobHistory:
+    return JobHistory(job_id=job_id, records=service.history(job_id, since))
+
+
+@router.get("/{job_id}/logs", response_model=JobLogs, summary="Log lines", responses=NOT_FOUND)
+def get_logs(
+    job_id: JobId,
+    service: ServiceDep,
+    since: Annotated[int, Query(ge=0, le=2**62, description="First sequence number.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> JobLogs:
+    lines = service.logs(job_id, since, limit)
+    return JobLogs(job_id=job_id, lines=lines, next_since=lines[-1].seq + 1 if lines else since)
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=JobDetail,
+    summary="Cancel a job",
+    responses={
+        **NOT_FOUND,
+        409: {"model": ErrorResponse, "description": "The job already finished."},
+        503: {"model": ErrorResponse, "description": "Ray is not reachable."},
+    },
+)
+def cancel_job(
+    job_id: JobId,
+    service: ServiceDep,
+    body: Annotated[CancelRequest | None, Body()] = None,
+) -> JobDetail:
+    reason = body.reason if body is not None else CancelRequest().reason
+    return JobDetail.of(service.cancel(job_id, reason))

@@ -1,0 +1,230 @@
+"""Response (and small request) models of the REST API, with OpenAPI examples.
+
+Job data reuses the scheduler's types (``JobSnapshot``, ``EpochRecord``, ``LogLine``) so the
+REST view, the CLI and the metrics read the same fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler.state import JobState
+from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from service.jobs import NodeInfo
+from service.spec import JobSpec
+from service.store import JobRecord
+
+JOB_ID_EXAMPLE = "3f9c1a7b2e04"
+
+_WORKER_EXAMPLE = {
+    "worker": "w0",
+    "node": "10.0.0.5",
+    "rank": 0,
+    "batch": 40,
+    "partition": 898,
+    "throughput": 5210.4,
+    "compute_s_per_step": 0.0077,
+    "wait_s_per_step": 0.0012,
+    "slowdown": 1.0,
+}
+
+_SNAPSHOT_EXAMPLE: dict[str, Any] = {
+    "job_id": JOB_ID_EXAMPLE,
+    "name": "digits-hetero",
+    "state": "RUNNING",
+    "reason": None,
+    "epoch": 2,
+    "step": 11,
+    "steps_per_epoch": 23,
+    "epochs": 5,
+    "generation": 0,
+    "policy": "affine",
+    "emulated": True,
+    "workers": [_WORKER_EXAMPLE, {**_WORKER_EXAMPLE, "worker": "w1", "rank": 1, "batch": 24}],
+    "train_loss": 0.412,
+    "test_accuracy": 0.913,
+    "utilization": 0.87,
+    "compute_balance": 0.95,
+    "rebalances_total": 1,
+    "epochs_completed": 2,
+    "epoch_durations_s": [1.9, 1.4],
+    "worker_events": {},
+    "regroup_seconds_total": 0.0,
+    "retried_samples_total": 0,
+    "started_at": 1767225600.0,
+    "finished_at": None,
+}
+
+
+class ErrorResponse(BaseModel):
+    detail: str = Field(examples=["job '3f9c1a7b2e04' not found"])
+
+
+class FieldError(BaseModel):
+    loc: list[str | int] = Field(description="Where the problem is, e.g. ['body', 'epochs'].")
+    field: str = Field(description="The field, dotted, e.g. 'rebalance.mode'.")
+    msg: str = Field(description="What is wrong with it.")
+    type: str
+
+
+class ValidationErrorResponse(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "example": {
+                "detail": [
+                    {
+                        "loc": ["body", "global_batch"],
+                        "field": "global_batch",
+                        "msg": "Input should be greater than or equal to 1",
+                        "type": "greater_than_equal",
+                    }
+                ]
+            }
+        }
+    )
+
+    detail: list[FieldError]
+
+
+class JobSubmitted(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "example": {
+                "job_id": JOB_ID_EXAMPLE,
+                "name": "digits-hetero",
+                "state": "PENDING",
+                "reason": "waiting for the coordinator to start",
+                "warnings": [],
+            }
+        }
+    )
+
+    job_id: str
+    name: str
+    state: JobState
+    reason: str | None = None
+    warnings: list[str] = Field(
+        default_factory=list, description="Accepted settings that have no effect."
+    )
+
+
+class JobSummary(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "example": {
+                "job_id": JOB_ID_EXAMPLE,
+                "name": "digits-hetero",
+                "state": "RUNNING",
+                "reason": None,
+                "policy": "affine",
+                "epoch": 2,
+                "epochs": 5,
+                "step": 11,
+                "workers": 2,
+                "created_at": 1767225590.0,
+                "updated_at": 1767225612.5,
+                "finished_at": None,
+            }
+        }
+    )
+
+    job_id: str
+    name: str
+    state: JobState
+    reason: str | None = None
+    policy: str
+    epoch: int
+    epochs: int
+    step: int
+    workers: int = Field(description="Workers in the latest allocation.")
+    created_at: float
+    updated_at: float
+    finished_at: float | None = None
+
+    @classmethod
+    def of(cls, rec: JobRecord) -> JobSummary:
+        snap = rec.current_snapshot()
+        return cls(
+            job_id=rec.id,
+            name=rec.name,
+            state=rec.state,
+            reason=rec.reason,
+            policy=rec.spec.policy,
+            epoch=snap.epoch,
+            epochs=snap.epochs or rec.spec.epochs,
+            step=snap.step,
+            workers=len(snap.workers),
+            created_at=rec.created_at,
+            updated_at=rec.updated_at,
+            finished_at=rec.finished_at,
+        )
+
+
+class JobList(BaseModel):
+    items: list[JobSummary]
+    total: int = Field(description="Jobs matching the filter, over all pages.")
+    offset: int
+    limit: int
+
+
+class JobDetail(JobSnapshot):
+    """The job's latest snapshot (per-worker allocation and telemetry) and its spec."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={
+            "example": {
+                **_SNAPSHOT_EXAMPLE,
+                "created_at": 1767225590.0,
+                "updated_at": 1767225612.5,
+                "spec": JobSpec.model_config["json_schema_extra"]["examples"][0],  # type: ignore[index]
+            }
+        },
+    )
+
+    created_at: float
+    updated_at: float
+    spec: JobSpec
+
+    @classmethod
+    def of(cls, rec: JobRecord) -> JobDetail:
+        snap = rec.current_snapshot()
+        return cls(
+            **snap.model_dump(),
+            created_at=rec.created_at,
+            updated_at=rec.updated_at,
+            spec=rec.spec,
+        )
+
+
+class JobHistory(BaseModel):
+    job_id: str
+    records: list[EpochRecord] = Field(description="One record per finished epoch, in order.")
+
+
+class JobLogs(BaseModel):
+    job_id: str
+    lines: list[LogLine]
+    next_since: int = Field(description="Pass as ?since= to get only newer lines.")
+
+
+class CancelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"example": {"reason": "oops"}})
+
+    reason: str = Field(default="cancelled by user", min_length=1, max_length=500)
+
+
+class NodeList(BaseModel):
+    nodes: list[NodeInfo]
+
+
+class Health(BaseModel):
+    status: str = Field(examples=["ok"])
+
+
+class Readiness(BaseModel):
+    status: str = Field(examples=["ready", "unavailable"])
+    ray: str = Field(description="Ray address, or 'local' for the embedded cluster.")
+    embedded: bool

@@ -1,0 +1,44 @@
+"""Launching and finding a job's coordinator actor (``ray.remote`` is applied here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from scheduler.coordinator import Coordinator
+from service.raycluster import NAMESPACE
+from service.spec import JobSpec
+
+# snapshot()/cancel() must be served while run() blocks in another thread.
+MAX_CONCURRENCY = 16
+
+
+def coordinator_name(job_id: str) -> str:
+    return f"dynabatch-job-{job_id}"
+
+
+def launch_coordinator(
+    job_id: str, spec: JobSpec, *, detached: bool, resume: bool = True, start: bool = True
+) -> Any:
+    """Start the job's coordinator (on a node with no CPU to spare is fine: it asks 0)."""
+    options: dict[str, Any] = {
+        "name": coordinator_name(job_id),
+        "namespace": NAMESPACE,
+        "num_cpus": 0,
+        "max_concurrency": MAX_CONCURRENCY,
+        "max_restarts": 0,
+    }
+    if detached:
+        options["lifetime"] = "detached"
+    handle = ray.remote(Coordinator).options(**options).remote(job_id, spec, resume=resume)
+    if start:
+        handle.run.remote()
+    return handle
+
+
+def find_coordinator(job_id: str) -> Any | None:
+    try:
+        return ray.get_actor(coordinator_name(job_id), namespace=NAMESPACE)
+    except ValueError:
+        return None

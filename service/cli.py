@@ -1,0 +1,29 @@
+"""The ``dynabatch`` command line: ``run`` trains a config on Ray; client commands talk to
+the REST service (see :mod:`service.client_cli`)."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="dynabatch",
+    help="Heterogeneity-aware elastic training on Ray.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    from service import client_cli, run_cli
+
+    run_cli.register(app)
+    client_cli.register(app)
+
+
+def main() -> None:
+    _register()
+    app()
+
+
+if __name__ == "__main__":
+    main()

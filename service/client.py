@@ -1,0 +1,184 @@
+"""A Python client for the dynabatch REST API, on httpx.
+
+Connection errors are retried (tenacity) where it is safe: a connect failure never reached
+the server, so any request is retried; read failures are retried for GETs only. Every
+failure surfaces as :class:`ApiError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from api.schemas import (
+    JobDetail,
+    JobHistory,
+    JobList,
+    JobLogs,
+    JobSubmitted,
+    NodeList,
+    Readiness,
+)
+from scheduler.state import JobState
+from service.spec import JobSpec
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+M = TypeVar("M", bound=BaseModel)
+
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+_READ_ERRORS = (httpx.ReadError, httpx.ReadTimeout, httpx.RemoteProtocolError)
+
+
+class ApiError(Exception):
+    """A request that failed: ``status`` is the HTTP status, or None when nothing answered."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class ConnectionFailed(ApiError):
+    pass
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        text = " ".join(response.text.split())[:200]
+        return text or response.reason_phrase or f"HTTP {response.status_code}"
+    detail = body.get("detail") if isinstance(body, dict) else body
+    if isinstance(detail, list):
+        parts = []
+        for item in detail:
+            if isinstance(item, dict):
+                field = item.get("field") or ".".join(str(p) for p in item.get("loc", []))
+                parts.append(f"{field}: {item.get('msg', 'invalid')}")
+            else:
+                parts.append(str(item))
+        return "; ".join(parts)
+    return " ".join(str(detail).split())
+
+
+class DynabatchClient:
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        token: str | None = None,
+        timeout: float = 10.0,
+        retries: int = 4,
+        retry_wait_s: float = 0.25,
+        http: httpx.Client | None = None,
+    ):
+        self.url = url.rstrip("/")
+        self.retries = max(1, retries)
+        self.retry_wait_s = retry_wait_s
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._owns_http = http is None
+        self._http = http if http is not None else httpx.Client(base_url=self.url, timeout=timeout)
+
+    def close(self) -> None:
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> DynabatchClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Plumbing ---------------------------------------------------------------------------
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        retryable = _CONNECT_ERRORS + (_READ_ERRORS if method == "GET" else ())
+        retrying = Retrying(
+            retry=retry_if_exception_type(retryable),
+            stop=stop_after_attempt(self.retries),
+            wait=wait_exponential(multiplier=self.retry_wait_s, max=4.0),
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    return self._http.request(method, path, headers=self._headers, **kwargs)
+        except httpx.TimeoutException as err:
+            raise ConnectionFailed(
+                f"the dynabatch API at {self.url} did not answer in time ({type(err).__name__})"
+            ) from None
+        except httpx.TransportError as err:
+            why = str(err) or type(err).__name__
+            raise ConnectionFailed(f"cannot reach the dynabatch API at {self.url}: {why}") from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _call(self, model: type[M], method: str, path: str, **kwargs: Any) -> M:
+        response = self._send(method, path, **kwargs)
+        if response.status_code >= 400:
+            raise ApiError(_error_message(response), response.status_code)
+        try:
+            return model.model_validate(response.json())
+        except (ValueError, ValidationError) as err:
+            first = str(err).splitlines()[0]
+            raise ApiError(f"unexpected response from {method} {path}: {first}") from None
+
+    # API --------------------------------------------------------------------------------
+    def submit(self, spec: Mapping[str, Any] | JobSpec) -> JobSubmitted:
+        body = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else dict(spec)
+        return self._call(JobSubmitted, "POST", "/v1/jobs", json=body)
+
+    def list(
+        self, state: JobState | str | None = None, *, offset: int = 0, limit: int = 50
+    ) -> JobList:
+        params: dict[str, Any] = {"offset": offset, "limit": limit}
+        if state is not None:
+            params["state"] = JobState(str(state).upper()).value
+        return self._call(JobList, "GET", "/v1/jobs", params=params)
+
+    def get(self, job_id: str) -> JobDetail:
+        return self._call(JobDetail, "GET", f"/v1/jobs/{job_id}")
+
+    def history(self, job_id: str, since: int = 0) -> JobHistory:
+        return self._call(JobHistory, "GET", f"/v1/jobs/{job_id}/history", params={"since": since})
+
+    def logs(self, job_id: str, since: int = 0, limit: int = 1000) -> JobLogs:
+        return self._call(
+            JobLogs, "GET", f"/v1/jobs/{job_id}/logs", params={"since": since, "limit": limit}
+        )
+
+    def cancel(self, job_id: str, reason: str | None = None) -> JobDetail:
+        body = {"reason": reason} if reason else None
+        return self._call(JobDetail, "POST", f"/v1/jobs/{job_id}/cancel", json=body)
+
+    def nodes(self) -> NodeList:
+        return self._call(NodeList, "GET", "/v1/nodes")
+
+    def ready(self) -> Readiness:
+        response = self._send("GET", "/readyz")
+        if response.status_code not in (200, 503):
+            raise ApiError(_error_message(response), response.status_code)
+        return Readiness.model_validate(response.json())
+
+    def metrics(self) -> str:
+        response = self._send("GET", "/metrics")
+        if response.status_code >= 400:
+            raise ApiError(_error_message(response), response.status_code)
+        return response.text
+
+    def wait(
+        self, job_id: str, *, timeout_s: float = 600.0, interval_s: float = 1.0
+    ) -> JobDetail:
+        """Poll until the job is terminal; raises ApiError on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = self.get(job_id)
+            if job.state.is_terminal:
+                return job
+            if time.monotonic() >= deadline:
+                raise ApiError(f"job {job_id} is still {job.state.value} after {timeout_s:.0f}s")
+            time.sleep(interval_s)

@@ -1,0 +1,392 @@
+"""CLI subcommands of the REST service: ``serve`` runs it; the others are clients of it.
+
+``submit CONFIG``, ``list``, ``status ID``, ``watch ID``, ``cancel ID``, ``logs ID`` talk to
+``--url`` (``DYNABATCH_URL``) with ``--token`` (``DYNABATCH_API_TOKEN``). Any failure prints
+one line, ``error: ...``, on stderr and exits 1; never a traceback.
+
+Tests inject a client through the click context: ``runner.invoke(app, args,
+obj={"client_factory": lambda url, token: DynabatchClient(http=test_client)})``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, ParamSpec, TypeVar
+
+import click
+import typer
+import yaml
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from scheduler.state import JobState
+from service.client import DEFAULT_URL, ApiError, DynabatchClient
+from service.jobs import JOB_ID_PATTERN
+from service.spec import SpecError, parse_spec
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+Url = Annotated[
+    str, typer.Option("--url", envvar="DYNABATCH_URL", help="Base URL of the dynabatch API.")
+]
+Token = Annotated[
+    str | None,
+    typer.Option("--token", envvar="DYNABATCH_API_TOKEN", help="Bearer token.", show_default=False),
+]
+JobIdArg = Annotated[str, typer.Argument(help="Job id, as printed by submit.")]
+
+
+def _stderr() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class CliError(Exception):
+    """A problem to report as one line (and exit 1)."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _clean_errors(func: Callable[P, R]) -> Callable[P, R]:
+    """Turn any failure into one ``error: ...`` line and exit status 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return func(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except KeyboardInterrupt:
+            _stderr().print("interrupted")
+            raise typer.Exit(130) from None
+        except (ApiError, SpecError, CliError) as err:
+            _stderr().print(f"error: {_one_line(str(err))}", markup=False)
+        except Exception as err:  # last resort: still one line
+            _stderr().print(f"error: {type(err).__name__}: {_one_line(str(err))}", markup=False)
+        raise typer.Exit(1)
+
+    return wrapper
+
+
+def _check_id(job_id: str) -> str:
+    if not re.fullmatch(JOB_ID_PATTERN, job_id):
+        raise CliError(f"{job_id!r} is not a job id (12 lowercase hex digits, as submit prints)")
+    return job_id
+
+
+def _client(url: str, token: str | None) -> DynabatchClient:
+    ctx = click.get_current_context(silent=True)
+    obj = ctx.find_root().obj if ctx is not None else None
+    factory = obj.get("client_factory") if isinstance(obj, dict) else None
+    if factory is not None:
+        return factory(url, token)
+    return DynabatchClient(url, token=token)
+
+
+def _ts(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return datetime.fromtimestamp(t, tz=UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """The config's mapping, validated locally first so file problems read clearly."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise CliError(f"{path}: cannot read config ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise CliError(f"{path}: not valid YAML ({_one_line(str(err))})") from None
+    if data is None:
+        data = {}
+    try:
+        parse_spec(data)
+    except SpecError as err:
+        raise CliError(f"{path}: {err}") from None
+    return data
+
+
+def _job_table(job: Any) -> Group:
+    state_style = {
+        JobState.SUCCEEDED: "green",
+        JobState.FAILED: "red",
+        JobState.CANCELLED: "yellow",
+    }.get(job.state, "cyan")
+    head = Text.assemble(
+        (f"{job.name} ", "bold"),
+        (f"{job.job_id} ", "dim"),
+        (f"[{job.state.value}]", state_style),
+        f"  epoch {min(job.epoch + 1, job.epochs) if job.epochs else job.epoch}/{job.epochs}"
+        f"  step {job.step}/{job.steps_per_epoch}  policy {job.policy}"
+        f"  generation {job.generation}",
+    )
+    facts = []
+    if job.train_loss is not None:
+        facts.append(f"train loss {job.train_loss:.4f}")
+    if job.test_accuracy is not None:
+        facts.append(f"test accuracy {job.test_accuracy:.4f}")
+    if job.utilization is not None:
+        facts.append(f"utilization {job.utilization:.3f}")
+    facts.append(f"rebalances {job.rebalances_total}")
+    head.append("\n" + "  ".join(facts))
+    if job.reason:
+        head.append(f"\nreason: {job.reason}", style="dim")
+    workers = Table(title="workers", expand=False)
+    for col in ("worker", "node", "batch", "partition", "samples/s", "compute/step",
+                "wait/step"):
+        workers.add_column(col, justify="left" if col in ("worker", "node") else "right")
+    for w in job.workers:
+        workers.add_row(
+            w.worker,
+            w.node[:12],
+            str(w.batch),
+            str(w.partition),
+            f"{w.throughput:,.0f}",
+            f"{w.compute_s_per_step * 1e3:.1f} ms",
+            f"{w.wait_s_per_step * 1e3:.1f} ms",
+        )
+    return Group(head, workers)
+
+
+def serve(
+    host: Annotated[str | None, typer.Option(help="Bind address [DYNABATCH_HOST].")] = None,
+    port: Annotated[int | None, typer.Option(help="Port [DYNABATCH_PORT].")] = None,
+    address: Annotated[
+        str | None,
+        typer.Option(help="Ray cluster address; default: embedded Ray [RAY_ADDRESS]."),
+    ] = None,
+    db: Annotated[str | None, typer.Option(help="SQLite file [DYNABATCH_DB_PATH].")] = None,
+) -> None:
+    """Run the REST API (uvicorn) connected to Ray."""
+    _serve(host=host, port=port, address=address, db=db)
+
+
+@_clean_errors
+def _serve(**overrides: Any) -> None:
+    import logging
+
+    import uvicorn
+    from pydantic import ValidationError
+
+    from api.app import build_service, create_app
+    from service.jobs import ClusterError
+    from service.settings import Settings
+
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if "address" in given:
+        given["ray_address"] = given.pop("address")
+    if "db" in given:
+        given["db_path"] = given.pop("db")
+    try:
+        settings = Settings(**given)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
+        )
+        raise CliError(f"invalid settings: {problems}") from None
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    service = build_service(settings)
+    try:
+        service.cluster.connect()  # fail here, with one line, rather than in the lifespan
+    except ClusterError as err:
+        raise CliError(str(err)) from None
+    app = create_app(settings, service=service)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    finally:
+        service.cluster.close()
+        service.store.close()
+
+
+def submit(
+    config: Annotated[Path, typer.Argument(help="Job config (YAML or JSON).")],
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the response as JSON.")] = False,
+) -> None:
+    """Submit a job config; prints the job id."""
+
+    @_clean_errors
+    def go() -> None:
+        spec = _read_config(config)
+        with _client(url, token) as client:
+            job = client.submit(spec)
+        if as_json:
+            typer.echo(job.model_dump_json())
+            return
+        typer.echo(job.job_id)
+        for w in job.warnings:
+            _stderr().print(f"warning: {_one_line(w)}", markup=False)
+
+    go()
+
+
+def list_jobs(
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    state: Annotated[JobState | None, typer.Option(help="Only jobs in this state.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=500)] = 50,
+    offset: Annotated[int, typer.Option(min=0)] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the response as JSON.")] = False,
+) -> None:
+    """List jobs, newest first."""
+
+    @_clean_errors
+    def go() -> None:
+        with _client(url, token) as client:
+            page = client.list(state, offset=offset, limit=limit)
+        if as_json:
+            typer.echo(page.model_dump_json())
+            return
+        table = Table(title=f"jobs ({page.total})", expand=False)
+        for col in ("id", "name", "state", "epoch", "workers", "created", "reason"):
+            table.add_column(col)
+        for j in page.items:
+            table.add_row(
+                j.job_id,
+                j.name,
+                j.state.value,
+                f"{j.epoch}/{j.epochs}",
+                str(j.workers),
+                _ts(j.created_at),
+                j.reason or "",
+            )
+        Console(soft_wrap=True).print(table)
+
+    go()
+
+
+def status(
+    job_id: JobIdArg,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the response as JSON.")] = False,
+) -> None:
+    """Show a job's state, progress and per-worker allocation."""
+
+    @_clean_errors
+    def go() -> None:
+        _check_id(job_id)
+        with _client(url, token) as client:
+            job = client.get(job_id)
+        if as_json:
+            typer.echo(job.model_dump_json())
+            return
+        Console(soft_wrap=True).print(_job_table(job))
+
+    go()
+
+
+def watch(
+    job_id: JobIdArg,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    interval: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 1.0,
+) -> None:
+    """Live table until the job ends; exit 0 when it SUCCEEDED, 1 otherwise."""
+
+    @_clean_errors
+    def go() -> int:
+        console = Console(soft_wrap=True)
+        _check_id(job_id)
+        with _client(url, token) as client:
+            job = client.get(job_id)
+            with Live(_job_table(job), console=console, auto_refresh=False) as live:
+                while not job.state.is_terminal:
+                    time.sleep(interval)
+                    job = client.get(job_id)
+                    live.update(_job_table(job), refresh=True)
+        line = f"job {job.job_id} {job.state.value}"
+        if job.reason:
+            line += f": {job.reason}"
+        console.print(line, markup=False, highlight=False)
+        return 0 if job.state == JobState.SUCCEEDED else 1
+
+    code = go()
+    if code:
+        raise typer.Exit(code)
+
+
+def cancel(
+    job_id: JobIdArg,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    reason: Annotated[str | None, typer.Option(help="Why (kept with the job).")] = None,
+) -> None:
+    """Cancel a job (409 if it already finished)."""
+
+    @_clean_errors
+    def go() -> None:
+        _check_id(job_id)
+        with _client(url, token) as client:
+            job = client.cancel(job_id, reason)
+        suffix = f": {job.reason}" if job.reason else ""
+        typer.echo(f"job {job.job_id} {job.state.value}{suffix}")
+
+    go()
+
+
+def logs(
+    job_id: JobIdArg,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing new lines.")
+    ] = False,
+    since: Annotated[int, typer.Option(min=0, help="First sequence number.")] = 0,
+    interval: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 1.0,
+) -> None:
+    """Print a job's log lines."""
+
+    @_clean_errors
+    def go() -> None:
+        nonlocal since
+        _check_id(job_id)
+        with _client(url, token) as client:
+            while True:
+                page = client.logs(job_id, since)
+                for line in page.lines:
+                    typer.echo(f"{_ts(line.time)} {line.level:<7} {line.message}")
+                since = page.next_since
+                if not follow:
+                    return
+                if not page.lines and client.get(job_id).state.is_terminal:
+                    return
+                time.sleep(interval)
+
+    go()
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve``, ``submit``, ``list``, ``status``, ``watch``, ``cancel`` and ``logs``."""
+    app.command("serve")(serve)
+    app.command("submit")(submit)
+    app.command("list")(list_jobs)
+    app.command("status")(status)
+    app.command("watch")(watch)
+    app.command("cancel")(cancel)
+    app.command("logs")(logs)
+
+
+def main() -> None:  # pragma: no cover - ``dynabatch`` is service.cli:main
+    app = typer.Typer(pretty_exceptions_enable=False, no_args_is_help=True)
+    register(app)
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

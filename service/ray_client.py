@@ -1,0 +1,217 @@
+"""The real :class:`service.jobs.ClusterClient`: Ray calls, with Ray's errors translated.
+
+Coordinator handles are cached per job; a job without a cached handle (e.g. after an API
+restart) is looked up by its actor name. Ray and the scheduler are imported lazily, so the
+API process pays for them only when it connects.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from typing import Any
+
+from scheduler.state import InvalidTransition, JobState
+from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from service.jobs import ClusterError, ClusterUnavailable, CoordinatorGone, NodeInfo
+from service.spec import JobSpec
+
+log = logging.getLogger("dynabatch.ray")
+
+
+class RayClusterClient:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        num_cpus: int | None = None,
+        call_timeout_s: float = 10.0,
+        ping_timeout_s: float = 3.0,
+    ):
+        self._requested = address
+        self._num_cpus = num_cpus
+        self._timeout = call_timeout_s
+        self._ping_timeout = ping_timeout_s
+        self._address = address or "local"
+        self._handles: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._connected = False
+        self._pinger = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ray-ping")
+
+    @property
+    def embedded(self) -> bool:
+        return self._requested in (None, "", "local")
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def connect(self) -> None:
+        from service.raycluster import connect
+
+        try:
+            info = connect(self._requested, num_cpus=self._num_cpus)
+        except Exception as err:  # ConnectionError, RuntimeError, ... from ray.init
+            raise ClusterUnavailable(f"cannot connect to Ray at {self._address}: {err}") from err
+        self._address = str(info.get("address") or self._address)
+        self._connected = True
+        log.info("connected to Ray at %s (%s)", self._address,
+                 "embedded" if self.embedded else "external")
+
+    def close(self) -> None:
+        self._pinger.shutdown(wait=False, cancel_futures=True)
+        if self._connected:
+            import ray
+
+            self._handles.clear()
+            ray.shutdown()
+            self._connected = False
+
+    def ping(self) -> bool:
+        if not self._connected:
+            return False
+        import ray
+
+        def alive() -> bool:
+            return any(n.get("Alive") for n in ray.nodes())
+
+        try:
+            return bool(self._pinger.submit(alive).result(timeout=self._ping_timeout))
+        except Exception:
+            return False
+
+    # Coordinators -----------------------------------------------------------------------
+    def launch(self, job_id: str, spec: JobSpec) -> None:
+        from scheduler.launch import launch_coordinator
+
+        try:
+            handle = launch_coordinator(job_id, spec, detached=not self.embedded)
+        except Exception as err:
+            raise _translate(err, job_id) from err
+        with self._lock:
+            self._handles[job_id] = handle
+
+    def find(self, job_id: str) -> bool:
+        from scheduler.launch import find_coordinator
+
+        try:
+            handle = find_coordinator(job_id)
+        except Exception as err:
+            raise _translate(err, job_id) from err
+        if handle is None:
+            return False
+        with self._lock:
+            self._handles[job_id] = handle
+        return True
+
+    def _handle(self, job_id: str) -> Any:
+        with self._lock:
+            handle = self._handles.get(job_id)
+        if handle is None and not self.find(job_id):
+            raise CoordinatorGone(f"no coordinator actor for job {job_id}")
+        with self._lock:
+            return self._handles[job_id]
+
+    def _call(self, job_id: str, method: str, *args: Any) -> Any:
+        import ray
+
+        handle = self._handle(job_id)
+        try:
+            return ray.get(getattr(handle, method).remote(*args), timeout=self._timeout)
+        except Exception as err:
+            translated = _translate(err, job_id)
+            if isinstance(translated, CoordinatorGone):
+                with self._lock:
+                    self._handles.pop(job_id, None)
+            raise translated from err
+
+    def snapshot(self, job_id: str) -> JobSnapshot:
+        return JobSnapshot.model_validate(self._call(job_id, "snapshot"))
+
+    def history(self, job_id: str, since: int = 0) -> list[EpochRecord]:
+        return [EpochRecord.model_validate(r) for r in self._call(job_id, "history", since)]
+
+    def logs(self, job_id: str, since: int = 0) -> list[LogLine]:
+        return [LogLine.model_validate(x) for x in self._call(job_id, "logs", since)]
+
+    def cancel(self, job_id: str, reason: str) -> JobSnapshot:
+        return JobSnapshot.model_validate(self._call(job_id, "cancel", reason))
+
+    def release(self, job_id: str) -> None:
+        import ray
+
+        with self._lock:
+            handle = self._handles.pop(job_id, None)
+        if handle is None:
+            return
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception as err:
+            raise ClusterError(f"cannot stop the coordinator of job {job_id}: {err}") from err
+
+    # Nodes ------------------------------------------------------------------------------
+    def nodes(self) -> list[NodeInfo]:
+        import ray
+
+        try:
+            raw = ray.nodes()
+        except Exception as err:
+            raise ClusterUnavailable(f"cannot list Ray nodes: {err}") from err
+        try:
+            from ray._private.state import available_resources_per_node
+
+            free: dict[str, dict[str, float]] | None = available_resources_per_node()
+        except Exception:  # a DeveloperAPI; the view works without it
+            free = None
+        out = []
+        for n in raw:
+            node_id = str(n.get("NodeID", ""))
+            resources = {k: float(v) for k, v in (n.get("Resources") or {}).items()}
+            alive = bool(n.get("Alive"))
+            out.append(
+                NodeInfo(
+                    node_id=node_id,
+                    address=str(n.get("NodeManagerAddress", "")),
+                    hostname=str(n.get("NodeManagerHostname", "")),
+                    alive=alive,
+                    head=any(k.startswith("node:__internal_head__") for k in resources),
+                    resources=resources,
+                    available=(
+                        {k: float(v) for k, v in free.get(node_id, {}).items()}
+                        if free is not None and alive
+                        else None
+                    ),
+                )
+            )
+        return out
+
+
+def _translate(err: BaseException, job_id: str) -> BaseException:
+    """Map Ray's exceptions onto the service's; InvalidTransition passes through."""
+    import ray.exceptions as rex
+
+    if isinstance(err, ClusterError | InvalidTransition):
+        return err
+    if isinstance(err, rex.GetTimeoutError):
+        return ClusterUnavailable(f"the coordinator of job {job_id} did not answer in time")
+    if isinstance(err, rex.ActorUnavailableError):
+        return ClusterUnavailable(f"the coordinator of job {job_id} is unreachable for now")
+    if isinstance(err, rex.RayActorError):
+        return CoordinatorGone(_short(err))
+    if isinstance(err, rex.RayTaskError):
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, InvalidTransition):
+            return InvalidTransition(cause.old, cause.new)
+        text = str(cause if cause is not None else err)
+        if "cannot become" in text:  # an InvalidTransition that did not unpickle
+            return InvalidTransition(JobState.SUCCEEDED, JobState.CANCELLED)
+        return ClusterError(_short(cause if cause is not None else err))
+    if isinstance(err, ConnectionError | rex.RaySystemError):
+        return ClusterUnavailable(_short(err))
+    return ClusterError(_short(err))
+
+
+def _short(err: BaseException) -> str:
+    lines = [x for x in str(err).strip().splitlines() if x.strip()]
+    return (lines[-1] if lines else type(err).__name__)[:300]

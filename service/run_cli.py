@@ -1,0 +1,148 @@
+"""``dynabatch run CONFIG``: train a config on Ray with a live table, then write a report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from scheduler.state import JobState
+from scheduler.telemetry import EpochRecord, JobSnapshot
+from service.spec import JobSpec, SpecError, load_spec
+
+
+def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
+    """The live view: a job line, per-worker allocation and telemetry, recent epochs."""
+    head = Text.assemble(
+        (f"{snap.name} ", "bold"), (f"[{snap.state.value}] ", "cyan"),
+        f"epoch {min(snap.epoch + 1, snap.epochs)}/{snap.epochs}  "
+        f"step {snap.step}/{snap.steps_per_epoch}  policy {snap.policy}  "
+        f"generation {snap.generation}",
+        (" EMULATED heterogeneity" if snap.emulated else "", "yellow"),
+    )
+    if snap.reason:
+        head.append(f"\n{snap.reason}", style="dim")
+    workers = Table(title="workers", expand=False)
+    for col in ("worker", "node", "batch", "partition", "samples/s", "compute/step",
+                "wait/step", "slowdown"):
+        workers.add_column(col, justify="right" if col not in ("worker", "node") else "left")
+    for w in snap.workers:
+        workers.add_row(w.worker, w.node[:10], str(w.batch), str(w.partition),
+                        f"{w.throughput:,.0f}", f"{w.compute_s_per_step * 1e3:.1f} ms",
+                        f"{w.wait_s_per_step * 1e3:.1f} ms", f"{w.slowdown:g}x")
+    epochs = Table(title="epochs", expand=False)
+    for col in ("epoch", "time", "train loss", "test acc", "utilization", "balance",
+                "rebalances"):
+        epochs.add_column(col, justify="right")
+    for r in history[-6:]:
+        epochs.add_row(str(r.epoch), f"{r.wall_s:.2f}s", f"{r.train_loss:.4f}",
+                       "-" if r.test_accuracy is None else f"{r.test_accuracy:.4f}",
+                       f"{r.utilization:.3f}", f"{r.compute_balance:.3f}", str(r.rebalances))
+    return Group(head, workers, epochs)
+
+
+def write_report(path: Path, spec: JobSpec, snap: JobSnapshot,
+                 history: list[EpochRecord]) -> None:
+    report = {
+        "job_id": snap.job_id,
+        "emulated": spec.emulated,
+        "spec": spec.model_dump(mode="json"),
+        "final": snap.model_dump(mode="json"),
+        "history": [r.model_dump(mode="json") for r in history],
+    }
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, path)
+
+
+def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: bool,
+            console: Console) -> JobSnapshot:
+    import ray
+
+    from scheduler.launch import launch_coordinator
+    from service.raycluster import connect
+
+    need = int(spec.worker_cpus * (spec.initial_workers or 1) + 0.999)
+    connect(address, num_cpus=max(os.cpu_count() or 1, need))
+    job_id = uuid.uuid4().hex[:12]
+    handle = launch_coordinator(job_id, spec, detached=False, resume=False)
+    interrupted = {"n": 0}
+
+    def on_sigint(signum, frame):  # noqa: ARG001
+        interrupted["n"] += 1
+        if interrupted["n"] > 1:
+            raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    cancel_sent = False
+    try:
+        with Live(console=console, refresh_per_second=4, transient=False,
+                  auto_refresh=not quiet) as live:
+            while True:
+                snap = ray.get(handle.snapshot.remote())
+                hist = ray.get(handle.history.remote(0))
+                if not quiet:
+                    live.update(render(snap, hist))
+                if snap.state.is_terminal:
+                    break
+                if interrupted["n"] and not cancel_sent:
+                    console.print("[yellow]Ctrl-C: cancelling at the next step boundary "
+                                  "(again to abort)[/]")
+                    ray.get(handle.cancel.remote("cancelled from the command line (Ctrl-C)"))
+                    cancel_sent = True
+                time.sleep(0.5)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if report:
+        write_report(report, spec, snap, hist)
+        console.print(f"report written to {report}")
+    return snap
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("run")
+    def run(
+        config: Annotated[Path, typer.Argument(help="YAML job config (see examples/).")],
+        address: Annotated[str | None, typer.Option(
+            help="Ray cluster address; default: an embedded local Ray.")] = None,
+        report: Annotated[Path | None, typer.Option(
+            help="Write a JSON report here at the end.")] = None,
+        quiet: Annotated[bool, typer.Option(help="No live table.")] = False,
+    ) -> None:
+        """Train CONFIG on Ray, showing a live per-worker table."""
+        console = Console(stderr=False)
+        try:
+            spec = load_spec(config)
+        except SpecError as err:
+            console.print(f"[red]error:[/] {config}: {err}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        try:
+            snap = run_job(spec, address=address, report=report, quiet=quiet, console=console)
+        except KeyboardInterrupt:
+            console.print("[red]aborted[/]")
+            raise typer.Exit(130) from None
+        except ConnectionError as err:
+            console.print(f"[red]error:[/] cannot reach Ray at {address}: {err}")
+            raise typer.Exit(1) from None
+        line = f"{snap.name}: {snap.state.value}"
+        if snap.reason:
+            line += f" ({snap.reason})"
+        if snap.test_accuracy is not None:
+            line += f"; test accuracy {snap.test_accuracy:.4f}"
+        console.print(line, highlight=False)
+        if snap.state == JobState.CANCELLED:
+            raise typer.Exit(130)
+        if snap.state != JobState.SUCCEEDED:
+            raise typer.Exit(1)
+        sys.stdout.flush()

@@ -1,0 +1,331 @@
+"""SQLite persistence for jobs, their per-epoch history and their logs.
+
+One connection guarded by a lock, so the API's request threads and the sync loop can share a
+store. The schema is created on open. Terminal states are final: once a job is SUCCEEDED,
+FAILED or CANCELLED in the store, nothing changes its state again.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from scheduler.state import InvalidTransition, JobState
+from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from service.spec import JobSpec
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT,
+    cluster TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    finished_at REAL,
+    snapshot TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state, created_at);
+CREATE TABLE IF NOT EXISTS history (
+    job_id TEXT NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+    epoch INTEGER NOT NULL,
+    record TEXT NOT NULL,
+    PRIMARY KEY (job_id, epoch)
+);
+CREATE TABLE IF NOT EXISTS logs (
+    job_id TEXT NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    time REAL NOT NULL,
+    level TEXT NOT NULL,
+    message TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq)
+);
+"""
+
+EMBEDDED_CLUSTER = "embedded"
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """A job as stored: what was asked for, where it ran and what was last seen of it."""
+
+    id: str
+    name: str
+    spec: JobSpec
+    state: JobState
+    reason: str | None
+    cluster: str
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+    snapshot: JobSnapshot | None
+
+    def current_snapshot(self) -> JobSnapshot:
+        """The latest snapshot, with the stored state and reason (which win on conflict)."""
+        if self.snapshot is None:
+            return JobSnapshot(
+                job_id=self.id,
+                name=self.name,
+                state=self.state,
+                reason=self.reason,
+                epochs=self.spec.epochs,
+                policy=self.spec.policy,
+                emulated=self.spec.emulated,
+                finished_at=self.finished_at,
+            )
+        if self.snapshot.state == self.state and self.snapshot.reason == self.reason:
+            return self.snapshot
+        update: dict[str, object] = {"state": self.state, "reason": self.reason}
+        if self.state.is_terminal and self.snapshot.finished_at is None:
+            update["finished_at"] = self.finished_at
+        return self.snapshot.model_copy(update=update)
+
+
+def _load_spec(text: str) -> JobSpec:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return JobSpec.model_validate_json(text)
+
+
+def _row_to_record(row: sqlite3.Row) -> JobRecord:
+    snap = row["snapshot"]
+    return JobRecord(
+        id=row["id"],
+        name=row["name"],
+        spec=_load_spec(row["spec"]),
+        state=JobState(row["state"]),
+        reason=row["reason"],
+        cluster=row["cluster"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        finished_at=row["finished_at"],
+        snapshot=JobSnapshot.model_validate_json(snap) if snap else None,
+    )
+
+
+class JobStore:
+    """Jobs, history and logs in one SQLite file (or ``":memory:"``)."""
+
+    def __init__(self, path: str | Path = "dynabatch.db"):
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(
+            self.path, check_same_thread=False, isolation_level=None, timeout=10.0
+        )
+        self._db.row_factory = sqlite3.Row
+        with self._lock:
+            if self.path != ":memory:":
+                self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # Jobs -------------------------------------------------------------------------------
+    def create(
+        self, job_id: str, spec: JobSpec, *, cluster: str, now: float | None = None
+    ) -> JobRecord:
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO jobs (id, name, spec, state, reason, cluster, created_at, "
+                "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    job_id,
+                    spec.name,
+                    spec.model_dump_json(),
+                    JobState.PENDING.value,
+                    "waiting for the coordinator to start",
+                    cluster,
+                    now,
+                    now,
+                ),
+            )
+        record = self.get(job_id)
+        assert record is not None
+        return record
+
+    def get(self, job_id: str) -> JobRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return _row_to_record(row) if row else None
+
+    def list(
+        self, state: JobState | None = None, *, offset: int = 0, limit: int = 50
+    ) -> tuple[list[JobRecord], int]:
+        """Newest first; returns the page and the total number of matching jobs."""
+        where, args = ("WHERE state = ?", (state.value,)) if state else ("", ())
+        with self._lock:
+            total = self._db.execute(f"SELECT COUNT(*) FROM jobs {where}", args).fetchone()[0]
+            rows = self._db.execute(
+                f"SELECT * FROM jobs {where} ORDER BY created_at DESC, id LIMIT ? OFFSET ?",
+                (*args, limit, offset),
+            ).fetchall()
+        return [_row_to_record(r) for r in rows], int(total)
+
+    def live(self) -> list[JobRecord]:
+        """Jobs that are not terminal (PENDING or RUNNING), oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM jobs WHERE state IN (?, ?) ORDER BY created_at, id",
+                (JobState.PENDING.value, JobState.RUNNING.value),
+            ).fetchall()
+        return [_row_to_record(r) for r in rows]
+
+    def finished_since(self, since: float) -> list[JobRecord]:
+        """Terminal jobs that finished at or after ``since``."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM jobs WHERE state NOT IN (?, ?) AND finished_at >= ? "
+                "ORDER BY created_at, id",
+                (JobState.PENDING.value, JobState.RUNNING.value, since),
+            ).fetchall()
+        return [_row_to_record(r) for r in rows]
+
+    def count_by_state(self) -> dict[JobState, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+        counts = dict.fromkeys(JobState, 0)
+        for state, n in rows:
+            counts[JobState(state)] = int(n)
+        return counts
+
+    def save_snapshot(self, snapshot: JobSnapshot, *, now: float | None = None) -> bool:
+        """Store what the coordinator reported. A job already terminal here is left alone.
+
+        The coordinator enforces its own transitions; the service samples them, so any
+        move out of a live state is accepted (PENDING may be seen going straight to
+        SUCCEEDED when the job was quick). Returns whether the row changed.
+        """
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT state, finished_at FROM jobs WHERE id = ?", (snapshot.job_id,)
+            ).fetchone()
+            if row is None or JobState(row["state"]).is_terminal:
+                return False
+            finished = row["finished_at"]
+            if snapshot.state.is_terminal:
+                finished = snapshot.finished_at or now
+            db.execute(
+                "UPDATE jobs SET state = ?, reason = ?, snapshot = ?, updated_at = ?, "
+                "finished_at = ? WHERE id = ?",
+                (
+                    snapshot.state.value,
+                    snapshot.reason,
+                    snapshot.model_dump_json(),
+                    now,
+                    finished,
+                    snapshot.job_id,
+                ),
+            )
+        return True
+
+    def transition(
+        self, job_id: str, new: JobState, reason: str | None, *, now: float | None = None
+    ) -> JobRecord:
+        """A service-initiated state change, checked against the lifecycle.
+
+        Raises ``KeyError`` for an unknown job and ``InvalidTransition`` when the move is
+        not allowed (e.g. cancelling a finished job).
+        """
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT state, finished_at FROM jobs WHERE id = ?", (job_id,)
+            ).fetchone()
+            if row is None:
+                raise KeyError(job_id)
+            old = JobState(row["state"])
+            if not old.can_become(new):
+                raise InvalidTransition(old, new)
+            finished = now if new.is_terminal else row["finished_at"]
+            db.execute(
+                "UPDATE jobs SET state = ?, reason = ?, updated_at = ?, finished_at = ? "
+                "WHERE id = ?",
+                (new.value, reason, now, finished, job_id),
+            )
+        record = self.get(job_id)
+        assert record is not None
+        return record
+
+    # History ----------------------------------------------------------------------------
+    def add_history(self, job_id: str, records: Iterable[EpochRecord]) -> int:
+        rows = [(job_id, r.epoch, r.model_dump_json()) for r in records]
+        if not rows:
+            return 0
+        with self._tx() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO history (job_id, epoch, record) VALUES (?, ?, ?)", rows
+            )
+        return len(rows)
+
+    def history(self, job_id: str, since: int = 0) -> list[EpochRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT record FROM history WHERE job_id = ? AND epoch >= ? ORDER BY epoch",
+                (job_id, since),
+            ).fetchall()
+        return [EpochRecord.model_validate_json(r[0]) for r in rows]
+
+    def last_epoch(self, job_id: str) -> int | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT MAX(epoch) FROM history WHERE job_id = ?", (job_id,)
+            ).fetchone()
+        return None if row[0] is None else int(row[0])
+
+    # Logs -------------------------------------------------------------------------------
+    def add_logs(self, job_id: str, lines: Iterable[LogLine]) -> int:
+        rows = [(job_id, x.seq, x.time, x.level, x.message) for x in lines]
+        if not rows:
+            return 0
+        with self._tx() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO logs (job_id, seq, time, level, message) "
+                "VALUES (?, ?, ?, ?, ?)",
+                rows,
+            )
+        return len(rows)
+
+    def logs(self, job_id: str, since: int = 0, limit: int = 1000) -> list[LogLine]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT seq, time, level, message FROM logs WHERE job_id = ? AND seq >= ? "
+                "ORDER BY seq LIMIT ?",
+                (job_id, since, limit),
+            ).fetchall()
+        return [
+            LogLine(seq=r["seq"], time=r["time"], level=r["level"], message=r["message"])
+            for r in rows
+        ]
+
+    def last_log_seq(self, job_id: str) -> int | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT MAX(seq) FROM logs WHERE job_id = ?", (job_id,)
+            ).fetchone()
+        return None if row[0] is None else int(row[0])

@@ -1,0 +1,302 @@
+"""An in-memory :class:`service.jobs.ClusterClient` for route and service tests.
+
+Each job gets a :class:`FakeCoordinator` whose snapshot advances one step per ``snapshot()``
+call (when ``auto_advance``), through PENDING, RUNNING and SUCCEEDED, producing epoch
+records and log lines as a real coordinator would. Coordinators live in the FakeCluster,
+not in a JobService, so a second service on the same cluster re-attaches them the way an
+API restart finds detached actors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from scheduler.state import InvalidTransition, JobState
+from scheduler.telemetry import (
+    EpochRecord,
+    JobSnapshot,
+    LogLine,
+    WorkerEpochStats,
+    WorkerStatus,
+)
+from service.jobs import ClusterUnavailable, CoordinatorGone, NodeInfo
+from service.spec import JobSpec
+
+NODE_IDS = ("a" * 56, "b" * 56)
+
+
+class FakeCoordinator:
+    def __init__(
+        self,
+        job_id: str,
+        spec: JobSpec,
+        *,
+        steps_per_epoch: int = 3,
+        nodes: tuple[str, ...] = NODE_IDS,
+        hold: str | None = None,
+    ):
+        self.job_id = job_id
+        self.spec = spec
+        self.steps_per_epoch = steps_per_epoch
+        self.nodes = nodes
+        self.hold = hold  # stays PENDING with this reason while set
+        self.state = JobState.PENDING
+        self.reason: str | None = "starting workers"
+        self.epoch = 0
+        self.step = 0
+        self.history: list[EpochRecord] = []
+        self.lines: list[LogLine] = []
+        self.rebalances = 0
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self.workers: list[WorkerStatus] = []
+        self._lock = threading.Lock()
+        self._log("INFO", "coordinator started")
+
+    @property
+    def n_workers(self) -> int:
+        return self.spec.workers if isinstance(self.spec.workers, int) else len(self.nodes)
+
+    def _log(self, level: str, message: str) -> None:
+        self.lines.append(LogLine(seq=len(self.lines), time=time.time(), level=level,
+                                  message=message))
+
+    def _allocate(self) -> None:
+        """Equal shares, then each rebalance moves one sample from the last worker to the
+        first (as long as the last keeps one)."""
+        n = self.n_workers
+        base, extra = divmod(self.spec.global_batch, n)
+        batches = [base + (1 if i < extra else 0) for i in range(n)]
+        if n > 1:
+            shift = min(self.rebalances, batches[-1] - 1)
+            batches[0] += shift
+            batches[-1] -= shift
+        self.workers = [
+            WorkerStatus(
+                worker=f"w{i}",
+                node=self.nodes[i % len(self.nodes)],
+                rank=i,
+                batch=b,
+                partition=b * self.steps_per_epoch,
+                throughput=1000.0 * (i + 1),
+                compute_s_per_step=0.01 * (i + 1),
+                wait_s_per_step=0.002,
+            )
+            for i, b in enumerate(batches)
+        ]
+
+    def advance(self) -> None:
+        with self._lock:
+            if self.state.is_terminal:
+                return
+            if self.state == JobState.PENDING:
+                if self.hold:
+                    self.reason = self.hold
+                    return
+                self.state, self.reason = JobState.RUNNING, None
+                self.started_at = time.time()
+                self._allocate()
+                self._log("INFO", "state RUNNING")
+                return
+            self.step += 1
+            if self.step < self.steps_per_epoch:
+                return
+            self._end_epoch()
+
+    def _end_epoch(self) -> None:
+        n = self.n_workers
+        self.history.append(
+            EpochRecord(
+                epoch=self.epoch,
+                wall_s=0.5 + 0.1 * self.epoch,
+                steps=self.steps_per_epoch,
+                dataset_size=self.spec.global_batch * self.steps_per_epoch,
+                samples_trained=self.spec.global_batch * self.steps_per_epoch,
+                train_loss=1.0 / (self.epoch + 1),
+                test_loss=1.1 / (self.epoch + 1),
+                test_accuracy=min(0.99, 0.5 + 0.1 * self.epoch),
+                utilization=0.8,
+                compute_balance=0.9,
+                rebalances=1,
+                policy=self.spec.policy,
+                emulated=self.spec.emulated,
+                workers=[
+                    WorkerEpochStats(
+                        worker=w.worker, node=w.node, batch=w.batch, partition=w.partition,
+                        steps=self.steps_per_epoch, compute_s=0.1, wait_s=0.01,
+                        throughput=w.throughput,
+                    )
+                    for w in self.workers[:n]
+                ],
+            )
+        )
+        self.rebalances += 1
+        self._allocate()
+        self._log("INFO", f"epoch {self.epoch} done")
+        self.epoch += 1
+        self.step = 0
+        if self.epoch >= self.spec.epochs:
+            self.epoch = self.spec.epochs - 1
+            self.step = self.steps_per_epoch
+            self._finish(JobState.SUCCEEDED, None)
+
+    def _finish(self, state: JobState, reason: str | None) -> None:
+        self.state, self.reason = state, reason
+        self.finished_at = time.time()
+        self._log("INFO", f"state {state.value}" + (f": {reason}" if reason else ""))
+
+    def snapshot(self) -> JobSnapshot:
+        with self._lock:
+            last = self.history[-1] if self.history else None
+            return JobSnapshot(
+                job_id=self.job_id,
+                name=self.spec.name,
+                state=self.state,
+                reason=self.reason,
+                epoch=self.epoch,
+                step=self.step,
+                steps_per_epoch=self.steps_per_epoch,
+                epochs=self.spec.epochs,
+                generation=1 if self.workers else 0,
+                policy=self.spec.policy,
+                emulated=self.spec.emulated,
+                workers=list(self.workers),
+                train_loss=last.train_loss if last else None,
+                test_accuracy=last.test_accuracy if last else None,
+                utilization=last.utilization if last else None,
+                compute_balance=last.compute_balance if last else None,
+                rebalances_total=self.rebalances,
+                epochs_completed=len(self.history),
+                epoch_durations_s=[r.wall_s for r in self.history],
+                worker_events={"join:node available": len(self.workers)} if self.workers else {},
+                regroup_seconds_total=0.01 if self.workers else 0.0,
+                started_at=self.started_at,
+                finished_at=self.finished_at,
+            )
+
+    def cancel(self, reason: str) -> JobSnapshot:
+        with self._lock:
+            if self.state.is_terminal:
+                raise InvalidTransition(self.state, JobState.CANCELLED)
+            self._finish(JobState.CANCELLED, reason)
+        return self.snapshot()
+
+
+class FakeCluster:
+    """Implements ``ClusterClient``. Knobs: ``embedded``, ``auto_advance``, ``hold``,
+    ``launch_error``, ``unavailable``; ``kill(job_id)`` makes a coordinator die."""
+
+    def __init__(
+        self,
+        *,
+        embedded: bool = False,
+        auto_advance: bool = True,
+        steps_per_epoch: int = 3,
+        hold: str | None = None,
+        nodes: tuple[str, ...] = NODE_IDS,
+    ):
+        self._embedded = embedded
+        self.auto_advance = auto_advance
+        self.steps_per_epoch = steps_per_epoch
+        self.hold = hold
+        self.node_ids = nodes
+        self.coordinators: dict[str, FakeCoordinator] = {}
+        self.launch_error: Exception | None = None
+        self.unavailable = False
+        self.connected = False
+        self.released: list[str] = []
+        self.found: list[str] = []
+        self.calls: list[tuple[str, str]] = []
+
+    # ClusterClient ----------------------------------------------------------------------
+    @property
+    def embedded(self) -> bool:
+        return self._embedded
+
+    @property
+    def address(self) -> str:
+        return "local" if self._embedded else "127.0.0.1:6379"
+
+    def connect(self) -> None:
+        self.connected = True
+
+    def close(self) -> None:
+        self.connected = False
+
+    def ping(self) -> bool:
+        return self.connected and not self.unavailable
+
+    def _check(self, op: str, job_id: str = "") -> None:
+        self.calls.append((op, job_id))
+        if self.unavailable:
+            raise ClusterUnavailable("fake Ray is down")
+
+    def _coordinator(self, job_id: str) -> FakeCoordinator:
+        c = self.coordinators.get(job_id)
+        if c is None:
+            raise CoordinatorGone(f"The actor died: dynabatch-job-{job_id}")
+        return c
+
+    def launch(self, job_id: str, spec: JobSpec) -> None:
+        self._check("launch", job_id)
+        if self.launch_error is not None:
+            raise self.launch_error
+        self.coordinators[job_id] = FakeCoordinator(
+            job_id, spec, steps_per_epoch=self.steps_per_epoch, nodes=self.node_ids,
+            hold=self.hold,
+        )
+
+    def find(self, job_id: str) -> bool:
+        self._check("find", job_id)
+        if job_id in self.coordinators:
+            self.found.append(job_id)
+            return True
+        return False
+
+    def snapshot(self, job_id: str) -> JobSnapshot:
+        self._check("snapshot", job_id)
+        c = self._coordinator(job_id)
+        if self.auto_advance:
+            c.advance()
+        return c.snapshot()
+
+    def history(self, job_id: str, since: int = 0) -> list[EpochRecord]:
+        self._check("history", job_id)
+        return [r for r in self._coordinator(job_id).history if r.epoch >= since]
+
+    def logs(self, job_id: str, since: int = 0) -> list[LogLine]:
+        self._check("logs", job_id)
+        return [x for x in self._coordinator(job_id).lines if x.seq >= since]
+
+    def cancel(self, job_id: str, reason: str) -> JobSnapshot:
+        self._check("cancel", job_id)
+        return self._coordinator(job_id).cancel(reason)
+
+    def release(self, job_id: str) -> None:
+        self._check("release", job_id)
+        self.released.append(job_id)
+        self.coordinators.pop(job_id, None)
+
+    def nodes(self) -> list[NodeInfo]:
+        self._check("nodes")
+        return [
+            NodeInfo(
+                node_id=n,
+                address=f"10.0.0.{i + 1}",
+                hostname=f"node{i}",
+                head=i == 0,
+                resources={"CPU": 2.0, "memory": 2.0**31},
+                available={"CPU": 1.0},
+            )
+            for i, n in enumerate(self.node_ids)
+        ]
+
+    # Test controls ----------------------------------------------------------------------
+    def kill(self, job_id: str) -> None:
+        """The coordinator actor dies (node lost, OOM...)."""
+        self.coordinators.pop(job_id, None)
+
+    def advance(self, job_id: str, steps: int = 1) -> None:
+        for _ in range(steps):
+            self.coordinators[job_id].advance()

@@ -1,0 +1,256 @@
+"""The httpx client and the CLI subcommands, against the app with a fake cluster."""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import typer
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from api.app import create_app
+from service import client_cli
+from service.client import ApiError, ConnectionFailed, DynabatchClient
+from service.settings import Settings
+from tests.fakes import FakeCluster
+
+CONFIG = """\
+name: cli-job
+dataset: {name: digits}
+workers: 2
+global_batch: 64
+epochs: 2
+"""
+
+
+@pytest.fixture
+def cli() -> typer.Typer:
+    app = typer.Typer(pretty_exceptions_enable=False)
+    client_cli.register(app)
+    return app
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
+    clients: list[TestClient] = []
+
+    def start(**settings: Any) -> TestClient:
+        options = {"db_path": str(tmp_path / "cli.db"), "sync_interval_s": 0.01, **settings}
+        client = TestClient(create_app(Settings(**options), cluster=FakeCluster()))
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield start
+    for c in clients:
+        c.__exit__(None, None, None)
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    p = tmp_path / "job.yaml"
+    p.write_text(CONFIG)
+    return p
+
+
+def _invoke(cli: typer.Typer, http: TestClient | None, *args: str) -> Any:
+    factory = None
+    if http is not None:
+        def factory(url: str, token: str | None) -> DynabatchClient:
+            return DynabatchClient(url, token=token, http=http)
+
+    result = CliRunner().invoke(cli, list(args), obj={"client_factory": factory})
+    assert "Traceback" not in result.output, result.output
+    return result
+
+
+def _one_error_line(result: Any) -> str:
+    assert result.exit_code == 1, result.output
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The client ---------------------------------------------------------------------------
+def test_client_roundtrip(server: Callable[..., TestClient]) -> None:
+    http = server()
+    client = DynabatchClient(http=http)
+    job = client.submit({"name": "py", "epochs": 1})
+    assert job.state.value == "PENDING"
+    done = client.wait(job.job_id, timeout_s=10, interval_s=0.02)
+    assert done.state.value == "SUCCEEDED" and done.spec.name == "py"
+    assert [r.epoch for r in client.history(job.job_id).records] == [0]
+    assert client.logs(job.job_id).lines
+    assert client.list(state="succeeded").total == 1
+    assert client.nodes().nodes
+    assert client.ready().status == "ready"
+    assert "dynabatch_jobs" in client.metrics()
+    with pytest.raises(ApiError) as err:
+        client.cancel(job.job_id)
+    assert err.value.status == 409
+
+
+def test_client_retries_connection_errors() -> None:
+    calls = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        if calls["n"] < 3:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json={"items": [], "total": 0, "offset": 0, "limit": 50})
+
+    http = httpx.Client(base_url="http://api", transport=httpx.MockTransport(handler))
+    client = DynabatchClient(http=http, retries=3, retry_wait_s=0.001)
+    assert client.list().total == 0
+    assert calls["n"] == 3
+
+
+def test_client_gives_up_with_one_clear_error() -> None:
+    port = _free_port()
+    client = DynabatchClient(f"http://127.0.0.1:{port}", retries=2, retry_wait_s=0.001)
+    with pytest.raises(ConnectionFailed, match=f"cannot reach the dynabatch API at .*:{port}"):
+        client.list()
+    client.close()
+
+
+def test_client_does_not_retry_a_post_that_may_have_arrived() -> None:
+    calls = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        raise httpx.ReadError("connection reset", request=request)
+
+    http = httpx.Client(base_url="http://api", transport=httpx.MockTransport(handler))
+    client = DynabatchClient(http=http, retries=4, retry_wait_s=0.001)
+    with pytest.raises(ConnectionFailed):
+        client.submit({"name": "x"})
+    assert calls["n"] == 1
+    with pytest.raises(ConnectionFailed):
+        client.list()
+    assert calls["n"] == 5
+
+
+# The CLI ------------------------------------------------------------------------------
+def test_submit_prints_the_id(cli: typer.Typer, server: Callable[..., TestClient],
+                              config: Path) -> None:
+    http = server()
+    result = _invoke(cli, http, "submit", str(config))
+    assert result.exit_code == 0, result.output
+    assert re.fullmatch(r"[0-9a-f]{12}", result.stdout.strip())
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("name: [unclosed", "not valid YAML"),
+        ("global_batch: 0\n", "global_batch: Input should be greater than or equal to 1"),
+        ("workers: 4\nglobal_batch: 2\n", "global_batch: global_batch (2) is smaller"),
+        ("- a list\n", "expected a mapping"),
+    ],
+)
+def test_submit_bad_config_is_one_line(
+    cli: typer.Typer, server: Callable[..., TestClient], tmp_path: Path, text: str, needle: str
+) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    line = _one_error_line(_invoke(cli, server(), "submit", str(p)))
+    assert needle in line and str(p) in line
+
+
+def test_submit_missing_file(cli: typer.Typer, server: Callable[..., TestClient]) -> None:
+    line = _one_error_line(_invoke(cli, server(), "submit", "/nonexistent/job.yaml"))
+    assert "cannot read config" in line
+
+
+def test_list_status_logs(cli: typer.Typer, server: Callable[..., TestClient],
+                          config: Path) -> None:
+    http = server()
+    job = _invoke(cli, http, "submit", str(config)).stdout.strip()
+    DynabatchClient(http=http).wait(job, timeout_s=10, interval_s=0.02)
+    result = _invoke(cli, http, "list")
+    assert result.exit_code == 0 and job in result.stdout and "SUCCEEDED" in result.stdout
+    result = _invoke(cli, http, "list", "--state", "RUNNING", "--json")
+    assert result.exit_code == 0 and '"total":0' in result.stdout
+    result = _invoke(cli, http, "status", job)
+    assert result.exit_code == 0
+    assert "SUCCEEDED" in result.stdout and "w0" in result.stdout and "w1" in result.stdout
+    result = _invoke(cli, http, "status", job, "--json")
+    assert f'"job_id":"{job}"' in result.stdout
+    result = _invoke(cli, http, "logs", job)
+    assert result.exit_code == 0 and "state SUCCEEDED" in result.stdout
+    result = _invoke(cli, http, "logs", job, "--follow", "--interval", "0.05")
+    assert result.exit_code == 0 and "state SUCCEEDED" in result.stdout
+
+
+def test_watch_until_succeeded(cli: typer.Typer, server: Callable[..., TestClient],
+                               config: Path) -> None:
+    http = server(sync_interval_s=0.05)
+    job = _invoke(cli, http, "submit", str(config)).stdout.strip()
+    result = _invoke(cli, http, "watch", job, "--interval", "0.05")
+    assert result.exit_code == 0, result.output
+    assert f"job {job} SUCCEEDED" in result.stdout
+    assert "w0" in result.stdout  # the live table showed the workers
+
+
+def test_cancel_then_conflict(cli: typer.Typer, server: Callable[..., TestClient],
+                              config: Path) -> None:
+    http = server(sync_interval_s=0)  # the job stays put
+    job = _invoke(cli, http, "submit", str(config)).stdout.strip()
+    result = _invoke(cli, http, "cancel", job, "--reason", "not needed")
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"job {job} CANCELLED: not needed"
+    line = _one_error_line(_invoke(cli, http, "cancel", job))
+    assert line == "error: job is CANCELLED; it cannot become CANCELLED"
+    result = _invoke(cli, http, "watch", job)
+    assert result.exit_code == 1 and "CANCELLED" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["status", "watch", "cancel", "logs"])
+def test_unknown_and_malformed_ids(cli: typer.Typer, server: Callable[..., TestClient],
+                                   command: str) -> None:
+    http = server()
+    line = _one_error_line(_invoke(cli, http, command, "0" * 12))
+    assert line == f"error: job '{'0' * 12}' not found"
+    line = _one_error_line(_invoke(cli, http, command, "nope"))
+    assert "'nope' is not a job id" in line
+
+
+def test_token(cli: typer.Typer, server: Callable[..., TestClient], config: Path) -> None:
+    http = server(api_token="s3cret")
+    line = _one_error_line(_invoke(cli, http, "list"))
+    assert line == "error: missing bearer token"
+    line = _one_error_line(_invoke(cli, http, "list", "--token", "wrong"))
+    assert "invalid bearer token" in line
+    result = _invoke(cli, http, "submit", str(config), "--token", "s3cret")
+    assert result.exit_code == 0
+
+
+def test_unreachable_api_is_one_line(cli: typer.Typer, monkeypatch: pytest.MonkeyPatch) -> None:
+    port = _free_port()
+    result = CliRunner().invoke(
+        cli,
+        ["list", "--url", f"http://127.0.0.1:{port}"],
+        obj={"client_factory": lambda url, token: DynabatchClient(url, retry_wait_s=0.001)},
+    )
+    line = _one_error_line(result)
+    assert f"cannot reach the dynabatch API at http://127.0.0.1:{port}" in line
+
+
+def test_serve_rejects_bad_settings_in_one_line(cli: typer.Typer) -> None:
+    result = CliRunner().invoke(cli, ["serve", "--port", "99999"])
+    assert "Traceback" not in result.output
+    line = _one_error_line(result)
+    assert "port" in line

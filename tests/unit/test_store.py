@@ -1,0 +1,147 @@
+"""SQLite job store: schema, queries, the lifecycle rules it enforces, persistence."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from scheduler.state import InvalidTransition, JobState
+from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from service.spec import JobSpec
+from service.store import EMBEDDED_CLUSTER, JobStore
+
+
+def _spec(name: str = "job", **kw: object) -> JobSpec:
+    return JobSpec.model_validate({"name": name, **kw})
+
+
+def _record(epoch: int) -> EpochRecord:
+    return EpochRecord(
+        epoch=epoch, wall_s=1.0, steps=3, dataset_size=100, samples_trained=100,
+        train_loss=0.5, utilization=0.8, compute_balance=0.9, policy="affine", workers=[],
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> JobStore:
+    s = JobStore(tmp_path / "sub" / "jobs.db")
+    yield s
+    s.close()
+
+
+def test_create_and_get(store: JobStore) -> None:
+    rec = store.create("a" * 12, _spec("first", epochs=7), cluster="127.0.0.1:6379", now=10.0)
+    assert rec.state == JobState.PENDING
+    assert rec.reason
+    assert rec.spec.epochs == 7
+    assert rec.created_at == rec.updated_at == 10.0
+    snap = rec.current_snapshot()
+    assert (snap.job_id, snap.name, snap.state, snap.epochs) == ("a" * 12, "first",
+                                                                 JobState.PENDING, 7)
+    assert store.get("b" * 12) is None
+
+
+def test_list_filters_and_paginates_newest_first(store: JobStore) -> None:
+    for i in range(5):
+        store.create(f"{i:012x}", _spec(f"j{i}"), cluster="x", now=float(i))
+    store.transition(f"{1:012x}", JobState.CANCELLED, "bye", now=9.0)
+    page, total = store.list(offset=0, limit=2)
+    assert total == 5
+    assert [r.name for r in page] == ["j4", "j3"]
+    page, total = store.list(offset=4, limit=2)
+    assert [r.name for r in page] == ["j0"]
+    page, total = store.list(JobState.CANCELLED)
+    assert total == 1 and page[0].reason == "bye" and page[0].finished_at == 9.0
+    assert {r.name for r in store.live()} == {"j0", "j2", "j3", "j4"}
+    assert store.count_by_state()[JobState.PENDING] == 4
+    assert [r.name for r in store.finished_since(9.0)] == ["j1"]
+    assert store.finished_since(9.5) == []
+
+
+def test_transitions_are_enforced(store: JobStore) -> None:
+    store.create("a" * 12, _spec(), cluster="x")
+    store.transition("a" * 12, JobState.RUNNING, None)
+    store.transition("a" * 12, JobState.SUCCEEDED, None)
+    with pytest.raises(InvalidTransition, match="SUCCEEDED; it cannot become CANCELLED"):
+        store.transition("a" * 12, JobState.CANCELLED, "late")
+    with pytest.raises(KeyError):
+        store.transition("f" * 12, JobState.CANCELLED, "unknown")
+
+
+def test_snapshots_never_move_a_terminal_job(store: JobStore) -> None:
+    store.create("a" * 12, _spec(), cluster="x")
+    running = JobSnapshot(job_id="a" * 12, name="job", state=JobState.RUNNING, epoch=1, step=2)
+    assert store.save_snapshot(running)
+    rec = store.get("a" * 12)
+    assert rec.state == JobState.RUNNING and rec.current_snapshot().step == 2
+    # A quick job may be seen going from PENDING straight to SUCCEEDED: accepted.
+    store.create("b" * 12, _spec(), cluster="x")
+    done = JobSnapshot(job_id="b" * 12, name="job", state=JobState.SUCCEEDED, finished_at=5.0)
+    assert store.save_snapshot(done)
+    assert store.get("b" * 12).finished_at == 5.0
+    # Once FAILED here (coordinator died), a stale snapshot does not resurrect it.
+    store.transition("a" * 12, JobState.FAILED, "the coordinator died")
+    assert not store.save_snapshot(running)
+    rec = store.get("a" * 12)
+    assert rec.state == JobState.FAILED
+    snap = rec.current_snapshot()
+    assert snap.state == JobState.FAILED and snap.reason == "the coordinator died"
+    assert snap.step == 2  # the last telemetry is kept
+
+
+def test_history_and_logs(store: JobStore) -> None:
+    store.create("a" * 12, _spec(), cluster="x")
+    assert store.last_epoch("a" * 12) is None and store.last_log_seq("a" * 12) is None
+    store.add_history("a" * 12, [_record(0), _record(1)])
+    store.add_history("a" * 12, [_record(1), _record(2)])  # re-delivery is idempotent
+    assert [r.epoch for r in store.history("a" * 12)] == [0, 1, 2]
+    assert [r.epoch for r in store.history("a" * 12, since=2)] == [2]
+    assert store.last_epoch("a" * 12) == 2
+    lines = [LogLine(seq=i, time=float(i), level="INFO", message=f"m{i}") for i in range(5)]
+    store.add_logs("a" * 12, lines)
+    assert [x.message for x in store.logs("a" * 12, since=3)] == ["m3", "m4"]
+    assert [x.seq for x in store.logs("a" * 12, limit=2)] == [0, 1]
+    assert store.last_log_seq("a" * 12) == 4
+
+
+def test_persists_across_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    s = JobStore(path)
+    s.create("a" * 12, _spec("kept", epochs=2), cluster=EMBEDDED_CLUSTER)
+    s.add_history("a" * 12, [_record(0)])
+    s.transition("a" * 12, JobState.CANCELLED, "stop")
+    s.close()
+    s = JobStore(path)
+    rec = s.get("a" * 12)
+    assert rec is not None
+    assert (rec.name, rec.state, rec.reason, rec.cluster) == (
+        "kept", JobState.CANCELLED, "stop", EMBEDDED_CLUSTER
+    )
+    assert [r.epoch for r in s.history("a" * 12)] == [0]
+    s.close()
+
+
+def test_memory_store_and_threads() -> None:
+    s = JobStore(":memory:")
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for i in range(20):
+                jid = f"{k:02x}{i:010x}"
+                s.create(jid, _spec(), cluster="x")
+                s.add_logs(jid, [LogLine(seq=0, time=0.0, level="INFO", message="x")])
+                s.list(limit=5)
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert s.list()[1] == 80
+    s.close()

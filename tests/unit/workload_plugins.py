@@ -1,0 +1,66 @@
+"""User workload plugins for the unit tests, named by import path like real user code.
+
+Each function stands for one kind of user loader or model builder, good or broken.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from service.workloads.datasets import DatasetArrays
+
+NOT_CALLABLE = 42
+
+
+def arrays_loader(n: int = 40, classes: int = 3, features: int = 5) -> DatasetArrays:
+    rng = np.random.default_rng(0)
+    y = np.arange(n) % classes
+    x = rng.standard_normal((n, features)) + y[:, None]
+    return DatasetArrays("plugin", x[: n // 2], y[: n // 2], x[n // 2 :], y[n // 2 :], classes)
+
+
+def tuple_loader(n: int = 30) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    # float64 features and int32 labels: the service must convert them.
+    x = np.linspace(0.0, 1.0, n * 4).reshape(n, 2, 2)
+    y = (np.arange(n) % 4).astype(np.int32)
+    return x[:20], y[:20], x[20:], y[20:]
+
+
+def dict_loader() -> dict[str, Any]:
+    return {"x": [1, 2, 3]}
+
+
+def short_tuple_loader() -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros((4, 2)), np.zeros(4)
+
+
+def mismatched_loader() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    return np.zeros((5, 2)), np.zeros(4, dtype=int), np.zeros((3, 2)), np.array([0, 1, 1])
+
+
+def invalid_arrays_loader() -> DatasetArrays:
+    # Builds a DatasetArrays itself, with a label outside num_classes.
+    x = np.zeros((3, 2))
+    return DatasetArrays("bad", x, np.array([0, 1, 5]), x, np.array([0, 1, 1]), 2)
+
+
+def failing_loader() -> None:
+    raise RuntimeError("disk on fire")
+
+
+def tiny_net(input_shape: tuple[int, ...], num_classes: int, width: int = 8) -> nn.Module:
+    n_in = int(np.prod(input_shape))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(n_in, width), nn.ReLU(), nn.Linear(width, num_classes)
+    )
+
+
+def not_a_module(input_shape: tuple[int, ...], num_classes: int) -> str:
+    return "a network, honestly"
+
+
+def failing_net(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    raise ValueError("unsupported input")
