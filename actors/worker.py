@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from actors.emulation import slowdown_at, stretch
+from actors.emulation import ComputeClock, slowdown_at
 from actors.group import ProcessGroup, Rendezvous
 from scheduler.telemetry import SegmentResult, StepTelemetry
 from service.spec import JobSpec
@@ -87,6 +87,18 @@ class Worker:
             p.grad = self._flat[off:off + p.numel()].view_as(p)
             off += p.numel()
         self._stall_s = 0.0
+        # CPU-time clock only for emulation on the CPU; a GPU's work is not thread time.
+        self._clock = ComputeClock(spec.emulated and self.device.type == "cpu")
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One throw-away forward/backward, so one-off costs (lazy init, allocator growth)
+        are paid before the first timed step; a newcomer would otherwise look slow."""
+        n = min(len(self.y), 8)
+        if n:
+            out = self.model(self.x[:n].to(self.device))
+            F.cross_entropy(out, self.y[:n].to(self.device)).backward()
+        self._flat.zero_()
 
     # --- membership -------------------------------------------------------------------
     def info(self) -> dict[str, str]:
@@ -154,7 +166,7 @@ class Worker:
 
     def _step(self, epoch: int, step: int, global_batch: int, idx: np.ndarray) -> StepTelemetry:
         factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, step)
-        t0 = time.perf_counter()
+        self._clock.start()
         self._flat.zero_()
         n = len(idx)
         loss_sum = 0.0
@@ -168,7 +180,7 @@ class Worker:
         flat = self._flat
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        compute = stretch(time.perf_counter() - t0, factor)
+        compute = self._clock.finish(factor)
         if self._stall_s:
             time.sleep(self._stall_s)
             self._stall_s = 0.0
@@ -180,6 +192,44 @@ class Worker:
         self.optimizer.step()
         return StepTelemetry(worker=self.worker_id, epoch=epoch, step=step, batch=n, samples=n,
                              compute_s=compute, wait_s=wait, loss_sum=loss_sum, slowdown=factor)
+
+    # --- measurement (benchmarks) -----------------------------------------------------
+    def profile(self, batches: list[int], repeats: int = 5) -> dict[int, float]:
+        """Median solo compute seconds of one step at each batch size (emulation applied).
+        Gradients are computed and discarded; the model is not updated."""
+        out: dict[int, float] = {}
+        n = len(self.y)
+        rng = np.random.default_rng(self.ordinal)
+        for b in batches:
+            times = []
+            for _ in range(repeats + 1):  # the first run warms caches up
+                idx = rng.integers(0, n, size=b)
+                self._clock.start()
+                self._flat.zero_()
+                ii = torch.from_numpy(idx)
+                xb = self.x.index_select(0, ii).to(self.device)
+                yb = self.y.index_select(0, ii).to(self.device)
+                (F.cross_entropy(self.model(xb), yb, reduction="sum") / b).backward()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                factor = slowdown_at(self.spec.emulation, self.ordinal, 0, 0)
+                times.append(self._clock.finish(factor))
+            self._flat.zero_()
+            out[b] = float(np.median(times[1:]))
+        return out
+
+    def time_allreduce(self, repeats: int = 10) -> float:
+        """Median seconds of the gradient all-reduce when every member is ready."""
+        times = []
+        buf = torch.zeros_like(self._flat)
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
 
     # --- evaluation and state ---------------------------------------------------------
     def evaluate(self, x_test: np.ndarray, y_test: np.ndarray, batch: int = 1024

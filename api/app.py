@@ -3,6 +3,8 @@
 Nothing happens at import time. ``create_app`` wires the store, the cluster client and the
 JobService (or takes the ones it is given, for tests), a per-app Prometheus registry and the
 middleware; the lifespan connects to Ray, re-attaches live jobs and runs the sync loop.
+``dynabatch serve`` runs it; so does ``uvicorn --factory api.app:create_app`` (settings from
+the environment).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, status
-from fastapi.concurrency import run_in_threadpool
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -53,16 +54,20 @@ def _field_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = str(e.get("type", ""))
         cause = (e.get("ctx") or {}).get("error")
         problems = getattr(cause, "problems", None)
-        if isinstance(problems, list) and problems and all(
-            isinstance(p, tuple) and len(p) == 2 for p in problems
+        if (
+            isinstance(problems, list)
+            and problems
+            and all(isinstance(p, tuple) and len(p) == 2 for p in problems)
         ):
             for field, problem in problems:
-                out.append({
-                    "loc": [*loc, *str(field).split(".")],
-                    "field": str(field),
-                    "msg": str(problem),
-                    "type": kind,
-                })
+                out.append(
+                    {
+                        "loc": [*loc, *str(field).split(".")],
+                        "field": str(field),
+                        "msg": str(problem),
+                        "type": kind,
+                    }
+                )
             continue
         rest = loc[1:] if loc and loc[0] in _LOC_PREFIXES else loc
         field = ".".join(str(p) for p in rest) or ("spec" if loc[:1] == ["body"] else "request")
@@ -94,8 +99,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         # FastAPI answers 400 for a body it cannot decode (not UTF-8, say); that is bad
         # input like any other, so it gets the same 422 shape.
         if err.status_code == status.HTTP_400_BAD_REQUEST and err.detail == BODY_PARSE_ERROR:
-            problem = {"loc": ["body"], "field": "body", "type": "body_decode",
-                       "msg": "not valid JSON (cannot decode the body)"}
+            problem = {
+                "loc": ["body"],
+                "field": "body",
+                "type": "body_decode",
+                "msg": "not valid JSON (cannot decode the body)",
+            }
             return JSONResponse(
                 {"detail": [problem]}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT
             )
@@ -147,6 +156,7 @@ def build_service(settings: Settings, cluster: ClusterClient | None = None) -> J
         sync_interval_s=settings.sync_interval_s,
         metrics_retention_s=settings.metrics_retention_s,
         release_finished=settings.release_finished,
+        cancel_wait_s=settings.cancel_wait_s,
     )
 
 
@@ -161,14 +171,16 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await run_in_threadpool(svc.cluster.connect)
-        await run_in_threadpool(svc.start)
+        # Blocking on purpose: no request is served yet (or any more), and under uvicorn
+        # this keeps ray.init on the main thread.
+        svc.cluster.connect()
+        svc.start()
         try:
             yield
         finally:
-            await run_in_threadpool(svc.stop)
+            svc.stop()
             if owns_service:
-                await run_in_threadpool(svc.cluster.close)
+                svc.cluster.close()
                 svc.store.close()
 
     app = FastAPI(

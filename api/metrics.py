@@ -27,10 +27,34 @@ from scheduler.telemetry import JobSnapshot
 from service.jobs import JobService
 
 REQUEST_BUCKETS: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 EPOCH_BUCKETS: tuple[float, ...] = (
-    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
 )
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 UNMATCHED_ROUTE = "unmatched"
@@ -168,11 +192,13 @@ class JobCollector(Collector):
             return CounterMetricFamily(name, doc, labels=labels or ["job"])
 
         info = GaugeMetricFamily(
-            "dynabatch_job_info", "A job's name and policy (always 1).",
+            "dynabatch_job_info",
+            "A job's name and policy (always 1).",
             labels=["job", "name", "policy"],
         )
         state = GaugeMetricFamily(
-            "dynabatch_job_state", "1 for the job's current state, 0 for the others.",
+            "dynabatch_job_state",
+            "1 for the job's current state, 0 for the others.",
             labels=["job", "state"],
         )
         epoch = job_gauge("dynabatch_job_epoch", "Current epoch.")
@@ -200,7 +226,8 @@ class JobCollector(Collector):
             "dynabatch_job_retried_samples", "Samples trained again after a failed step."
         )
         durations = HistogramMetricFamily(
-            "dynabatch_job_epoch_duration_seconds", "Wall time of finished epochs.",
+            "dynabatch_job_epoch_duration_seconds",
+            "Wall time of finished epochs.",
             labels=["job"],
         )
 

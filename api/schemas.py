@@ -95,7 +95,7 @@ class JobSubmitted(BaseModel):
                 "job_id": JOB_ID_EXAMPLE,
                 "name": "digits-hetero",
                 "state": "PENDING",
-                "reason": "waiting for the coordinator to start",
+                "reason": "submitted; the coordinator is starting",
                 "warnings": [],
             }
         }

@@ -9,9 +9,10 @@ batch sizes, and a DBS window of samples / compute seconds. Global batch = 10·n
 * ``replan``: the current allocation is the equal split of the same members (the usual
   control-loop call; affine runs its hysteresis check, static keeps the plan).
 
-Prints ONE JSON object: per policy and worker count, the median wall time in milliseconds
-of ``decide()`` over several runs, plus the worst median at 10,000 workers against the
-10 ms target. Pure CPU; no Ray.
+Prints ONE JSON object: per policy and worker count, the median (and the fastest) wall time
+in milliseconds of ``decide()`` over several runs, plus the worst median at the largest size
+against the 10 ms target. The fastest run is reported because on a shared machine the
+median also measures the neighbours. Pure CPU; no Ray.
 
     .venv/bin/python bench/policy_scale.py [--repeats 9] [--sizes 10,1000,10000]
 """
@@ -78,14 +79,15 @@ def equal_current(telemetry: list[WorkerTelemetry], global_batch: int, dataset: 
     return make_allocation([t.worker for t in telemetry], b, global_batch, dataset)
 
 
-def time_decide(policy, telemetry, global_batch, dataset, current, repeats: int) -> float:
+def time_decide(policy, telemetry, global_batch, dataset, current, repeats: int):
+    """(median, min) wall time of decide() in ms, after one warm-up call."""
     policy.decide(telemetry, global_batch, dataset, current)  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         policy.decide(telemetry, global_batch, dataset, current)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return round(statistics.median(times) * 1e3, 3), round(min(times) * 1e3, 3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,21 +105,20 @@ def main(argv: list[str] | None = None) -> int:
         current = equal_current(telemetry, global_batch, dataset)
         for name in POLICIES:
             policy = make_policy(name)
+            fresh = time_decide(policy, telemetry, global_batch, dataset, None, args.repeats)
+            replan = time_decide(policy, telemetry, global_batch, dataset, current, args.repeats)
             results[name][str(n)] = {
-                "fresh_ms": round(
-                    time_decide(policy, telemetry, global_batch, dataset, None, args.repeats), 3
-                ),
-                "replan_ms": round(
-                    time_decide(policy, telemetry, global_batch, dataset, current, args.repeats),
-                    3,
-                ),
+                "fresh_ms": fresh[0],
+                "replan_ms": replan[0],
+                "fresh_min_ms": fresh[1],
+                "replan_min_ms": replan[1],
             }
     largest = str(max(sizes))
-    worst = max(max(r[largest].values()) for r in results.values())
+    worst = max(max(r[largest]["fresh_ms"], r[largest]["replan_ms"]) for r in results.values())
     print(
         json.dumps(
             {
-                "unit": "ms (median of decide() wall time)",
+                "unit": "ms: *_ms = median, *_min_ms = fastest of the runs of decide()",
                 "repeats": args.repeats,
                 "global_batch": "10*n",
                 "dataset": "100*global_batch",

@@ -53,7 +53,7 @@ log = logging.getLogger("dynabatch.scheduler")
 
 # Older observations fade by this factor per new one, so the step-time model follows a
 # worker whose speed changes.
-STATS_DECAY = 0.9
+STATS_DECAY = 0.97
 # A segment whose mean compute is off the model by more than this factor is a change of
 # speed (a disturbance), not noise: the worker's model restarts from the new observations.
 SURPRISE = 1.5
@@ -83,6 +83,7 @@ class Member:
     wait_per_step: float = 0.0
     slowdown: float = 1.0
     joined_step: int = 0
+    observed_steps: int = 0
 
     def telemetry(self, cap: int | None) -> WorkerTelemetry:
         return WorkerTelemetry(
@@ -258,8 +259,9 @@ class Coordinator:
         with self._lock:
             if self.state.is_terminal:
                 raise InvalidTransition(self.state, JobState.RUNNING)
+            # An explicit size: neither more (growth onto free nodes) nor fewer.
             self._target = workers
-            self._max = max(self._max, workers)
+            self._max = workers
             self._min = min(self._min, workers)
             self._log("INFO", f"scale requested: {workers} workers")
             for m in self.members[workers:]:
@@ -274,6 +276,7 @@ class Coordinator:
                 raise ValueError("cannot drain the last worker")
             self._drain.add(worker)
             self._target = max(1, len(self.members) - len(self._drain))
+            self._max = self._target
             self._log("INFO", f"drain requested for {worker}")
         return self.snapshot()
 
@@ -448,7 +451,7 @@ class Coordinator:
             errors = [r.error for r in ok if r.error]
             self._log(
                 "WARNING",
-                f"step {self.step_in_epoch} failed ({'; '.join(errors[:1]) or 'lost workers'}); "  # noqa: E501
+                f"step {self.step_in_epoch} failed ({'; '.join(errors[:1]) or 'lost workers'}); "
                 f"lost {sorted(reasons) or 'none'}; retrying over survivors",
             )
             for m in list(self.members):
@@ -538,6 +541,10 @@ class Coordinator:
             self._ep["worker_seconds"] += wall * frac * len(self.members)
 
     def _observe(self, m: Member, steps: list[StepTelemetry]) -> None:
+        first = m.observed_steps == 0
+        m.observed_steps += len(steps)
+        if first:
+            steps = steps[1:]  # a newcomer's first step still pays one-off costs
         obs = [(s.samples, s.compute_s) for s in steps if s.samples > 0]
         if not obs:
             return
@@ -622,7 +629,7 @@ class Coordinator:
             self._log(
                 "INFO",
                 f"epoch {self.epoch}: {record.wall_s:.2f}s, loss "
-                f"{record.train_loss:.4f}, acc {acc if acc is None else round(acc, 4)}, "  # noqa: E501
+                f"{record.train_loss:.4f}, acc {acc if acc is None else round(acc, 4)}, "
                 f"balance {balance:.3f}, utilization {record.utilization:.3f}",
             )
             self.epoch += 1
@@ -638,9 +645,14 @@ class Coordinator:
     # ---------------------------------------------------------------- membership
     _membership_dirty = False
 
-    def _target_count(self, nodes: int) -> int:
-        t = self._target if self._target is not None else nodes
-        return max(1, min(t, self._max))
+    def _target_count(self, nodes: int, starting: bool = False) -> int:
+        """How many workers to have: the requested number at the start, then also one per
+        free eligible node (a node that joined) up to max_workers."""
+        if self._target is None:
+            return max(1, min(nodes, self._max))
+        if starting:
+            return max(1, min(self._target, self._max))
+        return max(1, min(max(self._target, nodes), self._max))
 
     def _reconcile_membership(self) -> bool:
         """Apply joins, drains and losses at a step boundary. True when ready to train."""
@@ -654,7 +666,7 @@ class Coordinator:
         # Newcomers whose actors are up.
         changed |= self._adopt_ready()
         now = time.monotonic()
-        starting = not self.members and not self._history and self.state == JobState.PENDING
+        starting = not self.members and self.generation == 0 and self.state == JobState.PENDING
         if now - self._last_node_poll >= NODE_POLL_S or starting or changed:
             self._last_node_poll = now
             self._spawn_missing(starting)
@@ -679,12 +691,9 @@ class Coordinator:
         nodes = eligible_nodes(self.spec)
         if not nodes:
             if starting:
-                self.reason = (
-                    "waiting for resources: no eligible node (check worker_cpus, "
-                    "worker_gpus and node_resource)"
-                )
+                self.reason = f"waiting for resources: {self._no_node_hint()}"
             return
-        want = self._target_count(len(nodes))
+        want = self._target_count(len(nodes), starting)
         have = len(self.members) + len(self._pending)
         if have >= want:
             return
@@ -704,6 +713,12 @@ class Coordinator:
             self._pending.append(_Pending(member, handle.info.remote(), time.monotonic()))
             self._log("INFO", f"starting worker {wid} on node {node.node_id[:12]}")
 
+    def _no_node_hint(self) -> str:
+        need = f"worker_cpus={self.spec.worker_cpus:g}, worker_gpus={self.spec.worker_gpus:g}"
+        if self.spec.node_resource:
+            need += f", node_resource={self.spec.node_resource!r}"
+        return f"no alive node offers {need}"
+
     def _adopt_ready(self) -> bool:
         changed = False
         for p in list(self._pending):
@@ -719,7 +734,7 @@ class Coordinator:
                     f"worker {p.member.worker_id} failed to start: {str(err).splitlines()[0]}",
                 )
                 continue
-            if len(self.members) >= self._target_count(10**6):
+            if len(self.members) >= self._max:
                 self._kill(p.member)
                 continue
             p.member.joined_step = self.step_in_epoch
@@ -729,23 +744,23 @@ class Coordinator:
         return changed
 
     def _await_initial(self) -> None:
-        deadline = time.monotonic() + self.spec.worker_wait_timeout_s
+        deadline = time.monotonic() + self.spec.start_timeout_s
         while self._pending and time.monotonic() < deadline and self._cancel is None:
             n_nodes = len(eligible_nodes(self.spec))
             self.reason = (
-                f"waiting for {len(self._pending)} of "
-                f"{len(self._pending) + len(self.members)} workers to start "
-                f"({n_nodes} eligible nodes)"
+                f"waiting for resources: {len(self._pending)} of "
+                f"{len(self._pending) + len(self.members)} workers not started yet "
+                f"({n_nodes} eligible nodes; other jobs may hold their CPUs)"
             )
             ray.wait([p.ready for p in self._pending], num_returns=len(self._pending), timeout=0.5)
             self._adopt_ready()
-            if not self._pending and len(self.members) < self._target_count(n_nodes):
+            if not self._pending and len(self.members) < self._target_count(n_nodes, True):
                 self._spawn_missing(starting=True)
         for p in self._pending:  # could not be placed in time
             self._log(
                 "WARNING",
                 f"worker {p.member.worker_id} could not start in "
-                f"{self.spec.worker_wait_timeout_s:.0f}s",
+                f"{self.spec.start_timeout_s:.0f}s",
             )
             self._kill(p.member)
         self._pending.clear()
@@ -756,15 +771,19 @@ class Coordinator:
             self._below_min_since = now
             self._log("WARNING", f"{len(self.members)} workers, below min_workers={self._min}")
         waited = now - self._below_min_since
+        # Never started: the job may be queued behind others, so it waits longer.
+        limit = self.spec.start_timeout_s if self.generation == 0 else \
+            self.spec.worker_wait_timeout_s
+        hint = "" if eligible_nodes(self.spec) else f": {self._no_node_hint()}"
         reason = (
             f"waiting for nodes: {len(self.members)} of min_workers={self._min} workers "
-            f"({waited:.0f}s of {self.spec.worker_wait_timeout_s:.0f}s)"
+            f"({waited:.0f}s of {limit:.0f}s){hint}"
         )
-        if waited >= self.spec.worker_wait_timeout_s:
+        if waited >= limit:
             self._finish(
                 JobState.FAILED,
                 f"only {len(self.members)} workers available, below min_workers="
-                f"{self._min}, after waiting {self.spec.worker_wait_timeout_s:.0f}s",
+                f"{self._min}, after waiting {limit:.0f}s{hint}",
             )
             return False
         if self.state == JobState.RUNNING:

@@ -28,6 +28,9 @@ def launch_coordinator(
         "num_cpus": 0,
         "max_concurrency": MAX_CONCURRENCY,
         "max_restarts": 0,
+        # On the head node: in compose and k8s the API container is itself a Ray node, and
+        # a coordinator placed there would die with every API restart.
+        "resources": {"node:__internal_head__": 0.001},
     }
     if detached:
         options["lifetime"] = "detached"

@@ -29,7 +29,7 @@ worker finishes at the same time T::
 Σ b_i(T) is continuous, non-decreasing and piecewise linear in T (slope Σ 1/c_i over the
 unclipped workers). T is found by a safeguarded Newton (active-set) iteration: from a trial T
 the clipped set is known, and the exact T for that set is one linear solve away; a bracket
-with bisection fallback guarantees progress. It usually ends in 2-4 vectorised passes.
+with bisection fallback guarantees progress. It usually ends in 1-3 vectorised passes.
 """
 
 from __future__ import annotations
@@ -252,3 +252,65 @@ def round_to_total(x: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarray) ->
             out[np.argpartition(frac, k - 1)[:k]] -= 1
         deficit += k
     return out
+
+
+def shared_overhead_fit(
+    n: np.ndarray, sb: np.ndarray, st: np.ndarray, sbb: np.ndarray, sbt: np.ndarray,
+    k_max: float = np.inf, min_relative_spread: float = 0.05, iterations: int = 40,
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """Refit every worker as ``t_i(b) = c_i·(k + b)`` with one overhead ``k`` for all.
+
+    Per-worker affine fits need each worker's own batch sizes to vary, and with steps of a
+    few milliseconds their slopes are noisy: two equal workers get unequal fits and the
+    plan churns. When heterogeneity scales a whole step (CPU generations, shared machines,
+    emulated slowdowns) the overhead *in samples*, ``k = a_i / c_i``, is common to all
+    workers, so it is estimated from all observations at once. For fixed k each worker's
+    least-squares scale is::
+
+        c_i(k) = (k·St_i + Sbt_i) / (k²·n_i + 2k·Sb_i + Sbb_i)
+
+    and its residual is ``Stt_i − (k·St_i + Sbt_i)² / (k²·n_i + 2k·Sb_i + Sbb_i)``, so k
+    maximises the explained part, each worker normalised by its mean step time squared::
+
+        F(k) = Σ_i (n_i / St_i)² · (k·St_i + Sbt_i)² / (k²·n_i + 2k·Sb_i + Sbb_i)
+
+    by golden-section search on [0, k_max]. ``k_max`` bounds how far the plan may move
+    from the proportional one: the sensitivity of b_i to timing noise grows as 1 + k/b_i.
+    With no worker whose batch size varied, k = 0: DBS's proportional model.
+    Returns (a, c, k) with a_i = c_i·k; rows without data get NaN.
+    """
+    with np.errstate(divide="ignore", invalid="ignore"):
+        has = (n > 0) & (sb > 0) & (st > 0)
+        mean_b = np.where(has, sb / np.where(has, n, 1), 0.0)
+        var_b = np.where(has, sbb / np.where(has, n, 1) - mean_b * mean_b, 0.0)
+        spread = has & (var_b > (min_relative_spread * mean_b) ** 2)
+        k = 0.0
+        if spread.any() and k_max > 0:
+            nn, b1, t1, b2, bt = n[has], sb[has], st[has], sbb[has], sbt[has]
+            w = (nn / t1) ** 2
+
+            def explained(kk: float) -> float:
+                return float(np.sum(w * (kk * t1 + bt) ** 2 / (kk * kk * nn + 2 * kk * b1 + b2)))
+
+            hi = float(min(k_max, 10.0 * float(np.max(mean_b[has]))))
+            lo = 0.0
+            g = (np.sqrt(5.0) - 1.0) / 2.0
+            x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
+            f1, f2 = explained(x1), explained(x2)
+            for _ in range(iterations):
+                if f1 >= f2:
+                    hi, x2, f2 = x2, x1, f1
+                    x1 = hi - g * (hi - lo)
+                    f1 = explained(x1)
+                else:
+                    lo, x1, f1 = x1, x2, f2
+                    x2 = lo + g * (hi - lo)
+                    f2 = explained(x2)
+            k = 0.5 * (lo + hi)
+            if explained(0.0) >= explained(k):
+                k = 0.0
+        c = (k * st + sbt) / (k * k * n + 2 * k * sb + sbb)
+        bad = ~(has & np.isfinite(c) & (c > 0))
+        c = np.where(bad, np.nan, c)
+        a = np.where(bad, np.nan, c * k)
+    return a, c, k

@@ -40,7 +40,13 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from scheduler.model import StepTimeStats, equal_finish, fit_arrays, round_to_total
+from scheduler.model import (
+    StepTimeStats,
+    equal_finish,
+    fit_arrays,
+    round_to_total,
+    shared_overhead_fit,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +365,10 @@ class AffinePolicy:
     """
 
     name: Literal["affine"] = "affine"
-    min_gain: float = 0.03
+    min_gain: float = 0.05
+    # Pool the per-step overhead across workers (see model.shared_overhead_fit); False
+    # fits a_i and c_i per worker, better when workers differ in kind (GPU beside CPU).
+    shared_overhead: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_gain < 1.0:
@@ -375,7 +384,10 @@ class AffinePolicy:
             dtype=np.float64,
             count=5 * n,
         ).reshape(n, 5)
-        a, c = fit_arrays(*cols.T)
+        if self.shared_overhead:
+            a, c, _k = shared_overhead_fit(*cols.T, k_max=global_batch / n)
+        else:
+            a, c = fit_arrays(*cols.T)
         known = ~np.isnan(c)
         cur = _current_batches(current, workers, global_batch, lo, hi)
         if not known.any():

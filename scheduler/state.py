@@ -37,3 +37,6 @@ class InvalidTransition(ValueError):
     def __init__(self, old: JobState, new: JobState):
         super().__init__(f"job is {old.value}; it cannot become {new.value}")
         self.old, self.new = old, new
+
+    def __reduce__(self):  # so it crosses Ray process boundaries intact
+        return (InvalidTransition, (self.old, self.new))

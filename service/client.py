@@ -170,9 +170,7 @@ class DynabatchClient:
             raise ApiError(_error_message(response), response.status_code)
         return response.text
 
-    def wait(
-        self, job_id: str, *, timeout_s: float = 600.0, interval_s: float = 1.0
-    ) -> JobDetail:
+    def wait(self, job_id: str, *, timeout_s: float = 600.0, interval_s: float = 1.0) -> JobDetail:
         """Poll until the job is terminal; raises ApiError on timeout."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -19,7 +19,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
 
-import click
 import typer
 import yaml
 from rich.console import Console, Group
@@ -84,9 +83,8 @@ def _check_id(job_id: str) -> str:
     return job_id
 
 
-def _client(url: str, token: str | None) -> DynabatchClient:
-    ctx = click.get_current_context(silent=True)
-    obj = ctx.find_root().obj if ctx is not None else None
+def _client(ctx: typer.Context, url: str, token: str | None) -> DynabatchClient:
+    obj = ctx.find_root().obj
     factory = obj.get("client_factory") if isinstance(obj, dict) else None
     if factory is not None:
         return factory(url, token)
@@ -144,8 +142,7 @@ def _job_table(job: Any) -> Group:
     if job.reason:
         head.append(f"\nreason: {job.reason}", style="dim")
     workers = Table(title="workers", expand=False)
-    for col in ("worker", "node", "batch", "partition", "samples/s", "compute/step",
-                "wait/step"):
+    for col in ("worker", "node", "batch", "partition", "samples/s", "compute/step", "wait/step"):
         workers.add_column(col, justify="left" if col in ("worker", "node") else "right")
     for w in job.workers:
         workers.add_row(
@@ -213,6 +210,7 @@ def _serve(**overrides: Any) -> None:
 
 
 def submit(
+    ctx: typer.Context,
     config: Annotated[Path, typer.Argument(help="Job config (YAML or JSON).")],
     url: Url = DEFAULT_URL,
     token: Token = None,
@@ -223,7 +221,7 @@ def submit(
     @_clean_errors
     def go() -> None:
         spec = _read_config(config)
-        with _client(url, token) as client:
+        with _client(ctx, url, token) as client:
             job = client.submit(spec)
         if as_json:
             typer.echo(job.model_dump_json())
@@ -236,6 +234,7 @@ def submit(
 
 
 def list_jobs(
+    ctx: typer.Context,
     url: Url = DEFAULT_URL,
     token: Token = None,
     state: Annotated[JobState | None, typer.Option(help="Only jobs in this state.")] = None,
@@ -247,7 +246,7 @@ def list_jobs(
 
     @_clean_errors
     def go() -> None:
-        with _client(url, token) as client:
+        with _client(ctx, url, token) as client:
             page = client.list(state, offset=offset, limit=limit)
         if as_json:
             typer.echo(page.model_dump_json())
@@ -271,6 +270,7 @@ def list_jobs(
 
 
 def status(
+    ctx: typer.Context,
     job_id: JobIdArg,
     url: Url = DEFAULT_URL,
     token: Token = None,
@@ -281,7 +281,7 @@ def status(
     @_clean_errors
     def go() -> None:
         _check_id(job_id)
-        with _client(url, token) as client:
+        with _client(ctx, url, token) as client:
             job = client.get(job_id)
         if as_json:
             typer.echo(job.model_dump_json())
@@ -292,6 +292,7 @@ def status(
 
 
 def watch(
+    ctx: typer.Context,
     job_id: JobIdArg,
     url: Url = DEFAULT_URL,
     token: Token = None,
@@ -303,7 +304,7 @@ def watch(
     def go() -> int:
         console = Console(soft_wrap=True)
         _check_id(job_id)
-        with _client(url, token) as client:
+        with _client(ctx, url, token) as client:
             job = client.get(job_id)
             with Live(_job_table(job), console=console, auto_refresh=False) as live:
                 while not job.state.is_terminal:
@@ -322,6 +323,7 @@ def watch(
 
 
 def cancel(
+    ctx: typer.Context,
     job_id: JobIdArg,
     url: Url = DEFAULT_URL,
     token: Token = None,
@@ -332,7 +334,7 @@ def cancel(
     @_clean_errors
     def go() -> None:
         _check_id(job_id)
-        with _client(url, token) as client:
+        with _client(ctx, url, token) as client:
             job = client.cancel(job_id, reason)
         suffix = f": {job.reason}" if job.reason else ""
         typer.echo(f"job {job.job_id} {job.state.value}{suffix}")
@@ -341,6 +343,7 @@ def cancel(
 
 
 def logs(
+    ctx: typer.Context,
     job_id: JobIdArg,
     url: Url = DEFAULT_URL,
     token: Token = None,
@@ -356,7 +359,7 @@ def logs(
     def go() -> None:
         nonlocal since
         _check_id(job_id)
-        with _client(url, token) as client:
+        with _client(ctx, url, token) as client:
             while True:
                 page = client.logs(job_id, since)
                 for line in page.lines:

@@ -131,6 +131,7 @@ class JobService:
         sync_interval_s: float = 1.0,
         metrics_retention_s: float = 3600.0,
         release_finished: bool = True,
+        cancel_wait_s: float = 5.0,
         clock: Callable[[], float] = time.time,
     ):
         self.store = store
@@ -138,12 +139,17 @@ class JobService:
         self.sync_interval_s = sync_interval_s
         self.metrics_retention_s = metrics_retention_s
         self.release_finished = release_finished
+        self.cancel_wait_s = cancel_wait_s
         self.clock = clock
         self._sync_lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._alive_nodes: int | None = None
         self._started = False
+        # Jobs stored but not yet launched: the sync loop must not take the missing
+        # coordinator for a dead one.
+        self._launching: set[str] = set()
+        self._launching_lock = threading.Lock()
 
     # Lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -152,9 +158,7 @@ class JobService:
         self._started = True
         if self.sync_interval_s > 0:
             self._stop.clear()
-            self._thread = threading.Thread(
-                target=self._loop, name="dynabatch-sync", daemon=True
-            )
+            self._thread = threading.Thread(target=self._loop, name="dynabatch-sync", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
@@ -215,6 +219,9 @@ class JobService:
         for rec in self.store.live():
             if self._stop.is_set() and self._thread is not None:
                 return
+            with self._launching_lock:
+                if rec.id in self._launching:
+                    continue
             self.sync_job(rec.id)
         try:
             self._alive_nodes = sum(1 for n in self.cluster.nodes() if n.alive)
@@ -266,8 +273,10 @@ class JobService:
         """
         job_id = new_job_id()
         cluster = EMBEDDED_CLUSTER if self.cluster.embedded else self.cluster.address
-        rec = self.store.create(job_id, spec, cluster=cluster, now=self.clock())
+        with self._launching_lock:
+            self._launching.add(job_id)
         try:
+            rec = self.store.create(job_id, spec, cluster=cluster, now=self.clock())
             self.cluster.launch(job_id, spec)
         except ClusterUnavailable as err:
             self._fail(job_id, f"could not start the job's coordinator: {_first_line(err)}")
@@ -277,11 +286,18 @@ class JobService:
                 job_id, f"could not start the job's coordinator: {_first_line(err)}"
             )
             return failed or rec
+        finally:
+            with self._launching_lock:
+                self._launching.discard(job_id)
         log.info("job %s (%s) submitted", job_id, spec.name)
         return rec
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobRecord:
-        """Cancel a live job. Raises ``InvalidTransition`` (409) when it already finished."""
+        """Cancel a live job. Raises ``InvalidTransition`` (409) when it already finished.
+
+        The coordinator stops at its next step boundary; this waits up to ``cancel_wait_s``
+        for that, so the answer is usually the final CANCELLED state.
+        """
         with self._sync_lock:
             rec = self._get_record(job_id)
             if rec.state.is_terminal:
@@ -289,15 +305,20 @@ class JobService:
             try:
                 snap = self.cluster.cancel(job_id, reason)
             except CoordinatorGone:
-                return self.store.transition(
-                    job_id, JobState.CANCELLED, reason, now=self.clock()
-                )
+                return self.store.transition(job_id, JobState.CANCELLED, reason, now=self.clock())
             except InvalidTransition:
                 # It finished between our read and the coordinator's; report what it is.
                 done = self.sync_job(job_id) or rec
                 raise InvalidTransition(done.state, JobState.CANCELLED) from None
-            done = self.sync_job(job_id, snapshot=snap)
-            return done or rec
+            log.info("job %s: cancel requested (%s)", job_id, reason)
+        deadline = time.monotonic() + self.cancel_wait_s
+        while not snap.state.is_terminal and time.monotonic() < deadline:
+            time.sleep(0.1)
+            try:
+                snap = self.cluster.snapshot(job_id)
+            except ClusterError:
+                break
+        return self.sync_job(job_id, snapshot=snap) or rec
 
     # Queries ----------------------------------------------------------------------------
     def _get_record(self, job_id: str) -> JobRecord:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import socket
 import threading
 from typing import Any
 
@@ -48,16 +49,25 @@ class RayClusterClient:
         return self._address
 
     def connect(self) -> None:
+        if self._connected:
+            return
         from service.raycluster import connect
 
+        if not self.embedded:
+            _probe(self._address, self._ping_timeout)
         try:
             info = connect(self._requested, num_cpus=self._num_cpus)
         except Exception as err:  # ConnectionError, RuntimeError, ... from ray.init
             raise ClusterUnavailable(f"cannot connect to Ray at {self._address}: {err}") from err
         self._address = str(info.get("address") or self._address)
         self._connected = True
-        log.info("connected to Ray at %s (%s)", self._address,
-                 "embedded" if self.embedded else "external")
+        import scheduler.launch  # noqa: F401  (pay for the engine's imports now, not on submit)
+
+        log.info(
+            "connected to Ray at %s (%s)",
+            self._address,
+            "embedded" if self.embedded else "external",
+        )
 
     def close(self) -> None:
         self._pinger.shutdown(wait=False, cancel_futures=True)
@@ -187,6 +197,20 @@ class RayClusterClient:
         return out
 
 
+def _probe(address: str, timeout: float) -> None:
+    """Fail fast when a ``host:port`` GCS address does not accept connections (ray.init
+    would retry for minutes). Other address forms are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in host:
+        return
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            pass
+    except OSError as err:
+        why = err.strerror or type(err).__name__
+        raise ClusterUnavailable(f"cannot reach Ray at {address}: {why}") from None
+
+
 def _translate(err: BaseException, job_id: str) -> BaseException:
     """Map Ray's exceptions onto the service's; InvalidTransition passes through."""
     import ray.exceptions as rex
@@ -203,9 +227,12 @@ def _translate(err: BaseException, job_id: str) -> BaseException:
         cause = getattr(err, "cause", None)
         if isinstance(cause, InvalidTransition):
             return InvalidTransition(cause.old, cause.new)
-        text = str(cause if cause is not None else err)
-        if "cannot become" in text:  # an InvalidTransition that did not unpickle
-            return InvalidTransition(JobState.SUCCEEDED, JobState.CANCELLED)
+    if "cannot become" in str(err):
+        # An InvalidTransition that did not survive pickling (Ray then raises
+        # UnserializableException). JobService re-reads the real state before answering 409.
+        return InvalidTransition(JobState.SUCCEEDED, JobState.CANCELLED)
+    if isinstance(err, rex.RayTaskError):
+        cause = getattr(err, "cause", None)
         return ClusterError(_short(cause if cause is not None else err))
     if isinstance(err, ConnectionError | rex.RaySystemError):
         return ClusterUnavailable(_short(err))

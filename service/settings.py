@@ -45,6 +45,9 @@ class Settings(BaseSettings):
         ge=0.0,
         description="Finished jobs keep their per-job series in /metrics this long.",
     )
+    cancel_wait_s: float = Field(
+        default=5.0, ge=0.0, le=60.0, description="How long a cancel waits for the job to stop."
+    )
     release_finished: bool = Field(
         default=True,
         description="Kill a finished job's detached coordinator once its results are stored.",

@@ -202,6 +202,11 @@ class JobSpec(_Strict):
         le=86400.0,
         description="How long to wait for min_workers before failing.",
     )
+    start_timeout_s: float = Field(
+        default=300.0, gt=0.0, le=86400.0,
+        description="How long the first workers may take to start (scheduling, imports, "
+        "data) before the job fails.",
+    )
     record_indices: bool = Field(
         default=False, description="Record the sample indices each worker trained (tests)."
     )
@@ -252,21 +257,31 @@ class JobSpec(_Strict):
                 f"({self.global_batch})",
             )
         slow = self.emulation.slowdowns
-        if slow and n is not None and len(slow) != n:
+        # Workers that join later take the ordinals after the first n, up to max_workers.
+        most = max(n, hi or n) if n is not None else None
+        if slow and n is not None and len(slow) < n:
             bad(
                 "emulation.slowdowns",
                 f"emulation.slowdowns has {len(slow)} entries but workers is {n}",
             )
         for i, d in enumerate(self.emulation.disturbances):
-            if n is not None and d.worker >= n:
+            if most is not None and d.worker >= most:
                 bad(
                     f"emulation.disturbances.{i}.worker",
-                    f"worker {d.worker} does not exist: workers is {n} (ranks 0..{n - 1})",
+                    f"worker {d.worker} does not exist: at most {most} workers "
+                    f"(ordinals 0..{most - 1})",
                 )
         if self.device == "cuda" and self.worker_gpus == 0:
             bad("worker_gpus", "device 'cuda' needs worker_gpus > 0")
         if problems:
             raise _CombinationError(problems)
+        if slow and most is not None and len(slow) > most:
+            warnings.warn(
+                f"emulation.slowdowns has {len(slow)} entries; entries past {most} are "
+                "ignored (no more workers can exist: see workers and max_workers)",
+                UserWarning,
+                stacklevel=2,
+            )
         for d in self.emulation.disturbances:
             if d.epoch >= self.epochs:
                 warnings.warn(

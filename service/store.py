@@ -158,7 +158,7 @@ class JobStore:
                     spec.name,
                     spec.model_dump_json(),
                     JobState.PENDING.value,
-                    "waiting for the coordinator to start",
+                    "submitted; the coordinator is starting",
                     cluster,
                     now,
                     now,

@@ -59,8 +59,9 @@ class FakeCoordinator:
         return self.spec.workers if isinstance(self.spec.workers, int) else len(self.nodes)
 
     def _log(self, level: str, message: str) -> None:
-        self.lines.append(LogLine(seq=len(self.lines), time=time.time(), level=level,
-                                  message=message))
+        self.lines.append(
+            LogLine(seq=len(self.lines), time=time.time(), level=level, message=message)
+        )
 
     def _allocate(self) -> None:
         """Equal shares, then each rebalance moves one sample from the last worker to the
@@ -123,8 +124,13 @@ class FakeCoordinator:
                 emulated=self.spec.emulated,
                 workers=[
                     WorkerEpochStats(
-                        worker=w.worker, node=w.node, batch=w.batch, partition=w.partition,
-                        steps=self.steps_per_epoch, compute_s=0.1, wait_s=0.01,
+                        worker=w.worker,
+                        node=w.node,
+                        batch=w.batch,
+                        partition=w.partition,
+                        steps=self.steps_per_epoch,
+                        compute_s=0.1,
+                        wait_s=0.01,
                         throughput=w.throughput,
                     )
                     for w in self.workers[:n]
@@ -243,7 +249,10 @@ class FakeCluster:
         if self.launch_error is not None:
             raise self.launch_error
         self.coordinators[job_id] = FakeCoordinator(
-            job_id, spec, steps_per_epoch=self.steps_per_epoch, nodes=self.node_ids,
+            job_id,
+            spec,
+            steps_per_epoch=self.steps_per_epoch,
+            nodes=self.node_ids,
             hold=self.hold,
         )
 

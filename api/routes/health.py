@@ -9,7 +9,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from api.deps import (
     ERRORS,
     ServiceDep,
-    SettingsDep,
     require_token_for_health,
     require_token_for_metrics,
 )
@@ -34,7 +33,7 @@ def healthz() -> Health:
     summary="Ray is reachable",
     responses={503: {"model": Readiness, "description": "Ray is not reachable."}},
 )
-def readyz(service: ServiceDep, settings: SettingsDep) -> Response:
+def readyz(service: ServiceDep) -> Response:
     cluster = service.cluster
     ready = service.ready
     body = Readiness(

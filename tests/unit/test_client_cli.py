@@ -62,6 +62,7 @@ def config(tmp_path: Path) -> Path:
 def _invoke(cli: typer.Typer, http: TestClient | None, *args: str) -> Any:
     factory = None
     if http is not None:
+
         def factory(url: str, token: str | None) -> DynabatchClient:
             return DynabatchClient(url, token=token, http=http)
 
@@ -144,8 +145,9 @@ def test_client_does_not_retry_a_post_that_may_have_arrived() -> None:
 
 
 # The CLI ------------------------------------------------------------------------------
-def test_submit_prints_the_id(cli: typer.Typer, server: Callable[..., TestClient],
-                              config: Path) -> None:
+def test_submit_prints_the_id(
+    cli: typer.Typer, server: Callable[..., TestClient], config: Path
+) -> None:
     http = server()
     result = _invoke(cli, http, "submit", str(config))
     assert result.exit_code == 0, result.output
@@ -175,8 +177,9 @@ def test_submit_missing_file(cli: typer.Typer, server: Callable[..., TestClient]
     assert "cannot read config" in line
 
 
-def test_list_status_logs(cli: typer.Typer, server: Callable[..., TestClient],
-                          config: Path) -> None:
+def test_list_status_logs(
+    cli: typer.Typer, server: Callable[..., TestClient], config: Path
+) -> None:
     http = server()
     job = _invoke(cli, http, "submit", str(config)).stdout.strip()
     DynabatchClient(http=http).wait(job, timeout_s=10, interval_s=0.02)
@@ -195,8 +198,9 @@ def test_list_status_logs(cli: typer.Typer, server: Callable[..., TestClient],
     assert result.exit_code == 0 and "state SUCCEEDED" in result.stdout
 
 
-def test_watch_until_succeeded(cli: typer.Typer, server: Callable[..., TestClient],
-                               config: Path) -> None:
+def test_watch_until_succeeded(
+    cli: typer.Typer, server: Callable[..., TestClient], config: Path
+) -> None:
     http = server(sync_interval_s=0.05)
     job = _invoke(cli, http, "submit", str(config)).stdout.strip()
     result = _invoke(cli, http, "watch", job, "--interval", "0.05")
@@ -205,8 +209,9 @@ def test_watch_until_succeeded(cli: typer.Typer, server: Callable[..., TestClien
     assert "w0" in result.stdout  # the live table showed the workers
 
 
-def test_cancel_then_conflict(cli: typer.Typer, server: Callable[..., TestClient],
-                              config: Path) -> None:
+def test_cancel_then_conflict(
+    cli: typer.Typer, server: Callable[..., TestClient], config: Path
+) -> None:
     http = server(sync_interval_s=0)  # the job stays put
     job = _invoke(cli, http, "submit", str(config)).stdout.strip()
     result = _invoke(cli, http, "cancel", job, "--reason", "not needed")
@@ -219,8 +224,9 @@ def test_cancel_then_conflict(cli: typer.Typer, server: Callable[..., TestClient
 
 
 @pytest.mark.parametrize("command", ["status", "watch", "cancel", "logs"])
-def test_unknown_and_malformed_ids(cli: typer.Typer, server: Callable[..., TestClient],
-                                   command: str) -> None:
+def test_unknown_and_malformed_ids(
+    cli: typer.Typer, server: Callable[..., TestClient], command: str
+) -> None:
     http = server()
     line = _one_error_line(_invoke(cli, http, command, "0" * 12))
     assert line == f"error: job '{'0' * 12}' not found"

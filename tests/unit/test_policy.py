@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from scheduler.model import StepTimeStats
+from scheduler.model import StepTimeStats, shared_overhead_fit
 from scheduler.policy import (
     AffinePolicy,
     Allocation,
@@ -427,12 +427,12 @@ def test_affine_hysteresis(params, extra, min_gain, data):
     cur_b = np.diff([0, *cuts, gb - n]) + 1
     current = make_allocation([t.worker for t in tel], cur_b, gb, 10 * gb)
 
-    probe = AffinePolicy(min_gain=0.0).decide(tel, gb, 10 * gb, current)
+    probe = AffinePolicy(min_gain=0.0, shared_overhead=False).decide(tel, gb, 10 * gb, current)
     assert probe.current_step_s == pytest.approx(float(np.max(a + c * cur_b)), rel=1e-6)
     gain = probe.predicted_gain
     assert gain is not None
 
-    d = AffinePolicy(min_gain=min_gain).decide(tel, gb, 10 * gb, current)
+    d = AffinePolicy(min_gain=min_gain, shared_overhead=False).decide(tel, gb, 10 * gb, current)
     if gain <= min_gain:
         assert not d.rebalanced
         assert d.allocation.batches == current.batches
@@ -473,7 +473,52 @@ def test_affine_new_member_from_capacity():
     tel = affine_telemetry([0.01, 0.01], [0.001, 0.002])
     tel[1] = WorkerTelemetry("w1", stats=tel[1].stats, capacity=0.5)
     tel.append(WorkerTelemetry("new", capacity=1.0))
-    d = AffinePolicy().decide(tel, 60, 600)
+    d = AffinePolicy(shared_overhead=False).decide(tel, 60, 600)
     # per-unit cost: median(0.001*1, 0.002*0.5) = 0.001 -> new worker is like w0
     b = d.allocation.batches
     assert b[0] == b[2] and b[1] * 2 == pytest.approx(b[0], abs=2)
+
+
+def _noisy_stats(a: float, c: float, batches, noise, rng) -> StepTimeStats:
+    stats = StepTimeStats()
+    for b in batches:
+        jitter = noise * rng.standard_normal() if noise else 0.0
+        stats = stats.add(float(b), (a + c * b) * (1 + jitter))
+    return stats
+
+
+def test_shared_overhead_keeps_equal_workers_near_the_proportional_noise_floor():
+    """With noisy steps at two nearby batch sizes, the pooled model splits two equal workers
+    about as evenly as DBS (whose only noise is the mean step time), never far worse."""
+    rng = np.random.default_rng(7)
+    rows = []
+    for _ in range(60):
+        stats = [_noisy_stats(0.002, 0.0001, [60, 68] * 10, 0.1, rng) for _ in range(2)]
+        tel = [WorkerTelemetry(f"w{i}", samples=int(s.sb), compute_s=s.st, stats=s)
+               for i, s in enumerate(stats)]
+
+        def spread(policy) -> int:
+            b = policy.decide(tel, 128, 1280).allocation.batches  # noqa: B023
+            return abs(b[0] - b[1])
+
+        rows.append((spread(AffinePolicy(min_gain=0.0)),
+                     spread(AffinePolicy(min_gain=0.0, shared_overhead=False)),
+                     spread(DBSPolicy())))
+    pooled, per_worker, dbs = np.mean(rows, axis=0)
+    assert pooled <= 2.0 * dbs + 1.0
+    assert pooled <= 1.15 * per_worker + 0.5
+
+
+def test_shared_overhead_is_exact_when_slowdown_scales_the_whole_step():
+    # Worker i is f_i times slower at everything: t_i(b) = f_i * (a + c*b), k = a/c = 20.
+    f = np.array([1.0, 2.0, 4.0])
+    tel = [WorkerTelemetry(f"w{i}", stats=_noisy_stats(f[i] * 0.02, f[i] * 0.001,
+                                                        [40, 80], 0.0, None))
+           for i in range(3)]
+    d = AffinePolicy(min_gain=0.0).decide(tel, 256, 2560)
+    b = np.array(d.allocation.batches, dtype=float)
+    t = f * (0.02 + 0.001 * b)
+    assert t.max() / t.min() < 1.02
+    _, _, k = shared_overhead_fit(*np.array([[s.stats.n, s.stats.sb, s.stats.st, s.stats.sbb,
+                                               s.stats.sbt] for s in tel]).T)
+    assert k == pytest.approx(20.0)

@@ -19,8 +19,16 @@ def _spec(name: str = "job", **kw: object) -> JobSpec:
 
 def _record(epoch: int) -> EpochRecord:
     return EpochRecord(
-        epoch=epoch, wall_s=1.0, steps=3, dataset_size=100, samples_trained=100,
-        train_loss=0.5, utilization=0.8, compute_balance=0.9, policy="affine", workers=[],
+        epoch=epoch,
+        wall_s=1.0,
+        steps=3,
+        dataset_size=100,
+        samples_trained=100,
+        train_loss=0.5,
+        utilization=0.8,
+        compute_balance=0.9,
+        policy="affine",
+        workers=[],
     )
 
 
@@ -38,8 +46,12 @@ def test_create_and_get(store: JobStore) -> None:
     assert rec.spec.epochs == 7
     assert rec.created_at == rec.updated_at == 10.0
     snap = rec.current_snapshot()
-    assert (snap.job_id, snap.name, snap.state, snap.epochs) == ("a" * 12, "first",
-                                                                 JobState.PENDING, 7)
+    assert (snap.job_id, snap.name, snap.state, snap.epochs) == (
+        "a" * 12,
+        "first",
+        JobState.PENDING,
+        7,
+    )
     assert store.get("b" * 12) is None
 
 
@@ -117,7 +129,10 @@ def test_persists_across_reopen(tmp_path: Path) -> None:
     rec = s.get("a" * 12)
     assert rec is not None
     assert (rec.name, rec.state, rec.reason, rec.cluster) == (
-        "kept", JobState.CANCELLED, "stop", EMBEDDED_CLUSTER
+        "kept",
+        JobState.CANCELLED,
+        "stop",
+        EMBEDDED_CLUSTER,
     )
     assert [r.epoch for r in s.history("a" * 12)] == [0]
     s.close()

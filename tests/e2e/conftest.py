@@ -1,0 +1,144 @@
+"""Real processes for the service's end-to-end tests, all on loopback.
+
+* ``ray_head``: Ray as its own cluster (``ray start --head --block``, 2 CPUs, a temporary
+  directory), so detached coordinators outlive an API process. Torn down by stopping the
+  processes this fixture started (its own session), never with ``ray stop``: that would
+  also stop every other Ray cluster on a shared machine.
+* ``api_server``: ``dynabatch serve --address ...`` as a subprocess that a test can kill and
+  start again on the same port and database.
+* ``prometheus``: the Debian ``prometheus`` binary with a temporary config and TSDB,
+  scraping the API every second.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.e2e.procs import (
+    BIN,
+    ApiServer,
+    base_env,
+    find_free_port,
+    stop_process,
+    tail,
+    wait_for,
+)
+
+
+@pytest.fixture
+def free_port() -> int:
+    return find_free_port()
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[str]:
+    """``ray start --head`` on loopback with 2 CPUs; yields its GCS address."""
+    port = find_free_port()
+    # Short path: Ray's unix sockets live under it.
+    temp = Path(tempfile.mkdtemp(prefix="dbx-ray-", dir="/tmp"))
+    log = temp / "ray-start.log"
+    cmd = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        f"--port={port}",
+        "--node-ip-address=127.0.0.1",
+        "--num-cpus=2",
+        "--include-dashboard=false",
+        f"--dashboard-port={find_free_port()}",
+        f"--dashboard-agent-listen-port={find_free_port()}",
+        f"--temp-dir={temp}",
+        "--object-store-memory=200000000",
+        "--disable-usage-stats",
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=base_env()
+        )
+    try:
+
+        def started() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"ray start exited:\n{tail(log)}")
+            return "block forever" in log.read_text(errors="replace")
+
+        wait_for("the Ray head to start", started, timeout=90)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_process(proc, grace=5.0)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def api_server(ray_head: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    server = ApiServer(ray_head, find_free_port(), tmp_path_factory.mktemp("api"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(api_server: ApiServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Prometheus on loopback scraping the API every second; yields its URL."""
+    exe = shutil.which("prometheus") or (
+        "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None
+    )
+    if exe is None:
+        pytest.fail("prometheus is not installed: run `make prometheus` (Debian package)")
+    work = tmp_path_factory.mktemp("prometheus")
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "dynabatch-api",
+                # The service's own `job` label (the dynabatch job id) must win over the
+                # scrape job's; otherwise Prometheus renames it to exported_job.
+                "honor_labels": True,
+                "scrape_interval": "1s",
+                "scrape_timeout": "1s",
+                "metrics_path": "/metrics",
+                "static_configs": [{"targets": [f"127.0.0.1:{api_server.port}"]}],
+            }
+        ],
+    }
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = find_free_port()
+    log = work / "prometheus.log"
+    cmd = [
+        exe,
+        f"--config.file={work / 'prometheus.yml'}",
+        f"--storage.tsdb.path={work / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--storage.tsdb.retention.time=1h",
+        "--log.level=warn",
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=work
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"prometheus exited:\n{tail(log)}")
+            try:
+                return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for("Prometheus to be ready", ready, timeout=60)
+        yield url
+    finally:
+        stop_process(proc, grace=10.0)

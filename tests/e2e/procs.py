@@ -1,0 +1,171 @@
+"""Process helpers for the end-to-end tier: free ports, polling, stopping what we started,
+and the ``dynabatch serve`` subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+T = TypeVar("T")
+BIN = Path(sys.executable).parent
+
+
+def find_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(
+    what: str, predicate: Callable[[], T | None], timeout: float, interval: float = 0.25
+) -> T:
+    """Poll until ``predicate`` returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Processes in session ``sid`` (a session this module created with setsid)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid:  # state, ppid, pgrp, session
+            pids.append(int(entry.name))
+    return pids
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes], *, sig: int = signal.SIGTERM, grace: float = 10.0
+) -> None:
+    """Signal ``proc``, wait ``grace`` seconds, then SIGKILL what is left of its session."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    for pid in _session_pids(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["RAY_AUTH_MODE"] = "disabled"
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    for key in ("RAY_ADDRESS", "DYNABATCH_API_TOKEN"):
+        env.pop(key, None)
+    return env
+
+
+class ApiServer:
+    """``dynabatch serve`` as a subprocess: start, kill (a crash) and start again."""
+
+    def __init__(self, address: str, port: int, workdir: Path, **settings: Any):
+        self.address = address
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.db = workdir / "jobs.db"
+        self.workdir = workdir
+        self.settings = settings
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / f"api-{self.starts}.log"
+
+    def logs(self) -> str:
+        return "\n".join(
+            (self.workdir / f"api-{i}.log").read_text(errors="replace")
+            for i in range(1, self.starts + 1)
+        )
+
+    def start(self, timeout: float = 120.0) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        self.starts += 1
+        env = base_env()
+        env["DYNABATCH_SYNC_INTERVAL_S"] = "0.25"
+        env["DYNABATCH_LOG_LEVEL"] = "info"
+        for key, value in self.settings.items():
+            env[f"DYNABATCH_{key.upper()}"] = str(value)
+        cmd = [
+            str(BIN / "dynabatch"),
+            "serve",
+            "--address",
+            self.address,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--db",
+            str(self.db),
+        ]
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+                cwd=self.workdir,
+            )
+        proc, log = self.proc, self.log
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"dynabatch serve exited:\n{tail(log)}")
+            try:
+                return httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for("the API to be ready", ready, timeout=timeout, interval=0.3)
+
+    def kill(self) -> None:
+        """A crash: SIGKILL, no shutdown hooks."""
+        if self.proc is not None:
+            stop_process(self.proc, sig=signal.SIGKILL, grace=5.0)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, sig=signal.SIGTERM, grace=15.0)
+
+
+def promql(url: str, query: str) -> list[dict[str, Any]]:
+    """An instant query; returns the result vector."""
+    r = httpx.get(f"{url}/api/v1/query", params={"query": query}, timeout=5)
+    r.raise_for_status()
+    body = r.json()
+    assert body["status"] == "success", body
+    return body["data"]["result"]

@@ -1,0 +1,301 @@
+"""The Grafana dashboards against the real thing: every query returns data.
+
+A real `dynabatch serve` (uvicorn, embedded Ray) runs a real job; a real Prometheus, started
+on loopback with the scrape job of deploy/prometheus/prometheus.yml (its honor_labels and
+all, pointed at this API, scraping every second), scrapes it. Then every PromQL expression of
+every dashboard panel, and every template variable's query, is sent to Prometheus with
+Grafana's variables substituted, and must return data. No panel may query a metric that the
+service does not export: the metric names in the dashboards are also checked against the
+API's live /metrics.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.unit.test_deploy_static import (
+    PROMETHEUS,
+    ROOT,
+    dashboard_expressions,
+    dashboards,
+    label_values_parts,
+    panel_queries,
+    promql_metric_names,
+    substitute,
+    variable_query,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+SCRAPE_INTERVAL = "1s"
+RATE_INTERVAL = "10s"  # Grafana's $__rate_interval for a 1 s scrape interval, with margin
+API_JOB = "dynabatch-api"
+
+# A job that runs until the test cancels it: two workers, one emulated twice as slow, so the
+# policy rebalances and every per-worker series moves.
+JOB_SPEC = {
+    "name": "deploy-live",
+    "dataset": {"name": "digits", "limit": 480},
+    "model": {"name": "mlp", "hidden": 32},
+    "workers": 2,
+    "global_batch": 32,
+    "epochs": 10_000,
+    "policy": "affine",
+    "rebalance": {"mode": "steps", "every_steps": 10},
+    "emulation": {"slowdowns": [1, 2]},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, predicate: Callable[[], Any], timeout: float, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT, grace: float = 30.0) -> None:
+    """Stop a process this test started: politely, then its whole session."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session (start_new_session)
+        proc.wait(10)
+
+
+def get_ok(url: str, **kw: Any) -> httpx.Response | None:
+    try:
+        r = httpx.get(url, timeout=5, **kw)
+    except httpx.HTTPError:
+        return None
+    return r if r.status_code == 200 else None
+
+
+@pytest.fixture(scope="module")
+def live_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`dynabatch serve` on a free loopback port, with an embedded Ray of two CPUs."""
+    tmp = tmp_path_factory.mktemp("deploy-api")
+    port = free_port()
+    log = tmp / "api.log"
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "DYNABATCH_RAY_NUM_CPUS": "2",
+    }
+    for var in ("RAY_ADDRESS", "DYNABATCH_RAY_ADDRESS", "DYNABATCH_API_TOKEN"):
+        env.pop(var, None)
+    argv = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--db",
+        str(tmp / "jobs.db"),
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(
+            "the API to be ready",
+            lambda: proc.poll() is not None or get_ok(f"{url}/readyz"),
+            timeout=120,
+        )
+        assert proc.poll() is None, f"dynabatch serve exited:\n{tail(log)}"
+        yield url
+    finally:
+        stop(proc)
+        if proc.returncode not in (0, -signal.SIGINT):
+            print(f"dynabatch serve exited with {proc.returncode}:\n{tail(log)}")
+
+
+def prometheus_config(api_target: str) -> dict[str, Any]:
+    """deploy/prometheus/prometheus.yml's API scrape job, aimed at ``api_target``. The Ray
+    job is left out: its DNS names exist only inside compose."""
+    cfg = yaml.safe_load(PROMETHEUS.read_text())
+    (job,) = [copy.deepcopy(j) for j in cfg["scrape_configs"] if j["job_name"] == API_JOB]
+    job["static_configs"] = [{**job["static_configs"][0], "targets": [api_target]}]
+    job["scrape_interval"] = job["scrape_timeout"] = SCRAPE_INTERVAL
+    glob = {
+        **cfg.get("global", {}),
+        "scrape_interval": SCRAPE_INTERVAL,
+        "scrape_timeout": SCRAPE_INTERVAL,
+        "evaluation_interval": SCRAPE_INTERVAL,
+    }
+    return {"global": glob, "scrape_configs": [job]}
+
+
+@pytest.fixture(scope="module")
+def live_prometheus(live_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = os.environ.get("PROMETHEUS_BIN") or "prometheus"
+    if subprocess.run(["sh", "-c", f"command -v {binary}"], capture_output=True).returncode:
+        pytest.skip("prometheus is not installed (see `make prometheus`)")
+    tmp = tmp_path_factory.mktemp("deploy-prometheus")
+    config = tmp / "prometheus.yml"
+    config.write_text(yaml.safe_dump(prometheus_config(live_api.removeprefix("http://"))))
+    port = free_port()
+    log = tmp / "prometheus.log"
+    argv = [
+        binary,
+        f"--config.file={config}",
+        f"--storage.tsdb.path={tmp / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--log.level=warn",
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(
+            "Prometheus to be ready",
+            lambda: proc.poll() is not None or get_ok(f"{url}/-/ready"),
+            timeout=60,
+        )
+        assert proc.poll() is None, f"prometheus exited:\n{tail(log)}"
+        yield url
+    finally:
+        stop(proc, signal.SIGTERM)
+
+
+def promql(prom: str, path: str, **params: Any) -> Any:
+    r = httpx.get(f"{prom}/api/v1/{path}", params=params, timeout=30)
+    body = r.json()
+    assert body.get("status") == "success", f"{path} {params}: {body}"
+    return body["data"]
+
+
+def has_finite_value(result: list[dict[str, Any]]) -> bool:
+    for series in result:
+        values = series.get("values") or [series.get("value")]
+        for v in values:
+            if v and math.isfinite(float(v[1])):
+                return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def running_job(live_api: str, live_prometheus: str) -> Iterator[dict[str, Any]]:
+    """A job that has finished a few epochs while Prometheus scraped it; cancelled after."""
+    started = time.time()
+    r = httpx.post(f"{live_api}/v1/jobs", json=JOB_SPEC, timeout=60)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["job_id"]
+
+    def progressed() -> bool:
+        job = httpx.get(f"{live_api}/v1/jobs/{job_id}", timeout=10).json()
+        if job["state"] in ("FAILED", "CANCELLED", "SUCCEEDED"):
+            pytest.fail(f"job {job_id} ended early: {job['state']}: {job.get('reason')}")
+        # Three finished epochs, and 15 s of per-worker series in Prometheus: enough for the
+        # epoch-time histogram, the accuracy, and every rate window.
+        res = promql(
+            live_prometheus,
+            "query",
+            query=f'count_over_time(dynabatch_worker_batch_size{{job="{job_id}"}}[15s])'
+            f' >= 12 and on (job) dynabatch_job_epoch{{job="{job_id}"}} >= 3',
+        )
+        return bool(res["result"])
+
+    try:
+        wait_for(f"job {job_id} to run three epochs under Prometheus", progressed, timeout=180)
+        yield {"id": job_id, "start": started}
+    finally:
+        httpx.post(f"{live_api}/v1/jobs/{job_id}/cancel", json={"reason": "test done"}, timeout=30)
+
+
+def test_dashboards_query_only_metrics_the_live_api_exports(
+    live_api: str, running_job: dict[str, Any]
+) -> None:
+    text = httpx.get(f"{live_api}/metrics", timeout=10).text
+    exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    missing = {}
+    for name, what, expr in dashboard_expressions():
+        unknown = promql_metric_names(substitute(expr, job=running_job["id"])) - exported
+        if unknown:
+            missing[f"{name} {what}"] = sorted(unknown)
+    assert not missing, f"dashboards query metrics the API does not export: {missing}"
+
+
+def test_job_variable_lists_the_running_job(
+    live_prometheus: str, running_job: dict[str, Any]
+) -> None:
+    for name, d in dashboards().items():
+        for var in d["templating"]["list"]:
+            if var["type"] != "query":
+                continue
+            selector, label = label_values_parts(variable_query(var))
+            values = promql(
+                live_prometheus,
+                f"label/{label}/values",
+                **{"match[]": substitute(selector, job=running_job["id"])},
+            )
+            assert values, f"{name}: variable {var['name']} has no values"
+            if var["name"] == "job":
+                assert running_job["id"] in values, (name, values)
+
+
+def test_every_dashboard_query_returns_data(
+    live_prometheus: str, running_job: dict[str, Any]
+) -> None:
+    end = time.time()
+    start = running_job["start"] - 5
+    empty, checked = [], 0
+    for name, d in dashboards().items():
+        for title, _panel, target in panel_queries(d):
+            expr = substitute(
+                target["expr"],
+                job=running_job["id"],
+                rate_interval=RATE_INTERVAL,
+                interval=SCRAPE_INTERVAL,
+            )
+            where = f"{name} / {title} / {target['refId']}: {expr}"
+            data = promql(live_prometheus, "query_range", query=expr, start=start, end=end, step=1)
+            if not has_finite_value(data["result"]):
+                empty.append(where)
+            if target.get("instant"):  # tables and bar charts: the latest value
+                now = promql(live_prometheus, "query", query=expr, time=end)
+                if not has_finite_value(now["result"]):
+                    empty.append(f"{where} (instant)")
+            checked += 1
+    assert checked >= 30, checked
+    assert not empty, "queries without data:\n" + "\n".join(empty)

@@ -1,0 +1,163 @@
+"""Elastic membership on a real multi-node Ray cluster: node loss, scale-up, min_workers,
+scheduler death. Each test adds its own nodes, tagged with a resource only it uses."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from scheduler.checkpoint import load_checkpoint
+from scheduler.coordinator import Coordinator
+from scheduler.launch import find_coordinator, launch_coordinator
+from scheduler.state import JobState
+from service.spec import JobSpec
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _spec(tag: str, **kw) -> JobSpec:
+    base = dict(name=tag, dataset={"name": "digits"}, model={"name": "mlp", "hidden": 64},
+                optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9}, workers=3,
+                min_workers=1, global_batch=64, epochs=3, seed=5, node_resource=tag,
+                collective_timeout_s=3, worker_wait_timeout_s=20)
+    base.update(kw)
+    return JobSpec.model_validate(base)
+
+
+def _nodes(cluster, tag: str, n: int) -> list:
+    nodes = [cluster.add_node(num_cpus=1, resources={tag: 1}, object_store_memory=80 * 2**20)
+             for _ in range(n)]
+    cluster.wait_for_nodes()
+    return nodes
+
+
+def _start(coord: Coordinator) -> threading.Thread:
+    t = threading.Thread(target=coord.run, daemon=True)
+    t.start()
+    return t
+
+
+def _node_of(cluster, nodes, node_id: str):
+    return next(n for n in nodes if n.node_id == node_id)
+
+
+def test_node_loss_mid_epoch_keeps_training(cluster):
+    tag = "elastic_loss"
+    nodes = _nodes(cluster, tag, 3)
+    # Long enough that the lost node's worker is dead well before the job could end.
+    spec = _spec(tag, epochs=5, model={"name": "mlp", "hidden": 512})
+    baseline = Coordinator("loss-baseline", spec, resume=False).run()
+    assert baseline.state == JobState.SUCCEEDED
+
+    coord = Coordinator("loss", spec, resume=False)
+    thread = _start(coord)
+    wait_for(lambda: coord.epoch == 1 and coord.step_in_epoch >= 4, timeout=120, interval=0.01)
+    victim = coord.members[-1]
+    t_lost = time.monotonic()
+    cluster.remove_node(_node_of(cluster, nodes, victim.node), allow_graceful=False)
+    thread.join(timeout=180)
+    snap = coord.snapshot()
+    assert snap.state == JobState.SUCCEEDED, snap.reason
+    failures = [e for e in coord.membership_events() if e.kind == "failure"]
+    assert [e.worker for e in failures] == [victim.worker_id]
+    assert failures[0].time - (time.time() - (time.monotonic() - t_lost)) < 15
+    assert snap.generation >= 2
+    for rec in coord.history():
+        assert rec.samples_trained == rec.dataset_size
+    assert abs(snap.test_accuracy - baseline.test_accuracy) <= 0.02
+    assert len(coord.members) == 2
+
+
+def test_joining_node_gets_a_worker_and_a_share_by_speed(cluster):
+    tag = "elastic_join"
+    _nodes(cluster, tag, 2)
+    # The newcomer (ordinal 2) is emulated 3x slower than the first two.
+    # Compute-dominated steps (per-step overhead ~ a few samples' worth), so the share that
+    # equalises finish times is close to proportional to speed.
+    spec = _spec(tag, workers=2, max_workers=3, epochs=12, global_batch=128,
+                 dataset={"name": "synthetic",
+                          "options": {"n_samples": 4000, "n_features": 128}},
+                 model={"name": "mlp", "hidden": 2048},
+                 emulation={"slowdowns": [1, 1, 3]})
+    coord = Coordinator("join", spec, resume=False)
+    thread = _start(coord)
+    wait_for(lambda: coord.epoch >= 1, timeout=120, interval=0.05)
+    _nodes(cluster, tag, 1)
+    t_ready = time.monotonic()
+    wait_for(lambda: len(coord.members) == 3, timeout=60, interval=0.05)
+    joined_epoch = coord.epoch
+    assert joined_epoch <= spec.epochs - 3, "the job ended too soon to watch the newcomer"
+    thread.join(timeout=240)
+    snap = coord.snapshot()
+    assert snap.state == JobState.SUCCEEDED, snap.reason
+    joins = [e for e in coord.membership_events() if e.kind == "join" and e.worker == "w2"]
+    assert joins and time.monotonic() - t_ready < 240
+    # Within 2 epochs of joining, its share follows its speed.
+    last = coord.history()[joined_epoch + 2]
+    by = {w.worker: w for w in last.workers}
+    assert set(by) == {"w0", "w1", "w2"}
+    # Three times slower: a share below the fast workers' (by how much depends on the fixed
+    # per-step cost, which the slow node pays three times over), and it is not the one the
+    # others wait for.
+    shares = {k: v.batch for k, v in by.items()}
+    assert 0 < by["w2"].batch < min(by["w0"].batch, by["w1"].batch), shares
+    per_step = {k: v.compute_s / v.steps for k, v in by.items()}
+    assert per_step["w2"] <= 1.15 * max(per_step["w0"], per_step["w1"]), per_step
+    assert last.samples_trained == last.dataset_size
+
+
+def test_below_min_workers_fails_with_reason_within_timeout(cluster):
+    tag = "elastic_min"
+    nodes = _nodes(cluster, tag, 2)
+    spec = _spec(tag, workers=2, min_workers=2, epochs=50, worker_wait_timeout_s=4)
+    coord = Coordinator("min", spec, resume=False)
+    thread = _start(coord)
+    wait_for(lambda: coord.state == JobState.RUNNING and coord.step_in_epoch >= 2, timeout=120,
+             interval=0.01)
+    cluster.remove_node(nodes[0], allow_graceful=False)
+    t0 = time.monotonic()
+    wait_for(lambda: coord.state == JobState.PENDING or coord.state.is_terminal, timeout=30,
+             interval=0.05)
+    if coord.state == JobState.PENDING:
+        assert "waiting for nodes" in (coord.reason or "")
+    thread.join(timeout=60)
+    snap = coord.snapshot()
+    assert snap.state == JobState.FAILED
+    assert "min_workers=2" in snap.reason
+    assert time.monotonic() - t0 < 4 + 3 + 10
+
+
+def test_killed_scheduler_resumes_from_checkpoint_with_identical_weights(cluster, tmp_path):
+    tag = "elastic_resume"
+    _nodes(cluster, tag, 2)
+    spec = _spec(tag, workers=2, epochs=3, policy="static",
+                 checkpoint={"dir": str(tmp_path / "a"), "every_epochs": 1})
+    # Uninterrupted reference.
+    ref = Coordinator("resume-ref", spec, resume=False).run()
+    assert ref.state == JobState.SUCCEEDED
+    ref_w = load_checkpoint(tmp_path / "a", "resume-ref")["weights"]["model"]
+
+    spec_b = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(
+        update={"dir": str(tmp_path / "b")})})
+    handle = launch_coordinator("resume-job", spec_b, detached=True, resume=False)
+    wait_for(lambda: ray.get(handle.snapshot.remote()).epoch >= 1
+             and ray.get(handle.snapshot.remote()).step >= 3, timeout=120, interval=0.05)
+    ray.kill(handle, no_restart=True)
+    wait_for(lambda: find_coordinator("resume-job") is None, timeout=30)
+    ckpt = load_checkpoint(tmp_path / "b", "resume-job")
+    assert ckpt["epoch"] >= 1
+    # A new scheduler for the same job id picks the checkpoint up.
+    resumed = Coordinator("resume-job", spec_b, resume=True)
+    assert resumed.epoch == ckpt["epoch"]
+    snap = resumed.run()
+    assert snap.state == JobState.SUCCEEDED, snap.reason
+    assert len(resumed.history()) == 3
+    final = load_checkpoint(tmp_path / "b", "resume-job")["weights"]["model"]
+    for k, v in ref_w.items():
+        assert torch.equal(final[k], v), k

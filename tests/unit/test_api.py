@@ -1,0 +1,571 @@
+"""Route logic against the app with a fake cluster (tests/fakes.py): no Ray."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.app import build_service, create_app
+from scheduler.state import JobState
+from service.jobs import EMBEDDED_ENDED, JobService
+from service.settings import Settings
+from service.store import JobStore
+from tests.fakes import NODE_IDS, FakeCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = {"name": "digits", "workers": 2, "global_batch": 64, "epochs": 2}
+
+MakeApp = Callable[..., tuple[TestClient, JobService, FakeCluster]]
+
+
+@pytest.fixture
+def make_app(tmp_path: Path) -> Iterator[MakeApp]:
+    """Apps on one SQLite file; each call is one API process (started via the lifespan)."""
+    clients: list[TestClient] = []
+
+    def make(
+        cluster: FakeCluster | None = None, **settings: Any
+    ) -> tuple[TestClient, JobService, FakeCluster]:
+        cluster = cluster if cluster is not None else FakeCluster()
+        options = {"db_path": str(tmp_path / "jobs.db"), "sync_interval_s": 0.0, **settings}
+        cfg = Settings(**options)
+        app = create_app(cfg, cluster=cluster)
+        client = TestClient(app)
+        client.__enter__()
+        clients.append(client)
+        return client, app.state.service, cluster
+
+    yield make
+    for c in clients:
+        c.__exit__(None, None, None)
+
+
+def _stop(client: TestClient) -> None:
+    """End an app (as when the API process exits)."""
+    client.__exit__(None, None, None)
+
+
+def _submit(client: TestClient, **overrides: Any) -> str:
+    r = client.post("/v1/jobs", json={**SPEC, **overrides})
+    assert r.status_code == 201, r.text
+    return r.json()["job_id"]
+
+
+def _sync(service: JobService, times: int = 1) -> None:
+    for _ in range(times):
+        service.sync_once()
+
+
+# Submit and validation ----------------------------------------------------------------
+def test_submit_returns_201_and_id(make_app: MakeApp) -> None:
+    client, _, cluster = make_app()
+    r = client.post("/v1/jobs", json=SPEC)
+    assert r.status_code == 201
+    body = r.json()
+    assert re.fullmatch(r"[0-9a-f]{12}", body["job_id"])
+    assert body["state"] == "PENDING" and body["name"] == "digits"
+    assert r.headers["location"] == f"/v1/jobs/{body['job_id']}"
+    assert body["job_id"] in cluster.coordinators
+
+
+def test_submit_reports_accepted_settings_without_effect(make_app: MakeApp) -> None:
+    client, _, _ = make_app()
+    spec = {**SPEC, "emulation": {"disturbances": [{"worker": 0, "factor": 2, "epoch": 9}]}}
+    with pytest.warns(UserWarning, match="ignored"):
+        r = client.post("/v1/jobs", json=spec)
+    assert r.status_code == 201
+    assert any("ignored" in w for w in r.json()["warnings"])
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "needle"),
+    [
+        ({"global_batch": 0}, "global_batch", "greater than or equal to 1"),
+        ({"bogus": 1}, "bogus", "unknown field"),
+        ({"policy": "best"}, "policy", "'static', 'dbs' or 'affine'"),
+        ({"rebalance": {"mode": "never"}}, "rebalance.mode", "'epoch'"),
+        ({"workers": 0}, "workers", "between 1 and"),
+        ({"workers": 4, "global_batch": 2}, "global_batch", "smaller than workers"),
+        ({"dataset": {"name": "nope"}}, "dataset.name", "unknown dataset"),
+    ],
+)
+def test_bad_spec_gets_422_naming_the_field(
+    make_app: MakeApp, body: dict[str, Any], field: str, needle: str
+) -> None:
+    client, _, cluster = make_app()
+    r = client.post("/v1/jobs", json=body)
+    assert r.status_code == 422
+    errors = r.json()["detail"]
+    mine = [e for e in errors if e["field"] == field]
+    assert mine, errors
+    assert needle in mine[0]["msg"]
+    assert not cluster.coordinators
+
+
+def test_each_problem_is_its_own_entry(make_app: MakeApp) -> None:
+    client, _, _ = make_app()
+    r = client.post(
+        "/v1/jobs", json={"workers": 4, "min_workers": 5, "global_batch": 2, "epochs": 0}
+    )
+    assert r.status_code == 422
+    fields = {e["field"] for e in r.json()["detail"]}
+    assert {"epochs"} <= fields or {"workers", "global_batch"} <= fields
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "expected a JSON object"),
+        (b"", "a JSON body is required"),
+    ],
+)
+def test_malformed_bodies_get_422(make_app: MakeApp, content: bytes, needle: str) -> None:
+    client, _, _ = make_app()
+    r = client.post("/v1/jobs", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert needle in r.json()["detail"][0]["msg"]
+
+
+def test_payload_too_large_gets_413(make_app: MakeApp) -> None:
+    client, _, _ = make_app(max_body_bytes=1000)
+    big = {**SPEC, "dataset": {"name": "digits", "options": {"pad": "x" * 2000}}}
+    r = client.post("/v1/jobs", json=big)
+    assert r.status_code == 413
+    assert "1000 bytes" in r.json()["detail"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield b'{"name": "x", "dataset": {"options": {"pad": "'
+        for _ in range(10):
+            yield b"y" * 200
+        yield b'"}}}'
+
+    r = client.post("/v1/jobs", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+# Reading jobs -------------------------------------------------------------------------
+def test_job_progresses_to_succeeded_with_history_and_logs(make_app: MakeApp) -> None:
+    client, service, _ = make_app()
+    job = _submit(client)
+    _sync(service)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "RUNNING"
+    assert [w["worker"] for w in body["workers"]] == ["w0", "w1"]
+    assert sum(w["batch"] for w in body["workers"]) == 64
+    assert body["spec"]["global_batch"] == 64
+    _sync(service, 3)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["epochs_completed"] == 1
+    assert body["train_loss"] == 1.0 and body["test_accuracy"] == 0.5
+    _sync(service, 10)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "SUCCEEDED"
+    assert body["finished_at"] is not None
+    history = client.get(f"/v1/jobs/{job}/history").json()["records"]
+    assert [r["epoch"] for r in history] == [0, 1]
+    assert (
+        client.get(f"/v1/jobs/{job}/history", params={"since": 1}).json()["records"][0]["epoch"]
+        == 1
+    )
+    logs = client.get(f"/v1/jobs/{job}/logs").json()
+    assert logs["lines"][-1]["message"] == "state SUCCEEDED"
+    tail = client.get(f"/v1/jobs/{job}/logs", params={"since": logs["next_since"]}).json()
+    assert tail["lines"] == [] and tail["next_since"] == logs["next_since"]
+
+
+def test_finished_coordinator_is_released(make_app: MakeApp) -> None:
+    client, service, cluster = make_app()
+    job = _submit(client, epochs=1)
+    _sync(service, 6)
+    assert client.get(f"/v1/jobs/{job}").json()["state"] == "SUCCEEDED"
+    assert cluster.released == [job]
+
+
+def test_list_filters_by_state_and_paginates(make_app: MakeApp) -> None:
+    client, service, _ = make_app()
+    jobs = [_submit(client, name=f"j{i}") for i in range(4)]
+    client.post(f"/v1/jobs/{jobs[0]}/cancel")
+    _sync(service)
+    page = client.get("/v1/jobs", params={"limit": 2}).json()
+    assert page["total"] == 4 and [j["name"] for j in page["items"]] == ["j3", "j2"]
+    page = client.get("/v1/jobs", params={"limit": 2, "offset": 2}).json()
+    assert [j["name"] for j in page["items"]] == ["j1", "j0"]
+    running = client.get("/v1/jobs", params={"state": "RUNNING"}).json()
+    assert running["total"] == 3 and {j["state"] for j in running["items"]} == {"RUNNING"}
+    cancelled = client.get("/v1/jobs", params={"state": "CANCELLED"}).json()
+    assert [j["job_id"] for j in cancelled["items"]] == [jobs[0]]
+    assert client.get("/v1/jobs", params={"state": "BOGUS"}).status_code == 422
+    assert client.get("/v1/jobs", params={"limit": 0}).status_code == 422
+    assert client.get("/v1/jobs", params={"offset": -1}).status_code == 422
+
+
+def test_several_jobs_run_at_once(make_app: MakeApp) -> None:
+    client, service, _ = make_app()
+    a, b = _submit(client), _submit(client)
+    _sync(service, 2)
+    assert {client.get(f"/v1/jobs/{j}").json()["state"] for j in (a, b)} == {"RUNNING"}
+
+
+def test_pending_job_shows_why(make_app: MakeApp) -> None:
+    hold = "waiting for resources: no eligible node (check worker_cpus)"
+    client, service, _ = make_app(FakeCluster(hold=hold))
+    job = _submit(client, worker_cpus=64)
+    _sync(service, 3)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "PENDING" and body["reason"] == hold
+    assert client.get("/v1/jobs").json()["items"][0]["reason"] == hold
+
+
+# Ids ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["", "/history", "/logs"])
+def test_malformed_id_is_422_unknown_is_404(make_app: MakeApp, path: str) -> None:
+    client, _, _ = make_app()
+    r = client.get(f"/v1/jobs/not-an-id{path}")
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "job_id"
+    r = client.get(f"/v1/jobs/{'0' * 12}{path}")
+    assert r.status_code == 404 and "not found" in r.json()["detail"]
+    assert client.post("/v1/jobs/NOTHEX000000/cancel").status_code == 422
+    assert client.post(f"/v1/jobs/{'0' * 12}/cancel").status_code == 404
+
+
+# Cancel -------------------------------------------------------------------------------
+def test_cancel_then_409(make_app: MakeApp) -> None:
+    client, service, _ = make_app()
+    job = _submit(client)
+    _sync(service)
+    r = client.post(f"/v1/jobs/{job}/cancel", json={"reason": "changed my mind"})
+    assert r.status_code == 200
+    assert r.json()["state"] == "CANCELLED" and r.json()["reason"] == "changed my mind"
+    r = client.post(f"/v1/jobs/{job}/cancel")
+    assert r.status_code == 409
+    assert r.json()["detail"] == "job is CANCELLED; it cannot become CANCELLED"
+
+
+def test_cancelling_a_finished_job_is_409(make_app: MakeApp) -> None:
+    client, service, _ = make_app()
+    job = _submit(client, epochs=1)
+    _sync(service, 6)
+    r = client.post(f"/v1/jobs/{job}/cancel")
+    assert r.status_code == 409 and "SUCCEEDED" in r.json()["detail"]
+
+
+def test_cancel_rejects_bad_reason(make_app: MakeApp) -> None:
+    client, _, _ = make_app()
+    job = _submit(client)
+    assert client.post(f"/v1/jobs/{job}/cancel", json={"reason": ""}).status_code == 422
+    assert client.post(f"/v1/jobs/{job}/cancel", json={"why": "x"}).status_code == 422
+
+
+# Failures of the cluster --------------------------------------------------------------
+def test_coordinator_death_fails_the_job_with_reason(make_app: MakeApp) -> None:
+    client, service, cluster = make_app()
+    job = _submit(client)
+    _sync(service, 2)
+    cluster.kill(job)
+    _sync(service)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "FAILED"
+    assert "coordinator actor died" in body["reason"]
+    assert body["workers"]  # the last telemetry is kept
+
+
+def test_launch_errors(make_app: MakeApp) -> None:
+    from service.jobs import ClusterError, ClusterUnavailable
+
+    client, _, cluster = make_app()
+    cluster.launch_error = ClusterError("bad resources")
+    r = client.post("/v1/jobs", json=SPEC)
+    assert r.status_code == 201
+    assert r.json()["state"] == "FAILED" and "bad resources" in r.json()["reason"]
+    cluster.launch_error = ClusterUnavailable("Ray is gone")
+    r = client.post("/v1/jobs", json=SPEC)
+    assert r.status_code == 503 and "Ray is gone" in r.json()["detail"]
+
+
+def test_ray_unreachable_during_sync_keeps_the_job(make_app: MakeApp) -> None:
+    client, service, cluster = make_app()
+    job = _submit(client)
+    _sync(service)
+    cluster.unavailable = True
+    _sync(service, 3)
+    assert client.get(f"/v1/jobs/{job}").json()["state"] == "RUNNING"
+    assert client.get("/readyz").status_code == 503
+    assert client.get("/readyz").json()["status"] == "unavailable"
+    assert client.get("/v1/nodes").status_code == 503
+    cluster.unavailable = False
+    _sync(service, 12)
+    assert client.get(f"/v1/jobs/{job}").json()["state"] == "SUCCEEDED"
+
+
+# Restart ------------------------------------------------------------------------------
+def test_restart_reattaches_running_jobs_and_keeps_finished(make_app: MakeApp) -> None:
+    cluster = FakeCluster()  # outlives the API process, like a `ray start` cluster
+    client, service, _ = make_app(cluster)
+    done = _submit(client, epochs=1)
+    running = _submit(client, epochs=3)
+    lost = _submit(client, epochs=3)
+    _sync(service, 6)
+    assert client.get(f"/v1/jobs/{done}").json()["state"] == "SUCCEEDED"
+    _stop(client)
+    cluster.kill(lost)  # its coordinator died while the API was down
+
+    client, service, _ = make_app(cluster)
+    assert running in cluster.found
+    states = {j["job_id"]: j for j in client.get("/v1/jobs").json()["items"]}
+    assert states[done]["state"] == "SUCCEEDED"
+    assert states[running]["state"] == "RUNNING"
+    assert states[lost]["state"] == "FAILED"
+    assert "no coordinator actor" in states[lost]["reason"]
+    _sync(service, 12)
+    body = client.get(f"/v1/jobs/{running}").json()
+    assert body["state"] == "SUCCEEDED" and body["epochs_completed"] == 3
+    assert len(client.get(f"/v1/jobs/{running}/history").json()["records"]) == 3
+
+
+def test_embedded_restart_fails_live_jobs_with_reason(make_app: MakeApp) -> None:
+    client, service, _ = make_app(FakeCluster(embedded=True))
+    job = _submit(client)
+    _sync(service)
+    # The process dies hard: no lifespan shutdown runs. A new process, a new Ray.
+    client, _, _ = make_app(FakeCluster(embedded=True))
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "FAILED" and body["reason"] == EMBEDDED_ENDED
+
+
+def test_embedded_shutdown_fails_live_jobs(make_app: MakeApp) -> None:
+    client, service, _ = make_app(FakeCluster(embedded=True))
+    job = _submit(client)
+    _sync(service)
+    _stop(client)
+    store = JobStore(service.store.path)
+    rec = store.get(job)
+    store.close()
+    assert rec is not None and rec.state == JobState.FAILED and rec.reason == EMBEDDED_ENDED
+
+
+def test_sync_loop_runs_in_background(make_app: MakeApp) -> None:
+    client, _, _ = make_app(sync_interval_s=0.01)
+    job = _submit(client, epochs=2)
+    deadline = time.monotonic() + 10
+    while client.get(f"/v1/jobs/{job}").json()["state"] != "SUCCEEDED":
+        assert time.monotonic() < deadline, "the sync loop did not finish the job"
+        time.sleep(0.02)
+
+
+# Nodes and health ---------------------------------------------------------------------
+def test_nodes_show_which_jobs_they_host(make_app: MakeApp) -> None:
+    client, service, _ = make_app()
+    job = _submit(client, workers=3, global_batch=60)
+    _sync(service)
+    nodes = {n["node_id"]: n for n in client.get("/v1/nodes").json()["nodes"]}
+    assert set(nodes) == set(NODE_IDS)
+    first = nodes[NODE_IDS[0]]
+    assert first["resources"]["CPU"] == 2.0 and first["head"]
+    assert first["jobs"] == [{"job_id": job, "name": "digits", "workers": ["w0", "w2"]}]
+    assert nodes[NODE_IDS[1]]["jobs"][0]["workers"] == ["w1"]
+
+
+def test_health_and_readiness(make_app: MakeApp) -> None:
+    client, _, _ = make_app()
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+
+
+# Auth ---------------------------------------------------------------------------------
+def test_token_guards_job_data_and_mutations(make_app: MakeApp) -> None:
+    client, _, _ = make_app(api_token="s3cret")
+    good = {"Authorization": "Bearer s3cret"}
+    for method, path in [
+        ("POST", "/v1/jobs"),
+        ("GET", "/v1/jobs"),
+        ("GET", f"/v1/jobs/{'0' * 12}"),
+        ("GET", f"/v1/jobs/{'0' * 12}/history"),
+        ("GET", f"/v1/jobs/{'0' * 12}/logs"),
+        ("POST", f"/v1/jobs/{'0' * 12}/cancel"),
+        ("GET", "/v1/nodes"),
+    ]:
+        r = client.request(method, path, json=SPEC if method == "POST" else None)
+        assert r.status_code == 401, (method, path)
+        assert r.headers["www-authenticate"] == "Bearer"
+        r = client.request(method, path, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401, (method, path)
+    r = client.post("/v1/jobs", json=SPEC, headers=good)
+    assert r.status_code == 201
+    assert client.get("/v1/jobs", headers=good).json()["total"] == 1
+    # By default health and metrics stay open (probes and scrapers have no token).
+    assert client.get("/healthz").status_code == 200
+    assert client.get("/readyz").status_code == 200
+    assert client.get("/metrics").status_code == 200
+
+
+def test_token_on_health_and_metrics_is_configurable(make_app: MakeApp) -> None:
+    client, _, _ = make_app(api_token="s3cret", auth_health=True, auth_metrics=True)
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_no_token_configured_means_open(make_app: MakeApp) -> None:
+    client, _, _ = make_app(auth_health=True, auth_metrics=True)
+    assert client.get("/v1/jobs").status_code == 200
+    assert client.get("/metrics").status_code == 200
+
+
+# Metrics ------------------------------------------------------------------------------
+def _documented_metric_names() -> set[str]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Metric names", 1)[1]
+    return set(re.findall(r"`(dynabatch_[a-z_]+)", section))
+
+
+def _families(text: str) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _exposed_names(text: str) -> set[str]:
+    """Names as a PromQL query sees them (counters with ``_total``)."""
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, _kind = line.split()
+            names.add(name)
+    return names
+
+
+def test_metrics_answer_200_without_redirect(make_app: MakeApp) -> None:
+    client, _, _ = make_app()
+    r = client.get("/metrics", follow_redirects=False)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+
+
+def test_metrics_names_are_exactly_the_documented_ones(make_app: MakeApp) -> None:
+    client, service, _ = make_app()
+    _submit(client)
+    _sync(service, 5)
+    client.get("/healthz")
+    exposed = _exposed_names(client.get("/metrics").text)
+    documented = _documented_metric_names()
+    assert documented, "docs/architecture.md lists no metric names?"
+    assert exposed == documented
+
+
+def test_metrics_read_live_job_state_at_scrape_time(make_app: MakeApp) -> None:
+    client, service, cluster = make_app()
+    job = _submit(client, name="metrics-job", policy="dbs")
+    _sync(service)
+    fams = _families(client.get("/metrics").text)
+    batches = {
+        s.labels["worker"]: (s.value, s.labels["node"])
+        for s in fams["dynabatch_worker_batch_size"].samples
+        if s.labels["job"] == job
+    }
+    assert batches == {"w0": (32.0, NODE_IDS[0]), "w1": (32.0, NODE_IDS[1])}
+    for name in (
+        "dynabatch_worker_partition_samples",
+        "dynabatch_worker_throughput_samples_per_second",
+        "dynabatch_worker_compute_seconds",
+        "dynabatch_worker_wait_seconds",
+    ):
+        assert len(fams[name].samples) == 2, name
+    info = fams["dynabatch_job_info"].samples[0]
+    assert info.labels == {"job": job, "name": "metrics-job", "policy": "dbs"}
+    states = {s.labels["state"]: s.value for s in fams["dynabatch_job_state"].samples}
+    assert states == {"PENDING": 0, "RUNNING": 1, "SUCCEEDED": 0, "FAILED": 0, "CANCELLED": 0}
+
+    _sync(service, 3)  # one epoch ends: a rebalance, an epoch duration, a loss
+    fams = _families(client.get("/metrics").text)
+    batches = {s.labels["worker"]: s.value for s in fams["dynabatch_worker_batch_size"].samples}
+    assert batches == {"w0": 33.0, "w1": 31.0}
+    assert fams["dynabatch_job_rebalances"].samples[0].value == 1
+    assert fams["dynabatch_job_train_loss"].samples[0].value == 1.0
+    hist = {
+        s.name: s
+        for s in fams["dynabatch_job_epoch_duration_seconds"].samples
+        if s.name.endswith(("_count", "_sum"))
+    }
+    assert hist["dynabatch_job_epoch_duration_seconds_count"].value == 1
+    assert hist["dynabatch_job_epoch_duration_seconds_sum"].value == pytest.approx(0.5)
+    jobs = {s.labels["state"]: s.value for s in fams["dynabatch_jobs"].samples}
+    assert jobs["RUNNING"] == 1
+    assert fams["dynabatch_cluster_nodes"].samples[0].value == 2
+    assert cluster.coordinators[job].epoch == 1
+
+
+def test_request_metrics_use_route_templates(make_app: MakeApp) -> None:
+    client, _, _ = make_app()
+    client.get(f"/v1/jobs/{'0' * 12}")
+    client.get(f"/v1/jobs/{'1' * 12}")
+    client.get("/no/such/path")
+    fams = _families(client.get("/metrics").text)
+    counts = {
+        (s.labels["route"], s.labels["method"], s.labels["status"]): s.value
+        for s in fams["dynabatch_http_requests"].samples
+    }
+    assert counts[("/v1/jobs/{job_id}", "GET", "404")] == 2
+    assert counts[("unmatched", "GET", "404")] == 1
+    latency = [
+        s
+        for s in fams["dynabatch_http_request_duration_seconds"].samples
+        if s.name.endswith("_count") and s.labels["route"] == "/v1/jobs/{job_id}"
+    ]
+    assert latency[0].value == 2
+
+
+def test_finished_jobs_leave_metrics_after_retention(make_app: MakeApp) -> None:
+    client, service, _ = make_app(metrics_retention_s=0.0)
+    job = _submit(client, epochs=1)
+    _sync(service, 6)
+    time.sleep(0.01)
+    text = client.get("/metrics").text
+    assert job not in text
+    assert 'dynabatch_jobs{state="SUCCEEDED"} 1.0' in text
+
+
+def test_apps_have_their_own_registries(tmp_path: Path) -> None:
+    a = create_app(Settings(db_path=str(tmp_path / "a.db")), cluster=FakeCluster())
+    b = create_app(Settings(db_path=str(tmp_path / "b.db")), cluster=FakeCluster())
+    assert a.state.registry is not b.state.registry
+
+
+def test_create_app_accepts_a_ready_service(tmp_path: Path) -> None:
+    cfg = Settings(db_path=str(tmp_path / "c.db"), sync_interval_s=0)
+    service = build_service(cfg, FakeCluster())
+    with TestClient(create_app(cfg, service=service)) as client:
+        assert client.get("/v1/jobs").json()["total"] == 0
+        assert service.cluster.ping()
+
+
+def test_openapi_is_complete(make_app: MakeApp) -> None:
+    client, _, _ = make_app()
+    schema = client.get("/openapi.json").json()
+    paths = schema["paths"]
+    assert set(paths) == {
+        "/v1/jobs",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/{job_id}/history",
+        "/v1/jobs/{job_id}/logs",
+        "/v1/jobs/{job_id}/cancel",
+        "/v1/nodes",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    }
+    post = paths["/v1/jobs"]["post"]
+    assert {"201", "401", "413", "422", "503"} <= set(post["responses"])
+    assert post["requestBody"]["content"]["application/json"]["examples"]
+    assert "409" in paths["/v1/jobs/{job_id}/cancel"]["post"]["responses"]
+    assert "404" in paths["/v1/jobs/{job_id}"]["get"]["responses"]
+    comps = schema["components"]["schemas"]
+    assert "JobSpec" in comps and "JobDetail" in comps
+    assert comps["JobDetail"].get("example") and comps["JobSpec"].get("examples")
+    assert "HTTPBearer" in schema["components"]["securitySchemes"]

@@ -1,0 +1,57 @@
+"""How RayClusterClient reads Ray's errors (no cluster needed)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import ray.exceptions as rex
+
+from scheduler.state import InvalidTransition
+from service.jobs import ClusterError, ClusterUnavailable, CoordinatorGone
+from service.ray_client import RayClusterClient, _probe, _translate
+
+
+def test_timeouts_and_unavailable_actors_are_transient() -> None:
+    assert isinstance(_translate(rex.GetTimeoutError("slow"), "j"), ClusterUnavailable)
+    assert isinstance(
+        _translate(rex.ActorUnavailableError("restarting", None), "j"), ClusterUnavailable
+    )
+
+
+def test_a_dead_actor_is_gone() -> None:
+    assert isinstance(_translate(rex.ActorDiedError(), "j"), CoordinatorGone)
+
+
+def test_invalid_transition_survives_even_unpickled() -> None:
+    # Ray raises UnserializableException when the actor's InvalidTransition cannot be
+    # unpickled; its text still says what happened.
+    err = RuntimeError(
+        "scheduler.state.InvalidTransition: job is SUCCEEDED; it cannot become CANCELLED"
+    )
+    assert isinstance(_translate(err, "j"), InvalidTransition)
+
+
+def test_anything_else_is_a_cluster_error_with_one_line() -> None:
+    out = _translate(ValueError("line one\nline two"), "j")
+    assert type(out) is ClusterError and str(out) == "line two"
+
+
+def test_embedded_is_the_default() -> None:
+    assert RayClusterClient().embedded
+    assert RayClusterClient("local").embedded
+    assert not RayClusterClient("10.0.0.1:6379").embedded
+    assert not RayClusterClient().ping()  # not connected: not ready
+
+
+def test_an_unreachable_address_fails_fast() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ClusterUnavailable, match=f"cannot reach Ray at 127.0.0.1:{port}"):
+        _probe(f"127.0.0.1:{port}", 1.0)
+    _probe("ray://head:10001", 1.0)  # not host:port: left to Ray
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        _probe(f"127.0.0.1:{listener.getsockname()[1]}", 1.0)

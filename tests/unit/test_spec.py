@@ -1,0 +1,265 @@
+"""JobSpec validation: one-line, field-named errors; combinations; warnings."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.spec import JobSpec, SpecError, load_spec, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def error_of(data) -> str:
+    with pytest.raises(SpecError) as info:
+        parse_spec(data)
+    text = str(info.value)
+    assert "\n" not in text and "\r" not in text, text  # ONE line
+    assert text == "; ".join(info.value.problems)
+    return text
+
+
+def test_defaults_are_valid():
+    spec = parse_spec({})
+    assert spec == JobSpec()
+    assert spec.workers == 2 and spec.initial_workers == 2
+    assert not spec.emulated
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"bogus_field": 1}, "bogus_field: unknown field"),
+        ({"optimizer": {"lr": -1}}, "optimizer.lr: "),
+        ({"optimizer": {"lr": "fast"}}, "optimizer.lr: "),
+        ({"optimizer": {"name": "lbfgs"}}, "optimizer.name: "),
+        ({"optimizer": {"betas": [0.9, 0.99]}}, "optimizer.betas: unknown field"),
+        ({"model": {"hiden": 3}}, "model.hiden: unknown field"),
+        ({"model": {"name": "transformer"}}, "model.name: unknown model 'transformer'"),
+        ({"dataset": {"name": "imagenet"}}, "dataset.name: unknown dataset 'imagenet'"),
+        ({"dataset": {"test_fraction": 1.5}}, "dataset.test_fraction: "),
+        ({"global_batch": 0}, "global_batch: "),
+        ({"global_batch": 12.5}, "global_batch: "),
+        ({"epochs": "many"}, "epochs: "),
+        ({"policy": "fifo"}, "policy: "),
+        ({"rebalance": {"mode": "always"}}, "rebalance.mode: "),
+        ({"rebalance": {"threshold": 1.0}}, "rebalance.threshold: "),
+        ({"name": "has space"}, "name: "),
+        ({"device": "tpu"}, "device: "),
+        ({"emulation": {"slowdowns": [1, 0.5]}}, "emulation.slowdowns.1: "),
+        ({"emulation": {"disturbances": [{"worker": 0}]}}, "emulation.disturbances.0.factor: "),
+        ({"checkpoint": {"every_epochs": 0}}, "checkpoint.every_epochs: "),
+    ],
+)
+def test_wrong_field_gives_one_line_naming_it(data, expected):
+    text = error_of(data)
+    assert text.startswith(expected), text
+    assert text.count(";") == 0, text  # exactly one problem
+
+
+@pytest.mark.parametrize("workers", [0, 4097, -1, "many", "", True, False, 2.5, None, [2]])
+def test_bad_worker_count_is_one_clear_error(workers):
+    # One message for the int | 'auto' union, not one per member.
+    assert error_of({"workers": workers}) == (
+        "workers: must be an integer between 1 and 4096, or 'auto'"
+    )
+
+
+@pytest.mark.parametrize(("workers", "expected"), [("auto", "auto"), (3, 3), (3.0, 3), ("4", 4)])
+def test_good_worker_counts(workers, expected):
+    spec = parse_spec({"workers": workers, "emulation": {}})
+    assert spec.workers == expected
+    assert spec.initial_workers == (None if expected == "auto" else expected)
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"workers": 2, "min_workers": 3, "max_workers": 2}, "min_workers: "),
+        ({"workers": 1, "min_workers": 2}, "workers: workers (1) is below min_workers (2)"),
+        ({"workers": 5, "max_workers": 4}, "workers: workers (5) is above max_workers (4)"),
+        ({"workers": 8, "global_batch": 4}, "global_batch: global_batch (4) is smaller than"),
+        ({"workers": 4, "global_batch": 64, "max_batch": 15}, "max_batch: max_batch (15)"),
+        ({"workers": 4, "emulation": {"slowdowns": [1, 2]}}, "emulation.slowdowns: "),
+        (
+            {"workers": 2, "emulation": {"disturbances": [{"worker": 2, "factor": 3}]}},
+            "emulation.disturbances.0.worker: worker 2 does not exist",
+        ),
+        ({"device": "cuda"}, "worker_gpus: device 'cuda' needs worker_gpus > 0"),
+    ],
+)
+def test_invalid_combinations_name_the_field(data, field):
+    text = error_of(data)
+    assert text.startswith(field), text
+    assert not text.startswith("spec:"), text
+
+
+def test_every_combination_problem_is_reported_on_one_line():
+    text = error_of(
+        {"workers": 4, "min_workers": 5, "max_workers": 3, "emulation": {"slowdowns": [1]}}
+    )
+    assert text.split("; ") == [
+        "min_workers: min_workers (5) is greater than max_workers (3)",
+        "workers: workers (4) is below min_workers (5)",
+        "workers: workers (4) is above max_workers (3)",
+        "emulation.slowdowns: emulation.slowdowns has 1 entries but workers is 4",
+    ]
+
+
+def test_several_field_errors_one_line_each_named():
+    text = error_of({"bogus": 1, "optimizer": {"lr": 0}, "epochs": 0})
+    problems = text.split("; ")
+    assert len(problems) == 3
+    assert {p.split(":")[0] for p in problems} == {"bogus", "optimizer.lr", "epochs"}
+
+
+def test_combinations_skipped_for_auto_workers():
+    spec = parse_spec({"workers": "auto", "global_batch": 1, "emulation": {"slowdowns": [1, 2, 3]}})
+    assert spec.initial_workers is None and spec.emulated
+
+
+def test_valid_combinations_accepted():
+    spec = parse_spec(
+        {
+            "workers": 4,
+            "min_workers": 2,
+            "max_workers": 8,
+            "global_batch": 64,
+            "max_batch": 16,
+            "emulation": {"slowdowns": [1, 1, 2, 4], "disturbances": [{"worker": 3, "factor": 2}]},
+            "device": "cuda",
+            "worker_gpus": 1,
+        }
+    )
+    assert spec.emulated and spec.max_batch == 16
+
+
+def test_not_a_mapping():
+    assert error_of(["workers", 2]) == "spec: expected a mapping of fields, got list"
+    assert error_of(None) == "spec: expected a mapping of fields, got NoneType"
+
+
+def test_multiline_messages_are_flattened():
+    err = SpecError(["a: first\nsecond", "b: third"])
+    assert str(err) == "a: first second; b: third"
+
+
+# --------------------------------------------------------------------------------------
+# warnings for accepted values that have no effect
+
+
+def test_adam_momentum_is_ignored_with_a_warning():
+    with pytest.warns(UserWarning, match=r"optimizer\.momentum is ignored by adam"):
+        spec = parse_spec({"optimizer": {"name": "adam", "momentum": 0.9}})
+    assert spec.optimizer.name == "adam"
+
+
+def test_no_warning_when_nothing_is_ignored():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_spec({"optimizer": {"name": "adam"}})
+        parse_spec({"optimizer": {"name": "sgd", "momentum": 0.9}})
+
+
+def test_disturbance_after_last_epoch_warns():
+    with pytest.warns(UserWarning, match="epoch 5 is ignored"):
+        parse_spec(
+            {"epochs": 3, "emulation": {"disturbances": [{"worker": 0, "factor": 2, "epoch": 5}]}}
+        )
+
+
+# --------------------------------------------------------------------------------------
+# files
+
+
+def test_load_spec_yaml(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("name: t\nworkers: 2\nglobal_batch: 8\noptimizer:\n  lr: 0.5\n")
+    spec = load_spec(p)
+    assert spec.name == "t" and spec.optimizer.lr == 0.5
+
+
+def test_load_spec_errors_are_one_line(tmp_path):
+    bad_field = tmp_path / "bad.yaml"
+    bad_field.write_text("optimizer:\n  lr: -3\n")
+    with pytest.raises(SpecError, match=r"^optimizer\.lr: ") as info:
+        load_spec(bad_field)
+    assert "\n" not in str(info.value)
+
+    bad_yaml = tmp_path / "broken.yaml"
+    bad_yaml.write_text("workers: [1,\n  2\nname: x: y\n")
+    with pytest.raises(SpecError, match="not valid YAML") as info:
+        load_spec(bad_yaml)
+    assert "\n" not in str(info.value)
+
+    with pytest.raises(SpecError, match="cannot read config") as info:
+        load_spec(tmp_path / "missing.yaml")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_are_valid(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_spec(path)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    data=st.dictionaries(
+        st.sampled_from(
+            [
+                "workers",
+                "global_batch",
+                "min_workers",
+                "max_workers",
+                "max_batch",
+                "epochs",
+                "policy",
+                "device",
+                "bogus",
+                "optimizer",
+                "emulation",
+            ]
+        ),
+        st.one_of(
+            st.integers(-5, 5000),
+            st.text(max_size=8),
+            st.none(),
+            st.booleans(),
+            st.floats(allow_nan=True),
+            st.lists(st.integers(0, 5), max_size=5),
+            st.dictionaries(
+                st.sampled_from(["lr", "name", "slowdowns", "x"]),
+                st.integers(-1, 3) | st.text(max_size=3),
+                max_size=2,
+            ),
+        ),
+        max_size=5,
+    )
+)
+def test_any_input_is_a_spec_or_one_line_field_named_error(data):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            spec = parse_spec(data)
+        except SpecError as err:
+            text = str(err)
+            assert "\n" not in text
+            assert err.problems
+            for problem in err.problems:
+                field, sep, _ = problem.partition(": ")
+                assert sep and field, problem
+        else:
+            assert isinstance(spec, JobSpec)
+
+
+def test_extra_slowdowns_are_for_later_joiners_and_warn_past_max_workers():
+    spec = parse_spec({"workers": 2, "max_workers": 3, "emulation": {"slowdowns": [1, 1, 2]}})
+    assert spec.emulation.slowdowns == [1, 1, 2]
+    with pytest.warns(UserWarning, match="entries past 3 are ignored"):
+        parse_spec({"workers": 3, "emulation": {"slowdowns": [1, 1, 1, 1]}})
