@@ -30,16 +30,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+import numpy as np
+import ray
+from ray.cluster_utils import Cluster
 
-from scheduler.coordinator import Coordinator  # noqa: E402
-from scheduler.model import StepTimeStats, equal_finish, fit  # noqa: E402
-from scheduler.pool import eligible_nodes, spawn_worker  # noqa: E402
-from service.raycluster import FAST_HEALTH_CHECK  # noqa: E402
-from service.spec import JobSpec  # noqa: E402
-from service.workloads.datasets import load_dataset  # noqa: E402
+from scheduler.coordinator import Coordinator
+from scheduler.model import StepTimeStats, equal_finish, fit
+from scheduler.pool import eligible_nodes, spawn_worker
+from service.raycluster import FAST_HEALTH_CHECK
+from service.spec import JobSpec
+from service.workloads.datasets import load_dataset
 
 CLUSTERS = {"a": [1.0, 3.0], "b": [1.0, 1.0, 2.0, 4.0]}
 PROFILE_BATCHES = [16, 64, 128, 192, 256]

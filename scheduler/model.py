@@ -257,6 +257,7 @@ def round_to_total(x: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarray) ->
 def shared_overhead_fit(
     n: np.ndarray, sb: np.ndarray, st: np.ndarray, sbb: np.ndarray, sbt: np.ndarray,
     k_max: float = np.inf, min_relative_spread: float = 0.05, iterations: int = 40,
+    own_relative_spread: float = 0.25,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Refit every worker as ``t_i(b) = c_i·(k + b)`` with one overhead ``k`` for all.
 
@@ -277,7 +278,8 @@ def shared_overhead_fit(
     by golden-section search on [0, k_max]. ``k_max`` bounds how far the plan may move
     from the proportional one: the sensitivity of b_i to timing noise grows as 1 + k/b_i.
     With no worker whose batch size varied, k = 0: DBS's proportional model.
-    Returns (a, c, k) with a_i = c_i·k; rows without data get NaN.
+    A worker whose own batch sizes spread by ``own_relative_spread`` (std / mean) or more
+    keeps its own affine fit instead. Returns (a, c, k); rows without data get NaN.
     """
     with np.errstate(divide="ignore", invalid="ignore"):
         has = (n > 0) & (sb > 0) & (st > 0)
@@ -310,7 +312,18 @@ def shared_overhead_fit(
             if explained(0.0) >= explained(k):
                 k = 0.0
         c = (k * st + sbt) / (k * k * n + 2 * k * sb + sbb)
+        a = c * k
+        # A worker whose own batch sizes varied a lot (a newcomer tried at its capacity
+        # share, then at its fitted one) has a well-determined fit of its own; keep it,
+        # since its overhead may differ from the others' (e.g. memory-bound steps).
+        denom = n * sbb - sb * sb
+        c_own = (n * sbt - sb * st) / denom
+        a_own = (st - c_own * sb) / n
+        own = has & (var_b >= (own_relative_spread * mean_b) ** 2) & np.isfinite(c_own) & (
+            c_own > 0) & (a_own >= 0)
+        a = np.where(own, a_own, a)
+        c = np.where(own, c_own, c)
         bad = ~(has & np.isfinite(c) & (c > 0))
         c = np.where(bad, np.nan, c)
-        a = np.where(bad, np.nan, c * k)
+        a = np.where(bad, np.nan, a)
     return a, c, k

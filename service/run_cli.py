@@ -79,7 +79,7 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
     handle = launch_coordinator(job_id, spec, detached=False, resume=False)
     interrupted = {"n": 0}
 
-    def on_sigint(signum, frame):  # noqa: ARG001
+    def on_sigint(signum, frame):
         interrupted["n"] += 1
         if interrupted["n"] > 1:
             raise KeyboardInterrupt

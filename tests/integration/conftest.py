@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from service.raycluster import FAST_HEALTH_CHECK  # noqa: E402
+from service.raycluster import FAST_HEALTH_CHECK
 
 NODES = 3
 

@@ -78,12 +78,11 @@ def test_joining_node_gets_a_worker_and_a_share_by_speed(cluster):
     tag = "elastic_join"
     _nodes(cluster, tag, 2)
     # The newcomer (ordinal 2) is emulated 3x slower than the first two.
-    # Compute-dominated steps (per-step overhead ~ a few samples' worth), so the share that
-    # equalises finish times is close to proportional to speed.
-    spec = _spec(tag, workers=2, max_workers=3, epochs=12, global_batch=128,
-                 dataset={"name": "synthetic",
-                          "options": {"n_samples": 4000, "n_features": 128}},
-                 model={"name": "mlp", "hidden": 2048},
+    # LeNet steps are compute-bound (few parameters, per-step overhead of a few samples),
+    # so the share that equalises finish times is close to proportional to speed.
+    spec = _spec(tag, workers=2, max_workers=3, epochs=16, global_batch=128,
+                 dataset={"name": "mnist", "options": {"n_train": 6000, "n_test": 500}},
+                 model={"name": "lenet"}, optimizer={"name": "sgd", "lr": 0.05},
                  emulation={"slowdowns": [1, 1, 3]})
     coord = Coordinator("join", spec, resume=False)
     thread = _start(coord)
@@ -102,11 +101,11 @@ def test_joining_node_gets_a_worker_and_a_share_by_speed(cluster):
     last = coord.history()[joined_epoch + 2]
     by = {w.worker: w for w in last.workers}
     assert set(by) == {"w0", "w1", "w2"}
-    # Three times slower: a share below the fast workers' (by how much depends on the fixed
-    # per-step cost, which the slow node pays three times over), and it is not the one the
-    # others wait for.
+    # Three times slower: about a third of a fast worker's share (a little less for its
+    # fixed per-step cost, paid three times over), and not the one the others wait for.
     shares = {k: v.batch for k, v in by.items()}
-    assert 0 < by["w2"].batch < min(by["w0"].batch, by["w1"].batch), shares
+    fast = (by["w0"].batch + by["w1"].batch) / 2
+    assert 0.1 <= by["w2"].batch / fast <= 0.5, shares
     per_step = {k: v.compute_s / v.steps for k, v in by.items()}
     assert per_step["w2"] <= 1.15 * max(per_step["w0"], per_step["w1"]), per_step
     assert last.samples_trained == last.dataset_size
