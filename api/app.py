@@ -25,14 +25,24 @@ from api.limits import BodyLimitMiddleware
 from api.metrics import JobCollector, RequestMetricsMiddleware, RequestStats
 from api.routes import health, jobs, nodes
 from scheduler.state import InvalidTransition
-from service.jobs import ClusterClient, ClusterError, ClusterUnavailable, JobNotFound, JobService
+from service.jobs import (
+    ClusterClient,
+    ClusterError,
+    ClusterUnavailable,
+    InvalidRequest,
+    JobConflict,
+    JobNotFound,
+    JobService,
+    WorkerNotFound,
+)
 from service.settings import Settings
 from service.store import JobStore
 
 log = logging.getLogger("dynabatch.api")
 
 DESCRIPTION = """\
-Submit, watch and cancel heterogeneity-aware elastic data-parallel training jobs on Ray.
+Submit, watch, scale and cancel heterogeneity-aware elastic data-parallel training jobs on
+Ray. A job with `checkpoint.dir` whose coordinator is lost is resumed from its checkpoint.
 
 When the service runs with `DYNABATCH_API_TOKEN`, job data and every mutation need
 `Authorization: Bearer <token>`. Bad input gets 422 with one message per field.
@@ -114,9 +124,29 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def not_found(_: Request, err: JobNotFound) -> JSONResponse:
         return JSONResponse({"detail": str(err)}, status_code=status.HTTP_404_NOT_FOUND)
 
+    @app.exception_handler(WorkerNotFound)
+    async def worker_not_found(_: Request, err: WorkerNotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(err)}, status_code=status.HTTP_404_NOT_FOUND)
+
     @app.exception_handler(InvalidTransition)
     async def conflict(_: Request, err: InvalidTransition) -> JSONResponse:
         return JSONResponse({"detail": str(err)}, status_code=status.HTTP_409_CONFLICT)
+
+    @app.exception_handler(JobConflict)
+    async def job_conflict(_: Request, err: JobConflict) -> JSONResponse:
+        return JSONResponse({"detail": str(err)}, status_code=status.HTTP_409_CONFLICT)
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid_request(_: Request, err: InvalidRequest) -> JSONResponse:
+        problem = {
+            "loc": ["body", *err.field.split(".")],
+            "field": err.field,
+            "msg": err.message,
+            "type": "value_error",
+        }
+        return JSONResponse(
+            {"detail": [problem]}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT
+        )
 
     @app.exception_handler(ClusterUnavailable)
     async def unavailable(_: Request, err: ClusterUnavailable) -> JSONResponse:
@@ -157,6 +187,7 @@ def build_service(settings: Settings, cluster: ClusterClient | None = None) -> J
         metrics_retention_s=settings.metrics_retention_s,
         release_finished=settings.release_finished,
         cancel_wait_s=settings.cancel_wait_s,
+        auto_resume_limit=settings.auto_resume_limit,
     )
 
 

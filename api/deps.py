@@ -9,7 +9,7 @@ from fastapi import Depends, HTTPException, Path, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.schemas import JOB_ID_EXAMPLE, ErrorResponse
-from service.jobs import JOB_ID_PATTERN, JobService
+from service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN, JobService
 from service.settings import Settings
 
 _bearer = HTTPBearer(
@@ -65,6 +65,15 @@ JobId = Annotated[
         pattern=JOB_ID_PATTERN,
         description="12 lowercase hex digits, as returned by POST /v1/jobs.",
         examples=[JOB_ID_EXAMPLE],
+    ),
+]
+
+WorkerId = Annotated[
+    str,
+    Path(
+        pattern=WORKER_ID_PATTERN,
+        description="A worker of the job, as listed in its `workers` (e.g. w0, w12).",
+        examples=["w1"],
     ),
 ]
 

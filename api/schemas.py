@@ -179,6 +179,7 @@ class JobDetail(JobSnapshot):
                 **_SNAPSHOT_EXAMPLE,
                 "created_at": 1767225590.0,
                 "updated_at": 1767225612.5,
+                "resumes": 0,
                 "spec": JobSpec.model_config["json_schema_extra"]["examples"][0],  # type: ignore[index]
             }
         },
@@ -186,6 +187,9 @@ class JobDetail(JobSnapshot):
 
     created_at: float
     updated_at: float
+    resumes: int = Field(
+        default=0, description="Times the job was resumed from its checkpoint by a new coordinator."
+    )
     spec: JobSpec
 
     @classmethod
@@ -195,6 +199,7 @@ class JobDetail(JobSnapshot):
             **snap.model_dump(),
             created_at=rec.created_at,
             updated_at=rec.updated_at,
+            resumes=rec.resumes,
             spec=rec.spec,
         )
 
@@ -214,6 +219,16 @@ class CancelRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"example": {"reason": "oops"}})
 
     reason: str = Field(default="cancelled by user", min_length=1, max_length=500)
+
+
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"example": {"workers": 3}})
+
+    workers: int = Field(
+        ge=1,
+        le=4096,
+        description="Run the job with exactly this many workers from its next step boundary.",
+    )
 
 
 class NodeList(BaseModel):

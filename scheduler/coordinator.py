@@ -53,7 +53,7 @@ log = logging.getLogger("dynabatch.scheduler")
 
 # Older observations fade by this factor per new one, so the step-time model follows a
 # worker whose speed changes.
-STATS_DECAY = 0.97
+STATS_DECAY = 0.9
 # A segment whose mean compute is off the model by more than this factor is a change of
 # speed (a disturbance), not noise: the worker's model restarts from the new observations.
 SURPRISE = 1.5

@@ -155,6 +155,17 @@ class DynabatchClient:
         body = {"reason": reason} if reason else None
         return self._call(JobDetail, "POST", f"/v1/jobs/{job_id}/cancel", json=body)
 
+    def scale(self, job_id: str, workers: int) -> JobDetail:
+        return self._call(
+            JobDetail, "POST", f"/v1/jobs/{job_id}/scale", json={"workers": workers}
+        )
+
+    def drain(self, job_id: str, worker: str) -> JobDetail:
+        return self._call(JobDetail, "DELETE", f"/v1/jobs/{job_id}/workers/{worker}")
+
+    def resume(self, job_id: str) -> JobDetail:
+        return self._call(JobDetail, "POST", f"/v1/jobs/{job_id}/resume")
+
     def nodes(self) -> NodeList:
         return self._call(NodeList, "GET", "/v1/nodes")
 

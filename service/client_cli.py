@@ -1,7 +1,8 @@
 """CLI subcommands of the REST service: ``serve`` runs it; the others are clients of it.
 
-``submit CONFIG``, ``list``, ``status ID``, ``watch ID``, ``cancel ID``, ``logs ID`` talk to
-``--url`` (``DYNABATCH_URL``) with ``--token`` (``DYNABATCH_API_TOKEN``). Any failure prints
+``submit CONFIG``, ``list``, ``status ID``, ``watch ID``, ``cancel ID``, ``logs ID``,
+``scale ID N``, ``drain ID WORKER`` and ``resume ID`` talk to ``--url`` (``DYNABATCH_URL``)
+with ``--token`` (``DYNABATCH_API_TOKEN``). Any failure prints
 one line, ``error: ...``, on stderr and exits 1; never a traceback.
 
 Tests inject a client through the click context: ``runner.invoke(app, args,
@@ -28,7 +29,7 @@ from rich.text import Text
 
 from scheduler.state import JobState
 from service.client import DEFAULT_URL, ApiError, DynabatchClient
-from service.jobs import JOB_ID_PATTERN
+from service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN
 from service.spec import SpecError, parse_spec
 
 P = ParamSpec("P")
@@ -81,6 +82,12 @@ def _check_id(job_id: str) -> str:
     if not re.fullmatch(JOB_ID_PATTERN, job_id):
         raise CliError(f"{job_id!r} is not a job id (12 lowercase hex digits, as submit prints)")
     return job_id
+
+
+def _check_worker(worker: str) -> str:
+    if not re.fullmatch(WORKER_ID_PATTERN, worker):
+        raise CliError(f"{worker!r} is not a worker id (w0, w1, ... as status lists them)")
+    return worker
 
 
 def _client(ctx: typer.Context, url: str, token: str | None) -> DynabatchClient:
@@ -374,8 +381,73 @@ def logs(
     go()
 
 
+def _accepted(job: Any, what: str) -> str:
+    line = f"job {job.job_id} {job.state.value}: {what}"
+    names = ", ".join(w.worker for w in job.workers)
+    return line + (f" (workers now: {names})" if names else "")
+
+
+def scale(
+    ctx: typer.Context,
+    job_id: JobIdArg,
+    workers: Annotated[int, typer.Argument(min=1, max=4096, help="Number of workers.")],
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Run a job with exactly N workers from its next step boundary on."""
+
+    @_clean_errors
+    def go() -> None:
+        _check_id(job_id)
+        with _client(ctx, url, token) as client:
+            job = client.scale(job_id, workers)
+        typer.echo(_accepted(job, f"scale to {workers} workers requested"))
+
+    go()
+
+
+def drain(
+    ctx: typer.Context,
+    job_id: JobIdArg,
+    worker: Annotated[str, typer.Argument(help="Worker id (w0, w1, ...), as status lists.")],
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Remove one worker gracefully at the job's next step boundary."""
+
+    @_clean_errors
+    def go() -> None:
+        _check_id(job_id)
+        _check_worker(worker)
+        with _client(ctx, url, token) as client:
+            job = client.drain(job_id, worker)
+        typer.echo(_accepted(job, f"drain of {worker} requested"))
+
+    go()
+
+
+def resume(
+    ctx: typer.Context,
+    job_id: JobIdArg,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Resume a FAILED job (or one whose coordinator is gone) from its checkpoint."""
+
+    @_clean_errors
+    def go() -> None:
+        _check_id(job_id)
+        with _client(ctx, url, token) as client:
+            job = client.resume(job_id)
+        suffix = f": {job.reason}" if job.reason else ""
+        typer.echo(f"job {job.job_id} {job.state.value}{suffix}")
+
+    go()
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``serve``, ``submit``, ``list``, ``status``, ``watch``, ``cancel`` and ``logs``."""
+    """Add ``serve``, ``submit``, ``list``, ``status``, ``watch``, ``cancel``, ``logs``,
+    ``scale``, ``drain`` and ``resume``."""
     app.command("serve")(serve)
     app.command("submit")(submit)
     app.command("list")(list_jobs)
@@ -383,6 +455,9 @@ def register(app: typer.Typer) -> None:
     app.command("watch")(watch)
     app.command("cancel")(cancel)
     app.command("logs")(logs)
+    app.command("scale")(scale)
+    app.command("drain")(drain)
+    app.command("resume")(resume)
 
 
 def main() -> None:  # pragma: no cover - ``dynabatch`` is service.cli:main

@@ -1,14 +1,24 @@
-"""``JobService``: submit, list, inspect and cancel jobs; keep the store in step with Ray.
+"""``JobService``: submit, list, inspect, cancel, scale, drain and resume jobs; keep the store
+in step with Ray.
 
 Every Ray call goes through a :class:`ClusterClient`, so routes and this service run against
 ``tests.fakes.FakeCluster`` as well as the real :class:`service.ray_client.RayClusterClient`.
 
 Reads (get, list, history, logs, metrics) come from the store. A background sync loop polls
-each live job's coordinator (snapshot, new epochs, new log lines) into the store, notices a
-coordinator that died (the job becomes FAILED with the reason), and releases a finished job's
-detached coordinator once its results are stored. On start, jobs left live by an earlier API
-process are re-attached by name; in embedded mode their Ray ended with that process, so they
-are marked FAILED instead of being forgotten.
+each live job's coordinator (snapshot, new epochs, new log lines) into the store, and releases
+a finished job's detached coordinator once its results are stored.
+
+A coordinator found dead is *resumed*: when the job's spec has ``checkpoint.dir`` and its
+checkpoint file exists, a new coordinator for the same job id starts from it (at most
+``auto_resume_limit`` times in a row without a resume being asked for; then the job fails).
+Without a checkpoint the job becomes FAILED with the reason. On start, jobs left live by an
+earlier API process are re-attached by name, or resumed the same way when their coordinator
+is gone (in embedded mode their Ray ended with that process); the rest are marked FAILED
+instead of being forgotten. ``resume()`` does it on request, also for a FAILED job.
+
+The limit counts automatic resumes since the job last finished an epoch (or was resumed on
+request), so a job that keeps losing its coordinator but makes progress is resumed each time,
+and one that crashes before finishing an epoch ends FAILED with the reason.
 """
 
 from __future__ import annotations
@@ -30,7 +40,9 @@ from service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
 log = logging.getLogger("dynabatch.service")
 
 JOB_ID_PATTERN = r"^[0-9a-f]{12}$"
+WORKER_ID_PATTERN = r"^w[0-9]{1,6}$"
 EMBEDDED_ENDED = "the embedded Ray cluster ended with the API process"
+AUTO_RESUME_LIMIT = 3
 
 
 def new_job_id() -> str:
@@ -54,6 +66,27 @@ class JobNotFound(LookupError):
     def __init__(self, job_id: str):
         super().__init__(f"job {job_id!r} not found")
         self.job_id = job_id
+
+
+class WorkerNotFound(LookupError):
+    """The job has no such worker (404)."""
+
+    def __str__(self) -> str:  # KeyError-style quoting would wrap the message
+        return str(self.args[0]) if self.args else "worker not found"
+
+
+class JobConflict(Exception):
+    """The request does not fit the job's current state (409): draining its last worker,
+    resuming a job whose coordinator is alive or which has no checkpoint."""
+
+
+class InvalidRequest(ValueError):
+    """A well-formed request that this job cannot take (422), naming the body field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
 
 
 # Cluster view ---------------------------------------------------------------------------
@@ -117,6 +150,15 @@ class ClusterClient(Protocol):
 
     def cancel(self, job_id: str, reason: str) -> JobSnapshot: ...
 
+    def scale(self, job_id: str, workers: int) -> JobSnapshot:
+        """Ask for exactly ``workers`` workers. Raises ``InvalidTransition`` if terminal."""
+        ...
+
+    def drain(self, job_id: str, worker: str) -> JobSnapshot:
+        """Remove ``worker`` at the next step boundary. Raises :class:`WorkerNotFound`,
+        :class:`JobConflict` (its last worker) or ``InvalidTransition`` (terminal)."""
+        ...
+
     def release(self, job_id: str) -> None: ...
 
     def nodes(self) -> list[NodeInfo]: ...
@@ -132,6 +174,7 @@ class JobService:
         metrics_retention_s: float = 3600.0,
         release_finished: bool = True,
         cancel_wait_s: float = 5.0,
+        auto_resume_limit: int = AUTO_RESUME_LIMIT,
         clock: Callable[[], float] = time.time,
     ):
         self.store = store
@@ -140,6 +183,7 @@ class JobService:
         self.metrics_retention_s = metrics_retention_s
         self.release_finished = release_finished
         self.cancel_wait_s = cancel_wait_s
+        self.auto_resume_limit = auto_resume_limit
         self.clock = clock
         self._sync_lock = threading.RLock()
         self._stop = threading.Event()
@@ -162,7 +206,9 @@ class JobService:
             self._thread.start()
 
     def stop(self) -> None:
-        """Stop the sync loop. In embedded mode, live jobs end with Ray: mark them FAILED."""
+        """Stop the sync loop. In embedded mode, live jobs end with Ray: those with a
+        checkpoint stay live (PENDING) to be resumed when the API starts again; the others
+        are marked FAILED."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=max(5.0, 2 * self.sync_interval_s))
@@ -170,7 +216,15 @@ class JobService:
         if self._started and self.cluster.embedded:
             self.sync_once()
             for rec in self.store.live():
-                self._fail(rec.id, EMBEDDED_ENDED)
+                if self.checkpoint_exists(rec):
+                    self.store.interrupt(
+                        rec.id,
+                        f"{EMBEDDED_ENDED}; the job resumes from its checkpoint when the "
+                        "API starts again",
+                        now=self.clock(),
+                    )
+                else:
+                    self._fail(rec.id, EMBEDDED_ENDED)
         self._started = False
 
     @property
@@ -178,17 +232,24 @@ class JobService:
         return self.cluster.ping()
 
     def reattach(self) -> list[str]:
-        """Find the coordinators of jobs the store says are live; returns the ids found."""
+        """Find the coordinators of jobs the store says are live; returns the ids found.
+
+        A job whose coordinator is gone is resumed from its checkpoint when it has one
+        (see :meth:`_coordinator_lost`), and marked FAILED otherwise.
+        """
         found = []
         for rec in self.store.live():
             if rec.cluster == EMBEDDED_CLUSTER or self.cluster.embedded:
-                reason = EMBEDDED_ENDED
                 if rec.cluster != EMBEDDED_CLUSTER:
-                    reason = (
+                    # Its own cluster may still be running it: never start a second copy.
+                    self._fail(
+                        rec.id,
                         f"the API restarted with an embedded Ray; the job's cluster "
-                        f"({rec.cluster}) is no longer attached"
+                        f"({rec.cluster}) is no longer attached",
                     )
-                self._fail(rec.id, reason)
+                    continue
+                with self._sync_lock:
+                    self._coordinator_lost(rec, EMBEDDED_ENDED)
                 continue
             try:
                 ok = self.cluster.find(rec.id)
@@ -203,7 +264,8 @@ class JobService:
                 log.info("job %s: re-attached to its coordinator", rec.id)
                 found.append(rec.id)
             else:
-                self._fail(rec.id, f"lost while the API was down: {why}")
+                with self._sync_lock:
+                    self._coordinator_lost(rec, f"lost while the API was down: {why}")
         return found
 
     def _loop(self) -> None:
@@ -237,16 +299,29 @@ class JobService:
                 return rec
             try:
                 snap = snapshot if snapshot is not None else self.cluster.snapshot(job_id)
-                last_epoch = self.store.last_epoch(job_id)
+                last_epoch = None if rec.resync else self.store.last_epoch(job_id)
                 records = self.cluster.history(job_id, 0 if last_epoch is None else last_epoch + 1)
+                # The coordinator numbers its lines from 0; a resumed job's lines are stored
+                # after the earlier coordinators' (log_offset).
                 last_seq = self.store.last_log_seq(job_id)
-                lines = self.cluster.logs(job_id, 0 if last_seq is None else last_seq + 1)
+                since = 0 if last_seq is None else max(0, last_seq + 1 - rec.log_offset)
+                lines = self.cluster.logs(job_id, since)
             except CoordinatorGone as err:
-                return self._fail(job_id, f"the job's coordinator actor died: {_first_line(err)}")
+                return self._coordinator_lost(
+                    rec, f"the job's coordinator actor died: {_first_line(err)}"
+                )
             except ClusterError as err:
                 log.warning("job %s: sync failed (%s)", job_id, _first_line(err))
                 return rec
-            self.store.add_history(job_id, records)
+            if rec.resync:
+                self.store.replace_history(job_id, records)
+            else:
+                self.store.add_history(job_id, records)
+                if records and rec.auto_resumes:
+                    # A resumed job that finishes an epoch is not crash-looping.
+                    self.store.reset_auto_resumes(job_id)
+            if rec.log_offset:
+                lines = [x.model_copy(update={"seq": x.seq + rec.log_offset}) for x in lines]
             self.store.add_logs(job_id, lines)
             self.store.save_snapshot(snap, now=self.clock())
             if snap.state.is_terminal and self.release_finished:
@@ -255,6 +330,68 @@ class JobService:
                 except ClusterError as err:
                     log.warning("job %s: cannot release coordinator (%s)", job_id, err)
             return self.store.get(job_id)
+
+    # Resume -----------------------------------------------------------------------------
+    def checkpoint_exists(self, rec: JobRecord) -> bool:
+        """Whether the job's spec names a checkpoint dir and its checkpoint file is there.
+
+        The API reads the file where the coordinator writes it: the same filesystem in
+        embedded mode, the shared checkpoint volume in compose and k8s.
+        """
+        if not rec.spec.checkpoint.dir:
+            return False
+        from scheduler.checkpoint import checkpoint_path  # imports torch: only when needed
+
+        try:
+            return checkpoint_path(rec.spec.checkpoint.dir, rec.id).is_file()
+        except OSError:
+            return False
+
+    def _coordinator_lost(self, rec: JobRecord, why: str) -> JobRecord | None:
+        """The live job ``rec``'s coordinator is gone: resume it from its checkpoint, or fail
+        it with ``why`` when it has none or has been resumed too often in a row."""
+        if not self.checkpoint_exists(rec):
+            return self._fail(rec.id, why)
+        if rec.auto_resumes >= self.auto_resume_limit:
+            return self._fail(
+                rec.id,
+                f"{why}; not resumed again: {rec.auto_resumes} automatic resumes without "
+                f"finishing an epoch (limit {self.auto_resume_limit})",
+            )
+        attempt = f"automatic resume {rec.auto_resumes + 1} of {self.auto_resume_limit}"
+        try:
+            return self._relaunch(rec, f"{why}; resuming from its checkpoint ({attempt})", True)
+        except ClusterError:
+            return self.store.get(rec.id)  # _relaunch recorded the failure
+
+    def _launch_spec(self, rec: JobRecord) -> JobSpec:
+        """The spec a resumed coordinator starts with: the job's own, at the size last
+        asked for with scale or drain (which the checkpoint does not hold)."""
+        n = rec.target_workers
+        spec = rec.spec
+        if n is None or spec.workers == n:
+            return spec
+        update: dict[str, object] = {"workers": n, "max_workers": n}
+        if spec.min_workers is not None and spec.min_workers > n:
+            update["min_workers"] = n
+        return spec.model_copy(update=update)
+
+    def _relaunch(self, rec: JobRecord, reason: str, automatic: bool) -> JobRecord:
+        """Start a new coordinator for ``rec`` (it picks up the checkpoint). A launch that
+        fails leaves the job FAILED and re-raises the ClusterError."""
+        rec = self.store.mark_resumed(rec.id, reason, automatic=automatic, now=self.clock())
+        log.warning("job %s: %s", rec.id, reason)
+        with self._launching_lock:
+            self._launching.add(rec.id)
+        try:
+            self.cluster.launch(rec.id, self._launch_spec(rec))
+        except ClusterError as err:
+            self._fail(rec.id, f"{reason}; could not start a new coordinator: {_first_line(err)}")
+            raise
+        finally:
+            with self._launching_lock:
+                self._launching.discard(rec.id)
+        return rec
 
     def _fail(self, job_id: str, reason: str) -> JobRecord | None:
         try:
@@ -319,6 +456,126 @@ class JobService:
             except ClusterError:
                 break
         return self.sync_job(job_id, snapshot=snap) or rec
+
+    def _live_record(self, job_id: str) -> JobRecord:
+        rec = self._get_record(job_id)
+        if rec.state.is_terminal:
+            raise InvalidTransition(rec.state, JobState.RUNNING)
+        return rec
+
+    def _membership_call(self, rec: JobRecord, call: Callable[[], JobSnapshot]) -> JobSnapshot:
+        """Run a scale or drain call on the job's coordinator. A coordinator that finished
+        meanwhile is a 409 with the state it finished in."""
+        try:
+            return call()
+        except InvalidTransition:
+            done = self.sync_job(rec.id) or rec
+            raise InvalidTransition(done.state, JobState.RUNNING) from None
+
+    def scale(self, job_id: str, workers: int) -> JobRecord:
+        """Run the job with exactly ``workers`` workers from its next step boundary on.
+
+        Raises ``InvalidTransition`` (409) when it finished, :class:`InvalidRequest` (422)
+        when the job's global batch cannot be split that many ways.
+        """
+        with self._sync_lock:
+            rec = self._live_record(job_id)
+            spec = rec.spec
+            if workers > spec.global_batch:
+                raise InvalidRequest(
+                    "workers",
+                    f"workers ({workers}) is above the job's global_batch ({spec.global_batch}): "
+                    "every worker needs at least one sample per step",
+                )
+            if spec.max_batch is not None and spec.max_batch * workers < spec.global_batch:
+                raise InvalidRequest(
+                    "workers",
+                    f"{workers} workers with max_batch {spec.max_batch} cannot hold the job's "
+                    f"global_batch ({spec.global_batch})",
+                )
+            try:
+                snap = self._membership_call(rec, lambda: self.cluster.scale(job_id, workers))
+            except CoordinatorGone as err:
+                # The size holds for the coordinator that resumes the job (if it can be).
+                self.store.set_target_workers(job_id, workers)
+                done = self._coordinator_lost(
+                    rec, f"the job's coordinator actor died: {_first_line(err)}"
+                )
+                if done is None or done.state.is_terminal:
+                    raise InvalidTransition(
+                        done.state if done else JobState.FAILED, JobState.RUNNING
+                    ) from None
+                return done
+            self.store.set_target_workers(job_id, workers)
+            log.info("job %s: scale to %d workers requested", job_id, workers)
+            return self.sync_job(job_id, snapshot=snap) or rec
+
+    def drain(self, job_id: str, worker: str) -> JobRecord:
+        """Remove ``worker`` from the job at its next step boundary (gracefully: its share of
+        the epoch goes to the others).
+
+        Raises :class:`WorkerNotFound` (404), :class:`JobConflict` (409) for the job's last
+        worker and ``InvalidTransition`` (409) when the job finished.
+        """
+        with self._sync_lock:
+            rec = self._live_record(job_id)
+            try:
+                snap = self._membership_call(rec, lambda: self.cluster.drain(job_id, worker))
+            except CoordinatorGone as err:
+                done = self._coordinator_lost(
+                    rec, f"the job's coordinator actor died: {_first_line(err)}"
+                )
+                what = "it is being resumed" if done and not done.state.is_terminal else "it failed"
+                raise WorkerNotFound(
+                    f"worker {worker!r} is not a member of job {job_id}: the job's coordinator "
+                    f"was lost and its workers with it ({what})"
+                ) from None
+            # The size a resumed coordinator starts with. The drained worker may be listed
+            # until the step boundary, and so may others drained before it: the size last
+            # asked for, less one, is then the smaller number.
+            others = sum(1 for w in snap.workers if w.worker != worker)
+            if rec.target_workers is not None:
+                others = min(others, rec.target_workers - 1)
+            self.store.set_target_workers(job_id, max(1, others))
+            log.info("job %s: drain of %s requested", job_id, worker)
+            return self.sync_job(job_id, snapshot=snap) or rec
+
+    def resume(self, job_id: str) -> JobRecord:
+        """Start a new coordinator for the job from its checkpoint.
+
+        For a FAILED job, or a live one whose coordinator is gone. Raises
+        :class:`JobConflict` (409) for a job that SUCCEEDED or was CANCELLED, that has no
+        checkpoint, or whose coordinator is alive; :class:`ClusterUnavailable` (503, after
+        recording the failure) when Ray did not answer.
+        """
+        with self._sync_lock:
+            rec = self._get_record(job_id)
+            if rec.state in (JobState.SUCCEEDED, JobState.CANCELLED):
+                raise JobConflict(
+                    f"job is {rec.state.value}; only a FAILED job, or a live one whose "
+                    "coordinator is gone, can be resumed"
+                )
+            alive = self.cluster.find(job_id)
+            if alive and not rec.state.is_terminal:
+                raise JobConflict(
+                    f"job is {rec.state.value} and its coordinator is alive: nothing to resume"
+                )
+            if not rec.spec.checkpoint.dir:
+                raise JobConflict(
+                    f"job {job_id} has no checkpoint.dir in its spec: nothing to resume from"
+                )
+            if not self.checkpoint_exists(rec):
+                raise JobConflict(
+                    f"job {job_id} has no checkpoint yet in {rec.spec.checkpoint.dir}"
+                )
+            if alive:
+                # The FAILED job's coordinator was kept (release_finished off, or the release
+                # failed): it goes, so the new one can take its name.
+                self.cluster.release(job_id)
+            was = f"job was {rec.state.value}" + (f" ({rec.reason})" if rec.reason else "")
+            rec = self._relaunch(rec, f"resume requested; {was}", automatic=False)
+            log.info("job %s: resumed on request", job_id)
+            return rec
 
     # Queries ----------------------------------------------------------------------------
     def _get_record(self, job_id: str) -> JobRecord:

@@ -15,7 +15,14 @@ from typing import Any
 
 from scheduler.state import InvalidTransition, JobState
 from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from service.jobs import ClusterError, ClusterUnavailable, CoordinatorGone, NodeInfo
+from service.jobs import (
+    ClusterError,
+    ClusterUnavailable,
+    CoordinatorGone,
+    JobConflict,
+    NodeInfo,
+    WorkerNotFound,
+)
 from service.spec import JobSpec
 
 log = logging.getLogger("dynabatch.ray")
@@ -147,6 +154,25 @@ class RayClusterClient:
 
     def cancel(self, job_id: str, reason: str) -> JobSnapshot:
         return JobSnapshot.model_validate(self._call(job_id, "cancel", reason))
+
+    def scale(self, job_id: str, workers: int) -> JobSnapshot:
+        return JobSnapshot.model_validate(self._membership_call(job_id, "scale", workers))
+
+    def drain(self, job_id: str, worker: str) -> JobSnapshot:
+        return JobSnapshot.model_validate(self._membership_call(job_id, "drain", worker))
+
+    def _membership_call(self, job_id: str, method: str, *args: Any) -> Any:
+        """scale/drain: the coordinator's KeyError (no such worker) and ValueError (the last
+        worker) are the caller's mistakes, not Ray failures."""
+        try:
+            return self._call(job_id, method, *args)
+        except ClusterError as err:
+            cause = getattr(err.__cause__, "cause", None)
+            if isinstance(cause, KeyError):
+                raise WorkerNotFound(str(cause.args[0]) if cause.args else str(cause)) from None
+            if isinstance(cause, ValueError) and not isinstance(cause, InvalidTransition):
+                raise JobConflict(str(cause)) from None
+            raise
 
     def release(self, job_id: str) -> None:
         import ray

@@ -52,6 +52,13 @@ class Settings(BaseSettings):
         default=True,
         description="Kill a finished job's detached coordinator once its results are stored.",
     )
+    auto_resume_limit: int = Field(
+        default=3,
+        ge=0,
+        le=1000,
+        description="Automatic resumes of a job from its checkpoint without it finishing an "
+        "epoch in between, before it is marked FAILED; 0 turns automatic resume off.",
+    )
     log_level: str = Field(default="info", description="uvicorn and service log level.")
 
     @property

@@ -1,8 +1,14 @@
 """SQLite persistence for jobs, their per-epoch history and their logs.
 
 One connection guarded by a lock, so the API's request threads and the sync loop can share a
-store. The schema is created on open. Terminal states are final: once a job is SUCCEEDED,
-FAILED or CANCELLED in the store, nothing changes its state again.
+store. The schema is created on open (and columns added since are added to an older file).
+Terminal states are final, with one exception: :meth:`JobStore.mark_resumed` takes a FAILED
+job back to PENDING when it is resumed from its checkpoint.
+
+A resumed job gets a new coordinator whose log lines count from 0 again: each job keeps a
+``log_offset`` added to its coordinator's sequence numbers, so stored lines never collide. The
+new coordinator also holds the history only up to its checkpoint: ``resync`` marks a job whose
+whole history is to be re-read (and replaced) at its next sync.
 """
 
 from __future__ import annotations
@@ -31,7 +37,12 @@ CREATE TABLE IF NOT EXISTS jobs (
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL,
     finished_at REAL,
-    snapshot TEXT
+    snapshot TEXT,
+    resumes INTEGER NOT NULL DEFAULT 0,
+    auto_resumes INTEGER NOT NULL DEFAULT 0,
+    target_workers INTEGER,
+    log_offset INTEGER NOT NULL DEFAULT 0,
+    resync INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state, created_at);
 CREATE TABLE IF NOT EXISTS history (
@@ -52,6 +63,15 @@ CREATE TABLE IF NOT EXISTS logs (
 
 EMBEDDED_CLUSTER = "embedded"
 
+# Columns added after the first release: (name, definition) for ALTER TABLE on older files.
+_ADDED_COLUMNS = (
+    ("resumes", "INTEGER NOT NULL DEFAULT 0"),
+    ("auto_resumes", "INTEGER NOT NULL DEFAULT 0"),
+    ("target_workers", "INTEGER"),
+    ("log_offset", "INTEGER NOT NULL DEFAULT 0"),
+    ("resync", "INTEGER NOT NULL DEFAULT 0"),
+)
+
 
 @dataclass(frozen=True, slots=True)
 class JobRecord:
@@ -67,6 +87,14 @@ class JobRecord:
     updated_at: float
     finished_at: float | None
     snapshot: JobSnapshot | None
+    resumes: int = 0
+    """Times the job was resumed from its checkpoint (automatically or on request)."""
+    auto_resumes: int = 0
+    """Automatic resumes since the job last finished an epoch or was resumed on request."""
+    target_workers: int | None = None
+    """The size last asked for with scale or drain; a resumed coordinator starts with it."""
+    log_offset: int = 0
+    resync: bool = False
 
     def current_snapshot(self) -> JobSnapshot:
         """The latest snapshot, with the stored state and reason (which win on conflict)."""
@@ -108,6 +136,11 @@ def _row_to_record(row: sqlite3.Row) -> JobRecord:
         updated_at=row["updated_at"],
         finished_at=row["finished_at"],
         snapshot=JobSnapshot.model_validate_json(snap) if snap else None,
+        resumes=int(row["resumes"]),
+        auto_resumes=int(row["auto_resumes"]),
+        target_workers=row["target_workers"],
+        log_offset=int(row["log_offset"]),
+        resync=bool(row["resync"]),
     )
 
 
@@ -128,6 +161,10 @@ class JobStore:
                 self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(SCHEMA)
+            have = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)").fetchall()}
+            for name, definition in _ADDED_COLUMNS:
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {definition}")
 
     def close(self) -> None:
         with self._lock:
@@ -272,7 +309,109 @@ class JobStore:
         assert record is not None
         return record
 
+    def set_target_workers(self, job_id: str, workers: int | None) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET target_workers = ? WHERE id = ?", (workers, job_id))
+
+    def mark_resumed(
+        self,
+        job_id: str,
+        reason: str,
+        *,
+        automatic: bool,
+        level: str = "WARNING",
+        now: float | None = None,
+    ) -> JobRecord:
+        """A new coordinator is being started for the job from its checkpoint.
+
+        The job becomes PENDING with ``reason`` (also from FAILED: the one way out of a
+        terminal state), counts the resume, logs ``reason`` as a line of its own, moves its
+        log offset past the lines stored so far and is marked for a full history re-read.
+        The stored snapshot keeps its progress but loses its workers (they died with the
+        old coordinator). Raises ``KeyError`` for an unknown job.
+        """
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT snapshot, auto_resumes FROM jobs WHERE id = ?", (job_id,)
+            ).fetchone()
+            if row is None:
+                raise KeyError(job_id)
+            last = db.execute(
+                "SELECT MAX(seq) FROM logs WHERE job_id = ?", (job_id,)
+            ).fetchone()[0]
+            seq = 0 if last is None else int(last) + 1
+            db.execute(
+                "INSERT INTO logs (job_id, seq, time, level, message) VALUES (?, ?, ?, ?, ?)",
+                (job_id, seq, now, level, reason),
+            )
+            snapshot = row["snapshot"]
+            if snapshot:
+                snap = JobSnapshot.model_validate_json(snapshot)
+                snapshot = snap.model_copy(
+                    update={
+                        "state": JobState.PENDING,
+                        "reason": reason,
+                        "workers": [],
+                        "finished_at": None,
+                    }
+                ).model_dump_json()
+            db.execute(
+                "UPDATE jobs SET state = ?, reason = ?, updated_at = ?, finished_at = NULL, "
+                "snapshot = ?, resumes = resumes + 1, auto_resumes = ?, log_offset = ?, "
+                "resync = 1 WHERE id = ?",
+                (
+                    JobState.PENDING.value,
+                    reason,
+                    now,
+                    snapshot,
+                    int(row["auto_resumes"]) + 1 if automatic else 0,
+                    seq + 1,
+                    job_id,
+                ),
+            )
+        record = self.get(job_id)
+        assert record is not None
+        return record
+
+    def reset_auto_resumes(self, job_id: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET auto_resumes = 0 WHERE id = ?", (job_id,))
+
+    def interrupt(self, job_id: str, reason: str, *, now: float | None = None) -> JobRecord | None:
+        """A live job whose coordinator is gone but which will be resumed later (when the API
+        starts again): PENDING with ``reason``, no workers. Terminal jobs are left alone."""
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            row = db.execute("SELECT state, snapshot FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None or JobState(row["state"]).is_terminal:
+                return None
+            snapshot = row["snapshot"]
+            if snapshot:
+                snapshot = (
+                    JobSnapshot.model_validate_json(snapshot)
+                    .model_copy(update={"state": JobState.PENDING, "reason": reason, "workers": []})
+                    .model_dump_json()
+                )
+            db.execute(
+                "UPDATE jobs SET state = ?, reason = ?, updated_at = ?, snapshot = ? WHERE id = ?",
+                (JobState.PENDING.value, reason, now, snapshot, job_id),
+            )
+        return self.get(job_id)
+
     # History ----------------------------------------------------------------------------
+    def replace_history(self, job_id: str, records: Iterable[EpochRecord]) -> int:
+        """The job's whole history is ``records`` (a resumed coordinator's, read in full);
+        clears the job's ``resync`` mark."""
+        rows = [(job_id, r.epoch, r.model_dump_json()) for r in records]
+        with self._tx() as db:
+            db.execute("DELETE FROM history WHERE job_id = ?", (job_id,))
+            db.executemany(
+                "INSERT INTO history (job_id, epoch, record) VALUES (?, ?, ?)", rows
+            )
+            db.execute("UPDATE jobs SET resync = 0 WHERE id = ?", (job_id,))
+        return len(rows)
+
     def add_history(self, job_id: str, records: Iterable[EpochRecord]) -> int:
         rows = [(job_id, r.epoch, r.model_dump_json()) for r in records]
         if not rows:

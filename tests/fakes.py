@@ -5,6 +5,12 @@ call (when ``auto_advance``), through PENDING, RUNNING and SUCCEEDED, producing 
 records and log lines as a real coordinator would. Coordinators live in the FakeCluster,
 not in a JobService, so a second service on the same cluster re-attaches them the way an
 API restart finds detached actors.
+
+``scale`` and ``drain`` change the membership at once (a real coordinator does it at the next
+step boundary), with ``leave``/``join`` worker events. A coordinator that ``kill`` ended is
+kept as the job's "checkpoint" when its spec has ``checkpoint.dir``: a coordinator launched
+again for that job starts from its last finished epoch, with its history, as a real one
+restores its checkpoint file (which the service looks for on disk: tests write it).
 """
 
 from __future__ import annotations
@@ -20,7 +26,14 @@ from scheduler.telemetry import (
     WorkerEpochStats,
     WorkerStatus,
 )
-from service.jobs import ClusterUnavailable, CoordinatorGone, NodeInfo
+from service.jobs import (
+    ClusterError,
+    ClusterUnavailable,
+    CoordinatorGone,
+    JobConflict,
+    NodeInfo,
+    WorkerNotFound,
+)
 from service.spec import JobSpec
 
 NODE_IDS = ("a" * 56, "b" * 56)
@@ -51,12 +64,30 @@ class FakeCoordinator:
         self.started_at: float | None = None
         self.finished_at: float | None = None
         self.workers: list[WorkerStatus] = []
+        self.members: list[int] = list(range(self.n_initial))  # worker ordinals
+        self.next_ordinal = len(self.members)
+        self.events: dict[str, int] = {}
         self._lock = threading.Lock()
         self._log("INFO", "coordinator started")
 
     @property
-    def n_workers(self) -> int:
+    def n_initial(self) -> int:
         return self.spec.workers if isinstance(self.spec.workers, int) else len(self.nodes)
+
+    @property
+    def n_workers(self) -> int:
+        return len(self.members)
+
+    def restore(self, dead: FakeCoordinator) -> None:
+        """Start from ``dead``'s last finished epoch, as from its checkpoint."""
+        self.history = list(dead.history)
+        self.epoch = len(self.history)
+        self.rebalances = dead.rebalances
+        self._log("INFO", f"resuming from checkpoint at epoch {self.epoch} step 0")
+
+    def _event(self, kind: str, reason: str) -> None:
+        key = f"{kind}:{reason}"
+        self.events[key] = self.events.get(key, 0) + 1
 
     def _log(self, level: str, message: str) -> None:
         self.lines.append(
@@ -75,8 +106,8 @@ class FakeCoordinator:
             batches[-1] -= shift
         self.workers = [
             WorkerStatus(
-                worker=f"w{i}",
-                node=self.nodes[i % len(self.nodes)],
+                worker=f"w{self.members[i]}",
+                node=self.nodes[self.members[i] % len(self.nodes)],
                 rank=i,
                 batch=b,
                 partition=b * self.steps_per_epoch,
@@ -97,6 +128,7 @@ class FakeCoordinator:
                     return
                 self.state, self.reason = JobState.RUNNING, None
                 self.started_at = time.time()
+                self.events["join:node available"] = self.n_workers
                 self._allocate()
                 self._log("INFO", "state RUNNING")
                 return
@@ -175,7 +207,7 @@ class FakeCoordinator:
                 rebalances_total=self.rebalances,
                 epochs_completed=len(self.history),
                 epoch_durations_s=[r.wall_s for r in self.history],
-                worker_events={"join:node available": len(self.workers)} if self.workers else {},
+                worker_events=dict(self.events),
                 regroup_seconds_total=0.01 if self.workers else 0.0,
                 started_at=self.started_at,
                 finished_at=self.finished_at,
@@ -186,6 +218,38 @@ class FakeCoordinator:
             if self.state.is_terminal:
                 raise InvalidTransition(self.state, JobState.CANCELLED)
             self._finish(JobState.CANCELLED, reason)
+        return self.snapshot()
+
+    def scale(self, workers: int) -> JobSnapshot:
+        with self._lock:
+            if self.state.is_terminal:
+                raise InvalidTransition(self.state, JobState.RUNNING)
+            self._log("INFO", f"scale requested: {workers} workers")
+            while len(self.members) > workers:
+                self.members.pop()
+                self._event("leave", "drained")
+            while len(self.members) < workers:
+                self.members.append(self.next_ordinal)
+                self.next_ordinal += 1
+                self._event("join", "node available")
+            if self.state == JobState.RUNNING:
+                self._allocate()
+        return self.snapshot()
+
+    def drain(self, worker: str) -> JobSnapshot:
+        with self._lock:
+            if self.state.is_terminal:
+                raise InvalidTransition(self.state, JobState.RUNNING)
+            ordinals = {f"w{o}": o for o in self.members}
+            if worker not in ordinals:
+                raise KeyError(f"worker {worker!r} is not a member of job {self.job_id}")
+            if len(self.members) <= 1:
+                raise ValueError("cannot drain the last worker")
+            self._log("INFO", f"drain requested for {worker}")
+            self.members.remove(ordinals[worker])
+            self._event("leave", "drained")
+            if self.state == JobState.RUNNING:
+                self._allocate()
         return self.snapshot()
 
 
@@ -214,6 +278,8 @@ class FakeCluster:
         self.released: list[str] = []
         self.found: list[str] = []
         self.calls: list[tuple[str, str]] = []
+        self.launches: dict[str, list[JobSpec]] = {}
+        self.dead: dict[str, FakeCoordinator] = {}
 
     # ClusterClient ----------------------------------------------------------------------
     @property
@@ -248,13 +314,20 @@ class FakeCluster:
         self._check("launch", job_id)
         if self.launch_error is not None:
             raise self.launch_error
-        self.coordinators[job_id] = FakeCoordinator(
+        if job_id in self.coordinators:
+            raise ClusterError(f"actor name dynabatch-job-{job_id} is already taken")
+        self.launches.setdefault(job_id, []).append(spec)
+        c = FakeCoordinator(
             job_id,
             spec,
             steps_per_epoch=self.steps_per_epoch,
             nodes=self.node_ids,
             hold=self.hold,
         )
+        dead = self.dead.get(job_id)
+        if dead is not None and spec.checkpoint.dir:
+            c.restore(dead)
+        self.coordinators[job_id] = c
 
     def find(self, job_id: str) -> bool:
         self._check("find", job_id)
@@ -282,6 +355,21 @@ class FakeCluster:
         self._check("cancel", job_id)
         return self._coordinator(job_id).cancel(reason)
 
+    def scale(self, job_id: str, workers: int) -> JobSnapshot:
+        self._check("scale", job_id)
+        return self._coordinator(job_id).scale(workers)
+
+    def drain(self, job_id: str, worker: str) -> JobSnapshot:
+        self._check("drain", job_id)
+        try:
+            return self._coordinator(job_id).drain(worker)
+        except KeyError as err:  # as RayClusterClient translates the coordinator's errors
+            raise WorkerNotFound(str(err.args[0])) from None
+        except InvalidTransition:
+            raise
+        except ValueError as err:
+            raise JobConflict(str(err)) from None
+
     def release(self, job_id: str) -> None:
         self._check("release", job_id)
         self.released.append(job_id)
@@ -304,7 +392,9 @@ class FakeCluster:
     # Test controls ----------------------------------------------------------------------
     def kill(self, job_id: str) -> None:
         """The coordinator actor dies (node lost, OOM...)."""
-        self.coordinators.pop(job_id, None)
+        dead = self.coordinators.pop(job_id, None)
+        if dead is not None:
+            self.dead[job_id] = dead
 
     def advance(self, job_id: str, steps: int = 1) -> None:
         for _ in range(steps):

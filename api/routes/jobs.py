@@ -1,4 +1,7 @@
-"""/v1/jobs: submit, list, inspect, history, logs, cancel. Thin: JobService does the work."""
+"""/v1/jobs: submit, list, inspect, history, logs, cancel, scale, drain, resume.
+
+Thin: JobService does the work.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Query, Response, status
 
-from api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, require_token
+from api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, WorkerId, require_token
 from api.schemas import (
     CancelRequest,
     ErrorResponse,
@@ -17,6 +20,7 @@ from api.schemas import (
     JobLogs,
     JobSubmitted,
     JobSummary,
+    ScaleRequest,
 )
 from scheduler.state import JobState
 from service.spec import JobSpec
@@ -138,3 +142,80 @@ def cancel_job(
 ) -> JobDetail:
     reason = body.reason if body is not None else CancelRequest().reason
     return JobDetail.of(service.cancel(job_id, reason))
+
+
+_UNAVAILABLE = {503: {"model": ErrorResponse, "description": "Ray is not reachable."}}
+_SCALE_EXAMPLES = {
+    "down": {"summary": "Shrink to two workers", "value": {"workers": 2}},
+    "up": {"summary": "Grow to four workers (needs free eligible nodes)", "value": {"workers": 4}},
+}
+
+
+@router.post(
+    "/{job_id}/scale",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=JobDetail,
+    summary="Change a job's number of workers",
+    responses={
+        **NOT_FOUND,
+        409: {"model": ErrorResponse, "description": "The job already finished."},
+        **_UNAVAILABLE,
+    },
+)
+def scale_job(
+    job_id: JobId,
+    body: Annotated[ScaleRequest, Body(openapi_examples=_SCALE_EXAMPLES)],
+    service: ServiceDep,
+) -> JobDetail:
+    """Run the job with exactly `workers` workers from its next step boundary on: the last
+    workers leave gracefully (their share of the epoch goes to the others), or new ones start
+    on free eligible nodes. The answer is the job as it is now; watch `workers` and
+    `generation` change. A job resumed from its checkpoint later keeps this size.
+
+    422 when the job's `global_batch` cannot be split that many ways."""
+    return JobDetail.of(service.scale(job_id, body.workers))
+
+
+@router.delete(
+    "/{job_id}/workers/{worker}",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=JobDetail,
+    summary="Drain one worker",
+    responses={
+        404: {"model": ErrorResponse, "description": "No such job, or no such worker in it."},
+        409: {
+            "model": ErrorResponse,
+            "description": "The worker is the job's last one, or the job already finished.",
+        },
+        **_UNAVAILABLE,
+    },
+)
+def drain_worker(job_id: JobId, worker: WorkerId, service: ServiceDep) -> JobDetail:
+    """Remove the worker gracefully at the job's next step boundary (its node can then be
+    taken down); the job goes on with one worker fewer. Worker ids are those listed in the
+    job's `workers`."""
+    return JobDetail.of(service.drain(job_id, worker))
+
+
+@router.post(
+    "/{job_id}/resume",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=JobDetail,
+    summary="Resume a job from its checkpoint",
+    responses={
+        **NOT_FOUND,
+        409: {
+            "model": ErrorResponse,
+            "description": "The job SUCCEEDED or was CANCELLED, has no checkpoint, or its "
+            "coordinator is alive.",
+        },
+        **_UNAVAILABLE,
+    },
+)
+def resume_job(job_id: JobId, service: ServiceDep) -> JobDetail:
+    """Start a new coordinator for a FAILED job (or a live one whose coordinator is gone)
+    from the checkpoint in its `checkpoint.dir`. The job becomes PENDING, then RUNNING from
+    the checkpointed epoch and step. The service does this by itself when it finds a
+    coordinator dead (up to `DYNABATCH_AUTO_RESUME_LIMIT` times without the job finishing an
+    epoch in between)."""
+    return JobDetail.of(service.resume(job_id))

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import build_service, create_app
+from scheduler.checkpoint import checkpoint_path
 from scheduler.state import JobState
 from service.jobs import EMBEDDED_ENDED, JobService
 from service.settings import Settings
@@ -391,6 +392,9 @@ def test_token_guards_job_data_and_mutations(make_app: MakeApp) -> None:
         ("GET", f"/v1/jobs/{'0' * 12}/history"),
         ("GET", f"/v1/jobs/{'0' * 12}/logs"),
         ("POST", f"/v1/jobs/{'0' * 12}/cancel"),
+        ("POST", f"/v1/jobs/{'0' * 12}/scale"),
+        ("DELETE", f"/v1/jobs/{'0' * 12}/workers/w0"),
+        ("POST", f"/v1/jobs/{'0' * 12}/resume"),
         ("GET", "/v1/nodes"),
     ]:
         r = client.request(method, path, json=SPEC if method == "POST" else None)
@@ -555,6 +559,9 @@ def test_openapi_is_complete(make_app: MakeApp) -> None:
         "/v1/jobs/{job_id}/history",
         "/v1/jobs/{job_id}/logs",
         "/v1/jobs/{job_id}/cancel",
+        "/v1/jobs/{job_id}/scale",
+        "/v1/jobs/{job_id}/workers/{worker}",
+        "/v1/jobs/{job_id}/resume",
         "/v1/nodes",
         "/healthz",
         "/readyz",
@@ -564,8 +571,443 @@ def test_openapi_is_complete(make_app: MakeApp) -> None:
     assert {"201", "401", "413", "422", "503"} <= set(post["responses"])
     assert post["requestBody"]["content"]["application/json"]["examples"]
     assert "409" in paths["/v1/jobs/{job_id}/cancel"]["post"]["responses"]
+    scale = paths["/v1/jobs/{job_id}/scale"]["post"]
+    assert {"202", "404", "409", "422"} <= set(scale["responses"])
+    assert scale["requestBody"]["content"]["application/json"]["examples"]
+    drain = paths["/v1/jobs/{job_id}/workers/{worker}"]["delete"]
+    assert {"202", "404", "409", "422"} <= set(drain["responses"])
+    worker = next(p for p in drain["parameters"] if p["name"] == "worker")
+    assert worker["schema"]["pattern"] == "^w[0-9]{1,6}$" and worker["schema"]["examples"]
+    assert {"202", "404", "409"} <= set(paths["/v1/jobs/{job_id}/resume"]["post"]["responses"])
     assert "404" in paths["/v1/jobs/{job_id}"]["get"]["responses"]
     comps = schema["components"]["schemas"]
     assert "JobSpec" in comps and "JobDetail" in comps
     assert comps["JobDetail"].get("example") and comps["JobSpec"].get("examples")
+    assert comps["ScaleRequest"].get("example") == {"workers": 3}
     assert "HTTPBearer" in schema["components"]["securitySchemes"]
+
+
+# Scale and drain ----------------------------------------------------------------------
+def _running(client: TestClient, service: JobService, **overrides: Any) -> str:
+    job = _submit(client, **overrides)
+    _sync(service)
+    assert client.get(f"/v1/jobs/{job}").json()["state"] == "RUNNING"
+    return job
+
+
+def _workers(body: dict[str, Any]) -> list[str]:
+    return [w["worker"] for w in body["workers"]]
+
+
+def test_scale_answers_202_with_the_new_membership(make_app: MakeApp) -> None:
+    client, service, cluster = make_app()
+    job = _running(client, service, workers=3, global_batch=60)
+    r = client.post(f"/v1/jobs/{job}/scale", json={"workers": 2})
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert _workers(body) == ["w0", "w1"] and sum(w["batch"] for w in body["workers"]) == 60
+    assert body["worker_events"]["leave:drained"] == 1
+    assert ("scale", job) in cluster.calls
+    assert service.get(job).target_workers == 2
+    r = client.post(f"/v1/jobs/{job}/scale", json={"workers": 4})
+    assert r.status_code == 202 and _workers(r.json()) == ["w0", "w1", "w3", "w4"]
+    assert any("scale requested: 4" in x["message"] for x in client.get(
+        f"/v1/jobs/{job}/logs").json()["lines"])
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"workers": 0}, "greater than or equal to 1"),
+        ({"workers": 4097}, "less than or equal to 4096"),
+        ({"workers": "many"}, "valid integer"),
+        ({"workers": 2.5}, "valid integer"),
+        ({}, "Field required"),
+        ({"workers": 2, "extra": 1}, "unknown field"),
+        ({"workers": 65}, "above the job's global_batch (64)"),
+    ],
+)
+def test_scale_rejects_bad_input_with_422(
+    make_app: MakeApp, body: dict[str, Any], needle: str
+) -> None:
+    client, service, cluster = make_app()
+    job = _running(client, service)
+    r = client.post(f"/v1/jobs/{job}/scale", json=body)
+    assert r.status_code == 422, r.text
+    assert any(needle in e["msg"] for e in r.json()["detail"]), r.json()
+    assert ("scale", job) not in cluster.calls
+    assert client.post(f"/v1/jobs/{job}/scale").status_code == 422  # no body
+
+
+def test_scale_respects_max_batch(make_app: MakeApp) -> None:
+    client, service, _ = make_app()
+    job = _running(client, service, workers=2, max_batch=32)
+    r = client.post(f"/v1/jobs/{job}/scale", json={"workers": 1})
+    assert r.status_code == 422
+    problem = r.json()["detail"][0]
+    assert problem["field"] == "workers" and "max_batch" in problem["msg"]
+
+
+def test_scale_unknown_job_404_finished_job_409(make_app: MakeApp) -> None:
+    client, service, cluster = make_app()
+    assert client.post(f"/v1/jobs/{'0' * 12}/scale", json={"workers": 2}).status_code == 404
+    assert client.post("/v1/jobs/nope/scale", json={"workers": 2}).status_code == 422
+    done = _submit(client, epochs=1)
+    _sync(service, 6)
+    r = client.post(f"/v1/jobs/{done}/scale", json={"workers": 1})
+    assert r.status_code == 409 and r.json()["detail"] == (
+        "job is SUCCEEDED; it cannot become RUNNING"
+    )
+    # It finished on the cluster, and the store has not seen it yet: still 409, stored.
+    racing = _running(client, service)
+    cluster.coordinators[racing].cancel("gone")
+    r = client.post(f"/v1/jobs/{racing}/scale", json={"workers": 1})
+    assert r.status_code == 409 and "CANCELLED" in r.json()["detail"]
+    assert client.get(f"/v1/jobs/{racing}").json()["state"] == "CANCELLED"
+
+
+def test_drain_removes_one_worker(make_app: MakeApp) -> None:
+    client, service, _ = make_app()
+    job = _running(client, service, workers=3, global_batch=60)
+    r = client.delete(f"/v1/jobs/{job}/workers/w1")
+    assert r.status_code == 202, r.text
+    assert _workers(r.json()) == ["w0", "w2"]
+    assert r.json()["worker_events"] == {"join:node available": 3, "leave:drained": 1}
+    assert service.get(job).target_workers == 2
+    # No longer a member: 404, naming it.
+    r = client.delete(f"/v1/jobs/{job}/workers/w1")
+    assert r.status_code == 404 and r.json()["detail"] == (
+        f"worker 'w1' is not a member of job {job}"
+    )
+    assert client.delete(f"/v1/jobs/{job}/workers/w2").status_code == 202
+    assert service.get(job).target_workers == 1
+    r = client.delete(f"/v1/jobs/{job}/workers/w0")
+    assert r.status_code == 409 and r.json()["detail"] == "cannot drain the last worker"
+    assert _workers(client.get(f"/v1/jobs/{job}").json()) == ["w0"]
+    _sync(service, 12)
+    assert client.get(f"/v1/jobs/{job}").json()["state"] == "SUCCEEDED"
+
+
+@pytest.mark.parametrize("worker", ["1", "x1", "w", "W1", "w1234567", "w-1", "w1a"])
+def test_drain_rejects_malformed_worker_ids(make_app: MakeApp, worker: str) -> None:
+    client, service, cluster = make_app()
+    job = _running(client, service)
+    r = client.delete(f"/v1/jobs/{job}/workers/{worker}")
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "worker"
+    assert ("drain", job) not in cluster.calls
+
+
+def test_drain_unknown_job_404_finished_job_409(make_app: MakeApp) -> None:
+    client, service, _ = make_app()
+    assert client.delete(f"/v1/jobs/{'0' * 12}/workers/w0").status_code == 404
+    job = _running(client, service)
+    client.post(f"/v1/jobs/{job}/cancel")
+    r = client.delete(f"/v1/jobs/{job}/workers/w0")
+    assert r.status_code == 409 and "CANCELLED" in r.json()["detail"]
+
+
+def test_drain_when_the_coordinator_died_is_404_and_the_job_fails(make_app: MakeApp) -> None:
+    client, service, cluster = make_app()
+    job = _running(client, service)
+    cluster.kill(job)
+    r = client.delete(f"/v1/jobs/{job}/workers/w0")
+    assert r.status_code == 404 and "coordinator was lost" in r.json()["detail"]
+    assert client.get(f"/v1/jobs/{job}").json()["state"] == "FAILED"
+
+
+def test_membership_metrics_come_from_the_snapshot(make_app: MakeApp) -> None:
+    client, service, _ = make_app()
+    job = _running(client, service, workers=3, global_batch=60)
+    client.delete(f"/v1/jobs/{job}/workers/w2")
+    fams = _families(client.get("/metrics").text)
+    events = {
+        (s.labels["kind"], s.labels["reason"]): s.value
+        for s in fams["dynabatch_job_worker_events"].samples
+        if s.labels["job"] == job and s.name.endswith("_total")
+    }
+    assert events == {("join", "node available"): 3.0, ("leave", "drained"): 1.0}
+    assert fams["dynabatch_job_workers"].samples[0].value == 2
+    assert fams["dynabatch_job_membership_generation"].samples[0].value == 1
+    assert fams["dynabatch_job_regroup_seconds"].samples[0].value == pytest.approx(0.01)
+    assert fams["dynabatch_job_retried_samples"].samples[0].value == 0
+
+
+def test_worker_event_reasons_with_colons_stay_whole() -> None:
+    from api.metrics import JobCollector
+    from scheduler.telemetry import JobSnapshot
+
+    snap = JobSnapshot(
+        job_id="j",
+        name="n",
+        state=JobState.RUNNING,
+        generation=4,
+        regroup_seconds_total=1.5,
+        retried_samples_total=96,
+        worker_events={"failure:failed while joining: timeout": 2, "join:node available": 3},
+    )
+    fams = {f.name: f for f in JobCollector._job_families([snap])}
+    samples = {
+        (s.labels["kind"], s.labels["reason"]): s.value
+        for s in fams["dynabatch_job_worker_events"].samples
+    }
+    assert samples == {
+        ("failure", "failed while joining: timeout"): 2.0,
+        ("join", "node available"): 3.0,
+    }
+    assert fams["dynabatch_job_membership_generation"].samples[0].value == 4
+    assert fams["dynabatch_job_regroup_seconds"].samples[0].value == 1.5
+    assert fams["dynabatch_job_retried_samples"].samples[0].value == 96
+
+
+# Resume -------------------------------------------------------------------------------
+def _ckpt_spec(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    return {"checkpoint": {"dir": str(tmp_path / "ckpt")}, "epochs": 3, **overrides}
+
+
+def _write_checkpoint(tmp_path: Path, job: str) -> Path:
+    path = checkpoint_path(tmp_path / "ckpt", job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"not read by the service")
+    return path
+
+
+def test_dead_coordinator_with_a_checkpoint_is_resumed(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    client, service, cluster = make_app()
+    job = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service, 4)  # RUNNING, epoch 0 done
+    _write_checkpoint(tmp_path, job)
+    before = client.get(f"/v1/jobs/{job}/logs").json()["lines"]
+    cluster.kill(job)
+    _sync(service)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "PENDING" and body["resumes"] == 1
+    assert "coordinator actor died" in body["reason"]
+    assert "resuming from its checkpoint (automatic resume 1 of 3)" in body["reason"]
+    assert body["workers"] == []  # they died with the coordinator
+    assert len(cluster.launches[job]) == 2
+    _sync(service, 12)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "SUCCEEDED" and body["resumes"] == 1
+    assert [r["epoch"] for r in client.get(f"/v1/jobs/{job}/history").json()["records"]] == [
+        0,
+        1,
+        2,
+    ]
+    # The earlier coordinator's lines are kept; the resume and the new ones follow.
+    lines = client.get(f"/v1/jobs/{job}/logs").json()["lines"]
+    assert lines[: len(before)] == before
+    assert [x["seq"] for x in lines] == list(range(len(lines)))
+    messages = [x["message"] for x in lines]
+    i = next(i for i, m in enumerate(messages) if "automatic resume 1 of 3" in m)
+    assert lines[i]["level"] == "WARNING" and messages[i + 1] == "coordinator started"
+    assert messages[i + 2] == "resuming from checkpoint at epoch 1 step 0"
+    assert messages[-1] == "state SUCCEEDED"
+    assert service.get(job).auto_resumes == 0  # it finished epochs after the resume
+
+
+def test_dead_coordinator_without_a_checkpoint_fails(make_app: MakeApp, tmp_path: Path) -> None:
+    client, service, cluster = make_app()
+    job = _submit(client, **_ckpt_spec(tmp_path))  # a checkpoint dir, but no file yet
+    _sync(service, 2)
+    cluster.kill(job)
+    _sync(service)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "FAILED" and "coordinator actor died" in body["reason"]
+    assert body["resumes"] == 0 and len(cluster.launches[job]) == 1
+
+
+def test_a_crash_loop_ends_failed_after_the_limit(make_app: MakeApp, tmp_path: Path) -> None:
+    client, service, cluster = make_app(auto_resume_limit=2)
+    job = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service, 2)
+    _write_checkpoint(tmp_path, job)
+    for attempt in (1, 2):
+        cluster.kill(job)
+        _sync(service)  # resumed
+        assert f"automatic resume {attempt} of 2" in service.get(job).reason
+        _sync(service)  # the new coordinator runs, but dies before finishing an epoch
+    cluster.kill(job)
+    _sync(service)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "FAILED" and body["resumes"] == 2
+    assert body["reason"].endswith(
+        "not resumed again: 2 automatic resumes without finishing an epoch (limit 2)"
+    )
+    assert len(cluster.launches[job]) == 3
+
+
+def test_auto_resume_can_be_turned_off(make_app: MakeApp, tmp_path: Path) -> None:
+    client, service, cluster = make_app(auto_resume_limit=0)
+    job = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service, 2)
+    _write_checkpoint(tmp_path, job)
+    cluster.kill(job)
+    _sync(service)
+    assert client.get(f"/v1/jobs/{job}").json()["state"] == "FAILED"
+
+
+def test_a_resumed_job_keeps_the_size_asked_for(make_app: MakeApp, tmp_path: Path) -> None:
+    client, service, cluster = make_app()
+    job = _submit(client, **_ckpt_spec(tmp_path, workers=3, global_batch=60, min_workers=2))
+    _sync(service)
+    _write_checkpoint(tmp_path, job)
+    assert client.post(f"/v1/jobs/{job}/scale", json={"workers": 1}).status_code == 202
+    cluster.kill(job)
+    _sync(service, 2)
+    spec = cluster.launches[job][-1]
+    assert (spec.workers, spec.max_workers, spec.min_workers) == (1, 1, 1)
+    assert _workers(client.get(f"/v1/jobs/{job}").json()) == ["w0"]
+    assert client.get(f"/v1/jobs/{job}").json()["spec"]["workers"] == 3  # as submitted
+
+
+def test_scale_after_the_coordinator_died_applies_to_the_resumed_one(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    client, service, cluster = make_app()
+    job = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service)
+    _write_checkpoint(tmp_path, job)
+    cluster.kill(job)
+    r = client.post(f"/v1/jobs/{job}/scale", json={"workers": 1})
+    assert r.status_code == 202 and r.json()["state"] == "PENDING" and r.json()["resumes"] == 1
+    assert cluster.launches[job][-1].workers == 1
+
+
+def test_resume_on_request(make_app: MakeApp, tmp_path: Path) -> None:
+    client, service, cluster = make_app(auto_resume_limit=0)
+    job = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service, 4)
+    # Live with its coordinator: nothing to resume.
+    _write_checkpoint(tmp_path, job)
+    r = client.post(f"/v1/jobs/{job}/resume")
+    assert r.status_code == 409 and "coordinator is alive" in r.json()["detail"]
+    cluster.kill(job)
+    _sync(service)
+    assert client.get(f"/v1/jobs/{job}").json()["state"] == "FAILED"
+    r = client.post(f"/v1/jobs/{job}/resume")
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert body["state"] == "PENDING" and body["resumes"] == 1 and body["finished_at"] is None
+    assert body["reason"].startswith("resume requested; job was FAILED (the job's coordinator")
+    _sync(service, 12)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "SUCCEEDED" and body["epochs_completed"] == 3
+    r = client.post(f"/v1/jobs/{job}/resume")
+    assert r.status_code == 409 and r.json()["detail"].startswith("job is SUCCEEDED")
+
+
+def test_resume_of_a_live_job_whose_coordinator_is_gone(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    client, service, cluster = make_app()
+    job = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service)
+    _write_checkpoint(tmp_path, job)
+    cluster.kill(job)  # not seen by a sync yet
+    r = client.post(f"/v1/jobs/{job}/resume")
+    assert r.status_code == 202 and r.json()["state"] == "PENDING"
+    assert service.get(job).auto_resumes == 0
+
+
+def test_resume_conflicts(make_app: MakeApp, tmp_path: Path) -> None:
+    client, service, cluster = make_app(auto_resume_limit=0)
+    assert client.post(f"/v1/jobs/{'0' * 12}/resume").status_code == 404
+    assert client.post("/v1/jobs/xyz/resume").status_code == 422
+    plain = _submit(client)  # no checkpoint dir
+    _sync(service)
+    cluster.kill(plain)
+    _sync(service)
+    r = client.post(f"/v1/jobs/{plain}/resume")
+    assert r.status_code == 409 and "no checkpoint.dir" in r.json()["detail"]
+    no_file = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service)
+    cluster.kill(no_file)
+    _sync(service)
+    r = client.post(f"/v1/jobs/{no_file}/resume")
+    assert r.status_code == 409 and "no checkpoint yet" in r.json()["detail"]
+    cancelled = _submit(client, **_ckpt_spec(tmp_path))
+    _write_checkpoint(tmp_path, cancelled)
+    client.post(f"/v1/jobs/{cancelled}/cancel")
+    r = client.post(f"/v1/jobs/{cancelled}/resume")
+    assert r.status_code == 409 and r.json()["detail"].startswith("job is CANCELLED")
+
+
+def test_resume_launch_failure_leaves_the_job_failed(make_app: MakeApp, tmp_path: Path) -> None:
+    from service.jobs import ClusterError
+
+    client, service, cluster = make_app(auto_resume_limit=0)
+    job = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service)
+    _write_checkpoint(tmp_path, job)
+    cluster.kill(job)
+    _sync(service)
+    cluster.launch_error = ClusterError("no head node")
+    r = client.post(f"/v1/jobs/{job}/resume")
+    assert r.status_code == 502
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "FAILED" and "could not start a new coordinator" in body["reason"]
+
+
+def test_restart_resumes_jobs_whose_coordinator_is_gone(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    cluster = FakeCluster()
+    client, service, _ = make_app(cluster)
+    saved = _submit(client, **_ckpt_spec(tmp_path))
+    lost = _submit(client)
+    _sync(service, 4)
+    _write_checkpoint(tmp_path, saved)
+    _stop(client)
+    cluster.kill(saved)
+    cluster.kill(lost)
+    client, service, _ = make_app(cluster)
+    jobs = {j["job_id"]: j for j in client.get("/v1/jobs").json()["items"]}
+    assert jobs[lost]["state"] == "FAILED"
+    assert jobs[saved]["state"] == "PENDING" and "lost while the API was down" in (
+        jobs[saved]["reason"]
+    )
+    assert len(cluster.launches[saved]) == 2
+    _sync(service, 12)
+    body = client.get(f"/v1/jobs/{saved}").json()
+    assert body["state"] == "SUCCEEDED" and body["resumes"] == 1
+
+
+def test_embedded_restart_resumes_checkpointed_jobs(make_app: MakeApp, tmp_path: Path) -> None:
+    client, service, _ = make_app(FakeCluster(embedded=True))
+    saved = _submit(client, **_ckpt_spec(tmp_path))
+    plain = _submit(client)
+    _sync(service, 2)
+    _write_checkpoint(tmp_path, saved)
+    _stop(client)  # a clean shutdown: Ray ends with the process
+    store = JobStore(service.store.path)  # the app closed its own
+    rec, failed = store.get(saved), store.get(plain)
+    store.close()
+    assert rec is not None and rec.state == JobState.PENDING
+    assert "resumes from its checkpoint when the API starts again" in (rec.reason or "")
+    assert failed is not None and failed.state == JobState.FAILED
+    assert failed.reason == EMBEDDED_ENDED
+
+    cluster = FakeCluster(embedded=True)  # a new process, a new Ray
+    client, service, _ = make_app(cluster)
+    body = client.get(f"/v1/jobs/{saved}").json()
+    assert body["state"] == "PENDING" and body["resumes"] == 1
+    assert body["reason"].startswith(EMBEDDED_ENDED)
+    assert saved in cluster.coordinators
+    _sync(service, 12)
+    assert client.get(f"/v1/jobs/{saved}").json()["state"] == "SUCCEEDED"
+
+
+def test_embedded_hard_restart_resumes_checkpointed_jobs(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    client, service, _ = make_app(FakeCluster(embedded=True))
+    job = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service)
+    _write_checkpoint(tmp_path, job)
+    # The process dies hard: no lifespan shutdown runs.
+    client, service, cluster = make_app(FakeCluster(embedded=True))
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "PENDING" and body["resumes"] == 1
+    assert job in cluster.coordinators

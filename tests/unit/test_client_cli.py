@@ -260,3 +260,55 @@ def test_serve_rejects_bad_settings_in_one_line(cli: typer.Typer) -> None:
     assert "Traceback" not in result.output
     line = _one_error_line(result)
     assert "port" in line
+
+
+def test_scale_drain_resume(
+    cli: typer.Typer, server: Callable[..., TestClient], tmp_path: Path
+) -> None:
+    from scheduler.checkpoint import checkpoint_path
+
+    http = server(sync_interval_s=0, auto_resume_limit=0)  # the job stays put
+    service = http.app.state.service
+    cluster = service.cluster
+    spec = {"name": "elastic", "workers": 3, "global_batch": 60, "epochs": 2,
+            "checkpoint": {"dir": str(tmp_path / "ckpt")}}
+    job = DynabatchClient(http=http).submit(spec).job_id
+    service.sync_once()
+
+    result = _invoke(cli, http, "scale", job, "2")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == (
+        f"job {job} RUNNING: scale to 2 workers requested (workers now: w0, w1)"
+    )
+    result = _invoke(cli, http, "drain", job, "w1")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == f"job {job} RUNNING: drain of w1 requested (workers now: w0)"
+    assert _one_error_line(_invoke(cli, http, "drain", job, "w0")) == (
+        "error: cannot drain the last worker"
+    )
+    assert "'w7' is not a member" in _one_error_line(_invoke(cli, http, "drain", job, "w7"))
+    assert "'x7' is not a worker id" in _one_error_line(_invoke(cli, http, "drain", job, "x7"))
+    result = _invoke(cli, http, "scale", job, "0")
+    assert result.exit_code == 2  # typer's own usage error
+    assert "global_batch" in _one_error_line(_invoke(cli, http, "scale", job, "61"))
+
+    assert "coordinator is alive" in _one_error_line(_invoke(cli, http, "resume", job))
+    path = checkpoint_path(tmp_path / "ckpt", job)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"x")
+    cluster.kill(job)
+    service.sync_once()  # auto resume is off: FAILED
+    result = _invoke(cli, http, "resume", job)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"job {job} PENDING: resume requested; job was FAILED")
+
+
+@pytest.mark.parametrize("args", [["scale", "{}", "2"], ["drain", "{}", "w0"], ["resume", "{}"]])
+def test_new_commands_check_ids(
+    cli: typer.Typer, server: Callable[..., TestClient], args: list[str]
+) -> None:
+    http = server()
+    line = _one_error_line(_invoke(cli, http, *[a.format("0" * 12) for a in args]))
+    assert line == f"error: job '{'0' * 12}' not found"
+    line = _one_error_line(_invoke(cli, http, *[a.format("nope") for a in args]))
+    assert "'nope' is not a job id" in line

@@ -55,3 +55,34 @@ def test_an_unreachable_address_fails_fast() -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         _probe(f"127.0.0.1:{listener.getsockname()[1]}", 1.0)
+
+
+def test_membership_errors_of_the_coordinator_are_the_callers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from scheduler.state import JobState
+    from service.jobs import JobConflict, WorkerNotFound
+
+    client = RayClusterClient("10.0.0.1:6379")
+
+    def raising(cause: BaseException):
+        def call(job_id: str, method: str, *args: object) -> object:
+            err = rex.RayTaskError(method, "traceback", cause).as_instanceof_cause()
+            raise _translate(err, job_id) from err
+
+        return call
+
+    monkeypatch.setattr(client, "_call", raising(KeyError("worker 'w9' is not a member of j")))
+    with pytest.raises(WorkerNotFound, match=r"^worker 'w9' is not a member of j$"):
+        client.drain("j", "w9")
+    monkeypatch.setattr(client, "_call", raising(ValueError("cannot drain the last worker")))
+    with pytest.raises(JobConflict, match="cannot drain the last worker"):
+        client.drain("j", "w0")
+    monkeypatch.setattr(
+        client, "_call", raising(InvalidTransition(JobState.SUCCEEDED, JobState.RUNNING))
+    )
+    with pytest.raises(InvalidTransition):
+        client.scale("j", 2)
+    monkeypatch.setattr(client, "_call", raising(RuntimeError("boom")))
+    with pytest.raises(ClusterError):
+        client.scale("j", 2)

@@ -160,3 +160,53 @@ def test_memory_store_and_threads() -> None:
     assert not errors
     assert s.list()[1] == 80
     s.close()
+
+
+def test_an_older_file_gets_the_new_columns(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript(
+        """
+        CREATE TABLE jobs (id TEXT PRIMARY KEY, name TEXT NOT NULL, spec TEXT NOT NULL,
+            state TEXT NOT NULL, reason TEXT, cluster TEXT NOT NULL, created_at REAL NOT NULL,
+            updated_at REAL NOT NULL, finished_at REAL, snapshot TEXT);
+        """
+    )
+    db.execute(
+        "INSERT INTO jobs VALUES ('a', 'old', ?, 'RUNNING', NULL, 'embedded', 1.0, 1.0, NULL, "
+        "NULL)",
+        (_spec("old").model_dump_json(),),
+    )
+    db.commit()
+    db.close()
+    s = JobStore(path)
+    rec = s.get("a")
+    assert rec is not None and (rec.resumes, rec.auto_resumes, rec.target_workers) == (0, 0, None)
+    assert (rec.log_offset, rec.resync) == (0, False)
+    s.close()
+
+
+def test_mark_resumed_reopens_a_failed_job_and_offsets_its_logs(store: JobStore) -> None:
+    store.create("j", _spec(), cluster=EMBEDDED_CLUSTER, now=1.0)
+    store.add_logs("j", [LogLine(seq=i, time=1.0, level="INFO", message=f"m{i}") for i in range(3)])
+    store.add_history("j", [_record(0), _record(1)])
+    snap = JobSnapshot(job_id="j", name="job", state=JobState.RUNNING, epoch=2, workers=[])
+    store.save_snapshot(snap, now=2.0)
+    store.transition("j", JobState.FAILED, "boom", now=3.0)
+    rec = store.mark_resumed("j", "resume requested", automatic=False, now=4.0)
+    assert (rec.state, rec.reason, rec.finished_at) == (JobState.PENDING, "resume requested", None)
+    assert (rec.resumes, rec.auto_resumes, rec.log_offset, rec.resync) == (1, 0, 4, True)
+    assert store.logs("j")[-1].message == "resume requested"
+    assert rec.current_snapshot().epoch == 2  # progress is kept until the new coordinator says
+    rec = store.mark_resumed("j", "again", automatic=True, now=5.0)
+    assert (rec.resumes, rec.auto_resumes, rec.log_offset) == (2, 1, 5)
+    store.replace_history("j", [_record(0)])
+    assert [r.epoch for r in store.history("j")] == [0]
+    rec = store.get("j")
+    assert rec is not None and not rec.resync
+    store.reset_auto_resumes("j")
+    assert store.get("j").auto_resumes == 0
+    with pytest.raises(KeyError):
+        store.mark_resumed("nope", "x", automatic=True)
