@@ -9,16 +9,14 @@ each live job's coordinator (snapshot, new epochs, new log lines) into the store
 a finished job's detached coordinator once its results are stored.
 
 A coordinator found dead is *resumed*: when the job's spec has ``checkpoint.dir`` and its
-checkpoint file exists, a new coordinator for the same job id starts from it (at most
-``auto_resume_limit`` times in a row without a resume being asked for; then the job fails).
-Without a checkpoint the job becomes FAILED with the reason. On start, jobs left live by an
-earlier API process are re-attached by name, or resumed the same way when their coordinator
-is gone (in embedded mode their Ray ended with that process); the rest are marked FAILED
-instead of being forgotten. ``resume()`` does it on request, also for a FAILED job.
-
-The limit counts automatic resumes since the job last finished an epoch (or was resumed on
-request), so a job that keeps losing its coordinator but makes progress is resumed each time,
-and one that crashes before finishing an epoch ends FAILED with the reason.
+checkpoint file exists, a new coordinator for the same job id starts from it. Without a
+checkpoint the job becomes FAILED with the reason. ``auto_resume_limit`` bounds the automatic
+resumes since the job last finished an epoch (or was resumed on request): a job that keeps
+losing its coordinator but makes progress is resumed each time; one that crash-loops ends
+FAILED with the reason. On start, jobs left live by an earlier API process are re-attached by
+name, or resumed the same way when their coordinator is gone (in embedded mode their Ray ended
+with that process); the rest are marked FAILED instead of being forgotten. ``resume()`` does
+it on request, also for a FAILED job.
 """
 
 from __future__ import annotations
@@ -216,7 +214,7 @@ class JobService:
         if self._started and self.cluster.embedded:
             self.sync_once()
             for rec in self.store.live():
-                if self.checkpoint_exists(rec):
+                if self.auto_resume_limit > 0 and self.checkpoint_exists(rec):
                     self.store.interrupt(
                         rec.id,
                         f"{EMBEDDED_ENDED}; the job resumes from its checkpoint when the "
@@ -352,6 +350,10 @@ class JobService:
         it with ``why`` when it has none or has been resumed too often in a row."""
         if not self.checkpoint_exists(rec):
             return self._fail(rec.id, why)
+        if self.auto_resume_limit <= 0:
+            return self._fail(
+                rec.id, f"{why}; automatic resume is off: it can be resumed from its checkpoint"
+            )
         if rec.auto_resumes >= self.auto_resume_limit:
             return self._fail(
                 rec.id,
@@ -379,7 +381,9 @@ class JobService:
     def _relaunch(self, rec: JobRecord, reason: str, automatic: bool) -> JobRecord:
         """Start a new coordinator for ``rec`` (it picks up the checkpoint). A launch that
         fails leaves the job FAILED and re-raises the ClusterError."""
-        rec = self.store.mark_resumed(rec.id, reason, automatic=automatic, now=self.clock())
+        rec = self.store.mark_resumed(
+            rec.id, reason, automatic=automatic, cluster=self._cluster_name(), now=self.clock()
+        )
         log.warning("job %s: %s", rec.id, reason)
         with self._launching_lock:
             self._launching.add(rec.id)
@@ -392,6 +396,10 @@ class JobService:
             with self._launching_lock:
                 self._launching.discard(rec.id)
         return rec
+
+    def _cluster_name(self) -> str:
+        """Where this service starts coordinators, as stored with each job."""
+        return EMBEDDED_CLUSTER if self.cluster.embedded else self.cluster.address
 
     def _fail(self, job_id: str, reason: str) -> JobRecord | None:
         try:
@@ -409,7 +417,7 @@ class JobService:
         answer; other launch errors are the job's reason and the record is returned.
         """
         job_id = new_job_id()
-        cluster = EMBEDDED_CLUSTER if self.cluster.embedded else self.cluster.address
+        cluster = self._cluster_name()
         with self._launching_lock:
             self._launching.add(job_id)
         try:
@@ -570,8 +578,11 @@ class JobService:
                 )
             if alive:
                 # The FAILED job's coordinator was kept (release_finished off, or the release
-                # failed): it goes, so the new one can take its name.
+                # failed): it goes, so the new one can take its name (once Ray freed it).
                 self.cluster.release(job_id)
+                deadline = time.monotonic() + 10.0
+                while self.cluster.find(job_id) and time.monotonic() < deadline:
+                    time.sleep(0.1)
             was = f"job was {rec.state.value}" + (f" ({rec.reason})" if rec.reason else "")
             rec = self._relaunch(rec, f"resume requested; {was}", automatic=False)
             log.info("job %s: resumed on request", job_id)

@@ -319,6 +319,7 @@ class JobStore:
         reason: str,
         *,
         automatic: bool,
+        cluster: str | None = None,
         level: str = "WARNING",
         now: float | None = None,
     ) -> JobRecord:
@@ -328,12 +329,13 @@ class JobStore:
         terminal state), counts the resume, logs ``reason`` as a line of its own, moves its
         log offset past the lines stored so far and is marked for a full history re-read.
         The stored snapshot keeps its progress but loses its workers (they died with the
-        old coordinator). Raises ``KeyError`` for an unknown job.
+        old coordinator). ``cluster``, when given, is where the new coordinator runs.
+        Raises ``KeyError`` for an unknown job.
         """
         now = time.time() if now is None else now
         with self._tx() as db:
             row = db.execute(
-                "SELECT snapshot, auto_resumes FROM jobs WHERE id = ?", (job_id,)
+                "SELECT snapshot, auto_resumes, cluster FROM jobs WHERE id = ?", (job_id,)
             ).fetchone()
             if row is None:
                 raise KeyError(job_id)
@@ -359,7 +361,7 @@ class JobStore:
             db.execute(
                 "UPDATE jobs SET state = ?, reason = ?, updated_at = ?, finished_at = NULL, "
                 "snapshot = ?, resumes = resumes + 1, auto_resumes = ?, log_offset = ?, "
-                "resync = 1 WHERE id = ?",
+                "resync = 1, cluster = ? WHERE id = ?",
                 (
                     JobState.PENDING.value,
                     reason,
@@ -367,6 +369,7 @@ class JobStore:
                     snapshot,
                     int(row["auto_resumes"]) + 1 if automatic else 0,
                     seq + 1,
+                    cluster or row["cluster"],
                     job_id,
                 ),
             )

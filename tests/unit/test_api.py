@@ -845,7 +845,8 @@ def test_auto_resume_can_be_turned_off(make_app: MakeApp, tmp_path: Path) -> Non
     _write_checkpoint(tmp_path, job)
     cluster.kill(job)
     _sync(service)
-    assert client.get(f"/v1/jobs/{job}").json()["state"] == "FAILED"
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "FAILED" and "automatic resume is off" in body["reason"]
 
 
 def test_a_resumed_job_keeps_the_size_asked_for(make_app: MakeApp, tmp_path: Path) -> None:
@@ -1011,3 +1012,38 @@ def test_embedded_hard_restart_resumes_checkpointed_jobs(
     body = client.get(f"/v1/jobs/{job}").json()
     assert body["state"] == "PENDING" and body["resumes"] == 1
     assert job in cluster.coordinators
+
+
+def test_resume_replaces_a_failed_jobs_kept_coordinator(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    client, service, cluster = make_app(release_finished=False)
+    job = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service, 2)
+    _write_checkpoint(tmp_path, job)
+    cluster.coordinators[job]._finish(JobState.FAILED, "only 1 workers available")
+    _sync(service)
+    assert client.get(f"/v1/jobs/{job}").json()["state"] == "FAILED"
+    assert job in cluster.coordinators  # kept: release_finished is off
+    r = client.post(f"/v1/jobs/{job}/resume")
+    assert r.status_code == 202, r.text
+    assert "only 1 workers available" in r.json()["reason"]
+    assert cluster.released == [job] and len(cluster.launches[job]) == 2
+
+
+def test_a_job_resumed_on_another_cluster_is_found_there_after_a_restart(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    client, service, _ = make_app(FakeCluster(embedded=True))
+    job = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service)
+    _write_checkpoint(tmp_path, job)
+    # The API comes back on an external cluster: the job is resumed there...
+    external = FakeCluster()
+    client, service, _ = make_app(external)
+    assert service.get(job).cluster == external.address
+    _sync(service)
+    # ...and after the next restart it is re-attached there, not resumed a second time.
+    client, service, _ = make_app(external)
+    assert job in external.found and len(external.launches[job]) == 1
+    assert client.get(f"/v1/jobs/{job}").json()["resumes"] == 1

@@ -1,0 +1,147 @@
+"""The REST API's membership and resume endpoints on a real multi-node Ray cluster.
+
+The app runs in this process (TestClient) on the session's cluster, already connected: the
+service is built here and handed to ``create_app``, so the app's shutdown never calls
+``ray.shutdown()``. The jobs' workers run on nodes tagged with a resource only this module
+uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from fastapi.testclient import TestClient
+
+from api.app import build_service, create_app
+from scheduler.launch import find_coordinator
+from service.ray_client import RayClusterClient
+from service.settings import Settings
+
+from .conftest import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+TAG = "api_elastic"
+
+
+def _job(**kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "name": "api-elastic",
+        "dataset": {"name": "digits"},
+        "model": {"name": "mlp", "hidden": 64},
+        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        "workers": 3,
+        "global_batch": 64,
+        "epochs": 8,
+        "seed": 7,
+        "node_resource": TAG,
+        "collective_timeout_s": 3,
+        "worker_wait_timeout_s": 20,
+    }
+    base.update(kw)
+    return base
+
+
+@pytest.fixture(scope="module")
+def api(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    for _ in range(3):
+        cluster.add_node(num_cpus=1, resources={TAG: 1}, object_store_memory=80 * 2**20)
+    cluster.wait_for_nodes()
+    db = tmp_path_factory.mktemp("api") / "jobs.db"
+    settings = Settings(db_path=str(db), sync_interval_s=0.2)
+    # Not embedded: jobs get detached coordinators, as under `dynabatch serve --address`.
+    service = build_service(settings, RayClusterClient(cluster.address))
+    assert not service.cluster.embedded
+    with TestClient(create_app(settings, service=service)) as client:
+        yield client
+    service.store.close()
+
+
+def _get(client: TestClient, job: str) -> dict[str, Any]:
+    r = client.get(f"/v1/jobs/{job}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _wait_state(client: TestClient, job: str, timeout: float) -> dict[str, Any]:
+    return wait_for(
+        lambda: (b := _get(client, job))["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") and b,
+        timeout=timeout,
+        interval=0.2,
+    )
+
+
+def _check_history(client: TestClient, job: str, epochs: int) -> list[dict[str, Any]]:
+    records = client.get(f"/v1/jobs/{job}/history").json()["records"]
+    assert [r["epoch"] for r in records] == list(range(epochs))
+    for r in records:
+        assert r["samples_trained"] == r["dataset_size"], r
+    return records
+
+
+def test_scale_down_through_the_api_keeps_training(api: TestClient) -> None:
+    t0 = time.monotonic()
+    r = api.post("/v1/jobs", json=_job())
+    assert r.status_code == 201, r.text
+    job = r.json()["job_id"]
+    body = wait_for(
+        lambda: (b := _get(api, job))["state"] == "RUNNING" and b["epochs_completed"] >= 1 and b,
+        timeout=60,
+        interval=0.1,
+    )
+    assert len(body["workers"]) == 3
+    # Not a member: the coordinator's KeyError comes back as a 404 through Ray.
+    r = api.delete(f"/v1/jobs/{job}/workers/w99")
+    assert r.status_code == 404 and "'w99' is not a member" in r.json()["detail"]
+
+    r = api.post(f"/v1/jobs/{job}/scale", json={"workers": 2})
+    assert r.status_code == 202, r.text
+    assert r.json()["epoch"] < 7, "the job was nearly done before the scale request"
+    # Members are in the order they started (by rank); the last one leaves.
+    *kept, leaving = [w["worker"] for w in r.json()["workers"]]
+
+    done = _wait_state(api, job, timeout=90)
+    assert done["state"] == "SUCCEEDED", done["reason"]
+    assert done["worker_events"].get("leave:drained") == 1, done["worker_events"]
+    assert done["generation"] >= 2
+    records = _check_history(api, job, 8)
+    last = records[-1]
+    assert [w["worker"] for w in last["workers"]] == kept
+    assert len(records[0]["workers"]) == 3
+    assert sum(w["partition"] for w in last["workers"]) == last["dataset_size"]
+    logs = [x["message"] for x in api.get(f"/v1/jobs/{job}/logs").json()["lines"]]
+    assert "scale requested: 2 workers" in logs
+    assert f"worker {leaving} leave: drained" in logs
+    # Finished: no more scaling.
+    r = api.post(f"/v1/jobs/{job}/scale", json={"workers": 3})
+    assert r.status_code == 409 and "SUCCEEDED" in r.json()["detail"]
+    assert time.monotonic() - t0 < 60
+
+
+def test_killed_coordinator_is_resumed_from_its_checkpoint(
+    api: TestClient, tmp_path: Path
+) -> None:
+    t0 = time.monotonic()
+    spec = _job(epochs=6, checkpoint={"dir": str(tmp_path), "every_epochs": 1})
+    r = api.post("/v1/jobs", json=spec)
+    assert r.status_code == 201, r.text
+    job = r.json()["job_id"]
+    wait_for(lambda: _get(api, job)["epochs_completed"] >= 2, timeout=60, interval=0.1)
+    ray.kill(find_coordinator(job), no_restart=True)
+
+    done = _wait_state(api, job, timeout=90)
+    assert done["state"] == "SUCCEEDED", done["reason"]
+    assert done["resumes"] == 1
+    _check_history(api, job, 6)
+    lines = api.get(f"/v1/jobs/{job}/logs").json()["lines"]
+    assert [x["seq"] for x in lines] == list(range(len(lines)))
+    messages = [x["message"] for x in lines]
+    assert any("resuming from its checkpoint (automatic resume 1 of 3)" in m for m in messages)
+    assert any(m.startswith("resuming from checkpoint at epoch") for m in messages)
+    assert messages[-1] == "state SUCCEEDED"
+    assert time.monotonic() - t0 < 60
