@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--at", type=int, default=10, help="Step of epoch 1 where it slows down.")
     ap.add_argument("--n-train", type=int, default=8192)
+    ap.add_argument("--out", default=None, help="Also write the JSON here.")
     args = ap.parse_args()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": FAST_HEALTH_CHECK})
@@ -108,7 +109,10 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    print(json.dumps(out, indent=2))
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

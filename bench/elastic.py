@@ -52,8 +52,8 @@ def watch(coord: Coordinator, stop: threading.Event, out: list[tuple[float, int,
         time.sleep(0.002)
 
 
-def node_loss(cluster: Cluster) -> dict[str, float]:
-    tag = "bench_loss"
+def node_loss(cluster: Cluster, run: int) -> dict[str, float]:
+    tag = f"bench_loss{run}"
     nodes = [cluster.add_node(num_cpus=1, resources={tag: 1}) for _ in range(3)]
     cluster.wait_for_nodes()
     coord = Coordinator("loss", spec(tag), resume=False)
@@ -71,8 +71,10 @@ def node_loss(cluster: Cluster) -> dict[str, float]:
     runner.join()
     stop.set()
     failure = next(e for e in coord.membership_events() if e.kind == "failure")
-    step_at_failure = next(p for p in reversed(progress) if p[0] <= failure.time)
-    resumed = next(p for p in progress if p[0] > failure.time and p[1:3] != step_at_failure[1:3])
+    # Training runs again when the survivors complete their first segment: the first
+    # progress after the membership dropped to 2.
+    i2 = next(i for i, p in enumerate(progress) if p[0] >= t_remove and p[3] == 2)
+    resumed = next(p for p in progress[i2 + 1:] if p[1:3] != progress[i2][1:3])
     snap = coord.snapshot()
     return {"detect_s": failure.time - t_remove,
             "detection_to_training_s": resumed[0] - failure.time,
@@ -82,8 +84,8 @@ def node_loss(cluster: Cluster) -> dict[str, float]:
             "accounting_ok": all(r.samples_trained == r.dataset_size for r in coord.history())}
 
 
-def scale_up(cluster: Cluster) -> dict[str, float]:
-    tag = "bench_join"
+def scale_up(cluster: Cluster, run: int) -> dict[str, float]:
+    tag = f"bench_join{run}"
     for _ in range(2):
         cluster.add_node(num_cpus=1, resources={tag: 1})
     cluster.wait_for_nodes()
@@ -101,31 +103,49 @@ def scale_up(cluster: Cluster) -> dict[str, float]:
     runner.join()
     stop.set()
     join = next(e for e in coord.membership_events() if e.kind == "join" and e.worker == "w2")
-    at_join = next(p for p in reversed(progress) if p[0] <= join.time)
-    first = next(p for p in progress if p[0] > join.time and p[3] == 3 and p[1:3] != at_join[1:3])
+    # The first segment the new worker trained in ends at the first progress after the
+    # membership became 3.
+    i3 = next(i for i, p in enumerate(progress) if p[0] >= t_ready and p[3] == 3)
+    first = next(p for p in progress[i3 + 1:] if p[1:3] != progress[i3][1:3])
     return {"ready_to_join_s": join.time - t_ready, "ready_to_first_step_s": first[0] - t_ready,
             "join_to_first_step_s": first[0] - join.time, "state": coord.snapshot().state.value}
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None, help="Also write the JSON here (Ray prints to "
+                    "stdout when a node it knew goes down).")
+    args = ap.parse_args()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": FAST_HEALTH_CHECK})
     ray.init(address=cluster.address, namespace="dynabatch-bench", log_to_driver=False)
     try:
-        losses = [node_loss(cluster) for _ in range(int(os.environ.get("REPEATS", "3")))]
-        ups = [scale_up(cluster) for _ in range(int(os.environ.get("REPEATS", "3")))]
+        repeats = args.repeats
+        losses, ups = [], []
+        for i in range(repeats):
+            losses.append(node_loss(cluster, i))
+            print("node loss", losses[-1], file=sys.stderr, flush=True)
+        for i in range(repeats):
+            ups.append(scale_up(cluster, i))
+            print("scale up", ups[-1], file=sys.stderr, flush=True)
+
+        def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+            keys = [k for k, v in rows[0].items() if isinstance(v, float)]
+            return {"runs": rows, **{f"median_{k}": statistics.median(r[k] for r in rows)
+                                     for k in keys}}
+
+        text = json.dumps({"emulated_cluster": "ray.cluster_utils on one 2-core machine",
+                           "collective_timeout_s": 3, "node_loss": summary(losses),
+                           "scale_up": summary(ups)}, indent=2)
+        print(text, flush=True)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
     finally:
         ray.shutdown()
         cluster.shutdown()
-
-    def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-        keys = [k for k, v in rows[0].items() if isinstance(v, float)]
-        return {"runs": rows, **{f"median_{k}": statistics.median(r[k] for r in rows)
-                                 for k in keys}}
-
-    print(json.dumps({"emulated_cluster": "ray.cluster_utils on one 2-core machine",
-                      "collective_timeout_s": 3, "node_loss": summary(losses),
-                      "scale_up": summary(ups)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -171,13 +171,18 @@ def main() -> None:
     ap.add_argument("--mnist", default=None, help="Directory of real MNIST IDX files.")
     ap.add_argument("--n-train", type=int, default=12000)
     ap.add_argument("--n-test", type=int, default=2000)
+    ap.add_argument("--out", default=None, help="Also write the JSON here (Ray may print to "
+                    "stdout when nodes go down).")
     args = ap.parse_args()
     result = {"workload": "lenet on 28x28 MNIST-format, global batch 256",
               "data": args.mnist or f"generated MNIST-format ({args.n_train} train)",
               "epochs": args.epochs, "clusters": {}}
     for name in args.clusters.split(","):
         result["clusters"][name] = bench_cluster(name, args)
-    print(json.dumps(result, indent=2))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
