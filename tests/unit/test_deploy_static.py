@@ -39,7 +39,7 @@ DASHBOARD_PROVIDERS = GRAFANA / "provisioning" / "dashboards"
 DASHBOARDS = GRAFANA / "dashboards"
 K8S = ROOT / "deploy" / "k8s"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-DEPLOYING = ROOT / "docs" / "deploying.md"
+DEPLOYING = ROOT / "README.md"  # its "Deploying" section
 
 IMAGE_SERVICES = ("ray-head", "worker-fast", "worker-slow", "api")
 WORKER_SERVICES = ("worker-fast", "worker-slow")
@@ -937,7 +937,7 @@ def test_kustomize_renders() -> None:
     }
 
 
-# docs/deploying.md ---------------------------------------------------------------------
+# README.md, "Deploying" ---------------------------------------------------------------
 def test_deploying_doc_refers_to_real_services() -> None:
     text = DEPLOYING.read_text()
     for m in re.finditer(r"--scale ([\w-]+)=\d+", text):
