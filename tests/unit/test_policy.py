@@ -521,4 +521,4 @@ def test_shared_overhead_is_exact_when_slowdown_scales_the_whole_step():
     assert t.max() / t.min() < 1.02
     _, _, k = shared_overhead_fit(*np.array([[s.stats.n, s.stats.sb, s.stats.st, s.stats.sbb,
                                                s.stats.sbt] for s in tel]).T)
-    assert k == pytest.approx(20.0)
+    assert k == pytest.approx(20.0, rel=1e-3)  # far below one sample
