@@ -10,7 +10,8 @@ From epoch 1, step ``--at``, worker 3 runs 4x slower. Compared:
 
 Per-step compute balance = mean / max of the workers' compute time in that step. "Steps to
 recover" counts steps from the disturbance until balance is back to >= 0.85 and stays there
-for 3 steps. Prints one JSON object.
+for 3 steps; "first back" counts steps until it is first >= 0.85 again. Prints one JSON
+object.
 """
 
 from __future__ import annotations
@@ -69,11 +70,16 @@ def run(policy: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         if all(r["balance"] >= TARGET for r in per_step[i:i + HOLD]):
             recover = i - start
             break
+    first = next((i - start for i in range(start, len(per_step))
+                  if per_step[i]["balance"] >= TARGET), None)
+    window = [r["balance"] for r in per_step[start + 5:start + 21]]
     before = [r["balance"] for r in per_step[max(0, start - 5):start]]
     hist = coord.history()
     return {
+        "steps_to_first_back_at_target": first,
         "steps_to_recover": recover,
         "recovered_within_10_steps": recover is not None and recover <= 10,
+        "median_balance_steps_5_to_20_after": statistics.median(window) if window else None,
         "balance_before": statistics.mean(before) if before else None,
         "balance_at_disturbance": per_step[start]["balance"],
         "balance_after_recovery": statistics.mean(
