@@ -49,10 +49,3 @@ class ComputeClock:
             time.sleep(target - wall)
         return target
 
-
-def stretch(compute_s: float, factor: float) -> float:
-    """Sleep so that a phase that took ``compute_s`` takes ``factor`` times as long."""
-    extra = (factor - 1.0) * compute_s
-    if extra > 0:
-        time.sleep(extra)
-    return compute_s + max(extra, 0.0)

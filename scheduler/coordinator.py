@@ -82,7 +82,6 @@ class Member:
     compute_per_step: float = 0.0
     wait_per_step: float = 0.0
     slowdown: float = 1.0
-    joined_step: int = 0
     observed_steps: int = 0
 
     def telemetry(self, cap: int | None) -> WorkerTelemetry:
@@ -737,7 +736,6 @@ class Coordinator:
             if len(self.members) >= self._max:
                 self._kill(p.member)
                 continue
-            p.member.joined_step = self.step_in_epoch
             self.members.append(p.member)
             self._event("join", p.member, "node available")
             changed = True
