@@ -15,12 +15,10 @@ import copy
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -28,6 +26,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.e2e.procs import find_free_port, stop_process, tail, wait_for
 from tests.unit.test_deploy_static import (
     PROMETHEUS,
     ROOT,
@@ -61,42 +60,6 @@ JOB_SPEC = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(what: str, predicate: Callable[[], Any], timeout: float, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT, grace: float = 30.0) -> None:
-    """Stop a process this test started: politely, then its whole session."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(sig)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # its own session (start_new_session)
-        proc.wait(10)
-
-
 def get_ok(url: str, **kw: Any) -> httpx.Response | None:
     try:
         r = httpx.get(url, timeout=5, **kw)
@@ -109,7 +72,7 @@ def get_ok(url: str, **kw: Any) -> httpx.Response | None:
 def live_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`dynabatch serve` on a free loopback port, with an embedded Ray of two CPUs."""
     tmp = tmp_path_factory.mktemp("deploy-api")
-    port = free_port()
+    port = find_free_port()
     log = tmp / "api.log"
     env = {
         **os.environ,
@@ -145,7 +108,7 @@ def live_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         assert proc.poll() is None, f"dynabatch serve exited:\n{tail(log)}"
         yield url
     finally:
-        stop(proc)
+        stop_process(proc, sig=signal.SIGINT, grace=30.0)
         if proc.returncode not in (0, -signal.SIGINT):
             print(f"dynabatch serve exited with {proc.returncode}:\n{tail(log)}")
 
@@ -174,7 +137,7 @@ def live_prometheus(live_api: str, tmp_path_factory: pytest.TempPathFactory) -> 
     tmp = tmp_path_factory.mktemp("deploy-prometheus")
     config = tmp / "prometheus.yml"
     config.write_text(yaml.safe_dump(prometheus_config(live_api.removeprefix("http://"))))
-    port = free_port()
+    port = find_free_port()
     log = tmp / "prometheus.log"
     argv = [
         binary,
@@ -195,7 +158,7 @@ def live_prometheus(live_api: str, tmp_path_factory: pytest.TempPathFactory) -> 
         assert proc.poll() is None, f"prometheus exited:\n{tail(log)}"
         yield url
     finally:
-        stop(proc, signal.SIGTERM)
+        stop_process(proc, sig=signal.SIGTERM, grace=30.0)
 
 
 def promql(prom: str, path: str, **params: Any) -> Any:
