@@ -101,12 +101,17 @@ def test_joining_node_gets_a_worker_and_a_share_by_speed(cluster):
     last = coord.history()[joined_epoch + 2]
     by = {w.worker: w for w in last.workers}
     assert set(by) == {"w0", "w1", "w2"}
-    # Three times slower: at most half a fast worker's share (about a third by speed, less
-    # for its fixed per-step cost, paid three times over). Whether it then finishes with the
-    # others is a timing question for bench/: on this 2-vCPU VM the answer depends on how
+    # Three times slower: about a third of a fast worker's share by speed, less for its fixed
+    # per-step cost, paid three times over. How close it gets, and whether it then finishes
+    # with the others, is a timing question for bench/: on this 2-vCPU VM it depends on how
     # the emulated nodes contend for the cores.
     shares = {k: v.batch for k, v in by.items()}
-    assert 0 < by["w2"].batch <= 0.5 * min(by["w0"].batch, by["w1"].batch), shares
+    fast = (by["w0"].batch + by["w1"].batch) / 2
+    # Its first share came from its resources (equal to the others'); within 2 epochs it
+    # is cut well below theirs, and by the end to at most 0.6 of it.
+    assert 0 < by["w2"].batch <= 0.75 * fast, shares
+    final = {w.worker: w.batch for w in coord.history()[-1].workers}
+    assert 0 < final["w2"] <= 0.6 * (final["w0"] + final["w1"]) / 2, final
 
     assert last.samples_trained == last.dataset_size
 
