@@ -49,3 +49,9 @@ class ComputeClock:
             time.sleep(target - wall)
         return target
 
+
+
+def error_at(emulation: EmulationSpec, ordinal: int, epoch: int, step: int) -> bool:
+    """Whether the worker with this ordinal has an injected error at (epoch, step)."""
+    return any(e.worker == ordinal and (epoch, step) >= (e.epoch, e.step)
+               for e in emulation.errors)

@@ -6,33 +6,54 @@ It scales its summed loss by 1/B (B the step's global batch), so its gradient is
 all-reduce yields ``Σ_i (b_i / B) · g_i``: exactly the mean gradient of the global batch,
 whatever the split. Compute (gather + forward + backward, plus any emulated slowdown) is
 timed apart from the all-reduce, which includes waiting for slower peers.
+
+The flat all-reduce buffer holds the gradients followed by one coverage slot per position
+of the step (see :mod:`actors.contracts`), so the collective that applies a step also
+proves which samples it contained.
+
+Errors are classified where they happen: a failure inside the collective is a *peer*
+error (retryable: someone died, left or timed out); anything else during the step is this
+worker's own *compute* error (possibly deterministic). Either way the worker leaves the
+group at once, so peers blocked in the collective fail fast instead of waiting out the
+timeout.
+
+Devices. A worker trains on its node's GPU when it was placed with one, otherwise on the
+CPU with torch threads set to its CPUs. In a gloo group (any member on the CPU) a GPU
+worker stages its flat buffer through pinned host memory.
 """
 
 from __future__ import annotations
 
-import io
 import time
-from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from actors.emulation import ComputeClock, slowdown_at
+from actors.contracts import (
+    SegmentPlan,
+    SegmentResult,
+    StepPlan,
+    StepTelemetry,
+    encode_counts,
+    epoch_order,
+)
+from actors.emulation import ComputeClock, error_at, slowdown_at
 from actors.group import ProcessGroup, Rendezvous
-from scheduler.telemetry import SegmentResult, StepTelemetry
 from service.spec import JobSpec
 
 
-@dataclass(frozen=True)
-class SegmentPlan:
-    """Consecutive steps of one epoch for one worker: its sample indices per step."""
+class InjectedFault(RuntimeError):
+    """A deterministic error injected by ``emulation.errors``."""
 
-    epoch: int
-    first_step: int
-    step_batches: tuple[int, ...]  # global batch of each step
-    indices: tuple[np.ndarray, ...]  # this worker's sample indices for each step
+
+class _StepFailed(Exception):
+    def __init__(self, kind: str, err: BaseException, compute_s: float):
+        super().__init__(f"{type(err).__name__}: {err}".splitlines()[0][:500])
+        self.kind = kind
+        self.compute_s = compute_s
 
 
 def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
@@ -42,13 +63,27 @@ def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
 
 
-def pick_device(spec: JobSpec) -> torch.device:
-    if spec.device == "cuda" or (spec.device == "auto" and spec.worker_gpus > 0):
-        if torch.cuda.is_available():
-            return torch.device("cuda", 0)
-        if spec.device == "cuda":
-            raise RuntimeError("device 'cuda' was requested but no GPU is visible to the worker")
+def pick_device(spec: JobSpec, gpus: float) -> torch.device:
+    """The worker's device: its GPU when it was placed with one (``gpus`` > 0)."""
+    if spec.device == "cpu" or (spec.device == "auto" and gpus <= 0):
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    if spec.device == "cuda" or gpus > 0:
+        raise RuntimeError("a GPU was requested but no GPU is visible to the worker")
     return torch.device("cpu")
+
+
+def to_cpu(obj: Any) -> Any:
+    """A copy of a (nested) state dict with every tensor on the CPU: checkpoints and the
+    coordinator must not need a GPU to hold a GPU worker's state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
 
 
 class Worker:
@@ -61,13 +96,14 @@ class Worker:
         y_train: np.ndarray,
         input_shape: tuple[int, ...],
         num_classes: int,
+        gpus: float = 0.0,
     ):
         from service.workloads.models import build_model
 
         self.worker_id = worker_id
         self.ordinal = ordinal
         self.spec = spec
-        self.device = pick_device(spec)
+        self.device = pick_device(spec, gpus)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(spec.worker_cpus)))
         # Zero-copy views of the object-store arrays; batches are gathered per step.
@@ -77,19 +113,28 @@ class Worker:
         self.model = build_model(spec.model, input_shape, num_classes).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(spec, self.params)
-        self.group = ProcessGroup("nccl" if self.device.type == "cuda" else "gloo",
-                                  spec.collective_timeout_s)
-        # Gradients live as views of one flat buffer: backward accumulates into it and the
-        # all-reduce works on it in place, with no per-step allocation or copy.
-        self._flat = torch.zeros(sum(p.numel() for p in self.params), device=self.device)
-        off = 0
-        for p in self.params:
-            p.grad = self._flat[off:off + p.numel()].view_as(p)
-            off += p.numel()
+        self.group = ProcessGroup(spec.collective_timeout_s)
+        self._n_params = sum(p.numel() for p in self.params)
+        self._host: torch.Tensor | None = None
+        self._alloc_flat(spec.global_batch)
+        self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
         self._stall_s = 0.0
         # CPU-time clock only for emulation on the CPU; a GPU's work is not thread time.
         self._clock = ComputeClock(spec.emulated and self.device.type == "cpu")
         self._warm_up()
+
+    def _alloc_flat(self, max_step: int) -> None:
+        """Gradients live as views of one flat buffer (backward accumulates into it and the
+        all-reduce works on it in place, no per-step copy), followed by the coverage slots
+        of the largest step."""
+        self._flat = torch.zeros(self._n_params + max_step, device=self.device)
+        off = 0
+        for p in self.params:
+            p.grad = self._flat[off:off + p.numel()].view_as(p)
+            off += p.numel()
+        self._cov = self._flat[self._n_params:]
+        if self.device.type == "cuda":
+            self._host = torch.zeros(self._flat.numel(), pin_memory=True)
 
     def _warm_up(self) -> None:
         """One throw-away forward/backward, so one-off costs (lazy init, allocator growth)
@@ -107,8 +152,8 @@ class Worker:
         return {"worker": self.worker_id, "node": ray.get_runtime_context().get_node_id(),
                 "device": str(self.device)}
 
-    def open_store(self, generation: int, world_size: int) -> Rendezvous:
-        return self.group.open_store(generation, world_size)
+    def open_store(self, generation: int, world_size: int, backend: str = "gloo") -> Rendezvous:
+        return self.group.open_store(generation, world_size, backend)
 
     def join(self, rv: Rendezvous, rank: int, src_rank: int = 0) -> float:
         """Join generation ``rv`` and take the model and optimizer state from ``src_rank``."""
@@ -121,77 +166,100 @@ class Worker:
         self.group.leave()
 
     def _broadcast_state(self, src: int) -> None:
-        with torch.no_grad():
-            for t in self.model.state_dict().values():
-                dist.broadcast(t, src)
-        # The optimizer state may be empty on a newcomer (it is created lazily), so it
-        # travels as bytes: size first, then payload.
-        is_src = dist.get_rank() == src
-        if is_src:
-            buf = io.BytesIO()
-            torch.save(self.optimizer.state_dict(), buf)
-            payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-            payload = payload.to(self.device)
-            size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        else:
-            size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        dist.broadcast(size, src)
-        if not is_src:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.broadcast(payload, src)
-        if not is_src:
-            raw = io.BytesIO(payload.cpu().numpy().tobytes())
-            self.optimizer.load_state_dict(torch.load(raw, weights_only=False))
+        # As objects: a newcomer's optimizer state is empty (created lazily), and members
+        # may be on different devices; everything travels on the CPU.
+        box: list[Any] = [self.state() if dist.get_rank() == src else None]
+        device = self.device if self.group.backend == "nccl" else None
+        dist.broadcast_object_list(box, src=src, device=device)
+        if dist.get_rank() != src:
+            self.load_state(box[0])
 
     # --- training ---------------------------------------------------------------------
     def stall(self, seconds: float) -> None:
         """Test hook: make the next step hang for ``seconds`` (a hung worker)."""
         self._stall_s = seconds
 
-    def run_segment(self, plan: SegmentPlan) -> SegmentResult:
-        steps: list[StepTelemetry] = []
-        error = None
-        for k, (gb, idx) in enumerate(zip(plan.step_batches, plan.indices, strict=True)):
-            try:
-                steps.append(self._step(plan.epoch, plan.first_step + k, gb, idx))
-            except (RuntimeError, dist.DistBackendError) as err:
-                # A peer died or hung: report how far this worker got, so the scheduler can
-                # retry the step in flight over the survivors.
-                error = f"{type(err).__name__}: {err}".splitlines()[0][:500]
-                break
-        indices = None
-        if self.spec.record_indices:
-            indices = [int(i) for arr in plan.indices[: len(steps)] for i in arr]
-        return SegmentResult(worker=self.worker_id, steps=steps, indices=indices, error=error)
+    def _epoch_order(self, plan: SegmentPlan) -> np.ndarray:
+        key = (plan.seed, plan.epoch, plan.dataset_size)
+        if self._order is None or self._order[0] != key:
+            self._order = (key, epoch_order(*key))
+        return self._order[1]
 
-    def _step(self, epoch: int, step: int, global_batch: int, idx: np.ndarray) -> StepTelemetry:
-        factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, step)
+    def run_segment(self, plan: SegmentPlan) -> SegmentResult:
+        order = self._epoch_order(plan)
+        steps: list[StepTelemetry] = []
+        for sp in plan.steps:
+            try:
+                steps.append(self._step(plan.epoch, sp, order))
+            except _StepFailed as err:
+                # Leave at once so peers blocked in the collective fail fast.
+                self.group.leave()
+                return SegmentResult(worker=self.worker_id, steps=steps, error=str(err),
+                                     error_kind=err.kind, failed_compute_s=err.compute_s)
+        return SegmentResult(worker=self.worker_id, steps=steps)
+
+    def _step(self, epoch: int, sp: StepPlan, order: np.ndarray) -> StepTelemetry:
+        factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, sp.step)
         self._clock.start()
-        self._flat.zero_()
-        n = len(idx)
-        loss_sum = 0.0
-        if n:
-            ii = torch.from_numpy(np.asarray(idx, dtype=np.int64))
-            xb = self.x.index_select(0, ii).to(self.device, non_blocking=True)
-            yb = self.y.index_select(0, ii).to(self.device, non_blocking=True)
-            loss = F.cross_entropy(self.model(xb), yb, reduction="sum")
-            (loss / global_batch).backward()
-            loss_sum = float(loss.detach())
-        flat = self._flat
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        try:
+            if error_at(self.spec.emulation, self.ordinal, epoch, sp.step):
+                raise InjectedFault(f"injected error at epoch {epoch} step {sp.step}")
+            if sp.size > self._cov.numel():
+                self._alloc_flat(sp.size)
+            self._flat.zero_()
+            loss_sum = 0.0
+            if sp.own_size:
+                ids = order[sp.own_start:sp.own_start + sp.own_size]
+                ii = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+                xb = self.x.index_select(0, ii).to(self.device, non_blocking=True)
+                yb = self.y.index_select(0, ii).to(self.device, non_blocking=True)
+                loss = F.cross_entropy(self.model(xb), yb, reduction="sum")
+                (loss / sp.size).backward()
+                loss_sum = float(loss.detach())
+            lo = sp.own_start - sp.start
+            self._cov[lo:lo + sp.own_size] = 1.0
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as err:
+            raise _StepFailed("compute", err, self._clock.finish(1.0)) from err
         compute = self._clock.finish(factor)
         if self._stall_s:
             time.sleep(self._stall_s)
             self._stall_s = 0.0
         t1 = time.perf_counter()
+        try:
+            reduced = self._all_reduce(self._n_params + sp.size)
+            coverage = encode_counts(np.rint(reduced[self._n_params:]).astype(np.int64))
+        except Exception as err:
+            raise _StepFailed("peer", err, compute) from err
+        wait = time.perf_counter() - t1
+        try:
+            self.optimizer.step()
+        except Exception as err:
+            raise _StepFailed("compute", err, compute) from err
+        return StepTelemetry(
+            worker=self.worker_id, epoch=epoch, step=sp.step, batch=sp.own_size,
+            samples=sp.own_size, compute_s=compute, wait_s=wait, loss_sum=loss_sum,
+            slowdown=factor, start=sp.own_start, step_start=sp.start, step_size=sp.size,
+            coverage=coverage,
+        )
+
+    def _all_reduce(self, n: int) -> np.ndarray:
+        """SUM all-reduce of the first ``n`` elements of the flat buffer, in place; returns
+        them on the host (the caller reads the coverage slots)."""
+        flat = self._flat[:n]
+        if self.device.type == "cuda" and self.group.backend == "gloo":
+            host = self._host[:n]
+            host.copy_(flat, non_blocking=True)
+            torch.cuda.synchronize(self.device)
+            dist.all_reduce(host, op=dist.ReduceOp.SUM)
+            flat.copy_(host, non_blocking=True)
+            torch.cuda.synchronize(self.device)
+            return host.numpy()
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        wait = time.perf_counter() - t1
-        self.optimizer.step()
-        return StepTelemetry(worker=self.worker_id, epoch=epoch, step=step, batch=n, samples=n,
-                             compute_s=compute, wait_s=wait, loss_sum=loss_sum, slowdown=factor)
+            return flat.cpu().numpy()
+        return flat.numpy()
 
     # --- measurement (benchmarks) -----------------------------------------------------
     def profile(self, batches: list[int], repeats: int = 5) -> dict[int, float]:
@@ -221,7 +289,7 @@ class Worker:
     def time_allreduce(self, repeats: int = 10) -> float:
         """Median seconds of the gradient all-reduce when every member is ready."""
         times = []
-        buf = torch.zeros_like(self._flat)
+        buf = torch.zeros(self._n_params, device=self.device)
         for _ in range(repeats):
             dist.barrier()
             t0 = time.perf_counter()
@@ -247,13 +315,13 @@ class Worker:
         n = max(len(y_test), 1)
         return total_loss / n, correct / n
 
-    def state(self) -> dict[str, object]:
-        """Model and optimizer state on the CPU, for checkpoints and equivalence tests."""
-        return {
-            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-        }
+    def state(self) -> dict[str, Any]:
+        """Model and optimizer state, every tensor on the CPU (checkpoints, broadcasts,
+        equivalence tests)."""
+        return {"model": to_cpu(self.model.state_dict()),
+                "optimizer": to_cpu(self.optimizer.state_dict())}
 
-    def load_state(self, state: dict[str, object]) -> None:
+    def load_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
+        # Optimizer.load_state_dict casts state to the parameters' device.
         self.optimizer.load_state_dict(state["optimizer"])

@@ -36,6 +36,7 @@ from service.jobs import (
     WorkerNotFound,
 )
 from service.settings import Settings
+from service.spec import SpecNotAllowed
 from service.store import JobStore
 
 log = logging.getLogger("dynabatch.api")
@@ -45,7 +46,9 @@ Submit, watch, scale and cancel heterogeneity-aware elastic data-parallel traini
 Ray. A job with `checkpoint.dir` whose coordinator is lost is resumed from its checkpoint.
 
 When the service runs with `DYNABATCH_API_TOKEN`, job data and every mutation need
-`Authorization: Bearer <token>`. Bad input gets 422 with one message per field.
+`Authorization: Bearer <token>`. Bad input gets 422 with one message per field, and so does a
+spec naming user code (`pkg.mod:function`), a `dataset.path` or a `checkpoint.dir` that the
+service's settings do not allow.
 """
 
 BODY_PARSE_ERROR = "There was an error parsing the body"
@@ -148,6 +151,15 @@ def _install_error_handlers(app: FastAPI) -> None:
             {"detail": [problem]}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT
         )
 
+    @app.exception_handler(SpecNotAllowed)
+    async def not_allowed(_: Request, err: SpecNotAllowed) -> JSONResponse:
+        # The same shape as the spec's validation errors: one entry per field.
+        detail = [
+            {"loc": ["body", *field.split(".")], "field": field, "msg": msg, "type": "not_allowed"}
+            for field, msg in err.problems
+        ]
+        return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
     @app.exception_handler(ClusterUnavailable)
     async def unavailable(_: Request, err: ClusterUnavailable) -> JSONResponse:
         return JSONResponse(
@@ -188,6 +200,7 @@ def build_service(settings: Settings, cluster: ClusterClient | None = None) -> J
         release_finished=settings.release_finished,
         cancel_wait_s=settings.cancel_wait_s,
         auto_resume_limit=settings.auto_resume_limit,
+        submit_policy=settings.submit_policy,
     )
 
 

@@ -89,7 +89,7 @@ def measure_ideal(spec: JobSpec, n_train: int) -> dict[str, Any]:
     data = {"x_train": ray.put(ds.x_train), "y_train": ray.put(ds.y_train),
             "input_shape": tuple(ds.input_shape), "num_classes": ds.num_classes}
     nodes = eligible_nodes(spec)
-    workers = [spawn_worker(spec, f"w{i}", i, nodes[i].node_id, data)
+    workers = [spawn_worker(spec, f"w{i}", i, nodes[i].node_id, 0.0, data)
                for i in range(spec.initial_workers)]
     rv = ray.get(workers[0].open_store.remote(1, len(workers)))
     ray.get([w.join.remote(rv, r, 0) for r, w in enumerate(workers)])

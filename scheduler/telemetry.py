@@ -15,38 +15,6 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True)
 
 
-class StepTelemetry(_Frozen):
-    """One worker's view of one training step.
-
-    ``compute_s`` is forward + backward (+ emulated slowdown); ``wait_s`` is the weighted
-    all-reduce, which includes waiting for slower peers. A worker with an empty share of a
-    step (possible in an epoch's last, partial step) reports ``samples == 0``.
-    """
-
-    worker: str
-    epoch: int
-    step: int
-    batch: int
-    samples: int
-    compute_s: float
-    wait_s: float
-    loss_sum: float = Field(description="Sum of per-sample losses over the worker's batch.")
-    slowdown: float = 1.0
-
-
-class SegmentResult(_Frozen):
-    """What a worker returns after running a segment of consecutive steps."""
-
-    worker: str
-    steps: list[StepTelemetry]
-    indices: list[int] | None = Field(
-        default=None, description="Sample indices trained, in order (only when recording)."
-    )
-    error: str | None = Field(
-        default=None, description="Why the segment stopped early (a peer failed, a timeout)."
-    )
-
-
 class WorkerEpochStats(_Frozen):
     worker: str
     node: str
@@ -66,9 +34,18 @@ class EpochRecord(_Frozen):
     wall_s: float
     steps: int
     dataset_size: int
-    samples_trained: int
+    samples_trained: int = Field(
+        description="Samples in the epoch's committed steps, from the workers' reports."
+    )
     retried_samples: int = Field(
-        default=0, description="Samples trained twice because a step was retried after a failure."
+        default=0,
+        description="Samples computed in a step attempt that failed and was retried; not "
+        "part of samples_trained.",
+    )
+    verified: bool = Field(
+        default=False,
+        description="The ledger rebuilt the epoch from the workers' reports (the all-reduced "
+        "coverage of every committed step) and found every sample trained exactly once.",
     )
     train_loss: float
     test_loss: float | None = None

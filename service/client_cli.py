@@ -3,7 +3,8 @@
 ``submit CONFIG``, ``list``, ``status ID``, ``watch ID``, ``cancel ID``, ``logs ID``,
 ``scale ID N``, ``drain ID WORKER`` and ``resume ID`` talk to ``--url`` (``DYNABATCH_URL``)
 with ``--token`` (``DYNABATCH_API_TOKEN``). Any failure prints
-one line, ``error: ...``, on stderr and exits 1; never a traceback.
+one line, ``error: ...``, on stderr and exits 1; never a traceback. ``serve`` exits 2 when it
+refuses to listen beyond loopback without a token (``--insecure`` overrides that).
 
 Tests inject a client through the click context: ``runner.invoke(app, args,
 obj={"client_factory": lambda url, token: DynabatchClient(http=test_client)})``.
@@ -12,6 +13,7 @@ obj={"client_factory": lambda url, token: DynabatchClient(http=test_client)})``.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import re
 import sys
 import time
@@ -172,13 +174,43 @@ def serve(
         typer.Option(help="Ray cluster address; default: embedded Ray [RAY_ADDRESS]."),
     ] = None,
     db: Annotated[str | None, typer.Option(help="SQLite file [DYNABATCH_DB_PATH].")] = None,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Listen on a non-loopback address even without DYNABATCH_API_TOKEN.",
+        ),
+    ] = False,
 ) -> None:
     """Run the REST API (uvicorn) connected to Ray."""
-    _serve(host=host, port=port, address=address, db=db)
+    _serve(insecure, host=host, port=port, address=address, db=db)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the API on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:  # any other name may resolve to a public interface
+        return False
+
+
+def _check_exposure(host: str, token: str | None, insecure: bool) -> None:
+    """Refuse (exit 2) to serve an unauthenticated API beyond this machine unless told to:
+    whoever reaches it can run jobs on the cluster."""
+    if token is not None or insecure or is_loopback(host):
+        return
+    _stderr().print(
+        f"error: refusing to listen on {host} without DYNABATCH_API_TOKEN: anyone who can "
+        "reach it could run jobs; set the token, bind 127.0.0.1, or pass --insecure",
+        markup=False,
+    )
+    raise typer.Exit(2)
 
 
 @_clean_errors
-def _serve(**overrides: Any) -> None:
+def _serve(insecure: bool, **overrides: Any) -> None:
     import logging
 
     import uvicorn
@@ -200,6 +232,7 @@ def _serve(**overrides: Any) -> None:
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
         )
         raise CliError(f"invalid settings: {problems}") from None
+    _check_exposure(settings.host, settings.token, insecure)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -17,6 +17,11 @@ FAILED with the reason. On start, jobs left live by an earlier API process are r
 name, or resumed the same way when their coordinator is gone (in embedded mode their Ray ended
 with that process); the rest are marked FAILED instead of being forgotten. ``resume()`` does
 it on request, also for a FAILED job.
+
+Specs come from REST clients: ``submit`` refuses (:class:`service.spec.SpecNotAllowed`, 422,
+nothing stored) one that names user code, a dataset path or a checkpoint dir that
+``submit_policy`` (from the settings) does not allow, and every relaunch of a stored spec is
+checked again, so settings tightened since the job was stored hold too.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler.state import InvalidTransition, JobState
 from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from service.spec import JobSpec
+from service.spec import JobSpec, SpecNotAllowed, SubmitPolicy, check_submission
 from service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
 
 log = logging.getLogger("dynabatch.service")
@@ -173,6 +178,7 @@ class JobService:
         release_finished: bool = True,
         cancel_wait_s: float = 5.0,
         auto_resume_limit: int = AUTO_RESUME_LIMIT,
+        submit_policy: SubmitPolicy | None = None,
         clock: Callable[[], float] = time.time,
     ):
         self.store = store
@@ -182,6 +188,8 @@ class JobService:
         self.release_finished = release_finished
         self.cancel_wait_s = cancel_wait_s
         self.auto_resume_limit = auto_resume_limit
+        # What specs may name (user code, paths). The default allows nothing.
+        self.submit_policy = submit_policy if submit_policy is not None else SubmitPolicy()
         self.clock = clock
         self._sync_lock = threading.RLock()
         self._stop = threading.Event()
@@ -350,6 +358,9 @@ class JobService:
         it with ``why`` when it has none or has been resumed too often in a row."""
         if not self.checkpoint_exists(rec):
             return self._fail(rec.id, why)
+        refused = self._not_allowed(rec)
+        if refused:
+            return self._fail(rec.id, f"{why}; not resumed: {refused}")
         if self.auto_resume_limit <= 0:
             return self._fail(
                 rec.id, f"{why}; automatic resume is off: it can be resumed from its checkpoint"
@@ -365,6 +376,14 @@ class JobService:
             return self._relaunch(rec, f"{why}; resuming from its checkpoint ({attempt})", True)
         except ClusterError:
             return self.store.get(rec.id)  # _relaunch recorded the failure
+
+    def _not_allowed(self, rec: JobRecord) -> str | None:
+        """Why the stored spec of ``rec`` may not be launched again under this service's
+        settings (stored by an earlier, more permissive one, say); None when it may."""
+        problems = check_submission(rec.spec, self.submit_policy)
+        if not problems:
+            return None
+        return f"its spec is not allowed by this service's settings ({SpecNotAllowed(problems)})"
 
     def _launch_spec(self, rec: JobRecord) -> JobSpec:
         """The spec a resumed coordinator starts with: the job's own, at the size last
@@ -413,9 +432,14 @@ class JobService:
     def submit(self, spec: JobSpec) -> JobRecord:
         """Store the job and start its coordinator. A launch that fails leaves it FAILED.
 
-        Raises :class:`ClusterUnavailable` (after recording the failure) when Ray did not
-        answer; other launch errors are the job's reason and the record is returned.
+        Raises :class:`SpecNotAllowed` (422; nothing is stored) when the spec names user code
+        or paths that ``submit_policy`` does not allow, :class:`ClusterUnavailable` (after
+        recording the failure) when Ray did not answer; other launch errors are the job's
+        reason and the record is returned.
         """
+        problems = check_submission(spec, self.submit_policy)
+        if problems:
+            raise SpecNotAllowed(problems)
         job_id = new_job_id()
         cluster = self._cluster_name()
         with self._launching_lock:
@@ -576,6 +600,9 @@ class JobService:
                 raise JobConflict(
                     f"job {job_id} has no checkpoint yet in {rec.spec.checkpoint.dir}"
                 )
+            refused = self._not_allowed(rec)
+            if refused:
+                raise JobConflict(f"job {job_id} cannot be resumed: {refused}")
             if alive:
                 # The FAILED job's coordinator was kept (release_finished off, or the release
                 # failed): it goes, so the new one can take its name (once Ray freed it).

@@ -21,6 +21,10 @@ from scheduler.state import JobState
 from scheduler.telemetry import EpochRecord, JobSnapshot
 from service.spec import JobSpec, SpecError, load_spec
 
+# A coordinator answers snapshot/history/cancel from another thread in milliseconds; this
+# bounds a call to one that died or hangs.
+CALL_TIMEOUT_S = 60.0
+
 
 def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
     """The live view: a job line, per-worker allocation and telemetry, recent epochs."""
@@ -43,12 +47,15 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
                         f"{w.wait_s_per_step * 1e3:.1f} ms", f"{w.slowdown:g}x")
     epochs = Table(title="epochs", expand=False)
     for col in ("epoch", "time", "train loss", "test acc", "utilization", "balance",
-                "rebalances"):
+                "rebalances", "samples", "retried"):
         epochs.add_column(col, justify="right")
     for r in history[-6:]:
+        # "verified": the ledger found every sample trained exactly once, from the reports.
+        samples = f"{r.samples_trained:,}" + (" verified" if r.verified else "")
         epochs.add_row(str(r.epoch), f"{r.wall_s:.2f}s", f"{r.train_loss:.4f}",
                        "-" if r.test_accuracy is None else f"{r.test_accuracy:.4f}",
-                       f"{r.utilization:.3f}", f"{r.compute_balance:.3f}", str(r.rebalances))
+                       f"{r.utilization:.3f}", f"{r.compute_balance:.3f}", str(r.rebalances),
+                       samples, str(r.retried_samples))
     return Group(head, workers, epochs)
 
 
@@ -90,8 +97,8 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
         with Live(console=console, refresh_per_second=4, transient=False,
                   auto_refresh=not quiet) as live:
             while True:
-                snap = ray.get(handle.snapshot.remote())
-                hist = ray.get(handle.history.remote(0))
+                snap = ray.get(handle.snapshot.remote(), timeout=CALL_TIMEOUT_S)
+                hist = ray.get(handle.history.remote(0), timeout=CALL_TIMEOUT_S)
                 if not quiet:
                     live.update(render(snap, hist))
                 if snap.state.is_terminal:
@@ -99,7 +106,8 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
                 if interrupted["n"] and not cancel_sent:
                     console.print("[yellow]Ctrl-C: cancelling at the next step boundary "
                                   "(again to abort)[/]")
-                    ray.get(handle.cancel.remote("cancelled from the command line (Ctrl-C)"))
+                    ray.get(handle.cancel.remote("cancelled from the command line (Ctrl-C)"),
+                            timeout=CALL_TIMEOUT_S)
                     cancel_sent = True
                 time.sleep(0.5)
     finally:

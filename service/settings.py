@@ -6,10 +6,21 @@ unset, the service starts an embedded local Ray that lives and dies with the API
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, Field, SecretStr
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.spec import ANY_MODULE, MODULE_PATTERN, SubmitPolicy
+
 EMBEDDED_ADDRESSES = frozenset({"", "local"})
+
+
+def split_list(value: str) -> tuple[str, ...]:
+    """The entries of a comma-separated setting, stripped; empty entries dropped."""
+    return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
 class Settings(BaseSettings):
@@ -60,11 +71,62 @@ class Settings(BaseSettings):
         "epoch in between, before it is marked FAILED; 0 turns automatic resume off.",
     )
     log_level: str = Field(default="info", description="uvicorn and service log level.")
+    # What specs submitted over REST may name (see service.spec.SubmitPolicy). Comma lists
+    # are plain strings: pydantic-settings would try to JSON-decode a list from the env.
+    user_code_modules: str = Field(
+        default="",
+        description="Comma-separated module prefixes that import paths in submitted specs may "
+        "use ('pkg' allows pkg and pkg.sub), or '*' for any; empty: none.",
+    )
+    data_roots: str = Field(
+        default="",
+        description="Comma-separated directories that a submitted dataset.path must resolve "
+        "under; empty: no dataset paths.",
+    )
+    checkpoint_root: str | None = Field(
+        default=None,
+        description="Directory that a submitted checkpoint.dir must resolve under; unset: no "
+        "checkpoint directories.",
+    )
+
+    @field_validator("user_code_modules")
+    @classmethod
+    def _modules(cls, v: str) -> str:
+        for entry in split_list(v):
+            if entry != ANY_MODULE and not re.match(MODULE_PATTERN, entry):
+                raise ValueError(f"{entry!r} is not a module name (pkg or pkg.sub) nor '*'")
+        return v
+
+    @field_validator("data_roots")
+    @classmethod
+    def _data_roots(cls, v: str) -> str:
+        for entry in split_list(v):
+            if not Path(entry).is_absolute():
+                raise ValueError(f"{entry!r} is not an absolute path")
+        return v
+
+    @field_validator("checkpoint_root", mode="before")
+    @classmethod
+    def _checkpoint_root(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.strip() or None  # an empty variable is unset
+        if v is not None and not Path(v).is_absolute():
+            raise ValueError(f"{v!r} is not an absolute path")
+        return v
 
     @property
     def embedded(self) -> bool:
         """True when the service starts its own Ray (which ends with the API process)."""
         return self.ray_address is None or self.ray_address.strip() in EMBEDDED_ADDRESSES
+
+    @property
+    def submit_policy(self) -> SubmitPolicy:
+        """What specs submitted to this service may name."""
+        return SubmitPolicy(
+            user_code_modules=split_list(self.user_code_modules),
+            data_roots=split_list(self.data_roots),
+            checkpoint_root=self.checkpoint_root,
+        )
 
     @property
     def token(self) -> str | None:

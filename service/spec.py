@@ -6,21 +6,44 @@ JobSpec model validator as ``(field path, problem)`` pairs and raised together a
 ``_CombinationError`` (a ``ValueError``), which :func:`format_validation_error` expands to
 one ``field: problem`` line each; values that are accepted but have no effect produce a
 ``UserWarning``. ``str(SpecError)`` is always a single line.
+
+What a *valid* spec may name when it comes from a REST client (user code, dataset paths,
+checkpoint dirs) is the service's decision, not the schema's: :func:`check_submission`
+checks it against a :class:`SubmitPolicy` built from the settings.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 POLICIES = ("static", "dbs", "affine")
 MAX_WORKERS = 4096
 
-IMPORT_PATH_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+# The grammar service.workloads.imports resolves: dotted module names, then one attribute.
+IMPORT_PATH_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
+MODULE_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$"
+BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10")
+BUILTIN_MODELS = ("mlp", "lenet", "resnet")
+
+# Integer fields are StrictInt: "7" or true is an error naming the field, never a silent
+# conversion (YAML and JSON configs give real integers). Float fields stay lax: `lr: 1` must
+# work, and PyYAML reads `lr: 1e-3` (no dot) as the string "1e-3".
 
 
 class _Strict(BaseModel):
@@ -48,7 +71,7 @@ class DatasetSpec(_Strict):
     test_fraction: float = Field(
         default=0.2, gt=0.0, lt=1.0, description="Held-out split when the dataset has none."
     )
-    limit: int | None = Field(
+    limit: StrictInt | None = Field(
         default=None, ge=1, description="Use at most this many training samples."
     )
     options: dict[str, Any] = Field(
@@ -58,10 +81,8 @@ class DatasetSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v in ("synthetic", "digits", "mnist", "cifar10"):
+        if v in BUILTIN_DATASETS:
             return v
-        import re
-
         if not re.match(IMPORT_PATH_PATTERN, v):
             raise ValueError(
                 f"unknown dataset {v!r}: use synthetic, digits, mnist, cifar10 "
@@ -74,16 +95,14 @@ class ModelSpec(_Strict):
     """Which network to train: a built-in (``mlp``, ``lenet``, ``resnet``) or ``pkg.mod:build``."""
 
     name: str = Field(default="mlp", examples=["mlp", "lenet", "resnet", "my_pkg.nets:build"])
-    hidden: int = Field(default=64, ge=1, le=65536, description="Hidden width for the MLP.")
+    hidden: StrictInt = Field(default=64, ge=1, le=65536, description="Hidden width for the MLP.")
     options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v in ("mlp", "lenet", "resnet"):
+        if v in BUILTIN_MODELS:
             return v
-        import re
-
         if not re.match(IMPORT_PATH_PATTERN, v):
             raise ValueError(f"unknown model {v!r}: use mlp, lenet, resnet or 'pkg.mod:function'")
         return v
@@ -105,21 +124,32 @@ class OptimizerSpec(_Strict):
 class Disturbance(_Strict):
     """From ``epoch`` (and ``step`` within it), worker ``worker`` runs ``factor`` times slower."""
 
-    worker: int = Field(ge=0, description="Worker index (rank in the initial membership).")
+    worker: StrictInt = Field(ge=0, description="Worker index (rank in the initial membership).")
     factor: float = Field(ge=1.0, le=1000.0)
-    epoch: int = Field(default=0, ge=0)
-    step: int = Field(default=0, ge=0)
+    epoch: StrictInt = Field(default=0, ge=0)
+    step: StrictInt = Field(default=0, ge=0)
+
+
+class InjectedError(_Strict):
+    """From ``epoch`` (and ``step``) on, worker ``worker`` raises in its compute phase on
+    every step: a deterministic worker error, for fault tests and ``bench/faults.py``."""
+
+    worker: StrictInt = Field(ge=0, description="Worker index (rank in the initial membership).")
+    epoch: StrictInt = Field(default=0, ge=0)
+    step: StrictInt = Field(default=0, ge=0)
 
 
 class EmulationSpec(_Strict):
     """Heterogeneity emulation for clusters whose nodes are equal. Off unless set.
 
     A worker with slowdown f sleeps (f-1) times its measured compute after each compute
-    phase, so its compute time is f times the real one.
+    phase, so its compute time is f times the real one. ``errors`` injects deterministic
+    worker errors.
     """
 
     slowdowns: list[Annotated[float, Field(ge=1.0, le=1000.0)]] = Field(default_factory=list)
     disturbances: list[Disturbance] = Field(default_factory=list)
+    errors: list[InjectedError] = Field(default_factory=list)
 
 
 class RebalanceSpec(_Strict):
@@ -131,14 +161,14 @@ class RebalanceSpec(_Strict):
     """
 
     mode: Literal["epoch", "steps", "adaptive"] = "epoch"
-    every_steps: int = Field(default=10, ge=1)
-    check_steps: int = Field(default=2, ge=1)
+    every_steps: StrictInt = Field(default=10, ge=1)
+    check_steps: StrictInt = Field(default=2, ge=1)
     threshold: float = Field(default=0.05, ge=0.0, lt=1.0)
 
 
 class CheckpointSpec(_Strict):
     dir: str | None = Field(default=None, description="Where checkpoints go; none when unset.")
-    every_epochs: int = Field(default=1, ge=1)
+    every_epochs: StrictInt = Field(default=1, ge=1)
 
 
 class _CombinationError(ValueError):
@@ -178,21 +208,27 @@ class JobSpec(_Strict):
     workers: int | Literal["auto"] = Field(
         default=2, description="Number of workers, or 'auto' for one per eligible node."
     )
-    min_workers: int | None = Field(default=None, ge=1, le=4096)
-    max_workers: int | None = Field(default=None, ge=1, le=4096)
+    min_workers: StrictInt | None = Field(default=None, ge=1, le=MAX_WORKERS)
+    max_workers: StrictInt | None = Field(default=None, ge=1, le=MAX_WORKERS)
     worker_cpus: float = Field(default=1.0, gt=0.0, le=1024.0)
-    worker_gpus: float = Field(default=0.0, ge=0.0, le=64.0)
+    worker_gpus: Annotated[float, Field(ge=0.0, le=64.0)] | Literal["auto"] = Field(
+        default=0.0,
+        description="GPUs per worker (> 0: every worker on a GPU, NCCL), or 'auto': one GPU "
+        "where a node has one and the CPU elsewhere, in one job (gloo across them).",
+    )
     node_resource: str | None = Field(
         default=None,
         description="Only nodes that offer this custom resource are eligible for workers.",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    global_batch: int = Field(default=64, ge=1, le=1_000_000)
-    max_batch: int | None = Field(default=None, ge=1, description="Cap on any worker's batch.")
-    epochs: int = Field(default=3, ge=1, le=100_000)
+    global_batch: StrictInt = Field(default=64, ge=1, le=1_000_000)
+    max_batch: StrictInt | None = Field(
+        default=None, ge=1, description="Cap on any worker's batch."
+    )
+    epochs: StrictInt = Field(default=3, ge=1, le=100_000)
     policy: Literal["static", "dbs", "affine"] = "affine"
     rebalance: RebalanceSpec = Field(default_factory=RebalanceSpec)
-    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    seed: StrictInt = Field(default=0, ge=0, le=2**31 - 1)
     emulation: EmulationSpec = Field(default_factory=EmulationSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     collective_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
@@ -207,27 +243,22 @@ class JobSpec(_Strict):
         description="How long the first workers may take to start (scheduling, imports, "
         "data) before the job fails.",
     )
-    record_indices: bool = Field(
-        default=False, description="Record the sample indices each worker trained (tests)."
+    max_retries: StrictInt = Field(
+        default=2, ge=0, le=100,
+        description="Retries of a step that failed with a worker's own (compute) error before "
+        "the job fails with that error.",
     )
 
     @field_validator("workers", mode="before")
     @classmethod
     def _workers(cls, v: Any) -> int | str:
-        # One clear message instead of one per member of the int | 'auto' union; a YAML
-        # boolean is not a worker count.
-        problem = f"must be an integer between 1 and {MAX_WORKERS}, or 'auto'"
-        if v == "auto":
+        # One clear message instead of one per member of the int | 'auto' union. Strict like
+        # the other integer fields: a boolean, "7" or 7.0 is not a worker count.
+        if isinstance(v, str) and v == "auto":
             return v
-        if isinstance(v, bool) or not isinstance(v, int | float | str):
-            raise ValueError(problem)
-        try:
-            f = float(v)
-        except ValueError:
-            raise ValueError(problem) from None
-        if not f.is_integer() or not 1 <= f <= MAX_WORKERS:
-            raise ValueError(problem)
-        return int(f)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_WORKERS:
+            raise ValueError(f"must be an integer between 1 and {MAX_WORKERS}, or 'auto'")
+        return v
 
     @model_validator(mode="after")
     def _combinations(self) -> JobSpec:
@@ -272,7 +303,9 @@ class JobSpec(_Strict):
                     f"(ordinals 0..{most - 1})",
                 )
         if self.device == "cuda" and self.worker_gpus == 0:
-            bad("worker_gpus", "device 'cuda' needs worker_gpus > 0")
+            bad("worker_gpus", "device 'cuda' needs worker_gpus > 0 or 'auto'")
+        if self.device == "cpu" and self.worker_gpus == "auto":
+            bad("worker_gpus", "worker_gpus 'auto' places workers on GPUs; device is 'cpu'")
         if problems:
             raise _CombinationError(problems)
         if slow and most is not None and len(slow) > most:
@@ -298,9 +331,16 @@ class JobSpec(_Strict):
         """Workers to start with; None means one per eligible node (``workers: auto``)."""
         return self.workers if isinstance(self.workers, int) else None
 
+    def gpus_on(self, node_gpus: float) -> float:
+        """GPUs a worker asks for on a node offering ``node_gpus``."""
+        if self.worker_gpus == "auto":
+            return 1.0 if node_gpus >= 1.0 else 0.0
+        return self.worker_gpus
+
     @property
     def emulated(self) -> bool:
-        return bool(self.emulation.slowdowns or self.emulation.disturbances)
+        e = self.emulation
+        return bool(e.slowdowns or e.disturbances or e.errors)
 
 
 class SpecError(ValueError):
@@ -352,3 +392,102 @@ def load_spec(path: str | Path) -> JobSpec:
     except yaml.YAMLError as err:
         raise SpecError([f"{p}: not valid YAML ({err})".replace("\n", " ")]) from None
     return parse_spec(data)
+
+
+# What a spec sent to the service may name ------------------------------------------------
+# A spec submitted over REST runs on the operator's cluster, not in its sender's process: its
+# import paths are code the cluster's processes import and call, and its paths are files they
+# read and write. The service checks it against a SubmitPolicy from its settings before
+# storing or launching it; `dynabatch run` is the user's own process and checks none of this.
+ANY_MODULE = "*"
+
+
+@dataclass(frozen=True)
+class SubmitPolicy:
+    """What the operator lets a submitted spec name. The default allows nothing.
+
+    ``user_code_modules``: module prefixes that import paths may use (``"pkg"`` allows
+    ``pkg`` and ``pkg.sub``, not ``pkgx``), or ``"*"`` for any module. ``data_roots``: the
+    directories ``dataset.path`` must resolve under. ``checkpoint_root``: the directory
+    ``checkpoint.dir`` must resolve under.
+    """
+
+    user_code_modules: tuple[str, ...] = ()
+    data_roots: tuple[str, ...] = ()
+    checkpoint_root: str | None = None
+
+
+class SpecNotAllowed(ValueError):
+    """A valid spec that names what the service does not allow, as (field, problem) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{field}: {problem}" for field, problem in problems))
+
+
+def module_allowed(module: str, allowed: Iterable[str]) -> bool:
+    """Whether ``module`` is one of the ``allowed`` prefixes or below one (``*``: any)."""
+    return any(a == ANY_MODULE or module == a or module.startswith(a + ".") for a in allowed)
+
+
+def check_user_code(spec: JobSpec, allowed: Iterable[str]) -> list[tuple[str, str]]:
+    """(field, problem) for each import path in ``spec`` whose module is not ``allowed``."""
+    allowed = tuple(allowed)
+    problems = []
+    for field, name in (("dataset.name", spec.dataset.name), ("model.name", spec.model.name)):
+        if not re.match(IMPORT_PATH_PATTERN, name):
+            continue  # a built-in
+        module = name.partition(":")[0]
+        if module_allowed(module, allowed):
+            continue
+        if allowed:
+            why = f"import paths are allowed only from the modules {', '.join(allowed)}"
+        else:
+            why = "this service runs no user code (import paths are not allowed)"
+        problems.append((field, f"{name!r} is not allowed: {why}"))
+    return problems
+
+
+def path_problem(value: str, roots: Iterable[str], what: str) -> str | None:
+    """Why ``value`` does not resolve (symlinks and ``..`` included) under one of ``roots``;
+    None when it does. Relative paths are refused: the nodes that use them have another
+    working directory than the service that checks them."""
+    roots = tuple(roots)
+    if not roots:
+        return f"not allowed: this service accepts no {what}"
+    if not Path(value).is_absolute():
+        return f"{value!r} must be an absolute path"
+    try:
+        resolved = Path(value).resolve()
+        allowed = [Path(root).resolve() for root in roots]
+    except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, a NUL byte
+        return f"{value!r} cannot be resolved ({' '.join(str(err).split())})"
+    if any(resolved == root or resolved.is_relative_to(root) for root in allowed):
+        return None
+    return f"{value!r} is outside the allowed directories ({', '.join(roots)})"
+
+
+def check_paths(
+    spec: JobSpec, data_roots: Iterable[str], checkpoint_root: str | None
+) -> list[tuple[str, str]]:
+    """(field, problem) for ``dataset.path`` outside ``data_roots`` and ``checkpoint.dir``
+    outside ``checkpoint_root``."""
+    problems = []
+    if spec.dataset.path is not None:
+        why = path_problem(spec.dataset.path, data_roots, "dataset paths")
+        if why:
+            problems.append(("dataset.path", why))
+    if spec.checkpoint.dir:  # "" means no checkpoints, as everywhere else
+        roots = () if checkpoint_root is None else (checkpoint_root,)
+        why = path_problem(spec.checkpoint.dir, roots, "checkpoint directories")
+        if why:
+            problems.append(("checkpoint.dir", why))
+    return problems
+
+
+def check_submission(spec: JobSpec, policy: SubmitPolicy) -> list[tuple[str, str]]:
+    """Everything ``spec`` names that ``policy`` does not allow; empty when it may run."""
+    return [
+        *check_user_code(spec, policy.user_code_modules),
+        *check_paths(spec, policy.data_roots, policy.checkpoint_root),
+    ]

@@ -17,7 +17,15 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
+import numpy as np
+
+from actors.contracts import SegmentPlan, SegmentResult, StepTelemetry, encode_counts
+from scheduler.failures import WorkerOutcome
+from scheduler.membership import NodeInfo as MNodeInfo
+from scheduler.membership import Spawn
+from scheduler.runtime import DataInfo, RegroupResult, Started, WorkerCallError
 from scheduler.state import InvalidTransition, JobState
 from scheduler.telemetry import (
     EpochRecord,
@@ -399,3 +407,238 @@ class FakeCluster:
     def advance(self, job_id: str, steps: int = 1) -> None:
         for _ in range(steps):
             self.coordinators[job_id].advance()
+
+
+# ======================================================================================
+# A fake runtime: drives the real Coordinator (its machines and its driver code) without
+# Ray, with faults injected at any point of a segment, a regroup or a checkpoint.
+
+
+class FakeClock:
+    """Virtual time: advances only when told (segments take their modelled time)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def time(self) -> float:
+        return 1.7e9 + self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class FakeWorker:
+    """A worker whose 'model' is the list of (epoch, step) it applied, in order: a test
+    reads off the final model whether every step was applied exactly once."""
+
+    def __init__(self, worker_id: str, ordinal: int, node: str, speed: float):
+        self.worker_id = worker_id
+        self.ordinal = ordinal
+        self.node = node
+        self.speed = speed  # samples per second
+        self.lineage: list[tuple[int, int]] = []
+        self.alive = True
+
+
+@dataclass
+class Fault:
+    """``kind``: die | error | straggle | hang, at (epoch, step) for ``worker``; or
+    die_in_regroup / die_in_checkpoint / die_in_eval at the ``nth`` such call."""
+
+    kind: str
+    worker: str
+    epoch: int = 0
+    step: int = 0
+    nth: int = 1
+    seconds: float = 0.0
+    done: bool = False
+
+
+class FakeRuntime:
+    def __init__(self, spec: JobSpec, *, n_train: int, nodes: int = 3,
+                 speeds: dict[int, float] | None = None, overhead_s: float = 0.001,
+                 clock: FakeClock | None = None, uneven_failure: bool = False):
+        self.spec = spec
+        self.n_train = n_train
+        self.node_ids = [f"node{i:02d}" for i in range(nodes)]
+        self.speeds = speeds or {}
+        self.overhead_s = overhead_s
+        self.clock = clock or FakeClock()
+        self.uneven_failure = uneven_failure  # survivors at a failure differ by one step
+        self.workers: dict[str, FakeWorker] = {}
+        self.starting: list[str] = []
+        self.faults: list[Fault] = []
+        self.calls: dict[str, int] = {"regroup": 0, "checkpoint": 0, "evaluate": 0,
+                                      "segments": 0}
+        self.killed: list[str] = []
+        self.final_lineages: dict[str, list[tuple[int, int]]] = {}
+
+    # --- test controls --------------------------------------------------------------
+    def inject(self, kind: str, worker: str, **kw) -> Fault:
+        f = Fault(kind, worker, **kw)
+        self.faults.append(f)
+        return f
+
+    def remove_node(self, node: str) -> None:
+        self.node_ids.remove(node)
+        for w in self.workers.values():
+            if w.node == node:
+                w.alive = False
+
+    def add_node(self, node: str) -> None:
+        self.node_ids.append(node)
+
+    # --- Runtime ---------------------------------------------------------------------
+    def load_data(self) -> DataInfo:
+        return DataInfo("fake", self.n_train, 100)
+
+    def nodes(self) -> list[MNodeInfo]:
+        return [MNodeInfo(n, cpus=1.0) for n in self.node_ids]
+
+    def spawn(self, s: Spawn) -> None:
+        self.workers[s.worker_id] = FakeWorker(s.worker_id, s.ordinal, s.node_id,
+                                               self.speeds.get(s.ordinal, 1000.0))
+        self.starting.append(s.worker_id)
+
+    def poll_started(self, timeout_s: float) -> list[Started]:
+        out = [Started(w) if self.workers[w].alive else Started(w, "node lost")
+               for w in self.starting]
+        self.starting = []
+        if not out:
+            self.clock.sleep(timeout_s)
+        return out
+
+    def kill(self, worker: str) -> None:
+        w = self.workers.pop(worker, None)
+        if w is not None:
+            self.final_lineages[worker] = list(w.lineage)
+            self.killed.append(worker)
+        if worker in self.starting:
+            self.starting.remove(worker)
+
+    def _fault(self, kind: str, worker: str, epoch: int, step: int) -> Fault | None:
+        for f in self.faults:
+            if (f.kind == kind and f.worker == worker and not f.done
+                    and (epoch, step) >= (f.epoch, f.step)):
+                if kind != "error":  # an injected error repeats on every step
+                    f.done = True
+                return f
+        return None
+
+    def _counted_fault(self, kind: str, worker: str) -> bool:
+        for f in self.faults:
+            if f.kind == kind and f.worker == worker and not f.done:
+                f.nth -= 1
+                if f.nth <= 0:
+                    f.done = True
+                    return True
+        return False
+
+    def run_segment(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
+        self.calls["segments"] += 1
+        names = list(plans)
+        k = len(next(iter(plans.values())).steps)
+        steps: dict[str, list[StepTelemetry]] = {w: [] for w in names}
+        gone: dict[str, str] = {}
+        errors: dict[str, tuple[str, str, float]] = {}
+        for j in range(k):
+            sps = {w: plans[w].steps[j] for w in names}
+            epoch = plans[names[0]].epoch
+            step = sps[names[0]].step
+            compute = {w: self.overhead_s + sps[w].own_size / self.workers[w].speed
+                       for w in names if w in self.workers}
+            for w in names:
+                if w not in self.workers or not self.workers[w].alive:
+                    gone[w] = "died: worker process died or node lost"
+                elif self._fault("die", w, epoch, step):
+                    self.workers[w].alive = False
+                    gone[w] = "died: worker process died or node lost"
+                elif self._fault("hang", w, epoch, step):
+                    gone[w] = "hung: no answer after its peers failed"
+                elif self._fault("error", w, epoch, step):
+                    errors[w] = ("compute", f"InjectedFault: at epoch {epoch} step {step}",
+                                 compute[w])
+                elif f := self._fault("straggle", w, epoch, step):
+                    errors[w] = ("peer", "DistBackendError: timed out", f.seconds)
+            if gone or errors:
+                longest = max(compute.values(), default=0.0)
+                self.clock.sleep(longest + self.spec.collective_timeout_s)
+                survivors = [w for w in names if w not in gone]
+                if self.uneven_failure and survivors and not errors:
+                    # The first survivor's all-reduce finished before the peer broke off.
+                    lucky = survivors[0]
+                    steps[lucky].append(self._apply(lucky, epoch, sps, compute, names, 0.0))
+                    survivors = survivors[1:]
+                out = []
+                for w in names:
+                    if w in gone:
+                        out.append(WorkerOutcome(w, lost=gone[w]))
+                        continue
+                    kind, msg, took = errors.get(
+                        w, ("peer", "DistBackendError: connection closed by peer", compute[w]))
+                    out.append(WorkerOutcome(w, result=SegmentResult(
+                        worker=w, steps=steps[w], error=msg, error_kind=kind,
+                        failed_compute_s=took)))
+                return out
+            t = max(compute.values())
+            self.clock.sleep(t)
+            for w in names:
+                steps[w].append(self._apply(w, epoch, sps, compute, names, t - compute[w]))
+        return [WorkerOutcome(w, result=SegmentResult(worker=w, steps=steps[w])) for w in names]
+
+    def _apply(self, w, epoch, sps, compute, names, wait) -> StepTelemetry:
+        """Worker ``w`` completes a step whose all-reduce summed every member's share."""
+        sp = sps[w]
+        counts = np.zeros(sp.size, dtype=np.int64)
+        for other in names:
+            o = sps[other]
+            counts[o.own_start - o.start:o.own_start - o.start + o.own_size] += 1
+        self.workers[w].lineage.append((epoch, sp.step))
+        return StepTelemetry(
+            worker=w, epoch=epoch, step=sp.step, batch=sp.own_size, samples=sp.own_size,
+            compute_s=compute[w], wait_s=wait, loss_sum=float(sp.own_size), start=sp.own_start,
+            step_start=sp.start, step_size=sp.size, coverage=encode_counts(counts),
+        )
+
+    def regroup(self, generation, members, state, timeout_s) -> RegroupResult:
+        self.calls["regroup"] += 1
+        lost = {w: "lost while joining the group: died" for w in members
+                if w not in self.workers or not self.workers[w].alive
+                or self._counted_fault("die_in_regroup", w)}
+        for w in lost:
+            if w in self.workers:
+                self.workers[w].alive = False
+        if lost:
+            # As with gloo: the live members' rendezvous fails with the dead one.
+            return RegroupResult(lost, "; ".join(f"{w}: rendezvous timed out"
+                                                 for w in members if w not in lost) or None)
+        src = self.workers[members[0]]
+        if state is not None:
+            src.lineage = [tuple(x) for x in state["lineage"]]
+        for w in members[1:]:
+            self.workers[w].lineage = list(src.lineage)
+        return RegroupResult({})
+
+    def evaluate(self, worker: str, timeout_s: float) -> tuple[float, float]:
+        self.calls["evaluate"] += 1
+        self._check_call("die_in_eval", worker)
+        return 1.0, min(1.0, len(self.workers[worker].lineage) / 100)
+
+    def fetch_state(self, worker: str, timeout_s: float) -> dict:
+        self.calls["checkpoint"] += 1
+        self._check_call("die_in_checkpoint", worker)
+        return {"lineage": [list(x) for x in self.workers[worker].lineage]}
+
+    def _check_call(self, kind: str, worker: str) -> None:
+        w = self.workers.get(worker)
+        if w is None or not w.alive or self._counted_fault(kind, worker):
+            if w is not None:
+                w.alive = False
+            raise WorkerCallError(worker, "worker process died or node lost", lost=True)
+
+    def lineage(self, worker: str) -> list[tuple[int, int]]:
+        w = self.workers.get(worker)
+        return list(w.lineage) if w else self.final_lineages[worker]

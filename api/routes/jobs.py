@@ -69,7 +69,11 @@ def submit_job(
     service: ServiceDep,
     response: Response,
 ) -> JobSubmitted:
-    """Start a training job. The body is the same job spec as the CLI's YAML config."""
+    """Start a training job. The body is the same job spec as the CLI's YAML config.
+
+    422 also for a spec naming user code (`pkg.mod:function`) outside the modules the service
+    allows (`DYNABATCH_USER_CODE_MODULES`), a `dataset.path` outside `DYNABATCH_DATA_ROOTS` or
+    a `checkpoint.dir` outside `DYNABATCH_CHECKPOINT_ROOT`; such a job is not stored."""
     rec = service.submit(spec)
     response.headers["Location"] = f"/v1/jobs/{rec.id}"
     return JobSubmitted(
@@ -206,8 +210,8 @@ def drain_worker(job_id: JobId, worker: WorkerId, service: ServiceDep) -> JobDet
         **NOT_FOUND,
         409: {
             "model": ErrorResponse,
-            "description": "The job SUCCEEDED or was CANCELLED, has no checkpoint, or its "
-            "coordinator is alive.",
+            "description": "The job SUCCEEDED or was CANCELLED, has no checkpoint, its "
+            "coordinator is alive, or its spec is not allowed by the service's settings.",
         },
         **_UNAVAILABLE,
     },

@@ -53,7 +53,13 @@ def api(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Test
         cluster.add_node(num_cpus=1, resources={TAG: 1}, object_store_memory=80 * 2**20)
     cluster.wait_for_nodes()
     db = tmp_path_factory.mktemp("api") / "jobs.db"
-    settings = Settings(db_path=str(db), sync_interval_s=0.2)
+    # Jobs checkpoint under pytest's temporary directories (tmp_path), as a REST client may
+    # only name directories under the checkpoint root.
+    settings = Settings(
+        db_path=str(db),
+        sync_interval_s=0.2,
+        checkpoint_root=str(tmp_path_factory.getbasetemp()),
+    )
     # Not embedded: jobs get detached coordinators, as under `dynabatch serve --address`.
     service = build_service(settings, RayClusterClient(cluster.address))
     assert not service.cluster.embedded

@@ -69,9 +69,66 @@ def test_node_loss_mid_epoch_keeps_training(cluster):
     assert failures[0].time - (time.time() - (time.monotonic() - t_lost)) < 15
     assert snap.generation >= 2
     for rec in coord.history():
-        assert rec.samples_trained == rec.dataset_size
+        assert rec.verified and rec.samples_trained == rec.dataset_size
     assert abs(snap.test_accuracy - baseline.test_accuracy) <= 0.02
     assert len(coord.members) == 2
+
+
+def test_node_lost_at_the_end_of_an_epoch_keeps_training(cluster):
+    """The failure the first version could not survive: a loss in an epoch's last steps."""
+    tag = "elastic_last"
+    nodes = _nodes(cluster, tag, 3)
+    spec = _spec(tag, epochs=4, model={"name": "mlp", "hidden": 512},
+                 rebalance={"mode": "steps", "every_steps": 1})
+    coord = Coordinator("last", spec, resume=False)
+    thread = _start(coord)
+    wait_for(lambda: coord.protocol is not None and coord.epoch == 1
+             and coord.step_in_epoch >= coord.protocol.steps_per_epoch - 2,
+             timeout=120, interval=0.002)
+    victim = coord.members[-1]
+    cluster.remove_node(_node_of(cluster, nodes, victim.node), allow_graceful=False)
+    thread.join(timeout=180)
+    snap = coord.snapshot()
+    assert snap.state == JobState.SUCCEEDED, snap.reason
+    assert [e.worker for e in coord.membership_events() if e.kind == "failure"] == [
+        victim.worker_id]
+    assert all(r.verified and r.samples_trained == r.dataset_size for r in coord.history())
+
+
+def test_deterministic_worker_error_fails_the_job_quickly_with_the_error(cluster):
+    tag = "elastic_error"
+    _nodes(cluster, tag, 2)
+    spec = _spec(tag, workers=2, epochs=3, max_retries=2, collective_timeout_s=10,
+                 emulation={"errors": [{"worker": 1, "epoch": 0, "step": 3}]})
+    coord = Coordinator("error", spec, resume=False)
+    t0 = time.monotonic()
+    snap = coord.run()
+    took = time.monotonic() - t0
+    assert snap.state == JobState.FAILED
+    assert "InjectedFault" in snap.reason and "w1" in snap.reason and "3 attempts" in snap.reason
+    # The failing worker leaves the group at once, so its peer does not wait out the
+    # 10 s collective timeout on each of the 3 attempts.
+    assert took < 10 + 25, took
+
+
+def test_straggler_beyond_the_collective_timeout_is_evicted(cluster):
+    tag = "elastic_straggler"
+    _nodes(cluster, tag, 3)
+    # Worker 2 turns 1000x slower at epoch 1 step 2: a step then computes for a second or
+    # two, beyond collective_timeout_s=1 but within the grace after which a worker that
+    # does not answer at all counts as hung.
+    spec = _spec(tag, epochs=3, collective_timeout_s=1, worker_wait_timeout_s=30,
+                 model={"name": "mlp", "hidden": 256},
+                 emulation={"slowdowns": [1, 1, 1],
+                            "disturbances": [{"worker": 2, "factor": 1000, "epoch": 1,
+                                              "step": 2}]})
+    coord = Coordinator("straggler", spec, resume=False)
+    snap = coord.run()
+    assert snap.state == JobState.SUCCEEDED, snap.reason
+    (ev,) = [e for e in coord.membership_events() if e.kind == "evict"]
+    assert ev.worker == "w2" and "straggler" in ev.reason
+    assert len(coord.members) == 2
+    assert all(r.verified for r in coord.history())
 
 
 def test_joining_node_gets_a_worker_and_a_share_by_speed(cluster):
@@ -133,7 +190,7 @@ def test_below_min_workers_fails_with_reason_within_timeout(cluster):
     thread.join(timeout=60)
     snap = coord.snapshot()
     assert snap.state == JobState.FAILED
-    assert "min_workers=2" in snap.reason
+    assert "below the minimum of 2 (min_workers)" in snap.reason
     assert time.monotonic() - t0 < 4 + 3 + 10
 
 

@@ -35,7 +35,12 @@ def make_app(tmp_path: Path) -> Iterator[MakeApp]:
         cluster: FakeCluster | None = None, **settings: Any
     ) -> tuple[TestClient, JobService, FakeCluster]:
         cluster = cluster if cluster is not None else FakeCluster()
-        options = {"db_path": str(tmp_path / "jobs.db"), "sync_interval_s": 0.0, **settings}
+        options = {
+            "db_path": str(tmp_path / "jobs.db"),
+            "sync_interval_s": 0.0,
+            "checkpoint_root": str(tmp_path),  # where the tests' checkpoint dirs are
+            **settings,
+        }
         cfg = Settings(**options)
         app = create_app(cfg, cluster=cluster)
         client = TestClient(app)
@@ -95,6 +100,12 @@ def test_submit_reports_accepted_settings_without_effect(make_app: MakeApp) -> N
         ({"workers": 0}, "workers", "between 1 and"),
         ({"workers": 4, "global_batch": 2}, "global_batch", "smaller than workers"),
         ({"dataset": {"name": "nope"}}, "dataset.name", "unknown dataset"),
+        # JSON strings and booleans are not integers.
+        ({"epochs": "7"}, "epochs", "valid integer"),
+        ({"global_batch": True}, "global_batch", "valid integer"),
+        ({"rebalance": {"check_steps": "2"}}, "rebalance.check_steps", "valid integer"),
+        ({"workers": "7"}, "workers", "between 1 and"),
+        ({"workers": True}, "workers", "between 1 and"),
     ],
 )
 def test_bad_spec_gets_422_naming_the_field(
@@ -118,6 +129,79 @@ def test_each_problem_is_its_own_entry(make_app: MakeApp) -> None:
     assert r.status_code == 422
     fields = {e["field"] for e in r.json()["detail"]}
     assert {"epochs"} <= fields or {"workers", "global_batch"} <= fields
+
+
+# What a submitted spec may name (settings) -------------------------------------------------
+PLUGINS = "tests.unit.workload_plugins"
+USER_CODE = {
+    "dataset": {"name": f"{PLUGINS}:arrays_loader"},
+    "model": {"name": f"{PLUGINS}:tiny_net"},
+}
+
+
+def _refused(client: TestClient, cluster: FakeCluster, body: dict[str, Any]) -> dict[str, str]:
+    """POST the spec, expect 422 and nothing stored or launched; {field: message}."""
+    r = client.post("/v1/jobs", json={**SPEC, **body})
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    for e in detail:
+        assert e["loc"] == ["body", *e["field"].split(".")] and "\n" not in e["msg"], e
+    assert client.get("/v1/jobs").json()["total"] == 0, "a refused job is never stored"
+    assert not cluster.launches
+    return {e["field"]: e["msg"] for e in detail}
+
+
+def test_user_code_over_rest_is_refused_by_default(make_app: MakeApp) -> None:
+    client, _, cluster = make_app()
+    errors = _refused(client, cluster, USER_CODE)
+    assert set(errors) == {"dataset.name", "model.name"}
+    assert "runs no user code" in errors["model.name"]
+
+
+@pytest.mark.parametrize("modules", [PLUGINS, "tests", "tests.unit, other", "*"])
+def test_user_code_from_allowed_modules_is_accepted(make_app: MakeApp, modules: str) -> None:
+    client, _, cluster = make_app(user_code_modules=modules)
+    job = _submit(client, **USER_CODE)
+    assert cluster.launches[job][0].model.name == f"{PLUGINS}:tiny_net"
+
+
+def test_user_code_outside_the_allowed_prefixes_is_refused(make_app: MakeApp) -> None:
+    # "tests.uni" is a prefix of the string, not of the module path.
+    client, _, cluster = make_app(user_code_modules="tests.uni, other")
+    errors = _refused(client, cluster, {"model": USER_CODE["model"]})
+    assert list(errors) == ["model.name"]
+    assert "only from the modules tests.uni, other" in errors["model.name"]
+
+
+def test_paths_over_rest_must_be_under_the_roots(make_app: MakeApp, tmp_path: Path) -> None:
+    data, outside = tmp_path / "data", tmp_path / "outside"
+    (data / "mnist").mkdir(parents=True)
+    outside.mkdir()
+    (data / "link").symlink_to(outside)
+    client, _, cluster = make_app(data_roots=str(data), checkpoint_root=str(tmp_path / "ckpt"))
+    for path in (str(data / ".." / "outside"), str(data / "link"), "mnist", "/etc"):
+        errors = _refused(client, cluster, {"dataset": {"name": "mnist", "path": path}})
+        assert list(errors) == ["dataset.path"], errors
+    errors = _refused(client, cluster, {"checkpoint": {"dir": str(tmp_path / "ckpt" / "..")}})
+    assert list(errors) == ["checkpoint.dir"] and "outside" in errors["checkpoint.dir"]
+    _submit(
+        client,
+        dataset={"name": "mnist", "path": str(data / "mnist")},
+        checkpoint={"dir": str(tmp_path / "ckpt" / "jobs")},
+    )
+
+
+def test_paths_over_rest_are_refused_without_roots(make_app: MakeApp, tmp_path: Path) -> None:
+    client, _, cluster = make_app(checkpoint_root=None)
+    errors = _refused(
+        client,
+        cluster,
+        {"dataset": {"name": "mnist", "path": str(tmp_path)}, "checkpoint": {"dir": str(tmp_path)}},
+    )
+    assert errors == {
+        "dataset.path": "not allowed: this service accepts no dataset paths",
+        "checkpoint.dir": "not allowed: this service accepts no checkpoint directories",
+    }
 
 
 @pytest.mark.parametrize(
@@ -973,6 +1057,37 @@ def test_restart_resumes_jobs_whose_coordinator_is_gone(
     _sync(service, 12)
     body = client.get(f"/v1/jobs/{saved}").json()
     assert body["state"] == "SUCCEEDED" and body["resumes"] == 1
+
+
+@pytest.mark.parametrize(
+    ("allowed", "now", "field"),
+    [
+        ({}, {"checkpoint_root": "/elsewhere"}, "checkpoint.dir"),
+        ({"user_code_modules": "tests"}, {}, "model.name"),
+    ],
+)
+def test_a_spec_the_settings_no_longer_allow_is_not_resumed(
+    make_app: MakeApp, tmp_path: Path, allowed: dict[str, str], now: dict[str, str], field: str
+) -> None:
+    cluster = FakeCluster()
+    client, service, _ = make_app(cluster, **allowed)
+    extra = {"model": USER_CODE["model"]} if allowed else {}
+    job = _submit(client, **_ckpt_spec(tmp_path, **extra))
+    _sync(service, 2)
+    _write_checkpoint(tmp_path, job)
+    _stop(client)
+    cluster.kill(job)
+    # The API comes back with settings that no longer allow what the stored spec names.
+    client, service, _ = make_app(cluster, **now)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "FAILED" and body["resumes"] == 0
+    assert f"not resumed: its spec is not allowed by this service's settings ({field}: " in (
+        body["reason"]
+    )
+    r = client.post(f"/v1/jobs/{job}/resume")
+    assert r.status_code == 409, r.text
+    assert r.json()["detail"].startswith(f"job {job} cannot be resumed: its spec is not allowed")
+    assert len(cluster.launches[job]) == 1, "launched once, at submit time"
 
 
 def test_embedded_restart_resumes_checkpointed_jobs(make_app: MakeApp, tmp_path: Path) -> None:

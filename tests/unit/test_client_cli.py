@@ -41,7 +41,12 @@ def server(tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
     clients: list[TestClient] = []
 
     def start(**settings: Any) -> TestClient:
-        options = {"db_path": str(tmp_path / "cli.db"), "sync_interval_s": 0.01, **settings}
+        options = {
+            "db_path": str(tmp_path / "cli.db"),
+            "sync_interval_s": 0.01,
+            "checkpoint_root": str(tmp_path),
+            **settings,
+        }
         client = TestClient(create_app(Settings(**options), cluster=FakeCluster()))
         client.__enter__()
         clients.append(client)
@@ -260,6 +265,48 @@ def test_serve_rejects_bad_settings_in_one_line(cli: typer.Typer) -> None:
     assert "Traceback" not in result.output
     line = _one_error_line(result)
     assert "port" in line
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "api.example.org"])
+def test_serve_refuses_a_public_address_without_a_token(
+    cli: typer.Typer, monkeypatch: pytest.MonkeyPatch, host: str
+) -> None:
+    monkeypatch.delenv("DYNABATCH_API_TOKEN", raising=False)
+    result = CliRunner().invoke(cli, ["serve", "--host", host])
+    assert "Traceback" not in result.output
+    assert result.exit_code == 2, result.output
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: refusing to listen on {host} without DYNABATCH_API_TOKEN")
+    assert "--insecure" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "token"),
+    [
+        (["--host", "127.0.0.1"], None),
+        (["--host", "127.8.9.10"], None),
+        (["--host", "::1"], None),
+        (["--host", "localhost"], None),
+        (["--host", "0.0.0.0", "--insecure"], None),
+        (["--host", "0.0.0.0"], "s3cret"),
+    ],
+)
+def test_serve_listens_on_loopback_with_a_token_or_when_told(
+    cli: typer.Typer, monkeypatch: pytest.MonkeyPatch, args: list[str], token: str | None
+) -> None:
+    import api.app
+
+    def build_service(*_: Any, **__: Any) -> None:
+        raise RuntimeError("past the address check")  # instead of starting Ray
+
+    monkeypatch.setattr(api.app, "build_service", build_service)
+    if token is None:
+        monkeypatch.delenv("DYNABATCH_API_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("DYNABATCH_API_TOKEN", token)
+    line = _one_error_line(CliRunner().invoke(cli, ["serve", *args]))
+    assert line == "error: RuntimeError: past the address check"
 
 
 def test_scale_drain_resume(

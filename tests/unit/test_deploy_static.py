@@ -40,6 +40,8 @@ DASHBOARDS = GRAFANA / "dashboards"
 K8S = ROOT / "deploy" / "k8s"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 DEPLOYING = ROOT / "README.md"  # its "Deploying" section
+RAYCLUSTER = ROOT / "service" / "raycluster.py"
+INTEGRATION_CONFTEST = ROOT / "tests" / "integration" / "conftest.py"
 
 IMAGE_SERVICES = ("ray-head", "worker-fast", "worker-slow", "api")
 WORKER_SERVICES = ("worker-fast", "worker-slow")
@@ -417,6 +419,25 @@ def test_ports_are_consistent() -> None:
         assert "container_name" not in services()[name]
 
 
+def test_api_listens_beyond_loopback_only_with_a_token_or_insecure() -> None:
+    """`dynabatch serve` exits on a public address without a token unless --insecure: the
+    deployments must say which (compose: an optional token, so --insecure; k8s: a token)."""
+    from service.client_cli import is_loopback
+
+    params = parse_serve(command("api"))
+    raw = yaml.safe_load(COMPOSE.read_text())["services"]["api"]["environment"]
+    token_required = re.fullmatch(r"\$\{DYNABATCH_API_TOKEN:\?[^}]+\}", raw["DYNABATCH_API_TOKEN"])
+    assert is_loopback(params["host"]) or params["insecure"] or token_required
+    (dep,) = k8s_docs("Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    params = parse_serve(c["args"])
+    env = {e["name"]: e for e in c["env"]}
+    ref = env.get("DYNABATCH_API_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef")
+    token_required = bool(ref) and not ref.get("optional", False)
+    assert is_loopback(params["host"]) or params["insecure"] or token_required
+    assert not params["insecure"], "k8s takes its token from a required secret"
+
+
 def test_api_command_matches_the_real_serve_cli() -> None:
     params = parse_serve(command("api"))
     assert params["host"] == "0.0.0.0"
@@ -426,6 +447,59 @@ def test_api_command_matches_the_real_serve_cli() -> None:
     assert env["DYNABATCH_RAY_JOIN"] == params["address"], "the api joins the cluster it uses"
     db_dir = str(Path(params["db"]).parent)
     assert ("jobstore", db_dir) in mounts("api"), "the job store is on a volume"
+
+
+def system_configs_in(path: Path) -> list[dict[str, Any]]:
+    """Every ``_system_config`` a Python file passes (``_system_config=...`` or a
+    ``"_system_config": ...`` entry): a literal dict, or a name that the file imports from
+    service.raycluster or defines itself."""
+    import service.raycluster
+
+    tree = ast.parse(path.read_text())
+    defined: dict[str, Any] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "service.raycluster":
+            for alias in node.names:
+                defined[alias.asname or alias.name] = getattr(service.raycluster, alias.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Dict):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    defined[t.id] = ast.literal_eval(node.value)
+    values: list[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "_system_config":
+            values.append(node.value)
+        elif isinstance(node, ast.Dict):
+            values += [
+                v
+                for k, v in zip(node.keys, node.values, strict=True)
+                if isinstance(k, ast.Constant) and k.value == "_system_config"
+            ]
+    out = []
+    for v in values:
+        out.append(defined[v.id] if isinstance(v, ast.Name) else ast.literal_eval(v))
+    return out
+
+
+def test_every_ray_head_uses_the_same_fast_health_checks() -> None:
+    """README's detection time holds wherever dynabatch runs: the compose and k8s heads,
+    the embedded Ray and the integration tests' cluster use one set of health checks."""
+    from service.raycluster import FAST_HEALTH_CHECK
+
+    assert set(FAST_HEALTH_CHECK) == {
+        "health_check_initial_delay_ms",
+        "health_check_period_ms",
+        "health_check_failure_threshold",
+    }
+    assert parse_ray_start(command("ray-head"))["system_config"] == FAST_HEALTH_CHECK
+    (rc,) = k8s_docs("RayCluster")
+    head = ray_start_params(rc["spec"]["headGroupSpec"]["rayStartParams"], head=True)
+    assert head["system_config"] == FAST_HEALTH_CHECK
+    for path in (RAYCLUSTER, INTEGRATION_CONFTEST):
+        found = system_configs_in(path)
+        assert found, f"{path.name} passes no _system_config"
+        assert all(c == FAST_HEALTH_CHECK for c in found), (path.name, found)
 
 
 def test_ray_commands_match_the_real_ray_start_cli() -> None:
@@ -945,6 +1019,42 @@ def test_deploying_doc_refers_to_real_services() -> None:
     for host in ("pypi.org", "pythonhosted.org", "download.pytorch.org", "npmjs", "deb.debian.org"):
         assert host not in text, f"the docs must not name package registry hosts ({host})"
     assert "node_resource" in text and WORKER_RESOURCE in text
+
+
+def _api_settings(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    from service.settings import Settings
+
+    for var in [v for v in os.environ if v.startswith("DYNABATCH_")]:
+        monkeypatch.delenv(var)
+    for var, value in env.items():
+        if var.startswith("DYNABATCH_") and value is not None:
+            monkeypatch.setenv(var, value)
+    return Settings()
+
+
+def test_deployments_accept_the_documented_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API's settings in compose and k8s allow what the README's job names (its
+    checkpoint dir), and not more than the deployment provides."""
+    from service.spec import check_submission, parse_spec
+
+    bodies = re.findall(r"-d '(\{.*?\})'", DEPLOYING.read_text(), re.S)
+    specs = [parse_spec(json.loads(body)) for body in bodies]
+    assert specs, "the doc submits a job with curl"
+    (dep,) = k8s_docs("Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    k8s_env = {e["name"]: e.get("value") for e in c["env"]}
+    for where, env, mounted in (
+        ("compose", env_of("api"), {t for _, t in mounts("api")}),
+        ("k8s", k8s_env, {m["mountPath"] for m in c["volumeMounts"]}),
+    ):
+        settings = _api_settings(env, monkeypatch)
+        for spec in specs:
+            assert check_submission(spec, settings.submit_policy) == [], where
+        policy = settings.submit_policy
+        assert policy.checkpoint_root in mounted, (where, "checkpoints go to the shared volume")
+        for root in policy.data_roots:
+            assert root in mounted, (where, root)
+        assert policy.user_code_modules == (), (where, "no user code unless chosen")
 
 
 def test_deploying_doc_job_spec_is_valid() -> None:

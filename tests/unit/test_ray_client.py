@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 
 import pytest
 import ray.exceptions as rex
@@ -86,3 +88,34 @@ def test_membership_errors_of_the_coordinator_are_the_callers(
     monkeypatch.setattr(client, "_call", raising(RuntimeError("boom")))
     with pytest.raises(ClusterError):
         client.scale("j", 2)
+
+
+class _FakeRay:
+    """Just enough of the ray module for service.raycluster.connect."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, object]] = []
+
+    def is_initialized(self) -> bool:
+        return False
+
+    def init(self, **kwargs: object) -> object:
+        self.calls.append(kwargs)
+        return type("Ctx", (), {"address_info": {"gcs_address": "127.0.0.1:1"}})()
+
+
+def test_embedded_ray_gets_fast_health_checks_and_ray_decides_auth(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from service import raycluster
+
+    fake = _FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert raycluster.connect(num_cpus=1) == {"address": "127.0.0.1:1"}
+    (call,) = fake.calls
+    assert call["address"] == "local"
+    assert call["_system_config"] == raycluster.FAST_HEALTH_CHECK
+    # Ray's token authentication is not switched off behind the caller's back.
+    assert "RAY_AUTH_MODE" not in os.environ

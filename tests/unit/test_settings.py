@@ -34,3 +34,44 @@ def test_bad_values_name_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYNABATCH_MAX_BODY_BYTES", "0")
     with pytest.raises(ValidationError, match="max_body_bytes"):
         Settings()
+
+
+def test_submit_policy_allows_nothing_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("USER_CODE_MODULES", "DATA_ROOTS", "CHECKPOINT_ROOT"):
+        monkeypatch.delenv(f"DYNABATCH_{var}", raising=False)
+    policy = Settings().submit_policy
+    assert policy.user_code_modules == () and policy.data_roots == ()
+    assert policy.checkpoint_root is None
+
+
+def test_submit_policy_from_comma_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYNABATCH_USER_CODE_MODULES", " my_pkg.nets, other ,,")
+    monkeypatch.setenv("DYNABATCH_DATA_ROOTS", "/data/a,/data/b")
+    monkeypatch.setenv("DYNABATCH_CHECKPOINT_ROOT", "/data/checkpoints")
+    policy = Settings().submit_policy
+    assert policy.user_code_modules == ("my_pkg.nets", "other")
+    assert policy.data_roots == ("/data/a", "/data/b")
+    assert policy.checkpoint_root == "/data/checkpoints"
+    monkeypatch.setenv("DYNABATCH_USER_CODE_MODULES", "*")
+    monkeypatch.setenv("DYNABATCH_DATA_ROOTS", "/data")  # one entry, no comma: not JSON
+    monkeypatch.setenv("DYNABATCH_CHECKPOINT_ROOT", "")  # empty: unset
+    policy = Settings().submit_policy
+    assert policy.user_code_modules == ("*",) and policy.data_roots == ("/data",)
+    assert policy.checkpoint_root is None
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "field"),
+    [
+        ("DYNABATCH_USER_CODE_MODULES", "pkg, bad-name", "user_code_modules"),
+        ("DYNABATCH_USER_CODE_MODULES", "pkg.mod:func", "user_code_modules"),
+        ("DYNABATCH_DATA_ROOTS", "/data,relative/dir", "data_roots"),
+        ("DYNABATCH_CHECKPOINT_ROOT", "checkpoints", "checkpoint_root"),
+    ],
+)
+def test_bad_submit_settings_name_the_setting(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, field: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValidationError, match=field):
+        Settings()

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import typing
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
-from service.spec import JobSpec, SpecError, load_spec, parse_spec
+from service.spec import (
+    JobSpec,
+    SpecError,
+    SubmitPolicy,
+    check_paths,
+    check_submission,
+    check_user_code,
+    load_spec,
+    module_allowed,
+    parse_spec,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +75,9 @@ def test_wrong_field_gives_one_line_naming_it(data, expected):
     assert text.count(";") == 0, text  # exactly one problem
 
 
-@pytest.mark.parametrize("workers", [0, 4097, -1, "many", "", True, False, 2.5, None, [2]])
+@pytest.mark.parametrize(
+    "workers", [0, 4097, -1, "many", "", True, False, 2.5, None, [2], "4", "7", 3.0, 7.0]
+)
 def test_bad_worker_count_is_one_clear_error(workers):
     # One message for the int | 'auto' union, not one per member.
     assert error_of({"workers": workers}) == (
@@ -69,7 +85,7 @@ def test_bad_worker_count_is_one_clear_error(workers):
     )
 
 
-@pytest.mark.parametrize(("workers", "expected"), [("auto", "auto"), (3, 3), (3.0, 3), ("4", 4)])
+@pytest.mark.parametrize(("workers", "expected"), [("auto", "auto"), (3, 3), (64, 64)])
 def test_good_worker_counts(workers, expected):
     spec = parse_spec({"workers": workers, "emulation": {}})
     assert spec.workers == expected
@@ -263,3 +279,195 @@ def test_extra_slowdowns_are_for_later_joiners_and_warn_past_max_workers():
     assert spec.emulation.slowdowns == [1, 1, 2]
     with pytest.warns(UserWarning, match="entries past 3 are ignored"):
         parse_spec({"workers": 3, "emulation": {"slowdowns": [1, 1, 1, 1]}})
+
+
+# Strict integers -------------------------------------------------------------------------
+# Every integer field of the spec, with how to put a value there. A field added to the
+# schema without a line here fails test_every_integer_field_is_listed.
+INT_FIELDS: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "workers": lambda v: {"workers": v},
+    "min_workers": lambda v: {"min_workers": v},
+    "max_workers": lambda v: {"max_workers": v},
+    "global_batch": lambda v: {"global_batch": v},
+    "max_batch": lambda v: {"max_batch": v},
+    "epochs": lambda v: {"epochs": v},
+    "seed": lambda v: {"seed": v},
+    "max_retries": lambda v: {"max_retries": v},
+    "dataset.limit": lambda v: {"dataset": {"limit": v}},
+    "model.hidden": lambda v: {"model": {"hidden": v}},
+    "rebalance.every_steps": lambda v: {"rebalance": {"every_steps": v}},
+    "rebalance.check_steps": lambda v: {"rebalance": {"check_steps": v}},
+    "checkpoint.every_epochs": lambda v: {"checkpoint": {"every_epochs": v}},
+    "emulation.disturbances.0.worker": lambda v: {
+        "emulation": {"disturbances": [{"worker": v, "factor": 2}]}
+    },
+    "emulation.disturbances.0.epoch": lambda v: {
+        "emulation": {"disturbances": [{"worker": 0, "factor": 2, "epoch": v}]}
+    },
+    "emulation.disturbances.0.step": lambda v: {
+        "emulation": {"disturbances": [{"worker": 0, "factor": 2, "step": v}]}
+    },
+    "emulation.errors.0.worker": lambda v: {"emulation": {"errors": [{"worker": v}]}},
+    "emulation.errors.0.epoch": lambda v: {"emulation": {"errors": [{"worker": 0, "epoch": v}]}},
+    "emulation.errors.0.step": lambda v: {"emulation": {"errors": [{"worker": 0, "step": v}]}},
+}
+
+
+def _types(annotation: Any) -> Iterator[Any]:
+    """The classes an annotation admits (through unions, Annotated, lists; not Literals)."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return
+    args = typing.get_args(annotation)
+    if not args:
+        yield annotation
+    for arg in args:
+        yield from _types(arg)
+
+
+def _int_fields(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
+    for name, info in model.model_fields.items():
+        many = typing.get_origin(info.annotation) is list
+        for t in _types(info.annotation):
+            if t is int:
+                yield prefix + name
+            elif isinstance(t, type) and issubclass(t, BaseModel):
+                yield from _int_fields(t, f"{prefix}{name}.{'0.' if many else ''}")
+
+
+def test_every_integer_field_is_listed() -> None:
+    assert set(_int_fields(JobSpec)) == set(INT_FIELDS)
+
+
+@pytest.mark.parametrize("value", ["7", True, False], ids=["str", "true", "false"])
+@pytest.mark.parametrize("field", sorted(INT_FIELDS))
+def test_every_integer_field_is_strict(field: str, value: Any) -> None:
+    text = error_of(INT_FIELDS[field](value))
+    assert text.startswith(f"{field}: "), text
+
+
+@pytest.mark.parametrize("field", sorted(INT_FIELDS))
+def test_integer_fields_take_integers(field: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # A base in which 1 fits every field's combinations.
+        parse_spec({"workers": 1, "global_batch": 1, "max_workers": 4, **INT_FIELDS[field](1)})
+
+
+def test_float_fields_take_integers_and_numeric_strings() -> None:
+    # PyYAML reads `lr: 1e-3` as a string; float fields keep accepting it.
+    spec = parse_spec({"optimizer": {"lr": 1}, "worker_cpus": 2, "collective_timeout_s": "1e-3"})
+    assert spec.optimizer.lr == 1.0 and spec.worker_cpus == 2.0
+    assert spec.collective_timeout_s == 0.001
+
+
+# What a submitted spec may name ------------------------------------------------------------
+PLUGINS = "tests.unit.workload_plugins"
+USER_CODE = {
+    "dataset": {"name": f"{PLUGINS}:arrays_loader"},
+    "model": {"name": f"{PLUGINS}:tiny_net"},
+}
+
+
+@pytest.mark.parametrize(
+    ("module", "allowed", "expected"),
+    [
+        ("pkg", ["pkg"], True),
+        ("pkg.sub", ["pkg"], True),
+        ("pkg.sub.deep", ["pkg.sub"], True),
+        ("pkgx", ["pkg"], False),
+        ("pkgx.sub", ["pkg"], False),
+        ("pkg", ["pkg.sub"], False),
+        ("pkg.subx", ["pkg.sub"], False),
+        ("anything.at.all", ["*"], True),
+        ("pkg", [], False),
+        ("b.c", ["a", "b"], True),
+    ],
+)
+def test_module_prefixes(module: str, allowed: list[str], expected: bool) -> None:
+    assert module_allowed(module, allowed) is expected
+
+
+def test_user_code_is_refused_unless_its_module_is_allowed() -> None:
+    spec = parse_spec(USER_CODE)
+    problems = check_user_code(spec, ())
+    assert [field for field, _ in problems] == ["dataset.name", "model.name"]
+    assert "runs no user code" in problems[1][1] and f"{PLUGINS}:tiny_net" in problems[1][1]
+    assert check_user_code(spec, ["tests"]) == []
+    assert check_user_code(spec, [PLUGINS]) == []
+    assert check_user_code(spec, ["*"]) == []
+    (only,) = check_user_code(parse_spec({"model": USER_CODE["model"]}), ["tests.unitx"])
+    assert only[0] == "model.name" and "only from the modules tests.unitx" in only[1]
+    assert check_user_code(parse_spec({"dataset": {"name": "mnist"}}), ()) == []
+
+
+def test_import_paths_follow_the_resolver_grammar() -> None:
+    for bad in ("pkg..mod:f", "pkg.:f", ".pkg:f", "pkg:f.g"):
+        assert error_of({"model": {"name": bad}}).startswith("model.name: unknown model")
+
+
+@pytest.fixture
+def roots(tmp_path: Path) -> Path:
+    (tmp_path / "data" / "mnist").mkdir(parents=True)
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "data" / "escape").symlink_to(tmp_path / "secret")
+    return tmp_path
+
+
+def _path_problems(dataset_path: str, root: Path) -> list[tuple[str, str]]:
+    return check_paths(parse_spec({"dataset": {"path": dataset_path}}), [str(root)], None)
+
+
+def test_dataset_path_must_resolve_under_a_data_root(roots: Path) -> None:
+    data = roots / "data"
+    assert _path_problems(str(data / "mnist"), data) == []
+    assert _path_problems(str(data), data) == []  # the root itself
+    assert _path_problems(str(data / "not-yet-there"), data) == []
+    for bad in (
+        str(data / ".." / "secret"),  # `..`
+        str(data / "escape"),  # a symlink out of the root
+        str(data / "escape" / "deeper"),
+        str(roots / "database"),  # a sibling whose name starts like the root
+        "/",
+    ):
+        (problem,) = _path_problems(bad, data)
+        assert problem[0] == "dataset.path" and "outside the allowed directories" in problem[1]
+    (problem,) = _path_problems("data/mnist", data)
+    assert problem == ("dataset.path", "'data/mnist' must be an absolute path")
+    (problem,) = check_paths(parse_spec({"dataset": {"path": str(data)}}), [], None)
+    assert problem == ("dataset.path", "not allowed: this service accepts no dataset paths")
+
+
+def test_checkpoint_dir_must_resolve_under_the_checkpoint_root(roots: Path) -> None:
+    def problems(directory: str, root: str | None) -> list[tuple[str, str]]:
+        return check_paths(parse_spec({"checkpoint": {"dir": directory}}), [], root)
+
+    ckpt = roots / "data"
+    assert problems(str(ckpt / "job-a"), str(ckpt)) == []
+    assert problems("", None) == []  # "" means no checkpoints
+    (problem,) = problems(str(ckpt / "escape"), str(ckpt))
+    assert problem[0] == "checkpoint.dir" and "outside" in problem[1]
+    (problem,) = problems(str(ckpt / ".." / ".." / "etc"), str(ckpt))
+    assert problem[0] == "checkpoint.dir" and "outside" in problem[1]
+    (problem,) = problems(str(ckpt), None)
+    assert problem == (
+        "checkpoint.dir",
+        "not allowed: this service accepts no checkpoint directories",
+    )
+
+
+def test_submission_check_reports_every_field(roots: Path) -> None:
+    spec = parse_spec(
+        {
+            **USER_CODE,
+            "dataset": {**USER_CODE["dataset"], "path": "/elsewhere"},
+            "checkpoint": {"dir": "/elsewhere"},
+        }
+    )
+    default = check_submission(spec, SubmitPolicy())
+    fields = ["dataset.name", "model.name", "dataset.path", "checkpoint.dir"]
+    assert [f for f, _ in default] == fields
+    policy = SubmitPolicy(
+        user_code_modules=("tests",), data_roots=("/elsewhere",), checkpoint_root="/elsewhere"
+    )
+    assert check_submission(spec, policy) == []
+    assert check_submission(parse_spec({}), SubmitPolicy()) == []  # built-ins, no paths

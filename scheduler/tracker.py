@@ -1,0 +1,111 @@
+"""Per-worker telemetry the policy and the reports need. Pure: no ray, no torch, no clock.
+
+For each worker it keeps the decayed step-time statistics of the affine model (older
+observations fade by ``STATS_DECAY`` per new one, so the model follows a worker whose speed
+changes), the window since the last decision (for DBS), and the epoch's totals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from actors.contracts import StepTelemetry
+from scheduler.model import StepTimeStats, fit
+from scheduler.policy import WorkerTelemetry
+
+STATS_DECAY = 0.9
+# A segment whose mean compute is off the model by more than this factor is a change of
+# speed (a disturbance), not noise: the worker's model restarts from the new observations.
+SURPRISE = 1.5
+
+
+@dataclass
+class WorkerTrack:
+    capacity: float
+    stats: StepTimeStats = field(default_factory=StepTimeStats)
+    observed_steps: int = 0
+    window_samples: int = 0
+    window_compute: float = 0.0
+    epoch_samples: int = 0
+    epoch_compute: float = 0.0
+    epoch_wait: float = 0.0
+    epoch_steps: int = 0
+    compute_per_step: float = 0.0
+    wait_per_step: float = 0.0
+    slowdown: float = 1.0
+
+    @property
+    def throughput(self) -> float:
+        """Samples per compute-second: over the window, else from the last steps."""
+        if self.window_compute:
+            return self.window_samples / self.window_compute
+        return 0.0
+
+
+class Tracker:
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerTrack] = {}
+
+    def add(self, worker: str, capacity: float) -> None:
+        self.workers.setdefault(worker, WorkerTrack(capacity))
+
+    def remove(self, worker: str) -> None:
+        self.workers.pop(worker, None)
+
+    def telemetry(self, workers: Sequence[str], cap: int | None) -> list[WorkerTelemetry]:
+        out = []
+        for w in workers:
+            t = self.workers[w]
+            out.append(WorkerTelemetry(worker=w, samples=t.window_samples,
+                                       compute_s=t.window_compute, cap=cap,
+                                       capacity=t.capacity, stats=t.stats))
+        return out
+
+    def decided(self) -> None:
+        """A policy decision was taken: DBS measures the window since the last one."""
+        for t in self.workers.values():
+            t.window_samples, t.window_compute = 0, 0.0
+
+    def begin_epoch(self) -> None:
+        for t in self.workers.values():
+            t.epoch_samples = t.epoch_steps = 0
+            t.epoch_compute = t.epoch_wait = 0.0
+
+    def observe(self, worker: str, steps: Iterable[StepTelemetry]) -> None:
+        steps = list(steps)
+        t = self.workers.get(worker)
+        if t is None or not steps:
+            return
+        self._fit(t, steps)  # first: a change of speed restarts the window too
+        samples = sum(s.samples for s in steps)
+        compute = sum(s.compute_s for s in steps)
+        t.window_samples += samples
+        t.window_compute += compute
+        t.epoch_samples += samples
+        t.epoch_compute += compute
+        t.epoch_wait += sum(s.wait_s for s in steps)
+        t.epoch_steps += len(steps)
+        t.compute_per_step = compute / len(steps)
+        t.wait_per_step = sum(s.wait_s for s in steps) / len(steps)
+        t.slowdown = steps[-1].slowdown
+
+    def _fit(self, t: WorkerTrack, steps: list[StepTelemetry]) -> None:
+        first = t.observed_steps == 0
+        t.observed_steps += len(steps)
+        if first:
+            steps = steps[1:]  # a newcomer's first step still pays one-off costs
+        obs = [(s.samples, s.compute_s) for s in steps if s.samples > 0]
+        if not obs:
+            return
+        f = fit(t.stats)
+        if f is not None:
+            mean_b = sum(b for b, _ in obs) / len(obs)
+            mean_t = sum(s for _, s in obs) / len(obs)
+            pred = f.predict(mean_b)
+            if pred > 0 and not (1 / SURPRISE <= mean_t / pred <= SURPRISE):
+                # The worker changed speed: forget the old model.
+                t.stats = StepTimeStats()
+                t.window_samples, t.window_compute = 0, 0.0
+        for b, s in obs:
+            t.stats = t.stats.add(b, s, STATS_DECAY)

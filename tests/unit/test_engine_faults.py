@@ -1,0 +1,262 @@
+"""The real coordinator (its machines and its driver code) under injected faults, without
+Ray: a worker killed at every point of a segment, a regroup, a checkpoint or an
+evaluation; every state holder lost at once; deterministic errors; stragglers; hung workers;
+plans that become infeasible.
+
+After every run two things are checked from what happened, not from the plan:
+
+* each epoch's record is ``verified`` by the ledger, from the workers' reports;
+* the surviving model's lineage (the fake workers' "weights" are the list of the
+  (epoch, step) updates they applied) is every step of every epoch, each exactly once:
+  nothing skipped, nothing applied twice, never restarted from fresh weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.coordinator import Coordinator
+from scheduler.state import JobState
+from service.spec import JobSpec
+from tests.fakes import FakeRuntime
+
+N, B = 1000, 64  # 16 steps per epoch, the last one partial (40 samples)
+SPE = -(-N // B)
+
+
+def _spec(**kw) -> JobSpec:
+    base = dict(workers=3, min_workers=1, global_batch=B, epochs=3, policy="affine",
+                rebalance={"mode": "adaptive"}, collective_timeout_s=2, worker_wait_timeout_s=5,
+                start_timeout_s=5)
+    base.update(kw)
+    return JobSpec.model_validate(base)
+
+
+def _coord(spec: JobSpec, n: int = N, **kw) -> tuple[Coordinator, FakeRuntime]:
+    rt = FakeRuntime(spec, n_train=n, speeds={0: 1000, 1: 500, 2: 250}, **kw)
+    return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
+
+
+def _full_lineage(epochs: int, spe: int = SPE) -> list[tuple[int, int]]:
+    return [(e, s) for e in range(epochs) for s in range(spe)]
+
+
+def _assert_exactly_once(coord: Coordinator, rt: FakeRuntime, n: int = N, spe: int = SPE):
+    snap = coord.snapshot()
+    assert snap.state == JobState.SUCCEEDED, snap.reason
+    hist = coord.history()
+    assert [r.epoch for r in hist] == list(range(coord.spec.epochs))
+    for r in hist:
+        assert r.verified and r.samples_trained == r.dataset_size == n, r
+        assert sum(w.partition for w in r.workers) <= n
+    survivor = coord.membership.worker_ids[0]
+    assert rt.lineage(survivor) == _full_lineage(coord.spec.epochs, spe)
+
+
+def _run_to(coord: Coordinator, epoch: int, step: int) -> None:
+    while (coord.epoch, coord.step_in_epoch) < (epoch, step):
+        assert coord.step(), coord.snapshot().reason
+
+
+@pytest.mark.parametrize("step", [0, SPE // 2, SPE - 1], ids=["first", "middle", "last"])
+@pytest.mark.parametrize("worker", ["w0", "w2"])
+def test_worker_lost_at_any_step_of_an_epoch(step, worker):
+    coord, rt = _coord(_spec())
+    rt.inject("die", worker, epoch=1, step=step)
+    coord.run()
+    _assert_exactly_once(coord, rt)
+    failures = [e for e in coord.membership_events() if e.kind == "failure"]
+    assert [e.worker for e in failures] == [worker]
+    assert coord.retried_samples_total > 0
+
+
+def test_loss_at_the_end_when_n_is_a_multiple_of_b():
+    n = 10 * B
+    coord, rt = _coord(_spec(), n=n)
+    rt.inject("die", "w1", epoch=0, step=9)
+    coord.run()
+    _assert_exactly_once(coord, rt, n=n, spe=10)
+
+
+def test_uneven_failure_takes_the_survivor_that_got_furthest():
+    coord, rt = _coord(_spec(), uneven_failure=True)
+    rt.inject("die", "w2", epoch=0, step=5)
+    coord.run()
+    _assert_exactly_once(coord, rt)
+
+
+@pytest.mark.parametrize(("kind", "worker", "nth"), [
+    ("die_in_regroup", "w1", 1),  # a newcomer of the first generation
+    ("die_in_regroup", "w0", 1),  # rank 0, the source of the state
+    ("die_in_checkpoint", "w0", 2),  # the holder asked for the state, at epoch 2's end
+    ("die_in_eval", "w0", 2),
+])
+def test_worker_lost_in_a_regroup_a_checkpoint_or_an_evaluation(kind, worker, nth, tmp_path):
+    coord, rt = _coord(_spec(checkpoint={"dir": str(tmp_path)}))
+    rt.inject(kind, worker, nth=nth)
+    coord.run()
+    _assert_exactly_once(coord, rt)
+    assert [e.worker for e in coord.membership_events() if e.kind == "failure"] == [worker]
+    if kind == "die_in_checkpoint":  # another holder gave the state: the checkpoint exists
+        assert any("checkpoint (epoch) at epoch 2" in x.message for x in coord.logs())
+
+
+def test_hung_worker_is_removed_and_training_goes_on():
+    coord, rt = _coord(_spec())
+    rt.inject("hang", "w1", epoch=0, step=4)
+    coord.run()
+    _assert_exactly_once(coord, rt)
+    (ev,) = [e for e in coord.membership_events() if e.kind == "failure"]
+    assert ev.worker == "w1" and "hung" in ev.reason
+
+
+@pytest.mark.parametrize("step", [0, 8], ids=["at-an-epoch-end", "mid-epoch"])
+def test_cancel_then_resume_verifies_every_epoch(step, tmp_path):
+    spec = _spec(checkpoint={"dir": str(tmp_path)})
+    coord, _ = _coord(spec)
+    _run_to(coord, 1, step)  # step 0 of epoch 1: epoch 0 has just ended
+    assert (coord.epoch, coord.step_in_epoch) == (1, step)
+    coord.cancel()
+    coord.run()
+    assert coord.snapshot().state == JobState.CANCELLED
+
+    again, rt2 = _coord(spec)
+    again.run()
+    _assert_exactly_once(again, rt2)
+    # Worker ids continue after the checkpoint's: never reused for another worker.
+    assert min(int(w[1:]) for w in again.membership.worker_ids) >= 3
+
+
+def test_resumed_weights_survive_the_loss_of_the_member_carrying_them(tmp_path):
+    spec = _spec(checkpoint={"dir": str(tmp_path)})
+    coord, _ = _coord(spec)
+    _run_to(coord, 1, 5)
+    coord.cancel()
+    coord.run()
+    again, rt2 = _coord(spec)
+    rt2.inject("die_in_regroup", "w3")  # the first newcomer: rank 0, loaded with the weights
+    again.run()
+    _assert_exactly_once(again, rt2)
+
+
+def _lose_everyone(coord: Coordinator, rt: FakeRuntime) -> None:
+    for node in list(rt.node_ids):
+        rt.remove_node(node)
+    for i in range(3):
+        rt.add_node(f"fresh{i}")
+
+
+def test_every_holder_lost_rolls_back_to_the_checkpoint(tmp_path):
+    coord, rt = _coord(_spec(checkpoint={"dir": str(tmp_path)}))
+    _run_to(coord, 1, 6)
+    _lose_everyone(coord, rt)
+    coord.run()
+    _assert_exactly_once(coord, rt)
+    assert any("rolling back" in line.message for line in coord.logs())
+
+
+def test_every_holder_lost_without_a_checkpoint_fails_with_the_reason():
+    coord, rt = _coord(_spec())
+    _run_to(coord, 1, 6)
+    _lose_everyone(coord, rt)
+    snap = coord.run()
+    assert snap.state == JobState.FAILED
+    assert "no checkpoint" in snap.reason and "fresh" in snap.reason
+    assert rt.calls["regroup"] == 1  # never formed a group from fresh weights
+
+
+def test_deterministic_error_fails_the_job_after_bounded_retries():
+    coord, rt = _coord(_spec(max_retries=2))
+    rt.inject("error", "w1", epoch=0, step=3)
+    t0 = rt.clock.now()
+    snap = coord.run()
+    assert snap.state == JobState.FAILED
+    assert "w1" in snap.reason and "InjectedFault" in snap.reason and "3 attempts" in snap.reason
+    assert rt.calls["segments"] <= 2 + 3  # the steps before, then 3 attempts
+    assert rt.clock.now() - t0 < 4 * (coord.spec.collective_timeout_s + 1)
+
+
+def test_straggler_past_the_collective_timeout_is_evicted():
+    coord, rt = _coord(_spec())
+    rt.inject("straggle", "w2", epoch=0, step=3, seconds=30.0)
+    coord.run()
+    _assert_exactly_once(coord, rt)
+    (ev,) = [e for e in coord.membership_events() if e.kind == "evict"]
+    assert ev.worker == "w2" and "straggler" in ev.reason
+    assert ev.node in coord.membership.excluded_nodes  # no new worker on its node
+    assert "w2" not in coord.membership.worker_ids
+
+
+def test_plan_that_becomes_infeasible_waits_with_the_reason_then_fails():
+    coord, rt = _coord(_spec(max_batch=24))  # 3 x 24 hold B=64; 2 x 24 do not
+    assert coord.membership.min_size == 3
+    _run_to(coord, 0, 4)
+    rt.remove_node("node01")
+    seen = []
+    while coord.step():
+        seen.append(coord.snapshot().reason or "")
+    snap = coord.snapshot()
+    assert snap.state == JobState.FAILED
+    assert any("max_batch 24 x workers must hold global_batch 64" in r for r in seen)
+    assert "below the minimum of 3" in snap.reason
+
+
+def test_plan_that_becomes_infeasible_resumes_when_a_node_joins():
+    coord, rt = _coord(_spec(max_batch=24))
+    _run_to(coord, 0, 4)
+    rt.remove_node("node01")
+    for _ in range(5):
+        coord.step()
+    assert coord.snapshot().state == JobState.PENDING
+    rt.add_node("node09")
+    coord.run()
+    _assert_exactly_once(coord, rt)
+
+
+def test_workers_auto_is_bounded_by_the_global_batch():
+    spec = _spec(workers="auto", global_batch=8, min_workers=None)
+    rt = FakeRuntime(spec, n_train=100, nodes=40)
+    coord = Coordinator("auto", spec, runtime=rt, clock=rt.clock)
+    coord.run()
+    assert len(coord.membership.members) == 8
+    assert len(rt.workers) + len(rt.killed) == 8  # never spawned more than it could use
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    faults=st.lists(
+        st.tuples(st.sampled_from(["die", "hang", "die_in_regroup", "die_in_checkpoint"]),
+                  st.integers(0, 5), st.integers(0, 2), st.integers(0, SPE - 1)),
+        max_size=4,
+    ),
+    uneven=st.booleans(),
+)
+def test_any_fault_schedule_trains_every_sample_exactly_once(tmp_path_factory, faults, uneven):
+    """Random faults (workers w0..w5, including newcomers that replace the lost), with
+    spare nodes to replace them: the job succeeds and trains each step exactly once, or,
+    only when every holder of the state was lost before a checkpoint existed, fails with
+    that reason."""
+    spec = _spec(checkpoint={"dir": str(tmp_path_factory.mktemp("ck"))}, max_workers=3)
+    coord, rt = _coord(spec, nodes=8, uneven_failure=uneven)
+    for kind, w, epoch, step in faults:
+        rt.inject(kind, f"w{w}", epoch=epoch, step=step)
+    snap = coord.run()
+    if snap.state == JobState.FAILED and "no checkpoint to restore" in snap.reason:
+        assert not any("checkpoint (epoch) at" in x.message for x in coord.logs()), snap.reason
+        assert all(r.verified for r in coord.history())
+        return
+    _assert_exactly_once(coord, rt)
+
+
+def test_last_holder_lost_in_the_final_checkpoint_retrains_from_the_previous_one(tmp_path):
+    """Only the survivor that got furthest holds the final state; it dies while the final
+    checkpoint is taken. The job must not report SUCCEEDED with a model missing the last
+    step: it rolls back to the previous checkpoint and trains the last epoch again."""
+    coord, rt = _coord(_spec(checkpoint={"dir": str(tmp_path)}), uneven_failure=True)
+    rt.inject("die", "w0", epoch=2, step=SPE - 1)
+    rt.inject("die_in_checkpoint", "w1")  # w1: the survivor whose all-reduce finished
+    coord.run()
+    _assert_exactly_once(coord, rt)
+    assert any("rolling back" in x.message for x in coord.logs())

@@ -1,0 +1,68 @@
+"""Failure classification and the retry budget: every failure is bounded."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from actors.contracts import SegmentResult
+from scheduler.failures import RetryBudget, WorkerOutcome, classify
+from scheduler.protocols.sync import Position
+
+
+def _res(w, kind=None, took=0.01):
+    return WorkerOutcome(w, result=SegmentResult(
+        worker=w, steps=[], error=None if kind is None else f"{kind} error",
+        error_kind=kind, failed_compute_s=took))
+
+
+def test_complete_segment_is_no_failure():
+    assert classify([_res("w0"), _res("w1")], 10) is None
+
+
+def test_lost_and_hung_workers_are_removed():
+    f = classify([_res("w0", "peer"), WorkerOutcome("w1", lost="died: node lost"),
+                  WorkerOutcome("w2", lost="hung: no answer")], 10)
+    assert set(f.lost) == {"w1", "w2"} and not f.compute and not f.stragglers
+
+
+def test_own_error_is_compute_not_straggler():
+    f = classify([_res("w0", "peer"), _res("w1", "compute", took=50.0)], 10)
+    assert f.compute == {"w1": "compute error"} and not f.stragglers
+
+
+def test_straggler_is_the_slow_one_when_everyone_answered():
+    f = classify([_res("w0", "peer", 0.1), _res("w1", "peer", 12.0), _res("w2", "peer", 0.2)], 10)
+    assert list(f.stragglers) == ["w1"]
+    f = classify([_res("w0", "peer", 0.1), _res("w1", "peer", 0.3)], 10)
+    assert not f.stragglers and f.peer_errors
+
+
+@given(st.lists(st.sampled_from(["compute", "peer", "lost"]), min_size=1, max_size=30),
+       st.integers(0, 5))
+def test_retries_at_one_position_are_bounded(kinds, max_retries):
+    budget = RetryBudget(max_retries)
+    pos = Position(0, 3)
+    compute = unexplained = 0
+    for kind in kinds:
+        if kind == "compute":
+            f = classify([_res("w0", "peer"), _res("w1", "compute")], 10)
+            compute += 1
+        elif kind == "peer":
+            f = classify([_res("w0", "peer"), _res("w1", "peer")], 10)
+            unexplained += 1
+        else:
+            f = classify([_res("w0", "peer"), WorkerOutcome("w1", lost="died")], 10)
+        verdict = budget.failed(pos, f)
+        if compute > max_retries or unexplained > max_retries + 1:
+            assert verdict is not None
+            return
+        assert verdict is None
+
+
+def test_success_or_a_new_position_resets_the_budget():
+    budget = RetryBudget(0)
+    f = classify([_res("w0", "compute")], 10)
+    assert budget.failed(Position(0, 1), f) is not None
+    budget.succeeded()
+    assert budget.failed(Position(0, 1), classify([_res("w0", "peer")], 10)) is None

@@ -1,0 +1,115 @@
+"""The worker outside Ray: one process, a one-rank gloo group. Its reports (positions and
+the all-reduced coverage), its error classes, and the device and backend choices that let
+one job mix GPU and CPU nodes (the CPU side; the GPU side needs a GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from actors.contracts import SegmentPlan, StepPlan, epoch_order
+from actors.group import NCCL_FAULT_ENV, choose_backend, configure_nccl_fault_handling
+from actors.worker import Worker, pick_device, to_cpu
+from scheduler import pool
+from service.spec import JobSpec
+
+
+def _spec(**kw) -> JobSpec:
+    base = dict(dataset={"name": "synthetic"}, model={"name": "mlp", "hidden": 8}, workers=1,
+                global_batch=16, collective_timeout_s=5)
+    base.update(kw)
+    return JobSpec.model_validate(base)
+
+
+@pytest.fixture
+def worker():
+    spec = _spec(emulation={"errors": [{"worker": 0, "epoch": 0, "step": 2}]})
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=40)
+    w = Worker("w0", 0, spec, x, y, (4,), 3)
+    rv = w.group.open_store(1, 1, "gloo", host="127.0.0.1")
+    w.join(rv, 0)
+    yield w
+    w.leave()
+
+
+def _plan(steps):
+    return SegmentPlan(0, 0, 40, tuple(StepPlan(s, s * 16, min(16, 40 - s * 16), s * 16,
+                                                min(16, 40 - s * 16)) for s in steps))
+
+
+def test_worker_reports_positions_and_coverage_and_trains_the_order(worker):
+    before = [p.detach().clone() for p in worker.params]
+    res = worker.run_segment(_plan([0, 1]))
+    assert res.error is None and [s.step for s in res.steps] == [0, 1]
+    assert [(s.start, s.samples, s.coverage) for s in res.steps] == [
+        (0, 16, ((1, 16),)), (16, 16, ((1, 16),))]
+    assert any(not torch.equal(a, b) for a, b in zip(before, worker.params, strict=True))
+    # The samples trained are the epoch order's: the loss matches a recomputation.
+    order = epoch_order(0, 0, 40)
+    assert len(set(order[:32].tolist())) == 32
+
+
+def test_own_error_is_a_compute_error_and_the_worker_leaves_the_group(worker):
+    res = worker.run_segment(_plan([1, 2]))
+    assert [s.step for s in res.steps] == [1]
+    assert res.error_kind == "compute" and "InjectedFault" in res.error
+    assert not worker.group.active  # peers blocked in the all-reduce fail fast
+
+
+def test_state_is_on_the_cpu_and_round_trips(worker):
+    worker.run_segment(_plan([0]))
+    state = worker.state()
+    flat = [v for v in state["optimizer"]["state"].values()] + list(state["model"].values())
+    assert all(not isinstance(v, torch.Tensor) or v.device.type == "cpu" for v in flat)
+    worker.load_state(state)
+    nested = to_cpu({"a": [torch.ones(2)], "b": (torch.zeros(1), 3)})
+    assert nested["b"][1] == 3 and nested["a"][0].device.type == "cpu"
+
+
+def test_backend_is_nccl_only_when_every_member_has_a_gpu():
+    assert choose_backend(["cuda:0", "cuda:0"]) == "nccl"
+    assert choose_backend(["cuda:0", "cpu"]) == "gloo"
+    assert choose_backend([]) == "gloo"
+
+
+def test_nccl_fault_handling_makes_survivors_raise(monkeypatch):
+    for k in NCCL_FAULT_ENV:
+        monkeypatch.delenv(k, raising=False)
+    configure_nccl_fault_handling()
+    # 2: abort the communicator and raise, keeping the process (not 1, which kills it).
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+
+
+def test_device_choice():
+    assert pick_device(_spec(), 0.0).type == "cpu"
+    assert pick_device(_spec(worker_gpus="auto"), 0.0).type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no GPU is visible"):
+            pick_device(_spec(worker_gpus="auto"), 1.0)
+
+
+def test_worker_gpus_auto_places_gpu_and_cpu_workers(monkeypatch):
+    nodes = [
+        {"Alive": True, "NodeID": "gpu", "Resources": {"CPU": 4.0, "GPU": 1.0}},
+        {"Alive": True, "NodeID": "cpu", "Resources": {"CPU": 4.0}},
+        {"Alive": False, "NodeID": "dead", "Resources": {"CPU": 4.0, "GPU": 1.0}},
+    ]
+    monkeypatch.setattr(pool.ray, "nodes", lambda: nodes)
+    auto = _spec(worker_gpus="auto")
+    eligible = pool.eligible_nodes(auto)
+    assert [(n.node_id, auto.gpus_on(n.gpus)) for n in eligible] == [("cpu", 0.0),
+                                                                    ("gpu", 1.0)]
+    assert [n.node_id for n in pool.eligible_nodes(_spec(worker_gpus=1))] == ["gpu"]
+
+
+def test_worker_gpus_auto_refuses_device_cpu():
+    from service.spec import SpecError, parse_spec
+
+    with pytest.raises(SpecError, match="worker_gpus: worker_gpus 'auto' places workers on GPUs"):
+        parse_spec({"worker_gpus": "auto", "device": "cpu"})
