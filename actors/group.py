@@ -49,6 +49,18 @@ def configure_nccl_fault_handling() -> None:
     os.environ.update(NCCL_FAULT_ENV)
 
 
+def _reset_group_counter() -> None:
+    """Name the next default group "0" in every member.
+
+    torch derives the default group's store prefix from a per-process counter, which
+    ``init_process_group`` increments *before* its rendezvous and only
+    ``destroy_process_group`` of a live group resets. A member whose earlier join failed
+    (a peer died during the rendezvous) would otherwise look for its peers under another
+    prefix than the others, and every later regroup would time out.
+    """
+    dist.distributed_c10d._world.group_count = 0
+
+
 def node_ip() -> str:
     try:
         import ray
@@ -87,6 +99,7 @@ class ProcessGroup:
         store = self._store if own else dist.TCPStore(
             rv.host, rv.port, rv.world_size, is_master=False, timeout=self.timeout
         )
+        _reset_group_counter()
         dist.init_process_group(
             rv.backend, store=store, rank=rank, world_size=rv.world_size, timeout=self.timeout
         )

@@ -13,7 +13,8 @@ Kinds (4 trials each by default, 32 in all):
 * ``deterministic_error``: a worker raises on every step from epoch 1 step 3
   (``emulation.errors``): the job must FAIL with that error, within a bound;
 * ``hung_worker``: a worker stalls for 1000 s before its all-reduce;
-* ``random``: one node removed at a uniformly random moment of the job's training.
+* ``random``: one node removed at a uniformly random step of the job (epoch and step
+  drawn uniformly; the removal follows the coordinator reaching it).
 
 Every job has spare nodes, so a lost worker is replaced (the job keeps 3 or 4 workers).
 A trial *passes* when the job ended as it should (SUCCEEDED, or FAILED naming the error
@@ -141,13 +142,13 @@ def trial(cluster: Cluster, kind: str, i: int, rng: random.Random) -> dict[str, 
         fault_at = time.monotonic()
         ray.get(coord.runtime.handle(victim()).stall.remote(1000.0), timeout=30)
     elif kind == "random":
-        wait_until(lambda: coord.state != JobState.PENDING, 120)
-        time.sleep(rng.uniform(0.0, 6.0))  # the job trains for about 6 to 10 s
+        epoch, step = rng.randrange(EPOCHS), rng.randrange(SPE)
+        note = f"drawn: epoch {epoch} step {step}"
+        wait_until(lambda: coord.state != JobState.PENDING and at(epoch, step), 120)
         fault_at = time.monotonic()
         ids = list(coord.membership.worker_ids)
         if ids and not coord.state.is_terminal:
             remove(rng.choice(ids))
-        note = "after the job ended" if coord.state.is_terminal else ""
     thread.join(timeout=JOB_LIMIT_S - (time.monotonic() - t0))
     hung = thread.is_alive()
     end = time.monotonic()
@@ -176,6 +177,7 @@ def trial(cluster: Cluster, kind: str, i: int, rng: random.Random) -> dict[str, 
         "first_failure": position, "note": note,
         "events": [f"{e.kind}:{e.worker}:{e.reason}" for e in coord.membership_events()
                    if e.kind != "join"],
+        "log_tail": [] if ended_right else [x.message for x in coord.logs()][-25:],
     }
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.contracts import StepTelemetry
-from scheduler.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from scheduler.failures import Failure, RetryBudget, WorkerOutcome, classify
 from scheduler.ledger import Ledger
 from scheduler.membership import Change, Membership
@@ -107,7 +106,8 @@ class Coordinator:
         self._logs: deque[LogLine] = deque(maxlen=5000)
         self._log_seq = 0
         self.events: list[MembershipEvent] = []
-        self._recent_steps: deque[list[StepTelemetry]] = deque(maxlen=2000)
+        # Benchmarks read per-step balance here; bounded (each row holds one report per worker).
+        self._recent_steps: deque[list[StepTelemetry]] = deque(maxlen=512)
         self._ep: _EpochTotals | None = None
         self.rebalances_total = 0
         self.regroup_seconds_total = 0.0
@@ -121,6 +121,9 @@ class Coordinator:
         self._regroup_failures = 0
         self._resume_state: dict[str, Any] | None = None
         if resume and s.checkpoint.dir:
+            # Lazily: checkpoints need torch, and a simulated job (no checkpoints) does not.
+            from scheduler.checkpoint import CheckpointError, load_checkpoint
+
             try:
                 ckpt = load_checkpoint(s.checkpoint.dir, job_id)
             except CheckpointError as err:
@@ -166,13 +169,13 @@ class Coordinator:
     def snapshot(self) -> JobSnapshot:
         with self._lock:
             alloc = self.protocol.allocation if self.protocol else None
+            batch_of = dict(zip(alloc.workers, alloc.batches, strict=True)) if alloc else {}
             workers = []
             for rank, m in enumerate(self.membership.members):
                 t = self.tracker.workers.get(m.worker_id)
                 batch = part = 0
-                if alloc and m.worker_id in alloc.workers:
-                    i = alloc.index(m.worker_id)
-                    batch = alloc.batches[i]
+                if m.worker_id in batch_of:
+                    batch = batch_of[m.worker_id]
                     part = (t.epoch_samples if t else 0) + self.protocol.planned_remaining(
                         m.worker_id)
                 workers.append(WorkerStatus(
@@ -276,7 +279,6 @@ class Coordinator:
             return not self.state.is_terminal
         if self._ep is None:
             self._begin_epoch()
-        if p.allocation is None:
             self._replan("epoch start")
         ok = self._train_segment()
         if p.epoch_complete:
@@ -407,6 +409,8 @@ class Coordinator:
         util = (sum(t.epoch_compute for t in tracks.values()) / ep.worker_seconds
                 if ep.worker_seconds else 0.0)
         alloc = p.allocation
+        batch_of = dict(zip(alloc.workers, alloc.batches, strict=True)) if alloc else {}
+        node_of = {m.worker_id: m.node for m in self.membership.members}
         record = EpochRecord(
             epoch=p.epoch, wall_s=ep.wall, steps=p.steps_per_epoch, dataset_size=v.dataset_size,
             samples_trained=v.samples_trained, retried_samples=v.retried_samples,
@@ -416,8 +420,7 @@ class Coordinator:
             policy=self.spec.policy, emulated=self.spec.emulated,
             workers=[
                 WorkerEpochStats(
-                    worker=w, node=self.membership.get(w).node,
-                    batch=alloc.batches[alloc.index(w)] if alloc and w in alloc.workers else 0,
+                    worker=w, node=node_of[w], batch=batch_of.get(w, 0),
                     partition=v.samples_by_worker.get(w, 0), steps=t.epoch_steps,
                     compute_s=t.epoch_compute, wait_s=t.epoch_wait,
                     throughput=t.epoch_samples / t.epoch_compute if t.epoch_compute else 0.0,
@@ -588,8 +591,9 @@ class Coordinator:
         self.regroup_seconds_total += dt
         self._log("INFO", f"generation {m.generation}: {len(plan.members)} workers "
                           f"{list(plan.members)} (formed in {dt:.2f}s)")
-        p = self.protocol
-        if p.allocation is not None and not p.epoch_complete:
+        # Mid-epoch: re-split what is left over the new group (an epoch that has not begun
+        # re-plans when it begins).
+        if self._ep is not None and not self.protocol.epoch_complete:
             self._replan("membership")
         return True
 
@@ -672,6 +676,8 @@ class Coordinator:
             "time": self.clock.time(),
             "reason": reason,
         }
+        from scheduler.checkpoint import save_checkpoint
+
         path = save_checkpoint(self.spec.checkpoint.dir, self.job_id, payload)
         self._log("INFO", f"checkpoint ({reason}) at epoch {pos.epoch} step {pos.step}: {path}")
 
@@ -701,6 +707,8 @@ class Coordinator:
                 f"step {self.membership.committed.step})")
         ckpt = None
         if self.spec.checkpoint.dir:
+            from scheduler.checkpoint import CheckpointError, load_checkpoint
+
             try:
                 ckpt = load_checkpoint(self.spec.checkpoint.dir, self.job_id)
             except CheckpointError as err:

@@ -232,9 +232,9 @@ class Membership:
 
     def regroup_plan(self) -> RegroupPlan:
         """Rank order for the next generation: a holder of the committed state first."""
-        holders = self.holders()
-        order = sorted(self.members, key=lambda m: m not in holders)
-        return RegroupPlan(tuple(m.worker_id for m in order), needs_state=not holders)
+        order = sorted(self.members, key=lambda m: m.version != self.committed)  # stable
+        needs_state = not order or order[0].version != self.committed
+        return RegroupPlan(tuple(m.worker_id for m in order), needs_state=needs_state)
 
     def regrouped(self, members: Sequence[str]) -> None:
         """A generation formed with ``members``: they all hold the committed state now."""

@@ -29,8 +29,14 @@ SEGMENT_LIMIT_S = 3600.0
 
 
 def first_line(err: BaseException) -> str:
+    """One line for a log or a reason. A task error's own first line names only the task
+    (``ray::Worker.join()``): what the worker raised is its cause."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException) and cause is not err:
+        err = cause
     text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:300]
+    line = text.splitlines()[0] if text else ""
+    return f"{type(err).__name__}: {line}"[:300] if line else type(err).__name__
 
 
 class RayRuntime:

@@ -14,9 +14,10 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from service import client_cli, run_cli
+    from service import client_cli, run_cli, sim_cli
 
     run_cli.register(app)
+    sim_cli.register(app)
     client_cli.register(app)
 
 

@@ -88,7 +88,8 @@ class SyncProtocol:
                              f"{self.steps_per_epoch}, not complete")
         self.epoch += 1
         self.step = 0
-        self.allocation = None
+        # The allocation is kept: the next epoch's first re-plan sees it as the current one
+        # (DBS scales it, affine keeps it unless a better one gains enough).
         self._anchor = 0
 
     def advance(self, steps: int) -> None:

@@ -260,3 +260,17 @@ def test_last_holder_lost_in_the_final_checkpoint_retrains_from_the_previous_one
     coord.run()
     _assert_exactly_once(coord, rt)
     assert any("rolling back" in x.message for x in coord.logs())
+
+
+@pytest.mark.parametrize("policy", ["dbs", "affine"])
+def test_each_epoch_replans_from_the_current_allocation(policy):
+    """At an epoch's start the policy sees the allocation in force: DBS scales it (a counted
+    rebalance), and affine keeps a converged one (its hysteresis spans epochs)."""
+    coord, _ = _coord(_spec(policy=policy, rebalance={"mode": "epoch"}, epochs=5))
+    snap = coord.run()
+    hist = coord.history()
+    assert snap.rebalances_total >= 1 and hist[1].rebalances == 1, [r.rebalances for r in hist]
+    last = {w.worker: w.batch for w in hist[-1].workers}
+    assert last["w0"] > last["w1"] > last["w2"], last
+    if policy == "affine":  # noise-free speeds: converged, then kept
+        assert [r.rebalances for r in hist[2:]] == [0, 0, 0]

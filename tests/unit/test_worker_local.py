@@ -113,3 +113,22 @@ def test_worker_gpus_auto_refuses_device_cpu():
 
     with pytest.raises(SpecError, match="worker_gpus: worker_gpus 'auto' places workers on GPUs"):
         parse_spec({"worker_gpus": "auto", "device": "cpu"})
+
+
+def test_a_failed_join_does_not_change_where_the_next_group_meets():
+    """A rendezvous that times out (a peer died) must not shift this member's group name,
+    from which torch derives the store prefix: otherwise it never meets its peers again."""
+    import torch.distributed as dist
+
+    from actors.group import ProcessGroup
+
+    group = ProcessGroup(timeout_s=1)
+    lonely = group.open_store(1, 2, "gloo", host="127.0.0.1")  # a peer that never comes
+    with pytest.raises(Exception):  # noqa: B017 - torch raises its own store errors
+        group.join(lonely, 0)
+    assert not group.active
+    group.join(group.open_store(2, 1, "gloo", host="127.0.0.1"), 0)
+    try:
+        assert dist.distributed_c10d._get_default_group().group_name == "0"
+    finally:
+        group.leave()

@@ -1,0 +1,105 @@
+"""Real gradients for the simulator: every simulated worker's share computed in-process.
+
+Imported only in real-gradient mode (it imports torch). One model replica stands for every
+worker: in synchronous training all replicas hold the same weights after each step (the
+all-reduce gives each the same gradient, and a joining worker receives the state by
+broadcast), so one copy is exact. Each worker's share is still computed on its own, from the
+order positions the plan gave it, exactly as the real worker does
+(:meth:`actors.worker.Worker._step`): the summed loss over its ``b_i`` samples scaled by
+``1/B_s``, so its gradient is ``(b_i/B_s)·g_i``. The shares' gradients are then summed, which
+is the SUM all-reduce: ``Σ_i (b_i/B_s)·g_i``, the mean gradient of the global batch. The
+optimizer is the one the worker builds (:func:`actors.worker.build_optimizer`), on the model
+the worker builds from the same seed, so the simulated run trains the same SGD as a real one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from actors.contracts import StepPlan, epoch_order
+from actors.worker import build_optimizer, to_cpu
+from service.spec import JobSpec
+from service.workloads.datasets import load_dataset
+from service.workloads.models import build_model
+
+
+class GradientEngine:
+    def __init__(self, spec: JobSpec):
+        ds = load_dataset(spec.dataset, seed=spec.seed)
+        self.name = ds.name
+        self.x = torch.from_numpy(np.asarray(ds.x_train))
+        self.y = torch.from_numpy(np.asarray(ds.y_train))
+        self.x_test = np.asarray(ds.x_test)
+        self.y_test = np.asarray(ds.y_test)
+        torch.manual_seed(spec.seed)  # the worker seeds the same way before building
+        self.model = build_model(spec.model, tuple(ds.input_shape), ds.num_classes)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(spec, self.params)
+        self.model_bytes = 4 * sum(p.numel() for p in self.params)
+        self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
+
+    @property
+    def n_train(self) -> int:
+        return len(self.y)
+
+    @property
+    def n_test(self) -> int:
+        return len(self.y_test)
+
+    def _epoch_order(self, seed: int, epoch: int, n: int) -> np.ndarray:
+        key = (seed, epoch, n)
+        if self._order is None or self._order[0] != key:
+            self._order = (key, epoch_order(*key))
+        return self._order[1]
+
+    def step(self, seed: int, epoch: int, dataset_size: int,
+             shares: Sequence[StepPlan]) -> list[float]:
+        """Train one step from the workers' shares (one per worker, in order); returns each
+        worker's summed loss over its share."""
+        order = self._epoch_order(seed, epoch, dataset_size)
+        total = [torch.zeros_like(p) for p in self.params]
+        losses = []
+        for sp in shares:
+            if not sp.own_size:
+                losses.append(0.0)
+                continue
+            ids = torch.from_numpy(np.asarray(order[sp.own_start:sp.own_start + sp.own_size],
+                                              dtype=np.int64))
+            loss = F.cross_entropy(self.model(self.x.index_select(0, ids)),
+                                   self.y.index_select(0, ids), reduction="sum")
+            grads = torch.autograd.grad(loss / sp.size, self.params)
+            for acc, g in zip(total, grads, strict=True):
+                acc.add_(g)
+            losses.append(float(loss.detach()))
+        for p, g in zip(self.params, total, strict=True):
+            p.grad = g
+        self.optimizer.step()
+        return losses
+
+    def evaluate(self, batch: int = 1024) -> tuple[float, float]:
+        """(test loss, test accuracy), as :meth:`actors.worker.Worker.evaluate`."""
+        self.model.eval()
+        total_loss, correct = 0.0, 0
+        with torch.no_grad():
+            for s in range(0, len(self.y_test), batch):
+                xb = torch.from_numpy(self.x_test[s:s + batch])
+                yb = torch.from_numpy(self.y_test[s:s + batch])
+                out = self.model(xb)
+                total_loss += float(F.cross_entropy(out, yb, reduction="sum"))
+                correct += int((out.argmax(1) == yb).sum())
+        self.model.train()
+        n = max(len(self.y_test), 1)
+        return total_loss / n, correct / n
+
+    def state(self) -> dict[str, Any]:
+        return {"model": to_cpu(self.model.state_dict()),
+                "optimizer": to_cpu(self.optimizer.state_dict())}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

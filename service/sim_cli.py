@@ -1,0 +1,248 @@
+"""``dynabatch simulate CONFIG``: what would this cluster do with this job?
+
+Runs the job's spec on a simulated cluster (``scheduler.simulator``: the production
+coordinator and machines on a virtual clock), described in YAML (``--cluster``) or fitted
+from a real run's report (``--from-report``). Prints the epochs and a summary, or with
+``--compare`` one table across policies; ``--report`` writes the same JSON report as
+``dynabatch run`` (plus a ``simulation`` block). Errors are one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from scheduler.cluster_model import (
+    ClusterError,
+    ClusterSpec,
+    cluster_from_profiles,
+    load_cluster,
+    profiles_from_report,
+)
+from scheduler.simulator import SimResult, simulate
+from scheduler.state import JobState
+from scheduler.telemetry import WorkerStatus
+from service.run_cli import render, write_report
+from service.spec import POLICIES, JobSpec, SpecError, load_spec
+
+SHOWN_WORKERS = 16
+
+
+@contextmanager
+def quiet_engine():
+    """The coordinator logs through ``dynabatch.scheduler``; a simulation's lines are in its
+    result (and its report), so they are not echoed while it runs."""
+    logger = logging.getLogger("dynabatch.scheduler")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class UsageError(ValueError):
+    """A bad combination of options (one line)."""
+
+
+def cluster_for(cluster: Path | None, from_report: Path | None) -> ClusterSpec:
+    if (cluster is None) == (from_report is None):
+        raise UsageError("give exactly one of --cluster CLUSTER.yaml or --from-report R.json")
+    if cluster is not None:
+        return load_cluster(cluster)
+    try:
+        report = json.loads(from_report.read_text())
+    except OSError as err:
+        raise ClusterError(f"{from_report}: cannot read report ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise ClusterError(f"{from_report}: not valid JSON ({err})") from None
+    if not isinstance(report, dict):
+        raise ClusterError(f"{from_report}: expected a JSON object")
+    try:
+        profiles, allreduce_s = profiles_from_report(report)
+    except ClusterError as err:
+        raise ClusterError(f"{from_report}: {err}") from None
+    return cluster_from_profiles(profiles, allreduce_s)
+
+
+def policies_for(spec: JobSpec, compare: str | None) -> list[str]:
+    if not compare:
+        return [spec.policy]
+    names = [p.strip() for p in compare.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICIES]
+    if bad or not names:
+        raise UsageError(f"--compare: unknown policy {bad[0] if bad else compare!r} "
+                         f"(use {', '.join(POLICIES)})")
+    return list(dict.fromkeys(names))
+
+
+def with_policy(spec: JobSpec, policy: str) -> JobSpec:
+    if policy == spec.policy:
+        return spec
+    return JobSpec.model_validate({**spec.model_dump(mode="json"), "policy": policy})
+
+
+def simulation_block(r: SimResult, real_gradients: bool) -> dict[str, Any]:
+    """What a simulated report adds to a real run's: how it was simulated and its figures."""
+    return {
+        "cluster": r.cluster.model_dump(mode="json", by_alias=True),
+        "real_gradients": real_gradients,
+        "dataset_size": r.dataset_size,
+        "sim_seconds": r.sim_seconds,
+        "wall_s": r.wall_s,
+        "steady_epoch_s": r.steady_epoch_s,
+        "ideal_epoch_s": r.ideal.epoch_s if r.ideal else None,
+        "fraction_of_ideal": r.fraction_of_ideal,
+        "throughput_over_sum_v": r.compute_fraction,
+        "cluster_events": [{"time_s": h.time, "kind": h.kind, "nodes": list(h.nodes),
+                            "detail": h.detail} for h in r.happened],
+        "recoveries": [{"failed_at_s": x.failed_at, "lost": list(x.lost),
+                        "resumed_at_s": x.resumed_at, "seconds": x.seconds}
+                       for x in r.recoveries],
+    }
+
+
+def write_sim_report(path: Path, r: SimResult, real_gradients: bool) -> None:
+    """The report ``dynabatch run`` writes, with the ``simulation`` block added."""
+    write_report(path, r.spec, r.snapshot, r.history)
+    report = json.loads(path.read_text())
+    report["simulation"] = simulation_block(r, real_gradients)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, path)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def compare_table(results: list[SimResult]) -> Table:
+    t = Table(title="simulated policies (steady = epochs after the first 2)")
+    for col in ("policy", "state", "steady epoch", "samples/s", "fraction of ideal",
+                "throughput/Σv", "balance", "utilization", "rebalances", "test acc",
+                "sim time", "wall"):
+        t.add_column(col, justify="left" if col in ("policy", "state") else "right")
+    for r in results:
+        last = r.history[-1] if r.history else None
+        t.add_row(r.spec.policy, r.snapshot.state.value, _fmt(r.steady_epoch_s, ".4f") + "s",
+                  _fmt(r.throughput, ",.0f"), _fmt(r.fraction_of_ideal, ".3f"),
+                  _fmt(r.compute_fraction, ".3f"), _fmt(r.steady_mean("compute_balance"), ".3f"),
+                  _fmt(r.steady_mean("utilization"), ".3f"), str(r.snapshot.rebalances_total),
+                  _fmt(last.test_accuracy if last else None, ".4f"),
+                  f"{r.sim_seconds:.1f}s", f"{r.wall_s:.1f}s")
+    return t
+
+
+def last_epoch_workers(r: SimResult) -> list[WorkerStatus]:
+    """The workers as the last epoch left them (a finished job's snapshot has no plan)."""
+    if not r.history:
+        return list(r.snapshot.workers)
+    return [WorkerStatus(worker=w.worker, node=w.node, rank=i, batch=w.batch,
+                         partition=w.partition, throughput=w.throughput,
+                         compute_s_per_step=w.compute_s / max(w.steps, 1),
+                         wait_s_per_step=w.wait_s / max(w.steps, 1), slowdown=w.slowdown)
+            for i, w in enumerate(r.history[-1].workers)]
+
+
+def print_result(console: Console, r: SimResult) -> None:
+    workers = last_epoch_workers(r)
+    shown = r.snapshot.model_copy(update={"workers": workers[:SHOWN_WORKERS]})
+    console.print(render(shown, r.history))
+    if len(workers) > SHOWN_WORKERS:
+        console.print(f"(first {SHOWN_WORKERS} of {len(workers)} workers shown)")
+    ideal = r.ideal.epoch_s if r.ideal else None
+    console.print(
+        f"steady epoch {_fmt(r.steady_epoch_s, '.4f')}s, ideal {_fmt(ideal, '.4f')}s: "
+        f"fraction of ideal {_fmt(r.fraction_of_ideal, '.3f')} (throughput/Σv "
+        f"{_fmt(r.compute_fraction, '.3f')}); {r.sim_seconds:.2f}s simulated in "
+        f"{r.wall_s:.2f}s", highlight=False)
+    for h in r.happened:
+        console.print(f"t={h.time:.2f}s {h.kind} {', '.join(h.nodes[:8])}"
+                      + (" ..." if len(h.nodes) > 8 else "") + f" {h.detail}", highlight=False)
+    for x in r.recoveries:
+        console.print(f"failure at t={x.failed_at:.2f}s ({', '.join(x.lost)}): training again "
+                      f"{x.seconds:.2f}s later", highlight=False)
+
+
+def report_path(report: Path, policy: str, several: bool) -> Path:
+    return report.with_name(f"{report.stem}-{policy}{report.suffix}") if several else report
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("simulate")
+    def simulate_cmd(
+        config: Annotated[Path, typer.Argument(help="YAML job config (see examples/).")],
+        cluster: Annotated[Path | None, typer.Option(
+            help="Cluster YAML: node classes with counts, noise, all-reduce, events.")] = None,
+        from_report: Annotated[Path | None, typer.Option(
+            help="Fit the cluster from a `dynabatch run --report` file instead.")] = None,
+        compare: Annotated[str | None, typer.Option(
+            help="Comma-separated policies to run and compare, e.g. static,dbs,affine.")] = None,
+        real_gradients: Annotated[bool, typer.Option(
+            help="Train the real model on the real data (one share after another).")] = False,
+        report: Annotated[Path | None, typer.Option(
+            help="Write the JSON report here (one per policy with --compare).")] = None,
+        dataset_size: Annotated[int | None, typer.Option(
+            help="Timing only: samples per epoch, without loading the data.")] = None,
+        quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+    ) -> None:
+        """Simulate CONFIG on a cluster of unequal nodes (4 to 10,000) on a virtual clock."""
+        console = Console()
+        err = Console(stderr=True)
+
+        def fail(message: str) -> None:
+            err.print(f"[red]error:[/] {' '.join(message.split())}", highlight=False,
+                      soft_wrap=True)
+            raise typer.Exit(2)
+
+        try:
+            spec = load_spec(config)
+            cl = cluster_for(cluster, from_report)
+            policies = policies_for(spec, compare)
+        except SpecError as e:
+            fail(f"{config}: {e}")
+        except (ClusterError, UsageError) as e:
+            fail(str(e))
+        results = []
+        with quiet_engine(), Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("steps"), TimeElapsedColumn(), console=err, disable=quiet,
+                transient=True) as bar:
+            for policy in policies:
+                task = bar.add_task(f"simulating {policy}", total=None)
+
+                def progress(done: int, total: int, task=task) -> None:
+                    bar.update(task, completed=done, total=total)
+
+                try:
+                    r = simulate(with_policy(spec, policy), cl, dataset_size=dataset_size,
+                                 real_gradients=real_gradients, progress=progress)
+                except (ClusterError, SpecError, ValueError) as e:
+                    # WorkloadError (a dataset or model that cannot load) is a ValueError
+                    fail(str(e))
+                results.append(r)
+                if report:
+                    path = report_path(report, policy, len(policies) > 1)
+                    write_sim_report(path, r, real_gradients)
+        if len(results) > 1:
+            console.print(compare_table(results))
+        else:
+            print_result(console, results[0])
+        if report:
+            console.print(f"report written to {report_path(report, '*', len(results) > 1)}",
+                          highlight=False)
+        if any(r.snapshot.state != JobState.SUCCEEDED for r in results):
+            for r in results:
+                if r.snapshot.state != JobState.SUCCEEDED:
+                    console.print(f"{r.spec.policy}: {r.snapshot.state.value} "
+                                  f"({r.snapshot.reason})", highlight=False)
+            raise typer.Exit(1)
