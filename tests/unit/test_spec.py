@@ -217,6 +217,7 @@ def test_load_spec_errors_are_one_line(tmp_path):
     assert "\n" not in str(info.value)
 
 
+# Job specs only; examples/clusters/ holds simulator cluster descriptions.
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_examples_are_valid(path):
     with warnings.catch_warnings():
