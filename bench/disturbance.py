@@ -31,7 +31,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from scheduler.coordinator import Coordinator
-from service.raycluster import FAST_HEALTH_CHECK
+from service.raycluster import fast_health_check
 from service.spec import JobSpec
 
 TARGET = 0.85
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="Also write the JSON here.")
     args = ap.parse_args()
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": FAST_HEALTH_CHECK})
+        "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": fast_health_check()})
     for i in range(4):
         cluster.add_node(num_cpus=1, resources={"disturb_node": 1, f"d{i}": 1},
                          object_store_memory=150 * 2**20)

@@ -29,7 +29,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from scheduler.coordinator import Coordinator
-from service.raycluster import FAST_HEALTH_CHECK
+from service.raycluster import fast_health_check
 from service.spec import JobSpec
 
 
@@ -120,7 +120,7 @@ def main() -> None:
                     "stdout when a node it knew goes down).")
     args = ap.parse_args()
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": FAST_HEALTH_CHECK})
+        "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": fast_health_check()})
     ray.init(address=cluster.address, namespace="dynabatch-bench", log_to_driver=False)
     try:
         repeats = args.repeats

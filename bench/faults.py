@@ -46,7 +46,7 @@ from ray.cluster_utils import Cluster
 
 from scheduler.coordinator import Coordinator
 from scheduler.state import JobState
-from service.raycluster import FAST_HEALTH_CHECK
+from service.raycluster import fast_health_check
 from service.spec import JobSpec
 
 KINDS = ("first_step", "mid_epoch", "last_step", "two_nodes", "during_regroup",
@@ -189,7 +189,7 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": FAST_HEALTH_CHECK})
+        "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": fast_health_check()})
     ray.init(address=cluster.address, namespace="dynabatch-bench", log_to_driver=False)
     rows = []
     try:

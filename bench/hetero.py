@@ -37,7 +37,7 @@ from ray.cluster_utils import Cluster
 from scheduler.coordinator import Coordinator
 from scheduler.model import StepTimeStats, equal_finish, fit
 from scheduler.pool import eligible_nodes, spawn_worker
-from service.raycluster import FAST_HEALTH_CHECK
+from service.raycluster import fast_health_check
 from service.spec import JobSpec
 from service.workloads.datasets import load_dataset
 
@@ -126,7 +126,7 @@ def measure_ideal(spec: JobSpec, n_train: int) -> dict[str, Any]:
 def bench_cluster(name: str, args: argparse.Namespace) -> dict[str, Any]:
     slowdowns = CLUSTERS[name]
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": FAST_HEALTH_CHECK})
+        "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": fast_health_check()})
     for i in range(len(slowdowns)):
         cluster.add_node(num_cpus=1, resources={"bench_node": 1, f"n{i}": 1},
                          object_store_memory=150 * 2**20)

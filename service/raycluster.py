@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 # Fast failure detection. The GCS checks each node every 200 ms and declares it dead after 3
@@ -12,11 +14,18 @@ from typing import Any
 # network takes about 30 s; a training step sees it sooner through collective_timeout_s.
 # The embedded Ray, the integration tests, docker-compose.yml's and deploy/k8s's Ray heads
 # use these values (tests/unit/test_deploy_static.py checks that they agree).
-FAST_HEALTH_CHECK: dict[str, Any] = {
+# Read-only: Ray adds its own keys to the _system_config dict it is given, so callers pass
+# fast_health_check(), a fresh copy.
+FAST_HEALTH_CHECK: Mapping[str, Any] = MappingProxyType({
     "health_check_initial_delay_ms": 0,
     "health_check_period_ms": 200,
     "health_check_failure_threshold": 3,
-}
+})
+
+
+def fast_health_check() -> dict[str, Any]:
+    """A fresh, mutable copy of :data:`FAST_HEALTH_CHECK` for one Ray ``_system_config``."""
+    return dict(FAST_HEALTH_CHECK)
 
 NAMESPACE = "dynabatch"
 
@@ -48,7 +57,7 @@ def connect(
             object_store_memory=object_store_mb * 2**20,
             namespace=namespace,
             log_to_driver=False,
-            _system_config=FAST_HEALTH_CHECK,
+            _system_config=fast_health_check(),
         )
     else:
         ctx = ray.init(address=address, namespace=namespace, log_to_driver=False)

@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from service.raycluster import FAST_HEALTH_CHECK
+from service.raycluster import fast_health_check
 
 NODES = 3
 
@@ -29,7 +29,7 @@ def cluster() -> Iterator[object]:
         head_node_args={
             "num_cpus": 0,
             "object_store_memory": 150 * 2**20,
-            "_system_config": FAST_HEALTH_CHECK,
+            "_system_config": fast_health_check(),
         },
     )
     for i in range(NODES):

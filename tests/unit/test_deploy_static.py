@@ -451,8 +451,8 @@ def test_api_command_matches_the_real_serve_cli() -> None:
 
 def system_configs_in(path: Path) -> list[dict[str, Any]]:
     """Every ``_system_config`` a Python file passes (``_system_config=...`` or a
-    ``"_system_config": ...`` entry): a literal dict, or a name that the file imports from
-    service.raycluster or defines itself."""
+    ``"_system_config": ...`` entry): a literal dict, or a name (or a no-argument call of a
+    function) that the file imports from service.raycluster or defines itself."""
     import service.raycluster
 
     tree = ast.parse(path.read_text())
@@ -461,6 +461,10 @@ def system_configs_in(path: Path) -> list[dict[str, Any]]:
         if isinstance(node, ast.ImportFrom) and node.module == "service.raycluster":
             for alias in node.names:
                 defined[alias.asname or alias.name] = getattr(service.raycluster, alias.name)
+        elif isinstance(node, ast.FunctionDef) and path.resolve() == Path(
+            service.raycluster.__file__
+        ).resolve():
+            defined[node.name] = getattr(service.raycluster, node.name)
         elif isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Dict):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
@@ -478,15 +482,26 @@ def system_configs_in(path: Path) -> list[dict[str, Any]]:
             ]
     out = []
     for v in values:
-        out.append(defined[v.id] if isinstance(v, ast.Name) else ast.literal_eval(v))
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and not v.args:
+            out.append(defined[v.func.id]())  # fast_health_check(): a copy per use
+        elif isinstance(v, ast.Name):
+            out.append(defined[v.id])
+        else:
+            out.append(ast.literal_eval(v))
     return out
 
 
 def test_every_ray_head_uses_the_same_fast_health_checks() -> None:
     """README's detection time holds wherever dynabatch runs: the compose and k8s heads,
     the embedded Ray and the integration tests' cluster use one set of health checks."""
-    from service.raycluster import FAST_HEALTH_CHECK
+    from service.raycluster import FAST_HEALTH_CHECK, fast_health_check
 
+    # Read-only, so Ray (which adds keys to the dict it is given) cannot change it for the
+    # next user; each use gets an equal, fresh copy.
+    with pytest.raises(TypeError):
+        FAST_HEALTH_CHECK["health_check_period_ms"] = 1  # type: ignore[index]
+    assert fast_health_check() == FAST_HEALTH_CHECK
+    assert fast_health_check() is not fast_health_check()
     assert set(FAST_HEALTH_CHECK) == {
         "health_check_initial_delay_ms",
         "health_check_period_ms",
