@@ -254,10 +254,7 @@ class Coordinator:
         return self.snapshot()
 
     def shutdown(self) -> None:
-        kill_all = getattr(self.runtime, "kill_all", None)
-        if kill_all is not None:
-            kill_all()
-            return
+        # Every spawned worker is a member or pending until it is killed.
         for w in list(self.membership.members) + list(self.membership.pending.values()):
             self.runtime.kill(w.worker_id)
 

@@ -102,40 +102,33 @@ class RayRuntime:
             with contextlib.suppress(Exception):
                 ray.kill(handle, no_restart=True)
 
-    def kill_all(self) -> None:
-        for worker in list(self._handles):
-            self.kill(worker)
-
     def handle(self, worker: str) -> Any:
         """The worker's actor handle (tests and benchmarks inject stalls through it)."""
         return self._handles[worker]
 
     # --- training ---------------------------------------------------------------------
     def run_segment(self, plans: dict[str, Any], grace_s: float) -> list[WorkerOutcome]:
-        workers = list(plans)
-        refs = {self._handles[w].run_segment.remote(plans[w]): w for w in workers}
+        refs = {self._handles[w].run_segment.remote(plans[w]): w for w in plans}
+        outcomes: dict[str, WorkerOutcome] = {}
         pending = list(refs)
         first_failure: float | None = None
         t0 = time.monotonic()
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
-            if first_failure is None and any(_failed(r) for r in done):
-                first_failure = time.monotonic()
+            for ref in done:  # each result is fetched once, as it arrives
+                o = _outcome(refs[ref], ref)
+                outcomes[o.worker] = o
+                if first_failure is None and o.failed:
+                    first_failure = time.monotonic()
             now = time.monotonic()
             if pending and first_failure is not None and now - first_failure > grace_s:
                 break
             if now - t0 > SEGMENT_LIMIT_S:
                 break
-        out = []
-        for ref, worker in refs.items():
-            if ref in pending:
-                out.append(WorkerOutcome(worker, lost="hung: no answer after its peers failed"))
-                continue
-            try:
-                out.append(WorkerOutcome(worker, result=ray.get(ref, timeout=CALL_TIMEOUT_S)))
-            except (RayError, GetTimeoutError) as err:
-                out.append(WorkerOutcome(worker, lost=f"died: {_why_lost(err)}"))
-        return out
+        for ref in pending:
+            w = refs[ref]
+            outcomes[w] = WorkerOutcome(w, lost="hung: no answer after its peers failed")
+        return [outcomes[w] for w in plans]
 
     def regroup(
         self, generation: int, members: Sequence[str], state: dict[str, Any] | None,
@@ -190,11 +183,11 @@ class RayRuntime:
             raise WorkerCallError(worker, first_line(err), lost=False) from None
 
 
-def _failed(ref: Any) -> bool:
+def _outcome(worker: str, ref: Any) -> WorkerOutcome:
     try:
-        return ray.get(ref, timeout=CALL_TIMEOUT_S).error is not None
-    except (RayError, GetTimeoutError):
-        return True
+        return WorkerOutcome(worker, result=ray.get(ref, timeout=CALL_TIMEOUT_S))
+    except (RayError, GetTimeoutError) as err:
+        return WorkerOutcome(worker, lost=f"died: {_why_lost(err)}")
 
 
 def _why_lost(err: BaseException) -> str:
