@@ -131,6 +131,8 @@ class ParameterServer:
         self.push_log: list[dict[str, Any]] = []  # rolling window of PushRecords
         self._t0 = time.monotonic()
         self._losses: dict[int, float] = {}
+        self._ep_loss = 0.0  # summed training loss of the epoch's applied gradients
+        self._ep_samples = 0
 
     # --- learners ---------------------------------------------------------------------
     def _weights_ref(self) -> Any:
@@ -199,7 +201,8 @@ class ParameterServer:
             if kind == "Apply":
                 self.store.apply([(self._grads.pop(g.push_id), g.weight) for g in e.gradients])
                 for g in e.gradients:
-                    self._losses.pop(g.push_id, None)
+                    self._ep_loss += self._losses.pop(g.push_id, 0.0)
+                    self._ep_samples += g.samples
             elif kind == "Refuse":
                 self._grads.pop(e.push_id, None)
                 self._losses.pop(e.push_id, None)
@@ -208,11 +211,13 @@ class ParameterServer:
                 v = e.verification
                 self.epochs.append({
                     "epoch": e.epoch, "version": e.version, "test_loss": loss,
+                    "train_loss": self._ep_loss / max(1, self._ep_samples),
                     "test_accuracy": acc, "verified": v.verified, "problems": list(v.problems),
                     "samples_applied": v.samples_trained, "retried_samples": v.retried_samples,
                     "samples_by_worker": dict(v.samples_by_worker),
                     "t": time.monotonic() - self._t0,
                 })
+                self._ep_loss, self._ep_samples = 0.0, 0
 
     # --- views ------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Any
 import ray
 
 from scheduler.coordinator import Coordinator
+from scheduler.ps_driver import PSCoordinator
 from service.raycluster import NAMESPACE
 from service.spec import JobSpec
 
@@ -34,7 +35,9 @@ def launch_coordinator(
     }
     if detached:
         options["lifetime"] = "detached"
-    handle = ray.remote(Coordinator).options(**options).remote(job_id, spec, resume=resume)
+    # A parameter-server job has its own driver with the same public interface.
+    cls = PSCoordinator if spec.protocol.name == "ps" else Coordinator
+    handle = ray.remote(cls).options(**options).remote(job_id, spec, resume=resume)
     if start:
         handle.run.remote()
     return handle

@@ -171,6 +171,32 @@ class CheckpointSpec(_Strict):
     every_epochs: StrictInt = Field(default=1, ge=1)
 
 
+class ProtocolSpec(_Strict):
+    """How gradients reach the model. ``sync`` (default): synchronous data parallel with
+    per-worker batches (the policy). ``ps``: a parameter server (Rudra's hardsync, n-softsync
+    and async, with staleness-aware learning rates; ``batch: perf_aware`` is Ji et al.'s
+    per-learner batches). Each learner's base batch is ``global_batch // workers`` (μ, so
+    μλ = global_batch). See ``scheduler.protocols.ps`` for the formulas."""
+
+    name: Literal["sync", "ps"] = "sync"
+    mode: Literal["async", "softsync", "hardsync"] = "async"
+    n: StrictInt = Field(default=1, ge=1, description="n-softsync: update every ⌊λ/n⌋ "
+                         "gradients (λ = workers).")
+    lr_staleness: Literal["none", "per_gradient", "average"] = Field(
+        default="none", description="α0 | α0/τ per gradient | α0/⟨τ⟩.")
+    max_staleness: StrictInt | None = Field(
+        default=None, ge=0, description="Bound S on a gradient's staleness; none: unbounded.")
+    on_stale: Literal["refuse", "wait"] = "refuse"
+    batch: Literal["fixed", "perf_aware"] = "fixed"
+    replan_pushes: StrictInt = Field(
+        default=0, ge=0, description="perf_aware: re-plan every k pushes (0: every epoch).")
+    scale_lr: bool = Field(default=False, description="perf_aware: scale α by b_i/b0.")
+
+
+PS_ONLY_FIELDS = ("mode", "n", "lr_staleness", "max_staleness", "on_stale", "batch",
+                  "replan_pushes", "scale_lr")
+
+
 class _CombinationError(ValueError):
     """Invalid combinations of fields, each as (dotted field path, problem)."""
 
@@ -231,6 +257,7 @@ class JobSpec(_Strict):
     seed: StrictInt = Field(default=0, ge=0, le=2**31 - 1)
     emulation: EmulationSpec = Field(default_factory=EmulationSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    protocol: ProtocolSpec = Field(default_factory=ProtocolSpec)
     collective_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
     worker_wait_timeout_s: float = Field(
         default=60.0,
@@ -302,6 +329,7 @@ class JobSpec(_Strict):
                     f"worker {d.worker} does not exist: at most {most} workers "
                     f"(ordinals 0..{most - 1})",
                 )
+        _ps_problems(self, bad)
         if self.device == "cuda" and self.worker_gpus == 0:
             bad("worker_gpus", "device 'cuda' needs worker_gpus > 0 or 'auto'")
         if self.device == "cpu" and self.worker_gpus == "auto":
@@ -341,6 +369,38 @@ class JobSpec(_Strict):
     def emulated(self) -> bool:
         e = self.emulation
         return bool(e.slowdowns or e.disturbances or e.errors)
+
+
+def _ps_problems(spec: JobSpec, bad: Any) -> None:
+    """Options the parameter server cannot honour, and ps options on a sync job."""
+    p = spec.protocol
+    if p.name != "ps":
+        for f in PS_ONLY_FIELDS:
+            if f in p.model_fields_set:
+                bad(f"protocol.{f}", "applies only to protocol ps")
+        return
+    n = spec.initial_workers
+    if n is None:
+        bad("workers", "protocol ps needs a number of learners, not 'auto'")
+    elif p.mode == "softsync" and p.n > n:
+        bad("protocol.n", f"n ({p.n}) is greater than the number of learners (workers = {n})")
+    if p.mode != "softsync" and "n" in p.model_fields_set:
+        bad("protocol.n", f"applies only to mode softsync, not {p.mode}")
+    if "policy" in spec.model_fields_set:
+        bad("policy", "protocol ps sizes batches with protocol.batch, not a policy")
+    if spec.rebalance.mode != "epoch" or "rebalance" in spec.model_fields_set:
+        bad("rebalance", "protocol ps re-plans with protocol.replan_pushes")
+    if spec.checkpoint.dir:
+        bad("checkpoint.dir", "protocol ps does not write checkpoints")
+    if spec.worker_gpus != 0 or spec.device == "cuda":
+        bad("worker_gpus", "protocol ps learners run on the CPU")
+    if spec.emulation.errors:
+        bad("emulation.errors", "protocol ps does not inject worker errors")
+    if spec.max_batch is not None:
+        bad("max_batch", "protocol ps bounds batches itself (perf_aware: 4·b0)")
+    if p.batch != "perf_aware" and ("replan_pushes" in p.model_fields_set
+                                    or "scale_lr" in p.model_fields_set):
+        bad("protocol.batch", "replan_pushes and scale_lr need batch perf_aware")
 
 
 class SpecError(ValueError):
