@@ -372,11 +372,13 @@ class JobSpec(_Strict):
 
 
 def _ps_problems(spec: JobSpec, bad: Any) -> None:
-    """Options the parameter server cannot honour, and ps options on a sync job."""
+    """Options the parameter server cannot honour, and ps options on a sync job. Only values
+    that differ from the defaults count, so a dumped spec validates again."""
     p = spec.protocol
+    default = ProtocolSpec()
     if p.name != "ps":
         for f in PS_ONLY_FIELDS:
-            if f in p.model_fields_set:
+            if getattr(p, f) != getattr(default, f):
                 bad(f"protocol.{f}", "applies only to protocol ps")
         return
     n = spec.initial_workers
@@ -384,11 +386,11 @@ def _ps_problems(spec: JobSpec, bad: Any) -> None:
         bad("workers", "protocol ps needs a number of learners, not 'auto'")
     elif p.mode == "softsync" and p.n > n:
         bad("protocol.n", f"n ({p.n}) is greater than the number of learners (workers = {n})")
-    if p.mode != "softsync" and "n" in p.model_fields_set:
+    if p.mode != "softsync" and p.n != default.n:
         bad("protocol.n", f"applies only to mode softsync, not {p.mode}")
-    if "policy" in spec.model_fields_set:
+    if spec.policy != "affine":
         bad("policy", "protocol ps sizes batches with protocol.batch, not a policy")
-    if spec.rebalance.mode != "epoch" or "rebalance" in spec.model_fields_set:
+    if spec.rebalance != RebalanceSpec():
         bad("rebalance", "protocol ps re-plans with protocol.replan_pushes")
     if spec.checkpoint.dir:
         bad("checkpoint.dir", "protocol ps does not write checkpoints")
@@ -398,8 +400,8 @@ def _ps_problems(spec: JobSpec, bad: Any) -> None:
         bad("emulation.errors", "protocol ps does not inject worker errors")
     if spec.max_batch is not None:
         bad("max_batch", "protocol ps bounds batches itself (perf_aware: 4·b0)")
-    if p.batch != "perf_aware" and ("replan_pushes" in p.model_fields_set
-                                    or "scale_lr" in p.model_fields_set):
+    if p.batch != "perf_aware" and (p.replan_pushes != default.replan_pushes
+                                    or p.scale_lr != default.scale_lr):
         bad("protocol.batch", "replan_pushes and scale_lr need batch perf_aware")
 
 
