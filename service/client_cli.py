@@ -163,7 +163,25 @@ def _job_table(job: Any) -> Group:
             f"{w.compute_s_per_step * 1e3:.1f} ms",
             f"{w.wait_s_per_step * 1e3:.1f} ms",
         )
-    return Group(head, workers)
+    ps = getattr(job, "ps", None)
+    if ps is None:
+        return Group(head, workers)
+    return Group(head, workers, _ps_table(ps))
+
+
+def _ps_table(ps: Any) -> Table:
+    """Per-learner staleness of a parameter-server job."""
+    t = Table(title=f"parameter server ({ps.mode}): version {ps.version}, applied "
+              f"{ps.applied}, refused {ps.refused}, {ps.pushes_per_s:,.1f} pushes/s",
+              expand=False)
+    for col in ("worker", "batch", "pushes", "applied", "refused", "staleness mean",
+                "staleness max"):
+        t.add_column(col, justify="left" if col == "worker" else "right")
+    for w in ps.workers:
+        t.add_row(w.worker + ("" if w.member else " (gone)"), str(w.batch), str(w.pushes),
+                  str(w.applied), str(w.refused), f"{w.staleness_mean:.2f}",
+                  str(w.staleness_max))
+    return t
 
 
 def serve(
