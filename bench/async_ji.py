@@ -4,7 +4,8 @@ n-softsync: 4 learners at speeds 1:1:2:4, the same sample budget (epochs) for ev
 * ``asgd``: async, every learner's batch b0, plain α0.
 * ``softsync``: n-softsync (n = λ/2) with α0/τ (Rudra).
 * ``perf_aware``: async with b_i = clip(round(λ·b0·v_i/Σv), 1, 4·b0), v_i the EMA of the
-  measured samples/s, re-planned every ``2λ`` pushes (``scheduler.policy_ji``), each
+  measured samples/s (b_min = b0/4, see ``scheduler.ps_driver.build_core``), re-planned
+  every ``2λ`` pushes (``scheduler.policy_ji``), each
   gradient's α scaled by b_i/b0 (without it the small batches of the slow learners, at the
   full α0, made this method diverge at α0 = 0.3 in our first runs).
 
@@ -52,7 +53,8 @@ def method_spec(method: str, a) -> JobSpec:
              "perf_aware": {"name": "ps", "mode": "async", "batch": "perf_aware",
                             "replan_pushes": 2 * lam, "scale_lr": True}}[method]
     return JobSpec.model_validate(dict(
-        name=f"ji-{method}".replace("_", "-"), dataset={"name": a.dataset},
+        name=f"ji-{method}".replace("_", "-"),
+        dataset={"name": a.dataset, **({"limit": a.limit} if a.limit else {})},
         model={"name": a.model, "hidden": 64},
         optimizer={"name": "sgd", "lr": a.lr, "momentum": a.momentum}, workers=lam,
         global_batch=a.b0 * lam, epochs=a.epochs, seed=a.seed, protocol=proto,
@@ -138,12 +140,13 @@ def main() -> None:
     ap.add_argument("--b0", type=int, default=16)
     ap.add_argument("--dataset", default="digits")
     ap.add_argument("--model", default="mlp")
+    ap.add_argument("--limit", type=int, default=0, help="training samples (0: all)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     drivers = a.drivers.split(",")
     out: dict = {"speeds": list(SPEEDS), "epochs": a.epochs, "alpha0": a.lr, "b0": a.b0,
                  "seeds_sim": a.seeds,
-                 "dataset": a.dataset, "model": a.model}
+                 "dataset": a.dataset, "model": a.model, "limit": a.limit or None}
     methods = ("asgd", "softsync", "perf_aware")
     if "sim" in drivers:
         ds = load_dataset(method_spec("asgd", a).dataset, seed=a.seed)

@@ -56,7 +56,10 @@ def ps_config(spec: JobSpec) -> PSConfig:
 def build_core(spec: JobSpec, dataset_size: int) -> PSCore:
     p = spec.protocol
     b0 = base_batch(spec)
-    ji = (JiConfig(b0=b0, b_min=1, b_max=4 * b0, every_pushes=p.replan_pushes,
+    # b_min = b0/4: v_i = b_i/t_i under-rates a learner whose fixed per-push cost dominates
+    # at a small batch, which shrinks its batch further; on Ray (digits MLP) b_min = 1 let
+    # three of four learners collapse to 1 sample. The floor stops that feedback.
+    ji = (JiConfig(b0=b0, b_min=max(1, b0 // 4), b_max=4 * b0, every_pushes=p.replan_pushes,
                    scale_lr=p.scale_lr) if p.batch == "perf_aware" else None)
     return PSCore(ps_config(spec), dataset_size=dataset_size, epochs=spec.epochs,
                   seed=spec.seed, batches=PerfAwareBatches(b0, ji))
