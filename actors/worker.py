@@ -41,7 +41,14 @@ from actors.contracts import (
 )
 from actors.emulation import ComputeClock, error_at, slowdown_at
 from actors.group import ProcessGroup, Rendezvous
+from actors.output import OutputTee
 from service.spec import JobSpec
+
+
+def _in_ray_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 class InjectedFault(RuntimeError):
@@ -101,6 +108,10 @@ class Worker:
         from service.workloads.objective import objective_for, targets_kind
 
         self.worker_id = worker_id
+        # The user's prints and warnings go to the job log with each segment's result.
+        self._output = OutputTee()
+        if _in_ray_actor():  # not in a test's own process: its streams are pytest's
+            self._output.install()
         self.ordinal = ordinal
         self.spec = spec
         self.device = pick_device(spec, gpus)
@@ -197,8 +208,9 @@ class Worker:
                 # Leave at once so peers blocked in the collective fail fast.
                 self.group.leave()
                 return SegmentResult(worker=self.worker_id, steps=steps, error=str(err),
-                                     error_kind=err.kind, failed_compute_s=err.compute_s)
-        return SegmentResult(worker=self.worker_id, steps=steps)
+                                     error_kind=err.kind, failed_compute_s=err.compute_s,
+                                     output=self._output.drain())
+        return SegmentResult(worker=self.worker_id, steps=steps, output=self._output.drain())
 
     def _step(self, epoch: int, sp: StepPlan, order: np.ndarray) -> StepTelemetry:
         factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, sp.step)

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.limits import BodyLimitMiddleware
 from api.metrics import JobCollector, RequestMetricsMiddleware, RequestStats
-from api.routes import health, jobs, nodes
+from api.routes import events, health, jobs, nodes
 from scheduler.state import InvalidTransition
 from service.jobs import (
     ClusterClient,
@@ -247,6 +247,7 @@ def create_app(
 
     _install_error_handlers(app)
     app.include_router(jobs.router)
+    app.include_router(events.router)
     app.include_router(nodes.router)
     app.include_router(health.health)
     app.include_router(health.metrics)

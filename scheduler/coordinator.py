@@ -336,6 +336,9 @@ class Coordinator:
         wall = self.clock.now() - t0
         failure = classify(outcomes, self.spec.collective_timeout_s)
         results = [o.result for o in outcomes if o.result is not None]
+        for r in results:  # the workers' own output (user prints), into the job log
+            for line in r.output:
+                self._log("INFO", f"{r.worker} {line}")
         done = max((len(r.steps) for r in results), default=0)
         with self._lock:
             for j in range(done):

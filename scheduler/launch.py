@@ -34,6 +34,10 @@ def launch_coordinator(
     }
     if detached:
         options["lifetime"] = "detached"
+    if spec.working_dir:
+        # The user's code goes to every node with the job; the workers the coordinator
+        # starts inherit its runtime_env.
+        options["runtime_env"] = {"working_dir": spec.working_dir}
     handle = ray.remote(Coordinator).options(**options).remote(job_id, spec, resume=resume)
     if start:
         handle.run.remote()

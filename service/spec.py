@@ -216,6 +216,13 @@ class JobSpec(_Strict):
         "(class labels: cross_entropy, token sequences: next_token, regression values: mse).",
         examples=["cross_entropy", "next_token", "my_pkg.losses:huber"],
     )
+    working_dir: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="The user's code, shipped with the job to every node through Ray's "
+        "runtime_env: a directory readable where the job is launched, or a URI Ray accepts "
+        "(e.g. an https:// zip). Its modules are importable by import paths. Over REST only "
+        "when the service allows any user code (DYNABATCH_USER_CODE_MODULES='*').",
+    )
     metrics: list[str] | None = Field(
         default=None, max_length=16,
         description="Evaluation metrics on the held-out set: accuracy, mse, perplexity or "
@@ -477,6 +484,11 @@ def check_user_code(spec: JobSpec, allowed: Iterable[str]) -> list[tuple[str, st
     if spec.loss:
         named.append(("loss", spec.loss))
     named += [(f"metrics.{i}", m) for i, m in enumerate(spec.metrics or ())]
+    if spec.working_dir is not None and ANY_MODULE not in allowed:
+        # Shipped code may shadow any module, allowed ones included: only with "*".
+        problems.append(("working_dir", "shipping code with the job is not allowed: this "
+                         "service allows no user code from any module (needs "
+                         "DYNABATCH_USER_CODE_MODULES='*')"))
     for field, name in named:
         if not re.match(IMPORT_PATH_PATTERN, name):
             continue  # a built-in
