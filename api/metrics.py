@@ -59,7 +59,7 @@ EPOCH_BUCKETS: tuple[float, ...] = (
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 UNMATCHED_ROUTE = "unmatched"
 
-WORKER_LABELS = ["job", "worker", "node"]
+WORKER_LABELS = ["job_id", "worker", "node"]
 
 
 def _bucket_counts(values: Iterable[float], bounds: Sequence[float]) -> list[int]:
@@ -186,20 +186,20 @@ class JobCollector(Collector):
         )
 
         def job_gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=["job"])
+            return GaugeMetricFamily(name, doc, labels=["job_id"])
 
         def job_counter(name: str, doc: str, labels: list[str] | None = None) -> Any:
-            return CounterMetricFamily(name, doc, labels=labels or ["job"])
+            return CounterMetricFamily(name, doc, labels=labels or ["job_id"])
 
         info = GaugeMetricFamily(
             "dynabatch_job_info",
             "A job's name and policy (always 1).",
-            labels=["job", "name", "policy"],
+            labels=["job_id", "name", "policy"],
         )
         state = GaugeMetricFamily(
             "dynabatch_job_state",
             "1 for the job's current state, 0 for the others.",
-            labels=["job", "state"],
+            labels=["job_id", "state"],
         )
         epoch = job_gauge("dynabatch_job_epoch", "Current epoch.")
         step = job_gauge("dynabatch_job_step", "Current step within the epoch.")
@@ -217,7 +217,7 @@ class JobCollector(Collector):
         events = job_counter(
             "dynabatch_job_worker_events",
             "Worker joins, leaves and failures.",
-            labels=["job", "kind", "reason"],
+            labels=["job_id", "kind", "reason"],
         )
         regroup = job_counter(
             "dynabatch_job_regroup_seconds", "Seconds spent re-forming the worker group."
@@ -228,7 +228,7 @@ class JobCollector(Collector):
         durations = HistogramMetricFamily(
             "dynabatch_job_epoch_duration_seconds",
             "Wall time of finished epochs.",
-            labels=["job"],
+            labels=["job_id"],
         )
 
         for s in snaps:
