@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.limits import BodyLimitMiddleware
 from api.metrics import JobCollector, RequestMetricsMiddleware, RequestStats
-from api.routes import events, health, jobs, nodes
+from api.routes import events, health, jobs, nodes, pages
 from scheduler.state import InvalidTransition
 from service.jobs import (
     ClusterClient,
@@ -248,6 +248,8 @@ def create_app(
     _install_error_handlers(app)
     app.include_router(jobs.router)
     app.include_router(events.router)
+    app.include_router(pages.router)
+    app.mount("/static", pages.static_files(), name="static")
     app.include_router(nodes.router)
     app.include_router(health.health)
     app.include_router(health.metrics)
