@@ -223,8 +223,8 @@ def test_payload_too_large_gets_413(make_app: MakeApp) -> None:
     client, _, _ = make_app(max_body_bytes=1000)
     big = {**SPEC, "dataset": {"name": "digits", "options": {"pad": "x" * 2000}}}
     r = client.post("/v1/jobs", json=big)
-    assert r.status_code == 413
-    assert "1000 bytes" in r.json()["detail"]
+    # FastAPI's own limit (FastAPI(max_body_size=...)) answers with Starlette's text.
+    assert r.status_code == 413 and r.text == "Content Too Large"
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
         yield b'{"name": "x", "dataset": {"options": {"pad": "'
