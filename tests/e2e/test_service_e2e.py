@@ -110,8 +110,8 @@ def test_job_lifecycle_with_metrics_prometheus_and_api_restart(
 
     # Prometheus scraped it: the batch sizes of the running job, by PromQL.
     query = (
-        f'dynabatch_worker_batch_size{{job="{job}"}} '
-        f'and on(job) (dynabatch_job_state{{job="{job}",state="RUNNING"}} == 1)'
+        f'dynabatch_worker_batch_size{{job_id="{job}"}} '
+        f'and on(job_id) (dynabatch_job_state{{job_id="{job}",state="RUNNING"}} == 1)'
     )
     series = wait_for(
         "Prometheus to return the running job's batch sizes",
