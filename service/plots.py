@@ -45,7 +45,9 @@ def plot_shares(history: list[Mapping[str, Any]], ax: Any) -> None:
         total = sum(batch.values()) or 1
         for w in names:
             shares[w].append(batch.get(w, 0) / total)
-    ax.stackplot(epochs, *[shares[w] for w in names], labels=names, step="post")
+    # Epoch e's band spans [e, e + 1): step="post" with the last epoch's values repeated.
+    xs = [*epochs, epochs[-1] + 1]
+    ax.stackplot(xs, *[[*shares[w], shares[w][-1]] for w in names], labels=names, step="post")
     ax.set(xlabel="epoch", ylabel="share of the global batch", ylim=(0, 1),
            title="Batch shares over time")
     ax.legend(loc="upper right", fontsize="small")
@@ -67,15 +69,8 @@ def plot_compute_wait(history: list[Mapping[str, Any]], ax: Any) -> None:
     ax.legend(fontsize="small")
 
 
-def plot_loss(history: list[Mapping[str, Any]], axes: Any) -> None:
-    top, bottom = axes
-    epochs = [rec["epoch"] for rec in history]
-    top.plot(epochs, [rec["train_loss"] for rec in history], marker="o", label="train loss")
-    test = [(rec["epoch"], rec["test_loss"]) for rec in history if rec.get("test_loss") is not None]
-    if test:
-        top.plot(*zip(*test, strict=True), marker="o", label="held-out loss")
-    top.set(ylabel="loss", title="Loss and metrics")
-    top.legend(fontsize="small")
+def metric_series(history: list[Mapping[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """Each held-out metric's (epoch, value) points (``test_accuracy`` for old reports)."""
     metrics: dict[str, list[tuple[int, float]]] = {}
     for rec in history:
         values = dict(rec.get("test_metrics") or {})
@@ -83,11 +78,24 @@ def plot_loss(history: list[Mapping[str, Any]], axes: Any) -> None:
             values = {"accuracy": rec["test_accuracy"]}
         for name, v in values.items():
             metrics.setdefault(name, []).append((rec["epoch"], v))
-    for name, points in metrics.items():
-        bottom.plot(*zip(*points, strict=True), marker="o", label=name)
-    bottom.set(xlabel="epoch", ylabel="held-out metric")
-    if metrics:
-        bottom.legend(fontsize="small")
+    return metrics
+
+
+def plot_loss(history: list[Mapping[str, Any]], axes: Any) -> None:
+    """Loss on the first axes; one metric per further axes (their scales differ: a
+    perplexity of 12 would flatten an accuracy of 0.3)."""
+    top, *rest = axes
+    epochs = [rec["epoch"] for rec in history]
+    top.plot(epochs, [rec["train_loss"] for rec in history], marker="o", label="train loss")
+    test = [(rec["epoch"], rec["test_loss"]) for rec in history if rec.get("test_loss") is not None]
+    if test:
+        top.plot(*zip(*test, strict=True), marker="o", label="held-out loss")
+    top.set(ylabel="loss", title="Loss and held-out metrics")
+    top.legend(fontsize="small")
+    for ax, (name, points) in zip(rest, metric_series(history).items(), strict=False):
+        ax.plot(*zip(*points, strict=True), marker="o", color="tab:green")
+        ax.set(ylabel=name)
+    axes[-1].set(xlabel="epoch")
 
 
 def render(report: Mapping[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:
@@ -99,8 +107,10 @@ def render(report: Mapping[str, Any], out_dir: Path, prefix: str = "") -> list[P
     paths = []
     for name in PLOTS:
         if name == "loss":
-            fig, axes = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-            plot_loss(history, axes)
+            rows = 1 + len(metric_series(history))
+            fig, axes = plt.subplots(rows, 1, figsize=(7, 3 + 2 * rows), sharex=True,
+                                     squeeze=False)
+            plot_loss(history, list(axes[:, 0]))
         else:
             fig, ax = plt.subplots(figsize=(7, 4))
             (plot_shares if name == "shares" else plot_compute_wait)(history, ax)

@@ -36,7 +36,8 @@ def test_shares_are_each_workers_fraction_of_the_batch():
     plots.plot_shares(HISTORY, ax)
     (_, args, kwargs), = [c for c in ax.calls if c[0] == "stackplot"]
     epochs, w0, w1 = args
-    assert list(epochs) == [0, 1] and w0 == [0.5, 0.75] and w1 == [0.5, 0.25]
+    # Each epoch's band spans [e, e + 1): the last epoch's shares end the plot.
+    assert list(epochs) == [0, 1, 2] and w0 == [0.5, 0.75, 0.75] and w1 == [0.5, 0.25, 0.25]
     assert kwargs["labels"] == ["w0", "w1"]
 
 
