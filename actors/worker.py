@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from actors.contracts import (
     SegmentPlan,
@@ -42,7 +41,14 @@ from actors.contracts import (
 )
 from actors.emulation import ComputeClock, error_at, slowdown_at
 from actors.group import ProcessGroup, Rendezvous
+from actors.output import OutputTee
 from service.spec import JobSpec
+
+
+def _in_ray_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 class InjectedFault(RuntimeError):
@@ -99,8 +105,13 @@ class Worker:
         gpus: float = 0.0,
     ):
         from service.workloads.models import build_model
+        from service.workloads.objective import objective_for, targets_kind
 
         self.worker_id = worker_id
+        # The user's prints and warnings go to the job log with each segment's result.
+        self._output = OutputTee()
+        if _in_ray_actor():  # not in a test's own process: its streams are pytest's
+            self._output.install()
         self.ordinal = ordinal
         self.spec = spec
         self.device = pick_device(spec, gpus)
@@ -109,6 +120,8 @@ class Worker:
         # Zero-copy views of the object-store arrays; batches are gathered per step.
         self.x = torch.from_numpy(np.asarray(x_train))
         self.y = torch.from_numpy(np.asarray(y_train))
+        # The job's per-sample loss and metrics (service/workloads/objective.py).
+        self.objective = objective_for(spec, targets_kind(y_train))
         torch.manual_seed(spec.seed)
         self.model = build_model(spec.model, input_shape, num_classes).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -142,7 +155,7 @@ class Worker:
         n = min(len(self.y), 8)
         if n:
             out = self.model(self.x[:n].to(self.device))
-            F.cross_entropy(out, self.y[:n].to(self.device)).backward()
+            self.objective.loss_sum(out, self.y[:n].to(self.device)).backward()
         self._flat.zero_()
 
     # --- membership -------------------------------------------------------------------
@@ -195,8 +208,9 @@ class Worker:
                 # Leave at once so peers blocked in the collective fail fast.
                 self.group.leave()
                 return SegmentResult(worker=self.worker_id, steps=steps, error=str(err),
-                                     error_kind=err.kind, failed_compute_s=err.compute_s)
-        return SegmentResult(worker=self.worker_id, steps=steps)
+                                     error_kind=err.kind, failed_compute_s=err.compute_s,
+                                     output=self._output.drain())
+        return SegmentResult(worker=self.worker_id, steps=steps, output=self._output.drain())
 
     def _step(self, epoch: int, sp: StepPlan, order: np.ndarray) -> StepTelemetry:
         factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, sp.step)
@@ -213,7 +227,7 @@ class Worker:
                 ii = torch.from_numpy(np.asarray(ids, dtype=np.int64))
                 xb = self.x.index_select(0, ii).to(self.device, non_blocking=True)
                 yb = self.y.index_select(0, ii).to(self.device, non_blocking=True)
-                loss = F.cross_entropy(self.model(xb), yb, reduction="sum")
+                loss = self.objective.loss_sum(self.model(xb), yb)
                 (loss / sp.size).backward()
                 loss_sum = float(loss.detach())
             lo = sp.own_start - sp.start
@@ -277,7 +291,7 @@ class Worker:
                 ii = torch.from_numpy(idx)
                 xb = self.x.index_select(0, ii).to(self.device)
                 yb = self.y.index_select(0, ii).to(self.device)
-                (F.cross_entropy(self.model(xb), yb, reduction="sum") / b).backward()
+                (self.objective.loss_sum(self.model(xb), yb) / b).backward()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 factor = slowdown_at(self.spec.emulation, self.ordinal, 0, 0)
@@ -301,19 +315,9 @@ class Worker:
 
     # --- evaluation and state ---------------------------------------------------------
     def evaluate(self, x_test: np.ndarray, y_test: np.ndarray, batch: int = 1024
-                 ) -> tuple[float, float]:
-        self.model.eval()
-        total_loss, correct = 0.0, 0
-        with torch.no_grad():
-            for s in range(0, len(y_test), batch):
-                xb = torch.from_numpy(np.asarray(x_test[s:s + batch])).to(self.device)
-                yb = torch.from_numpy(np.asarray(y_test[s:s + batch])).to(self.device)
-                out = self.model(xb)
-                total_loss += float(F.cross_entropy(out, yb, reduction="sum"))
-                correct += int((out.argmax(1) == yb).sum())
-        self.model.train()
-        n = max(len(y_test), 1)
-        return total_loss / n, correct / n
+                 ) -> dict[str, float]:
+        """``{"loss": test loss, <metric>: value}`` (see :class:`Objective`)."""
+        return self.objective.evaluate(self.model, x_test, y_test, self.device, batch)
 
     def state(self) -> dict[str, Any]:
         """Model and optimizer state, every tensor on the CPU (checkpoints, broadcasts,

@@ -51,10 +51,13 @@ class RayRuntime:
     def load_data(self) -> DataInfo:
         from service.workloads.datasets import load_dataset
         from service.workloads.models import build_model
+        from service.workloads.objective import check_objective
 
         ds = load_dataset(self.spec.dataset, seed=self.spec.seed)
-        # Fail here, with the field named, rather than inside every worker's constructor.
-        build_model(self.spec.model, tuple(ds.input_shape), ds.num_classes)
+        # Fail here, with the field named, rather than inside every worker's constructor:
+        # the model, and the loss and metrics run on two samples of the data.
+        model = build_model(self.spec.model, tuple(ds.input_shape), ds.num_classes)
+        check_objective(self.spec, model, ds.x_train, ds.y_train)
         self._data = {
             "x_train": ray.put(ds.x_train),
             "y_train": ray.put(ds.y_train),
@@ -163,7 +166,7 @@ class RayRuntime:
                 errors.append(f"{w}: {first_line(err)}")
         return RegroupResult(lost, "; ".join(errors) or None)
 
-    def evaluate(self, worker: str, timeout_s: float) -> tuple[float, float]:
+    def evaluate(self, worker: str, timeout_s: float) -> dict[str, float]:
         data = self._data
         return self._call(worker, "evaluate", timeout_s, data["x_test"], data["y_test"])
 

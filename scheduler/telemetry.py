@@ -50,6 +50,11 @@ class EpochRecord(_Frozen):
     train_loss: float
     test_loss: float | None = None
     test_accuracy: float | None = None
+    test_metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="The job's evaluation metrics on the held-out set (accuracy, perplexity, "
+        "mse, user metrics), by name.",
+    )
     utilization: float = Field(description="sum(compute_i) / (n_workers * wall time).")
     compute_balance: float = Field(description="mean(compute_i) / max(compute_i).")
     rebalances: int = 0

@@ -38,8 +38,10 @@ MAX_WORKERS = 4096
 # The grammar service.workloads.imports resolves: dotted module names, then one attribute.
 IMPORT_PATH_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
 MODULE_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$"
-BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10")
-BUILTIN_MODELS = ("mlp", "lenet", "resnet")
+BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource")
+BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm")
+BUILTIN_LOSSES = ("cross_entropy", "mse", "next_token")
+BUILTIN_METRICS = ("accuracy", "mse", "perplexity")
 
 # Integer fields are StrictInt: "7" or true is an error naming the field, never a silent
 # conversion (YAML and JSON configs give real integers). Float fields stay lax: `lr: 1` must
@@ -85,7 +87,7 @@ class DatasetSpec(_Strict):
             return v
         if not re.match(IMPORT_PATH_PATTERN, v):
             raise ValueError(
-                f"unknown dataset {v!r}: use synthetic, digits, mnist, cifar10 "
+                f"unknown dataset {v!r}: use {', '.join(BUILTIN_DATASETS)} "
                 "or 'pkg.mod:function'"
             )
         return v
@@ -104,7 +106,9 @@ class ModelSpec(_Strict):
         if v in BUILTIN_MODELS:
             return v
         if not re.match(IMPORT_PATH_PATTERN, v):
-            raise ValueError(f"unknown model {v!r}: use mlp, lenet, resnet or 'pkg.mod:function'")
+            raise ValueError(
+                f"unknown model {v!r}: use {', '.join(BUILTIN_MODELS)} or 'pkg.mod:function'"
+            )
         return v
 
 
@@ -231,6 +235,26 @@ class JobSpec(_Strict):
     dataset: DatasetSpec = Field(default_factory=DatasetSpec)
     model: ModelSpec = Field(default_factory=ModelSpec)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    loss: str | None = Field(
+        default=None,
+        description="Per-sample loss: cross_entropy, mse, next_token or 'pkg.mod:function' "
+        "((outputs, targets) -> one loss per sample, shape (B,)). Default: from the dataset "
+        "(class labels: cross_entropy, token sequences: next_token, regression values: mse).",
+        examples=["cross_entropy", "next_token", "my_pkg.losses:huber"],
+    )
+    working_dir: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="The user's code, shipped with the job to every node through Ray's "
+        "runtime_env: a directory readable where the job is launched, or a URI Ray accepts "
+        "(e.g. an https:// zip). Its modules are importable by import paths. Over REST only "
+        "when the service allows any user code (DYNABATCH_USER_CODE_MODULES='*').",
+    )
+    metrics: list[str] | None = Field(
+        default=None, max_length=16,
+        description="Evaluation metrics on the held-out set: accuracy, mse, perplexity or "
+        "'pkg.mod:function' ((outputs, targets) -> one value per sample, averaged). Default: "
+        "from the loss (cross_entropy: accuracy, next_token: perplexity and accuracy, mse: mse).",
+    )
     workers: int | Literal["auto"] = Field(
         default=2, description="Number of workers, or 'auto' for one per eligible node."
     )
@@ -275,6 +299,28 @@ class JobSpec(_Strict):
         description="Retries of a step that failed with a worker's own (compute) error before "
         "the job fails with that error.",
     )
+
+    @field_validator("loss")
+    @classmethod
+    def _loss(cls, v: str | None) -> str | None:
+        if v is None or v in BUILTIN_LOSSES or re.match(IMPORT_PATH_PATTERN, v):
+            return v
+        raise ValueError(
+            f"unknown loss {v!r}: use {', '.join(BUILTIN_LOSSES)} or 'pkg.mod:function'"
+        )
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics(cls, v: list[str] | None) -> list[str] | None:
+        for m in v or ():
+            if m not in BUILTIN_METRICS and not re.match(IMPORT_PATH_PATTERN, m):
+                raise ValueError(
+                    f"unknown metric {m!r}: use {', '.join(BUILTIN_METRICS)} or "
+                    "'pkg.mod:function'"
+                )
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError("metrics are listed twice")
+        return v
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -496,7 +542,16 @@ def check_user_code(spec: JobSpec, allowed: Iterable[str]) -> list[tuple[str, st
     """(field, problem) for each import path in ``spec`` whose module is not ``allowed``."""
     allowed = tuple(allowed)
     problems = []
-    for field, name in (("dataset.name", spec.dataset.name), ("model.name", spec.model.name)):
+    named = [("dataset.name", spec.dataset.name), ("model.name", spec.model.name)]
+    if spec.loss:
+        named.append(("loss", spec.loss))
+    named += [(f"metrics.{i}", m) for i, m in enumerate(spec.metrics or ())]
+    if spec.working_dir is not None and ANY_MODULE not in allowed:
+        # Shipped code may shadow any module, allowed ones included: only with "*".
+        problems.append(("working_dir", "shipping code with the job is not allowed: this "
+                         "service allows no user code from any module (needs "
+                         "DYNABATCH_USER_CODE_MODULES='*')"))
+    for field, name in named:
         if not re.match(IMPORT_PATH_PATTERN, name):
             continue  # a built-in
         module = name.partition(":")[0]
