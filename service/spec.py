@@ -446,6 +446,11 @@ def _ps_problems(spec: JobSpec, bad: Any) -> None:
         bad("emulation.errors", "protocol ps does not inject worker errors")
     if spec.max_batch is not None:
         bad("max_batch", "protocol ps bounds batches itself (perf_aware: 4·b0)")
+    # The learners and the server compute cross-entropy and accuracy only.
+    if spec.loss not in (None, "cross_entropy"):
+        bad("loss", "protocol ps trains with cross_entropy only")
+    if spec.metrics not in (None, ["accuracy"]):
+        bad("metrics", "protocol ps reports accuracy only")
     if p.batch != "perf_aware" and (p.replan_pushes != default.replan_pushes
                                     or p.scale_lr != default.scale_lr):
         bad("protocol.batch", "replan_pushes and scale_lr need batch perf_aware")

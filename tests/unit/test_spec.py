@@ -488,6 +488,7 @@ def test_submission_check_reports_every_field(roots: Path) -> None:
     ({"protocol": {"name": "ps"}, "workers": "auto"}, "workers"),
     ({"protocol": {"name": "ps", "scale_lr": True}}, "protocol.batch"),
     ({"protocol": {"name": "ps", "mode": "async", "n": 2}}, "protocol.n"),
+    ({"protocol": {"name": "ps"}, "loss": "mse"}, "loss"),
 ])
 def test_ps_options_it_cannot_honour_name_the_field(data, field):
     text = error_of(data)
