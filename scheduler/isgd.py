@@ -11,8 +11,8 @@ compare the step's all-reduced loss with it and run the conservative sub-problem
 (:mod:`actors.optim`). The chart is ``None`` (no rule) until the window is full and the
 first epoch is over (losses of an untrained model say nothing about batches).
 
-One approximation: the limit is refreshed between segments (at most
-``protocols.sync.MAX_SEGMENT_STEPS`` steps), not after every batch.
+With ISGD on, the coordinator plans one step per segment (:meth:`scheduler.regime.Regime.stamp`)
+so that every batch is judged against the limit of the batches just before it.
 """
 
 from __future__ import annotations

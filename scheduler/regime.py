@@ -72,11 +72,14 @@ class Regime:
         noise = self.mode == "goodput"
         out = {}
         for w, plan in plans.items():
+            # ISGD: one step per segment, so every batch is judged against the limit of the
+            # batches just before it, as in the paper (the protocol advances by what ran).
+            todo = plan.steps[:1] if self.chart is not None else plan.steps
             steps = tuple(
                 replace(sp, lr=self.schedule.lr_at(plan.epoch, sp.step, steps_per_epoch,
                                                    self.lr_factor(sp.size)),
                         isgd=rule, noise=noise)
-                for sp in plan.steps)
+                for sp in todo)
             out[w] = replace(plan, steps=steps)
         return out
 

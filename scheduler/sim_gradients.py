@@ -8,7 +8,7 @@ order positions the plan gave it, exactly as the real worker does
 (:meth:`actors.worker.Worker._step`): the summed loss over its ``b_i`` samples scaled by
 ``1/B_s``, so its gradient is ``(b_i/B_s)·g_i``. The shares' gradients are then summed, which
 is the SUM all-reduce: ``Σ_i (b_i/B_s)·g_i``, the mean gradient of the global batch. The
-optimizer is the one the worker builds (:func:`actors.worker.build_optimizer`), on the model
+optimizer is the one the worker builds (:func:`actors.optim.build_optimizer`), on the model
 the worker builds from the same seed, so the simulated run trains the same SGD as a real one.
 The plan's learning rate and ISGD rule are applied as the worker applies them
 (:mod:`actors.optim`), and in goodput mode the same gradient norms are reported.

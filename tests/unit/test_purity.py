@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MACHINES = (
     "scheduler.policy", "scheduler.model", "scheduler.ledger", "scheduler.membership",
     "scheduler.protocols.sync", "scheduler.failures", "scheduler.tracker", "actors.contracts",
+    "scheduler.schedule", "scheduler.isgd", "scheduler.goodput", "scheduler.regime",
 )
 PURE_MODULES = (*MACHINES, "scheduler.state", "scheduler.telemetry")
 
