@@ -31,8 +31,13 @@ LR_SCALINGS = ("linear", "sqrt", "none")
 
 @dataclass(frozen=True, slots=True)
 class Stage:
+    """``lr_factor`` replaces ρ_k (the scaling rule's factor) and ``warmup_epochs`` the
+    schedule's w_b for this stage, when given (tuned stages)."""
+
     epochs: int
     global_batch: int
+    lr_factor: float | None = None
+    warmup_epochs: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +112,8 @@ class Schedule:
                     spec.epochs)
         b = spec.schedule
         if b.mode == "stages":
-            return cls(tuple(Stage(s.epochs, s.global_batch) for s in b.stages), lr,
+            return cls(tuple(Stage(s.epochs, s.global_batch, s.lr_factor, s.warmup_epochs)
+                             for s in b.stages), lr,
                        b.lr_scaling, b.warmup_epochs)
         return cls.fixed(spec.global_batch, spec.epochs, lr)
 
@@ -134,16 +140,24 @@ class Schedule:
     def batch_at(self, epoch: int) -> int:
         return self.stages[self.stage_index(epoch)].global_batch
 
+    def stage_factor(self, k: int) -> float:
+        """ρ_k: stage k's target LR factor relative to the first stage."""
+        st = self.stages[k]
+        if st.lr_factor is not None:
+            return st.lr_factor
+        return scale_factor(self.lr_scaling, st.global_batch / self.stages[0].global_batch)
+
     def batch_factor(self, epoch: int, t: float) -> float:
         """``f_batch``: the stage's LR factor relative to the first stage, ramped after a
         jump (see the module docstring)."""
         k = self.stage_index(epoch)
-        b0 = self.stages[0].global_batch
-        target = scale_factor(self.lr_scaling, self.stages[k].global_batch / b0)
-        if k == 0 or self.batch_warmup_epochs <= 0:
+        target = self.stage_factor(k)
+        st = self.stages[k]
+        warm = self.batch_warmup_epochs if st.warmup_epochs is None else st.warmup_epochs
+        if k == 0 or warm <= 0:
             return target
-        prev = scale_factor(self.lr_scaling, self.stages[k - 1].global_batch / b0)
-        frac = min(1.0, max(0.0, (t - self.boundaries[k]) / self.batch_warmup_epochs))
+        prev = self.stage_factor(k - 1)
+        frac = min(1.0, max(0.0, (t - self.boundaries[k]) / warm))
         return prev + (target - prev) * frac
 
     def lr_at(self, epoch: int, step: int, steps_per_epoch: int,

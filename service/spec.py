@@ -149,10 +149,15 @@ class OptimizerSpec(_Strict):
 
 
 class StageSpec(_Strict):
-    """``epochs`` epochs at global batch ``global_batch``."""
+    """``epochs`` epochs at global batch ``global_batch``. ``lr_factor`` (the stage's LR as a
+    factor of ``optimizer.lr``) and ``warmup_epochs`` (the ramp after the jump into it)
+    override the schedule's ``lr_scaling`` and ``warmup_epochs`` for this stage (``dynabatch
+    tune`` writes them)."""
 
     epochs: StrictInt = Field(ge=1, le=100_000)
     global_batch: StrictInt = Field(ge=1, le=1_000_000)
+    lr_factor: float | None = Field(default=None, gt=0.0, le=10_000.0)
+    warmup_epochs: float | None = Field(default=None, ge=0.0, le=100_000)
 
 
 class BatchScheduleSpec(_Strict):
