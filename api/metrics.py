@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from api.schedule_metrics import schedule_families
 from scheduler.state import JobState
 from scheduler.telemetry import JobSnapshot
 from service.jobs import JobService
@@ -153,7 +154,9 @@ class JobCollector(Collector):
         self.requests = requests
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._job_families(self.service.metric_snapshots())
+        snaps = self.service.metric_snapshots()
+        yield from self._job_families(snaps)
+        yield from schedule_families(snaps)
         nodes = self.service.alive_nodes
         if nodes is not None:
             g = GaugeMetricFamily("dynabatch_cluster_nodes", "Alive Ray nodes.")

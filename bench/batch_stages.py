@@ -1,13 +1,13 @@
 """Stage-wise variable global batch (Hu et al. 2022): small early, large later.
 
 LeNet on digits (1,437 training samples), 30 epochs, SGD with momentum 0.9 and the learning
-rate stepped down ×0.1 at epochs 20 and 25. The learning rate is η = 0.02 per 16 samples
+rate stepped down ×0.1 at epochs 20 and 25. The learning rate is η = 0.01 per 16 samples
 everywhere, scaled linearly with the batch (Goyal et al.), with a linear warm-up after each
 jump. Runs:
 
 * ``fixed_small``: B = 16 throughout;
 * ``fixed_large``: B = 256 throughout, LR ×16 with a 3-epoch warm-up;
-* ``variable``: stages B = 16 (3 epochs), 64 (3), 256 (24), warm-up 1 epoch after each jump;
+* ``variable``: stages B = 16 (5 epochs), 64 (5), 256 (20), warm-up 1 epoch after each jump;
 * ``large_first_stage``: ``variable`` with its *first* stage at B = 256: only the early stage
   differs (the paper's claim: early stages are sensitive to a large batch);
 * ``tuned``: the stages ``dynabatch tune`` chose for this job (``--tuned FILE``, the YAML it
@@ -36,7 +36,7 @@ from bench.sched_common import MODE, job, run, updates
 from service.spec import load_spec
 
 EPOCHS = 30
-ETA, B0 = 0.02, 16  # learning rate per 16 samples
+ETA, B0 = 0.01, 16  # learning rate per 16 samples
 
 
 def _spec(stages: list[tuple[int, int]], seed: int, lr_warmup: float = 0.0,
@@ -55,8 +55,8 @@ def _spec(stages: list[tuple[int, int]], seed: int, lr_warmup: float = 0.0,
 RUNS: dict[str, dict[str, Any]] = {
     "fixed_small": {"stages": [(30, 16)]},
     "fixed_large": {"stages": [(30, 256)], "lr_warmup": 3.0},
-    "variable": {"stages": [(3, 16), (3, 64), (24, 256)]},
-    "large_first_stage": {"stages": [(3, 256), (3, 64), (24, 256)]},
+    "variable": {"stages": [(5, 16), (5, 64), (20, 256)]},
+    "large_first_stage": {"stages": [(5, 256), (5, 64), (20, 256)]},
 }
 
 

@@ -195,8 +195,14 @@ class Coordinator:
             for e in self.events:
                 key = f"{e.kind}:{e.reason}"
                 events[key] = events.get(key, 0) + 1
+            p = self.protocol
+            regime = self.regime.live(
+                self.epoch, self.step_in_epoch,
+                p.global_batch if p else self.regime.batch_for(self.epoch),
+                p.steps_per_epoch if p else 1)
             return JobSnapshot(
-                job_id=self.job_id, name=self.spec.name, state=self.state, reason=self.reason,
+                **regime, job_id=self.job_id, name=self.spec.name, state=self.state,
+                reason=self.reason,
                 epoch=self.epoch, step=self.step_in_epoch,
                 steps_per_epoch=self.protocol.steps_per_epoch if self.protocol else 0,
                 epochs=self.spec.epochs, generation=self.generation, policy=self.spec.policy,

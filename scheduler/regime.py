@@ -137,6 +137,19 @@ class Regime:
         self._rates = []
         return fields
 
+    def live(self, epoch: int, step: int, global_batch: int, steps_per_epoch: int
+             ) -> dict[str, Any]:
+        """The regime's fields of a :class:`~scheduler.telemetry.JobSnapshot`."""
+        return {
+            "global_batch": global_batch,
+            "lr": self.schedule.lr_at(epoch, step, steps_per_epoch,
+                                      self.lr_factor(global_batch)),
+            "noise_scale": self.noise.noise_scale,
+            "goodput_batch": self.goodput_batch,
+            "isgd_flagged_total": self.flagged_total + self._ep.flagged,
+            "isgd_extra_iterations_total": self.extra_total + self._ep.extra_iterations,
+        }
+
     # --- checkpoints ------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
         return {

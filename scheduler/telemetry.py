@@ -131,3 +131,11 @@ class JobSnapshot(_Frozen):
     retried_samples_total: int = 0
     started_at: float | None = None
     finished_at: float | None = None
+    global_batch: int | None = Field(default=None, description="The current global batch.")
+    lr: float | None = Field(default=None, description="The current step's learning rate.")
+    noise_scale: float | None = Field(
+        default=None, description="Goodput mode: the gradient noise scale estimate.")
+    goodput_batch: int | None = Field(
+        default=None, description="Goodput mode: the global batch it chose last.")
+    isgd_flagged_total: int = 0
+    isgd_extra_iterations_total: int = 0

@@ -378,3 +378,39 @@ def test_tune_spends_at_most_its_budget_and_writes_a_loadable_config(tmp_path):
     cfg.write_text(yaml.safe_dump({"workers": 2}))
     res = CliRunner().invoke(app, ["tune", str(cfg), "--quiet"])
     assert res.exit_code == 2 and "schedule.stages" in res.output
+
+
+def test_schedule_metrics_come_from_the_snapshot():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from api.schedule_metrics import schedule_families
+    from scheduler.telemetry import JobSnapshot
+
+    snap = JobSnapshot(job_id="j1", name="n", state=JobState.RUNNING, global_batch=256,
+                       lr=0.4, noise_scale=123.0, goodput_batch=512, isgd_flagged_total=3,
+                       isgd_extra_iterations_total=7)
+
+    class _C:
+        def collect(self):
+            yield from schedule_families([snap])
+
+    reg = CollectorRegistry()
+    reg.register(_C())
+    got = {s.name: (s.labels, s.value) for f in text_string_to_metric_families(
+        generate_latest(reg).decode()) for s in f.samples}
+    assert got["dynabatch_job_global_batch"] == ({"job_id": "j1"}, 256)
+    assert got["dynabatch_job_learning_rate"][1] == 0.4
+    assert got["dynabatch_job_gradient_noise_scale"][1] == 123.0
+    assert got["dynabatch_job_goodput_batch"][1] == 512
+    assert got["dynabatch_job_isgd_flagged_batches_total"][1] == 3
+    assert got["dynabatch_job_isgd_extra_iterations_total"][1] == 7
+
+
+def test_snapshot_shows_the_schedule_in_force():
+    coord, _ = _coord(_spec(schedule=STAGED))
+    while coord.epoch < 2:
+        assert coord.step()
+    coord.step()
+    snap = coord.snapshot()
+    assert snap.global_batch == 200 and 0.1 < snap.lr <= 0.4
