@@ -113,6 +113,7 @@ class Worker:
         self._alloc_flat(spec.global_batch)
         self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
         self._stall_s = 0.0
+        self._late_failure: _StepFailed | None = None  # after a step that was applied
         # CPU-time clock only for emulation on the CPU; a GPU's work is not thread time.
         self._clock = ComputeClock(spec.emulated and self.device.type == "cpu")
         self._warm_up()
@@ -185,6 +186,9 @@ class Worker:
         for sp in plan.steps:
             try:
                 steps.append(self._step(plan.epoch, sp, order))
+                if self._late_failure is not None:
+                    err, self._late_failure = self._late_failure, None
+                    raise err
             except _StepFailed as err:
                 # Leave at once so peers blocked in the collective fail fast.
                 self.group.leave()
@@ -227,6 +231,8 @@ class Worker:
         try:
             reduced = self._all_reduce(self._n_params + sp.size)
             coverage = encode_counts(np.rint(reduced[self._n_params:]).astype(np.int64))
+            # ISGD: every worker judges the same all-reduced loss of the global batch.
+            psi = self._global_sum(loss_sum) / sp.size if sp.isgd is not None else None
         except Exception as err:
             raise _StepFailed("peer", err, compute) from err
         wait = time.perf_counter() - t1
@@ -234,17 +240,27 @@ class Worker:
         if sp.noise:  # goodput: |g_i|² from the pre-reduce share (b_i/B)·g_i, and |G|²
             global_sq = float(self._flat[:self._n_params].square().sum())
             local_sq = local_sq_scaled * (sp.size / sp.own_size) ** 2 if sp.own_size else None
-        flagged, extra = False, 0
+        flagged = psi is not None and sp.isgd.flagged(psi)
         try:
             set_lr(self.optimizer, sp.lr)
-            if sp.isgd is not None:
-                flagged = sp.isgd.flagged(self._global_sum(loss_sum) / sp.size)
             self.optimizer.step()
-            if flagged:
-                extra = isgd_extras(sp.isgd, self.params, self.optimizer,
-                                    lambda: self._isgd_pass(sp, xb, yb))
         except Exception as err:
             raise _StepFailed("compute", err, compute) from err
+        extra = 0
+        if flagged:
+            passes = [0]
+
+            def again() -> float:
+                passes[0] += 1
+                return self._isgd_pass(sp, xb, yb)
+            try:
+                extra = isgd_extras(sp.isgd, self.params, self.optimizer, again)
+            except Exception as err:
+                # The step itself is applied: report it, then stop the segment. Replicas
+                # that ran different numbers of extra iterations are made equal again by
+                # the regroup's state broadcast.
+                extra = passes[0] - 1
+                self._late_failure = _StepFailed("peer", err, compute)
         return StepTelemetry(
             worker=self.worker_id, epoch=epoch, step=sp.step, batch=sp.own_size,
             samples=sp.own_size, compute_s=compute, wait_s=wait, loss_sum=loss_sum,
