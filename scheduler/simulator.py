@@ -596,12 +596,17 @@ def simulate(
     _lift_worker_cap(coord, spec)
     if coordinator_hook is not None:
         coordinator_hook(coord)
-    steps_per_epoch = -(-data.n_train // spec.global_batch)
-    total = spec.epochs * steps_per_epoch
+    # Steps per epoch at each epoch's planned batch (a stage schedule's; goodput mode's
+    # first batch): the progress bar's scale.
+    before = [0]
+    for e in range(spec.epochs):
+        before.append(before[-1] + -(-data.n_train // coord.regime.batch_for(e)))
+    total = before[-1]
     t0 = time.perf_counter()
     while coord.step():
         if progress is not None:
-            progress(min(coord.epoch * steps_per_epoch + coord.step_in_epoch, total), total)
+            done = before[min(coord.epoch, spec.epochs)] + coord.step_in_epoch
+            progress(min(done, total), total)
     wall = time.perf_counter() - t0
     if progress is not None:
         progress(total, total)
