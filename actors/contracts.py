@@ -53,14 +53,37 @@ def decode_counts(coverage: Coverage) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True)
+class IsgdRule:
+    """ISGD for one step: when the global batch's loss ψ is above ``limit`` the batch is
+    under-trained and gets up to ``max_extra`` conservative iterations (see
+    :mod:`actors.optim`). ``limit`` comes from the coordinator's control chart."""
+
+    limit: float
+    epsilon: float
+    max_extra: int
+
+    def flagged(self, loss: float) -> bool:
+        return loss > self.limit
+
+    def more(self, loss: float, done: int) -> bool:
+        """Whether to take another extra iteration, ``done`` taken, at loss ``loss``."""
+        return done < self.max_extra and loss > self.limit
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
-    """One step for one worker: the step's positions and this worker's share of them."""
+    """One step for one worker: the step's positions and this worker's share of them, and
+    how to step: the learning rate (None: the optimizer's own), the ISGD rule (None: off),
+    and whether to report gradient norms for the noise-scale estimate (goodput mode)."""
 
     step: int  # step index within the epoch
     start: int  # order position of the step's first sample
     size: int  # the step's global batch
     own_start: int  # order position of this worker's first sample
     own_size: int  # this worker's share (0 is allowed: an empty share of a last step)
+    lr: float | None = None
+    isgd: IsgdRule | None = None
+    noise: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +122,12 @@ class StepTelemetry(_Frozen):
     step_start: int = 0
     step_size: int = 0
     coverage: Coverage = ()
+    flagged: bool = Field(default=False, description="ISGD flagged the step's global batch.")
+    extra_iters: int = Field(default=0, description="ISGD extra iterations on this batch.")
+    local_sqnorm: float | None = Field(
+        default=None, description="|g_i|² of this worker's local mean gradient (goodput).")
+    global_sqnorm: float | None = Field(
+        default=None, description="|G|² of the all-reduced mean gradient (goodput).")
 
 
 ErrorKind = Literal["peer", "compute"]

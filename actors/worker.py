@@ -41,6 +41,7 @@ from actors.contracts import (
 )
 from actors.emulation import ComputeClock, error_at, slowdown_at
 from actors.group import ProcessGroup, Rendezvous
+from actors.optim import build_optimizer, isgd_extras, set_lr
 from actors.output import OutputTee
 from service.spec import JobSpec
 
@@ -60,13 +61,6 @@ class _StepFailed(Exception):
         super().__init__(f"{type(err).__name__}: {err}".splitlines()[0][:500])
         self.kind = kind
         self.compute_s = compute_s
-
-
-def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
-    o = spec.optimizer
-    if o.name == "adam":
-        return torch.optim.Adam(params, lr=o.lr, weight_decay=o.weight_decay)
-    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
 
 
 def pick_device(spec: JobSpec, gpus: float) -> torch.device:
@@ -132,6 +126,7 @@ class Worker:
         self._alloc_flat(spec.global_batch)
         self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
         self._stall_s = 0.0
+        self._late_failure: _StepFailed | None = None  # after a step that was applied
         # CPU-time clock only for emulation on the CPU; a GPU's work is not thread time.
         self._clock = ComputeClock(spec.emulated and self.device.type == "cpu")
         self._warm_up()
@@ -204,6 +199,9 @@ class Worker:
         for sp in plan.steps:
             try:
                 steps.append(self._step(plan.epoch, sp, order))
+                if self._late_failure is not None:
+                    err, self._late_failure = self._late_failure, None
+                    raise err
             except _StepFailed as err:
                 # Leave at once so peers blocked in the collective fail fast.
                 self.group.leave()
@@ -222,6 +220,7 @@ class Worker:
                 self._alloc_flat(sp.size)
             self._flat.zero_()
             loss_sum = 0.0
+            xb = yb = None
             if sp.own_size:
                 ids = order[sp.own_start:sp.own_start + sp.own_size]
                 ii = torch.from_numpy(np.asarray(ids, dtype=np.int64))
@@ -240,23 +239,68 @@ class Worker:
         if self._stall_s:
             time.sleep(self._stall_s)
             self._stall_s = 0.0
+        local_sq_scaled = (float(self._flat[:self._n_params].square().sum())
+                           if sp.noise else 0.0)
         t1 = time.perf_counter()
         try:
             reduced = self._all_reduce(self._n_params + sp.size)
             coverage = encode_counts(np.rint(reduced[self._n_params:]).astype(np.int64))
+            # ISGD: every worker judges the same all-reduced loss of the global batch.
+            psi = self._global_sum(loss_sum) / sp.size if sp.isgd is not None else None
         except Exception as err:
             raise _StepFailed("peer", err, compute) from err
         wait = time.perf_counter() - t1
+        local_sq = global_sq = None
+        if sp.noise:  # goodput: |g_i|² from the pre-reduce share (b_i/B)·g_i, and |G|²
+            global_sq = float(self._flat[:self._n_params].square().sum())
+            local_sq = local_sq_scaled * (sp.size / sp.own_size) ** 2 if sp.own_size else None
+        flagged = psi is not None and sp.isgd.flagged(psi)
         try:
+            set_lr(self.optimizer, sp.lr)
             self.optimizer.step()
         except Exception as err:
             raise _StepFailed("compute", err, compute) from err
+        extra = 0
+        if flagged:
+            passes = [0]
+
+            def again() -> float:
+                passes[0] += 1
+                return self._isgd_pass(sp, xb, yb)
+            try:
+                extra = isgd_extras(sp.isgd, self.params, self.optimizer, again)
+            except Exception as err:
+                # The step itself is applied: report it, then stop the segment. Replicas
+                # that ran different numbers of extra iterations are made equal again by
+                # the regroup's state broadcast.
+                extra = passes[0] - 1
+                self._late_failure = _StepFailed("peer", err, compute)
         return StepTelemetry(
             worker=self.worker_id, epoch=epoch, step=sp.step, batch=sp.own_size,
             samples=sp.own_size, compute_s=compute, wait_s=wait, loss_sum=loss_sum,
             slowdown=factor, start=sp.own_start, step_start=sp.start, step_size=sp.size,
-            coverage=coverage,
+            coverage=coverage, flagged=flagged, extra_iters=extra,
+            local_sqnorm=local_sq, global_sqnorm=global_sq,
         )
+
+    def _global_sum(self, value: float) -> float:
+        device = self.device if self.group.backend == "nccl" else torch.device("cpu")
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t[0])
+
+    def _isgd_pass(self, sp: StepPlan, xb, yb) -> float:
+        """One ISGD extra iteration's gradient: this worker's share again at the current
+        weights, all-reduced (no coverage: it trains no new sample). Returns the global mean
+        loss."""
+        self._flat[:self._n_params].zero_()
+        loss_sum = 0.0
+        if xb is not None:
+            loss = self.objective.loss_sum(self.model(xb), yb)
+            (loss / sp.size).backward()
+            loss_sum = float(loss.detach())
+        self._all_reduce(self._n_params)
+        return self._global_sum(loss_sum) / sp.size
 
     def _all_reduce(self, n: int) -> np.ndarray:
         """SUM all-reduce of the first ``n`` elements of the flat buffer, in place; returns

@@ -23,6 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from api.metrics_ps import ps_families
+from api.schedule_metrics import schedule_families
 from scheduler.state import JobState
 from scheduler.telemetry import JobSnapshot
 from service.jobs import JobService
@@ -149,6 +150,7 @@ class JobCollector(Collector):
         snaps = self.service.metric_snapshots()
         yield from self._job_families(snaps)
         yield from ps_families(snaps)
+        yield from schedule_families(snaps)
         nodes = self.service.alive_nodes
         if nodes is not None:
             g = GaugeMetricFamily("dynabatch_cluster_nodes", "Alive Ray nodes.")

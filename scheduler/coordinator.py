@@ -33,6 +33,7 @@ from scheduler.ledger import Ledger
 from scheduler.membership import Change, Membership
 from scheduler.policy import make_policy
 from scheduler.protocols.sync import Position, RebalanceRule, SyncProtocol
+from scheduler.regime import Regime
 from scheduler.runtime import Clock, DataInfo, RealClock, Runtime, WorkerCallError
 from scheduler.state import InvalidTransition, JobState
 from scheduler.telemetry import (
@@ -90,8 +91,11 @@ class Coordinator:
         s = self.spec
         self.membership = Membership(
             workers=s.initial_workers, min_workers=s.min_workers, max_workers=s.max_workers,
-            global_batch=s.global_batch, max_batch=s.max_batch, max_possible=MAX_WORKERS,
+            # The smallest batch the schedule trains bounds the group's size.
+            global_batch=s.batch_range[0], max_batch=s.max_batch, max_possible=MAX_WORKERS,
         )
+        self.regime = Regime(s)  # the global batch, LR, ISGD and goodput of every step
+        self._restored_batch: int | None = None
         self.tracker = Tracker()
         self.ledger = Ledger()
         self.budget = RetryBudget(s.max_retries)
@@ -191,8 +195,14 @@ class Coordinator:
             for e in self.events:
                 key = f"{e.kind}:{e.reason}"
                 events[key] = events.get(key, 0) + 1
+            p = self.protocol
+            regime = self.regime.live(
+                self.epoch, self.step_in_epoch,
+                p.global_batch if p else self.regime.batch_for(self.epoch),
+                p.steps_per_epoch if p else 1)
             return JobSnapshot(
-                job_id=self.job_id, name=self.spec.name, state=self.state, reason=self.reason,
+                **regime, job_id=self.job_id, name=self.spec.name, state=self.state,
+                reason=self.reason,
                 epoch=self.epoch, step=self.step_in_epoch,
                 steps_per_epoch=self.protocol.steps_per_epoch if self.protocol else 0,
                 epochs=self.spec.epochs, generation=self.generation, policy=self.spec.policy,
@@ -295,8 +305,9 @@ class Coordinator:
             self._fail_now(str(err))
         d = self.data
         s = self.spec
+        batch = self._restored_batch or self.regime.batch_for(self._position.epoch)
         self.protocol = SyncProtocol(
-            global_batch=s.global_batch, dataset_size=d.n_train, seed=s.seed,
+            global_batch=batch, dataset_size=d.n_train, seed=s.seed,
             rule=RebalanceRule(s.rebalance.mode, s.rebalance.every_steps,
                                s.rebalance.check_steps),
             position=self._position,
@@ -307,6 +318,12 @@ class Coordinator:
                           f"in {self.clock.now() - t0:.2f}s")
 
     def _begin_epoch(self) -> None:
+        p = self.protocol
+        if p.step == 0:
+            batch = self.regime.batch_for(p.epoch)
+            if batch != p.global_batch:
+                self._log("INFO", f"epoch {p.epoch}: global batch {p.global_batch} -> {batch}")
+                p.resize(batch)
         self._ep = _EpochTotals()
         self.tracker.begin_epoch()
         if self.ledger.epoch != self.protocol.epoch:
@@ -327,7 +344,7 @@ class Coordinator:
     def _train_segment(self) -> bool:
         """Run one segment; commit what the state holder completed. True when it all ran."""
         p = self.protocol
-        plans = p.plan_segment()
+        plans = self.regime.stamp(p.plan_segment(), p.steps_per_epoch)
         if not plans:
             return True
         start = p.position
@@ -344,6 +361,7 @@ class Coordinator:
             for j in range(done):
                 reports = [r.steps[j] for r in results if len(r.steps) > j]
                 self.ledger.commit(reports)
+                self.regime.observe(reports)
                 self._recent_steps.append(reports)
                 for rep in reports:
                     self._ep.loss_sum += rep.loss_sum
@@ -413,7 +431,8 @@ class Coordinator:
         alloc = p.allocation
         batch_of = dict(zip(alloc.workers, alloc.batches, strict=True)) if alloc else {}
         node_of = {m.worker_id: m.node for m in self.membership.members}
-        record = EpochRecord(
+        regime = self.regime.end_epoch(p.epoch, p.global_batch, p.steps_per_epoch, ep.wall)
+        record = EpochRecord(**regime,
             epoch=p.epoch, wall_s=ep.wall, steps=p.steps_per_epoch, dataset_size=v.dataset_size,
             samples_trained=v.samples_trained, retried_samples=v.retried_samples,
             verified=v.verified, train_loss=ep.loss_sum / max(ep.loss_samples, 1),
@@ -669,6 +688,13 @@ class Coordinator:
             "step": pos.step,
             "weights": weights,
             "ledger": self.ledger.to_state(),
+            # The schedule's position: the batch trained there and the regime's state (ISGD
+            # chart, noise estimate, goodput's batch); the LR follows from them.
+            "schedule": {"epoch": pos.epoch, "step": pos.step,
+                         "global_batch": (self.protocol.global_batch if self.protocol
+                                          else self._restored_batch
+                                          or self.regime.batch_for(pos.epoch)),
+                         "regime": self.regime.to_state()},
             "history": [r.model_dump(mode="json") for r in self._history],
             "counters": {
                 "rebalances_total": self.rebalances_total,
@@ -696,8 +722,12 @@ class Coordinator:
             m.restored(pos)
             self.ledger = Ledger.from_state(ckpt.get("ledger") or {})
             self._resume_state = ckpt["weights"]
+            sched = ckpt.get("schedule") or {}
+            self.regime.load_state(sched.get("regime") or {})
+            self._restored_batch = sched.get("global_batch")
             if self.protocol is not None:
-                self.protocol.rewind(pos)
+                self.protocol.rewind(pos, self._restored_batch
+                                     or self.regime.batch_for(pos.epoch))
                 self._ep = None
         self._log("INFO" if why == "resuming" else "WARNING",
                   f"{why} from checkpoint at epoch {pos.epoch} step {pos.step}")

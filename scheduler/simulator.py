@@ -334,8 +334,17 @@ class SimRuntime:
                 self._failed = None
             wait = (end - t0) - compute  # the all-reduce, including the wait for the slowest
             coverage = _coverage(sps, b, size)
-            losses = (self.gradients.step(first.seed, first.epoch, first.dataset_size, sps)
-                      if self.gradients is not None else None)
+            out = (self.gradients.step(first.seed, first.epoch, first.dataset_size, sps)
+                   if self.gradients is not None else None)
+            losses = out.losses if out is not None else None
+            if out is not None and out.extra_iters:
+                # ISGD's extra iterations: each one more compute of every share and one more
+                # all-reduce, as on the workers.
+                extra_s = out.extra_iters * (end - t0)
+                compute = compute * (1 + out.extra_iters)
+                end += extra_s
+                self.clock.advance_to(end)
+                wait = (end - t0) - compute
             slow, comp, waits = emu.tolist(), compute.tolist(), wait.tolist()
             for i, (w, sp) in enumerate(zip(names, sps, strict=True)):
                 steps[w].append(StepTelemetry(
@@ -343,7 +352,11 @@ class SimRuntime:
                     samples=sp.own_size, compute_s=comp[i], wait_s=waits[i],
                     loss_sum=losses[i] if losses is not None else 0.0, slowdown=slow[i],
                     start=sp.own_start, step_start=sp.start, step_size=sp.size,
-                    coverage=coverage))
+                    coverage=coverage,
+                    flagged=out.flagged if out is not None else False,
+                    extra_iters=out.extra_iters if out is not None else 0,
+                    local_sqnorm=out.local_sqnorms[i] if out and out.local_sqnorms else None,
+                    global_sqnorm=out.global_sqnorm if out is not None else None))
             self.steps_completed += 1
         return [WorkerOutcome(w, result=SegmentResult(worker=w, steps=steps[w])) for w in names]
 
@@ -554,7 +567,7 @@ def simulate(
     after every control-loop step. ``coordinator_hook`` sees the coordinator before it runs
     (tests record its decisions).
     """
-    check_job(cluster, spec.global_batch, spec.initial_workers)
+    check_job(cluster, spec.batch_range[0], spec.initial_workers)
     # The simulator never writes into the job's checkpoint directory.
     spec = spec.model_copy(update={"checkpoint": CheckpointSpec()})
     gradients = None
@@ -583,12 +596,17 @@ def simulate(
     _lift_worker_cap(coord, spec)
     if coordinator_hook is not None:
         coordinator_hook(coord)
-    steps_per_epoch = -(-data.n_train // spec.global_batch)
-    total = spec.epochs * steps_per_epoch
+    # Steps per epoch at each epoch's planned batch (a stage schedule's; goodput mode's
+    # first batch): the progress bar's scale.
+    before = [0]
+    for e in range(spec.epochs):
+        before.append(before[-1] + -(-data.n_train // coord.regime.batch_for(e)))
+    total = before[-1]
     t0 = time.perf_counter()
     while coord.step():
         if progress is not None:
-            progress(min(coord.epoch * steps_per_epoch + coord.step_in_epoch, total), total)
+            done = before[min(coord.epoch, spec.epochs)] + coord.step_in_epoch
+            progress(min(done, total), total)
     wall = time.perf_counter() - t0
     if progress is not None:
         progress(total, total)

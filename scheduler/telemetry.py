@@ -62,6 +62,17 @@ class EpochRecord(_Frozen):
     policy: str
     emulated: bool = False
     workers: list[WorkerEpochStats]
+    global_batch: int | None = Field(default=None, description="The epoch's global batch.")
+    lr: float | None = Field(default=None, description="Learning rate of the last step.")
+    grad_evals: int = Field(
+        default=0, description="Per-sample gradients computed (ISGD extra iterations "
+        "included).")
+    isgd_flagged: int = Field(default=0, description="Batches ISGD flagged under-trained.")
+    isgd_extra_iterations: int = Field(default=0, description="ISGD extra iterations.")
+    noise_scale: float | None = Field(
+        default=None, description="Goodput mode: estimated gradient noise scale tr(Σ)/|∇L|².")
+    goodput_batch: int | None = Field(
+        default=None, description="Goodput mode: the global batch chosen for the next epoch.")
 
 
 class WorkerStatus(_Frozen):
@@ -154,3 +165,11 @@ class JobSnapshot(_Frozen):
     started_at: float | None = None
     finished_at: float | None = None
     ps: PSStatus | None = Field(default=None, description="Parameter-server jobs only.")
+    global_batch: int | None = Field(default=None, description="The current global batch.")
+    lr: float | None = Field(default=None, description="The current step's learning rate.")
+    noise_scale: float | None = Field(
+        default=None, description="Goodput mode: the gradient noise scale estimate.")
+    goodput_batch: int | None = Field(
+        default=None, description="Goodput mode: the global batch it chose last.")
+    isgd_flagged_total: int = 0
+    isgd_extra_iterations_total: int = 0

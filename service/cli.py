@@ -14,10 +14,11 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from service import client_cli, run_cli, sim_cli
+    from service import client_cli, run_cli, sim_cli, tune_cli
 
     run_cli.register(app)
     sim_cli.register(app)
+    tune_cli.register(app)
     client_cli.register(app)
 
 

@@ -513,17 +513,18 @@ class JobService:
         with self._sync_lock:
             rec = self._live_record(job_id)
             spec = rec.spec
-            if workers > spec.global_batch:
+            smallest, largest = spec.batch_range  # a batch schedule trains several
+            if workers > smallest:
                 raise InvalidRequest(
                     "workers",
-                    f"workers ({workers}) is above the job's global_batch ({spec.global_batch}): "
+                    f"workers ({workers}) is above the job's global_batch ({smallest}): "
                     "every worker needs at least one sample per step",
                 )
-            if spec.max_batch is not None and spec.max_batch * workers < spec.global_batch:
+            if spec.max_batch is not None and spec.max_batch * workers < largest:
                 raise InvalidRequest(
                     "workers",
                     f"{workers} workers with max_batch {spec.max_batch} cannot hold the job's "
-                    f"global_batch ({spec.global_batch})",
+                    f"global_batch ({largest})",
                 )
             try:
                 snap = self._membership_call(rec, lambda: self.cluster.scale(job_id, workers))

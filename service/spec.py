@@ -14,6 +14,7 @@ checks it against a :class:`SubmitPolicy` built from the settings.
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 from collections.abc import Iterable
@@ -112,17 +113,113 @@ class ModelSpec(_Strict):
         return v
 
 
+class LrScheduleSpec(_Strict):
+    """The learning rate over the job, as a factor of ``optimizer.lr`` (see
+    :mod:`scheduler.schedule` for the formulas). ``constant``: 1. ``multistep``: ``gamma`` to
+    the number of ``milestones`` (epochs) passed. ``cosine``: from 1 down to
+    ``min_factor`` over the job. ``warmup_epochs``: a linear warm-up from 0 over the first
+    epochs, on top of any of them."""
+
+    name: Literal["constant", "multistep", "cosine"] = "constant"
+    milestones: list[Annotated[int, Field(strict=True, ge=1)]] = Field(default_factory=list)
+    gamma: float = Field(default=0.1, gt=0.0, le=1.0)
+    min_factor: float = Field(default=0.0, ge=0.0, le=1.0)
+    warmup_epochs: float = Field(default=0.0, ge=0.0, le=100_000)
+
+    @field_validator("milestones")
+    @classmethod
+    def _increasing(cls, v: list[int]) -> list[int]:
+        if any(b <= a for a, b in itertools.pairwise(v)):
+            raise ValueError("milestones must be strictly increasing epochs")
+        return v
+
+
 class OptimizerSpec(_Strict):
-    name: Literal["sgd", "adam"] = "sgd"
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
     lr: float = Field(default=0.1, gt=0.0, le=10.0)
     momentum: float = Field(default=0.0, ge=0.0, lt=1.0)
+    nesterov: bool = False
     weight_decay: float = Field(default=0.0, ge=0.0, lt=1.0)
+    schedule: LrScheduleSpec = Field(default_factory=LrScheduleSpec)
 
     @model_validator(mode="after")
     def _ignored(self) -> OptimizerSpec:
-        if self.name == "adam" and self.momentum:
-            warnings.warn("optimizer.momentum is ignored by adam", UserWarning, stacklevel=2)
+        if self.name != "sgd" and self.momentum:
+            warnings.warn(f"optimizer.momentum is ignored by {self.name}", UserWarning,
+                          stacklevel=2)
+        if self.nesterov and (self.name != "sgd" or self.momentum == 0):
+            raise ValueError("nesterov needs optimizer sgd with momentum > 0")
         return self
+
+
+class StageSpec(_Strict):
+    """``epochs`` epochs at global batch ``global_batch``. ``lr_factor`` (the stage's LR as a
+    factor of ``optimizer.lr``) and ``warmup_epochs`` (the ramp after the jump into it)
+    override the schedule's ``lr_scaling`` and ``warmup_epochs`` for this stage (``dynabatch
+    tune`` writes them)."""
+
+    epochs: StrictInt = Field(ge=1, le=100_000)
+    global_batch: StrictInt = Field(ge=1, le=1_000_000)
+    lr_factor: float | None = Field(default=None, gt=0.0, le=10_000.0)
+    warmup_epochs: float | None = Field(default=None, ge=0.0, le=100_000)
+
+
+class BatchScheduleSpec(_Strict):
+    """The global batch over the job (Hu et al. 2022: small early, large later).
+
+    ``mode: fixed`` keeps ``global_batch``. ``mode: stages`` trains each stage's epochs at
+    its batch; the learning rate is scaled relative to the first stage (``lr_scaling``:
+    ``linear`` B_s/B_0, ``sqrt`` √(B_s/B_0), ``none``) and, after each jump, ramps linearly
+    from the previous stage's factor over ``warmup_epochs``. ``mode: goodput`` picks the batch
+    each epoch from the measured gradient noise scale (Pollux/AdaScale), between
+    ``min_batch`` and ``max_global_batch``.
+    """
+
+    mode: Literal["fixed", "stages", "goodput"] = "fixed"
+    stages: list[StageSpec] = Field(default_factory=list)
+    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
+    warmup_epochs: float = Field(default=0.0, ge=0.0, le=100_000)
+    max_global_batch: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stages_mode(cls, data: Any) -> Any:
+        # `schedule: {stages: [...]}` means mode stages without saying so.
+        if isinstance(data, dict) and data.get("stages") and "mode" not in data:
+            data = {**data, "mode": "stages"}
+        return data
+
+    @model_validator(mode="after")
+    def _shape(self) -> BatchScheduleSpec:
+        if self.mode == "stages" and not self.stages:
+            raise ValueError("mode stages needs at least one entry in stages")
+        if self.mode != "stages" and self.stages:
+            raise ValueError(f"stages are only used with mode stages, not {self.mode}")
+        return self
+
+
+class IsgdSpec(_Strict):
+    """Inconsistent SGD (Wang et al.): statistical process control on the batch losses.
+
+    A batch whose global loss is above ``mean + sigma·std`` of the last ``window`` batch
+    losses is under-trained: it gets up to ``max_extra`` more iterations of the conservative
+    sub-problem ``½(ψ − limit)² + ε/(2·n_w)·‖w − w_prev‖²`` (``epsilon`` is ε), stopping as
+    soon as its loss is below the limit. Monitoring starts after the first epoch.
+    """
+
+    enabled: bool = False
+    window: StrictInt = Field(default=20, le=100_000)
+    sigma: float = Field(default=3.0, gt=0.0, le=100.0)
+    max_extra: StrictInt = Field(default=5, ge=1, le=1000)
+    epsilon: float = Field(default=0.1, ge=0.0, le=1000.0)
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(f"window must be at least 2 (a standard deviation needs two "
+                             f"losses), got {v}")
+        return v
 
 
 class Disturbance(_Strict):
@@ -255,6 +352,8 @@ class JobSpec(_Strict):
         "'pkg.mod:function' ((outputs, targets) -> one value per sample, averaged). Default: "
         "from the loss (cross_entropy: accuracy, next_token: perplexity and accuracy, mse: mse).",
     )
+    schedule: BatchScheduleSpec = Field(default_factory=BatchScheduleSpec)
+    isgd: IsgdSpec = Field(default_factory=IsgdSpec)
     workers: int | Literal["auto"] = Field(
         default=2, description="Number of workers, or 'auto' for one per eligible node."
     )
@@ -321,6 +420,18 @@ class JobSpec(_Strict):
         if v is not None and len(set(v)) != len(v):
             raise ValueError("metrics are listed twice")
         return v
+    @model_validator(mode="before")
+    @classmethod
+    def _first_stage_batch(cls, data: Any) -> Any:
+        # With stages, global_batch is the first stage's batch; it may be left out.
+        if isinstance(data, dict) and "global_batch" not in data:
+            sched = data.get("schedule")
+            stages = sched.get("stages") if isinstance(sched, dict) else None
+            if isinstance(stages, list) and stages and isinstance(stages[0], dict):
+                b = stages[0].get("global_batch")
+                if isinstance(b, int) and not isinstance(b, bool):
+                    data = {**data, "global_batch": b}
+        return data
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -360,6 +471,7 @@ class JobSpec(_Strict):
                 f"max_batch ({self.max_batch}) x workers ({n}) cannot hold global_batch "
                 f"({self.global_batch})",
             )
+        self._schedule_problems(bad, n)
         slow = self.emulation.slowdowns
         # Workers that join later take the ordinals after the first n, up to max_workers.
         most = max(n, hi or n) if n is not None else None
@@ -399,7 +511,52 @@ class JobSpec(_Strict):
                 )
         return self
 
+    def _schedule_problems(self, bad, n: int | None) -> None:
+        sched = self.schedule
+        if sched.mode == "stages":
+            total = sum(st.epochs for st in sched.stages)
+            if total != self.epochs:
+                bad("schedule.stages", f"the stages' epochs add up to {total}, not to epochs "
+                                       f"({self.epochs})")
+            if sched.stages[0].global_batch != self.global_batch:
+                bad("global_batch", f"global_batch ({self.global_batch}) must be the first "
+                                    f"stage's ({sched.stages[0].global_batch}) or left out")
+            for i, st in enumerate(sched.stages):
+                where = f"schedule.stages.{i}.global_batch"
+                if n is not None and st.global_batch < n:
+                    bad(where, f"global_batch ({st.global_batch}) is smaller than workers "
+                               f"({n}): every worker needs at least one sample per step")
+                if self.max_batch is not None and n is not None and (
+                        self.max_batch * n < st.global_batch):
+                    bad(where, f"max_batch ({self.max_batch}) x workers ({n}) cannot hold "
+                               f"global_batch ({st.global_batch}) (no gradient accumulation)")
+        if sched.mode == "goodput":
+            top = sched.max_global_batch
+            if top is None:
+                bad("schedule.max_global_batch", "mode goodput needs max_global_batch")
+            elif top < self.global_batch:
+                bad("schedule.max_global_batch", f"max_global_batch ({top}) is below "
+                                                 f"global_batch ({self.global_batch})")
+            elif self.max_batch is not None and n is not None and self.max_batch * n < top:
+                bad("schedule.max_global_batch", f"max_batch ({self.max_batch}) x workers "
+                                                 f"({n}) cannot hold max_global_batch ({top})")
+        ms = self.optimizer.schedule.milestones
+        if ms and ms[-1] >= self.epochs:
+            bad("optimizer.schedule.milestones", f"milestone {ms[-1]} is not before the last "
+                                                 f"epoch ({self.epochs})")
+
     # Helpers used by the scheduler -------------------------------------------------------
+    @property
+    def batch_range(self) -> tuple[int, int]:
+        """The smallest and largest global batch the job may train at."""
+        sched = self.schedule
+        if sched.mode == "stages":
+            sizes = [st.global_batch for st in sched.stages]
+            return min(sizes), max(sizes)
+        if sched.mode == "goodput" and sched.max_global_batch:
+            return self.global_batch, sched.max_global_batch
+        return self.global_batch, self.global_batch
+
     @property
     def initial_workers(self) -> int | None:
         """Workers to start with; None means one per eligible node (``workers: auto``)."""

@@ -460,8 +460,14 @@ class Fault:
 class FakeRuntime:
     def __init__(self, spec: JobSpec, *, n_train: int, nodes: int = 3,
                  speeds: dict[int, float] | None = None, overhead_s: float = 0.001,
-                 clock: FakeClock | None = None, uneven_failure: bool = False):
+                 clock: FakeClock | None = None, uneven_failure: bool = False,
+                 loss_of=None, isgd_decay: float = 0.5):
         self.spec = spec
+        # Mean loss of step (epoch, step) (default 1.0); an ISGD extra iteration multiplies
+        # it by isgd_decay. Every plan run is recorded in `plans`.
+        self.loss_of = loss_of
+        self.isgd_decay = isgd_decay
+        self.plans: list[dict[str, SegmentPlan]] = []
         self.n_train = n_train
         self.node_ids = [f"node{i:02d}" for i in range(nodes)]
         self.speeds = speeds or {}
@@ -539,6 +545,7 @@ class FakeRuntime:
 
     def run_segment(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
         self.calls["segments"] += 1
+        self.plans.append(plans)
         names = list(plans)
         k = len(next(iter(plans.values())).steps)
         steps: dict[str, list[StepTelemetry]] = {w: [] for w in names}
@@ -597,10 +604,15 @@ class FakeRuntime:
             o = sps[other]
             counts[o.own_start - o.start:o.own_start - o.start + o.own_size] += 1
         self.workers[w].lineage.append((epoch, sp.step))
+        loss = self.loss_of(epoch, sp.step) if self.loss_of else 1.0
+        flagged, extra = sp.isgd is not None and sp.isgd.flagged(loss), 0
+        while flagged and sp.isgd.more(loss * self.isgd_decay ** (extra + 1), extra):
+            extra += 1  # as actors.optim.isgd_extras: the loss after the update is checked
         return StepTelemetry(
             worker=w, epoch=epoch, step=sp.step, batch=sp.own_size, samples=sp.own_size,
-            compute_s=compute[w], wait_s=wait, loss_sum=float(sp.own_size), start=sp.own_start,
-            step_start=sp.start, step_size=sp.size, coverage=encode_counts(counts),
+            compute_s=compute[w], wait_s=wait, loss_sum=loss * sp.own_size,
+            start=sp.own_start, step_start=sp.start, step_size=sp.size,
+            coverage=encode_counts(counts), flagged=flagged, extra_iters=extra,
         )
 
     def regroup(self, generation, members, state, timeout_s) -> RegroupResult:

@@ -92,6 +92,20 @@ class SyncProtocol:
         # (DBS scales it, affine keeps it unless a better one gains enough).
         self._anchor = 0
 
+    def resize(self, global_batch: int) -> None:
+        """Train at ``global_batch`` from here: only before an epoch's first step (a stage
+        boundary), so every epoch has one batch size and its steps stay well defined."""
+        if global_batch < 1:
+            raise ValueError(f"global_batch must be at least 1, got {global_batch}")
+        if global_batch == self.global_batch:
+            return
+        if self.step != 0:
+            raise ValueError(f"cannot change the global batch at step {self.step} of epoch "
+                             f"{self.epoch}: only at an epoch's start")
+        self.global_batch = global_batch
+        self.allocation = None  # the policy plans the new batch afresh
+        self._anchor = 0
+
     def advance(self, steps: int) -> None:
         """``steps`` more steps were completed by the holder of the model state."""
         if steps < 0 or self.step + steps > self.steps_per_epoch:
@@ -99,8 +113,13 @@ class SyncProtocol:
                              f"{self.steps_per_epoch}")
         self.step += steps
 
-    def rewind(self, position: Position) -> None:
-        """Go back to ``position`` (the model was restored from a checkpoint taken there)."""
+    def rewind(self, position: Position, global_batch: int | None = None) -> None:
+        """Go back to ``position`` (the model was restored from a checkpoint taken there),
+        at the global batch trained there."""
+        if global_batch is not None:
+            if global_batch < 1:
+                raise ValueError(f"global_batch must be at least 1, got {global_batch}")
+            self.global_batch = global_batch
         self.epoch, self.step = position.epoch, min(position.step, self.steps_per_epoch)
         self.allocation = None
         self._anchor = self.step

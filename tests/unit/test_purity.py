@@ -16,6 +16,7 @@ MACHINES = (
     "scheduler.policy", "scheduler.model", "scheduler.ledger", "scheduler.membership",
     "scheduler.protocols.sync", "scheduler.failures", "scheduler.tracker", "actors.contracts",
     "scheduler.protocols.ps", "scheduler.ps_ledger", "scheduler.policy_ji", "scheduler.ps_core",
+    "scheduler.schedule", "scheduler.isgd", "scheduler.goodput", "scheduler.regime",
 )
 PURE_MODULES = (*MACHINES, "scheduler.state", "scheduler.telemetry")
 

@@ -1,0 +1,95 @@
+"""``dynabatch tune CONFIG``: choose each stage's (global batch, LR factor, warm-up) from short
+probe runs in the simulator's real-gradient mode (:mod:`service.tune`); write the tuned YAML
+config and a JSON report of every probe. Errors are one line, exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from scheduler.cluster_model import ClusterError, load_cluster, parse_cluster
+from service.sim_cli import quiet_engine
+from service.spec import SpecError, load_spec
+from service.tune import Probe, TuneError, tune
+
+
+def _default_cluster(workers: int):
+    """Equal nodes, one per worker (the probes judge accuracy; time is secondary)."""
+    return parse_cluster({"classes": [{"name": "node", "count": workers, "a_ms": 2.0,
+                                       "c_ms_per_sample": 0.1}]})
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("tune")
+    def tune_cmd(
+        config: Annotated[Path, typer.Argument(help="YAML job config with schedule.stages.")],
+        budget: Annotated[int, typer.Option(help="Most probe runs to spend.")] = 20,
+        max_batch: Annotated[int, typer.Option(help="Largest global batch to try.")] = 1024,
+        tolerance: Annotated[float, typer.Option(
+            help="Accuracy a candidate may lose against the baseline probe.")] = 0.01,
+        probe_epochs: Annotated[int, typer.Option(
+            help="Epochs each probe trains of the stage it tunes.")] = 2,
+        warmup_epochs: Annotated[float, typer.Option(
+            help="Warm-up after a jump, for every candidate.")] = 1.0,
+        cluster: Annotated[Path | None, typer.Option(
+            help="Cluster YAML for the simulated probes (default: equal nodes).")] = None,
+        out: Annotated[Path, typer.Option(help="Tuned YAML config.")] = Path("tuned.yaml"),
+        report: Annotated[Path, typer.Option(help="JSON report of the probes.")] = Path(
+            "tune-report.json"),
+        quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+    ) -> None:
+        """Tune CONFIG's stage-wise batch schedule (Hu et al.) with short probe runs."""
+        console = Console()
+        err = Console(stderr=True)
+
+        def fail(message: str) -> None:
+            err.print(f"[red]error:[/] {' '.join(message.split())}", highlight=False,
+                      soft_wrap=True)
+            raise typer.Exit(2)
+
+        try:
+            spec = load_spec(config)
+            cl = (load_cluster(cluster) if cluster is not None
+                  else _default_cluster(spec.initial_workers or 2))
+        except SpecError as e:
+            fail(f"{config}: {e}")
+        except ClusterError as e:
+            fail(str(e))
+        with quiet_engine(), Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("probes"), TimeElapsedColumn(), console=err, disable=quiet,
+                transient=True) as bar:
+            task = bar.add_task("probing", total=budget)
+
+            def on_probe(p: Probe) -> None:
+                bar.update(task, advance=1, description=(
+                    f"stage {p.stage} B={p.global_batch} acc {p.accuracy:.3f}"))
+
+            try:
+                result = tune(spec, cl, max_batch=max_batch, tolerance=tolerance,
+                              probe_epochs=probe_epochs, warmup_epochs=warmup_epochs,
+                              budget=budget, on_probe=on_probe)
+            except (TuneError, ClusterError, SpecError, ValueError) as e:
+                fail(str(e))
+        out.write_text(yaml.safe_dump(result.spec.model_dump(mode="json"), sort_keys=False))
+        report.write_text(json.dumps(result.report(), indent=1))
+        table = Table(title="probes")
+        for col in ("stage", "role", "B", "LR factor", "warm-up", "accuracy", "kept"):
+            table.add_column(col, justify="right")
+        for p in result.probes:
+            table.add_row(str(p.stage), p.role, str(p.global_batch), f"{p.lr_factor:.3g}",
+                          f"{p.warmup_epochs:g}", f"{p.accuracy:.4f}", "yes" if p.kept else "")
+        console.print(table)
+        stages = ", ".join(f"{st.epochs}x{st.global_batch}"
+                           for st in result.spec.schedule.stages)
+        console.print(f"tuned stages (epochs x batch): {stages}"
+                      + (" (budget exhausted)" if result.budget_exhausted else ""),
+                      highlight=False)
+        console.print(f"wrote {out} and {report}", highlight=False)

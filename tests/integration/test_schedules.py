@@ -1,0 +1,41 @@
+"""Schedules on real Ray workers: a stage change re-plans the new global batch over the
+workers with its scaled learning rate, and ISGD's flagged batches are repeated by every
+worker (one job, three nodes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.coordinator import Coordinator
+from scheduler.state import JobState
+from service.spec import JobSpec
+
+pytestmark = pytest.mark.integration
+
+
+def test_stage_change_and_isgd_on_ray(cluster):
+    spec = JobSpec.model_validate(dict(
+        name="stages", dataset={"name": "digits", "limit": 600},
+        model={"name": "mlp", "hidden": 32},
+        optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9}, workers=3, epochs=4,
+        seed=3, node_resource="dynabatch_worker", collective_timeout_s=10, policy="dbs",
+        schedule={"stages": [{"epochs": 1, "global_batch": 30},
+                             {"epochs": 3, "global_batch": 60}], "lr_scaling": "sqrt"},
+        isgd={"enabled": True, "window": 4, "sigma": 0.5, "max_extra": 2},
+    ))
+    coord = Coordinator("stages-isgd", spec, resume=False)
+    snap = coord.run()
+    assert snap.state == JobState.SUCCEEDED, snap.reason
+    hist = coord.history()
+    assert [r.global_batch for r in hist] == [30, 60, 60, 60]
+    assert hist[-1].lr == pytest.approx(0.1 * 2 ** 0.5)  # sqrt(60/30)
+    for r in hist:
+        assert r.verified and r.samples_trained == r.dataset_size == 600
+        assert sum(w.batch for w in r.workers) == r.global_batch
+        assert r.isgd_extra_iterations <= 2 * r.isgd_flagged
+    assert hist[0].isgd_flagged == 0
+    # σ = 0.5 flags batches once the loss levels off (the simulator flags 5 of this job's
+    # batches); the workers agreed on every decision (a disagreement would have broken the
+    # collective and failed the job).
+    assert sum(r.isgd_flagged for r in hist) > 0
+    assert hist[-1].test_accuracy > 0.6
