@@ -608,6 +608,16 @@ def _ps_problems(spec: JobSpec, bad: Any) -> None:
         bad("loss", "protocol ps trains with cross_entropy only")
     if spec.metrics not in (None, ["accuracy"]):
         bad("metrics", "protocol ps reports accuracy only")
+    # The server applies the base rate alpha0 (scaled by the staleness rule) at a fixed
+    # per-learner batch; the synchronous engine's schedules and ISGD are not applied there.
+    if spec.schedule != BatchScheduleSpec():
+        bad("schedule", "protocol ps keeps each learner's batch (protocol.batch), not a "
+            "global batch schedule")
+    if spec.isgd.enabled:
+        bad("isgd.enabled", "ISGD runs with the synchronous protocol only")
+    if spec.optimizer.schedule != LrScheduleSpec():
+        bad("optimizer.schedule", "protocol ps uses the staleness rule "
+            "(protocol.lr_staleness), not a learning-rate schedule")
     if p.batch != "perf_aware" and (p.replan_pushes != default.replan_pushes
                                     or p.scale_lr != default.scale_lr):
         bad("protocol.batch", "replan_pushes and scale_lr need batch perf_aware")

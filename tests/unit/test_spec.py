@@ -500,6 +500,12 @@ def test_submission_check_reports_every_field(roots: Path) -> None:
     ({"protocol": {"name": "ps", "scale_lr": True}}, "protocol.batch"),
     ({"protocol": {"name": "ps", "mode": "async", "n": 2}}, "protocol.n"),
     ({"protocol": {"name": "ps"}, "loss": "mse"}, "loss"),
+    ({"protocol": {"name": "ps"}, "epochs": 2,
+      "schedule": {"stages": [{"epochs": 1, "global_batch": 32},
+                              {"epochs": 1, "global_batch": 64}]}}, "schedule"),
+    ({"protocol": {"name": "ps"}, "isgd": {"enabled": True}}, "isgd.enabled"),
+    ({"protocol": {"name": "ps"}, "optimizer": {"schedule": {"name": "cosine"}}},
+     "optimizer.schedule"),
 ])
 def test_ps_options_it_cannot_honour_name_the_field(data, field):
     text = error_of(data)
