@@ -7,9 +7,11 @@ all-reduce yields ``Σ_i (b_i / B) · g_i``: exactly the mean gradient of the gl
 whatever the split. Compute (gather + forward + backward, plus any emulated slowdown) is
 timed apart from the all-reduce, which includes waiting for slower peers.
 
-The flat all-reduce buffer holds the gradients followed by one coverage slot per position
-of the step (see :mod:`actors.contracts`), so the collective that applies a step also
-proves which samples it contained.
+The all-reduce buffer holds the gradients followed by one coverage slot per position of
+the step (see :mod:`actors.contracts`), so the collective that applies a step also proves
+which samples it contained. :mod:`actors.reducer` owns it and reduces it flat or in
+buckets launched from backward's hooks; :mod:`actors.accumulate` cuts a share larger than
+the worker's memory cap into micro-batches whose gradients accumulate before it.
 
 Errors are classified where they happen: a failure inside the collective is a *peer*
 error (retryable: someone died, left or timed out); anything else during the step is this
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from actors.accumulate import micro_cap, micro_ranges
 from actors.contracts import (
     SegmentPlan,
     SegmentResult,
@@ -42,6 +45,7 @@ from actors.contracts import (
 )
 from actors.emulation import ComputeClock, error_at, slowdown_at
 from actors.group import ProcessGroup, Rendezvous
+from actors.reducer import GradientReducer
 from service.spec import JobSpec
 
 
@@ -114,27 +118,15 @@ class Worker:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(spec, self.params)
         self.group = ProcessGroup(spec.collective_timeout_s)
-        self._n_params = sum(p.numel() for p in self.params)
-        self._host: torch.Tensor | None = None
-        self._alloc_flat(spec.global_batch)
+        self.reducer = GradientReducer(self.params, self.device, spec.global_batch,
+                                       spec.allreduce, spec.bucket_kb * 1024)
+        self._n_params = self.reducer.n_params
+        self.micro_cap = micro_cap(spec.micro_batch, ordinal)
         self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
         self._stall_s = 0.0
         # CPU-time clock only for emulation on the CPU; a GPU's work is not thread time.
         self._clock = ComputeClock(spec.emulated and self.device.type == "cpu")
         self._warm_up()
-
-    def _alloc_flat(self, max_step: int) -> None:
-        """Gradients live as views of one flat buffer (backward accumulates into it and the
-        all-reduce works on it in place, no per-step copy), followed by the coverage slots
-        of the largest step."""
-        self._flat = torch.zeros(self._n_params + max_step, device=self.device)
-        off = 0
-        for p in self.params:
-            p.grad = self._flat[off:off + p.numel()].view_as(p)
-            off += p.numel()
-        self._cov = self._flat[self._n_params:]
-        if self.device.type == "cuda":
-            self._host = torch.zeros(self._flat.numel(), pin_memory=True)
 
     def _warm_up(self) -> None:
         """One throw-away forward/backward, so one-off costs (lazy init, allocator growth)
@@ -143,7 +135,7 @@ class Worker:
         if n:
             out = self.model(self.x[:n].to(self.device))
             F.cross_entropy(out, self.y[:n].to(self.device)).backward()
-        self._flat.zero_()
+        self.reducer.zero_()
 
     # --- membership -------------------------------------------------------------------
     def info(self) -> dict[str, str]:
@@ -200,25 +192,26 @@ class Worker:
 
     def _step(self, epoch: int, sp: StepPlan, order: np.ndarray) -> StepTelemetry:
         factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, sp.step)
+        t_step = time.perf_counter()
         self._clock.start()
+        phases = [0.0, 0.0, 0.0]  # gather, forward, backward
+        micro = micro_ranges(sp.own_size, self.micro_cap)
         try:
             if error_at(self.spec.emulation, self.ordinal, epoch, sp.step):
                 raise InjectedFault(f"injected error at epoch {epoch} step {sp.step}")
-            if sp.size > self._cov.numel():
-                self._alloc_flat(sp.size)
-            self._flat.zero_()
-            loss_sum = 0.0
-            if sp.own_size:
-                ids = order[sp.own_start:sp.own_start + sp.own_size]
-                ii = torch.from_numpy(np.asarray(ids, dtype=np.int64))
-                xb = self.x.index_select(0, ii).to(self.device, non_blocking=True)
-                yb = self.y.index_select(0, ii).to(self.device, non_blocking=True)
-                loss = F.cross_entropy(self.model(xb), yb, reduction="sum")
-                (loss / sp.size).backward()
-                loss_sum = float(loss.detach())
+            r = self.reducer
+            r.begin(sp.size)
             lo = sp.own_start - sp.start
-            self._cov[lo:lo + sp.own_size] = 1.0
+            r.cov[lo:lo + sp.own_size] = 1.0  # before backward: the first bucket holds it
+            losses = []
+            ids_all = order[sp.own_start:sp.own_start + sp.own_size]
+            for j, (a, b) in enumerate(micro):
+                losses.append(self._micro_step(ids_all[a:b], sp.size, phases,
+                                               last=j == len(micro) - 1))
+            loss = torch.stack(losses).sum() if losses else None
             if self.device.type == "cuda":
+                # Compute must be timed as it ran for the policy; NCCL buckets in flight
+                # keep running on their own stream.
                 torch.cuda.synchronize(self.device)
         except Exception as err:
             raise _StepFailed("compute", err, self._clock.finish(1.0)) from err
@@ -227,39 +220,48 @@ class Worker:
             time.sleep(self._stall_s)
             self._stall_s = 0.0
         t1 = time.perf_counter()
+        overlap = t1 - r.first_launch if r.first_launch is not None else 0.0
         try:
-            reduced = self._all_reduce(self._n_params + sp.size)
-            coverage = encode_counts(np.rint(reduced[self._n_params:]).astype(np.int64))
+            coverage = encode_counts(np.rint(r.finish()).astype(np.int64))
         except Exception as err:
             raise _StepFailed("peer", err, compute) from err
-        wait = time.perf_counter() - t1
+        # Read after the reducer's synchronisation, not once per micro-batch.
+        loss_sum = float(loss) if loss is not None else 0.0
+        t2 = time.perf_counter()
         try:
             self.optimizer.step()
         except Exception as err:
             raise _StepFailed("compute", err, compute) from err
+        t3 = time.perf_counter()
         return StepTelemetry(
             worker=self.worker_id, epoch=epoch, step=sp.step, batch=sp.own_size,
-            samples=sp.own_size, compute_s=compute, wait_s=wait, loss_sum=loss_sum,
+            samples=sp.own_size, compute_s=compute, wait_s=t2 - t1, loss_sum=loss_sum,
             slowdown=factor, start=sp.own_start, step_start=sp.start, step_size=sp.size,
-            coverage=coverage,
+            coverage=coverage, gather_s=phases[0], forward_s=phases[1], backward_s=phases[2],
+            optimizer_s=t3 - t2, overlap_s=overlap, step_s=t3 - t_step,
+            micro_batches=max(1, len(micro)),
         )
 
-    def _all_reduce(self, n: int) -> np.ndarray:
-        """SUM all-reduce of the first ``n`` elements of the flat buffer, in place; returns
-        them on the host (the caller reads the coverage slots)."""
-        flat = self._flat[:n]
-        if self.device.type == "cuda" and self.group.backend == "gloo":
-            host = self._host[:n]
-            host.copy_(flat, non_blocking=True)
-            torch.cuda.synchronize(self.device)
-            dist.all_reduce(host, op=dist.ReduceOp.SUM)
-            flat.copy_(host, non_blocking=True)
-            torch.cuda.synchronize(self.device)
-            return host.numpy()
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        if self.device.type == "cuda":
-            return flat.cpu().numpy()
-        return flat.numpy()
+    def _micro_step(self, ids: np.ndarray, step_size: int, phases: list[float],
+                    last: bool) -> torch.Tensor:
+        """Gather, forward and backward of one micro-batch, its summed loss scaled by
+        1/``step_size`` (see :mod:`actors.accumulate`); returns its summed loss. The last
+        micro-batch's backward arms the reducer, so buckets go out as they complete."""
+        t0 = time.perf_counter()
+        ii = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+        xb = self.x.index_select(0, ii).to(self.device, non_blocking=True)
+        yb = self.y.index_select(0, ii).to(self.device, non_blocking=True)
+        t1 = time.perf_counter()
+        loss = F.cross_entropy(self.model(xb), yb, reduction="sum")
+        t2 = time.perf_counter()
+        if last:
+            self.reducer.arm()
+        (loss / step_size).backward()
+        t3 = time.perf_counter()
+        phases[0] += t1 - t0
+        phases[1] += t2 - t1
+        phases[2] += t3 - t2
+        return loss.detach()
 
     # --- measurement (benchmarks) -----------------------------------------------------
     def profile(self, batches: list[int], repeats: int = 5) -> dict[int, float]:
@@ -273,7 +275,7 @@ class Worker:
             for _ in range(repeats + 1):  # the first run warms caches up
                 idx = rng.integers(0, n, size=b)
                 self._clock.start()
-                self._flat.zero_()
+                self.reducer.zero_()
                 ii = torch.from_numpy(idx)
                 xb = self.x.index_select(0, ii).to(self.device)
                 yb = self.y.index_select(0, ii).to(self.device)
@@ -282,7 +284,7 @@ class Worker:
                     torch.cuda.synchronize(self.device)
                 factor = slowdown_at(self.spec.emulation, self.ordinal, 0, 0)
                 times.append(self._clock.finish(factor))
-            self._flat.zero_()
+            self.reducer.zero_()
             out[b] = float(np.median(times[1:]))
         return out
 
