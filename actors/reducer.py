@@ -90,6 +90,7 @@ class GradientReducer:
         self._armed = False
         self._missing: list[int] = []
         self._works: list[tuple[int, object]] = []
+        self._launch_error: BaseException | None = None
         self._next = 0
         self._step_size = 0
         self.first_launch: float | None = None
@@ -128,6 +129,7 @@ class GradientReducer:
         self.flat.zero_()
         self._step_size = step_size
         self._works = []
+        self._launch_error = None
         self._next = 0
         self._missing = [len(m) for _, _, m in self._buckets]
         self._ready = [False] * len(self._buckets)
@@ -157,11 +159,20 @@ class GradientReducer:
         return self.flat[lo:hi]
 
     def _launch(self, k: int) -> None:
+        self._next = k + 1
+        if self._launch_error is not None:
+            return
         if self.first_launch is None:
             self.first_launch = time.perf_counter()
-        self._works.append((k, dist.all_reduce(self._slice(k), op=dist.ReduceOp.SUM,
-                                               async_op=True)))
-        self._next = k + 1
+        try:
+            work = dist.all_reduce(self._slice(k), op=dist.ReduceOp.SUM, async_op=True)
+        except Exception as err:
+            # From a hook, an error would surface from backward and look like this
+            # worker's own compute error; it is the collective's (a peer's), so finish()
+            # raises it.
+            self._launch_error = err
+            return
+        self._works.append((k, work))
 
     def finish(self) -> np.ndarray:
         """Launch what is left, wait for every bucket, and return the step's all-reduced
@@ -173,6 +184,8 @@ class GradientReducer:
             dist.all_reduce(self.cov[:self._step_size], op=dist.ReduceOp.SUM)
         while self._next < len(self._buckets):
             self._launch(self._next)
+        if self._launch_error is not None:
+            raise self._launch_error
         for _, work in self._works:
             work.wait()
         if self.device.type == "cuda":

@@ -178,6 +178,10 @@ class Worker:
         return self._order[1]
 
     def run_segment(self, plan: SegmentPlan) -> SegmentResult:
+        if not self.group.active:
+            # It left after a failed step: a plan sent ahead cannot run without a group.
+            return SegmentResult(worker=self.worker_id, steps=[], error="not in a group",
+                                 error_kind="peer", failed_compute_s=0.0)
         order = self._epoch_order(plan)
         steps: list[StepTelemetry] = []
         for sp in plan.steps:
@@ -304,18 +308,28 @@ class Worker:
     # --- evaluation and state ---------------------------------------------------------
     def evaluate(self, x_test: np.ndarray, y_test: np.ndarray, batch: int = 1024
                  ) -> tuple[float, float]:
+        total_loss, correct, n = self.evaluate_shard(x_test, y_test, 0, 1, batch)
+        return total_loss / max(n, 1), correct / max(n, 1)
+
+    def evaluate_shard(self, x_test: np.ndarray, y_test: np.ndarray, index: int, count: int,
+                       batch: int = 1024) -> tuple[float, int, int]:
+        """(summed loss, correct, samples) over shard ``index`` of ``count`` contiguous
+        shards of the test set: members holding the same state split the evaluation, so
+        it takes 1/count of the time on the critical path."""
+        lo, hi = len(y_test) * index // count, len(y_test) * (index + 1) // count
         self.model.eval()
-        total_loss, correct = 0.0, 0
+        total_loss = torch.zeros((), device=self.device)
+        correct = torch.zeros((), dtype=torch.int64, device=self.device)
         with torch.no_grad():
-            for s in range(0, len(y_test), batch):
-                xb = torch.from_numpy(np.asarray(x_test[s:s + batch])).to(self.device)
-                yb = torch.from_numpy(np.asarray(y_test[s:s + batch])).to(self.device)
+            for s in range(lo, hi, batch):
+                e = min(hi, s + batch)
+                xb = torch.from_numpy(np.asarray(x_test[s:e])).to(self.device)
+                yb = torch.from_numpy(np.asarray(y_test[s:e])).to(self.device)
                 out = self.model(xb)
-                total_loss += float(F.cross_entropy(out, yb, reduction="sum"))
-                correct += int((out.argmax(1) == yb).sum())
+                total_loss += F.cross_entropy(out, yb, reduction="sum")
+                correct += (out.argmax(1) == yb).sum()
         self.model.train()
-        n = max(len(y_test), 1)
-        return total_loss / n, correct / n
+        return float(total_loss), int(correct), hi - lo
 
     def state(self) -> dict[str, Any]:
         """Model and optimizer state, every tensor on the CPU (checkpoints, broadcasts,

@@ -40,6 +40,7 @@ from scheduler.telemetry import (
     JobSnapshot,
     LogLine,
     MembershipEvent,
+    StepBreakdown,
     WorkerEpochStats,
     WorkerStatus,
 )
@@ -57,13 +58,46 @@ class _JobEnded(Exception):
     """Raised after the job has been moved to a terminal state, to unwind the step."""
 
 
+_PHASES = ("gather_s", "forward_s", "backward_s", "wait_s", "optimizer_s", "overlap_s",
+           "micro_batches")
+
+
 @dataclass
 class _EpochTotals:
+    started: float = 0.0
     wall: float = 0.0
     worker_seconds: float = 0.0
     loss_sum: float = 0.0
     loss_samples: int = 0
     rebalances: int = 0
+    # Per committed step: the workers' mean phase times, and the slowest worker's step
+    # (what the step held the critical path for).
+    phases: dict[str, float] | None = None
+    busy: float = 0.0
+    steps: int = 0
+
+    def add_step(self, reports: list[StepTelemetry]) -> None:
+        if not reports:
+            return
+        if self.phases is None:
+            self.phases = dict.fromkeys(_PHASES, 0.0)
+        for k in _PHASES:
+            self.phases[k] += sum(getattr(r, k) for r in reports) / len(reports)
+        self.busy += max(r.step_s for r in reports)
+        self.steps += 1
+
+    def breakdown(self, elapsed: float, evaluation: float) -> StepBreakdown | None:
+        if not self.steps or self.phases is None:
+            return None
+        n = self.steps
+        ph = {k: v / n for k, v in self.phases.items()}
+        return StepBreakdown(
+            gather_s=ph["gather_s"], forward_s=ph["forward_s"], backward_s=ph["backward_s"],
+            allreduce_wait_s=ph["wait_s"], optimizer_s=ph["optimizer_s"],
+            overlap_s=ph["overlap_s"], micro_batches=ph["micro_batches"],
+            coordinator_s=max(0.0, elapsed - evaluation - self.busy) / n,
+            evaluation_s=evaluation / n,
+        )
 
 
 class Coordinator:
@@ -205,6 +239,7 @@ class Coordinator:
                 epoch_durations_s=[r.wall_s for r in self._history], worker_events=events,
                 regroup_seconds_total=self.regroup_seconds_total,
                 retried_samples_total=self.retried_samples_total,
+                step_breakdown=last.breakdown if last else None,
                 started_at=self.started_at, finished_at=self.finished_at,
             )
 
@@ -307,7 +342,7 @@ class Coordinator:
                           f"in {self.clock.now() - t0:.2f}s")
 
     def _begin_epoch(self) -> None:
-        self._ep = _EpochTotals()
+        self._ep = _EpochTotals(started=self.clock.now())
         self.tracker.begin_epoch()
         if self.ledger.epoch != self.protocol.epoch:
             self.ledger.begin_epoch(self.protocol.epoch, self.protocol.dataset_size)
@@ -342,6 +377,7 @@ class Coordinator:
                 reports = [r.steps[j] for r in results if len(r.steps) > j]
                 self.ledger.commit(reports)
                 self._recent_steps.append(reports)
+                self._ep.add_step(reports)
                 for rep in reports:
                     self._ep.loss_sum += rep.loss_sum
                     self._ep.loss_samples += rep.samples
@@ -387,15 +423,21 @@ class Coordinator:
             self._fail_now(f"epoch {p.epoch}: exactly-once check of the workers' reports "
                            f"failed: {v.reason}")
         test_loss = acc = None
-        for holder in self.membership.holders():
+        t_eval = self.clock.now()
+        # Split across every member holding the state; without the one that failed, again.
+        holders = [h.worker_id for h in self.membership.holders()]
+        while holders:
             try:
-                test_loss, acc = self.runtime.evaluate(holder.worker_id, EVAL_TIMEOUT_S)
+                test_loss, acc = self.runtime.evaluate(holders, EVAL_TIMEOUT_S)
                 break
             except WorkerCallError as err:
                 self._log("WARNING", f"evaluation failed: {err}")
                 if err.lost:
                     self._remove(err.worker, "failure", "lost during evaluation")
+                holders = [h for h in holders if h != err.worker]
+        evaluation = self.clock.now() - t_eval
         ep = self._ep
+        elapsed = self.clock.now() - ep.started
         tracks = {w: self.tracker.workers[w] for w in self.membership.worker_ids
                   if w in self.tracker.workers}
         full = [t for t in tracks.values() if t.epoch_steps == p.steps_per_epoch] or [
@@ -415,6 +457,8 @@ class Coordinator:
             test_loss=test_loss, test_accuracy=acc, utilization=min(util, 1.0),
             compute_balance=balance, rebalances=ep.rebalances, generation=self.generation,
             policy=self.spec.policy, emulated=self.spec.emulated,
+            elapsed_s=elapsed, evaluation_s=evaluation,
+            breakdown=ep.breakdown(elapsed, evaluation),
             workers=[
                 WorkerEpochStats(
                     worker=w, node=node_of[w], batch=batch_of.get(w, 0),

@@ -163,17 +163,29 @@ class RayRuntime:
                 errors.append(f"{w}: {first_line(err)}")
         return RegroupResult(lost, "; ".join(errors) or None)
 
-    def evaluate(self, worker: str, timeout_s: float) -> tuple[float, float]:
+    def evaluate(self, workers: Sequence[str], timeout_s: float) -> tuple[float, float]:
         data = self._data
-        return self._call(worker, "evaluate", timeout_s, data["x_test"], data["y_test"])
+        n = len(workers)
+        refs = {w: self._handles[w].evaluate_shard.remote(data["x_test"], data["y_test"], i, n)
+                for i, w in enumerate(workers)}
+        loss = correct = total = 0
+        for w, ref in refs.items():
+            part_loss, part_correct, part_n = self._get(w, "evaluate", ref, timeout_s)
+            loss += part_loss
+            correct += part_correct
+            total += part_n
+        return loss / max(total, 1), correct / max(total, 1)
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict[str, Any]:
         return self._call(worker, "state", timeout_s)
 
     def _call(self, worker: str, method: str, timeout_s: float, *args: Any) -> Any:
+        return self._get(worker, method, getattr(self._handles[worker], method).remote(*args),
+                         timeout_s)
+
+    def _get(self, worker: str, method: str, ref: Any, timeout_s: float) -> Any:
         try:
-            return ray.get(getattr(self._handles[worker], method).remote(*args),
-                           timeout=timeout_s)
+            return ray.get(ref, timeout=timeout_s)
         except RayActorError as err:
             raise WorkerCallError(worker, _why_lost(err), lost=True) from None
         except GetTimeoutError:

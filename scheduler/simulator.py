@@ -435,8 +435,9 @@ class SimRuntime:
             self.gradients.load_state(state)
         return RegroupResult({})
 
-    def evaluate(self, worker: str, timeout_s: float) -> tuple[float, float]:
-        self._check_alive(worker)
+    def evaluate(self, workers: Sequence[str], timeout_s: float) -> tuple[float, float]:
+        for worker in workers:
+            self._check_alive(worker)
         if self.gradients is None:
             # No model in timing-only mode: the record says so (no loss, no accuracy).
             return None, None  # type: ignore[return-value]

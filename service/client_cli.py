@@ -30,6 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from scheduler.state import JobState
+from service.breakdown_view import breakdown_table
 from service.client import DEFAULT_URL, ApiError, DynabatchClient
 from service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN
 from service.spec import SpecError, parse_spec
@@ -163,6 +164,8 @@ def _job_table(job: Any) -> Group:
             f"{w.compute_s_per_step * 1e3:.1f} ms",
             f"{w.wait_s_per_step * 1e3:.1f} ms",
         )
+    if job.step_breakdown is not None:
+        return Group(head, workers, breakdown_table(job.step_breakdown))
     return Group(head, workers)
 
 

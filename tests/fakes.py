@@ -622,10 +622,11 @@ class FakeRuntime:
             self.workers[w].lineage = list(src.lineage)
         return RegroupResult({})
 
-    def evaluate(self, worker: str, timeout_s: float) -> tuple[float, float]:
+    def evaluate(self, workers, timeout_s: float) -> tuple[float, float]:
         self.calls["evaluate"] += 1
-        self._check_call("die_in_eval", worker)
-        return 1.0, min(1.0, len(self.workers[worker].lineage) / 100)
+        for w in workers:
+            self._check_call("die_in_eval", w)
+        return 1.0, min(1.0, len(self.workers[workers[0]].lineage) / 100)
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict:
         self.calls["checkpoint"] += 1
