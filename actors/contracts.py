@@ -113,6 +113,7 @@ class StepTelemetry(_Frozen):
     overlap_s: float = 0.0
     step_s: float = 0.0
     micro_batches: int = 1
+    micro_cap: int | None = None
 
 
 ErrorKind = Literal["peer", "compute"]

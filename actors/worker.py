@@ -243,7 +243,7 @@ class Worker:
             slowdown=factor, start=sp.own_start, step_start=sp.start, step_size=sp.size,
             coverage=coverage, gather_s=phases[0], forward_s=phases[1], backward_s=phases[2],
             optimizer_s=t3 - t2, overlap_s=overlap, step_s=t3 - t_step,
-            micro_batches=max(1, len(micro)),
+            micro_batches=max(1, len(micro)), micro_cap=self.micro_cap,
         )
 
     def _micro_step(self, ids: np.ndarray, step_size: int, phases: list[float],

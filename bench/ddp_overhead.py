@@ -131,7 +131,7 @@ def run_dynabatch(spec: JobSpec) -> dict[str, Any]:
     hist = coord.history()
     if coord.snapshot().state.value != "SUCCEEDED":
         raise RuntimeError(f"dynabatch: {coord.snapshot().reason}")
-    breakdown = [r.breakdown.model_dump() for r in hist[1:] if getattr(r, "breakdown", None)]
+    breakdown = [r.breakdown.model_dump() for r in hist[1:] if r.breakdown is not None]
     return {
         "epochs": [b - a for a, b in itertools.pairwise(ends)],
         "train_wall_s": [r.wall_s for r in hist[1:]],
@@ -141,17 +141,23 @@ def run_dynabatch(spec: JobSpec) -> dict[str, Any]:
 
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     ddp_runs, dyn_runs, dyn_train, breakdowns = [], [], [], []
+    flat_runs: list[float] = []
+    flat_breakdowns: list[dict[str, float]] = []
     for r in range(args.rounds):
         ddp_runs += run_ddp(make_spec(name, args), 29500 + r)[1:]
-        d = run_dynabatch(make_spec(name, args))
+        d = run_dynabatch(make_spec(name, args, allreduce="bucketed"))
         dyn_runs += d["epochs"]
         dyn_train += d["train_wall_s"]
         breakdowns += d["breakdown"]
+        if args.compare_flat:
+            f = run_dynabatch(make_spec(name, args, allreduce="flat"))
+            flat_runs += f["epochs"]
+            flat_breakdowns += f["breakdown"]
         print(f"[{name}] round {r}: ddp {statistics.median(ddp_runs):.3f}s "
               f"dynabatch {statistics.median(dyn_runs):.3f}s", file=sys.stderr)
     ddp_s = statistics.median(ddp_runs)
     dyn_s = statistics.median(dyn_runs)
-    out = {
+    out: dict[str, Any] = {
         "ddp_epoch_s": round(ddp_s, 4),
         "dynabatch_epoch_s": round(dyn_s, 4),
         "ratio": round(ddp_s / dyn_s, 4),
@@ -163,10 +169,20 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "workload": {k: v for k, v in WORKLOADS[name].items()},
     }
     if breakdowns:
-        keys = breakdowns[0].keys()
-        out["dynabatch_step_breakdown_s"] = {
-            k: round(statistics.median(b[k] for b in breakdowns), 6) for k in keys}
+        out["dynabatch_step_breakdown_s"] = _median_breakdown(breakdowns)
+    if flat_runs:
+        flat_s = statistics.median(flat_runs)
+        out["flat_allreduce"] = {
+            "dynabatch_epoch_s": round(flat_s, 4), "ratio": round(ddp_s / flat_s, 4),
+            "bucketed_speedup_over_flat": round(flat_s / dyn_s, 4),
+            "epochs_s": [round(t, 3) for t in flat_runs],
+            "step_breakdown_s": _median_breakdown(flat_breakdowns) if flat_breakdowns else None,
+        }
     return out
+
+
+def _median_breakdown(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(b[k] for b in rows), 6) for k in rows[0]}
 
 
 def main() -> None:
@@ -175,6 +191,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-compare-flat", dest="compare_flat", action="store_false",
+                    help="Skip the flat all-reduce runs (bucketed against flat).")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
