@@ -70,8 +70,9 @@ class _EpochTotals:
     loss_sum: float = 0.0
     loss_samples: int = 0
     rebalances: int = 0
-    # Per committed step: the workers' mean phase times, and the slowest worker's step
-    # (what the step held the critical path for).
+    # Per committed step: the workers' mean phase times. ``busy``: per segment, the
+    # longest time a worker spent in its steps (the rest of the epoch's wall time is the
+    # scheduler's: dispatch, results, ledger, planning, regroups, evaluation).
     phases: dict[str, float] | None = None
     busy: float = 0.0
     steps: int = 0
@@ -83,8 +84,10 @@ class _EpochTotals:
             self.phases = dict.fromkeys(_PHASES, 0.0)
         for k in _PHASES:
             self.phases[k] += sum(getattr(r, k) for r in reports) / len(reports)
-        self.busy += max(r.step_s for r in reports)
         self.steps += 1
+
+    def add_segment(self, results: list[Any], done: int) -> None:
+        self.busy += max((sum(s.step_s for s in r.steps[:done]) for r in results), default=0.0)
 
     def breakdown(self, elapsed: float, evaluation: float) -> StepBreakdown | None:
         if not self.steps or self.phases is None:
@@ -381,6 +384,7 @@ class Coordinator:
                 for rep in reports:
                     self._ep.loss_sum += rep.loss_sum
                     self._ep.loss_samples += rep.samples
+            self._ep.add_segment(results, done)
             for r in results:
                 self.tracker.observe(r.worker, r.steps)
             planned = len(next(iter(plans.values())).steps)
