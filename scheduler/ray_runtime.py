@@ -108,7 +108,16 @@ class RayRuntime:
 
     # --- training ---------------------------------------------------------------------
     def run_segment(self, plans: dict[str, Any], grace_s: float) -> list[WorkerOutcome]:
-        refs = {self._handles[w].run_segment.remote(plans[w]): w for w in plans}
+        return self.collect_segment(self.submit_segment(plans), grace_s)
+
+    def submit_segment(self, plans: dict[str, Any]) -> tuple[dict[Any, str], list[str]]:
+        # An actor runs its calls in order: a segment sent while another runs starts on
+        # each worker as soon as the previous one ends there.
+        return {self._handles[w].run_segment.remote(plans[w]): w for w in plans}, list(plans)
+
+    def collect_segment(self, ticket: tuple[dict[Any, str], list[str]], grace_s: float
+                        ) -> list[WorkerOutcome]:
+        refs, order = ticket
         outcomes: dict[str, WorkerOutcome] = {}
         pending = list(refs)
         first_failure: float | None = None
@@ -128,7 +137,7 @@ class RayRuntime:
         for ref in pending:
             w = refs[ref]
             outcomes[w] = WorkerOutcome(w, lost="hung: no answer after its peers failed")
-        return [outcomes[w] for w in plans]
+        return [outcomes[w] for w in order]
 
     def regroup(
         self, generation: int, members: Sequence[str], state: dict[str, Any] | None,
