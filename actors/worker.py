@@ -268,9 +268,12 @@ class Worker:
         return loss.detach()
 
     # --- measurement (benchmarks) -----------------------------------------------------
-    def profile(self, batches: list[int], repeats: int = 5) -> dict[int, float]:
-        """Median solo compute seconds of one step at each batch size (emulation applied).
-        Gradients are computed and discarded; the model is not updated."""
+    def profile(self, batches: list[int], repeats: int = 5, wall: bool = False
+                ) -> dict[int, float]:
+        """Median compute seconds of one step at each batch size (emulation applied).
+        Gradients are computed and discarded; the model is not updated. ``wall``: the wall
+        time of the (emulated) step, which is what an epoch pays when workers profiled
+        side by side share a machine; otherwise the compute clock's account."""
         out: dict[int, float] = {}
         n = len(self.y)
         rng = np.random.default_rng(self.ordinal)
@@ -278,6 +281,7 @@ class Worker:
             times = []
             for _ in range(repeats + 1):  # the first run warms caches up
                 idx = rng.integers(0, n, size=b)
+                t_wall = time.perf_counter()
                 self._clock.start()
                 self.reducer.zero_()
                 ii = torch.from_numpy(idx)
@@ -287,7 +291,8 @@ class Worker:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 factor = slowdown_at(self.spec.emulation, self.ordinal, 0, 0)
-                times.append(self._clock.finish(factor))
+                took = self._clock.finish(factor)
+                times.append(time.perf_counter() - t_wall if wall else took)
             self.reducer.zero_()
             out[b] = float(np.median(times[1:]))
         return out

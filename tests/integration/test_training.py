@@ -27,9 +27,15 @@ def _spec(**kw) -> JobSpec:
     return JobSpec.model_validate(base)
 
 
-def test_weighted_allreduce_equals_one_process_update(cluster):
+@pytest.mark.parametrize("comm", [
+    {"allreduce": "flat"},
+    # Small buckets launched from backward's hooks, and memory caps that make the workers
+    # accumulate 2, 3 and 3 micro-batches.
+    {"allreduce": "bucketed", "bucket_kb": 1, "micro_batch": [3, 4, 16]},
+], ids=["flat", "bucketed-accumulated"])
+def test_weighted_allreduce_equals_one_process_update(cluster, comm):
     """3 workers with batches 5, 11 and 48 make the update of one process on 64 samples."""
-    spec = _spec(optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9})
+    spec = _spec(optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9}, **comm)
     ds = load_dataset(spec.dataset, seed=spec.seed)
     x, y = ds.x_train[:64], ds.y_train[:64]
     cls = ray.remote(Worker)
@@ -49,6 +55,8 @@ def test_weighted_allreduce_equals_one_process_update(cluster):
             (st,) = r.steps
             # The all-reduce itself saw each of the 64 positions exactly once.
             assert st.coverage == ((1, 64),) and st.start == lo
+            cap = (comm.get("micro_batch") or [None] * 3)[results.index(r)]
+            assert st.micro_batches == (-(-st.samples // cap) if cap else 1)
     states = ray.get([w.state.remote() for w in workers], timeout=60)
 
     torch.manual_seed(spec.seed)
