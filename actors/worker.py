@@ -168,7 +168,8 @@ class Worker:
 
     # --- training ---------------------------------------------------------------------
     def stall(self, seconds: float) -> None:
-        """Test hook: make the next step hang for ``seconds`` (a hung worker)."""
+        """Test hook: make the next step hang for ``seconds`` before its all-reduce (a hung
+        worker)."""
         self._stall_s = seconds
 
     def _epoch_order(self, plan: SegmentPlan) -> np.ndarray:
@@ -196,6 +197,11 @@ class Worker:
 
     def _step(self, epoch: int, sp: StepPlan, order: np.ndarray) -> StepTelemetry:
         factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, sp.step)
+        if self._stall_s:
+            # Before compute: backward's hooks send the gradient buckets, so a stall after
+            # it would come after this worker's share of the all-reduce went out.
+            time.sleep(self._stall_s)
+            self._stall_s = 0.0
         t_step = time.perf_counter()
         self._clock.start()
         phases = [0.0, 0.0, 0.0]  # gather, forward, backward
@@ -220,9 +226,6 @@ class Worker:
         except Exception as err:
             raise _StepFailed("compute", err, self._clock.finish(1.0)) from err
         compute = self._clock.finish(factor)
-        if self._stall_s:
-            time.sleep(self._stall_s)
-            self._stall_s = 0.0
         t1 = time.perf_counter()
         overlap = t1 - r.first_launch if r.first_launch is not None else 0.0
         try:
