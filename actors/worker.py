@@ -43,6 +43,7 @@ from actors.contracts import (
     encode_counts,
     epoch_order,
 )
+from actors.device_data import stage_dataset
 from actors.emulation import ComputeClock, error_at, slowdown_at
 from actors.group import ProcessGroup, Rendezvous
 from actors.reducer import GradientReducer
@@ -113,6 +114,8 @@ class Worker:
         # Zero-copy views of the object-store arrays; batches are gathered per step.
         self.x = torch.from_numpy(np.asarray(x_train))
         self.y = torch.from_numpy(np.asarray(y_train))
+        # On a GPU: the whole set on the device once when it fits, else pinned.
+        self.x, self.y, self.data_on = stage_dataset(self.x, self.y, self.device)
         torch.manual_seed(spec.seed)
         self.model = build_model(spec.model, input_shape, num_classes).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -255,7 +258,8 @@ class Worker:
         1/``step_size`` (see :mod:`actors.accumulate`); returns its summed loss. The last
         micro-batch's backward arms the reducer, so buckets go out as they complete."""
         t0 = time.perf_counter()
-        ii = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+        ii = torch.from_numpy(np.asarray(ids, dtype=np.int64)).to(self.x.device,
+                                                                   non_blocking=True)
         xb = self.x.index_select(0, ii).to(self.device, non_blocking=True)
         yb = self.y.index_select(0, ii).to(self.device, non_blocking=True)
         t1 = time.perf_counter()
@@ -287,7 +291,7 @@ class Worker:
                 t_wall = time.perf_counter()
                 self._clock.start()
                 self.reducer.zero_()
-                ii = torch.from_numpy(idx)
+                ii = torch.from_numpy(idx).to(self.x.device)
                 xb = self.x.index_select(0, ii).to(self.device)
                 yb = self.y.index_select(0, ii).to(self.device)
                 (F.cross_entropy(self.model(xb), yb, reduction="sum") / b).backward()
