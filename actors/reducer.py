@@ -89,6 +89,7 @@ class GradientReducer:
         self._host: torch.Tensor | None = None
         self._armed = False
         self._missing: list[int] = []
+        self._ready: list[bool] = []
         self._works: list[tuple[int, object]] = []
         self._launch_error: BaseException | None = None
         self._next = 0
