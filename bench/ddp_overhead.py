@@ -149,7 +149,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         dyn_runs += d["epochs"]
         dyn_train += d["train_wall_s"]
         breakdowns += d["breakdown"]
-        if args.compare_flat:
+        if args.compare_flat and r == 0:  # one flat run per model keeps the bench short
             f = run_dynabatch(make_spec(name, args, allreduce="flat"))
             flat_runs += f["epochs"]
             flat_breakdowns += f["breakdown"]
