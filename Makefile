@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test lint bench install clean prometheus
+.PHONY: run test lint bench install clean prometheus chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,7 +24,11 @@ run: $(STAMP)
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null) || echo "prometheus not installable; e2e tests that need it will fail"
 
-test: $(STAMP) prometheus
+# Chromium (Debian's package) runs the job page's end-to-end test, headless.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "chromium not installable; the job page's e2e test will fail"
+
+test: $(STAMP) prometheus chromium
 	$(BIN)/ruff check .
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -p no:cacheprovider tests
 

@@ -135,3 +135,7 @@ class SegmentResult(_Frozen):
     )
     error_kind: ErrorKind | None = None
     failed_compute_s: float | None = None
+    output: tuple[str, ...] = Field(
+        default=(), description="The worker's own output lines since its last segment "
+        "('stdout: ...' / 'stderr: ...'; see actors.output)."
+    )

@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from actors.accumulate import micro_cap, micro_ranges
 from actors.contracts import (
@@ -46,8 +45,15 @@ from actors.contracts import (
 from actors.device_data import stage_dataset
 from actors.emulation import ComputeClock, error_at, slowdown_at
 from actors.group import ProcessGroup, Rendezvous
+from actors.output import OutputTee
 from actors.reducer import GradientReducer
 from service.spec import JobSpec
+
+
+def _in_ray_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 class InjectedFault(RuntimeError):
@@ -104,8 +110,13 @@ class Worker:
         gpus: float = 0.0,
     ):
         from service.workloads.models import build_model
+        from service.workloads.objective import objective_for, targets_kind
 
         self.worker_id = worker_id
+        # The user's prints and warnings go to the job log with each segment's result.
+        self._output = OutputTee()
+        if _in_ray_actor():  # not in a test's own process: its streams are pytest's
+            self._output.install()
         self.ordinal = ordinal
         self.spec = spec
         self.device = pick_device(spec, gpus)
@@ -116,6 +127,8 @@ class Worker:
         self.y = torch.from_numpy(np.asarray(y_train))
         # On a GPU: the whole set on the device once when it fits, else pinned.
         self.x, self.y, self.data_on = stage_dataset(self.x, self.y, self.device)
+        # The job's per-sample loss and metrics (service/workloads/objective.py).
+        self.objective = objective_for(spec, targets_kind(y_train))
         torch.manual_seed(spec.seed)
         self.model = build_model(spec.model, input_shape, num_classes).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -137,7 +150,7 @@ class Worker:
         n = min(len(self.y), 8)
         if n:
             out = self.model(self.x[:n].to(self.device))
-            F.cross_entropy(out, self.y[:n].to(self.device)).backward()
+            self.objective.loss_sum(out, self.y[:n].to(self.device)).backward()
         self.reducer.zero_()
 
     # --- membership -------------------------------------------------------------------
@@ -195,8 +208,9 @@ class Worker:
                 # Leave at once so peers blocked in the collective fail fast.
                 self.group.leave()
                 return SegmentResult(worker=self.worker_id, steps=steps, error=str(err),
-                                     error_kind=err.kind, failed_compute_s=err.compute_s)
-        return SegmentResult(worker=self.worker_id, steps=steps)
+                                     error_kind=err.kind, failed_compute_s=err.compute_s,
+                                     output=self._output.drain())
+        return SegmentResult(worker=self.worker_id, steps=steps, output=self._output.drain())
 
     def _step(self, epoch: int, sp: StepPlan, order: np.ndarray) -> StepTelemetry:
         factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, sp.step)
@@ -263,7 +277,7 @@ class Worker:
         xb = self.x.index_select(0, ii).to(self.device, non_blocking=True)
         yb = self.y.index_select(0, ii).to(self.device, non_blocking=True)
         t1 = time.perf_counter()
-        loss = F.cross_entropy(self.model(xb), yb, reduction="sum")
+        loss = self.objective.loss_sum(self.model(xb), yb)
         t2 = time.perf_counter()
         if last:
             self.reducer.arm()
@@ -294,7 +308,7 @@ class Worker:
                 ii = torch.from_numpy(idx).to(self.x.device)
                 xb = self.x.index_select(0, ii).to(self.device)
                 yb = self.y.index_select(0, ii).to(self.device)
-                (F.cross_entropy(self.model(xb), yb, reduction="sum") / b).backward()
+                (self.objective.loss_sum(self.model(xb), yb) / b).backward()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 factor = slowdown_at(self.spec.emulation, self.ordinal, 0, 0)
@@ -319,29 +333,9 @@ class Worker:
 
     # --- evaluation and state ---------------------------------------------------------
     def evaluate(self, x_test: np.ndarray, y_test: np.ndarray, batch: int = 1024
-                 ) -> tuple[float, float]:
-        total_loss, correct, n = self.evaluate_shard(x_test, y_test, 0, 1, batch)
-        return total_loss / max(n, 1), correct / max(n, 1)
-
-    def evaluate_shard(self, x_test: np.ndarray, y_test: np.ndarray, index: int, count: int,
-                       batch: int = 1024) -> tuple[float, int, int]:
-        """(summed loss, correct, samples) over shard ``index`` of ``count`` contiguous
-        shards of the test set: members holding the same state split the evaluation, so
-        it takes 1/count of the time on the critical path."""
-        lo, hi = len(y_test) * index // count, len(y_test) * (index + 1) // count
-        self.model.eval()
-        total_loss = torch.zeros((), device=self.device)
-        correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        with torch.no_grad():
-            for s in range(lo, hi, batch):
-                e = min(hi, s + batch)
-                xb = torch.from_numpy(np.asarray(x_test[s:e])).to(self.device)
-                yb = torch.from_numpy(np.asarray(y_test[s:e])).to(self.device)
-                out = self.model(xb)
-                total_loss += F.cross_entropy(out, yb, reduction="sum")
-                correct += (out.argmax(1) == yb).sum()
-        self.model.train()
-        return float(total_loss), int(correct), hi - lo
+                 ) -> dict[str, float]:
+        """``{"loss": test loss, <metric>: value}`` (see :class:`Objective`)."""
+        return self.objective.evaluate(self.model, x_test, y_test, self.device, batch)
 
     def state(self) -> dict[str, Any]:
         """Model and optimizer state, every tensor on the CPU (checkpoints, broadcasts,

@@ -21,9 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api.limits import BodyLimitMiddleware
 from api.metrics import JobCollector, RequestMetricsMiddleware, RequestStats
-from api.routes import health, jobs, nodes
+from api.routes import events, health, jobs, nodes, pages
 from scheduler.state import InvalidTransition
 from service.jobs import (
     ClusterClient,
@@ -232,6 +231,9 @@ def create_app(
         version="0.1.0",
         description=DESCRIPTION,
         lifespan=lifespan,
+        # FastAPI's own request body limit: a declared Content-Length over it is refused
+        # before the body is read, a chunked body once it passes the limit (413).
+        max_body_size=settings.max_body_bytes,
         openapi_tags=[
             {"name": "jobs", "description": "Training jobs."},
             {"name": "cluster", "description": "The Ray cluster."},
@@ -247,10 +249,12 @@ def create_app(
 
     _install_error_handlers(app)
     app.include_router(jobs.router)
+    app.include_router(events.router)
+    app.include_router(pages.router)
+    app.mount("/static", pages.static_files(), name="static")
     app.include_router(nodes.router)
     app.include_router(health.health)
     app.include_router(health.metrics)
-    # The last added is outermost: metrics see every response, 413s included.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    # Outside the app's body limit: metrics see every response, 413s included.
     app.add_middleware(RequestMetricsMiddleware, stats=requests)
     return app

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import bisect
 import math
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from api.metrics_ps import ps_families
 from scheduler.state import JobState
 from scheduler.telemetry import JobSnapshot
 from service.jobs import JobService
@@ -59,7 +60,7 @@ EPOCH_BUCKETS: tuple[float, ...] = (
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 UNMATCHED_ROUTE = "unmatched"
 
-WORKER_LABELS = ["job", "worker", "node"]
+WORKER_LABELS = ["job_id", "worker", "node"]
 
 
 def _bucket_counts(values: Iterable[float], bounds: Sequence[float]) -> list[int]:
@@ -79,43 +80,35 @@ def _cumulative(counts: Sequence[int], bounds: Sequence[float]) -> list[tuple[st
 
 
 class RequestStats:
-    """Request counts and latencies per route template, method and status; thread-safe."""
+    """Request counts and latencies per route template, method and status: a
+    prometheus_client ``Counter`` and ``Histogram`` (thread-safe themselves), kept out of
+    any registry and yielded by the app's collector with the job metrics."""
 
     def __init__(self, buckets: Sequence[float] = REQUEST_BUCKETS):
         self.buckets = tuple(buckets)
-        self._lock = threading.Lock()
-        self._counts: dict[tuple[str, str, str], int] = {}
-        self._latency: dict[tuple[str, str], tuple[list[int], float]] = {}
+        self.requests = Counter(
+            "dynabatch_http_requests", "HTTP requests by route template, method and status code.",
+            ["route", "method", "status"], registry=None,
+        )
+        self.latency = Histogram(
+            "dynabatch_http_request_duration_seconds",
+            "HTTP request latency by route template and method.",
+            ["route", "method"], buckets=self.buckets, registry=None,
+        )
 
     def observe(self, route: str, method: str, status: int, seconds: float) -> None:
         method = method if method in METHODS else "OTHER"
-        with self._lock:
-            key = (route, method, str(status))
-            self._counts[key] = self._counts.get(key, 0) + 1
-            empty: tuple[list[int], float] = ([0] * (len(self.buckets) + 1), 0.0)
-            counts, total = self._latency.get((route, method)) or empty
-            counts[bisect.bisect_left(self.buckets, seconds)] += 1
-            self._latency[(route, method)] = (counts, total + seconds)
+        self.requests.labels(route, method, str(status)).inc()
+        self.latency.labels(route, method).observe(seconds)
 
     def families(self) -> list[Metric]:
-        requests = CounterMetricFamily(
-            "dynabatch_http_requests",
-            "HTTP requests by route template, method and status code.",
-            labels=["route", "method", "status"],
-        )
-        latency = HistogramMetricFamily(
-            "dynabatch_http_request_duration_seconds",
-            "HTTP request latency by route template and method.",
-            labels=["route", "method"],
-        )
-        with self._lock:
-            for (route, method, status), n in sorted(self._counts.items()):
-                requests.add_metric([route, method, status], float(n))
-            for (route, method), (counts, total) in sorted(self._latency.items()):
-                latency.add_metric(
-                    [route, method], _cumulative(counts, self.buckets), sum_value=total
-                )
-        return [requests, latency]
+        # Without the `_created` samples: they are not request data and would double the
+        # series (a process may set PROMETHEUS_DISABLE_CREATED_SERIES; this does not rely on it).
+        out = []
+        for fam in [*self.requests.collect(), *self.latency.collect()]:
+            fam.samples = [x for x in fam.samples if not x.name.endswith("_created")]
+            out.append(fam)
+        return out
 
 
 class RequestMetricsMiddleware:
@@ -153,7 +146,9 @@ class JobCollector(Collector):
         self.requests = requests
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._job_families(self.service.metric_snapshots())
+        snaps = self.service.metric_snapshots()
+        yield from self._job_families(snaps)
+        yield from ps_families(snaps)
         nodes = self.service.alive_nodes
         if nodes is not None:
             g = GaugeMetricFamily("dynabatch_cluster_nodes", "Alive Ray nodes.")
@@ -186,20 +181,20 @@ class JobCollector(Collector):
         )
 
         def job_gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=["job"])
+            return GaugeMetricFamily(name, doc, labels=["job_id"])
 
         def job_counter(name: str, doc: str, labels: list[str] | None = None) -> Any:
-            return CounterMetricFamily(name, doc, labels=labels or ["job"])
+            return CounterMetricFamily(name, doc, labels=labels or ["job_id"])
 
         info = GaugeMetricFamily(
             "dynabatch_job_info",
             "A job's name and policy (always 1).",
-            labels=["job", "name", "policy"],
+            labels=["job_id", "name", "policy"],
         )
         state = GaugeMetricFamily(
             "dynabatch_job_state",
             "1 for the job's current state, 0 for the others.",
-            labels=["job", "state"],
+            labels=["job_id", "state"],
         )
         epoch = job_gauge("dynabatch_job_epoch", "Current epoch.")
         step = job_gauge("dynabatch_job_step", "Current step within the epoch.")
@@ -217,7 +212,7 @@ class JobCollector(Collector):
         events = job_counter(
             "dynabatch_job_worker_events",
             "Worker joins, leaves and failures.",
-            labels=["job", "kind", "reason"],
+            labels=["job_id", "kind", "reason"],
         )
         regroup = job_counter(
             "dynabatch_job_regroup_seconds", "Seconds spent re-forming the worker group."
@@ -228,7 +223,7 @@ class JobCollector(Collector):
         durations = HistogramMetricFamily(
             "dynabatch_job_epoch_duration_seconds",
             "Wall time of finished epochs.",
-            labels=["job"],
+            labels=["job_id"],
         )
 
         for s in snaps:

@@ -465,6 +465,9 @@ class Coordinator:
         self._last_collect = now
         failure = classify(outcomes, self.spec.collective_timeout_s)
         results = [o.result for o in outcomes if o.result is not None]
+        for r in results:  # the workers' own output (user prints), into the job log
+            for line in r.output:
+                self._log("INFO", f"{r.worker} {line}")
         done = max((len(r.steps) for r in results), default=0)
         with self._lock:
             for j in range(done):
@@ -522,17 +525,16 @@ class Coordinator:
                            f"failed: {v.reason}")
         test_loss = acc = None
         t_eval = self.clock.now()
-        # Split across every member holding the state; without the one that failed, again.
-        holders = [h.worker_id for h in self.membership.holders()]
-        while holders:
+        scores: dict[str, float] = {}
+        for holder in self.membership.holders():
             try:
-                test_loss, acc = self.runtime.evaluate(holders, EVAL_TIMEOUT_S)
+                scores = dict(self.runtime.evaluate(holder.worker_id, EVAL_TIMEOUT_S) or {})
+                test_loss, acc = scores.pop("loss", None), scores.get("accuracy")
                 break
             except WorkerCallError as err:
                 self._log("WARNING", f"evaluation failed: {err}")
                 if err.lost:
                     self._remove(err.worker, "failure", "lost during evaluation")
-                holders = [h for h in holders if h != err.worker]
         evaluation = self.clock.now() - t_eval
         ep = self._ep
         elapsed = self.clock.now() - ep.started
@@ -552,7 +554,7 @@ class Coordinator:
             epoch=p.epoch, wall_s=ep.wall, steps=p.steps_per_epoch, dataset_size=v.dataset_size,
             samples_trained=v.samples_trained, retried_samples=v.retried_samples,
             verified=v.verified, train_loss=ep.loss_sum / max(ep.loss_samples, 1),
-            test_loss=test_loss, test_accuracy=acc, utilization=min(util, 1.0),
+            test_loss=test_loss, test_accuracy=acc, test_metrics=scores, utilization=min(util, 1.0),
             compute_balance=balance, rebalances=ep.rebalances, generation=self.generation,
             policy=self.spec.policy, emulated=self.spec.emulated,
             elapsed_s=elapsed, evaluation_s=evaluation,

@@ -7,6 +7,7 @@ from typing import Any
 import ray
 
 from scheduler.coordinator import Coordinator
+from scheduler.ps_driver import PSCoordinator
 from service.raycluster import NAMESPACE
 from service.spec import JobSpec
 
@@ -16,6 +17,18 @@ MAX_CONCURRENCY = 16
 
 def coordinator_name(job_id: str) -> str:
     return f"dynabatch-job-{job_id}"
+
+
+def shipped_code(working_dir: str) -> dict[str, Any]:
+    """A runtime_env whose working_dir is a URI every node can fetch.
+
+    An actor's runtime_env takes only URIs: a local directory is zipped into Ray's GCS
+    first, the step ``ray.init(runtime_env=...)`` and Ray job submission take themselves
+    (Ray has no public function for it; this is the one they call). A URI (``gcs://``,
+    ``https://...zip``) passes through unchanged."""
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    return upload_working_dir_if_needed({"working_dir": working_dir}, include_gitignore=True)
 
 
 def launch_coordinator(
@@ -34,7 +47,13 @@ def launch_coordinator(
     }
     if detached:
         options["lifetime"] = "detached"
-    handle = ray.remote(Coordinator).options(**options).remote(job_id, spec, resume=resume)
+    if spec.working_dir:
+        # The user's code goes to every node with the job; the workers the coordinator
+        # starts inherit its runtime_env.
+        options["runtime_env"] = shipped_code(spec.working_dir)
+    # A parameter-server job has its own driver with the same public interface.
+    cls = PSCoordinator if spec.protocol.name == "ps" else Coordinator
+    handle = ray.remote(cls).options(**options).remote(job_id, spec, resume=resume)
     if start:
         handle.run.remote()
     return handle

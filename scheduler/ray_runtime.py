@@ -51,10 +51,13 @@ class RayRuntime:
     def load_data(self) -> DataInfo:
         from service.workloads.datasets import load_dataset
         from service.workloads.models import build_model
+        from service.workloads.objective import check_objective
 
         ds = load_dataset(self.spec.dataset, seed=self.spec.seed)
-        # Fail here, with the field named, rather than inside every worker's constructor.
-        build_model(self.spec.model, tuple(ds.input_shape), ds.num_classes)
+        # Fail here, with the field named, rather than inside every worker's constructor:
+        # the model, and the loss and metrics run on two samples of the data.
+        model = build_model(self.spec.model, tuple(ds.input_shape), ds.num_classes)
+        check_objective(self.spec, model, ds.x_train, ds.y_train)
         self._data = {
             "x_train": ray.put(ds.x_train),
             "y_train": ray.put(ds.y_train),
@@ -172,18 +175,9 @@ class RayRuntime:
                 errors.append(f"{w}: {first_line(err)}")
         return RegroupResult(lost, "; ".join(errors) or None)
 
-    def evaluate(self, workers: Sequence[str], timeout_s: float) -> tuple[float, float]:
+    def evaluate(self, worker: str, timeout_s: float) -> dict[str, float]:
         data = self._data
-        n = len(workers)
-        refs = {w: self._handles[w].evaluate_shard.remote(data["x_test"], data["y_test"], i, n)
-                for i, w in enumerate(workers)}
-        loss = correct = total = 0
-        for w, ref in refs.items():
-            part_loss, part_correct, part_n = self._get(w, "evaluate", ref, timeout_s)
-            loss += part_loss
-            correct += part_correct
-            total += part_n
-        return loss / max(total, 1), correct / max(total, 1)
+        return self._call(worker, "evaluate", timeout_s, data["x_test"], data["y_test"])
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict[str, Any]:
         return self._call(worker, "state", timeout_s)

@@ -97,10 +97,9 @@ class Runtime(Protocol):
         loading ``state`` into it when given. A member whose join raised is not lost: it
         is alive and takes part in the next attempt."""
 
-    def evaluate(self, workers: Sequence[str], timeout_s: float) -> tuple[float, float]:
-        """(test loss, test accuracy) of the model that ``workers`` all hold, the test set
-        split across them (evaluation off the critical path: 1/n each); raises
-        ``WorkerCallError`` naming a worker that failed."""
+    def evaluate(self, worker: str, timeout_s: float) -> dict[str, float]:
+        """``worker``'s model on the held-out set: ``{"loss": ..., <metric>: ...}`` (the
+        job's metrics); raises ``WorkerCallError``."""
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict[str, Any]:
         """``worker``'s model and optimizer state on the CPU; raises ``WorkerCallError``."""

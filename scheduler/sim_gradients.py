@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from actors.contracts import StepPlan, epoch_order
 from actors.worker import build_optimizer, to_cpu
 from service.spec import JobSpec
 from service.workloads.datasets import load_dataset
 from service.workloads.models import build_model
+from service.workloads.objective import objective_for, targets_kind
 
 
 class GradientEngine:
@@ -36,6 +36,7 @@ class GradientEngine:
         self.y = torch.from_numpy(np.asarray(ds.y_train))
         self.x_test = np.asarray(ds.x_test)
         self.y_test = np.asarray(ds.y_test)
+        self.objective = objective_for(spec, targets_kind(ds.y_train))
         torch.manual_seed(spec.seed)  # the worker seeds the same way before building
         self.model = build_model(spec.model, tuple(ds.input_shape), ds.num_classes)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -70,8 +71,8 @@ class GradientEngine:
                 continue
             ids = torch.from_numpy(np.asarray(order[sp.own_start:sp.own_start + sp.own_size],
                                               dtype=np.int64))
-            loss = F.cross_entropy(self.model(self.x.index_select(0, ids)),
-                                   self.y.index_select(0, ids), reduction="sum")
+            loss = self.objective.loss_sum(self.model(self.x.index_select(0, ids)),
+                                           self.y.index_select(0, ids))
             grads = torch.autograd.grad(loss / sp.size, self.params)
             for acc, g in zip(total, grads, strict=True):
                 acc.add_(g)
@@ -81,20 +82,10 @@ class GradientEngine:
         self.optimizer.step()
         return losses
 
-    def evaluate(self, batch: int = 1024) -> tuple[float, float]:
-        """(test loss, test accuracy), as :meth:`actors.worker.Worker.evaluate`."""
-        self.model.eval()
-        total_loss, correct = 0.0, 0
-        with torch.no_grad():
-            for s in range(0, len(self.y_test), batch):
-                xb = torch.from_numpy(self.x_test[s:s + batch])
-                yb = torch.from_numpy(self.y_test[s:s + batch])
-                out = self.model(xb)
-                total_loss += float(F.cross_entropy(out, yb, reduction="sum"))
-                correct += int((out.argmax(1) == yb).sum())
-        self.model.train()
-        n = max(len(self.y_test), 1)
-        return total_loss / n, correct / n
+    def evaluate(self, batch: int = 1024) -> dict[str, float]:
+        """The held-out loss and metrics, as :meth:`actors.worker.Worker.evaluate`."""
+        return self.objective.evaluate(self.model, self.x_test, self.y_test,
+                                       torch.device("cpu"), batch)
 
     def state(self) -> dict[str, Any]:
         return {"model": to_cpu(self.model.state_dict()),

@@ -435,12 +435,11 @@ class SimRuntime:
             self.gradients.load_state(state)
         return RegroupResult({})
 
-    def evaluate(self, workers: Sequence[str], timeout_s: float) -> tuple[float, float]:
-        for worker in workers:
-            self._check_alive(worker)
+    def evaluate(self, worker: str, timeout_s: float) -> dict[str, float]:
+        self._check_alive(worker)
         if self.gradients is None:
             # No model in timing-only mode: the record says so (no loss, no accuracy).
-            return None, None  # type: ignore[return-value]
+            return {}
         return self.gradients.evaluate()
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict[str, Any]:

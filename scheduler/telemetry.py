@@ -73,6 +73,11 @@ class EpochRecord(_Frozen):
     train_loss: float
     test_loss: float | None = None
     test_accuracy: float | None = None
+    test_metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="The job's evaluation metrics on the held-out set (accuracy, perplexity, "
+        "mse, user metrics), by name.",
+    )
     utilization: float = Field(description="sum(compute_i) / (n_workers * wall time).")
     compute_balance: float = Field(description="mean(compute_i) / max(compute_i).")
     rebalances: int = 0
@@ -119,6 +124,34 @@ class LogLine(_Frozen):
     message: str
 
 
+class PSWorkerStatus(_Frozen):
+    """One learner of a parameter-server job (protocol ps)."""
+
+    worker: str
+    batch: int
+    pushes: int
+    applied: int
+    refused: int
+    staleness_mean: float
+    staleness_max: int
+    staleness_counts: dict[int, int] = Field(
+        default_factory=dict, description="Applied gradients by staleness τ.")
+    member: bool = True
+
+
+class PSStatus(_Frozen):
+    """The parameter server's state (protocol ps)."""
+
+    mode: str
+    version: int = Field(description="Updates applied so far (the server's timestamp).")
+    applied: int
+    refused: int
+    deferred: int = Field(default=0, description="Updates put off by on_stale: wait.")
+    pushes: int
+    pushes_per_s: float
+    workers: list[PSWorkerStatus] = Field(default_factory=list)
+
+
 class JobSnapshot(_Frozen):
     """The live state of a job, read by the API, the CLI and the metrics collector."""
 
@@ -150,3 +183,4 @@ class JobSnapshot(_Frozen):
         default=None, description="Where the last epoch's step time went.")
     started_at: float | None = None
     finished_at: float | None = None
+    ps: PSStatus | None = Field(default=None, description="Parameter-server jobs only.")

@@ -22,6 +22,13 @@ def _register() -> None:
 
 
 def main() -> None:
+    from service.install_check import ForeignPackage, check_own_install
+
+    try:
+        check_own_install()
+    except ForeignPackage as err:
+        typer.echo(f"error: {err}", err=True)
+        raise SystemExit(2) from None
     _register()
     app()
 

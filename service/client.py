@@ -7,8 +7,9 @@ failure surfaces as :class:`ApiError` with a one-line message.
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import httpx
@@ -151,6 +152,44 @@ class DynabatchClient:
             JobLogs, "GET", f"/v1/jobs/{job_id}/logs", params={"since": since, "limit": limit}
         )
 
+    def events(self, job_id: str, *, since: int = 0, interval_s: float = 0.5
+               ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The job's server-sent events (``job``, ``epoch``, ``log``, ``end``) as
+        ``(event, data)`` until ``end``. A dropped connection is resumed from the last log
+        line and epoch received (up to ``retries`` times in a row)."""
+        next_log, next_epoch, drops = since, 0, 0
+        # The server sends a keep-alive comment every 15 s: a longer silence is a dead link.
+        timeout = httpx.Timeout(10.0, read=45.0)
+        while True:
+            params = {"since": next_log, "epochs_since": next_epoch, "interval_s": interval_s}
+            try:
+                with self._http.stream("GET", f"/v1/jobs/{job_id}/events", params=params,
+                                       headers=self._headers, timeout=timeout) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise ApiError(_error_message(response), response.status_code)
+                    for event, data in _parse_sse(response.iter_lines()):
+                        drops = 0
+                        if event == "log":
+                            next_log = int(data["seq"]) + 1
+                        elif event == "epoch":
+                            next_epoch = int(data["epoch"]) + 1
+                        yield event, data
+                        if event == "end":
+                            return
+            except (*_CONNECT_ERRORS, *_READ_ERRORS) as err:
+                drops += 1
+                if drops >= self.retries:
+                    raise ConnectionFailed(
+                        f"lost the event stream of job {job_id} at {self.url}: "
+                        f"{str(err) or type(err).__name__}"
+                    ) from None
+                time.sleep(self.retry_wait_s)
+            else:
+                drops += 1  # closed without `end` (a restart of the service): resume
+                if drops >= self.retries:
+                    raise ConnectionFailed(f"the event stream of job {job_id} keeps closing")
+
     def cancel(self, job_id: str, reason: str | None = None) -> JobDetail:
         body = {"reason": reason} if reason else None
         return self._call(JobDetail, "POST", f"/v1/jobs/{job_id}/cancel", json=body)
@@ -191,3 +230,22 @@ class DynabatchClient:
             if time.monotonic() >= deadline:
                 raise ApiError(f"job {job_id} is still {job.state.value} after {timeout_s:.0f}s")
             time.sleep(interval_s)
+
+
+def _parse_sse(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(event, JSON data)`` from text/event-stream lines (comments skipped)."""
+    event, data = "message", []
+    for line in lines:
+        if not line:
+            if data:
+                yield event, json.loads("\n".join(data))
+            event, data = "message", []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "event":
+            event = value
+        elif name == "data":
+            data.append(value)

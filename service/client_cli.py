@@ -29,6 +29,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from api.schemas import JobDetail
 from scheduler.state import JobState
 from service.breakdown_view import breakdown_table
 from service.client import DEFAULT_URL, ApiError, DynabatchClient
@@ -164,9 +165,28 @@ def _job_table(job: Any) -> Group:
             f"{w.compute_s_per_step * 1e3:.1f} ms",
             f"{w.wait_s_per_step * 1e3:.1f} ms",
         )
+    parts: list[Any] = [head, workers]
     if job.step_breakdown is not None:
-        return Group(head, workers, breakdown_table(job.step_breakdown))
-    return Group(head, workers)
+        parts.append(breakdown_table(job.step_breakdown))
+    ps = getattr(job, "ps", None)
+    if ps is not None:
+        parts.append(_ps_table(ps))
+    return Group(*parts)
+
+
+def _ps_table(ps: Any) -> Table:
+    """Per-learner staleness of a parameter-server job."""
+    t = Table(title=f"parameter server ({ps.mode}): version {ps.version}, applied "
+              f"{ps.applied}, refused {ps.refused}, {ps.pushes_per_s:,.1f} pushes/s",
+              expand=False)
+    for col in ("worker", "batch", "pushes", "applied", "refused", "staleness mean",
+                "staleness max"):
+        t.add_column(col, justify="left" if col == "worker" else "right")
+    for w in ps.workers:
+        t.add_row(w.worker + ("" if w.member else " (gone)"), str(w.batch), str(w.pushes),
+                  str(w.applied), str(w.refused), f"{w.staleness_mean:.2f}",
+                  str(w.staleness_max))
+    return t
 
 
 def serve(
@@ -258,22 +278,64 @@ def submit(
     url: Url = DEFAULT_URL,
     token: Token = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the response as JSON.")] = False,
+    wait: Annotated[bool, typer.Option(
+        "--wait/--no-wait", help="Wait for the job, streaming its logs and a live table; "
+        "exit 0 when it SUCCEEDED, 1 otherwise. --no-wait prints the id and returns.")] = True,
+    working_dir: Annotated[Path | None, typer.Option(
+        "--working-dir", help="Ship this directory with the job to every node (Ray "
+        "runtime_env); import paths may then name its modules. The service must allow "
+        "user code and be able to read the directory.")] = None,
+    interval: Annotated[float, typer.Option(min=0.02, help="Seconds between the "
+                                            "server's checks for news.")] = 0.5,
 ) -> None:
-    """Submit a job config; prints the job id."""
+    """Submit a job config; prints the job id, then (by default) follows the job."""
 
     @_clean_errors
-    def go() -> None:
+    def go() -> int:
         spec = _read_config(config)
+        if working_dir is not None:
+            if not working_dir.is_dir():
+                raise CliError(f"--working-dir: {working_dir} is not a directory")
+            spec["working_dir"] = str(working_dir.resolve())
         with _client(ctx, url, token) as client:
             job = client.submit(spec)
-        if as_json:
-            typer.echo(job.model_dump_json())
-            return
-        typer.echo(job.job_id)
-        for w in job.warnings:
-            _stderr().print(f"warning: {_one_line(w)}", markup=False)
+            if as_json:
+                typer.echo(job.model_dump_json())
+            else:
+                typer.echo(job.job_id)
+            for w in job.warnings:
+                _stderr().print(f"warning: {_one_line(w)}", markup=False)
+            if not wait:
+                return 0
+            return _follow(client, job.job_id, interval)
 
-    go()
+    code = go()
+    if code:
+        raise typer.Exit(code)
+
+
+def _follow(client: DynabatchClient, job_id: str, interval: float) -> int:
+    """Stream the job's events: log lines scroll above a live table; the exit code is 0
+    for SUCCEEDED, 1 otherwise."""
+    console = Console(soft_wrap=True)
+    final = None
+    with Live(console=console, auto_refresh=False, transient=False) as live:
+        for event, data in client.events(job_id, interval_s=interval):
+            if event == "log":
+                live.console.print(f"{_ts(data['time'])} {data['level']:<7} {data['message']}",
+                                   markup=False, highlight=False)
+            elif event in ("job", "end"):
+                final = JobDetail.model_validate(data)
+                live.update(_job_table(final), refresh=True)
+    if final is None:  # pragma: no cover - the server always ends with `end`
+        final = client.get(job_id)
+    if not console.is_terminal:
+        console.line()  # a non-terminal Live leaves the cursor after the table
+    line = f"job {final.job_id} {final.state.value}"
+    if final.reason:
+        line += f": {final.reason}"
+    console.print(line, markup=False, highlight=False)
+    return 0 if final.state == JobState.SUCCEEDED else 1
 
 
 def list_jobs(

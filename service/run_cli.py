@@ -118,10 +118,38 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
     if report:
         write_report(report, spec, snap, hist)
         console.print(f"report written to {report}")
+        if hist:
+            for p in report_plots(report):
+                console.print(f"plot written to {p}")
     return snap
 
 
+def report_plots(path: Path, out: Path | None = None) -> list[Path]:
+    """Render a JSON report's PNG plots (service.plots) beside it, or under ``out``."""
+    from service.plots import render
+
+    report = json.loads(path.read_text())
+    return render(report, out or path.parent, prefix=f"{path.stem}-")
+
+
 def register(app: typer.Typer) -> None:
+    @app.command("report")
+    def report_cmd(
+        report: Annotated[Path, typer.Argument(help="A JSON report of `dynabatch run`.")],
+        out: Annotated[Path | None, typer.Option(
+            help="Directory for the PNGs; default: beside the report.")] = None,
+    ) -> None:
+        """Render a report's plots (batch shares, compute vs wait, loss and metrics) as PNG."""
+        console = Console()
+        try:
+            paths = report_plots(report, out)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            msg = " ".join(str(err).split()) or type(err).__name__
+            console.print(f"[red]error:[/] {report}: {msg}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        for p in paths:
+            console.print(str(p), highlight=False, soft_wrap=True)
+
     @app.command("run")
     def run(
         config: Annotated[Path, typer.Argument(help="YAML job config (see examples/).")],

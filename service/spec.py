@@ -38,8 +38,10 @@ MAX_WORKERS = 4096
 # The grammar service.workloads.imports resolves: dotted module names, then one attribute.
 IMPORT_PATH_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
 MODULE_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$"
-BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10")
-BUILTIN_MODELS = ("mlp", "lenet", "resnet")
+BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource")
+BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm")
+BUILTIN_LOSSES = ("cross_entropy", "mse", "next_token")
+BUILTIN_METRICS = ("accuracy", "mse", "perplexity")
 
 # Integer fields are StrictInt: "7" or true is an error naming the field, never a silent
 # conversion (YAML and JSON configs give real integers). Float fields stay lax: `lr: 1` must
@@ -85,7 +87,7 @@ class DatasetSpec(_Strict):
             return v
         if not re.match(IMPORT_PATH_PATTERN, v):
             raise ValueError(
-                f"unknown dataset {v!r}: use synthetic, digits, mnist, cifar10 "
+                f"unknown dataset {v!r}: use {', '.join(BUILTIN_DATASETS)} "
                 "or 'pkg.mod:function'"
             )
         return v
@@ -104,7 +106,9 @@ class ModelSpec(_Strict):
         if v in BUILTIN_MODELS:
             return v
         if not re.match(IMPORT_PATH_PATTERN, v):
-            raise ValueError(f"unknown model {v!r}: use mlp, lenet, resnet or 'pkg.mod:function'")
+            raise ValueError(
+                f"unknown model {v!r}: use {', '.join(BUILTIN_MODELS)} or 'pkg.mod:function'"
+            )
         return v
 
 
@@ -171,6 +175,32 @@ class CheckpointSpec(_Strict):
     every_epochs: StrictInt = Field(default=1, ge=1)
 
 
+class ProtocolSpec(_Strict):
+    """How gradients reach the model. ``sync`` (default): synchronous data parallel with
+    per-worker batches (the policy). ``ps``: a parameter server (Rudra's hardsync, n-softsync
+    and async, with staleness-aware learning rates; ``batch: perf_aware`` is Ji et al.'s
+    per-learner batches). Each learner's base batch is ``global_batch // workers`` (μ, so
+    μλ = global_batch). See ``scheduler.protocols.ps`` for the formulas."""
+
+    name: Literal["sync", "ps"] = "sync"
+    mode: Literal["async", "softsync", "hardsync"] = "async"
+    n: StrictInt = Field(default=1, ge=1, description="n-softsync: update every ⌊λ/n⌋ "
+                         "gradients (λ = workers).")
+    lr_staleness: Literal["none", "per_gradient", "average"] = Field(
+        default="none", description="α0 | α0/τ per gradient | α0/⟨τ⟩.")
+    max_staleness: StrictInt | None = Field(
+        default=None, ge=0, description="Bound S on a gradient's staleness; none: unbounded.")
+    on_stale: Literal["refuse", "wait"] = "refuse"
+    batch: Literal["fixed", "perf_aware"] = "fixed"
+    replan_pushes: StrictInt = Field(
+        default=0, ge=0, description="perf_aware: re-plan every k pushes (0: every epoch).")
+    scale_lr: bool = Field(default=False, description="perf_aware: scale α by b_i/b0.")
+
+
+PS_ONLY_FIELDS = ("mode", "n", "lr_staleness", "max_staleness", "on_stale", "batch",
+                  "replan_pushes", "scale_lr")
+
+
 class _CombinationError(ValueError):
     """Invalid combinations of fields, each as (dotted field path, problem)."""
 
@@ -205,6 +235,26 @@ class JobSpec(_Strict):
     dataset: DatasetSpec = Field(default_factory=DatasetSpec)
     model: ModelSpec = Field(default_factory=ModelSpec)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    loss: str | None = Field(
+        default=None,
+        description="Per-sample loss: cross_entropy, mse, next_token or 'pkg.mod:function' "
+        "((outputs, targets) -> one loss per sample, shape (B,)). Default: from the dataset "
+        "(class labels: cross_entropy, token sequences: next_token, regression values: mse).",
+        examples=["cross_entropy", "next_token", "my_pkg.losses:huber"],
+    )
+    working_dir: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="The user's code, shipped with the job to every node through Ray's "
+        "runtime_env: a directory readable where the job is launched, or a URI Ray accepts "
+        "(e.g. an https:// zip). Its modules are importable by import paths. Over REST only "
+        "when the service allows any user code (DYNABATCH_USER_CODE_MODULES='*').",
+    )
+    metrics: list[str] | None = Field(
+        default=None, max_length=16,
+        description="Evaluation metrics on the held-out set: accuracy, mse, perplexity or "
+        "'pkg.mod:function' ((outputs, targets) -> one value per sample, averaged). Default: "
+        "from the loss (cross_entropy: accuracy, next_token: perplexity and accuracy, mse: mse).",
+    )
     workers: int | Literal["auto"] = Field(
         default=2, description="Number of workers, or 'auto' for one per eligible node."
     )
@@ -246,6 +296,7 @@ class JobSpec(_Strict):
     seed: StrictInt = Field(default=0, ge=0, le=2**31 - 1)
     emulation: EmulationSpec = Field(default_factory=EmulationSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    protocol: ProtocolSpec = Field(default_factory=ProtocolSpec)
     collective_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
     worker_wait_timeout_s: float = Field(
         default=60.0,
@@ -263,6 +314,28 @@ class JobSpec(_Strict):
         description="Retries of a step that failed with a worker's own (compute) error before "
         "the job fails with that error.",
     )
+
+    @field_validator("loss")
+    @classmethod
+    def _loss(cls, v: str | None) -> str | None:
+        if v is None or v in BUILTIN_LOSSES or re.match(IMPORT_PATH_PATTERN, v):
+            return v
+        raise ValueError(
+            f"unknown loss {v!r}: use {', '.join(BUILTIN_LOSSES)} or 'pkg.mod:function'"
+        )
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics(cls, v: list[str] | None) -> list[str] | None:
+        for m in v or ():
+            if m not in BUILTIN_METRICS and not re.match(IMPORT_PATH_PATTERN, m):
+                raise ValueError(
+                    f"unknown metric {m!r}: use {', '.join(BUILTIN_METRICS)} or "
+                    "'pkg.mod:function'"
+                )
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError("metrics are listed twice")
+        return v
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -329,6 +402,7 @@ class JobSpec(_Strict):
                     f"worker {d.worker} does not exist: at most {most} workers "
                     f"(ordinals 0..{most - 1})",
                 )
+        _ps_problems(self, bad)
         if self.device == "cuda" and self.worker_gpus == 0:
             bad("worker_gpus", "device 'cuda' needs worker_gpus > 0 or 'auto'")
         if self.device == "cpu" and self.worker_gpus == "auto":
@@ -368,6 +442,45 @@ class JobSpec(_Strict):
     def emulated(self) -> bool:
         e = self.emulation
         return bool(e.slowdowns or e.disturbances or e.errors)
+
+
+def _ps_problems(spec: JobSpec, bad: Any) -> None:
+    """Options the parameter server cannot honour, and ps options on a sync job. Only values
+    that differ from the defaults count, so a dumped spec validates again."""
+    p = spec.protocol
+    default = ProtocolSpec()
+    if p.name != "ps":
+        for f in PS_ONLY_FIELDS:
+            if getattr(p, f) != getattr(default, f):
+                bad(f"protocol.{f}", "applies only to protocol ps")
+        return
+    n = spec.initial_workers
+    if n is None:
+        bad("workers", "protocol ps needs a number of learners, not 'auto'")
+    elif p.mode == "softsync" and p.n > n:
+        bad("protocol.n", f"n ({p.n}) is greater than the number of learners (workers = {n})")
+    if p.mode != "softsync" and p.n != default.n:
+        bad("protocol.n", f"applies only to mode softsync, not {p.mode}")
+    if spec.policy != "affine":
+        bad("policy", "protocol ps sizes batches with protocol.batch, not a policy")
+    if spec.rebalance != RebalanceSpec():
+        bad("rebalance", "protocol ps re-plans with protocol.replan_pushes")
+    if spec.checkpoint.dir:
+        bad("checkpoint.dir", "protocol ps does not write checkpoints")
+    if spec.worker_gpus != 0 or spec.device == "cuda":
+        bad("worker_gpus", "protocol ps learners run on the CPU")
+    if spec.emulation.errors:
+        bad("emulation.errors", "protocol ps does not inject worker errors")
+    if spec.max_batch is not None:
+        bad("max_batch", "protocol ps bounds batches itself (perf_aware: 4·b0)")
+    # The learners and the server compute cross-entropy and accuracy only.
+    if spec.loss not in (None, "cross_entropy"):
+        bad("loss", "protocol ps trains with cross_entropy only")
+    if spec.metrics not in (None, ["accuracy"]):
+        bad("metrics", "protocol ps reports accuracy only")
+    if p.batch != "perf_aware" and (p.replan_pushes != default.replan_pushes
+                                    or p.scale_lr != default.scale_lr):
+        bad("protocol.batch", "replan_pushes and scale_lr need batch perf_aware")
 
 
 class SpecError(ValueError):
@@ -461,7 +574,16 @@ def check_user_code(spec: JobSpec, allowed: Iterable[str]) -> list[tuple[str, st
     """(field, problem) for each import path in ``spec`` whose module is not ``allowed``."""
     allowed = tuple(allowed)
     problems = []
-    for field, name in (("dataset.name", spec.dataset.name), ("model.name", spec.model.name)):
+    named = [("dataset.name", spec.dataset.name), ("model.name", spec.model.name)]
+    if spec.loss:
+        named.append(("loss", spec.loss))
+    named += [(f"metrics.{i}", m) for i, m in enumerate(spec.metrics or ())]
+    if spec.working_dir is not None and ANY_MODULE not in allowed:
+        # Shipped code may shadow any module, allowed ones included: only with "*".
+        problems.append(("working_dir", "shipping code with the job is not allowed: this "
+                         "service allows no user code from any module (needs "
+                         "DYNABATCH_USER_CODE_MODULES='*')"))
+    for field, name in named:
         if not re.match(IMPORT_PATH_PATTERN, name):
             continue  # a built-in
         module = name.partition(":")[0]

@@ -645,11 +645,10 @@ class FakeRuntime:
             self.workers[w].lineage = list(src.lineage)
         return RegroupResult({})
 
-    def evaluate(self, workers, timeout_s: float) -> tuple[float, float]:
+    def evaluate(self, worker: str, timeout_s: float) -> dict[str, float]:
         self.calls["evaluate"] += 1
-        for w in workers:
-            self._check_call("die_in_eval", w)
-        return 1.0, min(1.0, len(self.workers[workers[0]].lineage) / 100)
+        self._check_call("die_in_eval", worker)
+        return {"loss": 1.0, "accuracy": min(1.0, len(self.workers[worker].lineage) / 100)}
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict:
         self.calls["checkpoint"] += 1

@@ -36,7 +36,7 @@ from service.workloads.formats import (
 )
 from service.workloads.imports import call_user, resolve_callable
 
-BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10")
+BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource")
 
 # Distinct RNG stream tags, so that e.g. changing the limit never changes the data itself.
 _TAG_SYNTHETIC = 0x53594E
@@ -86,12 +86,46 @@ def _all_finite(x: np.ndarray) -> bool:
     return all(np.isfinite(x[i : i + step]).all() for i in range(0, len(x), step))
 
 
+TARGET_KINDS = ("classes", "tokens", "values")
+
+
+def _as_tokens(a: Any, what: str) -> np.ndarray:
+    try:
+        arr = np.asarray(a)
+    except Exception as err:
+        raise _InvalidArrays(f"{what} is not an array ({err})") from err
+    if arr.dtype.kind not in "iu":
+        raise _InvalidArrays(f"{what} must hold integer token ids (int64), got dtype {arr.dtype}")
+    if arr.ndim != 2:
+        raise _InvalidArrays(f"{what} must have shape (N, T) of token ids, got {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _as_values(y: Any, what: str) -> np.ndarray:
+    try:
+        arr = np.asarray(y)
+    except Exception as err:
+        raise _InvalidArrays(f"{what} is not an array ({err})") from err
+    if arr.dtype.kind not in "biuf":
+        raise _InvalidArrays(f"{what} must hold numeric regression targets, got dtype {arr.dtype}")
+    if arr.ndim not in (1, 2):
+        raise _InvalidArrays(f"{what} must have shape (N,) or (N, k), got {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
 @dataclass(frozen=True, eq=False, repr=False)
 class DatasetArrays:
-    """A dataset in memory: float32 features (N, *input_shape) and int64 labels (N,).
+    """A dataset in memory. ``targets`` says what the samples hold:
 
-    Construction converts dtypes (float32 / int64, C-contiguous) and validates shapes, label
-    range and finiteness, raising :class:`WorkloadError` on a problem.
+    * ``classes`` (default): float32 features (N, *input_shape) and int64 labels (N,) in
+      ``0..num_classes-1``;
+    * ``tokens``: int64 token sequences x (N, T) and next tokens y (N, T), ids in
+      ``0..num_classes-1`` (``num_classes`` is the vocabulary size);
+    * ``values``: float32 features and float32 regression targets (N,) or (N, k);
+      ``num_classes`` is the model's output width.
+
+    Construction converts dtypes (C-contiguous) and validates shapes, ranges and
+    finiteness, raising :class:`WorkloadError` on a problem.
     """
 
     name: str
@@ -100,20 +134,36 @@ class DatasetArrays:
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
+    targets: str = "classes"
 
     def __post_init__(self) -> None:
+        kind = self.targets
+        if kind not in TARGET_KINDS:
+            raise _InvalidArrays(f"targets must be one of {', '.join(TARGET_KINDS)}, got {kind!r}")
         fields: dict[str, np.ndarray] = {}
         for split in ("train", "test"):
-            x = _as_features(getattr(self, f"x_{split}"), f"x_{split}")
-            y = _as_labels(getattr(self, f"y_{split}"), f"y_{split}")
+            if kind == "tokens":
+                x = _as_tokens(getattr(self, f"x_{split}"), f"x_{split}")
+                y = _as_tokens(getattr(self, f"y_{split}"), f"y_{split}")
+                if x.shape != y.shape:
+                    raise _InvalidArrays(
+                        f"x_{split} has shape {x.shape} but y_{split} has {y.shape}"
+                    )
+            else:
+                x = _as_features(getattr(self, f"x_{split}"), f"x_{split}")
+                y = (_as_labels if kind == "classes" else _as_values)(
+                    getattr(self, f"y_{split}"), f"y_{split}"
+                )
             if x.ndim < 2:
                 raise _InvalidArrays(f"x_{split} must have shape (N, *input_shape), got {x.shape}")
             if len(x) != len(y):
                 raise _InvalidArrays(f"x_{split} has {len(x)} samples but y_{split} has {len(y)}")
             if len(x) == 0:
                 raise _InvalidArrays(f"x_{split} is empty")
-            if not _all_finite(x):
+            if kind != "tokens" and not _all_finite(x):
                 raise _InvalidArrays(f"x_{split} contains NaN or infinite values")
+            if kind == "values" and not np.isfinite(y).all():
+                raise _InvalidArrays(f"y_{split} contains NaN or infinite values")
             fields[f"x_{split}"], fields[f"y_{split}"] = x, y
         if fields["x_test"].shape[1:] != fields["x_train"].shape[1:]:
             raise _InvalidArrays(
@@ -121,16 +171,20 @@ class DatasetArrays:
                 f"have {fields['x_train'].shape[1:]}"
             )
         k = self.num_classes
-        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 2:
-            raise _InvalidArrays(f"num_classes must be an int >= 2, got {k!r}")
+        least = 1 if kind == "values" else 2
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < least:
+            raise _InvalidArrays(f"num_classes must be an int >= {least}, got {k!r}")
+        ranged = {"classes": ("y",), "tokens": ("x", "y"), "values": ()}[kind]
         for split in ("train", "test"):
-            y = fields[f"y_{split}"]
-            lo, hi = int(y.min()), int(y.max())
-            if lo < 0 or hi >= k:
-                raise _InvalidArrays(
-                    f"y_{split} has label {lo if lo < 0 else hi}, outside 0..{k - 1} "
-                    f"(num_classes={k})"
-                )
+            for a in ranged:
+                y = fields[f"{a}_{split}"]
+                lo, hi = int(y.min()), int(y.max())
+                if lo < 0 or hi >= k:
+                    what = "label" if kind == "classes" else "token id"
+                    raise _InvalidArrays(
+                        f"{a}_{split} has {what} {lo if lo < 0 else hi}, outside 0..{k - 1} "
+                        f"(num_classes={k})"
+                    )
         for key, value in fields.items():
             object.__setattr__(self, key, value)
         object.__setattr__(self, "num_classes", int(k))
@@ -145,7 +199,7 @@ class DatasetArrays:
         return (
             f"DatasetArrays(name={self.name!r}, train={len(self.y_train)}, "
             f"test={len(self.y_test)}, input_shape={self.input_shape}, "
-            f"num_classes={self.num_classes})"
+            f"num_classes={self.num_classes}, targets={self.targets!r})"
         )
 
 
@@ -487,6 +541,15 @@ def _user(spec: DatasetSpec, seed: int) -> DatasetArrays:
             "(x_train, y_train, x_test, y_test)"
         )
     x_tr, y_tr, x_te, y_te = result
+    if np.ndim(y_tr) == 2 and np.asarray(y_tr).dtype.kind in "iu":
+        # Integer (N, T) targets: token sequences; the vocabulary covers every id seen.
+        try:
+            top = max(int(np.max(a)) for a in (x_tr, y_tr, x_te, y_te))
+            return DatasetArrays(spec.name, x_tr, y_tr, x_te, y_te, num_classes=max(top + 1, 2),
+                                 targets="tokens")
+        except _InvalidArrays as err:
+            raise WorkloadError(
+                f"{field}: {spec.name!r} returned invalid data: {err.problem}") from err
     try:
         labels = [_as_labels(y_tr, "y_train"), _as_labels(y_te, "y_test")]
         # A tuple carries no class count: infer it from the largest label seen.
@@ -496,7 +559,19 @@ def _user(spec: DatasetSpec, seed: int) -> DatasetArrays:
         raise WorkloadError(f"{field}: {spec.name!r} returned invalid data: {err.problem}") from err
 
 
+def _pysource(spec: DatasetSpec, seed: int) -> DatasetArrays:
+    """Character-level LM windows over the stdlib's source (see :mod:`.text`)."""
+    from service.workloads import text
+
+    _warn_unused_path(spec)
+    opts = _int_options(spec, {"chars": (400_000, 1_000, 5_000_000), "seq_len": (64, 2, 4096)})
+    x_tr, y_tr, x_te, y_te = text.split_corpus(opts["chars"], opts["seq_len"], spec.test_fraction)
+    return DatasetArrays("pysource", x_tr, y_tr, x_te, y_te, num_classes=text.VOCAB,
+                         targets="tokens")
+
+
 _BUILTINS: dict[str, Callable[[DatasetSpec, int], DatasetArrays]] = {
+    "pysource": _pysource,
     "synthetic": _synthetic,
     "digits": _digits,
     "mnist": _mnist,

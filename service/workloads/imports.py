@@ -8,8 +8,9 @@ of a traceback from deep inside a Ray worker.
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -44,24 +45,35 @@ def resolve_callable(path: str, field: str) -> Callable[..., Any]:
             f"{field}: {path!r} is not an import path of the form 'pkg.mod:function'"
         )
     module_name, attr = m["module"], m["attr"]
+    was_loaded = module_name in sys.modules
     try:
-        module = importlib.import_module(module_name)
+        obj = pkgutil.resolve_name(path)
     except ImportError as err:
         raise WorkloadError(
             f"{field}: cannot import module {module_name!r} ({one_line(str(err))})"
+        ) from err
+    except AttributeError as err:
+        # resolve_name imports the module, then looks the attribute up: the module being
+        # loaded now tells a missing attribute from a module whose own code raised it.
+        if module_name in sys.modules and (was_loaded or _failed_in_lookup(err, attr)):
+            raise WorkloadError(
+                f"{field}: module {module_name!r} has no attribute {attr!r}"
+            ) from err
+        raise WorkloadError(
+            f"{field}: importing module {module_name!r} failed ({describe(err)})"
         ) from err
     except Exception as err:
         # The module exists but its top-level code failed; say so rather than "not found".
         raise WorkloadError(
             f"{field}: importing module {module_name!r} failed ({describe(err)})"
         ) from err
-    try:
-        obj = getattr(module, attr)
-    except AttributeError as err:
-        raise WorkloadError(f"{field}: module {module_name!r} has no attribute {attr!r}") from err
     if not callable(obj):
         raise WorkloadError(f"{field}: {path!r} is not callable (it is a {type(obj).__name__})")
     return obj
+
+
+def _failed_in_lookup(err: AttributeError, attr: str) -> bool:
+    return getattr(err, "name", None) == attr or f"attribute {attr!r}" in str(err)
 
 
 def call_user(fn: Callable[..., Any], path: str, field: str, **kwargs: Any) -> Any:

@@ -24,7 +24,7 @@ from service.spec import ModelSpec
 from service.workloads import WorkloadError
 from service.workloads.imports import call_user, resolve_callable
 
-BUILTIN_MODELS = ("mlp", "lenet", "resnet")
+BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm")
 NORMS = ("group", "batch", "none")
 
 
@@ -279,7 +279,23 @@ def _build_user(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int)
     return model
 
 
+def _build_charlm(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    from service.workloads.charlm import CharLM
+
+    _check_options(spec, ["layers", "heads"])
+    if len(input_shape) != 1:
+        raise WorkloadError(
+            f"model.name: charlm needs token sequences (N, T), got samples of shape {input_shape}"
+        )
+    layers = _int(spec.options.get("layers", 2), "layers", 1, 24)
+    heads = _int(spec.options.get("heads", 4), "heads", 1, 64)
+    if spec.hidden % heads:
+        raise WorkloadError(f"model.hidden: {spec.hidden} is not a multiple of heads ({heads})")
+    return CharLM(input_shape[0], num_classes, spec.hidden, layers, heads)
+
+
 _BUILDERS: dict[str, Callable[[ModelSpec, tuple[int, ...], int], nn.Module]] = {
+    "charlm": _build_charlm,
     "mlp": _build_mlp,
     "lenet": _build_lenet,
     "resnet": _build_resnet,

@@ -102,9 +102,8 @@ def prometheus(api_server: ApiServer, tmp_path_factory: pytest.TempPathFactory) 
         "scrape_configs": [
             {
                 "job_name": "dynabatch-api",
-                # The service's own `job` label (the dynabatch job id) must win over the
-                # scrape job's; otherwise Prometheus renames it to exported_job.
-                "honor_labels": True,
+                # As deploy/prometheus/prometheus.yml: no honor_labels (the series' job
+                # label is job_id, which collides with nothing).
                 "scrape_interval": "1s",
                 "scrape_timeout": "1s",
                 "metrics_path": "/metrics",

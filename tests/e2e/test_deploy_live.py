@@ -194,8 +194,8 @@ def running_job(live_api: str, live_prometheus: str) -> Iterator[dict[str, Any]]
         res = promql(
             live_prometheus,
             "query",
-            query=f'count_over_time(dynabatch_worker_batch_size{{job="{job_id}"}}[15s])'
-            f' >= 12 and on (job) dynabatch_job_epoch{{job="{job_id}"}} >= 3',
+            query=f'count_over_time(dynabatch_worker_batch_size{{job_id="{job_id}"}}[15s])'
+            f' >= 12 and on (job_id) dynabatch_job_epoch{{job_id="{job_id}"}} >= 3',
         )
         return bool(res["result"])
 

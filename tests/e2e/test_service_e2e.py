@@ -48,7 +48,7 @@ def _worker_series(text: str, job: str, metric: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         if family.name == metric:
             return {
-                s.labels["worker"]: s.value for s in family.samples if s.labels.get("job") == job
+                s.labels["worker"]: s.value for s in family.samples if s.labels.get("job_id") == job
             }
     return {}
 
@@ -110,8 +110,8 @@ def test_job_lifecycle_with_metrics_prometheus_and_api_restart(
 
     # Prometheus scraped it: the batch sizes of the running job, by PromQL.
     query = (
-        f'dynabatch_worker_batch_size{{job="{job}"}} '
-        f'and on(job) (dynabatch_job_state{{job="{job}",state="RUNNING"}} == 1)'
+        f'dynabatch_worker_batch_size{{job_id="{job}"}} '
+        f'and on(job_id) (dynabatch_job_state{{job_id="{job}",state="RUNNING"}} == 1)'
     )
     series = wait_for(
         "Prometheus to return the running job's batch sizes",
@@ -165,6 +165,6 @@ def test_job_lifecycle_with_metrics_prometheus_and_api_restart(
         for f in text_string_to_metric_families(text)
         if f.name == "dynabatch_job_state"
         for s in f.samples
-        if s.labels["job"] == job
+        if s.labels["job_id"] == job
     }
     assert states["SUCCEEDED"] == 1 and states["RUNNING"] == 0

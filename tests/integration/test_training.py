@@ -27,15 +27,24 @@ def _spec(**kw) -> JobSpec:
     return JobSpec.model_validate(base)
 
 
-@pytest.mark.parametrize("comm", [
-    {"allreduce": "flat"},
-    # Small buckets launched from backward's hooks, and memory caps that make the workers
-    # accumulate 2, 3 and 3 micro-batches.
-    {"allreduce": "bucketed", "bucket_kb": 1, "micro_batch": [3, 4, 16]},
-], ids=["flat", "bucketed-accumulated"])
-def test_weighted_allreduce_equals_one_process_update(cluster, comm):
-    """3 workers with batches 5, 11 and 48 make the update of one process on 64 samples."""
-    spec = _spec(optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9}, **comm)
+LM = dict(dataset={"name": "pysource", "options": {"chars": 20000, "seq_len": 16}},
+          model={"name": "charlm", "hidden": 16, "options": {"heads": 2, "layers": 1}},
+          loss="next_token")
+# Small buckets launched from backward's hooks, and memory caps that make the workers
+# accumulate 2, 3 and 3 micro-batches.
+ACCUMULATED = {"allreduce": "bucketed", "bucket_kb": 1, "micro_batch": [3, 4, 16]}
+
+
+@pytest.mark.parametrize(("workload", "comm"), [
+    ({}, {"allreduce": "flat"}), ({}, ACCUMULATED), (LM, {"allreduce": "bucketed"}),
+], ids=["cross_entropy-flat", "cross_entropy-bucketed-accumulated", "next_token-bucketed"])
+def test_weighted_allreduce_equals_one_process_update(cluster, workload, comm):
+    """3 workers with batches 5, 11 and 48 make the update of one process on 64 samples,
+    for classification and for a language model's per-sample loss, with the flat and the
+    bucketed all-reduce, and with micro-batch accumulation."""
+    from service.workloads.losses import LOSSES
+
+    spec = _spec(optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9}, **workload, **comm)
     ds = load_dataset(spec.dataset, seed=spec.seed)
     x, y = ds.x_train[:64], ds.y_train[:64]
     cls = ray.remote(Worker)
@@ -66,7 +75,7 @@ def test_weighted_allreduce_equals_one_process_update(cluster, comm):
         opt.zero_grad()
         xb = torch.from_numpy(x)
         yb = torch.from_numpy(y)
-        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        LOSSES[spec.loss or "cross_entropy"](model(xb), yb).mean().backward()
         opt.step()
     ref = model.state_dict()
     for st in states:
@@ -137,3 +146,11 @@ def test_dbs_balances_unequal_nodes_where_static_cannot(cluster):
     # Same seed and order: the allocation never changes the math, so static and affine
     # reach the same accuracy.
     assert abs(hist[-1].test_accuracy - static.history()[-1].test_accuracy) <= 0.01
+
+
+def test_a_loss_of_the_wrong_shape_fails_the_job_naming_the_field(cluster):
+    spec = _spec(loss="tests.unit.workload_plugins:mean_loss", epochs=1)
+    coord = Coordinator("badloss", spec, resume=False)
+    snap = coord.run()
+    assert snap.state == JobState.FAILED
+    assert snap.reason.startswith("loss: 'tests.unit.workload_plugins:mean_loss' returned shape")

@@ -154,7 +154,7 @@ def test_submit_prints_the_id(
     cli: typer.Typer, server: Callable[..., TestClient], config: Path
 ) -> None:
     http = server()
-    result = _invoke(cli, http, "submit", str(config))
+    result = _invoke(cli, http, "submit", str(config), "--no-wait")
     assert result.exit_code == 0, result.output
     assert re.fullmatch(r"[0-9a-f]{12}", result.stdout.strip())
 
@@ -186,7 +186,7 @@ def test_list_status_logs(
     cli: typer.Typer, server: Callable[..., TestClient], config: Path
 ) -> None:
     http = server()
-    job = _invoke(cli, http, "submit", str(config)).stdout.strip()
+    job = _invoke(cli, http, "submit", str(config), "--no-wait").stdout.strip()
     DynabatchClient(http=http).wait(job, timeout_s=10, interval_s=0.02)
     result = _invoke(cli, http, "list")
     assert result.exit_code == 0 and job in result.stdout and "SUCCEEDED" in result.stdout
@@ -207,7 +207,7 @@ def test_watch_until_succeeded(
     cli: typer.Typer, server: Callable[..., TestClient], config: Path
 ) -> None:
     http = server(sync_interval_s=0.05)
-    job = _invoke(cli, http, "submit", str(config)).stdout.strip()
+    job = _invoke(cli, http, "submit", str(config), "--no-wait").stdout.strip()
     result = _invoke(cli, http, "watch", job, "--interval", "0.05")
     assert result.exit_code == 0, result.output
     assert f"job {job} SUCCEEDED" in result.stdout
@@ -218,7 +218,7 @@ def test_cancel_then_conflict(
     cli: typer.Typer, server: Callable[..., TestClient], config: Path
 ) -> None:
     http = server(sync_interval_s=0)  # the job stays put
-    job = _invoke(cli, http, "submit", str(config)).stdout.strip()
+    job = _invoke(cli, http, "submit", str(config), "--no-wait").stdout.strip()
     result = _invoke(cli, http, "cancel", job, "--reason", "not needed")
     assert result.exit_code == 0
     assert result.stdout.strip() == f"job {job} CANCELLED: not needed"
@@ -245,7 +245,7 @@ def test_token(cli: typer.Typer, server: Callable[..., TestClient], config: Path
     assert line == "error: missing bearer token"
     line = _one_error_line(_invoke(cli, http, "list", "--token", "wrong"))
     assert "invalid bearer token" in line
-    result = _invoke(cli, http, "submit", str(config), "--token", "s3cret")
+    result = _invoke(cli, http, "submit", str(config), "--token", "s3cret", "--no-wait")
     assert result.exit_code == 0
 
 
@@ -359,3 +359,58 @@ def test_new_commands_check_ids(
     assert line == f"error: job '{'0' * 12}' not found"
     line = _one_error_line(_invoke(cli, http, *[a.format("nope") for a in args]))
     assert "'nope' is not a job id" in line
+
+
+def test_submit_waits_streams_logs_and_exits_with_the_outcome(
+    cli: typer.Typer, server: Callable[..., TestClient], config: Path
+) -> None:
+    http = server(sync_interval_s=0.02)
+    result = _invoke(cli, http, "submit", str(config), "--interval", "0.02")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    job = lines[0].strip()
+    assert re.fullmatch(r"[0-9a-f]{12}", job)
+    # The log lines (as `logs` prints them), the live table, then the outcome.
+    assert any(line.endswith("INFO    coordinator started") for line in lines)
+    assert any("state SUCCEEDED" in line for line in lines)
+    assert "w0" in result.stdout and lines[-1] == f"job {job} SUCCEEDED"
+
+
+def test_following_a_job_that_did_not_succeed_exits_1(
+    cli: typer.Typer, server: Callable[..., TestClient], config: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    http = server(sync_interval_s=0)  # the job stays put until cancelled
+    job = _invoke(cli, http, "submit", str(config), "--no-wait").stdout.strip()
+    client = DynabatchClient(http=http)
+    client.cancel(job, "changed my mind")
+    assert client_cli._follow(client, job, 0.02) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == f"job {job} CANCELLED: changed my mind"
+
+
+def test_event_stream_resumes_after_the_last_event_id(server: Callable[..., TestClient],
+                                                      config: Path) -> None:
+    http = server(sync_interval_s=0.02)
+    job = DynabatchClient(http=http).submit({"workers": 2, "epochs": 2}).job_id
+    events = list(DynabatchClient(http=http).events(job, interval_s=0.02))
+    kinds = [e for e, _ in events]
+    assert kinds[-1] == "end" and kinds.count("epoch") == 2
+    seqs = [d["seq"] for e, d in events if e == "log"]
+    assert seqs == list(range(len(seqs))) and len(seqs) >= 3
+    # A reconnecting browser sends Last-Event-ID: it gets only the later lines.
+    text = http.get(f"/v1/jobs/{job}/events", headers={"Last-Event-ID": str(seqs[1])}).text
+    assert "id: 0\n" not in text and "id: 1\n" not in text and f"id: {seqs[2]}\n" in text
+    assert http.get("/v1/jobs/000000000000/events").status_code == 404
+
+
+def test_working_dir_needs_any_user_code(cli: typer.Typer, server: Callable[..., TestClient],
+                                         config: Path, tmp_path: Path) -> None:
+    line = _one_error_line(_invoke(cli, server(), "submit", str(config), "--no-wait",
+                                   "--working-dir", str(tmp_path)))
+    assert "working_dir: shipping code with the job is not allowed" in line
+    http = server(user_code_modules="*")
+    result = _invoke(cli, http, "submit", str(config), "--no-wait", "--working-dir",
+                     str(tmp_path))
+    assert result.exit_code == 0, result.output
+    job = result.stdout.strip()
+    assert http.get(f"/v1/jobs/{job}").json()["spec"]["working_dir"] == str(tmp_path.resolve())

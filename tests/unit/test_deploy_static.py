@@ -711,7 +711,8 @@ def test_prometheus_scrapes_the_api_and_every_ray_node() -> None:
     cfg = yaml.safe_load(PROMETHEUS.read_text())
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
     api = jobs["dynabatch-api"]
-    assert api["honor_labels"] is True, "the API's `job` label must not become exported_job"
+    # The series' job label is job_id: nothing collides with the target's `job` label.
+    assert not api.get("honor_labels"), "no label of the API's collides with `job`"
     port = parse_serve(command("api"))["port"]
     assert api["static_configs"][0]["targets"] == [f"api:{port}"]
     assert api.get("metrics_path", "/metrics") == "/metrics"
@@ -770,7 +771,7 @@ def test_dashboards_load_and_are_templated_by_job() -> None:
         job = variables.get("job")
         assert job, f"{name} has no job variable"
         assert job["type"] == "query"
-        assert label_values_parts(variable_query(job)) == ("dynabatch_job_info", "job")
+        assert label_values_parts(variable_query(job)) == ("dynabatch_job_info", "job_id")
         used = json.dumps(d["panels"])
         for var in variables:
             assert f"${var}" in used, f"{name}: variable {var} is not used"
@@ -998,7 +999,7 @@ def test_k8s_service_and_monitors_select_the_right_pods() -> None:
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     for ep in sm["spec"]["endpoints"]:
         assert ep["port"] in svc_ports and ep["path"] == "/metrics"
-        assert ep["honorLabels"] is True, "the API's `job` label must survive the scrape"
+        assert not ep.get("honorLabels"), "job_id collides with no target label"
     (rc,) = k8s_docs("RayCluster")
     for pm in k8s_docs("PodMonitor"):
         assert pm["spec"]["selector"]["matchLabels"] == {"ray.io/cluster": rc["metadata"]["name"]}

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MACHINES = (
     "scheduler.policy", "scheduler.model", "scheduler.ledger", "scheduler.membership",
     "scheduler.protocols.sync", "scheduler.failures", "scheduler.tracker", "actors.contracts",
+    "scheduler.protocols.ps", "scheduler.ps_ledger", "scheduler.policy_ji", "scheduler.ps_core",
 )
 PURE_MODULES = (*MACHINES, "scheduler.state", "scheduler.telemetry")
 

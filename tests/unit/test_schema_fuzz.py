@@ -55,6 +55,9 @@ OPERATIONS = [
     "GET /readyz",
     "GET /metrics",
 ]
+# The event stream of a live job never ends, so a fuzzer's request could hang; its 404,
+# 401 and resumption are tested in test_client_cli.py and test_pages.py.
+NOT_FUZZED = {"GET /v1/jobs/{job_id}/events"}
 CHECKS = [
     schemathesis.checks.not_a_server_error,
     schemathesis.checks.status_code_conformance,
@@ -65,7 +68,7 @@ CHECKS = [
 
 def test_every_operation_is_fuzzed(api_schema: schemathesis.BaseSchema) -> None:
     labels = {r.ok().label for r in api_schema.get_all_operations()}
-    assert labels == set(OPERATIONS)
+    assert labels == set(OPERATIONS) | NOT_FUZZED
 
 
 # schemathesis' own pytest integration does not run under pytest 9, so the strategies

@@ -124,7 +124,7 @@ class _ReplayRuntime:
         return RegroupResult({})
 
     def evaluate(self, worker, timeout_s):
-        return 0.0, 0.0
+        return {"loss": 0.0, "accuracy": 0.0}
 
     def fetch_state(self, worker, timeout_s):
         return {}

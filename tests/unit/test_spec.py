@@ -313,6 +313,11 @@ INT_FIELDS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "emulation.errors.0.worker": lambda v: {"emulation": {"errors": [{"worker": v}]}},
     "emulation.errors.0.epoch": lambda v: {"emulation": {"errors": [{"worker": 0, "epoch": v}]}},
     "emulation.errors.0.step": lambda v: {"emulation": {"errors": [{"worker": 0, "step": v}]}},
+    "protocol.n": lambda v: {"protocol": {"name": "ps", "mode": "softsync", "n": v}},
+    "protocol.max_staleness": lambda v: {"protocol": {"name": "ps", "max_staleness": v}},
+    "protocol.replan_pushes": lambda v: {
+        "protocol": {"name": "ps", "batch": "perf_aware", "replan_pushes": v}
+    },
 }
 
 
@@ -474,3 +479,26 @@ def test_submission_check_reports_every_field(roots: Path) -> None:
     )
     assert check_submission(spec, policy) == []
     assert check_submission(parse_spec({}), SubmitPolicy()) == []  # built-ins, no paths
+
+
+@pytest.mark.parametrize(("data", "field"), [
+    ({"workers": 4, "protocol": {"name": "ps", "mode": "softsync", "n": 5}}, "protocol.n"),
+    ({"protocol": {"name": "ps", "max_staleness": -1}}, "protocol.max_staleness"),
+    ({"protocol": {"mode": "softsync"}}, "protocol.mode"),
+    ({"protocol": {"name": "ps"}, "checkpoint": {"dir": "/tmp/c"}}, "checkpoint.dir"),
+    ({"protocol": {"name": "ps"}, "policy": "dbs"}, "policy"),
+    ({"protocol": {"name": "ps"}, "workers": "auto"}, "workers"),
+    ({"protocol": {"name": "ps", "scale_lr": True}}, "protocol.batch"),
+    ({"protocol": {"name": "ps", "mode": "async", "n": 2}}, "protocol.n"),
+    ({"protocol": {"name": "ps"}, "loss": "mse"}, "loss"),
+])
+def test_ps_options_it_cannot_honour_name_the_field(data, field):
+    text = error_of(data)
+    assert text.startswith(f"{field}: ") and "\n" not in text, text
+
+
+def test_ps_spec_defaults_to_sync():
+    assert parse_spec({}).protocol.name == "sync"
+    p = parse_spec({"workers": 4, "protocol": {"name": "ps", "mode": "softsync", "n": 4,
+                                                "lr_staleness": "per_gradient"}}).protocol
+    assert (p.mode, p.n, p.lr_staleness) == ("softsync", 4, "per_gradient")

@@ -64,3 +64,40 @@ def not_a_module(input_shape: tuple[int, ...], num_classes: int) -> str:
 
 def failing_net(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     raise ValueError("unsupported input")
+
+
+def mean_loss(outputs, targets):
+    # Wrong: a scalar (the batch mean) instead of one loss per sample.
+    import torch.nn.functional as F
+
+    return F.cross_entropy(outputs, targets)
+
+
+def abs_loss(outputs, targets):
+    # A per-sample L1 loss for regression targets.
+    return (outputs.reshape(len(targets), -1) - targets.reshape(len(targets), -1)).abs().mean(1)
+
+
+def top2_metric(outputs, targets):
+    return (outputs.topk(2, -1).indices == targets[:, None]).any(-1).float()
+
+
+def regression_loader(n: int = 48, features: int = 3) -> DatasetArrays:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, features)).astype(np.float32)
+    y = x @ np.array([1.0, -2.0, 0.5][:features], dtype=np.float32)
+    return DatasetArrays("regression", x[:32], y[:32], x[32:], y[32:], 1, targets="values")
+
+
+def float_tokens_loader() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    # Token sequences whose inputs are float: the wrong dtype for a token dataset.
+    y = np.zeros((4, 5), dtype=np.int64)
+    return np.zeros((4, 5), dtype=np.float32), y, np.zeros((2, 5), dtype=np.float32), y[:2]
+
+
+def chatty_ce(outputs, targets):
+    # A user loss that prints: its output must reach the job log.
+    import torch.nn.functional as F
+
+    print(f"chatty batch of {len(targets)}")
+    return F.cross_entropy(outputs, targets, reduction="none")

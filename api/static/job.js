@@ -1,0 +1,225 @@
+// The job page: reads the job over the REST API and follows its server-sent events
+// (GET /v1/jobs/{id}/events) with fetch, so the bearer token can be sent; uPlot draws the
+// charts. Each chart's element carries its data in data-points (JSON), which the tests read.
+"use strict";
+(() => {
+  const jobId = document.body.dataset.jobId;
+  const tokenRequired = document.body.dataset.tokenRequired === "true";
+  const $ = (id) => document.getElementById(id);
+  const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
+  let token = sessionStorage.getItem("dynabatch-token") || "";
+  let job = null;
+  let authorized = false;
+  const epochs = [];
+  const charts = {};
+
+  const headers = (json) => {
+    const h = json ? { "Content-Type": "application/json" } : {};
+    if (token) h.Authorization = "Bearer " + token;
+    return h;
+  };
+  const fmt = (v, digits = 4) => (v === null || v === undefined ? "-" : Number(v).toFixed(digits));
+  const cell = (row, text) => { const td = row.insertCell(); td.textContent = text; return td; };
+  const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+  function chart(id, series) {
+    const el = $(id);
+    const opts = {
+      width: 500, height: 240, scales: { x: { time: false } },
+      axes: [{ label: "epoch" }, {}],
+      series: [{ label: "epoch" }, ...series],
+    };
+    charts[id] = { el, plot: new uPlot(opts, [[], ...series.map(() => [])], el) };
+  }
+
+  function drawCharts() {
+    const x = epochs.map((e) => e.epoch);
+    const data = {
+      "loss-chart": [x, epochs.map((e) => e.train_loss), epochs.map((e) => e.test_loss)],
+      "accuracy-chart": [x, epochs.map((e) => e.test_accuracy)],
+    };
+    for (const [id, d] of Object.entries(data)) {
+      charts[id].plot.setData(d);
+      charts[id].el.dataset.points = JSON.stringify(d);
+    }
+  }
+
+  function addEpoch(e) {
+    epochs.push(e);
+    const row = $("epochs").tBodies[0].insertRow();
+    row.dataset.epoch = e.epoch;
+    cell(row, e.epoch);
+    cell(row, fmt(e.wall_s, 2));
+    cell(row, fmt(e.train_loss));
+    cell(row, fmt(e.test_loss));
+    cell(row, fmt(e.test_accuracy));
+    cell(row, Object.entries(e.test_metrics || {}).map(([k, v]) => `${k} ${fmt(v)}`).join(", "));
+    cell(row, fmt(e.compute_balance, 3));
+    cell(row, fmt(e.utilization, 3));
+    cell(row, e.verified ? "yes" : "no");
+    $("balance").textContent = fmt(e.compute_balance, 3);
+    drawCharts();
+  }
+
+  function showJob(j) {
+    job = j;
+    $("title").textContent = `${j.name} ${j.job_id}`;
+    const st = $("state");
+    st.textContent = j.state;
+    st.className = "state " + j.state;
+    $("emulated").hidden = !j.emulated;
+    const ep = j.epochs ? Math.min(j.epoch + 1, j.epochs) : j.epoch;
+    $("progress").textContent =
+      `epoch ${ep}/${j.epochs} · step ${j.step}/${j.steps_per_epoch} · policy ${j.policy}` +
+      ` · generation ${j.generation}`;
+    $("reason").textContent = j.reason || "";
+    if (j.compute_balance !== null && j.compute_balance !== undefined) {
+      $("balance").textContent = fmt(j.compute_balance, 3);
+    }
+    $("utilization").textContent = fmt(j.utilization, 3);
+    $("train-loss").textContent = fmt(j.train_loss);
+    $("accuracy").textContent = fmt(j.test_accuracy);
+    $("rebalances").textContent = j.rebalances_total;
+    const body = $("workers").tBodies[0];
+    body.replaceChildren();
+    for (const w of j.workers) {
+      const row = body.insertRow();
+      row.dataset.worker = w.worker;
+      cell(row, w.worker);
+      cell(row, w.node.slice(0, 12));
+      cell(row, w.batch).className = "batch";
+      cell(row, w.partition).className = "partition";
+      cell(row, Math.round(w.throughput).toLocaleString("en"));
+      cell(row, `${(w.compute_s_per_step * 1e3).toFixed(1)} ms`);
+      cell(row, `${(w.wait_s_per_step * 1e3).toFixed(1)} ms`);
+      cell(row, fmt(w.slowdown, 1));
+    }
+    const controls = $("controls");
+    controls.hidden = !(authorized && !TERMINAL.has(j.state));
+    if (!controls.hidden && document.activeElement !== $("scale-n")) {
+      $("scale-n").value = j.workers.length || "";
+    }
+  }
+
+  function log(line) {
+    const pre = $("log");
+    const t = new Date(line.time * 1000).toISOString().replace("T", " ").slice(0, 19);
+    pre.append(`${t} ${line.level.padEnd(7)} ${line.message}\n`);
+    pre.scrollTop = pre.scrollHeight;
+  }
+
+  function askToken(message) {
+    $("auth").hidden = false;
+    $("main").hidden = true;
+    $("auth-error").textContent = message || "";
+  }
+
+  function notFound(message) {
+    $("main").hidden = true;
+    const p = $("notfound");
+    p.hidden = false;
+    p.textContent = message;
+    document.title = "dynabatch: not found";
+  }
+
+  function parse(block) {
+    let event = "message";
+    const data = [];
+    for (const line of block.split("\n")) {
+      if (line.startsWith(":")) continue;
+      const i = line.indexOf(":");
+      const name = i < 0 ? line : line.slice(0, i);
+      const value = i < 0 ? "" : line.slice(i + 1).replace(/^ /, "");
+      if (name === "event") event = value;
+      else if (name === "data") data.push(value);
+    }
+    return data.length ? { event, data: JSON.parse(data.join("\n")) } : null;
+  }
+
+  async function follow() {
+    let since = 0;
+    let epochsSince = 0;
+    for (let failures = 0; failures < 30;) {
+      let r;
+      try {
+        r = await fetch(`/v1/jobs/${jobId}/events?since=${since}&epochs_since=${epochsSince}`,
+                        { headers: headers(false) });
+      } catch (err) {
+        failures++;
+        await sleep(1000);
+        continue;
+      }
+      if (r.status === 401) { askToken(token ? "That token is not valid." : ""); return; }
+      if (r.status === 404) { notFound(`job ${jobId} not found`); return; }
+      if (!r.ok) { failures++; await sleep(1000); continue; }
+      authorized = true;
+      document.body.dataset.authorized = "true";
+      const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buf = "";
+      for (;;) {
+        let chunk;
+        try { chunk = await reader.read(); } catch (err) { break; }
+        if (chunk.done) break;
+        buf += chunk.value.replace(/\r\n/g, "\n");
+        let i;
+        while ((i = buf.indexOf("\n\n")) >= 0) {
+          const ev = parse(buf.slice(0, i));
+          buf = buf.slice(i + 2);
+          if (!ev) continue;
+          failures = 0;
+          if (ev.event === "log") { log(ev.data); since = ev.data.seq + 1; }
+          else if (ev.event === "epoch") { addEpoch(ev.data); epochsSince = ev.data.epoch + 1; }
+          else if (ev.event === "job") showJob(ev.data);
+          else if (ev.event === "end") {
+            showJob(ev.data);
+            document.body.dataset.streamEnded = "true";
+            return;
+          }
+        }
+      }
+      failures++;
+      await sleep(1000);
+    }
+  }
+
+  async function act(path, body, what) {
+    const msg = $("control-msg");
+    msg.textContent = `${what}…`;
+    const r = await fetch(path, { method: "POST", headers: headers(true),
+                                  body: JSON.stringify(body) });
+    const answer = await r.json().catch(() => ({}));
+    if (!r.ok) {
+      const detail = answer.detail;
+      msg.textContent = `${what} failed: ` +
+        (typeof detail === "string" ? detail : JSON.stringify(detail || r.status));
+      return;
+    }
+    msg.textContent = `${what}: accepted`;
+    showJob(answer);
+  }
+
+  $("cancel").addEventListener("click", () => {
+    if (confirm("Cancel this job?")) {
+      act(`/v1/jobs/${jobId}/cancel`, { reason: "cancelled from the web page" }, "cancel");
+    }
+  });
+  $("scale").addEventListener("click", () => {
+    const n = parseInt($("scale-n").value, 10);
+    if (n >= 1) act(`/v1/jobs/${jobId}/scale`, { workers: n }, `scale to ${n}`);
+  });
+  $("token-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    token = $("token").value.trim();
+    sessionStorage.setItem("dynabatch-token", token);
+    $("auth").hidden = true;
+    $("main").hidden = false;
+    follow();
+  });
+
+  chart("loss-chart", [
+    { label: "train loss", stroke: "#1f77b4", width: 2 },
+    { label: "held-out loss", stroke: "#ff7f0e", width: 2 },
+  ]);
+  chart("accuracy-chart", [{ label: "test accuracy", stroke: "#2ca02c", width: 2 }]);
+  if (tokenRequired && !token) askToken(""); else follow();
+})();

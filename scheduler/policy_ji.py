@@ -1,0 +1,103 @@
+"""Performance-aware per-worker batch sizes for asynchronous SGD (Ji, Zhang, Fu, Gao, Li;
+J. Comp. Res. & Dev. 2019). Pure: no ray, no torch, no clock.
+
+Each learner's speed is an exponential moving average of its measured throughput,
+``v_i ← β·v_i + (1−β)·b_i/t_i`` (the first measurement sets it). Every ``every_pushes``
+pushes (or at each epoch when 0) the batches are re-planned::
+
+    b_i = clip(round(B · v_i / Σ_j v_j), b_min, b_max),   B = λ·b0
+
+so every learner's iteration takes about ``B/Σv`` seconds: pushes arrive round-robin and
+each gradient is about λ−1 versions old, with little spread, instead of the slow learner's
+gradients being many versions old. A learner with no measurement yet gets b0. Optionally
+the learning rate of a learner's gradient is scaled by ``b_i/b0`` (:meth:`lr_scale`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class JiConfig:
+    b0: int
+    b_min: int = 1
+    b_max: int | None = None
+    ema: float = 0.5  # β
+    every_pushes: int = 0  # 0: re-plan at each epoch
+    scale_lr: bool = False
+
+    def __post_init__(self) -> None:
+        if self.b0 < 1 or self.b_min < 1:
+            raise ValueError("b0 and b_min must be at least 1")
+        if self.b_max is not None and self.b_max < self.b_min:
+            raise ValueError(f"b_max ({self.b_max}) is below b_min ({self.b_min})")
+        if not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"ema must be in [0, 1), got {self.ema}")
+        if self.every_pushes < 0:
+            raise ValueError(f"every_pushes must be non-negative, got {self.every_pushes}")
+
+
+def ji_batches(total: int, speeds: dict[str, float], b_min: int = 1,
+               b_max: int | None = None) -> dict[str, int]:
+    """``b_i = clip(round(total·v_i/Σv), b_min, b_max)`` for every worker in ``speeds``."""
+    s = sum(speeds.values())
+    out = {}
+    for w, v in speeds.items():
+        b = round(total * v / s) if s > 0 else round(total / len(speeds))
+        b = max(b_min, b)
+        out[w] = min(b, b_max) if b_max is not None else b
+    return out
+
+
+class PerfAwareBatches:
+    """Fixed batches when ``config`` is None (plain ASGD / softsync), Ji et al.'s otherwise."""
+
+    def __init__(self, b0: int, config: JiConfig | None = None):
+        if b0 < 1:
+            raise ValueError(f"b0 must be at least 1, got {b0}")
+        self.b0 = b0
+        self.config = config
+        self.speeds: dict[str, float] = {}
+        self._batches: dict[str, int] = {}
+        self._since = 0
+        self.replans = 0
+
+    def batch(self, worker: str) -> int:
+        return self._batches.get(worker, self.b0)
+
+    def lr_scale(self, worker: str) -> float:
+        c = self.config
+        return self.batch(worker) / self.b0 if c is not None and c.scale_lr else 1.0
+
+    def observe(self, worker: str, samples: int, compute_s: float) -> None:
+        if self.config is None or compute_s <= 0 or samples < 1:
+            return
+        v = samples / compute_s
+        old = self.speeds.get(worker)
+        beta = self.config.ema
+        self.speeds[worker] = v if old is None else beta * old + (1 - beta) * v
+        self._since += 1
+        if self.config.every_pushes and self._since >= self.config.every_pushes:
+            self._since = 0
+            self.replan(self.speeds)
+
+    def replan(self, workers: Iterable[str]) -> dict[str, int]:
+        """Re-plan over ``workers`` (those without a speed are sized from the mean speed)."""
+        c = self.config
+        workers = list(workers)
+        if c is None or not workers:
+            return dict(self._batches)
+        known = [self.speeds[w] for w in workers if w in self.speeds]
+        if not known:
+            return dict(self._batches)
+        mean = sum(known) / len(known)
+        speeds = {w: self.speeds.get(w, mean) for w in workers}
+        self._batches = ji_batches(len(workers) * c.b0, speeds, c.b_min, c.b_max)
+        self.replans += 1
+        return dict(self._batches)
+
+    def forget(self, worker: str) -> None:
+        self.speeds.pop(worker, None)
+        self._batches.pop(worker, None)

@@ -1,0 +1,348 @@
+"""The Ray driver of a parameter-server job (``protocol: {name: ps}``).
+
+:class:`PSCoordinator` has the coordinator's public interface (``run``, ``snapshot``,
+``history``, ``logs``, ``cancel``, ``scale``, ``drain``, ``shutdown``), so the service
+launches and polls it like the synchronous one (:mod:`scheduler.launch`). The job's brain is
+the pure :class:`~scheduler.ps_core.PSCore`, which lives inside the server actor
+(:class:`actors.ps.ParameterServer`); the simulator (:mod:`scheduler.ps_sim`) drives the same
+core. This driver only starts actors and turns what happens to them into core events:
+
+* a learner whose ``run`` fails (its node or process died) *leaves*: its in-flight gradient
+  is dropped and its samples are re-queued; nobody regroups;
+* ``scale`` up spawns learners that join, pull and start; ``drain`` kills one and it leaves.
+
+Every remote call has a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from scheduler.policy_ji import JiConfig, PerfAwareBatches
+from scheduler.protocols.ps import PSConfig
+from scheduler.ps_core import PSCore
+from scheduler.state import InvalidTransition, JobState
+from scheduler.telemetry import (
+    EpochRecord,
+    JobSnapshot,
+    LogLine,
+    MembershipEvent,
+    PSStatus,
+    PSWorkerStatus,
+    WorkerEpochStats,
+)
+from service.spec import JobSpec
+
+log = logging.getLogger("dynabatch.ps")
+
+POLL_S = 0.25
+CALL_TIMEOUT_S = 30.0
+
+
+def base_batch(spec: JobSpec) -> int:
+    """μ = global_batch // workers: each learner's batch, so μλ = global_batch."""
+    return max(1, spec.global_batch // (spec.initial_workers or 1))
+
+
+def ps_config(spec: JobSpec) -> PSConfig:
+    p = spec.protocol
+    return PSConfig(p.mode, p.n, p.lr_staleness, p.max_staleness, p.on_stale)
+
+
+def build_core(spec: JobSpec, dataset_size: int) -> PSCore:
+    p = spec.protocol
+    b0 = base_batch(spec)
+    # b_min = b0/4: v_i = b_i/t_i under-rates a learner whose fixed per-push cost dominates
+    # at a small batch, which shrinks its batch further; on Ray (digits MLP) b_min = 1 let
+    # three of four learners collapse to 1 sample. The floor stops that feedback.
+    ji = (JiConfig(b0=b0, b_min=max(1, b0 // 4), b_max=4 * b0, every_pushes=p.replan_pushes,
+                   scale_lr=p.scale_lr) if p.batch == "perf_aware" else None)
+    return PSCore(ps_config(spec), dataset_size=dataset_size, epochs=spec.epochs,
+                  seed=spec.seed, batches=PerfAwareBatches(b0, ji))
+
+
+def ps_status(spec: JobSpec, snap: dict[str, Any]) -> PSStatus:
+    """The server's snapshot as the typed view REST, metrics and the CLI share."""
+    elapsed = snap.get("elapsed_s") or 0.0
+    return PSStatus(
+        mode=spec.protocol.mode, version=snap["version"], applied=snap["applied"],
+        refused=snap["refused"], deferred=snap["deferred"], pushes=snap["pushes"],
+        pushes_per_s=snap["pushes"] / elapsed if elapsed > 0 else 0.0,
+        workers=[PSWorkerStatus(worker=w, **v) for w, v in sorted(snap["workers"].items())],
+    )
+
+
+class PSCoordinator:
+    def __init__(self, job_id: str, spec: JobSpec, resume: bool = True):
+        self.job_id = job_id
+        self.spec = spec
+        self.state = JobState.PENDING
+        self.reason: str | None = None
+        self._lock = threading.RLock()
+        self._history: list[EpochRecord] = []
+        self._logs: deque[LogLine] = deque(maxlen=5000)
+        self._log_seq = 0
+        self.events: list[MembershipEvent] = []
+        self._cancel: str | None = None
+        self._requests: deque[tuple[str, Any]] = deque()
+        self._server: Any = None
+        self._learners: dict[str, tuple[Any, Any, str]] = {}  # id → (handle, run ref, node)
+        self._next = 0
+        self._snap: dict[str, Any] | None = None
+        self._data: dict[str, Any] = {}
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+
+    # ------------------------------------------------------------------ public interface
+    def run(self) -> JobSnapshot:
+        try:
+            self._run()
+        except Exception as err:  # the job fails with the reason; the actor stays up
+            log.exception("ps job %s failed", self.job_id)
+            self._finish(JobState.FAILED, f"internal error: {type(err).__name__}: {err}")
+        finally:
+            self.shutdown()
+        return self.snapshot()
+
+    def snapshot(self) -> JobSnapshot:
+        with self._lock:
+            snap = self._snap
+            last = self._history[-1] if self._history else None
+            events: dict[str, int] = {}
+            for e in self.events:
+                key = f"{e.kind}:{e.reason}"
+                events[key] = events.get(key, 0) + 1
+            return JobSnapshot(
+                job_id=self.job_id, name=self.spec.name, state=self.state, reason=self.reason,
+                epoch=snap["epoch"] if snap else 0, epochs=self.spec.epochs,
+                policy=f"ps-{self.spec.protocol.mode}", emulated=self.spec.emulated,
+                train_loss=last.train_loss if last else None,
+                test_accuracy=last.test_accuracy if last else None,
+                epochs_completed=len(self._history),
+                epoch_durations_s=[r.wall_s for r in self._history], worker_events=events,
+                retried_samples_total=sum(r.retried_samples for r in self._history),
+                started_at=self.started_at, finished_at=self.finished_at,
+                ps=ps_status(self.spec, snap) if snap else None,
+            )
+
+    def history(self, since: int = 0) -> list[EpochRecord]:
+        with self._lock:
+            return [r for r in self._history if r.epoch >= since]
+
+    def logs(self, since: int = 0) -> list[LogLine]:
+        with self._lock:
+            return [line for line in self._logs if line.seq >= since]
+
+    def membership_events(self) -> list[MembershipEvent]:
+        with self._lock:
+            return list(self.events)
+
+    def cancel(self, reason: str = "cancelled by user") -> JobSnapshot:
+        with self._lock:
+            if self.state.is_terminal:
+                raise InvalidTransition(self.state, JobState.CANCELLED)
+            self._cancel = reason
+        return self.snapshot()
+
+    def scale(self, workers: int) -> JobSnapshot:
+        if workers < 1:
+            raise ValueError("workers: must be at least 1")
+        with self._lock:
+            if self.state.is_terminal:
+                raise InvalidTransition(self.state, JobState.RUNNING)
+            self._requests.append(("scale", workers))
+            self._log("INFO", f"scale requested: {workers} learners")
+        return self.snapshot()
+
+    def drain(self, worker: str) -> JobSnapshot:
+        with self._lock:
+            if worker not in self._learners:
+                raise KeyError(f"worker {worker!r} is not a member of job {self.job_id}")
+            if len(self._learners) <= 1:
+                raise ValueError("cannot drain the last worker")
+            self._requests.append(("drain", worker))
+        return self.snapshot()
+
+    def shutdown(self) -> None:
+        import ray
+
+        for handle, _, _ in list(self._learners.values()):
+            ray.kill(handle, no_restart=True)
+        self._learners.clear()
+        if self._server is not None:
+            ray.kill(self._server, no_restart=True)
+            self._server = None
+
+    def kill_learner(self, worker: str) -> None:
+        """Fault injection for tests and benchmarks: the learner's process dies."""
+        import ray
+
+        ray.kill(self._learners[worker][0], no_restart=True)
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        import ray
+
+        from actors.ps import ParameterServer
+        from scheduler.pool import eligible_nodes
+        from service.workloads.datasets import load_dataset
+
+        s = self.spec
+        self.started_at = time.time()
+        ds = load_dataset(s.dataset, seed=s.seed)
+        self._data = {"x_train": ray.put(ds.x_train), "y_train": ray.put(ds.y_train),
+                      "input_shape": tuple(ds.input_shape), "num_classes": ds.num_classes}
+        core = build_core(s, len(ds.y_train))
+        self._server = ray.remote(ParameterServer).options(
+            num_cpus=0, max_restarts=0, max_concurrency=1000,
+        ).remote(s, core, tuple(ds.input_shape), ds.num_classes, ds.x_test, ds.y_test)
+        nodes = eligible_nodes(s)
+        deadline = time.monotonic() + s.worker_wait_timeout_s
+        while not nodes and time.monotonic() < deadline:
+            time.sleep(0.5)
+            nodes = eligible_nodes(s)
+        if not nodes:
+            self._finish(JobState.FAILED, "no eligible node for a learner")
+            return
+        for i in range(s.initial_workers or len(nodes)):
+            self._spawn(nodes[i % len(nodes)].node_id)
+        self._set_state(JobState.RUNNING)
+        seen_epochs = 0
+        last_t = 0.0
+        while True:
+            self._serve_requests(nodes)
+            refs = {ref: w for w, (_, ref, _) in self._learners.items()}
+            done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=POLL_S)
+            for ref in done:
+                w = refs[ref]
+                try:
+                    ray.get(ref, timeout=CALL_TIMEOUT_S)
+                    self._learners.pop(w)  # finished normally
+                except Exception as err:  # its actor or node died: it leaves, no regroup
+                    self._lose(w, _first_line(err))
+            snap = ray.get(self._server.snapshot.remote(), timeout=CALL_TIMEOUT_S)
+            with self._lock:
+                self._snap = snap
+            for e in snap["epochs"][seen_epochs:]:
+                self._record_epoch(e, e["t"] - last_t)
+                last_t = e["t"]
+                if not e["verified"]:
+                    self._finish(JobState.FAILED, f"epoch {e['epoch']} not exactly once: "
+                                 + "; ".join(e["problems"][:3]))
+                    return
+            seen_epochs = len(snap["epochs"])
+            if snap["finished"]:
+                self._finish(JobState.SUCCEEDED, None)
+                return
+            if self._cancel:
+                self._finish(JobState.CANCELLED, self._cancel)
+                return
+            if not self._learners:
+                self._finish(JobState.FAILED, "every learner was lost")
+                return
+
+    def _spawn(self, node_id: str) -> str:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from actors.ps import Learner
+
+        s = self.spec
+        w = f"w{self._next}"
+        ordinal = self._next
+        self._next += 1
+        handle = ray.remote(Learner).options(
+            num_cpus=s.worker_cpus, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(w, ordinal, s, self._data["x_train"], self._data["y_train"],
+                 self._data["input_shape"], self._data["num_classes"])
+        ray.get(self._server.join.remote(w), timeout=CALL_TIMEOUT_S)
+        ref = handle.run.remote(self._server, CALL_TIMEOUT_S)
+        with self._lock:
+            self._learners[w] = (handle, ref, node_id)
+        self._event("join", w, node_id, "joined")
+        return w
+
+    def _lose(self, w: str, why: str) -> None:
+        import ray
+
+        _, _, node = self._learners.pop(w)
+        ray.get(self._server.leave.remote(w), timeout=CALL_TIMEOUT_S)
+        self._event("failure", w, node, why)
+
+    def _serve_requests(self, nodes: list[Any]) -> None:
+        import ray
+
+        from scheduler.pool import eligible_nodes
+
+        while self._requests:
+            kind, arg = self._requests.popleft()
+            if kind == "drain" and arg in self._learners:
+                handle, _, node = self._learners.pop(arg)
+                ray.kill(handle, no_restart=True)
+                ray.get(self._server.leave.remote(arg), timeout=CALL_TIMEOUT_S)
+                self._event("leave", arg, node, "drained")
+            elif kind == "scale":
+                nodes[:] = eligible_nodes(self.spec) or nodes
+                while len(self._learners) < arg:
+                    self._spawn(nodes[self._next % len(nodes)].node_id)
+
+    # ------------------------------------------------------------------ records
+    def _record_epoch(self, e: dict[str, Any], wall_s: float) -> None:
+        snap = self._snap or {"workers": {}}
+        workers = [
+            WorkerEpochStats(worker=w, node="", batch=v["batch"],
+                             partition=e["samples_by_worker"].get(w, 0), steps=v["applied"],
+                             compute_s=0.0, wait_s=0.0, throughput=0.0)
+            for w, v in sorted(snap["workers"].items())
+        ]
+        rec = EpochRecord(
+            epoch=e["epoch"], wall_s=wall_s, steps=e["version"],
+            dataset_size=e["samples_applied"], samples_trained=e["samples_applied"],
+            retried_samples=e["retried_samples"], verified=e["verified"],
+            train_loss=e["train_loss"], test_loss=e["test_loss"],
+            test_accuracy=e["test_accuracy"], utilization=0.0, compute_balance=0.0,
+            policy=f"ps-{self.spec.protocol.mode}", emulated=self.spec.emulated,
+            workers=workers,
+        )
+        with self._lock:
+            self._history.append(rec)
+        self._log("INFO", f"epoch {rec.epoch}: version {e['version']}, test loss "
+                  f"{e['test_loss']:.4f}, accuracy {e['test_accuracy']:.3f}, "
+                  f"verified={rec.verified}")
+
+    def _event(self, kind: str, w: str, node: str, reason: str) -> None:
+        with self._lock:
+            self.events.append(MembershipEvent(time=time.time(), kind=kind, worker=w,
+                                               node=node, reason=reason, generation=0))
+        self._log("INFO" if kind != "failure" else "WARNING", f"{w} {kind}: {reason}")
+
+    def _log(self, level: str, message: str) -> None:
+        with self._lock:
+            self._logs.append(LogLine(seq=self._log_seq, time=time.time(), level=level,
+                                      message=message))
+            self._log_seq += 1
+
+    def _set_state(self, new: JobState) -> None:
+        with self._lock:
+            if self.state != new:
+                if not self.state.can_become(new):
+                    raise InvalidTransition(self.state, new)
+                self.state = new
+
+    def _finish(self, state: JobState, reason: str | None) -> None:
+        with self._lock:
+            if self.state.is_terminal:
+                return
+            self.state = state
+            self.reason = reason
+            self.finished_at = time.time()
+        self._log("INFO", f"job {state.value}" + (f": {reason}" if reason else ""))
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]

@@ -1,0 +1,56 @@
+"""Start-up check: ``api``, ``service``, ``scheduler`` and ``actors`` are dynabatch's own.
+
+Their names are generic: PyPI has packages named ``scheduler`` and ``service``, and pip
+installs a package's files into ``site-packages/<name>/`` whoever else owns that folder,
+so two distributions can merge into one package, or another's can shadow ours on
+``sys.path``. Either way dynabatch would run someone else's code. :func:`check_own_install`
+fails at start-up with one line instead:
+
+* each package must be a regular package (an ``__init__.py``) in the same directory as
+  this one's parent (where dynabatch is installed or checked out);
+* no other installed distribution may own a file in those package folders
+  (``importlib.metadata``'s file lists).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+from pathlib import Path
+
+PACKAGES = ("api", "service", "scheduler", "actors")
+DISTRIBUTION = "dynabatch"
+
+
+class ForeignPackage(RuntimeError):
+    """A dynabatch package name resolves to, or shares files with, another distribution."""
+
+
+def own_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def check_own_install(root: Path | None = None) -> None:
+    root = root or own_root()
+    for name in PACKAGES:
+        module = importlib.import_module(name)
+        paths = [Path(p).resolve() for p in getattr(module, "__path__", [])]
+        init = getattr(module, "__file__", None)
+        if paths != [root / name] or init is None:
+            raise ForeignPackage(
+                f"the package {name!r} is imported from {', '.join(map(str, paths)) or '?'}, "
+                f"not from dynabatch's install at {root / name}: another distribution named "
+                f"{name!r} is in the way (pip uninstall it, or use a separate environment)"
+            )
+    for dist in md.distributions():
+        dist_name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if dist_name == DISTRIBUTION:
+            continue
+        for f in dist.files or ():
+            top = f.parts[0] if f.parts else ""
+            if top in PACKAGES and Path(dist.locate_file(f)).resolve().is_relative_to(root):
+                raise ForeignPackage(
+                    f"the distribution {dist.metadata['Name']!r} installed files into "
+                    f"dynabatch's package {top!r} ({f}): pip uninstall it, or use a separate "
+                    "environment"
+                )

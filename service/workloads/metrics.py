@@ -1,0 +1,63 @@
+"""Evaluation metrics on the held-out set.
+
+A metric is a per-sample function ``(outputs, targets) -> values (B,)`` plus a ``finish``
+applied to the mean over the test set:
+
+* ``accuracy``: the fraction of correct argmax predictions (per token for sequences);
+* ``mse``: the mean squared error (:func:`service.workloads.losses.mse`);
+* ``perplexity``: ``exp`` of the mean per-sample cross-entropy; for equal-length sequences
+  that is ``exp(-(1/NT) Σ log p(y_t))``, the per-token perplexity;
+* a user ``"pkg.mod:function"``: the mean of its per-sample values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from service.workloads import losses
+from service.workloads.imports import resolve_callable
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    hit = (outputs.argmax(-1) == targets).float()
+    return hit.flatten(1).mean(1) if hit.dim() > 1 else hit
+
+
+def _identity(v: float) -> float:
+    return v
+
+
+def _exp(v: float) -> float:
+    return math.exp(min(v, 700.0))  # a diverged model reads as a huge number, not an error
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    per_sample: losses.PerSample
+    finish: Callable[[float], float] = _identity
+
+
+BUILTIN = {
+    "accuracy": Metric("accuracy", accuracy),
+    "mse": Metric("mse", losses.mse),
+    "perplexity": Metric("perplexity", losses.cross_entropy, _exp),
+}
+# Metrics a loss calls for when the spec names none.
+DEFAULT_METRICS = {
+    "cross_entropy": ("accuracy",),
+    "next_token": ("perplexity", "accuracy"),
+    "mse": ("mse",),
+}
+
+
+def resolve_metric(name: str, field: str) -> Metric:
+    """A built-in metric by name, or the user's per-sample function by import path."""
+    found = BUILTIN.get(name)
+    if found is not None:
+        return found
+    return Metric(name, resolve_callable(name, field))

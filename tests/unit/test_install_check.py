@@ -1,0 +1,48 @@
+"""The start-up check that dynabatch's generic package names are its own."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from service import install_check
+from service.install_check import ForeignPackage, check_own_install
+
+
+def test_this_checkout_passes() -> None:
+    check_own_install()
+
+
+def test_a_shadowing_package_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = types.ModuleType("scheduler")
+    fake.__path__ = [str(tmp_path / "site-packages" / "scheduler")]
+    fake.__file__ = str(tmp_path / "site-packages" / "scheduler" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "scheduler", fake)
+    with pytest.raises(ForeignPackage, match=r"^the package 'scheduler' is imported from "):
+        check_own_install()
+
+
+def test_a_distribution_merged_into_our_folder_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = tmp_path
+    for name in install_check.PACKAGES:
+        (root / name).mkdir()
+        mod = types.ModuleType(name)
+        mod.__path__ = [str(root / name)]
+        mod.__file__ = str(root / name / "__init__.py")
+        monkeypatch.setitem(sys.modules, name, mod)
+
+    class Dist:
+        metadata = {"Name": "service"}  # the PyPI package of that name
+        files = [Path("service/__init__.py"), Path("service/core.py")]
+
+        def locate_file(self, f):
+            return root / f
+
+    monkeypatch.setattr(install_check.md, "distributions", lambda: [Dist()])
+    with pytest.raises(ForeignPackage, match=r"'service' installed files into dynabatch's"):
+        check_own_install(root)

@@ -1,0 +1,207 @@
+"""The parameter-server machines: protocol, async ledger, Ji policy and the core, driven by
+random event schedules (pushes in any order, refusals, learners lost and joining)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.policy_ji import JiConfig, PerfAwareBatches, ji_batches
+from scheduler.protocols.ps import Apply, PSConfig, PSProtocol, Pulled, Refuse, Wait
+from scheduler.ps_core import EpochEnd, Finished, Idle, PSCore, Work
+from scheduler.ps_ledger import AsyncLedger
+
+configs = st.builds(
+    PSConfig,
+    mode=st.sampled_from(["async", "softsync", "hardsync"]),
+    n=st.integers(1, 4),
+    lr_staleness=st.sampled_from(["none", "per_gradient", "average"]),
+    max_staleness=st.one_of(st.none(), st.integers(0, 4)),
+    on_stale=st.sampled_from(["refuse", "wait"]),
+)
+
+
+def _run(core: PSCore, data, workers: list[str], faults: bool, max_events: int = 3000):
+    """Drive ``core`` with random interleavings until it finishes; returns every event."""
+    events, inflight, names = [], {}, iter(f"j{i}" for i in range(100))
+    for _ in range(max_events):
+        if core.finished:
+            break
+        members = sorted(core.members)
+        choice = data.draw(st.integers(0, 9))
+        if faults and choice == 0 and len(members) > 1:
+            w = data.draw(st.sampled_from(members))
+            events += core.leave(w)
+            inflight.pop(w, None)
+            continue
+        if faults and choice == 1 and len(members) < 6:
+            core.join(next(names))
+            continue
+        idle = [w for w in members if w not in inflight]
+        if inflight and (choice >= 6 or not idle):
+            w = data.draw(st.sampled_from(sorted(inflight)))
+            work = inflight.pop(w)
+            events += core.push(w, work.ticket, work.version, compute_s=0.01 * (1 + len(w)))
+            continue
+        progressed = False
+        for w in ([data.draw(st.sampled_from(idle))] if idle else []):
+            res, ev = core.request(w)
+            events += ev
+            if isinstance(res, Work):
+                inflight[w] = res
+                progressed = True
+        if not progressed and not inflight:
+            # Everybody idle: ask each once (a flush or a new epoch may be due).
+            for w in idle:
+                res, ev = core.request(w)
+                events += ev
+                if isinstance(res, Work):
+                    inflight[w] = res
+    return events
+
+
+@settings(max_examples=150, deadline=None)
+@given(cfg=configs, n_workers=st.integers(1, 5), n=st.integers(1, 60), b=st.integers(1, 9),
+       faults=st.booleans(), data=st.data())
+def test_every_sample_applied_exactly_once_and_staleness_bounded(cfg, n_workers, n, b, faults,
+                                                                 data):
+    if cfg.mode == "softsync" and cfg.n > n_workers:
+        cfg = PSConfig("softsync", n_workers, cfg.lr_staleness, cfg.max_staleness, cfg.on_stale)
+    workers = [f"w{i}" for i in range(n_workers)]
+    core = PSCore(cfg, dataset_size=n, epochs=2, seed=0, batches=PerfAwareBatches(b),
+                  workers=workers)
+    events = _run(core, data, workers, faults)
+    assert core.finished, "the job must always finish: no deadlock under any schedule"
+    ends = [e for e in events if isinstance(e, EpochEnd)]
+    assert [e.epoch for e in ends] == [0, 1]
+    for e in ends:
+        assert e.verification.verified, e.verification.reason
+        assert e.verification.samples_trained == n
+    applies = [e for e in events if isinstance(e, Apply)]
+    assert [a.version for a in applies] == list(range(1, len(applies) + 1))
+    for a in applies:
+        for g in a.gradients:
+            if cfg.max_staleness is not None:
+                assert g.staleness <= cfg.max_staleness
+            if cfg.mode == "hardsync":
+                assert g.staleness == 0
+    refused = [e for e in events if isinstance(e, Refuse)]
+    assert core.protocol.refused == len(refused)
+    if cfg.max_staleness is None:
+        assert not refused
+
+
+@settings(max_examples=100, deadline=None)
+@given(lam=st.integers(1, 16), n=st.integers(1, 16), pushes=st.integers(1, 200),
+       data=st.data())
+def test_softsync_applies_exactly_every_floor_lambda_over_n(lam, n, pushes, data):
+    n = min(n, lam)
+    p = PSProtocol(PSConfig("softsync", n), [f"w{i}" for i in range(lam)])
+    c = lam // n
+    version = {}
+    for w in sorted(p.members):
+        version[w] = p.pull(w).version
+    applies = 0
+    for k in range(1, pushes + 1):
+        w = data.draw(st.sampled_from(sorted(version)))
+        out = p.push(w, k, version.pop(w), samples=3)
+        got = [d for d in out if isinstance(d, Apply)]
+        assert len(got) == (1 if k % c == 0 else 0)
+        for a in got:
+            assert len(a.gradients) == c
+            assert abs(sum(g.weight for g in a.gradients) - 1.0) < 1e-9
+        applies += len(got)
+        version[w] = p.pull(w).version
+    assert applies == pushes // c == p.version
+
+
+def test_staleness_rules():
+    def weights(rule):
+        p = PSProtocol(PSConfig("async", lr_staleness=rule), ["a", "b", "c"])
+        v = {w: p.pull(w).version for w in "abc"}
+        out = []
+        for i, w in enumerate("abc"):
+            (a,) = p.push(w, i, v[w], samples=4)
+            out.append((a.gradients[0].staleness, a.gradients[0].weight))
+        return out
+    assert weights("none") == [(0, 1.0), (1, 1.0), (2, 1.0)]
+    assert weights("per_gradient") == [(0, 1.0), (1, 1.0), (2, 0.5)]
+    # ⟨τ⟩ over the gradients applied so far: 0, 0.5, 1 → factors 1, 1, 1; then 1.0.
+    assert weights("average") == [(0, 1.0), (1, 1.0), (2, 1.0)]
+
+
+def test_hardsync_learners_wait_and_weights_follow_samples():
+    p = PSProtocol(PSConfig("hardsync"), ["a", "b"])
+    va, vb = p.pull("a").version, p.pull("b").version
+    assert p.push("a", 1, va, samples=1) == []
+    assert p.pull("a") == Wait("a")
+    (a,) = p.push("b", 2, vb, samples=3)
+    assert [g.weight for g in a.gradients] == [0.25, 0.75]
+    assert p.pull("a") == Pulled("a", 1)
+
+
+def test_bounded_refuse_and_wait_are_counted():
+    p = PSProtocol(PSConfig("async", max_staleness=0), ["a", "b"])
+    va, vb = p.pull("a").version, p.pull("b").version
+    p.push("a", 1, va, 1)
+    (r,) = p.push("b", 2, vb, 1)
+    assert isinstance(r, Refuse) and r.staleness == 1 and p.refused == 1
+    w = PSProtocol(PSConfig("async", max_staleness=1, on_stale="wait"), ["a", "b", "c"])
+    v = {x: w.pull(x).version for x in "abc"}
+    assert len(w.push("a", 1, v["a"], 1)) == 1  # version 1; b and c have τ = 1 so far
+    assert w.push("a", 2, w.pull("a").version, 1) == []  # would make b, c τ = 2: deferred
+    assert w.deferred >= 1 and w.pull("a") == Wait("a")
+    assert w.push("b", 3, v["b"], 1) == []  # c still computes on version 0
+    # Now only queued gradients block: waiting cannot help, so c's is refused.
+    out = w.push("c", 4, v["c"], 1)
+    assert [type(d).__name__ for d in out] == ["Refuse", "Apply", "Apply"]
+    assert [g.staleness for d in out[1:] for g in d.gradients] == [1, 1]
+    assert w.refused == 1
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="max_staleness"):
+        PSConfig(max_staleness=-1)
+    with pytest.raises(ValueError, match="n:"):
+        PSConfig("softsync", n=0)
+
+
+def test_ledger_requeue_and_verify():
+    led = AsyncLedger()
+    led.begin_epoch(0, 10)
+    a, b = led.take("x", 4), led.take("y", 4)
+    led.requeue(a.id)
+    c = led.take("z", 6)
+    assert c.ranges == ((0, 4), (8, 10))
+    for ch in (b, c):
+        led.applied(ch.id)
+    assert led.complete and led.verify().verified and led.verify().retried_samples == 4
+    led.applied(c.id)
+    assert not led.verify().verified
+
+
+def test_ji_batches_follow_speed():
+    assert ji_batches(32, {"a": 1, "b": 1, "c": 2, "d": 4}) == {"a": 4, "b": 4, "c": 8, "d": 16}
+    assert ji_batches(32, {"a": 1, "b": 99}, b_min=2, b_max=20) == {"a": 2, "b": 20}
+    pol = PerfAwareBatches(8, JiConfig(b0=8, every_pushes=2, scale_lr=True))
+    pol.observe("a", 8, 1.0)
+    pol.observe("b", 8, 0.25)
+    assert pol.batch("a") == 3 and pol.batch("b") == 13
+    assert pol.lr_scale("b") == 13 / 8
+    assert PerfAwareBatches(8).batch("a") == 8
+
+
+def test_core_finishes_and_reports_idle_reasons():
+    core = PSCore(PSConfig("hardsync"), dataset_size=5, epochs=1, seed=0,
+                  batches=PerfAwareBatches(2), workers=["a", "b"])
+    wa, _ = core.request("a")
+    wb, _ = core.request("b")
+    assert core.push("a", wa.ticket, wa.version, 0.1) == []
+    assert core.request("a")[0] == Idle("a", "wait")
+    core.push("b", wb.ticket, wb.version, 0.1)
+    wa, _ = core.request("a")
+    assert core.request("b")[0] == Idle("b", "epoch_end")
+    ev = core.push("a", wa.ticket, wa.version, 0.1)
+    assert isinstance(ev[-1], EpochEnd) and ev[-1].verification.verified
+    assert core.request("a")[0] == Finished("a")

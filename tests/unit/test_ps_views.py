@@ -1,0 +1,64 @@
+"""A parameter-server job's status in REST's snapshot, Prometheus and the CLI table."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.registry import Collector
+from rich.console import Console
+
+from api.metrics_ps import ps_families
+from scheduler.policy_ji import PerfAwareBatches
+from scheduler.protocols.ps import PSConfig
+from scheduler.ps_core import PSCore
+from scheduler.ps_driver import ps_status
+from scheduler.state import JobState
+from scheduler.telemetry import JobSnapshot
+from service.client_cli import _ps_table
+from service.spec import JobSpec
+
+SPEC = JobSpec.model_validate({"workers": 2, "protocol": {"name": "ps", "mode": "async"}})
+
+
+def _snapshot() -> JobSnapshot:
+    core = PSCore(PSConfig("async"), dataset_size=20, epochs=1, seed=0,
+                  batches=PerfAwareBatches(4), workers=["w0", "w1"])
+    a, _ = core.request("w0")
+    b, _ = core.request("w1")
+    core.push("w0", a.ticket, a.version, 0.1)
+    core.push("w1", b.ticket, b.version, 0.1)  # τ = 1
+    snap = core.snapshot()
+    snap["elapsed_s"] = 2.0
+    return JobSnapshot(job_id="abc", name="j", state=JobState.RUNNING,
+                       ps=ps_status(SPEC, snap))
+
+
+def test_snapshot_carries_per_worker_staleness_and_round_trips():
+    s = _snapshot()
+    assert s.ps.version == 2 and s.ps.applied == 2 and s.ps.pushes_per_s == 1.0
+    w1 = {w.worker: w for w in s.ps.workers}["w1"]
+    assert w1.staleness_counts == {1: 1} and w1.staleness_max == 1
+    assert JobSnapshot.model_validate_json(s.model_dump_json()) == s
+
+
+def test_prometheus_families():
+    snap = _snapshot()
+
+    class C(Collector):
+        def collect(self):
+            return ps_families([snap])
+
+    reg = CollectorRegistry()
+    reg.register(C())
+    text = generate_latest(reg).decode()
+    assert 'dynabatch_ps_staleness_bucket{job_id="abc",le="0.0",worker="w1"} 0.0' in text
+    assert 'dynabatch_ps_staleness_bucket{job_id="abc",le="1.0",worker="w1"} 1.0' in text
+    assert 'dynabatch_ps_gradients_total{job_id="abc",outcome="applied"} 2.0' in text
+    assert 'dynabatch_ps_server_version{job_id="abc"} 2.0' in text
+    assert 'dynabatch_ps_pushes_per_second{job_id="abc"} 1.0' in text
+
+
+def test_cli_table_shows_staleness_per_worker():
+    console = Console(width=140, record=True)
+    console.print(_ps_table(_snapshot().ps))
+    out = console.export_text()
+    assert "staleness mean" in out and "w1" in out and "1.00" in out
