@@ -104,9 +104,16 @@ class StepTelemetry(_Frozen):
     """One worker's account of one step it completed (all-reduce and optimizer step done).
 
     ``compute_s`` is gather + forward + backward (+ emulated slowdown); ``wait_s`` is the
-    weighted all-reduce, which includes waiting for slower peers. ``start`` and
+    weighted all-reduce after compute, which includes waiting for slower peers (with the
+    bucketed all-reduce, only the part not hidden behind backward). ``start`` and
     ``samples`` are the order positions this worker trained; ``coverage`` is the step's
     all-reduced per-position count (see the module docstring).
+
+    The breakdown (wall seconds, summed over micro-batches): ``gather_s`` (index and copy
+    the samples), ``forward_s`` (model and loss), ``backward_s``, ``optimizer_s``;
+    ``overlap_s`` is how long the all-reduce ran behind backward (from the first bucket's
+    launch to the end of compute); ``step_s`` is the whole step as the worker saw it.
+    ``micro_batches`` is how many micro-batches the share was computed in.
     """
 
     worker: str
@@ -128,6 +135,14 @@ class StepTelemetry(_Frozen):
         default=None, description="|g_i|² of this worker's local mean gradient (goodput).")
     global_sqnorm: float | None = Field(
         default=None, description="|G|² of the all-reduced mean gradient (goodput).")
+    gather_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    overlap_s: float = 0.0
+    step_s: float = 0.0
+    micro_batches: int = 1
+    micro_cap: int | None = None
 
 
 ErrorKind = Literal["peer", "compute"]

@@ -7,9 +7,11 @@ all-reduce yields ``Σ_i (b_i / B) · g_i``: exactly the mean gradient of the gl
 whatever the split. Compute (gather + forward + backward, plus any emulated slowdown) is
 timed apart from the all-reduce, which includes waiting for slower peers.
 
-The flat all-reduce buffer holds the gradients followed by one coverage slot per position
-of the step (see :mod:`actors.contracts`), so the collective that applies a step also
-proves which samples it contained.
+The all-reduce buffer holds the gradients followed by one coverage slot per position of
+the step (see :mod:`actors.contracts`), so the collective that applies a step also proves
+which samples it contained. :mod:`actors.reducer` owns it and reduces it flat or in
+buckets launched from backward's hooks; :mod:`actors.accumulate` cuts a share larger than
+the worker's memory cap into micro-batches whose gradients accumulate before it.
 
 Errors are classified where they happen: a failure inside the collective is a *peer*
 error (retryable: someone died, left or timed out); anything else during the step is this
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from actors.accumulate import micro_cap, micro_ranges
 from actors.contracts import (
     SegmentPlan,
     SegmentResult,
@@ -39,10 +42,12 @@ from actors.contracts import (
     encode_counts,
     epoch_order,
 )
+from actors.device_data import stage_dataset
 from actors.emulation import ComputeClock, error_at, slowdown_at
 from actors.group import ProcessGroup, Rendezvous
 from actors.optim import build_optimizer, isgd_extras, set_lr
 from actors.output import OutputTee
+from actors.reducer import GradientReducer
 from service.spec import JobSpec
 
 
@@ -114,6 +119,8 @@ class Worker:
         # Zero-copy views of the object-store arrays; batches are gathered per step.
         self.x = torch.from_numpy(np.asarray(x_train))
         self.y = torch.from_numpy(np.asarray(y_train))
+        # On a GPU: the whole set on the device once when it fits, else pinned.
+        self.x, self.y, self.data_on = stage_dataset(self.x, self.y, self.device)
         # The job's per-sample loss and metrics (service/workloads/objective.py).
         self.objective = objective_for(spec, targets_kind(y_train))
         torch.manual_seed(spec.seed)
@@ -121,28 +128,16 @@ class Worker:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(spec, self.params)
         self.group = ProcessGroup(spec.collective_timeout_s)
-        self._n_params = sum(p.numel() for p in self.params)
-        self._host: torch.Tensor | None = None
-        self._alloc_flat(spec.global_batch)
+        self.reducer = GradientReducer(self.params, self.device, spec.global_batch,
+                                       spec.allreduce, spec.bucket_kb * 1024)
+        self._n_params = self.reducer.n_params
+        self.micro_cap = micro_cap(spec.micro_batch, ordinal)
         self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
         self._stall_s = 0.0
         self._late_failure: _StepFailed | None = None  # after a step that was applied
         # CPU-time clock only for emulation on the CPU; a GPU's work is not thread time.
         self._clock = ComputeClock(spec.emulated and self.device.type == "cpu")
         self._warm_up()
-
-    def _alloc_flat(self, max_step: int) -> None:
-        """Gradients live as views of one flat buffer (backward accumulates into it and the
-        all-reduce works on it in place, no per-step copy), followed by the coverage slots
-        of the largest step."""
-        self._flat = torch.zeros(self._n_params + max_step, device=self.device)
-        off = 0
-        for p in self.params:
-            p.grad = self._flat[off:off + p.numel()].view_as(p)
-            off += p.numel()
-        self._cov = self._flat[self._n_params:]
-        if self.device.type == "cuda":
-            self._host = torch.zeros(self._flat.numel(), pin_memory=True)
 
     def _warm_up(self) -> None:
         """One throw-away forward/backward, so one-off costs (lazy init, allocator growth)
@@ -151,7 +146,7 @@ class Worker:
         if n:
             out = self.model(self.x[:n].to(self.device))
             self.objective.loss_sum(out, self.y[:n].to(self.device)).backward()
-        self._flat.zero_()
+        self.reducer.zero_()
 
     # --- membership -------------------------------------------------------------------
     def info(self) -> dict[str, str]:
@@ -184,7 +179,8 @@ class Worker:
 
     # --- training ---------------------------------------------------------------------
     def stall(self, seconds: float) -> None:
-        """Test hook: make the next step hang for ``seconds`` (a hung worker)."""
+        """Test hook: make the next step hang for ``seconds`` before its all-reduce (a hung
+        worker)."""
         self._stall_s = seconds
 
     def _epoch_order(self, plan: SegmentPlan) -> np.ndarray:
@@ -194,6 +190,10 @@ class Worker:
         return self._order[1]
 
     def run_segment(self, plan: SegmentPlan) -> SegmentResult:
+        if not self.group.active:
+            # It left after a failed step: a plan sent ahead cannot run without a group.
+            return SegmentResult(worker=self.worker_id, steps=[], error="not in a group",
+                                 error_kind="peer", failed_compute_s=0.0)
         order = self._epoch_order(plan)
         steps: list[StepTelemetry] = []
         for sp in plan.steps:
@@ -212,61 +212,67 @@ class Worker:
 
     def _step(self, epoch: int, sp: StepPlan, order: np.ndarray) -> StepTelemetry:
         factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, sp.step)
+        if self._stall_s:
+            # Before compute: backward's hooks send the gradient buckets, so a stall after
+            # it would come after this worker's share of the all-reduce went out.
+            time.sleep(self._stall_s)
+            self._stall_s = 0.0
+        t_step = time.perf_counter()
         self._clock.start()
+        phases = [0.0, 0.0, 0.0]  # gather, forward, backward
+        micro = micro_ranges(sp.own_size, self.micro_cap)
         try:
             if error_at(self.spec.emulation, self.ordinal, epoch, sp.step):
                 raise InjectedFault(f"injected error at epoch {epoch} step {sp.step}")
-            if sp.size > self._cov.numel():
-                self._alloc_flat(sp.size)
-            self._flat.zero_()
-            loss_sum = 0.0
-            xb = yb = None
-            if sp.own_size:
-                ids = order[sp.own_start:sp.own_start + sp.own_size]
-                ii = torch.from_numpy(np.asarray(ids, dtype=np.int64))
-                xb = self.x.index_select(0, ii).to(self.device, non_blocking=True)
-                yb = self.y.index_select(0, ii).to(self.device, non_blocking=True)
-                loss = self.objective.loss_sum(self.model(xb), yb)
-                (loss / sp.size).backward()
-                loss_sum = float(loss.detach())
+            r = self.reducer
+            r.begin(sp.size)
             lo = sp.own_start - sp.start
-            self._cov[lo:lo + sp.own_size] = 1.0
+            r.cov[lo:lo + sp.own_size] = 1.0  # before backward: the first bucket holds it
+            losses = []
+            ids_all = order[sp.own_start:sp.own_start + sp.own_size]
+            for j, (a, b) in enumerate(micro):
+                losses.append(self._micro_step(ids_all[a:b], sp.size, phases,
+                                               last=j == len(micro) - 1 and not sp.noise))
+            loss = torch.stack(losses).sum() if losses else None
             if self.device.type == "cuda":
+                # Compute must be timed as it ran for the policy; NCCL buckets in flight
+                # keep running on their own stream.
                 torch.cuda.synchronize(self.device)
         except Exception as err:
             raise _StepFailed("compute", err, self._clock.finish(1.0)) from err
         compute = self._clock.finish(factor)
-        if self._stall_s:
-            time.sleep(self._stall_s)
-            self._stall_s = 0.0
-        local_sq_scaled = (float(self._flat[:self._n_params].square().sum())
-                           if sp.noise else 0.0)
+        # goodput: |g_i|² of this worker's share (b_i/B)·g_i, before the all-reduce (its
+        # buckets were held back for it: see the micro-step loop).
+        local_sq_scaled = float(r.flat[:r.n_params].square().sum()) if sp.noise else 0.0
         t1 = time.perf_counter()
+        overlap = t1 - r.first_launch if r.first_launch is not None else 0.0
         try:
-            reduced = self._all_reduce(self._n_params + sp.size)
-            coverage = encode_counts(np.rint(reduced[self._n_params:]).astype(np.int64))
+            coverage = encode_counts(np.rint(r.finish()).astype(np.int64))
+            # Read after the reducer's synchronisation, not once per micro-batch.
+            loss_sum = float(loss) if loss is not None else 0.0
             # ISGD: every worker judges the same all-reduced loss of the global batch.
             psi = self._global_sum(loss_sum) / sp.size if sp.isgd is not None else None
         except Exception as err:
             raise _StepFailed("peer", err, compute) from err
-        wait = time.perf_counter() - t1
         local_sq = global_sq = None
-        if sp.noise:  # goodput: |g_i|² from the pre-reduce share (b_i/B)·g_i, and |G|²
-            global_sq = float(self._flat[:self._n_params].square().sum())
+        if sp.noise:  # goodput: |g_i|² from the pre-reduce share, and |G|²
+            global_sq = float(r.flat[:r.n_params].square().sum())
             local_sq = local_sq_scaled * (sp.size / sp.own_size) ** 2 if sp.own_size else None
         flagged = psi is not None and sp.isgd.flagged(psi)
+        t2 = time.perf_counter()
         try:
             set_lr(self.optimizer, sp.lr)
             self.optimizer.step()
         except Exception as err:
             raise _StepFailed("compute", err, compute) from err
+        t3 = time.perf_counter()
         extra = 0
         if flagged:
             passes = [0]
 
             def again() -> float:
                 passes[0] += 1
-                return self._isgd_pass(sp, xb, yb)
+                return self._isgd_pass(sp, ids_all, micro)
             try:
                 extra = isgd_extras(sp.isgd, self.params, self.optimizer, again)
             except Exception as err:
@@ -277,10 +283,12 @@ class Worker:
                 self._late_failure = _StepFailed("peer", err, compute)
         return StepTelemetry(
             worker=self.worker_id, epoch=epoch, step=sp.step, batch=sp.own_size,
-            samples=sp.own_size, compute_s=compute, wait_s=wait, loss_sum=loss_sum,
+            samples=sp.own_size, compute_s=compute, wait_s=t2 - t1, loss_sum=loss_sum,
             slowdown=factor, start=sp.own_start, step_start=sp.start, step_size=sp.size,
-            coverage=coverage, flagged=flagged, extra_iters=extra,
-            local_sqnorm=local_sq, global_sqnorm=global_sq,
+            coverage=coverage, gather_s=phases[0], forward_s=phases[1], backward_s=phases[2],
+            optimizer_s=t3 - t2, overlap_s=overlap, step_s=t3 - t_step,
+            micro_batches=max(1, len(micro)), micro_cap=self.micro_cap,
+            flagged=flagged, extra_iters=extra, local_sqnorm=local_sq, global_sqnorm=global_sq,
         )
 
     def _global_sum(self, value: float) -> float:
@@ -289,40 +297,48 @@ class Worker:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return float(t[0])
 
-    def _isgd_pass(self, sp: StepPlan, xb, yb) -> float:
+    def _isgd_pass(self, sp: StepPlan, ids: np.ndarray, micro) -> float:
         """One ISGD extra iteration's gradient: this worker's share again at the current
-        weights, all-reduced (no coverage: it trains no new sample). Returns the global mean
-        loss."""
-        self._flat[:self._n_params].zero_()
-        loss_sum = 0.0
-        if xb is not None:
-            loss = self.objective.loss_sum(self.model(xb), yb)
-            (loss / sp.size).backward()
-            loss_sum = float(loss.detach())
-        self._all_reduce(self._n_params)
+        weights, all-reduced (its coverage slots stay zero: it trains no new sample).
+        Returns the global mean loss."""
+        r = self.reducer
+        r.begin(sp.size)
+        phases = [0.0, 0.0, 0.0]
+        losses = [self._micro_step(ids[a:b], sp.size, phases, last=j == len(micro) - 1)
+                  for j, (a, b) in enumerate(micro)]
+        r.finish()
+        loss_sum = float(torch.stack(losses).sum()) if losses else 0.0
         return self._global_sum(loss_sum) / sp.size
 
-    def _all_reduce(self, n: int) -> np.ndarray:
-        """SUM all-reduce of the first ``n`` elements of the flat buffer, in place; returns
-        them on the host (the caller reads the coverage slots)."""
-        flat = self._flat[:n]
-        if self.device.type == "cuda" and self.group.backend == "gloo":
-            host = self._host[:n]
-            host.copy_(flat, non_blocking=True)
-            torch.cuda.synchronize(self.device)
-            dist.all_reduce(host, op=dist.ReduceOp.SUM)
-            flat.copy_(host, non_blocking=True)
-            torch.cuda.synchronize(self.device)
-            return host.numpy()
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        if self.device.type == "cuda":
-            return flat.cpu().numpy()
-        return flat.numpy()
+    def _micro_step(self, ids: np.ndarray, step_size: int, phases: list[float],
+                    last: bool) -> torch.Tensor:
+        """Gather, forward and backward of one micro-batch, its summed loss scaled by
+        1/``step_size`` (see :mod:`actors.accumulate`); returns its summed loss. The last
+        micro-batch's backward arms the reducer, so buckets go out as they complete."""
+        t0 = time.perf_counter()
+        ii = torch.from_numpy(np.asarray(ids, dtype=np.int64)).to(self.x.device,
+                                                                   non_blocking=True)
+        xb = self.x.index_select(0, ii).to(self.device, non_blocking=True)
+        yb = self.y.index_select(0, ii).to(self.device, non_blocking=True)
+        t1 = time.perf_counter()
+        loss = self.objective.loss_sum(self.model(xb), yb)
+        t2 = time.perf_counter()
+        if last:
+            self.reducer.arm()
+        (loss / step_size).backward()
+        t3 = time.perf_counter()
+        phases[0] += t1 - t0
+        phases[1] += t2 - t1
+        phases[2] += t3 - t2
+        return loss.detach()
 
     # --- measurement (benchmarks) -----------------------------------------------------
-    def profile(self, batches: list[int], repeats: int = 5) -> dict[int, float]:
-        """Median solo compute seconds of one step at each batch size (emulation applied).
-        Gradients are computed and discarded; the model is not updated."""
+    def profile(self, batches: list[int], repeats: int = 5, wall: bool = False
+                ) -> dict[int, float]:
+        """Median compute seconds of one step at each batch size (emulation applied).
+        Gradients are computed and discarded; the model is not updated. ``wall``: the wall
+        time of the (emulated) step, which is what an epoch pays when workers profiled
+        side by side share a machine; otherwise the compute clock's account."""
         out: dict[int, float] = {}
         n = len(self.y)
         rng = np.random.default_rng(self.ordinal)
@@ -330,17 +346,19 @@ class Worker:
             times = []
             for _ in range(repeats + 1):  # the first run warms caches up
                 idx = rng.integers(0, n, size=b)
+                t_wall = time.perf_counter()
                 self._clock.start()
-                self._flat.zero_()
-                ii = torch.from_numpy(idx)
+                self.reducer.zero_()
+                ii = torch.from_numpy(idx).to(self.x.device)
                 xb = self.x.index_select(0, ii).to(self.device)
                 yb = self.y.index_select(0, ii).to(self.device)
                 (self.objective.loss_sum(self.model(xb), yb) / b).backward()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 factor = slowdown_at(self.spec.emulation, self.ordinal, 0, 0)
-                times.append(self._clock.finish(factor))
-            self._flat.zero_()
+                took = self._clock.finish(factor)
+                times.append(time.perf_counter() - t_wall if wall else took)
+            self.reducer.zero_()
             out[b] = float(np.median(times[1:]))
         return out
 

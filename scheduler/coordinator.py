@@ -14,7 +14,18 @@ The decisions live in pure machines (no ray, no torch, no clock), each in its mo
 
 This class feeds them events and executes their decisions on a :class:`Runtime`: Ray
 actors in production (``scheduler.ray_runtime``), in-process fakes with injected faults
-in unit tests. ``step()`` is one pass of the control loop; ``run()`` loops it until the job
+in unit tests.
+
+No bubbles. When the next segment trains under the same allocation (same epoch, no
+re-plan due, nothing asked of the membership), it is sent to the workers before the
+current one's results are read (a :class:`~scheduler.runtime.PipelinedRuntime` queues it
+behind the one in flight), so workers go from segment to segment without waiting for the
+coordinator. Only one segment is ahead at a time; it is committed like any other once the
+one before it was. Membership changes, cancellation and checkpoints wait for the boundary
+at which nothing is in flight; if the segment before it failed, the one ahead cannot have
+trained (its workers left the group) and is collected and discarded.
+
+``step()`` is one pass of the control loop; ``run()`` loops it until the job
 is terminal. The other public methods may be called from other threads while it runs (the
 actor is threaded): requests are queued and applied at the next step boundary.
 """
@@ -34,13 +45,21 @@ from scheduler.membership import Change, Membership
 from scheduler.policy import make_policy
 from scheduler.protocols.sync import Position, RebalanceRule, SyncProtocol
 from scheduler.regime import Regime
-from scheduler.runtime import Clock, DataInfo, RealClock, Runtime, WorkerCallError
+from scheduler.runtime import (
+    Clock,
+    DataInfo,
+    RealClock,
+    Runtime,
+    WorkerCallError,
+    pipelined,
+)
 from scheduler.state import InvalidTransition, JobState
 from scheduler.telemetry import (
     EpochRecord,
     JobSnapshot,
     LogLine,
     MembershipEvent,
+    StepBreakdown,
     WorkerEpochStats,
     WorkerStatus,
 )
@@ -59,12 +78,58 @@ class _JobEnded(Exception):
 
 
 @dataclass
+class _Ahead:
+    """A segment sent before the previous one's results were read."""
+
+    position: Position
+    plans: dict[str, Any]
+    ticket: Any
+    sent: float
+
+
+_PHASES = ("gather_s", "forward_s", "backward_s", "wait_s", "optimizer_s", "overlap_s",
+           "micro_batches")
+
+
+@dataclass
 class _EpochTotals:
+    started: float = 0.0
     wall: float = 0.0
     worker_seconds: float = 0.0
     loss_sum: float = 0.0
     loss_samples: int = 0
     rebalances: int = 0
+    # Per committed step: the workers' mean phase times. ``busy``: per segment, the
+    # longest time a worker spent in its steps (the rest of the epoch's wall time is the
+    # scheduler's: dispatch, results, ledger, planning, regroups, evaluation).
+    phases: dict[str, float] | None = None
+    busy: float = 0.0
+    steps: int = 0
+
+    def add_step(self, reports: list[StepTelemetry]) -> None:
+        if not reports:
+            return
+        if self.phases is None:
+            self.phases = dict.fromkeys(_PHASES, 0.0)
+        for k in _PHASES:
+            self.phases[k] += sum(getattr(r, k) for r in reports) / len(reports)
+        self.steps += 1
+
+    def add_segment(self, results: list[Any], done: int) -> None:
+        self.busy += max((sum(s.step_s for s in r.steps[:done]) for r in results), default=0.0)
+
+    def breakdown(self, elapsed: float, evaluation: float) -> StepBreakdown | None:
+        if not self.steps or self.phases is None:
+            return None
+        n = self.steps
+        ph = {k: v / n for k, v in self.phases.items()}
+        return StepBreakdown(
+            gather_s=ph["gather_s"], forward_s=ph["forward_s"], backward_s=ph["backward_s"],
+            allreduce_wait_s=ph["wait_s"], optimizer_s=ph["optimizer_s"],
+            overlap_s=ph["overlap_s"], micro_batches=ph["micro_batches"],
+            coordinator_s=max(0.0, elapsed - evaluation - self.busy) / n,
+            evaluation_s=evaluation / n,
+        )
 
 
 class Coordinator:
@@ -124,6 +189,10 @@ class Coordinator:
         self._below_min_since: float | None = None
         self._regroup_failures = 0
         self._resume_state: dict[str, Any] | None = None
+        self._pipe = pipelined(self.runtime)
+        self._ahead: _Ahead | None = None
+        self._last_collect = -1e18
+        self.segments_sent_ahead = 0
         if resume and s.checkpoint.dir:
             # Lazily: checkpoints need torch, and a simulated job (no checkpoints) does not.
             from scheduler.checkpoint import CheckpointError, load_checkpoint
@@ -215,6 +284,7 @@ class Coordinator:
                 epoch_durations_s=[r.wall_s for r in self._history], worker_events=events,
                 regroup_seconds_total=self.regroup_seconds_total,
                 retried_samples_total=self.retried_samples_total,
+                step_breakdown=last.breakdown if last else None,
                 started_at=self.started_at, finished_at=self.finished_at,
             )
 
@@ -273,12 +343,20 @@ class Coordinator:
         if self.state.is_terminal:
             return False
         if self._cancel is not None:
+            if self._ahead is not None:
+                # The checkpoint must hold what was trained, and an epoch it completed ends.
+                self._drain_ahead(commit=True)
+                if self.protocol.epoch_complete and self._ep is not None:
+                    self._end_epoch()
+                if self.state.is_terminal:
+                    return False
             self._checkpoint(reason="cancel")
             self._finish(JobState.CANCELLED, self._cancel)
             return False
         if self.protocol is None:
             self._load_data()
-        if not self._reconcile_membership():
+        # With a segment in flight, membership changes wait for the next boundary.
+        if self._ahead is None and not self._reconcile_membership():
             return not self.state.is_terminal
         p = self.protocol
         if p.epoch >= self.spec.epochs:
@@ -324,7 +402,7 @@ class Coordinator:
             if batch != p.global_batch:
                 self._log("INFO", f"epoch {p.epoch}: global batch {p.global_batch} -> {batch}")
                 p.resize(batch)
-        self._ep = _EpochTotals()
+        self._ep = _EpochTotals(started=self.clock.now())
         self.tracker.begin_epoch()
         if self.ledger.epoch != self.protocol.epoch:
             self.ledger.begin_epoch(self.protocol.epoch, self.protocol.dataset_size)
@@ -341,16 +419,68 @@ class Coordinator:
             self._log("INFO", f"rebalance ({why}): batches "
                               f"{dict(zip(a.workers, a.batches, strict=True))} — {decision.reason}")
 
+    def _grace_s(self) -> float:
+        return self.spec.collective_timeout_s + 5.0
+
+    def _can_send_ahead(self, plans: dict[str, Any]) -> bool:
+        if self._pipe is None or self._cancel is not None:
+            return False
+        m = self.membership
+        with self._lock:
+            requests = bool(self._requests)
+        steps = len(next(iter(plans.values())).steps)
+        return (not requests and not m.pending and not m.dirty
+                and self.regime.can_stamp_ahead
+                and self.protocol.next_boundary_keeps_plan(steps))
+
+    def _drain_ahead(self, commit: bool) -> None:
+        """Collect the segment in flight: commit it (``commit``), or discard it after a
+        failure of the one before it."""
+        ahead = self._ahead
+        if ahead is None:
+            return
+        if commit and ahead.position == self.protocol.position:
+            self._train_segment()
+            return
+        self._ahead = None
+        outcomes = self._pipe.collect_segment(ahead.ticket, self._grace_s())
+        trained = [o.worker for o in outcomes if o.result is not None and o.result.steps]
+        if trained:  # cannot happen: the group broke at the failure before it
+            self._log("ERROR", f"a segment sent ahead trained on {trained} after the one "
+                               "before it failed; their state is not the committed one")
+            for w in trained:
+                self._remove(w, "failure", "trained past a failed segment")
+
     def _train_segment(self) -> bool:
         """Run one segment; commit what the state holder completed. True when it all ran."""
         p = self.protocol
-        plans = self.regime.stamp(p.plan_segment(), p.steps_per_epoch)
-        if not plans:
-            return True
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.position == p.position:
+            plans, ticket, t0 = ahead.plans, ahead.ticket, ahead.sent
+        else:
+            if ahead is not None:  # defensive: a segment ahead always starts here
+                self._ahead = ahead
+                self._drain_ahead(commit=False)
+            plans = self.regime.stamp(p.plan_segment(), p.steps_per_epoch)
+            if not plans:
+                return True
+            t0 = self.clock.now()
+            ticket = self._pipe.submit_segment(plans) if self._pipe else None
         start = p.position
-        t0 = self.clock.now()
-        outcomes = self.runtime.run_segment(plans, grace_s=self.spec.collective_timeout_s + 5.0)
-        wall = self.clock.now() - t0
+        if ticket is not None and self._can_send_ahead(plans):
+            steps = len(next(iter(plans.values())).steps)
+            nxt = self.regime.stamp(p.plan_segment(at=p.step + steps), p.steps_per_epoch)
+            self._ahead = _Ahead(Position(p.epoch, p.step + steps), nxt,
+                                 self._pipe.submit_segment(nxt), self.clock.now())
+            self.segments_sent_ahead += 1
+        if ticket is None:
+            outcomes = self.runtime.run_segment(plans, grace_s=self._grace_s())
+        else:
+            outcomes = self._pipe.collect_segment(ticket, self._grace_s())
+        # A segment sent ahead started on the workers when the one before it ended.
+        now = self.clock.now()
+        wall = now - max(t0, self._last_collect)
+        self._last_collect = now
         failure = classify(outcomes, self.spec.collective_timeout_s)
         results = [o.result for o in outcomes if o.result is not None]
         for r in results:  # the workers' own output (user prints), into the job log
@@ -363,9 +493,11 @@ class Coordinator:
                 self.ledger.commit(reports)
                 self.regime.observe(reports)
                 self._recent_steps.append(reports)
+                self._ep.add_step(reports)
                 for rep in reports:
                     self._ep.loss_sum += rep.loss_sum
                     self._ep.loss_samples += rep.samples
+            self._ep.add_segment(results, done)
             for r in results:
                 self.tracker.observe(r.worker, r.steps)
             planned = len(next(iter(plans.values())).steps)
@@ -380,7 +512,10 @@ class Coordinator:
         if failure is None:
             self.budget.succeeded()
             return True
+        # Lost and hung workers are removed (killed) first, so what they had queued ahead
+        # answers at once instead of after another grace period.
         self._segment_failed(failure, outcomes, plans)
+        self._drain_ahead(commit=False)
         return False
 
     def _segment_failed(self, failure: Failure, outcomes: list[WorkerOutcome],
@@ -408,6 +543,7 @@ class Coordinator:
             self._fail_now(f"epoch {p.epoch}: exactly-once check of the workers' reports "
                            f"failed: {v.reason}")
         test_loss = acc = None
+        t_eval = self.clock.now()
         scores: dict[str, float] = {}
         for holder in self.membership.holders():
             try:
@@ -418,7 +554,9 @@ class Coordinator:
                 self._log("WARNING", f"evaluation failed: {err}")
                 if err.lost:
                     self._remove(err.worker, "failure", "lost during evaluation")
+        evaluation = self.clock.now() - t_eval
         ep = self._ep
+        elapsed = self.clock.now() - ep.started
         tracks = {w: self.tracker.workers[w] for w in self.membership.worker_ids
                   if w in self.tracker.workers}
         full = [t for t in tracks.values() if t.epoch_steps == p.steps_per_epoch] or [
@@ -439,6 +577,8 @@ class Coordinator:
             test_loss=test_loss, test_accuracy=acc, test_metrics=scores, utilization=min(util, 1.0),
             compute_balance=balance, rebalances=ep.rebalances, generation=self.generation,
             policy=self.spec.policy, emulated=self.spec.emulated,
+            elapsed_s=elapsed, evaluation_s=evaluation,
+            breakdown=ep.breakdown(elapsed, evaluation),
             workers=[
                 WorkerEpochStats(
                     worker=w, node=node_of[w], batch=batch_of.get(w, 0),

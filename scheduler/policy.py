@@ -42,6 +42,7 @@ import numpy as np
 
 from scheduler.model import (
     StepTimeStats,
+    accumulation_slope,
     equal_finish,
     fit_arrays,
     round_to_total,
@@ -55,8 +56,11 @@ class WorkerTelemetry:
 
     ``samples`` and ``compute_s`` cover the window since the last decision (for DBS);
     ``stats`` holds the decayed (batch, step compute time) observations (for the affine
-    model). ``cap`` bounds the worker's batch (memory); ``capacity`` is a resource hint
-    (e.g. CPUs) for a worker that has no telemetry yet.
+    model). ``cap`` bounds the worker's batch; ``micro`` is its memory cap on one
+    micro-batch, which does not bound the share (it is accumulated, and the affine model
+    plans with :func:`scheduler.model.accumulation_slope`); ``capacity`` is a resource
+    hint (e.g. CPUs) for a worker that has no telemetry yet. ``stats`` are per
+    micro-batch when the worker accumulates.
     """
 
     worker: str
@@ -66,6 +70,7 @@ class WorkerTelemetry:
     cap: int | None = None
     capacity: float = 1.0
     stats: StepTimeStats = field(default_factory=StepTimeStats)
+    micro: int | None = None
 
     @property
     def measured(self) -> bool:
@@ -388,6 +393,8 @@ class AffinePolicy:
             a, c, _k = shared_overhead_fit(*cols.T, k_max=global_batch / n)
         else:
             a, c = fit_arrays(*cols.T)
+        micro = np.array([np.nan if t.micro is None else t.micro for t in telemetry])
+        c = accumulation_slope(a, c, micro)
         known = ~np.isnan(c)
         cur = _current_batches(current, workers, global_batch, lo, hi)
         if not known.any():

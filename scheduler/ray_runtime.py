@@ -111,7 +111,16 @@ class RayRuntime:
 
     # --- training ---------------------------------------------------------------------
     def run_segment(self, plans: dict[str, Any], grace_s: float) -> list[WorkerOutcome]:
-        refs = {self._handles[w].run_segment.remote(plans[w]): w for w in plans}
+        return self.collect_segment(self.submit_segment(plans), grace_s)
+
+    def submit_segment(self, plans: dict[str, Any]) -> tuple[dict[Any, str], list[str]]:
+        # An actor runs its calls in order: a segment sent while another runs starts on
+        # each worker as soon as the previous one ends there.
+        return {self._handles[w].run_segment.remote(plans[w]): w for w in plans}, list(plans)
+
+    def collect_segment(self, ticket: tuple[dict[Any, str], list[str]], grace_s: float
+                        ) -> list[WorkerOutcome]:
+        refs, order = ticket
         outcomes: dict[str, WorkerOutcome] = {}
         pending = list(refs)
         first_failure: float | None = None
@@ -131,7 +140,7 @@ class RayRuntime:
         for ref in pending:
             w = refs[ref]
             outcomes[w] = WorkerOutcome(w, lost="hung: no answer after its peers failed")
-        return [outcomes[w] for w in plans]
+        return [outcomes[w] for w in order]
 
     def regroup(
         self, generation: int, members: Sequence[str], state: dict[str, Any] | None,
@@ -174,9 +183,12 @@ class RayRuntime:
         return self._call(worker, "state", timeout_s)
 
     def _call(self, worker: str, method: str, timeout_s: float, *args: Any) -> Any:
+        return self._get(worker, method, getattr(self._handles[worker], method).remote(*args),
+                         timeout_s)
+
+    def _get(self, worker: str, method: str, ref: Any, timeout_s: float) -> Any:
         try:
-            return ray.get(getattr(self._handles[worker], method).remote(*args),
-                           timeout=timeout_s)
+            return ray.get(ref, timeout=timeout_s)
         except RayActorError as err:
             raise WorkerCallError(worker, _why_lost(err), lost=True) from None
         except GetTimeoutError:

@@ -61,6 +61,13 @@ class Regime:
         ns = self.noise.noise_scale
         return 1.0 if ns is None else gain(batch, self.base_batch, ns)
 
+    @property
+    def can_stamp_ahead(self) -> bool:
+        """Whether a segment's stamps can be fixed before the one before it reports: true
+        unless they depend on its losses (ISGD's control limit) or gradients (goodput's
+        AdaScale gain)."""
+        return self.chart is None and self.mode != "goodput"
+
     def stamp(self, plans: dict[str, SegmentPlan], steps_per_epoch: int
               ) -> dict[str, SegmentPlan]:
         """The plans with each step's learning rate, ISGD rule and noise request."""

@@ -105,6 +105,26 @@ class Runtime(Protocol):
         """``worker``'s model and optimizer state on the CPU; raises ``WorkerCallError``."""
 
 
+class PipelinedRuntime(Runtime, Protocol):
+    """A runtime that can queue a segment behind the one in flight (no bubble between
+    segments: each worker starts the next as soon as it ends the last, while the
+    coordinator reads the results). ``run_segment(p, g)`` is
+    ``collect_segment(submit_segment(p), g)``."""
+
+    def submit_segment(self, plans: dict[str, SegmentPlan]) -> Any:
+        """Send the plans; returns a ticket for :meth:`collect_segment`."""
+
+    def collect_segment(self, ticket: Any, grace_s: float) -> list[WorkerOutcome]:
+        """The outcomes of a submitted segment, as :meth:`Runtime.run_segment`."""
+
+
+def pipelined(runtime: Runtime) -> PipelinedRuntime | None:
+    """``runtime`` when it can send segments ahead, else None."""
+    ok = callable(getattr(runtime, "submit_segment", None)) and callable(
+        getattr(runtime, "collect_segment", None))
+    return runtime if ok else None  # type: ignore[return-value]
+
+
 class WorkerCallError(RuntimeError):
     """A call to one worker failed or timed out. ``lost``: the worker is gone."""
 

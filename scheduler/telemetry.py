@@ -27,6 +27,29 @@ class WorkerEpochStats(_Frozen):
     slowdown: float = 1.0
 
 
+class StepBreakdown(_Frozen):
+    """Where a step's time went, in seconds per step: the mean over the epoch's committed
+    steps of the workers' mean phase times, plus the scheduler's share.
+
+    ``gather_s + forward_s + backward_s`` is the workers' compute (``compute_s`` in the
+    telemetry, without emulated slowdowns); ``allreduce_wait_s`` is the all-reduce after
+    compute, including waiting for slower peers; ``overlap_s`` is how long the all-reduce
+    ran behind backward (bucketed mode). ``coordinator_s`` is the epoch's wall time that no
+    worker step covers (dispatch, results, ledger, planning, regroups), per step;
+    ``evaluation_s`` is the epoch's evaluation, per step.
+    """
+
+    gather_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    allreduce_wait_s: float = 0.0
+    optimizer_s: float = 0.0
+    overlap_s: float = 0.0
+    coordinator_s: float = 0.0
+    evaluation_s: float = 0.0
+    micro_batches: float = Field(default=1.0, description="Mean micro-batches per share.")
+
+
 class EpochRecord(_Frozen):
     """One epoch of a job, as the scheduler saw it."""
 
@@ -73,6 +96,11 @@ class EpochRecord(_Frozen):
         default=None, description="Goodput mode: estimated gradient noise scale tr(Σ)/|∇L|².")
     goodput_batch: int | None = Field(
         default=None, description="Goodput mode: the global batch chosen for the next epoch.")
+    elapsed_s: float | None = Field(
+        default=None, description="Wall time from the epoch's start to its end, evaluation "
+        "and scheduling included (wall_s counts the training segments only).")
+    evaluation_s: float = 0.0
+    breakdown: StepBreakdown | None = None
 
 
 class WorkerStatus(_Frozen):
@@ -162,6 +190,8 @@ class JobSnapshot(_Frozen):
     )
     regroup_seconds_total: float = 0.0
     retried_samples_total: int = 0
+    step_breakdown: StepBreakdown | None = Field(
+        default=None, description="Where the last epoch's step time went.")
     started_at: float | None = None
     finished_at: float | None = None
     ps: PSStatus | None = Field(default=None, description="Parameter-server jobs only.")

@@ -3,6 +3,10 @@
 For each worker it keeps the decayed step-time statistics of the affine model (older
 observations fade by ``STATS_DECAY`` per new one, so the model follows a worker whose speed
 changes), the window since the last decision (for DBS), and the epoch's totals.
+
+A worker that computes its share in k micro-batches (its memory cap, ``micro_cap``) is
+observed per micro-batch, (b/k, t/k), so the fit is the micro-batch's a and c; the policy
+plans the accumulated step with them (``scheduler.model.accumulation_slope``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class WorkerTrack:
     compute_per_step: float = 0.0
     wait_per_step: float = 0.0
     slowdown: float = 1.0
+    micro_cap: int | None = None
 
     @property
     def throughput(self) -> float:
@@ -59,7 +64,8 @@ class Tracker:
             t = self.workers[w]
             out.append(WorkerTelemetry(worker=w, samples=t.window_samples,
                                        compute_s=t.window_compute, cap=cap,
-                                       capacity=t.capacity, stats=t.stats))
+                                       capacity=t.capacity, stats=t.stats,
+                                       micro=t.micro_cap))
         return out
 
     def decided(self) -> None:
@@ -89,13 +95,15 @@ class Tracker:
         t.compute_per_step = compute / len(steps)
         t.wait_per_step = sum(s.wait_s for s in steps) / len(steps)
         t.slowdown = steps[-1].slowdown
+        t.micro_cap = steps[-1].micro_cap
 
     def _fit(self, t: WorkerTrack, steps: list[StepTelemetry]) -> None:
         first = t.observed_steps == 0
         t.observed_steps += len(steps)
         if first:
             steps = steps[1:]  # a newcomer's first step still pays one-off costs
-        obs = [(s.samples, s.compute_s) for s in steps if s.samples > 0]
+        obs = [(s.samples / s.micro_batches, s.compute_s / s.micro_batches)
+               for s in steps if s.samples > 0]
         if not obs:
             return
         f = fit(t.stats)

@@ -31,6 +31,7 @@ from rich.text import Text
 
 from api.schemas import JobDetail
 from scheduler.state import JobState
+from service.breakdown_view import breakdown_table
 from service.client import DEFAULT_URL, ApiError, DynabatchClient
 from service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN
 from service.spec import SpecError, parse_spec
@@ -164,10 +165,13 @@ def _job_table(job: Any) -> Group:
             f"{w.compute_s_per_step * 1e3:.1f} ms",
             f"{w.wait_s_per_step * 1e3:.1f} ms",
         )
+    parts: list[Any] = [head, workers]
+    if job.step_breakdown is not None:
+        parts.append(breakdown_table(job.step_breakdown))
     ps = getattr(job, "ps", None)
-    if ps is None:
-        return Group(head, workers)
-    return Group(head, workers, _ps_table(ps))
+    if ps is not None:
+        parts.append(_ps_table(ps))
+    return Group(*parts)
 
 
 def _ps_table(ps: Any) -> Table:

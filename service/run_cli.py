@@ -19,6 +19,7 @@ from rich.text import Text
 
 from scheduler.state import JobState
 from scheduler.telemetry import EpochRecord, JobSnapshot
+from service.breakdown_view import breakdown_table
 from service.spec import JobSpec, SpecError, load_spec
 
 # A coordinator answers snapshot/history/cancel from another thread in milliseconds; this
@@ -56,6 +57,8 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
                        "-" if r.test_accuracy is None else f"{r.test_accuracy:.4f}",
                        f"{r.utilization:.3f}", f"{r.compute_balance:.3f}", str(r.rebalances),
                        samples, str(r.retried_samples))
+    if snap.step_breakdown is not None:
+        return Group(head, workers, epochs, breakdown_table(snap.step_breakdown))
     return Group(head, workers, epochs)
 
 

@@ -374,6 +374,21 @@ class JobSpec(_Strict):
     max_batch: StrictInt | None = Field(
         default=None, ge=1, description="Cap on any worker's batch."
     )
+    micro_batch: (Annotated[StrictInt, Field(ge=1)]
+                  | Annotated[list[Annotated[StrictInt, Field(ge=1)]], Field(min_length=1)]
+                  | None) = Field(
+        default=None,
+        description="Most samples a worker computes at once (its memory cap), for every "
+        "worker or one per worker ordinal. Unlike max_batch it does not limit the share: a "
+        "larger share is accumulated over ceil(share / micro_batch) micro-batches.",
+    )
+    allreduce: Literal["bucketed", "flat"] = Field(
+        default="bucketed",
+        description="bucketed: gradients go out in buckets from backward's hooks, overlapping "
+        "communication with compute (as DDP); flat: one all-reduce after backward.",
+    )
+    bucket_kb: StrictInt = Field(default=1024, ge=1, le=1 << 20,
+                                 description="Bucket size of the bucketed all-reduce.")
     epochs: StrictInt = Field(default=3, ge=1, le=100_000)
     policy: Literal["static", "dbs", "affine"] = "affine"
     rebalance: RebalanceSpec = Field(default_factory=RebalanceSpec)
@@ -443,6 +458,18 @@ class JobSpec(_Strict):
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_WORKERS:
             raise ValueError(f"must be an integer between 1 and {MAX_WORKERS}, or 'auto'")
         return v
+
+    @field_validator("micro_batch", mode="before")
+    @classmethod
+    def _micro_batch(cls, v: Any) -> Any:
+        # One clear message instead of one per member of the union.
+        def ok(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+        if v is None or ok(v) or (isinstance(v, list) and v and all(map(ok, v))):
+            return v
+        raise ValueError("must be a positive integer, or a non-empty list of them (one per "
+                         "worker ordinal)")
 
     @model_validator(mode="after")
     def _combinations(self) -> JobSpec:

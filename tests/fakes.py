@@ -481,6 +481,10 @@ class FakeRuntime:
                                       "segments": 0}
         self.killed: list[str] = []
         self.final_lineages: dict[str, list[tuple[int, int]]] = {}
+        # As real workers: after a failed segment every member has left the group, so a
+        # segment queued behind it cannot train until the next regroup.
+        self._group_broken = False
+        self.submitted = 0
 
     # --- test controls --------------------------------------------------------------
     def inject(self, kind: str, worker: str, **kw) -> Fault:
@@ -571,6 +575,7 @@ class FakeRuntime:
                 elif f := self._fault("straggle", w, epoch, step):
                     errors[w] = ("peer", "DistBackendError: timed out", f.seconds)
             if gone or errors:
+                self._group_broken = True
                 longest = max(compute.values(), default=0.0)
                 self.clock.sleep(longest + self.spec.collective_timeout_s)
                 survivors = [w for w in names if w not in gone]
@@ -595,6 +600,23 @@ class FakeRuntime:
             for w in names:
                 steps[w].append(self._apply(w, epoch, sps, compute, names, t - compute[w]))
         return [WorkerOutcome(w, result=SegmentResult(worker=w, steps=steps[w])) for w in names]
+
+    # --- segments sent ahead (PipelinedRuntime) ---------------------------------------
+    def submit_segment(self, plans: dict[str, SegmentPlan]) -> dict[str, SegmentPlan]:
+        self.submitted += 1
+        return plans  # runs when collected, after every segment submitted before it
+
+    def collect_segment(self, plans: dict[str, SegmentPlan], grace_s: float
+                        ) -> list[WorkerOutcome]:
+        if not self._group_broken:
+            return self.run_segment(plans, grace_s)
+        self.calls["segments"] += 1
+        return [WorkerOutcome(w, lost="died: worker process died or node lost")
+                if w not in self.workers or not self.workers[w].alive
+                else WorkerOutcome(w, result=SegmentResult(
+                    worker=w, steps=[], error="not in a group", error_kind="peer",
+                    failed_compute_s=0.0))
+                for w in plans]
 
     def _apply(self, w, epoch, sps, compute, names, wait) -> StepTelemetry:
         """Worker ``w`` completes a step whose all-reduce summed every member's share."""
@@ -627,6 +649,7 @@ class FakeRuntime:
             # As with gloo: the live members' rendezvous fails with the dead one.
             return RegroupResult(lost, "; ".join(f"{w}: rendezvous timed out"
                                                  for w in members if w not in lost) or None)
+        self._group_broken = False
         src = self.workers[members[0]]
         if state is not None:
             src.lineage = [tuple(x) for x in state["lineage"]]

@@ -154,44 +154,58 @@ class SyncProtocol:
         used = full * a.batches[i] + (a.step_shares(a.steps - 1)[i] if done >= a.steps else 0)
         return a.partitions[i] - used
 
-    def due_check(self) -> bool:
-        """Whether the rule asks for a re-plan at this step boundary."""
+    def due_check(self, step: int | None = None) -> bool:
+        """Whether the rule asks for a re-plan at this step boundary (or at ``step``)."""
+        step = self.step if step is None else step
         mode = self.rule.mode
-        if mode == "epoch" or self.epoch_complete:
+        if mode == "epoch" or step >= self.steps_per_epoch:
             return False
         if mode == "steps":
-            return self.step % self.rule.every_steps == 0
+            return step % self.rule.every_steps == 0
         return True
 
+    def next_boundary_keeps_plan(self, segment_steps: int) -> bool:
+        """Whether the segment after the current one (of ``segment_steps`` steps) trains
+        under the same allocation, so it can be sent to the workers before the current
+        one's results are in: it lies in this epoch and the rule asks no re-plan between."""
+        nxt = self.step + segment_steps
+        return nxt < self.steps_per_epoch and not self.due_check(nxt)
+
     # --- segments ---------------------------------------------------------------------
-    def segment_length(self) -> int:
-        left = self.steps_per_epoch - self.step
+    def segment_length(self, step: int | None = None) -> int:
+        step = self.step if step is None else step
+        left = self.steps_per_epoch - step
         rule = self.rule
         if rule.mode == "steps":
             # Land on multiples of K so "every K steps" means what it says.
-            k = rule.every_steps - (self.step % rule.every_steps)
+            k = rule.every_steps - (step % rule.every_steps)
         elif rule.mode == "adaptive":
             k = rule.check_steps
         else:
             k = MAX_SEGMENT_STEPS
         return max(0, min(k, left, MAX_SEGMENT_STEPS))
 
-    def plan_segment(self) -> dict[str, SegmentPlan]:
-        """Each worker's steps for the next segment (empty when the epoch is complete)."""
+    def plan_segment(self, at: int | None = None) -> dict[str, SegmentPlan]:
+        """Each worker's steps for the next segment (empty when the epoch is complete), or
+        for the segment starting at step ``at`` of this epoch under the same allocation
+        (a segment sent ahead; see :meth:`next_boundary_keeps_plan`)."""
         a = self.allocation
         if a is None:
             raise ValueError("no allocation: replan first")
-        k = self.segment_length()
+        first = self.step if at is None else at
+        if first < self.step:
+            raise ValueError(f"step {first} is behind the protocol's step {self.step}")
+        k = self.segment_length(first)
         if k == 0:
             return {}
-        local0 = self.step - self._anchor
+        local0 = first - self._anchor
         base = self._anchor * self.global_batch
         ranges = a.worker_ranges(local0, k)
         plans = {}
         for i, w in enumerate(a.workers):
             steps = []
             for j, (lo, hi) in enumerate(ranges[i]):
-                s = self.step + j
+                s = first + j
                 steps.append(StepPlan(step=s, start=s * self.global_batch,
                                       size=self.step_size(s), own_start=base + lo,
                                       own_size=hi - lo))

@@ -30,15 +30,21 @@ def _spec(**kw) -> JobSpec:
 LM = dict(dataset={"name": "pysource", "options": {"chars": 20000, "seq_len": 16}},
           model={"name": "charlm", "hidden": 16, "options": {"heads": 2, "layers": 1}},
           loss="next_token")
+# Small buckets launched from backward's hooks, and memory caps that make the workers
+# accumulate 2, 3 and 3 micro-batches.
+ACCUMULATED = {"allreduce": "bucketed", "bucket_kb": 1, "micro_batch": [3, 4, 16]}
 
 
-@pytest.mark.parametrize("workload", [{}, LM], ids=["cross_entropy", "next_token"])
-def test_weighted_allreduce_equals_one_process_update(cluster, workload):
+@pytest.mark.parametrize(("workload", "comm"), [
+    ({}, {"allreduce": "flat"}), ({}, ACCUMULATED), (LM, {"allreduce": "bucketed"}),
+], ids=["cross_entropy-flat", "cross_entropy-bucketed-accumulated", "next_token-bucketed"])
+def test_weighted_allreduce_equals_one_process_update(cluster, workload, comm):
     """3 workers with batches 5, 11 and 48 make the update of one process on 64 samples,
-    for classification and for a language model's per-sample loss."""
+    for classification and for a language model's per-sample loss, with the flat and the
+    bucketed all-reduce, and with micro-batch accumulation."""
     from service.workloads.losses import LOSSES
 
-    spec = _spec(optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9}, **workload)
+    spec = _spec(optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9}, **workload, **comm)
     ds = load_dataset(spec.dataset, seed=spec.seed)
     x, y = ds.x_train[:64], ds.y_train[:64]
     cls = ray.remote(Worker)
@@ -58,6 +64,8 @@ def test_weighted_allreduce_equals_one_process_update(cluster, workload):
             (st,) = r.steps
             # The all-reduce itself saw each of the 64 positions exactly once.
             assert st.coverage == ((1, 64),) and st.start == lo
+            cap = (comm.get("micro_batch") or [None] * 3)[results.index(r)]
+            assert st.micro_batches == (-(-st.samples // cap) if cap else 1)
     states = ray.get([w.state.remote() for w in workers], timeout=60)
 
     torch.manual_seed(spec.seed)

@@ -291,6 +291,8 @@ INT_FIELDS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "max_workers": lambda v: {"max_workers": v},
     "global_batch": lambda v: {"global_batch": v},
     "max_batch": lambda v: {"max_batch": v},
+    "micro_batch": lambda v: {"micro_batch": v},
+    "bucket_kb": lambda v: {"bucket_kb": v},
     "epochs": lambda v: {"epochs": v},
     "seed": lambda v: {"seed": v},
     "max_retries": lambda v: {"max_retries": v},

@@ -132,3 +132,11 @@ def test_a_failed_join_does_not_change_where_the_next_group_meets():
         assert dist.distributed_c10d._get_default_group().group_name == "0"
     finally:
         group.leave()
+
+
+def test_training_data_stays_where_it_is_on_the_cpu():
+    from actors.device_data import stage_dataset
+
+    x, y = torch.zeros(4, 2), torch.zeros(4, dtype=torch.int64)
+    sx, sy, where = stage_dataset(x, y, torch.device("cpu"))
+    assert sx is x and sy is y and where == "host"

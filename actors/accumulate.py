@@ -1,0 +1,42 @@
+"""Micro-batches: a worker's memory cap limits what it computes at once, not its share.
+
+A worker whose share of a step is b_i and whose memory holds at most m_i samples at once
+computes the share as k_i = ceil(b_i / m_i) micro-batches of nearly equal size
+(b_i = Σ_j b_ij, each b_ij ≤ m_i) and accumulates their gradients before the all-reduce.
+Each micro-batch's summed loss is scaled by 1/B (B the step's global batch), so the
+accumulated gradient is Σ_j (1/B)·Σ_{x in j} ∇ℓ(x) = (b_i/B)·g_i, exactly what one
+micro-batch of b_i would give: the weighted all-reduce stays the mean gradient of the
+global batch.
+
+Step time. With a per-micro-batch overhead a_i and per-sample cost c_i, a share of b takes
+``t_i(b) = ceil(b / m_i)·a_i + c_i·b`` (see ``scheduler.model.accumulated``). Pure.
+"""
+
+from __future__ import annotations
+
+
+def micro_ranges(size: int, cap: int | None) -> list[tuple[int, int]]:
+    """Cut ``[0, size)`` into ``ceil(size / cap)`` contiguous ranges of nearly equal size
+    (one range when ``cap`` is None or not exceeded; none for an empty share)."""
+    if size <= 0:
+        return []
+    if cap is None or size <= cap:
+        return [(0, size)]
+    if cap < 1:
+        raise ValueError(f"micro-batch cap must be at least 1, got {cap}")
+    k = -(-size // cap)
+    q, r = divmod(size, k)
+    out, lo = [], 0
+    for j in range(k):
+        hi = lo + q + (1 if j < r else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def micro_cap(caps: int | list[int] | None, ordinal: int) -> int | None:
+    """Worker ``ordinal``'s micro-batch cap from the spec's ``micro_batch`` (one value for
+    every worker, or one per ordinal; workers past the list's end are uncapped)."""
+    if caps is None or isinstance(caps, int):
+        return caps
+    return caps[ordinal] if ordinal < len(caps) else None

@@ -1,0 +1,25 @@
+"""The per-step time breakdown as a table, shared by ``dynabatch run`` and ``status``."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from scheduler.telemetry import StepBreakdown
+
+_COLUMNS = (
+    ("gather", "gather_s"), ("forward", "forward_s"), ("backward", "backward_s"),
+    ("all-reduce wait", "allreduce_wait_s"), ("optimizer", "optimizer_s"),
+    ("coordinator", "coordinator_s"), ("evaluation", "evaluation_s"),
+    ("overlapped", "overlap_s"),
+)
+
+
+def breakdown_table(b: StepBreakdown) -> Table:
+    """One row: milliseconds per step in each phase (last epoch), and the micro-batches."""
+    table = Table(title="where a step's time goes (last epoch, ms per step)", expand=False)
+    for title, _ in _COLUMNS:
+        table.add_column(title, justify="right")
+    table.add_column("micro-batches", justify="right")
+    table.add_row(*(f"{getattr(b, key) * 1e3:.1f}" for _, key in _COLUMNS),
+                  f"{b.micro_batches:.2g}")
+    return table
