@@ -556,7 +556,8 @@ class JobSpec(_Strict):
                 if self.max_batch is not None and n is not None and (
                         self.max_batch * n < st.global_batch):
                     bad(where, f"max_batch ({self.max_batch}) x workers ({n}) cannot hold "
-                               f"global_batch ({st.global_batch}) (no gradient accumulation)")
+                               f"global_batch ({st.global_batch}); to bound memory, use "
+                               "micro_batch (larger shares accumulate) instead")
         if sched.mode == "goodput":
             top = sched.max_global_batch
             if top is None:

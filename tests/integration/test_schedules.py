@@ -49,7 +49,8 @@ def test_goodput_on_ray_reads_local_gradients_before_the_all_reduce(cluster):
         model={"name": "mlp", "hidden": 32},
         optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
         workers=3, epochs=3, global_batch=48, seed=5, node_resource="dynabatch_worker",
-        collective_timeout_s=10, policy="dbs", schedule={"mode": "goodput", "max_global_batch": 192},
+        collective_timeout_s=10, policy="dbs",
+        schedule={"mode": "goodput", "max_global_batch": 192},
     ))
     coord = Coordinator("goodput", spec, resume=False)
     snap = coord.run()
