@@ -477,6 +477,14 @@ class Coordinator:
             outcomes = self.runtime.run_segment(plans, grace_s=self._grace_s())
         else:
             outcomes = self._pipe.collect_segment(ticket, self._grace_s())
+        return self._commit_segment(plans, outcomes, start, t0)
+
+    def _commit_segment(self, plans: dict, outcomes: list[WorkerOutcome], start: Position,
+                        t0: float, charge: bool = True) -> bool:
+        """Commit what the state holders completed of a segment; handle its failure. True
+        when it all ran. ``charge``: count a failure against the retry budget (not for a
+        segment sent ahead, whose failure is the one already counted)."""
+        p = self.protocol
         # A segment sent ahead started on the workers when the one before it ended.
         now = self.clock.now()
         wall = now - max(t0, self._last_collect)
@@ -514,14 +522,38 @@ class Coordinator:
             return True
         # Lost and hung workers are removed (killed) first, so what they had queued ahead
         # answers at once instead of after another grace period.
-        self._segment_failed(failure, outcomes, plans)
-        self._drain_ahead(commit=False)
+        self._segment_failed(failure, outcomes, plans, charge, partial=done < planned)
+        self._absorb_ahead()
         return False
 
+    def _absorb_ahead(self) -> None:
+        """After a failed segment, the one sent ahead. Usually it could not train: the
+        failure broke the group and its workers refuse it. But a segment can "fail" after
+        every collective of it completed, when a worker's result is lost with its node
+        (a result too large to travel inline lives in that node's object store). Its peers
+        then went on, in lockstep with it, into the segment ahead: what they completed
+        there is committed like any segment (the all-reduced coverage proves it); the
+        rest is discarded."""
+        ahead = self._ahead
+        if ahead is None:
+            return
+        if ahead.position != self.protocol.position:
+            self._drain_ahead(commit=False)
+            return
+        self._ahead = None
+        outcomes = self._pipe.collect_segment(ahead.ticket, self._grace_s())
+        if any(o.result is not None and o.result.steps for o in outcomes):
+            self._log("INFO", f"committing what the segment ahead trained after step "
+                              f"{self.protocol.step} of epoch {self.protocol.epoch}")
+            self._commit_segment(ahead.plans, outcomes, ahead.position, ahead.sent,
+                                 charge=False)
+
     def _segment_failed(self, failure: Failure, outcomes: list[WorkerOutcome],
-                        plans: dict) -> None:
+                        plans: dict, charge: bool = True, partial: bool = True) -> None:
         p = self.protocol
-        if not p.epoch_complete:
+        # A step was in flight unless every survivor completed the whole segment (a lost
+        # worker's result went with its node after the segment's collectives completed).
+        if partial and not p.epoch_complete:
             in_flight = p.step_size(p.step)
             self.ledger.retry(in_flight)
             self.retried_samples_total += in_flight
@@ -532,7 +564,7 @@ class Coordinator:
             self._remove(w, "evict", f"straggler: {why}")
         # Whoever is left broke off the collective: the group must be formed again.
         self.membership.dirty = True
-        verdict = self.budget.failed(p.position, failure)
+        verdict = self.budget.failed(p.position, failure) if charge else None
         if verdict is not None:
             self._fail_now(verdict)
 

@@ -445,7 +445,9 @@ class FakeWorker:
 
 @dataclass
 class Fault:
-    """``kind``: die | error | straggle | hang, at (epoch, step) for ``worker``; or
+    """``kind``: die | error | straggle | hang | lose_result (the segment completes, its
+    result is lost, the worker dies one step into the next), at (epoch, step) for
+    ``worker``; or
     die_in_regroup / die_in_checkpoint / die_in_eval at the ``nth`` such call."""
 
     kind: str
@@ -468,6 +470,8 @@ class FakeRuntime:
         self.loss_of = loss_of
         self.isgd_decay = isgd_decay
         self.plans: list[dict[str, SegmentPlan]] = []
+        self._pending: list[dict[str, SegmentPlan]] = []  # submitted, not yet collected
+        self._ran_early: dict[int, list[WorkerOutcome]] = {}
         self.n_train = n_train
         self.node_ids = [f"node{i:02d}" for i in range(nodes)]
         self.speeds = speeds or {}
@@ -599,15 +603,33 @@ class FakeRuntime:
             self.clock.sleep(t)
             for w in names:
                 steps[w].append(self._apply(w, epoch, sps, compute, names, t - compute[w]))
-        return [WorkerOutcome(w, result=SegmentResult(worker=w, steps=steps[w])) for w in names]
+        out = []
+        last = plans[names[0]].steps[-1].step if k else 0
+        for w in names:
+            if k and self._fault("lose_result", w, plans[names[0]].epoch, last):
+                # Every collective of the segment completed, but the worker's result is
+                # lost with its node, which dies one step into the next segment: a segment
+                # already sent ahead runs now, with it, as on the real workers.
+                self.faults.append(Fault("die", w, plans[names[0]].epoch, last + 2))
+                for ahead in self._pending:
+                    if id(ahead) not in self._ran_early:
+                        self._ran_early[id(ahead)] = self.run_segment(ahead, grace_s)
+                out.append(WorkerOutcome(w, lost="died: worker process died or node lost"))
+            else:
+                out.append(WorkerOutcome(w, result=SegmentResult(worker=w, steps=steps[w])))
+        return out
 
     # --- segments sent ahead (PipelinedRuntime) ---------------------------------------
     def submit_segment(self, plans: dict[str, SegmentPlan]) -> dict[str, SegmentPlan]:
         self.submitted += 1
+        self._pending.append(plans)
         return plans  # runs when collected, after every segment submitted before it
 
     def collect_segment(self, plans: dict[str, SegmentPlan], grace_s: float
                         ) -> list[WorkerOutcome]:
+        self._pending = [p for p in self._pending if p is not plans]
+        if id(plans) in self._ran_early:
+            return self._ran_early.pop(id(plans))
         if not self._group_broken:
             return self.run_segment(plans, grace_s)
         self.calls["segments"] += 1

@@ -2,7 +2,8 @@
 
 A real `dynabatch serve` (uvicorn, embedded Ray) runs a real job; a real Prometheus, started
 on loopback with the scrape job of deploy/prometheus/prometheus.yml (its honor_labels and
-all, pointed at this API, scraping every second), scrapes it. Then every PromQL expression of
+all, pointed at this API, scraping every second), scrapes it; a parameter-server job runs beside
+it for the parameter-server panels. Then every PromQL expression of
 every dashboard panel, and every template variable's query, is sent to Prometheus with
 Grafana's variables substituted, and must return data. No panel may query a metric that the
 service does not export: the metric names in the dashboards are also checked against the
@@ -70,7 +71,7 @@ def get_ok(url: str, **kw: Any) -> httpx.Response | None:
 
 @pytest.fixture(scope="module")
 def live_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`dynabatch serve` on a free loopback port, with an embedded Ray of two CPUs."""
+    """`dynabatch serve` on a free loopback port, with an embedded Ray of four logical CPUs."""
     tmp = tmp_path_factory.mktemp("deploy-api")
     port = find_free_port()
     log = tmp / "api.log"
@@ -78,7 +79,9 @@ def live_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         **os.environ,
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
-        "DYNABATCH_RAY_NUM_CPUS": "2",
+        # Logical CPUs: the sync job's two workers and the parameter-server job's two
+        # learners run side by side (on the machine's 2 cores).
+        "DYNABATCH_RAY_NUM_CPUS": "4",
     }
     for var in ("RAY_ADDRESS", "DYNABATCH_RAY_ADDRESS", "DYNABATCH_API_TOKEN"):
         env.pop(var, None)
@@ -176,6 +179,23 @@ def has_finite_value(result: list[dict[str, Any]]) -> bool:
                 return True
     return False
 
+# The parameter-server panels need a job with protocol ps: asynchronous, two learners, one
+# emulated twice as slow, so staleness differs per learner.
+PS_JOB_SPEC = {
+    "name": "deploy-live-ps",
+    "dataset": {"name": "digits", "limit": 480},
+    "model": {"name": "mlp", "hidden": 32},
+    "workers": 2,
+    "global_batch": 32,
+    "epochs": 10_000,
+    "protocol": {"name": "ps", "mode": "async"},
+    "emulation": {"slowdowns": [1, 2]},
+}
+
+
+def is_ps_panel(title: str) -> bool:
+    return title.startswith("Parameter server")
+
 
 @pytest.fixture(scope="module")
 def running_job(live_api: str, live_prometheus: str) -> Iterator[dict[str, Any]]:
@@ -199,11 +219,30 @@ def running_job(live_api: str, live_prometheus: str) -> Iterator[dict[str, Any]]
         )
         return bool(res["result"])
 
+    r = httpx.post(f"{live_api}/v1/jobs", json=PS_JOB_SPEC, timeout=60)
+    assert r.status_code == 201, r.text
+    ps_id = r.json()["job_id"]
+
+    def ps_progressed() -> bool:
+        job = httpx.get(f"{live_api}/v1/jobs/{ps_id}", timeout=10).json()
+        if job["state"] in ("FAILED", "CANCELLED", "SUCCEEDED"):
+            pytest.fail(f"job {ps_id} ended early: {job['state']}: {job.get('reason')}")
+        res = promql(
+            live_prometheus,
+            "query",
+            query=f'count_over_time(dynabatch_ps_server_version{{job_id="{ps_id}"}}[15s])'
+            f' >= 12 and dynabatch_ps_server_version{{job_id="{ps_id}"}} > 0',
+        )
+        return bool(res["result"])
+
     try:
         wait_for(f"job {job_id} to run three epochs under Prometheus", progressed, timeout=180)
-        yield {"id": job_id, "start": started}
+        wait_for(f"ps job {ps_id} to push under Prometheus", ps_progressed, timeout=180)
+        yield {"id": job_id, "ps_id": ps_id, "start": started}
     finally:
-        httpx.post(f"{live_api}/v1/jobs/{job_id}/cancel", json={"reason": "test done"}, timeout=30)
+        for j in (job_id, ps_id):
+            httpx.post(f"{live_api}/v1/jobs/{j}/cancel", json={"reason": "test done"},
+                       timeout=30)
 
 
 def test_dashboards_query_only_metrics_the_live_api_exports(
@@ -247,7 +286,7 @@ def test_every_dashboard_query_returns_data(
         for title, _panel, target in panel_queries(d):
             expr = substitute(
                 target["expr"],
-                job=running_job["id"],
+                job=running_job["ps_id" if is_ps_panel(title) else "id"],
                 rate_interval=RATE_INTERVAL,
                 interval=SCRAPE_INTERVAL,
             )

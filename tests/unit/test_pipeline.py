@@ -52,6 +52,24 @@ def test_a_fault_with_a_segment_ahead_discards_it_and_trains_on(kind, step):
             ] == ["w1"]
 
 
+def test_a_result_lost_after_its_segment_completed_keeps_what_the_segment_ahead_trained():
+    """The segment's collectives all completed, but one worker's result was lost with its
+    node, which died one step into the segment sent ahead. Its peers trained that step with
+    it: it is committed (the coverage proves it), not held against them."""
+    coord, rt = _coord(_pspec())
+    rt.inject("lose_result", "w1", epoch=1, step=0)
+    snap = coord.run()
+    assert snap.state == JobState.SUCCEEDED, snap.reason
+    _assert_exactly_once(coord, rt)
+    assert [(e.worker, e.kind) for e in coord.membership_events()
+            if e.kind in ("failure", "evict")] == [("w1", "failure")]
+    assert not [line for line in coord.logs() if "trained past" in line.message]
+    assert any("committing what the segment ahead trained" in line.message
+               for line in coord.logs())
+    # The first failure took no step down (its survivors completed it); the one ahead did.
+    assert coord.history()[1].retried_samples == coord.spec.global_batch
+
+
 def test_a_deterministic_error_with_a_segment_ahead_still_fails_the_job():
     coord, rt = _coord(_pspec())
     rt.inject("error", "w1", epoch=0, step=3)
