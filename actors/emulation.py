@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from service.spec import EmulationSpec
+from actors.spec import EmulationSpec
 
 
 def slowdown_at(emulation: EmulationSpec, ordinal: int, epoch: int, step: int) -> float:

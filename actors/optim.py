@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from actors.contracts import IsgdRule
-from service.spec import JobSpec
+from actors.spec import JobSpec
 
 
 def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:

@@ -28,12 +28,12 @@ import torch.nn.functional as F
 
 from actors.contracts import epoch_order
 from actors.emulation import ComputeClock, slowdown_at
+from actors.spec import JobSpec
 from actors.worker import build_optimizer
-from service.spec import JobSpec
 
 
 def _build(spec: JobSpec, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
-    from service.workloads.models import build_model
+    from actors.workloads.models import build_model
 
     torch.manual_seed(spec.seed)  # every replica and the server start from the same weights
     return build_model(spec.model, tuple(input_shape), num_classes)

@@ -48,7 +48,7 @@ from actors.group import ProcessGroup, Rendezvous
 from actors.optim import build_optimizer, isgd_extras, set_lr
 from actors.output import OutputTee
 from actors.reducer import GradientReducer
-from service.spec import JobSpec
+from actors.spec import JobSpec
 
 
 def _in_ray_actor() -> bool:
@@ -103,8 +103,8 @@ class Worker:
         num_classes: int,
         gpus: float = 0.0,
     ):
-        from service.workloads.models import build_model
-        from service.workloads.objective import objective_for, targets_kind
+        from actors.workloads.models import build_model
+        from actors.workloads.objective import objective_for, targets_kind
 
         self.worker_id = worker_id
         # The user's prints and warnings go to the job log with each segment's result.
@@ -121,7 +121,7 @@ class Worker:
         self.y = torch.from_numpy(np.asarray(y_train))
         # On a GPU: the whole set on the device once when it fits, else pinned.
         self.x, self.y, self.data_on = stage_dataset(self.x, self.y, self.device)
-        # The job's per-sample loss and metrics (service/workloads/objective.py).
+        # The job's per-sample loss and metrics (actors/workloads/objective.py).
         self.objective = objective_for(spec, targets_kind(y_train))
         torch.manual_seed(spec.seed)
         self.model = build_model(spec.model, input_shape, num_classes).to(self.device)

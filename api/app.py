@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors.spec import SpecNotAllowed
 from api.metrics import JobCollector, RequestMetricsMiddleware, RequestStats
 from api.routes import events, health, jobs, nodes, pages
 from scheduler.state import InvalidTransition
@@ -35,8 +36,7 @@ from service.jobs import (
     WorkerNotFound,
 )
 from service.settings import Settings
-from service.spec import SpecNotAllowed
-from service.store import JobStore
+from service.wiring import build_service
 
 log = logging.getLogger("dynabatch.api")
 
@@ -179,28 +179,6 @@ def _install_error_handlers(app: FastAPI) -> None:
             {"detail": f"internal error ({type(err).__name__})"},
             status_code=status.HTTP_500_INTERNAL_SERVER_ERROR,
         )
-
-
-def build_service(settings: Settings, cluster: ClusterClient | None = None) -> JobService:
-    """The JobService the settings describe: SQLite store and (by default) Ray."""
-    if cluster is None:
-        from service.ray_client import RayClusterClient
-
-        cluster = RayClusterClient(
-            settings.ray_address,
-            num_cpus=settings.ray_num_cpus,
-            call_timeout_s=settings.ray_call_timeout_s,
-        )
-    return JobService(
-        JobStore(settings.db_path),
-        cluster,
-        sync_interval_s=settings.sync_interval_s,
-        metrics_retention_s=settings.metrics_retention_s,
-        release_finished=settings.release_finished,
-        cancel_wait_s=settings.cancel_wait_s,
-        auto_resume_limit=settings.auto_resume_limit,
-        submit_policy=settings.submit_policy,
-    )
 
 
 def create_app(

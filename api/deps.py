@@ -8,8 +8,8 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Path, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.schemas import JOB_ID_EXAMPLE, ErrorResponse
 from service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN, JobService
+from service.schemas import JOB_ID_EXAMPLE, ErrorResponse
 from service.settings import Settings
 
 _bearer = HTTPBearer(

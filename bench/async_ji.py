@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
+from actors.spec import JobSpec
+from actors.workloads.datasets import load_dataset
 from scheduler.ps_driver import build_core
 from scheduler.ps_sim import PSSimConfig, SimLearner, simulate_ps
-from service.spec import JobSpec
-from service.workloads.datasets import load_dataset
 
 SPEEDS = (1, 1, 2, 4)
 

@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
+from actors.spec import JobSpec
+from actors.workloads.datasets import load_dataset
 from scheduler.policy_ji import PerfAwareBatches
 from scheduler.protocols.ps import PSConfig
 from scheduler.ps_core import PSCore
 from scheduler.ps_sim import PSSimConfig, SimLearner, simulate_ps
-from service.spec import JobSpec
-from service.workloads.datasets import load_dataset
 
 HERE = Path(__file__).resolve().parent
 

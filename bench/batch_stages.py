@@ -32,8 +32,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from actors.spec import load_spec
 from bench.sched_common import MODE, job, run, updates
-from service.spec import load_spec
 
 EPOCHS = 30
 ETA, B0 = 0.01, 16  # learning rate per 16 samples

@@ -4,7 +4,7 @@ Runs ``examples/charlm-hetero.yaml`` (3 workers at emulated slowdowns 1, 1, 2; a
 causal Transformer) on an embedded Ray, exactly as ``dynabatch run`` does, then compares the
 last epoch's held-out perplexity (reported by the workers' evaluation) with the unigram
 baseline's: the add-one smoothed training character frequencies scored on the same held-out
-targets (:func:`service.workloads.text.unigram_perplexity`). Target: at least 30% lower.
+targets (:func:`actors.workloads.text.unigram_perplexity`). Target: at least 30% lower.
 
 Prints one JSON object. Usage: python bench/charlm.py [--config examples/charlm-hetero.yaml]
 """
@@ -23,10 +23,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from rich.console import Console
 
-from service.run_cli import run_job
-from service.spec import load_spec
-from service.workloads import text
-from service.workloads.datasets import load_dataset
+from actors.spec import load_spec
+from actors.workloads import text
+from actors.workloads.datasets import load_dataset
+from service.cli.run import run_job
 
 TARGET_REDUCTION = 0.30
 

@@ -39,9 +39,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from actors.contracts import epoch_order
-from service.spec import JobSpec
-from service.workloads.datasets import load_dataset
-from service.workloads.models import build_model
+from actors.spec import JobSpec
+from actors.workloads.datasets import load_dataset
+from actors.workloads.models import build_model
 
 TARGET_RATIO = 0.95
 WORKLOADS = {

@@ -30,9 +30,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray
 from ray.cluster_utils import Cluster
 
+from actors.spec import JobSpec
 from scheduler.coordinator import Coordinator
 from service.raycluster import fast_health_check
-from service.spec import JobSpec
 
 TARGET = 0.85
 HOLD = 3

@@ -44,10 +44,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray
 from ray.cluster_utils import Cluster
 
+from actors.spec import JobSpec
 from scheduler.coordinator import Coordinator
 from scheduler.state import JobState
 from service.raycluster import fast_health_check
-from service.spec import JobSpec
 
 KINDS = ("first_step", "mid_epoch", "last_step", "two_nodes", "during_regroup",
          "deterministic_error", "hung_worker", "random")

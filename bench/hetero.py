@@ -35,12 +35,12 @@ import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 
+from actors.spec import JobSpec
+from actors.workloads.datasets import load_dataset
 from scheduler.coordinator import Coordinator
 from scheduler.model import StepTimeStats, equal_finish, fit
 from scheduler.pool import eligible_nodes, spawn_worker
 from service.raycluster import fast_health_check
-from service.spec import JobSpec
-from service.workloads.datasets import load_dataset
 
 CLUSTERS = {"a": [1.0, 3.0], "b": [1.0, 1.0, 2.0, 4.0]}
 PROFILE_BATCHES = [16, 64, 128, 192, 256]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from actors.spec import JobSpec, parse_spec
 from scheduler.cluster_model import parse_cluster
 from scheduler.simulator import SimResult, simulate
-from service.spec import JobSpec, parse_spec
 
 CLUSTER = {
     "classes": [

@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
+from actors.spec import JobSpec
 from scheduler.cluster_model import WorkerProfile, cluster_from_profiles, parse_cluster
 from scheduler.simulator import SimResult, simulate
-from service.spec import JobSpec
 
 HERE = Path(__file__).resolve().parent
 POLICIES = ("static", "dbs", "affine")

@@ -33,12 +33,13 @@ actor is threaded): requests are queued and applied at the next step boundary.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from actors.contracts import StepTelemetry
+from actors.spec import MAX_WORKERS, JobSpec
+from scheduler.control import JobControl, JobEnded
 from scheduler.failures import Failure, RetryBudget, WorkerOutcome, classify
 from scheduler.ledger import Ledger
 from scheduler.membership import Change, Membership
@@ -48,33 +49,25 @@ from scheduler.regime import Regime
 from scheduler.runtime import (
     Clock,
     DataInfo,
-    RealClock,
     Runtime,
     WorkerCallError,
     pipelined,
 )
-from scheduler.state import InvalidTransition, JobState
+from scheduler.state import JobState
 from scheduler.telemetry import (
     EpochRecord,
     JobSnapshot,
-    LogLine,
-    MembershipEvent,
     StepBreakdown,
     WorkerEpochStats,
     WorkerStatus,
 )
 from scheduler.tracker import Tracker
-from service.spec import MAX_WORKERS, JobSpec
 
 log = logging.getLogger("dynabatch.scheduler")
 
 NODE_POLL_S = 1.0
 EVAL_TIMEOUT_S = 600.0
 STATE_TIMEOUT_S = 120.0
-
-
-class _JobEnded(Exception):
-    """Raised after the job has been moved to a terminal state, to unwind the step."""
 
 
 @dataclass
@@ -132,7 +125,7 @@ class _EpochTotals:
         )
 
 
-class Coordinator:
+class Coordinator(JobControl):
     def __init__(
         self,
         job_id: str,
@@ -142,17 +135,14 @@ class Coordinator:
         runtime: Runtime | None = None,
         clock: Clock | None = None,
     ):
-        self.job_id = job_id
-        self.spec = spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
+        super().__init__(job_id, spec if isinstance(spec, JobSpec)
+                         else JobSpec.model_validate(spec), clock)
         if runtime is None:
             from scheduler.ray_runtime import RayRuntime
 
             runtime = RayRuntime(self.spec)
         self.runtime = runtime
-        self.clock = clock or RealClock()
-        self._lock = threading.RLock()
-        self.state = JobState.PENDING
-        self.reason: str | None = "starting workers"
+        self.reason = "starting workers"
         s = self.spec
         self.membership = Membership(
             workers=s.initial_workers, min_workers=s.min_workers, max_workers=s.max_workers,
@@ -171,20 +161,12 @@ class Coordinator:
         self.protocol: SyncProtocol | None = None
         self.data: DataInfo | None = None
         self._position = Position(0, 0)  # where to start once the data is loaded
-        self._history: list[EpochRecord] = []
-        self._logs: deque[LogLine] = deque(maxlen=5000)
-        self._log_seq = 0
-        self.events: list[MembershipEvent] = []
         # Benchmarks read per-step balance here; bounded (each row holds one report per worker).
         self._recent_steps: deque[list[StepTelemetry]] = deque(maxlen=512)
         self._ep: _EpochTotals | None = None
         self.rebalances_total = 0
         self.regroup_seconds_total = 0.0
         self.retried_samples_total = 0
-        self.started_at: float | None = None
-        self.finished_at: float | None = None
-        self._cancel: str | None = None
-        self._requests: deque[tuple[str, Any]] = deque()
         self._last_node_poll = -1e18
         self._below_min_since: float | None = None
         self._regroup_failures = 0
@@ -232,7 +214,7 @@ class Coordinator:
         """One control-loop step; False once the job is terminal."""
         try:
             return self._step()
-        except _JobEnded:
+        except JobEnded:
             return False
         except Exception as err:  # the job fails with the reason; the actor stays up
             log.exception("job %s failed", self.job_id)
@@ -260,10 +242,7 @@ class Coordinator:
                     slowdown=t.slowdown if t else 1.0,
                 ))
             last = self._history[-1] if self._history else None
-            events: dict[str, int] = {}
-            for e in self.events:
-                key = f"{e.kind}:{e.reason}"
-                events[key] = events.get(key, 0) + 1
+            events = self._event_counts()
             p = self.protocol
             regime = self.regime.live(
                 self.epoch, self.step_in_epoch,
@@ -288,50 +267,13 @@ class Coordinator:
                 started_at=self.started_at, finished_at=self.finished_at,
             )
 
-    def history(self, since: int = 0) -> list[EpochRecord]:
-        with self._lock:
-            return [r for r in self._history if r.epoch >= since]
-
-    def logs(self, since: int = 0) -> list[LogLine]:
-        with self._lock:
-            return [line for line in self._logs if line.seq >= since]
-
-    def membership_events(self) -> list[MembershipEvent]:
-        with self._lock:
-            return list(self.events)
-
     def recent_steps(self) -> list[list[StepTelemetry]]:
         """Per-step telemetry of recent steps (benchmarks read per-step balance here)."""
         with self._lock:
             return list(self._recent_steps)
 
-    def cancel(self, reason: str = "cancelled by user") -> JobSnapshot:
-        with self._lock:
-            if self.state.is_terminal:
-                raise InvalidTransition(self.state, JobState.CANCELLED)
-            self._cancel = reason
-        return self.snapshot()
-
-    def scale(self, workers: int) -> JobSnapshot:
-        if workers < 1:
-            raise ValueError("workers: must be at least 1")
-        with self._lock:
-            if self.state.is_terminal:
-                raise InvalidTransition(self.state, JobState.RUNNING)
-            self._requests.append(("scale", workers))
-            self._log("INFO", f"scale requested: {workers} workers")
-        return self.snapshot()
-
-    def drain(self, worker: str) -> JobSnapshot:
-        with self._lock:
-            if worker not in self.membership.worker_ids:
-                raise KeyError(f"worker {worker!r} is not a member of job {self.job_id}")
-            draining = sum(1 for k, w in self._requests if k == "drain")
-            if len(self.membership.members) - draining <= 1:
-                raise ValueError("cannot drain the last worker")
-            self._requests.append(("drain", worker))
-            self._log("INFO", f"drain requested for {worker}")
-        return self.snapshot()
+    def _member_ids(self) -> list[str]:
+        return self.membership.worker_ids
 
     def shutdown(self) -> None:
         # Every spawned worker is a member or pending until it is killed.
@@ -374,7 +316,7 @@ class Coordinator:
 
     # ---------------------------------------------------------------- data and epochs
     def _load_data(self) -> None:
-        from service.workloads import WorkloadError
+        from actors.workloads import WorkloadError
 
         t0 = self.clock.now()
         try:
@@ -645,9 +587,7 @@ class Coordinator:
     # ---------------------------------------------------------------- membership
     def _apply_requests(self) -> bool:
         changed = False
-        with self._lock:
-            requests, self._requests = list(self._requests), deque()
-        for kind, arg in requests:
+        for kind, arg in self._take_requests():
             try:
                 if kind == "scale":
                     self.membership.request_scale(arg)
@@ -799,42 +739,7 @@ class Coordinator:
             self._changed(change)
 
     def _changed(self, c: Change) -> None:
-        with self._lock:
-            self.events.append(MembershipEvent(time=self.clock.time(), kind=c.kind,
-                                               worker=c.worker, node=c.node, reason=c.reason,
-                                               generation=self.generation))
-        level = "INFO" if c.kind in ("join", "leave") else "WARNING"
-        self._log(level, f"worker {c.worker} {c.kind}: {c.reason}")
-
-    # ---------------------------------------------------------------- lifecycle
-    def _transition(self, new: JobState, reason: str | None) -> None:
-        with self._lock:
-            if not self.state.can_become(new):
-                raise InvalidTransition(self.state, new)
-            self.state = new
-            self.reason = reason
-            if new == JobState.RUNNING and self.started_at is None:
-                self.started_at = self.clock.time()
-            self._log("INFO", f"state {new.value}" + (f": {reason}" if reason else ""))
-
-    def _finish(self, state: JobState, reason: str | None) -> None:
-        with self._lock:
-            if self.state.is_terminal:
-                return
-            self._transition(state, reason)
-            self.finished_at = self.clock.time()
-        self.shutdown()
-
-    def _fail_now(self, reason: str) -> None:
-        self._finish(JobState.FAILED, reason)
-        raise _JobEnded
-
-    def _log(self, level: str, message: str) -> None:
-        with self._lock:
-            self._logs.append(LogLine(seq=self._log_seq, time=self.clock.time(), level=level,
-                                      message=message))
-            self._log_seq += 1
-        log.log(logging.getLevelName(level), "[%s] %s", self.job_id, message)
+        self._event(c.kind, c.worker, c.node, c.reason, self.generation)
 
     # ---------------------------------------------------------------- checkpoints
     def _checkpoint(self, reason: str) -> None:

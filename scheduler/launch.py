@@ -6,10 +6,11 @@ from typing import Any
 
 import ray
 
+from actors.spec import JobSpec
 from scheduler.coordinator import Coordinator
 from scheduler.ps_driver import PSCoordinator
-from service.raycluster import NAMESPACE
-from service.spec import JobSpec
+
+NAMESPACE = "dynabatch"  # every job's named actors live here
 
 # snapshot()/cancel() must be served while run() blocks in another thread.
 MAX_CONCURRENCY = 16

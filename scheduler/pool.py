@@ -7,9 +7,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.spec import JobSpec
 from actors.worker import Worker
 from scheduler.membership import NodeInfo
-from service.spec import JobSpec
 
 
 def eligible_nodes(spec: JobSpec) -> list[NodeInfo]:

@@ -17,25 +17,22 @@ Every remote call has a timeout.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from typing import Any
 
+from actors.spec import JobSpec
+from scheduler.control import JobControl
 from scheduler.policy_ji import JiConfig, PerfAwareBatches
 from scheduler.protocols.ps import PSConfig
 from scheduler.ps_core import PSCore
-from scheduler.state import InvalidTransition, JobState
+from scheduler.state import JobState
 from scheduler.telemetry import (
     EpochRecord,
     JobSnapshot,
-    LogLine,
-    MembershipEvent,
     PSStatus,
     PSWorkerStatus,
     WorkerEpochStats,
 )
-from service.spec import JobSpec
 
 log = logging.getLogger("dynabatch.ps")
 
@@ -76,26 +73,14 @@ def ps_status(spec: JobSpec, snap: dict[str, Any]) -> PSStatus:
     )
 
 
-class PSCoordinator:
+class PSCoordinator(JobControl):
     def __init__(self, job_id: str, spec: JobSpec, resume: bool = True):
-        self.job_id = job_id
-        self.spec = spec
-        self.state = JobState.PENDING
-        self.reason: str | None = None
-        self._lock = threading.RLock()
-        self._history: list[EpochRecord] = []
-        self._logs: deque[LogLine] = deque(maxlen=5000)
-        self._log_seq = 0
-        self.events: list[MembershipEvent] = []
-        self._cancel: str | None = None
-        self._requests: deque[tuple[str, Any]] = deque()
+        super().__init__(job_id, spec)
         self._server: Any = None
         self._learners: dict[str, tuple[Any, Any, str]] = {}  # id → (handle, run ref, node)
         self._next = 0
         self._snap: dict[str, Any] | None = None
         self._data: dict[str, Any] = {}
-        self.started_at: float | None = None
-        self.finished_at: float | None = None
 
     # ------------------------------------------------------------------ public interface
     def run(self) -> JobSnapshot:
@@ -112,10 +97,7 @@ class PSCoordinator:
         with self._lock:
             snap = self._snap
             last = self._history[-1] if self._history else None
-            events: dict[str, int] = {}
-            for e in self.events:
-                key = f"{e.kind}:{e.reason}"
-                events[key] = events.get(key, 0) + 1
+            events = self._event_counts()
             return JobSnapshot(
                 job_id=self.job_id, name=self.spec.name, state=self.state, reason=self.reason,
                 epoch=snap["epoch"] if snap else 0, epochs=self.spec.epochs,
@@ -129,43 +111,8 @@ class PSCoordinator:
                 ps=ps_status(self.spec, snap) if snap else None,
             )
 
-    def history(self, since: int = 0) -> list[EpochRecord]:
-        with self._lock:
-            return [r for r in self._history if r.epoch >= since]
-
-    def logs(self, since: int = 0) -> list[LogLine]:
-        with self._lock:
-            return [line for line in self._logs if line.seq >= since]
-
-    def membership_events(self) -> list[MembershipEvent]:
-        with self._lock:
-            return list(self.events)
-
-    def cancel(self, reason: str = "cancelled by user") -> JobSnapshot:
-        with self._lock:
-            if self.state.is_terminal:
-                raise InvalidTransition(self.state, JobState.CANCELLED)
-            self._cancel = reason
-        return self.snapshot()
-
-    def scale(self, workers: int) -> JobSnapshot:
-        if workers < 1:
-            raise ValueError("workers: must be at least 1")
-        with self._lock:
-            if self.state.is_terminal:
-                raise InvalidTransition(self.state, JobState.RUNNING)
-            self._requests.append(("scale", workers))
-            self._log("INFO", f"scale requested: {workers} learners")
-        return self.snapshot()
-
-    def drain(self, worker: str) -> JobSnapshot:
-        with self._lock:
-            if worker not in self._learners:
-                raise KeyError(f"worker {worker!r} is not a member of job {self.job_id}")
-            if len(self._learners) <= 1:
-                raise ValueError("cannot drain the last worker")
-            self._requests.append(("drain", worker))
-        return self.snapshot()
+    def _member_ids(self) -> list[str]:
+        return list(self._learners)
 
     def shutdown(self) -> None:
         import ray
@@ -188,11 +135,11 @@ class PSCoordinator:
         import ray
 
         from actors.ps import ParameterServer
+        from actors.workloads.datasets import load_dataset
         from scheduler.pool import eligible_nodes
-        from service.workloads.datasets import load_dataset
 
         s = self.spec
-        self.started_at = time.time()
+        self.started_at = self.clock.time()
         ds = load_dataset(s.dataset, seed=s.seed)
         self._data = {"x_train": ray.put(ds.x_train), "y_train": ray.put(ds.y_train),
                       "input_shape": tuple(ds.input_shape), "num_classes": ds.num_classes}
@@ -210,7 +157,7 @@ class PSCoordinator:
             return
         for i in range(s.initial_workers or len(nodes)):
             self._spawn(nodes[i % len(nodes)].node_id)
-        self._set_state(JobState.RUNNING)
+        self._transition(JobState.RUNNING, None)
         seen_epochs = 0
         last_t = 0.0
         while True:
@@ -279,8 +226,7 @@ class PSCoordinator:
 
         from scheduler.pool import eligible_nodes
 
-        while self._requests:
-            kind, arg = self._requests.popleft()
+        for kind, arg in self._take_requests():
             if kind == "drain" and arg in self._learners:
                 handle, _, node = self._learners.pop(arg)
                 ray.kill(handle, no_restart=True)
@@ -314,34 +260,6 @@ class PSCoordinator:
         self._log("INFO", f"epoch {rec.epoch}: version {e['version']}, test loss "
                   f"{e['test_loss']:.4f}, accuracy {e['test_accuracy']:.3f}, "
                   f"verified={rec.verified}")
-
-    def _event(self, kind: str, w: str, node: str, reason: str) -> None:
-        with self._lock:
-            self.events.append(MembershipEvent(time=time.time(), kind=kind, worker=w,
-                                               node=node, reason=reason, generation=0))
-        self._log("INFO" if kind != "failure" else "WARNING", f"{w} {kind}: {reason}")
-
-    def _log(self, level: str, message: str) -> None:
-        with self._lock:
-            self._logs.append(LogLine(seq=self._log_seq, time=time.time(), level=level,
-                                      message=message))
-            self._log_seq += 1
-
-    def _set_state(self, new: JobState) -> None:
-        with self._lock:
-            if self.state != new:
-                if not self.state.can_become(new):
-                    raise InvalidTransition(self.state, new)
-                self.state = new
-
-    def _finish(self, state: JobState, reason: str | None) -> None:
-        with self._lock:
-            if self.state.is_terminal:
-                return
-            self.state = state
-            self.reason = reason
-            self.finished_at = time.time()
-        self._log("INFO", f"job {state.value}" + (f": {reason}" if reason else ""))
 
 
 def _first_line(err: BaseException) -> str:

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from actors.ps import GradientComputer, ParamStore
+from actors.spec import JobSpec
+from actors.workloads.datasets import load_dataset
 from scheduler.ps_core import PSCore
-from service.spec import JobSpec
-from service.workloads.datasets import load_dataset
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,11 +16,11 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from actors.group import choose_backend
+from actors.spec import JobSpec
 from scheduler.failures import WorkerOutcome
 from scheduler.membership import NodeInfo, Spawn
 from scheduler.pool import eligible_nodes, spawn_worker
 from scheduler.runtime import DataInfo, RegroupResult, Started, WorkerCallError
-from service.spec import JobSpec
 
 # Small calls (info, open a store): a live actor answers in milliseconds.
 CALL_TIMEOUT_S = 60.0
@@ -49,9 +49,9 @@ class RayRuntime:
 
     # --- data -------------------------------------------------------------------------
     def load_data(self) -> DataInfo:
-        from service.workloads.datasets import load_dataset
-        from service.workloads.models import build_model
-        from service.workloads.objective import check_objective
+        from actors.workloads.datasets import load_dataset
+        from actors.workloads.models import build_model
+        from actors.workloads.objective import check_objective
 
         ds = load_dataset(self.spec.dataset, seed=self.spec.seed)
         # Fail here, with the field named, rather than inside every worker's constructor:

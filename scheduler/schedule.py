@@ -104,7 +104,7 @@ class Schedule:
 
     @classmethod
     def from_spec(cls, spec) -> Schedule:
-        """The schedule of a :class:`~service.spec.JobSpec` (fixed or stages; goodput mode
+        """The schedule of a :class:`~actors.spec.JobSpec` (fixed or stages; goodput mode
         starts at ``global_batch`` and overrides the batch each epoch)."""
         o = spec.optimizer
         r = o.schedule

@@ -25,11 +25,11 @@ import torch
 
 from actors.contracts import StepPlan, epoch_order
 from actors.optim import build_optimizer, isgd_extras, set_lr
+from actors.spec import JobSpec
 from actors.worker import to_cpu
-from service.spec import JobSpec
-from service.workloads.datasets import load_dataset
-from service.workloads.models import build_model
-from service.workloads.objective import objective_for, targets_kind
+from actors.workloads.datasets import load_dataset
+from actors.workloads.models import build_model
+from actors.workloads.objective import objective_for, targets_kind
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ from actors.contracts import (
     encode_counts,
 )
 from actors.emulation import error_at, slowdown_at
+from actors.spec import CheckpointSpec, JobSpec
 from scheduler.cluster_model import (
     ClusterError,
     ClusterModel,
@@ -66,14 +67,13 @@ from scheduler.cluster_model import (
 from scheduler.failures import WorkerOutcome
 from scheduler.membership import NodeInfo, Spawn
 from scheduler.runtime import DataInfo, RegroupResult, Started, WorkerCallError
-from service.spec import CheckpointSpec, JobSpec
 
 if TYPE_CHECKING:
     from scheduler.coordinator import Coordinator
     from scheduler.sim_gradients import GradientEngine
     from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, MembershipEvent
 
-# The service caps a job at service.spec.MAX_WORKERS (4096) workers, and the coordinator
+# The service caps a job at actors.spec.MAX_WORKERS (4096) workers, and the coordinator
 # builds its Membership with that cap. It is a limit of the service, not of the engine's
 # machines, so simulated clusters beyond it lift it (see _lift_worker_cap).
 SIM_MAX_WORKERS = 1_000_000
@@ -541,7 +541,7 @@ class SimResult:
 
 def dataset_sizes(spec: JobSpec) -> tuple[str, int, int]:
     """(name, train, test) of the job's dataset, loaded as a real run loads it (no torch)."""
-    from service.workloads.datasets import load_dataset
+    from actors.workloads.datasets import load_dataset
 
     ds = load_dataset(spec.dataset, seed=spec.seed)
     return ds.name, len(ds.y_train), len(ds.y_test)

@@ -16,7 +16,9 @@ import httpx
 from pydantic import BaseModel, ValidationError
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from api.schemas import (
+from actors.spec import JobSpec
+from scheduler.state import JobState
+from service.schemas import (
     JobDetail,
     JobHistory,
     JobList,
@@ -25,8 +27,6 @@ from api.schemas import (
     NodeList,
     Readiness,
 )
-from scheduler.state import JobState
-from service.spec import JobSpec
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

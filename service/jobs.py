@@ -18,7 +18,7 @@ name, or resumed the same way when their coordinator is gone (in embedded mode t
 with that process); the rest are marked FAILED instead of being forgotten. ``resume()`` does
 it on request, also for a FAILED job.
 
-Specs come from REST clients: ``submit`` refuses (:class:`service.spec.SpecNotAllowed`, 422,
+Specs come from REST clients: ``submit`` refuses (:class:`actors.spec.SpecNotAllowed`, 422,
 nothing stored) one that names user code, a dataset path or a checkpoint dir that
 ``submit_policy`` (from the settings) does not allow, and every relaunch of a stored spec is
 checked again, so settings tightened since the job was stored hold too.
@@ -35,9 +35,9 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.spec import JobSpec, SpecNotAllowed, SubmitPolicy, check_submission
 from scheduler.state import InvalidTransition, JobState
 from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from service.spec import JobSpec, SpecNotAllowed, SubmitPolicy, check_submission
 from service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
 
 log = logging.getLogger("dynabatch.service")

@@ -13,6 +13,7 @@ import socket
 import threading
 from typing import Any
 
+from actors.spec import JobSpec
 from scheduler.state import InvalidTransition, JobState
 from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from service.jobs import (
@@ -23,7 +24,6 @@ from service.jobs import (
     NodeInfo,
     WorkerNotFound,
 )
-from service.spec import JobSpec
 
 log = logging.getLogger("dynabatch.ray")
 

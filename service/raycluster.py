@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from scheduler.launch import NAMESPACE
+
 # Fast failure detection. The GCS checks each node every 200 ms and declares it dead after 3
 # failed checks in a row: a node whose raylet is gone (refused connections) in about 0.5 s
 # instead of about 12 s with Ray's defaults (5 checks 3 s apart). A check that gets no answer
@@ -27,7 +29,6 @@ def fast_health_check() -> dict[str, Any]:
     """A fresh, mutable copy of :data:`FAST_HEALTH_CHECK` for one Ray ``_system_config``."""
     return dict(FAST_HEALTH_CHECK)
 
-NAMESPACE = "dynabatch"
 
 
 def connect(

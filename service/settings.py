@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.spec import ANY_MODULE, MODULE_PATTERN, SubmitPolicy
+from actors.spec import ANY_MODULE, MODULE_PATTERN, SubmitPolicy
 
 EMBEDDED_ADDRESSES = frozenset({"", "local"})
 
@@ -71,7 +71,7 @@ class Settings(BaseSettings):
         "epoch in between, before it is marked FAILED; 0 turns automatic resume off.",
     )
     log_level: str = Field(default="info", description="uvicorn and service log level.")
-    # What specs submitted over REST may name (see service.spec.SubmitPolicy). Comma lists
+    # What specs submitted over REST may name (see actors.spec.SubmitPolicy). Comma lists
     # are plain strings: pydantic-settings would try to JSON-decode a list from the env.
     user_code_modules: str = Field(
         default="",

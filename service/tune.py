@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from actors.spec import JobSpec, StageSpec
 from scheduler.cluster_model import ClusterSpec
 from scheduler.simulator import simulate
-from service.spec import JobSpec, StageSpec
 
 
 class TuneError(ValueError):

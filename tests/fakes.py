@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.contracts import SegmentPlan, SegmentResult, StepTelemetry, encode_counts
+from actors.spec import JobSpec
 from scheduler.failures import WorkerOutcome
 from scheduler.membership import NodeInfo as MNodeInfo
 from scheduler.membership import Spawn
@@ -42,7 +43,6 @@ from service.jobs import (
     NodeInfo,
     WorkerNotFound,
 )
-from service.spec import JobSpec
 
 NODE_IDS = ("a" * 56, "b" * 56)
 

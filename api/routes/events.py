@@ -2,7 +2,7 @@
 
 A client (``dynabatch submit``, the job page, ``curl -N``) gets, as they happen:
 
-* ``job``: the job (:class:`api.schemas.JobDetail`) whenever it changed;
+* ``job``: the job (:class:`service.schemas.JobDetail`) whenever it changed;
 * ``epoch``: each finished epoch's record (:class:`scheduler.telemetry.EpochRecord`);
 * ``log``: each log line (:class:`scheduler.telemetry.LogLine`, the workers' own output
   included), with the line's sequence number as the event id, so a reconnecting client
@@ -25,7 +25,7 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, require_token
-from api.schemas import JobDetail
+from service.schemas import JobDetail
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_token)],
                    responses=ERRORS)

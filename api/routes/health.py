@@ -12,7 +12,7 @@ from api.deps import (
     require_token_for_health,
     require_token_for_metrics,
 )
-from api.schemas import Health, Readiness
+from service.schemas import Health, Readiness
 
 health = APIRouter(
     tags=["health"], dependencies=[Depends(require_token_for_health)], responses=ERRORS

@@ -10,8 +10,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Query, Response, status
 
+from actors.spec import JobSpec
 from api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, WorkerId, require_token
-from api.schemas import (
+from scheduler.state import JobState
+from service.schemas import (
     CancelRequest,
     ErrorResponse,
     JobDetail,
@@ -22,8 +24,6 @@ from api.schemas import (
     JobSummary,
     ScaleRequest,
 )
-from scheduler.state import JobState
-from service.spec import JobSpec
 
 router = APIRouter(
     prefix="/v1/jobs",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from api.deps import ERRORS, ServiceDep, require_token
-from api.schemas import ErrorResponse, NodeList
+from service.schemas import ErrorResponse, NodeList
 
 router = APIRouter(
     prefix="/v1/nodes",

@@ -17,10 +17,11 @@ import pytest
 import ray
 from fastapi.testclient import TestClient
 
-from api.app import build_service, create_app
+from api.app import create_app
 from scheduler.launch import find_coordinator
 from service.ray_client import RayClusterClient
 from service.settings import Settings
+from service.wiring import build_service
 
 from .conftest import wait_for
 

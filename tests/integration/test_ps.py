@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
+from actors.spec import JobSpec
 from scheduler.ps_driver import PSCoordinator
 from scheduler.state import JobState
-from service.spec import JobSpec
 
 from .conftest import wait_for
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from actors.spec import JobSpec
 from scheduler.coordinator import Coordinator
 from scheduler.state import JobState
-from service.spec import JobSpec
 
 pytestmark = pytest.mark.integration
 

@@ -8,12 +8,12 @@ import ray
 import torch
 
 from actors.contracts import SegmentPlan, StepPlan
+from actors.spec import JobSpec
 from actors.worker import Worker
+from actors.workloads.datasets import load_dataset
+from actors.workloads.models import build_model
 from scheduler.coordinator import Coordinator
 from scheduler.state import JobState
-from service.spec import JobSpec
-from service.workloads.datasets import load_dataset
-from service.workloads.models import build_model
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ def test_weighted_allreduce_equals_one_process_update(cluster, workload, comm):
     """3 workers with batches 5, 11 and 48 make the update of one process on 64 samples,
     for classification and for a language model's per-sample loss, with the flat and the
     bucketed all-reduce, and with micro-batch accumulation."""
-    from service.workloads.losses import LOSSES
+    from actors.workloads.losses import LOSSES
 
     spec = _spec(optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9}, **workload, **comm)
     ds = load_dataset(spec.dataset, seed=spec.seed)

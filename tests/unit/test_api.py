@@ -12,12 +12,13 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import build_service, create_app
+from api.app import create_app
 from scheduler.checkpoint import checkpoint_path
 from scheduler.state import JobState
 from service.jobs import EMBEDDED_ENDED, JobService
 from service.settings import Settings
 from service.store import JobStore
+from service.wiring import build_service
 from tests.fakes import NODE_IDS, FakeCluster
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from actors.contracts import StepTelemetry
+from actors.spec import parse_spec
+from actors.workloads import build_model
 from scheduler.checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -22,8 +24,6 @@ from scheduler.ledger import Ledger
 from scheduler.policy import WorkerTelemetry, make_policy
 from scheduler.protocols.sync import Position, SyncProtocol
 from scheduler.telemetry import EpochRecord, WorkerEpochStats
-from service.spec import parse_spec
-from service.workloads import build_model
 
 JOB = "0123456789ab"
 

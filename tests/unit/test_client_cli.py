@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from api.app import create_app
-from service import client_cli
+from service.cli import jobs as client_cli
 from service.client import ApiError, ConnectionFailed, DynabatchClient
 from service.settings import Settings
 from tests.fakes import FakeCluster
@@ -295,12 +295,12 @@ def test_serve_refuses_a_public_address_without_a_token(
 def test_serve_listens_on_loopback_with_a_token_or_when_told(
     cli: typer.Typer, monkeypatch: pytest.MonkeyPatch, args: list[str], token: str | None
 ) -> None:
-    import api.app
+    import service.wiring
 
     def build_service(*_: Any, **__: Any) -> None:
         raise RuntimeError("past the address check")  # instead of starting Ray
 
-    monkeypatch.setattr(api.app, "build_service", build_service)
+    monkeypatch.setattr(service.wiring, "build_service", build_service)
     if token is None:
         monkeypatch.delenv("DYNABATCH_API_TOKEN", raising=False)
     else:

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.spec import DatasetSpec
-from service.workloads import WorkloadError
-from service.workloads.datasets import DatasetArrays, channel_stats, generate_mnist, load_dataset
-from service.workloads.formats import (
+from actors.spec import DatasetSpec
+from actors.workloads import WorkloadError
+from actors.workloads.datasets import DatasetArrays, channel_stats, generate_mnist, load_dataset
+from actors.workloads.formats import (
     CIFAR10_LABELS,
     MNIST_FILES,
     FormatError,

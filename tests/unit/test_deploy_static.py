@@ -422,7 +422,7 @@ def test_ports_are_consistent() -> None:
 def test_api_listens_beyond_loopback_only_with_a_token_or_insecure() -> None:
     """`dynabatch serve` exits on a public address without a token unless --insecure: the
     deployments must say which (compose: an optional token, so --insecure; k8s: a token)."""
-    from service.client_cli import is_loopback
+    from service.cli.jobs import is_loopback
 
     params = parse_serve(command("api"))
     raw = yaml.safe_load(COMPOSE.read_text())["services"]["api"]["environment"]
@@ -1051,7 +1051,7 @@ def _api_settings(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_deployments_accept_the_documented_job(monkeypatch: pytest.MonkeyPatch) -> None:
     """The API's settings in compose and k8s allow what the README's job names (its
     checkpoint dir), and not more than the deployment provides."""
-    from service.spec import check_submission, parse_spec
+    from actors.spec import check_submission, parse_spec
 
     bodies = re.findall(r"-d '(\{.*?\})'", DEPLOYING.read_text(), re.S)
     specs = [parse_spec(json.loads(body)) for body in bodies]
@@ -1074,7 +1074,7 @@ def test_deployments_accept_the_documented_job(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_deploying_doc_job_spec_is_valid() -> None:
-    from service.spec import parse_spec
+    from actors.spec import parse_spec
 
     bodies = re.findall(r"-d '(\{.*?\})'", DEPLOYING.read_text(), re.S)
     assert bodies, "the doc submits a job with curl"

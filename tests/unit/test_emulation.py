@@ -7,7 +7,7 @@ import time
 import pytest
 
 from actors.emulation import ComputeClock, slowdown_at
-from service.spec import EmulationSpec
+from actors.spec import EmulationSpec
 
 
 def test_slowdown_schedule_applies_base_factors_and_later_disturbances():

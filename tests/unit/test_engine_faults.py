@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from actors.spec import JobSpec
 from scheduler.coordinator import Coordinator
 from scheduler.state import JobState
-from service.spec import JobSpec
 from tests.fakes import FakeRuntime
 
 N, B = 1000, 64  # 16 steps per epoch, the last one partial (40 samples)

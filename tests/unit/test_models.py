@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from service.spec import DatasetSpec, ModelSpec
-from service.workloads import WorkloadError, build_model, load_dataset
-from service.workloads.models import LeNet, ResNet
+from actors.spec import DatasetSpec, ModelSpec
+from actors.workloads import WorkloadError, build_model, load_dataset
+from actors.workloads.models import LeNet, ResNet
 
 PLUGINS = "tests.unit.workload_plugins"
 

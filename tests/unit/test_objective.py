@@ -15,12 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.spec import SpecError, SubmitPolicy, check_submission, parse_spec
-from service.workloads import WorkloadError, text
-from service.workloads.datasets import DatasetArrays, load_dataset
-from service.workloads.losses import LOSSES
-from service.workloads.models import build_model
-from service.workloads.objective import check_objective, objective_for, targets_kind
+from actors.spec import SpecError, SubmitPolicy, check_submission, parse_spec
+from actors.workloads import WorkloadError, text
+from actors.workloads.datasets import DatasetArrays, load_dataset
+from actors.workloads.losses import LOSSES
+from actors.workloads.models import build_model
+from actors.workloads.objective import check_objective, objective_for, targets_kind
 
 P = "tests.unit.workload_plugins"
 

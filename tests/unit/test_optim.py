@@ -9,8 +9,8 @@ import torch
 
 from actors.contracts import IsgdRule, SegmentPlan, StepPlan
 from actors.optim import build_optimizer
+from actors.spec import JobSpec
 from actors.worker import Worker
-from service.spec import JobSpec
 
 
 def _spec(**kw) -> JobSpec:

@@ -8,7 +8,8 @@ from pathlib import Path
 import typer
 from typer.testing import CliRunner
 
-from service import plots, run_cli
+from service import plots
+from service.cli import run as run_cli
 
 
 def _rec(epoch: int, batches: dict[str, int], loss: float) -> dict:

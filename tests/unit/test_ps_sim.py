@@ -8,12 +8,12 @@ import torch.nn.functional as F
 
 from actors.contracts import epoch_order
 from actors.ps import ParamStore
+from actors.spec import JobSpec
+from actors.workloads.datasets import load_dataset
 from scheduler.policy_ji import JiConfig, PerfAwareBatches
 from scheduler.protocols.ps import PSConfig
 from scheduler.ps_core import PSCore
 from scheduler.ps_sim import PSSimConfig, SimLearner, simulate_ps
-from service.spec import JobSpec
-from service.workloads.datasets import load_dataset
 
 SPEC = JobSpec(dataset={"name": "digits", "limit": 96}, model={"name": "mlp", "hidden": 16},
                optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.5}, workers=3,

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 from rich.console import Console
 
+from actors.spec import JobSpec
 from api.metrics_ps import ps_families
 from scheduler.policy_ji import PerfAwareBatches
 from scheduler.protocols.ps import PSConfig
@@ -13,8 +14,7 @@ from scheduler.ps_core import PSCore
 from scheduler.ps_driver import ps_status
 from scheduler.state import JobState
 from scheduler.telemetry import JobSnapshot
-from service.client_cli import _ps_table
-from service.spec import JobSpec
+from service.cli.jobs import _ps_table
 
 SPEC = JobSpec.model_validate({"workers": 2, "protocol": {"name": "ps", "mode": "async"}})
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from actors.accumulate import micro_cap, micro_ranges
 from actors.contracts import SegmentPlan, StepPlan
 from actors.reducer import plan_buckets
+from actors.spec import JobSpec
 from actors.worker import Worker
-from service.spec import JobSpec
 
 
 @given(st.integers(0, 500), st.one_of(st.none(), st.integers(1, 64)))

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.contracts import IsgdRule
+from actors.spec import JobSpec, SpecError, parse_spec
 from scheduler.coordinator import Coordinator
 from scheduler.goodput import NoiseEstimate, StepTimeModel, choose_batch, efficiency, gain
 from scheduler.isgd import ControlChart
 from scheduler.schedule import LrRule, Schedule, Stage, scale_factor
 from scheduler.state import JobState
-from service.spec import JobSpec, SpecError, parse_spec
 from tests.fakes import FakeRuntime
 
 stages_st = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 4096)), min_size=1,
@@ -349,8 +349,8 @@ def test_tune_spends_at_most_its_budget_and_writes_a_loadable_config(tmp_path):
     import yaml
     from typer.testing import CliRunner
 
+    from actors.spec import load_spec
     from service.cli import _register, app
-    from service.spec import load_spec
 
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump({

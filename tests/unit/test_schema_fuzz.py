@@ -30,7 +30,7 @@ def api_schema() -> Iterator[schemathesis.BaseSchema]:
     app = create_app(Settings(db_path=":memory:", max_body_bytes=64 * 1024), service=service)
     service.cluster.connect()
     # Some jobs in every state, so list and detail routes return real data.
-    from service.spec import JobSpec
+    from actors.spec import JobSpec
 
     for epochs in (1, 3, 5):
         service.submit(JobSpec(name=f"seed{epochs}", epochs=epochs))

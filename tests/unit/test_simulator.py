@@ -23,6 +23,7 @@ import typer
 from typer.testing import CliRunner
 
 from actors.contracts import SegmentResult, StepTelemetry, encode_counts
+from actors.spec import JobSpec
 from scheduler.cluster_model import (
     MB,
     ClusterError,
@@ -38,8 +39,8 @@ from scheduler.membership import NodeInfo
 from scheduler.runtime import DataInfo, RegroupResult, Started
 from scheduler.simulator import simulate
 from scheduler.state import JobState
-from service import run_cli, sim_cli
-from service.spec import JobSpec
+from service.cli import run as run_cli
+from service.cli import simulate as sim_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -323,8 +324,8 @@ def test_real_gradients_equal_one_process_on_the_same_global_batches(learners, b
 
     from actors.contracts import epoch_order
     from actors.worker import build_optimizer
-    from service.workloads.datasets import load_dataset
-    from service.workloads.models import build_model
+    from actors.workloads.datasets import load_dataset
+    from actors.workloads.models import build_model
 
     spec = _spec(dataset={"name": "digits", "limit": 2 * batch}, model={"name": "mlp"},
                  optimizer={"name": "sgd", "lr": 0.2, "momentum": 0.9}, global_batch=batch,

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from service.spec import (
+from actors.spec import (
     JobSpec,
     SpecError,
     SubmitPolicy,

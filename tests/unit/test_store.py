@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.spec import JobSpec
 from scheduler.state import InvalidTransition, JobState
 from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from service.spec import JobSpec
 from service.store import EMBEDDED_CLUSTER, JobStore
 
 

@@ -12,9 +12,9 @@ import torch
 
 from actors.contracts import SegmentPlan, StepPlan, epoch_order
 from actors.group import NCCL_FAULT_ENV, choose_backend, configure_nccl_fault_handling
+from actors.spec import JobSpec
 from actors.worker import Worker, pick_device, to_cpu
 from scheduler import pool
-from service.spec import JobSpec
 
 
 def _spec(**kw) -> JobSpec:
@@ -109,7 +109,7 @@ def test_worker_gpus_auto_places_gpu_and_cpu_workers(monkeypatch):
 
 
 def test_worker_gpus_auto_refuses_device_cpu():
-    from service.spec import SpecError, parse_spec
+    from actors.spec import SpecError, parse_spec
 
     with pytest.raises(SpecError, match="worker_gpus: worker_gpus 'auto' places workers on GPUs"):
         parse_spec({"worker_gpus": "auto", "device": "cpu"})

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from service.workloads.datasets import DatasetArrays
+from actors.workloads.datasets import DatasetArrays
 
 NOT_CALLABLE = 42
 

@@ -1,5 +1,5 @@
 """The ``dynabatch`` command line: ``run`` trains a config on Ray; client commands talk to
-the REST service (see :mod:`service.client_cli`)."""
+the REST service (see :mod:`service.cli.jobs`)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from service import client_cli, run_cli, sim_cli, tune_cli
+    from service.cli import jobs, run, simulate, tune
 
-    run_cli.register(app)
-    sim_cli.register(app)
-    tune_cli.register(app)
-    client_cli.register(app)
+    run.register(app)
+    simulate.register(app)
+    tune.register(app)
+    jobs.register(app)
 
 
 def main() -> None:

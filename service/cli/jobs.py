@@ -29,12 +29,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from api.schemas import JobDetail
+from actors.spec import SpecError, parse_spec
 from scheduler.state import JobState
-from service.breakdown_view import breakdown_table
+from service.cli.views import breakdown_table
 from service.client import DEFAULT_URL, ApiError, DynabatchClient
 from service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN
-from service.spec import SpecError, parse_spec
+from service.schemas import JobDetail
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -239,9 +239,10 @@ def _serve(insecure: bool, **overrides: Any) -> None:
     import uvicorn
     from pydantic import ValidationError
 
-    from api.app import build_service, create_app
+    from api.app import create_app  # the composition root: serve starts the HTTP layer
     from service.jobs import ClusterError
     from service.settings import Settings
+    from service.wiring import build_service
 
     given = {k: v for k, v in overrides.items() if v is not None}
     if "address" in given:

@@ -10,10 +10,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.spec import JobSpec
 from scheduler.state import JobState
 from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from service.jobs import NodeInfo
-from service.spec import JobSpec
 from service.store import JobRecord
 
 JOB_ID_EXAMPLE = "3f9c1a7b2e04"

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from service.spec import ModelSpec
-from service.workloads import WorkloadError
-from service.workloads.imports import call_user, resolve_callable
+from actors.spec import ModelSpec
+from actors.workloads import WorkloadError
+from actors.workloads.imports import call_user, resolve_callable
 
 BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm")
 NORMS = ("group", "batch", "none")
@@ -280,7 +280,7 @@ def _build_user(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int)
 
 
 def _build_charlm(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    from service.workloads.charlm import CharLM
+    from actors.workloads.charlm import CharLM
 
     _check_options(spec, ["layers", "heads"])
     if len(input_shape) != 1:

@@ -17,10 +17,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from actors.spec import JobSpec, SpecError, load_spec
 from scheduler.state import JobState
 from scheduler.telemetry import EpochRecord, JobSnapshot
-from service.breakdown_view import breakdown_table
-from service.spec import JobSpec, SpecError, load_spec
+from service.cli.views import breakdown_table
 
 # A coordinator answers snapshot/history/cancel from another thread in milliseconds; this
 # bounds a call to one that died or hangs.

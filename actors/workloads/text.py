@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.workloads import WorkloadError
+from actors.workloads import WorkloadError
 
 # Modules present in every CPython 3.10+; sorted so the order never depends on the file system.
 MODULES = (

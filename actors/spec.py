@@ -36,7 +36,7 @@ from pydantic import (
 POLICIES = ("static", "dbs", "affine")
 MAX_WORKERS = 4096
 
-# The grammar service.workloads.imports resolves: dotted module names, then one attribute.
+# The grammar actors.workloads.imports resolves: dotted module names, then one attribute.
 IMPORT_PATH_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
 MODULE_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$"
 BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource")

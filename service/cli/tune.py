@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from actors.spec import SpecError, load_spec
 from scheduler.cluster_model import ClusterError, load_cluster, parse_cluster
-from service.sim_cli import quiet_engine
-from service.spec import SpecError, load_spec
+from service.cli.simulate import quiet_engine
 from service.tune import Probe, TuneError, tune
 
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from service.workloads import WorkloadError
-from service.workloads.imports import resolve_callable
+from actors.workloads import WorkloadError
+from actors.workloads.imports import resolve_callable
 
 PerSample = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -20,15 +20,15 @@ class WorkloadError(ValueError):
 
 
 if TYPE_CHECKING:
-    from service.workloads.datasets import DatasetArrays, load_dataset
-    from service.workloads.models import build_model
+    from actors.workloads.datasets import DatasetArrays, load_dataset
+    from actors.workloads.models import build_model
 
 __all__ = ["DatasetArrays", "WorkloadError", "build_model", "load_dataset"]
 
 _LAZY = {
-    "DatasetArrays": "service.workloads.datasets",
-    "load_dataset": "service.workloads.datasets",
-    "build_model": "service.workloads.models",
+    "DatasetArrays": "actors.workloads.datasets",
+    "load_dataset": "actors.workloads.datasets",
+    "build_model": "actors.workloads.models",
 }
 
 

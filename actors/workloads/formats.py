@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from service.workloads import WorkloadError
+from actors.workloads import WorkloadError
 
 
 class FormatError(WorkloadError):

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from actors.spec import POLICIES, JobSpec, SpecError, load_spec
 from scheduler.cluster_model import (
     ClusterError,
     ClusterSpec,
@@ -31,8 +32,7 @@ from scheduler.cluster_model import (
 from scheduler.simulator import SimResult, simulate
 from scheduler.state import JobState
 from scheduler.telemetry import WorkerStatus
-from service.run_cli import render, write_report
-from service.spec import POLICIES, JobSpec, SpecError, load_spec
+from service.cli.run import render, write_report
 
 SHOWN_WORKERS = 16
 

@@ -1,7 +1,7 @@
 """What a worker optimises and reports: the job's per-sample loss and its metrics.
 
 :func:`objective_for` resolves the spec's ``loss`` and ``metrics`` (defaults from the
-dataset's targets, see :data:`service.workloads.losses.DEFAULT_LOSS`). The worker calls
+dataset's targets, see :data:`actors.workloads.losses.DEFAULT_LOSS`). The worker calls
 :meth:`Objective.loss_sum` in its training step (the sum of per-sample losses; it scales
 it by ``1/B`` itself) and :meth:`Objective.evaluate` on the held-out set;
 :func:`check_objective` runs both on two samples when the job loads its data, so a loss of
@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from service.spec import JobSpec
-from service.workloads import WorkloadError
-from service.workloads import losses as L
-from service.workloads import metrics as M
-from service.workloads.imports import describe
+from actors.spec import JobSpec
+from actors.workloads import WorkloadError
+from actors.workloads import losses as L
+from actors.workloads import metrics as M
+from actors.workloads.imports import describe
 
 
 def targets_kind(y: np.ndarray) -> str:

@@ -1,0 +1,154 @@
+"""What every job driver shows and accepts, whatever its protocol.
+
+:class:`JobControl` holds the lifecycle (:class:`~scheduler.state.JobState` with its enforced
+transitions), the job's log, its membership events, its epoch history, and the requests
+(cancel, scale, drain) that other threads queue for the driver's next step boundary. The
+synchronous :class:`~scheduler.coordinator.Coordinator` and the parameter-server
+:class:`~scheduler.ps_driver.PSCoordinator` both extend it, so the service, REST and the CLI
+see one interface; the drivers keep only what their protocols do differently.
+
+The public methods may be called from other threads (the driver runs as a threaded actor)
+while ``run()`` blocks; every shared field is read and written under ``_lock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+from actors.spec import JobSpec
+from scheduler.runtime import Clock, RealClock
+from scheduler.state import InvalidTransition, JobState
+from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, MembershipEvent
+
+log = logging.getLogger("dynabatch.scheduler")
+
+LOG_LINES_KEPT = 5000
+
+
+class JobEnded(Exception):
+    """Raised after the job has been moved to a terminal state, to unwind the step."""
+
+
+class JobControl:
+    def __init__(self, job_id: str, spec: JobSpec, clock: Clock | None = None):
+        self.job_id = job_id
+        self.spec = spec
+        self.clock = clock or RealClock()
+        self._lock = threading.RLock()
+        self.state = JobState.PENDING
+        self.reason: str | None = None
+        self._history: list[EpochRecord] = []
+        self._logs: deque[LogLine] = deque(maxlen=LOG_LINES_KEPT)
+        self._log_seq = 0
+        self.events: list[MembershipEvent] = []
+        self._cancel: str | None = None
+        self._requests: deque[tuple[str, Any]] = deque()
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+
+    # ------------------------------------------------------------------ for subclasses
+    def snapshot(self) -> JobSnapshot:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def _member_ids(self) -> list[str]:
+        """The workers that take part in training now (drain's candidates)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ public interface
+    def history(self, since: int = 0) -> list[EpochRecord]:
+        with self._lock:
+            return [r for r in self._history if r.epoch >= since]
+
+    def logs(self, since: int = 0) -> list[LogLine]:
+        with self._lock:
+            return [line for line in self._logs if line.seq >= since]
+
+    def membership_events(self) -> list[MembershipEvent]:
+        with self._lock:
+            return list(self.events)
+
+    def cancel(self, reason: str = "cancelled by user") -> JobSnapshot:
+        with self._lock:
+            if self.state.is_terminal:
+                raise InvalidTransition(self.state, JobState.CANCELLED)
+            self._cancel = reason
+        return self.snapshot()
+
+    def scale(self, workers: int) -> JobSnapshot:
+        if workers < 1:
+            raise ValueError("workers: must be at least 1")
+        with self._lock:
+            if self.state.is_terminal:
+                raise InvalidTransition(self.state, JobState.RUNNING)
+            self._requests.append(("scale", workers))
+            self._log("INFO", f"scale requested: {workers} workers")
+        return self.snapshot()
+
+    def drain(self, worker: str) -> JobSnapshot:
+        with self._lock:
+            members = self._member_ids()
+            if worker not in members:
+                raise KeyError(f"worker {worker!r} is not a member of job {self.job_id}")
+            draining = sum(1 for kind, _ in self._requests if kind == "drain")
+            if len(members) - draining <= 1:
+                raise ValueError("cannot drain the last worker")
+            self._requests.append(("drain", worker))
+            self._log("INFO", f"drain requested for {worker}")
+        return self.snapshot()
+
+    # ------------------------------------------------------------------ for the drivers
+    def _take_requests(self) -> list[tuple[str, Any]]:
+        with self._lock:
+            requests, self._requests = list(self._requests), deque()
+        return requests
+
+    def _event_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for e in self.events:
+            key = f"{e.kind}:{e.reason}"
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def _event(self, kind: str, worker: str, node: str, reason: str,
+               generation: int = 0) -> None:
+        with self._lock:
+            self.events.append(MembershipEvent(time=self.clock.time(), kind=kind,
+                                               worker=worker, node=node, reason=reason,
+                                               generation=generation))
+        level = "INFO" if kind in ("join", "leave") else "WARNING"
+        self._log(level, f"worker {worker} {kind}: {reason}")
+
+    def _log(self, level: str, message: str) -> None:
+        with self._lock:
+            self._logs.append(LogLine(seq=self._log_seq, time=self.clock.time(), level=level,
+                                      message=message))
+            self._log_seq += 1
+        log.log(logging.getLevelName(level), "[%s] %s", self.job_id, message)
+
+    def _transition(self, new: JobState, reason: str | None) -> None:
+        with self._lock:
+            if not self.state.can_become(new):
+                raise InvalidTransition(self.state, new)
+            self.state = new
+            self.reason = reason
+            if new == JobState.RUNNING and self.started_at is None:
+                self.started_at = self.clock.time()
+            self._log("INFO", f"state {new.value}" + (f": {reason}" if reason else ""))
+
+    def _finish(self, state: JobState, reason: str | None) -> None:
+        with self._lock:
+            if self.state.is_terminal:
+                return
+            self._transition(state, reason)
+            self.finished_at = self.clock.time()
+        self.shutdown()
+
+    def _fail_now(self, reason: str) -> None:
+        self._finish(JobState.FAILED, reason)
+        raise JobEnded

@@ -1,0 +1,32 @@
+"""Building the service from its settings: the store, the cluster client and the JobService.
+
+``create_app`` and ``dynabatch serve`` both call :func:`build_service`.
+"""
+
+from __future__ import annotations
+
+from service.jobs import ClusterClient, JobService
+from service.settings import Settings
+from service.store import JobStore
+
+
+def build_service(settings: Settings, cluster: ClusterClient | None = None) -> JobService:
+    """The JobService the settings describe: SQLite store and (by default) Ray."""
+    if cluster is None:
+        from service.ray_client import RayClusterClient
+
+        cluster = RayClusterClient(
+            settings.ray_address,
+            num_cpus=settings.ray_num_cpus,
+            call_timeout_s=settings.ray_call_timeout_s,
+        )
+    return JobService(
+        JobStore(settings.db_path),
+        cluster,
+        sync_interval_s=settings.sync_interval_s,
+        metrics_retention_s=settings.metrics_retention_s,
+        release_finished=settings.release_finished,
+        cancel_wait_s=settings.cancel_wait_s,
+        auto_resume_limit=settings.auto_resume_limit,
+        submit_policy=settings.submit_policy,
+    )
