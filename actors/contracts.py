@@ -3,11 +3,11 @@
 These types sit in ``actors`` because that is the lowest layer that uses them: the
 scheduler imports them downward. Pure: numpy and pydantic, no ray, no torch.
 
-Sample order. Epoch ``e`` trains the permutation :func:`epoch_order` ``(seed, e, N)``;
-step ``s`` trains the order positions ``[start, start + size)``, cut into the workers'
-shares. A worker receives *positions* and looks the sample ids up in the same
-permutation, so plans stay small and what it reports (the positions it trained) can be
-checked against the epoch's coverage.
+Sample order. Epoch ``e`` trains the permutation :func:`epoch_order` ``(seed, e, N)``
+(epoch 0's in every epoch with ``dataset.shuffle: once``); step ``s`` trains the order
+positions ``[start, start + size)``, cut into the workers' shares. A worker receives
+*positions* and looks the sample ids up in the same permutation, so plans stay small and
+what it reports (the positions it trained) can be checked against the epoch's coverage.
 
 Coverage. Each step the gradient all-reduce also sums a vector with one slot per position
 of the step, in which every worker writes 1 at the positions it trained. After the
@@ -18,6 +18,7 @@ step: a fact produced by the collective itself, reported as a run-length encodin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,9 +29,18 @@ from pydantic import BaseModel, ConfigDict, Field
 Coverage = tuple[tuple[int, int], ...]
 
 
-def epoch_order(seed: int, epoch: int, dataset_size: int) -> np.ndarray:
-    """The epoch's sample order: a permutation of ``range(dataset_size)``."""
-    return np.random.default_rng([seed, epoch]).permutation(dataset_size)
+SHUFFLES = ("every_epoch", "once")
+
+
+def epoch_order(seed: int, epoch: int, dataset_size: int, shuffle: str = "every_epoch"
+                ) -> np.ndarray:
+    """The epoch's sample order: a permutation of ``range(dataset_size)``. With ``shuffle``
+    ``once`` every epoch trains epoch 0's permutation, so at a fixed global batch the same
+    batches recur in a fixed cycle (Caffe-style data layers, as ISGD's paper trains)."""
+    if shuffle not in SHUFFLES:
+        raise ValueError(f"unknown shuffle {shuffle!r}: use {', '.join(SHUFFLES)}")
+    return np.random.default_rng([seed, epoch if shuffle == "every_epoch" else 0]
+                                 ).permutation(dataset_size)
 
 
 def encode_counts(counts: np.ndarray) -> Coverage:
@@ -56,7 +66,7 @@ def decode_counts(coverage: Coverage) -> np.ndarray:
 class IsgdRule:
     """ISGD for one step: when the global batch's loss ψ is above ``limit`` the batch is
     under-trained and gets up to ``max_extra`` conservative iterations (see
-    :mod:`actors.optim`). ``limit`` comes from the coordinator's control chart."""
+    :mod:`actors.optim`). ``limit`` comes from the control chart."""
 
     limit: float
     epsilon: float
@@ -66,15 +76,95 @@ class IsgdRule:
         return loss > self.limit
 
     def more(self, loss: float, done: int) -> bool:
-        """Whether to take another extra iteration, ``done`` taken, at loss ``loss``."""
+        """Whether to take another extra iteration, ``done`` taken, at loss ``loss`` (the
+        loss of the batch at the current weights)."""
         return done < self.max_extra and loss > self.limit
+
+
+@dataclass(frozen=True, slots=True)
+class ControlChart:
+    """ISGD's control chart (Wang et al., arXiv 1603.05544): which batches are under-trained.
+
+    It keeps the global losses ψ of the last ``window`` batches (a FIFO). Its upper control
+    limit is ``mean(ψ) + σ·std(ψ)`` (std: the population standard deviation); a batch whose
+    loss is above it is under-trained. No limit until the window is full.
+
+    Pure and deterministic: the coordinator and every worker push the same all-reduced
+    losses in the same order, so they hold the same chart and the same limit, bit for bit
+    (see :class:`IsgdPlan`).
+    """
+
+    window: int
+    sigma: float
+    losses: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.window < 2:
+            raise ValueError(f"window must be at least 2, got {self.window}")
+        if len(self.losses) > self.window:
+            raise ValueError("more losses than the window holds")
+
+    def push(self, loss: float) -> ControlChart:
+        """The chart after one more batch loss (non-finite losses are not charted)."""
+        if not math.isfinite(loss):
+            return self
+        return ControlChart(self.window, self.sigma, (*self.losses, loss)[-self.window:])
+
+    def resized(self, window: int) -> ControlChart:
+        """The chart over the last ``window`` batches (``isgd.window: epoch`` follows the
+        steps per epoch when the global batch changes)."""
+        if window == self.window:
+            return self
+        return ControlChart(window, self.sigma, self.losses[-window:])
+
+    @property
+    def full(self) -> bool:
+        return len(self.losses) == self.window
+
+    @property
+    def limit(self) -> float | None:
+        if not self.full:
+            return None
+        n = len(self.losses)
+        mean = sum(self.losses) / n
+        var = sum((x - mean) ** 2 for x in self.losses) / n
+        return mean + self.sigma * math.sqrt(var)
+
+
+@dataclass(frozen=True, slots=True)
+class IsgdPlan:
+    """ISGD over one segment: the control chart as of its first step, and the rule's other
+    parameters. Every worker sees the same all-reduced loss ψ of every step, so each keeps
+    the chart up to date itself (:meth:`after`) and judges every batch against the limit of
+    the batches just before it, however long the segment; the coordinator replays the
+    chart from the reported losses and checks every worker's decisions
+    (:meth:`scheduler.regime.Regime.observe`). ``monitor`` is false in the first epoch
+    (the losses of an untrained model say nothing about batches)."""
+
+    chart: ControlChart
+    epsilon: float
+    max_extra: int
+    monitor: bool = True
+
+    def rule(self) -> IsgdRule | None:
+        """The rule of the next step; None while monitoring has not started or the window
+        is not full."""
+        lim = self.chart.limit
+        if not self.monitor or lim is None:
+            return None
+        return IsgdRule(limit=lim, epsilon=self.epsilon, max_extra=self.max_extra)
+
+    def after(self, loss: float) -> IsgdPlan:
+        """The plan for the step after one whose batch loss was ``loss``."""
+        return IsgdPlan(self.chart.push(loss), self.epsilon, self.max_extra, self.monitor)
 
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     """One step for one worker: the step's positions and this worker's share of them, and
-    how to step: the learning rate (None: the optimizer's own), the ISGD rule (None: off),
-    and whether to report gradient norms for the noise-scale estimate (goodput mode)."""
+    how to step: the learning rate (None: the optimizer's own) and whether to report
+    gradient norms for the noise-scale estimate (goodput mode). ISGD's rule is the
+    segment's (:class:`IsgdPlan`)."""
 
     step: int  # step index within the epoch
     start: int  # order position of the step's first sample
@@ -82,18 +172,19 @@ class StepPlan:
     own_start: int  # order position of this worker's first sample
     own_size: int  # this worker's share (0 is allowed: an empty share of a last step)
     lr: float | None = None
-    isgd: IsgdRule | None = None
     noise: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class SegmentPlan:
-    """Consecutive steps of one epoch for one worker."""
+    """Consecutive steps of one epoch for one worker; ``isgd``: ISGD's chart and rule
+    (None: off)."""
 
     epoch: int
     seed: int
     dataset_size: int
     steps: tuple[StepPlan, ...]
+    isgd: IsgdPlan | None = None
 
 
 class _Frozen(BaseModel):
@@ -109,10 +200,12 @@ class StepTelemetry(_Frozen):
     ``samples`` are the order positions this worker trained; ``coverage`` is the step's
     all-reduced per-position count (see the module docstring).
 
-    The breakdown (wall seconds, summed over micro-batches): ``gather_s`` (index and copy
-    the samples), ``forward_s`` (model and loss), ``backward_s``, ``optimizer_s``;
-    ``overlap_s`` is how long the all-reduce ran behind backward (from the first bucket's
-    launch to the end of compute); ``step_s`` is the whole step as the worker saw it.
+    The breakdown (wall seconds, summed over micro-batches; device-timed on a GPU):
+    ``gather_s`` (index and copy the samples), ``forward_s`` (model and loss),
+    ``backward_s`` (without an emulated slowdown's sleep), ``optimizer_s``; ``overlap_s``
+    is the communication hidden behind compute: how long some gradient bucket's all-reduce
+    was in flight (launch to completion) before compute ended (see :mod:`actors.reducer`);
+    ``step_s`` is the whole step as the worker saw it.
     ``micro_batches`` is how many micro-batches the share was computed in.
     """
 
@@ -130,7 +223,12 @@ class StepTelemetry(_Frozen):
     step_size: int = 0
     coverage: Coverage = ()
     flagged: bool = Field(default=False, description="ISGD flagged the step's global batch.")
-    extra_iters: int = Field(default=0, description="ISGD extra iterations on this batch.")
+    extra_iters: int = Field(default=0, description="ISGD extra iterations on this batch: "
+                             "each one conservative step and one more pass (forward, "
+                             "backward, all-reduce) over the batch.")
+    isgd_loss: float | None = Field(
+        default=None, description="ISGD: the all-reduced batch loss ψ the worker judged and "
+        "charted (the coordinator replays the chart from it).")
     local_sqnorm: float | None = Field(
         default=None, description="|g_i|² of this worker's local mean gradient (goodput).")
     global_sqnorm: float | None = Field(
@@ -164,7 +262,3 @@ class SegmentResult(_Frozen):
     )
     error_kind: ErrorKind | None = None
     failed_compute_s: float | None = None
-    output: tuple[str, ...] = Field(
-        default=(), description="The worker's own output lines since its last segment "
-        "('stdout: ...' / 'stderr: ...'; see actors.output)."
-    )

@@ -9,6 +9,14 @@ depend on each other: a worker preempted by its neighbours looks slow. In emulat
 compute is therefore measured as the thread's CPU time (on the CPU, torch runs forward
 and backward in the calling thread with one intra-op thread), which is what the phase
 would take on a core of its own. Real runs use the wall clock.
+
+Where the slowdown is applied. A slow node is slow *before* its gradient leaves: with the
+bucketed all-reduce, buckets go out from backward's hooks, so the stretch cannot all come
+after backward (a slowed worker's buckets would leave at full speed, and its peers' waits
+would not show its slowness). The reducer therefore calls :meth:`ComputeClock.pace` before
+it launches a bucket, which sleeps until the phase has taken f × its compute so far, and
+:meth:`ComputeClock.finish` sleeps what is left at the end. Every bucket then leaves when
+a node f times slower would have sent it.
 """
 
 from __future__ import annotations
@@ -34,21 +42,29 @@ class ComputeClock:
     def __init__(self, emulated: bool):
         self.emulated = emulated
         self._wall0 = self._cpu0 = 0.0
+        self.slept = 0.0  # seconds slept for the emulation since start()
 
     def start(self) -> None:
         self._wall0 = time.perf_counter()
         self._cpu0 = time.thread_time()
+        self.slept = 0.0
 
-    def finish(self, factor: float) -> float:
-        """End the phase, stretched to ``factor`` × its compute; return the compute time."""
+    def pace(self, factor: float) -> float:
+        """Sleep until the phase so far has taken ``factor`` × its compute so far (emulated
+        runs only; the calling thread must be the one that started the clock). Returns that
+        stretched compute time."""
         wall = time.perf_counter() - self._wall0
         if not self.emulated:
             return wall
         target = factor * (time.thread_time() - self._cpu0)
         if target > wall:
             time.sleep(target - wall)
+            self.slept += target - wall
         return target
 
+    def finish(self, factor: float) -> float:
+        """End the phase, stretched to ``factor`` × its compute; return the compute time."""
+        return self.pace(factor)
 
 
 def error_at(emulation: EmulationSpec, ordinal: int, epoch: int, step: int) -> bool:

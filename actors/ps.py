@@ -1,25 +1,43 @@
-"""Parameter-server training: the server and the learner (plain classes; ``ray.remote`` is
-applied where they are launched), and the torch pieces both drivers share.
+"""Parameter-server training: the server, its shards and the learner (plain classes;
+``ray.remote`` is applied where they are launched), and the torch pieces both drivers share.
 
-* :class:`ParamStore`: the model as one flat float32 vector, with the optimizer state (SGD
-  momentum, Adam moments) on the server. An update ``Σ_l w_l·g_l`` (the weights come from the
-  protocol: sample share × staleness factor × optional lr scale) becomes the flat
-  parameter's gradient and one optimizer step at the base learning rate α0. SGD and Adam are
-  elementwise, so the flat parameter steps exactly as the model's parameters would.
+* :class:`ParamStore`: a slice ``[lo, hi)`` of the model's flat float32 parameter vector (the
+  whole vector unless sharded), with the optimizer state (SGD momentum, Adam moments) of that
+  slice on the server. An update ``Σ_l w_l·g_l`` (the weights come from the protocol: sample
+  share × staleness factor × optional lr scale) becomes one optimizer step. SGD and Adam are
+  elementwise, so a slice steps exactly as the model's parameters would, and k slices with
+  their own optimizers step exactly as one vector.
 * :class:`GradientComputer`: a learner's model replica; loads a flat weight vector, returns
   the *mean* gradient over the chunk's samples (and the summed loss).
-* :class:`ParameterServer`: an asyncio actor around a pure job core (``scheduler.ps_core``,
-  passed in, so this module imports nothing above it). ``request`` hands a learner its work
-  and the weights of the version it pulls (one ``ray.put`` per version), awaiting without
-  blocking when the protocol says wait; ``push`` feeds a gradient in and applies what the
-  core decides. Waiting learners never block pushes: both are coroutines on one event loop.
-* :class:`Learner`: loops request → compute → push until the job is finished.
+* :class:`ParameterServer`: an asyncio actor around the one pure job core
+  (``scheduler.ps_core``, passed in, so this module imports nothing above it). It holds slice
+  0 and *decides* for all slices. ``request`` hands a learner its work and the weights of the
+  version it pulls (one ``ray.put`` per version and slice), awaiting without blocking when
+  the protocol says wait; ``push`` feeds a gradient in and applies what the core decides.
+  Waiting learners never block pushes: both are coroutines on one event loop.
+* :class:`ParamShard`: slices 1..k−1 of a sharded server (``protocol.shards: k``). A shard
+  decides nothing: learners put their gradient's slice on it, and the coordinating server
+  tells it which tickets to apply with which weights (or to drop) and the resulting version.
+* :class:`Learner`: loops request → compute → push until the job is finished. With shards it
+  fetches the k slices of its version in parallel, puts slices 1..k−1 on their shards in
+  parallel, then pushes slice 0 to the server (the commit: the slices are in place before
+  the core can decide on the gradient).
+
+The interface of the issue, ``push(worker, grad, version_pulled, samples, compute_s)`` and
+``pull() -> (version, weights)``, is :meth:`ParameterServer.push` and
+:meth:`ParameterServer.pull`. A learner does not call ``pull`` itself: the server also hands
+out *which samples* to train (the exactly-once ledger), so a learner's pull is
+:meth:`ParameterServer.request`, which returns the chunk together with the version and its
+weights in one round trip. ``pull`` serves the final weights (evaluation, tests).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import warnings
+from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -28,8 +46,14 @@ import torch.nn.functional as F
 
 from actors.contracts import epoch_order
 from actors.emulation import ComputeClock, slowdown_at
+from actors.optim import build_optimizer
+from actors.output import own_actor_id
 from actors.spec import JobSpec
-from actors.worker import build_optimizer
+
+ADAPTIVE = ("adam", "adamw")
+RATE_WINDOW_S = 10.0  # pushes per second over this window (not a lifetime average)
+
+Bounds = tuple[tuple[int, int], ...]
 
 
 def _build(spec: JobSpec, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
@@ -39,13 +63,35 @@ def _build(spec: JobSpec, input_shape: tuple[int, ...], num_classes: int) -> tor
     return build_model(spec.model, tuple(input_shape), num_classes)
 
 
+def param_count(spec: JobSpec, input_shape: tuple[int, ...], num_classes: int) -> int:
+    model = _build(spec, input_shape, num_classes)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def shard_bounds(size: int, k: int) -> Bounds:
+    """``k`` contiguous slices of ``[0, size)`` whose sizes differ by at most one."""
+    if not 1 <= k <= size:
+        raise ValueError(f"protocol.shards: {k} shards for {size} parameters")
+    q, r = divmod(size, k)
+    out, lo = [], 0
+    for i in range(k):
+        hi = lo + q + (1 if i < r else 0)
+        out.append((lo, hi))
+        lo = hi
+    return tuple(out)
+
+
 class ParamStore:
-    def __init__(self, spec: JobSpec, input_shape: tuple[int, ...], num_classes: int):
+    def __init__(self, spec: JobSpec, input_shape: tuple[int, ...], num_classes: int,
+                 bounds: tuple[int, int] | None = None):
         self.model = _build(spec, input_shape, num_classes)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        flat = torch.nn.utils.parameters_to_vector(self._params).detach().clone()
-        self.flat = torch.nn.Parameter(flat.float())
+        full = torch.nn.utils.parameters_to_vector(self._params).detach().clone().float()
+        self.total = full.numel()
+        self.lo, self.hi = bounds or (0, self.total)
+        self.flat = torch.nn.Parameter(full[self.lo:self.hi].clone())
         self.optimizer = build_optimizer(spec, [self.flat])
+        self.adaptive = spec.optimizer.name in ADAPTIVE
         self.version = 0
 
     @property
@@ -55,31 +101,71 @@ class ParamStore:
     def weights(self) -> np.ndarray:
         return self.flat.detach().numpy().copy()
 
-    def apply(self, grads: list[tuple[np.ndarray | torch.Tensor, float]]) -> None:
-        """One optimizer step on ``Σ weight·grad``."""
+    def apply(self, grads: Sequence[tuple[np.ndarray | torch.Tensor, float]]) -> None:
+        """One optimizer step on ``Σ weight·grad``.
+
+        SGD (with or without momentum) steps on the weighted sum at α0: Rudra's
+        ``θ ← θ − Σ α(τ_l)·w_l·g_l``. Adam and AdamW divide the gradient by its running RMS,
+        which would largely cancel a staleness factor on the gradient, so for them the
+        weights' sum ``W = Σ w_l`` scales the learning rate of this one step (α0·W) and the
+        gradient is the weights' normalised mix ``Σ (w_l/W)·g_l``."""
         total = torch.zeros_like(self.flat)
+        weight_sum = float(sum(w for _, w in grads))
+        norm = weight_sum if self.adaptive and weight_sum > 0 else 1.0
         for g, w in grads:
-            total.add_(torch.as_tensor(g, dtype=torch.float32), alpha=float(w))
+            g = shared_tensor(g)
+            if g.numel() != self.size:
+                raise ValueError(f"a gradient of {g.numel()} values for a slice of {self.size}")
+            total.add_(g, alpha=float(w) / norm)
         self.flat.grad = total
-        self.optimizer.step()
+        groups = self.optimizer.param_groups
+        base = [g["lr"] for g in groups]
+        if norm != 1.0:
+            for g in groups:
+                g["lr"] = g["lr"] * norm
+        try:
+            self.optimizer.step()
+        finally:
+            for g, lr in zip(groups, base, strict=True):
+                g["lr"] = lr
         self.version += 1
 
-    def evaluate(self, x_test: np.ndarray, y_test: np.ndarray, batch: int = 1024
-                 ) -> tuple[float, float]:
-        """(test loss, test accuracy) of the current weights."""
-        torch.nn.utils.vector_to_parameters(self.flat.detach(), self._params)
+    def evaluate(self, x: np.ndarray, y: np.ndarray, flat: np.ndarray | None = None,
+                 batch: int = 1024) -> tuple[float, float]:
+        """(mean cross-entropy, accuracy) over ``x, y`` of the full weights ``flat`` (default:
+        this store's own, when it holds the whole vector)."""
+        if flat is None:
+            if self.size != self.total:
+                raise ValueError("a slice cannot be evaluated alone: pass the full weights")
+            flat_t = self.flat.detach()
+        else:
+            flat_t = torch.tensor(np.asarray(flat), dtype=torch.float32)  # may be read-only
+        torch.nn.utils.vector_to_parameters(flat_t, self._params)
         self.model.eval()
         total, correct = 0.0, 0
         with torch.no_grad():
-            for s in range(0, len(y_test), batch):
-                xb = torch.from_numpy(np.asarray(x_test[s:s + batch]))
-                yb = torch.from_numpy(np.asarray(y_test[s:s + batch]))
+            for s in range(0, len(y), batch):
+                xb = shared_tensor(x[s:s + batch])
+                yb = shared_tensor(y[s:s + batch])
                 out = self.model(xb)
                 total += float(F.cross_entropy(out, yb, reduction="sum"))
                 correct += int((out.argmax(1) == yb).sum())
         self.model.train()
-        n = max(len(y_test), 1)
+        n = max(len(y), 1)
         return total / n, correct / n
+
+
+def shared_tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A tensor over ``a`` without a copy. Arrays from Ray's object store are read-only, and
+    torch warns that a tensor over one must not be written; these (the training set, a
+    pushed gradient, pulled weights) are only ever read, so the warning is silenced here
+    instead of paying a copy of each."""
+    if isinstance(a, torch.Tensor):
+        return a
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(np.asarray(a))
+    return t.float() if t.dtype == torch.float64 else t
 
 
 class GradientComputer:
@@ -87,8 +173,9 @@ class GradientComputer:
                  input_shape: tuple[int, ...], num_classes: int):
         self.model = _build(spec, input_shape, num_classes)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.x = torch.from_numpy(np.asarray(x))
-        self.y = torch.from_numpy(np.asarray(y))
+        self.x = shared_tensor(x)
+        self.y = shared_tensor(y)
+        self.size = sum(p.numel() for p in self.params)
         self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
 
     def indices(self, seed: int, epoch: int, n: int, ranges) -> np.ndarray:
@@ -101,8 +188,7 @@ class GradientComputer:
     def gradient(self, weights: np.ndarray | torch.Tensor, ids: np.ndarray
                  ) -> tuple[np.ndarray, float]:
         """(mean gradient over ``ids`` at ``weights``, summed loss)."""
-        torch.nn.utils.vector_to_parameters(torch.as_tensor(weights, dtype=torch.float32),
-                                            self.params)
+        torch.nn.utils.vector_to_parameters(shared_tensor(weights), self.params)
         ii = torch.from_numpy(ids)
         loss = F.cross_entropy(self.model(self.x.index_select(0, ii)),
                                self.y.index_select(0, ii), reduction="sum")
@@ -111,52 +197,159 @@ class GradientComputer:
         return flat.numpy(), float(loss.detach())
 
 
+class ParamShard:
+    """One slice of a sharded server: gradient slices in, the coordinator's decisions applied,
+    one ``ray.put`` of the slice per version."""
+
+    def __init__(self, spec: JobSpec, input_shape: tuple[int, ...], num_classes: int,
+                 bounds: tuple[int, int]):
+        torch.set_num_threads(1)
+        self.store = ParamStore(spec, input_shape, num_classes, bounds)
+        self._grads: dict[int, np.ndarray] = {}
+        self._ref: tuple[int, Any] | None = None
+        self.puts = 0  # ray.put calls: one per version
+
+    def actor_id(self) -> str | None:
+        """This actor's Ray id: the job reads its stdout and stderr by it (actors.output)."""
+        return own_actor_id()
+
+    def put(self, ticket: int, grad: np.ndarray) -> None:
+        if grad.size != self.store.size:
+            raise ValueError(f"ticket {ticket}: a slice of {grad.size} values for a shard of "
+                             f"{self.store.size}")
+        self._grads[ticket] = grad
+
+    def drop(self, tickets: Sequence[int]) -> None:
+        """Refused or lost gradients: their slices will never be applied."""
+        for t in tickets:
+            self._grads.pop(t, None)
+
+    def apply(self, version: int, weighted: Sequence[tuple[int, float]]) -> Any:
+        missing = [t for t, _ in weighted if t not in self._grads]
+        if missing:
+            raise ValueError(f"shard [{self.store.lo}, {self.store.hi}): no slice for tickets "
+                             f"{missing}")
+        self.store.apply([(self._grads.pop(t), w) for t, w in weighted])
+        self.store.version = version
+        return self.weights_ref()
+
+    def weights_ref(self) -> Any:
+        import ray
+
+        v = self.store.version
+        if self._ref is None or self._ref[0] != v:
+            self._ref = (v, ray.put(self.store.weights()))
+            self.puts += 1
+        return self._ref[1]
+
+
 class ParameterServer:
     """The server actor. ``core`` is a ``scheduler.ps_core.PSCore``; its decisions are
-    applied here, to the tensors, and its epoch ends are evaluated here."""
+    applied here (slice 0) and on the shards, and its epoch ends are evaluated here.
+
+    ``start_learners``: requests wait until that many learners have asked (the start
+    barrier, so learners that came up early do not train alone), or ``start_timeout_s``
+    after the first one asked; throughput is timed from then (``started_s``)."""
 
     def __init__(self, spec: JobSpec, core: Any, input_shape: tuple[int, ...],
                  num_classes: int, x_test: np.ndarray, y_test: np.ndarray,
-                 idle_poll_s: float = 2.0):
+                 shards: Sequence[Any] = (), bounds: Bounds | None = None, *,
+                 idle_poll_s: float = 2.0, start_learners: int = 0,
+                 start_timeout_s: float = 60.0, call_timeout_s: float = 30.0):
         torch.set_num_threads(1)
         self.spec = spec
         self.core = core
-        self.store = ParamStore(spec, input_shape, num_classes)
+        self.shards = list(shards)
+        self.store = ParamStore(spec, input_shape, num_classes, bounds[0] if bounds else None)
+        if bounds is not None and len(bounds) != 1 + len(self.shards):
+            raise ValueError(f"{len(bounds)} slices for {1 + len(self.shards)} servers")
         self.x_test, self.y_test = x_test, y_test
         self.idle_poll_s = idle_poll_s
+        self.call_timeout_s = call_timeout_s
         self._grads: dict[int, np.ndarray] = {}
-        self._ref: tuple[int, Any] | None = None  # (version, ObjectRef) of the weights
+        self._ref: tuple[int, Any] | None = None  # (version, ObjectRef) of slice 0
+        self._shard_refs: list[Any] | None = None  # the shards' slices of this version
         self._changed = asyncio.Condition()
         self.epochs: list[dict[str, Any]] = []
-        self.push_log: list[dict[str, Any]] = []  # rolling window of PushRecords
         self._t0 = time.monotonic()
         self._losses: dict[int, float] = {}
         self._ep_loss = 0.0  # summed training loss of the epoch's applied gradients
         self._ep_samples = 0
+        self.puts = 0  # ray.put calls of slice 0: one per version pulled
+        self._push_times: deque[float] = deque()
+        self.apply_s: deque[float] = deque(maxlen=5000)  # wall time of each update
+        self._expected = start_learners
+        self._arrived: set[str] = set()
+        self._first_ask: float | None = None
+        self.started: float | None = None if start_learners else self._t0
+        self.start_timeout_s = start_timeout_s
+
+    def actor_id(self) -> str | None:
+        """This actor's Ray id: the job reads its stdout and stderr by it (actors.output)."""
+        return own_actor_id()
 
     # --- learners ---------------------------------------------------------------------
-    def _weights_ref(self) -> Any:
+    async def _await(self, refs: list[Any]) -> list[Any]:
+        return list(await asyncio.wait_for(asyncio.gather(*refs), self.call_timeout_s))
+
+    async def _weight_refs(self) -> list[Any]:
         import ray
 
         v = self.store.version
         if self._ref is None or self._ref[0] != v:
             self._ref = (v, ray.put(self.store.weights()))  # one put per version
-        return self._ref[1]
+            self.puts += 1
+        if self._shard_refs is None and self.shards:  # version 0: the shards' first puts
+            self._shard_refs = await self._await([s.weights_ref.remote() for s in self.shards])
+        return [self._ref[1], *(self._shard_refs or [])]
 
-    def pull(self) -> tuple[int, Any]:
-        return self.store.version, self._weights_ref()
+    async def pull(self) -> tuple[int, np.ndarray]:
+        """(version, the full flat weights)."""
+        async with self._changed:
+            return self.store.version, await self._full_weights()
+
+    async def _full_weights(self) -> np.ndarray:
+        if not self.shards:
+            return self.store.weights()
+        refs = (await self._weight_refs())[1:]
+        parts = await self._await(refs)
+        return np.concatenate([self.store.weights(), *parts])
+
+    async def _barrier(self, worker: str) -> bool:
+        """True once training may start (every initial learner asked, or the timeout)."""
+        if self.started is not None:
+            return True
+        now = time.monotonic()
+        self._arrived.add(worker)
+        self._first_ask = self._first_ask or now
+        if (len(self._arrived) >= self._expected
+                or now - self._first_ask >= self.start_timeout_s):
+            self.started = now
+            async with self._changed:
+                self._changed.notify_all()
+            return True
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.started is not None),
+                                       self.idle_poll_s)
+            except TimeoutError:
+                return False
+        return True
 
     async def request(self, worker: str) -> dict[str, Any]:
-        """Work for ``worker``: ``{"work": ..., "weights": ref}``, ``{"idle": reason}`` after
-        ``idle_poll_s`` without work (the learner asks again), or ``{"finished": True}``."""
+        """Work for ``worker``: ``{"work": ..., "weights": [ref per slice]}``, ``{"idle":
+        reason}`` after ``idle_poll_s`` without work (the learner asks again), or
+        ``{"finished": True}``."""
+        if not await self._barrier(worker):
+            return {"idle": "start"}
         deadline = time.monotonic() + self.idle_poll_s
         async with self._changed:
             while True:
                 res, events = self.core.request(worker)
-                self._handle(events)
+                await self._handle(events)
                 kind = type(res).__name__
                 if kind == "Work":
-                    return {"work": res, "weights": self._weights_ref()}
+                    return {"work": res, "weights": await self._weight_refs()}
                 if kind == "Finished":
                     return {"finished": True}
                 left = deadline - time.monotonic()
@@ -167,20 +360,23 @@ class ParameterServer:
                 except TimeoutError:
                     return {"idle": res.reason}
 
-    async def push(self, worker: str, ticket: int, version_pulled: int, grad: np.ndarray,
-                   samples: int, compute_s: float, loss_sum: float = 0.0) -> dict[str, Any]:
+    async def push(self, worker: str, grad: np.ndarray, version_pulled: int, samples: int,
+                   compute_s: float, loss_sum: float = 0.0) -> dict[str, Any]:
+        """``worker``'s mean gradient (slice 0 when sharded; the other slices were put on
+        their shards first) over the ``samples`` it was handed, computed on
+        ``version_pulled``. ``loss_sum``: its summed training loss (telemetry)."""
         async with self._changed:
-            chunk = self.core.ticket_chunk(ticket)
+            ticket = self.core.ticket_of(worker)
+            chunk = None if ticket is None else self.core.ticket_chunk(ticket)
             if chunk is None or chunk.samples != samples:
-                raise ValueError(f"{worker}: ticket {ticket} is not open for {samples} samples")
+                raise ValueError(f"{worker}: no open work of {samples} samples")
+            if np.size(grad) != self.store.size:
+                raise ValueError(f"{worker}: a gradient of {np.size(grad)} values for a slice "
+                                 f"of {self.store.size}")
             self._grads[ticket] = grad
             self._losses[ticket] = loss_sum
-            staleness = self.store.version - version_pulled
-            self.push_log.append({"worker": worker, "version_pulled": version_pulled,
-                                  "staleness": staleness, "samples": samples,
-                                  "compute_s": compute_s, "t": time.monotonic() - self._t0})
-            del self.push_log[:-2000]
-            self._handle(self.core.push(worker, ticket, version_pulled, compute_s))
+            self._push_times.append(time.monotonic())
+            await self._handle(self.core.push(worker, ticket, version_pulled, compute_s))
             self._changed.notify_all()
             return {"version": self.store.version}
 
@@ -192,22 +388,35 @@ class ParameterServer:
     async def leave(self, worker: str) -> None:
         """A learner is lost: its in-flight chunk goes back to the queue (no regroup)."""
         async with self._changed:
-            self._handle(self.core.leave(worker))
+            ticket = self.core.ticket_of(worker)
+            self._expected = max(0, self._expected - (worker not in self._arrived))
+            await self._handle(self.core.leave(worker))
+            if ticket is not None and self.shards:  # slices it may have put already
+                await self._await([s.drop.remote([ticket]) for s in self.shards])
             self._changed.notify_all()
 
-    def _handle(self, events: list[Any]) -> None:
+    async def _handle(self, events: list[Any]) -> None:
         for e in events:
             kind = type(e).__name__
             if kind == "Apply":
-                self.store.apply([(self._grads.pop(g.push_id), g.weight) for g in e.gradients])
+                t0 = time.perf_counter()
+                weighted = [(g.push_id, g.weight) for g in e.gradients]
+                remote = [s.apply.remote(e.version, weighted) for s in self.shards]
+                self.store.apply([(self._grads.pop(t), w) for t, w in weighted])
+                if remote:  # the shards step their slices while slice 0 steps here
+                    self._shard_refs = await self._await(remote)
+                self.apply_s.append(time.perf_counter() - t0)
                 for g in e.gradients:
                     self._ep_loss += self._losses.pop(g.push_id, 0.0)
                     self._ep_samples += g.samples
             elif kind == "Refuse":
                 self._grads.pop(e.push_id, None)
                 self._losses.pop(e.push_id, None)
+                if self.shards:
+                    await self._await([s.drop.remote([e.push_id]) for s in self.shards])
             elif kind == "EpochEnd":
-                loss, acc = self.store.evaluate(self.x_test, self.y_test)
+                flat = await self._full_weights()
+                loss, acc = self.store.evaluate(self.x_test, self.y_test, flat)
                 v = e.verification
                 self.epochs.append({
                     "epoch": e.epoch, "version": e.version, "test_loss": loss,
@@ -220,17 +429,32 @@ class ParameterServer:
                 self._ep_loss, self._ep_samples = 0.0, 0
 
     # --- views ------------------------------------------------------------------------
+    def pushes_per_s(self, now: float | None = None) -> float:
+        """Pushes over the last ``RATE_WINDOW_S`` seconds (or since the start barrier, when
+        that is shorter), per second."""
+        now = time.monotonic() if now is None else now
+        while self._push_times and self._push_times[0] < now - RATE_WINDOW_S:
+            self._push_times.popleft()
+        if self.started is None:
+            return 0.0
+        span = min(RATE_WINDOW_S, now - self.started)
+        return len(self._push_times) / span if span > 0 else 0.0
+
     def snapshot(self) -> dict[str, Any]:
         snap = self.core.snapshot()
+        now = time.monotonic()
         snap["epochs"] = list(self.epochs)
-        snap["elapsed_s"] = time.monotonic() - self._t0
+        snap["elapsed_s"] = now - self._t0
+        snap["started_s"] = None if self.started is None else self.started - self._t0
+        snap["pushes_per_s"] = self.pushes_per_s(now)
+        snap["shards"] = 1 + len(self.shards)
+        snap["apply_ms_mean"] = (1e3 * float(np.mean(self.apply_s))) if self.apply_s else 0.0
+        snap["puts"] = self.puts
         return snap
 
-    def pushes(self, since: int = 0) -> list[dict[str, Any]]:
-        return self.push_log[since:]
-
-    def weights(self) -> np.ndarray:
-        return self.store.weights()
+    def apply_times(self) -> list[float]:
+        """Wall seconds of each update (the shard benchmark reads them)."""
+        return list(self.apply_s)
 
 
 class Learner:
@@ -244,10 +468,17 @@ class Learner:
         self._clock = ComputeClock(spec.emulated)
         self.pushes = 0
 
-    def run(self, server: Any, call_timeout_s: float = 60.0) -> dict[str, Any]:
+    def actor_id(self) -> str | None:
+        """This actor's Ray id: the job reads its stdout and stderr by it (actors.output)."""
+        return own_actor_id()
+
+    def run(self, server: Any, shards: Sequence[Any] = (), bounds: Bounds | None = None,
+            call_timeout_s: float = 60.0) -> dict[str, Any]:
         """Pull, compute, push until the server says the job is finished."""
         import ray
 
+        bounds = bounds or ((0, self.computer.size),)
+        lo0, hi0 = bounds[0]
         while True:
             reply = ray.get(server.request.remote(self.worker_id), timeout=call_timeout_s)
             if reply.get("finished"):
@@ -255,13 +486,18 @@ class Learner:
             if "idle" in reply:
                 continue
             work = reply["work"]
-            weights = ray.get(reply["weights"], timeout=call_timeout_s)
+            parts = ray.get(reply["weights"], timeout=call_timeout_s)  # the slices, in parallel
+            weights = parts[0] if len(parts) == 1 else np.concatenate(parts)
             factor = slowdown_at(self.spec.emulation, self.ordinal, work.epoch, self.pushes)
             self._clock.start()
             ids = self.computer.indices(work.seed, work.epoch, work.dataset_size,
                                         work.chunk.ranges)
             grad, loss_sum = self.computer.gradient(weights, ids)
             compute = self._clock.finish(factor)
-            ray.get(server.push.remote(self.worker_id, work.ticket, work.version, grad,
-                                       len(ids), compute, loss_sum), timeout=call_timeout_s)
+            if shards:
+                ray.get([s.put.remote(work.ticket, grad[lo:hi])
+                         for s, (lo, hi) in zip(shards, bounds[1:], strict=True)],
+                        timeout=call_timeout_s)
+            ray.get(server.push.remote(self.worker_id, grad[lo0:hi0], work.version, len(ids),
+                                       compute, loss_sum), timeout=call_timeout_s)
             self.pushes += 1

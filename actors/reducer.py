@@ -15,27 +15,52 @@ Two modes:
 
 * ``flat``: one all-reduce of the whole buffer after backward (the collective starts when
   the last gradient is ready).
-* ``bucketed`` (as DDP's reducer): the buffer is cut into buckets of about ``bucket_bytes``
-  from its END (the last layers' gradients are ready first in backward); the first bucket
-  also holds the coverage slots, which are written before backward. A
-  ``register_post_accumulate_grad_hook`` on each parameter counts the gradients still
-  missing in its bucket; when a bucket is complete it is launched as an asynchronous
-  all-reduce, so communication runs behind the rest of backward. Buckets are launched
-  strictly in index order (bucket k waits for every bucket before it), so every rank issues
-  the same sequence of collectives, as gloo and NCCL require. :meth:`finish` launches what
-  the hooks did not (a worker with an empty share runs no backward) and waits for all.
+* ``bucketed`` (as DDP's reducer): the buffer is cut into buckets from its END (the last
+  layers' gradients are ready first in backward); the first bucket also holds the coverage
+  slots, which are written before backward. A ``register_post_accumulate_grad_hook`` on
+  each parameter counts the gradients still missing in its bucket; when a bucket is
+  complete it is launched as an asynchronous all-reduce, so communication runs behind the
+  rest of backward. Buckets are launched strictly in index order (bucket k waits for every
+  bucket before it), so every rank issues the same sequence of collectives, as gloo and
+  NCCL require. :meth:`GradientReducer.finish` launches what the hooks did not (a worker
+  with an empty share runs no backward) and waits for all.
+
+Bucket sizes (:func:`auto_bucket_bytes`, when the spec gives no ``bucket_kb``). DDP uses
+25 MiB buckets with a 1 MiB first one; for the models dynabatch's tests and benchmarks
+train (LeNet 247 KB, the small ResNet 311 KB of gradients) that is ONE bucket, launched
+when the last gradient is ready: no overlap at all. So a bucket is a quarter of the model,
+at least 32 KiB (below that, a collective's fixed cost outweighs what it can hide) and at
+most DDP's 25 MiB, and the first bucket at most DDP's 1 MiB, so communication starts early
+in backward on large models too.
+
+Goodput. In goodput mode the worker reports |g_i|² of its own share *before* the
+all-reduce overwrites it in place. Each bucket's squared norm is taken just before that
+bucket is launched and the parts are summed at the end, so the buckets still go out from
+the hooks (overlap is kept); the coverage slots are not part of any norm.
 
 Hooks fire only while the reducer is *armed*: with micro-batch accumulation only the last
 micro-batch's backward completes the gradient, so the earlier ones run unarmed.
 
-A GPU worker in a gloo group (any member on the CPU) stages through pinned host memory
-and reduces flat.
+Measuring overlap. Each bucket's launch is marked, and its completion is marked by a
+callback on the collective's future (``work.get_future().then``; on the CPU with gloo it
+runs in gloo's thread when the bucket is reduced, on a GPU it records a CUDA event on a
+stream that waits for the collective). The communication *hidden* behind compute is the
+length of the union of the buckets' in-flight intervals that lies before the end of
+compute (:func:`hidden_seconds`); what remains after compute is the worker's ``wait_s``.
+
+GPU. Marks are CUDA events on a GPU, read after the step's one synchronisation at the end
+of :meth:`GradientReducer.finish` (which also brings the coverage, the loss and the norms
+to the host in one pinned copy), so compute and wait are device-timed without a second
+synchronisation. A GPU worker in a gloo group (any member on the CPU) stages the buffer
+through pinned host memory and reduces flat; its loss and norms ride home with that copy.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,25 +68,95 @@ import torch.distributed as dist
 
 MODES = ("flat", "bucketed")
 
+DDP_BUCKET_BYTES = 25 * 2**20
+DDP_FIRST_BUCKET_BYTES = 2**20
+MIN_BUCKET_BYTES = 32 * 2**10
+AUTO_BUCKETS = 4
 
-def plan_buckets(sizes: Sequence[int], bucket_elems: int) -> list[tuple[int, int, list[int]]]:
+
+def auto_bucket_bytes(model_bytes: int) -> tuple[int, int]:
+    """``(first, rest)`` bucket sizes for a model whose gradients take ``model_bytes``:
+    a quarter of the model, between 32 KiB and DDP's 25 MiB; the first at most 1 MiB."""
+    rest = min(DDP_BUCKET_BYTES, max(MIN_BUCKET_BYTES, model_bytes // AUTO_BUCKETS))
+    return min(DDP_FIRST_BUCKET_BYTES, rest), rest
+
+
+def plan_buckets(sizes: Sequence[int], bucket_elems: int, first_elems: int | None = None
+                 ) -> list[tuple[int, int, list[int]]]:
     """Cut parameters (``sizes`` in buffer order) into buckets from the end of the buffer.
 
     Returns ``(lo, hi, params)`` per bucket in launch order: bucket 0 ends at the last
     parameter, each bucket is contiguous and holds at least one parameter, and a bucket is
-    closed once it reaches ``bucket_elems`` elements. Pure, for tests.
+    closed once it reaches ``bucket_elems`` elements (``first_elems`` for bucket 0, when
+    given). Pure, for tests.
     """
     offsets = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).tolist()
     buckets: list[tuple[int, int, list[int]]] = []
     hi = offsets[-1]
     params: list[int] = []
+    cap = first_elems if first_elems is not None else bucket_elems
     for i in range(len(sizes) - 1, -1, -1):
         params.append(i)
         lo = offsets[i]
-        if hi - lo >= bucket_elems or i == 0:
+        if hi - lo >= cap or i == 0:
             buckets.append((lo, hi, params))
             hi, params = lo, []
+            cap = bucket_elems
     return buckets
+
+
+def hidden_seconds(spans: Sequence[tuple[float, float]], until: float) -> float:
+    """Length of the union of the intervals ``[start, end]`` that lies before ``until``:
+    how long some bucket's all-reduce was in flight while compute still ran. Pure."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        lo, hi = max(start, reach), min(end, until)
+        if hi > lo:
+            total += hi - lo
+        reach = max(reach, end)
+    return total
+
+
+class StepMarks:
+    """Points in time of one step: host clock readings on the CPU; on a GPU, CUDA events on
+    the current stream, which :meth:`seconds` reads only after the step's synchronisation."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._t0: float | torch.cuda.Event = 0.0
+
+    def begin(self) -> None:
+        self._t0 = self.mark()
+
+    def mark(self) -> float | torch.cuda.Event:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def seconds(self, mark: float | torch.cuda.Event) -> float:
+        """Seconds from :meth:`begin` to ``mark`` (a GPU's after its synchronisation)."""
+        if not self.cuda:
+            return mark - self._t0
+        return self._t0.elapsed_time(mark) / 1000.0
+
+
+@dataclass
+class Reduced:
+    """What a step's all-reduce brings home. ``compute_s`` and ``wait_s`` are device-timed
+    on a GPU (None on the CPU, where the worker's own clock times compute)."""
+
+    coverage: np.ndarray  # the all-reduced per-position counts
+    loss_sum: float
+    hidden_s: float  # communication hidden behind compute (see hidden_seconds)
+    buckets: int  # collectives launched this step
+    early: int  # of them, launched from backward's hooks
+    first_launch_s: float | None = None  # from the step's start to its first collective
+    local_sq: float | None = None  # |(b_i/B)·g_i|² before the all-reduce (goodput)
+    global_sq: float | None = None  # |G|² after it (goodput)
+    compute_s: float | None = None
+    wait_s: float | None = None
 
 
 class GradientReducer:
@@ -71,7 +166,7 @@ class GradientReducer:
         device: torch.device,
         max_step: int,
         mode: str = "bucketed",
-        bucket_bytes: int = 1 << 20,
+        bucket_bytes: int | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown all-reduce mode {mode!r}: use one of {MODES}")
@@ -80,24 +175,39 @@ class GradientReducer:
         self.mode = mode
         self.n_params = sum(p.numel() for p in self.params)
         elem = torch.empty(0, dtype=self.params[0].dtype).element_size() if self.params else 4
+        if bucket_bytes is None:
+            first, rest = auto_bucket_bytes(self.n_params * elem)
+        else:
+            first = rest = bucket_bytes
+        self.bucket_bytes = (first, rest)
         self._buckets = plan_buckets([p.numel() for p in self.params],
-                                     max(1, bucket_bytes // elem))
+                                     max(1, rest // elem), max(1, first // elem))
         self._bucket_of = {}
         for k, (_, _, members) in enumerate(self._buckets):
             for i in members:
                 self._bucket_of[i] = k
+        self.marks = StepMarks(device)
         self._host: torch.Tensor | None = None
         self._armed = False
         self._missing: list[int] = []
         self._ready: list[bool] = []
         self._works: list[tuple[int, object]] = []
+        self._spans: list[list] = []  # per launched bucket: [launch mark, done mark]
         self._launch_error: BaseException | None = None
         self._next = 0
+        self._early = 0
         self._step_size = 0
-        self.first_launch: float | None = None
+        self._norms = False
+        self._sq: list[torch.Tensor] = []
+        self._pace: Callable[[], object] | None = None
+        self.last: Reduced | None = None  # the last step's (tests, benchmarks)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, p in enumerate(self.params)] if self.params else []
         self.alloc(max_step)
+
+    @property
+    def n_buckets(self) -> int:
+        return len(self._buckets)
 
     # --- buffer -----------------------------------------------------------------------
     def alloc(self, max_step: int) -> None:
@@ -110,7 +220,8 @@ class GradientReducer:
             off += p.numel()
         self.cov = self.flat[self.n_params:]
         if self.device.type == "cuda":
-            self._host = torch.zeros(self.flat.numel(), pin_memory=True)
+            # Coverage (or the whole buffer, staged for gloo) plus 3 scalars: loss, norms.
+            self._host = torch.zeros(self.flat.numel() + 3, pin_memory=True)
 
     def zero_(self) -> None:
         self.flat.zero_()
@@ -123,19 +234,28 @@ class GradientReducer:
             self.device.type == "cuda" and _backend() == "gloo")
 
     # --- one step ---------------------------------------------------------------------
-    def begin(self, step_size: int) -> None:
-        """Start a step of ``step_size`` samples: zero the buffer (gradients and coverage)."""
+    def begin(self, step_size: int, norms: bool = False,
+              pace: Callable[[], object] | None = None) -> None:
+        """Start a step of ``step_size`` samples: zero the buffer (gradients and coverage)
+        and mark the step's start. ``norms``: measure |g_i|² before the all-reduce
+        (goodput). ``pace``: called before a bucket leaves from a hook (emulated slowdown,
+        see :mod:`actors.emulation`)."""
         if step_size > self.cov.numel():
             self.alloc(step_size)
+        self.marks.begin()
         self.flat.zero_()
         self._step_size = step_size
         self._works = []
+        self._spans = []
         self._launch_error = None
         self._next = 0
+        self._early = 0
         self._missing = [len(m) for _, _, m in self._buckets]
         self._ready = [False] * len(self._buckets)
         self._armed = False
-        self.first_launch = None
+        self._norms = norms
+        self._sq = []
+        self._pace = pace
 
     def arm(self) -> None:
         """The next backward completes the gradient: buckets may go out from its hooks."""
@@ -149,8 +269,12 @@ class GradientReducer:
             self._missing[k] -= 1
             if self._missing[k] == 0:
                 self._ready[k] = True
-                while self._next < len(self._buckets) and self._ready[self._next]:
-                    self._launch(self._next)
+                if self._next < len(self._buckets) and self._ready[self._next]:
+                    if self._pace is not None:
+                        self._pace()  # a slowed worker's bucket leaves when it would
+                    while self._next < len(self._buckets) and self._ready[self._next]:
+                        self._early += 1
+                        self._launch(self._next)
         return hook
 
     def _slice(self, k: int) -> torch.Tensor:
@@ -163,8 +287,11 @@ class GradientReducer:
         self._next = k + 1
         if self._launch_error is not None:
             return
-        if self.first_launch is None:
-            self.first_launch = time.perf_counter()
+        if self._norms:  # before the collective overwrites the bucket in place
+            lo, hi, _ = self._buckets[k]
+            g = self.flat[lo:hi]
+            self._sq.append(torch.dot(g, g))
+        span = [self.marks.mark(), None]
         try:
             work = dist.all_reduce(self._slice(k), op=dist.ReduceOp.SUM, async_op=True)
         except Exception as err:
@@ -173,14 +300,27 @@ class GradientReducer:
             # raises it.
             self._launch_error = err
             return
+        marks = self.marks
+
+        def done(_fut: torch.futures.Future) -> None:
+            span[1] = marks.mark()
+
+        work.get_future().then(done)
+        self._spans.append(span)
         self._works.append((k, work))
 
-    def finish(self) -> np.ndarray:
-        """Launch what is left, wait for every bucket, and return the step's all-reduced
-        coverage counts on the host."""
+    def finish(self, compute_end: float | torch.cuda.Event | None = None,
+               loss: torch.Tensor | None = None) -> Reduced:
+        """Launch what is left, wait for every bucket, and bring the step's results home:
+        the all-reduced coverage counts, ``loss`` (this worker's summed loss), the norms in
+        goodput mode, and how much communication ran before ``compute_end`` (a mark of
+        :attr:`marks`; None: now)."""
         self._armed = False
+        if compute_end is None:
+            compute_end = self.marks.mark()
         if not self.overlapping:
-            return self._flat_reduce()
+            self.last = self._flat_finish(compute_end, loss)
+            return self.last
         if not self._buckets:  # a model without parameters: coverage alone
             dist.all_reduce(self.cov[:self._step_size], op=dist.ReduceOp.SUM)
         while self._next < len(self._buckets):
@@ -189,26 +329,91 @@ class GradientReducer:
             raise self._launch_error
         for _, work in self._works:
             work.wait()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the step's one synchronisation
+        launched = len(self._works)
+        local_sq = torch.stack(self._sq).sum() if self._norms and self._sq else None
+        g = self.flat[:self.n_params]
+        global_sq = torch.dot(g, g) if self._norms else None
         cov = self.cov[:self._step_size]
-        return (cov.cpu() if cov.device.type == "cuda" else cov).numpy()
+        if self.device.type == "cuda":
+            comm_end = self.marks.mark()
+            host = self._to_host(cov, loss, local_sq, global_sq)
+            res = Reduced(coverage=host[0], loss_sum=host[1], local_sq=host[2],
+                          global_sq=host[3], hidden_s=0.0, buckets=launched, early=self._early)
+            res.compute_s = self.marks.seconds(compute_end)
+            res.wait_s = max(0.0, self.marks.seconds(comm_end) - res.compute_s)
+        else:
+            comm_end = self.marks.mark()
+            res = Reduced(coverage=cov.numpy(), loss_sum=_item(loss), local_sq=_item_or(local_sq),
+                          global_sq=_item_or(global_sq), hidden_s=0.0, buckets=launched,
+                          early=self._early)
+        # A completion not marked yet (its callback still to run) ended by the last wait.
+        spans = [(self.marks.seconds(a), self.marks.seconds(b if b is not None else comm_end))
+                 for a, b in self._spans]
+        res.hidden_s = hidden_seconds(spans, self.marks.seconds(compute_end))
+        res.first_launch_s = spans[0][0] if spans else None
+        self.last = res
+        return res
 
-    def _flat_reduce(self) -> np.ndarray:
+    def _to_host(self, cov: torch.Tensor, *scalars: torch.Tensor | None) -> tuple:
+        """One pinned copy of the coverage and the scalars, then the step's one
+        synchronisation (GPU)."""
+        n = cov.numel()
+        host = self._host[:n + len(scalars)]
+        vals = [s.reshape(()).float() if s is not None else cov.new_zeros(())
+                for s in scalars]
+        packed = torch.cat([cov, torch.stack(vals)])
+        host.copy_(packed, non_blocking=True)
+        torch.cuda.synchronize(self.device)  # the step's one synchronisation
+        out = host.numpy()
+        vals_h = [float(out[n + j]) if s is not None else None for j, s in enumerate(scalars)]
+        vals_h[0] = vals_h[0] or 0.0  # the loss of an empty share is 0
+        return (out[:n].copy(), *vals_h)
+
+    def _flat_finish(self, compute_end, loss: torch.Tensor | None) -> Reduced:
         n = self.n_params + self._step_size
         flat = self.flat[:n]
-        self.first_launch = time.perf_counter()
+        g = self.flat[:self.n_params]
+        local_sq = torch.dot(g, g) if self._norms else None
         if self.device.type == "cuda" and _backend() == "gloo":
-            host = self._host[:n]
-            host.copy_(flat, non_blocking=True)
-            torch.cuda.synchronize(self.device)
-            dist.all_reduce(host, op=dist.ReduceOp.SUM)
-            flat.copy_(host, non_blocking=True)
-            torch.cuda.synchronize(self.device)
-            return host[self.n_params:].numpy()
+            # Stage through pinned host memory, with the loss and local norm riding along:
+            # one synchronisation, then the copy back is ordered before the optimizer.
+            host = self._host[:n + 2]
+            vals = [loss.reshape(()).float() if loss is not None else flat.new_zeros(()),
+                    local_sq if local_sq is not None else flat.new_zeros(())]
+            host.copy_(torch.cat([flat, torch.stack(vals)]), non_blocking=True)
+            torch.cuda.synchronize(self.device)  # the step's one synchronisation
+            compute_s = self.marks.seconds(compute_end)
+            t0 = time.perf_counter()
+            dist.all_reduce(host[:n], op=dist.ReduceOp.SUM)
+            flat.copy_(host[:n], non_blocking=True)
+            h = host.numpy()
+            global_sq = float(np.dot(h[:self.n_params], h[:self.n_params])) if self._norms \
+                else None
+            return Reduced(coverage=h[self.n_params:n].copy(), loss_sum=float(h[n]),
+                           local_sq=float(h[n + 1]) if self._norms else None,
+                           global_sq=global_sq, hidden_s=0.0, buckets=1, early=0,
+                           compute_s=compute_s, wait_s=time.perf_counter() - t0)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        global_sq = torch.dot(g, g) if self._norms else None
         cov = flat[self.n_params:]
-        return (cov.cpu() if cov.device.type == "cuda" else cov).numpy()
+        if self.device.type == "cuda":  # NCCL, flat
+            comm_end = self.marks.mark()
+            host = self._to_host(cov, loss, local_sq, global_sq)
+            compute_s = self.marks.seconds(compute_end)
+            return Reduced(coverage=host[0], loss_sum=host[1], local_sq=host[2],
+                           global_sq=host[3], hidden_s=0.0, buckets=1, early=0,
+                           compute_s=compute_s,
+                           wait_s=max(0.0, self.marks.seconds(comm_end) - compute_s))
+        return Reduced(coverage=cov.numpy(), loss_sum=_item(loss), local_sq=_item_or(local_sq),
+                       global_sq=_item_or(global_sq), hidden_s=0.0, buckets=1, early=0)
+
+
+def _item(t: torch.Tensor | None) -> float:
+    return float(t) if t is not None else 0.0
+
+
+def _item_or(t: torch.Tensor | None) -> float | None:
+    return float(t) if t is not None else None
 
 
 def _backend() -> str | None:

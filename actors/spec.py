@@ -80,6 +80,12 @@ class DatasetSpec(_Strict):
     options: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for the loader."
     )
+    shuffle: Literal["every_epoch", "once"] = Field(
+        default="every_epoch",
+        description="every_epoch: a new sample order each epoch; once: one order for the "
+        "whole job, so at a fixed global batch the same batches recur in a fixed cycle "
+        "(Caffe-style, as ISGD's paper trains).",
+    )
 
     @field_validator("name")
     @classmethod
@@ -172,7 +178,8 @@ class BatchScheduleSpec(_Strict):
     ``linear`` B_s/B_0, ``sqrt`` √(B_s/B_0), ``none``) and, after each jump, ramps linearly
     from the previous stage's factor over ``warmup_epochs``. ``mode: goodput`` picks the batch
     each epoch from the measured gradient noise scale (Pollux/AdaScale), between
-    ``min_batch`` and ``max_global_batch``.
+    ``min_global_batch`` (default: ``global_batch``) and ``max_global_batch``;
+    ``global_batch`` is B_0, the batch AdaScale's learning-rate gain is relative to.
     """
 
     mode: Literal["fixed", "stages", "goodput"] = "fixed"
@@ -180,6 +187,7 @@ class BatchScheduleSpec(_Strict):
     lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
     warmup_epochs: float = Field(default=0.0, ge=0.0, le=100_000)
     max_global_batch: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
+    min_global_batch: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
 
     @model_validator(mode="before")
     @classmethod
@@ -195,6 +203,8 @@ class BatchScheduleSpec(_Strict):
             raise ValueError("mode stages needs at least one entry in stages")
         if self.mode != "stages" and self.stages:
             raise ValueError(f"stages are only used with mode stages, not {self.mode}")
+        if self.mode != "goodput" and self.min_global_batch is not None:
+            raise ValueError(f"min_global_batch is only used with mode goodput, not {self.mode}")
         return self
 
 
@@ -205,20 +215,27 @@ class IsgdSpec(_Strict):
     losses is under-trained: it gets up to ``max_extra`` more iterations of the conservative
     sub-problem ``½(ψ − limit)² + ε/(2·n_w)·‖w − w_prev‖²`` (``epsilon`` is ε), stopping as
     soon as its loss is below the limit. Monitoring starts after the first epoch.
+    ``window: epoch`` is the paper's n_b: the number of batches in an epoch.
     """
 
     enabled: bool = False
-    window: StrictInt = Field(default=20, le=100_000)
+    window: StrictInt | Literal["epoch"] = Field(default=20)
     sigma: float = Field(default=3.0, gt=0.0, le=100.0)
     max_extra: StrictInt = Field(default=5, ge=1, le=1000)
     epsilon: float = Field(default=0.1, ge=0.0, le=1000.0)
 
-    @field_validator("window")
+    @field_validator("window", mode="before")
     @classmethod
-    def _window(cls, v: int) -> int:
-        if v < 2:
+    def _window(cls, v: Any) -> int | str:
+        # One clear message instead of one per member of the int | 'epoch' union.
+        if isinstance(v, str) and v == "epoch":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError("must be an integer of at least 2, or 'epoch' (the batches in "
+                             "an epoch)")
+        if not 2 <= v <= 100_000:
             raise ValueError(f"window must be at least 2 (a standard deviation needs two "
-                             f"losses), got {v}")
+                             f"losses) and at most 100000, got {v}")
         return v
 
 
@@ -292,10 +309,15 @@ class ProtocolSpec(_Strict):
     replan_pushes: StrictInt = Field(
         default=0, ge=0, description="perf_aware: re-plan every k pushes (0: every epoch).")
     scale_lr: bool = Field(default=False, description="perf_aware: scale α by b_i/b0.")
+    shards: StrictInt = Field(
+        default=1, ge=1, le=64, description="Server actors the flat parameters are split "
+        "over (each slice with its own optimizer state); 1: one server.")
 
 
 PS_ONLY_FIELDS = ("mode", "n", "lr_staleness", "max_staleness", "on_stale", "batch",
-                  "replan_pushes", "scale_lr")
+                  "replan_pushes", "scale_lr", "shards")
+# Built-ins whose targets are not class labels (the ps learners train cross-entropy on labels).
+PS_NOT_CLASSES = {"dataset.name": ("pysource",), "model.name": ("charlm",)}
 
 
 class _CombinationError(ValueError):
@@ -342,9 +364,10 @@ class JobSpec(_Strict):
     working_dir: str | None = Field(
         default=None, min_length=1, max_length=4096,
         description="The user's code, shipped with the job to every node through Ray's "
-        "runtime_env: a directory readable where the job is launched, or a URI Ray accepts "
-        "(e.g. an https:// zip). Its modules are importable by import paths. Over REST only "
-        "when the service allows any user code (DYNABATCH_USER_CODE_MODULES='*').",
+        "runtime_env: a URI Ray accepts (the file:// zip that POST /v1/code returns, "
+        "gcs://, https://, s3://...), or, for `dynabatch run` only, a local directory. Its "
+        "modules are importable by import paths. Over REST only when the service allows any "
+        "user code (DYNABATCH_USER_CODE_MODULES='*').",
     )
     metrics: list[str] | None = Field(
         default=None, max_length=16,
@@ -372,7 +395,9 @@ class JobSpec(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     global_batch: StrictInt = Field(default=64, ge=1, le=1_000_000)
     max_batch: StrictInt | None = Field(
-        default=None, ge=1, description="Cap on any worker's batch."
+        default=None, ge=1, description="Cap on any worker's share of a step (hard: the "
+        "global batch can never exceed max_batch x workers). To bound a worker's memory "
+        "instead, use micro_batch."
     )
     micro_batch: (Annotated[StrictInt, Field(ge=1)]
                   | Annotated[list[Annotated[StrictInt, Field(ge=1)]], Field(min_length=1)]
@@ -387,8 +412,11 @@ class JobSpec(_Strict):
         description="bucketed: gradients go out in buckets from backward's hooks, overlapping "
         "communication with compute (as DDP); flat: one all-reduce after backward.",
     )
-    bucket_kb: StrictInt = Field(default=1024, ge=1, le=1 << 20,
-                                 description="Bucket size of the bucketed all-reduce.")
+    bucket_kb: StrictInt | None = Field(
+        default=None, ge=1, le=1 << 20,
+        description="Bucket size of the bucketed all-reduce. Default: from the model's size, "
+        "a quarter of it between 32 KiB and 25 MiB, the first bucket at most 1 MiB (as DDP), "
+        "so that small models get several buckets too.")
     epochs: StrictInt = Field(default=3, ge=1, le=100_000)
     policy: Literal["static", "dbs", "affine"] = "affine"
     rebalance: RebalanceSpec = Field(default_factory=RebalanceSpec)
@@ -407,6 +435,15 @@ class JobSpec(_Strict):
         default=300.0, gt=0.0, le=86400.0,
         description="How long the first workers may take to start (scheduling, imports, "
         "data) before the job fails.",
+    )
+    spares: StrictInt = Field(
+        default=1, ge=0, le=MAX_WORKERS,
+        description="Pre-warmed spare workers the job keeps on idle eligible nodes, at most "
+        "one per node (CPU workers, protocol sync): a worker that scales the job up or "
+        "replaces a lost one there adopts the spare and trains within about a second, "
+        "instead of paying a process start, the torch import and the model. A spare "
+        "reserves no CPU; it costs its node memory (a Python process with torch, the model "
+        "and the data). 0: none.",
     )
     max_retries: StrictInt = Field(
         default=2, ge=0, le=100,
@@ -521,6 +558,7 @@ class JobSpec(_Strict):
             bad("worker_gpus", "worker_gpus 'auto' places workers on GPUs; device is 'cpu'")
         if problems:
             raise _CombinationError(problems)
+        _ps_warnings(self)
         if slow and most is not None and len(slow) > most:
             warnings.warn(
                 f"emulation.slowdowns has {len(slow)} entries; entries past {most} are "
@@ -555,9 +593,8 @@ class JobSpec(_Strict):
                                f"({n}): every worker needs at least one sample per step")
                 if self.max_batch is not None and n is not None and (
                         self.max_batch * n < st.global_batch):
-                    bad(where, f"max_batch ({self.max_batch}) x workers ({n}) cannot hold "
-                               f"global_batch ({st.global_batch}); to bound memory, use "
-                               "micro_batch (larger shares accumulate) instead")
+                    bad(where, _share_cap_problem(self.max_batch, n, st.global_batch,
+                                                  self.micro_batch))
         if sched.mode == "goodput":
             top = sched.max_global_batch
             if top is None:
@@ -566,8 +603,16 @@ class JobSpec(_Strict):
                 bad("schedule.max_global_batch", f"max_global_batch ({top}) is below "
                                                  f"global_batch ({self.global_batch})")
             elif self.max_batch is not None and n is not None and self.max_batch * n < top:
-                bad("schedule.max_global_batch", f"max_batch ({self.max_batch}) x workers "
-                                                 f"({n}) cannot hold max_global_batch ({top})")
+                bad("schedule.max_global_batch",
+                    _share_cap_problem(self.max_batch, n, top, self.micro_batch))
+            low = sched.min_global_batch
+            if low is not None and top is not None and low > top:
+                bad("schedule.min_global_batch", f"min_global_batch ({low}) is above "
+                                                 f"max_global_batch ({top})")
+            elif low is not None and n is not None and low < n:
+                bad("schedule.min_global_batch", f"min_global_batch ({low}) is smaller than "
+                                                 f"workers ({n}): every worker needs at "
+                                                 "least one sample per step")
         ms = self.optimizer.schedule.milestones
         if ms and ms[-1] >= self.epochs:
             bad("optimizer.schedule.milestones", f"milestone {ms[-1]} is not before the last "
@@ -582,7 +627,8 @@ class JobSpec(_Strict):
             sizes = [st.global_batch for st in sched.stages]
             return min(sizes), max(sizes)
         if sched.mode == "goodput" and sched.max_global_batch:
-            return self.global_batch, sched.max_global_batch
+            low = sched.min_global_batch or self.global_batch
+            return min(low, sched.max_global_batch), sched.max_global_batch
         return self.global_batch, self.global_batch
 
     @property
@@ -600,6 +646,20 @@ class JobSpec(_Strict):
     def emulated(self) -> bool:
         e = self.emulation
         return bool(e.slowdowns or e.disturbances or e.errors)
+
+
+def _share_cap_problem(max_batch: int, workers: int, batch: int,
+                       micro_batch: int | list[int] | None) -> str:
+    """Why a global batch does not fit the workers' share cap. ``max_batch`` caps what a
+    worker trains per step, whatever its memory; ``micro_batch`` caps its memory only (a
+    larger share is accumulated), so it never makes room above ``max_batch``."""
+    need = -(-batch // workers)
+    fix = (f"raise max_batch to at least {need}, or leave it out: micro_batch "
+           f"({micro_batch}) already bounds each worker's memory" if micro_batch is not None
+           else f"raise max_batch to at least {need}, or leave it out and bound memory "
+           "with micro_batch (larger shares accumulate)")
+    return (f"global batch {batch} does not fit max_batch ({max_batch}) x workers "
+            f"({workers}): max_batch caps every worker's share; {fix}")
 
 
 def _ps_problems(spec: JobSpec, bad: Any) -> None:
@@ -643,12 +703,31 @@ def _ps_problems(spec: JobSpec, bad: Any) -> None:
             "global batch schedule")
     if spec.isgd.enabled:
         bad("isgd.enabled", "ISGD runs with the synchronous protocol only")
+    if spec.dataset.shuffle != "every_epoch":
+        bad("dataset.shuffle", "protocol ps learners draw a new order every epoch")
     if spec.optimizer.schedule != LrScheduleSpec():
         bad("optimizer.schedule", "protocol ps uses the staleness rule "
             "(protocol.lr_staleness), not a learning-rate schedule")
     if p.batch != "perf_aware" and (p.replan_pushes != default.replan_pushes
                                     or p.scale_lr != default.scale_lr):
         bad("protocol.batch", "replan_pushes and scale_lr need batch perf_aware")
+    if p.on_stale == "wait" and p.max_staleness is None:
+        bad("protocol.on_stale", "wait needs max_staleness (the bound to wait for)")
+    for field, names in PS_NOT_CLASSES.items():
+        name = spec.dataset.name if field == "dataset.name" else spec.model.name
+        if name in names:
+            bad(field, f"protocol ps trains classification (class labels) only; {name!r} "
+                "has token targets")
+
+
+def _ps_warnings(spec: JobSpec) -> None:
+    """Accepted ps settings that have no effect (the API returns them as warnings)."""
+    p = spec.protocol
+    if p.name == "ps" and p.mode == "hardsync":
+        for f in ("max_staleness", "lr_staleness", "on_stale"):
+            if getattr(p, f) != getattr(ProtocolSpec(), f):
+                warnings.warn(f"protocol.{f} is ignored by mode hardsync (staleness is always "
+                              "0)", UserWarning, stacklevel=3)
 
 
 class SpecError(ValueError):
@@ -717,12 +796,14 @@ class SubmitPolicy:
     ``user_code_modules``: module prefixes that import paths may use (``"pkg"`` allows
     ``pkg`` and ``pkg.sub``, not ``pkgx``), or ``"*"`` for any module. ``data_roots``: the
     directories ``dataset.path`` must resolve under. ``checkpoint_root``: the directory
-    ``checkpoint.dir`` must resolve under.
+    ``checkpoint.dir`` must resolve under. ``code_root``: where the service stores uploaded
+    code (POST /v1/code); a ``working_dir`` of ``file://`` or ``local://`` must be under it.
     """
 
     user_code_modules: tuple[str, ...] = ()
     data_roots: tuple[str, ...] = ()
     checkpoint_root: str | None = None
+    code_root: str | None = None
 
 
 class SpecNotAllowed(ValueError):
@@ -738,8 +819,30 @@ def module_allowed(module: str, allowed: Iterable[str]) -> bool:
     return any(a == ANY_MODULE or module == a or module.startswith(a + ".") for a in allowed)
 
 
-def check_user_code(spec: JobSpec, allowed: Iterable[str]) -> list[tuple[str, str]]:
-    """(field, problem) for each import path in ``spec`` whose module is not ``allowed``."""
+URI_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://"
+# URIs whose path is on the nodes' own disks: the service only names its own uploads.
+_NODE_PATH_SCHEMES = ("file", "local")
+
+
+def working_dir_problem(value: str, code_root: str | None) -> str | None:
+    """Why a submitted ``working_dir`` may not be used (None when it may). Shipped code is
+    a URI: one of the service's own uploads (``file://`` under ``code_root``) or code that
+    Ray fetches from elsewhere (``gcs://``, ``https://``...). A plain path would make the
+    service read its own disk on the sender's behalf."""
+    if not re.match(URI_PATTERN, value):
+        return (f"{value!r} is a local path: upload the directory instead (`dynabatch submit "
+                "--working-dir DIR` does, through POST /v1/code) or name a URI Ray can fetch")
+    scheme, _, rest = value.partition("://")
+    if scheme.lower() not in _NODE_PATH_SCHEMES:
+        return None
+    roots = () if code_root is None else (code_root,)
+    return path_problem(rest, roots, "shipped code on the nodes' disks (DYNABATCH_CODE_ROOT)")
+
+
+def check_user_code(spec: JobSpec, allowed: Iterable[str],
+                    code_root: str | None = None) -> list[tuple[str, str]]:
+    """(field, problem) for each import path in ``spec`` whose module is not ``allowed``, and
+    for a ``working_dir`` the service may not ship."""
     allowed = tuple(allowed)
     problems = []
     named = [("dataset.name", spec.dataset.name), ("model.name", spec.model.name)]
@@ -751,6 +854,10 @@ def check_user_code(spec: JobSpec, allowed: Iterable[str]) -> list[tuple[str, st
         problems.append(("working_dir", "shipping code with the job is not allowed: this "
                          "service allows no user code from any module (needs "
                          "DYNABATCH_USER_CODE_MODULES='*')"))
+    elif spec.working_dir is not None:
+        why = working_dir_problem(spec.working_dir, code_root)
+        if why:
+            problems.append(("working_dir", why))
     for field, name in named:
         if not re.match(IMPORT_PATH_PATTERN, name):
             continue  # a built-in
@@ -805,6 +912,6 @@ def check_paths(
 def check_submission(spec: JobSpec, policy: SubmitPolicy) -> list[tuple[str, str]]:
     """Everything ``spec`` names that ``policy`` does not allow; empty when it may run."""
     return [
-        *check_user_code(spec, policy.user_code_modules),
+        *check_user_code(spec, policy.user_code_modules, policy.code_root),
         *check_paths(spec, policy.data_roots, policy.checkpoint_root),
     ]

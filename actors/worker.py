@@ -26,6 +26,7 @@ worker stages its flat buffer through pinned host memory.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from actors.accumulate import micro_cap, micro_ranges
 from actors.contracts import (
+    IsgdPlan,
     SegmentPlan,
     SegmentResult,
     StepPlan,
@@ -42,19 +44,13 @@ from actors.contracts import (
     encode_counts,
     epoch_order,
 )
-from actors.device_data import stage_dataset
+from actors.device_data import BatchGather, stage_dataset
 from actors.emulation import ComputeClock, error_at, slowdown_at
 from actors.group import ProcessGroup, Rendezvous
 from actors.optim import build_optimizer, isgd_extras, set_lr
-from actors.output import OutputTee
+from actors.output import own_actor_id
 from actors.reducer import GradientReducer
 from actors.spec import JobSpec
-
-
-def _in_ray_actor() -> bool:
-    import ray
-
-    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 class InjectedFault(RuntimeError):
@@ -91,10 +87,30 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
+def _process_started() -> float | None:
+    """When this process started (epoch seconds), for the start-up timeline; None where
+    /proc does not say."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 class Worker:
+    """One training worker. ``worker_id`` None builds a *spare*: the process, the imports,
+    the data, the model and its warm-up are paid now, on an idle node, and :meth:`adopt`
+    later gives it the identity of the worker that starts there (a scale-up or a
+    replacement), so that worker trains a fraction of a second after it is wanted."""
+
+    _gather: BatchGather | None = None  # created with the first epoch's order
+
     def __init__(
         self,
-        worker_id: str,
+        worker_id: str | None,
         ordinal: int,
         spec: JobSpec,
         x_train: np.ndarray,
@@ -103,22 +119,21 @@ class Worker:
         num_classes: int,
         gpus: float = 0.0,
     ):
+        # Where start-up time goes (epoch seconds): bench/elastic.py prints it.
+        self.startup = {"process": _process_started(), "constructing": time.time()}
         from actors.workloads.models import build_model
         from actors.workloads.objective import objective_for, targets_kind
 
-        self.worker_id = worker_id
-        # The user's prints and warnings go to the job log with each segment's result.
-        self._output = OutputTee()
-        if _in_ray_actor():  # not in a test's own process: its streams are pytest's
-            self._output.install()
+        self.worker_id = worker_id or "spare"
         self.ordinal = ordinal
         self.spec = spec
         self.device = pick_device(spec, gpus)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(spec.worker_cpus)))
-        # Zero-copy views of the object-store arrays; batches are gathered per step.
-        self.x = torch.from_numpy(np.asarray(x_train))
-        self.y = torch.from_numpy(np.asarray(y_train))
+        # Writable copies, made once: object-store arrays are read-only views, which torch
+        # warns about (it cannot guarantee them); batches are gathered per step.
+        self.x = torch.from_numpy(np.array(x_train))
+        self.y = torch.from_numpy(np.array(y_train))
         # On a GPU: the whole set on the device once when it fits, else pinned.
         self.x, self.y, self.data_on = stage_dataset(self.x, self.y, self.device)
         # The job's per-sample loss and metrics (actors/workloads/objective.py).
@@ -129,15 +144,17 @@ class Worker:
         self.optimizer = build_optimizer(spec, self.params)
         self.group = ProcessGroup(spec.collective_timeout_s)
         self.reducer = GradientReducer(self.params, self.device, spec.global_batch,
-                                       spec.allreduce, spec.bucket_kb * 1024)
+                                       spec.allreduce,
+                                       spec.bucket_kb * 1024 if spec.bucket_kb else None)
         self._n_params = self.reducer.n_params
-        self.micro_cap = micro_cap(spec.micro_batch, ordinal)
+        self.micro_cap = micro_cap(spec.micro_batch, ordinal) if worker_id else None
         self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
         self._stall_s = 0.0
         self._late_failure: _StepFailed | None = None  # after a step that was applied
         # CPU-time clock only for emulation on the CPU; a GPU's work is not thread time.
         self._clock = ComputeClock(spec.emulated and self.device.type == "cpu")
         self._warm_up()
+        self.startup["built"] = time.time()
 
     def _warm_up(self) -> None:
         """One throw-away forward/backward, so one-off costs (lazy init, allocator growth)
@@ -149,11 +166,26 @@ class Worker:
         self.reducer.zero_()
 
     # --- membership -------------------------------------------------------------------
-    def info(self) -> dict[str, str]:
+    def info(self) -> dict[str, Any]:
         import ray
 
         return {"worker": self.worker_id, "node": ray.get_runtime_context().get_node_id(),
-                "device": str(self.device)}
+                "device": str(self.device), "startup": dict(self.startup)}
+
+    def actor_id(self) -> str | None:
+        """This actor's Ray id: the job reads its stdout and stderr by it (actors.output)."""
+        return own_actor_id()
+
+    def adopt(self, worker_id: str, ordinal: int, reservation: Any = None) -> dict[str, Any]:
+        """A spare becomes worker ``worker_id``: only what depends on the identity is set
+        (emulation and the micro-batch cap follow the ordinal). ``reservation`` is there
+        for its dependency only: the driver passes its reservation of the worker's
+        resources, so this runs once they are held."""
+        self.worker_id = worker_id
+        self.ordinal = ordinal
+        self.micro_cap = micro_cap(self.spec.micro_batch, ordinal)
+        self.startup["adopted"] = time.time()
+        return self.info()
 
     def open_store(self, generation: int, world_size: int, backend: str = "gloo") -> Rendezvous:
         return self.group.open_store(generation, world_size, backend)
@@ -183,22 +215,29 @@ class Worker:
         worker)."""
         self._stall_s = seconds
 
-    def _epoch_order(self, plan: SegmentPlan) -> np.ndarray:
+    def _epoch_order(self, plan: SegmentPlan) -> BatchGather:
+        """The gatherer, holding this epoch's order (computed and placed once an epoch)."""
+        if self._gather is None:
+            self._gather = BatchGather(self.x, self.y, self.device, self.data_on)
         key = (plan.seed, plan.epoch, plan.dataset_size)
         if self._order is None or self._order[0] != key:
-            self._order = (key, epoch_order(*key))
-        return self._order[1]
+            self._order = (key, epoch_order(*key, self.spec.dataset.shuffle))
+            self._gather.set_order(key, self._order[1])
+        return self._gather
 
     def run_segment(self, plan: SegmentPlan) -> SegmentResult:
         if not self.group.active:
             # It left after a failed step: a plan sent ahead cannot run without a group.
             return SegmentResult(worker=self.worker_id, steps=[], error="not in a group",
                                  error_kind="peer", failed_compute_s=0.0)
-        order = self._epoch_order(plan)
+        self._epoch_order(plan)
         steps: list[StepTelemetry] = []
+        isgd = plan.isgd  # ISGD's chart, kept up to date with every step's global loss
         for sp in plan.steps:
             try:
-                steps.append(self._step(plan.epoch, sp, order))
+                steps.append(self._step(plan.epoch, sp, isgd))
+                if isgd is not None:
+                    isgd = isgd.after(steps[-1].isgd_loss)
                 if self._late_failure is not None:
                     err, self._late_failure = self._late_failure, None
                     raise err
@@ -206,11 +245,10 @@ class Worker:
                 # Leave at once so peers blocked in the collective fail fast.
                 self.group.leave()
                 return SegmentResult(worker=self.worker_id, steps=steps, error=str(err),
-                                     error_kind=err.kind, failed_compute_s=err.compute_s,
-                                     output=self._output.drain())
-        return SegmentResult(worker=self.worker_id, steps=steps, output=self._output.drain())
+                                     error_kind=err.kind, failed_compute_s=err.compute_s)
+        return SegmentResult(worker=self.worker_id, steps=steps)
 
-    def _step(self, epoch: int, sp: StepPlan, order: np.ndarray) -> StepTelemetry:
+    def _step(self, epoch: int, sp: StepPlan, isgd: IsgdPlan | None = None) -> StepTelemetry:
         factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, sp.step)
         if self._stall_s:
             # Before compute: backward's hooks send the gradient buckets, so a stall after
@@ -218,77 +256,92 @@ class Worker:
             time.sleep(self._stall_s)
             self._stall_s = 0.0
         t_step = time.perf_counter()
-        self._clock.start()
-        phases = [0.0, 0.0, 0.0]  # gather, forward, backward
+        clock = self._clock
+        clock.start()
+        r = self.reducer
+        # Emulated slowness is applied before each bucket leaves (actors/emulation.py), so
+        # the all-reduce sees a slowed worker as it would see a slow one.
+        r.begin(sp.size, norms=sp.noise,
+                pace=(lambda: clock.pace(factor)) if clock.emulated else None)
+        marks: list = []  # per micro-batch: start, gathered, forward done, backward done
         micro = micro_ranges(sp.own_size, self.micro_cap)
         try:
             if error_at(self.spec.emulation, self.ordinal, epoch, sp.step):
                 raise InjectedFault(f"injected error at epoch {epoch} step {sp.step}")
-            r = self.reducer
-            r.begin(sp.size)
             lo = sp.own_start - sp.start
             r.cov[lo:lo + sp.own_size] = 1.0  # before backward: the first bucket holds it
-            losses = []
-            ids_all = order[sp.own_start:sp.own_start + sp.own_size]
-            for j, (a, b) in enumerate(micro):
-                losses.append(self._micro_step(ids_all[a:b], sp.size, phases,
-                                               last=j == len(micro) - 1 and not sp.noise))
-            loss = torch.stack(losses).sum() if losses else None
-            if self.device.type == "cuda":
-                # Compute must be timed as it ran for the policy; NCCL buckets in flight
-                # keep running on their own stream.
-                torch.cuda.synchronize(self.device)
+            losses = [self._micro_step(sp.own_start + a, sp.own_start + b, sp.size, marks,
+                                       last=j == len(micro) - 1)
+                      for j, (a, b) in enumerate(micro)]
+            loss = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+                    if losses else None)
         except Exception as err:
-            raise _StepFailed("compute", err, self._clock.finish(1.0)) from err
-        compute = self._clock.finish(factor)
-        # goodput: |g_i|² of this worker's share (b_i/B)·g_i, before the all-reduce (its
-        # buckets were held back for it: see the micro-step loop).
-        local_sq_scaled = float(r.flat[:r.n_params].square().sum()) if sp.noise else 0.0
+            raise _StepFailed("compute", err, clock.finish(1.0)) from err
+        compute = clock.finish(factor)  # sleeps what is left of an emulated slowdown
+        compute_end = r.marks.mark()
         t1 = time.perf_counter()
-        overlap = t1 - r.first_launch if r.first_launch is not None else 0.0
         try:
-            coverage = encode_counts(np.rint(r.finish()).astype(np.int64))
-            # Read after the reducer's synchronisation, not once per micro-batch.
-            loss_sum = float(loss) if loss is not None else 0.0
-            # ISGD: every worker judges the same all-reduced loss of the global batch.
-            psi = self._global_sum(loss_sum) / sp.size if sp.isgd is not None else None
+            # On a GPU the step's one synchronisation; loss and norms come home with it.
+            red = r.finish(compute_end, loss)
+            coverage = encode_counts(np.rint(red.coverage).astype(np.int64))
+            # ISGD: every worker judges and charts the same all-reduced loss of the global
+            # batch, before any update.
+            psi = self._global_sum(red.loss_sum) / sp.size if isgd is not None else None
         except Exception as err:
             raise _StepFailed("peer", err, compute) from err
-        local_sq = global_sq = None
-        if sp.noise:  # goodput: |g_i|² from the pre-reduce share, and |G|²
-            global_sq = float(r.flat[:r.n_params].square().sum())
-            local_sq = local_sq_scaled * (sp.size / sp.own_size) ** 2 if sp.own_size else None
-        flagged = psi is not None and sp.isgd.flagged(psi)
         t2 = time.perf_counter()
+        wait = t2 - t1
+        if red.compute_s is not None:  # device-timed (GPU)
+            compute, wait = red.compute_s, red.wait_s
+        gather_s = forward_s = backward_s = 0.0
+        sec = r.marks.seconds  # host floats, or CUDA events after the synchronisation;
+        # read before ISGD's passes begin steps of their own
+        for m0, m1, m2, m3, slept in marks:
+            gather_s += sec(m1) - sec(m0)
+            forward_s += sec(m2) - sec(m1)
+            backward_s += sec(m3) - sec(m2) - slept  # without emulated sleep
+        local_sq = global_sq = None
+        if sp.noise:  # goodput: |g_i|² of the mean over the share, from (b_i/B)·g_i; |G|²
+            global_sq = red.global_sq
+            if sp.own_size and red.local_sq is not None:
+                local_sq = red.local_sq * (sp.size / sp.own_size) ** 2
+        rule = isgd.rule() if isgd is not None else None
+        flagged = rule is not None and rule.flagged(psi)
+        extra, t_extra = 0, 0.0
         try:
             set_lr(self.optimizer, sp.lr)
-            self.optimizer.step()
+            if flagged:
+                # Under-trained: conservative iterations first, each followed by a pass;
+                # the ordinary step then uses the last pass's gradient (actors.optim).
+                t_x = time.perf_counter()
+                done = [0]
+
+                def updated(k: int) -> None:
+                    done[0] = k
+                try:
+                    extra = isgd_extras(rule, psi, self.params, self.optimizer,
+                                        lambda: self._isgd_pass(sp, micro), updated)
+                except Exception as err:
+                    # The step's samples are trained (its collective completed): report
+                    # it with the updates applied, then stop the segment. Replicas left
+                    # apart are made equal again by the regroup's state broadcast.
+                    extra = done[0]
+                    self._late_failure = _StepFailed("peer", err, compute)
+                t_extra = time.perf_counter() - t_x
+            if self._late_failure is None:
+                self.optimizer.step()
         except Exception as err:
             raise _StepFailed("compute", err, compute) from err
         t3 = time.perf_counter()
-        extra = 0
-        if flagged:
-            passes = [0]
-
-            def again() -> float:
-                passes[0] += 1
-                return self._isgd_pass(sp, ids_all, micro)
-            try:
-                extra = isgd_extras(sp.isgd, self.params, self.optimizer, again)
-            except Exception as err:
-                # The step itself is applied: report it, then stop the segment. Replicas
-                # that ran different numbers of extra iterations are made equal again by
-                # the regroup's state broadcast.
-                extra = passes[0] - 1
-                self._late_failure = _StepFailed("peer", err, compute)
         return StepTelemetry(
             worker=self.worker_id, epoch=epoch, step=sp.step, batch=sp.own_size,
-            samples=sp.own_size, compute_s=compute, wait_s=t2 - t1, loss_sum=loss_sum,
+            samples=sp.own_size, compute_s=compute, wait_s=wait, loss_sum=red.loss_sum,
             slowdown=factor, start=sp.own_start, step_start=sp.start, step_size=sp.size,
-            coverage=coverage, gather_s=phases[0], forward_s=phases[1], backward_s=phases[2],
-            optimizer_s=t3 - t2, overlap_s=overlap, step_s=t3 - t_step,
+            coverage=coverage, gather_s=gather_s, forward_s=forward_s, backward_s=backward_s,
+            optimizer_s=t3 - t2 - t_extra, overlap_s=red.hidden_s, step_s=t3 - t_step,
             micro_batches=max(1, len(micro)), micro_cap=self.micro_cap,
-            flagged=flagged, extra_iters=extra, local_sqnorm=local_sq, global_sqnorm=global_sq,
+            flagged=flagged, extra_iters=extra, isgd_loss=psi, local_sqnorm=local_sq,
+            global_sqnorm=global_sq,
         )
 
     def _global_sum(self, value: float) -> float:
@@ -297,48 +350,48 @@ class Worker:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return float(t[0])
 
-    def _isgd_pass(self, sp: StepPlan, ids: np.ndarray, micro) -> float:
-        """One ISGD extra iteration's gradient: this worker's share again at the current
+    def _isgd_pass(self, sp: StepPlan, micro) -> float:
+        """The pass of one ISGD extra iteration: this worker's share again at the current
         weights, all-reduced (its coverage slots stay zero: it trains no new sample).
         Returns the global mean loss."""
         r = self.reducer
         r.begin(sp.size)
-        phases = [0.0, 0.0, 0.0]
-        losses = [self._micro_step(ids[a:b], sp.size, phases, last=j == len(micro) - 1)
+        losses = [self._micro_step(sp.own_start + a, sp.own_start + b, sp.size, [],
+                                   last=j == len(micro) - 1)
                   for j, (a, b) in enumerate(micro)]
-        r.finish()
-        loss_sum = float(torch.stack(losses).sum()) if losses else 0.0
-        return self._global_sum(loss_sum) / sp.size
+        red = r.finish(loss=torch.stack(losses).sum() if losses else None)
+        return self._global_sum(red.loss_sum) / sp.size
 
-    def _micro_step(self, ids: np.ndarray, step_size: int, phases: list[float],
-                    last: bool) -> torch.Tensor:
-        """Gather, forward and backward of one micro-batch, its summed loss scaled by
-        1/``step_size`` (see :mod:`actors.accumulate`); returns its summed loss. The last
-        micro-batch's backward arms the reducer, so buckets go out as they complete."""
-        t0 = time.perf_counter()
-        ii = torch.from_numpy(np.asarray(ids, dtype=np.int64)).to(self.x.device,
-                                                                   non_blocking=True)
-        xb = self.x.index_select(0, ii).to(self.device, non_blocking=True)
-        yb = self.y.index_select(0, ii).to(self.device, non_blocking=True)
-        t1 = time.perf_counter()
+    def _micro_step(self, lo: int, hi: int, step_size: int, marks: list, last: bool
+                    ) -> torch.Tensor:
+        """Gather (order positions ``[lo, hi)``), forward and backward of one micro-batch,
+        its summed loss scaled by 1/``step_size`` (see :mod:`actors.accumulate`); returns
+        its summed loss. The last micro-batch's backward arms the reducer, so buckets go out
+        as they complete. Appends its phase marks to ``marks``."""
+        mark = self.reducer.marks.mark
+        m0 = mark()
+        xb, yb = self._gather.gather(lo, hi)
+        m1 = mark()
         loss = self.objective.loss_sum(self.model(xb), yb)
-        t2 = time.perf_counter()
+        m2 = mark()
         if last:
             self.reducer.arm()
+        slept = self._clock.slept
         (loss / step_size).backward()
-        t3 = time.perf_counter()
-        phases[0] += t1 - t0
-        phases[1] += t2 - t1
-        phases[2] += t3 - t2
+        marks.append((m0, m1, m2, mark(), self._clock.slept - slept))
         return loss.detach()
 
     # --- measurement (benchmarks) -----------------------------------------------------
-    def profile(self, batches: list[int], repeats: int = 5, wall: bool = False
-                ) -> dict[int, float]:
+    def profile(self, batches: list[int], repeats: int = 5, wall: bool = False,
+                lockstep: bool = False) -> dict[int, float]:
         """Median compute seconds of one step at each batch size (emulation applied).
         Gradients are computed and discarded; the model is not updated. ``wall``: the wall
         time of the (emulated) step, which is what an epoch pays when workers profiled
-        side by side share a machine; otherwise the compute clock's account."""
+        side by side share a machine; otherwise the compute clock's account.
+        ``lockstep``: every member profiles at once, with a barrier before each repetition
+        (all members pass lists of the same length), so each step is timed while the
+        others compute, as in training; the j-th batch of every member's list runs
+        together, so members can profile around their own share."""
         out: dict[int, float] = {}
         n = len(self.y)
         rng = np.random.default_rng(self.ordinal)
@@ -346,6 +399,8 @@ class Worker:
             times = []
             for _ in range(repeats + 1):  # the first run warms caches up
                 idx = rng.integers(0, n, size=b)
+                if lockstep:
+                    dist.barrier()
                 t_wall = time.perf_counter()
                 self._clock.start()
                 self.reducer.zero_()
@@ -380,6 +435,16 @@ class Worker:
                  ) -> dict[str, float]:
         """``{"loss": test loss, <metric>: value}`` (see :class:`Objective`)."""
         return self.objective.evaluate(self.model, x_test, y_test, self.device, batch)
+
+    def evaluate_shard(self, x_test: np.ndarray, y_test: np.ndarray, lo: int, hi: int,
+                       batch: int = 1024) -> dict[str, Any]:
+        """This worker's shard ``[lo, hi)`` of the held-out set: ``{"sums": {"n", "loss",
+        <metric>: Σ}, "seconds": wall time}`` (:meth:`Objective.eval_sums`). Sent between
+        segments, it scores the weights the segment before left (an actor runs its calls
+        in order); the coordinator adds the shards up and finishes them."""
+        t0 = time.perf_counter()
+        sums = self.objective.eval_sums(self.model, x_test, y_test, lo, hi, self.device, batch)
+        return {"sums": sums, "seconds": time.perf_counter() - t0}
 
     def state(self) -> dict[str, Any]:
         """Model and optimizer state, every tensor on the CPU (checkpoints, broadcasts,

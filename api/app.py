@@ -20,11 +20,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from actors.spec import SpecNotAllowed
 from api.metrics import JobCollector, RequestMetricsMiddleware, RequestStats
 from api.routes import events, health, jobs, nodes, pages
+from api.routes.code import code_router
+from api.too_large import JsonTooLarge
 from scheduler.state import InvalidTransition
+from service.install_check import check_own_install_once
 from service.jobs import (
     ClusterClient,
     ClusterError,
@@ -181,11 +185,20 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
 
+class _App(FastAPI):
+    def build_middleware_stack(self) -> ASGIApp:
+        # Around everything, FastAPI's body limit included: see api/too_large.py.
+        return JsonTooLarge(super().build_middleware_stack(), self.max_body_size)
+
+
 def create_app(
     settings: Settings | None = None,
     cluster: ClusterClient | None = None,
     service: JobService | None = None,
 ) -> FastAPI:
+    # Also under a plain `uvicorn --factory api.app:create_app`: the packages must be ours
+    # (service/install_check.py); a clash fails here with one line.
+    check_own_install_once()
     settings = settings if settings is not None else Settings()
     owns_service = service is None
     svc = service if service is not None else build_service(settings, cluster)
@@ -204,13 +217,14 @@ def create_app(
                 svc.cluster.close()
                 svc.store.close()
 
-    app = FastAPI(
+    app = _App(
         title="dynabatch",
         version="0.1.0",
         description=DESCRIPTION,
         lifespan=lifespan,
         # FastAPI's own request body limit: a declared Content-Length over it is refused
-        # before the body is read, a chunked body once it passes the limit (413).
+        # before the body is read, a chunked body once it passes the limit (413, JSON).
+        # Code uploads (POST /v1/code) have their own, DYNABATCH_MAX_CODE_BYTES.
         max_body_size=settings.max_body_bytes,
         openapi_tags=[
             {"name": "jobs", "description": "Training jobs."},
@@ -227,6 +241,7 @@ def create_app(
 
     _install_error_handlers(app)
     app.include_router(jobs.router)
+    app.include_router(code_router(settings.max_code_bytes))
     app.include_router(events.router)
     app.include_router(pages.router)
     app.mount("/static", pages.static_files(), name="static")

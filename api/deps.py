@@ -26,12 +26,18 @@ def get_service(request: Request) -> JobService:
     return request.app.state.service
 
 
-def _check(settings: Settings, creds: HTTPAuthorizationCredentials | None) -> None:
+def token_ok(settings: Settings, creds: HTTPAuthorizationCredentials | None) -> bool:
+    """Whether the request may read job data: no token is configured, or it sent that one."""
     token = settings.token
     if token is None:
-        return
+        return True
     given = creds.credentials if creds is not None else ""
-    if not secrets.compare_digest(given.encode(), token.encode()):
+    return secrets.compare_digest(given.encode(), token.encode())
+
+
+def _check(settings: Settings, creds: HTTPAuthorizationCredentials | None) -> None:
+    if not token_ok(settings, creds):
+        given = creds.credentials if creds is not None else ""
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
             detail="missing or invalid bearer token" if given else "missing bearer token",
@@ -79,6 +85,7 @@ WorkerId = Annotated[
 
 ERRORS = {
     401: {"model": ErrorResponse, "description": "Missing or invalid bearer token."},
-    413: {"model": ErrorResponse, "description": "Request body too large."},
+    413: {"model": ErrorResponse, "description": "Request body too large (the detail names "
+          "the limit)."},
 }
 NOT_FOUND = {404: {"model": ErrorResponse, "description": "No job with this id."}}

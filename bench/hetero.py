@@ -7,14 +7,25 @@ unequal by emulated slowdowns (the report says so):
   (a) 2 workers at slowdowns 1 and 3 (fits a 2-core machine)
   (b) 4 workers at slowdowns 1, 1, 2 and 4
 
-Every policy runs the same seed for the same number of epochs. The ideal is measured in
-the same run: each worker's step time at several batch sizes, profiled side by side on
-the wall clock (as they run), is fitted with t_i(b) = a_i + c_i·b, the equal-finish
-split gives the best step time T*, and the measured all-reduce time is added: ideal
-epoch = steps × (T* + allreduce). The ideal speedup is the static split's step time under
-the same fits over the ideal one.
+Every policy runs the same seed for the same number of epochs, ``--repeats`` times,
+interleaved (static, dbs, affine, static, ...) so that the machine's drift hits every
+policy alike; the report gives each run and the medians.
 
-Prints one JSON object. Usage: python bench/hetero.py [--clusters a,b] [--epochs 6]
+The ideal is measured in the same cluster, the way the workers run: in lockstep (a barrier
+before every timed step, so each worker computes while the others do, sharing the
+machine's cores as in training). Pass 1 profiles every worker on a common grid of batch
+sizes; the fits t_i(b) = a_i + c_i·b give an equal-finish split b*; pass 2 profiles each
+worker around its own b* (0.8-1.2 b*), where training runs, and is fitted again. With
+T* the equal-finish step time of those fits and A the all-reduce measured in lockstep:
+
+  bound epoch  = steps × T*        (all-reduce fully hidden behind backward)
+  ideal epoch  = steps × (T* + A)  (no overlap)
+
+``fraction_of_ideal`` = ideal epoch / a policy's steady epoch (and likewise for the bound).
+A policy can beat the ideal only by hiding the all-reduce; it cannot beat the bound
+except by measurement noise. Prints one JSON object.
+
+Usage: python bench/hetero.py [--clusters a,b] [--epochs 6] [--repeats 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -84,46 +95,70 @@ def run_policy(spec: JobSpec) -> dict[str, Any]:
     }
 
 
-def measure_ideal(spec: JobSpec, n_train: int) -> dict[str, Any]:
-    """Solo step-time fits per worker plus the all-reduce: the best achievable epoch."""
-    ds = load_dataset(spec.dataset, seed=spec.seed)
-    data = {"x_train": ray.put(ds.x_train), "y_train": ray.put(ds.y_train),
-            "input_shape": tuple(ds.input_shape), "num_classes": ds.num_classes}
-    nodes = eligible_nodes(spec)
-    workers = [spawn_worker(spec, f"w{i}", i, nodes[i].node_id, 0.0, data)
-               for i in range(spec.initial_workers)]
-    rv = ray.get(workers[0].open_store.remote(1, len(workers)))
-    ray.get([w.join.remote(rv, r, 0) for r, w in enumerate(workers)])
-    allreduce = statistics.median(ray.get([w.time_allreduce.remote(10) for w in workers]))
-    # Side by side and on the wall clock, as they run in training: emulated nodes share
-    # this machine's cores, and an epoch pays the wall time of the shared machine, so
-    # solo profiles (one worker at a time) gave an "ideal" that a policy could beat.
-    profiles = ray.get([w.profile.remote(PROFILE_BATCHES, 5, True) for w in workers])
-    for w in workers:
-        ray.kill(w)
+def _lockstep_fits(workers: list[Any], grids: list[list[int]], repeats: int
+                   ) -> tuple[list[Any], list[dict[int, float]]]:
+    profiles = ray.get([w.profile.remote(g, repeats, True, True) for w, g in
+                        zip(workers, grids, strict=True)], timeout=600)
     fits = []
     for prof in profiles:
         stats = StepTimeStats()
         for b, t in prof.items():
             stats = stats.add(float(b), t)
         fits.append(fit(stats))
+    return fits, profiles
+
+
+def _equal_finish(fits: list[Any], B: int) -> tuple[np.ndarray, float]:
     a = np.array([f.a for f in fits])
     c = np.array([f.c for f in fits])
     n = len(fits)
-    B = spec.global_batch
-    _, t_star = equal_finish(a, c, float(B), np.ones(n), np.full(n, float(B)))
-    static_b = B / n
-    t_static = float(np.max(a + c * static_b))
+    return equal_finish(a, c, float(B), np.ones(n), np.full(n, float(B)))
+
+
+def measure_ideal(spec: JobSpec, n_train: int, repeats: int = 5) -> dict[str, Any]:
+    """Lockstep step-time fits per worker plus the all-reduce: the best achievable epoch
+    (see the module docstring)."""
+    ds = load_dataset(spec.dataset, seed=spec.seed)
+    data = {"x_train": ray.put(ds.x_train), "y_train": ray.put(ds.y_train),
+            "input_shape": tuple(ds.input_shape), "num_classes": ds.num_classes}
+    nodes = eligible_nodes(spec)
+    workers = [spawn_worker(spec, f"w{i}", i, nodes[i].node_id, 0.0, data)
+               for i in range(spec.initial_workers)]
+    try:
+        rv = ray.get(workers[0].open_store.remote(1, len(workers)), timeout=120)
+        ray.get([w.join.remote(rv, r, 0) for r, w in enumerate(workers)], timeout=120)
+        allreduce = statistics.median(
+            ray.get([w.time_allreduce.remote(10) for w in workers], timeout=120))
+        n, B = len(workers), spec.global_batch
+        fits1, _ = _lockstep_fits(workers, [PROFILE_BATCHES] * n, repeats)
+        b1, _ = _equal_finish(fits1, B)
+        # Around each worker's own share; every list has the same length (lockstep).
+        grids = [[max(2, round(float(b) * f)) for f in (0.7, 0.85, 1.0, 1.15, 1.3)]
+                 for b in b1]
+        fits, profiles = _lockstep_fits(workers, grids, repeats)
+        b_star, t_star = _equal_finish(fits, B)
+    finally:
+        for w in workers:
+            ray.kill(w)
+    a = np.array([f.a for f in fits1])
+    c = np.array([f.c for f in fits1])
+    t_static = float(np.max(a + c * (B / n)))
     steps = -(-n_train // B)
     return {
         "allreduce_s": allreduce,
         "fits": [{"a_s": f.a, "c_s_per_sample": f.c} for f in fits],
-        "solo_step_s": [{str(b): round(t, 5) for b, t in p.items()} for p in profiles],
+        "lockstep_step_s": [{str(b): round(t, 5) for b, t in p.items()} for p in profiles],
+        "equal_finish_batches": [round(float(b), 1) for b in b_star],
         "ideal_step_s": t_star + allreduce,
+        "bound_epoch_s": steps * t_star,
         "ideal_epoch_s": steps * (t_star + allreduce),
         "static_model_epoch_s": steps * (t_static + allreduce),
         "ideal_speedup": (t_static + allreduce) / (t_star + allreduce),
     }
+
+
+def _median_of(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
 
 
 def bench_cluster(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -136,24 +171,49 @@ def bench_cluster(name: str, args: argparse.Namespace) -> dict[str, Any]:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="dynabatch-bench", log_to_driver=False)
     try:
-        out: dict[str, Any] = {"slowdowns": slowdowns, "emulated": True, "policies": {}}
-        for policy in args.policies.split(","):
-            out["policies"][policy] = run_policy(make_spec(slowdowns, policy, args))
-            print(f"[{name}] {policy}: {out['policies'][policy]['steady_epoch_s']:.2f}s/epoch",
-                  file=sys.stderr)
-        ideal = measure_ideal(make_spec(slowdowns, "static", args), _n_train(args))
-        out["ideal"] = ideal
+        policies = args.policies.split(",")
+        runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+        ideals = []
+        n_train = _n_train(args)
+        for r in range(args.repeats):
+            ideals.append(measure_ideal(make_spec(slowdowns, "static", args), n_train))
+            for policy in policies:
+                runs[policy].append(run_policy(make_spec(slowdowns, policy, args)))
+                print(f"[{name} round {r}] {policy}: "
+                      f"{runs[policy][-1]['steady_epoch_s']:.2f}s/epoch", file=sys.stderr)
+        ideal = {k: statistics.median(i[k] for i in ideals) for k in (
+            "allreduce_s", "ideal_step_s", "bound_epoch_s", "ideal_epoch_s",
+            "static_model_epoch_s", "ideal_speedup")}
+        ideal["rounds"] = ideals
+        out: dict[str, Any] = {"slowdowns": slowdowns, "emulated": True,
+                               "repeats": args.repeats, "ideal": ideal, "policies": {}}
+        for policy, rs in runs.items():
+            steady = _median_of(rs, "steady_epoch_s")
+            out["policies"][policy] = {
+                "steady_epoch_s": steady,
+                "steady_epoch_s_runs": [r["steady_epoch_s"] for r in rs],
+                "balance": _median_of(rs, "balance"),
+                "utilization": _median_of(rs, "utilization"),
+                "final_accuracy": statistics.median(r["final_accuracy"] or 0 for r in rs),
+                "fraction_of_ideal": ideal["ideal_epoch_s"] / steady,
+                "fraction_of_bound": ideal["bound_epoch_s"] / steady,
+                "runs": rs,
+            }
         pol = out["policies"]
         if "static" in pol:
             base = pol["static"]["steady_epoch_s"]
             for p in pol.values():
                 p["speedup"] = base / p["steady_epoch_s"]
                 p["fraction_of_ideal_speedup"] = p["speedup"] / ideal["ideal_speedup"]
-                p["accuracy_minus_static"] = (p["final_accuracy"] or 0) - (
-                    pol["static"]["final_accuracy"] or 0)
-            best = max((k for k in pol if k != "static"), key=lambda k: pol[k]["speedup"],
-                       default="static")
-            out["best_policy"] = best
+                p["accuracy_minus_static"] = p["final_accuracy"] - pol["static"]["final_accuracy"]
+        best = min((k for k in pol if k != "static"), key=lambda k: pol[k]["steady_epoch_s"],
+                   default="static")
+        out["best_policy"] = best
+        # Per round, which of dbs and affine was faster: a median can hide a split.
+        if "dbs" in runs and "affine" in runs:
+            out["affine_faster_rounds"] = sum(
+                a["steady_epoch_s"] <= d["steady_epoch_s"]
+                for a, d in zip(runs["affine"], runs["dbs"], strict=True))
         return out
     finally:
         ray.shutdown()
@@ -171,6 +231,7 @@ def main() -> None:
     ap.add_argument("--policies", default="static,dbs,affine")
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="Rounds of every policy (medians).")
     ap.add_argument("--mnist", default=None, help="Directory of real MNIST IDX files.")
     ap.add_argument("--n-train", type=int, default=12000)
     ap.add_argument("--n-test", type=int, default=2000)
@@ -178,6 +239,7 @@ def main() -> None:
                     "stdout when nodes go down).")
     args = ap.parse_args()
     result = {"workload": "lenet on 28x28 MNIST-format, global batch 256",
+              "command": " ".join(sys.argv),
               "data": args.mnist or f"generated MNIST-format ({args.n_train} train)",
               "epochs": args.epochs, "clusters": {}}
     for name in args.clusters.split(","):

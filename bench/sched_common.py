@@ -1,15 +1,28 @@
 """Shared by the schedule benchmarks (``batch_stages``, ``isgd``, ``goodput``): a job in the
-simulator's real-gradient mode on a small heterogeneous cluster, and time to a target.
+simulator's real-gradient mode on a small heterogeneous cluster, time to a target, and
+medians.
 
 Real-gradient mode trains the actual model on the actual data with the production coordinator
 (the same schedule, ISGD and goodput machines as on Ray); only the clock is simulated, from a
-cluster of three unequal nodes (per-step cost ``a + c·b``, with ISGD's extra iterations
+cluster of unequal nodes (per-step cost ``a + c·b``, the all-reduce, and ISGD's extra passes
 charged as more compute and all-reduce). ``wall_s`` is simulated seconds on that cluster.
+
+The data is MNIST-format (``dataset: mnist`` without a path: 12,000 generated training and
+2,000 test images, a different draw per seed; real files with ``--mnist DIR``).
+
+:func:`run` can evaluate the model every ``eval_every`` steps (at the first segment
+boundary past each multiple; the simulator's evaluation costs no simulated time), so time
+to a target is resolved to a few steps rather than to an epoch.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from actors.spec import JobSpec, parse_spec
 from scheduler.cluster_model import parse_cluster
@@ -24,22 +37,83 @@ CLUSTER = {
     "noise_sigma": 0.05,
     "allreduce": {"alpha_ms": 0.5, "beta_ms_per_mb": 1.0},
 }
-MODE = ("simulator real-gradient mode (scheduler.simulator): real LeNet training on digits, "
-        "simulated clock of 3 unequal nodes; wall_s and time_to_target_s are simulated seconds")
+MODE = ("simulator real-gradient mode (scheduler.simulator): real LeNet training on "
+        "MNIST-format data, simulated clock of unequal nodes; wall_s and time_to_target_s "
+        "are simulated seconds")
+
+
+def pin_threads(n: int) -> int:
+    """Pin torch's intra-op threads (the float results of a run depend on it); returns the
+    count in force, for the JSON."""
+    torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def dataset(mnist: str | None = None) -> dict[str, Any]:
+    return {"name": "mnist", **({"path": mnist} if mnist else {})}
 
 
 def job(**kw: Any) -> JobSpec:
-    base: dict[str, Any] = {"dataset": {"name": "digits"}, "model": {"name": "lenet"},
-                            "workers": 3, "policy": "dbs"}
+    base: dict[str, Any] = {"dataset": dataset(), "model": {"name": "lenet"}, "workers": 3,
+                            "policy": "dbs"}
     base.update(kw)
     return parse_spec(base)
 
 
-def run(spec: JobSpec, cluster: dict[str, Any] | None = None) -> SimResult:
-    res = simulate(spec, parse_cluster(cluster or CLUSTER), real_gradients=True)
-    if res.snapshot.state.value != "SUCCEEDED":
+@dataclass
+class Curve:
+    """Evaluations during a run: simulated seconds, gradient evaluations (samples whose
+    gradient was computed, extra iterations included), optimizer steps and test accuracy."""
+
+    every: int
+    points: list[tuple[float, int, int, float]] = field(default_factory=list)
+
+    def time_to(self, target: float) -> tuple[float | None, int | None, int | None]:
+        """(seconds, gradient evaluations, steps) at the first evaluation at or above
+        ``target``; Nones if none is."""
+        for t, g, s, acc in self.points:
+            if acc >= target:
+                return t, g, s
+        return None, None, None
+
+
+def run(spec: JobSpec, cluster: dict[str, Any] | None = None, eval_every: int | None = None,
+        stop_at: float | None = None) -> tuple[SimResult, Curve | None]:
+    """The job in the simulator; with ``eval_every``, its :class:`Curve`. ``stop_at``: end
+    the run once an evaluation reaches that accuracy (a time-to-target run need not train
+    on)."""
+    coord: list[Any] = []
+    curve = Curve(eval_every) if eval_every else None
+    nxt = [eval_every or 0]
+    start: list[float] = []  # the clock when the first epoch began (after workers started)
+
+    def progress(_done: int, _total: int) -> None:
+        if curve is None or not coord:
+            return
+        c = coord[0]
+        if not start:
+            if c._ep is None:  # the first epoch has not begun
+                return
+            start.append(c._ep.started)
+        hist = c.history()
+        steps = sum(r.steps for r in hist) + (c.step_in_epoch if c.epoch < spec.epochs else 0)
+        if steps < nxt[0] and c.epoch < spec.epochs:
+            return
+        while nxt[0] <= steps:
+            nxt[0] += eval_every
+        reg = c.regime
+        evals = reg.grad_evals_total + reg._ep.grad_evals
+        acc = float(c.runtime.gradients.evaluate().get("accuracy"))
+        curve.points.append((c.clock.now() - start[0], evals, steps, acc))
+        if stop_at is not None and acc >= stop_at and not c.state.is_terminal:
+            c.cancel("reached the target")
+
+    res = simulate(spec, parse_cluster(cluster or CLUSTER), real_gradients=True,
+                   coordinator_hook=coord.append, progress=progress if curve else None)
+    stopped = stop_at is not None and res.snapshot.reason == "reached the target"
+    if res.snapshot.state.value != "SUCCEEDED" and not stopped:
         raise RuntimeError(f"{spec.name}: {res.snapshot.reason}")
-    return res
+    return res, curve
 
 
 def updates(res: SimResult) -> int:
@@ -47,13 +121,11 @@ def updates(res: SimResult) -> int:
     return sum(r.steps + r.isgd_extra_iterations for r in res.history)
 
 
-def time_to(res: SimResult, target: float) -> tuple[float | None, int | None]:
-    """(simulated seconds, gradient evaluations) until an epoch's test accuracy reaches
-    ``target``; (None, None) if none does."""
-    t, evals = 0.0, 0
-    for r in res.history:
-        t += r.wall_s
-        evals += r.grad_evals
-        if r.test_accuracy is not None and r.test_accuracy >= target:
-            return t, evals
-    return None, None
+def median(xs: Sequence[float | None]) -> float | None:
+    """The median, counting a run that never got there (None) as infinitely slow; None
+    when that is the median."""
+    vals = sorted(float("inf") if x is None else x for x in xs)
+    if not vals:
+        return None
+    m = statistics.median(vals)
+    return None if m == float("inf") else m

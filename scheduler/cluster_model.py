@@ -30,8 +30,13 @@ as in the real worker. A step of the synchronous protocol takes::
 and each worker reports ``compute_s = t_i(b_i)`` and ``wait_s = T_step − t_i(b_i)`` (its
 all-reduce, including the wait for slower peers), the split the real worker reports.
 
-**Parameter server** (carried for the asynchronous protocols; the synchronous one does not
-use it): a push or a pull of ``m`` bytes takes ``push_ms + m·β_ps`` or ``pull_ms + m·β_ps``.
+**Parameter server** (the asynchronous protocols, :mod:`scheduler.ps_sim`; the synchronous
+one does not use it): a push or a pull of ``m`` bytes takes ``push_ms + m·β_ps`` or
+``pull_ms + m·β_ps``. Sharded over ``k`` server actors the k slices move in parallel, and a
+push has two phases (slices 1..k−1 to their shards, then the commit with slice 0 to the
+server that decides)::
+
+    push = 2·push_ms + (m/k)·β_ps,     pull = pull_ms + (m/k)·β_ps        (k > 1)
 
 **Recovery.** A node failure is seen by the survivors ``detect_s`` after it happens (their
 collective fails; measured median 0.47 s with the fast health checks, bench/results-elastic
@@ -130,6 +135,15 @@ class ParameterServerModel(_Strict):
     push_ms: float = Field(default=0.0, ge=0.0, le=1e6)
     pull_ms: float = Field(default=0.0, ge=0.0, le=1e6)
     beta_ms_per_mb: float = Field(default=0.1, ge=0.0, le=1e6)
+
+    def push_s(self, nbytes: float, shards: int = 1) -> float:
+        """One gradient push of ``nbytes`` over ``shards`` server actors."""
+        hops = 1 if shards <= 1 else 2
+        return (hops * self.push_ms + nbytes / max(1, shards) / MB * self.beta_ms_per_mb) / 1e3
+
+    def pull_s(self, nbytes: float, shards: int = 1) -> float:
+        """One weights pull of ``nbytes`` from ``shards`` server actors (in parallel)."""
+        return (self.pull_ms + nbytes / max(1, shards) / MB * self.beta_ms_per_mb) / 1e3
 
 
 class RecoveryModel(_Strict):
@@ -412,13 +426,11 @@ class ClusterModel:
         ar = self.spec.allreduce
         return ar.model_mb * ar.beta_ms_per_mb / 1e3
 
-    def push_s(self, nbytes: float) -> float:
-        ps = self.spec.parameter_server
-        return ps.push_ms / 1e3 + nbytes / MB * ps.beta_ms_per_mb / 1e3
+    def push_s(self, nbytes: float, shards: int = 1) -> float:
+        return self.spec.parameter_server.push_s(nbytes, shards)
 
-    def pull_s(self, nbytes: float) -> float:
-        ps = self.spec.parameter_server
-        return ps.pull_ms / 1e3 + nbytes / MB * ps.beta_ms_per_mb / 1e3
+    def pull_s(self, nbytes: float, shards: int = 1) -> float:
+        return self.spec.parameter_server.pull_s(nbytes, shards)
 
     def ideal(self, a: np.ndarray, c: np.ndarray, global_batch: int,
               dataset_size: int) -> Ideal:

@@ -18,6 +18,7 @@ import threading
 from collections import deque
 from typing import Any
 
+from actors.output import ActorOutput
 from actors.spec import JobSpec
 from scheduler.runtime import Clock, RealClock
 from scheduler.state import InvalidTransition, JobState
@@ -48,6 +49,8 @@ class JobControl:
         self._requests: deque[tuple[str, Any]] = deque()
         self.started_at: float | None = None
         self.finished_at: float | None = None
+        # The job's actors' stdout/stderr, through Ray's log API (Ray drivers set it).
+        self.output: ActorOutput | None = None
 
     # ------------------------------------------------------------------ for subclasses
     def snapshot(self) -> JobSnapshot:
@@ -131,6 +134,21 @@ class JobControl:
             self._log_seq += 1
         log.log(logging.getLevelName(level), "[%s] %s", self.job_id, message)
 
+    def _follow_actor_output(self) -> ActorOutput:
+        """Start following the output of the job's actors (actors.output), this driver's
+        own actor first: the dataset loader and the model check run user code here."""
+        self.output = ActorOutput.for_ray(self._actor_line)
+        # The driver's own log lines reach its stderr too (Python's last-resort handler):
+        # they are in the job log already.
+        self.output.watch_self("coordinator", ignore=f"[{self.job_id}] ")
+        return self.output.start()
+
+    def _actor_line(self, source: str, stream: str, line: str) -> None:
+        if stream == "note":
+            self._log("WARNING", f"{source}: {line}")
+        else:
+            self._log("INFO" if stream == "stdout" else "WARNING", f"{source} {stream}: {line}")
+
     def _transition(self, new: JobState, reason: str | None) -> None:
         with self._lock:
             if not self.state.can_become(new):
@@ -142,6 +160,9 @@ class JobControl:
             self._log("INFO", f"state {new.value}" + (f": {reason}" if reason else ""))
 
     def _finish(self, state: JobState, reason: str | None) -> None:
+        if self.output is not None and not self.state.is_terminal:
+            # The actors' last lines, before anyone can see the job end.
+            self.output.close()
         with self._lock:
             if self.state.is_terminal:
                 return

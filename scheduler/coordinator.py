@@ -16,14 +16,19 @@ This class feeds them events and executes their decisions on a :class:`Runtime`:
 actors in production (``scheduler.ray_runtime``), in-process fakes with injected faults
 in unit tests.
 
-No bubbles. When the next segment trains under the same allocation (same epoch, no
-re-plan due, nothing asked of the membership), it is sent to the workers before the
-current one's results are read (a :class:`~scheduler.runtime.PipelinedRuntime` queues it
-behind the one in flight), so workers go from segment to segment without waiting for the
-coordinator. Only one segment is ahead at a time; it is committed like any other once the
-one before it was. Membership changes, cancellation and checkpoints wait for the boundary
-at which nothing is in flight; if the segment before it failed, the one ahead cannot have
-trained (its workers left the group) and is collected and discarded.
+No bubbles. One segment is always in flight: the next segment is sent to the workers
+before the current one's results are read (a :class:`~scheduler.runtime.PipelinedRuntime`
+queues it behind the one running), so workers go from segment to segment without waiting
+for the coordinator. A re-plan does not stop it: the segment ahead keeps the allocation it
+was planned under, and the new plan, decided from the telemetry on hand, takes effect at
+the step after it (``SyncProtocol.replan(at=)``). Across an epoch's end (same global batch,
+no checkpoint due) the epoch's evaluation is queued first, then the next epoch's first
+segment: each holder scores its shard of the final weights and trains on
+(``scheduler.evaluation``); the record is published when the shards are in. What needs
+the group at rest waits for a boundary with nothing in flight: a worker that started and
+joins, a scale or drain request, a checkpoint, cancellation, and the retry after a
+failure. If the segment before it failed, the one ahead cannot have trained (its workers
+left the group) and is collected and discarded.
 
 ``step()`` is one pass of the control loop; ``run()`` loops it until the job
 is terminal. The other public methods may be called from other threads while it runs (the
@@ -40,6 +45,8 @@ from typing import Any
 from actors.contracts import StepTelemetry
 from actors.spec import MAX_WORKERS, JobSpec
 from scheduler.control import JobControl, JobEnded
+from scheduler.epoch_report import EpochTotals, build_record, summary, with_scores
+from scheduler.evaluation import EvalRound, Evaluations, split
 from scheduler.failures import Failure, RetryBudget, WorkerOutcome, classify
 from scheduler.ledger import Ledger
 from scheduler.membership import Change, Membership
@@ -52,20 +59,22 @@ from scheduler.runtime import (
     Runtime,
     WorkerCallError,
     pipelined,
+    sharded_evaluation,
+    spare_capable,
 )
 from scheduler.state import JobState
-from scheduler.telemetry import (
-    EpochRecord,
-    JobSnapshot,
-    StepBreakdown,
-    WorkerEpochStats,
-    WorkerStatus,
-)
+from scheduler.telemetry import EpochRecord, JobSnapshot, WorkerStatus
 from scheduler.tracker import Tracker
 
 log = logging.getLogger("dynabatch.scheduler")
 
-NODE_POLL_S = 1.0
+# How often nodes are listed (every step boundary at most, and between segments sent
+# ahead): a node that joins gets its worker or spare this soon. Listing costs two GCS
+# calls of about a millisecond.
+NODE_POLL_S = 0.2
+# After adopting a spare at a boundary with nothing in flight, how long to wait for it to
+# answer so that it joins this regroup rather than one segment later.
+ADOPT_WAIT_S = 0.5
 EVAL_TIMEOUT_S = 600.0
 STATE_TIMEOUT_S = 120.0
 
@@ -78,51 +87,7 @@ class _Ahead:
     plans: dict[str, Any]
     ticket: Any
     sent: float
-
-
-_PHASES = ("gather_s", "forward_s", "backward_s", "wait_s", "optimizer_s", "overlap_s",
-           "micro_batches")
-
-
-@dataclass
-class _EpochTotals:
-    started: float = 0.0
-    wall: float = 0.0
-    worker_seconds: float = 0.0
-    loss_sum: float = 0.0
-    loss_samples: int = 0
-    rebalances: int = 0
-    # Per committed step: the workers' mean phase times. ``busy``: per segment, the
-    # longest time a worker spent in its steps (the rest of the epoch's wall time is the
-    # scheduler's: dispatch, results, ledger, planning, regroups, evaluation).
-    phases: dict[str, float] | None = None
-    busy: float = 0.0
-    steps: int = 0
-
-    def add_step(self, reports: list[StepTelemetry]) -> None:
-        if not reports:
-            return
-        if self.phases is None:
-            self.phases = dict.fromkeys(_PHASES, 0.0)
-        for k in _PHASES:
-            self.phases[k] += sum(getattr(r, k) for r in reports) / len(reports)
-        self.steps += 1
-
-    def add_segment(self, results: list[Any], done: int) -> None:
-        self.busy += max((sum(s.step_s for s in r.steps[:done]) for r in results), default=0.0)
-
-    def breakdown(self, elapsed: float, evaluation: float) -> StepBreakdown | None:
-        if not self.steps or self.phases is None:
-            return None
-        n = self.steps
-        ph = {k: v / n for k, v in self.phases.items()}
-        return StepBreakdown(
-            gather_s=ph["gather_s"], forward_s=ph["forward_s"], backward_s=ph["backward_s"],
-            allreduce_wait_s=ph["wait_s"], optimizer_s=ph["optimizer_s"],
-            overlap_s=ph["overlap_s"], micro_batches=ph["micro_batches"],
-            coordinator_s=max(0.0, elapsed - evaluation - self.busy) / n,
-            evaluation_s=evaluation / n,
-        )
+    behind: EvalRound | None = None  # an evaluation queued on its workers just before it
 
 
 class Coordinator(JobControl):
@@ -140,7 +105,8 @@ class Coordinator(JobControl):
         if runtime is None:
             from scheduler.ray_runtime import RayRuntime
 
-            runtime = RayRuntime(self.spec)
+            # The workers' and this driver's own output, into the job log (actors.output).
+            runtime = RayRuntime(self.spec, output=self._follow_actor_output())
         self.runtime = runtime
         self.reason = "starting workers"
         s = self.spec
@@ -163,7 +129,7 @@ class Coordinator(JobControl):
         self._position = Position(0, 0)  # where to start once the data is loaded
         # Benchmarks read per-step balance here; bounded (each row holds one report per worker).
         self._recent_steps: deque[list[StepTelemetry]] = deque(maxlen=512)
-        self._ep: _EpochTotals | None = None
+        self._ep: EpochTotals | None = None
         self.rebalances_total = 0
         self.regroup_seconds_total = 0.0
         self.retried_samples_total = 0
@@ -175,6 +141,14 @@ class Coordinator(JobControl):
         self._ahead: _Ahead | None = None
         self._last_collect = -1e18
         self.segments_sent_ahead = 0
+        self._retrying = False  # the last segment failed: its retry goes alone
+        # Evaluations run on the holders between segments, collected as they arrive.
+        sharded = sharded_evaluation(self.runtime, EVAL_TIMEOUT_S)
+        self._evals = Evaluations(sharded, self.clock, EVAL_TIMEOUT_S)
+        # An evaluation can be queued behind a segment in flight only by a runtime that
+        # queues it (an adapted one scores at once).
+        self._evals_queue = sharded is self.runtime
+        self._next_behind: EvalRound | None = None  # queued before the next segment sent
         if resume and s.checkpoint.dir:
             # Lazily: checkpoints need torch, and a simulated job (no checkpoints) does not.
             from scheduler.checkpoint import CheckpointError, load_checkpoint
@@ -276,9 +250,13 @@ class Coordinator(JobControl):
         return self.membership.worker_ids
 
     def shutdown(self) -> None:
-        # Every spawned worker is a member or pending until it is killed.
+        # Every spawned worker is a member or pending until it is killed; spares too.
         for w in list(self.membership.members) + list(self.membership.pending.values()):
             self.runtime.kill(w.worker_id)
+        spares = spare_capable(self.runtime)
+        for node in self.membership.drop_spares():
+            if spares is not None:
+                spares.stop_spare(node)
 
     # ---------------------------------------------------------------- the loop
     def _step(self) -> bool:
@@ -292,13 +270,16 @@ class Coordinator(JobControl):
                     self._end_epoch()
                 if self.state.is_terminal:
                     return False
+            self._settle_evaluations()
             self._checkpoint(reason="cancel")
             self._finish(JobState.CANCELLED, self._cancel)
             return False
         if self.protocol is None:
             self._load_data()
         # With a segment in flight, membership changes wait for the next boundary.
-        if self._ahead is None and not self._reconcile_membership():
+        if self._ahead is not None:
+            self._watch_membership()
+        elif not self._reconcile_membership():
             return not self.state.is_terminal
         p = self.protocol
         if p.epoch >= self.spec.epochs:
@@ -306,13 +287,21 @@ class Coordinator(JobControl):
             return not self.state.is_terminal
         if self._ep is None:
             self._begin_epoch()
-            self._replan("epoch start")
+            self._replan("epoch start", at=self._ahead_end())
         ok = self._train_segment()
         if p.epoch_complete:
             self._end_epoch()
         elif ok and p.due_check():
-            self._replan(f"{self.spec.rebalance.mode} check")
+            self._replan(f"{self.spec.rebalance.mode} check", at=self._ahead_end())
+        self._publish_ready()
         return not self.state.is_terminal
+
+    def _watch_membership(self) -> None:
+        """With a segment in flight: notice workers that came up (one that joins stops the
+        sending ahead, so the next boundary has nothing in flight and regroups), and start
+        workers on nodes that appeared. A worker still starting blocks nothing."""
+        self._adopt_started(0.0)
+        self._poll_nodes()
 
     # ---------------------------------------------------------------- data and epochs
     def _load_data(self) -> None:
@@ -344,36 +333,82 @@ class Coordinator(JobControl):
             if batch != p.global_batch:
                 self._log("INFO", f"epoch {p.epoch}: global batch {p.global_batch} -> {batch}")
                 p.resize(batch)
-        self._ep = _EpochTotals(started=self.clock.now())
+        self._ep = EpochTotals(started=self.clock.now())
         self.tracker.begin_epoch()
         if self.ledger.epoch != self.protocol.epoch:
             self.ledger.begin_epoch(self.protocol.epoch, self.protocol.dataset_size)
 
-    def _replan(self, why: str) -> None:
+    def _replan(self, why: str, at: int | None = None) -> None:
+        """Re-plan the rest of the epoch from step ``at`` (default: now; a later step when
+        a segment is in flight: it keeps the allocation it was sent with)."""
         p = self.protocol
+        if at is not None and self.membership.dirty:
+            return  # a worker joined or was lost: the boundary's regroup re-plans
         workers = self.membership.worker_ids
-        decision = p.replan(self.policy, self.tracker.telemetry(workers, self.spec.max_batch))
+        decision = p.replan(self.policy, self.tracker.telemetry(workers, self.spec.max_batch),
+                            at=at)
+        if decision is None:
+            return
         self.tracker.decided()
-        if decision is not None and decision.rebalanced:
+        if decision.rebalanced:
             self.rebalances_total += 1
             self._ep.rebalances += 1
             a = decision.allocation
+            where = f" from step {at}" if at is not None and at != p.step else ""
             self._log("INFO", f"rebalance ({why}): batches "
-                              f"{dict(zip(a.workers, a.batches, strict=True))} — {decision.reason}")
+                              f"{dict(zip(a.workers, a.batches, strict=True))}{where} — "
+                              f"{decision.reason}")
 
     def _grace_s(self) -> float:
         return self.spec.collective_timeout_s + 5.0
 
-    def _can_send_ahead(self, plans: dict[str, Any]) -> bool:
-        if self._pipe is None or self._cancel is not None:
+    # ---------------------------------------------------------------- segments
+    def _ahead_end(self) -> int | None:
+        """The step after the segment in flight, when it lies in this epoch."""
+        a = self._ahead
+        if a is None or a.position.epoch != self.protocol.epoch:
+            return None
+        return a.position.step + len(next(iter(a.plans.values())).steps)
+
+    def _can_send_ahead(self) -> bool:
+        if self._pipe is None or self._cancel is not None or self._retrying:
             return False
-        m = self.membership
         with self._lock:
             requests = bool(self._requests)
-        steps = len(next(iter(plans.values())).steps)
-        return (not requests and not m.pending and not m.dirty
-                and self.regime.can_stamp_ahead
-                and self.protocol.next_boundary_keeps_plan(steps))
+        return not requests and not self.membership.dirty and self.regime.can_stamp_ahead
+
+    def _can_cross_epoch(self) -> bool:
+        """Whether the next epoch's first segment can be planned before this one ends: it
+        trains at the same global batch, under the allocation carried over, and no
+        checkpoint (which reads the state with nothing in flight) is due in between.
+        Goodput mode decides the next batch and its LR gain from the epoch's end."""
+        p = self.protocol
+        nxt = p.epoch + 1
+        return (nxt < self.spec.epochs and self._evals_queue and self.regime.mode != "goodput"
+                and self.regime.batch_for(nxt) == p.global_batch
+                and not self._checkpoint_due(nxt))
+
+    def _send_ahead(self, start: Position, plans: dict[str, Any]) -> None:
+        """Send the segment after the one at ``start`` (already sent) before its results
+        are read: in this epoch, or the next epoch's first, behind the epoch's evaluation."""
+        if not self._can_send_ahead():
+            return
+        p = self.protocol
+        end = start.step + len(next(iter(plans.values())).steps)
+        behind = None
+        if end < p.steps_per_epoch:
+            pos = Position(p.epoch, end)
+        elif self._can_cross_epoch():
+            pos = Position(p.epoch + 1, 0)
+            # Each of the segment's workers scores its shard of the epoch's final weights,
+            # then trains on. Dropped if that segment fails (it is not the final state).
+            behind = self._submit_evaluation(p.epoch, list(plans))
+        else:
+            return
+        nxt = self.regime.stamp(p.plan_segment(at=pos), p.steps_per_epoch)
+        self._ahead = _Ahead(pos, nxt, self._pipe.submit_segment(nxt), self.clock.now(),
+                             behind)
+        self.segments_sent_ahead += 1
 
     def _drain_ahead(self, commit: bool) -> None:
         """Collect the segment in flight: commit it (``commit``), or discard it after a
@@ -382,6 +417,8 @@ class Coordinator(JobControl):
         if ahead is None:
             return
         if commit and ahead.position == self.protocol.position:
+            if self._ep is None:  # sent ahead across the epoch's end, which has ended
+                self._begin_epoch()
             self._train_segment()
             return
         self._ahead = None
@@ -398,7 +435,7 @@ class Coordinator(JobControl):
         p = self.protocol
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.position == p.position:
-            plans, ticket, t0 = ahead.plans, ahead.ticket, ahead.sent
+            plans, ticket, t0, behind = ahead.plans, ahead.ticket, ahead.sent, ahead.behind
         else:
             if ahead is not None:  # defensive: a segment ahead always starts here
                 self._ahead = ahead
@@ -407,46 +444,46 @@ class Coordinator(JobControl):
             if not plans:
                 return True
             t0 = self.clock.now()
+            behind, self._next_behind = self._next_behind, None
             ticket = self._pipe.submit_segment(plans) if self._pipe else None
         start = p.position
-        if ticket is not None and self._can_send_ahead(plans):
-            steps = len(next(iter(plans.values())).steps)
-            nxt = self.regime.stamp(p.plan_segment(at=p.step + steps), p.steps_per_epoch)
-            self._ahead = _Ahead(Position(p.epoch, p.step + steps), nxt,
-                                 self._pipe.submit_segment(nxt), self.clock.now())
-            self.segments_sent_ahead += 1
+        if ticket is not None:
+            self._send_ahead(start, plans)
         if ticket is None:
             outcomes = self.runtime.run_segment(plans, grace_s=self._grace_s())
         else:
             outcomes = self._pipe.collect_segment(ticket, self._grace_s())
-        return self._commit_segment(plans, outcomes, start, t0)
+        return self._commit_segment(plans, outcomes, start, t0, behind=behind)
 
     def _commit_segment(self, plans: dict, outcomes: list[WorkerOutcome], start: Position,
-                        t0: float, charge: bool = True) -> bool:
+                        t0: float, charge: bool = True, behind: EvalRound | None = None
+                        ) -> bool:
         """Commit what the state holders completed of a segment; handle its failure. True
         when it all ran. ``charge``: count a failure against the retry budget (not for a
-        segment sent ahead, whose failure is the one already counted)."""
+        segment sent ahead, whose failure is the one already counted). ``behind``: an
+        evaluation its workers ran just before it (its time is not the segment's)."""
         p = self.protocol
         # A segment sent ahead started on the workers when the one before it ended.
         now = self.clock.now()
         wall = now - max(t0, self._last_collect)
         self._last_collect = now
+        evaluation = 0.0
+        if behind is not None:
+            self._evals.poll()  # its shards ran first, so they are in
+            if behind.done:
+                evaluation = min(wall, behind.critical_s)
+                wall -= evaluation
         failure = classify(outcomes, self.spec.collective_timeout_s)
         results = [o.result for o in outcomes if o.result is not None]
-        for r in results:  # the workers' own output (user prints), into the job log
-            for line in r.output:
-                self._log("INFO", f"{r.worker} {line}")
         done = max((len(r.steps) for r in results), default=0)
         with self._lock:
+            self._ep.evaluation += evaluation
             for j in range(done):
                 reports = [r.steps[j] for r in results if len(r.steps) > j]
                 self.ledger.commit(reports)
                 self.regime.observe(reports)
                 self._recent_steps.append(reports)
                 self._ep.add_step(reports)
-                for rep in reports:
-                    self._ep.loss_sum += rep.loss_sum
-                    self._ep.loss_samples += rep.samples
             self._ep.add_segment(results, done)
             for r in results:
                 self.tracker.observe(r.worker, r.steps)
@@ -461,10 +498,15 @@ class Coordinator(JobControl):
             )
         if failure is None:
             self.budget.succeeded()
+            self._retrying = False
             return True
         # Lost and hung workers are removed (killed) first, so what they had queued ahead
         # answers at once instead of after another grace period.
         self._segment_failed(failure, outcomes, plans, charge, partial=done < planned)
+        if not p.epoch_complete:
+            # An evaluation sent ahead of this epoch's end scored weights that are not the
+            # epoch's final ones: the epoch is evaluated when it does end.
+            self._evals.discard(p.epoch)
         self._absorb_ahead()
         return False
 
@@ -475,24 +517,29 @@ class Coordinator(JobControl):
         (a result too large to travel inline lives in that node's object store). Its peers
         then went on, in lockstep with it, into the segment ahead: what they completed
         there is committed like any segment (the all-reduced coverage proves it); the
-        rest is discarded."""
+        rest is discarded. A segment ahead in the next epoch opens it once this one ends."""
         ahead = self._ahead
         if ahead is None:
             return
-        if ahead.position != self.protocol.position:
+        p = self.protocol
+        if p.epoch_complete and ahead.position == Position(p.epoch + 1, 0):
+            self._end_epoch()
+            self._begin_epoch()
+        if ahead.position != p.position:
             self._drain_ahead(commit=False)
             return
         self._ahead = None
         outcomes = self._pipe.collect_segment(ahead.ticket, self._grace_s())
         if any(o.result is not None and o.result.steps for o in outcomes):
             self._log("INFO", f"committing what the segment ahead trained after step "
-                              f"{self.protocol.step} of epoch {self.protocol.epoch}")
+                              f"{p.step} of epoch {p.epoch}")
             self._commit_segment(ahead.plans, outcomes, ahead.position, ahead.sent,
-                                 charge=False)
+                                 charge=False, behind=ahead.behind)
 
     def _segment_failed(self, failure: Failure, outcomes: list[WorkerOutcome],
                         plans: dict, charge: bool = True, partial: bool = True) -> None:
         p = self.protocol
+        self._retrying = True
         # A step was in flight unless every survivor completed the whole segment (a lost
         # worker's result went with its node after the segment's collectives completed).
         if partial and not p.epoch_complete:
@@ -510,79 +557,124 @@ class Coordinator(JobControl):
         if verdict is not None:
             self._fail_now(verdict)
 
+    # ---------------------------------------------------------------- epoch ends
     def _end_epoch(self) -> None:
+        """Close the epoch: verify it, build its record, checkpoint when due, and have the
+        holders evaluate it (unless that was sent ahead). The record is published when the
+        evaluation is in (:meth:`_publish`)."""
         p = self.protocol
         v = self.ledger.verify()
         if not v.verified:
             self._fail_now(f"epoch {p.epoch}: exactly-once check of the workers' reports "
                            f"failed: {v.reason}")
-        test_loss = acc = None
-        t_eval = self.clock.now()
-        scores: dict[str, float] = {}
-        for holder in self.membership.holders():
-            try:
-                scores = dict(self.runtime.evaluate(holder.worker_id, EVAL_TIMEOUT_S) or {})
-                test_loss, acc = scores.pop("loss", None), scores.get("accuracy")
-                break
-            except WorkerCallError as err:
-                self._log("WARNING", f"evaluation failed: {err}")
-                if err.lost:
-                    self._remove(err.worker, "failure", "lost during evaluation")
-        evaluation = self.clock.now() - t_eval
         ep = self._ep
-        elapsed = self.clock.now() - ep.started
-        tracks = {w: self.tracker.workers[w] for w in self.membership.worker_ids
-                  if w in self.tracker.workers}
-        full = [t for t in tracks.values() if t.epoch_steps == p.steps_per_epoch] or [
-            t for t in tracks.values() if t.epoch_steps]
-        computes = [t.epoch_compute for t in full]
-        balance = (sum(computes) / len(computes)) / max(computes) if computes and max(
-            computes) else 0.0
-        util = (sum(t.epoch_compute for t in tracks.values()) / ep.worker_seconds
-                if ep.worker_seconds else 0.0)
         alloc = p.allocation
-        batch_of = dict(zip(alloc.workers, alloc.batches, strict=True)) if alloc else {}
-        node_of = {m.worker_id: m.node for m in self.membership.members}
-        regime = self.regime.end_epoch(p.epoch, p.global_batch, p.steps_per_epoch, ep.wall)
-        record = EpochRecord(**regime,
-            epoch=p.epoch, wall_s=ep.wall, steps=p.steps_per_epoch, dataset_size=v.dataset_size,
-            samples_trained=v.samples_trained, retried_samples=v.retried_samples,
-            verified=v.verified, train_loss=ep.loss_sum / max(ep.loss_samples, 1),
-            test_loss=test_loss, test_accuracy=acc, test_metrics=scores, utilization=min(util, 1.0),
-            compute_balance=balance, rebalances=ep.rebalances, generation=self.generation,
-            policy=self.spec.policy, emulated=self.spec.emulated,
-            elapsed_s=elapsed, evaluation_s=evaluation,
-            breakdown=ep.breakdown(elapsed, evaluation),
-            workers=[
-                WorkerEpochStats(
-                    worker=w, node=node_of[w], batch=batch_of.get(w, 0),
-                    partition=v.samples_by_worker.get(w, 0), steps=t.epoch_steps,
-                    compute_s=t.epoch_compute, wait_s=t.epoch_wait,
-                    throughput=t.epoch_samples / t.epoch_compute if t.epoch_compute else 0.0,
-                    slowdown=t.slowdown,
-                )
-                for w, t in tracks.items()
-            ],
-        )
+        planned = set(alloc.workers) if alloc else set()
+        tracks = {w: t for w in self.membership.worker_ids
+                  if (t := self.tracker.workers.get(w)) is not None
+                  and (t.epoch_steps or w in planned)}
+        record = build_record(
+            epoch=p.epoch, steps=p.steps_per_epoch, verification=v, totals=ep,
+            elapsed=self.clock.now() - ep.started, tracks=tracks,
+            nodes={m.worker_id: m.node for m in self.membership.members}, allocation=alloc,
+            regime=self.regime.end_epoch(p.epoch, p.global_batch, p.steps_per_epoch, ep.wall),
+            policy=self.spec.policy, emulated=self.spec.emulated, generation=self.generation)
+        rnd = self._evals.unattached(p.epoch)
+        if rnd is None:
+            rnd = self._submit_evaluation(p.epoch,
+                                          [m.worker_id for m in self.membership.holders()])
+            self._next_behind = rnd
+        rnd.record, rnd.extra = record, ep
+        nxt = Position(p.epoch + 1, 0)
+        if self._checkpoint_due(nxt.epoch):
+            # The checkpoint holds the epoch's record, scores included: wait for them (the
+            # slowest holder's shard), then read the state, with nothing in flight; the
+            # job shows the next epoch once it is written.
+            self._settle_evaluations()
+            self._checkpoint(reason="epoch", position=nxt)
         with self._lock:
-            self._history.append(record)
-            shown = acc if acc is None else round(acc, 4)
-            self._log("INFO", f"epoch {p.epoch}: {record.wall_s:.2f}s, loss "
-                              f"{record.train_loss:.4f}, acc {shown}, balance {balance:.3f}, "
-                              f"utilization {record.utilization:.3f}, "
-                              f"{v.samples_trained} samples verified exactly once")
             p.next_epoch()
             self._ep = None
-        if p.epoch % self.spec.checkpoint.every_epochs == 0 or p.epoch == self.spec.epochs:
-            self._checkpoint(reason="epoch")
+        self._publish_ready()
         self._maybe_succeed()
 
+    def _checkpoint_due(self, epoch: int) -> bool:
+        """Whether a checkpoint is taken when ``epoch`` begins (the one before it ended)."""
+        every = self.spec.checkpoint.every_epochs
+        return bool(self.spec.checkpoint.dir) and (epoch % every == 0
+                                                   or epoch == self.spec.epochs)
+
+    def _submit_evaluation(self, epoch: int, workers: list[str]) -> EvalRound:
+        """Split the held-out set over ``workers`` in proportion to their measured
+        throughput this epoch, and queue each its shard."""
+        weights = {}
+        for w in workers:
+            t = self.tracker.workers.get(w)
+            weights[w] = (t.epoch_samples / t.epoch_compute if t and t.epoch_compute
+                          else (t.throughput if t else 0.0))
+        return self._evals.submit(epoch, split(self.data.n_test if self.data else 0, weights))
+
+    def _publish_ready(self) -> None:
+        self._evals.poll()
+        for rnd in self._evals.ready():
+            self._publish(rnd)
+
+    def _settle_evaluations(self) -> None:
+        """Wait for the evaluations in flight (each up to its deadline) and publish them."""
+        while self._evals.busy:
+            ready = self._evals.settle()
+            if not ready:
+                break
+            for rnd in ready:
+                self._publish(rnd)
+
+    def _publish(self, rnd: EvalRound) -> None:
+        """An epoch's evaluation is in: its record joins the history, with the scores when
+        every shard was scored."""
+        for w, r in rnd.failures.items():
+            self._log("WARNING", f"evaluation of epoch {rnd.epoch} on {w} failed: {r.error}")
+            if r.lost:
+                self._remove(w, "failure", "lost during evaluation")
+        sums = rnd.sums()
+        holders = [m.worker_id for m in self.membership.holders()]
+        if sums is None and rnd.failures and rnd is self._next_behind and holders:
+            # Nothing was sent behind it: the holders left still have the epoch's weights
+            # and score the set again (at the job's end, say), so no scores are lost.
+            self._log("INFO", f"epoch {rnd.epoch}: evaluating again on {holders}")
+            again = self._submit_evaluation(rnd.epoch, holders)
+            again.record, again.extra = rnd.record, rnd.extra
+            again.waited_s = rnd.critical_s
+            self._next_behind = again
+            return
+        scores = self._evals.runtime.finish_evaluation(sums) if sums is not None else None
+        if scores is None and rnd.shards:
+            self._log("WARNING", f"epoch {rnd.epoch}: no test scores (not every shard of "
+                                 "the held-out set was scored)")
+        record = with_scores(rnd.record, rnd.extra, scores, rnd)
+        with self._lock:
+            self._history.append(record)
+            self._log("INFO", summary(record))
+
+    def _finish(self, state: JobState, reason: str | None) -> None:
+        if not self.state.is_terminal and self._evals.busy:
+            # Ending otherwise than by success or cancellation (which wait for them):
+            # the epochs whose evaluation is out keep their records, with the scores
+            # that are in by now.
+            self._next_behind = None
+            self._evals.poll(timeout_s=1.0)
+            for rnd in self._evals.close("the job ended before this shard was scored"):
+                self._publish(rnd)
+        super()._finish(state, reason)
+
     def _maybe_succeed(self) -> None:
-        """Done once every epoch is trained and a member still holds the final state; if
-        the last holder was lost (in the final evaluation or checkpoint), the next step's
-        regroup restores the last checkpoint and trains on, or fails with the reason."""
+        """Done once every epoch is trained, its evaluations are in, and a member still
+        holds the final state; if the last holder was lost (in the final evaluation or
+        checkpoint), the next step's regroup restores the last checkpoint and trains on,
+        or fails with the reason."""
         if self.protocol.epoch >= self.spec.epochs and self.membership.holders():
-            self._finish(JobState.SUCCEEDED, None)
+            self._settle_evaluations()
+            if self.membership.holders():
+                self._finish(JobState.SUCCEEDED, None)
 
     # ---------------------------------------------------------------- membership
     def _apply_requests(self) -> bool:
@@ -595,7 +687,10 @@ class Coordinator(JobControl):
                     self.membership.request_drain(arg)
             except (KeyError, ValueError) as err:
                 self._log("WARNING", f"{kind} {arg} not applied: {err}")
-        for change in self.membership.apply_drains():
+        drains = self.membership.apply_drains()
+        if drains:
+            self._settle_evaluations()  # a drained worker may still owe its shard of one
+        for change in drains:
             self._changed(change)
             self.runtime.kill(change.worker)
             changed = True
@@ -623,15 +718,45 @@ class Coordinator(JobControl):
             self._transition(JobState.RUNNING, None)
         return True
 
+    def _poll_nodes(self) -> None:
+        """While a segment is in flight: every ``NODE_POLL_S``, start workers on nodes that
+        joined and tend the spares. They join at the next boundary."""
+        now = self.clock.now()
+        if now - self._last_node_poll >= NODE_POLL_S:
+            self._last_node_poll = now
+            self._spawn_missing(starting=False)
+
     def _spawn_missing(self, starting: bool) -> None:
+        m = self.membership
         nodes = self.runtime.nodes()
         if not nodes and starting:
             self.reason = f"waiting for resources: {self._no_node_hint()}"
-        for s in self.membership.spawns(nodes, starting, self.spec.gpus_on):
+        spares = spare_capable(self.runtime)
+        if spares is not None:
+            for node, why in spares.lost_spares():
+                m.spare_lost(node, why)
+                self._log("WARNING", f"the spare worker on node {node[:12]} was lost before "
+                                     f"it was adopted ({why}); that node gets no other spare")
+        adopted = False
+        for s in m.spawns(nodes, starting, self.spec.gpus_on):
             self.tracker.add(s.worker_id, s.capacity)
             self.runtime.spawn(s)
+            adopted = adopted or s.adopt
             self._log("INFO", f"starting worker {s.worker_id} on node {s.node_id[:12]}"
-                              + (" (GPU)" if s.gpus else ""))
+                              + (" (GPU)" if s.gpus else "")
+                              + (" (adopting its spare)" if s.adopt else ""))
+        # Spares once the first workers are up (they would compete with their start-up).
+        if spares is not None and not starting and not self.state.is_terminal:
+            plan = m.spare_plan(nodes, self.spec.spares, self.spec.gpus_on)
+            for node in plan.stop:
+                spares.stop_spare(node)
+            for node in plan.start:
+                spares.start_spare(node)
+                self._log("INFO", f"starting a spare worker on node {node[:12]}")
+        if adopted and self._ahead is None:
+            # Nothing in flight: the adopted spare answers in milliseconds, and joins the
+            # group formed at this boundary.
+            self._adopt_started(ADOPT_WAIT_S)
 
     def _adopt_started(self, timeout_s: float) -> None:
         for st in self.runtime.poll_started(timeout_s):
@@ -718,6 +843,7 @@ class Coordinator(JobControl):
                                f"in a row: {why}")
             return False
         self._regroup_failures = 0
+        self._next_behind = None  # an evaluation queued before the regroup ran before it
         m.regrouped(plan.members)
         self._resume_state = None  # only now: a failed join must be able to load it again
         dt = self.clock.now() - t0
@@ -742,7 +868,9 @@ class Coordinator(JobControl):
         self._event(c.kind, c.worker, c.node, c.reason, self.generation)
 
     # ---------------------------------------------------------------- checkpoints
-    def _checkpoint(self, reason: str) -> None:
+    def _checkpoint(self, reason: str, position: Position | None = None) -> None:
+        """Save the job where it stands (or at ``position``: the epoch that just ended is
+        saved as the start of the next)."""
         if not self.spec.checkpoint.dir:
             return
         weights = self._resume_state  # restored but not yet loaded into a group
@@ -757,7 +885,7 @@ class Coordinator(JobControl):
         if weights is None:
             self._log("WARNING", f"checkpoint ({reason}) skipped: no worker holds the state")
             return
-        pos = self.protocol.position if self.protocol else self._position
+        pos = position or (self.protocol.position if self.protocol else self._position)
         payload = {
             "job_id": self.job_id,
             "spec": self.spec.model_dump(mode="json"),
@@ -811,6 +939,8 @@ class Coordinator(JobControl):
 
     def _rollback(self) -> None:
         """No member holds the committed state: load the last checkpoint, or fail."""
+        # Records of epochs before it first: the checkpoint's history replaces them all.
+        self._settle_evaluations()
         lost = ("every worker holding the current model state was lost "
                 f"(committed at epoch {self.membership.committed.epoch} "
                 f"step {self.membership.committed.step})")

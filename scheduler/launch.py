@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import ray
 
-from actors.spec import JobSpec
+from actors.spec import URI_PATTERN, JobSpec
 from scheduler.coordinator import Coordinator
 from scheduler.ps_driver import PSCoordinator
 
@@ -20,16 +21,28 @@ def coordinator_name(job_id: str) -> str:
     return f"dynabatch-job-{job_id}"
 
 
-def shipped_code(working_dir: str) -> dict[str, Any]:
-    """A runtime_env whose working_dir is a URI every node can fetch.
+def is_uri(value: str) -> bool:
+    return re.match(URI_PATTERN, value) is not None
 
-    An actor's runtime_env takes only URIs: a local directory is zipped into Ray's GCS
-    first, the step ``ray.init(runtime_env=...)`` and Ray job submission take themselves
-    (Ray has no public function for it; this is the one they call). A URI (``gcs://``,
-    ``https://...zip``) passes through unchanged."""
-    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
 
-    return upload_working_dir_if_needed({"working_dir": working_dir}, include_gitignore=True)
+def shipped_code(working_dir: str) -> dict[str, Any] | None:
+    """The coordinator's runtime_env for the job's ``working_dir``; its workers inherit it.
+
+    A URI goes to the actor's runtime_env as it is, and Ray fetches and unpacks it on every
+    node: ``file://`` (a zip on a disk every node reads: the service's uploads,
+    ``service.code_store``), ``gcs://``, ``https://``, ``s3://``... An actor's runtime_env
+    takes nothing else: Ray uploads a local directory only for a whole Ray job, in its
+    driver's ``ray.init(runtime_env=...)``. So a local directory must have been shipped that
+    way (``dynabatch run`` does, see ``service.raycluster.connect``): then every actor of this
+    driver's job has it already, and None is the answer."""
+    if is_uri(working_dir):
+        return {"working_dir": working_dir}
+    if not (ray.get_runtime_context().runtime_env or {}).get("working_dir"):
+        raise ValueError(
+            f"working_dir: {working_dir!r} is a local directory, which only a job's own driver "
+            "can ship (dynabatch run does); upload it to the service instead (dynabatch submit "
+            "--working-dir) or name a URI Ray can fetch")
+    return None
 
 
 def launch_coordinator(
@@ -51,7 +64,9 @@ def launch_coordinator(
     if spec.working_dir:
         # The user's code goes to every node with the job; the workers the coordinator
         # starts inherit its runtime_env.
-        options["runtime_env"] = shipped_code(spec.working_dir)
+        env = shipped_code(spec.working_dir)
+        if env is not None:
+            options["runtime_env"] = env
     # A parameter-server job has its own driver with the same public interface.
     cls = PSCoordinator if spec.protocol.name == "ps" else Coordinator
     handle = ray.remote(cls).options(**options).remote(job_id, spec, resume=resume)

@@ -16,6 +16,17 @@ Bounds. The job keeps between ``min_size`` and ``max_size`` workers:
 batch) and ``max_size = min(max_workers or workers or B, B)`` (a worker needs at least one
 sample per step), so ``workers: auto`` is bounded too. Below ``min_size`` the job waits
 with a reason.
+
+Spares. A worker's start-up (a process, the torch import, the model, the data) takes
+seconds; a pre-warmed *spare* on an idle node pays it ahead, so a worker that later starts
+there (a scale-up, a replacement after a loss) adopts the spare and only takes its identity.
+:meth:`Membership.spare_plan` says where spares should be: at most ``limit``, at most one
+per node, only on eligible nodes that host none of this job's workers and would run a CPU
+worker (a GPU is visible only to the process it was reserved for). A spare is started only
+on a node with room for a worker (``NodeInfo.free``); once there it stays while the node is
+eligible (it holds no CPU, so it keeps nobody out), unless the limit is better spent on a
+free node. :meth:`Membership.spawns` takes free nodes with a spare first and marks those
+spawns ``adopt``. A node whose spare was lost before adoption gets no other spare.
 """
 
 from __future__ import annotations
@@ -36,6 +47,9 @@ class NodeInfo:
     cpus: float = 1.0
     gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
+    # Room for one more of this job's workers now (unreserved CPUs and GPUs). Only spares
+    # look at it: a spawn on a full node waits for the resources instead.
+    free: bool = True
 
     @property
     def capacity(self) -> float:
@@ -55,13 +69,23 @@ class Member:
 
 @dataclass(frozen=True, slots=True)
 class Spawn:
-    """Start a worker on a node (its actor may take a while to come up)."""
+    """Start a worker on a node (its actor may take a while to come up). ``adopt``: the
+    node holds this job's spare, which becomes the worker."""
 
     worker_id: str
     ordinal: int
     node_id: str
     capacity: float
     gpus: float
+    adopt: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SparePlan:
+    """Nodes to start a spare on, and nodes whose spare to stop (kill)."""
+
+    start: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +133,8 @@ class Membership:
         self.next_ordinal = 0
         self.excluded_nodes: dict[str, str] = {}
         self._drain: set[str] = set()
+        self.spares: set[str] = set()  # nodes holding this job's spare (starting or warm)
+        self.no_spare: dict[str, str] = {}  # nodes whose spare was lost: why
 
     # --- queries ----------------------------------------------------------------------
     @property
@@ -154,8 +180,10 @@ class Membership:
         have = len(self.members) + len(self.pending)
         if have >= want:
             return []
-        used = {m.node for m in self.members} | {m.node for m in self.pending.values()}
+        used = self._used()
         free = [n for n in nodes if n.node_id not in used]
+        # A free node with a spare first: its worker is up in a fraction of a second.
+        free.sort(key=lambda n: not (n.free and n.node_id in self.spares))  # stable
         choices = list(free)
         if starting and len(free) < want - have:
             choices += [nodes[i % len(nodes)] for i in range(want - have - len(free))]
@@ -165,7 +193,38 @@ class Membership:
             self.next_ordinal += 1
             m = Member(f"w{ordinal}", ordinal, node.node_id, node.capacity, gpus_on(node.gpus))
             self.pending[m.worker_id] = m
-            out.append(Spawn(m.worker_id, ordinal, node.node_id, m.capacity, m.gpus))
+            adopt = node.node_id in self.spares
+            self.spares.discard(node.node_id)  # adopted: from now on it is this worker
+            out.append(Spawn(m.worker_id, ordinal, node.node_id, m.capacity, m.gpus, adopt))
+        return out
+
+    def _used(self) -> set[str]:
+        return {m.node for m in self.members} | {m.node for m in self.pending.values()}
+
+    # --- spares -----------------------------------------------------------------------
+    def spare_plan(self, nodes: Sequence[NodeInfo], limit: int, gpus_on) -> SparePlan:
+        """Where this job's spares should be now (see the module docstring), up to
+        ``limit``: first the spares on free nodes, then free nodes without one, then the
+        spares on nodes another job has filled meanwhile; in node order within each."""
+        used = self._used()
+        candidates = [n for n in nodes
+                      if n.node_id not in used and n.node_id not in self.excluded_nodes
+                      and n.node_id not in self.no_spare and not gpus_on(n.gpus)
+                      and (n.free or n.node_id in self.spares)]
+        candidates.sort(key=lambda n: (not n.free, n.node_id not in self.spares))  # stable
+        want = {n.node_id for n in candidates[:max(0, limit)]}
+        start, stop = sorted(want - self.spares), sorted(self.spares - want)
+        self.spares = want
+        return SparePlan(tuple(start), tuple(stop))
+
+    def spare_lost(self, node: str, reason: str) -> None:
+        """The spare on ``node`` died (or never came up) before it was adopted."""
+        self.spares.discard(node)
+        self.no_spare[node] = reason
+
+    def drop_spares(self) -> tuple[str, ...]:
+        """The job ends: every spare is to be stopped."""
+        out, self.spares = tuple(sorted(self.spares)), set()
         return out
 
     def started(self, worker: str) -> Change | None:

@@ -10,7 +10,8 @@ pushes (or at each epoch when 0) the batches are re-planned::
 so every learner's iteration takes about ``B/Σv`` seconds: pushes arrive round-robin and
 each gradient is about λ−1 versions old, with little spread, instead of the slow learner's
 gradients being many versions old. A learner with no measurement yet gets b0. Optionally
-the learning rate of a learner's gradient is scaled by ``b_i/b0`` (:meth:`lr_scale`).
+the learning rate of a gradient is scaled by its own sample count over b0 (:meth:`lr_scale`):
+the batch it was computed on, not the batch planned since (a re-plan may come between).
 """
 
 from __future__ import annotations
@@ -67,13 +68,18 @@ class PerfAwareBatches:
     def batch(self, worker: str) -> int:
         return self._batches.get(worker, self.b0)
 
-    def lr_scale(self, worker: str) -> float:
+    def lr_scale(self, samples: int) -> float:
+        """The factor on α of a gradient over ``samples`` samples: ``samples/b0`` with
+        ``scale_lr``, else 1."""
         c = self.config
-        return self.batch(worker) / self.b0 if c is not None and c.scale_lr else 1.0
+        return samples / self.b0 if c is not None and c.scale_lr else 1.0
 
-    def observe(self, worker: str, samples: int, compute_s: float) -> None:
+    def observe(self, worker: str, samples: int, compute_s: float,
+                members: Iterable[str] | None = None) -> bool:
+        """One push's measurement. Every ``every_pushes`` measured pushes the batches are
+        re-planned over ``members`` (default: the learners with a speed); True when it did."""
         if self.config is None or compute_s <= 0 or samples < 1:
-            return
+            return False
         v = samples / compute_s
         old = self.speeds.get(worker)
         beta = self.config.ema
@@ -81,7 +87,9 @@ class PerfAwareBatches:
         self._since += 1
         if self.config.every_pushes and self._since >= self.config.every_pushes:
             self._since = 0
-            self.replan(self.speeds)
+            self.replan(self.speeds if members is None else members)
+            return True
+        return False
 
     def replan(self, workers: Iterable[str]) -> dict[str, int]:
         """Re-plan over ``workers`` (those without a speed are sized from the mean speed)."""

@@ -3,10 +3,12 @@
 gradients computed in-process.
 
 Each learner ``i`` takes ``t_i(b) = (a_i + c_i·b)·ε`` seconds of virtual time to compute a
-gradient over ``b`` samples (``ε`` a log-normal jitter with σ = ``noise``), plus ``rtt_s`` for
-its pull and push. A learner's gradient is computed when it pulls (it depends only on the
-weights of the version it pulled, so this is exact) and pushed ``t_i(b)`` later; the server's
-own work takes no virtual time. Learners lost at a given time have their in-flight gradient
+gradient over ``b`` samples (``ε`` a log-normal jitter with σ = ``noise``), plus ``rtt_s``
+and, with a cluster's ``parameter_server`` costs, the pull and push of the model's bytes
+over ``shards`` server actors (:class:`scheduler.cluster_model.ParameterServerModel`). A
+learner's gradient is computed when it pulls (it depends only on the weights of the version
+it pulled, so this is exact) and pushed ``t_i(b)`` and the transfers later; the server's own
+work takes no virtual time. Learners lost at a given time have their in-flight gradient
 dropped (the core re-queues its samples); joining learners pull and start.
 
 Real gradients: one :class:`~actors.ps.ParamStore` (flat weights and the optimizer state)
@@ -27,6 +29,7 @@ import numpy as np
 from actors.ps import GradientComputer, ParamStore
 from actors.spec import JobSpec
 from actors.workloads.datasets import load_dataset
+from scheduler.cluster_model import ClusterError, ClusterModel, ClusterSpec, ParameterServerModel
 from scheduler.ps_core import PSCore
 
 
@@ -46,6 +49,8 @@ class PSSimConfig:
     lose: tuple[tuple[float, str], ...] = ()  # (virtual time, learner)
     join: tuple[tuple[float, SimLearner], ...] = ()
     eval_train: bool = True  # final training loss over the whole training set
+    parameter_server: ParameterServerModel | None = None  # push/pull costs (none: free)
+    shards: int = 1
 
 
 @dataclass
@@ -76,6 +81,11 @@ def simulate_ps(spec: JobSpec, core: PSCore, config: PSSimConfig,
     computer = GradientComputer(spec, ds.x_train, ds.y_train, shape, classes)
     rng = np.random.default_rng(config.seed)
     models = {ln.name: ln for ln in config.learners}
+    ps_cost = config.parameter_server
+    nbytes = 4.0 * store.size  # float32 weights and gradients
+    comm_s = config.rtt_s + (0.0 if ps_cost is None else
+                             ps_cost.pull_s(nbytes, config.shards)
+                             + ps_cost.push_s(nbytes, config.shards))
     res = PSSimResult()
     heap: list[tuple[float, int, str, str, Any]] = []
     seq = 0
@@ -152,7 +162,7 @@ def simulate_ps(spec: JobSpec, core: PSCore, config: PSSimConfig,
                 m = models[w]
                 dt = (m.overhead_s + m.per_sample_s * len(ids)) * math.exp(
                     config.noise * rng.standard_normal())
-                at(t + dt + config.rtt_s, "push", w, (work, dt))
+                at(t + dt + comm_s, "push", w, (work, dt))
             if events:
                 wake(t)
         elif kind == "push":
@@ -166,3 +176,48 @@ def simulate_ps(spec: JobSpec, core: PSCore, config: PSSimConfig,
     if config.eval_train:
         res.final_train_loss = store.evaluate(ds.x_train, ds.y_train)[0]
     return res
+
+
+def learners_on(spec: JobSpec, cluster: ClusterSpec) -> PSSimConfig:
+    """The job's learners on a simulated cluster (``dynabatch simulate`` of a ``protocol: ps``
+    spec): learner ``w{i}`` on node ``i mod nodes`` (as the Ray driver places them), its
+    ``a, c`` the node's times the spec's emulated slowdown, the cluster's noise, its
+    ``parameter_server`` push/pull costs over ``protocol.shards`` servers. Events at ``at_s``
+    that fail nodes lose their learners; joins add one learner per new node. Epoch-timed
+    events and slowdowns are refused (the parameter-server simulator runs on time only)."""
+    model = ClusterModel(cluster)
+    nodes = list(model.nodes)
+    slow = spec.emulation.slowdowns
+    n = spec.initial_workers or len(nodes)
+
+    def learner(i: int, node: Any) -> SimLearner:
+        f = slow[i] if i < len(slow) else 1.0
+        return SimLearner(f"w{i}", node.c_s * f, node.a_s * f)
+
+    learners = [learner(i, nodes[i % len(nodes)]) for i in range(n)]
+    placed = {ln.name: nodes[i % len(nodes)] for i, ln in enumerate(learners)}
+    lose: list[tuple[float, str]] = []
+    join: list[tuple[float, SimLearner]] = []
+    for k, e in enumerate(cluster.events):
+        if e.at_s is None or e.kind == "slowdown":
+            raise ClusterError(f"events.{k}: the parameter-server simulator takes fail and "
+                               f"join events at at_s only, not {e.kind} at an epoch")
+        if e.kind == "join":
+            for _ in range(e.join.count):
+                node = model.add_node(e.join.node_class)
+                ln = learner(n, node)
+                n += 1
+                placed[ln.name] = node
+                join.append((e.at_s, ln))
+            continue
+        sel = e.selector
+        pool = (model.nodes if sel.node_class is None else model.by_class[sel.node_class])
+        pool = [x for x in pool if x.alive]
+        if sel.index is not None:
+            pool = [model.by_class[sel.node_class][sel.index]]
+        for node in pool[:sel.count]:  # every learner on a failed node is lost
+            node.alive = False
+            lose.extend((e.at_s, w) for w, x in placed.items() if x is node)
+    return PSSimConfig(tuple(learners), noise=cluster.noise_sigma, seed=cluster.seed,
+                       lose=tuple(lose), join=tuple(join),
+                       parameter_server=cluster.parameter_server, shards=spec.protocol.shards)

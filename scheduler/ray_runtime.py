@@ -10,17 +10,20 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.placement_group import remove_placement_group
 
 from actors.group import choose_backend
+from actors.output import ActorOutput
 from actors.spec import JobSpec
 from scheduler.failures import WorkerOutcome
 from scheduler.membership import NodeInfo, Spawn
-from scheduler.pool import eligible_nodes, spawn_worker
-from scheduler.runtime import DataInfo, RegroupResult, Started, WorkerCallError
+from scheduler.pool import eligible_nodes, reserve, spawn_worker, start_spare
+from scheduler.runtime import DataInfo, RegroupResult, ShardResult, Started, WorkerCallError
 
 # Small calls (info, open a store): a live actor answers in milliseconds.
 CALL_TIMEOUT_S = 60.0
@@ -39,25 +42,36 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {line}"[:300] if line else type(err).__name__
 
 
+def load_checked(spec: JobSpec) -> tuple[Any, Any]:
+    """The job's dataset and its objective, the model, the loss and the metrics checked
+    on two samples of it: a workload error names its field here, once, rather than inside
+    every worker's constructor. No Ray (a fake runtime's tests use it too)."""
+    from actors.workloads.datasets import load_dataset
+    from actors.workloads.models import build_model
+    from actors.workloads.objective import check_objective
+
+    ds = load_dataset(spec.dataset, seed=spec.seed)
+    model = build_model(spec.model, tuple(ds.input_shape), ds.num_classes)
+    return ds, check_objective(spec, model, ds.x_train, ds.y_train)
+
+
 class RayRuntime:
-    def __init__(self, spec: JobSpec):
+    def __init__(self, spec: JobSpec, output: ActorOutput | None = None):
         self.spec = spec
+        self.output = output  # follows each worker's stdout and stderr into the job log
         self._data: dict[str, Any] | None = None
         self._handles: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self._devices: dict[str, str] = {}
+        self._objective: Any = None  # finishes the evaluation's sums (loaded with the data)
+        self._spares: dict[str, _Spare] = {}  # node id -> its spare, not yet adopted
+        self._reservations: dict[str, Any] = {}  # adopted worker -> its placement group
+        # Per worker: where its start-up time went (epoch seconds; benchmarks print it).
+        self.startups: dict[str, dict[str, Any]] = {}
 
     # --- data -------------------------------------------------------------------------
     def load_data(self) -> DataInfo:
-        from actors.workloads.datasets import load_dataset
-        from actors.workloads.models import build_model
-        from actors.workloads.objective import check_objective
-
-        ds = load_dataset(self.spec.dataset, seed=self.spec.seed)
-        # Fail here, with the field named, rather than inside every worker's constructor:
-        # the model, and the loss and metrics run on two samples of the data.
-        model = build_model(self.spec.model, tuple(ds.input_shape), ds.num_classes)
-        check_objective(self.spec, model, ds.x_train, ds.y_train)
+        ds, self._objective = load_checked(self.spec)
         self._data = {
             "x_train": ray.put(ds.x_train),
             "y_train": ray.put(ds.y_train),
@@ -73,10 +87,29 @@ class RayRuntime:
         return eligible_nodes(self.spec)
 
     def spawn(self, spawn: Spawn) -> None:
-        handle = spawn_worker(self.spec, spawn.worker_id, spawn.ordinal, spawn.node_id,
-                              spawn.gpus, self._data)
-        self._handles[spawn.worker_id] = handle
-        self._pending[spawn.worker_id] = handle.info.remote()
+        w = spawn.worker_id
+        self.startups[w] = {"spawn": time.time()}
+        spare = self._spares.pop(spawn.node_id, None) if spawn.adopt else None
+        if spare is None:  # a fresh worker (also when the spare was lost meanwhile)
+            handle = spawn_worker(self.spec, w, spawn.ordinal, spawn.node_id, spawn.gpus,
+                                  self._data)
+            self._handles[w] = handle
+            self._pending[w] = handle.info.remote()
+            self._watch(w)
+            return
+        # The spare takes the identity once the worker's CPUs are reserved on its node
+        # (the placement group's ready() is the call's dependency); until then it is
+        # pending, like a fresh worker waiting to be placed.
+        self.startups[w]["spare"] = True
+        pg = reserve(self.spec, spawn.node_id)
+        self._reservations[w] = pg
+        self._handles[w] = spare.handle
+        self._pending[w] = spare.handle.adopt.remote(w, spawn.ordinal, pg.ready())
+        self._watch(w)
+
+    def _watch(self, worker: str) -> None:
+        if self.output is not None:  # by its actor id, asked now, answered once it is built
+            self.output.watch(worker, self._handles[worker].actor_id.remote())
 
     def poll_started(self, timeout_s: float) -> list[Started]:
         if not self._pending:
@@ -90,7 +123,10 @@ class RayRuntime:
                 continue
             del self._pending[worker]
             try:
-                self._devices[worker] = ray.get(ref, timeout=CALL_TIMEOUT_S)["device"]
+                info = ray.get(ref, timeout=CALL_TIMEOUT_S)
+                self._devices[worker] = info["device"]
+                self.startups.setdefault(worker, {}).update(info.get("startup") or {},
+                                                            started=time.time())
                 out.append(Started(worker))
             except (RayError, GetTimeoutError) as err:
                 self.kill(worker)
@@ -98,12 +134,60 @@ class RayRuntime:
         return out
 
     def kill(self, worker: str) -> None:
+        if self.output is not None:  # its last lines (a dead worker's traceback) are read
+            self.output.unwatch(worker)
         self._pending.pop(worker, None)
         self._devices.pop(worker, None)
         handle = self._handles.pop(worker, None)
         if handle is not None:
             with contextlib.suppress(Exception):
                 ray.kill(handle, no_restart=True)
+        pg = self._reservations.pop(worker, None)
+        if pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+
+    # --- spares (SpareRuntime) --------------------------------------------------------
+    def start_spare(self, node_id: str) -> None:
+        if node_id in self._spares:
+            return
+        handle = start_spare(self.spec, node_id, self._data)
+        self._spares[node_id] = _Spare(handle, handle.info.remote(), time.monotonic())
+
+    def stop_spare(self, node_id: str) -> None:
+        spare = self._spares.pop(node_id, None)
+        if spare is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(spare.handle, no_restart=True)
+
+    def spare_nodes(self) -> dict[str, bool]:
+        """Nodes holding a spare, and whether it is up (benchmarks and tests wait on it,
+        from another thread: a copy first)."""
+        return {n: s.up for n, s in dict(self._spares).items()}
+
+    def lost_spares(self) -> list[tuple[str, str]]:
+        """Spares that died, or are not up ``start_timeout_s`` after they were started.
+        A spare that dies once up is found when it is adopted (its worker fails to start
+        and is started afresh)."""
+        waiting = {s.ready: n for n, s in self._spares.items() if not s.up}
+        if not waiting:
+            return []
+        done, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
+        out = []
+        for ref in done:
+            node = waiting[ref]
+            try:
+                ray.get(ref, timeout=CALL_TIMEOUT_S)
+                self._spares[node].up = True
+            except (RayError, GetTimeoutError) as err:
+                self.stop_spare(node)
+                out.append((node, first_line(err)))
+        limit = self.spec.start_timeout_s
+        for node, spare in list(self._spares.items()):
+            if not spare.up and time.monotonic() - spare.since > limit:
+                self.stop_spare(node)
+                out.append((node, f"not up after {limit:g}s"))
+        return out
 
     def handle(self, worker: str) -> Any:
         """The worker's actor handle (tests and benchmarks inject stalls through it)."""
@@ -175,9 +259,39 @@ class RayRuntime:
                 errors.append(f"{w}: {first_line(err)}")
         return RegroupResult(lost, "; ".join(errors) or None)
 
-    def evaluate(self, worker: str, timeout_s: float) -> dict[str, float]:
-        data = self._data
-        return self._call(worker, "evaluate", timeout_s, data["x_test"], data["y_test"])
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> dict[Any, str]:
+        # Queued on each actor behind the segment before it, ahead of the one after.
+        data, ticket = self._data, {}
+        for w, (lo, hi) in shards.items():
+            handle = self._handles.get(w)
+            ticket[handle.evaluate_shard.remote(data["x_test"], data["y_test"], lo, hi)
+                   if handle is not None else ("gone", w)] = w
+        return ticket
+
+    def poll_evaluation(self, ticket: dict[Any, str], timeout_s: float) -> list[ShardResult]:
+        out = [ShardResult(w, error="worker process died or node lost", lost=True)
+               for ref, w in list(ticket.items()) if isinstance(ref, tuple)]
+        for ref in [r for r in ticket if isinstance(r, tuple)]:
+            del ticket[ref]
+        refs = list(ticket)
+        if not refs:
+            return out
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            w = ticket.pop(ref)
+            try:
+                got = ray.get(ref, timeout=CALL_TIMEOUT_S)
+                out.append(ShardResult(w, got["sums"], float(got["seconds"])))
+            except RayActorError as err:
+                out.append(ShardResult(w, error=_why_lost(err), lost=True))
+            except (RayError, GetTimeoutError) as err:
+                out.append(ShardResult(w, error=first_line(err)))
+        return out
+
+    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
+        return self._objective.finish(sums)
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict[str, Any]:
         return self._call(worker, "state", timeout_s)
@@ -196,6 +310,14 @@ class RayRuntime:
                                   lost=False) from None
         except RayError as err:
             raise WorkerCallError(worker, first_line(err), lost=False) from None
+
+
+@dataclass
+class _Spare:
+    handle: Any
+    ready: Any  # its info() call: answers once the spare is built
+    since: float  # monotonic seconds when it was started
+    up: bool = False
 
 
 def _outcome(worker: str, ref: Any) -> WorkerOutcome:

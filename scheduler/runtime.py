@@ -49,6 +49,19 @@ class RegroupResult:
         return not self.lost and self.error is None
 
 
+@dataclass(frozen=True, slots=True)
+class ShardResult:
+    """One worker's shard of an evaluation: the sums of its test samples (``{"n", "loss",
+    <metric>: Σ}``, see ``Objective.eval_sums``) and the seconds the worker spent on them;
+    or, without sums, why (``lost``: the worker is gone)."""
+
+    worker: str
+    sums: dict[str, float] | None = None
+    seconds: float = 0.0
+    error: str | None = None
+    lost: bool = False
+
+
 class Clock(Protocol):
     def now(self) -> float:
         """Monotonic seconds (timeouts, durations)."""
@@ -97,9 +110,18 @@ class Runtime(Protocol):
         loading ``state`` into it when given. A member whose join raised is not lost: it
         is alive and takes part in the next attempt."""
 
-    def evaluate(self, worker: str, timeout_s: float) -> dict[str, float]:
-        """``worker``'s model on the held-out set: ``{"loss": ..., <metric>: ...}`` (the
-        job's metrics); raises ``WorkerCallError``."""
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> Any:
+        """Queue each worker's evaluation of the held-out samples ``[lo, hi)``: behind the
+        calls sent to it before (so it scores the weights they leave) and ahead of those
+        sent after. Returns a ticket for :meth:`poll_evaluation`."""
+
+    def poll_evaluation(self, ticket: Any, timeout_s: float) -> list[ShardResult]:
+        """The ticket's shards that finished since the last poll (each returned once),
+        waiting up to ``timeout_s`` for the first of them."""
+
+    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
+        """The job's scores from the shards' combined sums: ``{"loss": ..., <metric>:
+        ...}`` (means, and each metric's finish), as one worker scoring the whole set."""
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict[str, Any]:
         """``worker``'s model and optimizer state on the CPU; raises ``WorkerCallError``."""
@@ -123,6 +145,71 @@ def pipelined(runtime: Runtime) -> PipelinedRuntime | None:
     ok = callable(getattr(runtime, "submit_segment", None)) and callable(
         getattr(runtime, "collect_segment", None))
     return runtime if ok else None  # type: ignore[return-value]
+
+
+class SpareRuntime(Runtime, Protocol):
+    """A runtime that keeps pre-warmed spare workers on idle nodes, where
+    :meth:`~scheduler.membership.Membership.spare_plan` says. A :class:`Spawn` marked
+    ``adopt`` turns the node's spare into the worker (it reserves the worker's resources,
+    then takes the worker's identity); when that spare is gone, ``spawn`` starts one afresh.
+    Spares reserve nothing while they wait, and every call here returns at once."""
+
+    def start_spare(self, node_id: str) -> None: ...
+
+    def stop_spare(self, node_id: str) -> None: ...
+
+    def lost_spares(self) -> list[tuple[str, str]]:
+        """Spares that died or did not come up in time since the last call: (node, why)."""
+
+
+def spare_capable(runtime: Runtime) -> SpareRuntime | None:
+    """``runtime`` when it can keep spares, else None."""
+    ok = all(callable(getattr(runtime, m, None))
+             for m in ("start_spare", "stop_spare", "lost_spares"))
+    return runtime if ok else None  # type: ignore[return-value]
+
+
+class WholeSetEvaluation:
+    """Sharded evaluation over a runtime that only scores the whole held-out set on one
+    worker, synchronously (``evaluate(worker, timeout_s) -> scores``): the first worker of a
+    submission that answers scores everything, the other shards come back empty, and the
+    scores pass through ``finish`` unchanged."""
+
+    def __init__(self, runtime: Any, timeout_s: float):
+        self.runtime = runtime
+        self.timeout_s = timeout_s
+
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
+        total = float(sum(hi - lo for lo, hi in shards.values()))
+        out: list[ShardResult] = []
+        scores: dict[str, float] | None = None
+        for w in shards:
+            if scores is not None:
+                out.append(ShardResult(w, {"n": 0.0} | dict.fromkeys(scores, 0.0)))
+                continue
+            try:
+                scores = dict(self.runtime.evaluate(w, self.timeout_s) or {})
+            except WorkerCallError as err:
+                out.append(ShardResult(w, error=str(err), lost=err.lost))
+                continue
+            out.append(ShardResult(w, {"n": total} | {k: v * total for k, v in scores.items()}))
+        return out
+
+    def poll_evaluation(self, ticket: list[ShardResult], timeout_s: float) -> list[ShardResult]:
+        out = list(ticket)
+        ticket.clear()
+        return out
+
+    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
+        n = max(sums.get("n", 0.0), 1.0)
+        return {k: v / n for k, v in sums.items() if k != "n"}
+
+
+def sharded_evaluation(runtime: Any, timeout_s: float) -> Any:
+    """``runtime`` when it evaluates in shards, else a :class:`WholeSetEvaluation` over it."""
+    ok = all(callable(getattr(runtime, m, None))
+             for m in ("submit_evaluation", "poll_evaluation", "finish_evaluation"))
+    return runtime if ok else WholeSetEvaluation(runtime, timeout_s)
 
 
 class WorkerCallError(RuntimeError):

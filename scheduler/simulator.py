@@ -12,14 +12,20 @@ What each call costs (formulas in :mod:`scheduler.cluster_model`):
 
 * ``run_segment``: step by step, ``max_i t_i(b_i) + t_ar(n, m)``; each worker reports what a
   real worker reports (its order positions, its compute and wait, the step's coverage as the
-  all-reduce would sum it). A node that fails during a step takes the step down: the worker
-  on it is lost, its peers answer with a peer error once they finished computing and the
-  failure was detected (``detect_s`` after it). A worker computing past the collective timeout
-  makes its peers time out (a straggler); the job spec's injected errors raise in compute.
+  all-reduce would sum it). With ISGD, every step also all-reduces its loss, and each
+  extra iteration is one more pass (every share's compute again and the all-reduces); the
+  step's ``compute_s`` stays its own pass, as on Ray. A node that fails during a step takes
+  the step down: the worker on it is lost, its peers answer with a peer error once they
+  finished computing and the failure was detected (``detect_s`` after it). A worker
+  computing past the collective timeout makes its peers time out (a straggler); the job
+  spec's injected errors raise in compute.
 * ``regroup``: ``regroup_s`` plus the state broadcast; a member whose node died fails it.
 * ``spawn``/``poll_started``: a worker is up ``start_s`` after it was spawned.
-* ``evaluate``/``fetch_state``: free. Timing-only runs have no model: evaluation gives no loss
-  and no accuracy (None), and the training loss of their records is 0.
+* ``submit_evaluation``/``fetch_state``: free. Each holder's shard of the held-out set is
+  scored at once (with real gradients, on the one model replica, which every holder's
+  weights equal); a holder whose node died loses its shard, and the epoch its scores, as on
+  Ray. Timing-only runs have no model: evaluation gives no loss and no accuracy (None), and
+  the training loss of their records is 0.
 
 Cluster events (failures, joins, slowdowns) happen at their simulated time, or when the job
 reaches their (epoch, step). The job spec's ``emulation`` (slowdowns, disturbances, injected
@@ -66,7 +72,7 @@ from scheduler.cluster_model import (
 )
 from scheduler.failures import WorkerOutcome
 from scheduler.membership import NodeInfo, Spawn
-from scheduler.runtime import DataInfo, RegroupResult, Started, WorkerCallError
+from scheduler.runtime import DataInfo, RegroupResult, ShardResult, Started, WorkerCallError
 
 if TYPE_CHECKING:
     from scheduler.coordinator import Coordinator
@@ -294,6 +300,7 @@ class SimRuntime:
         timeout = self.spec.collective_timeout_s
         arrays_version = -1
         a = c = factor = np.zeros(n)
+        isgd = first.isgd  # ISGD's chart, kept up to date step by step as the workers do
         for j in range(len(first.steps)):
             t0 = self.clock.now()
             step = first.steps[j].step
@@ -334,17 +341,22 @@ class SimRuntime:
                 self._failed = None
             wait = (end - t0) - compute  # the all-reduce, including the wait for the slowest
             coverage = _coverage(sps, b, size)
-            out = (self.gradients.step(first.seed, first.epoch, first.dataset_size, sps)
+            charting = isgd is not None
+            rule = isgd.rule() if charting else None
+            out = (self.gradients.step(first.seed, first.epoch, first.dataset_size, sps, rule)
                    if self.gradients is not None else None)
             losses = out.losses if out is not None else None
-            if out is not None and out.extra_iters:
-                # ISGD's extra iterations: each one more compute of every share and one more
-                # all-reduce, as on the workers.
-                extra_s = out.extra_iters * (end - t0)
-                compute = compute * (1 + out.extra_iters)
-                end += extra_s
+            if isgd is not None:
+                # ISGD, as on the workers: the batch loss is all-reduced every step (one
+                # float), and each extra iteration is one more pass over every share (the
+                # compute again) with its all-reduce and its loss's. The step's compute_s
+                # stays its own pass (what the policy plans with); the clock pays them all.
+                loss_ar = self.cluster.allreduce_s(n, 0, 8.0)
+                extra = out.extra_iters if out is not None else 0
+                wait = wait + loss_ar
+                end += loss_ar + extra * (end - t0 + loss_ar)
                 self.clock.advance_to(end)
-                wait = (end - t0) - compute
+                isgd = isgd.after(out.psi if out is not None else 0.0)
             slow, comp, waits = emu.tolist(), compute.tolist(), wait.tolist()
             for i, (w, sp) in enumerate(zip(names, sps, strict=True)):
                 steps[w].append(StepTelemetry(
@@ -355,6 +367,7 @@ class SimRuntime:
                     coverage=coverage,
                     flagged=out.flagged if out is not None else False,
                     extra_iters=out.extra_iters if out is not None else 0,
+                    isgd_loss=out.psi if out is not None and charting else None,
                     local_sqnorm=out.local_sqnorms[i] if out and out.local_sqnorms else None,
                     global_sqnorm=out.global_sqnorm if out is not None else None))
             self.steps_completed += 1
@@ -448,12 +461,28 @@ class SimRuntime:
             self.gradients.load_state(state)
         return RegroupResult({})
 
-    def evaluate(self, worker: str, timeout_s: float) -> dict[str, float]:
-        self._check_alive(worker)
-        if self.gradients is None:
-            # No model in timing-only mode: the record says so (no loss, no accuracy).
-            return {}
-        return self.gradients.evaluate()
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
+        self._advance(self.clock.now())
+        out = []
+        for w, (lo, hi) in shards.items():
+            if self._dead(w):
+                out.append(ShardResult(w, error="worker process died or node lost (simulated)",
+                                       lost=True))
+            elif self.gradients is None:
+                # No model in timing-only mode: the record says so (no loss, no accuracy).
+                out.append(ShardResult(w, {"n": float(hi - lo)}))
+            else:
+                out.append(ShardResult(w, self.gradients.eval_sums(lo, hi)))
+        return out
+
+    def poll_evaluation(self, ticket: list[ShardResult], timeout_s: float
+                        ) -> list[ShardResult]:
+        out = list(ticket)
+        ticket.clear()
+        return out
+
+    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
+        return self.gradients.finish(sums) if self.gradients is not None else {}
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict[str, Any]:
         self._check_alive(worker)
@@ -553,6 +582,7 @@ def simulate(
     *,
     dataset_size: int | None = None,
     real_gradients: bool = False,
+    holdout: float = 0.0,
     progress: Callable[[int, int], None] | None = None,
     job_id: str | None = None,
     start_time: float | None = None,
@@ -563,7 +593,9 @@ def simulate(
 
     ``dataset_size``: timing-only mode trains this many samples per epoch without loading the
     data (default: the size of the job's dataset). ``real_gradients``: train the actual model
-    on the actual data (one worker's share after another). ``progress(done, total)`` is called
+    on the actual data (one worker's share after another); ``holdout``: evaluate it on that
+    fraction of the training samples, held out of training (a validation split), instead of
+    the test set. ``progress(done, total)`` is called
     after every control-loop step. ``coordinator_hook`` sees the coordinator before it runs
     (tests record its decisions).
     """
@@ -574,7 +606,7 @@ def simulate(
     if real_gradients:
         from scheduler.sim_gradients import GradientEngine
 
-        gradients = GradientEngine(spec)
+        gradients = GradientEngine(spec, holdout)
         if dataset_size is not None and dataset_size != gradients.n_train:
             raise ClusterError(f"dataset_size: real-gradient mode trains the job's dataset "
                                f"({gradients.n_train} samples), not {dataset_size}")

@@ -33,10 +33,15 @@ class StepBreakdown(_Frozen):
 
     ``gather_s + forward_s + backward_s`` is the workers' compute (``compute_s`` in the
     telemetry, without emulated slowdowns); ``allreduce_wait_s`` is the all-reduce after
-    compute, including waiting for slower peers; ``overlap_s`` is how long the all-reduce
-    ran behind backward (bucketed mode). ``coordinator_s`` is the epoch's wall time that no
-    worker step covers (dispatch, results, ledger, planning, regroups), per step;
-    ``evaluation_s`` is the epoch's evaluation, per step.
+    compute, including waiting for slower peers; ``overlap_s`` is the all-reduce hidden
+    behind compute (bucketed mode: how long some bucket was in flight before compute
+    ended). ``coordinator_s`` is the epoch's wall time that no
+    worker step (and no evaluation) covers (dispatch, results, ledger, planning, regroups),
+    per step. ``evaluation_s`` is what the epoch's evaluation cost the critical path, per
+    step: the slowest holder's shard (the holders score their shards of the held-out set
+    side by side, then train on), or the coordinator's wait for it where it had to wait;
+    ``evaluation_hidden_s`` is the rest of the evaluation work, which one worker scoring
+    the whole set would have added (``scheduler.evaluation``).
     """
 
     gather_s: float = 0.0
@@ -47,6 +52,7 @@ class StepBreakdown(_Frozen):
     overlap_s: float = 0.0
     coordinator_s: float = 0.0
     evaluation_s: float = 0.0
+    evaluation_hidden_s: float = 0.0
     micro_batches: float = Field(default=1.0, description="Mean micro-batches per share.")
 
 
@@ -97,9 +103,15 @@ class EpochRecord(_Frozen):
     goodput_batch: int | None = Field(
         default=None, description="Goodput mode: the global batch chosen for the next epoch.")
     elapsed_s: float | None = Field(
-        default=None, description="Wall time from the epoch's start to its end, evaluation "
-        "and scheduling included (wall_s counts the training segments only).")
-    evaluation_s: float = 0.0
+        default=None, description="Wall time from the epoch's start to its last step's "
+        "results, scheduling included (wall_s counts the training segments only; the "
+        "epoch's evaluation runs on the holders right after).")
+    evaluation_s: float = Field(
+        default=0.0, description="What the epoch's evaluation cost the critical path: the "
+        "slowest holder's shard of the held-out set, or the scheduler's wait for it.")
+    evaluation_hidden_s: float = Field(
+        default=0.0, description="Evaluation work the split across holders kept off the "
+        "critical path (the other shards' time).")
     breakdown: StepBreakdown | None = None
 
 

@@ -19,6 +19,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 from actors.spec import JobSpec
 from scheduler.state import JobState
 from service.schemas import (
+    CodeUploaded,
     JobDetail,
     JobHistory,
     JobList,
@@ -98,6 +99,7 @@ class DynabatchClient:
 
     # Plumbing ---------------------------------------------------------------------------
     def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {**self._headers, **kwargs.pop("headers", {})}
         retryable = _CONNECT_ERRORS + (_READ_ERRORS if method == "GET" else ())
         retrying = Retrying(
             retry=retry_if_exception_type(retryable),
@@ -108,7 +110,7 @@ class DynabatchClient:
         try:
             for attempt in retrying:
                 with attempt:
-                    return self._http.request(method, path, headers=self._headers, **kwargs)
+                    return self._http.request(method, path, headers=headers, **kwargs)
         except httpx.TimeoutException as err:
             raise ConnectionFailed(
                 f"the dynabatch API at {self.url} did not answer in time ({type(err).__name__})"
@@ -132,6 +134,14 @@ class DynabatchClient:
     def submit(self, spec: Mapping[str, Any] | JobSpec) -> JobSubmitted:
         body = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else dict(spec)
         return self._call(JobSubmitted, "POST", "/v1/jobs", json=body)
+
+    def upload_code(self, archive: bytes) -> CodeUploaded:
+        """Upload a zip of code to ship with jobs (``service.code_store.zip_directory``);
+        the answer's ``working_dir`` goes into the job spec."""
+        # Uploading may take longer than an API call: a generous write and read timeout.
+        timeout = httpx.Timeout(10.0, write=300.0, read=120.0)
+        return self._call(CodeUploaded, "POST", "/v1/code", content=archive, timeout=timeout,
+                          headers={"Content-Type": "application/zip"})
 
     def list(
         self, state: JobState | str | None = None, *, offset: int = 0, limit: int = 50

@@ -14,6 +14,7 @@ fails at start-up with one line instead:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata as md
 from pathlib import Path
@@ -54,3 +55,10 @@ def check_own_install(root: Path | None = None) -> None:
                     f"dynabatch's package {top!r} ({f}): pip uninstall it, or use a separate "
                     "environment"
                 )
+
+
+@functools.cache
+def check_own_install_once() -> None:
+    """:func:`check_own_install`, once per process: it reads every installed distribution's
+    file list (about half a second). A failure is not cached: it raises every time."""
+    check_own_install()

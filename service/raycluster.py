@@ -1,4 +1,10 @@
-"""Connecting to Ray: an embedded local cluster by default, or an existing one by address."""
+"""Connecting to Ray: an embedded local cluster by default, or an existing one by address.
+
+The embedded cluster runs the Ray dashboard, on loopback only: it and its per-node agents
+serve Ray's log API, through which the job log gets every actor's stdout and stderr
+(``actors.output``; ``ray[default]`` brings them). A cluster attached by address needs its
+own dashboard for that (``ray start --head`` starts one when ``ray[default]`` is installed).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from scheduler.launch import NAMESPACE
+from scheduler.launch import NAMESPACE, is_uri
 
 # Fast failure detection. The GCS checks each node every 200 ms and declares it dead after 3
 # failed checks in a row: a node whose raylet is gone (refused connections) in about 0.5 s
@@ -37,11 +43,15 @@ def connect(
     num_cpus: int | None = None,
     object_store_mb: int = 256,
     namespace: str = NAMESPACE,
+    working_dir: str | None = None,
 ) -> dict[str, Any]:
     """Connect this process to Ray and return ``ray.init``'s context info.
 
     ``address`` None (and no RAY_ADDRESS) starts an embedded local cluster with
     ``address="local"``, so a stale cluster from another process is never attached.
+    ``working_dir``, a local directory, is shipped with this driver's Ray job (Ray uploads
+    it; every actor the job starts inherits it): how ``dynabatch run`` ships code. A URI is
+    the coordinator's own runtime_env instead (``scheduler.launch``).
     """
     import ray
 
@@ -50,16 +60,21 @@ def connect(
     if ray.is_initialized():
         return {"address": ray.get_runtime_context().gcs_address}
     address = address or os.environ.get("RAY_ADDRESS") or None
+    job_env = {"working_dir": working_dir} if working_dir and not is_uri(working_dir) else None
     if address in (None, "", "local"):
         ctx = ray.init(
             address="local",
             num_cpus=num_cpus or os.cpu_count() or 1,
-            include_dashboard=False,
+            # The log API's server (see the module docstring); loopback only.
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
             object_store_memory=object_store_mb * 2**20,
             namespace=namespace,
             log_to_driver=False,
+            runtime_env=job_env,
             _system_config=fast_health_check(),
         )
     else:
-        ctx = ray.init(address=address, namespace=namespace, log_to_driver=False)
+        ctx = ray.init(address=address, namespace=namespace, log_to_driver=False,
+                       runtime_env=job_env)
     return {"address": ctx.address_info.get("gcs_address", address)}

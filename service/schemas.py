@@ -231,6 +231,17 @@ class ScaleRequest(BaseModel):
     )
 
 
+class CodeUploaded(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"example": {
+        "working_dir": "file:///data/code/9f2c...e1.zip", "sha256": "9f2c...e1",
+        "bytes": 2048, "files": 3}})
+
+    working_dir: str = Field(description="Name this as the job spec's working_dir.")
+    sha256: str = Field(description="Of the zip: the same code gives the same URI.")
+    bytes: int
+    files: int
+
+
 class NodeList(BaseModel):
     nodes: list[NodeInfo]
 

@@ -88,6 +88,16 @@ class Settings(BaseSettings):
         description="Directory that a submitted checkpoint.dir must resolve under; unset: no "
         "checkpoint directories.",
     )
+    code_root: str | None = Field(
+        default=None,
+        description="Directory where code uploaded with POST /v1/code (dynabatch submit "
+        "--working-dir) is stored, as zips every Ray node reads at the same path (a disk "
+        "they share); unset: no uploads. Uploads also need DYNABATCH_USER_CODE_MODULES='*'.",
+    )
+    max_code_bytes: int = Field(
+        default=64 * 2**20, ge=1,
+        description="Largest code upload (a zip, POST /v1/code); larger ones get 413.",
+    )
 
     @field_validator("user_code_modules")
     @classmethod
@@ -105,9 +115,9 @@ class Settings(BaseSettings):
                 raise ValueError(f"{entry!r} is not an absolute path")
         return v
 
-    @field_validator("checkpoint_root", mode="before")
+    @field_validator("checkpoint_root", "code_root", mode="before")
     @classmethod
-    def _checkpoint_root(cls, v: Any) -> Any:
+    def _absolute_dir(cls, v: Any) -> Any:
         if isinstance(v, str):
             v = v.strip() or None  # an empty variable is unset
         if v is not None and not Path(v).is_absolute():
@@ -126,6 +136,7 @@ class Settings(BaseSettings):
             user_code_modules=split_list(self.user_code_modules),
             data_roots=split_list(self.data_roots),
             checkpoint_root=self.checkpoint_root,
+            code_root=self.code_root,
         )
 
     @property

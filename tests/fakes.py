@@ -26,7 +26,7 @@ from actors.spec import JobSpec
 from scheduler.failures import WorkerOutcome
 from scheduler.membership import NodeInfo as MNodeInfo
 from scheduler.membership import Spawn
-from scheduler.runtime import DataInfo, RegroupResult, Started, WorkerCallError
+from scheduler.runtime import DataInfo, RegroupResult, ShardResult, Started, WorkerCallError
 from scheduler.state import InvalidTransition, JobState
 from scheduler.telemetry import (
     EpochRecord,
@@ -459,6 +459,19 @@ class Fault:
     done: bool = False
 
 
+@dataclass
+class _EvalCall:
+    """An evaluation submitted to the fake workers; ``results`` once it ran."""
+
+    shards: dict[str, tuple[int, int]]
+    results: list[ShardResult] | None = None
+    delivered: bool = False
+
+
+# A fake worker scores test samples this many times faster than it trains them.
+EVAL_SPEEDUP = 4.0
+
+
 class FakeRuntime:
     def __init__(self, spec: JobSpec, *, n_train: int, nodes: int = 3,
                  speeds: dict[int, float] | None = None, overhead_s: float = 0.001,
@@ -469,8 +482,12 @@ class FakeRuntime:
         # it by isgd_decay. Every plan run is recorded in `plans`.
         self.loss_of = loss_of
         self.isgd_decay = isgd_decay
+        self._rule = None  # ISGD's rule of the step being applied
+        self._charting = False
         self.plans: list[dict[str, SegmentPlan]] = []
-        self._pending: list[dict[str, SegmentPlan]] = []  # submitted, not yet collected
+        # Submitted, not yet run: segments (plans) and evaluations, in order. As actors
+        # run their calls in order, collecting one runs every call submitted before it.
+        self._pending: list[dict[str, SegmentPlan] | _EvalCall] = []
         self._ran_early: dict[int, list[WorkerOutcome]] = {}
         self.n_train = n_train
         self.node_ids = [f"node{i:02d}" for i in range(nodes)]
@@ -480,11 +497,25 @@ class FakeRuntime:
         self.uneven_failure = uneven_failure  # survivors at a failure differ by one step
         self.workers: dict[str, FakeWorker] = {}
         self.starting: list[str] = []
+        # Start-up and spares (SpareRuntime). A fresh worker is up start_s (virtual) after
+        # its spawn, a spare too; an adopted spare is up as soon as the spare is. Faults
+        # (worker = the node): spare_dies (found by lost_spares), spare_dies_silently (once
+        # up: found when it is adopted). Which spawns adopted a spare, which started fresh,
+        # and every spare started and stopped, are recorded.
+        self.start_s = 0.0
+        self._ready_at: dict[str, float] = {}
+        self.spares: dict[str, float] = {}  # node -> virtual time its spare is up
+        self.spares_started: list[str] = []
+        self.spares_stopped: list[str] = []
+        self.adopted: list[str] = []
+        self.fresh: list[str] = []
         self.faults: list[Fault] = []
         self.calls: dict[str, int] = {"regroup": 0, "checkpoint": 0, "evaluate": 0,
                                       "segments": 0}
         self.killed: list[str] = []
         self.final_lineages: dict[str, list[tuple[int, int]]] = {}
+        # Per evaluation run: each shard's worker and the lineage ("weights") it scored.
+        self.evaluated: list[dict[str, tuple[tuple[int, int], ...]]] = []
         # As real workers: after a failed segment every member has left the group, so a
         # segment queued behind it cannot train until the next regroup.
         self._group_broken = False
@@ -510,20 +541,33 @@ class FakeRuntime:
         return DataInfo("fake", self.n_train, 100)
 
     def nodes(self) -> list[MNodeInfo]:
-        return [MNodeInfo(n, cpus=1.0) for n in self.node_ids]
+        busy = {w.node for w in self.workers.values() if w.alive}
+        return [MNodeInfo(n, cpus=1.0, free=n not in busy) for n in self.node_ids]
 
     def spawn(self, s: Spawn) -> None:
-        self.workers[s.worker_id] = FakeWorker(s.worker_id, s.ordinal, s.node_id,
-                                               self.speeds.get(s.ordinal, 1000.0))
+        w = FakeWorker(s.worker_id, s.ordinal, s.node_id, self.speeds.get(s.ordinal, 1000.0))
+        self.workers[s.worker_id] = w
+        now = self.clock.now()
+        if s.adopt and s.node_id in self.spares:
+            self.adopted.append(s.worker_id)
+            self._ready_at[s.worker_id] = max(now, self.spares.pop(s.node_id))
+            if self._counted_fault("spare_dies_silently", s.node_id):
+                w.alive = False
+        else:
+            self.fresh.append(s.worker_id)
+            self._ready_at[s.worker_id] = now + self.start_s
         self.starting.append(s.worker_id)
 
     def poll_started(self, timeout_s: float) -> list[Started]:
-        out = [Started(w) if self.workers[w].alive else Started(w, "node lost")
-               for w in self.starting]
-        self.starting = []
-        if not out:
+        now = self.clock.now()
+        if self.starting and all(self._ready_at[w] > now for w in self.starting):
+            self.clock.sleep(min(timeout_s, min(self._ready_at[w] for w in self.starting) - now))
+        elif not self.starting:
             self.clock.sleep(timeout_s)
-        return out
+        ready = [w for w in self.starting if self._ready_at[w] <= self.clock.now()]
+        self.starting = [w for w in self.starting if w not in ready]
+        return [Started(w) if self.workers[w].alive else Started(w, "node lost")
+                for w in ready]
 
     def kill(self, worker: str) -> None:
         w = self.workers.pop(worker, None)
@@ -532,6 +576,23 @@ class FakeRuntime:
             self.killed.append(worker)
         if worker in self.starting:
             self.starting.remove(worker)
+        self._ready_at.pop(worker, None)
+
+    def start_spare(self, node_id: str) -> None:
+        self.spares[node_id] = self.clock.now() + self.start_s
+        self.spares_started.append(node_id)
+
+    def stop_spare(self, node_id: str) -> None:
+        if self.spares.pop(node_id, None) is not None:
+            self.spares_stopped.append(node_id)
+
+    def lost_spares(self) -> list[tuple[str, str]]:
+        lost = [(n, "node lost") if n not in self.node_ids else (n, "spare process died")
+                for n in list(self.spares)
+                if n not in self.node_ids or self._counted_fault("spare_dies", n)]
+        for n, _ in lost:
+            del self.spares[n]
+        return lost
 
     def _fault(self, kind: str, worker: str, epoch: int, step: int) -> Fault | None:
         for f in self.faults:
@@ -559,10 +620,13 @@ class FakeRuntime:
         steps: dict[str, list[StepTelemetry]] = {w: [] for w in names}
         gone: dict[str, str] = {}
         errors: dict[str, tuple[str, str, float]] = {}
+        isgd = plans[names[0]].isgd  # ISGD's chart: the workers keep it step by step
         for j in range(k):
             sps = {w: plans[w].steps[j] for w in names}
             epoch = plans[names[0]].epoch
             step = sps[names[0]].step
+            self._rule = isgd.rule() if isgd is not None else None
+            self._charting = isgd is not None
             compute = {w: self.overhead_s + sps[w].own_size / self.workers[w].speed
                        for w in names if w in self.workers}
             for w in names:
@@ -603,6 +667,8 @@ class FakeRuntime:
             self.clock.sleep(t)
             for w in names:
                 steps[w].append(self._apply(w, epoch, sps, compute, names, t - compute[w]))
+            if isgd is not None:
+                isgd = isgd.after(steps[names[0]][-1].isgd_loss)
         out = []
         last = plans[names[0]].steps[-1].step if k else 0
         for w in names:
@@ -611,9 +677,8 @@ class FakeRuntime:
                 # lost with its node, which dies one step into the next segment: a segment
                 # already sent ahead runs now, with it, as on the real workers.
                 self.faults.append(Fault("die", w, plans[names[0]].epoch, last + 2))
-                for ahead in self._pending:
-                    if id(ahead) not in self._ran_early:
-                        self._ran_early[id(ahead)] = self.run_segment(ahead, grace_s)
+                while self._pending:
+                    self._execute(self._pending.pop(0), grace_s)
                 out.append(WorkerOutcome(w, lost="died: worker process died or node lost"))
             else:
                 out.append(WorkerOutcome(w, result=SegmentResult(worker=w, steps=steps[w])))
@@ -627,9 +692,25 @@ class FakeRuntime:
 
     def collect_segment(self, plans: dict[str, SegmentPlan], grace_s: float
                         ) -> list[WorkerOutcome]:
+        self._run_before(plans, grace_s)
         self._pending = [p for p in self._pending if p is not plans]
         if id(plans) in self._ran_early:
             return self._ran_early.pop(id(plans))
+        return self._run_queued(plans, grace_s)
+
+    def _run_before(self, item, grace_s: float = 0.0) -> None:
+        """Run every call submitted before ``item``, in order."""
+        while self._pending and self._pending[0] is not item:
+            self._execute(self._pending.pop(0), grace_s)
+
+    def _execute(self, item, grace_s: float) -> None:
+        if isinstance(item, _EvalCall):
+            if item.results is None:
+                self._evaluate(item)
+        elif id(item) not in self._ran_early:
+            self._ran_early[id(item)] = self._run_queued(item, grace_s)
+
+    def _run_queued(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
         if not self._group_broken:
             return self.run_segment(plans, grace_s)
         self.calls["segments"] += 1
@@ -649,14 +730,19 @@ class FakeRuntime:
             counts[o.own_start - o.start:o.own_start - o.start + o.own_size] += 1
         self.workers[w].lineage.append((epoch, sp.step))
         loss = self.loss_of(epoch, sp.step) if self.loss_of else 1.0
-        flagged, extra = sp.isgd is not None and sp.isgd.flagged(loss), 0
-        while flagged and sp.isgd.more(loss * self.isgd_decay ** (extra + 1), extra):
-            extra += 1  # as actors.optim.isgd_extras: the loss after the update is checked
+        rule = self._rule
+        flagged, extra = rule is not None and rule.flagged(loss), 0
+        psi = loss
+        while flagged and rule.more(psi, extra):
+            # As actors.optim.isgd_extras: one update, then a pass gives the loss to check.
+            extra += 1
+            psi = loss * self.isgd_decay ** extra
         return StepTelemetry(
             worker=w, epoch=epoch, step=sp.step, batch=sp.own_size, samples=sp.own_size,
             compute_s=compute[w], wait_s=wait, loss_sum=loss * sp.own_size,
             start=sp.own_start, step_start=sp.start, step_size=sp.size,
             coverage=encode_counts(counts), flagged=flagged, extra_iters=extra,
+            isgd_loss=loss if self._charting else None,
         )
 
     def regroup(self, generation, members, state, timeout_s) -> RegroupResult:
@@ -679,10 +765,51 @@ class FakeRuntime:
             self.workers[w].lineage = list(src.lineage)
         return RegroupResult({})
 
-    def evaluate(self, worker: str, timeout_s: float) -> dict[str, float]:
+    # --- evaluation: each worker's shard, queued like a segment ------------------------
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> _EvalCall:
+        call = _EvalCall(dict(shards))
+        self._pending.append(call)
+        return call
+
+    def poll_evaluation(self, call: _EvalCall, timeout_s: float) -> list[ShardResult]:
+        """What ran already; waiting (``timeout_s`` > 0) runs it, and what is before it."""
+        if call.results is None:
+            if timeout_s <= 0:
+                return []
+            self._run_before(call)
+            self._pending = [p for p in self._pending if p is not call]
+            self._evaluate(call)
+        if call.delivered:
+            return []
+        call.delivered = True
+        return list(call.results)
+
+    def _evaluate(self, call: _EvalCall) -> None:
+        """Each worker scores its shard of the weights it holds now; its "accuracy" is the
+        share of 100 steps its lineage holds. The shards run side by side."""
         self.calls["evaluate"] += 1
-        self._check_call("die_in_eval", worker)
-        return {"loss": 1.0, "accuracy": min(1.0, len(self.workers[worker].lineage) / 100)}
+        out, scored, longest = [], {}, 0.0
+        for w, (lo, hi) in call.shards.items():
+            fw = self.workers.get(w)
+            if fw is None or not fw.alive or self._counted_fault("die_in_eval", w):
+                if fw is not None:
+                    fw.alive = False
+                out.append(ShardResult(w, error="worker process died or node lost", lost=True))
+                continue
+            n = hi - lo
+            seconds = n / (fw.speed * EVAL_SPEEDUP)
+            longest = max(longest, seconds)
+            acc = min(1.0, len(fw.lineage) / 100)
+            out.append(ShardResult(w, {"n": float(n), "loss": float(n), "accuracy": acc * n},
+                                   seconds))
+            scored[w] = tuple(fw.lineage)
+        self.clock.sleep(longest)
+        self.evaluated.append(scored)
+        call.results = out
+
+    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
+        n = max(sums["n"], 1.0)
+        return {"loss": sums["loss"] / n, "accuracy": sums["accuracy"] / n}
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict:
         self.calls["checkpoint"] += 1

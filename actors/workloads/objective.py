@@ -3,7 +3,8 @@
 :func:`objective_for` resolves the spec's ``loss`` and ``metrics`` (defaults from the
 dataset's targets, see :data:`actors.workloads.losses.DEFAULT_LOSS`). The worker calls
 :meth:`Objective.loss_sum` in its training step (the sum of per-sample losses; it scales
-it by ``1/B`` itself) and :meth:`Objective.evaluate` on the held-out set;
+it by ``1/B`` itself) and :meth:`Objective.eval_sums` on its shard of the held-out set
+(:meth:`Objective.finish` turns the shards' combined sums into the scores);
 :func:`check_objective` runs both on two samples when the job loads its data, so a loss of
 the wrong shape or a metric that does not fit fails the job at once, naming the field.
 """
@@ -45,16 +46,24 @@ class Objective:
         """``Σ_j ℓ_j`` over the batch (a scalar tensor with a graph)."""
         return self.per_sample(outputs, targets).sum()
 
-    def evaluate(self, model: nn.Module, x: np.ndarray, y: np.ndarray, device: torch.device,
-                 batch: int = 1024) -> dict[str, float]:
-        """``{"loss": mean per-sample loss, <metric>: value, ...}`` over ``(x, y)``."""
-        sums = {"loss": 0.0} | {m.name: 0.0 for _, m in self.metrics}
+    def eval_sums(self, model: nn.Module, x: np.ndarray, y: np.ndarray, lo: int, hi: int,
+                  device: torch.device, batch: int = 1024) -> dict[str, float]:
+        """``{"n": samples, "loss": Σ ℓ_j, <metric>: Σ v_j, ...}`` over ``(x, y)[lo:hi]``.
+
+        Every metric is a per-sample function plus a ``finish`` of the mean (see
+        :mod:`actors.workloads.metrics`), so the sums of disjoint shards add up to the sums of
+        their union: the held-out set can be split across workers, the shards' sums added
+        (``scheduler.evaluation.combine``) and :meth:`finish` applied once."""
+        sums = {"n": float(max(0, hi - lo)), "loss": 0.0} | {m.name: 0.0 for _, m in self.metrics}
         model.eval()
         try:
             with torch.no_grad():
-                for s in range(0, len(y), batch):
-                    xb = torch.from_numpy(np.asarray(x[s:s + batch])).to(device)
-                    yb = torch.from_numpy(np.asarray(y[s:s + batch])).to(device)
+                for s in range(lo, hi, batch):
+                    e = min(s + batch, hi)
+                    # A writable copy of the batch: held-out sets come from the object
+                    # store read-only, which torch warns about in every job log.
+                    xb = torch.from_numpy(np.array(x[s:e])).to(device)
+                    yb = torch.from_numpy(np.array(y[s:e])).to(device)
                     out = model(xb)
                     sums["loss"] += float(self.per_sample(out, yb).sum())
                     for field, m in self.metrics:
@@ -62,11 +71,21 @@ class Objective:
                         sums[m.name] += float(v.sum())
         finally:
             model.train()
-        n = max(len(y), 1)
+        return sums
+
+    def finish(self, sums: dict[str, float]) -> dict[str, float]:
+        """``{"loss": mean per-sample loss, <metric>: finish(mean), ...}`` from (combined)
+        :meth:`eval_sums`."""
+        n = max(sums.get("n", 0.0), 1.0)
         out = {"loss": sums["loss"] / n}
         for _, m in self.metrics:
             out[m.name] = m.finish(sums[m.name] / n)
         return out
+
+    def evaluate(self, model: nn.Module, x: np.ndarray, y: np.ndarray, device: torch.device,
+                 batch: int = 1024) -> dict[str, float]:
+        """``{"loss": mean per-sample loss, <metric>: value, ...}`` over ``(x, y)``."""
+        return self.finish(self.eval_sums(model, x, y, 0, len(y), device, batch))
 
 
 def objective_for(spec: JobSpec, kind: str) -> Objective:

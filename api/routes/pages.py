@@ -3,14 +3,16 @@
 The page is a static shell (api/static/job.html); its script (api/static/job.js) reads the
 job from the REST API and follows GET /v1/jobs/{id}/events, a stream of server-sent
 events, through ``fetch`` (not ``EventSource``, which cannot send the bearer token), and
-draws the loss and accuracy charts with uPlot, vendored from its npm package under
-api/static/vendor (no CDN: the machines are offline).
+draws the loss chart and one chart per metric the job reports with uPlot, vendored from
+its npm package under api/static/vendor (no CDN: the machines are offline).
 
-Without a configured token, an unknown job is a 404 page. With one, the shell reveals
-nothing and is served for any well-formed id; the script asks for the token and shows
-"not found" itself, so no job's existence is told to an unauthenticated visitor. Scale and
-cancel controls appear once the page's own authenticated requests succeed (the token that
-reads a job may also change it) and while the job is live.
+An unknown job is a 404 page when the request may know: no token is configured, or it
+carries the token (``Authorization: Bearer``). Otherwise (a browser opening the link sends
+no header) the shell reveals nothing and is served, 200, for any well-formed id; its script
+asks for the token (or takes it from the link's ``#token=`` fragment, which never reaches
+the server) and shows "not found" itself, so no job's existence is told to an
+unauthenticated visitor. Scale and cancel controls appear once the page's own authenticated
+requests succeed (the token that reads a job may also change it) and while the job is live.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from api.deps import SettingsDep
+from api.deps import Credentials, SettingsDep, token_ok
 from service.jobs import JOB_ID_PATTERN, JobNotFound
 
 STATIC_DIR = Path(str(resources.files("api") / "static"))
@@ -42,10 +44,11 @@ def not_found_page(what: str) -> HTMLResponse:
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-def job_page(job_id: str, request: Request, settings: SettingsDep) -> HTMLResponse:
+def job_page(job_id: str, request: Request, settings: SettingsDep,
+             creds: Credentials) -> HTMLResponse:
     if not re.fullmatch(JOB_ID_PATTERN.strip("^$"), job_id):
         return not_found_page(f"'{job_id}' is not a job id")
-    if settings.token is None:
+    if token_ok(settings, creds):  # this request may learn whether the job exists
         try:
             request.app.state.service.get(job_id)
         except JobNotFound:

@@ -1,12 +1,21 @@
 // The job page: reads the job over the REST API and follows its server-sent events
 // (GET /v1/jobs/{id}/events) with fetch, so the bearer token can be sent; uPlot draws the
-// charts. Each chart's element carries its data in data-points (JSON), which the tests read.
+// loss chart and one chart per metric the job reports. Each chart's element carries its
+// data in data-points (JSON), which the tests read.
 "use strict";
 (() => {
   const jobId = document.body.dataset.jobId;
   const tokenRequired = document.body.dataset.tokenRequired === "true";
   const $ = (id) => document.getElementById(id);
   const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
+  const PALETTE = ["#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
+  // A link may carry the token in its fragment (/jobs/ID#token=...), which browsers never
+  // send to the server; it is kept for the tab and taken out of the address bar.
+  const fromLink = new URLSearchParams(location.hash.slice(1)).get("token");
+  if (fromLink) {
+    sessionStorage.setItem("dynabatch-token", fromLink);
+    history.replaceState(null, "", location.pathname + location.search);
+  }
   let token = sessionStorage.getItem("dynabatch-token") || "";
   let job = null;
   let authorized = false;
@@ -32,16 +41,61 @@
     charts[id] = { el, plot: new uPlot(opts, [[], ...series.map(() => [])], el) };
   }
 
+  // A record's held-out metrics by name (older records and parameter-server jobs may have
+  // only test_accuracy).
+  function metricsOf(e) {
+    const m = { ...(e.test_metrics || {}) };
+    if (m.accuracy === undefined && e.test_accuracy !== null && e.test_accuracy !== undefined) {
+      m.accuracy = e.test_accuracy;
+    }
+    return m;
+  }
+
+  // The chart of one metric, made the first time an epoch reports it.
+  function metricChart(name) {
+    const id = "metric-" + name.replace(/[^A-Za-z0-9_-]/g, "-");
+    if (!charts[id]) {
+      const fig = document.createElement("figure");
+      const cap = document.createElement("figcaption");
+      cap.textContent = name;
+      const div = document.createElement("div");
+      div.id = id;
+      div.className = "chart";
+      div.dataset.metric = name;
+      fig.append(cap, div);
+      $("charts").append(fig);
+      const color = PALETTE[(Object.keys(charts).length - 1) % PALETTE.length];
+      chart(id, [{ label: "held-out " + name, stroke: color, width: 2 }]);
+    }
+    return id;
+  }
+
   function drawCharts() {
     const x = epochs.map((e) => e.epoch);
     const data = {
       "loss-chart": [x, epochs.map((e) => e.train_loss), epochs.map((e) => e.test_loss)],
-      "accuracy-chart": [x, epochs.map((e) => e.test_accuracy)],
     };
+    const names = new Set(epochs.flatMap((e) => Object.keys(metricsOf(e))));
+    for (const name of [...names].sort()) {
+      data[metricChart(name)] = [x, epochs.map((e) => metricsOf(e)[name] ?? null)];
+    }
     for (const [id, d] of Object.entries(data)) {
       charts[id].plot.setData(d);
       charts[id].el.dataset.points = JSON.stringify(d);
     }
+  }
+
+  // Where the job is: live, its epoch and step; finished, how many epochs it completed.
+  function progress(j) {
+    const tail = ` · policy ${j.policy} · generation ${j.generation}`;
+    if (TERMINAL.has(j.state)) {
+      const done = `${j.epochs_completed} of ${j.epochs} epochs completed`;
+      const when = j.finished_at ? ` · finished ${new Date(j.finished_at * 1000)
+        .toISOString().replace("T", " ").slice(0, 19)} UTC` : "";
+      return `${j.state.toLowerCase()}: ${done}${when}${tail}`;
+    }
+    const ep = j.epochs ? Math.min(j.epoch + 1, j.epochs) : j.epoch;
+    return `epoch ${ep}/${j.epochs} · step ${j.step}/${j.steps_per_epoch}${tail}`;
   }
 
   function addEpoch(e) {
@@ -68,10 +122,8 @@
     st.textContent = j.state;
     st.className = "state " + j.state;
     $("emulated").hidden = !j.emulated;
-    const ep = j.epochs ? Math.min(j.epoch + 1, j.epochs) : j.epoch;
-    $("progress").textContent =
-      `epoch ${ep}/${j.epochs} · step ${j.step}/${j.steps_per_epoch} · policy ${j.policy}` +
-      ` · generation ${j.generation}`;
+    $("progress").textContent = progress(j);
+    document.body.dataset.state = j.state;
     $("reason").textContent = j.reason || "";
     if (j.compute_balance !== null && j.compute_balance !== undefined) {
       $("balance").textContent = fmt(j.compute_balance, 3);
@@ -220,6 +272,5 @@
     { label: "train loss", stroke: "#1f77b4", width: 2 },
     { label: "held-out loss", stroke: "#ff7f0e", width: 2 },
   ]);
-  chart("accuracy-chart", [{ label: "test accuracy", stroke: "#2ca02c", width: 2 }]);
   if (tokenRequired && !token) askToken(""); else follow();
 })();

@@ -23,10 +23,10 @@ def _register() -> None:
 
 
 def main() -> None:
-    from service.install_check import ForeignPackage, check_own_install
+    from service.install_check import ForeignPackage, check_own_install_once
 
     try:
-        check_own_install()
+        check_own_install_once()
     except ForeignPackage as err:
         typer.echo(f"error: {err}", err=True)
         raise SystemExit(2) from None

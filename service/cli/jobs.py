@@ -29,10 +29,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from actors.spec import SpecError, parse_spec
+from actors.spec import URI_PATTERN, SpecError, parse_spec
 from scheduler.state import JobState
 from service.cli.views import breakdown_table
 from service.client import DEFAULT_URL, ApiError, DynabatchClient
+from service.code_store import zip_directory
 from service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN
 from service.schemas import JobDetail
 
@@ -283,9 +284,11 @@ def submit(
         "--wait/--no-wait", help="Wait for the job, streaming its logs and a live table; "
         "exit 0 when it SUCCEEDED, 1 otherwise. --no-wait prints the id and returns.")] = True,
     working_dir: Annotated[Path | None, typer.Option(
-        "--working-dir", help="Ship this directory with the job to every node (Ray "
-        "runtime_env); import paths may then name its modules. The service must allow "
-        "user code and be able to read the directory.")] = None,
+        "--working-dir", help="Ship this directory with the job to every node: it is zipped "
+        "and uploaded to the service (POST /v1/code), and Ray unpacks it on each node "
+        "(runtime_env); import paths may then name its modules. The service must allow user "
+        "code (DYNABATCH_USER_CODE_MODULES='*') and keep uploads (DYNABATCH_CODE_ROOT).")
+    ] = None,
     interval: Annotated[float, typer.Option(min=0.02, help="Seconds between the "
                                             "server's checks for news.")] = 0.5,
 ) -> None:
@@ -294,11 +297,21 @@ def submit(
     @_clean_errors
     def go() -> int:
         spec = _read_config(config)
-        if working_dir is not None:
-            if not working_dir.is_dir():
-                raise CliError(f"--working-dir: {working_dir} is not a directory")
-            spec["working_dir"] = str(working_dir.resolve())
+        local, what = working_dir, "--working-dir"
+        named = spec.get("working_dir")
+        if local is None and isinstance(named, str) and not re.match(URI_PATTERN, named):
+            local, what = Path(named), "working_dir"  # a config's directory, as `run` takes it
+        if local is not None and not local.is_dir():
+            raise CliError(f"{what}: {local} is not a directory")
         with _client(ctx, url, token) as client:
+            if local is not None:
+                # The service may run anywhere: the code travels in the request, not as a
+                # path on this machine.
+                try:
+                    shipped = client.upload_code(zip_directory(local))
+                except ApiError as err:
+                    raise CliError(f"{what}: {err}") from None
+                spec["working_dir"] = shipped.working_dir
             job = client.submit(spec)
             if as_json:
                 typer.echo(job.model_dump_json())

@@ -57,9 +57,14 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
                        "-" if r.test_accuracy is None else f"{r.test_accuracy:.4f}",
                        f"{r.utilization:.3f}", f"{r.compute_balance:.3f}", str(r.rebalances),
                        samples, str(r.retried_samples))
+    parts = [head, workers, epochs]
+    if snap.ps is not None:  # protocol ps: per-learner staleness
+        from service.cli.jobs import _ps_table
+
+        parts.append(_ps_table(snap.ps))
     if snap.step_breakdown is not None:
-        return Group(head, workers, epochs, breakdown_table(snap.step_breakdown))
-    return Group(head, workers, epochs)
+        parts.append(breakdown_table(snap.step_breakdown))
+    return Group(*parts)
 
 
 def write_report(path: Path, spec: JobSpec, snap: JobSnapshot,
@@ -84,7 +89,8 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
     from service.raycluster import connect
 
     need = int(spec.worker_cpus * (spec.initial_workers or 1) + 0.999)
-    connect(address, num_cpus=max(os.cpu_count() or 1, need))
+    # A local working_dir is shipped with this driver's Ray job (scheduler.launch).
+    connect(address, num_cpus=max(os.cpu_count() or 1, need), working_dir=spec.working_dir)
     job_id = uuid.uuid4().hex[:12]
     handle = launch_coordinator(job_id, spec, detached=False, resume=False)
     interrupted = {"n": 0}

@@ -173,6 +173,46 @@ def print_result(console: Console, r: SimResult) -> None:
                       f"{x.seconds:.2f}s later", highlight=False)
 
 
+def run_ps(spec: JobSpec, cl: ClusterSpec, console: Console, report: Path | None) -> bool:
+    """A ``protocol: ps`` spec: the parameter-server simulator (scheduler.ps_sim: the same
+    core as on Ray, real gradients, the cluster's push/pull costs). True if it finished."""
+    from actors.workloads.datasets import load_dataset
+    from scheduler.ps_driver import build_core, ps_status
+    from scheduler.ps_sim import learners_on, simulate_ps
+    from service.cli.jobs import _ps_table
+
+    config = learners_on(spec, cl)
+    ds = load_dataset(spec.dataset, seed=spec.seed)
+    r = simulate_ps(spec, build_core(spec, len(ds.y_train)), config, data=ds)
+    t = Table(title=f"{spec.name}: protocol ps ({spec.protocol.mode}), simulated")
+    for col in ("epoch", "sim time", "test loss", "test acc", "samples"):
+        t.add_column(col, justify="right")
+    for e in r.epochs:
+        t.add_row(str(e["epoch"]), f"{e['t']:.3f}s", f"{e['test_loss']:.4f}",
+                  f"{e['test_accuracy']:.4f}", "verified" if e["verified"] else "NOT verified")
+    snap = {**r.snapshot, "pushes_per_s": r.snapshot["pushes"] / r.virtual_s
+            if r.virtual_s else 0.0}
+    status = ps_status(spec, snap)
+    console.print(t)
+    console.print(_ps_table(status))
+    tau = r.staleness_summary()
+    console.print(f"{r.samples_applied:,} samples applied in {r.virtual_s:.3f}s simulated "
+                  f"({r.throughput:,.0f} samples/s); staleness mean {tau['mean']:.2f}, p99 "
+                  f"{tau['p99']:.1f}; final training loss {r.final_train_loss:.4f}",
+                  highlight=False)
+    if report:
+        body = {"spec": spec.model_dump(mode="json"), "ps": status.model_dump(mode="json"),
+                "epochs": r.epochs, "simulation": {
+                    "cluster": cl.model_dump(mode="json", by_alias=True), "protocol": "ps",
+                    "real_gradients": True, "sim_seconds": r.virtual_s,
+                    "throughput": r.throughput, "staleness": tau,
+                    "final_train_loss": r.final_train_loss}}
+        report.write_text(json.dumps(body, indent=2))
+        console.print(f"report written to {report}", highlight=False)
+    return bool(r.epochs) and len(r.epochs) == spec.epochs and all(
+        e["verified"] for e in r.epochs)
+
+
 def report_path(report: Path, policy: str, several: bool) -> Path:
     return report.with_name(f"{report.stem}-{policy}{report.suffix}") if several else report
 
@@ -212,6 +252,20 @@ def register(app: typer.Typer) -> None:
             fail(f"{config}: {e}")
         except (ClusterError, UsageError) as e:
             fail(str(e))
+        if spec.protocol.name == "ps":
+            # The parameter server has its own simulator; the sync options do not apply.
+            if compare:
+                fail("--compare: policies size sync batches; protocol.name is ps")
+            if dataset_size is not None:
+                fail("--dataset-size: protocol ps simulates real gradients on the dataset")
+            try:
+                with quiet_engine():
+                    ok = run_ps(spec, cl, console, report)
+            except (ClusterError, SpecError, ValueError) as e:
+                fail(str(e))  # WorkloadError (a dataset or model that cannot load) included
+            if not ok:
+                raise typer.Exit(1)
+            return
         results = []
         with quiet_engine(), Progress(
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -1,6 +1,7 @@
 """``dynabatch tune CONFIG``: choose each stage's (global batch, LR factor, warm-up) from short
-probe runs in the simulator's real-gradient mode (:mod:`service.tune`); write the tuned YAML
-config and a JSON report of every probe. Errors are one line, exit status 2."""
+probe runs in the simulator's real-gradient mode (:mod:`service.tune`), judged on a validation
+split held out of the training data, over several seeds; write the tuned YAML config and a
+JSON report of every probe. Errors are one line, exit status 2."""
 
 from __future__ import annotations
 
@@ -33,11 +34,18 @@ def register(app: typer.Typer) -> None:
         budget: Annotated[int, typer.Option(help="Most probe runs to spend.")] = 20,
         max_batch: Annotated[int, typer.Option(help="Largest global batch to try.")] = 1024,
         tolerance: Annotated[float, typer.Option(
-            help="Accuracy a candidate may lose against the baseline probe.")] = 0.01,
+            help="Validation accuracy a candidate may lose against the small-batch "
+            "baseline.")] = 0.01,
         probe_epochs: Annotated[int, typer.Option(
             help="Epochs each probe trains of the stage it tunes.")] = 2,
-        warmup_epochs: Annotated[float, typer.Option(
-            help="Warm-up after a jump, for every candidate.")] = 1.0,
+        warmups: Annotated[str, typer.Option(
+            help="Warm-ups (epochs after a jump) to try, comma-separated.")] = "0,1,2",
+        seeds: Annotated[int, typer.Option(
+            help="Seeds per probe (the config's seed and the next ones); a probe's "
+            "accuracy is their mean.")] = 2,
+        holdout: Annotated[float, typer.Option(
+            help="Share of the training data held out as the validation split the probes "
+            "are judged on.")] = 0.2,
         cluster: Annotated[Path | None, typer.Option(
             help="Cluster YAML for the simulated probes (default: equal nodes).")] = None,
         out: Annotated[Path, typer.Option(help="Tuned YAML config.")] = Path("tuned.yaml"),
@@ -62,30 +70,39 @@ def register(app: typer.Typer) -> None:
             fail(f"{config}: {e}")
         except ClusterError as e:
             fail(str(e))
+        try:
+            warm = [float(w) for w in warmups.split(",") if w.strip()]
+        except ValueError:
+            fail(f"--warmups: expected numbers separated by commas, got {warmups!r}")
         with quiet_engine(), Progress(
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("probes"), TimeElapsedColumn(), console=err, disable=quiet,
                 transient=True) as bar:
-            task = bar.add_task("probing", total=budget)
+            # Sized to what can run (the budget, or fewer when the stages have fewer
+            # candidates), and shrunk as stages settle early.
+            task = bar.add_task("baseline", total=None)
 
-            def on_probe(p: Probe) -> None:
-                bar.update(task, advance=1, description=(
+            def on_probe(p: Probe, done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total, description=(
                     f"stage {p.stage} B={p.global_batch} acc {p.accuracy:.3f}"))
 
             try:
                 result = tune(spec, cl, max_batch=max_batch, tolerance=tolerance,
-                              probe_epochs=probe_epochs, warmup_epochs=warmup_epochs,
-                              budget=budget, on_probe=on_probe)
+                              probe_epochs=probe_epochs, warmups=warm, seeds=seeds,
+                              holdout=holdout, budget=budget, on_probe=on_probe)
             except (TuneError, ClusterError, SpecError, ValueError) as e:
                 fail(str(e))
         out.write_text(yaml.safe_dump(result.spec.model_dump(mode="json"), sort_keys=False))
         report.write_text(json.dumps(result.report(), indent=1))
         table = Table(title="probes")
-        for col in ("stage", "role", "B", "LR factor", "warm-up", "accuracy", "kept"):
+        for col in ("stage", "role", "B", "LR factor", "warm-up", "val. accuracy",
+                    "baseline", "kept"):
             table.add_column(col, justify="right")
         for p in result.probes:
+            ref = result.baseline.get(p.stage) if p.role == "candidate" else None
             table.add_row(str(p.stage), p.role, str(p.global_batch), f"{p.lr_factor:.3g}",
-                          f"{p.warmup_epochs:g}", f"{p.accuracy:.4f}", "yes" if p.kept else "")
+                          f"{p.warmup_epochs:g}", f"{p.accuracy:.4f}",
+                          "" if ref is None else f"{ref:.4f}", "yes" if p.kept else "")
         console.print(table)
         stages = ", ".join(f"{st.epochs}x{st.global_batch}"
                            for st in result.spec.schedule.stages)

@@ -1,7 +1,8 @@
 """Real processes for the service's end-to-end tests, all on loopback.
 
 * ``ray_head``: Ray as its own cluster (``ray start --head --block``, 2 CPUs, a temporary
-  directory), so detached coordinators outlive an API process. Torn down by stopping the
+  directory, its dashboard on loopback for Ray's log API), so detached coordinators outlive
+  an API process. Torn down by stopping the
   processes this fixture started (its own session), never with ``ray stop``: that would
   also stop every other Ray cluster on a shared machine.
 * ``api_server``: ``dynabatch serve --address ...`` as a subprocess that a test can kill and
@@ -53,7 +54,9 @@ def ray_head() -> Iterator[str]:
         f"--port={port}",
         "--node-ip-address=127.0.0.1",
         "--num-cpus=2",
-        "--include-dashboard=false",
+        # The dashboard serves Ray's log API: the job log gets the actors' output from it.
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
         f"--dashboard-port={find_free_port()}",
         f"--dashboard-agent-listen-port={find_free_port()}",
         f"--temp-dir={temp}",

@@ -1,33 +1,46 @@
 """Bring your own code, and watch the job: real uvicorn, Ray as its own cluster, real Chromium.
 
-`dynabatch submit --working-dir DIR` ships a directory holding the user's loss (which
-prints) to the cluster through Ray's runtime_env; submit waits, streams the job's server-sent
-events (log lines, the user's print among them, and a live table) and exits 0 on SUCCEEDED.
-`dynabatch logs` has the print too. Then headless Chromium (Debian's `chromium`) loads the
-job's page: after its scripts ran, the DOM holds the job's state, workers, epochs table and
-charts whose data are the job's history, read back over REST. A screenshot is saved under
-tests/artifacts/. An unknown job's page is a 404 page.
+The service runs with a token, allows shipped code and keeps uploads under a code root.
+`dynabatch submit --working-dir DIR` zips DIR and uploads it (POST /v1/code); the job names
+the upload, and Ray unpacks it on the nodes. The shipped loss prints; one worker, once,
+prints and then kills its own process mid-step. Submit waits and streams the job's
+server-sent events (the user's print among the log lines) and exits 0 on SUCCEEDED;
+`dynabatch logs` has the dead worker's last lines, read through Ray's log API.
+
+Headless Chromium (Debian's `chromium`, driven over the DevTools pipe: tests/e2e/cdp.py)
+opens the job's page from a link carrying the token while the job runs: the state is
+RUNNING, the scale and cancel controls show, and the charts hold the epochs so far and grow
+as the job goes on, without a reload. Once it ends, the same page shows the finished state,
+and the charts (the loss, and one per metric) hold the job's whole history as REST reports
+it. A screenshot is saved under tests/artifacts/. An unknown job's page is a 404 for a
+request that carries the token, and tells nothing to one that does not.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.procs import BIN, ApiServer, base_env, find_free_port
+from tests.e2e.cdp import Browser, Page, chromium_path
+from tests.e2e.procs import BIN, ApiServer, base_env, find_free_port, stop_process, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+TOKEN = "e2e-page-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+EPOCHS = 5
 USER_LOSS = '''\
+import os
+
 import torch.nn.functional as F
 
 _said = False
@@ -35,28 +48,41 @@ _said = False
 
 def loss(outputs, targets):
     global _said
-    if not _said:  # once per worker: the job log shows it
+    if not _said:  # once per process: the job log shows it
         print("hello from the user's loss, batch", len(targets), flush=True)
         _said = True
+    if len(targets) > 8:  # a training step (not the coordinator's check, nor a warm-up)
+        try:  # the first worker here, once: its working dir is shared on this node
+            fd = os.open("died-once", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            pass
+        else:
+            os.close(fd)
+            print("about to die", flush=True)
+            os.write(2, b"fatal: the user's loss ends this process\\n")
+            os._exit(3)
     return F.cross_entropy(outputs, targets, reduction="none")
 '''
-CONFIG = """\
+# Emulated slowdowns stretch each epoch to a few seconds, so the page can be watched live.
+CONFIG = f"""\
 name: e2e-page
-dataset: {name: digits}
-model: {name: mlp, hidden: 32}
+dataset: {{name: digits}}
+model: {{name: mlp, hidden: 32}}
 loss: "chatty_user_loss:loss"
-metrics: [accuracy]
+metrics: [accuracy, perplexity]
 workers: 2
 global_batch: 64
-epochs: 3
+epochs: {EPOCHS}
+emulation: {{slowdowns: [120, 120]}}
 """
 
 
 @pytest.fixture(scope="module")
 def server(ray_head: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    # Any user module, so that a working dir may be shipped (see check_user_code).
-    srv = ApiServer(ray_head, find_free_port(), tmp_path_factory.mktemp("api"),
-                    user_code_modules="*")
+    work = tmp_path_factory.mktemp("api")
+    # Any user module and a code root: shipped code may be uploaded (api/routes/code.py).
+    srv = ApiServer(ray_head, find_free_port(), work, user_code_modules="*",
+                    code_root=str(work / "code"), api_token=TOKEN)
     srv.start()
     try:
         yield srv
@@ -64,19 +90,17 @@ def server(ray_head: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         srv.stop()
 
 
-def chromium() -> str:
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    exe = chromium_path()
     if exe is None:
         pytest.fail("chromium is not installed: run `make chromium` (Debian package)")
-    return exe
+    with Browser(exe, env=base_env()) as b:
+        yield b
 
 
-def browse(url: str, *extra: str) -> str:
-    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-           "--virtual-time-budget=20000", *extra, url]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=base_env())
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r.stdout
+def cli_env() -> dict[str, str]:
+    return {**base_env(), "DYNABATCH_API_TOKEN": TOKEN}
 
 
 class _Dom(HTMLParser):
@@ -128,56 +152,119 @@ def dom(html: str) -> _Dom:
     return d
 
 
-def test_submit_with_working_dir_streams_the_users_output_and_the_page_shows_the_job(
-    server: ApiServer, tmp_path: Path
+def points(page: Page, chart_id: str) -> list[list[Any]]:
+    return json.loads(page.eval(f"document.getElementById('{chart_id}').dataset.points || '[[]]'"))
+
+
+def rest(server: ApiServer, path: str) -> Any:
+    r = httpx.get(f"{server.url}{path}", headers=AUTH, timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def test_shipped_code_live_page_and_the_output_of_a_worker_that_died(
+    server: ApiServer, browser: Browser, tmp_path: Path
 ) -> None:
     code = tmp_path / "code"
     code.mkdir()
     (code / "chatty_user_loss.py").write_text(USER_LOSS)
     config = tmp_path / "job.yaml"
     config.write_text(CONFIG)
-    r = subprocess.run(
-        [str(BIN / "dynabatch"), "submit", str(config), "--url", server.url,
-         "--working-dir", str(code), "--interval", "0.2"],
-        capture_output=True, text=True, timeout=240, env=base_env(),
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    lines = r.stdout.splitlines()
-    job = lines[0].strip()
-    assert re.fullmatch(r"[0-9a-f]{12}", job), lines[:3]
-    assert lines[-1] == f"job {job} SUCCEEDED"
-    said = [ln for ln in lines if "stdout: hello from the user's loss" in ln]
-    assert said, r.stdout[-3000:]  # streamed while the job ran
-    logs = subprocess.run([str(BIN / "dynabatch"), "logs", job, "--url", server.url],
-                          capture_output=True, text=True, timeout=60, env=base_env())
-    assert logs.returncode == 0 and "stdout: hello from the user's loss" in logs.stdout
+    out_path = tmp_path / "submit.out"
+    with out_path.open("w") as out:
+        submit = subprocess.Popen(
+            [str(BIN / "dynabatch"), "submit", str(config), "--url", server.url,
+             "--working-dir", str(code), "--interval", "0.2"],
+            stdout=out, stderr=subprocess.STDOUT, env=cli_env(), start_new_session=True)
+    try:
+        job = wait_for("submit to print the job id",
+                       lambda: re.match(r"[0-9a-f]{12}\n", out_path.read_text()), 60)[0].strip()
 
-    history = httpx.get(f"{server.url}/v1/jobs/{job}/history", timeout=10).json()["records"]
-    assert len(history) == 3
-    page_url = f"{server.url}/jobs/{job}"
-    d = dom(browse(page_url, "--dump-dom"))
+        # While it runs: the page, opened from a link that carries the token.
+        page = browser.open(f"{server.url}/jobs/{job}#token={TOKEN}")
+        first = page.wait_for("document.body.dataset.state === 'RUNNING' && "
+                              "document.querySelectorAll('#epochs tbody tr').length",
+                              "the live page to show an epoch of the running job", 180)
+        assert "#token=" not in page.eval("location.href")  # taken out of the address bar
+        assert page.eval("document.getElementById('controls').hidden") is False
+        assert page.eval("document.getElementById('state').textContent") == "RUNNING"
+        assert page.eval("document.getElementById('progress').textContent").startswith("epoch ")
+        loss_then = points(page, "loss-chart")
+        assert len(loss_then[0]) == first < EPOCHS  # partial: the epochs so far
+        history = rest(server, f"/v1/jobs/{job}/history")["records"]
+        assert loss_then[1] == pytest.approx([h["train_loss"] for h in history[:first]])
+        assert points(page, "metric-accuracy")[1] == pytest.approx(
+            [h["test_metrics"]["accuracy"] for h in history[:first]])
+        # The same page grows as epochs end: no reload.
+        grown = page.wait_for(f"document.querySelectorAll('#epochs tbody tr').length > {first}"
+                              " && document.querySelectorAll('#epochs tbody tr').length",
+                              "the live page's charts to grow", 120)
+        assert len(points(page, "loss-chart")[0]) >= grown > first
+
+        submit.wait(timeout=300)
+    finally:
+        stop_process(submit, grace=5.0)
+    lines = out_path.read_text().splitlines()
+    assert submit.returncode == 0, "\n".join(lines[-60:])
+    assert lines[-1] == f"job {job} SUCCEEDED"
+    assert any("stdout: hello from the user's loss" in ln for ln in lines), lines[-40:]
+
+    # The job shipped the upload, and `dynabatch logs` has every process's output, the last
+    # lines of the worker that killed itself included (Ray's log API).
+    (stored,) = (server.workdir / "code").glob("*.zip")
+    assert rest(server, f"/v1/jobs/{job}")["spec"]["working_dir"] == stored.as_uri()
+    logs = subprocess.run([str(BIN / "dynabatch"), "logs", job, "--url", server.url],
+                          capture_output=True, text=True, timeout=60, env=cli_env())
+    assert logs.returncode == 0, logs.stderr
+    text = logs.stdout
+    died = re.search(r"(w\d+) stdout: about to die", text)
+    assert died, text[-4000:]
+    assert f"{died[1]} stderr: fatal: the user's loss ends this process" in text
+    assert "coordinator stdout: hello from the user's loss, batch 2" in text  # its check
+    assert "NumPy array is not writable" not in text
+
+    # Finished: the same page shows the end, the whole history and every metric.
+    page.wait_for("document.body.dataset.streamEnded === 'true'", "the page's stream to end")
+    history = rest(server, f"/v1/jobs/{job}/history")["records"]
+    final = rest(server, f"/v1/jobs/{job}")
+    assert len(history) == EPOCHS
+    d = dom(page.html())
     assert d.by_id["state"]["text"].strip() == "SUCCEEDED"
+    assert d.by_id["progress"]["text"].startswith(f"succeeded: {EPOCHS} of {EPOCHS} epochs "
+                                                  "completed")
     assert "uplot" in d.classes  # uPlot drew the charts
     loss = json.loads(d.by_id["loss-chart"]["attrs"]["data-points"])
-    acc = json.loads(d.by_id["accuracy-chart"]["attrs"]["data-points"])
-    assert loss[0] == acc[0] == [0, 1, 2]
+    assert loss[0] == list(range(EPOCHS))
     assert loss[1] == pytest.approx([h["train_loss"] for h in history])
     assert loss[2] == pytest.approx([h["test_loss"] for h in history])
-    assert acc[1] == pytest.approx([h["test_accuracy"] for h in history])
-    assert [row[0] for row in d.rows["epochs"]] == ["0", "1", "2"]
-    final = httpx.get(f"{server.url}/v1/jobs/{job}", timeout=10).json()
+    metrics = {e["attrs"]["data-metric"]: json.loads(e["attrs"]["data-points"])
+               for e in d.by_id.values() if "data-metric" in e["attrs"]}
+    assert set(metrics) == set(history[-1]["test_metrics"]) == {"accuracy", "perplexity"}
+    for name, series in metrics.items():
+        assert series[0] == list(range(EPOCHS))
+        assert series[1] == pytest.approx([h["test_metrics"][name] for h in history])
+    assert [row[0] for row in d.rows["epochs"]] == [str(i) for i in range(EPOCHS)]
     shown = {row[0]: (int(row[2]), int(row[3])) for row in d.rows["workers"]}
     assert shown == {w["worker"]: (w["batch"], w["partition"]) for w in final["workers"]}
     assert d.by_id["balance"]["text"].strip() == f"{history[-1]['compute_balance']:.3f}"
     assert d.by_id["controls"]["attrs"].get("hidden") is not None  # finished: no controls
-    assert "hello from the user's loss" in d.by_id["log"]["text"]
+    assert "about to die" in d.by_id["log"]["text"]
 
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "job-page.png"
     shot.unlink(missing_ok=True)
-    browse(page_url, f"--screenshot={shot}", "--window-size=1200,1700")
+    page.screenshot(shot)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    missing = dom(browse(f"{server.url}/jobs/000000000000", "--dump-dom"))
-    assert "job 000000000000 not found" in missing.by_id["notfound"]["text"]
-    assert httpx.get(f"{server.url}/jobs/000000000000", timeout=10).status_code == 404
+
+def test_an_unknown_jobs_page(server: ApiServer, browser: Browser) -> None:
+    url = f"{server.url}/jobs/000000000000"
+    # A request with the token may know: 404. One without it gets the shell, as for any job.
+    assert httpx.get(url, headers=AUTH, timeout=10).status_code == 404
+    shell = httpx.get(url, timeout=10)
+    assert shell.status_code == 200 and 'data-token-required="true"' in shell.text
+    # The shell's script, given the token, says so.
+    page = browser.open(f"{url}#token={TOKEN}")
+    text = page.wait_for("!document.getElementById('notfound').hidden && "
+                         "document.getElementById('notfound').textContent", "not found")
+    assert text == "job 000000000000 not found"

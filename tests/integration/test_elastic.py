@@ -239,3 +239,39 @@ def test_killed_scheduler_resumes_from_checkpoint_with_identical_weights(cluster
     final = load_checkpoint(tmp_path / "b", "resume-job")["weights"]["model"]
     for k, v in ref_w.items():
         assert torch.equal(final[k], v), k
+
+
+def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster):
+    """A 2-worker job on 3 nodes keeps a spare on the idle one, holding none of its CPU;
+    a scale-up adopts it (it reserves the CPU, then trains), and nothing of it outlives
+    the job."""
+    from ray._private.state import available_resources_per_node
+
+    tag = "elastic_spare"
+    nodes = [n.node_id for n in _nodes(cluster, tag, 3)]
+
+    def free_cpus() -> dict[str, float]:
+        avail = available_resources_per_node()
+        return {n: avail.get(n, {}).get("CPU", 0.0) for n in nodes}
+
+    coord = Coordinator("spare", _spec(tag, workers=2, max_workers=2, epochs=500), resume=False)
+    thread = _start(coord)
+    try:
+        up = wait_for(lambda: [n for n, ok in coord.runtime.spare_nodes().items() if ok],
+                      timeout=120, interval=0.05)
+        (node,) = up
+        assert node not in {m.node for m in coord.members}
+        wait_for(lambda: free_cpus()[node] == 1.0, timeout=10)  # the spare reserves nothing
+        coord.scale(3)
+        wait_for(lambda: any("w2" in {r.worker for r in row} for row in coord.recent_steps()),
+                 timeout=30, interval=0.05)
+        assert coord.runtime.startups["w2"].get("spare") and "adopted" in (
+            coord.runtime.startups["w2"])
+        assert coord.membership.get("w2").node == node
+        assert free_cpus()[node] == 0.0  # adopted: its CPU is reserved like a fresh worker's
+    finally:
+        coord.cancel("test done")
+        thread.join(timeout=60)
+    assert coord.snapshot().state == JobState.CANCELLED
+    assert coord.runtime.spare_nodes() == {}
+    wait_for(lambda: set(free_cpus().values()) == {1.0}, timeout=20)  # all released

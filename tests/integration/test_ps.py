@@ -1,6 +1,12 @@
-"""A parameter-server job end to end on a real multi-node Ray cluster: a learner's node is
-lost mid-run, its in-flight samples are re-queued, nobody regroups, and every epoch is still
-applied exactly once."""
+"""Parameter-server jobs end to end on a real multi-node Ray cluster.
+
+* A learner's node is lost mid-run while it holds a chunk: its in-flight samples are
+  re-queued (``retried_samples > 0``), nobody regroups, every epoch is still applied exactly
+  once.
+* The modes on real actors, three short jobs in one test: hardsync with a learner joining
+  (τ = 0 throughout), softsync over two server shards with a scale-down (the drained learner
+  leaves, its samples re-queued), and bounded staleness ``wait`` (τ ≤ S, updates deferred).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,33 @@ from .conftest import wait_for
 pytestmark = pytest.mark.integration
 
 
+def _spec(name: str, **kw) -> JobSpec:
+    # Emulated 8x slower learners: the jobs last long enough (a few seconds) for a scale
+    # request to land mid-run.
+    kw.setdefault("emulation", {"slowdowns": [8, 8, 8]})
+    kw.setdefault("dataset", {"name": "digits"})
+    return JobSpec.model_validate(dict(
+        name=name, model={"name": "mlp", "hidden": 32},
+        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.5}, global_batch=48, seed=1,
+        worker_wait_timeout_s=20, **kw))
+
+
+def _start(coord: PSCoordinator) -> threading.Thread:
+    thread = threading.Thread(target=coord.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _finished(coord: PSCoordinator, thread: threading.Thread, epochs: int):
+    thread.join(timeout=120)
+    snap = coord.snapshot()
+    assert snap.state == JobState.SUCCEEDED, snap.reason
+    hist = coord.history()
+    assert [r.epoch for r in hist] == list(range(epochs))
+    assert all(r.verified and r.samples_trained == r.dataset_size for r in hist)
+    return snap, {w.worker: w for w in snap.ps.workers}
+
+
 def test_ps_job_survives_a_lost_learner_exactly_once(cluster):
     tag = "ps_loss"
     nodes = [cluster.add_node(num_cpus=1, resources={tag: 1}, object_store_memory=80 * 2**20)
@@ -26,25 +59,67 @@ def test_ps_job_survives_a_lost_learner_exactly_once(cluster):
         name=tag, dataset={"name": "digits"}, model={"name": "mlp", "hidden": 64},
         optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.5}, workers=3, global_batch=48,
         epochs=4, seed=3, node_resource=tag, worker_wait_timeout_s=20,
+        # The victim w0 computes 4x longer than it talks to the server, so it holds a chunk
+        # nearly all the time.
+        emulation={"slowdowns": [4, 1, 1]},
         protocol={"name": "ps", "mode": "async", "lr_staleness": "per_gradient",
                   "max_staleness": 8},
     ))
     coord = PSCoordinator("ps-loss", spec)
-    thread = threading.Thread(target=coord.run, daemon=True)
-    thread.start()
-    # Some pushes in, then the node of one learner goes away mid-epoch.
-    wait_for(lambda: (s := coord.snapshot().ps) is not None and s.applied >= 10, timeout=60)
-    victim = next(w for w, (_, _, node) in coord._learners.items())
-    node_id = coord._learners[victim][2]
+    thread = _start(coord)
+    # Some pushes in, then the node of w0 goes away while w0 holds a chunk.
+    wait_for(lambda: (s := coord.server_stats) is not None and s["applied"] >= 10
+             and "w0" in s["inflight"], timeout=60, interval=0.05)
+    node_id = coord._learners["w0"][2]
     cluster.remove_node(next(n for n in nodes if n.node_id == node_id), allow_graceful=False)
-    thread.join(timeout=90)
-    snap = coord.snapshot()
-    assert snap.state == JobState.SUCCEEDED, snap.reason
-    hist = coord.history()
-    assert [r.epoch for r in hist] == [0, 1, 2, 3]
-    assert all(r.verified and r.samples_trained == r.dataset_size for r in hist)
-    assert any(e.kind == "failure" and e.worker == victim for e in coord.events)
-    lost = {w.worker: w for w in snap.ps.workers}[victim]
-    assert not lost.member
+    snap, workers = _finished(coord, thread, 4)
+    assert any(e.kind == "failure" and e.worker == "w0" for e in coord.events)
+    assert not workers["w0"].member
+    assert snap.retried_samples_total > 0  # w0's in-flight chunk went back to the queue
     assert snap.ps.applied == sum(w.applied for w in snap.ps.workers)
-    assert snap.ps.version > 0 and hist[-1].test_accuracy > 0.5
+    assert snap.ps.version > 0 and coord.history()[-1].test_accuracy > 0.5
+
+
+def test_ps_modes_join_shards_scale_down_and_wait(cluster):
+    # hardsync, 2 learners; a third joins mid-run and every gradient still has τ = 0. Once
+    # it is a member every update waits for its gradient, so the job cannot end without it.
+    # 8 short epochs (120 updates, ~50 ms each here): the emulated slowdown barely stretches
+    # an MLP's millisecond step, so the length comes from the number of updates; the scale
+    # request is served within one poll (0.25 s).
+    coord = PSCoordinator("ps-hard", _spec("ps-hard", workers=2, epochs=8,
+                                           dataset={"name": "digits", "limit": 720},
+                                           protocol={"name": "ps", "mode": "hardsync"}))
+    thread = _start(coord)
+    wait_for(lambda: (s := coord.server_stats) is not None and s["version"] >= 3, timeout=60,
+             interval=0.05)
+    coord.scale(3)
+    snap, workers = _finished(coord, thread, 8)
+    assert set(workers) == {"w0", "w1", "w2"} and workers["w2"].applied > 0
+    assert all(w.staleness_max == 0 for w in workers.values())
+    assert any(e.kind == "join" and e.worker == "w2" for e in coord.events)
+
+    # 3-softsync over two server shards (the core decides on one; the slices apply on
+    # both); scaled down to 2 mid-run: the newest learner leaves, the job finishes.
+    coord = PSCoordinator("ps-soft", _spec(
+        "ps-soft", workers=3, epochs=3,
+        protocol={"name": "ps", "mode": "softsync", "n": 3, "lr_staleness": "per_gradient",
+                  "shards": 2}))
+    thread = _start(coord)
+    wait_for(lambda: (s := coord.server_stats) is not None and s["version"] >= 5, timeout=60,
+             interval=0.05)
+    coord.scale(2)
+    snap, workers = _finished(coord, thread, 3)
+    stats = coord.server_stats
+    assert stats["shards"] == 2 and 0 < stats["puts"] <= stats["version"] + 1
+    assert any(e.kind == "leave" and e.worker == "w2" and "scaled down" in e.reason
+               for e in coord.events)
+    assert not workers["w2"].member and workers["w0"].member and workers["w1"].member
+    assert coord.history()[-1].test_accuracy > 0.5
+
+    # Bounded staleness, wait: a slow learner makes the others wait, never τ > S.
+    coord = PSCoordinator("ps-wait", _spec(
+        "ps-wait", workers=3, epochs=1, emulation={"slowdowns": [1, 1, 4]},
+        protocol={"name": "ps", "mode": "async", "max_staleness": 1, "on_stale": "wait"}))
+    snap, workers = _finished(coord, _start(coord), 1)
+    assert all(w.staleness_max <= 1 for w in workers.values())
+    assert snap.ps.deferred > 0

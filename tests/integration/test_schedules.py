@@ -1,6 +1,7 @@
 """Schedules on real Ray workers: a stage change re-plans the new global batch over the
-workers with its scaled learning rate, and ISGD's flagged batches are repeated by every
-worker (one job, three nodes)."""
+workers with its scaled learning rate, the larger stage's shares accumulate in micro-batches,
+and ISGD's flagged batches are repeated by every worker, each keeping the chart through long
+segments (one job, three nodes)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def test_stage_change_and_isgd_on_ray(cluster):
         schedule={"stages": [{"epochs": 1, "global_batch": 30},
                              {"epochs": 3, "global_batch": 60}], "lr_scaling": "sqrt"},
         isgd={"enabled": True, "window": 4, "sigma": 0.5, "max_extra": 2},
+        # A memory cap below the second stage's shares (~20 of 60): they accumulate.
+        micro_batch=12,
     ))
     coord = Coordinator("stages-isgd", spec, resume=False)
     snap = coord.run()
@@ -32,8 +35,13 @@ def test_stage_change_and_isgd_on_ray(cluster):
     for r in hist:
         assert r.verified and r.samples_trained == r.dataset_size == 600
         assert sum(w.batch for w in r.workers) == r.global_batch
-        assert r.isgd_extra_iterations <= 2 * r.isgd_flagged
+        # Every flagged batch kept training, at most max_extra; the coordinator replayed
+        # the workers' charts from their reports (a disagreement fails the job).
+        assert r.isgd_flagged <= r.isgd_extra_iterations <= 2 * r.isgd_flagged
     assert hist[0].isgd_flagged == 0
+    # Stage 1's shares (~10) fit in one micro-batch; stage 2's are accumulated.
+    assert hist[0].breakdown.micro_batches == pytest.approx(1.0)
+    assert all(r.breakdown.micro_batches > 1.0 for r in hist[1:])
     # σ = 0.5 flags batches once the loss levels off (the simulator flags 5 of this job's
     # batches); the workers agreed on every decision (a disagreement would have broken the
     # collective and failed the job).

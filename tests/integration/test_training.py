@@ -30,6 +30,10 @@ def _spec(**kw) -> JobSpec:
 LM = dict(dataset={"name": "pysource", "options": {"chars": 20000, "seq_len": 16}},
           model={"name": "charlm", "hidden": 16, "options": {"heads": 2, "layers": 1}},
           loss="next_token")
+REGRESSION = dict(dataset={"name": "tests.unit.workload_plugins:regression_loader",
+                           "options": {"n": 96, "train": 64}}, loss="mse")
+# A user loss by import path, which prints: Ray's log API must show each worker's lines.
+USER_LOSS = dict(loss="tests.unit.workload_plugins:chatty_ce")
 # Small buckets launched from backward's hooks, and memory caps that make the workers
 # accumulate 2, 3 and 3 micro-batches.
 ACCUMULATED = {"allreduce": "bucketed", "bucket_kb": 1, "micro_batch": [3, 4, 16]}
@@ -37,12 +41,16 @@ ACCUMULATED = {"allreduce": "bucketed", "bucket_kb": 1, "micro_batch": [3, 4, 16
 
 @pytest.mark.parametrize(("workload", "comm"), [
     ({}, {"allreduce": "flat"}), ({}, ACCUMULATED), (LM, {"allreduce": "bucketed"}),
-], ids=["cross_entropy-flat", "cross_entropy-bucketed-accumulated", "next_token-bucketed"])
+    (REGRESSION, {"allreduce": "flat"}), (USER_LOSS, {"allreduce": "bucketed"}),
+], ids=["cross_entropy-flat", "cross_entropy-bucketed-accumulated", "next_token-bucketed",
+        "mse-flat", "user_loss-bucketed"])
 def test_weighted_allreduce_equals_one_process_update(cluster, workload, comm):
     """3 workers with batches 5, 11 and 48 make the update of one process on 64 samples,
-    for classification and for a language model's per-sample loss, with the flat and the
-    bucketed all-reduce, and with micro-batch accumulation."""
-    from actors.workloads.losses import LOSSES
+    for classification, a regression's mse, a language model's per-sample loss and a
+    user's loss named by import path, with the flat and the bucketed all-reduce, and with
+    micro-batch accumulation."""
+    from actors.output import ActorOutput
+    from actors.workloads.losses import resolve_loss
 
     spec = _spec(optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9}, **workload, **comm)
     ds = load_dataset(spec.dataset, seed=spec.seed)
@@ -75,12 +83,21 @@ def test_weighted_allreduce_equals_one_process_update(cluster, workload, comm):
         opt.zero_grad()
         xb = torch.from_numpy(x)
         yb = torch.from_numpy(y)
-        LOSSES[spec.loss or "cross_entropy"](model(xb), yb).mean().backward()
+        resolve_loss(spec.loss or "cross_entropy")(model(xb), yb).mean().backward()
         opt.step()
     ref = model.state_dict()
     for st in states:
         for k, v in ref.items():
             assert torch.allclose(st["model"][k], v, atol=1e-5, rtol=0), k
+    if workload is USER_LOSS:  # the user's prints, read back through Ray's log API
+        got: list[tuple[str, str, str]] = []
+        out = ActorOutput.for_ray(lambda *line: got.append(line))
+        for i, w in enumerate(workers):
+            out.watch(f"w{i}", ray.get(w.actor_id.remote(), timeout=60))
+            out.unwatch(f"w{i}")  # read once, to the end
+        out.poll()
+        for i, b in enumerate((5, 11, 48)):
+            assert (f"w{i}", "stdout", f"chatty batch of {b}") in got, got
     for w in workers:
         ray.kill(w)
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
+import os
 import re
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -220,12 +224,16 @@ def test_malformed_bodies_get_422(make_app: MakeApp, content: bytes, needle: str
     assert needle in r.json()["detail"][0]["msg"]
 
 
-def test_payload_too_large_gets_413(make_app: MakeApp) -> None:
+TOO_LARGE_1000 = {"detail": "request body too large: this endpoint takes at most 1000 bytes"}
+
+
+def test_payload_too_large_gets_413_as_json_naming_the_limit(make_app: MakeApp) -> None:
     client, _, _ = make_app(max_body_bytes=1000)
     big = {**SPEC, "dataset": {"name": "digits", "options": {"pad": "x" * 2000}}}
     r = client.post("/v1/jobs", json=big)
-    # FastAPI's own limit (FastAPI(max_body_size=...)) answers with Starlette's text.
-    assert r.status_code == 413 and r.text == "Content Too Large"
+    # FastAPI's own limit (FastAPI(max_body_size=...)), in the API's error shape.
+    assert r.status_code == 413 and r.headers["content-type"] == "application/json"
+    assert r.json() == TOO_LARGE_1000
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
         yield b'{"name": "x", "dataset": {"options": {"pad": "'
@@ -234,7 +242,113 @@ def test_payload_too_large_gets_413(make_app: MakeApp) -> None:
         yield b'"}}}'
 
     r = client.post("/v1/jobs", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json() == TOO_LARGE_1000
+    assert client.post("/v1/jobs", json=SPEC).status_code == 201  # the limit, not a lockout
+
+
+# Shipping code: POST /v1/code ---------------------------------------------------------
+def _zip(files: dict[str, bytes | str]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+CODE = _zip({"working_dir/my_loss.py": "def loss(o, t):\n    return o.sum(1)\n"})
+
+
+def _upload(client: TestClient, data: bytes) -> Any:
+    return client.post("/v1/code", content=data, headers={"content-type": "application/zip"})
+
+
+def test_code_upload_is_refused_unless_the_operator_allows_shipped_code(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    client, _, _ = make_app()  # the defaults: no user code, nowhere to keep it
+    r = _upload(client, CODE)
+    assert r.status_code == 403 and "DYNABATCH_USER_CODE_MODULES='*'" in r.json()["detail"]
+    client, _, _ = make_app(user_code_modules="mypkg")  # some modules are not any code
+    assert _upload(client, CODE).status_code == 403
+    client, _, _ = make_app(user_code_modules="*")  # allowed, but no code root
+    r = _upload(client, CODE)
+    assert r.status_code == 403 and "DYNABATCH_CODE_ROOT" in r.json()["detail"]
+    client, _, _ = make_app(user_code_modules="*", code_root=str(tmp_path / "code"),
+                            api_token="s3cret")
+    assert _upload(client, CODE).status_code == 401
+    assert not (tmp_path / "code").exists()
+
+
+def test_an_upload_is_kept_once_under_the_code_root_and_a_job_may_ship_it(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    root = tmp_path / "code"
+    client, _, cluster = make_app(user_code_modules="*", code_root=str(root),
+                                  max_body_bytes=1000, max_code_bytes=64 * 1024)
+    big_but_allowed = _zip({"working_dir/data.txt": os.urandom(5000)})  # over the JSON limit
+    r = _upload(client, big_but_allowed)
+    assert r.status_code == 201, r.text
+    r = _upload(client, CODE)
+    assert r.status_code == 201, r.text
+    body = r.json()
+    digest = hashlib.sha256(CODE).hexdigest()
+    assert body == {"working_dir": (root / f"{digest}.zip").resolve().as_uri(),
+                    "sha256": digest, "bytes": len(CODE), "files": 1}
+    assert (root / f"{digest}.zip").read_bytes() == CODE
+    assert _upload(client, CODE).json() == body  # the same code, the same URI
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [f"{digest}.zip", f"{hashlib.sha256(big_but_allowed).hexdigest()}.zip"])
+
+    job = _submit(client, working_dir=body["working_dir"], loss="my_loss:loss")
+    assert cluster.launches[job][-1].working_dir == body["working_dir"]
+    # What a job may name: its uploads and remote URIs, never a path on the service's disk.
+    for bad, why in ((str(tmp_path), "is a local path: upload the directory"),
+                     ("file:///etc/passwd.zip", "is outside the allowed directories"),
+                     (f"local://{tmp_path}", "is outside the allowed directories")):
+        r = client.post("/v1/jobs", json={**SPEC, "working_dir": bad})
+        assert r.status_code == 422, bad
+        (problem,) = r.json()["detail"]
+        assert problem["field"] == "working_dir" and why in problem["msg"], problem
+    assert _submit(client, working_dir="https://example.org/code.zip")
+
+
+def test_an_upload_over_its_own_limit_gets_413_naming_that_limit(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    client, _, _ = make_app(user_code_modules="*", code_root=str(tmp_path / "code"),
+                            max_code_bytes=2000)
+    r = _upload(client, os.urandom(5000))
     assert r.status_code == 413
+    assert r.json() == {"detail": "request body too large: this endpoint takes at most 2000 "
+                                  "bytes"}
+    assert not (tmp_path / "code").exists()
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    (b"PK\x03\x04 not really a zip", "not a zip archive"),
+    (b"", "not a zip archive"),
+    (_zip({"../evil.py": "x = 1"}), "points outside the archive"),
+    (_zip({"/etc/cron.d/evil": "x"}), "points outside the archive"),
+    (_zip({"working_dir/": ""}), "holds no file"),
+])
+def test_a_bad_zip_gets_422_naming_the_problem(make_app: MakeApp, tmp_path: Path, data: bytes,
+                                                why: str) -> None:
+    client, _, _ = make_app(user_code_modules="*", code_root=str(tmp_path / "code"))
+    r = _upload(client, data)
+    assert r.status_code == 422, r.text
+    (problem,) = r.json()["detail"]
+    assert problem["field"] == "body" and why in problem["msg"]
+    assert not list((tmp_path / "code").glob("*.zip"))
+
+
+def test_a_corrupt_member_is_found_before_it_is_kept(make_app: MakeApp, tmp_path: Path) -> None:
+    client, _, _ = make_app(user_code_modules="*", code_root=str(tmp_path / "code"))
+    good = _zip({"working_dir/m.py": "VALUE = 1\n" * 50})
+    data = bytearray(good)
+    at = data.index(b"VALUE")  # stored uncompressed: flip a byte of the member's data
+    data[at] ^= 0xFF
+    r = _upload(client, bytes(data))
+    assert r.status_code == 422 and "is corrupt" in r.json()["detail"][0]["msg"]
 
 
 # Reading jobs -------------------------------------------------------------------------
@@ -648,11 +762,15 @@ def test_openapi_is_complete(make_app: MakeApp) -> None:
         "/v1/jobs/{job_id}/scale",
         "/v1/jobs/{job_id}/workers/{worker}",
         "/v1/jobs/{job_id}/resume",
+        "/v1/code",
         "/v1/nodes",
         "/healthz",
         "/readyz",
         "/metrics",
     }
+    upload = paths["/v1/code"]["post"]
+    assert {"201", "401", "403", "413", "422"} <= set(upload["responses"])
+    assert "application/zip" in upload["requestBody"]["content"]
     post = paths["/v1/jobs"]["post"]
     assert {"201", "401", "413", "422", "503"} <= set(post["responses"])
     assert post["requestBody"]["content"]["application/json"]["examples"]
@@ -1164,3 +1282,58 @@ def test_a_job_resumed_on_another_cluster_is_found_there_after_a_restart(
     client, service, _ = make_app(external)
     assert job in external.found and len(external.launches[job]) == 1
     assert client.get(f"/v1/jobs/{job}").json()["resumes"] == 1
+
+
+# Parameter-server jobs (protocol ps) ----------------------------------------------------
+PS = {"name": "ps", "mode": "async"}
+
+
+@pytest.mark.parametrize(
+    ("protocol", "extra", "field", "needle"),
+    [
+        ({**PS, "on_stale": "wait"}, {}, "protocol.on_stale", "needs max_staleness"),
+        ({**PS, "mode": "softsync", "n": 3}, {}, "protocol.n", "greater than the number"),
+        ({**PS, "max_staleness": -1}, {}, "protocol.max_staleness", "greater than or equal"),
+        ({**PS, "shards": 0}, {}, "protocol.shards", "greater than or equal to 1"),
+        (PS, {"dataset": {"name": "pysource"}}, "dataset.name", "classification"),
+    ],
+)
+def test_ps_spec_422_names_the_field(
+    make_app: MakeApp, protocol: dict, extra: dict, field: str, needle: str
+) -> None:
+    client, _, cluster = make_app()
+    r = client.post("/v1/jobs", json={**SPEC, **extra, "protocol": protocol})
+    assert r.status_code == 422
+    mine = [e for e in r.json()["detail"] if e["field"] == field]
+    assert mine and needle in mine[0]["msg"], r.json()
+    assert not cluster.coordinators
+
+
+def test_ps_hardsync_staleness_options_are_accepted_with_a_warning(make_app: MakeApp) -> None:
+    client, _, _ = make_app()
+    with pytest.warns(UserWarning, match="ignored by mode hardsync"):
+        r = client.post("/v1/jobs", json={**SPEC, "protocol": {
+            "name": "ps", "mode": "hardsync", "max_staleness": 2}})
+    assert r.status_code == 201
+    assert r.json()["warnings"] == [
+        "protocol.max_staleness is ignored by mode hardsync (staleness is always 0)"]
+
+
+def test_get_job_shows_the_parameter_server(make_app: MakeApp) -> None:
+    from scheduler.telemetry import PSStatus, PSWorkerStatus
+
+    client, service, cluster = make_app()
+    job = _submit(client, protocol=PS)
+    fake = cluster.coordinators[job]
+    ps = PSStatus(mode="async", version=7, applied=7, refused=1, deferred=0, pushes=8,
+                  pushes_per_s=3.5, workers=[
+                      PSWorkerStatus(worker="w0", batch=32, pushes=4, applied=4, refused=0,
+                                     staleness_mean=0.5, staleness_max=1,
+                                     staleness_counts={0: 2, 1: 2})])
+    plain = fake.snapshot
+    fake.snapshot = lambda: plain().model_copy(update={"ps": ps})
+    _sync(service)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["spec"]["protocol"]["name"] == "ps"
+    assert body["ps"]["version"] == 7 and body["ps"]["pushes_per_s"] == 3.5
+    assert body["ps"]["workers"][0]["staleness_counts"] == {"0": 2, "1": 2}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -403,14 +404,42 @@ def test_event_stream_resumes_after_the_last_event_id(server: Callable[..., Test
     assert http.get("/v1/jobs/000000000000/events").status_code == 404
 
 
-def test_working_dir_needs_any_user_code(cli: typer.Typer, server: Callable[..., TestClient],
-                                         config: Path, tmp_path: Path) -> None:
+def test_working_dir_is_zipped_and_uploaded_and_the_job_names_the_upload(
+        cli: typer.Typer, server: Callable[..., TestClient], config: Path,
+        tmp_path: Path) -> None:
+    code = tmp_path / "code"
+    (code / "pkg" / "__pycache__").mkdir(parents=True)
+    (code / "pkg" / "__init__.py").write_text("")
+    (code / "pkg" / "losses.py").write_text("def loss(o, t):\n    return o.sum(1)\n")
+    (code / "pkg" / "__pycache__" / "losses.cpython-311.pyc").write_bytes(b"\0")
+    # The service decides: no user code from any module, or nowhere to keep it, is refused.
     line = _one_error_line(_invoke(cli, server(), "submit", str(config), "--no-wait",
-                                   "--working-dir", str(tmp_path)))
-    assert "working_dir: shipping code with the job is not allowed" in line
-    http = server(user_code_modules="*")
-    result = _invoke(cli, http, "submit", str(config), "--no-wait", "--working-dir",
-                     str(tmp_path))
+                                   "--working-dir", str(code)))
+    assert line.startswith("error: --working-dir: shipping code is not allowed")
+    assert "DYNABATCH_USER_CODE_MODULES='*'" in line
+    line = _one_error_line(_invoke(cli, server(user_code_modules="*"), "submit", str(config),
+                                   "--no-wait", "--working-dir", str(code)))
+    assert "DYNABATCH_CODE_ROOT" in line
+    line = _one_error_line(_invoke(cli, server(user_code_modules="*"), "submit", str(config),
+                                   "--no-wait", "--working-dir", str(tmp_path / "nope")))
+    assert line == f"error: --working-dir: {tmp_path / 'nope'} is not a directory"
+
+    root = tmp_path / "uploads"
+    http = server(user_code_modules="*", code_root=str(root))
+    result = _invoke(cli, http, "submit", str(config), "--no-wait", "--working-dir", str(code))
     assert result.exit_code == 0, result.output
     job = result.stdout.strip()
-    assert http.get(f"/v1/jobs/{job}").json()["spec"]["working_dir"] == str(tmp_path.resolve())
+    (stored,) = root.glob("*.zip")  # the code travelled in the request, not as a path
+    assert http.get(f"/v1/jobs/{job}").json()["spec"]["working_dir"] == stored.as_uri()
+    with zipfile.ZipFile(stored) as z:  # one top-level directory, which Ray removes
+        assert sorted(z.namelist()) == ["working_dir/pkg/__init__.py",
+                                        "working_dir/pkg/losses.py"]
+    # A config's own working_dir (a directory, as `dynabatch run` takes it) is uploaded too;
+    # the same code gives the same zip, kept once.
+    with_dir = tmp_path / "with_dir.yaml"
+    with_dir.write_text(CONFIG + f"working_dir: {code}\n")
+    result = _invoke(cli, http, "submit", str(with_dir), "--no-wait")
+    assert result.exit_code == 0, result.output
+    job = result.stdout.strip()
+    assert http.get(f"/v1/jobs/{job}").json()["spec"]["working_dir"] == stored.as_uri()
+    assert list(root.glob("*.zip")) == [stored]

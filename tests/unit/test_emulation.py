@@ -54,3 +54,29 @@ def test_real_clock_is_the_wall_clock():
     clock.start()
     time.sleep(0.03)
     assert clock.finish(5.0) == pytest.approx(0.03, abs=0.02)
+
+
+def test_pace_stretches_the_phase_so_far_and_finish_the_rest():
+    """The reducer paces before each bucket leaves: by then the phase has taken f x its
+    compute so far; finish() stretches the whole phase, and the sleeps are accounted."""
+    clock = ComputeClock(emulated=True)
+    clock.start()
+    t0 = time.perf_counter()
+    _burn(0.02)
+    at_pace = clock.pace(4.0)
+    assert at_pace == pytest.approx(0.08, rel=0.15)
+    assert time.perf_counter() - t0 >= at_pace * 0.95
+    _burn(0.02)
+    total = clock.finish(4.0)
+    assert total == pytest.approx(0.16, rel=0.15)
+    assert time.perf_counter() - t0 >= total * 0.95
+    # What it slept is what the wall clock lacked (less when the thread was preempted).
+    assert 0.0 <= clock.slept <= total - 0.04 + 0.01
+
+
+def test_pace_does_nothing_on_the_real_clock():
+    clock = ComputeClock(emulated=False)
+    clock.start()
+    t0 = time.perf_counter()
+    clock.pace(50.0)
+    assert time.perf_counter() - t0 < 0.01 and clock.slept == 0.0

@@ -46,3 +46,36 @@ def test_a_distribution_merged_into_our_folder_is_refused(
     monkeypatch.setattr(install_check.md, "distributions", lambda: [Dist()])
     with pytest.raises(ForeignPackage, match=r"'service' installed files into dynabatch's"):
         check_own_install(root)
+
+
+def test_create_app_runs_the_check_so_a_plain_uvicorn_start_is_checked_too(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from api.app import create_app
+    from service.settings import Settings
+    from tests.fakes import FakeCluster
+
+    def foreign(root: Path | None = None) -> None:
+        raise ForeignPackage("the package 'service' is imported from /elsewhere/service")
+
+    install_check.check_own_install_once.cache_clear()
+    monkeypatch.setattr(install_check, "check_own_install", foreign)
+    settings = Settings(db_path=str(tmp_path / "jobs.db"), sync_interval_s=0.0)
+    with pytest.raises(ForeignPackage, match="imported from /elsewhere/service"):
+        create_app(settings, cluster=FakeCluster())
+    # A failure is not remembered: the next start checks again.
+    with pytest.raises(ForeignPackage):
+        create_app(settings, cluster=FakeCluster())
+    monkeypatch.undo()
+    install_check.check_own_install_once.cache_clear()
+    assert create_app(settings, cluster=FakeCluster()).title == "dynabatch"
+
+
+def test_the_check_runs_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    install_check.check_own_install_once.cache_clear()
+    monkeypatch.setattr(install_check, "check_own_install", lambda root=None: calls.append(1))
+    install_check.check_own_install_once()
+    install_check.check_own_install_once()
+    assert calls == [1]
+    install_check.check_own_install_once.cache_clear()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler.membership import ORIGIN, Membership, NodeInfo
+from scheduler.membership import ORIGIN, Membership, NodeInfo, SparePlan
 from scheduler.protocols.sync import Position
 
 
@@ -107,3 +107,156 @@ def test_drain_and_scale_requests():
     m.request_scale(1000)
     assert m.max_size == 64  # never more workers than samples per step
     assert Position(0, 0) == ORIGIN
+
+
+# --- spares ---------------------------------------------------------------------------
+def _cpu(g):
+    return 0.0
+
+
+def test_a_scale_up_adopts_the_spare_on_the_idle_node():
+    m = _m(workers=2, max_workers=2)
+    nodes = _nodes(3)
+    _start_all(m, nodes)
+    assert m.spare_plan(nodes, 1, _cpu).start == ("n2",)
+    assert m.spare_plan(nodes, 1, _cpu).start == ()  # kept, not started twice
+    m.request_scale(3)
+    (s,) = m.spawns(nodes, False, _cpu)
+    assert (s.node_id, s.adopt) == ("n2", True)
+    assert m.spares == set()  # the spare is the pending worker now
+    assert m.spare_plan(nodes, 1, _cpu).start == ()  # no idle node left
+
+
+def test_no_spare_on_busy_excluded_gpu_or_spare_lost_nodes():
+    m = _m(workers=1, max_workers=1)
+    nodes = [NodeInfo("n0"), NodeInfo("n1", free=False), NodeInfo("n2", gpus=1.0),
+             NodeInfo("n3"), NodeInfo("n4")]
+    _start_all(m, nodes)  # w0 on n0
+    m.excluded_nodes["n3"] = "straggler"
+    auto = lambda g: 1.0 if g >= 1 else 0.0  # noqa: E731  (worker_gpus: auto)
+    assert m.spare_plan(nodes, 10, auto).start == ("n4",)
+    m.spare_lost("n4", "died")
+    assert m.spares == set()
+    assert m.spare_plan(nodes, 10, auto) == m.spare_plan(nodes, 10, auto)
+    assert m.spare_plan(nodes, 10, auto).start == ()
+    # A CPU job may keep one on the GPU node (its worker would not use the GPU).
+    assert m.spare_plan(nodes, 10, _cpu).start == ("n2",)
+    assert m.drop_spares() == ("n2",) and m.spares == set()
+
+
+_OPS = st.lists(st.tuples(
+    st.sampled_from(["plan", "spawn", "start", "lose", "evict", "spare_lost", "scale"]),
+    st.integers(0, 7), st.integers(0, 3)), max_size=40)
+_NODE_SET = st.lists(st.tuples(st.integers(0, 7), st.booleans(), st.booleans()), max_size=8)
+
+
+@given(ops=_OPS, views=st.lists(_NODE_SET, min_size=1, max_size=5),
+       workers=st.integers(1, 4), max_workers=st.integers(1, 6))
+def test_spares_are_bounded_and_never_where_a_worker_is(ops, views, workers, max_workers):
+    """Under any sequence of node views, spawns, starts, losses, evictions, scale requests
+    and lost spares: at most ``limit`` spares, one per node, each started on a free node,
+    and each on an eligible, CPU-only, not excluded node with none of the job's workers,
+    whose spare was never lost; a spawn adopts exactly when its node held a spare, and a
+    spare is never started twice nor stopped unless it was there."""
+    m = _m(workers=min(workers, max_workers), max_workers=max_workers)
+    gpus_on = lambda g: 1.0 if g >= 1 else 0.0  # noqa: E731
+    lost: set[str] = set()
+    for i, (op, a, b) in enumerate(ops):
+        view = {f"n{k}": NodeInfo(f"n{k}", free=free, gpus=float(gpu))
+                for k, free, gpu in views[i % len(views)]}
+        nodes = sorted(view.values(), key=lambda n: n.node_id)
+        used = {x.node for x in m.members} | {x.node for x in m.pending.values()}
+        before = set(m.spares)
+        if op == "plan":
+            plan = m.spare_plan(nodes, b, gpus_on)
+            assert not set(plan.start) & before and set(plan.stop) <= before
+            assert m.spares == (before - set(plan.stop)) | set(plan.start)
+            assert len(m.spares) <= b
+            assert all(view[n].free for n in plan.start)
+            for n in m.spares:
+                v = view[n]
+                assert not gpus_on(v.gpus) and n not in used
+                assert n not in m.excluded_nodes and n not in lost
+        elif op == "spawn":
+            for s in m.spawns(nodes, False, gpus_on):
+                assert s.adopt == (s.node_id in before and s.node_id not in used)
+                before.discard(s.node_id)
+                assert s.node_id not in m.spares
+        elif op == "start" and m.pending:
+            w = sorted(m.pending)[a % len(m.pending)]
+            m.started(w)
+        elif op in ("lose", "evict") and m.members:
+            w = m.members[a % len(m.members)].worker_id
+            m.remove(w, "failure" if op == "lose" else "evict", "test")
+        elif op == "spare_lost":
+            m.spare_lost(f"n{a}", "died")
+            lost.add(f"n{a}")
+            assert f"n{a}" not in m.spares
+        elif op == "scale":
+            m.request_scale(b + 1)
+        used = {x.node for x in m.members} | {x.node for x in m.pending.values()}
+        assert not m.spares & used
+
+
+@given(ops=_OPS, views=st.lists(_NODE_SET, min_size=1, max_size=5), limit=st.integers(0, 3))
+def test_spares_never_change_how_many_workers_start(ops, views, limit):
+    """The same events with and without spares: as many spawns each time, each on a free
+    node of the view (a spare only decides which free node goes first)."""
+    ms = [_m(workers=2, max_workers=3), _m(workers=2, max_workers=3)]
+    for i, (op, a, _) in enumerate(ops):
+        nodes = [NodeInfo(f"n{k}", free=free) for k, free, _ in views[i % len(views)]]
+        nodes = sorted({n.node_id: n for n in nodes}.values(), key=lambda n: n.node_id)
+        if op == "plan":
+            ms[0].spare_plan(nodes, limit, _cpu)
+        elif op == "spawn":
+            counts = []
+            for m in ms:
+                used = {x.node for x in m.members} | {x.node for x in m.pending.values()}
+                spawned = m.spawns(nodes, False, _cpu)
+                assert all(s.node_id not in used for s in spawned)
+                counts.append(len(spawned))
+            assert counts[0] == counts[1]
+        elif op == "start":
+            for m in ms:
+                for w in sorted(m.pending)[:1]:
+                    m.started(w)
+        elif op == "lose":
+            for m in ms:
+                if m.members:
+                    m.remove(m.members[a % len(m.members)].worker_id, "failure", "test")
+        assert len(ms[0].members) == len(ms[1].members)
+
+
+def test_spares_respect_the_limit_and_a_spawn_prefers_a_spare_node():
+    m = _m(workers=1, max_workers=1)
+    nodes = _nodes(4)
+    _start_all(m, nodes)  # w0 on n0
+    assert m.spare_plan(nodes, 1, _cpu).start == ("n1",)
+    assert m.spare_plan(nodes, 2, _cpu).start == ("n2",)
+    plan = m.spare_plan(nodes, 1, _cpu)
+    assert plan == type(plan)((), ("n2",)) and m.spares == {"n1"}
+    assert m.spare_plan(nodes, 0, _cpu).stop == ("n1",) and m.spares == set()
+    # n1 busy (another job) when the spare is placed: it goes to n2; once n1 is free again,
+    # a scale-up still takes n2 first, where the spare is warm.
+    busy = [NodeInfo("n0"), NodeInfo("n1", free=False), NodeInfo("n2"), NodeInfo("n3")]
+    assert m.spare_plan(busy, 1, _cpu).start == ("n2",)
+    m.request_scale(2)
+    (s,) = m.spawns(nodes, False, _cpu)
+    assert (s.node_id, s.adopt) == ("n2", True)
+
+
+def test_a_spare_stays_on_a_node_another_job_filled_unless_a_free_node_needs_it():
+    m = _m(workers=1, max_workers=1)
+    _start_all(m, _nodes(1))  # w0 on n0
+    assert m.spare_plan(_nodes(3), 1, _cpu).start == ("n1",)
+    # Another job takes n1's CPUs: the spare (holding none) stays while no node is free ...
+    full = [NodeInfo("n0"), NodeInfo("n1", free=False), NodeInfo("n2", free=False)]
+    assert m.spare_plan(full, 1, _cpu) == m.spare_plan(full, 1, _cpu) == SparePlan()
+    assert m.spares == {"n1"}
+    # ... and moves to a free node when there is one.
+    moved = m.spare_plan([NodeInfo("n0"), NodeInfo("n1", free=False), NodeInfo("n2")], 1, _cpu)
+    assert (moved.start, moved.stop) == (("n2",), ("n1",))
+    # A scale-up takes the free node with the spare before the free one without.
+    m.request_scale(2)
+    (s,) = m.spawns(_nodes(3), False, _cpu)
+    assert (s.node_id, s.adopt) == ("n2", True)

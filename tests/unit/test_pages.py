@@ -35,8 +35,32 @@ def test_page_static_files_and_404(tmp_path: Path) -> None:
         assert c.get("/static/nope.js").status_code == 404
 
 
-def test_with_a_token_the_shell_tells_nothing(tmp_path: Path) -> None:
+def test_with_a_token_the_shell_tells_nothing_to_a_visitor_without_it(tmp_path: Path) -> None:
     with _client(tmp_path, api_token="s3cret") as c:
-        page = c.get("/jobs/000000000000")  # unknown, but the visitor has no token
-        assert page.status_code == 200 and 'data-token-required="true"' in page.text
+        auth = {"Authorization": "Bearer s3cret"}
+        job = c.post("/v1/jobs", json={"workers": 2}, headers=auth).json()["job_id"]
+        for unknown_or_not in ("000000000000", job):
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                # A browser opening a link sends no header: the same shell, known job or not.
+                page = c.get(f"/jobs/{unknown_or_not}", headers=headers)
+                assert page.status_code == 200 and 'data-token-required="true"' in page.text
         assert c.get("/v1/jobs/000000000000/events").status_code == 401
+        # A request that carries the token may know: an unknown job is a 404 page.
+        missing = c.get("/jobs/000000000000", headers=auth)
+        assert missing.status_code == 404 and "job 000000000000 not found" in missing.text
+        assert c.get(f"/jobs/{job}", headers=auth).status_code == 200
+
+
+def test_the_page_script_charts_every_metric_and_takes_a_token_from_the_link(
+    tmp_path: Path,
+) -> None:
+    # The behaviour runs in Chromium (tests/e2e/test_job_page_e2e.py); here, that the shell
+    # has the one loss chart, and the script the per-metric charts and the #token= link.
+    with _client(tmp_path) as c:
+        job = c.post("/v1/jobs", json={"workers": 2}).json()["job_id"]
+        page = c.get(f"/jobs/{job}").text
+        assert 'id="loss-chart"' in page and 'id="charts"' in page
+        assert "accuracy-chart" not in page
+        script = c.get("/static/job.js").text
+        assert "test_metrics" in script and "metricChart" in script
+        assert 'get("token")' in script and "history.replaceState" in script

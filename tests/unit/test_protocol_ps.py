@@ -51,7 +51,12 @@ def _run(core: PSCore, data, workers: list[str], faults: bool, max_events: int =
             if isinstance(res, Work):
                 inflight[w] = res
                 progressed = True
-        if not progressed and not inflight:
+        if not progressed and inflight:
+            # An idle answer changes nothing: let a gradient in (asking again cannot help).
+            w = data.draw(st.sampled_from(sorted(inflight)))
+            work = inflight.pop(w)
+            events += core.push(w, work.ticket, work.version, compute_s=0.01 * (1 + len(w)))
+        elif not progressed:
             # Everybody idle: ask each once (a flush or a new epoch may be due).
             for w in idle:
                 res, ev = core.request(w)
@@ -188,8 +193,71 @@ def test_ji_batches_follow_speed():
     pol.observe("a", 8, 1.0)
     pol.observe("b", 8, 0.25)
     assert pol.batch("a") == 3 and pol.batch("b") == 13
-    assert pol.lr_scale("b") == 13 / 8
+    assert pol.lr_scale(13) == 13 / 8 and PerfAwareBatches(8).lr_scale(13) == 1.0
     assert PerfAwareBatches(8).batch("a") == 8
+
+
+def test_ji_lr_scale_is_the_gradients_own_samples_not_the_replanned_batch():
+    """A 16-sample gradient whose push triggers a re-plan is weighted 16/b0, not by the new
+    batch the re-plan gives its learner."""
+    ji = JiConfig(b0=16, b_min=4, b_max=64, every_pushes=2, scale_lr=True)
+    core = PSCore(PSConfig("async"), dataset_size=1000, epochs=1, seed=0,
+                  batches=PerfAwareBatches(16, ji), workers=["slow", "fast"])
+    ws, _ = core.request("slow")
+    wf, _ = core.request("fast")
+    assert ws.chunk.samples == wf.chunk.samples == 16
+    (a,) = core.push("fast", wf.ticket, wf.version, compute_s=0.01)
+    assert a.gradients[0].weight == 1.0
+    # The second push re-plans: "fast" is 8x faster, so "slow" gets a smaller batch now.
+    (a,) = core.push("slow", ws.ticket, ws.version, compute_s=0.08)
+    assert core.batches.batch("slow") < 16 < core.batches.batch("fast")
+    assert a.gradients[0].weight == 1.0  # 16 samples / b0 16, whatever was planned since
+    ws, _ = core.request("slow")
+    (a,) = core.push("slow", ws.ticket, ws.version, compute_s=0.08)
+    assert a.gradients[0].weight == ws.chunk.samples / 16
+
+
+speeds = st.dictionaries(st.sampled_from([f"w{i}" for i in range(8)]),
+                         st.floats(0.01, 1e4, allow_nan=False), min_size=1, max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(speeds=speeds, total=st.integers(1, 2000), b_min=st.integers(1, 16),
+       extra=st.one_of(st.none(), st.integers(0, 500)))
+def test_ji_batches_within_bounds_and_proportional_to_speed(speeds, total, b_min, extra):
+    b_max = None if extra is None else b_min + extra
+    got = ji_batches(total, speeds, b_min, b_max)
+    assert set(got) == set(speeds)
+    s = sum(speeds.values())
+    for w, b in got.items():
+        assert b >= b_min and (b_max is None or b <= b_max)
+        ideal = total * speeds[w] / s
+        if b_min < ideal and (b_max is None or ideal < b_max):
+            # Not clipped: b_i = round(B·v_i/Σv), i.e. proportional to v_i up to rounding.
+            assert abs(b - ideal) <= 0.5 + 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(k=st.integers(1, 9), b0=st.integers(1, 32),
+       pushes=st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 64),
+                                 st.floats(1e-4, 10.0)), max_size=60))
+def test_ji_replans_exactly_every_k_pushes_within_bounds(k, b0, pushes):
+    cfg = JiConfig(b0=b0, b_min=max(1, b0 // 4), b_max=4 * b0, every_pushes=k)
+    pol = PerfAwareBatches(b0, cfg)
+    members = ["a", "b", "c", "d"]
+    for i, (w, samples, t) in enumerate(pushes, start=1):
+        replanned = pol.observe(w, samples, t, members)
+        assert replanned == (i % k == 0)
+        assert pol.replans == i // k
+        for m in members:
+            assert cfg.b_min <= pol.batch(m) <= cfg.b_max
+        if replanned:
+            # b_i ∝ v_i before clipping (learners without a speed get the mean speed).
+            known = [pol.speeds[m] for m in members if m in pol.speeds]
+            mean = sum(known) / len(known)
+            v = {m: pol.speeds.get(m, mean) for m in members}
+            assert {m: pol.batch(m) for m in members} == ji_batches(
+                len(members) * b0, v, cfg.b_min, cfg.b_max)
 
 
 def test_core_finishes_and_reports_idle_reasons():
@@ -205,3 +273,60 @@ def test_core_finishes_and_reports_idle_reasons():
     ev = core.push("a", wa.ticket, wa.version, 0.1)
     assert isinstance(ev[-1], EpochEnd) and ev[-1].verification.verified
     assert core.request("a")[0] == Finished("a")
+
+
+def test_epochs_overlap_in_async_but_not_in_hardsync():
+    """Async: once epoch 0 is handed out, a free learner takes epoch 1 while epoch 0's last
+    gradient is in flight (no barrier, so no burst of learners all pulling one version).
+    Hardsync keeps the barrier: an update never mixes two epochs."""
+    core = PSCore(PSConfig("async"), dataset_size=8, epochs=3, seed=0,
+                  batches=PerfAwareBatches(4), workers=["a", "b", "c"])
+    wa, _ = core.request("a")
+    wb, _ = core.request("b")
+    wc, _ = core.request("c")
+    assert (wa.epoch, wb.epoch, wc.epoch) == (0, 0, 1)
+    ev = core.push("c", wc.ticket, wc.version, 0.1)
+    assert not any(isinstance(e, EpochEnd) for e in ev)
+    wc, _ = core.request("c")
+    assert wc.epoch == 1 and wc.chunk.ranges == ((4, 8),)  # epoch 1's second chunk
+    ev = core.push("a", wa.ticket, wa.version, 0.1) + core.push("b", wb.ticket, wb.version, 0.1)
+    ends = [e for e in ev if isinstance(e, EpochEnd)]
+    assert [e.epoch for e in ends] == [0] and ends[0].verification.verified
+    ev = core.push("c", wc.ticket, wc.version, 0.1)
+    assert [e.epoch for e in ev if isinstance(e, EpochEnd)] == [1]  # in order
+
+    hard = PSCore(PSConfig("hardsync"), dataset_size=6, epochs=2, seed=0,
+                  batches=PerfAwareBatches(4), workers=["a", "b"])
+    wa, _ = hard.request("a")
+    wb, _ = hard.request("b")
+    assert (wa.chunk.samples, wb.chunk.samples) == (4, 2)
+    hard.push("a", wa.ticket, wa.version, 0.1)
+    (apply, end) = hard.push("b", wb.ticket, wb.version, 0.1)
+    assert isinstance(apply, Apply) and isinstance(end, EpochEnd) and end.epoch == 0
+
+
+def test_driver_classifies_learner_errors_and_checks_the_data():
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from actors.spec import JobSpec
+    from actors.workloads import WorkloadError
+    from scheduler.ps_driver import _own_error, dataset_problem
+
+    def task_error(cause):
+        return RayTaskError("Learner.run", "traceback", cause)
+
+    assert _own_error(task_error(WorkloadError("loss: outputs have the wrong shape"))) == (
+        "loss: outputs have the wrong shape")
+    assert _own_error(task_error(RuntimeError("mat1 and mat2\nshapes"))) == (
+        "RuntimeError: mat1 and mat2")
+    assert _own_error(task_error(ActorDiedError())) is None  # the server died: lost
+    assert _own_error(ActorDiedError()) is None  # the learner's node or process died
+
+    class DS:
+        targets = "values"
+    spec = JobSpec.model_validate({"workers": 2, "protocol": {"name": "ps"},
+                                   "dataset": {"name": "pkg.mod:load"}})
+    assert dataset_problem(spec, DS()).startswith("dataset.name: protocol ps trains "
+                                                  "classification")
+    DS.targets = "classes"
+    assert dataset_problem(spec, DS()) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -65,3 +66,162 @@ def test_perf_aware_batches_follow_speeds_in_the_simulator():
     simulate_ps(SPEC, core, PSSimConfig(_learners([1, 1, 2, 4]), noise=0.0))
     b = {w: core.batches.batch(w) for w in ("w0", "w1", "w2", "w3")}
     assert b["w0"] < b["w2"] < b["w3"] and abs(sum(b.values()) - 32) <= 2
+
+
+def _grads(size: int, n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+
+
+def test_k_shards_step_exactly_as_one_server():
+    """Each slice with its own optimizer (SGD momentum, Adam) = one optimizer on the whole
+    vector: both are elementwise, so sharding changes nothing but where the work runs."""
+    from actors.ps import shard_bounds
+
+    ds = load_dataset(SPEC.dataset, seed=0)
+    shape = tuple(ds.input_shape)
+    for opt in ({"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+                {"name": "adam", "lr": 0.01}):
+        spec = SPEC.model_copy(update={"optimizer": SPEC.optimizer.model_validate(opt)})
+        whole = ParamStore(spec, shape, ds.num_classes)
+        bounds = shard_bounds(whole.size, 3)
+        parts = [ParamStore(spec, shape, ds.num_classes, b) for b in bounds]
+        grads = _grads(whole.size, 6)
+        for i in range(0, 6, 2):
+            pairs = [(grads[i], 0.5), (grads[i + 1], 0.125)]  # staleness-weighted mix
+            whole.apply(pairs)
+            for p, (lo, hi) in zip(parts, bounds, strict=True):
+                p.apply([(g[lo:hi], w) for g, w in pairs])
+        joined = np.concatenate([p.weights() for p in parts])
+        assert np.abs(joined - whole.weights()).max() < 1e-6, opt["name"]
+        assert [p.size for p in parts] == [hi - lo for lo, hi in bounds]
+
+
+def test_adam_state_lives_on_the_server_and_staleness_scales_its_learning_rate():
+    """With Adam a staleness factor on the gradient would be normalised away; the server
+    applies the weights' sum as a learning-rate scale instead."""
+    ds = load_dataset(SPEC.dataset, seed=0)
+    spec = SPEC.model_copy(update={"optimizer": SPEC.optimizer.model_validate(
+        {"name": "adam", "lr": 0.01})})
+    (g,) = _grads(ParamStore(spec, tuple(ds.input_shape), ds.num_classes).size, 1)
+    moved = {}
+    for factor in (1.0, 0.25):
+        store = ParamStore(spec, tuple(ds.input_shape), ds.num_classes)
+        before = store.weights()
+        store.apply([(g, factor)])
+        moved[factor] = np.abs(store.weights() - before).mean()
+        state = store.optimizer.state[store.flat]
+        assert state["exp_avg"].shape == store.flat.shape and int(state["step"]) == 1
+        assert store.optimizer.param_groups[0]["lr"] == 0.01  # the scale was for one step
+    # Adam's first step moves each weight by about lr; a factor of 1/4 moves it 1/4 as far
+    # (a factor on the gradient alone would move it just as far: 1.0).
+    assert abs(moved[0.25] / moved[1.0] - 0.25) < 0.01
+
+
+def test_parameter_server_costs_and_shards_in_the_simulator():
+    from scheduler.cluster_model import ParameterServerModel
+
+    ps = ParameterServerModel(push_ms=2.0, pull_ms=1.0, beta_ms_per_mb=50.0)
+    assert ps.push_s(2 * 2**20, 1) == pytest.approx(0.002 + 0.1)
+    assert ps.pull_s(2 * 2**20, 4) == pytest.approx(0.001 + 0.025)
+    assert ps.push_s(2 * 2**20, 4) == pytest.approx(2 * 0.002 + 0.025)  # two phases
+
+    def run(cost, shards=1):
+        core = PSCore(PSConfig("async"), dataset_size=96, epochs=1, seed=0,
+                      batches=PerfAwareBatches(8))
+        return simulate_ps(SPEC, core, PSSimConfig(_learners([1]), noise=0.0,
+                                                   parameter_server=cost, shards=shards,
+                                                   eval_train=False))
+    free, paid = run(None), run(ps)
+    size = ParamStore(SPEC, (64,), 10).size
+    per_push = ps.push_s(4 * size) + ps.pull_s(4 * size)
+    assert paid.virtual_s - free.virtual_s == pytest.approx(12 * per_push)  # 96/8 pushes
+    # A small model (6 KB): the commit's extra hop costs more than the slices save ...
+    assert run(ps, shards=4).virtual_s > paid.virtual_s
+    # ... where bytes dominate, k slices in parallel pay.
+    slow = ParameterServerModel(push_ms=2.0, pull_ms=1.0, beta_ms_per_mb=5000.0)
+    assert run(slow, shards=4).virtual_s < run(slow).virtual_s
+
+
+def test_server_one_put_per_version_the_issue_interface_and_a_rolling_rate(monkeypatch):
+    """The server actor's coroutines without Ray: learners pulling one version share one
+    ``ray.put``; ``push(worker, grad, version_pulled, samples, compute_s)`` and ``pull()``;
+    pushes per second forget what is older than the window."""
+    import asyncio
+
+    import ray
+
+    from actors.ps import RATE_WINDOW_S, ParameterServer
+
+    puts = []
+    monkeypatch.setattr(ray, "put", lambda value: puts.append(value) or f"ref{len(puts)}")
+    ds = load_dataset(SPEC.dataset, seed=0)
+    core = PSCore(PSConfig("async"), dataset_size=96, epochs=1, seed=0,
+                  batches=PerfAwareBatches(8), workers=["w0", "w1", "w2"])
+    server = ParameterServer(SPEC, core, tuple(ds.input_shape), ds.num_classes, ds.x_test,
+                             ds.y_test)
+    size = server.store.size
+
+    async def scenario():
+        replies = await asyncio.gather(*(server.request(w) for w in ("w0", "w1", "w2")))
+        assert {r["work"].version for r in replies} == {0}
+        assert [r["weights"] for r in replies] == [["ref1"]] * 3 and len(puts) == 1
+        work = replies[0]["work"]
+        with pytest.raises(ValueError, match="no open work"):
+            await server.push("w0", np.zeros(size, np.float32), 0, work.chunk.samples + 1, 0.1)
+        out = await server.push("w0", np.ones(size, np.float32), 0, work.chunk.samples, 0.1)
+        assert out == {"version": 1}
+        await server.push("w1", np.ones(size, np.float32), 0, 8, 0.1)  # version 2
+        r = await server.request("w0")
+        assert r["weights"] == ["ref2"] and len(puts) == 2  # the new version's one put
+        version, weights = await server.pull()
+        assert version == 2 and weights.shape == (size,)
+        return server.started
+
+    started = asyncio.run(scenario())
+    assert server.snapshot()["pushes_per_s"] > 0
+    assert server.pushes_per_s(now=started + 100 * RATE_WINDOW_S) == 0.0  # not 2 / lifetime
+
+
+def test_dynabatch_simulate_routes_a_ps_spec_to_the_ps_simulator(tmp_path):
+    """``dynabatch simulate`` of a ``protocol: ps`` spec trains it through the parameter
+    server on the cluster's nodes (with its push/pull costs), a node failure losing its
+    learner; what the ps simulator cannot take is one line, exit 2."""
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from service.cli import run as run_cli
+    from service.cli import simulate as sim_cli
+
+    (tmp_path / "job.yaml").write_text(
+        "dataset: {name: digits, limit: 200}\nmodel: {name: mlp, hidden: 16}\nworkers: 3\n"
+        "global_batch: 24\nepochs: 2\nprotocol: {name: ps, mode: async, shards: 2}\n")
+    cluster = ("classes: [{name: fast, count: 2, a_ms: 1, c_ms_per_sample: 0.1},\n"
+               "          {name: slow, count: 1, a_ms: 4, c_ms_per_sample: 0.4}]\n"
+               "parameter_server: {push_ms: 1, pull_ms: 1}\n")
+    app = typer.Typer()
+    run_cli.register(app)
+    sim_cli.register(app)
+
+    def cli(cluster_text: str, *extra: str):
+        (tmp_path / "cluster.yaml").write_text(cluster_text)
+        return CliRunner().invoke(app, ["simulate", str(tmp_path / "job.yaml"), "--cluster",
+                                        str(tmp_path / "cluster.yaml"), "--quiet", *extra],
+                                  env={"COLUMNS": "200"})
+
+    res = cli(cluster + "events: [{at_s: 0.01, fail: {class: slow}}]\n", "--report",
+              str(tmp_path / "r.json"))
+    assert res.exit_code == 0, res.output
+    assert "protocol ps (async)" in res.output and "staleness mean" in res.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["simulation"]["protocol"] == "ps"
+    assert [e["verified"] for e in report["epochs"]] == [True, True]
+    workers = {w["worker"]: w for w in report["ps"]["workers"]}
+    assert not workers["w2"]["member"]  # the slow node failed: its learner is gone
+    res = cli(cluster + "events: [{epoch: 1, slowdown: {class: fast, factor: 2}}]\n")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1
+    assert "events.0" in res.output
+    res = cli(cluster, "--dataset-size", "100")
+    assert res.exit_code == 2 and "--dataset-size" in res.output

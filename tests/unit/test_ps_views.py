@@ -27,7 +27,7 @@ def _snapshot() -> JobSnapshot:
     core.push("w0", a.ticket, a.version, 0.1)
     core.push("w1", b.ticket, b.version, 0.1)  # τ = 1
     snap = core.snapshot()
-    snap["elapsed_s"] = 2.0
+    snap["pushes_per_s"] = 1.0  # the server's rolling rate (tests/unit/test_ps_sim.py)
     return JobSnapshot(job_id="abc", name="j", state=JobState.RUNNING,
                        ps=ps_status(SPEC, snap))
 
@@ -55,6 +55,16 @@ def test_prometheus_families():
     assert 'dynabatch_ps_gradients_total{job_id="abc",outcome="applied"} 2.0' in text
     assert 'dynabatch_ps_server_version{job_id="abc"} 2.0' in text
     assert 'dynabatch_ps_pushes_per_second{job_id="abc"} 1.0' in text
+    assert 'dynabatch_ps_deferred_updates_total{job_id="abc"} 0.0' in text
+
+
+def test_run_live_view_shows_staleness_per_worker():
+    from service.cli.run import render
+
+    console = Console(width=160, record=True)
+    console.print(render(_snapshot(), []))
+    out = console.export_text()
+    assert "parameter server (async)" in out and "staleness mean" in out and "w1" in out
 
 
 def test_cli_table_shows_staleness_per_worker():

@@ -3,6 +3,8 @@ multi-worker sums are checked against one process in tests/integration/test_trai
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,15 @@ from hypothesis import strategies as st
 
 from actors.accumulate import micro_cap, micro_ranges
 from actors.contracts import SegmentPlan, StepPlan
-from actors.reducer import plan_buckets
+from actors.reducer import (
+    DDP_BUCKET_BYTES,
+    DDP_FIRST_BUCKET_BYTES,
+    MIN_BUCKET_BYTES,
+    StepMarks,
+    auto_bucket_bytes,
+    hidden_seconds,
+    plan_buckets,
+)
 from actors.spec import JobSpec
 from actors.worker import Worker
 
@@ -90,9 +100,181 @@ def test_bucketed_all_reduce_is_launched_from_backward_hooks():
     w = _worker(allreduce="bucketed", bucket_kb=1)
     assert len(w.reducer._buckets) > 1
     steps = _train(w)
-    # The first bucket went out before compute ended (during backward), not after it.
+    # Buckets went out during backward, and their communication overlapped it.
+    assert w.reducer.last.early == w.reducer.n_buckets
     assert all(s.overlap_s > 0 for s in steps)
     assert all(s.backward_s > 0 and s.forward_s > 0 and s.step_s >= s.compute_s
                for s in steps)
     flat = _worker(allreduce="flat")
     assert all(s.overlap_s <= 0 for s in _train(flat))
+
+
+# --- bucket sizes ---------------------------------------------------------------------
+
+
+def _model_sizes(name: str, shape=(1, 28, 28), **kw) -> list[int]:
+    from actors.spec import ModelSpec
+    from actors.workloads.models import build_model
+
+    m = build_model(ModelSpec.model_validate({"name": name, **kw}), shape, 10)
+    return [p.numel() for p in m.parameters()]
+
+
+def _auto_buckets(sizes: list[int]) -> list:
+    first, rest = auto_bucket_bytes(4 * sum(sizes))
+    return plan_buckets(sizes, rest // 4, first // 4)
+
+
+def test_default_buckets_give_the_benchmark_models_several_buckets():
+    """DDP's 25 MiB (1 MiB first) would give LeNet and the small ResNet one bucket each:
+    launched with the last gradient, nothing to overlap."""
+    assert len(plan_buckets(_model_sizes("lenet"), (25 << 20) // 4, (1 << 20) // 4)) == 1
+    assert len(_auto_buckets(_model_sizes("lenet"))) >= 2
+    assert len(_auto_buckets(_model_sizes("resnet"))) >= 3
+    # A tiny model: one bucket (a collective's fixed cost would outweigh what it hides).
+    assert len(_auto_buckets(_model_sizes("mlp", (64,), hidden=32))) == 1
+
+
+@given(st.integers(1, 10**9))
+def test_auto_bucket_sizes_are_a_quarter_of_the_model_within_ddps_bounds(model_bytes):
+    first, rest = auto_bucket_bytes(model_bytes)
+    assert MIN_BUCKET_BYTES <= rest <= DDP_BUCKET_BYTES
+    assert first <= DDP_FIRST_BUCKET_BYTES and first <= rest
+    if MIN_BUCKET_BYTES * 4 <= model_bytes <= DDP_BUCKET_BYTES * 4:
+        assert rest == model_bytes // 4
+
+
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=30), st.integers(1, 3000),
+       st.integers(1, 3000))
+def test_the_first_bucket_closes_at_its_own_cap(sizes, cap, first):
+    b = plan_buckets(sizes, cap, first)
+    assert b[0][1] == sum(sizes) and b[-1][0] == 0
+    lo, hi, m = b[0]
+    assert hi - lo < first or hi - lo - sizes[min(m)] < first
+    assert hi - lo >= first or len(b) == 1
+    rest = plan_buckets(sizes[:min(m)], cap) if min(m) else []
+    assert b[1:] == rest
+
+
+def test_a_large_model_gets_ddps_sizes():
+    sizes = [4 << 20] * 40  # 40 parameters of 16 MiB: 640 MiB of gradients
+    b = _auto_buckets(sizes)
+    assert b[0][1] - b[0][0] == 4 << 20  # a single parameter larger than the 1 MiB cap
+    assert all(hi - lo <= (25 << 20) // 4 + (4 << 20) for lo, hi, _ in b)
+
+
+# --- hidden communication ---------------------------------------------------------------
+
+_span = st.tuples(st.floats(0, 10), st.floats(0, 5)).map(lambda t: (t[0], t[0] + t[1]))
+
+
+@given(st.lists(_span, max_size=8), st.floats(0, 20))
+def test_hidden_time_is_the_union_of_flights_before_compute_ends(spans, until):
+    h = hidden_seconds(spans, until)
+    assert 0.0 <= h <= sum(e - s for s, e in spans) + 1e-9
+    if spans:
+        assert h <= max(0.0, until - min(s for s, _ in spans)) + 1e-9
+    # Monotone in the end of compute, and exact on a fine grid.
+    assert hidden_seconds(spans, until + 1.0) >= h - 1e-9
+    grid = np.linspace(0.0, until, 2001)[:-1] + until / 4000
+    covered = sum(any(s <= t <= e for s, e in spans) for t in grid) * until / 2000
+    assert h == pytest.approx(covered, abs=until / 2000 * (2 * len(spans) + 1) + 1e-9)
+
+
+def test_hidden_time_examples():
+    assert hidden_seconds([(0, 1), (2, 3)], 10) == 2
+    assert hidden_seconds([(0, 2), (1, 3)], 10) == 3  # overlapping flights count once
+    assert hidden_seconds([(0, 2), (1, 3)], 1.5) == 1.5
+    assert hidden_seconds([(5, 6)], 4) == 0  # launched after compute: nothing hidden
+    assert hidden_seconds([], 4) == 0
+
+
+def test_step_marks_on_the_cpu_are_host_seconds():
+    marks = StepMarks(torch.device("cpu"))
+    marks.begin()
+    m = marks.mark()
+    assert isinstance(m, float) and 0 <= marks.seconds(m) < 1
+
+
+# --- the reducer in a worker's step --------------------------------------------------------
+
+
+def test_overlap_is_measured_as_communication_hidden_behind_compute():
+    w = _worker(allreduce="bucketed", bucket_kb=1)
+    steps = _train(w)
+    red = w.reducer.last
+    assert red.buckets == w.reducer.n_buckets > 1
+    assert red.early == red.buckets  # every bucket went out from backward's hooks
+    # Some communication ran while backward went on, never more than the compute itself.
+    assert all(0 < s.overlap_s <= s.compute_s + 1e-3 for s in steps)
+
+
+def test_goodput_norms_are_read_per_bucket_and_keep_the_overlap():
+    """|g_i|² is summed over the buckets just before each goes out, so the buckets still
+    leave from the hooks; the value is the flat buffer's norm."""
+    plan = SegmentPlan(0, 0, 48, (StepPlan(0, 0, 24, 0, 24, noise=True),
+                                  StepPlan(1, 24, 24, 24, 24, noise=True)))
+    out = {}
+    for kw in ({"allreduce": "bucketed", "bucket_kb": 1}, {"allreduce": "flat"}):
+        w = _worker(**kw)
+        w.join(w.group.open_store(1, 1, "gloo", host="127.0.0.1"), 0)
+        try:
+            res = w.run_segment(plan)
+        finally:
+            w.leave()
+        assert res.error is None, res.error
+        out[kw["allreduce"]] = (res.steps, w.reducer.last)
+    steps, red = out["bucketed"]
+    assert red.early == red.buckets > 1 and all(s.overlap_s > 0 for s in steps)
+    for s, f in zip(steps, out["flat"][0], strict=True):
+        # One worker: its local gradient is the global one; and the same as flat mode's.
+        assert s.local_sqnorm == pytest.approx(s.global_sqnorm, rel=1e-5)
+        assert s.local_sqnorm == pytest.approx(f.local_sqnorm, rel=1e-5)
+        assert s.global_sqnorm == pytest.approx(f.global_sqnorm, rel=1e-5) and s.global_sqnorm > 0
+
+
+def test_a_bucket_leaves_a_hook_only_after_the_pace():
+    """The emulated slowdown is applied before each bucket goes out (the reducer calls the
+    pace first), so a slowed worker's buckets leave when a slow one's would."""
+    w = _worker(allreduce="bucketed", bucket_kb=1)
+    w.join(w.group.open_store(1, 1, "gloo", host="127.0.0.1"), 0)
+    r = w.reducer
+    try:
+        calls = []
+        r.begin(24, pace=lambda: (calls.append(r.marks.mark()), time.sleep(0.05)))
+        r.arm()
+        xb, yb = torch.from_numpy(w.x[:24].numpy()), w.y[:24]
+        (w.objective.loss_sum(w.model(xb), yb) / 24).backward()
+        red = r.finish()
+    finally:
+        w.leave()
+    assert calls and red.early == red.buckets
+    assert red.first_launch_s >= r.marks.seconds(calls[0]) + 0.05
+
+
+def test_emulated_slowness_is_applied_before_the_buckets_leave():
+    """A worker slowed 6x sends its first bucket after 6x the compute that precedes it, not
+    at full speed: later than a sixth of its (emulated) compute."""
+    w = _worker(allreduce="bucketed", bucket_kb=1, emulation={"slowdowns": [6]})
+    steps = _train(w)
+    red = w.reducer.last
+    assert red.early == red.buckets
+    assert red.first_launch_s > 1.5 * steps[-1].compute_s / 6
+
+
+def test_backward_time_leaves_out_the_emulated_sleep(monkeypatch):
+    """The pace sleeps inside backward (in a hook); backward_s reports backward's own time,
+    as before the slowdown moved there (compute_s carries the slowdown)."""
+    w = _worker(allreduce="bucketed", emulation={"slowdowns": [2]})
+    clock = w._clock
+
+    def pace(_factor: float) -> float:
+        time.sleep(0.1)
+        clock.slept += 0.1
+        return 0.0
+
+    monkeypatch.setattr(clock, "pace", pace)
+    steps = _train(w)
+    assert w.reducer.last.early == w.reducer.n_buckets > 1
+    # Each step slept at least 0.1 s per launch in backward, none of it in backward_s.
+    assert all(s.backward_s < 0.08 and s.step_s > 0.2 for s in steps)

@@ -296,6 +296,7 @@ INT_FIELDS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "epochs": lambda v: {"epochs": v},
     "seed": lambda v: {"seed": v},
     "max_retries": lambda v: {"max_retries": v},
+    "spares": lambda v: {"spares": v},
     "dataset.limit": lambda v: {"dataset": {"limit": v}},
     "model.hidden": lambda v: {"model": {"hidden": v}},
     "rebalance.every_steps": lambda v: {"rebalance": {"every_steps": v}},
@@ -318,12 +319,15 @@ INT_FIELDS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "protocol.replan_pushes": lambda v: {
         "protocol": {"name": "ps", "batch": "perf_aware", "replan_pushes": v}
     },
+    "protocol.shards": lambda v: {"protocol": {"name": "ps", "shards": v}},
     "schedule.stages.0.epochs": lambda v: {
         "epochs": 1, "schedule": {"stages": [{"epochs": v, "global_batch": 1}]}},
     "schedule.stages.0.global_batch": lambda v: {
         "epochs": 1, "schedule": {"stages": [{"epochs": 1, "global_batch": v}]}},
     "schedule.max_global_batch": lambda v: {
         "schedule": {"mode": "goodput", "max_global_batch": v}},
+    "schedule.min_global_batch": lambda v: {
+        "schedule": {"mode": "goodput", "max_global_batch": 64, "min_global_batch": v}},
     "isgd.max_extra": lambda v: {"isgd": {"max_extra": v}},
     # A window of 1 is refused (a standard deviation needs two losses): 1 becomes 2.
     "isgd.window": lambda v: {"isgd": {"window": v + 1 if type(v) is int else v}},

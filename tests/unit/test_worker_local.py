@@ -134,9 +134,81 @@ def test_a_failed_join_does_not_change_where_the_next_group_meets():
         group.leave()
 
 
-def test_training_data_stays_where_it_is_on_the_cpu():
-    from actors.device_data import stage_dataset
+def test_a_visible_gpu_is_picked_when_asked_for(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pick_device(_spec(device="cuda", worker_gpus=1), 1.0) == torch.device("cuda", 0)
+    assert pick_device(_spec(worker_gpus="auto"), 1.0) == torch.device("cuda", 0)
+    assert pick_device(_spec(device="cpu"), 1.0).type == "cpu"
 
-    x, y = torch.zeros(4, 2), torch.zeros(4, dtype=torch.int64)
-    sx, sy, where = stage_dataset(x, y, torch.device("cpu"))
-    assert sx is x and sy is y and where == "host"
+
+# --- GPU hygiene (run where a GPU is visible) ----------------------------------------------
+
+
+def _gpu_worker(monkeypatch, backend: str, allreduce: str, where: str) -> Worker:
+    if where == "pinned":  # the set does not fit: pinned host memory, staged per step
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (0, 0))
+    spec = _spec(device="cuda", worker_gpus=1, allreduce=allreduce, bucket_kb=1,
+                 model={"name": "mlp", "hidden": 64}, optimizer={"name": "sgd", "lr": 0.1})
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=40)
+    w = Worker("w0", 0, spec, x, y, (4,), 3, gpus=1.0)
+    assert w.data_on == where
+    w.join(w.group.open_store(1, 1, backend, host="127.0.0.1"), 0)
+    return w
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize(("backend", "allreduce", "where"), [
+    ("nccl", "bucketed", "device"), ("nccl", "bucketed", "pinned"), ("nccl", "flat", "device"),
+    ("gloo", "bucketed", "device"),  # a GPU in a gloo group stages its buffer, flat
+])
+def test_a_gpu_step_synchronises_once(monkeypatch, backend, allreduce, where):
+    """No hidden synchronisation (sync debug mode raises on one: .item(), a pageable copy
+    to the host) and one explicit synchronisation per step, at its end; compute and wait
+    are device-timed from CUDA events read after it."""
+    w = _gpu_worker(monkeypatch, backend, allreduce, where)
+    try:
+        w.run_segment(_plan([0]))  # warm-up
+        calls = []
+        real = torch.cuda.synchronize
+        monkeypatch.setattr(torch.cuda, "synchronize",
+                            lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            res = w.run_segment(_plan([1, 2]))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    finally:
+        w.leave()
+    assert res.error is None, res.error
+    assert len(calls) == 2  # one per step
+    for s in res.steps:
+        assert s.coverage == ((1, s.samples),) and s.compute_s > 0 and s.wait_s >= 0
+        assert s.forward_s > 0 and s.backward_s > 0 and s.loss_sum > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("where", ["device", "pinned"])
+def test_a_gpu_worker_trains_what_a_cpu_worker_trains(monkeypatch, where):
+    w = _gpu_worker(monkeypatch, "nccl", "bucketed", where)
+    try:
+        gpu = w.run_segment(_plan([0, 1]))
+        state = w.state()
+    finally:
+        w.leave()
+    spec = _spec(device="cpu", bucket_kb=1, model={"name": "mlp", "hidden": 64},
+                 optimizer={"name": "sgd", "lr": 0.1})
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=40)
+    c = Worker("w0", 0, spec, x, y, (4,), 3)
+    c.join(c.group.open_store(1, 1, "gloo", host="127.0.0.1"), 0)
+    try:
+        cpu = c.run_segment(_plan([0, 1]))
+    finally:
+        c.leave()
+    for a, b in zip(gpu.steps, cpu.steps, strict=True):
+        assert a.loss_sum == pytest.approx(b.loss_sum, rel=1e-4)
+    for k, v in c.state()["model"].items():
+        assert torch.allclose(state["model"][k], v, atol=1e-5), k

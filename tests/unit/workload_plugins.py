@@ -82,11 +82,12 @@ def top2_metric(outputs, targets):
     return (outputs.topk(2, -1).indices == targets[:, None]).any(-1).float()
 
 
-def regression_loader(n: int = 48, features: int = 3) -> DatasetArrays:
+def regression_loader(n: int = 48, features: int = 3, train: int = 32) -> DatasetArrays:
     rng = np.random.default_rng(1)
     x = rng.standard_normal((n, features)).astype(np.float32)
     y = x @ np.array([1.0, -2.0, 0.5][:features], dtype=np.float32)
-    return DatasetArrays("regression", x[:32], y[:32], x[32:], y[32:], 1, targets="values")
+    return DatasetArrays("regression", x[:train], y[:train], x[train:], y[train:], 1,
+                         targets="values")
 
 
 def float_tokens_loader() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -96,7 +97,7 @@ def float_tokens_loader() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
 
 
 def chatty_ce(outputs, targets):
-    # A user loss that prints: its output must reach the job log.
+    # A user loss that prints: Ray's log API must find its output (tests/integration).
     import torch.nn.functional as F
 
     print(f"chatty batch of {len(targets)}")

@@ -1,0 +1,72 @@
+"""POST /v1/code: upload the code a job ships (``dynabatch submit --working-dir``).
+
+The body is a zip (``application/zip``); the answer names it as a ``working_dir`` URI for the
+job spec (see :mod:`service.code_store`). It has its own body limit,
+``DYNABATCH_MAX_CODE_BYTES``, larger than the JSON endpoints' ``DYNABATCH_MAX_BODY_BYTES``.
+Uploading needs what running shipped code needs: ``DYNABATCH_USER_CODE_MODULES='*'``, and a
+``DYNABATCH_CODE_ROOT`` to keep it in; without them the answer is 403 and nothing is read.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, HTTPException, Request, status
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from actors.spec import ANY_MODULE
+from api.deps import ERRORS, SettingsDep, require_token
+from service.code_store import CodeRejected, store_code
+from service.schemas import CodeUploaded, ErrorResponse, ValidationErrorResponse
+from service.settings import split_list
+
+_BODY = {
+    "required": True,
+    "content": {"application/zip": {"schema": {"type": "string", "format": "binary"}}},
+}
+
+
+def _allowed(settings: SettingsDep) -> None:
+    if ANY_MODULE not in split_list(settings.user_code_modules):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, detail=(
+            "shipping code is not allowed: this service allows no user code from any module "
+            "(needs DYNABATCH_USER_CODE_MODULES='*')"))
+    if settings.code_root is None:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, detail=(
+            "shipping code is not allowed: this service has nowhere to keep it (needs "
+            "DYNABATCH_CODE_ROOT, a directory every Ray node reads at the same path)"))
+
+
+def code_router(max_bytes: int) -> APIRouter:
+    """The upload route, with ``max_bytes`` as its own body limit (a setting)."""
+    router = APIRouter(prefix="/v1/code", tags=["jobs"], responses=ERRORS,
+                       dependencies=[Depends(require_token), Depends(_allowed)])
+
+    @router.post(
+        "",
+        status_code=status.HTTP_201_CREATED,
+        response_model=CodeUploaded,
+        summary="Upload code to ship with jobs",
+        max_body_size=max_bytes,
+        openapi_extra={"requestBody": _BODY},
+        responses={
+            403: {"model": ErrorResponse, "description": "The service takes no shipped code."},
+            413: {"model": ErrorResponse, "description": "Larger than DYNABATCH_MAX_CODE_BYTES."},
+            422: {"model": ValidationErrorResponse, "description": "Not a usable zip."},
+        },
+    )
+    async def upload_code(request: Request, settings: SettingsDep) -> CodeUploaded | JSONResponse:
+        """A zip of the job's code; Ray unpacks it on every node, removing a single top-level
+        directory. Name the answer's `working_dir` in the job spec. The same zip gives the
+        same URI."""
+        data = await request.body()
+        try:
+            stored = await run_in_threadpool(store_code, data, settings.code_root)
+        except CodeRejected as err:
+            problem = {"loc": ["body"], "field": "body", "msg": str(err),
+                       "type": "invalid_archive"}
+            return JSONResponse({"detail": [problem]},
+                                status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+        return CodeUploaded(working_dir=stored.uri, sha256=stored.sha256, bytes=stored.bytes,
+                            files=stored.files)
+
+    return router

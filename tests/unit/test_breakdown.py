@@ -1,0 +1,131 @@
+"""Where a step's time goes: the per-step phases averaged over an epoch's workers and steps,
+the coordinator's share, evaluation's share on the critical path and the part of it the
+split across holders hid, and the CLI table that shows them."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from actors.contracts import StepTelemetry
+from scheduler.coordinator import Coordinator
+from scheduler.epoch_report import EpochTotals, with_scores
+from scheduler.evaluation import EvalRound
+from scheduler.runtime import ShardResult
+from scheduler.telemetry import EpochRecord, StepBreakdown
+from service.cli.views import breakdown_table
+from tests.fakes import EVAL_SPEEDUP, FakeRuntime
+from tests.unit.test_engine_faults import SPE, _assert_exactly_once, _spec
+
+
+def _rep(w: str, step: int, **phases) -> StepTelemetry:
+    return StepTelemetry(worker=w, epoch=0, step=step, batch=4, samples=4, compute_s=0.0,
+                         wait_s=phases.get("wait_s", 0.0), loss_sum=4.0, **{
+                             k: v for k, v in phases.items() if k != "wait_s"})
+
+
+def test_phases_are_averaged_over_workers_then_steps():
+    ep = EpochTotals()
+    ep.add_step([_rep("a", 0, gather_s=0.1, forward_s=0.2, backward_s=0.4, wait_s=0.3,
+                      optimizer_s=0.05, overlap_s=0.2, micro_batches=1, step_s=1.0),
+                 _rep("b", 0, gather_s=0.3, forward_s=0.4, backward_s=0.8, wait_s=0.1,
+                      optimizer_s=0.05, overlap_s=0.0, micro_batches=3, step_s=1.2)])
+    ep.add_step([_rep("a", 1, gather_s=0.2, forward_s=0.2, backward_s=0.4, wait_s=0.1,
+                      optimizer_s=0.05, overlap_s=0.2, micro_batches=1, step_s=0.8)])
+    results = [type("R", (), {"steps": [_rep("a", 0, step_s=1.0), _rep("a", 1, step_s=0.8)]}),
+               type("R", (), {"steps": [_rep("b", 0, step_s=1.2)]})]
+    ep.add_segment(results, 2)
+    ep.evaluation = 0.5
+    b = ep.breakdown(elapsed=4.0, evaluation=0.6, hidden=1.0)
+    assert b.gather_s == pytest.approx((0.2 + 0.2) / 2)
+    assert b.forward_s == pytest.approx((0.3 + 0.2) / 2)
+    assert b.backward_s == pytest.approx((0.6 + 0.4) / 2)
+    assert b.allreduce_wait_s == pytest.approx((0.2 + 0.1) / 2)
+    assert b.optimizer_s == pytest.approx(0.05)
+    assert b.overlap_s == pytest.approx((0.1 + 0.2) / 2)
+    assert b.micro_batches == pytest.approx((2 + 1) / 2)
+    # busy: the longest worker per segment (a: 1.8 s); the previous epoch's evaluation
+    # (0.5 s) ran inside this epoch's wall time and is not the coordinator's.
+    assert ep.busy == pytest.approx(1.8)
+    assert b.coordinator_s == pytest.approx((4.0 - 0.5 - 1.8) / 2)
+    assert b.evaluation_s == pytest.approx(0.3) and b.evaluation_hidden_s == pytest.approx(0.5)
+    assert ep.loss_sum == pytest.approx(12.0) and ep.loss_samples == 12
+    assert EpochTotals().breakdown(1.0, 0.0, 0.0) is None  # no step committed
+
+
+def test_a_record_gets_its_scores_and_evaluation_share_when_they_arrive():
+    ep = EpochTotals()
+    ep.add_step([_rep("a", 0, step_s=1.0)])
+    ep.add_step([_rep("a", 1, step_s=1.0)])
+    record = EpochRecord(epoch=0, wall_s=2.0, steps=2, dataset_size=8, samples_trained=8,
+                         train_loss=1.0, utilization=1.0, compute_balance=1.0,
+                         policy="static", workers=[], elapsed_s=2.5)
+    rnd = EvalRound(0, {"a": (0, 6), "b": (6, 10)}, None, 0.0, 10.0)
+    rnd.results = {"a": ShardResult("a", {"n": 6.0}, 0.4), "b": ShardResult("b", {"n": 4.0}, 0.3)}
+    done = with_scores(record, ep, {"loss": 0.7, "accuracy": 0.9, "perplexity": 2.0}, rnd)
+    assert (done.test_loss, done.test_accuracy) == (0.7, 0.9)
+    assert done.test_metrics == {"accuracy": 0.9, "perplexity": 2.0}
+    assert done.evaluation_s == pytest.approx(0.4)  # the slowest shard
+    assert done.evaluation_hidden_s == pytest.approx(0.3)  # the other shard's work
+    assert done.breakdown.evaluation_s == pytest.approx(0.2)
+    assert done.breakdown.evaluation_hidden_s == pytest.approx(0.15)
+    none = with_scores(record, ep, None, rnd)
+    assert none.test_loss is None and none.test_accuracy is None and none.test_metrics == {}
+
+
+class _PhasedRuntime(FakeRuntime):
+    """Fake workers that report their phases: compute is 10% gather, 30% forward and 60%
+    backward; a step lasts its slowest worker's compute."""
+
+    def _apply(self, w, epoch, sps, compute, names, wait):
+        rep = super()._apply(w, epoch, sps, compute, names, wait)
+        c = compute[w]
+        return rep.model_copy(update={"gather_s": 0.1 * c, "forward_s": 0.3 * c,
+                                      "backward_s": 0.6 * c, "step_s": c + wait})
+
+
+def test_every_epoch_reports_its_breakdown_with_evaluation_off_the_critical_path():
+    spec = _spec(rebalance={"mode": "epoch"}, policy="dbs")
+    speeds = {0: 1000, 1: 500, 2: 250}
+    rt = _PhasedRuntime(spec, n_train=1000, speeds=speeds)
+    coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
+    coord.run()
+    _assert_exactly_once(coord, rt)
+    steps = coord.recent_steps()
+    hist = coord.history()
+    for r in hist:
+        b = r.breakdown
+        rows = [row for row in steps if row[0].epoch == r.epoch]
+        assert len(rows) == r.steps == SPE
+        for phase, key in [("gather_s", "gather_s"), ("forward_s", "forward_s"),
+                           ("backward_s", "backward_s"), ("wait_s", "allreduce_wait_s")]:
+            want = sum(sum(getattr(x, phase) for x in row) / len(row) for row in rows) / SPE
+            assert getattr(b, key) == pytest.approx(want), (r.epoch, key)
+        # Evaluation: the shards ran side by side (in proportion to speed), so the
+        # critical path paid less than the fastest worker scoring all 100 samples alone.
+        alone = 100 / (max(speeds.values()) * EVAL_SPEEDUP)
+        assert 0 < r.evaluation_s < 0.7 * alone
+        assert r.evaluation_hidden_s > r.evaluation_s
+        assert b.evaluation_s == pytest.approx(r.evaluation_s / SPE)
+        assert b.evaluation_hidden_s == pytest.approx(r.evaluation_hidden_s / SPE)
+        # The fake coordinator takes no time: the wall time no step covers is the previous
+        # epoch's evaluation, which ran on the workers, not the coordinator's.
+        assert b.coordinator_s == pytest.approx(0.0, abs=1e-9), r.epoch
+    assert coord.snapshot().step_breakdown == hist[-1].breakdown
+
+
+def test_the_cli_table_shows_milliseconds_per_step_for_every_phase():
+    b = StepBreakdown(gather_s=0.001, forward_s=0.002, backward_s=0.004,
+                      allreduce_wait_s=0.0005, optimizer_s=0.0003, overlap_s=0.0015,
+                      coordinator_s=0.0002, evaluation_s=0.0012, evaluation_hidden_s=0.0024,
+                      micro_batches=2.0)
+    console = Console(record=True, width=240)
+    console.print(breakdown_table(b))
+    text = console.export_text()
+    header, row = [ln for ln in text.splitlines() if "│" in ln or "┃" in ln][:2]
+    cols = [c.strip() for c in header.strip("┃ ").split("┃")]
+    vals = [c.strip() for c in row.strip("│ ").split("│")]
+    assert dict(zip(cols, vals, strict=True)) == {
+        "gather": "1.0", "forward": "2.0", "backward": "4.0", "all-reduce wait": "0.5",
+        "optimizer": "0.3", "coordinator": "0.2", "evaluation": "1.2",
+        "evaluation hidden": "2.4", "overlapped": "1.5", "micro-batches": "2"}

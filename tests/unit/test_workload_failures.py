@@ -1,0 +1,63 @@
+"""A job whose workload is wrong ends FAILED with one line naming the field: the real
+coordinator, the fake cluster, and the data loaded and checked as the Ray runtime does
+(``scheduler.ray_runtime.load_checked``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.spec import JobSpec
+from scheduler.coordinator import Coordinator
+from scheduler.ray_runtime import load_checked
+from scheduler.runtime import DataInfo
+from scheduler.state import JobState
+from tests.fakes import FakeClock, FakeRuntime
+
+P = "tests.unit.workload_plugins"
+
+
+class CheckedDataRuntime(FakeRuntime):
+    """Fake workers, real data: loading runs the dataset, the model, the loss and the
+    metrics exactly as RayRuntime.load_data does before any worker starts."""
+
+    def load_data(self) -> DataInfo:
+        ds, _ = load_checked(self.spec)
+        return DataInfo(ds.name, len(ds.y_train), len(ds.y_test))
+
+
+def _run(**spec: object) -> tuple[Coordinator, FakeRuntime]:
+    s = JobSpec.model_validate({"name": "bad", "workers": 2, "global_batch": 8, "epochs": 1,
+                                **spec})
+    clock = FakeClock()
+    rt = CheckedDataRuntime(s, n_train=32, clock=clock)
+    coord = Coordinator("bad", s, resume=False, runtime=rt, clock=clock)
+    coord.run()
+    return coord, rt
+
+
+@pytest.mark.parametrize(("spec", "reason"), [
+    ({"dataset": {"name": f"{P}:float_tokens_loader"}, "model": {"name": "charlm"}},
+     f"dataset.name: '{P}:float_tokens_loader' returned invalid data: x_train must hold "
+     "integer token ids (int64), got dtype float32"),
+    ({"dataset": {"name": "digits"}, "loss": f"{P}:mean_loss"},
+     f"loss: '{P}:mean_loss' returned shape (); it must return one value per sample, "
+     "shape (2,)"),
+    ({"dataset": {"name": "digits"}, "metrics": ["mse"]},
+     "metrics.0: 'mse' failed on this dataset and model (ValueError: mse needs outputs and "
+     "targets of the same size per sample, got outputs (2, 10) and targets (2,))"),
+], ids=["dataset-dtype", "loss-shape", "metric-mismatch"])
+def test_a_wrong_workload_fails_the_job_with_one_line_naming_the_field(
+    spec: dict, reason: str
+) -> None:
+    coord, rt = _run(**spec)
+    snap = coord.snapshot()
+    assert snap.state == JobState.FAILED
+    assert snap.reason == reason and "\n" not in snap.reason
+    assert rt.workers == {} and rt.plans == []  # failed before any worker started
+    assert coord.logs()[-1].message == f"state FAILED: {reason}"
+
+
+def test_the_same_runtime_trains_a_good_workload() -> None:
+    # The failures above come from the workload, not from the harness.
+    coord, _ = _run(dataset={"name": f"{P}:arrays_loader"})
+    assert coord.snapshot().state == JobState.SUCCEEDED, coord.snapshot().reason
