@@ -28,10 +28,16 @@ Two modes:
 Bucket sizes (:func:`auto_bucket_bytes`, when the spec gives no ``bucket_kb``). DDP uses
 25 MiB buckets with a 1 MiB first one; for the models dynabatch's tests and benchmarks
 train (LeNet 247 KB, the small ResNet 311 KB of gradients) that is ONE bucket, launched
-when the last gradient is ready: no overlap at all. So a bucket is a quarter of the model,
-at least 32 KiB (below that, a collective's fixed cost outweighs what it can hide) and at
-most DDP's 25 MiB, and the first bucket at most DDP's 1 MiB, so communication starts early
-in backward on large models too.
+when the last gradient is ready: no overlap at all. On a GPU (NCCL reduces on its own
+stream, beside the kernels of backward) a bucket is therefore a quarter of the model, at
+least 32 KiB (below that, a collective's fixed cost outweighs what it can hide) and at most
+DDP's 25 MiB, and the first bucket at most DDP's 1 MiB, so communication starts early in
+backward on large models too. On the CPU, gloo reduces in its own thread on the cores
+backward is using, so hiding communication costs compute: measured in
+``bench/ddp_overhead.py`` on 2 cores, the quarter rule (2 buckets for LeNet, 3 for the
+ResNet) hid 50-60% of the all-reduce and still ran 5% (LeNet) and 14% (ResNet) slower per
+epoch than one all-reduce after backward (``bench/results-ddp-overhead-quarter-buckets.json``).
+So the CPU default is DDP's own sizes: what DDP does, and no slower than flat.
 
 Goodput. In goodput mode the worker reports |g_i|² of its own share *before* the
 all-reduce overwrites it in place. Each bucket's squared norm is taken just before that
@@ -74,9 +80,12 @@ MIN_BUCKET_BYTES = 32 * 2**10
 AUTO_BUCKETS = 4
 
 
-def auto_bucket_bytes(model_bytes: int) -> tuple[int, int]:
-    """``(first, rest)`` bucket sizes for a model whose gradients take ``model_bytes``:
-    a quarter of the model, between 32 KiB and DDP's 25 MiB; the first at most 1 MiB."""
+def auto_bucket_bytes(model_bytes: int, *, gpu: bool = True) -> tuple[int, int]:
+    """``(first, rest)`` bucket sizes for a model whose gradients take ``model_bytes``.
+    On a GPU: a quarter of the model, between 32 KiB and DDP's 25 MiB; the first at most
+    1 MiB. On the CPU: DDP's 1 MiB and 25 MiB (see the module docstring for why)."""
+    if not gpu:
+        return DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES
     rest = min(DDP_BUCKET_BYTES, max(MIN_BUCKET_BYTES, model_bytes // AUTO_BUCKETS))
     return min(DDP_FIRST_BUCKET_BYTES, rest), rest
 
@@ -176,7 +185,8 @@ class GradientReducer:
         self.n_params = sum(p.numel() for p in self.params)
         elem = torch.empty(0, dtype=self.params[0].dtype).element_size() if self.params else 4
         if bucket_bytes is None:
-            first, rest = auto_bucket_bytes(self.n_params * elem)
+            first, rest = auto_bucket_bytes(self.n_params * elem,
+                                            gpu=torch.device(device).type == "cuda")
         else:
             first = rest = bucket_bytes
         self.bucket_bytes = (first, rest)

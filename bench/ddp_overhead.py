@@ -9,9 +9,11 @@ Three arms, run side by side in every round, in an order that rotates from round
   step, launched when the last gradient is ready.
 * **bucketed**: a ``Coordinator`` with ``policy: static`` over 2 Ray worker actors on a
   ``ray.cluster_utils`` cluster of 2 one-CPU nodes, ``allreduce: bucketed`` with the
-  default bucket sizes (a quarter of the model: several buckets, launched from backward's
-  hooks). Everything a job does is timed: the coordinator's planning and ledger, the
-  exactly-once coverage, the per-step telemetry, the per-epoch evaluation.
+  default bucket sizes: on the CPU, DDP's own (one bucket for these models, launched from
+  backward's last hook); ``--quarter-buckets`` gives the GPU default instead (a quarter of
+  the model: several buckets launched from the hooks as backward goes). Everything a job
+  does is timed: the coordinator's planning and ledger, the exactly-once coverage, the
+  per-step telemetry, the per-epoch evaluation.
 * **flat**: the same job with ``allreduce: flat`` (one all-reduce after backward).
 
 All arms train the same sample order (:func:`actors.contracts.epoch_order`) from the same
@@ -86,6 +88,10 @@ def make_spec(name: str, args: argparse.Namespace, **extra: Any) -> JobSpec:
         "workers": 2, "global_batch": w["batch"], "epochs": args.epochs, "policy": "static",
         "seed": args.seed, "node_resource": "bench_node", "collective_timeout_s": 120,
     }
+    if getattr(args, "quarter_buckets", False):
+        # The GPU default on the CPU: a quarter of the model a bucket (see actors/reducer.py).
+        _, rest = auto_bucket_bytes(4 * model_params(name), gpu=True)
+        body["bucket_kb"] = max(1, rest // 1024)
     body.update(extra)
     return JobSpec.model_validate(body)
 
@@ -293,13 +299,25 @@ def _median_breakdown(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(b[k] for b in rows), 6) for k in rows[0]} if rows else {}
 
 
-def planned_buckets(name: str) -> dict[str, Any]:
-    """The default bucket plan for the model (the same functions the workers call)."""
+def model_sizes(name: str) -> list[int]:
     spec = make_spec(name, argparse.Namespace(scale=0.05, epochs=1, seed=0))
     ds = load_dataset(spec.dataset)
     model = build_model(spec.model, tuple(ds.input_shape), ds.num_classes)
-    sizes = [p.numel() for p in model.parameters()]
-    first, rest = auto_bucket_bytes(4 * sum(sizes))
+    return [p.numel() for p in model.parameters()]
+
+
+def model_params(name: str) -> int:
+    return sum(model_sizes(name))
+
+
+def planned_buckets(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The bucket plan the bucketed arm's CPU workers use (the functions they call)."""
+    sizes = model_sizes(name)
+    spec = make_spec(name, args)
+    if spec.bucket_kb is not None:
+        first = rest = spec.bucket_kb * 1024
+    else:
+        first, rest = auto_bucket_bytes(4 * sum(sizes), gpu=False)
     buckets = plan_buckets(sizes, rest // 4, first // 4)
     return {"params": sum(sizes), "bucket_bytes": rest, "first_bucket_bytes": first,
             "buckets": len(buckets), "bucket_elems": [hi - lo for lo, hi, _ in buckets],
@@ -353,7 +371,7 @@ def bench_model(name: str, args: argparse.Namespace, port: list[int]) -> dict[st
         "dynabatch_training_only_epochs_s": [round(t, 3) for t in
                                              pooled("bucketed", "training_only")],
         "dynabatch_step_breakdown_s": bd,
-        "bucket_plan": planned_buckets(name),
+        "bucket_plan": planned_buckets(name, args),
         "workload": dict(WORKLOADS[name], scale=args.scale),
     }
     if runs["flat"]:
@@ -391,6 +409,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=1.0,
                     help="Fraction of each workload's samples (smoke runs: 0.25).")
+    ap.add_argument("--quarter-buckets", action="store_true",
+                    help="The bucketed arm uses the GPU default (a quarter of the model a "
+                    "bucket) instead of the CPU default (DDP's sizes).")
     ap.add_argument("--no-compare-flat", dest="compare_flat", action="store_false",
                     help="Skip the flat all-reduce arm (bucketed against flat).")
     ap.add_argument("--no-step-path", dest="step_path", action="store_false",

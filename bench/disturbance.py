@@ -8,7 +8,8 @@ interleaved, with medians:
 * ``affine`` and ``dbs``, both with ``rebalance: adaptive`` (check every 2 steps, re-plan
   the rest of the epoch when the predicted step-time gain exceeds 5%): the same trigger, so
   the policies are compared like for like;
-* ``dbs`` + ``rebalance: epoch`` (the paper's per-epoch re-sizing), for reference.
+* ``dbs`` + ``rebalance: epoch`` (the paper's per-epoch re-sizing), for reference;
+* ``--variants`` picks others, e.g. ``affine:adaptive:1`` (check every step).
 
 Two measures of recovery, in steps after the disturbance:
 
@@ -47,13 +48,13 @@ TARGET = 0.85
 HOLD = 3
 
 
-def spec_for(policy: str, mode: str, args: argparse.Namespace) -> JobSpec:
+def spec_for(policy: str, mode: str, check: int, args: argparse.Namespace) -> JobSpec:
     return JobSpec.model_validate({
         "name": f"disturb-{policy}-{mode}",
         "dataset": {"name": "mnist", "options": {"n_train": args.n_train, "n_test": 1000}},
         "model": {"name": "lenet"}, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
         "workers": 4, "global_batch": 256, "epochs": args.epochs, "policy": policy,
-        "rebalance": {"mode": mode, "check_steps": 2, "threshold": 0.05},
+        "rebalance": {"mode": mode, "check_steps": check, "threshold": 0.05},
         "seed": 0, "node_resource": "disturb_node", "collective_timeout_s": 120,
         "emulation": {"slowdowns": [1, 1, 1, 1],
                       "disturbances": [{"worker": 3, "factor": 4.0, "epoch": 1,
@@ -69,8 +70,9 @@ def _first_held(per_step: list[dict[str, Any]], start: int, ok: Any) -> int | No
     return None
 
 
-def run(policy: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    coord = Coordinator(f"disturb-{policy}", spec_for(policy, mode, args), resume=False)
+def run(policy: str, mode: str, check: int, args: argparse.Namespace) -> dict[str, Any]:
+    coord = Coordinator(f"disturb-{policy}", spec_for(policy, mode, check, args),
+                        resume=False)
     snap = coord.run()
     if snap.state.value != "SUCCEEDED":
         raise RuntimeError(f"{policy}/{mode}: {snap.state.value}: {snap.reason}")
@@ -126,6 +128,9 @@ def main() -> None:
     ap.add_argument("--at", type=int, default=10, help="Step of epoch 1 where it slows down.")
     ap.add_argument("--n-train", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3, help="Runs of each variant (medians).")
+    ap.add_argument("--variants", default="affine:adaptive:2,dbs:adaptive:2,dbs:epoch:2",
+                    help="policy:rebalance mode:check_steps, comma-separated; a variant "
+                    "named mode_policy (plus _checkN when check_steps is not 2)")
     ap.add_argument("--out", default=None, help="Also write the JSON here.")
     args = ap.parse_args()
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -135,15 +140,18 @@ def main() -> None:
                          object_store_memory=150 * 2**20)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="dynabatch-bench", log_to_driver=False)
-    variants = [("affine", "adaptive"), ("dbs", "adaptive"), ("dbs", "epoch")]
-    runs: dict[str, list[dict[str, Any]]] = {f"{m}_{p}": [] for p, m in variants}
+    variants = []
+    for v in args.variants.split(","):
+        policy, mode, check = v.split(":")
+        name = f"{mode}_{policy}" + ("" if int(check) == 2 else f"_check{check}")
+        variants.append((name, policy, mode, int(check)))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in variants}
     try:
         for r in range(args.repeats):
-            for policy, mode in variants:
-                runs[f"{mode}_{policy}"].append(run(policy, mode, args))
-                print(f"[round {r}] {mode}_{policy}: reallocated in "
-                      f"{runs[f'{mode}_{policy}'][-1]['steps_to_reallocate']} steps",
-                      file=sys.stderr)
+            for name, policy, mode, check in variants:
+                runs[name].append(run(policy, mode, check, args))
+                print(f"[round {r}] {name}: recovered in {runs[name][-1]['steps_to_recover']}"
+                      " steps", file=sys.stderr)
         out: dict[str, Any] = {
             "workload": "lenet, MNIST-format 28x28, global batch 256, 4 workers",
             "emulated": True, "disturbance": f"worker 3 slows 4x at epoch 1 step {args.at}",

@@ -17,6 +17,7 @@ from actors.reducer import (
     DDP_BUCKET_BYTES,
     DDP_FIRST_BUCKET_BYTES,
     MIN_BUCKET_BYTES,
+    GradientReducer,
     StepMarks,
     auto_bucket_bytes,
     hidden_seconds,
@@ -125,7 +126,7 @@ def _auto_buckets(sizes: list[int]) -> list:
     return plan_buckets(sizes, rest // 4, first // 4)
 
 
-def test_default_buckets_give_the_benchmark_models_several_buckets():
+def test_default_buckets_give_the_benchmark_models_several_buckets_on_a_gpu():
     """DDP's 25 MiB (1 MiB first) would give LeNet and the small ResNet one bucket each:
     launched with the last gradient, nothing to overlap."""
     assert len(plan_buckets(_model_sizes("lenet"), (25 << 20) // 4, (1 << 20) // 4)) == 1
@@ -133,6 +134,20 @@ def test_default_buckets_give_the_benchmark_models_several_buckets():
     assert len(_auto_buckets(_model_sizes("resnet"))) >= 3
     # A tiny model: one bucket (a collective's fixed cost would outweigh what it hides).
     assert len(_auto_buckets(_model_sizes("mlp", (64,), hidden=32))) == 1
+
+
+@given(st.integers(1, 10**9))
+def test_cpu_buckets_are_ddps(model_bytes):
+    # gloo reduces on the cores backward uses: measured slower than one bucket (reducer).
+    assert auto_bucket_bytes(model_bytes, gpu=False) == (DDP_FIRST_BUCKET_BYTES,
+                                                          DDP_BUCKET_BYTES)
+
+
+def test_a_cpu_reducer_gives_lenet_ddps_single_bucket():
+    sizes = _model_sizes("lenet")
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    reducer = GradientReducer(params, torch.device("cpu"), max_step=8)
+    assert reducer.n_buckets == 1 and reducer.bucket_bytes == (1 << 20, 25 << 20)
 
 
 @given(st.integers(1, 10**9))
@@ -265,7 +280,7 @@ def test_emulated_slowness_is_applied_before_the_buckets_leave():
 def test_backward_time_leaves_out_the_emulated_sleep(monkeypatch):
     """The pace sleeps inside backward (in a hook); backward_s reports backward's own time,
     as before the slowdown moved there (compute_s carries the slowdown)."""
-    w = _worker(allreduce="bucketed", emulation={"slowdowns": [2]})
+    w = _worker(allreduce="bucketed", bucket_kb=1, emulation={"slowdowns": [2]})
     clock = w._clock
 
     def pace(_factor: float) -> float:

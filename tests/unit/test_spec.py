@@ -501,7 +501,7 @@ def test_submission_check_reports_every_field(roots: Path) -> None:
     ({"protocol": {"name": "ps", "max_staleness": -1}}, "protocol.max_staleness"),
     ({"protocol": {"mode": "softsync"}}, "protocol.mode"),
     ({"protocol": {"name": "ps"}, "checkpoint": {"dir": "/tmp/c"}}, "checkpoint.dir"),
-    ({"protocol": {"name": "ps"}, "policy": "dbs"}, "policy"),
+    ({"protocol": {"name": "ps"}, "policy": "affine"}, "policy"),
     ({"protocol": {"name": "ps"}, "workers": "auto"}, "workers"),
     ({"protocol": {"name": "ps", "scale_lr": True}}, "protocol.batch"),
     ({"protocol": {"name": "ps", "mode": "async", "n": 2}}, "protocol.n"),
