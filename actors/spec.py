@@ -773,16 +773,17 @@ def parse_spec(data: Any) -> JobSpec:
 
 
 def load_spec(path: str | Path) -> JobSpec:
-    """Read a YAML (or JSON) config file into a JobSpec."""
+    """Read a YAML (or JSON) config file into a JobSpec. Errors do not repeat the path:
+    the callers (the CLI commands) name the file once, before any error."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as err:
-        raise SpecError([f"{p}: cannot read config ({err.strerror})"]) from None
+        raise SpecError([f"cannot read config ({err.strerror})"]) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise SpecError([f"{p}: not valid YAML ({err})".replace("\n", " ")]) from None
+        raise SpecError([f"not valid YAML ({err})".replace("\n", " ")]) from None
     return parse_spec(data)
 
 

@@ -14,7 +14,7 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -32,6 +32,7 @@ from scheduler.cluster_model import (
 from scheduler.simulator import SimResult, simulate
 from scheduler.state import JobState
 from scheduler.telemetry import WorkerStatus
+from service.cli import views
 from service.cli.run import render, write_report
 
 SHOWN_WORKERS = 16
@@ -239,10 +240,8 @@ def register(app: typer.Typer) -> None:
         console = Console()
         err = Console(stderr=True)
 
-        def fail(message: str) -> None:
-            err.print(f"[red]error:[/] {' '.join(message.split())}", highlight=False,
-                      soft_wrap=True)
-            raise typer.Exit(2)
+        def fail(message: str) -> NoReturn:
+            views.fail(err, message)
 
         try:
             spec = load_spec(config)

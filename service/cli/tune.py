@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 import yaml
@@ -17,6 +17,7 @@ from rich.table import Table
 
 from actors.spec import SpecError, load_spec
 from scheduler.cluster_model import ClusterError, load_cluster, parse_cluster
+from service.cli import views
 from service.cli.simulate import quiet_engine
 from service.tune import Probe, TuneError, tune
 
@@ -57,10 +58,8 @@ def register(app: typer.Typer) -> None:
         console = Console()
         err = Console(stderr=True)
 
-        def fail(message: str) -> None:
-            err.print(f"[red]error:[/] {' '.join(message.split())}", highlight=False,
-                      soft_wrap=True)
-            raise typer.Exit(2)
+        def fail(message: str) -> NoReturn:
+            views.fail(err, message)
 
         try:
             spec = load_spec(config)

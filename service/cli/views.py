@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
+import typer
+from rich.console import Console
 from rich.table import Table
 
 from scheduler.telemetry import StepBreakdown
@@ -25,3 +29,9 @@ def breakdown_table(b: StepBreakdown) -> Table:
     table.add_row(*(f"{getattr(b, key) * 1e3:.1f}" for _, key in _COLUMNS),
                   f"{b.micro_batches:.2g}")
     return table
+
+
+def fail(err: Console, message: str) -> NoReturn:
+    """A one-line CLI error on stderr (the message's whitespace folded), exit status 2."""
+    err.print(f"[red]error:[/] {' '.join(message.split())}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
