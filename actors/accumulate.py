@@ -24,7 +24,12 @@ def micro_ranges(size: int, cap: int | None) -> list[tuple[int, int]]:
         return [(0, size)]
     if cap < 1:
         raise ValueError(f"micro-batch cap must be at least 1, got {cap}")
-    k = -(-size // cap)
+    return even_ranges(size, -(-size // cap))
+
+
+def even_ranges(size: int, k: int) -> list[tuple[int, int]]:
+    """``k`` contiguous ranges covering ``[0, size)`` whose sizes differ by at most one
+    (the first ``size mod k`` are the longer ones). Also the parameter server's shards."""
     q, r = divmod(size, k)
     out, lo = [], 0
     for j in range(k):

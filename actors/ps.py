@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from actors.accumulate import even_ranges
 from actors.contracts import epoch_order
 from actors.emulation import ComputeClock, slowdown_at
 from actors.optim import build_optimizer
@@ -72,13 +73,7 @@ def shard_bounds(size: int, k: int) -> Bounds:
     """``k`` contiguous slices of ``[0, size)`` whose sizes differ by at most one."""
     if not 1 <= k <= size:
         raise ValueError(f"protocol.shards: {k} shards for {size} parameters")
-    q, r = divmod(size, k)
-    out, lo = [], 0
-    for i in range(k):
-        hi = lo + q + (1 if i < r else 0)
-        out.append((lo, hi))
-        lo = hi
-    return tuple(out)
+    return tuple(even_ranges(size, k))
 
 
 class ParamStore:

@@ -37,7 +37,6 @@ perf_aware final loss ≤ 0.6 × asgd's at throughput ≥ 0.95 × asgd's. Prints
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -47,6 +46,7 @@ import numpy as np
 
 from actors.spec import JobSpec
 from actors.workloads.datasets import load_dataset
+from bench.report import emit
 from scheduler.ps_driver import build_core
 from scheduler.ps_sim import PSSimConfig, SimLearner, simulate_ps
 
@@ -192,10 +192,7 @@ def main() -> None:
         out["ray"] = {"by_alpha0": by, "emulated": True}
         if "methods" not in out:
             out["methods"], out["target"] = by[str(lrs[0])]["methods"], by[str(lrs[0])]["target"]
-    text = json.dumps(out)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    print(text)
+    emit(out, a.out)
 
 
 if __name__ == "__main__":

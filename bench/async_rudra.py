@@ -34,7 +34,6 @@ against epochs at the largest α0.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ import numpy as np
 
 from actors.spec import JobSpec
 from actors.workloads.datasets import load_dataset
+from bench.report import emit
 from scheduler.policy_ji import PerfAwareBatches
 from scheduler.protocols.ps import PSConfig
 from scheduler.ps_core import PSCore
@@ -210,10 +210,7 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(a.png, dpi=110)
         out["png"] = str(Path(a.png).name)
-    text = json.dumps(out)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    print(text)
+    emit(out, a.out)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -66,6 +65,7 @@ from actors.reducer import auto_bucket_bytes, plan_buckets
 from actors.spec import JobSpec
 from actors.workloads.datasets import load_dataset
 from actors.workloads.models import build_model
+from bench.report import emit
 
 TARGET_RATIO = 0.95
 ARMS = ("ddp", "bucketed", "flat")
@@ -445,10 +445,7 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out, indent=2)
 
 
 if __name__ == "__main__":

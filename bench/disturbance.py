@@ -27,7 +27,6 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,6 +40,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from actors.spec import JobSpec
+from bench.report import emit
 from scheduler.coordinator import Coordinator
 from service.raycluster import fast_health_check
 
@@ -172,10 +172,7 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(out, args.out, indent=2)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ all-reduce with the dead peer waits at most that long. Prints one JSON object.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -39,6 +38,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from actors.spec import JobSpec
+from bench.report import emit
 from scheduler.coordinator import Coordinator
 from service.raycluster import fast_health_check
 
@@ -203,10 +203,7 @@ def main() -> None:
             # Target: a node that joins trains within 1 s. A cold node pays its process
             # start and the torch import after it is ready; a spare paid them ahead.
             out["scale_up_target_s"] = 1.0
-        text = json.dumps(out, indent=2)
-        print(text, flush=True)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
+        emit(out, args.out, indent=2)
     finally:
         ray.shutdown()
         cluster.shutdown()

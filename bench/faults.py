@@ -29,7 +29,6 @@ reports and found every sample trained exactly once. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -45,6 +44,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from actors.spec import JobSpec
+from bench.report import emit
 from scheduler.coordinator import Coordinator
 from scheduler.state import JobState
 from service.raycluster import fast_health_check
@@ -215,10 +215,7 @@ def main() -> None:
                   "epochs": EPOCHS, "collective_timeout_s": TIMEOUT_S},
         "runs": rows,
     }
-    text = json.dumps(out, indent=2)
-    print(text, flush=True)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(out, args.out, indent=2)
 
 
 if __name__ == "__main__":

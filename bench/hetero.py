@@ -31,7 +31,6 @@ Usage: python bench/hetero.py [--clusters a,b] [--epochs 6] [--repeats 3] [--out
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -48,6 +47,7 @@ from ray.cluster_utils import Cluster
 
 from actors.spec import JobSpec
 from actors.workloads.datasets import load_dataset
+from bench.report import emit
 from scheduler.coordinator import Coordinator
 from scheduler.model import StepTimeStats, equal_finish, fit
 from scheduler.pool import eligible_nodes, spawn_worker
@@ -244,10 +244,7 @@ def main() -> None:
               "epochs": args.epochs, "clusters": {}}
     for name in args.clusters.split(","):
         result["clusters"][name] = bench_cluster(name, args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out, indent=2)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 from actors.spec import JobSpec
+from bench.report import emit
 
 CALL_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 600.0  # new actors import torch; Ray starts two processes at a time here
@@ -187,10 +188,7 @@ def main() -> None:
                      "speedup": r["speedup"]} for r in pays],
            "note": "sharding pays where speedup > 1.05 (pushes/s over k = 1's, same size and "
                    "learners)"}
-    text = json.dumps(out)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    print(text)
+    emit(out, a.out)
 
 
 if __name__ == "__main__":
