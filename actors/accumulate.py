@@ -9,7 +9,8 @@ micro-batch of b_i would give: the weighted all-reduce stays the mean gradient o
 global batch.
 
 Step time. With a per-micro-batch overhead a_i and per-sample cost c_i, a share of b takes
-``t_i(b) = ceil(b / m_i)·a_i + c_i·b`` (see ``scheduler.model.accumulated``). Pure.
+``t_i(b) = ceil(b / m_i)·a_i + c_i·b`` (see
+``dynabatch.scheduler.core.sync.steptime.accumulated``). Pure.
 """
 
 from __future__ import annotations

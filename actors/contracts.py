@@ -66,7 +66,7 @@ def decode_counts(coverage: Coverage) -> np.ndarray:
 class IsgdRule:
     """ISGD for one step: when the global batch's loss ψ is above ``limit`` the batch is
     under-trained and gets up to ``max_extra`` conservative iterations (see
-    :mod:`actors.optim`). ``limit`` comes from the control chart."""
+    :mod:`dynabatch.actors.optim`). ``limit`` comes from the control chart."""
 
     limit: float
     epsilon: float
@@ -138,7 +138,8 @@ class IsgdPlan:
     the chart up to date itself (:meth:`after`) and judges every batch against the limit of
     the batches just before it, however long the segment; the coordinator replays the
     chart from the reported losses and checks every worker's decisions
-    (:meth:`scheduler.regime.Regime.observe`). ``monitor`` is false in the first epoch
+    (:meth:`dynabatch.scheduler.core.regime.regime.Regime.observe`). ``monitor`` is false in the
+    first epoch
     (the losses of an untrained model say nothing about batches)."""
 
     chart: ControlChart
@@ -204,7 +205,7 @@ class StepTelemetry(_Frozen):
     ``gather_s`` (index and copy the samples), ``forward_s`` (model and loss),
     ``backward_s`` (without an emulated slowdown's sleep), ``optimizer_s``; ``overlap_s``
     is the communication hidden behind compute: how long some gradient bucket's all-reduce
-    was in flight (launch to completion) before compute ended (see :mod:`actors.reducer`);
+    was in flight (launch to completion) before compute ended (see :mod:`dynabatch.actors.reducer`);
     ``step_s`` is the whole step as the worker saw it.
     ``micro_batches`` is how many micro-batches the share was computed in.
     """

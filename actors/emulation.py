@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 
-from actors.spec import EmulationSpec
+from dynabatch.actors.spec import EmulationSpec
 
 
 def slowdown_at(emulation: EmulationSpec, ordinal: int, epoch: int, step: int) -> float:

@@ -1,8 +1,10 @@
 """The worker's optimizer and what it does with a step plan's learning rate and ISGD rule.
 
-Workers never compute schedules: the coordinator's pure schedule (:mod:`scheduler.schedule`)
-puts the learning rate of every step in its :class:`~actors.contracts.StepPlan`, and a
-segment's plan carries ISGD's control chart (:class:`~actors.contracts.IsgdPlan`), which every
+Workers never compute schedules: the coordinator's pure schedule
+(:mod:`dynabatch.scheduler.core.regime.schedule`)
+puts the learning rate of every step in its :class:`~dynabatch.actors.contracts.StepPlan`, and a
+segment's plan carries ISGD's control chart (:class:`~dynabatch.actors.contracts.IsgdPlan`), which
+every
 worker updates with each step's all-reduced loss; the worker applies them.
 
 ISGD's conservative sub-problem (Wang et al., arXiv 1603.05544), for a batch ``d`` whose loss
@@ -31,9 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-
-from actors.contracts import IsgdRule
-from actors.spec import JobSpec
+from dynabatch.actors.contracts import IsgdRule
+from dynabatch.actors.spec import JobSpec
 
 
 def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:

@@ -10,7 +10,8 @@ those files by actor id, also after the actor died, as long as its node lives.
 :class:`ActorOutput` follows the files of the actors a job driver registers (its workers or
 learners, a parameter server, and the driver's own actor, where the dataset loader and the
 model check run user code) in a background thread, and hands each new complete line to a
-sink: the driver's job log (``scheduler.control.JobControl``), which ``dynabatch logs``,
+sink: the driver's job log (``dynabatch.scheduler.core.lifecycle.JobControl``), which ``dynabatch
+logs``,
 ``/v1/jobs/{id}/logs`` and the event stream show. An actor that leaves (killed, dead, or
 drained) is read once more, then dropped; :meth:`ActorOutput.close` reads every actor a
 last time before the job is seen to end.

@@ -10,7 +10,8 @@
 * :class:`GradientComputer`: a learner's model replica; loads a flat weight vector, returns
   the *mean* gradient over the chunk's samples (and the summed loss).
 * :class:`ParameterServer`: an asyncio actor around the one pure job core
-  (``scheduler.ps_core``, passed in, so this module imports nothing above it). It holds slice
+  (``dynabatch.scheduler.core.ps.machine``, passed in, so this module imports nothing above it). It
+  holds slice
   0 and *decides* for all slices. ``request`` hands a learner its work and the weights of the
   version it pulls (one ``ray.put`` per version and slice), awaiting without blocking when
   the protocol says wait; ``push`` feeds a gradient in and applies what the core decides.
@@ -43,13 +44,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from actors.accumulate import even_ranges
-from actors.contracts import epoch_order
-from actors.emulation import ComputeClock, slowdown_at
-from actors.optim import build_optimizer
-from actors.output import own_actor_id
-from actors.spec import JobSpec
+from dynabatch.actors.accumulate import even_ranges
+from dynabatch.actors.contracts import epoch_order
+from dynabatch.actors.emulation import ComputeClock, slowdown_at
+from dynabatch.actors.optim import build_optimizer
+from dynabatch.actors.output import own_actor_id
+from dynabatch.actors.spec import JobSpec
 
 ADAPTIVE = ("adam", "adamw")
 RATE_WINDOW_S = 10.0  # pushes per second over this window (not a lifetime average)
@@ -58,7 +58,7 @@ Bounds = tuple[tuple[int, int], ...]
 
 
 def _build(spec: JobSpec, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
-    from actors.workloads.models import build_model
+    from dynabatch.actors.workloads.models import build_model
 
     torch.manual_seed(spec.seed)  # every replica and the server start from the same weights
     return build_model(spec.model, tuple(input_shape), num_classes)
@@ -205,7 +205,8 @@ class ParamShard:
         self.puts = 0  # ray.put calls: one per version
 
     def actor_id(self) -> str | None:
-        """This actor's Ray id: the job reads its stdout and stderr by it (actors.output)."""
+        """This actor's Ray id: the job reads its stdout and stderr by it
+        (dynabatch.actors.output)."""
         return own_actor_id()
 
     def put(self, ticket: int, grad: np.ndarray) -> None:
@@ -239,7 +240,8 @@ class ParamShard:
 
 
 class ParameterServer:
-    """The server actor. ``core`` is a ``scheduler.ps_core.PSCore``; its decisions are
+    """The server actor. ``core`` is a ``dynabatch.scheduler.core.ps.machine.PSCore``; its
+    decisions are
     applied here (slice 0) and on the shards, and its epoch ends are evaluated here.
 
     ``start_learners``: requests wait until that many learners have asked (the start
@@ -280,7 +282,8 @@ class ParameterServer:
         self.start_timeout_s = start_timeout_s
 
     def actor_id(self) -> str | None:
-        """This actor's Ray id: the job reads its stdout and stderr by it (actors.output)."""
+        """This actor's Ray id: the job reads its stdout and stderr by it
+        (dynabatch.actors.output)."""
         return own_actor_id()
 
     # --- learners ---------------------------------------------------------------------
@@ -464,7 +467,8 @@ class Learner:
         self.pushes = 0
 
     def actor_id(self) -> str | None:
-        """This actor's Ray id: the job reads its stdout and stderr by it (actors.output)."""
+        """This actor's Ray id: the job reads its stdout and stderr by it
+        (dynabatch.actors.output)."""
         return own_actor_id()
 
     def run(self, server: Any, shards: Sequence[Any] = (), bounds: Bounds | None = None,

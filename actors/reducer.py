@@ -2,7 +2,7 @@
 
 Layout. Every gradient is a view of one flat buffer (backward accumulates into it in place,
 the collective works on it in place), followed by one coverage slot per position of the
-step (see :mod:`actors.contracts`)::
+step (see :mod:`dynabatch.actors.contracts`)::
 
     flat = [ grad(p_0) | grad(p_1) | ... | grad(p_{n-1}) | coverage[0:B_s] ]
 
@@ -249,7 +249,7 @@ class GradientReducer:
         """Start a step of ``step_size`` samples: zero the buffer (gradients and coverage)
         and mark the step's start. ``norms``: measure |g_i|² before the all-reduce
         (goodput). ``pace``: called before a bucket leaves from a hook (emulated slowdown,
-        see :mod:`actors.emulation`)."""
+        see :mod:`dynabatch.actors.emulation`)."""
         if step_size > self.cov.numel():
             self.alloc(step_size)
         self.marks.begin()

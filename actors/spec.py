@@ -36,7 +36,7 @@ from pydantic import (
 POLICIES = ("static", "dbs", "affine")
 MAX_WORKERS = 4096
 
-# The grammar actors.workloads.imports resolves: dotted module names, then one attribute.
+# The grammar dynabatch.actors.workloads.imports resolves: dotted module names, then one attribute.
 IMPORT_PATH_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
 MODULE_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$"
 BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource")
@@ -121,7 +121,8 @@ class ModelSpec(_Strict):
 
 class LrScheduleSpec(_Strict):
     """The learning rate over the job, as a factor of ``optimizer.lr`` (see
-    :mod:`scheduler.schedule` for the formulas). ``constant``: 1. ``multistep``: ``gamma`` to
+    :mod:`dynabatch.scheduler.core.regime.schedule` for the formulas). ``constant``: 1.
+    ``multistep``: ``gamma`` to
     the number of ``milestones`` (epochs) passed. ``cosine``: from 1 down to
     ``min_factor`` over the job. ``warmup_epochs``: a linear warm-up from 0 over the first
     epochs, on top of any of them."""
@@ -294,7 +295,7 @@ class ProtocolSpec(_Strict):
     per-worker batches (the policy). ``ps``: a parameter server (Rudra's hardsync, n-softsync
     and async, with staleness-aware learning rates; ``batch: perf_aware`` is Ji et al.'s
     per-learner batches). Each learner's base batch is ``global_batch // workers`` (μ, so
-    μλ = global_batch). See ``scheduler.protocols.ps`` for the formulas."""
+    μλ = global_batch). See ``dynabatch.scheduler.core.ps.protocol`` for the formulas."""
 
     name: Literal["sync", "ps"] = "sync"
     mode: Literal["async", "softsync", "hardsync"] = "async"

@@ -8,9 +8,9 @@ whatever the split. Compute (gather + forward + backward, plus any emulated slow
 timed apart from the all-reduce, which includes waiting for slower peers.
 
 The all-reduce buffer holds the gradients followed by one coverage slot per position of
-the step (see :mod:`actors.contracts`), so the collective that applies a step also proves
-which samples it contained. :mod:`actors.reducer` owns it and reduces it flat or in
-buckets launched from backward's hooks; :mod:`actors.accumulate` cuts a share larger than
+the step (see :mod:`dynabatch.actors.contracts`), so the collective that applies a step also proves
+which samples it contained. :mod:`dynabatch.actors.reducer` owns it and reduces it flat or in
+buckets launched from backward's hooks; :mod:`dynabatch.actors.accumulate` cuts a share larger than
 the worker's memory cap into micro-batches whose gradients accumulate before it.
 
 Errors are classified where they happen: a failure inside the collective is a *peer*
@@ -33,9 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from actors.accumulate import micro_cap, micro_ranges
-from actors.contracts import (
+from dynabatch.actors.accumulate import micro_cap, micro_ranges
+from dynabatch.actors.contracts import (
     IsgdPlan,
     SegmentPlan,
     SegmentResult,
@@ -44,13 +43,13 @@ from actors.contracts import (
     encode_counts,
     epoch_order,
 )
-from actors.device_data import BatchGather, stage_dataset
-from actors.emulation import ComputeClock, error_at, slowdown_at
-from actors.group import ProcessGroup, Rendezvous
-from actors.optim import build_optimizer, isgd_extras, set_lr
-from actors.output import own_actor_id
-from actors.reducer import GradientReducer
-from actors.spec import JobSpec
+from dynabatch.actors.device_data import BatchGather, stage_dataset
+from dynabatch.actors.emulation import ComputeClock, error_at, slowdown_at
+from dynabatch.actors.group import ProcessGroup, Rendezvous
+from dynabatch.actors.optim import build_optimizer, isgd_extras, set_lr
+from dynabatch.actors.output import own_actor_id
+from dynabatch.actors.reducer import GradientReducer
+from dynabatch.actors.spec import JobSpec
 
 
 class InjectedFault(RuntimeError):
@@ -121,8 +120,8 @@ class Worker:
     ):
         # Where start-up time goes (epoch seconds): bench/elastic.py prints it.
         self.startup = {"process": _process_started(), "constructing": time.time()}
-        from actors.workloads.models import build_model
-        from actors.workloads.objective import objective_for, targets_kind
+        from dynabatch.actors.workloads.models import build_model
+        from dynabatch.actors.workloads.objective import objective_for, targets_kind
 
         self.worker_id = worker_id or "spare"
         self.ordinal = ordinal
@@ -173,7 +172,8 @@ class Worker:
                 "device": str(self.device), "startup": dict(self.startup)}
 
     def actor_id(self) -> str | None:
-        """This actor's Ray id: the job reads its stdout and stderr by it (actors.output)."""
+        """This actor's Ray id: the job reads its stdout and stderr by it
+        (dynabatch.actors.output)."""
         return own_actor_id()
 
     def adopt(self, worker_id: str, ordinal: int, reservation: Any = None) -> dict[str, Any]:
@@ -312,7 +312,7 @@ class Worker:
             set_lr(self.optimizer, sp.lr)
             if flagged:
                 # Under-trained: conservative iterations first, each followed by a pass;
-                # the ordinary step then uses the last pass's gradient (actors.optim).
+                # the ordinary step then uses the last pass's gradient (dynabatch.actors.optim).
                 t_x = time.perf_counter()
                 done = [0]
 
@@ -365,7 +365,7 @@ class Worker:
     def _micro_step(self, lo: int, hi: int, step_size: int, marks: list, last: bool
                     ) -> torch.Tensor:
         """Gather (order positions ``[lo, hi)``), forward and backward of one micro-batch,
-        its summed loss scaled by 1/``step_size`` (see :mod:`actors.accumulate`); returns
+        its summed loss scaled by 1/``step_size`` (see :mod:`dynabatch.actors.accumulate`); returns
         its summed loss. The last micro-batch's backward arms the reducer, so buckets go out
         as they complete. Appends its phase marks to ``marks``."""
         mark = self.reducer.marks.mark

@@ -3,7 +3,8 @@
 Nothing happens at import time. ``create_app`` wires the store, the cluster client and the
 JobService (or takes the ones it is given, for tests), a per-app Prometheus registry and the
 middleware; the lifespan connects to Ray, re-attaches live jobs and runs the sync loop.
-``dynabatch serve`` runs it; so does ``uvicorn --factory api.app:create_app`` (settings from
+``dynabatch serve`` runs it; so does ``uvicorn --factory dynabatch.api.app:create_app`` (settings
+from
 the environment).
 """
 
@@ -14,22 +15,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request, status
-from fastapi.exception_handlers import http_exception_handler
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp
-
-from actors.spec import SpecNotAllowed
-from api.metrics import JobCollector, RequestMetricsMiddleware, RequestStats
-from api.routes import events, health, jobs, nodes, pages
-from api.routes.code import code_router
-from api.too_large import JsonTooLarge
-from scheduler.state import InvalidTransition
-from service.install_check import check_own_install_once
-from service.jobs import (
+from dynabatch.actors.spec import SpecNotAllowed
+from dynabatch.api.metrics import JobCollector, RequestMetricsMiddleware, RequestStats
+from dynabatch.api.routes import events, health, jobs, nodes, pages
+from dynabatch.api.routes.code import code_router
+from dynabatch.api.too_large import JsonTooLarge
+from dynabatch.scheduler.core.lifecycle import InvalidTransition
+from dynabatch.service.install_check import check_own_install_once
+from dynabatch.service.jobs import (
     ClusterClient,
     ClusterError,
     ClusterUnavailable,
@@ -39,8 +32,15 @@ from service.jobs import (
     JobService,
     WorkerNotFound,
 )
-from service.settings import Settings
-from service.wiring import build_service
+from dynabatch.service.settings import Settings
+from dynabatch.service.wiring import build_service
+from fastapi import FastAPI, Request, status
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 log = logging.getLogger("dynabatch.api")
 
@@ -196,7 +196,7 @@ def create_app(
     cluster: ClusterClient | None = None,
     service: JobService | None = None,
 ) -> FastAPI:
-    # Also under a plain `uvicorn --factory api.app:create_app`: the packages must be ours
+    # Also under a plain `uvicorn --factory dynabatch.api.app:create_app`: the packages must be ours
     # (service/install_check.py); a clash fails here with one line.
     check_own_install_once()
     settings = settings if settings is not None else Settings()

@@ -13,6 +13,11 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from dynabatch.api.metrics_ps import ps_families
+from dynabatch.api.schedule_metrics import schedule_families
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.telemetry import JobSnapshot
+from dynabatch.service.jobs import JobService
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -21,12 +26,6 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-
-from api.metrics_ps import ps_families
-from api.schedule_metrics import schedule_families
-from scheduler.state import JobState
-from scheduler.telemetry import JobSnapshot
-from service.jobs import JobService
 
 REQUEST_BUCKETS: tuple[float, ...] = (
     0.001,

@@ -1,5 +1,5 @@
 """Prometheus families of parameter-server jobs (``protocol: ps``), read from the same
-snapshots as the other job metrics (:class:`api.metrics.JobCollector`).
+snapshots as the other job metrics (:class:`dynabatch.api.metrics.JobCollector`).
 
 * ``dynabatch_ps_staleness``: histogram per learner of the staleness τ of its applied
   gradients (server versions between its pull and the update);
@@ -15,14 +15,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 
+from dynabatch.scheduler.telemetry import JobSnapshot
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
-
-from scheduler.telemetry import JobSnapshot
 
 STALENESS_BUCKETS: tuple[float, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 

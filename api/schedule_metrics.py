@@ -1,15 +1,15 @@
 """Prometheus families of a job's schedule: the global batch and learning rate in force, the
 goodput mode's noise-scale estimate and chosen batch, and ISGD's counters. Read from the
-same :class:`~scheduler.telemetry.JobSnapshot` as the other job metrics; label ``job_id``."""
+same :class:`~dynabatch.scheduler.telemetry.JobSnapshot` as the other job metrics; label
+``job_id``."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
 
+from dynabatch.scheduler.telemetry import JobSnapshot
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
-from scheduler.telemetry import JobSnapshot
 
 
 def schedule_families(snaps: list[JobSnapshot]) -> Iterator[Metric]:

@@ -5,17 +5,17 @@ for every method.
 * ``asgd``: async, every learner's batch b0, plain α0.
 * ``softsync``: n-softsync (n = λ/2) with α0/τ (Rudra).
 * ``perf_aware``: async with b_i = clip(round(λ·b0·v_i/Σv), b0/4, 4·b0), v_i the EMA of the
-  measured samples/s (``scheduler.ps_driver.build_core``), re-planned every 2λ pushes
-  (``scheduler.policy_ji``), each gradient's α scaled by its own samples/b0.
+  measured samples/s (``dynabatch.scheduler.ps.driver.build_core``), re-planned every 2λ pushes
+  (``dynabatch.scheduler.core.ps.batch_policy``), each gradient's α scaled by its own samples/b0.
 * ``perf_aware_unscaled``: the same batches at the plain α0 (Ji et al.'s α scaling is our
   reading of the abstract, so both variants are reported; the target is checked on
   ``perf_aware``).
 
-Two drivers, the same PS core: ``sim`` (``scheduler.ps_sim``, real gradients on a virtual
+Two drivers, the same PS core: ``sim`` (``dynabatch.scheduler.sim.ps``, real gradients on a virtual
 clock with t_i(b) = (2 ms + 0.5 ms·b)/speed_i, 5% jitter; mean and per-seed figures over
 ``--seeds`` seeds) and ``ray`` (the real ``PSCoordinator`` on a local Ray instance,
 heterogeneity emulated with slowdowns max(speed)/speed_i; compute measured as thread CPU time
-and stretched, see ``actors.emulation``; one seed). Both report the same figures:
+and stretched, see ``dynabatch.actors.emulation``; one seed). Both report the same figures:
 
 * ``final_loss``: the mean cross-entropy of the final weights over the whole training set;
 * ``throughput``: samples applied per second (virtual, or wall on Ray timed from the
@@ -43,12 +43,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.workloads.datasets import load_dataset
+from dynabatch.scheduler.ps.driver import build_core
+from dynabatch.scheduler.sim.ps import PSSimConfig, SimLearner, simulate_ps
 
-from actors.spec import JobSpec
-from actors.workloads.datasets import load_dataset
 from bench.report import emit
-from scheduler.ps_driver import build_core
-from scheduler.ps_sim import PSSimConfig, SimLearner, simulate_ps
 
 METHODS = ("asgd", "softsync", "perf_aware", "perf_aware_unscaled")
 KEYS = ("final_loss", "test_accuracy", "throughput", "staleness_mean", "staleness_p99")
@@ -96,7 +96,7 @@ def run_sim(method: str, a, lr: float, seed: int, ds) -> dict:
 
 
 def run_ray(method: str, a, lr: float, seed: int) -> dict:
-    from scheduler.ps_driver import PSCoordinator
+    from dynabatch.scheduler.ps.driver import PSCoordinator
 
     spec = method_spec(method, a, lr, seed)
     coord = PSCoordinator(f"ji-{method}", spec, final_train_loss=True)

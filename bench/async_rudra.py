@@ -1,5 +1,5 @@
 """Rudra (Gupta, Zhang, Wang, ICDM 2016): hardsync vs n-softsync with α0 and α0/τ, in the
-simulator with real gradients (``scheduler.ps_sim``: the production PS core on a virtual
+simulator with real gradients (``dynabatch.scheduler.sim.ps``: the production PS core on a virtual
 clock, every learner's gradient computed in-process on the weights it pulled).
 
 Set-up: λ learners of equal speed (t(b) = 2 ms + 0.5 ms/sample, 10% log-normal jitter),
@@ -41,14 +41,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.workloads.datasets import load_dataset
+from dynabatch.scheduler.core.ps.batch_policy import PerfAwareBatches
+from dynabatch.scheduler.core.ps.machine import PSCore
+from dynabatch.scheduler.core.ps.protocol import PSConfig
+from dynabatch.scheduler.sim.ps import PSSimConfig, SimLearner, simulate_ps
 
-from actors.spec import JobSpec
-from actors.workloads.datasets import load_dataset
 from bench.report import emit
-from scheduler.policy_ji import PerfAwareBatches
-from scheduler.protocols.ps import PSConfig
-from scheduler.ps_core import PSCore
-from scheduler.ps_sim import PSSimConfig, SimLearner, simulate_ps
 
 HERE = Path(__file__).resolve().parent
 CONVERGED_PCT = 10.0  # a run "holds" when its final test error is below this

@@ -35,7 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.spec import load_spec
+from dynabatch.actors.spec import load_spec
+
 from bench.sched_common import MODE, dataset, job, pin_threads, run, updates
 
 EPOCHS = 30

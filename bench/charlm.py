@@ -4,7 +4,7 @@ Runs ``examples/charlm-hetero.yaml`` (3 workers at emulated slowdowns 1, 1, 2; a
 causal Transformer) on an embedded Ray, exactly as ``dynabatch run`` does, then compares the
 last epoch's held-out perplexity (reported by the workers' evaluation) with the unigram
 baseline's: the add-one smoothed training character frequencies scored on the same held-out
-targets (:func:`actors.workloads.text.unigram_perplexity`). Target: at least 30% lower.
+targets (:func:`dynabatch.actors.workloads.text.unigram_perplexity`). Target: at least 30% lower.
 
 Prints one JSON object. Usage: python bench/charlm.py [--config examples/charlm-hetero.yaml]
 """
@@ -21,12 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from dynabatch.actors.spec import load_spec
+from dynabatch.actors.workloads import text
+from dynabatch.actors.workloads.datasets import load_dataset
+from dynabatch.service.cli.run import run_job
 from rich.console import Console
-
-from actors.spec import load_spec
-from actors.workloads import text
-from actors.workloads.datasets import load_dataset
-from service.cli.run import run_job
 
 TARGET_REDUCTION = 0.30
 

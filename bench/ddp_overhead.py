@@ -16,7 +16,7 @@ Three arms, run side by side in every round, in an order that rotates from round
   per-step telemetry, the per-epoch evaluation.
 * **flat**: the same job with ``allreduce: flat`` (one all-reduce after backward).
 
-All arms train the same sample order (:func:`actors.contracts.epoch_order`) from the same
+All arms train the same sample order (:func:`dynabatch.actors.contracts.epoch_order`) from the same
 initial weights. An epoch's time is wall clock between the ends of consecutive epochs'
 training, taken for epochs 1 .. E-2 of every run: epoch 0 carries start-up, and
 dynabatch's last epoch also waits for the final evaluation. A dynabatch epoch so includes
@@ -26,7 +26,7 @@ those epochs of all rounds; ``paired_ratio_median`` is the median over rounds of
 round's own ratio, which cancels drift between rounds.
 
 **The step path alone** (``step_path``): DDP, a bucketed and a flat
-:class:`~actors.worker.Worker` in the same two processes and process group, without Ray or
+:class:`~dynabatch.actors.worker.Worker` in the same two processes and process group, without Ray or
 a coordinator, one epoch of each per round in rotating order (round 0 left out). It tells
 the worker's step (its bucketing, coverage slots, telemetry) from what the job around it
 adds (evaluation, the epoch boundary, Ray).
@@ -59,12 +59,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from dynabatch.actors.contracts import epoch_order
+from dynabatch.actors.reducer import auto_bucket_bytes, plan_buckets
+from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.workloads.datasets import load_dataset
+from dynabatch.actors.workloads.models import build_model
 
-from actors.contracts import epoch_order
-from actors.reducer import auto_bucket_bytes, plan_buckets
-from actors.spec import JobSpec
-from actors.workloads.datasets import load_dataset
-from actors.workloads.models import build_model
 from bench.report import emit
 
 TARGET_RATIO = 0.95
@@ -156,10 +156,10 @@ def run_ddp(spec: JobSpec, port: int) -> dict[str, Any]:
 
 def _step_path_proc(rank: int, spec_json: str, rounds: int, q_rv: Any, out_q: Any
                     ) -> None:
-    """DDP, a bucketed and a flat :class:`actors.worker.Worker` in one process each rank,
+    """DDP, a bucketed and a flat :class:`dynabatch.actors.worker.Worker` in one process each rank,
     one epoch of each per round in rotating order; a barrier around each epoch."""
-    from actors.contracts import SegmentPlan, StepPlan
-    from actors.worker import Worker
+    from dynabatch.actors.contracts import SegmentPlan, StepPlan
+    from dynabatch.actors.worker import Worker
 
     torch.set_num_threads(1)
     spec = JobSpec.model_validate_json(spec_json)
@@ -255,7 +255,7 @@ def run_step_path(spec: JobSpec, rounds: int) -> dict[str, Any]:
 
 
 def run_dynabatch(spec: JobSpec) -> dict[str, Any]:
-    from scheduler.coordinator import Coordinator
+    from dynabatch.scheduler.sync.coordinator import Coordinator
 
     coord = Coordinator(f"ddp-{spec.name}-{spec.allreduce}", spec, resume=False)
     # The end of each epoch's training: when the coordinator moves to the next epoch. Read
@@ -422,9 +422,8 @@ def main() -> None:
         ap.error("--epochs: at least 3 (epochs 1 .. E-2 are timed)")
 
     import ray
+    from dynabatch.service.raycluster import fast_health_check
     from ray.cluster_utils import Cluster
-
-    from service.raycluster import fast_health_check
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": fast_health_check()})

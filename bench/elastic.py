@@ -35,12 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.sync.coordinator import Coordinator
+from dynabatch.service.raycluster import fast_health_check
 from ray.cluster_utils import Cluster
 
-from actors.spec import JobSpec
 from bench.report import emit
-from scheduler.coordinator import Coordinator
-from service.raycluster import fast_health_check
 
 
 def spec(tag: str, **kw: Any) -> JobSpec:

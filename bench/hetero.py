@@ -43,15 +43,15 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import numpy as np
 import ray
+from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.workloads.datasets import load_dataset
+from dynabatch.scheduler.core.sync.steptime import StepTimeStats, equal_finish, fit
+from dynabatch.scheduler.runtime.pool import eligible_nodes, spawn_worker
+from dynabatch.scheduler.sync.coordinator import Coordinator
+from dynabatch.service.raycluster import fast_health_check
 from ray.cluster_utils import Cluster
 
-from actors.spec import JobSpec
-from actors.workloads.datasets import load_dataset
 from bench.report import emit
-from scheduler.coordinator import Coordinator
-from scheduler.model import StepTimeStats, equal_finish, fit
-from scheduler.pool import eligible_nodes, spawn_worker
-from service.raycluster import fast_health_check
 
 CLUSTERS = {"a": [1.0, 3.0], "b": [1.0, 1.0, 2.0, 4.0]}
 PROFILE_BATCHES = [16, 64, 128, 192, 256]

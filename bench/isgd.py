@@ -33,8 +33,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dynabatch.scheduler.sim.cluster import ClusterModel, parse_cluster
+
 from bench.sched_common import CLUSTER, MODE, dataset, job, median, pin_threads, run
-from scheduler.cluster_model import ClusterModel, parse_cluster
 
 BATCH, LR = 100, 0.05
 

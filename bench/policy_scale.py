@@ -30,13 +30,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduler.model import StepTimeStats
-from scheduler.policy import (
+from dynabatch.scheduler.core.sync.policy import (
     Allocation,
     WorkerTelemetry,
     make_allocation,
     make_policy,
 )
+from dynabatch.scheduler.core.sync.steptime import StepTimeStats
 
 POLICIES = ("static", "dbs", "affine")
 TARGET_MS = 10.0

@@ -1,7 +1,9 @@
 """When does sharding the parameter server over k actors start to pay?
 
-The real server path (``actors.ps.ParameterServer`` holding the one ``PSCore`` and slice 0,
-``actors.ps.ParamShard`` actors for slices 1..k−1, async protocol, plain SGD) under a sweep of
+The real server path (``dynabatch.actors.ps.ParameterServer`` holding the one ``PSCore`` and slice
+0,
+``dynabatch.actors.ps.ParamShard`` actors for slices 1..k−1, async protocol, plain SGD) under a
+sweep of
 model size (an MLP on digits whose hidden width sets the parameter count) × k shards ×
 learners. The learners here are load generators: each loops over the server's own learner
 protocol (``request`` → fetch the k slices of its version in parallel → put slices 1..k−1 on
@@ -36,8 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+from dynabatch.actors.spec import JobSpec
 
-from actors.spec import JobSpec
 from bench.report import emit
 
 CALL_TIMEOUT_S = 60.0
@@ -45,7 +47,7 @@ START_TIMEOUT_S = 600.0  # new actors import torch; Ray starts two processes at 
 
 
 class LoadLearner:
-    """Drives the server like ``actors.ps.Learner`` but pushes a fixed gradient instead of
+    """Drives the server like ``dynabatch.actors.ps.Learner`` but pushes a fixed gradient instead of
     computing one: it measures the server path alone. One pool serves every config."""
 
     def __init__(self, seed: int):
@@ -89,9 +91,8 @@ class LoadLearner:
 def one(hidden: int, k: int, learners: int, seconds: float, warmup: float, pool: list
         ) -> dict:
     import ray
-
-    from actors.ps import ParameterServer, ParamShard, param_count, shard_bounds
-    from scheduler.ps_driver import build_core
+    from dynabatch.actors.ps import ParameterServer, ParamShard, param_count, shard_bounds
+    from dynabatch.scheduler.ps.driver import build_core
 
     spec = JobSpec.model_validate(dict(
         dataset={"name": "digits"}, model={"name": "mlp", "hidden": hidden},

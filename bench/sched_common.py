@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from actors.spec import JobSpec, parse_spec
-from scheduler.cluster_model import parse_cluster
-from scheduler.simulator import SimResult, simulate
+from dynabatch.actors.spec import JobSpec, parse_spec
+from dynabatch.scheduler.sim.cluster import parse_cluster
+from dynabatch.scheduler.sim.simulator import SimResult, simulate
 
 CLUSTER = {
     "classes": [
@@ -37,7 +36,7 @@ CLUSTER = {
     "noise_sigma": 0.05,
     "allreduce": {"alpha_ms": 0.5, "beta_ms_per_mb": 1.0},
 }
-MODE = ("simulator real-gradient mode (scheduler.simulator): real LeNet training on "
+MODE = ("simulator real-gradient mode (dynabatch.scheduler.sim.simulator): real LeNet training on "
         "MNIST-format data, simulated clock of unequal nodes; wall_s and time_to_target_s "
         "are simulated seconds")
 

@@ -1,7 +1,8 @@
 """Simulator benchmark: static vs DBS vs affine on 1,000 and 10,000 simulated nodes, and the
 simulator's prediction of the two Ray clusters that ``bench/hetero.py`` measured.
 
-Scale (timing only, ``scheduler.simulator``: the production coordinator and machines on a
+Scale (timing only, ``dynabatch.scheduler.sim.simulator``: the production coordinator and machines
+on a
 virtual clock). Nodes come in 3 speed classes, 1x/2x/4x, a third each:
 ``t(b) = a + c·b`` with (a, c) = (8 ms, 0.4 ms/sample), (4 ms, 0.2), (2 ms, 0.1), and 5%
 per-step lognormal noise. The global batch is 64 samples per node, so the equal-finish split
@@ -10,7 +11,7 @@ is far from equal (about 16 / 52 / 124 samples per step). A ring all-reduce of a
 boundaries, the same seed for every policy. ``fraction_of_ideal`` = ideal epoch / steady
 epoch (the epochs after the first 2), the ideal being the equal-finish step under the true
 model plus the all-reduce, with the expected maximum of the per-step noise (see
-``scheduler.cluster_model``). ``sim_wall_s``: wall seconds of the slowest of the cluster's
+``dynabatch.scheduler.sim.cluster``). ``sim_wall_s``: wall seconds of the slowest of the cluster's
 three runs (each simulates every epoch of one policy).
 
 Validation: clusters (a) 2 workers at slowdowns [1, 3] and (b) 4 at [1, 1, 2, 4], LeNet on
@@ -40,10 +41,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
-
-from actors.spec import JobSpec
-from scheduler.cluster_model import WorkerProfile, cluster_from_profiles, parse_cluster
-from scheduler.simulator import SimResult, simulate
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.sim.cluster import WorkerProfile, cluster_from_profiles, parse_cluster
+from dynabatch.scheduler.sim.simulator import SimResult, simulate
 
 HERE = Path(__file__).resolve().parent
 POLICIES = ("static", "dbs", "affine")

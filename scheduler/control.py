@@ -1,10 +1,12 @@
 """What every job driver shows and accepts, whatever its protocol.
 
-:class:`JobControl` holds the lifecycle (:class:`~scheduler.state.JobState` with its enforced
+:class:`JobControl` holds the lifecycle (:class:`~dynabatch.scheduler.core.lifecycle.JobState` with
+its enforced
 transitions), the job's log, its membership events, its epoch history, and the requests
 (cancel, scale, drain) that other threads queue for the driver's next step boundary. The
-synchronous :class:`~scheduler.coordinator.Coordinator` and the parameter-server
-:class:`~scheduler.ps_driver.PSCoordinator` both extend it, so the service, REST and the CLI
+synchronous :class:`~dynabatch.scheduler.sync.coordinator.Coordinator` and the parameter-server
+:class:`~dynabatch.scheduler.ps.driver.PSCoordinator` both extend it, so the service, REST and the
+CLI
 see one interface; the drivers keep only what their protocols do differently.
 
 The public methods may be called from other threads (the driver runs as a threaded actor)
@@ -18,11 +20,11 @@ import threading
 from collections import deque
 from typing import Any
 
-from actors.output import ActorOutput
-from actors.spec import JobSpec
-from scheduler.runtime import Clock, RealClock
-from scheduler.state import InvalidTransition, JobState
-from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, MembershipEvent
+from dynabatch.actors.output import ActorOutput
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
+from dynabatch.scheduler.runtime.seam import Clock, RealClock
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, MembershipEvent
 
 log = logging.getLogger("dynabatch.scheduler")
 
@@ -135,7 +137,7 @@ class JobControl:
         log.log(logging.getLevelName(level), "[%s] %s", self.job_id, message)
 
     def _follow_actor_output(self) -> ActorOutput:
-        """Start following the output of the job's actors (actors.output), this driver's
+        """Start following the output of the job's actors (dynabatch.actors.output), this driver's
         own actor first: the dataset loader and the model check run user code here."""
         self.output = ActorOutput.for_ray(self._actor_line)
         # The driver's own log lines reach its stderr too (Python's last-resort handler):

@@ -6,9 +6,8 @@ and the JSON report, so its fields are defined once, here. Pure: no ray, no torc
 
 from __future__ import annotations
 
+from dynabatch.scheduler.core.lifecycle import JobState
 from pydantic import BaseModel, ConfigDict, Field
-
-from scheduler.state import JobState
 
 
 class _Frozen(BaseModel):
@@ -41,7 +40,7 @@ class StepBreakdown(_Frozen):
     step: the slowest holder's shard (the holders score their shards of the held-out set
     side by side, then train on), or the coordinator's wait for it where it had to wait;
     ``evaluation_hidden_s`` is the rest of the evaluation work, which one worker scoring
-    the whole set would have added (``scheduler.evaluation``).
+    the whole set would have added (``dynabatch.scheduler.sync.evaluation``).
     """
 
     gather_s: float = 0.0

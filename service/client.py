@@ -13,12 +13,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel, ValidationError
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
-
-from actors.spec import JobSpec
-from scheduler.state import JobState
-from service.schemas import (
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.service.schemas import (
     CodeUploaded,
     JobDetail,
     JobHistory,
@@ -28,6 +25,8 @@ from service.schemas import (
     NodeList,
     Readiness,
 )
+from pydantic import BaseModel, ValidationError
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -136,7 +135,7 @@ class DynabatchClient:
         return self._call(JobSubmitted, "POST", "/v1/jobs", json=body)
 
     def upload_code(self, archive: bytes) -> CodeUploaded:
-        """Upload a zip of code to ship with jobs (``service.code_store.zip_directory``);
+        """Upload a zip of code to ship with jobs (``dynabatch.service.code_store.zip_directory``);
         the answer's ``working_dir`` goes into the job spec."""
         # Uploading may take longer than an API call: a generous write and read timeout.
         timeout = httpx.Timeout(10.0, write=300.0, read=120.0)

@@ -1,10 +1,11 @@
-"""Start-up check: ``api``, ``service``, ``scheduler`` and ``actors`` are dynabatch's own.
+"""Start-up check: ``dynabatch.api``, ``.service``, ``.scheduler`` and ``.actors`` are our own.
 
-Their names are generic: PyPI has packages named ``scheduler`` and ``service``, and pip
-installs a package's files into ``site-packages/<name>/`` whoever else owns that folder,
-so two distributions can merge into one package, or another's can shadow ours on
-``sys.path``. Either way dynabatch would run someone else's code. :func:`check_own_install`
-fails at start-up with one line instead:
+They are installed under the ``dynabatch`` namespace (setup.py), so a user's bare
+``scheduler.py`` cannot shadow them; but ``dynabatch`` is a namespace package, and pip
+installs a distribution's files into ``site-packages/dynabatch/<name>/`` whoever else owns
+that folder, so another distribution could merge into one of ours, or put its own
+``dynabatch/<name>`` earlier on ``sys.path``. Either way dynabatch would run someone else's
+code. :func:`check_own_install` fails at start-up with one line instead:
 
 * each package must be a regular package (an ``__init__.py``) in the same directory as
   this one's parent (where dynabatch is installed or checked out);
@@ -21,6 +22,7 @@ from pathlib import Path
 
 PACKAGES = ("api", "service", "scheduler", "actors")
 DISTRIBUTION = "dynabatch"
+NAMESPACE = "dynabatch"
 
 
 class ForeignPackage(RuntimeError):
@@ -34,7 +36,7 @@ def own_root() -> Path:
 def check_own_install(root: Path | None = None) -> None:
     root = root or own_root()
     for name in PACKAGES:
-        module = importlib.import_module(name)
+        module = importlib.import_module(f"{NAMESPACE}.{name}")
         paths = [Path(p).resolve() for p in getattr(module, "__path__", [])]
         init = getattr(module, "__file__", None)
         if paths != [root / name] or init is None:
@@ -48,8 +50,8 @@ def check_own_install(root: Path | None = None) -> None:
         if dist_name == DISTRIBUTION:
             continue
         for f in dist.files or ():
-            top = f.parts[0] if f.parts else ""
-            if top in PACKAGES and Path(dist.locate_file(f)).resolve().is_relative_to(root):
+            top = next((p for p in f.parts[:2] if p in PACKAGES), "")
+            if top and Path(dist.locate_file(f)).resolve().is_relative_to(root / top):
                 raise ForeignPackage(
                     f"the distribution {dist.metadata['Name']!r} installed files into "
                     f"dynabatch's package {top!r} ({f}): pip uninstall it, or use a separate "

@@ -2,7 +2,8 @@
 in step with Ray.
 
 Every Ray call goes through a :class:`ClusterClient`, so routes and this service run against
-``tests.fakes.FakeCluster`` as well as the real :class:`service.ray_client.RayClusterClient`.
+``tests.fakes.FakeCluster`` as well as the real
+:class:`dynabatch.service.ray_client.RayClusterClient`.
 
 Reads (get, list, history, logs, metrics) come from the store. A background sync loop polls
 each live job's coordinator (snapshot, new epochs, new log lines) into the store, and releases
@@ -18,7 +19,8 @@ name, or resumed the same way when their coordinator is gone (in embedded mode t
 with that process); the rest are marked FAILED instead of being forgotten. ``resume()`` does
 it on request, also for a FAILED job.
 
-Specs come from REST clients: ``submit`` refuses (:class:`actors.spec.SpecNotAllowed`, 422,
+Specs come from REST clients: ``submit`` refuses (:class:`dynabatch.actors.spec.SpecNotAllowed`,
+422,
 nothing stored) one that names user code, a dataset path or a checkpoint dir that
 ``submit_policy`` (from the settings) does not allow, and every relaunch of a stored spec is
 checked again, so settings tightened since the job was stored hold too.
@@ -33,12 +35,11 @@ import uuid
 from collections.abc import Callable
 from typing import Protocol
 
+from dynabatch.actors.spec import JobSpec, SpecNotAllowed, SubmitPolicy, check_submission
+from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
 from pydantic import BaseModel, ConfigDict, Field
-
-from actors.spec import JobSpec, SpecNotAllowed, SubmitPolicy, check_submission
-from scheduler.state import InvalidTransition, JobState
-from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
 
 log = logging.getLogger("dynabatch.service")
 
@@ -346,7 +347,9 @@ class JobService:
         """
         if not rec.spec.checkpoint.dir:
             return False
-        from scheduler.checkpoint import checkpoint_path  # imports torch: only when needed
+        from dynabatch.scheduler.checkpoint import (
+            checkpoint_path,  # imports torch: only when needed
+        )
 
         try:
             return checkpoint_path(rec.spec.checkpoint.dir, rec.id).is_file()

@@ -1,4 +1,4 @@
-"""The real :class:`service.jobs.ClusterClient`: Ray calls, with Ray's errors translated.
+"""The real :class:`dynabatch.service.jobs.ClusterClient`: Ray calls, with Ray's errors translated.
 
 Coordinator handles are cached per job; a job without a cached handle (e.g. after an API
 restart) is looked up by its actor name. Ray and the scheduler are imported lazily, so the
@@ -13,10 +13,10 @@ import socket
 import threading
 from typing import Any
 
-from actors.spec import JobSpec
-from scheduler.state import InvalidTransition, JobState
-from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from service.jobs import (
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.service.jobs import (
     ClusterError,
     ClusterUnavailable,
     CoordinatorGone,
@@ -58,7 +58,7 @@ class RayClusterClient:
     def connect(self) -> None:
         if self._connected:
             return
-        from service.raycluster import connect
+        from dynabatch.service.raycluster import connect
 
         if not self.embedded:
             _probe(self._address, self._ping_timeout)
@@ -68,7 +68,7 @@ class RayClusterClient:
             raise ClusterUnavailable(f"cannot connect to Ray at {self._address}: {err}") from err
         self._address = str(info.get("address") or self._address)
         self._connected = True
-        import scheduler.launch  # noqa: F401  (pay for the engine's imports now, not on submit)
+        import dynabatch.scheduler.runtime.launch  # noqa: F401  (pay for the engine's imports now, not on submit)
 
         log.info(
             "connected to Ray at %s (%s)",
@@ -100,7 +100,7 @@ class RayClusterClient:
 
     # Coordinators -----------------------------------------------------------------------
     def launch(self, job_id: str, spec: JobSpec) -> None:
-        from scheduler.launch import launch_coordinator
+        from dynabatch.scheduler.runtime.launch import launch_coordinator
 
         try:
             handle = launch_coordinator(job_id, spec, detached=not self.embedded)
@@ -110,7 +110,7 @@ class RayClusterClient:
             self._handles[job_id] = handle
 
     def find(self, job_id: str) -> bool:
-        from scheduler.launch import find_coordinator
+        from dynabatch.scheduler.runtime.launch import find_coordinator
 
         try:
             handle = find_coordinator(job_id)

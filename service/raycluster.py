@@ -2,7 +2,7 @@
 
 The embedded cluster runs the Ray dashboard, on loopback only: it and its per-node agents
 serve Ray's log API, through which the job log gets every actor's stdout and stderr
-(``actors.output``; ``ray[default]`` brings them). A cluster attached by address needs its
+(``dynabatch.actors.output``; ``ray[default]`` brings them). A cluster attached by address needs its
 own dashboard for that (``ray start --head`` starts one when ``ray[default]`` is installed).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from scheduler.launch import NAMESPACE, is_uri
+from dynabatch.scheduler.runtime.launch import NAMESPACE, is_uri
 
 # Fast failure detection. The GCS checks each node every 200 ms and declares it dead after 3
 # failed checks in a row: a node whose raylet is gone (refused connections) in about 0.5 s
@@ -51,7 +51,7 @@ def connect(
     ``address="local"``, so a stale cluster from another process is never attached.
     ``working_dir``, a local directory, is shipped with this driver's Ray job (Ray uploads
     it; every actor the job starts inherits it): how ``dynabatch run`` ships code. A URI is
-    the coordinator's own runtime_env instead (``scheduler.launch``).
+    the coordinator's own runtime_env instead (``dynabatch.scheduler.runtime.launch``).
     """
     import ray
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.service.jobs import NodeInfo
+from dynabatch.service.store import JobRecord
 from pydantic import BaseModel, ConfigDict, Field
-
-from actors.spec import JobSpec
-from scheduler.state import JobState
-from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from service.jobs import NodeInfo
-from service.store import JobRecord
 
 JOB_ID_EXAMPLE = "3f9c1a7b2e04"
 

@@ -10,10 +10,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dynabatch.actors.spec import ANY_MODULE, MODULE_PATTERN, SubmitPolicy
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from actors.spec import ANY_MODULE, MODULE_PATTERN, SubmitPolicy
 
 EMBEDDED_ADDRESSES = frozenset({"", "local"})
 
@@ -71,7 +70,7 @@ class Settings(BaseSettings):
         "epoch in between, before it is marked FAILED; 0 turns automatic resume off.",
     )
     log_level: str = Field(default="info", description="uvicorn and service log level.")
-    # What specs submitted over REST may name (see actors.spec.SubmitPolicy). Comma lists
+    # What specs submitted over REST may name (see dynabatch.actors.spec.SubmitPolicy). Comma lists
     # are plain strings: pydantic-settings would try to JSON-decode a list from the env.
     user_code_modules: str = Field(
         default="",

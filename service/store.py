@@ -22,9 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.spec import JobSpec
-from scheduler.state import InvalidTransition, JobState
-from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

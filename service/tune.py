@@ -34,9 +34,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from actors.spec import JobSpec, StageSpec
-from scheduler.cluster_model import ClusterSpec
-from scheduler.simulator import SimResult, simulate
+from dynabatch.actors.spec import JobSpec, StageSpec
+from dynabatch.scheduler.sim.cluster import ClusterSpec
+from dynabatch.scheduler.sim.simulator import SimResult, simulate
 
 
 class TuneError(ValueError):

@@ -5,15 +5,15 @@
 
 from __future__ import annotations
 
-from service.jobs import ClusterClient, JobService
-from service.settings import Settings
-from service.store import JobStore
+from dynabatch.service.jobs import ClusterClient, JobService
+from dynabatch.service.settings import Settings
+from dynabatch.service.store import JobStore
 
 
 def build_service(settings: Settings, cluster: ClusterClient | None = None) -> JobService:
     """The JobService the settings describe: SQLite store and (by default) Ray."""
     if cluster is None:
-        from service.ray_client import RayClusterClient
+        from dynabatch.service.ray_client import RayClusterClient
 
         cluster = RayClusterClient(
             settings.ray_address,

@@ -1,4 +1,4 @@
-"""An in-memory :class:`service.jobs.ClusterClient` for route and service tests.
+"""An in-memory :class:`dynabatch.service.jobs.ClusterClient` for route and service tests.
 
 Each job gets a :class:`FakeCoordinator` whose snapshot advances one step per ``snapshot()``
 call (when ``auto_advance``), through PENDING, RUNNING and SUCCEEDED, producing epoch
@@ -20,22 +20,27 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-
-from actors.contracts import SegmentPlan, SegmentResult, StepTelemetry, encode_counts
-from actors.spec import JobSpec
-from scheduler.failures import WorkerOutcome
-from scheduler.membership import NodeInfo as MNodeInfo
-from scheduler.membership import Spawn
-from scheduler.runtime import DataInfo, RegroupResult, ShardResult, Started, WorkerCallError
-from scheduler.state import InvalidTransition, JobState
-from scheduler.telemetry import (
+from dynabatch.actors.contracts import SegmentPlan, SegmentResult, StepTelemetry, encode_counts
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.failures import WorkerOutcome
+from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
+from dynabatch.scheduler.core.membership import NodeInfo as MNodeInfo
+from dynabatch.scheduler.core.membership import Spawn
+from dynabatch.scheduler.runtime.seam import (
+    DataInfo,
+    RegroupResult,
+    ShardResult,
+    Started,
+    WorkerCallError,
+)
+from dynabatch.scheduler.telemetry import (
     EpochRecord,
     JobSnapshot,
     LogLine,
     WorkerEpochStats,
     WorkerStatus,
 )
-from service.jobs import (
+from dynabatch.service.jobs import (
     ClusterError,
     ClusterUnavailable,
     CoordinatorGone,
@@ -734,7 +739,8 @@ class FakeRuntime:
         flagged, extra = rule is not None and rule.flagged(loss), 0
         psi = loss
         while flagged and rule.more(psi, extra):
-            # As actors.optim.isgd_extras: one update, then a pass gives the loss to check.
+            # As dynabatch.actors.optim.isgd_extras: one update, then a pass gives the loss to
+            # check.
             extra += 1
             psi = loss * self.isgd_decay ** extra
         return StepTelemetry(

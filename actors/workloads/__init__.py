@@ -20,15 +20,15 @@ class WorkloadError(ValueError):
 
 
 if TYPE_CHECKING:
-    from actors.workloads.datasets import DatasetArrays, load_dataset
-    from actors.workloads.models import build_model
+    from dynabatch.actors.workloads.datasets import DatasetArrays, load_dataset
+    from dynabatch.actors.workloads.models import build_model
 
 __all__ = ["DatasetArrays", "WorkloadError", "build_model", "load_dataset"]
 
 _LAZY = {
-    "DatasetArrays": "actors.workloads.datasets",
-    "load_dataset": "actors.workloads.datasets",
-    "build_model": "actors.workloads.models",
+    "DatasetArrays": "dynabatch.actors.workloads.datasets",
+    "load_dataset": "dynabatch.actors.workloads.datasets",
+    "build_model": "dynabatch.actors.workloads.models",
 }
 
 

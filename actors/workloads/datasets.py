@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from actors.spec import DatasetSpec
-from actors.workloads import WorkloadError
-from actors.workloads.formats import (
+from dynabatch.actors.spec import DatasetSpec
+from dynabatch.actors.workloads import WorkloadError
+from dynabatch.actors.workloads.formats import (
     MNIST_FILES,
     FormatError,
     encode_mnist,
@@ -34,7 +33,7 @@ from actors.workloads.formats import (
     read_cifar10,
     read_mnist,
 )
-from actors.workloads.imports import call_user, resolve_callable
+from dynabatch.actors.workloads.imports import call_user, resolve_callable
 
 BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource")
 
@@ -561,7 +560,7 @@ def _user(spec: DatasetSpec, seed: int) -> DatasetArrays:
 
 def _pysource(spec: DatasetSpec, seed: int) -> DatasetArrays:
     """Character-level LM windows over the stdlib's source (see :mod:`.text`)."""
-    from actors.workloads import text
+    from dynabatch.actors.workloads import text
 
     _warn_unused_path(spec)
     opts = _int_options(spec, {"chars": (400_000, 1_000, 5_000_000), "seq_len": (64, 2, 4096)})

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from actors.workloads import WorkloadError
+from dynabatch.actors.workloads import WorkloadError
 
 
 class FormatError(WorkloadError):

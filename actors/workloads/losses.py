@@ -20,9 +20,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-from actors.workloads import WorkloadError
-from actors.workloads.imports import resolve_callable
+from dynabatch.actors.workloads import WorkloadError
+from dynabatch.actors.workloads.imports import resolve_callable
 
 PerSample = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

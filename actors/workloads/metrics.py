@@ -4,7 +4,7 @@ A metric is a per-sample function ``(outputs, targets) -> values (B,)`` plus a `
 applied to the mean over the test set:
 
 * ``accuracy``: the fraction of correct argmax predictions (per token for sequences);
-* ``mse``: the mean squared error (:func:`actors.workloads.losses.mse`);
+* ``mse``: the mean squared error (:func:`dynabatch.actors.workloads.losses.mse`);
 * ``perplexity``: ``exp`` of the mean per-sample cross-entropy; for equal-length sequences
   that is ``exp(-(1/NT) Σ log p(y_t))``, the per-token perplexity;
 * a user ``"pkg.mod:function"``: the mean of its per-sample values.
@@ -17,9 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from actors.workloads import losses
-from actors.workloads.imports import resolve_callable
+from dynabatch.actors.workloads import losses
+from dynabatch.actors.workloads.imports import resolve_callable
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -18,11 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from dynabatch.actors.spec import ModelSpec
+from dynabatch.actors.workloads import WorkloadError
+from dynabatch.actors.workloads.imports import call_user, resolve_callable
 from torch import nn
-
-from actors.spec import ModelSpec
-from actors.workloads import WorkloadError
-from actors.workloads.imports import call_user, resolve_callable
 
 BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm")
 NORMS = ("group", "batch", "none")
@@ -280,7 +279,7 @@ def _build_user(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int)
 
 
 def _build_charlm(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    from actors.workloads.charlm import CharLM
+    from dynabatch.actors.workloads.charlm import CharLM
 
     _check_options(spec, ["layers", "heads"])
     if len(input_shape) != 1:

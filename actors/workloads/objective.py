@@ -1,7 +1,7 @@
 """What a worker optimises and reports: the job's per-sample loss and its metrics.
 
 :func:`objective_for` resolves the spec's ``loss`` and ``metrics`` (defaults from the
-dataset's targets, see :data:`actors.workloads.losses.DEFAULT_LOSS`). The worker calls
+dataset's targets, see :data:`dynabatch.actors.workloads.losses.DEFAULT_LOSS`). The worker calls
 :meth:`Objective.loss_sum` in its training step (the sum of per-sample losses; it scales
 it by ``1/B`` itself) and :meth:`Objective.eval_sums` on its shard of the held-out set
 (:meth:`Objective.finish` turns the shards' combined sums into the scores);
@@ -15,13 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.workloads import WorkloadError
+from dynabatch.actors.workloads import losses as L
+from dynabatch.actors.workloads import metrics as M
+from dynabatch.actors.workloads.imports import describe
 from torch import nn
-
-from actors.spec import JobSpec
-from actors.workloads import WorkloadError
-from actors.workloads import losses as L
-from actors.workloads import metrics as M
-from actors.workloads.imports import describe
 
 
 def targets_kind(y: np.ndarray) -> str:
@@ -51,9 +50,10 @@ class Objective:
         """``{"n": samples, "loss": Σ ℓ_j, <metric>: Σ v_j, ...}`` over ``(x, y)[lo:hi]``.
 
         Every metric is a per-sample function plus a ``finish`` of the mean (see
-        :mod:`actors.workloads.metrics`), so the sums of disjoint shards add up to the sums of
+        :mod:`dynabatch.actors.workloads.metrics`), so the sums of disjoint shards add up to the
+        sums of
         their union: the held-out set can be split across workers, the shards' sums added
-        (``scheduler.evaluation.combine``) and :meth:`finish` applied once."""
+        (``dynabatch.scheduler.sync.evaluation.combine``) and :meth:`finish` applied once."""
         sums = {"n": float(max(0, hi - lo)), "loss": 0.0} | {m.name: 0.0 for _, m in self.metrics}
         model.eval()
         try:

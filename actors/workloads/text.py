@@ -20,8 +20,7 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
-
-from actors.workloads import WorkloadError
+from dynabatch.actors.workloads import WorkloadError
 
 # Modules present in every CPython 3.10+; sorted so the order never depends on the file system.
 MODULES = (

@@ -1,7 +1,7 @@
 """POST /v1/code: upload the code a job ships (``dynabatch submit --working-dir``).
 
 The body is a zip (``application/zip``); the answer names it as a ``working_dir`` URI for the
-job spec (see :mod:`service.code_store`). It has its own body limit,
+job spec (see :mod:`dynabatch.service.code_store`). It has its own body limit,
 ``DYNABATCH_MAX_CODE_BYTES``, larger than the JSON endpoints' ``DYNABATCH_MAX_BODY_BYTES``.
 Uploading needs what running shipped code needs: ``DYNABATCH_USER_CODE_MODULES='*'``, and a
 ``DYNABATCH_CODE_ROOT`` to keep it in; without them the answer is 403 and nothing is read.
@@ -9,15 +9,14 @@ Uploading needs what running shipped code needs: ``DYNABATCH_USER_CODE_MODULES='
 
 from __future__ import annotations
 
+from dynabatch.actors.spec import ANY_MODULE
+from dynabatch.api.deps import ERRORS, SettingsDep, require_token
+from dynabatch.service.code_store import CodeRejected, store_code
+from dynabatch.service.schemas import CodeUploaded, ErrorResponse, ValidationErrorResponse
+from dynabatch.service.settings import split_list
 from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
-
-from actors.spec import ANY_MODULE
-from api.deps import ERRORS, SettingsDep, require_token
-from service.code_store import CodeRejected, store_code
-from service.schemas import CodeUploaded, ErrorResponse, ValidationErrorResponse
-from service.settings import split_list
 
 _BODY = {
     "required": True,

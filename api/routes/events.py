@@ -2,9 +2,9 @@
 
 A client (``dynabatch submit``, the job page, ``curl -N``) gets, as they happen:
 
-* ``job``: the job (:class:`service.schemas.JobDetail`) whenever it changed;
-* ``epoch``: each finished epoch's record (:class:`scheduler.telemetry.EpochRecord`);
-* ``log``: each log line (:class:`scheduler.telemetry.LogLine`, the workers' own output
+* ``job``: the job (:class:`dynabatch.service.schemas.JobDetail`) whenever it changed;
+* ``epoch``: each finished epoch's record (:class:`dynabatch.scheduler.telemetry.EpochRecord`);
+* ``log``: each log line (:class:`dynabatch.scheduler.telemetry.LogLine`, the workers' own output
   included), with the line's sequence number as the event id, so a reconnecting client
   sends ``Last-Event-ID`` (or ``?since=``) and misses nothing;
 * ``end``: the final job, once it is terminal and everything before it was sent; the
@@ -20,12 +20,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated
 
+from dynabatch.api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, require_token
+from dynabatch.service.schemas import JobDetail
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
-
-from api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, require_token
-from service.schemas import JobDetail
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_token)],
                    responses=ERRORS)

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request, Response, status
-from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-from api.deps import (
+from dynabatch.api.deps import (
     ERRORS,
     ServiceDep,
     require_token_for_health,
     require_token_for_metrics,
 )
-from service.schemas import Health, Readiness
+from dynabatch.service.schemas import Health, Readiness
+from fastapi import APIRouter, Depends, Request, Response, status
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 health = APIRouter(
     tags=["health"], dependencies=[Depends(require_token_for_health)], responses=ERRORS

@@ -8,12 +8,10 @@ from __future__ import annotations
 import warnings
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Query, Response, status
-
-from actors.spec import JobSpec
-from api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, WorkerId, require_token
-from scheduler.state import JobState
-from service.schemas import (
+from dynabatch.actors.spec import JobSpec
+from dynabatch.api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, WorkerId, require_token
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.service.schemas import (
     CancelRequest,
     ErrorResponse,
     JobDetail,
@@ -24,6 +22,7 @@ from service.schemas import (
     JobSummary,
     ScaleRequest,
 )
+from fastapi import APIRouter, Body, Depends, Query, Response, status
 
 router = APIRouter(
     prefix="/v1/jobs",

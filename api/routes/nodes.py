@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from dynabatch.api.deps import ERRORS, ServiceDep, require_token
+from dynabatch.service.schemas import ErrorResponse, NodeList
 from fastapi import APIRouter, Depends
-
-from api.deps import ERRORS, ServiceDep, require_token
-from service.schemas import ErrorResponse, NodeList
 
 router = APIRouter(
     prefix="/v1/nodes",

@@ -22,12 +22,11 @@ import re
 from importlib import resources
 from pathlib import Path
 
+from dynabatch.api.deps import Credentials, SettingsDep, token_ok
+from dynabatch.service.jobs import JOB_ID_PATTERN, JobNotFound
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
-
-from api.deps import Credentials, SettingsDep, token_ok
-from service.jobs import JOB_ID_PATTERN, JobNotFound
 
 STATIC_DIR = Path(str(resources.files("api") / "static"))
 

@@ -1,5 +1,5 @@
 """The ``dynabatch`` command line: ``run`` trains a config on Ray; client commands talk to
-the REST service (see :mod:`service.cli.jobs`)."""
+the REST service (see :mod:`dynabatch.service.cli.jobs`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from service.cli import jobs, run, simulate, tune
+    from dynabatch.service.cli import jobs, run, simulate, tune
 
     run.register(app)
     simulate.register(app)
@@ -23,7 +23,7 @@ def _register() -> None:
 
 
 def main() -> None:
-    from service.install_check import ForeignPackage, check_own_install_once
+    from dynabatch.service.install_check import ForeignPackage, check_own_install_once
 
     try:
         check_own_install_once()

@@ -1,5 +1,5 @@
-"""``python -m service.cli``: the same entry point as the ``dynabatch`` command."""
+"""``python -m dynabatch.service.cli``: the same entry point as the ``dynabatch`` command."""
 
-from service.cli import main
+from dynabatch.service.cli import main
 
 main()

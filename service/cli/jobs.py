@@ -24,18 +24,17 @@ from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
 import yaml
+from dynabatch.actors.spec import URI_PATTERN, SpecError, parse_spec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.service.cli.views import breakdown_table
+from dynabatch.service.client import DEFAULT_URL, ApiError, DynabatchClient
+from dynabatch.service.code_store import zip_directory
+from dynabatch.service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN
+from dynabatch.service.schemas import JobDetail
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
-
-from actors.spec import URI_PATTERN, SpecError, parse_spec
-from scheduler.state import JobState
-from service.cli.views import breakdown_table
-from service.client import DEFAULT_URL, ApiError, DynabatchClient
-from service.code_store import zip_directory
-from service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN
-from service.schemas import JobDetail
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -238,12 +237,11 @@ def _serve(insecure: bool, **overrides: Any) -> None:
     import logging
 
     import uvicorn
+    from dynabatch.api.app import create_app  # the composition root: serve starts the HTTP layer
+    from dynabatch.service.jobs import ClusterError
+    from dynabatch.service.settings import Settings
+    from dynabatch.service.wiring import build_service
     from pydantic import ValidationError
-
-    from api.app import create_app  # the composition root: serve starts the HTTP layer
-    from service.jobs import ClusterError
-    from service.settings import Settings
-    from service.wiring import build_service
 
     given = {k: v for k, v in overrides.items() if v is not None}
     if "address" in given:
@@ -572,7 +570,7 @@ def register(app: typer.Typer) -> None:
     app.command("resume")(resume)
 
 
-def main() -> None:  # pragma: no cover - ``dynabatch`` is service.cli:main
+def main() -> None:  # pragma: no cover - ``dynabatch`` is dynabatch.service.cli:main
     app = typer.Typer(pretty_exceptions_enable=False, no_args_is_help=True)
     register(app)
     app()

@@ -12,15 +12,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from dynabatch.actors.spec import JobSpec, SpecError, load_spec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot
+from dynabatch.service.cli.views import breakdown_table
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
-
-from actors.spec import JobSpec, SpecError, load_spec
-from scheduler.state import JobState
-from scheduler.telemetry import EpochRecord, JobSnapshot
-from service.cli.views import breakdown_table
 
 # A coordinator answers snapshot/history/cancel from another thread in milliseconds; this
 # bounds a call to one that died or hangs.
@@ -59,7 +58,7 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
                        samples, str(r.retried_samples))
     parts = [head, workers, epochs]
     if snap.ps is not None:  # protocol ps: per-learner staleness
-        from service.cli.jobs import _ps_table
+        from dynabatch.service.cli.jobs import _ps_table
 
         parts.append(_ps_table(snap.ps))
     if snap.step_breakdown is not None:
@@ -84,12 +83,12 @@ def write_report(path: Path, spec: JobSpec, snap: JobSnapshot,
 def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: bool,
             console: Console) -> JobSnapshot:
     import ray
-
-    from scheduler.launch import launch_coordinator
-    from service.raycluster import connect
+    from dynabatch.scheduler.runtime.launch import launch_coordinator
+    from dynabatch.service.raycluster import connect
 
     need = int(spec.worker_cpus * (spec.initial_workers or 1) + 0.999)
-    # A local working_dir is shipped with this driver's Ray job (scheduler.launch).
+    # A local working_dir is shipped with this driver's Ray job
+    # (dynabatch.scheduler.runtime.launch).
     connect(address, num_cpus=max(os.cpu_count() or 1, need), working_dir=spec.working_dir)
     job_id = uuid.uuid4().hex[:12]
     handle = launch_coordinator(job_id, spec, detached=False, resume=False)
@@ -131,8 +130,8 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
 
 
 def report_plots(path: Path, out: Path | None = None) -> list[Path]:
-    """Render a JSON report's PNG plots (service.plots) beside it, or under ``out``."""
-    from service.plots import render
+    """Render a JSON report's PNG plots (dynabatch.service.plots) beside it, or under ``out``."""
+    from dynabatch.service.plots import render
 
     report = json.loads(path.read_text())
     return render(report, out or path.parent, prefix=f"{path.stem}-")

@@ -1,6 +1,6 @@
 """``dynabatch simulate CONFIG``: what would this cluster do with this job?
 
-Runs the job's spec on a simulated cluster (``scheduler.simulator``: the production
+Runs the job's spec on a simulated cluster (``dynabatch.scheduler.sim.simulator``: the production
 coordinator and machines on a virtual clock), described in YAML (``--cluster``) or fitted
 from a real run's report (``--from-report``). Prints the epochs and a summary, or with
 ``--compare`` one table across policies; ``--report`` writes the same JSON report as
@@ -17,23 +17,22 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-
-from actors.spec import POLICIES, JobSpec, SpecError, load_spec
-from scheduler.cluster_model import (
+from dynabatch.actors.spec import POLICIES, JobSpec, SpecError, load_spec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.sim.cluster import (
     ClusterError,
     ClusterSpec,
     cluster_from_profiles,
     load_cluster,
     profiles_from_report,
 )
-from scheduler.simulator import SimResult, simulate
-from scheduler.state import JobState
-from scheduler.telemetry import WorkerStatus
-from service.cli import views
-from service.cli.run import render, write_report
+from dynabatch.scheduler.sim.simulator import SimResult, simulate
+from dynabatch.scheduler.telemetry import WorkerStatus
+from dynabatch.service.cli import views
+from dynabatch.service.cli.run import render, write_report
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 SHOWN_WORKERS = 16
 
@@ -175,12 +174,12 @@ def print_result(console: Console, r: SimResult) -> None:
 
 
 def run_ps(spec: JobSpec, cl: ClusterSpec, console: Console, report: Path | None) -> bool:
-    """A ``protocol: ps`` spec: the parameter-server simulator (scheduler.ps_sim: the same
+    """A ``protocol: ps`` spec: the parameter-server simulator (dynabatch.scheduler.sim.ps: the same
     core as on Ray, real gradients, the cluster's push/pull costs). True if it finished."""
-    from actors.workloads.datasets import load_dataset
-    from scheduler.ps_driver import build_core, ps_status
-    from scheduler.ps_sim import learners_on, simulate_ps
-    from service.cli.jobs import _ps_table
+    from dynabatch.actors.workloads.datasets import load_dataset
+    from dynabatch.scheduler.ps.driver import build_core, ps_status
+    from dynabatch.scheduler.sim.ps import learners_on, simulate_ps
+    from dynabatch.service.cli.jobs import _ps_table
 
     config = learners_on(spec, cl)
     ds = load_dataset(spec.dataset, seed=spec.seed)

@@ -1,5 +1,6 @@
 """``dynabatch tune CONFIG``: choose each stage's (global batch, LR factor, warm-up) from short
-probe runs in the simulator's real-gradient mode (:mod:`service.tune`), judged on a validation
+probe runs in the simulator's real-gradient mode (:mod:`dynabatch.service.tune`), judged on a
+validation
 split held out of the training data, over several seeds; write the tuned YAML config and a
 JSON report of every probe. Errors are one line, exit status 2."""
 
@@ -11,15 +12,14 @@ from typing import Annotated, NoReturn
 
 import typer
 import yaml
+from dynabatch.actors.spec import SpecError, load_spec
+from dynabatch.scheduler.sim.cluster import ClusterError, load_cluster, parse_cluster
+from dynabatch.service.cli import views
+from dynabatch.service.cli.simulate import quiet_engine
+from dynabatch.service.tune import Probe, TuneError, tune
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-from actors.spec import SpecError, load_spec
-from scheduler.cluster_model import ClusterError, load_cluster, parse_cluster
-from service.cli import views
-from service.cli.simulate import quiet_engine
-from service.tune import Probe, TuneError, tune
 
 
 def _default_cluster(workers: int):

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import NoReturn
 
 import typer
+from dynabatch.scheduler.telemetry import StepBreakdown
 from rich.console import Console
 from rich.table import Table
-
-from scheduler.telemetry import StepBreakdown
 
 _COLUMNS = (
     ("gather", "gather_s"), ("forward", "forward_s"), ("backward", "backward_s"),

@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.service.client import ApiError, DynabatchClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.state import JobState
-from service.client import ApiError, DynabatchClient
 from tests.e2e.procs import BIN, ApiServer, base_env, promql, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

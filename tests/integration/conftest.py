@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from service.raycluster import fast_health_check
+from dynabatch.service.raycluster import fast_health_check
 
 NODES = 3
 

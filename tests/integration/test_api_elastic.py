@@ -15,13 +15,12 @@ from typing import Any
 
 import pytest
 import ray
+from dynabatch.api.app import create_app
+from dynabatch.scheduler.runtime.launch import find_coordinator
+from dynabatch.service.ray_client import RayClusterClient
+from dynabatch.service.settings import Settings
+from dynabatch.service.wiring import build_service
 from fastapi.testclient import TestClient
-
-from api.app import create_app
-from scheduler.launch import find_coordinator
-from service.ray_client import RayClusterClient
-from service.settings import Settings
-from service.wiring import build_service
 
 from .conftest import wait_for
 

@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import ray
 import torch
-
-from actors.spec import JobSpec
-from scheduler.checkpoint import load_checkpoint
-from scheduler.coordinator import Coordinator
-from scheduler.launch import find_coordinator, launch_coordinator
-from scheduler.state import JobState
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.checkpoint import load_checkpoint
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.runtime.launch import find_coordinator, launch_coordinator
+from dynabatch.scheduler.sync.coordinator import Coordinator
 
 from .conftest import wait_for
 

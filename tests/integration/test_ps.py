@@ -13,10 +13,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-
-from actors.spec import JobSpec
-from scheduler.ps_driver import PSCoordinator
-from scheduler.state import JobState
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.ps.driver import PSCoordinator
 
 from .conftest import wait_for
 

@@ -6,10 +6,9 @@ segments (one job, three nodes)."""
 from __future__ import annotations
 
 import pytest
-
-from actors.spec import JobSpec
-from scheduler.coordinator import Coordinator
-from scheduler.state import JobState
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.sync.coordinator import Coordinator
 
 pytestmark = pytest.mark.integration
 

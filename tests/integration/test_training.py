@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 import ray
 import torch
-
-from actors.contracts import SegmentPlan, StepPlan
-from actors.spec import JobSpec
-from actors.worker import Worker
-from actors.workloads.datasets import load_dataset
-from actors.workloads.models import build_model
-from scheduler.coordinator import Coordinator
-from scheduler.state import JobState
+from dynabatch.actors.contracts import SegmentPlan, StepPlan
+from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.worker import Worker
+from dynabatch.actors.workloads.datasets import load_dataset
+from dynabatch.actors.workloads.models import build_model
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.sync.coordinator import Coordinator
 
 pytestmark = pytest.mark.integration
 
@@ -49,8 +48,8 @@ def test_weighted_allreduce_equals_one_process_update(cluster, workload, comm):
     for classification, a regression's mse, a language model's per-sample loss and a
     user's loss named by import path, with the flat and the bucketed all-reduce, and with
     micro-batch accumulation."""
-    from actors.output import ActorOutput
-    from actors.workloads.losses import resolve_loss
+    from dynabatch.actors.output import ActorOutput
+    from dynabatch.actors.workloads.losses import resolve_loss
 
     spec = _spec(optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9}, **workload, **comm)
     ds = load_dataset(spec.dataset, seed=spec.seed)

@@ -5,13 +5,17 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from dynabatch.actors.contracts import StepTelemetry
+from dynabatch.scheduler.core.sync.policy import AffinePolicy, WorkerTelemetry
+from dynabatch.scheduler.core.sync.steptime import (
+    StepTimeStats,
+    accumulated_step_time,
+    accumulation_slope,
+    fit,
+)
+from dynabatch.scheduler.core.sync.tracker import Tracker
 from hypothesis import given
 from hypothesis import strategies as st
-
-from actors.contracts import StepTelemetry
-from scheduler.model import StepTimeStats, accumulated_step_time, accumulation_slope, fit
-from scheduler.policy import AffinePolicy, WorkerTelemetry
-from scheduler.tracker import Tracker
 
 
 @given(st.floats(0, 1), st.floats(1e-4, 1), st.integers(1, 4096), st.integers(1, 512))

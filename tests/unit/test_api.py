@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dynabatch.api.app import create_app
+from dynabatch.scheduler.checkpoint import checkpoint_path
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.service.jobs import EMBEDDED_ENDED, JobService
+from dynabatch.service.settings import Settings
+from dynabatch.service.store import JobStore
+from dynabatch.service.wiring import build_service
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import create_app
-from scheduler.checkpoint import checkpoint_path
-from scheduler.state import JobState
-from service.jobs import EMBEDDED_ENDED, JobService
-from service.settings import Settings
-from service.store import JobStore
-from service.wiring import build_service
 from tests.fakes import NODE_IDS, FakeCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -478,7 +478,7 @@ def test_coordinator_death_fails_the_job_with_reason(make_app: MakeApp) -> None:
 
 
 def test_launch_errors(make_app: MakeApp) -> None:
-    from service.jobs import ClusterError, ClusterUnavailable
+    from dynabatch.service.jobs import ClusterError, ClusterUnavailable
 
     client, _, cluster = make_app()
     cluster.launch_error = ClusterError("bad resources")
@@ -937,8 +937,8 @@ def test_membership_metrics_come_from_the_snapshot(make_app: MakeApp) -> None:
 
 
 def test_worker_event_reasons_with_colons_stay_whole() -> None:
-    from api.metrics import JobCollector
-    from scheduler.telemetry import JobSnapshot
+    from dynabatch.api.metrics import JobCollector
+    from dynabatch.scheduler.telemetry import JobSnapshot
 
     snap = JobSnapshot(
         job_id="j",
@@ -1140,7 +1140,7 @@ def test_resume_conflicts(make_app: MakeApp, tmp_path: Path) -> None:
 
 
 def test_resume_launch_failure_leaves_the_job_failed(make_app: MakeApp, tmp_path: Path) -> None:
-    from service.jobs import ClusterError
+    from dynabatch.service.jobs import ClusterError
 
     client, service, cluster = make_app(auto_resume_limit=0)
     job = _submit(client, **_ckpt_spec(tmp_path))
@@ -1320,7 +1320,7 @@ def test_ps_hardsync_staleness_options_are_accepted_with_a_warning(make_app: Mak
 
 
 def test_get_job_shows_the_parameter_server(make_app: MakeApp) -> None:
-    from scheduler.telemetry import PSStatus, PSWorkerStatus
+    from dynabatch.scheduler.telemetry import PSStatus, PSWorkerStatus
 
     client, service, cluster = make_app()
     job = _submit(client, protocol=PS)

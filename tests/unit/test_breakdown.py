@@ -5,15 +5,15 @@ split across holders hid, and the CLI table that shows them."""
 from __future__ import annotations
 
 import pytest
+from dynabatch.actors.contracts import StepTelemetry
+from dynabatch.scheduler.runtime.seam import ShardResult
+from dynabatch.scheduler.sync.coordinator import Coordinator
+from dynabatch.scheduler.sync.epoch_report import EpochTotals, with_scores
+from dynabatch.scheduler.sync.evaluation import EvalRound
+from dynabatch.scheduler.telemetry import EpochRecord, StepBreakdown
+from dynabatch.service.cli.views import breakdown_table
 from rich.console import Console
 
-from actors.contracts import StepTelemetry
-from scheduler.coordinator import Coordinator
-from scheduler.epoch_report import EpochTotals, with_scores
-from scheduler.evaluation import EvalRound
-from scheduler.runtime import ShardResult
-from scheduler.telemetry import EpochRecord, StepBreakdown
-from service.cli.views import breakdown_table
 from tests.fakes import EVAL_SPEEDUP, FakeRuntime
 from tests.unit.test_engine_faults import SPE, _assert_exactly_once, _spec
 

@@ -10,20 +10,19 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
-from actors.contracts import StepTelemetry
-from actors.spec import parse_spec
-from actors.workloads import build_model
-from scheduler.checkpoint import (
+from dynabatch.actors.contracts import StepTelemetry
+from dynabatch.actors.spec import parse_spec
+from dynabatch.actors.workloads import build_model
+from dynabatch.scheduler.checkpoint import (
     CheckpointError,
     checkpoint_path,
     load_checkpoint,
     save_checkpoint,
 )
-from scheduler.ledger import Ledger
-from scheduler.policy import WorkerTelemetry, make_policy
-from scheduler.protocols.sync import Position, SyncProtocol
-from scheduler.telemetry import EpochRecord, WorkerEpochStats
+from dynabatch.scheduler.core.ledger import Ledger
+from dynabatch.scheduler.core.sync.policy import WorkerTelemetry, make_policy
+from dynabatch.scheduler.core.sync.protocol import Position, SyncProtocol
+from dynabatch.scheduler.telemetry import EpochRecord, WorkerEpochStats
 
 JOB = "0123456789ab"
 
@@ -43,7 +42,7 @@ def _worker_state() -> dict[str, Any]:
 
 
 def _payload() -> dict[str, Any]:
-    """The dict scheduler/coordinator.py's _checkpoint saves, built from the real parts."""
+    """The dict scheduler/sync/coordinator.py's _checkpoint saves, built from the real parts."""
     spec = parse_spec({"epochs": 3, "checkpoint": {"dir": "/ckpt"}, "workers": 2})
     # A ledger mid-epoch, filled from real worker reports (as the coordinator keeps it).
     protocol = SyncProtocol(global_batch=64, dataset_size=1000, seed=0,

@@ -12,13 +12,13 @@ from typing import Any
 import httpx
 import pytest
 import typer
+from dynabatch.api.app import create_app
+from dynabatch.service.cli import jobs as client_cli
+from dynabatch.service.client import ApiError, ConnectionFailed, DynabatchClient
+from dynabatch.service.settings import Settings
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from api.app import create_app
-from service.cli import jobs as client_cli
-from service.client import ApiError, ConnectionFailed, DynabatchClient
-from service.settings import Settings
 from tests.fakes import FakeCluster
 
 CONFIG = """\
@@ -296,12 +296,12 @@ def test_serve_refuses_a_public_address_without_a_token(
 def test_serve_listens_on_loopback_with_a_token_or_when_told(
     cli: typer.Typer, monkeypatch: pytest.MonkeyPatch, args: list[str], token: str | None
 ) -> None:
-    import service.wiring
+    import dynabatch.service.wiring
 
     def build_service(*_: Any, **__: Any) -> None:
         raise RuntimeError("past the address check")  # instead of starting Ray
 
-    monkeypatch.setattr(service.wiring, "build_service", build_service)
+    monkeypatch.setattr(dynabatch.service.wiring, "build_service", build_service)
     if token is None:
         monkeypatch.delenv("DYNABATCH_API_TOKEN", raising=False)
     else:
@@ -313,7 +313,7 @@ def test_serve_listens_on_loopback_with_a_token_or_when_told(
 def test_scale_drain_resume(
     cli: typer.Typer, server: Callable[..., TestClient], tmp_path: Path
 ) -> None:
-    from scheduler.checkpoint import checkpoint_path
+    from dynabatch.scheduler.checkpoint import checkpoint_path
 
     http = server(sync_interval_s=0, auto_resume_limit=0)  # the job stays put
     service = http.app.state.service

@@ -1,5 +1,5 @@
 """Shipped code: the CLI's zip of a directory, the service's checks and store, and what the
-coordinator's runtime_env gets (service/code_store.py, scheduler/launch.py)."""
+coordinator's runtime_env gets (service/code_store.py, scheduler/runtime/launch.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-from scheduler.launch import is_uri, shipped_code
-from service.code_store import (
+from dynabatch.scheduler.runtime.launch import is_uri, shipped_code
+from dynabatch.service.code_store import (
     MAX_UNPACKED_BYTES,
     TOP_LEVEL,
     CodeRejected,
@@ -61,7 +60,7 @@ def test_an_archive_that_unpacks_too_large_is_refused(monkeypatch: pytest.Monkey
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         z.writestr("w/zeros.bin", b"\0" * 200_000)  # a small zip, a large file
-    monkeypatch.setattr("service.code_store.MAX_UNPACKED_BYTES", 100_000)
+    monkeypatch.setattr("dynabatch.service.code_store.MAX_UNPACKED_BYTES", 100_000)
     with pytest.raises(CodeRejected, match="unpacks to 200000 bytes: at most 100000"):
         check_archive(buf.getvalue())
     assert MAX_UNPACKED_BYTES == 512 * 2**20

@@ -9,11 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from actors.spec import DatasetSpec
-from actors.workloads import WorkloadError
-from actors.workloads.datasets import DatasetArrays, channel_stats, generate_mnist, load_dataset
-from actors.workloads.formats import (
+from dynabatch.actors.spec import DatasetSpec
+from dynabatch.actors.workloads import WorkloadError
+from dynabatch.actors.workloads.datasets import (
+    DatasetArrays,
+    channel_stats,
+    generate_mnist,
+    load_dataset,
+)
+from dynabatch.actors.workloads.formats import (
     CIFAR10_LABELS,
     MNIST_FILES,
     FormatError,

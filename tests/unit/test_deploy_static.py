@@ -220,8 +220,7 @@ def env_of(service: str) -> dict[str, str]:
 def serve_command() -> Any:
     """The real click command behind `dynabatch serve`."""
     import typer
-
-    from service import cli
+    from dynabatch.service import cli
 
     cli._register()
     group = typer.main.get_command(cli.app)
@@ -422,7 +421,7 @@ def test_ports_are_consistent() -> None:
 def test_api_listens_beyond_loopback_only_with_a_token_or_insecure() -> None:
     """`dynabatch serve` exits on a public address without a token unless --insecure: the
     deployments must say which (compose: an optional token, so --insecure; k8s: a token)."""
-    from service.cli.jobs import is_loopback
+    from dynabatch.service.cli.jobs import is_loopback
 
     params = parse_serve(command("api"))
     raw = yaml.safe_load(COMPOSE.read_text())["services"]["api"]["environment"]
@@ -452,19 +451,20 @@ def test_api_command_matches_the_real_serve_cli() -> None:
 def system_configs_in(path: Path) -> list[dict[str, Any]]:
     """Every ``_system_config`` a Python file passes (``_system_config=...`` or a
     ``"_system_config": ...`` entry): a literal dict, or a name (or a no-argument call of a
-    function) that the file imports from service.raycluster or defines itself."""
-    import service.raycluster
+    function) that the file imports from dynabatch.service.raycluster or defines itself."""
+    import dynabatch.service.raycluster
 
     tree = ast.parse(path.read_text())
     defined: dict[str, Any] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "service.raycluster":
+        if isinstance(node, ast.ImportFrom) and node.module == "dynabatch.service.raycluster":
             for alias in node.names:
-                defined[alias.asname or alias.name] = getattr(service.raycluster, alias.name)
+                raycluster = dynabatch.service.raycluster
+                defined[alias.asname or alias.name] = getattr(raycluster, alias.name)
         elif isinstance(node, ast.FunctionDef) and path.resolve() == Path(
-            service.raycluster.__file__
+            dynabatch.service.raycluster.__file__
         ).resolve():
-            defined[node.name] = getattr(service.raycluster, node.name)
+            defined[node.name] = getattr(dynabatch.service.raycluster, node.name)
         elif isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Dict):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
@@ -494,7 +494,7 @@ def system_configs_in(path: Path) -> list[dict[str, Any]]:
 def test_every_ray_head_uses_the_same_fast_health_checks() -> None:
     """README's detection time holds wherever dynabatch runs: the compose and k8s heads,
     the embedded Ray and the integration tests' cluster use one set of health checks."""
-    from service.raycluster import FAST_HEALTH_CHECK, fast_health_check
+    from dynabatch.service.raycluster import FAST_HEALTH_CHECK, fast_health_check
 
     # Read-only, so Ray (which adds keys to the dict it is given) cannot change it for the
     # next user; each use gets an equal, fresh copy.
@@ -555,7 +555,7 @@ def test_image_services_share_one_image_and_the_ray_settings() -> None:
 
 
 def test_dynabatch_environment_variables_are_settings() -> None:
-    from service.settings import Settings
+    from dynabatch.service.settings import Settings
 
     known = {f"DYNABATCH_{n.upper()}" for n in Settings.model_fields}
     entrypoint_vars = set(re.findall(r"\b(DYNABATCH_[A-Z_]+)", ENTRYPOINT.read_text()))
@@ -977,7 +977,7 @@ def test_k8s_api_deployment_matches_the_cli_and_the_cluster() -> None:
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     mounted = {m["mountPath"] for m in c["volumeMounts"]}
     assert str(Path(params["db"]).parent) in mounted
-    from api.routes.health import health
+    from dynabatch.api.routes.health import health
 
     paths = {r.path for r in health.routes}
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
@@ -1038,7 +1038,7 @@ def test_deploying_doc_refers_to_real_services() -> None:
 
 
 def _api_settings(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
-    from service.settings import Settings
+    from dynabatch.service.settings import Settings
 
     for var in [v for v in os.environ if v.startswith("DYNABATCH_")]:
         monkeypatch.delenv(var)
@@ -1051,7 +1051,7 @@ def _api_settings(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_deployments_accept_the_documented_job(monkeypatch: pytest.MonkeyPatch) -> None:
     """The API's settings in compose and k8s allow what the README's job names (its
     checkpoint dir), and not more than the deployment provides."""
-    from actors.spec import check_submission, parse_spec
+    from dynabatch.actors.spec import check_submission, parse_spec
 
     bodies = re.findall(r"-d '(\{.*?\})'", DEPLOYING.read_text(), re.S)
     specs = [parse_spec(json.loads(body)) for body in bodies]
@@ -1074,7 +1074,7 @@ def test_deployments_accept_the_documented_job(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_deploying_doc_job_spec_is_valid() -> None:
-    from actors.spec import parse_spec
+    from dynabatch.actors.spec import parse_spec
 
     bodies = re.findall(r"-d '(\{.*?\})'", DEPLOYING.read_text(), re.S)
     assert bodies, "the doc submits a job with curl"

@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from actors.device_data import BatchGather, stage_dataset
+from dynabatch.actors.device_data import BatchGather, stage_dataset
 
 
 def _data(n=50):

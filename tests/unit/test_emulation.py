@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from actors.emulation import ComputeClock, slowdown_at
-from actors.spec import EmulationSpec
+from dynabatch.actors.emulation import ComputeClock, slowdown_at
+from dynabatch.actors.spec import EmulationSpec
 
 
 def test_slowdown_schedule_applies_base_factors_and_later_disturbances():

@@ -14,12 +14,12 @@ After every run two things are checked from what happened, not from the plan:
 from __future__ import annotations
 
 import pytest
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.sync.coordinator import Coordinator
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.spec import JobSpec
-from scheduler.coordinator import Coordinator
-from scheduler.state import JobState
 from tests.fakes import FakeRuntime
 
 N, B = 1000, 64  # 16 steps per epoch, the last one partial (40 samples)

@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dynabatch.actors.spec import parse_spec
+from dynabatch.actors.worker import Worker
+from dynabatch.actors.workloads.objective import objective_for
+from dynabatch.scheduler.runtime.seam import ShardResult, WholeSetEvaluation, WorkerCallError
+from dynabatch.scheduler.sync.evaluation import EvalRound, Evaluations, combine, split
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.spec import parse_spec
-from actors.worker import Worker
-from actors.workloads.objective import objective_for
-from scheduler.evaluation import EvalRound, Evaluations, combine, split
-from scheduler.runtime import ShardResult, WholeSetEvaluation, WorkerCallError
 from tests.fakes import FakeClock
 
 P = "tests.unit.workload_plugins"
@@ -58,7 +58,7 @@ def test_combine_adds_every_key():
 
 
 def test_the_bookkeeping_is_pure():
-    code = ("import scheduler.evaluation, sys; "
+    code = ("import dynabatch.scheduler.sync.evaluation, sys; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')); "
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
@@ -234,9 +234,10 @@ def test_the_whole_set_adapter_scores_on_the_first_worker_that_answers():
 
 def test_every_runtime_implements_the_runtime_protocol():
     """The coordinator drives Ray, the simulator and the fakes through one protocol."""
-    from scheduler.ray_runtime import RayRuntime
-    from scheduler.runtime import Runtime
-    from scheduler.simulator import SimRuntime
+    from dynabatch.scheduler.runtime.ray_runtime import RayRuntime
+    from dynabatch.scheduler.runtime.seam import Runtime
+    from dynabatch.scheduler.sim.simulator import SimRuntime
+
     from tests.fakes import FakeRuntime
 
     methods = {n for n, v in vars(Runtime).items() if callable(v) and not n.startswith("_")}

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from dynabatch.actors.contracts import SegmentResult
+from dynabatch.scheduler.core.failures import RetryBudget, WorkerOutcome, classify
+from dynabatch.scheduler.core.sync.protocol import Position
 from hypothesis import given
 from hypothesis import strategies as st
-
-from actors.contracts import SegmentResult
-from scheduler.failures import RetryBudget, WorkerOutcome, classify
-from scheduler.protocols.sync import Position
 
 
 def _res(w, kind=None, took=0.01):

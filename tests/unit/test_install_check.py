@@ -7,9 +7,8 @@ import types
 from pathlib import Path
 
 import pytest
-
-from service import install_check
-from service.install_check import ForeignPackage, check_own_install
+from dynabatch.service import install_check
+from dynabatch.service.install_check import ForeignPackage, check_own_install
 
 
 def test_this_checkout_passes() -> None:
@@ -17,10 +16,10 @@ def test_this_checkout_passes() -> None:
 
 
 def test_a_shadowing_package_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    fake = types.ModuleType("scheduler")
-    fake.__path__ = [str(tmp_path / "site-packages" / "scheduler")]
-    fake.__file__ = str(tmp_path / "site-packages" / "scheduler" / "__init__.py")
-    monkeypatch.setitem(sys.modules, "scheduler", fake)
+    fake = types.ModuleType("dynabatch.scheduler")
+    fake.__path__ = [str(tmp_path / "site-packages" / "dynabatch" / "scheduler")]
+    fake.__file__ = str(tmp_path / "site-packages" / "dynabatch" / "scheduler" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "dynabatch.scheduler", fake)
     with pytest.raises(ForeignPackage, match=r"^the package 'scheduler' is imported from "):
         check_own_install()
 
@@ -31,17 +30,17 @@ def test_a_distribution_merged_into_our_folder_is_refused(
     root = tmp_path
     for name in install_check.PACKAGES:
         (root / name).mkdir()
-        mod = types.ModuleType(name)
+        mod = types.ModuleType(f"dynabatch.{name}")
         mod.__path__ = [str(root / name)]
         mod.__file__ = str(root / name / "__init__.py")
-        monkeypatch.setitem(sys.modules, name, mod)
+        monkeypatch.setitem(sys.modules, f"dynabatch.{name}", mod)
 
     class Dist:
-        metadata = {"Name": "service"}  # the PyPI package of that name
-        files = [Path("service/__init__.py"), Path("service/core.py")]
+        metadata = {"Name": "service"}  # a distribution that ships a dynabatch/service folder
+        files = [Path("dynabatch/service/__init__.py"), Path("dynabatch/service/core.py")]
 
         def locate_file(self, f):
-            return root / f
+            return root / Path(*f.parts[1:])
 
     monkeypatch.setattr(install_check.md, "distributions", lambda: [Dist()])
     with pytest.raises(ForeignPackage, match=r"'service' installed files into dynabatch's"):
@@ -51,8 +50,9 @@ def test_a_distribution_merged_into_our_folder_is_refused(
 def test_create_app_runs_the_check_so_a_plain_uvicorn_start_is_checked_too(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from api.app import create_app
-    from service.settings import Settings
+    from dynabatch.api.app import create_app
+    from dynabatch.service.settings import Settings
+
     from tests.fakes import FakeCluster
 
     def foreign(root: Path | None = None) -> None:

@@ -1,8 +1,10 @@
-"""Imports run one way: api → service → scheduler → actors.
+"""Imports run one way: api → service → scheduler → actors, all under ``dynabatch``.
 
-Each contract type sits in the lowest layer that uses it (``actors.spec.JobSpec``,
-``actors.contracts``, ``scheduler.telemetry``, ``service.schemas``), so no layer has to
-climb to reach it. Lazy imports inside functions count too.
+Each contract type sits in the lowest layer that uses it (``dynabatch.actors.spec.JobSpec``,
+``dynabatch.actors.contracts``, ``dynabatch.scheduler.telemetry``,
+``dynabatch.service.schemas``), so no layer has to climb to reach it. Lazy imports inside
+functions count too. Our own modules are imported only as ``dynabatch.<layer>``: a bare
+``import scheduler`` would find a user's ``scheduler.py`` first when a job ships one.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["actors", "scheduler", "service", "api"]  # each may import those before it
+SOURCES = [*LAYERS, "tests", "bench", "examples"]
 
 # The one place a lower layer reaches up: ``dynabatch serve`` is the composition root that
 # starts the HTTP layer over the service it built.
-ALLOWED = {("service/cli/jobs.py", "api.app")}
+ALLOWED = {("service/cli/jobs.py", "dynabatch.api.app")}
 
 
 def _imports(path: Path) -> list[str]:
@@ -28,19 +31,35 @@ def _imports(path: Path) -> list[str]:
     return out
 
 
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "dynabatch" and len(parts) > 1 else None
+
+
 def test_layers_import_only_downward():
     wrong = []
     for rank, layer in enumerate(LAYERS):
-        above = set(LAYERS[rank + 1:])
+        above = set(LAYERS[rank + 1 :])
         for path in sorted((ROOT / layer).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             for mod in _imports(path):
-                if mod.split(".")[0] in above and (rel, mod) not in ALLOWED:
+                if _layer(mod) in above and (rel, mod) not in ALLOWED:
                     wrong.append(f"{rel} imports {mod}")
     assert not wrong, "imports that climb a layer:\n" + "\n".join(wrong)
 
 
+def test_our_packages_are_imported_only_under_dynabatch():
+    bare = []
+    for top in SOURCES:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for mod in _imports(path):
+                if mod.split(".")[0] in LAYERS:
+                    bare.append(f"{path.relative_to(ROOT).as_posix()} imports {mod}")
+    assert not bare, "bare imports a user's module could shadow:\n" + "\n".join(bare)
+
+
 def test_the_checker_sees_a_climbing_import(tmp_path):
     bad = tmp_path / "x.py"
-    bad.write_text("def f():\n    from service.jobs import JobService\n")
-    assert "service.jobs" in _imports(bad)
+    bad.write_text("def f():\n    from dynabatch.service.jobs import JobService\n")
+    assert "dynabatch.service.jobs" in _imports(bad)
+    assert _layer("dynabatch.service.jobs") == "service"

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+from dynabatch.actors.contracts import StepTelemetry, decode_counts, encode_counts
+from dynabatch.scheduler.core.ledger import Ledger
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.sync.coordinator import Coordinator
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.contracts import StepTelemetry, decode_counts, encode_counts
-from scheduler.coordinator import Coordinator
-from scheduler.ledger import Ledger
-from scheduler.state import JobState
 from tests.fakes import FakeRuntime
 from tests.unit.test_engine_faults import _spec
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from dynabatch.scheduler.core.membership import ORIGIN, Membership, NodeInfo, SparePlan
+from dynabatch.scheduler.core.sync.protocol import Position
 from hypothesis import given
 from hypothesis import strategies as st
-
-from scheduler.membership import ORIGIN, Membership, NodeInfo, SparePlan
-from scheduler.protocols.sync import Position
 
 
 def _nodes(n):

@@ -7,10 +7,13 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
-
-from scheduler.model import (
+from dynabatch.scheduler.core.sync.policy import (
+    AffinePolicy,
+    DBSPolicy,
+    WorkerTelemetry,
+    make_allocation,
+)
+from dynabatch.scheduler.core.sync.steptime import (
     AffineFit,
     StepTimeStats,
     equal_finish,
@@ -18,7 +21,8 @@ from scheduler.model import (
     fit_arrays,
     round_to_total,
 )
-from scheduler.policy import AffinePolicy, DBSPolicy, WorkerTelemetry, make_allocation
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 SETTINGS = settings(max_examples=200, deadline=None)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from dynabatch.actors.spec import DatasetSpec, ModelSpec
+from dynabatch.actors.workloads import WorkloadError, build_model, load_dataset
+from dynabatch.actors.workloads.models import LeNet, ResNet
 from torch import nn
-
-from actors.spec import DatasetSpec, ModelSpec
-from actors.workloads import WorkloadError, build_model, load_dataset
-from actors.workloads.models import LeNet, ResNet
 
 PLUGINS = "tests.unit.workload_plugins"
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from actors.contracts import ControlChart, IsgdPlan, SegmentPlan, StepPlan
-from actors.optim import build_optimizer
-from actors.spec import JobSpec
-from actors.worker import Worker
+from dynabatch.actors.contracts import ControlChart, IsgdPlan, SegmentPlan, StepPlan
+from dynabatch.actors.optim import build_optimizer
+from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.worker import Worker
 
 
 def _spec(**kw) -> JobSpec:

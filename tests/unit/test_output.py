@@ -1,4 +1,4 @@
-"""Following a job's actors' output (actors.output) against a fake log API: what Ray's
+"""Following a job's actors' output (dynabatch.actors.output) against a fake log API: what Ray's
 ``get_log`` returns for an actor's ``.out``/``.err`` file, as the file grows."""
 
 from __future__ import annotations
@@ -6,10 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
+import dynabatch.actors.output as output
 import pytest
-
-import actors.output as output
-from actors.output import ActorOutput, LogApiUnavailable
+from dynabatch.actors.output import ActorOutput, LogApiUnavailable
 
 
 class FakeLogs:

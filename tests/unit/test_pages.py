@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dynabatch.api.app import create_app
+from dynabatch.service.settings import Settings
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from service.settings import Settings
 from tests.fakes import FakeCluster
 
 

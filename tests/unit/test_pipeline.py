@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.sync.policy import StaticPolicy, WorkerTelemetry, make_policy
+from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.policy import StaticPolicy, WorkerTelemetry, make_policy
-from scheduler.protocols.sync import Position, RebalanceRule, SyncProtocol
-from scheduler.state import JobState
 from tests.fakes import FakeRuntime
 from tests.unit.test_engine_faults import (
     SPE,
@@ -181,7 +181,7 @@ def test_segments_go_out_ahead_when_replans_are_due(rebalance, policy):
 
 
 def test_a_checkpoint_boundary_has_nothing_in_flight_and_holds_the_epochs_weights(tmp_path):
-    from scheduler.checkpoint import load_checkpoint
+    from dynabatch.scheduler.checkpoint import load_checkpoint
 
     spec = _spec(checkpoint={"dir": str(tmp_path), "every_epochs": 2}, epochs=3)
     coord, rt = _coord(spec)
@@ -382,7 +382,7 @@ class _SlowStart(FakeRuntime):
 def test_a_worker_still_starting_does_not_stop_the_pipeline():
     """Only a started worker that joins needs a boundary: while the new one starts, the
     segments keep going out ahead."""
-    from scheduler.coordinator import Coordinator
+    from dynabatch.scheduler.sync.coordinator import Coordinator
 
     spec = _spec(max_workers=4, rebalance={"mode": "adaptive"})
     rt = _SlowStart(spec, n_train=1000, speeds={0: 1000, 1: 500, 2: 250})
@@ -442,7 +442,7 @@ def test_runtimes_without_sharded_evaluation_still_evaluate():
 
     spec = _pspec(epochs=2)
     rt = _WholeSet(spec, n_train=1000, speeds={0: 1000, 1: 500, 2: 250})
-    from scheduler.coordinator import Coordinator
+    from dynabatch.scheduler.sync.coordinator import Coordinator
 
     coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
     assert coord.run().state == JobState.SUCCEEDED

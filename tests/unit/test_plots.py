@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import typer
+from dynabatch.service import plots
+from dynabatch.service.cli import run as run_cli
 from typer.testing import CliRunner
-
-from service import plots
-from service.cli import run as run_cli
 
 
 def _rec(epoch: int, batches: dict[str, int], loss: float) -> dict:

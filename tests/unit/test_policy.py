@@ -6,11 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
-
-from scheduler.model import StepTimeStats, shared_overhead_fit
-from scheduler.policy import (
+from dynabatch.scheduler.core.sync.policy import (
     AffinePolicy,
     Allocation,
     DBSPolicy,
@@ -20,6 +16,9 @@ from scheduler.policy import (
     make_allocation,
     make_policy,
 )
+from dynabatch.scheduler.core.sync.steptime import StepTimeStats, shared_overhead_fit
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 # numpy overflow / invalid-value warnings would mean a NaN or inf slipped into a plan
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")

@@ -4,13 +4,12 @@ random event schedules (pushes in any order, refusals, learners lost and joining
 from __future__ import annotations
 
 import pytest
+from dynabatch.scheduler.core.ps.batch_policy import JiConfig, PerfAwareBatches, ji_batches
+from dynabatch.scheduler.core.ps.ledger import AsyncLedger
+from dynabatch.scheduler.core.ps.machine import EpochEnd, Finished, Idle, PSCore, Work
+from dynabatch.scheduler.core.ps.protocol import Apply, PSConfig, PSProtocol, Pulled, Refuse, Wait
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from scheduler.policy_ji import JiConfig, PerfAwareBatches, ji_batches
-from scheduler.protocols.ps import Apply, PSConfig, PSProtocol, Pulled, Refuse, Wait
-from scheduler.ps_core import EpochEnd, Finished, Idle, PSCore, Work
-from scheduler.ps_ledger import AsyncLedger
 
 configs = st.builds(
     PSConfig,
@@ -306,11 +305,10 @@ def test_epochs_overlap_in_async_but_not_in_hardsync():
 
 
 def test_driver_classifies_learner_errors_and_checks_the_data():
+    from dynabatch.actors.spec import JobSpec
+    from dynabatch.actors.workloads import WorkloadError
+    from dynabatch.scheduler.ps.driver import _own_error, dataset_problem
     from ray.exceptions import ActorDiedError, RayTaskError
-
-    from actors.spec import JobSpec
-    from actors.workloads import WorkloadError
-    from scheduler.ps_driver import _own_error, dataset_problem
 
     def task_error(cause):
         return RayTaskError("Learner.run", "traceback", cause)

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from dynabatch.scheduler.core.sync.policy import WorkerTelemetry, make_policy
+from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from scheduler.policy import WorkerTelemetry, make_policy
-from scheduler.protocols.sync import Position, RebalanceRule, SyncProtocol
 
 
 @settings(deadline=None)  # many draws per example; a loaded CI machine is slow

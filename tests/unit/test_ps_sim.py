@@ -6,15 +6,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-from actors.contracts import epoch_order
-from actors.ps import ParamStore
-from actors.spec import JobSpec
-from actors.workloads.datasets import load_dataset
-from scheduler.policy_ji import JiConfig, PerfAwareBatches
-from scheduler.protocols.ps import PSConfig
-from scheduler.ps_core import PSCore
-from scheduler.ps_sim import PSSimConfig, SimLearner, simulate_ps
+from dynabatch.actors.contracts import epoch_order
+from dynabatch.actors.ps import ParamStore
+from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.workloads.datasets import load_dataset
+from dynabatch.scheduler.core.ps.batch_policy import JiConfig, PerfAwareBatches
+from dynabatch.scheduler.core.ps.machine import PSCore
+from dynabatch.scheduler.core.ps.protocol import PSConfig
+from dynabatch.scheduler.sim.ps import PSSimConfig, SimLearner, simulate_ps
 
 SPEC = JobSpec(dataset={"name": "digits", "limit": 96}, model={"name": "mlp", "hidden": 16},
                optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.5}, workers=3,
@@ -76,7 +75,7 @@ def _grads(size: int, n: int, seed: int = 0) -> list[np.ndarray]:
 def test_k_shards_step_exactly_as_one_server():
     """Each slice with its own optimizer (SGD momentum, Adam) = one optimizer on the whole
     vector: both are elementwise, so sharding changes nothing but where the work runs."""
-    from actors.ps import shard_bounds
+    from dynabatch.actors.ps import shard_bounds
 
     ds = load_dataset(SPEC.dataset, seed=0)
     shape = tuple(ds.input_shape)
@@ -119,7 +118,7 @@ def test_adam_state_lives_on_the_server_and_staleness_scales_its_learning_rate()
 
 
 def test_parameter_server_costs_and_shards_in_the_simulator():
-    from scheduler.cluster_model import ParameterServerModel
+    from dynabatch.scheduler.sim.cluster import ParameterServerModel
 
     ps = ParameterServerModel(push_ms=2.0, pull_ms=1.0, beta_ms_per_mb=50.0)
     assert ps.push_s(2 * 2**20, 1) == pytest.approx(0.002 + 0.1)
@@ -150,8 +149,7 @@ def test_server_one_put_per_version_the_issue_interface_and_a_rolling_rate(monke
     import asyncio
 
     import ray
-
-    from actors.ps import RATE_WINDOW_S, ParameterServer
+    from dynabatch.actors.ps import RATE_WINDOW_S, ParameterServer
 
     puts = []
     monkeypatch.setattr(ray, "put", lambda value: puts.append(value) or f"ref{len(puts)}")
@@ -190,10 +188,9 @@ def test_dynabatch_simulate_routes_a_ps_spec_to_the_ps_simulator(tmp_path):
     import json
 
     import typer
+    from dynabatch.service.cli import run as run_cli
+    from dynabatch.service.cli import simulate as sim_cli
     from typer.testing import CliRunner
-
-    from service.cli import run as run_cli
-    from service.cli import simulate as sim_cli
 
     (tmp_path / "job.yaml").write_text(
         "dataset: {name: digits, limit: 200}\nmodel: {name: mlp, hidden: 16}\nworkers: 3\n"

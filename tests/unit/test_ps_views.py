@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+from dynabatch.actors.spec import JobSpec
+from dynabatch.api.metrics_ps import ps_families
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.ps.batch_policy import PerfAwareBatches
+from dynabatch.scheduler.core.ps.machine import PSCore
+from dynabatch.scheduler.core.ps.protocol import PSConfig
+from dynabatch.scheduler.ps.driver import ps_status
+from dynabatch.scheduler.telemetry import JobSnapshot
+from dynabatch.service.cli.jobs import _ps_table
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 from rich.console import Console
-
-from actors.spec import JobSpec
-from api.metrics_ps import ps_families
-from scheduler.policy_ji import PerfAwareBatches
-from scheduler.protocols.ps import PSConfig
-from scheduler.ps_core import PSCore
-from scheduler.ps_driver import ps_status
-from scheduler.state import JobState
-from scheduler.telemetry import JobSnapshot
-from service.cli.jobs import _ps_table
 
 SPEC = JobSpec.model_validate({"workers": 2, "protocol": {"name": "ps", "mode": "async"}})
 
@@ -59,7 +58,7 @@ def test_prometheus_families():
 
 
 def test_run_live_view_shows_staleness_per_worker():
-    from service.cli.run import render
+    from dynabatch.service.cli.run import render
 
     console = Console(width=160, record=True)
     console.print(render(_snapshot(), []))

@@ -8,10 +8,9 @@ import sys
 
 import pytest
 import ray.exceptions as rex
-
-from scheduler.state import InvalidTransition
-from service.jobs import ClusterError, ClusterUnavailable, CoordinatorGone
-from service.ray_client import RayClusterClient, _probe, _translate
+from dynabatch.scheduler.core.lifecycle import InvalidTransition
+from dynabatch.service.jobs import ClusterError, ClusterUnavailable, CoordinatorGone
+from dynabatch.service.ray_client import RayClusterClient, _probe, _translate
 
 
 def test_timeouts_and_unavailable_actors_are_transient() -> None:
@@ -29,7 +28,8 @@ def test_invalid_transition_survives_even_unpickled() -> None:
     # Ray raises UnserializableException when the actor's InvalidTransition cannot be
     # unpickled; its text still says what happened.
     err = RuntimeError(
-        "scheduler.state.InvalidTransition: job is SUCCEEDED; it cannot become CANCELLED"
+        "dynabatch.scheduler.core.lifecycle.InvalidTransition: "
+        "job is SUCCEEDED; it cannot become CANCELLED"
     )
     assert isinstance(_translate(err, "j"), InvalidTransition)
 
@@ -62,8 +62,8 @@ def test_an_unreachable_address_fails_fast() -> None:
 def test_membership_errors_of_the_coordinator_are_the_callers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from scheduler.state import JobState
-    from service.jobs import JobConflict, WorkerNotFound
+    from dynabatch.scheduler.core.lifecycle import JobState
+    from dynabatch.service.jobs import JobConflict, WorkerNotFound
 
     client = RayClusterClient("10.0.0.1:6379")
 
@@ -91,7 +91,7 @@ def test_membership_errors_of_the_coordinator_are_the_callers(
 
 
 class _FakeRay:
-    """Just enough of the ray module for service.raycluster.connect."""
+    """Just enough of the ray module for dynabatch.service.raycluster.connect."""
 
     def __init__(self) -> None:
         self.calls: list[dict[str, object]] = []
@@ -107,7 +107,7 @@ class _FakeRay:
 def test_embedded_ray_gets_fast_health_checks_and_ray_decides_auth(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from service import raycluster
+    from dynabatch.service import raycluster
 
     fake = _FakeRay()
     monkeypatch.setitem(sys.modules, "ray", fake)

@@ -8,12 +8,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
-
-from actors.accumulate import micro_cap, micro_ranges
-from actors.contracts import SegmentPlan, StepPlan
-from actors.reducer import (
+from dynabatch.actors.accumulate import micro_cap, micro_ranges
+from dynabatch.actors.contracts import SegmentPlan, StepPlan
+from dynabatch.actors.reducer import (
     DDP_BUCKET_BYTES,
     DDP_FIRST_BUCKET_BYTES,
     MIN_BUCKET_BYTES,
@@ -23,8 +20,10 @@ from actors.reducer import (
     hidden_seconds,
     plan_buckets,
 )
-from actors.spec import JobSpec
-from actors.worker import Worker
+from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.worker import Worker
+from hypothesis import given
+from hypothesis import strategies as st
 
 
 @given(st.integers(0, 500), st.one_of(st.none(), st.integers(1, 64)))
@@ -114,8 +113,8 @@ def test_bucketed_all_reduce_is_launched_from_backward_hooks():
 
 
 def _model_sizes(name: str, shape=(1, 28, 28), **kw) -> list[int]:
-    from actors.spec import ModelSpec
-    from actors.workloads.models import build_model
+    from dynabatch.actors.spec import ModelSpec
+    from dynabatch.actors.workloads.models import build_model
 
     m = build_model(ModelSpec.model_validate({"name": name, **kw}), shape, 10)
     return [p.numel() for p in m.parameters()]

@@ -9,13 +9,10 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from actors.contracts import IsgdRule, StepTelemetry
-from actors.spec import JobSpec, SpecError, parse_spec
-from scheduler.coordinator import Coordinator
-from scheduler.goodput import (
+from dynabatch.actors.contracts import IsgdRule, StepTelemetry
+from dynabatch.actors.spec import JobSpec, SpecError, parse_spec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.regime.goodput import (
     NoiseEstimate,
     StepTimeModel,
     choose_batch,
@@ -24,11 +21,14 @@ from scheduler.goodput import (
     gain,
     step_time_model,
 )
-from scheduler.isgd import ControlChart, IsgdReportError, judge, plan_for
-from scheduler.model import StepTimeStats, equal_finish
-from scheduler.regime import Regime
-from scheduler.schedule import LrRule, Schedule, Stage, scale_factor
-from scheduler.state import JobState
+from dynabatch.scheduler.core.regime.isgd import ControlChart, IsgdReportError, judge, plan_for
+from dynabatch.scheduler.core.regime.regime import Regime
+from dynabatch.scheduler.core.regime.schedule import LrRule, Schedule, Stage, scale_factor
+from dynabatch.scheduler.core.sync.steptime import StepTimeStats, equal_finish
+from dynabatch.scheduler.sync.coordinator import Coordinator
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tests.fakes import FakeRuntime
 
 stages_st = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 4096)), min_size=1,
@@ -169,7 +169,7 @@ def test_control_chart_rejects_a_window_below_two():
        st.floats(0.0, 3.0), st.integers(1, 10))
 def test_isgd_never_runs_more_than_max_extra_iterations(psi0, losses, limit, max_extra):
     torch = pytest.importorskip("torch")
-    from actors.optim import isgd_extras
+    from dynabatch.actors.optim import isgd_extras
 
     w = torch.nn.Parameter(torch.ones(3))
     w.grad = torch.ones(3)
@@ -197,7 +197,7 @@ def test_isgd_never_runs_more_than_max_extra_iterations(psi0, losses, limit, max
 
 def test_isgd_step_is_the_conservative_subproblem_gradient():
     torch = pytest.importorskip("torch")
-    from actors.optim import isgd_extras
+    from dynabatch.actors.optim import isgd_extras
 
     w = torch.nn.Parameter(torch.zeros(4))
     w.grad = torch.full((4,), 2.0)  # the batch's own pass, judged at loss 3
@@ -519,7 +519,7 @@ def test_checkpoint_resume_keeps_the_schedule_position(tmp_path):
     coord, _rt = _coord(spec)
     while coord.epoch < 3:  # into the second stage, then the coordinator is gone
         assert coord.step()
-    from scheduler.checkpoint import load_checkpoint
+    from dynabatch.scheduler.checkpoint import load_checkpoint
 
     saved = load_checkpoint(str(tmp_path), "job")["schedule"]
     assert saved["epoch"] == 3 and saved["global_batch"] == 200
@@ -543,7 +543,7 @@ def test_mid_epoch_resume_continues_the_schedule_where_it_stopped(tmp_path):
     coord.cancel("stop mid-epoch")
     coord.step()
     assert coord.snapshot().state == JobState.CANCELLED
-    from scheduler.checkpoint import load_checkpoint
+    from dynabatch.scheduler.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(str(tmp_path), "job")
     saved = ckpt["schedule"]
@@ -589,7 +589,7 @@ def test_goodput_state_survives_a_resume(tmp_path):
     assert all(r.noise_scale == pytest.approx(400.0, rel=1e-6) for r in hist)
     # Large noise and a fixed cost per step: goodput moves up from B_0 = 30.
     assert hist[0].global_batch == 30 and hist[-1].goodput_batch > 30
-    from scheduler.checkpoint import load_checkpoint
+    from dynabatch.scheduler.checkpoint import load_checkpoint
 
     saved = load_checkpoint(str(tmp_path), "job")["schedule"]
     assert saved["epoch"] == 3 and saved["global_batch"] == hist[-1].goodput_batch
@@ -609,8 +609,8 @@ def test_goodput_state_survives_a_resume(tmp_path):
 # --- the simulator's real-gradient mode drives the same machines ------------------------------
 def test_simulator_trains_stages_isgd_and_goodput_with_real_gradients():
     pytest.importorskip("torch")
-    from scheduler.cluster_model import parse_cluster
-    from scheduler.simulator import simulate
+    from dynabatch.scheduler.sim.cluster import parse_cluster
+    from dynabatch.scheduler.sim.simulator import simulate
 
     cluster = parse_cluster({"classes": [
         {"name": "fast", "count": 2, "a_ms": 2, "c_ms_per_sample": 0.05},
@@ -640,8 +640,8 @@ def test_simulator_trains_stages_isgd_and_goodput_with_real_gradients():
 
 def test_the_simulated_clock_charges_every_isgd_pass():
     pytest.importorskip("torch")
-    from scheduler.cluster_model import ClusterModel, parse_cluster
-    from scheduler.simulator import simulate
+    from dynabatch.scheduler.sim.cluster import ClusterModel, parse_cluster
+    from dynabatch.scheduler.sim.simulator import simulate
 
     # Two equal nodes, no jitter: every step of 50 samples takes the same time.
     cluster = parse_cluster({"classes": [{"name": "n", "count": 2, "a_ms": 2,
@@ -676,10 +676,9 @@ def test_the_simulated_clock_charges_every_isgd_pass():
 def test_tune_spends_at_most_its_budget_and_writes_a_loadable_config(tmp_path):
     pytest.importorskip("torch")
     import yaml
+    from dynabatch.actors.spec import load_spec
+    from dynabatch.service.cli import _register, app
     from typer.testing import CliRunner
-
-    from actors.spec import load_spec
-    from service.cli import _register, app
 
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump({
@@ -717,9 +716,9 @@ def test_tune_spends_at_most_its_budget_and_writes_a_loadable_config(tmp_path):
 
 def test_tune_judges_against_the_small_batch_baseline_on_a_validation_split(monkeypatch):
     pytest.importorskip("torch")
-    from scheduler.cluster_model import parse_cluster
-    from scheduler.sim_gradients import GradientEngine
-    from service import tune as tune_mod
+    from dynabatch.scheduler.sim.cluster import parse_cluster
+    from dynabatch.scheduler.sim.gradients import GradientEngine
+    from dynabatch.service import tune as tune_mod
 
     spec = parse_spec({"dataset": {"name": "digits", "limit": 300},
                        "model": {"name": "mlp", "hidden": 8}, "workers": 2, "epochs": 4,
@@ -778,11 +777,10 @@ def test_tune_judges_against_the_small_batch_baseline_on_a_validation_split(monk
 
 
 def test_schedule_metrics_come_from_the_snapshot():
+    from dynabatch.api.schedule_metrics import schedule_families
+    from dynabatch.scheduler.telemetry import JobSnapshot
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
-
-    from api.schedule_metrics import schedule_families
-    from scheduler.telemetry import JobSnapshot
 
     snap = JobSnapshot(job_id="j1", name="n", state=JobState.RUNNING, global_batch=256,
                        lr=0.4, noise_scale=123.0, goodput_batch=512, isgd_flagged_total=3,

@@ -11,14 +11,14 @@ from collections.abc import Iterator
 
 import pytest
 import schemathesis
+from dynabatch.api.app import create_app
+from dynabatch.service.jobs import JobService
+from dynabatch.service.settings import Settings
+from dynabatch.service.store import JobStore
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from api.app import create_app
-from service.jobs import JobService
-from service.settings import Settings
-from service.store import JobStore
 from tests.fakes import FakeCluster
 
 
@@ -30,7 +30,7 @@ def api_schema() -> Iterator[schemathesis.BaseSchema]:
     app = create_app(Settings(db_path=":memory:", max_body_bytes=64 * 1024), service=service)
     service.cluster.connect()
     # Some jobs in every state, so list and detail routes return real data.
-    from actors.spec import JobSpec
+    from dynabatch.actors.spec import JobSpec
 
     for epochs in (1, 3, 5):
         service.submit(JobSpec(name=f"seed{epochs}", epochs=epochs))

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from dynabatch.service.settings import Settings
 from pydantic import ValidationError
-
-from service.settings import Settings
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,11 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import typer
-from typer.testing import CliRunner
-
-from actors.contracts import SegmentResult, StepTelemetry, encode_counts
-from actors.spec import JobSpec
-from scheduler.cluster_model import (
+from dynabatch.actors.contracts import SegmentResult, StepTelemetry, encode_counts
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.failures import WorkerOutcome
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.membership import NodeInfo
+from dynabatch.scheduler.runtime.seam import DataInfo, RegroupResult, Started
+from dynabatch.scheduler.sim.cluster import (
     MB,
     ClusterError,
     ClusterModel,
@@ -34,13 +36,10 @@ from scheduler.cluster_model import (
     profiles_from_report,
     ring_allreduce_s,
 )
-from scheduler.failures import WorkerOutcome
-from scheduler.membership import NodeInfo
-from scheduler.runtime import DataInfo, RegroupResult, Started
-from scheduler.simulator import simulate
-from scheduler.state import JobState
-from service.cli import run as run_cli
-from service.cli import simulate as sim_cli
+from dynabatch.scheduler.sim.simulator import simulate
+from dynabatch.service.cli import run as run_cli
+from dynabatch.service.cli import simulate as sim_cli
+from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,7 +132,7 @@ class _ReplayRuntime:
 
 @pytest.mark.parametrize("policy", ["dbs", "affine"])
 def test_simulated_and_replayed_runs_make_the_same_allocation_decisions(policy):
-    from scheduler.coordinator import Coordinator
+    from dynabatch.scheduler.sync.coordinator import Coordinator
 
     spec = _spec(policy=policy, epochs=4, rebalance={"mode": "adaptive", "check_steps": 2})
     cluster = _cluster(noise_sigma=0.1, events=[
@@ -321,11 +320,10 @@ def test_failures_and_joins_at_given_times_are_membership_events_and_epochs_veri
 def test_real_gradients_equal_one_process_on_the_same_global_batches(learners, batch):
     import torch
     import torch.nn.functional as F
-
-    from actors.contracts import epoch_order
-    from actors.worker import build_optimizer
-    from actors.workloads.datasets import load_dataset
-    from actors.workloads.models import build_model
+    from dynabatch.actors.contracts import epoch_order
+    from dynabatch.actors.worker import build_optimizer
+    from dynabatch.actors.workloads.datasets import load_dataset
+    from dynabatch.actors.workloads.models import build_model
 
     spec = _spec(dataset={"name": "digits", "limit": 2 * batch}, model={"name": "mlp"},
                  optimizer={"name": "sgd", "lr": 0.2, "momentum": 0.9}, global_batch=batch,
@@ -360,7 +358,7 @@ def test_real_gradients_equal_one_process_on_the_same_global_batches(learners, b
 
 # ------------------------------------------------------------------ (f) purity
 def test_cluster_model_and_simulator_import_neither_ray_nor_torch():
-    code = ("import scheduler.cluster_model, scheduler.simulator, sys; "
+    code = ("import dynabatch.scheduler.sim.cluster, dynabatch.scheduler.sim.simulator, sys; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')); "
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

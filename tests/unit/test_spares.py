@@ -8,9 +8,10 @@ spare's worker in the lineage like any other.
 
 from __future__ import annotations
 
-from actors.spec import JobSpec
-from scheduler.coordinator import Coordinator
-from scheduler.state import JobState
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.sync.coordinator import Coordinator
+
 from tests.fakes import FakeRuntime
 from tests.unit.test_engine_faults import N, _assert_exactly_once, _run_to
 

@@ -9,11 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from pydantic import BaseModel
-
-from actors.spec import (
+from dynabatch.actors.spec import (
     JobSpec,
     SpecError,
     SubmitPolicy,
@@ -24,6 +20,9 @@ from actors.spec import (
     module_allowed,
     parse_spec,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
-from scheduler.state import _TRANSITIONS, InvalidTransition, JobState
+from dynabatch.scheduler.core.lifecycle import _TRANSITIONS, InvalidTransition, JobState
 
 S = JobState
 ALLOWED = {

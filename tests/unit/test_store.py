@@ -6,11 +6,10 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from actors.spec import JobSpec
-from scheduler.state import InvalidTransition, JobState
-from scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from service.store import EMBEDDED_CLUSTER, JobStore
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.service.store import EMBEDDED_CLUSTER, JobStore
 
 
 def _spec(name: str = "job", **kw: object) -> JobSpec:

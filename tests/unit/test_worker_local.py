@@ -9,12 +9,11 @@ import os
 import numpy as np
 import pytest
 import torch
-
-from actors.contracts import SegmentPlan, StepPlan, epoch_order
-from actors.group import NCCL_FAULT_ENV, choose_backend, configure_nccl_fault_handling
-from actors.spec import JobSpec
-from actors.worker import Worker, pick_device, to_cpu
-from scheduler import pool
+from dynabatch.actors.contracts import SegmentPlan, StepPlan, epoch_order
+from dynabatch.actors.group import NCCL_FAULT_ENV, choose_backend, configure_nccl_fault_handling
+from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.worker import Worker, pick_device, to_cpu
+from dynabatch.scheduler.runtime import pool
 
 
 def _spec(**kw) -> JobSpec:
@@ -109,7 +108,7 @@ def test_worker_gpus_auto_places_gpu_and_cpu_workers(monkeypatch):
 
 
 def test_worker_gpus_auto_refuses_device_cpu():
-    from actors.spec import SpecError, parse_spec
+    from dynabatch.actors.spec import SpecError, parse_spec
 
     with pytest.raises(SpecError, match="worker_gpus: worker_gpus 'auto' places workers on GPUs"):
         parse_spec({"worker_gpus": "auto", "device": "cpu"})
@@ -119,8 +118,7 @@ def test_a_failed_join_does_not_change_where_the_next_group_meets():
     """A rendezvous that times out (a peer died) must not shift this member's group name,
     from which torch derives the store prefix: otherwise it never meets its peers again."""
     import torch.distributed as dist
-
-    from actors.group import ProcessGroup
+    from dynabatch.actors.group import ProcessGroup
 
     group = ProcessGroup(timeout_s=1)
     lonely = group.open_store(1, 2, "gloo", host="127.0.0.1")  # a peer that never comes

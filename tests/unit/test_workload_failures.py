@@ -1,16 +1,16 @@
 """A job whose workload is wrong ends FAILED with one line naming the field: the real
 coordinator, the fake cluster, and the data loaded and checked as the Ray runtime does
-(``scheduler.ray_runtime.load_checked``)."""
+(``dynabatch.scheduler.runtime.ray_runtime.load_checked``)."""
 
 from __future__ import annotations
 
 import pytest
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.runtime.ray_runtime import load_checked
+from dynabatch.scheduler.runtime.seam import DataInfo
+from dynabatch.scheduler.sync.coordinator import Coordinator
 
-from actors.spec import JobSpec
-from scheduler.coordinator import Coordinator
-from scheduler.ray_runtime import load_checked
-from scheduler.runtime import DataInfo
-from scheduler.state import JobState
 from tests.fakes import FakeClock, FakeRuntime
 
 P = "tests.unit.workload_plugins"

@@ -8,9 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from dynabatch.actors.workloads.datasets import DatasetArrays
 from torch import nn
-
-from actors.workloads.datasets import DatasetArrays
 
 NOT_CALLABLE = 42
 

@@ -1,0 +1,110 @@
+"""What a failed segment means, and how often it may be retried. Pure: no ray, no clock.
+
+Every failure is classified:
+
+* **retryable**: a worker was lost (its actor died, its node went away) or hung (no answer
+  long after its peers gave up): it is removed and the step is retried over the others;
+* **straggler**: every worker answered, but the collective timed out while one worker was
+  still computing for longer than the timeout allows: it is evicted (its node is kept
+  out), so the same step does not time out again and again;
+* **deterministic**: a worker's own step raised (out of memory, an exception in the model
+  or the loss, an injected error). The step is retried up to ``max_retries`` times; then
+  the job fails with that error.
+
+A failure that fits none of these (every worker reports a peer error and nobody is
+slow) is retried too, at most ``max_retries + 1`` times in a row at the same step, so
+nothing loops forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dynabatch.actors.contracts import SegmentResult
+from dynabatch.scheduler.core.sync.protocol import Position
+
+# A worker whose failed step computed for more than this fraction of the collective
+# timeout is why its peers timed out: they waited the rest in the all-reduce.
+STRAGGLER_FRACTION = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOutcome:
+    """A worker's answer to a segment: a result, or why there is none."""
+
+    worker: str
+    result: SegmentResult | None = None
+    lost: str | None = None  # "died: ..." or "hung ..." when there is no result
+
+    @property
+    def failed(self) -> bool:
+        return self.result is None or self.result.error is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    lost: dict[str, str] = field(default_factory=dict)  # worker -> reason: remove
+    stragglers: dict[str, str] = field(default_factory=dict)  # worker -> reason: evict
+    compute: dict[str, str] = field(default_factory=dict)  # worker -> its own error
+    peer_errors: tuple[str, ...] = ()
+
+    @property
+    def summary(self) -> str:
+        parts = [f"{w} {r}" for w, r in self.lost.items()]
+        parts += [f"{w} straggler: {r}" for w, r in self.stragglers.items()]
+        parts += [f"{w} raised {e}" for w, e in self.compute.items()]
+        if not parts and self.peer_errors:
+            parts.append(f"collective failed: {self.peer_errors[0]}")
+        return "; ".join(parts) or "unknown failure"
+
+
+def classify(outcomes: list[WorkerOutcome], collective_timeout_s: float) -> Failure | None:
+    """None when every worker completed the segment."""
+    if not any(o.failed for o in outcomes):
+        return None
+    lost = {o.worker: o.lost or "gave no answer" for o in outcomes if o.result is None}
+    answered = [o.result for o in outcomes if o.result is not None and o.result.error]
+    compute = {r.worker: r.error for r in answered if r.error_kind == "compute"}
+    peer = tuple(r.error for r in answered if r.error_kind != "compute")
+    stragglers: dict[str, str] = {}
+    if not lost and not compute and answered:
+        slow = max(answered, key=lambda r: r.failed_compute_s or 0.0)
+        took = slow.failed_compute_s or 0.0
+        if took > STRAGGLER_FRACTION * collective_timeout_s:
+            stragglers[slow.worker] = (
+                f"a step computed {took:.1f}s, beyond what collective_timeout_s="
+                f"{collective_timeout_s:g} allows its peers to wait"
+            )
+    return Failure(lost=lost, stragglers=stragglers, compute=compute, peer_errors=peer)
+
+
+@dataclass
+class RetryBudget:
+    """Consecutive failures at one position; decides when to stop retrying."""
+
+    max_retries: int
+    position: Position | None = None
+    compute_failures: int = 0
+    unexplained: int = 0
+
+    def succeeded(self) -> None:
+        self.position, self.compute_failures, self.unexplained = None, 0, 0
+
+    def failed(self, position: Position, failure: Failure) -> str | None:
+        """Record a failure at ``position``; the reason to fail the job, or None to retry."""
+        if position != self.position:
+            self.position, self.compute_failures, self.unexplained = position, 0, 0
+        where = f"epoch {position.epoch} step {position.step}"
+        if failure.compute:
+            self.compute_failures += 1
+            if self.compute_failures > self.max_retries:
+                worker, error = next(iter(failure.compute.items()))
+                return (f"worker {worker} failed at {where} with {error} "
+                        f"({self.compute_failures} attempts; max_retries={self.max_retries})")
+            return None
+        if failure.lost or failure.stragglers:
+            return None  # membership changes: the retry runs on a different group
+        self.unexplained += 1
+        if self.unexplained > self.max_retries + 1:
+            return f"step failed {self.unexplained} times at {where}: {failure.summary}"
+        return None

@@ -1,0 +1,194 @@
+"""The ledger: which samples each epoch trained, rebuilt from what the workers reported.
+
+Pure: numpy only, no ray, no torch, no clock.
+
+A step is *committed* when a worker that holds the surviving model state reports it
+complete (its all-reduce and optimizer step done). Each report carries the step's
+coverage, the per-position count that the all-reduce itself summed (see
+:mod:`dynabatch.actors.contracts`), and the worker's own positions. At the end of an epoch
+:meth:`Ledger.verify` rebuilds the per-sample count over ``[0, N)`` from the committed
+steps' coverage and checks that every sample was trained exactly once; it also checks that
+the positions the workers said they trained fall inside their steps' coverage. Samples of a
+step that was attempted but not committed (it failed and is retried) are counted apart as
+``retried``.
+
+The ledger never trusts the plan: a step committed twice, a position missing from the
+coverage, a position counted twice, or reports of one step that disagree all show up as
+problems, and the scheduler fails the job with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from dynabatch.actors.contracts import Coverage, StepTelemetry, decode_counts
+
+
+@dataclass(frozen=True, slots=True)
+class StepEntry:
+    """A committed step: its positions, its all-reduced coverage and who reported what."""
+
+    step: int
+    start: int
+    size: int
+    coverage: Coverage
+    shares: tuple[tuple[str, int, int], ...]  # (worker, first position, samples)
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    epoch: int
+    dataset_size: int
+    samples_trained: int  # Σ coverage counts over committed steps: what the collectives saw
+    retried_samples: int
+    verified: bool
+    problems: tuple[str, ...] = ()
+    samples_by_worker: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.problems[:5]) + (
+            f" (+{len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
+        )
+
+
+class LedgerError(ValueError):
+    """Reports that cannot be recorded (a report for another epoch)."""
+
+
+class Ledger:
+    """Committed steps of the current epoch. ``begin_epoch`` starts a new one."""
+
+    def __init__(self) -> None:
+        self.epoch: int | None = None
+        self.dataset_size = 0
+        self._steps: dict[int, StepEntry] = {}
+        self._retried = 0
+        self._problems: list[str] = []
+
+    def begin_epoch(self, epoch: int, dataset_size: int) -> None:
+        if dataset_size < 0:
+            raise ValueError(f"dataset_size must be non-negative, got {dataset_size}")
+        self.epoch = epoch
+        self.dataset_size = dataset_size
+        self._steps = {}
+        self._retried = 0
+        self._problems = []
+
+    @property
+    def committed_steps(self) -> int:
+        return len(self._steps)
+
+    def commit(self, reports: Sequence[StepTelemetry]) -> None:
+        """Record one step from the reports of the workers that completed it."""
+        if not reports:
+            raise LedgerError("a step needs at least one report")
+        first = reports[0]
+        if first.epoch != self.epoch:
+            raise LedgerError(f"report for epoch {first.epoch}, ledger is on epoch {self.epoch}")
+        for r in reports[1:]:
+            same = (r.epoch, r.step, r.step_start, r.step_size, r.coverage) == (
+                first.epoch, first.step, first.step_start, first.step_size, first.coverage)
+            if not same:
+                self._problems.append(
+                    f"step {first.step}: workers {first.worker} and {r.worker} report "
+                    "different coverage for the same all-reduce"
+                )
+        if first.step in self._steps:
+            self._problems.append(f"step {first.step} was committed twice")
+            return
+        self._steps[first.step] = StepEntry(
+            step=first.step,
+            start=first.step_start,
+            size=first.step_size,
+            coverage=first.coverage,
+            shares=tuple((r.worker, r.start, r.samples) for r in reports),
+        )
+
+    def retry(self, samples: int) -> None:
+        """Samples computed in an attempt that was not committed (the step is retried)."""
+        self._retried += samples
+
+    def rollback(self, step: int) -> None:
+        """Forget committed steps from ``step`` on (the model was restored to before it)."""
+        self._steps = {s: e for s, e in self._steps.items() if s < step}
+
+    def verify(self) -> Verification:
+        n = self.dataset_size
+        counts = np.zeros(n, dtype=np.int64)
+        problems = list(self._problems)
+        by_worker: dict[str, int] = {}
+        for e in sorted(self._steps.values(), key=lambda e: e.step):
+            cov = decode_counts(e.coverage)
+            if cov.size != e.size or e.start < 0 or e.start + e.size > n:
+                problems.append(
+                    f"step {e.step}: coverage of {cov.size} positions for a step of {e.size} "
+                    f"at [{e.start}, {e.start + e.size}) in an epoch of {n}"
+                )
+                continue
+            counts[e.start:e.start + e.size] += cov
+            for worker, start, samples in e.shares:
+                by_worker[worker] = by_worker.get(worker, 0) + samples
+                lo = start - e.start
+                inside = lo >= 0 and lo + samples <= e.size
+                if samples and (not inside or (cov[lo:lo + samples] < 1).any()):
+                    problems.append(
+                        f"step {e.step}: {worker} reports positions [{start}, {start + samples}) "
+                        "that the step's all-reduce did not contain"
+                    )
+        problems.extend(_count_problems(counts))
+        return Verification(
+            epoch=-1 if self.epoch is None else self.epoch,
+            dataset_size=n,
+            samples_trained=int(counts.sum()),
+            retried_samples=self._retried,
+            verified=not problems,
+            problems=tuple(problems),
+            samples_by_worker=by_worker,
+        )
+
+    # --- checkpoints: plain data, loadable with torch.load(weights_only=True) ---------
+    def to_state(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "dataset_size": self.dataset_size,
+            "retried": self._retried,
+            "steps": [
+                [e.step, e.start, e.size, [list(c) for c in e.coverage],
+                 [list(s) for s in e.shares]]
+                for e in self._steps.values()
+            ],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict) -> Ledger:
+        led = cls()
+        if state.get("epoch") is None:
+            return led
+        led.begin_epoch(state["epoch"], state["dataset_size"])
+        led._retried = state["retried"]
+        for step, start, size, cov, shares in state["steps"]:
+            led._steps[step] = StepEntry(
+                step, start, size, tuple((int(c), int(n)) for c, n in cov),
+                tuple((str(w), int(s), int(k)) for w, s, k in shares),
+            )
+        return led
+
+
+def _count_problems(counts: np.ndarray) -> list[str]:
+    """Describe the positions not trained exactly once, as a few ranges."""
+    out = []
+    for label, mask in (("never trained", counts == 0), ("trained more than once", counts > 1)):
+        idx = np.flatnonzero(mask)
+        if idx.size:
+            out.append(f"{idx.size} samples {label} (positions {_ranges(idx)})")
+    return out
+
+
+def _ranges(idx: np.ndarray, most: int = 3) -> str:
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(idx, breaks)]
+    text = ", ".join(f"[{a}, {b})" for a, b in runs[:most])
+    return text + (", ..." if len(runs) > most else "")

@@ -1,0 +1,82 @@
+"""Launching and finding a job's coordinator actor (``ray.remote`` is applied here)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import ray
+from dynabatch.actors.spec import URI_PATTERN, JobSpec
+from dynabatch.scheduler.ps.driver import PSCoordinator
+from dynabatch.scheduler.sync.coordinator import Coordinator
+
+NAMESPACE = "dynabatch"  # every job's named actors live here
+
+# snapshot()/cancel() must be served while run() blocks in another thread.
+MAX_CONCURRENCY = 16
+
+
+def coordinator_name(job_id: str) -> str:
+    return f"dynabatch-job-{job_id}"
+
+
+def is_uri(value: str) -> bool:
+    return re.match(URI_PATTERN, value) is not None
+
+
+def shipped_code(working_dir: str) -> dict[str, Any] | None:
+    """The coordinator's runtime_env for the job's ``working_dir``; its workers inherit it.
+
+    A URI goes to the actor's runtime_env as it is, and Ray fetches and unpacks it on every
+    node: ``file://`` (a zip on a disk every node reads: the service's uploads,
+    ``dynabatch.service.code_store``), ``gcs://``, ``https://``, ``s3://``... An actor's runtime_env
+    takes nothing else: Ray uploads a local directory only for a whole Ray job, in its
+    driver's ``ray.init(runtime_env=...)``. So a local directory must have been shipped that
+    way (``dynabatch run`` does, see ``dynabatch.service.raycluster.connect``): then every actor of
+    this
+    driver's job has it already, and None is the answer."""
+    if is_uri(working_dir):
+        return {"working_dir": working_dir}
+    if not (ray.get_runtime_context().runtime_env or {}).get("working_dir"):
+        raise ValueError(
+            f"working_dir: {working_dir!r} is a local directory, which only a job's own driver "
+            "can ship (dynabatch run does); upload it to the service instead (dynabatch submit "
+            "--working-dir) or name a URI Ray can fetch")
+    return None
+
+
+def launch_coordinator(
+    job_id: str, spec: JobSpec, *, detached: bool, resume: bool = True, start: bool = True
+) -> Any:
+    """Start the job's coordinator (on a node with no CPU to spare is fine: it asks 0)."""
+    options: dict[str, Any] = {
+        "name": coordinator_name(job_id),
+        "namespace": NAMESPACE,
+        "num_cpus": 0,
+        "max_concurrency": MAX_CONCURRENCY,
+        "max_restarts": 0,
+        # On the head node: in compose and k8s the API container is itself a Ray node, and
+        # a coordinator placed there would die with every API restart.
+        "resources": {"node:__internal_head__": 0.001},
+    }
+    if detached:
+        options["lifetime"] = "detached"
+    if spec.working_dir:
+        # The user's code goes to every node with the job; the workers the coordinator
+        # starts inherit its runtime_env.
+        env = shipped_code(spec.working_dir)
+        if env is not None:
+            options["runtime_env"] = env
+    # A parameter-server job has its own driver with the same public interface.
+    cls = PSCoordinator if spec.protocol.name == "ps" else Coordinator
+    handle = ray.remote(cls).options(**options).remote(job_id, spec, resume=resume)
+    if start:
+        handle.run.remote()
+    return handle
+
+
+def find_coordinator(job_id: str) -> Any | None:
+    try:
+        return ray.get_actor(coordinator_name(job_id), namespace=NAMESPACE)
+    except ValueError:
+        return None

@@ -1,0 +1,99 @@
+"""Where workers run: eligible Ray nodes, and launching one pinned worker actor per node.
+
+A worker is started afresh (:func:`spawn_worker`: the actor reserves its CPUs and GPUs), or
+a spare started ahead on an idle node (:func:`start_spare`) is adopted. A spare reserves
+nothing while it waits, so it never keeps another job (or this one) off the node's CPUs;
+it costs the node memory only (a Python process with torch, the model and a view of the
+data). Adopting it first reserves the worker's CPUs on that node with a placement group
+(:func:`reserve`); the adopted worker trains only once the reservation is held, so an
+adopted worker holds exactly what a fresh one would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.worker import Worker
+from dynabatch.scheduler.core.membership import NodeInfo
+from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup, placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+
+def _available() -> dict[str, dict[str, float]] | None:
+    try:
+        from ray._private.state import available_resources_per_node
+
+        return available_resources_per_node()
+    except Exception:  # a DeveloperAPI: without it no node counts as free (no spares)
+        return None
+
+
+def eligible_nodes(spec: JobSpec) -> list[NodeInfo]:
+    """Alive nodes that can host one of this job's workers. With ``worker_gpus: auto`` a
+    node without a GPU is eligible too (its worker trains on the CPU). ``free``: it has the
+    unreserved CPUs (and GPUs) for one more worker now."""
+    avail = _available()
+    out = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = n.get("Resources", {})
+        gpus = res.get("GPU", 0.0)
+        if res.get("CPU", 0.0) < spec.worker_cpus or gpus < spec.gpus_on(gpus):
+            continue
+        if spec.node_resource and res.get(spec.node_resource, 0.0) <= 0:
+            continue
+        left = (avail or {}).get(n["NodeID"], {})
+        free = (avail is not None and left.get("CPU", 0.0) >= spec.worker_cpus
+                and left.get("GPU", 0.0) >= spec.gpus_on(gpus))
+        out.append(
+            NodeInfo(n["NodeID"], n.get("NodeManagerAddress", ""), res.get("CPU", 0.0), gpus,
+                     dict(res), free=free)
+        )
+    return sorted(out, key=lambda x: x.node_id)
+
+
+def spawn_worker(
+    spec: JobSpec, worker_id: str, ordinal: int, node_id: str, gpus: float,
+    data: dict[str, Any],
+) -> Any:
+    """Start a worker actor pinned to ``node_id``. Data arrays travel as object refs."""
+    return _launch(spec, node_id, data, worker_id, ordinal, spec.worker_cpus, gpus)
+
+
+def start_spare(spec: JobSpec, node_id: str, data: dict[str, Any]) -> Any:
+    """Start a spare worker on ``node_id``: a :class:`Worker` without an identity, holding no
+    CPU (see the module docstring). CPU workers only: a GPU is visible only to the
+    process it was reserved for."""
+    return _launch(spec, node_id, data, None, -1, 0, 0.0)
+
+
+def reserve(spec: JobSpec, node_id: str) -> PlacementGroup:
+    """Reserve one worker's CPUs on ``node_id`` for an adopted spare. ``ready()`` resolves
+    once they are held (at once on a free node; when another job took them meanwhile, once
+    it lets them go, as a fresh worker would wait to be placed)."""
+    return placement_group([{"CPU": spec.worker_cpus}], strategy="STRICT_PACK",
+                           bundle_label_selector=[{NODE_ID_LABEL_KEY: node_id}])
+
+
+def _launch(spec: JobSpec, node_id: str, data: dict[str, Any], worker_id: str | None,
+            ordinal: int, cpus: float, gpus: float) -> Any:
+    cls = ray.remote(Worker)
+    return cls.options(
+        num_cpus=cpus,
+        num_gpus=gpus,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        max_restarts=0,
+        name=None,
+    ).remote(
+        worker_id,
+        ordinal,
+        spec,
+        data["x_train"],
+        data["y_train"],
+        data["input_shape"],
+        data["num_classes"],
+        gpus,
+    )

@@ -1,0 +1,339 @@
+"""The Ray side of the coordinator: its commands become actor calls, with timeouts.
+
+Worker actors are plain :class:`dynabatch.actors.worker.Worker` objects, pinned to a node
+(``dynabatch.scheduler.runtime.pool``). Every ``ray.get`` here has a timeout; a worker that does
+not answer
+in time is reported as lost or hung, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from dynabatch.actors.group import choose_backend
+from dynabatch.actors.output import ActorOutput
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.failures import WorkerOutcome
+from dynabatch.scheduler.core.membership import NodeInfo, Spawn
+from dynabatch.scheduler.runtime.pool import eligible_nodes, reserve, spawn_worker, start_spare
+from dynabatch.scheduler.runtime.seam import (
+    DataInfo,
+    RegroupResult,
+    ShardResult,
+    Started,
+    WorkerCallError,
+)
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.placement_group import remove_placement_group
+
+# Small calls (info, open a store): a live actor answers in milliseconds.
+CALL_TIMEOUT_S = 60.0
+# A segment in which nobody fails still ends within this bound (every worker hung).
+SEGMENT_LIMIT_S = 3600.0
+
+
+def first_line(err: BaseException) -> str:
+    """One line for a log or a reason. A task error's own first line names only the task
+    (``ray::Worker.join()``): what the worker raised is its cause."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException) and cause is not err:
+        err = cause
+    text = str(err).strip()
+    line = text.splitlines()[0] if text else ""
+    return f"{type(err).__name__}: {line}"[:300] if line else type(err).__name__
+
+
+def load_checked(spec: JobSpec) -> tuple[Any, Any]:
+    """The job's dataset and its objective, the model, the loss and the metrics checked
+    on two samples of it: a workload error names its field here, once, rather than inside
+    every worker's constructor. No Ray (a fake runtime's tests use it too)."""
+    from dynabatch.actors.workloads.datasets import load_dataset
+    from dynabatch.actors.workloads.models import build_model
+    from dynabatch.actors.workloads.objective import check_objective
+
+    ds = load_dataset(spec.dataset, seed=spec.seed)
+    model = build_model(spec.model, tuple(ds.input_shape), ds.num_classes)
+    return ds, check_objective(spec, model, ds.x_train, ds.y_train)
+
+
+class RayRuntime:
+    def __init__(self, spec: JobSpec, output: ActorOutput | None = None):
+        self.spec = spec
+        self.output = output  # follows each worker's stdout and stderr into the job log
+        self._data: dict[str, Any] | None = None
+        self._handles: dict[str, Any] = {}
+        self._pending: dict[str, Any] = {}
+        self._devices: dict[str, str] = {}
+        self._objective: Any = None  # finishes the evaluation's sums (loaded with the data)
+        self._spares: dict[str, _Spare] = {}  # node id -> its spare, not yet adopted
+        self._reservations: dict[str, Any] = {}  # adopted worker -> its placement group
+        # Per worker: where its start-up time went (epoch seconds; benchmarks print it).
+        self.startups: dict[str, dict[str, Any]] = {}
+
+    # --- data -------------------------------------------------------------------------
+    def load_data(self) -> DataInfo:
+        ds, self._objective = load_checked(self.spec)
+        self._data = {
+            "x_train": ray.put(ds.x_train),
+            "y_train": ray.put(ds.y_train),
+            "x_test": ray.put(ds.x_test),
+            "y_test": ray.put(ds.y_test),
+            "input_shape": tuple(ds.input_shape),
+            "num_classes": ds.num_classes,
+        }
+        return DataInfo(ds.name, len(ds.y_train), len(ds.y_test))
+
+    # --- workers ----------------------------------------------------------------------
+    def nodes(self) -> list[NodeInfo]:
+        return eligible_nodes(self.spec)
+
+    def spawn(self, spawn: Spawn) -> None:
+        w = spawn.worker_id
+        self.startups[w] = {"spawn": time.time()}
+        spare = self._spares.pop(spawn.node_id, None) if spawn.adopt else None
+        if spare is None:  # a fresh worker (also when the spare was lost meanwhile)
+            handle = spawn_worker(self.spec, w, spawn.ordinal, spawn.node_id, spawn.gpus,
+                                  self._data)
+            self._handles[w] = handle
+            self._pending[w] = handle.info.remote()
+            self._watch(w)
+            return
+        # The spare takes the identity once the worker's CPUs are reserved on its node
+        # (the placement group's ready() is the call's dependency); until then it is
+        # pending, like a fresh worker waiting to be placed.
+        self.startups[w]["spare"] = True
+        pg = reserve(self.spec, spawn.node_id)
+        self._reservations[w] = pg
+        self._handles[w] = spare.handle
+        self._pending[w] = spare.handle.adopt.remote(w, spawn.ordinal, pg.ready())
+        self._watch(w)
+
+    def _watch(self, worker: str) -> None:
+        if self.output is not None:  # by its actor id, asked now, answered once it is built
+            self.output.watch(worker, self._handles[worker].actor_id.remote())
+
+    def poll_started(self, timeout_s: float) -> list[Started]:
+        if not self._pending:
+            return []
+        refs = list(self._pending.values())
+        ray.wait(refs, num_returns=1, timeout=timeout_s)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        out = []
+        for worker, ref in list(self._pending.items()):
+            if ref not in ready:
+                continue
+            del self._pending[worker]
+            try:
+                info = ray.get(ref, timeout=CALL_TIMEOUT_S)
+                self._devices[worker] = info["device"]
+                self.startups.setdefault(worker, {}).update(info.get("startup") or {},
+                                                            started=time.time())
+                out.append(Started(worker))
+            except (RayError, GetTimeoutError) as err:
+                self.kill(worker)
+                out.append(Started(worker, first_line(err)))
+        return out
+
+    def kill(self, worker: str) -> None:
+        if self.output is not None:  # its last lines (a dead worker's traceback) are read
+            self.output.unwatch(worker)
+        self._pending.pop(worker, None)
+        self._devices.pop(worker, None)
+        handle = self._handles.pop(worker, None)
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+        pg = self._reservations.pop(worker, None)
+        if pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+
+    # --- spares (SpareRuntime) --------------------------------------------------------
+    def start_spare(self, node_id: str) -> None:
+        if node_id in self._spares:
+            return
+        handle = start_spare(self.spec, node_id, self._data)
+        self._spares[node_id] = _Spare(handle, handle.info.remote(), time.monotonic())
+
+    def stop_spare(self, node_id: str) -> None:
+        spare = self._spares.pop(node_id, None)
+        if spare is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(spare.handle, no_restart=True)
+
+    def spare_nodes(self) -> dict[str, bool]:
+        """Nodes holding a spare, and whether it is up (benchmarks and tests wait on it,
+        from another thread: a copy first)."""
+        return {n: s.up for n, s in dict(self._spares).items()}
+
+    def lost_spares(self) -> list[tuple[str, str]]:
+        """Spares that died, or are not up ``start_timeout_s`` after they were started.
+        A spare that dies once up is found when it is adopted (its worker fails to start
+        and is started afresh)."""
+        waiting = {s.ready: n for n, s in self._spares.items() if not s.up}
+        if not waiting:
+            return []
+        done, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
+        out = []
+        for ref in done:
+            node = waiting[ref]
+            try:
+                ray.get(ref, timeout=CALL_TIMEOUT_S)
+                self._spares[node].up = True
+            except (RayError, GetTimeoutError) as err:
+                self.stop_spare(node)
+                out.append((node, first_line(err)))
+        limit = self.spec.start_timeout_s
+        for node, spare in list(self._spares.items()):
+            if not spare.up and time.monotonic() - spare.since > limit:
+                self.stop_spare(node)
+                out.append((node, f"not up after {limit:g}s"))
+        return out
+
+    def handle(self, worker: str) -> Any:
+        """The worker's actor handle (tests and benchmarks inject stalls through it)."""
+        return self._handles[worker]
+
+    # --- training ---------------------------------------------------------------------
+    def run_segment(self, plans: dict[str, Any], grace_s: float) -> list[WorkerOutcome]:
+        return self.collect_segment(self.submit_segment(plans), grace_s)
+
+    def submit_segment(self, plans: dict[str, Any]) -> tuple[dict[Any, str], list[str]]:
+        # An actor runs its calls in order: a segment sent while another runs starts on
+        # each worker as soon as the previous one ends there.
+        return {self._handles[w].run_segment.remote(plans[w]): w for w in plans}, list(plans)
+
+    def collect_segment(self, ticket: tuple[dict[Any, str], list[str]], grace_s: float
+                        ) -> list[WorkerOutcome]:
+        refs, order = ticket
+        outcomes: dict[str, WorkerOutcome] = {}
+        pending = list(refs)
+        first_failure: float | None = None
+        t0 = time.monotonic()
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+            for ref in done:  # each result is fetched once, as it arrives
+                o = _outcome(refs[ref], ref)
+                outcomes[o.worker] = o
+                if first_failure is None and o.failed:
+                    first_failure = time.monotonic()
+            now = time.monotonic()
+            if pending and first_failure is not None and now - first_failure > grace_s:
+                break
+            if now - t0 > SEGMENT_LIMIT_S:
+                break
+        for ref in pending:
+            w = refs[ref]
+            outcomes[w] = WorkerOutcome(w, lost="hung: no answer after its peers failed")
+        return [outcomes[w] for w in order]
+
+    def regroup(
+        self, generation: int, members: Sequence[str], state: dict[str, Any] | None,
+        timeout_s: float,
+    ) -> RegroupResult:
+        src = self._handles[members[0]]
+        backend = choose_backend([self._devices.get(w, "cpu") for w in members])
+        try:
+            if state is not None:
+                ray.get(src.load_state.remote(state), timeout=CALL_TIMEOUT_S)
+            rv = ray.get(src.open_store.remote(generation, len(members), backend),
+                         timeout=CALL_TIMEOUT_S)
+        except RayActorError as err:
+            return RegroupResult({members[0]: f"lost while joining the group: {_why_lost(err)}"})
+        except (RayError, GetTimeoutError) as err:
+            return RegroupResult({}, f"{members[0]} could not open the group: {first_line(err)}")
+        refs = [self._handles[w].join.remote(rv, rank, 0) for rank, w in enumerate(members)]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        lost, errors = {}, []
+        for w, ref in zip(members, refs, strict=True):
+            if ref not in ready:
+                # No answer: it never got to its join, or hangs in it past the store's
+                # timeout. Either way it cannot be part of a group.
+                lost[w] = "hung while joining the group: no answer"
+                continue
+            try:
+                ray.get(ref, timeout=CALL_TIMEOUT_S)
+            except RayActorError as err:
+                lost[w] = f"lost while joining the group: {_why_lost(err)}"
+            except (RayError, GetTimeoutError) as err:
+                # Alive, but its rendezvous or broadcast failed: a peer died under it.
+                errors.append(f"{w}: {first_line(err)}")
+        return RegroupResult(lost, "; ".join(errors) or None)
+
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> dict[Any, str]:
+        # Queued on each actor behind the segment before it, ahead of the one after.
+        data, ticket = self._data, {}
+        for w, (lo, hi) in shards.items():
+            handle = self._handles.get(w)
+            ticket[handle.evaluate_shard.remote(data["x_test"], data["y_test"], lo, hi)
+                   if handle is not None else ("gone", w)] = w
+        return ticket
+
+    def poll_evaluation(self, ticket: dict[Any, str], timeout_s: float) -> list[ShardResult]:
+        out = [ShardResult(w, error="worker process died or node lost", lost=True)
+               for ref, w in list(ticket.items()) if isinstance(ref, tuple)]
+        for ref in [r for r in ticket if isinstance(r, tuple)]:
+            del ticket[ref]
+        refs = list(ticket)
+        if not refs:
+            return out
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            w = ticket.pop(ref)
+            try:
+                got = ray.get(ref, timeout=CALL_TIMEOUT_S)
+                out.append(ShardResult(w, got["sums"], float(got["seconds"])))
+            except RayActorError as err:
+                out.append(ShardResult(w, error=_why_lost(err), lost=True))
+            except (RayError, GetTimeoutError) as err:
+                out.append(ShardResult(w, error=first_line(err)))
+        return out
+
+    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
+        return self._objective.finish(sums)
+
+    def fetch_state(self, worker: str, timeout_s: float) -> dict[str, Any]:
+        return self._call(worker, "state", timeout_s)
+
+    def _call(self, worker: str, method: str, timeout_s: float, *args: Any) -> Any:
+        return self._get(worker, method, getattr(self._handles[worker], method).remote(*args),
+                         timeout_s)
+
+    def _get(self, worker: str, method: str, ref: Any, timeout_s: float) -> Any:
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except RayActorError as err:
+            raise WorkerCallError(worker, _why_lost(err), lost=True) from None
+        except GetTimeoutError:
+            raise WorkerCallError(worker, f"{method} timed out after {timeout_s:g}s",
+                                  lost=False) from None
+        except RayError as err:
+            raise WorkerCallError(worker, first_line(err), lost=False) from None
+
+
+@dataclass
+class _Spare:
+    handle: Any
+    ready: Any  # its info() call: answers once the spare is built
+    since: float  # monotonic seconds when it was started
+    up: bool = False
+
+
+def _outcome(worker: str, ref: Any) -> WorkerOutcome:
+    try:
+        return WorkerOutcome(worker, result=ray.get(ref, timeout=CALL_TIMEOUT_S))
+    except (RayError, GetTimeoutError) as err:
+        return WorkerOutcome(worker, lost=f"died: {_why_lost(err)}")
+
+
+def _why_lost(err: BaseException) -> str:
+    if isinstance(err, RayActorError):
+        return "worker process died or node lost"
+    return first_line(err)

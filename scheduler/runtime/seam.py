@@ -1,0 +1,222 @@
+"""What the coordinator needs from the world it drives, and nothing more.
+
+The coordinator (``dynabatch.scheduler.sync.coordinator``) owns the pure machines and turns their
+decisions into calls on a :class:`Runtime`; the runtime turns those calls into actor calls
+(``dynabatch.scheduler.runtime.ray_runtime``), into in-process fakes with injected faults
+(``tests.fakes``),
+or into events on a virtual clock (a simulator). The same machine objects run under each.
+
+Every call is bounded: the timeouts are arguments, and an implementation that cannot
+answer in time reports the worker as lost rather than blocking.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from dynabatch.actors.contracts import SegmentPlan
+from dynabatch.scheduler.core.failures import WorkerOutcome
+from dynabatch.scheduler.core.membership import NodeInfo, Spawn
+
+
+@dataclass(frozen=True, slots=True)
+class DataInfo:
+    name: str
+    n_train: int
+    n_test: int
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A spawned worker finished starting: ``error`` is None when it is up."""
+
+    worker: str
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RegroupResult:
+    """``lost``: members whose process died (remove them), with why. ``error``: the group did
+    not form although nobody in it died (a peer's death broke the rendezvous): retry."""
+
+    lost: dict[str, str]
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost and self.error is None
+
+
+@dataclass(frozen=True, slots=True)
+class ShardResult:
+    """One worker's shard of an evaluation: the sums of its test samples (``{"n", "loss",
+    <metric>: Σ}``, see ``Objective.eval_sums``) and the seconds the worker spent on them;
+    or, without sums, why (``lost``: the worker is gone)."""
+
+    worker: str
+    sums: dict[str, float] | None = None
+    seconds: float = 0.0
+    error: str | None = None
+    lost: bool = False
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Monotonic seconds (timeouts, durations)."""
+
+    def time(self) -> float:
+        """Wall-clock seconds since the epoch (timestamps in events and logs)."""
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class RealClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    def time(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+class Runtime(Protocol):
+    def load_data(self) -> DataInfo:
+        """Load the job's dataset (raises ``WorkloadError`` naming the field)."""
+
+    def nodes(self) -> list[NodeInfo]:
+        """Alive nodes that can host one of this job's workers."""
+
+    def spawn(self, spawn: Spawn) -> None:
+        """Start a worker; :meth:`poll_started` reports when it is up (or failed)."""
+
+    def poll_started(self, timeout_s: float) -> list[Started]:
+        """Workers whose start finished, waiting up to ``timeout_s`` for the first one."""
+
+    def kill(self, worker: str) -> None: ...
+
+    def run_segment(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
+        """Run the plans; a worker that has not answered ``grace_s`` after the first failure
+        is reported as hung."""
+
+    def regroup(
+        self, generation: int, members: Sequence[str], state: dict[str, Any] | None,
+        timeout_s: float,
+    ) -> RegroupResult:
+        """Form a new group (rank order as given) and broadcast rank 0's state, after
+        loading ``state`` into it when given. A member whose join raised is not lost: it
+        is alive and takes part in the next attempt."""
+
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> Any:
+        """Queue each worker's evaluation of the held-out samples ``[lo, hi)``: behind the
+        calls sent to it before (so it scores the weights they leave) and ahead of those
+        sent after. Returns a ticket for :meth:`poll_evaluation`."""
+
+    def poll_evaluation(self, ticket: Any, timeout_s: float) -> list[ShardResult]:
+        """The ticket's shards that finished since the last poll (each returned once),
+        waiting up to ``timeout_s`` for the first of them."""
+
+    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
+        """The job's scores from the shards' combined sums: ``{"loss": ..., <metric>:
+        ...}`` (means, and each metric's finish), as one worker scoring the whole set."""
+
+    def fetch_state(self, worker: str, timeout_s: float) -> dict[str, Any]:
+        """``worker``'s model and optimizer state on the CPU; raises ``WorkerCallError``."""
+
+
+class PipelinedRuntime(Runtime, Protocol):
+    """A runtime that can queue a segment behind the one in flight (no bubble between
+    segments: each worker starts the next as soon as it ends the last, while the
+    coordinator reads the results). ``run_segment(p, g)`` is
+    ``collect_segment(submit_segment(p), g)``."""
+
+    def submit_segment(self, plans: dict[str, SegmentPlan]) -> Any:
+        """Send the plans; returns a ticket for :meth:`collect_segment`."""
+
+    def collect_segment(self, ticket: Any, grace_s: float) -> list[WorkerOutcome]:
+        """The outcomes of a submitted segment, as :meth:`Runtime.run_segment`."""
+
+
+def pipelined(runtime: Runtime) -> PipelinedRuntime | None:
+    """``runtime`` when it can send segments ahead, else None."""
+    ok = callable(getattr(runtime, "submit_segment", None)) and callable(
+        getattr(runtime, "collect_segment", None))
+    return runtime if ok else None  # type: ignore[return-value]
+
+
+class SpareRuntime(Runtime, Protocol):
+    """A runtime that keeps pre-warmed spare workers on idle nodes, where
+    :meth:`~dynabatch.scheduler.core.membership.Membership.spare_plan` says. A :class:`Spawn` marked
+    ``adopt`` turns the node's spare into the worker (it reserves the worker's resources,
+    then takes the worker's identity); when that spare is gone, ``spawn`` starts one afresh.
+    Spares reserve nothing while they wait, and every call here returns at once."""
+
+    def start_spare(self, node_id: str) -> None: ...
+
+    def stop_spare(self, node_id: str) -> None: ...
+
+    def lost_spares(self) -> list[tuple[str, str]]:
+        """Spares that died or did not come up in time since the last call: (node, why)."""
+
+
+def spare_capable(runtime: Runtime) -> SpareRuntime | None:
+    """``runtime`` when it can keep spares, else None."""
+    ok = all(callable(getattr(runtime, m, None))
+             for m in ("start_spare", "stop_spare", "lost_spares"))
+    return runtime if ok else None  # type: ignore[return-value]
+
+
+class WholeSetEvaluation:
+    """Sharded evaluation over a runtime that only scores the whole held-out set on one
+    worker, synchronously (``evaluate(worker, timeout_s) -> scores``): the first worker of a
+    submission that answers scores everything, the other shards come back empty, and the
+    scores pass through ``finish`` unchanged."""
+
+    def __init__(self, runtime: Any, timeout_s: float):
+        self.runtime = runtime
+        self.timeout_s = timeout_s
+
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
+        total = float(sum(hi - lo for lo, hi in shards.values()))
+        out: list[ShardResult] = []
+        scores: dict[str, float] | None = None
+        for w in shards:
+            if scores is not None:
+                out.append(ShardResult(w, {"n": 0.0} | dict.fromkeys(scores, 0.0)))
+                continue
+            try:
+                scores = dict(self.runtime.evaluate(w, self.timeout_s) or {})
+            except WorkerCallError as err:
+                out.append(ShardResult(w, error=str(err), lost=err.lost))
+                continue
+            out.append(ShardResult(w, {"n": total} | {k: v * total for k, v in scores.items()}))
+        return out
+
+    def poll_evaluation(self, ticket: list[ShardResult], timeout_s: float) -> list[ShardResult]:
+        out = list(ticket)
+        ticket.clear()
+        return out
+
+    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
+        n = max(sums.get("n", 0.0), 1.0)
+        return {k: v / n for k, v in sums.items() if k != "n"}
+
+
+def sharded_evaluation(runtime: Any, timeout_s: float) -> Any:
+    """``runtime`` when it evaluates in shards, else a :class:`WholeSetEvaluation` over it."""
+    ok = all(callable(getattr(runtime, m, None))
+             for m in ("submit_evaluation", "poll_evaluation", "finish_evaluation"))
+    return runtime if ok else WholeSetEvaluation(runtime, timeout_s)
+
+
+class WorkerCallError(RuntimeError):
+    """A call to one worker failed or timed out. ``lost``: the worker is gone."""
+
+    def __init__(self, worker: str, message: str, lost: bool):
+        super().__init__(f"{worker}: {message}")
+        self.worker = worker
+        self.lost = lost

@@ -1,0 +1,162 @@
+"""Real gradients for the simulator: every simulated worker's share computed in-process.
+
+Imported only in real-gradient mode (it imports torch). One model replica stands for every
+worker: in synchronous training all replicas hold the same weights after each step (the
+all-reduce gives each the same gradient, and a joining worker receives the state by
+broadcast), so one copy is exact. Each worker's share is still computed on its own, from the
+order positions the plan gave it, exactly as the real worker does
+(:meth:`dynabatch.actors.worker.Worker._step`): the summed loss over its ``b_i`` samples scaled by
+``1/B_s``, so its gradient is ``(b_i/B_s)·g_i``. The shares' gradients are then summed, which
+is the SUM all-reduce: ``Σ_i (b_i/B_s)·g_i``, the mean gradient of the global batch. The
+optimizer is the one the worker builds (:func:`dynabatch.actors.optim.build_optimizer`), on the
+model
+the worker builds from the same seed, so the simulated run trains the same SGD as a real one.
+The plan's learning rate and ISGD rule are applied as the worker applies them
+(:func:`dynabatch.actors.optim.isgd_extras`: every extra iteration is one conservative update and
+one
+more pass over the shares, and the ordinary step comes last), and in goodput mode the same
+gradient norms are reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from dynabatch.actors.contracts import IsgdRule, StepPlan, epoch_order
+from dynabatch.actors.optim import build_optimizer, isgd_extras, set_lr
+from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.worker import to_cpu
+from dynabatch.actors.workloads.datasets import load_dataset
+from dynabatch.actors.workloads.models import build_model
+from dynabatch.actors.workloads.objective import objective_for, targets_kind
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    losses: list[float]  # each worker's summed loss over its share
+    psi: float = 0.0  # the global batch's mean loss before the step (ISGD judges it)
+    flagged: bool = False
+    extra_iters: int = 0
+    local_sqnorms: list[float | None] | None = None
+    global_sqnorm: float | None = None
+
+
+class GradientEngine:
+    """``holdout``: evaluate on that fraction of the *training* samples, held out of
+    training (a validation split, as ``dynabatch tune`` needs), instead of the test set."""
+
+    def __init__(self, spec: JobSpec, holdout: float = 0.0):
+        ds = load_dataset(spec.dataset, seed=spec.seed)
+        self.name = ds.name
+        x, y = np.asarray(ds.x_train), np.asarray(ds.y_train)
+        self.x_test, self.y_test = np.asarray(ds.x_test), np.asarray(ds.y_test)
+        if holdout > 0:
+            if not holdout < 1:
+                raise ValueError(f"holdout must be below 1, got {holdout}")
+            n_val = max(1, round(len(y) * holdout))
+            if n_val >= len(y):
+                raise ValueError(f"holdout {holdout} leaves no training sample")
+            perm = np.random.default_rng([spec.seed, 0x7A1]).permutation(len(y))
+            val, keep = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+            self.x_test, self.y_test = x[val], y[val]
+            self.name = f"{ds.name} ({len(keep)} train, {n_val} validation held out)"
+            x, y = x[keep], y[keep]
+        self.x = torch.from_numpy(np.ascontiguousarray(x))
+        self.y = torch.from_numpy(np.ascontiguousarray(y))
+        self.objective = objective_for(spec, targets_kind(y))
+        torch.manual_seed(spec.seed)  # the worker seeds the same way before building
+        self.model = build_model(spec.model, tuple(ds.input_shape), ds.num_classes)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(spec, self.params)
+        self.model_bytes = 4 * sum(p.numel() for p in self.params)
+        self.shuffle = spec.dataset.shuffle
+        self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
+
+    @property
+    def n_train(self) -> int:
+        return len(self.y)
+
+    @property
+    def n_test(self) -> int:
+        return len(self.y_test)
+
+    def _epoch_order(self, seed: int, epoch: int, n: int) -> np.ndarray:
+        key = (seed, epoch, n)
+        if self._order is None or self._order[0] != key:
+            self._order = (key, epoch_order(*key, self.shuffle))
+        return self._order[1]
+
+    def step(self, seed: int, epoch: int, dataset_size: int,
+             shares: Sequence[StepPlan], rule: IsgdRule | None = None) -> StepOutcome:
+        """Train one step from the workers' shares (one per worker, in order); ``rule``:
+        ISGD's for this step (from the segment's chart)."""
+        order = self._epoch_order(seed, epoch, dataset_size)
+        batches = [None if not sp.own_size else torch.from_numpy(
+            np.asarray(order[sp.own_start:sp.own_start + sp.own_size], dtype=np.int64))
+            for sp in shares]
+        first = shares[0]
+        noise = first.noise
+        losses, local = self._gradient(shares, batches, noise)
+        global_sq = (float(sum(float(p.grad.square().sum()) for p in self.params))
+                     if noise else None)
+        set_lr(self.optimizer, first.lr)
+        psi = sum(losses) / first.size
+        flagged = rule is not None and rule.flagged(psi)
+        extra = 0
+        if flagged:
+            def again() -> float:
+                return sum(self._gradient(shares, batches, False)[0]) / first.size
+            extra = isgd_extras(rule, psi, self.params, self.optimizer, again)
+        self.optimizer.step()
+        return StepOutcome(losses, psi, flagged, extra, local if noise else None, global_sq)
+
+    def _gradient(self, shares: Sequence[StepPlan], batches, noise: bool
+                  ) -> tuple[list[float], list[float | None]]:
+        """Sum the shares' gradients ``(b_i/B)·g_i`` into ``p.grad`` (the all-reduce);
+        returns each share's summed loss and, with ``noise``, each |g_i|²."""
+        total = [torch.zeros_like(p) for p in self.params]
+        losses: list[float] = []
+        local: list[float | None] = []
+        for sp, ids in zip(shares, batches, strict=True):
+            if ids is None:
+                losses.append(0.0)
+                local.append(None)
+                continue
+            loss = self.objective.loss_sum(self.model(self.x.index_select(0, ids)),
+                                           self.y.index_select(0, ids))
+            grads = torch.autograd.grad(loss / sp.size, self.params)
+            for acc, g in zip(total, grads, strict=True):
+                acc.add_(g)
+            losses.append(float(loss.detach()))
+            if noise:
+                sq = sum(float(g.square().sum()) for g in grads)
+                local.append(sq * (sp.size / sp.own_size) ** 2)
+        for p, g in zip(self.params, total, strict=True):
+            p.grad = g
+        return losses, local
+
+    def evaluate(self, batch: int = 1024) -> dict[str, float]:
+        """The held-out loss and metrics, as :meth:`dynabatch.actors.worker.Worker.evaluate`."""
+        return self.objective.evaluate(self.model, self.x_test, self.y_test,
+                                       torch.device("cpu"), batch)
+
+    def eval_sums(self, lo: int, hi: int, batch: int = 1024) -> dict[str, float]:
+        """A holder's shard of the held-out set, as
+        :meth:`dynabatch.actors.worker.Worker.evaluate_shard`; :meth:`finish` scores the sums."""
+        return self.objective.eval_sums(self.model, self.x_test, self.y_test, lo, hi,
+                                        torch.device("cpu"), batch)
+
+    def finish(self, sums: dict[str, float]) -> dict[str, float]:
+        return self.objective.finish(sums)
+
+    def state(self) -> dict[str, Any]:
+        return {"model": to_cpu(self.model.state_dict()),
+                "optimizer": to_cpu(self.optimizer.state_dict())}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,206 @@
+"""Evaluation off the critical path: the held-out set split across the state holders.
+
+At an epoch's end every holder of the state has the same weights. The coordinator splits
+the test set into contiguous shards in proportion to the holders' measured throughput
+(:func:`split`), sends each holder its shard *before* the next segment, and collects the
+shards whenever they arrive (:class:`Evaluations`). An actor runs its calls in order, so a
+shard scores the epoch's final weights and its worker trains on right after it, without a
+round trip to the coordinator; nobody waits for one worker to score the whole set.
+
+Exact. A metric is a per-sample function plus a ``finish`` of the mean
+(``actors/workloads/metrics.py``), so a shard's sums ``{"n", "loss", <metric>: Σ}`` add up
+(:func:`combine`) to the sums of the whole set, and the runtime's ``finish_evaluation``
+applies the means and finishes once: the scores equal one worker's over the whole set, to
+float rounding (``tests/unit/test_evaluation.py``, perplexity and a user metric included).
+A shard that never arrives (its worker was lost) leaves the epoch without test scores,
+never with scores of part of the set.
+
+Time. A shard's ``seconds`` are the worker's own. The slowest shard is what evaluation
+costs the critical path (every worker waits for it at the next step's all-reduce); the rest
+of the work, ``Σ seconds − max seconds``, is what the split hid: one worker evaluating alone
+would have added it while the others waited.
+
+:func:`split` and :func:`combine` are pure; :class:`Evaluations` is driver bookkeeping over
+a runtime and a clock (``dynabatch.scheduler.runtime.seam``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynabatch.scheduler.runtime.seam import Clock, ShardResult
+
+
+def split(n: int, weights: Mapping[str, float]) -> dict[str, tuple[int, int]]:
+    """Contiguous shards ``[lo, hi)`` of ``range(n)``, one per worker in the mapping's
+    order, sized in proportion to ``weights`` (largest remainder, so each size is within
+    one of its exact share); a non-positive or non-finite weight counts as the mean of the
+    others. Empty shards are left out."""
+    if n < 0:
+        raise ValueError(f"n must be non-negative, got {n}")
+    names = list(weights)
+    if not names or n == 0:
+        return {}
+    good = [w for w in weights.values() if w > 0 and w != float("inf")]
+    fill = sum(good) / len(good) if good else 1.0
+    w = [x if x > 0 and x != float("inf") else fill for x in weights.values()]
+    total = sum(w)
+    exact = [n * x / total for x in w]
+    sizes = [int(e) for e in exact]
+    order = sorted(range(len(names)), key=lambda i: (sizes[i] - exact[i], i))
+    for i in order[: n - sum(sizes)]:
+        sizes[i] += 1
+    out: dict[str, tuple[int, int]] = {}
+    lo = 0
+    for name, size in zip(names, sizes, strict=True):
+        if size:
+            out[name] = (lo, lo + size)
+        lo += size
+    return out
+
+
+def combine(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """The sums of the union of disjoint shards: each key added up."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+@dataclass
+class EvalRound:
+    """One evaluation of the weights at the end of ``epoch``, split over ``shards``.
+
+    ``record`` and ``extra`` are what the coordinator publishes once every shard answered:
+    the epoch's record without its scores, and what it needs to finish it."""
+
+    epoch: int
+    shards: dict[str, tuple[int, int]]
+    ticket: Any
+    submitted: float
+    deadline: float
+    results: dict[str, ShardResult] = field(default_factory=dict)
+    record: Any = None
+    extra: Any = None
+    waited_s: float = 0.0  # the coordinator's time blocked on it (at the job's end, say)
+
+    @property
+    def attached(self) -> bool:
+        return self.record is not None
+
+    @property
+    def done(self) -> bool:
+        return all(w in self.results for w in self.shards)
+
+    @property
+    def failures(self) -> dict[str, ShardResult]:
+        return {w: r for w, r in self.results.items() if r.sums is None}
+
+    @property
+    def complete(self) -> bool:
+        """Every test sample was scored (the shards' counts add up to the set)."""
+        want = sum(hi - lo for lo, hi in self.shards.values())
+        got = sum(r.sums.get("n", 0.0) for r in self.results.values() if r.sums is not None)
+        return self.done and bool(self.shards) and round(got) == want
+
+    def sums(self) -> dict[str, float] | None:
+        if not self.complete:
+            return None
+        return combine(r.sums for r in self.results.values() if r.sums is not None)
+
+    @property
+    def critical_s(self) -> float:
+        """What it cost the critical path: the slowest shard, or the coordinator's wait."""
+        slowest = max((r.seconds for r in self.results.values()), default=0.0)
+        return max(slowest, self.waited_s)
+
+    @property
+    def hidden_s(self) -> float:
+        """Evaluation work the split took off the critical path: Σ shards − the slowest."""
+        work = sum(r.seconds for r in self.results.values())
+        slowest = max((r.seconds for r in self.results.values()), default=0.0)
+        return max(0.0, work - slowest)
+
+
+class Evaluations:
+    """The evaluations in flight, oldest first (epochs end in order, and so do they).
+
+    ``runtime`` implements ``submit_evaluation``, ``poll_evaluation`` and
+    ``finish_evaluation`` (see :func:`dynabatch.scheduler.runtime.seam.sharded_evaluation`). Every
+    round has a deadline ``timeout_s`` after it was sent: a shard not in by then is
+    counted as failed (not lost: the worker may only be slow)."""
+
+    def __init__(self, runtime: Any, clock: Clock, timeout_s: float):
+        self.runtime = runtime
+        self.clock = clock
+        self.timeout_s = timeout_s
+        self.rounds: list[EvalRound] = []
+
+    def submit(self, epoch: int, shards: dict[str, tuple[int, int]]) -> EvalRound:
+        now = self.clock.now()
+        ticket = self.runtime.submit_evaluation(shards) if shards else None
+        r = EvalRound(epoch, dict(shards), ticket, now, now + self.timeout_s)
+        self.rounds.append(r)
+        return r
+
+    def unattached(self, epoch: int) -> EvalRound | None:
+        """The round sent ahead for ``epoch``'s end, before its last segment was in."""
+        return next((r for r in self.rounds if r.epoch == epoch and not r.attached), None)
+
+    def discard(self, epoch: int) -> None:
+        """Drop a round sent ahead for ``epoch``'s end: the segment before it failed, so it
+        scores weights that are not the epoch's (the epoch ends later, and is scored then)."""
+        self.rounds = [r for r in self.rounds if r.attached or r.epoch != epoch]
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Take in what arrived; waits up to ``timeout_s`` for the oldest open round."""
+        now = self.clock.now()
+        for r in self.rounds:
+            if r.done:
+                continue
+            for res in self.runtime.poll_evaluation(r.ticket, timeout_s):
+                r.results.setdefault(res.worker, res)
+            timeout_s = 0.0
+            if not r.done and now >= r.deadline:
+                for w in r.shards:
+                    r.results.setdefault(w, ShardResult(
+                        w, error=f"evaluation timed out after {self.timeout_s:g}s"))
+
+    def ready(self) -> list[EvalRound]:
+        """Rounds to publish, in epoch order: attached to their epoch and done."""
+        out = []
+        while self.rounds and self.rounds[0].attached and self.rounds[0].done:
+            out.append(self.rounds.pop(0))
+        return out
+
+    def settle(self) -> list[EvalRound]:
+        """Wait (each round up to its deadline) until every attached round is done; then
+        :meth:`ready`. The wait is charged to the rounds it waited for."""
+        while True:
+            open_ = [r for r in self.rounds if r.attached and not r.done]
+            if not open_:
+                return self.ready()
+            t0 = self.clock.now()
+            self.poll(timeout_s=min(0.5, max(0.0, open_[0].deadline - t0)))
+            if self.clock.now() == t0 and not open_[0].done and t0 < open_[0].deadline:
+                self.clock.sleep(min(0.05, open_[0].deadline - t0))  # nothing came: wait
+            waited = self.clock.now() - t0
+            for r in open_:
+                r.waited_s += waited
+
+    def close(self, why: str) -> list[EvalRound]:
+        """The job ends: shards not in yet are counted as failed (``why``). Returns the
+        rounds attached to their epochs, in order; the others are dropped."""
+        out = [r for r in self.rounds if r.attached]
+        for r in out:
+            for w in r.shards:
+                r.results.setdefault(w, ShardResult(w, error=why))
+        self.rounds = []
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return any(r.attached for r in self.rounds)
