@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test lint bench install clean prometheus chromium
+.PHONY: run test lint bench install clean prometheus chromium images deploy-test
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,20 @@ lint: $(STAMP)
 bench: $(STAMP)
 	RAY_AUTH_MODE=disabled $(BIN)/python bench/policy_scale.py
 	RAY_AUTH_MODE=disabled $(BIN)/python bench/hetero.py
+
+# The docker-compose stack's images, from package registries only (no image registry):
+# a debootstrapped Debian base, the dynabatch image, Prometheus from Debian. Needs root;
+# installs docker.io, debootstrap and docker-compose and starts dockerd when missing.
+images:
+	bash deploy/build-images.sh
+
+# The stack for real (after `make images`; takes a while, not part of `make test`):
+# docker-compose up with CPU-quota-unequal workers, a job over REST, Prometheus and the
+# dashboards' queries, `docker kill` and `--scale` mid-run, static/dbs/affine side by side,
+# a clean `down`. Writes bench/results-compose.json.
+deploy-test: $(STAMP)
+	DYNABATCH_DEPLOY_TEST=1 RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -p no:cacheprovider \
+		-s -x --timeout 5400 tests/deploy
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -186,6 +186,15 @@ class SegmentPlan:
     dataset_size: int
     steps: tuple[StepPlan, ...]
     isgd: IsgdPlan | None = None
+    # The driver may post a plan update for these steps: claim each step's key in the
+    # group's store before starting it (dynabatch.scheduler.core.sync.update).
+    updates: bool = False
+
+
+def plan_key(epoch: int, step: int) -> str:
+    """The group-store key a plan update for ``step`` of ``epoch`` is posted (or sealed)
+    under (dynabatch.scheduler.core.sync.update)."""
+    return f"dynabatch/plan/{epoch}/{step}"
 
 
 class _Frozen(BaseModel):

@@ -30,6 +30,9 @@ import torch.distributed as dist
 NCCL_FAULT_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 
+SEALED = b"-"  # a key claimed before anything was posted under it
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     generation: int
@@ -120,6 +123,14 @@ class ProcessGroup:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         self.generation = -1
+
+    def claim(self, key: str) -> bytes | None:
+        """Claim ``key`` in this generation's store, atomically: the value the driver posted
+        there, or None after sealing it (the driver's later post is then refused)."""
+        if self._store is None:
+            raise RuntimeError("no store: not in a group")
+        got = self._store.compare_set(key, "", SEALED)
+        return None if got == SEALED else got
 
     @property
     def active(self) -> bool:

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynabatch.actors.errors import first_line
+
 POLL_S = 2.0  # how often live actors' files are read
 FETCH_TIMEOUT_S = 10  # the log API's own bound on one read (Ray takes whole seconds)
 RESOLVE_TIMEOUT_S = 10.0  # waiting for an actor's id once it has left
@@ -74,7 +76,7 @@ def ray_log_fetch(address: str, timeout_s: int = FETCH_TIMEOUT_S) -> Fetch:
                              encoding=None, timeout=timeout_s)
             return b"".join(chunks)  # type: ignore[arg-type]
         except requests.exceptions.ConnectionError as err:
-            raise LogApiUnavailable(_first_line(err)) from err
+            raise LogApiUnavailable(first_line(err)) from err
 
     return fetch
 
@@ -213,7 +215,7 @@ class ActorOutput:
                 a.failures += 1
                 if last or a.failures >= LOST_AFTER:
                     self._sink(a.source, "note", f"its output cannot be read any more "
-                               f"({_first_line(err)})")
+                               f"({first_line(err)})")
                     last = True
             else:
                 a.failures = 0
@@ -266,9 +268,3 @@ def _lines(chunk: bytes) -> list[str]:
         if line.strip() and not _RAY_MARKER.match(line):
             out.append(line[:MAX_LINE])
     return out
-
-
-def _first_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text}"[:300] if text else type(err).__name__
-

@@ -49,6 +49,7 @@ from dynabatch.actors.contracts import epoch_order
 from dynabatch.actors.emulation import ComputeClock, slowdown_at
 from dynabatch.actors.optim import build_optimizer
 from dynabatch.actors.output import own_actor_id
+from dynabatch.actors.ps_events import CoreEventInterpreter
 from dynabatch.actors.spec import JobSpec
 
 ADAPTIVE = ("adam", "adamw")
@@ -164,10 +165,19 @@ def shared_tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 
 class GradientComputer:
+    """A learner's replica. Its chunk is a step of its own (``B = b``), trained by the
+    workers' step math (:class:`dynabatch.actors.step.StepMath`): the mean gradient."""
+
     def __init__(self, spec: JobSpec, x: np.ndarray, y: np.ndarray,
                  input_shape: tuple[int, ...], num_classes: int):
+        # Imported where a replica is built, as _build imports the models.
+        from dynabatch.actors.step import StepMath
+        from dynabatch.actors.workloads.objective import objective_for, targets_kind
+
         self.model = _build(spec, input_shape, num_classes)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # protocol ps trains cross_entropy on class labels only (actors/spec.py checks it).
+        self.math = StepMath(self.model, objective_for(spec, targets_kind(y)), self.params)
         self.x = shared_tensor(x)
         self.y = shared_tensor(y)
         self.size = sum(p.numel() for p in self.params)
@@ -185,11 +195,14 @@ class GradientComputer:
         """(mean gradient over ``ids`` at ``weights``, summed loss)."""
         torch.nn.utils.vector_to_parameters(shared_tensor(weights), self.params)
         ii = torch.from_numpy(ids)
-        loss = F.cross_entropy(self.model(self.x.index_select(0, ii)),
-                               self.y.index_select(0, ii), reduction="sum")
-        grads = torch.autograd.grad(loss / len(ids), self.params)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        return flat.numpy(), float(loss.detach())
+        for p in self.params:  # the chunk's gradient alone (backward accumulates)
+            p.grad = None
+        share = self.math.share(
+            lambda lo, hi: (self.x.index_select(0, ii[lo:hi]), self.y.index_select(0, ii[lo:hi])),
+            0, len(ids), len(ids))
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.params])
+        return flat.numpy(), float(share.loss) if share.loss is not None else 0.0
 
 
 class ParamShard:
@@ -263,15 +276,12 @@ class ParameterServer:
         self.x_test, self.y_test = x_test, y_test
         self.idle_poll_s = idle_poll_s
         self.call_timeout_s = call_timeout_s
-        self._grads: dict[int, np.ndarray] = {}
+        self.events = CoreEventInterpreter(self.store)  # holds the pushed slices 0
         self._ref: tuple[int, Any] | None = None  # (version, ObjectRef) of slice 0
         self._shard_refs: list[Any] | None = None  # the shards' slices of this version
         self._changed = asyncio.Condition()
         self.epochs: list[dict[str, Any]] = []
         self._t0 = time.monotonic()
-        self._losses: dict[int, float] = {}
-        self._ep_loss = 0.0  # summed training loss of the epoch's applied gradients
-        self._ep_samples = 0
         self.puts = 0  # ray.put calls of slice 0: one per version pulled
         self._push_times: deque[float] = deque()
         self.apply_s: deque[float] = deque(maxlen=5000)  # wall time of each update
@@ -371,8 +381,7 @@ class ParameterServer:
             if np.size(grad) != self.store.size:
                 raise ValueError(f"{worker}: a gradient of {np.size(grad)} values for a slice "
                                  f"of {self.store.size}")
-            self._grads[ticket] = grad
-            self._losses[ticket] = loss_sum
+            self.events.pushed(ticket, grad, loss_sum)
             self._push_times.append(time.monotonic())
             await self._handle(self.core.push(worker, ticket, version_pulled, compute_s))
             self._changed.notify_all()
@@ -394,37 +403,23 @@ class ParameterServer:
             self._changed.notify_all()
 
     async def _handle(self, events: list[Any]) -> None:
-        for e in events:
-            kind = type(e).__name__
-            if kind == "Apply":
-                t0 = time.perf_counter()
-                weighted = [(g.push_id, g.weight) for g in e.gradients]
-                remote = [s.apply.remote(e.version, weighted) for s in self.shards]
-                self.store.apply([(self._grads.pop(t), w) for t, w in weighted])
-                if remote:  # the shards step their slices while slice 0 steps here
-                    self._shard_refs = await self._await(remote)
-                self.apply_s.append(time.perf_counter() - t0)
-                for g in e.gradients:
-                    self._ep_loss += self._losses.pop(g.push_id, 0.0)
-                    self._ep_samples += g.samples
-            elif kind == "Refuse":
-                self._grads.pop(e.push_id, None)
-                self._losses.pop(e.push_id, None)
-                if self.shards:
-                    await self._await([s.drop.remote([e.push_id]) for s in self.shards])
-            elif kind == "EpochEnd":
-                flat = await self._full_weights()
-                loss, acc = self.store.evaluate(self.x_test, self.y_test, flat)
-                v = e.verification
-                self.epochs.append({
-                    "epoch": e.epoch, "version": e.version, "test_loss": loss,
-                    "train_loss": self._ep_loss / max(1, self._ep_samples),
-                    "test_accuracy": acc, "verified": v.verified, "problems": list(v.problems),
-                    "samples_applied": v.samples_trained, "retried_samples": v.retried_samples,
-                    "samples_by_worker": dict(v.samples_by_worker),
-                    "t": time.monotonic() - self._t0,
-                })
-                self._ep_loss, self._ep_samples = 0.0, 0
+        """The core's events, through the one interpreter (slice 0 steps there); then the
+        shards step or drop their slices and each closed epoch is evaluated here."""
+        t0 = time.perf_counter()
+        fx = self.events.handle(events)
+        for version, weighted in fx.applied:
+            if self.shards:  # the shards step their slices in the order of the updates
+                self._shard_refs = await self._await(
+                    [s.apply.remote(version, list(weighted)) for s in self.shards])
+        if fx.applied:
+            self.apply_s.append(time.perf_counter() - t0)
+        if fx.dropped and self.shards:
+            await self._await([s.drop.remote(fx.dropped) for s in self.shards])
+        for closed in fx.closed:
+            flat = await self._full_weights()
+            loss, acc = self.store.evaluate(self.x_test, self.y_test, flat)
+            self.epochs.append(self.events.record(closed, loss, acc,
+                                                  time.monotonic() - self._t0))
 
     # --- views ------------------------------------------------------------------------
     def pushes_per_s(self, now: float | None = None) -> float:

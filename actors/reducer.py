@@ -2,9 +2,17 @@
 
 Layout. Every gradient is a view of one flat buffer (backward accumulates into it in place,
 the collective works on it in place), followed by one coverage slot per position of the
-step (see :mod:`dynabatch.actors.contracts`)::
+step (see :mod:`dynabatch.actors.contracts`), with one slot before them for the worker's
+summed loss::
 
-    flat = [ grad(p_0) | grad(p_1) | ... | grad(p_{n-1}) | coverage[0:B_s] ]
+    flat = [ grad(p_0) | grad(p_1) | ... | grad(p_{n-1}) | loss | coverage[0:B_s] ]
+
+The loss slot (ISGD's batch loss, issue 21). The share's summed loss is known after the
+last micro-batch's forward, before its backward, so the worker writes it into the slot
+there (:meth:`dynabatch.actors.step.StepMath.share`'s ``loss_slot``) and it rides in the
+collective that already carries the coverage: every worker gets the global batch's summed
+loss back with the gradient (:attr:`Reduced.global_loss_sum`), and ISGD's control chart
+needs no collective of its own (a step that flags nothing costs what an SGD step costs).
 
 Weighting. Each worker scales its summed loss by 1/B (B the step's global batch), so the
 SUM all-reduce yields Σ_i (b_i/B)·g_i, the mean gradient of the global batch, whatever the
@@ -16,8 +24,8 @@ Two modes:
 * ``flat``: one all-reduce of the whole buffer after backward (the collective starts when
   the last gradient is ready).
 * ``bucketed`` (as DDP's reducer): the buffer is cut into buckets from its END (the last
-  layers' gradients are ready first in backward); the first bucket also holds the coverage
-  slots, which are written before backward. A ``register_post_accumulate_grad_hook`` on
+  layers' gradients are ready first in backward); the first bucket also holds the loss and
+  coverage slots, which are written before its backward. A ``register_post_accumulate_grad_hook`` on
   each parameter counts the gradients still missing in its bucket; when a bucket is
   complete it is launched as an asynchronous all-reduce, so communication runs behind the
   rest of backward. Buckets are launched strictly in index order (bucket k waits for every
@@ -157,7 +165,7 @@ class Reduced:
     on a GPU (None on the CPU, where the worker's own clock times compute)."""
 
     coverage: np.ndarray  # the all-reduced per-position counts
-    loss_sum: float
+    loss_sum: float  # this worker's summed loss (its share's)
     hidden_s: float  # communication hidden behind compute (see hidden_seconds)
     buckets: int  # collectives launched this step
     early: int  # of them, launched from backward's hooks
@@ -166,6 +174,7 @@ class Reduced:
     global_sq: float | None = None  # |G|² after it (goodput)
     compute_s: float | None = None
     wait_s: float | None = None
+    global_loss_sum: float = 0.0  # the loss slot, all-reduced: Σ over every share
 
 
 class GradientReducer:
@@ -223,14 +232,16 @@ class GradientReducer:
     def alloc(self, max_step: int) -> None:
         """(Re)allocate the buffer for steps of up to ``max_step`` samples; gradients become
         views of it."""
-        self.flat = torch.zeros(self.n_params + max_step, device=self.device)
+        self.flat = torch.zeros(self.n_params + 1 + max_step, device=self.device)
         off = 0
         for p in self.params:
             p.grad = self.flat[off:off + p.numel()].view_as(p)
             off += p.numel()
-        self.cov = self.flat[self.n_params:]
+        self.loss_slot = self.flat[self.n_params:self.n_params + 1]
+        self.cov = self.flat[self.n_params + 1:]
         if self.device.type == "cuda":
-            # Coverage (or the whole buffer, staged for gloo) plus 3 scalars: loss, norms.
+            # The loss slot and coverage (or the whole buffer, staged for gloo) plus 3
+            # scalars: loss, norms.
             self._host = torch.zeros(self.flat.numel() + 3, pin_memory=True)
 
     def zero_(self) -> None:
@@ -289,8 +300,8 @@ class GradientReducer:
 
     def _slice(self, k: int) -> torch.Tensor:
         lo, hi, _ = self._buckets[k]
-        if k == 0:  # the first bucket carries the coverage slots too
-            hi = self.n_params + self._step_size
+        if k == 0:  # the first bucket carries the loss and coverage slots too
+            hi = self.n_params + 1 + self._step_size
         return self.flat[lo:hi]
 
     def _launch(self, k: int) -> None:
@@ -331,8 +342,9 @@ class GradientReducer:
         if not self.overlapping:
             self.last = self._flat_finish(compute_end, loss)
             return self.last
-        if not self._buckets:  # a model without parameters: coverage alone
-            dist.all_reduce(self.cov[:self._step_size], op=dist.ReduceOp.SUM)
+        if not self._buckets:  # a model without parameters: loss and coverage alone
+            dist.all_reduce(self.flat[self.n_params:self.n_params + 1 + self._step_size],
+                            op=dist.ReduceOp.SUM)
         while self._next < len(self._buckets):
             self._launch(self._next)
         if self._launch_error is not None:
@@ -343,19 +355,21 @@ class GradientReducer:
         local_sq = torch.stack(self._sq).sum() if self._norms and self._sq else None
         g = self.flat[:self.n_params]
         global_sq = torch.dot(g, g) if self._norms else None
-        cov = self.cov[:self._step_size]
+        slots = self.flat[self.n_params:self.n_params + 1 + self._step_size]  # loss, coverage
         if self.device.type == "cuda":
             comm_end = self.marks.mark()
-            host = self._to_host(cov, loss, local_sq, global_sq)
-            res = Reduced(coverage=host[0], loss_sum=host[1], local_sq=host[2],
-                          global_sq=host[3], hidden_s=0.0, buckets=launched, early=self._early)
+            host = self._to_host(slots, loss, local_sq, global_sq)
+            res = Reduced(coverage=host[0][1:], loss_sum=host[1], local_sq=host[2],
+                          global_sq=host[3], hidden_s=0.0, buckets=launched, early=self._early,
+                          global_loss_sum=float(host[0][0]))
             res.compute_s = self.marks.seconds(compute_end)
             res.wait_s = max(0.0, self.marks.seconds(comm_end) - res.compute_s)
         else:
             comm_end = self.marks.mark()
-            res = Reduced(coverage=cov.numpy(), loss_sum=_item(loss), local_sq=_item_or(local_sq),
+            h = slots.numpy()
+            res = Reduced(coverage=h[1:], loss_sum=_item(loss), local_sq=_item_or(local_sq),
                           global_sq=_item_or(global_sq), hidden_s=0.0, buckets=launched,
-                          early=self._early)
+                          early=self._early, global_loss_sum=float(h[0]))
         # A completion not marked yet (its callback still to run) ended by the last wait.
         spans = [(self.marks.seconds(a), self.marks.seconds(b if b is not None else comm_end))
                  for a, b in self._spans]
@@ -380,7 +394,7 @@ class GradientReducer:
         return (out[:n].copy(), *vals_h)
 
     def _flat_finish(self, compute_end, loss: torch.Tensor | None) -> Reduced:
-        n = self.n_params + self._step_size
+        n = self.n_params + 1 + self._step_size
         flat = self.flat[:n]
         g = self.flat[:self.n_params]
         local_sq = torch.dot(g, g) if self._norms else None
@@ -399,23 +413,27 @@ class GradientReducer:
             h = host.numpy()
             global_sq = float(np.dot(h[:self.n_params], h[:self.n_params])) if self._norms \
                 else None
-            return Reduced(coverage=h[self.n_params:n].copy(), loss_sum=float(h[n]),
+            return Reduced(coverage=h[self.n_params + 1:n].copy(), loss_sum=float(h[n]),
                            local_sq=float(h[n + 1]) if self._norms else None,
                            global_sq=global_sq, hidden_s=0.0, buckets=1, early=0,
-                           compute_s=compute_s, wait_s=time.perf_counter() - t0)
+                           compute_s=compute_s, wait_s=time.perf_counter() - t0,
+                           global_loss_sum=float(h[self.n_params]))
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         global_sq = torch.dot(g, g) if self._norms else None
-        cov = flat[self.n_params:]
+        slots = flat[self.n_params:]  # the loss slot, then the coverage
         if self.device.type == "cuda":  # NCCL, flat
             comm_end = self.marks.mark()
-            host = self._to_host(cov, loss, local_sq, global_sq)
+            host = self._to_host(slots, loss, local_sq, global_sq)
             compute_s = self.marks.seconds(compute_end)
-            return Reduced(coverage=host[0], loss_sum=host[1], local_sq=host[2],
+            return Reduced(coverage=host[0][1:], loss_sum=host[1], local_sq=host[2],
                            global_sq=host[3], hidden_s=0.0, buckets=1, early=0,
                            compute_s=compute_s,
-                           wait_s=max(0.0, self.marks.seconds(comm_end) - compute_s))
-        return Reduced(coverage=cov.numpy(), loss_sum=_item(loss), local_sq=_item_or(local_sq),
-                       global_sq=_item_or(global_sq), hidden_s=0.0, buckets=1, early=0)
+                           wait_s=max(0.0, self.marks.seconds(comm_end) - compute_s),
+                           global_loss_sum=float(host[0][0]))
+        h = slots.numpy()
+        return Reduced(coverage=h[1:], loss_sum=_item(loss), local_sq=_item_or(local_sq),
+                       global_sq=_item_or(global_sq), hidden_s=0.0, buckets=1, early=0,
+                       global_loss_sum=float(h[0]))
 
 
 def _item(t: torch.Tensor | None) -> float:

@@ -11,7 +11,10 @@ The all-reduce buffer holds the gradients followed by one coverage slot per posi
 the step (see :mod:`dynabatch.actors.contracts`), so the collective that applies a step also proves
 which samples it contained. :mod:`dynabatch.actors.reducer` owns it and reduces it flat or in
 buckets launched from backward's hooks; :mod:`dynabatch.actors.accumulate` cuts a share larger than
-the worker's memory cap into micro-batches whose gradients accumulate before it.
+the worker's memory cap into micro-batches whose gradients accumulate before it. The step's
+math (the 1/B weighting, the micro-batches, the coverage slots, ISGD's extra iterations) is
+:mod:`dynabatch.actors.step`, which the simulator's real-gradient mode runs too; this module
+adds the collective, the clocks and the error classes around it.
 
 Errors are classified where they happen: a failure inside the collective is a *peer*
 error (retryable: someone died, left or timed out); anything else during the step is this
@@ -33,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from dynabatch.actors.accumulate import micro_cap, micro_ranges
+from dynabatch.actors.accumulate import micro_cap
 from dynabatch.actors.contracts import (
     IsgdPlan,
     SegmentPlan,
@@ -42,14 +45,25 @@ from dynabatch.actors.contracts import (
     StepTelemetry,
     encode_counts,
     epoch_order,
+    plan_key,
 )
 from dynabatch.actors.device_data import BatchGather, stage_dataset
 from dynabatch.actors.emulation import ComputeClock, error_at, slowdown_at
+from dynabatch.actors.errors import first_line
 from dynabatch.actors.group import ProcessGroup, Rendezvous
-from dynabatch.actors.optim import build_optimizer, isgd_extras, set_lr
+from dynabatch.actors.optim import build_optimizer
 from dynabatch.actors.output import own_actor_id
 from dynabatch.actors.reducer import GradientReducer
 from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.step import (
+    ExtraPassFailed,
+    PhaseLog,
+    StepMath,
+    cover,
+    held,
+    mean_loss,
+    share_sqnorm,
+)
 
 
 class InjectedFault(RuntimeError):
@@ -58,7 +72,7 @@ class InjectedFault(RuntimeError):
 
 class _StepFailed(Exception):
     def __init__(self, kind: str, err: BaseException, compute_s: float):
-        super().__init__(f"{type(err).__name__}: {err}".splitlines()[0][:500])
+        super().__init__(first_line(err, limit=500))
         self.kind = kind
         self.compute_s = compute_s
 
@@ -140,6 +154,7 @@ class Worker:
         torch.manual_seed(spec.seed)
         self.model = build_model(spec.model, input_shape, num_classes).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.math = StepMath(self.model, self.objective, self.params)
         self.optimizer = build_optimizer(spec, self.params)
         self.group = ProcessGroup(spec.collective_timeout_s)
         self.reducer = GradientReducer(self.params, self.device, spec.global_batch,
@@ -150,6 +165,8 @@ class Worker:
         self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
         self._stall_s = 0.0
         self._late_failure: _StepFailed | None = None  # after a step that was applied
+        # The last plan update applied: (epoch, its step plans by step).
+        self._update: tuple[int, dict[int, StepPlan]] | None = None
         # CPU-time clock only for emulation on the CPU; a GPU's work is not thread time.
         self._clock = ComputeClock(spec.emulated and self.device.type == "cpu")
         self._warm_up()
@@ -160,8 +177,8 @@ class Worker:
         are paid before the first timed step; a newcomer would otherwise look slow."""
         n = min(len(self.y), 8)
         if n:
-            out = self.model(self.x[:n].to(self.device))
-            self.objective.loss_sum(out, self.y[:n].to(self.device)).backward()
+            xb, yb = self.x[:n].to(self.device), self.y[:n].to(self.device)
+            self.math.share(held(xb, yb), 0, n, n)
         self.reducer.zero_()
 
     # --- membership -------------------------------------------------------------------
@@ -193,6 +210,7 @@ class Worker:
     def join(self, rv: Rendezvous, rank: int, src_rank: int = 0) -> float:
         """Join generation ``rv`` and take the model and optimizer state from ``src_rank``."""
         t0 = time.perf_counter()
+        self._update = None  # updates are per generation (its store)
         self.group.join(rv, rank)
         self._broadcast_state(src_rank)
         return time.perf_counter() - t0
@@ -235,6 +253,8 @@ class Worker:
         isgd = plan.isgd  # ISGD's chart, kept up to date with every step's global loss
         for sp in plan.steps:
             try:
+                if plan.updates:
+                    sp = self._plan_update(plan.epoch, sp)
                 steps.append(self._step(plan.epoch, sp, isgd))
                 if isgd is not None:
                     isgd = isgd.after(steps[-1].isgd_loss)
@@ -247,6 +267,24 @@ class Worker:
                 return SegmentResult(worker=self.worker_id, steps=steps, error=str(err),
                                      error_kind=err.kind, failed_compute_s=err.compute_s)
         return SegmentResult(worker=self.worker_id, steps=steps)
+
+    def _plan_update(self, epoch: int, sp: StepPlan) -> StepPlan:
+        """This step's plan after the driver's updates. Before starting the step the worker
+        claims its key in the group's store: a plan update posted there first applies from
+        this step on every worker; otherwise the key is sealed and a later post refused
+        (dynabatch.scheduler.core.sync.update). No store, no step: it fails as a peer error."""
+        import pickle
+
+        try:
+            got = self.group.claim(plan_key(epoch, sp.step))
+        except Exception as err:
+            raise _StepFailed("peer", err, 0.0) from err
+        if got is not None:
+            mine = pickle.loads(got).get(self.worker_id, ())
+            self._update = (epoch, {u.step: u for u in mine})
+        if self._update is not None and self._update[0] == epoch:
+            return self._update[1].get(sp.step, sp)
+        return sp
 
     def _step(self, epoch: int, sp: StepPlan, isgd: IsgdPlan | None = None) -> StepTelemetry:
         factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, sp.step)
@@ -263,18 +301,16 @@ class Worker:
         # the all-reduce sees a slowed worker as it would see a slow one.
         r.begin(sp.size, norms=sp.noise,
                 pace=(lambda: clock.pace(factor)) if clock.emulated else None)
-        marks: list = []  # per micro-batch: start, gathered, forward done, backward done
-        micro = micro_ranges(sp.own_size, self.micro_cap)
+        log = PhaseLog(r.marks.mark, lambda: clock.slept)
         try:
             if error_at(self.spec.emulation, self.ordinal, epoch, sp.step):
                 raise InjectedFault(f"injected error at epoch {epoch} step {sp.step}")
-            lo = sp.own_start - sp.start
-            r.cov[lo:lo + sp.own_size] = 1.0  # before backward: the first bucket holds it
-            losses = [self._micro_step(sp.own_start + a, sp.own_start + b, sp.size, marks,
-                                       last=j == len(micro) - 1)
-                      for j, (a, b) in enumerate(micro)]
-            loss = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-                    if losses else None)
+            cover(r.cov, sp)
+            # The last micro-batch's backward arms the reducer: buckets go out as they
+            # complete, behind the rest of backward.
+            share = self.math.share(self._gather.gather, sp.own_start,
+                                    sp.own_start + sp.own_size, sp.size, self.micro_cap,
+                                    arm=r.arm, log=log, loss_slot=r.loss_slot)
         except Exception as err:
             raise _StepFailed("compute", err, clock.finish(1.0)) from err
         compute = clock.finish(factor)  # sleeps what is left of an emulated slowdown
@@ -282,54 +318,36 @@ class Worker:
         t1 = time.perf_counter()
         try:
             # On a GPU the step's one synchronisation; loss and norms come home with it.
-            red = r.finish(compute_end, loss)
+            red = r.finish(compute_end, share.loss)
             coverage = encode_counts(np.rint(red.coverage).astype(np.int64))
             # ISGD: every worker judges and charts the same all-reduced loss of the global
-            # batch, before any update.
-            psi = self._global_sum(red.loss_sum) / sp.size if isgd is not None else None
+            # batch, before any update; it rode in the gradient's all-reduce (loss slot).
+            psi = mean_loss(red.global_loss_sum, sp.size) if isgd is not None else None
         except Exception as err:
             raise _StepFailed("peer", err, compute) from err
         t2 = time.perf_counter()
         wait = t2 - t1
         if red.compute_s is not None:  # device-timed (GPU)
             compute, wait = red.compute_s, red.wait_s
-        gather_s = forward_s = backward_s = 0.0
-        sec = r.marks.seconds  # host floats, or CUDA events after the synchronisation;
-        # read before ISGD's passes begin steps of their own
-        for m0, m1, m2, m3, slept in marks:
-            gather_s += sec(m1) - sec(m0)
-            forward_s += sec(m2) - sec(m1)
-            backward_s += sec(m3) - sec(m2) - slept  # without emulated sleep
+        # Host floats, or CUDA events after the synchronisation; read before ISGD's passes
+        # begin steps of their own.
+        gather_s, forward_s, backward_s = log.breakdown(r.marks.seconds)
         local_sq = global_sq = None
         if sp.noise:  # goodput: |g_i|² of the mean over the share, from (b_i/B)·g_i; |G|²
             global_sq = red.global_sq
-            if sp.own_size and red.local_sq is not None:
-                local_sq = red.local_sq * (sp.size / sp.own_size) ** 2
+            local_sq = share_sqnorm(red.local_sq, sp.size, sp.own_size)
         rule = isgd.rule() if isgd is not None else None
-        flagged = rule is not None and rule.flagged(psi)
-        extra, t_extra = 0, 0.0
         try:
-            set_lr(self.optimizer, sp.lr)
-            if flagged:
-                # Under-trained: conservative iterations first, each followed by a pass;
-                # the ordinary step then uses the last pass's gradient (dynabatch.actors.optim).
-                t_x = time.perf_counter()
-                done = [0]
-
-                def updated(k: int) -> None:
-                    done[0] = k
-                try:
-                    extra = isgd_extras(rule, psi, self.params, self.optimizer,
-                                        lambda: self._isgd_pass(sp, micro), updated)
-                except Exception as err:
-                    # The step's samples are trained (its collective completed): report
-                    # it with the updates applied, then stop the segment. Replicas left
-                    # apart are made equal again by the regroup's state broadcast.
-                    extra = done[0]
-                    self._late_failure = _StepFailed("peer", err, compute)
-                t_extra = time.perf_counter() - t_x
-            if self._late_failure is None:
-                self.optimizer.step()
+            # Under-trained: conservative iterations first, each followed by a pass; the
+            # ordinary step then uses the last pass's gradient (dynabatch.actors.optim).
+            up = self.math.update(self.optimizer, sp.lr, rule, psi,
+                                  lambda: self._isgd_pass(sp))
+        except ExtraPassFailed as err:
+            # The step's samples are trained (its collective completed): report it with the
+            # updates applied, then stop the segment. Replicas left apart are made equal
+            # again by the regroup's state broadcast.
+            up = err.update
+            self._late_failure = _StepFailed("peer", err.__cause__ or err, compute)
         except Exception as err:
             raise _StepFailed("compute", err, compute) from err
         t3 = time.perf_counter()
@@ -338,48 +356,22 @@ class Worker:
             samples=sp.own_size, compute_s=compute, wait_s=wait, loss_sum=red.loss_sum,
             slowdown=factor, start=sp.own_start, step_start=sp.start, step_size=sp.size,
             coverage=coverage, gather_s=gather_s, forward_s=forward_s, backward_s=backward_s,
-            optimizer_s=t3 - t2 - t_extra, overlap_s=red.hidden_s, step_s=t3 - t_step,
-            micro_batches=max(1, len(micro)), micro_cap=self.micro_cap,
-            flagged=flagged, extra_iters=extra, isgd_loss=psi, local_sqnorm=local_sq,
-            global_sqnorm=global_sq,
+            optimizer_s=t3 - t2 - up.extra_s, overlap_s=red.hidden_s, step_s=t3 - t_step,
+            micro_batches=share.micro_batches, micro_cap=self.micro_cap,
+            flagged=up.flagged, extra_iters=up.extra_iters, isgd_loss=psi,
+            local_sqnorm=local_sq, global_sqnorm=global_sq,
         )
 
-    def _global_sum(self, value: float) -> float:
-        device = self.device if self.group.backend == "nccl" else torch.device("cpu")
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return float(t[0])
-
-    def _isgd_pass(self, sp: StepPlan, micro) -> float:
+    def _isgd_pass(self, sp: StepPlan) -> float:
         """The pass of one ISGD extra iteration: this worker's share again at the current
         weights, all-reduced (its coverage slots stay zero: it trains no new sample).
         Returns the global mean loss."""
         r = self.reducer
         r.begin(sp.size)
-        losses = [self._micro_step(sp.own_start + a, sp.own_start + b, sp.size, [],
-                                   last=j == len(micro) - 1)
-                  for j, (a, b) in enumerate(micro)]
-        red = r.finish(loss=torch.stack(losses).sum() if losses else None)
-        return self._global_sum(red.loss_sum) / sp.size
-
-    def _micro_step(self, lo: int, hi: int, step_size: int, marks: list, last: bool
-                    ) -> torch.Tensor:
-        """Gather (order positions ``[lo, hi)``), forward and backward of one micro-batch,
-        its summed loss scaled by 1/``step_size`` (see :mod:`dynabatch.actors.accumulate`); returns
-        its summed loss. The last micro-batch's backward arms the reducer, so buckets go out
-        as they complete. Appends its phase marks to ``marks``."""
-        mark = self.reducer.marks.mark
-        m0 = mark()
-        xb, yb = self._gather.gather(lo, hi)
-        m1 = mark()
-        loss = self.objective.loss_sum(self.model(xb), yb)
-        m2 = mark()
-        if last:
-            self.reducer.arm()
-        slept = self._clock.slept
-        (loss / step_size).backward()
-        marks.append((m0, m1, m2, mark(), self._clock.slept - slept))
-        return loss.detach()
+        share = self.math.share(self._gather.gather, sp.own_start, sp.own_start + sp.own_size,
+                                sp.size, self.micro_cap, arm=r.arm, loss_slot=r.loss_slot)
+        red = r.finish(loss=share.loss)
+        return mean_loss(red.global_loss_sum, sp.size)
 
     # --- measurement (benchmarks) -----------------------------------------------------
     def profile(self, batches: list[int], repeats: int = 5, wall: bool = False,
@@ -407,7 +399,7 @@ class Worker:
                 ii = torch.from_numpy(idx).to(self.x.device)
                 xb = self.x.index_select(0, ii).to(self.device)
                 yb = self.y.index_select(0, ii).to(self.device)
-                (self.objective.loss_sum(self.model(xb), yb) / b).backward()
+                self.math.share(held(xb, yb), 0, b, b)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 factor = slowdown_at(self.spec.emulation, self.ordinal, 0, 0)

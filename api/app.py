@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from dynabatch.actors.spec import SpecNotAllowed
 from dynabatch.api.metrics import JobCollector, RequestMetricsMiddleware, RequestStats
 from dynabatch.api.routes import events, health, jobs, nodes, pages
 from dynabatch.api.routes.code import code_router
@@ -24,15 +23,16 @@ from dynabatch.scheduler.core.lifecycle import InvalidTransition
 from dynabatch.service.install_check import check_own_install_once
 from dynabatch.service.jobs import (
     ClusterClient,
-    ClusterError,
     ClusterUnavailable,
     InvalidRequest,
     JobConflict,
     JobNotFound,
     JobService,
+    RayCallError,
     WorkerNotFound,
 )
 from dynabatch.service.settings import Settings
+from dynabatch.service.submit_policy import SpecNotAllowed
 from dynabatch.service.wiring import build_service
 from fastapi import FastAPI, Request, status
 from fastapi.exception_handlers import http_exception_handler
@@ -170,8 +170,8 @@ def _install_error_handlers(app: FastAPI) -> None:
             status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
         )
 
-    @app.exception_handler(ClusterError)
-    async def cluster_error(_: Request, err: ClusterError) -> JSONResponse:
+    @app.exception_handler(RayCallError)
+    async def cluster_error(_: Request, err: RayCallError) -> JSONResponse:
         return JSONResponse(
             {"detail": f"Ray call failed: {err}"}, status_code=status.HTTP_502_BAD_GATEWAY
         )

@@ -16,8 +16,9 @@ from typing import Any
 from dynabatch.api.metrics_ps import ps_families
 from dynabatch.api.schedule_metrics import schedule_families
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.telemetry import JobSnapshot
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot
 from dynabatch.service.jobs import JobService
+from dynabatch.service.labels import metric_labels, node_label
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -146,8 +147,10 @@ class JobCollector(Collector):
         self.requests = requests
 
     def collect(self) -> Iterator[Metric]:
-        snaps = self.service.metric_snapshots()
+        state = self.service.metric_state()
+        snaps = state.snapshots
         yield from self._job_families(snaps)
+        yield from self._heldout_families(snaps, state.last_records)
         yield from ps_families(snaps)
         yield from schedule_families(snaps)
         nodes = self.service.alive_nodes
@@ -156,10 +159,35 @@ class JobCollector(Collector):
             g.add_metric([], float(nodes))
             yield g
         jobs = GaugeMetricFamily("dynabatch_jobs", "Jobs in the store by state.", labels=["state"])
-        for state, n in self.service.job_counts().items():
-            jobs.add_metric([state.value], float(n))
+        for job_state, n in state.job_counts.items():
+            jobs.add_metric([job_state.value], float(n))
         yield jobs
         yield from self.requests.families()
+
+    @staticmethod
+    def _heldout_families(snaps: list[JobSnapshot],
+                          last: dict[str, EpochRecord]) -> Iterator[Metric]:
+        """The held-out loss and every evaluation metric of each job's last epoch (custom
+        metrics by their short name, dynabatch.service.labels)."""
+        loss = GaugeMetricFamily("dynabatch_job_test_loss",
+                                 "Held-out loss of the last epoch.", labels=["job_id"])
+        metric = GaugeMetricFamily(
+            "dynabatch_job_test_metric",
+            "Each evaluation metric of the last epoch on the held-out set (accuracy, mse, "
+            "perplexity, user metrics by function name).",
+            labels=["job_id", "metric"],
+        )
+        for s in snaps:
+            rec = last.get(s.job_id)
+            if rec is None:
+                continue
+            if rec.test_loss is not None and math.isfinite(rec.test_loss):
+                loss.add_metric([s.job_id], float(rec.test_loss))
+            labels = metric_labels(rec.test_metrics)
+            for name, value in sorted(rec.test_metrics.items()):
+                if value is not None and math.isfinite(value):
+                    metric.add_metric([s.job_id, labels[name]], float(value))
+        yield from (loss, metric)
 
     @staticmethod
     def _job_families(snaps: list[JobSnapshot]) -> Iterator[Metric]:
@@ -255,8 +283,10 @@ class JobCollector(Collector):
                 _cumulative(_bucket_counts(s.epoch_durations_s, EPOCH_BUCKETS), EPOCH_BUCKETS),
                 sum_value=float(sum(s.epoch_durations_s)),
             )
+            if s.state.is_terminal:
+                continue  # an ended job has no workers: only its job-level series stay
             for w in s.workers:
-                labels = [job, w.worker, w.node]
+                labels = [job, w.worker, node_label(w.node)]
                 batch.add_metric(labels, float(w.batch))
                 partition.add_metric(labels, float(w.partition))
                 throughput.add_metric(labels, float(w.throughput))

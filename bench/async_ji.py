@@ -1,198 +1,321 @@
-"""Ji et al. 2019, performance-aware dynamic batch sizes for ASGD, against ASGD and
-n-softsync: λ learners of unequal speed (default 1:1:2:4), the same sample budget (epochs)
-for every method.
+"""Ji et al. 2019, performance-aware dynamic batch sizes for ASGD, best against best (issue 21):
+every arm at its own best α0, chosen on a validation split, against ASGD and n-softsync.
+
+Arms (λ learners of unequal speed; b0 per learner, μλ = λ·b0):
 
 * ``asgd``: async, every learner's batch b0, plain α0.
-* ``softsync``: n-softsync (n = λ/2) with α0/τ (Rudra).
-* ``perf_aware``: async with b_i = clip(round(λ·b0·v_i/Σv), b0/4, 4·b0), v_i the EMA of the
-  measured samples/s (``dynabatch.scheduler.ps.driver.build_core``), re-planned every 2λ pushes
-  (``dynabatch.scheduler.core.ps.batch_policy``), each gradient's α scaled by its own samples/b0.
-* ``perf_aware_unscaled``: the same batches at the plain α0 (Ji et al.'s α scaling is our
-  reading of the abstract, so both variants are reported; the target is checked on
-  ``perf_aware``).
+* ``softsync_n{λ}`` and ``softsync_n{λ/2}``: n-softsync with α0/τ per gradient (Rudra's rule,
+  the one that makes n-softsync work at all).
+* ``perf_aware``: async with Ji's b_i = clip(round(λ·b0·v_i/Σv), b0/4, 4·b0), v_i the EMA of
+  the measured samples/s, re-planned every 2λ pushes, plain α0 (the plain reading).
+* ``perf_aware_tau``: the same batches with α0/τ per gradient.
+* ``perf_aware_scaled``: the same batches, each gradient's α scaled by its own b_i/b0.
 
-Two drivers, the same PS core: ``sim`` (``dynabatch.scheduler.sim.ps``, real gradients on a virtual
-clock with t_i(b) = (2 ms + 0.5 ms·b)/speed_i, 5% jitter; mean and per-seed figures over
-``--seeds`` seeds) and ``ray`` (the real ``PSCoordinator`` on a local Ray instance,
-heterogeneity emulated with slowdowns max(speed)/speed_i; compute measured as thread CPU time
-and stretched, see ``dynabatch.actors.emulation``; one seed). Both report the same figures:
+Protocol. The training set is split 80/20 (seeded); every arm runs every α0 of its grid
+(``--lrs``) over ``--seeds`` seeds on the 80%, and its α0 is the one with the lowest mean
+final loss on the 20% validation split. At that α0 the arm reports its final training loss
+(the mean cross-entropy of the final weights over its training split) at *equal samples*
+(every arm trains ``--epochs`` epochs) and at *equal wall-clock* (each arm's training loss,
+measured at every epoch's end, interpolated at the earliest time any arm finished), its
+throughput and its speed-up (throughput over one speed-1 learner's at b0; ideal Σ speeds).
+Two clusters: ``--speeds`` (8 learners 1:1:2:2:4:4:16:16) and ``--speeds2`` (4 at 1:1:2:4).
 
-* ``final_loss``: the mean cross-entropy of the final weights over the whole training set;
-* ``throughput``: samples applied per second (virtual, or wall on Ray timed from the
-  server's start barrier, when every learner has asked for work, to the last epoch's end:
-  start-up excluded);
-* staleness over every applied gradient (mean, p99) and per learner.
+``best``: the perf-aware arm with the lowest equal-samples loss on the first cluster, with
+its loss over ASGD's and over the better n-softsync's (targets ≤ 0.4 each). ``cifar``: that
+arm against ASGD on CIFAR-format data (``hard_mnist:cifar_like``, generated) with the small
+ResNet, each at its own α0 from ``--cifar-lrs`` (chosen on the validation split), test
+accuracy on the held-out test set (target: ≥ ASGD + 10 points). ``--ray-arm``: the winning
+arm and ASGD on real Ray actors (short; emulated speeds).
 
-Every α0 in ``--lrs`` runs every method (``by_alpha0``); ``methods`` and ``target`` are those
-of the first. Target (the paper's claim, 60% lower loss with no loss of speed-up):
-perf_aware final loss ≤ 0.6 × asgd's at throughput ≥ 0.95 × asgd's. Prints one JSON object
-(``--out FILE`` also writes it).
+Simulator: ``dynabatch.scheduler.sim.ps`` (the production PS core and driver, real gradients,
+virtual clock t_i(b) = (2 ms + 0.5 ms·b)/speed_i with 5% jitter).
 
-    python bench/async_ji.py --drivers sim --out bench/results-async-ji.json
-    python bench/async_ji.py --drivers sim --speeds 1,1,1,1,1,1,4,16 --lrs 0.1,0.2,0.3 \
-        --out bench/results-async-ji-wide.json
-    python bench/async_ji.py --drivers ray --seeds 1 --out bench/results-async-ji-ray.json
+    python bench/async_ji.py --out bench/results-async-ji.json
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+import torch
 from dynabatch.actors.spec import JobSpec
-from dynabatch.actors.workloads.datasets import load_dataset
+from dynabatch.actors.workloads.datasets import DatasetArrays, load_dataset
 from dynabatch.scheduler.ps.driver import build_core
+from dynabatch.scheduler.sim import ps as sim_ps
 from dynabatch.scheduler.sim.ps import PSSimConfig, SimLearner, simulate_ps
+from dynabatch.scheduler.sim.ps_runtime import SimPSRuntime
 
 from bench.report import emit
 
-METHODS = ("asgd", "softsync", "perf_aware", "perf_aware_unscaled")
-KEYS = ("final_loss", "test_accuracy", "throughput", "staleness_mean", "staleness_p99")
+CIFAR = "dynabatch.actors.workloads.hard_mnist:cifar_like"
+A_S, C_S = 0.002, 0.0005  # a speed-1 learner: t(b) = 2 ms + 0.5 ms·b
 
 
-def method_spec(method: str, a, lr: float, seed: int) -> JobSpec:
-    lam = len(a.speeds)
-    proto = {"asgd": {"name": "ps", "mode": "async"},
-             "softsync": {"name": "ps", "mode": "softsync", "n": max(1, lam // 2),
-                          "lr_staleness": "per_gradient"},
-             "perf_aware": {"name": "ps", "mode": "async", "batch": "perf_aware",
-                            "replan_pushes": 2 * lam, "scale_lr": True},
-             "perf_aware_unscaled": {"name": "ps", "mode": "async", "batch": "perf_aware",
-                                     "replan_pushes": 2 * lam}}[method]
+def arms(lam: int) -> dict[str, dict]:
+    pa = {"name": "ps", "mode": "async", "batch": "perf_aware", "replan_pushes": 2 * lam}
+    return {
+        "asgd": {"name": "ps", "mode": "async"},
+        f"softsync_n{lam}": {"name": "ps", "mode": "softsync", "n": lam,
+                             "lr_staleness": "per_gradient"},
+        f"softsync_n{max(1, lam // 2)}": {"name": "ps", "mode": "softsync",
+                                          "n": max(1, lam // 2),
+                                          "lr_staleness": "per_gradient"},
+        "perf_aware": pa,
+        "perf_aware_tau": {**pa, "lr_staleness": "per_gradient"},
+        "perf_aware_scaled": {**pa, "scale_lr": True},
+    }
+
+
+class _Recording(SimPSRuntime):
+    """The simulator's PS runtime, also measuring the training loss of the current weights
+    at every epoch's end (for equal wall-clock), and test accuracy when given a test set."""
+
+    test: tuple[np.ndarray, np.ndarray] | None = None
+    every_epoch_train = True
+
+    def _handle(self, events, t: float) -> None:
+        for closed in self.events.handle(events).closed:
+            loss, acc = self.store.evaluate(self.ds.x_test, self.ds.y_test)
+            rec = self.events.record(closed, loss, acc, t)
+            if _Recording.every_epoch_train:
+                rec["full_train_loss"] = self.store.evaluate(self.ds.x_train,
+                                                             self.ds.y_train)[0]
+            if _Recording.test is not None:
+                rec["heldout_accuracy"] = self.store.evaluate(*_Recording.test)[1]
+            self.epochs.append(rec)
+
+
+sim_ps.SimPSRuntime = _Recording  # simulate_ps builds this runtime
+
+
+def spec_for(arm: str, proto: dict, a, lam: int, lr: float, seed: int, dataset: dict,
+             model: dict, epochs: int, speeds: list[float]) -> JobSpec:
     return JobSpec.model_validate(dict(
-        name=f"ji-{method}".replace("_", "-"),
-        dataset={"name": a.dataset, **({"limit": a.limit} if a.limit else {})},
-        model={"name": a.model, "hidden": 64},
+        name=f"ji-{arm}".replace("_", "-"), dataset=dataset, model=model,
         optimizer={"name": "sgd", "lr": lr, "momentum": a.momentum}, workers=lam,
-        global_batch=a.b0 * lam, epochs=a.epochs, seed=seed, protocol=proto,
-        emulation={"slowdowns": [max(a.speeds) / s for s in a.speeds]},
-    ))
+        global_batch=a.b0 * lam, epochs=epochs, seed=seed, protocol=proto,
+        emulation={"slowdowns": [max(speeds) / s for s in speeds]}))
 
 
-def summarize(loss, acc, thr, taus) -> dict:
-    taus = np.asarray(taus or [0])
-    return {"final_loss": round(float(loss), 4), "test_accuracy": round(float(acc), 4),
-            "throughput": round(float(thr), 2), "staleness_mean": round(float(taus.mean()), 3),
-            "staleness_p99": round(float(np.percentile(taus, 99)), 2)}
+def with_validation(ds: DatasetArrays, seed: int, frac: float = 0.2) -> DatasetArrays:
+    """The training set split: train on 1−frac, the 'test' slot holds the validation part."""
+    idx = np.random.default_rng([seed, 21]).permutation(len(ds.y_train))
+    k = int(len(idx) * frac)
+    va, tr = idx[:k], idx[k:]
+    return DatasetArrays(ds.name, ds.x_train[tr], ds.y_train[tr], ds.x_train[va],
+                         ds.y_train[va], num_classes=ds.num_classes)
 
 
-def run_sim(method: str, a, lr: float, seed: int, ds) -> dict:
-    spec = method_spec(method, a, lr, seed)
+def run_one(arm, proto, a, speeds, lr, seed, ds, dataset, model, epochs) -> dict:
+    lam = len(speeds)
+    spec = spec_for(arm, proto, a, lam, lr, seed, dataset, model, epochs, speeds)
     core = build_core(spec, len(ds.y_train))
-    learners = tuple(SimLearner(f"w{i}", 0.0005 / s, 0.002 / s) for i, s in enumerate(a.speeds))
+    learners = tuple(SimLearner(f"w{i}", C_S / s, A_S / s) for i, s in enumerate(speeds))
     res = simulate_ps(spec, core, PSSimConfig(learners, noise=0.05, seed=seed), data=ds)
     assert all(e["verified"] for e in res.epochs)
-    taus = [t for v in res.staleness.values() for t in v]
-    out = summarize(res.final_train_loss, res.epochs[-1]["test_accuracy"], res.throughput,
-                    taus)
-    out["batches"] = {w: v["batch"] for w, v in res.snapshot["workers"].items()}
-    out["per_worker_staleness_mean"] = {w: round(float(np.mean(v)), 2)
-                                        for w, v in sorted(res.staleness.items())}
+    taus = np.asarray([t for v in res.staleness.values() for t in v] or [0])
+    fin = res.final_train_loss
+    out = {"val_loss": _finite(res.epochs[-1]["test_loss"]),
+           "train_loss": _finite(fin),
+           "curve": [(round(e["t"], 4), _finite(e.get("full_train_loss", fin)))
+                     for e in res.epochs],
+           "throughput": res.throughput,
+           "staleness_mean": float(taus.mean()), "staleness_p99": float(np.percentile(taus, 99)),
+           "batches": {w: v["batch"] for w, v in res.snapshot["workers"].items()}}
+    if "heldout_accuracy" in res.epochs[-1]:
+        out["test_accuracy"] = res.epochs[-1]["heldout_accuracy"]
+        out["val_accuracy"] = res.epochs[-1]["test_accuracy"]
     return out
 
 
-def run_ray(method: str, a, lr: float, seed: int) -> dict:
+def _finite(x) -> float:
+    x = float(x) if x is not None else float("inf")
+    return x if np.isfinite(x) else float("inf")
+
+
+def _at(curve: list, t: float) -> float:
+    """The training loss at time t, linear between epoch ends (the first epoch's before)."""
+    ts = [c[0] for c in curve]
+    ls = [c[1] for c in curve]
+    if t <= ts[0]:
+        return ls[0]
+    return float(np.interp(t, ts, ls))
+
+
+def _r(x: float, k: int = 4):
+    return None if not np.isfinite(x) else round(float(x), k)
+
+
+def sweep(a, speeds, lrs, seeds, ds, dataset, model, epochs, names=None) -> dict:
+    lam = len(speeds)
+    table = arms(lam)
+    names = names or list(table)
+    out = {}
+    for arm in names:
+        t0 = time.perf_counter()
+        grid = {lr: [run_one(arm, table[arm], a, speeds, lr, s, ds, dataset, model, epochs)
+                     for s in seeds] for lr in lrs}
+        val = {lr: float(np.mean([r["val_loss"] for r in rs])) for lr, rs in grid.items()}
+        best = min(lrs, key=lambda lr: (val[lr], lr))
+        rs = grid[best]
+        out[arm] = {"alpha0": best, "val_loss_by_alpha0": {str(k): _r(v) for k, v in val.items()},
+                    "runs": rs}
+        print(f"  {arm}: α0={best} val={val} ({time.perf_counter() - t0:.0f}s)",
+              file=sys.stderr)
+    return out
+
+
+def summarise(res: dict, speeds: list[float], b0: int) -> dict:
+    t_end = min(max(r["curve"][-1][0] for r in v["runs"]) for v in res.values())
+    one = b0 / (A_S + C_S * b0)  # a speed-1 learner alone, samples/s
+    out = {}
+    for arm, v in res.items():
+        rs = v["runs"]
+        row = {"alpha0": v["alpha0"], "val_loss_by_alpha0": v["val_loss_by_alpha0"],
+               "train_loss_equal_samples": _r(np.mean([r["train_loss"] for r in rs])),
+               "train_loss_equal_time": _r(np.mean([_at(r["curve"], t_end) for r in rs])),
+               "per_seed_equal_samples": [_r(r["train_loss"]) for r in rs],
+               "throughput": _r(np.mean([r["throughput"] for r in rs]), 1),
+               "speedup": _r(np.mean([r["throughput"] for r in rs]) / one, 2),
+               "staleness_mean": _r(np.mean([r["staleness_mean"] for r in rs]), 2),
+               "staleness_p99": _r(np.mean([r["staleness_p99"] for r in rs]), 1),
+               "batches": rs[0]["batches"]}
+        if "test_accuracy" in rs[0]:
+            row["test_accuracy"] = _r(np.mean([r["test_accuracy"] for r in rs]))
+        out[arm] = row
+    return {"equal_time_s": _r(t_end, 3), "ideal_speedup": sum(speeds), "arms": out}
+
+
+def ratios(s: dict, arm: str, key: str) -> dict:
+    a = s["arms"]
+    soft = [k for k in a if k.startswith("softsync")]
+    best_soft = min(soft, key=lambda k: a[k][key] if a[k][key] is not None else 1e9)
+
+    def rat(x, y):
+        return None if x is None or y in (None, 0) else round(x / y, 3)
+    return {"loss_ratio_vs_asgd": rat(a[arm][key], a["asgd"][key]),
+            "loss_ratio_vs_softsync": rat(a[arm][key], a[best_soft][key]),
+            "softsync_arm": best_soft}
+
+
+def run_ray(arm: str, a, speeds, lr: float) -> dict:
+    import os
+
+    import ray
     from dynabatch.scheduler.ps.driver import PSCoordinator
 
-    spec = method_spec(method, a, lr, seed)
-    coord = PSCoordinator(f"ji-{method}", spec, final_train_loss=True)
-    snap = coord.run()
-    assert snap.state.value == "SUCCEEDED", snap.reason
-    hist = coord.history()
-    assert all(r.verified for r in hist)
-    stats = coord.server_stats
-    ps = snap.ps
-    taus = [t for w in ps.workers for t, k in w.staleness_counts.items() for _ in range(k)]
-    samples = sum(r.samples_trained for r in hist)
-    # From the start barrier (every learner asked) to the last epoch's end.
-    span = stats["epochs"][-1]["t"] - stats["started_s"]
-    out = summarize(coord.final_train_loss, hist[-1].test_accuracy, samples / span, taus)
-    out["startup_s"] = round(stats["started_s"], 2)
-    out["batches"] = {w.worker: w.batch for w in ps.workers}
-    out["per_worker_staleness_mean"] = {w.worker: round(w.staleness_mean, 2)
-                                        for w in ps.workers}
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=len(speeds), include_dashboard=False,
+             object_store_memory=200 * 2**20, log_to_driver=False)
+    out = {}
+    try:
+        for name in ("asgd", arm):
+            spec = spec_for(name, arms(len(speeds))[name], a, len(speeds), lr, 0,
+                            {"name": "digits"}, {"name": "mlp", "hidden": 64}, a.ray_epochs,
+                            speeds)
+            coord = PSCoordinator(f"ji-{name}", spec, final_train_loss=True)
+            snap = coord.run()
+            assert snap.state.value == "SUCCEEDED", snap.reason
+            hist = coord.history()
+            st = coord.server_stats
+            span = st["epochs"][-1]["t"] - st["started_s"]
+            out[name] = {"final_loss": _r(coord.final_train_loss),
+                         "throughput": _r(sum(r.samples_trained for r in hist) / span, 1),
+                         "batches": {w.worker: w.batch for w in snap.ps.workers}}
+    finally:
+        ray.shutdown()
+    out["loss_ratio_vs_asgd"] = (round(out[arm]["final_loss"] / out["asgd"]["final_loss"], 3)
+                                 if out[arm]["final_loss"] and out["asgd"]["final_loss"]
+                                 else None)
     return out
-
-
-def over_seeds(runs: list[dict]) -> dict:
-    out = {k: round(float(np.mean([r[k] for r in runs])), 4) for k in KEYS}
-    out["final_loss_per_seed"] = [r["final_loss"] for r in runs]
-    out["batches"] = runs[0]["batches"]
-    out["per_worker_staleness_mean"] = runs[0]["per_worker_staleness_mean"]
-    if "startup_s" in runs[0]:
-        out["startup_s"] = runs[0]["startup_s"]
-    return out
-
-
-def verdict(m: dict, method: str = "perf_aware") -> dict:
-    asgd, pa = m["asgd"], m[method]
-    lr = pa["final_loss"] / asgd["final_loss"] if asgd["final_loss"] else None
-    tr = pa["throughput"] / asgd["throughput"] if asgd["throughput"] else None
-    return {"loss_ratio": None if lr is None else round(lr, 3),
-            "throughput_ratio": None if tr is None else round(tr, 3),
-            "claim": "perf_aware final loss <= 0.6x asgd at throughput >= 0.95x",
-            "met": bool(lr is not None and tr is not None and lr <= 0.6 and tr >= 0.95)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--drivers", default="sim", help="sim, ray or sim,ray")
-    ap.add_argument("--speeds", default="1,1,2,4")
+    ap.add_argument("--speeds", default="1,1,2,2,4,4,16,16")
+    ap.add_argument("--speeds2", default="1,1,2,4", help="second cluster ('' to skip)")
     ap.add_argument("--epochs", type=int, default=8)
-    ap.add_argument("--lrs", default="0.2", help="α0 values (every method runs at each)")
+    ap.add_argument("--lrs", default="0.05,0.1,0.2")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--momentum", type=float, default=0.0)
     ap.add_argument("--b0", type=int, default=16)
-    ap.add_argument("--dataset", default="digits")
-    ap.add_argument("--model", default="mlp")
-    ap.add_argument("--limit", type=int, default=0, help="training samples (0: all)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--cifar-lrs", default="0.02,0.05", help="'' to skip the CIFAR part")
+    ap.add_argument("--cifar-epochs", type=int, default=4)
+    ap.add_argument("--cifar-seeds", type=int, default=1)
+    ap.add_argument("--cifar-train", type=int, default=3000)
+    ap.add_argument("--ray-arm", default="", help="run this arm and ASGD on Ray ('best')")
+    ap.add_argument("--ray-epochs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    a.speeds = [float(s) for s in a.speeds.split(",")]
+    torch.set_num_threads(a.threads)
     lrs = [float(x) for x in a.lrs.split(",")]
-    drivers = a.drivers.split(",")
-    out: dict = {"speeds": a.speeds, "epochs": a.epochs, "alpha0": lrs[0], "lrs": lrs,
-                 "b0": a.b0, "seeds": a.seeds, "momentum": a.momentum, "dataset": a.dataset,
-                 "model": a.model, "limit": a.limit or None,
-                 "command": "python bench/async_ji.py " + " ".join(sys.argv[1:])}
-    seeds = [a.seed + k for k in range(a.seeds)]
-    if "sim" in drivers:
-        ds = load_dataset(method_spec("asgd", a, lrs[0], a.seed).dataset, seed=a.seed)
-        by = {}
-        for lr in lrs:
-            m = {meth: over_seeds([run_sim(meth, a, lr, s, ds) for s in seeds])
-                 for meth in METHODS}
-            by[str(lr)] = {"methods": m, "target": verdict(m),
-                           "unscaled_vs_asgd": verdict(m, "perf_aware_unscaled")}
-            print(f"sim α0={lr}: {by[str(lr)]['target']}", file=sys.stderr)
-        out["sim"] = {"by_alpha0": by}
-        out["methods"], out["target"] = by[str(lrs[0])]["methods"], by[str(lrs[0])]["target"]
-    if "ray" in drivers:
-        import os
-
-        import ray
-
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=len(a.speeds), include_dashboard=False,
-                 object_store_memory=200 * 2**20, log_to_driver=False)
-        try:
-            by = {}
-            for lr in lrs:
-                m = {meth: over_seeds([run_ray(meth, a, lr, s) for s in seeds])
-                     for meth in METHODS}
-                by[str(lr)] = {"methods": m, "target": verdict(m),
-                               "unscaled_vs_asgd": verdict(m, "perf_aware_unscaled")}
-        finally:
-            ray.shutdown()
-        out["ray"] = {"by_alpha0": by, "emulated": True}
-        if "methods" not in out:
-            out["methods"], out["target"] = by[str(lrs[0])]["methods"], by[str(lrs[0])]["target"]
-    emit(out, a.out)
+    seeds = list(range(a.seeds))
+    out: dict = {"command": "python bench/async_ji.py " + " ".join(sys.argv[1:]),
+                 "mode": "simulator (scheduler/sim/ps.py, real gradients, virtual clock)",
+                 "epochs": a.epochs, "b0": a.b0, "lrs": lrs, "seeds": a.seeds,
+                 "momentum": a.momentum, "dataset": "digits (80% train / 20% validation)",
+                 "model": "mlp hidden 64", "selection": "α0 per arm by mean validation loss"}
+    digits = load_dataset(JobSpec.model_validate({"dataset": {"name": "digits"}}).dataset)
+    ds = with_validation(digits, 0)
+    clusters = {}
+    for key in ("speeds", "speeds2"):
+        text = getattr(a, key)
+        if not text:
+            continue
+        speeds = [float(s) for s in text.split(",")]
+        print(f"cluster {speeds}", file=sys.stderr)
+        res = sweep(a, speeds, lrs, seeds, ds, {"name": "digits"},
+                    {"name": "mlp", "hidden": 64}, a.epochs)
+        clusters[":".join(f"{s:g}" for s in speeds)] = summarise(res, speeds, a.b0)
+    out["clusters"] = clusters
+    first = next(iter(clusters.values()))
+    pa = [k for k in first["arms"] if k.startswith("perf_aware")]
+    key = "train_loss_equal_samples"
+    win = min(pa, key=lambda k: first["arms"][k][key] or 1e9)
+    out["best"] = {"arm": win, "cluster": next(iter(clusters)), **ratios(first, win, key),
+                   "equal_time": ratios(first, win, "train_loss_equal_time")}
+    out["by_cluster"] = {c: {arm: {**ratios(s, arm, key),
+                                   "equal_time": ratios(s, arm, "train_loss_equal_time")}
+                             for arm in s["arms"] if arm.startswith("perf_aware")}
+                         for c, s in clusters.items()}
+    out["best"]["target_met"] = bool(
+        (out["best"]["loss_ratio_vs_asgd"] or 9) <= 0.4
+        and (out["best"]["loss_ratio_vs_softsync"] or 9) <= 0.4)
+    if a.cifar_lrs:
+        speeds = [float(s) for s in a.speeds2.split(",")] if a.speeds2 else \
+            [float(s) for s in a.speeds.split(",")]
+        cds = load_dataset(JobSpec.model_validate({"dataset": {
+            "name": CIFAR, "options": {"n_train": a.cifar_train, "n_test": 1000}}}).dataset)
+        _Recording.test = (cds.x_test, cds.y_test)
+        _Recording.every_epoch_train = False
+        cv = with_validation(cds, 0)
+        clr = [float(x) for x in a.cifar_lrs.split(",")]
+        print(f"cifar {speeds}", file=sys.stderr)
+        res = sweep(a, speeds, clr, list(range(a.cifar_seeds)), cv,
+                    {"name": CIFAR, "options": {"n_train": a.cifar_train, "n_test": 1000}},
+                    {"name": "resnet", "options": {"widths": [8, 16, 32]}}, a.cifar_epochs,
+                    names=["asgd", win])
+        s = summarise(res, speeds, a.b0)
+        acc = {k: v["test_accuracy"] for k, v in s["arms"].items()}
+        gain = round(100 * (acc[win] - acc["asgd"]), 2)
+        out["cifar"] = {"arm": win, "speeds": speeds, "epochs": a.cifar_epochs,
+                        "lrs": clr, "seeds": a.cifar_seeds, "n_train": a.cifar_train,
+                        "model": "resnet widths 8,16,32", "test_accuracy": acc,
+                        "accuracy_gain_vs_asgd": gain, "target_met": gain >= 10, **s}
+    if a.ray_arm:
+        arm = win if a.ray_arm == "best" else a.ray_arm
+        speeds = [float(s) for s in a.speeds2.split(",")]
+        lr = clusters[":".join(f"{s:g}" for s in speeds)]["arms"][arm]["alpha0"]
+        out["ray"] = {"speeds": speeds, "alpha0": lr, "epochs": a.ray_epochs,
+                      **run_ray(arm, a, speeds, lr)}
+    emit(out, a.out, indent=1)
 
 
 if __name__ == "__main__":

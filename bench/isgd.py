@@ -33,7 +33,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dynabatch.scheduler.sim.cluster import ClusterModel, parse_cluster
+from dynabatch.scheduler.sim.cluster_spec import parse_cluster
+from dynabatch.scheduler.sim.cost_model import SimulatedCluster
 
 from bench.sched_common import CLUSTER, MODE, dataset, job, median, pin_threads, run
 
@@ -118,7 +119,7 @@ def main() -> None:
     # What ISGD adds to every step even when it flags nothing: the all-reduce of the batch
     # loss (a separate collective on the workers; charged by the cluster's latency model).
     n = sum(c["count"] for c in CLUSTER["classes"])
-    out["loss_allreduce_s_per_step"] = ClusterModel(parse_cluster(CLUSTER)).allreduce_s(
+    out["loss_allreduce_s_per_step"] = SimulatedCluster(parse_cluster(CLUSTER)).allreduce_s(
         n, 0, 8.0)
     out.update({"batch": BATCH, "lr": args.lr, "momentum": 0.9, "shuffle": "once",
                 "window": "epoch (120 batches)", "sigma": 3.0, "max_extra": args.max_extra,

@@ -30,12 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dynabatch.scheduler.core.sync.policy import (
-    Allocation,
-    WorkerTelemetry,
-    make_allocation,
-    make_policy,
-)
+from dynabatch.scheduler.core.sync.allocation import Allocation, WorkerTelemetry, make_allocation
+from dynabatch.scheduler.core.sync.policy import make_policy
 from dynabatch.scheduler.core.sync.steptime import StepTimeStats
 
 POLICIES = ("static", "dbs", "affine")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from dynabatch.actors.spec import JobSpec, parse_spec
-from dynabatch.scheduler.sim.cluster import parse_cluster
+from dynabatch.scheduler.sim.cluster_spec import parse_cluster
 from dynabatch.scheduler.sim.simulator import SimResult, simulate
 
 CLUSTER = {

@@ -11,8 +11,8 @@ is far from equal (about 16 / 52 / 124 samples per step). A ring all-reduce of a
 boundaries, the same seed for every policy. ``fraction_of_ideal`` = ideal epoch / steady
 epoch (the epochs after the first 2), the ideal being the equal-finish step under the true
 model plus the all-reduce, with the expected maximum of the per-step noise (see
-``dynabatch.scheduler.sim.cluster``). ``sim_wall_s``: wall seconds of the slowest of the cluster's
-three runs (each simulates every epoch of one policy).
+``dynabatch.scheduler.sim.cost_model``). ``sim_wall_s``: wall seconds of the slowest of the
+cluster's three runs (each simulates every epoch of one policy).
 
 Validation: clusters (a) 2 workers at slowdowns [1, 3] and (b) 4 at [1, 1, 2, 4], LeNet on
 12,000 MNIST-format samples, global batch 256, simulated from what ``bench/hetero.py``
@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 from dynabatch.actors.spec import JobSpec
-from dynabatch.scheduler.sim.cluster import WorkerProfile, cluster_from_profiles, parse_cluster
+from dynabatch.scheduler.sim.cluster_spec import parse_cluster
+from dynabatch.scheduler.sim.profiles import WorkerProfile, cluster_from_profiles
 from dynabatch.scheduler.sim.simulator import SimResult, simulate
 
 HERE = Path(__file__).resolve().parent

@@ -130,6 +130,10 @@ if [[ "$1" == "healthcheck" ]]; then
     healthcheck "$@"
 fi
 
+# Ray opens many files: the soft limit up to the hard one (compose cannot ask for more than
+# the engine has; a higher `ulimits:` makes container creation fail).
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+
 if [[ -n "${DYNABATCH_RAY_JOIN:-}" ]]; then
     join_ray "$DYNABATCH_RAY_JOIN"
 fi

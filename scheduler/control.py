@@ -53,6 +53,8 @@ class JobControl:
         self.finished_at: float | None = None
         # The job's actors' stdout/stderr, through Ray's log API (Ray drivers set it).
         self.output: ActorOutput | None = None
+        # Why requested workers cannot all be placed now (shown as the reason while so).
+        self.placement_note: str | None = None
 
     # ------------------------------------------------------------------ for subclasses
     def snapshot(self) -> JobSnapshot:
@@ -64,6 +66,11 @@ class JobControl:
     def _member_ids(self) -> list[str]:
         """The workers that take part in training now (drain's candidates)."""
         raise NotImplementedError
+
+    def _placement_note(self, workers: int) -> str | None:
+        """Why ``workers`` workers cannot all be placed now, or None (drivers that can
+        tell say so at once, in the reply to the request)."""
+        return None
 
     # ------------------------------------------------------------------ public interface
     def history(self, since: int = 0) -> list[EpochRecord]:
@@ -93,6 +100,13 @@ class JobControl:
                 raise InvalidTransition(self.state, JobState.RUNNING)
             self._requests.append(("scale", workers))
             self._log("INFO", f"scale requested: {workers} workers")
+        note = self._placement_note(workers)
+        with self._lock:
+            if note is not None:
+                self._log("WARNING", f"scale to {workers}: {note}")
+            if self.reason is None or self.reason == self.placement_note:
+                self.reason = note
+            self.placement_note = note
         return self.snapshot()
 
     def drain(self, worker: str) -> JobSnapshot:

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import httpx
+from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.service.schemas import (
@@ -126,7 +127,7 @@ class DynabatchClient:
         try:
             return model.model_validate(response.json())
         except (ValueError, ValidationError) as err:
-            first = str(err).splitlines()[0]
+            first = first_line(err, typed=False, limit=None)
             raise ApiError(f"unexpected response from {method} {path}: {first}") from None
 
     # API --------------------------------------------------------------------------------

@@ -19,11 +19,11 @@ name, or resumed the same way when their coordinator is gone (in embedded mode t
 with that process); the rest are marked FAILED instead of being forgotten. ``resume()`` does
 it on request, also for a FAILED job.
 
-Specs come from REST clients: ``submit`` refuses (:class:`dynabatch.actors.spec.SpecNotAllowed`,
-422,
-nothing stored) one that names user code, a dataset path or a checkpoint dir that
-``submit_policy`` (from the settings) does not allow, and every relaunch of a stored spec is
-checked again, so settings tightened since the job was stored hold too.
+Specs come from REST clients: ``submit`` refuses
+(:class:`dynabatch.service.submit_policy.SpecNotAllowed`, 422, nothing stored) one that names
+user code, a dataset path or a checkpoint dir that ``submit_policy`` (from the settings) does
+not allow, and every relaunch of a stored spec is checked again, so settings tightened since
+the job was stored hold too.
 """
 
 from __future__ import annotations
@@ -33,12 +33,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
-from dynabatch.actors.spec import JobSpec, SpecNotAllowed, SubmitPolicy, check_submission
+from dynabatch.actors.errors import first_line
+from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.service.labels import relabel_metrics
 from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
+from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
 from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger("dynabatch.service")
@@ -54,15 +58,15 @@ def new_job_id() -> str:
 
 
 # Errors ---------------------------------------------------------------------------------
-class ClusterError(RuntimeError):
+class RayCallError(RuntimeError):
     """A Ray call failed."""
 
 
-class ClusterUnavailable(ClusterError):
+class ClusterUnavailable(RayCallError):
     """Ray (or an actor) did not answer in time; the call may succeed later."""
 
 
-class CoordinatorGone(ClusterError):
+class CoordinatorGone(RayCallError):
     """The job's coordinator actor is dead or does not exist."""
 
 
@@ -84,6 +88,26 @@ class JobConflict(Exception):
     resuming a job whose coordinator is alive or which has no checkpoint."""
 
 
+class AlreadyFinished(InvalidTransition):
+    """Cancelling a job that already ended (409): says so, rather than the lifecycle's
+    ``job is CANCELLED; it cannot become CANCELLED``."""
+
+    def __init__(self, old: JobState, job_id: str = ""):
+        super().__init__(old, JobState.CANCELLED)
+        job = f"job {job_id}" if job_id else "job"
+        if old == JobState.CANCELLED:
+            self.args = (f"{job} is already CANCELLED",)
+        else:
+            self.args = (f"{job} already finished ({old.value}): there is nothing to cancel",)
+        self.job_id = job_id
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self):
+        return (AlreadyFinished, (self.old, self.job_id))
+
+
 class InvalidRequest(ValueError):
     """A well-formed request that this job cannot take (422), naming the body field."""
 
@@ -91,6 +115,16 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.field = field
         self.message = message
+
+
+@dataclass(frozen=True)
+class MetricState:
+    """One read of the job state /metrics exports (:meth:`JobService.metric_state`)."""
+
+    read_at: float
+    snapshots: list[JobSnapshot]
+    last_records: dict[str, EpochRecord]
+    job_counts: dict[JobState, int]
 
 
 # Cluster view ---------------------------------------------------------------------------
@@ -102,7 +136,7 @@ class NodeJob(BaseModel):
     workers: list[str] = Field(description="Names of this job's workers on the node.")
 
 
-class NodeInfo(BaseModel):
+class ClusterNode(BaseModel):
     """A Ray node, its resources, and the live jobs whose workers it hosts."""
 
     model_config = ConfigDict(frozen=True)
@@ -124,7 +158,7 @@ class NodeInfo(BaseModel):
 
 
 class ClusterClient(Protocol):
-    """Every Ray call the service makes. Implementations raise :class:`ClusterError`s."""
+    """Every Ray call the service makes. Implementations raise :class:`RayCallError`s."""
 
     @property
     def embedded(self) -> bool:
@@ -165,7 +199,7 @@ class ClusterClient(Protocol):
 
     def release(self, job_id: str) -> None: ...
 
-    def nodes(self) -> list[NodeInfo]: ...
+    def nodes(self) -> list[ClusterNode]: ...
 
 
 class JobService:
@@ -201,6 +235,10 @@ class JobService:
         # coordinator for a dead one.
         self._launching: set[str] = set()
         self._launching_lock = threading.Lock()
+        # /metrics reads (metric_state): kept for one sync interval.
+        self._metric_lock = threading.Lock()
+        self._metric_cache: MetricState | None = None
+        self._metric_ttl_s = min(sync_interval_s, 1.0)
 
     # Lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -224,6 +262,7 @@ class JobService:
             self.sync_once()
             for rec in self.store.live():
                 if self.auto_resume_limit > 0 and self.checkpoint_exists(rec):
+                    self._changed()
                     self.store.interrupt(
                         rec.id,
                         f"{EMBEDDED_ENDED}; the job resumes from its checkpoint when the "
@@ -263,7 +302,7 @@ class JobService:
             except ClusterUnavailable as err:
                 log.warning("job %s: cannot re-attach yet (%s); will retry", rec.id, err)
                 continue
-            except ClusterError as err:
+            except RayCallError as err:
                 ok, why = False, str(err)
             else:
                 why = "no coordinator actor on the Ray cluster after the API restarted"
@@ -294,7 +333,7 @@ class JobService:
             self.sync_job(rec.id)
         try:
             self._alive_nodes = sum(1 for n in self.cluster.nodes() if n.alive)
-        except ClusterError as err:
+        except RayCallError as err:
             log.warning("cannot list Ray nodes: %s", err)
             self._alive_nodes = None
 
@@ -308,6 +347,7 @@ class JobService:
                 snap = snapshot if snapshot is not None else self.cluster.snapshot(job_id)
                 last_epoch = None if rec.resync else self.store.last_epoch(job_id)
                 records = self.cluster.history(job_id, 0 if last_epoch is None else last_epoch + 1)
+                records = [relabel_metrics(r) for r in records]  # pkg.mod:fn as fn
                 # The coordinator numbers its lines from 0; a resumed job's lines are stored
                 # after the earlier coordinators' (log_offset).
                 last_seq = self.store.last_log_seq(job_id)
@@ -315,10 +355,10 @@ class JobService:
                 lines = self.cluster.logs(job_id, since)
             except CoordinatorGone as err:
                 return self._coordinator_lost(
-                    rec, f"the job's coordinator actor died: {_first_line(err)}"
+                    rec, f"the job's coordinator actor died: {first_line(err, typed=False)}"
                 )
-            except ClusterError as err:
-                log.warning("job %s: sync failed (%s)", job_id, _first_line(err))
+            except RayCallError as err:
+                log.warning("job %s: sync failed (%s)", job_id, first_line(err, typed=False))
                 return rec
             if rec.resync:
                 self.store.replace_history(job_id, records)
@@ -331,10 +371,11 @@ class JobService:
                 lines = [x.model_copy(update={"seq": x.seq + rec.log_offset}) for x in lines]
             self.store.add_logs(job_id, lines)
             self.store.save_snapshot(snap, now=self.clock())
+            self._changed()
             if snap.state.is_terminal and self.release_finished:
                 try:
                     self.cluster.release(job_id)
-                except ClusterError as err:
+                except RayCallError as err:
                     log.warning("job %s: cannot release coordinator (%s)", job_id, err)
             return self.store.get(job_id)
 
@@ -377,7 +418,7 @@ class JobService:
         attempt = f"automatic resume {rec.auto_resumes + 1} of {self.auto_resume_limit}"
         try:
             return self._relaunch(rec, f"{why}; resuming from its checkpoint ({attempt})", True)
-        except ClusterError:
+        except RayCallError:
             return self.store.get(rec.id)  # _relaunch recorded the failure
 
     def _not_allowed(self, rec: JobRecord) -> str | None:
@@ -402,17 +443,19 @@ class JobService:
 
     def _relaunch(self, rec: JobRecord, reason: str, automatic: bool) -> JobRecord:
         """Start a new coordinator for ``rec`` (it picks up the checkpoint). A launch that
-        fails leaves the job FAILED and re-raises the ClusterError."""
+        fails leaves the job FAILED and re-raises the RayCallError."""
         rec = self.store.mark_resumed(
             rec.id, reason, automatic=automatic, cluster=self._cluster_name(), now=self.clock()
         )
+        self._changed()
         log.warning("job %s: %s", rec.id, reason)
         with self._launching_lock:
             self._launching.add(rec.id)
         try:
             self.cluster.launch(rec.id, self._launch_spec(rec))
-        except ClusterError as err:
-            self._fail(rec.id, f"{reason}; could not start a new coordinator: {_first_line(err)}")
+        except RayCallError as err:
+            self._fail(rec.id, f"{reason}; could not start a new coordinator: "
+                               f"{first_line(err, typed=False)}")
             raise
         finally:
             with self._launching_lock:
@@ -423,7 +466,12 @@ class JobService:
         """Where this service starts coordinators, as stored with each job."""
         return EMBEDDED_CLUSTER if self.cluster.embedded else self.cluster.address
 
+    def _changed(self) -> None:
+        """The store changed: the next /metrics scrape reads it again."""
+        self._metric_cache = None
+
     def _fail(self, job_id: str, reason: str) -> JobRecord | None:
+        self._changed()
         try:
             rec = self.store.transition(job_id, JobState.FAILED, reason, now=self.clock())
         except (KeyError, InvalidTransition):
@@ -451,21 +499,24 @@ class JobService:
             rec = self.store.create(job_id, spec, cluster=cluster, now=self.clock())
             self.cluster.launch(job_id, spec)
         except ClusterUnavailable as err:
-            self._fail(job_id, f"could not start the job's coordinator: {_first_line(err)}")
+            self._fail(job_id, "could not start the job's coordinator: "
+                               f"{first_line(err, typed=False)}")
             raise
-        except ClusterError as err:
+        except RayCallError as err:
             failed = self._fail(
-                job_id, f"could not start the job's coordinator: {_first_line(err)}"
+                job_id, f"could not start the job's coordinator: {first_line(err, typed=False)}"
             )
             return failed or rec
         finally:
             with self._launching_lock:
                 self._launching.discard(job_id)
+        self._changed()
         log.info("job %s (%s) submitted", job_id, spec.name)
         return rec
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobRecord:
-        """Cancel a live job. Raises ``InvalidTransition`` (409) when it already finished.
+        """Cancel a live job. Raises :class:`AlreadyFinished` (an ``InvalidTransition``, 409)
+        when it already ended.
 
         The coordinator stops at its next step boundary; this waits up to ``cancel_wait_s``
         for that, so the answer is usually the final CANCELLED state.
@@ -473,22 +524,23 @@ class JobService:
         with self._sync_lock:
             rec = self._get_record(job_id)
             if rec.state.is_terminal:
-                raise InvalidTransition(rec.state, JobState.CANCELLED)
+                raise AlreadyFinished(rec.state, job_id)
             try:
                 snap = self.cluster.cancel(job_id, reason)
             except CoordinatorGone:
+                self._changed()
                 return self.store.transition(job_id, JobState.CANCELLED, reason, now=self.clock())
             except InvalidTransition:
                 # It finished between our read and the coordinator's; report what it is.
                 done = self.sync_job(job_id) or rec
-                raise InvalidTransition(done.state, JobState.CANCELLED) from None
+                raise AlreadyFinished(done.state, job_id) from None
             log.info("job %s: cancel requested (%s)", job_id, reason)
         deadline = time.monotonic() + self.cancel_wait_s
         while not snap.state.is_terminal and time.monotonic() < deadline:
             time.sleep(0.1)
             try:
                 snap = self.cluster.snapshot(job_id)
-            except ClusterError:
+            except RayCallError:
                 break
         return self.sync_job(job_id, snapshot=snap) or rec
 
@@ -535,7 +587,7 @@ class JobService:
                 # The size holds for the coordinator that resumes the job (if it can be).
                 self.store.set_target_workers(job_id, workers)
                 done = self._coordinator_lost(
-                    rec, f"the job's coordinator actor died: {_first_line(err)}"
+                    rec, f"the job's coordinator actor died: {first_line(err, typed=False)}"
                 )
                 if done is None or done.state.is_terminal:
                     raise InvalidTransition(
@@ -559,7 +611,7 @@ class JobService:
                 snap = self._membership_call(rec, lambda: self.cluster.drain(job_id, worker))
             except CoordinatorGone as err:
                 done = self._coordinator_lost(
-                    rec, f"the job's coordinator actor died: {_first_line(err)}"
+                    rec, f"the job's coordinator actor died: {first_line(err, typed=False)}"
                 )
                 what = "it is being resumed" if done and not done.state.is_terminal else "it failed"
                 raise WorkerNotFound(
@@ -642,7 +694,7 @@ class JobService:
         self._get_record(job_id)
         return self.store.logs(job_id, since, limit)
 
-    def nodes(self) -> list[NodeInfo]:
+    def nodes(self) -> list[ClusterNode]:
         """Ray's nodes, each with the live jobs whose workers it hosts."""
         nodes = self.cluster.nodes()
         hosted: dict[str, dict[str, NodeJob]] = {n.node_id: {} for n in nodes}
@@ -667,14 +719,29 @@ class JobService:
         recs.sort(key=lambda r: (r.created_at, r.id))
         return [r.current_snapshot() for r in recs]
 
+    def metric_state(self) -> MetricState:
+        """What /metrics exports: :meth:`metric_snapshots`, each job's last epoch record (its
+        held-out loss and metrics) and the job counts, read at most once per
+        ``sync_interval_s`` (the store changes no more often than the sync loop writes it), so
+        scrapes under load share one read instead of each queueing on the store."""
+        now = time.monotonic()
+        with self._metric_lock:
+            cached = self._metric_cache
+            if cached is not None and now - cached.read_at < self._metric_ttl_s:
+                return cached
+            snaps = self.metric_snapshots()
+            state = MetricState(
+                read_at=now,
+                snapshots=snaps,
+                last_records=self.store.last_records(s.job_id for s in snaps),
+                job_counts=self.job_counts(),
+            )
+            self._metric_cache = state
+            return state
+
     def job_counts(self) -> dict[JobState, int]:
         return self.store.count_by_state()
 
     @property
     def alive_nodes(self) -> int | None:
         return self._alive_nodes
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0][:300]

@@ -17,11 +17,11 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from dynabatch.service.jobs import (
-    ClusterError,
+    ClusterNode,
     ClusterUnavailable,
     CoordinatorGone,
     JobConflict,
-    NodeInfo,
+    RayCallError,
     WorkerNotFound,
 )
 
@@ -166,7 +166,7 @@ class RayClusterClient:
         worker) are the caller's mistakes, not Ray failures."""
         try:
             return self._call(job_id, method, *args)
-        except ClusterError as err:
+        except RayCallError as err:
             cause = getattr(err.__cause__, "cause", None)
             if isinstance(cause, KeyError):
                 raise WorkerNotFound(str(cause.args[0]) if cause.args else str(cause)) from None
@@ -184,10 +184,10 @@ class RayClusterClient:
         try:
             ray.kill(handle, no_restart=True)
         except Exception as err:
-            raise ClusterError(f"cannot stop the coordinator of job {job_id}: {err}") from err
+            raise RayCallError(f"cannot stop the coordinator of job {job_id}: {err}") from err
 
     # Nodes ------------------------------------------------------------------------------
-    def nodes(self) -> list[NodeInfo]:
+    def nodes(self) -> list[ClusterNode]:
         import ray
 
         try:
@@ -206,7 +206,7 @@ class RayClusterClient:
             resources = {k: float(v) for k, v in (n.get("Resources") or {}).items()}
             alive = bool(n.get("Alive"))
             out.append(
-                NodeInfo(
+                ClusterNode(
                     node_id=node_id,
                     address=str(n.get("NodeManagerAddress", "")),
                     hostname=str(n.get("NodeManagerHostname", "")),
@@ -241,7 +241,7 @@ def _translate(err: BaseException, job_id: str) -> BaseException:
     """Map Ray's exceptions onto the service's; InvalidTransition passes through."""
     import ray.exceptions as rex
 
-    if isinstance(err, ClusterError | InvalidTransition):
+    if isinstance(err, RayCallError | InvalidTransition):
         return err
     if isinstance(err, rex.GetTimeoutError):
         return ClusterUnavailable(f"the coordinator of job {job_id} did not answer in time")
@@ -259,10 +259,10 @@ def _translate(err: BaseException, job_id: str) -> BaseException:
         return InvalidTransition(JobState.SUCCEEDED, JobState.CANCELLED)
     if isinstance(err, rex.RayTaskError):
         cause = getattr(err, "cause", None)
-        return ClusterError(_short(cause if cause is not None else err))
+        return RayCallError(_short(cause if cause is not None else err))
     if isinstance(err, ConnectionError | rex.RaySystemError):
         return ClusterUnavailable(_short(err))
-    return ClusterError(_short(err))
+    return RayCallError(_short(err))
 
 
 def _short(err: BaseException) -> str:

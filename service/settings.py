@@ -10,8 +10,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dynabatch.actors.spec import ANY_MODULE, MODULE_PATTERN, SubmitPolicy
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from dynabatch.actors.spec import MODULE_PATTERN
+from dynabatch.service.submit_policy import ANY_MODULE, SubmitPolicy
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EMBEDDED_ADDRESSES = frozenset({"", "local"})
@@ -20,6 +21,19 @@ EMBEDDED_ADDRESSES = frozenset({"", "local"})
 def split_list(value: str) -> tuple[str, ...]:
     """The entries of a comma-separated setting, stripped; empty entries dropped."""
     return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def settings_problems(err: ValidationError) -> list[str]:
+    """Every problem of a settings validation, each naming its environment variable:
+    ``code_root (DYNABATCH_CODE_ROOT): 'code' is not an absolute path``. Pydantic validates every field
+    before it raises, so an operator sees all of them at once, not one per restart."""
+    out = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "settings"
+        name = f"{field} (DYNABATCH_{field.upper()})" if field in Settings.model_fields else field
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        out.append(f"{name}: {msg}")
+    return out
 
 
 class Settings(BaseSettings):
@@ -70,8 +84,8 @@ class Settings(BaseSettings):
         "epoch in between, before it is marked FAILED; 0 turns automatic resume off.",
     )
     log_level: str = Field(default="info", description="uvicorn and service log level.")
-    # What specs submitted over REST may name (see dynabatch.actors.spec.SubmitPolicy). Comma lists
-    # are plain strings: pydantic-settings would try to JSON-decode a list from the env.
+    # What specs submitted over REST may name (see dynabatch.service.submit_policy). Comma
+    # lists are plain strings: pydantic-settings would try to JSON-decode a list from the env.
     user_code_modules: str = Field(
         default="",
         description="Comma-separated module prefixes that import paths in submitted specs may "

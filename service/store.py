@@ -433,6 +433,21 @@ class JobStore:
             ).fetchall()
         return [EpochRecord.model_validate_json(r[0]) for r in rows]
 
+    def last_records(self, job_ids: Iterable[str]) -> dict[str, EpochRecord]:
+        """Each job's last epoch record (jobs without one are left out), in one query."""
+        ids = list(job_ids)
+        if not ids:
+            return {}
+        marks = ", ".join("?" * len(ids))
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT h.job_id, h.record FROM history h JOIN (SELECT job_id, MAX(epoch) AS e "
+                f"FROM history WHERE job_id IN ({marks}) GROUP BY job_id) m "
+                "ON h.job_id = m.job_id AND h.epoch = m.e",
+                ids,
+            ).fetchall()
+        return {r[0]: EpochRecord.model_validate_json(r[1]) for r in rows}
+
     def last_epoch(self, job_id: str) -> int | None:
         with self._lock:
             row = self._db.execute(

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dynabatch.actors.spec import JobSpec, StageSpec
-from dynabatch.scheduler.sim.cluster import ClusterSpec
+from dynabatch.scheduler.sim.cluster_spec import ClusterSpec
 from dynabatch.scheduler.sim.simulator import SimResult, simulate
 
 

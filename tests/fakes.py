@@ -24,8 +24,7 @@ from dynabatch.actors.contracts import SegmentPlan, SegmentResult, StepTelemetry
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.failures import WorkerOutcome
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
-from dynabatch.scheduler.core.membership import NodeInfo as MNodeInfo
-from dynabatch.scheduler.core.membership import Spawn
+from dynabatch.scheduler.core.membership import NodeInfo, Spawn
 from dynabatch.scheduler.runtime.seam import (
     DataInfo,
     RegroupResult,
@@ -41,11 +40,11 @@ from dynabatch.scheduler.telemetry import (
     WorkerStatus,
 )
 from dynabatch.service.jobs import (
-    ClusterError,
+    ClusterNode,
     ClusterUnavailable,
     CoordinatorGone,
     JobConflict,
-    NodeInfo,
+    RayCallError,
     WorkerNotFound,
 )
 
@@ -328,7 +327,7 @@ class FakeCluster:
         if self.launch_error is not None:
             raise self.launch_error
         if job_id in self.coordinators:
-            raise ClusterError(f"actor name dynabatch-job-{job_id} is already taken")
+            raise RayCallError(f"actor name dynabatch-job-{job_id} is already taken")
         self.launches.setdefault(job_id, []).append(spec)
         c = FakeCoordinator(
             job_id,
@@ -388,10 +387,10 @@ class FakeCluster:
         self.released.append(job_id)
         self.coordinators.pop(job_id, None)
 
-    def nodes(self) -> list[NodeInfo]:
+    def nodes(self) -> list[ClusterNode]:
         self._check("nodes")
         return [
-            NodeInfo(
+            ClusterNode(
                 node_id=n,
                 address=f"10.0.0.{i + 1}",
                 hostname=f"node{i}",
@@ -525,6 +524,11 @@ class FakeRuntime:
         # segment queued behind it cannot train until the next regroup.
         self._group_broken = False
         self.submitted = 0
+        # Plan updates (UpdatingRuntime): asked for, applied; how many steps of a queued
+        # segment the workers are taken to have started when one arrives.
+        self.updates: list = []
+        self.updates_applied: list = []
+        self.update_started = 0
 
     # --- test controls --------------------------------------------------------------
     def inject(self, kind: str, worker: str, **kw) -> Fault:
@@ -545,9 +549,9 @@ class FakeRuntime:
     def load_data(self) -> DataInfo:
         return DataInfo("fake", self.n_train, 100)
 
-    def nodes(self) -> list[MNodeInfo]:
+    def nodes(self) -> list[NodeInfo]:
         busy = {w.node for w in self.workers.values() if w.alive}
-        return [MNodeInfo(n, cpus=1.0, free=n not in busy) for n in self.node_ids]
+        return [NodeInfo(n, cpus=1.0, free=n not in busy) for n in self.node_ids]
 
     def spawn(self, s: Spawn) -> None:
         w = FakeWorker(s.worker_id, s.ordinal, s.node_id, self.speeds.get(s.ordinal, 1000.0))
@@ -702,6 +706,28 @@ class FakeRuntime:
         if id(plans) in self._ran_early:
             return self._ran_early.pop(id(plans))
         return self._run_queued(plans, grace_s)
+
+    def update_segment(self, update, timeout_s: float) -> bool:
+        """UpdatingRuntime: a queued segment holding ``update.at_step`` has not started
+        (segments run when collected), so the update applies to it, unless the workers are
+        taken to have started ``update_started`` of its steps already (a test control) or
+        it ran early. Every update asked for is recorded in ``updates``."""
+        from dynabatch.scheduler.core.sync.update import updated_plans
+
+        self.updates.append(update)
+        for item in self._pending:
+            if isinstance(item, _EvalCall) or id(item) in self._ran_early:
+                continue
+            seg = next(iter(item.values()))
+            if seg.epoch != update.epoch or not any(
+                    sp.step == update.at_step for sp in seg.steps):
+                continue
+            if update.at_step < seg.steps[0].step + self.update_started:
+                return False
+            item.update(updated_plans(item, update))
+            self.updates_applied.append(update)
+            return True
+        return False
 
     def _run_before(self, item, grace_s: float = 0.0) -> None:
         """Run every call submitted before ``item``, in order."""

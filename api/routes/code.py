@@ -9,11 +9,10 @@ Uploading needs what running shipped code needs: ``DYNABATCH_USER_CODE_MODULES='
 
 from __future__ import annotations
 
-from dynabatch.actors.spec import ANY_MODULE
 from dynabatch.api.deps import ERRORS, SettingsDep, require_token
 from dynabatch.service.code_store import CodeRejected, store_code
 from dynabatch.service.schemas import CodeUploaded, ErrorResponse, ValidationErrorResponse
-from dynabatch.service.settings import split_list
+from dynabatch.service.submit_policy import shipping_problems
 from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -25,14 +24,10 @@ _BODY = {
 
 
 def _allowed(settings: SettingsDep) -> None:
-    if ANY_MODULE not in split_list(settings.user_code_modules):
+    problems = shipping_problems(settings)
+    if problems:
         raise HTTPException(status.HTTP_403_FORBIDDEN, detail=(
-            "shipping code is not allowed: this service allows no user code from any module "
-            "(needs DYNABATCH_USER_CODE_MODULES='*')"))
-    if settings.code_root is None:
-        raise HTTPException(status.HTTP_403_FORBIDDEN, detail=(
-            "shipping code is not allowed: this service has nowhere to keep it (needs "
-            "DYNABATCH_CODE_ROOT, a directory every Ray node reads at the same path)"))
+            "shipping code is not allowed: this service " + "; and ".join(problems)))
 
 
 def code_router(max_bytes: int) -> APIRouter:

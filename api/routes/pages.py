@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-STATIC_DIR = Path(str(resources.files("api") / "static"))
+STATIC_DIR = Path(str(resources.files("dynabatch.api") / "static"))
 
 router = APIRouter(include_in_schema=False)
 

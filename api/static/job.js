@@ -8,6 +8,9 @@
   const tokenRequired = document.body.dataset.tokenRequired === "true";
   const $ = (id) => document.getElementById(id);
   const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
+  // A Ray node id (56 hex digits) by its first 8, as the CLI and /metrics name it
+  // (dynabatch.service.labels).
+  const nodeLabel = (n) => (/^[0-9a-f]{40,}$/.test(n) ? n.slice(0, 8) : n);
   const PALETTE = ["#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
   // A link may carry the token in its fragment (/jobs/ID#token=...), which browsers never
   // send to the server; it is kept for the tab and taken out of the address bar.
@@ -138,7 +141,7 @@
       const row = body.insertRow();
       row.dataset.worker = w.worker;
       cell(row, w.worker);
-      cell(row, w.node.slice(0, 12));
+      cell(row, nodeLabel(w.node));
       cell(row, w.batch).className = "batch";
       cell(row, w.partition).className = "partition";
       cell(row, Math.round(w.throughput).toLocaleString("en"));

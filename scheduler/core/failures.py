@@ -13,7 +13,8 @@ Every failure is classified:
 
 A failure that fits none of these (every worker reports a peer error and nobody is
 slow) is retried too, at most ``max_retries + 1`` times in a row at the same step, so
-nothing loops forever.
+nothing loops forever. So is forming the group: a regroup that fails with nobody lost is
+tried at most ``max_retries + 1`` times in a row. :class:`RetryBudget` counts both.
 """
 
 from __future__ import annotations
@@ -80,12 +81,20 @@ def classify(outcomes: list[WorkerOutcome], collective_timeout_s: float) -> Fail
 
 @dataclass
 class RetryBudget:
-    """Consecutive failures at one position; decides when to stop retrying."""
+    """Consecutive failures: of segments at one position, and of regroups; decides when to
+    stop retrying."""
 
     max_retries: int
     position: Position | None = None
     compute_failures: int = 0
     unexplained: int = 0
+    regroup_failures: int = 0
+
+    @property
+    def retrying(self) -> bool:
+        """A segment failed since the last one that succeeded: the next runs as its retry
+        (alone: nothing is sent ahead of it). It outlives the regroups and waits between."""
+        return self.position is not None
 
     def succeeded(self) -> None:
         self.position, self.compute_failures, self.unexplained = None, 0, 0
@@ -107,4 +116,16 @@ class RetryBudget:
         self.unexplained += 1
         if self.unexplained > self.max_retries + 1:
             return f"step failed {self.unexplained} times at {where}: {failure.summary}"
+        return None
+
+    def regrouped(self) -> None:
+        self.regroup_failures = 0
+
+    def regroup_failed(self, lost_workers: bool, why: str) -> str | None:
+        """Record a regroup that failed (``lost_workers``: it lost some, so the next one
+        forms a different group and is always allowed); the reason to fail the job, or None
+        to try again at the next boundary."""
+        self.regroup_failures += 1
+        if not lost_workers and self.regroup_failures > self.max_retries + 1:
+            return f"the group could not be formed {self.regroup_failures} times in a row: {why}"
         return None

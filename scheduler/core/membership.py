@@ -47,9 +47,16 @@ class NodeInfo:
     cpus: float = 1.0
     gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
-    # Room for one more of this job's workers now (unreserved CPUs and GPUs). Only spares
-    # look at it: a spawn on a full node waits for the resources instead.
+    # Room for one more of this job's workers now (unreserved CPUs and GPUs). A spawn on a
+    # node with none of the job's workers goes there even when it is full (it waits for the
+    # resources); a second worker shares a node only where there is room now.
     free: bool = True
+    # How many more of this job's workers fit now (None: one if ``free``, else none).
+    room: int | None = None
+
+    @property
+    def slots(self) -> int:
+        return max(0, self.room) if self.room is not None else int(self.free)
 
     @property
     def capacity(self) -> float:
@@ -135,6 +142,8 @@ class Membership:
         self._drain: set[str] = set()
         self.spares: set[str] = set()  # nodes holding this job's spare (starting or warm)
         self.no_spare: dict[str, str] = {}  # nodes whose spare was lost: why
+        # After :meth:`spawns`: (workers that could not be placed now, workers wanted).
+        self.unplaced: tuple[int, int] | None = None
 
     # --- queries ----------------------------------------------------------------------
     @property
@@ -171,9 +180,14 @@ class Membership:
 
     # --- spawning and starting ----------------------------------------------------------
     def spawns(self, nodes: Sequence[NodeInfo], starting: bool, gpus_on) -> list[Spawn]:
-        """Workers to start on ``nodes``: one per free node, sharing nodes only at the first
-        start on a small cluster (a laptop running every worker on one node)."""
+        """Workers to start on ``nodes``: first one per node with none of the job's workers
+        (a free one with a spare first, then free ones, then full ones, where the worker
+        waits for the resources). At the first start a small cluster then shares nodes
+        round-robin (a laptop running every worker on one node); later (a scale-up, a
+        replacement) a node takes more workers only while it has room for them now
+        (:attr:`NodeInfo.slots`). What cannot be placed is in :attr:`unplaced`."""
         nodes = [n for n in nodes if n.node_id not in self.excluded_nodes]
+        self.unplaced = None
         if not nodes:
             return []
         want = self.want(len(nodes), starting)
@@ -183,10 +197,17 @@ class Membership:
         used = self._used()
         free = [n for n in nodes if n.node_id not in used]
         # A free node with a spare first: its worker is up in a fraction of a second.
-        free.sort(key=lambda n: not (n.free and n.node_id in self.spares))  # stable
-        choices = list(free)
-        if starting and len(free) < want - have:
-            choices += [nodes[i % len(nodes)] for i in range(want - have - len(free))]
+        free.sort(key=lambda n: (not n.free, not (n.free and n.node_id in self.spares)))
+        choices = [n for n in free if n.free]
+        if starting:
+            choices += [n for n in free if not n.free]
+            if len(free) < want - have:
+                choices += [nodes[i % len(nodes)] for i in range(want - have - len(free))]
+        else:
+            choices += self._shared(nodes, used, want - have - len(choices))
+            choices += [n for n in free if not n.free]
+            if len(choices) < want - have:
+                self.unplaced = (want - have - len(choices), want)
         out = []
         for node in choices[: want - have]:
             ordinal = self.next_ordinal
@@ -200,6 +221,33 @@ class Membership:
 
     def _used(self) -> set[str]:
         return {m.node for m in self.members} | {m.node for m in self.pending.values()}
+
+    def _shared(self, nodes: Sequence[NodeInfo], used: set[str], n: int) -> list[NodeInfo]:
+        """Up to ``n`` more placements on nodes that host this job's workers, each within
+        the room the node has now (less the job's workers still starting there, which may
+        not hold their CPUs yet): the roomiest node first, so workers spread."""
+        starting_on: dict[str, int] = {}
+        for p in self.pending.values():
+            starting_on[p.node] = starting_on.get(p.node, 0) + 1
+        room = {x.node_id: x.slots - starting_on.get(x.node_id, 0)
+                for x in nodes if x.node_id in used}
+        by_id = {x.node_id: x for x in nodes}
+        out: list[NodeInfo] = []
+        while len(out) < n:
+            best = max(room, key=lambda k: room[k], default=None)  # first of equals
+            if best is None or room[best] <= 0:
+                break
+            room[best] -= 1
+            out.append(by_id[best])
+        return out
+
+    def unplaceable(self, nodes: Sequence[NodeInfo], workers: int) -> int:
+        """How many of ``workers`` requested workers could not be placed now (by the
+        nodes' room as listed now; a full node, another job's CPUs, may free up later):
+        said at once to whoever asked."""
+        nodes = [x for x in nodes if x.node_id not in self.excluded_nodes]
+        have = len(self.members) + len(self.pending)
+        return max(0, workers - have - sum(x.slots for x in nodes))
 
     # --- spares -----------------------------------------------------------------------
     def spare_plan(self, nodes: Sequence[NodeInfo], limit: int, gpus_on) -> SparePlan:
@@ -264,15 +312,28 @@ class Membership:
         self.target = max(1, len(self.members) - len(self._drain))
         self.max_size = min(self.max_size, self.target)
 
-    def request_scale(self, workers: int) -> None:
+    def request_scale(self, workers: int, speeds: dict[str, float] | None = None) -> None:
+        """Run with exactly ``workers``. Scaling down drains the slowest first, by
+        ``speeds`` (measured samples per compute-second): a worker not measured yet (it just
+        joined) goes first, the newest of those first, then the slowest measured."""
         if workers < 1:
             raise ValueError("workers: must be at least 1")
         # An explicit size: neither more (growth onto free nodes) nor fewer.
         self.target = min(workers, self.global_batch)
         self.max_size = self.target
         self.min_size = min(self.min_size, self.target)
-        for m in self.members[self.target:]:
+        for m in self.drain_order(speeds)[: max(0, len(self.members) - self.target)]:
             self._drain.add(m.worker_id)
+
+    def drain_order(self, speeds: dict[str, float] | None = None) -> list[Member]:
+        """Members in the order a scale-down removes them (see :meth:`request_scale`)."""
+        speeds = speeds or {}
+
+        def key(m: Member) -> tuple[bool, float, int]:
+            v = speeds.get(m.worker_id, 0.0)
+            return (v > 0, v, -m.ordinal)
+
+        return sorted(self.members, key=key)
 
     def apply_drains(self) -> list[Change]:
         return [c for w in list(self._drain) if (c := self.remove(w, "leave", "drained"))]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from dynabatch.actors.errors import first_line
 from dynabatch.actors.group import choose_backend
 from dynabatch.actors.output import ActorOutput
 from dynabatch.actors.spec import JobSpec
@@ -35,17 +36,6 @@ from ray.util.placement_group import remove_placement_group
 CALL_TIMEOUT_S = 60.0
 # A segment in which nobody fails still ends within this bound (every worker hung).
 SEGMENT_LIMIT_S = 3600.0
-
-
-def first_line(err: BaseException) -> str:
-    """One line for a log or a reason. A task error's own first line names only the task
-    (``ray::Worker.join()``): what the worker raised is its cause."""
-    cause = getattr(err, "cause", None)
-    if isinstance(cause, BaseException) and cause is not err:
-        err = cause
-    text = str(err).strip()
-    line = text.splitlines()[0] if text else ""
-    return f"{type(err).__name__}: {line}"[:300] if line else type(err).__name__
 
 
 def load_checked(spec: JobSpec) -> tuple[Any, Any]:
@@ -74,6 +64,8 @@ class RayRuntime:
         self._reservations: dict[str, Any] = {}  # adopted worker -> its placement group
         # Per worker: where its start-up time went (epoch seconds; benchmarks print it).
         self.startups: dict[str, dict[str, Any]] = {}
+        self._rv: Any = None  # the group's rendezvous: its store takes plan updates
+        self._plan_store: Any = None
 
     # --- data -------------------------------------------------------------------------
     def load_data(self) -> DataInfo:
@@ -263,7 +255,32 @@ class RayRuntime:
             except (RayError, GetTimeoutError) as err:
                 # Alive, but its rendezvous or broadcast failed: a peer died under it.
                 errors.append(f"{w}: {first_line(err)}")
+        # Plan updates are posted in this generation's store (update_segment).
+        self._rv, self._plan_store = (rv if not lost and not errors else None), None
         return RegroupResult(lost, "; ".join(errors) or None)
+
+    def update_segment(self, update: Any, timeout_s: float) -> bool:
+        """Post a ``PlanUpdate`` under its step's key in the group's store (one
+        compare-and-set): accepted unless a worker claimed the step first (it had started
+        it) or the store does not answer within ``timeout_s``."""
+        import pickle
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from dynabatch.scheduler.core.sync.update import payload
+
+        rv = self._rv
+        if rv is None:
+            return False
+        data = pickle.dumps(payload(update))
+        try:
+            if self._plan_store is None:
+                self._plan_store = dist.TCPStore(rv.host, rv.port, None, is_master=False,
+                                                 timeout=timedelta(seconds=timeout_s))
+            return self._plan_store.compare_set(update.key, "", data) == data
+        except Exception:  # noqa: BLE001 - unreachable store: the update is not applied
+            self._plan_store = None
+            return False
 
     def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> dict[Any, str]:
         # Queued on each actor behind the segment before it, ahead of the one after.

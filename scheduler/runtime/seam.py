@@ -148,6 +148,23 @@ def pipelined(runtime: Runtime) -> PipelinedRuntime | None:
     return runtime if ok else None  # type: ignore[return-value]
 
 
+class UpdatingRuntime(PipelinedRuntime, Protocol):
+    """A runtime whose workers apply plan updates inside a segment already sent
+    (``dynabatch.scheduler.core.sync.update``): the new allocation takes effect from
+    ``update.at_step`` on every worker, or on none."""
+
+    def update_segment(self, update: Any, timeout_s: float) -> bool:
+        """Post ``update`` (a ``PlanUpdate``); True when every worker of its segment will
+        apply it from its ``at_step``, False when refused (a worker had started that step,
+        or the group cannot be reached in ``timeout_s``: nothing changes)."""
+
+
+def plan_updates(runtime: Runtime) -> UpdatingRuntime | None:
+    """``runtime`` when it can update segments in flight, else None."""
+    ok = pipelined(runtime) is not None and callable(getattr(runtime, "update_segment", None))
+    return runtime if ok else None  # type: ignore[return-value]
+
+
 class SpareRuntime(Runtime, Protocol):
     """A runtime that keeps pre-warmed spare workers on idle nodes, where
     :meth:`~dynabatch.scheduler.core.membership.Membership.spare_plan` says. A :class:`Spawn` marked

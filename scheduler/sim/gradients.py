@@ -4,18 +4,16 @@ Imported only in real-gradient mode (it imports torch). One model replica stands
 worker: in synchronous training all replicas hold the same weights after each step (the
 all-reduce gives each the same gradient, and a joining worker receives the state by
 broadcast), so one copy is exact. Each worker's share is still computed on its own, from the
-order positions the plan gave it, exactly as the real worker does
-(:meth:`dynabatch.actors.worker.Worker._step`): the summed loss over its ``b_i`` samples scaled by
-``1/B_s``, so its gradient is ``(b_i/B_s)·g_i``. The shares' gradients are then summed, which
-is the SUM all-reduce: ``Σ_i (b_i/B_s)·g_i``, the mean gradient of the global batch. The
-optimizer is the one the worker builds (:func:`dynabatch.actors.optim.build_optimizer`), on the
-model
-the worker builds from the same seed, so the simulated run trains the same SGD as a real one.
-The plan's learning rate and ISGD rule are applied as the worker applies them
-(:func:`dynabatch.actors.optim.isgd_extras`: every extra iteration is one conservative update and
-one
-more pass over the shares, and the ordinary step comes last), and in goodput mode the same
-gradient norms are reported.
+order positions the plan gave it, by the worker's own step math
+(:class:`dynabatch.actors.step.StepMath`, gathered as the worker gathers): the summed loss
+over its ``b_i`` samples scaled by ``1/B_s``, so its gradient is ``(b_i/B_s)·g_i``. The
+shares' gradients are then summed, which is the SUM all-reduce: ``Σ_i (b_i/B_s)·g_i``, the
+mean gradient of the global batch. The optimizer is the one the worker builds
+(:func:`dynabatch.actors.optim.build_optimizer`), on the model the worker builds from the
+same seed, so the simulated run trains the same SGD as a real one. The plan's learning rate
+and ISGD rule are applied by the same :meth:`~dynabatch.actors.step.StepMath.update` (every
+extra iteration is one conservative update and one more pass over the shares, and the
+ordinary step comes last), and in goodput mode the same gradient norms are reported.
 """
 
 from __future__ import annotations
@@ -27,8 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 from dynabatch.actors.contracts import IsgdRule, StepPlan, epoch_order
-from dynabatch.actors.optim import build_optimizer, isgd_extras, set_lr
+from dynabatch.actors.device_data import BatchGather
+from dynabatch.actors.optim import build_optimizer
 from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.step import StepMath, mean_loss, share_sqnorm, sqnorm
 from dynabatch.actors.worker import to_cpu
 from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.actors.workloads.models import build_model
@@ -71,9 +71,11 @@ class GradientEngine:
         torch.manual_seed(spec.seed)  # the worker seeds the same way before building
         self.model = build_model(spec.model, tuple(ds.input_shape), ds.num_classes)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.math = StepMath(self.model, self.objective, self.params)
         self.optimizer = build_optimizer(spec, self.params)
         self.model_bytes = 4 * sum(p.numel() for p in self.params)
         self.shuffle = spec.dataset.shuffle
+        self._gather = BatchGather(self.x, self.y, torch.device("cpu"), "host")
         self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
 
     @property
@@ -84,57 +86,61 @@ class GradientEngine:
     def n_test(self) -> int:
         return len(self.y_test)
 
-    def _epoch_order(self, seed: int, epoch: int, n: int) -> np.ndarray:
+    def _epoch_order(self, seed: int, epoch: int, n: int) -> BatchGather:
+        """The gatherer, holding this epoch's order (computed once an epoch), as the
+        worker's."""
         key = (seed, epoch, n)
         if self._order is None or self._order[0] != key:
             self._order = (key, epoch_order(*key, self.shuffle))
-        return self._order[1]
+            self._gather.set_order(key, self._order[1])
+        return self._gather
 
     def step(self, seed: int, epoch: int, dataset_size: int,
-             shares: Sequence[StepPlan], rule: IsgdRule | None = None) -> StepOutcome:
+             shares: Sequence[StepPlan], rule: IsgdRule | None = None,
+             caps: Sequence[int | None] | None = None) -> StepOutcome:
         """Train one step from the workers' shares (one per worker, in order); ``rule``:
-        ISGD's for this step (from the segment's chart)."""
-        order = self._epoch_order(seed, epoch, dataset_size)
-        batches = [None if not sp.own_size else torch.from_numpy(
-            np.asarray(order[sp.own_start:sp.own_start + sp.own_size], dtype=np.int64))
-            for sp in shares]
+        ISGD's for this step (from the segment's chart); ``caps``: each worker's micro-batch
+        cap (default: none, one micro-batch per share)."""
+        gather = self._epoch_order(seed, epoch, dataset_size)
+        caps = caps if caps is not None else [None] * len(shares)
         first = shares[0]
         noise = first.noise
-        losses, local = self._gradient(shares, batches, noise)
-        global_sq = (float(sum(float(p.grad.square().sum()) for p in self.params))
-                     if noise else None)
-        set_lr(self.optimizer, first.lr)
-        psi = sum(losses) / first.size
-        flagged = rule is not None and rule.flagged(psi)
-        extra = 0
-        if flagged:
-            def again() -> float:
-                return sum(self._gradient(shares, batches, False)[0]) / first.size
-            extra = isgd_extras(rule, psi, self.params, self.optimizer, again)
-        self.optimizer.step()
-        return StepOutcome(losses, psi, flagged, extra, local if noise else None, global_sq)
+        losses, local = self._gradient(gather, shares, caps, noise)
+        global_sq = sqnorm(p.grad for p in self.params) if noise else None
+        psi = mean_loss(sum(losses), first.size)
 
-    def _gradient(self, shares: Sequence[StepPlan], batches, noise: bool
+        def again() -> float:
+            return mean_loss(sum(self._gradient(gather, shares, caps, False)[0]), first.size)
+        up = self.math.update(self.optimizer, first.lr, rule, psi, again)
+        return StepOutcome(losses, psi, up.flagged, up.extra_iters, local if noise else None,
+                           global_sq)
+
+    def _gradient(self, gather: BatchGather, shares: Sequence[StepPlan],
+                  caps: Sequence[int | None], noise: bool
                   ) -> tuple[list[float], list[float | None]]:
         """Sum the shares' gradients ``(b_i/B)·g_i`` into ``p.grad`` (the all-reduce);
         returns each share's summed loss and, with ``noise``, each |g_i|²."""
         total = [torch.zeros_like(p) for p in self.params]
         losses: list[float] = []
         local: list[float | None] = []
-        for sp, ids in zip(shares, batches, strict=True):
-            if ids is None:
+        for sp, cap in zip(shares, caps, strict=True):
+            if not sp.own_size:
                 losses.append(0.0)
                 local.append(None)
                 continue
-            loss = self.objective.loss_sum(self.model(self.x.index_select(0, ids)),
-                                           self.y.index_select(0, ids))
-            grads = torch.autograd.grad(loss / sp.size, self.params)
+            # Each share alone in p.grad, as in its worker's buffer before the all-reduce:
+            # its own norm is read from it, then it joins the sum.
+            for p in self.params:
+                p.grad = None
+            share = self.math.share(gather.gather, sp.own_start, sp.own_start + sp.own_size,
+                                    sp.size, cap)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p)
+                     for p in self.params]
             for acc, g in zip(total, grads, strict=True):
                 acc.add_(g)
-            losses.append(float(loss.detach()))
+            losses.append(float(share.loss))
             if noise:
-                sq = sum(float(g.square().sum()) for g in grads)
-                local.append(sq * (sp.size / sp.own_size) ** 2)
+                local.append(share_sqnorm(sqnorm(grads), sp.size, sp.own_size))
         for p, g in zip(self.params, total, strict=True):
             p.grad = g
         return losses, local

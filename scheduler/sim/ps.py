@@ -1,42 +1,34 @@
-"""Parameter-server training in the simulator: the same
-:class:`~dynabatch.scheduler.core.ps.machine.PSCore`
-(protocol, ledger, batch policy) as the Ray server actor, on a virtual clock, with real
+"""Parameter-server training in the simulator: the shipped
+:class:`~dynabatch.scheduler.ps.driver.PSCoordinator` (the same driver, core, ledger, batch
+policy and event interpreter as on Ray) over a
+:class:`~dynabatch.scheduler.sim.ps_runtime.SimPSRuntime` on a virtual clock, with real
 gradients computed in-process.
 
-Each learner ``i`` takes ``t_i(b) = (a_i + c_i·b)·ε`` seconds of virtual time to compute a
-gradient over ``b`` samples (``ε`` a log-normal jitter with σ = ``noise``), plus ``rtt_s``
-and, with a cluster's ``parameter_server`` costs, the pull and push of the model's bytes
-over ``shards`` server actors (:class:`dynabatch.scheduler.sim.cluster.ParameterServerModel`). A
-learner's gradient is computed when it pulls (it depends only on the weights of the version
-it pulled, so this is exact) and pushed ``t_i(b)`` and the transfers later; the server's own
-work takes no virtual time. Learners lost at a given time have their in-flight gradient
-dropped (the core re-queues its samples); joining learners pull and start.
+* :func:`simulate_ps`: run a job on learners of given speeds (:class:`PSSimConfig`), or on a
+  simulated cluster (``PSSimConfig.cluster``, built by :func:`learners_on`);
+* :class:`PSSimResult`: the server's epoch records, every applied gradient's staleness per
+  learner, the virtual time, the final weights and training loss, the driver's history.
 
-Real gradients: one :class:`~dynabatch.actors.ps.ParamStore` (flat weights and the optimizer state)
-and one :class:`~dynabatch.actors.ps.GradientComputer` replica, which loads the pulled weights for
-each
-gradient. This module imports torch (through :mod:`dynabatch.actors.ps`); the pure core does not.
+Learners ``w0, w1, ...`` are named by the driver; learner ``i`` of a :class:`PSSimConfig`
+without a cluster runs on its own node (named after ``learners[i].name``), ``lose`` fails
+the node of the named learner and ``join`` adds a node with the given speed, on which the
+driver starts the next learner. This module imports torch (through the runtime).
 """
 
 from __future__ import annotations
 
-import heapq
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from dynabatch.actors.ps import GradientComputer, ParamStore
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.scheduler.core.ps.machine import PSCore
-from dynabatch.scheduler.sim.cluster import (
-    ClusterError,
-    ClusterModel,
-    ClusterSpec,
-    ParameterServerModel,
-)
+from dynabatch.scheduler.sim.cluster_spec import ClusterError, ClusterSpec, ParameterServerModel
+from dynabatch.scheduler.sim.cost_model import Node, SimulatedCluster
+from dynabatch.scheduler.sim.ps_runtime import Fail, Join, SimPSRuntime, TimedEvent
+from dynabatch.scheduler.sim.timeline import ClusterHappening, SimClock
+from dynabatch.scheduler.telemetry import EpochRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +40,10 @@ class SimLearner:
 
 @dataclass(frozen=True, slots=True)
 class PSSimConfig:
+    """``cluster``: run on that cluster's nodes and timed events instead (``learners``,
+    ``lose`` and ``join`` unused); each learner's ``a, c`` is its node's times the spec's
+    emulated slowdown of its ordinal."""
+
     learners: tuple[SimLearner, ...]
     noise: float = 0.05
     rtt_s: float = 0.0
@@ -57,6 +53,7 @@ class PSSimConfig:
     eval_train: bool = True  # final training loss over the whole training set
     parameter_server: ParameterServerModel | None = None  # push/pull costs (none: free)
     shards: int = 1
+    cluster: ClusterSpec | None = None
 
 
 @dataclass
@@ -68,6 +65,10 @@ class PSSimResult:
     final_train_loss: float | None = None
     snapshot: dict[str, Any] = field(default_factory=dict)
     weights: np.ndarray | None = None  # the server's final flat weights
+    state: str = ""  # the driver's final JobState value
+    reason: str | None = None
+    history: list[EpochRecord] = field(default_factory=list)  # the driver's epoch records
+    happened: list[ClusterHappening] = field(default_factory=list)
 
     @property
     def throughput(self) -> float:
@@ -79,151 +80,75 @@ class PSSimResult:
                 "max": float(all_tau.max())}
 
 
+def _node(ln: SimLearner) -> Node:
+    return Node(ln.name, ln.name, ln.overhead_s, ln.per_sample_s)
+
+
+def _world(spec: JobSpec, config: PSSimConfig) -> tuple[list[Node], Any, list[TimedEvent]]:
+    """The nodes, each learner's speed and the timed events of ``config``."""
+    if config.cluster is None:
+        events: list[TimedEvent] = [(t, Fail(1, w, 0)) for t, w in config.lose]
+        events += [(t, Join(lambda ln=ln: [_node(ln)])) for t, ln in config.join]
+        return [_node(ln) for ln in config.learners], lambda i, n: (n.a_s, n.c_s), events
+    model = SimulatedCluster(config.cluster)
+    slow = spec.emulation.slowdowns
+
+    def speed(i: int, node: Node) -> tuple[float, float]:
+        f = slow[i] if i < len(slow) else 1.0
+        return node.a_s * f, node.c_s * f
+
+    events = []
+    for e in config.cluster.events:
+        if e.kind == "join":
+            j = e.join
+            events.append((e.at_s, Join(lambda j=j: [model.add_node(j.node_class)
+                                                    for _ in range(j.count)])))
+        else:
+            sel = e.selector
+            events.append((e.at_s, Fail(sel.count, sel.node_class, sel.index)))
+    return model.nodes, speed, events
+
+
 def simulate_ps(spec: JobSpec, core: PSCore, config: PSSimConfig,
-                data: Any | None = None) -> PSSimResult:
+                data: Any | None = None, job_id: str = "sim-ps") -> PSSimResult:
+    """Run ``spec`` with ``core`` through the production driver on the simulated learners."""
+    from dynabatch.scheduler.ps.driver import PSCoordinator
+
     ds = data if data is not None else load_dataset(spec.dataset, seed=spec.seed)
-    shape, classes = tuple(ds.input_shape), ds.num_classes
-    store = ParamStore(spec, shape, classes)
-    computer = GradientComputer(spec, ds.x_train, ds.y_train, shape, classes)
-    rng = np.random.default_rng(config.seed)
-    models = {ln.name: ln for ln in config.learners}
-    ps_cost = config.parameter_server
-    nbytes = 4.0 * store.size  # float32 weights and gradients
-    comm_s = config.rtt_s + (0.0 if ps_cost is None else
-                             ps_cost.pull_s(nbytes, config.shards)
-                             + ps_cost.push_s(nbytes, config.shards))
-    res = PSSimResult()
-    heap: list[tuple[float, int, str, str, Any]] = []
-    seq = 0
-
-    def at(t: float, kind: str, worker: str, payload: Any = None) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, kind, worker, payload))
-
-    grads: dict[int, np.ndarray] = {}
-    idle: set[str] = set()
-    alive: set[str] = set()
-
-    def handle(events: Sequence[Any], t: float) -> None:
-        for e in events:
-            kind = type(e).__name__
-            if kind == "Apply":
-                store.apply([(grads.pop(g.push_id), g.weight) for g in e.gradients])
-                for g in e.gradients:
-                    res.staleness.setdefault(g.worker, []).append(g.staleness)
-                    res.samples_applied += g.samples
-            elif kind == "Refuse":
-                grads.pop(e.push_id, None)
-            elif kind == "EpochEnd":
-                loss, acc = store.evaluate(ds.x_test, ds.y_test)
-                res.epochs.append({"epoch": e.epoch, "t": t, "version": e.version,
-                                   "test_loss": loss, "test_accuracy": acc,
-                                   "verified": e.verification.verified,
-                                   "problems": list(e.verification.problems)})
-
-    def wake(t: float) -> None:
-        for w in sorted(idle):
-            at(t, "request", w)
-        idle.clear()
-
-    for ln in config.learners:
-        core.join(ln.name)
-        alive.add(ln.name)
-        at(0.0, "request", ln.name)
-    for t, w in config.lose:
-        at(t, "lose", w)
-    for t, ln in config.join:
-        at(t, "join", ln.name, ln)
-
-    t = 0.0
-    while heap and not core.finished:
-        t, _, kind, w, payload = heapq.heappop(heap)
-        if kind == "join":
-            models[w] = payload
-            core.join(w)
-            alive.add(w)
-            at(t, "request", w)
-            continue
-        if kind == "lose":
-            if w in alive:
-                alive.discard(w)
-                idle.discard(w)
-                handle(core.leave(w), t)
-                wake(t)
-            continue
-        if w not in alive:
-            continue  # a lost learner's pending request or push never happens
-        if kind == "request":
-            work, events = core.request(w)
-            handle(events, t)
-            name = type(work).__name__
-            if name == "Idle":
-                idle.add(w)
-            elif name == "Work":
-                ids = computer.indices(work.seed, work.epoch, work.dataset_size,
-                                       work.chunk.ranges)
-                g, _ = computer.gradient(store.flat.detach(), ids)
-                grads[work.ticket] = g.copy()
-                m = models[w]
-                dt = (m.overhead_s + m.per_sample_s * len(ids)) * math.exp(
-                    config.noise * rng.standard_normal())
-                at(t + dt + comm_s, "push", w, (work, dt))
-            if events:
-                wake(t)
-        elif kind == "push":
-            work, dt = payload
-            handle(core.push(w, work.ticket, work.version, dt), t)
-            at(t, "request", w)
-            wake(t)
-    res.virtual_s = t
-    res.snapshot = core.snapshot()
-    res.weights = store.weights()
-    if config.eval_train:
-        res.final_train_loss = store.evaluate(ds.x_train, ds.y_train)[0]
-    return res
+    if config.cluster is None:  # one learner per configured learner
+        spec = spec.model_copy(update={"workers": len(config.learners)})
+    nodes, speed, events = _world(spec, config)
+    clock = SimClock()
+    runtime = SimPSRuntime(spec, ds, nodes, speed, events=events, noise=config.noise,
+                           seed=config.seed, rtt_s=config.rtt_s,
+                           parameter_server=config.parameter_server, shards=config.shards,
+                           clock=clock)
+    coord = PSCoordinator(job_id, spec, runtime=runtime, core=core, clock=clock,
+                          final_train_loss=config.eval_train)
+    coord.run()
+    snap = coord.snapshot()
+    interp = runtime.events
+    return PSSimResult(
+        epochs=list(runtime.epochs), staleness=interp.staleness if interp else {},
+        virtual_s=clock.now(), samples_applied=interp.samples_applied if interp else 0,
+        final_train_loss=coord.final_train_loss, snapshot=core.snapshot(),
+        weights=runtime.store.weights() if runtime.store is not None else None,
+        state=snap.state.value, reason=snap.reason, history=coord.history(),
+        happened=list(runtime.happened))
 
 
 def learners_on(spec: JobSpec, cluster: ClusterSpec) -> PSSimConfig:
-    """The job's learners on a simulated cluster (``dynabatch simulate`` of a ``protocol: ps``
-    spec): learner ``w{i}`` on node ``i mod nodes`` (as the Ray driver places them), its
-    ``a, c`` the node's times the spec's emulated slowdown, the cluster's noise, its
+    """The job on a simulated cluster (``dynabatch simulate`` of a ``protocol: ps`` spec):
+    the driver places learner ``w{i}`` on node ``i mod nodes`` as on Ray, its ``a, c`` the
+    node's times the spec's emulated slowdown, with the cluster's noise and its
     ``parameter_server`` push/pull costs over ``protocol.shards`` servers. Events at ``at_s``
-    that fail nodes lose their learners; joins add one learner per new node. Epoch-timed
-    events and slowdowns are refused (the parameter-server simulator runs on time only)."""
-    model = ClusterModel(cluster)
-    nodes = list(model.nodes)
-    slow = spec.emulation.slowdowns
-    n = spec.initial_workers or len(nodes)
-
-    def learner(i: int, node: Any) -> SimLearner:
-        f = slow[i] if i < len(slow) else 1.0
-        return SimLearner(f"w{i}", node.c_s * f, node.a_s * f)
-
-    learners = [learner(i, nodes[i % len(nodes)]) for i in range(n)]
-    placed = {ln.name: nodes[i % len(nodes)] for i, ln in enumerate(learners)}
-    lose: list[tuple[float, str]] = []
-    join: list[tuple[float, SimLearner]] = []
+    that fail nodes lose their learners (the nodes chosen by the rule every simulator uses);
+    joins add one learner per new node. Epoch-timed events and slowdowns are refused (the
+    parameter-server simulator runs on time only)."""
     for k, e in enumerate(cluster.events):
         if e.at_s is None or e.kind == "slowdown":
             raise ClusterError(f"events.{k}: the parameter-server simulator takes fail and "
                                f"join events at at_s only, not {e.kind} at an epoch")
-        if e.kind == "join":
-            for _ in range(e.join.count):
-                node = model.add_node(e.join.node_class)
-                ln = learner(n, node)
-                n += 1
-                placed[ln.name] = node
-                join.append((e.at_s, ln))
-            continue
-        sel = e.selector
-        pool = (model.nodes if sel.node_class is None else model.by_class[sel.node_class])
-        pool = [x for x in pool if x.alive]
-        if sel.index is not None:
-            pool = [model.by_class[sel.node_class][sel.index]]
-        for node in pool[:sel.count]:  # every learner on a failed node is lost
-            node.alive = False
-            lose.extend((e.at_s, w) for w, x in placed.items() if x is node)
-    return PSSimConfig(tuple(learners), noise=cluster.noise_sigma, seed=cluster.seed,
-                       lose=tuple(lose), join=tuple(join),
-                       parameter_server=cluster.parameter_server, shards=spec.protocol.shards)
+    return PSSimConfig((), noise=cluster.noise_sigma, seed=cluster.seed,
+                       parameter_server=cluster.parameter_server, shards=spec.protocol.shards,
+                       cluster=cluster)

@@ -16,7 +16,7 @@ from typing import Any
 
 from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.scheduler.core.ledger import Verification
-from dynabatch.scheduler.core.sync.policy import Allocation
+from dynabatch.scheduler.core.sync.allocation import Allocation
 from dynabatch.scheduler.core.sync.tracker import WorkerTrack
 from dynabatch.scheduler.sync.evaluation import EvalRound
 from dynabatch.scheduler.telemetry import EpochRecord, StepBreakdown, WorkerEpochStats

@@ -13,6 +13,32 @@ app = typer.Typer(
 )
 
 
+def version() -> str:
+    """The installed dynabatch's version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("dynabatch")
+    except PackageNotFoundError:  # pragma: no cover - run from a tree that is not installed
+        return "unknown"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"dynabatch {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(
+        False, "--version", callback=_show_version, is_eager=True,
+        help="Print the version and exit."),
+) -> None:
+    """Heterogeneity-aware elastic training on Ray."""
+
+
 def _register() -> None:
     from dynabatch.service.cli import jobs, run, simulate, tune
 

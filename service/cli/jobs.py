@@ -3,41 +3,44 @@
 ``submit CONFIG``, ``list``, ``status ID``, ``watch ID``, ``cancel ID``, ``logs ID``,
 ``scale ID N``, ``drain ID WORKER`` and ``resume ID`` talk to ``--url`` (``DYNABATCH_URL``)
 with ``--token`` (``DYNABATCH_API_TOKEN``). Any failure prints
-one line, ``error: ...``, on stderr and exits 1; never a traceback. ``serve`` exits 2 when it
-refuses to listen beyond loopback without a token (``--insecure`` overrides that).
-
-Tests inject a client through the click context: ``runner.invoke(app, args,
-obj={"client_factory": lambda url, token: DynabatchClient(http=test_client)})``.
+one line, ``error: ...``, on stderr and exits 1; never a traceback
+(:mod:`dynabatch.service.cli.common`, which also says how tests inject a client). ``serve``
+exits 2 when it refuses to listen beyond loopback without a token (``--insecure`` overrides
+that).
 """
 
 from __future__ import annotations
 
-import functools
 import ipaddress
-import re
 import sys
 import time
-from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, ParamSpec, TypeVar
+from typing import Annotated, Any
 
 import typer
-import yaml
-from dynabatch.actors.spec import URI_PATTERN, SpecError, parse_spec
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.service.cli.common import (
+    CliError,
+    api_client,
+    log_text,
+    make_client,
+    one_line,
+    one_line_errors,
+    out_console,
+    print_plain,
+    stderr,
+    timestamp,
+)
+from dynabatch.service.cli.config import local_working_dir, read_config
 from dynabatch.service.cli.views import breakdown_table
 from dynabatch.service.client import DEFAULT_URL, ApiError, DynabatchClient
 from dynabatch.service.code_store import zip_directory
-from dynabatch.service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN
+from dynabatch.service.labels import node_label
 from dynabatch.service.schemas import JobDetail
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 Url = Annotated[
     str, typer.Option("--url", envvar="DYNABATCH_URL", help="Base URL of the dynabatch API.")
@@ -49,82 +52,8 @@ Token = Annotated[
 JobIdArg = Annotated[str, typer.Argument(help="Job id, as printed by submit.")]
 
 
-def _stderr() -> Console:
-    return Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-class CliError(Exception):
-    """A problem to report as one line (and exit 1)."""
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _clean_errors(func: Callable[P, R]) -> Callable[P, R]:
-    """Turn any failure into one ``error: ...`` line and exit status 1."""
-
-    @functools.wraps(func)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return func(*args, **kwargs)
-        except typer.Exit:
-            raise
-        except KeyboardInterrupt:
-            _stderr().print("interrupted")
-            raise typer.Exit(130) from None
-        except (ApiError, SpecError, CliError) as err:
-            _stderr().print(f"error: {_one_line(str(err))}", markup=False)
-        except Exception as err:  # last resort: still one line
-            _stderr().print(f"error: {type(err).__name__}: {_one_line(str(err))}", markup=False)
-        raise typer.Exit(1)
-
-    return wrapper
-
-
-def _check_id(job_id: str) -> str:
-    if not re.fullmatch(JOB_ID_PATTERN, job_id):
-        raise CliError(f"{job_id!r} is not a job id (12 lowercase hex digits, as submit prints)")
-    return job_id
-
-
-def _check_worker(worker: str) -> str:
-    if not re.fullmatch(WORKER_ID_PATTERN, worker):
-        raise CliError(f"{worker!r} is not a worker id (w0, w1, ... as status lists them)")
-    return worker
-
-
-def _client(ctx: typer.Context, url: str, token: str | None) -> DynabatchClient:
-    obj = ctx.find_root().obj
-    factory = obj.get("client_factory") if isinstance(obj, dict) else None
-    if factory is not None:
-        return factory(url, token)
-    return DynabatchClient(url, token=token)
-
-
 def _ts(t: float | None) -> str:
-    if t is None:
-        return "-"
-    return datetime.fromtimestamp(t, tz=UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    """The config's mapping, validated locally first so file problems read clearly."""
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise CliError(f"{path}: cannot read config ({err.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise CliError(f"{path}: not valid YAML ({_one_line(str(err))})") from None
-    if data is None:
-        data = {}
-    try:
-        parse_spec(data)
-    except SpecError as err:
-        raise CliError(f"{path}: {err}") from None
-    return data
+    return timestamp(t)
 
 
 def _job_table(job: Any) -> Group:
@@ -158,7 +87,7 @@ def _job_table(job: Any) -> Group:
     for w in job.workers:
         workers.add_row(
             w.worker,
-            w.node[:12],
+            node_label(w.node),
             str(w.batch),
             str(w.partition),
             f"{w.throughput:,.0f}",
@@ -206,7 +135,8 @@ def serve(
     ] = False,
 ) -> None:
     """Run the REST API (uvicorn) connected to Ray."""
-    _serve(insecure, host=host, port=port, address=address, db=db)
+    with one_line_errors():
+        _serve(insecure, host=host, port=port, address=address, db=db)
 
 
 def is_loopback(host: str) -> bool:
@@ -224,7 +154,7 @@ def _check_exposure(host: str, token: str | None, insecure: bool) -> None:
     whoever reaches it can run jobs on the cluster."""
     if token is not None or insecure or is_loopback(host):
         return
-    _stderr().print(
+    stderr().print(
         f"error: refusing to listen on {host} without DYNABATCH_API_TOKEN: anyone who can "
         "reach it could run jobs; set the token, bind 127.0.0.1, or pass --insecure",
         markup=False,
@@ -232,14 +162,13 @@ def _check_exposure(host: str, token: str | None, insecure: bool) -> None:
     raise typer.Exit(2)
 
 
-@_clean_errors
 def _serve(insecure: bool, **overrides: Any) -> None:
     import logging
 
     import uvicorn
     from dynabatch.api.app import create_app  # the composition root: serve starts the HTTP layer
-    from dynabatch.service.jobs import ClusterError
-    from dynabatch.service.settings import Settings
+    from dynabatch.service.jobs import RayCallError
+    from dynabatch.service.settings import Settings, settings_problems
     from dynabatch.service.wiring import build_service
     from pydantic import ValidationError
 
@@ -251,10 +180,8 @@ def _serve(insecure: bool, **overrides: Any) -> None:
     try:
         settings = Settings(**given)
     except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
-        )
-        raise CliError(f"invalid settings: {problems}") from None
+        problems = settings_problems(err)
+        raise CliError(f"invalid settings ({len(problems)}): {'; '.join(problems)}") from None
     _check_exposure(settings.host, settings.token, insecure)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -262,7 +189,7 @@ def _serve(insecure: bool, **overrides: Any) -> None:
     service = build_service(settings)
     try:
         service.cluster.connect()  # fail here, with one line, rather than in the lifespan
-    except ClusterError as err:
+    except RayCallError as err:
         raise CliError(str(err)) from None
     app = create_app(settings, service=service)
     try:
@@ -290,23 +217,18 @@ def submit(
     interval: Annotated[float, typer.Option(min=0.02, help="Seconds between the "
                                             "server's checks for news.")] = 0.5,
 ) -> None:
-    """Submit a job config; prints the job id, then (by default) follows the job."""
-
-    @_clean_errors
-    def go() -> int:
-        spec = _read_config(config)
-        local, what = working_dir, "--working-dir"
-        named = spec.get("working_dir")
-        if local is None and isinstance(named, str) and not re.match(URI_PATTERN, named):
-            local, what = Path(named), "working_dir"  # a config's directory, as `run` takes it
-        if local is not None and not local.is_dir():
-            raise CliError(f"{what}: {local} is not a directory")
-        with _client(ctx, url, token) as client:
+    """Submit a job config: print its id (its page's URL on stderr), then follow it."""
+    with one_line_errors():
+        spec, _ = read_config(config, working_dir=working_dir)
+        named = spec.get("working_dir")  # made absolute by read_config when local
+        local = named if local_working_dir(named) else None
+        what = "--working-dir" if working_dir is not None else f"{config}: working_dir"
+        with make_client(ctx, url, token) as client:
             if local is not None:
                 # The service may run anywhere: the code travels in the request, not as a
                 # path on this machine.
                 try:
-                    shipped = client.upload_code(zip_directory(local))
+                    shipped = client.upload_code(zip_directory(Path(local)))
                 except ApiError as err:
                     raise CliError(f"{what}: {err}") from None
                 spec["working_dir"] = shipped.working_dir
@@ -315,27 +237,30 @@ def submit(
                 typer.echo(job.model_dump_json())
             else:
                 typer.echo(job.job_id)
+            # On stderr: stdout stays the id alone, for scripts.
+            print_plain(stderr(), f"job page: {page_url(client.url, job.job_id)}")
             for w in job.warnings:
-                _stderr().print(f"warning: {_one_line(w)}", markup=False)
-            if not wait:
-                return 0
-            return _follow(client, job.job_id, interval)
+                print_plain(stderr(), f"warning: {one_line(w)}")
+            if wait and (code := _follow(client, job.job_id, interval)):
+                raise typer.Exit(code)
 
-    code = go()
-    if code:
-        raise typer.Exit(code)
+
+def page_url(base: str, job_id: str) -> str:
+    """The job's web page (``GET /jobs/{id}``) under the API's base URL."""
+    return f"{base.rstrip('/')}/jobs/{job_id}"
 
 
 def _follow(client: DynabatchClient, job_id: str, interval: float) -> int:
     """Stream the job's events: log lines scroll above a live table; the exit code is 0
     for SUCCEEDED, 1 otherwise."""
-    console = Console(soft_wrap=True)
+    console = out_console()
     final = None
     with Live(console=console, auto_refresh=False, transient=False) as live:
         for event, data in client.events(job_id, interval_s=interval):
             if event == "log":
-                live.console.print(f"{_ts(data['time'])} {data['level']:<7} {data['message']}",
-                                   markup=False, highlight=False)
+                # The user's own output: printed as it is, never as markup or emoji.
+                print_plain(live.console, log_text(data["time"], data["level"],
+                                                   data["message"]))
             elif event in ("job", "end"):
                 final = JobDetail.model_validate(data)
                 live.update(_job_table(final), refresh=True)
@@ -360,11 +285,8 @@ def list_jobs(
     as_json: Annotated[bool, typer.Option("--json", help="Print the response as JSON.")] = False,
 ) -> None:
     """List jobs, newest first."""
-
-    @_clean_errors
-    def go() -> None:
-        with _client(ctx, url, token) as client:
-            page = client.list(state, offset=offset, limit=limit)
+    with api_client(ctx, url, token) as client:
+        page = client.list(state, offset=offset, limit=limit)
         if as_json:
             typer.echo(page.model_dump_json())
             return
@@ -381,9 +303,7 @@ def list_jobs(
                 _ts(j.created_at),
                 j.reason or "",
             )
-        Console(soft_wrap=True).print(table)
-
-    go()
+        out_console().print(table)
 
 
 def status(
@@ -394,18 +314,12 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print the response as JSON.")] = False,
 ) -> None:
     """Show a job's state, progress and per-worker allocation."""
-
-    @_clean_errors
-    def go() -> None:
-        _check_id(job_id)
-        with _client(ctx, url, token) as client:
-            job = client.get(job_id)
+    with api_client(ctx, url, token, job_id=job_id) as client:
+        job = client.get(job_id)
         if as_json:
             typer.echo(job.model_dump_json())
             return
-        Console(soft_wrap=True).print(_job_table(job))
-
-    go()
+        out_console().print(_job_table(job))
 
 
 def watch(
@@ -416,27 +330,20 @@ def watch(
     interval: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 1.0,
 ) -> None:
     """Live table until the job ends; exit 0 when it SUCCEEDED, 1 otherwise."""
-
-    @_clean_errors
-    def go() -> int:
-        console = Console(soft_wrap=True)
-        _check_id(job_id)
-        with _client(ctx, url, token) as client:
-            job = client.get(job_id)
-            with Live(_job_table(job), console=console, auto_refresh=False) as live:
-                while not job.state.is_terminal:
-                    time.sleep(interval)
-                    job = client.get(job_id)
-                    live.update(_job_table(job), refresh=True)
+    console = out_console()
+    with api_client(ctx, url, token, job_id=job_id) as client:
+        job = client.get(job_id)
+        with Live(_job_table(job), console=console, auto_refresh=False) as live:
+            while not job.state.is_terminal:
+                time.sleep(interval)
+                job = client.get(job_id)
+                live.update(_job_table(job), refresh=True)
         line = f"job {job.job_id} {job.state.value}"
         if job.reason:
             line += f": {job.reason}"
         console.print(line, markup=False, highlight=False)
-        return 0 if job.state == JobState.SUCCEEDED else 1
-
-    code = go()
-    if code:
-        raise typer.Exit(code)
+        if job.state != JobState.SUCCEEDED:
+            raise typer.Exit(1)
 
 
 def cancel(
@@ -448,15 +355,10 @@ def cancel(
 ) -> None:
     """Cancel a job (409 if it already finished)."""
 
-    @_clean_errors
-    def go() -> None:
-        _check_id(job_id)
-        with _client(ctx, url, token) as client:
-            job = client.cancel(job_id, reason)
+    with api_client(ctx, url, token, job_id=job_id) as client:
+        job = client.cancel(job_id, reason)
         suffix = f": {job.reason}" if job.reason else ""
         typer.echo(f"job {job.job_id} {job.state.value}{suffix}")
-
-    go()
 
 
 def logs(
@@ -471,24 +373,17 @@ def logs(
     interval: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 1.0,
 ) -> None:
     """Print a job's log lines."""
-
-    @_clean_errors
-    def go() -> None:
-        nonlocal since
-        _check_id(job_id)
-        with _client(ctx, url, token) as client:
-            while True:
-                page = client.logs(job_id, since)
-                for line in page.lines:
-                    typer.echo(f"{_ts(line.time)} {line.level:<7} {line.message}")
-                since = page.next_since
-                if not follow:
-                    return
-                if not page.lines and client.get(job_id).state.is_terminal:
-                    return
-                time.sleep(interval)
-
-    go()
+    with api_client(ctx, url, token, job_id=job_id) as client:
+        while True:
+            page = client.logs(job_id, since)
+            for line in page.lines:
+                typer.echo(f"{_ts(line.time)} {line.level:<7} {line.message}")
+            since = page.next_since
+            if not follow:
+                return
+            if not page.lines and client.get(job_id).state.is_terminal:
+                return
+            time.sleep(interval)
 
 
 def _accepted(job: Any, what: str) -> str:
@@ -506,14 +401,9 @@ def scale(
 ) -> None:
     """Run a job with exactly N workers from its next step boundary on."""
 
-    @_clean_errors
-    def go() -> None:
-        _check_id(job_id)
-        with _client(ctx, url, token) as client:
-            job = client.scale(job_id, workers)
+    with api_client(ctx, url, token, job_id=job_id) as client:
+        job = client.scale(job_id, workers)
         typer.echo(_accepted(job, f"scale to {workers} workers requested"))
-
-    go()
 
 
 def drain(
@@ -525,15 +415,9 @@ def drain(
 ) -> None:
     """Remove one worker gracefully at the job's next step boundary."""
 
-    @_clean_errors
-    def go() -> None:
-        _check_id(job_id)
-        _check_worker(worker)
-        with _client(ctx, url, token) as client:
-            job = client.drain(job_id, worker)
+    with api_client(ctx, url, token, job_id=job_id, worker=worker) as client:
+        job = client.drain(job_id, worker)
         typer.echo(_accepted(job, f"drain of {worker} requested"))
-
-    go()
 
 
 def resume(
@@ -544,15 +428,10 @@ def resume(
 ) -> None:
     """Resume a FAILED job (or one whose coordinator is gone) from its checkpoint."""
 
-    @_clean_errors
-    def go() -> None:
-        _check_id(job_id)
-        with _client(ctx, url, token) as client:
-            job = client.resume(job_id)
+    with api_client(ctx, url, token, job_id=job_id) as client:
+        job = client.resume(job_id)
         suffix = f": {job.reason}" if job.reason else ""
         typer.echo(f"job {job.job_id} {job.state.value}{suffix}")
-
-    go()
 
 
 def register(app: typer.Typer) -> None:

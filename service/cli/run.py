@@ -9,13 +9,24 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Protocol
 
 import typer
-from dynabatch.actors.spec import JobSpec, SpecError, load_spec
+from dynabatch.actors.errors import first_line
+from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.service.cli.common import (
+    CliError,
+    log_text,
+    one_line,
+    out_console,
+    print_plain,
+    stderr,
+)
+from dynabatch.service.cli.config import read_config
 from dynabatch.service.cli.views import breakdown_table
+from dynabatch.service.labels import node_label, relabel_metrics
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -42,7 +53,7 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
                 "wait/step", "slowdown"):
         workers.add_column(col, justify="right" if col not in ("worker", "node") else "left")
     for w in snap.workers:
-        workers.add_row(w.worker, w.node[:10], str(w.batch), str(w.partition),
+        workers.add_row(w.worker, node_label(w.node), str(w.batch), str(w.partition),
                         f"{w.throughput:,.0f}", f"{w.compute_s_per_step * 1e3:.1f} ms",
                         f"{w.wait_s_per_step * 1e3:.1f} ms", f"{w.slowdown:g}x")
     epochs = Table(title="epochs", expand=False)
@@ -80,16 +91,107 @@ def write_report(path: Path, spec: JobSpec, snap: JobSnapshot,
     os.replace(tmp, path)
 
 
+class JobHandle(Protocol):
+    """What ``run`` reads of its job's coordinator (a Ray actor; a fake in the tests)."""
+
+    def snapshot(self) -> JobSnapshot: ...
+
+    def history(self, since: int = 0) -> list[EpochRecord]: ...
+
+    def logs(self, since: int = 0) -> list[LogLine]: ...
+
+    def cancel(self, reason: str) -> JobSnapshot: ...
+
+
+class RayJob:
+    """A coordinator actor's handle as a :class:`JobHandle`: every call bounded in time."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+
+    def _get(self, ref: Any) -> Any:
+        import ray
+
+        return ray.get(ref, timeout=CALL_TIMEOUT_S)
+
+    def snapshot(self) -> JobSnapshot:
+        return self._get(self.handle.snapshot.remote())
+
+    def history(self, since: int = 0) -> list[EpochRecord]:
+        return [relabel_metrics(r) for r in self._get(self.handle.history.remote(since))]
+
+    def logs(self, since: int = 0) -> list[LogLine]:
+        return self._get(self.handle.logs.remote(since))
+
+    def cancel(self, reason: str) -> JobSnapshot:
+        return self._get(self.handle.cancel.remote(reason))
+
+
+def capacity_warning(spec: JobSpec, cores: int) -> str | None:
+    """One line when the job's workers ask for more CPUs than this machine has (the embedded
+    Ray is then given that many, so the job starts, but its workers share cores); None when
+    they fit."""
+    workers = spec.initial_workers or 1
+    need = spec.worker_cpus * workers
+    if need <= cores:
+        return None
+    factor = need / max(cores, 1)
+    return (f"{workers} workers x {spec.worker_cpus:g} worker_cpus = {need:g} CPUs on "
+            f"{cores} cores: oversubscribed {factor:.1f}x, so the workers share cores; expect "
+            f"steps about {factor:.1f}x slower and low utilization (use workers <= "
+            f"{max(1, int(cores // spec.worker_cpus))}, or --address for a cluster)")
+
+
+def follow_job(job: JobHandle, *, console: Console, quiet: bool,
+               interrupted: dict[str, int] | None = None,
+               interval_s: float = 0.5) -> tuple[JobSnapshot, list[EpochRecord]]:
+    """Follow the job to its end: its log lines (the user's own prints, warnings and errors
+    among them, from every worker: dynabatch.actors.output) scroll above the live table,
+    printed as they are (no markup, no emoji). Ctrl-C (``interrupted``) cancels it."""
+    interrupted = interrupted if interrupted is not None else {"n": 0}
+    since = 0
+    cancel_sent = False
+
+    def print_logs(live: Live) -> None:
+        nonlocal since
+        for line in job.logs(since):
+            print_plain(live.console, log_text(line.time, line.level, line.message))
+            since = line.seq + 1
+
+    with Live(console=console, refresh_per_second=4, transient=False,
+              auto_refresh=not quiet) as live:
+        while True:
+            snap = job.snapshot()
+            hist = job.history(0)
+            print_logs(live)
+            if not quiet:
+                live.update(render(snap, hist))
+            if snap.state.is_terminal:
+                print_logs(live)  # what the actors wrote last
+                break
+            if interrupted["n"] and not cancel_sent:
+                live.console.print("[yellow]Ctrl-C: cancelling at the next step boundary "
+                                   "(again to abort)[/]")
+                job.cancel("cancelled from the command line (Ctrl-C)")
+                cancel_sent = True
+            time.sleep(interval_s)
+    return snap, hist
+
+
 def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: bool,
             console: Console) -> JobSnapshot:
-    import ray
     from dynabatch.scheduler.runtime.launch import launch_coordinator
     from dynabatch.service.raycluster import connect
 
+    cores = os.cpu_count() or 1
     need = int(spec.worker_cpus * (spec.initial_workers or 1) + 0.999)
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        warning = capacity_warning(spec, cores)
+        if warning:
+            print_plain(stderr(), f"warning: {warning}")
     # A local working_dir is shipped with this driver's Ray job
     # (dynabatch.scheduler.runtime.launch).
-    connect(address, num_cpus=max(os.cpu_count() or 1, need), working_dir=spec.working_dir)
+    connect(address, num_cpus=max(cores, need), working_dir=spec.working_dir)
     job_id = uuid.uuid4().hex[:12]
     handle = launch_coordinator(job_id, spec, detached=False, resume=False)
     interrupted = {"n": 0}
@@ -100,24 +202,9 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
             raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGINT, on_sigint)
-    cancel_sent = False
     try:
-        with Live(console=console, refresh_per_second=4, transient=False,
-                  auto_refresh=not quiet) as live:
-            while True:
-                snap = ray.get(handle.snapshot.remote(), timeout=CALL_TIMEOUT_S)
-                hist = ray.get(handle.history.remote(0), timeout=CALL_TIMEOUT_S)
-                if not quiet:
-                    live.update(render(snap, hist))
-                if snap.state.is_terminal:
-                    break
-                if interrupted["n"] and not cancel_sent:
-                    console.print("[yellow]Ctrl-C: cancelling at the next step boundary "
-                                  "(again to abort)[/]")
-                    ray.get(handle.cancel.remote("cancelled from the command line (Ctrl-C)"),
-                            timeout=CALL_TIMEOUT_S)
-                    cancel_sent = True
-                time.sleep(0.5)
+        snap, hist = follow_job(RayJob(handle), console=console, quiet=quiet,
+                                interrupted=interrupted)
     finally:
         signal.signal(signal.SIGINT, old)
     if report:
@@ -162,14 +249,23 @@ def register(app: typer.Typer) -> None:
             help="Ray cluster address; default: an embedded local Ray.")] = None,
         report: Annotated[Path | None, typer.Option(
             help="Write a JSON report here at the end.")] = None,
-        quiet: Annotated[bool, typer.Option(help="No live table.")] = False,
+        quiet: Annotated[bool, typer.Option(help="No live table (log lines still show).")
+                         ] = False,
+        working_dir: Annotated[Path | None, typer.Option(
+            "--working-dir", help="Ship this directory with the job to every node (its "
+            "modules importable by the job's import paths); overrides the config's "
+            "working_dir, which is read relative to the config's folder.")] = None,
+        sets: Annotated[list[str] | None, typer.Option(
+            "--set", metavar="FIELD=VALUE", help="Override a field of the config, e.g. "
+            "--set epochs=3 --set optimizer.lr=0.01 (repeatable; the value is YAML).")
+        ] = None,
     ) -> None:
-        """Train CONFIG on Ray, showing a live per-worker table."""
-        console = Console(stderr=False)
+        """Train CONFIG on Ray, showing the job's log and a live per-worker table."""
+        console = out_console()
         try:
-            spec = load_spec(config)
-        except SpecError as err:
-            console.print(f"[red]error:[/] {config}: {err}", highlight=False, soft_wrap=True)
+            _, spec = read_config(config, sets=sets or (), working_dir=working_dir)
+        except CliError as err:
+            print_plain(stderr(), f"error: {one_line(str(err))}")
             raise typer.Exit(2) from None
         try:
             snap = run_job(spec, address=address, report=report, quiet=quiet, console=console)
@@ -177,14 +273,17 @@ def register(app: typer.Typer) -> None:
             console.print("[red]aborted[/]")
             raise typer.Exit(130) from None
         except ConnectionError as err:
-            console.print(f"[red]error:[/] cannot reach Ray at {address}: {err}")
+            print_plain(stderr(), f"error: cannot reach Ray at {address}: {one_line(str(err))}")
+            raise typer.Exit(1) from None
+        except Exception as err:  # never a traceback: one line, as every command
+            print_plain(stderr(), f"error: {first_line(err, limit=None)}")
             raise typer.Exit(1) from None
         line = f"{snap.name}: {snap.state.value}"
         if snap.reason:
             line += f" ({snap.reason})"
         if snap.test_accuracy is not None:
             line += f"; test accuracy {snap.test_accuracy:.4f}"
-        console.print(line, highlight=False)
+        print_plain(console, line)
         if snap.state == JobState.CANCELLED:
             raise typer.Exit(130)
         if snap.state != JobState.SUCCEEDED:

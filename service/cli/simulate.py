@@ -19,13 +19,8 @@ from typing import Annotated, Any, NoReturn
 import typer
 from dynabatch.actors.spec import POLICIES, JobSpec, SpecError, load_spec
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.sim.cluster import (
-    ClusterError,
-    ClusterSpec,
-    cluster_from_profiles,
-    load_cluster,
-    profiles_from_report,
-)
+from dynabatch.scheduler.sim.cluster_spec import ClusterError, ClusterSpec, load_cluster
+from dynabatch.scheduler.sim.profiles import cluster_from_profiles, profiles_from_report
 from dynabatch.scheduler.sim.simulator import SimResult, simulate
 from dynabatch.scheduler.telemetry import WorkerStatus
 from dynabatch.service.cli import views

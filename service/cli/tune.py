@@ -13,7 +13,7 @@ from typing import Annotated, NoReturn
 import typer
 import yaml
 from dynabatch.actors.spec import SpecError, load_spec
-from dynabatch.scheduler.sim.cluster import ClusterError, load_cluster, parse_cluster
+from dynabatch.scheduler.sim.cluster_spec import ClusterError, load_cluster, parse_cluster
 from dynabatch.service.cli import views
 from dynabatch.service.cli.simulate import quiet_engine
 from dynabatch.service.tune import Probe, TuneError, tune

@@ -69,7 +69,7 @@ def test_ps_job_survives_a_lost_learner_exactly_once(cluster):
     # Some pushes in, then the node of w0 goes away while w0 holds a chunk.
     wait_for(lambda: (s := coord.server_stats) is not None and s["applied"] >= 10
              and "w0" in s["inflight"], timeout=60, interval=0.05)
-    node_id = coord._learners["w0"][2]
+    node_id = coord._learners["w0"]  # the node it runs on
     cluster.remove_node(next(n for n in nodes if n.node_id == node_id), allow_graceful=False)
     snap, workers = _finished(coord, thread, 4)
     assert any(e.kind == "failure" and e.worker == "w0" for e in coord.events)

@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 from dynabatch.actors.contracts import StepTelemetry
-from dynabatch.scheduler.core.sync.policy import AffinePolicy, WorkerTelemetry
+from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry
+from dynabatch.scheduler.core.sync.policy import AffinePolicy
 from dynabatch.scheduler.core.sync.steptime import (
     StepTimeStats,
     accumulated_step_time,

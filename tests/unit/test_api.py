@@ -446,7 +446,7 @@ def test_cancel_then_409(make_app: MakeApp) -> None:
     assert r.json()["state"] == "CANCELLED" and r.json()["reason"] == "changed my mind"
     r = client.post(f"/v1/jobs/{job}/cancel")
     assert r.status_code == 409
-    assert r.json()["detail"] == "job is CANCELLED; it cannot become CANCELLED"
+    assert r.json()["detail"] == f"job {job} is already CANCELLED"
 
 
 def test_cancelling_a_finished_job_is_409(make_app: MakeApp) -> None:
@@ -478,10 +478,10 @@ def test_coordinator_death_fails_the_job_with_reason(make_app: MakeApp) -> None:
 
 
 def test_launch_errors(make_app: MakeApp) -> None:
-    from dynabatch.service.jobs import ClusterError, ClusterUnavailable
+    from dynabatch.service.jobs import ClusterUnavailable, RayCallError
 
     client, _, cluster = make_app()
-    cluster.launch_error = ClusterError("bad resources")
+    cluster.launch_error = RayCallError("bad resources")
     r = client.post("/v1/jobs", json=SPEC)
     assert r.status_code == 201
     assert r.json()["state"] == "FAILED" and "bad resources" in r.json()["reason"]
@@ -672,7 +672,8 @@ def test_metrics_read_live_job_state_at_scrape_time(make_app: MakeApp) -> None:
         for s in fams["dynabatch_worker_batch_size"].samples
         if s.labels["job_id"] == job
     }
-    assert batches == {"w0": (32.0, NODE_IDS[0]), "w1": (32.0, NODE_IDS[1])}
+    # The node by its first 8 hex digits, as the CLI and the page show it.
+    assert batches == {"w0": (32.0, NODE_IDS[0][:8]), "w1": (32.0, NODE_IDS[1][:8])}
     for name in (
         "dynabatch_worker_partition_samples",
         "dynabatch_worker_throughput_samples_per_second",
@@ -702,6 +703,65 @@ def test_metrics_read_live_job_state_at_scrape_time(make_app: MakeApp) -> None:
     assert jobs["RUNNING"] == 1
     assert fams["dynabatch_cluster_nodes"].samples[0].value == 2
     assert cluster.coordinators[job].epoch == 1
+
+
+def test_metrics_export_held_out_loss_and_custom_metrics_by_short_name(
+    make_app: MakeApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, service, cluster = make_app()
+    job = _submit(client, epochs=3)
+    fake_history = cluster.history
+
+    def history(job_id: str, since: int = 0) -> list[Any]:
+        metrics = {"accuracy": 0.75, "mypkg.metrics:top5": 0.9}
+        return [r.model_copy(update={"test_metrics": metrics})
+                for r in fake_history(job_id, since)]
+
+    monkeypatch.setattr(cluster, "history", history)
+    _sync(service, 4)  # one epoch ends
+    fams = _families(client.get("/metrics").text)
+    (loss,) = fams["dynabatch_job_test_loss"].samples
+    assert loss.labels == {"job_id": job} and loss.value == pytest.approx(1.1)
+    metrics = {s.labels["metric"]: s.value for s in fams["dynabatch_job_test_metric"].samples}
+    assert metrics == {"accuracy": 0.75, "top5": 0.9}
+    # The REST history names a user metric the same way.
+    (rec,) = client.get(f"/v1/jobs/{job}/history").json()["records"]
+    assert rec["test_metrics"] == {"accuracy": 0.75, "top5": 0.9}
+
+
+def test_an_ended_job_keeps_its_state_series_but_not_its_workers(make_app: MakeApp) -> None:
+    client, service, _ = make_app()
+    job = _submit(client, epochs=1)
+    _sync(service, 6)
+    assert service.get(job).state == JobState.SUCCEEDED
+    fams = _families(client.get("/metrics").text)
+    for name in ("dynabatch_worker_batch_size", "dynabatch_worker_wait_seconds"):
+        assert not [s for s in fams[name].samples if s.labels["job_id"] == job], name
+    states = {s.labels["state"]: s.value for s in fams["dynabatch_job_state"].samples
+              if s.labels["job_id"] == job}
+    assert states["SUCCEEDED"] == 1
+
+
+def test_metrics_scrapes_share_one_store_read_until_it_changes(
+    make_app: MakeApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, service, _ = make_app(sync_interval_s=30.0)
+    job = _submit(client)
+    service.sync_once()
+    reads = {"n": 0}
+    live = service.store.live
+
+    def counted() -> list[Any]:
+        reads["n"] += 1
+        return live()
+
+    monkeypatch.setattr(service.store, "live", counted)
+    for _ in range(5):
+        assert job in client.get("/metrics").text
+    assert reads["n"] == 1  # one read for five scrapes
+    service.sync_job(job)  # the store changed: the next scrape reads it
+    client.get("/metrics")
+    assert reads["n"] == 2
 
 
 def test_request_metrics_use_route_templates(make_app: MakeApp) -> None:
@@ -1140,7 +1200,7 @@ def test_resume_conflicts(make_app: MakeApp, tmp_path: Path) -> None:
 
 
 def test_resume_launch_failure_leaves_the_job_failed(make_app: MakeApp, tmp_path: Path) -> None:
-    from dynabatch.service.jobs import ClusterError
+    from dynabatch.service.jobs import RayCallError
 
     client, service, cluster = make_app(auto_resume_limit=0)
     job = _submit(client, **_ckpt_spec(tmp_path))
@@ -1148,7 +1208,7 @@ def test_resume_launch_failure_leaves_the_job_failed(make_app: MakeApp, tmp_path
     _write_checkpoint(tmp_path, job)
     cluster.kill(job)
     _sync(service)
-    cluster.launch_error = ClusterError("no head node")
+    cluster.launch_error = RayCallError("no head node")
     r = client.post(f"/v1/jobs/{job}/resume")
     assert r.status_code == 502
     body = client.get(f"/v1/jobs/{job}").json()

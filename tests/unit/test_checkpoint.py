@@ -20,7 +20,8 @@ from dynabatch.scheduler.checkpoint import (
     save_checkpoint,
 )
 from dynabatch.scheduler.core.ledger import Ledger
-from dynabatch.scheduler.core.sync.policy import WorkerTelemetry, make_policy
+from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry
+from dynabatch.scheduler.core.sync.policy import make_policy
 from dynabatch.scheduler.core.sync.protocol import Position, SyncProtocol
 from dynabatch.scheduler.telemetry import EpochRecord, WorkerEpochStats
 

@@ -224,7 +224,7 @@ def test_cancel_then_conflict(
     assert result.exit_code == 0
     assert result.stdout.strip() == f"job {job} CANCELLED: not needed"
     line = _one_error_line(_invoke(cli, http, "cancel", job))
-    assert line == "error: job is CANCELLED; it cannot become CANCELLED"
+    assert line == f"error: job {job} is already CANCELLED"
     result = _invoke(cli, http, "watch", job)
     assert result.exit_code == 1 and "CANCELLED" in result.stdout
 
@@ -443,3 +443,106 @@ def test_working_dir_is_zipped_and_uploaded_and_the_job_names_the_upload(
     job = result.stdout.strip()
     assert http.get(f"/v1/jobs/{job}").json()["spec"]["working_dir"] == stored.as_uri()
     assert list(root.glob("*.zip")) == [stored]
+
+
+# Issue 24 -----------------------------------------------------------------------------
+def test_version() -> None:
+    from dynabatch.service.cli import _register, app
+
+    _register()
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and re.fullmatch(r"dynabatch \S+\n", result.stdout)
+
+
+def test_submit_prints_the_page_url_on_stderr(
+    cli: typer.Typer, server: Callable[..., TestClient], config: Path
+) -> None:
+    result = _invoke(cli, server(), "submit", str(config), "--no-wait",
+                     "--url", "http://api.example:8000/")
+    assert result.exit_code == 0, result.output
+    job = result.stdout.strip()  # stdout: the id alone, for scripts
+    assert f"job page: http://api.example:8000/jobs/{job}" in result.stderr
+
+
+def test_followed_log_lines_are_printed_as_they_are(
+    cli: typer.Typer, server: Callable[..., TestClient], config: Path
+) -> None:
+    from dynabatch.scheduler.telemetry import LogLine
+
+    http = server(sync_interval_s=0.02)
+    cluster = http.app.state.service.cluster
+    launch = cluster.launch
+
+    def launch_with_output(job_id: str, spec: Any) -> None:
+        launch(job_id, spec)
+        coordinator = cluster.coordinators[job_id]
+        for text in ("loaded mydata:cancer 427 train", "[red]not red[/red] :thumbs_up:"):
+            coordinator.lines.append(LogLine(seq=len(coordinator.lines), time=0.0,
+                                             level="STDOUT", message=text))
+
+    cluster.launch = launch_with_output
+    result = _invoke(cli, http, "submit", str(config), "--interval", "0.02")
+    assert result.exit_code == 0, result.output
+    assert "loaded mydata:cancer 427 train" in result.stdout
+    assert "[red]not red[/red] :thumbs_up:" in result.stdout
+
+
+def test_tables_are_not_cut_when_output_is_not_a_terminal(
+    cli: typer.Typer, server: Callable[..., TestClient], config: Path
+) -> None:
+    http = server(sync_interval_s=0.02)
+    job = _invoke(cli, http, "submit", str(config), "--no-wait").stdout.strip()
+    DynabatchClient(http=http).wait(job, timeout_s=10, interval_s=0.02)
+    result = _invoke(cli, http, "status", job)
+    assert result.exit_code == 0
+    assert "…" not in result.stdout
+    for header in ("partition", "samples/s", "compute/step", "wait/step"):
+        assert header in result.stdout
+
+
+def test_refusals_name_every_setting_that_allows_them(
+    cli: typer.Typer, server: Callable[..., TestClient], config: Path, tmp_path: Path
+) -> None:
+    code = tmp_path / "code"
+    code.mkdir()
+    line = _one_error_line(_invoke(cli, server(), "submit", str(config), "--no-wait",
+                                   "--working-dir", str(code)))
+    # Both missing settings in one answer, not one per attempt.
+    assert "DYNABATCH_USER_CODE_MODULES='*'" in line and "DYNABATCH_CODE_ROOT" in line
+    user_code = tmp_path / "user_code.yaml"
+    user_code.write_text(CONFIG + "model: {name: 'mypkg.nets:build'}\n")
+    line = _one_error_line(_invoke(cli, server(), "submit", str(user_code), "--no-wait"))
+    assert "model.name" in line and "DYNABATCH_USER_CODE_MODULES" in line
+
+
+def test_serve_reports_every_bad_setting_in_one_line(
+    cli: typer.Typer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DYNABATCH_USER_CODE_MODULES", "bad-name")
+    monkeypatch.setenv("DYNABATCH_CODE_ROOT", "relative")
+    line = _one_error_line(CliRunner().invoke(cli, ["serve"]))
+    assert "DYNABATCH_USER_CODE_MODULES" in line and "DYNABATCH_CODE_ROOT" in line
+
+
+def test_a_relative_working_dir_is_read_from_the_config_folder(
+    cli: typer.Typer, server: Callable[..., TestClient], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    project = tmp_path / "project"
+    (project / "mycode").mkdir(parents=True)
+    (project / "mycode" / "m.py").write_text("X = 1\n")
+    cfg = project / "job.yaml"
+    cfg.write_text(CONFIG + "working_dir: mycode\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # not the config's folder
+    root = tmp_path / "uploads"
+    http = server(user_code_modules="*", code_root=str(root))
+    result = _invoke(cli, http, "submit", str(cfg), "--no-wait")
+    assert result.exit_code == 0, result.output
+    (stored,) = root.glob("*.zip")
+    with zipfile.ZipFile(stored) as z:
+        assert z.namelist() == ["working_dir/m.py"]
+    cfg.write_text(CONFIG + "working_dir: ../missing\n")
+    line = _one_error_line(_invoke(cli, http, "submit", str(cfg), "--no-wait"))
+    assert line.startswith(f"error: {cfg}: working_dir: {tmp_path / 'missing'} is not a dir")

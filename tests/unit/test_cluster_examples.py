@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dynabatch.scheduler.sim.cluster import load_cluster
+from dynabatch.scheduler.sim.cluster_spec import load_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -236,7 +236,7 @@ def test_every_runtime_implements_the_runtime_protocol():
     """The coordinator drives Ray, the simulator and the fakes through one protocol."""
     from dynabatch.scheduler.runtime.ray_runtime import RayRuntime
     from dynabatch.scheduler.runtime.seam import Runtime
-    from dynabatch.scheduler.sim.simulator import SimRuntime
+    from dynabatch.scheduler.sim.runtime import SimRuntime
 
     from tests.fakes import FakeRuntime
 

@@ -65,3 +65,37 @@ def test_success_or_a_new_position_resets_the_budget():
     assert budget.failed(Position(0, 1), f) is not None
     budget.succeeded()
     assert budget.failed(Position(0, 1), classify([_res("w0", "peer")], 10)) is None
+
+
+@given(st.lists(st.sampled_from(["fail", "lost", "ok"]), min_size=1, max_size=30),
+       st.integers(0, 5))
+def test_regroups_that_fail_in_a_row_are_bounded(kinds, max_retries):
+    # A regroup that lost workers forms a different group next time: it never ends the job
+    # by itself, but it counts towards the run of failures the next one is judged by.
+    budget = RetryBudget(max_retries)
+    run = 0
+    for kind in kinds:
+        if kind == "ok":
+            budget.regrouped()
+            run = 0
+            continue
+        run += 1
+        verdict = budget.regroup_failed(kind == "lost", "no answer")
+        if kind == "fail" and run > max_retries + 1:
+            assert verdict == (f"the group could not be formed {run} times in a row: "
+                               "no answer")
+            return
+        assert verdict is None
+
+
+def test_regroup_failures_do_not_touch_the_segment_retries():
+    budget = RetryBudget(0)
+    assert budget.regroup_failed(False, "x") is None
+    assert not budget.retrying
+    f = classify([_res("w0", "peer"), WorkerOutcome("w1", lost="died")], 10)
+    assert budget.failed(Position(0, 2), f) is None
+    assert budget.retrying  # the next segment is the retry, whatever happens in between
+    budget.regrouped()
+    assert budget.retrying and budget.regroup_failed(False, "x") is None
+    budget.succeeded()
+    assert not budget.retrying

@@ -90,7 +90,10 @@ def test_evicted_straggler_node_gets_no_new_worker():
     _start_all(m, _nodes(3))
     change = m.remove("w2", "evict", "straggler")
     assert change.kind == "evict" and change.node == "n2"
-    assert m.spawns(_nodes(3), False, lambda g: 0.0) == []
+    full = [NodeInfo(f"n{i}", free=False) for i in range(3)]
+    assert m.spawns(full, False, lambda g: 0.0) == []
+    # With room on the others, the replacement shares one of them, never the straggler's.
+    assert [s.node_id for s in m.spawns(_nodes(3), False, lambda g: 0.0)] == ["n0"]
 
 
 def test_drain_and_scale_requests():
@@ -212,7 +215,9 @@ def test_spares_never_change_how_many_workers_start(ops, views, limit):
             for m in ms:
                 used = {x.node for x in m.members} | {x.node for x in m.pending.values()}
                 spawned = m.spawns(nodes, False, _cpu)
-                assert all(s.node_id not in used for s in spawned)
+                # A node already used takes another worker only where it has room.
+                room = {n.node_id for n in nodes if n.free}
+                assert all(s.node_id not in used or s.node_id in room for s in spawned)
                 counts.append(len(spawned))
             assert counts[0] == counts[1]
         elif op == "start":

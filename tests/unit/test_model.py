@@ -7,12 +7,8 @@ import math
 
 import numpy as np
 import pytest
-from dynabatch.scheduler.core.sync.policy import (
-    AffinePolicy,
-    DBSPolicy,
-    WorkerTelemetry,
-    make_allocation,
-)
+from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry, make_allocation
+from dynabatch.scheduler.core.sync.policy import AffinePolicy, DBSPolicy
 from dynabatch.scheduler.core.sync.steptime import (
     AffineFit,
     StepTimeStats,

@@ -12,12 +12,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from dynabatch.actors.spec import SpecError, SubmitPolicy, check_submission, parse_spec
+from dynabatch.actors.spec import SpecError, parse_spec
 from dynabatch.actors.workloads import WorkloadError, text
 from dynabatch.actors.workloads.datasets import DatasetArrays, load_dataset
 from dynabatch.actors.workloads.losses import LOSSES
 from dynabatch.actors.workloads.models import build_model
 from dynabatch.actors.workloads.objective import check_objective, objective_for, targets_kind
+from dynabatch.service.submit_policy import SubmitPolicy, check_submission
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.core.sync.policy import StaticPolicy, WorkerTelemetry, make_policy
+from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry
+from dynabatch.scheduler.core.sync.policy import StaticPolicy, make_policy
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

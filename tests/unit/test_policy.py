@@ -6,16 +6,13 @@ import math
 
 import numpy as np
 import pytest
-from dynabatch.scheduler.core.sync.policy import (
-    AffinePolicy,
+from dynabatch.scheduler.core.sync.allocation import (
     Allocation,
-    DBSPolicy,
     Decision,
-    StaticPolicy,
     WorkerTelemetry,
     make_allocation,
-    make_policy,
 )
+from dynabatch.scheduler.core.sync.policy import AffinePolicy, DBSPolicy, StaticPolicy, make_policy
 from dynabatch.scheduler.core.sync.steptime import StepTimeStats, shared_overhead_fit
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st

@@ -307,7 +307,8 @@ def test_epochs_overlap_in_async_but_not_in_hardsync():
 def test_driver_classifies_learner_errors_and_checks_the_data():
     from dynabatch.actors.spec import JobSpec
     from dynabatch.actors.workloads import WorkloadError
-    from dynabatch.scheduler.ps.driver import _own_error, dataset_problem
+    from dynabatch.scheduler.ps.driver import dataset_problem
+    from dynabatch.scheduler.runtime.ray_ps import own_error as _own_error
     from ray.exceptions import ActorDiedError, RayTaskError
 
     def task_error(cause):

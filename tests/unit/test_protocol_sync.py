@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from dynabatch.scheduler.core.sync.policy import WorkerTelemetry, make_policy
+from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry
+from dynabatch.scheduler.core.sync.policy import make_policy
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from hypothesis import given, settings
 from hypothesis import strategies as st

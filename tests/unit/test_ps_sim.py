@@ -55,7 +55,10 @@ def test_async_with_a_lost_and_a_joining_learner_is_exactly_once():
     res = simulate_ps(SPEC, core, cfg)
     assert [e["verified"] for e in res.epochs] == [True, True]
     assert core.counters.lost_inflight_samples > 0
-    assert res.snapshot["workers"]["w9"]["applied"] > 0
+    # The driver names learners: the one started on the joining node is the fifth, w4.
+    assert res.snapshot["workers"]["w4"]["applied"] > 0
+    assert not res.snapshot["workers"]["w3"]["member"] and res.state == "SUCCEEDED"
+    assert [r.epoch for r in res.history] == [0, 1]
     assert max(t for v in res.staleness.values() for t in v) <= 4
 
 
@@ -118,7 +121,7 @@ def test_adam_state_lives_on_the_server_and_staleness_scales_its_learning_rate()
 
 
 def test_parameter_server_costs_and_shards_in_the_simulator():
-    from dynabatch.scheduler.sim.cluster import ParameterServerModel
+    from dynabatch.scheduler.sim.cluster_spec import ParameterServerModel
 
     ps = ParameterServerModel(push_ms=2.0, pull_ms=1.0, beta_ms_per_mb=50.0)
     assert ps.push_s(2 * 2**20, 1) == pytest.approx(0.002 + 0.1)
@@ -222,3 +225,42 @@ def test_dynabatch_simulate_routes_a_ps_spec_to_the_ps_simulator(tmp_path):
     assert "events.0" in res.output
     res = cli(cluster, "--dataset-size", "100")
     assert res.exit_code == 2 and "--dataset-size" in res.output
+
+
+def test_one_failure_victim_rule_for_both_protocols():
+    """One cluster file fails the same nodes whether a synchronous or a parameter-server job
+    runs on it (one rule: the selected node, else the latest alive nodes hosting a worker,
+    then idle ones)."""
+    from dynabatch.scheduler.core.victims import failure_victims
+    from dynabatch.scheduler.ps.driver import build_core
+    from dynabatch.scheduler.sim.cluster_spec import parse_cluster
+    from dynabatch.scheduler.sim.cost_model import Node
+    from dynabatch.scheduler.sim.ps import learners_on
+    from dynabatch.scheduler.sim.simulator import simulate
+
+    nodes = [Node(f"n{i}", "a" if i < 3 else "b", 0.0, 1.0) for i in range(5)]
+    assert [n.node_id for n in failure_victims(nodes, 2, busy={"n1", "n3"})] == ["n3", "n1"]
+    assert [n.node_id for n in failure_victims(nodes, 3, "a", busy={"n0"})] == [
+        "n0", "n2", "n1"]
+    assert [n.node_id for n in failure_victims(nodes, 1, "b", 0)] == ["n3"]
+    nodes[3].alive = False
+    assert failure_victims(nodes, 1, "b", 0) == []
+
+    cluster = parse_cluster({
+        "classes": [{"name": "a", "count": 3, "a_ms": 4, "c_ms_per_sample": 1.0},
+                    {"name": "b", "count": 2, "a_ms": 4, "c_ms_per_sample": 1.0}],
+        "recovery": {"start_s": 0.0, "detect_s": 0.01, "regroup_s": 0.01},
+        "events": [{"at_s": 0.05, "fail": 1}, {"at_s": 0.1, "fail": {"class": "a"}},
+                   {"at_s": 0.15, "fail": {"class": "b", "index": 0}}]})
+    sync = simulate(JobSpec.model_validate(dict(workers="auto", global_batch=20, epochs=3)),
+                    cluster, dataset_size=2000)
+    ps_spec = JobSpec.model_validate(dict(
+        dataset={"name": "digits", "limit": 400}, model={"name": "mlp", "hidden": 16},
+        workers=5, global_batch=20, epochs=3, protocol={"name": "ps", "mode": "async"}))
+    ds = load_dataset(ps_spec.dataset, seed=0)
+    ps = simulate_ps(ps_spec, build_core(ps_spec, len(ds.y_train)),
+                     learners_on(ps_spec, cluster), data=ds)
+    want = [("fail", ("b-00001",)), ("fail", ("a-00002",)), ("fail", ("b-00000",))]
+    assert [(h.kind, h.nodes) for h in sync.happened] == want
+    assert [(h.kind, h.nodes) for h in ps.happened] == want
+    assert ps.state == "SUCCEEDED" and all(e["verified"] for e in ps.epochs)

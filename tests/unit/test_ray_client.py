@@ -9,7 +9,7 @@ import sys
 import pytest
 import ray.exceptions as rex
 from dynabatch.scheduler.core.lifecycle import InvalidTransition
-from dynabatch.service.jobs import ClusterError, ClusterUnavailable, CoordinatorGone
+from dynabatch.service.jobs import ClusterUnavailable, CoordinatorGone, RayCallError
 from dynabatch.service.ray_client import RayClusterClient, _probe, _translate
 
 
@@ -36,7 +36,7 @@ def test_invalid_transition_survives_even_unpickled() -> None:
 
 def test_anything_else_is_a_cluster_error_with_one_line() -> None:
     out = _translate(ValueError("line one\nline two"), "j")
-    assert type(out) is ClusterError and str(out) == "line two"
+    assert type(out) is RayCallError and str(out) == "line two"
 
 
 def test_embedded_is_the_default() -> None:
@@ -86,7 +86,7 @@ def test_membership_errors_of_the_coordinator_are_the_callers(
     with pytest.raises(InvalidTransition):
         client.scale("j", 2)
     monkeypatch.setattr(client, "_call", raising(RuntimeError("boom")))
-    with pytest.raises(ClusterError):
+    with pytest.raises(RayCallError):
         client.scale("j", 2)
 
 

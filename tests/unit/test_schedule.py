@@ -609,7 +609,7 @@ def test_goodput_state_survives_a_resume(tmp_path):
 # --- the simulator's real-gradient mode drives the same machines ------------------------------
 def test_simulator_trains_stages_isgd_and_goodput_with_real_gradients():
     pytest.importorskip("torch")
-    from dynabatch.scheduler.sim.cluster import parse_cluster
+    from dynabatch.scheduler.sim.cluster_spec import parse_cluster
     from dynabatch.scheduler.sim.simulator import simulate
 
     cluster = parse_cluster({"classes": [
@@ -640,7 +640,8 @@ def test_simulator_trains_stages_isgd_and_goodput_with_real_gradients():
 
 def test_the_simulated_clock_charges_every_isgd_pass():
     pytest.importorskip("torch")
-    from dynabatch.scheduler.sim.cluster import ClusterModel, parse_cluster
+    from dynabatch.scheduler.sim.cluster_spec import parse_cluster
+    from dynabatch.scheduler.sim.cost_model import SimulatedCluster
     from dynabatch.scheduler.sim.simulator import simulate
 
     # Two equal nodes, no jitter: every step of 50 samples takes the same time.
@@ -659,13 +660,13 @@ def test_the_simulated_clock_charges_every_isgd_pass():
     assert steps == 24
     # Every pass over the batch is a gradient per sample: the steps' own and the extras'.
     assert sum(r.grad_evals for r in isgd.history) == 600 * 2 + extras * 50
-    model = ClusterModel(cluster)
+    model = SimulatedCluster(cluster)
     nbytes = sgd.runtime.gradients.model_bytes
     step_s = 0.002 + 0.0001 * 25 + model.allreduce_s(2, 50, nbytes)
-    loss_ar = model.allreduce_s(2, 0, 8.0)
-    # Each step all-reduces its loss; each extra iteration is a whole pass (compute and
-    # all-reduce) and its loss's all-reduce: nothing ran that the clock did not charge.
-    want = steps * loss_ar + extras * (step_s + loss_ar)
+    # The batch loss rides in the gradient's all-reduce (no collective of its own); each
+    # extra iteration is a whole pass (compute and all-reduce): nothing ran that the clock
+    # did not charge, and a step that flags nothing costs what an SGD step costs.
+    want = extras * step_s
     assert isgd.sim_seconds - sgd.sim_seconds == pytest.approx(want, rel=1e-9)
     # What the policy plans with stays each step's own compute, as on Ray.
     assert isgd.history[-1].workers[0].compute_s == pytest.approx(
@@ -716,7 +717,7 @@ def test_tune_spends_at_most_its_budget_and_writes_a_loadable_config(tmp_path):
 
 def test_tune_judges_against_the_small_batch_baseline_on_a_validation_split(monkeypatch):
     pytest.importorskip("torch")
-    from dynabatch.scheduler.sim.cluster import parse_cluster
+    from dynabatch.scheduler.sim.cluster_spec import parse_cluster
     from dynabatch.scheduler.sim.gradients import GradientEngine
     from dynabatch.service import tune as tune_mod
 

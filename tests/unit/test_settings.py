@@ -74,3 +74,30 @@ def test_bad_submit_settings_name_the_setting(
     monkeypatch.setenv(var, value)
     with pytest.raises(ValidationError, match=field):
         Settings()
+
+
+def test_every_bad_setting_is_reported_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynabatch.service.settings import settings_problems
+
+    monkeypatch.setenv("DYNABATCH_USER_CODE_MODULES", "bad-name")
+    monkeypatch.setenv("DYNABATCH_CODE_ROOT", "relative/code")
+    monkeypatch.setenv("DYNABATCH_DATA_ROOTS", "also/relative")
+    with pytest.raises(ValidationError) as err:
+        Settings()
+    problems = settings_problems(err.value)
+    assert len(problems) == 3
+    assert [p.split(":")[0] for p in problems] == [
+        "user_code_modules (DYNABATCH_USER_CODE_MODULES)",
+        "data_roots (DYNABATCH_DATA_ROOTS)",
+        "code_root (DYNABATCH_CODE_ROOT)",
+    ]
+
+
+def test_shipping_code_names_every_missing_setting_at_once() -> None:
+    from dynabatch.service.submit_policy import shipping_problems
+
+    problems = shipping_problems(Settings(user_code_modules="", code_root=None))
+    assert len(problems) == 2
+    assert "DYNABATCH_USER_CODE_MODULES='*'" in problems[0]
+    assert "DYNABATCH_CODE_ROOT" in problems[1]
+    assert shipping_problems(Settings(user_code_modules="*", code_root="/srv/code")) == []

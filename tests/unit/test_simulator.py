@@ -26,16 +26,14 @@ from dynabatch.scheduler.core.failures import WorkerOutcome
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import NodeInfo
 from dynabatch.scheduler.runtime.seam import DataInfo, RegroupResult, Started
-from dynabatch.scheduler.sim.cluster import (
-    MB,
-    ClusterError,
-    ClusterModel,
+from dynabatch.scheduler.sim.cluster_spec import MB, ClusterError, parse_cluster
+from dynabatch.scheduler.sim.cost_model import (
+    SimulatedCluster,
     compute_time,
     jitter,
-    parse_cluster,
-    profiles_from_report,
     ring_allreduce_s,
 )
+from dynabatch.scheduler.sim.profiles import profiles_from_report
 from dynabatch.scheduler.sim.simulator import simulate
 from dynabatch.service.cli import run as run_cli
 from dynabatch.service.cli import simulate as sim_cli
@@ -150,7 +148,7 @@ def test_simulated_and_replayed_runs_make_the_same_allocation_decisions(policy):
     # What the simulated workers reported, step by step: the telemetry to replay.
     reports = [rep for step in sim_coord[0].recent_steps() for rep in step]
     computes = {(r.epoch, r.step, r.worker): r.compute_s for r in reports}
-    nodes = [NodeInfo(n.node_id, cpus=n.cpus) for n in ClusterModel(cluster).nodes]
+    nodes = [NodeInfo(n.node_id, cpus=n.cpus) for n in SimulatedCluster(cluster).nodes]
     replay_log: list = []
     coord = Coordinator("replay", spec, resume=False,
                         runtime=_ReplayRuntime(nodes, n_train, computes))
@@ -176,7 +174,7 @@ def test_formulas():
     assert np.median(eps) == pytest.approx(1.0, abs=2e-3)
     assert np.log(eps).std() == pytest.approx(0.05, rel=0.02)
     assert (jitter(np.random.default_rng(0), 0.0, 5) == 1.0).all()
-    model = ClusterModel(_cluster(parameter_server={"push_ms": 1, "pull_ms": 2,
+    model = SimulatedCluster(_cluster(parameter_server={"push_ms": 1, "pull_ms": 2,
                                                     "beta_ms_per_mb": 0.5}))
     assert model.push_s(2 * MB) == pytest.approx(0.001 + 0.001)
     assert model.pull_s(2 * MB) == pytest.approx(0.002 + 0.001)
@@ -356,9 +354,36 @@ def test_real_gradients_equal_one_process_on_the_same_global_batches(learners, b
         torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
 
 
+def test_real_gradients_use_each_ordinals_micro_batch_cap(monkeypatch):
+    # As the Ray worker (actors.accumulate.micro_cap): one cap per ordinal, past the list's
+    # end uncapped. Accumulating micro-batches trains the same SGD as one batch per share.
+    import torch
+    from dynabatch.scheduler.sim.gradients import GradientEngine
+
+    seen: list[list[int | None]] = []
+    step = GradientEngine.step
+
+    def spy(self, *args, caps=None, **kw):
+        seen.append(list(caps))
+        return step(self, *args, caps=caps, **kw)
+
+    base = dict(dataset={"name": "digits", "limit": 128}, model={"name": "mlp"}, workers=4,
+                global_batch=64, epochs=1)
+    plain = simulate(_spec(**base), _cluster(), real_gradients=True)
+    monkeypatch.setattr(GradientEngine, "step", spy)
+    capped = simulate(_spec(**base, micro_batch=[3, 5]), _cluster(), real_gradients=True)
+    assert capped.snapshot.state == JobState.SUCCEEDED, capped.snapshot.reason
+    assert seen and all(c == [3, 5, None, None] for c in seen)
+    for p, q in zip(plain.runtime.gradients.model.parameters(),
+                    capped.runtime.gradients.model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
+
+
 # ------------------------------------------------------------------ (f) purity
 def test_cluster_model_and_simulator_import_neither_ray_nor_torch():
-    code = ("import dynabatch.scheduler.sim.cluster, dynabatch.scheduler.sim.simulator, sys; "
+    mods = ", ".join(f"dynabatch.scheduler.sim.{m}" for m in (
+        "cluster_spec", "cost_model", "profiles", "timeline", "world", "runtime", "simulator"))
+    code = (f"import {mods}, sys; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')); "
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

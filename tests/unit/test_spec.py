@@ -9,16 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dynabatch.actors.spec import (
-    JobSpec,
-    SpecError,
+from dynabatch.actors.spec import JobSpec, SpecError, load_spec, parse_spec
+from dynabatch.service.submit_policy import (
     SubmitPolicy,
     check_paths,
     check_submission,
     check_user_code,
-    load_spec,
     module_allowed,
-    parse_spec,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -27,16 +27,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from dynabatch.scheduler.core.ledger import Verification
 from dynabatch.scheduler.core.ps.batch_policy import PerfAwareBatches
 from dynabatch.scheduler.core.ps.ledger import AsyncLedger, Chunk
 from dynabatch.scheduler.core.ps.protocol import (
     Apply,
-    Decision,
     PSConfig,
     PSProtocol,
     Pulled,
+    PushOutcome,
     Refuse,
 )
 
@@ -69,8 +70,24 @@ class EpochEnd:
     verification: Verification
     version: int
 
+    def dispatch(self, handler: EventHandler) -> None:
+        handler.on_epoch_end(self)
 
-Event = Decision | EpochEnd
+
+Event = PushOutcome | EpochEnd
+
+
+class EventHandler(Protocol):
+    """What interprets the core's events (``event.dispatch(handler)`` calls the method of its
+    class): the one interpreter, :class:`dynabatch.actors.ps_events.CoreEventInterpreter`,
+    used by the Ray server actor and the simulator alike. Typed double dispatch, so the
+    actors layer needs no import of these classes."""
+
+    def on_apply(self, e: Apply) -> None: ...
+
+    def on_refuse(self, e: Refuse) -> None: ...
+
+    def on_epoch_end(self, e: EpochEnd) -> None: ...
 
 
 @dataclass(slots=True)
@@ -199,7 +216,7 @@ class PSCore:
         return self._inflight.get(worker)
 
     # --- bookkeeping --------------------------------------------------------------------
-    def _after(self, decisions: list[Decision]) -> list[Event]:
+    def _after(self, decisions: list[PushOutcome]) -> list[Event]:
         out: list[Event] = []
         for d in decisions:
             self._record(d)
@@ -226,7 +243,7 @@ class PSCore:
             self.batches.replan(self.protocol.members)
         return out
 
-    def _record(self, d: Decision) -> None:
+    def _record(self, d: PushOutcome) -> None:
         if isinstance(d, Apply):
             for g in d.gradients:
                 c = self._tickets.pop(g.push_id).chunk

@@ -48,7 +48,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from dynabatch.scheduler.core.ps.machine import EventHandler
 
 Mode = Literal["async", "softsync", "hardsync"]
 LrRule = Literal["none", "per_gradient", "average"]
@@ -105,6 +108,9 @@ class Apply:
     version: int
     gradients: tuple[Applied, ...]
 
+    def dispatch(self, handler: EventHandler) -> None:
+        handler.on_apply(self)
+
 
 @dataclass(frozen=True, slots=True)
 class Refuse:
@@ -112,6 +118,9 @@ class Refuse:
     worker: str
     staleness: int
     samples: int
+
+    def dispatch(self, handler: EventHandler) -> None:
+        handler.on_refuse(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +136,7 @@ class Pulled:
     version: int
 
 
-Decision = Apply | Refuse
+PushOutcome = Apply | Refuse
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +195,7 @@ class PSProtocol:
         self._members.add(worker)
         self.stats.setdefault(worker, WorkerStats())
 
-    def leave(self, worker: str) -> list[Decision]:
+    def leave(self, worker: str) -> list[PushOutcome]:
         """``worker`` is gone: its in-flight gradient will never come (the caller re-queues
         its samples). Its queued gradients stay: they reached the server. With one learner
         fewer an update may now be due, or a waiting one unblocked."""
@@ -208,13 +217,13 @@ class PSProtocol:
         self._inflight[worker] = self.version
         return Pulled(worker, self.version)
 
-    def cancel(self, worker: str) -> list[Decision]:
+    def cancel(self, worker: str) -> list[PushOutcome]:
         """``worker`` pulled but will not push (it had no samples to train)."""
         self._inflight.pop(worker, None)
         return self._drain()
 
     def push(self, worker: str, push_id: int, version_pulled: int, samples: int,
-             lr_scale: float = 1.0) -> list[Decision]:
+             lr_scale: float = 1.0) -> list[PushOutcome]:
         if worker not in self._members:
             raise ValueError(f"{worker} is not a member")
         if self._inflight.get(worker) != version_pulled:
@@ -238,8 +247,8 @@ class PSProtocol:
         return self._drain()
 
     # --- updates ----------------------------------------------------------------------
-    def _drain(self) -> list[Decision]:
-        out: list[Decision] = []
+    def _drain(self) -> list[PushOutcome]:
+        out: list[PushOutcome] = []
         while True:
             c = self.gradients_per_update
             if len(self._queue) < c:
@@ -267,7 +276,7 @@ class PSProtocol:
             self._queue = rest
             out.append(self._apply(batch))
 
-    def flush(self) -> list[Decision]:
+    def flush(self) -> list[PushOutcome]:
         """Apply what is queued as one (partial) update: the end of an epoch, when no more
         gradients can arrive for it. Queued gradients have τ ≤ S (see :meth:`_drain`)."""
         if not self._queue:
@@ -275,7 +284,7 @@ class PSProtocol:
         batch, self._queue = sorted(self._queue, key=lambda q: (q.version_pulled, q.seq)), []
         return [self._apply(batch)]
 
-    def _refuse(self, q: _Queued, out: list[Decision]) -> None:
+    def _refuse(self, q: _Queued, out: list[PushOutcome]) -> None:
         tau = self.version + 1 - q.version_pulled
         self.refused += 1
         self.stats[q.worker].refused += 1

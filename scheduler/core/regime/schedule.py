@@ -1,7 +1,7 @@
 """The job's schedule: the global batch and the learning rate at every step. Pure.
 
-A :class:`Schedule` sits beside the :class:`~dynabatch.scheduler.core.sync.policy.Policy`: the
-policy splits a
+A :class:`Schedule` sits beside the policy
+(:class:`~dynabatch.scheduler.core.sync.allocation.Policy`): the policy splits a
 global batch over the workers, the schedule says what that global batch is and which
 learning rate each step uses. The coordinator asks it and writes the answer into every
 :class:`~dynabatch.actors.contracts.StepPlan`; workers never compute a schedule.

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dynabatch.actors.contracts import SegmentPlan, StepPlan
-from dynabatch.scheduler.core.sync.policy import (
+from dynabatch.scheduler.core.sync.allocation import (
     Allocation,
     Decision,
     Policy,
@@ -78,6 +78,9 @@ class SyncProtocol:
         # anchor), in step order: the first is in force now, a later one was adopted
         # ahead (``replan(at=)``).
         self._plans: list[tuple[int, Allocation]] = []
+        # Segments may be updated in flight (the runtime can post plan updates): each
+        # worker claims a step's key before it starts it (see core/sync/update.py).
+        self.updates = False
 
     # --- where the epoch stands ---------------------------------------------------------
     @property
@@ -200,6 +203,21 @@ class SyncProtocol:
         self._prune()
         return decision
 
+    def defer(self, step: int, to: int) -> None:
+        """The allocation adopted from ``step`` takes effect from ``to`` instead (its plan
+        update was refused: a worker had started ``step``); the steps between keep the
+        allocation they were sent with."""
+        plans = self._plans
+        i = next((j for j, (anchor, _) in enumerate(plans) if anchor == step), None)
+        if i is None or to < step:
+            raise ValueError(f"no allocation adopted from step {step} to defer to {to}")
+        a = plans[i][1]
+        left = (self.dataset_size - to * self.global_batch if to < self.steps_per_epoch
+                else self.dataset_size)
+        moved = make_allocation(a.workers, list(a.batches), self.global_batch, left)
+        self._plans = ([x for x in plans[:i] if x[0] < to] + [(to, moved)]
+                       + [x for x in plans[i + 1:] if x[0] > to])
+
     def planned_remaining(self, worker: str) -> int:
         """Samples ``worker`` still has to train in this epoch under the allocations."""
         total = 0
@@ -285,5 +303,6 @@ class SyncProtocol:
                 steps.append(StepPlan(step=s, start=s * self.global_batch,
                                       size=self.step_size(s), own_start=base + lo,
                                       own_size=hi - lo))
-            plans[w] = SegmentPlan(epoch, self.seed, self.dataset_size, tuple(steps))
+            plans[w] = SegmentPlan(epoch, self.seed, self.dataset_size, tuple(steps),
+                                   updates=self.updates and self.rule.mode != "epoch")
         return plans

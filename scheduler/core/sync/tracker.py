@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dynabatch.actors.contracts import StepTelemetry
-from dynabatch.scheduler.core.sync.policy import WorkerTelemetry
+from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry
 from dynabatch.scheduler.core.sync.steptime import StepTimeStats, fit
 
 STATS_DECAY = 0.9

@@ -1,0 +1,158 @@
+"""Opening the job's data: which source a spec names, its train and test splits, and the
+picklable recipe (:class:`DataRef`) a worker opens its own copy of the source from.
+
+In-memory datasets (the built-ins, a loader returning ``DatasetArrays`` or a tuple) travel
+as arrays through the object store; file-backed sources (``parquet``, ``npy``,
+``imagefolder``) and map-style datasets travel as a :class:`DataRef`, and each worker reads
+only the samples it trains.
+
+Splits. A ``path`` holding ``train`` and ``test`` (files or folders) uses them; otherwise
+``test_fraction`` is held out: the last rows of a Parquet or ``.npy`` set, a seeded choice
+of images or map-style samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from dynabatch.actors.data.source import ArraySource, DataError, Meta, Range, Source, Subset
+from dynabatch.actors.data.source import split_ids
+from dynabatch.actors.spec import DatasetSpec
+
+FILE_KINDS = ("parquet", "npy", "imagefolder")
+
+
+@dataclass(frozen=True)
+class DataRef:
+    """How a worker opens one split of a file-backed or map-style dataset."""
+
+    spec: DatasetSpec
+    seed: int
+    split: str  # train | test
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def open(self) -> Source:
+        return open_source(self.spec, self.seed, self.split, self.extra)
+
+
+def _base(spec: DatasetSpec, path: str, extra: dict[str, Any]) -> Source:
+    opts = dict(spec.options)
+    if spec.num_classes is not None and spec.name != "imagefolder":
+        opts.setdefault("num_classes", spec.num_classes)
+    if spec.targets is not None and spec.name != "imagefolder":
+        opts.setdefault("targets", spec.targets)
+    if spec.name == "parquet":
+        from dynabatch.actors.data.arrow import ParquetSource
+
+        return ParquetSource(path, opts, spec.name)
+    from dynabatch.actors.data.files import ImageFolderSource, NpySource
+
+    if spec.name == "npy":
+        return NpySource(path, opts, spec.name)
+    return ImageFolderSource(path, opts, spec.name, classes=extra.get("classes"))
+
+
+def open_source(spec: DatasetSpec, seed: int, split: str,
+                extra: dict[str, Any] | None = None) -> Source:
+    extra = extra or {}
+    if spec.name in FILE_KINDS:
+        from dynabatch.actors.data.fs import child, open_fs
+
+        if spec.path is None:
+            raise DataError(f"dataset.path: {spec.name} needs a path (a file, a directory or "
+                            "a URI)")
+        fs, root = open_fs(spec.path)
+        parts = (child(fs, root, "train"), child(fs, root, "test"))
+        if parts[0] is not None and parts[1] is not None:
+            where = spec.path.rstrip("/") + "/" + split
+            return _base(spec, where, extra)
+        whole = _base(spec, spec.path, extra)
+        if spec.name == "imagefolder":
+            tr, te = split_ids(len(whole), spec.test_fraction, seed)
+            return Subset(whole, tr if split == "train" else te)
+        n = len(whole)
+        n_test = min(max(1, int(np.ceil(n * spec.test_fraction))), n - 1)
+        return Range(whole, 0, n - n_test) if split == "train" else Range(whole, n - n_test, n)
+    from dynabatch.actors.data.mapstyle import open_map
+    from dynabatch.actors.workloads.imports import call_user, resolve_callable
+
+    fn = resolve_callable(spec.name, "dataset.name")
+    result = call_user(fn, spec.name, "dataset.name", **spec.options)
+    return open_map(result, spec.name, split, seed, spec.test_fraction, spec.num_classes,
+                    spec.targets)
+
+
+@dataclass
+class Opened:
+    """The job's data as the driver opened it."""
+
+    name: str
+    meta: Meta
+    train: Source
+    test: Source
+    arrays: Any = None  # DatasetArrays for in-memory datasets
+    refs: tuple[DataRef, DataRef] | None = None  # for file-backed and map-style ones
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.meta.sample_shape
+
+    @property
+    def num_classes(self) -> int:
+        return self.meta.num_classes
+
+
+def from_arrays(ds: Any) -> Opened:
+    from dynabatch.actors.workloads.objective import targets_kind
+
+    meta = Meta(ds.name, tuple(ds.input_shape), ds.num_classes, targets_kind(ds.y_train),
+                tuple(ds.y_train.shape[1:]))
+    return Opened(ds.name, meta, ArraySource(ds.x_train, ds.y_train, meta),
+                  ArraySource(ds.x_test, ds.y_test, meta), arrays=ds)
+
+
+def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
+    """The job's data: arrays for in-memory datasets, sources and refs for the others."""
+    from dynabatch.actors.workloads.datasets import BUILTIN_DATASETS, load_dataset, user_arrays
+
+    if spec.name in FILE_KINDS:
+        train = open_source(spec, seed, "train")
+        extra = {"classes": train.base.classes if isinstance(train, Subset)
+                 else getattr(train, "classes", None)} if spec.name == "imagefolder" else {}
+        test = open_source(spec, seed, "test", extra)
+        refs = (DataRef(spec, seed, "train", extra), DataRef(spec, seed, "test", extra))
+        return Opened(spec.name, train.meta, _limited(train, spec, seed), test, refs=refs)
+    if spec.name in BUILTIN_DATASETS:
+        return from_arrays(load_dataset(spec, seed))
+    from dynabatch.actors.data.mapstyle import open_map, split_result
+    from dynabatch.actors.workloads.imports import call_user, resolve_callable
+
+    fn = resolve_callable(spec.name, "dataset.name")
+    result = call_user(fn, spec.name, "dataset.name", **spec.options)
+    if split_result(result) is None:
+        return from_arrays(user_arrays(spec, result, seed))
+    train = open_map(result, spec.name, "train", seed, spec.test_fraction, spec.num_classes,
+                     spec.targets)
+    test = open_map(result, spec.name, "test", seed, spec.test_fraction, spec.num_classes,
+                    spec.targets)
+    refs = (DataRef(spec, seed, "train"), DataRef(spec, seed, "test"))
+    return Opened(spec.name, train.meta, _limited(train, spec, seed), test, refs=refs)
+
+
+def _limited(src: Source, spec: DatasetSpec, seed: int) -> Source:
+    return src if spec.limit is None or spec.limit >= len(src) else Range(src, 0, spec.limit)
+
+
+def materialise(spec: DatasetSpec, seed: int = 0) -> Any:
+    """Every sample in memory as ``DatasetArrays`` (the simulator and ``protocol: ps``,
+    which do not read by position): for small sets only."""
+    from dynabatch.actors.workloads.datasets import DatasetArrays
+
+    o = open_dataset(spec, seed)
+    if o.arrays is not None:
+        return o.arrays
+    xs = [s.read(np.arange(len(s))) for s in (o.train, o.test)]
+    return DatasetArrays(o.name, xs[0][0], xs[0][1], xs[1][0], xs[1][1], o.meta.num_classes,
+                         targets=o.meta.targets)

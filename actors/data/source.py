@@ -1,0 +1,162 @@
+"""The one interface every training source implements, and the in-memory one.
+
+A source is random access by sample id: ``len(source)`` samples, and ``read(ids, keys)``
+returns the batch ``(x, y)`` of those samples, in that order, as numpy arrays (float32
+features, or int64 token ids; int64 class labels, or float32 regression targets).
+``keys`` (one int per sample, or None) seed the sample's random augmentation: the loader
+derives them from (job seed, epoch, order position) (:func:`augment_keys`), so a sample
+looks the same whoever reads it and whatever failed before; None means no augmentation
+(evaluation). ``block`` is how many consecutive ids a source reads together (a Parquet row
+group): the epoch order keeps those near each other (:mod:`dynabatch.actors.data.order`).
+
+What a bad sample raises is a :class:`DataError` naming the field, the file or the sample;
+a :class:`SampleError` carries the sample id so the loader can name its order position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from dynabatch.actors.workloads import WorkloadError
+
+TARGET_KINDS = ("classes", "tokens", "values")
+
+
+class DataError(WorkloadError):
+    """A one-line problem with the data, naming the field, the file or the sample."""
+
+
+class SampleError(DataError):
+    """Reading sample ``sample`` failed; the loader adds its order position."""
+
+    def __init__(self, sample: int, problem: str):
+        self.sample = int(sample)
+        self.problem = problem
+        super().__init__(f"sample {self.sample}: {problem}")
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What the scheduler and the model need to know of a source."""
+
+    name: str
+    sample_shape: tuple[int, ...]
+    num_classes: int
+    targets: str = "classes"  # classes | tokens | values
+    target_shape: tuple[int, ...] = ()
+
+
+class Source:
+    """Random access by sample id (see the module docstring). Subclasses set ``meta``."""
+
+    meta: Meta
+    block: int = 1
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release files and caches (a worker closes its sources when it is dropped)."""
+
+
+def x_dtype(targets: str) -> Any:
+    return np.int64 if targets == "tokens" else np.float32
+
+
+def y_dtype(targets: str) -> Any:
+    return np.float32 if targets == "values" else np.int64
+
+
+class ArraySource(Source):
+    """Samples already in memory (the built-ins, a loader returning ``DatasetArrays``):
+    reading is an index, with no copy of the whole set (object-store arrays stay
+    read-only views)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, meta: Meta):
+        self.x, self.y, self.meta = x, y, meta
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64)
+        return self.x[ids], self.y[ids]
+
+
+class Subset(Source):
+    """The samples ``index`` of ``base`` (a seeded split of a set with no held-out part)."""
+
+    def __init__(self, base: Source, index: np.ndarray):
+        self.base, self.index, self.meta = base, np.asarray(index, dtype=np.int64), base.meta
+        self.block = base.block
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        return self.base.read(self.index[np.asarray(ids, dtype=np.int64)], keys)
+
+    def close(self) -> None:
+        self.base.close()
+
+
+class Range(Source):
+    """The contiguous ids ``[lo, hi)`` of ``base`` (train and test of one file set)."""
+
+    def __init__(self, base: Source, lo: int, hi: int):
+        self.base, self.lo, self.hi, self.meta = base, lo, hi, base.meta
+        self.block = base.block
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        return self.base.read(np.asarray(ids, dtype=np.int64) + self.lo, keys)
+
+    def close(self) -> None:
+        self.base.close()
+
+
+def split_ids(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded split of ``range(n)`` into (train, test) ids, each sorted."""
+    n_test = min(max(1, int(np.ceil(n * test_fraction))), n - 1)
+    perm = np.random.default_rng([seed, 0x53504C]).permutation(n)
+    return np.sort(perm[n_test:]), np.sort(perm[:n_test])
+
+
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
+
+
+def augment_keys(seed: int, epoch: int, positions: np.ndarray) -> np.ndarray:
+    """One 63-bit seed per sample from (job seed, epoch, order position): splitmix64 of
+    the three, so neighbouring positions draw unrelated augmentations."""
+    with np.errstate(over="ignore"):
+        base = _mix(np.array([seed], dtype=np.uint64))[0] ^ _mix(
+            np.array([epoch + 0x9E3779B9], dtype=np.uint64))[0]
+        z = _mix(np.asarray(positions, dtype=np.uint64) + base)
+    return (z >> np.uint64(1)).astype(np.int64)
+
+
+def check_sample(x: np.ndarray, first: tuple[int, ...], what: str) -> None:
+    """A sample's shape must be the first sample's: a DataError naming ``what`` (the sample
+    and its position) and both shapes otherwise."""
+    if tuple(x.shape) != tuple(first):
+        raise DataError(f"{what} has shape {tuple(x.shape)}, but the first sample has "
+                        f"{tuple(first)}")

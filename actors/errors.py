@@ -1,0 +1,26 @@
+"""One line for an error: what logs, job reasons and one-line CLI or API messages show.
+
+The lowest layer that needs it (workers, the scheduler's runtimes and drivers, the service
+and its HTTP client all use it), with no imports of its own.
+"""
+
+from __future__ import annotations
+
+
+def first_line(err: BaseException, *, typed: bool = True, limit: int | None = 300) -> str:
+    """The first non-blank line of ``err``'s message, whitespace folded, at most ``limit``
+    characters: ``ValueError: bad value`` (``typed``) or ``bad value``; just the type's name
+    when the message is empty. A Ray task error's own first line names only the task
+    (``ray::Worker.join()``): what the task raised, its ``cause``, is described instead."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException) and cause is not err:
+        err = cause
+    lines = str(err).strip().splitlines()
+    line = " ".join(lines[0].split()) if lines else ""
+    if not line:
+        out = type(err).__name__
+    elif typed:
+        out = f"{type(err).__name__}: {line}"
+    else:
+        out = line
+    return out if limit is None else out[:limit]

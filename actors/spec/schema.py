@@ -1,0 +1,249 @@
+"""The job specification: one schema for YAML configs, the REST API and the CLI.
+
+Every field is validated here (each section in :mod:`dynabatch.actors.spec.sections`), so bad
+input is rejected before any Ray work starts, with a message that names the field. Invalid
+*combinations* are the rules of :mod:`dynabatch.actors.spec.validation`; reading a file or a
+mapping into a ``JobSpec`` with one-line errors is :mod:`dynabatch.actors.spec.loading`.
+
+What a *valid* spec may name when it comes from a REST client (user code, dataset paths,
+checkpoint dirs) is the service's decision, not the schema's: see
+:mod:`dynabatch.service.submit_policy`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from dynabatch.actors.spec.sections import (
+    BUILTIN_LOSSES,
+    BUILTIN_METRICS,
+    BatchScheduleSpec,
+    CheckpointSpec,
+    DatasetSpec,
+    EmulationSpec,
+    IsgdSpec,
+    ModelSpec,
+    OptimizerSpec,
+    ProtocolSpec,
+    RebalanceSpec,
+    _Strict,
+    known_name,
+)
+from dynabatch.actors.spec.validation import check_combinations
+from pydantic import ConfigDict, Field, StrictInt, field_validator, model_validator
+
+POLICIES = ("static", "dbs", "affine")
+MAX_WORKERS = 4096
+
+
+class JobSpec(_Strict):
+    """A training job. The same schema is used by YAML configs, ``POST /v1/jobs`` and the CLI."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "digits-hetero",
+                    "dataset": {"name": "digits"},
+                    "model": {"name": "mlp", "hidden": 64},
+                    "workers": 4,
+                    "global_batch": 64,
+                    "epochs": 5,
+                    "policy": "affine",
+                    "emulation": {"slowdowns": [1, 1, 2, 4]},
+                }
+            ]
+        },
+    )
+
+    name: str = Field(default="job", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    dataset: DatasetSpec = Field(default_factory=DatasetSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    loss: str | None = Field(
+        default=None,
+        description="Per-sample loss: cross_entropy, mse, next_token or 'pkg.mod:function' "
+        "((outputs, targets) -> one loss per sample, shape (B,)). Default: from the dataset "
+        "(class labels: cross_entropy, token sequences: next_token, regression values: mse).",
+        examples=["cross_entropy", "next_token", "my_pkg.losses:huber"],
+    )
+    working_dir: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="The user's code, shipped with the job to every node through Ray's "
+        "runtime_env: a URI Ray accepts (the file:// zip that POST /v1/code returns, "
+        "gcs://, https://, s3://...), or, for `dynabatch run` only, a local directory. Its "
+        "modules are importable by import paths. Over REST only when the service allows any "
+        "user code (DYNABATCH_USER_CODE_MODULES='*').",
+    )
+    metrics: list[str] | None = Field(
+        default=None, max_length=16,
+        description="Evaluation metrics on the held-out set: accuracy, mse, perplexity or "
+        "'pkg.mod:function' ((outputs, targets) -> one value per sample, averaged). Default: "
+        "from the loss (cross_entropy: accuracy, next_token: perplexity and accuracy, mse: mse).",
+    )
+    schedule: BatchScheduleSpec = Field(default_factory=BatchScheduleSpec)
+    isgd: IsgdSpec = Field(default_factory=IsgdSpec)
+    workers: int | Literal["auto"] = Field(
+        default=2, description="Number of workers, or 'auto' for one per eligible node."
+    )
+    min_workers: StrictInt | None = Field(default=None, ge=1, le=MAX_WORKERS)
+    max_workers: StrictInt | None = Field(default=None, ge=1, le=MAX_WORKERS)
+    worker_cpus: float = Field(default=1.0, gt=0.0, le=1024.0)
+    worker_gpus: Annotated[float, Field(ge=0.0, le=64.0)] | Literal["auto"] = Field(
+        default=0.0,
+        description="GPUs per worker (> 0: every worker on a GPU, NCCL), or 'auto': one GPU "
+        "where a node has one and the CPU elsewhere, in one job (gloo across them).",
+    )
+    node_resource: str | None = Field(
+        default=None,
+        description="Only nodes that offer this custom resource are eligible for workers.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    global_batch: StrictInt = Field(default=64, ge=1, le=1_000_000)
+    max_batch: StrictInt | None = Field(
+        default=None, ge=1, description="Cap on any worker's share of a step (hard: the "
+        "global batch can never exceed max_batch x workers). To bound a worker's memory "
+        "instead, use micro_batch."
+    )
+    micro_batch: (Annotated[StrictInt, Field(ge=1)]
+                  | Annotated[list[Annotated[StrictInt, Field(ge=1)]], Field(min_length=1)]
+                  | None) = Field(
+        default=None,
+        description="Most samples a worker computes at once (its memory cap), for every "
+        "worker or one per worker ordinal. Unlike max_batch it does not limit the share: a "
+        "larger share is accumulated over ceil(share / micro_batch) micro-batches.",
+    )
+    allreduce: Literal["bucketed", "flat"] = Field(
+        default="bucketed",
+        description="bucketed: gradients go out in buckets from backward's hooks, overlapping "
+        "communication with compute (as DDP); flat: one all-reduce after backward.",
+    )
+    bucket_kb: StrictInt | None = Field(
+        default=None, ge=1, le=1 << 20,
+        description="Bucket size of the bucketed all-reduce. Default on a GPU: from the "
+        "model's size, a quarter of it between 32 KiB and 25 MiB, the first bucket at most "
+        "1 MiB (as DDP), so that small models get several buckets too; on the CPU, DDP's "
+        "sizes (25 MiB, the first 1 MiB): gloo reduces on the cores backward uses.")
+    epochs: StrictInt = Field(default=3, ge=1, le=100_000)
+    # dbs by default: bench/hetero.py (median of 5 runs, default per-epoch re-plans) found
+    # affine 2% faster on cluster (a) and dbs 7% faster on (b); affine is the better choice
+    # with `rebalance: adaptive` (bench/disturbance.py: recovered in 11 steps against 25).
+    policy: Literal["static", "dbs", "affine"] = "dbs"
+    rebalance: RebalanceSpec = Field(default_factory=RebalanceSpec)
+    seed: StrictInt = Field(default=0, ge=0, le=2**31 - 1)
+    emulation: EmulationSpec = Field(default_factory=EmulationSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    protocol: ProtocolSpec = Field(default_factory=ProtocolSpec)
+    collective_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+    worker_wait_timeout_s: float = Field(
+        default=60.0,
+        gt=0.0,
+        le=86400.0,
+        description="How long to wait for min_workers before failing.",
+    )
+    start_timeout_s: float = Field(
+        default=300.0, gt=0.0, le=86400.0,
+        description="How long the first workers may take to start (scheduling, imports, "
+        "data) before the job fails.",
+    )
+    spares: StrictInt = Field(
+        default=1, ge=0, le=MAX_WORKERS,
+        description="Pre-warmed spare workers the job keeps on idle eligible nodes, at most "
+        "one per node (CPU workers, protocol sync): a worker that scales the job up or "
+        "replaces a lost one there adopts the spare and trains within about a second, "
+        "instead of paying a process start, the torch import and the model. A spare "
+        "reserves no CPU; it costs its node memory (a Python process with torch, the model "
+        "and the data). 0: none.",
+    )
+    max_retries: StrictInt = Field(
+        default=2, ge=0, le=100,
+        description="Retries of a step that failed with a worker's own (compute) error before "
+        "the job fails with that error.",
+    )
+
+    @field_validator("loss")
+    @classmethod
+    def _loss(cls, v: str | None) -> str | None:
+        return v if v is None else known_name("loss", v, BUILTIN_LOSSES)
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics(cls, v: list[str] | None) -> list[str] | None:
+        for m in v or ():
+            known_name("metric", m, BUILTIN_METRICS)
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError("metrics are listed twice")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_stage_batch(cls, data: Any) -> Any:
+        # With stages, global_batch is the first stage's batch; it may be left out.
+        if isinstance(data, dict) and "global_batch" not in data:
+            sched = data.get("schedule")
+            stages = sched.get("stages") if isinstance(sched, dict) else None
+            if isinstance(stages, list) and stages and isinstance(stages[0], dict):
+                b = stages[0].get("global_batch")
+                if isinstance(b, int) and not isinstance(b, bool):
+                    data = {**data, "global_batch": b}
+        return data
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> int | str:
+        # One clear message instead of one per member of the int | 'auto' union. Strict like
+        # the other integer fields: a boolean, "7" or 7.0 is not a worker count.
+        if isinstance(v, str) and v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_WORKERS:
+            raise ValueError(f"must be an integer between 1 and {MAX_WORKERS}, or 'auto'")
+        return v
+
+    @field_validator("micro_batch", mode="before")
+    @classmethod
+    def _micro_batch(cls, v: Any) -> Any:
+        # One clear message instead of one per member of the union.
+        def ok(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+        if v is None or ok(v) or (isinstance(v, list) and v and all(map(ok, v))):
+            return v
+        raise ValueError("must be a positive integer, or a non-empty list of them (one per "
+                         "worker ordinal)")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> JobSpec:
+        check_combinations(self)  # raises every invalid combination at once; warns
+        return self
+
+    # Helpers used by the scheduler -------------------------------------------------------
+    @property
+    def batch_range(self) -> tuple[int, int]:
+        """The smallest and largest global batch the job may train at."""
+        sched = self.schedule
+        if sched.mode == "stages":
+            sizes = [st.global_batch for st in sched.stages]
+            return min(sizes), max(sizes)
+        if sched.mode == "goodput" and sched.max_global_batch:
+            low = sched.min_global_batch or self.global_batch
+            return min(low, sched.max_global_batch), sched.max_global_batch
+        return self.global_batch, self.global_batch
+
+    @property
+    def initial_workers(self) -> int | None:
+        """Workers to start with; None means one per eligible node (``workers: auto``)."""
+        return self.workers if isinstance(self.workers, int) else None
+
+    def gpus_on(self, node_gpus: float) -> float:
+        """GPUs a worker asks for on a node offering ``node_gpus``."""
+        if self.worker_gpus == "auto":
+            return 1.0 if node_gpus >= 1.0 else 0.0
+        return self.worker_gpus
+
+    @property
+    def emulated(self) -> bool:
+        e = self.emulation
+        return bool(e.slowdowns or e.disturbances or e.errors)
+

@@ -1,0 +1,292 @@
+"""The sections of a job spec (``dataset:``, ``model:``, ``optimizer:``, ``schedule:``, ...)
+and the grammar of the names a spec may use.
+
+Each section validates its own fields; rules across sections are in
+:mod:`dynabatch.actors.spec.validation`, the job itself in :mod:`dynabatch.actors.spec.schema`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import warnings
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+# The grammar dynabatch.actors.workloads.imports resolves: dotted module names, then one attribute.
+IMPORT_PATH_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
+MODULE_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$"
+BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource")
+BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm")
+BUILTIN_LOSSES = ("cross_entropy", "mse", "next_token")
+BUILTIN_METRICS = ("accuracy", "mse", "perplexity")
+# What a working_dir URI looks like (a scheme, then ://): anything else is a local path.
+URI_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://"
+
+# Integer fields are StrictInt: "7" or true is an error naming the field, never a silent
+# conversion (YAML and JSON configs give real integers). Float fields stay lax: `lr: 1` must
+# work, and PyYAML reads `lr: 1e-3` (no dot) as the string "1e-3".
+
+
+def known_name(kind: str, value: str, builtins: tuple[str, ...]) -> str:
+    """``value`` when it is one of the ``builtins`` or an import path ``"pkg.mod:function"``;
+    otherwise a ValueError naming both choices (``kind`` is dataset, model, loss, metric)."""
+    if value in builtins or re.match(IMPORT_PATH_PATTERN, value):
+        return value
+    raise ValueError(
+        f"unknown {kind} {value!r}: use {', '.join(builtins)} or 'pkg.mod:function'"
+    )
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatasetSpec(_Strict):
+    """Which data to train on.
+
+    ``name`` is a built-in dataset (``synthetic``, ``digits``, ``mnist``, ``cifar10``) or a
+    user loader given by import path ``"pkg.mod:function"``; the function takes the
+    ``options`` mapping as keyword arguments and returns a ``DatasetArrays``.
+    """
+
+    name: str = Field(
+        default="digits",
+        description="Built-in dataset (synthetic, digits, mnist, cifar10) or 'pkg.mod:load'.",
+        examples=["digits", "mnist", "my_pkg.data:load"],
+    )
+    path: str | None = Field(
+        default=None,
+        description="Directory of the MNIST IDX files or of cifar-10-batches-py. For mnist, "
+        "when omitted, MNIST-format data is generated (deterministically, from the seed).",
+    )
+    test_fraction: float = Field(
+        default=0.2, gt=0.0, lt=1.0, description="Held-out split when the dataset has none."
+    )
+    limit: StrictInt | None = Field(
+        default=None, ge=1, description="Use at most this many training samples."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments for the loader."
+    )
+    shuffle: Literal["every_epoch", "once"] = Field(
+        default="every_epoch",
+        description="every_epoch: a new sample order each epoch; once: one order for the "
+        "whole job, so at a fixed global batch the same batches recur in a fixed cycle "
+        "(Caffe-style, as ISGD's paper trains).",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return known_name("dataset", v, BUILTIN_DATASETS)
+
+
+class ModelSpec(_Strict):
+    """Which network to train: a built-in (``mlp``, ``lenet``, ``resnet``) or ``pkg.mod:build``."""
+
+    name: str = Field(default="mlp", examples=["mlp", "lenet", "resnet", "my_pkg.nets:build"])
+    hidden: StrictInt = Field(default=64, ge=1, le=65536, description="Hidden width for the MLP.")
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return known_name("model", v, BUILTIN_MODELS)
+
+
+class LrScheduleSpec(_Strict):
+    """The learning rate over the job, as a factor of ``optimizer.lr`` (see
+    :mod:`dynabatch.scheduler.core.regime.schedule` for the formulas). ``constant``: 1.
+    ``multistep``: ``gamma`` to
+    the number of ``milestones`` (epochs) passed. ``cosine``: from 1 down to
+    ``min_factor`` over the job. ``warmup_epochs``: a linear warm-up from 0 over the first
+    epochs, on top of any of them."""
+
+    name: Literal["constant", "multistep", "cosine"] = "constant"
+    milestones: list[Annotated[int, Field(strict=True, ge=1)]] = Field(default_factory=list)
+    gamma: float = Field(default=0.1, gt=0.0, le=1.0)
+    min_factor: float = Field(default=0.0, ge=0.0, le=1.0)
+    warmup_epochs: float = Field(default=0.0, ge=0.0, le=100_000)
+
+    @field_validator("milestones")
+    @classmethod
+    def _increasing(cls, v: list[int]) -> list[int]:
+        if any(b <= a for a, b in itertools.pairwise(v)):
+            raise ValueError("milestones must be strictly increasing epochs")
+        return v
+
+
+class OptimizerSpec(_Strict):
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = Field(default=0.1, gt=0.0, le=10.0)
+    momentum: float = Field(default=0.0, ge=0.0, lt=1.0)
+    nesterov: bool = False
+    weight_decay: float = Field(default=0.0, ge=0.0, lt=1.0)
+    schedule: LrScheduleSpec = Field(default_factory=LrScheduleSpec)
+
+    @model_validator(mode="after")
+    def _ignored(self) -> OptimizerSpec:
+        if self.name != "sgd" and self.momentum:
+            warnings.warn(f"optimizer.momentum is ignored by {self.name}", UserWarning,
+                          stacklevel=2)
+        if self.nesterov and (self.name != "sgd" or self.momentum == 0):
+            raise ValueError("nesterov needs optimizer sgd with momentum > 0")
+        return self
+
+
+class StageSpec(_Strict):
+    """``epochs`` epochs at global batch ``global_batch``. ``lr_factor`` (the stage's LR as a
+    factor of ``optimizer.lr``) and ``warmup_epochs`` (the ramp after the jump into it)
+    override the schedule's ``lr_scaling`` and ``warmup_epochs`` for this stage (``dynabatch
+    tune`` writes them)."""
+
+    epochs: StrictInt = Field(ge=1, le=100_000)
+    global_batch: StrictInt = Field(ge=1, le=1_000_000)
+    lr_factor: float | None = Field(default=None, gt=0.0, le=10_000.0)
+    warmup_epochs: float | None = Field(default=None, ge=0.0, le=100_000)
+
+
+class BatchScheduleSpec(_Strict):
+    """The global batch over the job (Hu et al. 2022: small early, large later).
+
+    ``mode: fixed`` keeps ``global_batch``. ``mode: stages`` trains each stage's epochs at
+    its batch; the learning rate is scaled relative to the first stage (``lr_scaling``:
+    ``linear`` B_s/B_0, ``sqrt`` √(B_s/B_0), ``none``) and, after each jump, ramps linearly
+    from the previous stage's factor over ``warmup_epochs``. ``mode: goodput`` picks the batch
+    each epoch from the measured gradient noise scale (Pollux/AdaScale), between
+    ``min_global_batch`` (default: ``global_batch``) and ``max_global_batch``;
+    ``global_batch`` is B_0, the batch AdaScale's learning-rate gain is relative to.
+    """
+
+    mode: Literal["fixed", "stages", "goodput"] = "fixed"
+    stages: list[StageSpec] = Field(default_factory=list)
+    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
+    warmup_epochs: float = Field(default=0.0, ge=0.0, le=100_000)
+    max_global_batch: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
+    min_global_batch: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stages_mode(cls, data: Any) -> Any:
+        # `schedule: {stages: [...]}` means mode stages without saying so.
+        if isinstance(data, dict) and data.get("stages") and "mode" not in data:
+            data = {**data, "mode": "stages"}
+        return data
+
+    @model_validator(mode="after")
+    def _shape(self) -> BatchScheduleSpec:
+        if self.mode == "stages" and not self.stages:
+            raise ValueError("mode stages needs at least one entry in stages")
+        if self.mode != "stages" and self.stages:
+            raise ValueError(f"stages are only used with mode stages, not {self.mode}")
+        if self.mode != "goodput" and self.min_global_batch is not None:
+            raise ValueError(f"min_global_batch is only used with mode goodput, not {self.mode}")
+        return self
+
+
+class IsgdSpec(_Strict):
+    """Inconsistent SGD (Wang et al.): statistical process control on the batch losses.
+
+    A batch whose global loss is above ``mean + sigma·std`` of the last ``window`` batch
+    losses is under-trained: it gets up to ``max_extra`` more iterations of the conservative
+    sub-problem ``½(ψ − limit)² + ε/(2·n_w)·‖w − w_prev‖²`` (``epsilon`` is ε), stopping as
+    soon as its loss is below the limit. Monitoring starts after the first epoch.
+    ``window: epoch`` is the paper's n_b: the number of batches in an epoch.
+    """
+
+    enabled: bool = False
+    window: StrictInt | Literal["epoch"] = Field(default=20)
+    sigma: float = Field(default=3.0, gt=0.0, le=100.0)
+    max_extra: StrictInt = Field(default=5, ge=1, le=1000)
+    epsilon: float = Field(default=0.1, ge=0.0, le=1000.0)
+
+    @field_validator("window", mode="before")
+    @classmethod
+    def _window(cls, v: Any) -> int | str:
+        # One clear message instead of one per member of the int | 'epoch' union.
+        if isinstance(v, str) and v == "epoch":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError("must be an integer of at least 2, or 'epoch' (the batches in "
+                             "an epoch)")
+        if not 2 <= v <= 100_000:
+            raise ValueError(f"window must be at least 2 (a standard deviation needs two "
+                             f"losses) and at most 100000, got {v}")
+        return v
+
+
+class Disturbance(_Strict):
+    """From ``epoch`` (and ``step`` within it), worker ``worker`` runs ``factor`` times slower."""
+
+    worker: StrictInt = Field(ge=0, description="Worker index (rank in the initial membership).")
+    factor: float = Field(ge=1.0, le=1000.0)
+    epoch: StrictInt = Field(default=0, ge=0)
+    step: StrictInt = Field(default=0, ge=0)
+
+
+class InjectedError(_Strict):
+    """From ``epoch`` (and ``step``) on, worker ``worker`` raises in its compute phase on
+    every step: a deterministic worker error, for fault tests and ``bench/faults.py``."""
+
+    worker: StrictInt = Field(ge=0, description="Worker index (rank in the initial membership).")
+    epoch: StrictInt = Field(default=0, ge=0)
+    step: StrictInt = Field(default=0, ge=0)
+
+
+class EmulationSpec(_Strict):
+    """Heterogeneity emulation for clusters whose nodes are equal. Off unless set.
+
+    A worker with slowdown f sleeps (f-1) times its measured compute after each compute
+    phase, so its compute time is f times the real one. ``errors`` injects deterministic
+    worker errors.
+    """
+
+    slowdowns: list[Annotated[float, Field(ge=1.0, le=1000.0)]] = Field(default_factory=list)
+    disturbances: list[Disturbance] = Field(default_factory=list)
+    errors: list[InjectedError] = Field(default_factory=list)
+
+
+class RebalanceSpec(_Strict):
+    """When the policy may change the allocation.
+
+    ``epoch``: at epoch boundaries. ``steps``: every ``every_steps`` steps.
+    ``adaptive``: check every ``check_steps`` steps and rebalance when the predicted gain in
+    step time exceeds ``threshold``.
+    """
+
+    mode: Literal["epoch", "steps", "adaptive"] = "epoch"
+    every_steps: StrictInt = Field(default=10, ge=1)
+    check_steps: StrictInt = Field(default=2, ge=1)
+    threshold: float = Field(default=0.05, ge=0.0, lt=1.0)
+
+
+class CheckpointSpec(_Strict):
+    dir: str | None = Field(default=None, description="Where checkpoints go; none when unset.")
+    every_epochs: StrictInt = Field(default=1, ge=1)
+
+
+class ProtocolSpec(_Strict):
+    """How gradients reach the model. ``sync`` (default): synchronous data parallel with
+    per-worker batches (the policy). ``ps``: a parameter server (Rudra's hardsync, n-softsync
+    and async, with staleness-aware learning rates; ``batch: perf_aware`` is Ji et al.'s
+    per-learner batches). Each learner's base batch is ``global_batch // workers`` (μ, so
+    μλ = global_batch). See ``dynabatch.scheduler.core.ps.protocol`` for the formulas."""
+
+    name: Literal["sync", "ps"] = "sync"
+    mode: Literal["async", "softsync", "hardsync"] = "async"
+    n: StrictInt = Field(default=1, ge=1, description="n-softsync: update every ⌊λ/n⌋ "
+                         "gradients (λ = workers).")
+    lr_staleness: Literal["none", "per_gradient", "average"] = Field(
+        default="none", description="α0 | α0/τ per gradient | α0/⟨τ⟩.")
+    max_staleness: StrictInt | None = Field(
+        default=None, ge=0, description="Bound S on a gradient's staleness; none: unbounded.")
+    on_stale: Literal["refuse", "wait"] = "refuse"
+    batch: Literal["fixed", "perf_aware"] = "fixed"
+    replan_pushes: StrictInt = Field(
+        default=0, ge=0, description="perf_aware: re-plan every k pushes (0: every epoch).")
+    scale_lr: bool = Field(default=False, description="perf_aware: scale α by b_i/b0.")
+    shards: StrictInt = Field(
+        default=1, ge=1, le=64, description="Server actors the flat parameters are split "
+        "over (each slice with its own optimizer state); 1: one server.")

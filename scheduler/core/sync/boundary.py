@@ -1,0 +1,100 @@
+"""Decisions the synchronous driver takes at a step boundary when something is missing.
+
+Pure (no clock, no I/O: the driver passes in its clock readings and what it loaded):
+
+* too few workers: how long the job has waited and whether it gives up
+  (:func:`wait_for_minimum`);
+* no member holds the committed state: whether a regroup must roll back
+  (:func:`must_roll_back`), and whether it restores the checkpoint or fails (:func:`rollback`);
+* an epoch's evaluation lost a shard: whether the holders score it again
+  (:func:`evaluate_again`);
+* when a checkpoint is due (:func:`checkpoint_due`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynabatch.scheduler.core.sync.protocol import Position
+
+
+@dataclass(frozen=True, slots=True)
+class MinimumWait:
+    """Where a wait for enough workers stands."""
+
+    since: float  # when the job first found too few workers
+    waited: float
+    limit: float  # how long it may wait
+    first: bool  # this boundary began the wait (the driver says why, once)
+    give_up: bool  # waited its limit: the job fails
+
+
+def wait_for_minimum(*, since: float | None, now: float, started: bool,
+                     start_timeout_s: float, worker_wait_timeout_s: float) -> MinimumWait:
+    """Too few workers at this boundary (``since``: when that began, None if just now).
+
+    A job that never formed a group (``started`` false) may be queued behind others'
+    workers, so it waits ``start_timeout_s``; a running one that lost workers waits
+    ``worker_wait_timeout_s``. It fails once it has waited that long."""
+    first = since is None
+    since = now if since is None else since
+    waited = now - since
+    limit = worker_wait_timeout_s if started else start_timeout_s
+    return MinimumWait(since=since, waited=waited, limit=limit, first=first,
+                       give_up=waited >= limit)
+
+
+def must_roll_back(*, needs_state: bool, holding_restored: bool) -> bool:
+    """A regroup with no member holding the committed state loads the last checkpoint,
+    unless weights restored from one are held already (a regroup that failed after loading
+    them tries again with the same)."""
+    return needs_state and not holding_restored
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """Restore the checkpoint (``restore``), or fail the job; ``reason`` says why either."""
+
+    restore: bool
+    reason: str
+
+
+def rollback(*, committed: Position, checkpoint_dir: bool, found: bool,
+             load_error: str | None = None) -> Rollback:
+    """Every holder of the state committed at ``committed`` was lost: restore the
+    checkpoint when the job keeps one (``checkpoint_dir``) and it loaded (``found``), or
+    fail; never train on from freshly initialised weights."""
+    lost = ("every worker holding the current model state was lost "
+            f"(committed at epoch {committed.epoch} step {committed.step})")
+    if checkpoint_dir and load_error is not None:
+        return Rollback(False, f"{lost}, and the checkpoint cannot be loaded: {load_error}")
+    if not (checkpoint_dir and found):
+        return Rollback(False, f"{lost}, and there is no checkpoint to restore (set "
+                               "checkpoint.dir); not continuing from freshly initialised weights")
+    return Rollback(True, f"{lost}; rolling back")
+
+
+@dataclass(frozen=True, slots=True)
+class Reevaluation:
+    """Score an epoch's weights again on ``workers``; the time already lost waiting for
+    the failed round (``waited_s``) stays charged to the epoch."""
+
+    workers: tuple[str, ...]
+    waited_s: float
+
+
+def evaluate_again(*, complete: bool, shard_failed: bool, last_queued: bool,
+                   holders: tuple[str, ...], waited_s: float) -> Reevaluation | None:
+    """An epoch's evaluation is in. When it is incomplete because a shard failed, and it
+    was the last evaluation queued (``last_queued``: no segment was sent behind it, so the
+    holders still have the epoch's weights), the holders left score the set again, so no
+    scores are lost. Otherwise (or with no holder left) the record goes without scores."""
+    if complete or not shard_failed or not last_queued or not holders:
+        return None
+    return Reevaluation(workers=holders, waited_s=waited_s)
+
+
+def checkpoint_due(epoch: int, *, every_epochs: int, epochs: int, checkpoint_dir: bool) -> bool:
+    """Whether a checkpoint is taken when ``epoch`` begins (the one before it ended): every
+    ``every_epochs`` epochs and after the last, when the job keeps checkpoints."""
+    return checkpoint_dir and (epoch % every_epochs == 0 or epoch == epochs)

@@ -1,0 +1,243 @@
+"""What a simulated cluster is: its description, as a YAML file or a mapping gives it, and
+the checks on it. Pure: pydantic and yaml only; no ray, no torch, no clock.
+
+A :class:`ClusterSpec` lists node classes (counts, per-step and per-sample costs, what the
+nodes offer), the per-step noise and the spread of nodes within a class, the communication
+costs (:class:`AllReduceModel`, :class:`ParameterServerModel`), the costs of membership
+changes (:class:`RecoveryModel`) and the cluster's events (failures, joins, slowdowns). What
+each thing costs in virtual time, from these numbers, is
+:mod:`dynabatch.scheduler.sim.cost_model`; a description fitted to a real run is
+:mod:`dynabatch.scheduler.sim.profiles`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+MB = 1 << 20
+NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
+
+
+class ClusterError(ValueError):
+    """A cluster description that cannot be used; ``str()`` is one line naming the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class NodeClass(_Strict):
+    """``count`` nodes with per-step cost ``a_ms`` and per-sample cost ``c_ms_per_sample``.
+    ``cpus``/``gpus`` are what the nodes offer; the engine reads them as its first guess at
+    a new worker's speed, as it does on Ray."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=NAME_PATTERN)
+    count: StrictInt = Field(ge=0, le=1_000_000)
+    a_ms: float = Field(ge=0.0, le=1e7)
+    c_ms_per_sample: float = Field(gt=0.0, le=1e7)
+    cpus: float = Field(default=1.0, gt=0.0, le=4096.0)
+    gpus: float = Field(default=0.0, ge=0.0, le=64.0)
+
+
+class AllReduceModel(_Strict):
+    """Ring all-reduce: ``2(n−1)·alpha + 2(n−1)/n · bytes · beta``."""
+
+    alpha_ms: float = Field(default=0.005, ge=0.0, le=1e5, description="Per-hop latency.")
+    beta_ms_per_mb: float = Field(default=0.1, ge=0.0, le=1e6,
+                                  description="Milliseconds per MiB per link (0.1: ~10 GB/s).")
+    model_mb: float = Field(default=0.0, ge=0.0, le=1e6,
+                            description="Gradient bytes per step, in MiB.")
+
+
+class ParameterServerModel(_Strict):
+    """Push/pull latency for the asynchronous (parameter-server) protocols."""
+
+    push_ms: float = Field(default=0.0, ge=0.0, le=1e6)
+    pull_ms: float = Field(default=0.0, ge=0.0, le=1e6)
+    beta_ms_per_mb: float = Field(default=0.1, ge=0.0, le=1e6)
+
+    def push_s(self, nbytes: float, shards: int = 1) -> float:
+        """One gradient push of ``nbytes`` over ``shards`` server actors."""
+        hops = 1 if shards <= 1 else 2
+        return (hops * self.push_ms + nbytes / max(1, shards) / MB * self.beta_ms_per_mb) / 1e3
+
+    def pull_s(self, nbytes: float, shards: int = 1) -> float:
+        """One weights pull of ``nbytes`` from ``shards`` server actors (in parallel)."""
+        return (self.pull_ms + nbytes / max(1, shards) / MB * self.beta_ms_per_mb) / 1e3
+
+
+class RecoveryModel(_Strict):
+    """Costs of membership changes (defaults: medians measured in bench/results-elastic.json)."""
+
+    detect_s: float = Field(default=0.5, ge=0.0, le=1e5)
+    regroup_s: float = Field(default=0.1, ge=0.0, le=1e5)
+    start_s: float = Field(default=6.5, ge=0.0, le=1e5)
+
+
+class NodeSelector(_Strict):
+    """``count`` nodes of class ``class`` (any class when omitted); ``index`` picks the
+    class's ``index``-th node (in creation order) instead."""
+
+    node_class: str | None = Field(default=None, alias="class")
+    count: StrictInt = Field(default=1, ge=1, le=1_000_000)
+    index: StrictInt | None = Field(default=None, ge=0)
+
+
+class JoinSpec(_Strict):
+    node_class: str = Field(alias="class")
+    count: StrictInt = Field(default=1, ge=1, le=1_000_000)
+
+
+class SlowdownSpec(_Strict):
+    """From the event on, the step time of the class's ``index``-th node (every node of the
+    class when ``index`` is omitted) is multiplied by ``factor``."""
+
+    node_class: str = Field(alias="class")
+    index: StrictInt | None = Field(default=None, ge=0)
+    factor: float = Field(gt=0.0, le=1e4)
+
+
+class Event(_Strict):
+    """Something that happens to the cluster, at ``at_s`` seconds of simulated time (0 is the
+    job's launch) or when the job reaches ``epoch`` (and ``step``)."""
+
+    at_s: float | None = Field(default=None, ge=0.0)
+    epoch: StrictInt | None = Field(default=None, ge=0)
+    step: StrictInt = Field(default=0, ge=0)
+    fail: StrictInt | NodeSelector | None = Field(default=None)
+    join: JoinSpec | None = None
+    slowdown: SlowdownSpec | None = None
+
+    @field_validator("fail", mode="before")
+    @classmethod
+    def _fail_shape(cls, v: Any) -> Any:
+        # One message instead of one per member of the int | NodeSelector union.
+        if v is None or isinstance(v, dict) or (isinstance(v, int) and not isinstance(v, bool)):
+            return v
+        raise ValueError("must be a number of nodes or {class, count, index}")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> Event:
+        kinds = [k for k in ("fail", "join", "slowdown") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError("give exactly one of fail, join, slowdown")
+        if (self.at_s is None) == (self.epoch is None):
+            raise ValueError("give exactly one of at_s, epoch")
+        if isinstance(self.fail, int) and self.fail < 1:
+            raise ValueError("fail: must be at least 1 node")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("fail", "join", "slowdown") if getattr(self, k) is not None)
+
+    @property
+    def selector(self) -> NodeSelector | None:
+        if self.fail is None:
+            return None
+        return NodeSelector(count=self.fail) if isinstance(self.fail, int) else self.fail
+
+
+class ClusterSpec(_Strict):
+    """A simulated cluster: node classes with counts, noise, communication and events."""
+
+    classes: Annotated[list[NodeClass], Field(min_length=1)]
+    noise_sigma: float = Field(default=0.0, ge=0.0, le=2.0)
+    node_sigma: float = Field(default=0.0, ge=0.0, le=2.0)
+    seed: StrictInt = Field(default=0, ge=0, le=2**31 - 1)
+    allreduce: AllReduceModel = Field(default_factory=AllReduceModel)
+    parameter_server: ParameterServerModel = Field(default_factory=ParameterServerModel)
+    recovery: RecoveryModel = Field(default_factory=RecoveryModel)
+    events: list[Event] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _references(self) -> ClusterSpec:
+        names = [c.name for c in self.classes]
+        seen: set[str] = set()
+        for i, n in enumerate(names):
+            if n in seen:
+                raise ValueError(f"classes.{i}.name: duplicate node class {n!r}")
+            seen.add(n)
+        if sum(c.count for c in self.classes) < 1:
+            raise ValueError("classes: no nodes (every count is 0)")
+        known = ", ".join(names)
+        counts = {c.name: c.count for c in self.classes}
+        for i, e in enumerate(self.events):
+            target = e.fail if isinstance(e.fail, NodeSelector) else e.join or e.slowdown
+            cls = getattr(target, "node_class", None)
+            if cls is not None and cls not in seen:
+                raise ValueError(f"events.{i}.{e.kind}.class: unknown node class {cls!r} "
+                                 f"(classes: {known})")
+            index = getattr(target, "index", None)
+            if index is not None and e.kind != "join" and index >= counts[cls] and not any(
+                    x.join is not None and x.join.node_class == cls for x in self.events):
+                raise ValueError(f"events.{i}.{e.kind}.index: class {cls!r} has "
+                                 f"{counts[cls]} nodes (indices 0..{counts[cls] - 1})")
+            if isinstance(e.fail, NodeSelector) and e.fail.index is not None and e.fail.count != 1:
+                raise ValueError(f"events.{i}.fail.count: give count 1 with index")
+        return self
+
+    @property
+    def nodes(self) -> int:
+        return sum(c.count for c in self.classes)
+
+
+def format_errors(err: ValidationError) -> str:
+    """One line, ``field: problem; field: problem`` (model-level problems name their field)."""
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        out.append(f"{loc}: {msg}" if loc and not _names_field(msg) else
+                   (f"{loc}.{msg}" if loc else msg))
+    return " ".join("; ".join(out).split())
+
+
+def _names_field(msg: str) -> bool:
+    """A model validator's message that already starts with its own field path."""
+    return bool(re.match(r"^[A-Za-z_][\w.]*: ", msg))
+
+
+def parse_cluster(data: Any) -> ClusterSpec:
+    if not isinstance(data, dict):
+        raise ClusterError(f"cluster: expected a mapping of fields, got {type(data).__name__}")
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as err:
+        raise ClusterError(format_errors(err)) from None
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except OSError as err:
+        raise ClusterError(f"{p}: cannot read cluster ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        raise ClusterError(" ".join(f"{p}: not valid YAML ({err})".split())) from None
+    return parse_cluster(data)
+
+
+def check_job(cluster: ClusterSpec, global_batch: int, workers: int | None) -> None:
+    """The job's workers must each get a sample per step (``workers``: None = one per node)."""
+    n = cluster.nodes if workers is None else min(workers, cluster.nodes)
+    if n > global_batch:
+        what = "nodes (workers: auto)" if workers is None else "workers"
+        raise ClusterError(
+            f"classes: {n} {what} is more than global_batch ({global_batch}): every worker "
+            "needs at least one sample per step")

@@ -1,0 +1,101 @@
+"""Cluster descriptions fitted to a real run. Pure: numpy only; no ray, no torch, no clock.
+
+**Profiles from a real run.** :func:`profiles_from_report` fits ``a_i, c_i`` per worker from
+a ``dynabatch run --report`` file: each epoch record gives one point
+``(partition/steps, compute_s/steps / slowdown)``. Because ``t`` is affine in ``b``, the mean
+step time over an epoch is exactly ``a + c·(mean b)``, so these points lie on the worker's
+line; a least-squares fit over the epochs (:func:`dynabatch.scheduler.core.sync.steptime.fit`, the
+policy's own
+estimator) recovers it. Dividing by the recorded emulated slowdown gives the node's own
+speed; the job spec's emulation re-applies it in the simulation. A worker whose batch never
+changed (a static run) cannot separate ``a`` from ``c`` and gets the proportional fit
+``a = 0``. The all-reduce is estimated as the median over epochs of the per-step wait of that
+epoch's slowest worker (the one nobody waits for), put into ``α`` for the run's ``n``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from dynabatch.scheduler.core.sync.steptime import StepTimeStats, fit
+from dynabatch.scheduler.sim.cluster_spec import ClusterError, ClusterSpec, parse_cluster
+
+
+@dataclass(frozen=True)
+class WorkerProfile:
+    worker: str
+    node: str
+    a_s: float
+    c_s: float
+    points: int
+
+
+def profiles_from_report(report: dict[str, Any]) -> tuple[list[WorkerProfile], float]:
+    """Per-worker ``(a, c)`` fitted from a run report's epochs, and the all-reduce seconds per
+    step (see the module docstring). Raises :class:`ClusterError` naming the field."""
+    history = report.get("history")
+    if not isinstance(history, list) or not history:
+        raise ClusterError("history: the report has no epoch records to fit profiles from")
+    stats: dict[str, StepTimeStats] = {}
+    nodes: dict[str, str] = {}
+    points: dict[str, int] = {}
+    waits: list[float] = []
+    for e, rec in enumerate(history):
+        workers = rec.get("workers") if isinstance(rec, dict) else None
+        if not isinstance(workers, list):
+            raise ClusterError(f"history.{e}.workers: missing")
+        slowest: tuple[float, float] | None = None
+        for w in workers:
+            try:
+                steps = int(w["steps"])
+                part, comp = float(w["partition"]), float(w["compute_s"])
+                wait, slow = float(w["wait_s"]), float(w.get("slowdown", 1.0)) or 1.0
+                name, node = str(w["worker"]), str(w["node"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise ClusterError(f"history.{e}.workers: bad worker record ({err})") from None
+            if steps <= 0 or part <= 0 or comp <= 0:
+                continue
+            x, y = part / steps, comp / steps / slow
+            stats[name] = stats.get(name, StepTimeStats()).add(x, y)
+            nodes[name] = node
+            points[name] = points.get(name, 0) + 1
+            if slowest is None or comp / steps > slowest[0]:
+                slowest = (comp / steps, wait / steps)
+        if slowest is not None:
+            waits.append(slowest[1])
+    out = []
+    for name in sorted(stats, key=_ordinal):
+        f = fit(stats[name])
+        if f is None:
+            raise ClusterError(f"history: worker {name} has no usable compute times")
+        out.append(WorkerProfile(name, nodes[name], f.a, f.c, points[name]))
+    if not out:
+        raise ClusterError("history: no worker trained a sample")
+    return out, float(np.median(waits)) if waits else 0.0
+
+
+def _ordinal(worker: str) -> tuple[float, str]:
+    """Sort key: ``w10`` after ``w9``; other names last."""
+    m = re.match(r"^w(\d+)$", worker)
+    return (float(m.group(1)), worker) if m else (math.inf, worker)
+
+
+def cluster_from_profiles(profiles: Sequence[WorkerProfile], allreduce_s: float, *,
+                          noise_sigma: float = 0.0, seed: int = 0,
+                          events: Sequence[dict] = ()) -> ClusterSpec:
+    """One single-node class per profiled worker (in worker order, so worker ``w{k}`` lands
+    on its own profile again), with the measured all-reduce put into ``α`` for this ``n``."""
+    n = len(profiles)
+    alpha_ms = allreduce_s * 1e3 / (2 * (n - 1)) if n > 1 else 0.0
+    return parse_cluster({
+        "classes": [{"name": f"{p.worker}", "count": 1, "a_ms": p.a_s * 1e3,
+                     "c_ms_per_sample": p.c_s * 1e3} for p in profiles],
+        "noise_sigma": noise_sigma, "seed": seed,
+        "allreduce": {"alpha_ms": alpha_ms, "beta_ms_per_mb": 0.0, "model_mb": 0.0},
+        "events": list(events),
+    })

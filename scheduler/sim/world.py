@@ -1,0 +1,180 @@
+"""The simulated cluster as the simulator's runtime sees it: :class:`SimWorld`, the nodes of a
+:class:`~dynabatch.scheduler.sim.cost_model.SimulatedCluster` (true speeds, alive or not), the
+cluster's events and the workers placed on its nodes.
+
+Cluster events (failures, joins, slowdowns) happen at their simulated time, or when the job
+reaches their (epoch, step). A failure takes nodes by the one rule of every simulator
+(:func:`~dynabatch.scheduler.core.victims.failure_victims`). A worker is up ``start_s``
+after it was spawned (``spawn``/``poll_started``).
+:class:`~dynabatch.scheduler.sim.runtime.SimRuntime` adds the training calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from dynabatch.actors.emulation import slowdown_at
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.membership import NodeInfo, Spawn
+from dynabatch.scheduler.core.victims import failure_victims
+from dynabatch.scheduler.runtime.seam import DataInfo, Started, WorkerCallError
+from dynabatch.scheduler.sim.cluster_spec import Event, NodeSelector
+from dynabatch.scheduler.sim.cost_model import Node, SimulatedCluster
+from dynabatch.scheduler.sim.timeline import ClusterHappening, SimClock
+
+
+@dataclass
+class _SimWorker:
+    worker_id: str
+    ordinal: int
+    node: Node
+    ready_at: float
+
+
+class SimWorld:
+    """The cluster's nodes, events and placed workers, on a virtual clock (see the module
+    docstring): the part of the simulator's runtime that is the world."""
+
+    def __init__(self, spec: JobSpec, cluster: SimulatedCluster, *, clock: SimClock,
+                 data: DataInfo):
+        self.spec = spec
+        self.cluster = cluster
+        self.clock = clock
+        self.data = data
+        self.workers: dict[str, _SimWorker] = {}
+        self.ordinals: dict[str, int] = {}  # every worker ever spawned (kept after a kill)
+        self._starting: dict[str, _SimWorker] = {}
+        self._nodes = {n.node_id: n for n in cluster.nodes}
+        self._died_at: dict[str, float] = {}
+        self._hosted: dict[str, int] = {}  # node id -> workers on it
+        self._timed = sorted((e for e in cluster.spec.events if e.at_s is not None),
+                             key=lambda e: e.at_s)
+        self._stepped = sorted((e for e in cluster.spec.events if e.epoch is not None),
+                               key=lambda e: (e.epoch, e.step))
+        self._node_infos: list[NodeInfo] | None = None
+        self._version = 0  # bumped when a node's speed or life changes
+        self.happened: list[ClusterHappening] = []
+
+    # --- the cluster's events -------------------------------------------------------------
+    def _advance(self, t: float, watch: Sequence[str] = ()) -> float | None:
+        """Fire the timed events due by ``t``. With ``watch``, stop after the first event that
+        takes one of those workers' nodes down, and return its time."""
+        while self._timed and self._timed[0].at_s <= t:
+            e = self._timed.pop(0)
+            self._fire(e, e.at_s)
+            if watch and any(self._dead(w) for w in watch):
+                return e.at_s
+        return None
+
+    def _fire_step_events(self, epoch: int, step: int, t: float) -> None:
+        while self._stepped and (self._stepped[0].epoch, self._stepped[0].step) <= (epoch, step):
+            self._fire(self._stepped.pop(0), t)
+
+    def _fire(self, e: Event, t: float) -> None:
+        if e.kind == "join":
+            added = [self.cluster.add_node(e.join.node_class) for _ in range(e.join.count)]
+            for n in added:
+                self._nodes[n.node_id] = n
+            self._record(t, "join", added)
+        elif e.kind == "slowdown":
+            s = e.slowdown
+            pool = self.cluster.by_class[s.node_class]
+            nodes = pool if s.index is None else pool[s.index:s.index + 1]
+            for n in nodes:
+                n.factor = s.factor
+            self._record(t, "slowdown", nodes, f"x{s.factor:g}")
+        else:
+            victims = self._victims(e.selector)
+            for n in victims:
+                n.alive = False
+                self._died_at[n.node_id] = t
+            self._record(t, "fail", victims)
+        self._node_infos = None
+        self._version += 1
+
+    def _victims(self, sel: NodeSelector) -> list[Node]:
+        """The nodes a failure takes: the one rule of every simulator
+        (:func:`~dynabatch.scheduler.core.victims.failure_victims`)."""
+        busy = {n for n, k in self._hosted.items() if k}
+        return failure_victims(self.cluster.nodes, sel.count, sel.node_class, sel.index, busy)
+
+    def _record(self, t: float, kind: str, nodes: Sequence[Node], detail: str = "") -> None:
+        self.happened.append(ClusterHappening(t, kind, tuple(n.node_id for n in nodes), detail))
+
+    def _dead(self, worker: str) -> bool:
+        w = self.workers.get(worker)
+        return w is None or not w.node.alive
+
+    def _death_time(self, worker: str) -> float:
+        w = self.workers.get(worker)
+        return self._died_at.get(w.node.node_id, self.clock.now()) if w else self.clock.now()
+
+    # --- Runtime: data and workers ----------------------------------------------------------
+    def load_data(self) -> DataInfo:
+        return self.data
+
+    def nodes(self) -> list[NodeInfo]:
+        self._advance(self.clock.now())
+        if self._node_infos is None:
+            self._node_infos = [NodeInfo(n.node_id, cpus=n.cpus, gpus=n.gpus)
+                                for n in self.cluster.nodes if n.alive]
+        return self._node_infos
+
+    def spawn(self, spawn: Spawn) -> None:
+        node = self._nodes[spawn.node_id]
+        w = _SimWorker(spawn.worker_id, spawn.ordinal, node,
+                       self.clock.now() + self.cluster.spec.recovery.start_s)
+        self._starting[spawn.worker_id] = w
+        self.ordinals[spawn.worker_id] = spawn.ordinal
+        self._hosted[node.node_id] = self._hosted.get(node.node_id, 0) + 1
+
+    def poll_started(self, timeout_s: float) -> list[Started]:
+        now = self.clock.now()
+        self._advance(now)
+        if not self._starting:
+            return []
+        first = min(w.ready_at for w in self._starting.values())
+        if first > now:
+            self._advance(min(first, now + timeout_s))
+            self.clock.advance_to(min(first, now + timeout_s))
+        out = []
+        for wid, w in list(self._starting.items()):
+            if w.ready_at > self.clock.now():
+                continue
+            del self._starting[wid]
+            if not w.node.alive:
+                self._unhost(w)
+                out.append(Started(wid, "node lost while the worker started (simulated)"))
+                continue
+            self.workers[wid] = w
+            out.append(Started(wid))
+        return out
+
+    def _unhost(self, w: _SimWorker) -> None:
+        self._hosted[w.node.node_id] = max(0, self._hosted.get(w.node.node_id, 0) - 1)
+
+    def kill(self, worker: str) -> None:
+        w = self.workers.pop(worker, None) or self._starting.pop(worker, None)
+        if w is not None:
+            self._unhost(w)
+
+    def _check_alive(self, worker: str) -> None:
+        self._advance(self.clock.now())
+        if self._dead(worker):
+            raise WorkerCallError(worker, "worker process died or node lost (simulated)",
+                                  lost=True)
+
+    def node_of(self, node_id: str) -> Node:
+        return self._nodes[node_id]
+
+    def speeds_in_force(self, workers: Sequence[tuple[str, str]], epoch: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """True ``(a, c)`` of ``(worker, node)`` pairs at ``epoch``: the node's own speed
+        times its slowdown events in force and the spec's emulated slowdown."""
+        f = np.array([self._nodes[node].factor * slowdown_at(
+            self.spec.emulation, self.ordinals.get(w, 0), epoch, 0) for w, node in workers])
+        a = np.array([self._nodes[node].a_s for _, node in workers])
+        c = np.array([self._nodes[node].c_s for _, node in workers])
+        return a * f, c * f

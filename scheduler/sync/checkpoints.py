@@ -1,0 +1,118 @@
+"""Checkpoints: save the job, restore it (resuming), and roll back to it.
+
+A checkpoint holds a holder's weights, the ledger, the schedule's position and state, the
+history and the counters. Restored weights stay in the :class:`~dynabatch.scheduler.sync.
+job.SyncJob` until a regroup loads them into the group. When a regroup finds no member
+holding the committed state, the job rolls back to its last checkpoint or fails
+(:func:`~dynabatch.scheduler.core.sync.boundary.rollback` decides which). Checkpoints need
+torch, so ``dynabatch.scheduler.checkpoint`` is imported lazily: a simulated job keeps none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynabatch.scheduler.core.ledger import Ledger
+from dynabatch.scheduler.core.sync.boundary import rollback
+from dynabatch.scheduler.core.sync.phase import Phase
+from dynabatch.scheduler.core.sync.protocol import Position
+from dynabatch.scheduler.runtime.seam import WorkerCallError
+from dynabatch.scheduler.sync.job import Part
+from dynabatch.scheduler.telemetry import EpochRecord
+
+STATE_TIMEOUT_S = 120.0
+
+
+class Checkpoints(Part):
+    def save(self, reason: str, position: Position | None = None) -> None:
+        """Save the job where it stands (or at ``position``: the epoch that just ended is
+        saved as the start of the next)."""
+        job, s = self.job, self.spec
+        if not s.checkpoint.dir:
+            return
+        weights = job.restored_weights  # restored but not yet loaded into a group
+        for holder in [] if weights is not None else job.membership.holders():
+            try:
+                weights = self.runtime.fetch_state(holder.worker_id, STATE_TIMEOUT_S)
+                break
+            except WorkerCallError as err:
+                self.log("WARNING", f"checkpoint: {err}")
+                if err.lost:
+                    self.c.group.remove(err.worker, "failure", "lost during a checkpoint")
+        if weights is None:
+            self.log("WARNING", f"checkpoint ({reason}) skipped: no worker holds the state")
+            return
+        p = job.protocol
+        pos = position or (p.position if p else job.position)
+        payload = {
+            "job_id": self.c.job_id,
+            "spec": s.model_dump(mode="json"),
+            "epoch": pos.epoch,
+            "step": pos.step,
+            "weights": weights,
+            "ledger": job.ledger.to_state(),
+            # The schedule's position: the batch trained there and the regime's state (ISGD
+            # chart, noise estimate, goodput's batch); the LR follows from them.
+            "schedule": {"epoch": pos.epoch, "step": pos.step,
+                         "global_batch": (p.global_batch if p else job.restored_batch
+                                          or job.regime.batch_for(pos.epoch)),
+                         "regime": job.regime.to_state()},
+            "history": [r.model_dump(mode="json") for r in self.c._history],
+            "counters": {
+                "rebalances_total": job.rebalances_total,
+                "retried_samples_total": job.retried_samples_total,
+                "next_ordinal": job.membership.next_ordinal,
+            },
+            "time": self.clock.time(),
+            "reason": reason,
+        }
+        from dynabatch.scheduler.checkpoint import save_checkpoint
+
+        path = save_checkpoint(s.checkpoint.dir, self.c.job_id, payload)
+        self.log("INFO", f"checkpoint ({reason}) at epoch {pos.epoch} step {pos.step}: {path}")
+
+    def restore(self, ckpt: dict[str, Any], why: str) -> None:
+        job = self.job
+        pos = Position(ckpt["epoch"], ckpt["step"])
+        with self.c._lock:
+            job.position = pos
+            self.c._history = [EpochRecord.model_validate(r) for r in ckpt["history"]]
+            c = ckpt["counters"]
+            job.rebalances_total = c["rebalances_total"]
+            job.retried_samples_total = c["retried_samples_total"]
+            m = job.membership
+            m.next_ordinal = max(m.next_ordinal, c.get("next_ordinal", 0))
+            m.restored(pos)
+            job.ledger = Ledger.from_state(ckpt.get("ledger") or {})
+            job.restored_weights = ckpt["weights"]
+            sched = ckpt.get("schedule") or {}
+            job.regime.load_state(sched.get("regime") or {})
+            job.restored_batch = sched.get("global_batch")
+            if job.protocol is not None:
+                job.protocol.rewind(pos, job.restored_batch or job.regime.batch_for(pos.epoch))
+                job.ep = None
+        self.log("INFO" if why == "resuming" else "WARNING",
+                 f"{why} from checkpoint at epoch {pos.epoch} step {pos.step}")
+
+    def roll_back(self) -> None:
+        """No member holds the committed state (ROLLING_BACK): load the last checkpoint,
+        or fail; the regroup goes on with its weights."""
+        self.become(Phase.ROLLING_BACK)
+        # Records of epochs before it first: the checkpoint's history replaces them all.
+        self.c.epochs.settle()
+        s = self.spec
+        ckpt, error = None, None
+        if s.checkpoint.dir:
+            from dynabatch.scheduler.checkpoint import CheckpointError, load_checkpoint
+
+            try:
+                ckpt = load_checkpoint(s.checkpoint.dir, self.c.job_id)
+            except CheckpointError as err:
+                error = str(err)
+        verdict = rollback(committed=self.job.membership.committed,
+                           checkpoint_dir=bool(s.checkpoint.dir), found=bool(ckpt),
+                           load_error=error)
+        if not verdict.restore:
+            self.fail(verdict.reason)
+        self.restore(ckpt, why=verdict.reason)
+        self.become(Phase.REGROUPING)

@@ -1,0 +1,235 @@
+"""Epochs: the data, each epoch's beginning and plan, its end, evaluation and record.
+
+An epoch begins with its global batch (a schedule may change it) and a plan; it ends with
+the ledger's exactly-once check, its record, a checkpoint when due, and an evaluation of
+its final weights, split over the state holders and run off the critical path
+(``dynabatch.scheduler.sync.evaluation``). The record joins the history when the
+evaluation is in; an evaluation that lost a shard is run again on the holders left when
+nothing was queued behind it (:func:`~dynabatch.scheduler.core.sync.boundary.evaluate_again`).
+The job succeeds once every epoch is trained and evaluated and a member still holds the
+final state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
+from dynabatch.scheduler.core.sync.phase import Phase
+from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
+from dynabatch.scheduler.runtime.seam import plan_updates, sharded_evaluation
+from dynabatch.scheduler.sync.epoch_report import EpochTotals, build_record, summary, with_scores
+from dynabatch.scheduler.sync.evaluation import EvalRound, Evaluations, split
+from dynabatch.scheduler.sync.job import Part
+
+if TYPE_CHECKING:
+    from dynabatch.scheduler.sync.coordinator import Coordinator
+
+EVAL_TIMEOUT_S = 600.0
+
+
+class Epochs(Part):
+    def __init__(self, coord: Coordinator):
+        super().__init__(coord)
+        # Evaluations run on the holders between segments, collected as they arrive.
+        sharded = sharded_evaluation(self.runtime, EVAL_TIMEOUT_S)
+        self.evals = Evaluations(sharded, self.clock, EVAL_TIMEOUT_S)
+        # An evaluation can be queued behind a segment in flight only by a runtime that
+        # queues it (an adapted one scores at once).
+        self.queues = sharded is self.runtime
+
+    # ---------------------------------------------------------------- beginnings
+    def load_data(self) -> None:
+        from dynabatch.actors.workloads import WorkloadError
+
+        job, s = self.job, self.spec
+        t0 = self.clock.now()
+        try:
+            job.data = self.runtime.load_data()
+        except WorkloadError as err:
+            self.fail(str(err))
+        d = job.data
+        batch = job.restored_batch or job.regime.batch_for(job.position.epoch)
+        job.protocol = SyncProtocol(
+            global_batch=batch, dataset_size=d.n_train, seed=s.seed,
+            rule=RebalanceRule(s.rebalance.mode, s.rebalance.every_steps,
+                               s.rebalance.check_steps),
+            position=job.position,
+        )
+        job.protocol.updates = plan_updates(self.runtime) is not None
+        if job.ledger.epoch != job.protocol.epoch:
+            job.ledger.begin_epoch(job.protocol.epoch, d.n_train)
+        self.log("INFO", f"loaded {d.name}: {d.n_train} train, {d.n_test} test samples "
+                         f"in {self.clock.now() - t0:.2f}s")
+
+    def begin_epoch(self) -> None:
+        job, p = self.job, self.job.protocol
+        if p.step == 0:
+            batch = job.regime.batch_for(p.epoch)
+            if batch != p.global_batch:
+                self.log("INFO", f"epoch {p.epoch}: global batch {p.global_batch} -> {batch}")
+                p.resize(batch)
+        job.ep = EpochTotals(started=self.clock.now())
+        job.tracker.begin_epoch()
+        if job.ledger.epoch != p.epoch:
+            job.ledger.begin_epoch(p.epoch, p.dataset_size)
+
+    def replan(self, why: str, at: int | None = None) -> None:
+        """Re-plan the rest of the epoch from step ``at`` (default: now; a later step when
+        a segment is in flight: it keeps the allocation it was sent with)."""
+        job, p = self.job, self.job.protocol
+        if at is not None and job.membership.dirty:
+            return  # a worker joined or was lost: the boundary's regroup re-plans
+        workers = job.membership.worker_ids
+        # Inside the segment in flight when the runtime takes plan updates.
+        early = self.c.pipeline.update_from() if at is not None else None
+        decision = p.replan(job.policy, job.tracker.telemetry(workers, self.spec.max_batch),
+                            at=at if early is None else early)
+        if decision is None:
+            return
+        if early is not None:
+            if decision.rebalanced and self.c.pipeline.send_update(early, at):
+                at = early
+            else:
+                p.defer(early, at)  # kept, or refused: from the step after the segment
+        job.tracker.decided()
+        if decision.rebalanced:
+            job.rebalances_total += 1
+            job.ep.rebalances += 1
+            a = decision.allocation
+            where = f" from step {at}" if at is not None and at != p.step else ""
+            self.log("INFO", f"rebalance ({why}): batches "
+                             f"{dict(zip(a.workers, a.batches, strict=True))}{where} — "
+                             f"{decision.reason}")
+
+    # ---------------------------------------------------------------- ends
+    def checkpoint_due(self, epoch: int) -> bool:
+        c = self.spec.checkpoint
+        return checkpoint_due(epoch, every_epochs=c.every_epochs, epochs=self.spec.epochs,
+                              checkpoint_dir=bool(c.dir))
+
+    def end_epoch(self) -> None:
+        """Close the epoch (ENDING_EPOCH, then back to what it interrupted): verify it,
+        build its record, checkpoint when due, and have the holders evaluate it (unless
+        that was sent ahead). The record is published when the evaluation is in."""
+        job, p = self.job, self.job.protocol
+        interrupted = job.phase
+        self.become(Phase.ENDING_EPOCH)
+        v = job.ledger.verify()
+        if not v.verified:
+            self.fail(f"epoch {p.epoch}: exactly-once check of the workers' reports "
+                      f"failed: {v.reason}")
+        ep = job.ep
+        alloc = p.allocation
+        planned = set(alloc.workers) if alloc else set()
+        tracks = {w: t for w in job.membership.worker_ids
+                  if (t := job.tracker.workers.get(w)) is not None
+                  and (t.epoch_steps or w in planned)}
+        record = build_record(
+            epoch=p.epoch, steps=p.steps_per_epoch, verification=v, totals=ep,
+            elapsed=self.clock.now() - ep.started, tracks=tracks,
+            nodes={m.worker_id: m.node for m in job.membership.members}, allocation=alloc,
+            regime=job.regime.end_epoch(p.epoch, p.global_batch, p.steps_per_epoch, ep.wall),
+            policy=self.spec.policy, emulated=self.spec.emulated,
+            generation=job.membership.generation)
+        rnd = self.evals.unattached(p.epoch)
+        if rnd is None:
+            rnd = self.submit_evaluation(p.epoch,
+                                         [m.worker_id for m in job.membership.holders()])
+            job.next_behind = rnd
+        rnd.record, rnd.extra = record, ep
+        nxt = Position(p.epoch + 1, 0)
+        if self.checkpoint_due(nxt.epoch):
+            # The checkpoint holds the epoch's record, scores included: wait for them (the
+            # slowest holder's shard), then read the state, with nothing in flight; the
+            # job shows the next epoch once it is written.
+            self.settle()
+            self.c.checkpoints.save(reason="epoch", position=nxt)
+        with self.c._lock:
+            p.next_epoch()
+            job.ep = None
+        self.publish_ready()
+        self.maybe_succeed()
+        self.resume(interrupted, during=Phase.ENDING_EPOCH)
+
+    def maybe_succeed(self) -> None:
+        """Done once every epoch is trained, its evaluations are in, and a member still
+        holds the final state; if the last holder was lost (in the final evaluation or
+        checkpoint), the next step's regroup restores the last checkpoint and trains on,
+        or fails with the reason."""
+        m = self.job.membership
+        if self.job.protocol.epoch >= self.spec.epochs and m.holders():
+            self.become(Phase.FINISHING)
+            self.settle()
+            if m.holders():
+                self.c._finish(JobState.SUCCEEDED, None)
+
+    # ---------------------------------------------------------------- evaluations
+    def submit_evaluation(self, epoch: int, workers: list[str]) -> EvalRound:
+        """Split the held-out set over ``workers`` in proportion to their measured
+        throughput this epoch, and queue each its shard."""
+        weights = {}
+        for w in workers:
+            t = self.job.tracker.workers.get(w)
+            weights[w] = (t.epoch_samples / t.epoch_compute if t and t.epoch_compute
+                          else (t.throughput if t else 0.0))
+        data = self.job.data
+        return self.evals.submit(epoch, split(data.n_test if data else 0, weights))
+
+    def publish_ready(self) -> None:
+        self.evals.poll()
+        for rnd in self.evals.ready():
+            self.publish(rnd)
+
+    def settle(self) -> None:
+        """Wait for the evaluations in flight (each up to its deadline) and publish them."""
+        while self.evals.busy:
+            ready = self.evals.settle()
+            if not ready:
+                break
+            for rnd in ready:
+                self.publish(rnd)
+
+    def publish(self, rnd: EvalRound) -> None:
+        """An epoch's evaluation is in: its record joins the history, with the scores when
+        every shard was scored."""
+        job = self.job
+        for w, r in rnd.failures.items():
+            self.log("WARNING", f"evaluation of epoch {rnd.epoch} on {w} failed: {r.error}")
+            if r.lost:
+                self.c.group.remove(w, "failure", "lost during evaluation")
+        sums = rnd.sums()
+        again = evaluate_again(
+            complete=sums is not None, shard_failed=bool(rnd.failures),
+            last_queued=rnd is job.next_behind,
+            holders=tuple(m.worker_id for m in job.membership.holders()),
+            waited_s=rnd.critical_s)
+        if again is not None:
+            # Nothing was sent behind it: the holders left still have the epoch's weights
+            # and score the set again (at the job's end, say), so no scores are lost.
+            self.log("INFO", f"epoch {rnd.epoch}: evaluating again on {list(again.workers)}")
+            rerun = self.submit_evaluation(rnd.epoch, list(again.workers))
+            rerun.record, rerun.extra = rnd.record, rnd.extra
+            rerun.waited_s = again.waited_s
+            job.next_behind = rerun
+            return
+        scores = self.evals.runtime.finish_evaluation(sums) if sums is not None else None
+        if scores is None and rnd.shards:
+            self.log("WARNING", f"epoch {rnd.epoch}: no test scores (not every shard of "
+                                "the held-out set was scored)")
+        record = with_scores(rnd.record, rnd.extra, scores, rnd)
+        with self.c._lock:
+            self.c._history.append(record)
+            self.log("INFO", summary(record))
+
+    def close(self) -> None:
+        """The job ends otherwise than by success or cancellation (which wait for them):
+        the epochs whose evaluation is out keep their records, with the scores that are
+        in by now."""
+        if not self.evals.busy:
+            return
+        self.job.next_behind = None
+        self.evals.poll(timeout_s=1.0)
+        for rnd in self.evals.close("the job ended before this shard was scored"):
+            self.publish(rnd)

@@ -1,0 +1,266 @@
+"""Membership and spares: who trains, at each step boundary.
+
+At a boundary with nothing in flight the group is reconciled: scale and drain requests
+applied, started workers adopted, workers started on nodes that appeared (and spares
+tended), then either the job waits for enough workers (WAITING_FOR_WORKERS: it fails after
+its timeout, :func:`~dynabatch.scheduler.core.sync.boundary.wait_for_minimum`) or a new
+generation is formed (REGROUPING), loading the last checkpoint first when no member holds
+the committed state (ROLLING_BACK). With a segment in flight, changes only wait for the
+next boundary. Who is in, who holds the state and what to spawn is the pure
+:class:`~dynabatch.scheduler.core.membership.Membership`'s.
+"""
+
+from __future__ import annotations
+
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.membership import Change
+from dynabatch.scheduler.core.sync.boundary import must_roll_back, wait_for_minimum
+from dynabatch.scheduler.core.sync.phase import Phase
+from dynabatch.scheduler.runtime.seam import spare_capable
+from dynabatch.scheduler.sync.job import Part
+
+# How often nodes are listed (every step boundary at most, and between segments sent
+# ahead): a node that joins gets its worker or spare this soon. Listing costs two GCS
+# calls of about a millisecond.
+NODE_POLL_S = 0.2
+# After adopting a spare at a boundary with nothing in flight, how long to wait for it to
+# answer so that it joins this regroup rather than one segment later.
+ADOPT_WAIT_S = 0.5
+
+
+class Group(Part):
+    # ---------------------------------------------------------------- at a boundary
+    def reconcile(self) -> bool:
+        """Apply requests, joins and losses at a step boundary. True when ready to train."""
+        c, job = self.c, self.job
+        m = job.membership
+        self.apply_requests()
+        self.adopt_started(0.0)
+        starting = not m.members and m.generation == 0 and c.state == JobState.PENDING
+        now = self.clock.now()
+        if now - job.last_node_poll >= NODE_POLL_S or starting or m.dirty:
+            job.last_node_poll = now
+            self.spawn_missing(starting)
+        if starting:
+            self.await_initial()
+        shortfall = m.shortfall()
+        if shortfall is not None:
+            return self.wait_for_min(shortfall)
+        if m.dirty:
+            self.become(Phase.REGROUPING)
+            if not self.regroup():
+                return False
+        if c.state == JobState.PENDING:
+            c._transition(JobState.RUNNING, None)
+        return True
+
+    def watch(self) -> None:
+        """With a segment in flight: notice workers that came up (one that joins stops the
+        sending ahead, so the next boundary has nothing in flight and regroups), and start
+        workers on nodes that appeared. A worker still starting blocks nothing."""
+        self.adopt_started(0.0)
+        now = self.clock.now()
+        if now - self.job.last_node_poll >= NODE_POLL_S:
+            self.job.last_node_poll = now
+            self.spawn_missing(starting=False)
+
+    def apply_requests(self) -> bool:
+        m = self.job.membership
+        changed = False
+        for kind, arg in self.c._take_requests():
+            try:
+                if kind == "scale":
+                    m.request_scale(arg, speeds=self.speeds())
+                else:
+                    m.request_drain(arg)
+            except (KeyError, ValueError) as err:
+                self.log("WARNING", f"{kind} {arg} not applied: {err}")
+        drains = m.apply_drains()
+        if drains:
+            self.c.epochs.settle()  # a drained worker may still owe its shard of one
+        for change in drains:
+            self.changed(change)
+            self.runtime.kill(change.worker)
+            changed = True
+        return changed
+
+    # ---------------------------------------------------------------- starting workers
+    def spawn_missing(self, starting: bool) -> None:
+        job, s = self.job, self.spec
+        m = job.membership
+        nodes = self.runtime.nodes()
+        if not nodes and starting:
+            self.c.reason = f"waiting for resources: {self.no_node_hint()}"
+        spares = spare_capable(self.runtime)
+        if spares is not None:
+            for node, why in spares.lost_spares():
+                m.spare_lost(node, why)
+                self.log("WARNING", f"the spare worker on node {node[:12]} was lost before "
+                                    f"it was adopted ({why}); that node gets no other spare")
+        adopted = False
+        for sp in m.spawns(nodes, starting, s.gpus_on):
+            job.tracker.add(sp.worker_id, sp.capacity)
+            self.runtime.spawn(sp)
+            adopted = adopted or sp.adopt
+            self.log("INFO", f"starting worker {sp.worker_id} on node {sp.node_id[:12]}"
+                             + (" (GPU)" if sp.gpus else "")
+                             + (" (adopting its spare)" if sp.adopt else ""))
+        # Spares once the first workers are up (they would compete with their start-up).
+        if spares is not None and not starting and not self.c.state.is_terminal:
+            plan = m.spare_plan(nodes, s.spares, s.gpus_on)
+            for node in plan.stop:
+                spares.stop_spare(node)
+            for node in plan.start:
+                spares.start_spare(node)
+                self.log("INFO", f"starting a spare worker on node {node[:12]}")
+        if not starting:
+            self.note_placement(m.unplaced)
+        if adopted and job.ahead is None:
+            # Nothing in flight: the adopted spare answers in milliseconds, and joins the
+            # group formed at this boundary.
+            self.adopt_started(ADOPT_WAIT_S)
+
+    def speeds(self) -> dict[str, float]:
+        """Each worker's measured samples per compute-second (its step-time model's decayed
+        mean; a scale-down drains the slowest first). Absent: not measured yet."""
+        return {w: t.stats.sb / t.stats.st for w, t in self.job.tracker.workers.items()
+                if t.stats.st > 0}
+
+    def placement_text(self, short: int, want: int) -> str:
+        s = self.spec
+        return (f"{want - short} of {want} requested workers placed: no eligible node has "
+                f"room for another worker now (worker_cpus={s.worker_cpus:g}); the job "
+                f"runs on {want - short} until CPUs free up or a node joins")
+
+    def note_placement(self, unplaced: tuple[int, int] | None) -> None:
+        """Keep saying, in the log once and in the reason while it lasts, that requested
+        workers could not be placed."""
+        c = self.c
+        note = None if unplaced is None else self.placement_text(*unplaced)
+        with c._lock:
+            asked = any(kind == "scale" for kind, _ in c._requests)
+        if note == c.placement_note or (note is None and asked):
+            return  # (a scale request not applied yet: its note stands until it is)
+        if note is not None:
+            self.log("WARNING", f"cannot place every worker: {note}")
+        elif c.placement_note is not None:
+            self.log("INFO", "every requested worker is placed")
+        with c._lock:
+            if c.reason is None or c.reason == c.placement_note:
+                c.reason = note
+            c.placement_note = note
+
+    def adopt_started(self, timeout_s: float) -> None:
+        job = self.job
+        for st in self.runtime.poll_started(timeout_s):
+            if st.error is not None:
+                job.membership.start_failed(st.worker)
+                job.tracker.remove(st.worker)
+                self.log("WARNING", f"worker {st.worker} failed to start: {st.error}")
+                continue
+            change = job.membership.started(st.worker)
+            if change is None:
+                job.tracker.remove(st.worker)
+                self.runtime.kill(st.worker)
+            else:
+                self.changed(change)
+
+    def await_initial(self) -> None:
+        m = self.job.membership
+        deadline = self.clock.now() + self.spec.start_timeout_s
+        while m.pending and self.clock.now() < deadline and self.c._cancel is None:
+            self.c.reason = (
+                f"waiting for resources: {len(m.pending)} of {len(m.pending) + len(m.members)}"
+                f" workers not started yet ({len(self.runtime.nodes())} eligible nodes; other "
+                "jobs may hold their CPUs)"
+            )
+            self.adopt_started(0.5)
+            if not m.pending:
+                self.spawn_missing(starting=True)
+        for w in list(m.pending):  # could not be placed in time
+            self.log("WARNING", f"worker {w} could not start in "
+                                f"{self.spec.start_timeout_s:.0f}s")
+            m.start_failed(w)
+            self.job.tracker.remove(w)
+            self.runtime.kill(w)
+
+    def wait_for_min(self, shortfall: str) -> bool:
+        c, job, s = self.c, self.job, self.spec
+        self.become(Phase.WAITING_FOR_WORKERS)
+        wait = wait_for_minimum(
+            since=job.waiting_since, now=self.clock.now(),
+            started=job.membership.generation != 0, start_timeout_s=s.start_timeout_s,
+            worker_wait_timeout_s=s.worker_wait_timeout_s)
+        job.waiting_since = wait.since
+        if wait.first:
+            self.log("WARNING", f"cannot train: {shortfall}")
+        hint = "" if self.runtime.nodes() else f": {self.no_node_hint()}"
+        if wait.give_up:
+            self.fail(f"only {shortfall} available after waiting {wait.limit:.0f}s{hint}")
+        reason = (f"waiting for nodes: {shortfall} ({wait.waited:.0f}s of {wait.limit:.0f}s)"
+                  f"{hint}")
+        if c.state == JobState.RUNNING:
+            c._transition(JobState.PENDING, reason)
+        c.reason = reason
+        self.spawn_missing(starting=False)
+        self.clock.sleep(0.2)
+        return False
+
+    def no_node_hint(self) -> str:
+        s = self.spec
+        g = s.worker_gpus
+        gpus = g if g == "auto" else f"{g:g}"
+        need = f"worker_cpus={s.worker_cpus:g}, worker_gpus={gpus}"
+        if s.node_resource:
+            need += f", node_resource={s.node_resource!r}"
+        return f"no alive node offers {need}"
+
+    # ---------------------------------------------------------------- the group
+    def regroup(self) -> bool:
+        """Form a new generation (REGROUPING). False when it failed (the next step tries
+        again)."""
+        job = self.job
+        m = job.membership
+        plan = m.regroup_plan()
+        state = None
+        if plan.needs_state:
+            if must_roll_back(needs_state=True, holding_restored=job.restored_weights is not None):
+                self.c.checkpoints.roll_back()  # restores the weights, or ends the job
+                plan = m.regroup_plan()
+            state = job.restored_weights
+        t0 = self.clock.now()
+        result = self.runtime.regroup(m.generation + 1, plan.members, state,
+                                      self.spec.collective_timeout_s + 30)
+        if not result.ok:
+            for w, why in result.lost.items():
+                self.remove(w, "failure", why)
+            why = "; ".join([*result.lost.values(), *([result.error] if result.error else [])])
+            self.log("WARNING", f"regroup failed ({why}); retrying")
+            verdict = job.budget.regroup_failed(bool(result.lost), why)
+            if verdict is not None:
+                self.fail(verdict)
+            return False
+        job.budget.regrouped()
+        job.next_behind = None  # an evaluation queued before the regroup ran before it
+        m.regrouped(plan.members)
+        job.restored_weights = None  # only now: a failed join must be able to load it again
+        dt = self.clock.now() - t0
+        job.regroup_seconds_total += dt
+        self.log("INFO", f"generation {m.generation}: {len(plan.members)} workers "
+                         f"{list(plan.members)} (formed in {dt:.2f}s)")
+        # Mid-epoch: re-split what is left over the new group (an epoch that has not begun
+        # re-plans when it begins).
+        if job.ep is not None and not job.protocol.epoch_complete:
+            self.c.epochs.replan("membership")
+        return True
+
+    def remove(self, worker: str, kind: str, reason: str) -> None:
+        with self.c._lock:
+            change = self.job.membership.remove(worker, kind, reason)
+        self.job.tracker.remove(worker)
+        self.runtime.kill(worker)
+        if change is not None:
+            self.changed(change)
+
+    def changed(self, c: Change) -> None:
+        self.c._event(c.kind, c.worker, c.node, c.reason, self.job.membership.generation)

@@ -1,0 +1,162 @@
+"""The synchronous driver's one job-state value, and the base of the parts that share it.
+
+:class:`SyncJob` holds everything the driver's parts read and change: the pure machines
+(protocol, policy, tracker, ledger, membership, regime, retry budget), the loop's
+:class:`~dynabatch.scheduler.core.sync.phase.Phase` with the data that belongs to it (the
+segment in flight, the epoch's totals, weights restored from a checkpoint, since when the
+job waits for workers), and the counters the snapshot reports. The parts
+(``pipeline``, ``group``, ``epochs``, ``checkpoints``) are small objects over it; the
+:class:`~dynabatch.scheduler.sync.coordinator.Coordinator` wires them and keeps the public
+surface.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dynabatch.actors.contracts import StepTelemetry
+from dynabatch.scheduler.core.failures import RetryBudget
+from dynabatch.scheduler.core.ledger import Ledger
+from dynabatch.scheduler.core.membership import Membership
+from dynabatch.scheduler.core.regime.regime import Regime
+from dynabatch.scheduler.core.sync.phase import InvalidPhase, Phase
+from dynabatch.scheduler.core.sync.protocol import Position, SyncProtocol
+from dynabatch.scheduler.core.sync.tracker import Tracker
+from dynabatch.scheduler.runtime.seam import DataInfo
+from dynabatch.scheduler.sync.epoch_report import EpochTotals
+from dynabatch.scheduler.sync.evaluation import EvalRound
+
+if TYPE_CHECKING:
+    from dynabatch.actors.spec import JobSpec
+    from dynabatch.scheduler.runtime.seam import Clock, Runtime
+    from dynabatch.scheduler.sync.coordinator import Coordinator
+
+log = logging.getLogger("dynabatch.scheduler")
+
+# Phase changes kept for tests and debugging (a few per epoch).
+PHASE_CHANGES_KEPT = 256
+
+
+@dataclass
+class Ahead:
+    """A segment sent before the previous one's results were read."""
+
+    position: Position
+    plans: dict[str, Any]
+    ticket: Any
+    sent: float
+    behind: EvalRound | None = None  # an evaluation queued on its workers just before it
+
+    @property
+    def length(self) -> int:
+        return len(next(iter(self.plans.values())).steps)
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseChange:
+    at: float  # the driver's clock
+    old: Phase
+    new: Phase
+
+
+@dataclass
+class SyncJob:
+    """What the synchronous driver knows about its job, in one place."""
+
+    job_id: str
+    membership: Membership
+    regime: Regime  # the global batch, LR, ISGD and goodput of every step
+    policy: Any
+    budget: RetryBudget
+    tracker: Tracker = field(default_factory=Tracker)
+    ledger: Ledger = field(default_factory=Ledger)
+    protocol: SyncProtocol | None = None  # once the data is loaded
+    data: DataInfo | None = None
+    position: Position = field(default_factory=lambda: Position(0, 0))  # where to start
+
+    phase: Phase = Phase.STARTING
+    phase_changes: deque[PhaseChange] = field(
+        default_factory=lambda: deque(maxlen=PHASE_CHANGES_KEPT))
+    # The open epoch's totals; None between epochs (the next step boundary begins one).
+    ep: EpochTotals | None = None
+    ahead: Ahead | None = None  # the segment in flight, sent ahead
+    # An evaluation queued for the next segment sent (its workers score first); dropped by
+    # a regroup, before which it ran.
+    next_behind: EvalRound | None = None
+    # From a checkpoint (resuming, or ROLLING_BACK): the weights stay here until a regroup
+    # loads them into the group (one that fails must be able to load them again), and the
+    # global batch trained there until the data is loaded.
+    restored_weights: dict[str, Any] | None = None
+    restored_batch: int | None = None
+    waiting_since: float | None = None  # WAITING_FOR_WORKERS: since when
+    last_node_poll: float = -1e18
+    last_collect: float = -1e18  # when the last segment's results were read
+
+    # Benchmarks read per-step balance here; bounded (each row holds one report per worker).
+    recent_steps: deque[list[StepTelemetry]] = field(default_factory=lambda: deque(maxlen=512))
+    rebalances_total: int = 0
+    regroup_seconds_total: float = 0.0
+    retried_samples_total: int = 0
+    segments_sent_ahead: int = 0
+    plan_updates: int = 0  # re-plans that took effect inside a segment already sent
+    plan_updates_refused: int = 0  # ... refused (a worker had started the step): deferred
+
+    def become(self, new: Phase, at: float) -> None:
+        """Move the loop to ``new`` (staying is allowed); an impossible move is a bug."""
+        old = self.phase
+        if new is old:
+            return
+        if not old.can_become(new):
+            raise InvalidPhase(old, new)
+        self.phase = new
+        if old is Phase.WAITING_FOR_WORKERS:
+            self.waiting_since = None  # the wait ended: a later one starts over
+        self.phase_changes.append(PhaseChange(at, old, new))
+        log.debug("[%s] phase %s -> %s", self.job_id, old.value, new.value)
+
+    def resume(self, interrupted: Phase, at: float, during: Phase) -> None:
+        """Leave ``during`` (a phase entered inside a step) for the one it interrupted,
+        unless the job moved on from it (finished, say)."""
+        if self.phase is during:
+            self.become(interrupted, at)
+
+
+class Part:
+    """One concern of the driver: shares the coordinator's :class:`SyncJob`, its job
+    control (log, lifecycle, requests) and its sibling parts."""
+
+    def __init__(self, coord: Coordinator):
+        self.c = coord
+
+    @property
+    def job(self) -> SyncJob:
+        return self.c.job
+
+    @property
+    def spec(self) -> JobSpec:
+        return self.c.spec
+
+    @property
+    def clock(self) -> Clock:
+        return self.c.clock
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.c.runtime
+
+    def log(self, level: str, message: str) -> None:
+        self.c._log(level, message)
+
+    def fail(self, reason: str) -> None:
+        """End the job FAILED with ``reason`` and unwind the step (raises JobEnded)."""
+        self.c._fail_now(reason)
+
+    def become(self, phase: Phase) -> None:
+        self.c._become(phase)
+
+    def resume(self, interrupted: Phase, during: Phase) -> None:
+        with self.c._lock:
+            self.job.resume(interrupted, self.clock.now(), during=during)

@@ -1,0 +1,271 @@
+"""The segment pipeline: send segments ahead, commit what the workers report, absorb failures.
+
+No bubbles. One segment is always in flight: the next segment is sent to the workers
+before the current one's results are read (a
+:class:`~dynabatch.scheduler.runtime.seam.PipelinedRuntime` queues it behind the one
+running), so workers go from segment to segment without waiting for the coordinator. A
+re-plan does not stop it: the segment ahead keeps the allocation it was planned under, and
+the new plan takes effect at the step after it (``SyncProtocol.replan(at=)``). Across an
+epoch's end (same global batch, no checkpoint due) the epoch's evaluation is queued first,
+then the next epoch's first segment. If the segment before it failed, the one ahead cannot
+have trained (its workers left the group) and is collected and discarded.
+
+When a segment may be sent ahead, where it starts and how its wall time is attributed are
+pure decisions (``dynabatch.scheduler.core.sync.pipeline``); this module executes them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dynabatch.scheduler.core.failures import Failure, WorkerOutcome, classify
+from dynabatch.scheduler.core.sync import pipeline as decide
+from dynabatch.scheduler.core.sync.boundary import checkpoint_due
+from dynabatch.scheduler.core.sync.protocol import Position
+from dynabatch.scheduler.core.sync.update import (
+    PlanUpdate,
+    check_update,
+    update_at,
+    updated_plans,
+)
+from dynabatch.scheduler.runtime.seam import pipelined, plan_updates
+from dynabatch.scheduler.sync.evaluation import EvalRound
+from dynabatch.scheduler.sync.job import Ahead, Part
+
+if TYPE_CHECKING:
+    from dynabatch.scheduler.sync.coordinator import Coordinator
+
+
+UPDATE_TIMEOUT_S = 2.0  # posting a plan update: one compare-and-set in the group's store
+
+
+class Pipeline(Part):
+    def __init__(self, coord: Coordinator):
+        super().__init__(coord)
+        self.pipe = pipelined(self.runtime)  # None: the runtime runs one segment at a time
+        self.updater = plan_updates(self.runtime)  # None: segments sent keep their plans
+
+    def grace_s(self) -> float:
+        return self.spec.collective_timeout_s + 5.0
+
+    def ahead_end(self) -> int | None:
+        """The step after the segment in flight, when it lies in this epoch."""
+        a = self.job.ahead
+        return decide.ahead_end(a.position if a else None, a.length if a else 0,
+                                self.job.protocol.epoch)
+
+    def update_from(self) -> int | None:
+        """The step from which a re-plan decided now can take effect inside the segment in
+        flight, by a plan update (None: only after it)."""
+        a, p = self.job.ahead, self.job.protocol
+        if self.updater is None or a is None or a.position.epoch != p.epoch:
+            return None
+        return update_at(committed=p.step, ahead_start=a.position.step,
+                         ahead_end=a.position.step + a.length)
+
+    def send_update(self, at: int, end: int) -> bool:
+        """Send the workers their steps ``[at, end)`` of the segment in flight under the
+        allocation just adopted from ``at``. True when they apply it; False when refused
+        (a worker had started step ``at``): the caller defers the allocation to ``end``."""
+        job, p = self.job, self.job.protocol
+        ahead = job.ahead
+        seg = job.regime.stamp(p.plan_segment(at=at), p.steps_per_epoch)
+        update = PlanUpdate(p.epoch, at, {w: tuple(sp for sp in s.steps if sp.step < end)
+                                          for w, s in seg.items()})
+        why = check_update(ahead.plans, update)
+        if why is not None:
+            self.log("WARNING", f"plan update from step {at} not sent: {why}")
+            return False
+        ok = self.updater.update_segment(update, UPDATE_TIMEOUT_S)
+        if ok:
+            ahead.plans = updated_plans(ahead.plans, update)
+            job.plan_updates += 1
+        else:
+            job.plan_updates_refused += 1
+        return ok
+
+    def can_send_ahead(self) -> bool:
+        c = self.c
+        with c._lock:
+            requests = bool(c._requests)
+        return decide.can_send_ahead(
+            pipelined=self.pipe is not None, cancel_requested=c._cancel is not None,
+            retrying=self.job.budget.retrying, requests_pending=requests,
+            regroup_due=self.job.membership.dirty, stamps_fixed=self.job.regime.can_stamp_ahead)
+
+    def can_cross_epoch(self) -> bool:
+        p, s, regime = self.job.protocol, self.spec, self.job.regime
+        nxt = p.epoch + 1
+        return decide.can_cross_epoch(
+            next_epoch=nxt, epochs=s.epochs, evaluations_queue=self.c.epochs.queues,
+            goodput=regime.mode == "goodput", next_batch=regime.batch_for(nxt),
+            batch=p.global_batch,
+            checkpoint_due=checkpoint_due(nxt, every_epochs=s.checkpoint.every_epochs,
+                                          epochs=s.epochs, checkpoint_dir=bool(s.checkpoint.dir)))
+
+    def send_ahead(self, start: Position, plans: dict[str, Any]) -> None:
+        """Send the segment after the one at ``start`` (already sent) before its results
+        are read: in this epoch, or the next epoch's first, behind the epoch's evaluation."""
+        if not self.can_send_ahead():
+            return
+        job, p = self.job, self.job.protocol
+        plan = decide.plan_ahead(start, len(next(iter(plans.values())).steps),
+                                 p.steps_per_epoch)
+        behind = None
+        if plan.crosses_epoch:
+            if not self.can_cross_epoch():
+                return
+            # Each of the segment's workers scores its shard of the epoch's final weights,
+            # then trains on. Dropped if that segment fails (it is not the final state).
+            behind = self.c.epochs.submit_evaluation(p.epoch, list(plans))
+        nxt = job.regime.stamp(p.plan_segment(at=plan.position), p.steps_per_epoch)
+        job.ahead = Ahead(plan.position, nxt, self.pipe.submit_segment(nxt), self.clock.now(),
+                          behind)
+        job.segments_sent_ahead += 1
+
+    def drain(self, commit: bool) -> None:
+        """Collect the segment in flight: commit it (``commit``), or discard it after a
+        failure of the one before it."""
+        job = self.job
+        ahead = job.ahead
+        if ahead is None:
+            return
+        if commit and ahead.position == job.protocol.position:
+            if job.ep is None:  # sent ahead across the epoch's end, which has ended
+                self.c.epochs.begin_epoch()
+            self.train_segment()
+            return
+        job.ahead = None
+        outcomes = self.pipe.collect_segment(ahead.ticket, self.grace_s())
+        trained = [o.worker for o in outcomes if o.result is not None and o.result.steps]
+        if trained:  # cannot happen: the group broke at the failure before it
+            self.log("ERROR", f"a segment sent ahead trained on {trained} after the one "
+                              "before it failed; their state is not the committed one")
+            for w in trained:
+                self.c.group.remove(w, "failure", "trained past a failed segment")
+
+    def train_segment(self) -> bool:
+        """Run one segment; commit what the state holder completed. True when it all ran."""
+        job, p = self.job, self.job.protocol
+        ahead, job.ahead = job.ahead, None
+        if ahead is not None and ahead.position == p.position:
+            plans, ticket, t0, behind = ahead.plans, ahead.ticket, ahead.sent, ahead.behind
+        else:
+            if ahead is not None:  # defensive: a segment ahead always starts here
+                job.ahead = ahead
+                self.drain(commit=False)
+            plans = job.regime.stamp(p.plan_segment(), p.steps_per_epoch)
+            if not plans:
+                return True
+            t0 = self.clock.now()
+            behind, job.next_behind = job.next_behind, None
+            ticket = self.pipe.submit_segment(plans) if self.pipe else None
+        start = p.position
+        if ticket is not None:
+            self.send_ahead(start, plans)
+            outcomes = self.pipe.collect_segment(ticket, self.grace_s())
+        else:
+            outcomes = self.runtime.run_segment(plans, grace_s=self.grace_s())
+        return self.commit(plans, outcomes, start, t0, behind=behind)
+
+    def commit(self, plans: dict, outcomes: list[WorkerOutcome], start: Position, t0: float,
+               charge: bool = True, behind: EvalRound | None = None) -> bool:
+        """Commit what the state holders completed of a segment; handle its failure. True
+        when it all ran. ``charge``: count a failure against the retry budget (not for a
+        segment sent ahead, whose failure is the one already counted). ``behind``: an
+        evaluation its workers ran just before it (its time is not the segment's)."""
+        job, p = self.job, self.job.protocol
+        now = self.clock.now()  # before the poll below: a simulated clock moves in it
+        evaluation_s = None
+        if behind is not None:
+            self.c.epochs.evals.poll()  # its shards ran first, so they are in
+            if behind.done:
+                evaluation_s = behind.critical_s
+        failure = classify(outcomes, self.spec.collective_timeout_s)
+        results = [o.result for o in outcomes if o.result is not None]
+        done = max((len(r.steps) for r in results), default=0)
+        planned = len(next(iter(plans.values())).steps)
+        share = decide.attribute_wall(
+            sent=t0, last_collected=job.last_collect, now=now,
+            evaluation_s=evaluation_s, done=done, planned=planned, workers=len(plans))
+        job.last_collect = share.collected
+        with self.c._lock:
+            ep = job.ep
+            ep.evaluation += share.evaluation
+            for j in range(done):
+                reports = [r.steps[j] for r in results if len(r.steps) > j]
+                job.ledger.commit(reports)
+                job.regime.observe(reports)
+                job.recent_steps.append(reports)
+                ep.add_step(reports)
+            ep.add_segment(results, done)
+            for r in results:
+                job.tracker.observe(r.worker, r.steps)
+            if done:
+                ep.wall += share.wall
+                ep.worker_seconds += share.worker_seconds
+            p.advance(done)
+            job.membership.progressed(
+                {r.worker: Position(start.epoch, start.step + len(r.steps)) for r in results}
+            )
+        if failure is None:
+            job.budget.succeeded()  # the retry, if this was one, is over
+            return True
+        # Lost and hung workers are removed (killed) first, so what they had queued ahead
+        # answers at once instead of after another grace period.
+        self.segment_failed(failure, charge, partial=done < planned)
+        if not p.epoch_complete:
+            # An evaluation sent ahead of this epoch's end scored weights that are not the
+            # epoch's final ones: the epoch is evaluated when it does end.
+            self.c.epochs.evals.discard(p.epoch)
+        self.absorb_ahead()
+        return False
+
+    def absorb_ahead(self) -> None:
+        """After a failed segment, the one sent ahead. Usually it could not train: the
+        failure broke the group and its workers refuse it. But a segment can "fail" after
+        every collective of it completed, when a worker's result is lost with its node
+        (a result too large to travel inline lives in that node's object store). Its peers
+        then went on, in lockstep with it, into the segment ahead: what they completed
+        there is committed like any segment (the all-reduced coverage proves it); the
+        rest is discarded. A segment ahead in the next epoch opens it once this one ends."""
+        job = self.job
+        ahead = job.ahead
+        if ahead is None:
+            return
+        p = job.protocol
+        if p.epoch_complete and ahead.position == Position(p.epoch + 1, 0):
+            self.c.epochs.end_epoch()
+            self.c.epochs.begin_epoch()
+        if ahead.position != p.position:
+            self.drain(commit=False)
+            return
+        job.ahead = None
+        outcomes = self.pipe.collect_segment(ahead.ticket, self.grace_s())
+        if any(o.result is not None and o.result.steps for o in outcomes):
+            self.log("INFO", f"committing what the segment ahead trained after step "
+                             f"{p.step} of epoch {p.epoch}")
+            self.commit(ahead.plans, outcomes, ahead.position, ahead.sent, charge=False,
+                        behind=ahead.behind)
+
+    def segment_failed(self, failure: Failure, charge: bool = True,
+                       partial: bool = True) -> None:
+        job, p = self.job, self.job.protocol
+        # A step was in flight unless every survivor completed the whole segment (a lost
+        # worker's result went with its node after the segment's collectives completed).
+        if partial and not p.epoch_complete:
+            in_flight = p.step_size(p.step)
+            job.ledger.retry(in_flight)
+            job.retried_samples_total += in_flight
+        self.log("WARNING", f"step {p.step} of epoch {p.epoch} failed: {failure.summary}")
+        for w, why in failure.lost.items():
+            self.c.group.remove(w, "failure", why)
+        for w, why in failure.stragglers.items():
+            self.c.group.remove(w, "evict", f"straggler: {why}")
+        # Whoever is left broke off the collective: the group must be formed again.
+        job.membership.dirty = True
+        # Uncharged (a segment sent ahead), the failure before it was counted: the budget
+        # says the next segment is a retry either way.
+        verdict = job.budget.failed(p.position, failure) if charge else None
+        if verdict is not None:
+            self.fail(verdict)

@@ -1,0 +1,129 @@
+"""What every client command of the REST service shares: one-line errors and its client.
+
+A command's body runs inside :func:`api_client` (or :func:`one_line_errors` when it has work
+to do before it connects): any failure prints one line, ``error: ...``, on stderr and exits 1;
+never a traceback. Tests inject a client through the click context:
+``runner.invoke(app, args, obj={"client_factory": lambda url, token: DynabatchClient(...)})``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+import typer
+from dynabatch.actors.spec import SpecError
+from dynabatch.service.client import ApiError, DynabatchClient
+from dynabatch.service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN
+from rich.console import Console
+from rich.text import Text
+
+# The width of output that goes to a file or a pipe: wide enough that no table header is
+# cut (``partit…``); a terminal keeps its own width.
+PIPE_WIDTH = 250
+
+
+class CliError(Exception):
+    """A problem to report as one line (and exit 1)."""
+
+
+def stderr() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def out_console(file: TextIO | None = None, **kwargs: Any) -> Console:
+    """A console for a command's output (stdout by default): a terminal's own width, or
+    :data:`PIPE_WIDTH` columns when the output is not a terminal, so tables are never cut to
+    an 80-column default."""
+    console = Console(file=file, soft_wrap=True, **kwargs)
+    if not console.is_terminal:
+        console = Console(file=file, soft_wrap=True, width=PIPE_WIDTH, **kwargs)
+    return console
+
+
+def timestamp(t: float | None) -> str:
+    """A log line's time, local, to the second; ``-`` when unknown."""
+    if t is None:
+        return "-"
+    return datetime.fromtimestamp(t, tz=UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def log_text(time: float | None, level: str, message: str) -> Text:
+    """One job-log line as plain text: whatever the user's code printed is shown as it is,
+    never read as rich markup (``[red]``) or emoji codes (``mydata:cancer``)."""
+    return Text(f"{timestamp(time)} {level:<7} {message}")
+
+
+def print_plain(console: Console, text: str | Text) -> None:
+    """Print ``text`` as it is: no markup, emoji or highlighting."""
+    console.print(text if isinstance(text, Text) else Text(text), markup=False, emoji=False,
+                  highlight=False)
+
+
+def one_line(text: str) -> str:
+    """``text`` with its whitespace (newlines included) folded to single spaces."""
+    return " ".join(str(text).split())
+
+
+@contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Turn any failure in the block into one ``error: ...`` line and exit status 1 (130 on
+    Ctrl-C); a ``typer.Exit`` raised in it passes through."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        stderr().print("interrupted")
+        raise typer.Exit(130) from None
+    except (ApiError, SpecError, CliError) as err:
+        print_plain(stderr(), f"error: {one_line(str(err))}")
+        raise typer.Exit(1) from None
+    except Exception as err:  # last resort: still one line
+        print_plain(stderr(), f"error: {type(err).__name__}: {one_line(str(err))}")
+        raise typer.Exit(1) from None
+
+
+@contextmanager
+def api_client(
+    ctx: typer.Context,
+    url: str,
+    token: str | None,
+    *,
+    job_id: str | None = None,
+    worker: str | None = None,
+) -> Iterator[DynabatchClient]:
+    """The block of one client command: ``job_id`` and ``worker`` checked (when given), a
+    client of the API at ``url`` opened for it and closed after, and any failure in it one
+    ``error: ...`` line and exit status 1 (:func:`one_line_errors`)."""
+    with one_line_errors():
+        if job_id is not None:
+            check_job_id(job_id)
+        if worker is not None:
+            check_worker(worker)
+        with make_client(ctx, url, token) as client:
+            yield client
+
+
+def check_job_id(job_id: str) -> str:
+    if not re.fullmatch(JOB_ID_PATTERN, job_id):
+        raise CliError(f"{job_id!r} is not a job id (12 lowercase hex digits, as submit prints)")
+    return job_id
+
+
+def check_worker(worker: str) -> str:
+    if not re.fullmatch(WORKER_ID_PATTERN, worker):
+        raise CliError(f"{worker!r} is not a worker id (w0, w1, ... as status lists them)")
+    return worker
+
+
+def make_client(ctx: typer.Context, url: str, token: str | None) -> DynabatchClient:
+    """The context's ``client_factory`` (tests) or a client of ``url``."""
+    obj = ctx.find_root().obj
+    factory = obj.get("client_factory") if isinstance(obj, dict) else None
+    if factory is not None:
+        return factory(url, token)
+    return DynabatchClient(url, token=token)

@@ -1,0 +1,107 @@
+"""Reading a job config for ``run`` and ``submit``: the file, ``--set`` overrides, and a local
+``working_dir`` resolved against the config's own folder.
+
+Every problem is one :class:`CliError` line naming the file and the field (or the option):
+``job.yaml: working_dir: /home/me/mycode is not a directory (...)``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from dynabatch.actors.spec import URI_PATTERN, JobSpec, SpecError, parse_spec
+from dynabatch.service.cli.common import CliError, one_line
+
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+
+
+def parse_set(item: str) -> tuple[list[str], Any]:
+    """``field.sub=value`` as (["field", "sub"], value); the value is read as YAML, so
+    ``epochs=3`` is a number, ``micro_batch=[64,32]`` a list, ``policy=dbs`` a string."""
+    key, eq, raw = item.partition("=")
+    key = key.strip()
+    if not eq or not _KEY.match(key):
+        raise CliError(f"--set {item!r}: expected FIELD=VALUE, e.g. epochs=3 or "
+                       "optimizer.lr=0.01")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise CliError(f"--set {key}: the value is not valid YAML ({one_line(str(err))})") from None
+    return key.split("."), value
+
+
+def apply_sets(data: dict[str, Any], sets: Sequence[str]) -> None:
+    """Apply ``--set field.sub=value`` overrides to a config's mapping, in order."""
+    for item in sets:
+        path, value = parse_set(item)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif isinstance(child, str) and part in ("dataset", "model", "optimizer"):
+                child = node[part] = {"name": child}  # the short form of a section
+            elif not isinstance(child, dict):
+                where = ".".join(path[: i + 1])
+                raise CliError(f"--set {'.'.join(path)}: {where} is not a section of fields")
+            node = child
+        node[path[-1]] = value
+
+
+def local_working_dir(value: Any) -> bool:
+    """Whether a config's ``working_dir`` names a directory on this machine (not a URI)."""
+    return isinstance(value, str) and bool(value) and not re.match(URI_PATTERN, value)
+
+
+def _absolute(p: Path) -> Path:
+    """``p`` made absolute, ``..`` folded (symlinks kept)."""
+    return Path(os.path.normpath(p.expanduser().absolute()))
+
+
+def read_config(
+    path: Path, *, sets: Sequence[str] = (), working_dir: Path | None = None
+) -> tuple[dict[str, Any], JobSpec]:
+    """The config at ``path`` as a mapping and a validated spec.
+
+    ``sets`` override fields (``--set``); ``working_dir`` (``--working-dir``) overrides the
+    config's. A local ``working_dir`` in the file is relative to the file's folder (as
+    ``include``s are everywhere else), one given on the command line to the current
+    directory; either way it is made absolute and must be an existing directory.
+    """
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise CliError(f"{path}: cannot read config ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise CliError(f"{path}: not valid YAML ({one_line(str(err))})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise CliError(f"{path}: spec: expected a mapping of fields, got {type(data).__name__}")
+    apply_sets(data, sets)
+    if working_dir is not None:
+        local, what = _absolute(working_dir), "--working-dir"
+    elif local_working_dir(data.get("working_dir")):
+        named = Path(data["working_dir"]).expanduser()
+        local, what = _absolute(path.parent / named), f"{path}: working_dir"
+    else:
+        local, what = None, ""
+    if local is not None:
+        if not local.is_dir():
+            hint = (" (a relative working_dir is read from the config's folder)"
+                    if what != "--working-dir" and not Path(data["working_dir"]).is_absolute()
+                    else "")
+            raise CliError(f"{what}: {local} is not a directory{hint}")
+        data["working_dir"] = str(local)
+    try:
+        spec = parse_spec(data)
+    except SpecError as err:
+        raise CliError(f"{path}: {err}") from None
+    return data, spec

@@ -1,0 +1,170 @@
+"""What a job spec submitted over REST may name: the service's submission policy.
+
+A spec submitted over REST runs on the operator's cluster, not in its sender's process: its
+import paths are code the cluster's processes import and call, and its paths are files they
+read and write. The service checks it against a :class:`SubmitPolicy` from its settings
+(:meth:`dynabatch.service.settings.Settings.submit_policy`) before storing or launching it;
+``dynabatch run`` is the user's own process and checks none of this. The schema itself
+(:mod:`dynabatch.actors.spec`) only says whether a spec is valid.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dynabatch.actors.spec import IMPORT_PATH_PATTERN, URI_PATTERN, JobSpec
+
+ANY_MODULE = "*"  # the user_code_modules entry that allows any module
+
+
+@dataclass(frozen=True)
+class SubmitPolicy:
+    """What the operator lets a submitted spec name. The default allows nothing.
+
+    ``user_code_modules``: module prefixes that import paths may use (``"pkg"`` allows
+    ``pkg`` and ``pkg.sub``, not ``pkgx``), or ``"*"`` for any module. ``data_roots``: the
+    directories ``dataset.path`` must resolve under. ``checkpoint_root``: the directory
+    ``checkpoint.dir`` must resolve under. ``code_root``: where the service stores uploaded
+    code (POST /v1/code); a ``working_dir`` of ``file://`` or ``local://`` must be under it.
+    """
+
+    user_code_modules: tuple[str, ...] = ()
+    data_roots: tuple[str, ...] = ()
+    checkpoint_root: str | None = None
+    code_root: str | None = None
+
+
+class SpecNotAllowed(ValueError):
+    """A valid spec that names what the service does not allow, as (field, problem) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{field}: {problem}" for field, problem in problems))
+
+
+# The settings that allow what a submitted spec may name, as operators set them.
+USER_CODE_SETTING = "DYNABATCH_USER_CODE_MODULES"
+CODE_ROOT_SETTING = "DYNABATCH_CODE_ROOT"
+
+
+def shipping_problems(policy: SubmitPolicy | object) -> list[str]:
+    """Every reason this service takes no shipped code, all at once (an operator fixes them
+    in one go): what is missing and the setting that allows it. ``policy``: a
+    :class:`SubmitPolicy`, or the settings (anything with ``submit_policy``)."""
+    policy = getattr(policy, "submit_policy", policy)
+    assert isinstance(policy, SubmitPolicy)
+    problems = []
+    if ANY_MODULE not in policy.user_code_modules:
+        problems.append(f"allows no user code from any module (needs {USER_CODE_SETTING}='*')")
+    if policy.code_root is None:
+        problems.append(f"has nowhere to keep it (needs {CODE_ROOT_SETTING}, a directory every "
+                        "Ray node reads at the same path)")
+    return problems
+
+
+def module_allowed(module: str, allowed: Iterable[str]) -> bool:
+    """Whether ``module`` is one of the ``allowed`` prefixes or below one (``*``: any)."""
+    return any(a == ANY_MODULE or module == a or module.startswith(a + ".") for a in allowed)
+
+
+# URIs whose path is on the nodes' own disks: the service only names its own uploads.
+_NODE_PATH_SCHEMES = ("file", "local")
+
+
+def working_dir_problem(value: str, code_root: str | None) -> str | None:
+    """Why a submitted ``working_dir`` may not be used (None when it may). Shipped code is
+    a URI: one of the service's own uploads (``file://`` under ``code_root``) or code that
+    Ray fetches from elsewhere (``gcs://``, ``https://``...). A plain path would make the
+    service read its own disk on the sender's behalf."""
+    if not re.match(URI_PATTERN, value):
+        return (f"{value!r} is a local path: upload the directory instead (`dynabatch submit "
+                "--working-dir DIR` does, through POST /v1/code) or name a URI Ray can fetch")
+    scheme, _, rest = value.partition("://")
+    if scheme.lower() not in _NODE_PATH_SCHEMES:
+        return None
+    roots = () if code_root is None else (code_root,)
+    return path_problem(rest, roots, "shipped code on the nodes' disks (DYNABATCH_CODE_ROOT)")
+
+
+def check_user_code(spec: JobSpec, allowed: Iterable[str],
+                    code_root: str | None = None) -> list[tuple[str, str]]:
+    """(field, problem) for each import path in ``spec`` whose module is not ``allowed``, and
+    for a ``working_dir`` the service may not ship."""
+    allowed = tuple(allowed)
+    problems = []
+    named = [("dataset.name", spec.dataset.name), ("model.name", spec.model.name)]
+    if spec.loss:
+        named.append(("loss", spec.loss))
+    named += [(f"metrics.{i}", m) for i, m in enumerate(spec.metrics or ())]
+    if spec.working_dir is not None and ANY_MODULE not in allowed:
+        # Shipped code may shadow any module, allowed ones included: only with "*".
+        why = shipping_problems(SubmitPolicy(user_code_modules=allowed, code_root=code_root))
+        problems.append(("working_dir", "shipping code with the job is not allowed: this "
+                         "service " + "; and ".join(why)))
+    elif spec.working_dir is not None:
+        why = working_dir_problem(spec.working_dir, code_root)
+        if why:
+            problems.append(("working_dir", why))
+    for field, name in named:
+        if not re.match(IMPORT_PATH_PATTERN, name):
+            continue  # a built-in
+        module = name.partition(":")[0]
+        if module_allowed(module, allowed):
+            continue
+        if allowed:
+            why = (f"import paths are allowed only from the modules {', '.join(allowed)} "
+                   f"({USER_CODE_SETTING})")
+        else:
+            why = (f"this service runs no user code: import paths need {USER_CODE_SETTING} "
+                   "(the modules they may name, or '*'; with '*' `dynabatch submit "
+                   "--working-dir DIR` ships your code)")
+        problems.append((field, f"{name!r} is not allowed: {why}"))
+    return problems
+
+
+def path_problem(value: str, roots: Iterable[str], what: str) -> str | None:
+    """Why ``value`` does not resolve (symlinks and ``..`` included) under one of ``roots``;
+    None when it does. Relative paths are refused: the nodes that use them have another
+    working directory than the service that checks them."""
+    roots = tuple(roots)
+    if not roots:
+        return f"not allowed: this service accepts no {what}"
+    if not Path(value).is_absolute():
+        return f"{value!r} must be an absolute path"
+    try:
+        resolved = Path(value).resolve()
+        allowed = [Path(root).resolve() for root in roots]
+    except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, a NUL byte
+        return f"{value!r} cannot be resolved ({' '.join(str(err).split())})"
+    if any(resolved == root or resolved.is_relative_to(root) for root in allowed):
+        return None
+    return f"{value!r} is outside the allowed directories ({', '.join(roots)})"
+
+
+def check_paths(
+    spec: JobSpec, data_roots: Iterable[str], checkpoint_root: str | None
+) -> list[tuple[str, str]]:
+    """(field, problem) for ``dataset.path`` outside ``data_roots`` and ``checkpoint.dir``
+    outside ``checkpoint_root``."""
+    problems = []
+    if spec.dataset.path is not None:
+        why = path_problem(spec.dataset.path, data_roots, "dataset paths")
+        if why:
+            problems.append(("dataset.path", why))
+    if spec.checkpoint.dir:  # "" means no checkpoints, as everywhere else
+        roots = () if checkpoint_root is None else (checkpoint_root,)
+        why = path_problem(spec.checkpoint.dir, roots, "checkpoint directories")
+        if why:
+            problems.append(("checkpoint.dir", why))
+    return problems
+
+
+def check_submission(spec: JobSpec, policy: SubmitPolicy) -> list[tuple[str, str]]:
+    """Everything ``spec`` names that ``policy`` does not allow; empty when it may run."""
+    return [
+        *check_user_code(spec, policy.user_code_modules, policy.code_root),
+        *check_paths(spec, policy.data_roots, policy.checkpoint_root),
+    ]

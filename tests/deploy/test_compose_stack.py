@@ -1,0 +1,489 @@
+"""The docker-compose stack for real: `make images`, then `make deploy-test` runs this.
+
+docker-compose.yml comes up on this machine's Docker engine (Debian's docker-compose v1 with
+--compatibility, or compose v2), the two worker services made unequal by their CFS CPU
+quotas (worker-fast 1.0 CPU, worker-slow 0.33 CPU). From the host, over REST only:
+
+1. a job trains across the containers and SUCCEEDS, every epoch verified by the ledger, and
+   the workers' batch shares follow the quotas;
+2. Prometheus, in its container, scrapes the API, and every Grafana dashboard query returns
+   series for the job;
+3. static vs dbs vs affine side by side (bench/real_hetero.py), median of the rounds;
+4. `docker kill` of a worker container mid-epoch: the job goes on and finishes, verified;
+   the time from the kill to the next committed step is reported;
+5. `up --scale worker-slow=2` mid-run: the job grows onto the new node; the time from the
+   container's start to the first step with it is reported;
+6. (the 3-node mix: static vs dbs vs affine again on 1.0 : 0.33 : 0.33);
+7. `down -v` leaves no container, network or volume of the project behind.
+
+Every figure comes from what the jobs reported (REST status and history) or from Docker's
+own record of a container (its start time); bench/results-compose.json gets them as each
+test finishes. The tests run in file order and share one stack.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.procs import find_free_port, wait_for
+from tests.unit.test_deploy_static import (
+    dashboards,
+    label_values_parts,
+    panel_queries,
+    substitute,
+    variable_query,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import real_hetero  # noqa: E402
+
+pytestmark = pytest.mark.timeout(5400)
+
+PROJECT = os.environ.get("DYNABATCH_DEPLOY_PROJECT", "dynabatch")
+RESULTS_PATH = Path(os.environ.get("DYNABATCH_DEPLOY_RESULTS", ROOT / "bench/results-compose.json"))
+REPEATS = int(os.environ.get("DYNABATCH_DEPLOY_REPEATS", "3"))
+HETERO_EPOCHS = int(os.environ.get("DYNABATCH_DEPLOY_EPOCHS", "5"))
+MIX3 = os.environ.get("DYNABATCH_DEPLOY_MIX3", "1") == "1"
+IMAGES = (
+    os.environ.get("DYNABATCH_IMAGE", "dynabatch:0.1.0"),
+    os.environ.get("DYNABATCH_PROMETHEUS_IMAGE", "dynabatch-prometheus:0.1.0"),
+)
+RATE_INTERVAL = "30s"  # Grafana's $__rate_interval for the API's 5 s scrape, with margin
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+RESULTS: dict[str, Any] = {"emulated": False}
+
+
+def record(**kw: Any) -> None:
+    """Add figures to bench/results-compose.json as soon as they are measured."""
+    RESULTS.update(kw)
+    RESULTS_PATH.write_text(json.dumps(RESULTS, indent=2) + "\n")
+
+
+def docker_bin() -> str:
+    return os.environ.get("DOCKER") or ("/usr/bin/docker" if Path("/usr/bin/docker").exists()
+                                        else "docker")
+
+
+def compose_argv() -> list[str]:
+    if os.environ.get("COMPOSE"):
+        argv = shlex.split(os.environ["COMPOSE"])
+    elif subprocess.run([docker_bin(), "compose", "version"], capture_output=True).returncode == 0:
+        argv = [docker_bin(), "compose"]
+    else:
+        argv = ["docker-compose"]
+    argv += ["-p", PROJECT, "-f", str(ROOT / "docker-compose.yml")]
+    if argv[0].endswith("docker-compose"):
+        argv.append("--compatibility")  # v1: apply deploy.resources (the quotas) and replicas
+    return argv
+
+
+class Stack:
+    def __init__(self) -> None:
+        self.env = {
+            **os.environ,
+            "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(12),
+            "DYNABATCH_API_PORT": str(find_free_port()),
+            "DYNABATCH_PROMETHEUS_PORT": str(find_free_port()),
+            "DYNABATCH_RAY_DASHBOARD_PORT": str(find_free_port()),
+            "DYNABATCH_GRAFANA_PORT": str(find_free_port()),
+            "DYNABATCH_BIND_ADDRESS": "127.0.0.1",
+        }
+        self.env.pop("DYNABATCH_API_TOKEN", None)
+        self.api_url = f"http://127.0.0.1:{self.env['DYNABATCH_API_PORT']}"
+        self.prom_url = f"http://127.0.0.1:{self.env['DYNABATCH_PROMETHEUS_PORT']}"
+        self.api = real_hetero.Api(self.api_url)
+        self.down_done = False
+
+    def compose(self, *args: str, timeout: float = 600, check: bool = True) -> str:
+        r = subprocess.run([*compose_argv(), *args], cwd=ROOT, env=self.env, text=True,
+                           capture_output=True, timeout=timeout)
+        if check and r.returncode:
+            raise AssertionError(f"compose {' '.join(args)}: {r.returncode}\n{r.stdout}{r.stderr}")
+        return r.stdout + r.stderr
+
+    def docker(self, *args: str, timeout: float = 120) -> str:
+        r = subprocess.run([docker_bin(), *args], text=True, capture_output=True, timeout=timeout)
+        assert r.returncode == 0, f"docker {' '.join(args)}: {r.stderr}"
+        return r.stdout
+
+    def containers(self, service: str | None = None, all_: bool = False) -> list[str]:
+        f = ["--filter", f"label=com.docker.compose.project={PROJECT}"]
+        if service:
+            f += ["--filter", f"label=com.docker.compose.service={service}"]
+        return self.docker("ps", "-q", "--no-trunc", *(["-a"] if all_ else []), *f).split()
+
+    def inspect(self, cid: str) -> dict[str, Any]:
+        return dict(json.loads(self.docker("inspect", cid))[0])
+
+    def leftovers(self) -> dict[str, list[str]]:
+        label = f"label=com.docker.compose.project={PROJECT}"
+        return {
+            "containers": self.docker("ps", "-aq", "--filter", label).split(),
+            "networks": self.docker("network", "ls", "-q", "--filter", label).split(),
+            "volumes": self.docker("volume", "ls", "-q", "--filter", label).split(),
+        }
+
+    def logs(self) -> str:
+        return self.compose("logs", "--no-color", "--tail", "60", check=False, timeout=120)
+
+    def worker_nodes(self) -> list[dict[str, Any]]:
+        return [n for n in self.api.nodes()
+                if n.get("alive") and n["resources"].get("dynabatch_worker")]
+
+
+def started_at(info: dict[str, Any]) -> float:
+    """Docker's RFC 3339 start time (nanoseconds) as a Unix time."""
+    s = info["State"]["StartedAt"].rstrip("Z")
+    head, _, frac = s.partition(".")
+    return datetime.fromisoformat(head + "+00:00").timestamp() + float("0." + (frac or "0"))
+
+
+def api_ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    if shutil.which("docker-compose") is None and shutil.which("docker") is None:
+        pytest.fail("no docker-compose: run `make images` first (it installs it)")
+    s = Stack()
+    for image in IMAGES:
+        r = subprocess.run([docker_bin(), "image", "inspect", image], capture_output=True)
+        assert r.returncode == 0, f"image {image} is missing: run `make images`"
+    s.compose("down", "-v", "--remove-orphans", check=False)  # a previous run's leftovers
+    t0 = time.time()
+    s.compose("up", "-d")
+    try:
+        wait_for("the API to be ready", lambda: api_ready(s.api_url), timeout=300, interval=1)
+        wait_for("two worker nodes", lambda: len(s.worker_nodes()) >= 2, timeout=180, interval=1)
+        record(stack={"compose": " ".join(compose_argv()[:1]), "up_to_ready_s":
+                      round(time.time() - t0, 1)})
+        yield s
+    except BaseException:
+        print(s.logs())
+        raise
+    finally:
+        if not s.down_done:
+            s.compose("down", "-v", "--remove-orphans", "--timeout", "60", check=False)
+
+
+def poll_job(api: real_hetero.Api, job_id: str) -> dict[str, Any]:
+    """The job's status, failing the test if it ended (waits below are for mid-run events)."""
+    job = api.job(job_id)
+    if job["state"] in TERMINAL:
+        pytest.fail(f"job {job_id} ended before the event: {job['state']}: {job.get('reason')}")
+    return job
+
+
+def finish(api: real_hetero.Api, job_id: str, timeout: float = 900) -> tuple[dict[str, Any],
+                                                                          list[dict[str, Any]]]:
+    job = api.wait(job_id, timeout)
+    history = api.history(job_id)
+    assert job["state"] == "SUCCEEDED", f"{job_id}: {job['state']}: {job.get('reason')}"
+    assert len(history) == job["epochs"], (len(history), job["epochs"])
+    unverified = [r["epoch"] for r in history if not r["verified"]]
+    assert not unverified, f"epochs not verified by the ledger: {unverified}"
+    assert not any(r.get("emulated") for r in history) and not job.get("emulated")
+    return job, history
+
+
+def quotas_by_kind(stack: Stack) -> dict[str, list[float]]:
+    kinds = real_hetero.node_kinds(stack.api)
+    out: dict[str, list[float]] = {}
+    for host, cpus in real_hetero.container_quotas().items():
+        if host in kinds:
+            out.setdefault(kinds[host], []).append(cpus)
+    return out
+
+
+MAIN: dict[str, Any] = {}
+
+
+# 1 ---------------------------------------------------------------------------------------
+def test_job_across_containers_succeeds_and_shares_follow_the_quotas(stack: Stack) -> None:
+    quotas = quotas_by_kind(stack)
+    assert quotas == {"fast": [1.0], "slow": [0.33]}, quotas
+    kinds = real_hetero.node_kinds(stack.api)
+    spec = real_hetero.job_spec("affine", epochs=8, name="compose-main",
+                                checkpoint={"dir": "/data/checkpoints"})
+    start = time.time()
+    job_id = stack.api.submit(spec)
+    job, history = finish(stack.api, job_id)
+    summary = real_hetero.summarize(job, history, kinds)
+    nodes = {w["node"] for r in history for w in r["workers"]}
+    assert {kinds.get(n) for n in nodes} == {"fast", "slow"}, (nodes, kinds)
+    share, tput = summary["share"], summary["throughput"]
+    # A 1.0 : 0.33 quota makes the slow node up to 3x slower; how much the fast one gets of
+    # its full CPU depends on what else this (shared) machine runs. The policy's split must
+    # follow the speeds the workers measured, which follow the quotas' order.
+    ratio = share["fast"] / share["slow"]
+    speed = tput["fast"] / tput["slow"]
+    assert speed > 1.15, f"throughputs {tput} do not follow the quotas {quotas}"
+    assert ratio > 1.15, f"shares {share} do not follow the quotas {quotas}"
+    assert 1 / 1.6 < ratio / speed < 1.6, f"shares {share} do not follow the speeds {tput}"
+    MAIN.update(id=job_id, start=start, finished=job["finished_at"] or time.time(),
+                started=job["started_at"] or start)
+    record(
+        succeeded=True,
+        verified=True,
+        main_job={
+            "job_id": job_id,
+            "policy": "affine",
+            "epochs": len(history),
+            "quotas": {k: v[0] for k, v in quotas.items()},
+            "share": share,
+            "share_ratio_fast_to_slow": round(ratio, 2),
+            "throughput_samples_per_s": tput,
+            "throughput_ratio_fast_to_slow": round(speed, 2),
+            "host_load_1m": round(os.getloadavg()[0], 1),
+            "epoch_s": summary["epoch_s"],
+            "final_accuracy": summary["final_accuracy"],
+        },
+    )
+
+
+# 2 ---------------------------------------------------------------------------------------
+def promql(stack: Stack, path: str, **params: Any) -> Any:
+    r = httpx.get(f"{stack.prom_url}/api/v1/{path}", params=params, timeout=30)
+    body = r.json()
+    assert body.get("status") == "success", f"{path} {params}: {body}"
+    return body["data"]
+
+
+def has_finite_value(result: list[dict[str, Any]]) -> bool:
+    for series in result:
+        for v in series.get("values") or [series.get("value")]:
+            if v and math.isfinite(float(v[1])):
+                return True
+    return False
+
+
+PS_SPEC = {
+    "name": "compose-ps",
+    "dataset": {"name": "digits", "limit": 600},
+    "model": {"name": "mlp", "hidden": 64},
+    "workers": 2,
+    "node_resource": "dynabatch_worker",
+    "global_batch": 32,
+    "epochs": 12,
+    "protocol": {"name": "ps", "mode": "async"},
+}
+
+
+def test_prometheus_scrapes_the_api_and_every_dashboard_query_has_series(stack: Stack) -> None:
+    assert MAIN, "needs the first test's job"
+    targets = promql(stack, "targets")["activeTargets"]
+    api_up = [t for t in targets if t["labels"]["job"] == "dynabatch-api"]
+    assert api_up and all(t["health"] == "up" for t in api_up), api_up
+    ray_up = [t for t in targets if t["labels"]["job"] == "ray" and t["health"] == "up"]
+    # The parameter-server panels need a parameter-server job.
+    ps_start = time.time()
+    ps_id = stack.api.submit(PS_SPEC)
+    ps_job, _ = finish(stack.api, ps_id)
+    time.sleep(12)  # two more scrapes of the finished jobs
+    checked, empty = 0, []
+    for name, d in dashboards().items():
+        for title, _panel, target in panel_queries(d):
+            is_ps = title.startswith("Parameter server")
+            job_id = ps_id if is_ps else MAIN["id"]
+            start = (ps_start if is_ps else MAIN["start"]) - 5
+            end = (ps_job["finished_at"] if is_ps else MAIN["finished"]) or time.time()
+            expr = substitute(target["expr"], job=job_id, rate_interval=RATE_INTERVAL,
+                              interval="5s")
+            data = promql(stack, "query_range", query=expr, start=start, end=end + 10, step=2)
+            if not has_finite_value(data["result"]):
+                empty.append(f"{name} / {title} / {target['refId']}: {expr}")
+            if target.get("instant"):
+                now = promql(stack, "query", query=expr, time=end - 1)
+                if not has_finite_value(now["result"]):
+                    empty.append(f"{name} / {title} / {target['refId']} (instant): {expr}")
+            checked += 1
+        for var in d["templating"]["list"]:
+            if var["type"] != "query":
+                continue
+            selector, label = label_values_parts(variable_query(var))
+            values = promql(stack, f"label/{label}/values",
+                            **{"match[]": substitute(selector, job=MAIN["id"])})
+            assert values, f"{name}: variable {var['name']} has no values"
+            if var["name"] == "job":
+                assert MAIN["id"] in values and ps_id in values, (name, values)
+    assert checked >= 30, checked
+    assert not empty, "dashboard queries without series:\n" + "\n".join(empty)
+    record(prometheus={
+        "api_target_up": True,
+        "ray_targets_up": len(ray_up),
+        "dashboard_queries_with_series": checked,
+        "ps_job_id": ps_id,
+    })
+
+
+# 3 ---------------------------------------------------------------------------------------
+def test_policies_side_by_side_on_real_quotas(stack: Stack) -> None:
+    assert len(stack.worker_nodes()) == 2
+    out = real_hetero.bench(stack.api, repeats=REPEATS, epochs=HETERO_EPOCHS, label=" 2-node")
+    assert out["emulated"] is False and out["verified"], out
+    record(hetero={
+        "quotas": "1.0 : 0.33",
+        "repeats": REPEATS,
+        "epochs": HETERO_EPOCHS,
+        **{k: v for k, v in out.items() if k.endswith("_epoch_s") or k.endswith("_vs_static")},
+        "share": {p: v["share"] for p, v in out["policies"].items()},
+        "nodes": out["nodes"],
+        "runs": {p: [r["steady_epoch_s"] for r in v["runs"]] for p, v in out["policies"].items()},
+    })
+
+
+# 4 ---------------------------------------------------------------------------------------
+def test_docker_kill_of_a_worker_mid_epoch(stack: Stack) -> None:
+    (victim,) = stack.containers("worker-slow")
+    spec = real_hetero.job_spec("affine", epochs=8, name="compose-kill",
+                                checkpoint={"dir": "/data/checkpoints"})
+    job_id = stack.api.submit(spec)
+
+    def mid_epoch() -> dict[str, Any] | None:
+        job = poll_job(stack.api, job_id)
+        spe = job["steps_per_epoch"] or 0
+        ok = job["state"] == "RUNNING" and job["epochs_completed"] >= 1 and len(job["workers"]) == 2
+        return job if ok and spe and 1 <= job["step"] <= spe - 2 else None
+
+    wait_for("the job to be mid-epoch", mid_epoch, timeout=600, interval=0.1)
+    stack.docker("kill", victim)
+    t_kill = time.time()
+
+    def noticed() -> dict[str, Any] | None:
+        job = poll_job(stack.api, job_id)
+        failures = sum(n for k, n in job["worker_events"].items() if k.startswith("failure"))
+        return job if failures else None
+
+    seen = wait_for("the job to notice the failure", noticed, timeout=120, interval=0.05)
+    at = (seen["epoch"], seen["step"])
+
+    def training_again() -> dict[str, Any] | None:
+        job = poll_job(stack.api, job_id)
+        return job if (job["epoch"], job["step"]) != at else None
+
+    again = wait_for("a step after the failure", training_again, timeout=180, interval=0.05)
+    t_again = time.time()
+    job, _ = finish(stack.api, job_id)
+    restarts = stack.inspect(victim)["RestartCount"]
+    record(kill={
+        "succeeded": True,
+        "verified": True,
+        "job_id": job_id,
+        "killed": "worker-slow",
+        "killed_at": {"epoch": seen["epoch"], "step": at[1]},
+        "kill_to_detected_s": round(float(seen["updated_at"]) - t_kill, 3)
+        if seen.get("updated_at") else None,
+        "kill_to_training_s": round(t_again - t_kill, 3),
+        "workers_after": len(again["workers"]),
+        "worker_events": job["worker_events"],
+        "regroup_seconds_total": job["regroup_seconds_total"],
+        "retried_samples_total": job["retried_samples_total"],
+        "container_restarted_by_docker": restarts > 0,
+    })
+    # Back to one worker of each kind for what follows.
+    stack.compose("up", "-d", "--no-recreate")
+    wait_for("the killed node back", lambda: len(stack.worker_nodes()) == 2, timeout=180,
+             interval=1)
+
+
+# 5 ---------------------------------------------------------------------------------------
+def test_scale_up_mid_run_grows_the_job(stack: Stack) -> None:
+    before = set(stack.containers("worker-slow"))
+    nodes_before = {n["node_id"] for n in stack.worker_nodes()}
+    assert len(nodes_before) == 2
+    spec = real_hetero.job_spec("affine", epochs=10, name="compose-scale",
+                                checkpoint={"dir": "/data/checkpoints"})
+    job_id = stack.api.submit(spec)
+    wait_for("an epoch done", lambda: poll_job(stack.api, job_id)["epochs_completed"] >= 1,
+             timeout=600, interval=0.2)
+    stack.compose("up", "-d", "--no-recreate", "--scale", "worker-slow=2")
+    (new,) = set(stack.containers("worker-slow")) - before
+    info = stack.inspect(new)
+    t_start = started_at(info)
+    hostname = info["Config"]["Hostname"]
+
+    def new_node() -> dict[str, Any] | None:
+        return next((n for n in stack.worker_nodes() if n["node_id"] not in nodes_before), None)
+
+    node = wait_for("the new Ray node", new_node, timeout=180, interval=0.2)
+    assert node.get("hostname") in ("", hostname) or hostname.startswith(node["hostname"])
+    ids = {node["node_id"], node["address"], node.get("hostname", "")} - {""}
+
+    def joined() -> dict[str, Any] | None:
+        job = poll_job(stack.api, job_id)
+        return job if any(w["node"] in ids for w in job["workers"]) else None
+
+    job = wait_for("a worker on the new node", joined, timeout=300, interval=0.05)
+    at = (job["epoch"], job["step"])
+    t_joined = time.time()
+
+    def stepped() -> dict[str, Any] | None:
+        j = poll_job(stack.api, job_id)
+        return j if (j["epoch"], j["step"]) != at else None
+
+    wait_for("a step with the new worker", stepped, timeout=180, interval=0.05)
+    t_first = time.time()
+    job, history = finish(stack.api, job_id)
+    grown = [r for r in history if any(w["node"] in ids and w["steps"] > 0 for w in r["workers"])]
+    assert grown, "no epoch trained on the new node"
+    record(scale_up={
+        "grew": True,
+        "succeeded": True,
+        "verified": True,
+        "job_id": job_id,
+        "workers_before": 2,
+        "workers_after": len(grown[-1]["workers"]),
+        "start_to_worker_joined_s": round(t_joined - t_start, 3),
+        "start_to_first_step_s": round(t_first - t_start, 3),
+        "first_epoch_with_new_node": grown[0]["epoch"],
+        "new_node_share_last_epoch": round(
+            sum(w["partition"] for w in grown[-1]["workers"] if w["node"] in ids)
+            / max(1, sum(w["partition"] for w in grown[-1]["workers"])), 3),
+    })
+
+
+# 6 ---------------------------------------------------------------------------------------
+@pytest.mark.skipif(not MIX3, reason="DYNABATCH_DEPLOY_MIX3=0")
+def test_policies_side_by_side_on_a_three_node_mix(stack: Stack) -> None:
+    assert sorted(v for vs in quotas_by_kind(stack).values() for v in vs) == [0.33, 0.33, 1.0]
+    out = real_hetero.bench(stack.api, repeats=REPEATS, epochs=HETERO_EPOCHS, label=" 3-node")
+    assert out["emulated"] is False and out["verified"], out
+    record(hetero_3node={
+        "quotas": "1.0 : 0.33 : 0.33",
+        "repeats": REPEATS,
+        "epochs": HETERO_EPOCHS,
+        **{k: v for k, v in out.items() if k.endswith("_epoch_s") or k.endswith("_vs_static")},
+        "share": {p: v["share"] for p, v in out["policies"].items()},
+        "runs": {p: [r["steady_epoch_s"] for r in v["runs"]] for p, v in out["policies"].items()},
+    })
+
+
+# 7 ---------------------------------------------------------------------------------------
+def test_the_stack_comes_down_cleanly(stack: Stack) -> None:
+    t0 = time.time()
+    stack.compose("down", "-v", "--remove-orphans", "--timeout", "60")
+    stack.down_done = True
+    left = stack.leftovers()
+    assert left == {"containers": [], "networks": [], "volumes": []}, left
+    record(down={"clean": True, "seconds": round(time.time() - t0, 1)})

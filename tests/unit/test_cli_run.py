@@ -1,0 +1,136 @@
+"""``dynabatch run``: the job's log (the user's own output) reaches the user, configs are read
+with overrides and a working_dir relative to the file, and oversubscription is said."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import typer
+from dynabatch.actors.spec import parse_spec
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.service.cli import run as run_cli
+from dynabatch.service.cli.config import read_config
+from dynabatch.service.cli.common import CliError
+from rich.console import Console
+from typer.testing import CliRunner
+
+from tests.fakes import FakeCluster
+
+CONFIG = "name: run-job\ndataset: {name: digits}\nworkers: 2\nglobal_batch: 64\nepochs: 2\n"
+
+
+class FakeJob:
+    """A fake cluster's coordinator as ``run`` sees it (a JobHandle)."""
+
+    def __init__(self, cluster: FakeCluster, job_id: str):
+        self.cluster, self.job_id = cluster, job_id
+
+    def snapshot(self) -> JobSnapshot:
+        return self.cluster.snapshot(self.job_id)
+
+    def history(self, since: int = 0) -> list[EpochRecord]:
+        return self.cluster.history(self.job_id, since)
+
+    def logs(self, since: int = 0) -> list[LogLine]:
+        return self.cluster.logs(self.job_id, since)
+
+    def cancel(self, reason: str) -> JobSnapshot:
+        return self.cluster.cancel(self.job_id, reason)
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_run_shows_the_users_own_output(tty: bool) -> None:
+    cluster = FakeCluster()
+    spec = parse_spec({"workers": 2, "global_batch": 64, "epochs": 1})
+    cluster.launch("a" * 12, spec)
+    coordinator = cluster.coordinators["a" * 12]
+    for text in ("UserWarning: dataset.path is ignored by my loader",
+                 "[red]raw[/red] mydata:cancer: :thumbs_up:"):
+        coordinator.lines.append(LogLine(seq=len(coordinator.lines), time=0.0,
+                                         level="STDERR", message=text))
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=tty, width=200)
+    snap, hist = run_cli.follow_job(FakeJob(cluster, "a" * 12), console=console, quiet=not tty,
+                                    interval_s=0.0)
+    text = out.getvalue()
+    assert snap.state.value == "SUCCEEDED" and hist
+    assert "UserWarning: dataset.path is ignored by my loader" in text
+    assert "[red]raw[/red] mydata:cancer: :thumbs_up:" in text  # as printed, no markup/emoji
+    assert "state SUCCEEDED" in text  # the job log's last line, read after the end
+    assert text.count("dataset.path is ignored") == 1
+
+
+def test_capacity_warning_says_oversubscription() -> None:
+    spec = parse_spec({"workers": 8, "global_batch": 64})
+    line = run_cli.capacity_warning(spec, cores=2)
+    assert line is not None and "\n" not in line
+    assert line.startswith("8 workers x 1 worker_cpus = 8 CPUs on 2 cores: oversubscribed 4.0x")
+    assert run_cli.capacity_warning(parse_spec({"workers": 2, "global_batch": 64}), 2) is None
+
+
+def test_run_warns_before_starting_an_oversubscribed_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dynabatch.service.raycluster
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(CONFIG.replace("workers: 2", "workers: 8"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(run_cli.os, "cpu_count", lambda: 2)
+
+    def connect(*_, **__):
+        raise RuntimeError("stop before Ray")
+
+    monkeypatch.setattr(dynabatch.service.raycluster, "connect", connect)
+    result = CliRunner().invoke(_app(), ["run", str(cfg)])
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("warning: 8 workers x 1 worker_cpus = 8 CPUs on 2 cores")
+    assert lines[1] == "error: RuntimeError: stop before Ray"  # never a traceback
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer(pretty_exceptions_enable=False)
+    run_cli.register(app)
+    return app
+
+
+def test_set_overrides_fields_and_errors_name_the_field(tmp_path: Path) -> None:
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(CONFIG)
+    _, spec = read_config(cfg, sets=["epochs=3", "optimizer.lr=0.01", "dataset.name=synthetic"])
+    assert (spec.epochs, spec.optimizer.lr, spec.dataset.name) == (3, 0.01, "synthetic")
+    with pytest.raises(CliError, match=r"job.yaml: epochs: Input should be greater"):
+        read_config(cfg, sets=["epochs=0"])
+    with pytest.raises(CliError, match=r"bogus: unknown field"):
+        read_config(cfg, sets=["bogus=1"])
+    with pytest.raises(CliError, match=r"--set 'epochs': expected FIELD=VALUE"):
+        read_config(cfg, sets=["epochs"])
+    with pytest.raises(CliError, match=r"--set epochs.x: epochs is not a section"):
+        read_config(cfg, sets=["epochs.x=1"])
+    result = CliRunner().invoke(_app(), ["run", str(cfg), "--set", "global_batch=0"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith(f"error: {cfg}: global_batch: Input should be")
+
+
+def test_working_dir_is_relative_to_the_config_and_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "proj" / "code").mkdir(parents=True)
+    cfg = tmp_path / "proj" / "job.yaml"
+    cfg.write_text(CONFIG + "working_dir: code\n")
+    monkeypatch.chdir(tmp_path)
+    _, spec = read_config(cfg)
+    assert spec.working_dir == str(tmp_path / "proj" / "code")
+    _, spec = read_config(cfg, working_dir=Path("proj"))  # --working-dir: from the cwd
+    assert spec.working_dir == str(tmp_path / "proj")
+    cfg.write_text(CONFIG + "working_dir: ../mycode\n")
+    result = CliRunner().invoke(_app(), ["run", str(cfg)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    (line,) = result.stderr.splitlines()
+    assert line == (f"error: {cfg}: working_dir: {tmp_path / 'mycode'} is not a directory "
+                    "(a relative working_dir is read from the config's folder)")
+    result = CliRunner().invoke(_app(), ["run", str(cfg), "--working-dir", "nope"])
+    assert result.stderr.strip() == f"error: --working-dir: {tmp_path / 'nope'} is not a directory"

@@ -1,0 +1,168 @@
+"""The synchronous driver's pure decisions: the pipeline (send ahead, cross an epoch, where
+the next segment starts, whose time a segment took) and the boundary (wait for workers,
+roll back, evaluate again, checkpoint due)."""
+
+from __future__ import annotations
+
+import pytest
+from dynabatch.scheduler.core.sync.boundary import (
+    checkpoint_due,
+    evaluate_again,
+    must_roll_back,
+    rollback,
+    wait_for_minimum,
+)
+from dynabatch.scheduler.core.sync.pipeline import (
+    ahead_end,
+    attribute_wall,
+    can_cross_epoch,
+    can_send_ahead,
+    plan_ahead,
+)
+from dynabatch.scheduler.core.sync.protocol import Position
+from hypothesis import given
+from hypothesis import strategies as st
+
+times = st.floats(0, 1e6, allow_nan=False)
+
+
+# ------------------------------------------------------------------ the pipeline
+@given(st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(),
+       st.booleans())
+def test_a_segment_is_sent_ahead_only_with_nothing_to_do_at_rest(
+        pipelined, cancel, retrying, requests, regroup, fixed):
+    ok = can_send_ahead(pipelined=pipelined, cancel_requested=cancel, retrying=retrying,
+                        requests_pending=requests, regroup_due=regroup, stamps_fixed=fixed)
+    # Whatever needs the group at rest (or a runtime that cannot queue) stops it.
+    assert ok == (pipelined and fixed and not (cancel or retrying or requests or regroup))
+
+
+@given(st.integers(0, 20), st.integers(1, 20), st.booleans(), st.booleans(),
+       st.integers(1, 4), st.integers(1, 4), st.booleans())
+def test_an_epoch_is_crossed_only_at_the_same_batch_with_no_checkpoint_between(
+        nxt, epochs, queue, goodput, next_batch, batch, due):
+    ok = can_cross_epoch(next_epoch=nxt, epochs=epochs, evaluations_queue=queue,
+                         goodput=goodput, next_batch=next_batch, batch=batch,
+                         checkpoint_due=due)
+    if ok:
+        assert nxt < epochs and queue and not goodput and next_batch == batch and not due
+    else:
+        assert nxt >= epochs or not queue or goodput or next_batch != batch or due
+
+
+@given(st.integers(0, 50), st.integers(0, 99), st.integers(1, 10), st.integers(1, 100))
+def test_the_next_segment_starts_where_this_one_ends_or_at_the_next_epoch(
+        epoch, step, length, spe):
+    plan = plan_ahead(Position(epoch, step), length, spe)
+    if step + length < spe:
+        assert plan.position == Position(epoch, step + length) and not plan.crosses_epoch
+    else:
+        assert plan.position == Position(epoch + 1, 0) and plan.crosses_epoch
+    assert plan.position > Position(epoch, step)  # always forward
+
+
+def test_a_replan_waits_for_the_segment_in_flight_in_this_epoch_only():
+    assert ahead_end(None, 0, 3) is None
+    assert ahead_end(Position(3, 4), 2, 3) == 6
+    assert ahead_end(Position(4, 0), 2, 3) is None  # sent across the epoch's end
+
+
+@given(times, times, st.floats(0, 1e3), st.one_of(st.none(), st.floats(0, 1e3)),
+       st.integers(1, 8), st.integers(0, 8), st.integers(1, 64))
+def test_wall_time_is_split_between_the_evaluation_and_the_completed_steps(
+        sent, last, took, evaluation_s, planned, done, workers):
+    done = min(done, planned)
+    now = max(sent, last) + took
+    share = attribute_wall(sent=sent, last_collected=last, now=now, evaluation_s=evaluation_s,
+                           done=done, planned=planned, workers=workers)
+    total = now - max(sent, last)  # from the later of sending and the last collection
+    assert share.collected == now
+    assert 0.0 <= share.evaluation <= total
+    if evaluation_s is None:
+        assert share.evaluation == 0.0
+    else:
+        assert share.evaluation == min(total, evaluation_s)
+    if done == 0:  # nothing trained: the epoch is charged nothing
+        assert share.wall == share.worker_seconds == 0.0
+    else:
+        rest = total - share.evaluation
+        assert share.wall == pytest.approx(rest * done / planned, abs=1e-9)
+        assert share.worker_seconds == pytest.approx(share.wall * workers, rel=1e-12,
+                                                     abs=1e-9)
+        assert share.wall <= rest + 1e-9
+
+
+def test_a_segment_sent_ahead_is_timed_from_when_the_one_before_was_collected():
+    # Sent at 1, but its workers were busy with the previous one until 5.
+    share = attribute_wall(sent=1.0, last_collected=5.0, now=8.0, evaluation_s=1.0,
+                           done=2, planned=4, workers=3)
+    assert (share.evaluation, share.wall, share.worker_seconds) == (1.0, 1.0, 3.0)
+
+
+# ------------------------------------------------------------------ the boundary
+@given(st.lists(st.floats(0, 100), min_size=1, max_size=20), st.booleans(),
+       st.floats(1, 500), st.floats(1, 500))
+def test_a_wait_for_workers_starts_once_and_gives_up_at_its_limit(
+        gaps, started, start_timeout, worker_timeout):
+    since, now = None, 1000.0
+    limit = worker_timeout if started else start_timeout  # a job never started waits longer
+    for i, gap in enumerate(gaps):
+        now += gap
+        w = wait_for_minimum(since=since, now=now, started=started,
+                             start_timeout_s=start_timeout, worker_wait_timeout_s=worker_timeout)
+        assert w.first == (i == 0) and w.limit == limit
+        assert w.since == (now if i == 0 else since)
+        assert w.waited == now - w.since >= 0
+        assert w.give_up == (w.waited >= limit)
+        if w.give_up:
+            return
+        since = w.since
+
+
+def test_the_wait_fails_exactly_at_the_timeout_passed_in():
+    kw = {"started": True, "start_timeout_s": 900.0, "worker_wait_timeout_s": 30.0}
+    assert not wait_for_minimum(since=10.0, now=39.9, **kw).give_up
+    w = wait_for_minimum(since=10.0, now=40.0, **kw)
+    assert w.give_up and w.limit == 30.0 and not w.first
+
+
+@given(st.booleans(), st.booleans())
+def test_a_regroup_rolls_back_only_when_nobody_and_nothing_holds_the_state(needs, holding):
+    assert must_roll_back(needs_state=needs, holding_restored=holding) == (needs and not holding)
+
+
+@given(st.booleans(), st.booleans(), st.one_of(st.none(), st.text(min_size=1, max_size=20)))
+def test_a_rollback_restores_a_loaded_checkpoint_or_fails_with_the_reason(
+        has_dir, found, error):
+    at = Position(3, 7)
+    r = rollback(committed=at, checkpoint_dir=has_dir, found=found and error is None,
+                 load_error=error)
+    assert "committed at epoch 3 step 7" in r.reason
+    assert r.restore == (has_dir and found and error is None)
+    if r.restore:
+        assert r.reason.endswith("rolling back")
+    elif has_dir and error is not None:
+        assert r.reason.endswith(f"cannot be loaded: {error}")
+    else:  # never from freshly initialised weights
+        assert "no checkpoint to restore" in r.reason
+
+
+@given(st.booleans(), st.booleans(), st.booleans(),
+       st.lists(st.sampled_from(["w0", "w1", "w2"]), unique=True, max_size=3),
+       st.floats(0, 100))
+def test_a_lost_evaluation_is_run_again_only_while_the_holders_have_the_weights(
+        complete, failed, last, holders, waited):
+    again = evaluate_again(complete=complete, shard_failed=failed, last_queued=last,
+                           holders=tuple(holders), waited_s=waited)
+    if not complete and failed and last and holders:
+        assert again is not None
+        assert again.workers == tuple(holders) and again.waited_s == waited
+    else:
+        assert again is None
+
+
+@given(st.integers(1, 50), st.integers(1, 10), st.integers(1, 50), st.booleans())
+def test_checkpoints_are_due_every_few_epochs_and_after_the_last(epoch, every, epochs, kept):
+    due = checkpoint_due(epoch, every_epochs=every, epochs=epochs, checkpoint_dir=kept)
+    assert due == (kept and (epoch % every == 0 or epoch == epochs))
+    assert not checkpoint_due(epoch, every_epochs=every, epochs=epochs, checkpoint_dir=False)

@@ -1,0 +1,194 @@
+"""The synchronous driver's Phase: the transition table, its enforcement, and the phases a
+driven job really goes through."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.failures import RetryBudget
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.membership import Membership
+from dynabatch.scheduler.core.sync.phase import InvalidPhase, Phase, moves
+from dynabatch.scheduler.sync.coordinator import Coordinator
+from dynabatch.scheduler.sync.job import SyncJob
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.fakes import FakeRuntime
+
+LIVE = [p for p in Phase if not p.is_terminal]
+
+
+def _reachable(start: Phase) -> set[Phase]:
+    seen, todo = {start}, deque([start])
+    while todo:
+        for nxt in moves()[todo.popleft()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_table_covers_every_phase_and_done_is_the_only_end():
+    assert set(moves()) == set(Phase)
+    assert moves()[Phase.DONE] == frozenset()
+    assert [p for p in Phase if p.is_terminal] == [Phase.DONE]
+
+
+def test_every_phase_is_reachable_from_starting_and_can_end():
+    assert _reachable(Phase.STARTING) == set(Phase)
+    for p in LIVE:
+        assert Phase.DONE in moves()[p], p  # a failure or an internal error, anywhere
+
+
+def test_phases_entered_inside_a_step_have_only_their_entries():
+    # Rolling back happens in a regroup, and goes back to it; an epoch ends while training
+    # or while a cancellation commits the segment in flight.
+    into = {p: {q for q in Phase if p in moves()[q]} for p in Phase}
+    assert into[Phase.ROLLING_BACK] == {Phase.REGROUPING}
+    assert moves()[Phase.ROLLING_BACK] == {Phase.REGROUPING, Phase.DONE}
+    assert into[Phase.ENDING_EPOCH] == {Phase.TRAINING, Phase.CANCELLING}
+    assert Phase.CANCELLING not in moves()[Phase.ROLLING_BACK]
+    # A cancellation does not train on, wait or regroup.
+    assert moves()[Phase.CANCELLING] == {Phase.ENDING_EPOCH, Phase.FINISHING, Phase.DONE}
+
+
+@given(st.sampled_from(list(Phase)), st.sampled_from(list(Phase)))
+def test_can_become_is_the_table_and_staying_is_allowed(old, new):
+    assert old.can_become(new) == (new is old or new in moves()[old])
+
+
+def _job() -> SyncJob:
+    m = Membership(workers=2, min_workers=1, max_workers=None, global_batch=8, max_batch=None,
+                   max_possible=16)
+    return SyncJob(job_id="j", membership=m, regime=None, policy=None, budget=RetryBudget(1))
+
+
+@given(st.lists(st.tuples(st.sampled_from(list(Phase)), st.floats(0, 1e6)), max_size=40))
+def test_a_job_moves_only_along_the_table_and_records_each_change(walk):
+    job = _job()
+    job.waiting_since = None
+    for new, at in walk:
+        old, changes = job.phase, len(job.phase_changes)
+        if old is Phase.WAITING_FOR_WORKERS and job.waiting_since is None:
+            job.waiting_since = at  # as the driver does when a wait begins
+        if old.can_become(new):
+            job.become(new, at)
+            assert job.phase is new
+            if new is not old:
+                last = job.phase_changes[-1]
+                assert (last.old, last.new, last.at) == (old, new, at)
+                # A wait's start belongs to the wait: the next one starts over.
+                assert job.waiting_since is None or new is Phase.WAITING_FOR_WORKERS
+            else:
+                assert len(job.phase_changes) == changes
+        else:
+            with pytest.raises(InvalidPhase):
+                job.become(new, at)
+            assert job.phase is old and len(job.phase_changes) == changes
+
+
+def test_resume_returns_to_the_interrupted_phase_unless_the_job_moved_on():
+    job = _job()
+    for p in (Phase.REGROUPING, Phase.TRAINING, Phase.ENDING_EPOCH):
+        job.become(p, 0.0)
+    job.resume(Phase.TRAINING, 1.0, during=Phase.ENDING_EPOCH)
+    assert job.phase is Phase.TRAINING
+    job.become(Phase.ENDING_EPOCH, 2.0)
+    job.become(Phase.FINISHING, 3.0)
+    job.resume(Phase.TRAINING, 4.0, during=Phase.ENDING_EPOCH)
+    assert job.phase is Phase.FINISHING
+
+
+def test_invalid_phase_pickles_intact():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(InvalidPhase(Phase.DONE, Phase.TRAINING)))
+    assert (err.old, err.new) == (Phase.DONE, Phase.TRAINING)
+    assert "DONE" in str(err)
+
+
+# ------------------------------------------------------------------ a driven job's phases
+N, B = 1000, 64  # 16 steps per epoch
+
+
+def _coord(**kw) -> tuple[Coordinator, FakeRuntime]:
+    base = dict(workers=3, min_workers=1, global_batch=B, epochs=2, policy="affine",
+                rebalance={"mode": "adaptive"}, collective_timeout_s=2, worker_wait_timeout_s=5,
+                start_timeout_s=5)
+    base.update(kw)
+    spec = JobSpec.model_validate(base)
+    rt = FakeRuntime(spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250})
+    return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
+
+
+def _path(coord: Coordinator) -> list[Phase]:
+    return [c.new for c in coord.phase_changes()]
+
+
+def test_a_clean_run_starts_regroups_trains_ends_epochs_and_finishes():
+    coord, _ = _coord()
+    assert coord.phase is Phase.STARTING
+    assert coord.run().state == JobState.SUCCEEDED
+    assert coord.phase is Phase.DONE
+    T, E = Phase.TRAINING, Phase.ENDING_EPOCH
+    assert _path(coord) == [Phase.REGROUPING, T, E, T, E, Phase.FINISHING, Phase.DONE]
+
+
+def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone():
+    coord, rt = _coord()
+    rt.inject("die", "w1", epoch=0, step=5)
+    sent = []
+    while coord.step():
+        sent.append((coord.phase, coord.budget.retrying, coord._ahead is not None))
+    assert coord.snapshot().state == JobState.SUCCEEDED
+    path = _path(coord)
+    # The first group, the one after the loss (and one when a replacement joins).
+    assert path.count(Phase.REGROUPING) >= 2
+    i = path.index(Phase.REGROUPING, 1)
+    assert path[i - 1] is Phase.TRAINING and path[i + 1] is Phase.TRAINING
+    # While the failure is being retried, nothing is sent ahead of the retry.
+    assert any(retrying for _, retrying, _ in sent)
+    assert not any(retrying and ahead for _, retrying, ahead in sent)
+
+
+def test_every_holder_lost_rolls_back_inside_the_regroup(tmp_path):
+    coord, rt = _coord(checkpoint={"dir": str(tmp_path)}, epochs=3)
+    while (coord.epoch, coord.step_in_epoch) < (1, 6):
+        assert coord.step()
+    for node in list(rt.node_ids):
+        rt.remove_node(node)
+    for i in range(3):
+        rt.add_node(f"fresh{i}")
+    assert coord.run().state == JobState.SUCCEEDED
+    path = _path(coord)
+    i = path.index(Phase.ROLLING_BACK)
+    assert path[i - 1] is Phase.REGROUPING and path[i + 1] is Phase.REGROUPING
+
+
+def test_too_few_workers_wait_then_fail_after_the_timeout():
+    coord, rt = _coord(max_batch=24)  # 3 x 24 hold B=64; 2 x 24 do not
+    while (coord.epoch, coord.step_in_epoch) < (0, 4):
+        assert coord.step()
+    rt.remove_node("node01")
+    phases = []
+    while coord.step():
+        phases.append(coord.phase)
+    assert coord.snapshot().state == JobState.FAILED
+    assert Phase.WAITING_FOR_WORKERS in phases and coord.phase is Phase.DONE
+    waits = [c for c in coord.phase_changes() if c.new is Phase.WAITING_FOR_WORKERS]
+    done = coord.phase_changes()[-1]
+    assert done.old is Phase.WAITING_FOR_WORKERS and done.new is Phase.DONE
+    assert done.at - waits[-1].at >= coord.spec.worker_wait_timeout_s
+
+
+def test_a_cancel_with_a_segment_in_flight_commits_it_and_is_done():
+    coord, _ = _coord()
+    while coord._ahead is None:
+        assert coord.step()
+    coord.cancel("enough")
+    assert not coord.step()
+    assert coord.snapshot().state == JobState.CANCELLED
+    assert _path(coord)[-2:] == [Phase.CANCELLING, Phase.DONE]
