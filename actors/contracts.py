@@ -217,6 +217,9 @@ class StepTelemetry(_Frozen):
     was in flight (launch to completion) before compute ended (see :mod:`dynabatch.actors.reducer`);
     ``step_s`` is the whole step as the worker saw it.
     ``micro_batches`` is how many micro-batches the share was computed in.
+    ``data_wait_s`` is how long the step blocked for its samples (part of ``compute_s``
+    and of ``gather_s``), ``loader_rate`` the loader's own samples per second
+    (:mod:`dynabatch.actors.data.loader`).
     """
 
     worker: str
@@ -251,6 +254,12 @@ class StepTelemetry(_Frozen):
     step_s: float = 0.0
     micro_batches: int = 1
     micro_cap: int | None = None
+    data_wait_s: float = Field(
+        default=0.0, description="Seconds the step blocked for its samples (0 when the "
+        "loader's read-ahead hid the read); counted in compute_s.")
+    loader_rate: float | None = Field(
+        default=None, description="The loader's own reading speed since the last step, "
+        "samples per second of its threads' time (None: nothing read, or in memory).")
 
 
 ErrorKind = Literal["peer", "compute"]

@@ -18,6 +18,8 @@ completed, never on the whole device).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -106,3 +108,114 @@ class BatchGather:
     def staging(self) -> list[_Staging | None]:
         """The staging buffers (tests)."""
         return self._staging
+
+
+class WorkerData:
+    """A worker's training data, whichever kind: in-memory arrays (gathered by
+    :class:`BatchGather`, zero-copy from the object store, on the device when they fit)
+    or a source read by position (``x_train`` a :class:`~dynabatch.actors.data.open.DataRef`,
+    ``y_train`` None), whose :class:`~dynabatch.actors.data.loader.Loader` reads each
+    segment's planned shares ahead of time. Never a copy of a whole file-backed set."""
+
+    def __init__(self, x_train: object, y_train: object, spec: object, device: torch.device):
+        from dynabatch.actors.data.order import order_for
+
+        self.spec, self.device, self._order_for = spec, device, order_for
+        self.loader = None
+        self._test: dict[tuple, object] = {}
+        self._eval_pool = None
+        if hasattr(x_train, "open"):  # a DataRef: open this worker's own view of the source
+            from dynabatch.actors.data.loader import Loader
+
+            self.source = x_train.open()
+            self.targets = self.source.meta.targets
+            self.block = self.source.block
+            self.n = len(self.source)
+            self.loader = Loader(self.source, device, spec.seed, spec.dataset.prefetch,
+                                 spec.dataset.loader_threads)
+            self.gatherer = self.loader
+            return
+        from dynabatch.actors.workloads.objective import targets_kind
+
+        x, y = np.asarray(x_train), np.asarray(y_train)
+        self.targets, self.block, self.n = targets_kind(y), 1, len(y)
+        with warnings.catch_warnings():
+            # Object-store arrays are read-only views: only ever indexed, never written.
+            warnings.simplefilter("ignore", UserWarning)
+            tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+        self.x, self.y, self.where = stage_dataset(tx, ty, device)
+        self.gatherer = BatchGather(self.x, self.y, device, self.where)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def warm(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``n`` samples for the warm-up pass: the first ones in memory; zeros of the
+        sample's shape for a source (a bad sample fails the step that trains it, with its
+        position, never the worker's start)."""
+        if self.loader is None:
+            return self.sample(np.arange(n))
+        m = self.source.meta
+        tok = m.targets == "tokens"
+        x = torch.zeros((n, *m.sample_shape), dtype=torch.int64 if tok else torch.float32)
+        y = torch.zeros((n, *m.target_shape),
+                        dtype=torch.float32 if m.targets == "values" else torch.int64)
+        return x.to(self.device), y.to(self.device)
+
+    def sample(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples ``ids`` (no augmentation), on the device (warm-up, profiling)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.loader is not None:
+            x, y = self.source.read(ids)
+            return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
+        ii = torch.from_numpy(ids).to(self.x.device)
+        return (self.x.index_select(0, ii).to(self.device),
+                self.y.index_select(0, ii).to(self.device))
+
+    def for_epoch(self, seed: int, epoch: int, size: int, shuffle: str) -> object:
+        """The gatherer, holding the order of ``epoch`` (computed once an epoch)."""
+        key = (seed, epoch, size)
+        if getattr(self, "_key", None) != key:
+            self._key = key
+            order = self._order_for(seed, epoch, size, shuffle, self.block)
+            if self.loader is not None:
+                self.loader.set_order(key, order, epoch)
+            else:
+                self.gatherer.set_order(key, order)
+        return self.gatherer
+
+    def plan(self, steps: tuple, size: int) -> None:
+        """A segment's steps: its shares are read ahead, then the share the step after it
+        would train if the allocation stays (a re-plan only changes what is read next)."""
+        if self.loader is None or not steps:
+            return
+        ranges = [(sp.own_start, sp.own_start + sp.own_size) for sp in steps]
+        last = steps[-1]
+        lo = last.start + last.size + (last.own_start - last.start)
+        if last.own_size and lo + last.own_size <= size:
+            ranges.append((lo, lo + last.own_size))
+        self.loader.plan(ranges)
+
+    def take_stats(self) -> tuple[float, float | None]:
+        """(seconds the step waited for data, the loader's samples per second)."""
+        return self.loader.take_stats() if self.loader is not None else (0.0, None)
+
+    def eval_sums(self, objective: object, model: object, x_test: object, y_test: object,
+                  lo: int, hi: int, batch: int) -> dict[str, float]:
+        """The objective's sums over the held-out shard ``[lo, hi)``, read by position from a
+        source (``x_test`` a DataRef), or sliced from in-memory arrays."""
+        if not hasattr(x_test, "open"):
+            return objective.eval_sums(model, x_test, y_test, lo, hi, self.device, batch)
+        from concurrent.futures import ThreadPoolExecutor
+
+        from dynabatch.actors.data.loader import read_batches
+
+        key = (x_test.spec.name, x_test.spec.path, x_test.split)
+        src = self._test.get(key)
+        if src is None:  # opened once; the worker keeps it for later epochs
+            self._test.clear()
+            src = self._test[key] = x_test.open()
+        if self._eval_pool is None:
+            self._eval_pool = ThreadPoolExecutor(1, thread_name_prefix="dynabatch-eval")
+        return objective.eval_batches(model, read_batches(src, lo, hi, batch, self._eval_pool),
+                                      max(0, hi - lo), self.device)

@@ -44,10 +44,9 @@ from dynabatch.actors.contracts import (
     StepPlan,
     StepTelemetry,
     encode_counts,
-    epoch_order,
     plan_key,
 )
-from dynabatch.actors.device_data import BatchGather, stage_dataset
+from dynabatch.actors.device_data import WorkerData
 from dynabatch.actors.emulation import ComputeClock, error_at, slowdown_at
 from dynabatch.actors.errors import first_line
 from dynabatch.actors.group import ProcessGroup, Rendezvous
@@ -119,7 +118,7 @@ class Worker:
     later gives it the identity of the worker that starts there (a scale-up or a
     replacement), so that worker trains a fraction of a second after it is wanted."""
 
-    _gather: BatchGather | None = None  # created with the first epoch's order
+    _gather: Any = None  # the data's gatherer, set with the first epoch's order
 
     def __init__(
         self,
@@ -135,7 +134,7 @@ class Worker:
         # Where start-up time goes (epoch seconds): bench/elastic.py prints it.
         self.startup = {"process": _process_started(), "constructing": time.time()}
         from dynabatch.actors.workloads.models import build_model
-        from dynabatch.actors.workloads.objective import objective_for, targets_kind
+        from dynabatch.actors.workloads.objective import objective_for
 
         self.worker_id = worker_id or "spare"
         self.ordinal = ordinal
@@ -143,14 +142,15 @@ class Worker:
         self.device = pick_device(spec, gpus)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(spec.worker_cpus)))
-        # Writable copies, made once: object-store arrays are read-only views, which torch
-        # warns about (it cannot guarantee them); batches are gathered per step.
-        self.x = torch.from_numpy(np.array(x_train))
-        self.y = torch.from_numpy(np.array(y_train))
-        # On a GPU: the whole set on the device once when it fits, else pinned.
-        self.x, self.y, self.data_on = stage_dataset(self.x, self.y, self.device)
+        # In-memory arrays (zero-copy views; on a GPU on the device when they fit, else
+        # pinned), or a source read by position (``x_train`` a DataRef, ``y_train`` None):
+        # only the samples this worker trains are read, ahead of time.
+        self.data = WorkerData(x_train, y_train, spec, self.device)
+        # The in-memory arrays where they are (None for a source read by position).
+        self.x, self.y = getattr(self.data, "x", None), getattr(self.data, "y", None)
+        self.data_on = getattr(self.data, "where", "source")
         # The job's per-sample loss and metrics (actors/workloads/objective.py).
-        self.objective = objective_for(spec, targets_kind(y_train))
+        self.objective = objective_for(spec, self.data.targets)
         torch.manual_seed(spec.seed)
         self.model = build_model(spec.model, input_shape, num_classes).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -175,9 +175,9 @@ class Worker:
     def _warm_up(self) -> None:
         """One throw-away forward/backward, so one-off costs (lazy init, allocator growth)
         are paid before the first timed step; a newcomer would otherwise look slow."""
-        n = min(len(self.y), 8)
+        n = min(len(self.data), 8)
         if n:
-            xb, yb = self.x[:n].to(self.device), self.y[:n].to(self.device)
+            xb, yb = self.data.warm(n)
             self.math.share(held(xb, yb), 0, n, n)
         self.reducer.zero_()
 
@@ -233,14 +233,12 @@ class Worker:
         worker)."""
         self._stall_s = seconds
 
-    def _epoch_order(self, plan: SegmentPlan) -> BatchGather:
-        """The gatherer, holding this epoch's order (computed and placed once an epoch)."""
-        if self._gather is None:
-            self._gather = BatchGather(self.x, self.y, self.device, self.data_on)
-        key = (plan.seed, plan.epoch, plan.dataset_size)
-        if self._order is None or self._order[0] != key:
-            self._order = (key, epoch_order(*key, self.spec.dataset.shuffle))
-            self._gather.set_order(key, self._order[1])
+    def _epoch_order(self, plan: SegmentPlan) -> Any:
+        """The gatherer, holding this epoch's order (computed and placed once an epoch),
+        with the segment's shares being read ahead (dynabatch.actors.device_data)."""
+        self._gather = self.data.for_epoch(plan.seed, plan.epoch, plan.dataset_size,
+                                           self.spec.dataset.shuffle)
+        self.data.plan(plan.steps, plan.dataset_size)
         return self._gather
 
     def run_segment(self, plan: SegmentPlan) -> SegmentResult:
@@ -314,6 +312,11 @@ class Worker:
         except Exception as err:
             raise _StepFailed("compute", err, clock.finish(1.0)) from err
         compute = clock.finish(factor)  # sleeps what is left of an emulated slowdown
+        # The time the step blocked for its samples (0 when read-ahead hid it) is compute:
+        # a worker whose loader cannot keep up gets the share its loader feeds.
+        data_wait, loader_rate = self.data.take_stats()
+        if clock.emulated:  # thread CPU time does not count a wait
+            compute += data_wait
         compute_end = r.marks.mark()
         t1 = time.perf_counter()
         try:
@@ -360,6 +363,7 @@ class Worker:
             micro_batches=share.micro_batches, micro_cap=self.micro_cap,
             flagged=up.flagged, extra_iters=up.extra_iters, isgd_loss=psi,
             local_sqnorm=local_sq, global_sqnorm=global_sq,
+            data_wait_s=data_wait, loader_rate=loader_rate,
         )
 
     def _isgd_pass(self, sp: StepPlan) -> float:
@@ -385,7 +389,7 @@ class Worker:
         others compute, as in training; the j-th batch of every member's list runs
         together, so members can profile around their own share."""
         out: dict[int, float] = {}
-        n = len(self.y)
+        n = len(self.data)
         rng = np.random.default_rng(self.ordinal)
         for b in batches:
             times = []
@@ -396,9 +400,7 @@ class Worker:
                 t_wall = time.perf_counter()
                 self._clock.start()
                 self.reducer.zero_()
-                ii = torch.from_numpy(idx).to(self.x.device)
-                xb = self.x.index_select(0, ii).to(self.device)
-                yb = self.y.index_select(0, ii).to(self.device)
+                xb, yb = self.data.sample(idx)
                 self.math.share(held(xb, yb), 0, b, b)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -435,7 +437,7 @@ class Worker:
         segments, it scores the weights the segment before left (an actor runs its calls
         in order); the coordinator adds the shards up and finishes them."""
         t0 = time.perf_counter()
-        sums = self.objective.eval_sums(self.model, x_test, y_test, lo, hi, self.device, batch)
+        sums = self.data.eval_sums(self.objective, self.model, x_test, y_test, lo, hi, batch)
         return {"sums": sums, "seconds": time.perf_counter() - t0}
 
     def state(self) -> dict[str, Any]:

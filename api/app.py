@@ -15,7 +15,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from dynabatch.api.metrics import JobCollector, RequestMetricsMiddleware, RequestStats
+from dynabatch.api.metrics import (
+    Exposition,
+    JobCollector,
+    RequestMetricsMiddleware,
+    RequestStats,
+)
 from dynabatch.api.routes import events, health, jobs, nodes, pages
 from dynabatch.api.routes.code import code_router
 from dynabatch.api.too_large import JsonTooLarge
@@ -238,6 +243,7 @@ def create_app(
     app.state.settings = settings
     app.state.service = svc
     app.state.registry = registry
+    app.state.exposition = Exposition(registry, svc)
 
     _install_error_handlers(app)
     app.include_router(jobs.router)

@@ -36,6 +36,7 @@ virtual clock t_i(b) = (2 ms + 0.5 ms·b)/speed_i with 5% jitter).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -58,7 +59,9 @@ A_S, C_S = 0.002, 0.0005  # a speed-1 learner: t(b) = 2 ms + 0.5 ms·b
 
 
 def arms(lam: int) -> dict[str, dict]:
-    pa = {"name": "ps", "mode": "async", "batch": "perf_aware", "replan_pushes": 2 * lam}
+    # The plain reading of the paper (alpha0 for every batch size); scaled is the default now.
+    pa = {"name": "ps", "mode": "async", "batch": "perf_aware", "replan_pushes": 2 * lam,
+          "scale_lr": False}
     return {
         "asgd": {"name": "ps", "mode": "async"},
         f"softsync_n{lam}": {"name": "ps", "mode": "softsync", "n": lam,
@@ -245,13 +248,16 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--momentum", type=float, default=0.0)
     ap.add_argument("--b0", type=int, default=16)
-    ap.add_argument("--cifar-lrs", default="0.02,0.05", help="'' to skip the CIFAR part")
+    ap.add_argument("--cifar-lrs", default="0.05,0.1", help="'' to skip the CIFAR part")
     ap.add_argument("--cifar-epochs", type=int, default=4)
     ap.add_argument("--cifar-seeds", type=int, default=1)
-    ap.add_argument("--cifar-train", type=int, default=3000)
+    ap.add_argument("--cifar-train", type=int, default=2000)
     ap.add_argument("--ray-arm", default="", help="run this arm and ASGD on Ray ('best')")
     ap.add_argument("--ray-epochs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reuse", default=None,
+                    help="take the digits sweep (clusters, best) from this results file and "
+                         "run only the CIFAR and Ray parts")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -265,9 +271,14 @@ def main() -> None:
     digits = load_dataset(JobSpec.model_validate({"dataset": {"name": "digits"}}).dataset)
     ds = with_validation(digits, 0)
     clusters = {}
+    if a.reuse:
+        prev = json.loads(Path(a.reuse).read_text())
+        clusters = prev["clusters"]
+        out.update({k: prev[k] for k in ("command", "epochs", "lrs", "seeds")})
+        out["command_cifar_ray"] = "python bench/async_ji.py " + " ".join(sys.argv[1:])
     for key in ("speeds", "speeds2"):
         text = getattr(a, key)
-        if not text:
+        if not text or a.reuse:
             continue
         speeds = [float(s) for s in text.split(",")]
         print(f"cluster {speeds}", file=sys.stderr)

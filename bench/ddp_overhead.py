@@ -140,8 +140,9 @@ def _ddp_proc(rank: int, spec_json: str, port: int, out_q: Any) -> None:
 def run_ddp(spec: JobSpec, port: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_proc, args=(r, spec.model_dump_json(), port, q))
-             for r in range(2)]
+    # Only the fields set: a spec round-trips through its JSON without its defaults.
+    spec_json = spec.model_dump_json(exclude_unset=True)
+    procs = [ctx.Process(target=_ddp_proc, args=(r, spec_json, port, q)) for r in range(2)]
     for p in procs:
         p.start()
     epochs = q.get(timeout=1800)
@@ -231,7 +232,7 @@ def run_step_path(spec: JobSpec, rounds: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q_rv, out_q = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_step_path_proc,
-                         args=(r, spec.model_dump_json(), rounds, q_rv, out_q))
+                         args=(r, spec.model_dump_json(exclude_unset=True), rounds, q_rv, out_q))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -296,7 +297,13 @@ def _med(xs: list[float]) -> float:
 
 
 def _median_breakdown(rows: list[dict[str, float]]) -> dict[str, float]:
-    return {k: round(statistics.median(b[k] for b in rows), 6) for k in rows[0]} if rows else {}
+    """Median of each phase over the rows (a phase no row measured, None, is left out)."""
+    out = {}
+    for k in rows[0] if rows else ():
+        vals = [b[k] for b in rows if b.get(k) is not None]
+        if vals:
+            out[k] = round(statistics.median(vals), 6)
+    return out
 
 
 def model_sizes(name: str) -> list[int]:

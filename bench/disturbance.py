@@ -9,7 +9,9 @@ interleaved, with medians:
   the rest of the epoch when the predicted step-time gain exceeds 5%): the same trigger, so
   the policies are compared like for like;
 * ``dbs`` + ``rebalance: epoch`` (the paper's per-epoch re-sizing), for reference;
-* ``--variants`` picks others, e.g. ``affine:adaptive:1`` (check every step).
+* ``--variants`` picks others, e.g. ``affine:adaptive:1`` (check every step), or
+  ``affine:adaptive:2:no_updates`` (the driver without plan updates: a re-plan waits for
+  the segment in flight, as before issue 23).
 
 Two measures of recovery, in steps after the disturbance:
 
@@ -70,9 +72,13 @@ def _first_held(per_step: list[dict[str, Any]], start: int, ok: Any) -> int | No
     return None
 
 
-def run(policy: str, mode: str, check: int, args: argparse.Namespace) -> dict[str, Any]:
+def run(policy: str, mode: str, check: int, args: argparse.Namespace,
+        updates: bool = True) -> dict[str, Any]:
     coord = Coordinator(f"disturb-{policy}", spec_for(policy, mode, check, args),
                         resume=False)
+    if not updates:  # the driver as before plan updates: a re-plan waits for the segment ahead
+        coord.runtime.update_segment = None
+        coord.pipeline.updater = None
     snap = coord.run()
     if snap.state.value != "SUCCEEDED":
         raise RuntimeError(f"{policy}/{mode}: {snap.state.value}: {snap.reason}")
@@ -109,6 +115,8 @@ def run(policy: str, mode: str, check: int, args: argparse.Namespace) -> dict[st
             r["balance"] for r in per_step[start + (recover or 0):][:20]),
         "epoch_s": [round(r.wall_s, 3) for r in hist],
         "rebalances": snap.rebalances_total,
+        "plan_updates": coord.job.plan_updates,
+        "plan_updates_refused": coord.job.plan_updates_refused,
         "final_accuracy": hist[-1].test_accuracy,
         "per_step_balance": [round(r["balance"], 3) for r in per_step[start - 3:start + 25]],
         "steps_per_epoch": hist[0].steps,
@@ -142,14 +150,15 @@ def main() -> None:
     ray.init(address=cluster.address, namespace="dynabatch-bench", log_to_driver=False)
     variants = []
     for v in args.variants.split(","):
-        policy, mode, check = v.split(":")
+        policy, mode, check, *rest = v.split(":")
         name = f"{mode}_{policy}" + ("" if int(check) == 2 else f"_check{check}")
-        variants.append((name, policy, mode, int(check)))
+        name += "_no_updates" if "no_updates" in rest else ""
+        variants.append((name, policy, mode, int(check), "no_updates" not in rest))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in variants}
     try:
         for r in range(args.repeats):
-            for name, policy, mode, check in variants:
-                runs[name].append(run(policy, mode, check, args))
+            for name, policy, mode, check, updates in variants:
+                runs[name].append(run(policy, mode, check, args, updates))
                 print(f"[round {r}] {name}: recovered in {runs[name][-1]['steps_to_recover']}"
                       " steps", file=sys.stderr)
         out: dict[str, Any] = {
@@ -167,6 +176,11 @@ def main() -> None:
                     [r["median_balance_steps_5_to_20_after"] for r in rs]),
                 "median_epoch_s": statistics.median(statistics.mean(r["epoch_s"][1:])
                                                     for r in rs),
+                # From epoch 2: the slowdown in force throughout, re-balanced (steady).
+                "median_steady_epoch_s": statistics.median(
+                    statistics.mean(r["epoch_s"][2:] or r["epoch_s"][1:]) for r in rs),
+                "plan_updates": [r["plan_updates"] for r in rs],
+                "plan_updates_refused": [r["plan_updates_refused"] for r in rs],
                 "runs": rs,
             }
     finally:

@@ -82,6 +82,13 @@ def run_policy(spec: JobSpec) -> dict[str, Any]:
     if snap.state.value != "SUCCEEDED":
         raise RuntimeError(f"{spec.policy}: {snap.state.value}: {snap.reason}")
     steady = hist[2:] or hist
+    # Where a steady epoch's time goes, in seconds per epoch (the records' per-step
+    # breakdown times the steps): the step's phases, the coordinator's share (wall time no
+    # worker step covers) and what the previous epoch's evaluation cost the critical path.
+    parts = ("gather_s", "forward_s", "backward_s", "allreduce_wait_s", "optimizer_s",
+             "overlap_s", "coordinator_s", "evaluation_s")
+    breakdown = {k: statistics.mean(getattr(r.breakdown, k) * r.steps for r in steady
+                                    if r.breakdown is not None) for k in parts}
     return {
         "epoch_s": [round(r.wall_s, 3) for r in hist],
         "steady_epoch_s": statistics.mean(r.wall_s for r in steady),
@@ -92,6 +99,7 @@ def run_policy(spec: JobSpec) -> dict[str, Any]:
         "slowdowns": {w.worker: w.slowdown for w in hist[-1].workers},
         "rebalances": snap.rebalances_total,
         "wall_s": round(total, 2),
+        "breakdown_epoch_s": breakdown,
     }
 
 
@@ -209,6 +217,7 @@ def bench_cluster(name: str, args: argparse.Namespace) -> dict[str, Any]:
         best = min((k for k in pol if k != "static"), key=lambda k: pol[k]["steady_epoch_s"],
                    default="static")
         out["best_policy"] = best
+        out["gap_to_ideal"] = gap_to_ideal(pol[best], ideal)
         # Per round, which of dbs and affine was faster: a median can hide a split.
         if "dbs" in runs and "affine" in runs:
             out["affine_faster_rounds"] = sum(
@@ -218,6 +227,26 @@ def bench_cluster(name: str, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def gap_to_ideal(policy: dict[str, Any], ideal: dict[str, Any]) -> dict[str, float]:
+    """Where a policy's steady epoch loses to the ideal, seconds per epoch (medians over its
+    runs): the evaluation on the critical path and the coordinator's share (neither is in
+    the ideal), and the rest of the step time beyond T* + A (imbalance and noise,
+    ``steps_above_ideal_s``; the all-reduce after compute is reported beside it)."""
+    rs = policy["runs"]
+    gap = policy["steady_epoch_s"] - ideal["ideal_epoch_s"]
+
+    def med(key: str) -> float:
+        return statistics.median(r["breakdown_epoch_s"][key] for r in rs)
+
+    evaluation, coordinator = med("evaluation_s"), med("coordinator_s")
+    return {"gap_s": gap, "evaluation_s": evaluation, "coordinator_s": coordinator,
+            "steps_above_ideal_s": gap - evaluation - coordinator,
+            "allreduce_wait_s": med("allreduce_wait_s"), "overlap_s": med("overlap_s"),
+            "ideal_allreduce_epoch_s": ideal["ideal_epoch_s"] - ideal["bound_epoch_s"],
+            "fraction_of_ideal_without_evaluation": ideal["ideal_epoch_s"] / (
+                policy["steady_epoch_s"] - evaluation)}
 
 
 def _n_train(args: argparse.Namespace) -> int:

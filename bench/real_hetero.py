@@ -48,9 +48,9 @@ def job_spec(policy: str, epochs: int, seed: int = 0, **extra: Any) -> dict[str,
         "name": f"real-{policy}",
         "dataset": {
             "name": "synthetic",
-            "options": {"n_samples": 5120, "n_features": 256, "n_classes": 10},
+            "options": {"n_samples": 2560, "n_features": 256, "n_classes": 10},
         },
-        "model": {"name": "mlp", "hidden": 4096},
+        "model": {"name": "mlp", "hidden": 2048},
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
         "workers": "auto",
         "node_resource": "dynabatch_worker",
@@ -183,7 +183,7 @@ def run_job(api: Api, spec: dict[str, Any], timeout: float = 900) -> dict[str, A
 
 
 def bench(api: Api, *, policies: tuple[str, ...] = POLICIES, repeats: int = 3,
-          epochs: int = 5, label: str = "", log: Any = sys.stderr) -> dict[str, Any]:
+          epochs: int = 4, label: str = "", log: Any = sys.stderr) -> dict[str, Any]:
     """Every policy once per round, ``repeats`` rounds; medians."""
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
     for r in range(repeats):
@@ -226,7 +226,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--api", default="http://127.0.0.1:8000", help="The stack's API.")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--out", help="Also write the JSON here.")
     args = ap.parse_args()

@@ -44,6 +44,10 @@ class StepBreakdown(_Frozen):
     """
 
     gather_s: float = 0.0
+    data_wait_s: float = Field(default=0.0, description="Of gather_s: the time a step "
+                               "blocked for its samples (0 when read-ahead hid the reads).")
+    loader_rate: float | None = Field(default=None, description="The workers' mean loader "
+                                      "speed, samples per second of reading.")
     forward_s: float = 0.0
     backward_s: float = 0.0
     allreduce_wait_s: float = 0.0

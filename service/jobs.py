@@ -51,6 +51,13 @@ JOB_ID_PATTERN = r"^[0-9a-f]{12}$"
 WORKER_ID_PATTERN = r"^w[0-9]{1,6}$"
 EMBEDDED_ENDED = "the embedded Ray cluster ended with the API process"
 AUTO_RESUME_LIMIT = 3
+STOP_JOIN_S = 1.0  # how long stop() waits for a sync tick in progress
+
+
+def _reachable(cluster: object) -> bool:
+    """Whether the cluster answers now, by its bounded check when it has one."""
+    check = getattr(cluster, "reachable", None)
+    return bool(check()) if callable(check) else True
 
 
 def new_job_id() -> str:
@@ -256,22 +263,33 @@ class JobService:
         are marked FAILED."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=max(5.0, 2 * self.sync_interval_s))
+            # A tick blocked on a Ray that is gone must not hold the shutdown long: the loop
+            # is a daemon thread and checks the stop flag between jobs.
+            self._thread.join(timeout=STOP_JOIN_S)
             self._thread = None
         if self._started and self.cluster.embedded:
-            self.sync_once()
-            for rec in self.store.live():
-                if self.auto_resume_limit > 0 and self.checkpoint_exists(rec):
-                    self._changed()
-                    self.store.interrupt(
-                        rec.id,
-                        f"{EMBEDDED_ENDED}; the job resumes from its checkpoint when the "
-                        "API starts again",
-                        now=self.clock(),
-                    )
-                else:
-                    self._fail(rec.id, EMBEDDED_ENDED)
+            if _reachable(self.cluster):
+                self.sync_once()
+            else:
+                log.warning("the embedded Ray is gone: live jobs are recorded as they were")
+            self.interrupt_live()
         self._started = False
+
+    def interrupt_live(self) -> None:
+        """Record the end of the embedded Ray in every live job: those with a checkpoint
+        stay live (PENDING) to be resumed when the API starts again, the others FAIL. Store
+        writes only: safe when Ray is gone, and from another thread."""
+        for rec in self.store.live():
+            if self.auto_resume_limit > 0 and self.checkpoint_exists(rec):
+                self._changed()
+                self.store.interrupt(
+                    rec.id,
+                    f"{EMBEDDED_ENDED}; the job resumes from its checkpoint when the "
+                    "API starts again",
+                    now=self.clock(),
+                )
+            else:
+                self._fail(rec.id, EMBEDDED_ENDED)
 
     @property
     def ready(self) -> bool:
@@ -738,6 +756,11 @@ class JobService:
             )
             self._metric_cache = state
             return state
+
+    @property
+    def metrics_ttl_s(self) -> float:
+        """How long one read of the metrics' job state serves (0: every scrape reads)."""
+        return self._metric_ttl_s
 
     def job_counts(self) -> dict[JobState, int]:
         return self.store.count_by_state()

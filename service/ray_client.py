@@ -82,8 +82,28 @@ class RayClusterClient:
             import ray
 
             self._handles.clear()
-            ray.shutdown()
+            gone = self.embedded and not self.reachable()
             self._connected = False
+            if gone:
+                # The embedded Ray is gone already (a signal to the whole process group):
+                # shutting it down would wait on Ray's 60-second reconnect timeout.
+                log.warning("the embedded Ray ended before the API; not shutting it down")
+                return
+            ray.shutdown()
+
+    def reachable(self, timeout_s: float = 0.5) -> bool:
+        """Whether Ray's GCS accepts a connection now: a bounded check that never waits on
+        Ray's own reconnect timeout (a dead embedded GCS refuses at once)."""
+        if not self._connected:
+            return False
+        import ray
+
+        try:
+            host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+            with socket.create_connection((host, int(port)), timeout=timeout_s):
+                return True
+        except (OSError, ValueError, RuntimeError):
+            return False
 
     def ping(self) -> bool:
         if not self._connected:

@@ -25,8 +25,9 @@ def split_list(value: str) -> tuple[str, ...]:
 
 def settings_problems(err: ValidationError) -> list[str]:
     """Every problem of a settings validation, each naming its environment variable:
-    ``code_root (DYNABATCH_CODE_ROOT): 'code' is not an absolute path``. Pydantic validates every field
-    before it raises, so an operator sees all of them at once, not one per restart."""
+    ``code_root (DYNABATCH_CODE_ROOT): 'code' is not an absolute path``. Pydantic validates
+    every field before it raises, so an operator sees all of them at once, not one per
+    restart."""
     out = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "settings"

@@ -17,10 +17,12 @@ import sqlite3
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
@@ -117,10 +119,50 @@ class JobRecord:
         return self.snapshot.model_copy(update=update)
 
 
+class _Parsed:
+    """Parsed JSON columns by their text: a job's spec, snapshot and epoch records are read
+    far more often than they change (every status, list, history and page read parses them),
+    and the models are frozen, so one parse serves every read of the same text. Bounded:
+    the oldest entries go first."""
+
+    def __init__(self, size: int = 1024):
+        self.size = size
+        self._items: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, kind: str, text: str, parse: Callable[[str], Any]) -> Any:
+        key = (kind, text)
+        with self._lock:
+            hit = self._items.get(key)
+        if hit is not None:
+            return hit
+        value = parse(text)
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return value
+
+
 def _load_spec(text: str) -> JobSpec:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return JobSpec.model_validate_json(text)
+
+
+_PARSED = _Parsed()
+
+
+def _spec(text: str) -> JobSpec:
+    return _PARSED.get("spec", text, _load_spec)
+
+
+def _snapshot(text: str) -> JobSnapshot:
+    return _PARSED.get("snapshot", text, JobSnapshot.model_validate_json)
+
+
+def _epoch_record(text: str) -> EpochRecord:
+    return _PARSED.get("record", text, EpochRecord.model_validate_json)
 
 
 def _row_to_record(row: sqlite3.Row) -> JobRecord:
@@ -128,14 +170,14 @@ def _row_to_record(row: sqlite3.Row) -> JobRecord:
     return JobRecord(
         id=row["id"],
         name=row["name"],
-        spec=_load_spec(row["spec"]),
+        spec=_spec(row["spec"]),
         state=JobState(row["state"]),
         reason=row["reason"],
         cluster=row["cluster"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         finished_at=row["finished_at"],
-        snapshot=JobSnapshot.model_validate_json(snap) if snap else None,
+        snapshot=_snapshot(snap) if snap else None,
         resumes=int(row["resumes"]),
         auto_resumes=int(row["auto_resumes"]),
         target_workers=row["target_workers"],
@@ -431,7 +473,7 @@ class JobStore:
                 "SELECT record FROM history WHERE job_id = ? AND epoch >= ? ORDER BY epoch",
                 (job_id, since),
             ).fetchall()
-        return [EpochRecord.model_validate_json(r[0]) for r in rows]
+        return [_epoch_record(r[0]) for r in rows]
 
     def last_records(self, job_ids: Iterable[str]) -> dict[str, EpochRecord]:
         """Each job's last epoch record (jobs without one are left out), in one query."""
@@ -446,7 +488,7 @@ class JobStore:
                 "ON h.job_id = m.job_id AND h.epoch = m.e",
                 ids,
             ).fetchall()
-        return {r[0]: EpochRecord.model_validate_json(r[1]) for r in rows}
+        return {r[0]: _epoch_record(r[1]) for r in rows}
 
     def last_epoch(self, job_id: str) -> int | None:
         with self._lock:

@@ -132,6 +132,12 @@ def path_problem(value: str, roots: Iterable[str], what: str) -> str | None:
     roots = tuple(roots)
     if not roots:
         return f"not allowed: this service accepts no {what}"
+    if "://" in value:
+        return uri_problem(value, roots)
+    if any("://" in r for r in roots):  # a local path: only the local roots allow it
+        local = tuple(r for r in roots if "://" not in r)
+        return (path_problem(value, local, what) if local
+                else f"{value!r} is outside the allowed locations ({', '.join(roots)})")
     if not Path(value).is_absolute():
         return f"{value!r} must be an absolute path"
     try:
@@ -142,6 +148,26 @@ def path_problem(value: str, roots: Iterable[str], what: str) -> str | None:
     if any(resolved == root or resolved.is_relative_to(root) for root in allowed):
         return None
     return f"{value!r} is outside the allowed directories ({', '.join(roots)})"
+
+
+def uri_problem(value: str, roots: tuple[str, ...]) -> str | None:
+    """A URI (``s3://bucket/data``) is allowed under a root URI by prefix, whole segments
+    only (``s3://bucket/data`` allows ``s3://bucket/data/x``, not ``s3://bucket/data2``);
+    ``..`` is refused; ``file://`` is checked as the local path it names."""
+    if value.startswith("file://"):
+        local = value[len("file://"):]
+        plain = [r for r in roots if "://" not in r]
+        if plain and path_problem(local, plain, "dataset paths") is None:
+            return None
+    if "/../" in f"{value}/" or value.endswith("/.."):
+        return f"{value!r} must not contain '..'"
+    for root in roots:
+        if "://" not in root:
+            continue
+        base = root.rstrip("/")
+        if value.rstrip("/") == base or value.startswith(base + "/"):
+            return None
+    return f"{value!r} is outside the allowed locations ({', '.join(roots)})"
 
 
 def check_paths(

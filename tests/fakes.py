@@ -719,6 +719,8 @@ class FakeRuntime:
             if isinstance(item, _EvalCall) or id(item) in self._ran_early:
                 continue
             seg = next(iter(item.values()))
+            if not seg.updates:  # as a real worker: it claims no step, so sees no update
+                continue
             if seg.epoch != update.epoch or not any(
                     sp.step == update.at_step for sp in seg.steps):
                 continue

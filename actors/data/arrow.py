@@ -116,6 +116,7 @@ class ParquetSource(Source):
         self._pq = pq
         self._open: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self._io = threading.Lock()  # one reader at a time per source (shared file handles)
         self._cache: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
         groups, sizes, ymax = [], [], -1
         for f_i, f in enumerate(self.files):
@@ -184,7 +185,8 @@ class ParquetSource(Source):
         f_i, g = key
         where = f"{self.files[f_i]} row group {g}"
         try:
-            table = self._file(f_i).read_row_group(g, columns=[*self.xcols, self.ycol])
+            with self._io:
+                table = self._file(f_i).read_row_group(g, columns=[*self.xcols, self.ycol])
         except DataError:
             raise
         except Exception as err:

@@ -59,6 +59,7 @@ def _as_array(v: Any) -> np.ndarray:
 
 
 class MapSource(Source):
+    field = FIELD
     def __init__(self, ds: Any, label: str, meta: Meta | None = None,
                  num_classes: int | None = None, targets: str | None = None):
         self.ds, self.label = ds, label

@@ -17,8 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from dynabatch.actors.data.source import ArraySource, DataError, Meta, Range, Source, Subset
-from dynabatch.actors.data.source import split_ids
+from dynabatch.actors.data.source import (
+    ArraySource,
+    DataError,
+    Meta,
+    Range,
+    Source,
+    Subset,
+    split_ids,
+)
 from dynabatch.actors.spec import DatasetSpec
 
 FILE_KINDS = ("parquet", "npy", "imagefolder")
@@ -56,7 +63,12 @@ def _base(spec: DatasetSpec, path: str, extra: dict[str, Any]) -> Source:
 
 def open_source(spec: DatasetSpec, seed: int, split: str,
                 extra: dict[str, Any] | None = None) -> Source:
-    extra = extra or {}
+    """One split of a file-backed or map-style dataset (``dataset.limit`` applied to train)."""
+    src = _open_split(spec, seed, split, extra or {})
+    return _limited(src, spec) if split == "train" else src
+
+
+def _open_split(spec: DatasetSpec, seed: int, split: str, extra: dict[str, Any]) -> Source:
     if spec.name in FILE_KINDS:
         from dynabatch.actors.data.fs import child, open_fs
 
@@ -119,11 +131,13 @@ def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
 
     if spec.name in FILE_KINDS:
         train = open_source(spec, seed, "train")
-        extra = {"classes": train.base.classes if isinstance(train, Subset)
-                 else getattr(train, "classes", None)} if spec.name == "imagefolder" else {}
+        base = train
+        while isinstance(base, Subset | Range):
+            base = base.base
+        extra = {"classes": base.classes} if spec.name == "imagefolder" else {}
         test = open_source(spec, seed, "test", extra)
         refs = (DataRef(spec, seed, "train", extra), DataRef(spec, seed, "test", extra))
-        return Opened(spec.name, train.meta, _limited(train, spec, seed), test, refs=refs)
+        return Opened(spec.name, train.meta, train, test, refs=refs)
     if spec.name in BUILTIN_DATASETS:
         return from_arrays(load_dataset(spec, seed))
     from dynabatch.actors.data.mapstyle import open_map, split_result
@@ -133,15 +147,15 @@ def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
     result = call_user(fn, spec.name, "dataset.name", **spec.options)
     if split_result(result) is None:
         return from_arrays(user_arrays(spec, result, seed))
-    train = open_map(result, spec.name, "train", seed, spec.test_fraction, spec.num_classes,
-                     spec.targets)
+    train = _limited(open_map(result, spec.name, "train", seed, spec.test_fraction,
+                              spec.num_classes, spec.targets), spec)
     test = open_map(result, spec.name, "test", seed, spec.test_fraction, spec.num_classes,
                     spec.targets)
     refs = (DataRef(spec, seed, "train"), DataRef(spec, seed, "test"))
-    return Opened(spec.name, train.meta, _limited(train, spec, seed), test, refs=refs)
+    return Opened(spec.name, train.meta, train, test, refs=refs)
 
 
-def _limited(src: Source, spec: DatasetSpec, seed: int) -> Source:
+def _limited(src: Source, spec: DatasetSpec) -> Source:
     return src if spec.limit is None or spec.limit >= len(src) else Range(src, 0, spec.limit)
 
 

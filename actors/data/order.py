@@ -25,9 +25,11 @@ def block_order(seed: int, epoch: int, n: int, block: int, shuffle: str = "every
     e = epoch if shuffle == "every_epoch" else 0
     rng = np.random.default_rng([seed, e, 0x424C4B])
     nb = -(-n // block)
-    blocks = rng.permutation(nb)
-    ids = (blocks[:, None] * block + np.arange(block)[None, :]).ravel()
-    ids = ids[ids < n]
+    dt = np.int32 if nb * block < 2**31 else np.int64  # half the memory of a large order
+    blocks = rng.permutation(nb).astype(dt)
+    ids = (blocks[:, None] * dt(block) + np.arange(block, dtype=dt)[None, :]).ravel()
+    if nb * block > n:  # the last block is short
+        ids = ids[ids < n]
     span = window * block
     for s in range(0, n, span):
         rng.shuffle(ids[s:s + span])

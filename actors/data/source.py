@@ -36,6 +36,9 @@ class SampleError(DataError):
         self.problem = problem
         super().__init__(f"sample {self.sample}: {problem}")
 
+    def __reduce__(self):  # crosses process boundaries (Ray) with its own arguments
+        return (SampleError, (self.sample, self.problem))
+
 
 @dataclass(frozen=True)
 class Meta:
@@ -53,6 +56,7 @@ class Source:
 
     meta: Meta
     block: int = 1
+    field: str = "dataset.path"  # the spec field a bad sample is blamed on
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -95,14 +99,19 @@ class Subset(Source):
 
     def __init__(self, base: Source, index: np.ndarray):
         self.base, self.index, self.meta = base, np.asarray(index, dtype=np.int64), base.meta
-        self.block = base.block
+        self.block, self.field = base.block, base.field
 
     def __len__(self) -> int:
         return len(self.index)
 
     def read(self, ids: np.ndarray, keys: np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray]:
-        return self.base.read(self.index[np.asarray(ids, dtype=np.int64)], keys)
+        ids = np.asarray(ids, dtype=np.int64)
+        try:
+            return self.base.read(self.index[ids], keys)
+        except SampleError as err:  # name the sample by this split's id
+            mine = ids[self.index[ids] == err.sample]
+            raise SampleError(int(mine[0]) if len(mine) else err.sample, err.problem) from err
 
     def close(self) -> None:
         self.base.close()
@@ -113,14 +122,17 @@ class Range(Source):
 
     def __init__(self, base: Source, lo: int, hi: int):
         self.base, self.lo, self.hi, self.meta = base, lo, hi, base.meta
-        self.block = base.block
+        self.block, self.field = base.block, base.field
 
     def __len__(self) -> int:
         return self.hi - self.lo
 
     def read(self, ids: np.ndarray, keys: np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray]:
-        return self.base.read(np.asarray(ids, dtype=np.int64) + self.lo, keys)
+        try:
+            return self.base.read(np.asarray(ids, dtype=np.int64) + self.lo, keys)
+        except SampleError as err:
+            raise SampleError(err.sample - self.lo, err.problem) from err
 
     def close(self) -> None:
         self.base.close()

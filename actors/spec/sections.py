@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 # The grammar dynabatch.actors.workloads.imports resolves: dotted module names, then one attribute.
 IMPORT_PATH_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
 MODULE_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$"
-BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource")
+BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource", "parquet", "npy",
+                    "imagefolder")
 BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm")
 BUILTIN_LOSSES = ("cross_entropy", "mse", "next_token")
 BUILTIN_METRICS = ("accuracy", "mse", "perplexity")
@@ -46,20 +47,39 @@ class _Strict(BaseModel):
 class DatasetSpec(_Strict):
     """Which data to train on.
 
-    ``name`` is a built-in dataset (``synthetic``, ``digits``, ``mnist``, ``cifar10``) or a
-    user loader given by import path ``"pkg.mod:function"``; the function takes the
-    ``options`` mapping as keyword arguments and returns a ``DatasetArrays``.
+    ``name`` is a built-in dataset (``synthetic``, ``digits``, ``mnist``, ``cifar10``,
+    ``pysource``), a file-backed source read by position (``parquet``, ``npy``,
+    ``imagefolder``: see ``dynabatch.actors.data``) or a user import path
+    ``"pkg.mod:function"``; the function takes the ``options`` mapping as keyword arguments
+    and returns a ``DatasetArrays``, a tuple of arrays, or a map-style dataset.
     """
 
     name: str = Field(
         default="digits",
-        description="Built-in dataset (synthetic, digits, mnist, cifar10) or 'pkg.mod:load'.",
-        examples=["digits", "mnist", "my_pkg.data:load"],
+        description="Built-in dataset (synthetic, digits, mnist, cifar10, pysource), a "
+        "source read by position (parquet, npy, imagefolder) or 'pkg.mod:load'.",
+        examples=["digits", "mnist", "parquet", "my_pkg.data:load"],
     )
     path: str | None = Field(
         default=None,
         description="Directory of the MNIST IDX files or of cifar-10-batches-py. For mnist, "
-        "when omitted, MNIST-format data is generated (deterministically, from the seed).",
+        "when omitted, MNIST-format data is generated (deterministically, from the seed). "
+        "For parquet, npy and imagefolder: a file, a directory or a pyarrow.fs URI "
+        "(s3://, gs://, hdfs://, file://); with train/ and test/ inside it, those are the "
+        "splits.",
+    )
+    num_classes: StrictInt | None = Field(
+        default=None, ge=1, description="Classes (or output width) when the data does not say."
+    )
+    targets: Literal["classes", "tokens", "values"] | None = Field(
+        default=None, description="What the targets are; default: from the first sample."
+    )
+    prefetch: StrictInt = Field(
+        default=4, ge=1, le=256,
+        description="Shares a worker reads ahead of training (file-backed and map-style).",
+    )
+    loader_threads: StrictInt = Field(
+        default=1, ge=1, le=64, description="Background threads reading a worker's samples.",
     )
     test_fraction: float = Field(
         default=0.2, gt=0.0, lt=1.0, description="Held-out split when the dataset has none."
@@ -286,7 +306,9 @@ class ProtocolSpec(_Strict):
     batch: Literal["fixed", "perf_aware"] = "fixed"
     replan_pushes: StrictInt = Field(
         default=0, ge=0, description="perf_aware: re-plan every k pushes (0: every epoch).")
-    scale_lr: bool = Field(default=False, description="perf_aware: scale α by b_i/b0.")
+    scale_lr: bool = Field(default=True, description=(
+        "perf_aware: scale α by b_i/b0 (the default: the best arm measured by "
+        "bench/async_ji.py); false: α0 for every batch size, the paper's plain reading."))
     shards: StrictInt = Field(
         default=1, ge=1, le=64, description="Server actors the flat parameters are split "
         "over (each slice with its own optimizer state); 1: one server.")

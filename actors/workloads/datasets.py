@@ -36,6 +36,7 @@ from dynabatch.actors.workloads.formats import (
 from dynabatch.actors.workloads.imports import call_user, resolve_callable
 
 BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource")
+FILE_DATASETS = ("parquet", "npy", "imagefolder")
 
 # Distinct RNG stream tags, so that e.g. changing the limit never changes the data itself.
 _TAG_SYNTHETIC = 0x53594E
@@ -527,6 +528,24 @@ def _user(spec: DatasetSpec, seed: int) -> DatasetArrays:
         result = call_user(fn, spec.name, field, **spec.options)
     except _InvalidArrays as err:  # the loader built a DatasetArrays that failed validation
         raise WorkloadError(f"{field}: {spec.name!r} returned invalid data: {err.problem}") from err
+    return user_arrays(spec, result, seed)
+
+
+_VALUES_HINT = ("; for regression targets return DatasetArrays(..., targets=\"values\") "
+                "(from dynabatch.actors.workloads.datasets import DatasetArrays) or set "
+                "dataset.targets: values")
+
+
+def user_arrays(spec: DatasetSpec, result: Any, seed: int) -> DatasetArrays:
+    """A user loader's return value as DatasetArrays (a map-style dataset is read whole:
+    only :func:`load_dataset`'s callers that need every sample in memory get here)."""
+    field = "dataset.name"
+    from dynabatch.actors.data.mapstyle import split_result
+
+    if split_result(result) is not None:
+        from dynabatch.actors.data.open import materialise
+
+        return materialise(spec, seed)
     if isinstance(result, DatasetArrays):
         return result
     if not isinstance(result, tuple | list) or len(result) != 4:
@@ -536,26 +555,33 @@ def _user(spec: DatasetSpec, seed: int) -> DatasetArrays:
             else f"a {type(result).__name__}"
         )
         raise WorkloadError(
-            f"{field}: {spec.name!r} returned {what}; expected DatasetArrays or a tuple "
-            "(x_train, y_train, x_test, y_test)"
+            f"{field}: {spec.name!r} returned {what}; expected DatasetArrays, a tuple "
+            "(x_train, y_train, x_test, y_test) or a map-style dataset (__len__ and "
+            "__getitem__ returning (input, target))"
         )
     x_tr, y_tr, x_te, y_te = result
-    if np.ndim(y_tr) == 2 and np.asarray(y_tr).dtype.kind in "iu":
-        # Integer (N, T) targets: token sequences; the vocabulary covers every id seen.
-        try:
+    try:
+        if spec.targets == "values" or (
+                spec.targets is None and np.asarray(y_tr).dtype.kind == "f"
+                and not np.all(np.asarray(y_tr) == np.round(np.asarray(y_tr)))):
+            # Float targets that are not whole numbers are regression targets.
+            width = 1 if np.ndim(y_tr) == 1 else int(np.shape(y_tr)[1])
+            return DatasetArrays(spec.name, x_tr, y_tr, x_te, y_te, num_classes=width,
+                                 targets="values")
+        if np.ndim(y_tr) == 2 and np.asarray(y_tr).dtype.kind in "iu":
+            # Integer (N, T) targets: token sequences; the vocabulary covers every id seen.
             top = max(int(np.max(a)) for a in (x_tr, y_tr, x_te, y_te))
             return DatasetArrays(spec.name, x_tr, y_tr, x_te, y_te, num_classes=max(top + 1, 2),
                                  targets="tokens")
-        except _InvalidArrays as err:
-            raise WorkloadError(
-                f"{field}: {spec.name!r} returned invalid data: {err.problem}") from err
-    try:
         labels = [_as_labels(y_tr, "y_train"), _as_labels(y_te, "y_test")]
         # A tuple carries no class count: infer it from the largest label seen.
         top = max((int(y.max()) for y in labels if len(y)), default=0)
-        return DatasetArrays(spec.name, x_tr, labels[0], x_te, labels[1], num_classes=top + 1)
+        return DatasetArrays(spec.name, x_tr, labels[0], x_te, labels[1],
+                             num_classes=spec.num_classes or top + 1)
     except _InvalidArrays as err:
-        raise WorkloadError(f"{field}: {spec.name!r} returned invalid data: {err.problem}") from err
+        hint = _VALUES_HINT if "class labels" in err.problem else ""
+        raise WorkloadError(
+            f"{field}: {spec.name!r} returned invalid data: {err.problem}{hint}") from err
 
 
 def _pysource(spec: DatasetSpec, seed: int) -> DatasetArrays:
@@ -583,6 +609,10 @@ def load_dataset(spec: DatasetSpec, seed: int = 0) -> DatasetArrays:
 
     Raises :class:`WorkloadError` naming the spec field at fault.
     """
+    if spec.name in FILE_DATASETS:  # read whole: the simulator and protocol: ps only
+        from dynabatch.actors.data.open import materialise
+
+        return materialise(spec, seed)
     loader = _BUILTINS.get(spec.name, _user)
     arrays = loader(spec, seed)
     return _limit(arrays, spec.limit, seed)

@@ -103,7 +103,7 @@ def _paint(tex: np.ndarray, shift: np.ndarray) -> np.ndarray:
 
 
 def cifar_like(n_train: int = 4000, n_test: int = 1000, seed: int = 0,
-               distractor: float = 0.6, noise: float = 0.8) -> DatasetArrays:
+               distractor: float = 0.4, noise: float = 0.5) -> DatasetArrays:
     """CIFAR-format arrays (float32 (N, 3, 32, 32), standardised; labels 0..9)."""
     tex = _textures(np.random.default_rng([_TAG, 7]))  # the classes: the same for every seed
     parts = []

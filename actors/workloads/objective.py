@@ -11,7 +11,9 @@ the wrong shape or a metric that does not fit fails the job at once, naming the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,16 +56,26 @@ class Objective:
         sums of
         their union: the held-out set can be split across workers, the shards' sums added
         (``dynabatch.scheduler.sync.evaluation.combine``) and :meth:`finish` applied once."""
-        sums = {"n": float(max(0, hi - lo)), "loss": 0.0} | {m.name: 0.0 for _, m in self.metrics}
+        def batches():
+            for s in range(lo, hi, batch):
+                e = min(s + batch, hi)
+                # A writable copy of the batch: held-out sets come from the object
+                # store read-only, which torch warns about in every job log.
+                yield np.array(x[s:e]), np.array(y[s:e])
+
+        return self.eval_batches(model, batches(), max(0, hi - lo), device)
+
+    def eval_batches(self, model: nn.Module, batches: Iterable[tuple[Any, Any]], n: int,
+                     device: torch.device) -> dict[str, float]:
+        """:meth:`eval_sums` over ``n`` samples given as batches of numpy arrays (a source
+        read by position: ``dynabatch.actors.data``)."""
+        sums = {"n": float(n), "loss": 0.0} | {m.name: 0.0 for _, m in self.metrics}
         model.eval()
         try:
             with torch.no_grad():
-                for s in range(lo, hi, batch):
-                    e = min(s + batch, hi)
-                    # A writable copy of the batch: held-out sets come from the object
-                    # store read-only, which torch warns about in every job log.
-                    xb = torch.from_numpy(np.array(x[s:e])).to(device)
-                    yb = torch.from_numpy(np.array(y[s:e])).to(device)
+                for xa, ya in batches:
+                    xb = torch.from_numpy(xa).to(device)
+                    yb = torch.from_numpy(ya).to(device)
                     out = model(xb)
                     sums["loss"] += float(self.per_sample(out, yb).sum())
                     for field, m in self.metrics:

@@ -11,7 +11,7 @@ from dynabatch.api.deps import (
 from dynabatch.service.schemas import Health, Readiness
 from fastapi import APIRouter, Depends, Request, Response, status
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 health = APIRouter(
     tags=["health"], dependencies=[Depends(require_token_for_health)], responses=ERRORS
@@ -51,5 +51,5 @@ def readyz(service: ServiceDep) -> Response:
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
 def prometheus_metrics(request: Request) -> Response:
-    data = generate_latest(request.app.state.registry)
+    data = request.app.state.exposition.render()
     return Response(content=data, media_type=CONTENT_TYPE_LATEST)

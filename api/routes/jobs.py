@@ -170,10 +170,12 @@ def scale_job(
     body: Annotated[ScaleRequest, Body(openapi_examples=_SCALE_EXAMPLES)],
     service: ServiceDep,
 ) -> JobDetail:
-    """Run the job with exactly `workers` workers from its next step boundary on: the last
-    workers leave gracefully (their share of the epoch goes to the others), or new ones start
-    on free eligible nodes. The answer is the job as it is now; watch `workers` and
-    `generation` change. A job resumed from its checkpoint later keeps this size.
+    """Run the job with exactly `workers` workers from its next step boundary on: the slowest
+    workers (by measured throughput) leave gracefully (their share of the epoch goes to the
+    others), or new ones start on eligible nodes with room (several on one node when its
+    CPUs hold them). The answer is the job as it is now; watch `workers` and `generation`
+    change. When the nodes have no room for all of them, its `reason` says so at once (and
+    keeps saying it while so). A job resumed from its checkpoint later keeps this size.
 
     422 when the job's `global_batch` cannot be split that many ways."""
     return JobDetail.of(service.scale(job_id, body.workers))

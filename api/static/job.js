@@ -1,7 +1,9 @@
 // The job page: reads the job over the REST API and follows its server-sent events
 // (GET /v1/jobs/{id}/events) with fetch, so the bearer token can be sent; uPlot draws the
-// loss chart and one chart per metric the job reports. Each chart's element carries its
-// data in data-points (JSON), which the tests read.
+// loss chart (linear or log), one chart per metric the job reports, and, from the epochs'
+// records (what the workers reported), each worker's share of the global batch (stacked),
+// its compute and wait per step, and samples per second. Each chart's element carries its
+// data in data-points (JSON), which the tests read beside uPlot's own (dynabatchCharts).
 "use strict";
 (() => {
   const jobId = document.body.dataset.jobId;
@@ -34,14 +36,112 @@
   const cell = (row, text) => { const td = row.insertCell(); td.textContent = text; return td; };
   const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
-  function chart(id, series) {
+  // A uPlot chart in element `id` (made again when its series or scales change: uPlot
+  // fixes both at creation). `extra`: options merged in (scales, bands, axes).
+  function chart(id, series, extra = {}) {
     const el = $(id);
+    const old = charts[id];
+    if (old) old.plot.destroy();
     const opts = {
       width: 500, height: 240, scales: { x: { time: false } },
       axes: [{ label: "epoch" }, {}],
       series: [{ label: "epoch" }, ...series],
+      ...extra,
     };
-    charts[id] = { el, plot: new uPlot(opts, [[], ...series.map(() => [])], el) };
+    opts.scales = { x: { time: false }, ...(extra.scales || {}) };
+    const data = old && old.plot.data.length === series.length + 1
+      ? old.plot.data : [[], ...series.map(() => [])];
+    charts[id] = { el, plot: new uPlot(opts, data, el) };
+  }
+
+  // --- How the work is shared (from the epochs' records: what the workers reported) ---
+  // Workers in the order they first appear in the history.
+  function workerNames() {
+    const names = [];
+    for (const e of epochs) {
+      for (const w of e.workers || []) if (!names.includes(w.worker)) names.push(w.worker);
+    }
+    return names;
+  }
+  const colorOf = (i) => PALETTE[i % PALETTE.length];
+  const byWorker = (e) => Object.fromEntries((e.workers || []).map((w) => [w.worker, w]));
+  const perStepMs = (w, key) => (w && w.steps ? (w[key] / w.steps) * 1e3 : null);
+
+  // Each worker's share of the global batch, b_i / Σ_j b_j, stacked (as service/plots.py
+  // draws it): a band thins as the policy moves work off a slow worker. data-points holds
+  // the shares; uPlot draws their running sums, filled between neighbours.
+  function drawShares(x, names) {
+    const shares = names.map((n) => epochs.map((e) => {
+      const ws = e.workers || [];
+      const total = ws.reduce((s, w) => s + w.batch, 0);
+      const w = ws.find((v) => v.worker === n);
+      return total && w ? w.batch / total : 0;
+    }));
+    const key = names.join(",");
+    if (charts["share-chart"].key !== key) {
+      const series = names.map((n, i) => ({
+        label: n, stroke: colorOf(i), fill: colorOf(i) + "99", width: 1,
+        // The legend shows the share, not the running sum drawn.
+        value: (u, v, si, di) => {
+          const s = charts["share-chart"].shares;
+          return di == null || !s ? "-" : s[si - 1][di].toFixed(3);
+        },
+      }));
+      // Each band fills between a worker's running sum and the one below it.
+      const bands = names.slice(1).map((_, i) => ({ series: [i + 2, i + 1] }));
+      chart("share-chart", series, {
+        bands, scales: { y: { range: [0, 1] } },
+        axes: [{ label: "epoch" }, { label: "share of the global batch" }],
+      });
+      charts["share-chart"].key = key;
+    }
+    const stacked = [];
+    let run = x.map(() => 0);
+    for (const s of shares) { run = run.map((v, j) => v + s[j]); stacked.push(run); }
+    charts["share-chart"].shares = shares;
+    charts["share-chart"].plot.setData([x, ...stacked]);
+    const el = charts["share-chart"].el;
+    el.dataset.workers = JSON.stringify(names);
+    el.dataset.points = JSON.stringify([x, ...shares]);
+  }
+
+  // Compute and wait per step, per worker (ms; wait dashed), and samples per second: each
+  // worker's per compute-second and the job's per wall-second.
+  function drawWorkerCharts(x, names) {
+    const key = names.join(",");
+    if (charts["time-chart"].key !== key) {
+      chart("time-chart", names.flatMap((n, i) => [
+        { label: `${n} compute`, stroke: colorOf(i), width: 2 },
+        { label: `${n} wait`, stroke: colorOf(i), width: 2, dash: [6, 4] },
+      ]), { axes: [{ label: "epoch" }, { label: "ms per step" }] });
+      chart("throughput-chart", [
+        ...names.map((n, i) => ({ label: `${n} per compute-s`, stroke: colorOf(i), width: 2 })),
+        { label: "job per wall-s", stroke: "#222", width: 2, dash: [2, 3] },
+      ], { axes: [{ label: "epoch" }, { label: "samples/s" }] });
+      charts["time-chart"].key = charts["throughput-chart"].key = key;
+    }
+    const rows = epochs.map(byWorker);
+    const time = [x, ...names.flatMap((n) => [
+      rows.map((r) => perStepMs(r[n], "compute_s")),
+      rows.map((r) => perStepMs(r[n], "wait_s")),
+    ])];
+    const rate = [x, ...names.map((n) => rows.map((r) => (r[n] ? r[n].throughput : null))),
+                  epochs.map((e) => (e.wall_s ? e.samples_trained / e.wall_s : null))];
+    for (const [id, d] of [["time-chart", time], ["throughput-chart", rate]]) {
+      charts[id].plot.setData(d);
+      charts[id].el.dataset.workers = JSON.stringify(names);
+      charts[id].el.dataset.points = JSON.stringify(d);
+    }
+  }
+
+  // The loss on a linear or a log scale (the checkbox; a log scale needs positive values).
+  function lossChart() {
+    const log = $("loss-log").checked;
+    chart("loss-chart", [
+      { label: "train loss", stroke: "#1f77b4", width: 2 },
+      { label: "held-out loss", stroke: "#ff7f0e", width: 2 },
+    ], { scales: { y: log ? { distr: 3 } : {} } });
+    charts["loss-chart"].el.dataset.scale = log ? "log" : "linear";
   }
 
   // A record's held-out metrics by name (older records and parameter-server jobs may have
@@ -82,10 +182,17 @@
     for (const name of [...names].sort()) {
       data[metricChart(name)] = [x, epochs.map((e) => metricsOf(e)[name] ?? null)];
     }
+    if ($("loss-log").checked) {  // a log scale shows no value <= 0
+      data["loss-chart"] = data["loss-chart"].map((s, i) => (i ? s.map(
+        (v) => (v === null || v === undefined || v > 0 ? v : null)) : s));
+    }
     for (const [id, d] of Object.entries(data)) {
       charts[id].plot.setData(d);
       charts[id].el.dataset.points = JSON.stringify(d);
     }
+    const workers = workerNames();
+    drawShares(x, workers);
+    drawWorkerCharts(x, workers);
   }
 
   // Where the job is: live, its epoch and step; finished, how many epochs it completed.
@@ -113,6 +220,9 @@
     cell(row, Object.entries(e.test_metrics || {}).map(([k, v]) => `${k} ${fmt(v)}`).join(", "));
     cell(row, fmt(e.compute_balance, 3));
     cell(row, fmt(e.utilization, 3));
+    // The time a step waited for its samples (0 when the loader's read-ahead hid it).
+    const dw = e.breakdown ? e.breakdown.data_wait_s : null;
+    cell(row, dw === null || dw === undefined ? "" : `${(dw * 1e3).toFixed(1)} ms`);
     cell(row, e.verified ? "yes" : "no");
     $("balance").textContent = fmt(e.compute_balance, 3);
     drawCharts();
@@ -271,9 +381,10 @@
     follow();
   });
 
-  chart("loss-chart", [
-    { label: "train loss", stroke: "#1f77b4", width: 2 },
-    { label: "held-out loss", stroke: "#ff7f0e", width: 2 },
-  ]);
+  lossChart();
+  $("loss-log").addEventListener("change", () => { lossChart(); drawCharts(); });
+  for (const id of ["share-chart", "time-chart", "throughput-chart"]) chart(id, []);
+  // The charts, for the page's tests (tests/e2e): what uPlot holds and draws.
+  window.dynabatchCharts = charts;
   if (tokenRequired && !token) askToken(""); else follow();
 })();

@@ -17,6 +17,13 @@ batch) and ``max_size = min(max_workers or workers or B, B)`` (a worker needs at
 sample per step), so ``workers: auto`` is bounded too. Below ``min_size`` the job waits
 with a reason.
 
+Placement and scale. A new worker goes first to a node with none of the job's workers.
+At the first start a small cluster shares nodes round-robin; later (a scale-up, a
+replacement) a node that hosts the job's workers takes more only while it has room now
+(:attr:`NodeInfo.slots`: its unreserved CPUs and GPUs), and what cannot be placed is
+reported (:attr:`Membership.unplaced`, :meth:`Membership.unplaceable`) for the driver to
+say. A scale-down drains the slowest first (:func:`slowest_first`, by measured speed).
+
 Spares. A worker's start-up (a process, the torch import, the model, the data) takes
 seconds; a pre-warmed *spare* on an idle node pays it ahead, so a worker that later starts
 there (a scale-up, a replacement after a loss) adopts the spare and only takes its identity.
@@ -113,6 +120,20 @@ class RegroupPlan:
 
     members: tuple[str, ...]
     needs_state: bool
+
+
+def slowest_first(workers: Sequence[tuple[str, int]], speeds: dict[str, float] | None
+                  ) -> list[str]:
+    """Worker ids (with their ordinals) in the order a scale-down removes them: those not
+    measured yet (no entry in ``speeds``, or 0) first, the newest of them first, then the
+    slowest measured (``speeds``: samples per second)."""
+    speeds = speeds or {}
+
+    def key(w: tuple[str, int]) -> tuple[bool, float, int]:
+        v = speeds.get(w[0], 0.0)
+        return (v > 0, v, -w[1])
+
+    return [w for w, _ in sorted(workers, key=key)]
 
 
 class Membership:
@@ -327,13 +348,9 @@ class Membership:
 
     def drain_order(self, speeds: dict[str, float] | None = None) -> list[Member]:
         """Members in the order a scale-down removes them (see :meth:`request_scale`)."""
-        speeds = speeds or {}
-
-        def key(m: Member) -> tuple[bool, float, int]:
-            v = speeds.get(m.worker_id, 0.0)
-            return (v > 0, v, -m.ordinal)
-
-        return sorted(self.members, key=key)
+        order = slowest_first([(m.worker_id, m.ordinal) for m in self.members], speeds)
+        by_id = {m.worker_id: m for m in self.members}
+        return [by_id[w] for w in order]
 
     def apply_drains(self) -> list[Change]:
         return [c for w in list(self._drain) if (c := self.remove(w, "leave", "drained"))]

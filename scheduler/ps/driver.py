@@ -17,8 +17,9 @@ events:
   code raised (a deterministic error, e.g. a workload that cannot train) fails the job with
   that error as the reason;
 * ``scale`` up spawns learners that join, pull and start; ``scale`` down and ``drain`` kill
-  learners (the newest first) and they leave, their in-flight samples re-queued; a node the
-  runtime adds for the job (the simulator's cluster joins) gets a learner;
+  learners (a scale-down the slowest first, by samples applied per second) and they
+  leave, their in-flight samples re-queued; a node the runtime adds for the job (the
+  simulator's cluster joins) gets a learner;
 * ``protocol.shards: k`` runs k−1 shards beside the server, which holds slice 0 and the one
   core (the protocol is decided in one place only).
 """
@@ -31,6 +32,7 @@ from typing import Any
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.control import JobControl
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.membership import slowest_first
 from dynabatch.scheduler.core.ps.batch_policy import JiConfig, PerfAwareBatches
 from dynabatch.scheduler.core.ps.machine import PSCore
 from dynabatch.scheduler.core.ps.protocol import PSConfig
@@ -274,8 +276,22 @@ class PSCoordinator(JobControl):
                 self._nodes = self.runtime.nodes() or self._nodes
                 while len(self._learners) < arg:
                     self._spawn(self._nodes[self._next % len(self._nodes)].node_id)
-                for w in sorted(self._learners, key=_ordinal)[arg:]:  # the newest go first
+                extra = max(0, len(self._learners) - arg)
+                for w in self._slowest_first()[:extra]:
                     self._remove(w, f"scaled down to {arg}")
+
+    def _slowest_first(self) -> list[str]:
+        """Learners in the order a scale-down removes them: by samples applied per second
+        since each joined, the slowest first (one with none applied yet first of all)."""
+        now = self.clock.time()
+        joined = {e.worker: e.time for e in self.events if e.kind == "join"}
+        stats = (self._snap or {}).get("workers", {})
+        speeds = {}
+        for w in self._learners:
+            v, age = stats.get(w), now - joined.get(w, now)
+            if v and age > 0:
+                speeds[w] = v.get("applied", 0) * v.get("batch", 0) / age
+        return slowest_first([(w, _ordinal(w)) for w in self._learners], speeds)
 
     def _remove(self, w: str, why: str) -> None:
         """Stop learner ``w``: it leaves, its in-flight samples are re-queued."""

@@ -51,6 +51,21 @@ def load_checked(spec: JobSpec) -> tuple[Any, Any]:
     return ds, check_objective(spec, model, ds.x_train, ds.y_train)
 
 
+def open_checked(spec: JobSpec) -> tuple[Any, Any]:
+    """:func:`load_checked` for data read by position: the job's
+    :class:`~dynabatch.actors.data.open.Opened` data (arrays, or sources and the refs its
+    workers open) and its objective, checked on the first two training samples. No Ray."""
+    import numpy as np
+    from dynabatch.actors.data.open import open_dataset
+    from dynabatch.actors.workloads.models import build_model
+    from dynabatch.actors.workloads.objective import check_objective
+
+    data = open_dataset(spec.dataset, seed=spec.seed)
+    model = build_model(spec.model, tuple(data.input_shape), data.num_classes)
+    x2, y2 = data.train.read(np.arange(min(2, len(data.train))))
+    return data, check_objective(spec, model, x2, y2)
+
+
 class RayRuntime:
     def __init__(self, spec: JobSpec, output: ActorOutput | None = None):
         self.spec = spec
@@ -69,16 +84,18 @@ class RayRuntime:
 
     # --- data -------------------------------------------------------------------------
     def load_data(self) -> DataInfo:
-        ds, self._objective = load_checked(self.spec)
+        data, self._objective = open_checked(self.spec)
+        if data.arrays is not None:  # in memory: the arrays travel through the object store
+            ds = data.arrays
+            train = (ray.put(ds.x_train), ray.put(ds.y_train))
+            test = (ray.put(ds.x_test), ray.put(ds.y_test))
+        else:  # read by position: each worker opens the source and reads what it trains
+            train, test = (data.refs[0], None), (data.refs[1], None)
         self._data = {
-            "x_train": ray.put(ds.x_train),
-            "y_train": ray.put(ds.y_train),
-            "x_test": ray.put(ds.x_test),
-            "y_test": ray.put(ds.y_test),
-            "input_shape": tuple(ds.input_shape),
-            "num_classes": ds.num_classes,
+            "x_train": train[0], "y_train": train[1], "x_test": test[0], "y_test": test[1],
+            "input_shape": tuple(data.input_shape), "num_classes": data.num_classes,
         }
-        return DataInfo(ds.name, len(ds.y_train), len(ds.y_test))
+        return DataInfo(data.name, len(data.train), len(data.test))
 
     # --- workers ----------------------------------------------------------------------
     def nodes(self) -> list[NodeInfo]:
@@ -278,7 +295,7 @@ class RayRuntime:
                 self._plan_store = dist.TCPStore(rv.host, rv.port, None, is_master=False,
                                                  timeout=timedelta(seconds=timeout_s))
             return self._plan_store.compare_set(update.key, "", data) == data
-        except Exception:  # noqa: BLE001 - unreachable store: the update is not applied
+        except Exception:  # unreachable store: the update is not applied
             self._plan_store = None
             return False
 

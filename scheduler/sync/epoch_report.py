@@ -11,7 +11,7 @@ epoch's evaluation is in (it runs on the holders after the epoch, off the critic
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dynabatch.actors.contracts import StepTelemetry
@@ -22,7 +22,7 @@ from dynabatch.scheduler.sync.evaluation import EvalRound
 from dynabatch.scheduler.telemetry import EpochRecord, StepBreakdown, WorkerEpochStats
 
 _PHASES = ("gather_s", "forward_s", "backward_s", "wait_s", "optimizer_s", "overlap_s",
-           "micro_batches")
+           "micro_batches", "data_wait_s")
 
 
 @dataclass
@@ -41,6 +41,7 @@ class EpochTotals:
     busy: float = 0.0
     evaluation: float = 0.0
     steps: int = 0
+    loader_rates: list[float] = field(default_factory=list)
 
     def add_step(self, reports: list[StepTelemetry]) -> None:
         if not reports:
@@ -49,6 +50,9 @@ class EpochTotals:
             self.phases = dict.fromkeys(_PHASES, 0.0)
         for k in _PHASES:
             self.phases[k] += sum(getattr(r, k) for r in reports) / len(reports)
+        rates = [r.loader_rate for r in reports if r.loader_rate]
+        if rates:
+            self.loader_rates.append(sum(rates) / len(rates))
         self.steps += 1
         for rep in reports:
             self.loss_sum += rep.loss_sum
@@ -65,6 +69,9 @@ class EpochTotals:
         ph = {k: v / n for k, v in self.phases.items()}
         return StepBreakdown(
             gather_s=ph["gather_s"], forward_s=ph["forward_s"], backward_s=ph["backward_s"],
+            data_wait_s=ph["data_wait_s"],
+            loader_rate=(sum(self.loader_rates) / len(self.loader_rates)
+                         if self.loader_rates else None),
             allreduce_wait_s=ph["wait_s"], optimizer_s=ph["optimizer_s"],
             overlap_s=ph["overlap_s"], micro_batches=ph["micro_batches"],
             coordinator_s=max(0.0, elapsed - self.evaluation - self.busy) / n,
@@ -128,4 +135,28 @@ def summary(record: EpochRecord) -> str:
     shown = acc if acc is None else round(acc, 4)
     return (f"epoch {record.epoch}: {record.wall_s:.2f}s, loss {record.train_loss:.4f}, acc "
             f"{shown}, balance {record.compute_balance:.3f}, utilization "
-            f"{record.utilization:.3f}, {record.samples_trained} samples verified exactly once")
+            f"{record.utilization:.3f}, {record.samples_trained} samples verified exactly once"
+            + explain_utilization(record))
+
+
+def explain_utilization(record: EpochRecord) -> str:
+    """Where a worker's step went, from the workers' reports (means over workers): what
+    utilization (compute over the workers' wall time) leaves out. "" without a breakdown.
+
+    The rest of a step is what no phase accounts for; in an emulated run (compute timed as
+    thread CPU time, see dynabatch.actors.emulation) it is mostly time a worker was ready to
+    run but had no core: emulated nodes share the machine's cores with each other and with
+    whatever else runs there, which a cluster of real nodes would not."""
+    b, ws = record.breakdown, [w for w in record.workers if w.steps]
+    if b is None or not ws or not record.steps:
+        return ""
+    step = record.wall_s / record.steps
+    compute = sum(w.compute_s / w.steps for w in ws) / len(ws)
+    wait = sum(w.wait_s / w.steps for w in ws) / len(ws)
+    parts = {"compute": compute, "all-reduce wait": wait, "optimizer": b.optimizer_s,
+             "coordinator": b.coordinator_s, "evaluation": b.evaluation_s}
+    rest = max(0.0, step - sum(parts.values()))
+    shown = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items())
+    why = (" (ready to run without a core: the emulated nodes share this machine's cores; a "
+           "peer's such delay shows in the all-reduce wait)" if record.emulated else "")
+    return f" (a {step * 1e3:.1f} ms step: {shown}, rest {rest * 1e3:.1f} ms{why})"

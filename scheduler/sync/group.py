@@ -139,11 +139,11 @@ class Group(Part):
         note = None if unplaced is None else self.placement_text(*unplaced)
         with c._lock:
             asked = any(kind == "scale" for kind, _ in c._requests)
-        if note == c.placement_note or (note is None and asked):
-            return  # (a scale request not applied yet: its note stands until it is)
-        if note is not None:
+        if note is None and asked:
+            return  # a scale request not applied yet: its note stands until it is
+        if note != c.placement_note and note is not None:
             self.log("WARNING", f"cannot place every worker: {note}")
-        elif c.placement_note is not None:
+        elif note != c.placement_note:
             self.log("INFO", "every requested worker is placed")
         with c._lock:
             if c.reason is None or c.reason == c.placement_note:

@@ -12,6 +12,14 @@ have trained (its workers left the group) and is collected and discarded.
 
 When a segment may be sent ahead, where it starts and how its wall time is attributed are
 pure decisions (``dynabatch.scheduler.core.sync.pipeline``); this module executes them.
+
+Plan updates. With a runtime that takes them (``UpdatingRuntime``), a re-plan does not wait
+for the segment in flight either: it is adopted from the second step of that segment
+(``update_at``: the workers may have started its first) and posted to the workers
+(``update_segment``), which apply it at their next step boundary, all from that step, or
+none of them; a refused update (a worker had started the step) defers the allocation to
+the step after the segment (``SyncProtocol.defer``). See
+``dynabatch.scheduler.core.sync.update``.
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ class Pipeline(Part):
         a, p = self.job.ahead, self.job.protocol
         if self.updater is None or a is None or a.position.epoch != p.epoch:
             return None
+        if not next(iter(a.plans.values())).updates:
+            return None  # its workers claim no step (rebalance: epoch): they would not see it
         return update_at(committed=p.step, ahead_start=a.position.step,
                          ahead_end=a.position.step + a.length)
 

@@ -12,6 +12,7 @@ that).
 from __future__ import annotations
 
 import ipaddress
+import os
 import sys
 import time
 from pathlib import Path
@@ -192,11 +193,86 @@ def _serve(insecure: bool, **overrides: Any) -> None:
     except RayCallError as err:
         raise CliError(str(err)) from None
     app = create_app(settings, service=service)
+
+    def past_deadline() -> None:
+        # The graceful stop is stuck (on a Ray that is gone, say): record the live jobs as
+        # the lifespan would have, and leave.
+        logging.getLogger("dynabatch.service").warning(
+            "shutdown took over %.0f s; exiting now", SHUTDOWN_DEADLINE_S)
+        try:
+            service.interrupt_live()
+        finally:
+            _exit_now(0)
+
+    server = graceful_server(
+        uvicorn.Config(app, host=settings.host, port=settings.port,
+                       log_level=settings.log_level),
+        deadline_s=SHUTDOWN_DEADLINE_S, on_deadline=past_deadline,
+    )
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+        server.run()
     finally:
         service.cluster.close()
         service.store.close()
+    if server.signalled:
+        # Asked to stop (SIGTERM, SIGINT), and stopped: exit 0, without the interpreter's
+        # exit handlers (Ray's would wait on a GCS that the same signal may have ended).
+        _exit_now(0)
+    if not server.started:
+        raise CliError(f"the API did not start on {settings.host}:{settings.port} "
+                       "(see the log above)")
+
+
+# How long `serve` may take to stop once signalled (SIGTERM or SIGINT, to it or to its whole
+# process group); then it exits anyway, 0.
+SHUTDOWN_DEADLINE_S = 4.0
+
+
+def _exit_now(code: int) -> None:
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def graceful_server(config: Any, *, deadline_s: float, on_deadline: Any) -> Any:
+    """A uvicorn server that stops gracefully on SIGTERM or SIGINT and then lets ``serve``
+    exit 0 (uvicorn itself raises the signal again once it stopped, so the process ends
+    *by* the signal: status 143 for SIGTERM), with ``on_deadline`` called if the stop has
+    not finished ``deadline_s`` after the first signal."""
+    import signal
+    import threading
+    from contextlib import contextmanager
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        signalled = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.signalled:
+                self.signalled = True
+                timer = threading.Timer(deadline_s, on_deadline)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+        @contextmanager
+        def capture_signals(self) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
 
 
 def submit(
@@ -404,6 +480,8 @@ def scale(
     with api_client(ctx, url, token, job_id=job_id) as client:
         job = client.scale(job_id, workers)
         typer.echo(_accepted(job, f"scale to {workers} workers requested"))
+        if job.reason:  # e.g. no node has room for the workers asked for
+            typer.echo(f"note: {job.reason}")
 
 
 def drain(

@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 _COLUMNS = (
-    ("gather", "gather_s"), ("forward", "forward_s"), ("backward", "backward_s"),
+    ("gather", "gather_s"), ("data wait", "data_wait_s"), ("forward", "forward_s"),
+    ("backward", "backward_s"),
     ("all-reduce wait", "allreduce_wait_s"), ("optimizer", "optimizer_s"),
     ("coordinator", "coordinator_s"), ("evaluation", "evaluation_s"),
     ("evaluation hidden", "evaluation_hidden_s"), ("overlapped", "overlap_s"),

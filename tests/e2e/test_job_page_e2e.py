@@ -11,8 +11,10 @@ Headless Chromium (Debian's `chromium`, driven over the DevTools pipe: tests/e2e
 opens the job's page from a link carrying the token while the job runs: the state is
 RUNNING, the scale and cancel controls show, and the charts hold the epochs so far and grow
 as the job goes on, without a reload. Once it ends, the same page shows the finished state,
-and the charts (the loss, and one per metric) hold the job's whole history as REST reports
-it. A screenshot is saved under tests/artifacts/. An unknown job's page is a 404 for a
+and the charts (the loss, one per metric, each worker's share of the global batch, compute
+and wait per worker, samples per second) hold the job's whole history as REST reports it:
+the test reads what uPlot holds and that its canvas is painted, and switches the loss to a
+log scale. A screenshot is saved under tests/artifacts/. An unknown job's page is a 404 for a
 request that carries the token, and tells nothing to one that does not.
 """
 
@@ -249,12 +251,98 @@ def test_shipped_code_live_page_and_the_output_of_a_worker_that_died(
     assert d.by_id["balance"]["text"].strip() == f"{history[-1]['compute_balance']:.3f}"
     assert d.by_id["controls"]["attrs"].get("hidden") is not None  # finished: no controls
     assert "about to die" in d.by_id["log"]["text"]
+    _check_work_charts(page, history)
 
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "job-page.png"
     shot.unlink(missing_ok=True)
     page.screenshot(shot)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# job.js's palette: worker i's colour.
+PALETTE = ["#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+
+
+def drawn(page: Page, chart_id: str, colors: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What uPlot holds and drew for a chart: its data, series labels and y scale, and, per
+    colour asked for, how many of its canvas's pixels are painted in it (the series drawn)."""
+    rgb = [[int(c[i:i + 2], 16) for i in (1, 3, 5)] for c in colors]
+    return json.loads(page.eval(f"""(() => {{
+        const p = window.dynabatchCharts['{chart_id}'].plot;
+        const c = p.ctx.canvas;
+        const px = p.ctx.getImageData(0, 0, c.width, c.height).data;
+        const want = {json.dumps(rgb)};
+        const painted = want.map(() => 0);
+        for (let i = 0; i < px.length; i += 4) {{
+            if (px[i + 3] < 64) continue;
+            want.forEach((w, k) => {{
+                if (Math.abs(px[i] - w[0]) + Math.abs(px[i + 1] - w[1])
+                    + Math.abs(px[i + 2] - w[2]) < 40) painted[k]++;
+            }});
+        }}
+        return JSON.stringify({{data: p.data, labels: p.series.map((s) => s.label),
+                               distr: p.scales.y.distr, painted}});
+    }})()"""))
+
+
+def _check_work_charts(page: Page, history: list[dict[str, Any]]) -> None:
+    """Issue 24 item 10: how dynabatch shares the work, from the epochs' records (what the
+    workers reported): each worker's share of the global batch (stacked), its compute and
+    wait per step, samples per second; and the loss on a log scale."""
+    x = list(range(EPOCHS))
+    names: list[str] = []
+    for h in history:
+        names += [w["worker"] for w in h["workers"] if w["worker"] not in names]
+    rows = [{w["worker"]: w for w in h["workers"]} for h in history]
+
+    def share(r: dict[str, Any], n: str) -> float:
+        total = sum(w["batch"] for w in r.values())
+        return r[n]["batch"] / total if n in r and total else 0.0
+
+    colors = tuple(PALETTE[i % len(PALETTE)] for i in range(len(names)))
+    shares = drawn(page, "share-chart", colors)
+    assert shares["labels"][1:] == names
+    stacked = shares["data"]
+    assert stacked[0] == x
+    running = [0.0] * EPOCHS
+    for i, n in enumerate(names):  # uPlot draws the running sums: each band is a share
+        running = [v + share(r, n) for v, r in zip(running, rows, strict=True)]
+        assert stacked[i + 1] == pytest.approx(running)
+    assert stacked[-1] == pytest.approx([1.0] * EPOCHS)
+    assert points(page, "share-chart")[1:] == [
+        pytest.approx([share(r, n) for r in rows]) for n in names]
+    assert all(n > 200 for n in shares["painted"]), shares["painted"]  # every band
+
+    time = drawn(page, "time-chart", colors)
+    assert time["labels"][1:] == [f"{n} {k}" for n in names for k in ("compute", "wait")]
+    for i, n in enumerate(names):
+        for j, key in enumerate(("compute_s", "wait_s")):
+            want = [r[n][key] / r[n]["steps"] * 1e3 if n in r and r[n]["steps"] else None
+                    for r in rows]
+            assert time["data"][1 + 2 * i + j] == pytest.approx(want)
+    assert all(n > 20 for n in time["painted"]), time["painted"]
+
+    rate = drawn(page, "throughput-chart")
+    assert rate["labels"][1:] == [f"{n} per compute-s" for n in names] + ["job per wall-s"]
+    for i, n in enumerate(names):
+        assert rate["data"][1 + i] == pytest.approx(
+            [r[n]["throughput"] if n in r else None for r in rows])
+    assert rate["data"][-1] == pytest.approx(
+        [h["samples_trained"] / h["wall_s"] for h in history])
+    assert all(v > 0 for v in rate["data"][-1])
+
+    # The loss: linear, then log at a click, drawing the same values.
+    loss = drawn(page, "loss-chart", ("#1f77b4",))
+    assert loss["distr"] == 1
+    page.eval("document.getElementById('loss-log').click(), true")
+    logged = page.wait_for("window.dynabatchCharts['loss-chart'].plot.scales.y.distr === 3",
+                           "the loss chart on a log scale", 10)
+    assert logged
+    log_loss = drawn(page, "loss-chart", ("#1f77b4",))
+    assert page.eval("document.getElementById('loss-chart').dataset.scale") == "log"
+    assert log_loss["data"][1] == pytest.approx([h["train_loss"] for h in history])
+    assert log_loss["painted"][0] > 20
 
 
 def test_an_unknown_jobs_page(server: ApiServer, browser: Browser) -> None:

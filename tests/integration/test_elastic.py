@@ -274,3 +274,30 @@ def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster):
     assert coord.snapshot().state == JobState.CANCELLED
     assert coord.runtime.spare_nodes() == {}
     wait_for(lambda: set(free_cpus().values()) == {1.0}, timeout=20)  # all released
+
+
+def test_scale_up_shares_a_node_with_room_or_says_why_not(cluster):
+    """Issue 24 item 1: on one 2-CPU node, a 1-worker job scaled to 2 starts its second
+    worker on that node (it has the CPU); scaled to 3, the reply says at once that no node
+    has room, and the status keeps saying it."""
+    tag = "elastic_share"
+    cluster.add_node(num_cpus=2, resources={tag: 1}, object_store_memory=80 * 2**20)
+    cluster.wait_for_nodes()
+    coord = Coordinator("share", _spec(tag, workers=1, max_workers=3, epochs=500, spares=0),
+                        resume=False)
+    thread = _start(coord)
+    try:
+        wait_for(lambda: coord.state == JobState.RUNNING and coord.epoch >= 1, timeout=120,
+                 interval=0.05)
+        assert coord.scale(2).reason is None
+        wait_for(lambda: len(coord.members) == 2, timeout=60, interval=0.05)
+        assert len({m.node for m in coord.members}) == 1  # both on the one node
+        snap = coord.scale(3)
+        assert "2 of 3 requested workers placed" in (snap.reason or ""), snap.reason
+        time.sleep(1.0)
+        assert len(coord.members) == 2
+        assert "2 of 3 requested workers placed" in (coord.snapshot().reason or "")
+    finally:
+        coord.cancel("test done")
+        thread.join(timeout=60)
+    assert coord.snapshot().state == JobState.CANCELLED

@@ -98,9 +98,10 @@ def test_ps_modes_join_shards_scale_down_and_wait(cluster):
     assert any(e.kind == "join" and e.worker == "w2" for e in coord.events)
 
     # 3-softsync over two server shards (the core decides on one; the slices apply on
-    # both); scaled down to 2 mid-run: the newest learner leaves, the job finishes.
+    # both); scaled down to 2 mid-run: the slowest learner (w2, emulated 30x) leaves, the job
+    # finishes.
     coord = PSCoordinator("ps-soft", _spec(
-        "ps-soft", workers=3, epochs=3,
+        "ps-soft", workers=3, epochs=3, emulation={"slowdowns": [1, 1, 30]},
         protocol={"name": "ps", "mode": "softsync", "n": 3, "lr_staleness": "per_gradient",
                   "shards": 2}))
     thread = _start(coord)

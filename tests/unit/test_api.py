@@ -764,6 +764,32 @@ def test_metrics_scrapes_share_one_store_read_until_it_changes(
     assert reads["n"] == 2
 
 
+def test_concurrent_scrapes_share_one_render_per_interval(
+    make_app: MakeApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dynabatch.api.metrics
+
+    client, service, _ = make_app(sync_interval_s=30.0)  # the cache lives 1 s at most
+    job = _submit(client)
+    service.sync_once()
+    renders = {"n": 0}
+    render = dynabatch.api.metrics.generate_latest
+
+    def counted(registry: Any) -> bytes:
+        renders["n"] += 1
+        return render(registry)
+
+    monkeypatch.setattr(dynabatch.api.metrics, "generate_latest", counted)
+    bodies = {client.get("/metrics").text for _ in range(10)}
+    assert renders["n"] == 1 and len(bodies) == 1 and job in bodies.pop()
+    service.sync_job(job)  # a change: rendered again
+    client.get("/metrics")
+    assert renders["n"] == 2
+    time.sleep(1.05)  # never older than the interval
+    client.get("/metrics")
+    assert renders["n"] == 3
+
+
 def test_request_metrics_use_route_templates(make_app: MakeApp) -> None:
     client, _, _ = make_app()
     client.get(f"/v1/jobs/{'0' * 12}")

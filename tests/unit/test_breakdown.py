@@ -115,7 +115,7 @@ def test_every_epoch_reports_its_breakdown_with_evaluation_off_the_critical_path
 
 
 def test_the_cli_table_shows_milliseconds_per_step_for_every_phase():
-    b = StepBreakdown(gather_s=0.001, forward_s=0.002, backward_s=0.004,
+    b = StepBreakdown(gather_s=0.001, data_wait_s=0.0007, forward_s=0.002, backward_s=0.004,
                       allreduce_wait_s=0.0005, optimizer_s=0.0003, overlap_s=0.0015,
                       coordinator_s=0.0002, evaluation_s=0.0012, evaluation_hidden_s=0.0024,
                       micro_batches=2.0)
@@ -126,6 +126,7 @@ def test_the_cli_table_shows_milliseconds_per_step_for_every_phase():
     cols = [c.strip() for c in header.strip("┃ ").split("┃")]
     vals = [c.strip() for c in row.strip("│ ").split("│")]
     assert dict(zip(cols, vals, strict=True)) == {
-        "gather": "1.0", "forward": "2.0", "backward": "4.0", "all-reduce wait": "0.5",
+        "gather": "1.0", "data wait": "0.7", "forward": "2.0", "backward": "4.0",
+        "all-reduce wait": "0.5",
         "optimizer": "0.3", "coordinator": "0.2", "evaluation": "1.2",
         "evaluation hidden": "2.4", "overlapped": "1.5", "micro-batches": "2"}

@@ -507,7 +507,7 @@ def test_user_loader_returning_a_tuple() -> None:
             {},
             f"dataset.name: '{PLUGINS}:NOT_CALLABLE' is not callable (it is a int)",
         ),
-        (f"{PLUGINS}:dict_loader", {}, "returned a dict; expected DatasetArrays or a tuple"),
+        (f"{PLUGINS}:dict_loader", {}, "returned a dict; expected DatasetArrays, a tuple"),
         (f"{PLUGINS}:short_tuple_loader", {}, "returned a 2-tuple; expected DatasetArrays"),
         (
             f"{PLUGINS}:mismatched_loader",

@@ -4,7 +4,7 @@ worker first, by measured throughput."""
 
 from __future__ import annotations
 
-from dynabatch.scheduler.core.membership import Membership, NodeInfo
+from dynabatch.scheduler.core.membership import Membership, NodeInfo, slowest_first
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -135,7 +135,7 @@ def _run_epoch(coord, epoch):
 
 
 def test_driver_scale_up_shares_the_machine_then_drains_the_slowest():
-    coord, rt = _coord(room_per_node=4)
+    coord, _ = _coord(room_per_node=4)
     _run_epoch(coord, 1)
     assert coord.membership.worker_ids == ("w0", "w1")
     snap = coord.scale(3)
@@ -144,14 +144,14 @@ def test_driver_scale_up_shares_the_machine_then_drains_the_slowest():
     assert coord.membership.worker_ids == ("w0", "w1", "w2")
     _run_epoch(coord, 4)
     coord.scale(2)  # w1 (250 samples/s) is the slowest, w2 (500) is kept
-    _run_epoch(coord, 6)
+    coord.run()
     assert sorted(coord.membership.worker_ids) == ["w0", "w2"]
     leaves = [e.worker for e in coord.membership_events() if e.kind == "leave"]
     assert leaves == ["w1"]
 
 
 def test_driver_scale_up_without_room_says_why_at_once_and_keeps_saying_it():
-    coord, rt = _coord(room_per_node=2)
+    coord, _ = _coord(room_per_node=2)
     _run_epoch(coord, 1)
     snap = coord.scale(3)
     assert snap.reason and "2 of 3 requested workers placed" in snap.reason
@@ -161,3 +161,11 @@ def test_driver_scale_up_without_room_says_why_at_once_and_keeps_saying_it():
     assert "2 of 3 requested workers placed" in (snap.reason or "")
     logged = [x.message for x in coord.logs() if "requested workers placed" in x.message]
     assert logged and len(logged) == 1, logged
+
+
+def test_slowest_first_the_rule_both_drivers_use():
+    # w3 not measured yet (newest unmeasured first), then the slowest measured.
+    ws = [("w0", 0), ("w1", 1), ("w2", 2), ("w3", 3), ("w4", 4)]
+    speeds = {"w0": 900.0, "w1": 100.0, "w2": 400.0, "w4": 0.0}
+    assert slowest_first(ws, speeds) == ["w4", "w3", "w1", "w2", "w0"]
+    assert slowest_first(ws, None) == ["w4", "w3", "w2", "w1", "w0"]  # as before: newest

@@ -151,12 +151,23 @@ def test_a_refused_update_defers_the_plan_to_the_next_segment():
     assert coord.rebalances_total > rebalances
 
 
+def test_segments_of_rebalance_epoch_are_never_updated():
+    """In ``rebalance: epoch`` the workers claim no step, so no update is posted to them
+    (the next epoch's first re-plan takes effect after the segment sent across the end)."""
+    coord, rt = _coord(_spec(rebalance={"mode": "epoch"}, policy="dbs"))
+    coord.run()
+    _assert_exactly_once(coord, rt)
+    assert not rt.updates and coord.job.plan_updates == 0
+    assert not any(next(iter(p.values())).updates for p in rt.plans)
+
+
 def test_a_runtime_without_updates_replans_after_the_segment_ahead():
     class _NoUpdates(type(_coord(_spec())[1])):
         update_segment = None
 
     spec = _spec(rebalance={"mode": "adaptive", "check_steps": 4}, policy="dbs")
     from dynabatch.scheduler.sync.coordinator import Coordinator
+
     from tests.unit.test_engine_faults import N
 
     rt = _NoUpdates(spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250})

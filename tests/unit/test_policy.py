@@ -423,12 +423,15 @@ def test_affine_hysteresis(params, extra, min_gain, data):
     cur_b = np.diff([0, *cuts, gb - n]) + 1
     current = make_allocation([t.worker for t in tel], cur_b, gb, 10 * gb)
 
-    probe = AffinePolicy(min_gain=0.0, shared_overhead=False).decide(tel, gb, 10 * gb, current)
+    # The hysteresis alone: no share floor (a plan below it re-plans whatever the gain).
+    probe = AffinePolicy(min_gain=0.0, shared_overhead=False, min_share=0.0).decide(
+        tel, gb, 10 * gb, current)
     assert probe.current_step_s == pytest.approx(float(np.max(a + c * cur_b)), rel=1e-6)
     gain = probe.predicted_gain
     assert gain is not None
 
-    d = AffinePolicy(min_gain=min_gain, shared_overhead=False).decide(tel, gb, 10 * gb, current)
+    d = AffinePolicy(min_gain=min_gain, shared_overhead=False, min_share=0.0).decide(
+        tel, gb, 10 * gb, current)
     if gain <= min_gain:
         assert not d.rebalanced
         assert d.allocation.batches == current.batches
@@ -518,3 +521,52 @@ def test_shared_overhead_is_exact_when_slowdown_scales_the_whole_step():
     _, _, k = shared_overhead_fit(*np.array([[s.stats.n, s.stats.sb, s.stats.st, s.stats.sbb,
                                                s.stats.sbt] for s in tel]).T)
     assert k == pytest.approx(20.0, rel=1e-3)  # far below one sample
+
+
+# ------------------------------------------------------------------ no starvation (issue 23)
+def _affine_tel(a, c, batches=(16, 64)):
+    out = []
+    for i, (ai, ci) in enumerate(zip(a, c, strict=True)):
+        st_ = StepTimeStats()
+        for b in batches:
+            st_ = st_.add(b, ai + ci * b)
+        out.append(WorkerTelemetry(worker=f"w{i}", samples=sum(batches),
+                                   compute_s=sum(ai + ci * b for b in batches), stats=st_))
+    return out
+
+
+@settings(deadline=None, max_examples=200)
+@given(c=st.lists(st.floats(1e-4, 1e-2), min_size=2, max_size=8),
+       k=st.floats(0.0, 60.0), slow=st.floats(1.0, 20.0), B=st.integers(64, 1024),
+       data=st.data())
+def test_a_slowed_worker_keeps_a_share_in_proportion_to_its_speed(c, k, slow, B, data):
+    """Whatever its fixed cost, a worker slowed by any factor keeps at least a quarter of
+    its speed-proportional share (speed: its throughput at an equal split), so it is never
+    starved down to 1 sample unless that is what its speed is worth; a current plan that
+    starved it is re-planned whatever the predicted gain."""
+    n = len(c)
+    assume(4 * n <= B)
+    c = np.array(c)
+    c[-1] *= slow
+    a = k * c  # one shared overhead in samples (k = a/c), as the pooled fit assumes
+    tel = _affine_tel(a, c)
+    starved = tuple([B - (n - 1)] + [1] * (n - 1)) if data.draw(st.booleans()) else None
+    current = (make_allocation([t.worker for t in tel], np.array(starved), B, B * 4)
+               if starved else None)
+    d = AffinePolicy().decide(tel, B, B * 4, current)
+    b = np.array(d.allocation.batches)
+    even = B / n
+    v = even / (a + c * even)
+    proportional = (B - n) * v / v.sum()
+    assert (b >= np.floor(0.25 * proportional) + 1 - 1e-9).all(), (b, proportional)
+    assert b.sum() == B
+    if starved and (np.array(starved) < np.floor(0.25 * proportional) + 1).any():
+        assert d.rebalanced and "share floor" in d.reason
+
+
+def test_the_floor_does_not_move_a_balanced_plan():
+    """Equal workers: the floor is far below the equal split and changes nothing."""
+    tel = _affine_tel([0.002] * 4, [0.0001] * 4)
+    assert AffinePolicy().decide(tel, 256, 1024).allocation.batches == (64, 64, 64, 64)
+    assert AffinePolicy(min_share=0.0).decide(tel, 256, 1024).allocation.batches == (
+        64, 64, 64, 64)

@@ -292,3 +292,39 @@ def test_backward_time_leaves_out_the_emulated_sleep(monkeypatch):
     assert w.reducer.last.early == w.reducer.n_buckets > 1
     # Each step slept at least 0.1 s per launch in backward, none of it in backward_s.
     assert all(s.backward_s < 0.08 and s.step_s > 0.2 for s in steps)
+
+
+@pytest.mark.parametrize("kw", [
+    {"allreduce": "flat"}, {"allreduce": "bucketed"}, {"micro_batch": 5},
+    {"allreduce": "bucketed", "bucket_kb": 1, "micro_batch": 10},
+])
+def test_isgd_batch_loss_rides_in_the_gradient_all_reduce(kw, monkeypatch):
+    # Issue 21: ISGD's ψ comes home in the loss slot of the gradient's collective, beside the
+    # coverage; no other collective runs in a step that flags nothing.
+    from dynabatch.actors.contracts import ControlChart, IsgdPlan
+
+    w = _worker(**kw)
+    rv = w.group.open_store(1, 1, "gloo", host="127.0.0.1")
+    w.join(rv, 0)
+    calls: list[int] = []
+    real = torch.distributed.all_reduce
+
+    def counted(t, *a, **k):
+        calls.append(t.numel())
+        return real(t, *a, **k)
+    monkeypatch.setattr(torch.distributed, "all_reduce", counted)
+    try:
+        plan = SegmentPlan(0, 0, 48, tuple(StepPlan(s, s * 24, 24, s * 24, 24)
+                                           for s in range(2)),
+                           isgd=IsgdPlan(ControlChart(4, 3.0), 0.1, 5, monitor=False))
+        res = w.run_segment(plan)
+    finally:
+        w.leave()
+    assert res.error is None, res.error
+    for s in res.steps:
+        assert s.isgd_loss == pytest.approx(s.loss_sum / 24, rel=1e-6)
+        assert not s.flagged and s.extra_iters == 0
+        assert s.coverage == ((1, 24),)
+    # Only the gradient buckets (the first one with the loss and coverage slots).
+    assert len(calls) == 2 * w.reducer.n_buckets if kw.get("allreduce") != "flat" else 2
+    assert sum(calls) == 2 * (w.reducer.n_params + 1 + 24)

@@ -82,7 +82,8 @@ def test_a_spare_that_dies_before_adoption_is_dropped_and_the_worker_starts_fres
 
 
 def test_a_spare_found_dead_when_adopted_is_replaced_by_a_fresh_worker():
-    coord, rt = _setup()
+    # Long enough that the fresh start (two start-ups in a row) ends before the job does.
+    coord, rt = _setup(epochs=12)
     rt.inject("spare_dies_silently", "node02")
     t_request, t_join = _scale_to_three(coord, rt, newcomer="w3")
     assert rt.adopted == ["w2"]  # it failed to start ...

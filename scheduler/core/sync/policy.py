@@ -224,10 +224,17 @@ class AffinePolicy:
     # Pool the per-step overhead across workers (see model.shared_overhead_fit); False
     # fits a_i and c_i per worker, better when workers differ in kind (GPU beside CPU).
     shared_overhead: bool = True
+    # No starvation: every worker keeps at least this fraction of its speed-proportional
+    # share (:func:`speed_floor`). Equal finish alone can give a slowed worker 1 sample
+    # when its fixed cost alone nearly fills the step; a share it never trains cannot be
+    # measured back up.
+    min_share: float = 0.25
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
+        if not 0.0 <= self.min_share <= 1.0:
+            raise ValueError(f"min_share must be in [0, 1], got {self.min_share}")
 
     def decide(self, telemetry, global_batch, dataset_size, current=None) -> Decision:
         check_sizes(global_batch, dataset_size)
@@ -262,12 +269,14 @@ class AffinePolicy:
             per_unit = float(np.median(c[known] * cap[known]))
             c = np.where(known, c, per_unit / cap)
             a = np.where(known, a, float(np.median(a[known])))
+        lo = np.minimum(np.maximum(lo, speed_floor(a, c, global_batch, self.min_share)), hi)
+        starved = cur is not None and bool((cur < lo).any())  # re-planned, whatever the gain
         real, _t_new = equal_finish(a, c, float(global_batch), lo, hi)
         b = round_to_total(real, global_batch, lo, hi)
         predicted = float(np.max(a + c * b))
         if cur is not None:
             current_s = float(np.max(a + c * cur))
-            if current_s <= 0 or 1.0 - predicted / current_s <= self.min_gain:
+            if not starved and (current_s <= 0 or 1.0 - predicted / current_s <= self.min_gain):
                 return Decision(
                     _keep(current, global_batch, dataset_size),
                     False,
@@ -276,9 +285,9 @@ class AffinePolicy:
                     current_s,
                 )
             alloc = make_allocation(workers, b, global_batch, dataset_size)
-            return Decision(
-                alloc, True, "equal finish under fitted step-time model", predicted, current_s
-            )
+            why = "a worker below its share floor; " if starved else ""
+            return Decision(alloc, True, why + "equal finish under fitted step-time model",
+                            predicted, current_s)
         alloc = make_allocation(workers, b, global_batch, dataset_size)
         reason = _replan_reason(current, workers, global_batch)
         if current is not None and not reason:
@@ -290,6 +299,24 @@ class AffinePolicy:
             predicted,
             None,
         )
+
+
+def speed_floor(a: np.ndarray, c: np.ndarray, global_batch: int, fraction: float
+                ) -> np.ndarray:
+    """Each worker's least batch: 1 plus ``fraction`` of its share of the other
+    ``global_batch − n`` samples in proportion to its speed, measured where it does not
+    depend on the share it was given: its modelled throughput at an equal split,
+    ``v_i = (B/n) / (a_i + c_i·B/n)``. The floors sum to at most ``B``."""
+    n = len(a)
+    if fraction <= 0.0 or n == 0:
+        return np.ones(n, dtype=np.int64)
+    even = global_batch / n
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        v = even / (np.maximum(a, 0.0) + np.maximum(c, 0.0) * even)
+    v = np.where(np.isfinite(v) & (v > 0), v, 0.0)
+    if v.sum() <= 0:
+        return np.ones(n, dtype=np.int64)
+    return 1 + np.floor(fraction * (global_batch - n) * v / v.sum()).astype(np.int64)
 
 
 def make_policy(name: str, **options: float) -> Policy:
