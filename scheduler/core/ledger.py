@@ -47,6 +47,22 @@ class Verification:
     problems: tuple[str, ...] = ()
     samples_by_worker: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def from_counts(cls, epoch: int | None, counts: np.ndarray, retried: int,
+                    problems: list[str], by_worker: dict[str, int]) -> Verification:
+        """The verdict on an epoch from its per-sample counts over [0, N) (each must be
+        exactly 1) and the problems found on the way; both ledgers end this way."""
+        problems = [*problems, *_count_problems(counts)]
+        return cls(
+            epoch=-1 if epoch is None else epoch,
+            dataset_size=len(counts),
+            samples_trained=int(counts.sum()),
+            retried_samples=retried,
+            verified=not problems,
+            problems=tuple(problems),
+            samples_by_worker=by_worker,
+        )
+
     @property
     def reason(self) -> str:
         return "; ".join(self.problems[:5]) + (
@@ -138,16 +154,7 @@ class Ledger:
                         f"step {e.step}: {worker} reports positions [{start}, {start + samples}) "
                         "that the step's all-reduce did not contain"
                     )
-        problems.extend(_count_problems(counts))
-        return Verification(
-            epoch=-1 if self.epoch is None else self.epoch,
-            dataset_size=n,
-            samples_trained=int(counts.sum()),
-            retried_samples=self._retried,
-            verified=not problems,
-            problems=tuple(problems),
-            samples_by_worker=by_worker,
-        )
+        return Verification.from_counts(self.epoch, counts, self._retried, problems, by_worker)
 
     # --- checkpoints: plain data, loadable with torch.load(weights_only=True) ---------
     def to_state(self) -> dict:

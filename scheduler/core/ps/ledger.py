@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-from dynabatch.scheduler.core.ledger import Verification, _count_problems
+from dynabatch.scheduler.core.ledger import Verification
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -132,13 +132,4 @@ class AsyncLedger:
             by_worker[c.worker] = by_worker.get(c.worker, 0) + c.samples
         if self._out:
             problems.append(f"{len(self._out)} chunks still outstanding")
-        problems.extend(_count_problems(counts))
-        return Verification(
-            epoch=-1 if self.epoch is None else self.epoch,
-            dataset_size=n,
-            samples_trained=int(counts.sum()),
-            retried_samples=self._retried,
-            verified=not problems,
-            problems=tuple(problems),
-            samples_by_worker=by_worker,
-        )
+        return Verification.from_counts(self.epoch, counts, self._retried, problems, by_worker)
