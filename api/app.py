@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from dynabatch.api.cached import JobViews
 from dynabatch.api.metrics import (
     Exposition,
     JobCollector,
@@ -244,6 +245,7 @@ def create_app(
     app.state.service = svc
     app.state.registry = registry
     app.state.exposition = Exposition(registry, svc)
+    app.state.views = JobViews(svc)
 
     _install_error_handlers(app)
     app.include_router(jobs.router)

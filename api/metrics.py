@@ -19,7 +19,7 @@ from dynabatch.api.schedule_metrics import schedule_families
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot
 from dynabatch.service.jobs import JobService
-from dynabatch.service.labels import metric_labels, node_label
+from dynabatch.service.labels import node_label
 from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -154,6 +154,19 @@ class Exposition:
         self._body: bytes | None = None
         self._state: object | None = None
         self._at = 0.0
+        self._kept: tuple[bytes, object, float] | None = None  # (body, state, at), one value
+
+    def kept(self) -> bytes | None:
+        """The last render when :meth:`render` would return it as it is, else None. No I/O
+        and no lock: the async route answers with it on the event loop, and renders in a
+        worker thread only when it is None."""
+        kept = self._kept
+        if kept is None:
+            return None
+        body, state, at = kept
+        if time.monotonic() - at >= self.service.metrics_ttl_s:
+            return None
+        return body if self.service.kept_metric_state() is state else None
 
     def render(self) -> bytes:
         ttl = self.service.metrics_ttl_s
@@ -166,6 +179,7 @@ class Exposition:
                 return self._body
             self._body = generate_latest(self.registry)
             self._state, self._at = state, now
+            self._kept = (self._body, state, now)
             return self._body
 
 
@@ -197,14 +211,15 @@ class JobCollector(Collector):
     @staticmethod
     def _heldout_families(snaps: list[JobSnapshot],
                           last: dict[str, EpochRecord]) -> Iterator[Metric]:
-        """The held-out loss and every evaluation metric of each job's last epoch (custom
-        metrics by their short name, dynabatch.service.labels)."""
+        """The held-out loss and every evaluation metric of each job's last epoch, each
+        labelled by its name in the spec (``metrics.<i>.name``: a user metric's default is
+        its function's name)."""
         loss = GaugeMetricFamily("dynabatch_job_test_loss",
                                  "Held-out loss of the last epoch.", labels=["job_id"])
         metric = GaugeMetricFamily(
             "dynabatch_job_test_metric",
             "Each evaluation metric of the last epoch on the held-out set (accuracy, mse, "
-            "perplexity, user metrics by function name).",
+            "perplexity, user metrics by their name in the spec).",
             labels=["job_id", "metric"],
         )
         for s in snaps:
@@ -213,10 +228,9 @@ class JobCollector(Collector):
                 continue
             if rec.test_loss is not None and math.isfinite(rec.test_loss):
                 loss.add_metric([s.job_id], float(rec.test_loss))
-            labels = metric_labels(rec.test_metrics)
             for name, value in sorted(rec.test_metrics.items()):
                 if value is not None and math.isfinite(value):
-                    metric.add_metric([s.job_id, labels[name]], float(value))
+                    metric.add_metric([s.job_id, name], float(value))
         yield from (loss, metric)
 
     @staticmethod

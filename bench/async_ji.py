@@ -13,8 +13,11 @@ Arms (λ learners of unequal speed; b0 per learner, μλ = λ·b0):
 
 Protocol. The training set is split 80/20 (seeded); every arm runs every α0 of its grid
 (``--lrs``) over ``--seeds`` seeds on the 80%, and its α0 is the one with the lowest mean
-final loss on the 20% validation split. At that α0 the arm reports its final training loss
-(the mean cross-entropy of the final weights over its training split) at *equal samples*
+final loss on the 20% validation split. While an arm's best sits at an edge of its grid, the
+grid is widened past that edge (×2 or ÷2, at most ``--widen`` times), so every chosen α0 is
+interior unless the JSON's ``alpha0_interior`` says otherwise. At that α0 the arm reports
+its final training loss (the mean cross-entropy of the final weights over its training
+split) at *equal samples*
 (every arm trains ``--epochs`` epochs) and at *equal wall-clock* (each arm's training loss,
 measured at every epoch's end, interpolated at the earliest time any arm finished), its
 throughput and its speed-up (throughput over one speed-1 learner's at b0; ideal Σ speeds).
@@ -24,19 +27,23 @@ Two clusters: ``--speeds`` (8 learners 1:1:2:2:4:4:16:16) and ``--speeds2`` (4 a
 its loss over ASGD's and over the better n-softsync's (targets ≤ 0.4 each). ``cifar``: that
 arm against ASGD on CIFAR-format data (``hard_mnist:cifar_like``, generated) with the small
 ResNet, each at its own α0 from ``--cifar-lrs`` (chosen on the validation split), test
-accuracy on the held-out test set (target: ≥ ASGD + 10 points). ``--ray-arm``: the winning
-arm and ASGD on real Ray actors (short; emulated speeds).
+accuracy on the held-out test set (target: ≥ ASGD + 10 points); ``--cifar-path``: real
+CIFAR-10 files instead. ``--ray-arm``: the winning arm and ASGD on real Ray actors, each at
+its own α0 from the simulator's sweep (short; emulated speeds). ``--reuse FILE``: keep that
+file's digits sweep (and its CIFAR and Ray parts unless redone), chaining ``commands``.
 
 Simulator: ``dynabatch.scheduler.sim.ps`` (the production PS core and driver, real gradients,
 virtual clock t_i(b) = (2 ms + 0.5 ms·b)/speed_i with 5% jitter).
 
-    python bench/async_ji.py --out bench/results-async-ji.json
+    python bench/async_ji.py --jobs 2 --out FILE      # digits sweep and CIFAR part
+    python bench/async_ji.py --reuse FILE --cifar-lrs '' --ray-arm best --out OUT
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -131,6 +138,11 @@ def run_one(arm, proto, a, speeds, lr, seed, ds, dataset, model, epochs) -> dict
            "throughput": res.throughput,
            "staleness_mean": float(taus.mean()), "staleness_p99": float(np.percentile(taus, 99)),
            "batches": {w: v["batch"] for w, v in res.snapshot["workers"].items()}}
+    out["staleness_by_worker"] = {w: float(np.mean(v)) for w, v in res.staleness.items() if v}
+    # samples applied at τ ≤ 2 (a gradient weighted by its learner's final batch)
+    w_tau = [(out["batches"].get(w, a.b0), t) for w, v in res.staleness.items() for t in v]
+    tot = sum(b for b, _ in w_tau) or 1
+    out["fresh_sample_share"] = sum(b for b, t in w_tau if t <= 2) / tot
     if "heldout_accuracy" in res.epochs[-1]:
         out["test_accuracy"] = res.epochs[-1]["heldout_accuracy"]
         out["val_accuracy"] = res.epochs[-1]["test_accuracy"]
@@ -155,23 +167,65 @@ def _r(x: float, k: int = 4):
     return None if not np.isfinite(x) else round(float(x), k)
 
 
-def sweep(a, speeds, lrs, seeds, ds, dataset, model, epochs, names=None) -> dict:
-    lam = len(speeds)
-    table = arms(lam)
-    names = names or list(table)
-    out = {}
-    for arm in names:
-        t0 = time.perf_counter()
-        grid = {lr: [run_one(arm, table[arm], a, speeds, lr, s, ds, dataset, model, epochs)
-                     for s in seeds] for lr in lrs}
-        val = {lr: float(np.mean([r["val_loss"] for r in rs])) for lr, rs in grid.items()}
-        best = min(lrs, key=lambda lr: (val[lr], lr))
-        rs = grid[best]
-        out[arm] = {"alpha0": best, "val_loss_by_alpha0": {str(k): _r(v) for k, v in val.items()},
-                    "runs": rs}
-        print(f"  {arm}: α0={best} val={val} ({time.perf_counter() - t0:.0f}s)",
-              file=sys.stderr)
-    return out
+def _mean_val(grid: dict[float, list]) -> dict[float, float]:
+    return {lr: float(np.mean([r["val_loss"] for r in rs])) for lr, rs in grid.items()}
+
+
+_CTX: tuple = ()  # the sweep's arguments, inherited by forked workers (--jobs)
+
+
+def sweep(a, speeds, lrs, seeds, ds, dataset, model, epochs, names=None,
+          widen: int = 0, refine: bool = False) -> dict:
+    """Every arm over its α0 grid (mean validation loss over ``seeds``). ``widen``: while an
+    arm's best α0 sits at an edge of its grid, add the next point beyond it (×2 above, ÷2
+    below), at most ``widen`` times, so that each arm's chosen α0 is interior; ``refine``:
+    then also try the best α0 ×√2 and ÷√2 (a finer step around it). ``a.jobs`` > 1: the
+    arms in that many forked processes (the figures are on the virtual clock: unchanged)."""
+    global _CTX
+    names = names or list(arms(len(speeds)))
+    _CTX = (a, speeds, lrs, seeds, ds, dataset, model, epochs, widen, refine)
+    if a.jobs > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("fork")) as ex:
+            return dict(zip(names, ex.map(_sweep_arm, names), strict=True))
+    return {arm: _sweep_arm(arm) for arm in names}
+
+
+def _sweep_arm(arm: str) -> dict:
+    a, speeds, lrs, seeds, ds, dataset, model, epochs, widen, refine = _CTX
+    proto = arms(len(speeds))[arm]
+    t0 = time.perf_counter()
+    grid: dict[float, list] = {}
+
+    def run(lr: float) -> None:
+        grid[lr] = [run_one(arm, proto, a, speeds, lr, s, ds, dataset, model, epochs)
+                    for s in seeds]
+
+    def best_lr() -> float:
+        val = _mean_val(grid)
+        return min(grid, key=lambda lr: (val[lr], lr))
+
+    for lr in lrs:
+        run(lr)
+    for _ in range(widen):
+        best = best_lr()
+        if min(grid) < best < max(grid):
+            break
+        run(round(best * 2 if best == max(grid) else best / 2, 6))
+    if refine:
+        best = best_lr()
+        for lr in (round(best / 2**0.5, 6), round(best * 2**0.5, 6)):
+            run(lr)
+    val = _mean_val(grid)
+    best = best_lr()
+    dt = time.perf_counter() - t0
+    print(f"  {arm}: α0={best} val={ {k: _r(val[k]) for k in sorted(grid)} } ({dt:.0f}s)",
+          file=sys.stderr, flush=True)
+    return {"alpha0": best, "grid": sorted(grid), "alpha0_interior": min(grid) < best < max(grid),
+            "val_loss_by_alpha0": {str(k): _r(val[k]) for k in sorted(grid)},
+            "runs": grid[best], "sweep_s": round(dt, 1)}
 
 
 def summarise(res: dict, speeds: list[float], b0: int) -> dict:
@@ -180,7 +234,8 @@ def summarise(res: dict, speeds: list[float], b0: int) -> dict:
     out = {}
     for arm, v in res.items():
         rs = v["runs"]
-        row = {"alpha0": v["alpha0"], "val_loss_by_alpha0": v["val_loss_by_alpha0"],
+        row = {"alpha0": v["alpha0"], "grid": v["grid"], "alpha0_interior": v["alpha0_interior"],
+               "val_loss_by_alpha0": v["val_loss_by_alpha0"],
                "train_loss_equal_samples": _r(np.mean([r["train_loss"] for r in rs])),
                "train_loss_equal_time": _r(np.mean([_at(r["curve"], t_end) for r in rs])),
                "per_seed_equal_samples": [_r(r["train_loss"]) for r in rs],
@@ -188,9 +243,15 @@ def summarise(res: dict, speeds: list[float], b0: int) -> dict:
                "speedup": _r(np.mean([r["throughput"] for r in rs]) / one, 2),
                "staleness_mean": _r(np.mean([r["staleness_mean"] for r in rs]), 2),
                "staleness_p99": _r(np.mean([r["staleness_p99"] for r in rs]), 1),
+               "staleness_by_worker": {w: _r(np.mean([r["staleness_by_worker"].get(w, np.nan)
+                                                      for r in rs]), 1)
+                                       for w in rs[0]["staleness_by_worker"]},
+               "fresh_sample_share": _r(np.mean([r["fresh_sample_share"] for r in rs]), 3),
                "batches": rs[0]["batches"]}
         if "test_accuracy" in rs[0]:
             row["test_accuracy"] = _r(np.mean([r["test_accuracy"] for r in rs]))
+            row["per_seed_test_accuracy"] = [_r(r["test_accuracy"]) for r in rs]
+        row["sweep_s"] = v["sweep_s"]
         out[arm] = row
     return {"equal_time_s": _r(t_end, 3), "ideal_speedup": sum(speeds), "arms": out}
 
@@ -207,9 +268,8 @@ def ratios(s: dict, arm: str, key: str) -> dict:
             "softsync_arm": best_soft}
 
 
-def run_ray(arm: str, a, speeds, lr: float) -> dict:
-    import os
-
+def run_ray(arm: str, a, speeds, lrs: dict[str, float]) -> dict:
+    """``arm`` and ASGD on local Ray actors, each at its own α0 (``lrs``)."""
     import ray
     from dynabatch.scheduler.ps.driver import PSCoordinator
 
@@ -219,7 +279,7 @@ def run_ray(arm: str, a, speeds, lr: float) -> dict:
     out = {}
     try:
         for name in ("asgd", arm):
-            spec = spec_for(name, arms(len(speeds))[name], a, len(speeds), lr, 0,
+            spec = spec_for(name, arms(len(speeds))[name], a, len(speeds), lrs[name], 0,
                             {"name": "digits"}, {"name": "mlp", "hidden": 64}, a.ray_epochs,
                             speeds)
             coord = PSCoordinator(f"ji-{name}", spec, final_train_loss=True)
@@ -228,7 +288,7 @@ def run_ray(arm: str, a, speeds, lr: float) -> dict:
             hist = coord.history()
             st = coord.server_stats
             span = st["epochs"][-1]["t"] - st["started_s"]
-            out[name] = {"final_loss": _r(coord.final_train_loss),
+            out[name] = {"alpha0": lrs[name], "final_loss": _r(coord.final_train_loss),
                          "throughput": _r(sum(r.samples_trained for r in hist) / span, 1),
                          "batches": {w.worker: w.batch for w in snap.ps.workers}}
     finally:
@@ -244,28 +304,41 @@ def main() -> None:
     ap.add_argument("--speeds", default="1,1,2,2,4,4,16,16")
     ap.add_argument("--speeds2", default="1,1,2,4", help="second cluster ('' to skip)")
     ap.add_argument("--epochs", type=int, default=8)
-    ap.add_argument("--lrs", default="0.05,0.1,0.2")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--lrs", default=",".join(f"{0.0125 * 2 ** (k / 2):.4g}" for k in range(15)))
+    ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--widen", type=int, default=4,
+                    help="extend an arm's grid beyond an edge optimum at most this often")
+    ap.add_argument("--refine", action="store_true", help="then try the best α0 ×/÷ √2")
     ap.add_argument("--momentum", type=float, default=0.0)
     ap.add_argument("--b0", type=int, default=16)
-    ap.add_argument("--cifar-lrs", default="0.05,0.1", help="'' to skip the CIFAR part")
-    ap.add_argument("--cifar-epochs", type=int, default=4)
-    ap.add_argument("--cifar-seeds", type=int, default=1)
+    ap.add_argument("--cifar-lrs", default="0.0125,0.025,0.05,0.1",
+                    help="'' to skip the CIFAR part")
+    ap.add_argument("--cifar-epochs", type=int, default=12)
+    ap.add_argument("--cifar-seeds", type=int, default=3)
     ap.add_argument("--cifar-train", type=int, default=2000)
+    ap.add_argument("--cifar-widen", type=int, default=2)
+    ap.add_argument("--cifar-path", default=None,
+                    help="real CIFAR-10 (cifar-10-batches-py) instead of the generated set")
     ap.add_argument("--ray-arm", default="", help="run this arm and ASGD on Ray ('best')")
     ap.add_argument("--ray-epochs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=1, help="arms in this many processes")
     ap.add_argument("--reuse", default=None,
-                    help="take the digits sweep (clusters, best) from this results file and "
-                         "run only the CIFAR and Ray parts")
+                    help="take the digits sweep (clusters, best) from this results file, "
+                         "and its CIFAR and Ray parts unless this run redoes them")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     lrs = [float(x) for x in a.lrs.split(",")]
     seeds = list(range(a.seeds))
-    out: dict = {"command": "python bench/async_ji.py " + " ".join(sys.argv[1:]),
+    cmd = "python bench/async_ji.py " + " ".join(sys.argv[1:])
+    load = [round(x, 2) for x in os.getloadavg()]  # this run's (a reused part keeps its own)
+    out: dict = {"command": cmd, "commands": [cmd],
+                 "load_average": load,
                  "mode": "simulator (scheduler/sim/ps.py, real gradients, virtual clock)",
-                 "epochs": a.epochs, "b0": a.b0, "lrs": lrs, "seeds": a.seeds,
+                 "epochs": a.epochs, "b0": a.b0, "lrs": lrs, "widen": a.widen,
+                 "refine": a.refine,
+                 "seeds": a.seeds,
                  "momentum": a.momentum, "dataset": "digits (80% train / 20% validation)",
                  "model": "mlp hidden 64", "selection": "α0 per arm by mean validation loss"}
     digits = load_dataset(JobSpec.model_validate({"dataset": {"name": "digits"}}).dataset)
@@ -274,8 +347,11 @@ def main() -> None:
     if a.reuse:
         prev = json.loads(Path(a.reuse).read_text())
         clusters = prev["clusters"]
-        out.update({k: prev[k] for k in ("command", "epochs", "lrs", "seeds")})
-        out["command_cifar_ray"] = "python bench/async_ji.py " + " ".join(sys.argv[1:])
+        out.update({k: prev[k] for k in ("command", "load_average", "epochs", "lrs", "widen",
+                                         "refine", "seeds") if k in prev})
+        chain = prev.get("commands")
+        out["commands"] = [*(chain if isinstance(chain, list) else [prev["command"]]), cmd]
+        out.update({k: prev[k] for k in ("cifar", "ray") if k in prev})
     for key in ("speeds", "speeds2"):
         text = getattr(a, key)
         if not text or a.reuse:
@@ -283,7 +359,7 @@ def main() -> None:
         speeds = [float(s) for s in text.split(",")]
         print(f"cluster {speeds}", file=sys.stderr)
         res = sweep(a, speeds, lrs, seeds, ds, {"name": "digits"},
-                    {"name": "mlp", "hidden": 64}, a.epochs)
+                    {"name": "mlp", "hidden": 64}, a.epochs, widen=a.widen, refine=a.refine)
         clusters[":".join(f"{s:g}" for s in speeds)] = summarise(res, speeds, a.b0)
     out["clusters"] = clusters
     first = next(iter(clusters.values()))
@@ -302,30 +378,42 @@ def main() -> None:
     if a.cifar_lrs:
         speeds = [float(s) for s in a.speeds2.split(",")] if a.speeds2 else \
             [float(s) for s in a.speeds.split(",")]
-        cds = load_dataset(JobSpec.model_validate({"dataset": {
-            "name": CIFAR, "options": {"n_train": a.cifar_train, "n_test": 1000}}}).dataset)
+        cspec = ({"name": "cifar10", "path": a.cifar_path, "limit": a.cifar_train}
+                 if a.cifar_path else
+                 {"name": CIFAR, "options": {"n_train": a.cifar_train, "n_test": 1000}})
+        cds = load_dataset(JobSpec.model_validate({"dataset": cspec}).dataset)
         _Recording.test = (cds.x_test, cds.y_test)
         _Recording.every_epoch_train = False
         cv = with_validation(cds, 0)
         clr = [float(x) for x in a.cifar_lrs.split(",")]
         print(f"cifar {speeds}", file=sys.stderr)
         res = sweep(a, speeds, clr, list(range(a.cifar_seeds)), cv,
-                    {"name": CIFAR, "options": {"n_train": a.cifar_train, "n_test": 1000}},
-                    {"name": "resnet", "options": {"widths": [8, 16, 32]}}, a.cifar_epochs,
-                    names=["asgd", win])
+                    cspec, {"name": "resnet", "options": {"widths": [8, 16, 32]}}, a.cifar_epochs,
+                    names=["asgd", win], widen=a.cifar_widen)
         s = summarise(res, speeds, a.b0)
         acc = {k: v["test_accuracy"] for k, v in s["arms"].items()}
         gain = round(100 * (acc[win] - acc["asgd"]), 2)
-        out["cifar"] = {"arm": win, "speeds": speeds, "epochs": a.cifar_epochs,
-                        "lrs": clr, "seeds": a.cifar_seeds, "n_train": a.cifar_train,
+        per_seed = [round(100 * (x - y), 2) for x, y in
+                    zip(s["arms"][win]["per_seed_test_accuracy"],
+                        s["arms"]["asgd"]["per_seed_test_accuracy"], strict=True)]
+        out["cifar"] = {"command": cmd, "load_average": load, "arm": win,
+                        "speeds": speeds, "epochs": a.cifar_epochs, "lrs": clr,
+                        "widen": a.cifar_widen, "seeds": a.cifar_seeds,
+                        "n_train": a.cifar_train, "dataset": cspec["name"],
+                        "accuracy_gain_per_seed": per_seed,
                         "model": "resnet widths 8,16,32", "test_accuracy": acc,
                         "accuracy_gain_vs_asgd": gain, "target_met": gain >= 10, **s}
     if a.ray_arm:
         arm = win if a.ray_arm == "best" else a.ray_arm
         speeds = [float(s) for s in a.speeds2.split(",")]
-        lr = clusters[":".join(f"{s:g}" for s in speeds)]["arms"][arm]["alpha0"]
-        out["ray"] = {"speeds": speeds, "alpha0": lr, "epochs": a.ray_epochs,
-                      **run_ray(arm, a, speeds, lr)}
+        sw = clusters[":".join(f"{s:g}" for s in speeds)]["arms"]
+        lrs_ray = {k: sw[k]["alpha0"] for k in ("asgd", arm)}
+        out["ray"] = {"command": cmd, "load_average": load, "arm": arm,
+                      "speeds": speeds, "alpha0": lrs_ray, "epochs": a.ray_epochs,
+                      "note": "real Ray actors (local), emulated speeds, digits MLP on the "
+                              "whole training set, 1 seed, each arm at its own α0 from "
+                              "the simulator's sweep of this cluster",
+                      **run_ray(arm, a, speeds, lrs_ray)}
     emit(out, a.out, indent=1)
 
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from dynabatch.actors.data.write import write_imagefolder, write_parquet
-from dynabatch.actors.workloads.datasets import generate_mnist
+from dynabatch.actors.workloads.images import generate_mnist
 
 from bench.report import emit
 

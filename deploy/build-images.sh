@@ -55,7 +55,16 @@ start_engine() {
         return
     fi
     log "starting dockerd (log: /var/log/dynabatch-dockerd.log)"
-    nohup dockerd >/var/log/dynabatch-dockerd.log 2>&1 &
+    # A daemon outlives this script: it must not keep the caller's other descriptors open
+    # (a CI runner's output pipe would never reach EOF; a held flock would never be freed),
+    # so every descriptor above stderr is closed before dockerd starts, in its own session.
+    (
+        for fd in /proc/self/fd/*; do
+            fd=${fd##*/}
+            if [ "$fd" -gt 2 ] 2>/dev/null; then eval "exec $fd>&-" 2>/dev/null || true; fi
+        done
+        exec setsid dockerd </dev/null >/var/log/dynabatch-dockerd.log 2>&1
+    ) &
     for _ in $(seq 60); do
         if "$DOCKER" info >/dev/null 2>&1; then
             return

@@ -13,7 +13,7 @@ import argparse
 import time
 
 from dynabatch.actors.data.write import write_imagefolder
-from dynabatch.actors.workloads.datasets import generate_mnist
+from dynabatch.actors.workloads.images import generate_mnist
 
 
 def main() -> None:

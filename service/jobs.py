@@ -40,7 +40,6 @@ from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from dynabatch.service.labels import relabel_metrics
 from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
 from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
 from pydantic import BaseModel, ConfigDict, Field
@@ -365,7 +364,6 @@ class JobService:
                 snap = snapshot if snapshot is not None else self.cluster.snapshot(job_id)
                 last_epoch = None if rec.resync else self.store.last_epoch(job_id)
                 records = self.cluster.history(job_id, 0 if last_epoch is None else last_epoch + 1)
-                records = [relabel_metrics(r) for r in records]  # pkg.mod:fn as fn
                 # The coordinator numbers its lines from 0; a resumed job's lines are stored
                 # after the earlier coordinators' (log_offset).
                 last_seq = self.store.last_log_seq(job_id)
@@ -756,6 +754,14 @@ class JobService:
             )
             self._metric_cache = state
             return state
+
+    def kept_metric_state(self) -> MetricState | None:
+        """The state :meth:`metric_state` would return without reading the store, or None
+        when it would read it. No I/O, no lock."""
+        cached = self._metric_cache
+        if cached is not None and time.monotonic() - cached.read_at < self._metric_ttl_s:
+            return cached
+        return None
 
     @property
     def metrics_ttl_s(self) -> float:

@@ -13,6 +13,7 @@ whole history is to be re-read (and replaced) at its next sync.
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import threading
 import time
@@ -64,6 +65,7 @@ CREATE TABLE IF NOT EXISTS logs (
 """
 
 EMBEDDED_CLUSTER = "embedded"
+RECORDS_KEPT = 1024  # job records kept in memory by JobStore.get (the most recently read)
 
 # Columns added after the first release: (name, definition) for ALTER TABLE on older files.
 _ADDED_COLUMNS = (
@@ -198,6 +200,13 @@ class JobStore:
             self.path, check_same_thread=False, isolation_level=None, timeout=10.0
         )
         self._db.row_factory = sqlite3.Row
+        # Versions of what this store wrote (see "Versions" below), and the records last
+        # read by get() (one is dropped when its row is written).
+        self._clock = itertools.count(1)
+        self._row_versions: dict[str, int] = {}
+        self._history_versions: dict[str, int] = {}
+        self._rows_version = 0
+        self._records: OrderedDict[str, JobRecord] = OrderedDict()
         with self._lock:
             if self.path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
@@ -213,7 +222,11 @@ class JobStore:
             self._db.close()
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(
+        self, job_id: str | None = None, *, row: bool = True, history: bool = False
+    ) -> Iterator[sqlite3.Connection]:
+        """One write transaction; once it committed, the versions of what it wrote to
+        ``job_id`` (its ``row``, its ``history``) move on."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -222,13 +235,41 @@ class JobStore:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+            if job_id is not None:
+                version = next(self._clock)
+                if row:
+                    self._row_versions[job_id] = version
+                    self._rows_version = version
+                    self._records.pop(job_id, None)
+                if history:
+                    self._history_versions[job_id] = version
+
+    # Versions ---------------------------------------------------------------------------
+    # The store is the service's only writer to its file (one API process per SQLite file,
+    # README "single writer"), so it knows when what it holds changed without asking
+    # SQLite: readers keep what they built from the store (a record, a serialized answer)
+    # with the version it was read at, and reuse it while the version is the same. A
+    # version is read before the data it describes, so a write in between is seen as a
+    # change at the next read (never the reverse).
+    def row_version(self, job_id: str) -> int:
+        """Changes whenever the job's row (state, snapshot, counters) is written."""
+        return self._row_versions.get(job_id, 0)
+
+    def history_version(self, job_id: str) -> int:
+        """Changes whenever the job's epoch records are written."""
+        return self._history_versions.get(job_id, 0)
+
+    @property
+    def rows_version(self) -> int:
+        """Changes whenever any job's row is written (a job created, synced, ended...)."""
+        return self._rows_version
 
     # Jobs -------------------------------------------------------------------------------
     def create(
         self, job_id: str, spec: JobSpec, *, cluster: str, now: float | None = None
     ) -> JobRecord:
         now = time.time() if now is None else now
-        with self._tx() as db:
+        with self._tx(job_id) as db:
             db.execute(
                 "INSERT INTO jobs (id, name, spec, state, reason, cluster, created_at, "
                 "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -248,9 +289,20 @@ class JobStore:
         return record
 
     def get(self, job_id: str) -> JobRecord | None:
+        """The job as stored; no query while its row is unchanged since the last read."""
         with self._lock:
+            rec = self._records.get(job_id)
+            if rec is not None:
+                self._records.move_to_end(job_id)
+                return rec
             row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return _row_to_record(row) if row else None
+            if row is None:
+                return None
+            rec = _row_to_record(row)
+            self._records[job_id] = rec  # a write to the row (under this lock) drops it
+            while len(self._records) > RECORDS_KEPT:
+                self._records.popitem(last=False)
+            return rec
 
     def list(
         self, state: JobState | None = None, *, offset: int = 0, limit: int = 50
@@ -300,7 +352,7 @@ class JobStore:
         SUCCEEDED when the job was quick). Returns whether the row changed.
         """
         now = time.time() if now is None else now
-        with self._tx() as db:
+        with self._tx(snapshot.job_id) as db:
             row = db.execute(
                 "SELECT state, finished_at FROM jobs WHERE id = ?", (snapshot.job_id,)
             ).fetchone()
@@ -332,7 +384,7 @@ class JobStore:
         not allowed (e.g. cancelling a finished job).
         """
         now = time.time() if now is None else now
-        with self._tx() as db:
+        with self._tx(job_id) as db:
             row = db.execute(
                 "SELECT state, finished_at FROM jobs WHERE id = ?", (job_id,)
             ).fetchone()
@@ -352,7 +404,7 @@ class JobStore:
         return record
 
     def set_target_workers(self, job_id: str, workers: int | None) -> None:
-        with self._tx() as db:
+        with self._tx(job_id) as db:
             db.execute("UPDATE jobs SET target_workers = ? WHERE id = ?", (workers, job_id))
 
     def mark_resumed(
@@ -375,7 +427,7 @@ class JobStore:
         Raises ``KeyError`` for an unknown job.
         """
         now = time.time() if now is None else now
-        with self._tx() as db:
+        with self._tx(job_id) as db:
             row = db.execute(
                 "SELECT snapshot, auto_resumes, cluster FROM jobs WHERE id = ?", (job_id,)
             ).fetchone()
@@ -420,14 +472,14 @@ class JobStore:
         return record
 
     def reset_auto_resumes(self, job_id: str) -> None:
-        with self._tx() as db:
+        with self._tx(job_id) as db:
             db.execute("UPDATE jobs SET auto_resumes = 0 WHERE id = ?", (job_id,))
 
     def interrupt(self, job_id: str, reason: str, *, now: float | None = None) -> JobRecord | None:
         """A live job whose coordinator is gone but which will be resumed later (when the API
         starts again): PENDING with ``reason``, no workers. Terminal jobs are left alone."""
         now = time.time() if now is None else now
-        with self._tx() as db:
+        with self._tx(job_id) as db:
             row = db.execute("SELECT state, snapshot FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None or JobState(row["state"]).is_terminal:
                 return None
@@ -449,7 +501,7 @@ class JobStore:
         """The job's whole history is ``records`` (a resumed coordinator's, read in full);
         clears the job's ``resync`` mark."""
         rows = [(job_id, r.epoch, r.model_dump_json()) for r in records]
-        with self._tx() as db:
+        with self._tx(job_id, history=True) as db:
             db.execute("DELETE FROM history WHERE job_id = ?", (job_id,))
             db.executemany(
                 "INSERT INTO history (job_id, epoch, record) VALUES (?, ?, ?)", rows
@@ -461,7 +513,7 @@ class JobStore:
         rows = [(job_id, r.epoch, r.model_dump_json()) for r in records]
         if not rows:
             return 0
-        with self._tx() as db:
+        with self._tx(job_id, row=False, history=True) as db:
             db.executemany(
                 "INSERT OR REPLACE INTO history (job_id, epoch, record) VALUES (?, ?, ?)", rows
             )

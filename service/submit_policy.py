@@ -98,7 +98,7 @@ def check_user_code(spec: JobSpec, allowed: Iterable[str],
     named = [("dataset.name", spec.dataset.name), ("model.name", spec.model.name)]
     if spec.loss:
         named.append(("loss", spec.loss))
-    named += [(f"metrics.{i}", m) for i, m in enumerate(spec.metrics or ())]
+    named += [(f"metrics.{i}", m.fn) for i, m in enumerate(spec.metrics or ())]
     if spec.working_dir is not None and ANY_MODULE not in allowed:
         # Shipped code may shadow any module, allowed ones included: only with "*".
         why = shipping_problems(SubmitPolicy(user_code_modules=allowed, code_root=code_root))

@@ -16,12 +16,12 @@ from typing import Annotated, Any, Literal
 
 from dynabatch.actors.spec.sections import (
     BUILTIN_LOSSES,
-    BUILTIN_METRICS,
     BatchScheduleSpec,
     CheckpointSpec,
     DatasetSpec,
     EmulationSpec,
     IsgdSpec,
+    MetricSpec,
     ModelSpec,
     OptimizerSpec,
     ProtocolSpec,
@@ -29,7 +29,7 @@ from dynabatch.actors.spec.sections import (
     _Strict,
     known_name,
 )
-from dynabatch.actors.spec.validation import check_combinations
+from dynabatch.actors.spec.validation import CombinationError, check_combinations
 from pydantic import ConfigDict, Field, StrictInt, field_validator, model_validator
 
 POLICIES = ("static", "dbs", "affine")
@@ -77,11 +77,13 @@ class JobSpec(_Strict):
         "modules are importable by import paths. Over REST only when the service allows any "
         "user code (DYNABATCH_USER_CODE_MODULES='*').",
     )
-    metrics: list[str] | None = Field(
+    metrics: list[MetricSpec] | None = Field(
         default=None, max_length=16,
-        description="Evaluation metrics on the held-out set: accuracy, mse, perplexity or "
-        "'pkg.mod:function' ((outputs, targets) -> one value per sample, averaged). Default: "
-        "from the loss (cross_entropy: accuracy, next_token: perplexity and accuracy, mse: mse).",
+        description="Evaluation metrics on the held-out set, each {name, fn} or just fn: "
+        "accuracy, mse, perplexity or 'pkg.mod:function' ((outputs, targets) -> one value per "
+        "sample, averaged), shown by its name (default: the function's name). Default: from "
+        "the loss (cross_entropy: accuracy, next_token: perplexity and accuracy, mse: mse).",
+        examples=[["accuracy", {"name": "f1", "fn": "my_pkg.metrics:f1"}]],
     )
     schedule: BatchScheduleSpec = Field(default_factory=BatchScheduleSpec)
     isgd: IsgdSpec = Field(default_factory=IsgdSpec)
@@ -170,11 +172,18 @@ class JobSpec(_Strict):
 
     @field_validator("metrics")
     @classmethod
-    def _metrics(cls, v: list[str] | None) -> list[str] | None:
-        for m in v or ():
-            known_name("metric", m, BUILTIN_METRICS)
-        if v is not None and len(set(v)) != len(v):
-            raise ValueError("metrics are listed twice")
+    def _metrics(cls, v: list[MetricSpec] | None) -> list[MetricSpec] | None:
+        # Names key the records' test_metrics and label /metrics: unique. Reported as
+        # metrics.<i>.name (format_validation_error expands a CombinationError).
+        first: dict[str, int] = {}
+        problems = []
+        for i, m in enumerate(v or ()):
+            j = first.setdefault(m.name, i)
+            if j != i:
+                problems.append((f"{i}.name", f"{m.name!r} is already the name of metrics.{j}"
+                                 f" ({v[j].fn}): give one of them another name"))
+        if problems:
+            raise CombinationError(problems)
         return v
 
     @model_validator(mode="before")

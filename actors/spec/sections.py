@@ -12,7 +12,18 @@ import re
 import warnings
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 # The grammar dynabatch.actors.workloads.imports resolves: dotted module names, then one attribute.
 IMPORT_PATH_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
@@ -22,6 +33,10 @@ BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource", "parq
 BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm")
 BUILTIN_LOSSES = ("cross_entropy", "mse", "next_token")
 BUILTIN_METRICS = ("accuracy", "mse", "perplexity")
+# A metric's name: a Prometheus label value, a key of the epoch records' test_metrics and a
+# Python identifier (so it reads the same in every table). Not the evaluation sums' own keys.
+METRIC_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+RESERVED_METRIC_NAMES = ("n", "loss")
 # What a working_dir URI looks like (a scheme, then ://): anything else is a local path.
 URI_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://"
 
@@ -42,6 +57,72 @@ def known_name(kind: str, value: str, builtins: tuple[str, ...]) -> str:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def default_metric_name(fn: Any) -> str | None:
+    """The name a metric gets when the spec gives none: a built-in's own name, an import
+    path's function name (``pkg.mod:top5`` is ``top5``)."""
+    return fn.rpartition(":")[2] if isinstance(fn, str) else None
+
+
+class MetricSpec(_Strict):
+    """One evaluation metric: ``fn`` (a built-in or ``"pkg.mod:function"``) shown as
+    ``name`` in the job's status, REST answers, page, ``/metrics`` and CLI tables.
+
+    A plain string is the short form: ``"pkg.mod:f1"`` is ``{fn: "pkg.mod:f1"}``, named by
+    its function, ``f1``; it is written back in that form when its name is the default."""
+
+    fn: str = Field(description="accuracy, mse, perplexity or 'pkg.mod:function' "
+                    "((outputs, targets) -> one value per sample, averaged).",
+                    examples=["accuracy", "my_pkg.metrics:f1"])
+    name: str = Field(description="What the metric is called everywhere it is shown: a "
+                      "letter or _, then letters, digits or _ (64 at most), unique in the job; "
+                      "not n or loss. Default: the function's name (f1 for 'pkg.mod:f1').",
+                      examples=["f1"])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_form(cls, data: Any) -> Any:
+        if isinstance(data, str):  # its problem is the entry's: metrics.<i>
+            data = {"fn": known_name("metric", data, BUILTIN_METRICS)}
+        elif not isinstance(data, dict | MetricSpec):
+            raise ValueError("must be a metric (accuracy, mse, perplexity or 'pkg.mod:function')"
+                             " or a mapping {name: ..., fn: ...}")
+        if isinstance(data, dict) and data.get("name") is None:
+            data = {**data, "name": default_metric_name(data.get("fn"))}
+        return data
+
+    @field_validator("fn")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return known_name("metric", v, BUILTIN_METRICS)
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _name(cls, v: Any, info: ValidationInfo) -> Any:
+        if "fn" not in info.data:
+            return v if isinstance(v, str) else ""  # fn's own error says what is wrong
+        if not isinstance(v, str) or not re.match(METRIC_NAME_PATTERN, v):
+            raise ValueError(f"{v!r} is not a metric name: a letter or _, then letters, "
+                             "digits or _, 64 characters at most (it labels the metric in "
+                             "/metrics and every table)")
+        if v in RESERVED_METRIC_NAMES:
+            raise ValueError(f"{v!r} is reserved (the held-out sample count and loss): give "
+                             "the metric another name, {name: ..., fn: ...}")
+        return v
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core: Any, handler: GetJsonSchemaHandler
+                                     ) -> dict[str, Any]:
+        # The short form is valid input too; output has the same two forms (without the
+        # serializer's own schema, which says Any), so JobSpec stays one OpenAPI component.
+        mapping = handler({k: v for k, v in core.items() if k != "serialization"})
+        return {"anyOf": [{"type": "string"}, mapping]}
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # The short form when it says it all: specs written before names read back the same.
+        return self.fn if self.name == default_metric_name(self.fn) else handler(self)
 
 
 class DatasetSpec(_Strict):

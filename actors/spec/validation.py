@@ -199,7 +199,8 @@ def _ps_problems(spec: JobSpec, bad: Bad) -> None:
     # The learners and the server compute cross-entropy and accuracy only.
     if spec.loss not in (None, "cross_entropy"):
         bad("loss", "protocol ps trains with cross_entropy only")
-    if spec.metrics not in (None, ["accuracy"]):
+    if spec.metrics is not None and [(m.fn, m.name) for m in spec.metrics] != [
+            ("accuracy", "accuracy")]:
         bad("metrics", "protocol ps reports accuracy only")
     # The server applies the base rate alpha0 (scaled by the staleness rule) at a fixed
     # per-learner batch; the synchronous engine's schedules and ISGD are not applied there.

@@ -19,19 +19,25 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from dynabatch.actors.spec import DatasetSpec
 from dynabatch.actors.workloads import WorkloadError
-from dynabatch.actors.workloads.formats import (
+from dynabatch.actors.workloads.arrays import DatasetArrays, InvalidArrays, as_labels
+from dynabatch.actors.workloads.formats import FormatError
+from dynabatch.actors.workloads.formats.cifar import read_cifar10
+from dynabatch.actors.workloads.formats.idx import (
     MNIST_FILES,
-    FormatError,
     encode_mnist,
     parse_mnist,
-    read_cifar10,
     read_mnist,
+)
+from dynabatch.actors.workloads.images import (
+    channel_stats,
+    generate_mnist,
+    standardise,
+    unit_images,
 )
 from dynabatch.actors.workloads.imports import call_user, resolve_callable
 
@@ -40,171 +46,9 @@ FILE_DATASETS = ("parquet", "npy", "imagefolder")
 
 # Distinct RNG stream tags, so that e.g. changing the limit never changes the data itself.
 _TAG_SYNTHETIC = 0x53594E
-_TAG_MNIST = 0x4D4E53
 _TAG_LIMIT = 0x4C494D
 
 _MAX_GENERATED = 1_000_000
-
-
-class _InvalidArrays(WorkloadError):
-    """Raised by DatasetArrays validation; ``problem`` is the message without a prefix."""
-
-    def __init__(self, problem: str):
-        self.problem = problem
-        super().__init__(f"invalid DatasetArrays: {problem}")
-
-
-def _as_features(x: Any, what: str) -> np.ndarray:
-    try:
-        arr = np.asarray(x)
-    except Exception as err:
-        raise _InvalidArrays(f"{what} is not an array ({err})") from err
-    if arr.dtype.kind not in "biuf":
-        raise _InvalidArrays(f"{what} must be numeric, got dtype {arr.dtype}")
-    # No copy when the data is already float32 and C-contiguous (all the built-ins).
-    return np.ascontiguousarray(arr, dtype=np.float32)
-
-
-def _as_labels(y: Any, what: str) -> np.ndarray:
-    try:
-        arr = np.asarray(y)
-    except Exception as err:
-        raise _InvalidArrays(f"{what} is not an array ({err})") from err
-    if arr.dtype.kind == "f":
-        if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
-            raise _InvalidArrays(f"{what} must hold integer class labels")
-    elif arr.dtype.kind not in "biu":
-        raise _InvalidArrays(f"{what} must hold integer class labels, got dtype {arr.dtype}")
-    if arr.ndim != 1:
-        raise _InvalidArrays(f"{what} must be 1-dimensional, got shape {arr.shape}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
-def _all_finite(x: np.ndarray) -> bool:
-    # In slices: a full-size boolean temporary would be ~180 MB for CIFAR-10.
-    step = max(1, (1 << 22) // max(1, math.prod(x.shape[1:])))
-    return all(np.isfinite(x[i : i + step]).all() for i in range(0, len(x), step))
-
-
-TARGET_KINDS = ("classes", "tokens", "values")
-
-
-def _as_tokens(a: Any, what: str) -> np.ndarray:
-    try:
-        arr = np.asarray(a)
-    except Exception as err:
-        raise _InvalidArrays(f"{what} is not an array ({err})") from err
-    if arr.dtype.kind not in "iu":
-        raise _InvalidArrays(f"{what} must hold integer token ids (int64), got dtype {arr.dtype}")
-    if arr.ndim != 2:
-        raise _InvalidArrays(f"{what} must have shape (N, T) of token ids, got {arr.shape}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
-def _as_values(y: Any, what: str) -> np.ndarray:
-    try:
-        arr = np.asarray(y)
-    except Exception as err:
-        raise _InvalidArrays(f"{what} is not an array ({err})") from err
-    if arr.dtype.kind not in "biuf":
-        raise _InvalidArrays(f"{what} must hold numeric regression targets, got dtype {arr.dtype}")
-    if arr.ndim not in (1, 2):
-        raise _InvalidArrays(f"{what} must have shape (N,) or (N, k), got {arr.shape}")
-    return np.ascontiguousarray(arr, dtype=np.float32)
-
-
-@dataclass(frozen=True, eq=False, repr=False)
-class DatasetArrays:
-    """A dataset in memory. ``targets`` says what the samples hold:
-
-    * ``classes`` (default): float32 features (N, *input_shape) and int64 labels (N,) in
-      ``0..num_classes-1``;
-    * ``tokens``: int64 token sequences x (N, T) and next tokens y (N, T), ids in
-      ``0..num_classes-1`` (``num_classes`` is the vocabulary size);
-    * ``values``: float32 features and float32 regression targets (N,) or (N, k);
-      ``num_classes`` is the model's output width.
-
-    Construction converts dtypes (C-contiguous) and validates shapes, ranges and
-    finiteness, raising :class:`WorkloadError` on a problem.
-    """
-
-    name: str
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
-    num_classes: int
-    targets: str = "classes"
-
-    def __post_init__(self) -> None:
-        kind = self.targets
-        if kind not in TARGET_KINDS:
-            raise _InvalidArrays(f"targets must be one of {', '.join(TARGET_KINDS)}, got {kind!r}")
-        fields: dict[str, np.ndarray] = {}
-        for split in ("train", "test"):
-            if kind == "tokens":
-                x = _as_tokens(getattr(self, f"x_{split}"), f"x_{split}")
-                y = _as_tokens(getattr(self, f"y_{split}"), f"y_{split}")
-                if x.shape != y.shape:
-                    raise _InvalidArrays(
-                        f"x_{split} has shape {x.shape} but y_{split} has {y.shape}"
-                    )
-            else:
-                x = _as_features(getattr(self, f"x_{split}"), f"x_{split}")
-                y = (_as_labels if kind == "classes" else _as_values)(
-                    getattr(self, f"y_{split}"), f"y_{split}"
-                )
-            if x.ndim < 2:
-                raise _InvalidArrays(f"x_{split} must have shape (N, *input_shape), got {x.shape}")
-            if len(x) != len(y):
-                raise _InvalidArrays(f"x_{split} has {len(x)} samples but y_{split} has {len(y)}")
-            if len(x) == 0:
-                raise _InvalidArrays(f"x_{split} is empty")
-            if kind != "tokens" and not _all_finite(x):
-                raise _InvalidArrays(f"x_{split} contains NaN or infinite values")
-            if kind == "values" and not np.isfinite(y).all():
-                raise _InvalidArrays(f"y_{split} contains NaN or infinite values")
-            fields[f"x_{split}"], fields[f"y_{split}"] = x, y
-        if fields["x_test"].shape[1:] != fields["x_train"].shape[1:]:
-            raise _InvalidArrays(
-                f"x_test samples have shape {fields['x_test'].shape[1:]} but x_train samples "
-                f"have {fields['x_train'].shape[1:]}"
-            )
-        k = self.num_classes
-        least = 1 if kind == "values" else 2
-        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < least:
-            raise _InvalidArrays(f"num_classes must be an int >= {least}, got {k!r}")
-        ranged = {"classes": ("y",), "tokens": ("x", "y"), "values": ()}[kind]
-        for split in ("train", "test"):
-            for a in ranged:
-                y = fields[f"{a}_{split}"]
-                lo, hi = int(y.min()), int(y.max())
-                if lo < 0 or hi >= k:
-                    what = "label" if kind == "classes" else "token id"
-                    raise _InvalidArrays(
-                        f"{a}_{split} has {what} {lo if lo < 0 else hi}, outside 0..{k - 1} "
-                        f"(num_classes={k})"
-                    )
-        for key, value in fields.items():
-            object.__setattr__(self, key, value)
-        object.__setattr__(self, "num_classes", int(k))
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        """The shape of one sample, e.g. ``(1, 28, 28)`` or ``(64,)``."""
-        return tuple(int(n) for n in self.x_train.shape[1:])
-
-    def __repr__(self) -> str:
-        # Shapes, not contents: this ends up in logs.
-        return (
-            f"DatasetArrays(name={self.name!r}, train={len(self.y_train)}, "
-            f"test={len(self.y_test)}, input_shape={self.input_shape}, "
-            f"num_classes={self.num_classes}, targets={self.targets!r})"
-        )
-
-
-# --------------------------------------------------------------------------------------------
-# Options and helpers
 
 
 def _int_options(spec: DatasetSpec, allowed: dict[str, tuple[int, int, int]]) -> dict[str, int]:
@@ -321,110 +165,6 @@ def _digits(spec: DatasetSpec, seed: int) -> DatasetArrays:
 # --------------------------------------------------------------------------------------------
 # mnist
 
-# Seven-segment glyph: segment endpoints (x0, y0, x1, y1) in a box x in [-0.5, 0.5],
-# y in [-1, 1] (y grows downwards, as image rows do), in the order a b c d e f g.
-_SEGMENTS = np.array(
-    [
-        [-0.5, -1.0, 0.5, -1.0],  # a: top
-        [0.5, -1.0, 0.5, 0.0],  # b: top right
-        [0.5, 0.0, 0.5, 1.0],  # c: bottom right
-        [-0.5, 1.0, 0.5, 1.0],  # d: bottom
-        [-0.5, 0.0, -0.5, 1.0],  # e: bottom left
-        [-0.5, -1.0, -0.5, 0.0],  # f: top left
-        [-0.5, 0.0, 0.5, 0.0],  # g: middle
-    ]
-)
-_DIGIT_SEGMENTS = np.array(
-    [
-        [c == "1" for c in bits]
-        for bits in (
-            "1111110",
-            "0110000",
-            "1101101",
-            "1111001",
-            "0110011",
-            "1011011",
-            "1011111",
-            "1110000",
-            "1111111",
-            "1111011",
-        )
-    ]
-)
-_MNIST_SIZE = 28
-
-
-def _render_digits(labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """uint8 images (N, 28, 28) of the digits ``labels``, each with its own random distortion."""
-    n = len(labels)
-    n_seg = len(_SEGMENTS)
-    # Per-image handwriting variation: wobbly endpoints, slant, rotation, size, aspect,
-    # position, stroke width, and segments that are missing or stray.
-    pts = _SEGMENTS.reshape(1, n_seg, 2, 2) + rng.normal(0.0, 0.07, (n, n_seg, 2, 2))
-    half_h = rng.uniform(7.0, 9.5, n)
-    half_w = half_h * rng.uniform(0.8, 1.4, n)
-    shear = rng.uniform(-0.35, 0.15, n)
-    angle = rng.uniform(-0.15, 0.15, n)
-    cos, sin = np.cos(angle), np.sin(angle)
-    # M = rotation @ shear @ scale, applied to glyph coordinates.
-    m = np.empty((n, 2, 2))
-    m[:, 0, 0] = cos * half_w
-    m[:, 0, 1] = (cos * shear - sin) * half_h
-    m[:, 1, 0] = sin * half_w
-    m[:, 1, 1] = (sin * shear + cos) * half_h
-    centre = (_MNIST_SIZE - 1) / 2 + rng.uniform(-2.5, 2.5, (n, 2))
-    pix_pts = np.einsum("nij,nsej->nsei", m, pts) + centre[:, None, None, :]
-    half_stroke = rng.uniform(0.6, 1.3, n)
-    active = _DIGIT_SEGMENTS[labels]
-    strength = np.where(active, rng.uniform(0.75, 1.0, (n, n_seg)), 0.0)
-    dropped = active & (rng.random((n, n_seg)) < 0.06)
-    stray = ~active & (rng.random((n, n_seg)) < 0.05)
-    strength = np.where(dropped, rng.uniform(0.0, 0.25, (n, n_seg)), strength)
-    strength = np.where(stray, rng.uniform(0.3, 0.7, (n, n_seg)), strength)
-    noise = rng.normal(0.0, 0.06, (n, _MNIST_SIZE * _MNIST_SIZE))
-
-    # float32 for the per-pixel work: it halves the time and the precision is ample for 8 bits.
-    pix_pts = pix_pts.astype(np.float32)
-    half_stroke = half_stroke.astype(np.float32)
-    strength = strength.astype(np.float32)
-    noise = noise.astype(np.float32)
-    rows, cols = np.mgrid[0:_MNIST_SIZE, 0:_MNIST_SIZE]
-    px = cols.ravel().astype(np.float32)
-    py = rows.ravel().astype(np.float32)
-    out = np.empty((n, _MNIST_SIZE * _MNIST_SIZE), dtype=np.uint8)
-    chunk = 512  # bounds the (chunk, 7, 784) temporaries to a few tens of MB
-    for s in range(0, n, chunk):
-        e = min(s + chunk, n)
-        ax, ay = pix_pts[s:e, :, 0, 0, None], pix_pts[s:e, :, 0, 1, None]
-        vx = pix_pts[s:e, :, 1, 0, None] - ax
-        vy = pix_pts[s:e, :, 1, 1, None] - ay
-        wx, wy = px - ax, py - ay
-        t = np.clip((wx * vx + wy * vy) / (vx * vx + vy * vy + np.float32(1e-9)), 0.0, 1.0)
-        dist = np.hypot(wx - t * vx, wy - t * vy)
-        # Anti-aliased stroke: full ink inside the stroke, fading over one pixel.
-        ink = np.clip(half_stroke[s:e, None, None] + np.float32(0.5) - dist, 0.0, 1.0)
-        img = (ink * strength[s:e, :, None]).max(axis=1) + noise[s:e]
-        out[s:e] = np.round(np.clip(img, 0.0, 1.0) * np.float32(255.0)).astype(np.uint8)
-    return out.reshape(n, _MNIST_SIZE, _MNIST_SIZE)
-
-
-def generate_mnist(
-    n_train: int = 12000, n_test: int = 2000, seed: int = 0
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Deterministic MNIST-like data: uint8 images (N, 28, 28) and uint8 labels 0..9.
-
-    Train and test come from separate seeded streams, so the test set does not depend on
-    ``n_train``. Labels are balanced (each digit appears n/10 times, rounded) and shuffled.
-    """
-    parts: list[np.ndarray] = []
-    for split, n in ((0, n_train), (1, n_test)):
-        rng = np.random.default_rng([seed, _TAG_MNIST, split])
-        labels = rng.permutation(np.arange(n) % 10).astype(np.uint8)
-        parts += [_render_digits(labels, rng), labels]
-    x_train, y_train, x_test, y_test = parts
-    return x_train, y_train, x_test, y_test
-
-
 def _mnist(spec: DatasetSpec, seed: int) -> DatasetArrays:
     limits = (1, _MAX_GENERATED)
     opts = _int_options(spec, {"n_train": (12000, *limits), "n_test": (2000, *limits)})
@@ -446,46 +186,12 @@ def _mnist(spec: DatasetSpec, seed: int) -> DatasetArrays:
         raw = parse_mnist(blobs, {k: f"<generated {v}>" for k, v in MNIST_FILES.items()})
     x_tr, y_tr, x_te, y_te = raw
     return DatasetArrays(
-        spec.name, _unit_images(x_tr), y_tr, _unit_images(x_te), y_te, num_classes=10
+        spec.name, unit_images(x_tr), y_tr, unit_images(x_te), y_te, num_classes=10
     )
-
-
-def _unit_images(images: np.ndarray) -> np.ndarray:
-    """uint8 (N, H, W) -> float32 (N, 1, H, W) in [0, 1]."""
-    x = images.astype(np.float32)[:, None]
-    x *= np.float32(1.0 / 255.0)
-    return x
 
 
 # --------------------------------------------------------------------------------------------
 # cifar10
-
-
-def channel_stats(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel mean and std (in 0..255 units) of uint8 images (N, C, H, W).
-
-    Computed from a 256-bin histogram per channel: exact, and with no float copy of the data.
-    """
-    levels = np.arange(256, dtype=np.float64)
-    means, stds = [], []
-    for c in range(images.shape[1]):
-        hist = np.bincount(images[:, c].ravel(), minlength=256).astype(np.float64)
-        total = hist.sum()
-        mean = (hist * levels).sum() / total
-        var = (hist * (levels - mean) ** 2).sum() / total
-        means.append(mean)
-        stds.append(math.sqrt(var))
-    return np.array(means), np.array(stds)
-
-
-def _standardise(images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    x = images.astype(np.float32)
-    for c in range(x.shape[1]):
-        # A constant channel (possible in tiny test files) is centred but not scaled.
-        scale = std[c] if std[c] > 1e-6 else 1.0
-        x[:, c] -= np.float32(mean[c])
-        x[:, c] *= np.float32(1.0 / scale)
-    return x
 
 
 def _cifar10(spec: DatasetSpec, seed: int) -> DatasetArrays:
@@ -503,9 +209,9 @@ def _cifar10(spec: DatasetSpec, seed: int) -> DatasetArrays:
     mean, std = channel_stats(x_tr)
     return DatasetArrays(
         spec.name,
-        _standardise(x_tr, mean, std),
+        standardise(x_tr, mean, std),
         y_tr,
-        _standardise(x_te, mean, std),
+        standardise(x_te, mean, std),
         y_te,
         num_classes=10,
     )
@@ -526,7 +232,7 @@ def _user(spec: DatasetSpec, seed: int) -> DatasetArrays:
     fn = resolve_callable(spec.name, field)
     try:
         result = call_user(fn, spec.name, field, **spec.options)
-    except _InvalidArrays as err:  # the loader built a DatasetArrays that failed validation
+    except InvalidArrays as err:  # the loader built a DatasetArrays that failed validation
         raise WorkloadError(f"{field}: {spec.name!r} returned invalid data: {err.problem}") from err
     return user_arrays(spec, result, seed)
 
@@ -573,12 +279,12 @@ def user_arrays(spec: DatasetSpec, result: Any, seed: int) -> DatasetArrays:
             top = max(int(np.max(a)) for a in (x_tr, y_tr, x_te, y_te))
             return DatasetArrays(spec.name, x_tr, y_tr, x_te, y_te, num_classes=max(top + 1, 2),
                                  targets="tokens")
-        labels = [_as_labels(y_tr, "y_train"), _as_labels(y_te, "y_test")]
+        labels = [as_labels(y_tr, "y_train"), as_labels(y_te, "y_test")]
         # A tuple carries no class count: infer it from the largest label seen.
         top = max((int(y.max()) for y in labels if len(y)), default=0)
         return DatasetArrays(spec.name, x_tr, labels[0], x_te, labels[1],
                              num_classes=spec.num_classes or top + 1)
-    except _InvalidArrays as err:
+    except InvalidArrays as err:
         hint = _VALUES_HINT if "class labels" in err.problem else ""
         raise WorkloadError(
             f"{field}: {spec.name!r} returned invalid data: {err.problem}{hint}") from err

@@ -28,11 +28,8 @@ Deterministic from ``seed``; train and test come from separate streams.
 from __future__ import annotations
 
 import numpy as np
-from dynabatch.actors.workloads.datasets import (
-    DatasetArrays,
-    _render_digits,
-    _unit_images,
-)
+from dynabatch.actors.workloads.datasets import DatasetArrays
+from dynabatch.actors.workloads.images import render_digits, unit_images
 
 _TAG = 2101  # issue 21
 
@@ -76,12 +73,12 @@ def load(n_train: int = 6000, n_test: int = 2000, seed: int = 0, hard_classes: s
         rng = np.random.default_rng([seed, _TAG, split])
         labels = (_labels(n, rare, rare_per_mille, rng) if split == 0
                   else rng.permutation(np.arange(n) % 10).astype(np.uint8))
-        images = _harden(_render_digits(labels, rng), labels, hard, rng)
+        images = _harden(render_digits(labels, rng), labels, hard, rng)
         if split == 0 and noise_per_mille:
             flip = rng.random(n) < noise_per_mille / 1000
             labels = labels.copy()
             labels[flip] = (labels[flip] + rng.integers(1, 10, int(flip.sum()))) % 10
-        parts += [_unit_images(images), labels]
+        parts += [unit_images(images), labels]
     return DatasetArrays("hard_mnist", parts[0], parts[1], parts[2], parts[3], num_classes=10)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from dynabatch.actors.workloads import losses
@@ -36,9 +36,14 @@ def _exp(v: float) -> float:
 
 @dataclass(frozen=True)
 class Metric:
-    name: str
+    name: str  # what it is shown as (the spec's metrics.<i>.name)
     per_sample: losses.PerSample
     finish: Callable[[float], float] = _identity
+    fn: str = ""  # what the spec names: a built-in or an import path (for errors)
+
+    def __post_init__(self) -> None:
+        if not self.fn:
+            object.__setattr__(self, "fn", self.name)
 
 
 BUILTIN = {
@@ -54,9 +59,10 @@ DEFAULT_METRICS = {
 }
 
 
-def resolve_metric(name: str, field: str) -> Metric:
-    """A built-in metric by name, or the user's per-sample function by import path."""
-    found = BUILTIN.get(name)
-    if found is not None:
-        return found
-    return Metric(name, resolve_callable(name, field))
+def resolve_metric(fn: str, field: str, name: str | None = None) -> Metric:
+    """A built-in metric, or the user's per-sample function by import path, shown as
+    ``name`` (default: ``fn``)."""
+    found = BUILTIN.get(fn)
+    if found is None:
+        found = Metric(fn, resolve_callable(fn, field))
+    return found if name is None else replace(found, name=name)

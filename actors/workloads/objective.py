@@ -79,7 +79,7 @@ class Objective:
                     out = model(xb)
                     sums["loss"] += float(self.per_sample(out, yb).sum())
                     for field, m in self.metrics:
-                        v = L.check_per_sample(m.per_sample(out, yb), len(yb), field, m.name)
+                        v = L.check_per_sample(m.per_sample(out, yb), len(yb), field, m.fn)
                         sums[m.name] += float(v.sum())
         finally:
             model.train()
@@ -103,11 +103,11 @@ class Objective:
 def objective_for(spec: JobSpec, kind: str) -> Objective:
     loss_name = spec.loss or L.DEFAULT_LOSS[kind]
     loss = L.resolve_loss(loss_name)
-    names = spec.metrics
-    if names is None:
-        names = M.DEFAULT_METRICS.get(loss_name) or M.DEFAULT_METRICS[L.DEFAULT_LOSS[kind]]
-    metrics = tuple((f"metrics.{i}", M.resolve_metric(n, f"metrics.{i}"))
-                    for i, n in enumerate(names))
+    named = [(m.name, m.fn) for m in spec.metrics] if spec.metrics is not None else [
+        (n, n) for n in M.DEFAULT_METRICS.get(loss_name) or M.DEFAULT_METRICS[L.DEFAULT_LOSS[kind]]]
+    # Each metric keyed by its spec name (test_metrics, /metrics, the page, the CLI).
+    metrics = tuple((f"metrics.{i}", M.resolve_metric(fn, f"metrics.{i}", name))
+                    for i, (name, fn) in enumerate(named))
     return Objective(loss_name, loss, metrics)
 
 
@@ -120,7 +120,7 @@ def check_objective(spec: JobSpec, model: nn.Module, x: np.ndarray, y: np.ndarra
     with torch.no_grad():
         out = model(xb)
         for field, name, fn in [("loss", obj.loss_name, obj.loss),
-                                *((f, m.name, m.per_sample) for f, m in obj.metrics)]:
+                                *((f, m.fn, m.per_sample) for f, m in obj.metrics)]:
             try:
                 values = fn(out, yb)
             except Exception as err:

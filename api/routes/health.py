@@ -12,6 +12,7 @@ from dynabatch.service.schemas import Health, Readiness
 from fastapi import APIRouter, Depends, Request, Response, status
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 
 health = APIRouter(
     tags=["health"], dependencies=[Depends(require_token_for_health)], responses=ERRORS
@@ -50,6 +51,11 @@ def readyz(service: ServiceDep) -> Response:
     response_class=Response,
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
-def prometheus_metrics(request: Request) -> Response:
-    data = request.app.state.exposition.render()
+async def prometheus_metrics(request: Request) -> Response:
+    # The last render while it is current (api/metrics.py: Exposition) on the event loop;
+    # a new one in a worker thread.
+    exposition = request.app.state.exposition
+    data = exposition.kept()
+    if data is None:
+        data = await run_in_threadpool(exposition.render)
     return Response(content=data, media_type=CONTENT_TYPE_LATEST)

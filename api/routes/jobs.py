@@ -9,6 +9,7 @@ import warnings
 from typing import Annotated
 
 from dynabatch.actors.spec import JobSpec
+from dynabatch.api.cached import JobViews
 from dynabatch.api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, WorkerId, require_token
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.service.schemas import (
@@ -19,10 +20,10 @@ from dynabatch.service.schemas import (
     JobList,
     JobLogs,
     JobSubmitted,
-    JobSummary,
     ScaleRequest,
 )
-from fastapi import APIRouter, Body, Depends, Query, Response, status
+from fastapi import APIRouter, Body, Depends, Query, Request, Response, status
+from starlette.concurrency import run_in_threadpool
 
 router = APIRouter(
     prefix="/v1/jobs",
@@ -84,37 +85,58 @@ def submit_job(
     )
 
 
-@router.get("", response_model=JobList, summary="List jobs, newest first")
-def list_jobs(
-    service: ServiceDep,
+# The reads that clients poll are async and answered from JobViews (api/cached.py): the
+# serialized answer kept while the store's version of it is unchanged, so a poll costs no
+# query, no model and no thread hand-off; a stale one is rebuilt in a worker thread. They
+# carry an ETag and answer 304 to a matching If-None-Match.
+_CACHED = {304: {"description": "Not modified: the `If-None-Match` ETag is current."}}
+
+
+def _views(request: Request) -> JobViews:
+    return request.app.state.views
+
+
+@router.get("", response_model=JobList, summary="List jobs, newest first", responses=_CACHED)
+async def list_jobs(
+    request: Request,
     state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-) -> JobList:
-    records, total = service.list(state, offset=offset, limit=limit)
-    return JobList(
-        items=[JobSummary.of(r) for r in records], total=total, offset=offset, limit=limit
-    )
+) -> Response:
+    views = _views(request)
+    body = views.kept(views.list_key(state, offset, limit))
+    if body is None:
+        body = await run_in_threadpool(views.list, state, offset, limit)
+    return body.response(request)
 
 
-@router.get("/{job_id}", response_model=JobDetail, summary="A job's state", responses=NOT_FOUND)
-def get_job(job_id: JobId, service: ServiceDep) -> JobDetail:
+@router.get("/{job_id}", response_model=JobDetail, summary="A job's state",
+            responses={**NOT_FOUND, **_CACHED})
+async def get_job(job_id: JobId, request: Request) -> Response:
     """State, epoch, step, the latest per-worker allocation and telemetry, loss, accuracy."""
-    return JobDetail.of(service.get(job_id))
+    views = _views(request)
+    body = views.kept(views.job_key(job_id))
+    if body is None:
+        body = await run_in_threadpool(views.job, job_id)
+    return body.response(request)
 
 
 @router.get(
     "/{job_id}/history",
     response_model=JobHistory,
     summary="Per-epoch records",
-    responses=NOT_FOUND,
+    responses={**NOT_FOUND, **_CACHED},
 )
-def get_history(
+async def get_history(
     job_id: JobId,
-    service: ServiceDep,
+    request: Request,
     since: Annotated[int, Query(ge=0, le=2**31 - 1, description="First epoch.")] = 0,
-) -> JobHistory:
-    return JobHistory(job_id=job_id, records=service.history(job_id, since))
+) -> Response:
+    views = _views(request)
+    body = views.kept(views.history_key(job_id, since))
+    if body is None:
+        body = await run_in_threadpool(views.history, job_id, since)
+    return body.response(request)
 
 
 @router.get("/{job_id}/logs", response_model=JobLogs, summary="Log lines", responses=NOT_FOUND)

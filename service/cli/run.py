@@ -26,7 +26,7 @@ from dynabatch.service.cli.common import (
 )
 from dynabatch.service.cli.config import read_config
 from dynabatch.service.cli.views import breakdown_table
-from dynabatch.service.labels import node_label, relabel_metrics
+from dynabatch.service.labels import node_label
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -57,14 +57,14 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
                         f"{w.throughput:,.0f}", f"{w.compute_s_per_step * 1e3:.1f} ms",
                         f"{w.wait_s_per_step * 1e3:.1f} ms", f"{w.slowdown:g}x")
     epochs = Table(title="epochs", expand=False)
-    for col in ("epoch", "time", "train loss", "test acc", "utilization", "balance",
+    for col in ("epoch", "time", "train loss", "held-out", "utilization", "balance",
                 "rebalances", "samples", "retried"):
         epochs.add_column(col, justify="right")
     for r in history[-6:]:
         # "verified": the ledger found every sample trained exactly once, from the reports.
         samples = f"{r.samples_trained:,}" + (" verified" if r.verified else "")
         epochs.add_row(str(r.epoch), f"{r.wall_s:.2f}s", f"{r.train_loss:.4f}",
-                       "-" if r.test_accuracy is None else f"{r.test_accuracy:.4f}",
+                       held_out(r),
                        f"{r.utilization:.3f}", f"{r.compute_balance:.3f}", str(r.rebalances),
                        samples, str(r.retried_samples))
     parts = [head, workers, epochs]
@@ -77,6 +77,54 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
     return Group(*parts)
 
 
+def held_out(record: EpochRecord) -> str:
+    """The epoch's held-out metrics, each by its name in the spec ("-" before its scores)."""
+    scores = record.test_metrics or (
+        {} if record.test_accuracy is None else {"accuracy": record.test_accuracy})
+    return ", ".join(f"{k} {v:.4f}" for k, v in scores.items()) or "-"
+
+
+def utilization_summary(history: list[EpochRecord]) -> dict[str, Any] | None:
+    """The run's utilization (compute over the workers' wall time, as each epoch's), over
+    the whole run and over the epochs trained under a measured plan: from the first epoch
+    whose batches differ from the first epoch's (the first plan splits the batch before
+    anything is measured, and the segment sent ahead across the first boundary keeps it),
+    else from the second. Each epoch weighs by its workers' wall time. None: no epochs."""
+    if not history:
+        return None
+
+    def batches(r: EpochRecord) -> dict[str, int]:
+        return {w.worker: w.batch for w in r.workers}
+
+    def weighted(rs: list[EpochRecord]) -> float | None:
+        seconds = [r.wall_s * max(1, sum(1 for w in r.workers if w.steps)) for r in rs]
+        total = sum(seconds)
+        return sum(r.utilization * s for r, s in zip(rs, seconds, strict=True)) / total \
+            if total > 0 else None
+
+    first = batches(history[0])
+    start = next((i for i, r in enumerate(history) if batches(r) != first),
+                 min(1, len(history) - 1))
+    planned = history[start:]
+    return {"run": weighted(history), "planned": weighted(planned),
+            "planned_from_epoch": planned[0].epoch,
+            "by_epoch": [round(r.utilization, 4) for r in history]}
+
+
+def utilization_line(summary: dict[str, Any]) -> str:
+    """The summary as the line ``run`` prints at the end."""
+    run, planned, k = summary["run"], summary["planned"], summary["planned_from_epoch"]
+    if run is None or planned is None:
+        return "utilization: no training time measured"
+    before = f"epochs 0-{k - 1}" if k > 1 else "epoch 0"
+    return (f"utilization {planned:.3f} from epoch {k}, under the policy's measured plan "
+            f"(whole run {run:.3f}: {before} trained under the first split, before any "
+            "measurement; per epoch "
+            f"{', '.join(f'{u:.2f}' for u in summary['by_epoch'])}). Utilization is the "
+            "workers' compute over their wall time; each epoch line above says where the "
+            "rest of a step went.")
+
+
 def write_report(path: Path, spec: JobSpec, snap: JobSnapshot,
                  history: list[EpochRecord]) -> None:
     report = {
@@ -84,6 +132,7 @@ def write_report(path: Path, spec: JobSpec, snap: JobSnapshot,
         "emulated": spec.emulated,
         "spec": spec.model_dump(mode="json"),
         "final": snap.model_dump(mode="json"),
+        "utilization": utilization_summary(history),
         "history": [r.model_dump(mode="json") for r in history],
     }
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -118,7 +167,7 @@ class RayJob:
         return self._get(self.handle.snapshot.remote())
 
     def history(self, since: int = 0) -> list[EpochRecord]:
-        return [relabel_metrics(r) for r in self._get(self.handle.history.remote(since))]
+        return self._get(self.handle.history.remote(since))
 
     def logs(self, since: int = 0) -> list[LogLine]:
         return self._get(self.handle.logs.remote(since))
@@ -207,6 +256,9 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
                                 interrupted=interrupted)
     finally:
         signal.signal(signal.SIGINT, old)
+    summary = utilization_summary(hist)
+    if summary is not None:
+        print_plain(console, utilization_line(summary))
     if report:
         write_report(report, spec, snap, hist)
         console.print(f"report written to {report}")

@@ -9,7 +9,7 @@ import threading
 import pytest
 from dynabatch.actors.data.write import write_imagefolder, write_npy, write_parquet
 from dynabatch.actors.spec import JobSpec
-from dynabatch.actors.workloads.datasets import generate_mnist
+from dynabatch.actors.workloads.images import generate_mnist
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.sync.coordinator import Coordinator
 

@@ -705,16 +705,26 @@ def test_metrics_read_live_job_state_at_scrape_time(make_app: MakeApp) -> None:
     assert cluster.coordinators[job].epoch == 1
 
 
-def test_metrics_export_held_out_loss_and_custom_metrics_by_short_name(
+def test_metrics_and_history_show_each_metric_by_its_name_in_the_spec(
     make_app: MakeApp, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client, service, cluster = make_app()
-    job = _submit(client, epochs=3)
+    import numpy as np
+    import torch
+    from dynabatch.actors.workloads.objective import objective_for
+
+    client, service, cluster = make_app(user_code_modules=PLUGINS)
+    metrics = ["accuracy", {"name": "top2", "fn": f"{PLUGINS}:top2_metric"},
+               f"{PLUGINS}:top2_metric"]
+    job = _submit(client, epochs=3, metrics=metrics)
+    # The scores as a worker computes them for this spec (its objective's keys).
+    logits = torch.tensor([[3.0, 2.0, 1.0], [1.0, 2.0, 3.0], [1.0, 3.0, 2.0]])
+    scores = objective_for(cluster.launches[job][0], "classes").evaluate(
+        torch.nn.Identity(), logits.numpy(), np.array([1, 1, 1]), torch.device("cpu"))
+    scores.pop("loss")
     fake_history = cluster.history
 
     def history(job_id: str, since: int = 0) -> list[Any]:
-        metrics = {"accuracy": 0.75, "mypkg.metrics:top5": 0.9}
-        return [r.model_copy(update={"test_metrics": metrics})
+        return [r.model_copy(update={"test_metrics": scores})
                 for r in fake_history(job_id, since)]
 
     monkeypatch.setattr(cluster, "history", history)
@@ -722,11 +732,14 @@ def test_metrics_export_held_out_loss_and_custom_metrics_by_short_name(
     fams = _families(client.get("/metrics").text)
     (loss,) = fams["dynabatch_job_test_loss"].samples
     assert loss.labels == {"job_id": job} and loss.value == pytest.approx(1.1)
-    metrics = {s.labels["metric"]: s.value for s in fams["dynabatch_job_test_metric"].samples}
-    assert metrics == {"accuracy": 0.75, "top5": 0.9}
-    # The REST history names a user metric the same way.
+    exported = {s.labels["metric"]: s.value for s in fams["dynabatch_job_test_metric"].samples}
+    want = {"accuracy": pytest.approx(1 / 3), "top2": 1.0, "top2_metric": 1.0}
+    assert exported == want
+    # The REST history (the page's charts and the CLI's tables read it) names them the same.
     (rec,) = client.get(f"/v1/jobs/{job}/history").json()["records"]
-    assert rec["test_metrics"] == {"accuracy": 0.75, "top5": 0.9}
+    assert rec["test_metrics"] == want
+    # The job's spec reads back as it was written.
+    assert client.get(f"/v1/jobs/{job}").json()["spec"]["metrics"] == metrics
 
 
 def test_an_ended_job_keeps_its_state_series_but_not_its_workers(make_app: MakeApp) -> None:

@@ -134,3 +134,17 @@ def test_working_dir_is_relative_to_the_config_and_checked(
                     "(a relative working_dir is read from the config's folder)")
     result = CliRunner().invoke(_app(), ["run", str(cfg), "--working-dir", "nope"])
     assert result.stderr.strip() == f"error: --working-dir: {tmp_path / 'nope'} is not a directory"
+
+
+def test_the_epoch_table_shows_every_held_out_metric_by_its_name() -> None:
+    cluster = FakeCluster()
+    spec = parse_spec({"workers": 2, "global_batch": 64, "epochs": 1})
+    cluster.launch("b" * 12, spec)
+    job = FakeJob(cluster, "b" * 12)
+    snap, hist = run_cli.follow_job(job, console=Console(file=io.StringIO()), quiet=True,
+                                    interval_s=0.0)
+    hist = [r.model_copy(update={"test_metrics": {"accuracy": 0.5, "top2": 0.875}})
+            for r in hist]
+    out = io.StringIO()
+    Console(file=out, width=250).print(run_cli.render(snap, hist))
+    assert "accuracy 0.5000, top2 0.8750" in out.getvalue()

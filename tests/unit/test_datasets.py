@@ -11,26 +11,24 @@ import numpy as np
 import pytest
 from dynabatch.actors.spec import DatasetSpec
 from dynabatch.actors.workloads import WorkloadError
-from dynabatch.actors.workloads.datasets import (
-    DatasetArrays,
-    channel_stats,
-    generate_mnist,
-    load_dataset,
-)
-from dynabatch.actors.workloads.formats import (
+from dynabatch.actors.workloads.datasets import DatasetArrays, load_dataset
+from dynabatch.actors.workloads.formats import FormatError
+from dynabatch.actors.workloads.formats.cifar import (
     CIFAR10_LABELS,
-    MNIST_FILES,
-    FormatError,
-    decode_idx,
-    encode_idx,
     read_cifar10,
     read_cifar10_meta,
-    read_idx,
     write_cifar10,
     write_cifar_batch,
+)
+from dynabatch.actors.workloads.formats.idx import (
+    MNIST_FILES,
+    decode_idx,
+    encode_idx,
+    read_idx,
     write_idx,
     write_mnist,
 )
+from dynabatch.actors.workloads.images import channel_stats, generate_mnist
 
 PLUGINS = "tests.unit.workload_plugins"
 

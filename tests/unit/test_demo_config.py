@@ -55,3 +55,31 @@ def test_each_epoch_line_says_where_a_workers_step_went(emulated):
     assert ", rest 14.0 ms" in text
     assert ("without a core" in text) == emulated
     assert summary(r).endswith(text)
+
+
+def _epoch(epoch: int, batches: list[int], util: float, wall: float) -> EpochRecord:
+    ws = [WorkerEpochStats(worker=f"w{i}", node="n", batch=b, partition=6 * b, steps=6,
+                           compute_s=util * wall, wait_s=(1 - util) * wall, throughput=1.0)
+          for i, b in enumerate(batches)]
+    return EpochRecord(epoch=epoch, wall_s=wall, steps=6, dataset_size=1536,
+                       samples_trained=1536, retried_samples=0, verified=True, train_loss=1.0,
+                       utilization=util, compute_balance=0.9, rebalances=0, generation=1,
+                       policy="affine", emulated=True, workers=ws)
+
+
+def test_the_report_gives_the_runs_utilization_under_the_measured_plan():
+    from dynabatch.service.cli.run import utilization_line, utilization_summary
+
+    history = [_epoch(0, [86, 85, 85], 0.45, 1.0), _epoch(1, [86, 85, 85], 0.47, 1.0),
+               _epoch(2, [178, 64, 14], 0.60, 0.6), _epoch(3, [180, 65, 11], 0.66, 0.6)]
+    s = utilization_summary(history)
+    assert s["planned_from_epoch"] == 2  # the first epoch whose batches differ
+    assert s["planned"] == pytest.approx(0.63)  # equal walls: the mean of 0.60 and 0.66
+    assert s["run"] == pytest.approx((0.45 + 0.47 + 0.6 * 0.6 + 0.66 * 0.6) / 3.2)
+    assert s["by_epoch"] == [0.45, 0.47, 0.6, 0.66]
+    line = utilization_line(s)
+    assert line.startswith("utilization 0.630 from epoch 2") and "epochs 0-1" in line
+    # Equal nodes (the batches never change): every epoch after the first.
+    same = utilization_summary([_epoch(e, [64, 64], 0.8, 1.0) for e in range(3)])
+    assert same["planned_from_epoch"] == 1 and same["planned"] == pytest.approx(0.8)
+    assert utilization_summary([]) is None

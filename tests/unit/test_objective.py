@@ -113,11 +113,25 @@ def test_user_metric_is_averaged_per_sample():
     logits = torch.tensor([[3.0, 2.0, 1.0], [1.0, 2.0, 3.0]])
     scores = objective_for(spec, "classes").evaluate(
         torch.nn.Identity(), logits.numpy(), np.array([1, 1]), torch.device("cpu"))
-    assert scores["accuracy"] == 0.0 and scores[f"{P}:top2_metric"] == 1.0
+    assert scores["accuracy"] == 0.0 and scores["top2_metric"] == 1.0  # its function's name
+
+
+def test_metrics_are_scored_under_their_names_in_the_spec():
+    spec = parse_spec({"metrics": [{"name": "top2", "fn": f"{P}:top2_metric"},
+                                   {"name": "acc", "fn": "accuracy"}, "accuracy"]})
+    logits = torch.tensor([[3.0, 2.0, 1.0], [1.0, 2.0, 3.0]])
+    obj = objective_for(spec, "classes")
+    scores = obj.evaluate(torch.nn.Identity(), logits.numpy(), np.array([1, 1]),
+                          torch.device("cpu"))
+    assert scores == {"loss": pytest.approx(scores["loss"]), "top2": 1.0, "acc": 0.0,
+                      "accuracy": 0.0}
+    # Errors still say which function failed, at which position.
+    assert [(f, m.fn) for f, m in obj.metrics] == [
+        ("metrics.0", f"{P}:top2_metric"), ("metrics.1", "accuracy"), ("metrics.2", "accuracy")]
 
 
 def test_unknown_metric_and_loss_are_field_errors():
-    with pytest.raises(SpecError, match=r"^metrics: unknown metric 'f1'"):
+    with pytest.raises(SpecError, match=r"^metrics\.0: unknown metric 'f1'"):
         parse_spec({"metrics": ["f1"]})
     with pytest.raises(SpecError, match=r"^loss: unknown loss 'hinge'"):
         parse_spec({"loss": "hinge"})

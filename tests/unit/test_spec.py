@@ -522,3 +522,57 @@ def test_ps_spec_defaults_to_sync():
     p = parse_spec({"workers": 4, "protocol": {"name": "ps", "mode": "softsync", "n": 4,
                                                 "lr_staleness": "per_gradient"}}).protocol
     assert (p.mode, p.n, p.lr_staleness) == ("softsync", 4, "per_gradient")
+
+
+# Metric names ---------------------------------------------------------------------------
+def test_metrics_are_named_by_their_function_or_by_the_spec():
+    spec = parse_spec({"metrics": ["accuracy", "my_pkg.metrics:f1",
+                                   {"name": "top5", "fn": "my_pkg.metrics:topk"},
+                                   {"fn": "my_pkg.other:recall"}]})
+    assert [(m.name, m.fn) for m in spec.metrics] == [
+        ("accuracy", "accuracy"), ("f1", "my_pkg.metrics:f1"), ("top5", "my_pkg.metrics:topk"),
+        ("recall", "my_pkg.other:recall")]
+    # A name that is the default is written back in the short form: old specs read the same.
+    dumped = spec.model_dump(mode="json")["metrics"]
+    assert dumped == ["accuracy", "my_pkg.metrics:f1",
+                      {"fn": "my_pkg.metrics:topk", "name": "top5"}, "my_pkg.other:recall"]
+    assert parse_spec(spec.model_dump(mode="json")) == spec
+    assert parse_spec({"metrics": ["perplexity"], "loss": "next_token"}).model_dump(
+        mode="json")["metrics"] == ["perplexity"]
+
+
+@pytest.mark.parametrize(("metrics", "expected"), [
+    (["a.b:f1", "c.d:f1"],
+     "metrics.1.name: 'f1' is already the name of metrics.0 (a.b:f1): give one of them another"
+     " name"),
+    (["accuracy", {"name": "accuracy", "fn": "a:f"}],
+     "metrics.1.name: 'accuracy' is already the name of metrics.0"),
+    (["accuracy", "accuracy"], "metrics.1.name: 'accuracy' is already the name of metrics.0"),
+    (["accuracy", {"name": "f-1", "fn": "a:f1"}], "metrics.1.name: 'f-1' is not a metric name"),
+    ([{"name": "1st", "fn": "a:f1"}], "metrics.0.name: '1st' is not a metric name"),
+    ([{"name": "", "fn": "a:f1"}], "metrics.0.name: '' is not a metric name"),
+    ([{"name": "x" * 65, "fn": "a:f1"}], "metrics.0.name: 'xxxx"),
+    ([{"name": 'a"b', "fn": "a:f1"}], "metrics.0.name: "),
+    (["mse", "pkg.mod:loss"], "metrics.1.name: 'loss' is reserved"),
+    ([{"name": "n", "fn": "accuracy"}], "metrics.0.name: 'n' is reserved"),
+    (["accuracy", "f1"], "metrics.1: unknown metric 'f1'"),
+    ([{"name": "f1", "fn": "f1"}], "metrics.0.fn: unknown metric 'f1'"),
+    ([{"name": "f1"}], "metrics.0.fn: Field required"),
+    ([{"fn": "a:f1", "label": "x"}], "metrics.0.label: unknown field"),
+    ([7], "metrics.0: must be a metric"),
+])
+def test_bad_metric_names_are_one_error_naming_the_entry(metrics, expected):
+    text = error_of({"metrics": metrics})
+    assert text.startswith(expected) and ";" not in text, text
+
+
+def test_ps_accepts_only_plain_accuracy():
+    assert parse_spec({"protocol": {"name": "ps"}, "metrics": ["accuracy"]}).metrics
+    text = error_of({"protocol": {"name": "ps"}, "metrics": [{"name": "acc", "fn": "accuracy"}]})
+    assert text == "metrics: protocol ps reports accuracy only"
+
+
+def test_metric_import_paths_are_checked_over_rest_by_position():
+    spec = parse_spec({"metrics": ["accuracy", {"name": "f1", "fn": "evil.mod:f1"}]})
+    problems = check_user_code(spec, ())
+    assert [f for f, _ in problems] == ["metrics.1"] and "'evil.mod:f1'" in problems[0][1]

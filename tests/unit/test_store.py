@@ -209,3 +209,33 @@ def test_mark_resumed_reopens_a_failed_job_and_offsets_its_logs(store: JobStore)
     assert store.get("j").auto_resumes == 0
     with pytest.raises(KeyError):
         store.mark_resumed("nope", "x", automatic=True)
+
+
+def test_get_reads_the_row_once_until_it_is_written(store: JobStore) -> None:
+    store.create("j", _spec(), cluster="x", now=1.0)
+    sql: list[str] = []
+    store._db.set_trace_callback(sql.append)
+    first = store.get("j")
+    assert sql == [] and first is store.get("j")  # create() read it: kept, no query
+    row, history, rows = store.row_version("j"), store.history_version("j"), store.rows_version
+    store.add_history("j", [_record(0)])  # the history moves, not the row
+    assert (store.row_version("j"), store.rows_version) == (row, rows)
+    assert store.history_version("j") > history
+    assert store.get("j") is first
+    sql.clear()
+    snap = JobSnapshot(job_id="j", name="job", state=JobState.RUNNING, epoch=1, workers=[])
+    store.save_snapshot(snap, now=2.0)
+    assert store.row_version("j") > row and store.rows_version > rows
+    rec = store.get("j")
+    assert rec is not None and (rec.state, rec.current_snapshot().epoch) == (JobState.RUNNING, 1)
+    assert any(s.startswith("SELECT * FROM jobs") for s in sql)  # read again, once
+    sql.clear()
+    assert store.get("j") is rec and sql == []
+    store.transition("j", JobState.CANCELLED, "stop", now=3.0)
+    done = store.get("j")
+    assert done is not None and done.state == JobState.CANCELLED
+    row = store.row_version("j")
+    with pytest.raises(InvalidTransition):  # a refused write changes nothing
+        store.transition("j", JobState.RUNNING, "no")
+    assert store.get("j") is done and store.row_version("j") == row
+    assert store.get("nope") is None and store.row_version("nope") == 0

@@ -1,0 +1,148 @@
+"""The job reads that clients poll (a job's status, its history, the job list) as serialized
+JSON kept between requests, with an ``ETag``.
+
+Each answer is built once from the store (a query, the response model, ``model_dump_json``)
+and kept with the store version it was read at (:meth:`dynabatch.service.store.JobStore.row_version`
+and friends); while that version is unchanged, a request is answered with the kept bytes: no
+SQLite query, no pydantic model built or validated, no thread hand-off. The store's versions
+move when the service writes (a sync tick that brought news, a submission, a cancel), so a
+live job's status is rebuilt about once per sync interval however many clients poll it.
+
+The ``ETag`` is a hash of the body; a request whose ``If-None-Match`` names it gets ``304 Not
+Modified`` with no body.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.service.jobs import JobService
+from dynabatch.service.schemas import JobDetail, JobHistory, JobList, JobSummary
+from fastapi import Request, Response
+
+JSON = "application/json"
+KEPT = 256  # answers kept (each job's status and history, a few list pages)
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    """One serialized answer and the version of the store it was read at."""
+
+    version: object
+    data: bytes
+    etag: str
+
+    def response(self, request: Request) -> Response:
+        headers = {"ETag": self.etag, "Cache-Control": "no-cache"}
+        if not_modified(request.headers.get("if-none-match"), self.etag):
+            return Response(status_code=304, headers=headers)
+        return Response(self.data, media_type=JSON, headers=headers)
+
+
+def etag_of(data: bytes) -> str:
+    return '"' + hashlib.blake2b(data, digest_size=12).hexdigest() + '"'
+
+
+def not_modified(if_none_match: str | None, etag: str) -> bool:
+    """Whether an ``If-None-Match`` header matches ``etag`` (weak comparison, RFC 9110
+    13.1.2: ``W/`` prefixes are ignored; ``*`` matches any)."""
+    if not if_none_match:
+        return False
+    if if_none_match.strip() == "*":
+        return True
+    return any(t.strip().removeprefix("W/") == etag for t in if_none_match.split(","))
+
+
+class JobViews:
+    """Serialized status, history and list answers, each kept while the store's version of
+    what it shows is unchanged. :meth:`kept` never does I/O (an async route calls it on the
+    event loop); :meth:`job`, :meth:`history` and :meth:`list` read the store when needed
+    (a route calls them in a worker thread), one build at a time per answer."""
+
+    def __init__(self, service: JobService, size: int = KEPT):
+        self.service = service
+        self.size = size
+        self._items: OrderedDict[Hashable, Body] = OrderedDict()
+        self._lock = threading.Lock()  # the dict
+        self._build = threading.Lock()  # one build at a time: concurrent misses share it
+        self.builds = 0  # answers built so far (for tests and benchmarks)
+
+    # Versions: read without I/O ---------------------------------------------------------
+    def _version(self, key: tuple) -> object:
+        store = self.service.store
+        kind = key[0]
+        if kind == "job":
+            return store.row_version(key[1])
+        if kind == "history":
+            return store.history_version(key[1])
+        return store.rows_version
+
+    def kept(self, key: tuple) -> Body | None:
+        """The kept answer for ``key`` when it is current, else None. No I/O."""
+        version = self._version(key)
+        with self._lock:
+            body = self._items.get(key)
+            if body is None or body.version != version:
+                return None
+            self._items.move_to_end(key)
+            return body
+
+    def _get(self, key: tuple, make: Callable[[], bytes]) -> Body:
+        body = self.kept(key)
+        if body is not None:
+            return body
+        with self._build:
+            body = self.kept(key)  # another request built it while this one waited
+            if body is not None:
+                return body
+            version = self._version(key)  # before the read: a write during it is news
+            data = make()
+            body = Body(version, data, etag_of(data))
+            self.builds += 1
+        with self._lock:
+            self._items[key] = body
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return body
+
+    # Answers ----------------------------------------------------------------------------
+    @staticmethod
+    def job_key(job_id: str) -> tuple:
+        return ("job", job_id)
+
+    @staticmethod
+    def history_key(job_id: str, since: int) -> tuple:
+        return ("history", job_id, since)
+
+    @staticmethod
+    def list_key(state: JobState | None, offset: int, limit: int) -> tuple:
+        return ("list", state, offset, limit)
+
+    def job(self, job_id: str) -> Body:
+        """``GET /v1/jobs/{id}``'s body. Raises JobNotFound."""
+        return self._get(self.job_key(job_id),
+                         lambda: JobDetail.of(self.service.get(job_id)).model_dump_json().encode())
+
+    def history(self, job_id: str, since: int) -> Body:
+        """``GET /v1/jobs/{id}/history``'s body. Raises JobNotFound."""
+        return self._get(
+            self.history_key(job_id, since),
+            lambda: JobHistory(job_id=job_id, records=self.service.history(job_id, since))
+            .model_dump_json().encode(),
+        )
+
+    def list(self, state: JobState | None, offset: int, limit: int) -> Body:
+        """``GET /v1/jobs``'s body."""
+
+        def make() -> bytes:
+            records, total = self.service.list(state, offset=offset, limit=limit)
+            return JobList(items=[JobSummary.of(r) for r in records], total=total,
+                           offset=offset, limit=limit).model_dump_json().encode()
+
+        return self._get(self.list_key(state, offset, limit), make)
