@@ -151,10 +151,9 @@ class Exposition:
         self.registry = registry
         self.service = service
         self._lock = threading.Lock()
-        self._body: bytes | None = None
-        self._state: object | None = None
-        self._at = 0.0
-        self._kept: tuple[bytes, object, float] | None = None  # (body, state, at), one value
+        # The last render: (body, the service's metric state it read, when). One value, so
+        # kept() reads it whole without the lock.
+        self._kept: tuple[bytes, object, float] | None = None
 
     def kept(self) -> bytes | None:
         """The last render when :meth:`render` would return it as it is, else None. No I/O
@@ -175,12 +174,13 @@ class Exposition:
         with self._lock:
             now = time.monotonic()
             state = self.service.metric_state()
-            if self._body is not None and state is self._state and now - self._at < ttl:
-                return self._body
-            self._body = generate_latest(self.registry)
-            self._state, self._at = state, now
-            self._kept = (self._body, state, now)
-            return self._body
+            if self._kept is not None:
+                body, kept_state, at = self._kept
+                if state is kept_state and now - at < ttl:
+                    return body
+            body = generate_latest(self.registry)
+            self._kept = (body, state, now)
+            return body
 
 
 class JobCollector(Collector):
