@@ -112,7 +112,7 @@ class Coordinator(JobControl):
         self.reason = "starting workers"
         s = self.spec
         policy_opts = {}
-        if s.policy == "affine" and s.rebalance.mode == "adaptive":
+        if s.policy in ("affine", "dbs") and s.rebalance.mode == "adaptive":
             policy_opts["min_gain"] = s.rebalance.threshold
         self.job = SyncJob(
             job_id=job_id,

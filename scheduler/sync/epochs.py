@@ -93,11 +93,11 @@ class Epochs(Part):
                 at = early
             else:
                 p.defer(early, at)  # kept, or refused: from the step after the segment
-        job.tracker.decided()
+        a = decision.allocation
+        job.tracker.decided(dict(zip(a.workers, a.batches, strict=True)))
         if decision.rebalanced:
             job.rebalances_total += 1
             job.ep.rebalances += 1
-            a = decision.allocation
             where = f" from step {at}" if at is not None and at != p.step else ""
             self.log("INFO", f"rebalance ({why}): batches "
                              f"{dict(zip(a.workers, a.batches, strict=True))}{where} — "

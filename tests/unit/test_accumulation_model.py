@@ -61,6 +61,8 @@ def test_tracker_fits_an_accumulating_worker_per_micro_batch():
         steps.append(StepTelemetry(worker="w", epoch=0, step=i, batch=b, samples=b,
                                    compute_s=accumulated_step_time(a, c, b, m), wait_s=0.0,
                                    loss_sum=0.0, micro_batches=k, micro_cap=m))
+    tr.observe("w", steps)  # each size's first step pays one-off costs: not fitted
+    assert tr.workers["w"].stats.empty
     tr.observe("w", steps)
     f = fit(tr.workers["w"].stats)
     assert f is not None and abs(f.a - a) < 1e-6 and abs(f.c - c) < 1e-7

@@ -37,7 +37,8 @@ class WorkerTelemetry:
     plans with :func:`dynabatch.scheduler.core.sync.steptime.accumulation_slope`); ``capacity`` is
     a resource
     hint (e.g. CPUs) for a worker that has no telemetry yet. ``stats`` are per
-    micro-batch when the worker accumulates.
+    micro-batch when the worker accumulates. ``slowed``: the worker's last change of speed
+    was a slowdown, and ``stats`` hold only what it did since.
     """
 
     worker: str
@@ -48,6 +49,7 @@ class WorkerTelemetry:
     capacity: float = 1.0
     stats: StepTimeStats = field(default_factory=StepTimeStats)
     micro: int | None = None
+    slowed: bool = False
 
     @property
     def measured(self) -> bool:

@@ -54,6 +54,7 @@ _SAMPLES = attrgetter("samples")
 _COMPUTE = attrgetter("compute_s")
 _STATS = attrgetter("stats")
 _STAT_FIELDS = attrgetter("n", "sb", "st", "sbb", "sbt")
+_SLOWED = attrgetter("slowed")
 
 
 def _column(telemetry: Sequence[WorkerTelemetry], get: attrgetter, n: int) -> np.ndarray:
@@ -188,23 +189,50 @@ class StaticPolicy:
 
 @dataclass(frozen=True)
 class DBSPolicy:
-    """Ye et al.: new share ∝ old share / compute time, i.e. ∝ measured throughput."""
+    """Ye et al.: new share ∝ old share / compute time, i.e. ∝ measured throughput.
+
+    ``min_gain`` (``rebalance: adaptive``'s threshold, as for affine): keep the current
+    allocation unless the step time DBS's own model predicts (``max_i b_i / v_i``) falls by
+    more than this fraction. 0 (the paper's per-epoch re-sizing): every measured change is
+    applied. Without it, re-sizing every few steps on step times that vary by 10% between
+    equal workers moved every share at almost every check, and each new batch size costs
+    its first step the kernels' per-shape setup (see ``...sync.tracker``).
+    """
 
     name: Literal["dbs"] = "dbs"
+    min_gain: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
 
     def decide(self, telemetry, global_batch, dataset_size, current=None) -> Decision:
         check_sizes(global_batch, dataset_size)
         lo, hi = _bounds(telemetry, global_batch)
         workers = tuple(map(_WORKER, telemetry))
         v, measured = _speeds(telemetry)
+        cur = _current_batches(current, workers, global_batch, lo, hi)
+        if not measured.all() and cur is not None:
+            # The rule corrects each share by its own measurement under it: without one
+            # for every worker, a correction would mix plans (or capacity guesses).
+            return Decision(_keep(current, global_batch, dataset_size), False,
+                            "no telemetry" if not measured.any() else
+                            "waiting for every worker's steps under the current plan")
         if not measured.any():
-            if _current_batches(current, workers, global_batch, lo, hi) is not None:
-                return Decision(_keep(current, global_batch, dataset_size), False, "no telemetry")
             b = _split(_capacity_weights(telemetry), global_batch, lo, hi)
             alloc = make_allocation(workers, b, global_batch, dataset_size)
             reason = _replan_reason(current, workers, global_batch) + "shares from capacity hints"
             return Decision(alloc, current is not None, reason)
         b = _split(v, global_batch, lo, hi)
+        if cur is not None:
+            predicted = float(np.max(b / v))
+            current_s = float(np.max(cur / v))
+            if (b == cur).all() or (
+                    current_s > 0 and 1.0 - predicted / current_s <= self.min_gain):
+                return Decision(_keep(current, global_batch, dataset_size), False,
+                                "predicted gain below threshold", predicted, current_s)
+            return Decision(make_allocation(workers, b, global_batch, dataset_size), True,
+                            "shares proportional to throughput", predicted, current_s)
         alloc = make_allocation(workers, b, global_batch, dataset_size)
         changed = current is None or alloc.batches != current.batches or current.workers != workers
         return Decision(alloc, changed and current is not None, "shares proportional to throughput")
@@ -229,6 +257,10 @@ class AffinePolicy:
     # when its fixed cost alone nearly fills the step; a share it never trains cannot be
     # measured back up.
     min_share: float = 0.25
+    # A worker measured at one batch size since it slowed down is planned as if its whole
+    # step up to ``k_max`` samples were fixed cost, until it is measured at a batch this
+    # much (std / mean) away (see _cautious).
+    own_spread: float = 0.25
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_gain < 1.0:
@@ -269,6 +301,10 @@ class AffinePolicy:
             per_unit = float(np.median(c[known] * cap[known]))
             c = np.where(known, c, per_unit / cap)
             a = np.where(known, a, float(np.median(a[known])))
+        slowed = np.fromiter(map(_SLOWED, telemetry), bool, count=n)
+        if slowed.any():
+            a, c = _cautious(a, c, cols, slowed, float(global_batch), lo, hi,
+                             global_batch / n, self.own_spread)
         lo = np.minimum(np.maximum(lo, speed_floor(a, c, global_batch, self.min_share)), hi)
         starved = cur is not None and bool((cur < lo).any())  # re-planned, whatever the gain
         real, _t_new = equal_finish(a, c, float(global_batch), lo, hi)
@@ -301,6 +337,39 @@ class AffinePolicy:
         )
 
 
+def _cautious(a: np.ndarray, c: np.ndarray, cols: np.ndarray, slowed: np.ndarray,
+              total: float, lo: np.ndarray, hi: np.ndarray, k_max: float,
+              own_spread: float) -> tuple[np.ndarray, np.ndarray]:
+    """The model of a worker that just slowed down, for the worst case of its overhead.
+
+    Measured at one batch size b0 since the slowdown (time t0), its curve
+    ``t(b) = t0·(k + b)/(k + b0)`` is known but for its overhead k (in samples), which the
+    slowdown may have changed: on shared cores a tenant stretches short steps more than
+    long ones. Below b0 a batch takes longest when k is largest, above it when k = 0. So a
+    worker the plan moves down is planned with ``k = k_max``: if that was pessimistic,
+    its next measurements (at the smaller batch) give it an own fit and it gets more back;
+    guessing low overloads the one slow worker, and every step waits for it. (Moved up,
+    the proportional guess of ``shared_overhead_fit`` with no spread is already the
+    cautious one.) Measured in bench/disturbance.py: the first re-plan after a 4x slowdown
+    gave the slowed worker 19-20 samples under the proportional guess where it settled at
+    5-6.
+    """
+    n, sb, st, sbb, sbt = cols.T
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean_b = sb / n
+        one_size = (sbb / n - mean_b * mean_b) < (own_spread * mean_b) ** 2
+        rows = slowed & one_size & (n > 0) & (sb > 0) & (st > 0) & ~np.isnan(c)
+        if not rows.any() or not np.isfinite(k_max) or np.isnan(c).any():
+            return a, c
+        plain, _ = equal_finish(a, c, total, lo, hi)
+        rows &= plain < mean_b
+        if not rows.any():
+            return a, c
+        k = k_max
+        c_k = (k * st + sbt) / (k * k * n + 2 * k * sb + sbb)
+    return np.where(rows, c_k * k, a), np.where(rows, c_k, c)
+
+
 def speed_floor(a: np.ndarray, c: np.ndarray, global_batch: int, fraction: float
                 ) -> np.ndarray:
     """Each worker's least batch: 1 plus ``fraction`` of its share of the other
@@ -323,7 +392,7 @@ def make_policy(name: str, **options: float) -> Policy:
     if name == "static":
         return StaticPolicy()
     if name == "dbs":
-        return DBSPolicy()
+        return DBSPolicy(**options)
     if name == "affine":
         return AffinePolicy(**options)
     raise ValueError(f"unknown policy {name!r}: use static, dbs or affine")
