@@ -79,7 +79,7 @@ class Pipeline(Part):
         (a worker had started step ``at``): the caller defers the allocation to ``end``."""
         job, p = self.job, self.job.protocol
         ahead = job.ahead
-        seg = job.regime.stamp(p.plan_segment(at=at), p.steps_per_epoch)
+        seg = job.regime.stamp(p.plan_segment(at=at, whole=True), p.steps_per_epoch)
         update = PlanUpdate(p.epoch, at, {w: tuple(sp for sp in s.steps if sp.step < end)
                                           for w, s in seg.items()})
         why = check_update(ahead.plans, update)

@@ -206,3 +206,29 @@ def test_dbs_waits_for_every_worker_under_the_current_plan():
 def test_dbs_threshold_is_checked():
     with pytest.raises(ValueError, match="min_gain"):
         DBSPolicy(min_gain=1.0)
+
+
+# --------------------------------------------------------------------------------------
+# The protocol: a segment ends at the step that first measures a moved allocation
+
+
+def test_a_segment_ends_at_the_step_that_measures_a_new_allocation():
+    from dynabatch.scheduler.core.sync.protocol import RebalanceRule, SyncProtocol
+
+    p = SyncProtocol(global_batch=8, dataset_size=800, seed=0,
+                     rule=RebalanceRule("adaptive", 10, 4))
+    tel = [WorkerTelemetry("w0", samples=40, compute_s=1.0),
+           WorkerTelemetry("w1", samples=40, compute_s=1.0)]
+    p.replan(DBSPolicy(), tel)
+    assert len(p.plan_segment()["w0"].steps) == 4  # check_steps
+    p.advance(4)
+    slow = [WorkerTelemetry("w0", samples=40, compute_s=1.0),
+            WorkerTelemetry("w1", samples=10, compute_s=1.0)]
+    assert p.replan(DBSPolicy(), slow, at=6).rebalanced  # adopted from step 6
+    # Steps 4-5 keep the old plan (a segment sent), step 6 pays the new sizes' setup, 7
+    # measures them: the segment from 4 is cut there, the next ones are whole again.
+    assert [sp.step for sp in p.plan_segment()["w0"].steps] == [4, 5]
+    assert [sp.step for sp in p.plan_segment(at=6)["w0"].steps] == [6, 7]
+    assert [sp.step for sp in p.plan_segment(at=8)["w0"].steps] == [8, 9, 10, 11]
+    # A plan update covers the whole segment in flight, cut or not.
+    assert [sp.step for sp in p.plan_segment(at=6, whole=True)["w0"].steps] == [6, 7, 8, 9]

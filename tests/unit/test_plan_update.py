@@ -97,7 +97,7 @@ def test_updates_accepted_or_refused_change_only_steps_not_started_and_cover_onc
             p.replan(policy, _tel(speeds), at=a_end)
             continue
         decision = p.replan(policy, _tel(speeds), at=early)
-        seg = p.plan_segment(at=early)
+        seg = p.plan_segment(at=early, whole=True)
         update = PlanUpdate(p.epoch, early,
                             {w: tuple(sp for sp in s.steps if sp.step < a_end)
                              for w, s in seg.items()})

@@ -78,6 +78,11 @@ class SyncProtocol:
         # anchor), in step order: the first is in force now, a later one was adopted
         # ahead (``replan(at=)``).
         self._plans: list[tuple[int, Allocation]] = []
+        # Adaptive mode: the step that first measures the last allocation that moved
+        # batches (the one after its anchor: a worker's first step at a new batch size pays
+        # the kernels' per-shape setup and is not a measurement, see core/sync/tracker.py).
+        # A segment ends right after it, so the next check sees it a step sooner.
+        self._measure_at: int | None = None
         # Segments may be updated in flight (the runtime can post plan updates): each
         # worker claims a step's key before it starts it (see core/sync/update.py).
         self.updates = False
@@ -137,6 +142,7 @@ class SyncProtocol:
         carried = self._carried()
         self.epoch += 1
         self.step = 0
+        self._measure_at = None
         # The allocation is kept: the next epoch's first re-plan sees it as the current one
         # (DBS scales it, affine keeps it unless a better one gains enough), and a segment
         # planned ahead across the boundary trained under it.
@@ -201,6 +207,8 @@ class SyncProtocol:
         # re-anchors the plan at ``start`` without changing any batch.
         self._plans = [x for x in self._plans if x[0] < start] + [(start, decision.allocation)]
         self._prune()
+        if decision.rebalanced and self.rule.mode == "adaptive" and start < spe:
+            self._measure_at = start + 1
         return decision
 
     def defer(self, step: int, to: int) -> None:
@@ -217,6 +225,8 @@ class SyncProtocol:
         moved = make_allocation(a.workers, list(a.batches), self.global_batch, left)
         self._plans = ([x for x in plans[:i] if x[0] < to] + [(to, moved)]
                        + [x for x in plans[i + 1:] if x[0] > to])
+        if self._measure_at == step + 1:
+            self._measure_at = to + 1
 
     def planned_remaining(self, worker: str) -> int:
         """Samples ``worker`` still has to train in this epoch under the allocations."""
@@ -259,12 +269,14 @@ class SyncProtocol:
             k = MAX_SEGMENT_STEPS
         return max(0, min(k, left, MAX_SEGMENT_STEPS))
 
-    def plan_segment(self, at: int | Position | None = None) -> dict[str, SegmentPlan]:
+    def plan_segment(self, at: int | Position | None = None, *, whole: bool = False
+                     ) -> dict[str, SegmentPlan]:
         """Each worker's steps for the next segment (empty when the epoch is complete); or
         for the segment starting at step ``at`` of this epoch (one sent ahead: it trains
         under the allocation in force there), or at ``Position(epoch + 1, s)`` (ahead
         across the epoch's end: under the allocation carried into the next epoch, at the
-        same global batch)."""
+        same global batch). ``whole``: not cut after the step that measures a new
+        allocation (a plan update must cover the rest of the segment in flight)."""
         epoch = self.epoch
         if isinstance(at, Position):
             if at.epoch == self.epoch:
@@ -279,10 +291,10 @@ class SyncProtocol:
         got = self._in_force(first)
         if got is None:
             raise ValueError("no allocation: replan first")
-        return self._plan(epoch, first, got[0], got[1])
+        return self._plan(epoch, first, got[0], got[1], whole)
 
-    def _plan(self, epoch: int, first: int, anchor: int, a: Allocation | None
-              ) -> dict[str, SegmentPlan]:
+    def _plan(self, epoch: int, first: int, anchor: int, a: Allocation | None,
+              whole: bool = False) -> dict[str, SegmentPlan]:
         if a is None:
             raise ValueError("no allocation: replan first")
         k = self.segment_length(first)
@@ -290,6 +302,9 @@ class SyncProtocol:
         later = [x[0] for x in self._plans if x[0] > first] if epoch == self.epoch else []
         if later:
             k = min(k, later[0] - first)
+        m = self._measure_at if epoch == self.epoch and not whole else None
+        if m is not None and first <= m < first + k:
+            k = m + 1 - first
         if k == 0:
             return {}
         local0 = first - anchor
