@@ -99,6 +99,13 @@ def check_combinations(spec: JobSpec) -> None:
             UserWarning,
             stacklevel=3,
         )
+    rb = spec.rebalance
+    if "threshold" in rb.model_fields_set and spec.protocol.name == "sync" and (
+            rb.mode != "adaptive" or spec.policy == "static"):
+        why = (f"rebalance mode {rb.mode} re-plans at fixed points"
+               if rb.mode != "adaptive" else "policy static never re-sizes")
+        warnings.warn(f"rebalance.threshold is ignored: {why} (it applies to "
+                      "rebalance: adaptive with dbs or affine)", UserWarning, stacklevel=3)
     for d in spec.emulation.disturbances:
         if d.epoch >= spec.epochs:
             warnings.warn(

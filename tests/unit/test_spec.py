@@ -184,6 +184,23 @@ def test_disturbance_after_last_epoch_warns():
         )
 
 
+@pytest.mark.parametrize("extra, why", [
+    ({"rebalance": {"mode": "epoch", "threshold": 0.1}}, "rebalance mode epoch re-plans"),
+    ({"policy": "static", "rebalance": {"mode": "adaptive", "threshold": 0.1}},
+     "policy static never re-sizes"),
+])
+def test_rebalance_threshold_ignored_warns(extra, why):
+    with pytest.warns(UserWarning, match=f"rebalance.threshold is ignored: {why}"):
+        parse_spec(extra)
+
+
+def test_rebalance_threshold_in_force_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for policy in ("dbs", "affine"):
+            parse_spec({"policy": policy, "rebalance": {"mode": "adaptive", "threshold": 0.1}})
+
+
 # --------------------------------------------------------------------------------------
 # files
 
