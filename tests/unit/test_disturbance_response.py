@@ -81,6 +81,22 @@ def test_a_change_of_speed_restarts_the_model_and_says_which_way(factor, slowed)
     assert tel.slowed is slowed
 
 
+def test_a_slowed_worker_is_no_longer_flagged_once_measured_at_another_size():
+    tr = Tracker()
+    tr.add("w", 1.0)
+    tr.observe("w", [_step(i, 64, _t(64)) for i in range(4)])
+    tr.observe("w", [_step(4, 64, 4 * _t(64)), _step(5, 64, 4 * _t(64))])
+    assert tr.workers["w"].slowed
+    tr.observe("w", [_step(6, 60, 4 * _t(60)), _step(7, 60, 4 * _t(60))])  # near: still
+    assert tr.workers["w"].slowed
+    tr.observe("w", [_step(8, 8, 4 * _t(8))])  # a new size's first step: no measurement
+    assert tr.workers["w"].slowed
+    tr.observe("w", [_step(9, 8, 4 * _t(8))])
+    assert not tr.workers["w"].slowed
+    (tel,) = tr.telemetry(["w"], None)
+    assert not tel.slowed
+
+
 def test_the_dbs_window_counts_only_steps_under_the_plan_decided():
     tr = Tracker()
     tr.add("w", 1.0)

@@ -59,9 +59,11 @@ def _predicts(stats: StepTimeStats, batch: float) -> bool:
 class WorkerTrack:
     capacity: float
     stats: StepTimeStats = field(default_factory=StepTimeStats)
-    # Its last change of speed was a slowdown: until it is measured at another batch size,
-    # the policy plans it cautiously (WorkerTelemetry.slowed).
+    # Its last change of speed was a slowdown (at batch ``slowed_batch``): until it is
+    # measured at another batch size, the policy plans it cautiously
+    # (WorkerTelemetry.slowed); after that its own fit knows better.
     slowed: bool = False
+    slowed_batch: float = 0.0
     seen_batches: set[int] = field(default_factory=set)
     # Its batch under the allocation last decided (None: any): the window counts only
     # steps at it, so DBS measures the plan it is about to correct, not the one before.
@@ -165,7 +167,9 @@ class Tracker:
             if pred > 0 and not (1 / SURPRISE <= mean_t / pred <= SURPRISE):
                 # The worker changed speed: forget the old model.
                 t.stats = StepTimeStats()
-                t.slowed = mean_t > pred
+                t.slowed, t.slowed_batch = mean_t > pred, mean_b
                 t.reset_window()
+        elif t.slowed and abs(mean_b - t.slowed_batch) > NEAR * t.slowed_batch:
+            t.slowed = False  # measured at another size: its own fit knows better
         for b, s in obs:
             t.stats = t.stats.add(b, s, STATS_DECAY)
