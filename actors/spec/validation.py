@@ -100,7 +100,9 @@ def check_combinations(spec: JobSpec) -> None:
             stacklevel=3,
         )
     rb = spec.rebalance
-    if "threshold" in rb.model_fields_set and spec.protocol.name == "sync" and (
+    # Against the default, as the other warnings: a stored spec read back has every field set.
+    if rb.threshold != type(rb).model_fields["threshold"].default and (
+            spec.protocol.name == "sync") and (
             rb.mode != "adaptive" or spec.policy == "static"):
         why = (f"rebalance mode {rb.mode} re-plans at fixed points"
                if rb.mode != "adaptive" else "policy static never re-sizes")

@@ -199,6 +199,8 @@ def test_rebalance_threshold_in_force_does_not_warn():
         warnings.simplefilter("error")
         for policy in ("dbs", "affine"):
             parse_spec({"policy": policy, "rebalance": {"mode": "adaptive", "threshold": 0.1}})
+        # A stored spec read back (every field set, the threshold at its default).
+        parse_spec(parse_spec({"rebalance": {"mode": "epoch"}}).model_dump(mode="json"))
 
 
 # --------------------------------------------------------------------------------------
