@@ -26,17 +26,17 @@ from dynabatch.api.routes import events, health, jobs, nodes, pages
 from dynabatch.api.routes.code import code_router
 from dynabatch.api.too_large import JsonTooLarge
 from dynabatch.scheduler.core.lifecycle import InvalidTransition
-from dynabatch.service.install_check import check_own_install_once
-from dynabatch.service.jobs import (
-    ClusterClient,
+from dynabatch.service.cluster_client import ClusterClient
+from dynabatch.service.errors import (
     ClusterUnavailable,
     InvalidRequest,
     JobConflict,
     JobNotFound,
-    JobService,
     RayCallError,
     WorkerNotFound,
 )
+from dynabatch.service.install_check import check_own_install_once
+from dynabatch.service.jobs import JobService
 from dynabatch.service.settings import Settings
 from dynabatch.service.submit_policy import SpecNotAllowed
 from dynabatch.service.wiring import build_service

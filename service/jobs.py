@@ -1,7 +1,8 @@
 """``JobService``: submit, list, inspect, cancel, scale, drain and resume jobs; keep the store
 in step with Ray.
 
-Every Ray call goes through a :class:`ClusterClient`, so routes and this service run against
+Every Ray call goes through a :class:`~dynabatch.service.cluster_client.ClusterClient`, so
+routes and this service run against
 ``tests.fakes.FakeCluster`` as well as the real
 :class:`dynabatch.service.ray_client.RayClusterClient`.
 
@@ -34,15 +35,24 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.service.cluster_client import ClusterClient, ClusterNode, NodeJob
+from dynabatch.service.errors import (
+    AlreadyFinished,
+    ClusterUnavailable,
+    CoordinatorGone,
+    InvalidRequest,
+    JobConflict,
+    JobNotFound,
+    RayCallError,
+    WorkerNotFound,
+)
 from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
 from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
-from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger("dynabatch.service")
 
@@ -63,66 +73,6 @@ def new_job_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-# Errors ---------------------------------------------------------------------------------
-class RayCallError(RuntimeError):
-    """A Ray call failed."""
-
-
-class ClusterUnavailable(RayCallError):
-    """Ray (or an actor) did not answer in time; the call may succeed later."""
-
-
-class CoordinatorGone(RayCallError):
-    """The job's coordinator actor is dead or does not exist."""
-
-
-class JobNotFound(LookupError):
-    def __init__(self, job_id: str):
-        super().__init__(f"job {job_id!r} not found")
-        self.job_id = job_id
-
-
-class WorkerNotFound(LookupError):
-    """The job has no such worker (404)."""
-
-    def __str__(self) -> str:  # KeyError-style quoting would wrap the message
-        return str(self.args[0]) if self.args else "worker not found"
-
-
-class JobConflict(Exception):
-    """The request does not fit the job's current state (409): draining its last worker,
-    resuming a job whose coordinator is alive or which has no checkpoint."""
-
-
-class AlreadyFinished(InvalidTransition):
-    """Cancelling a job that already ended (409): says so, rather than the lifecycle's
-    ``job is CANCELLED; it cannot become CANCELLED``."""
-
-    def __init__(self, old: JobState, job_id: str = ""):
-        super().__init__(old, JobState.CANCELLED)
-        job = f"job {job_id}" if job_id else "job"
-        if old == JobState.CANCELLED:
-            self.args = (f"{job} is already CANCELLED",)
-        else:
-            self.args = (f"{job} already finished ({old.value}): there is nothing to cancel",)
-        self.job_id = job_id
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-    def __reduce__(self):
-        return (AlreadyFinished, (self.old, self.job_id))
-
-
-class InvalidRequest(ValueError):
-    """A well-formed request that this job cannot take (422), naming the body field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-        self.message = message
-
-
 @dataclass(frozen=True)
 class MetricState:
     """One read of the job state /metrics exports (:meth:`JobService.metric_state`)."""
@@ -131,81 +81,6 @@ class MetricState:
     snapshots: list[JobSnapshot]
     last_records: dict[str, EpochRecord]
     job_counts: dict[JobState, int]
-
-
-# Cluster view ---------------------------------------------------------------------------
-class NodeJob(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    job_id: str
-    name: str
-    workers: list[str] = Field(description="Names of this job's workers on the node.")
-
-
-class ClusterNode(BaseModel):
-    """A Ray node, its resources, and the live jobs whose workers it hosts."""
-
-    model_config = ConfigDict(frozen=True)
-
-    node_id: str
-    address: str
-    hostname: str = ""
-    alive: bool = True
-    head: bool = False
-    resources: dict[str, float] = Field(default_factory=dict, description="Total resources.")
-    available: dict[str, float] | None = Field(
-        default=None, description="Resources free now, when Ray reports them."
-    )
-    jobs: list[NodeJob] = Field(default_factory=list)
-
-    def matches(self, node: str) -> bool:
-        """Whether a worker's ``node`` field names this node (id, address or hostname)."""
-        return bool(node) and node in (self.node_id, self.address, self.hostname)
-
-
-class ClusterClient(Protocol):
-    """Every Ray call the service makes. Implementations raise :class:`RayCallError`s."""
-
-    @property
-    def embedded(self) -> bool:
-        """True when Ray lives in this process and ends with it."""
-        ...
-
-    @property
-    def address(self) -> str:
-        """The cluster's address, for the record of where a job ran."""
-        ...
-
-    def connect(self) -> None: ...
-
-    def close(self) -> None: ...
-
-    def ping(self) -> bool: ...
-
-    def launch(self, job_id: str, spec: JobSpec) -> None: ...
-
-    def find(self, job_id: str) -> bool: ...
-
-    def snapshot(self, job_id: str) -> JobSnapshot: ...
-
-    def history(self, job_id: str, since: int = 0) -> list[EpochRecord]: ...
-
-    def logs(self, job_id: str, since: int = 0) -> list[LogLine]: ...
-
-    def cancel(self, job_id: str, reason: str) -> JobSnapshot: ...
-
-    def scale(self, job_id: str, workers: int) -> JobSnapshot:
-        """Ask for exactly ``workers`` workers. Raises ``InvalidTransition`` if terminal."""
-        ...
-
-    def drain(self, job_id: str, worker: str) -> JobSnapshot:
-        """Remove ``worker`` at the next step boundary. Raises :class:`WorkerNotFound`,
-        :class:`JobConflict` (its last worker) or ``InvalidTransition`` (terminal)."""
-        ...
-
-    def release(self, job_id: str) -> None: ...
-
-    def nodes(self) -> list[ClusterNode]: ...
 
 
 class JobService:

@@ -1,4 +1,5 @@
-"""The real :class:`dynabatch.service.jobs.ClusterClient`: Ray calls, with Ray's errors translated.
+"""The real :class:`dynabatch.service.cluster_client.ClusterClient`: Ray calls, with Ray's
+errors translated (:mod:`dynabatch.service.errors`).
 
 Coordinator handles are cached per job; a job without a cached handle (e.g. after an API
 restart) is looked up by its actor name. Ray and the scheduler are imported lazily, so the
@@ -16,8 +17,8 @@ from typing import Any
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from dynabatch.service.jobs import (
-    ClusterNode,
+from dynabatch.service.cluster_client import ClusterNode
+from dynabatch.service.errors import (
     ClusterUnavailable,
     CoordinatorGone,
     JobConflict,

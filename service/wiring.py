@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-from dynabatch.service.jobs import ClusterClient, JobService
+from dynabatch.service.cluster_client import ClusterClient
+from dynabatch.service.jobs import JobService
 from dynabatch.service.settings import Settings
 from dynabatch.service.store import JobStore
 

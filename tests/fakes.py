@@ -1,4 +1,4 @@
-"""An in-memory :class:`dynabatch.service.jobs.ClusterClient` for route and service tests.
+"""An in-memory :class:`dynabatch.service.cluster_client.ClusterClient` for route and service tests.
 
 Each job gets a :class:`FakeCoordinator` whose snapshot advances one step per ``snapshot()``
 call (when ``auto_advance``), through PENDING, RUNNING and SUCCEEDED, producing epoch
@@ -39,8 +39,8 @@ from dynabatch.scheduler.telemetry import (
     WorkerEpochStats,
     WorkerStatus,
 )
-from dynabatch.service.jobs import (
-    ClusterNode,
+from dynabatch.service.cluster_client import ClusterNode
+from dynabatch.service.errors import (
     ClusterUnavailable,
     CoordinatorGone,
     JobConflict,

@@ -9,7 +9,7 @@ import sys
 import pytest
 import ray.exceptions as rex
 from dynabatch.scheduler.core.lifecycle import InvalidTransition
-from dynabatch.service.jobs import ClusterUnavailable, CoordinatorGone, RayCallError
+from dynabatch.service.errors import ClusterUnavailable, CoordinatorGone, RayCallError
 from dynabatch.service.ray_client import RayClusterClient, _probe, _translate
 
 
@@ -63,7 +63,7 @@ def test_membership_errors_of_the_coordinator_are_the_callers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from dynabatch.scheduler.core.lifecycle import JobState
-    from dynabatch.service.jobs import JobConflict, WorkerNotFound
+    from dynabatch.service.errors import JobConflict, WorkerNotFound
 
     client = RayClusterClient("10.0.0.1:6379")
 
