@@ -61,6 +61,11 @@ WORKER_ID_PATTERN = r"^w[0-9]{1,6}$"
 EMBEDDED_ENDED = "the embedded Ray cluster ended with the API process"
 AUTO_RESUME_LIMIT = 3
 STOP_JOIN_S = 1.0  # how long stop() waits for a sync tick in progress
+# With an embedded Ray, a coordinator found gone may be the process going down: a signal to
+# the whole process group (systemd, `kill -- -PGID`) ends Ray's processes at the same
+# instant as this one, and the sync loop can see the coordinator dead before the signal
+# handler has run. It waits this long for the shutdown to begin before calling it a loss.
+EMBEDDED_GONE_WAIT_S = 0.5
 
 
 def _reachable(cluster: object) -> bool:
@@ -109,6 +114,7 @@ class JobService:
         self.clock = clock
         self._sync_lock = threading.RLock()
         self._stop = threading.Event()
+        self._ending = threading.Event()  # the process is going down (begin_shutdown)
         self._thread: threading.Thread | None = None
         self._alive_nodes: int | None = None
         self._started = False
@@ -124,6 +130,7 @@ class JobService:
     # Lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         """Re-attach jobs left live by an earlier process, then start the sync loop."""
+        self._ending.clear()
         self.reattach()
         self._started = True
         if self.sync_interval_s > 0:
@@ -131,10 +138,17 @@ class JobService:
             self._thread = threading.Thread(target=self._loop, name="dynabatch-sync", daemon=True)
             self._thread.start()
 
+    def begin_shutdown(self) -> None:
+        """The process is going down (``serve`` got SIGTERM or SIGINT): with an embedded
+        Ray, a coordinator found gone from now on went with it (recorded by
+        :meth:`interrupt_live`), not on its own. Safe from a signal handler."""
+        self._ending.set()
+
     def stop(self) -> None:
         """Stop the sync loop. In embedded mode, live jobs end with Ray: those with a
         checkpoint stay live (PENDING) to be resumed when the API starts again; the others
         are marked FAILED."""
+        self._ending.set()
         self._stop.set()
         if self._thread is not None:
             # A tick blocked on a Ray that is gone must not hold the shutdown long: the loop
@@ -245,6 +259,8 @@ class JobService:
                 since = 0 if last_seq is None else max(0, last_seq + 1 - rec.log_offset)
                 lines = self.cluster.logs(job_id, since)
             except CoordinatorGone as err:
+                if self.cluster.embedded and self._ending.wait(EMBEDDED_GONE_WAIT_S):
+                    return rec  # gone with this process's Ray: interrupt_live records it
                 return self._coordinator_lost(
                     rec, f"the job's coordinator actor died: {first_line(err, typed=False)}"
                 )

@@ -208,6 +208,7 @@ def _serve(insecure: bool, **overrides: Any) -> None:
         uvicorn.Config(app, host=settings.host, port=settings.port,
                        log_level=settings.log_level),
         deadline_s=SHUTDOWN_DEADLINE_S, on_deadline=past_deadline,
+        on_signal=service.begin_shutdown,
     )
     try:
         server.run()
@@ -237,11 +238,13 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def graceful_server(config: Any, *, deadline_s: float, on_deadline: Any) -> Any:
+def graceful_server(config: Any, *, deadline_s: float, on_deadline: Any,
+                    on_signal: Any = None) -> Any:
     """A uvicorn server that stops gracefully on SIGTERM or SIGINT and then lets ``serve``
     exit 0 (uvicorn itself raises the signal again once it stopped, so the process ends
     *by* the signal: status 143 for SIGTERM), with ``on_deadline`` called if the stop has
-    not finished ``deadline_s`` after the first signal."""
+    not finished ``deadline_s`` after the first signal, and ``on_signal`` at the first
+    signal (the service learns at once that its embedded Ray is going down with it)."""
     import signal
     import threading
     from contextlib import contextmanager
@@ -254,6 +257,8 @@ def graceful_server(config: Any, *, deadline_s: float, on_deadline: Any) -> Any:
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.signalled:
                 self.signalled = True
+                if on_signal is not None:
+                    on_signal()
                 timer = threading.Timer(deadline_s, on_deadline)
                 timer.daemon = True
                 timer.start()

@@ -551,6 +551,35 @@ def test_embedded_shutdown_fails_live_jobs(make_app: MakeApp) -> None:
     assert rec is not None and rec.state == JobState.FAILED and rec.reason == EMBEDDED_ENDED
 
 
+def test_embedded_coordinator_gone_during_shutdown_is_the_embedded_end(
+        make_app: MakeApp) -> None:
+    """A signal to serve's whole process group ends Ray's processes as it ends the API: the
+    sync loop may find the coordinator dead before the shutdown runs. That is recorded as
+    the embedded Ray's end, not as a coordinator that died on its own."""
+    client, service, cluster = make_app(FakeCluster(embedded=True))
+    job = _submit(client)
+    _sync(service)
+    service.begin_shutdown()  # serve's signal handler
+    cluster.kill(job)
+    _sync(service)
+    assert client.get(f"/v1/jobs/{job}").json()["state"] == "RUNNING"
+    _stop(client)
+    store = JobStore(service.store.path)
+    rec = store.get(job)
+    store.close()
+    assert rec is not None and rec.state == JobState.FAILED and rec.reason == EMBEDDED_ENDED
+
+
+def test_embedded_coordinator_gone_otherwise_is_a_loss(make_app: MakeApp) -> None:
+    client, service, cluster = make_app(FakeCluster(embedded=True))
+    job = _submit(client)
+    _sync(service)
+    cluster.kill(job)
+    _sync(service)  # waits EMBEDDED_GONE_WAIT_S for a shutdown that does not come
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "FAILED" and "coordinator actor died" in body["reason"]
+
+
 def test_sync_loop_runs_in_background(make_app: MakeApp) -> None:
     client, _, _ = make_app(sync_interval_s=0.01)
     job = _submit(client, epochs=2)
