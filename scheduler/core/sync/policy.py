@@ -257,9 +257,9 @@ class AffinePolicy:
     # when its fixed cost alone nearly fills the step; a share it never trains cannot be
     # measured back up.
     min_share: float = 0.25
-    # A worker measured at one batch size since it slowed down is planned as if its whole
-    # step up to ``k_max`` samples were fixed cost, until it is measured at a batch this
-    # much (std / mean) away (see _cautious).
+    # A worker measured at one batch size since it slowed down is planned with the largest
+    # overhead the model allows when the plan moves it down, until its own batch sizes
+    # spread this much (std / mean; see _cautious).
     own_spread: float = 0.25
 
     def __post_init__(self) -> None:

@@ -7,7 +7,8 @@ changes), the window since the last decision (for DBS), and the epoch's totals.
 A worker's first step at a batch size it has not computed before pays one-off costs: a
 newcomer's warm-up, and on every step whose shape is new the kernels' per-shape setup
 (oneDNN builds its convolution primitives per input shape on a CPU, cuDNN picks its
-algorithms on a GPU) and the allocator's new blocks. Measured for LeNet on one CPU thread:
+algorithms on a GPU) and the allocator's new blocks. Measured for LeNet on one CPU thread
+(a timing loop outside the benchmarks):
 7.8 ms at batch 64, 12.4-18 ms for the first step at each of 70-75, back to 8.5 ms when a
 size is seen again. Such a step says little about the worker's speed, so it is left out of
 the step-time model and of the surprise test (a re-plan to new sizes would otherwise look
