@@ -433,10 +433,15 @@ class ParameterServer:
         span = min(RATE_WINDOW_S, now - self.started)
         return len(self._push_times) / span if span > 0 else 0.0
 
-    def snapshot(self) -> dict[str, Any]:
-        snap = self.core.snapshot()
+    async def snapshot(self) -> dict[str, Any]:
+        """The core's state and the evaluated epochs as one consistent view: under the lock
+        that every event is handled under, so a snapshot never shows the core ``finished``
+        while the last epoch's evaluation (which awaits the shards' slices) is still to be
+        recorded."""
+        async with self._changed:
+            snap = self.core.snapshot()
+            snap["epochs"] = list(self.epochs)
         now = time.monotonic()
-        snap["epochs"] = list(self.epochs)
         snap["elapsed_s"] = now - self._t0
         snap["started_s"] = None if self.started is None else self.started - self._t0
         snap["pushes_per_s"] = self.pushes_per_s(now)

@@ -58,17 +58,25 @@ def test_ps_job_survives_a_lost_learner_exactly_once(cluster):
         name=tag, dataset={"name": "digits"}, model={"name": "mlp", "hidden": 64},
         optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.5}, workers=3, global_batch=48,
         epochs=4, seed=3, node_resource=tag, worker_wait_timeout_s=20,
-        # The victim w0 computes 4x longer than it talks to the server, so it holds a chunk
-        # nearly all the time.
-        emulation={"slowdowns": [4, 1, 1]},
+        # From its 4th chunk on, the victim w0 computes 1000x longer (about 0.5 s a chunk
+        # against a few ms to talk to the server), so once it is seen holding that chunk it
+        # still holds it when its node goes. At 4x (a chunk of ~2 ms, shorter than a round
+        # trip) it had often pushed in between, and nothing was in flight to re-queue.
+        emulation={"slowdowns": [1, 1, 1],
+                   "disturbances": [{"worker": 0, "factor": 1000, "step": 3}]},
         protocol={"name": "ps", "mode": "async", "lr_staleness": "per_gradient",
                   "max_staleness": 8},
     ))
     coord = PSCoordinator("ps-loss", spec)
     thread = _start(coord)
-    # Some pushes in, then the node of w0 goes away while w0 holds a chunk.
-    wait_for(lambda: (s := coord.server_stats) is not None and s["applied"] >= 10
-             and "w0" in s["inflight"], timeout=60, interval=0.05)
+
+    def w0_holds_a_slowed_chunk() -> bool:
+        if coord.server_stats is None:  # the server is not up yet
+            return False
+        s = coord.runtime.snapshot()  # the server's state now, not the driver's last poll
+        return s["workers"].get("w0", {}).get("pushes", 0) >= 3 and "w0" in s["inflight"]
+
+    wait_for(w0_holds_a_slowed_chunk, timeout=60, interval=0.02)
     node_id = coord._learners["w0"]  # the node it runs on
     cluster.remove_node(next(n for n in nodes if n.node_id == node_id), allow_graceful=False)
     snap, workers = _finished(coord, thread, 4)

@@ -180,7 +180,7 @@ def test_server_one_put_per_version_the_issue_interface_and_a_rolling_rate(monke
         return server.started
 
     started = asyncio.run(scenario())
-    assert server.snapshot()["pushes_per_s"] > 0
+    assert asyncio.run(server.snapshot())["pushes_per_s"] > 0
     assert server.pushes_per_s(now=started + 100 * RATE_WINDOW_S) == 0.0  # not 2 / lifetime
 
 
@@ -264,3 +264,57 @@ def test_one_failure_victim_rule_for_both_protocols():
     assert [(h.kind, h.nodes) for h in sync.happened] == want
     assert [(h.kind, h.nodes) for h in ps.happened] == want
     assert ps.state == "SUCCEEDED" and all(e["verified"] for e in ps.epochs)
+
+
+def test_server_snapshot_never_shows_finished_before_the_last_epoch_is_recorded(monkeypatch):
+    """With shards, the last epoch's update awaits the shards' slices before it is evaluated
+    and recorded; a snapshot taken meanwhile waits for that (the driver ends the job on the
+    first snapshot that says ``finished``, and a missing last epoch failed its check)."""
+    import asyncio
+
+    import ray
+    from dynabatch.actors.ps import ParameterServer, shard_bounds
+
+    monkeypatch.setattr(ray, "put", lambda value: "ref")
+    ds = load_dataset(SPEC.dataset, seed=0)
+    total = ParamStore(SPEC, tuple(ds.input_shape), ds.num_classes).total
+    bounds = shard_bounds(total, 2)
+    shard_size = bounds[1][1] - bounds[1][0]
+
+    class _Remote:  # ``actor.method.remote(...)``, answered by a coroutine
+        def __init__(self, fn):
+            self.remote = fn
+
+    async def scenario():
+        gate = asyncio.Event()
+
+        def _done(value):
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(value)
+            return fut
+
+        async def apply(version, weighted):
+            await gate.wait()  # the shard is slow to step its slice
+            return _done(np.zeros(shard_size, np.float32))
+
+        shard = type("Shard", (), {"apply": _Remote(apply),
+                                   "weights_ref": _Remote(lambda: _done(
+                                       _done(np.zeros(shard_size, np.float32))))})()
+        core = PSCore(PSConfig("async"), dataset_size=96, epochs=1, seed=0,
+                      batches=PerfAwareBatches(96), workers=["w0"])
+        server = ParameterServer(SPEC, core, tuple(ds.input_shape), ds.num_classes,
+                                 ds.x_test, ds.y_test, shards=[shard], bounds=bounds)
+        work = (await server.request("w0"))["work"]
+        push = asyncio.create_task(server.push(
+            "w0", np.ones(bounds[0][1], np.float32), 0, work.chunk.samples, 0.1))
+        await asyncio.sleep(0.05)  # the push is inside the shards' apply now
+        assert core.finished and not push.done()
+        snap = asyncio.create_task(server.snapshot())
+        await asyncio.sleep(0.05)
+        assert not snap.done()  # it waits for the update in hand
+        gate.set()
+        await push
+        return await snap
+
+    snap = asyncio.run(scenario())
+    assert snap["finished"] and [e["epoch"] for e in snap["epochs"]] == [0]
