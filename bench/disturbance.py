@@ -119,6 +119,7 @@ def run(policy: str, mode: str, check: int, args: argparse.Namespace,
         "plan_updates_refused": coord.job.plan_updates_refused,
         "final_accuracy": hist[-1].test_accuracy,
         "per_step_balance": [round(r["balance"], 3) for r in per_step[start - 3:start + 25]],
+        "per_step_victim_batch": [r["batches"].get(victim) for r in per_step[start - 3:start + 25]],
         "steps_per_epoch": hist[0].steps,
     }
 
