@@ -11,7 +11,8 @@ interleaved, with medians:
 * ``dbs`` + ``rebalance: epoch`` (the paper's per-epoch re-sizing), for reference;
 * ``--variants`` picks others, e.g. ``affine:adaptive:1`` (check every step), or
   ``affine:adaptive:2:no_updates`` (the driver without plan updates: a re-plan waits for
-  the segment in flight, as before issue 23).
+  the segment in flight, as before issue 23), or ``dbs:adaptive:2:picard`` (dbs without its
+  secant step: the paper's proportional correction alone).
 
 Two measures of recovery, in steps after the disturbance:
 
@@ -29,6 +30,7 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -73,9 +75,11 @@ def _first_held(per_step: list[dict[str, Any]], start: int, ok: Any) -> int | No
 
 
 def run(policy: str, mode: str, check: int, args: argparse.Namespace,
-        updates: bool = True) -> dict[str, Any]:
+        updates: bool = True, picard: bool = False) -> dict[str, Any]:
     coord = Coordinator(f"disturb-{policy}", spec_for(policy, mode, check, args),
                         resume=False)
+    if picard:  # dbs without its secant step: the paper's proportional correction alone
+        coord.job.policy = dataclasses.replace(coord.job.policy, secant=False)
     if not updates:  # the driver as before plan updates: a re-plan waits for the segment ahead
         coord.runtime.update_segment = None
         coord.pipeline.updater = None
@@ -154,12 +158,14 @@ def main() -> None:
         policy, mode, check, *rest = v.split(":")
         name = f"{mode}_{policy}" + ("" if int(check) == 2 else f"_check{check}")
         name += "_no_updates" if "no_updates" in rest else ""
-        variants.append((name, policy, mode, int(check), "no_updates" not in rest))
+        name += "_picard" if "picard" in rest else ""
+        variants.append((name, policy, mode, int(check), "no_updates" not in rest,
+                         "picard" in rest))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in variants}
     try:
         for r in range(args.repeats):
-            for name, policy, mode, check, updates in variants:
-                runs[name].append(run(policy, mode, check, args, updates))
+            for name, policy, mode, check, updates, picard in variants:
+                runs[name].append(run(policy, mode, check, args, updates, picard))
                 print(f"[round {r}] {name}: recovered in {runs[name][-1]['steps_to_recover']}"
                       " steps", file=sys.stderr)
         out: dict[str, Any] = {

@@ -38,7 +38,9 @@ class WorkerTelemetry:
     a resource
     hint (e.g. CPUs) for a worker that has no telemetry yet. ``stats`` are per
     micro-batch when the worker accumulates. ``slowed``: the worker's last change of speed
-    was a slowdown, and ``stats`` hold only what it did since.
+    was a slowdown, and ``stats`` hold only what it did since. ``previous``: (batch, mean
+    step compute seconds) of its window under the plan before the current one, since its
+    last change of speed (DBS's second point; None when there is none).
     """
 
     worker: str
@@ -50,6 +52,7 @@ class WorkerTelemetry:
     stats: StepTimeStats = field(default_factory=StepTimeStats)
     micro: int | None = None
     slowed: bool = False
+    previous: tuple[int, float] | None = None
 
     @property
     def measured(self) -> bool:

@@ -42,6 +42,7 @@ from dynabatch.scheduler.core.sync.steptime import (
     fit_arrays,
     round_to_total,
     shared_overhead_fit,
+    two_point_fit,
 )
 
 # --------------------------------------------------------------------------------------
@@ -55,6 +56,9 @@ _COMPUTE = attrgetter("compute_s")
 _STATS = attrgetter("stats")
 _STAT_FIELDS = attrgetter("n", "sb", "st", "sbb", "sbt")
 _SLOWED = attrgetter("slowed")
+# DBS's secant step needs its two batch sizes at least this far apart (larger / smaller):
+# 64 and 75 samples, 10% apart in time, give a slope of noise on shared cores.
+SECANT_RATIO = 1.5
 
 
 def _column(telemetry: Sequence[WorkerTelemetry], get: attrgetter, n: int) -> np.ndarray:
@@ -197,14 +201,31 @@ class DBSPolicy:
     applied. Without it, re-sizing every few steps on step times that vary by 10% between
     equal workers moved every share at almost every check, and each new batch size costs
     its first step the kernels' per-shape setup (see ``...sync.tracker``).
+
+    ``secant``: the rule iterates towards equal finish (``b_i ∝ v_i(b_i)`` holds exactly
+    when every step takes ``B / Σv``), and slowly where a worker's fixed cost a dominates
+    its step: near the fixed point the map ``b ↦ B·v(b)/Σv`` has slope ``a / (a + c·b)``,
+    so each correction closes only ``c·b / (a + c·b)`` of the gap. In bench/disturbance.py
+    a 4x-slowed worker went 64 → 30 → 13 → 10 → 11 → 10 → 9 → 8, one correction every 3
+    steps. Where a worker was measured at two batch sizes ``SECANT_RATIO`` apart since its
+    last change of speed (``WorkerTelemetry.previous`` and the current window), the line
+    through the two gives its step time at any size and the fixed point is solved at once
+    (a secant step); elsewhere, and with ``secant=False``, the paper's proportional step.
+    The fixed point is the same; the path to it is shorter. ``min_share``: the floor of
+    :func:`speed_floor`, as for affine (a proportional step never starves a worker; a line
+    through a large fixed cost could).
     """
 
     name: Literal["dbs"] = "dbs"
     min_gain: float = 0.0
+    secant: bool = True
+    min_share: float = 0.25
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
+        if not 0.0 <= self.min_share <= 1.0:
+            raise ValueError(f"min_share must be in [0, 1], got {self.min_share}")
 
     def decide(self, telemetry, global_batch, dataset_size, current=None) -> Decision:
         check_sizes(global_batch, dataset_size)
@@ -223,19 +244,46 @@ class DBSPolicy:
             alloc = make_allocation(workers, b, global_batch, dataset_size)
             reason = _replan_reason(current, workers, global_batch) + "shares from capacity hints"
             return Decision(alloc, current is not None, reason)
-        b = _split(v, global_batch, lo, hi)
-        if cur is not None:
-            predicted = float(np.max(b / v))
-            current_s = float(np.max(cur / v))
-            if (b == cur).all() or (
-                    current_s > 0 and 1.0 - predicted / current_s <= self.min_gain):
-                return Decision(_keep(current, global_batch, dataset_size), False,
-                                "predicted gain below threshold", predicted, current_s)
-            return Decision(make_allocation(workers, b, global_batch, dataset_size), True,
-                            "shares proportional to throughput", predicted, current_s)
-        alloc = make_allocation(workers, b, global_batch, dataset_size)
-        changed = current is None or alloc.batches != current.batches or current.workers != workers
-        return Decision(alloc, changed and current is not None, "shares proportional to throughput")
+        if cur is None:
+            b = _split(v, global_batch, lo, hi)
+            alloc = make_allocation(workers, b, global_batch, dataset_size)
+            changed = (current is None or alloc.batches != current.batches
+                       or current.workers != workers)
+            return Decision(alloc, changed and current is not None,
+                            "shares proportional to throughput")
+        a, c = np.zeros_like(v), 1.0 / v  # the proportional model: t_i(b) = b / v_i
+        lines = self._secant_rows(telemetry, cur, c) if self.secant else None
+        if lines is None:
+            b = _split(v, global_batch, lo, hi)
+            reason = "shares proportional to throughput"
+        else:
+            rows, a_l, c_l = lines
+            a, c = np.where(rows, a_l, a), np.where(rows, c_l, c)
+            lo = np.minimum(np.maximum(lo, speed_floor(a, c, global_batch, self.min_share)), hi)
+            real, _ = equal_finish(a, c, float(global_batch), lo, hi)
+            b = round_to_total(real, global_batch, lo, hi)
+            reason = (f"equal finish, {int(rows.sum())} worker(s) through two measured "
+                      "batch sizes (secant)")
+        predicted = float(np.max(a + c * b))
+        current_s = float(np.max(a + c * cur))
+        if (b == cur).all() or (current_s > 0 and 1.0 - predicted / current_s <= self.min_gain):
+            return Decision(_keep(current, global_batch, dataset_size), False,
+                            "predicted gain below threshold", predicted, current_s)
+        return Decision(make_allocation(workers, b, global_batch, dataset_size), True,
+                        reason, predicted, current_s)
+
+    @staticmethod
+    def _secant_rows(telemetry, cur: np.ndarray, c: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(rows, a, c) of the workers with a trusted line through their previous and
+        current windows; None when no worker has one."""
+        prev = [t.previous or (np.nan, np.nan) for t in telemetry]
+        if all(p[0] != p[0] for p in prev):  # NaN: nobody has a previous point
+            return None
+        b1, t1 = np.array(prev, dtype=np.float64).T
+        a_l, c_l = two_point_fit(b1, t1, cur, c * cur, SECANT_RATIO)
+        rows = ~np.isnan(c_l)
+        return (rows, a_l, c_l) if rows.any() else None
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,23 @@ def fit_arrays(
     return a, c
 
 
+def two_point_fit(
+    b1: np.ndarray, t1: np.ndarray, b2: np.ndarray, t2: np.ndarray, min_ratio: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the line ``t = a + c·b`` through (b1, t1) and (b2, t2); NaN where it is not
+    to be trusted: a point missing (NaN), batches less than ``min_ratio`` apart (the larger
+    over the smaller; on shared cores a step's time varies by 10-20%, so nearby sizes give a
+    slope of noise), or a line with ``c <= 0`` or ``a < 0`` (time that falls as the batch
+    grows, or a negative overhead: noise again)."""
+    b1, t1, b2, t2 = (np.asarray(x, dtype=np.float64) for x in (b1, t1, b2, t2))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c = (t2 - t1) / (b2 - b1)
+        a = t2 - c * b2
+        far = np.maximum(b1, b2) >= min_ratio * np.minimum(b1, b2)
+    ok = far & (b1 > 0) & (b2 > 0) & (c > 0) & (a >= 0) & np.isfinite(a) & np.isfinite(c)
+    return np.where(ok, a, np.nan), np.where(ok, c, np.nan)
+
+
 def equal_finish(
     a: np.ndarray,
     c: np.ndarray,

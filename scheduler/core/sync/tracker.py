@@ -69,6 +69,9 @@ class WorkerTrack:
     # Its batch under the allocation last decided (None: any): the window counts only
     # steps at it, so DBS measures the plan it is about to correct, not the one before.
     plan_batch: int | None = None
+    # (batch, mean step compute) of the window under the plan before, at a batch other
+    # than plan_batch, since the last change of speed: DBS's second point.
+    previous: tuple[int, float] | None = None
     window_samples: int = 0
     window_compute: float = 0.0
     epoch_samples: int = 0
@@ -106,7 +109,8 @@ class Tracker:
             out.append(WorkerTelemetry(worker=w, samples=t.window_samples,
                                        compute_s=t.window_compute, cap=cap,
                                        capacity=t.capacity, stats=t.stats,
-                                       micro=t.micro_cap, slowed=t.slowed))
+                                       micro=t.micro_cap, slowed=t.slowed,
+                                       previous=t.previous))
         return out
 
     def decided(self, batches: dict[str, int] | None = None) -> None:
@@ -117,10 +121,14 @@ class Tracker:
         every check). Only steps at that batch count: the segment in flight still runs
         the old plan, and a second correction from its steps repeats the first
         (bench/disturbance.py: a slowed worker re-planned 20, 18, 18 from the same steps).
-        ``batches`` None: every window restarts."""
+        ``batches`` None: every window restarts. A window closed by a new batch is kept
+        as the worker's previous point (``WorkerTelemetry.previous``)."""
         for w, t in self.workers.items():
             b = None if batches is None else batches.get(w)
             if batches is None or b != t.plan_batch:
+                if b is not None and t.plan_batch is not None and t.window_samples > 0:
+                    steps = t.window_samples / t.plan_batch
+                    t.previous = (t.plan_batch, t.window_compute / steps)
                 t.reset_window()
             t.plan_batch = b
 
@@ -170,6 +178,7 @@ class Tracker:
                 t.stats = StepTimeStats()
                 t.slowed, t.slowed_batch = mean_t > pred, mean_b
                 t.reset_window()
+                t.previous = None  # a point of the old speed
         elif t.slowed and abs(mean_b - t.slowed_batch) > NEAR * t.slowed_batch:
             t.slowed = False  # measured at another size: its own fit knows better
         for b, s in obs:
