@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry, make_allocation
-from dynabatch.scheduler.core.sync.policy import AffinePolicy, DBSPolicy, speed_floor
+from dynabatch.scheduler.core.sync.policy import AffinePolicy, DBSPolicy
+from dynabatch.scheduler.core.sync.shares import speed_floor
 from dynabatch.scheduler.core.sync.steptime import StepTimeStats, fit
 from dynabatch.scheduler.core.sync.tracker import Tracker
 from hypothesis import HealthCheck, given, settings

@@ -21,7 +21,6 @@ telemetry fields (a few C-level ``attrgetter`` passes).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -29,12 +28,21 @@ from typing import Literal
 
 import numpy as np
 from dynabatch.scheduler.core.sync.allocation import (
-    Allocation,
     Decision,
     Policy,
-    WorkerTelemetry,
     check_sizes,
     make_allocation,
+)
+from dynabatch.scheduler.core.sync.shares import (
+    batch_bounds,
+    capacity_weights,
+    current_batches,
+    keep,
+    measured_speeds,
+    proportional,
+    replan_reason,
+    speed_floor,
+    split,
 )
 from dynabatch.scheduler.core.sync.steptime import (
     accumulation_slope,
@@ -45,125 +53,13 @@ from dynabatch.scheduler.core.sync.steptime import (
     two_point_fit,
 )
 
-# --------------------------------------------------------------------------------------
-# Shared pieces
-
 _WORKER = attrgetter("worker")
-_CAP = attrgetter("cap")
-_CAPACITY = attrgetter("capacity")
-_SAMPLES = attrgetter("samples")
-_COMPUTE = attrgetter("compute_s")
 _STATS = attrgetter("stats")
 _STAT_FIELDS = attrgetter("n", "sb", "st", "sbb", "sbt")
 _SLOWED = attrgetter("slowed")
 # DBS's secant step needs its two batch sizes at least this far apart (larger / smaller):
 # 64 and 75 samples, 10% apart in time, give a slope of noise on shared cores.
 SECANT_RATIO = 1.5
-
-
-def _column(telemetry: Sequence[WorkerTelemetry], get: attrgetter, n: int) -> np.ndarray:
-    return np.fromiter(map(get, telemetry), dtype=np.float64, count=n)
-
-
-def _bounds(telemetry: Sequence[WorkerTelemetry], global_batch: int) -> tuple[np.ndarray, ...]:
-    """(lo, hi) integer batch bounds per worker: 1 and min(cap, global_batch)."""
-    n = len(telemetry)
-    if n == 0:
-        raise ValueError("no workers to allocate to")
-    if n > global_batch:
-        raise ValueError(f"global_batch ({global_batch}) is smaller than the {n} workers")
-    caps = list(map(_CAP, telemetry))
-    if caps.count(None) == n:
-        hi = np.full(n, global_batch, dtype=np.int64)
-    else:
-        raw = np.array([global_batch if x is None else x for x in caps], dtype=np.float64)
-        raw = np.minimum(np.floor(raw), global_batch)
-        if not (raw >= 1).all():  # also rejects NaN
-            raise ValueError("every worker cap must be at least 1")
-        hi = raw.astype(np.int64)
-        if int(hi.sum()) < global_batch:
-            raise ValueError(
-                f"worker caps sum to {int(hi.sum())}, below global_batch {global_batch}"
-            )
-    return np.ones(n, dtype=np.int64), hi
-
-
-def _fill_unmeasured(v: np.ndarray, measured: np.ndarray, capacity: np.ndarray) -> np.ndarray:
-    if measured.all():
-        return v
-    cap = np.maximum(np.nan_to_num(capacity, nan=1.0), 1e-9)
-    per_unit = float(np.median(v[measured] / cap[measured])) if measured.any() else 1.0
-    return np.where(measured, v, per_unit * cap)
-
-
-def _speeds(telemetry: Sequence[WorkerTelemetry]) -> tuple[np.ndarray, np.ndarray]:
-    """(speed, measured): samples per compute-second, from the capacity hint if unmeasured."""
-    n = len(telemetry)
-    samples = _column(telemetry, _SAMPLES, n)
-    secs = _column(telemetry, _COMPUTE, n)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        v = samples / secs
-    measured = (samples > 0) & (secs > 0) & np.isfinite(v)
-    if measured.all():
-        return v, measured
-    return _fill_unmeasured(v, measured, _column(telemetry, _CAPACITY, n)), measured
-
-
-def _capacity_weights(telemetry: Sequence[WorkerTelemetry]) -> np.ndarray:
-    cap = _column(telemetry, _CAPACITY, len(telemetry))
-    return np.where(np.isfinite(cap), cap, 1.0)
-
-
-def _proportional(
-    weights: np.ndarray, global_batch: int, lo: np.ndarray, hi: np.ndarray
-) -> np.ndarray:
-    """Real batches ∝ weights within bounds, summing to global_batch."""
-    w = np.clip(weights, 1e-12, 1e12)
-    # Proportional split with caps is equal finish under t_i(b) = b / w_i.
-    real, _ = equal_finish(np.zeros_like(w), 1.0 / w, float(global_batch), lo, hi)
-    return real
-
-
-def _split(weights: np.ndarray, global_batch: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Integer batches ∝ weights within bounds, summing to global_batch."""
-    return round_to_total(_proportional(weights, global_batch, lo, hi), global_batch, lo, hi)
-
-
-def _current_batches(
-    current: Allocation | None,
-    workers: tuple[str, ...],
-    global_batch: int,
-    lo: np.ndarray,
-    hi: np.ndarray,
-) -> np.ndarray | None:
-    """The current batches if ``current`` can be kept as is (same members, same global
-    batch, within every worker's bounds), else None."""
-    if current is None or current.workers != workers or current.global_batch != global_batch:
-        return None
-    cur = np.fromiter(current.batches, dtype=np.int64, count=len(workers))
-    if int(cur.sum()) != global_batch or (cur < lo).any() or (cur > hi).any():
-        return None
-    return cur
-
-
-def _same_members(current: Allocation | None, telemetry: Sequence[WorkerTelemetry]) -> bool:
-    return current is not None and current.workers == tuple(map(_WORKER, telemetry))
-
-
-def _keep(current: Allocation, global_batch: int, dataset_size: int) -> Allocation:
-    if current.global_batch == global_batch and current.dataset_size == dataset_size:
-        return current  # frozen: safe to share
-    return make_allocation(current.workers, np.array(current.batches), global_batch, dataset_size)
-
-
-def _replan_reason(current: Allocation | None, workers: tuple[str, ...], global_batch: int) -> str:
-    if current is None:
-        return ""
-    if current.workers != workers:
-        return "membership changed; "
-    if current.global_batch != global_batch:
-        return "global batch changed; "
-    return ""
 
 
 # --------------------------------------------------------------------------------------
@@ -178,16 +74,16 @@ class StaticPolicy:
 
     def decide(self, telemetry, global_batch, dataset_size, current=None) -> Decision:
         check_sizes(global_batch, dataset_size)
-        lo, hi = _bounds(telemetry, global_batch)
+        lo, hi = batch_bounds(telemetry, global_batch)
         workers = tuple(map(_WORKER, telemetry))
-        real = _proportional(np.ones(len(workers)), global_batch, lo, hi)
-        cur = _current_batches(current, workers, global_batch, lo, hi)
+        real = proportional(np.ones(len(workers)), global_batch, lo, hi)
+        cur = current_batches(current, workers, global_batch, lo, hi)
         # Keep a current plan that already is an equal split (any rounding of it).
         if cur is not None and (np.abs(cur - real) < 1.0).all():
-            return Decision(_keep(current, global_batch, dataset_size), False, "static")
+            return Decision(keep(current, global_batch, dataset_size), False, "static")
         b = round_to_total(real, global_batch, lo, hi)
         alloc = make_allocation(workers, b, global_batch, dataset_size)
-        reason = _replan_reason(current, workers, global_batch) + "equal shares"
+        reason = replan_reason(current, workers, global_batch) + "equal shares"
         return Decision(alloc, current is not None, reason)
 
 
@@ -229,23 +125,23 @@ class DBSPolicy:
 
     def decide(self, telemetry, global_batch, dataset_size, current=None) -> Decision:
         check_sizes(global_batch, dataset_size)
-        lo, hi = _bounds(telemetry, global_batch)
+        lo, hi = batch_bounds(telemetry, global_batch)
         workers = tuple(map(_WORKER, telemetry))
-        v, measured = _speeds(telemetry)
-        cur = _current_batches(current, workers, global_batch, lo, hi)
+        v, measured = measured_speeds(telemetry)
+        cur = current_batches(current, workers, global_batch, lo, hi)
         if not measured.all() and cur is not None:
             # The rule corrects each share by its own measurement under it: without one
             # for every worker, a correction would mix plans (or capacity guesses).
-            return Decision(_keep(current, global_batch, dataset_size), False,
+            return Decision(keep(current, global_batch, dataset_size), False,
                             "no telemetry" if not measured.any() else
                             "waiting for every worker's steps under the current plan")
         if not measured.any():
-            b = _split(_capacity_weights(telemetry), global_batch, lo, hi)
+            b = split(capacity_weights(telemetry), global_batch, lo, hi)
             alloc = make_allocation(workers, b, global_batch, dataset_size)
-            reason = _replan_reason(current, workers, global_batch) + "shares from capacity hints"
+            reason = replan_reason(current, workers, global_batch) + "shares from capacity hints"
             return Decision(alloc, current is not None, reason)
         if cur is None:
-            b = _split(v, global_batch, lo, hi)
+            b = split(v, global_batch, lo, hi)
             alloc = make_allocation(workers, b, global_batch, dataset_size)
             changed = (current is None or alloc.batches != current.batches
                        or current.workers != workers)
@@ -254,7 +150,7 @@ class DBSPolicy:
         a, c = np.zeros_like(v), 1.0 / v  # the proportional model: t_i(b) = b / v_i
         lines = self._secant_rows(telemetry, cur, c) if self.secant else None
         if lines is None:
-            b = _split(v, global_batch, lo, hi)
+            b = split(v, global_batch, lo, hi)
             reason = "shares proportional to throughput"
         else:
             rows, a_l, c_l = lines
@@ -267,7 +163,7 @@ class DBSPolicy:
         predicted = float(np.max(a + c * b))
         current_s = float(np.max(a + c * cur))
         if (b == cur).all() or (current_s > 0 and 1.0 - predicted / current_s <= self.min_gain):
-            return Decision(_keep(current, global_batch, dataset_size), False,
+            return Decision(keep(current, global_batch, dataset_size), False,
                             "predicted gain below threshold", predicted, current_s)
         return Decision(make_allocation(workers, b, global_batch, dataset_size), True,
                         reason, predicted, current_s)
@@ -318,7 +214,7 @@ class AffinePolicy:
 
     def decide(self, telemetry, global_batch, dataset_size, current=None) -> Decision:
         check_sizes(global_batch, dataset_size)
-        lo, hi = _bounds(telemetry, global_batch)
+        lo, hi = batch_bounds(telemetry, global_batch)
         n = len(telemetry)
         workers = tuple(map(_WORKER, telemetry))
         cols = np.fromiter(
@@ -333,19 +229,19 @@ class AffinePolicy:
         micro = np.array([np.nan if t.micro is None else t.micro for t in telemetry])
         c = accumulation_slope(a, c, micro)
         known = ~np.isnan(c)
-        cur = _current_batches(current, workers, global_batch, lo, hi)
+        cur = current_batches(current, workers, global_batch, lo, hi)
         if not known.any():
             if cur is not None:
-                return Decision(_keep(current, global_batch, dataset_size), False, "no telemetry")
-            b = _split(_capacity_weights(telemetry), global_batch, lo, hi)
-            reason = _replan_reason(current, workers, global_batch) + "shares from capacity hints"
+                return Decision(keep(current, global_batch, dataset_size), False, "no telemetry")
+            b = split(capacity_weights(telemetry), global_batch, lo, hi)
+            reason = replan_reason(current, workers, global_batch) + "shares from capacity hints"
             return Decision(
                 make_allocation(workers, b, global_batch, dataset_size), current is not None, reason
             )
         if not known.all():
             # New members: per-sample cost from capacity relative to the measured ones,
             # overhead as the median of theirs. Telemetry corrects it after a few steps.
-            cap = np.maximum(_capacity_weights(telemetry), 1e-9)
+            cap = np.maximum(capacity_weights(telemetry), 1e-9)
             per_unit = float(np.median(c[known] * cap[known]))
             c = np.where(known, c, per_unit / cap)
             a = np.where(known, a, float(np.median(a[known])))
@@ -362,7 +258,7 @@ class AffinePolicy:
             current_s = float(np.max(a + c * cur))
             if not starved and (current_s <= 0 or 1.0 - predicted / current_s <= self.min_gain):
                 return Decision(
-                    _keep(current, global_batch, dataset_size),
+                    keep(current, global_batch, dataset_size),
                     False,
                     "predicted gain below threshold",
                     predicted,
@@ -373,7 +269,7 @@ class AffinePolicy:
             return Decision(alloc, True, why + "equal finish under fitted step-time model",
                             predicted, current_s)
         alloc = make_allocation(workers, b, global_batch, dataset_size)
-        reason = _replan_reason(current, workers, global_batch)
+        reason = replan_reason(current, workers, global_batch)
         if current is not None and not reason:
             reason = "current plan violates a worker cap; "
         return Decision(
@@ -416,24 +312,6 @@ def _cautious(a: np.ndarray, c: np.ndarray, cols: np.ndarray, slowed: np.ndarray
         k = k_max
         c_k = (k * st + sbt) / (k * k * n + 2 * k * sb + sbb)
     return np.where(rows, c_k * k, a), np.where(rows, c_k, c)
-
-
-def speed_floor(a: np.ndarray, c: np.ndarray, global_batch: int, fraction: float
-                ) -> np.ndarray:
-    """Each worker's least batch: 1 plus ``fraction`` of its share of the other
-    ``global_batch − n`` samples in proportion to its speed, measured where it does not
-    depend on the share it was given: its modelled throughput at an equal split,
-    ``v_i = (B/n) / (a_i + c_i·B/n)``. The floors sum to at most ``B``."""
-    n = len(a)
-    if fraction <= 0.0 or n == 0:
-        return np.ones(n, dtype=np.int64)
-    even = global_batch / n
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        v = even / (np.maximum(a, 0.0) + np.maximum(c, 0.0) * even)
-    v = np.where(np.isfinite(v) & (v > 0), v, 0.0)
-    if v.sum() <= 0:
-        return np.ones(n, dtype=np.int64)
-    return 1 + np.floor(fraction * (global_batch - n) * v / v.sum()).astype(np.int64)
 
 
 def make_policy(name: str, **options: float) -> Policy:

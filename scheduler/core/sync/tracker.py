@@ -121,15 +121,25 @@ class Tracker:
         every check). Only steps at that batch count: the segment in flight still runs
         the old plan, and a second correction from its steps repeats the first
         (bench/disturbance.py: a slowed worker re-planned 20, 18, 18 from the same steps).
-        ``batches`` None: every window restarts. A window closed by a new batch is kept
-        as the worker's previous point (``WorkerTelemetry.previous``)."""
+        ``batches`` None: every window restarts.
+
+        A worker nudged to a batch within ``NEAR`` of its last keeps its window: its
+        throughput holds at a near size, and a fresh window would be one or two steps of
+        noise. Restarted on every change, the windows of equal workers re-split on that
+        noise at every check (bench/disturbance.py: three equal workers at 92/82/76, then
+        79/82/88, then 73/106/71, each move costing the new sizes' first steps). A window
+        closed by a far move is kept as the worker's previous point
+        (``WorkerTelemetry.previous``, DBS's secant)."""
         for w, t in self.workers.items():
             b = None if batches is None else batches.get(w)
-            if batches is None or b != t.plan_batch:
-                if b is not None and t.plan_batch is not None and t.window_samples > 0:
-                    steps = t.window_samples / t.plan_batch
-                    t.previous = (t.plan_batch, t.window_compute / steps)
-                t.reset_window()
+            old = t.plan_batch
+            if batches is None or b != old:
+                nudged = (b is not None and old is not None and t.window_samples > 0
+                          and abs(b - old) <= NEAR * old)
+                if not nudged:
+                    if b is not None and old is not None and t.window_samples > 0:
+                        t.previous = (old, t.window_compute * old / t.window_samples)
+                    t.reset_window()
             t.plan_batch = b
 
     def begin_epoch(self) -> None:
