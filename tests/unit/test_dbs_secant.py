@@ -121,3 +121,30 @@ def test_the_tracker_keeps_the_window_a_new_plan_closes_and_forgets_it_on_a_slow
     tr.observe("w", [step(i, 30, 0.005) for i in range(4, 8)])
     tr.observe("w", [step(i, 30, 0.02) for i in range(8, 10)])  # 4x: a change of speed
     assert tr.workers["w"].previous is None and tr.workers["w"].slowed
+
+
+def test_a_nudged_worker_keeps_its_window_and_a_far_move_restarts_it():
+    """Moved within NEAR of its batch a worker's throughput still holds, so its window goes
+    on (a fresh one would be a step or two of noise, and DBS re-split equal workers on it);
+    moved further, the window restarts and the old one is the previous point."""
+    from dynabatch.scheduler.core.sync.tracker import NEAR
+
+    def step(i, b, s):
+        return StepTelemetry(worker="w", epoch=0, step=i, batch=b, samples=b, compute_s=s,
+                             wait_s=0.0, loss_sum=0.0)
+
+    tr = Tracker()
+    tr.add("w", 1.0)
+    tr.decided({"w": 80})
+    tr.observe("w", [step(i, 80, 0.010) for i in range(5)])  # 4 settled steps
+    nudge = int(80 * (1 + NEAR))  # 100: as far as a nudge goes
+    tr.decided({"w": nudge})
+    t = tr.workers["w"]
+    assert t.window_samples == 4 * 80 and t.previous is None
+    tr.observe("w", [step(5, 80, 0.010)])  # the segment in flight, at the old plan: not counted
+    tr.observe("w", [step(i, nudge, 0.0125) for i in range(6, 9)])  # first one new
+    assert t.window_samples == 4 * 80 + 2 * nudge
+    tr.decided({"w": 40})  # far: restarted, and the window it closes is the previous point
+    assert t.window_samples == 0
+    assert t.previous[0] == nudge
+    assert t.previous[1] == pytest.approx((4 * 0.010 + 2 * 0.0125) / (4 * 80 + 2 * nudge) * nudge)
