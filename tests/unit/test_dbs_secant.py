@@ -103,23 +103,29 @@ def test_secant_step_is_equal_finish_and_never_starves(workers, seed):
         assert np.abs(b - want).max() <= 1 + 1e-9
 
 
-def test_the_tracker_keeps_the_window_a_new_plan_closes_and_forgets_it_on_a_slowdown():
-    def step(i, b, s):
-        return StepTelemetry(worker="w", epoch=0, step=i, batch=b, samples=b, compute_s=s,
-                             wait_s=0.0, loss_sum=0.0)
+def _step(i: int, b: int, s: float) -> StepTelemetry:
+    return StepTelemetry(worker="w", epoch=0, step=i, batch=b, samples=b, compute_s=s,
+                         wait_s=0.0, loss_sum=0.0)
 
+
+def _one_worker() -> Tracker:
     tr = Tracker()
     tr.add("w", 1.0)
+    return tr
+
+
+def test_the_tracker_keeps_the_window_a_new_plan_closes_and_forgets_it_on_a_slowdown():
+    tr = _one_worker()
     tr.decided({"w": 64})
-    tr.observe("w", [step(i, 64, 0.0084) for i in range(4)])  # the first is a new size
+    tr.observe("w", [_step(i, 64, 0.0084) for i in range(4)])  # the first is a new size
     tr.decided({"w": 30})
     assert tr.workers["w"].previous == (64, pytest.approx(0.0084))
     (t,) = tr.telemetry(["w"], None)
     assert t.previous == (64, pytest.approx(0.0084)) and t.samples == 0
     tr.decided({"w": 30})  # a plan kept: the point stays
     assert tr.workers["w"].previous == (64, pytest.approx(0.0084))
-    tr.observe("w", [step(i, 30, 0.005) for i in range(4, 8)])
-    tr.observe("w", [step(i, 30, 0.02) for i in range(8, 10)])  # 4x: a change of speed
+    tr.observe("w", [_step(i, 30, 0.005) for i in range(4, 8)])
+    tr.observe("w", [_step(i, 30, 0.02) for i in range(8, 10)])  # 4x: a change of speed
     assert tr.workers["w"].previous is None and tr.workers["w"].slowed
 
 
@@ -129,20 +135,15 @@ def test_a_nudged_worker_keeps_its_window_and_a_far_move_restarts_it():
     moved further, the window restarts and the old one is the previous point."""
     from dynabatch.scheduler.core.sync.tracker import NEAR
 
-    def step(i, b, s):
-        return StepTelemetry(worker="w", epoch=0, step=i, batch=b, samples=b, compute_s=s,
-                             wait_s=0.0, loss_sum=0.0)
-
-    tr = Tracker()
-    tr.add("w", 1.0)
+    tr = _one_worker()
     tr.decided({"w": 80})
-    tr.observe("w", [step(i, 80, 0.010) for i in range(5)])  # 4 settled steps
+    tr.observe("w", [_step(i, 80, 0.010) for i in range(5)])  # 4 settled steps
     nudge = int(80 * (1 + NEAR))  # 100: as far as a nudge goes
     tr.decided({"w": nudge})
     t = tr.workers["w"]
     assert t.window_samples == 4 * 80 and t.previous is None
-    tr.observe("w", [step(5, 80, 0.010)])  # the segment in flight, at the old plan: not counted
-    tr.observe("w", [step(i, nudge, 0.0125) for i in range(6, 9)])  # first one new
+    tr.observe("w", [_step(5, 80, 0.010)])  # the segment in flight, at the old plan: not counted
+    tr.observe("w", [_step(i, nudge, 0.0125) for i in range(6, 9)])  # first one new
     assert t.window_samples == 4 * 80 + 2 * nudge
     tr.decided({"w": 40})  # far: restarted, and the window it closes is the previous point
     assert t.window_samples == 0
