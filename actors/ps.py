@@ -1,5 +1,6 @@
-"""Parameter-server training: the server, its shards and the learner (plain classes;
+"""Parameter-server training, the server's side: the server and its shards (plain classes;
 ``ray.remote`` is applied where they are launched), and the torch pieces both drivers share.
+The learner is :mod:`dynabatch.actors.learner`.
 
 * :class:`ParamStore`: a slice ``[lo, hi)`` of the model's flat float32 parameter vector (the
   whole vector unless sharded), with the optimizer state (SGD momentum, Adam moments) of that
@@ -7,8 +8,6 @@
   share × staleness factor × optional lr scale) becomes one optimizer step. SGD and Adam are
   elementwise, so a slice steps exactly as the model's parameters would, and k slices with
   their own optimizers step exactly as one vector.
-* :class:`GradientComputer`: a learner's model replica; loads a flat weight vector, returns
-  the *mean* gradient over the chunk's samples (and the summed loss).
 * :class:`ParameterServer`: an asyncio actor around the one pure job core
   (``dynabatch.scheduler.core.ps.machine``, passed in, so this module imports nothing above it). It
   holds slice
@@ -19,10 +18,6 @@
 * :class:`ParamShard`: slices 1..k−1 of a sharded server (``protocol.shards: k``). A shard
   decides nothing: learners put their gradient's slice on it, and the coordinating server
   tells it which tickets to apply with which weights (or to drop) and the resulting version.
-* :class:`Learner`: loops request → compute → push until the job is finished. With shards it
-  fetches the k slices of its version in parallel, puts slices 1..k−1 on their shards in
-  parallel, then pushes slice 0 to the server (the commit: the slices are in place before
-  the core can decide on the gradient).
 
 The interface of the issue, ``push(worker, grad, version_pulled, samples, compute_s)`` and
 ``pull() -> (version, weights)``, is :meth:`ParameterServer.push` and
@@ -45,8 +40,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from dynabatch.actors.accumulate import even_ranges
-from dynabatch.actors.contracts import epoch_order
-from dynabatch.actors.emulation import ComputeClock, slowdown_at
 from dynabatch.actors.optim import build_optimizer
 from dynabatch.actors.output import own_actor_id
 from dynabatch.actors.ps_events import CoreEventInterpreter
@@ -58,7 +51,7 @@ RATE_WINDOW_S = 10.0  # pushes per second over this window (not a lifetime avera
 Bounds = tuple[tuple[int, int], ...]
 
 
-def _build(spec: JobSpec, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+def build_replica(spec: JobSpec, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
     from dynabatch.actors.workloads.models import build_model
 
     torch.manual_seed(spec.seed)  # every replica and the server start from the same weights
@@ -66,7 +59,7 @@ def _build(spec: JobSpec, input_shape: tuple[int, ...], num_classes: int) -> tor
 
 
 def param_count(spec: JobSpec, input_shape: tuple[int, ...], num_classes: int) -> int:
-    model = _build(spec, input_shape, num_classes)
+    model = build_replica(spec, input_shape, num_classes)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -80,7 +73,7 @@ def shard_bounds(size: int, k: int) -> Bounds:
 class ParamStore:
     def __init__(self, spec: JobSpec, input_shape: tuple[int, ...], num_classes: int,
                  bounds: tuple[int, int] | None = None):
-        self.model = _build(spec, input_shape, num_classes)
+        self.model = build_replica(spec, input_shape, num_classes)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         full = torch.nn.utils.parameters_to_vector(self._params).detach().clone().float()
         self.total = full.numel()
@@ -162,47 +155,6 @@ def shared_tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         t = torch.from_numpy(np.asarray(a))
     return t.float() if t.dtype == torch.float64 else t
-
-
-class GradientComputer:
-    """A learner's replica. Its chunk is a step of its own (``B = b``), trained by the
-    workers' step math (:class:`dynabatch.actors.step.StepMath`): the mean gradient."""
-
-    def __init__(self, spec: JobSpec, x: np.ndarray, y: np.ndarray,
-                 input_shape: tuple[int, ...], num_classes: int):
-        # Imported where a replica is built, as _build imports the models.
-        from dynabatch.actors.step import StepMath
-        from dynabatch.actors.workloads.objective import objective_for, targets_kind
-
-        self.model = _build(spec, input_shape, num_classes)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # protocol ps trains cross_entropy on class labels only (actors/spec.py checks it).
-        self.math = StepMath(self.model, objective_for(spec, targets_kind(y)), self.params)
-        self.x = shared_tensor(x)
-        self.y = shared_tensor(y)
-        self.size = sum(p.numel() for p in self.params)
-        self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
-
-    def indices(self, seed: int, epoch: int, n: int, ranges) -> np.ndarray:
-        key = (seed, epoch, n)
-        if self._order is None or self._order[0] != key:
-            self._order = (key, epoch_order(*key))
-        order = self._order[1]
-        return np.concatenate([order[lo:hi] for lo, hi in ranges]).astype(np.int64)
-
-    def gradient(self, weights: np.ndarray | torch.Tensor, ids: np.ndarray
-                 ) -> tuple[np.ndarray, float]:
-        """(mean gradient over ``ids`` at ``weights``, summed loss)."""
-        torch.nn.utils.vector_to_parameters(shared_tensor(weights), self.params)
-        ii = torch.from_numpy(ids)
-        for p in self.params:  # the chunk's gradient alone (backward accumulates)
-            p.grad = None
-        share = self.math.share(
-            lambda lo, hi: (self.x.index_select(0, ii[lo:hi]), self.y.index_select(0, ii[lo:hi])),
-            0, len(ids), len(ids))
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.params])
-        return flat.numpy(), float(share.loss) if share.loss is not None else 0.0
 
 
 class ParamShard:
@@ -453,50 +405,3 @@ class ParameterServer:
     def apply_times(self) -> list[float]:
         """Wall seconds of each update (the shard benchmark reads them)."""
         return list(self.apply_s)
-
-
-class Learner:
-    def __init__(self, worker_id: str, ordinal: int, spec: JobSpec, x_train: np.ndarray,
-                 y_train: np.ndarray, input_shape: tuple[int, ...], num_classes: int):
-        torch.set_num_threads(max(1, int(spec.worker_cpus)))
-        self.worker_id = worker_id
-        self.ordinal = ordinal
-        self.spec = spec
-        self.computer = GradientComputer(spec, x_train, y_train, input_shape, num_classes)
-        self._clock = ComputeClock(spec.emulated)
-        self.pushes = 0
-
-    def actor_id(self) -> str | None:
-        """This actor's Ray id: the job reads its stdout and stderr by it
-        (dynabatch.actors.output)."""
-        return own_actor_id()
-
-    def run(self, server: Any, shards: Sequence[Any] = (), bounds: Bounds | None = None,
-            call_timeout_s: float = 60.0) -> dict[str, Any]:
-        """Pull, compute, push until the server says the job is finished."""
-        import ray
-
-        bounds = bounds or ((0, self.computer.size),)
-        lo0, hi0 = bounds[0]
-        while True:
-            reply = ray.get(server.request.remote(self.worker_id), timeout=call_timeout_s)
-            if reply.get("finished"):
-                return {"worker": self.worker_id, "pushes": self.pushes}
-            if "idle" in reply:
-                continue
-            work = reply["work"]
-            parts = ray.get(reply["weights"], timeout=call_timeout_s)  # the slices, in parallel
-            weights = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            factor = slowdown_at(self.spec.emulation, self.ordinal, work.epoch, self.pushes)
-            self._clock.start()
-            ids = self.computer.indices(work.seed, work.epoch, work.dataset_size,
-                                        work.chunk.ranges)
-            grad, loss_sum = self.computer.gradient(weights, ids)
-            compute = self._clock.finish(factor)
-            if shards:
-                ray.get([s.put.remote(work.ticket, grad[lo:hi])
-                         for s, (lo, hi) in zip(shards, bounds[1:], strict=True)],
-                        timeout=call_timeout_s)
-            ray.get(server.push.remote(self.worker_id, grad[lo0:hi0], work.version, len(ids),
-                                       compute, loss_sum), timeout=call_timeout_s)
-            self.pushes += 1

@@ -6,7 +6,7 @@ Three callers compute gradients, and all of them go through :class:`StepMath`:
   the reducer's flat buffer, all-reduced from backward's hooks;
 * the simulator's real-gradient mode (:mod:`dynabatch.scheduler.sim.gradients`), which
   computes every simulated worker's share on one replica and sums them (its all-reduce);
-* the parameter-server learner (:class:`dynabatch.actors.ps.GradientComputer`), whose chunk
+* the parameter-server learner (:class:`dynabatch.actors.learner.GradientComputer`), whose chunk
   is a step of its own (``B = b``: the mean gradient over the chunk).
 
 Weighting. A share of ``b_i`` of the step's ``B`` samples back-propagates

@@ -47,8 +47,9 @@ START_TIMEOUT_S = 600.0  # new actors import torch; Ray starts two processes at 
 
 
 class LoadLearner:
-    """Drives the server like ``dynabatch.actors.ps.Learner`` but pushes a fixed gradient instead of
-    computing one: it measures the server path alone. One pool serves every config."""
+    """Drives the server like ``dynabatch.actors.learner.Learner`` but pushes a fixed
+    gradient instead of computing one: it measures the server path alone. One pool serves
+    every config."""
 
     def __init__(self, seed: int):
         self.seed = seed

@@ -5,7 +5,7 @@
   and ``protocol.shards − 1`` :class:`~dynabatch.actors.ps.ParamShard` actors run on the head
   node, beside the coordinator, never on a learner's node: losing a learner's node costs that
   learner only, not the job's parameters;
-* a learner (:class:`~dynabatch.actors.ps.Learner`) is pinned to its node; its ``run`` ref
+* a learner (:class:`~dynabatch.actors.learner.Learner`) is pinned to its node; its ``run`` ref
   ends when the job finishes, or fails: a Ray error (its actor or node died) means it is
   lost, an error its own code raised fails the job with it.
 
@@ -89,7 +89,7 @@ class RayPSRuntime:
                 timeout=START_TIMEOUT_S)  # up (the later calls get the short timeout)
 
     def spawn(self, worker: str, ordinal: int, node_id: str) -> None:
-        from dynabatch.actors.ps import Learner
+        from dynabatch.actors.learner import Learner
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         s, d = self.spec, self._data

@@ -17,7 +17,7 @@ time. Timed cluster events: ``fail`` takes nodes by the one rule of every simula
 (the driver makes them leave: their in-flight samples are re-queued); ``join`` adds nodes,
 and the driver starts a learner on each.
 
-This module imports torch (through :mod:`dynabatch.actors.ps`).
+This module imports torch (through :mod:`dynabatch.actors.ps` and :mod:`dynabatch.actors.learner`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from dynabatch.actors.ps import GradientComputer, ParamStore
+from dynabatch.actors.learner import GradientComputer
+from dynabatch.actors.ps import ParamStore
 from dynabatch.actors.ps_events import CoreEventInterpreter
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.membership import NodeInfo
