@@ -30,7 +30,7 @@ class GradientComputer:
 
     def __init__(self, spec: JobSpec, x: np.ndarray, y: np.ndarray,
                  input_shape: tuple[int, ...], num_classes: int):
-        # Imported where a replica is built, as _build imports the models.
+        # Imported where a replica is built, as build_replica imports the models.
         from dynabatch.actors.step import StepMath
         from dynabatch.actors.workloads.objective import objective_for, targets_kind
 

@@ -173,9 +173,9 @@ class DBSPolicy:
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(rows, a, c) of the workers with a trusted line through their previous and
         current windows; None when no worker has one."""
-        prev = [t.previous or (np.nan, np.nan) for t in telemetry]
-        if all(p[0] != p[0] for p in prev):  # NaN: nobody has a previous point
+        if all(t.previous is None for t in telemetry):
             return None
+        prev = [t.previous or (np.nan, np.nan) for t in telemetry]
         b1, t1 = np.array(prev, dtype=np.float64).T
         a_l, c_l = two_point_fit(b1, t1, cur, c * cur, SECANT_RATIO)
         rows = ~np.isnan(c_l)
