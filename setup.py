@@ -16,11 +16,17 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _packages() -> dict[str, str]:
+    """Every folder under the four, by its dotted name: the code's packages and the folders
+    of data files among them (the job page's ``api/static``). setuptools wants each folder it
+    installs files from declared as a package; one that is not gets a "Package would be
+    ignored" warning box on every install."""
     out = {}
     for top in TOP:
-        for init in sorted((ROOT / top).rglob("__init__.py")):
-            rel = init.parent.relative_to(ROOT)
-            out["dynabatch." + ".".join(rel.parts)] = rel.as_posix()
+        for folder in sorted([ROOT / top, *(ROOT / top).rglob("*")]):
+            rel = folder.relative_to(ROOT)
+            if folder.is_dir() and all(p.isidentifier() and p != "__pycache__"
+                                       for p in rel.parts):
+                out["dynabatch." + ".".join(rel.parts)] = rel.as_posix()
     return out
 
 

@@ -448,5 +448,8 @@ class Worker:
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
-        # Optimizer.load_state_dict casts state to the parameters' device.
-        self.optimizer.load_state_dict(state["optimizer"])
+        # None when the state came from a job with another optimizer (checkpoint.from):
+        # this one starts fresh. Optimizer.load_state_dict casts state to the parameters'
+        # device.
+        if state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])

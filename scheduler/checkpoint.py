@@ -80,6 +80,17 @@ def load_checkpoint(directory: str | Path, job_id: str) -> dict[str, Any] | None
     path = checkpoint_path(directory, job_id)
     if not path.exists():
         return None
+    return load_checkpoint_file(path)
+
+
+def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
+    """The checkpoint in the file ``path`` (another job's, for ``checkpoint.from``). Raises
+    :class:`CheckpointError` naming the file when it is not there, cannot be read, or holds
+    anything but tensors and plain data."""
+    path = Path(path)
+    if not path.is_file():
+        why = "it is a directory, not a checkpoint file" if path.is_dir() else "no such file"
+        raise CheckpointError(f"{path}: {why}")
     try:
         # map_location: a checkpoint written from a GPU worker loads where there is none;
         # load_state_dict puts the tensors back on the worker's device.

@@ -23,6 +23,7 @@ from typing import Any
 from dynabatch.actors.output import ActorOutput
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
+from dynabatch.scheduler.core.repeats import Repeats
 from dynabatch.scheduler.runtime.seam import Clock, RealClock
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, MembershipEvent
 
@@ -46,6 +47,9 @@ class JobControl:
         self._history: list[EpochRecord] = []
         self._logs: deque[LogLine] = deque(maxlen=LOG_LINES_KEPT)
         self._log_seq = 0
+        # One event repeated (a loop, a user's print in a loop) is counted, not repeated:
+        # the log and the service's store of it stay small.
+        self._repeats = Repeats()
         self.events: list[MembershipEvent] = []
         self._cancel: str | None = None
         self._requests: deque[tuple[str, Any]] = deque()
@@ -145,10 +149,15 @@ class JobControl:
 
     def _log(self, level: str, message: str) -> None:
         with self._lock:
+            self._append(self._repeats.offer(level, message))
+
+    def _append(self, lines: list[tuple[str, str]]) -> None:
+        """Log ``lines`` (what :class:`Repeats` let through) as they are; under the lock."""
+        for level, message in lines:
             self._logs.append(LogLine(seq=self._log_seq, time=self.clock.time(), level=level,
                                       message=message))
             self._log_seq += 1
-        log.log(logging.getLevelName(level), "[%s] %s", self.job_id, message)
+            log.log(logging.getLevelName(level), "[%s] %s", self.job_id, message)
 
     def _follow_actor_output(self) -> ActorOutput:
         """Start following the output of the job's actors (dynabatch.actors.output), this driver's
@@ -182,6 +191,7 @@ class JobControl:
         with self._lock:
             if self.state.is_terminal:
                 return
+            self._append(self._repeats.flush())  # the counts of repeats not shown yet
             self._transition(state, reason)
             self.finished_at = self.clock.time()
         self.shutdown()

@@ -6,8 +6,16 @@ and the JSON report, so its fields are defined once, here. Pure: no ray, no torc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dynabatch.scheduler.core.lifecycle import JobState
 from pydantic import BaseModel, ConfigDict, Field
+
+
+def scores_text(scores: Mapping[str, float]) -> str:
+    """Held-out metrics as every view shows them, each by its spec name: ``mae 12.3456,
+    mse 301.2500`` ("" when there are none)."""
+    return ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
 
 
 class _Frozen(BaseModel):
@@ -117,6 +125,14 @@ class EpochRecord(_Frozen):
         "critical path (the other shards' time).")
     breakdown: StepBreakdown | None = None
 
+    @property
+    def scores(self) -> dict[str, float]:
+        """The held-out metrics by name; a record that has only ``test_accuracy`` (a
+        parameter-server job's, an old report's): that, as ``accuracy``."""
+        if self.test_metrics or self.test_accuracy is None:
+            return dict(self.test_metrics)
+        return {"accuracy": self.test_accuracy}
+
 
 class WorkerStatus(_Frozen):
     """A worker's latest allocation and telemetry, for the live view."""
@@ -195,6 +211,9 @@ class JobSnapshot(_Frozen):
     workers: list[WorkerStatus] = Field(default_factory=list)
     train_loss: float | None = None
     test_accuracy: float | None = None
+    test_metrics: dict[str, float] = Field(
+        default_factory=dict, description="The last evaluated epoch's held-out metrics, by "
+        "the names in the job's spec (accuracy, mae, mse, user metrics).")
     utilization: float | None = None
     compute_balance: float | None = None
     rebalances_total: int = 0

@@ -12,13 +12,15 @@ a finished job's detached coordinator once its results are stored.
 
 A coordinator found dead is *resumed*: when the job's spec has ``checkpoint.dir`` and its
 checkpoint file exists, a new coordinator for the same job id starts from it. Without a
-checkpoint the job becomes FAILED with the reason. ``auto_resume_limit`` bounds the automatic
+checkpoint the job becomes FAILED with the reason. Each coordinator of a job is a generation
+with an actor name of its own (the store's count of resumes), so a resume never waits for
+Ray to free a dead coordinator's name. ``auto_resume_limit`` bounds the automatic
 resumes since the job last finished an epoch (or was resumed on request): a job that keeps
 losing its coordinator but makes progress is resumed each time; one that crash-loops ends
 FAILED with the reason. On start, jobs left live by an earlier API process are re-attached by
 name, or resumed the same way when their coordinator is gone (in embedded mode their Ray ended
 with that process); the rest are marked FAILED instead of being forgotten. ``resume()`` does
-it on request, also for a FAILED job.
+it on request, also for a FAILED or CANCELLED job.
 
 Specs come from REST clients: ``submit`` refuses
 (:class:`dynabatch.service.submit_policy.SpecNotAllowed`, 422, nothing stored) one that names
@@ -204,7 +206,7 @@ class JobService:
                     self._coordinator_lost(rec, EMBEDDED_ENDED)
                 continue
             try:
-                ok = self.cluster.find(rec.id)
+                ok = self.cluster.find(rec.id, rec.resumes)
             except ClusterUnavailable as err:
                 log.warning("job %s: cannot re-attach yet (%s); will retry", rec.id, err)
                 continue
@@ -350,7 +352,11 @@ class JobService:
 
     def _relaunch(self, rec: JobRecord, reason: str, automatic: bool) -> JobRecord:
         """Start a new coordinator for ``rec`` (it picks up the checkpoint). A launch that
-        fails leaves the job FAILED and re-raises the RayCallError."""
+        fails leaves the job FAILED and re-raises the RayCallError.
+
+        The new coordinator is the job's next generation (its count of resumes, which the
+        store keeps, so that the service finds it again after a restart), under a name of
+        its own: Ray may keep the old one's name taken for as long as it likes."""
         rec = self.store.mark_resumed(
             rec.id, reason, automatic=automatic, cluster=self._cluster_name(), now=self.clock()
         )
@@ -359,7 +365,7 @@ class JobService:
         with self._launching_lock:
             self._launching.add(rec.id)
         try:
-            self.cluster.launch(rec.id, self._launch_spec(rec))
+            self.cluster.launch(rec.id, self._launch_spec(rec), rec.resumes)
         except RayCallError as err:
             self._fail(rec.id, f"{reason}; could not start a new coordinator: "
                                f"{first_line(err, typed=False)}")
@@ -538,19 +544,20 @@ class JobService:
     def resume(self, job_id: str) -> JobRecord:
         """Start a new coordinator for the job from its checkpoint.
 
-        For a FAILED job, or a live one whose coordinator is gone. Raises
-        :class:`JobConflict` (409) for a job that SUCCEEDED or was CANCELLED, that has no
-        checkpoint, or whose coordinator is alive; :class:`ClusterUnavailable` (503, after
-        recording the failure) when Ray did not answer.
+        For a FAILED or CANCELLED job (a cancel writes a checkpoint where it stopped), or a
+        live one whose coordinator is gone. Raises :class:`JobConflict` (409) for a job
+        that SUCCEEDED, that has no checkpoint, or whose coordinator is alive;
+        :class:`ClusterUnavailable` (503, after recording the failure) when Ray did not
+        answer.
         """
         with self._sync_lock:
             rec = self._get_record(job_id)
-            if rec.state in (JobState.SUCCEEDED, JobState.CANCELLED):
+            if not rec.state.can_resume:
                 raise JobConflict(
-                    f"job is {rec.state.value}; only a FAILED job, or a live one whose "
-                    "coordinator is gone, can be resumed"
+                    f"job is {rec.state.value}; only a FAILED or CANCELLED job, or a live one "
+                    "whose coordinator is gone, can be resumed"
                 )
-            alive = self.cluster.find(job_id)
+            alive = self.cluster.find(job_id, rec.resumes)
             if alive and not rec.state.is_terminal:
                 raise JobConflict(
                     f"job is {rec.state.value} and its coordinator is alive: nothing to resume"
@@ -567,12 +574,10 @@ class JobService:
             if refused:
                 raise JobConflict(f"job {job_id} cannot be resumed: {refused}")
             if alive:
-                # The FAILED job's coordinator was kept (release_finished off, or the release
-                # failed): it goes, so the new one can take its name (once Ray freed it).
+                # The finished job's coordinator was kept (release_finished off, or the
+                # release failed): it goes. The new one has a name of its own (the next
+                # generation), so nothing waits for Ray to free the old one's.
                 self.cluster.release(job_id)
-                deadline = time.monotonic() + 10.0
-                while self.cluster.find(job_id) and time.monotonic() < deadline:
-                    time.sleep(0.1)
             was = f"job was {rec.state.value}" + (f" ({rec.reason})" if rec.reason else "")
             rec = self._relaunch(rec, f"resume requested; {was}", automatic=False)
             log.info("job %s: resumed on request", job_id)

@@ -2,8 +2,9 @@
 errors translated (:mod:`dynabatch.service.errors`).
 
 Coordinator handles are cached per job; a job without a cached handle (e.g. after an API
-restart) is looked up by its actor name. Ray and the scheduler are imported lazily, so the
-API process pays for them only when it connects.
+restart) is looked up by its actor name, that of the generation last launched or found.
+Ray and the scheduler are imported lazily, so the API process pays for them only when it
+connects.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class RayClusterClient:
         self._ping_timeout = ping_timeout_s
         self._address = address or "local"
         self._handles: dict[str, Any] = {}
+        self._generations: dict[str, int] = {}  # the coordinator generation each job is at
         self._lock = threading.Lock()
         self._connected = False
         self._pinger = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ray-ping")
@@ -120,21 +122,27 @@ class RayClusterClient:
             return False
 
     # Coordinators -----------------------------------------------------------------------
-    def launch(self, job_id: str, spec: JobSpec) -> None:
+    def launch(self, job_id: str, spec: JobSpec, generation: int = 0) -> None:
         from dynabatch.scheduler.runtime.launch import launch_coordinator
 
+        with self._lock:
+            self._generations[job_id] = generation
         try:
-            handle = launch_coordinator(job_id, spec, detached=not self.embedded)
+            handle = launch_coordinator(
+                job_id, spec, detached=not self.embedded, generation=generation
+            )
         except Exception as err:
             raise _translate(err, job_id) from err
         with self._lock:
             self._handles[job_id] = handle
 
-    def find(self, job_id: str) -> bool:
+    def find(self, job_id: str, generation: int = 0) -> bool:
         from dynabatch.scheduler.runtime.launch import find_coordinator
 
+        with self._lock:
+            self._generations[job_id] = generation
         try:
-            handle = find_coordinator(job_id)
+            handle = find_coordinator(job_id, generation)
         except Exception as err:
             raise _translate(err, job_id) from err
         if handle is None:
@@ -146,7 +154,8 @@ class RayClusterClient:
     def _handle(self, job_id: str) -> Any:
         with self._lock:
             handle = self._handles.get(job_id)
-        if handle is None and not self.find(job_id):
+            generation = self._generations.get(job_id, 0)
+        if handle is None and not self.find(job_id, generation):
             raise CoordinatorGone(f"no coordinator actor for job {job_id}")
         with self._lock:
             return self._handles[job_id]
@@ -162,6 +171,7 @@ class RayClusterClient:
             if isinstance(translated, CoordinatorGone):
                 with self._lock:
                     self._handles.pop(job_id, None)
+                _forget(handle)
             raise translated from err
 
     def snapshot(self, job_id: str) -> JobSnapshot:
@@ -242,6 +252,18 @@ class RayClusterClient:
                 )
             )
         return out
+
+
+def _forget(handle: Any) -> None:
+    """Tell Ray that a coordinator found dead is to stay dead, so that it lets go of the
+    actor (and its name) now rather than when every handle to it is gone. Best effort:
+    the actor is dead already, and a resumed coordinator does not need its name."""
+    import ray
+
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception as err:
+        log.debug("releasing a dead coordinator: %s", err)
 
 
 def _probe(address: str, timeout: float) -> None:

@@ -8,8 +8,10 @@ own dashboard for that (``ray start --head`` starts one when ``ray[default]`` is
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -37,6 +39,27 @@ def fast_health_check() -> dict[str, Any]:
 
 
 
+@contextlib.contextmanager
+def free_agent_port() -> Iterator[None]:
+    """Within: a Ray node that ``ray.init`` starts lets its dashboard agent pick a free port.
+
+    Ray gives every node's agent, which serves the log API the job log reads its actors'
+    output through, the fixed port 52365, and ``ray.init`` has no argument for it (``ray
+    start`` has ``--dashboard-agent-listen-port``). A second Ray on the host (a ``dynabatch
+    serve`` beside a ``dynabatch run``) then starts without an agent and the user's prints
+    are lost. Port 0 is what Ray's own test clusters give their extra nodes: the agent binds
+    a free port and registers it, and the log API finds it there."""
+    from ray._private import parameter
+
+    base = parameter.RayParams
+    # ray.init builds the head's RayParams without this argument, so the 0 is what it gets.
+    parameter.RayParams = functools.partial(base, dashboard_agent_listen_port=0)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        parameter.RayParams = base  # type: ignore[misc]
+
+
 def connect(
     address: str | None = None,
     *,
@@ -62,18 +85,19 @@ def connect(
     address = address or os.environ.get("RAY_ADDRESS") or None
     job_env = {"working_dir": working_dir} if working_dir and not is_uri(working_dir) else None
     if address in (None, "", "local"):
-        ctx = ray.init(
-            address="local",
-            num_cpus=num_cpus or os.cpu_count() or 1,
-            # The log API's server (see the module docstring); loopback only.
-            include_dashboard=True,
-            dashboard_host="127.0.0.1",
-            object_store_memory=object_store_mb * 2**20,
-            namespace=namespace,
-            log_to_driver=False,
-            runtime_env=job_env,
-            _system_config=fast_health_check(),
-        )
+        with free_agent_port():
+            ctx = ray.init(
+                address="local",
+                num_cpus=num_cpus or os.cpu_count() or 1,
+                # The log API's server (see the module docstring); loopback only.
+                include_dashboard=True,
+                dashboard_host="127.0.0.1",
+                object_store_memory=object_store_mb * 2**20,
+                namespace=namespace,
+                log_to_driver=False,
+                runtime_env=job_env,
+                _system_config=fast_health_check(),
+            )
     else:
         ctx = ray.init(address=address, namespace=namespace, log_to_driver=False,
                        runtime_env=job_env)

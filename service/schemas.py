@@ -57,6 +57,19 @@ _SNAPSHOT_EXAMPLE: dict[str, Any] = {
 }
 
 
+def progress(snap: JobSnapshot, epochs: int) -> str:
+    """Where a job is, as every view shows it (``list``, ``status``, the page): live, the
+    epoch it is in, counted from 1 (``epoch 2/60``); finished, the epochs it completed
+    (``19 of 60 epochs completed``)."""
+    if snap.state.is_terminal:
+        return f"{snap.epochs_completed} of {epochs} epochs completed"
+    return f"epoch {min(snap.epoch + 1, epochs) if epochs else snap.epoch}/{epochs}"
+
+
+_PROGRESS = Field(default="", description="Where the job is: 'epoch 2/5' while live (the "
+                  "epoch it is in, from 1), '3 of 5 epochs completed' once finished.")
+
+
 class ErrorResponse(BaseModel):
     detail: str = Field(examples=["job '3f9c1a7b2e04' not found"])
 
@@ -121,6 +134,7 @@ class JobSummary(BaseModel):
                 "epoch": 2,
                 "epochs": 5,
                 "step": 11,
+                "progress": "epoch 3/5",
                 "workers": 2,
                 "created_at": 1767225590.0,
                 "updated_at": 1767225612.5,
@@ -137,6 +151,7 @@ class JobSummary(BaseModel):
     epoch: int
     epochs: int
     step: int
+    progress: str = _PROGRESS
     workers: int = Field(description="Workers in the latest allocation.")
     created_at: float
     updated_at: float
@@ -145,6 +160,7 @@ class JobSummary(BaseModel):
     @classmethod
     def of(cls, rec: JobRecord) -> JobSummary:
         snap = rec.current_snapshot()
+        epochs = snap.epochs or rec.spec.epochs
         return cls(
             job_id=rec.id,
             name=rec.name,
@@ -152,8 +168,9 @@ class JobSummary(BaseModel):
             reason=rec.reason,
             policy=rec.spec.policy,
             epoch=snap.epoch,
-            epochs=snap.epochs or rec.spec.epochs,
+            epochs=epochs,
             step=snap.step,
+            progress=progress(snap, epochs),
             workers=len(snap.workers),
             created_at=rec.created_at,
             updated_at=rec.updated_at,
@@ -179,6 +196,7 @@ class JobDetail(JobSnapshot):
                 "created_at": 1767225590.0,
                 "updated_at": 1767225612.5,
                 "resumes": 0,
+                "progress": "epoch 3/5",
                 "spec": JobSpec.model_config["json_schema_extra"]["examples"][0],  # type: ignore[index]
             }
         },
@@ -190,12 +208,14 @@ class JobDetail(JobSnapshot):
         default=0, description="Times the job was resumed from its checkpoint by a new coordinator."
     )
     spec: JobSpec
+    progress: str = _PROGRESS
 
     @classmethod
     def of(cls, rec: JobRecord) -> JobDetail:
         snap = rec.current_snapshot()
         return cls(
             **snap.model_dump(),
+            progress=progress(snap, snap.epochs or rec.spec.epochs),
             created_at=rec.created_at,
             updated_at=rec.updated_at,
             resumes=rec.resumes,

@@ -419,9 +419,10 @@ class JobStore:
     ) -> JobRecord:
         """A new coordinator is being started for the job from its checkpoint.
 
-        The job becomes PENDING with ``reason`` (also from FAILED: the one way out of a
-        terminal state), counts the resume, logs ``reason`` as a line of its own, moves its
-        log offset past the lines stored so far and is marked for a full history re-read.
+        The job becomes PENDING with ``reason`` (also from FAILED or CANCELLED: the one way
+        out of a terminal state), counts the resume, logs ``reason`` as a line of its own,
+        moves its log offset past the lines stored so far and is marked for a full history
+        re-read.
         The stored snapshot keeps its progress but loses its workers (they died with the
         old coordinator). ``cluster``, when given, is where the new coordinator runs.
         Raises ``KeyError`` for an unknown job.

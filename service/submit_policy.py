@@ -27,8 +27,9 @@ class SubmitPolicy:
     ``user_code_modules``: module prefixes that import paths may use (``"pkg"`` allows
     ``pkg`` and ``pkg.sub``, not ``pkgx``), or ``"*"`` for any module. ``data_roots``: the
     directories ``dataset.path`` must resolve under. ``checkpoint_root``: the directory
-    ``checkpoint.dir`` must resolve under. ``code_root``: where the service stores uploaded
-    code (POST /v1/code); a ``working_dir`` of ``file://`` or ``local://`` must be under it.
+    ``checkpoint.dir`` must resolve under (``checkpoint.from`` under it or a data root).
+    ``code_root``: where the service stores uploaded code (POST /v1/code); a ``working_dir``
+    of ``file://`` or ``local://`` must be under it.
     """
 
     user_code_modules: tuple[str, ...] = ()
@@ -173,8 +174,10 @@ def uri_problem(value: str, roots: tuple[str, ...]) -> str | None:
 def check_paths(
     spec: JobSpec, data_roots: Iterable[str], checkpoint_root: str | None
 ) -> list[tuple[str, str]]:
-    """(field, problem) for ``dataset.path`` outside ``data_roots`` and ``checkpoint.dir``
-    outside ``checkpoint_root``."""
+    """(field, problem) for ``dataset.path`` outside ``data_roots``, ``checkpoint.dir``
+    outside ``checkpoint_root`` and ``checkpoint.from`` (a file the job reads) outside
+    both."""
+    data_roots = tuple(data_roots)
     problems = []
     if spec.dataset.path is not None:
         why = path_problem(spec.dataset.path, data_roots, "dataset paths")
@@ -185,6 +188,11 @@ def check_paths(
         why = path_problem(spec.checkpoint.dir, roots, "checkpoint directories")
         if why:
             problems.append(("checkpoint.dir", why))
+    if spec.checkpoint.from_:
+        roots = (*(() if checkpoint_root is None else (checkpoint_root,)), *data_roots)
+        why = path_problem(spec.checkpoint.from_, roots, "checkpoint files")
+        if why:
+            problems.append(("checkpoint.from", why))
     return problems
 
 

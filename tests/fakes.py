@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,6 +215,7 @@ class FakeCoordinator:
                 workers=list(self.workers),
                 train_loss=last.train_loss if last else None,
                 test_accuracy=last.test_accuracy if last else None,
+                test_metrics=last.scores if last else {},
                 utilization=last.utilization if last else None,
                 compute_balance=last.compute_balance if last else None,
                 rebalances_total=self.rebalances,
@@ -267,7 +269,11 @@ class FakeCoordinator:
 
 class FakeCluster:
     """Implements ``ClusterClient``. Knobs: ``embedded``, ``auto_advance``, ``hold``,
-    ``launch_error``, ``unavailable``; ``kill(job_id)`` makes a coordinator die."""
+    ``launch_error``, ``unavailable``; ``kill(job_id)`` makes a coordinator die.
+
+    Coordinators are named by job and generation, as Ray names them: a name stays taken
+    while its coordinator lives, or after ``kill(job_id, keep_name=True)`` (a process killed
+    outside Ray, whose name Ray keeps reserved)."""
 
     def __init__(
         self,
@@ -292,6 +298,8 @@ class FakeCluster:
         self.calls: list[tuple[str, str]] = []
         self.launches: dict[str, list[JobSpec]] = {}
         self.dead: dict[str, FakeCoordinator] = {}
+        self.generations: dict[str, int] = {}  # each live coordinator's generation
+        self.reserved: set[tuple[str, int]] = set()  # names of coordinators killed outside Ray
 
     # ClusterClient ----------------------------------------------------------------------
     @property
@@ -322,12 +330,14 @@ class FakeCluster:
             raise CoordinatorGone(f"The actor died: dynabatch-job-{job_id}")
         return c
 
-    def launch(self, job_id: str, spec: JobSpec) -> None:
+    def launch(self, job_id: str, spec: JobSpec, generation: int = 0) -> None:
         self._check("launch", job_id)
         if self.launch_error is not None:
             raise self.launch_error
-        if job_id in self.coordinators:
-            raise RayCallError(f"actor name dynabatch-job-{job_id} is already taken")
+        if job_id in self.coordinators or (job_id, generation) in self.reserved:
+            raise RayCallError(f"actor name dynabatch-job-{job_id} (generation {generation}) "
+                               "is already taken")
+        self.generations[job_id] = generation
         self.launches.setdefault(job_id, []).append(spec)
         c = FakeCoordinator(
             job_id,
@@ -341,9 +351,9 @@ class FakeCluster:
             c.restore(dead)
         self.coordinators[job_id] = c
 
-    def find(self, job_id: str) -> bool:
+    def find(self, job_id: str, generation: int = 0) -> bool:
         self._check("find", job_id)
-        if job_id in self.coordinators:
+        if job_id in self.coordinators and self.generations.get(job_id) == generation:
             self.found.append(job_id)
             return True
         return False
@@ -385,7 +395,9 @@ class FakeCluster:
     def release(self, job_id: str) -> None:
         self._check("release", job_id)
         self.released.append(job_id)
-        self.coordinators.pop(job_id, None)
+        gone = self.coordinators.pop(job_id, None)
+        if gone is not None:  # where it stopped, as its last checkpoint holds it
+            self.dead[job_id] = gone
 
     def nodes(self) -> list[ClusterNode]:
         self._check("nodes")
@@ -402,11 +414,14 @@ class FakeCluster:
         ]
 
     # Test controls ----------------------------------------------------------------------
-    def kill(self, job_id: str) -> None:
-        """The coordinator actor dies (node lost, OOM...)."""
+    def kill(self, job_id: str, *, keep_name: bool = False) -> None:
+        """The coordinator actor dies (node lost, OOM...). ``keep_name``: its process was
+        killed outside Ray, and its name stays taken."""
         dead = self.coordinators.pop(job_id, None)
         if dead is not None:
             self.dead[job_id] = dead
+            if keep_name:
+                self.reserved.add((job_id, self.generations.get(job_id, 0)))
 
     def advance(self, job_id: str, steps: int = 1) -> None:
         for _ in range(steps):
@@ -452,7 +467,9 @@ class Fault:
     """``kind``: die | error | straggle | hang | lose_result (the segment completes, its
     result is lost, the worker dies one step into the next), at (epoch, step) for
     ``worker``; or
-    die_in_regroup / die_in_checkpoint / die_in_eval at the ``nth`` such call."""
+    die_in_regroup / die_in_checkpoint / die_in_eval at the ``nth`` such call; or
+    eval_error: every evaluation of ``worker``'s shard raises ``error`` (a metric that
+    passed the load-time check but fails on real batches; the worker stays up)."""
 
     kind: str
     worker: str
@@ -461,6 +478,7 @@ class Fault:
     nth: int = 1
     seconds: float = 0.0
     done: bool = False
+    error: str = "metrics.0: 'mae' failed on this dataset and model (ValueError: bad shape)"
 
 
 @dataclass
@@ -529,6 +547,13 @@ class FakeRuntime:
         self.updates: list = []
         self.updates_applied: list = []
         self.update_started = 0
+        # Called with the method's name at the start of every Runtime call (a test cancels
+        # the job from it, say, as another thread would).
+        self.on_call: Callable[[str], None] | None = None
+
+    def _called(self, name: str) -> None:
+        if self.on_call is not None:
+            self.on_call(name)
 
     # --- test controls --------------------------------------------------------------
     def inject(self, kind: str, worker: str, **kw) -> Fault:
@@ -547,13 +572,16 @@ class FakeRuntime:
 
     # --- Runtime ---------------------------------------------------------------------
     def load_data(self) -> DataInfo:
+        self._called("load_data")
         return DataInfo("fake", self.n_train, 100)
 
     def nodes(self) -> list[NodeInfo]:
+        self._called("nodes")
         busy = {w.node for w in self.workers.values() if w.alive}
         return [NodeInfo(n, cpus=1.0, free=n not in busy) for n in self.node_ids]
 
     def spawn(self, s: Spawn) -> None:
+        self._called("spawn")
         w = FakeWorker(s.worker_id, s.ordinal, s.node_id, self.speeds.get(s.ordinal, 1000.0))
         self.workers[s.worker_id] = w
         now = self.clock.now()
@@ -568,6 +596,7 @@ class FakeRuntime:
         self.starting.append(s.worker_id)
 
     def poll_started(self, timeout_s: float) -> list[Started]:
+        self._called("poll_started")
         now = self.clock.now()
         if self.starting and all(self._ready_at[w] > now for w in self.starting):
             self.clock.sleep(min(timeout_s, min(self._ready_at[w] for w in self.starting) - now))
@@ -622,6 +651,7 @@ class FakeRuntime:
         return False
 
     def run_segment(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
+        self._called("run_segment")
         self.calls["segments"] += 1
         self.plans.append(plans)
         names = list(plans)
@@ -695,6 +725,7 @@ class FakeRuntime:
 
     # --- segments sent ahead (PipelinedRuntime) ---------------------------------------
     def submit_segment(self, plans: dict[str, SegmentPlan]) -> dict[str, SegmentPlan]:
+        self._called("submit_segment")
         self.submitted += 1
         self._pending.append(plans)
         return plans  # runs when collected, after every segment submitted before it
@@ -780,6 +811,7 @@ class FakeRuntime:
         )
 
     def regroup(self, generation, members, state, timeout_s) -> RegroupResult:
+        self._called("regroup")
         self.calls["regroup"] += 1
         lost = {w: "lost while joining the group: died" for w in members
                 if w not in self.workers or not self.workers[w].alive
@@ -801,12 +833,14 @@ class FakeRuntime:
 
     # --- evaluation: each worker's shard, queued like a segment ------------------------
     def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> _EvalCall:
+        self._called("submit_evaluation")
         call = _EvalCall(dict(shards))
         self._pending.append(call)
         return call
 
     def poll_evaluation(self, call: _EvalCall, timeout_s: float) -> list[ShardResult]:
         """What ran already; waiting (``timeout_s`` > 0) runs it, and what is before it."""
+        self._called("poll_evaluation")
         if call.results is None:
             if timeout_s <= 0:
                 return []
@@ -832,6 +866,11 @@ class FakeRuntime:
                 continue
             n = hi - lo
             seconds = n / (fw.speed * EVAL_SPEEDUP)
+            if bad := next((f for f in self.faults if f.kind == "eval_error"
+                            and f.worker == w), None):
+                longest = max(longest, seconds)  # it raised once its shard was scored
+                out.append(ShardResult(w, error=bad.error, seconds=seconds))
+                continue
             longest = max(longest, seconds)
             acc = min(1.0, len(fw.lineage) / 100)
             out.append(ShardResult(w, {"n": float(n), "loss": float(n), "accuracy": acc * n},
@@ -846,6 +885,7 @@ class FakeRuntime:
         return {"loss": sums["loss"] / n, "accuracy": sums["accuracy"] / n}
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict:
+        self._called("fetch_state")
         self.calls["checkpoint"] += 1
         self._check_call("die_in_checkpoint", worker)
         return {"lineage": [list(x) for x in self.workers[worker].lineage]}

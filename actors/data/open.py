@@ -141,9 +141,14 @@ def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
     if spec.name in BUILTIN_DATASETS:
         return from_arrays(load_dataset(spec, seed))
     from dynabatch.actors.data.mapstyle import open_map, split_result
-    from dynabatch.actors.workloads.imports import call_user, resolve_callable
+    from dynabatch.actors.workloads.imports import (
+        call_user,
+        check_user_options,
+        resolve_callable,
+    )
 
     fn = resolve_callable(spec.name, "dataset.name")
+    check_user_options(fn, spec.name, "dataset.options", spec.options)
     result = call_user(fn, spec.name, "dataset.name", **spec.options)
     if split_result(result) is None:
         return from_arrays(user_arrays(spec, result, seed))

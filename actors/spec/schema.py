@@ -162,7 +162,8 @@ class JobSpec(_Strict):
     max_retries: StrictInt = Field(
         default=2, ge=0, le=100,
         description="Retries of a step that failed with a worker's own (compute) error before "
-        "the job fails with that error.",
+        "the job fails with that error; likewise of evaluations whose shard failed on a live "
+        "worker (a metric that raises), counted in a row.",
     )
 
     @field_validator("loss")

@@ -364,8 +364,20 @@ class RebalanceSpec(_Strict):
 
 
 class CheckpointSpec(_Strict):
+    """Where the job's checkpoints go (``dir``) and, for a new job, which checkpoint file it
+    starts from (``from``: another job's ``DIR/JOB_ID/checkpoint.pt``). ``from`` is a Python
+    keyword, so the attribute is ``from_``; specs and dumps spell it ``from``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True,
+                              validate_by_alias=True, serialize_by_alias=True)
+
     dir: str | None = Field(default=None, description="Where checkpoints go; none when unset.")
     every_epochs: StrictInt = Field(default=1, ge=1)
+    from_: str | None = Field(
+        default=None, alias="from", min_length=1,
+        description="A checkpoint file to start from: its weights, and its optimizer state "
+        "when it was written with the same optimizer; not its epochs or history. A job "
+        "resuming from its own checkpoint (in dir) ignores it.")
 
 
 class ProtocolSpec(_Strict):

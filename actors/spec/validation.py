@@ -161,6 +161,26 @@ def _schedule_problems(spec: JobSpec, bad: Bad, n: int | None) -> None:
                                              f"epoch ({spec.epochs})")
 
 
+def batch_fits_data(spec: JobSpec, n_train: int) -> tuple[str, str] | None:
+    """The first global batch the job would train that is larger than its training set, as
+    ``(field, problem)``, or None. One step can use each sample at most once, so such a
+    batch cannot be split into steps; the set's size is known only once the data is loaded,
+    so this runs then, not with the other combinations."""
+    sched = spec.schedule
+    sizes = [("global_batch", spec.global_batch)]
+    if sched.mode == "stages":
+        sizes += [(f"schedule.stages.{i}.global_batch", st.global_batch)
+                  for i, st in enumerate(sched.stages)]
+    if sched.mode == "goodput" and sched.max_global_batch is not None:
+        sizes.append(("schedule.max_global_batch", sched.max_global_batch))
+    for where, batch in sizes:
+        if batch > n_train:
+            name = where.rsplit(".", 1)[-1]
+            return where, (f"{name} {batch} is larger than the training set "
+                           f"({n_train} samples)")
+    return None
+
+
 def _share_cap_problem(max_batch: int, workers: int, batch: int,
                        micro_batch: int | list[int] | None) -> str:
     """Why a global batch does not fit the workers' share cap. ``max_batch`` caps what a
@@ -199,6 +219,8 @@ def _ps_problems(spec: JobSpec, bad: Bad) -> None:
         bad("rebalance", "protocol ps re-plans with protocol.replan_pushes")
     if spec.checkpoint.dir:
         bad("checkpoint.dir", "protocol ps does not write checkpoints")
+    if spec.checkpoint.from_:
+        bad("checkpoint.from", "protocol ps does not start from checkpoints")
     if spec.worker_gpus != 0 or spec.device == "cuda":
         bad("worker_gpus", "protocol ps learners run on the CPU")
     if spec.emulation.errors:

@@ -39,7 +39,7 @@ from dynabatch.actors.workloads.images import (
     standardise,
     unit_images,
 )
-from dynabatch.actors.workloads.imports import call_user, resolve_callable
+from dynabatch.actors.workloads.imports import call_user, check_user_options, resolve_callable
 
 BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource")
 FILE_DATASETS = ("parquet", "npy", "imagefolder")
@@ -49,6 +49,20 @@ _TAG_SYNTHETIC = 0x53594E
 _TAG_LIMIT = 0x4C494D
 
 _MAX_GENERATED = 1_000_000
+
+
+# The built-ins' options: {name: (default, minimum, maximum)}, all integers.
+INT_OPTIONS: dict[str, dict[str, tuple[int, int, int]]] = {
+    "synthetic": {
+        "n_samples": (2048, 4, 10_000_000),
+        "n_features": (32, 1, 100_000),
+        "n_classes": (4, 2, 1000),
+    },
+    "digits": {},
+    "mnist": {"n_train": (12000, 1, _MAX_GENERATED), "n_test": (2000, 1, _MAX_GENERATED)},
+    "cifar10": {},
+    "pysource": {"chars": (400_000, 1_000, 5_000_000), "seq_len": (64, 2, 4096)},
+}
 
 
 def _int_options(spec: DatasetSpec, allowed: dict[str, tuple[int, int, int]]) -> dict[str, int]:
@@ -111,14 +125,7 @@ def _limit(arrays: DatasetArrays, limit: int | None, seed: int) -> DatasetArrays
 
 def _synthetic(spec: DatasetSpec, seed: int) -> DatasetArrays:
     _warn_unused_path(spec)
-    opts = _int_options(
-        spec,
-        {
-            "n_samples": (2048, 4, 10_000_000),
-            "n_features": (32, 1, 100_000),
-            "n_classes": (4, 2, 1000),
-        },
-    )
+    opts = _int_options(spec, INT_OPTIONS["synthetic"])
     n, d, k = opts["n_samples"], opts["n_features"], opts["n_classes"]
     if n < 2 * k:
         raise WorkloadError(
@@ -154,7 +161,7 @@ def _digits(spec: DatasetSpec, seed: int) -> DatasetArrays:
     from sklearn.datasets import load_digits
 
     _warn_unused_path(spec)
-    _int_options(spec, {})
+    _int_options(spec, INT_OPTIONS["digits"])
     x, y = load_digits(return_X_y=True)
     # Pixel values are 0..16 in this dataset.
     x = (x / 16.0).astype(np.float32)
@@ -166,8 +173,7 @@ def _digits(spec: DatasetSpec, seed: int) -> DatasetArrays:
 # mnist
 
 def _mnist(spec: DatasetSpec, seed: int) -> DatasetArrays:
-    limits = (1, _MAX_GENERATED)
-    opts = _int_options(spec, {"n_train": (12000, *limits), "n_test": (2000, *limits)})
+    opts = _int_options(spec, INT_OPTIONS["mnist"])
     if spec.path is not None:
         if spec.options:
             warnings.warn(
@@ -195,7 +201,7 @@ def _mnist(spec: DatasetSpec, seed: int) -> DatasetArrays:
 
 
 def _cifar10(spec: DatasetSpec, seed: int) -> DatasetArrays:
-    _int_options(spec, {})
+    _int_options(spec, INT_OPTIONS["cifar10"])
     if spec.path is None:
         raise WorkloadError(
             "dataset.path: cifar10 needs the directory holding cifar-10-batches-py "
@@ -221,6 +227,17 @@ def _cifar10(spec: DatasetSpec, seed: int) -> DatasetArrays:
 # user loaders
 
 
+def check_dataset_options(spec: DatasetSpec) -> None:
+    """Check ``dataset.options`` before anything is loaded: a built-in's against its table,
+    a user loader's against its signature (WorkloadError naming the option). The file kinds
+    (parquet, npy, imagefolder) check theirs when their files are opened."""
+    if spec.name in INT_OPTIONS:
+        _int_options(spec, INT_OPTIONS[spec.name])
+    elif spec.name not in FILE_DATASETS:
+        fn = resolve_callable(spec.name, "dataset.name")
+        check_user_options(fn, spec.name, "dataset.options", spec.options)
+
+
 def _user(spec: DatasetSpec, seed: int) -> DatasetArrays:
     field = "dataset.name"
     if spec.path is not None:
@@ -230,6 +247,7 @@ def _user(spec: DatasetSpec, seed: int) -> DatasetArrays:
             stacklevel=3,
         )
     fn = resolve_callable(spec.name, field)
+    check_user_options(fn, spec.name, "dataset.options", spec.options)
     try:
         result = call_user(fn, spec.name, field, **spec.options)
     except InvalidArrays as err:  # the loader built a DatasetArrays that failed validation
@@ -295,7 +313,7 @@ def _pysource(spec: DatasetSpec, seed: int) -> DatasetArrays:
     from dynabatch.actors.workloads import text
 
     _warn_unused_path(spec)
-    opts = _int_options(spec, {"chars": (400_000, 1_000, 5_000_000), "seq_len": (64, 2, 4096)})
+    opts = _int_options(spec, INT_OPTIONS["pysource"])
     x_tr, y_tr, x_te, y_te = text.split_corpus(opts["chars"], opts["seq_len"], spec.test_fraction)
     return DatasetArrays("pysource", x_tr, y_tr, x_te, y_te, num_classes=text.VOCAB,
                          targets="tokens")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from dynabatch.actors.spec import ModelSpec
 from dynabatch.actors.workloads import WorkloadError
-from dynabatch.actors.workloads.imports import call_user, resolve_callable
+from dynabatch.actors.workloads.imports import call_user, check_user_options, resolve_callable
 from torch import nn
 
 BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm")
@@ -29,6 +29,36 @@ NORMS = ("group", "batch", "none")
 
 # --------------------------------------------------------------------------------------------
 # Option checking
+
+
+# The built-ins' option names.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "mlp": ("layers",),
+    "lenet": (),
+    "resnet": ("blocks", "norm", "widths"),
+    "charlm": ("layers", "heads"),
+}
+# What a user builder is always called with, beside its options.
+PASSED = ("input_shape", "num_classes")
+
+
+def check_model_options(spec: ModelSpec) -> None:
+    """Check ``model.options`` before anything is built: a built-in's names, a user
+    builder's against its signature (WorkloadError naming the option)."""
+    if spec.name in OPTIONS:
+        _check_options(spec, OPTIONS[spec.name])
+        return
+    _refuse_passed(spec)
+    fn = resolve_callable(spec.name, "model.name")
+    check_user_options(fn, spec.name, "model.options", spec.options, passed=PASSED)
+
+
+def _refuse_passed(spec: ModelSpec) -> None:
+    reserved = sorted(set(PASSED) & set(spec.options))
+    if reserved:
+        raise WorkloadError(
+            f"model.options: {reserved[0]!r} is passed by the service and cannot be an option"
+        )
 
 
 def _check_options(spec: ModelSpec, allowed: Sequence[str]) -> None:
@@ -121,7 +151,7 @@ def mlp(in_features: int, hidden: int, num_classes: int, layers: int = 2) -> nn.
 
 
 def _build_mlp(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    _check_options(spec, ["layers"])
+    _check_options(spec, OPTIONS["mlp"])
     layers = _int(spec.options.get("layers", 2), "layers", 1, 32)
     return mlp(math.prod(input_shape), spec.hidden, num_classes, layers)
 
@@ -172,7 +202,7 @@ class LeNet(nn.Module):
 
 
 def _build_lenet(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    _check_options(spec, [])
+    _check_options(spec, OPTIONS["lenet"])
     return LeNet(input_shape, num_classes)
 
 
@@ -247,7 +277,7 @@ class ResNet(nn.Module):
 
 
 def _build_resnet(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    _check_options(spec, ["blocks", "norm", "widths"])
+    _check_options(spec, OPTIONS["resnet"])
     widths = _int_list(spec.options.get("widths", [16, 32, 64]), "widths", 1, 4096)
     blocks = _int_list(spec.options.get("blocks", 1), "blocks", 1, 16, length=len(widths))
     norm = spec.options.get("norm", "group")
@@ -262,12 +292,9 @@ def _build_resnet(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: in
 
 def _build_user(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     field = "model.name"
-    reserved = sorted({"input_shape", "num_classes"} & set(spec.options))
-    if reserved:
-        raise WorkloadError(
-            f"model.options: {reserved[0]!r} is passed by the service and cannot be an option"
-        )
+    _refuse_passed(spec)
     fn = resolve_callable(spec.name, field)
+    check_user_options(fn, spec.name, "model.options", spec.options, passed=PASSED)
     model = call_user(
         fn, spec.name, field, input_shape=input_shape, num_classes=num_classes, **spec.options
     )
@@ -281,7 +308,7 @@ def _build_user(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int)
 def _build_charlm(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     from dynabatch.actors.workloads.charlm import CharLM
 
-    _check_options(spec, ["layers", "heads"])
+    _check_options(spec, OPTIONS["charlm"])
     if len(input_shape) != 1:
         raise WorkloadError(
             f"model.name: charlm needs token sequences (N, T), got samples of shape {input_shape}"

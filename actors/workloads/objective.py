@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.workloads import WorkloadError
 from dynabatch.actors.workloads import losses as L
 from dynabatch.actors.workloads import metrics as M
-from dynabatch.actors.workloads.imports import describe
 from torch import nn
 
 
@@ -77,9 +77,12 @@ class Objective:
                     xb = torch.from_numpy(xa).to(device)
                     yb = torch.from_numpy(ya).to(device)
                     out = model(xb)
-                    sums["loss"] += float(self.per_sample(out, yb).sum())
+                    # A loss or metric that passed the two-sample check can still raise
+                    # on real batches: the error names it, as that check does.
+                    v = per_sample_of("loss", self.loss_name, self.loss, out, yb)
+                    sums["loss"] += float(v.sum())
                     for field, m in self.metrics:
-                        v = L.check_per_sample(m.per_sample(out, yb), len(yb), field, m.fn)
+                        v = per_sample_of(field, m.fn, m.per_sample, out, yb)
                         sums[m.name] += float(v.sum())
         finally:
             model.train()
@@ -121,11 +124,20 @@ def check_objective(spec: JobSpec, model: nn.Module, x: np.ndarray, y: np.ndarra
         out = model(xb)
         for field, name, fn in [("loss", obj.loss_name, obj.loss),
                                 *((f, m.fn, m.per_sample) for f, m in obj.metrics)]:
-            try:
-                values = fn(out, yb)
-            except Exception as err:
-                raise WorkloadError(
-                    f"{field}: {name!r} failed on this dataset and model ({describe(err)})"
-                ) from err
-            L.check_per_sample(values, len(yb), field, name)
+            per_sample_of(field, name, fn, out, yb)
     return obj
+
+
+def per_sample_of(field: str, name: str, fn: Any, outputs: torch.Tensor,
+                  targets: torch.Tensor) -> torch.Tensor:
+    """``fn(outputs, targets)``, one floating value per sample; anything else, or an
+    exception, is a one-line WorkloadError naming ``field`` and ``name``."""
+    try:
+        values = fn(outputs, targets)
+    except WorkloadError:
+        raise
+    except Exception as err:
+        raise WorkloadError(
+            f"{field}: {name!r} failed on this dataset and model ({first_line(err)})"
+        ) from err
+    return L.check_per_sample(values, len(targets), field, name)

@@ -36,6 +36,16 @@
   const cell = (row, text) => { const td = row.insertCell(); td.textContent = text; return td; };
   const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
+  // A y axis as wide as its longest tick label (uPlot's default is a fixed 50 px: ticks
+  // such as "120,000" ran into the axis label), measured in the axis's own font.
+  function fitTicks(u, values, axisIdx, cycleNum) {
+    const axis = u.axes[axisIdx];
+    if (cycleNum > 1) return axis._size;  // settled: uPlot asks again while it lays out
+    const longest = (values || []).reduce((a, v) => (String(v).length > a.length ? String(v) : a), "");
+    u.ctx.font = axis.font[0];
+    return Math.ceil(axis.ticks.size + axis.gap + u.ctx.measureText(longest).width / devicePixelRatio);
+  }
+
   // A uPlot chart in element `id` (made again when its series or scales change: uPlot
   // fixes both at creation). `extra`: options merged in (scales, bands, axes).
   function chart(id, series, extra = {}) {
@@ -48,6 +58,7 @@
       series: [{ label: "epoch" }, ...series],
       ...extra,
     };
+    opts.axes = opts.axes.map((a, i) => (i ? { size: fitTicks, labelGap: 4, ...a } : a));
     opts.scales = { x: { time: false }, ...(extra.scales || {}) };
     const data = old && old.plot.data.length === series.length + 1
       ? old.plot.data : [[], ...series.map(() => [])];
@@ -195,18 +206,20 @@
     drawWorkerCharts(x, workers);
   }
 
-  // Where the job is: live, its epoch and step; finished, how many epochs it completed.
+  // Where the job is, as the server words it for every view (list and status say the
+  // same): live, its epoch, and here its step; finished, how many epochs it completed.
   function progress(j) {
     const tail = ` · policy ${j.policy} · generation ${j.generation}`;
     if (TERMINAL.has(j.state)) {
-      const done = `${j.epochs_completed} of ${j.epochs} epochs completed`;
       const when = j.finished_at ? ` · finished ${new Date(j.finished_at * 1000)
         .toISOString().replace("T", " ").slice(0, 19)} UTC` : "";
-      return `${j.state.toLowerCase()}: ${done}${when}${tail}`;
+      return `${j.state.toLowerCase()}: ${j.progress}${when}${tail}`;
     }
-    const ep = j.epochs ? Math.min(j.epoch + 1, j.epochs) : j.epoch;
-    return `epoch ${ep}/${j.epochs} · step ${j.step}/${j.steps_per_epoch}${tail}`;
+    return `${j.progress} · step ${j.step}/${j.steps_per_epoch}${tail}`;
   }
+
+  // Held-out metrics as the CLI shows them: each by its name in the job's spec.
+  const scoresText = (m) => Object.entries(m || {}).map(([k, v]) => `${k} ${fmt(v)}`).join(", ");
 
   function addEpoch(e) {
     epochs.push(e);
@@ -216,8 +229,7 @@
     cell(row, fmt(e.wall_s, 2));
     cell(row, fmt(e.train_loss));
     cell(row, fmt(e.test_loss));
-    cell(row, fmt(e.test_accuracy));
-    cell(row, Object.entries(e.test_metrics || {}).map(([k, v]) => `${k} ${fmt(v)}`).join(", "));
+    cell(row, scoresText(metricsOf(e)) || "-");
     cell(row, fmt(e.compute_balance, 3));
     cell(row, fmt(e.utilization, 3));
     // The time a step waited for its samples (0 when the loader's read-ahead hid it).
@@ -243,7 +255,7 @@
     }
     $("utilization").textContent = fmt(j.utilization, 3);
     $("train-loss").textContent = fmt(j.train_loss);
-    $("accuracy").textContent = fmt(j.test_accuracy);
+    $("metrics").textContent = scoresText(j.test_metrics) || "-";
     $("rebalances").textContent = j.rebalances_total;
     const body = $("workers").tBodies[0];
     body.replaceChildren();

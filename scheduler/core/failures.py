@@ -14,7 +14,11 @@ Every failure is classified:
 A failure that fits none of these (every worker reports a peer error and nobody is
 slow) is retried too, at most ``max_retries + 1`` times in a row at the same step, so
 nothing loops forever. So is forming the group: a regroup that fails with nobody lost is
-tried at most ``max_retries + 1`` times in a row. :class:`RetryBudget` counts both.
+tried at most ``max_retries + 1`` times in a row. And an evaluation whose shard failed on a
+worker that is still up (a metric that raises on real batches, a shard that timed out) is
+deterministic as far as the driver can tell: evaluations that fail so, in a row, are
+allowed ``max_retries`` retries, whichever epochs they score. :class:`RetryBudget` counts
+all three.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class RetryBudget:
     compute_failures: int = 0
     unexplained: int = 0
     regroup_failures: int = 0
+    evaluation_failures: int = 0
 
     @property
     def retrying(self) -> bool:
@@ -128,4 +133,21 @@ class RetryBudget:
         self.regroup_failures += 1
         if not lost_workers and self.regroup_failures > self.max_retries + 1:
             return f"the group could not be formed {self.regroup_failures} times in a row: {why}"
+        return None
+
+    def evaluated(self) -> None:
+        """An evaluation scored every shard: the evaluations' failures start over."""
+        self.evaluation_failures = 0
+
+    def evaluation_failed(self, epoch: int, worker: str, shard: tuple[int, int],
+                          error: str) -> str | None:
+        """Record an evaluation of ``epoch`` whose ``shard`` of the held-out set failed
+        on ``worker`` (alive) with ``error``; the reason to fail the job, or None to go
+        on (evaluating again when the weights are still there)."""
+        self.evaluation_failures += 1
+        if self.evaluation_failures > self.max_retries:
+            lo, hi = shard
+            return (f"evaluation of epoch {epoch} failed on {worker} (test samples "
+                    f"[{lo}, {hi})) with {error} ({self.evaluation_failures} attempts; "
+                    f"max_retries={self.max_retries})")
         return None

@@ -19,6 +19,14 @@ class JobState(StrEnum):
     def can_become(self, new: JobState) -> bool:
         return new in _TRANSITIONS[self]
 
+    @property
+    def can_resume(self) -> bool:
+        """Whether a job in this state may start again from its checkpoint under a new
+        coordinator (which starts PENDING): a FAILED or CANCELLED one (its checkpoint
+        holds where it stopped) and a live one whose coordinator is gone; never one that
+        SUCCEEDED (nothing is left to train)."""
+        return self is not JobState.SUCCEEDED
+
 
 _TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     # RUNNING -> PENDING happens when membership falls below min_workers and the job

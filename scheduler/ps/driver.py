@@ -168,6 +168,7 @@ class PSCoordinator(JobControl):
                 policy=f"ps-{self.spec.protocol.mode}", emulated=self.spec.emulated,
                 train_loss=last.train_loss if last else None,
                 test_accuracy=last.test_accuracy if last else None,
+                test_metrics=last.scores if last else {},
                 epochs_completed=len(self._history),
                 epoch_durations_s=[r.wall_s for r in self._history], worker_events=events,
                 retried_samples_total=sum(r.retried_samples for r in self._history),

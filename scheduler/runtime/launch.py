@@ -16,8 +16,13 @@ NAMESPACE = "dynabatch"  # every job's named actors live here
 MAX_CONCURRENCY = 16
 
 
-def coordinator_name(job_id: str) -> str:
-    return f"dynabatch-job-{job_id}"
+def coordinator_name(job_id: str, generation: int = 0) -> str:
+    """The actor name of the job's coordinator of ``generation`` (0: the first; each resume
+    starts the next). A resumed coordinator never needs the name of the one before it: Ray
+    keeps a dead actor's name taken while its owner holds a handle to it, as when its
+    process was killed outside Ray (``kill -9``, the OOM killer)."""
+    base = f"dynabatch-job-{job_id}"
+    return base if generation == 0 else f"{base}-g{generation}"
 
 
 def is_uri(value: str) -> bool:
@@ -46,11 +51,13 @@ def shipped_code(working_dir: str) -> dict[str, Any] | None:
 
 
 def launch_coordinator(
-    job_id: str, spec: JobSpec, *, detached: bool, resume: bool = True, start: bool = True
+    job_id: str, spec: JobSpec, *, detached: bool, resume: bool = True, start: bool = True,
+    generation: int = 0,
 ) -> Any:
-    """Start the job's coordinator (on a node with no CPU to spare is fine: it asks 0)."""
+    """Start the job's coordinator of ``generation`` (on a node with no CPU to spare is
+    fine: it asks 0)."""
     options: dict[str, Any] = {
-        "name": coordinator_name(job_id),
+        "name": coordinator_name(job_id, generation),
         "namespace": NAMESPACE,
         "num_cpus": 0,
         "max_concurrency": MAX_CONCURRENCY,
@@ -75,8 +82,9 @@ def launch_coordinator(
     return handle
 
 
-def find_coordinator(job_id: str) -> Any | None:
+def find_coordinator(job_id: str, generation: int = 0) -> Any | None:
+    """The handle of the job's coordinator of ``generation``; None when Ray has none."""
     try:
-        return ray.get_actor(coordinator_name(job_id), namespace=NAMESPACE)
+        return ray.get_actor(coordinator_name(job_id, generation), namespace=NAMESPACE)
     except ValueError:
         return None

@@ -47,6 +47,7 @@ def load_checked(spec: JobSpec) -> tuple[Any, Any]:
     from dynabatch.actors.workloads.objective import check_objective
 
     ds = load_dataset(spec.dataset, seed=spec.seed)
+    _refuse_oversized_batch(spec, len(ds.y_train))
     model = build_model(spec.model, tuple(ds.input_shape), ds.num_classes)
     return ds, check_objective(spec, model, ds.x_train, ds.y_train)
 
@@ -61,9 +62,21 @@ def open_checked(spec: JobSpec) -> tuple[Any, Any]:
     from dynabatch.actors.workloads.objective import check_objective
 
     data = open_dataset(spec.dataset, seed=spec.seed)
+    _refuse_oversized_batch(spec, len(data.train))
     model = build_model(spec.model, tuple(data.input_shape), data.num_classes)
     x2, y2 = data.train.read(np.arange(min(2, len(data.train))))
     return data, check_objective(spec, model, x2, y2)
+
+
+def _refuse_oversized_batch(spec: JobSpec, n_train: int) -> None:
+    """A global batch the training set cannot fill fails the job at load time (one line,
+    naming the field), not with a one-step epoch."""
+    from dynabatch.actors.spec.validation import batch_fits_data
+    from dynabatch.actors.workloads import WorkloadError
+
+    problem = batch_fits_data(spec, n_train)
+    if problem is not None:
+        raise WorkloadError(f"{problem[0]}: {problem[1]}")
 
 
 class RayRuntime:

@@ -165,4 +165,5 @@ class GradientEngine:
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("optimizer") is not None:  # none: another optimizer's (checkpoint.from)
+            self.optimizer.load_state_dict(state["optimizer"])

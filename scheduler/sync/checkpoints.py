@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from dynabatch.scheduler.core.ledger import Ledger
+from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.sync.boundary import rollback
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.protocol import Position
@@ -93,6 +94,34 @@ class Checkpoints(Part):
                 job.ep = None
         self.log("INFO" if why == "resuming" else "WARNING",
                  f"{why} from checkpoint at epoch {pos.epoch} step {pos.step}")
+
+    def start_from(self, path: str) -> bool:
+        """A new job starts from another job's checkpoint (``checkpoint.from``): its weights,
+        and its optimizer state when that job used the same optimizer (another optimizer's
+        state does not fit this one); not its position, history or schedule, which are the
+        other job's. The first regroup loads them into the group. False when the file
+        cannot be loaded: the job has then FAILED with one line naming the field and file."""
+        from dynabatch.scheduler.checkpoint import CheckpointError, load_checkpoint_file
+
+        try:
+            ckpt = load_checkpoint_file(path)
+            weights = ckpt.get("weights")
+            if not isinstance(weights, dict):
+                raise CheckpointError(f"{path}: not a dynabatch checkpoint (it holds no weights)")
+        except CheckpointError as err:
+            self.c._finish(JobState.FAILED, f"checkpoint.from: {err}")
+            return False
+        source = ckpt.get("spec") or {}
+        theirs = (source.get("optimizer") or {}).get("name")
+        mine = self.spec.optimizer.name
+        note = "weights and optimizer state"
+        if "optimizer" in weights and theirs != mine:
+            weights = {k: v for k, v in weights.items() if k != "optimizer"}
+            note = f"weights (its {theirs} optimizer state does not fit {mine}: not loaded)"
+        self.job.restored_weights = weights
+        self.log("INFO", f"starting from checkpoint {path} (job {ckpt.get('job_id', '?')}, "
+                         f"epoch {ckpt.get('epoch', '?')} step {ckpt.get('step', '?')}): {note}")
+        return True
 
     def roll_back(self) -> None:
         """No member holds the committed state (ROLLING_BACK): load the last checkpoint,

@@ -140,6 +140,10 @@ class Coordinator(JobControl):
             else:
                 if ckpt:
                     self.checkpoints.restore(ckpt, why="resuming")
+        if s.checkpoint.from_ and self.job.restored_weights is None:
+            # A new job starts from another's checkpoint; one resuming from its own goes on
+            # from that, which holds what it learnt since.
+            self.checkpoints.start_from(s.checkpoint.from_)
 
     # ---------------------------------------------------------------- views
     @property
@@ -230,6 +234,7 @@ class Coordinator(JobControl):
                 emulated=self.spec.emulated, workers=workers,
                 train_loss=last.train_loss if last else None,
                 test_accuracy=last.test_accuracy if last else None,
+                test_metrics=last.scores if last else {},
                 utilization=last.utilization if last else None,
                 compute_balance=last.compute_balance if last else None,
                 rebalances_total=job.rebalances_total, epochs_completed=len(self._history),
@@ -283,6 +288,9 @@ class Coordinator(JobControl):
             self.group.watch()
         elif not self.group.reconcile():  # WAITING_FOR_WORKERS, or a regroup that failed
             return not self.state.is_terminal
+        if self._cancel is not None:  # it came while the group formed: train no further
+            self._cancelling()
+            return False
         self._become(Phase.TRAINING)
         p = job.protocol
         if p.epoch >= self.spec.epochs:

@@ -19,7 +19,12 @@ from dynabatch.scheduler.core.ledger import Verification
 from dynabatch.scheduler.core.sync.allocation import Allocation
 from dynabatch.scheduler.core.sync.tracker import WorkerTrack
 from dynabatch.scheduler.sync.evaluation import EvalRound
-from dynabatch.scheduler.telemetry import EpochRecord, StepBreakdown, WorkerEpochStats
+from dynabatch.scheduler.telemetry import (
+    EpochRecord,
+    StepBreakdown,
+    WorkerEpochStats,
+    scores_text,
+)
 
 _PHASES = ("gather_s", "forward_s", "backward_s", "wait_s", "optimizer_s", "overlap_s",
            "micro_batches", "data_wait_s")
@@ -59,7 +64,7 @@ class EpochTotals:
             self.loss_samples += rep.samples
 
     def add_segment(self, results: list[Any], done: int) -> None:
-        self.busy += max((sum(s.step_s for s in r.steps[:done]) for r in results), default=0.0)
+        self.busy += segment_busy(results, done)
 
     def breakdown(self, elapsed: float, evaluation: float, hidden: float
                   ) -> StepBreakdown | None:
@@ -77,6 +82,12 @@ class EpochTotals:
             coordinator_s=max(0.0, elapsed - self.evaluation - self.busy) / n,
             evaluation_s=evaluation / n, evaluation_hidden_s=hidden / n,
         )
+
+
+def segment_busy(results: list[Any], done: int) -> float:
+    """The longest time a worker spent in a segment's first ``done`` steps, by its own clock
+    (the steps' ``step_s``): training time the segment's wall time holds at least."""
+    return max((sum(s.step_s for s in r.steps[:done]) for r in results), default=0.0)
 
 
 def build_record(
@@ -130,11 +141,10 @@ def with_scores(record: EpochRecord, totals: EpochTotals, scores: dict[str, floa
 
 
 def summary(record: EpochRecord) -> str:
-    """The epoch's line in the job log."""
-    acc = record.test_accuracy
-    shown = acc if acc is None else round(acc, 4)
-    return (f"epoch {record.epoch}: {record.wall_s:.2f}s, loss {record.train_loss:.4f}, acc "
-            f"{shown}, balance {record.compute_balance:.3f}, utilization "
+    """The epoch's line in the job log, with the job's own held-out metrics."""
+    scores = scores_text(record.scores) or "no test scores"
+    return (f"epoch {record.epoch}: {record.wall_s:.2f}s, loss {record.train_loss:.4f}, "
+            f"{scores}, balance {record.compute_balance:.3f}, utilization "
             f"{record.utilization:.3f}, {record.samples_trained} samples verified exactly once"
             + explain_utilization(record))
 

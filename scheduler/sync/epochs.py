@@ -150,18 +150,23 @@ class Epochs(Part):
             p.next_epoch()
             job.ep = None
         self.publish_ready()
-        self.maybe_succeed()
+        self.maybe_succeed(cancelling=interrupted is Phase.CANCELLING)
         self.resume(interrupted, during=Phase.ENDING_EPOCH)
 
-    def maybe_succeed(self) -> None:
+    def maybe_succeed(self, cancelling: bool = False) -> None:
         """Done once every epoch is trained, its evaluations are in, and a member still
         holds the final state; if the last holder was lost (in the final evaluation or
         checkpoint), the next step's regroup restores the last checkpoint and trains on,
-        or fails with the reason."""
+        or fails with the reason. A cancel that arrives while the last evaluations are
+        awaited stops them being run again, and the next boundary ends the job CANCELLED;
+        one being honoured (``cancelling``: its segment in flight completed the last
+        epoch) lets the job succeed."""
         m = self.job.membership
         if self.job.protocol.epoch >= self.spec.epochs and m.holders():
             self.become(Phase.FINISHING)
             self.settle()
+            if self.c._cancel is not None and not cancelling:
+                return
             if m.holders():
                 self.c._finish(JobState.SUCCEEDED, None)
 
@@ -191,20 +196,31 @@ class Epochs(Part):
             for rnd in ready:
                 self.publish(rnd)
 
-    def publish(self, rnd: EvalRound) -> None:
+    def publish(self, rnd: EvalRound, closing: bool = False) -> None:
         """An epoch's evaluation is in: its record joins the history, with the scores when
-        every shard was scored."""
+        every shard was scored. A shard that failed on a live worker counts against the
+        retry budget (the job fails once it is spent), unless the job is ending anyway
+        (``closing``)."""
         job = self.job
         for w, r in rnd.failures.items():
             self.log("WARNING", f"evaluation of epoch {rnd.epoch} on {w} failed: {r.error}")
             if r.lost:
                 self.c.group.remove(w, "failure", "lost during evaluation")
         sums = rnd.sums()
+        if sums is not None:
+            job.budget.evaluated()
+        elif not closing and (bad := next(((w, r) for w, r in rnd.failures.items()
+                                           if not r.lost), None)):
+            w, r = bad
+            verdict = job.budget.evaluation_failed(rnd.epoch, w, rnd.shards[w],
+                                                   r.error or "no answer")
+            if verdict is not None:
+                self.fail(verdict)
         again = evaluate_again(
             complete=sums is not None, shard_failed=bool(rnd.failures),
             last_queued=rnd is job.next_behind,
             holders=tuple(m.worker_id for m in job.membership.holders()),
-            waited_s=rnd.critical_s)
+            waited_s=rnd.critical_s, cancel_requested=self.c._cancel is not None)
         if again is not None:
             # Nothing was sent behind it: the holders left still have the epoch's weights
             # and score the set again (at the job's end, say), so no scores are lost.
@@ -232,4 +248,4 @@ class Epochs(Part):
         self.job.next_behind = None
         self.evals.poll(timeout_s=1.0)
         for rnd in self.evals.close("the job ended before this shard was scored"):
-            self.publish(rnd)
+            self.publish(rnd, closing=True)

@@ -222,12 +222,14 @@ class Group(Part):
         job = self.job
         m = job.membership
         plan = m.regroup_plan()
-        state = None
-        if plan.needs_state:
-            if must_roll_back(needs_state=True, holding_restored=job.restored_weights is not None):
-                self.c.checkpoints.roll_back()  # restores the weights, or ends the job
-                plan = m.regroup_plan()
-            state = job.restored_weights
+        if plan.needs_state and must_roll_back(
+                needs_state=True, holding_restored=job.restored_weights is not None):
+            self.c.checkpoints.roll_back()  # restores the weights, or ends the job
+            plan = m.regroup_plan()
+        # Weights restored and not yet loaded go to rank 0 even when every member holds the
+        # committed position: a new job starting from another's checkpoint (checkpoint.from)
+        # is at epoch 0 step 0 with them.
+        state = job.restored_weights
         t0 = self.clock.now()
         result = self.runtime.regroup(m.generation + 1, plan.members, state,
                                       self.spec.collective_timeout_s + 30)

@@ -37,6 +37,7 @@ from dynabatch.scheduler.core.sync.update import (
     updated_plans,
 )
 from dynabatch.scheduler.runtime.seam import pipelined, plan_updates
+from dynabatch.scheduler.sync.epoch_report import segment_busy
 from dynabatch.scheduler.sync.evaluation import EvalRound
 from dynabatch.scheduler.sync.job import Ahead, Part
 
@@ -197,7 +198,8 @@ class Pipeline(Part):
         planned = len(next(iter(plans.values())).steps)
         share = decide.attribute_wall(
             sent=t0, last_collected=job.last_collect, now=now,
-            evaluation_s=evaluation_s, done=done, planned=planned, workers=len(plans))
+            evaluation_s=evaluation_s, done=done, planned=planned, workers=len(plans),
+            busy=segment_busy(results, done))
         job.last_collect = share.collected
         with self.c._lock:
             ep = job.ep

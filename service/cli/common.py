@@ -79,7 +79,13 @@ def one_line_errors() -> Iterator[None]:
     except KeyboardInterrupt:
         stderr().print("interrupted")
         raise typer.Exit(130) from None
-    except (ApiError, SpecError, CliError) as err:
+    except ApiError as err:
+        # A 401 is the token (or its absence): say how a command is given one.
+        hint = (" (pass --token or set DYNABATCH_API_TOKEN to the service's token)"
+                if err.status == 401 else "")
+        print_plain(stderr(), f"error: {one_line(str(err))}{hint}")
+        raise typer.Exit(1) from None
+    except (SpecError, CliError) as err:
         print_plain(stderr(), f"error: {one_line(str(err))}")
         raise typer.Exit(1) from None
     except Exception as err:  # last resort: still one line

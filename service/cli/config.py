@@ -11,11 +11,17 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 import yaml
 from dynabatch.actors.spec import URI_PATTERN, JobSpec, SpecError, parse_spec
 from dynabatch.service.cli.common import CliError, one_line
+
+# ``--set FIELD=VALUE`` of ``run`` and ``submit``: one option, read by :func:`read_config`.
+SetOption = Annotated[list[str] | None, typer.Option(
+    "--set", metavar="FIELD=VALUE", help="Override a field of the config, e.g. "
+    "--set epochs=3 --set optimizer.lr=0.01 (repeatable; the value is YAML).")]
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 

@@ -15,11 +15,14 @@ import ipaddress
 import os
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.telemetry import LogLine, scores_text
 from dynabatch.service.cli.common import (
     CliError,
     api_client,
@@ -32,7 +35,7 @@ from dynabatch.service.cli.common import (
     stderr,
     timestamp,
 )
-from dynabatch.service.cli.config import local_working_dir, read_config
+from dynabatch.service.cli.config import SetOption, local_working_dir, read_config
 from dynabatch.service.cli.views import breakdown_table
 from dynabatch.service.client import DEFAULT_URL, ApiError, DynabatchClient
 from dynabatch.service.code_store import zip_directory
@@ -67,15 +70,15 @@ def _job_table(job: Any) -> Group:
         (f"{job.name} ", "bold"),
         (f"{job.job_id} ", "dim"),
         (f"[{job.state.value}]", state_style),
-        f"  epoch {min(job.epoch + 1, job.epochs) if job.epochs else job.epoch}/{job.epochs}"
-        f"  step {job.step}/{job.steps_per_epoch}  policy {job.policy}"
-        f"  generation {job.generation}",
+        f"  {job.progress}"
+        + ("" if job.state.is_terminal else f"  step {job.step}/{job.steps_per_epoch}")
+        + f"  policy {job.policy}  generation {job.generation}",
     )
     facts = []
     if job.train_loss is not None:
         facts.append(f"train loss {job.train_loss:.4f}")
-    if job.test_accuracy is not None:
-        facts.append(f"test accuracy {job.test_accuracy:.4f}")
+    if job.test_metrics:  # the job's own metrics, by their names in its spec
+        facts.append(f"held-out {scores_text(job.test_metrics)}")
     if job.utilization is not None:
         facts.append(f"utilization {job.utilization:.3f}")
     facts.append(f"rebalances {job.rebalances_total}")
@@ -297,10 +300,11 @@ def submit(
     ] = None,
     interval: Annotated[float, typer.Option(min=0.02, help="Seconds between the "
                                             "server's checks for news.")] = 0.5,
+    sets: SetOption = None,
 ) -> None:
     """Submit a job config: print its id (its page's URL on stderr), then follow it."""
     with one_line_errors():
-        spec, _ = read_config(config, working_dir=working_dir)
+        spec, _ = read_config(config, sets=sets or (), working_dir=working_dir)
         named = spec.get("working_dir")  # made absolute by read_config when local
         local = named if local_working_dir(named) else None
         what = "--working-dir" if working_dir is not None else f"{config}: working_dir"
@@ -352,6 +356,8 @@ def _follow(client: DynabatchClient, job_id: str, interval: float) -> int:
     line = f"job {final.job_id} {final.state.value}"
     if final.reason:
         line += f": {final.reason}"
+    if final.test_metrics:
+        line += f"; {scores_text(final.test_metrics)}"
     console.print(line, markup=False, highlight=False)
     return 0 if final.state == JobState.SUCCEEDED else 1
 
@@ -372,14 +378,14 @@ def list_jobs(
             typer.echo(page.model_dump_json())
             return
         table = Table(title=f"jobs ({page.total})", expand=False)
-        for col in ("id", "name", "state", "epoch", "workers", "created", "reason"):
+        for col in ("id", "name", "state", "progress", "workers", "created", "reason"):
             table.add_column(col)
         for j in page.items:
             table.add_row(
                 j.job_id,
                 j.name,
                 j.state.value,
-                f"{j.epoch}/{j.epochs}",
+                j.progress,
                 str(j.workers),
                 _ts(j.created_at),
                 j.reason or "",
@@ -451,20 +457,40 @@ def logs(
         bool, typer.Option("--follow", "-f", help="Keep printing new lines.")
     ] = False,
     since: Annotated[int, typer.Option(min=0, help="First sequence number.")] = 0,
+    tail: Annotated[int | None, typer.Option(
+        "--tail", min=1, help="Only the last N lines (of those from --since on); with "
+        "--follow, then the new ones.", show_default=False)] = None,
     interval: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 1.0,
 ) -> None:
-    """Print a job's log lines."""
+    """Print a job's log lines: all of them, to the end (or the last N, --tail)."""
     with api_client(ctx, url, token, job_id=job_id) as client:
-        while True:
-            page = client.logs(job_id, since)
-            for line in page.lines:
-                typer.echo(f"{_ts(line.time)} {line.level:<7} {line.message}")
-            since = page.next_since
-            if not follow:
-                return
-            if not page.lines and client.get(job_id).state.is_terminal:
+        backlog: deque[LogLine] = deque(maxlen=tail)
+        since = _read_logs(client, job_id, since, backlog.append)
+        for line in backlog:
+            _echo_log(line)
+        while follow:
+            seen = since
+            since = _read_logs(client, job_id, since, _echo_log)
+            if since == seen and client.get(job_id).state.is_terminal:
                 return
             time.sleep(interval)
+
+
+def _echo_log(line: LogLine) -> None:
+    typer.echo(f"{_ts(line.time)} {line.level:<7} {line.message}")
+
+
+def _read_logs(client: DynabatchClient, job_id: str, since: int,
+               each: Callable[[LogLine], None]) -> int:
+    """Every log line of the job from ``since`` on, page after page (the API serves at most
+    a page a request), to ``each``; the sequence number after the last."""
+    while True:
+        page = client.logs(job_id, since)
+        for line in page.lines:
+            each(line)
+        if not page.lines:
+            return since
+        since = page.next_since
 
 
 def _accepted(job: Any, what: str) -> str:

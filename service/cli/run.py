@@ -15,7 +15,7 @@ import typer
 from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, scores_text
 from dynabatch.service.cli.common import (
     CliError,
     log_text,
@@ -24,7 +24,7 @@ from dynabatch.service.cli.common import (
     print_plain,
     stderr,
 )
-from dynabatch.service.cli.config import read_config
+from dynabatch.service.cli.config import SetOption, read_config
 from dynabatch.service.cli.views import breakdown_table
 from dynabatch.service.labels import node_label
 from rich.console import Console, Group
@@ -79,9 +79,17 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
 
 def held_out(record: EpochRecord) -> str:
     """The epoch's held-out metrics, each by its name in the spec ("-" before its scores)."""
-    scores = record.test_metrics or (
-        {} if record.test_accuracy is None else {"accuracy": record.test_accuracy})
-    return ", ".join(f"{k} {v:.4f}" for k, v in scores.items()) or "-"
+    return scores_text(record.scores) or "-"
+
+
+def final_line(snap: JobSnapshot) -> str:
+    """The run's last line: its outcome, and the job's own held-out metrics."""
+    line = f"{snap.name}: {snap.state.value}"
+    if snap.reason:
+        line += f" ({snap.reason})"
+    if snap.test_metrics:
+        line += f"; {scores_text(snap.test_metrics)}"
+    return line
 
 
 def utilization_summary(history: list[EpochRecord]) -> dict[str, Any] | None:
@@ -189,6 +197,36 @@ def capacity_warning(spec: JobSpec, cores: int) -> str | None:
             f"{cores} cores: oversubscribed {factor:.1f}x, so the workers share cores; expect "
             f"steps about {factor:.1f}x slower and low utilization (use workers <= "
             f"{max(1, int(cores // spec.worker_cpus))}, or --address for a cluster)")
+
+
+def option_problem(spec: JobSpec) -> str | None:
+    """The first dataset or model option the job's loader or builder cannot take (an
+    unknown name, a required one missing), as one line, or None: read from the built-ins'
+    tables and the user functions' signatures, so a typo is reported before Ray starts,
+    not after. A user module that does not import here (it may on the cluster) is left
+    to the job, which reports it."""
+    from dynabatch.actors.workloads import WorkloadError
+    from dynabatch.actors.workloads.datasets import check_dataset_options
+    from dynabatch.actors.workloads.imports import NotImportable
+    from dynabatch.actors.workloads.models import check_model_options
+
+    # The job's working_dir is importable on the cluster (shipped with it), so here too.
+    local = spec.working_dir if spec.working_dir and os.path.isdir(spec.working_dir) else None
+    if local:
+        sys.path.insert(0, local)
+    try:
+        for check, section in ((check_dataset_options, spec.dataset),
+                               (check_model_options, spec.model)):
+            try:
+                check(section)
+            except NotImportable:
+                continue
+            except WorkloadError as err:
+                return one_line(str(err))
+    finally:
+        if local:
+            sys.path.remove(local)
+    return None
 
 
 def follow_job(job: JobHandle, *, console: Console, quiet: bool,
@@ -307,10 +345,7 @@ def register(app: typer.Typer) -> None:
             "--working-dir", help="Ship this directory with the job to every node (its "
             "modules importable by the job's import paths); overrides the config's "
             "working_dir, which is read relative to the config's folder.")] = None,
-        sets: Annotated[list[str] | None, typer.Option(
-            "--set", metavar="FIELD=VALUE", help="Override a field of the config, e.g. "
-            "--set epochs=3 --set optimizer.lr=0.01 (repeatable; the value is YAML).")
-        ] = None,
+        sets: SetOption = None,
     ) -> None:
         """Train CONFIG on Ray, showing the job's log and a live per-worker table."""
         console = out_console()
@@ -319,6 +354,10 @@ def register(app: typer.Typer) -> None:
         except CliError as err:
             print_plain(stderr(), f"error: {one_line(str(err))}")
             raise typer.Exit(2) from None
+        problem = option_problem(spec)
+        if problem:
+            print_plain(stderr(), f"error: {config}: {problem}")
+            raise typer.Exit(2)
         try:
             snap = run_job(spec, address=address, report=report, quiet=quiet, console=console)
         except KeyboardInterrupt:
@@ -330,12 +369,7 @@ def register(app: typer.Typer) -> None:
         except Exception as err:  # never a traceback: one line, as every command
             print_plain(stderr(), f"error: {first_line(err, limit=None)}")
             raise typer.Exit(1) from None
-        line = f"{snap.name}: {snap.state.value}"
-        if snap.reason:
-            line += f" ({snap.reason})"
-        if snap.test_accuracy is not None:
-            line += f"; test accuracy {snap.test_accuracy:.4f}"
-        print_plain(console, line)
+        print_plain(console, final_line(snap))
         if snap.state == JobState.CANCELLED:
             raise typer.Exit(130)
         if snap.state != JobState.SUCCEEDED:

@@ -249,6 +249,10 @@ def test_shipped_code_live_page_and_the_output_of_a_worker_that_died(
     shown = {row[0]: (int(row[2]), int(row[3])) for row in d.rows["workers"]}
     assert shown == {w["worker"]: (w["batch"], w["partition"]) for w in final["workers"]}
     assert d.by_id["balance"]["text"].strip() == f"{history[-1]['compute_balance']:.3f}"
+    # The headline: the job's own metrics, by name (issue 29: "test accuracy -").
+    assert d.by_id["metrics"]["text"].strip() == ", ".join(
+        f"{k} {v:.4f}" for k, v in final["test_metrics"].items())
+    assert final["progress"] == f"{EPOCHS} of {EPOCHS} epochs completed"
     assert d.by_id["controls"]["attrs"].get("hidden") is not None  # finished: no controls
     assert "about to die" in d.by_id["log"]["text"]
     _check_work_charts(page, history)

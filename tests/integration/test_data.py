@@ -4,8 +4,6 @@ Dataset; a __getitem__ that raises fails the job with the position and the field
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from dynabatch.actors.data.write import write_imagefolder, write_npy, write_parquet
 from dynabatch.actors.spec import JobSpec
@@ -78,6 +76,20 @@ def test_getitem_error_fails_the_job_with_position_and_field(cluster):
     assert "cannot decode record 7" in snap.reason and "second line" not in snap.reason
 
 
+def _ray_says_dead(handle) -> bool:
+    """Whether Ray has declared the actor dead: from then on every call to it fails."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        ray.get(handle.info.remote(), timeout=5)
+    except RayActorError:
+        return True
+    except GetTimeoutError:
+        pass
+    return False
+
+
 def test_node_lost_mid_epoch_while_reading_parquet(cluster, mnist_files):
     tag = "data_loss"
     nodes = [cluster.add_node(num_cpus=1, resources={tag: 1}, object_store_memory=80 * 2**20)
@@ -87,15 +99,21 @@ def test_node_lost_mid_epoch_while_reading_parquet(cluster, mnist_files):
                  min_workers=1, epochs=3, node_resource=tag, collective_timeout_s=3,
                  worker_wait_timeout_s=20, global_batch=32)
     coord = Coordinator("data-loss", spec, resume=False)
-    t = threading.Thread(target=coord.run, daemon=True)
-    t.start()
-    wait_for(lambda: coord.epoch == 1 and coord.step_in_epoch >= 4, timeout=120,
-             interval=0.01)
+    # The test runs the control loop itself, so the job cannot end before the loss shows.
+    # A node removed without grace loses its raylet at once, but its worker dies, and Ray
+    # declares it dead, some time later (about as long as the rest of this job, ~70 steps
+    # of a few milliseconds); a job run in a thread could succeed with the victim still
+    # training, no failure ever seen.
+    while (coord.epoch, coord.step_in_epoch) < (1, 4):
+        assert coord.step(), coord.snapshot().reason
     victim = coord.members[-1]
+    handle = coord.runtime._handles[victim.worker_id]
     cluster.remove_node(next(n for n in nodes if n.node_id == victim.node),
                         allow_graceful=False)
-    t.join(timeout=180)
-    snap = coord.snapshot()
+    # Paused between steps, with at most the segment sent ahead in flight: every later
+    # segment needs the victim, and once Ray has declared it dead each call to it fails.
+    wait_for(lambda: _ray_says_dead(handle), timeout=120, interval=0.2)
+    snap = coord.run()
     assert snap.state == JobState.SUCCEEDED, snap.reason
     assert [e.worker for e in coord.membership_events() if e.kind == "failure"] == [
         victim.worker_id]

@@ -1260,11 +1260,29 @@ def test_resume_conflicts(make_app: MakeApp, tmp_path: Path) -> None:
     _sync(service)
     r = client.post(f"/v1/jobs/{no_file}/resume")
     assert r.status_code == 409 and "no checkpoint yet" in r.json()["detail"]
-    cancelled = _submit(client, **_ckpt_spec(tmp_path))
-    _write_checkpoint(tmp_path, cancelled)
+    cancelled = _submit(client, **_ckpt_spec(tmp_path))  # cancelled before a checkpoint
     client.post(f"/v1/jobs/{cancelled}/cancel")
     r = client.post(f"/v1/jobs/{cancelled}/resume")
-    assert r.status_code == 409 and r.json()["detail"].startswith("job is CANCELLED")
+    assert r.status_code == 409 and "no checkpoint yet" in r.json()["detail"]
+
+
+def test_a_cancelled_job_resumes_from_its_checkpoint(make_app: MakeApp, tmp_path: Path) -> None:
+    client, service, cluster = make_app()
+    job = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service, 4)
+    _write_checkpoint(tmp_path, job)  # as the coordinator writes one on cancel
+    assert client.post(f"/v1/jobs/{job}/cancel").json()["state"] == "CANCELLED"
+    assert cluster.released == [job]
+    r = client.post(f"/v1/jobs/{job}/resume")
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert body["state"] == "PENDING" and body["resumes"] == 1 and body["finished_at"] is None
+    assert body["reason"].startswith("resume requested; job was CANCELLED (cancelled by user)")
+    _sync(service, 12)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "SUCCEEDED" and body["epochs_completed"] == 3
+    messages = [x["message"] for x in client.get(f"/v1/jobs/{job}/logs").json()["lines"]]
+    assert "resuming from checkpoint at epoch 1 step 0" in messages
 
 
 def test_resume_launch_failure_leaves_the_job_failed(make_app: MakeApp, tmp_path: Path) -> None:
@@ -1392,6 +1410,28 @@ def test_resume_replaces_a_failed_jobs_kept_coordinator(
     assert r.status_code == 202, r.text
     assert "only 1 workers available" in r.json()["reason"]
     assert cluster.released == [job] and len(cluster.launches[job]) == 2
+
+
+def test_a_coordinator_killed_outside_ray_is_resumed_under_a_new_generation(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    cluster = FakeCluster()
+    client, service, _ = make_app(cluster)
+    job = _submit(client, **_ckpt_spec(tmp_path))
+    _sync(service, 4)
+    _write_checkpoint(tmp_path, job)
+    cluster.kill(job, keep_name=True)  # kill -9 of its process: Ray keeps the name taken
+    _sync(service)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "PENDING", body["reason"]
+    assert body["resumes"] == 1 and cluster.generations[job] == 1
+    # An API restart finds the coordinator under the generation the store recorded.
+    _stop(client)
+    client, service, _ = make_app(cluster)
+    assert job in cluster.found and len(cluster.launches[job]) == 2
+    _sync(service, 12)
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert body["state"] == "SUCCEEDED" and body["resumes"] == 1
 
 
 def test_a_job_resumed_on_another_cluster_is_found_there_after_a_restart(

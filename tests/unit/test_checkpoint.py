@@ -178,3 +178,100 @@ def test_saving_what_a_load_would_refuse_fails_at_once(
         save_checkpoint(tmp_path, JOB, {"epoch": 1, "ledger": value})
     assert str(info.value).startswith(f"cannot checkpoint {where}: a {kind} is not a tensor")
     assert not checkpoint_path(tmp_path, JOB).parent.exists(), "nothing is written"
+
+
+# checkpoint.from: a new job starts from another job's checkpoint ---------------------
+def _fake_job(job_id: str, **kw: Any) -> tuple[Any, Any]:
+    """The real coordinator on the fake runtime, whose workers' "weights" are the list of
+    the (epoch, step) updates they applied."""
+    from dynabatch.scheduler.sync.coordinator import Coordinator
+
+    from tests.fakes import FakeRuntime
+
+    spec = parse_spec({"workers": 2, "min_workers": 1, "global_batch": 64, "epochs": 1,
+                       "collective_timeout_s": 2, "worker_wait_timeout_s": 5,
+                       "start_timeout_s": 5, **kw})
+    rt = FakeRuntime(spec, n_train=256, speeds={0: 1000, 1: 500})
+    return Coordinator(job_id, spec, runtime=rt, clock=rt.clock), rt
+
+
+def test_checkpoint_from_round_trips_and_is_named_on_error() -> None:
+    from dynabatch.actors.spec import JobSpec, SpecError
+
+    spec = parse_spec({"checkpoint": {"from": "/ckpt/a/checkpoint.pt"}})
+    assert spec.checkpoint.from_ == "/ckpt/a/checkpoint.pt"
+    dumped = spec.model_dump(mode="json")["checkpoint"]
+    assert dumped["from"] == "/ckpt/a/checkpoint.pt" and "from_" not in dumped
+    assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
+    for bad, needle in (({"from": ""}, "checkpoint.from: "), ({"from": 3}, "checkpoint.from: ")):
+        with pytest.raises(SpecError) as info:
+            parse_spec({"checkpoint": bad})
+        assert str(info.value).startswith(needle) and "\n" not in str(info.value)
+    with pytest.raises(SpecError) as info:
+        parse_spec({"checkpoint": {"from": "/c.pt"}, "workers": 2,
+                    "protocol": {"name": "ps"}})
+    assert "checkpoint.from: protocol ps" in str(info.value)
+
+
+def test_checkpoint_from_must_resolve_under_an_allowed_root(tmp_path: Path) -> None:
+    from dynabatch.service.submit_policy import check_paths
+
+    ckpt, data = tmp_path / "ckpt", tmp_path / "data"
+
+    def problems(path: str, root: str | None) -> list[tuple[str, str]]:
+        return check_paths(parse_spec({"checkpoint": {"from": path}}), [str(data)], root)
+
+    assert problems(str(ckpt / "a" / "checkpoint.pt"), str(ckpt)) == []
+    assert problems(str(data / "pretrained.pt"), None) == []  # a data root allows reading
+    (problem,) = problems(str(ckpt / ".." / "secret.pt"), str(ckpt))
+    assert problem[0] == "checkpoint.from" and "outside the allowed directories" in problem[1]
+    (problem,) = problems("a/checkpoint.pt", str(ckpt))
+    assert problem == ("checkpoint.from", "'a/checkpoint.pt' must be an absolute path")
+
+
+def test_a_job_starts_from_another_jobs_checkpoint(tmp_path: Path) -> None:
+    first, rt1 = _fake_job("job-a", checkpoint={"dir": str(tmp_path)})
+    first.run()
+    assert first.snapshot().state.value == "SUCCEEDED", first.snapshot().reason
+    trained = rt1.lineage(first.membership.worker_ids[0])
+    assert trained, "the first job trained"
+
+    source = checkpoint_path(tmp_path, "job-a")
+    second, rt2 = _fake_job("job-b", epochs=2, checkpoint={"from": str(source)})
+    second.run()
+    snap = second.snapshot()
+    assert snap.state.value == "SUCCEEDED", snap.reason
+    # Its weights went on from the first job's: those updates, then its own two epochs.
+    lineage = rt2.lineage(second.membership.worker_ids[0])
+    assert lineage[: len(trained)] == trained
+    assert [e for e, _ in lineage[len(trained):]] == sorted(e for e, _ in lineage[len(trained):])
+    assert {e for e, _ in lineage[len(trained):]} == {0, 1}
+    assert [r.epoch for r in second.history()] == [0, 1]  # its own history, from epoch 0
+    assert any(f"starting from checkpoint {source}" in x.message for x in second.logs())
+
+
+def test_a_checkpoint_from_that_cannot_be_loaded_fails_the_job_naming_it(
+    tmp_path: Path,
+) -> None:
+    missing = tmp_path / "nope" / "checkpoint.pt"
+    job, _ = _fake_job("job-c", checkpoint={"from": str(missing)})
+    job.run()
+    snap = job.snapshot()
+    assert snap.state.value == "FAILED"
+    assert snap.reason is not None and "\n" not in snap.reason
+    assert snap.reason.startswith(f"checkpoint.from: {missing}: no such file")
+
+
+@pytest.mark.parametrize(("optimizer", "keeps"), [("sgd", True), ("adam", False)])
+def test_checkpoint_from_keeps_the_optimizer_state_only_for_the_same_optimizer(
+    tmp_path: Path, optimizer: str, keeps: bool
+) -> None:
+    save_checkpoint(tmp_path, JOB, _payload())  # written by an SGD job
+    job, _ = _fake_job("job-d", optimizer={"name": optimizer},
+                       checkpoint={"from": str(checkpoint_path(tmp_path, JOB))})
+    weights = job.job.restored_weights
+    assert weights is not None and set(weights["model"]) == set(_payload()["weights"]["model"])
+    assert ("optimizer" in weights) is keeps
+    (line,) = [x.message for x in job.logs() if x.message.startswith("starting from")]
+    assert line.endswith("weights and optimizer state" if keeps else
+                         "weights (its sgd optimizer state does not fit adam: not loaded)")

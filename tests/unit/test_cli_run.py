@@ -148,3 +148,48 @@ def test_the_epoch_table_shows_every_held_out_metric_by_its_name() -> None:
     out = io.StringIO()
     Console(file=out, width=250).print(run_cli.render(snap, hist))
     assert "accuracy 0.5000, top2 0.8750" in out.getvalue()
+
+
+PLUGIN = '''
+def load(path, target="y"):
+    raise AssertionError("an option check never calls the loader")
+
+
+def net(input_shape, num_classes, width=8):
+    raise AssertionError("an option check never builds the model")
+'''
+
+
+@pytest.mark.parametrize(("fields", "problem"), [
+    ("dataset: {name: 'early_opts_plugin:load', options: {path: a, sepp: ','}}",
+     "dataset.options: unknown option 'sepp' for 'early_opts_plugin:load' (it takes: path, "
+     "target)"),
+    ("dataset: {name: 'early_opts_plugin:load', options: {target: z}}",
+     "dataset.options: 'early_opts_plugin:load' needs option 'path' (it has no default)"),
+    ("dataset: {name: synthetic, options: {n_sample: 64}}",
+     "dataset.options: unknown option 'n_sample' for synthetic (allowed: n_classes, "
+     "n_features, n_samples)"),
+    ("model: {name: 'early_opts_plugin:net', options: {widht: 4}}",
+     "model.options: unknown option 'widht' for 'early_opts_plugin:net' (it takes: width)"),
+    ("model: {name: mlp, options: {layerz: 3}}",
+     "model.options: unknown option 'layerz' for mlp (allowed: layers)"),
+], ids=["user-unknown", "user-missing", "builtin-dataset", "user-model", "builtin-model"])
+def test_run_refuses_an_unknown_option_before_starting_ray(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: str, problem: str
+) -> None:
+    import dynabatch.service.raycluster
+    import ray
+
+    def no_ray(*_, **__):
+        raise AssertionError("Ray was started before the options were checked")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.setattr(dynabatch.service.raycluster, "connect", no_ray)
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "early_opts_plugin.py").write_text(PLUGIN)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("name: opts\nworkers: 1\nglobal_batch: 8\nepochs: 1\nworking_dir: code\n"
+                   f"{fields}\n")
+    result = CliRunner().invoke(_app(), ["run", str(cfg)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.splitlines() == [f"error: {cfg}: {problem}"]

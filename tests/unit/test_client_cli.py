@@ -243,7 +243,7 @@ def test_unknown_and_malformed_ids(
 def test_token(cli: typer.Typer, server: Callable[..., TestClient], config: Path) -> None:
     http = server(api_token="s3cret")
     line = _one_error_line(_invoke(cli, http, "list"))
-    assert line == "error: missing bearer token"
+    assert line.startswith("error: missing bearer token (pass --token or set DYNABATCH_API")
     line = _one_error_line(_invoke(cli, http, "list", "--token", "wrong"))
     assert "invalid bearer token" in line
     result = _invoke(cli, http, "submit", str(config), "--token", "s3cret", "--no-wait")
@@ -374,7 +374,7 @@ def test_submit_waits_streams_logs_and_exits_with_the_outcome(
     # The log lines (as `logs` prints them), the live table, then the outcome.
     assert any(line.endswith("INFO    coordinator started") for line in lines)
     assert any("state SUCCEEDED" in line for line in lines)
-    assert "w0" in result.stdout and lines[-1] == f"job {job} SUCCEEDED"
+    assert "w0" in result.stdout and lines[-1].startswith(f"job {job} SUCCEEDED; accuracy ")
 
 
 def test_following_a_job_that_did_not_succeed_exits_1(
@@ -546,3 +546,72 @@ def test_a_relative_working_dir_is_read_from_the_config_folder(
     cfg.write_text(CONFIG + "working_dir: ../missing\n")
     line = _one_error_line(_invoke(cli, http, "submit", str(cfg), "--no-wait"))
     assert line.startswith(f"error: {cfg}: working_dir: {tmp_path / 'missing'} is not a dir")
+
+
+# Issue 29 -----------------------------------------------------------------------------
+def _log_api(n_lines: int, state: str = "SUCCEEDED") -> Callable[[str, str | None], Any]:
+    """A client factory for an API whose job has ``n_lines`` log lines, served in pages of at
+    most ``limit`` (the server's own paging); its GET /v1/jobs/{id} says ``state``."""
+    job = "ab" * 6
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == f"/v1/jobs/{job}/logs":
+            since = int(request.url.params.get("since", 0))
+            limit = int(request.url.params.get("limit", 1000))
+            lines = [{"seq": i, "time": 0.0, "level": "INFO", "message": f"line {i}"}
+                     for i in range(since, min(n_lines, since + limit))]
+            return httpx.Response(200, json={
+                "job_id": job, "lines": lines,
+                "next_since": lines[-1]["seq"] + 1 if lines else since})
+        if request.url.path == f"/v1/jobs/{job}":
+            return httpx.Response(200, json={
+                "job_id": job, "name": "logs", "state": state, "created_at": 0.0,
+                "updated_at": 0.0, "spec": {}})
+        return httpx.Response(404, json={"detail": "not here"})
+
+    http = httpx.Client(base_url="http://api", transport=httpx.MockTransport(handler))
+    return lambda url, token: DynabatchClient(url, token=token, http=http)
+
+
+def _logs(cli: typer.Typer, n_lines: int, *args: str) -> list[str]:
+    result = CliRunner().invoke(cli, ["logs", "ab" * 6, *args],
+                                obj={"client_factory": _log_api(n_lines)})
+    assert result.exit_code == 0, result.output
+    return [line.split()[-1] for line in result.stdout.splitlines()]
+
+
+def test_logs_prints_every_page_to_the_end(cli: typer.Typer) -> None:
+    # Item 6: the first page (1,000 lines) was all `logs` printed, without a word.
+    assert _logs(cli, 2_345) == [str(i) for i in range(2_345)]
+    assert _logs(cli, 2_345, "--since", "2000") == [str(i) for i in range(2_000, 2_345)]
+    assert _logs(cli, 0) == []
+
+
+def test_logs_tail_shows_the_last_lines(cli: typer.Typer) -> None:
+    assert _logs(cli, 2_345, "--tail", "3") == ["2342", "2343", "2344"]
+    assert _logs(cli, 2, "--tail", "5") == ["0", "1"]
+    assert _logs(cli, 2_345, "--tail", "2", "--follow", "--interval", "0.05") == [
+        "2343", "2344"]
+
+
+def test_submit_takes_set_overrides_as_run_does(
+    cli: typer.Typer, server: Callable[..., TestClient], config: Path
+) -> None:
+    http = server(sync_interval_s=0)
+    result = _invoke(cli, http, "submit", str(config), "--no-wait",
+                     "--set", "epochs=5", "--set", "optimizer.lr=0.25")
+    assert result.exit_code == 0, result.output
+    spec = http.get(f"/v1/jobs/{result.stdout.strip()}").json()["spec"]
+    assert spec["epochs"] == 5 and spec["optimizer"]["lr"] == 0.25
+    line = _one_error_line(_invoke(cli, http, "submit", str(config), "--set", "epochs"))
+    assert line.startswith("error: --set 'epochs': expected FIELD=VALUE")
+    line = _one_error_line(_invoke(cli, http, "submit", str(config), "--set", "epochs=0"))
+    assert str(config) in line and "epochs" in line
+
+
+def test_a_missing_token_names_how_to_give_one(
+    cli: typer.Typer, server: Callable[..., TestClient]
+) -> None:
+    line = _one_error_line(_invoke(cli, server(api_token="s3cret"), "list"))
+    assert line.startswith("error: missing bearer token")
+    assert "--token" in line and "DYNABATCH_API_TOKEN" in line

@@ -178,6 +178,36 @@ def test_deterministic_error_fails_the_job_after_bounded_retries():
     assert rt.clock.now() - t0 < 4 * (coord.spec.collective_timeout_s + 1)
 
 
+def _stop_after(rt: FakeRuntime, evaluations: int) -> None:
+    """End a job that evaluates without end (as the driver did) instead of hanging the
+    test: the driver turns the raise into an internal error."""
+    def guard(name: str) -> None:
+        if rt.calls["evaluate"] >= evaluations:
+            raise RuntimeError(f"evaluated {evaluations} times")
+    rt.on_call = guard
+
+
+@pytest.mark.parametrize("checkpoints", [False, True], ids=["plain", "checkpointed"])
+def test_an_evaluation_that_always_raises_fails_the_job_after_bounded_retries(
+        checkpoints, tmp_path):
+    # A metric that passed the two-sample check at load time but raises on real batches:
+    # w1's shard fails every time. The epochs' evaluations and the final one evaluated
+    # again count as one budget; the job fails once it is spent, with one line.
+    kw = {"checkpoint": {"dir": str(tmp_path)}} if checkpoints else {}
+    coord, rt = _coord(_spec(max_retries=5, **kw))
+    rt.inject("eval_error", "w1")
+    _stop_after(rt, 100)
+    snap = coord.run()
+    assert snap.state == JobState.FAILED, snap.reason
+    assert "\n" not in snap.reason
+    assert "evaluation of epoch" in snap.reason and "on w1" in snap.reason, snap.reason
+    assert "metrics.0: 'mae'" in snap.reason and "ValueError: bad shape" in snap.reason
+    assert "6 attempts; max_retries=5" in snap.reason
+    assert rt.calls["evaluate"] == 6  # 1 attempt, then max_retries more
+    lines = [x.message for x in coord.logs() if "evaluating again" in x.message]
+    assert len(lines) <= 5
+
+
 def test_straggler_past_the_collective_timeout_is_evicted():
     coord, rt = _coord(_spec())
     rt.inject("straggle", "w2", epoch=0, step=3, seconds=30.0)

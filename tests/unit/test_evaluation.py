@@ -132,6 +132,29 @@ def test_workers_shards_add_up_to_one_workers_whole_set():
         assert math.isclose(scores[k], whole[k], rel_tol=1e-6), k
 
 
+def late_metric(outputs, targets):
+    """Passes the load-time check on two samples; raises on a real batch."""
+    if len(targets) > 2:
+        raise ValueError(f"cannot score {len(targets)} samples at once\nsecond line")
+    return torch.zeros(len(targets))
+
+
+def test_a_metric_that_raises_on_real_batches_is_named_in_the_error():
+    from dynabatch.actors.workloads import WorkloadError
+    from dynabatch.actors.workloads.objective import check_objective
+
+    spec = parse_spec({"metrics": ["accuracy", "tests.unit.test_evaluation:late_metric"]})
+    x = np.eye(4, dtype=np.float32)[[0, 1, 2, 3, 0, 1]]
+    y = np.array([0, 1, 2, 3, 0, 1])
+    model = torch.nn.Identity()
+    obj = check_objective(spec, model, x, y)  # two samples: it passes
+    with pytest.raises(WorkloadError) as err:
+        obj.eval_sums(model, x, y, 0, 6, torch.device("cpu"), batch=3)
+    assert str(err.value) == (
+        "metrics.1: 'tests.unit.test_evaluation:late_metric' failed on this dataset and "
+        "model (ValueError: cannot score 3 samples at once)")
+
+
 # ------------------------------------------------------------------ rounds in flight
 class _Runtime:
     """Answers what the test says, when it says."""

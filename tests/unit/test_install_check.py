@@ -79,3 +79,21 @@ def test_the_check_runs_once_per_process(monkeypatch: pytest.MonkeyPatch) -> Non
     install_check.check_own_install_once()
     assert calls == [1]
     install_check.check_own_install_once.cache_clear()
+
+
+def test_the_build_declares_every_folder_it_installs_files_from(tmp_path: Path) -> None:
+    """Issue 29 item 11: ``pip install -e .`` printed "Package would be ignored" boxes for
+    the job page's static folders. Built with warnings as errors, the build is silent, and
+    the page's files are in it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "setup.py", "-q", "build_py", "--build-lib",
+         str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "would be ignored" not in out.stdout + out.stderr
+    static = tmp_path / "dynabatch" / "api" / "static"
+    for name in ("job.html", "job.js", "job.css", "notfound.html",
+                 "vendor/uplot/uPlot.iife.min.js", "vendor/uplot/LICENSE"):
+        assert (static / name).is_file(), name

@@ -187,7 +187,8 @@ def test_user_model() -> None:
         (ModelSpec(name=f"{PLUGINS}:failing_net"), "raised ValueError: unsupported input"),
         (
             ModelSpec(name=f"{PLUGINS}:tiny_net", options={"depth": 2}),
-            "raised TypeError: tiny_net() got an unexpected keyword argument 'depth'",
+            f"model.options: unknown option 'depth' for '{PLUGINS}:tiny_net' (it takes: "
+            "width)",
         ),
         (
             ModelSpec(name=f"{PLUGINS}:tiny_net", options={"num_classes": 2}),

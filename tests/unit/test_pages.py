@@ -64,3 +64,23 @@ def test_the_page_script_charts_every_metric_and_takes_a_token_from_the_link(
         script = c.get("/static/job.js").text
         assert "test_metrics" in script and "metricChart" in script
         assert 'get("token")' in script and "history.replaceState" in script
+
+
+def test_the_page_shows_the_jobs_own_metrics_and_progress_wraps_logs_and_fits_its_axes(
+    tmp_path: Path,
+) -> None:
+    # Issue 29: a regression job's page said "test accuracy -"; its progress was counted
+    # apart from list's and status's; long log lines were cut off; the "samples/s" label
+    # ran into its ticks. The drawing is checked in Chromium (tests/e2e, and by eye: the
+    # screenshot command in docs/operations.md).
+    with _client(tmp_path) as c:
+        job = c.post("/v1/jobs", json={"workers": 2}).json()["job_id"]
+        page = c.get(f"/jobs/{job}").text
+        assert 'id="metrics"' in page and "test accuracy" not in page
+        script = c.get("/static/job.js").text
+        assert "j.test_metrics" in script and "j.progress" in script
+        assert "epochs_completed" not in script  # the server's `progress`, as list's
+        assert "size: fitTicks" in script  # y axes as wide as their tick labels
+        css = c.get("/static/job.css").text
+        log_rule = next(r for r in css.split("}") if "#log {" in r)
+        assert "white-space: pre-wrap" in log_rule

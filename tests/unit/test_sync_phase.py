@@ -192,3 +192,85 @@ def test_a_cancel_with_a_segment_in_flight_commits_it_and_is_done():
     assert not coord.step()
     assert coord.snapshot().state == JobState.CANCELLED
     assert _path(coord)[-2:] == [Phase.CANCELLING, Phase.DONE]
+
+
+# ------------------------------------------------------------------ a cancel in every phase
+def _arm_cancel(coord: Coordinator, rt: FakeRuntime, phase: Phase) -> dict[str, int]:
+    """Cancel the job (as another thread would) once it is in ``phase``; returns the
+    segments and evaluations run until then, filled in when it fires."""
+    fired: dict[str, int] = {}
+
+    def cancel() -> None:
+        if not fired:
+            fired.update(segments=rt.calls["segments"], evaluations=rt.calls["evaluate"])
+            coord.cancel("enough")
+
+    def on_call(name: str) -> None:
+        if rt.calls["evaluate"] >= 100:  # the driver evaluated again without end
+            raise RuntimeError("evaluated 100 times")
+        if coord.phase is phase:
+            cancel()  # a call made in the phase (STARTING is never entered: it is the first)
+
+    job, become = coord.job, coord.job.become
+
+    def become_and_cancel(new: Phase, at: float) -> None:
+        become(new, at)
+        if new is phase:
+            cancel()
+
+    job.become = become_and_cancel
+    rt.on_call = on_call
+    return fired
+
+
+def _to_waiting(coord: Coordinator, rt: FakeRuntime) -> None:
+    while (coord.epoch, coord.step_in_epoch) < (0, 4):
+        assert coord.step()
+    rt.remove_node("node01")  # 2 x max_batch 24 cannot hold B=64: the job waits
+
+
+def _to_last_epoch(coord: Coordinator, rt: FakeRuntime) -> None:
+    while (coord.epoch, coord.step_in_epoch) < (1, 6):
+        assert coord.step()
+
+
+def _to_rolling_back(coord: Coordinator, rt: FakeRuntime) -> None:
+    _to_last_epoch(coord, rt)
+    for node in list(rt.node_ids):
+        rt.remove_node(node)
+    for i in range(3):
+        rt.add_node(f"fresh{i}")
+
+
+@pytest.mark.parametrize(("phase", "setup", "kw"), [
+    (Phase.STARTING, None, {}),
+    (Phase.WAITING_FOR_WORKERS, _to_waiting, {"max_batch": 24}),
+    (Phase.REGROUPING, None, {}),
+    (Phase.ROLLING_BACK, _to_rolling_back, {}),
+    (Phase.TRAINING, None, {}),
+    (Phase.ENDING_EPOCH, None, {}),
+    # Without checkpoints: one is due at the last epoch's end, which would await (and
+    # evaluate again) there, in ENDING_EPOCH.
+    (Phase.FINISHING, _to_last_epoch, {"checkpoint": {}}),
+], ids=lambda v: v.value if isinstance(v, Phase) else "")
+def test_a_cancel_takes_effect_within_a_step_or_an_evaluation_in_every_phase(
+        phase, setup, kw, tmp_path):
+    # From the phase on, w0's evaluations always fail (a metric that raises on real
+    # batches), with retries to spare: an epoch's end and the job's end evaluate again,
+    # and a cancel must stop that too. A checkpoint is due at every epoch's end.
+    coord, rt = _coord(**({"checkpoint": {"dir": str(tmp_path)}, "max_retries": 50} | kw))
+    if setup is not None:
+        setup(coord, rt)
+    rt.inject("eval_error", "w0")
+    fired = _arm_cancel(coord, rt, phase)
+    snap = coord.run()
+    assert fired, f"the job never was {phase.value}"
+    assert snap.state == JobState.CANCELLED, snap.reason
+    assert _path(coord)[-2:] == [Phase.CANCELLING, Phase.DONE]
+    # At most the segment in flight and the one sent ahead of it are committed (none when
+    # the cancel came before training), and the evaluation in flight awaited; nothing is
+    # evaluated again.
+    idle = phase in (Phase.STARTING, Phase.WAITING_FOR_WORKERS, Phase.REGROUPING,
+                     Phase.ROLLING_BACK)
+    assert rt.calls["segments"] - fired["segments"] <= (0 if idle else 2)
+    assert rt.calls["evaluate"] - fired["evaluations"] <= 1

@@ -61,3 +61,68 @@ def test_the_same_runtime_trains_a_good_workload() -> None:
     # The failures above come from the workload, not from the harness.
     coord, _ = _run(dataset={"name": f"{P}:arrays_loader"})
     assert coord.snapshot().state == JobState.SUCCEEDED, coord.snapshot().reason
+
+
+# A user's options named like the service's own parameters (the import path, the spec field,
+# the function) reach the user's code as they are, and nothing else does.
+CLASHING = {"path": "/data/big.parquet", "field": "y", "fn": "mae", "name": "mine",
+            "kwargs": 1, "spec": 2, "seed": 3}
+RECEIVED: dict[str, dict] = {}
+
+
+def recording_loader(**options: object) -> tuple:
+    import numpy as np
+
+    RECEIVED["dataset"] = dict(options)
+    x = np.arange(64, dtype=np.float32).reshape(32, 2)
+    y = np.arange(32) % 2
+    return x[:24], y[:24], x[24:], y[24:]
+
+
+def recording_net(input_shape: tuple[int, ...], num_classes: int, **options: object):
+    from torch import nn
+
+    RECEIVED["model"] = dict(options)
+    return nn.Sequential(nn.Flatten(), nn.Linear(int(input_shape[0]), num_classes))
+
+
+def test_user_hooks_get_exactly_their_options_whatever_their_names() -> None:
+    from dynabatch.actors.data.open import open_dataset
+
+    RECEIVED.clear()
+    coord, _ = _run(dataset={"name": f"{__name__}:recording_loader", "options": CLASHING},
+                    model={"name": f"{__name__}:recording_net", "options": CLASHING})
+    assert coord.snapshot().state == JobState.SUCCEEDED, coord.snapshot().reason
+    assert RECEIVED == {"dataset": CLASHING, "model": CLASHING}
+    # The loader as the Ray runtime opens it (data read by position).
+    RECEIVED.clear()
+    spec = JobSpec.model_validate({"dataset": {"name": f"{__name__}:recording_loader",
+                                               "options": CLASHING}})
+    assert len(open_dataset(spec.dataset).train) == 24
+    assert RECEIVED == {"dataset": CLASHING}
+
+
+@pytest.mark.parametrize(("spec", "reason"), [
+    ({"global_batch": 100_000},
+     "global_batch: global_batch 100000 is larger than the training set (20 samples)"),
+    ({"epochs": 2, "schedule": {"stages": [{"epochs": 1, "global_batch": 8},
+                                           {"epochs": 1, "global_batch": 21}]}},
+     "schedule.stages.1.global_batch: global_batch 21 is larger than the training set "
+     "(20 samples)"),
+    ({"schedule": {"mode": "goodput", "max_global_batch": 64}},
+     "schedule.max_global_batch: max_global_batch 64 is larger than the training set "
+     "(20 samples)"),
+], ids=["fixed", "stage", "goodput"])
+def test_a_global_batch_larger_than_the_training_set_is_refused_at_load_time(
+    spec: dict, reason: str
+) -> None:
+    # arrays_loader's 40 samples split 20 train, 20 test.
+    coord, rt = _run(dataset={"name": f"{P}:arrays_loader"}, **spec)
+    snap = coord.snapshot()
+    assert (snap.state, snap.reason) == (JobState.FAILED, reason)
+    assert rt.workers == {} and rt.plans == []  # refused before any worker started
+
+
+def test_a_global_batch_the_size_of_the_training_set_trains() -> None:
+    coord, _ = _run(dataset={"name": f"{P}:arrays_loader"}, global_batch=20)
+    assert coord.snapshot().state == JobState.SUCCEEDED, coord.snapshot().reason

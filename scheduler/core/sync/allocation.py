@@ -40,7 +40,10 @@ class WorkerTelemetry:
     micro-batch when the worker accumulates. ``slowed``: the worker's last change of speed
     was a slowdown, and ``stats`` hold only what it did since. ``previous``: (batch, mean
     step compute seconds) of its window under the plan before the current one, since its
-    last change of speed (DBS's second point; None when there is none).
+    last change of speed (DBS's second point; None when there is none). ``se`` and
+    ``previous_se``: the relative standard errors of the window's throughput and of
+    ``previous``'s step time, from the spread of the worker's steps (0: taken as exact);
+    DBS moves a share only by what stands out of them.
     """
 
     worker: str
@@ -53,6 +56,8 @@ class WorkerTelemetry:
     micro: int | None = None
     slowed: bool = False
     previous: tuple[int, float] | None = None
+    se: float = 0.0
+    previous_se: float = 0.0
 
     @property
     def measured(self) -> bool:

@@ -84,12 +84,16 @@ class Reevaluation:
 
 
 def evaluate_again(*, complete: bool, shard_failed: bool, last_queued: bool,
-                   holders: tuple[str, ...], waited_s: float) -> Reevaluation | None:
+                   holders: tuple[str, ...], waited_s: float,
+                   cancel_requested: bool = False) -> Reevaluation | None:
     """An epoch's evaluation is in. When it is incomplete because a shard failed, and it
     was the last evaluation queued (``last_queued``: no segment was sent behind it, so the
     holders still have the epoch's weights), the holders left score the set again, so no
-    scores are lost. Otherwise (or with no holder left) the record goes without scores."""
-    if complete or not shard_failed or not last_queued or not holders:
+    scores are lost. Otherwise (or with no holder left) the record goes without scores; so
+    it does when a cancel is pending, which takes effect within one evaluation. How often
+    a failing evaluation is run again is the retry budget's
+    (:meth:`~dynabatch.scheduler.core.failures.RetryBudget.evaluation_failed`)."""
+    if complete or not shard_failed or not last_queued or not holders or cancel_requested:
         return None
     return Reevaluation(workers=holders, waited_s=waited_s)
 

@@ -20,9 +20,12 @@ The loop's moves (``scheduler/sync/``):
 * ``ENDING_EPOCH``: the epoch is verified and recorded, its evaluation queued, a checkpoint
   written when due. It returns to the phase it interrupted (training, or a cancellation
   whose last segment completed the epoch) unless the job finished in it.
-* ``FINISHING``: every epoch is trained: the last evaluations are awaited before success.
+* ``FINISHING``: every epoch is trained: the last evaluations are awaited before success
+  (a cancel that comes meanwhile stops any evaluation from running again, and the next
+  boundary cancels the job).
 * ``CANCELLING``: a cancellation is honoured: the segment in flight is committed, the
-  evaluations awaited and a checkpoint written.
+  evaluations awaited (none is run again) and a checkpoint written. A cancel takes effect
+  within one step or one evaluation in every phase.
 * ``DONE``: the job is terminal (its :class:`JobState` says how it ended).
 
 A failed segment has no phase of its own: its retry is the next regroup and segment, and

@@ -83,18 +83,22 @@ class WallShare:
 
 def attribute_wall(*, sent: float, last_collected: float, now: float,
                    evaluation_s: float | None, done: int, planned: int,
-                   workers: int) -> WallShare:
+                   workers: int, busy: float = 0.0) -> WallShare:
     """Attribute the time from a segment's start to ``now``, when its results are in.
 
     A segment sent ahead starts on the workers when the one before it ends, so it is timed
     from the later of its sending and the previous collection. ``evaluation_s``: the
     critical-path time of an evaluation its workers ran first, when it is done (None
-    otherwise); it is taken out, at most the whole time. What is left is charged for the
-    ``done`` of ``planned`` steps that completed, on each of ``workers`` workers."""
+    otherwise); it is taken out, at most what the segment's own training leaves of the
+    time: ``busy`` is the longest a worker spent in the completed steps, by its clock. (A
+    coordinator that collected the segment before late finds the evaluation run already,
+    inside the time it charged that segment; taking it out again left an epoch of one
+    short segment 0 s and utilization 0.) What is left is charged for the ``done`` of
+    ``planned`` steps that completed, on each of ``workers`` workers."""
     wall = now - max(sent, last_collected)
     evaluation = 0.0
     if evaluation_s is not None:
-        evaluation = min(wall, evaluation_s)
+        evaluation = min(max(0.0, wall - busy), evaluation_s)
         wall -= evaluation
     if not done:
         return WallShare(evaluation, 0.0, 0.0, now)

@@ -35,6 +35,7 @@ from dynabatch.scheduler.core.sync.allocation import (
 )
 from dynabatch.scheduler.core.sync.shares import (
     batch_bounds,
+    beyond_noise,
     capacity_weights,
     current_batches,
     keep,
@@ -57,6 +58,7 @@ _WORKER = attrgetter("worker")
 _STATS = attrgetter("stats")
 _STAT_FIELDS = attrgetter("n", "sb", "st", "sbb", "sbt")
 _SLOWED = attrgetter("slowed")
+_SE = attrgetter("se")
 # DBS's secant step needs its two batch sizes at least this far apart (larger / smaller):
 # 64 and 75 samples, 10% apart in time, give a slope of noise on shared cores.
 SECANT_RATIO = 1.5
@@ -110,18 +112,33 @@ class DBSPolicy:
     The fixed point is the same; the path to it is shorter. ``min_share``: the floor of
     :func:`speed_floor`, as for affine (a proportional step never starves a worker; a line
     through a large fixed cost could).
+
+    ``z``: a share moves only where its worker's measured step time stands out of the
+    others' by more than ``z`` of its standard errors (:func:`beyond_noise`, from the
+    spread of the steps, ``WorkerTelemetry.se``; in full from ``2·z``), and a secant line
+    is drawn only through two times more than ``z`` standard errors apart. On shared cores
+    equal workers' steps of 1-3 ms vary 0.5-2x; there a per-step overhead dominates, so a
+    worker's throughput grows with its share and the rule barely pulls a noisy split back:
+    DBS left equal workers at 51/13 of 64, each move a window's noise, and the secant
+    through two such points drew nearly flat lines that moved whole shares. Under a plan
+    kept, the window goes on and its error shrinks as its steps add up, so a real
+    difference is corrected soon after; a 4x slowdown stands out at once. 0: every
+    measured difference moves the split (the paper).
     """
 
     name: Literal["dbs"] = "dbs"
     min_gain: float = 0.0
     secant: bool = True
     min_share: float = 0.25
+    z: float = 3.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
         if not 0.0 <= self.min_share <= 1.0:
             raise ValueError(f"min_share must be in [0, 1], got {self.min_share}")
+        if not self.z >= 0.0:
+            raise ValueError(f"z must be at least 0, got {self.z}")
 
     def decide(self, telemetry, global_batch, dataset_size, current=None) -> Decision:
         check_sizes(global_batch, dataset_size)
@@ -148,13 +165,18 @@ class DBSPolicy:
             return Decision(alloc, changed and current is not None,
                             "shares proportional to throughput")
         a, c = np.zeros_like(v), 1.0 / v  # the proportional model: t_i(b) = b / v_i
-        lines = self._secant_rows(telemetry, cur, c) if self.secant else None
+        se = np.fromiter(map(_SE, telemetry), dtype=np.float64, count=len(telemetry))
+        # Each worker's model scaled so that its step time under the current plan keeps
+        # only what stands out of the noise (ones: all of it).
+        scale = beyond_noise(c * cur, se, self.z)
+        lines = self._secant_rows(telemetry, cur, c, se, self.z) if self.secant else None
         if lines is None:
-            b = split(v, global_batch, lo, hi)
+            c = c * scale
+            b = split(v / scale, global_batch, lo, hi)
             reason = "shares proportional to throughput"
         else:
             rows, a_l, c_l = lines
-            a, c = np.where(rows, a_l, a), np.where(rows, c_l, c)
+            a, c = np.where(rows, a_l, a) * scale, np.where(rows, c_l, c) * scale
             lo = np.minimum(np.maximum(lo, speed_floor(a, c, global_batch, self.min_share)), hi)
             real, _ = equal_finish(a, c, float(global_batch), lo, hi)
             b = round_to_total(real, global_batch, lo, hi)
@@ -163,21 +185,25 @@ class DBSPolicy:
         predicted = float(np.max(a + c * b))
         current_s = float(np.max(a + c * cur))
         if (b == cur).all() or (current_s > 0 and 1.0 - predicted / current_s <= self.min_gain):
+            within = (scale != 1.0).any() and np.ptp(a + c * cur) <= 1e-9 * current_s
+            why = ("step times equal within their noise" if within
+                   else "predicted gain below threshold")
             return Decision(keep(current, global_batch, dataset_size), False,
-                            "predicted gain below threshold", predicted, current_s)
+                            why, predicted, current_s)
         return Decision(make_allocation(workers, b, global_batch, dataset_size), True,
                         reason, predicted, current_s)
 
     @staticmethod
-    def _secant_rows(telemetry, cur: np.ndarray, c: np.ndarray
+    def _secant_rows(telemetry, cur: np.ndarray, c: np.ndarray, se: np.ndarray, z: float
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(rows, a, c) of the workers with a trusted line through their previous and
-        current windows; None when no worker has one."""
+        current windows (times ``z`` standard errors apart); None when no worker has one."""
         if all(t.previous is None for t in telemetry):
             return None
         prev = [t.previous or (np.nan, np.nan) for t in telemetry]
         b1, t1 = np.array(prev, dtype=np.float64).T
-        a_l, c_l = two_point_fit(b1, t1, cur, c * cur, SECANT_RATIO)
+        se1 = np.array([t.previous_se for t in telemetry], dtype=np.float64)
+        a_l, c_l = two_point_fit(b1, t1, cur, c * cur, SECANT_RATIO, se1, se, z)
         rows = ~np.isnan(c_l)
         return (rows, a_l, c_l) if rows.any() else None
 

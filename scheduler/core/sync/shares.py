@@ -135,3 +135,26 @@ def speed_floor(a: np.ndarray, c: np.ndarray, global_batch: int, fraction: float
     if v.sum() <= 0:
         return np.ones(n, dtype=np.int64)
     return 1 + np.floor(fraction * (global_batch - n) * v / v.sum()).astype(np.int64)
+
+
+def beyond_noise(t: np.ndarray, se: np.ndarray, z: float) -> np.ndarray:
+    """Per worker, the factor that takes its measured step time ``t`` (under the current
+    plan) towards the workers' median, in logs, where it does not stand out of its noise
+    (firm thresholding with ``λ = z·se``, ``se`` its relative standard error): a deviation
+    within λ is taken as noise, one beyond 2λ is kept whole, and one between is kept in
+    part, ramping from none to all. So workers whose times differ by their noise are made
+    equal and the current plan is kept, while a worker 4x slower keeps all of its slowdown
+    (a soft threshold, always taking λ off, had halved the first correction of a 4x
+    slowdown measured over two steps). Ones when ``z`` is 0 or no error is known."""
+    se = np.asarray(se, dtype=np.float64)
+    if z <= 0.0 or not (se > 0.0).any():
+        return np.ones(len(se))
+    log_t = np.log(t)
+    d = log_t - np.median(log_t)
+    lam = z * se
+    with np.errstate(invalid="ignore", divide="ignore"):
+        # Firm thresholding: nothing within lam, all of it beyond 2·lam, a ramp between.
+        ramp = np.where(lam > 0, (np.abs(d) - lam) / np.where(lam > 0, lam, 1.0), 1.0)
+        kept = d * np.clip(np.nan_to_num(ramp, nan=0.0, neginf=0.0), 0.0, 1.0)
+    return np.exp(kept - d)
+

@@ -149,19 +149,26 @@ def fit_arrays(
 
 
 def two_point_fit(
-    b1: np.ndarray, t1: np.ndarray, b2: np.ndarray, t2: np.ndarray, min_ratio: float
+    b1: np.ndarray, t1: np.ndarray, b2: np.ndarray, t2: np.ndarray, min_ratio: float,
+    se1: np.ndarray | float = 0.0, se2: np.ndarray | float = 0.0, z: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the line ``t = a + c·b`` through (b1, t1) and (b2, t2); NaN where it is not
     to be trusted: a point missing (NaN), batches less than ``min_ratio`` apart (the larger
     over the smaller; on shared cores a step's time varies by 10-20%, so nearby sizes give a
-    slope of noise), or a line with ``c <= 0`` or ``a < 0`` (time that falls as the batch
-    grows, or a negative overhead: noise again)."""
+    slope of noise), a line with ``c <= 0`` or ``a < 0`` (time that falls as the batch
+    grows, or a negative overhead: noise again), or two times that differ by no more than
+    ``z`` standard errors of their difference (``se1``, ``se2``: the relative standard
+    errors of t1 and t2). Where a fixed cost dominates, t1 and t2 differ by little, and a
+    slope through their noise is nearly flat: equal finish on flat lines moves whole shares
+    on a fraction of a millisecond."""
     b1, t1, b2, t2 = (np.asarray(x, dtype=np.float64) for x in (b1, t1, b2, t2))
     with np.errstate(divide="ignore", invalid="ignore"):
         c = (t2 - t1) / (b2 - b1)
         a = t2 - c * b2
         far = np.maximum(b1, b2) >= min_ratio * np.minimum(b1, b2)
-    ok = far & (b1 > 0) & (b2 > 0) & (c > 0) & (a >= 0) & np.isfinite(a) & np.isfinite(c)
+        apart = np.abs(t2 - t1) > z * np.hypot(t1 * se1, t2 * se2)
+    ok = (far & apart & (b1 > 0) & (b2 > 0) & (c > 0) & (a >= 0) & np.isfinite(a)
+          & np.isfinite(c))
     return np.where(ok, a, np.nan), np.where(ok, c, np.nan)
 
 

@@ -4,6 +4,11 @@ For each worker it keeps the decayed step-time statistics of the affine model (o
 observations fade by ``STATS_DECAY`` per new one, so the model follows a worker whose speed
 changes), the window since the last decision (for DBS), and the epoch's totals.
 
+It also measures how noisy the worker's steps are (``WorkerTrack.noise``: the spread of
+each window's seconds per sample, pooled over the windows before it, with a prior), so DBS
+moves a share only by what stands out of that noise (``WorkerTelemetry.se``), and the
+surprise test takes a change of speed for noise no more.
+
 A worker's first step at a batch size it has not computed before pays one-off costs: a
 newcomer's warm-up, and on every step whose shape is new the kernels' per-shape setup
 (oneDNN builds its convolution primitives per input shape on a CPU, cuDNN picks its
@@ -23,6 +28,7 @@ plans the accumulated step with them
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +45,11 @@ STATS_DECAY = 0.9
 # workers share cores, so the others speed up as the victim sleeps: its slowdown is not a
 # uniform scale of the old model, and the new observations are the better prior.
 SURPRISE = 1.5
+# ... and by more than this many standard errors of the segment's mean against the model's
+# (from the worker's step-time noise, ``WorkerTrack.noise``): on a shared 2-core host equal
+# workers' steps of 1-3 ms vary 0.5-2x, and a segment of two steps was off by 1.5x about
+# one time in ten, restarting the model and DBS's window on noise.
+SURPRISE_Z = 4.0
 
 
 # The surprise test trusts a model measured at one batch size only this far from it: a
@@ -46,6 +57,17 @@ SURPRISE = 1.5
 # predicted 3.4 ms for a step of 13 ms (its overhead), and "surprised" a worker that had
 # only been given a smaller batch, throwing away the measurements that gave it its fit.
 NEAR = 0.25
+
+# DBS's noise estimate (see :meth:`WorkerTrack.noise`): the windows a worker closed stay in
+# it with weight ``NOISE_DECAY`` per step since, so it follows the host's load over about
+# 50 steps. ``PRIOR_NOISE`` (relative spread of one step's time) is pooled in with the
+# weight of ``PRIOR_DOF`` steps, so a window of one or two steps is not taken as exact: 0.4
+# is the spread of a step that takes 0.5-2x its time (log-uniform), as 1-3 ms steps did on
+# a shared 2-core host. Its weight fades as the worker's own steps add up (equal workers'
+# larger steps vary by 10-20%, see ``decided``).
+NOISE_DECAY = 0.98
+PRIOR_NOISE = 0.4
+PRIOR_DOF = 4.0
 
 
 def _predicts(stats: StepTimeStats, batch: float) -> bool:
@@ -72,8 +94,18 @@ class WorkerTrack:
     # (batch, mean step compute) of the window under the plan before, at a batch other
     # than plan_batch, since the last change of speed: DBS's second point.
     previous: tuple[int, float] | None = None
+    # The relative standard error of ``previous``'s mean step time (0 with none).
+    previous_se: float = 0.0
     window_samples: int = 0
     window_compute: float = 0.0
+    # The window's steps and the sums of their seconds per sample, and of its squares:
+    # the spread of the window's own steps (see ``noise``).
+    window_steps: int = 0
+    window_x: float = 0.0
+    window_xx: float = 0.0
+    # The windows closed before: degrees of freedom and relative sum of squares, decayed.
+    noise_dof: float = 0.0
+    noise_ss: float = 0.0
     epoch_samples: int = 0
     epoch_compute: float = 0.0
     epoch_wait: float = 0.0
@@ -88,8 +120,49 @@ class WorkerTrack:
         """Samples per compute-second over the window (0 without one)."""
         return self.window_samples / self.window_compute if self.window_compute else 0.0
 
+    def window_spread(self) -> tuple[float, float]:
+        """(degrees of freedom, relative sum of squares) of the window's seconds per
+        sample: Σ(x − x̄)² / x̄² over its steps."""
+        k = self.window_steps
+        if k < 2 or self.window_x <= 0.0:
+            return 0.0, 0.0
+        mean = self.window_x / k
+        return k - 1.0, max(self.window_xx / k - mean * mean, 0.0) * k / (mean * mean)
+
+    def noise(self) -> float:
+        """The relative variance of one step's time per sample: the window's own spread,
+        the decayed spread of the windows closed before it, and the prior (``PRIOR_NOISE``,
+        weight ``PRIOR_DOF`` steps) pooled."""
+        dof, ss = self.window_spread()
+        return ((self.noise_ss + ss + PRIOR_DOF * PRIOR_NOISE ** 2)
+                / (self.noise_dof + dof + PRIOR_DOF))
+
+    @property
+    def se(self) -> float:
+        """The relative standard error of the window's throughput (0 without a window):
+        one step's noise over the square root of the window's steps."""
+        k = self.window_steps
+        return math.sqrt(self.noise() / k) if k else 0.0
+
     def reset_window(self) -> None:
+        dof, ss = self.window_spread()
+        if dof:
+            keep = NOISE_DECAY ** dof
+            self.noise_dof = self.noise_dof * keep + dof
+            self.noise_ss = self.noise_ss * keep + ss
         self.window_samples, self.window_compute = 0, 0.0
+        self.window_steps, self.window_x, self.window_xx = 0, 0.0, 0.0
+
+
+def pooled_noise(tracks: Sequence[WorkerTrack]) -> float:
+    """The relative variance of one step's time per sample pooled over ``tracks``: their
+    windows and closed windows, and the prior once."""
+    dof = ss = 0.0
+    for t in tracks:
+        d, s = t.window_spread()
+        dof += t.noise_dof + d
+        ss += t.noise_ss + s
+    return (ss + PRIOR_DOF * PRIOR_NOISE ** 2) / (dof + PRIOR_DOF)
 
 
 class Tracker:
@@ -103,14 +176,21 @@ class Tracker:
         self.workers.pop(worker, None)
 
     def telemetry(self, workers: Sequence[str], cap: int | None) -> list[WorkerTelemetry]:
+        """What the policy reads of ``workers``. A window's standard error is taken with
+        the larger of its worker's noise and the noise pooled over all ``workers``: they
+        share the host's load, and one worker's few steps can happen to agree."""
+        tracks = [self.workers[w] for w in workers]
+        pooled = pooled_noise(tracks)
         out = []
-        for w in workers:
-            t = self.workers[w]
+        for w, t in zip(workers, tracks, strict=True):
+            k = t.window_steps
+            se = math.sqrt(max(t.noise(), pooled) / k) if k else 0.0
             out.append(WorkerTelemetry(worker=w, samples=t.window_samples,
                                        compute_s=t.window_compute, cap=cap,
                                        capacity=t.capacity, stats=t.stats,
                                        micro=t.micro_cap, slowed=t.slowed,
-                                       previous=t.previous))
+                                       previous=t.previous, se=se,
+                                       previous_se=t.previous_se))
         return out
 
     def decided(self, batches: dict[str, int] | None = None) -> None:
@@ -139,6 +219,7 @@ class Tracker:
                 if not nudged:
                     if b is not None and old is not None and t.window_samples > 0:
                         t.previous = (old, t.window_compute * old / t.window_samples)
+                        t.previous_se = t.se
                     t.reset_window()
             t.plan_batch = b
 
@@ -157,11 +238,19 @@ class Tracker:
             new.append(s.batch not in t.seen_batches)
             t.seen_batches.add(s.batch)
         settled = [s for s, n in zip(steps, new, strict=True) if not n]
-        self._fit(t, settled)  # first: a change of speed restarts the window too
-        for s in settled:
+        # First: a change of speed restarts the window too. The segment that showed it
+        # stays out of the new window: it was picked for standing out, and when the noise
+        # did that, DBS would move a share on it against the others' long windows.
+        changed = self._fit(t, settled)
+        for s in settled if not changed else ():
             if t.plan_batch is None or s.batch == t.plan_batch:
                 t.window_samples += s.samples
                 t.window_compute += s.compute_s
+                if s.samples > 0:
+                    x = s.compute_s / s.samples
+                    t.window_steps += 1
+                    t.window_x += x
+                    t.window_xx += x * x
         samples = sum(s.samples for s in steps)
         compute = sum(s.compute_s for s in steps)
         t.epoch_samples += samples
@@ -173,23 +262,30 @@ class Tracker:
         t.slowdown = steps[-1].slowdown
         t.micro_cap = steps[-1].micro_cap
 
-    def _fit(self, t: WorkerTrack, steps: list[StepTelemetry]) -> None:
+    def _fit(self, t: WorkerTrack, steps: list[StepTelemetry]) -> bool:
+        """Fold ``steps`` into the worker's model; True when they showed a change of
+        speed (the model and the window restarted)."""
         obs = [(s.samples / s.micro_batches, s.compute_s / s.micro_batches)
                for s in steps if s.samples > 0]
         if not obs:
-            return
+            return False
+        changed = False
         f = fit(t.stats)
         mean_b = sum(b for b, _ in obs) / len(obs)
         if f is not None and _predicts(t.stats, mean_b):
             mean_t = sum(s for _, s in obs) / len(obs)
             pred = f.predict(mean_b)
-            if pred > 0 and not (1 / SURPRISE <= mean_t / pred <= SURPRISE):
+            bound = max(SURPRISE, math.exp(SURPRISE_Z * math.sqrt(
+                t.noise() * (1.0 / len(obs) + 1.0 / t.stats.n))))
+            if pred > 0 and not (1 / bound <= mean_t / pred <= bound):
                 # The worker changed speed: forget the old model.
                 t.stats = StepTimeStats()
                 t.slowed, t.slowed_batch = mean_t > pred, mean_b
                 t.reset_window()
-                t.previous = None  # a point of the old speed
+                t.previous, t.previous_se = None, 0.0  # a point of the old speed
+                changed = True
         elif t.slowed and abs(mean_b - t.slowed_batch) > NEAR * t.slowed_batch:
             t.slowed = False  # measured at another size: its own fit knows better
         for b, s in obs:
             t.stats = t.stats.add(b, s, STATS_DECAY)
+        return changed

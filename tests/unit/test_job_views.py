@@ -1,0 +1,163 @@
+"""Issue 29 item 8: every view shows the job's own metrics, the same progress, and no epoch
+of zero time.
+
+A regression job (its spec's metrics: ``mae``, ``mse``) was shown as classification: the
+epoch line said ``acc None``, ``status`` and the page "test accuracy -", the final line no
+metric; ``list`` said 0/60 where ``status`` said 1/60; the last epoch reported 0.00 s and
+utilization 0.000.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import typer
+from dynabatch.api.app import create_app
+from dynabatch.scheduler.runtime.seam import DataInfo
+from dynabatch.scheduler.sync.coordinator import Coordinator
+from dynabatch.scheduler.sync.epoch_report import summary
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot
+from dynabatch.service.cli import jobs as client_cli
+from dynabatch.service.client import DynabatchClient
+from dynabatch.service.schemas import JobDetail
+from dynabatch.service.settings import Settings
+from fastapi.testclient import TestClient
+from rich.console import Console
+from typer.testing import CliRunner
+
+from tests.fakes import FakeCluster, FakeRuntime, _EvalCall
+from tests.unit.test_engine_faults import _spec
+
+REGRESSION = {"mae": 12.3456, "mse": 301.25}
+
+
+def _regression_record(epoch: int = 0) -> EpochRecord:
+    return EpochRecord(epoch=epoch, wall_s=0.5, steps=2, dataset_size=353,
+                       samples_trained=353, train_loss=0.25, test_loss=0.3,
+                       test_metrics=REGRESSION, utilization=0.8, compute_balance=0.9,
+                       policy="dbs", workers=[])
+
+
+def test_the_epoch_line_shows_the_jobs_own_metrics():
+    line = summary(_regression_record(2))
+    assert "mae 12.3456, mse 301.2500" in line
+    assert "acc" not in line and "None" not in line
+    # An epoch whose evaluation did not complete says so, not "None".
+    bare = summary(_regression_record().model_copy(update={"test_metrics": {}}))
+    assert "None" not in bare and "no test scores" in bare
+
+
+def test_the_final_line_shows_the_jobs_own_metrics():
+    from dynabatch.service.cli.run import final_line
+
+    snap = JobSnapshot(job_id="ab" * 6, name="diabetes", state="SUCCEEDED",
+                       test_metrics=REGRESSION)
+    assert final_line(snap) == "diabetes: SUCCEEDED; mae 12.3456, mse 301.2500"
+    failed = JobSnapshot(job_id="ab" * 6, name="diabetes", state="FAILED", reason="boom")
+    assert final_line(failed) == "diabetes: FAILED (boom)"
+
+
+# ------------------------------------------------------------------ the service's views
+@pytest.fixture
+def http(tmp_path: Path) -> Iterator[TestClient]:
+    settings = Settings(db_path=str(tmp_path / "v.db"), sync_interval_s=0,
+                        checkpoint_root=str(tmp_path))
+    with TestClient(create_app(settings, cluster=FakeCluster())) as client:
+        yield client
+
+
+def _cli(http: TestClient, *args: str) -> str:
+    app = typer.Typer(pretty_exceptions_enable=False)
+    client_cli.register(app)
+    result = CliRunner().invoke(app, list(args), obj={
+        "client_factory": lambda url, token: DynabatchClient(url, token=token, http=http)})
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def _views(http: TestClient, job: str) -> tuple[str, str, str]:
+    """The progress ``list``, ``status`` and the page (its JSON) show, each "N/M"."""
+    listed = _cli(http, "list")
+    (row,) = [ln for ln in listed.splitlines() if job in ln]
+    status = _cli(http, "status", job).splitlines()[0]
+    page = http.get(f"/v1/jobs/{job}").json()["progress"]
+    found = [re.search(r"(\d+)(?:/| of )(\d+)", text) for text in (row, status, page)]
+    assert all(found), (row, status, page)
+    return tuple(f"{m[1]}/{m[2]}" for m in found)  # type: ignore[index, return-value]
+
+
+def test_list_status_and_the_page_agree_on_progress_in_every_state(http: TestClient):
+    job = DynabatchClient(http=http).submit({"name": "v", "epochs": 3, "workers": 2}).job_id
+    coordinator = http.app.state.service.cluster.coordinators[job]
+
+    def advance(n: int) -> None:
+        for _ in range(n):
+            coordinator.advance()
+        http.app.state.service.sync_once()
+
+    advance(2)  # RUNNING, in its first epoch
+    assert len(set(_views(http, job))) == 1, _views(http, job)
+    advance(coordinator.steps_per_epoch)  # in its second epoch, one completed
+    assert len(set(_views(http, job))) == 1, _views(http, job)
+    DynabatchClient(http=http).cancel(job, "enough")
+    http.app.state.service.sync_once()
+    done = len(coordinator.history)
+    assert 0 < done < 3
+    assert set(_views(http, job)) == {f"{done}/3"}  # CANCELLED: the epochs it completed
+
+
+def test_status_and_the_page_show_the_jobs_own_metrics(http: TestClient):
+    job = DynabatchClient(http=http).submit({"name": "v", "epochs": 2, "workers": 2}).job_id
+    coordinator = http.app.state.service.cluster.coordinators[job]
+    for _ in range(1 + coordinator.steps_per_epoch):
+        coordinator.advance()
+    http.app.state.service.sync_once()
+    detail = http.get(f"/v1/jobs/{job}").json()
+    assert detail["test_metrics"] == {"accuracy": pytest.approx(0.5)}
+    # A regression job's status shows its metrics, not an accuracy it does not have.
+    regression = JobDetail.model_validate({**detail, "test_accuracy": None,
+                                           "test_metrics": REGRESSION})
+    console = Console(record=True, width=250)
+    console.print(client_cli._job_table(regression))
+    text = console.export_text()
+    assert "mae 12.3456, mse 301.2500" in text and "accuracy" not in text
+
+
+# ------------------------------------------------------------------ no zero-time epoch
+class _LateCoordinator(FakeRuntime):
+    """A coordinator slower than its workers (a busy machine): by the time it collects a
+    segment, its workers have also run the evaluation queued behind it, before the segment
+    sent ahead. The held-out set is large: each evaluation takes longer than an epoch's
+    training."""
+
+    def load_data(self) -> DataInfo:
+        return DataInfo("fake", self.n_train, 4000)
+
+    def _apply(self, w, epoch, sps, compute, names, wait):
+        # As real workers do: each step's whole time by the worker's clock.
+        rep = super()._apply(w, epoch, sps, compute, names, wait)
+        return rep.model_copy(update={"step_s": compute[w] + wait})
+
+    def collect_segment(self, plans, grace_s):
+        out = super().collect_segment(plans, grace_s)
+        if self._pending and isinstance(self._pending[0], _EvalCall):
+            self._evaluate(self._pending.pop(0))  # ran before the coordinator looked
+        return out
+
+
+def test_no_epoch_is_charged_zero_time_for_an_evaluation_that_ran_before_it():
+    spec = _spec(workers=2, global_batch=100, epochs=4, policy="dbs",
+                 rebalance={"mode": "epoch"})
+    rt = _LateCoordinator(spec, n_train=100, speeds={0: 1000, 1: 1000})
+    coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
+    coord.run()
+    hist = coord.history()
+    assert coord.snapshot().state.value == "SUCCEEDED" and len(hist) == 4
+    for r in hist:
+        # Each epoch is one step of 50 samples per worker at 1000 samples/s: 50 ms of
+        # training at least, however the evaluations around it are charged.
+        assert r.wall_s >= 0.05 - 1e-9, (r.epoch, r.wall_s)
+        assert r.utilization > 0, (r.epoch, r.utilization)
