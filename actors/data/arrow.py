@@ -96,6 +96,10 @@ def _stack_images(imgs: list[np.ndarray], where: str) -> np.ndarray:
 
 
 class ParquetSource(Source):
+    # The options it reads: the one table of them (dynabatch.actors.data.open.
+    # check_file_options refuses any other, before Ray starts and when the job opens it).
+    OPTIONS = ("x", "y", "shape", "scale", "targets", "num_classes", "cache_groups")
+
     def __init__(self, path: str, options: dict[str, Any], name: str = "parquet"):
         import pyarrow.parquet as pq
 
@@ -108,9 +112,6 @@ class ParquetSource(Source):
         targets = opts.pop("targets", None)
         num_classes = opts.pop("num_classes", None)
         self.cache_groups = int(opts.pop("cache_groups", 24))
-        if opts:
-            raise DataError(f"dataset.options: unknown option {sorted(opts)[0]!r} for parquet "
-                            "(allowed: x, y, shape, scale, targets, num_classes, cache_groups)")
         self.fs, root = open_fs(path)
         self.files = list_files(self.fs, root, SUFFIXES)
         self._pq = pq

@@ -32,15 +32,16 @@ def _scale_for(dtype: np.dtype, scale: Any) -> float:
 
 
 class NpySource(Source):
+    # The options it reads: the one table of them (dynabatch.actors.data.open.
+    # check_file_options refuses any other, before Ray starts and when the job opens it).
+    OPTIONS = ("x", "y", "scale", "num_classes", "targets")
+
     def __init__(self, path: str, options: dict[str, Any], name: str = "npy"):
         opts = dict(options)
         xpat, ypat = str(opts.pop("x", "x*.npy")), str(opts.pop("y", "y*.npy"))
         self.scale = opts.pop("scale", None)
         num_classes = opts.pop("num_classes", None)
         targets = opts.pop("targets", None)
-        if opts:
-            raise DataError(f"dataset.options: unknown option {sorted(opts)[0]!r} for npy "
-                            "(allowed: x, y, scale, num_classes, targets)")
         if is_uri(path) and not path.startswith("file://"):
             raise DataError(f"dataset.path: npy shards are memory-mapped, so {path!r} must "
                             "be local (or file://)")
@@ -170,14 +171,14 @@ def apply_transforms(img: Any, ts: list[tuple[str, dict[str, Any]]], key: int | 
 
 
 class ImageFolderSource(Source):
+    # The options it reads (see NpySource.OPTIONS).
+    OPTIONS = ("transforms", "mode")
+
     def __init__(self, path: str, options: dict[str, Any], name: str = "imagefolder",
                  classes: list[str] | None = None):
         opts = dict(options)
         self.ts = _transforms(opts.pop("transforms", []))
         self.mode = opts.pop("mode", None)
-        if opts:
-            raise DataError(f"dataset.options: unknown option {sorted(opts)[0]!r} for "
-                            "imagefolder (allowed: transforms, mode)")
         self.fs, root = open_fs(path)
         files = list_files(self.fs, root, IMAGE_SUFFIXES)
         rel = [f[len(root):].lstrip("/") for f in files]

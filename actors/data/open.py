@@ -14,7 +14,7 @@ of images or map-style samples.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from dynabatch.actors.data.source import (
@@ -27,6 +27,10 @@ from dynabatch.actors.data.source import (
     split_ids,
 )
 from dynabatch.actors.spec import DatasetSpec
+
+if TYPE_CHECKING:
+    from dynabatch.actors.data.arrow import ParquetSource
+    from dynabatch.actors.data.files import ImageFolderSource, NpySource
 
 FILE_KINDS = ("parquet", "npy", "imagefolder")
 
@@ -44,21 +48,44 @@ class DataRef:
         return open_source(self.spec, self.seed, self.split, self.extra)
 
 
+def _source_class(
+    name: str,
+) -> type[ParquetSource] | type[NpySource] | type[ImageFolderSource]:
+    """The source class of the file kind ``name`` (imported here: pyarrow only for parquet)."""
+    if name == "parquet":
+        from dynabatch.actors.data.arrow import ParquetSource
+
+        return ParquetSource
+    from dynabatch.actors.data.files import ImageFolderSource, NpySource
+
+    return NpySource if name == "npy" else ImageFolderSource
+
+
+def check_file_options(spec: DatasetSpec) -> None:
+    """Raise a DataError naming the first of ``dataset.options`` that the file kind (parquet,
+    npy, imagefolder) does not take, from its source's ``OPTIONS`` and without opening a
+    file: ``dynabatch run`` and the service call it before a job starts, and the job before
+    it opens the files. Any other dataset name is not checked here."""
+    if spec.name not in FILE_KINDS:
+        return
+    allowed = _source_class(spec.name).OPTIONS
+    unknown = sorted(set(spec.options) - set(allowed))
+    if unknown:
+        raise DataError(f"dataset.options: unknown option {unknown[0]!r} for {spec.name} "
+                        f"(allowed: {', '.join(sorted(allowed))})")
+
+
 def _base(spec: DatasetSpec, path: str, extra: dict[str, Any]) -> Source:
+    check_file_options(spec)
     opts = dict(spec.options)
     if spec.num_classes is not None and spec.name != "imagefolder":
         opts.setdefault("num_classes", spec.num_classes)
     if spec.targets is not None and spec.name != "imagefolder":
         opts.setdefault("targets", spec.targets)
-    if spec.name == "parquet":
-        from dynabatch.actors.data.arrow import ParquetSource
-
-        return ParquetSource(path, opts, spec.name)
-    from dynabatch.actors.data.files import ImageFolderSource, NpySource
-
-    if spec.name == "npy":
-        return NpySource(path, opts, spec.name)
-    return ImageFolderSource(path, opts, spec.name, classes=extra.get("classes"))
+    cls = _source_class(spec.name)
+    if spec.name == "imagefolder":
+        return cls(path, opts, spec.name, classes=extra.get("classes"))
+    return cls(path, opts, spec.name)
 
 
 def open_source(spec: DatasetSpec, seed: int, split: str,

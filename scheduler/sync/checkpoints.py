@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dynabatch.actors.errors import first_line
 from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.sync.boundary import rollback
@@ -22,6 +23,9 @@ from dynabatch.scheduler.sync.job import Part
 from dynabatch.scheduler.telemetry import EpochRecord
 
 STATE_TIMEOUT_S = 120.0
+# What :meth:`Checkpoints.restore` reads without a default: a file without them is not one of
+# ours (or is damaged), and is named as such rather than failing on a KeyError.
+_RESTORED = ("epoch", "step", "weights", "history", "counters")
 
 
 class Checkpoints(Part):
@@ -71,6 +75,35 @@ class Checkpoints(Part):
 
         path = save_checkpoint(s.checkpoint.dir, self.c.job_id, payload)
         self.log("INFO", f"checkpoint ({reason}) at epoch {pos.epoch} step {pos.step}: {path}")
+
+    def resume(self) -> bool:
+        """A job given a new coordinator goes on from its own checkpoint, when it has one.
+        False when that cannot be loaded: the job has then FAILED with one line naming the
+        file and the problem. Nothing is raised: this runs in the coordinator's constructor,
+        and an actor whose constructor raised cannot show the job's end to anyone."""
+        from dynabatch.scheduler.checkpoint import (
+            CheckpointError,
+            checkpoint_path,
+            load_checkpoint,
+        )
+
+        path = checkpoint_path(self.spec.checkpoint.dir, self.c.job_id)
+        try:
+            ckpt = load_checkpoint(self.spec.checkpoint.dir, self.c.job_id)
+            if ckpt is None:
+                return True
+            missing = [k for k in _RESTORED if k not in ckpt]
+            if missing:
+                raise CheckpointError(f"{path}: not a dynabatch checkpoint (it holds no "
+                                      f"{', '.join(missing)})")
+            try:
+                self.restore(ckpt, why="resuming")
+            except (KeyError, TypeError, ValueError) as err:  # a value of the wrong shape
+                raise CheckpointError(f"{path}: cannot restore it ({first_line(err)})") from None
+        except CheckpointError as err:
+            self.c._finish(JobState.FAILED, f"checkpoint: {err}")
+            return False
+        return True
 
     def restore(self, ckpt: dict[str, Any], why: str) -> None:
         job = self.job

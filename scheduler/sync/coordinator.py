@@ -129,17 +129,10 @@ class Coordinator(JobControl):
         self.group = Group(self)
         self.epochs = Epochs(self)
         self.checkpoints = Checkpoints(self)
-        if resume and s.checkpoint.dir:
-            # Lazily: checkpoints need torch, and a simulated job (no checkpoints) does not.
-            from dynabatch.scheduler.checkpoint import CheckpointError, load_checkpoint
-
-            try:
-                ckpt = load_checkpoint(s.checkpoint.dir, job_id)
-            except CheckpointError as err:
-                self._fail_now(str(err))
-            else:
-                if ckpt:
-                    self.checkpoints.restore(ckpt, why="resuming")
+        # A checkpoint that cannot be loaded fails the job, not this constructor (the job then
+        # ends FAILED naming the file, and run() returns at once).
+        if resume and s.checkpoint.dir and not self.checkpoints.resume():
+            return
         if s.checkpoint.from_ and self.job.restored_weights is None:
             # A new job starts from another's checkpoint; one resuming from its own goes on
             # from that, which holds what it learnt since.

@@ -196,6 +196,36 @@ def test_paths_over_rest_must_be_under_the_roots(make_app: MakeApp, tmp_path: Pa
     )
 
 
+@pytest.mark.parametrize(("body", "field", "needle"), [
+    ({"dataset": {"name": "parquet", "options": {"x": ["a"], "colour": "red"}}},
+     "dataset.options", "unknown option 'colour' for parquet (allowed: cache_groups, "),
+    ({"dataset": {"name": "npy", "options": {"xs": "x*.npy"}}},
+     "dataset.options", "unknown option 'xs' for npy"),
+    ({"dataset": {"name": "imagefolder", "options": {"transform": ["flip"]}}},
+     "dataset.options", "unknown option 'transform' for imagefolder"),
+    ({"dataset": {"name": "synthetic", "options": {"n_sample": 64}}},
+     "dataset.options", "unknown option 'n_sample' for synthetic"),
+    ({"model": {"name": "mlp", "options": {"layerz": 3}}},
+     "model.options", "unknown option 'layerz' for mlp"),
+], ids=["parquet", "npy", "imagefolder", "synthetic", "mlp"])
+def test_an_unknown_option_of_a_built_in_is_refused_before_the_job_exists(
+    make_app: MakeApp, tmp_path: Path, body: dict[str, Any], field: str, needle: str
+) -> None:
+    (tmp_path / "data").mkdir()
+    if "dataset" in body:
+        body["dataset"]["path"] = str(tmp_path / "data")
+    client, _, cluster = make_app(data_roots=str(tmp_path / "data"))
+    errors = _refused(client, cluster, body)
+    assert list(errors) == [field] and needle in errors[field], errors
+
+
+def test_the_options_of_user_code_are_left_to_the_job(make_app: MakeApp) -> None:
+    """The service never imports user code: a loader it cannot see is not checked here."""
+    client, _, cluster = make_app(user_code_modules="*")
+    job = _submit(client, dataset={"name": "not_here_at_all:load", "options": {"sepp": ","}})
+    assert cluster.launches[job][0].dataset.options == {"sepp": ","}
+
+
 def test_paths_over_rest_are_refused_without_roots(make_app: MakeApp, tmp_path: Path) -> None:
     client, _, cluster = make_app(checkpoint_root=None)
     errors = _refused(

@@ -275,3 +275,27 @@ def test_checkpoint_from_keeps_the_optimizer_state_only_for_the_same_optimizer(
     (line,) = [x.message for x in job.logs() if x.message.startswith("starting from")]
     assert line.endswith("weights and optimizer state" if keeps else
                          "weights (its sgd optimizer state does not fit adam: not loaded)")
+
+
+@pytest.mark.parametrize(
+    ("write", "needle"),
+    [
+        (lambda p: p.write_bytes(b"not a checkpoint at all"), "cannot read the checkpoint"),
+        (lambda p: torch.save({"epoch": 1}, p), "not a dynabatch checkpoint"),
+    ],
+)
+def test_a_damaged_checkpoint_of_its_own_fails_the_job_not_the_coordinator(
+    tmp_path: Path, write: Any, needle: str
+) -> None:
+    """Resuming from its own checkpoint that cannot be loaded: the coordinator is built (an
+    actor whose constructor raised could not report anything) and the job is FAILED with one
+    line naming the file and the problem."""
+    path = checkpoint_path(tmp_path, "job-e")
+    path.parent.mkdir(parents=True)
+    write(path)
+    job, _ = _fake_job("job-e", checkpoint={"dir": str(tmp_path)})
+    job.run()
+    snap = job.snapshot()
+    assert snap.state.value == "FAILED"
+    assert snap.reason is not None and "\n" not in snap.reason
+    assert snap.reason.startswith(f"checkpoint: {path}: ") and needle in snap.reason, snap.reason

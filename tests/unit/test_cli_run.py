@@ -173,7 +173,17 @@ def net(input_shape, num_classes, width=8):
      "model.options: unknown option 'widht' for 'early_opts_plugin:net' (it takes: width)"),
     ("model: {name: mlp, options: {layerz: 3}}",
      "model.options: unknown option 'layerz' for mlp (allowed: layers)"),
-], ids=["user-unknown", "user-missing", "builtin-dataset", "user-model", "builtin-model"])
+    ("dataset: {name: parquet, path: /no/such/data, options: {x: [a], colour: red}}",
+     "dataset.options: unknown option 'colour' for parquet (allowed: cache_groups, "
+     "num_classes, scale, shape, targets, x, y)"),
+    ("dataset: {name: npy, path: /no/such/data, options: {xs: 'x*.npy'}}",
+     "dataset.options: unknown option 'xs' for npy (allowed: num_classes, scale, targets, x, "
+     "y)"),
+    ("dataset: {name: imagefolder, path: /no/such/data, options: {transform: [flip]}}",
+     "dataset.options: unknown option 'transform' for imagefolder (allowed: mode, "
+     "transforms)"),
+], ids=["user-unknown", "user-missing", "builtin-dataset", "user-model", "builtin-model",
+        "parquet", "npy", "imagefolder"])
 def test_run_refuses_an_unknown_option_before_starting_ray(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: str, problem: str
 ) -> None:

@@ -44,6 +44,10 @@ def test_two_point_fit_recovers_a_line_and_distrusts_noise():
     a, c = two_point_fit([64, 64, np.nan], [0.005, 0.01, np.nan], [16, 16, 16],
                          [0.006, 0.001, 0.003], 1.5)
     assert np.isnan(c).all() and np.isnan(a).all()
+    # Two times apart by less than z standard errors of their difference: a slope of noise.
+    a, c = two_point_fit([64, 64], [0.0084, 0.0084], [16, 16], [0.0036, 0.0036], 1.5,
+                         [0.3, 0.05], [0.3, 0.05], 3.0)
+    assert np.isnan(c[0]) and c[1] == pytest.approx(0.0001)
 
 
 def test_a_slowed_worker_reaches_equal_finish_in_one_secant_step():

@@ -255,6 +255,41 @@ def test_a_segment_ends_at_the_step_that_measures_a_new_allocation():
 # DBS under step-time noise: equal workers stay equal, a real slowdown is still followed
 
 
+def test_a_segment_off_by_its_noise_is_no_change_of_speed():
+    """Steps that vary 0.5-2x: a segment of two at 1.6x the model is noise (it had restarted
+    the model and DBS's window about once in ten segments); 4x still is a change, and the
+    segment that showed it stays out of the new window (picked for standing out)."""
+    tr = Tracker()
+    tr.add("w", 1.0)
+    tr.decided({"w": 32})
+    noise = [0.5, 2.0, 1.0, 1.5, 0.7, 1.8, 0.6, 1.2, 1.9, 0.8, 1.1, 0.55]
+    tr.observe("w", [_step(i, 32, _t(32) * u) for i, u in enumerate(noise)])
+    mean = _t(32) * sum(noise[1:]) / len(noise[1:])
+    before = tr.workers["w"].window_steps
+    tr.observe("w", [_step(12, 32, 1.6 * mean), _step(13, 32, 1.6 * mean)])
+    t = tr.workers["w"]
+    assert not t.slowed and t.window_steps == before + 2
+    tr.observe("w", [_step(14, 32, 4 * mean), _step(15, 32, 4 * mean)])
+    assert t.slowed and t.window_steps == 0 and t.noise_dof > 0  # the noise is remembered
+    (tel,) = tr.telemetry(["w"], None)
+    assert tel.samples == 0 and tel.se == 0.0
+
+
+def test_dbs_moves_a_share_only_by_what_stands_out_of_the_noise():
+    current = make_allocation(["w0", "w1"], np.array([32, 32]), 64, 6400)
+
+    def tel(se: float) -> list[WorkerTelemetry]:
+        return [WorkerTelemetry("w0", samples=32 * 4, compute_s=4 * 0.002, se=se),
+                WorkerTelemetry("w1", samples=32 * 4, compute_s=4 * 0.0026, se=se)]
+
+    kept = DBSPolicy().decide(tel(0.1), 64, 6400, current)  # 30% apart, 3·0.1 each
+    assert not kept.rebalanced and kept.reason == "step times equal within their noise"
+    moved = DBSPolicy().decide(tel(0.02), 64, 6400, current)  # beyond 2·z·se: all of it
+    assert moved.allocation.batches == DBSPolicy(z=0).decide(tel(0.1), 64, 6400,
+                                                             current).allocation.batches
+    assert moved.rebalanced and moved.allocation.batches[0] > 32
+
+
 def _noisy_dbs_run(rng: np.random.Generator, *, n: int, per_worker: int, every: int,
                    checks: int, min_gain: float, overhead: float, fixed: float,
                    per_sample: float, slow_at: int | None = None, factor: float = 4.0

@@ -49,7 +49,7 @@ SURPRISE = 1.5
 # (from the worker's step-time noise, ``WorkerTrack.noise``): on a shared 2-core host equal
 # workers' steps of 1-3 ms vary 0.5-2x, and a segment of two steps was off by 1.5x about
 # one time in ten, restarting the model and DBS's window on noise.
-SURPRISE_Z = 4.0
+SURPRISE_Z = 3.0
 
 
 # The surprise test trusts a model measured at one batch size only this far from it: a
