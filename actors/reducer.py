@@ -251,8 +251,7 @@ class GradientReducer:
     def overlapping(self) -> bool:
         """Whether buckets go out from hooks (CPU or NCCL); a GPU in a gloo group stages
         the whole buffer through host memory instead."""
-        return self.mode == "bucketed" and not (
-            self.device.type == "cuda" and _backend() == "gloo")
+        return self.mode == "bucketed" and not stages_through_host(self.device, _backend())
 
     # --- one step ---------------------------------------------------------------------
     def begin(self, step_size: int, norms: bool = False,
@@ -398,14 +397,17 @@ class GradientReducer:
         flat = self.flat[:n]
         g = self.flat[:self.n_params]
         local_sq = torch.dot(g, g) if self._norms else None
-        if self.device.type == "cuda" and _backend() == "gloo":
+        if stages_through_host(self.device, _backend()):
+            if self._host is None:
+                self._host = torch.zeros(self.flat.numel() + 3)
             # Stage through pinned host memory, with the loss and local norm riding along:
             # one synchronisation, then the copy back is ordered before the optimizer.
             host = self._host[:n + 2]
             vals = [loss.reshape(()).float() if loss is not None else flat.new_zeros(()),
                     local_sq if local_sq is not None else flat.new_zeros(())]
             host.copy_(torch.cat([flat, torch.stack(vals)]), non_blocking=True)
-            torch.cuda.synchronize(self.device)  # the step's one synchronisation
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the step's one synchronisation
             compute_s = self.marks.seconds(compute_end)
             t0 = time.perf_counter()
             dist.all_reduce(host[:n], op=dist.ReduceOp.SUM)
@@ -442,6 +444,10 @@ def _item(t: torch.Tensor | None) -> float:
 
 def _item_or(t: torch.Tensor | None) -> float | None:
     return float(t) if t is not None else None
+
+
+def stages_through_host(device, backend):
+    return device.type == "cuda" and backend == "gloo"
 
 
 def _backend() -> str | None:

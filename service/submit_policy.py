@@ -11,9 +11,10 @@ read and write. The service checks it against a :class:`SubmitPolicy` from its s
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dynabatch.actors.spec import IMPORT_PATH_PATTERN, URI_PATTERN, JobSpec
 
@@ -196,9 +197,38 @@ def check_paths(
     return problems
 
 
+def check_builtin_options(spec: JobSpec) -> list[tuple[str, str]]:
+    """(field, problem) for the options a built-in dataset (the file kinds too) or model does
+    not take, from their tables, as ``dynabatch run`` checks them before Ray starts. The
+    options of user code are left to the job: the service never imports it."""
+    from dynabatch.actors.data.open import check_file_options
+    from dynabatch.actors.workloads import WorkloadError
+    from dynabatch.actors.workloads.datasets import check_dataset_options
+
+    checks: list[tuple[Callable[[Any], None], Any]] = []
+    if not re.match(IMPORT_PATH_PATTERN, spec.dataset.name):
+        checks += [(check_dataset_options, spec.dataset), (check_file_options, spec.dataset)]
+    if spec.model.options and not re.match(IMPORT_PATH_PATTERN, spec.model.name):
+        # Only with options to check: the models' module imports torch, which this
+        # service otherwise never loads.
+        from dynabatch.actors.workloads.models import check_model_options
+
+        checks.append((check_model_options, spec.model))
+    problems = []
+    for check, section in checks:
+        try:
+            check(section)
+        except WorkloadError as err:  # "dataset.options: unknown option ..."
+            field, _, problem = " ".join(str(err).split()).partition(": ")
+            problems.append((field, problem))
+    return problems
+
+
 def check_submission(spec: JobSpec, policy: SubmitPolicy) -> list[tuple[str, str]]:
-    """Everything ``spec`` names that ``policy`` does not allow; empty when it may run."""
+    """Everything ``spec`` names that ``policy`` does not allow, and the built-ins' options
+    it gets wrong; empty when it may run."""
     return [
         *check_user_code(spec, policy.user_code_modules, policy.code_root),
         *check_paths(spec, policy.data_roots, policy.checkpoint_root),
+        *check_builtin_options(spec),
     ]

@@ -204,7 +204,9 @@ def option_problem(spec: JobSpec) -> str | None:
     unknown name, a required one missing), as one line, or None: read from the built-ins'
     tables and the user functions' signatures, so a typo is reported before Ray starts,
     not after. A user module that does not import here (it may on the cluster) is left
-    to the job, which reports it."""
+    to the job, which reports it. The file kinds' options (parquet, npy, imagefolder) are
+    checked against their sources' tables, with no file opened."""
+    from dynabatch.actors.data.open import check_file_options
     from dynabatch.actors.workloads import WorkloadError
     from dynabatch.actors.workloads.datasets import check_dataset_options
     from dynabatch.actors.workloads.imports import NotImportable
@@ -216,6 +218,7 @@ def option_problem(spec: JobSpec) -> str | None:
         sys.path.insert(0, local)
     try:
         for check, section in ((check_dataset_options, spec.dataset),
+                               (check_file_options, spec.dataset),
                                (check_model_options, spec.model)):
             try:
                 check(section)

@@ -62,6 +62,24 @@ def test_parquet_missing_column_names_the_columns_that_exist(parquet_dir):
         open_dataset(DatasetSpec(name="parquet", path=str(path), options={"x": "pixels"}))
 
 
+def test_the_early_check_and_the_job_refuse_an_unknown_option_in_one_line(parquet_dir):
+    """One table per file kind: the check before the job starts (no file opened) and the
+    job's own opening of the files say the same."""
+    from dynabatch.actors.data.open import check_file_options
+
+    path, _, _ = parquet_dir
+    spec = DatasetSpec(name="parquet", path=str(path), options={"shape": [1, 28, 28],
+                                                                "colour": "red"})
+    line = ("dataset.options: unknown option 'colour' for parquet (allowed: cache_groups, "
+            "num_classes, scale, shape, targets, x, y)")
+    with pytest.raises(DataError) as early:
+        check_file_options(DatasetSpec(name="parquet", path="/not/there", options=spec.options))
+    with pytest.raises(DataError) as opened:
+        DataRef(spec, 0, "train").open()
+    assert str(early.value) == str(opened.value) == line
+    check_file_options(spec.model_copy(update={"options": {"shape": [1, 28, 28]}}))
+
+
 def test_corrupt_parquet_file_is_named(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(DataError, match=r"bad.parquet: not a readable Parquet file"):
