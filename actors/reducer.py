@@ -65,8 +65,18 @@ compute (:func:`hidden_seconds`); what remains after compute is the worker's ``w
 GPU. Marks are CUDA events on a GPU, read after the step's one synchronisation at the end
 of :meth:`GradientReducer.finish` (which also brings the coverage, the loss and the norms
 to the host in one pinned copy), so compute and wait are device-timed without a second
-synchronisation. A GPU worker in a gloo group (any member on the CPU) stages the buffer
-through pinned host memory and reduces flat; its loss and norms ride home with that copy.
+synchronisation.
+
+One plan per group (:class:`CollectivePlan`). Every member of a group must issue the same
+collectives, the same number in the same order over the same offsets, or gloo fails on a
+size mismatch, hangs, or sums unrelated slices. So the mode and the bucket boundaries are
+the group's: :func:`group_plan` derives them from what every member shares (the group's
+backend, which the scheduler chose from every member's device; the spec's mode and bucket
+size; the model), never from one member's device, and :meth:`GradientReducer.use_group`
+takes them at the join. A GPU member of a gloo group (any member on the CPU) cannot hand
+gloo device memory: it *stages* the buffer through pinned host memory after backward (one
+copy and the step's one synchronisation, its loss and norm riding along) and issues the
+plan's calls on that copy, bucket by bucket as its CPU peers do, then copies the sum back.
 """
 
 from __future__ import annotations
@@ -86,6 +96,48 @@ DDP_BUCKET_BYTES = 25 * 2**20
 DDP_FIRST_BUCKET_BYTES = 2**20
 MIN_BUCKET_BYTES = 32 * 2**10
 AUTO_BUCKETS = 4
+
+
+@dataclass(frozen=True)
+class CollectivePlan:
+    """How every member of a group reduces its gradient buffer: ``flat`` (one all-reduce of
+    the whole buffer) or ``bucketed``; ``buckets``: the buckets' ``[lo, hi)`` element ranges
+    of the gradients in launch order (from the buffer's end; bucket 0 also carries the loss
+    and coverage slots); ``bucket_bytes``: the ``(first, rest)`` sizes they were cut with."""
+
+    mode: str
+    buckets: tuple[tuple[int, int], ...]
+    bucket_bytes: tuple[int, int] = (DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES)
+
+    def calls(self, n_params: int, n: int) -> list[tuple[int, int]]:
+        """The ``[lo, hi)`` ranges of the buffer's first ``n`` elements (gradients, loss,
+        coverage) that this plan all-reduces, in order: the same list in every member."""
+        if self.mode == "flat" or not self.buckets:
+            return [(0, n)] if self.buckets else [(n_params, n)]
+        return [(lo, n if k == 0 else hi) for k, (lo, hi) in enumerate(self.buckets)]
+
+
+def group_plan(backend: str | None, sizes: Sequence[int], mode: str = "bucketed",
+               bucket_bytes: int | None = None, elem: int = 4) -> CollectivePlan:
+    """The collective plan of a group of ``backend`` for a model whose parameters have
+    ``sizes`` (elements, in buffer order, ``elem`` bytes each); ``bucket_bytes``: the spec's
+    (None: automatic). NCCL (every member on a GPU): the GPU's sizes; otherwise (some member
+    on the CPU, or no group) DDP's, which its CPU members reduce best with and its GPU
+    members stage. Pure: every member computes the same value."""
+    if mode not in MODES:
+        raise ValueError(f"unknown all-reduce mode {mode!r}: use one of {MODES}")
+    if bucket_bytes is None:
+        first, rest = auto_bucket_bytes(sum(sizes) * elem, gpu=backend == "nccl")
+    else:
+        first = rest = bucket_bytes
+    cuts = plan_buckets(sizes, max(1, rest // elem), max(1, first // elem)) if sizes else []
+    return CollectivePlan(mode, tuple((lo, hi) for lo, hi, _ in cuts), (first, rest))
+
+
+def stages_through_host(device: torch.device, backend: str | None) -> bool:
+    """Whether a member on ``device`` stages its buffer through host memory in a group of
+    ``backend``: a GPU in a gloo group (gloo reduces host memory only)."""
+    return device.type == "cuda" and backend == "gloo"
 
 
 def auto_bucket_bytes(model_bytes: int, *, gpu: bool = True) -> tuple[int, int]:
@@ -186,27 +238,21 @@ class GradientReducer:
         mode: str = "bucketed",
         bucket_bytes: int | None = None,
     ):
-        if mode not in MODES:
-            raise ValueError(f"unknown all-reduce mode {mode!r}: use one of {MODES}")
         self.params = list(params)
-        self.device = device
-        self.mode = mode
+        self.device = torch.device(device)
         self.n_params = sum(p.numel() for p in self.params)
-        elem = torch.empty(0, dtype=self.params[0].dtype).element_size() if self.params else 4
-        if bucket_bytes is None:
-            first, rest = auto_bucket_bytes(self.n_params * elem,
-                                            gpu=torch.device(device).type == "cuda")
-        else:
-            first = rest = bucket_bytes
-        self.bucket_bytes = (first, rest)
-        self._buckets = plan_buckets([p.numel() for p in self.params],
-                                     max(1, rest // elem), max(1, first // elem))
-        self._bucket_of = {}
-        for k, (_, _, members) in enumerate(self._buckets):
-            for i in members:
-                self._bucket_of[i] = k
-        self.marks = StepMarks(device)
+        self._sizes = [p.numel() for p in self.params]
+        self._elem = (torch.empty(0, dtype=self.params[0].dtype).element_size()
+                      if self.params else 4)
+        self._mode, self._bucket_spec = mode, bucket_bytes
+        self.marks = StepMarks(self.device)
         self._host: torch.Tensor | None = None
+        self.staged = False
+        self.flat = torch.zeros(0, device=self.device)
+        # Until the worker joins a group (use_group): the plan of a group of members like
+        # this one, for steps run alone (profiling, warm-up, a one-member group).
+        self.use_plan(group_plan("nccl" if self.device.type == "cuda" else "gloo",
+                                 self._sizes, mode, bucket_bytes, self._elem), staged=False)
         self._armed = False
         self._missing: list[int] = []
         self._ready: list[bool] = []
@@ -228,6 +274,47 @@ class GradientReducer:
     def n_buckets(self) -> int:
         return len(self._buckets)
 
+    @property
+    def mode(self) -> str:
+        return self.plan.mode
+
+    @property
+    def bucket_bytes(self) -> tuple[int, int]:
+        return self.plan.bucket_bytes
+
+    # --- the group's plan ---------------------------------------------------------------
+    def use_group(self, backend: str | None) -> CollectivePlan:
+        """Take the plan of a group of ``backend`` (at the join; see :func:`group_plan`),
+        staging through host memory where this member's device needs it."""
+        plan = group_plan(backend, self._sizes, self._mode, self._bucket_spec, self._elem)
+        self.use_plan(plan, staged=stages_through_host(self.device, backend))
+        return plan
+
+    def use_plan(self, plan: CollectivePlan, staged: bool) -> None:
+        """Reduce by ``plan`` from the next step on; ``staged``: through a host copy of the
+        buffer (a GPU in a gloo group) rather than in place from backward's hooks. Refuses
+        a plan whose buckets do not fall on this model's parameters (another model)."""
+        offsets = np.concatenate(([0], np.cumsum(self._sizes, dtype=np.int64))).tolist()
+        where = {off: i for i, off in enumerate(offsets)}
+        buckets: list[tuple[int, int, list[int]]] = []
+        hi_expected = offsets[-1]
+        for lo, hi in plan.buckets:
+            if hi != hi_expected or lo not in where or hi not in where or lo >= hi:
+                raise ValueError(f"collective plan: bucket [{lo}, {hi}) does not fall on "
+                                 f"this model's parameters (offsets {offsets[:4]}...)")
+            buckets.append((lo, hi, list(range(where[hi] - 1, where[lo] - 1, -1))))
+            hi_expected = lo
+        if hi_expected != 0:
+            raise ValueError(f"collective plan: its buckets end at element {hi_expected}, "
+                             "not at the buffer's start")
+        self.plan, self.staged, self._buckets = plan, staged, buckets
+        self._bucket_of = {i: k for k, (_, _, members) in enumerate(buckets) for i in members}
+        if staged and (self._host is None or self._host.numel() < self.flat.numel() + 3):
+            self._host = self._new_host(self.flat.numel() + 3)
+
+    def _new_host(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, pin_memory=self.device.type == "cuda")
+
     # --- buffer -----------------------------------------------------------------------
     def alloc(self, max_step: int) -> None:
         """(Re)allocate the buffer for steps of up to ``max_step`` samples; gradients become
@@ -239,10 +326,10 @@ class GradientReducer:
             off += p.numel()
         self.loss_slot = self.flat[self.n_params:self.n_params + 1]
         self.cov = self.flat[self.n_params + 1:]
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" or self.staged:
             # The loss slot and coverage (or the whole buffer, staged for gloo) plus 3
             # scalars: loss, norms.
-            self._host = torch.zeros(self.flat.numel() + 3, pin_memory=True)
+            self._host = self._new_host(self.flat.numel() + 3)
 
     def zero_(self) -> None:
         self.flat.zero_()
@@ -251,7 +338,7 @@ class GradientReducer:
     def overlapping(self) -> bool:
         """Whether buckets go out from hooks (CPU or NCCL); a GPU in a gloo group stages
         the whole buffer through host memory instead."""
-        return self.mode == "bucketed" and not stages_through_host(self.device, _backend())
+        return self.plan.mode == "bucketed" and not self.staged
 
     # --- one step ---------------------------------------------------------------------
     def begin(self, step_size: int, norms: bool = False,
@@ -338,6 +425,9 @@ class GradientReducer:
         self._armed = False
         if compute_end is None:
             compute_end = self.marks.mark()
+        if self.staged:
+            self.last = self._staged_finish(compute_end, loss)
+            return self.last
         if not self.overlapping:
             self.last = self._flat_finish(compute_end, loss)
             return self.last
@@ -392,34 +482,44 @@ class GradientReducer:
         vals_h[0] = vals_h[0] or 0.0  # the loss of an empty share is 0
         return (out[:n].copy(), *vals_h)
 
+    def _staged_finish(self, compute_end, loss: torch.Tensor | None) -> Reduced:
+        """Reduce through a host copy of the buffer: the plan's calls, in its order, on the
+        copy (the same calls as the members that reduce in place), then the sum back."""
+        n = self.n_params + 1 + self._step_size
+        flat = self.flat[:n]
+        g = self.flat[:self.n_params]
+        local_sq = torch.dot(g, g) if self._norms else None
+        # The loss and local norm ride along: one synchronisation, then the copy back is
+        # ordered before the optimizer on the device's stream.
+        host = self._host[:n + 2]
+        vals = [loss.reshape(()).float() if loss is not None else flat.new_zeros(()),
+                local_sq if local_sq is not None else flat.new_zeros(())]
+        host.copy_(torch.cat([flat, torch.stack(vals)]), non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's one synchronisation
+        compute_s = self.marks.seconds(compute_end)
+        t0 = time.perf_counter()
+        calls = self.plan.calls(self.n_params, n)
+        works = [dist.all_reduce(host[lo:hi], op=dist.ReduceOp.SUM, async_op=True)
+                 for lo, hi in calls]
+        for work in works:
+            work.wait()
+        flat.copy_(host[:n], non_blocking=True)
+        h = host.numpy()
+        global_sq = (float(np.dot(h[:self.n_params], h[:self.n_params])) if self._norms
+                     else None)
+        return Reduced(coverage=h[self.n_params + 1:n].copy(), loss_sum=float(h[n]),
+                       local_sq=float(h[n + 1]) if self._norms else None,
+                       global_sq=global_sq, hidden_s=0.0, buckets=len(calls), early=0,
+                       compute_s=compute_s if self.device.type == "cuda" else None,
+                       wait_s=time.perf_counter() - t0 if self.device.type == "cuda" else None,
+                       global_loss_sum=float(h[self.n_params]))
+
     def _flat_finish(self, compute_end, loss: torch.Tensor | None) -> Reduced:
         n = self.n_params + 1 + self._step_size
         flat = self.flat[:n]
         g = self.flat[:self.n_params]
         local_sq = torch.dot(g, g) if self._norms else None
-        if stages_through_host(self.device, _backend()):
-            if self._host is None:
-                self._host = torch.zeros(self.flat.numel() + 3)
-            # Stage through pinned host memory, with the loss and local norm riding along:
-            # one synchronisation, then the copy back is ordered before the optimizer.
-            host = self._host[:n + 2]
-            vals = [loss.reshape(()).float() if loss is not None else flat.new_zeros(()),
-                    local_sq if local_sq is not None else flat.new_zeros(())]
-            host.copy_(torch.cat([flat, torch.stack(vals)]), non_blocking=True)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the step's one synchronisation
-            compute_s = self.marks.seconds(compute_end)
-            t0 = time.perf_counter()
-            dist.all_reduce(host[:n], op=dist.ReduceOp.SUM)
-            flat.copy_(host[:n], non_blocking=True)
-            h = host.numpy()
-            global_sq = float(np.dot(h[:self.n_params], h[:self.n_params])) if self._norms \
-                else None
-            return Reduced(coverage=h[self.n_params + 1:n].copy(), loss_sum=float(h[n]),
-                           local_sq=float(h[n + 1]) if self._norms else None,
-                           global_sq=global_sq, hidden_s=0.0, buckets=1, early=0,
-                           compute_s=compute_s, wait_s=time.perf_counter() - t0,
-                           global_loss_sum=float(h[self.n_params]))
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         global_sq = torch.dot(g, g) if self._norms else None
         slots = flat[self.n_params:]  # the loss slot, then the coverage
@@ -444,11 +544,3 @@ def _item(t: torch.Tensor | None) -> float:
 
 def _item_or(t: torch.Tensor | None) -> float | None:
     return float(t) if t is not None else None
-
-
-def stages_through_host(device, backend):
-    return device.type == "cuda" and backend == "gloo"
-
-
-def _backend() -> str | None:
-    return dist.get_backend() if dist.is_initialized() else None

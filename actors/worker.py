@@ -24,7 +24,9 @@ timeout.
 
 Devices. A worker trains on its node's GPU when it was placed with one, otherwise on the
 CPU with torch threads set to its CPUs. In a gloo group (any member on the CPU) a GPU
-worker stages its flat buffer through pinned host memory.
+worker stages its buffer through pinned host memory. Which collectives a step issues (flat
+or bucketed, and the buckets) is the group's plan, taken at the join, the same in every
+member whatever its device (:func:`dynabatch.actors.reducer.group_plan`).
 """
 
 from __future__ import annotations
@@ -212,6 +214,8 @@ class Worker:
         t0 = time.perf_counter()
         self._update = None  # updates are per generation (its store)
         self.group.join(rv, rank)
+        # The group's collective plan, the same in every member (actors/reducer.py).
+        self.reducer.use_group(rv.backend)
         self._broadcast_state(src_rank)
         return time.perf_counter() - t0
 

@@ -13,7 +13,6 @@ from dynabatch.actors.contracts import SegmentPlan, StepPlan, epoch_order
 from dynabatch.actors.group import NCCL_FAULT_ENV, choose_backend, configure_nccl_fault_handling
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.worker import Worker, pick_device, to_cpu
-from dynabatch.scheduler.runtime import pool
 
 
 def _spec(**kw) -> JobSpec:
@@ -94,6 +93,10 @@ def test_device_choice():
 
 
 def test_worker_gpus_auto_places_gpu_and_cpu_workers(monkeypatch):
+    # Here, not at the top: the GPU tests of this file run where Ray is not installed
+    # (bench/gpu_check.py's gpu_tests).
+    from dynabatch.scheduler.runtime import pool
+
     nodes = [
         {"Alive": True, "NodeID": "gpu", "Resources": {"CPU": 4.0, "GPU": 1.0}},
         {"Alive": True, "NodeID": "cpu", "Resources": {"CPU": 4.0}},
@@ -159,7 +162,7 @@ def _gpu_worker(monkeypatch, backend: str, allreduce: str, where: str) -> Worker
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize(("backend", "allreduce", "where"), [
     ("nccl", "bucketed", "device"), ("nccl", "bucketed", "pinned"), ("nccl", "flat", "device"),
-    ("gloo", "bucketed", "device"),  # a GPU in a gloo group stages its buffer, flat
+    ("gloo", "bucketed", "device"),  # a GPU in a gloo group stages the plan's buckets
 ])
 def test_a_gpu_step_synchronises_once(monkeypatch, backend, allreduce, where):
     """No hidden synchronisation (sync debug mode raises on one: .item(), a pageable copy

@@ -1,0 +1,589 @@
+"""The prepared GPU check (issue 30, item 7): every GPU path this checkout has, in one run.
+
+Made for a bare GPU machine: Python and torch, no Ray, no pydantic, no network, the
+package not installed. So it drives the reducer and group classes the Ray actors wrap
+(:mod:`dynabatch.actors.reducer`, :mod:`dynabatch.actors.group`) in plain processes, and
+imports nothing else of dynabatch; where ``dynabatch`` is not installed it is mapped onto
+this checkout (:func:`_map_dynabatch`).
+
+Each check runs in a process of its own (``--check NAME``) under its own timeout, so a hang
+is a result (``"status": "fail"``, ``"error": "timed out ..."``), not a lost run; the whole
+run stays inside ``--budget-s`` (default 450 s: under 8 minutes on a 16-core GPU machine).
+Without a GPU the CPU-side checks run and the GPU ones are ``skipped``.
+
+Checks:
+
+* ``environment``: versions, the GPU, NCCL, gloo.
+* ``mixed_plan``: a group of three members over gloo, one on the GPU (on a CPU-only
+  machine: a CPU member forced onto the path a GPU member takes in gloo, staging through
+  host memory) and two on the CPU, one step of an MLP 784-512-512-10 (several of DDP's
+  buckets) with unequal shares under the weighted all-reduce; every member's reduced
+  gradient against one process's gradient of the global batch.
+* ``two_workers_one_gpu``: two members on one GPU sharing it through gloo, the same
+  comparison (GPU).
+* ``nccl_missing_peer``: a two-member NCCL group whose peer never comes: the join must
+  raise within a bound of its timeout (GPU).
+* ``throughput``: samples per second of the MLP's training step on the CPU (fp32, bf16
+  autocast) and the GPU (fp32, tf32, bf16 and fp16 autocast, fp16 with a GradScaler).
+* ``compile``: the same with ``torch.compile`` (GPU).
+* ``gpu_tests``: the suite's tests that skip without a GPU (the files that skip on
+  ``torch.cuda.is_available()``), run with pytest (GPU).
+* ``oom_recovery``, ``fp16_found_inf``, ``data_wait``: listed ``skipped`` until the items
+  of issue 30 they check (3, 5, 6) are built.
+
+Prints one JSON object ``{"device": ..., "checks": {NAME: {"status": "ok" | "fail" |
+"skipped", ...figures}}, "seconds": ...}`` and writes it to ``--out`` or, when ``$OUT`` is
+set, to ``$OUT/gpu_check.json``. Usage:
+python bench/gpu_check.py [--quick] [--only a,b] [--budget-s 450] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("actors", "scheduler", "service", "api")
+
+
+def _map_dynabatch() -> bool:
+    """Make ``dynabatch.*`` importable from this checkout where it is not installed (the
+    package is a namespace over the repository's top-level folders, setup.py). Whether it
+    had to."""
+    if "dynabatch" in sys.modules or importlib.util.find_spec("dynabatch") is not None:
+        return False
+    pkg = types.ModuleType("dynabatch")
+    pkg.__path__ = [str(ROOT)]
+    sys.modules["dynabatch"] = pkg
+    return True
+
+
+MAPPED = _map_dynabatch()
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+RESULT = "GPU_CHECK_RESULT "  # the child's result line, apart from anything else it prints
+SHARES = (5, 12, 7)  # the mixed group's unequal shares of one step
+PAIR = (9, 15)  # two members' unequal shares
+TIMEOUT_S = {
+    "environment": 60,
+    "mixed_plan": 150,
+    "two_workers_one_gpu": 120,
+    "nccl_missing_peer": 60,
+    "throughput": 150,
+    "compile": 150,
+    "gpu_tests": 240,
+}
+GPU_ONLY = ("two_workers_one_gpu", "nccl_missing_peer", "compile", "gpu_tests")
+LATER = {
+    "oom_recovery": "issue 30 item 3 (memory-aware shares) is not built yet",
+    "fp16_found_inf": "issue 30 item 5 (precision options) is not built yet",
+    "data_wait": "issue 30 item 6 (a GPU-fed data path) is not built yet",
+}
+CHECKS = (*TIMEOUT_S, *LATER)
+
+
+def _has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a finder that refuses it
+        return False
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def _skipped(reason: str) -> dict[str, Any]:
+    return {"status": "skipped", "reason": reason}
+
+
+# --- the problem every gradient check trains --------------------------------------------
+
+
+def _problem(cfg: dict[str, Any]) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """An MLP ``in``-hidden-hidden-10 with seeded weights and a seeded batch of
+    ``cfg["batch"]`` samples."""
+    torch.manual_seed(0)
+    width, hidden = cfg["in_features"], cfg["hidden"]
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
+    gen = torch.Generator().manual_seed(1)
+    n = cfg.get("batch", 1)
+    return model, torch.randn(n, width, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+
+def _reference(cfg: dict[str, Any]) -> Any:
+    """The mean gradient of the global batch, in this process, without any collective."""
+    model, x, y = _problem(cfg)
+    F.cross_entropy(model(x), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
+
+
+def _member(
+    rank: int,
+    rv: Any,
+    device: str,
+    staged: bool,
+    shares: tuple[int, ...],
+    cfg: dict[str, Any],
+    out: Any,
+) -> None:
+    """One member of a group (a child process): its share of one step through the
+    reducer, then its reduced gradient (or its error) to ``out``."""
+    try:
+        from dynabatch.actors.group import ProcessGroup
+        from dynabatch.actors.reducer import GradientReducer
+
+        torch.set_num_threads(1)
+        dev = torch.device(device)
+        model, x, y = _problem(cfg)
+        model.to(dev)
+        b = sum(shares)
+        reducer = GradientReducer(list(model.parameters()), dev, b)
+        group = ProcessGroup(cfg["timeout_s"])
+        group.join(rv, rank)
+        plan = reducer.use_group(rv.backend)
+        if staged:  # on the CPU: the path a GPU member of a gloo group takes
+            reducer.use_plan(plan, staged=True)
+        lo = sum(shares[:rank])
+        xb, yb = x[lo : lo + shares[rank]].to(dev), y[lo : lo + shares[rank]].to(dev)
+        reducer.begin(b)
+        loss = F.cross_entropy(model(xb), yb, reduction="sum") / b  # weighted: b_i/B
+        reducer.arm()
+        loss.backward()
+        red = reducer.finish(loss=loss.detach())
+        group.leave()
+        # As an array: a tensor would travel as a handle to this process's memory.
+        out.put(
+            (
+                rank,
+                None,
+                reducer.flat[: reducer.n_params].cpu().numpy().copy(),
+                {
+                    "device": device,
+                    "staged": reducer.staged,
+                    "calls": red.buckets,
+                    "buckets": reducer.n_buckets,
+                    "mode": reducer.mode,
+                },
+            )
+        )
+    except Exception as err:
+        out.put((rank, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}", None, {}))
+
+
+def _group_check(
+    cfg: dict[str, Any], devices: list[str], staged: list[bool], shares: tuple[int, ...]
+) -> dict:
+    """A gloo group of ``devices`` with ``shares`` of one step, against the one-process
+    reference."""
+    from dynabatch.actors.group import ProcessGroup
+
+    cfg = {**cfg, "batch": sum(shares)}
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store = ProcessGroup(cfg["timeout_s"])
+    rv = store.open_store(1, len(devices), "gloo", host="127.0.0.1")
+    procs = [
+        ctx.Process(target=_member, args=(r, rv, d, s, shares, cfg, out), daemon=True)
+        for r, (d, s) in enumerate(zip(devices, staged, strict=True))
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple] = {}
+    deadline = time.monotonic() + cfg["timeout_s"] * 6
+    while len(got) < len(devices) and time.monotonic() < deadline:
+        try:
+            rank, *rest = out.get(timeout=1)
+            got[rank] = tuple(rest)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and out.empty():
+                break
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    ref = _reference(cfg)
+    # A GPU's kernels sum in another order than the CPU's: a looser bound where one trains.
+    tol = 1e-5 if any(d.startswith("cuda") for d in devices) else 1e-6
+    members, errors, worst = [], {}, 0.0
+    for r in range(len(devices)):
+        if r not in got:
+            errors[r] = "no answer (died or hung)"
+            continue
+        err, grad, info = got[r]
+        if err:
+            errors[r] = err
+            continue
+        info["max_abs_err"] = float(abs(grad - ref).max())
+        worst = max(worst, info["max_abs_err"])
+        members.append(info)
+    # A model of one bucket would not tell one plan from another.
+    several = any(m["buckets"] > 1 for m in members)
+    ok = not errors and worst <= tol and several
+    if not several and not errors:
+        errors["all"] = "the model fits in one bucket: use a larger --hidden"
+    res = {
+        "status": "ok" if ok else "fail",
+        "shares": list(shares),
+        "members": members,
+        "max_abs_err": worst,
+        "tolerance": tol,
+        "params": int(ref.size),
+    }
+    if errors:
+        res["errors"] = {str(k): v for k, v in errors.items()}
+    return res
+
+
+# --- the checks ---------------------------------------------------------------------------
+
+
+def check_environment(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    res: dict[str, Any] = {
+        "status": "ok",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+    }
+    try:
+        import numpy
+
+        res["numpy"] = numpy.__version__
+    except ImportError:
+        res["numpy"] = None
+    if _cuda():
+        props = torch.cuda.get_device_properties(0)
+        res.update(
+            gpus=torch.cuda.device_count(),
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            nccl_version=".".join(map(str, torch.cuda.nccl.version())),
+        )
+    missing = [m for m in ("ray", "pydantic") if not _has(m)]
+    res["missing_for_the_suite"] = missing  # the GPU tests of the suite need them
+    return res
+
+
+def check_mixed_plan(cfg: dict[str, Any]) -> dict[str, Any]:
+    first = "cuda:0" if _cuda() else "cpu"
+    # On a CPU-only machine the first member is forced onto the staged path.
+    return _group_check(cfg, [first, "cpu", "cpu"], [not _cuda(), False, False], SHARES)
+
+
+def check_two_workers_one_gpu(cfg: dict[str, Any]) -> dict[str, Any]:
+    if not _cuda():
+        return _skipped("no GPU")
+    return _group_check(cfg, ["cuda:0", "cuda:0"], [False, False], PAIR)
+
+
+def check_nccl_missing_peer(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Join a two-member NCCL group alone, as a worker's join does (the group, then the
+    state broadcast that creates the communicator): it must raise, within a bound."""
+    if not _cuda():
+        return _skipped("no GPU")
+    import torch.distributed as dist
+    from dynabatch.actors.group import ProcessGroup
+
+    timeout = cfg["nccl_timeout_s"]
+    group = ProcessGroup(timeout)
+    rv = group.open_store(1, 2, "nccl", host="127.0.0.1")
+    t0 = time.monotonic()
+    try:
+        group.join(rv, 0)
+        dist.broadcast_object_list([{"state": 1}], src=0, device=torch.device("cuda", 0))
+        raised = None
+    except Exception as err:
+        raised = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+    took = time.monotonic() - t0
+    group.leave()
+    ok = raised is not None and took <= 3 * timeout
+    return {
+        "status": "ok" if ok else "fail",
+        "raised": raised,
+        "seconds": round(took, 2),
+        "timeout_s": timeout,
+    }
+
+
+def _step_rate(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    dtype: torch.dtype | None = None,
+    scaler: Any = None,
+) -> float:
+    """Samples per second of a training step (forward, backward, SGD update)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dev = x.device
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+
+    for _ in range(3):  # warm-up: allocations, kernel selection, compilation
+        step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return round(steps * x.shape[0] / (time.perf_counter() - t0), 1)
+
+
+def _rate_on(device: str, cfg: dict[str, Any], **kw: Any) -> float:
+    model, _, _ = _problem(cfg)
+    gen = torch.Generator().manual_seed(2)
+    b = cfg["throughput_batch"]
+    x = torch.randn(b, cfg["in_features"], generator=gen).to(device)
+    y = torch.randint(0, 10, (b,), generator=gen).to(device)
+    compiled = kw.pop("compiled", False)
+    model = model.to(device)
+    if compiled:
+        model = torch.compile(model)
+    return _step_rate(model, x, y, cfg["steps"], **kw)
+
+
+def check_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
+    res: dict[str, Any] = {"status": "ok", "batch": cfg["throughput_batch"], "unit": "samples/s"}
+    res["cpu_fp32"] = _rate_on("cpu", cfg)
+    res["cpu_bf16"] = _rate_on("cpu", cfg, dtype=torch.bfloat16)
+    if not _cuda():
+        res["gpu"] = "skipped: no GPU"
+        return res
+    res["gpu_fp32"] = _rate_on("cuda", cfg)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    res["gpu_tf32"] = _rate_on("cuda", cfg)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res["gpu_bf16"] = _rate_on("cuda", cfg, dtype=torch.bfloat16)
+    res["gpu_fp16"] = _rate_on("cuda", cfg, dtype=torch.float16)
+    res["gpu_fp16_scaler"] = _rate_on(
+        "cuda", cfg, dtype=torch.float16, scaler=torch.amp.GradScaler("cuda")
+    )
+    res["gpu_over_cpu_fp32"] = round(res["gpu_fp32"] / res["cpu_fp32"], 1)
+    return res
+
+
+def check_compile(cfg: dict[str, Any]) -> dict[str, Any]:
+    if not _cuda():
+        return _skipped("no GPU")
+    t0 = time.perf_counter()
+    rate = _rate_on("cuda", cfg, compiled=True)
+    return {
+        "status": "ok",
+        "gpu_fp32_compiled": rate,
+        "unit": "samples/s",
+        "seconds_with_compilation": round(time.perf_counter() - t0, 1),
+    }
+
+
+def gpu_test_files() -> list[str]:
+    """The suite's test files with tests that skip where no GPU is visible."""
+    pattern = re.compile(r"skipif\(\s*not torch\.cuda\.is_available\(\)")
+    return sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if pattern.search(p.read_text())
+    )
+
+
+def check_gpu_tests(cfg: dict[str, Any]) -> dict[str, Any]:
+    if not _cuda():
+        return _skipped("no GPU")
+    files = gpu_test_files()
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    with tempfile.TemporaryDirectory() as tmp:
+        if MAPPED:
+            # Not installed: a namespace of links onto this checkout's folders.
+            shim = Path(tmp, "dynabatch")
+            shim.mkdir()
+            for name in PACKAGES:
+                (shim / name).symlink_to(ROOT / name)
+            env["PYTHONPATH"] = os.pathsep.join([tmp, env.get("PYTHONPATH", "")])
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=cfg["tests_timeout_s"],
+        )
+    tail = proc.stdout.strip().splitlines()[-15:]
+    counts = {
+        k: int(n)
+        for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail[-1] if tail else "")
+    }
+    ok = proc.returncode == 0 and counts.get("passed", 0) > 0
+    return {
+        "status": "ok" if ok else "fail",
+        "files": files,
+        "counts": counts,
+        "returncode": proc.returncode,
+        "tail": tail if not ok else tail[-3:],
+    }
+
+
+# --- running them -------------------------------------------------------------------------
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    quick = args.quick
+    # The MLP keeps several of DDP's buckets even with --quick: the plan is what is checked.
+    return {
+        "in_features": 784,
+        "hidden": args.hidden,
+        "timeout_s": 10,
+        "nccl_timeout_s": 10,
+        "throughput_batch": 64 if quick else 512,
+        "steps": 5 if quick else 50,
+        "tests_timeout_s": TIMEOUT_S["gpu_tests"] - 20,
+    }
+
+
+def run_one(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """In this process (the child's side of ``--check``)."""
+    if name in LATER:
+        return _skipped(LATER[name])
+    return globals()[f"check_{name}"](cfg)
+
+
+def run_isolated(name: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """``name`` in a process of its own (a session, killed whole on timeout)."""
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--check",
+        name,
+        "--config",
+        json.dumps(cfg),
+    ]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {
+            "status": "fail",
+            "error": f"timed out after {timeout:.0f} s (a hang)",
+            "seconds": round(time.monotonic() - t0, 1),
+        }
+    lines = [ln for ln in out.splitlines() if ln.startswith(RESULT)]
+    if not lines:
+        why = (err.strip().splitlines() or ["no output"])[-1][:500]
+        return {
+            "status": "fail",
+            "error": f"exit {proc.returncode}: {why}",
+            "seconds": round(time.monotonic() - t0, 1),
+        }
+    res = json.loads(lines[-1][len(RESULT) :])
+    res["seconds"] = round(time.monotonic() - t0, 1)
+    return res
+
+
+def device_name() -> str:
+    if _cuda():
+        return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})"
+    return (
+        f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
+        f"(torch {torch.__version__})"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (tests, CPU)")
+    ap.add_argument(
+        "--hidden", type=int, default=512, help="the MLP's width (512: 2 of DDP's buckets)"
+    )
+    ap.add_argument("--only", default=None, help=f"comma-separated, of {', '.join(CHECKS)}")
+    ap.add_argument(
+        "--budget-s", type=float, default=450.0, help="the whole run's time limit, seconds"
+    )
+    ap.add_argument("--out", default=None, help="write the JSON here too")
+    ap.add_argument("--check", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.check:  # a child: one check, its result on one line
+        res = run_one(args.check, json.loads(args.config))
+        print(RESULT + json.dumps(res), flush=True)
+        return 0
+    names = CHECKS if args.only is None else tuple(args.only.split(","))
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        print(
+            f"--only: unknown check {unknown[0]!r}; the checks are {', '.join(CHECKS)}",
+            file=sys.stderr,
+        )
+        return 2
+    cfg = _config(args)
+    t0 = time.monotonic()
+    checks: dict[str, Any] = {}
+    for name in names:
+        if name in LATER:
+            checks[name] = _skipped(LATER[name])
+            continue
+        if name in GPU_ONLY and not _cuda():
+            checks[name] = _skipped("no GPU")
+            continue
+        left = args.budget_s - (time.monotonic() - t0)
+        if left < 5:
+            checks[name] = {"status": "fail", "error": "not run: the time budget was spent"}
+            continue
+        checks[name] = run_isolated(name, cfg, min(TIMEOUT_S[name], left))
+    report = {"device": device_name(), "checks": checks, "seconds": round(time.monotonic() - t0, 1)}
+    text = json.dumps(report, indent=1)
+    print(text)
+    out = args.out or (
+        os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None
+    )
+    if out:
+        Path(out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
