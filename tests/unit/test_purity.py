@@ -61,6 +61,8 @@ ALLOWED = {
     "typing",
     "itertools",
     "numpy",
+    # scipy.optimize.milp / sparse: the cluster policy's solver (no clock, no I/O).
+    "scipy",
     "pydantic",
     "dynabatch",
 }

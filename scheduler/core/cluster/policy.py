@@ -1,0 +1,286 @@
+"""The cluster policy: nodes and jobs in, one :class:`ClusterDecision` out (pure).
+
+Steps, the same for every policy:
+
+1. Current allocations are checked against the nodes that exist (a lost node's slots are
+   gone; :func:`.admission.sanitize`).
+2. Jobs within ``hold_s`` of their last resize are *held*: their nodes stay as they are
+   (unless a node of theirs was lost).
+3. Gang admission in the order ``(-priority, running first, submit, id)``
+   (:mod:`.admission`): a job runs only if its ``min_workers`` fit together; a queued job
+   holds nothing. A running job of lower priority can be displaced only by a higher one.
+4. Counts per node type for the admitted, not-held jobs (:mod:`.solve`), then concrete
+   nodes (:mod:`.assign`).
+
+Policies:
+
+* ``fifo``: today's behaviour, made explicit. Running jobs keep exactly what they hold;
+  the head of the queue starts when its ``min_workers`` are free, taking up to
+  ``max_workers`` of the free slots, its fastest types first; nobody passes the head.
+* ``fair``: heterogeneity-aware max-min fairness on normalised throughput (Gavel), then
+  what is left over by total throughput. Later, smaller jobs may pass a waiting one.
+* ``goodput``: the largest total normalised throughput, less a penalty per resize, with
+  hysteresis (Sia's program, without its one-type-per-job rule).
+* ``single_type``: ``goodput`` with every job on one node type (how Gavel and Sia
+  allocate), for comparison.
+
+Normalised throughput: a job's throughput over its throughput on ``max_workers`` workers of
+its fastest type, so jobs of different sizes and speeds are compared on one scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from dynabatch.scheduler.core.cluster.admission import (
+    GangCheck,
+    order_key,
+    sanitize,
+    single_type_admit,
+)
+from dynabatch.scheduler.core.cluster.assign import assign
+from dynabatch.scheduler.core.cluster.solve import Problem, solve
+from dynabatch.scheduler.core.cluster.values import (
+    ClusterDecision,
+    ClusterJob,
+    ClusterKnobs,
+    ClusterNode,
+    JobPlan,
+)
+
+LABELS = {
+    "fifo": "first come, first served",
+    "fair": "fair share",
+    "goodput": "goodput",
+    "single_type": "goodput, one node type",
+}
+
+
+def _check_unique(nodes: Sequence[ClusterNode], jobs: Sequence[ClusterJob]) -> None:
+    seen: set[str] = set()
+    for node in nodes:
+        if node.node_id in seen:
+            raise ValueError(f"nodes: node_id {node.node_id!r} appears twice")
+        seen.add(node.node_id)
+    seen = set()
+    for job in jobs:
+        if job.job_id in seen:
+            raise ValueError(f"jobs: job_id {job.job_id!r} appears twice")
+        seen.add(job.job_id)
+
+
+def _describe(counts: dict[str, int]) -> str:
+    return ", ".join(f"{t}: {n}" for t, n in sorted(counts.items()) if n)
+
+
+def decide(
+    nodes: Sequence[ClusterNode],
+    jobs: Sequence[ClusterJob],
+    now: float,
+    knobs: ClusterKnobs | None = None,
+) -> ClusterDecision:
+    """The allocation of every job, the queue, and a reason for each job."""
+    knobs = knobs or ClusterKnobs()
+    _check_unique(nodes, jobs)
+    node_map = {n.node_id: n for n in nodes}
+    types = sorted({n.node_type for n in nodes})
+    tix = {t: i for i, t in enumerate(types)}
+    cap = np.zeros(len(types), dtype=np.int64)
+    for n in nodes:
+        cap[tix[n.node_type]] += n.capacity
+    ordered = sorted(jobs, key=order_key)
+    current, lost = sanitize(node_map, ordered)
+    rates = {j.job_id: np.array([j.model.rate(t) for t in types]) for j in ordered}
+    masks = {j: sum(1 << i for i, r in enumerate(v) if r > 0) for j, v in rates.items()}
+
+    def type_counts(slots: dict[str, int]) -> np.ndarray:
+        out = np.zeros(len(types), dtype=np.int64)
+        for node_id, n in slots.items():
+            out[tix[node_map[node_id].node_type]] += n
+        return out
+
+    held: set[str] = set()
+    for job in ordered:
+        mine = current[job.job_id]
+        if (
+            mine
+            and job.job_id not in lost
+            and job.last_resize_s is not None
+            and now - job.last_resize_s < knobs.hold_s
+            and job.min_workers <= sum(mine.values()) <= job.max_workers
+        ):
+            held.add(job.job_id)
+    if knobs.policy == "fifo":
+        # Running jobs keep what they hold (lost slots aside): nothing is ever taken back.
+        held = {j.job_id for j in ordered if job_fits(j, current[j.job_id])}
+    held_counts = {j: type_counts(current[j]) for j in held}
+    free = cap - sum(held_counts.values(), np.zeros(len(types), dtype=np.int64))
+
+    admitted: list[ClusterJob] = []
+    queued: dict[str, str] = {}  # job → why (without its position)
+    counts: dict[str, np.ndarray] = {}
+    eligible_cap = {j: int(cap[rates[j] > 0].sum()) for j in rates}
+    if knobs.policy == "fifo":
+        head: str | None = None
+        left = free.copy()
+        for job in ordered:
+            if job.job_id in held:
+                continue
+            jid = job.job_id
+            usable = rates[jid] > 0
+            if head is None and int(left[usable].sum()) >= job.min_workers:
+                grant = np.zeros(len(types), dtype=np.int64)
+                want = job.max_workers
+                for t in sorted(np.flatnonzero(usable), key=lambda i: (-rates[jid][i], i)):
+                    grant[t] = min(want, int(left[t]))
+                    want -= int(grant[t])
+                left -= grant
+                counts[jid] = grant
+                admitted.append(job)
+            elif head is None:
+                head = jid
+                queued[jid] = _not_free(job, eligible_cap[jid], int(left[usable].sum()))
+            else:
+                queued[jid] = f"waits for job {head} at the head of the queue"
+    else:
+        gang = GangCheck(free.copy())
+        left = free.copy()
+        for job in ordered:
+            jid = job.job_id
+            if jid in held:
+                continue
+            if knobs.policy == "single_type":
+                ok = single_type_admit(left, masks[jid], rates[jid], job.min_workers) >= 0
+            else:
+                ok = gang.admit(masks[jid], job.min_workers)
+            if ok:
+                admitted.append(job)
+                continue
+            usable = rates[jid] > 0
+            room = (
+                int(left[usable].max())
+                if knobs.policy == "single_type" and usable.any()
+                else int(free[usable].sum()) - gang.reserved_within(masks[jid])
+            )
+            why = _not_free(
+                job, eligible_cap[jid], max(room, 0), one_type=knobs.policy == "single_type"
+            )
+            if current[jid]:
+                why = f"preempted by higher-priority jobs; {why}"
+            queued[jid] = why
+        if admitted:
+            problem = Problem(
+                rates=np.array([rates[j.job_id] for j in admitted]),
+                lo=np.array([j.min_workers for j in admitted]),
+                hi=np.array([j.max_workers for j in admitted]),
+                saturation=np.array([j.model.saturation for j in admitted]),
+                ref=np.array([_ref(j, rates[j.job_id]) for j in admitted]),
+                x0=np.array([type_counts(current[j.job_id]) for j in admitted]),
+                running=np.array([bool(current[j.job_id]) for j in admitted]),
+                free=free,
+            )
+            x = solve(problem, knobs.policy, knobs)
+            counts.update({j.job_id: x[i] for i, j in enumerate(admitted)})
+    counts.update(held_counts)
+
+    run_order = [j.job_id for j in ordered if j.job_id in counts]
+    slots = assign(
+        nodes,
+        {j: {types[i]: int(n) for i, n in enumerate(c) if n} for j, c in counts.items()},
+        {j: s for j, s in current.items() if j in counts},
+        run_order,
+    )
+    for jid in held:
+        slots[jid] = dict(current[jid])  # exactly what it holds, not a re-placement
+
+    queue = sorted(
+        (j for j in ordered if j.job_id in queued),
+        key=lambda j: (-j.priority, 0 if j.allocation else 1, j.submit_s, j.job_id),
+    )
+    position = {j.job_id: i + 1 for i, j in enumerate(queue)}
+    started_above = {
+        j.job_id: j.priority for j in ordered if j.job_id in counts and not j.allocation
+    }
+    plans = []
+    for job in sorted(jobs, key=lambda j: j.job_id):
+        jid = job.job_id
+        before = dict(job.allocation)
+        if jid in queued:
+            reason = f"queued: position {position[jid]} of {len(queue)} ({queued[jid]})"
+            plans.append(JobPlan(jid, (), (), bool(before), reason, position[jid], 0.0))
+            continue
+        mine = {k: v for k, v in slots[jid].items() if v}
+        per_type = {types[i]: int(n) for i, n in enumerate(counts[jid]) if n}
+        changed = mine != before
+        reason = _running_reason(
+            job, before, mine, per_type, jid in held, jid in lost, knobs, started_above
+        )
+        norm = job.model.throughput(per_type) / max(
+            job.model.of_speed(job.max_workers * float(rates[jid].max())), 1e-300
+        )
+        plans.append(
+            JobPlan(
+                jid,
+                tuple(sorted(mine.items())),
+                tuple(sorted(per_type.items())),
+                changed,
+                reason,
+                None,
+                norm,
+            )
+        )
+    return ClusterDecision(knobs.policy, tuple(plans), tuple(j.job_id for j in queue))
+
+
+def job_fits(job: ClusterJob, slots: dict[str, int]) -> bool:
+    return bool(slots) and sum(slots.values()) >= job.min_workers
+
+
+def _ref(job: ClusterJob, rates: np.ndarray) -> float:
+    return max(job.model.of_speed(job.max_workers * float(rates.max())), 1e-300)
+
+
+def _not_free(job: ClusterJob, eligible: int, room: int, one_type: bool = False) -> str:
+    if eligible == 0:
+        return "no node type it can use"
+    if job.min_workers > eligible:
+        return (
+            f"min_workers {job.min_workers} exceeds the {eligible} worker slots of its node types"
+        )
+    where = "on any one node type" if one_type else "on its node types"
+    return (
+        f"min_workers {job.min_workers} not free: {room} of {eligible} slots {where} "
+        "are not held or kept for jobs ahead"
+    )
+
+
+def _running_reason(
+    job: ClusterJob,
+    before: dict[str, int],
+    mine: dict[str, int],
+    per_type: dict[str, int],
+    held: bool,
+    lost: bool,
+    knobs: ClusterKnobs,
+    started: dict[str, int],
+) -> str:
+    label = LABELS[knobs.policy]
+    was, now_n = sum(before.values()), sum(mine.values())
+    kinds = _describe(per_type)
+    if not before:
+        return f"starts on {now_n} workers ({kinds}) ({label})"
+    if held and knobs.policy != "fifo":
+        until = job.last_resize_s + knobs.hold_s
+        return f"keeps {now_n} workers ({kinds}) (held until t={until:g} s)"
+    cause = "node lost" if lost else label
+    higher = sorted(j for j, p in started.items() if p > job.priority)
+    if now_n < was and higher and not lost:
+        cause = f"to admit higher-priority job {higher[0]}"
+    if now_n > was:
+        return f"grows from {was} to {now_n} workers ({kinds}) ({cause})"
+    if now_n < was:
+        return f"shrinks from {was} to {now_n} workers ({kinds}) ({cause})"
+    if mine != before:
+        return f"moves its {now_n} workers, now {kinds} ({cause})"
+    return f"keeps {now_n} workers ({kinds})"

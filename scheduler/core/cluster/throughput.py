@@ -1,0 +1,177 @@
+"""A job's throughput on a configuration of node types, and how it is estimated.
+
+Pure (numpy only). The model is the equal-finish step of
+:mod:`dynabatch.scheduler.core.sync.steptime` seen from the cluster: worker i of type t
+takes ``a + c_t·b`` seconds for a local batch b, so for a global batch B split to finish
+together, with ``S = Σ_i 1/c_i`` (samples per second of compute the configuration offers)
+and ``τ`` the per-step time more workers do not shrink (the fixed overhead ``a`` plus the
+all-reduce)::
+
+    step(S) = B / S + τ          throughput(S) = B / step(S) = S / (1 + S·τ/B)
+
+``S`` is linear in the worker counts per type (``S = Σ_t n_t·rate_t``, ``rate_t = 1/c_t``),
+and ``throughput(S)`` is concave in S: each added worker gains less, because τ is paid
+whatever the share. That is what lets the cluster MILP model it with tangent lines, and it
+is why a job may span node types: per-worker batches balance unequal workers, so a slow
+worker adds its own ``rate`` instead of holding the step back to its pace.
+
+Estimation. :func:`measure` fits each worker's affine step time with
+:func:`~dynabatch.scheduler.core.sync.steptime.fit` and takes, per node type, the median
+rate of that type's workers. :func:`bootstrap` fills the types a job has not run on from
+other jobs' speed ratios between types (as Sia bootstraps), or from per-type hints when no
+job has run on both; a type is marked measured only by the job's own telemetry, so an
+estimate is replaced as soon as the job has run there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from dynabatch.scheduler.core.sync.steptime import StepTimeStats, fit
+
+
+@dataclass(frozen=True, slots=True)
+class ThroughputModel:
+    """One job's speed per node type.
+
+    ``rates``: (type, samples/s of compute of one worker of that type), sorted by type; a
+    type missing or at 0 is one the job cannot use. ``measured``: the types whose rate comes
+    from the job's own telemetry. ``overhead_s``: τ above. ``global_batch``: B."""
+
+    rates: tuple[tuple[str, float], ...] = ()
+    measured: frozenset[str] = frozenset()
+    overhead_s: float = 0.0
+    global_batch: float = 1.0
+
+    def __post_init__(self) -> None:
+        for node_type, rate in self.rates:
+            if not (math.isfinite(rate) and rate >= 0.0):
+                raise ValueError(f"rate of node type {node_type!r}: {rate} is not >= 0")
+        if not (math.isfinite(self.overhead_s) and self.overhead_s >= 0.0):
+            raise ValueError(f"overhead_s: {self.overhead_s} is not >= 0")
+        if not (math.isfinite(self.global_batch) and self.global_batch > 0.0):
+            raise ValueError(f"global_batch: {self.global_batch} is not > 0")
+
+    @classmethod
+    def of(
+        cls,
+        rates: Mapping[str, float],
+        measured: Iterable[str] = (),
+        overhead_s: float = 0.0,
+        global_batch: float = 1.0,
+    ) -> ThroughputModel:
+        return cls(
+            tuple(sorted((t, float(r)) for t, r in rates.items())),
+            frozenset(measured),
+            float(overhead_s),
+            float(global_batch),
+        )
+
+    def rate(self, node_type: str) -> float:
+        for t, r in self.rates:
+            if t == node_type:
+                return r
+        return 0.0
+
+    @property
+    def saturation(self) -> float:
+        """τ/B: ``throughput(S) = S / (1 + saturation·S)``."""
+        return self.overhead_s / self.global_batch
+
+    def of_speed(self, speed: float) -> float:
+        """Throughput (samples/s) of a configuration offering ``speed`` = S."""
+        return speed / (1.0 + self.saturation * speed)
+
+    def throughput(self, counts: Mapping[str, int]) -> float:
+        """Samples per second on ``counts`` workers per node type."""
+        return self.of_speed(sum(n * self.rate(t) for t, n in counts.items()))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFit:
+    """One worker's telemetry for :func:`measure`: its node type and the decayed
+    (batch, compute seconds) statistics its tracker keeps."""
+
+    node_type: str
+    stats: StepTimeStats
+
+
+def measure(
+    workers: Sequence[WorkerFit], global_batch: float, allreduce_s: float = 0.0
+) -> ThroughputModel:
+    """The job's model from its workers' step-time fits: per type the median ``1/c`` of the
+    workers of that type (one straggler does not set a type's speed), τ = the median fixed
+    overhead ``a`` plus ``allreduce_s``. Workers without a usable fit are skipped."""
+    per_type: dict[str, list[float]] = {}
+    overheads: list[float] = []
+    for w in workers:
+        f = fit(w.stats)
+        if f is None:
+            continue
+        per_type.setdefault(w.node_type, []).append(1.0 / f.c)
+        overheads.append(f.a)
+    rates = {t: float(np.median(v)) for t, v in per_type.items()}
+    overhead = float(np.median(overheads)) if overheads else 0.0
+    return ThroughputModel.of(rates, rates, overhead + allreduce_s, global_batch)
+
+
+def type_ratios(models: Iterable[ThroughputModel]) -> dict[tuple[str, str], float]:
+    """(u, m) → median over the jobs that measured both of rate_u / rate_m (geometric:
+    the median of log ratios, so (u, m) and (m, u) are reciprocal)."""
+    logs: dict[tuple[str, str], list[float]] = {}
+    for model in models:
+        known = sorted((t, r) for t, r in model.rates if t in model.measured and r > 0.0)
+        for u, ru in known:
+            for m, rm in known:
+                if u != m:
+                    logs.setdefault((u, m), []).append(math.log(ru / rm))
+    return {k: math.exp(float(np.median(v))) for k, v in logs.items()}
+
+
+def bootstrap(
+    models: Mapping[str, ThroughputModel],
+    node_types: Iterable[str],
+    hints: Mapping[str, float] | None = None,
+) -> dict[str, ThroughputModel]:
+    """Every job's model completed over ``node_types``.
+
+    A type the job measured keeps its measured rate. An unmeasured type u is estimated from
+    each measured type m of the job as ``rate_m · ratio(u, m)``, the ratio taken from the
+    *other* jobs that measured both (Sia's bootstrap), else from ``hints`` (relative speeds
+    per type, e.g. from the node's resources); several estimates are combined by their
+    geometric mean. A job that measured nothing gets the hints themselves (its scale does
+    not matter: the policies compare a job's throughput only with its own). A type with no
+    estimate at all gets rate 0 and is not used for that job."""
+    hints = dict(hints or {})
+    types = sorted(set(node_types))
+    out: dict[str, ThroughputModel] = {}
+    # A job's own ratios only cover pairs of types it measured, and a type it measured is
+    # never estimated, so one table over all jobs is the table over the others.
+    others = type_ratios(models.values())
+    for job_id, model in models.items():
+        mine = {t: r for t, r in model.rates if t in model.measured and r > 0.0}
+        rates: dict[str, float] = {}
+        for u in types:
+            if u in mine:
+                rates[u] = mine[u]
+                continue
+            logs = []
+            for m, rm in mine.items():
+                ratio = others.get((u, m))
+                if ratio is None and hints.get(u, 0.0) > 0.0 and hints.get(m, 0.0) > 0.0:
+                    ratio = hints[u] / hints[m]
+                if ratio is not None:
+                    logs.append(math.log(rm * ratio))
+            if logs:
+                rates[u] = math.exp(sum(logs) / len(logs))
+            elif not mine:
+                rates[u] = max(0.0, float(hints.get(u, 0.0)))
+            else:
+                rates[u] = 0.0
+        out[job_id] = ThroughputModel.of(
+            rates, model.measured, model.overhead_s, model.global_batch
+        )
+    return out

@@ -1,0 +1,161 @@
+"""The cluster policy's inputs and its one output, :class:`ClusterDecision` (pure values).
+
+Times are plain numbers (seconds on whatever clock the caller keeps): the core has no
+clock, so "now" and each job's last resize come in with the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
+
+POLICIES = ("fifo", "fair", "goodput", "single_type")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterNode:
+    """A node: its type (a Ray label or resource, or derived from its resources) and how many
+    workers it can hold."""
+
+    node_id: str
+    node_type: str
+    capacity: int
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            raise ValueError("node_id: empty")
+        if not self.node_type:
+            raise ValueError(f"node {self.node_id}: node_type is empty")
+        if self.capacity < 0:
+            raise ValueError(f"node {self.node_id}: capacity {self.capacity} is below 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterJob:
+    """A job as the cluster sees it.
+
+    ``allocation``: what it holds now, (node_id, workers) pairs (empty: waiting).
+    ``last_resize_s``: when its nodes last changed (started, grew, shrank or moved); None
+    when it never ran. ``model``: its throughput per node type, already completed by
+    :func:`~dynabatch.scheduler.core.cluster.throughput.bootstrap`."""
+
+    job_id: str
+    min_workers: int
+    max_workers: int
+    model: ThroughputModel
+    priority: int = 0
+    submit_s: float = 0.0
+    allocation: tuple[tuple[str, int], ...] = ()
+    last_resize_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.job_id:
+            raise ValueError("job_id: empty")
+        if self.min_workers < 1:
+            raise ValueError(f"job {self.job_id}: min_workers {self.min_workers} is below 1")
+        if self.max_workers < self.min_workers:
+            raise ValueError(
+                f"job {self.job_id}: max_workers {self.max_workers} is below "
+                f"min_workers {self.min_workers}"
+            )
+        if not math.isfinite(self.submit_s):
+            raise ValueError(f"job {self.job_id}: submit_s {self.submit_s} is not finite")
+        for node_id, n in self.allocation:
+            if n < 1:
+                raise ValueError(f"job {self.job_id}: allocation on {node_id}: {n} workers")
+
+    @property
+    def workers(self) -> int:
+        return sum(n for _, n in self.allocation)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterKnobs:
+    """The policy and its settings.
+
+    ``hold_s``: a job's nodes do not change again within this time of their last change
+    (a lost node overrides it). ``resize_penalty``: normalised throughput a resize must gain
+    (per job resized; Sia's restart penalty, smaller because a resize here costs a step
+    boundary, not a restart). ``move_cost``: a tie-breaker per worker moved, so equal
+    solutions keep the current one. ``hysteresis``: the current allocation is kept unless
+    the new one beats its objective by this fraction. ``tangents``: lines approximating
+    each job's concave throughput curve. ``node_limit`` / ``mip_gap``: HiGHS's branch-and-
+    bound limits (a node count, not a time, so a decision does not depend on the clock).
+    ``fair_weight``: for ``fair``, the weight of the worst job's and every job's share of
+    the max-min level against total throughput."""
+
+    policy: str = "goodput"
+    hold_s: float = 120.0
+    resize_penalty: float = 0.05
+    move_cost: float = 1e-3
+    hysteresis: float = 0.01
+    tangents: int = 6
+    node_limit: int = 2000
+    mip_gap: float = 0.01
+    fair_weight: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        for name in (
+            "hold_s",
+            "resize_penalty",
+            "move_cost",
+            "hysteresis",
+            "mip_gap",
+            "fair_weight",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"{name}: {value} is not a number >= 0")
+        if self.tangents < 1:
+            raise ValueError(f"tangents: {self.tangents} is below 1")
+        if self.node_limit < 1:
+            raise ValueError(f"node_limit: {self.node_limit} is below 1")
+
+
+@dataclass(frozen=True, slots=True)
+class JobPlan:
+    """One job's part of a decision. ``slots``: (node_id, workers), sorted by node;
+    empty when queued. ``by_type``: workers per node type. ``changed``: its nodes differ from
+    its current allocation (the caller records ``now`` as its last resize). ``position``:
+    1-based place in the queue, None when running. ``normalised``: its throughput over its
+    throughput on ``max_workers`` of its fastest type."""
+
+    job_id: str
+    slots: tuple[tuple[str, int], ...]
+    by_type: tuple[tuple[str, int], ...]
+    changed: bool
+    reason: str
+    position: int | None = None
+    normalised: float = 0.0
+
+    @property
+    def workers(self) -> int:
+        return sum(n for _, n in self.slots)
+
+    @property
+    def queued(self) -> bool:
+        return self.position is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterDecision:
+    """Every job's plan (sorted by job id) and the queue, in order."""
+
+    policy: str
+    plans: tuple[JobPlan, ...]
+    queue: tuple[str, ...]
+
+    def plan(self, job_id: str) -> JobPlan:
+        for p in self.plans:
+            if p.job_id == job_id:
+                return p
+        raise KeyError(job_id)
+
+    @property
+    def moves(self) -> tuple[str, ...]:
+        """The jobs whose nodes change (started, resized, moved or preempted)."""
+        return tuple(p.job_id for p in self.plans if p.changed)
