@@ -153,3 +153,19 @@ def test_a_nudged_worker_keeps_its_window_and_a_far_move_restarts_it():
     assert t.window_samples == 0
     assert t.previous[0] == nudge
     assert t.previous[1] == pytest.approx((4 * 0.010 + 2 * 0.0125) / (4 * 80 + 2 * nudge) * nudge)
+
+
+def test_a_far_move_to_a_near_size_keeps_the_farther_previous_point():
+    """64 → 20 → 14: the move to 14 is far (a fresh window) but 20 and 14 are too near for a
+    line, so the point at 64 stays the previous one and the next re-plan draws its secant
+    (replaced by 20, the line was lost and the share crept by proportional steps)."""
+    tr = _one_worker()
+    tr.decided({"w": 64})
+    tr.observe("w", [_step(i, 64, 0.0084) for i in range(3)])
+    tr.decided({"w": 20})
+    tr.observe("w", [_step(i, 20, 0.004) for i in range(3, 6)])
+    tr.decided({"w": 14})
+    assert tr.workers["w"].previous == (64, pytest.approx(0.0084))
+    tr.observe("w", [_step(i, 14, 0.0034) for i in range(6, 9)])
+    tr.decided({"w": 40})  # back up: 14 is now the farther point
+    assert tr.workers["w"].previous == (14, pytest.approx(0.0034))

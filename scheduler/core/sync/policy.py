@@ -62,6 +62,13 @@ _SE = attrgetter("se")
 # DBS's secant step needs its two batch sizes at least this far apart (larger / smaller):
 # 64 and 75 samples, 10% apart in time, give a slope of noise on shared cores.
 SECANT_RATIO = 1.5
+# ... and its two times more than this many standard errors of their difference apart. The
+# line is drawn only after a far move, which noise on equal workers does not make (a share
+# moves by what stands out of the noise, see ``DBSPolicy.z``), and it is what takes a
+# slowed worker to equal finish: a far move leaves one step or two at the new size, so the
+# two times of a real 4x slowdown stand about 2 errors apart, and 3 (``DBSPolicy.z``)
+# rejected the line and left the share to creep by proportional steps.
+SECANT_Z = 1.0
 
 
 # --------------------------------------------------------------------------------------
@@ -115,14 +122,16 @@ class DBSPolicy:
 
     ``z``: a share moves only where its worker's measured step time stands out of the
     others' by more than ``z`` of its standard errors (:func:`beyond_noise`, from the
-    spread of the steps, ``WorkerTelemetry.se``; in full from ``2·z``), and a secant line
-    is drawn only through two times more than ``z`` standard errors apart. On shared cores
-    equal workers' steps of 1-3 ms vary 0.5-2x; there a per-step overhead dominates, so a
-    worker's throughput grows with its share and the rule barely pulls a noisy split back:
-    DBS left equal workers at 51/13 of 64, each move a window's noise, and the secant
-    through two such points drew nearly flat lines that moved whole shares. Under a plan
-    kept, the window goes on and its error shrinks as its steps add up, so a real
-    difference is corrected soon after; a 4x slowdown stands out at once. 0: every
+    spread of the steps, ``WorkerTelemetry.se``; in full from ``2·z``). Two measurements
+    are taken whole: a worker the tracker found slowed down (``WorkerTelemetry.slowed``,
+    a change of speed beyond its noise), and a secant line (through two times more than
+    ``SECANT_Z`` standard errors apart). Shrunk, they moved a slowed worker part of the
+    way at each re-plan, and the rest waited on windows that each far move restarted. On
+    shared cores equal workers' steps of 1-3 ms vary 0.5-2x; there a per-step overhead
+    dominates, so a worker's throughput grows with its share and the rule barely pulls a
+    noisy split back: DBS left equal workers at 51/13 of 64, each move a window's noise.
+    Under a plan kept, the window goes on and its error shrinks as its steps add up, so a
+    real difference is corrected soon after; a 4x slowdown stands out at once. 0: every
     measured difference moves the split (the paper).
     """
 
@@ -167,15 +176,24 @@ class DBSPolicy:
         a, c = np.zeros_like(v), 1.0 / v  # the proportional model: t_i(b) = b / v_i
         se = np.fromiter(map(_SE, telemetry), dtype=np.float64, count=len(telemetry))
         # Each worker's model scaled so that its step time under the current plan keeps
-        # only what stands out of the noise (ones: all of it).
+        # only what stands out of the noise (ones: all of it). A worker the tracker found
+        # slowed down (a change of speed beyond its noise) keeps all of its measurement:
+        # shrunk, its first correction stopped part of the way, and what was left sat
+        # within the noise of the short window that the move restarted.
         scale = beyond_noise(c * cur, se, self.z)
-        lines = self._secant_rows(telemetry, cur, c, se, self.z) if self.secant else None
+        slowed = np.fromiter(map(_SLOWED, telemetry), bool, count=len(telemetry))
+        scale = np.where(slowed, 1.0, scale)
+        lines = self._secant_rows(telemetry, cur, c, se, SECANT_Z) if self.secant else None
         if lines is None:
             c = c * scale
             b = split(v / scale, global_batch, lo, hi)
             reason = "shares proportional to throughput"
         else:
             rows, a_l, c_l = lines
+            # A line is planned as measured: it joins two windows, and its equal finish
+            # lies where the current plan's deviation says little (a fixed cost makes a
+            # large change of batch a small change of time).
+            scale = np.where(rows, 1.0, scale)
             a, c = np.where(rows, a_l, a) * scale, np.where(rows, c_l, c) * scale
             lo = np.minimum(np.maximum(lo, speed_floor(a, c, global_batch, self.min_share)), hi)
             real, _ = equal_finish(a, c, float(global_batch), lo, hi)

@@ -140,7 +140,8 @@ def speed_floor(a: np.ndarray, c: np.ndarray, global_batch: int, fraction: float
 def beyond_noise(t: np.ndarray, se: np.ndarray, z: float) -> np.ndarray:
     """Per worker, the factor that takes its measured step time ``t`` (under the current
     plan) towards the workers' median, in logs, where it does not stand out of its noise
-    (firm thresholding with ``λ = z·se``, ``se`` its relative standard error): a deviation
+    (firm thresholding with ``λ = z·√(se² + median(se)²)``, ``se`` its relative standard
+    error, the second term the median's): a deviation
     within λ is taken as noise, one beyond 2λ is kept whole, and one between is kept in
     part, ramping from none to all. So workers whose times differ by their noise are made
     equal and the current plan is kept, while a worker 4x slower keeps all of its slowdown
@@ -151,7 +152,9 @@ def beyond_noise(t: np.ndarray, se: np.ndarray, z: float) -> np.ndarray:
         return np.ones(len(se))
     log_t = np.log(t)
     d = log_t - np.median(log_t)
-    lam = z * se
+    # The median is measured too: a worker's long, exact window against another's two
+    # noisy steps deviates by the other's noise, not its own.
+    lam = z * np.hypot(se, np.median(se))
     with np.errstate(invalid="ignore", divide="ignore"):
         # Firm thresholding: nothing within lam, all of it beyond 2·lam, a ramp between.
         ramp = np.where(lam > 0, (np.abs(d) - lam) / np.where(lam > 0, lam, 1.0), 1.0)

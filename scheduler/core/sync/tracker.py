@@ -165,6 +165,13 @@ def pooled_noise(tracks: Sequence[WorkerTrack]) -> float:
     return (ss + PRIOR_DOF * PRIOR_NOISE ** 2) / (dof + PRIOR_DOF)
 
 
+def _farther(batch: float, other: float, target: float) -> bool:
+    """Whether ``batch`` is at least as far from ``target`` as ``other`` is, by ratio."""
+    if target <= 0 or batch <= 0 or other <= 0:
+        return True
+    return abs(math.log(batch / target)) >= abs(math.log(other / target))
+
+
 class Tracker:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerTrack] = {}
@@ -209,7 +216,8 @@ class Tracker:
         noise at every check (bench/disturbance.py: three equal workers at 92/82/76, then
         79/82/88, then 73/106/71, each move costing the new sizes' first steps). A window
         closed by a far move is kept as the worker's previous point
-        (``WorkerTelemetry.previous``, DBS's secant)."""
+        (``WorkerTelemetry.previous``, DBS's secant) unless the point it has is farther
+        from the new batch."""
         for w, t in self.workers.items():
             b = None if batches is None else batches.get(w)
             old = t.plan_batch
@@ -217,7 +225,11 @@ class Tracker:
                 nudged = (b is not None and old is not None and t.window_samples > 0
                           and abs(b - old) <= NEAR * old)
                 if not nudged:
-                    if b is not None and old is not None and t.window_samples > 0:
+                    # The point farther from the new batch is kept: a line through two
+                    # near sizes is not drawn (DBS's SECANT_RATIO), and a far point
+                    # replaced by a near one had lost the line for good.
+                    if (b is not None and old is not None and t.window_samples > 0
+                            and (t.previous is None or _farther(old, t.previous[0], b))):
                         t.previous = (old, t.window_compute * old / t.window_samples)
                         t.previous_se = t.se
                     t.reset_window()
