@@ -46,3 +46,17 @@ def micro_cap(caps: int | list[int] | None, ordinal: int) -> int | None:
     if caps is None or isinstance(caps, int):
         return caps
     return caps[ordinal] if ordinal < len(caps) else None
+
+
+def tighter_cap(a: int | None, b: int | None) -> int | None:
+    """The tighter of two micro-batch caps (None: uncapped): the spec's and the memory cap
+    the driver learned for the worker's node and device."""
+    if a is None or b is None:
+        return b if a is None else a
+    return min(a, b)
+
+
+def largest_micro(size: int, cap: int | None) -> int:
+    """The largest micro-batch a share of ``size`` is computed in under ``cap`` (0 for an
+    empty share): what an out-of-memory error in that share's pass had tried to fit."""
+    return max((hi - lo for lo, hi in micro_ranges(size, cap)), default=0)

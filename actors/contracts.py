@@ -189,6 +189,10 @@ class SegmentPlan:
     # The driver may post a plan update for these steps: claim each step's key in the
     # group's store before starting it (dynabatch.scheduler.core.sync.update).
     updates: bool = False
+    # The memory cap the driver learned for this worker's node and device (its largest
+    # micro-batch that fits, after an out-of-memory): the share is computed in
+    # micro-batches of at most this many samples. None: none learned.
+    micro_cap: int | None = None
 
 
 def plan_key(epoch: int, step: int) -> str:
@@ -242,6 +246,9 @@ class StepTelemetry(_Frozen):
     isgd_loss: float | None = Field(
         default=None, description="ISGD: the all-reduced batch loss ψ the worker judged and "
         "charted (the coordinator replays the chart from it).")
+    overflow: bool = Field(
+        default=False, description="precision fp16: the all-reduced gradient was not "
+        "finite; every worker skipped the update and halved its loss scale.")
     local_sqnorm: float | None = Field(
         default=None, description="|g_i|² of this worker's local mean gradient (goodput).")
     global_sqnorm: float | None = Field(
@@ -262,7 +269,7 @@ class StepTelemetry(_Frozen):
         "samples per second of its threads' time (None: nothing read, or in memory).")
 
 
-ErrorKind = Literal["peer", "compute"]
+ErrorKind = Literal["peer", "compute", "oom"]
 
 
 class SegmentResult(_Frozen):
@@ -270,8 +277,10 @@ class SegmentResult(_Frozen):
 
     ``error_kind`` tells why it stopped early: ``peer`` when the collective failed (a peer
     died, left or timed out: retryable), ``compute`` when this worker's own step raised
-    (gather, forward, backward or optimizer: possibly deterministic). ``failed_compute_s``
-    is how long the failed step computed before the collective, which tells a straggler.
+    (gather, forward, backward or optimizer: possibly deterministic), ``oom`` when its
+    forward or backward ran out of device memory on a micro-batch of ``oom_batch``
+    samples (retried with a smaller memory cap). ``failed_compute_s`` is how long the
+    failed step computed before the collective, which tells a straggler.
     """
 
     worker: str
@@ -281,3 +290,6 @@ class SegmentResult(_Frozen):
     )
     error_kind: ErrorKind | None = None
     failed_compute_s: float | None = None
+    oom_batch: int | None = Field(
+        default=None, description="error_kind oom: the micro-batch (samples) that did not "
+        "fit the worker's device memory.")

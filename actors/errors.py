@@ -24,3 +24,13 @@ def first_line(err: BaseException, *, typed: bool = True, limit: int | None = 30
     else:
         out = line
     return out if limit is None else out[:limit]
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` says a device ran out of memory: torch's ``OutOfMemoryError`` (CUDA's
+    caching allocator), or a ``RuntimeError`` whose message says "out of memory" (what
+    older torch versions and other allocators raise). By name, so this module imports
+    nothing."""
+    if any(t.__name__ == "OutOfMemoryError" for t in type(err).__mro__):
+        return True
+    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()

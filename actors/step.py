@@ -35,6 +35,18 @@ global batch's mean loss ψ (:func:`mean_loss` of the all-reduced summed loss) a
 batch runs its extra iterations (:func:`dynabatch.actors.optim.isgd_extras`, each one a
 conservative update and a pass from the caller); the ordinary optimizer step comes last.
 
+Precision (the spec's ``precision``). bf16 and fp16 run forward and the loss under
+``torch.autocast`` (the weights, the gradients and so the all-reduce buffer stay fp32);
+tf32 lets CUDA's matmuls and convolutions use TF32
+(:func:`dynabatch.actors.precision.set_matmul_precision`). fp16
+also scales the loss (:class:`dynabatch.actors.precision.LossScaler`): each micro-batch
+back-propagates ``scale · Σ ℓ_j / B``, so the SUM all-reduce gives ``scale`` times the
+global batch's gradient, which :meth:`StepMath.update` divides by ``scale`` before the
+optimizer. Whether the step overflowed is decided on the *all-reduced* gradient: an inf or
+NaN in any worker's share makes the sum non-finite in every worker's copy (IEEE addition
+carries it), so the found-inf flag rides in the gradient's own all-reduce and every worker,
+holding the same bits, skips the same step and halves its scale the same way.
+
 What is *not* here: the all-reduce itself (the caller's: a collective, a sum in-process, a
 push) and timing, which the caller owns; :class:`PhaseLog` only records the marks the
 caller's clock gives it and adds them up.
@@ -51,6 +63,7 @@ import torch
 from dynabatch.actors.accumulate import micro_ranges
 from dynabatch.actors.contracts import IsgdRule, StepPlan
 from dynabatch.actors.optim import isgd_extras, set_lr
+from dynabatch.actors.precision import LossScaler, autocast_dtype, set_matmul_precision
 
 if TYPE_CHECKING:
     from dynabatch.actors.workloads.objective import Objective
@@ -125,6 +138,7 @@ class Update:
     flagged: bool  # ISGD judged the batch under-trained
     extra_iters: int  # conservative updates applied before the ordinary step
     extra_s: float  # wall seconds of those iterations and their passes
+    overflow: bool = False  # fp16: the all-reduced gradient was not finite: no update
 
 
 class ExtraPassFailed(Exception):
@@ -142,10 +156,17 @@ class StepMath:
     the parameters whose ``.grad`` receives the gradient."""
 
     def __init__(self, model: torch.nn.Module, objective: Objective,
-                 params: Sequence[torch.nn.Parameter]):
+                 params: Sequence[torch.nn.Parameter], precision: str = "fp32"):
         self.model = model
         self.objective = objective
         self.params = list(params)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        set_matmul_precision(precision, device)
+        self.precision = precision
+        self._autocast = autocast_dtype(precision)
+        self._device_type = device.type
+        # fp16 only: the loss scale (None: gradients are back-propagated unscaled).
+        self.scaler = LossScaler() if precision == "fp16" else None
 
     def share(self, gather: Gather, lo: int, hi: int, step_size: int, cap: int | None = None,
               *, arm: Callable[[], None] | None = None, log: PhaseLog | None = None,
@@ -178,12 +199,15 @@ class StepMath:
         m0 = log.mark() if log is not None else None
         xb, yb = gather(lo, hi)
         m1 = log.mark() if log is not None else None
-        loss = self.objective.loss_sum(self.model(xb), yb)
+        with torch.autocast(self._device_type, dtype=self._autocast,
+                            enabled=self._autocast is not None):
+            loss = self.objective.loss_sum(self.model(xb), yb).float()
         m2 = log.mark() if log is not None else None
         if arm is not None:
             arm(loss.detach())
         slept = log.slept() if log is not None else 0.0
-        (loss / step_size).backward()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        (loss * (scale / step_size) if scale != 1.0 else loss / step_size).backward()
         if log is not None:
             log.records.append((m0, m1, m2, log.mark(), log.slept() - slept))
         return loss.detach()
@@ -195,7 +219,16 @@ class StepMath:
         loss is ``psi``: the plan's ``lr``, ISGD's extra iterations when ``rule`` flags the
         batch (``again()`` redoes the pass at the current weights, all-reduced, and returns
         the new ψ), then the ordinary optimizer step. Raises :class:`ExtraPassFailed` when an
-        extra iteration fails (the ordinary step is then skipped)."""
+        extra iteration fails (the ordinary step is then skipped). fp16: the gradient is
+        unscaled first, or, when it overflowed, no update is made and the scale halves."""
+        if self.scaler is not None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            overflow = self.scaler.overflowed(grads)
+            if not overflow:  # by the scale this step's backward was multiplied by
+                self.scaler.unscale(grads)
+            self.scaler.update(overflow)
+            if overflow:
+                return Update(False, 0, 0.0, overflow=True)
         set_lr(optimizer, lr)
         flagged = rule is not None and rule.flagged(psi)
         extra, extra_s = 0, 0.0

@@ -18,9 +18,12 @@ adds the collective, the clocks and the error classes around it.
 
 Errors are classified where they happen: a failure inside the collective is a *peer*
 error (retryable: someone died, left or timed out); anything else during the step is this
-worker's own *compute* error (possibly deterministic). Either way the worker leaves the
-group at once, so peers blocked in the collective fail fast instead of waiting out the
-timeout.
+worker's own *compute* error (possibly deterministic), except that running out of device
+memory in forward or backward is an *oom* error, reported with the micro-batch that did not
+fit: the driver halves the memory cap of the worker's node and device and retries the step
+(the share is then accumulated over smaller micro-batches, so the weighted all-reduce is
+unchanged). Either way the worker leaves the group at once, so peers blocked in the
+collective fail fast instead of waiting out the timeout.
 
 Devices. A worker trains on its node's GPU when it was placed with one, otherwise on the
 CPU with torch threads set to its CPUs. In a gloo group (any member on the CPU) a GPU
@@ -38,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from dynabatch.actors.accumulate import micro_cap
+from dynabatch.actors.accumulate import largest_micro, micro_cap, tighter_cap
 from dynabatch.actors.contracts import (
     IsgdPlan,
     SegmentPlan,
@@ -50,7 +53,7 @@ from dynabatch.actors.contracts import (
 )
 from dynabatch.actors.device_data import WorkerData
 from dynabatch.actors.emulation import ComputeClock, error_at, slowdown_at
-from dynabatch.actors.errors import first_line
+from dynabatch.actors.errors import first_line, is_out_of_memory
 from dynabatch.actors.group import ProcessGroup, Rendezvous
 from dynabatch.actors.optim import build_optimizer
 from dynabatch.actors.output import own_actor_id
@@ -72,10 +75,12 @@ class InjectedFault(RuntimeError):
 
 
 class _StepFailed(Exception):
-    def __init__(self, kind: str, err: BaseException, compute_s: float):
+    def __init__(self, kind: str, err: BaseException, compute_s: float,
+                 oom_batch: int | None = None):
         super().__init__(first_line(err, limit=500))
         self.kind = kind
         self.compute_s = compute_s
+        self.oom_batch = oom_batch
 
 
 def pick_device(spec: JobSpec, gpus: float) -> torch.device:
@@ -156,7 +161,7 @@ class Worker:
         torch.manual_seed(spec.seed)
         self.model = build_model(spec.model, input_shape, num_classes).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.math = StepMath(self.model, self.objective, self.params)
+        self.math = StepMath(self.model, self.objective, self.params, spec.precision)
         self.optimizer = build_optimizer(spec, self.params)
         self.group = ProcessGroup(spec.collective_timeout_s)
         self.reducer = GradientReducer(self.params, self.device, spec.global_batch,
@@ -164,6 +169,9 @@ class Worker:
                                        spec.bucket_kb * 1024 if spec.bucket_kb else None)
         self._n_params = self.reducer.n_params
         self.micro_cap = micro_cap(spec.micro_batch, ordinal) if worker_id else None
+        # The cap this segment's shares are computed under: the spec's, tightened by the
+        # memory cap the driver learned for this node and device (SegmentPlan.micro_cap).
+        self._cap = self.micro_cap
         self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
         self._stall_s = 0.0
         self._late_failure: _StepFailed | None = None  # after a step that was applied
@@ -202,7 +210,7 @@ class Worker:
         resources, so this runs once they are held."""
         self.worker_id = worker_id
         self.ordinal = ordinal
-        self.micro_cap = micro_cap(self.spec.micro_batch, ordinal)
+        self.micro_cap = self._cap = micro_cap(self.spec.micro_batch, ordinal)
         self.startup["adopted"] = time.time()
         return self.info()
 
@@ -251,6 +259,7 @@ class Worker:
             return SegmentResult(worker=self.worker_id, steps=[], error="not in a group",
                                  error_kind="peer", failed_compute_s=0.0)
         self._epoch_order(plan)
+        self._cap = tighter_cap(self.micro_cap, plan.micro_cap)
         steps: list[StepTelemetry] = []
         isgd = plan.isgd  # ISGD's chart, kept up to date with every step's global loss
         for sp in plan.steps:
@@ -266,8 +275,11 @@ class Worker:
             except _StepFailed as err:
                 # Leave at once so peers blocked in the collective fail fast.
                 self.group.leave()
+                if err.kind == "oom":
+                    self._free_cache(err)
                 return SegmentResult(worker=self.worker_id, steps=steps, error=str(err),
-                                     error_kind=err.kind, failed_compute_s=err.compute_s)
+                                     error_kind=err.kind, failed_compute_s=err.compute_s,
+                                     oom_batch=err.oom_batch)
         return SegmentResult(worker=self.worker_id, steps=steps)
 
     def _plan_update(self, epoch: int, sp: StepPlan) -> StepPlan:
@@ -311,9 +323,14 @@ class Worker:
             # The last micro-batch's backward arms the reducer: buckets go out as they
             # complete, behind the rest of backward.
             share = self.math.share(self._gather.gather, sp.own_start,
-                                    sp.own_start + sp.own_size, sp.size, self.micro_cap,
+                                    sp.own_start + sp.own_size, sp.size, self._cap,
                                     arm=r.arm, log=log, loss_slot=r.loss_slot)
         except Exception as err:
+            if is_out_of_memory(err):
+                # Not this worker's bug: its micro-batch is too large for its device. The
+                # driver halves its memory cap and retries the step (scheduler/core/failures.py).
+                raise _StepFailed("oom", err, clock.finish(1.0),
+                                  largest_micro(sp.own_size, self._cap)) from err
             raise _StepFailed("compute", err, clock.finish(1.0)) from err
         compute = clock.finish(factor)  # sleeps what is left of an emulated slowdown
         # The time the step blocked for its samples (0 when read-ahead hid it) is compute:
@@ -341,8 +358,11 @@ class Worker:
         gather_s, forward_s, backward_s = log.breakdown(r.marks.seconds)
         local_sq = global_sq = None
         if sp.noise:  # goodput: |g_i|² of the mean over the share, from (b_i/B)·g_i; |G|²
-            global_sq = red.global_sq
-            local_sq = share_sqnorm(red.local_sq, sp.size, sp.own_size)
+            # (fp16: both were measured on the loss-scaled gradient)
+            s2 = self.math.scaler.scale ** 2 if self.math.scaler is not None else 1.0
+            global_sq = red.global_sq / s2 if red.global_sq is not None else None
+            local_sq = share_sqnorm(red.local_sq / s2 if red.local_sq is not None else None,
+                                    sp.size, sp.own_size)
         rule = isgd.rule() if isgd is not None else None
         try:
             # Under-trained: conservative iterations first, each followed by a pass; the
@@ -364,11 +384,21 @@ class Worker:
             slowdown=factor, start=sp.own_start, step_start=sp.start, step_size=sp.size,
             coverage=coverage, gather_s=gather_s, forward_s=forward_s, backward_s=backward_s,
             optimizer_s=t3 - t2 - up.extra_s, overlap_s=red.hidden_s, step_s=t3 - t_step,
-            micro_batches=share.micro_batches, micro_cap=self.micro_cap,
+            micro_batches=share.micro_batches, micro_cap=self._cap,
             flagged=up.flagged, extra_iters=up.extra_iters, isgd_loss=psi,
+            overflow=up.overflow,
             local_sqnorm=local_sq, global_sqnorm=global_sq,
             data_wait_s=data_wait, loader_rate=loader_rate,
         )
+
+    def _free_cache(self, failed: _StepFailed) -> None:
+        """After an out-of-memory: let go of the failed pass (its traceback's frames hold
+        the activations) and give the allocator's cached blocks back, so the retry starts
+        from what the model and optimizer hold."""
+        failed.__cause__ = failed.__context__ = None
+        failed.__traceback__ = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _isgd_pass(self, sp: StepPlan) -> float:
         """The pass of one ISGD extra iteration: this worker's share again at the current
@@ -377,7 +407,7 @@ class Worker:
         r = self.reducer
         r.begin(sp.size)
         share = self.math.share(self._gather.gather, sp.own_start, sp.own_start + sp.own_size,
-                                sp.size, self.micro_cap, arm=r.arm, loss_slot=r.loss_slot)
+                                sp.size, self._cap, arm=r.arm, loss_slot=r.loss_slot)
         red = r.finish(loss=share.loss)
         return mean_loss(red.global_loss_sum, sp.size)
 
@@ -447,8 +477,11 @@ class Worker:
     def state(self) -> dict[str, Any]:
         """Model and optimizer state, every tensor on the CPU (checkpoints, broadcasts,
         equivalence tests)."""
-        return {"model": to_cpu(self.model.state_dict()),
-                "optimizer": to_cpu(self.optimizer.state_dict())}
+        state = {"model": to_cpu(self.model.state_dict()),
+                 "optimizer": to_cpu(self.optimizer.state_dict())}
+        if self.math.scaler is not None:  # fp16: the group's loss scale travels with it
+            state["loss_scale"] = self.math.scaler.state_dict()
+        return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -457,3 +490,5 @@ class Worker:
         # device.
         if state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+        if self.math.scaler is not None and state.get("loss_scale") is not None:
+            self.math.scaler.load_state_dict(state["loss_scale"])

@@ -2,8 +2,10 @@
 
 Made for a bare GPU machine: Python and torch, no Ray, no pydantic, no network, the
 package not installed. So it drives the reducer and group classes the Ray actors wrap
-(:mod:`dynabatch.actors.reducer`, :mod:`dynabatch.actors.group`) in plain processes, and
-imports nothing else of dynabatch; where ``dynabatch`` is not installed it is mapped onto
+(:mod:`dynabatch.actors.reducer`, :mod:`dynabatch.actors.group`) in plain processes, with
+the pure helpers of the step (:mod:`dynabatch.actors.accumulate`,
+:mod:`dynabatch.actors.errors`, :mod:`dynabatch.actors.precision`), and imports nothing
+else of dynabatch; where ``dynabatch`` is not installed it is mapped onto
 this checkout (:func:`_map_dynabatch`).
 
 Each check runs in a process of its own (``--check NAME``) under its own timeout, so a hang
@@ -28,8 +30,18 @@ Checks:
 * ``compile``: the same with ``torch.compile`` (GPU).
 * ``gpu_tests``: the suite's tests that skip without a GPU (the files that skip on
   ``torch.cuda.is_available()``), run with pytest (GPU).
-* ``oom_recovery``, ``fp16_found_inf``, ``data_wait``: listed ``skipped`` until the items
-  of issue 30 they check (3, 5, 6) are built.
+* ``oom_recovery``: one step whose share runs out of memory above a micro-batch (injected
+  by a forward hook, raising torch's own ``OutOfMemoryError``), recovered as the worker and
+  the driver do: recognised (:func:`dynabatch.actors.errors.is_out_of_memory`), the cache
+  freed, the micro-batch halved until it fits, the share accumulated; its gradient against
+  one process's. On a GPU also a real out-of-memory (an allocation larger than the GPU):
+  recognised, and the cache given back.
+* ``fp16_found_inf``: a two-member gloo group (on a GPU machine one member on the GPU)
+  under fp16 autocast with the loss scale of :mod:`dynabatch.actors.precision`: one
+  member's gradient is made infinite; both must see the overflow in the all-reduced
+  gradient, skip and halve their scale alike; a clean step then unscales to one process's
+  fp32 gradient (loosely: fp16).
+* ``data_wait``: listed ``skipped`` until item 6 of issue 30 is built.
 
 Prints one JSON object ``{"device": ..., "checks": {NAME: {"status": "ok" | "fail" |
 "skipped", ...figures}}, "seconds": ...}`` and writes it to ``--out`` or, when ``$OUT`` is
@@ -88,11 +100,11 @@ TIMEOUT_S = {
     "throughput": 150,
     "compile": 150,
     "gpu_tests": 240,
+    "oom_recovery": 90,
+    "fp16_found_inf": 120,
 }
 GPU_ONLY = ("two_workers_one_gpu", "nccl_missing_peer", "compile", "gpu_tests")
 LATER = {
-    "oom_recovery": "issue 30 item 3 (memory-aware shares) is not built yet",
-    "fp16_found_inf": "issue 30 item 5 (precision options) is not built yet",
     "data_wait": "issue 30 item 6 (a GPU-fed data path) is not built yet",
 }
 CHECKS = (*TIMEOUT_S, *LATER)
@@ -305,6 +317,180 @@ def check_two_workers_one_gpu(cfg: dict[str, Any]) -> dict[str, Any]:
     return _group_check(cfg, ["cuda:0", "cuda:0"], [False, False], PAIR)
 
 
+def _oom_above(model: torch.nn.Module, limit: int) -> None:
+    """The injection: the model runs out of memory on more than ``limit`` samples."""
+
+    def hook(_m: Any, args: tuple) -> None:
+        if args[0].shape[0] > limit:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected: {args[0].shape[0]})")
+
+    model.register_forward_pre_hook(hook)
+
+
+def check_oom_recovery(cfg: dict[str, Any]) -> dict[str, Any]:
+    from dynabatch.actors.accumulate import largest_micro, micro_ranges
+    from dynabatch.actors.errors import is_out_of_memory
+
+    dev = torch.device("cuda:0" if _cuda() else "cpu")
+    b, limit = cfg["oom_batch"], cfg["oom_limit"]
+    cfg = {**cfg, "batch": b}
+    model, x, y = _problem(cfg)
+    model.to(dev)
+    _oom_above(model, limit)
+    x, y = x.to(dev), y.to(dev)
+    cap, tries = None, []
+    while True:
+        model.zero_grad(set_to_none=True)
+        try:
+            for lo, hi in micro_ranges(b, cap):  # accumulated: Σ ℓ / B per micro-batch
+                (F.cross_entropy(model(x[lo:hi]), y[lo:hi], reduction="sum") / b).backward()
+            break
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            tried = largest_micro(b, cap)
+            tries.append(tried)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            if tried <= 1:
+                return {"status": "fail", "error": "one sample does not fit", "tries": tries}
+            cap = tried // 2  # the driver's rule (scheduler.core.failures.MemoryCaps)
+    grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu().numpy()
+    err = float(abs(grad - _reference(cfg)).max())
+    tol = 1e-5 if dev.type == "cuda" else 1e-6
+    res = {
+        "status": "ok" if err <= tol and cap <= limit else "fail",
+        "device": str(dev),
+        "batch": b,
+        "fits": limit,
+        "out_of_memory_at": tries,
+        "cap": cap,
+        "micro_batches": len(micro_ranges(b, cap)),
+        "max_abs_err": err,
+        "tolerance": tol,
+    }
+    if dev.type == "cuda":  # a real one: larger than the GPU
+        before = torch.cuda.memory_reserved(dev)
+        try:
+            torch.empty(
+                torch.cuda.get_device_properties(dev).total_memory * 2,
+                dtype=torch.uint8,
+                device=dev,
+            )
+            res["real_oom"] = "no error"
+        except Exception as e:
+            res["real_oom"] = {"recognised": is_out_of_memory(e), "type": type(e).__name__}
+        torch.cuda.empty_cache()
+        res["reserved_after_empty_cache_mib"] = round(torch.cuda.memory_reserved(dev) / 2**20, 1)
+        res["reserved_before_mib"] = round(before / 2**20, 1)
+        if res["real_oom"] == "no error" or not res["real_oom"]["recognised"]:
+            res["status"] = "fail"
+    return res
+
+
+def _fp16_member(rank: int, rv: Any, device: str, cfg: dict[str, Any], out: Any) -> None:
+    """One member of the fp16 group (a child process): a step whose gradient member 1
+    makes infinite, then a clean one; what each member decided."""
+    try:
+        from dynabatch.actors.group import ProcessGroup
+        from dynabatch.actors.precision import LossScaler, autocast_dtype
+        from dynabatch.actors.reducer import GradientReducer
+
+        torch.set_num_threads(1)
+        dev = torch.device(device)
+        model, x, y = _problem(cfg)
+        model.to(dev)
+        params = list(model.parameters())
+        b = sum(PAIR)
+        reducer = GradientReducer(params, dev, b)
+        group = ProcessGroup(cfg["timeout_s"])
+        group.join(rv, rank)
+        reducer.use_group(rv.backend)
+        scaler = LossScaler()
+        poison = [rank == 1]
+        params[0].register_hook(lambda g: g + float("inf") if poison[0] else g)
+        lo = sum(PAIR[:rank])
+        xb, yb = x[lo : lo + PAIR[rank]].to(dev), y[lo : lo + PAIR[rank]].to(dev)
+        steps = []
+        for _ in range(2):
+            scale = scaler.scale
+            reducer.begin(b)
+            with torch.autocast(dev.type, dtype=autocast_dtype("fp16")):
+                loss = F.cross_entropy(model(xb), yb, reduction="sum").float()
+            reducer.arm()
+            (loss * (scale / b)).backward()
+            reducer.finish(loss=loss.detach())
+            grads = [p.grad for p in params]
+            overflow = scaler.overflowed(grads)
+            if not overflow:
+                scaler.unscale(grads)
+            scaler.update(overflow)
+            steps.append({"overflow": overflow, "scale_before": scale, "scale": scaler.scale})
+            poison[0] = False
+        group.leave()
+        grad = reducer.flat[: reducer.n_params].cpu().numpy().copy()
+        out.put((rank, None, grad, {"device": device, "steps": steps}))
+    except Exception as err:
+        out.put((rank, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}", None, {}))
+
+
+def check_fp16_found_inf(cfg: dict[str, Any]) -> dict[str, Any]:
+    from dynabatch.actors.group import ProcessGroup
+
+    cfg = {**cfg, "batch": sum(PAIR)}
+    devices = ["cuda:0" if _cuda() else "cpu", "cpu"]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store = ProcessGroup(cfg["timeout_s"])
+    rv = store.open_store(1, len(devices), "gloo", host="127.0.0.1")
+    procs = [
+        ctx.Process(target=_fp16_member, args=(r, rv, d, cfg, out), daemon=True)
+        for r, d in enumerate(devices)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple] = {}
+    deadline = time.monotonic() + cfg["timeout_s"] * 6
+    while len(got) < len(devices) and time.monotonic() < deadline:
+        try:
+            rank, *rest = out.get(timeout=1)
+            got[rank] = tuple(rest)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and out.empty():
+                break
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    ref = _reference(cfg)
+    tol = 2e-2 * float(abs(ref).max())  # fp16 autocast against fp32
+    members, errors = [], {}
+    for r in range(len(devices)):
+        if r not in got:
+            errors[str(r)] = "no answer (died or hung)"
+            continue
+        err, grad, info = got[r]
+        if err:
+            errors[str(r)] = err
+            continue
+        info["max_abs_err"] = float(abs(grad - ref).max())
+        members.append(info)
+    agreed = len(members) == len(devices) and all(
+        [s["overflow"] for s in m["steps"]] == [True, False]
+        and m["steps"][0]["scale"] == m["steps"][0]["scale_before"] / 2
+        for m in members
+    )
+    close = all(m["max_abs_err"] <= tol for m in members)
+    res = {
+        "status": "ok" if agreed and close and not errors else "fail",
+        "members": members,
+        "tolerance": tol,
+    }
+    if errors:
+        res["errors"] = errors
+    return res
+
+
 def check_nccl_missing_peer(cfg: dict[str, Any]) -> dict[str, Any]:
     """Join a two-member NCCL group alone, as a worker's join does (the group, then the
     state broadcast that creates the communicator): it must raise, within a bound."""
@@ -477,6 +663,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "throughput_batch": 64 if quick else 512,
         "steps": 5 if quick else 50,
         "tests_timeout_s": TIMEOUT_S["gpu_tests"] - 20,
+        "oom_batch": 96,
+        "oom_limit": 20,
     }
 
 

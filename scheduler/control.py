@@ -3,7 +3,8 @@
 :class:`JobControl` holds the lifecycle (:class:`~dynabatch.scheduler.core.lifecycle.JobState` with
 its enforced
 transitions), the job's log, its membership events, its epoch history, and the requests
-(cancel, scale, drain) that other threads queue for the driver's next step boundary. The
+(cancel, and the typed :data:`Request`: scale, drain, assign) that other threads queue for
+the driver's next step boundary. The
 synchronous :class:`~dynabatch.scheduler.sync.coordinator.Coordinator` and the parameter-server
 :class:`~dynabatch.scheduler.ps.driver.PSCoordinator` both extend it, so the service, REST and the
 CLI
@@ -18,11 +19,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from dynabatch.actors.output import ActorOutput
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
+from dynabatch.scheduler.core.membership import NodeAssignment
 from dynabatch.scheduler.core.repeats import Repeats
 from dynabatch.scheduler.runtime.seam import Clock, RealClock
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, MembershipEvent
@@ -34,6 +37,43 @@ LOG_LINES_KEPT = 5000
 
 class JobEnded(Exception):
     """Raised after the job has been moved to a terminal state, to unwind the step."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scale:
+    """Run with exactly ``workers`` workers."""
+
+    workers: int
+
+    def __str__(self) -> str:
+        return f"scale to {self.workers}"
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """``worker`` leaves, its state handed over."""
+
+    worker: str
+
+    def __str__(self) -> str:
+        return f"drain {self.worker}"
+
+
+@dataclass(frozen=True, slots=True)
+class Assign:
+    """Train on exactly these nodes (the cluster scheduler's placement)."""
+
+    nodes: NodeAssignment
+
+    def __str__(self) -> str:
+        return f"assign {self.nodes}"
+
+
+# A membership request, applied at the driver's next step boundary.
+Request = Scale | Drain | Assign
+
+# Why scale and drain are refused once the job's nodes are assigned.
+ASSIGNED = "placement is the cluster scheduler's"
 
 
 class JobControl:
@@ -52,7 +92,9 @@ class JobControl:
         self._repeats = Repeats()
         self.events: list[MembershipEvent] = []
         self._cancel: str | None = None
-        self._requests: deque[tuple[str, Any]] = deque()
+        self._requests: deque[Request] = deque()
+        # The node assignment in force (the last one accepted), or None.
+        self.assignment: NodeAssignment | None = None
         self.started_at: float | None = None
         self.finished_at: float | None = None
         # The job's actors' stdout/stderr, through Ray's log API (Ray drivers set it).
@@ -76,6 +118,11 @@ class JobControl:
         tell say so at once, in the reply to the request)."""
         return None
 
+    def _assignment_error(self, nodes: NodeAssignment) -> str | None:
+        """Why this job cannot train on ``nodes`` (its bounds), or None. A driver that
+        cannot honour an assignment says so here."""
+        return "this job's driver does not take node assignments"
+
     # ------------------------------------------------------------------ public interface
     def history(self, since: int = 0) -> list[EpochRecord]:
         with self._lock:
@@ -97,12 +144,15 @@ class JobControl:
         return self.snapshot()
 
     def scale(self, workers: int) -> JobSnapshot:
+        """Run with exactly ``workers`` workers from the next step boundary. Refused
+        (``ValueError``) while a node assignment is in force: see :meth:`assign`."""
         if workers < 1:
             raise ValueError("workers: must be at least 1")
         with self._lock:
             if self.state.is_terminal:
                 raise InvalidTransition(self.state, JobState.RUNNING)
-            self._requests.append(("scale", workers))
+            self._refuse_if_assigned("scale")
+            self._requests.append(Scale(workers))
             self._log("INFO", f"scale requested: {workers} workers")
         note = self._placement_note(workers)
         with self._lock:
@@ -114,19 +164,48 @@ class JobControl:
         return self.snapshot()
 
     def drain(self, worker: str) -> JobSnapshot:
+        """``worker`` leaves at the next step boundary. Refused (``ValueError``) while a
+        node assignment is in force: see :meth:`assign`."""
         with self._lock:
             members = self._member_ids()
             if worker not in members:
                 raise KeyError(f"worker {worker!r} is not a member of job {self.job_id}")
-            draining = sum(1 for kind, _ in self._requests if kind == "drain")
+            self._refuse_if_assigned("drain")
+            draining = sum(1 for r in self._requests if isinstance(r, Drain))
             if len(members) - draining <= 1:
                 raise ValueError("cannot drain the last worker")
-            self._requests.append(("drain", worker))
+            self._requests.append(Drain(worker))
             self._log("INFO", f"drain requested for {worker}")
         return self.snapshot()
 
+    def assign(self, nodes: Mapping[str, int] | NodeAssignment) -> JobSnapshot:
+        """Train on exactly these nodes (node id: worker slots) from the next step boundary:
+        workers on nodes no longer assigned, or beyond a node's slots, drain with their
+        state handed over; new workers start on the assigned nodes' empty slots. Refused
+        (``ValueError``, one line) when an entry is not a node id with at least one slot,
+        or the total is outside the job's bounds. From then on the placement is the
+        cluster scheduler's: the job's own ``scale`` and ``drain`` are refused, and it
+        grows onto no other node; a later ``assign`` replaces this one."""
+        a = nodes if isinstance(nodes, NodeAssignment) else NodeAssignment.of(nodes)
+        err = self._assignment_error(a)
+        if err is not None:
+            raise ValueError(f"assignment ({a}): {err}")
+        with self._lock:
+            if self.state.is_terminal:
+                raise InvalidTransition(self.state, JobState.RUNNING)
+            self.assignment = a
+            self._requests.append(Assign(a))
+            self._log("INFO", f"assignment requested: {a}")
+        return self.snapshot()
+
+    def _refuse_if_assigned(self, what: str) -> None:
+        """Under the lock: the job's own resizing stops once its nodes are assigned."""
+        if self.assignment is not None:
+            raise ValueError(f"{what}: {ASSIGNED}: this job trains on the nodes assigned to "
+                             f"it ({self.assignment})")
+
     # ------------------------------------------------------------------ for the drivers
-    def _take_requests(self) -> list[tuple[str, Any]]:
+    def _take_requests(self) -> list[Request]:
         with self._lock:
             requests, self._requests = list(self._requests), deque()
         return requests

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from dynabatch.actors.accumulate import largest_micro, micro_ranges
 from dynabatch.actors.contracts import SegmentPlan, SegmentResult, StepTelemetry, encode_counts
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.failures import WorkerOutcome
@@ -469,7 +470,9 @@ class Fault:
     ``worker``; or
     die_in_regroup / die_in_checkpoint / die_in_eval at the ``nth`` such call; or
     eval_error: every evaluation of ``worker``'s shard raises ``error`` (a metric that
-    passed the load-time check but fails on real batches; the worker stays up)."""
+    passed the load-time check but fails on real batches; the worker stays up); or
+    oom: from (epoch, step) on, ``worker`` runs out of memory on any micro-batch of more
+    than ``batch`` samples (its share cut by the plan's ``micro_cap``)."""
 
     kind: str
     worker: str
@@ -477,6 +480,7 @@ class Fault:
     step: int = 0
     nth: int = 1
     seconds: float = 0.0
+    batch: int = 0
     done: bool = False
     error: str = "metrics.0: 'mae' failed on this dataset and model (ValueError: bad shape)"
 
@@ -636,7 +640,7 @@ class FakeRuntime:
         for f in self.faults:
             if (f.kind == kind and f.worker == worker and not f.done
                     and (epoch, step) >= (f.epoch, f.step)):
-                if kind != "error":  # an injected error repeats on every step
+                if kind not in ("error", "oom"):  # these repeat on every step
                     f.done = True
                 return f
         return None
@@ -659,6 +663,7 @@ class FakeRuntime:
         steps: dict[str, list[StepTelemetry]] = {w: [] for w in names}
         gone: dict[str, str] = {}
         errors: dict[str, tuple[str, str, float]] = {}
+        oom_batch: dict[str, int] = {}
         isgd = plans[names[0]].isgd  # ISGD's chart: the workers keep it step by step
         for j in range(k):
             sps = {w: plans[w].steps[j] for w in names}
@@ -681,6 +686,11 @@ class FakeRuntime:
                                  compute[w])
                 elif f := self._fault("straggle", w, epoch, step):
                     errors[w] = ("peer", "DistBackendError: timed out", f.seconds)
+                elif ((f := self._fault("oom", w, epoch, step)) and (m := largest_micro(
+                        sps[w].own_size, plans[w].micro_cap)) > f.batch):
+                    errors[w] = ("oom", f"OutOfMemoryError: CUDA out of memory ({m} samples)",
+                                 compute[w])
+                    oom_batch[w] = m
             if gone or errors:
                 self._group_broken = True
                 longest = max(compute.values(), default=0.0)
@@ -689,7 +699,8 @@ class FakeRuntime:
                 if self.uneven_failure and survivors and not errors:
                     # The first survivor's all-reduce finished before the peer broke off.
                     lucky = survivors[0]
-                    steps[lucky].append(self._apply(lucky, epoch, sps, compute, names, 0.0))
+                    steps[lucky].append(self._apply(lucky, epoch, sps, compute, names, 0.0,
+                                                    plans[lucky].micro_cap))
                     survivors = survivors[1:]
                 out = []
                 for w in names:
@@ -700,12 +711,13 @@ class FakeRuntime:
                         w, ("peer", "DistBackendError: connection closed by peer", compute[w]))
                     out.append(WorkerOutcome(w, result=SegmentResult(
                         worker=w, steps=steps[w], error=msg, error_kind=kind,
-                        failed_compute_s=took)))
+                        failed_compute_s=took, oom_batch=oom_batch.get(w))))
                 return out
             t = max(compute.values())
             self.clock.sleep(t)
             for w in names:
-                steps[w].append(self._apply(w, epoch, sps, compute, names, t - compute[w]))
+                steps[w].append(self._apply(w, epoch, sps, compute, names, t - compute[w],
+                                            plans[w].micro_cap))
             if isgd is not None:
                 isgd = isgd.after(steps[names[0]][-1].isgd_loss)
         out = []
@@ -785,7 +797,7 @@ class FakeRuntime:
                     failed_compute_s=0.0))
                 for w in plans]
 
-    def _apply(self, w, epoch, sps, compute, names, wait) -> StepTelemetry:
+    def _apply(self, w, epoch, sps, compute, names, wait, cap=None) -> StepTelemetry:
         """Worker ``w`` completes a step whose all-reduce summed every member's share."""
         sp = sps[w]
         counts = np.zeros(sp.size, dtype=np.int64)
@@ -808,6 +820,7 @@ class FakeRuntime:
             start=sp.own_start, step_start=sp.start, step_size=sp.size,
             coverage=encode_counts(counts), flagged=flagged, extra_iters=extra,
             isgd_loss=loss if self._charting else None,
+            micro_cap=cap, micro_batches=max(1, len(micro_ranges(sp.own_size, cap))),
         )
 
     def regroup(self, generation, members, state, timeout_s) -> RegroupResult:

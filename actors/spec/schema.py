@@ -128,6 +128,13 @@ class JobSpec(_Strict):
         "model's size, a quarter of it between 32 KiB and 25 MiB, the first bucket at most "
         "1 MiB (as DDP), so that small models get several buckets too; on the CPU, DDP's "
         "sizes (25 MiB, the first 1 MiB): gloo reduces on the cores backward uses.")
+    precision: Literal["fp32", "tf32", "bf16", "fp16"] = Field(
+        default="fp32",
+        description="Arithmetic of forward and backward. fp32: full precision; tf32: fp32 "
+        "with TF32 matmuls and convolutions on CUDA GPUs (ignored on the CPU); bf16 or fp16: "
+        "autocast (the weights, gradients and all-reduce stay fp32). fp16 scales the loss "
+        "dynamically: a step whose all-reduced gradient is not finite is skipped by every "
+        "worker and the scale halved.")
     epochs: StrictInt = Field(default=3, ge=1, le=100_000)
     # dbs by default: bench/hetero.py (median of 5 runs, default per-epoch re-plans) found
     # affine 2% faster on cluster (a) and dbs 7% faster on (b); affine is the better choice

@@ -89,6 +89,9 @@ def check_combinations(spec: JobSpec) -> None:
         bad("worker_gpus", "device 'cuda' needs worker_gpus > 0 or 'auto'")
     if spec.device == "cpu" and spec.worker_gpus == "auto":
         bad("worker_gpus", "worker_gpus 'auto' places workers on GPUs; device is 'cpu'")
+    if spec.precision == "fp16" and spec.isgd.enabled:
+        bad("precision", "precision fp16 cannot be combined with isgd.enabled: ISGD's extra "
+            "passes are not loss-scaled (use bf16)")
     if problems:
         raise CombinationError(problems)
     _ps_warnings(spec)
@@ -108,6 +111,13 @@ def check_combinations(spec: JobSpec) -> None:
                if rb.mode != "adaptive" else "policy static never re-sizes")
         warnings.warn(f"rebalance.threshold is ignored: {why} (it applies to "
                       "rebalance: adaptive with dbs or affine)", UserWarning, stacklevel=3)
+    if spec.precision != "fp32" and spec.protocol.name != "sync":
+        warnings.warn(f"precision {spec.precision} is ignored by protocol "
+                      f"{spec.protocol.name} (it applies to the sync protocol's workers)",
+                      UserWarning, stacklevel=3)
+    elif spec.precision == "tf32" and (spec.device == "cpu" or spec.worker_gpus == 0):
+        warnings.warn("precision tf32 is ignored on the CPU (TF32 is a CUDA matmul mode): "
+                      "the job trains in fp32", UserWarning, stacklevel=3)
     for d in spec.emulation.disturbances:
         if d.epoch >= spec.epochs:
             warnings.warn(

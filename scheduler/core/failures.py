@@ -7,9 +7,14 @@ Every failure is classified:
 * **straggler**: every worker answered, but the collective timed out while one worker was
   still computing for longer than the timeout allows: it is evicted (its node is kept
   out), so the same step does not time out again and again;
-* **deterministic**: a worker's own step raised (out of memory, an exception in the model
-  or the loss, an injected error). The step is retried up to ``max_retries`` times; then
-  the job fails with that error.
+* **deterministic**: a worker's own step raised (an exception in the model or the loss,
+  an injected error). The step is retried up to ``max_retries`` times; then the job fails
+  with that error;
+* **out of memory**: a worker's forward or backward ran out of device memory on a
+  micro-batch of b samples. Its node and device's memory cap becomes b // 2
+  (:class:`MemoryCaps`; every later plan of a worker there carries it, so a replacement
+  inherits it) and the step is retried, uncounted: each retry is at a smaller micro-batch,
+  so they end. The job fails only when one sample does not fit.
 
 A failure that fits none of these (every worker reports a peer error and nobody is
 slow) is retried too, at most ``max_retries + 1`` times in a row at the same step, so
@@ -52,12 +57,16 @@ class Failure:
     stragglers: dict[str, str] = field(default_factory=dict)  # worker -> reason: evict
     compute: dict[str, str] = field(default_factory=dict)  # worker -> its own error
     peer_errors: tuple[str, ...] = ()
+    # worker -> (its error, the micro-batch that did not fit its device's memory)
+    oom: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     @property
     def summary(self) -> str:
         parts = [f"{w} {r}" for w, r in self.lost.items()]
         parts += [f"{w} straggler: {r}" for w, r in self.stragglers.items()]
         parts += [f"{w} raised {e}" for w, e in self.compute.items()]
+        parts += [f"{w} ran out of memory on a micro-batch of {b}: {e}"
+                  for w, (e, b) in self.oom.items()]
         if not parts and self.peer_errors:
             parts.append(f"collective failed: {self.peer_errors[0]}")
         return "; ".join(parts) or "unknown failure"
@@ -70,9 +79,10 @@ def classify(outcomes: list[WorkerOutcome], collective_timeout_s: float) -> Fail
     lost = {o.worker: o.lost or "gave no answer" for o in outcomes if o.result is None}
     answered = [o.result for o in outcomes if o.result is not None and o.result.error]
     compute = {r.worker: r.error for r in answered if r.error_kind == "compute"}
-    peer = tuple(r.error for r in answered if r.error_kind != "compute")
+    oom = {r.worker: (r.error, r.oom_batch or 0) for r in answered if r.error_kind == "oom"}
+    peer = tuple(r.error for r in answered if r.error_kind not in ("compute", "oom"))
     stragglers: dict[str, str] = {}
-    if not lost and not compute and answered:
+    if not lost and not compute and not oom and answered:
         slow = max(answered, key=lambda r: r.failed_compute_s or 0.0)
         took = slow.failed_compute_s or 0.0
         if took > STRAGGLER_FRACTION * collective_timeout_s:
@@ -80,7 +90,32 @@ def classify(outcomes: list[WorkerOutcome], collective_timeout_s: float) -> Fail
                 f"a step computed {took:.1f}s, beyond what collective_timeout_s="
                 f"{collective_timeout_s:g} allows its peers to wait"
             )
-    return Failure(lost=lost, stragglers=stragglers, compute=compute, peer_errors=peer)
+    return Failure(lost=lost, stragglers=stragglers, compute=compute, peer_errors=peer,
+                   oom=oom)
+
+
+@dataclass
+class MemoryCaps:
+    """The largest micro-batch known to fit, per node and device: learned from
+    out-of-memory failures, carried by every plan of a worker there
+    (:attr:`SegmentPlan.micro_cap`). Keyed by the node and the worker's share of its GPUs
+    (0 on the CPU), not by the worker: a replacement on the same node and device inherits
+    the cap, and a worker elsewhere is not held to it."""
+
+    caps: dict[tuple[str, float], int] = field(default_factory=dict)
+
+    def ran_out(self, node: str, gpus: float, batch: int) -> int | None:
+        """A worker on ``node`` with ``gpus`` ran out of memory on a micro-batch of
+        ``batch``: its cap becomes half of it. The new cap, or None when ``batch`` is one
+        sample (nothing smaller to try)."""
+        if batch <= 1:
+            return None
+        cap = min(batch // 2, self.caps.get((node, gpus), batch))
+        self.caps[(node, gpus)] = cap
+        return cap
+
+    def cap(self, node: str, gpus: float) -> int | None:
+        return self.caps.get((node, gpus))
 
 
 @dataclass
@@ -109,6 +144,10 @@ class RetryBudget:
         if position != self.position:
             self.position, self.compute_failures, self.unexplained = position, 0, 0
         where = f"epoch {position.epoch} step {position.step}"
+        for worker, (error, batch) in failure.oom.items():
+            if batch <= 1:
+                return (f"worker {worker} ran out of memory at {where} on a micro-batch of "
+                        f"one sample: one sample does not fit its device ({error})")
         if failure.compute:
             self.compute_failures += 1
             if self.compute_failures > self.max_retries:
@@ -118,6 +157,8 @@ class RetryBudget:
             return None
         if failure.lost or failure.stragglers:
             return None  # membership changes: the retry runs on a different group
+        if failure.oom:
+            return None  # a smaller memory cap: the retry computes smaller micro-batches
         self.unexplained += 1
         if self.unexplained > self.max_retries + 1:
             return f"step failed {self.unexplained} times at {where}: {failure.summary}"

@@ -34,12 +34,22 @@ on a node with room for a worker (``NodeInfo.free``); once there it stays while 
 eligible (it holds no CPU, so it keeps nobody out), unless the limit is better spent on a
 free node. :meth:`Membership.spawns` takes free nodes with a spare first and marks those
 spawns ``adopt``. A node whose spare was lost before adoption gets no other spare.
+
+Assignment. A :class:`NodeAssignment` says "train on exactly these nodes" (node id: worker
+slots; the cluster scheduler's placement of the job). Which workers leave and where new ones
+start is :func:`placement_plan`'s (pure): on each assigned node the fastest of its workers
+keep its slots, every other worker drains, and each assigned node gets its missing slots.
+While an assignment is in force workers start only on assigned nodes, and spares only wait
+there. The state is handed over, never lost: a drain that would leave no holder of the
+committed state, or fewer than ``min_size`` members, waits until the new workers have
+joined a regroup (which broadcasts the state to them); so a job moved to entirely new nodes
+briefly trains on old and new together.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dynabatch.scheduler.core.sync.protocol import Position
@@ -122,6 +132,82 @@ class RegroupPlan:
     needs_state: bool
 
 
+@dataclass(frozen=True, slots=True)
+class NodeAssignment:
+    """Train on exactly these nodes: ``slots`` pairs each node id (in order) with how many of
+    the job's workers it runs. Built from a mapping with :meth:`of`; an entry that is not a
+    node id with at least one slot is refused with a one-line reason naming it."""
+
+    slots: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        if not self.slots:
+            raise ValueError("assignment: names no node (give at least one node with a slot)")
+        seen: set[str] = set()
+        for entry in self.slots:
+            node, k = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, None)
+            if not isinstance(node, str) or not node:
+                raise ValueError(f"assignment: node {node!r}: must be a non-empty node id")
+            if node in seen:
+                raise ValueError(f"assignment: node {node!r}: named twice")
+            seen.add(node)
+            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+                raise ValueError(f"assignment: node {node!r}: slots must be an integer of at "
+                                 f"least 1, got {k!r}")
+
+    @classmethod
+    def of(cls, nodes: Mapping[str, int]) -> NodeAssignment:
+        if not isinstance(nodes, Mapping):
+            raise ValueError(f"assignment: must map node ids to worker slots, got "
+                             f"{type(nodes).__name__}")
+        return cls(tuple(sorted(nodes.items(), key=lambda kv: str(kv[0]))))
+
+    @property
+    def total(self) -> int:
+        return sum(k for _, k in self.slots)
+
+    def __contains__(self, node: object) -> bool:
+        return any(n == node for n, _ in self.slots)
+
+    def get(self, node: str) -> int:
+        """``node``'s slots (0: not assigned)."""
+        return next((k for n, k in self.slots if n == node), 0)
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n}: {k}" for n, k in self.slots)
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementPlan:
+    """What takes a job's workers to an assignment: ``drain`` (worker ids, the order to
+    drain them in) and ``spawn`` ((node, workers to start there), in node order)."""
+
+    drain: tuple[str, ...]
+    spawn: tuple[tuple[str, int], ...]
+
+
+def placement_plan(workers: Sequence[tuple[str, int, str]], assignment: NodeAssignment,
+                   speeds: dict[str, float] | None = None) -> PlacementPlan:
+    """The changes that take ``workers`` ((id, ordinal, node), starting ones included) to
+    ``assignment``: on each assigned node the fastest of its workers (by ``speeds``, as
+    :func:`slowest_first` orders them) keep its slots; every other worker, on an unassigned
+    node or beyond its node's slots, drains, the slowest first; each assigned node gets
+    the slots its kept workers leave empty. Already matching: nothing to do."""
+    order = slowest_first([(w, o) for w, o, _ in workers], speeds)
+    node_of = {w: n for w, _, n in workers}
+    on: dict[str, list[str]] = {}
+    for w in reversed(order):  # the fastest first
+        on.setdefault(node_of[w], []).append(w)
+    keep: set[str] = set()
+    spawn = []
+    for node, k in assignment.slots:
+        here = on.get(node, [])
+        keep.update(here[:k])
+        if len(here) < k:
+            spawn.append((node, k - len(here)))
+    return PlacementPlan(tuple(w for w in order if w not in keep), tuple(spawn))
+
+
 def slowest_first(workers: Sequence[tuple[str, int]], speeds: dict[str, float] | None
                   ) -> list[str]:
     """Worker ids (with their ordinals) in the order a scale-down removes them: those not
@@ -165,6 +251,10 @@ class Membership:
         self.no_spare: dict[str, str] = {}  # nodes whose spare was lost: why
         # After :meth:`spawns`: (workers that could not be placed now, workers wanted).
         self.unplaced: tuple[int, int] | None = None
+        # The job's own size limits, as declared (scale requests move min/max_size later).
+        self.bounds = (self.min_size, self.max_size)
+        # "Train on exactly these nodes", once requested (see the module docstring).
+        self.assignment: NodeAssignment | None = None
 
     # --- queries ----------------------------------------------------------------------
     @property
@@ -190,6 +280,33 @@ class Membership:
             why += " (min_workers)"
         return why
 
+    def size_error(self, workers: int) -> str | None:
+        """Why the job cannot run with ``workers`` workers (outside its declared bounds),
+        or None."""
+        lo, hi = self.bounds
+        if workers < lo:
+            why = (f"max_batch {self.max_batch} x workers must hold global_batch "
+                   f"{self.global_batch}" if lo > 1 and self.max_batch
+                   and math.ceil(self.global_batch / self.max_batch) == lo else "min_workers")
+            return f"{workers} workers is below the job's minimum of {lo} ({why})"
+        if workers > hi:
+            why = ("every worker needs at least one sample of global_batch "
+                   f"{self.global_batch}" if hi == self.global_batch else "max_workers")
+            return f"{workers} workers is above the job's maximum of {hi} ({why})"
+        return None
+
+    @property
+    def handing_over(self) -> bool:
+        """An assignment is in force and some worker is still to leave for it (the driver
+        needs a boundary with nothing in flight to drain it)."""
+        return self.assignment is not None and bool(
+            placement_plan(self._placed(), self.assignment).drain)
+
+    def _placed(self) -> list[tuple[str, int, str]]:
+        """Every worker of the job, starting ones too: (id, ordinal, node)."""
+        return [(m.worker_id, m.ordinal, m.node)
+                for m in [*self.members, *self.pending.values()]]
+
     def want(self, eligible: int, starting: bool) -> int:
         """How many workers to have: the requested number at the start, then also one per
         free eligible node (a node that joined), up to ``max_size``."""
@@ -209,6 +326,8 @@ class Membership:
         (:attr:`NodeInfo.slots`). What cannot be placed is in :attr:`unplaced`."""
         nodes = [n for n in nodes if n.node_id not in self.excluded_nodes]
         self.unplaced = None
+        if self.assignment is not None:
+            return self._assigned_spawns(nodes, gpus_on)
         if not nodes:
             return []
         want = self.want(len(nodes), starting)
@@ -229,16 +348,33 @@ class Membership:
             choices += [n for n in free if not n.free]
             if len(choices) < want - have:
                 self.unplaced = (want - have - len(choices), want)
-        out = []
-        for node in choices[: want - have]:
-            ordinal = self.next_ordinal
-            self.next_ordinal += 1
-            m = Member(f"w{ordinal}", ordinal, node.node_id, node.capacity, gpus_on(node.gpus))
-            self.pending[m.worker_id] = m
-            adopt = node.node_id in self.spares
-            self.spares.discard(node.node_id)  # adopted: from now on it is this worker
-            out.append(Spawn(m.worker_id, ordinal, node.node_id, m.capacity, m.gpus, adopt))
+        return [self._spawn_on(node, gpus_on) for node in choices[: want - have]]
+
+    def _assigned_spawns(self, nodes: Sequence[NodeInfo], gpus_on) -> list[Spawn]:
+        """Workers for the assignment's empty slots, on the assigned nodes only. A node
+        named but not alive and eligible now gets none (counted in :attr:`unplaced`); one
+        that is full gets its workers anyway: they wait for its resources, which the
+        cluster scheduler that assigned it has freed or will."""
+        by_id = {n.node_id: n for n in nodes}
+        out: list[Spawn] = []
+        short = 0
+        for node_id, k in placement_plan(self._placed(), self.assignment).spawn:
+            node = by_id.get(node_id)
+            if node is None:
+                short += k
+            else:
+                out += [self._spawn_on(node, gpus_on) for _ in range(k)]
+        self.unplaced = (short, self.assignment.total) if short else None
         return out
+
+    def _spawn_on(self, node: NodeInfo, gpus_on) -> Spawn:
+        ordinal = self.next_ordinal
+        self.next_ordinal += 1
+        m = Member(f"w{ordinal}", ordinal, node.node_id, node.capacity, gpus_on(node.gpus))
+        self.pending[m.worker_id] = m
+        adopt = node.node_id in self.spares
+        self.spares.discard(node.node_id)  # adopted: from now on it is this worker
+        return Spawn(m.worker_id, ordinal, node.node_id, m.capacity, m.gpus, adopt)
 
     def _used(self) -> set[str]:
         return {m.node for m in self.members} | {m.node for m in self.pending.values()}
@@ -279,6 +415,7 @@ class Membership:
         candidates = [n for n in nodes
                       if n.node_id not in used and n.node_id not in self.excluded_nodes
                       and n.node_id not in self.no_spare and not gpus_on(n.gpus)
+                      and (self.assignment is None or n.node_id in self.assignment)
                       and (n.free or n.node_id in self.spares)]
         candidates.sort(key=lambda n: (not n.free, n.node_id not in self.spares))  # stable
         want = {n.node_id for n in candidates[:max(0, limit)]}
@@ -300,12 +437,21 @@ class Membership:
         """A pending worker's actor is up: it joins at the next regroup (None: not wanted,
         the job is at its maximum, and the driver kills it)."""
         m = self.pending.pop(worker, None)
-        if m is None or len(self.members) >= self.max_size:
+        if m is None or not self._room_for(m):
             return None
         m.version = ORIGIN
         self.members.append(m)
         self.dirty = True
         return Change("join", m.worker_id, m.node, "node available")
+
+    def _room_for(self, m: Member) -> bool:
+        """Whether a started worker may join: below the size limit; with an assignment,
+        a free slot on its node (workers that are leaving for the assignment may still be
+        members then, so the limit is the global batch: a sample for every worker)."""
+        if self.assignment is None:
+            return len(self.members) < self.max_size
+        here = sum(1 for x in self.members if x.node == m.node)
+        return here < self.assignment.get(m.node) and len(self.members) < self.global_batch
 
     def start_failed(self, worker: str) -> None:
         self.pending.pop(worker, None)
@@ -352,7 +498,37 @@ class Membership:
         by_id = {m.worker_id: m for m in self.members}
         return [by_id[w] for w in order]
 
-    def apply_drains(self) -> list[Change]:
+    def request_assignment(self, assignment: NodeAssignment) -> None:
+        """Train on exactly ``assignment`` from now on (see the module docstring); raises
+        ``ValueError`` when its total is outside the job's bounds."""
+        err = self.size_error(assignment.total)
+        if err is not None:
+            raise ValueError(err)
+        self.assignment = assignment
+        self.target = self.max_size = assignment.total
+
+    def handover(self, speeds: dict[str, float] | None = None) -> list[str]:
+        """The workers to drain now for the assignment: those :func:`placement_plan` says
+        leave, except that the members left must include a holder of the committed state
+        and number at least ``min_size`` (the rest leave at a later boundary, once the new
+        workers hold the state). Those without the state go first, then the slowest."""
+        if self.assignment is None:
+            return []
+        plan = placement_plan(self._placed(), self.assignment, speeds)
+        holders = {m.worker_id for m in self.holders()}
+        left = set(self.worker_ids) - self._drain
+        out = []
+        for w in sorted(plan.drain, key=lambda w: w in holders):  # stable: slowest first
+            if w in self.pending:
+                out.append(w)
+            elif w in left and len(left) > self.min_size and holders & (left - {w}):
+                left.discard(w)
+                out.append(w)
+        return out
+
+    def apply_drains(self, speeds: dict[str, float] | None = None) -> list[Change]:
+        """Remove the workers requested to leave, and those the assignment moves now."""
+        self._drain.update(self.handover(speeds))
         return [c for w in list(self._drain) if (c := self.remove(w, "leave", "drained"))]
 
     # --- state ----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import logging
 from typing import Any
 
 from dynabatch.actors.spec import JobSpec
-from dynabatch.scheduler.control import JobControl
+from dynabatch.scheduler.control import Drain, JobControl, Scale
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import slowest_first
 from dynabatch.scheduler.core.ps.batch_policy import JiConfig, PerfAwareBatches
@@ -270,16 +270,17 @@ class PSCoordinator(JobControl):
         self._event("failure", x.worker, node, x.error or "lost")
 
     def _serve_requests(self) -> None:
-        for kind, arg in self._take_requests():
-            if kind == "drain" and arg in self._learners:
-                self._remove(arg, "drained")
-            elif kind == "scale":
+        # (No Assign: this driver refuses node assignments when they are requested.)
+        for r in self._take_requests():
+            if isinstance(r, Drain) and r.worker in self._learners:
+                self._remove(r.worker, "drained")
+            elif isinstance(r, Scale):
                 self._nodes = self.runtime.nodes() or self._nodes
-                while len(self._learners) < arg:
+                while len(self._learners) < r.workers:
                     self._spawn(self._nodes[self._next % len(self._nodes)].node_id)
-                extra = max(0, len(self._learners) - arg)
+                extra = max(0, len(self._learners) - r.workers)
                 for w in self._slowest_first()[:extra]:
-                    self._remove(w, f"scaled down to {arg}")
+                    self._remove(w, f"scaled down to {r.workers}")
 
     def _slowest_first(self) -> list[str]:
         """Learners in the order a scale-down removes them: by samples applied per second

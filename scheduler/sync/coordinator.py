@@ -33,7 +33,8 @@ injected faults in unit tests. It is split by concern around one job-state value
 The other public methods may be called from other threads while it runs (the actor is
 threaded): requests are queued and applied at the next step boundary. What needs the group
 at rest waits for a boundary with nothing in flight: a worker that started and joins, a
-scale or drain request, a checkpoint, cancellation, and the retry after a failure.
+scale, drain or assign request (and the hand-over an assignment starts), a checkpoint,
+cancellation, and the retry after a failure.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from dynabatch.actors.spec import MAX_WORKERS, JobSpec
 from dynabatch.scheduler.control import JobControl, JobEnded
 from dynabatch.scheduler.core.failures import RetryBudget
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.core.membership import Membership
+from dynabatch.scheduler.core.membership import Membership, NodeAssignment
 from dynabatch.scheduler.core.regime.regime import Regime
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.policy import make_policy
@@ -245,6 +246,10 @@ class Coordinator(JobControl):
 
     def _member_ids(self) -> list[str]:
         return self.job.membership.worker_ids
+
+    def _assignment_error(self, nodes: NodeAssignment) -> str | None:
+        with self._lock:
+            return self.job.membership.size_error(nodes.total)
 
     def _placement_note(self, workers: int) -> str | None:
         with self._lock:

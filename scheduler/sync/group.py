@@ -1,7 +1,8 @@
 """Membership and spares: who trains, at each step boundary.
 
-At a boundary with nothing in flight the group is reconciled: scale and drain requests
-applied, started workers adopted, workers started on nodes that appeared (and spares
+At a boundary with nothing in flight the group is reconciled: scale, drain and assign
+requests applied (and the workers an assignment moves drained, once the state is handed
+over), started workers adopted, workers started on nodes that appeared (and spares
 tended), then either the job waits for enough workers (WAITING_FOR_WORKERS: it fails after
 its timeout, :func:`~dynabatch.scheduler.core.sync.boundary.wait_for_minimum`) or a new
 generation is formed (REGROUPING), loading the last checkpoint first when no member holds
@@ -12,6 +13,7 @@ next boundary. Who is in, who holds the state and what to spawn is the pure
 
 from __future__ import annotations
 
+from dynabatch.scheduler.control import Assign, Drain, Scale
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Change
 from dynabatch.scheduler.core.sync.boundary import must_roll_back, wait_for_minimum
@@ -67,15 +69,20 @@ class Group(Part):
     def apply_requests(self) -> bool:
         m = self.job.membership
         changed = False
-        for kind, arg in self.c._take_requests():
+        speeds = self.speeds()
+        for r in self.c._take_requests():
             try:
-                if kind == "scale":
-                    m.request_scale(arg, speeds=self.speeds())
-                else:
-                    m.request_drain(arg)
+                match r:
+                    case Scale(workers):
+                        m.request_scale(workers, speeds=speeds)
+                    case Drain(worker):
+                        m.request_drain(worker)
+                    case Assign(nodes):
+                        m.request_assignment(nodes)
+                        self.job.last_node_poll = -1e18  # start its new workers now
             except (KeyError, ValueError) as err:
-                self.log("WARNING", f"{kind} {arg} not applied: {err}")
-        drains = m.apply_drains()
+                self.log("WARNING", f"{r} not applied: {err}")
+        drains = m.apply_drains(speeds)
         if drains:
             self.c.epochs.settle()  # a drained worker may still owe its shard of one
         for change in drains:
@@ -128,6 +135,12 @@ class Group(Part):
 
     def placement_text(self, short: int, want: int) -> str:
         s = self.spec
+        if self.job.membership.assignment is not None:
+            return (f"{want - short} of {want} assigned workers placed: {short} are for "
+                    "assigned nodes that are not alive or cannot host this job's workers "
+                    f"(worker_cpus={s.worker_cpus:g}"
+                    + (f", node_resource={s.node_resource!r}" if s.node_resource else "")
+                    + ")")
         return (f"{want - short} of {want} requested workers placed: no eligible node has "
                 f"room for another worker now (worker_cpus={s.worker_cpus:g}); the job "
                 f"runs on {want - short} until CPUs free up or a node joins")
@@ -138,7 +151,7 @@ class Group(Part):
         c = self.c
         note = None if unplaced is None else self.placement_text(*unplaced)
         with c._lock:
-            asked = any(kind == "scale" for kind, _ in c._requests)
+            asked = any(isinstance(r, Scale) for r in c._requests)
         if note is None and asked:
             return  # a scale request not applied yet: its note stands until it is
         if note != c.placement_note and note is not None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dynabatch.actors.contracts import StepTelemetry
-from dynabatch.scheduler.core.failures import RetryBudget
+from dynabatch.scheduler.core.failures import MemoryCaps, RetryBudget
 from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.membership import Membership
 from dynabatch.scheduler.core.regime.regime import Regime
@@ -73,6 +73,8 @@ class SyncJob:
     budget: RetryBudget
     tracker: Tracker = field(default_factory=Tracker)
     ledger: Ledger = field(default_factory=Ledger)
+    # Memory caps learned from out-of-memory failures, per node and device.
+    memory: MemoryCaps = field(default_factory=MemoryCaps)
     protocol: SyncProtocol | None = None  # once the data is loaded
     data: DataInfo | None = None
     position: Position = field(default_factory=lambda: Position(0, 0))  # where to start

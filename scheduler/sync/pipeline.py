@@ -24,6 +24,7 @@ the step after the segment (``SyncProtocol.defer``). See
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from dynabatch.scheduler.core.failures import Failure, WorkerOutcome, classify
@@ -57,6 +58,19 @@ class Pipeline(Part):
     def grace_s(self) -> float:
         return self.spec.collective_timeout_s + 5.0
 
+    def stamp(self, plans: dict[str, Any]) -> dict[str, Any]:
+        """The protocol's plans, stamped with the regime's learning rates and ISGD chart
+        and with each worker's memory cap (learned for its node and device from an
+        out-of-memory failure: dynabatch.scheduler.core.failures.MemoryCaps)."""
+        job = self.job
+        plans = job.regime.stamp(plans, job.protocol.steps_per_epoch)
+        out = {}
+        for w, plan in plans.items():
+            m = job.membership.get(w)
+            cap = job.memory.cap(m.node, m.gpus) if m is not None else None
+            out[w] = replace(plan, micro_cap=cap) if cap is not None else plan
+        return out
+
     def ahead_end(self) -> int | None:
         """The step after the segment in flight, when it lies in this epoch."""
         a = self.job.ahead
@@ -80,7 +94,7 @@ class Pipeline(Part):
         (a worker had started step ``at``): the caller defers the allocation to ``end``."""
         job, p = self.job, self.job.protocol
         ahead = job.ahead
-        seg = job.regime.stamp(p.plan_segment(at=at, whole=True), p.steps_per_epoch)
+        seg = self.stamp(p.plan_segment(at=at, whole=True))
         update = PlanUpdate(p.epoch, at, {w: tuple(sp for sp in s.steps if sp.step < end)
                                           for w, s in seg.items()})
         why = check_update(ahead.plans, update)
@@ -98,7 +112,8 @@ class Pipeline(Part):
     def can_send_ahead(self) -> bool:
         c = self.c
         with c._lock:
-            requests = bool(c._requests)
+            # An assignment's hand-over drains workers at a boundary with nothing in flight.
+            requests = bool(c._requests) or self.job.membership.handing_over
         return decide.can_send_ahead(
             pipelined=self.pipe is not None, cancel_requested=c._cancel is not None,
             retrying=self.job.budget.retrying, requests_pending=requests,
@@ -129,7 +144,7 @@ class Pipeline(Part):
             # Each of the segment's workers scores its shard of the epoch's final weights,
             # then trains on. Dropped if that segment fails (it is not the final state).
             behind = self.c.epochs.submit_evaluation(p.epoch, list(plans))
-        nxt = job.regime.stamp(p.plan_segment(at=plan.position), p.steps_per_epoch)
+        nxt = self.stamp(p.plan_segment(at=plan.position))
         job.ahead = Ahead(plan.position, nxt, self.pipe.submit_segment(nxt), self.clock.now(),
                           behind)
         job.segments_sent_ahead += 1
@@ -165,7 +180,7 @@ class Pipeline(Part):
             if ahead is not None:  # defensive: a segment ahead always starts here
                 job.ahead = ahead
                 self.drain(commit=False)
-            plans = job.regime.stamp(p.plan_segment(), p.steps_per_epoch)
+            plans = self.stamp(p.plan_segment())
             if not plans:
                 return True
             t0 = self.clock.now()
@@ -274,6 +289,12 @@ class Pipeline(Part):
             self.c.group.remove(w, "failure", why)
         for w, why in failure.stragglers.items():
             self.c.group.remove(w, "evict", f"straggler: {why}")
+        for w, (_, batch) in failure.oom.items():
+            m = job.membership.get(w)
+            cap = job.memory.ran_out(m.node, m.gpus, batch) if m is not None else None
+            if cap is not None:
+                self.log("WARNING", f"{w} ran out of memory on a micro-batch of {batch}: "
+                                    f"node {m.node}'s memory cap is now {cap} samples")
         # Whoever is left broke off the collective: the group must be formed again.
         job.membership.dirty = True
         # Uncharged (a segment sent ahead), the failure before it was counted: the budget

@@ -206,7 +206,8 @@ def test_the_gpu_check_runs_bare_on_the_cpu_and_reports_its_json(tmp_path):
             "--out",
             str(out),
             "--only",
-            "environment,mixed_plan,two_workers_one_gpu,nccl_missing_peer,oom_recovery",
+            "environment,mixed_plan,two_workers_one_gpu,nccl_missing_peer,oom_recovery,"
+            "fp16_found_inf,data_wait",
         ],
         cwd=tmp_path,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
@@ -230,4 +231,10 @@ def test_the_gpu_check_runs_bare_on_the_cpu_and_reports_its_json(tmp_path):
     if not torch.cuda.is_available():
         assert checks["two_workers_one_gpu"]["status"] == "skipped"
         assert checks["nccl_missing_peer"]["status"] == "skipped"
-    assert checks["oom_recovery"]["status"] == "skipped"
+    oom = checks["oom_recovery"]
+    assert oom["status"] == "ok", oom
+    assert oom["out_of_memory_at"] == [96, 48, 24] and oom["cap"] == 12
+    fp16 = checks["fp16_found_inf"]
+    assert fp16["status"] == "ok", fp16
+    assert all([s["overflow"] for s in m["steps"]] == [True, False] for m in fp16["members"])
+    assert checks["data_wait"]["status"] == "skipped"

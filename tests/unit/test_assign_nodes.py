@@ -1,0 +1,290 @@
+"""Issue 31 item 4 (its seam): "train on these nodes" on the job's control interface.
+
+The pure decision (:func:`placement_plan`, :meth:`Membership.handover`) is checked by
+properties; the synchronous driver (the real coordinator over ``tests.fakes``) is checked to
+move, grow and shrink a running job by assignment at step boundaries, with every epoch
+verified and no step lost, and to refuse a bad assignment with its reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.membership import (
+    Membership,
+    NodeAssignment,
+    NodeInfo,
+    placement_plan,
+    slowest_first,
+)
+from dynabatch.scheduler.core.sync.protocol import Position
+from dynabatch.scheduler.sync.coordinator import Coordinator
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.fakes import FakeRuntime
+
+
+def _cpu(g):
+    return 0.0
+
+
+# --- the assignment value -------------------------------------------------------------
+@pytest.mark.parametrize(
+    "nodes, message",
+    [
+        ({}, "names no node"),
+        ({"n0": 0}, "node 'n0': slots must be an integer of at least 1, got 0"),
+        ({"n0": 1, "n1": -2}, "node 'n1': slots must be an integer of at least 1, got -2"),
+        ({"n0": 1.5}, "slots must be an integer of at least 1, got 1.5"),
+        ({"n0": True}, "slots must be an integer of at least 1, got True"),
+        ({"": 1}, "node '': must be a non-empty node id"),
+        (["n0"], "must map node ids to worker slots, got list"),
+    ],
+)
+def test_a_bad_assignment_is_refused_with_a_one_line_reason(nodes, message):
+    with pytest.raises(ValueError) as err:
+        NodeAssignment.of(nodes)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_assignment_is_ordered_and_counts_its_slots():
+    a = NodeAssignment.of({"n2": 1, "n0": 2})
+    assert a.slots == (("n0", 2), ("n2", 1)) and a.total == 3
+    assert "n0" in a and "n1" not in a and a.get("n1") == 0
+    assert str(a) == "n0: 2, n2: 1"
+
+
+# --- the pure decision ------------------------------------------------------------------
+_WORKERS = st.lists(
+    st.tuples(st.integers(0, 4), st.one_of(st.just(0.0), st.floats(1.0, 1e4))), max_size=8
+)
+_ASSIGN = st.dictionaries(
+    st.integers(0, 5).map(lambda i: f"n{i}"), st.integers(1, 3), min_size=1, max_size=4
+)
+
+
+def _workers(spec):
+    ws = [(f"w{i}", i, f"n{node}") for i, (node, _) in enumerate(spec)]
+    return ws, {f"w{i}": v for i, (_, v) in enumerate(spec)}
+
+
+@given(spec=_WORKERS, nodes=_ASSIGN)
+def test_plan_drains_only_what_the_assignment_excludes_and_spawns_exactly_the_gaps(spec, nodes):
+    ws, speeds = _workers(spec)
+    a = NodeAssignment.of(nodes)
+    plan = placement_plan(ws, a, speeds)
+    drained = set(plan.drain)
+    assert len(drained) == len(plan.drain)
+    spawn = dict(plan.spawn)
+    kept_total = 0
+    for node in {n for _, _, n in ws} | set(nodes):
+        here = [w for w, _, n in ws if n == node]
+        kept = [w for w in here if w not in drained]
+        kept_total += len(kept)
+        # A node keeps at most its slots, and drains only beyond them (none if unassigned).
+        assert len(kept) == min(len(here), a.get(node))
+        assert spawn.get(node, 0) == a.get(node) - len(kept)
+        # The kept are the fastest of the node's workers.
+        order = slowest_first([(w, int(w[1:])) for w in here], speeds)
+        assert set(kept) == set(order[len(order) - len(kept) :])
+    assert kept_total + sum(spawn.values()) == a.total
+    assert list(plan.drain) == [
+        w for w in slowest_first([(w, o) for w, o, _ in ws], speeds) if w in drained
+    ]
+
+
+@given(spec=_WORKERS, nodes=_ASSIGN)
+def test_plan_is_idempotent_once_applied(spec, nodes):
+    ws, speeds = _workers(spec)
+    a = NodeAssignment.of(nodes)
+    plan = placement_plan(ws, a, speeds)
+    after = [w for w in ws if w[0] not in plan.drain]
+    for node, k in plan.spawn:
+        after += [(f"x{node}{j}", 100 + len(after), node) for j in range(k)]
+    again = placement_plan(after, a, speeds)
+    assert again.drain == () and again.spawn == ()
+
+
+def _membership(n: int, lo: int | None, hi: int | None) -> Membership:
+    m = Membership(workers=n, min_workers=lo, max_workers=hi, global_batch=64, max_batch=None)
+    for s in m.spawns([NodeInfo(f"n{i}") for i in range(n)], True, _cpu):
+        m.started(s.worker_id)
+    m.regrouped(m.worker_ids)
+    m.progressed({w: Position(1, 0) for w in m.worker_ids})  # they hold trained state
+    return m
+
+
+@given(
+    n=st.integers(1, 5),
+    lo=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    nodes=_ASSIGN,
+    speeds=st.lists(st.floats(1.0, 1e4), min_size=5, max_size=5),
+)
+def test_handover_keeps_the_state_and_bounds_and_ends_matching(n, lo, extra, nodes, speeds):
+    """Boundary after boundary (drains, then starts, then a regroup) the job reaches the
+    assignment: it never has fewer than its minimum, always keeps a holder of the state,
+    never holds more than its minimum beyond the assignment, and an assignment outside its
+    bounds is refused."""
+    lo = min(lo, n)
+    hi = n + extra
+    m = _membership(n, lo, hi)
+    a = NodeAssignment.of(nodes)
+    if not lo <= a.total <= hi:
+        with pytest.raises(ValueError, match=r"below the job's minimum|above the job's max"):
+            m.request_assignment(a)
+        assert m.assignment is None
+        return
+    m.request_assignment(a)
+    view = [NodeInfo(f"n{i}") for i in range(6)]
+    by_worker = {f"w{i}": v for i, v in enumerate(speeds)}
+    for _ in range(6):
+        m.apply_drains(by_worker)
+        assert len(m.members) >= m.min_size and m.holders()
+        for s in m.spawns(view, False, _cpu):
+            assert s.node_id in a
+            assert m.started(s.worker_id) is not None
+        assert len(m.members) <= a.total + m.min_size
+        m.regrouped(m.worker_ids)
+    assert not m.handing_over and not m.pending
+    on = {}
+    for x in m.members:
+        on[x.node] = on.get(x.node, 0) + 1
+    assert on == dict(a.slots)
+    # Already matching: nothing more to drain or start.
+    assert m.apply_drains(by_worker) == [] and m.spawns(view, False, _cpu) == []
+
+
+def test_a_node_not_alive_gets_no_worker_and_is_reported():
+    m = _membership(2, 1, 3)
+    m.request_assignment(NodeAssignment.of({"n1": 1, "n9": 2}))
+    assert [s.node_id for s in m.spawns([NodeInfo(f"n{i}") for i in range(3)], False, _cpu)] == []
+    assert m.unplaced == (2, 3)
+
+
+# --- the driver ---------------------------------------------------------------------------
+N, B = 1000, 64
+SPE = -(-N // B)
+
+
+def _coord(nodes: int = 3, **kw) -> tuple[Coordinator, FakeRuntime]:
+    base = dict(
+        workers=2,
+        min_workers=1,
+        max_workers=2,
+        global_batch=B,
+        epochs=4,
+        policy="affine",
+        rebalance={"mode": "adaptive"},
+        collective_timeout_s=2,
+        worker_wait_timeout_s=5,
+        start_timeout_s=5,
+    )
+    base.update(kw)
+    spec = JobSpec.model_validate(base)
+    rt = FakeRuntime(spec, n_train=N, nodes=nodes, speeds={0: 1000, 1: 500, 2: 250, 3: 800})
+    return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
+
+
+def _run_to_epoch(coord: Coordinator, epoch: int) -> None:
+    while coord.epoch < epoch:
+        assert coord.step(), coord.snapshot().reason
+
+
+def _assert_done(coord: Coordinator, rt: FakeRuntime) -> None:
+    snap = coord.snapshot()
+    assert snap.state == JobState.SUCCEEDED, snap.reason
+    hist = coord.history()
+    assert [r.epoch for r in hist] == list(range(coord.spec.epochs))
+    for r in hist:
+        assert r.verified and r.samples_trained == r.dataset_size == N, r
+    full = [(e, s) for e in range(coord.spec.epochs) for s in range(SPE)]
+    for w in coord.membership.worker_ids:  # no step lost: each holds every step once
+        assert rt.lineage(w) == full, w
+
+
+def _nodes_of(coord: Coordinator) -> dict[str, int]:
+    on: dict[str, int] = {}
+    for w in coord.snapshot().workers:
+        on[w.node] = on.get(w.node, 0) + 1
+    return on
+
+
+def test_a_running_job_moves_from_two_nodes_to_two_others_at_a_step_boundary():
+    coord, rt = _coord()
+    _run_to_epoch(coord, 1)
+    assert _nodes_of(coord) == {"node00": 1, "node01": 1}
+    coord.assign({"node01": 1, "node02": 1})
+    _run_to_epoch(coord, 2)
+    assert _nodes_of(coord) == {"node01": 1, "node02": 1}
+    coord.run()
+    _assert_done(coord, rt)
+    events = [(e.kind, e.worker, e.node) for e in coord.membership_events()]
+    assert ("leave", "w0", "node00") in events and ("join", "w2", "node02") in events
+    assert [e for e in events if e[0] in ("failure", "evict")] == []
+    assert rt.killed[:1] == ["w0"]
+
+
+def test_a_job_moved_to_entirely_new_nodes_hands_its_state_over():
+    """Nobody on the new nodes holds the state yet: the old workers stay until the new
+    ones have joined a regroup, then leave (a drain first would lose the state)."""
+    coord, rt = _coord(nodes=4, min_workers=2)
+    _run_to_epoch(coord, 1)
+    coord.assign({"node02": 1, "node03": 1})
+    _run_to_epoch(coord, 3)
+    assert _nodes_of(coord) == {"node02": 1, "node03": 1}
+    coord.run()
+    _assert_done(coord, rt)
+    leaves = {e.worker for e in coord.membership_events() if e.kind == "leave"}
+    assert leaves == {"w0", "w1"}
+
+
+def test_grow_then_shrink_by_assignment():
+    coord, rt = _coord(epochs=5, max_workers=4)
+    _run_to_epoch(coord, 1)
+    coord.assign({"node00": 2, "node01": 1, "node02": 1})  # grow: 2 -> 4
+    _run_to_epoch(coord, 2)
+    assert _nodes_of(coord) == {"node00": 2, "node01": 1, "node02": 1}
+    _run_to_epoch(coord, 3)
+    coord.assign({"node00": 1})  # shrink: 4 -> 1, the fastest on node00 stays
+    coord.run()
+    _assert_done(coord, rt)
+    assert coord.membership.worker_ids == ("w0",)
+
+
+def test_bad_assignments_and_own_resizing_are_refused_with_reasons():
+    coord, _ = _coord(min_workers=2, max_workers=3)
+    _run_to_epoch(coord, 1)
+    with pytest.raises(ValueError, match=r"above the job's maximum of 3 \(max_workers\)"):
+        coord.assign({"node00": 2, "node01": 2})
+    with pytest.raises(ValueError, match=r"below the job's minimum of 2 \(min_workers\)"):
+        coord.assign({"node00": 1})
+    with pytest.raises(ValueError, match="slots must be an integer of at least 1"):
+        coord.assign({"node00": 0, "node01": 2})
+    assert coord.assignment is None
+    coord.scale(3)  # not assigned yet: the job's own scale works as before
+    coord.assign({"node01": 1, "node02": 1})
+    with pytest.raises(ValueError, match="scale: placement is the cluster scheduler's"):
+        coord.scale(3)
+    with pytest.raises(ValueError, match="drain: placement is the cluster scheduler's"):
+        coord.drain("w1")
+    coord.run()
+    assert coord.snapshot().state == JobState.SUCCEEDED
+    assert _nodes_of(coord) == {"node01": 1, "node02": 1}
+
+
+def test_an_assigned_node_not_alive_is_said_until_it_joins():
+    coord, rt = _coord()
+    _run_to_epoch(coord, 1)
+    coord.assign({"node00": 1, "node09": 1})
+    _run_to_epoch(coord, 2)
+    snap = coord.snapshot()
+    assert _nodes_of(coord) == {"node00": 1}
+    assert "1 of 2 assigned workers placed" in (snap.reason or ""), snap.reason
+    rt.add_node("node09")
+    coord.run()
+    _assert_done(coord, rt)
+    assert _nodes_of(coord) == {"node00": 1, "node09": 1}
+    assert coord.snapshot().reason is None

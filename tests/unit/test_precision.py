@@ -1,0 +1,197 @@
+"""Precision (issue 30, item 5): the spec's ``precision``, autocast in the step, and fp16's
+loss scale whose found-inf decision every worker of a group takes alike.
+
+bf16 runs on CPU autocast; fp16 too (CPU autocast has float16), which is enough for the
+loss scale's arithmetic and its agreement across workers. The agreement is tested in a
+two-process gloo group: one member's gradient is made infinite; every member must skip the
+step (its weights unchanged) and halve its scale. A worker deciding on its own gradient
+would step with the other's infinity: its weights would not stay finite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from dynabatch.actors.contracts import SegmentPlan, StepPlan
+from dynabatch.actors.group import ProcessGroup
+from dynabatch.actors.precision import LossScaler
+from dynabatch.actors.spec import JobSpec, SpecError, parse_spec
+from dynabatch.actors.worker import Worker
+
+B = 16  # the step's global batch
+SHARES = (6, 10)  # the two members' shares
+N = 32
+TIMEOUT_S = 10
+
+
+def _spec(**kw) -> JobSpec:
+    base = dict(
+        dataset={"name": "synthetic"},
+        model={"name": "mlp", "hidden": 32},
+        workers=len(SHARES),
+        global_batch=B,
+        optimizer={"name": "sgd", "lr": 0.1},
+        collective_timeout_s=TIMEOUT_S,
+    )
+    base.update(kw)
+    return JobSpec.model_validate(base)
+
+
+def _worker(ordinal: int, **kw) -> Worker:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 8)).astype(np.float32)
+    y = rng.integers(0, 3, size=N)
+    return Worker(f"w{ordinal}", ordinal, _spec(**kw), x, y, (8,), 3)
+
+
+def _segment(start: int, size: int) -> SegmentPlan:
+    return SegmentPlan(0, 0, N, (StepPlan(0, 0, B, start, size),))
+
+
+def _alone(start: int, size: int, **kw) -> tuple[Worker, np.ndarray]:
+    """One step of a share in a one-rank group: its own (b_i/B)-weighted gradient."""
+    w = _worker(0, **kw)
+    w.join(w.group.open_store(1, 1, "gloo", host="127.0.0.1"), 0)
+    try:
+        res = w.run_segment(_segment(start, size))
+    finally:
+        w.leave()
+    assert res.error is None, res.error
+    return w, w.reducer.flat[: w.reducer.n_params].numpy().copy()
+
+
+# --- the spec -----------------------------------------------------------------------------
+
+
+def test_precision_is_a_strict_field_with_a_default():
+    assert _spec().precision == "fp32"
+    assert _spec(precision="bf16").precision == "bf16"
+    with pytest.raises(SpecError) as err:
+        parse_spec({"precision": "fp8"})
+    text = str(err.value)
+    assert text.startswith("precision: ") and "\n" not in text, text
+
+
+def test_fp16_with_isgd_is_refused_on_one_line():
+    with pytest.raises(SpecError) as err:
+        parse_spec({"precision": "fp16", "isgd": {"enabled": True}})
+    text = str(err.value)
+    assert text.startswith("precision: ") and "isgd" in text and "\n" not in text, text
+
+
+def test_tf32_on_the_cpu_warns_that_it_is_ignored():
+    with pytest.warns(UserWarning, match="precision tf32 is ignored on the CPU"):
+        parse_spec({"precision": "tf32", "device": "cpu"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_spec({"precision": "bf16", "device": "cpu"})
+
+
+# --- the step -----------------------------------------------------------------------------
+
+
+def test_a_bf16_step_matches_fp32_loosely():
+    _, ref = _alone(0, B)
+    _, got = _alone(0, B, precision="bf16")
+    assert got.dtype == np.float32  # the gradient buffer stays fp32
+    assert not np.array_equal(got, ref)  # autocast did run
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-2 * np.abs(ref).max())
+
+
+def test_an_fp16_step_is_unscaled_before_the_update():
+    w32, _ = _alone(0, B)
+    w16, _ = _alone(0, B, precision="fp16")
+    assert w16.math.scaler.scale == 2.0**16 and w16.math.scaler.good_steps == 1
+    for a, b in zip(w16.params, w32.params, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-2)
+    assert w16.state()["loss_scale"] == {"scale": 2.0**16, "good_steps": 1}
+
+
+def test_the_loss_scale_halves_on_overflow_and_grows_after_an_interval():
+    s = LossScaler(scale=8.0, growth_interval=2)
+    assert s.overflowed([torch.tensor([1.0, float("inf")])])
+    assert s.overflowed([torch.tensor([float("nan")])])
+    assert not s.overflowed([torch.tensor([1.0, 2.0])])
+    s.update(True)
+    assert s.scale == 4.0
+    s.update(False)
+    s.update(False)
+    assert (s.scale, s.good_steps) == (8.0, 0)
+
+
+# --- the group ----------------------------------------------------------------------------
+
+
+def _member(rank: int, rv, kw: dict, poison: bool, out: mp.Queue) -> None:
+    """One member (a child process): one step of its share; ``poison``: its gradient is
+    infinite. Sends its all-reduced gradient, whether it overflowed, its scale and whether
+    its weights stayed as they were."""
+    try:
+        w = _worker(rank, **kw)
+        before = [p.detach().clone() for p in w.params]
+        if poison:
+            w.params[0].register_hook(lambda g: g + float("inf"))
+        w.join(rv, rank)
+        res = w.run_segment(_segment(sum(SHARES[:rank]), SHARES[rank]))
+        w.leave()
+        grad = w.reducer.flat[: w.reducer.n_params].numpy().copy()
+        same = all(torch.equal(a, b) for a, b in zip(before, w.params, strict=True))
+        scale = w.math.scaler.scale if w.math.scaler is not None else None
+        overflow = res.steps[0].overflow if res.steps else None
+        out.put((rank, res.error, grad, overflow, scale, same))
+    except Exception as err:  # reported, so the parent fails with it instead of waiting
+        out.put((rank, f"{type(err).__name__}: {err}", None, None, None, None))
+
+
+def _group(kw: dict, poisoned: int | None = None) -> dict[int, tuple]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store = ProcessGroup(TIMEOUT_S)
+    rv = store.open_store(1, len(SHARES), "gloo", host="127.0.0.1")
+    procs = [
+        ctx.Process(target=_member, args=(r, rv, kw, r == poisoned, out), daemon=True)
+        for r in range(len(SHARES))
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple] = {}
+    try:
+        while len(got) < len(SHARES):
+            rank, *rest = out.get(timeout=120)
+            got[rank] = tuple(rest)
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    assert sorted(got) == list(range(len(SHARES))), f"members that answered: {sorted(got)}"
+    errors = {r: e for r, (e, *_rest) in got.items() if e}
+    assert not errors, errors
+    return got
+
+
+def test_bf16_all_reduce_is_the_sum_of_the_members_computed_gradients():
+    got = _group({"precision": "bf16"})
+    # Each share's weighted gradient, computed alone as its member computed it.
+    parts = [_alone(sum(SHARES[:r]), SHARES[r], precision="bf16")[1] for r in range(2)]
+    for rank, (_e, grad, overflow, _s, _same) in got.items():
+        assert overflow is False
+        np.testing.assert_allclose(
+            grad, parts[0] + parts[1], rtol=0, atol=1e-6, err_msg=f"rank {rank}"
+        )
+
+
+def test_fp16_found_inf_is_agreed_every_worker_skips_and_halves_its_scale():
+    got = _group({"precision": "fp16"}, poisoned=1)
+    for rank, (_e, grad, overflow, scale, same) in got.items():
+        assert not np.isfinite(grad).all(), f"rank {rank}: the infinity rode the all-reduce"
+        assert overflow is True, f"rank {rank} did not see the overflow"
+        assert scale == 2.0**15, f"rank {rank}: scale {scale}"
+        assert same, f"rank {rank} updated its weights on an overflowed step"
