@@ -7,13 +7,20 @@ Backends. The scheduler picks the backend per generation (:func:`choose_backend`
 when every member trains on a GPU, gloo otherwise (a job that mixes GPU and CPU nodes;
 GPU members stage their flat gradient buffer through pinned host memory for it).
 
+Start-up. A join is bounded by its own timeout (``join_timeout_s``), apart from the
+collectives' (``collective_timeout_s``): every member first checks in through the store and
+waits, at most the start-up timeout, for all the others (:func:`check_in`), so a peer that
+never comes fails the join there, whatever the backend. Only then is the group formed, and
+an NCCL group is given its device (``device_id``), which creates the communicator at once,
+inside the join, instead of lazily inside the first collective (the state broadcast).
+
 NCCL faults. By default a lost peer makes PyTorch's NCCL watchdog tear the *process*
 down after the timeout, which would kill every survivor. Before an NCCL group is formed,
 :func:`configure_nccl_fault_handling` sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean
 up only: abort the communicator and raise, keep the process) and
 ``TORCH_NCCL_BLOCKING_WAIT=1`` (a timed-out collective raises in the calling thread), and
-:meth:`ProcessGroup.leave` aborts the communicator before destroying the group, so a
-survivor raises, leaves and re-forms.
+:meth:`ProcessGroup.leave` aborts the communicator (:func:`abort_group`) before destroying
+the group, so a survivor raises, leaves and re-forms.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 NCCL_FAULT_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
@@ -42,9 +50,22 @@ class Rendezvous:
     backend: str = "gloo"
 
 
-def choose_backend(devices: Sequence[str]) -> str:
-    """NCCL when every member's device is a GPU, gloo when any member is on the CPU."""
-    return "nccl" if devices and all(d.startswith("cuda") for d in devices) else "gloo"
+def choose_backend(devices: Sequence[str], gpus: Sequence[str | None] | None = None) -> str:
+    """NCCL when every member's device is a GPU of its own, gloo otherwise: when any member
+    is on the CPU, or when two members share one GPU (fractional ``worker_gpus``: NCCL
+    refuses two ranks on one device; through gloo each stages its buckets through host
+    memory). ``gpus``: each member's physical GPU, as :func:`gpu_key` names it (None where
+    unknown: not counted as shared)."""
+    if not devices or not all(d.startswith("cuda") for d in devices):
+        return "gloo"
+    known = [g for g in gpus or () if g is not None]
+    return "nccl" if len(set(known)) == len(known) else "gloo"
+
+
+def gpu_key(node_id: str, gpu_ids: Sequence[str | int]) -> str | None:
+    """The physical GPU a worker drives, unique in the cluster (its node and Ray's GPU id),
+    to tell members that share one; None when Ray gave it none."""
+    return f"{node_id}/{gpu_ids[0]}" if gpu_ids else None
 
 
 def configure_nccl_fault_handling() -> None:
@@ -73,11 +94,36 @@ def node_ip() -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-class ProcessGroup:
-    """Owns this process's membership in the default torch.distributed group."""
+def check_in(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Post this member's arrival in the generation's store and wait, at most ``timeout``,
+    until every member has: the part of a join that waits for peers, bounded by the
+    start-up timeout (a missing peer raises ``DistStoreError`` here)."""
+    store.set(f"in/{rank}", "1")
+    store.wait([f"in/{r}" for r in range(world_size)], timeout)
 
-    def __init__(self, timeout_s: float):
+
+def abort_group() -> None:
+    """Abort the default group's communicators, so a collective blocked on a dead peer
+    returns and the group can be destroyed. ``ProcessGroup.abort`` is public (bound in
+    torch/csrc/distributed/c10d/init.cpp with ``shutdown``), present in torch 2.11 and
+    2.13; 2.11 also has the private ``distributed_c10d._abort_process_group``, which this
+    module used before. Looked up outside the error handling: a torch without it raises
+    AttributeError here instead of silently skipping the abort. Errors of the abort itself
+    (a communicator already broken) are expected: the group is being replaced."""
+    abort = dist.group.WORLD.abort
+    with contextlib.suppress(RuntimeError):
+        abort()
+
+
+class ProcessGroup:
+    """Owns this process's membership in the default torch.distributed group.
+
+    ``timeout_s`` bounds each collective; ``join_timeout_s`` (default: the same) bounds a
+    join's start-up: the store, waiting for the peers, and NCCL's communicator."""
+
+    def __init__(self, timeout_s: float, join_timeout_s: float | None = None):
         self.timeout = timedelta(seconds=timeout_s)
+        self.join_timeout = timedelta(seconds=join_timeout_s or timeout_s)
         self.generation = -1
         self.backend: str | None = None
         self._store: dist.TCPStore | None = None
@@ -89,22 +135,29 @@ class ProcessGroup:
         """Rank 0 only: listen on a free port for this generation's members."""
         host = host or node_ip()
         self._store = dist.TCPStore(
-            host, 0, world_size, is_master=True, wait_for_workers=False, timeout=self.timeout
+            host, 0, world_size, is_master=True, wait_for_workers=False,
+            timeout=self.join_timeout,
         )
         self._store_generation = generation
         return Rendezvous(generation, host, self._store.port, world_size, backend)
 
-    def join(self, rv: Rendezvous, rank: int) -> None:
+    def join(self, rv: Rendezvous, rank: int, device: torch.device | None = None) -> None:
+        """Join generation ``rv`` as ``rank``, within the start-up timeout. ``device``: the
+        member's GPU, required for NCCL, whose communicator is then created here."""
         self.leave()
         if rv.backend == "nccl":
+            if device is None or device.type != "cuda":
+                raise ValueError(f"an NCCL group needs the member's GPU, not {device}")
             configure_nccl_fault_handling()
         own = rank == 0 and self._store is not None and self._store_generation == rv.generation
         store = self._store if own else dist.TCPStore(
-            rv.host, rv.port, rv.world_size, is_master=False, timeout=self.timeout
+            rv.host, rv.port, rv.world_size, is_master=False, timeout=self.join_timeout
         )
+        check_in(store, rank, rv.world_size, self.join_timeout)
         _reset_group_counter()
         dist.init_process_group(
-            rv.backend, store=store, rank=rank, world_size=rv.world_size, timeout=self.timeout
+            rv.backend, store=store, rank=rank, world_size=rv.world_size,
+            timeout=self.timeout, device_id=device if rv.backend == "nccl" else None,
         )
         self._store = store
         self.generation = rv.generation
@@ -116,8 +169,7 @@ class ProcessGroup:
         if dist.is_initialized():
             if self.backend == "nccl":
                 # A communicator stuck on a dead peer would block destroy: abort it first.
-                with contextlib.suppress(Exception):
-                    dist.distributed_c10d._abort_process_group()
+                abort_group()
             # A broken group (a peer died) can fail to tear down cleanly; it is being
             # replaced either way.
             with contextlib.suppress(Exception):

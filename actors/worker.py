@@ -54,7 +54,7 @@ from dynabatch.actors.contracts import (
 from dynabatch.actors.device_data import WorkerData
 from dynabatch.actors.emulation import ComputeClock, error_at, slowdown_at
 from dynabatch.actors.errors import first_line, is_out_of_memory
-from dynabatch.actors.group import ProcessGroup, Rendezvous
+from dynabatch.actors.group import ProcessGroup, Rendezvous, gpu_key
 from dynabatch.actors.optim import build_optimizer
 from dynabatch.actors.output import own_actor_id
 from dynabatch.actors.reducer import GradientReducer
@@ -83,12 +83,43 @@ class _StepFailed(Exception):
         self.oom_batch = oom_batch
 
 
-def pick_device(spec: JobSpec, gpus: float) -> torch.device:
-    """The worker's device: its GPU when it was placed with one (``gpus`` > 0)."""
+def cuda_index(gpu_ids: list[str | int], visible: str | None) -> int:
+    """The torch index (``cuda:<i>``) of the GPU Ray gave this worker: the position of its
+    GPU id (``ray.get_gpu_ids()``) among ``CUDA_VISIBLE_DEVICES``, which Ray sets per actor
+    to exactly its GPUs (so usually 0); where that is unset every GPU is visible and the id
+    is the index. No GPU id (outside Ray): the first visible GPU."""
+    if not gpu_ids:
+        return 0
+    mine = str(gpu_ids[0])
+    if visible is None or not visible.strip():
+        return int(mine)
+    listed = [v.strip() for v in visible.split(",")]
+    if mine not in listed:
+        raise RuntimeError(f"Ray gave this worker GPU {mine}, which CUDA_VISIBLE_DEVICES "
+                           f"({visible}) does not list")
+    return listed.index(mine)
+
+
+def ray_gpu_ids() -> list[str | int]:
+    """The GPUs Ray gave this process (``ray.get_gpu_ids()``); none outside a Ray worker
+    (tests, bench/gpu_check.py on a machine without Ray)."""
+    try:
+        import ray
+
+        return list(ray.get_gpu_ids()) if ray.is_initialized() else []
+    except ImportError:
+        return []
+
+
+def pick_device(spec: JobSpec, gpus: float, gpu_ids: list[str | int] | None = None
+                ) -> torch.device:
+    """The worker's device: the GPU Ray gave it (``gpu_ids``, see :func:`cuda_index`) when
+    it was placed with one (``gpus`` > 0)."""
     if spec.device == "cpu" or (spec.device == "auto" and gpus <= 0):
         return torch.device("cpu")
     if torch.cuda.is_available():
-        return torch.device("cuda", 0)
+        return torch.device("cuda", cuda_index(gpu_ids or [],
+                                               os.environ.get("CUDA_VISIBLE_DEVICES")))
     if spec.device == "cuda" or gpus > 0:
         raise RuntimeError("a GPU was requested but no GPU is visible to the worker")
     return torch.device("cpu")
@@ -146,9 +177,12 @@ class Worker:
         self.worker_id = worker_id or "spare"
         self.ordinal = ordinal
         self.spec = spec
-        self.device = pick_device(spec, gpus)
+        self._gpu_ids = ray_gpu_ids() if gpus > 0 else []
+        self.device = pick_device(spec, gpus, self._gpu_ids)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(spec.worker_cpus)))
+        else:  # kernels and allocations that name no index go to this worker's GPU too
+            torch.cuda.set_device(self.device)
         # In-memory arrays (zero-copy views; on a GPU on the device when they fit, else
         # pinned), or a source read by position (``x_train`` a DataRef, ``y_train`` None):
         # only the samples this worker trains are read, ahead of time.
@@ -163,7 +197,7 @@ class Worker:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.math = StepMath(self.model, self.objective, self.params, spec.precision)
         self.optimizer = build_optimizer(spec, self.params)
-        self.group = ProcessGroup(spec.collective_timeout_s)
+        self.group = ProcessGroup(spec.collective_timeout_s, spec.join_timeout)
         self.reducer = GradientReducer(self.params, self.device, spec.global_batch,
                                        spec.allreduce,
                                        spec.bucket_kb * 1024 if spec.bucket_kb else None)
@@ -195,8 +229,11 @@ class Worker:
     def info(self) -> dict[str, Any]:
         import ray
 
-        return {"worker": self.worker_id, "node": ray.get_runtime_context().get_node_id(),
-                "device": str(self.device), "startup": dict(self.startup)}
+        node = ray.get_runtime_context().get_node_id()
+        # "gpu": the physical GPU, so the driver can tell members that share one (gloo).
+        return {"worker": self.worker_id, "node": node, "device": str(self.device),
+                "gpu": gpu_key(node, self._gpu_ids) if self.device.type == "cuda" else None,
+                "startup": dict(self.startup)}
 
     def actor_id(self) -> str | None:
         """This actor's Ray id: the job reads its stdout and stderr by it
@@ -221,7 +258,9 @@ class Worker:
         """Join generation ``rv`` and take the model and optimizer state from ``src_rank``."""
         t0 = time.perf_counter()
         self._update = None  # updates are per generation (its store)
-        self.group.join(rv, rank)
+        # NCCL's communicator is created here, on this worker's GPU, within the start-up
+        # timeout, not lazily in the state broadcast below.
+        self.group.join(rv, rank, self.device)
         # The group's collective plan, the same in every member (actors/reducer.py).
         self.reducer.use_group(rv.backend)
         self._broadcast_state(src_rank)

@@ -95,8 +95,10 @@ class JobSpec(_Strict):
     worker_cpus: float = Field(default=1.0, gt=0.0, le=1024.0)
     worker_gpus: Annotated[float, Field(ge=0.0, le=64.0)] | Literal["auto"] = Field(
         default=0.0,
-        description="GPUs per worker (> 0: every worker on a GPU, NCCL), or 'auto': one GPU "
-        "where a node has one and the CPU elsewhere, in one job (gloo across them).",
+        description="GPUs per worker (> 0: every worker on a GPU; at most 1: a worker drives "
+        "one device), or 'auto': one GPU where a node has one and the CPU elsewhere, in one "
+        "job (gloo across them). NCCL when every worker has a GPU of its own; a fraction "
+        "(0.5: two workers share a GPU) makes workers that share one use gloo.",
     )
     node_resource: str | None = Field(
         default=None,
@@ -145,7 +147,15 @@ class JobSpec(_Strict):
     emulation: EmulationSpec = Field(default_factory=EmulationSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     protocol: ProtocolSpec = Field(default_factory=ProtocolSpec)
-    collective_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+    collective_timeout_s: float = Field(
+        default=10.0, gt=0.0, le=3600.0,
+        description="How long a collective (a step's all-reduce, the state broadcast) may "
+        "wait for a peer before it fails.")
+    join_timeout_s: float | None = Field(
+        default=None, gt=0.0, le=3600.0,
+        description="How long joining the group may take: reaching the store, waiting for "
+        "every member and, on NCCL, creating the communicator; a peer missing longer fails "
+        "the join. Default: collective_timeout_s.")
     worker_wait_timeout_s: float = Field(
         default=60.0,
         gt=0.0,
@@ -252,6 +262,16 @@ class JobSpec(_Strict):
     def initial_workers(self) -> int | None:
         """Workers to start with; None means one per eligible node (``workers: auto``)."""
         return self.workers if isinstance(self.workers, int) else None
+
+    @property
+    def join_timeout(self) -> float:
+        """Seconds a join may take (``join_timeout_s``; default ``collective_timeout_s``)."""
+        return self.join_timeout_s or self.collective_timeout_s
+
+    @property
+    def needs_gpu(self) -> bool:
+        """Every worker must be on a GPU: ``device: cuda``, or GPUs asked for each worker."""
+        return self.device == "cuda" or (self.worker_gpus != "auto" and self.worker_gpus > 0)
 
     def gpus_on(self, node_gpus: float) -> float:
         """GPUs a worker asks for on a node offering ``node_gpus``."""

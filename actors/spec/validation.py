@@ -89,6 +89,9 @@ def check_combinations(spec: JobSpec) -> None:
         bad("worker_gpus", "device 'cuda' needs worker_gpus > 0 or 'auto'")
     if spec.device == "cpu" and spec.worker_gpus == "auto":
         bad("worker_gpus", "worker_gpus 'auto' places workers on GPUs; device is 'cpu'")
+    if spec.worker_gpus != "auto" and spec.worker_gpus > 1:
+        bad("worker_gpus", f"worker_gpus {spec.worker_gpus:g} is more than one GPU: a worker "
+            "drives one device; for more GPUs use more workers (worker_gpus: 1)")
     if spec.precision == "fp16" and spec.isgd.enabled:
         bad("precision", "precision fp16 cannot be combined with isgd.enabled: ISGD's extra "
             "passes are not loss-scaled (use bf16)")

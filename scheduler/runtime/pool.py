@@ -30,21 +30,35 @@ def _available() -> dict[str, dict[str, float]] | None:
         return None
 
 
+def hosts_worker(spec: JobSpec, resources: dict[str, float]) -> bool:
+    """Whether a node with ``resources`` (Ray's totals) can host one of the job's workers:
+    its CPUs, the GPUs the worker asks for there, the job's ``node_resource``; and a GPU
+    when the job needs one on every worker (``device: cuda`` or ``worker_gpus`` > 0).
+    Without that last rule a CPU-only node is eligible under ``worker_gpus: auto`` with
+    ``device: cuda``, and its worker, finding no GPU, fails and is replaced there for ever."""
+    gpus = resources.get("GPU", 0.0)
+    want = spec.gpus_on(gpus)
+    if resources.get("CPU", 0.0) < spec.worker_cpus or gpus < want:
+        return False
+    if spec.needs_gpu and want <= 0:
+        return False
+    return not spec.node_resource or resources.get(spec.node_resource, 0.0) > 0
+
+
 def eligible_nodes(spec: JobSpec) -> list[NodeInfo]:
-    """Alive nodes that can host one of this job's workers. With ``worker_gpus: auto`` a
-    node without a GPU is eligible too (its worker trains on the CPU). ``free``: it has the
-    unreserved CPUs (and GPUs) for one more worker now."""
+    """Alive nodes that can host one of this job's workers (:func:`hosts_worker`). With
+    ``worker_gpus: auto`` (and device ``auto``) a node without a GPU is eligible too (its
+    worker trains on the CPU). ``free``: it has the unreserved CPUs (and GPUs) for one more
+    worker now."""
     avail = _available()
     out = []
     for n in ray.nodes():
         if not n.get("Alive"):
             continue
         res = n.get("Resources", {})
+        if not hosts_worker(spec, res):
+            continue
         gpus = res.get("GPU", 0.0)
-        if res.get("CPU", 0.0) < spec.worker_cpus or gpus < spec.gpus_on(gpus):
-            continue
-        if spec.node_resource and res.get(spec.node_resource, 0.0) <= 0:
-            continue
         left = (avail or {}).get(n["NodeID"], {})
         free = (avail is not None and left.get("CPU", 0.0) >= spec.worker_cpus
                 and left.get("GPU", 0.0) >= spec.gpus_on(gpus))

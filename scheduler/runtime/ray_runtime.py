@@ -87,6 +87,9 @@ class RayRuntime:
         self._handles: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self._devices: dict[str, str] = {}
+        # Each worker's physical GPU (node and Ray's GPU id), None on the CPU: workers that
+        # share one (fractional worker_gpus) cannot be NCCL ranks together.
+        self._gpus: dict[str, str | None] = {}
         self._objective: Any = None  # finishes the evaluation's sums (loaded with the data)
         self._spares: dict[str, _Spare] = {}  # node id -> its spare, not yet adopted
         self._reservations: dict[str, Any] = {}  # adopted worker -> its placement group
@@ -153,6 +156,7 @@ class RayRuntime:
             try:
                 info = ray.get(ref, timeout=CALL_TIMEOUT_S)
                 self._devices[worker] = info["device"]
+                self._gpus[worker] = info.get("gpu")
                 self.startups.setdefault(worker, {}).update(info.get("startup") or {},
                                                             started=time.time())
                 out.append(Started(worker))
@@ -166,6 +170,7 @@ class RayRuntime:
             self.output.unwatch(worker)
         self._pending.pop(worker, None)
         self._devices.pop(worker, None)
+        self._gpus.pop(worker, None)
         handle = self._handles.pop(worker, None)
         if handle is not None:
             with contextlib.suppress(Exception):
@@ -259,7 +264,8 @@ class RayRuntime:
         timeout_s: float,
     ) -> RegroupResult:
         src = self._handles[members[0]]
-        backend = choose_backend([self._devices.get(w, "cpu") for w in members])
+        backend = choose_backend([self._devices.get(w, "cpu") for w in members],
+                                 [self._gpus.get(w) for w in members])
         try:
             if state is not None:
                 ray.get(src.load_state.remote(state), timeout=CALL_TIMEOUT_S)

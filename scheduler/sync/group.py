@@ -244,8 +244,10 @@ class Group(Part):
         # is at epoch 0 step 0 with them.
         state = job.restored_weights
         t0 = self.clock.now()
+        # A join is its start-up (join_timeout) and the state broadcast (a collective).
         result = self.runtime.regroup(m.generation + 1, plan.members, state,
-                                      self.spec.collective_timeout_s + 30)
+                                      self.spec.join_timeout + self.spec.collective_timeout_s
+                                      + 30)
         if not result.ok:
             for w, why in result.lost.items():
                 self.remove(w, "failure", why)
