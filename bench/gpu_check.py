@@ -73,6 +73,27 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("actors", "scheduler", "service", "api")
 
 
+
+def _gather(procs: list, out: Any, timeout_s: float) -> dict[int, tuple]:
+    """Start the member processes, collect one ``(rank, *result)`` from each within
+    ``timeout_s`` (fewer when members die without answering), then reap them all."""
+    for p in procs:
+        p.start()
+    got: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, *rest = out.get(timeout=1)
+            got[rank] = tuple(rest)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and out.empty():
+                break
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    return got
+
 def _map_dynabatch() -> bool:
     """Make ``dynabatch.*`` importable from this checkout where it is not installed (the
     package is a namespace over the repository's top-level folders, setup.py). Whether it
@@ -227,21 +248,7 @@ def _group_check(
         ctx.Process(target=_member, args=(r, rv, d, s, shares, cfg, out), daemon=True)
         for r, (d, s) in enumerate(zip(devices, staged, strict=True))
     ]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple] = {}
-    deadline = time.monotonic() + cfg["timeout_s"] * 6
-    while len(got) < len(devices) and time.monotonic() < deadline:
-        try:
-            rank, *rest = out.get(timeout=1)
-            got[rank] = tuple(rest)
-        except queue.Empty:
-            if all(not p.is_alive() for p in procs) and out.empty():
-                break
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
+    got = _gather(procs, out, cfg["timeout_s"] * 6)
     ref = _reference(cfg)
     # A GPU's kernels sum in another order than the CPU's: a looser bound where one trains.
     tol = 1e-5 if any(d.startswith("cuda") for d in devices) else 1e-6
@@ -461,21 +468,7 @@ def check_fp16_found_inf(cfg: dict[str, Any]) -> dict[str, Any]:
         ctx.Process(target=_fp16_member, args=(r, rv, d, cfg, out), daemon=True)
         for r, d in enumerate(devices)
     ]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple] = {}
-    deadline = time.monotonic() + cfg["timeout_s"] * 6
-    while len(got) < len(devices) and time.monotonic() < deadline:
-        try:
-            rank, *rest = out.get(timeout=1)
-            got[rank] = tuple(rest)
-        except queue.Empty:
-            if all(not p.is_alive() for p in procs) and out.empty():
-                break
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
+    got = _gather(procs, out, cfg["timeout_s"] * 6)
     ref = _reference(cfg)
     tol = 2e-2 * float(abs(ref).max())  # fp16 autocast against fp32
     members, errors = [], {}

@@ -77,8 +77,8 @@ class _PhasedRuntime(FakeRuntime):
     """Fake workers that report their phases: compute is 10% gather, 30% forward and 60%
     backward; a step lasts its slowest worker's compute."""
 
-    def _apply(self, w, epoch, sps, compute, names, wait):
-        rep = super()._apply(w, epoch, sps, compute, names, wait)
+    def _apply(self, w, epoch, sps, compute, names, wait, cap=None):
+        rep = super()._apply(w, epoch, sps, compute, names, wait, cap)
         c = compute[w]
         return rep.model_copy(update={"gather_s": 0.1 * c, "forward_s": 0.3 * c,
                                       "backward_s": 0.6 * c, "step_s": c + wait})

@@ -136,9 +136,9 @@ class _LateCoordinator(FakeRuntime):
     def load_data(self) -> DataInfo:
         return DataInfo("fake", self.n_train, 4000)
 
-    def _apply(self, w, epoch, sps, compute, names, wait):
+    def _apply(self, w, epoch, sps, compute, names, wait, cap=None):
         # As real workers do: each step's whole time by the worker's clock.
-        rep = super()._apply(w, epoch, sps, compute, names, wait)
+        rep = super()._apply(w, epoch, sps, compute, names, wait, cap)
         return rep.model_copy(update={"step_s": compute[w] + wait})
 
     def collect_segment(self, plans, grace_s):

@@ -113,8 +113,8 @@ def test_rollback_and_state_round_trip():
 class _LosingRuntime(FakeRuntime):
     """A defective all-reduce: one sample of step 3 is missing from what it summed."""
 
-    def _apply(self, w, epoch, sps, compute, names, wait):
-        rep = super()._apply(w, epoch, sps, compute, names, wait)
+    def _apply(self, w, epoch, sps, compute, names, wait, cap=None):
+        rep = super()._apply(w, epoch, sps, compute, names, wait, cap)
         if rep.step == 3:
             counts = decode_counts(rep.coverage)
             counts[0] = 0

@@ -565,8 +565,8 @@ class _NoisyRuntime(FakeRuntime):
     """Reports goodput's gradient norms at their expected values for |∇L|² = 1 and
     tr(Σ) = 400 (B_noise = 400), with the finite-population correction."""
 
-    def _apply(self, w, epoch, sps, compute, names, wait):
-        rep = super()._apply(w, epoch, sps, compute, names, wait)
+    def _apply(self, w, epoch, sps, compute, names, wait, cap=None):
+        rep = super()._apply(w, epoch, sps, compute, names, wait, cap)
         sp = sps[w]
         if not sp.noise:
             return rep
