@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from dynabatch.actors.spec import MODULE_PATTERN
 from dynabatch.service.submit_policy import ANY_MODULE, SubmitPolicy
@@ -85,6 +85,23 @@ class Settings(BaseSettings):
         "epoch in between, before it is marked FAILED; 0 turns automatic resume off.",
     )
     log_level: str = Field(default="info", description="uvicorn and service log level.")
+    # The cluster scheduler (dynabatch.scheduler.core.cluster): which nodes each job trains on.
+    cluster_policy: Literal["fifo", "fair", "goodput"] = Field(
+        default="goodput",
+        description="How the cluster scheduler shares nodes between jobs: fifo (submit order, "
+        "by priority), fair (max-min fairness on normalised throughput) or goodput (the most "
+        "total normalised throughput, a job may span node types).",
+    )
+    cluster_round_s: float = Field(
+        default=30.0, gt=0.0, le=86400.0,
+        description="Seconds between the cluster scheduler's rounds (it also decides when a "
+        "job is submitted or finishes and when a node joins or is lost).",
+    )
+    cluster_hold_s: float = Field(
+        default=120.0, ge=0.0, le=86400.0,
+        description="A job keeps its nodes at least this long between resizes (a lost node "
+        "overrides it).",
+    )
     # What specs submitted over REST may name (see dynabatch.service.submit_policy). Comma
     # lists are plain strings: pydantic-settings would try to JSON-decode a list from the env.
     user_code_modules: str = Field(

@@ -34,6 +34,7 @@ from pydantic import ConfigDict, Field, StrictInt, field_validator, model_valida
 
 POLICIES = ("static", "dbs", "affine")
 MAX_WORKERS = 4096
+MAX_PRIORITY = 1000
 
 
 class JobSpec(_Strict):
@@ -92,6 +93,11 @@ class JobSpec(_Strict):
     )
     min_workers: StrictInt | None = Field(default=None, ge=1, le=MAX_WORKERS)
     max_workers: StrictInt | None = Field(default=None, ge=1, le=MAX_WORKERS)
+    priority: StrictInt = Field(
+        default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
+        description="The job's place in the cluster scheduler's queue: a higher priority is "
+        "never queued behind a lower one; equal priorities go in submit order.",
+    )
     worker_cpus: float = Field(default=1.0, gt=0.0, le=1024.0)
     worker_gpus: Annotated[float, Field(ge=0.0, le=64.0)] | Literal["auto"] = Field(
         default=0.0,

@@ -1,0 +1,139 @@
+"""What people see of the cluster scheduler: one read model of its last round (pure values).
+
+The scheduler builds a :class:`ClusterView` after each round from the nodes and jobs it
+decided over and the :class:`~dynabatch.scheduler.core.cluster.values.ClusterDecision`;
+REST (``GET /v1/cluster``), the CLI (``dynabatch cluster``), the job page and the metrics
+all render this one value, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dynabatch.scheduler.core.cluster.values import ClusterDecision, ClusterJob, ClusterNode
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """A node, its type, its worker slots, and which jobs hold how many of them."""
+
+    node_id: str
+    node_type: str
+    capacity: int
+    holders: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def used(self) -> int:
+        return sum(n for _, n in self.holders)
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """A job as the scheduler sees it after the round.
+
+    ``allocation``: (node_id, workers) it trains on (empty: queued). ``by_type``: workers per
+    node type. ``position``: 1-based place in the queue, None when running. ``rates``:
+    samples/s of one worker per node type, ``measured`` the types the job's own telemetry
+    gave (the others are estimates). ``normalised``: its throughput over its best."""
+
+    job_id: str
+    priority: int
+    min_workers: int
+    max_workers: int
+    allocation: tuple[tuple[str, int], ...]
+    by_type: tuple[tuple[str, int], ...]
+    reason: str
+    position: int | None
+    rates: tuple[tuple[str, float], ...]
+    measured: tuple[str, ...]
+    normalised: float
+
+    @property
+    def queued(self) -> bool:
+        return self.position is not None
+
+    @property
+    def workers(self) -> int:
+        return sum(n for _, n in self.allocation)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """The cluster after round ``round_no`` (decided at ``decided_s`` on the scheduler's
+    clock): its nodes, every job, the queue in order, and resizes made so far."""
+
+    policy: str
+    round_no: int
+    decided_s: float
+    nodes: tuple[NodeView, ...]
+    jobs: tuple[JobView, ...]
+    queue: tuple[str, ...]
+    resizes: int = 0
+
+    def job(self, job_id: str) -> JobView:
+        for j in self.jobs:
+            if j.job_id == job_id:
+                return j
+        raise KeyError(job_id)
+
+    @property
+    def capacity(self) -> int:
+        return sum(n.capacity for n in self.nodes)
+
+    @property
+    def used(self) -> int:
+        return sum(n.used for n in self.nodes)
+
+    @property
+    def utilization(self) -> float:
+        """Worker slots held over slots offered (0 on an empty cluster)."""
+        return self.used / self.capacity if self.capacity else 0.0
+
+
+def view_of(
+    nodes: Sequence[ClusterNode],
+    jobs: Sequence[ClusterJob],
+    decision: ClusterDecision,
+    *,
+    round_no: int = 0,
+    decided_s: float = 0.0,
+    resizes: int = 0,
+) -> ClusterView:
+    """The read model of one round: ``decision`` taken over ``nodes`` and ``jobs``."""
+    by_job = {j.job_id: j for j in jobs}
+    holders: dict[str, list[tuple[str, int]]] = {n.node_id: [] for n in nodes}
+    for plan in decision.plans:
+        for node_id, n in plan.slots:
+            holders.setdefault(node_id, []).append((plan.job_id, n))
+    node_views = tuple(
+        NodeView(n.node_id, n.node_type, n.capacity, tuple(sorted(holders[n.node_id])))
+        for n in sorted(nodes, key=lambda n: n.node_id)
+    )
+    job_views = []
+    for plan in decision.plans:
+        job = by_job[plan.job_id]
+        job_views.append(
+            JobView(
+                job_id=plan.job_id,
+                priority=job.priority,
+                min_workers=job.min_workers,
+                max_workers=job.max_workers,
+                allocation=plan.slots,
+                by_type=plan.by_type,
+                reason=plan.reason,
+                position=plan.position,
+                rates=job.model.rates,
+                measured=tuple(sorted(job.model.measured)),
+                normalised=plan.normalised,
+            )
+        )
+    return ClusterView(
+        policy=decision.policy,
+        round_no=round_no,
+        decided_s=decided_s,
+        nodes=node_views,
+        jobs=tuple(job_views),
+        queue=decision.queue,
+        resizes=resizes,
+    )
