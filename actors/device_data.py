@@ -1,19 +1,22 @@
 """Where a worker's training samples live, and how a micro-batch is gathered from them.
 
 A GPU worker gathers every micro-batch from the training set. Copying the whole set to
-the device once (when it fits in ``fraction`` of the free device memory) turns each step's
-host-to-device copies into an on-device ``index_select``; otherwise the set is pinned in
-host memory. On the CPU the arrays stay as they are (zero-copy views of the object store).
+the device once turns each step's host-to-device copies into an on-device
+``index_select``; it is done when the set fits in the memory the model leaves
+(:func:`data_budget`, decided after the model, its optimizer state and a warm-up pass are
+known: :meth:`WorkerData.place`). Otherwise the set stays in host memory as it is (never a
+page-locked copy of the whole set) and each micro-batch is *staged*: gathered straight
+into a reused page-locked buffer, then copied asynchronously. On the CPU the arrays stay as
+they are (zero-copy views of the object store).
 
 Gathering (:class:`BatchGather`). A worker trains order *positions*; the epoch's order (a
 permutation of sample ids) is set once per epoch, and on the device when the set is there,
-so a step sends no index to the GPU. In the pinned case, ``index_select`` of a pinned
-tensor returns ordinary pageable memory, whose ``non_blocking`` copy to the device is in
-fact synchronous; the gather therefore writes into a preallocated pinned *staging* buffer
-(``index_select(out=...)``) and copies that asynchronously. Two staging buffers alternate,
-each guarded by a CUDA event recorded after its copy, so the host never overwrites a buffer
-whose copy the device has not done (it waits on that one event, which in practice has long
-completed, never on the whole device).
+so a step sends no index to the GPU. In the staged case the gather writes into a
+preallocated pinned *staging* buffer (``index_select(out=...)``: the batch's one host copy;
+a pageable source's ``non_blocking`` copy would in fact be synchronous) and copies that
+asynchronously. Two staging buffers alternate, each guarded by a CUDA event recorded after
+its copy, so the host never overwrites a buffer whose copy the device has not done (it
+waits on that one event, which in practice has long completed, never on the whole device).
 """
 
 from __future__ import annotations
@@ -23,25 +26,55 @@ import warnings
 import numpy as np
 import torch
 
+# Fraction of what is left after the model, its optimizer state and the activations of
+# the largest micro-batch that the data may not take: the caching allocator's
+# fragmentation, cuDNN/cuBLAS workspaces, the reducer's staging, the CUDA context's growth.
+DATA_HEADROOM = 0.2
+# Optimizer state per parameter, in parameter-sized tensors (Adam: two moments; SGD: one
+# momentum buffer when momentum is on). An optimizer not listed counts two.
+OPTIMIZER_SLOTS = {"Adam": 2, "AdamW": 2, "SGD": 1, "RMSprop": 2, "Adagrad": 1}
+
+
+def data_budget(free_bytes: int, model_bytes: int, act_bytes_per_sample: float,
+                micro_batch: int, headroom: float = DATA_HEADROOM) -> int:
+    """Device bytes the training set may take: the free device memory (measured before
+    the model was placed) less the model's parameters, gradients and optimizer state
+    (``model_bytes``) and the activations of a micro-batch of ``micro_batch`` samples,
+    less ``headroom`` of what remains; 0 when nothing remains."""
+    left = free_bytes - model_bytes - act_bytes_per_sample * max(1, micro_batch)
+    return max(0, int(left * (1.0 - headroom)))
+
+
+def model_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """Parameters, their gradients and the optimizer's state, in bytes (the state is
+    created at the first step, so it is counted from the optimizer's kind)."""
+    n = sum(p.numel() * p.element_size() for p in params)
+    slots = OPTIMIZER_SLOTS.get(type(optimizer).__name__, 2)
+    if isinstance(optimizer, torch.optim.SGD) and not any(
+            g.get("momentum", 0) for g in optimizer.param_groups):
+        slots = 0
+    return n * (2 + slots)
+
 
 def stage_dataset(x: torch.Tensor, y: torch.Tensor, device: torch.device,
-                  fraction: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(x, y, where): the training set on ``device`` when it fits, else pinned on the
-    host; unchanged on the CPU. ``where`` is "device", "pinned" or "host"."""
+                  budget: int | None) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(x, y, where): the training set on ``device`` when it fits in ``budget`` bytes, else
+    left in host memory and staged per micro-batch; unchanged on the CPU. ``where`` is
+    "device", "staged" or "host"."""
     if device.type != "cuda":
         return x, y, "host"
     need = x.numel() * x.element_size() + y.numel() * y.element_size()
-    free, _total = torch.cuda.mem_get_info(device)
-    if need <= fraction * free:
+    if budget is not None and need <= budget:
         try:
             return x.to(device), y.to(device), "device"
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-    return x.pin_memory(), y.pin_memory(), "pinned"
+    return x, y, "staged"
 
 
 class _Staging:
-    """One pinned host buffer pair for gathered samples, reused while large enough."""
+    """One host buffer pair for gathered samples (page-locked on a GPU), reused while
+    large enough."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, rows: int, pin: bool):
         self.x = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, pin_memory=pin)
@@ -55,11 +88,15 @@ class _Staging:
 
 class BatchGather:
     """Micro-batches of the epoch's order, gathered from the training set where it lives
-    (``where`` as returned by :func:`stage_dataset`) and delivered on ``device``."""
+    (``where`` as returned by :func:`stage_dataset`) and delivered on ``device``. Staged:
+    through reused buffers, page-locked when ``pin`` (a CUDA device; tests run the same
+    path with ordinary memory)."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, device: torch.device, where: str):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, device: torch.device, where: str,
+                 pin: bool | None = None):
         self.x, self.y, self.device, self.where = x, y, device, where
         self._cuda = device.type == "cuda"
+        self.pin = self._cuda if pin is None else pin
         self._order: torch.Tensor | None = None
         self._key: object = None
         self._staging: list[_Staging | None] = [None, None]
@@ -77,7 +114,7 @@ class BatchGather:
     def gather(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples at order positions ``[lo, hi)``, on the worker's device."""
         ids = self._order[lo:hi]
-        if self.where != "pinned":
+        if self.where != "staged":
             # On the CPU a view of the order; on the GPU both live on the device.
             return self.x.index_select(0, ids), self.y.index_select(0, ids)
         buf = self._buffer(hi - lo)
@@ -101,7 +138,7 @@ class BatchGather:
         if buf is None or buf.rows < rows:
             # Grow geometrically: pinned allocations are slow, and shares change size.
             grow = max(rows, 2 * buf.rows) if buf is not None else rows
-            buf = self._staging[k] = _Staging(self.x, self.y, grow, pin=self._cuda)
+            buf = self._staging[k] = _Staging(self.x, self.y, grow, pin=self.pin)
         return buf
 
     @property
@@ -131,8 +168,12 @@ class WorkerData:
             self.targets = self.source.meta.targets
             self.block = self.source.block
             self.n = len(self.source)
+            from dynabatch.actors.data.loader import default_threads
+
             self.loader = Loader(self.source, device, spec.seed, spec.dataset.prefetch,
-                                 spec.dataset.loader_threads)
+                                 spec.dataset.loader_threads
+                                 or default_threads(spec.worker_cpus), opener=x_train.open)
+            self.loader.start()
             self.gatherer = self.loader
             return
         from dynabatch.actors.workloads.objective import targets_kind
@@ -143,8 +184,20 @@ class WorkerData:
             # Object-store arrays are read-only views: only ever indexed, never written.
             warnings.simplefilter("ignore", UserWarning)
             tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-        self.x, self.y, self.where = stage_dataset(tx, ty, device)
+        # In host memory until :meth:`place` knows what the model leaves of the device.
+        self.x, self.y, self.where = tx, ty, "host"
         self.gatherer = BatchGather(self.x, self.y, device, self.where)
+
+    def place(self, budget: int | None) -> str:
+        """Put the in-memory set where it trains: on the device when it fits in ``budget``
+        bytes (:func:`data_budget`), else staged per micro-batch; the CPU keeps it as it
+        is. Called once the model is built. Returns where it is."""
+        if self.loader is not None:
+            return "source"
+        self.x, self.y, self.where = stage_dataset(self.x, self.y, self.device, budget)
+        self.gatherer = BatchGather(self.x, self.y, self.device, self.where)
+        self._key = None  # the order is placed again, next to the set
+        return self.where
 
     def __len__(self) -> int:
         return self.n

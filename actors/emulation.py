@@ -10,6 +10,15 @@ compute is therefore measured as the thread's CPU time (on the CPU, torch runs f
 and backward in the calling thread with one intra-op thread), which is what the phase
 would take on a core of its own. Real runs use the wall clock.
 
+On a GPU. A GPU's work is not the host thread's CPU time (the thread only queues kernels),
+so an emulated GPU worker's clock is the wall clock after a device synchronisation
+(``sync``): the phase so far is what the GPU took, less what the emulation slept; the
+sleep delays the kernels queued after it, so the device-timed compute (CUDA events) sees
+the slowed worker too. Slowdowns are thus applied on GPU workers as on CPU ones (they were
+silently ignored there before). The synchronisation before each bucket costs the overlap of
+the slowed worker's buckets with its backward: an emulation is a test of the scheduler,
+not of the GPU's speed.
+
 Where the slowdown is applied. A slow node is slow *before* its gradient leaves: with the
 bucketed all-reduce, buckets go out from backward's hooks, so the stretch cannot all come
 after backward (a slowed worker's buckets would leave at full speed, and its peers' waits
@@ -21,9 +30,32 @@ a node f times slower would have sent it.
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable, Mapping
 
 from dynabatch.actors.spec import EmulationSpec
+
+# A node's own emulated slowdown, from its environment (``ray start`` or
+# ``cluster_utils.Cluster.add_node(env_vars=...)`` sets it on the raylet, whose worker
+# processes inherit it). It makes a node slow for whichever job's worker lands there, which a
+# per-ordinal slowdown cannot: the cluster scheduler moves jobs between nodes.
+NODE_SLOWDOWN_ENV = "DYNABATCH_EMULATED_NODE_SLOWDOWN"
+
+
+def node_slowdown(environ: Mapping[str, str] = os.environ) -> float:
+    """This node's emulated slowdown factor (1.0 when unset). Raises ``ValueError`` naming
+    the variable for a value that is not a number in [1, 1000]."""
+    raw = environ.get(NODE_SLOWDOWN_ENV, "").strip()
+    if not raw:
+        return 1.0
+    try:
+        f = float(raw)
+    except ValueError:
+        raise ValueError(f"{NODE_SLOWDOWN_ENV}={raw!r}: not a number") from None
+    if not 1.0 <= f <= 1000.0:
+        raise ValueError(f"{NODE_SLOWDOWN_ENV}={raw!r}: must be between 1 and 1000")
+    return f
 
 
 def slowdown_at(emulation: EmulationSpec, ordinal: int, epoch: int, step: int) -> float:
@@ -37,10 +69,12 @@ def slowdown_at(emulation: EmulationSpec, ordinal: int, epoch: int, step: int) -
 
 
 class ComputeClock:
-    """Times one compute phase: wall clock, or thread CPU time when emulating."""
+    """Times one compute phase: wall clock, or thread CPU time when emulating on the CPU;
+    ``sync`` (a GPU's synchronisation): the wall clock after it, also when emulating."""
 
-    def __init__(self, emulated: bool):
+    def __init__(self, emulated: bool, sync: Callable[[], object] | None = None):
         self.emulated = emulated
+        self.sync = sync
         self._wall0 = self._cpu0 = 0.0
         self.slept = 0.0  # seconds slept for the emulation since start()
 
@@ -53,14 +87,25 @@ class ComputeClock:
         """Sleep until the phase so far has taken ``factor`` × its compute so far (emulated
         runs only; the calling thread must be the one that started the clock). Returns that
         stretched compute time."""
-        wall = time.perf_counter() - self._wall0
         if not self.emulated:
-            return wall
-        target = factor * (time.thread_time() - self._cpu0)
+            return time.perf_counter() - self._wall0
+        if self.sync is not None:  # a device: its queued work done, the wall clock is it
+            self.sync()
+            wall = time.perf_counter() - self._wall0
+            target = factor * (wall - self.slept)
+        else:
+            wall = time.perf_counter() - self._wall0
+            target = factor * (time.thread_time() - self._cpu0)
         if target > wall:
             time.sleep(target - wall)
             self.slept += target - wall
         return target
+
+    @property
+    def cpu_time(self) -> bool:
+        """Whether compute is the thread's CPU time (emulating on the CPU), which leaves out
+        a wait for data."""
+        return self.emulated and self.sync is None
 
     def finish(self, factor: float) -> float:
         """End the phase, stretched to ``factor`` × its compute; return the compute time."""
@@ -69,5 +114,4 @@ class ComputeClock:
 
 def error_at(emulation: EmulationSpec, ordinal: int, epoch: int, step: int) -> bool:
     """Whether the worker with this ordinal has an injected error at (epoch, step)."""
-    return any(e.worker == ordinal and (epoch, step) >= (e.epoch, e.step)
-               for e in emulation.errors)
+    return any(e.worker == ordinal and (epoch, step) >= (e.epoch, e.step) for e in emulation.errors)

@@ -14,13 +14,27 @@ never comes fails the join there, whatever the backend. Only then is the group f
 an NCCL group is given its device (``device_id``), which creates the communicator at once,
 inside the join, instead of lazily inside the first collective (the state broadcast).
 
-NCCL faults. By default a lost peer makes PyTorch's NCCL watchdog tear the *process*
-down after the timeout, which would kill every survivor. Before an NCCL group is formed,
-:func:`configure_nccl_fault_handling` sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean
-up only: abort the communicator and raise, keep the process) and
-``TORCH_NCCL_BLOCKING_WAIT=1`` (a timed-out collective raises in the calling thread), and
-:meth:`ProcessGroup.leave` aborts the communicator (:func:`abort_group`) before destroying
-the group, so a survivor raises, leaves and re-forms.
+NCCL faults. By default (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) a lost peer makes
+PyTorch's NCCL watchdog tear the *process* down after the timeout, which would kill every
+survivor. Before an NCCL group is formed, :func:`configure_nccl_fault_handling` sets
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up only: abort the communicator, keep the
+process) in both of the two fault modes (:data:`NCCL_FAULT_MODES`), which differ in how a
+collective's failure reaches the worker:
+
+* ``blocking`` (the default): ``TORCH_NCCL_BLOCKING_WAIT=1``, ``work.wait()`` blocks the
+  host until the collective ends and raises in the calling thread when it times out. It
+  polls the work every few milliseconds, one bucket at a time, which Ray dropped for its
+  cost.
+* ``async``: ``TORCH_NCCL_BLOCKING_WAIT=0``, ``work.wait()`` only orders the stream; the
+  watchdog thread times the collective out, aborts the communicator and marks the work
+  failed, and the next call on the group raises.
+
+Both are bounded by the collectives' timeout. Which is faster is measured by
+``bench/gpu_check.py`` (check ``nccl_fault_modes``, two GPUs); the mode is the setting
+``DYNABATCH_NCCL_FAULT_MODE`` (read here, the one place), so the measurement can choose
+without a code change. :meth:`ProcessGroup.leave` aborts the communicator
+(:func:`abort_group`) before destroying the group, so a survivor raises, leaves and
+re-forms.
 """
 
 from __future__ import annotations
@@ -35,7 +49,25 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-NCCL_FAULT_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+# How an NCCL collective's failure reaches the worker (see the module docstring).
+NCCL_FAULT_MODES = {
+    "blocking": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"},
+    "async": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0"},
+}
+NCCL_FAULT_MODE_ENV = "DYNABATCH_NCCL_FAULT_MODE"
+DEFAULT_NCCL_FAULT_MODE = "blocking"
+
+
+def nccl_fault_mode(environ: dict[str, str] | None = None) -> str:
+    """The NCCL fault mode this process's groups use: ``DYNABATCH_NCCL_FAULT_MODE``
+    (``blocking`` or ``async``), default ``blocking``; another value is a ValueError naming
+    the setting."""
+    env = os.environ if environ is None else environ
+    mode = env.get(NCCL_FAULT_MODE_ENV, "").strip() or DEFAULT_NCCL_FAULT_MODE
+    if mode not in NCCL_FAULT_MODES:
+        raise ValueError(f"{NCCL_FAULT_MODE_ENV}: unknown NCCL fault mode {mode!r}: use one "
+                         f"of {', '.join(NCCL_FAULT_MODES)}")
+    return mode
 
 
 SEALED = b"-"  # a key claimed before anything was posted under it
@@ -68,9 +100,15 @@ def gpu_key(node_id: str, gpu_ids: Sequence[str | int]) -> str | None:
     return f"{node_id}/{gpu_ids[0]}" if gpu_ids else None
 
 
-def configure_nccl_fault_handling() -> None:
-    """Make NCCL raise in survivors instead of killing them (see the module docstring)."""
-    os.environ.update(NCCL_FAULT_ENV)
+def configure_nccl_fault_handling(mode: str | None = None) -> str:
+    """Make NCCL raise in survivors instead of killing them, in fault mode ``mode`` (None:
+    :func:`nccl_fault_mode`); read by torch when the group is formed. Returns the mode."""
+    mode = mode or nccl_fault_mode()
+    if mode not in NCCL_FAULT_MODES:
+        raise ValueError(f"unknown NCCL fault mode {mode!r}: use one of "
+                         f"{', '.join(NCCL_FAULT_MODES)}")
+    os.environ.update(NCCL_FAULT_MODES[mode])
+    return mode
 
 
 def _reset_group_counter() -> None:

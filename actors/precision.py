@@ -1,14 +1,26 @@
-"""Precision options of a training step (the spec's ``precision``), apart from the step.
+"""Precision and speed options of a training step (the spec's ``precision``,
+``channels_last`` and ``compile``), apart from the step.
 
 What :class:`dynabatch.actors.step.StepMath` uses: the autocast dtype of bf16 and fp16, the
-TF32 switch, and fp16's dynamic loss scale. Pure torch, nothing else of dynabatch, so the
-prepared GPU check (``bench/gpu_check.py``) drives it on a bare machine too.
+TF32 switch, fp16's dynamic loss scale, and :class:`SpeedOptions`: the channels_last memory
+format and ``torch.compile``. Pure torch, nothing else of dynabatch, so the prepared GPU
+check (``bench/gpu_check.py``) drives it on a bare machine too.
+
+Compiling a model whose batch changes. A worker's share changes whenever the policy
+re-sizes it, and an accumulated share ends in a shorter micro-batch, so the forward sees
+many batch sizes. A graph specialised to one size would be recompiled for each new one
+(until torch's recompile limit turns the frame back to eager). So the batch dimension of
+every input is marked dynamic before the call (:func:`prepare_input`): one graph serves
+every size (sizes 0 and 1, which torch always specialises, may add one). The compiled
+module wraps the same parameters, so the reducer's post-accumulate-grad hooks still fire
+from backward's autograd engine, bucket by bucket, behind the rest of backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,3 +80,51 @@ class LossScaler:
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+
+
+@dataclass(frozen=True)
+class SpeedOptions:
+    """How a replica runs its forward: ``channels_last`` (the model and its 4-D inputs in
+    ``torch.channels_last``); ``compile_mode`` (None: not compiled) with ``dynamic`` (the
+    batch dimension marked dynamic) and ``backend``, as ``torch.compile`` takes them."""
+
+    channels_last: bool = False
+    compile_mode: str | None = None
+    dynamic: bool = True
+    backend: str = "inductor"
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile_mode is not None
+
+
+def channels_last_applies(input_shape: Sequence[int]) -> bool:
+    """Whether channels_last changes anything for samples of ``input_shape``: batches of
+    them are 4-D (N, C, H, W) only when a sample is 3-D."""
+    return len(input_shape) == 3
+
+
+def forward_of(model: torch.nn.Module, speed: SpeedOptions) -> Callable[[torch.Tensor], Any]:
+    """The callable that runs ``model``'s forward under ``speed``: the model itself, in
+    channels_last where asked (converted in place: its 4-D weights; others are unchanged),
+    compiled where asked. The compiled module shares the model's parameters."""
+    if speed.channels_last:
+        model.to(memory_format=torch.channels_last)
+    if not speed.compiled:
+        return model
+    # mode is inductor's; the tracing backends take none.
+    mode = speed.compile_mode if speed.backend == "inductor" else None
+    return torch.compile(
+        model, mode=mode, backend=speed.backend, dynamic=None if speed.dynamic else False
+    )
+
+
+def prepare_input(x: torch.Tensor, speed: SpeedOptions) -> torch.Tensor:
+    """``x`` as the forward of :func:`forward_of` takes it: channels_last when 4-D, its batch
+    dimension marked dynamic when compiled with ``dynamic`` (``maybe_mark_dynamic``: a
+    batch of one, which torch specialises, compiles once more instead of failing)."""
+    if speed.channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    if speed.compiled and speed.dynamic and x.dim() > 0:
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+    return x

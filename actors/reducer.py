@@ -322,7 +322,13 @@ class GradientReducer:
         self.flat = torch.zeros(self.n_params + 1 + max_step, device=self.device)
         off = 0
         for p in self.params:
-            p.grad = self.flat[off:off + p.numel()].view_as(p)
+            # In the parameter's own layout (channels_last weights: the spec's
+            # channels_last), as autograd's gradient layout contract asks: a contiguous
+            # view of a channels_last weight is accumulated into through a strided copy.
+            # Either layout is a dense permutation of the same p.numel() elements.
+            p.grad = (self.flat[off:off + p.numel()].view_as(p) if p.is_contiguous()
+                      else self.flat.as_strided(p.size(), p.stride(),
+                                                self.flat.storage_offset() + off))
             off += p.numel()
         self.loss_slot = self.flat[self.n_params:self.n_params + 1]
         self.cov = self.flat[self.n_params + 1:]

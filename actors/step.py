@@ -38,7 +38,9 @@ conservative update and a pass from the caller); the ordinary optimizer step com
 Precision (the spec's ``precision``). bf16 and fp16 run forward and the loss under
 ``torch.autocast`` (the weights, the gradients and so the all-reduce buffer stay fp32);
 tf32 lets CUDA's matmuls and convolutions use TF32
-(:func:`dynabatch.actors.precision.set_matmul_precision`). fp16
+(:func:`dynabatch.actors.precision.set_matmul_precision`); ``channels_last`` and
+``compile`` change how forward runs, not what it computes
+(:class:`dynabatch.actors.precision.SpeedOptions`). fp16
 also scales the loss (:class:`dynabatch.actors.precision.LossScaler`): each micro-batch
 back-propagates ``scale · Σ ℓ_j / B``, so the SUM all-reduce gives ``scale`` times the
 global batch's gradient, which :meth:`StepMath.update` divides by ``scale`` before the
@@ -63,7 +65,14 @@ import torch
 from dynabatch.actors.accumulate import micro_ranges
 from dynabatch.actors.contracts import IsgdRule, StepPlan
 from dynabatch.actors.optim import isgd_extras, set_lr
-from dynabatch.actors.precision import LossScaler, autocast_dtype, set_matmul_precision
+from dynabatch.actors.precision import (
+    LossScaler,
+    SpeedOptions,
+    autocast_dtype,
+    forward_of,
+    prepare_input,
+    set_matmul_precision,
+)
 
 if TYPE_CHECKING:
     from dynabatch.actors.workloads.objective import Objective
@@ -156,8 +165,13 @@ class StepMath:
     the parameters whose ``.grad`` receives the gradient."""
 
     def __init__(self, model: torch.nn.Module, objective: Objective,
-                 params: Sequence[torch.nn.Parameter], precision: str = "fp32"):
+                 params: Sequence[torch.nn.Parameter], precision: str = "fp32",
+                 speed: SpeedOptions | None = None):
         self.model = model
+        # channels_last and torch.compile (dynabatch.actors.precision); ``model`` stays the
+        # module whose state is saved, broadcast and evaluated.
+        self.speed = speed or SpeedOptions()
+        self._forward = forward_of(model, self.speed)
         self.objective = objective
         self.params = list(params)
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -198,10 +212,11 @@ class StepMath:
                log: PhaseLog | None) -> torch.Tensor:
         m0 = log.mark() if log is not None else None
         xb, yb = gather(lo, hi)
+        xb = prepare_input(xb, self.speed)
         m1 = log.mark() if log is not None else None
         with torch.autocast(self._device_type, dtype=self._autocast,
                             enabled=self._autocast is not None):
-            loss = self.objective.loss_sum(self.model(xb), yb).float()
+            loss = self.objective.loss_sum(self._forward(xb), yb).float()
         m2 = log.mark() if log is not None else None
         if arm is not None:
             arm(loss.detach())

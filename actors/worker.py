@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -51,12 +52,14 @@ from dynabatch.actors.contracts import (
     encode_counts,
     plan_key,
 )
-from dynabatch.actors.device_data import WorkerData
-from dynabatch.actors.emulation import ComputeClock, error_at, slowdown_at
+from dynabatch.actors.device_data import WorkerData, data_budget, model_bytes
+from dynabatch.actors.emulation import ComputeClock, error_at, node_slowdown, slowdown_at
 from dynabatch.actors.errors import first_line, is_out_of_memory
 from dynabatch.actors.group import ProcessGroup, Rendezvous, gpu_key
+from dynabatch.actors.instrumentation import Instrumentation
 from dynabatch.actors.optim import build_optimizer
 from dynabatch.actors.output import own_actor_id
+from dynabatch.actors.precision import SpeedOptions, channels_last_applies
 from dynabatch.actors.reducer import GradientReducer
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.step import (
@@ -125,6 +128,30 @@ def pick_device(spec: JobSpec, gpus: float, gpu_ids: list[str | int] | None = No
     return torch.device("cpu")
 
 
+def speed_options(spec: JobSpec, input_shape: tuple[int, ...]) -> SpeedOptions:
+    """The spec's ``channels_last`` and ``compile`` for samples of ``input_shape``;
+    channels_last is dropped, with a warning, where batches are not 4-D images."""
+    channels_last = spec.channels_last
+    if channels_last and not channels_last_applies(input_shape):
+        warnings.warn(f"channels_last is ignored: the samples' shape {tuple(input_shape)} is "
+                      "not an image's (C, H, W), so batches are not 4-D", UserWarning,
+                      stacklevel=2)
+        channels_last = False
+    c = spec.compile
+    if c is None:
+        return SpeedOptions(channels_last)
+    return SpeedOptions(channels_last, c.mode, c.dynamic, c.backend)
+
+
+def compute_clock(spec: JobSpec, device: torch.device) -> ComputeClock:
+    """The worker's compute clock: emulating when the spec sets an emulation, on the CPU by
+    the thread's CPU time, on a GPU by the wall clock after a device synchronisation (a
+    GPU's work is not the thread's time)."""
+    sync = ((lambda: torch.cuda.synchronize(device))
+            if spec.emulated and device.type == "cuda" else None)
+    return ComputeClock(spec.emulated, sync)
+
+
 def to_cpu(obj: Any) -> Any:
     """A copy of a (nested) state dict with every tensor on the CPU: checkpoints and the
     coordinator must not need a GPU to hold a GPU worker's state."""
@@ -150,7 +177,7 @@ def _process_started() -> float | None:
         return None
 
 
-class Worker:
+class Worker(Instrumentation):
     """One training worker. ``worker_id`` None builds a *spare*: the process, the imports,
     the data, the model and its warm-up are paid now, on an idle node, and :meth:`adopt`
     later gives it the identity of the worker that starts there (a scale-up or a
@@ -183,19 +210,19 @@ class Worker:
             torch.set_num_threads(max(1, int(spec.worker_cpus)))
         else:  # kernels and allocations that name no index go to this worker's GPU too
             torch.cuda.set_device(self.device)
-        # In-memory arrays (zero-copy views; on a GPU on the device when they fit, else
-        # pinned), or a source read by position (``x_train`` a DataRef, ``y_train`` None):
-        # only the samples this worker trains are read, ahead of time.
+        # In-memory arrays (zero-copy views, in host memory until the model is built: see
+        # _place_data), or a source read by position (``x_train`` a DataRef, ``y_train``
+        # None): only the samples this worker trains are read, ahead of time.
         self.data = WorkerData(x_train, y_train, spec, self.device)
-        # The in-memory arrays where they are (None for a source read by position).
-        self.x, self.y = getattr(self.data, "x", None), getattr(self.data, "y", None)
-        self.data_on = getattr(self.data, "where", "source")
         # The job's per-sample loss and metrics (actors/workloads/objective.py).
         self.objective = objective_for(spec, self.data.targets)
+        free_before = (torch.cuda.mem_get_info(self.device)[0]
+                       if self.device.type == "cuda" else 0)
         torch.manual_seed(spec.seed)
         self.model = build_model(spec.model, input_shape, num_classes).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.math = StepMath(self.model, self.objective, self.params, spec.precision)
+        self.math = StepMath(self.model, self.objective, self.params, spec.precision,
+                             speed_options(spec, input_shape))
         self.optimizer = build_optimizer(spec, self.params)
         self.group = ProcessGroup(spec.collective_timeout_s, spec.join_timeout)
         self.reducer = GradientReducer(self.params, self.device, spec.global_batch,
@@ -207,23 +234,50 @@ class Worker:
         # memory cap the driver learned for this node and device (SegmentPlan.micro_cap).
         self._cap = self.micro_cap
         self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
-        self._stall_s = 0.0
         self._late_failure: _StepFailed | None = None  # after a step that was applied
         # The last plan update applied: (epoch, its step plans by step).
         self._update: tuple[int, dict[int, StepPlan]] | None = None
-        # CPU-time clock only for emulation on the CPU; a GPU's work is not thread time.
-        self._clock = ComputeClock(spec.emulated and self.device.type == "cpu")
-        self._warm_up()
+        # Emulated slowdowns apply on either device (actors/emulation.py).
+        self._clock = compute_clock(spec, self.device)
+        # The node's own emulated slowness (actors/emulation.py), only for an emulated job:
+        # a real run is never slowed by the node's environment.
+        self._node_factor = node_slowdown() if spec.emulated else 1.0
+        act_per_sample = self._warm_up()
+        self._place_data(free_before, act_per_sample)
         self.startup["built"] = time.time()
 
-    def _warm_up(self) -> None:
+    def _warm_up(self) -> float:
         """One throw-away forward/backward, so one-off costs (lazy init, allocator growth)
-        are paid before the first timed step; a newcomer would otherwise look slow."""
+        are paid before the first timed step; a newcomer would otherwise look slow.
+        Returns the device bytes it took per sample at its peak (activations; 0 on the
+        CPU), which sizes what the data may take of the device."""
         n = min(len(self.data), 8)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
         if n:
             xb, yb = self.data.warm(n)
             self.math.share(held(xb, yb), 0, n, n)
         self.reducer.zero_()
+        if not (cuda and n):
+            return 0.0
+        return max(0, torch.cuda.max_memory_allocated(self.device) - base) / n
+
+    def _place_data(self, free_before: int, act_per_sample: float) -> None:
+        """The in-memory training set goes on the device if it fits in what the model, its
+        optimizer state and the activations of the largest micro-batch this worker may
+        compute leave of the device memory that was free before the model
+        (:func:`~dynabatch.actors.device_data.data_budget`); else it is staged per
+        micro-batch from host memory."""
+        budget = None
+        if self.device.type == "cuda":
+            micro = self._cap or self.spec.max_batch or self.spec.global_batch
+            budget = data_budget(free_before, model_bytes(self.params, self.optimizer),
+                                 act_per_sample, micro)
+        self.data_on = self.data.place(budget)
+        # The in-memory arrays where they are (None for a source read by position).
+        self.x, self.y = getattr(self.data, "x", None), getattr(self.data, "y", None)
 
     # --- membership -------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -279,11 +333,6 @@ class Worker:
             self.load_state(box[0])
 
     # --- training ---------------------------------------------------------------------
-    def stall(self, seconds: float) -> None:
-        """Test hook: make the next step hang for ``seconds`` before its all-reduce (a hung
-        worker)."""
-        self._stall_s = seconds
-
     def _epoch_order(self, plan: SegmentPlan) -> Any:
         """The gatherer, holding this epoch's order (computed and placed once an epoch),
         with the segment's shares being read ahead (dynabatch.actors.device_data)."""
@@ -340,12 +389,12 @@ class Worker:
         return sp
 
     def _step(self, epoch: int, sp: StepPlan, isgd: IsgdPlan | None = None) -> StepTelemetry:
-        factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, sp.step)
-        if self._stall_s:
+        factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, sp.step) * self._node_factor
+        if self.stall_s:
             # Before compute: backward's hooks send the gradient buckets, so a stall after
             # it would come after this worker's share of the all-reduce went out.
-            time.sleep(self._stall_s)
-            self._stall_s = 0.0
+            time.sleep(self.stall_s)
+            self.stall_s = 0.0
         t_step = time.perf_counter()
         clock = self._clock
         clock.start()
@@ -375,7 +424,7 @@ class Worker:
         # The time the step blocked for its samples (0 when read-ahead hid it) is compute:
         # a worker whose loader cannot keep up gets the share its loader feeds.
         data_wait, loader_rate = self.data.take_stats()
-        if clock.emulated:  # thread CPU time does not count a wait
+        if clock.cpu_time:  # thread CPU time does not count a wait
             compute += data_wait
         compute_end = r.marks.mark()
         t1 = time.perf_counter()
@@ -450,67 +499,47 @@ class Worker:
         red = r.finish(loss=share.loss)
         return mean_loss(red.global_loss_sum, sp.size)
 
-    # --- measurement (benchmarks) -----------------------------------------------------
-    def profile(self, batches: list[int], repeats: int = 5, wall: bool = False,
-                lockstep: bool = False) -> dict[int, float]:
-        """Median compute seconds of one step at each batch size (emulation applied).
-        Gradients are computed and discarded; the model is not updated. ``wall``: the wall
-        time of the (emulated) step, which is what an epoch pays when workers profiled
-        side by side share a machine; otherwise the compute clock's account.
-        ``lockstep``: every member profiles at once, with a barrier before each repetition
-        (all members pass lists of the same length), so each step is timed while the
-        others compute, as in training; the j-th batch of every member's list runs
-        together, so members can profile around their own share."""
-        out: dict[int, float] = {}
-        n = len(self.data)
-        rng = np.random.default_rng(self.ordinal)
-        for b in batches:
-            times = []
-            for _ in range(repeats + 1):  # the first run warms caches up
-                idx = rng.integers(0, n, size=b)
-                if lockstep:
-                    dist.barrier()
-                t_wall = time.perf_counter()
-                self._clock.start()
-                self.reducer.zero_()
-                xb, yb = self.data.sample(idx)
-                self.math.share(held(xb, yb), 0, b, b)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                factor = slowdown_at(self.spec.emulation, self.ordinal, 0, 0)
-                took = self._clock.finish(factor)
-                times.append(time.perf_counter() - t_wall if wall else took)
-            self.reducer.zero_()
-            out[b] = float(np.median(times[1:]))
-        return out
-
-    def time_allreduce(self, repeats: int = 10) -> float:
-        """Median seconds of the gradient all-reduce when every member is ready."""
-        times = []
-        buf = torch.zeros(self._n_params, device=self.device)
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
-
     # --- evaluation and state ---------------------------------------------------------
+    _eval_cap: int | None = None  # the evaluation batch an out-of-memory left
+
+    def _capped_eval(self, run: Any, batch: int, n: int) -> Any:
+        """``run(b)`` at the largest batch b the worker's memory allows: ``batch``, no more
+        than the held-out samples ``n``, tightened by the worker's memory cap (the spec's
+        and the one the driver learned for its node and device) and by what an earlier
+        evaluation learned. An out-of-memory halves it (kept for later evaluations) and
+        runs again from the start; only one sample not fitting raises."""
+        b = max(1, min(batch, max(1, n)))
+        for cap in (self._cap, self._eval_cap):
+            b = min(b, cap) if cap is not None else b
+        while True:
+            try:
+                return run(b)
+            except Exception as err:
+                if not is_out_of_memory(err) or b <= 1:
+                    raise
+                err.__traceback__ = None  # its frames hold the failed batch's tensors
+            b = self._eval_cap = b // 2
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
     def evaluate(self, x_test: np.ndarray, y_test: np.ndarray, batch: int = 1024
                  ) -> dict[str, float]:
         """``{"loss": test loss, <metric>: value}`` (see :class:`Objective`)."""
-        return self.objective.evaluate(self.model, x_test, y_test, self.device, batch)
+        return self._capped_eval(
+            lambda b: self.objective.evaluate(self.model, x_test, y_test, self.device, b),
+            batch, len(y_test))
 
     def evaluate_shard(self, x_test: np.ndarray, y_test: np.ndarray, lo: int, hi: int,
                        batch: int = 1024) -> dict[str, Any]:
         """This worker's shard ``[lo, hi)`` of the held-out set: ``{"sums": {"n", "loss",
         <metric>: Σ}, "seconds": wall time}`` (:meth:`Objective.eval_sums`). Sent between
         segments, it scores the weights the segment before left (an actor runs its calls
-        in order); the coordinator adds the shards up and finishes them."""
+        in order); the coordinator adds the shards up and finishes them. Its batch is
+        ``batch`` under the worker's memory caps (:meth:`_capped_eval`)."""
         t0 = time.perf_counter()
-        sums = self.data.eval_sums(self.objective, self.model, x_test, y_test, lo, hi, batch)
+        sums = self._capped_eval(
+            lambda b: self.data.eval_sums(self.objective, self.model, x_test, y_test, lo, hi,
+                                          b), batch, hi - lo)
         return {"sums": sums, "seconds": time.perf_counter() - t0}
 
     def state(self) -> dict[str, Any]:

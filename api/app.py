@@ -23,6 +23,7 @@ from dynabatch.api.metrics import (
     RequestStats,
 )
 from dynabatch.api.routes import events, health, jobs, nodes, pages
+from dynabatch.api.routes.cluster import router as cluster_router
 from dynabatch.api.routes.code import code_router
 from dynabatch.api.too_large import JsonTooLarge
 from dynabatch.scheduler.core.lifecycle import InvalidTransition
@@ -254,6 +255,7 @@ def create_app(
     app.include_router(pages.router)
     app.mount("/static", pages.static_files(), name="static")
     app.include_router(nodes.router)
+    app.include_router(cluster_router)
     app.include_router(health.health)
     app.include_router(health.metrics)
     # Outside the app's body limit: metrics see every response, 413s included.

@@ -77,10 +77,19 @@ class JobViews:
         store = self.service.store
         kind = key[0]
         if kind == "job":
-            return store.row_version(key[1])
+            # A queued job's reason comes from the cluster scheduler's round, not the store.
+            return store.row_version(key[1]), self.service.queue_reason(key[1])
         if kind == "history":
             return store.history_version(key[1])
-        return store.rows_version
+        return store.rows_version, self._queue()
+
+    def _queue(self) -> tuple[tuple[str, str], ...]:
+        """What of the cluster scheduler's round a job list shows: the queued jobs and
+        their reasons."""
+        view = self.service.cluster_view()
+        if view is None:
+            return ()
+        return tuple((j, view.job(j).reason) for j in view.queue)
 
     def kept(self, key: tuple) -> Body | None:
         """The kept answer for ``key`` when it is current, else None. No I/O."""

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from dynabatch.api.cluster_metrics import cluster_families
 from dynabatch.api.metrics_ps import ps_families
 from dynabatch.api.schedule_metrics import schedule_families
 from dynabatch.scheduler.core.lifecycle import JobState
@@ -202,6 +203,7 @@ class JobCollector(Collector):
             g = GaugeMetricFamily("dynabatch_cluster_nodes", "Alive Ray nodes.")
             g.add_metric([], float(nodes))
             yield g
+        yield from cluster_families(self.service.cluster_view())
         jobs = GaugeMetricFamily("dynabatch_jobs", "Jobs in the store by state.", labels=["state"])
         for job_state, n in state.job_counts.items():
             jobs.add_metric([job_state.value], float(n))

@@ -61,7 +61,7 @@ from dynabatch.scheduler.sim.ps_runtime import SimPSRuntime
 
 from bench.report import emit
 
-CIFAR = "dynabatch.actors.workloads.hard_mnist:cifar_like"
+CIFAR = "bench.hard_mnist:cifar_like"
 A_S, C_S = 0.002, 0.0005  # a speed-1 learner: t(b) = 2 ms + 0.5 ms·b
 
 

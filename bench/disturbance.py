@@ -34,6 +34,7 @@ import dataclasses
 import os
 import statistics
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -83,10 +84,12 @@ def run(policy: str, mode: str, check: int, args: argparse.Namespace,
     if not updates:  # the driver as before plan updates: a re-plan waits for the segment ahead
         coord.runtime.update_segment = None
         coord.pipeline.updater = None
+    recent: deque[list] = deque(maxlen=512)  # the last steps' reports, one per worker
+    coord.watch_steps(recent.append)
     snap = coord.run()
     if snap.state.value != "SUCCEEDED":
         raise RuntimeError(f"{policy}/{mode}: {snap.state.value}: {snap.reason}")
-    steps = [row for row in coord.recent_steps() if row]
+    steps = [row for row in recent if row]
     per_step = []
     for row in steps:
         times = [s.compute_s for s in row]

@@ -27,9 +27,20 @@ Checks:
 * ``nccl_missing_peer``: a two-member NCCL group whose peer never comes, joined as a worker
   joins (on its device: ``device_id``, the communicator created in the join): the join must
   raise within a bound of its start-up timeout, well before the collectives' (GPU).
-* ``throughput``: samples per second of the MLP's training step on the CPU (fp32, bf16
-  autocast) and the GPU (fp32, tf32, bf16 and fp16 autocast, fp16 with a GradScaler).
-* ``compile``: the same with ``torch.compile`` (GPU).
+* ``nccl_fault_modes``: blocking wait against async error handling (the setting
+  ``DYNABATCH_NCCL_FAULT_MODE`` of :mod:`dynabatch.actors.group`): per mode, a two-GPU
+  NCCL group's bucketed all-reduce step time, and a peer lost after the join making the
+  survivor raise within a bound of the collectives' timeout (two GPUs; skipped with one:
+  NCCL refuses two ranks on one device).
+* ``throughput``: samples per second of a worker's training step, through the worker's
+  speed helpers (:mod:`dynabatch.actors.precision`): the MLP on the CPU (fp32, bf16
+  autocast, compiled without --quick) and the GPU (fp32, tf32, bf16 and fp16 autocast,
+  fp16 with a GradScaler, compiled fp32 with the compile's warm-up), and a CNN
+  on 3x32x32 images in the default memory format and in channels_last (fp32 on the CPU;
+  tf32, fp32 and bf16 on the GPU).
+* ``compile``: the worker's compiled step on the GPU (inductor, batch dimension dynamic)
+  in a one-member NCCL group over five share sizes: at most two graphs, every bucket
+  launched from backward's hooks, the uncompiled gradient (GPU).
 * ``gpu_tests``: the suite's tests that skip without a GPU (the files that skip on
   ``torch.cuda.is_available()``), run with pytest (GPU).
 * ``oom_recovery``: one step whose share runs out of memory above a micro-batch (injected
@@ -43,7 +54,12 @@ Checks:
   member's gradient is made infinite; both must see the overflow in the all-reduced
   gradient, skip and halve their scale alike; a clean step then unscales to one process's
   fp32 gradient (loosely: fp16).
-* ``data_wait``: listed ``skipped`` until item 6 of issue 30 is built.
+* ``data_wait``: the default loader (:class:`dynabatch.actors.data.loader.Loader`, its
+  readers from :func:`~dynabatch.actors.data.loader.default_threads` of the machine's
+  cores, staging through page-locked buffers on a GPU) feeding training steps of an MLP on
+  CIFAR-sized samples (3x32x32) on the device: the data wait per step against the step's
+  own time, from a local Parquet set where pyarrow is installed, else from memory
+  (the measuring loop is ``bench/loader_feed.py``'s). On the CPU the same on the CPU.
 
 Prints one JSON object ``{"device": ..., "checks": {NAME: {"status": "ok" | "fail" |
 "skipped", ...figures}}, "seconds": ...}`` and writes it to ``--out`` or, when ``$OUT`` is
@@ -120,16 +136,17 @@ TIMEOUT_S = {
     "mixed_plan": 150,
     "two_workers_one_gpu": 120,
     "nccl_missing_peer": 60,
-    "throughput": 150,
+    "nccl_fault_modes": 180,
+    "throughput": 240,
     "compile": 150,
     "gpu_tests": 240,
     "oom_recovery": 90,
     "fp16_found_inf": 120,
+    "data_wait": 120,
 }
-GPU_ONLY = ("two_workers_one_gpu", "nccl_missing_peer", "compile", "gpu_tests")
-LATER = {
-    "data_wait": "issue 30 item 6 (a GPU-fed data path) is not built yet",
-}
+GPU_ONLY = ("two_workers_one_gpu", "nccl_missing_peer", "nccl_fault_modes", "compile",
+            "gpu_tests")
+LATER: dict[str, str] = {}  # checks listed before they are built: name -> why skipped
 CHECKS = (*TIMEOUT_S, *LATER)
 
 
@@ -528,6 +545,24 @@ def check_nccl_missing_peer(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _conv_problem(cfg: dict[str, Any]) -> torch.nn.Module:
+    """A small CNN for 3x32x32 images (convolutions: what channels_last is for)."""
+    torch.manual_seed(0)
+    w = cfg["conv_width"]
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, w, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(w, w, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(w, 2 * w, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(2 * w, 10),
+    )
+
+
 def _step_rate(
     model: torch.nn.Module,
     x: torch.Tensor,
@@ -535,15 +570,23 @@ def _step_rate(
     steps: int,
     dtype: torch.dtype | None = None,
     scaler: Any = None,
-) -> float:
-    """Samples per second of a training step (forward, backward, SGD update)."""
+    speed: Any = None,
+) -> tuple[float, float]:
+    """Samples per second of a training step (forward, backward, SGD update), and the
+    seconds of the warm-up (with compilation, where ``speed`` compiles). ``speed``: the
+    worker's :class:`dynabatch.actors.precision.SpeedOptions` (channels_last, compile),
+    applied through the same helpers as the worker's step."""
+    from dynabatch.actors.precision import SpeedOptions, forward_of, prepare_input
+
+    speed = speed or SpeedOptions()
+    forward = forward_of(model, speed)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     dev = x.device
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(forward(prepare_input(x, speed)), y)
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -552,35 +595,72 @@ def _step_rate(
             loss.backward()
             opt.step()
 
+    t0 = time.perf_counter()
     for _ in range(3):  # warm-up: allocations, kernel selection, compilation
         step()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+    warm = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    return round(steps * x.shape[0] / (time.perf_counter() - t0), 1)
+    return round(steps * x.shape[0] / (time.perf_counter() - t0), 1), round(warm, 1)
 
 
-def _rate_on(device: str, cfg: dict[str, Any], **kw: Any) -> float:
-    model, _, _ = _problem(cfg)
+def _rate_on(device: str, cfg: dict[str, Any], conv: bool = False, **kw: Any) -> float:
+    """Samples per second of the MLP (or, ``conv``, the CNN) on ``device``."""
+    return _rate_and_warm_up(device, cfg, conv, **kw)[0]
+
+
+def _rate_and_warm_up(device: str, cfg: dict[str, Any], conv: bool = False, **kw: Any
+                      ) -> tuple[float, float]:
     gen = torch.Generator().manual_seed(2)
     b = cfg["throughput_batch"]
-    x = torch.randn(b, cfg["in_features"], generator=gen).to(device)
-    y = torch.randint(0, 10, (b,), generator=gen).to(device)
-    compiled = kw.pop("compiled", False)
-    model = model.to(device)
-    if compiled:
-        model = torch.compile(model)
-    return _step_rate(model, x, y, cfg["steps"], **kw)
+    if conv:
+        model = _conv_problem(cfg)
+        x = torch.randn(b, 3, 32, 32, generator=gen)
+    else:
+        model = _problem(cfg)[0]
+        x = torch.randn(b, cfg["in_features"], generator=gen)
+    y = torch.randint(0, 10, (b,), generator=gen)
+    return _step_rate(model.to(device), x.to(device), y.to(device), cfg["steps"], **kw)
+
+
+def _compiled_rate(res: dict[str, Any], key: str, device: str, cfg: dict[str, Any],
+                   **kw: Any) -> None:
+    """``res[key]``: the compiled MLP's rate (inductor, the batch dimension dynamic, as the
+    worker compiles it), and its warm-up with compilation; the error where it cannot
+    compile (inductor on the CPU needs a C++ compiler)."""
+    from dynabatch.actors.precision import SpeedOptions
+
+    try:
+        rate, warm = _rate_and_warm_up(device, cfg, speed=SpeedOptions(compile_mode="default"),
+                                       **kw)
+    except Exception as err:  # reported, the other figures stand
+        res[key] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return
+    res[key], res[f"{key}_warm_up_s"] = rate, warm
 
 
 def check_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Samples per second of one worker's training step. The MLP: CPU fp32, bf16 and
+    compiled (not with --quick: inductor took 3 minutes on 2 loaded cores); GPU fp32, tf32,
+    bf16, fp16 (also with a GradScaler) and compiled. The CNN (3x32x32): fp32 and bf16,
+    each in the default memory format and in channels_last."""
+    from dynabatch.actors.precision import SpeedOptions
+
+    cl = SpeedOptions(channels_last=True)
     res: dict[str, Any] = {"status": "ok", "batch": cfg["throughput_batch"], "unit": "samples/s"}
     res["cpu_fp32"] = _rate_on("cpu", cfg)
     res["cpu_bf16"] = _rate_on("cpu", cfg, dtype=torch.bfloat16)
+    if cfg["cpu_compile"]:
+        _compiled_rate(res, "cpu_compiled_fp32", "cpu", cfg)
+    else:
+        res["cpu_compiled_fp32"] = "not measured with --quick"
+    res["cpu_conv_fp32"] = _rate_on("cpu", cfg, conv=True)
+    res["cpu_conv_channels_last_fp32"] = _rate_on("cpu", cfg, conv=True, speed=cl)
     if not _cuda():
         res["gpu"] = "skipped: no GPU"
         return res
@@ -588,27 +668,226 @@ def check_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     res["gpu_tf32"] = _rate_on("cuda", cfg)
+    res["gpu_conv_tf32"] = _rate_on("cuda", cfg, conv=True)
+    res["gpu_conv_channels_last_tf32"] = _rate_on("cuda", cfg, conv=True, speed=cl)
     torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     res["gpu_bf16"] = _rate_on("cuda", cfg, dtype=torch.bfloat16)
     res["gpu_fp16"] = _rate_on("cuda", cfg, dtype=torch.float16)
     res["gpu_fp16_scaler"] = _rate_on(
         "cuda", cfg, dtype=torch.float16, scaler=torch.amp.GradScaler("cuda")
     )
+    _compiled_rate(res, "gpu_compiled_fp32", "cuda", cfg)
+    res["gpu_conv_fp32"] = _rate_on("cuda", cfg, conv=True)
+    res["gpu_conv_channels_last_fp32"] = _rate_on("cuda", cfg, conv=True, speed=cl)
+    res["gpu_conv_bf16"] = _rate_on("cuda", cfg, conv=True, dtype=torch.bfloat16)
+    res["gpu_conv_channels_last_bf16"] = _rate_on(
+        "cuda", cfg, conv=True, dtype=torch.bfloat16, speed=cl
+    )
     res["gpu_over_cpu_fp32"] = round(res["gpu_fp32"] / res["cpu_fp32"], 1)
+    res["gpu_over_cpu_conv_fp32"] = round(res["gpu_conv_fp32"] / res["cpu_conv_fp32"], 1)
     return res
 
 
 def check_compile(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The worker's compiled step on the GPU (inductor, the batch dimension dynamic): one
+    member of an NCCL group, the reducer's buckets launched from backward's hooks, over
+    five share sizes. At most two graphs (sizes 0 and 1 aside, one for every size), every
+    bucket of the plan launched from a hook, and each step's gradient the uncompiled
+    model's (to TF32-free float tolerance)."""
     if not _cuda():
         return _skipped("no GPU")
+    from dynabatch.actors.group import ProcessGroup
+    from dynabatch.actors.precision import SpeedOptions, forward_of, prepare_input
+    from dynabatch.actors.reducer import GradientReducer
+    from torch._dynamo.utils import counters
+
+    dev = torch.device("cuda", 0)
+    sizes = (24, 40, 56, 88, 128)
+    cfg = {**cfg, "batch": max(sizes)}
+    group = ProcessGroup(cfg["timeout_s"])
+    group.join(group.open_store(1, 1, "nccl", host="127.0.0.1"), 0, dev)
+    counters.clear()
     t0 = time.perf_counter()
-    rate = _rate_on("cuda", cfg, compiled=True)
+    steps, worst = [], 0.0
+    try:
+        ref_model, x, y = _problem(cfg)
+        model = _problem(cfg)[0]
+        ref_model.to(dev)
+        model.to(dev)
+        x, y = x.to(dev), y.to(dev)
+        speed = SpeedOptions(compile_mode="default")
+        forward = forward_of(model, speed)
+        reducer = GradientReducer(list(model.parameters()), dev, max(sizes))
+        reducer.use_group("nccl")
+        for b in sizes:
+            reducer.begin(b)
+            loss = F.cross_entropy(forward(prepare_input(x[:b], speed)), y[:b], reduction="sum")
+            reducer.arm()
+            (loss / b).backward()
+            red = reducer.finish(loss=loss.detach())
+            ref_model.zero_grad(set_to_none=True)
+            F.cross_entropy(ref_model(x[:b]), y[:b]).backward()
+            ref = torch.cat([p.grad.reshape(-1) for p in ref_model.parameters()])
+            err = float((reducer.flat[: reducer.n_params] - ref).abs().max())
+            worst = max(worst, err)
+            steps.append({"batch": b, "calls": red.buckets, "from_hooks": red.early})
+    finally:
+        group.leave()
+    graphs = int(counters["stats"]["unique_graphs"])
+    hooks = all(s["calls"] == s["from_hooks"] == reducer.n_buckets for s in steps)
+    tol = 1e-4
     return {
-        "status": "ok",
-        "gpu_fp32_compiled": rate,
-        "unit": "samples/s",
+        "status": "ok" if graphs <= 2 and hooks and worst <= tol and reducer.n_buckets > 1
+        else "fail",
+        "graphs": graphs,
+        "buckets": reducer.n_buckets,
+        "steps": steps,
+        "max_abs_err": worst,
+        "tolerance": tol,
         "seconds_with_compilation": round(time.perf_counter() - t0, 1),
     }
+
+
+def _fault_member(rank: int, rv: Any, mode: str, cfg: dict[str, Any], out: Any) -> None:
+    """One member of a two-GPU NCCL group in fault mode ``mode`` (a child process): the
+    bucketed all-reduce's step time, then rank 1 leaves without a word and rank 0 times how
+    long its next collectives take to raise."""
+    try:
+        os.environ["DYNABATCH_NCCL_FAULT_MODE"] = mode
+        import torch.distributed as dist
+        from dynabatch.actors.group import ProcessGroup
+
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+        group = ProcessGroup(cfg["fault_timeout_s"], cfg["timeout_s"])
+        group.join(rv, rank, dev)
+        buf = torch.ones(cfg["fault_elems"], device=dev)
+        buckets = buf.chunk(4)
+
+        def step() -> None:
+            works = [dist.all_reduce(b, async_op=True) for b in buckets]
+            for w in works:
+                w.wait()
+            torch.cuda.synchronize(dev)
+
+        for _ in range(3):
+            step()
+        t0 = time.perf_counter()
+        for _ in range(cfg["fault_steps"]):
+            step()
+        step_ms = (time.perf_counter() - t0) / cfg["fault_steps"] * 1e3
+        if rank == 1:
+            out.put((rank, None, {"step_ms": round(step_ms, 3)}))
+            out.close()
+            out.join_thread()
+            os._exit(0)  # gone without leaving, after the peer's last good step
+        time.sleep(1.0)  # the peer is gone
+        t0 = time.perf_counter()
+        raised = None
+        deadline = t0 + 3 * cfg["fault_timeout_s"]
+        while raised is None and time.perf_counter() < deadline:
+            try:  # async mode: the failure may surface at the next call
+                step()
+            except Exception as err:
+                raised = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        took = time.perf_counter() - t0
+        group.leave()
+        out.put((rank, None, {"step_ms": round(step_ms, 3), "raised": raised,
+                              "raise_s": round(took, 2)}))
+    except Exception as err:
+        out.put((rank, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}", {}))
+
+
+def check_nccl_fault_modes(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Blocking wait against async error handling (``DYNABATCH_NCCL_FAULT_MODE``,
+    :mod:`dynabatch.actors.group`): per mode, a two-GPU NCCL group's bucketed all-reduce
+    step time, and that a lost peer makes the survivor raise within a bound of the
+    collectives' timeout. Two ranks cannot share one GPU in NCCL: skipped below two."""
+    if not _cuda():
+        return _skipped("no GPU")
+    if torch.cuda.device_count() < 2:
+        return _skipped(f"{torch.cuda.device_count()} GPU: NCCL needs a GPU per rank, two here")
+    from dynabatch.actors.group import NCCL_FAULT_MODES, ProcessGroup
+
+    res: dict[str, Any] = {"status": "ok", "collective_timeout_s": cfg["fault_timeout_s"]}
+    ctx = mp.get_context("spawn")
+    for mode in NCCL_FAULT_MODES:
+        out = ctx.Queue()
+        store = ProcessGroup(cfg["fault_timeout_s"], cfg["timeout_s"])
+        rv = store.open_store(1, 2, "nccl", host="127.0.0.1")
+        procs = [
+            ctx.Process(target=_fault_member, args=(r, rv, mode, cfg, out), daemon=True)
+            for r in range(2)
+        ]
+        got = _gather(procs, out, cfg["timeout_s"] * 3 + cfg["fault_timeout_s"] * 4)
+        store.leave()
+        survivor = got.get(0, ("no answer (died or hung)", {}))
+        res[mode] = {"members": {str(r): got[r][1] for r in sorted(got)}}
+        if survivor[0]:
+            res[mode]["error"] = survivor[0]
+        bounded = (survivor[1].get("raised") is not None
+                   and survivor[1]["raise_s"] < 2 * cfg["fault_timeout_s"] + 5)
+        res[mode]["bounded"] = bounded
+        if not bounded:
+            res["status"] = "fail"
+    rates = {m: res[m]["members"].get("0", {}).get("step_ms") for m in NCCL_FAULT_MODES}
+    if all(rates.values()):
+        res["faster"] = min(rates, key=rates.get)
+    return res
+
+
+def check_data_wait(cfg: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    from dynabatch.actors.data.loader import default_threads
+    from dynabatch.actors.data.source import ArraySource, Meta
+
+    spec = importlib.util.spec_from_file_location("loader_feed", ROOT / "bench" / "loader_feed.py")
+    feed_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(feed_mod)
+    dev = torch.device("cuda", 0) if _cuda() else torch.device("cpu")
+    n, batch = cfg["data_n"], cfg["data_batch"]
+    x, y = feed_mod.images(n)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(),
+        torch.nn.Linear(3 * 32 * 32, cfg["data_hidden"]),
+        torch.nn.ReLU(),
+        torch.nn.Linear(cfg["data_hidden"], 10),
+    ).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        if dev.type == "cuda":  # the worker's one synchronisation per step
+            torch.cuda.synchronize(dev)
+
+    threads = default_threads(os.cpu_count() or 1)
+    res: dict[str, Any] = {
+        "status": "ok",
+        "device": str(dev),
+        "threads": threads,
+        "batch": batch,
+        "samples": n,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        if _has("pyarrow"):
+            from dynabatch.actors.data.arrow import ParquetSource
+            from dynabatch.actors.data.write import write_parquet
+
+            write_parquet(tmp, x, y, row_group_size=1024)
+            source, res["source"] = ParquetSource(tmp, {"shape": [3, 32, 32]}), "parquet"
+        else:
+            xf = x.astype(np.float32) * np.float32(1 / 255)
+            source, res["source"] = ArraySource(xf, y, Meta("images", (3, 32, 32), 10)), "memory"
+        feed_mod.feed(source, threads, batch, 2, 0.0, dev, step=step)  # warm-up
+        got = feed_mod.feed(source, threads, batch, cfg["data_steps"], 0.0, dev, step=step)
+    res.update(got)
+    busy = got["step_ms"] + got["data_wait_per_step_ms"]
+    res["wait_fraction"] = round(got["data_wait_per_step_ms"] / busy, 3) if busy > 0 else None
+    return res
 
 
 def gpu_test_files() -> list[str]:
@@ -673,6 +952,15 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "tests_timeout_s": TIMEOUT_S["gpu_tests"] - 20,
         "oom_batch": 96,
         "oom_limit": 20,
+        "conv_width": 16 if quick else 32,
+        "cpu_compile": not quick,
+        "fault_timeout_s": 10,
+        "fault_elems": 2**22,
+        "fault_steps": 20 if quick else 200,
+        "data_n": 2048 if quick else 32768,
+        "data_batch": 256,
+        "data_steps": 6 if quick else 96,
+        "data_hidden": 64 if quick else 1024,
     }
 
 

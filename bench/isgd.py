@@ -3,7 +3,7 @@ target accuracy, same learning rate and batch cycle, paired over 5 seeds; and on
 workers, what ISGD costs a step that flags nothing.
 
 Workload (``--data hard``, the default): MNIST-format data where batches really differ,
-with the paper's three causes built in (``dynabatch.actors.workloads.hard_mnist:load``):
+with the paper's three causes built in (``bench.hard_mnist:load``):
 intrinsically harder classes (broken, faint, noisy strokes), rare classes (sampling bias:
 2% of the training set each, balanced test set) and label noise in a fixed subset, with the
 sample order drawn *once* (``dataset.shuffle: once``) so the same batches recur in a fixed
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.sched_common import MODE, dataset, job, median, pin_threads, run
 
 BATCH, LR = 100, 0.05
-HARD = "dynabatch.actors.workloads.hard_mnist:load"
+HARD = "bench.hard_mnist:load"
 
 
 def _data(args, seed: int) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from dynabatch.actors.spec import JobSpec, parse_spec
+from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.sim.cluster_spec import parse_cluster
 from dynabatch.scheduler.sim.simulator import SimResult, simulate
 
@@ -91,17 +92,19 @@ def run(spec: JobSpec, cluster: dict[str, Any] | None = None, eval_every: int | 
             return
         c = coord[0]
         if not start:
-            if c._ep is None:  # the first epoch has not begun
+            # The first epoch begins (after the workers started) at the loop's first move
+            # to TRAINING: the simulator's clock does not advance between the two.
+            began = [ch.at for ch in c.phase_changes() if ch.new is Phase.TRAINING]
+            if not began:
                 return
-            start.append(c._ep.started)
+            start.append(began[0])
         hist = c.history()
         steps = sum(r.steps for r in hist) + (c.step_in_epoch if c.epoch < spec.epochs else 0)
         if steps < nxt[0] and c.epoch < spec.epochs:
             return
         while nxt[0] <= steps:
             nxt[0] += eval_every
-        reg = c.regime
-        evals = reg.grad_evals_total + reg._ep.grad_evals
+        evals = c.job.regime.grad_evals
         acc = float(c.runtime.gradients.evaluate().get("accuracy"))
         curve.points.append((c.clock.now() - start[0], evals, steps, acc))
         if stop_at is not None and acc >= stop_at and not c.state.is_terminal:

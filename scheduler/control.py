@@ -198,6 +198,12 @@ class JobControl:
             self._log("INFO", f"assignment requested: {a}")
         return self.snapshot()
 
+    def assigned(self) -> tuple[tuple[str, int], ...] | None:
+        """The node assignment in force as (node id, slots) pairs, or None: what a new
+        cluster scheduler reads back when it adopts the running job."""
+        with self._lock:
+            return None if self.assignment is None else self.assignment.slots
+
     def _refuse_if_assigned(self, what: str) -> None:
         """Under the lock: the job's own resizing stops once its nodes are assigned."""
         if self.assignment is not None:

@@ -16,6 +16,7 @@ import httpx
 from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.service.cluster_schemas import ClusterState
 from dynabatch.service.schemas import (
     CodeUploaded,
     JobDetail,
@@ -217,6 +218,10 @@ class DynabatchClient:
 
     def nodes(self) -> NodeList:
         return self._call(NodeList, "GET", "/v1/nodes")
+
+    def cluster(self) -> ClusterState:
+        """The cluster scheduler's last round (``GET /v1/cluster``)."""
+        return self._call(ClusterState, "GET", "/v1/cluster")
 
     def ready(self) -> Readiness:
         response = self._send("GET", "/readyz")

@@ -35,14 +35,17 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.cluster.nodes import RayNode, gang_error
+from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from dynabatch.service.cluster_client import ClusterClient, ClusterNode, NodeJob
+from dynabatch.service.cluster_schemas import queue_reason
 from dynabatch.service.errors import (
     AlreadyFinished,
     ClusterUnavailable,
@@ -53,6 +56,7 @@ from dynabatch.service.errors import (
     RayCallError,
     WorkerNotFound,
 )
+from dynabatch.service.scheduling import Refused, Scheduling
 from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
 from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
 
@@ -80,6 +84,35 @@ def new_job_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+def min_workers_problem(spec: JobSpec, nodes: Sequence[ClusterNode]) -> str | None:
+    """Why no set of the alive ``nodes`` can ever hold the job's ``min_workers`` together,
+    or None when they can (or the spec sets no minimum, or no node is listed). Two limits:
+    the cluster scheduler's worker slots (:func:`gang_error`, what it can grant) and what
+    each node's resources hold of this job's workers (:meth:`JobSpec.workers_on`, what Ray
+    can place: a GPU job on CPU nodes, workers of several CPUs). Such a job would only wait
+    in the queue for ever."""
+    need = spec.min_workers
+    alive = [n for n in nodes if n.alive]
+    if need is None or not alive:
+        return None
+    problem = gang_error([RayNode(n.node_id, n.resources) for n in alive], need,
+                         spec.node_resource)
+    if problem:
+        return problem
+    held = sum(spec.workers_on(n.resources) for n in alive)
+    if held >= need:
+        return None
+    each = f"{spec.worker_cpus:g} CPU"
+    if spec.worker_gpus == "auto" or spec.worker_gpus > 0:
+        each += f", {spec.worker_gpus} GPU"
+    if spec.node_resource:
+        each += f", node_resource {spec.node_resource!r}"
+    return (
+        f"min_workers {need}: the cluster's {len(alive)} alive nodes hold {held} of this "
+        f"job's workers ({each} each); the job could never start"
+    )
+
+
 @dataclass(frozen=True)
 class MetricState:
     """One read of the job state /metrics exports (:meth:`JobService.metric_state`)."""
@@ -103,6 +136,7 @@ class JobService:
         auto_resume_limit: int = AUTO_RESUME_LIMIT,
         submit_policy: SubmitPolicy | None = None,
         clock: Callable[[], float] = time.time,
+        scheduling: Scheduling | None = None,
     ):
         self.store = store
         self.cluster = cluster
@@ -128,6 +162,12 @@ class JobService:
         self._metric_lock = threading.Lock()
         self._metric_cache: MetricState | None = None
         self._metric_ttl_s = min(sync_interval_s, 1.0)
+        # The cluster scheduler (None: off, every job is launched at once). With it on, a
+        # job is registered and its coordinator started by the scheduler once granted;
+        # until then the job has no coordinator to poll (``_scheduled``: the jobs it
+        # started, as of the last sync with it).
+        self.scheduling = scheduling
+        self._scheduled: set[str] = set()
 
     # Lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -192,7 +232,10 @@ class JobService:
         (see :meth:`_coordinator_lost`), and marked FAILED otherwise.
         """
         found = []
+        queued = self._queued_now()
         for rec in self.store.live():
+            if rec.id in queued:
+                continue  # the cluster scheduler has not started it: nothing to re-attach
             if rec.cluster == EMBEDDED_CLUSTER or self.cluster.embedded:
                 if rec.cluster != EMBEDDED_CLUSTER:
                     # Its own cluster may still be running it: never start a second copy.
@@ -232,11 +275,12 @@ class JobService:
     # Sync -------------------------------------------------------------------------------
     def sync_once(self) -> None:
         """Poll every live job once, and refresh the count of alive nodes."""
+        queued = self._queued_now()
         for rec in self.store.live():
             if self._stop.is_set() and self._thread is not None:
                 return
             with self._launching_lock:
-                if rec.id in self._launching:
+                if rec.id in self._launching or rec.id in queued:
                     continue
             self.sync_job(rec.id)
         try:
@@ -244,6 +288,30 @@ class JobService:
         except RayCallError as err:
             log.warning("cannot list Ray nodes: %s", err)
             self._alive_nodes = None
+
+    def _queued_now(self) -> set[str]:
+        """With the cluster scheduler on: tell it every live job (so a new scheduler
+        rebuilds from the store and the live coordinators), and return the live jobs it
+        has not started, which have no coordinator to poll yet. If it cannot be reached,
+        the jobs it started as of the last sync are polled and the others wait."""
+        if self.scheduling is None:
+            return set()
+        live = self.store.live()
+        try:
+            started = self.scheduling.sync(
+                [(r.id, self._launch_spec(r), r.created_at, r.resumes) for r in live]
+            )
+        except RayCallError as err:
+            log.warning("cannot sync with the cluster scheduler: %s", err)
+            started = self._scheduled
+        for rec in live:
+            if rec.id in started and rec.id not in self._scheduled:
+                try:  # later calls for the job go to the generation the scheduler started
+                    self.cluster.find(rec.id, rec.resumes)
+                except RayCallError as err:
+                    log.warning("job %s: cannot find its coordinator yet (%s)", rec.id, err)
+        self._scheduled = set(started)
+        return {r.id for r in live if r.id not in started}
 
     def sync_job(self, job_id: str, snapshot: JobSnapshot | None = None) -> JobRecord | None:
         """Bring one job's stored state, history and logs up to date with its coordinator."""
@@ -281,6 +349,11 @@ class JobService:
             self.store.add_logs(job_id, lines)
             self.store.save_snapshot(snap, now=self.clock())
             self._changed()
+            if snap.state.is_terminal and self.scheduling is not None:
+                try:  # its nodes go to the next job now, not at the next sync
+                    self.scheduling.finished(job_id)
+                except RayCallError as err:
+                    log.warning("job %s: cannot tell the cluster scheduler (%s)", job_id, err)
             if snap.state.is_terminal and self.release_finished:
                 try:
                     self.cluster.release(job_id)
@@ -365,7 +438,16 @@ class JobService:
         with self._launching_lock:
             self._launching.add(rec.id)
         try:
-            self.cluster.launch(rec.id, self._launch_spec(rec), rec.resumes)
+            if self.scheduling is not None:
+                # The scheduler starts the next generation once its nodes are granted.
+                self.scheduling.register(rec.id, self._launch_spec(rec), rec.created_at,
+                                         rec.resumes)
+                self._scheduled.discard(rec.id)
+            else:
+                self.cluster.launch(rec.id, self._launch_spec(rec), rec.resumes)
+        except Refused as err:
+            self._fail(rec.id, f"{reason}; not resumed: {err}")
+            raise RayCallError(str(err)) from None
         except RayCallError as err:
             self._fail(rec.id, f"{reason}; could not start a new coordinator: "
                                f"{first_line(err, typed=False)}")
@@ -397,20 +479,33 @@ class JobService:
         """Store the job and start its coordinator. A launch that fails leaves it FAILED.
 
         Raises :class:`SpecNotAllowed` (422; nothing is stored) when the spec names user code
-        or paths that ``submit_policy`` does not allow, :class:`ClusterUnavailable` (after
-        recording the failure) when Ray did not answer; other launch errors are the job's
-        reason and the record is returned.
+        or paths that ``submit_policy`` does not allow, :class:`InvalidRequest` (422; nothing
+        is stored) when no set of the cluster's nodes can hold its ``min_workers``,
+        :class:`ClusterUnavailable` (after recording the failure) when Ray did not answer;
+        other launch errors are the job's reason and the record is returned.
         """
         problems = check_submission(spec, self.submit_policy)
         if problems:
             raise SpecNotAllowed(problems)
+        self._check_fits(spec)
+        if self.scheduling is not None:
+            why = self._scheduler_refusal(spec)
+            if why:
+                raise InvalidRequest(why.split(" ", 1)[0], why)
         job_id = new_job_id()
         cluster = self._cluster_name()
         with self._launching_lock:
             self._launching.add(job_id)
         try:
             rec = self.store.create(job_id, spec, cluster=cluster, now=self.clock())
-            self.cluster.launch(job_id, spec)
+            if self.scheduling is not None:
+                # Queued: the scheduler starts its coordinator on the nodes it grants.
+                self.scheduling.register(job_id, spec, rec.created_at, 0)
+            else:
+                self.cluster.launch(job_id, spec)
+        except Refused as err:  # the cluster changed since the check above
+            failed = self._fail(job_id, f"refused by the cluster scheduler: {err}")
+            return failed or rec
         except ClusterUnavailable as err:
             self._fail(job_id, "could not start the job's coordinator: "
                                f"{first_line(err, typed=False)}")
@@ -427,6 +522,30 @@ class JobService:
         log.info("job %s (%s) submitted", job_id, spec.name)
         return rec
 
+    def _scheduler_refusal(self, spec: JobSpec) -> str | None:
+        """Why the cluster scheduler could never place this job (a one-line reason that
+        starts with the field), or None; None too when it cannot be asked now."""
+        try:
+            return self.scheduling.admissible(spec)
+        except RayCallError as err:
+            log.warning("cannot ask the cluster scheduler about a new job: %s", err)
+            return None
+
+    def _check_fits(self, spec: JobSpec) -> None:
+        """Refuse (:class:`InvalidRequest` on ``min_workers``, 422, nothing stored) a job
+        whose ``min_workers`` no set of the cluster's alive nodes can hold. When Ray cannot
+        list its nodes now, the job is not refused for it."""
+        if spec.min_workers is None:
+            return
+        try:
+            nodes = self.cluster.nodes()
+        except RayCallError as err:
+            log.warning("cannot list Ray nodes to check min_workers: %s", err)
+            return
+        problem = min_workers_problem(spec, nodes)
+        if problem:
+            raise InvalidRequest("min_workers", problem)
+
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobRecord:
         """Cancel a live job. Raises :class:`AlreadyFinished` (an ``InvalidTransition``, 409)
         when it already ended.
@@ -438,6 +557,11 @@ class JobService:
             rec = self._get_record(job_id)
             if rec.state.is_terminal:
                 raise AlreadyFinished(rec.state, job_id)
+            if self.scheduling is not None and job_id not in self._scheduled:
+                try:  # still queued: it leaves the queue before it can be started
+                    self.scheduling.finished(job_id)
+                except RayCallError as err:
+                    log.warning("job %s: cannot tell the cluster scheduler (%s)", job_id, err)
             try:
                 snap = self.cluster.cancel(job_id, reason)
             except CoordinatorGone:
@@ -494,6 +618,8 @@ class JobService:
                     f"{workers} workers with max_batch {spec.max_batch} cannot hold the job's "
                     f"global_batch ({largest})",
                 )
+            if self.scheduling is not None:
+                return self._scheduled_scale(rec, workers)
             try:
                 snap = self._membership_call(rec, lambda: self.cluster.scale(job_id, workers))
             except CoordinatorGone as err:
@@ -511,6 +637,17 @@ class JobService:
             log.info("job %s: scale to %d workers requested", job_id, workers)
             return self.sync_job(job_id, snapshot=snap) or rec
 
+    def _scheduled_scale(self, rec: JobRecord, workers: int) -> JobRecord:
+        """With the cluster scheduler on, a scale is a request to it: recorded as the job's
+        max_workers for its next round (:class:`JobConflict`, 409, when it refuses)."""
+        try:
+            answer = self.scheduling.request_scale(rec.id, workers)
+        except Refused as err:
+            raise JobConflict(str(err)) from None
+        self.store.set_target_workers(rec.id, workers)
+        log.info("job %s: %s", rec.id, answer)
+        return self.store.get(rec.id) or rec
+
     def drain(self, job_id: str, worker: str) -> JobRecord:
         """Remove ``worker`` from the job at its next step boundary (gracefully: its share of
         the epoch goes to the others).
@@ -520,6 +657,8 @@ class JobService:
         """
         with self._sync_lock:
             rec = self._live_record(job_id)
+            if self.scheduling is not None:
+                raise JobConflict(self.scheduling.refuse_drain(job_id, worker))
             try:
                 snap = self._membership_call(rec, lambda: self.cluster.drain(job_id, worker))
             except CoordinatorGone as err:
@@ -591,12 +730,37 @@ class JobService:
         return rec
 
     def get(self, job_id: str) -> JobRecord:
-        return self._get_record(job_id)
+        """The job as every view shows it: a job the cluster scheduler queues has the
+        queue's reason (:meth:`queue_reason`)."""
+        return self._shown(self._get_record(job_id), self.cluster_view())
 
     def list(
         self, state: JobState | None = None, *, offset: int = 0, limit: int = 50
     ) -> tuple[list[JobRecord], int]:
-        return self.store.list(state, offset=offset, limit=limit)
+        records, total = self.store.list(state, offset=offset, limit=limit)
+        view = self.cluster_view()
+        return [self._shown(r, view) for r in records], total
+
+    def cluster_view(self) -> ClusterView | None:
+        """The cluster scheduler's last round; None when no scheduler runs. Answers from
+        what the service keeps, without I/O: the job views' caches ask it on the event
+        loop (api/cached.py)."""
+        return None if self.scheduling is None else self.scheduling.view()
+
+    def queue_reason(self, job_id: str) -> str | None:
+        """Why the job waits, when the cluster scheduler's last round queued it
+        (``queued: position 2 of 3 (...)``); None otherwise. No I/O."""
+        return queue_reason(self.cluster_view(), job_id)
+
+    @staticmethod
+    def _shown(rec: JobRecord, view: ClusterView | None) -> JobRecord:
+        """``rec`` with the queue's reason while the cluster scheduler's round ``view``
+        queues it: the REST job, the list, ``dynabatch status`` and the job page all read
+        it from here."""
+        if rec.state.is_terminal:
+            return rec
+        why = queue_reason(view, rec.id)
+        return rec if why is None or why == rec.reason else replace(rec, reason=why)
 
     def history(self, job_id: str, since: int = 0) -> list[EpochRecord]:
         self._get_record(job_id)

@@ -21,6 +21,16 @@ def build_service(settings: Settings, cluster: ClusterClient | None = None) -> J
             num_cpus=settings.ray_num_cpus,
             call_timeout_s=settings.ray_call_timeout_s,
         )
+    scheduling = None
+    if settings.cluster_scheduler:
+        from dynabatch.service.scheduling import RayScheduling
+
+        scheduling = RayScheduling(
+            settings.cluster_policy,
+            settings.cluster_round_s,
+            settings.cluster_hold_s,
+            settings.ray_call_timeout_s,
+        )
     return JobService(
         JobStore(settings.db_path),
         cluster,
@@ -30,4 +40,5 @@ def build_service(settings: Settings, cluster: ClusterClient | None = None) -> J
         cancel_wait_s=settings.cancel_wait_s,
         auto_resume_limit=settings.auto_resume_limit,
         submit_policy=settings.submit_policy,
+        scheduling=scheduling,
     )

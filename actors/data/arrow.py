@@ -22,7 +22,15 @@ from typing import Any
 
 import numpy as np
 from dynabatch.actors.data.fs import list_files, open_fs
-from dynabatch.actors.data.source import DataError, Meta, Source, x_dtype, y_dtype
+from dynabatch.actors.data.source import (
+    DataError,
+    Meta,
+    Out,
+    Source,
+    batch_arrays,
+    x_dtype,
+    y_dtype,
+)
 from dynabatch.actors.errors import first_line
 
 SUFFIXES = (".parquet", ".pq", ".parq")
@@ -115,9 +123,13 @@ class ParquetSource(Source):
         self.fs, root = open_fs(path)
         self.files = list_files(self.fs, root, SUFFIXES)
         self._pq = pq
-        self._open: dict[int, Any] = {}
+        # File handles per reading thread: the loader's threads read row groups at once
+        # (pyarrow releases the GIL), and a ParquetFile is not shared between threads.
+        self._local = threading.local()
+        self._handles: list[dict[int, Any]] = []  # every thread's, for close()
         self._lock = threading.Lock()
-        self._io = threading.Lock()  # one reader at a time per source (shared file handles)
+        # One decode per row group: a thread wanting a group another is decoding waits.
+        self._decoding: dict[tuple[int, int], threading.Lock] = {}
         self._cache: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
         groups, sizes, ymax = [], [], -1
         for f_i, f in enumerate(self.files):
@@ -162,7 +174,12 @@ class ParquetSource(Source):
         self._cache.clear()  # group 0 was decoded before the targets' dtype was known
 
     def _file(self, i: int) -> Any:
-        pf = self._open.get(i)
+        opened = getattr(self._local, "open", None)
+        if opened is None:
+            opened = self._local.open = {}
+            with self._lock:
+                self._handles.append(opened)
+        pf = opened.get(i)
         if pf is None:
             f = self.files[i]
             try:
@@ -170,7 +187,7 @@ class ParquetSource(Source):
             except Exception as err:
                 raise DataError(f"dataset.path: {f}: not a readable Parquet file "
                                 f"({first_line(err)})") from err
-            self._open[i] = pf
+            opened[i] = pf
         return pf
 
     def __len__(self) -> int:
@@ -183,11 +200,23 @@ class ParquetSource(Source):
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
+            busy = self._decoding.setdefault(key, threading.Lock())
+        with busy:
+            with self._lock:
+                hit = self._cache.get(key)  # decoded by another thread meanwhile
+            if hit is not None:
+                return hit
+            try:
+                return self._decode(key)
+            finally:
+                with self._lock:
+                    self._decoding.pop(key, None)
+
+    def _decode(self, key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
         f_i, g = key
         where = f"{self.files[f_i]} row group {g}"
         try:
-            with self._io:
-                table = self._file(f_i).read_row_group(g, columns=[*self.xcols, self.ycol])
+            table = self._file(f_i).read_row_group(g, columns=[*self.xcols, self.ycol])
         except DataError:
             raise
         except Exception as err:
@@ -218,15 +247,14 @@ class ParquetSource(Source):
                 self._cache.popitem(last=False)
         return x, y
 
-    def read(self, ids: np.ndarray, keys: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
+             out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.n):
             raise DataError(f"sample ids outside 0..{self.n - 1}")
         gi = np.searchsorted(self.starts, ids, side="right") - 1
         m = self.meta
-        x = np.empty((len(ids), *m.sample_shape), dtype=x_dtype(m.targets))
-        y = np.empty((len(ids), *m.target_shape), dtype=y_dtype(m.targets))
+        x, y = batch_arrays(m, len(ids), out)
         for g in np.unique(gi):
             sel = np.flatnonzero(gi == g)
             gx, gy = self._group(int(g))
@@ -240,4 +268,5 @@ class ParquetSource(Source):
     def close(self) -> None:
         with self._lock:
             self._cache.clear()
-        self._open.clear()
+            for opened in self._handles:
+                opened.clear()

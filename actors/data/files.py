@@ -20,7 +20,14 @@ from typing import Any
 
 import numpy as np
 from dynabatch.actors.data.fs import is_uri, list_files, open_fs
-from dynabatch.actors.data.source import DataError, Meta, SampleError, Source
+from dynabatch.actors.data.source import (
+    DataError,
+    Meta,
+    Out,
+    SampleError,
+    Source,
+    batch_arrays,
+)
 from dynabatch.actors.errors import first_line
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif",
@@ -83,15 +90,12 @@ class NpySource(Source):
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def read(self, ids: np.ndarray, keys: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
+             out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)
         si = np.searchsorted(self.starts, ids, side="right") - 1
         tok = self.meta.targets == "tokens"
-        x = np.empty((len(ids), *self.meta.sample_shape),
-                     dtype=np.int64 if tok else np.float32)
-        y = np.empty((len(ids), *self.meta.target_shape),
-                     dtype=np.float32 if self.meta.targets == "values" else np.int64)
+        x, y = batch_arrays(self.meta, len(ids), out)
         for s in np.unique(si):
             sel = np.flatnonzero(si == s)
             rows = ids[sel] - self.starts[s]
@@ -214,15 +218,16 @@ class ImageFolderSource(Source):
             raise SampleError(i, f"{f}: cannot decode image ({first_line(err)})") from err
         return apply_transforms(img, self.ts, key)
 
-    def read(self, ids: np.ndarray, keys: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
+             out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)
-        out = np.empty((len(ids), *self.meta.sample_shape), dtype=np.float32)
+        x, y = batch_arrays(self.meta, len(ids), out)
         for j, i in enumerate(ids):
-            x = self._decode(int(i), None if keys is None else int(keys[j]))
-            if x.shape != self.meta.sample_shape:
-                raise SampleError(int(i), f"{self.files[i]}: image of shape {x.shape} after "
+            img = self._decode(int(i), None if keys is None else int(keys[j]))
+            if img.shape != self.meta.sample_shape:
+                raise SampleError(int(i), f"{self.files[i]}: image of shape {img.shape} after "
                                   f"the transforms, but the first sample has "
                                   f"{self.meta.sample_shape} (add a resize transform)")
-            out[j] = x
-        return out, self.labels[ids]
+            x[j] = img
+        y[:] = self.labels[ids]
+        return x, y

@@ -4,11 +4,22 @@ The worker tells the loader the epoch's order (:meth:`Loader.set_order`) and, at
 of every segment, the share ranges ``[lo, hi)`` of its planned steps (:meth:`Loader.plan`),
 plus the range the next step would train if the allocation stays. Background threads read
 them (``source.read`` of the ids at those positions, with augmentation keys from (job
-seed, epoch, position)) into a bounded queue of ``depth`` shares; on a GPU the batches are
-pinned, so their copy to the device is asynchronous. A step's gather takes its share (or
-a micro-batch of it) from the queue; the time it blocked is the step's *data wait*, 0 when
+seed, epoch, position)) into a bounded queue of ``depth`` shares. A step's gather takes its
+share (or a micro-batch of it) from the queue; the time it blocked is the step's *data wait*, 0 when
 the read was hidden. A re-plan or a membership change only changes which ranges are read
 next: reads that are no longer planned are dropped.
+
+Readers. pyarrow's reads and decodes and numpy's gathers release the GIL, so threads read
+in parallel; by default a worker reads with one reader per CPU Ray gave it
+(:func:`default_threads`), ``dataset.loader_threads`` overrides it. A map-style dataset's
+Python ``__getitem__`` holds the GIL (``source.gil_bound``): with more than one reader its
+shares are split across that many worker *processes* (started with ``spawn``, each opening
+its own view of the source from the worker's recipe), as torch's ``DataLoader`` workers do.
+
+Staging (on a GPU). A share is read straight into a reused page-locked buffer
+(``source.read(..., out=)``): one host copy, then one asynchronous copy to the device per
+micro-batch. A buffer goes back to the pool once its share is consumed and the device has
+done its copies (a CUDA event), so the host never overwrites memory a copy still reads.
 
 A read that raises (a ``__getitem__`` error, a corrupt file, a sample of another shape)
 fails the step that gathers it, with the field, the sample, its order position and the
@@ -17,33 +28,152 @@ cause's first line (:class:`~dynabatch.actors.data.source.DataError`).
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 import torch
-from dynabatch.actors.data.source import DataError, SampleError, Source, augment_keys
+from dynabatch.actors.data.source import (
+    DataError,
+    SampleError,
+    Source,
+    augment_keys,
+    batch_arrays,
+)
 from dynabatch.actors.errors import first_line
 
 Range = tuple[int, int]
+Batch = tuple[torch.Tensor, torch.Tensor, "_Buffer | None"]  # (x, y, its staging buffer)
+MAX_THREADS = 16  # more threads than this contend on one source's caches and files
+
+
+def default_threads(worker_cpus: float) -> int:
+    """The loader's threads when ``dataset.loader_threads`` is not set: one per CPU given to
+    the worker (``worker_cpus``, at least one, at most :data:`MAX_THREADS`). Reads release
+    the GIL, so they use those CPUs; a GPU worker's own thread mostly waits on the device."""
+    return max(1, min(MAX_THREADS, int(worker_cpus)))
+
+
+_CHILD: Source | None = None  # a reader process's own view of the source
+
+
+def _child_open(opener: Callable[[], Source]) -> None:
+    global _CHILD
+    # A reader outlives no worker: when the worker dies (a lost node, a killed actor) its
+    # end of the parent's sentinel closes, and the reader exits.
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        def orphaned() -> None:
+            multiprocessing.connection.wait([parent.sentinel])
+            os._exit(0)
+
+        threading.Thread(target=orphaned, daemon=True, name="dynabatch-orphan").start()
+    _CHILD = opener()
+    # One sample read at start-up, so the imports its reading needs (torch, for the
+    # augmentation's seeding) and the dataset's lazy set-up are not the first share's cost.
+    # A bad sample 0 fails the step that trains it instead, with its position.
+    with contextlib.suppress(DataError):
+        one = np.zeros(1, dtype=np.int64)
+        _CHILD.read(one, one)
+
+
+def _child_read(ids: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return _CHILD.read(ids, keys)
+
+
+class _Buffer:
+    """One staging buffer pair for a read share (page-locked on a GPU node)."""
+
+    def __init__(self, meta: object, rows: int, pin: bool):
+        from dynabatch.actors.data.source import x_dtype, y_dtype
+
+        self.x = torch.from_numpy(np.empty((rows, *meta.sample_shape),
+                                           dtype=x_dtype(meta.targets)))
+        self.y = torch.from_numpy(np.empty((rows, *meta.target_shape),
+                                           dtype=y_dtype(meta.targets)))
+        if pin:  # allocated once, reused for many shares: pinning's cost is paid once
+            self.x, self.y = self.x.pin_memory(), self.y.pin_memory()
+        self.copied: torch.cuda.Event | None = None  # recorded after its last device copy
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+
+class StagingPool:
+    """Reused staging buffers. ``take(rows)`` hands out a free buffer of at least ``rows``
+    (waiting for its last device copy), else a new one, grown geometrically since shares
+    change size; ``give`` returns one. At most ``keep`` free buffers are kept."""
+
+    def __init__(self, meta: object, pin: bool, keep: int):
+        self.meta, self.pin, self.keep = meta, pin, keep
+        self._free: list[_Buffer] = []
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers created (tests: reuse means this stays small)
+
+    def take(self, rows: int) -> _Buffer:
+        with self._lock:
+            fits = [b for b in self._free if b.rows >= rows]
+            buf = min(fits, key=lambda b: b.rows) if fits else None
+            if buf is not None:
+                self._free.remove(buf)
+            elif self._free:  # none large enough: replace the largest with a larger one
+                rows = max(rows, 2 * self._free.pop(
+                    max(range(len(self._free)), key=lambda i: self._free[i].rows)).rows)
+            if buf is None:
+                self.allocated += 1
+        if buf is None:
+            return _Buffer(self.meta, rows, self.pin)
+        if buf.copied is not None:
+            buf.copied.synchronize()  # the device's copies out of it are done
+            buf.copied = None
+        return buf
+
+    def give(self, buf: _Buffer) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self.keep:
+                self._free.remove(min(self._free, key=lambda b: b.rows))
 
 
 class Loader:
     def __init__(self, source: Source, device: torch.device, seed: int, depth: int = 4,
-                 threads: int = 1):
+                 threads: int = 1, staging: bool | None = None,
+                 opener: Callable[[], Source] | None = None):
+        """``threads``: parallel readers. ``staging``: read into reused buffers (default:
+        on a CUDA device, where they are page-locked; tests turn it on for the CPU, where
+        they are ordinary memory). ``opener``: a picklable recipe of the source (the
+        worker's DataRef), with which reader processes open their own view of a GIL-bound
+        source when ``threads`` > 1."""
         self.source, self.device, self.seed = source, device, seed
         self.depth = max(1, depth)
-        self.pin = device.type == "cuda"
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="dynabatch-data")
+        cuda = device.type == "cuda"
+        self.threads = max(1, threads)
+        # At most this many buffers are ever held at once: the planned reads done
+        # (``depth``), the reads running (one per thread, dropped ones included) and the
+        # share being trained; keeping as many free means a new one only for a larger share.
+        self.pool = StagingPool(source.meta, pin=cuda, keep=self.depth + self.threads + 1) \
+            if (cuda if staging is None else staging) else None
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dynabatch-data")
+        # spawn, not fork: the worker has threads (and maybe CUDA) that a fork would copy
+        # half-way. Started by start() (the worker calls it as it is built) or a first read.
+        self._procs = ProcessPoolExecutor(
+            self.threads, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_child_open, initargs=(opener,),
+        ) if opener is not None and self.threads > 1 and source.gil_bound else None
         self._order: np.ndarray | None = None
         self._key: object = None
         self._epoch = 0
         self._inflight: OrderedDict[Range, Future] = OrderedDict()
         self._queue: deque[Range] = deque()
-        self._last: tuple[Range, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._last: tuple[Range, Batch] | None = None
         self._stats = threading.Lock()
         self.wait_s = 0.0  # blocked in gather since take_stats
         self.read_s = 0.0  # the threads' time reading, since take_stats
@@ -62,16 +192,33 @@ class Loader:
         want = [(int(a), int(b)) for a, b in ranges if b > a]
         keep = set(want)
         for r in [r for r in self._inflight if r not in keep]:
-            self._inflight.pop(r).cancel()
+            self._drop(self._inflight.pop(r))
         self._queue = deque(r for r in want if r not in self._inflight)
         self._fill()
 
     def _drop_all(self) -> None:
         for f in self._inflight.values():
-            f.cancel()
+            self._drop(f)
         self._inflight.clear()
         self._queue.clear()
-        self._last = None
+        self._set_last(None)
+
+    def _drop(self, fut: Future) -> None:
+        """A read no longer planned: cancelled, or its buffer back to the pool once read."""
+        if not fut.cancel() and self.pool is not None:
+            fut.add_done_callback(self._recycle)
+
+    def _recycle(self, fut: Future) -> None:
+        if not fut.cancelled() and fut.exception() is None and fut.result()[2] is not None:
+            self.pool.give(fut.result()[2])
+
+    def _set_last(self, last: tuple[Range, Batch] | None) -> None:
+        """The share micro-batches are being taken from; the one before it is consumed,
+        so its buffer goes back (after the device copies recorded on it)."""
+        old, self._last = self._last, last
+        if old is not None and old[1][2] is not None and (
+                last is None or old[1][2] is not last[1][2]):
+            self.pool.give(old[1][2])
 
     def _fill(self) -> None:
         while self._queue and len(self._inflight) < self.depth:
@@ -79,32 +226,62 @@ class Loader:
             self._inflight[r] = self._pool.submit(self._read, r, self._order, self._epoch)
 
     # --- reading -----------------------------------------------------------------------
-    def _read(self, r: Range, order: np.ndarray, epoch: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, r: Range, order: np.ndarray, epoch: int) -> Batch:
         t0 = time.perf_counter()
         lo, hi = r
         ids = order[lo:hi]
         keys = augment_keys(self.seed, epoch, np.arange(lo, hi))
+        buf = self.pool.take(hi - lo) if self.pool is not None else None
         try:
-            x, y = self.source.read(ids, keys)
-        except SampleError as err:
-            where = np.flatnonzero(ids == err.sample)
-            pos = lo + int(where[0]) if len(where) else "?"
-            raise DataError(f"{self.source.field}: sample {err.sample} (epoch {epoch}, order "
-                            f"position {pos}): {err.problem}") from err
-        except DataError:
-            raise
-        except Exception as err:
+            if self._procs is not None:
+                x, y = (batch_arrays(self.source.meta, hi - lo) if buf is None
+                        else (buf.x[:hi - lo].numpy(), buf.y[:hi - lo].numpy()))
+                self._read_in_processes(ids, keys, x, y)
+                xb, yb = torch.from_numpy(x), torch.from_numpy(y)
+            elif buf is None:
+                x, y = self.source.read(ids, keys)
+                xb, yb = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(
+                    np.ascontiguousarray(y))
+            else:  # straight into the staging buffer: the batch's one host copy
+                xb, yb = buf.x[:hi - lo], buf.y[:hi - lo]
+                self.source.read(ids, keys, (xb.numpy(), yb.numpy()))
+        except BaseException as err:
+            if buf is not None:
+                self.pool.give(buf)
+            if isinstance(err, SampleError):
+                where = np.flatnonzero(ids == err.sample)
+                pos = lo + int(where[0]) if len(where) else "?"
+                raise DataError(f"{self.source.field}: sample {err.sample} (epoch {epoch}, "
+                                f"order position {pos}): {err.problem}") from err
+            if isinstance(err, DataError) or not isinstance(err, Exception):
+                raise
             raise DataError(f"{self.source.field}: reading positions {lo}..{hi - 1} of epoch "
                             f"{epoch} failed: {first_line(err)}") from err
-        xb, yb = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(
-            np.ascontiguousarray(y))
-        if self.pin:
-            xb, yb = xb.pin_memory(), yb.pin_memory()
         with self._stats:
             self.read_s += time.perf_counter() - t0
             self.read_n += hi - lo
-        return xb, yb
+        return xb, yb, buf
+
+    def start(self) -> None:
+        """Start the reader processes now (a worker does it as it is built), so their
+        start-up is not the first step's data wait. No-op for thread readers."""
+        if self._procs is not None:
+            none = np.zeros(0, dtype=np.int64)
+            for fut in [self._procs.submit(_child_read, none, none)
+                        for _ in range(self.threads)]:
+                fut.result()
+
+    def _read_in_processes(self, ids: np.ndarray, keys: np.ndarray, x: np.ndarray,
+                           y: np.ndarray) -> None:
+        """A share split across the reader processes, each part written into ``x, y``."""
+        parts = [p for p in np.array_split(np.arange(len(ids)), self.threads) if len(p)]
+        futs = [self._procs.submit(_child_read, ids[p], keys[p]) for p in parts]
+        try:
+            for p, fut in zip(parts, futs, strict=True):
+                x[p[0]:p[-1] + 1], y[p[0]:p[-1] + 1] = fut.result()
+        finally:
+            for fut in futs:
+                fut.cancel()
 
     def gather(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples at order positions ``[lo, hi)`` on the device: from a planned share
@@ -114,11 +291,16 @@ class Loader:
         self.wait_s += time.perf_counter() - t0
         xb, yb = batch[0][lo - r[0]:hi - r[0]], batch[1][lo - r[0]:hi - r[0]]
         if self.device.type != "cpu":
+            # Asynchronous from page-locked staging; the event keeps the buffer out of the
+            # pool's hands until this copy is done.
             xb = xb.to(self.device, non_blocking=True)
             yb = yb.to(self.device, non_blocking=True)
+            if batch[2] is not None and self.device.type == "cuda":
+                batch[2].copied = torch.cuda.Event()
+                batch[2].copied.record()
         return xb, yb
 
-    def _find(self, lo: int, hi: int) -> tuple[Range, tuple[torch.Tensor, torch.Tensor]]:
+    def _find(self, lo: int, hi: int) -> tuple[Range, Batch]:
         if self._last is not None and self._last[0][0] <= lo and hi <= self._last[0][1]:
             return self._last
         for r in list(self._inflight):
@@ -131,10 +313,10 @@ class Loader:
                         self._inflight.pop(r, None)
                         self._fill()
                 if hi == r[1]:
-                    self._last = (r, batch)
+                    self._set_last((r, batch))
                 return r, batch
         batch = self._read((lo, hi), self._order, self._epoch)  # not planned: read now
-        self._last = ((lo, hi), batch)
+        self._set_last(((lo, hi), batch))
         return (lo, hi), batch
 
     def take_stats(self) -> tuple[float, float | None]:
@@ -149,6 +331,8 @@ class Loader:
     def close(self) -> None:
         self._drop_all()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._procs is not None:
+            self._procs.shutdown(wait=False, cancel_futures=True)
         self.source.close()
 
 

@@ -22,9 +22,11 @@ import numpy as np
 from dynabatch.actors.data.source import (
     DataError,
     Meta,
+    Out,
     SampleError,
     Source,
     Subset,
+    batch_arrays,
     split_ids,
 )
 from dynabatch.actors.errors import first_line
@@ -60,6 +62,7 @@ def _as_array(v: Any) -> np.ndarray:
 
 class MapSource(Source):
     field = FIELD
+    gil_bound = True  # the user's __getitem__, in Python
     def __init__(self, ds: Any, label: str, meta: Meta | None = None,
                  num_classes: int | None = None, targets: str | None = None):
         self.ds, self.label = ds, label
@@ -110,13 +113,10 @@ class MapSource(Source):
         except Exception as err:
             raise SampleError(i, f"(input, target) is not numeric ({first_line(err)})") from err
 
-    def read(self, ids: np.ndarray, keys: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
+             out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
         m = self.meta
-        tok = m.targets == "tokens"
-        x = np.empty((len(ids), *m.sample_shape), dtype=np.int64 if tok else np.float32)
-        y = np.empty((len(ids), *m.target_shape),
-                     dtype=np.float32 if m.targets == "values" else np.int64)
+        x, y = batch_arrays(m, len(ids), out)
         for j, i in enumerate(np.asarray(ids, dtype=np.int64)):
             xi, yi = self._item(int(i), None if keys is None else int(keys[j]))
             if tuple(xi.shape) != m.sample_shape:

@@ -6,7 +6,10 @@ features, or int64 token ids; int64 class labels, or float32 regression targets)
 ``keys`` (one int per sample, or None) seed the sample's random augmentation: the loader
 derives them from (job seed, epoch, order position) (:func:`augment_keys`), so a sample
 looks the same whoever reads it and whatever failed before; None means no augmentation
-(evaluation). ``block`` is how many consecutive ids a source reads together (a Parquet row
+(evaluation). ``out`` (two arrays of at least ``len(ids)`` rows, or None) is where to write
+the batch: the loader passes a reused, on a GPU node page-locked, staging buffer, so a
+sample is copied once on the host, straight into the memory its device copy starts from
+(:func:`batch_arrays`). ``block`` is how many consecutive ids a source reads together (a Parquet row
 group): the epoch order keeps those near each other (:mod:`dynabatch.actors.data.order`).
 
 What a bad sample raises is a :class:`DataError` naming the field, the file or the sample;
@@ -22,6 +25,7 @@ import numpy as np
 from dynabatch.actors.workloads import WorkloadError
 
 TARGET_KINDS = ("classes", "tokens", "values")
+Out = tuple[np.ndarray, np.ndarray]  # a batch's (x, y), or the buffer a read writes into
 
 
 class DataError(WorkloadError):
@@ -57,12 +61,14 @@ class Source:
     meta: Meta
     block: int = 1
     field: str = "dataset.path"  # the spec field a bad sample is blamed on
+    # Its reads hold the GIL (Python per sample): parallel reads need processes, not threads.
+    gil_bound: bool = False
 
     def __len__(self) -> int:
         raise NotImplementedError
 
-    def read(self, ids: np.ndarray, keys: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
+             out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -77,6 +83,16 @@ def y_dtype(targets: str) -> Any:
     return np.float32 if targets == "values" else np.int64
 
 
+def batch_arrays(meta: Meta, n: int, out: Out | None = None) -> Out:
+    """The (x, y) arrays a read of ``n`` samples fills: the first ``n`` rows of ``out``
+    when given (the loader's staging buffer), else new ones, of the dtypes of
+    :func:`x_dtype` and :func:`y_dtype`."""
+    if out is None:
+        return (np.empty((n, *meta.sample_shape), dtype=x_dtype(meta.targets)),
+                np.empty((n, *meta.target_shape), dtype=y_dtype(meta.targets)))
+    return out[0][:n], out[1][:n]
+
+
 class ArraySource(Source):
     """Samples already in memory (the built-ins, a loader returning ``DatasetArrays``):
     reading is an index, with no copy of the whole set (object-store arrays stay
@@ -88,10 +104,19 @@ class ArraySource(Source):
     def __len__(self) -> int:
         return len(self.y)
 
-    def read(self, ids: np.ndarray, keys: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
+             out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)
-        return self.x[ids], self.y[ids]
+        if out is None:
+            return self.x[ids], self.y[ids]
+        x, y = out[0][:len(ids)], out[1][:len(ids)]
+        # One copy, gathered straight into the caller's buffer (cast where dtypes differ).
+        for src, dst in ((self.x, x), (self.y, y)):
+            if dst.dtype == src.dtype:
+                np.take(src, ids, axis=0, out=dst, mode="raise")
+            else:
+                np.copyto(dst, src[ids], casting="unsafe")
+        return x, y
 
 
 class Subset(Source):
@@ -99,16 +124,16 @@ class Subset(Source):
 
     def __init__(self, base: Source, index: np.ndarray):
         self.base, self.index, self.meta = base, np.asarray(index, dtype=np.int64), base.meta
-        self.block, self.field = base.block, base.field
+        self.block, self.field, self.gil_bound = base.block, base.field, base.gil_bound
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def read(self, ids: np.ndarray, keys: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
+             out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)
         try:
-            return self.base.read(self.index[ids], keys)
+            return self.base.read(self.index[ids], keys, out)
         except SampleError as err:  # name the sample by this split's id
             mine = ids[self.index[ids] == err.sample]
             raise SampleError(int(mine[0]) if len(mine) else err.sample, err.problem) from err
@@ -122,15 +147,15 @@ class Range(Source):
 
     def __init__(self, base: Source, lo: int, hi: int):
         self.base, self.lo, self.hi, self.meta = base, lo, hi, base.meta
-        self.block, self.field = base.block, base.field
+        self.block, self.field, self.gil_bound = base.block, base.field, base.gil_bound
 
     def __len__(self) -> int:
         return self.hi - self.lo
 
-    def read(self, ids: np.ndarray, keys: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
+             out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
         try:
-            return self.base.read(np.asarray(ids, dtype=np.int64) + self.lo, keys)
+            return self.base.read(np.asarray(ids, dtype=np.int64) + self.lo, keys, out)
         except SampleError as err:
             raise SampleError(err.sample - self.lo, err.problem) from err
 
@@ -164,11 +189,3 @@ def augment_keys(seed: int, epoch: int, positions: np.ndarray) -> np.ndarray:
             np.array([epoch + 0x9E3779B9], dtype=np.uint64))[0]
         z = _mix(np.asarray(positions, dtype=np.uint64) + base)
     return (z >> np.uint64(1)).astype(np.int64)
-
-
-def check_sample(x: np.ndarray, first: tuple[int, ...], what: str) -> None:
-    """A sample's shape must be the first sample's: a DataError naming ``what`` (the sample
-    and its position) and both shapes otherwise."""
-    if tuple(x.shape) != tuple(first):
-        raise DataError(f"{what} has shape {tuple(x.shape)}, but the first sample has "
-                        f"{tuple(first)}")

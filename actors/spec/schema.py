@@ -12,12 +12,14 @@ checkpoint dirs) is the service's decision, not the schema's: see
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from dynabatch.actors.spec.sections import (
     BUILTIN_LOSSES,
     BatchScheduleSpec,
     CheckpointSpec,
+    CompileSpec,
     DatasetSpec,
     EmulationSpec,
     IsgdSpec,
@@ -143,6 +145,16 @@ class JobSpec(_Strict):
         "autocast (the weights, gradients and all-reduce stay fp32). fp16 scales the loss "
         "dynamically: a step whose all-reduced gradient is not finite is skipped by every "
         "worker and the scale halved.")
+    channels_last: bool = Field(
+        default=False,
+        description="Keep the model and its 4-D (image) inputs in torch.channels_last "
+        "memory format, which convolutions on recent GPUs (tensor cores) run faster in. "
+        "Ignored, with a warning from the worker, where the inputs are not 4-D.")
+    compile: CompileSpec | None = Field(
+        default=None,
+        description="torch.compile the model in every worker: {mode, dynamic, backend}. "
+        "Off by default: compiling costs seconds to minutes at each worker's start.",
+        examples=[{"mode": "default", "dynamic": True}])
     epochs: StrictInt = Field(default=3, ge=1, le=100_000)
     # dbs by default: bench/hetero.py (median of 5 runs, default per-epoch re-plans) found
     # affine 2% faster on cluster (a) and dbs 7% faster on (b); affine is the better choice
@@ -284,6 +296,20 @@ class JobSpec(_Strict):
         if self.worker_gpus == "auto":
             return 1.0 if node_gpus >= 1.0 else 0.0
         return self.worker_gpus
+
+    def workers_on(self, resources: Mapping[str, float]) -> int:
+        """How many of the job's workers a node offering ``resources`` (Ray's totals) holds
+        at once: its CPUs and the GPUs a worker asks for there, 0 without the job's
+        ``node_resource`` or, for a job that needs a GPU on every worker, without one."""
+        gpus = resources.get("GPU", 0.0)
+        want = self.gpus_on(gpus)
+        if self.needs_gpu and want <= 0:
+            return 0
+        if self.node_resource and resources.get(self.node_resource, 0.0) <= 0:
+            return 0
+        # The epsilon: 0.1 CPU x 3 must fit on 0.3 CPUs.
+        n = int(resources.get("CPU", 0.0) / self.worker_cpus + 1e-9)
+        return min(n, int(gpus / want + 1e-9)) if want > 0 else n
 
     @property
     def emulated(self) -> bool:

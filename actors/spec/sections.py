@@ -159,8 +159,10 @@ class DatasetSpec(_Strict):
         default=4, ge=1, le=256,
         description="Shares a worker reads ahead of training (file-backed and map-style).",
     )
-    loader_threads: StrictInt = Field(
-        default=1, ge=1, le=64, description="Background threads reading a worker's samples.",
+    loader_threads: StrictInt | None = Field(
+        default=None, ge=1, le=64,
+        description="Background threads reading a worker's samples; default: one per CPU "
+        "of the worker (worker_cpus), at most 16.",
     )
     test_fraction: float = Field(
         default=0.2, gt=0.0, lt=1.0, description="Held-out split when the dataset has none."
@@ -318,6 +320,20 @@ class IsgdSpec(_Strict):
         return v
 
 
+class CompileSpec(_Strict):
+    """``torch.compile`` of the model in every worker (the sync protocol's). ``dynamic``:
+    the batch dimension is marked dynamic, so one graph serves every share size (a share
+    changes whenever the policy re-sizes); false compiles a graph per size (torch's
+    recompile limit then falls back to eager). ``backend``: inductor generates kernels
+    (on the CPU it needs a C++ compiler); aot_eager and eager only trace (tests,
+    debugging)."""
+
+    mode: Literal["default", "reduce-overhead", "max-autotune",
+                  "max-autotune-no-cudagraphs"] = "default"
+    dynamic: bool = True
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+
+
 class Disturbance(_Strict):
     """From ``epoch`` (and ``step`` within it), worker ``worker`` runs ``factor`` times slower."""
 
@@ -361,6 +377,13 @@ class RebalanceSpec(_Strict):
     every_steps: StrictInt = Field(default=10, ge=1)
     check_steps: StrictInt = Field(default=2, ge=1)
     threshold: float = Field(default=0.05, ge=0.0, lt=1.0)
+
+    def min_gain(self, policy: str) -> float | None:
+        """The gain in predicted step time a re-size must beat under ``policy``: the
+        threshold, for ``adaptive`` checks of a policy that re-sizes (dbs, affine); None
+        where it does not apply (the policy keeps its own). The one statement of that
+        rule: the driver builds its policy with it, validation warns from it."""
+        return self.threshold if self.mode == "adaptive" and policy in ("dbs", "affine") else None
 
 
 class CheckpointSpec(_Strict):

@@ -108,8 +108,7 @@ def check_combinations(spec: JobSpec) -> None:
     rb = spec.rebalance
     # Against the default, as the other warnings: a stored spec read back has every field set.
     if rb.threshold != type(rb).model_fields["threshold"].default and (
-            spec.protocol.name == "sync") and (
-            rb.mode != "adaptive" or spec.policy == "static"):
+            spec.protocol.name == "sync") and rb.min_gain(spec.policy) is None:
         why = (f"rebalance mode {rb.mode} re-plans at fixed points"
                if rb.mode != "adaptive" else "policy static never re-sizes")
         warnings.warn(f"rebalance.threshold is ignored: {why} (it applies to "
@@ -121,6 +120,11 @@ def check_combinations(spec: JobSpec) -> None:
     elif spec.precision == "tf32" and (spec.device == "cpu" or spec.worker_gpus == 0):
         warnings.warn("precision tf32 is ignored on the CPU (TF32 is a CUDA matmul mode): "
                       "the job trains in fp32", UserWarning, stacklevel=3)
+    speed = [f for f, on in (("channels_last", spec.channels_last),
+                             ("compile", spec.compile is not None)) if on]
+    if speed and spec.protocol.name != "sync":
+        warnings.warn(f"{' and '.join(speed)} ignored by protocol {spec.protocol.name} (it "
+                      "applies to the sync protocol's workers)", UserWarning, stacklevel=3)
     for d in spec.emulation.disturbances:
         if d.epoch >= spec.epochs:
             warnings.warn(

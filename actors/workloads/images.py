@@ -2,9 +2,8 @@
 
 ``generate_mnist`` draws seven-segment style digits with per-image handwriting variation
 (slant, rotation, size, stroke width, missing and stray segments, noise): deterministic
-from the seed, with train and test from separate streams. ``hard_mnist`` builds on the same
-renderer. ``unit_images`` and ``standardise`` turn uint8 images into the float32 arrays the
-models take.
+from the seed, with train and test from separate streams. ``unit_images`` and
+``standardise`` turn uint8 images into the float32 arrays the models take.
 """
 
 from __future__ import annotations

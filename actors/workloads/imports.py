@@ -36,10 +36,6 @@ def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {msg}" if msg else type(err).__name__
 
 
-def is_import_path(name: str) -> bool:
-    return _PATH.match(name) is not None
-
-
 def resolve_callable(path: str, field: str) -> Callable[..., Any]:
     """Import ``module`` and return its callable ``attr`` for ``path = "module:attr"``.
 

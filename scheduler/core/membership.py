@@ -28,12 +28,14 @@ Spares. A worker's start-up (a process, the torch import, the model, the data) t
 seconds; a pre-warmed *spare* on an idle node pays it ahead, so a worker that later starts
 there (a scale-up, a replacement after a loss) adopts the spare and only takes its identity.
 :meth:`Membership.spare_plan` says where spares should be: at most ``limit``, at most one
-per node, only on eligible nodes that host none of this job's workers and would run a CPU
-worker (a GPU is visible only to the process it was reserved for). A spare is started only
-on a node with room for a worker (``NodeInfo.free``); once there it stays while the node is
-eligible (it holds no CPU, so it keeps nobody out), unless the limit is better spent on a
-free node. :meth:`Membership.spawns` takes free nodes with a spare first and marks those
-spawns ``adopt``. A node whose spare was lost before adoption gets no other spare.
+per node, only on eligible nodes that host none of this job's workers, GPU nodes included
+(a GPU worker's spare holds the GPU it will drive, since a GPU is visible only to the
+process it was reserved for: :func:`dynabatch.scheduler.runtime.pool.start_spare`). A spare
+is started only on a node with room for a worker (``NodeInfo.free``); once there it stays
+while the node is eligible (it holds no CPU, so it keeps no CPU job out), unless the limit
+is better spent on a free node. :meth:`Membership.spawns` takes free nodes with a spare
+first and marks those spawns ``adopt``. A node whose spare was lost before adoption gets
+no other spare.
 
 Assignment. A :class:`NodeAssignment` says "train on exactly these nodes" (node id: worker
 slots; the cluster scheduler's placement of the job). Which workers leave and where new ones
@@ -407,14 +409,14 @@ class Membership:
         return max(0, workers - have - sum(x.slots for x in nodes))
 
     # --- spares -----------------------------------------------------------------------
-    def spare_plan(self, nodes: Sequence[NodeInfo], limit: int, gpus_on) -> SparePlan:
+    def spare_plan(self, nodes: Sequence[NodeInfo], limit: int) -> SparePlan:
         """Where this job's spares should be now (see the module docstring), up to
         ``limit``: first the spares on free nodes, then free nodes without one, then the
         spares on nodes another job has filled meanwhile; in node order within each."""
         used = self._used()
         candidates = [n for n in nodes
                       if n.node_id not in used and n.node_id not in self.excluded_nodes
-                      and n.node_id not in self.no_spare and not gpus_on(n.gpus)
+                      and n.node_id not in self.no_spare
                       and (self.assignment is None or n.node_id in self.assignment)
                       and (n.free or n.node_id in self.spares)]
         candidates.sort(key=lambda n: (not n.free, n.node_id not in self.spares))  # stable

@@ -183,10 +183,6 @@ class PSCoordinator(JobControl):
         self._learners.clear()
         self.runtime.shutdown()
 
-    def kill_learner(self, worker: str) -> None:
-        """Fault injection for tests and benchmarks: the learner's process dies."""
-        self.runtime.kill(worker)
-
     # ------------------------------------------------------------------ the loop
     def _start(self) -> bool:
         s = self.spec

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -11,6 +12,8 @@ from dynabatch.scheduler.ps.driver import PSCoordinator
 from dynabatch.scheduler.sync.coordinator import Coordinator
 
 NAMESPACE = "dynabatch"  # every job's named actors live here
+# The cluster scheduler (dynabatch.scheduler.runtime.cluster): one per Ray cluster, by name.
+SCHEDULER_NAME = "dynabatch-cluster-scheduler"
 
 # snapshot()/cancel() must be served while run() blocks in another thread.
 MAX_CONCURRENCY = 16
@@ -52,10 +55,15 @@ def shipped_code(working_dir: str) -> dict[str, Any] | None:
 
 def launch_coordinator(
     job_id: str, spec: JobSpec, *, detached: bool, resume: bool = True, start: bool = True,
-    generation: int = 0,
+    generation: int = 0, assignment: Mapping[str, int] | None = None,
+    timeout_s: float = 60.0,
 ) -> Any:
     """Start the job's coordinator of ``generation`` (on a node with no CPU to spare is
-    fine: it asks 0)."""
+    fine: it asks 0). With ``assignment`` (node id: worker slots, the cluster scheduler's
+    grant) it trains on those nodes from its first step: the assignment is in force before
+    ``run`` starts (waited for, up to ``timeout_s``: the actor is threaded, so two calls
+    sent one after the other could run in either order); a refused one kills the actor
+    and raises."""
     options: dict[str, Any] = {
         "name": coordinator_name(job_id, generation),
         "namespace": NAMESPACE,
@@ -77,6 +85,12 @@ def launch_coordinator(
     # A parameter-server job has its own driver with the same public interface.
     cls = PSCoordinator if spec.protocol.name == "ps" else Coordinator
     handle = ray.remote(cls).options(**options).remote(job_id, spec, resume=resume)
+    if assignment is not None:
+        try:
+            ray.get(handle.assign.remote(dict(assignment)), timeout=timeout_s)
+        except BaseException:
+            ray.kill(handle, no_restart=True)
+            raise
     if start:
         handle.run.remote()
     return handle

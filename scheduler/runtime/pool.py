@@ -36,20 +36,16 @@ def hosts_worker(spec: JobSpec, resources: dict[str, float]) -> bool:
     when the job needs one on every worker (``device: cuda`` or ``worker_gpus`` > 0).
     Without that last rule a CPU-only node is eligible under ``worker_gpus: auto`` with
     ``device: cuda``, and its worker, finding no GPU, fails and is replaced there for ever."""
-    gpus = resources.get("GPU", 0.0)
-    want = spec.gpus_on(gpus)
-    if resources.get("CPU", 0.0) < spec.worker_cpus or gpus < want:
-        return False
-    if spec.needs_gpu and want <= 0:
-        return False
-    return not spec.node_resource or resources.get(spec.node_resource, 0.0) > 0
+    return spec.workers_on(resources) > 0
 
 
-def eligible_nodes(spec: JobSpec) -> list[NodeInfo]:
+def eligible_nodes(spec: JobSpec, spare_gpus: dict[str, float] | None = None
+                   ) -> list[NodeInfo]:
     """Alive nodes that can host one of this job's workers (:func:`hosts_worker`). With
     ``worker_gpus: auto`` (and device ``auto``) a node without a GPU is eligible too (its
     worker trains on the CPU). ``free``: it has the unreserved CPUs (and GPUs) for one more
-    worker now."""
+    worker now. ``spare_gpus``: the GPUs this job's spares hold, per node: its own, free for
+    the worker that adopts the spare there."""
     avail = _available()
     out = []
     for n in ray.nodes():
@@ -59,7 +55,10 @@ def eligible_nodes(spec: JobSpec) -> list[NodeInfo]:
         if not hosts_worker(spec, res):
             continue
         gpus = res.get("GPU", 0.0)
-        left = (avail or {}).get(n["NodeID"], {})
+        left = dict((avail or {}).get(n["NodeID"], {}))
+        held = (spare_gpus or {}).get(n["NodeID"], 0.0)
+        if held:
+            left["GPU"] = left.get("GPU", 0.0) + held
         free = (avail is not None and left.get("CPU", 0.0) >= spec.worker_cpus
                 and left.get("GPU", 0.0) >= spec.gpus_on(gpus))
         out.append(
@@ -84,11 +83,16 @@ def spawn_worker(
     return _launch(spec, node_id, data, worker_id, ordinal, spec.worker_cpus, gpus)
 
 
-def start_spare(spec: JobSpec, node_id: str, data: dict[str, Any]) -> Any:
-    """Start a spare worker on ``node_id``: a :class:`Worker` without an identity, holding no
-    CPU (see the module docstring). CPU workers only: a GPU is visible only to the
-    process it was reserved for."""
-    return _launch(spec, node_id, data, None, -1, 0, 0.0)
+def start_spare(spec: JobSpec, node_id: str, data: dict[str, Any], node_gpus: float = 0.0
+                ) -> Any:
+    """Start a spare worker on ``node_id`` (which offers ``node_gpus``): a :class:`Worker`
+    without an identity, holding no CPU (see the module docstring). On a node where the
+    job's worker takes a GPU the spare holds that GPU from the start: a GPU is visible only
+    to the process Ray reserved it for (``CUDA_VISIBLE_DEVICES``), so a spare without one
+    could not become a GPU worker (GPU nodes had no spares for that reason). The adopted
+    worker then reserves only its CPUs (:func:`reserve`); :func:`eligible_nodes` counts the
+    spare's GPU as the job's own."""
+    return _launch(spec, node_id, data, None, -1, 0, spec.gpus_on(node_gpus))
 
 
 def reserve(spec: JobSpec, node_id: str) -> PlacementGroup:

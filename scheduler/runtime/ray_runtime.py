@@ -92,6 +92,7 @@ class RayRuntime:
         self._gpus: dict[str, str | None] = {}
         self._objective: Any = None  # finishes the evaluation's sums (loaded with the data)
         self._spares: dict[str, _Spare] = {}  # node id -> its spare, not yet adopted
+        self._node_gpus: dict[str, float] = {}  # node id -> its GPUs, as last listed
         self._reservations: dict[str, Any] = {}  # adopted worker -> its placement group
         # Per worker: where its start-up time went (epoch seconds; benchmarks print it).
         self.startups: dict[str, dict[str, Any]] = {}
@@ -115,7 +116,9 @@ class RayRuntime:
 
     # --- workers ----------------------------------------------------------------------
     def nodes(self) -> list[NodeInfo]:
-        return eligible_nodes(self.spec)
+        nodes = eligible_nodes(self.spec, {n: s.gpus for n, s in self._spares.items()})
+        self._node_gpus = {n.node_id: n.gpus for n in nodes}
+        return nodes
 
     def spawn(self, spawn: Spawn) -> None:
         w = spawn.worker_id
@@ -184,8 +187,10 @@ class RayRuntime:
     def start_spare(self, node_id: str) -> None:
         if node_id in self._spares:
             return
-        handle = start_spare(self.spec, node_id, self._data)
-        self._spares[node_id] = _Spare(handle, handle.info.remote(), time.monotonic())
+        node_gpus = self._node_gpus.get(node_id, 0.0)
+        handle = start_spare(self.spec, node_id, self._data, node_gpus)
+        self._spares[node_id] = _Spare(handle, handle.info.remote(), time.monotonic(),
+                                       gpus=self.spec.gpus_on(node_gpus))
 
     def stop_spare(self, node_id: str) -> None:
         spare = self._spares.pop(node_id, None)
@@ -377,6 +382,7 @@ class _Spare:
     ready: Any  # its info() call: answers once the spare is built
     since: float  # monotonic seconds when it was started
     up: bool = False
+    gpus: float = 0.0  # the GPU it holds for its worker (a GPU node), else 0
 
 
 def _outcome(worker: str, ref: Any) -> WorkerOutcome:

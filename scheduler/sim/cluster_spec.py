@@ -80,7 +80,8 @@ class ParameterServerModel(_Strict):
 
 
 class RecoveryModel(_Strict):
-    """Costs of membership changes (defaults: medians measured in bench/results-elastic.json)."""
+    """Costs of membership changes (defaults: medians measured on Ray; docs/benchmarks.md,
+    "Elastic recovery")."""
 
     detect_s: float = Field(default=0.5, ge=0.0, le=1e5)
     regroup_s: float = Field(default=0.1, ge=0.0, le=1e5)

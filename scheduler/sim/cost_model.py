@@ -41,8 +41,8 @@ shards, then the commit with slice 0 to the server that decides)::
     push = 2·push_ms + (m/k)·β_ps,     pull = pull_ms + (m/k)·β_ps        (k > 1)
 
 **Recovery.** A node failure is seen by the survivors ``detect_s`` after it happens (their
-collective fails; measured median 0.47 s with the fast health checks, bench/results-elastic
-.json); forming a group takes ``regroup_s`` plus the state broadcast ``model_mb·β``
+collective fails; measured median 0.47 s with the fast health checks, docs/benchmarks.md,
+"Elastic recovery"); forming a group takes ``regroup_s`` plus the state broadcast ``model_mb·β``
 (measured median 0.08 s); a worker on a joining node is up ``start_s`` after it is spawned
 (measured 6.5 s from node ready to join).
 

@@ -163,7 +163,7 @@ def simulate(
     # first batch): the progress bar's scale.
     before = [0]
     for e in range(spec.epochs):
-        before.append(before[-1] + -(-data.n_train // coord.regime.batch_for(e)))
+        before.append(before[-1] + -(-data.n_train // coord.job.regime.batch_for(e)))
     total = before[-1]
     t0 = time.perf_counter()
     while coord.step():
@@ -189,5 +189,5 @@ def simulate(
 def _lift_worker_cap(coord: Coordinator, spec: JobSpec) -> None:
     """Let ``workers: auto`` grow past the service's 4096 in a simulated cluster."""
     if spec.workers == "auto":
-        m = coord.membership
+        m = coord.job.membership
         m.max_size = min(spec.max_workers or SIM_MAX_WORKERS, spec.global_batch)

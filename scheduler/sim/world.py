@@ -166,9 +166,6 @@ class SimWorld:
             raise WorkerCallError(worker, "worker process died or node lost (simulated)",
                                   lost=True)
 
-    def node_of(self, node_id: str) -> Node:
-        return self._nodes[node_id]
-
     def speeds_in_force(self, workers: Sequence[tuple[str, str]], epoch: int
                         ) -> tuple[np.ndarray, np.ndarray]:
         """True ``(a, c)`` of ``(worker, node)`` pairs at ``epoch``: the node's own speed

@@ -43,7 +43,7 @@ class Checkpoints(Part):
             except WorkerCallError as err:
                 self.log("WARNING", f"checkpoint: {err}")
                 if err.lost:
-                    self.c.group.remove(err.worker, "failure", "lost during a checkpoint")
+                    self.c.roster.remove(err.worker, "failure", "lost during a checkpoint")
         if weights is None:
             self.log("WARNING", f"checkpoint ({reason}) skipped: no worker holds the state")
             return
@@ -59,8 +59,7 @@ class Checkpoints(Part):
             # The schedule's position: the batch trained there and the regime's state (ISGD
             # chart, noise estimate, goodput's batch); the LR follows from them.
             "schedule": {"epoch": pos.epoch, "step": pos.step,
-                         "global_batch": (p.global_batch if p else job.restored_batch
-                                          or job.regime.batch_for(pos.epoch)),
+                         "global_batch": job.global_batch,
                          "regime": job.regime.to_state()},
             "history": [r.model_dump(mode="json") for r in self.c._history],
             "counters": {
@@ -123,7 +122,7 @@ class Checkpoints(Part):
             job.regime.load_state(sched.get("regime") or {})
             job.restored_batch = sched.get("global_batch")
             if job.protocol is not None:
-                job.protocol.rewind(pos, job.restored_batch or job.regime.batch_for(pos.epoch))
+                job.protocol.rewind(pos, job.start_batch)
                 job.ep = None
         self.log("INFO" if why == "resuming" else "WARNING",
                  f"{why} from checkpoint at epoch {pos.epoch} step {pos.step}")

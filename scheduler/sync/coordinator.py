@@ -25,7 +25,7 @@ injected faults in unit tests. It is split by concern around one job-state value
 
 * this module: the :class:`Coordinator` (public surface, snapshot) and the control loop;
 * ``pipeline``: segments sent ahead, committed, absorbed after a failure;
-* ``group``: membership and spares (reconcile, spawn, adopt, wait for the minimum, regroup);
+* ``roster``: membership and spares (reconcile, spawn, adopt, wait for the minimum, regroup);
 * ``epochs``: the data, epochs' beginnings and ends, evaluations, success;
 * ``checkpoints``: save, restore, roll back.
 
@@ -40,7 +40,7 @@ cancellation, and the retry after a failure.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
 
 from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.actors.spec import MAX_WORKERS, JobSpec
@@ -50,47 +50,22 @@ from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership, NodeAssignment
 from dynabatch.scheduler.core.regime.regime import Regime
 from dynabatch.scheduler.core.sync.phase import Phase
-from dynabatch.scheduler.core.sync.policy import make_policy
+from dynabatch.scheduler.core.sync.policy import policy_for
 from dynabatch.scheduler.runtime.seam import Clock, Runtime, spare_capable
 from dynabatch.scheduler.sync.checkpoints import Checkpoints
 from dynabatch.scheduler.sync.epochs import Epochs
-from dynabatch.scheduler.sync.group import Group
 from dynabatch.scheduler.sync.job import PhaseChange, SyncJob
 from dynabatch.scheduler.sync.pipeline import Pipeline
+from dynabatch.scheduler.sync.roster import Roster
 from dynabatch.scheduler.telemetry import JobSnapshot, WorkerStatus
 
 log = logging.getLogger("dynabatch.scheduler")
 
 
-class _InJob:
-    """A coordinator attribute that lives in its :class:`SyncJob` (tests, the simulator
-    and the benchmarks read and replace them on the coordinator)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __get__(self, coord: Any, owner: Any = None) -> Any:
-        return self if coord is None else getattr(coord.job, self.name)
-
-    def __set__(self, coord: Any, value: Any) -> None:
-        setattr(coord.job, self.name, value)
-
-
 class Coordinator(JobControl):
-    membership = _InJob("membership")
-    regime = _InJob("regime")
-    policy = _InJob("policy")
-    tracker = _InJob("tracker")
-    ledger = _InJob("ledger")
-    budget = _InJob("budget")
-    protocol = _InJob("protocol")
-    data = _InJob("data")
-    rebalances_total = _InJob("rebalances_total")
-    regroup_seconds_total = _InJob("regroup_seconds_total")
-    retried_samples_total = _InJob("retried_samples_total")
-    segments_sent_ahead = _InJob("segments_sent_ahead")
-    _ahead = _InJob("ahead")  # tests look at the segment in flight
-    _ep = _InJob("ep")  # bench/sched_common.py reads when the first epoch began
+    """A synchronous job's driver. Its state is one value, :attr:`job` (a
+    :class:`SyncJob`); what it reports is :meth:`snapshot`, :meth:`history`,
+    :meth:`phase_changes` and the views below."""
 
     def __init__(
         self,
@@ -112,9 +87,6 @@ class Coordinator(JobControl):
         self.runtime = runtime
         self.reason = "starting workers"
         s = self.spec
-        policy_opts = {}
-        if s.policy in ("affine", "dbs") and s.rebalance.mode == "adaptive":
-            policy_opts["min_gain"] = s.rebalance.threshold
         self.job = SyncJob(
             job_id=job_id,
             membership=Membership(
@@ -123,11 +95,11 @@ class Coordinator(JobControl):
                 # The smallest batch the schedule trains bounds the group's size.
                 global_batch=s.batch_range[0], max_batch=s.max_batch,
                 max_possible=MAX_WORKERS),
-            regime=Regime(s), policy=make_policy(s.policy, **policy_opts),
+            regime=Regime(s), policy=policy_for(s.policy, s.rebalance.min_gain(s.policy)),
             budget=RetryBudget(s.max_retries),
         )
         self.pipeline = Pipeline(self)
-        self.group = Group(self)
+        self.roster = Roster(self)
         self.epochs = Epochs(self)
         self.checkpoints = Checkpoints(self)
         # A checkpoint that cannot be loaded fails the job, not this constructor (the job then
@@ -208,8 +180,7 @@ class Coordinator(JobControl):
                         trained + p.planned_remaining(m.worker_id))
                 workers.append(WorkerStatus(
                     worker=m.worker_id, node=m.node, rank=rank, batch=batch, partition=part,
-                    throughput=(t.throughput or (batch / t.compute_per_step
-                                                 if t.compute_per_step else 0.0)) if t else 0.0,
+                    throughput=t.speed if t else 0.0,
                     compute_s_per_step=t.compute_per_step if t else 0.0,
                     wait_s_per_step=t.wait_per_step if t else 0.0,
                     slowdown=t.slowdown if t else 1.0,
@@ -217,7 +188,7 @@ class Coordinator(JobControl):
             events = self._event_counts()
             regime = job.regime.live(
                 self.epoch, self.step_in_epoch,
-                p.global_batch if p else job.regime.batch_for(self.epoch),
+                job.global_batch,
                 p.steps_per_epoch if p else 1)
             return JobSnapshot(
                 **regime, job_id=self.job_id, name=self.spec.name, state=self.state,
@@ -239,10 +210,13 @@ class Coordinator(JobControl):
                 started_at=self.started_at, finished_at=self.finished_at,
             )
 
-    def recent_steps(self) -> list[list[StepTelemetry]]:
-        """Per-step telemetry of recent steps (benchmarks read per-step balance here)."""
+    def watch_steps(self, watcher: Callable[[list[StepTelemetry]], None]) -> None:
+        """Call ``watcher`` with each committed step's reports (one per worker that trained
+        it), in order: instrumentation for benchmarks and tests (per-step balance, replayed
+        telemetry). Training reads nothing back. It is called under the coordinator's lock,
+        so it must be quick (appending to a list, say)."""
         with self._lock:
-            return list(self.job.recent_steps)
+            self.job.step_watchers.append(watcher)
 
     def _member_ids(self) -> list[str]:
         return self.job.membership.worker_ids
@@ -259,7 +233,7 @@ class Coordinator(JobControl):
         nodes = self.runtime.nodes()
         with self._lock:
             short = m.unplaceable(nodes, min(workers, m.global_batch))
-        return self.group.placement_text(short, workers) if short else None
+        return self.roster.placement_text(short, workers) if short else None
 
     def shutdown(self) -> None:
         # Every spawned worker is a member or pending until it is killed; spares too.
@@ -283,8 +257,8 @@ class Coordinator(JobControl):
             self.epochs.load_data()
         # With a segment in flight, membership changes wait for the next boundary.
         if job.ahead is not None:
-            self.group.watch()
-        elif not self.group.reconcile():  # WAITING_FOR_WORKERS, or a regroup that failed
+            self.roster.watch()
+        elif not self.roster.reconcile():  # WAITING_FOR_WORKERS, or a regroup that failed
             return not self.state.is_terminal
         if self._cancel is not None:  # it came while the group formed: train no further
             self._cancelling()

@@ -119,7 +119,7 @@ def build_record(
                 worker=w, node=nodes.get(w, ""), batch=batch_of.get(w, 0),
                 partition=v.samples_by_worker.get(w, 0), steps=t.epoch_steps,
                 compute_s=t.epoch_compute, wait_s=t.epoch_wait,
-                throughput=t.epoch_samples / t.epoch_compute if t.epoch_compute else 0.0,
+                throughput=t.speed,
                 slowdown=t.slowdown,
             )
             for w, t in tracks.items()

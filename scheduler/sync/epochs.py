@@ -50,9 +50,8 @@ class Epochs(Part):
         except WorkloadError as err:
             self.fail(str(err))
         d = job.data
-        batch = job.restored_batch or job.regime.batch_for(job.position.epoch)
         job.protocol = SyncProtocol(
-            global_batch=batch, dataset_size=d.n_train, seed=s.seed,
+            global_batch=job.start_batch, dataset_size=d.n_train, seed=s.seed,
             rule=RebalanceRule(s.rebalance.mode, s.rebalance.every_steps,
                                s.rebalance.check_steps),
             position=job.position,
@@ -151,7 +150,7 @@ class Epochs(Part):
             job.ep = None
         self.publish_ready()
         self.maybe_succeed(cancelling=interrupted is Phase.CANCELLING)
-        self.resume(interrupted, during=Phase.ENDING_EPOCH)
+        self.return_to(interrupted, during=Phase.ENDING_EPOCH)
 
     def maybe_succeed(self, cancelling: bool = False) -> None:
         """Done once every epoch is trained, its evaluations are in, and a member still
@@ -174,11 +173,8 @@ class Epochs(Part):
     def submit_evaluation(self, epoch: int, workers: list[str]) -> EvalRound:
         """Split the held-out set over ``workers`` in proportion to their measured
         throughput this epoch, and queue each its shard."""
-        weights = {}
-        for w in workers:
-            t = self.job.tracker.workers.get(w)
-            weights[w] = (t.epoch_samples / t.epoch_compute if t and t.epoch_compute
-                          else (t.throughput if t else 0.0))
+        speeds = self.job.tracker.speeds()
+        weights = {w: speeds.get(w, 0.0) for w in workers}
         data = self.job.data
         return self.evals.submit(epoch, split(data.n_test if data else 0, weights))
 
@@ -205,7 +201,7 @@ class Epochs(Part):
         for w, r in rnd.failures.items():
             self.log("WARNING", f"evaluation of epoch {rnd.epoch} on {w} failed: {r.error}")
             if r.lost:
-                self.c.group.remove(w, "failure", "lost during evaluation")
+                self.c.roster.remove(w, "failure", "lost during evaluation")
         sums = rnd.sums()
         if sums is not None:
             job.budget.evaluated()

@@ -5,7 +5,7 @@
 :class:`~dynabatch.scheduler.core.sync.phase.Phase` with the data that belongs to it (the
 segment in flight, the epoch's totals, weights restored from a checkpoint, since when the
 job waits for workers), and the counters the snapshot reports. The parts
-(``pipeline``, ``group``, ``epochs``, ``checkpoints``) are small objects over it; the
+(``pipeline``, ``roster``, ``epochs``, ``checkpoints``) are small objects over it; the
 :class:`~dynabatch.scheduler.sync.coordinator.Coordinator` wires them and keeps the public
 surface.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -97,14 +98,28 @@ class SyncJob:
     last_node_poll: float = -1e18
     last_collect: float = -1e18  # when the last segment's results were read
 
-    # Benchmarks read per-step balance here; bounded (each row holds one report per worker).
-    recent_steps: deque[list[StepTelemetry]] = field(default_factory=lambda: deque(maxlen=512))
+    # Instrumentation (benchmarks, tests): called with each committed step's reports, in
+    # order (Coordinator.watch_steps). Training reads nothing back.
+    step_watchers: list[Callable[[list[StepTelemetry]], None]] = field(default_factory=list)
     rebalances_total: int = 0
     regroup_seconds_total: float = 0.0
     retried_samples_total: int = 0
     segments_sent_ahead: int = 0
     plan_updates: int = 0  # re-plans that took effect inside a segment already sent
     plan_updates_refused: int = 0  # ... refused (a worker had started the step): deferred
+
+    @property
+    def start_batch(self) -> int:
+        """The global batch at :attr:`position`, where the protocol (re)starts: the one
+        trained there when it was restored from a checkpoint, else the regime's for its
+        epoch."""
+        return self.restored_batch or self.regime.batch_for(self.position.epoch)
+
+    @property
+    def global_batch(self) -> int:
+        """The global batch in force: the protocol's once the data is loaded, else
+        :attr:`start_batch`. The snapshot, the checkpoint and the protocol read it here."""
+        return self.protocol.global_batch if self.protocol is not None else self.start_batch
 
     def become(self, new: Phase, at: float) -> None:
         """Move the loop to ``new`` (staying is allowed); an impossible move is a bug."""
@@ -119,7 +134,7 @@ class SyncJob:
         self.phase_changes.append(PhaseChange(at, old, new))
         log.debug("[%s] phase %s -> %s", self.job_id, old.value, new.value)
 
-    def resume(self, interrupted: Phase, at: float, during: Phase) -> None:
+    def return_to(self, interrupted: Phase, at: float, during: Phase) -> None:
         """Leave ``during`` (a phase entered inside a step) for the one it interrupted,
         unless the job moved on from it (finished, say)."""
         if self.phase is during:
@@ -159,6 +174,6 @@ class Part:
     def become(self, phase: Phase) -> None:
         self.c._become(phase)
 
-    def resume(self, interrupted: Phase, during: Phase) -> None:
+    def return_to(self, interrupted: Phase, during: Phase) -> None:
         with self.c._lock:
-            self.job.resume(interrupted, self.clock.now(), during=during)
+            self.job.return_to(interrupted, self.clock.now(), during=during)

@@ -168,7 +168,7 @@ class Pipeline(Part):
             self.log("ERROR", f"a segment sent ahead trained on {trained} after the one "
                               "before it failed; their state is not the committed one")
             for w in trained:
-                self.c.group.remove(w, "failure", "trained past a failed segment")
+                self.c.roster.remove(w, "failure", "trained past a failed segment")
 
     def train_segment(self) -> bool:
         """Run one segment; commit what the state holder completed. True when it all ran."""
@@ -223,7 +223,8 @@ class Pipeline(Part):
                 reports = [r.steps[j] for r in results if len(r.steps) > j]
                 job.ledger.commit(reports)
                 job.regime.observe(reports)
-                job.recent_steps.append(reports)
+                for watch in job.step_watchers:
+                    watch(reports)
                 ep.add_step(reports)
             ep.add_segment(results, done)
             for r in results:
@@ -286,9 +287,9 @@ class Pipeline(Part):
             job.retried_samples_total += in_flight
         self.log("WARNING", f"step {p.step} of epoch {p.epoch} failed: {failure.summary}")
         for w, why in failure.lost.items():
-            self.c.group.remove(w, "failure", why)
+            self.c.roster.remove(w, "failure", why)
         for w, why in failure.stragglers.items():
-            self.c.group.remove(w, "evict", f"straggler: {why}")
+            self.c.roster.remove(w, "evict", f"straggler: {why}")
         for w, (_, batch) in failure.oom.items():
             m = job.membership.get(w)
             cap = job.memory.ran_out(m.node, m.gpus, batch) if m is not None else None

@@ -1,9 +1,9 @@
 """Real processes for the service's end-to-end tests, all on loopback.
 
-* ``ray_head``: Ray as its own cluster (``ray start --head --block``, 2 CPUs, a temporary
-  directory, its dashboard on loopback for Ray's log API), so detached coordinators outlive
-  an API process. Torn down by stopping the
-  processes this fixture started (its own session), never with ``ray stop``: that would
+* ``ray_head``: Ray as its own cluster, one for the session (``ray start --head --block``,
+  2 CPUs, a temporary directory, its dashboard on loopback for Ray's log API), so detached
+  coordinators outlive an API process. Torn down by stopping the processes this fixture
+  started (its own session), never with ``ray stop``: that would
   also stop every other Ray cluster on a shared machine.
 * ``api_server``: ``dynabatch serve --address ...`` as a subprocess that a test can kill and
   start again on the same port and database.
@@ -39,9 +39,13 @@ def free_port() -> int:
     return find_free_port()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_head() -> Iterator[str]:
-    """``ray start --head`` on loopback with 2 CPUs; yields its GCS address."""
+    """``ray start --head`` on loopback with 2 CPUs; yields its GCS address.
+
+    One for the session: the modules that use it (``test_service_e2e``, ``test_job_page_e2e``)
+    each start their own API on it, and their jobs end (or are cancelled) in their test, so a
+    second head would only cost its start."""
     port = find_free_port()
     # Short path: Ray's unix sockets live under it.
     temp = Path(tempfile.mkdtemp(prefix="dbx-ray-", dir="/tmp"))

@@ -49,13 +49,13 @@ def test_a_running_job_moves_to_two_other_nodes(cluster):
         new = sorted(n.node_id for n in added if n.node_id not in old)
         assert len(old) == 2 and len(new) == 2
         coord.assign({new[0]: 1, new[1]: 1})
-        pending = coord.membership.pending
+        pending = coord.job.membership.pending
         while not pending:  # up to the boundary that applies it (nothing in flight)
             assert coord.step(), coord.snapshot().reason
         assert {m.node for m in pending.values()} == set(new)
 
         def joined() -> bool:
-            coord.group.adopt_started(1.0)
+            coord.roster.adopt_started(1.0)
             return not pending
 
         wait_for(joined, timeout=120, interval=0.0)

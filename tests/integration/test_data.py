@@ -60,8 +60,9 @@ def test_file_sources_train_on_ray_workers(cluster, mnist_files, kind):
 
 
 def test_map_style_dataset_with_seeded_augmentation(cluster):
-    spec = _spec({"name": "tests.unit.data_plugins:noisy", "options": {"n": 256}},
-                 global_batch=32)
+    # Two readers: the dataset is read by reader processes the worker spawns.
+    spec = _spec({"name": "tests.unit.data_plugins:noisy", "options": {"n": 256},
+                  "loader_threads": 2}, global_batch=32)
     coord = Coordinator("data-map", spec, resume=False)
     _check(coord.run(), coord)
 

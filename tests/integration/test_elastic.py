@@ -82,8 +82,8 @@ def test_node_lost_at_the_end_of_an_epoch_keeps_training(cluster):
                  rebalance={"mode": "steps", "every_steps": 1})
     coord = Coordinator("last", spec, resume=False)
     thread = _start(coord)
-    wait_for(lambda: coord.protocol is not None and coord.epoch == 1
-             and coord.step_in_epoch >= coord.protocol.steps_per_epoch - 2,
+    wait_for(lambda: coord.job.protocol is not None and coord.epoch == 1
+             and coord.step_in_epoch >= coord.job.protocol.steps_per_epoch - 2,
              timeout=120, interval=0.002)
     victim = coord.members[-1]
     cluster.remove_node(_node_of(cluster, nodes, victim.node), allow_graceful=False)
@@ -254,6 +254,8 @@ def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster):
         return {n: avail.get(n, {}).get("CPU", 0.0) for n in nodes}
 
     coord = Coordinator("spare", _spec(tag, workers=2, max_workers=2, epochs=500), resume=False)
+    trained: set[str] = set()  # the workers that trained a step
+    coord.watch_steps(lambda row: trained.update(r.worker for r in row))
     thread = _start(coord)
     try:
         up = wait_for(lambda: [n for n, ok in coord.runtime.spare_nodes().items() if ok],
@@ -262,11 +264,10 @@ def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster):
         assert node not in {m.node for m in coord.members}
         wait_for(lambda: free_cpus()[node] == 1.0, timeout=10)  # the spare reserves nothing
         coord.scale(3)
-        wait_for(lambda: any("w2" in {r.worker for r in row} for row in coord.recent_steps()),
-                 timeout=30, interval=0.05)
+        wait_for(lambda: "w2" in trained, timeout=30, interval=0.05)
         assert coord.runtime.startups["w2"].get("spare") and "adopted" in (
             coord.runtime.startups["w2"])
-        assert coord.membership.get("w2").node == node
+        assert coord.job.membership.get("w2").node == node
         assert free_cpus()[node] == 0.0  # adopted: its CPU is reserved like a fresh worker's
     finally:
         coord.cancel("test done")

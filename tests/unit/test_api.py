@@ -922,6 +922,7 @@ def test_openapi_is_complete(make_app: MakeApp) -> None:
         "/v1/jobs/{job_id}/resume",
         "/v1/code",
         "/v1/nodes",
+        "/v1/cluster",
         "/healthz",
         "/readyz",
         "/metrics",

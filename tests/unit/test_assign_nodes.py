@@ -201,7 +201,7 @@ def _assert_done(coord: Coordinator, rt: FakeRuntime) -> None:
     for r in hist:
         assert r.verified and r.samples_trained == r.dataset_size == N, r
     full = [(e, s) for e in range(coord.spec.epochs) for s in range(SPE)]
-    for w in coord.membership.worker_ids:  # no step lost: each holds every step once
+    for w in coord.job.membership.worker_ids:  # no step lost: each holds every step once
         assert rt.lineage(w) == full, w
 
 
@@ -251,7 +251,7 @@ def test_grow_then_shrink_by_assignment():
     coord.assign({"node00": 1})  # shrink: 4 -> 1, the fastest on node00 stays
     coord.run()
     _assert_done(coord, rt)
-    assert coord.membership.worker_ids == ("w0",)
+    assert coord.job.membership.worker_ids == ("w0",)
 
 
 def test_bad_assignments_and_own_resizing_are_refused_with_reasons():

@@ -89,9 +89,10 @@ def test_every_epoch_reports_its_breakdown_with_evaluation_off_the_critical_path
     speeds = {0: 1000, 1: 500, 2: 250}
     rt = _PhasedRuntime(spec, n_train=1000, speeds=speeds)
     coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
+    steps: list = []
+    coord.watch_steps(steps.append)
     coord.run()
     _assert_exactly_once(coord, rt)
-    steps = coord.recent_steps()
     hist = coord.history()
     for r in hist:
         b = r.breakdown

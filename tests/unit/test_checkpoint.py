@@ -233,7 +233,7 @@ def test_a_job_starts_from_another_jobs_checkpoint(tmp_path: Path) -> None:
     first, rt1 = _fake_job("job-a", checkpoint={"dir": str(tmp_path)})
     first.run()
     assert first.snapshot().state.value == "SUCCEEDED", first.snapshot().reason
-    trained = rt1.lineage(first.membership.worker_ids[0])
+    trained = rt1.lineage(first.job.membership.worker_ids[0])
     assert trained, "the first job trained"
 
     source = checkpoint_path(tmp_path, "job-a")
@@ -242,7 +242,7 @@ def test_a_job_starts_from_another_jobs_checkpoint(tmp_path: Path) -> None:
     snap = second.snapshot()
     assert snap.state.value == "SUCCEEDED", snap.reason
     # Its weights went on from the first job's: those updates, then its own two epochs.
-    lineage = rt2.lineage(second.membership.worker_ids[0])
+    lineage = rt2.lineage(second.job.membership.worker_ids[0])
     assert lineage[: len(trained)] == trained
     assert [e for e, _ in lineage[len(trained):]] == sorted(e for e, _ in lineage[len(trained):])
     assert {e for e, _ in lineage[len(trained):]} == {0, 1}

@@ -114,13 +114,13 @@ def _check(nodes, jobs, decision, knobs):
         # A queued job would not fit even without every lower-priority or later job that
         # is not held: only the held and those ahead of it keep it out.
         total = sum(cap.values())
-        held = sum(p.workers for p in decision.plans if "held until" in p.reason)
+        held = sum(p.workers for p in decision.plans if "(held for " in p.reason)
         for q in decision.queue:
             ahead = sum(
                 by_id[p.job_id].min_workers
                 for p in decision.plans
                 if not p.queued
-                and "held until" not in p.reason
+                and "(held for " not in p.reason
                 and order_key(by_id[p.job_id]) < order_key(by_id[q])
             )
             assert total - held - ahead < by_id[q].min_workers, (q, decision)
@@ -259,7 +259,7 @@ def test_a_higher_priority_arrival_preempts_down_to_the_others_min_workers(polic
     assert w.moves == ()
     assert w.queue == ("c",)
     assert w.plan("c").reason.startswith("queued: position 1 of 1 (min_workers 4 not free")
-    assert "held until t=110 s" in w.plan("a").reason
+    assert "held for 110 s more" in w.plan("a").reason
 
 
 @pytest.mark.parametrize("policy", ["goodput", "single_type"])
@@ -429,3 +429,15 @@ def test_bootstrap_estimates_an_unmeasured_type_from_other_jobs_ratios():
     # A job with no telemetry at all starts from the hints.
     fresh = bootstrap({"c": M({})}, ["H100", "V100"], hints={"H100": 1.0, "V100": 0.3})
     assert fresh["c"].rate("V100") == pytest.approx(0.3)
+
+
+def test_a_held_jobs_reason_says_how_long_it_is_held_on_a_real_clock():
+    """The scheduler's clock is epoch seconds: the reason gives the time left, not an
+    absolute instant printed as ``t=1.79579e+09``."""
+    now = 1_795_793_500.0
+    nodes = [ClusterNode("n0", "cpu", 1), ClusterNode("n1", "cpu", 1)]
+    a = ClusterJob(
+        "a", 1, 2, M({"cpu": 1.0}, ("cpu",)), allocation=(("n0", 1),), last_resize_s=now - 10.0
+    )
+    reason = decide(nodes, [a], now, _knobs("goodput")).plan("a").reason
+    assert reason.endswith("(held for 110 s more)"), reason

@@ -237,4 +237,7 @@ def test_the_gpu_check_runs_bare_on_the_cpu_and_reports_its_json(tmp_path):
     fp16 = checks["fp16_found_inf"]
     assert fp16["status"] == "ok", fp16
     assert all([s["overflow"] for s in m["steps"]] == [True, False] for m in fp16["members"])
-    assert checks["data_wait"]["status"] == "skipped"
+    wait = checks["data_wait"]
+    assert wait["status"] == "ok", wait
+    assert wait["threads"] >= 1 and wait["samples_per_s"] > 0
+    assert wait["data_wait_per_step_ms"] >= 0 and 0 <= wait["wait_fraction"] <= 1

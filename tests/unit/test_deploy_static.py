@@ -872,6 +872,11 @@ def test_dashboards_query_only_metrics_the_api_exports() -> None:
         "dynabatch_job_epoch_duration_seconds_sum",
         "dynabatch_cluster_nodes",
         "dynabatch_job_worker_events_total",
+        # The cluster scheduler's panels (issue 31).
+        "dynabatch_cluster_queue_length",
+        "dynabatch_cluster_allocated_workers",
+        "dynabatch_cluster_utilization_ratio",
+        "dynabatch_cluster_resizes_total",
     ):
         assert must in queried, must
 

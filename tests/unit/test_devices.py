@@ -120,3 +120,35 @@ def test_eligible_nodes_leave_out_cpu_nodes_for_a_cuda_job(monkeypatch):
     monkeypatch.setattr(pool, "_available", lambda: None)
     spec = _spec(device="cuda", worker_gpus="auto")
     assert [n.node_id for n in pool.eligible_nodes(spec)] == ["gpu"]
+
+
+def test_a_gpu_nodes_spare_holds_the_gpu_its_worker_will_drive(monkeypatch):
+    """Issue 30 item 7: GPU nodes never got spares (a spare reserved no GPU, and a GPU is
+    visible only to the process Ray reserved it for). A spare there holds the GPU, not the
+    CPUs; a CPU job's spare holds neither."""
+    from dynabatch.scheduler.runtime import pool
+
+    launched = []
+    monkeypatch.setattr(
+        pool,
+        "_launch",
+        lambda spec, node, data, wid, ordinal, cpus, gpus: launched.append((node, wid, cpus, gpus)),
+    )
+    pool.start_spare(_spec(worker_gpus="auto"), "gpu", {}, node_gpus=GPU_NODE["GPU"])
+    pool.start_spare(_spec(worker_gpus="auto"), "cpu", {}, node_gpus=0.0)
+    pool.start_spare(_spec(), "gpu", {}, node_gpus=GPU_NODE["GPU"])
+    assert launched == [("gpu", None, 0, 1.0), ("cpu", None, 0, 0.0), ("gpu", None, 0, 0.0)]
+
+
+def test_the_gpu_a_spare_holds_counts_as_free_for_the_job(monkeypatch):
+    from dynabatch.scheduler.runtime import pool
+
+    nodes = [{"Alive": True, "NodeID": "gpu", "Resources": GPU_NODE}]
+    monkeypatch.setattr(pool.ray, "nodes", lambda: nodes)
+    # The spare holds the node's only GPU: Ray lists none available.
+    monkeypatch.setattr(pool, "_available", lambda: {"gpu": {"CPU": GPU_NODE["CPU"]}})
+    spec = _spec(device="cuda", worker_gpus="auto")
+    (taken,) = pool.eligible_nodes(spec)
+    assert not taken.free  # another job's, or nobody's listing
+    (own,) = pool.eligible_nodes(spec, spare_gpus={"gpu": 1.0})
+    assert own.free and own.room == 1  # this job's worker adopts the spare there

@@ -5,16 +5,21 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from dynabatch.actors.emulation import ComputeClock, slowdown_at
 from dynabatch.actors.spec import EmulationSpec
 
 
 def test_slowdown_schedule_applies_base_factors_and_later_disturbances():
-    em = EmulationSpec.model_validate({
-        "slowdowns": [1, 2],
-        "disturbances": [{"worker": 0, "factor": 4, "epoch": 1, "step": 5},
-                         {"worker": 0, "factor": 8, "epoch": 2, "step": 0}],
-    })
+    em = EmulationSpec.model_validate(
+        {
+            "slowdowns": [1, 2],
+            "disturbances": [
+                {"worker": 0, "factor": 4, "epoch": 1, "step": 5},
+                {"worker": 0, "factor": 8, "epoch": 2, "step": 0},
+            ],
+        }
+    )
     assert slowdown_at(em, 0, 0, 99) == 1
     assert slowdown_at(em, 0, 1, 4) == 1
     assert slowdown_at(em, 0, 1, 5) == 4
@@ -79,3 +84,56 @@ def test_pace_does_nothing_on_the_real_clock():
     t0 = time.perf_counter()
     clock.pace(50.0)
     assert time.perf_counter() - t0 < 0.01 and clock.slept == 0.0
+
+
+def test_a_gpu_workers_slowdown_applies_on_the_device_synchronised_wall_clock():
+    """Issue 30 item 7: slowdowns were silently ignored on GPU workers (their clock was
+    never emulated). The decision, on a faked CUDA device (no GPU needed to build it)."""
+    from dynabatch.actors.spec import JobSpec
+    from dynabatch.actors.worker import compute_clock
+
+    slowed = JobSpec.model_validate({"workers": 2, "emulation": {"slowdowns": [1, 3]}})
+    gpu = compute_clock(slowed, torch.device("cuda", 0))
+    assert gpu.emulated and gpu.sync is not None and not gpu.cpu_time
+    cpu = compute_clock(slowed, torch.device("cpu"))
+    assert cpu.emulated and cpu.sync is None and cpu.cpu_time
+    plain = compute_clock(JobSpec.model_validate({}), torch.device("cuda", 0))
+    assert not plain.emulated and plain.sync is None
+
+
+def test_the_synchronised_clock_stretches_device_time_that_is_not_thread_time():
+    """A GPU's work: the host waits in the synchronisation (here: sleeps), spending no CPU
+    time; the emulated phase is still stretched to f x what the device took."""
+    synced = []
+    clock = ComputeClock(emulated=True, sync=lambda: synced.append(time.sleep(0.02)))
+    clock.start()
+    reported = clock.finish(3.0)
+    assert synced  # the device's queued work was waited for before reading the clock
+    assert reported >= 3.0 * 0.02 * 0.95
+    # It slept what the wall clock lacked: (f - 1) x the device's time.
+    assert clock.slept == pytest.approx(reported * 2 / 3, rel=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu_check.py)")
+def test_on_a_gpu_the_slowed_clock_synchronises_and_stretches():
+    from dynabatch.actors.spec import JobSpec
+    from dynabatch.actors.worker import compute_clock
+
+    slowed = JobSpec.model_validate({"workers": 1, "emulation": {"slowdowns": [3]}})
+    clock = compute_clock(slowed, torch.device("cuda", 0))
+    clock.start()
+    a = torch.randn(2048, 2048, device="cuda")
+    for _ in range(20):
+        a = a @ a / 2048
+    took = clock.finish(3.0)
+    assert took > 0 and clock.slept == pytest.approx(took * 2 / 3, rel=0.05)
+
+
+def test_node_slowdown_from_the_nodes_environment():
+    from dynabatch.actors.emulation import NODE_SLOWDOWN_ENV, node_slowdown
+
+    assert node_slowdown({}) == 1.0
+    assert node_slowdown({NODE_SLOWDOWN_ENV: " 3 "}) == 3.0
+    for bad, why in (("fast", "not a number"), ("0.5", "between 1 and 1000")):
+        with pytest.raises(ValueError, match=f"{NODE_SLOWDOWN_ENV}=.*{why}"):
+            node_slowdown({NODE_SLOWDOWN_ENV: bad})

@@ -51,7 +51,7 @@ def _assert_exactly_once(coord: Coordinator, rt: FakeRuntime, n: int = N, spe: i
     for r in hist:
         assert r.verified and r.samples_trained == r.dataset_size == n, r
         assert sum(w.partition for w in r.workers) <= n
-    survivor = coord.membership.worker_ids[0]
+    survivor = coord.job.membership.worker_ids[0]
     assert rt.lineage(survivor) == _full_lineage(coord.spec.epochs, spe)
 
 
@@ -69,7 +69,7 @@ def test_worker_lost_at_any_step_of_an_epoch(step, worker):
     _assert_exactly_once(coord, rt)
     failures = [e for e in coord.membership_events() if e.kind == "failure"]
     assert [e.worker for e in failures] == [worker]
-    assert coord.retried_samples_total > 0
+    assert coord.snapshot().retried_samples_total > 0
 
 
 def test_loss_at_the_end_when_n_is_a_multiple_of_b():
@@ -126,7 +126,7 @@ def test_cancel_then_resume_verifies_every_epoch(step, tmp_path):
     again.run()
     _assert_exactly_once(again, rt2)
     # Worker ids continue after the checkpoint's: never reused for another worker.
-    assert min(int(w[1:]) for w in again.membership.worker_ids) >= 3
+    assert min(int(w[1:]) for w in again.job.membership.worker_ids) >= 3
 
 
 def test_resumed_weights_survive_the_loss_of_the_member_carrying_them(tmp_path):
@@ -215,13 +215,13 @@ def test_straggler_past_the_collective_timeout_is_evicted():
     _assert_exactly_once(coord, rt)
     (ev,) = [e for e in coord.membership_events() if e.kind == "evict"]
     assert ev.worker == "w2" and "straggler" in ev.reason
-    assert ev.node in coord.membership.excluded_nodes  # no new worker on its node
-    assert "w2" not in coord.membership.worker_ids
+    assert ev.node in coord.job.membership.excluded_nodes  # no new worker on its node
+    assert "w2" not in coord.job.membership.worker_ids
 
 
 def test_plan_that_becomes_infeasible_waits_with_the_reason_then_fails():
     coord, rt = _coord(_spec(max_batch=24))  # 3 x 24 hold B=64; 2 x 24 do not
-    assert coord.membership.min_size == 3
+    assert coord.job.membership.min_size == 3
     _run_to(coord, 0, 4)
     rt.remove_node("node01")
     seen = []
@@ -250,7 +250,7 @@ def test_workers_auto_is_bounded_by_the_global_batch():
     rt = FakeRuntime(spec, n_train=100, nodes=40)
     coord = Coordinator("auto", spec, runtime=rt, clock=rt.clock)
     coord.run()
-    assert len(coord.membership.members) == 8
+    assert len(coord.job.membership.members) == 8
     assert len(rt.workers) + len(rt.killed) == 8  # never spawned more than it could use
 
 

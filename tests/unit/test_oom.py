@@ -200,7 +200,7 @@ def _verified(coord: Coordinator, rt: FakeRuntime) -> None:
     assert [r.epoch for r in hist] == list(range(coord.spec.epochs))
     for r in hist:
         assert r.verified and r.samples_trained == r.dataset_size == N, r
-    survivor = coord.membership.worker_ids[0]
+    survivor = coord.job.membership.worker_ids[0]
     assert rt.lineage(survivor) == [(e, s) for e in range(coord.spec.epochs) for s in range(SPE)]
 
 
@@ -210,12 +210,12 @@ def test_the_fastest_worker_out_of_memory_gets_a_smaller_micro_batch_and_the_job
     rt.inject("oom", "w0", epoch=0, step=2, batch=10)
     coord.run()
     _verified(coord, rt)
-    node = coord.membership.get("w0").node
+    node = coord.job.membership.get("w0").node
     assert coord.job.memory.cap(node, 0.0) <= 10
     # Every plan of w0 from the failure on carried the cap, and it trained under it.
     capped = [p["w0"] for p in rt.plans if p["w0"].micro_cap is not None]
     assert capped and all(p.micro_cap <= 10 for p in capped)
-    assert coord.tracker.workers["w0"].micro_cap <= 10
+    assert coord.job.tracker.workers["w0"].micro_cap <= 10
     assert all(p["w1"].micro_cap is None and p["w2"].micro_cap is None for p in rt.plans)
 
 
@@ -226,8 +226,8 @@ def test_a_replacement_on_the_same_node_inherits_the_cap():
     coord.run()
     _verified(coord, rt)
     assert "w0" in rt.killed
-    (new,) = [w for w in coord.membership.worker_ids if w not in ("w0", "w1", "w2")]
-    assert coord.membership.get(new).node == "node00"  # w0's node
+    (new,) = [w for w in coord.job.membership.worker_ids if w not in ("w0", "w1", "w2")]
+    assert coord.job.membership.get(new).node == "node00"  # w0's node
     plans = [p[new] for p in rt.plans if new in p]
     assert plans and all(p.micro_cap is not None and p.micro_cap <= 10 for p in plans)
 
@@ -248,6 +248,57 @@ def test_the_cap_never_goes_below_what_fits(batch):
     rt.inject("oom", "w2", epoch=0, step=0, batch=batch)
     coord.run()
     assert coord.snapshot().state == JobState.SUCCEEDED, coord.snapshot().reason
-    node = coord.membership.get("w2").node
+    node = coord.job.membership.get("w2").node
     cap = coord.job.memory.cap(node, 0.0)
     assert cap <= batch and cap > batch // 2  # halved until it fit, not further
+
+
+# --- evaluation -----------------------------------------------------------------------------
+
+
+def _eval_batches(w: Worker) -> list[int]:
+    """The batch sizes the model is evaluated on (recorded by a forward pre-hook)."""
+    seen: list[int] = []
+    w.model.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
+    return seen
+
+
+def test_evaluation_batches_follow_the_worker_memory_cap():
+    x, y = _data()
+    spec = _worker_spec().model_copy(update={"micro_batch": 6})
+    w = Worker("w0", 0, spec, x, y, (4,), 3)
+    ref = _new_worker().evaluate_shard(x, y, 0, 40)["sums"]
+    seen = _eval_batches(w)
+    assert w.evaluate_shard(x, y, 0, 40)["sums"] == pytest.approx(ref)
+    assert seen and max(seen) <= 6  # not the fixed 1024
+    # The node's memory cap learned by the driver (SegmentPlan.micro_cap) tightens it too.
+    _join(w, 1)
+    try:
+        w.run_segment(_one_step(cap=4))
+    finally:
+        w.leave()
+    seen.clear()
+    w.evaluate_shard(x, y, 0, 40)
+    assert max(seen) <= 4
+
+
+def test_out_of_memory_in_evaluation_halves_its_batch_and_retries():
+    x, y = _data()
+    ref = _new_worker().evaluate_shard(x, y, 0, 40)["sums"]
+    w = _new_worker()
+    _oom_above(w, 7)
+    seen = _eval_batches(w)
+    out = w.evaluate_shard(x, y, 0, 40)
+    assert out["sums"] == pytest.approx(ref)
+    assert max(seen) <= 7
+    seen.clear()
+    w.evaluate_shard(x, y, 0, 40)  # the halved batch is kept: no out-of-memory again
+    assert max(seen) <= 7 and len(seen) == -(-40 // max(seen))
+
+
+def test_evaluation_fails_when_one_sample_does_not_fit():
+    x, y = _data()
+    w = _new_worker()
+    _oom_above(w, 0)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        w.evaluate_shard(x, y, 0, 40)

@@ -158,7 +158,7 @@ def test_without_faults_every_segment_but_the_first_goes_out_ahead():
     _assert_exactly_once(coord, rt)
     # 2 segments per epoch; across the epochs' ends too, behind each epoch's evaluation.
     assert rt.calls["segments"] == 2 * coord.spec.epochs
-    assert coord.segments_sent_ahead == rt.calls["segments"] - 1
+    assert coord.job.segments_sent_ahead == rt.calls["segments"] - 1
     assert rt.submitted == rt.calls["segments"]
     _scored_final_weights(coord, rt)
 
@@ -172,8 +172,8 @@ def test_segments_go_out_ahead_when_replans_are_due(rebalance, policy):
     coord, rt = _coord(_spec(rebalance=rebalance, policy=policy))
     coord.run()
     _assert_exactly_once(coord, rt)
-    assert coord.segments_sent_ahead == rt.calls["segments"] - 1 > 0
-    assert coord.rebalances_total >= 1
+    assert coord.job.segments_sent_ahead == rt.calls["segments"] - 1 > 0
+    assert coord.snapshot().rebalances_total >= 1
     assert any("from step" in x.message for x in coord.logs() if "rebalance" in x.message)
     # The plan follows the speeds (1000, 500, 250 samples/s).
     last = {w.worker: w.batch for w in coord.history()[-1].workers}
@@ -221,8 +221,8 @@ def test_a_failure_while_a_replanned_segment_is_ahead(mode, kind):
     rebalance = {"mode": mode, "check_steps": 2, "every_steps": 4}
     coord, rt = _coord(_spec(rebalance=rebalance, policy="dbs"))
     _run_to(coord, 1, 4)
-    p = coord.protocol
-    assert coord._ahead is not None and len(p._plans) == 2  # a plan adopted ahead
+    p = coord.job.protocol
+    assert coord.job.ahead is not None and len(p._plans) == 2  # a plan adopted ahead
     rt.inject(kind, "w2", epoch=1, step=p.step + 1, seconds=30.0)
     snap = coord.run()
     assert snap.state == JobState.SUCCEEDED, snap.reason
@@ -331,7 +331,7 @@ def test_cancel_with_a_segment_in_flight_checkpoints_what_it_trained(tmp_path):
     spec = _pspec(checkpoint={"dir": str(tmp_path), "every_epochs": 5})
     coord, _ = _coord(spec)
     _run_to(coord, 1, 1)  # the first segment of epoch 1 is done; the second is in flight
-    assert coord._ahead is not None
+    assert coord.job.ahead is not None
     coord.cancel()
     coord.run()
     # The segment in flight was committed, and the epoch it completed was ended.
@@ -348,7 +348,7 @@ def test_cancel_with_the_next_epoch_in_flight(tmp_path):
     _run_to(coord, 0, 8)  # epoch 0's last segment done? no: in flight, with epoch 1's ahead
     while coord.epoch == 0:
         assert coord.step()
-    assert coord._ahead is not None and coord._ahead.position == Position(1, 0)
+    assert coord.job.ahead is not None and coord.job.ahead.position == Position(1, 0)
     coord.cancel()
     coord.run()
     assert coord.snapshot().state == JobState.CANCELLED
@@ -364,7 +364,7 @@ def test_a_scale_request_waits_for_the_boundary_with_nothing_in_flight():
     coord.scale(4)
     coord.run()
     _assert_exactly_once(coord, rt)
-    assert len(coord.membership.worker_ids) == 4
+    assert len(coord.job.membership.worker_ids) == 4
 
 
 class _SlowStart(FakeRuntime):
@@ -391,12 +391,12 @@ def test_a_worker_still_starting_does_not_stop_the_pipeline():
     _run_to(coord, 0, 4)
     rt.hold = 6
     rt.add_node("node09")
-    sent, pending_steps = coord.segments_sent_ahead, 0
-    while len(coord.membership.worker_ids) < 4:
+    sent, pending_steps = coord.job.segments_sent_ahead, 0
+    while len(coord.job.membership.worker_ids) < 4:
         assert coord.step(), coord.snapshot().reason
-        pending_steps += bool(coord.membership.pending)
+        pending_steps += bool(coord.job.membership.pending)
     assert pending_steps >= 3
-    assert coord.segments_sent_ahead >= sent + pending_steps - 1
+    assert coord.job.segments_sent_ahead >= sent + pending_steps - 1
     coord.run()
     _assert_exactly_once(coord, rt)
 
@@ -426,7 +426,7 @@ def test_any_fault_schedule_with_segments_ahead_trains_every_sample_once(
         assert all(r.verified for r in coord.history())
         return
     _assert_exactly_once(coord, rt)
-    assert coord.segments_sent_ahead > 0
+    assert coord.job.segments_sent_ahead > 0
     for r in coord.history():  # scores, when there are any, are the epoch's own
         if r.test_accuracy is not None:
             assert r.test_accuracy == pytest.approx(min(1.0, (r.epoch + 1) * SPE / 100))

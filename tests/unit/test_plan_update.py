@@ -142,13 +142,13 @@ def test_a_refused_update_defers_the_plan_to_the_next_segment():
     coord, rt = _disturbed(policy="affine")
     rt.update_started = 4  # every worker is taken to be past any step an update aims at
     asked, applied = len(rt.updates), len(rt.updates_applied)
-    rebalances = coord.rebalances_total
+    rebalances = coord.snapshot().rebalances_total
     coord.run()
     _assert_exactly_once(coord, rt)
     assert len(rt.updates) > asked and len(rt.updates_applied) == applied
     assert coord.job.plan_updates == applied
     assert coord.job.plan_updates_refused == len(rt.updates) - asked
-    assert coord.rebalances_total > rebalances
+    assert coord.snapshot().rebalances_total > rebalances
 
 
 def test_segments_of_rebalance_epoch_are_never_updated():

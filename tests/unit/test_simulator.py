@@ -137,22 +137,22 @@ def test_simulated_and_replayed_runs_make_the_same_allocation_decisions(policy):
         {"epoch": 1, "step": 3, "slowdown": {"class": "fast", "index": 0, "factor": 3}}])
     n_train = 64 * 12 + 20  # a partial last step too
     sim_log: list = []
-    sim_coord: list = []
+    sim_steps: list = []
 
     def hook(c) -> None:
-        c.policy = _RecordingPolicy(c.policy, sim_log)
-        sim_coord.append(c)
+        c.job.policy = _RecordingPolicy(c.job.policy, sim_log)
+        c.watch_steps(sim_steps.append)
 
     sim = simulate(spec, cluster, dataset_size=n_train, coordinator_hook=hook)
     assert sim.snapshot.state == JobState.SUCCEEDED, sim.snapshot.reason
     # What the simulated workers reported, step by step: the telemetry to replay.
-    reports = [rep for step in sim_coord[0].recent_steps() for rep in step]
+    reports = [rep for step in sim_steps for rep in step]
     computes = {(r.epoch, r.step, r.worker): r.compute_s for r in reports}
     nodes = [NodeInfo(n.node_id, cpus=n.cpus) for n in SimulatedCluster(cluster).nodes]
     replay_log: list = []
     coord = Coordinator("replay", spec, resume=False,
                         runtime=_ReplayRuntime(nodes, n_train, computes))
-    coord.policy = _RecordingPolicy(coord.policy, replay_log)
+    coord.job.policy = _RecordingPolicy(coord.job.policy, replay_log)
     assert coord.run().state == JobState.SUCCEEDED
     assert sum(d[3] for d in sim_log) >= 3  # the plan did change, several times
     assert sim_log == replay_log
@@ -174,7 +174,7 @@ def test_equal_workers_stay_equal_under_step_time_noise(rebalance):
         log: list = []
 
         def hook(c, log=log) -> None:
-            c.policy = _RecordingPolicy(c.policy, log)
+            c.job.policy = _RecordingPolicy(c.job.policy, log)
 
         sim = simulate(spec, cluster, dataset_size=64 * 30, coordinator_hook=hook)
         assert sim.snapshot.state == JobState.SUCCEEDED, sim.snapshot.reason

@@ -304,6 +304,7 @@ INT_FIELDS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "workers": lambda v: {"workers": v},
     "min_workers": lambda v: {"min_workers": v},
     "max_workers": lambda v: {"max_workers": v},
+    "priority": lambda v: {"priority": v},
     "global_batch": lambda v: {"global_batch": v},
     "max_batch": lambda v: {"max_batch": v},
     "micro_batch": lambda v: {"micro_batch": v},

@@ -90,15 +90,15 @@ def test_a_job_moves_only_along_the_table_and_records_each_change(walk):
             assert job.phase is old and len(job.phase_changes) == changes
 
 
-def test_resume_returns_to_the_interrupted_phase_unless_the_job_moved_on():
+def test_return_to_the_interrupted_phase_unless_the_job_moved_on():
     job = _job()
     for p in (Phase.REGROUPING, Phase.TRAINING, Phase.ENDING_EPOCH):
         job.become(p, 0.0)
-    job.resume(Phase.TRAINING, 1.0, during=Phase.ENDING_EPOCH)
+    job.return_to(Phase.TRAINING, 1.0, during=Phase.ENDING_EPOCH)
     assert job.phase is Phase.TRAINING
     job.become(Phase.ENDING_EPOCH, 2.0)
     job.become(Phase.FINISHING, 3.0)
-    job.resume(Phase.TRAINING, 4.0, during=Phase.ENDING_EPOCH)
+    job.return_to(Phase.TRAINING, 4.0, during=Phase.ENDING_EPOCH)
     assert job.phase is Phase.FINISHING
 
 
@@ -142,7 +142,7 @@ def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone():
     rt.inject("die", "w1", epoch=0, step=5)
     sent = []
     while coord.step():
-        sent.append((coord.phase, coord.budget.retrying, coord._ahead is not None))
+        sent.append((coord.phase, coord.job.budget.retrying, coord.job.ahead is not None))
     assert coord.snapshot().state == JobState.SUCCEEDED
     path = _path(coord)
     # The first group, the one after the loss (and one when a replacement joins).
@@ -186,7 +186,7 @@ def test_too_few_workers_wait_then_fail_after_the_timeout():
 
 def test_a_cancel_with_a_segment_in_flight_commits_it_and_is_done():
     coord, _ = _coord()
-    while coord._ahead is None:
+    while coord.job.ahead is None:
         assert coord.step()
     coord.cancel("enough")
     assert not coord.step()

@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 import torch
 from dynabatch.actors.contracts import SegmentPlan, StepPlan, epoch_order
-from dynabatch.actors.group import NCCL_FAULT_ENV, choose_backend, configure_nccl_fault_handling
+from dynabatch.actors.group import (
+    NCCL_FAULT_MODE_ENV,
+    NCCL_FAULT_MODES,
+    choose_backend,
+    configure_nccl_fault_handling,
+)
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.worker import Worker, pick_device, to_cpu
 
@@ -76,12 +81,19 @@ def test_backend_is_nccl_only_when_every_member_has_a_gpu():
 
 
 def test_nccl_fault_handling_makes_survivors_raise(monkeypatch):
-    for k in NCCL_FAULT_ENV:
+    for k in (*NCCL_FAULT_MODES["blocking"], NCCL_FAULT_MODE_ENV):
         monkeypatch.delenv(k, raising=False)
-    configure_nccl_fault_handling()
+    assert configure_nccl_fault_handling() == "blocking"  # the default mode
     # 2: abort the communicator and raise, keeping the process (not 1, which kills it).
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    monkeypatch.setenv(NCCL_FAULT_MODE_ENV, "async")
+    assert configure_nccl_fault_handling() == "async"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # still no process kill
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0"
+    monkeypatch.setenv(NCCL_FAULT_MODE_ENV, "polling")
+    with pytest.raises(ValueError, match=f"^{NCCL_FAULT_MODE_ENV}: unknown NCCL fault mode"):
+        configure_nccl_fault_handling()
 
 
 def test_device_choice():
@@ -146,7 +158,7 @@ def test_a_visible_gpu_is_picked_when_asked_for(monkeypatch):
 
 
 def _gpu_worker(monkeypatch, backend: str, allreduce: str, where: str) -> Worker:
-    if where == "pinned":  # the set does not fit: pinned host memory, staged per step
+    if where == "staged":  # the set does not fit: host memory, staged per micro-batch
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (0, 0))
     spec = _spec(device="cuda", worker_gpus=1, allreduce=allreduce, bucket_kb=1,
                  model={"name": "mlp", "hidden": 64}, optimizer={"name": "sgd", "lr": 0.1})
@@ -161,7 +173,7 @@ def _gpu_worker(monkeypatch, backend: str, allreduce: str, where: str) -> Worker
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize(("backend", "allreduce", "where"), [
-    ("nccl", "bucketed", "device"), ("nccl", "bucketed", "pinned"), ("nccl", "flat", "device"),
+    ("nccl", "bucketed", "device"), ("nccl", "bucketed", "staged"), ("nccl", "flat", "device"),
     ("gloo", "bucketed", "device"),  # a GPU in a gloo group stages the plan's buckets
 ])
 def test_a_gpu_step_synchronises_once(monkeypatch, backend, allreduce, where):
@@ -190,7 +202,32 @@ def test_a_gpu_step_synchronises_once(monkeypatch, backend, allreduce, where):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("where", ["device", "pinned"])
+@pytest.mark.parametrize(("room", "where"), [(1 << 40, "device"), (0, "staged")])
+def test_the_data_gets_the_device_memory_the_model_leaves(monkeypatch, room, where):
+    """The budget is decided after the model, its optimizer and the warm-up pass: from the
+    model's bytes and the warm-up's activation bytes per sample (both known by then)."""
+    import dynabatch.actors.worker as worker_mod
+
+    seen = []
+
+    def budget(free, model, act, micro):
+        seen.append((free, model, act, micro))
+        return room
+
+    monkeypatch.setattr(worker_mod, "data_budget", budget)
+    spec = _spec(device="cuda", worker_gpus=1, micro_batch=5,
+                 model={"name": "mlp", "hidden": 64}, optimizer={"name": "adam", "lr": 0.1})
+    rng = np.random.default_rng(0)
+    w = Worker("w0", 0, spec, rng.normal(size=(40, 4)).astype(np.float32),
+               rng.integers(0, 3, size=40), (4,), 3, gpus=1.0)
+    (free, model, act, micro), = seen
+    assert free > 0 and model == 4 * sum(p.numel() * 4 for p in w.params)
+    assert act > 0 and micro == 5
+    assert w.data_on == where and w.x.is_cuda == (where == "device")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("where", ["device", "staged"])
 def test_a_gpu_worker_trains_what_a_cpu_worker_trains(monkeypatch, where):
     w = _gpu_worker(monkeypatch, "nccl", "bucketed", where)
     try:

@@ -214,7 +214,7 @@ def decide(
         per_type = {types[i]: int(n) for i, n in enumerate(counts[jid]) if n}
         changed = mine != before
         reason = _running_reason(
-            job, before, mine, per_type, jid in held, jid in lost, knobs, started_above
+            job, before, mine, per_type, jid in held, jid in lost, knobs, started_above, now
         )
         norm = job.model.throughput(per_type) / max(
             job.model.of_speed(job.max_workers * float(rates[jid].max())), 1e-300
@@ -264,6 +264,7 @@ def _running_reason(
     lost: bool,
     knobs: ClusterKnobs,
     started: dict[str, int],
+    now: float,
 ) -> str:
     label = LABELS[knobs.policy]
     was, now_n = sum(before.values()), sum(mine.values())
@@ -271,8 +272,9 @@ def _running_reason(
     if not before:
         return f"starts on {now_n} workers ({kinds}) ({label})"
     if held and knobs.policy != "fifo":
-        until = job.last_resize_s + knobs.hold_s
-        return f"keeps {now_n} workers ({kinds}) (held until t={until:g} s)"
+        # The time left, not the instant: the scheduler's clock is epoch seconds.
+        left = job.last_resize_s + knobs.hold_s - now
+        return f"keeps {now_n} workers ({kinds}) (held for {left:.0f} s more)"
     cause = "node lost" if lost else label
     higher = sorted(j for j, p in started.items() if p > job.priority)
     if now_n < was and higher and not lost:

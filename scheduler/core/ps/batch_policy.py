@@ -14,16 +14,11 @@ gradients being many versions old. A learner with no measurement yet gets b0. By
 (:meth:`lr_scale`): the batch it was computed on, not the batch planned since (a re-plan
 may come between).
 
-Why the scaling is the default (issue 21, ``bench/async_ji.py``, each arm at its own best α0
-from a 15-point grid, chosen on a validation split, 10 seeds): the plain reading of the
-abstract applies every gradient at α0 whatever its batch, so a fast learner's large batch
-takes one α0 step where ASGD would have taken b_i/b0 of them; at equal samples the model
-takes fewer, smaller steps and trains far less (final loss 1.01 against ASGD's 0.29 with 8
-learners at 1:1:2:2:4:4:16:16; 0.24 against 0.16 at 1:1:2:4). Scaling α by b_i/b0 gives each
-sample the step it has under ASGD and was the best perf-aware variant in both clusters (0.35
-and 0.16); adding α0/τ was worse (τ ≈ λ−1 for every learner here, so it only lowers α0).
-None of them beat ASGD or n-softsync with α0/τ on digits: the batches move the staleness onto
-the fast learners' large batches (on CIFAR-format data with a small ResNet the scaled arm won).
+Why the scaling is the default: the plain reading applies every gradient at α0 whatever
+its batch, so a fast learner's large batch takes one α0 step where ASGD would have taken
+b_i/b0 of them, and at equal samples the model takes fewer, smaller steps and trains far
+less; scaling α by b_i/b0 gives each sample the step it has under ASGD (measured:
+docs/benchmarks.md, "Ji et al.: performance-aware batches").
 See docs/parameter-server.md.
 """
 

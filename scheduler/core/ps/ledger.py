@@ -70,10 +70,6 @@ class AsyncLedger:
         return dict(self._out)
 
     @property
-    def applied_samples(self) -> int:
-        return sum(c.samples for c in self._applied)
-
-    @property
     def complete(self) -> bool:
         return self.epoch is not None and not self._queue and not self._out
 

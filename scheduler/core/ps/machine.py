@@ -118,8 +118,7 @@ class PSCore:
         self.seed = seed
         self.epoch = 0  # the oldest open epoch: the one being completed
         self.finished = False
-        # None: overlap except in hardsync (False: the epoch barrier, for the ablation in
-        # bench/async_rudra.py).
+        # None: overlap except in hardsync (False: the epoch barrier, for an ablation).
         self.overlap = config.mode != "hardsync" if overlap is None else overlap
         self.counters = CoreCounters()
         self.ledgers: dict[int, AsyncLedger] = {}

@@ -194,6 +194,12 @@ class Regime:
         self._ep = _EpochCounts()
         return fields
 
+    @property
+    def grad_evals(self) -> int:
+        """Samples whose gradient was computed so far (extra iterations included), the
+        open epoch's too."""
+        return self.grad_evals_total + self._ep.grad_evals
+
     def live(self, epoch: int, step: int, global_batch: int, steps_per_epoch: int
              ) -> dict[str, Any]:
         """The regime's fields of a :class:`~dynabatch.scheduler.telemetry.JobSnapshot`."""

@@ -110,10 +110,10 @@ class DBSPolicy:
     ``secant``: the rule iterates towards equal finish (``b_i ∝ v_i(b_i)`` holds exactly
     when every step takes ``B / Σv``), and slowly where a worker's fixed cost a dominates
     its step: near the fixed point the map ``b ↦ B·v(b)/Σv`` has slope ``a / (a + c·b)``,
-    so each correction closes only ``c·b / (a + c·b)`` of the gap. In bench/disturbance.py
-    a 4x-slowed worker went 64 → 30 → 13 → 10 → 11 → 10 → 9 → 8, one correction every 3
-    steps. Where a worker was measured at two batch sizes ``SECANT_RATIO`` apart since its
-    last change of speed (``WorkerTelemetry.previous`` and the current window), the line
+    so each correction closes only ``c·b / (a + c·b)`` of the gap, and a slowed worker
+    takes several corrections to reach its share. Where a worker was measured at two batch
+    sizes ``SECANT_RATIO`` apart since its last change of speed
+    (``WorkerTelemetry.previous`` and the current window), the line
     through the two gives its step time at any size and the fixed point is solved at once
     (a secant step); elsewhere, and with ``secant=False``, the paper's proportional step.
     The fixed point is the same; the path to it is shorter. ``min_share``: the floor of
@@ -129,7 +129,8 @@ class DBSPolicy:
     way at each re-plan, and the rest waited on windows that each far move restarted. On
     shared cores equal workers' steps of 1-3 ms vary 0.5-2x; there a per-step overhead
     dominates, so a worker's throughput grows with its share and the rule barely pulls a
-    noisy split back: DBS left equal workers at 51/13 of 64, each move a window's noise.
+    noisy split back: without the test, each move a window's noise drifts equal workers
+    far apart.
     Under a plan kept, the window goes on and its error shrinks as its steps add up, so a
     real difference is corrected soon after; a 4x slowdown stands out at once. 0: every
     measured difference moves the split (the paper).
@@ -338,9 +339,7 @@ def _cautious(a: np.ndarray, c: np.ndarray, cols: np.ndarray, slowed: np.ndarray
     its next measurements (at the smaller batch) give it an own fit and it gets more back;
     guessing low overloads the one slow worker, and every step waits for it. (Moved up,
     the proportional guess of ``shared_overhead_fit`` with no spread is already the
-    cautious one.) Measured in bench/disturbance.py: the first re-plan after a 4x slowdown
-    gave the slowed worker 19-20 samples under the proportional guess where it settled at
-    5-6.
+    cautious one.)
     """
     n, sb, st, sbb, sbt = cols.T
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -356,6 +355,14 @@ def _cautious(a: np.ndarray, c: np.ndarray, cols: np.ndarray, slowed: np.ndarray
         k = k_max
         c_k = (k * st + sbt) / (k * k * n + 2 * k * sb + sbb)
     return np.where(rows, c_k * k, a), np.where(rows, c_k, c)
+
+
+def policy_for(name: str, min_gain: float | None) -> Policy:
+    """Policy ``name`` with ``min_gain`` (None: its own default), as a job spec gives them:
+    ``spec.policy`` and ``spec.rebalance.min_gain(spec.policy)``
+    (:meth:`~dynabatch.actors.spec.sections.RebalanceSpec.min_gain` states when the
+    threshold applies)."""
+    return make_policy(name, **({} if min_gain is None else {"min_gain": min_gain}))
 
 
 def make_policy(name: str, **options: float) -> Policy:

@@ -38,12 +38,11 @@ from dynabatch.scheduler.core.sync.steptime import StepTimeStats, fit
 
 STATS_DECAY = 0.9
 # A segment whose mean compute is off the model by more than this factor is a change of
-# speed (a disturbance), not noise: the worker's model restarts from the new observations.
-# Rescaling the old fit by the observed ratio instead (right at once if a slowdown scales
-# fixed and per-sample costs alike) was measured worse in bench/disturbance.py, side by
-# side, 3 runs each: recovery in 23 steps against 11, balance 0.79 against 0.93. There the
-# workers share cores, so the others speed up as the victim sleeps: its slowdown is not a
-# uniform scale of the old model, and the new observations are the better prior.
+# speed (a disturbance), not noise: the worker's model restarts from the new observations,
+# rather than rescaling the old fit by the observed ratio: where workers share cores the
+# others speed up as the victim slows, so its slowdown is not a uniform scale of the old
+# model, and the new observations are the better prior (docs/benchmarks.md, "Disturbance
+# recovery").
 SURPRISE = 1.5
 # ... and by more than this many standard errors of the segment's mean against the model's
 # (from the worker's step-time noise, ``WorkerTrack.noise``): on a shared 2-core host equal
@@ -110,15 +109,25 @@ class WorkerTrack:
     epoch_compute: float = 0.0
     epoch_wait: float = 0.0
     epoch_steps: int = 0
+    # The speed of the epoch before this one (0: none): what :attr:`speed` says until
+    # this epoch's first step is in.
+    last_speed: float = 0.0
     compute_per_step: float = 0.0
     wait_per_step: float = 0.0
     slowdown: float = 1.0
     micro_cap: int | None = None
 
     @property
-    def throughput(self) -> float:
-        """Samples per compute-second over the window (0 without one)."""
-        return self.window_samples / self.window_compute if self.window_compute else 0.0
+    def speed(self) -> float:
+        """The worker's speed: samples per compute-second over the epoch's steps (every
+        step counted, as the epoch's record counts them), the epoch before's until this
+        epoch has a step, 0 when not measured. The one definition of a worker's speed:
+        the live snapshot, the epoch record, the evaluation's split and a scale-down's
+        choice of whom to drain read it. (The policy reads the window's sums instead:
+        DBS measures the plan it is about to correct, see :meth:`Tracker.decided`.)"""
+        if self.epoch_compute > 0:
+            return self.epoch_samples / self.epoch_compute
+        return self.last_speed
 
     def window_spread(self) -> tuple[float, float]:
         """(degrees of freedom, relative sum of squares) of the window's seconds per
@@ -206,15 +215,13 @@ class Tracker:
         is measured over all its steps, not re-judged on the last one or two (on shared
         cores those vary by 10-20% between equal workers, and DBS re-sized on them at
         every check). Only steps at that batch count: the segment in flight still runs
-        the old plan, and a second correction from its steps repeats the first
-        (bench/disturbance.py: a slowed worker re-planned 20, 18, 18 from the same steps).
+        the old plan, and a second correction from its steps would repeat the first.
         ``batches`` None: every window restarts.
 
         A worker nudged to a batch within ``NEAR`` of its last keeps its window: its
         throughput holds at a near size, and a fresh window would be one or two steps of
-        noise. Restarted on every change, the windows of equal workers re-split on that
-        noise at every check (bench/disturbance.py: three equal workers at 92/82/76, then
-        79/82/88, then 73/106/71, each move costing the new sizes' first steps). A window
+        noise, on which the windows of equal workers would re-split at every check, each
+        move costing the new sizes' first steps. A window
         closed by a far move is kept as the worker's previous point
         (``WorkerTelemetry.previous``, DBS's secant) unless the point it has is farther
         from the new batch."""
@@ -235,8 +242,13 @@ class Tracker:
                     t.reset_window()
             t.plan_batch = b
 
+    def speeds(self) -> dict[str, float]:
+        """Each measured worker's :attr:`WorkerTrack.speed` (absent: not measured yet)."""
+        return {w: v for w, t in self.workers.items() if (v := t.speed) > 0}
+
     def begin_epoch(self) -> None:
         for t in self.workers.values():
+            t.last_speed = t.speed
             t.epoch_samples = t.epoch_steps = 0
             t.epoch_compute = t.epoch_wait = 0.0
 

@@ -1,4 +1,4 @@
-"""Membership and spares: who trains, at each step boundary.
+"""The roster (membership and spares): who trains, at each step boundary.
 
 At a boundary with nothing in flight the group is reconciled: scale, drain and assign
 requests applied (and the workers an assignment moves drained, once the state is handed
@@ -30,7 +30,10 @@ NODE_POLL_S = 0.2
 ADOPT_WAIT_S = 0.5
 
 
-class Group(Part):
+class Roster(Part):
+    """Who trains: the driver's side of :class:`~dynabatch.scheduler.core.membership.
+    Membership` (named apart from the workers' process group, ``dynabatch.actors.group``)."""
+
     # ---------------------------------------------------------------- at a boundary
     def reconcile(self) -> bool:
         """Apply requests, joins and losses at a step boundary. True when ready to train."""
@@ -69,7 +72,7 @@ class Group(Part):
     def apply_requests(self) -> bool:
         m = self.job.membership
         changed = False
-        speeds = self.speeds()
+        speeds = self.job.tracker.speeds()
         for r in self.c._take_requests():
             try:
                 match r:
@@ -114,7 +117,7 @@ class Group(Part):
                              + (" (adopting its spare)" if sp.adopt else ""))
         # Spares once the first workers are up (they would compete with their start-up).
         if spares is not None and not starting and not self.c.state.is_terminal:
-            plan = m.spare_plan(nodes, s.spares, s.gpus_on)
+            plan = m.spare_plan(nodes, s.spares)
             for node in plan.stop:
                 spares.stop_spare(node)
             for node in plan.start:
@@ -126,12 +129,6 @@ class Group(Part):
             # Nothing in flight: the adopted spare answers in milliseconds, and joins the
             # group formed at this boundary.
             self.adopt_started(ADOPT_WAIT_S)
-
-    def speeds(self) -> dict[str, float]:
-        """Each worker's measured samples per compute-second (its step-time model's decayed
-        mean; a scale-down drains the slowest first). Absent: not measured yet."""
-        return {w: t.stats.sb / t.stats.st for w, t in self.job.tracker.workers.items()
-                if t.stats.st > 0}
 
     def placement_text(self, short: int, want: int) -> str:
         s = self.spec

@@ -1,4 +1,5 @@
-"""The generated benchmark data of issue 21 (actors/workloads/hard_mnist.py)."""
+"""The generated benchmark data of issue 21 (bench/hard_mnist.py): a benchmark-only
+workload, loaded by import path as any user dataset."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ pytest.importorskip("torch")
 
 
 def test_hard_mnist_has_rare_classes_label_noise_and_is_deterministic():
-    from dynabatch.actors.workloads.hard_mnist import load
+    from bench.hard_mnist import load
 
     a = load(n_train=2000, n_test=500, seed=3, noise_per_mille=0)
     b = load(n_train=2000, n_test=500, seed=3, noise_per_mille=0)
@@ -23,7 +24,7 @@ def test_hard_mnist_has_rare_classes_label_noise_and_is_deterministic():
 
 
 def test_cifar_like_is_cifar_format_and_standardised():
-    from dynabatch.actors.workloads.hard_mnist import cifar_like
+    from bench.hard_mnist import cifar_like
 
     d = cifar_like(n_train=600, n_test=200, seed=1)
     assert d.x_train.shape == (600, 3, 32, 32) and d.num_classes == 10
@@ -36,7 +37,7 @@ def test_they_load_as_user_datasets_in_a_spec():
     from dynabatch.actors.workloads.datasets import load_dataset
 
     spec = JobSpec.model_validate({"dataset": {
-        "name": "dynabatch.actors.workloads.hard_mnist:load", "shuffle": "once",
+        "name": "bench.hard_mnist:load", "shuffle": "once",
         "options": {"n_train": 300, "n_test": 100, "seed": 0}}})
     ds = load_dataset(spec.dataset)
     assert len(ds.y_train) == 300 and ds.num_classes == 10

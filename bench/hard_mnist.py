@@ -1,6 +1,9 @@
-"""Generated image sets for the paper benchmarks (issue 21), as user loaders.
+"""Generated image sets for the paper benchmarks (issue 21), as user loaders. Benchmark-only,
+so it lives in bench/, not in the product: a spec names it by import path
+(``bench.hard_mnist:load``, with the repository root on ``sys.path``, as the bench scripts
+put it), as any user dataset.
 
-* :func:`load` (``dataset: {name: "dynabatch.actors.workloads.hard_mnist:load"}``):
+* :func:`load` (``dataset: {name: "bench.hard_mnist:load"}``):
   MNIST-format data where batches really differ, with ISGD's three causes (Wang et al.,
   arXiv 1603.05544) built in:
 
@@ -15,7 +18,7 @@
   fixed cycle (the paper's third cause): a batch that holds more hard, rare or mislabelled
   samples stays harder than the others epoch after epoch.
 
-* :func:`cifar_like` (``dataset: {name: "dynabatch.actors.workloads.hard_mnist:cifar_like"}``):
+* :func:`cifar_like` (``dataset: {name: "bench.hard_mnist:cifar_like"}``):
   CIFAR-format data (3×32×32, 10 classes) for the ResNet runs when no CIFAR-10 files are
   given: each class is a smooth random colour texture (a few low-frequency sinusoids per
   channel), drawn with random shifts, contrast, colour cast, a blended distractor from

@@ -1,0 +1,131 @@
+"""A Ray node as the cluster scheduler sees it: its type and its worker slots (pure).
+
+Type, first found of:
+
+1. the node label ``dynabatch.io/node-type`` (``ray start --labels``);
+2. a custom resource ``node-type:<name>`` (any amount; for Ray versions or clusters
+   without labels);
+3. derived from its resources: ``gpu-<model>x<count>`` when it has GPUs (the model from
+   Ray's ``accelerator_type:<model>`` resource, else ``gpu``), else ``cpu<count>``.
+
+Slots. The policy counts workers in slots, the same for every job: one per GPU on a node
+with GPUs, one per CPU on the others. So a job is placed by the scheduler only when each
+of its workers fits one slot: ``worker_cpus`` at most 1 and ``worker_gpus`` at most 1
+(:func:`slot_error` says why not otherwise, rather than the policy counting it wrong).
+A CPU-only worker on a GPU node takes one of its slots (it uses no GPU, but the policy
+does not share a slot). A job's ``node_resource`` limits it to the types whose every
+node carries that resource (:func:`eligible_types`): a type is the policy's unit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynabatch.scheduler.core.cluster.values import ClusterNode
+
+TYPE_LABEL = "dynabatch.io/node-type"
+TYPE_RESOURCE = "node-type:"
+ACCELERATOR = "accelerator_type:"
+
+
+@dataclass(frozen=True, slots=True)
+class RayNode:
+    """What Ray says about a node (``ray.nodes()``): id, total resources, labels."""
+
+    node_id: str
+    resources: Mapping[str, float] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    alive: bool = True
+
+
+def node_type(node: RayNode) -> str:
+    """The node's type (see the module docstring)."""
+    label = (node.labels or {}).get(TYPE_LABEL, "").strip()
+    if label:
+        return label
+    named = sorted(
+        k[len(TYPE_RESOURCE) :]
+        for k in node.resources
+        if k.startswith(TYPE_RESOURCE) and len(k) > len(TYPE_RESOURCE)
+    )
+    if named:
+        return named[0]
+    gpus = int(node.resources.get("GPU", 0.0))
+    if gpus >= 1:
+        models = sorted(k[len(ACCELERATOR) :] for k in node.resources if k.startswith(ACCELERATOR))
+        return f"gpu-{models[0] if models else 'gpu'}x{gpus}"
+    return f"cpu{int(node.resources.get('CPU', 0.0))}"
+
+
+def slots(node: RayNode) -> int:
+    """Worker slots: one per whole GPU, else one per whole CPU."""
+    gpus = node.resources.get("GPU", 0.0)
+    if gpus >= 1:
+        return math.floor(gpus)
+    return math.floor(node.resources.get("CPU", 0.0))
+
+
+def cluster_nodes(nodes: Iterable[RayNode]) -> tuple[ClusterNode, ...]:
+    """The alive nodes with at least one slot, as the policy takes them."""
+    return tuple(
+        ClusterNode(n.node_id, node_type(n), slots(n))
+        for n in sorted(nodes, key=lambda n: n.node_id)
+        if n.alive and slots(n) > 0
+    )
+
+
+def job_bounds(spec: Any) -> tuple[int, int]:
+    """(min_workers, max_workers) the scheduler places a job spec within: its bounds,
+    ``workers`` as both when it gives neither, and never more workers than its smallest
+    global batch has samples."""
+    lo = spec.min_workers or spec.initial_workers or 1
+    hi = spec.max_workers or spec.initial_workers or lo
+    return lo, max(lo, min(hi, spec.batch_range[0]))
+
+
+def slot_error(worker_cpus: float, worker_gpus: float | str) -> str | None:
+    """Why a job's workers cannot be counted in the scheduler's slots, or None."""
+    if worker_cpus > 1:
+        return (
+            f"worker_cpus {worker_cpus:g}: the cluster scheduler counts one worker per CPU "
+            "(one per GPU on GPU nodes); give it at most 1"
+        )
+    if worker_gpus != "auto" and float(worker_gpus) > 1:
+        return (
+            f"worker_gpus {float(worker_gpus):g}: the cluster scheduler counts one worker per "
+            "GPU; give it at most 1"
+        )
+    return None
+
+
+def eligible_types(nodes: Iterable[RayNode], resource: str | None) -> frozenset[str] | None:
+    """The types a job limited to nodes with ``resource`` may use: those whose every alive
+    node has it (None: no limit)."""
+    if not resource:
+        return None
+    has: dict[str, bool] = {}
+    for n in nodes:
+        if n.alive and slots(n) > 0:
+            t = node_type(n)
+            has[t] = has.get(t, True) and n.resources.get(resource, 0.0) > 0
+    return frozenset(t for t, ok in has.items() if ok)
+
+
+def gang_error(
+    nodes: Iterable[RayNode], min_workers: int, resource: str | None = None
+) -> str | None:
+    """Why no set of the cluster's nodes can hold the job's ``min_workers`` together (its
+    eligible types' slots are fewer), or None."""
+    nodes = list(nodes)
+    ok = eligible_types(nodes, resource)
+    total = sum(c.capacity for c in cluster_nodes(nodes) if ok is None or c.node_type in ok)
+    if total >= min_workers:
+        return None
+    where = f" on node types whose nodes all have node_resource {resource!r}" if resource else ""
+    return (
+        f"min_workers {min_workers}: the cluster has {total} worker slots{where}; "
+        "the job could never start"
+    )

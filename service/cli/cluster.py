@@ -1,0 +1,67 @@
+"""``dynabatch cluster``: the cluster scheduler's last round, from the REST service.
+
+Two tables: the nodes (type, worker slots used of total, the jobs holding them) and the
+queue (position, job, priority, why it waits); ``--json`` prints ``GET /v1/cluster``'s
+answer as it is. Errors are one line, as for every client command
+(:mod:`dynabatch.service.cli.common`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from dynabatch.service.cli.common import api_client, out_console, print_plain
+from dynabatch.service.cli.jobs import Token, Url
+from dynabatch.service.client import DEFAULT_URL
+from dynabatch.service.cluster_schemas import ClusterState
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+
+def cluster_tables(state: ClusterState) -> Group:
+    """The round's heading, its nodes and its queue."""
+    s = state.scheduler
+    assert s is not None  # the caller prints the message instead
+    head = Text(
+        f"policy {s.policy}  round {s.round}  slots {s.used}/{s.capacity}  "
+        f"utilization {s.utilization:.2f}  resizes {s.resizes}"
+    )
+    nodes = Table(title=f"nodes ({len(state.nodes)})", expand=False)
+    for col in ("node", "type", "slots", "jobs"):
+        nodes.add_column(col, justify="right" if col == "slots" else "left")
+    for n in state.nodes:
+        jobs = ", ".join(f"{h.job_id} ({h.workers})" for h in n.jobs)
+        nodes.add_row(n.node_id, n.node_type, f"{n.used}/{n.capacity}", jobs or "-")
+    queue = Table(title=f"queue ({len(state.queue)})", expand=False)
+    for col in ("position", "job", "priority", "reason"):
+        queue.add_column(col, justify="right" if col in ("position", "priority") else "left")
+    for q in state.queue:
+        # Reasons are our own text, but shown as they are: never read as markup.
+        queue.add_row(str(q.position), q.job_id, str(q.priority), Text(q.reason))
+    return Group(head, nodes, queue)
+
+
+def cluster(
+    ctx: typer.Context,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the response as JSON.")] = False,
+) -> None:
+    """Show the cluster scheduler's nodes, the jobs holding them and the queue."""
+    with api_client(ctx, url, token) as client:
+        state = client.cluster()
+        if as_json:
+            typer.echo(state.model_dump_json())
+            return
+        console = out_console()
+        if state.scheduler is None:
+            print_plain(console, state.message or "no cluster scheduler runs")
+            return
+        console.print(cluster_tables(state))
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``cluster``."""
+    app.command("cluster")(cluster)

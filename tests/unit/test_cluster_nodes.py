@@ -1,0 +1,66 @@
+"""A Ray node's type and worker slots for the cluster scheduler
+(scheduler/core/cluster/nodes.py), and the jobs it refuses with a reason."""
+
+from __future__ import annotations
+
+from dynabatch.scheduler.core.cluster.nodes import (
+    RayNode,
+    cluster_nodes,
+    eligible_types,
+    gang_error,
+    node_type,
+    slot_error,
+    slots,
+)
+
+
+def test_type_from_label_then_resource_then_resources():
+    assert (
+        node_type(RayNode("a", {"CPU": 8, "node-type:fast": 1}, {"dynabatch.io/node-type": "h100"}))
+        == "h100"
+    )
+    assert node_type(RayNode("a", {"CPU": 8, "node-type:fast": 1})) == "fast"
+    assert node_type(RayNode("a", {"CPU": 8, "GPU": 2, "accelerator_type:A100": 1})) == "gpu-A100x2"
+    assert node_type(RayNode("a", {"CPU": 8, "GPU": 1})) == "gpu-gpux1"
+    assert node_type(RayNode("a", {"CPU": 4})) == "cpu4"
+    assert node_type(RayNode("a", {"CPU": 4}, {"dynabatch.io/node-type": " "})) == "cpu4"
+
+
+def test_slots_per_gpu_else_per_cpu_and_empty_nodes_left_out():
+    assert slots(RayNode("a", {"CPU": 16, "GPU": 2})) == 2
+    assert slots(RayNode("a", {"CPU": 3.5})) == 3
+    assert slots(RayNode("a", {"CPU": 16, "GPU": 0.5})) == 16
+    nodes = cluster_nodes(
+        [
+            RayNode("b", {"CPU": 2}),
+            RayNode("head", {"CPU": 0}),
+            RayNode("c", {"CPU": 2}, alive=False),
+        ]
+    )
+    assert [(n.node_id, n.node_type, n.capacity) for n in nodes] == [("b", "cpu2", 2)]
+
+
+def test_workers_wider_than_a_slot_are_refused_with_the_field():
+    assert slot_error(1.0, 0.0) is None and slot_error(0.5, "auto") is None
+    assert slot_error(2.0, 0.0).startswith("worker_cpus 2:")
+    assert slot_error(1.0, 2.0).startswith("worker_gpus 2:")
+
+
+def test_node_resource_limits_to_types_wholly_carrying_it():
+    nodes = [
+        RayNode("a", {"CPU": 1, "node-type:x": 1, "tag": 1}),
+        RayNode("b", {"CPU": 1, "node-type:x": 1, "tag": 1}),
+        RayNode("c", {"CPU": 1, "node-type:y": 1, "tag": 1}),
+        RayNode("d", {"CPU": 1, "node-type:y": 1}),
+    ]
+    assert eligible_types(nodes, "tag") == frozenset({"x"})
+    assert eligible_types(nodes, None) is None
+
+
+def test_a_gang_no_node_set_can_hold_is_refused():
+    nodes = [RayNode("a", {"CPU": 1, "tag": 1}), RayNode("b", {"CPU": 2})]
+    assert gang_error(nodes, 3) is None
+    assert gang_error(nodes, 4).startswith("min_workers 4: the cluster has 3 worker slots")
+    # "tag" is on one of the two cpu1/cpu2 types' nodes: a, type cpu1, all tagged.
+    assert gang_error(nodes, 2, "tag") is not None
+    assert gang_error(nodes, 1, "tag") is None

@@ -1,0 +1,270 @@
+"""The cluster scheduler's rounds (scheduler/core/cluster/rounds.py): random event sequences
+keep every node within capacity, start only whole gangs, never resize within the hold
+unless a node was lost, and a rebuilt scheduler touches no job."""
+
+from __future__ import annotations
+
+import pytest
+from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, ThroughputModel
+from dynabatch.scheduler.core.cluster.rounds import (
+    Assign,
+    Bounds,
+    Finished,
+    LiveJob,
+    Measured,
+    NodesSeen,
+    Registered,
+    RoundState,
+    Start,
+    StartFailed,
+    Tick,
+    rebuild,
+    step,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+TYPES = ("fast", "slow")
+HOLD = 10.0
+
+
+def _nodes(spec: list[tuple[str, int]]) -> tuple[ClusterNode, ...]:
+    return tuple(ClusterNode(f"n{i}", t, c) for i, (t, c) in enumerate(spec))
+
+
+@st.composite
+def _events(draw):
+    """A run of events over up to 5 jobs and 5 nodes, with time moving on by ticks."""
+    n_nodes = draw(st.integers(1, 5))
+    all_nodes = [
+        ClusterNode(f"n{i}", draw(st.sampled_from(TYPES)), draw(st.integers(0, 3)))
+        for i in range(n_nodes)
+    ]
+    events: list = [NodesSeen(tuple(all_nodes))]
+    now = 0.0
+    for _ in range(draw(st.integers(1, 25))):
+        kind = draw(
+            st.sampled_from(
+                [
+                    "register",
+                    "register",
+                    "tick",
+                    "tick",
+                    "tick",
+                    "finish",
+                    "nodes",
+                    "measure",
+                    "bounds",
+                    "failed",
+                ]
+            )
+        )
+        jid = f"j{draw(st.integers(0, 4))}"
+        if kind == "register":
+            lo = draw(st.integers(1, 3))
+            events.append(
+                Registered(jid, lo, lo + draw(st.integers(0, 3)), draw(st.integers(0, 2)), now)
+            )
+        elif kind == "tick":
+            now += draw(st.sampled_from([0.0, 1.0, 5.0, HOLD, 3 * HOLD]))
+            events.append(Tick(now))
+        elif kind == "finish":
+            events.append(Finished(jid))
+        elif kind == "nodes":
+            keep = draw(st.lists(st.sampled_from(all_nodes), unique=True))
+            events.append(NodesSeen(tuple(keep)))
+        elif kind == "measure":
+            rates = {t: draw(st.floats(0.5, 10.0)) for t in TYPES}
+            events.append(Measured(jid, ThroughputModel.of(rates, rates, 0.01, 64.0)))
+        elif kind == "bounds":
+            lo = draw(st.integers(1, 3))
+            events.append(Bounds(jid, lo, lo + draw(st.integers(0, 2))))
+        else:
+            events.append(StartFailed(jid, "no"))
+    events.append(Tick(now + 1.0))
+    return events
+
+
+@pytest.mark.parametrize("policy", ["fifo", "fair", "goodput"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=_events())
+def test_random_runs_keep_capacity_gangs_and_holds(policy, events):
+    knobs = ClusterKnobs(policy=policy, hold_s=HOLD)
+    state = RoundState()
+    for event in events:
+        before = state
+        state, commands = step(state, event, knobs)
+        if not isinstance(event, Tick):
+            assert commands == ()
+            continue
+        cap = {n.node_id: n.capacity for n in state.nodes}
+        seen = set()
+        for c in commands:
+            assert c.job_id not in seen  # one command per job and round
+            seen.add(c.job_id)
+            entry = before.job(c.job_id)
+            assert entry is not None
+            assert all(node in cap and k >= 1 for node, k in c.slots)
+            if isinstance(c, Start):
+                assert not entry.started
+                # A whole gang, never more than asked.
+                assert entry.min_workers <= c.workers <= entry.max_workers
+            else:
+                assert isinstance(c, Assign) and entry.started
+                lost = any(node not in cap for node, _ in entry.allocation) or any(
+                    k > cap[node] for node, k in entry.allocation if node in cap
+                )
+                outside = not entry.min_workers <= entry.workers <= entry.max_workers
+                # Within the hold only a lost node (or the job's own new bounds) moves it.
+                if entry.last_resize_s is not None and event.now - entry.last_resize_s < HOLD:
+                    assert lost or outside, (entry, c)
+        # What the started jobs hold after the round fits every node.
+        used: dict[str, int] = {}
+        for j in state.jobs:
+            if j.started:
+                for node, k in j.allocation:
+                    if node in cap:
+                        used[node] = used.get(node, 0) + k
+        assert all(used[n] <= cap[n] for n in used), (used, cap)
+        # Started jobs are never queued; their allocation is what the commands said.
+        assert not [j for j in state.view.jobs if j.queued and state.job(j.job_id).started]
+        for c in commands:
+            assert state.job(c.job_id).allocation == c.slots
+            assert state.job(c.job_id).last_resize_s == event.now
+
+
+def test_two_jobs_asking_the_whole_cluster_one_at_a_time():
+    """The issue's deadlock: two gangs of 2 on 2 slots: one starts whole, the other holds
+    nothing and waits, then starts whole when the first finishes."""
+    knobs = ClusterKnobs(policy="fifo", hold_s=0.0)
+    s = RoundState()
+    for e in (
+        NodesSeen(_nodes([("cpu", 1), ("cpu", 1)])),
+        Registered("a", 2, 2, 0, 0.0),
+        Registered("b", 2, 2, 0, 0.0),
+    ):
+        s, _ = step(s, e, knobs)
+    s, cmds = step(s, Tick(1.0), knobs)
+    assert cmds == (Start("a", (("n0", 1), ("n1", 1))),)
+    assert s.view.job("b").queued and s.view.job("b").allocation == ()
+    s, cmds = step(s, Tick(2.0), knobs)
+    assert cmds == ()
+    s, _ = step(s, Finished("a"), knobs)
+    s, cmds = step(s, Tick(3.0), knobs)
+    assert cmds == (Start("b", (("n0", 1), ("n1", 1))),)
+
+
+def test_goodput_shrinks_a_running_job_to_admit_a_new_one_and_grows_it_back():
+    knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
+    s = RoundState()
+    for e in (NodesSeen(_nodes([("cpu", 1)] * 3)), Registered("a", 1, 3, 0, 0.0)):
+        s, _ = step(s, e, knobs)
+    s, cmds = step(s, Tick(1.0), knobs)
+    assert [type(c) for c in cmds] == [Start] and cmds[0].workers == 3
+    s, _ = step(s, Registered("b", 2, 2, 0, 2.0), knobs)
+    s, cmds = step(s, Tick(3.0), knobs)
+    by = {c.job_id: c for c in cmds}
+    assert isinstance(by["a"], Assign) and by["a"].workers == 1
+    assert isinstance(by["b"], Start) and by["b"].workers == 2
+    assert s.resizes == 1
+    s, _ = step(s, Finished("b"), knobs)
+    s, cmds = step(s, Tick(4.0), knobs)
+    assert cmds == (Assign("a", (("n0", 1), ("n1", 1), ("n2", 1))),)
+    assert s.view.resizes == 2
+
+
+def test_a_running_job_is_not_sent_back_to_the_queue_by_a_higher_priority():
+    knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
+    s = RoundState()
+    for e in (NodesSeen(_nodes([("cpu", 1)] * 2)), Registered("low", 2, 2, 0, 0.0)):
+        s, _ = step(s, e, knobs)
+    s, _ = step(s, Tick(1.0), knobs)
+    s, _ = step(s, Registered("high", 2, 2, 5, 2.0), knobs)
+    s, cmds = step(s, Tick(3.0), knobs)
+    assert cmds == ()
+    assert s.view.job("high").queued and s.view.job("high").priority == 5
+    assert not s.view.job("low").queued
+
+
+def test_a_lost_node_reallocates_within_the_hold():
+    knobs = ClusterKnobs(policy="goodput", hold_s=100.0)
+    nodes = _nodes([("cpu", 1)] * 3)
+    s = RoundState()
+    for e in (NodesSeen(nodes[:2]), Registered("a", 2, 2, 0, 0.0)):
+        s, _ = step(s, e, knobs)
+    s, cmds = step(s, Tick(1.0), knobs)
+    assert cmds == (Start("a", (("n0", 1), ("n1", 1))),)
+    s, _ = step(s, NodesSeen((nodes[0], nodes[2])), knobs)
+    s, cmds = step(s, Tick(2.0), knobs)
+    assert cmds == (Assign("a", (("n0", 1), ("n2", 1))),)
+
+
+def test_a_job_left_below_its_minimum_keeps_its_slots_and_no_one_takes_them():
+    knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
+    nodes = _nodes([("cpu", 1)] * 2)
+    s = RoundState()
+    for e in (NodesSeen(nodes), Registered("a", 2, 2, 0, 0.0)):
+        s, _ = step(s, e, knobs)
+    s, _ = step(s, Tick(1.0), knobs)
+    s, _ = step(s, Registered("b", 1, 1, 0, 2.0), knobs)
+    s, _ = step(s, NodesSeen(nodes[1:]), knobs)
+    s, cmds = step(s, Tick(3.0), knobs)
+    assert cmds == ()
+    assert s.job("a").allocation == (("n1", 1),)
+    assert "below its min_workers 2" in s.view.job("a").reason
+    assert s.view.job("b").queued
+
+
+def test_a_failed_start_waits_again_holding_nothing_and_says_why():
+    knobs = ClusterKnobs(policy="fifo", hold_s=0.0)
+    s = RoundState()
+    for e in (NodesSeen(_nodes([("cpu", 1)])), Registered("a", 1, 1, 0, 0.0)):
+        s, _ = step(s, e, knobs)
+    s, _ = step(s, Tick(1.0), knobs)
+    s, _ = step(s, StartFailed("a", "name taken"), knobs)
+    assert s.job("a").allocation == () and not s.job("a").started
+    s, cmds = step(s, Tick(2.0), knobs)
+    assert cmds == (Start("a", (("n0", 1),)),)
+
+
+def test_eligible_types_limit_a_job():
+    knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
+    s = RoundState()
+    for e in (
+        NodesSeen(_nodes([("cpu", 2), ("gpu", 2)])),
+        Registered("a", 1, 4, 0, 0.0, eligible=frozenset({"gpu"})),
+    ):
+        s, _ = step(s, e, knobs)
+    s, cmds = step(s, Tick(1.0), knobs)
+    assert cmds == (Start("a", (("n1", 2),)),)
+
+
+def test_rebuild_touches_no_job_and_keeps_the_allocation():
+    """A new scheduler from the live jobs: its first round sends no command to a running
+    job, and a queued one starts only on what they leave free."""
+    knobs = ClusterKnobs(policy="goodput", hold_s=HOLD)
+    nodes = _nodes([("cpu", 1)] * 3)
+    s = rebuild(
+        nodes,
+        [LiveJob("a", 1, 3, allocation=(("n1", 1), ("n0", 1)))],
+        [Registered("b", 1, 1, 0, 5.0), Registered("a", 1, 3)],
+        now=50.0,
+    )
+    assert s.job("a").started and s.job("a").allocation == (("n0", 1), ("n1", 1))
+    assert not s.job("b").started
+    s, cmds = step(s, Tick(51.0), knobs)
+    assert cmds == (Start("b", (("n2", 1),)),)
+    assert s.view.job("a").allocation == (("n0", 1), ("n1", 1))
+    # The same state rebuilt again (a second restart) decides the same.
+    again = rebuild(
+        nodes,
+        [
+            LiveJob("a", 1, 3, allocation=(("n0", 1), ("n1", 1))),
+            LiveJob("b", 1, 1, 0, 5.0, (("n2", 1),)),
+        ],
+        [],
+        now=60.0,
+    )
+    again, cmds = step(again, Tick(61.0), knobs)
+    assert cmds == ()
+    assert again.view.job("b").allocation == (("n2", 1),)

@@ -1,0 +1,175 @@
+"""JobService with the cluster scheduler on (service/jobs.py, service/scheduling.py): a
+submitted job is registered, not launched; a queued job stays PENDING with the queue's
+reason and is never taken for a lost one; it starts when granted; the job's own scale and
+drain become requests the scheduler answers. The scheduler here is the pure rounds
+(scheduler/core/cluster/rounds.py) launching through the fake cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode
+from dynabatch.scheduler.core.cluster.nodes import job_bounds
+from dynabatch.scheduler.core.cluster.rounds import (
+    Bounds,
+    Finished,
+    NodesSeen,
+    Registered,
+    RoundState,
+    Start,
+    Tick,
+    step,
+)
+from dynabatch.scheduler.core.cluster.view import ClusterView
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.service.errors import InvalidRequest, JobConflict
+from dynabatch.service.jobs import JobService
+from dynabatch.service.scheduling import Refused
+from dynabatch.service.store import JobStore
+
+from tests.fakes import FakeCluster
+
+
+class RoundsScheduling:
+    """:class:`~dynabatch.service.scheduling.Scheduling` over the pure rounds; ``tick()``
+    runs a round and launches what it starts on the fake cluster."""
+
+    def __init__(self, cluster: FakeCluster, slots: int = 2):
+        self.cluster = cluster
+        self.knobs = ClusterKnobs(policy="fifo", hold_s=0.0)
+        nodes = tuple(ClusterNode(f"n{i}", "cpu", 1) for i in range(slots))
+        self.state, _ = step(RoundState(), NodesSeen(nodes), self.knobs)
+        self.specs: dict[str, tuple[JobSpec, int]] = {}
+        self.now = 0.0
+        self.syncs = 0
+
+    def _step(self, event) -> tuple:
+        self.state, commands = step(self.state, event, self.knobs)
+        return commands
+
+    def admissible(self, spec: JobSpec) -> str | None:
+        lo, _ = job_bounds(spec)
+        cap = sum(n.capacity for n in self.state.nodes)
+        return None if lo <= cap else f"min_workers {lo}: the cluster has {cap} worker slots"
+
+    def register(self, job_id: str, spec: JobSpec, submit_s: float, generation: int) -> None:
+        if job_id in self.specs and self.specs[job_id][1] >= generation:
+            return
+        if job_id in self.specs:
+            self._step(Finished(job_id))
+        self.specs[job_id] = (spec, generation)
+        lo, hi = job_bounds(spec)
+        self._step(Registered(job_id, lo, hi, spec.priority, submit_s))
+
+    def sync(self, jobs: Sequence[tuple[str, JobSpec, float, int]]) -> set[str]:
+        self.syncs += 1
+        for job_id, spec, submit_s, generation in jobs:
+            self.register(job_id, spec, submit_s, generation)
+        listed = {j[0] for j in jobs}
+        for j in self.state.jobs:
+            if j.job_id not in listed:
+                self._step(Finished(j.job_id))
+        return {j.job_id for j in self.state.jobs if j.started}
+
+    def finished(self, job_id: str) -> None:
+        self._step(Finished(job_id))
+
+    def request_scale(self, job_id: str, workers: int) -> str:
+        entry = self.state.job(job_id)
+        if workers < entry.min_workers:
+            raise Refused(f"the cluster scheduler places this job; scale to {workers} refused")
+        self._step(Bounds(job_id, entry.min_workers, workers))
+        return f"the cluster scheduler places this job; scale to {workers} recorded"
+
+    def refuse_drain(self, job_id: str, worker: str) -> str:
+        return f"drain {worker}: the cluster scheduler places this job; refused"
+
+    def view(self) -> ClusterView | None:
+        return self.state.view
+
+    def tick(self) -> None:
+        self.now += 1.0
+        for c in self._step(Tick(self.now)):
+            if isinstance(c, Start):
+                spec, generation = self.specs[c.job_id]
+                self.cluster.launch(c.job_id, spec, generation)
+
+
+@pytest.fixture
+def setup():
+    cluster = FakeCluster(steps_per_epoch=1)
+    cluster.connect()
+    sched = RoundsScheduling(cluster)
+    service = JobService(JobStore(":memory:"), cluster, sync_interval_s=0, scheduling=sched)
+    yield service, cluster, sched
+    service.store.close()
+
+
+def _gang(name: str) -> JobSpec:
+    return JobSpec(name=name, epochs=1, workers=2, min_workers=2, max_workers=2)
+
+
+def test_a_queued_job_waits_pending_with_its_reason_and_starts_when_granted(setup):
+    service, cluster, sched = setup
+    a = service.submit(_gang("a"))
+    b = service.submit(_gang("b"))
+    assert cluster.launches == {}  # registered, not launched
+    sched.tick()
+    assert list(cluster.launches) == [a.id]
+    for _ in range(3):  # b has no coordinator: never taken for a lost one
+        service.sync_once()
+    got = service.get(b.id)
+    assert got.state == JobState.PENDING
+    assert got.reason.startswith("queued: position 1 of 1")
+    assert ("snapshot", b.id) not in cluster.calls
+    while not service.get(a.id).state.is_terminal:
+        service.sync_once()
+    assert service.get(a.id).state == JobState.SUCCEEDED
+    assert sched.state.job(a.id) is None  # reported finished
+    sched.tick()
+    assert list(cluster.launches) == [a.id, b.id]
+    while not service.get(b.id).state.is_terminal:
+        service.sync_once()
+    assert service.get(b.id).state == JobState.SUCCEEDED
+
+
+def test_a_job_the_scheduler_cannot_place_is_refused_at_submit(setup):
+    service, _, _ = setup
+    with pytest.raises(InvalidRequest) as err:
+        service.submit(JobSpec(name="big", workers=3, min_workers=3, max_workers=3))
+    assert err.value.field == "min_workers"
+    assert service.list()[1] == 0  # nothing stored
+
+
+def test_scale_and_drain_become_requests_to_the_scheduler(setup):
+    service, cluster, sched = setup
+    job = service.submit(JobSpec(name="a", epochs=5, workers=2, min_workers=1, max_workers=2))
+    sched.tick()
+    service.sync_once()
+    service.scale(job.id, 1)
+    assert sched.state.job(job.id).max_workers == 1
+    assert ("scale", job.id) not in cluster.calls  # the job's coordinator is not asked
+    with pytest.raises(JobConflict, match="the cluster scheduler places this job"):
+        service.drain(job.id, "w0")
+    sched.state, _ = step(sched.state, Bounds(job.id, 2, 2), sched.knobs)
+    with pytest.raises(JobConflict, match="refused"):
+        service.scale(job.id, 1)
+
+
+def test_a_restarted_api_leaves_queued_jobs_queued_and_tells_a_new_scheduler(setup):
+    service, cluster, _ = setup
+    a = service.submit(_gang("a"))
+    b = service.submit(_gang("b"))
+    service.scheduling.tick()
+    # A new API process and a new scheduler, over the same store and cluster.
+    fresh = RoundsScheduling(cluster)
+    again = JobService(service.store, cluster, sync_interval_s=0, scheduling=fresh)
+    again.start()
+    try:
+        assert fresh.syncs >= 1 and {j.job_id for j in fresh.state.jobs} == {a.id, b.id}
+        assert again.get(b.id).state == JobState.PENDING  # not failed as "lost"
+        assert again.get(a.id).state != JobState.FAILED
+    finally:
+        again.stop()
