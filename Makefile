@@ -30,7 +30,7 @@ chromium:
 
 test: $(STAMP) prometheus chromium
 	$(BIN)/ruff check .
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=20 tests
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

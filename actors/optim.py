@@ -30,21 +30,193 @@ the same iteration.
 
 from __future__ import annotations
 
+import inspect
+import re
+import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
 import torch
 from dynabatch.actors.contracts import IsgdRule
+from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.spec.sections import (
+    IMPORT_PATH_PATTERN,
+    LrSchedulerSpec,
+    OptimizerSpec,
+)
+from dynabatch.actors.workloads import WorkloadError
+from dynabatch.actors.workloads.imports import call_user, resolve_callable
+
+# The spec's own fields, passed to a torch.optim class when they differ from their defaults.
+_COMMON = (("momentum", 0.0), ("nesterov", False), ("weight_decay", 0.0))
+# Optimizers a distributed step cannot drive: LBFGS's step re-evaluates the loss through a
+# closure, which would be a collective of its own on every call.
+_REFUSED_OPTIMIZERS = {"LBFGS": "its step needs a closure that re-evaluates the loss"}
+# Schedulers whose sequence cannot be computed ahead from the spec.
+_REFUSED_SCHEDULERS = {
+    "ReduceLROnPlateau": "it follows a metric, so its rates are not known ahead; use "
+    "early_stopping or a scheduler by epoch",
+    "LambdaLR": "its options are Python functions",
+    "MultiplicativeLR": "its options are Python functions",
+    "SequentialLR": "it takes scheduler objects",
+    "ChainedScheduler": "it takes scheduler objects",
+}
+
+
+def _torch_class(
+    module: Any, base: type, name: str, field: str, refused: dict[str, str], what: str
+) -> type:
+    """The subclass of ``base`` called ``name`` in ``module``, or a WorkloadError naming
+    ``field`` (and, for a name it does not have, the ones it has)."""
+    found = getattr(module, name, None)
+    if not (isinstance(found, type) and issubclass(found, base)) or found is base:
+        have = sorted(
+            k
+            for k, v in vars(module).items()
+            if isinstance(v, type)
+            and issubclass(v, base)
+            and v is not base
+            and not k.startswith("_")
+            and k not in refused
+        )
+        raise WorkloadError(
+            f"{field}: {module.__name__} has no {what} {name!r} (it has: {', '.join(have)})"
+        )
+    if name in refused:
+        raise WorkloadError(f"{field}: {name} cannot be used here: {refused[name]}")
+    return found
+
+
+def _parameters(cls: type) -> list[str]:
+    """The keyword parameters of ``cls``'s constructor after its first (params, optimizer)."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[2:]
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _torch_kwargs(o: OptimizerSpec) -> tuple[type, dict[str, Any]]:
+    """A torch.optim class named by ``o.name`` and its keyword arguments: ``lr``, the
+    spec's momentum, nesterov and weight_decay where set, and ``o.options`` (each checked
+    against the constructor, naming the field it came from)."""
+    cls = _torch_class(
+        torch.optim,
+        torch.optim.Optimizer,
+        o.name,
+        "optimizer.name",
+        _REFUSED_OPTIMIZERS,
+        "optimizer",
+    )
+    takes = _parameters(cls)
+    kwargs: dict[str, Any] = {"lr": o.lr}
+    for field, default in _COMMON:
+        value = getattr(o, field)
+        if value != default:
+            if field not in takes:
+                raise WorkloadError(f"optimizer.{field}: {o.name} takes no {field}")
+            kwargs[field] = value
+    for key, value in o.options.items():
+        if key == "lr" or key in dict(_COMMON):
+            raise WorkloadError(f"optimizer.options.{key}: set optimizer.{key} instead")
+        if key not in takes:
+            raise WorkloadError(
+                f"optimizer.options.{key}: {o.name} has no option {key!r} "
+                f"(it takes: {', '.join(takes)})"
+            )
+        kwargs[key] = value
+    return cls, kwargs
 
 
 def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
+    """The spec's optimizer over ``params``: a built-in, a torch.optim class by name, or the
+    user's ``make(params, **options)``. A problem is a WorkloadError naming the field."""
     o = spec.optimizer
     if o.name == "adam":
         return torch.optim.Adam(params, lr=o.lr, weight_decay=o.weight_decay)
     if o.name == "adamw":
         return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
-    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
-                           weight_decay=o.weight_decay)
+    if o.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay
+        )
+    if re.match(IMPORT_PATH_PATTERN, o.name):
+        made = call_user(
+            partial(resolve_callable(o.name, "optimizer.name"), params),
+            o.name,
+            "optimizer.name",
+            **o.options,
+        )
+        if not isinstance(made, torch.optim.Optimizer):
+            raise WorkloadError(
+                f"optimizer.name: {o.name!r} returned a "
+                f"{type(made).__name__}, not a torch.optim.Optimizer"
+            )
+        return made
+    cls, kwargs = _torch_kwargs(o)
+    try:
+        return cls(params, **kwargs)
+    except (TypeError, ValueError) as err:  # a value the constructor refuses
+        raise WorkloadError(
+            f"optimizer.options: {o.name} refused them: {first_line(err)}"
+        ) from None
+
+
+def lr_scheduler_factors(sched: LrSchedulerSpec, base_lr: float, epochs: int) -> tuple[float, ...]:
+    """The learning rate of each of ``epochs`` epochs, as a factor of ``base_lr``, under the
+    torch.optim.lr_scheduler ``sched``: the scheduler is stepped once per epoch (the unit of
+    torch's epoch schedulers) on an SGD over one dummy parameter, so the sequence is pure
+    and the same for every worker; epoch ``e`` trains at the rate after ``e`` steps.
+    A problem is a WorkloadError naming the field."""
+    cls = _torch_class(
+        torch.optim.lr_scheduler,
+        torch.optim.lr_scheduler.LRScheduler,
+        sched.name,
+        "optimizer.lr_scheduler.name",
+        _REFUSED_SCHEDULERS,
+        "scheduler",
+    )
+    takes = _parameters(cls)
+    for key in sched.options:
+        if key not in takes:
+            raise WorkloadError(
+                f"optimizer.lr_scheduler.options.{key}: {sched.name} has no "
+                f"option {key!r} (it takes: {', '.join(takes)})"
+            )
+    dummy = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([dummy], lr=base_lr)
+    try:
+        scheduler = cls(opt, **sched.options)
+    except (TypeError, ValueError, KeyError) as err:
+        raise WorkloadError(
+            f"optimizer.lr_scheduler.options: {sched.name} refused them: {first_line(err)}"
+        ) from None
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on call order; nothing is trained
+        for e in range(epochs):
+            out.append(opt.param_groups[0]["lr"] / base_lr)
+            if e == epochs - 1:
+                break  # no epoch after the last (OneCycleLR's total_steps may be epochs)
+            opt.step()  # no gradient: changes nothing, keeps torch's call order
+            try:
+                scheduler.step()
+            except (ValueError, ZeroDivisionError) as err:  # OneCycleLR past total_steps
+                raise WorkloadError(
+                    f"optimizer.lr_scheduler.options: {sched.name} cannot "
+                    f"step {epochs} epochs: {first_line(err)}"
+                ) from None
+    return tuple(out)
+
+
+def check_optimizer(spec: JobSpec) -> None:
+    """Check the optimizer and LR scheduler a spec names (torch classes, their options and
+    values) without training: built on one dummy parameter. User code is not imported (the
+    service never runs it). Raises a WorkloadError naming the field."""
+    o = spec.optimizer
+    if o.name not in ("sgd", "adam", "adamw") and not re.match(IMPORT_PATH_PATTERN, o.name):
+        build_optimizer(spec, [torch.nn.Parameter(torch.zeros(1))])
+    if o.lr_scheduler is not None:
+        lr_scheduler_factors(o.lr_scheduler, o.lr, spec.epochs)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> None:

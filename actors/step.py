@@ -33,7 +33,10 @@ its own.
 The update (:meth:`StepMath.update`). The plan's learning rate is set; ISGD judges the
 global batch's mean loss ψ (:func:`mean_loss` of the all-reduced summed loss) and a flagged
 batch runs its extra iterations (:func:`dynabatch.actors.optim.isgd_extras`, each one a
-conservative update and a pass from the caller); the ordinary optimizer step comes last.
+conservative update and a pass from the caller); the ordinary optimizer step comes last,
+on the gradient clipped to ``optimizer.clip_grad_norm`` when the spec sets it (the global
+norm: the all-reduced gradient is the global batch's in every worker, so every worker
+computes the same norm and applies the same scale).
 
 Precision (the spec's ``precision``). bf16 and fp16 run forward and the loss under
 ``torch.autocast`` (the weights, the gradients and so the all-reduce buffer stay fp32);
@@ -166,8 +169,10 @@ class StepMath:
 
     def __init__(self, model: torch.nn.Module, objective: Objective,
                  params: Sequence[torch.nn.Parameter], precision: str = "fp32",
-                 speed: SpeedOptions | None = None):
+                 speed: SpeedOptions | None = None, clip_grad_norm: float | None = None):
         self.model = model
+        # optimizer.clip_grad_norm: the L2 norm the ordinary step's gradient is clipped to.
+        self.clip_grad_norm = clip_grad_norm
         # channels_last and torch.compile (dynabatch.actors.precision); ``model`` stays the
         # module whose state is saved, broadcast and evaluated.
         self.speed = speed or SpeedOptions()
@@ -235,7 +240,9 @@ class StepMath:
         batch (``again()`` redoes the pass at the current weights, all-reduced, and returns
         the new ψ), then the ordinary optimizer step. Raises :class:`ExtraPassFailed` when an
         extra iteration fails (the ordinary step is then skipped). fp16: the gradient is
-        unscaled first, or, when it overflowed, no update is made and the scale halves."""
+        unscaled first, or, when it overflowed, no update is made and the scale halves.
+        ``clip_grad_norm``: the ordinary step's gradient is clipped to that global L2 norm
+        (ISGD's conservative updates are not: their gradient is the sub-problem's)."""
         if self.scaler is not None:
             grads = [p.grad for p in self.params if p.grad is not None]
             overflow = self.scaler.overflowed(grads)
@@ -259,5 +266,9 @@ class StepMath:
                 raise ExtraPassFailed(err, Update(True, done[0], time.perf_counter() - t0)
                                       ) from err
             extra_s = time.perf_counter() - t0
+        if self.clip_grad_norm is not None:
+            # The all-reduced (and unscaled) gradient is the global batch's, bit for bit the
+            # same in every worker: each computes the same global norm and the same scale.
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
         optimizer.step()
         return Update(flagged, extra, extra_s)

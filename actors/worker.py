@@ -222,7 +222,7 @@ class Worker(Instrumentation):
         self.model = build_model(spec.model, input_shape, num_classes).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.math = StepMath(self.model, self.objective, self.params, spec.precision,
-                             speed_options(spec, input_shape))
+                             speed_options(spec, input_shape), spec.optimizer.clip_grad_norm)
         self.optimizer = build_optimizer(spec, self.params)
         self.group = ProcessGroup(spec.collective_timeout_s, spec.join_timeout)
         self.reducer = GradientReducer(self.params, self.device, spec.global_batch,

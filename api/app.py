@@ -22,7 +22,7 @@ from dynabatch.api.metrics import (
     RequestMetricsMiddleware,
     RequestStats,
 )
-from dynabatch.api.routes import events, health, jobs, nodes, pages
+from dynabatch.api.routes import events, health, jobs, model, nodes, pages
 from dynabatch.api.routes.cluster import router as cluster_router
 from dynabatch.api.routes.code import code_router
 from dynabatch.api.too_large import JsonTooLarge
@@ -250,6 +250,7 @@ def create_app(
 
     _install_error_handlers(app)
     app.include_router(jobs.router)
+    app.include_router(model.router)
     app.include_router(code_router(settings.max_code_bytes))
     app.include_router(events.router)
     app.include_router(pages.router)

@@ -30,15 +30,21 @@ class CheckpointError(ValueError):
     back; the one-line message names the file, or the value by its key path."""
 
 
-def checkpoint_path(directory: str | Path, job_id: str) -> Path:
-    return Path(directory) / job_id / "checkpoint.pt"
+# The latest checkpoint, and the best epoch's by a metric (checkpoint.keep_best).
+LATEST, BEST = "checkpoint.pt", "best.pt"
 
 
-def save_checkpoint(directory: str | Path, job_id: str, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` atomically. Raises :class:`CheckpointError` (and writes nothing) when
-    it holds a value that :func:`load_checkpoint` would refuse."""
+def checkpoint_path(directory: str | Path, job_id: str, name: str = LATEST) -> Path:
+    return Path(directory) / job_id / name
+
+
+def save_checkpoint(directory: str | Path, job_id: str, payload: dict[str, Any],
+                    name: str = LATEST) -> Path:
+    """Write ``payload`` atomically (as ``name``: the latest or the best). Raises
+    :class:`CheckpointError` (and writes nothing) when it holds a value that
+    :func:`load_checkpoint` would refuse."""
     _check_plain(payload, "payload")
-    path = checkpoint_path(directory, job_id)
+    path = checkpoint_path(directory, job_id, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", dir=path.parent)
     try:

@@ -101,6 +101,9 @@ class JobControl:
         self.output: ActorOutput | None = None
         # Why requested workers cannot all be placed now (shown as the reason while so).
         self.placement_note: str | None = None
+        # The trained model's files (dynabatch.actors.export), kept from the job's end
+        # until this driver is released; the service copies them (model_files).
+        self._model_files: dict[str, bytes] | None = None
 
     # ------------------------------------------------------------------ for subclasses
     def snapshot(self) -> JobSnapshot:
@@ -124,6 +127,12 @@ class JobControl:
         return "this job's driver does not take node assignments"
 
     # ------------------------------------------------------------------ public interface
+    def model_files(self) -> dict[str, bytes] | None:
+        """The trained model's files by name (safetensors and manifest), once the job has
+        ended with weights; None before, or when it has none."""
+        with self._lock:
+            return None if self._model_files is None else dict(self._model_files)
+
     def history(self, since: int = 0) -> list[EpochRecord]:
         with self._lock:
             return [r for r in self._history if r.epoch >= since]

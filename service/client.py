@@ -216,6 +216,14 @@ class DynabatchClient:
     def resume(self, job_id: str) -> JobDetail:
         return self._call(JobDetail, "POST", f"/v1/jobs/{job_id}/resume")
 
+    def model(self, job_id: str) -> bytes:
+        """The job's trained model as a zip (``GET /v1/jobs/{id}/model``): safetensors and
+        manifest; ``dynabatch.service.artifacts.unzip_model`` unpacks it."""
+        response = self._send("GET", f"/v1/jobs/{job_id}/model")
+        if response.status_code >= 400:
+            raise ApiError(_error_message(response), response.status_code)
+        return response.content
+
     def nodes(self) -> NodeList:
         return self._call(NodeList, "GET", "/v1/nodes")
 

@@ -92,4 +92,9 @@ class ClusterClient(Protocol):
 
     def release(self, job_id: str) -> None: ...
 
+    def model_files(self, job_id: str) -> dict[str, bytes] | None:
+        """The trained model's files the job's coordinator keeps (safetensors and
+        manifest), None when it has none (yet)."""
+        ...
+
     def nodes(self) -> list[ClusterNode]: ...

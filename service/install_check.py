@@ -1,11 +1,11 @@
 """Start-up check: ``dynabatch.api``, ``.service``, ``.scheduler`` and ``.actors`` are our own.
 
 They are installed under the ``dynabatch`` namespace (setup.py), so a user's bare
-``scheduler.py`` cannot shadow them; but ``dynabatch`` is a namespace package, and pip
-installs a distribution's files into ``site-packages/dynabatch/<name>/`` whoever else owns
-that folder, so another distribution could merge into one of ours, or put its own
-``dynabatch/<name>`` earlier on ``sys.path``. Either way dynabatch would run someone else's
-code. :func:`check_own_install` fails at start-up with one line instead:
+``scheduler.py`` cannot shadow them; but pip installs a distribution's files into
+``site-packages/dynabatch/<name>/`` whoever else owns that folder, so another distribution
+could merge into one of ours, or put its own ``dynabatch/<name>`` earlier on ``sys.path``.
+Either way dynabatch would run someone else's code. :func:`check_own_install` fails at
+start-up with one line instead:
 
 * each package must be a regular package (an ``__init__.py``) in the same directory as
   this one's parent (where dynabatch is installed or checked out);

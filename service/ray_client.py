@@ -205,6 +205,9 @@ class RayClusterClient:
                 raise JobConflict(str(cause)) from None
             raise
 
+    def model_files(self, job_id: str) -> dict[str, bytes] | None:
+        return self._call(job_id, "model_files")
+
     def release(self, job_id: str) -> None:
         import ray
 

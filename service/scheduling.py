@@ -6,13 +6,20 @@ it instead of launched: the scheduler starts its coordinator on the nodes it gra
 the job stays PENDING with the queue's reason until then. Every sync tick the service tells
 it every live job from the store (:meth:`Scheduling.sync`), which is how a new scheduler
 rebuilds its state after the actor or the API restarted.
+
+``dynabatch run --address`` goes through the same scheduler when one runs on the cluster
+(:func:`run_placed`): its job registers as a client job, waits for its grant, and its own
+driver launches the coordinator on the granted nodes; the scheduler resizes it from then
+like any job, and hears when it ends.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import time
+import uuid
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from dynabatch.actors.spec import JobSpec
@@ -59,8 +66,15 @@ class RayScheduling:
     """:class:`Scheduling` over the named actor, created when missing (each call that finds
     it gone makes a new one, which rebuilds at the next :meth:`sync`)."""
 
-    def __init__(self, policy: str, round_s: float, hold_s: float, call_timeout_s: float = 10.0):
-        self._args = (policy, round_s, hold_s, call_timeout_s)
+    def __init__(
+        self,
+        policy: str,
+        round_s: float,
+        hold_s: float,
+        call_timeout_s: float = 10.0,
+        synced: bool = False,
+    ):
+        self._args = (policy, round_s, hold_s, call_timeout_s, synced)
         self._timeout = call_timeout_s
         self._handle: Any = None
         self._lock = threading.Lock()
@@ -123,3 +137,114 @@ class RayScheduling:
 
     def view(self) -> ClusterView | None:
         return self._view
+
+    def register_client(self, job_id: str, spec: JobSpec, submit_s: float) -> None:
+        """Register (or, repeated, keep alive) a job whose own driver launches it."""
+        from dynabatch.scheduler.runtime.cluster import JobEntry
+
+        self._call("register", JobEntry(job_id, spec, submit_s, 0, client=True))
+
+    def grant(self, job_id: str) -> tuple[tuple[tuple[str, int], ...] | None, str]:
+        return self._call("grant", job_id)
+
+    def launched(self, job_id: str, slots: Sequence[tuple[str, int]]) -> None:
+        self._call("launched", job_id, list(slots))
+
+
+class ClientScheduling(Protocol):
+    """What ``dynabatch run`` asks of the scheduler (:class:`RayScheduling`; a fake in the
+    tests)."""
+
+    def register_client(self, job_id: str, spec: JobSpec, submit_s: float) -> None: ...
+
+    def grant(self, job_id: str) -> tuple[tuple[tuple[str, int], ...] | None, str]: ...
+
+    def launched(self, job_id: str, slots: Sequence[tuple[str, int]]) -> None: ...
+
+    def finished(self, job_id: str) -> None: ...
+
+
+def scheduler_for_run(address_given: bool, want: bool | None) -> RayScheduling | None:
+    """The scheduler ``dynabatch run`` goes through, on the Ray it is connected to: with
+    ``want`` None, the cluster's scheduler if one runs there (``address_given``: not the
+    embedded local Ray, where none can); True, that one or a new one (policy, round and hold
+    from the service's settings, ``DYNABATCH_CLUSTER_*``), running rounds at once since no
+    service rebuilds it; False, none."""
+    if want is False or (want is None and not address_given):
+        return None
+    from dynabatch.scheduler.runtime.cluster import find_scheduler
+
+    if want is None and find_scheduler() is None:
+        return None
+    from dynabatch.service.settings import Settings
+
+    s = Settings()
+    return RayScheduling(
+        s.cluster_policy, s.cluster_round_s, s.cluster_hold_s, s.ray_call_timeout_s, synced=True
+    )
+
+
+def run_placed(
+    scheduling: ClientScheduling,
+    spec: JobSpec,
+    launch: Callable[[str, dict[str, int]], Any],
+    *,
+    on_wait: Callable[[str], None],
+    interrupted: Callable[[], bool] = lambda: False,
+    poll_s: float = 0.5,
+    job_id: str | None = None,
+) -> tuple[str, Any]:
+    """Register ``dynabatch run``'s job with the scheduler, wait for its grant and launch
+    its coordinator there (``launch(job_id, assignment)``); returns (job id, the
+    coordinator). ``on_wait`` hears each new reason it waits for (its place in the queue).
+    An interruption while it waits takes it out of the queue and raises
+    ``KeyboardInterrupt``; a refusal raises :class:`Refused` with the scheduler's reason."""
+    job_id = job_id or uuid.uuid4().hex[:12]
+    scheduling.register_client(job_id, spec, time.time())
+    shown = None
+    try:
+        while True:
+            slots, why = scheduling.grant(job_id)
+            if slots is not None:
+                break
+            if why != shown:
+                on_wait(why)
+                shown = why
+            if interrupted():
+                raise KeyboardInterrupt
+            time.sleep(poll_s)
+        handle = launch(job_id, dict(slots))
+    except BaseException:
+        _quietly(scheduling.finished, job_id)
+        raise
+    scheduling.launched(job_id, slots)
+    return job_id, handle
+
+
+def _quietly(call: Callable[..., Any], *args: Any) -> None:
+    """A courtesy to the scheduler that must not mask what the run reports."""
+    try:
+        call(*args)
+    except Exception as err:
+        log.warning("cluster scheduler: %s", err)
+
+
+def keep_alive(
+    scheduling: ClientScheduling, job_id: str, spec: JobSpec, submit_s: float, every_s: float = 5.0
+) -> Callable[[], None]:
+    """A tick for the run's follow loop: re-registers its job every ``every_s`` (a new
+    scheduler, after the old one died, adopts it as it runs; one call is a no-op to the one
+    that knows it). Failures are logged, never raised: the job trains on regardless."""
+    last = [time.monotonic()]
+
+    def tick() -> None:
+        if time.monotonic() - last[0] >= every_s:
+            last[0] = time.monotonic()
+            _quietly(scheduling.register_client, job_id, spec, submit_s)
+
+    return tick
+
+
+def finish_quietly(scheduling: ClientScheduling, job_id: str) -> None:
+    """Tell the scheduler the run's job ended (its nodes free at once)."""
+    _quietly(scheduling.finished, job_id)

@@ -125,6 +125,12 @@ class Settings(BaseSettings):
         description="Directory that a submitted checkpoint.dir must resolve under; unset: no "
         "checkpoint directories.",
     )
+    artifact_root: str | None = Field(
+        default=None,
+        description="Directory (absolute) or URI (s3://bucket/models) that a submitted "
+        "artifacts.dir must resolve under; unset: no artifacts directories (the service "
+        "then keeps each job's trained model beside its database, under models/).",
+    )
     code_root: str | None = Field(
         default=None,
         description="Directory where code uploaded with POST /v1/code (dynabatch submit "
@@ -161,6 +167,15 @@ class Settings(BaseSettings):
             raise ValueError(f"{v!r} is not an absolute path")
         return v
 
+    @field_validator("artifact_root", mode="before")
+    @classmethod
+    def _absolute_dir_or_uri(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.strip() or None  # an empty variable is unset
+        if v is not None and "://" not in v and not Path(v).is_absolute():
+            raise ValueError(f"{v!r} is not an absolute path nor a URI")
+        return v
+
     @property
     def embedded(self) -> bool:
         """True when the service starts its own Ray (which ends with the API process)."""
@@ -174,6 +189,7 @@ class Settings(BaseSettings):
             data_roots=split_list(self.data_roots),
             checkpoint_root=self.checkpoint_root,
             code_root=self.code_root,
+            artifact_root=self.artifact_root,
         )
 
     @property

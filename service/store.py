@@ -2,8 +2,12 @@
 
 One connection guarded by a lock, so the API's request threads and the sync loop can share a
 store. The schema is created on open (and columns added since are added to an older file).
-Terminal states are final, with one exception: :meth:`JobStore.mark_resumed` takes a FAILED
-job back to PENDING when it is resumed from its checkpoint.
+Every write that moves a job's state checks the move against the lifecycle
+(:mod:`dynabatch.scheduler.core.lifecycle`) inside its transaction and refuses one it does
+not allow, leaving the row as it was: :meth:`JobStore.transition` a step
+(``can_become``), :meth:`JobStore.save_snapshot` a sampled state (``can_observe``),
+:meth:`JobStore.mark_resumed` a resume (``resumed``: the one way out of FAILED or
+CANCELLED) and :meth:`JobStore.interrupt` a live job back to PENDING.
 
 A resumed job gets a new coordinator whose log lines count from 0 again: each job keeps a
 ``log_offset`` added to its coordinator's sequence numbers, so stored lines never collide. The
@@ -348,15 +352,16 @@ class JobStore:
         """Store what the coordinator reported. A job already terminal here is left alone.
 
         The coordinator enforces its own transitions; the service samples them, so any
-        move out of a live state is accepted (PENDING may be seen going straight to
-        SUCCEEDED when the job was quick). Returns whether the row changed.
+        state a live job can reach is accepted (``JobState.can_observe``: PENDING may be
+        seen going straight to SUCCEEDED when the job was quick). Returns whether the row
+        changed.
         """
         now = time.time() if now is None else now
         with self._tx(snapshot.job_id) as db:
             row = db.execute(
                 "SELECT state, finished_at FROM jobs WHERE id = ?", (snapshot.job_id,)
             ).fetchone()
-            if row is None or JobState(row["state"]).is_terminal:
+            if row is None or not JobState(row["state"]).can_observe(snapshot.state):
                 return False
             finished = row["finished_at"]
             if snapshot.state.is_terminal:
@@ -425,15 +430,17 @@ class JobStore:
         re-read.
         The stored snapshot keeps its progress but loses its workers (they died with the
         old coordinator). ``cluster``, when given, is where the new coordinator runs.
-        Raises ``KeyError`` for an unknown job.
+        Raises ``KeyError`` for an unknown job and ``InvalidTransition`` for one that
+        cannot be resumed (``JobState.resumed``: it SUCCEEDED).
         """
         now = time.time() if now is None else now
         with self._tx(job_id) as db:
             row = db.execute(
-                "SELECT snapshot, auto_resumes, cluster FROM jobs WHERE id = ?", (job_id,)
+                "SELECT state, snapshot, auto_resumes, cluster FROM jobs WHERE id = ?", (job_id,)
             ).fetchone()
             if row is None:
                 raise KeyError(job_id)
+            new = JobState(row["state"]).resumed()
             last = db.execute(
                 "SELECT MAX(seq) FROM logs WHERE job_id = ?", (job_id,)
             ).fetchone()[0]
@@ -447,7 +454,7 @@ class JobStore:
                 snap = JobSnapshot.model_validate_json(snapshot)
                 snapshot = snap.model_copy(
                     update={
-                        "state": JobState.PENDING,
+                        "state": new,
                         "reason": reason,
                         "workers": [],
                         "finished_at": None,
@@ -458,7 +465,7 @@ class JobStore:
                 "snapshot = ?, resumes = resumes + 1, auto_resumes = ?, log_offset = ?, "
                 "resync = 1, cluster = ? WHERE id = ?",
                 (
-                    JobState.PENDING.value,
+                    new.value,
                     reason,
                     now,
                     snapshot,
@@ -478,11 +485,15 @@ class JobStore:
 
     def interrupt(self, job_id: str, reason: str, *, now: float | None = None) -> JobRecord | None:
         """A live job whose coordinator is gone but which will be resumed later (when the API
-        starts again): PENDING with ``reason``, no workers. Terminal jobs are left alone."""
+        starts again): PENDING with ``reason``, no workers. A job the lifecycle does not let
+        become PENDING (a finished one) is left alone: None."""
         now = time.time() if now is None else now
         with self._tx(job_id) as db:
             row = db.execute("SELECT state, snapshot FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            if row is None or JobState(row["state"]).is_terminal:
+            if row is None:
+                return None
+            old = JobState(row["state"])
+            if old is not JobState.PENDING and not old.can_become(JobState.PENDING):
                 return None
             snapshot = row["snapshot"]
             if snapshot:

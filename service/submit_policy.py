@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dynabatch.actors.spec import IMPORT_PATH_PATTERN, URI_PATTERN, JobSpec
+from dynabatch.actors.spec.sections import BUILTIN_OPTIMIZERS
 
 ANY_MODULE = "*"  # the user_code_modules entry that allows any module
 
@@ -30,13 +31,15 @@ class SubmitPolicy:
     directories ``dataset.path`` must resolve under. ``checkpoint_root``: the directory
     ``checkpoint.dir`` must resolve under (``checkpoint.from`` under it or a data root).
     ``code_root``: where the service stores uploaded code (POST /v1/code); a ``working_dir``
-    of ``file://`` or ``local://`` must be under it.
+    of ``file://`` or ``local://`` must be under it. ``artifact_root``: the directory or URI
+    ``artifacts.dir`` must resolve under.
     """
 
     user_code_modules: tuple[str, ...] = ()
     data_roots: tuple[str, ...] = ()
     checkpoint_root: str | None = None
     code_root: str | None = None
+    artifact_root: str | None = None
 
 
 class SpecNotAllowed(ValueError):
@@ -97,9 +100,12 @@ def check_user_code(spec: JobSpec, allowed: Iterable[str],
     for a ``working_dir`` the service may not ship."""
     allowed = tuple(allowed)
     problems = []
-    named = [("dataset.name", spec.dataset.name), ("model.name", spec.model.name)]
+    named = [("dataset.name", spec.dataset.name), ("model.name", spec.model.name),
+             ("optimizer.name", spec.optimizer.name)]
     if spec.loss:
         named.append(("loss", spec.loss))
+    if spec.model.output:
+        named.append(("model.output", spec.model.output))
     named += [(f"metrics.{i}", m.fn) for i, m in enumerate(spec.metrics or ())]
     if spec.working_dir is not None and ANY_MODULE not in allowed:
         # Shipped code may shadow any module, allowed ones included: only with "*".
@@ -197,6 +203,17 @@ def check_paths(
     return problems
 
 
+def check_artifacts(spec: JobSpec, artifact_root: str | None) -> list[tuple[str, str]]:
+    """(field, problem) for an ``artifacts.dir`` outside ``artifact_root`` (none allowed when
+    it is unset)."""
+    if not spec.artifacts.dir:
+        return []
+    roots = () if artifact_root is None else (artifact_root,)
+    why = path_problem(spec.artifacts.dir, roots,
+                       "artifacts directories (DYNABATCH_ARTIFACT_ROOT)")
+    return [("artifacts.dir", why)] if why else []
+
+
 def check_builtin_options(spec: JobSpec) -> list[tuple[str, str]]:
     """(field, problem) for the options a built-in dataset (the file kinds too) or model does
     not take, from their tables, as ``dynabatch run`` checks them before Ray starts. The
@@ -208,12 +225,22 @@ def check_builtin_options(spec: JobSpec) -> list[tuple[str, str]]:
     checks: list[tuple[Callable[[Any], None], Any]] = []
     if not re.match(IMPORT_PATH_PATTERN, spec.dataset.name):
         checks += [(check_dataset_options, spec.dataset), (check_file_options, spec.dataset)]
-    if spec.model.options and not re.match(IMPORT_PATH_PATTERN, spec.model.name):
+    if (spec.model.options and not re.match(IMPORT_PATH_PATTERN, spec.model.name)
+            and spec.model.name != "hf"):
         # Only with options to check: the models' module imports torch, which this
-        # service otherwise never loads.
+        # service otherwise never loads. An hf config's keys are left to the job, as user
+        # code is: checking them imports transformers (seconds); a hub id is refused by
+        # the spec itself.
         from dynabatch.actors.workloads.models import check_model_options
 
         checks.append((check_model_options, spec.model))
+    o = spec.optimizer
+    if o.lr_scheduler is not None or not (o.name in BUILTIN_OPTIMIZERS
+                                          or re.match(IMPORT_PATH_PATTERN, o.name)):
+        # torch.optim classes by name and their options (torch, only for them).
+        from dynabatch.actors.optim import check_optimizer
+
+        checks.append((check_optimizer, spec))
     problems = []
     for check, section in checks:
         try:
@@ -230,5 +257,6 @@ def check_submission(spec: JobSpec, policy: SubmitPolicy) -> list[tuple[str, str
     return [
         *check_user_code(spec, policy.user_code_modules, policy.code_root),
         *check_paths(spec, policy.data_roots, policy.checkpoint_root),
+        *check_artifacts(spec, policy.artifact_root),
         *check_builtin_options(spec),
     ]

@@ -22,7 +22,7 @@ OWN_RAY_MODULES = frozenset({"test_auto_resume.py", "test_busy_host.py", "test_s
 
 
 def xdist_group_of(nodeid: str) -> str | None:
-    """The group a test runs in under ``make test`` (``-n 2 --dist loadgroup``), by its path.
+    """The group a test runs in under ``pytest -n 2 --dist loadgroup``, by its path.
 
     Every integration test that uses the session's ``cluster`` is in one group, so one worker
     starts that cluster once and runs them one after another, as a serial run does. The

@@ -81,6 +81,8 @@ class FakeCoordinator:
         self.members: list[int] = list(range(self.n_initial))  # worker ordinals
         self.next_ordinal = len(self.members)
         self.events: dict[str, int] = {}
+        # The trained model's files (dynabatch.actors.export) a test gives it.
+        self.model: dict[str, bytes] | None = None
         self._lock = threading.Lock()
         self._log("INFO", "coordinator started")
 
@@ -392,6 +394,10 @@ class FakeCluster:
             raise
         except ValueError as err:
             raise JobConflict(str(err)) from None
+
+    def model_files(self, job_id: str) -> dict[str, bytes] | None:
+        self._check("model_files", job_id)
+        return self._coordinator(job_id).model
 
     def release(self, job_id: str) -> None:
         self._check("release", job_id)

@@ -17,10 +17,12 @@ from typing import Annotated, Any, Literal
 
 from dynabatch.actors.spec.sections import (
     BUILTIN_LOSSES,
+    ArtifactsSpec,
     BatchScheduleSpec,
     CheckpointSpec,
     CompileSpec,
     DatasetSpec,
+    EarlyStoppingSpec,
     EmulationSpec,
     IsgdSpec,
     MetricSpec,
@@ -164,6 +166,13 @@ class JobSpec(_Strict):
     seed: StrictInt = Field(default=0, ge=0, le=2**31 - 1)
     emulation: EmulationSpec = Field(default_factory=EmulationSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    early_stopping: EarlyStoppingSpec | None = Field(
+        default=None,
+        description="End the job SUCCEEDED once a held-out metric has stopped improving: "
+        "{metric, mode: min|max, patience, min_delta}.")
+    artifacts: ArtifactsSpec = Field(
+        default_factory=ArtifactsSpec,
+        description="Where the trained model (safetensors and a manifest) goes at the end.")
     protocol: ProtocolSpec = Field(default_factory=ProtocolSpec)
     collective_timeout_s: float = Field(
         default=10.0, gt=0.0, le=3600.0,

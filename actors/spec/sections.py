@@ -30,9 +30,20 @@ IMPORT_PATH_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
 MODULE_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$"
 BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource", "parquet", "npy",
                     "imagefolder")
-BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm")
+BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm", "hf")
+# model.options.task for model.name hf (dynabatch.actors.workloads.hf builds them).
+HF_TASKS = ("causal-lm", "sequence-classification")
 BUILTIN_LOSSES = ("cross_entropy", "mse", "next_token")
 BUILTIN_METRICS = ("accuracy", "mse", "perplexity")
+# Metrics a built-in loss calls for when the spec names none.
+DEFAULT_METRICS = {
+    "cross_entropy": ("accuracy",),
+    "next_token": ("perplexity", "accuracy"),
+    "mse": ("mse",),
+}
+BUILTIN_OPTIMIZERS = ("sgd", "adam", "adamw")
+# A torch class by name (torch.optim's optimizers and lr_scheduler's schedulers).
+CLASS_NAME_PATTERN = r"^[A-Z][A-Za-z0-9_]{0,63}$"
 # A metric's name: a Prometheus label value, a key of the epoch records' test_metrics and a
 # Python identifier (so it reads the same in every table). Not the evaluation sums' own keys.
 METRIC_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
@@ -187,16 +198,63 @@ class DatasetSpec(_Strict):
 
 
 class ModelSpec(_Strict):
-    """Which network to train: a built-in (``mlp``, ``lenet``, ``resnet``) or ``pkg.mod:build``."""
+    """Which network to train: a built-in (``mlp``, ``lenet``, ``resnet``, ``charlm``), a
+    Hugging Face ``transformers`` model from its config (``hf``) or ``pkg.mod:build``."""
 
-    name: str = Field(default="mlp", examples=["mlp", "lenet", "resnet", "my_pkg.nets:build"])
+    name: str = Field(default="mlp", examples=["mlp", "lenet", "resnet", "hf",
+                                               "my_pkg.nets:build"])
     hidden: StrictInt = Field(default=64, ge=1, le=65536, description="Hidden width for the MLP.")
     options: dict[str, Any] = Field(default_factory=dict)
+    output: str | None = Field(
+        default=None,
+        description="'pkg.mod:fn' called as fn(outputs) on what the model returns, giving "
+        "the tensor the loss and metrics get. Default: the output itself when it is a "
+        "tensor, its logits when it is a transformers ModelOutput.",
+        examples=["my_pkg.nets:pooled"])
 
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
         return known_name("model", v, BUILTIN_MODELS)
+
+    @field_validator("output")
+    @classmethod
+    def _import_path(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(IMPORT_PATH_PATTERN, v):
+            raise ValueError(f"{v!r} is not an import path of the form 'pkg.mod:function'")
+        return v
+
+
+def hf_option_problems(options: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, problem) for ``model.options`` of ``model.name: hf`` that can be told without
+    transformers: their shape, and a hub id, which is refused because nothing is ever
+    downloaded (a job has no network at run time). The config's own keys are checked by
+    :func:`dynabatch.actors.workloads.hf.check_hf_options`, which imports transformers."""
+    hub = ("nothing is downloaded (a job has no network at run time): give the model's "
+           "config instead, options: {config: {model_type: gpt2, n_layer: 2, ...}}")
+    problems: list[tuple[str, str]] = []
+    if "pretrained" in options:
+        problems.append(("model.options.pretrained", f"hub id {options['pretrained']!r}: "
+                         + hub))
+    unknown = sorted(set(options) - {"config", "task", "pretrained"})
+    if unknown:
+        problems.append(("model.options", f"unknown option {unknown[0]!r} for hf "
+                         "(allowed: config, task)"))
+    task = options.get("task", HF_TASKS[0])
+    if task not in HF_TASKS:
+        problems.append(("model.options.task", f"must be {' or '.join(HF_TASKS)}, got "
+                         f"{task!r}"))
+    config = options.get("config")
+    if isinstance(config, str):
+        problems.append(("model.options.config", f"{config!r} is a hub id: " + hub))
+    elif not isinstance(config, dict):
+        if "pretrained" not in options:
+            problems.append(("model.options.config", "must be a mapping with model_type and "
+                             "the model's fields, e.g. {model_type: gpt2, n_layer: 2}"))
+    elif not isinstance(config.get("model_type"), str):
+        problems.append(("model.options.config.model_type", "must name the architecture "
+                         "(gpt2, bert, llama, ...)"))
+    return problems
 
 
 class LrScheduleSpec(_Strict):
@@ -221,20 +279,70 @@ class LrScheduleSpec(_Strict):
         return v
 
 
+class LrSchedulerSpec(_Strict):
+    """A ``torch.optim.lr_scheduler`` class by name, with its constructor's ``options``
+    (not its optimizer). The coordinator steps it once per epoch on a dummy parameter
+    (:func:`dynabatch.actors.optim.lr_scheduler_factors`) and puts the resulting learning
+    rate into every step's plan: epoch ``e`` trains at the rate after ``e`` calls of
+    ``step()``."""
+
+    name: str = Field(pattern=CLASS_NAME_PATTERN,
+                      description="A torch.optim.lr_scheduler class stepped per epoch "
+                      "(StepLR, CosineAnnealingLR, ExponentialLR, LambdaLR is not: its "
+                      "options are functions).", examples=["CosineAnnealingLR"])
+    options: dict[str, Any] = Field(default_factory=dict,
+                                    description="Keyword arguments of its constructor.",
+                                    examples=[{"T_max": 10}])
+
+
 class OptimizerSpec(_Strict):
-    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    """The optimizer every worker builds: a built-in (``sgd``, ``adam``, ``adamw``), any
+    ``torch.optim`` class by name (``SGD``, ``RMSprop``, ``Adagrad``, ...), or the user's
+    ``"pkg.mod:make"``, called as ``make(params, **options)``. The step plan's learning
+    rate replaces every parameter group's ``lr`` before each step, whichever it is."""
+
+    name: str = Field(
+        default="sgd",
+        description="sgd, adam, adamw, a torch.optim class (SGD, RMSprop, Adagrad, ...) or "
+        "'pkg.mod:make' (make(params, **options) -> a torch.optim.Optimizer).",
+        examples=["sgd", "RMSprop", "my_pkg.optim:make"])
     lr: float = Field(default=0.1, gt=0.0, le=10.0)
     momentum: float = Field(default=0.0, ge=0.0, lt=1.0)
     nesterov: bool = False
     weight_decay: float = Field(default=0.0, ge=0.0, lt=1.0)
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further keyword arguments of a torch.optim class (checked against its "
+        "constructor) or of 'pkg.mod:make'.", examples=[{"alpha": 0.95}])
     schedule: LrScheduleSpec = Field(default_factory=LrScheduleSpec)
+    lr_scheduler: LrSchedulerSpec | None = Field(
+        default=None,
+        description="A torch.optim.lr_scheduler by name, stepped once per epoch by the "
+        "coordinator; not with optimizer.schedule.")
+    clip_grad_norm: float | None = Field(
+        default=None, gt=0.0,
+        description="Clip the global gradient (the all-reduced one, the same in every "
+        "worker) to this L2 norm before each optimizer step.")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v in BUILTIN_OPTIMIZERS or re.match(IMPORT_PATH_PATTERN, v) or re.match(
+                CLASS_NAME_PATTERN, v):
+            return v
+        raise ValueError(f"unknown optimizer {v!r}: use {', '.join(BUILTIN_OPTIMIZERS)}, a "
+                         "torch.optim class (SGD, RMSprop, Adagrad, ...) or 'pkg.mod:make'")
 
     @model_validator(mode="after")
     def _ignored(self) -> OptimizerSpec:
-        if self.name != "sgd" and self.momentum:
+        if self.name in ("adam", "adamw") and self.momentum:
             warnings.warn(f"optimizer.momentum is ignored by {self.name}", UserWarning,
                           stacklevel=2)
-        if self.nesterov and (self.name != "sgd" or self.momentum == 0):
+        if self.options and self.name in BUILTIN_OPTIMIZERS:
+            raise ValueError(f"options are for a torch.optim class or 'pkg.mod:make', not "
+                             f"{self.name} (its fields are lr, momentum, nesterov and "
+                             "weight_decay)")
+        if self.nesterov and (self.name not in ("sgd", "SGD") or self.momentum == 0):
             raise ValueError("nesterov needs optimizer sgd with momentum > 0")
         return self
 
@@ -386,6 +494,32 @@ class RebalanceSpec(_Strict):
         return self.threshold if self.mode == "adaptive" and policy in ("dbs", "affine") else None
 
 
+class BestSpec(_Strict):
+    """Which epoch is the best: the one whose held-out ``metric`` is lowest (``mode: min``)
+    or highest (``max``). ``metric`` is one the job computes: the name of one of its
+    ``metrics`` (the defaults of its loss when it names none) or ``loss``, the held-out
+    loss."""
+
+    metric: str = Field(min_length=1, max_length=64,
+                        description="A metric the job computes (accuracy, perplexity, a "
+                        "metrics entry's name) or loss (the held-out loss).",
+                        examples=["accuracy", "loss"])
+    mode: Literal["min", "max"] = Field(description="min: lower is better; max: higher is.")
+
+
+class EarlyStoppingSpec(BestSpec):
+    """End the job SUCCEEDED when the held-out ``metric`` has not improved (by more than
+    ``min_delta``) for ``patience`` evaluated epochs in a row. Each epoch's evaluation is
+    then awaited before the next epoch starts (the decision needs it)."""
+
+    patience: StrictInt = Field(default=3, ge=1, le=100_000,
+                                description="Epochs without an improvement before the job "
+                                "ends.")
+    min_delta: float = Field(default=0.0, ge=0.0,
+                             description="How much better than the best so far a value must "
+                             "be to count as an improvement.")
+
+
 class CheckpointSpec(_Strict):
     """Where the job's checkpoints go (``dir``) and, for a new job, which checkpoint file it
     starts from (``from``: another job's ``DIR/JOB_ID/checkpoint.pt``). ``from`` is a Python
@@ -401,6 +535,22 @@ class CheckpointSpec(_Strict):
         description="A checkpoint file to start from: its weights, and its optimizer state "
         "when it was written with the same optimizer; not its epochs or history. A job "
         "resuming from its own checkpoint (in dir) ignores it.")
+    keep_best: BestSpec | None = Field(
+        default=None,
+        description="Also keep the best epoch's checkpoint by a held-out metric, as "
+        "DIR/JOB_ID/best.pt beside the latest (checkpoint.pt); replaced only by a better "
+        "epoch. Needs dir.")
+
+
+class ArtifactsSpec(_Strict):
+    """Where the trained model goes at the job's end: ``DIR/JOB_ID/`` holds ``model.safetensors``
+    (the final weights), ``best.safetensors`` when ``checkpoint.keep_best`` is set, and
+    ``manifest.json`` (``dynabatch.actors.export``). Unset, the service keeps them itself."""
+
+    dir: str | None = Field(
+        default=None, min_length=1,
+        description="Where the trained model goes (a local path, or a URI pyarrow.fs opens: "
+        "s3://, gs://, hdfs://, file://); unset: the service keeps it.")
 
 
 class ProtocolSpec(_Strict):

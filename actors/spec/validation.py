@@ -15,10 +15,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from dynabatch.actors.spec.sections import (
+    DEFAULT_METRICS,
     BatchScheduleSpec,
     LrScheduleSpec,
     ProtocolSpec,
     RebalanceSpec,
+    hf_option_problems,
 )
 
 if TYPE_CHECKING:
@@ -85,6 +87,8 @@ def check_combinations(spec: JobSpec) -> None:
                 f"(ordinals 0..{most - 1})",
             )
     _ps_problems(spec, bad)
+    _model_problems(spec, bad)
+    _best_problems(spec, bad)
     if spec.device == "cuda" and spec.worker_gpus == 0:
         bad("worker_gpus", "device 'cuda' needs worker_gpus > 0 or 'auto'")
     if spec.device == "cpu" and spec.worker_gpus == "auto":
@@ -172,10 +176,42 @@ def _schedule_problems(spec: JobSpec, bad: Bad, n: int | None) -> None:
             bad("schedule.min_global_batch", f"min_global_batch ({low}) is smaller than "
                                              f"workers ({n}): every worker needs at "
                                              "least one sample per step")
+    if spec.optimizer.lr_scheduler is not None and spec.optimizer.schedule != LrScheduleSpec():
+        bad("optimizer.lr_scheduler", "optimizer.lr_scheduler and optimizer.schedule both set "
+            "the learning rate over the job: use one of them")
     ms = spec.optimizer.schedule.milestones
     if ms and ms[-1] >= spec.epochs:
         bad("optimizer.schedule.milestones", f"milestone {ms[-1]} is not before the last "
                                              f"epoch ({spec.epochs})")
+
+
+def computed_metrics(spec: JobSpec) -> tuple[str, ...]:
+    """The held-out values a job reports by name: ``loss`` and its metrics (those it names,
+    or its loss's defaults; with the loss chosen from the data, any built-in loss's)."""
+    if spec.metrics is not None:
+        names = [m.name for m in spec.metrics]
+    elif spec.loss in DEFAULT_METRICS:
+        names = list(DEFAULT_METRICS[spec.loss])
+    else:  # the loss (or a user loss's metrics) follows the dataset's targets
+        names = [n for ms in DEFAULT_METRICS.values() for n in ms]
+    return tuple(dict.fromkeys(["loss", *names]))
+
+
+def _best_problems(spec: JobSpec, bad: Bad) -> None:
+    """early_stopping and checkpoint.keep_best judge a metric the job computes."""
+    judged = [("early_stopping", spec.early_stopping),
+              ("checkpoint.keep_best", spec.checkpoint.keep_best)]
+    known = computed_metrics(spec)
+    for field, section in judged:
+        if section is None:
+            continue
+        if spec.protocol.name == "ps":
+            bad(field, "runs with the synchronous protocol only")
+        elif section.metric not in known:
+            bad(f"{field}.metric", f"{section.metric!r} is not a metric this job computes: "
+                f"use one of {', '.join(known)}")
+    if spec.checkpoint.keep_best is not None and not spec.checkpoint.dir:
+        bad("checkpoint.keep_best", "needs checkpoint.dir (where best.pt is kept)")
 
 
 def batch_fits_data(spec: JobSpec, n_train: int) -> tuple[str, str] | None:
@@ -262,6 +298,12 @@ def _ps_problems(spec: JobSpec, bad: Bad) -> None:
     if spec.optimizer.schedule != LrScheduleSpec():
         bad("optimizer.schedule", "protocol ps uses the staleness rule "
             "(protocol.lr_staleness), not a learning-rate schedule")
+    if spec.optimizer.lr_scheduler is not None:
+        bad("optimizer.lr_scheduler", "protocol ps uses the staleness rule "
+            "(protocol.lr_staleness), not a learning-rate scheduler")
+    if spec.optimizer.clip_grad_norm is not None:
+        bad("optimizer.clip_grad_norm", "clips the all-reduced gradient of the synchronous "
+            "protocol; protocol ps has none (each learner pushes its own)")
     if p.batch != "perf_aware" and (p.replan_pushes != default.replan_pushes
                                     or p.scale_lr != default.scale_lr):
         bad("protocol.batch", "replan_pushes and scale_lr need batch perf_aware")
@@ -272,6 +314,21 @@ def _ps_problems(spec: JobSpec, bad: Bad) -> None:
         if name in names:
             bad(field, f"protocol ps trains classification (class labels) only; {name!r} "
                 "has token targets")
+
+
+def _model_problems(spec: JobSpec, bad: Bad) -> None:
+    """``model.name: hf``'s options (a hub id among them) and the outputs adapter, which
+    the ps learners, scoring raw outputs with cross-entropy, do not apply."""
+    if spec.model.name == "hf":
+        for field, problem in hf_option_problems(spec.model.options):
+            bad(field, problem)
+    if spec.protocol.name == "ps":
+        if spec.model.name == "hf":
+            bad("model.name", "protocol ps trains models that return a tensor of logits; "
+                "hf needs protocol sync")
+        if spec.model.output is not None:
+            bad("model.output", "protocol ps scores the model's own output; model.output "
+                "needs protocol sync")
 
 
 def _ps_warnings(spec: JobSpec) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+from dynabatch.actors.spec.sections import DEFAULT_METRICS as _SPEC_DEFAULT_METRICS
 from dynabatch.actors.workloads import losses
 from dynabatch.actors.workloads.imports import resolve_callable
 
@@ -51,12 +52,9 @@ BUILTIN = {
     "mse": Metric("mse", losses.mse),
     "perplexity": Metric("perplexity", losses.cross_entropy, _exp),
 }
-# Metrics a loss calls for when the spec names none.
-DEFAULT_METRICS = {
-    "cross_entropy": ("accuracy",),
-    "next_token": ("perplexity", "accuracy"),
-    "mse": ("mse",),
-}
+# Metrics a loss calls for when the spec names none (the spec's table: submit-time checks
+# of the metric names a job computes read it without torch).
+DEFAULT_METRICS = _SPEC_DEFAULT_METRICS
 
 
 def resolve_metric(fn: str, field: str, name: str | None = None) -> Metric:

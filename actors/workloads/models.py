@@ -1,4 +1,6 @@
-"""Small CPU-friendly networks: ``mlp``, ``lenet``, ``resnet``, or a user ``"pkg.mod:function"``.
+"""Small CPU-friendly networks: ``mlp``, ``lenet``, ``resnet``, ``charlm``, a Hugging Face
+model from its config (``hf``: :mod:`dynabatch.actors.workloads.hf`), or a user
+``"pkg.mod:function"``.
 
 Every built-in takes any ``input_shape`` its kind can make sense of: the MLP flattens, and the
 CNNs view flat square inputs (e.g. digits' 64 features) as one-channel images. Construction
@@ -23,7 +25,7 @@ from dynabatch.actors.workloads import WorkloadError
 from dynabatch.actors.workloads.imports import call_user, check_user_options, resolve_callable
 from torch import nn
 
-BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm")
+BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm", "hf")
 NORMS = ("group", "batch", "none")
 
 
@@ -47,6 +49,11 @@ def check_model_options(spec: ModelSpec) -> None:
     builder's against its signature (WorkloadError naming the option)."""
     if spec.name in OPTIONS:
         _check_options(spec, OPTIONS[spec.name])
+        return
+    if spec.name == "hf":
+        from dynabatch.actors.workloads.hf import check_hf_options
+
+        check_hf_options(spec)
         return
     _refuse_passed(spec)
     fn = resolve_callable(spec.name, "model.name")
@@ -320,8 +327,15 @@ def _build_charlm(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: in
     return CharLM(input_shape[0], num_classes, spec.hidden, layers, heads)
 
 
+def _build_hf(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    from dynabatch.actors.workloads.hf import build_hf
+
+    return build_hf(spec, input_shape, num_classes)
+
+
 _BUILDERS: dict[str, Callable[[ModelSpec, tuple[int, ...], int], nn.Module]] = {
     "charlm": _build_charlm,
+    "hf": _build_hf,
     "mlp": _build_mlp,
     "lenet": _build_lenet,
     "resnet": _build_resnet,

@@ -7,11 +7,14 @@ it by ``1/B`` itself) and :meth:`Objective.eval_sums` on its shard of the held-o
 (:meth:`Objective.finish` turns the shards' combined sums into the scores);
 :func:`check_objective` runs both on two samples when the job loads its data, so a loss of
 the wrong shape or a metric that does not fit fails the job at once, naming the field.
+Both see what the model returns through the outputs adapter (:func:`model_outputs`: a
+transformers ``ModelOutput``'s logits, or the tensor a user's ``model.output`` picks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +25,10 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.workloads import WorkloadError
 from dynabatch.actors.workloads import losses as L
 from dynabatch.actors.workloads import metrics as M
+from dynabatch.actors.workloads.imports import describe, resolve_callable
 from torch import nn
+
+Outputs = Callable[[Any], Any]  # what the model returns -> what the loss gets
 
 
 def targets_kind(y: np.ndarray) -> str:
@@ -38,13 +44,17 @@ class Objective:
     loss_name: str
     loss: L.PerSample
     metrics: tuple[tuple[str, M.Metric], ...]  # (spec field, metric)
+    # The outputs adapter (model.output): applied to what the model returns before the loss
+    # and the metrics see it.
+    outputs: Outputs
 
-    def per_sample(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return L.check_per_sample(self.loss(outputs, targets), len(targets), "loss",
-                                  self.loss_name)
+    def per_sample(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        return L.check_per_sample(self.loss(self.outputs(outputs), targets), len(targets),
+                                  "loss", self.loss_name)
 
-    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """``Σ_j ℓ_j`` over the batch (a scalar tensor with a graph)."""
+    def loss_sum(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """``Σ_j ℓ_j`` over the batch (a scalar tensor with a graph); ``outputs`` is what
+        the model returned (a tensor, or e.g. a ModelOutput: see :func:`model_outputs`)."""
         return self.per_sample(outputs, targets).sum()
 
     def eval_sums(self, model: nn.Module, x: np.ndarray, y: np.ndarray, lo: int, hi: int,
@@ -76,7 +86,7 @@ class Objective:
                 for xa, ya in batches:
                     xb = torch.from_numpy(xa).to(device)
                     yb = torch.from_numpy(ya).to(device)
-                    out = model(xb)
+                    out = self.outputs(model(xb))
                     # A loss or metric that passed the two-sample check can still raise
                     # on real batches: the error names it, as that check does.
                     v = per_sample_of("loss", self.loss_name, self.loss, out, yb)
@@ -111,7 +121,50 @@ def objective_for(spec: JobSpec, kind: str) -> Objective:
     # Each metric keyed by its spec name (test_metrics, /metrics, the page, the CLI).
     metrics = tuple((f"metrics.{i}", M.resolve_metric(fn, f"metrics.{i}", name))
                     for i, (name, fn) in enumerate(named))
-    return Objective(loss_name, loss, metrics)
+    return Objective(loss_name, loss, metrics, model_outputs(spec.model.output))
+
+
+def model_outputs(path: str | None) -> Outputs:
+    """The outputs adapter: what the model returns -> what the loss and metrics get.
+
+    With ``path`` (``model.output: "pkg.mod:fn"``): ``fn(outputs)``, which must return a
+    tensor. Without: a transformers ``ModelOutput``'s ``logits`` (a Hugging Face model's
+    forward returns one), anything else as it is (a tensor; or, say, a tuple that the
+    user's own loss takes apart: :func:`check_objective` refuses it for a built-in loss).
+    Problems are one-line WorkloadErrors naming ``model.output``."""
+    if path is None:
+        return _default_outputs
+    fn = resolve_callable(path, "model.output")
+
+    def picked(outputs: Any) -> torch.Tensor:
+        try:
+            out = fn(outputs)
+        except WorkloadError:
+            raise
+        except Exception as err:
+            raise WorkloadError(f"model.output: {path!r} raised {describe(err)}") from err
+        if not isinstance(out, torch.Tensor):
+            raise WorkloadError(f"model.output: {path!r} returned a {type(out).__name__}, "
+                                "not a tensor")
+        return out
+
+    return picked
+
+
+def _default_outputs(outputs: Any) -> Any:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    # A ModelOutput means transformers is loaded already: no import here for plain models.
+    generic = sys.modules.get("transformers.utils.generic")
+    if generic is not None and isinstance(outputs, generic.ModelOutput):
+        logits = outputs.get("logits")
+        if isinstance(logits, torch.Tensor):
+            return logits
+        have = ", ".join(outputs.keys()) or "nothing"
+        raise WorkloadError(f"model.output: the model's {type(outputs).__name__} has no "
+                            f"logits (it has {have}): name the tensor the loss gets with "
+                            "model.output: 'pkg.mod:fn'")
+    return outputs
 
 
 def check_objective(spec: JobSpec, model: nn.Module, x: np.ndarray, y: np.ndarray) -> Objective:
@@ -121,7 +174,12 @@ def check_objective(spec: JobSpec, model: nn.Module, x: np.ndarray, y: np.ndarra
     xb = torch.from_numpy(np.asarray(x[:2]))
     yb = torch.from_numpy(np.asarray(y[:2]))
     with torch.no_grad():
-        out = model(xb)
+        out = obj.outputs(model(xb))
+        if not isinstance(out, torch.Tensor) and obj.loss_name in L.LOSSES:
+            raise WorkloadError(
+                f"model.output: the model returned a {type(out).__name__}, not a tensor, and "
+                f"loss {obj.loss_name!r} needs one: name the tensor the loss gets with "
+                "model.output: 'pkg.mod:fn'")
         for field, name, fn in [("loss", obj.loss_name, obj.loss),
                                 *((f, m.fn, m.per_sample) for f, m in obj.metrics)]:
             per_sample_of(field, name, fn, out, yb)

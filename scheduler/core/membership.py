@@ -59,6 +59,30 @@ from dynabatch.scheduler.core.sync.protocol import Position
 ORIGIN = Position(0, 0)
 
 
+def batch_bounds(smallest_batch: int, largest_batch: int, max_batch: int | None
+                 ) -> tuple[int, int]:
+    """The fewest and the most workers that can train at every global batch from
+    ``smallest_batch`` to ``largest_batch`` (a batch schedule trains several): ``max_batch``
+    samples each must hold the largest, and each worker needs at least one sample of the
+    smallest. The one definition of the batch's limits on a job's size: the membership's
+    bounds and the service's scale command both use it."""
+    return (math.ceil(largest_batch / max_batch) if max_batch else 1), smallest_batch
+
+
+def scale_error(workers: int, smallest_batch: int, largest_batch: int,
+                max_batch: int | None) -> str | None:
+    """Why ``workers`` workers cannot train at every global batch from ``smallest_batch``
+    to ``largest_batch`` (:func:`batch_bounds`), or None when they can."""
+    lo, hi = batch_bounds(smallest_batch, largest_batch, max_batch)
+    if workers > hi:
+        return (f"workers ({workers}) is above the job's global_batch ({smallest_batch}): "
+                "every worker needs at least one sample per step")
+    if workers < lo:
+        return (f"{workers} workers with max_batch {max_batch} cannot hold the job's "
+                f"global_batch ({largest_batch})")
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     node_id: str
@@ -238,8 +262,8 @@ class Membership:
         self.global_batch = global_batch
         self.max_batch = max_batch
         self.target = workers  # None: one per eligible node
-        self.max_size = min(max_workers or workers or max_possible, global_batch, max_possible)
-        need = math.ceil(global_batch / max_batch) if max_batch else 1
+        need, most = batch_bounds(global_batch, global_batch, max_batch)
+        self.max_size = min(max_workers or workers or max_possible, most, max_possible)
         self.min_size = max(min_workers or 1, need)
         self.members: list[Member] = []
         self.pending: dict[str, Member] = {}

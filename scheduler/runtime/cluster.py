@@ -19,6 +19,16 @@ process restarted) runs no round until the service has told it every live job
 as it runs (its assignment, or its workers' nodes), holding its nodes from then
 (:func:`~dynabatch.scheduler.core.cluster.rounds.rebuild`); the others queue. No job is
 touched.
+
+Jobs of ``dynabatch run --address`` (``JobEntry.client``). Their own driver launches the
+coordinator (in its own Ray job, so it ships the run's local code and ends with the run):
+a round that grants such a job records the grant, the driver reads it (:meth:`grant`),
+launches its coordinator on those nodes and says so (:meth:`launched`); from then it is
+polled and resized like any job. The service's store does not know them, so its
+:meth:`~ClusterScheduler.sync` never drops them and its rebuild keeps them; their driver
+tells a new scheduler about them again (:meth:`register`, repeated while it follows the
+job). One whose driver has not been heard from for ``client_lease_s`` before its
+coordinator runs (the run was killed while it waited) is dropped.
 """
 
 from __future__ import annotations
@@ -76,12 +86,15 @@ PLACES = "the cluster scheduler places this job"
 @dataclass(frozen=True, slots=True)
 class JobEntry:
     """A job the service asks the scheduler to place: its id, spec, submit time and the
-    coordinator generation to launch (the store's count of resumes)."""
+    coordinator generation to launch (the store's count of resumes). ``client``: the job's
+    own driver (``dynabatch run``) launches its coordinator once granted, and the service
+    does not know it."""
 
     job_id: str
     spec: JobSpec
     submit_s: float
     generation: int = 0
+    client: bool = False
 
 
 def ray_nodes() -> list[RayNode]:
@@ -130,20 +143,33 @@ class ClusterScheduler:
         hold_s: float = 120.0,
         call_timeout_s: float = 10.0,
         start_timeout_s: float = 120.0,
+        synced: bool = False,
+        client_lease_s: float = 60.0,
+        background: bool = True,
     ):
+        """``synced``: rounds run from the start (a scheduler ``dynabatch run`` started, with
+        no service to rebuild it); else none before the service's first :meth:`sync`.
+        ``background``: False runs rounds only when :meth:`round` is called (its caller
+        drives them)."""
         self.knobs = ClusterKnobs(policy=policy, hold_s=hold_s)
         self.round_s = round_s
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
+        self.client_lease_s = client_lease_s
         self._lock = threading.RLock()
         self._state = RoundState()
         self._jobs: dict[str, JobEntry] = {}
         self._handles: dict[str, Any] = {}
-        self._synced = False  # no round before the service has said which jobs live
+        # Client jobs granted whose driver has not launched their coordinator yet, and when
+        # each client job's driver was last heard from.
+        self._granted: set[str] = set()
+        self._seen: dict[str, float] = {}
+        self._synced = synced  # no round before the service has said which jobs live
         self._wake = threading.Event()
         self._round_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="cluster-rounds", daemon=True)
-        self._thread.start()
+        if background:
+            self._thread = threading.Thread(target=self._loop, name="cluster-rounds", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ the service's calls
     def admissible(self, spec: JobSpec) -> str | None:
@@ -157,8 +183,42 @@ class ClusterScheduler:
         if why is not None:
             raise ValueError(why)
         with self._lock:
+            if entry.client:
+                self._seen[entry.job_id] = time.time()
             self._add(entry)
         self._wake.set()
+
+    def grant(self, job_id: str) -> tuple[tuple[tuple[str, int], ...] | None, str]:
+        """A client job's driver asks whether it may start: (its nodes as (node id, worker
+        slots) pairs, "") once granted, else (None, why it waits: the queue's reason).
+        Raises ``ValueError`` for a job the scheduler does not hold (dropped, or never
+        registered)."""
+        with self._lock:
+            entry = self._state.job(job_id)
+            if entry is None or job_id not in self._jobs:
+                raise ValueError(f"the cluster scheduler does not hold job {job_id}")
+            self._seen[job_id] = time.time()
+            if entry.started and job_id in self._granted:
+                return entry.allocation, ""
+            view = self._state.view
+            shown = next((j for j in view.jobs if j.job_id == job_id), None) if view else None
+            why = shown.reason if shown is not None else "queued: waiting for the next round"
+            return None, (f"{why} ({entry.note})" if entry.note else why)
+
+    def launched(self, job_id: str, slots: Sequence[tuple[str, int]]) -> None:
+        """A client job's driver launched its coordinator on ``slots`` (the grant it read):
+        from now it is polled and resized like any job. A round that moved it meanwhile is
+        sent to it now."""
+        handle = find_coordinator(job_id, 0)
+        with self._lock:
+            entry = self._state.job(job_id)
+            if entry is None or handle is None:
+                return
+            self._granted.discard(job_id)
+            self._handles[job_id] = handle
+            allocation = entry.allocation
+        if tuple(sorted(allocation)) != tuple(sorted(tuple(s) for s in slots)):
+            self._assign(Assign(job_id, allocation))
 
     def sync(self, entries: Sequence[JobEntry]) -> tuple[list[str], ClusterView | None]:
         """Every live job the service knows, at once: unknown ones are adopted (coordinator
@@ -168,13 +228,16 @@ class ClusterScheduler:
         listed = {e.job_id for e in entries}
         with self._lock:
             first = not self._synced
+            # The run's jobs are not in the service's store: kept, not dropped.
+            clients = [e for e in self._jobs.values() if e.client and e.job_id not in listed]
             if first:
-                self._state = self._rebuilt(entries)
+                self._state = self._rebuilt([*entries, *clients])
                 self._synced = True
             else:
                 for e in entries:
                     self._add(e)
-            for job_id in [j.job_id for j in self._state.jobs if j.job_id not in listed]:
+            kept = listed | {e.job_id for e in clients}
+            for job_id in [j.job_id for j in self._state.jobs if j.job_id not in kept]:
                 self._drop(job_id)
             # Started once its coordinator exists: the rounds mark a job started when they
             # grant it, before its launch (in the round's thread) has returned.
@@ -265,6 +328,8 @@ class ClusterScheduler:
     def _drop(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
         self._handles.pop(job_id, None)
+        self._granted.discard(job_id)
+        self._seen.pop(job_id, None)
         self._state, _ = step(self._state, Finished(job_id), self.knobs)
 
     def _rebuilt(self, entries: Sequence[JobEntry]) -> RoundState:
@@ -330,8 +395,13 @@ class ClusterScheduler:
             nodes = ray_nodes()
             types = {n.node_id: node_type(n) for n in nodes}
             with self._lock:
+                self._drop_silent_clients(time.time())
                 self._state, _ = step(self._state, NodesSeen(cluster_nodes(nodes)), self.knobs)
-                running = [j.job_id for j in self._state.jobs if j.started]
+                # A granted client job has no coordinator until its driver launches it.
+                granted = self._granted
+                running = [
+                    j.job_id for j in self._state.jobs if j.started and j.job_id not in granted
+                ]
             for job_id in running:
                 self._poll(job_id, types)
             with self._lock:
@@ -341,6 +411,14 @@ class ClusterScheduler:
                     self._start(c)
                 elif isinstance(c, Assign):
                     self._assign(c)
+
+    def _drop_silent_clients(self, now: float) -> None:
+        """Client jobs with no coordinator yet whose driver is not heard from any more."""
+        for job_id, e in list(self._jobs.items()):
+            silent = now - self._seen.get(job_id, now) > self.client_lease_s
+            if e.client and job_id not in self._handles and silent:
+                log.info("job %s: its run is not heard from; dropped", job_id)
+                self._drop(job_id)
 
     def _poll(self, job_id: str, types: Mapping[str, str]) -> None:
         """Its snapshot: ended or gone → dropped; else its telemetry → its model."""
@@ -381,6 +459,12 @@ class ClusterScheduler:
             entry = self._jobs.get(c.job_id)
         if entry is None:
             return
+        if entry.client:  # its run launches it (grant), not the scheduler
+            with self._lock:
+                self._granted.add(c.job_id)
+                self._seen[c.job_id] = time.time()
+            log.info("job %s: granted %s to its run", c.job_id, c.slots)
+            return
         try:
             handle = launch_coordinator(
                 c.job_id,
@@ -420,9 +504,11 @@ def ensure_scheduler(
     round_s: float = 30.0,
     hold_s: float = 120.0,
     call_timeout_s: float = 10.0,
+    synced: bool = False,
 ) -> Any:
     """The cluster's scheduler actor: the one running, else a new one (detached, on the
-    head node like the coordinators, so it outlives the process that started it)."""
+    head node like the coordinators, so it outlives the process that started it).
+    ``synced``: see :class:`ClusterScheduler` (``dynabatch run`` starts one that way)."""
     return (
         ray.remote(ClusterScheduler)
         .options(
@@ -435,7 +521,7 @@ def ensure_scheduler(
             max_restarts=0,
             resources={"node:__internal_head__": 0.001},
         )
-        .remote(policy, round_s, hold_s, call_timeout_s)
+        .remote(policy, round_s, hold_s, call_timeout_s, synced=synced)
     )
 
 

@@ -112,7 +112,8 @@ class RayRuntime:
             "x_train": train[0], "y_train": train[1], "x_test": test[0], "y_test": test[1],
             "input_shape": tuple(data.input_shape), "num_classes": data.num_classes,
         }
-        return DataInfo(data.name, len(data.train), len(data.test))
+        return DataInfo(data.name, len(data.train), len(data.test),
+                        tuple(data.input_shape), data.num_classes)
 
     # --- workers ----------------------------------------------------------------------
     def nodes(self) -> list[NodeInfo]:

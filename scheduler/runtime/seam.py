@@ -27,6 +27,10 @@ class DataInfo:
     name: str
     n_train: int
     n_test: int
+    # What the model is built for: the trained model's manifest records them
+    # (dynabatch.actors.export). Empty/0 from runtimes without a real model.
+    input_shape: tuple[int, ...] = ()
+    num_classes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,9 +69,11 @@ class GradientEngine:
         self.y = torch.from_numpy(np.ascontiguousarray(y))
         self.objective = objective_for(spec, targets_kind(y))
         torch.manual_seed(spec.seed)  # the worker seeds the same way before building
-        self.model = build_model(spec.model, tuple(ds.input_shape), ds.num_classes)
+        self.input_shape, self.num_classes = tuple(ds.input_shape), ds.num_classes
+        self.model = build_model(spec.model, self.input_shape, self.num_classes)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.math = StepMath(self.model, self.objective, self.params)
+        self.math = StepMath(self.model, self.objective, self.params,
+                             clip_grad_norm=spec.optimizer.clip_grad_norm)
         self.optimizer = build_optimizer(spec, self.params)
         self.model_bytes = 4 * sum(p.numel() for p in self.params)
         self.shuffle = spec.dataset.shuffle

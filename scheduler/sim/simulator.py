@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dynabatch.actors.spec import CheckpointSpec, JobSpec
+from dynabatch.actors.spec import ArtifactsSpec, CheckpointSpec, JobSpec
 from dynabatch.scheduler.runtime.seam import DataInfo
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, ClusterSpec, check_job
 from dynabatch.scheduler.sim.cost_model import Ideal, SimulatedCluster
@@ -129,8 +129,9 @@ def simulate(
     (tests record its decisions).
     """
     check_job(cluster, spec.batch_range[0], spec.initial_workers)
-    # The simulator never writes into the job's checkpoint directory.
-    spec = spec.model_copy(update={"checkpoint": CheckpointSpec()})
+    # The simulator never writes into the job's checkpoint or artifacts directory (with real
+    # gradients, the coordinator keeps the trained model's files: model_files()).
+    spec = spec.model_copy(update={"checkpoint": CheckpointSpec(), "artifacts": ArtifactsSpec()})
     gradients = None
     if real_gradients:
         from dynabatch.scheduler.sim.gradients import GradientEngine
@@ -139,7 +140,8 @@ def simulate(
         if dataset_size is not None and dataset_size != gradients.n_train:
             raise ClusterError(f"dataset_size: real-gradient mode trains the job's dataset "
                                f"({gradients.n_train} samples), not {dataset_size}")
-        data = DataInfo(gradients.name, gradients.n_train, gradients.n_test)
+        data = DataInfo(gradients.name, gradients.n_train, gradients.n_test,
+                        gradients.input_shape, gradients.num_classes)
     elif dataset_size is None:
         data = DataInfo(*dataset_sizes(spec))
     else:

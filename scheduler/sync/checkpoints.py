@@ -29,21 +29,15 @@ _RESTORED = ("epoch", "step", "weights", "history", "counters")
 
 
 class Checkpoints(Part):
-    def save(self, reason: str, position: Position | None = None) -> None:
+    def save(self, reason: str, position: Position | None = None,
+             best: dict[str, Any] | None = None) -> None:
         """Save the job where it stands (or at ``position``: the epoch that just ended is
-        saved as the start of the next)."""
+        saved as the start of the next). ``best``: this is the best epoch by a metric
+        (keep_best; what it was judged by): written as ``best.pt``, not the latest."""
         job, s = self.job, self.spec
         if not s.checkpoint.dir:
             return
-        weights = job.restored_weights  # restored but not yet loaded into a group
-        for holder in [] if weights is not None else job.membership.holders():
-            try:
-                weights = self.runtime.fetch_state(holder.worker_id, STATE_TIMEOUT_S)
-                break
-            except WorkerCallError as err:
-                self.log("WARNING", f"checkpoint: {err}")
-                if err.lost:
-                    self.c.roster.remove(err.worker, "failure", "lost during a checkpoint")
+        weights = self.held_state("checkpoint")
         if weights is None:
             self.log("WARNING", f"checkpoint ({reason}) skipped: no worker holds the state")
             return
@@ -70,10 +64,29 @@ class Checkpoints(Part):
             "time": self.clock.time(),
             "reason": reason,
         }
-        from dynabatch.scheduler.checkpoint import save_checkpoint
+        from dynabatch.scheduler.checkpoint import BEST, LATEST, save_checkpoint
 
-        path = save_checkpoint(s.checkpoint.dir, self.c.job_id, payload)
+        if best is not None:
+            payload["best"] = best
+        path = save_checkpoint(s.checkpoint.dir, self.c.job_id, payload,
+                               LATEST if best is None else BEST)
         self.log("INFO", f"checkpoint ({reason}) at epoch {pos.epoch} step {pos.step}: {path}")
+
+    def held_state(self, what: str) -> dict[str, Any] | None:
+        """The job's state (model and optimizer): restored weights not yet loaded into a
+        group, else read from the first holder that answers; None when none does. A holder
+        lost on the way is removed; ``what`` (``checkpoint``, say) names the call in the
+        log."""
+        job = self.job
+        weights = job.restored_weights  # restored but not yet loaded into a group
+        for holder in [] if weights is not None else job.membership.holders():
+            try:
+                return self.runtime.fetch_state(holder.worker_id, STATE_TIMEOUT_S)
+            except WorkerCallError as err:
+                self.log("WARNING", f"{what}: {err}")
+                if err.lost:
+                    self.c.roster.remove(err.worker, "failure", f"lost during a {what}")
+        return weights
 
     def resume(self) -> bool:
         """A job given a new coordinator goes on from its own checkpoint, when it has one.

@@ -27,7 +27,8 @@ injected faults in unit tests. It is split by concern around one job-state value
 * ``pipeline``: segments sent ahead, committed, absorbed after a failure;
 * ``roster``: membership and spares (reconcile, spawn, adopt, wait for the minimum, regroup);
 * ``epochs``: the data, epochs' beginnings and ends, evaluations, success;
-* ``checkpoints``: save, restore, roll back.
+* ``checkpoints``: save, restore, roll back;
+* ``artifacts``: the trained model's files at the job's end.
 
 ``step()`` is one pass of the control loop; ``run()`` loops it until the job is terminal.
 The other public methods may be called from other threads while it runs (the actor is
@@ -52,6 +53,7 @@ from dynabatch.scheduler.core.regime.regime import Regime
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.policy import policy_for
 from dynabatch.scheduler.runtime.seam import Clock, Runtime, spare_capable
+from dynabatch.scheduler.sync.artifacts import Artifacts
 from dynabatch.scheduler.sync.checkpoints import Checkpoints
 from dynabatch.scheduler.sync.epochs import Epochs
 from dynabatch.scheduler.sync.job import PhaseChange, SyncJob
@@ -60,6 +62,22 @@ from dynabatch.scheduler.sync.roster import Roster
 from dynabatch.scheduler.telemetry import JobSnapshot, WorkerStatus
 
 log = logging.getLogger("dynabatch.scheduler")
+
+
+def _lr_scheduler_factors(spec: JobSpec) -> tuple[tuple[float, ...], str | None]:
+    """The spec's ``optimizer.lr_scheduler`` as a learning-rate factor per epoch (empty when
+    it has none), and the one-line problem when it cannot be computed (torch, so imported
+    only for a job that has one)."""
+    sched = spec.optimizer.lr_scheduler
+    if sched is None:
+        return (), None
+    from dynabatch.actors.optim import lr_scheduler_factors
+    from dynabatch.actors.workloads import WorkloadError
+
+    try:
+        return lr_scheduler_factors(sched, spec.optimizer.lr, spec.epochs), None
+    except WorkloadError as err:
+        return (), str(err)
 
 
 class Coordinator(JobControl):
@@ -87,6 +105,7 @@ class Coordinator(JobControl):
         self.runtime = runtime
         self.reason = "starting workers"
         s = self.spec
+        lr_factors, lr_error = _lr_scheduler_factors(s)
         self.job = SyncJob(
             job_id=job_id,
             membership=Membership(
@@ -95,13 +114,18 @@ class Coordinator(JobControl):
                 # The smallest batch the schedule trains bounds the group's size.
                 global_batch=s.batch_range[0], max_batch=s.max_batch,
                 max_possible=MAX_WORKERS),
-            regime=Regime(s), policy=policy_for(s.policy, s.rebalance.min_gain(s.policy)),
+            regime=Regime(s, lr_factors),
+            policy=policy_for(s.policy, s.rebalance.min_gain(s.policy)),
             budget=RetryBudget(s.max_retries),
         )
         self.pipeline = Pipeline(self)
         self.roster = Roster(self)
         self.epochs = Epochs(self)
         self.checkpoints = Checkpoints(self)
+        self.artifacts = Artifacts(self)
+        if lr_error is not None:  # as a checkpoint that cannot be loaded: the job fails
+            self._finish(JobState.FAILED, lr_error)
+            return
         # A checkpoint that cannot be loaded fails the job, not this constructor (the job then
         # ends FAILED naming the file, and run() returns at once).
         if resume and s.checkpoint.dir and not self.checkpoints.resume():
@@ -265,7 +289,7 @@ class Coordinator(JobControl):
             return False
         self._become(Phase.TRAINING)
         p = job.protocol
-        if p.epoch >= self.spec.epochs:
+        if self.epochs.trained:
             self.epochs.maybe_succeed()  # FINISHING
             return not self.state.is_terminal
         if job.ep is None:
@@ -293,6 +317,8 @@ class Coordinator(JobControl):
                 return
         self.epochs.settle()
         self.checkpoints.save(reason="cancel")
+        if self._history or self.step_in_epoch:  # it trained something: its model goes out
+            self.artifacts.save(reason="cancel")
         self._finish(JobState.CANCELLED, self._cancel)
 
     def _become(self, phase: Phase) -> None:

@@ -7,7 +7,15 @@ its final weights, split over the state holders and run off the critical path
 evaluation is in; an evaluation that lost a shard is run again on the holders left when
 nothing was queued behind it (:func:`~dynabatch.scheduler.core.sync.boundary.evaluate_again`).
 The job succeeds once every epoch is trained and evaluated and a member still holds the
-final state.
+final state, or earlier, once ``early_stopping``'s metric has stopped improving.
+
+Judged epochs (``early_stopping``, ``checkpoint.keep_best``). Each epoch's evaluation is
+awaited at its end, before the next epoch's first segment is sent (the pipeline does not
+cross the boundary): whether the job goes on, and whether these weights are the best, are
+decided from it (:func:`~dynabatch.scheduler.core.regime.stopping.judge` over the history).
+The best epoch's checkpoint is written to ``DIR/JOB_ID/best.pt`` with the weights of that
+epoch's end, beside the latest; a stop writes the latest checkpoint too, when the job keeps
+them.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.regime.stopping import Judgement, judge, should_stop
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
@@ -38,6 +47,8 @@ class Epochs(Part):
         # An evaluation can be queued behind a segment in flight only by a runtime that
         # queues it (an adapted one scores at once).
         self.queues = sharded is self.runtime
+        # Why the job stopped before its last epoch (early_stopping), once it did.
+        self.stopped: str | None = None
 
     # ---------------------------------------------------------------- beginnings
     def load_data(self) -> None:
@@ -108,6 +119,42 @@ class Epochs(Part):
         return checkpoint_due(epoch, every_epochs=c.every_epochs, epochs=self.spec.epochs,
                               checkpoint_dir=bool(c.dir))
 
+    @property
+    def judges_epochs(self) -> bool:
+        """Whether each epoch's evaluation decides something before the next epoch starts
+        (early_stopping, checkpoint.keep_best)."""
+        return self.spec.early_stopping is not None or self.spec.checkpoint.keep_best is not None
+
+    def _judged(self, metric: str, mode: str, min_delta: float = 0.0) -> Judgement:
+        """The history's best epoch by ``metric`` (``loss``: the held-out loss)."""
+        values = [r.test_loss if metric == "loss" else r.scores.get(metric)
+                  for r in self.c._history]
+        return judge(values, mode, min_delta)
+
+    def judge_epoch(self, epoch: int, nxt: Position) -> str | None:
+        """After ``epoch``'s evaluation is in: keep its checkpoint as the best when it is
+        (keep_best), and the reason to stop here when early_stopping says so."""
+        best = self.spec.checkpoint.keep_best
+        history = self.c._history
+        if best is not None:
+            j = self._judged(best.metric, best.mode)
+            if j.best is not None and history[j.best].epoch == epoch:
+                self.c.checkpoints.save(reason=f"best {best.metric}", position=nxt, best={
+                    "metric": best.metric, "mode": best.mode, "value": j.value,
+                    "epoch": epoch})
+        es = self.spec.early_stopping
+        if es is None or nxt.epoch >= self.spec.epochs:
+            return None
+        j = self._judged(es.metric, es.mode, es.min_delta)
+        if not should_stop(j, es.patience):
+            return None
+        why = (f"early stopping: {es.metric} has not improved on epoch "
+               f"{history[j.best].epoch}'s {j.value:g} for {j.stale} "
+               f"epoch{'s' if j.stale != 1 else ''} (patience "
+               f"{es.patience})")
+        self.log("INFO", f"{why}; the job ends after epoch {epoch}")
+        return why
+
     def end_epoch(self) -> None:
         """Close the epoch (ENDING_EPOCH, then back to what it interrupted): verify it,
         build its record, checkpoint when due, and have the holders evaluate it (unless
@@ -139,15 +186,20 @@ class Epochs(Part):
             job.next_behind = rnd
         rnd.record, rnd.extra = record, ep
         nxt = Position(p.epoch + 1, 0)
-        if self.checkpoint_due(nxt.epoch):
-            # The checkpoint holds the epoch's record, scores included: wait for them (the
-            # slowest holder's shard), then read the state, with nothing in flight; the
-            # job shows the next epoch once it is written.
+        due = self.checkpoint_due(nxt.epoch)
+        if due or self.judges_epochs:
+            # The checkpoint holds the epoch's record, scores included, and a judged epoch
+            # is judged by them: wait for them (the slowest holder's shard), then read the
+            # state, with nothing in flight; the job shows the next epoch once it is written.
             self.settle()
-            self.c.checkpoints.save(reason="epoch", position=nxt)
+        stop = self.judge_epoch(p.epoch, nxt) if self.judges_epochs else None
+        if due or (stop is not None and self.spec.checkpoint.dir):
+            self.c.checkpoints.save(reason="epoch" if due else "early stopping", position=nxt)
         with self.c._lock:
             p.next_epoch()
             job.ep = None
+            if stop is not None:
+                self.stopped = stop
         self.publish_ready()
         self.maybe_succeed(cancelling=interrupted is Phase.CANCELLING)
         self.return_to(interrupted, during=Phase.ENDING_EPOCH)
@@ -161,13 +213,19 @@ class Epochs(Part):
         one being honoured (``cancelling``: its segment in flight completed the last
         epoch) lets the job succeed."""
         m = self.job.membership
-        if self.job.protocol.epoch >= self.spec.epochs and m.holders():
+        if self.trained and m.holders():
             self.become(Phase.FINISHING)
             self.settle()
             if self.c._cancel is not None and not cancelling:
                 return
             if m.holders():
-                self.c._finish(JobState.SUCCEEDED, None)
+                self.c.artifacts.save(reason="end")
+                self.c._finish(JobState.SUCCEEDED, self.stopped)
+
+    @property
+    def trained(self) -> bool:
+        """Every epoch is trained, or early_stopping ended the training."""
+        return self.job.protocol.epoch >= self.spec.epochs or self.stopped is not None
 
     # ---------------------------------------------------------------- evaluations
     def submit_evaluation(self, epoch: int, workers: list[str]) -> EvalRound:

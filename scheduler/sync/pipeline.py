@@ -126,8 +126,11 @@ class Pipeline(Part):
             next_epoch=nxt, epochs=s.epochs, evaluations_queue=self.c.epochs.queues,
             goodput=regime.mode == "goodput", next_batch=regime.batch_for(nxt),
             batch=p.global_batch,
-            checkpoint_due=checkpoint_due(nxt, every_epochs=s.checkpoint.every_epochs,
-                                          epochs=s.epochs, checkpoint_dir=bool(s.checkpoint.dir)))
+            # A judged epoch (early_stopping, keep_best) waits for its evaluation, as a
+            # checkpoint does.
+            checkpoint_due=self.c.epochs.judges_epochs or checkpoint_due(
+                nxt, every_epochs=s.checkpoint.every_epochs, epochs=s.epochs,
+                checkpoint_dir=bool(s.checkpoint.dir)))
 
     def send_ahead(self, start: Position, plans: dict[str, Any]) -> None:
         """Send the segment after the one at ``start`` (already sent) before its results

@@ -40,12 +40,13 @@ def _root(
 
 
 def _register() -> None:
-    from dynabatch.service.cli import cluster, jobs, run, simulate, tune
+    from dynabatch.service.cli import cluster, jobs, model, run, simulate, tune
 
     run.register(app)
     simulate.register(app)
     tune.register(app)
     jobs.register(app)
+    model.register(app)
     cluster.register(app)
 
 

@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Protocol
 
@@ -234,10 +235,12 @@ def option_problem(spec: JobSpec) -> str | None:
 
 def follow_job(job: JobHandle, *, console: Console, quiet: bool,
                interrupted: dict[str, int] | None = None,
-               interval_s: float = 0.5) -> tuple[JobSnapshot, list[EpochRecord]]:
+               interval_s: float = 0.5, tick: Callable[[], None] | None = None,
+               ) -> tuple[JobSnapshot, list[EpochRecord]]:
     """Follow the job to its end: its log lines (the user's own prints, warnings and errors
     among them, from every worker: dynabatch.actors.output) scroll above the live table,
-    printed as they are (no markup, no emoji). Ctrl-C (``interrupted``) cancels it."""
+    printed as they are (no markup, no emoji). Ctrl-C (``interrupted``) cancels it.
+    ``tick`` runs once a poll (the cluster scheduler's keep-alive)."""
     interrupted = interrupted if interrupted is not None else {"n": 0}
     since = 0
     cancel_sent = False
@@ -264,13 +267,20 @@ def follow_job(job: JobHandle, *, console: Console, quiet: bool,
                                    "(again to abort)[/]")
                 job.cancel("cancelled from the command line (Ctrl-C)")
                 cancel_sent = True
+            if tick is not None:
+                tick()
             time.sleep(interval_s)
     return snap, hist
 
 
 def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: bool,
-            console: Console) -> JobSnapshot:
+            console: Console, scheduler: bool | None = None) -> JobSnapshot:
+    """Train ``spec`` to its end, following it. On a cluster whose scheduler runs
+    (``scheduler`` None), or when asked (True: started if missing), the job queues there and
+    trains on the nodes it grants (resized by it from then); False, or the embedded local
+    Ray, launches it at once."""
     from dynabatch.scheduler.runtime.launch import launch_coordinator
+    from dynabatch.service import scheduling as sched
     from dynabatch.service.raycluster import connect
 
     cores = os.cpu_count() or 1
@@ -281,9 +291,9 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
             print_plain(stderr(), f"warning: {warning}")
     # A local working_dir is shipped with this driver's Ray job
     # (dynabatch.scheduler.runtime.launch).
+    embedded = address is None and not os.environ.get("RAY_ADDRESS")
     connect(address, num_cpus=max(cores, need), working_dir=spec.working_dir)
-    job_id = uuid.uuid4().hex[:12]
-    handle = launch_coordinator(job_id, spec, detached=False, resume=False)
+    placer = sched.scheduler_for_run(not embedded, scheduler)
     interrupted = {"n": 0}
 
     def on_sigint(signum, frame):
@@ -292,9 +302,27 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
             raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGINT, on_sigint)
+    tick = None
     try:
-        snap, hist = follow_job(RayJob(handle), console=console, quiet=quiet,
-                                interrupted=interrupted)
+        if placer is None:
+            job_id = uuid.uuid4().hex[:12]
+            handle = launch_coordinator(job_id, spec, detached=False, resume=False)
+        else:
+            submit_s = time.time()
+            job_id, handle = sched.run_placed(
+                placer, spec,
+                lambda jid, slots: launch_coordinator(
+                    jid, spec, detached=False, resume=False, assignment=slots),
+                on_wait=lambda why: print_plain(stderr(), f"cluster scheduler: {why}"),
+                interrupted=lambda: interrupted["n"] > 0)
+            print_plain(stderr(), f"cluster scheduler: job {job_id} granted its nodes")
+            tick = sched.keep_alive(placer, job_id, spec, submit_s)
+        try:
+            snap, hist = follow_job(RayJob(handle), console=console, quiet=quiet,
+                                    interrupted=interrupted, tick=tick)
+        finally:
+            if placer is not None:
+                sched.finish_quietly(placer, job_id)
     finally:
         signal.signal(signal.SIGINT, old)
     summary = utilization_summary(hist)
@@ -349,6 +377,11 @@ def register(app: typer.Typer) -> None:
             "modules importable by the job's import paths); overrides the config's "
             "working_dir, which is read relative to the config's folder.")] = None,
         sets: SetOption = None,
+        scheduler: Annotated[bool | None, typer.Option(
+            "--scheduler/--no-scheduler", help="With --address: queue the job with the "
+            "cluster scheduler and train on the nodes it grants (default: when one runs on "
+            "that cluster; --scheduler starts one if none runs); --no-scheduler launches "
+            "it at once, bypassing the scheduler.", show_default=False)] = None,
     ) -> None:
         """Train CONFIG on Ray, showing the job's log and a live per-worker table."""
         console = out_console()
@@ -357,12 +390,17 @@ def register(app: typer.Typer) -> None:
         except CliError as err:
             print_plain(stderr(), f"error: {one_line(str(err))}")
             raise typer.Exit(2) from None
+        if scheduler and address is None and not os.environ.get("RAY_ADDRESS"):
+            print_plain(stderr(), "error: --scheduler needs --address: the embedded local "
+                        "Ray runs one job, with no cluster scheduler")
+            raise typer.Exit(2)
         problem = option_problem(spec)
         if problem:
             print_plain(stderr(), f"error: {config}: {problem}")
             raise typer.Exit(2)
         try:
-            snap = run_job(spec, address=address, report=report, quiet=quiet, console=console)
+            snap = run_job(spec, address=address, report=report, quiet=quiet, console=console,
+                           scheduler=scheduler)
         except KeyboardInterrupt:
             console.print("[red]aborted[/]")
             raise typer.Exit(130) from None

@@ -68,8 +68,8 @@ def _remove_the_tests_own_nodes(request: pytest.FixtureRequest) -> Iterator[None
     scopes first), so a test that asks for the cluster finds it in ``_SESSION`` here.
 
     Also refuses a test that uses the cluster from a module listed as starting its own Ray:
-    ``make test`` would run it beside the cluster's group, in a worker that starts a second
-    cluster.
+    ``pytest -n 2 --dist loadgroup`` would run it beside the cluster's group, in a worker
+    that starts a second cluster.
     """
     if "cluster" in request.fixturenames and request.path.name in OWN_RAY_MODULES:
         pytest.fail(

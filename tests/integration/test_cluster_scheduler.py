@@ -8,19 +8,32 @@ epoch verified.
 (b) goodput: a running job shrinks at a step boundary to admit a new one, grows back when
 that one finishes, keeps training while the scheduler actor is killed, and a new scheduler
 adopts it with the same allocation. No restart, every epoch verified.
+(c) ``dynabatch run --address``'s job path with the scheduler running: the run's job
+queues there and trains on the nodes it grants; a job then submitted through the service
+queues behind it (fifo) and starts once the run reports its job finished.
+(d) Item 7's behaviour, not its times: 3 elastic jobs at once and a 4th once the first has
+finished an epoch, under goodput on 4 nodes of two types (2 more, 3x slower, beside the
+module's): every job SUCCEEDS with every epoch verified, jobs are resized, none restarts.
 """
 
 from __future__ import annotations
 
+import io
+import json
+import threading
+
 import pytest
 import ray
+from dynabatch.actors.emulation import NODE_SLOWDOWN_ENV
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime.cluster import JobEntry, ensure_scheduler, find_scheduler
 from dynabatch.scheduler.runtime.launch import find_coordinator
+from dynabatch.service.cli.run import run_job
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.settings import Settings
 from dynabatch.service.wiring import build_service
+from rich.console import Console
 
 from .conftest import wait_for
 
@@ -73,6 +86,45 @@ def _scheduler(policy: str):
 def _snap(job_id: str):
     handle = find_coordinator(job_id)
     return None if handle is None else ray.get(handle.snapshot.remote(), timeout=30)
+
+
+def _service(tmp_path, policy: str, hold_s: float = 0.0, round_s: float = 0.5):
+    """The service as ``dynabatch serve`` runs it with the scheduler on (its sync loop run by
+    the test), on a fresh scheduler; finished coordinators are kept to be read."""
+    old = find_scheduler()
+    if old is not None:
+        ray.kill(old, no_restart=True)
+        wait_for(lambda: find_scheduler() is None, timeout=30)
+    settings = Settings(
+        db_path=str(tmp_path / "jobs.db"),
+        sync_interval_s=0,
+        cluster_scheduler=True,
+        cluster_policy=policy,
+        cluster_round_s=round_s,
+        cluster_hold_s=hold_s,
+        release_finished=False,
+    )
+    service = build_service(settings, RayClusterClient(ray.get_runtime_context().gcs_address))
+    service.cluster.connect()
+    service.start()
+    service.sync_once()  # the scheduler exists and has rebuilt: rounds run
+    return service
+
+
+def _stop(service, job_ids) -> None:
+    service.stop()
+    _release(*job_ids)
+    sched = find_scheduler()
+    if sched is not None:
+        ray.kill(sched, no_restart=True)
+    service.store.close()
+
+
+def _resizes(job_id: str) -> int:
+    """Membership generations in which workers joined or left, less the first (its first
+    workers joining); a lost or evicted worker is not a resize."""
+    events = ray.get(find_coordinator(job_id).membership_events.remote(), timeout=30)
+    return max(0, len({e.generation for e in events if e.kind not in ("failure", "evict")}) - 1)
 
 
 def _release(*job_ids: str) -> None:
@@ -182,3 +234,109 @@ def test_goodput_shrinks_a_job_to_admit_another_and_a_new_scheduler_adopts_it(sl
     finally:
         _release("gpa", "gpb")
         ray.kill(sched, no_restart=True)
+
+
+def test_run_goes_through_the_scheduler_and_a_submitted_job_queues_behind_it(
+    slots, cluster, tmp_path
+):
+    """``run``'s own job path (``run_job``, as ``dynabatch run --address`` calls it) while
+    the scheduler runs: the scheduler sees the job, places it on both slots, and a job
+    submitted to the service queues behind it; the run reports its end, and the other
+    starts."""
+    service = _service(tmp_path, "fifo")
+    gang = dict(workers=2, min_workers=2, max_workers=2)
+    seen: dict = {"views": [], "b": None, "b_reasons": []}
+    done = threading.Event()
+
+    def service_side() -> None:
+        # The service's sync loop, and a submit once the run's job holds its nodes.
+        while not done.is_set():
+            service.sync_once()
+            view = service.cluster_view()
+            if view is not None:
+                seen["views"].append(view)
+                held = [j for j in view.jobs if j.allocation]
+                if seen["b"] is None and held:
+                    seen["run"] = held[0].job_id
+                    seen["b"] = service.submit(_spec("b", **gang)).id
+            if seen["b"] is not None:
+                rec = service.get(seen["b"])
+                if rec.reason:
+                    seen["b_reasons"].append(rec.reason)
+                if rec.state.is_terminal:
+                    return
+            done.wait(0.5)
+
+    thread = threading.Thread(target=service_side, daemon=True)
+    thread.start()
+    try:
+        # In the main thread: run installs its Ctrl-C handler.
+        snap = run_job(
+            _spec("r", **gang),
+            address=cluster.address,
+            report=tmp_path / "run.json",
+            quiet=True,
+            console=Console(file=io.StringIO()),
+        )
+        assert snap.state == JobState.SUCCEEDED, snap.reason
+        run_id = snap.job_id
+        assert seen.get("run") == run_id  # the scheduler placed the run's job
+        hist = json.loads((tmp_path / "run.json").read_text())["history"]
+        assert [r["epoch"] for r in hist] == [0, 1] and all(r["verified"] for r in hist)
+        # It ended: reported finished, the scheduler holds it no more.
+        sched = find_scheduler()
+        wait_for(lambda: ray.get(sched.allocation.remote(run_id), timeout=30) is None)
+        thread.join(timeout=400)
+        assert not thread.is_alive(), "the submitted job did not end"
+        b = service.get(seen["b"])
+        assert b.state == JobState.SUCCEEDED, b.reason
+        hist = service.history(b.id)
+        assert [r.epoch for r in hist] == [0, 1] and all(r.verified for r in hist)
+        # While the run's job held both slots, the submitted one waited, holding nothing.
+        by_job = [{j.job_id: j for j in v.jobs} for v in seen["views"]]
+        during = [v for v in by_job if run_id in v and b.id in v and v[run_id].allocation]
+        assert during and all(v[b.id].workers == 0 for v in during)
+        assert all(sorted(n for n, _ in v[run_id].allocation) == slots for v in during)
+        assert any(list(v.queue) == [b.id] for v in seen["views"])
+        assert any(r.startswith("queued: position 1 of 1") for r in seen["b_reasons"])
+    finally:
+        done.set()
+        thread.join(timeout=30)
+        _stop(service, [seen["b"]] if seen["b"] else [])
+
+
+def test_goodput_four_jobs_on_two_node_types_resize_without_restarts(slots, cluster, tmp_path):
+    """Item 7's behaviour on Ray (``bench/cluster_real.py`` measures its times)."""
+    slow = [
+        cluster.add_node(
+            num_cpus=1,
+            resources={TAG: 1, f"node-type:{TAG}-slow": 1},
+            object_store_memory=80 * 2**20,
+            env_vars={NODE_SLOWDOWN_ENV: "3"},
+        )
+        for _ in range(2)
+    ]
+    cluster.wait_for_nodes()
+    assert len(slow) == 2
+    service = _service(tmp_path, "goodput", hold_s=2.0, round_s=1.0)
+    elastic = dict(workers=1, min_workers=1, max_workers=4, emulation={"slowdowns": [1.0]})
+    ids: list[str] = []
+    try:
+        ids = [service.submit(_spec(f"g{i}", seed=i, **elastic)).id for i in range(3)]
+
+        def step() -> bool:
+            service.sync_once()
+            if len(ids) == 3 and service.history(ids[0]):
+                ids.append(service.submit(_spec("g3", seed=3, **elastic)).id)
+            return len(ids) == 4 and all(service.get(j).state.is_terminal for j in ids)
+
+        wait_for(step, timeout=900, interval=0.5)
+        for job_id in ids:
+            rec = service.get(job_id)
+            assert rec.state == JobState.SUCCEEDED, (job_id, rec.reason)
+            assert rec.resumes == 0, job_id  # no restart
+            hist = service.history(job_id)
+            assert [r.epoch for r in hist] == [0, 1] and all(r.verified for r in hist)
+        assert sum(_resizes(j) for j in ids) > 0
+    finally:
+        _stop(service, ids)

@@ -920,6 +920,7 @@ def test_openapi_is_complete(make_app: MakeApp) -> None:
         "/v1/jobs/{job_id}/scale",
         "/v1/jobs/{job_id}/workers/{worker}",
         "/v1/jobs/{job_id}/resume",
+        "/v1/jobs/{job_id}/model",
         "/v1/code",
         "/v1/nodes",
         "/v1/cluster",
@@ -943,6 +944,9 @@ def test_openapi_is_complete(make_app: MakeApp) -> None:
     assert worker["schema"]["pattern"] == "^w[0-9]{1,6}$" and worker["schema"]["examples"]
     assert {"202", "404", "409"} <= set(paths["/v1/jobs/{job_id}/resume"]["post"]["responses"])
     assert "404" in paths["/v1/jobs/{job_id}"]["get"]["responses"]
+    model = paths["/v1/jobs/{job_id}/model"]["get"]["responses"]
+    assert {"200", "401", "404", "409"} <= set(model) and "application/zip" in model["200"][
+        "content"]
     comps = schema["components"]["schemas"]
     assert "JobSpec" in comps and "JobDetail" in comps
     assert comps["JobDetail"].get("example") and comps["JobSpec"].get("examples")

@@ -117,3 +117,108 @@ def test_optimizers_of_the_spec(name, cls):
     spec = _spec(optimizer={"name": name, "lr": 0.01, "weight_decay": 0.01})
     opt = build_optimizer(spec, [torch.nn.Parameter(torch.zeros(2))])
     assert type(opt) is cls and opt.param_groups[0]["weight_decay"] == 0.01
+
+
+# --- optimizers by name and by import path, LR schedulers (issue 33, item 3) -------------
+
+
+def test_a_torch_optim_class_by_name_takes_the_spec_fields_and_its_options():
+    w = _make_with(optimizer={"name": "RMSprop", "lr": 0.1, "momentum": 0.5,
+                              "options": {"alpha": 0.95, "centered": True}})
+    try:
+        opt = w.optimizer
+        assert type(opt) is torch.optim.RMSprop
+        g = opt.param_groups[0]
+        assert (g["alpha"], g["centered"], g["momentum"]) == (0.95, True, 0.5)
+        assert w.run_segment(_plan(lr=0.0125)).error is None
+        assert g["lr"] == 0.0125  # the plan's rate, every step
+    finally:
+        w.leave()
+
+
+def test_an_import_path_optimizer_is_made_from_the_params_and_options():
+    w = _make_with(optimizer={"name": "tests.unit.optim_plugins:make",
+                              "options": {"decay": 0.9}})
+    try:
+        assert type(w.optimizer) is torch.optim.RMSprop
+        assert w.optimizer.param_groups[0]["alpha"] == 0.9
+        assert w.run_segment(_plan(lr=0.02)).error is None
+        assert w.optimizer.param_groups[0]["lr"] == 0.02
+    finally:
+        w.leave()
+
+
+@pytest.mark.parametrize("optimizer, message", [
+    ({"name": "RMSprop", "options": {"betas": [0.9, 0.9]}},
+     "optimizer.options.betas: RMSprop has no option 'betas'"),
+    ({"name": "Adagrad", "momentum": 0.9}, "optimizer.momentum: Adagrad takes no momentum"),
+    ({"name": "RMSprop", "options": {"lr": 0.1}}, "optimizer.options.lr: set optimizer.lr"),
+    ({"name": "Rmsprop"}, "optimizer.name: torch.optim has no optimizer 'Rmsprop' (it has: "),
+    ({"name": "LBFGS"}, "optimizer.name: LBFGS cannot be used here"),
+    ({"name": "RMSprop", "options": {"alpha": -1}}, "optimizer.options: RMSprop refused"),
+    ({"lr_scheduler": {"name": "StepLR", "options": {"step": 2}}},
+     "optimizer.lr_scheduler.options.step: StepLR has no option 'step'"),
+    ({"lr_scheduler": {"name": "ReduceLROnPlateau"}},
+     "optimizer.lr_scheduler.name: ReduceLROnPlateau cannot be used here"),
+    ({"lr_scheduler": {"name": "Cosine"}},
+     "optimizer.lr_scheduler.name: torch.optim.lr_scheduler has no scheduler 'Cosine'"),
+])
+def test_bad_optimizers_and_schedulers_are_one_line_naming_the_field(optimizer, message):
+    from dynabatch.service.submit_policy import check_builtin_options
+
+    problems = check_builtin_options(_spec(optimizer=optimizer))
+    assert len(problems) == 1
+    line = ": ".join(problems[0])
+    assert line.startswith(message) and "\n" not in line, line
+
+
+def test_a_user_optimizer_that_returns_something_else_names_the_field():
+    from dynabatch.actors.workloads import WorkloadError
+
+    spec = _spec(optimizer={"name": "tests.unit.optim_plugins:not_an_optimizer"})
+    with pytest.raises(WorkloadError, match=r"^optimizer\.name: .* returned a list, not a "):
+        build_optimizer(spec, [torch.nn.Parameter(torch.zeros(2))])
+
+
+def test_an_import_path_optimizer_is_confined_like_other_user_code():
+    from dynabatch.service.submit_policy import check_user_code
+
+    spec = _spec(optimizer={"name": "evil.mod:make"})
+    assert [f for f, _ in check_user_code(spec, ())] == ["optimizer.name"]
+    assert check_user_code(spec, ("evil",)) == []
+
+
+def test_the_lr_scheduler_is_stepped_per_epoch_into_the_plan():
+    from dynabatch.scheduler.core.regime.regime import Regime
+    from dynabatch.scheduler.sync.coordinator import _lr_scheduler_factors
+
+    spec = _spec(epochs=4, optimizer={"lr": 0.2, "lr_scheduler": {
+        "name": "StepLR", "options": {"step_size": 2, "gamma": 0.5}}})
+    factors, error = _lr_scheduler_factors(spec)
+    assert error is None and factors == (1.0, 1.0, 0.5, 0.5)
+    sched = Regime(spec, factors).schedule
+    # Every step of an epoch at the epoch's rate; the same table for every worker.
+    assert [sched.lr_at(e, s, 3) for e in range(4) for s in (0, 2)] == pytest.approx(
+        [0.2, 0.2, 0.2, 0.2, 0.1, 0.1, 0.1, 0.1])
+    cos = _spec(epochs=3, optimizer={"lr": 0.1, "lr_scheduler": {
+        "name": "CosineAnnealingLR", "options": {"T_max": 2}}})
+    assert _lr_scheduler_factors(cos)[0] == pytest.approx((1.0, 0.5, 0.0), abs=1e-12)
+
+
+def test_an_lr_scheduler_with_a_schedule_names_both_fields():
+    from dynabatch.actors.spec import SpecError, parse_spec
+
+    with pytest.raises(SpecError) as err:
+        parse_spec({"epochs": 4, "optimizer": {"lr_scheduler": {"name": "StepLR", "options": {
+            "step_size": 1}}, "schedule": {"name": "cosine"}}})
+    assert "optimizer.lr_scheduler: optimizer.lr_scheduler and optimizer.schedule" in str(
+        err.value)
+
+
+def _make_with(**kw) -> Worker:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=40)
+    w = Worker("w0", 0, _spec(**kw), x, y, (4,), 3)
+    w.join(w.group.open_store(1, 1, "gloo", host="127.0.0.1"), 0)
+    return w

@@ -321,6 +321,8 @@ INT_FIELDS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "rebalance.every_steps": lambda v: {"rebalance": {"every_steps": v}},
     "rebalance.check_steps": lambda v: {"rebalance": {"check_steps": v}},
     "checkpoint.every_epochs": lambda v: {"checkpoint": {"every_epochs": v}},
+    "early_stopping.patience": lambda v: {"early_stopping": {"metric": "loss", "mode": "min",
+                                                              "patience": v}},
     "emulation.disturbances.0.worker": lambda v: {
         "emulation": {"disturbances": [{"worker": v, "factor": 2}]}
     },

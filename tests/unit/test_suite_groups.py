@@ -1,4 +1,5 @@
-"""How ``make test`` splits the suite over its two workers (``tests/conftest.py``).
+"""How ``pytest -n 2 --dist loadgroup`` splits the suite over two workers
+(``tests/conftest.py``).
 
 The integration tests on the session's Ray cluster must stay in one group (one worker, one
 cluster, run one after another); a module listed as starting its own Ray must exist and not

@@ -49,8 +49,9 @@ def _decayed(s: StepTimeStats, k: float) -> StepTimeStats:
 
 
 class Regime:
-    def __init__(self, spec) -> None:
-        self.schedule = Schedule.from_spec(spec)
+    def __init__(self, spec, lr_factors: tuple[float, ...] = ()) -> None:
+        # lr_factors: the spec's LR scheduler per epoch (computed with torch, outside).
+        self.schedule = Schedule.from_spec(spec, lr_factors)
         self.base_batch = spec.global_batch
         self.mode = spec.schedule.mode
         self.lo, self.hi = spec.batch_range

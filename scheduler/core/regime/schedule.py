@@ -12,7 +12,10 @@ steps (the position *after* the step, so a warm-up's first step is not wasted at
 The learning rate of a step is ``lr = lr_0 · f_sched(t) · f_warm(t) · f_batch(e, t)``:
 
 * ``f_sched``: ``constant`` 1; ``multistep`` γ^(number of milestones m ≤ e); ``cosine``
-  ``m + (1 − m)·½·(1 + cos(π·t/E))`` with ``m = min_factor`` and E the job's epochs.
+  ``m + (1 − m)·½·(1 + cos(π·t/E))`` with ``m = min_factor`` and E the job's epochs; or,
+  given ``epoch_factors`` (a ``torch.optim.lr_scheduler`` stepped once per epoch, computed
+  by :func:`dynabatch.actors.optim.lr_scheduler_factors` outside this pure module), the
+  factor of epoch e (the last one for any epoch past them).
 * ``f_warm``: ``min(1, t / w)`` for the LR schedule's ``warmup_epochs`` w (1 when w = 0).
 * ``f_batch`` (batch stages, Hu et al. 2022 / Goyal et al. 2017): stage k trains at B_k;
   its target factor relative to the first stage is ``ρ_k = B_k/B_0`` (``linear``),
@@ -52,13 +55,16 @@ class LrRule:
     min_factor: float = 0.0
     warmup_epochs: float = 0.0
     total_epochs: int = 1
+    epoch_factors: tuple[float, ...] = ()  # an LR scheduler's factor per epoch, if any
 
     def __post_init__(self) -> None:
         if self.name not in LR_SCHEDULES:
             raise ValueError(f"unknown LR schedule {self.name!r}: use {', '.join(LR_SCHEDULES)}")
 
     def factor(self, epoch: int, t: float) -> float:
-        if self.name == "multistep":
+        if self.epoch_factors:
+            f = self.epoch_factors[min(max(epoch, 0), len(self.epoch_factors) - 1)]
+        elif self.name == "multistep":
             f = self.gamma ** sum(1 for m in self.milestones if epoch >= m)
         elif self.name == "cosine":
             x = min(max(t / self.total_epochs, 0.0), 1.0)
@@ -104,13 +110,14 @@ class Schedule:
         return cls((Stage(epochs, global_batch),), lr, "none", 0.0)
 
     @classmethod
-    def from_spec(cls, spec) -> Schedule:
+    def from_spec(cls, spec, epoch_factors: tuple[float, ...] = ()) -> Schedule:
         """The schedule of a :class:`~dynabatch.actors.spec.JobSpec` (fixed or stages; goodput mode
-        starts at ``global_batch`` and overrides the batch each epoch)."""
+        starts at ``global_batch`` and overrides the batch each epoch). ``epoch_factors``:
+        the spec's ``optimizer.lr_scheduler`` as a factor per epoch, when it has one."""
         o = spec.optimizer
         r = o.schedule
         lr = LrRule(o.lr, r.name, tuple(r.milestones), r.gamma, r.min_factor, r.warmup_epochs,
-                    spec.epochs)
+                    spec.epochs, tuple(epoch_factors))
         b = spec.schedule
         if b.mode == "stages":
             return cls(tuple(Stage(s.epochs, s.global_batch, s.lr_factor, s.warmup_epochs)

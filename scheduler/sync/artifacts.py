@@ -1,0 +1,102 @@
+"""The trained model out: at the job's end, its final weights as safetensors with a manifest.
+
+The files (:mod:`dynabatch.actors.export`) are built from the state a holder returns, the
+same state a checkpoint saves, and kept by the coordinator (:meth:`~dynabatch.scheduler.
+control.JobControl.model_files`) until it is released; the service copies them then. With
+``artifacts.dir`` they are also written to ``DIR/JOB_ID/`` (a local path or a ``pyarrow.fs``
+URI). With ``checkpoint.keep_best``, the best epoch's weights come from its checkpoint
+(``best.pt``) and go beside the final ones. A job whose runtime has no real model (a
+simulation without gradients, the tests' fakes) has none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynabatch.scheduler.sync.job import Part
+
+
+class Artifacts(Part):
+    def save(self, reason: str) -> None:
+        """Build the model's files from the state a holder returns, keep them, and write
+        them to ``artifacts.dir`` when it is set. A job that cannot export (no holder, a
+        state safetensors cannot hold, a directory it cannot write) still ends as it was
+        going to: the problem is a WARNING in its log."""
+        from dynabatch.actors.data.source import DataError
+        from dynabatch.actors.export import ExportError, model_files, write_files
+
+        job, s = self.job, self.spec
+        data = job.data
+        if data is None or not data.input_shape or not data.num_classes:
+            return
+        state = self.c.checkpoints.held_state("model export")
+        model = (state or {}).get("model")
+        if not model:
+            self.log("WARNING", f"model export ({reason}) skipped: no worker holds the state")
+            return
+        p = job.protocol
+        epoch = p.epoch if p is not None else job.position.epoch
+        last = self.c._history[-1] if self.c._history else None
+        metrics = {"train_loss": last.train_loss, **last.scores} if last else {}
+        best, best_epoch, best_metrics = self._best()
+        try:
+            files = model_files(
+                spec=s,
+                input_shape=data.input_shape,
+                num_classes=data.num_classes,
+                final=model,
+                epoch=epoch,
+                metrics=metrics,
+                best=best,
+                best_epoch=best_epoch,
+                best_metrics=best_metrics,
+                job_id=self.c.job_id,
+            )
+        except ExportError as err:
+            self.log("WARNING", f"model export ({reason}) skipped: {err}")
+            return
+        with self.c._lock:
+            self.c._model_files = files
+        if not s.artifacts.dir:
+            self.log(
+                "INFO",
+                f"trained model ({reason}) at epoch {epoch}: kept for "
+                f"download ({', '.join(sorted(files))})",
+            )
+            return
+        target = f"{s.artifacts.dir.rstrip('/')}/{self.c.job_id}"
+        try:
+            write_files(files, target)
+        except (ExportError, DataError) as err:
+            self.log("WARNING", f"model export ({reason}): {err}")
+            return
+        self.log("INFO", f"trained model ({reason}) at epoch {epoch}: {target}")
+
+    def _best(self) -> tuple[dict[str, Any] | None, int | None, dict[str, float] | None]:
+        """The best epoch's model state, epoch (epochs trained) and metrics, from its
+        checkpoint when the job keeps one (``checkpoint.keep_best``); Nones otherwise, or
+        when it cannot be read (a WARNING: the final weights still go out)."""
+        s = self.spec
+        if getattr(s.checkpoint, "keep_best", None) is None or not s.checkpoint.dir:
+            return None, None, None
+        from dynabatch.scheduler.checkpoint import (
+            BEST,
+            CheckpointError,
+            checkpoint_path,
+            load_checkpoint_file,
+        )
+        from dynabatch.scheduler.telemetry import EpochRecord
+
+        path = checkpoint_path(s.checkpoint.dir, self.c.job_id, BEST)
+        if not path.is_file():
+            return None, None, None
+        try:
+            ckpt = load_checkpoint_file(path)
+            state = ckpt["weights"]["model"]
+            history = ckpt.get("history") or []
+            rec = EpochRecord.model_validate(history[-1]) if history else None
+            metrics = {"train_loss": rec.train_loss, **rec.scores} if rec else {}
+            return state, ckpt.get("epoch"), metrics
+        except (CheckpointError, KeyError, TypeError, ValueError) as err:
+            self.log("WARNING", f"model export: the best weights are left out ({err})")
+            return None, None, None

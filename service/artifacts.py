@@ -1,0 +1,119 @@
+"""A job's trained model, as the service serves it (``GET /v1/jobs/{id}/model``).
+
+The job's coordinator builds the files at the job's end (safetensors and a manifest,
+:mod:`dynabatch.actors.export`) and writes them to ``artifacts.dir/JOB_ID/`` when the spec
+names one. A job without ``artifacts.dir`` has them only in its coordinator, which the service
+releases once the job has finished: :func:`keep_model` copies them first, into the service's
+own ``models/JOB_ID/`` beside its database (:func:`models_dir`). :func:`job_model` finds them
+in that order: the job's ``artifacts.dir``, the service's copy, the live coordinator.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dynabatch.actors.data.source import DataError
+from dynabatch.actors.export import ExportError, has_model, read_files, write_files
+from dynabatch.service.cluster_client import ClusterClient
+from dynabatch.service.errors import JobConflict, RayCallError
+
+if TYPE_CHECKING:  # the job service calls keep_model: no import cycle
+    from dynabatch.service.jobs import JobService
+
+log = logging.getLogger("dynabatch.service")
+
+
+class NoModel(JobConflict):
+    """The job has no trained weights (yet): 409."""
+
+    def __init__(self, job_id: str):
+        super().__init__(f"job {job_id} has no trained weights yet")
+        self.job_id = job_id
+
+
+def models_dir(db_path: str) -> Path | None:
+    """Where the service keeps the models of jobs without ``artifacts.dir``: ``models/``
+    beside its database (``DYNABATCH_DB_PATH``), the service's own disk. None for an
+    in-memory database: such a service has no disk of its own to keep them on."""
+    if db_path in ("", ":memory:") or db_path.startswith("file::memory:"):
+        return None
+    return Path(db_path).expanduser().resolve().parent / "models"
+
+
+def keep_model(cluster: ClusterClient, job_id: str, models_dir: Path | None) -> bool:
+    """Copy the finished job's model files from its coordinator into ``models_dir/JOB_ID``,
+    before the coordinator is released. False when it has none (or cannot be asked): a
+    failure to keep them never keeps the job from being released."""
+    if models_dir is None:
+        return False
+    try:
+        files = cluster.model_files(job_id)
+        if not files:
+            return False
+        write_files(files, str(models_dir / job_id), field="models directory")
+    except (RayCallError, ExportError, DataError) as err:
+        log.warning("job %s: cannot keep its trained model (%s)", job_id, err)
+        return False
+    return True
+
+
+def job_model(service: JobService, job_id: str) -> dict[str, bytes]:
+    """The job's model files by name, from its ``artifacts.dir``, the service's copy (in
+    :func:`models_dir`) or its live coordinator. Raises ``JobNotFound`` (no such job),
+    :class:`NoModel` (no weights anywhere yet) or :class:`JobConflict` naming the file that
+    cannot be read."""
+    rec = service.get(job_id)
+    places = []
+    if rec.spec.artifacts.dir:
+        places.append(f"{rec.spec.artifacts.dir.rstrip('/')}/{job_id}")
+    kept = models_dir(service.store.path)
+    if kept is not None:
+        places.append(str(kept / job_id))
+    try:
+        for place in places:
+            if has_model(place):
+                return read_files(place)
+    except (ExportError, DataError) as err:
+        raise JobConflict(str(err)) from None
+    try:
+        files = service.cluster.model_files(job_id)
+    except RayCallError:  # no coordinator (released, lost) or Ray down
+        files = None
+    if not files:
+        raise NoModel(job_id)
+    return files
+
+
+def zip_model(files: dict[str, bytes]) -> bytes:
+    """The files as one zip (stored, not compressed: weights do not compress)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as z:
+        for name in sorted(files):
+            z.writestr(name, files[name])
+    return buf.getvalue()
+
+
+def unzip_model(data: bytes, directory: Path) -> list[str]:
+    """Write a downloaded model zip's files into ``directory`` (created); their names.
+    ValueError with one line when it is not a model zip: a name with a path in it (which
+    could write outside ``directory``) or no manifest."""
+    from dynabatch.actors.export import FILES, MANIFEST
+
+    allowed = {MANIFEST, *FILES.values()}
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            names = z.namelist()
+            bad = [n for n in names if n not in allowed]
+            if bad or MANIFEST not in names:
+                why = f"unexpected file {bad[0]!r}" if bad else f"no {MANIFEST}"
+                raise ValueError(f"not a dynabatch model download ({why})")
+            directory.mkdir(parents=True, exist_ok=True)
+            for n in names:
+                (directory / n).write_bytes(z.read(n))
+    except zipfile.BadZipFile as err:
+        raise ValueError(f"not a dynabatch model download ({err})") from None
+    return sorted(names)

@@ -1,0 +1,45 @@
+"""``dynabatch export ID -o DIR``: a job's trained model from the REST service, unpacked.
+
+The directory gets ``model.safetensors``, ``best.safetensors`` (when the job kept one) and
+``manifest.json``, as ``GET /v1/jobs/{id}/model`` serves them; ``dynabatch.load_model(DIR)``
+rebuilds the module from it. Errors are one ``error: ...`` line and exit status 1, as the
+other client commands (:mod:`dynabatch.service.cli.common`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from dynabatch.service.artifacts import unzip_model
+from dynabatch.service.cli.common import CliError, api_client
+from dynabatch.service.cli.jobs import JobIdArg, Token, Url
+from dynabatch.service.client import DEFAULT_URL
+
+
+def export(
+    ctx: typer.Context,
+    job_id: JobIdArg,
+    out: Annotated[
+        Path,
+        typer.Option("--out", "-o", help="Directory to write the model's files into (created)."),
+    ],
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+) -> None:
+    """Download a job's trained model (safetensors and manifest) into a directory."""
+    with api_client(ctx, url, token, job_id=job_id) as client:
+        if out.exists() and not out.is_dir():
+            raise CliError(f"--out: {out} is a file, not a directory")
+        data = client.model(job_id)
+        try:
+            names = unzip_model(data, out)
+        except (ValueError, OSError) as err:
+            raise CliError(f"--out: {out}: {err}") from None
+        typer.echo(f"job {job_id}: {', '.join(names)} written to {out}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``export``."""
+    app.command("export")(export)

@@ -1,0 +1,284 @@
+"""The reconciler: the sync loop that keeps the store in step with Ray (each live job's
+snapshot, new epochs and log lines, through the registry; a finished job's coordinator
+released), the re-attach of jobs an earlier API process left live, and the recovery of a
+lost coordinator: the pure crash-loop policy
+(:func:`dynabatch.scheduler.core.recovery.decide_lost`) decides, this executes it. A resume
+starts the job's next generation, a coordinator named by the store's count of resumes, so it
+never waits for Ray to free a dead one's name. With the cluster scheduler on, a job has no
+coordinator to poll until the scheduler starts it on the nodes it grants.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from dynabatch.actors.errors import first_line
+from dynabatch.scheduler.core.recovery import Action, LostCoordinator, decide_lost
+from dynabatch.scheduler.telemetry import JobSnapshot
+from dynabatch.service.admission import checkpoint_exists, launch_spec, relaunch_refusal
+from dynabatch.service.artifacts import keep_model, models_dir
+from dynabatch.service.cluster_client import ClusterClient
+from dynabatch.service.errors import ClusterUnavailable, CoordinatorGone, RayCallError
+from dynabatch.service.registry import JobRegistry
+from dynabatch.service.scheduler_link import SchedulerLink
+from dynabatch.service.scheduling import Refused
+from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord
+from dynabatch.service.submit_policy import SubmitPolicy
+
+log = logging.getLogger("dynabatch.service")
+
+EMBEDDED_ENDED = "the embedded Ray cluster ended with the API process"
+STOP_JOIN_S = 1.0  # how long stop() waits for a sync tick in progress
+# With an embedded Ray, a coordinator found gone may be the process going down (a signal to
+# the process group ends Ray's processes too, maybe before our handler runs): the sync loop
+# waits this long for the shutdown to begin before calling it a loss.
+EMBEDDED_GONE_WAIT_S = 0.5
+
+
+def _reachable(cluster: object) -> bool:
+    """Whether the cluster answers now, by its bounded check when it has one."""
+    check = getattr(cluster, "reachable", None)
+    return bool(check()) if callable(check) else True
+
+
+class Reconciler:
+    """The sync loop and the recovery of lost coordinators (see the module docstring)."""
+
+    def __init__(
+        self,
+        registry: JobRegistry,
+        cluster: ClusterClient,
+        link: SchedulerLink | None,
+        *,
+        sync_interval_s: float,
+        release_finished: bool,
+        auto_resume_limit: int,
+        submit_policy: SubmitPolicy,
+    ):
+        self.registry = registry
+        self.cluster = cluster
+        self.link = link  # the cluster scheduler's; None when it is off
+        self.sync_interval_s = sync_interval_s
+        self.release_finished = release_finished
+        self.auto_resume_limit = auto_resume_limit
+        self.submit_policy = submit_policy
+        # Held by a sync of a job and by each command on one, so they never interleave.
+        self.lock = threading.RLock()
+        self._stop = threading.Event()
+        self._ending = threading.Event()  # the process is going down (begin_shutdown)
+        self._thread: threading.Thread | None = None
+        self.alive_nodes: int | None = None
+        self._started = False
+        # Jobs stored but not yet launched: the sync loop must not take the missing
+        # coordinator for a dead one.
+        self._launching: set[str] = set()
+        self._launching_lock = threading.Lock()
+
+    # Lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Re-attach jobs left live by an earlier process, then start the sync loop."""
+        self._ending.clear()
+        self.reattach()
+        self._started = True
+        if self.sync_interval_s > 0:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="dynabatch-sync", daemon=True)
+            self._thread.start()
+
+    def begin_shutdown(self) -> None:
+        """The process is going down: with an embedded Ray, a coordinator found gone from
+        now on went with it (recorded by :meth:`interrupt_live`). Safe from a signal
+        handler."""
+        self._ending.set()
+
+    def stop(self) -> None:
+        """Stop the sync loop; in embedded mode, record the end of Ray in the live jobs."""
+        self._ending.set()
+        self._stop.set()
+        if self._thread is not None:
+            # A tick blocked on a Ray that is gone must not hold the shutdown long: the loop
+            # is a daemon thread and checks the stop flag between jobs.
+            self._thread.join(timeout=STOP_JOIN_S)
+            self._thread = None
+        if self._started and self.cluster.embedded:
+            if _reachable(self.cluster):
+                self.sync_once()
+            else:
+                log.warning("the embedded Ray is gone: live jobs are recorded as they were")
+            self.interrupt_live()
+        self._started = False
+
+    def interrupt_live(self) -> None:
+        """Record the end of the embedded Ray in every live job: those with a checkpoint
+        stay live (PENDING) to be resumed when the API starts again, the others FAIL.
+        Store writes only: safe when Ray is gone, and from another thread."""
+        for rec in self.registry.live():
+            if self.auto_resume_limit > 0 and checkpoint_exists(rec):
+                self.registry.interrupt(
+                    rec.id,
+                    f"{EMBEDDED_ENDED}; the job resumes from its checkpoint when the "
+                    "API starts again",
+                )
+            else:
+                self.registry.fail(rec.id, EMBEDDED_ENDED)
+
+    def reattach(self) -> list[str]:
+        """Find the coordinators of jobs the store says are live; returns the ids found.
+        A job whose coordinator is gone is recovered by :meth:`coordinator_lost`."""
+        found = []
+        queued = self._queued_now()
+        for rec in self.registry.live():
+            if rec.id in queued:
+                continue  # the cluster scheduler has not started it: nothing to re-attach
+            if rec.cluster == EMBEDDED_CLUSTER or self.cluster.embedded:
+                if rec.cluster != EMBEDDED_CLUSTER:
+                    # Its own cluster may still be running it: never start a second copy.
+                    self.registry.fail(
+                        rec.id,
+                        f"the API restarted with an embedded Ray; the job's cluster "
+                        f"({rec.cluster}) is no longer attached",
+                    )
+                    continue
+                with self.lock:
+                    self.coordinator_lost(rec, EMBEDDED_ENDED)
+                continue
+            try:
+                ok = self.cluster.find(rec.id, rec.resumes)
+            except ClusterUnavailable as err:
+                log.warning("job %s: cannot re-attach yet (%s); will retry", rec.id, err)
+                continue
+            except RayCallError as err:
+                ok, why = False, str(err)
+            else:
+                why = "no coordinator actor on the Ray cluster after the API restarted"
+            if ok:
+                log.info("job %s: re-attached to its coordinator", rec.id)
+                found.append(rec.id)
+            else:
+                with self.lock:
+                    self.coordinator_lost(rec, f"lost while the API was down: {why}")
+        return found
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.sync_interval_s):
+            try:
+                self.sync_once()
+            except Exception:  # the loop must survive anything one tick does
+                log.exception("sync loop tick failed")
+
+    @contextmanager
+    def launching(self, job_id: str) -> Iterator[None]:
+        """While the job is stored but its coordinator not launched yet: the sync loop
+        leaves it alone."""
+        with self._launching_lock:
+            self._launching.add(job_id)
+        try:
+            yield
+        finally:
+            with self._launching_lock:
+                self._launching.discard(job_id)
+
+    # Sync -------------------------------------------------------------------------------
+    def sync_once(self) -> None:
+        """Poll every live job once, and refresh the count of alive nodes."""
+        queued = self._queued_now()
+        for rec in self.registry.live():
+            if self._stop.is_set() and self._thread is not None:
+                return
+            with self._launching_lock:
+                if rec.id in self._launching or rec.id in queued:
+                    continue
+            self.sync_job(rec.id)
+        try:
+            self.alive_nodes = sum(1 for n in self.cluster.nodes() if n.alive)
+        except RayCallError as err:
+            log.warning("cannot list Ray nodes: %s", err)
+            self.alive_nodes = None
+
+    def _queued_now(self) -> set[str]:
+        """The live jobs the cluster scheduler has not started (none when it is off)."""
+        return set() if self.link is None else self.link.queued(self.registry.live())
+
+    def sync_job(self, job_id: str, snapshot: JobSnapshot | None = None) -> JobRecord | None:
+        """Bring one job's stored state, history and logs up to date with its coordinator."""
+        with self.lock:
+            rec = self.registry.get(job_id)
+            if rec is None or rec.state.is_terminal:
+                return rec
+            try:
+                snap = snapshot if snapshot is not None else self.cluster.snapshot(job_id)
+                last_epoch, since = self.registry.log_cursor(rec)
+                records = self.cluster.history(job_id, 0 if last_epoch is None else last_epoch + 1)
+                lines = self.cluster.logs(job_id, since)
+            except CoordinatorGone as err:
+                if self.cluster.embedded and self._ending.wait(EMBEDDED_GONE_WAIT_S):
+                    return rec  # gone with this process's Ray: interrupt_live records it
+                return self.coordinator_lost(rec, self.died(err))
+            except RayCallError as err:
+                log.warning("job %s: sync failed (%s)", job_id, first_line(err, typed=False))
+                return rec
+            done = self.registry.record_sync(rec, snap, records, lines)
+            if snap.state.is_terminal and self.link is not None:
+                self.link.finished(job_id)
+            if snap.state.is_terminal and self.release_finished:
+                # The coordinator may hold the only copy of the trained model.
+                keep_model(self.cluster, job_id, models_dir(self.registry.store.path))
+                try:
+                    self.cluster.release(job_id)
+                except RayCallError as err:
+                    log.warning("job %s: cannot release coordinator (%s)", job_id, err)
+            return done
+
+    @staticmethod
+    def died(err: Exception) -> str:
+        """The reason a job records for a coordinator found dead by ``err``."""
+        return f"the job's coordinator actor died: {first_line(err, typed=False)}"
+
+    # Recovery ---------------------------------------------------------------------------
+    def coordinator_lost(self, rec: JobRecord, why: str) -> JobRecord | None:
+        """The live job ``rec``'s coordinator is gone: do what :func:`decide_lost` says."""
+        checkpoint = checkpoint_exists(rec)
+        decision = decide_lost(
+            LostCoordinator(
+                state=rec.state,
+                why=why,
+                checkpoint=checkpoint,
+                auto_resumes=rec.auto_resumes,
+                auto_resume_limit=self.auto_resume_limit,
+                not_allowed=relaunch_refusal(rec.spec, self.submit_policy) if checkpoint else None,
+            )
+        )
+        if decision.action is Action.NONE:
+            return rec
+        if decision.action is Action.FAIL:
+            return self.registry.fail(rec.id, decision.reason)
+        try:
+            return self.relaunch(rec, decision.reason, automatic=True)
+        except RayCallError:
+            return self.registry.get(rec.id)  # relaunch recorded the failure
+
+    def relaunch(self, rec: JobRecord, reason: str, automatic: bool) -> JobRecord:
+        """Start a new coordinator for ``rec``, the job's next generation, which picks up
+        the checkpoint. A launch that fails leaves the job FAILED and re-raises the
+        RayCallError."""
+        rec = self.registry.resumed(rec.id, reason, automatic=automatic)
+        log.warning("job %s: %s", rec.id, reason)
+        with self.launching(rec.id):
+            try:
+                if self.link is not None:
+                    self.link.register(rec)
+                else:
+                    self.cluster.launch(rec.id, launch_spec(rec), rec.resumes)
+            except Refused as err:
+                self.registry.fail(rec.id, f"{reason}; not resumed: {err}")
+                raise RayCallError(str(err)) from None
+            except RayCallError as err:
+                self.registry.fail(
+                    rec.id,
+                    f"{reason}; could not start a new coordinator: {first_line(err, typed=False)}",
+                )
+                raise
+        return rec

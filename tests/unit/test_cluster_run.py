@@ -1,0 +1,241 @@
+"""Issue 31, item 3: ``dynabatch run --address`` goes through the cluster scheduler.
+
+The scheduler actor's class driven in-process (no Ray: its node listing, coordinator lookup
+and launch replaced, rounds run by the test): a run's job is granted, not launched by the
+scheduler; the service's sync neither drops it nor forgets it in its rebuild; its nodes
+count against the service's jobs until it is reported finished. And ``run``'s side: it
+waits in the queue, launches on the granted nodes, and reports the end.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from dynabatch.actors.spec import JobSpec, parse_spec
+from dynabatch.scheduler.core.cluster.nodes import RayNode
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.runtime import cluster as cluster_rt
+from dynabatch.service import scheduling
+from dynabatch.service.cli import run as run_cli
+from rich.console import Console
+
+from tests.fakes import FakeCluster
+from tests.unit.test_cli_run import FakeJob
+
+GANG = {"workers": 2, "min_workers": 2, "max_workers": 2, "global_batch": 64, "epochs": 1}
+
+
+class Remote:
+    """A method of a fake actor: ``.remote()`` returns its answer (``ray.get`` is identity)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+class Coordinator:
+    """A running coordinator as the scheduler polls it."""
+
+    def __init__(self) -> None:
+        self.assigned_to: list[dict[str, int]] = []
+        self.snapshot = Remote(lambda: SimpleNamespace(state=JobState.RUNNING, workers=[]))
+        self.assign = Remote(self.assigned_to.append)
+        self.assigned = Remote(lambda: None)
+
+
+@pytest.fixture
+def world(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Two one-slot nodes; coordinators by job id; launches the scheduler made."""
+    w: dict[str, Any] = {"coordinators": {}, "launched": []}
+    nodes = [RayNode(f"n{i}", {"CPU": 1.0, "node-type:t": 1.0}) for i in (1, 2)]
+    monkeypatch.setattr(cluster_rt, "ray_nodes", lambda: nodes)
+    monkeypatch.setattr(
+        cluster_rt, "find_coordinator", lambda job_id, gen=0: w["coordinators"].get(job_id)
+    )
+
+    def launch(job_id: str, spec: JobSpec, **kw: Any) -> Coordinator:
+        w["launched"].append((job_id, kw["assignment"]))
+        w["coordinators"][job_id] = Coordinator()
+        return w["coordinators"][job_id]
+
+    monkeypatch.setattr(cluster_rt, "launch_coordinator", launch)
+    monkeypatch.setattr(cluster_rt.ray, "get", lambda value, timeout=None: value)
+    return w
+
+
+def _scheduler() -> cluster_rt.ClusterScheduler:
+    return cluster_rt.ClusterScheduler("fifo", round_s=1.0, hold_s=0.0, background=False)
+
+
+def test_a_runs_job_is_granted_to_its_run_and_the_services_sync_keeps_it(world) -> None:
+    sched = _scheduler()
+    spec = parse_spec(GANG)
+    sched.register(cluster_rt.JobEntry("run1", spec, 1.0, client=True))
+    # The service's first sync (its rebuild) lists only its own jobs: none.
+    sched.sync([])
+    assert sched.grant("run1")[0] is None  # no round yet
+    sched.round()
+    slots, _ = sched.grant("run1")
+    assert slots == (("n1", 1), ("n2", 1))
+    assert world["launched"] == []  # its run launches it, not the scheduler
+    sched.round()  # granted, not launched yet: not taken for a dead coordinator
+    assert sched.grant("run1")[0] == slots
+
+    world["coordinators"]["run1"] = Coordinator()
+    sched.launched("run1", slots)
+    # A job submitted to the service queues behind it; the service's sync keeps the run's.
+    sched.sync([cluster_rt.JobEntry("svc", spec, 2.0)])
+    view = sched.round()
+    assert [j.job_id for j in view.jobs if j.allocation] == ["run1"]
+    assert list(view.queue) == ["svc"]
+    assert sched.allocation("run1") == slots
+    assert world["launched"] == []
+
+    sched.finished("run1")  # its run saw it end
+    sched.round()
+    assert world["launched"] == [("svc", {"n1": 1, "n2": 1})]
+    with pytest.raises(ValueError, match="does not hold job run1"):
+        sched.grant("run1")
+
+
+def test_a_new_scheduler_adopts_a_runs_job_its_run_tells_it_about(world) -> None:
+    """The actor restarted: the service's rebuild does not know the run's job, the run's
+    keep-alive does, and it is adopted as it runs, holding its nodes."""
+    spec = parse_spec(GANG)
+    running = Coordinator()
+    running.assigned = Remote(lambda: (("n1", 1), ("n2", 1)))
+    world["coordinators"]["run1"] = running
+    sched = _scheduler()
+    sched.register(cluster_rt.JobEntry("run1", spec, 1.0, client=True))  # its keep-alive
+    sched.sync([cluster_rt.JobEntry("svc", spec, 2.0)])
+    view = sched.round()
+    assert sched.allocation("run1") == (("n1", 1), ("n2", 1))
+    assert list(view.queue) == ["svc"]
+    assert world["launched"] == []
+
+
+def test_a_queued_runs_job_whose_run_is_gone_is_dropped(world, monkeypatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(cluster_rt.time, "time", lambda: now[0])
+    sched = _scheduler()
+    spec = parse_spec(GANG)
+    sched.sync([cluster_rt.JobEntry("svc", spec, 1.0)])
+    sched.round()
+    sched.register(cluster_rt.JobEntry("run1", spec, 2.0, client=True))
+    now[0] += sched.client_lease_s / 2
+    sched.round()
+    assert sched.grant("run1")[0] is None  # queued behind svc, and heard from
+    now[0] += sched.client_lease_s + 1
+    sched.round()
+    with pytest.raises(ValueError, match="does not hold job run1"):
+        sched.grant("run1")
+
+
+class FakeScheduling:
+    """The scheduler as ``run`` sees it: queued for ``waits`` polls, then granted."""
+
+    def __init__(self, waits: int = 2):
+        self.waits = waits
+        self.calls: list[tuple] = []
+
+    def register_client(self, job_id: str, spec: JobSpec, submit_s: float) -> None:
+        self.calls.append(("register", job_id))
+
+    def grant(self, job_id: str):
+        self.calls.append(("grant", job_id))
+        if self.waits:
+            self.waits -= 1
+            return None, "queued: position 1 of 1 (waits for job x at the head of the queue)"
+        return (("n1", 1), ("n2", 1)), ""
+
+    def launched(self, job_id: str, slots) -> None:
+        self.calls.append(("launched", job_id, tuple(slots)))
+
+    def finished(self, job_id: str) -> None:
+        self.calls.append(("finished", job_id))
+
+
+def test_run_waits_in_the_queue_then_trains_on_the_granted_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dynabatch.scheduler.runtime.launch as launch_mod
+    import dynabatch.service.raycluster
+
+    cluster = FakeCluster()
+    placer = FakeScheduling()
+    launches: list[tuple[str, Any]] = []
+    asked: list[tuple[bool, bool | None]] = []
+
+    def launch(job_id: str, spec: JobSpec, **kw: Any) -> str:
+        launches.append((job_id, kw.get("assignment")))
+        cluster.launch(job_id, spec)
+        return job_id
+
+    def scheduler_for_run(address_given: bool, want: bool | None):
+        asked.append((address_given, want))
+        return placer if address_given and want is not False else None
+
+    monkeypatch.setattr(dynabatch.service.raycluster, "connect", lambda *a, **k: {})
+    monkeypatch.setattr(launch_mod, "launch_coordinator", launch)
+    monkeypatch.setattr(scheduling, "scheduler_for_run", scheduler_for_run)
+    monkeypatch.setattr(scheduling.time, "sleep", lambda s: None)
+    monkeypatch.setattr(run_cli.time, "sleep", lambda s: None)
+    monkeypatch.setattr(run_cli, "RayJob", lambda job_id: FakeJob(cluster, job_id))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    err = io.StringIO()
+    monkeypatch.setattr(run_cli, "stderr", lambda: Console(file=err, width=300))
+    out = Console(file=io.StringIO(), width=200)
+
+    snap = run_cli.run_job(
+        parse_spec(GANG), address="ray://head:10001", report=None, quiet=True, console=out
+    )
+    assert snap.state == JobState.SUCCEEDED
+    job_id = snap.job_id
+    assert launches == [(job_id, {"n1": 1, "n2": 1})]
+    kinds = [c[0] for c in placer.calls]
+    assert kinds == ["register", "grant", "grant", "grant", "launched", "finished"]
+    assert "cluster scheduler: queued: position 1 of 1" in err.getvalue()
+    assert err.getvalue().count("queued: position 1 of 1") == 1  # said once, not per poll
+
+    # The embedded local Ray: launched at once, as before.
+    launches.clear()
+    snap = run_cli.run_job(parse_spec(GANG), address=None, report=None, quiet=True, console=out)
+    assert snap.state == JobState.SUCCEEDED and launches == [(snap.job_id, None)]
+    assert asked == [(True, None), (False, None)]
+
+
+def test_run_interrupted_in_the_queue_leaves_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    placer = FakeScheduling(waits=10)
+    monkeypatch.setattr(scheduling.time, "sleep", lambda s: None)
+    with pytest.raises(KeyboardInterrupt):
+        scheduling.run_placed(
+            placer,
+            parse_spec(GANG),
+            lambda *a: pytest.fail("launched while queued"),
+            on_wait=lambda why: None,
+            interrupted=lambda: True,
+            job_id="j1",
+        )
+    assert placer.calls[-1] == ("finished", "j1")
+
+
+def test_scheduler_flag_needs_an_address(tmp_path: Path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from tests.unit.test_cli_run import CONFIG, _app
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(CONFIG)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    result = CliRunner().invoke(_app(), ["run", str(cfg), "--scheduler"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "error: --scheduler needs --address: the embedded local Ray runs one job, with no "
+        "cluster scheduler"
+    )
