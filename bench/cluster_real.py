@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dynabatch.actors.emulation import NODE_SLOWDOWN_ENV
 from dynabatch.scheduler.runtime.cluster import find_scheduler
 from dynabatch.scheduler.runtime.launch import find_coordinator
+from real_hetero import Api
 from report import emit
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
@@ -94,8 +95,9 @@ def log(msg: str) -> None:
     print(f"[cluster_real {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-class Service:
-    """``dynabatch serve`` against the cluster, with the cluster scheduler on."""
+class Service(Api):
+    """``dynabatch serve`` against the cluster, with the cluster scheduler on; its REST
+    calls are :class:`real_hetero.Api`'s."""
 
     def __init__(self, address: str, policy: str, workdir: Path, round_s: float, hold_s: float):
         port = free_port()
@@ -117,7 +119,7 @@ class Service:
         self.proc = subprocess.Popen(
             [str(exe), "serve"], env=env, stdout=self.log, stderr=subprocess.STDOUT
         )
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+        super().__init__(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
@@ -132,25 +134,6 @@ class Service:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"dynabatch serve not ready in 120 s; see {self.log.name}")
             time.sleep(0.5)
-
-    def submit(self, spec: dict[str, Any]) -> str:
-        r = self.http.post("/v1/jobs", json=spec)
-        if r.status_code != 201:
-            raise RuntimeError(f"submit {spec['name']}: {r.status_code} {r.text}")
-        return str(r.json()["job_id"])
-
-    def job(self, job_id: str) -> dict[str, Any]:
-        r = self.http.get(f"/v1/jobs/{job_id}")
-        r.raise_for_status()
-        return dict(r.json())
-
-    def history(self, job_id: str) -> list[dict[str, Any]]:
-        r = self.http.get(f"/v1/jobs/{job_id}/history")
-        r.raise_for_status()
-        return list(r.json()["records"])
-
-    def cancel(self, job_id: str, reason: str) -> None:
-        self.http.post(f"/v1/jobs/{job_id}/cancel", json={"reason": reason})
 
     def stop(self) -> None:
         self.proc.terminate()

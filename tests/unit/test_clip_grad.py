@@ -10,16 +10,16 @@ end the step with the same weights (to 1e-6). fp16 clips the unscaled gradient.
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 
 import numpy as np
 import pytest
 import torch
 from dynabatch.actors.contracts import SegmentPlan, StepPlan
-from dynabatch.actors.group import ProcessGroup
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.step import StepMath
 from dynabatch.actors.worker import Worker
+
+from tests.gloo import run_members
 
 B = 24  # the step's global batch
 SHARES = (5, 12, 7)  # unequal shares of the three members
@@ -70,28 +70,7 @@ def _member(rank: int, rv, out: mp.Queue) -> None:
 
 
 def _group() -> dict[int, tuple]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    store = ProcessGroup(TIMEOUT_S)  # the rendezvous' store, held by this process
-    rv = store.open_store(1, len(SHARES), "gloo", host="127.0.0.1")
-    procs = [
-        ctx.Process(target=_member, args=(r, rv, out), daemon=True) for r in range(len(SHARES))
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple] = {}
-    try:
-        while len(got) < len(SHARES):
-            rank, *rest = out.get(timeout=120)
-            got[rank] = tuple(rest)
-    except queue.Empty:
-        pass
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return got
+    return run_members(_member, len(SHARES), timeout_s=TIMEOUT_S)
 
 
 def _reference() -> tuple[np.ndarray, float]:

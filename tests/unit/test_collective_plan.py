@@ -16,16 +16,16 @@ be the global batch's, as one process computes it.
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 
 import numpy as np
 import pytest
 import torch
 from dynabatch.actors.contracts import SegmentPlan, StepPlan
-from dynabatch.actors.group import ProcessGroup
 from dynabatch.actors.reducer import CollectivePlan, GradientReducer, group_plan
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.worker import Worker
+
+from tests.gloo import run_members
 
 B = 24  # the step's global batch
 SHARES = (5, 12, 7)  # unequal shares of the three members; rank 0 is the staged one
@@ -76,30 +76,7 @@ def _member(rank: int, rv, staged: bool, kw: dict, out: mp.Queue) -> None:
 
 
 def _mixed_group(**kw) -> dict[int, tuple]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    store = ProcessGroup(TIMEOUT_S)  # the rendezvous' store, held by this process
-    rv = store.open_store(1, len(SHARES), "gloo", host="127.0.0.1")
-    procs = [
-        ctx.Process(target=_member, args=(r, rv, r == 0, kw, out), daemon=True)
-        for r in range(len(SHARES))
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple] = {}
-    try:
-        # Bounded: start-up (imports, the model) plus the collective timeout, with room.
-        while len(got) < len(SHARES):
-            rank, *rest = out.get(timeout=120)
-            got[rank] = tuple(rest)
-    except queue.Empty:
-        pass
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return got
+    return run_members(_member, len(SHARES), lambda r: (r == 0, kw), timeout_s=TIMEOUT_S)
 
 
 def _reference(**kw) -> np.ndarray:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import time
 
 import numpy as np
 from dynabatch.actors.contracts import SegmentPlan, StepPlan
-from dynabatch.actors.group import ProcessGroup
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.worker import Worker
+
+from tests.gloo import run_members
 
 MEMBERS = 3
 B = 12
@@ -60,30 +60,10 @@ def _member(rank: int, rv, dies: bool, out: mp.Queue) -> None:
 
 
 def test_a_peer_that_dies_after_the_join_fails_the_survivors_step_as_a_peer_error():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    store = ProcessGroup(TIMEOUT_S, JOIN_TIMEOUT_S)  # held: it serves the members' store
-    rv = store.open_store(1, MEMBERS, "gloo", host="127.0.0.1")
-    procs = [
-        ctx.Process(target=_member, args=(r, rv, r == MEMBERS - 1, out), daemon=True)
-        for r in range(MEMBERS)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple] = {}
-    try:
-        # Bounded: the spawn and imports (slow on a loaded machine), then at most the
-        # collective timeout; a hang fails here instead of blocking the suite.
-        while len(got) < MEMBERS:
-            rank, *rest = out.get(timeout=120)
-            got[rank] = tuple(rest)
-    except queue.Empty:
-        pass
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+    got = run_members(
+        _member, MEMBERS, lambda r: (r == MEMBERS - 1,),
+        timeout_s=TIMEOUT_S, join_timeout_s=JOIN_TIMEOUT_S,
+    )
     assert got.get(MEMBERS - 1, (None,))[0] == "joined", got
     for rank in range(MEMBERS - 1):
         assert rank in got, f"survivor {rank} never answered (hung): {got}"

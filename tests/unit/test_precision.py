@@ -11,17 +11,17 @@ would step with the other's infinity: its weights would not stay finite.
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import warnings
 
 import numpy as np
 import pytest
 import torch
 from dynabatch.actors.contracts import SegmentPlan, StepPlan
-from dynabatch.actors.group import ProcessGroup
 from dynabatch.actors.precision import LossScaler
 from dynabatch.actors.spec import JobSpec, SpecError, parse_spec
 from dynabatch.actors.worker import Worker
+
+from tests.gloo import run_members
 
 B = 16  # the step's global batch
 SHARES = (6, 10)  # the two members' shares
@@ -149,28 +149,7 @@ def _member(rank: int, rv, kw: dict, poison: bool, out: mp.Queue) -> None:
 
 
 def _group(kw: dict, poisoned: int | None = None) -> dict[int, tuple]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    store = ProcessGroup(TIMEOUT_S)
-    rv = store.open_store(1, len(SHARES), "gloo", host="127.0.0.1")
-    procs = [
-        ctx.Process(target=_member, args=(r, rv, kw, r == poisoned, out), daemon=True)
-        for r in range(len(SHARES))
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple] = {}
-    try:
-        while len(got) < len(SHARES):
-            rank, *rest = out.get(timeout=120)
-            got[rank] = tuple(rest)
-    except queue.Empty:
-        pass
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+    got = run_members(_member, len(SHARES), lambda r: (kw, r == poisoned), timeout_s=TIMEOUT_S)
     assert sorted(got) == list(range(len(SHARES))), f"members that answered: {sorted(got)}"
     errors = {r: e for r, (e, *_rest) in got.items() if e}
     assert not errors, errors
