@@ -24,7 +24,6 @@ import threading
 
 import pytest
 import ray
-from dynabatch.actors.emulation import NODE_SLOWDOWN_ENV
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime.cluster import JobEntry, ensure_scheduler, find_scheduler
@@ -118,13 +117,6 @@ def _stop(service, job_ids) -> None:
     if sched is not None:
         ray.kill(sched, no_restart=True)
     service.store.close()
-
-
-def _resizes(job_id: str) -> int:
-    """Membership generations in which workers joined or left, less the first (its first
-    workers joining); a lost or evicted worker is not a resize."""
-    events = ray.get(find_coordinator(job_id).membership_events.remote(), timeout=30)
-    return max(0, len({e.generation for e in events if e.kind not in ("failure", "evict")}) - 1)
 
 
 def _release(*job_ids: str) -> None:
@@ -303,40 +295,3 @@ def test_run_goes_through_the_scheduler_and_a_submitted_job_queues_behind_it(
         done.set()
         thread.join(timeout=30)
         _stop(service, [seen["b"]] if seen["b"] else [])
-
-
-def test_goodput_four_jobs_on_two_node_types_resize_without_restarts(slots, cluster, tmp_path):
-    """Item 7's behaviour on Ray (``bench/cluster_real.py`` measures its times)."""
-    slow = [
-        cluster.add_node(
-            num_cpus=1,
-            resources={TAG: 1, f"node-type:{TAG}-slow": 1},
-            object_store_memory=80 * 2**20,
-            env_vars={NODE_SLOWDOWN_ENV: "3"},
-        )
-        for _ in range(2)
-    ]
-    cluster.wait_for_nodes()
-    assert len(slow) == 2
-    service = _service(tmp_path, "goodput", hold_s=2.0, round_s=1.0)
-    elastic = dict(workers=1, min_workers=1, max_workers=4, emulation={"slowdowns": [1.0]})
-    ids: list[str] = []
-    try:
-        ids = [service.submit(_spec(f"g{i}", seed=i, **elastic)).id for i in range(3)]
-
-        def step() -> bool:
-            service.sync_once()
-            if len(ids) == 3 and service.history(ids[0]):
-                ids.append(service.submit(_spec("g3", seed=3, **elastic)).id)
-            return len(ids) == 4 and all(service.get(j).state.is_terminal for j in ids)
-
-        wait_for(step, timeout=900, interval=0.5)
-        for job_id in ids:
-            rec = service.get(job_id)
-            assert rec.state == JobState.SUCCEEDED, (job_id, rec.reason)
-            assert rec.resumes == 0, job_id  # no restart
-            hist = service.history(job_id)
-            assert [r.epoch for r in hist] == [0, 1] and all(r.verified for r in hist)
-        assert sum(_resizes(j) for j in ids) > 0
-    finally:
-        _stop(service, ids)
