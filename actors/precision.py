@@ -34,13 +34,20 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 
 def set_matmul_precision(precision: str, device: torch.device) -> None:
-    """TF32 for CUDA's matmuls and convolutions under ``tf32`` (process-wide flags: one
-    worker per process); nothing on the CPU, which has no TF32."""
+    """TF32 for CUDA's matmuls and convolutions under ``tf32`` and under no other precision
+    (process-wide flags: one worker per process); nothing on the CPU, which has no TF32.
+
+    Both flags are set either way: cuDNN's convolutions default to TF32 in PyTorch, so
+    without this ``fp32`` was TF32 for every convolution (found on an H200 by
+    ``bench/gpu_check.py``: a conv model's fp32 gradients 2e-4 off the CPU's). Only the
+    legacy ``allow_tf32`` setters are used: mixing them with ``fp32_precision`` makes
+    torch refuse to read the flags."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}: use one of {PRECISIONS}")
-    if precision == "tf32" and device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cuda":
+        tf32 = precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
 
 
 @dataclass

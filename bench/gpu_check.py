@@ -89,7 +89,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("actors", "scheduler", "service", "api")
 
 
-
 def _gather(procs: list, out: Any, timeout_s: float) -> dict[int, tuple]:
     """Start the member processes, collect one ``(rank, *result)`` from each within
     ``timeout_s`` (fewer when members die without answering), then reap them all."""
@@ -109,6 +108,7 @@ def _gather(procs: list, out: Any, timeout_s: float) -> dict[int, tuple]:
         if p.is_alive():
             p.kill()
     return got
+
 
 def _map_dynabatch() -> bool:
     """Make ``dynabatch.*`` importable from this checkout where it is not installed (the
@@ -144,8 +144,7 @@ TIMEOUT_S = {
     "fp16_found_inf": 120,
     "data_wait": 120,
 }
-GPU_ONLY = ("two_workers_one_gpu", "nccl_missing_peer", "nccl_fault_modes", "compile",
-            "gpu_tests")
+GPU_ONLY = ("two_workers_one_gpu", "nccl_missing_peer", "nccl_fault_modes", "compile", "gpu_tests")
 LATER: dict[str, str] = {}  # checks listed before they are built: name -> why skipped
 CHECKS = (*TIMEOUT_S, *LATER)
 
@@ -614,8 +613,9 @@ def _rate_on(device: str, cfg: dict[str, Any], conv: bool = False, **kw: Any) ->
     return _rate_and_warm_up(device, cfg, conv, **kw)[0]
 
 
-def _rate_and_warm_up(device: str, cfg: dict[str, Any], conv: bool = False, **kw: Any
-                      ) -> tuple[float, float]:
+def _rate_and_warm_up(
+    device: str, cfg: dict[str, Any], conv: bool = False, **kw: Any
+) -> tuple[float, float]:
     gen = torch.Generator().manual_seed(2)
     b = cfg["throughput_batch"]
     if conv:
@@ -628,16 +628,18 @@ def _rate_and_warm_up(device: str, cfg: dict[str, Any], conv: bool = False, **kw
     return _step_rate(model.to(device), x.to(device), y.to(device), cfg["steps"], **kw)
 
 
-def _compiled_rate(res: dict[str, Any], key: str, device: str, cfg: dict[str, Any],
-                   **kw: Any) -> None:
+def _compiled_rate(
+    res: dict[str, Any], key: str, device: str, cfg: dict[str, Any], **kw: Any
+) -> None:
     """``res[key]``: the compiled MLP's rate (inductor, the batch dimension dynamic, as the
     worker compiles it), and its warm-up with compilation; the error where it cannot
     compile (inductor on the CPU needs a C++ compiler)."""
     from dynabatch.actors.precision import SpeedOptions
 
     try:
-        rate, warm = _rate_and_warm_up(device, cfg, speed=SpeedOptions(compile_mode="default"),
-                                       **kw)
+        rate, warm = _rate_and_warm_up(
+            device, cfg, speed=SpeedOptions(compile_mode="default"), **kw
+        )
     except Exception as err:  # reported, the other figures stand
         res[key] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
         return
@@ -649,9 +651,10 @@ def check_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
     compiled (not with --quick: inductor took 3 minutes on 2 loaded cores); GPU fp32, tf32,
     bf16, fp16 (also with a GradScaler) and compiled. The CNN (3x32x32): fp32 and bf16,
     each in the default memory format and in channels_last."""
-    from dynabatch.actors.precision import SpeedOptions
+    from dynabatch.actors.precision import SpeedOptions, set_matmul_precision
 
     cl = SpeedOptions(channels_last=True)
+    cuda = torch.device("cuda")
     res: dict[str, Any] = {"status": "ok", "batch": cfg["throughput_batch"], "unit": "samples/s"}
     res["cpu_fp32"] = _rate_on("cpu", cfg)
     res["cpu_bf16"] = _rate_on("cpu", cfg, dtype=torch.bfloat16)
@@ -664,14 +667,14 @@ def check_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
     if not _cuda():
         res["gpu"] = "skipped: no GPU"
         return res
+    # The flags as a worker sets them (fp32 is strict: no TF32 in cuDNN's convolutions).
+    set_matmul_precision("fp32", cuda)
     res["gpu_fp32"] = _rate_on("cuda", cfg)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    set_matmul_precision("tf32", cuda)
     res["gpu_tf32"] = _rate_on("cuda", cfg)
     res["gpu_conv_tf32"] = _rate_on("cuda", cfg, conv=True)
     res["gpu_conv_channels_last_tf32"] = _rate_on("cuda", cfg, conv=True, speed=cl)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    set_matmul_precision("fp32", cuda)
     res["gpu_bf16"] = _rate_on("cuda", cfg, dtype=torch.bfloat16)
     res["gpu_fp16"] = _rate_on("cuda", cfg, dtype=torch.float16)
     res["gpu_fp16_scaler"] = _rate_on(
@@ -738,7 +741,8 @@ def check_compile(cfg: dict[str, Any]) -> dict[str, Any]:
     hooks = all(s["calls"] == s["from_hooks"] == reducer.n_buckets for s in steps)
     tol = 1e-4
     return {
-        "status": "ok" if graphs <= 2 and hooks and worst <= tol and reducer.n_buckets > 1
+        "status": "ok"
+        if graphs <= 2 and hooks and worst <= tol and reducer.n_buckets > 1
         else "fail",
         "graphs": graphs,
         "buckets": reducer.n_buckets,
@@ -793,8 +797,13 @@ def _fault_member(rank: int, rv: Any, mode: str, cfg: dict[str, Any], out: Any) 
                 raised = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         took = time.perf_counter() - t0
         group.leave()
-        out.put((rank, None, {"step_ms": round(step_ms, 3), "raised": raised,
-                              "raise_s": round(took, 2)}))
+        out.put(
+            (
+                rank,
+                None,
+                {"step_ms": round(step_ms, 3), "raised": raised, "raise_s": round(took, 2)},
+            )
+        )
     except Exception as err:
         out.put((rank, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}", {}))
 
@@ -826,8 +835,10 @@ def check_nccl_fault_modes(cfg: dict[str, Any]) -> dict[str, Any]:
         res[mode] = {"members": {str(r): got[r][1] for r in sorted(got)}}
         if survivor[0]:
             res[mode]["error"] = survivor[0]
-        bounded = (survivor[1].get("raised") is not None
-                   and survivor[1]["raise_s"] < 2 * cfg["fault_timeout_s"] + 5)
+        bounded = (
+            survivor[1].get("raised") is not None
+            and survivor[1]["raise_s"] < 2 * cfg["fault_timeout_s"] + 5
+        )
         res[mode]["bounded"] = bounded
         if not bounded:
             res["status"] = "fail"
@@ -914,7 +925,18 @@ def check_gpu_tests(cfg: dict[str, Any]) -> dict[str, Any]:
                 (shim / name).symlink_to(ROOT / name)
             env["PYTHONPATH"] = os.pathsep.join([tmp, env.get("PYTHONPATH", "")])
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files],
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-rfs",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "no:logging",
+                *files,
+            ],
             cwd=ROOT,
             env=env,
             capture_output=True,

@@ -174,3 +174,25 @@ def test_fp16_found_inf_is_agreed_every_worker_skips_and_halves_its_scale():
         assert overflow is True, f"rank {rank} did not see the overflow"
         assert scale == 2.0**15, f"rank {rank}: scale {scale}"
         assert same, f"rank {rank} updated its weights on an overflowed step"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "tf32"])
+def test_only_tf32_lets_cuda_matmuls_and_convolutions_use_tf32(precision):
+    """cuDNN's convolutions default to TF32 in PyTorch: ``fp32`` must turn that off, or an
+    fp32 conv model trains in TF32 (seen on an H200: gradients 2e-4 off the CPU's). The
+    flags are process-wide and settable without a GPU, so this runs everywhere."""
+    from dynabatch.actors.precision import set_matmul_precision
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = True, True
+        set_matmul_precision(precision, torch.device("cuda"))
+        want = precision == "tf32"
+        assert torch.backends.cuda.matmul.allow_tf32 is want
+        assert torch.backends.cudnn.allow_tf32 is want
+        # The CPU has no TF32: its flags are left as they were.
+        torch.backends.cudnn.allow_tf32 = True
+        set_matmul_precision(precision, torch.device("cpu"))
+        assert torch.backends.cudnn.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

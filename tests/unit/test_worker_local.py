@@ -107,6 +107,7 @@ def test_device_choice():
 def test_worker_gpus_auto_places_gpu_and_cpu_workers(monkeypatch):
     # Here, not at the top: the GPU tests of this file run where Ray is not installed
     # (bench/gpu_check.py's gpu_tests).
+    pytest.importorskip("ray")
     from dynabatch.scheduler.runtime import pool
 
     nodes = [
