@@ -39,6 +39,7 @@ from dynabatch.actors.spec.sections import (
     ProtocolSpec,
     RebalanceSpec,
     StageSpec,
+    TrackingSpec,
 )
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "RebalanceSpec",
     "SpecError",
     "StageSpec",
+    "TrackingSpec",
     "format_validation_error",
     "load_spec",
     "parse_spec",

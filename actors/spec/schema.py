@@ -30,6 +30,7 @@ from dynabatch.actors.spec.sections import (
     OptimizerSpec,
     ProtocolSpec,
     RebalanceSpec,
+    TrackingSpec,
     _Strict,
     known_name,
 )
@@ -173,6 +174,9 @@ class JobSpec(_Strict):
     artifacts: ArtifactsSpec = Field(
         default_factory=ArtifactsSpec,
         description="Where the trained model (safetensors and a manifest) goes at the end.")
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec,
+        description="Experiment tracking: {tensorboard: DIR} writes TensorBoard event files.")
     protocol: ProtocolSpec = Field(default_factory=ProtocolSpec)
     collective_timeout_s: float = Field(
         default=10.0, gt=0.0, le=3600.0,

@@ -175,6 +175,12 @@ class DatasetSpec(_Strict):
         description="Background threads reading a worker's samples; default: one per CPU "
         "of the worker (worker_cpus), at most 16.",
     )
+    collate: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="'pkg.mod:fn' building a share's batch from its samples (a list of "
+        "(input, target) pairs; inputs may be dicts or tuples of tensors), for example "
+        "padding sequences to the share's longest with an attention mask.",
+        examples=["my_pkg.text:pad_batch"])
     test_fraction: float = Field(
         default=0.2, gt=0.0, lt=1.0, description="Held-out split when the dataset has none."
     )
@@ -551,6 +557,16 @@ class ArtifactsSpec(_Strict):
         default=None, min_length=1,
         description="Where the trained model goes (a local path, or a URI pyarrow.fs opens: "
         "s3://, gs://, hdfs://, file://); unset: the service keeps it.")
+
+
+class TrackingSpec(_Strict):
+    """Experiment tracking beside Prometheus: TensorBoard event files of the job's scalars
+    (loss, held-out metrics, each worker's batch share, utilisation), per epoch and step."""
+
+    tensorboard: str | None = Field(
+        default=None, min_length=1,
+        description="Directory of the TensorBoard event files (DIR/JOB_ID/); a local path "
+        "confined like artifacts.dir. Unset: none are written.")
 
 
 class ProtocolSpec(_Strict):
