@@ -25,6 +25,7 @@ import warnings
 
 import numpy as np
 import torch
+from dynabatch.actors.batch import Tree, to_device
 
 # Fraction of what is left after the model, its optimizer state and the activations of
 # the largest micro-batch that the data may not take: the caching allocator's
@@ -202,25 +203,33 @@ class WorkerData:
     def __len__(self) -> int:
         return self.n
 
-    def warm(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def warm(self, n: int) -> tuple[Tree, Tree] | None:
         """``n`` samples for the warm-up pass: the first ones in memory; zeros of the
         sample's shape for a source (a bad sample fails the step that trains it, with its
-        position, never the worker's start)."""
+        position, never the worker's start). A structured source (dict or tuple inputs, a
+        collate) has no such zeros: its first samples, or None (no warm-up) when they fail."""
         if self.loader is None:
             return self.sample(np.arange(n))
         m = self.source.meta
+        if m.structured:
+            from dynabatch.actors.data.source import DataError
+
+            try:
+                return self.sample(np.arange(n))
+            except DataError:
+                return None
         tok = m.targets == "tokens"
         x = torch.zeros((n, *m.sample_shape), dtype=torch.int64 if tok else torch.float32)
         y = torch.zeros((n, *m.target_shape),
                         dtype=torch.float32 if m.targets == "values" else torch.int64)
         return x.to(self.device), y.to(self.device)
 
-    def sample(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(self, ids: np.ndarray) -> tuple[Tree, Tree]:
         """The samples ``ids`` (no augmentation), on the device (warm-up, profiling)."""
         ids = np.asarray(ids, dtype=np.int64)
         if self.loader is not None:
             x, y = self.source.read(ids)
-            return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
+            return to_device(x, self.device), to_device(y, self.device)
         ii = torch.from_numpy(ids).to(self.x.device)
         return (self.x.index_select(0, ii).to(self.device),
                 self.y.index_select(0, ii).to(self.device))

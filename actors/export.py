@@ -15,6 +15,7 @@ A directory is a local path or a URI that ``pyarrow.fs`` opens (``s3://``, ``gs:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -209,7 +210,8 @@ def parse_manifest(raw: bytes, shown: str = MANIFEST) -> dict[str, Any]:
     return m
 
 
-def load_model(directory: str, which: str = "final", device: str = "cpu") -> Any:
+def load_model(directory: str | os.PathLike[str], which: str = "final", device: str = "cpu"
+               ) -> Any:
     """The trained ``torch.nn.Module`` in ``directory`` (a job's model directory, as
     ``dynabatch export`` writes it), in eval mode: built by the manifest's builder (a
     built-in, or the user's ``pkg.mod:fn``, which must be importable here) with its options,
@@ -221,6 +223,7 @@ def load_model(directory: str, which: str = "final", device: str = "cpu") -> Any
     from pydantic import ValidationError
     from safetensors.torch import load
 
+    directory = os.fspath(directory)  # a pathlib.Path is the usual thing to hand over
     files = read_files(directory)
     shown = _join(directory, MANIFEST)
     manifest = parse_manifest(files[MANIFEST], shown)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -126,10 +127,26 @@ def forward_of(model: torch.nn.Module, speed: SpeedOptions) -> Callable[[torch.T
     )
 
 
-def prepare_input(x: torch.Tensor, speed: SpeedOptions) -> torch.Tensor:
-    """``x`` as the forward of :func:`forward_of` takes it: channels_last when 4-D, its batch
-    dimension marked dynamic when compiled with ``dynamic`` (``maybe_mark_dynamic``: a
-    batch of one, which torch specialises, compiles once more instead of failing)."""
+def call_model(forward: Callable[..., Any], x: Any) -> Any:
+    """``forward`` on a batch's inputs: ``forward(**x)`` for a dict (a model whose forward
+    takes ``input_ids`` and ``attention_mask``), ``forward(*x)`` for a tuple or list,
+    ``forward(x)`` for a tensor. The one place that decides how a model is called."""
+    if isinstance(x, dict):
+        return forward(**x)
+    if isinstance(x, tuple | list):
+        return forward(*x)
+    return forward(x)
+
+
+def prepare_input(x: Any, speed: SpeedOptions) -> Any:
+    """``x`` (a tensor, or a dict or tuple of them) as the forward of :func:`forward_of`
+    takes it: each 4-D tensor in channels_last, each tensor's batch dimension marked dynamic
+    when compiled with ``dynamic`` (``maybe_mark_dynamic``: a batch of one, which torch
+    specialises, compiles once more instead of failing)."""
+    return tree_map(lambda t: _prepare(t, speed) if isinstance(t, torch.Tensor) else t, x)
+
+
+def _prepare(x: torch.Tensor, speed: SpeedOptions) -> torch.Tensor:
     if speed.channels_last and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     if speed.compiled and speed.dynamic and x.dim() > 0:

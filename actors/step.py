@@ -66,12 +66,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from dynabatch.actors.accumulate import micro_ranges
+from dynabatch.actors.batch import Tree, rows
 from dynabatch.actors.contracts import IsgdRule, StepPlan
 from dynabatch.actors.optim import isgd_extras, set_lr
 from dynabatch.actors.precision import (
     LossScaler,
     SpeedOptions,
     autocast_dtype,
+    call_model,
     forward_of,
     prepare_input,
     set_matmul_precision,
@@ -80,14 +82,15 @@ from dynabatch.actors.precision import (
 if TYPE_CHECKING:
     from dynabatch.actors.workloads.objective import Objective
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+# (inputs, targets): each a tensor, or a dict or tuple of tensors (dynabatch.actors.batch).
+Batch = tuple[Tree, Tree]
 # Samples at order positions [lo, hi), on the replica's device.
 Gather = Callable[[int, int], Batch]
 
 
-def held(x: torch.Tensor, y: torch.Tensor) -> Gather:
+def held(x: Tree, y: Tree) -> Gather:
     """A gather from samples already in hand: positions are rows of ``x`` and ``y``."""
-    return lambda lo, hi: (x[lo:hi], y[lo:hi])
+    return lambda lo, hi: (rows(x, lo, hi), rows(y, lo, hi))
 
 
 def cover(cov: torch.Tensor, sp: StepPlan) -> None:
@@ -221,7 +224,7 @@ class StepMath:
         m1 = log.mark() if log is not None else None
         with torch.autocast(self._device_type, dtype=self._autocast,
                             enabled=self._autocast is not None):
-            loss = self.objective.loss_sum(self._forward(xb), yb).float()
+            loss = self.objective.loss_sum(call_model(self._forward, xb), yb).float()
         m2 = log.mark() if log is not None else None
         if arm is not None:
             arm(loss.detach())

@@ -256,11 +256,11 @@ class Worker(Instrumentation):
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-        if n:
-            xb, yb = self.data.warm(n)
-            self.math.share(held(xb, yb), 0, n, n)
+        batch = self.data.warm(n) if n else None
+        if batch is not None:
+            self.math.share(held(*batch), 0, n, n)
         self.reducer.zero_()
-        if not (cuda and n):
+        if not (cuda and batch is not None):
             return 0.0
         return max(0, torch.cuda.max_memory_allocated(self.device) - base) / n
 

@@ -29,6 +29,7 @@ from dynabatch.scheduler.core.membership import NodeAssignment
 from dynabatch.scheduler.core.repeats import Repeats
 from dynabatch.scheduler.runtime.seam import Clock, RealClock
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, MembershipEvent
+from dynabatch.scheduler.tracking import Tracking
 
 log = logging.getLogger("dynabatch.scheduler")
 
@@ -104,6 +105,10 @@ class JobControl:
         # The trained model's files (dynabatch.actors.export), kept from the job's end
         # until this driver is released; the service copies them (model_files).
         self._model_files: dict[str, bytes] | None = None
+        # Experiment tracking (tracking.tensorboard): the drivers hand it each epoch's record
+        # and, the synchronous one, each committed step; closed at the job's end.
+        self.tracking = Tracking(spec.tracking.tensorboard, job_id,
+                                 warn=lambda message: self._log("WARNING", message))
 
     # ------------------------------------------------------------------ for subclasses
     def snapshot(self) -> JobSnapshot:
@@ -288,6 +293,7 @@ class JobControl:
             self._append(self._repeats.flush())  # the counts of repeats not shown yet
             self._transition(state, reason)
             self.finished_at = self.clock.time()
+        self.tracking.close()
         self.shutdown()
 
     def _fail_now(self, reason: str) -> None:

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.telemetry import LogLine
 from dynabatch.service.cluster_schemas import ClusterState
+from dynabatch.service.code_store import local_working_dir, zip_directory
 from dynabatch.service.schemas import (
     CodeUploaded,
     JobDetail,
@@ -45,6 +48,11 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython (a notebook) shows when this is not caught: the one line, as the CLI
+        prints it; the frames are all the client's own, never the cause."""
+        return [f"{type(self).__name__}: {self.message}"]
 
 
 class ConnectionFailed(ApiError):
@@ -136,6 +144,22 @@ class DynabatchClient:
         body = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else dict(spec)
         return self._call(JobSubmitted, "POST", "/v1/jobs", json=body)
 
+    def submit_with_code(self, spec: dict[str, Any], *, what: str = "working_dir"
+                         ) -> JobSubmitted:
+        """Submit ``spec``, first shipping its ``working_dir`` when that names a directory on
+        this machine (absolute, as ``read_config`` leaves it): the service may run anywhere,
+        so the code travels in a request (zipped, ``POST /v1/code``) and the spec sent names
+        the upload. A refused upload is an :class:`ApiError` that starts with ``what`` (the
+        option or field the directory came from)."""
+        named = spec.get("working_dir")
+        if local_working_dir(named):
+            try:
+                shipped = self.upload_code(zip_directory(Path(named)))
+            except ApiError as err:
+                raise type(err)(f"{what}: {err}", err.status) from None
+            spec = {**spec, "working_dir": shipped.working_dir}
+        return self.submit(spec)
+
     def upload_code(self, archive: bytes) -> CodeUploaded:
         """Upload a zip of code to ship with jobs (``dynabatch.service.code_store.zip_directory``);
         the answer's ``working_dir`` goes into the job spec."""
@@ -162,6 +186,17 @@ class DynabatchClient:
         return self._call(
             JobLogs, "GET", f"/v1/jobs/{job_id}/logs", params={"since": since, "limit": limit}
         )
+
+    def read_logs(self, job_id: str, since: int, each: Callable[[LogLine], None]) -> int:
+        """Every log line of the job from ``since`` on, page after page (the API serves at
+        most a page a request), to ``each``; returns the sequence number after the last."""
+        while True:
+            page = self.logs(job_id, since)
+            for line in page.lines:
+                each(line)
+            if not page.lines:
+                return since
+            since = page.next_since
 
     def events(self, job_id: str, *, since: int = 0, interval_s: float = 0.5
                ) -> Iterator[tuple[str, dict[str, Any]]]:

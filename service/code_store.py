@@ -17,10 +17,14 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
+
+from dynabatch.actors.spec import URI_PATTERN
 
 # What one upload may unpack to on every node (Ray's own bound on a working_dir is 500 MiB).
 MAX_UNPACKED_BYTES = 512 * 2**20
@@ -92,6 +96,12 @@ def store_code(data: bytes, code_root: str) -> StoredCode:
             Path(tmp).unlink(missing_ok=True)
             raise
     return StoredCode(uri=path.resolve().as_uri(), sha256=digest, bytes=len(data), files=files)
+
+
+def local_working_dir(value: Any) -> bool:
+    """Whether a spec's ``working_dir`` names a directory on this machine (not a URI): the
+    code a client zips and uploads."""
+    return isinstance(value, str) and bool(value) and not re.match(URI_PATTERN, value)
 
 
 def zip_directory(directory: Path) -> bytes:

@@ -128,8 +128,9 @@ class Settings(BaseSettings):
     artifact_root: str | None = Field(
         default=None,
         description="Directory (absolute) or URI (s3://bucket/models) that a submitted "
-        "artifacts.dir must resolve under; unset: no artifacts directories (the service "
-        "then keeps each job's trained model beside its database, under models/).",
+        "artifacts.dir (and a local tracking.tensorboard) must resolve under; unset: no "
+        "artifacts or tracking directories (the service then keeps each job's trained model "
+        "beside its database, under models/).",
     )
     code_root: str | None = Field(
         default=None,

@@ -102,6 +102,8 @@ def check_user_code(spec: JobSpec, allowed: Iterable[str],
     problems = []
     named = [("dataset.name", spec.dataset.name), ("model.name", spec.model.name),
              ("optimizer.name", spec.optimizer.name)]
+    if spec.dataset.collate:
+        named.append(("dataset.collate", spec.dataset.collate))
     if spec.loss:
         named.append(("loss", spec.loss))
     if spec.model.output:
@@ -204,14 +206,18 @@ def check_paths(
 
 
 def check_artifacts(spec: JobSpec, artifact_root: str | None) -> list[tuple[str, str]]:
-    """(field, problem) for an ``artifacts.dir`` outside ``artifact_root`` (none allowed when
-    it is unset)."""
-    if not spec.artifacts.dir:
-        return []
+    """(field, problem) for an ``artifacts.dir`` or a ``tracking.tensorboard`` outside
+    ``artifact_root`` (none allowed when it is unset): the job's outputs, the trained model
+    and its event files, go where the operator allows them, under one setting."""
     roots = () if artifact_root is None else (artifact_root,)
-    why = path_problem(spec.artifacts.dir, roots,
-                       "artifacts directories (DYNABATCH_ARTIFACT_ROOT)")
-    return [("artifacts.dir", why)] if why else []
+    problems = []
+    for field, value in (("artifacts.dir", spec.artifacts.dir),
+                         ("tracking.tensorboard", spec.tracking.tensorboard)):
+        if value:
+            why = path_problem(value, roots, "artifacts directories (DYNABATCH_ARTIFACT_ROOT)")
+            if why:
+                problems.append((field, why))
+    return problems
 
 
 def check_builtin_options(spec: JobSpec) -> list[tuple[str, str]]:

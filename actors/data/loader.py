@@ -20,6 +20,9 @@ Staging (on a GPU). A share is read straight into a reused page-locked buffer
 (``source.read(..., out=)``): one host copy, then one asynchronous copy to the device per
 micro-batch. A buffer goes back to the pool once its share is consumed and the device has
 done its copies (a CUDA event), so the host never overwrites memory a copy still reads.
+A structured source (dict or tuple inputs, ``dataset.collate``) has no such buffer: its
+reader processes send samples back and the share is collated as a whole, so a collate that
+pads pads to the share's longest (:mod:`dynabatch.actors.data.structured`).
 
 A read that raises (a ``__getitem__`` error, a corrupt file, a sample of another shape)
 fails the step that gathers it, with the field, the sample, its order position and the
@@ -40,6 +43,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 import torch
+from dynabatch.actors.batch import Tree, rows, to_device
 from dynabatch.actors.data.source import (
     DataError,
     SampleError,
@@ -50,7 +54,8 @@ from dynabatch.actors.data.source import (
 from dynabatch.actors.errors import first_line
 
 Range = tuple[int, int]
-Batch = tuple[torch.Tensor, torch.Tensor, "_Buffer | None"]  # (x, y, its staging buffer)
+# (x, y, its staging buffer): x and y tensors, or dicts or tuples of them (structured).
+Batch = tuple[Tree, Tree, "_Buffer | None"]
 MAX_THREADS = 16  # more threads than this contend on one source's caches and files
 
 
@@ -86,6 +91,10 @@ def _child_open(opener: Callable[[], Source]) -> None:
 
 def _child_read(ids: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _CHILD.read(ids, keys)
+
+
+def _child_samples(ids: np.ndarray, keys: np.ndarray) -> list[object]:
+    return _CHILD.read_samples(ids, keys)
 
 
 class _Buffer:
@@ -159,8 +168,10 @@ class Loader:
         # At most this many buffers are ever held at once: the planned reads done
         # (``depth``), the reads running (one per thread, dropped ones included) and the
         # share being trained; keeping as many free means a new one only for a larger share.
+        # A structured source's shares are tensors collated per share: no fixed-shape buffer.
+        self.structured = source.meta.structured
         self.pool = StagingPool(source.meta, pin=cuda, keep=self.depth + self.threads + 1) \
-            if (cuda if staging is None else staging) else None
+            if (cuda if staging is None else staging) and not self.structured else None
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dynabatch-data")
         # spawn, not fork: the worker has threads (and maybe CUDA) that a fork would copy
         # half-way. Started by start() (the worker calls it as it is built) or a first read.
@@ -233,7 +244,11 @@ class Loader:
         keys = augment_keys(self.seed, epoch, np.arange(lo, hi))
         buf = self.pool.take(hi - lo) if self.pool is not None else None
         try:
-            if self._procs is not None:
+            if self.structured and self._procs is not None:  # the share collated as a whole
+                xb, yb = self.source.collate(self._samples_in_processes(ids, keys), ids)
+            elif self.structured:
+                xb, yb = self.source.read(ids, keys)
+            elif self._procs is not None:
                 x, y = (batch_arrays(self.source.meta, hi - lo) if buf is None
                         else (buf.x[:hi - lo].numpy(), buf.y[:hi - lo].numpy()))
                 self._read_in_processes(ids, keys, x, y)
@@ -283,18 +298,28 @@ class Loader:
             for fut in futs:
                 fut.cancel()
 
-    def gather(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _samples_in_processes(self, ids: np.ndarray, keys: np.ndarray) -> list[object]:
+        """A structured share's samples, read in parts by the reader processes."""
+        parts = [p for p in np.array_split(np.arange(len(ids)), self.threads) if len(p)]
+        futs = [self._procs.submit(_child_samples, ids[p], keys[p]) for p in parts]
+        try:
+            return [s for fut in futs for s in fut.result()]
+        finally:
+            for fut in futs:
+                fut.cancel()
+
+    def gather(self, lo: int, hi: int) -> tuple[Tree, Tree]:
         """The samples at order positions ``[lo, hi)`` on the device: from a planned share
         read ahead (blocking for it if it is not in yet), else read now."""
         t0 = time.perf_counter()
         r, batch = self._find(lo, hi)
         self.wait_s += time.perf_counter() - t0
-        xb, yb = batch[0][lo - r[0]:hi - r[0]], batch[1][lo - r[0]:hi - r[0]]
+        xb, yb = rows(batch[0], lo - r[0], hi - r[0]), rows(batch[1], lo - r[0], hi - r[0])
         if self.device.type != "cpu":
             # Asynchronous from page-locked staging; the event keeps the buffer out of the
             # pool's hands until this copy is done.
-            xb = xb.to(self.device, non_blocking=True)
-            yb = yb.to(self.device, non_blocking=True)
+            xb = to_device(xb, self.device, non_blocking=True)
+            yb = to_device(yb, self.device, non_blocking=True)
             if batch[2] is not None and self.device.type == "cuda":
                 batch[2].copied = torch.cuda.Event()
                 batch[2].copied.record()

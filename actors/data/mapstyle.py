@@ -7,6 +7,12 @@ learn its length and the first sample's shape) and again in each worker, which r
 the samples it trains. It may return one dataset (a seeded ``test_fraction`` of it is held
 out), a pair ``(train, test)`` or a dict with ``train`` and ``test``.
 
+Structured samples. An input may also be a dict or a tuple of tensors (a model taking
+``input_ids`` and ``attention_mask``; a tabular model's numeric and categorical columns), and
+``dataset.collate`` may name the function that builds a share's batch from its samples: such
+a source reads a share as samples and collates it as a whole
+(:mod:`dynabatch.actors.data.structured`).
+
 Augmentation. Before each ``__getitem__`` the global RNGs of ``torch``, ``numpy`` and
 ``random`` are seeded from the sample's key, which comes from (job seed, epoch, order
 position): a transform that draws from them gives a sample the same augmentation whoever
@@ -28,6 +34,13 @@ from dynabatch.actors.data.source import (
     Subset,
     batch_arrays,
     split_ids,
+)
+from dynabatch.actors.data.structured import (
+    check_labels,
+    collate_samples,
+    first_leaf,
+    is_structured,
+    load_collate,
 )
 from dynabatch.actors.errors import first_line
 
@@ -64,8 +77,11 @@ class MapSource(Source):
     field = FIELD
     gil_bound = True  # the user's __getitem__, in Python
     def __init__(self, ds: Any, label: str, meta: Meta | None = None,
-                 num_classes: int | None = None, targets: str | None = None):
+                 num_classes: int | None = None, targets: str | None = None,
+                 collate: str | None = None):
         self.ds, self.label = ds, label
+        # dataset.collate: the user's batch builder (None: default_collate when structured).
+        self.collate_path, self._collate = collate, load_collate(collate)
         try:
             self.n = len(ds)
         except Exception as err:
@@ -73,7 +89,12 @@ class MapSource(Source):
         if self.n <= 0:
             raise DataError(f"{FIELD}: {label!r} returned an empty dataset")
         if meta is None:
-            x0, y0 = self._item(0, None)
+            item = self._pair(0, None)
+            structured = collate is not None or is_structured(item)
+            x0, y0 = (self._arrays(0, (first_leaf(item[0]), first_leaf(item[1])))
+                      if structured else self._arrays(0, item))
+            if structured and x0.ndim == 0:  # one number per sample: a shape of one feature
+                x0 = x0.reshape(1)
             kind = targets or ("tokens" if x0.dtype.kind in "iu" and y0.ndim == 1
                                and x0.ndim == 1 and y0.shape == x0.shape else
                                "values" if y0.dtype.kind == "f" else "classes")
@@ -88,13 +109,15 @@ class MapSource(Source):
             if k is None:
                 raise DataError(f"dataset.num_classes: {label!r} has no num_classes or "
                                 "classes attribute; set dataset.num_classes")
-            meta = Meta(label, tuple(x0.shape), int(k), kind, tuple(y0.shape))
+            meta = Meta(label, tuple(x0.shape), int(k), kind, tuple(y0.shape), structured)
         self.meta = meta
 
     def __len__(self) -> int:
         return self.n
 
-    def _item(self, i: int, key: int | None) -> tuple[np.ndarray, np.ndarray]:
+    def _pair(self, i: int, key: int | None) -> tuple[Any, Any]:
+        """Sample ``i`` as ``__getitem__`` returns it (seeded by ``key``), checked to be an
+        ``(input, target)`` pair."""
         if key is not None:
             import torch
 
@@ -106,22 +129,42 @@ class MapSource(Source):
         except Exception as err:
             raise SampleError(i, f"__getitem__ raised {first_line(err)}") from err
         if not isinstance(item, tuple | list) or len(item) != 2:
-            raise SampleError(i, f"__getitem__ returned {type(item).__name__}; expected "
-                              "(input, target)")
+            raise SampleError(i, f"__getitem__ returned {type(item).__name__}"
+                              f"{f' of {len(item)}' if isinstance(item, tuple | list) else ''}"
+                              "; expected (input, target)")
+        return item[0], item[1]
+
+    def _arrays(self, i: int, item: tuple[Any, Any]) -> tuple[np.ndarray, np.ndarray]:
         try:
             return _as_array(item[0]), _as_array(item[1])
         except Exception as err:
-            raise SampleError(i, f"(input, target) is not numeric ({first_line(err)})") from err
+            raise SampleError(i, f"(input, target) is not numeric ({first_line(err)}); a "
+                              "sample's input may be a tensor, or a dict or tuple of "
+                              "tensors") from err
+
+    def read_samples(self, ids: np.ndarray, keys: np.ndarray | None = None) -> list[Any]:
+        return [self._pair(int(i), None if keys is None else int(keys[j]))
+                for j, i in enumerate(np.asarray(ids, dtype=np.int64))]
+
+    def collate(self, samples: list[Any], ids: np.ndarray) -> tuple[Any, Any]:
+        x, y = collate_samples(samples, ids, self._collate, self.collate_path, FIELD)
+        if self.meta.targets == "classes":
+            check_labels(y, ids, self.meta.num_classes)
+        return x, y
 
     def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
              out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
         m = self.meta
+        if m.structured:  # tensors, collated as a share; no staging buffer
+            return self.collate(self.read_samples(ids, keys), np.asarray(ids, dtype=np.int64))
         x, y = batch_arrays(m, len(ids), out)
         for j, i in enumerate(np.asarray(ids, dtype=np.int64)):
-            xi, yi = self._item(int(i), None if keys is None else int(keys[j]))
+            ik = None if keys is None else int(keys[j])
+            xi, yi = self._arrays(int(i), self._pair(int(i), ik))
             if tuple(xi.shape) != m.sample_shape:
                 raise SampleError(int(i), f"input has shape {tuple(xi.shape)}, but the first "
-                                  f"sample has {m.sample_shape}")
+                                  f"sample has {m.sample_shape} (samples of different "
+                                  "lengths need a dataset.collate that pads them)")
             if tuple(yi.shape) != m.target_shape:
                 raise SampleError(int(i), f"target has shape {tuple(yi.shape)}, but the "
                                   f"first sample has {m.target_shape}")
@@ -135,14 +178,16 @@ class MapSource(Source):
 
 
 def open_map(result: Any, label: str, split: str, seed: int, test_fraction: float,
-             num_classes: int | None = None, targets: str | None = None) -> Source:
-    """The ``split`` ("train" or "test") of a user's map-style return value."""
+             num_classes: int | None = None, targets: str | None = None,
+             collate: str | None = None) -> Source:
+    """The ``split`` ("train" or "test") of a user's map-style return value (``collate``:
+    ``dataset.collate``)."""
     pair = split_result(result)
     if pair is None:
         raise DataError(f"{FIELD}: {label!r} returned {type(result).__name__}, not a dataset")
     train, test = pair
-    src = MapSource(train, label, num_classes=num_classes, targets=targets)
+    src = MapSource(train, label, num_classes=num_classes, targets=targets, collate=collate)
     if test is not None:
-        return src if split == "train" else MapSource(test, label, src.meta)
+        return src if split == "train" else MapSource(test, label, src.meta, collate=collate)
     tr, te = split_ids(len(src), test_fraction, seed)
     return Subset(src, tr if split == "train" else te)

@@ -120,7 +120,7 @@ def _open_split(spec: DatasetSpec, seed: int, split: str, extra: dict[str, Any])
     fn = resolve_callable(spec.name, "dataset.name")
     result = call_user(fn, spec.name, "dataset.name", **spec.options)
     return open_map(result, spec.name, split, seed, spec.test_fraction, spec.num_classes,
-                    spec.targets)
+                    spec.targets, spec.collate)
 
 
 @dataclass
@@ -156,6 +156,9 @@ def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
     """The job's data: arrays for in-memory datasets, sources and refs for the others."""
     from dynabatch.actors.workloads.datasets import BUILTIN_DATASETS, load_dataset, user_arrays
 
+    if spec.collate is not None and (spec.name in FILE_KINDS or spec.name in BUILTIN_DATASETS):
+        raise DataError(f"dataset.collate: {spec.name} samples are not collated; only a "
+                        "map-style dataset's (dataset.name: 'pkg.mod:fn') are")
     if spec.name in FILE_KINDS:
         train = open_source(spec, seed, "train")
         base = train
@@ -178,11 +181,14 @@ def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
     check_user_options(fn, spec.name, "dataset.options", spec.options)
     result = call_user(fn, spec.name, "dataset.name", **spec.options)
     if split_result(result) is None:
+        if spec.collate is not None:
+            raise DataError(f"dataset.collate: {spec.name!r} returned arrays, not a map-style "
+                            "dataset (len and __getitem__): there are no samples to collate")
         return from_arrays(user_arrays(spec, result, seed))
     train = _limited(open_map(result, spec.name, "train", seed, spec.test_fraction,
-                              spec.num_classes, spec.targets), spec)
+                              spec.num_classes, spec.targets, spec.collate), spec)
     test = open_map(result, spec.name, "test", seed, spec.test_fraction, spec.num_classes,
-                    spec.targets)
+                    spec.targets, spec.collate)
     refs = (DataRef(spec, seed, "train"), DataRef(spec, seed, "test"))
     return Opened(spec.name, train.meta, train, test, refs=refs)
 
@@ -199,6 +205,10 @@ def materialise(spec: DatasetSpec, seed: int = 0) -> Any:
     o = open_dataset(spec, seed)
     if o.arrays is not None:
         return o.arrays
+    if o.meta.structured:
+        field = "dataset.collate" if spec.collate is not None else "dataset.name"
+        raise DataError(f"{field}: {spec.name!r} has dict or tuple inputs or a collate, which "
+                        "train only read by position (protocol: sync), not in memory")
     xs = [s.read(np.arange(len(s))) for s in (o.train, o.test)]
     return DatasetArrays(o.name, xs[0][0], xs[0][1], xs[1][0], xs[1][1], o.meta.num_classes,
                          targets=o.meta.targets)

@@ -53,6 +53,9 @@ class Meta:
     num_classes: int
     targets: str = "classes"  # classes | tokens | values
     target_shape: tuple[int, ...] = ()
+    # Dict or tuple inputs, or a dataset.collate: a read returns tensors, collated per share
+    # (dynabatch.actors.data.structured); sample_shape is then the first input tensor's.
+    structured: bool = False
 
 
 class Source:
@@ -69,6 +72,15 @@ class Source:
 
     def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
              out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def read_samples(self, ids: np.ndarray, keys: np.ndarray | None = None) -> list[Any]:
+        """A structured source's samples ``ids`` as ``(input, target)`` pairs, uncollated
+        (reader processes send them back; the share is collated as a whole)."""
+        raise NotImplementedError
+
+    def collate(self, samples: list[Any], ids: np.ndarray) -> tuple[Any, Any]:
+        """A structured source's batch of ``samples``, read from ``ids``."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -119,7 +131,31 @@ class ArraySource(Source):
         return x, y
 
 
-class Subset(Source):
+class _View(Source):
+    """Some of ``base``'s samples under ids of their own: reads go to the base, and a bad
+    sample is named by the view's id (subclasses map ids both ways in :meth:`_mapped`)."""
+
+    base: Source
+
+    def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
+             out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return self._mapped(self.base.read, ids, keys, out)
+
+    def read_samples(self, ids: np.ndarray, keys: np.ndarray | None = None) -> list[Any]:
+        return self._mapped(self.base.read_samples, ids, keys)
+
+    def collate(self, samples: list[Any], ids: np.ndarray) -> tuple[Any, Any]:
+        return self._mapped(lambda i: self.base.collate(samples, i), ids)
+
+    def _mapped(self, fn: Any, ids: np.ndarray, *args: Any) -> Any:
+        """``fn`` of the base's ids for ``ids`` (then ``args``)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.base.close()
+
+
+class Subset(_View):
     """The samples ``index`` of ``base`` (a seeded split of a set with no held-out part)."""
 
     def __init__(self, base: Source, index: np.ndarray):
@@ -129,20 +165,16 @@ class Subset(Source):
     def __len__(self) -> int:
         return len(self.index)
 
-    def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
-             out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def _mapped(self, fn: Any, ids: np.ndarray, *args: Any) -> Any:
         ids = np.asarray(ids, dtype=np.int64)
         try:
-            return self.base.read(self.index[ids], keys, out)
+            return fn(self.index[ids], *args)
         except SampleError as err:  # name the sample by this split's id
             mine = ids[self.index[ids] == err.sample]
             raise SampleError(int(mine[0]) if len(mine) else err.sample, err.problem) from err
 
-    def close(self) -> None:
-        self.base.close()
 
-
-class Range(Source):
+class Range(_View):
     """The contiguous ids ``[lo, hi)`` of ``base`` (train and test of one file set)."""
 
     def __init__(self, base: Source, lo: int, hi: int):
@@ -152,15 +184,11 @@ class Range(Source):
     def __len__(self) -> int:
         return self.hi - self.lo
 
-    def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
-             out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def _mapped(self, fn: Any, ids: np.ndarray, *args: Any) -> Any:
         try:
-            return self.base.read(np.asarray(ids, dtype=np.int64) + self.lo, keys, out)
+            return fn(np.asarray(ids, dtype=np.int64) + self.lo, *args)
         except SampleError as err:
             raise SampleError(err.sample - self.lo, err.problem) from err
-
-    def close(self) -> None:
-        self.base.close()
 
 
 def split_ids(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -568,6 +568,14 @@ class TrackingSpec(_Strict):
         description="Directory of the TensorBoard event files (DIR/JOB_ID/); a local path "
         "confined like artifacts.dir. Unset: none are written.")
 
+    @field_validator("tensorboard")
+    @classmethod
+    def _local(cls, v: str | None) -> str | None:
+        if v is not None and re.match(URI_PATTERN, v):
+            raise ValueError(f"{v!r} is a URI; event files go to a local directory (on the "
+                             "node that runs the job's driver)")
+        return v
+
 
 class ProtocolSpec(_Strict):
     """How gradients reach the model. ``sync`` (default): synchronous data parallel with

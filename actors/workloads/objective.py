@@ -20,7 +20,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from dynabatch.actors.batch import rows, to_device
 from dynabatch.actors.errors import first_line
+from dynabatch.actors.precision import call_model
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.workloads import WorkloadError
 from dynabatch.actors.workloads import losses as L
@@ -77,16 +79,15 @@ class Objective:
 
     def eval_batches(self, model: nn.Module, batches: Iterable[tuple[Any, Any]], n: int,
                      device: torch.device) -> dict[str, float]:
-        """:meth:`eval_sums` over ``n`` samples given as batches of numpy arrays (a source
-        read by position: ``dynabatch.actors.data``)."""
+        """:meth:`eval_sums` over ``n`` samples given as batches of numpy arrays, or of
+        dicts or tuples of tensors (a source read by position: ``dynabatch.actors.data``)."""
         sums = {"n": float(n), "loss": 0.0} | {m.name: 0.0 for _, m in self.metrics}
         model.eval()
         try:
             with torch.no_grad():
                 for xa, ya in batches:
-                    xb = torch.from_numpy(xa).to(device)
-                    yb = torch.from_numpy(ya).to(device)
-                    out = self.outputs(model(xb))
+                    xb, yb = to_device(xa, device), to_device(ya, device)
+                    out = self.outputs(call_model(model, xb))
                     # A loss or metric that passed the two-sample check can still raise
                     # on real batches: the error names it, as that check does.
                     v = per_sample_of("loss", self.loss_name, self.loss, out, yb)
@@ -168,13 +169,14 @@ def _default_outputs(outputs: Any) -> Any:
 
 
 def check_objective(spec: JobSpec, model: nn.Module, x: np.ndarray, y: np.ndarray) -> Objective:
-    """Resolve the objective and run the loss and every metric on two samples; a problem
-    is a one-line WorkloadError naming ``loss`` or ``metrics.i``."""
+    """Resolve the objective and run the loss and every metric on two samples (``x`` arrays,
+    or a batch of dicts or tuples of tensors); a problem is a one-line WorkloadError naming
+    ``loss`` or ``metrics.i``."""
     obj = objective_for(spec, targets_kind(y))
-    xb = torch.from_numpy(np.asarray(x[:2]))
-    yb = torch.from_numpy(np.asarray(y[:2]))
+    cpu = torch.device("cpu")
+    xb, yb = to_device(rows(x, 0, 2), cpu), to_device(rows(y, 0, 2), cpu)
     with torch.no_grad():
-        out = obj.outputs(model(xb))
+        out = obj.outputs(call_model(model, xb))
         if not isinstance(out, torch.Tensor) and obj.loss_name in L.LOSSES:
             raise WorkloadError(
                 f"model.output: the model returned a {type(out).__name__}, not a tensor, and "

@@ -7,15 +7,31 @@ as it was:
 
 * :func:`load_model` (``dynabatch.actors.export``): a trained model's directory (``dynabatch
   export ID -o DIR``, or a job's ``artifacts.dir``) back as a ``torch.nn.Module``, no Ray.
+* :class:`Client` and :class:`Job` (``dynabatch.client``): a service's jobs from Python,
+  as the CLI's client commands (submit, wait, status, history, logs, scale, cancel, model).
+* :func:`run` and :class:`RunResult` (``dynabatch.embedded``): train a job in this process's
+  Ray (or a cluster's), as ``dynabatch run``, with a progress bar.
+* :class:`JobSpec` (``dynabatch.actors.spec``) and the errors: :class:`SpecError` (a bad
+  spec, naming the field), :class:`ApiError` and :class:`ConnectionFailed` (the service).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["load_model"]
+_PUBLIC = {
+    "load_model": "dynabatch.actors.export",
+    "Client": "dynabatch.client",
+    "Job": "dynabatch.client",
+    "run": "dynabatch.embedded",
+    "RunResult": "dynabatch.embedded",
+    "JobSpec": "dynabatch.actors.spec",
+    "SpecError": "dynabatch.actors.spec",
+    "ApiError": "dynabatch.service.client",
+    "ConnectionFailed": "dynabatch.service.client",
+}
 
-_PUBLIC = {"load_model": "dynabatch.actors.export"}
+__all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name: str) -> Any:

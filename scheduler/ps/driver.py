@@ -319,6 +319,7 @@ class PSCoordinator(JobControl):
         )
         with self._lock:
             self._history.append(rec)
+        self.tracking.epoch(rec)
         self._log("INFO", f"epoch {rec.epoch}: version {e['version']}, test loss "
                   f"{e['test_loss']:.4f}, accuracy {e['test_accuracy']:.3f}, "
                   f"verified={rec.verified}")

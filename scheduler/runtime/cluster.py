@@ -50,6 +50,7 @@ from dynabatch.scheduler.core.cluster.nodes import (
     job_bounds,
     node_type,
     slot_error,
+    worker_slots,
 )
 from dynabatch.scheduler.core.cluster.rounds import (
     Assign,
@@ -113,8 +114,8 @@ def admissible(spec: JobSpec, nodes: Sequence[RayNode]) -> str | None:
     """Why the scheduler cannot place this job, or None (a one-line reason naming the
     field)."""
     lo, _ = job_bounds(spec)
-    return slot_error(spec.worker_cpus, spec.worker_gpus) or gang_error(
-        nodes, lo, spec.node_resource
+    return slot_error(spec.worker_gpus) or gang_error(
+        nodes, lo, spec.node_resource, spec.worker_cpus
     )
 
 
@@ -311,6 +312,7 @@ class ClusterScheduler:
             e.spec.priority,
             e.submit_s,
             eligible_types(nodes, e.spec.node_resource),
+            worker_slots(e.spec.worker_cpus),
         )
 
     def _add(self, e: JobEntry) -> None:
@@ -376,6 +378,7 @@ class ClusterScheduler:
             r.submit_s,
             tuple(assigned),
             r.eligible,
+            r.worker_slots,
         )
 
     # ------------------------------------------------------------------ rounds
@@ -455,15 +458,19 @@ class ClusterScheduler:
             self._drop(job_id)
 
     def _start(self, c: Start) -> None:
+        """Launch the granted job's coordinator, its workers only once the job is still
+        held when the launch returns: a cancel (``finished``) or a later generation
+        (``register``) may arrive meanwhile, since the launch runs outside the lock. Such a
+        coordinator is killed before it starts a worker; the rounds already freed its
+        slots (the job was dropped), so the queue gets them at the next round."""
         with self._lock:
             entry = self._jobs.get(c.job_id)
-        if entry is None:
-            return
-        if entry.client:  # its run launches it (grant), not the scheduler
-            with self._lock:
+            if entry is not None and entry.client:  # its run launches it (grant)
                 self._granted.add(c.job_id)
                 self._seen[c.job_id] = time.time()
-            log.info("job %s: granted %s to its run", c.job_id, c.slots)
+                log.info("job %s: granted %s to its run", c.job_id, c.slots)
+                return
+        if entry is None:
             return
         try:
             handle = launch_coordinator(
@@ -473,6 +480,7 @@ class ClusterScheduler:
                 generation=entry.generation,
                 assignment=dict(c.slots),
                 timeout_s=self.start_timeout_s,
+                start=False,
             )
         except Exception as err:
             why = str(err).strip().splitlines()[-1][:300] if str(err).strip() else repr(err)
@@ -480,9 +488,17 @@ class ClusterScheduler:
             with self._lock:
                 self._state, _ = step(self._state, StartFailed(c.job_id, why), self.knobs)
             return
-        log.info("job %s: started on %s", c.job_id, c.slots)
         with self._lock:
-            self._handles[c.job_id] = handle
+            held = self._state.job(c.job_id)
+            wanted = self._jobs.get(c.job_id) is entry and held is not None and held.started
+            if wanted:
+                self._handles[c.job_id] = handle
+                handle.run.remote()
+        if not wanted:
+            log.info("job %s: left the queue while it was granted; not started", c.job_id)
+            ray.kill(handle, no_restart=True)
+            return
+        log.info("job %s: started on %s", c.job_id, c.slots)
 
     def _assign(self, c: Assign) -> None:
         with self._lock:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.spec import JobSpec, TrackingSpec
 from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.scheduler.core.ps.machine import PSCore
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, ClusterSpec, ParameterServerModel
@@ -115,6 +115,9 @@ def simulate_ps(spec: JobSpec, core: PSCore, config: PSSimConfig,
     from dynabatch.scheduler.ps.driver import PSCoordinator
 
     ds = data if data is not None else load_dataset(spec.dataset, seed=spec.seed)
+    # As the synchronous simulator: a simulation writes no event files into the job's
+    # tracking directory.
+    spec = spec.model_copy(update={"tracking": TrackingSpec()})
     if config.cluster is None:  # one learner per configured learner
         spec = spec.model_copy(update={"workers": len(config.learners)})
     nodes, speed, events = _world(spec, config)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dynabatch.actors.spec import ArtifactsSpec, CheckpointSpec, JobSpec
+from dynabatch.actors.spec import ArtifactsSpec, CheckpointSpec, JobSpec, TrackingSpec
 from dynabatch.scheduler.runtime.seam import DataInfo
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, ClusterSpec, check_job
 from dynabatch.scheduler.sim.cost_model import Ideal, SimulatedCluster
@@ -129,9 +129,10 @@ def simulate(
     (tests record its decisions).
     """
     check_job(cluster, spec.batch_range[0], spec.initial_workers)
-    # The simulator never writes into the job's checkpoint or artifacts directory (with real
-    # gradients, the coordinator keeps the trained model's files: model_files()).
-    spec = spec.model_copy(update={"checkpoint": CheckpointSpec(), "artifacts": ArtifactsSpec()})
+    # The simulator never writes into the job's checkpoint, artifacts or tracking directory
+    # (with real gradients, the coordinator keeps the trained model's files: model_files()).
+    spec = spec.model_copy(update={"checkpoint": CheckpointSpec(), "artifacts": ArtifactsSpec(),
+                                   "tracking": TrackingSpec()})
     gradients = None
     if real_gradients:
         from dynabatch.scheduler.sim.gradients import GradientEngine

@@ -292,6 +292,7 @@ class Epochs(Part):
         with self.c._lock:
             self.c._history.append(record)
             self.log("INFO", summary(record))
+        self.c.tracking.epoch(record)
 
     def close(self) -> None:
         """The job ends otherwise than by success or cancellation (which wait for them):

@@ -239,6 +239,10 @@ class Pipeline(Part):
             job.membership.progressed(
                 {r.worker: Position(start.epoch, start.step + len(r.steps)) for r in results}
             )
+        # Outside the lock: the first write opens the event files (snapshots need not wait).
+        for j in range(done):
+            self.c.tracking.step([r.steps[j] for r in results if len(r.steps) > j],
+                                 p.dataset_size)
         if failure is None:
             job.budget.succeeded()  # the retry, if this was one, is over
             return True

@@ -15,8 +15,9 @@ from typing import Annotated, Any
 
 import typer
 import yaml
-from dynabatch.actors.spec import URI_PATTERN, JobSpec, SpecError, parse_spec
+from dynabatch.actors.spec import JobSpec, SpecError, parse_spec
 from dynabatch.service.cli.common import CliError, one_line
+from dynabatch.service.code_store import local_working_dir
 
 # ``--set FIELD=VALUE`` of ``run`` and ``submit``: one option, read by :func:`read_config`.
 SetOption = Annotated[list[str] | None, typer.Option(
@@ -59,18 +60,14 @@ def apply_sets(data: dict[str, Any], sets: Sequence[str]) -> None:
         node[path[-1]] = value
 
 
-def local_working_dir(value: Any) -> bool:
-    """Whether a config's ``working_dir`` names a directory on this machine (not a URI)."""
-    return isinstance(value, str) and bool(value) and not re.match(URI_PATTERN, value)
-
-
 def _absolute(p: Path) -> Path:
     """``p`` made absolute, ``..`` folded (symlinks kept)."""
     return Path(os.path.normpath(p.expanduser().absolute()))
 
 
 def read_config(
-    path: Path, *, sets: Sequence[str] = (), working_dir: Path | None = None
+    path: Path, *, sets: Sequence[str] = (), working_dir: Path | None = None,
+    working_dir_name: str = "--working-dir",
 ) -> tuple[dict[str, Any], JobSpec]:
     """The config at ``path`` as a mapping and a validated spec.
 
@@ -89,25 +86,41 @@ def read_config(
         raise CliError(f"{path}: not valid YAML ({one_line(str(err))})") from None
     if data is None:
         data = {}
+    return mapping_config(data, sets=sets, working_dir=working_dir, config=path,
+                          working_dir_name=working_dir_name)
+
+
+def mapping_config(
+    data: Any, *, sets: Sequence[str] = (), working_dir: Path | None = None,
+    config: Path | None = None, working_dir_name: str = "--working-dir",
+) -> tuple[dict[str, Any], JobSpec]:
+    """A config's mapping (``data``, changed in place) with ``sets`` applied and its local
+    ``working_dir`` made absolute, and the validated spec. ``config`` is the file it was read
+    from: a relative ``working_dir`` in the mapping is read from that file's folder, and
+    every error names the file; None (a mapping built in Python), from the current
+    directory. ``working_dir`` overrides the mapping's (from the current directory); errors
+    about it name it ``working_dir_name``."""
+    prefix = f"{config}: " if config is not None else ""
     if not isinstance(data, dict):
-        raise CliError(f"{path}: spec: expected a mapping of fields, got {type(data).__name__}")
+        raise CliError(f"{prefix}spec: expected a mapping of fields, got {type(data).__name__}")
     apply_sets(data, sets)
     if working_dir is not None:
-        local, what = _absolute(working_dir), "--working-dir"
+        local, what = _absolute(Path(working_dir)), working_dir_name
     elif local_working_dir(data.get("working_dir")):
         named = Path(data["working_dir"]).expanduser()
-        local, what = _absolute(path.parent / named), f"{path}: working_dir"
+        base = config.parent if config is not None else Path.cwd()
+        local, what = _absolute(base / named), f"{prefix}working_dir"
     else:
         local, what = None, ""
     if local is not None:
         if not local.is_dir():
             hint = (" (a relative working_dir is read from the config's folder)"
-                    if what != "--working-dir" and not Path(data["working_dir"]).is_absolute()
-                    else "")
+                    if config is not None and what != working_dir_name
+                    and not Path(data["working_dir"]).is_absolute() else "")
             raise CliError(f"{what}: {local} is not a directory{hint}")
         data["working_dir"] = str(local)
     try:
         spec = parse_spec(data)
     except SpecError as err:
-        raise CliError(f"{path}: {err}") from None
+        raise CliError(f"{prefix}{err}") from None
     return data, spec

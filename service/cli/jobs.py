@@ -16,7 +16,6 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -35,10 +34,9 @@ from dynabatch.service.cli.common import (
     stderr,
     timestamp,
 )
-from dynabatch.service.cli.config import SetOption, local_working_dir, read_config
-from dynabatch.service.cli.views import breakdown_table
-from dynabatch.service.client import DEFAULT_URL, ApiError, DynabatchClient
-from dynabatch.service.code_store import zip_directory
+from dynabatch.service.cli.config import SetOption, read_config
+from dynabatch.service.cli.views import breakdown_table, tensorboard_line
+from dynabatch.service.client import DEFAULT_URL, DynabatchClient
 from dynabatch.service.labels import node_label
 from dynabatch.service.schemas import JobDetail
 from rich.console import Group
@@ -85,6 +83,9 @@ def _job_table(job: Any) -> Group:
     head.append("\n" + "  ".join(facts))
     if job.reason:
         head.append(f"\nreason: {job.reason}", style="dim")
+    spec = getattr(job, "spec", None)
+    if spec is not None and spec.tracking.tensorboard:
+        head.append("\n" + tensorboard_line(spec.tracking.tensorboard, job.job_id), style="dim")
     workers = Table(title="workers", expand=False)
     for col in ("worker", "node", "batch", "partition", "samples/s", "compute/step", "wait/step"):
         workers.add_column(col, justify="left" if col in ("worker", "node") else "right")
@@ -305,19 +306,9 @@ def submit(
     """Submit a job config: print its id (its page's URL on stderr), then follow it."""
     with one_line_errors():
         spec, _ = read_config(config, sets=sets or (), working_dir=working_dir)
-        named = spec.get("working_dir")  # made absolute by read_config when local
-        local = named if local_working_dir(named) else None
         what = "--working-dir" if working_dir is not None else f"{config}: working_dir"
         with make_client(ctx, url, token) as client:
-            if local is not None:
-                # The service may run anywhere: the code travels in the request, not as a
-                # path on this machine.
-                try:
-                    shipped = client.upload_code(zip_directory(Path(local)))
-                except ApiError as err:
-                    raise CliError(f"{what}: {err}") from None
-                spec["working_dir"] = shipped.working_dir
-            job = client.submit(spec)
+            job = client.submit_with_code(spec, what=what)
             if as_json:
                 typer.echo(job.model_dump_json())
             else:
@@ -465,12 +456,12 @@ def logs(
     """Print a job's log lines: all of them, to the end (or the last N, --tail)."""
     with api_client(ctx, url, token, job_id=job_id) as client:
         backlog: deque[LogLine] = deque(maxlen=tail)
-        since = _read_logs(client, job_id, since, backlog.append)
+        since = client.read_logs(job_id, since, backlog.append)
         for line in backlog:
             _echo_log(line)
         while follow:
             seen = since
-            since = _read_logs(client, job_id, since, _echo_log)
+            since = client.read_logs(job_id, since, _echo_log)
             if since == seen and client.get(job_id).state.is_terminal:
                 return
             time.sleep(interval)
@@ -478,19 +469,6 @@ def logs(
 
 def _echo_log(line: LogLine) -> None:
     typer.echo(f"{_ts(line.time)} {line.level:<7} {line.message}")
-
-
-def _read_logs(client: DynabatchClient, job_id: str, since: int,
-               each: Callable[[LogLine], None]) -> int:
-    """Every log line of the job from ``since`` on, page after page (the API serves at most
-    a page a request), to ``each``; the sequence number after the last."""
-    while True:
-        page = client.logs(job_id, since)
-        for line in page.lines:
-            each(line)
-        if not page.lines:
-            return since
-        since = page.next_since
 
 
 def _accepted(job: Any, what: str) -> str:

@@ -26,7 +26,7 @@ from dynabatch.service.cli.common import (
     stderr,
 )
 from dynabatch.service.cli.config import SetOption, read_config
-from dynabatch.service.cli.views import breakdown_table
+from dynabatch.service.cli.views import breakdown_table, tensorboard_line
 from dynabatch.service.labels import node_label
 from rich.console import Console, Group
 from rich.live import Live
@@ -58,16 +58,10 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
                         f"{w.throughput:,.0f}", f"{w.compute_s_per_step * 1e3:.1f} ms",
                         f"{w.wait_s_per_step * 1e3:.1f} ms", f"{w.slowdown:g}x")
     epochs = Table(title="epochs", expand=False)
-    for col in ("epoch", "time", "train loss", "held-out", "utilization", "balance",
-                "rebalances", "samples", "retried"):
+    for col in EPOCH_COLUMNS:
         epochs.add_column(col, justify="right")
     for r in history[-6:]:
-        # "verified": the ledger found every sample trained exactly once, from the reports.
-        samples = f"{r.samples_trained:,}" + (" verified" if r.verified else "")
-        epochs.add_row(str(r.epoch), f"{r.wall_s:.2f}s", f"{r.train_loss:.4f}",
-                       held_out(r),
-                       f"{r.utilization:.3f}", f"{r.compute_balance:.3f}", str(r.rebalances),
-                       samples, str(r.retried_samples))
+        epochs.add_row(*epoch_cells(r))
     parts = [head, workers, epochs]
     if snap.ps is not None:  # protocol ps: per-learner staleness
         from dynabatch.service.cli.jobs import _ps_table
@@ -76,6 +70,19 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
     if snap.step_breakdown is not None:
         parts.append(breakdown_table(snap.step_breakdown))
     return Group(*parts)
+
+
+EPOCH_COLUMNS = ("epoch", "time", "train loss", "held-out", "utilization", "balance",
+                 "rebalances", "samples", "retried")
+
+
+def epoch_cells(r: EpochRecord) -> list[str]:
+    """One finished epoch as the epoch table's cells (:data:`EPOCH_COLUMNS`)."""
+    # "verified": the ledger found every sample trained exactly once, from the reports.
+    samples = f"{r.samples_trained:,}" + (" verified" if r.verified else "")
+    return [str(r.epoch), f"{r.wall_s:.2f}s", f"{r.train_loss:.4f}", held_out(r),
+            f"{r.utilization:.3f}", f"{r.compute_balance:.3f}", str(r.rebalances),
+            samples, str(r.retried_samples)]
 
 
 def held_out(record: EpochRecord) -> str:
@@ -200,6 +207,18 @@ def capacity_warning(spec: JobSpec, cores: int) -> str | None:
             f"{max(1, int(cores // spec.worker_cpus))}, or --address for a cluster)")
 
 
+def local_tracking(spec: JobSpec) -> JobSpec:
+    """``spec`` with a relative ``tracking.tensorboard`` made absolute against the current
+    directory: the job's driver runs in another, and a local run writes where its user
+    says (a service confines the path instead: dynabatch.service.submit_policy)."""
+    tb = spec.tracking.tensorboard
+    if not tb or os.path.isabs(os.path.expanduser(tb)):
+        return spec
+    path = os.path.abspath(os.path.expanduser(tb))
+    return spec.model_copy(update={
+        "tracking": spec.tracking.model_copy(update={"tensorboard": path})})
+
+
 def option_problem(spec: JobSpec) -> str | None:
     """The first dataset or model option the job's loader or builder cannot take (an
     unknown name, a required one missing), as one line, or None: read from the built-ins'
@@ -233,14 +252,20 @@ def option_problem(spec: JobSpec) -> str | None:
     return None
 
 
+# Told the job's snapshot and epoch history at every poll, the last at its end.
+OnUpdate = Callable[[JobSnapshot, list[EpochRecord]], None]
+
+
 def follow_job(job: JobHandle, *, console: Console, quiet: bool,
                interrupted: dict[str, int] | None = None,
                interval_s: float = 0.5, tick: Callable[[], None] | None = None,
+               on_update: OnUpdate | None = None,
                ) -> tuple[JobSnapshot, list[EpochRecord]]:
     """Follow the job to its end: its log lines (the user's own prints, warnings and errors
     among them, from every worker: dynabatch.actors.output) scroll above the live table,
     printed as they are (no markup, no emoji). Ctrl-C (``interrupted``) cancels it.
-    ``tick`` runs once a poll (the cluster scheduler's keep-alive)."""
+    ``tick`` runs once a poll (the cluster scheduler's keep-alive); ``on_update`` is told
+    what each poll read (another view of the job: ``dynabatch.run``'s progress bar)."""
     interrupted = interrupted if interrupted is not None else {"n": 0}
     since = 0
     cancel_sent = False
@@ -259,6 +284,8 @@ def follow_job(job: JobHandle, *, console: Console, quiet: bool,
             print_logs(live)
             if not quiet:
                 live.update(render(snap, hist))
+            if on_update is not None:
+                on_update(snap, hist)
             if snap.state.is_terminal:
                 print_logs(live)  # what the actors wrote last
                 break
@@ -274,8 +301,10 @@ def follow_job(job: JobHandle, *, console: Console, quiet: bool,
 
 
 def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: bool,
-            console: Console, scheduler: bool | None = None) -> JobSnapshot:
-    """Train ``spec`` to its end, following it. On a cluster whose scheduler runs
+            console: Console, scheduler: bool | None = None,
+            on_update: OnUpdate | None = None) -> JobSnapshot:
+    """Train ``spec`` to its end, following it (:func:`follow_job`, which passes
+    ``on_update`` each poll). On a cluster whose scheduler runs
     (``scheduler`` None), or when asked (True: started if missing), the job queues there and
     trains on the nodes it grants (resized by it from then); False, or the embedded local
     Ray, launches it at once."""
@@ -283,6 +312,7 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
     from dynabatch.service import scheduling as sched
     from dynabatch.service.raycluster import connect
 
+    spec = local_tracking(spec)
     cores = os.cpu_count() or 1
     need = int(spec.worker_cpus * (spec.initial_workers or 1) + 0.999)
     if address is None and not os.environ.get("RAY_ADDRESS"):
@@ -317,9 +347,11 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
                 interrupted=lambda: interrupted["n"] > 0)
             print_plain(stderr(), f"cluster scheduler: job {job_id} granted its nodes")
             tick = sched.keep_alive(placer, job_id, spec, submit_s)
+        if spec.tracking.tensorboard:
+            print_plain(stderr(), tensorboard_line(spec.tracking.tensorboard, job_id))
         try:
             snap, hist = follow_job(RayJob(handle), console=console, quiet=quiet,
-                                    interrupted=interrupted, tick=tick)
+                                    interrupted=interrupted, tick=tick, on_update=on_update)
         finally:
             if placer is not None:
                 sched.finish_quietly(placer, job_id)

@@ -1,4 +1,5 @@
-"""The per-step time breakdown as a table, shared by ``dynabatch run`` and ``status``."""
+"""What ``dynabatch run`` and ``status`` both show: the per-step time breakdown as a table,
+and where a job's TensorBoard event files are."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def breakdown_table(b: StepBreakdown) -> Table:
     table.add_row(*(f"{getattr(b, key) * 1e3:.1f}" for _, key in _COLUMNS),
                   f"{b.micro_batches:.2g}")
     return table
+
+
+def tensorboard_line(root: str, job_id: str) -> str:
+    """Where a job's TensorBoard event files are (``tracking.tensorboard``: ``root``), and
+    how to view them, in one line."""
+    return (f"TensorBoard event files: {root.rstrip('/')}/{job_id} "
+            f"(view: tensorboard --logdir {root})")
 
 
 def fail(err: Console, message: str) -> NoReturn:

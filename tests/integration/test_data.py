@@ -1,6 +1,7 @@
 """Training from sources read by position, on real Ray workers: Parquet (with a node lost
 mid-epoch, the ledger verified), .npy shards, an image folder and a user's map-style
-Dataset; a __getitem__ that raises fails the job with the position and the field."""
+Dataset, and one of padded variable-length sequences (a collate) with a node lost; a
+__getitem__ that raises fails the job with the position and the field."""
 
 from __future__ import annotations
 
@@ -100,12 +101,20 @@ def test_node_lost_mid_epoch_while_reading_parquet(cluster, mnist_files):
                  min_workers=1, epochs=3, node_resource=tag, collective_timeout_s=3,
                  worker_wait_timeout_s=20, global_batch=32)
     coord = Coordinator("data-loss", spec, resume=False)
+    _lose_a_node(cluster, coord, nodes, (1, 4))
+    for rec in coord.history():
+        assert rec.verified and rec.samples_trained == rec.dataset_size
+
+
+def _lose_a_node(cluster, coord, nodes, at: tuple[int, int]):
+    """Run ``coord`` to (epoch, step) ``at``, remove its last member's node without grace,
+    then run the job to its end: it succeeds with that one failure. Returns its snapshot."""
     # The test runs the control loop itself, so the job cannot end before the loss shows.
     # A node removed without grace loses its raylet at once, but its worker dies, and Ray
     # declares it dead, some time later (about as long as the rest of this job, ~70 steps
     # of a few milliseconds); a job run in a thread could succeed with the victim still
     # training, no failure ever seen.
-    while (coord.epoch, coord.step_in_epoch) < (1, 4):
+    while (coord.epoch, coord.step_in_epoch) < at:
         assert coord.step(), coord.snapshot().reason
     victim = coord.members[-1]
     handle = coord.runtime._handles[victim.worker_id]
@@ -118,5 +127,24 @@ def test_node_lost_mid_epoch_while_reading_parquet(cluster, mnist_files):
     assert snap.state == JobState.SUCCEEDED, snap.reason
     assert [e.worker for e in coord.membership_events() if e.kind == "failure"] == [
         victim.worker_id]
-    for rec in coord.history():
-        assert rec.verified and rec.samples_trained == rec.dataset_size
+    return snap
+
+
+def test_padded_sequences_with_a_collate_survive_a_lost_node(cluster):
+    # Variable-length token sequences, padded per share by the user's collate into
+    # {"input_ids", "attention_mask"}, for a model that takes both by name.
+    tag = "data_padded"
+    nodes = [cluster.add_node(num_cpus=1, resources={tag: 1}, object_store_memory=80 * 2**20)
+             for _ in range(2)]
+    cluster.wait_for_nodes()
+    plug = "tests.unit.structured_plugins"
+    spec = _spec({"name": f"{plug}:sequences", "options": {"n": 320, "longest": 24},
+                  "collate": f"{plug}:pad"}, model={"name": f"{plug}:seq_classifier"},
+                 optimizer={"name": "adam", "lr": 0.02}, global_batch=32, min_workers=1,
+                 node_resource=tag, collective_timeout_s=3, worker_wait_timeout_s=20)
+    coord = Coordinator("data-padded", spec, resume=False)
+    snap = _lose_a_node(cluster, coord, nodes, (0, 3))
+    hist = coord.history()
+    assert len(hist) == 2 and all(r.verified and r.samples_trained == r.dataset_size
+                                  for r in hist)
+    assert snap.test_accuracy is not None

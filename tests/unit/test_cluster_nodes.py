@@ -11,6 +11,7 @@ from dynabatch.scheduler.core.cluster.nodes import (
     node_type,
     slot_error,
     slots,
+    worker_slots,
 )
 
 
@@ -40,10 +41,21 @@ def test_slots_per_gpu_else_per_cpu_and_empty_nodes_left_out():
     assert [(n.node_id, n.node_type, n.capacity) for n in nodes] == [("b", "cpu2", 2)]
 
 
-def test_workers_wider_than_a_slot_are_refused_with_the_field():
-    assert slot_error(1.0, 0.0) is None and slot_error(0.5, "auto") is None
-    assert slot_error(2.0, 0.0).startswith("worker_cpus 2:")
-    assert slot_error(1.0, 2.0).startswith("worker_gpus 2:")
+def test_workers_of_several_gpus_are_refused_with_the_field():
+    assert slot_error(0.0) is None and slot_error("auto") is None and slot_error(0.5) is None
+    assert slot_error(2.0).startswith("worker_gpus 2:")
+
+
+def test_a_worker_takes_its_cpus_in_slots_on_cpu_nodes_and_one_on_gpu_nodes():
+    assert [worker_slots(c) for c in (0.25, 1.0, 1.5, 2.0)] == [1, 1, 2, 2]
+    nodes = [RayNode("c", {"CPU": 5}), RayNode("g", {"CPU": 8, "GPU": 2})]
+    assert [(n.capacity, n.gpu) for n in cluster_nodes(nodes)] == [(5, False), (2, True)]
+    # Workers of 2 CPUs: 2 whole on the 5-CPU node, one per GPU on the other.
+    assert gang_error(nodes, 4, worker_cpus=2.0) is None
+    assert gang_error(nodes, 5, worker_cpus=2.0) == (
+        "min_workers 5: the cluster's worker slots hold 4 workers of 2 CPUs (worker_cpus 2); "
+        "the job could never start"
+    )
 
 
 def test_node_resource_limits_to_types_wholly_carrying_it():

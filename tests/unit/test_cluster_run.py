@@ -47,6 +47,11 @@ class Coordinator:
         self.snapshot = Remote(lambda: SimpleNamespace(state=JobState.RUNNING, workers=[]))
         self.assign = Remote(self.assigned_to.append)
         self.assigned = Remote(lambda: None)
+        self.ran = False  # run() called: its workers started
+        self.run = Remote(self._run)
+
+    def _run(self) -> None:
+        self.ran = True
 
 
 @pytest.fixture

@@ -432,6 +432,7 @@ def test_cli_export_writes_the_directory_load_model_reads(app, tmp_path):
     )
     x = torch.randn(2, 4)
     assert torch.equal(load_model(str(tmp_path / "out"))(x), model.eval()(x))
+    assert torch.equal(load_model(tmp_path / "out")(x), model.eval()(x))  # a Path too
     (tmp_path / "f").write_text("")
     result = _cli(client, "export", job, "-o", str(tmp_path / "f"))
     assert result.output.strip() == f"error: --out: {tmp_path / 'f'} is a file, not a directory"

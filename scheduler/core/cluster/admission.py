@@ -9,6 +9,12 @@ holds nothing. Whether a set of minimums fits on node types each job may use is 
 transportation problem; by Hall's theorem it is feasible exactly when for every set U of
 types, the minimums of the jobs that can use only types in U fit in U's capacity. With a
 few node types that is 2^T sums (a subset-sum transform), cheap enough to ask per job.
+
+Sized workers. When a job's worker takes more than one slot on some type (``worker_slots``
+above 1 on CPU nodes), Hall's condition no longer decides it: :class:`SizedGangCheck` asks
+HiGHS whether the minimums fit the same capacity rows the MILP then solves (slots per type,
+and per job no more workers on a type than its nodes' free slots hold whole), one small
+feasibility program per job considered.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from dynabatch.scheduler.core.cluster.values import ClusterJob, ClusterNode
+from scipy.optimize import Bounds, LinearConstraint, milp
 
 MAX_TYPES = 16
 
@@ -32,8 +39,8 @@ def sanitize(
     """Current allocations restricted to the nodes that exist and their capacity.
 
     Slots on a lost node are dropped; where a node's capacity shrank below what its jobs
-    hold, the jobs later in the order lose the excess. Returns (job → node → workers, the
-    jobs that lost slots)."""
+    hold, the jobs later in the order lose the excess (a worker keeps its slots whole).
+    Returns (job → node → workers, the jobs that lost slots)."""
     used: dict[str, int] = {}
     out: dict[str, dict[str, int]] = {}
     lost: set[str] = set()
@@ -41,13 +48,14 @@ def sanitize(
         mine: dict[str, int] = {}
         for node_id, n in job.allocation:
             node = nodes.get(node_id)
+            size = 1 if node is None else job.size_on(node)
             room = 0 if node is None else node.capacity - used.get(node_id, 0)
-            keep = max(0, min(n, room))
+            keep = max(0, min(n, room // size))
             if keep < n:
                 lost.add(job.job_id)
             if keep:
                 mine[node_id] = mine.get(node_id, 0) + keep
-                used[node_id] = used.get(node_id, 0) + keep
+                used[node_id] = used.get(node_id, 0) + keep * size
         out[job.job_id] = mine
     return out, lost
 
@@ -95,17 +103,71 @@ class GangCheck:
         return int(self._demand[(sub & ~mask) == 0].sum())
 
 
-def single_type_admit(free: np.ndarray, mask: int, rates: np.ndarray, workers: int) -> int:
+@dataclass
+class SizedGangCheck:
+    """Gang admission for jobs whose workers take several slots (see the module docstring).
+
+    ``free``: slots per type left for the jobs being admitted. :meth:`admit` takes the
+    job's slots per worker on each type (``size``) and the most workers its nodes hold
+    whole on each type (``room``; 0 where it cannot run)."""
+
+    free: np.ndarray
+
+    def __post_init__(self) -> None:
+        self._gangs: list[tuple[np.ndarray, np.ndarray, int]] = []
+
+    def admit(self, size: np.ndarray, room: np.ndarray, workers: int) -> bool:
+        trial = [*self._gangs, (np.asarray(size), np.asarray(room), workers)]
+        if not self.fits(self.free, trial):
+            return False
+        self._gangs = trial
+        return True
+
+    @staticmethod
+    def fits(free: np.ndarray, gangs: Sequence[tuple[np.ndarray, np.ndarray, int]]) -> bool:
+        """Whether integer workers x_jt ≤ room_jt with Σ_t x_jt ≥ min_j and
+        Σ_j size_jt·x_jt ≤ free_t exist."""
+        n_types = len(free)
+        nvar = len(gangs) * n_types
+        if nvar == 0:
+            return True
+        a = np.zeros((n_types + len(gangs), nvar))
+        for j, (size, _, _) in enumerate(gangs):
+            a[:n_types, j * n_types : (j + 1) * n_types] = np.diag(size)
+            a[n_types + j, j * n_types : (j + 1) * n_types] = 1.0
+        lo = np.concatenate([np.full(n_types, -np.inf), [w for _, _, w in gangs]])
+        hi = np.concatenate([np.asarray(free, dtype=float), np.full(len(gangs), np.inf)])
+        ub = np.concatenate([np.asarray(room, dtype=float) for _, room, _ in gangs])
+        res = milp(
+            np.zeros(nvar),
+            integrality=np.ones(nvar),
+            bounds=Bounds(np.zeros(nvar), ub),
+            constraints=LinearConstraint(a, lo, hi),
+        )
+        return res.x is not None
+
+
+def single_type_admit(
+    free: np.ndarray,
+    mask: int,
+    rates: np.ndarray,
+    workers: int,
+    size: np.ndarray | None = None,
+    room: np.ndarray | None = None,
+) -> int:
     """For a one-type-per-job policy: the type (index) the gang fits on, the job's fastest
-    such, reserving it in ``free``; -1 when none has room."""
+    such, reserving it in ``free`` (slots; ``size`` slots per worker on each type, one by
+    default, and at most ``room`` workers on each type); -1 when none has room."""
+    size = np.ones(len(free), dtype=np.int64) if size is None else size
     best = -1
     for t in range(len(free)):
         if (
             mask >> t & 1
-            and free[t] >= workers
+            and free[t] >= workers * size[t]
+            and (room is None or room[t] >= workers)
             and (best < 0 or (rates[t], free[t]) > (rates[best], free[best]))
         ):
             best = t
     if best >= 0:
-        free[best] -= workers
+        free[best] -= workers * size[best]
     return best

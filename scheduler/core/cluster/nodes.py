@@ -8,13 +8,13 @@ Type, first found of:
 3. derived from its resources: ``gpu-<model>x<count>`` when it has GPUs (the model from
    Ray's ``accelerator_type:<model>`` resource, else ``gpu``), else ``cpu<count>``.
 
-Slots. The policy counts workers in slots, the same for every job: one per GPU on a node
-with GPUs, one per CPU on the others. So a job is placed by the scheduler only when each
-of its workers fits one slot: ``worker_cpus`` at most 1 and ``worker_gpus`` at most 1
-(:func:`slot_error` says why not otherwise, rather than the policy counting it wrong).
-A CPU-only worker on a GPU node takes one of its slots (it uses no GPU, but the policy
-does not share a slot). A job's ``node_resource`` limits it to the types whose every
-node carries that resource (:func:`eligible_types`): a type is the policy's unit.
+Slots. A node's capacity is counted in slots: one per GPU on a node with GPUs, one per CPU
+on the others. A worker takes ``ceil(worker_cpus)`` slots on a CPU node
+(:func:`worker_slots`) and one slot on a GPU node, whatever its ``worker_gpus`` up to 1 (a
+fractional GPU is not shared between workers by the policy: it counts the whole slot; a
+CPU-only worker there takes one too). ``worker_gpus`` above 1 is refused
+(:func:`slot_error`). A job's ``node_resource`` limits it to the types whose every node
+carries that resource (:func:`eligible_types`): a type is the policy's unit.
 """
 
 from __future__ import annotations
@@ -68,13 +68,22 @@ def slots(node: RayNode) -> int:
     return math.floor(node.resources.get("CPU", 0.0))
 
 
+def has_gpu(node: RayNode) -> bool:
+    return node.resources.get("GPU", 0.0) >= 1
+
+
 def cluster_nodes(nodes: Iterable[RayNode]) -> tuple[ClusterNode, ...]:
     """The alive nodes with at least one slot, as the policy takes them."""
     return tuple(
-        ClusterNode(n.node_id, node_type(n), slots(n))
+        ClusterNode(n.node_id, node_type(n), slots(n), has_gpu(n))
         for n in sorted(nodes, key=lambda n: n.node_id)
         if n.alive and slots(n) > 0
     )
+
+
+def worker_slots(worker_cpus: float) -> int:
+    """Slots one worker of ``worker_cpus`` CPUs takes on a CPU node."""
+    return max(1, math.ceil(worker_cpus))
 
 
 def job_bounds(spec: Any) -> tuple[int, int]:
@@ -86,13 +95,8 @@ def job_bounds(spec: Any) -> tuple[int, int]:
     return lo, max(lo, min(hi, spec.batch_range[0]))
 
 
-def slot_error(worker_cpus: float, worker_gpus: float | str) -> str | None:
+def slot_error(worker_gpus: float | str) -> str | None:
     """Why a job's workers cannot be counted in the scheduler's slots, or None."""
-    if worker_cpus > 1:
-        return (
-            f"worker_cpus {worker_cpus:g}: the cluster scheduler counts one worker per CPU "
-            "(one per GPU on GPU nodes); give it at most 1"
-        )
     if worker_gpus != "auto" and float(worker_gpus) > 1:
         return (
             f"worker_gpus {float(worker_gpus):g}: the cluster scheduler counts one worker per "
@@ -115,16 +119,29 @@ def eligible_types(nodes: Iterable[RayNode], resource: str | None) -> frozenset[
 
 
 def gang_error(
-    nodes: Iterable[RayNode], min_workers: int, resource: str | None = None
+    nodes: Iterable[RayNode],
+    min_workers: int,
+    resource: str | None = None,
+    worker_cpus: float = 1.0,
 ) -> str | None:
     """Why no set of the cluster's nodes can hold the job's ``min_workers`` together (its
-    eligible types' slots are fewer), or None."""
+    eligible types' slots hold fewer of its workers), or None."""
     nodes = list(nodes)
     ok = eligible_types(nodes, resource)
-    total = sum(c.capacity for c in cluster_nodes(nodes) if ok is None or c.node_type in ok)
+    size = worker_slots(worker_cpus)
+    total = sum(
+        c.capacity // (1 if c.gpu else size)
+        for c in cluster_nodes(nodes)
+        if ok is None or c.node_type in ok
+    )
     if total >= min_workers:
         return None
     where = f" on node types whose nodes all have node_resource {resource!r}" if resource else ""
+    if size > 1:
+        return (
+            f"min_workers {min_workers}: the cluster's worker slots{where} hold {total} "
+            f"workers of {size} CPUs (worker_cpus {worker_cpus:g}); the job could never start"
+        )
     return (
         f"min_workers {min_workers}: the cluster has {total} worker slots{where}; "
         "the job could never start"

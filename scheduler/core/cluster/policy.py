@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 from dynabatch.scheduler.core.cluster.admission import (
     GangCheck,
+    SizedGangCheck,
     order_key,
     sanitize,
     single_type_admit,
@@ -80,9 +81,33 @@ def decide(
     now: float,
     knobs: ClusterKnobs | None = None,
 ) -> ClusterDecision:
-    """The allocation of every job, the queue, and a reason for each job."""
+    """The allocation of every job, the queue, and a reason for each job.
+
+    A job whose workers take several slots may find its count not placed whole on the
+    nodes (the free slots split over nodes, :mod:`.assign`): if that leaves it below its
+    ``min_workers``, the round is decided again with it queued, so gangs stay whole."""
     knobs = knobs or ClusterKnobs()
     _check_unique(nodes, jobs)
+    blocked: dict[str, str] = {}
+    while True:
+        decision, split = _decide(nodes, jobs, now, knobs, blocked)
+        if split is None:
+            return decision
+        blocked[split] = SPLIT
+
+
+SPLIT = "its workers do not fit whole in the free slots of its nodes"
+
+
+def _decide(
+    nodes: Sequence[ClusterNode],
+    jobs: Sequence[ClusterJob],
+    now: float,
+    knobs: ClusterKnobs,
+    blocked: dict[str, str],
+) -> tuple[ClusterDecision, str | None]:
+    """One decision with the ``blocked`` jobs queued (job → why); or the first job whose
+    placement fell below its minimum (then the decision is not used)."""
     node_map = {n.node_id: n for n in nodes}
     types = sorted({n.node_type for n in nodes})
     tix = {t: i for i, t in enumerate(types)}
@@ -93,6 +118,14 @@ def decide(
     current, lost = sanitize(node_map, ordered)
     rates = {j.job_id: np.array([j.model.rate(t) for t in types]) for j in ordered}
     masks = {j: sum(1 << i for i, r in enumerate(v) if r > 0) for j, v in rates.items()}
+    # Slots per worker on each type (the most over its nodes, should a type mix GPU and CPU
+    # nodes); any above one needs the sized admission and the per-node room bounds.
+    size = {j.job_id: np.ones(len(types), dtype=np.int64) for j in ordered}
+    for j in ordered:
+        for n in nodes:
+            t = tix[n.node_type]
+            size[j.job_id][t] = max(size[j.job_id][t], j.size_on(n))
+    sized = any(int(v.max(initial=1)) > 1 for v in size.values())
 
     def type_counts(slots: dict[str, int]) -> np.ndarray:
         out = np.zeros(len(types), dtype=np.int64)
@@ -114,57 +147,84 @@ def decide(
     if knobs.policy == "fifo":
         # Running jobs keep what they hold (lost slots aside): nothing is ever taken back.
         held = {j.job_id for j in ordered if job_fits(j, current[j.job_id])}
+    held -= set(blocked)
     held_counts = {j: type_counts(current[j]) for j in held}
-    free = cap - sum(held_counts.values(), np.zeros(len(types), dtype=np.int64))
+    free = cap - sum((held_counts[j] * size[j] for j in held), np.zeros(len(types), dtype=np.int64))
+    # Free slots per node after the held jobs, and the workers each job fits whole there.
+    node_free = {n.node_id: n.capacity for n in nodes}
+    for j in ordered:
+        if j.job_id in held:
+            for node_id, k in current[j.job_id].items():
+                node_free[node_id] -= k * j.size_on(node_map[node_id])
+    room = {j: np.zeros(len(types), dtype=np.int64) for j in size}
+    full = {j: np.zeros(len(types), dtype=np.int64) for j in size}
+    for n in nodes:
+        t = tix[n.node_type]
+        for j, v in size.items():
+            room[j][t] += node_free[n.node_id] // v[t]
+            full[j][t] += n.capacity // v[t]
 
     admitted: list[ClusterJob] = []
-    queued: dict[str, str] = {}  # job → why (without its position)
+    queued: dict[str, str] = dict(blocked)  # job → why (without its position)
     counts: dict[str, np.ndarray] = {}
-    eligible_cap = {j: int(cap[rates[j] > 0].sum()) for j in rates}
+    eligible_cap = {j: int(full[j][rates[j] > 0].sum()) for j in rates}
     if knobs.policy == "fifo":
         head: str | None = None
         left = free.copy()
         for job in ordered:
-            if job.job_id in held:
-                continue
             jid = job.job_id
+            if jid in blocked and head is None:
+                head = jid  # queued where it stands: nobody passes it
+            if jid in held or jid in blocked:
+                continue
             usable = rates[jid] > 0
-            if head is None and int(left[usable].sum()) >= job.min_workers:
+            fit = np.minimum(left // size[jid], room[jid])
+            if head is None and int(fit[usable].sum()) >= job.min_workers:
                 grant = np.zeros(len(types), dtype=np.int64)
                 want = job.max_workers
                 for t in sorted(np.flatnonzero(usable), key=lambda i: (-rates[jid][i], i)):
-                    grant[t] = min(want, int(left[t]))
+                    grant[t] = min(want, int(fit[t]))
                     want -= int(grant[t])
-                left -= grant
+                left -= grant * size[jid]
                 counts[jid] = grant
                 admitted.append(job)
             elif head is None:
                 head = jid
-                queued[jid] = _not_free(job, eligible_cap[jid], int(left[usable].sum()))
+                queued[jid] = _not_free(job, eligible_cap[jid], int(fit[usable].sum()))
             else:
                 queued[jid] = f"waits for job {head} at the head of the queue"
     else:
         gang = GangCheck(free.copy())
+        sized_gang = SizedGangCheck(free.copy())
         left = free.copy()
         for job in ordered:
             jid = job.job_id
-            if jid in held:
+            if jid in held or jid in blocked:
                 continue
+            usable = rates[jid] > 0
             if knobs.policy == "single_type":
-                ok = single_type_admit(left, masks[jid], rates[jid], job.min_workers) >= 0
+                ok = (
+                    single_type_admit(
+                        left, masks[jid], rates[jid], job.min_workers, size[jid], room[jid]
+                    )
+                    >= 0
+                )
+            elif sized:
+                ok = sized_gang.admit(size[jid], np.where(usable, room[jid], 0), job.min_workers)
             else:
                 ok = gang.admit(masks[jid], job.min_workers)
             if ok:
                 admitted.append(job)
                 continue
-            usable = rates[jid] > 0
-            room = (
-                int(left[usable].max())
-                if knobs.policy == "single_type" and usable.any()
-                else int(free[usable].sum()) - gang.reserved_within(masks[jid])
-            )
+            fit = np.minimum(left // size[jid], room[jid])
+            if knobs.policy == "single_type":
+                space = int(fit[usable].max()) if usable.any() else 0
+            elif sized:
+                space = int(np.minimum(free // size[jid], room[jid])[usable].sum())
+            else:
+                space = int(free[usable].sum()) - gang.reserved_within(masks[jid])
             why = _not_free(
-                job, eligible_cap[jid], max(room, 0), one_type=knobs.policy == "single_type"
+                job, eligible_cap[jid], max(space, 0), one_type=knobs.policy == "single_type"
             )
             if current[jid]:
                 why = f"preempted by higher-priority jobs; {why}"
@@ -179,20 +239,30 @@ def decide(
                 x0=np.array([type_counts(current[j.job_id]) for j in admitted]),
                 running=np.array([bool(current[j.job_id]) for j in admitted]),
                 free=free,
+                size=np.array([size[j.job_id] for j in admitted]) if sized else None,
+                room=np.array([room[j.job_id] for j in admitted]) if sized else None,
             )
             x = solve(problem, knobs.policy, knobs)
             counts.update({j.job_id: x[i] for i, j in enumerate(admitted)})
     counts.update(held_counts)
 
     run_order = [j.job_id for j in ordered if j.job_id in counts]
+    by_id = {j.job_id: j for j in ordered}
     slots = assign(
         nodes,
         {j: {types[i]: int(n) for i, n in enumerate(c) if n} for j, c in counts.items()},
         {j: s for j, s in current.items() if j in counts},
         run_order,
+        lambda jid, node: by_id[jid].size_on(node),
     )
     for jid in held:
         slots[jid] = dict(current[jid])  # exactly what it holds, not a re-placement
+    for jid in run_order:
+        placed = sum(slots[jid].values())
+        if jid not in held and placed < int(counts[jid].sum()):
+            if placed < by_id[jid].min_workers:
+                return ClusterDecision(knobs.policy, (), ()), jid
+            counts[jid] = type_counts(slots[jid])
 
     queue = sorted(
         (j for j in ordered if j.job_id in queued),
@@ -230,7 +300,8 @@ def decide(
                 norm,
             )
         )
-    return ClusterDecision(knobs.policy, tuple(plans), tuple(j.job_id for j in queue))
+    decision = ClusterDecision(knobs.policy, tuple(plans), tuple(j.job_id for j in queue))
+    return decision, None
 
 
 def job_fits(job: ClusterJob, slots: dict[str, int]) -> bool:

@@ -62,6 +62,7 @@ class Entry:
     model: ThroughputModel = ThroughputModel()  # noqa: RUF009 (a frozen value)
     eligible: frozenset[str] | None = None
     note: str | None = None
+    worker_slots: int = 1
 
     @property
     def workers(self) -> int:
@@ -104,6 +105,7 @@ class LiveJob:
     submit_s: float = 0.0
     allocation: Slots = ()
     eligible: frozenset[str] | None = None
+    worker_slots: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +119,8 @@ class Running:
 
 @dataclass(frozen=True, slots=True)
 class Registered:
-    """A job to place (a second registration of a known id changes nothing)."""
+    """A job to place (a second registration of a known id changes nothing).
+    ``worker_slots``: the slots one worker takes on a CPU node (one on a GPU node)."""
 
     job_id: str
     min_workers: int
@@ -125,6 +128,7 @@ class Registered:
     priority: int = 0
     submit_s: float = 0.0
     eligible: frozenset[str] | None = None
+    worker_slots: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +231,7 @@ def step(
                 event.priority,
                 event.submit_s,
                 eligible=event.eligible,
+                worker_slots=event.worker_slots,
             )
             return state._with(entry), ()
         case Running(job, now):
@@ -242,6 +247,7 @@ def step(
                 started=True,
                 eligible=job.eligible,
                 model=known.model if known is not None else ThroughputModel(),
+                worker_slots=job.worker_slots,
             )
             return state._with(entry), ()
         case Finished(job_id):
@@ -255,7 +261,7 @@ def step(
             entry = state.job(job_id)
             if entry is None:
                 return state, ()
-            return state._with(replace(entry, model=model)), ()
+            return state._with(replace(entry, model=_merged(entry.model, model))), ()
         case NodesSeen(nodes):
             return replace(state, nodes=tuple(sorted(nodes, key=lambda n: n.node_id))), ()
         case StartFailed(job_id, why):
@@ -270,6 +276,16 @@ def step(
     raise TypeError(f"not a cluster event: {event!r}")
 
 
+def _merged(old: ThroughputModel, new: ThroughputModel) -> ThroughputModel:
+    """The job's model after a new measurement: the types measured now take their new
+    rates, a type measured before and not now keeps its measurement (a job that moved off
+    a type still knows its speed there: a measurement beats any estimate), and the
+    overhead and global batch are the newest."""
+    rates = {t: r for t, r in old.rates if t in old.measured}
+    rates.update({t: r for t, r in new.rates if t in new.measured})
+    return ThroughputModel.of(rates, old.measured | new.measured, new.overhead_s, new.global_batch)
+
+
 def policy_jobs(
     state: RoundState, hints: Mapping[str, float] | None = None
 ) -> tuple[list[ClusterJob], list[ClusterJob]]:
@@ -278,7 +294,10 @@ def policy_jobs(
     a type outside a job's ``eligible`` ones gets rate 0. Decided: every running job at the
     top priority, so the policy never queues it; shown: their own priorities."""
     types = sorted({n.node_type for n in state.nodes})
-    hints = dict(hints) if hints else {t: 1.0 for t in types}
+    # Equal speeds by default, over the types present and those a job measured (its only
+    # measured type may have no node left: the others are estimated from it).
+    measured = {t for j in state.jobs for t in j.model.measured}
+    hints = dict(hints) if hints else {t: 1.0 for t in {*types, *measured}}
     models = bootstrap({j.job_id: j.model for j in state.jobs}, types, hints)
     top = max((j.priority for j in state.jobs), default=0)
     shown, decided = [], []
@@ -300,6 +319,7 @@ def policy_jobs(
             submit_s=j.submit_s,
             allocation=j.allocation,
             last_resize_s=j.last_resize_s,
+            worker_slots=j.worker_slots,
         )
         shown.append(job)
         decided.append(replace(job, priority=top) if j.started else job)
@@ -353,6 +373,7 @@ def _decide(
     still runs its surviving workers (and waits for its minimum), so it keeps those slots,
     nobody else is given them, and it is placed again once slots free."""
     nodes = {n.node_id: n for n in state.nodes}
+    by_id = {j.job_id: j for j in decided}
     stuck: dict[str, tuple[tuple[str, int], ...]] = {}
     while True:
         left = [j for j in decided if j.job_id not in stuck]
@@ -360,7 +381,12 @@ def _decide(
             replace(
                 n,
                 capacity=n.capacity
-                - sum(k for s in stuck.values() for m, k in s if m == n.node_id),
+                - sum(
+                    k * by_id[jid].size_on(n)
+                    for jid, s in stuck.items()
+                    for m, k in s
+                    if m == n.node_id
+                ),
             )
             for n in nodes.values()
         ]
@@ -369,7 +395,7 @@ def _decide(
         if not newly:
             break
         for jid in newly:
-            room = {n.node_id: n.capacity for n in free}
+            room = {n.node_id: n.capacity // by_id[jid].size_on(n) for n in free}
             stuck[jid] = tuple(
                 (m, min(k, room[m])) for m, k in state.job(jid).allocation if room.get(m, 0) > 0
             )

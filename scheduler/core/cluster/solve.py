@@ -9,8 +9,10 @@ with current counts ``x0``; for ``single_type`` a binary ``u_jt`` (the one type)
 ``S_j = Σ_t rate_jt·x_jt``, ``y_j`` is bounded by tangent lines of the job's concave curve
 ``throughput(S_j) / ref_j`` (see :mod:`.throughput`), exact at their knots.
 
-Constraints: ``Σ_j x_jt ≤ free_t``; ``min_j ≤ Σ_t x_jt ≤ max_j`` (gang admission made this
-feasible); ``Σ_t d_jt ≤ M·m_j``; single type: ``x_jt ≤ max_j·u_jt, Σ_t u_jt ≤ 1``.
+Constraints: ``Σ_j size_jt·x_jt ≤ free_t`` (slots: a worker takes ``size_jt`` of them,
+more than one for a job whose CPU workers ask several CPUs) and ``x_jt ≤ room_jt`` (the
+workers its nodes of type t hold whole); ``min_j ≤ Σ_t x_jt ≤ max_j`` (gang admission made
+this feasible); ``Σ_t d_jt ≤ M·m_j``; single type: ``x_jt ≤ max_j·u_jt, Σ_t u_jt ≤ 1``.
 
 Objectives (``scipy.optimize.milp``, HiGHS):
 
@@ -49,7 +51,15 @@ class Problem:
     ref: np.ndarray  # (J,) throughput on max_workers of the fastest type
     x0: np.ndarray  # (J, T) current counts (zeros for a job not running)
     running: np.ndarray  # (J,) bool
-    free: np.ndarray  # (T,) capacity per type left after held jobs
+    free: np.ndarray  # (T,) slots per type left after held jobs
+    size: np.ndarray | None = None  # (J, T) slots per worker; None: one
+    room: np.ndarray | None = None  # (J, T) most workers on a type's nodes; None: no bound
+
+    def sizes(self) -> np.ndarray:
+        return np.ones_like(self.rates, dtype=np.int64) if self.size is None else self.size
+
+    def rooms(self) -> np.ndarray:
+        return np.full(self.rates.shape, np.inf) if self.room is None else self.room
 
 
 def tangents(
@@ -80,7 +90,8 @@ def _feasible(problem: Problem, x: np.ndarray, single: bool) -> bool:
     return bool(
         (total >= problem.lo).all()
         and (total <= problem.hi).all()
-        and (x.sum(axis=0) <= problem.free).all()
+        and ((x * problem.sizes()).sum(axis=0) <= problem.free).all()
+        and (x <= problem.rooms()).all()
         and (x[problem.rates <= 0] == 0).all()
         and (not single or ((x > 0).sum(axis=1) <= 1).all())
     )
@@ -137,13 +148,20 @@ def solve(problem: Problem, policy: str, knobs: ClusterKnobs) -> np.ndarray:
     ub = np.zeros(nvar)
     integrality = np.zeros(nvar, dtype=np.int64)
     b = _Builder()
+    size, room = problem.sizes(), problem.rooms()
     for t in range(n_types):
-        b.row(((j * n_types + t, 1.0) for j in range(n_jobs)), 0.0, float(problem.free[t]))
+        b.row(
+            ((j * n_types + t, float(size[j, t])) for j in range(n_jobs)),
+            0.0,
+            float(problem.free[t]),
+        )
     for j in range(n_jobs):
         xs = range(j * n_types, (j + 1) * n_types)
         for t, col in zip(range(n_types), xs, strict=True):
             if problem.rates[j, t] > 0:
-                ub[col] = min(float(problem.hi[j]), float(problem.free[t]))
+                ub[col] = min(
+                    float(problem.hi[j]), float(problem.free[t]) // size[j, t], room[j, t]
+                )
             integrality[col] = 1
         b.row(((c, 1.0) for c in xs), float(problem.lo[j]), float(problem.hi[j]))
         intercepts, slopes = curves[j]
@@ -216,8 +234,9 @@ def solve(problem: Problem, policy: str, knobs: ClusterKnobs) -> np.ndarray:
         extra = fair_rows
     x = run(goodput, extra)
     if x is None or not _feasible(problem, x, single):
-        # Node limit hit before any integer point: any feasible counts (the x-part is a
-        # transportation polytope, so the first LP vertex is integral).
+        # Node limit hit before any integer point: any feasible counts (with one slot per
+        # worker the x-part is a transportation polytope, so the first LP vertex is
+        # integral; with sized workers gang admission checked this very program).
         x = run(np.zeros(nvar), extra)
         if x is None or not _feasible(problem, x, single):
             raise RuntimeError("cluster MILP found no allocation for admitted gangs")

@@ -16,12 +16,14 @@ POLICIES = ("fifo", "fair", "goodput", "single_type")
 
 @dataclass(frozen=True, slots=True)
 class ClusterNode:
-    """A node: its type (a Ray label or resource, or derived from its resources) and how many
-    workers it can hold."""
+    """A node: its type (a Ray label or resource, or derived from its resources) and its
+    worker slots (``capacity``): one per GPU on a GPU node (``gpu``), else one per CPU. A
+    worker takes one slot on a GPU node and its job's ``worker_slots`` on the others."""
 
     node_id: str
     node_type: str
     capacity: int
+    gpu: bool = False
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -39,7 +41,8 @@ class ClusterJob:
     ``allocation``: what it holds now, (node_id, workers) pairs (empty: waiting).
     ``last_resize_s``: when its nodes last changed (started, grew, shrank or moved); None
     when it never ran. ``model``: its throughput per node type, already completed by
-    :func:`~dynabatch.scheduler.core.cluster.throughput.bootstrap`."""
+    :func:`~dynabatch.scheduler.core.cluster.throughput.bootstrap`. ``worker_slots``: the
+    slots one worker takes on a CPU node (``ceil(worker_cpus)``); one on a GPU node."""
 
     job_id: str
     min_workers: int
@@ -49,10 +52,13 @@ class ClusterJob:
     submit_s: float = 0.0
     allocation: tuple[tuple[str, int], ...] = ()
     last_resize_s: float | None = None
+    worker_slots: int = 1
 
     def __post_init__(self) -> None:
         if not self.job_id:
             raise ValueError("job_id: empty")
+        if self.worker_slots < 1:
+            raise ValueError(f"job {self.job_id}: worker_slots {self.worker_slots} is below 1")
         if self.min_workers < 1:
             raise ValueError(f"job {self.job_id}: min_workers {self.min_workers} is below 1")
         if self.max_workers < self.min_workers:
@@ -69,6 +75,10 @@ class ClusterJob:
     @property
     def workers(self) -> int:
         return sum(n for _, n in self.allocation)
+
+    def size_on(self, node: ClusterNode) -> int:
+        """Slots one of its workers takes on ``node``."""
+        return 1 if node.gpu else self.worker_slots
 
 
 @dataclass(frozen=True, slots=True)

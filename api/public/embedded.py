@@ -1,0 +1,177 @@
+"""``dynabatch.run(spec)``: train a job from a script or a notebook, as ``dynabatch run`` does.
+
+The job runs on an embedded local Ray (or the cluster at ``address``) through the command's
+own path (:func:`dynabatch.service.cli.run.run_job`); instead of the command's live table, a
+tqdm progress bar counts the job's steps, one line per finished epoch is printed above it
+(the table's columns), and the job's log lines scroll above both.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dynabatch.actors.export import has_model
+from dynabatch.actors.spec import SpecError
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, scores_text
+from dynabatch.service.cli.common import one_line, out_console
+from dynabatch.service.cli.run import EPOCH_COLUMNS, epoch_cells, option_problem, run_job
+from dynabatch.specs import SpecLike, resolve_spec
+
+__all__ = ["RunResult", "run"]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How an embedded run ended: its final ``state`` (and ``reason``), the held-out
+    ``test_metrics``, one :class:`EpochRecord` per finished epoch (``history``), the last
+    ``snapshot``, and where the trained model was written (``model_dir``: the spec's
+    ``artifacts.dir/JOB_ID``, for ``dynabatch.load_model``; None without ``artifacts.dir``)."""
+
+    job_id: str
+    state: JobState
+    reason: str | None
+    test_metrics: dict[str, float]
+    history: list[EpochRecord]
+    snapshot: JobSnapshot
+    model_dir: str | None
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state == JobState.SUCCEEDED
+
+
+def run(
+    spec: SpecLike,
+    *,
+    address: str | None = None,
+    progress: bool = True,
+    working_dir: str | os.PathLike[str] | None = None,
+    report: str | os.PathLike[str] | None = None,
+    scheduler: bool | None = None,
+) -> RunResult:
+    """Train ``spec`` to its end and return a :class:`RunResult`.
+
+    ``spec`` is a :class:`JobSpec`, a dict of its fields or a config file's path.
+    ``address`` names a Ray cluster (default: ``RAY_ADDRESS``, else an embedded local Ray
+    started in this process); ``working_dir`` ships a local directory with the job (its
+    modules importable by the spec's import paths); ``report`` writes the JSON report (and
+    its plots) as ``dynabatch run --report``; ``scheduler`` is ``--scheduler`` /
+    ``--no-scheduler``. ``progress`` False leaves out the bar and the epoch lines (the job's
+    log lines still print). The first Ctrl-C (interrupting the kernel) cancels the job at its
+    next step boundary; a second aborts.
+
+    A job that fails or is cancelled is a result, not an exception. Raises
+    :class:`SpecError` (one line naming the field) before Ray starts when the spec, or an
+    option of its dataset or model, is not valid; ``ConnectionError`` when the cluster at
+    ``address`` cannot be reached.
+    """
+    _, job, _ = resolve_spec(spec, working_dir=working_dir)
+    if scheduler and address is None and not os.environ.get("RAY_ADDRESS"):
+        raise ValueError(
+            "scheduler: needs address: the embedded local Ray runs one job, "
+            "with no cluster scheduler"
+        )
+    problem = option_problem(job)
+    if problem:
+        raise SpecError([problem])
+    view = ProgressView(enabled=progress)
+    try:
+        snap = run_job(
+            job,
+            address=address,
+            report=Path(report) if report else None,
+            quiet=True,
+            console=view.console,
+            scheduler=scheduler,
+            on_update=view.update,
+        )
+    except ConnectionError as err:
+        raise ConnectionError(f"cannot reach Ray at {address}: {one_line(str(err))}") from None
+    finally:
+        view.close()
+    model_dir = None
+    if job.artifacts.dir:
+        place = f"{job.artifacts.dir.rstrip('/')}/{snap.job_id}"
+        model_dir = place if has_model(place) else None
+    return RunResult(
+        job_id=snap.job_id,
+        state=snap.state,
+        reason=snap.reason,
+        test_metrics=dict(snap.test_metrics or {}),
+        history=view.history,
+        snapshot=snap,
+        model_dir=model_dir,
+    )
+
+
+class ProgressView:
+    """The job as a tqdm bar over its steps (loss, held-out metrics and utilization after
+    it), a line per finished epoch above the bar, and a rich console that prints the job's
+    log lines above it too (through ``tqdm.write``, so the bar is redrawn below them)."""
+
+    def __init__(self, *, enabled: bool, file: Any = None):
+        from tqdm.contrib import DummyTqdmFile
+
+        self.enabled = enabled
+        self.file = file if file is not None else sys.stdout
+        # Plain text to a file-like (never a notebook's HTML nor a terminal's cursor moves):
+        # tqdm owns the bottom line.
+        self.console = out_console(
+            file=DummyTqdmFile(self.file), force_terminal=False, force_jupyter=False
+        )
+        self.history: list[EpochRecord] = []
+        self._bar: Any = None
+        self._widths = [max(len(c), 9) for c in EPOCH_COLUMNS]
+
+    def _row(self, cells: list[str] | tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) for c, w in zip(cells, self._widths, strict=True))
+
+    def update(self, snap: JobSnapshot, history: list[EpochRecord]) -> None:
+        fresh = history[len(self.history) :]
+        self.history = list(history)
+        if not self.enabled:
+            return
+        steps = max(snap.steps_per_epoch, 0)
+        total = snap.epochs * steps or None
+        if self._bar is None:
+            self._bar = _tqdm(total=total, desc=snap.name, unit="step", file=self.file)
+            self._bar.write(self._row(EPOCH_COLUMNS), file=self.file)
+        for record in fresh:
+            self._bar.write(self._row(epoch_cells(record)), file=self.file)
+        done = snap.epoch * steps + snap.step
+        if snap.state == JobState.SUCCEEDED and total:
+            done = total
+        self._bar.total = total
+        self._bar.n = min(done, total) if total else done
+        facts = [f"epoch {min(snap.epoch + 1, snap.epochs)}/{snap.epochs}"]
+        if snap.train_loss is not None:
+            facts.append(f"loss {snap.train_loss:.4f}")
+        if snap.test_metrics:
+            facts.append(scores_text(snap.test_metrics))
+        if snap.utilization is not None:
+            facts.append(f"utilization {snap.utilization:.3f}")
+        if snap.state.is_terminal:
+            facts.append(snap.state.value)
+        self._bar.set_postfix_str(", ".join(facts), refresh=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _tqdm(**kwargs: Any) -> Any:
+    """A notebook's widget bar where ipywidgets is installed, else tqdm's text bar (which
+    a notebook shows too)."""
+    from tqdm import tqdm
+    from tqdm.auto import tqdm as auto
+
+    try:
+        return auto(**kwargs)
+    except ImportError:  # a notebook without ipywidgets: tqdm.notebook cannot draw
+        return tqdm(**kwargs)

@@ -1,0 +1,53 @@
+"""A job spec as the Python API takes it: a :class:`JobSpec`, a mapping, or a config file.
+
+``Client.submit`` and ``dynabatch.run`` read it as ``dynabatch submit`` and ``dynabatch run``
+read a config (:mod:`dynabatch.service.cli.config`): a local ``working_dir`` made absolute and
+checked, and the spec validated, before anything is sent or started. Every problem is one
+:class:`SpecError` line naming the field (and the file, for a config file).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, TypeAlias
+
+from dynabatch.actors.spec import JobSpec, SpecError
+from dynabatch.service.cli.common import CliError
+from dynabatch.service.cli.config import mapping_config, read_config
+
+# What the Python API accepts as a job: a spec, its fields, or a YAML (or JSON) file's path.
+SpecLike: TypeAlias = JobSpec | dict[str, Any] | str | os.PathLike[str]
+
+
+def resolve_spec(
+    spec: SpecLike, *, working_dir: str | os.PathLike[str] | None = None
+) -> tuple[dict[str, Any], JobSpec, str]:
+    """``spec`` as the mapping to send, the validated spec, and what its local
+    ``working_dir`` is called in errors (the argument, or the file's field).
+
+    A file's own relative ``working_dir`` is read from the file's folder, a mapping's from
+    the current directory; ``working_dir`` (relative to the current directory) overrides
+    either. Raises :class:`SpecError` (one line naming the field) for any problem."""
+    override = Path(working_dir) if working_dir is not None else None
+    try:
+        if isinstance(spec, str | os.PathLike):
+            path = Path(spec)
+            data, parsed = read_config(path, working_dir=override, working_dir_name="working_dir")
+            what = "working_dir" if override is not None else f"{path}: working_dir"
+            return data, parsed, what
+        if isinstance(spec, JobSpec):
+            mapping: Any = spec.model_dump(mode="json")
+        elif isinstance(spec, dict):
+            mapping = dict(spec)  # the caller's dict is left as it was
+        else:
+            raise SpecError(
+                [
+                    f"spec: expected a JobSpec, a dict of fields or a config file's "
+                    f"path, got {type(spec).__name__}"
+                ]
+            )
+        data, parsed = mapping_config(mapping, working_dir=override, working_dir_name="working_dir")
+        return data, parsed, "working_dir"
+    except CliError as err:
+        raise SpecError([str(err)]) from None

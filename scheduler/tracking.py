@@ -1,0 +1,150 @@
+"""Experiment tracking: a job's scalars as TensorBoard event files (``tracking.tensorboard``).
+
+One :class:`Tracking` sink per job, made by :class:`~dynabatch.scheduler.control.JobControl`
+from the spec; the drivers hand it what they already record, at three points:
+
+* :meth:`Tracking.epoch`: an epoch's :class:`~dynabatch.scheduler.telemetry.EpochRecord`
+  once it joins the history (its held-out scores in). Tags ``epoch/*`` (train loss, each
+  held-out metric as ``epoch/test_NAME``, utilisation, compute balance, epoch time,
+  samples/s, global batch, learning rate) and ``worker_share/WORKER`` (the worker's share of
+  the epoch's samples) and ``worker_batch/WORKER`` (its batch at the epoch's end), at
+  step = the epoch (as in the job's log).
+* :meth:`Tracking.step`: a committed synchronous step's reports. Tags ``step/loss`` (the
+  step's mean per-sample loss) and ``step/global_batch``, at step = samples trained since
+  the job began (``epoch * dataset size + the step's end position``): it stays monotone
+  across batch-size changes and is the same after a resume from a checkpoint.
+* :meth:`Tracking.close`: the job's end (flushes the files).
+
+The files go to ``DIR/JOB_ID/`` on the machine that runs the job's driver. Tracking never
+fails the job: the first error opening or writing the files becomes one WARNING in the job
+log and the sink writes nothing more. ``torch.utils.tensorboard`` is imported only by a
+job that tracks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dynabatch.actors.contracts import StepTelemetry
+from dynabatch.scheduler.telemetry import EpochRecord
+
+# Makes the writer for a directory: torch's SummaryWriter, or a test's stand-in.
+WriterFactory = Callable[[str], Any]
+
+
+def epoch_scalars(record: EpochRecord) -> dict[str, float]:
+    """The epoch's scalars by TensorBoard tag (see the module docstring)."""
+    out = {"epoch/train_loss": record.train_loss}
+    if record.test_loss is not None:
+        out["epoch/test_loss"] = record.test_loss
+    for name, value in record.scores.items():
+        out[f"epoch/test_{name}"] = value
+    out["epoch/utilization"] = record.utilization
+    out["epoch/compute_balance"] = record.compute_balance
+    out["epoch/time_s"] = record.wall_s
+    if record.wall_s > 0:
+        out["epoch/samples_per_s"] = record.samples_trained / record.wall_s
+    if record.global_batch is not None:
+        out["epoch/global_batch"] = record.global_batch
+    if record.lr is not None:
+        out["epoch/lr"] = record.lr
+    trained = sum(w.partition for w in record.workers)
+    for w in record.workers:
+        if trained:
+            out[f"worker_share/{w.worker}"] = w.partition / trained
+        out[f"worker_batch/{w.worker}"] = w.batch
+    return out
+
+
+def step_scalars(
+    reports: Sequence[StepTelemetry], dataset_size: int
+) -> tuple[int, dict[str, float]] | None:
+    """A committed step's position on the job's sample axis and its scalars by tag; None
+    for a step no worker reported."""
+    if not reports:
+        return None
+    first = reports[0]
+    x = first.epoch * dataset_size + first.step_start + first.step_size
+    out: dict[str, float] = {"step/global_batch": first.step_size}
+    samples = sum(r.samples for r in reports)
+    if samples:
+        out["step/loss"] = sum(r.loss_sum for r in reports) / samples
+    return x, out
+
+
+def _summary_writer(logdir: str) -> Any:
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=logdir)
+
+
+class Tracking:
+    """A job's tracking sink: TensorBoard event files under ``root/job_id/``, or nothing
+    when ``root`` is None. ``warn`` gets the one line of the first failure."""
+
+    def __init__(
+        self,
+        root: str | None,
+        job_id: str,
+        warn: Callable[[str], None],
+        writer_factory: WriterFactory = _summary_writer,
+    ):
+        self.logdir = f"{root.rstrip('/')}/{job_id}" if root else None
+        self._warn = warn
+        self._factory = writer_factory
+        self._writer: Any = None
+        self._broken = self.logdir is None  # nothing to write, or it failed once
+
+    @property
+    def active(self) -> bool:
+        """Whether it still writes (tracking asked for, and no failure yet)."""
+        return not self._broken
+
+    def epoch(self, record: EpochRecord) -> None:
+        """Write an epoch's scalars and flush, so TensorBoard shows the epoch at once."""
+        self._write(record.epoch, epoch_scalars(record), flush=True)
+
+    def step(self, reports: Sequence[StepTelemetry], dataset_size: int) -> None:
+        """Write a committed step's scalars (queued: the writer's thread writes them)."""
+        if self._broken:
+            return
+        point = step_scalars(reports, dataset_size)
+        if point is not None:
+            self._write(*point, flush=False)
+
+    def close(self) -> None:
+        """Flush and close the files (the job's end); a later write opens them again."""
+        writer, self._writer = self._writer, None
+        if writer is None or self._broken:
+            return
+        try:
+            writer.close()
+        except Exception as err:  # never the job's failure
+            self._fail(err)
+
+    def _write(self, step: int, scalars: dict[str, float], flush: bool) -> None:
+        if self._broken:
+            return
+        try:
+            if self._writer is None:
+                self._writer = self._factory(self.logdir)
+            for tag, value in scalars.items():
+                self._writer.add_scalar(tag, value, global_step=step)
+            if flush:
+                self._writer.flush()
+        except Exception as err:  # a full disk, a path that is a file: never the job's
+            self._fail(err)
+
+    def _fail(self, err: BaseException) -> None:
+        self._broken = True
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with contextlib.suppress(Exception):  # it failed already: reported below
+                writer.close()
+        why = " ".join(str(err).split()) or type(err).__name__
+        self._warn(
+            f"tracking.tensorboard: cannot write event files to {self.logdir} "
+            f"({why}); the job goes on without them"
+        )

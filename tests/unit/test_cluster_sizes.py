@@ -1,0 +1,166 @@
+"""Issue 31: per-job slot sizes in the cluster policy (scheduler/core/cluster/).
+
+A worker takes ``worker_slots`` (``ceil(worker_cpus)``) slots on a CPU node and one on a
+GPU node. The policy's properties hold with such jobs mixed in: never over a node's slots,
+gangs whole or queued holding nothing, the queue in priority order, the same inputs giving
+the same decision, and no move when a decision is fed back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from dynabatch.scheduler.core.cluster import (
+    POLICIES,
+    ClusterJob,
+    ClusterKnobs,
+    ClusterNode,
+    ThroughputModel,
+    decide,
+)
+from dynabatch.scheduler.core.cluster.policy import SPLIT
+from dynabatch.scheduler.core.cluster.rounds import NodesSeen, Registered, RoundState, Tick, step
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+TYPES = ("cpu-a", "cpu-b", "gpu")
+
+
+def _model(rates: dict[str, float]) -> ThroughputModel:
+    return ThroughputModel.of(rates, rates, 0.05, 64.0)
+
+
+@st.composite
+def _nodes(draw):
+    out = []
+    for i in range(draw(st.integers(1, 6))):
+        t = draw(st.sampled_from(TYPES))
+        cap = draw(st.integers(0, 4 if t == "gpu" else 6))
+        out.append(ClusterNode(f"n{i}", t, cap, gpu=t == "gpu"))
+    return out
+
+
+@st.composite
+def _jobs(draw):
+    jobs = []
+    for i in range(draw(st.integers(1, 6))):
+        lo = draw(st.integers(1, 3))
+        rates = {t: draw(st.floats(0.5, 20.0)) for t in TYPES}
+        jobs.append(
+            ClusterJob(
+                f"j{i}",
+                lo,
+                lo + draw(st.integers(0, 3)),
+                _model(rates),
+                priority=draw(st.integers(0, 2)),
+                submit_s=float(draw(st.integers(0, 5))),
+                worker_slots=draw(st.integers(1, 3)),
+            )
+        )
+    return jobs
+
+
+def _check(nodes, jobs, decision):
+    by_node = {n.node_id: n for n in nodes}
+    by_job = {j.job_id: j for j in jobs}
+    used: dict[str, int] = {}
+    for plan in decision.plans:
+        job = by_job[plan.job_id]
+        for node_id, k in plan.slots:
+            assert k > 0
+            used[node_id] = used.get(node_id, 0) + k * job.size_on(by_node[node_id])
+        if plan.queued:
+            assert plan.slots == ()  # a queued gang holds nothing
+        else:
+            assert job.min_workers <= plan.workers <= job.max_workers, plan
+    # Never over a node's slots, counting each worker's size there.
+    assert all(used[n] <= by_node[n].capacity for n in used), (used, nodes)
+    prios = [by_job[j].priority for j in decision.queue]
+    assert prios == sorted(prios, reverse=True)
+
+
+def _feed_back(jobs, decision, now):
+    return [
+        dataclasses.replace(
+            j,
+            allocation=decision.plan(j.job_id).slots,
+            last_resize_s=now if decision.plan(j.job_id).changed else j.last_resize_s,
+        )
+        for j in jobs
+    ]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    nodes=_nodes(),
+    jobs=_jobs(),
+    policy=st.sampled_from(POLICIES),
+    hold=st.sampled_from([0.0, 120.0]),
+)
+def test_sized_workers_keep_every_invariant(nodes, jobs, policy, hold):
+    knobs = ClusterKnobs(policy=policy, hold_s=hold)
+    first = decide(nodes, jobs, 0.0, knobs)
+    _check(nodes, jobs, first)
+    assert decide(nodes, jobs, 0.0, knobs) == first  # the same inputs, the same decision
+    fed = _feed_back(jobs, first, 0.0)
+    again = decide(nodes, fed, 0.0, knobs)
+    _check(nodes, fed, again)
+    assert again.moves == (), again  # no flapping
+    # Later, some jobs gone and nodes lost: still within every node's slots.
+    later = decide(nodes[1:] or nodes, fed[1:] or fed, 60.0, knobs)
+    _check(nodes[1:] or nodes, fed[1:] or fed, later)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_worker_of_two_cpus_takes_two_slots_and_one_gpu_slot(policy):
+    nodes = [
+        ClusterNode("c0", "cpu3", 3),
+        ClusterNode("c1", "cpu3", 3),
+        ClusterNode("g0", "gpu", 1, gpu=True),
+    ]
+    wide = ClusterJob("a", 3, 3, _model({"cpu3": 1.0, "gpu": 1.0}), worker_slots=2)
+    d = decide(nodes, [wide], 0.0, ClusterKnobs(policy=policy))
+    if policy == "single_type":  # 3 workers on one type: cpu3 holds only 2 of 2 CPUs
+        assert d.plan("a").queued
+        return
+    assert d.plan("a").slots == (("c0", 1), ("c1", 1), ("g0", 1))
+    # A job of one-CPU workers takes the slot each CPU node has left.
+    narrow = ClusterJob("b", 2, 2, _model({"cpu3": 1.0}), submit_s=1.0)
+    d = decide(nodes, [wide, narrow], 0.0, ClusterKnobs(policy=policy))
+    assert d.plan("b").slots == (("c0", 1), ("c1", 1))
+
+
+@pytest.mark.parametrize("policy", ["fifo", "fair", "goodput"])
+def test_a_gang_whose_workers_the_split_free_slots_cannot_hold_waits_whole(policy):
+    """Two 4-slot nodes; a holds 3 slots on each (workers of 3 CPUs): 2 slots are free in
+    all, but on two nodes, so b's one worker of 2 CPUs fits nowhere: b waits, holding
+    nothing, and says why."""
+    nodes = [ClusterNode("n0", "cpu4", 4), ClusterNode("n1", "cpu4", 4)]
+    m = _model({"cpu4": 1.0})
+    a = ClusterJob("a", 2, 2, m, priority=1, worker_slots=3)
+    b = ClusterJob("b", 1, 1, m, submit_s=1.0, worker_slots=2)
+    d = decide(nodes, [a, b], 0.0, ClusterKnobs(policy=policy))
+    assert d.plan("a").slots == (("n0", 1), ("n1", 1))
+    assert d.plan("b").slots == () and d.queue == ("b",)
+    if policy != "fifo":
+        assert SPLIT in d.plan("b").reason
+    # A one-CPU job fits the split slots.
+    c = ClusterJob("c", 2, 2, m, submit_s=2.0)
+    d = decide(nodes, [a, c], 0.0, ClusterKnobs(policy=policy))
+    assert d.plan("c").slots == (("n0", 1), ("n1", 1))
+
+
+def test_rounds_start_sized_gangs_and_count_their_slots_in_the_view():
+    knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
+    s = RoundState()
+    for e in (
+        NodesSeen((ClusterNode("n0", "cpu4", 4), ClusterNode("n1", "cpu4", 4))),
+        Registered("a", 2, 2, 0, 0.0, worker_slots=2),
+        Registered("b", 3, 3, 0, 1.0),
+    ):
+        s, _ = step(s, e, knobs)
+    s, cmds = step(s, Tick(1.0), knobs)
+    assert {c.job_id: c.workers for c in cmds} == {"a": 2, "b": 3}
+    assert s.view.used == 2 * 2 + 3 and s.view.capacity == 8
+    assert all(n.used <= n.capacity for n in s.view.nodes)
