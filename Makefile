@@ -28,9 +28,15 @@ prometheus:
 chromium:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "chromium not installable; the job page's e2e test will fail"
 
+# pytest workers (pytest-xdist): 2 runs the Ray groups beside the unit tier, as
+# tests/conftest.py's xdist_group_of groups them (docs/testing.md, "Suite time");
+# PYTEST_WORKERS=0 runs the suite serially in one process.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) prometheus chromium
 	$(BIN)/ruff check .
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 tests
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 \
+		-n $(PYTEST_WORKERS) --dist loadgroup tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 Tree = Any  # a tensor (or numpy array), or a dict / tuple / list of them
 
@@ -34,11 +34,3 @@ def to_device(tree: Tree, device: torch.device, non_blocking: bool = False) -> T
         return t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t
 
     return tree_map(move, tree)
-
-
-def batch_rows(tree: Tree) -> int:
-    """The number of samples (rows) of a batch: its first tensor's length (0 if none)."""
-    for t in tree_leaves(tree):
-        if isinstance(t, torch.Tensor | np.ndarray) and t.ndim:
-            return int(t.shape[0])
-    return 0

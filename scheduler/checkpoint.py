@@ -1,4 +1,4 @@
-"""Job checkpoints: one file per job, written atomically (temp file, fsync, rename).
+"""Job checkpoints: one file per job, written atomically.
 
 A checkpoint holds tensors and plain data only (dicts, lists, tuples, numbers, strings, None:
 the model and optimizer state dicts, the plan, the history), so it is loaded with
@@ -6,16 +6,29 @@ the model and optimizer state dicts, the plan, the history), so it is loaded wit
 is refused with a :class:`CheckpointError`. Checkpoint directories are shared storage that
 others may be able to write to. Saving checks the payload against the same rule, so that a
 value the load would refuse (a numpy scalar, say) fails when it is written, not at resume.
+
+A checkpoint directory (and a ``checkpoint.from`` file) is a local path or a URI that
+``pyarrow.fs`` opens (``s3://``, ``gs://``, ``hdfs://``, ``file://``), opened by the one helper
+the data and the artifacts use (:func:`dynabatch.actors.data.fs.open_fs`). A reader sees the
+old checkpoint or the new one, never half of one: a local file (``file://`` too) is written to
+a temporary file, fsynced and renamed; on any other filesystem it is written to a temporary
+name beside it and moved over the old one, which is a rename on HDFS and a server-side copy on
+object stores: either way the destination appears whole or not at all. Writing the object in
+one put instead is not all-or-nothing through ``pyarrow.fs``: leaving its output stream after
+a failure closes it, and closing completes the upload with what was written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pickle
 import tempfile
+import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -34,17 +47,77 @@ class CheckpointError(ValueError):
 LATEST, BEST = "checkpoint.pt", "best.pt"
 
 
-def checkpoint_path(directory: str | Path, job_id: str, name: str = LATEST) -> Path:
+def checkpoint_path(directory: str | Path, job_id: str, name: str = LATEST) -> Path | str:
+    """Where the job's checkpoint ``name`` is: a Path under a local ``directory``, the URI
+    under a URI one."""
+    from dynabatch.actors.data.fs import is_uri
+
+    if is_uri(str(directory)):
+        return f"{str(directory).rstrip('/')}/{job_id}/{name}"
     return Path(directory) / job_id / name
 
 
-def save_checkpoint(directory: str | Path, job_id: str, payload: dict[str, Any],
-                    name: str = LATEST) -> Path:
-    """Write ``payload`` atomically (as ``name``: the latest or the best). Raises
-    :class:`CheckpointError` (and writes nothing) when it holds a value that
-    :func:`load_checkpoint` would refuse."""
+def _open(location: str | Path) -> tuple[Any | None, str]:
+    """(filesystem, path in it) for a URI; (None, local path) for a local path or a URI on
+    the local filesystem (``file://``), which is written with the local, fsynced write.
+    :class:`CheckpointError` naming ``location`` when the URI cannot be opened."""
+    from dynabatch.actors.data.fs import is_uri, open_fs
+    from dynabatch.actors.data.source import DataError
+    from dynabatch.actors.errors import first_line
+    from pyarrow import fs
+
+    if not is_uri(str(location)):
+        return None, str(location)
+    try:
+        filesystem, path = open_fs(str(location), "checkpoint")
+    except DataError as err:
+        raise CheckpointError(
+            f"{location}: cannot open it ({first_line(err.__cause__ or err)})"
+        ) from None
+    return (None, path) if isinstance(filesystem, fs.LocalFileSystem) else (filesystem, path)
+
+
+def _kind(location: str | Path) -> tuple[Any | None, str, str]:
+    """(filesystem, path, ``file``/``dir``/``missing``) of ``location`` (see :func:`_open`);
+    :class:`CheckpointError` naming it when it cannot be looked at."""
+    from dynabatch.actors.data.fs import kind_of
+    from dynabatch.actors.errors import first_line
+
+    filesystem, path = _open(location)
+    if filesystem is None:
+        local = Path(path)
+        return None, path, "file" if local.is_file() else "dir" if local.is_dir() else "missing"
+    try:
+        return filesystem, path, kind_of(filesystem, path)
+    except OSError as err:
+        raise CheckpointError(f"{location}: cannot look at it ({first_line(err)})") from None
+
+
+def checkpoint_exists(directory: str | Path, job_id: str, name: str = LATEST) -> bool:
+    """Whether the job's checkpoint ``name`` is there (False when it cannot be looked at)."""
+    try:
+        return _kind(checkpoint_path(directory, job_id, name))[2] == "file"
+    except CheckpointError:
+        return False
+
+
+def save_checkpoint(
+    directory: str | Path, job_id: str, payload: dict[str, Any], name: str = LATEST
+) -> Path | str:
+    """Write ``payload`` atomically (as ``name``: the latest or the best) under a local
+    ``directory`` or a URI. Raises :class:`CheckpointError` (and writes nothing) when it holds
+    a value that :func:`load_checkpoint` would refuse."""
     _check_plain(payload, "payload")
-    path = checkpoint_path(directory, job_id, name)
+    where = checkpoint_path(directory, job_id, name)
+    filesystem, path = _open(where)
+    if filesystem is None:
+        _save_local(Path(path), payload)
+    else:
+        _save_moved(filesystem, path, payload)
+    return where
+
+
+def _save_local(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", dir=path.parent)
     try:
@@ -57,7 +130,22 @@ def save_checkpoint(directory: str | Path, job_id: str, payload: dict[str, Any],
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def _save_moved(filesystem: Any, path: str, payload: dict[str, Any]) -> None:
+    """Write to a temporary name beside ``path``, then move it there (see the module's
+    docstring: why not one put). A failed write leaves ``path`` as it was."""
+    parent = path.rsplit("/", 1)[0]
+    filesystem.create_dir(parent, recursive=True)
+    tmp = f"{parent}/.checkpoint-{uuid.uuid4().hex}"
+    try:
+        with filesystem.open_output_stream(tmp) as out:
+            torch.save(payload, out)
+        filesystem.move(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # the error that got us here matters, not this
+            filesystem.delete_file(tmp)
+        raise
 
 
 def _check_plain(value: Any, where: str) -> None:
@@ -81,26 +169,42 @@ def _check_plain(value: Any, where: str) -> None:
 
 
 def load_checkpoint(directory: str | Path, job_id: str) -> dict[str, Any] | None:
-    """The job's checkpoint, None when it has none. Raises :class:`CheckpointError` for a file
-    that holds anything but tensors and plain data, or that cannot be read."""
+    """The job's checkpoint (under a local ``directory`` or a URI), None when it has none.
+    Raises :class:`CheckpointError` for a file that holds anything but tensors and plain
+    data, or that cannot be read."""
     path = checkpoint_path(directory, job_id)
-    if not path.exists():
+    if _kind(path)[2] == "missing":
         return None
     return load_checkpoint_file(path)
 
 
 def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
-    """The checkpoint in the file ``path`` (another job's, for ``checkpoint.from``). Raises
-    :class:`CheckpointError` naming the file when it is not there, cannot be read, or holds
-    anything but tensors and plain data."""
-    path = Path(path)
-    if not path.is_file():
-        why = "it is a directory, not a checkpoint file" if path.is_dir() else "no such file"
+    """The checkpoint in the file ``path`` (a local path or a URI; another job's, for
+    ``checkpoint.from``). Raises :class:`CheckpointError` naming the file when it is not
+    there, cannot be read, or holds anything but tensors and plain data."""
+    from dynabatch.actors.errors import first_line
+
+    filesystem, where, kind = _kind(path)
+    if kind != "file":
+        why = "it is a directory, not a checkpoint file" if kind == "dir" else "no such file"
         raise CheckpointError(f"{path}: {why}")
+    if filesystem is None:
+        return _load(where, path)
+    try:
+        with filesystem.open_input_stream(where) as f:
+            data = f.read()
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read the checkpoint ({first_line(err)})") from None
+    return _load(io.BytesIO(data), path)
+
+
+def _load(source: str | BinaryIO, path: str | Path) -> dict[str, Any]:
+    """The checkpoint in ``source`` (a local file's path, or its bytes), checked; errors
+    name ``path``."""
     try:
         # map_location: a checkpoint written from a GPU worker loads where there is none;
         # load_state_dict puts the tensors back on the worker's device.
-        payload = torch.load(path, weights_only=True, map_location="cpu")
+        payload = torch.load(source, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
         detail = _refused(err)
         if "Unsupported operand" in detail:  # not a pickle stream at all

@@ -61,14 +61,11 @@ def checkpoint_exists(rec: JobRecord) -> bool:
     embedded mode, the shared checkpoint volume in compose and k8s."""
     if not rec.spec.checkpoint.dir:
         return False
-    from dynabatch.scheduler.checkpoint import (
-        checkpoint_path,  # imports torch: only when needed
-    )
+    # Imports torch: only when needed.
+    from dynabatch.scheduler.checkpoint import checkpoint_exists as found
 
-    try:
-        return checkpoint_path(rec.spec.checkpoint.dir, rec.id).is_file()
-    except OSError:
-        return False
+    # A local path or a URI (s3://...): False when it cannot be looked at.
+    return found(rec.spec.checkpoint.dir, rec.id)
 
 
 def launch_spec(rec: JobRecord) -> JobSpec:

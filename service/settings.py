@@ -122,8 +122,8 @@ class Settings(BaseSettings):
     )
     checkpoint_root: str | None = Field(
         default=None,
-        description="Directory that a submitted checkpoint.dir must resolve under; unset: no "
-        "checkpoint directories.",
+        description="Directory (absolute) or URI (s3://bucket/checkpoints) that a submitted "
+        "checkpoint.dir must resolve under; unset: no checkpoint directories.",
     )
     artifact_root: str | None = Field(
         default=None,
@@ -159,7 +159,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"{entry!r} is not an absolute path")
         return v
 
-    @field_validator("checkpoint_root", "code_root", mode="before")
+    @field_validator("code_root", mode="before")
     @classmethod
     def _absolute_dir(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -168,7 +168,7 @@ class Settings(BaseSettings):
             raise ValueError(f"{v!r} is not an absolute path")
         return v
 
-    @field_validator("artifact_root", mode="before")
+    @field_validator("artifact_root", "checkpoint_root", mode="before")
     @classmethod
     def _absolute_dir_or_uri(cls, v: Any) -> Any:
         if isinstance(v, str):

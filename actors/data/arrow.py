@@ -8,6 +8,10 @@ or a ``{bytes, path}`` struct as ``datasets`` writes them), lists of numbers, or
 name several numeric columns (tabular features). ``shape`` reshapes a sample (e.g.
 ``[1, 28, 28]``); ``scale`` multiplies it (default 1/255 for uint8 data, else 1).
 
+Variable-length lists (token ids of sequences of any length) need ``dataset.collate``: the
+source is then structured (:mod:`dynabatch.actors.data.structured`), each row a sample of its
+own length, and the collate builds the share's batch (pads it to the share's longest).
+
 A read groups the ids by row group and decodes each needed group once, into a small LRU
 cache (``cache_groups`` groups): with the block order the epoch trains
 (:mod:`dynabatch.actors.data.order`), each group is decoded about once per epoch per worker.
@@ -52,8 +56,9 @@ def decode_image(blob: bytes, where: str) -> np.ndarray:
         raise DataError(f"{where}: cannot decode image ({first_line(err)})") from err
 
 
-def _column_array(col: Any, where: str) -> np.ndarray:
-    """One Arrow column (a ChunkedArray) as a numpy array (n, ...)."""
+def _column_array(col: Any, where: str, ragged: bool = False) -> np.ndarray:
+    """One Arrow column (a ChunkedArray) as a numpy array (n, ...); with ``ragged``, a list
+    column whose rows differ in length is an object array of n 1-D arrays (views)."""
     import pyarrow as pa
 
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
@@ -83,15 +88,27 @@ def _column_array(col: Any, where: str) -> np.ndarray:
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
         lengths = (np.full(n, t.list_size) if pa.types.is_fixed_size_list(t)
                    else arr.value_lengths().to_numpy(zero_copy_only=False))
+        if ragged and n and (lengths != lengths[0]).any():
+            return _ragged(_column_array(arr.flatten(), where), lengths)
         if n and (lengths != lengths[0]).any():
             k = int(np.flatnonzero(lengths != lengths[0])[0])
             raise DataError(f"{where} row {k}: {int(lengths[k])} values, but row 0 has "
-                            f"{int(lengths[0])}")
+                            f"{int(lengths[0])} (lists of different lengths need a "
+                            "dataset.collate that pads them)")
         inner = _column_array(arr.flatten(), where)
         return inner.reshape(n, *((int(lengths[0]),) if n else (0,)), *inner.shape[1:])
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
         return arr.to_numpy(zero_copy_only=False)
     raise DataError(f"{where}: column type {t} is not numbers, bytes, images or lists")
+
+
+def _ragged(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Rows of ``lengths`` values each, as an object array of views into ``values``."""
+    ends = np.cumsum(lengths)
+    out = np.empty(len(lengths), dtype=object)
+    for i, (a, b) in enumerate(zip(ends - lengths, ends, strict=True)):
+        out[i] = values[a:b]
+    return out
 
 
 def _stack_images(imgs: list[np.ndarray], where: str) -> np.ndarray:
@@ -103,13 +120,36 @@ def _stack_images(imgs: list[np.ndarray], where: str) -> np.ndarray:
     return out[:, None] if out.ndim == 3 else out.transpose(0, 3, 1, 2)
 
 
+def _rows_typed(col: np.ndarray, scale: float | None, meta: Any,
+                target: bool = False) -> np.ndarray:
+    """A column of rows (an object array, or a numeric one) as an object array of rows in
+    the dtypes a sample has: integers int64 (token ids, labels), floats float32 (scaled
+    by ``scale`` when given); a target by ``meta``'s kind once it is known."""
+    out = np.empty(len(col), dtype=object)
+    for i, row in enumerate(col):
+        row = np.asarray(row)
+        if target and meta is not None:
+            row = row.astype(y_dtype(meta.targets))
+        elif row.dtype.kind in "iub":
+            row = row.astype(np.int64)
+        else:
+            row = row.astype(np.float32) * np.float32(scale if scale is not None else 1.0)
+        out[i] = row
+    return out
+
+
 class ParquetSource(Source):
     # The options it reads: the one table of them (dynabatch.actors.data.open.
     # check_file_options refuses any other, before Ray starts and when the job opens it).
     OPTIONS = ("x", "y", "shape", "scale", "targets", "num_classes", "cache_groups")
 
-    def __init__(self, path: str, options: dict[str, Any], name: str = "parquet"):
+    def __init__(self, path: str, options: dict[str, Any], name: str = "parquet",
+                 collate: str | None = None):
         import pyarrow.parquet as pq
+        from dynabatch.actors.data.structured import load_collate
+
+        # dataset.collate: rows may be lists of any length, batched by the user's function.
+        self.collate_path, self._collate = collate, load_collate(collate)
 
         opts = dict(options)
         self.xcols = _opt_list(opts.pop("x", "image"))
@@ -161,6 +201,8 @@ class ParquetSource(Source):
             raise DataError(f"dataset.path: {path}: no rows")
         self.block = int(np.median(sizes))
         x0, y0 = self._group(0)
+        if collate is not None:  # the first row's own shapes, which other rows need not share
+            x0, y0 = x0[0][None], y0[0][None]
         kind = targets or ("values" if y0.dtype.kind == "f" else
                            "tokens" if y0.ndim == 2 else "classes")
         if kind == "classes" and num_classes is None:
@@ -170,7 +212,8 @@ class ParquetSource(Source):
             num_classes = ymax + 1
         k = int(num_classes) if num_classes is not None else (
             int(y0.shape[1]) if y0.ndim == 2 else 1)
-        self.meta = Meta(name, tuple(x0.shape[1:]), max(k, 1), kind, tuple(y0.shape[1:]))
+        self.meta = Meta(name, tuple(x0.shape[1:]), max(k, 1), kind, tuple(y0.shape[1:]),
+                         structured=collate is not None)
         self._cache.clear()  # group 0 was decoded before the targets' dtype was known
 
     def _file(self, i: int) -> Any:
@@ -221,14 +264,24 @@ class ParquetSource(Source):
             raise
         except Exception as err:
             raise DataError(f"dataset.path: {where}: cannot read ({first_line(err)})") from err
+        ragged = self.collate_path is not None
         if len(self.xcols) == 1:
-            x = _column_array(table.column(self.xcols[0]), f"{where} column {self.xcols[0]}")
+            x = _column_array(table.column(self.xcols[0]), f"{where} column {self.xcols[0]}",
+                              ragged)
         else:
             x = np.stack([_column_array(table.column(c), f"{where} column {c}")
                           for c in self.xcols], axis=1)
+        y = _column_array(table.column(self.ycol), f"{where} column {self.ycol}", ragged)
+        kind = getattr(self, "meta", None)
+        if ragged:  # rows of their own lengths (or not), typed one by one
+            x, y = _rows_typed(x, self.scale, kind), _rows_typed(y, None, kind, target=True)
+            with self._lock:
+                self._cache[key] = (x, y)
+                while len(self._cache) > max(1, self.cache_groups):
+                    self._cache.popitem(last=False)
+            return x, y
         scale = self.scale if self.scale is not None else (
             1 / 255 if x.dtype == np.uint8 else 1.0)
-        kind = getattr(self, "meta", None)
         tokens = kind is not None and kind.targets == "tokens"
         x = x.astype(x_dtype("tokens" if tokens else "classes"))
         if not tokens and scale != 1.0:
@@ -238,7 +291,6 @@ class ParquetSource(Source):
                 raise DataError(f"dataset.options.shape: {list(self.shape)} does not fit a "
                                 f"sample of {int(np.prod(x.shape[1:]))} values in {where}")
             x = x.reshape(len(x), *self.shape)
-        y = _column_array(table.column(self.ycol), f"{where} column {self.ycol}")
         if kind is not None:
             y = y.astype(y_dtype(kind.targets))
         with self._lock:
@@ -252,6 +304,8 @@ class ParquetSource(Source):
         ids = np.asarray(ids, dtype=np.int64)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.n):
             raise DataError(f"sample ids outside 0..{self.n - 1}")
+        if self.meta.structured:
+            return self.collate(self.read_samples(ids, keys), ids)
         gi = np.searchsorted(self.starts, ids, side="right") - 1
         m = self.meta
         x, y = batch_arrays(m, len(ids), out)
@@ -263,6 +317,28 @@ class ParquetSource(Source):
                 raise DataError(f"{self.files[self.groups[g][0]]}: samples of shape "
                                 f"{gx.shape[1:]}, but the first sample has {m.sample_shape}")
             x[sel], y[sel] = gx[rows], gy[rows]
+        return x, y
+
+    def read_samples(self, ids: np.ndarray, keys: np.ndarray | None = None) -> list[Any]:
+        """Rows ``ids`` as ``(input, target)`` tensors, each of its own length."""
+        import torch
+
+        ids = np.asarray(ids, dtype=np.int64)
+        gi = np.searchsorted(self.starts, ids, side="right") - 1
+        out: list[Any] = [None] * len(ids)
+        for g in np.unique(gi):
+            gx, gy = self._group(int(g))
+            for j in np.flatnonzero(gi == g):
+                r = int(ids[j] - self.starts[g])
+                out[j] = (torch.from_numpy(np.array(gx[r])), torch.as_tensor(np.array(gy[r])))
+        return out
+
+    def collate(self, samples: list[Any], ids: np.ndarray) -> tuple[Any, Any]:
+        from dynabatch.actors.data.structured import check_labels, collate_samples
+
+        x, y = collate_samples(samples, ids, self._collate, self.collate_path, "dataset.path")
+        if self.meta.targets == "classes":
+            check_labels(y, ids, self.meta.num_classes)
         return x, y
 
     def close(self) -> None:

@@ -85,6 +85,8 @@ def _base(spec: DatasetSpec, path: str, extra: dict[str, Any]) -> Source:
     cls = _source_class(spec.name)
     if spec.name == "imagefolder":
         return cls(path, opts, spec.name, classes=extra.get("classes"))
+    if spec.name == "parquet":  # list columns of any length, batched by dataset.collate
+        return cls(path, opts, spec.name, collate=spec.collate)
     return cls(path, opts, spec.name)
 
 
@@ -156,9 +158,9 @@ def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
     """The job's data: arrays for in-memory datasets, sources and refs for the others."""
     from dynabatch.actors.workloads.datasets import BUILTIN_DATASETS, load_dataset, user_arrays
 
-    if spec.collate is not None and (spec.name in FILE_KINDS or spec.name in BUILTIN_DATASETS):
+    if spec.collate is not None and spec.name in (*BUILTIN_DATASETS, "npy", "imagefolder"):
         raise DataError(f"dataset.collate: {spec.name} samples are not collated; only a "
-                        "map-style dataset's (dataset.name: 'pkg.mod:fn') are")
+                        "map-style dataset's and Parquet rows are")
     if spec.name in FILE_KINDS:
         train = open_source(spec, seed, "train")
         base = train

@@ -178,8 +178,10 @@ class DatasetSpec(_Strict):
     collate: str | None = Field(
         default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
         description="'pkg.mod:fn' building a share's batch from its samples (a list of "
-        "(input, target) pairs; inputs may be dicts or tuples of tensors), for example "
-        "padding sequences to the share's longest with an attention mask.",
+        "(input, target) pairs of a map-style dataset, or of Parquet rows whose lists may "
+        "differ in length; inputs may be dicts or tuples of tensors), returning (inputs, "
+        "targets), for example padding sequences to the share's longest with an attention "
+        "mask. User code, allowed as other import paths are.",
         examples=["my_pkg.text:pad_batch"])
     test_fraction: float = Field(
         default=0.2, gt=0.0, lt=1.0, description="Held-out split when the dataset has none."

@@ -21,7 +21,11 @@ events:
   leave, their in-flight samples re-queued; a node the runtime adds for the job (the
   simulator's cluster joins) gets a learner;
 * ``protocol.shards: k`` runs k−1 shards beside the server, which holds slice 0 and the one
-  core (the protocol is decided in one place only).
+  core (the protocol is decided in one place only);
+* at the job's end (and at a cancel, once an epoch was trained) the server's final weights
+  go out as the trained model, by the synchronous job's own
+  :func:`~dynabatch.scheduler.sync.artifacts.publish_model`: ``model.safetensors`` and
+  ``manifest.json``, kept for download and written to ``artifacts.dir`` when set.
 """
 
 from __future__ import annotations
@@ -68,18 +72,34 @@ def build_core(spec: JobSpec, dataset_size: int) -> PSCore:
     # b_min = b0/4: v_i = b_i/t_i under-rates a learner whose fixed per-push cost dominates
     # at a small batch, which shrinks its batch further; on Ray (digits MLP) b_min = 1 let
     # three of four learners collapse to 1 sample. The floor stops that feedback.
-    ji = (JiConfig(b0=b0, b_min=max(1, b0 // 4), b_max=4 * b0, every_pushes=p.replan_pushes,
-                   scale_lr=p.scale_lr) if p.batch == "perf_aware" else None)
-    return PSCore(ps_config(spec), dataset_size=dataset_size, epochs=spec.epochs,
-                  seed=spec.seed, batches=PerfAwareBatches(b0, ji))
+    ji = (
+        JiConfig(
+            b0=b0,
+            b_min=max(1, b0 // 4),
+            b_max=4 * b0,
+            every_pushes=p.replan_pushes,
+            scale_lr=p.scale_lr,
+        )
+        if p.batch == "perf_aware"
+        else None
+    )
+    return PSCore(
+        ps_config(spec),
+        dataset_size=dataset_size,
+        epochs=spec.epochs,
+        seed=spec.seed,
+        batches=PerfAwareBatches(b0, ji),
+    )
 
 
 def dataset_problem(spec: JobSpec, ds: Any) -> str | None:
     """A loaded dataset the parameter server cannot train (one line naming the field): a
     user loader's targets are only known once it ran (built-ins are refused at submit)."""
     if ds.targets != "classes":
-        return (f"dataset.name: protocol ps trains classification (class labels) only; "
-                f"{spec.dataset.name!r} has {ds.targets} targets")
+        return (
+            f"dataset.name: protocol ps trains classification (class labels) only; "
+            f"{spec.dataset.name!r} has {ds.targets} targets"
+        )
     return None
 
 
@@ -87,8 +107,12 @@ def ps_status(spec: JobSpec, snap: dict[str, Any]) -> PSStatus:
     """The server's snapshot as the typed view REST, metrics and the CLI share. Pushes per
     second is the server's rolling rate (the last 10 s), not a lifetime average."""
     return PSStatus(
-        mode=spec.protocol.mode, version=snap["version"], applied=snap["applied"],
-        refused=snap["refused"], deferred=snap["deferred"], pushes=snap["pushes"],
+        mode=spec.protocol.mode,
+        version=snap["version"],
+        applied=snap["applied"],
+        refused=snap["refused"],
+        deferred=snap["deferred"],
+        pushes=snap["pushes"],
         pushes_per_s=snap.get("pushes_per_s", 0.0),
         workers=[PSWorkerStatus(worker=w, **v) for w, v in sorted(snap["workers"].items())],
     )
@@ -100,9 +124,17 @@ class PSCoordinator(JobControl):
     ``runtime``: where the server and learners run (default: Ray). ``core``: the job's core
     (default: :func:`build_core` from the spec; experiments pass their own)."""
 
-    def __init__(self, job_id: str, spec: JobSpec, resume: bool = True, *,
-                 final_train_loss: bool = False, runtime: PSRuntime | None = None,
-                 core: PSCore | None = None, clock: Clock | None = None):
+    def __init__(
+        self,
+        job_id: str,
+        spec: JobSpec,
+        resume: bool = True,
+        *,
+        final_train_loss: bool = False,
+        runtime: PSRuntime | None = None,
+        core: PSCore | None = None,
+        clock: Clock | None = None,
+    ):
         if runtime is None:
             from dynabatch.scheduler.runtime.ray_ps import RayPSRuntime
 
@@ -118,6 +150,7 @@ class PSCoordinator(JobControl):
         self._last_t: float | None = None
         self._want_final_loss = final_train_loss
         self.final_train_loss: float | None = None
+        self._model_shape: tuple[tuple[int, ...], int] | None = None  # (input shape, classes)
 
     # ------------------------------------------------------------------ public interface
     @property
@@ -163,16 +196,23 @@ class PSCoordinator(JobControl):
             last = self._history[-1] if self._history else None
             events = self._event_counts()
             return JobSnapshot(
-                job_id=self.job_id, name=self.spec.name, state=self.state, reason=self.reason,
-                epoch=snap["epoch"] if snap else 0, epochs=self.spec.epochs,
-                policy=f"ps-{self.spec.protocol.mode}", emulated=self.spec.emulated,
+                job_id=self.job_id,
+                name=self.spec.name,
+                state=self.state,
+                reason=self.reason,
+                epoch=snap["epoch"] if snap else 0,
+                epochs=self.spec.epochs,
+                policy=f"ps-{self.spec.protocol.mode}",
+                emulated=self.spec.emulated,
                 train_loss=last.train_loss if last else None,
                 test_accuracy=last.test_accuracy if last else None,
                 test_metrics=last.scores if last else {},
                 epochs_completed=len(self._history),
-                epoch_durations_s=[r.wall_s for r in self._history], worker_events=events,
+                epoch_durations_s=[r.wall_s for r in self._history],
+                worker_events=events,
                 retried_samples_total=sum(r.retried_samples for r in self._history),
-                started_at=self.started_at, finished_at=self.finished_at,
+                started_at=self.started_at,
+                finished_at=self.finished_at,
                 ps=ps_status(self.spec, snap) if snap else None,
             )
 
@@ -192,6 +232,7 @@ class PSCoordinator(JobControl):
         if problem:
             self._finish(JobState.FAILED, problem)
             return False
+        self._model_shape = (tuple(ds.input_shape), int(ds.num_classes))
         if self.core is None:
             self.core = build_core(s, len(ds.y_train))
         self.runtime.start_server(self.core, s.initial_workers or 0)
@@ -229,20 +270,25 @@ class PSCoordinator(JobControl):
             self._snap = snap
         if self._last_t is None and snap.get("started_s") is not None:
             self._last_t = snap["started_s"]  # the first epoch is timed from the start barrier
-        for e in snap["epochs"][self._seen_epochs:]:
+        for e in snap["epochs"][self._seen_epochs :]:
             self._record_epoch(e, e["t"] - (self._last_t or 0.0))
             self._last_t = e["t"]
             if not e["verified"]:
-                self._finish(JobState.FAILED, f"epoch {e['epoch']} not exactly once: "
-                             + "; ".join(e["problems"][:3]))
+                self._finish(
+                    JobState.FAILED,
+                    f"epoch {e['epoch']} not exactly once: " + "; ".join(e["problems"][:3]),
+                )
                 return False
         self._seen_epochs = len(snap["epochs"])
         if snap["finished"]:
             if self._want_final_loss:
                 self.final_train_loss = self.runtime.train_loss()
+            self._export("end")
             self._finish(JobState.SUCCEEDED, None)
             return False
         if self._cancel:
+            if self._history:  # it trained something: its model goes out
+                self._export("cancel")
             self._finish(JobState.CANCELLED, self._cancel)
             return False
         if not self._learners:
@@ -299,30 +345,91 @@ class PSCoordinator(JobControl):
         self.runtime.leave(w)
         self._event("leave", w, node, why)
 
+    def _export(self, reason: str) -> None:
+        """The server's weights now as the trained model (:func:`publish_model`), at the
+        epochs trained so far. A server that cannot be read is a WARNING: the job ends as
+        it was going to."""
+        from dynabatch.scheduler.sync.artifacts import publish_model
+
+        if self._model_shape is None:
+            return
+        shape, classes = self._model_shape
+        try:
+            state = model_state(self.spec, shape, classes, self.runtime.final_weights())
+        except Exception as err:  # a Ray error, a timeout: the training stands
+            self._log(
+                "WARNING",
+                f"model export ({reason}) skipped: the server's weights "
+                f"cannot be read ({type(err).__name__}: {err})",
+            )
+            return
+        publish_model(
+            self,
+            input_shape=shape,
+            num_classes=classes,
+            state=state,
+            epoch=len(self._history),
+            reason=reason,
+        )
+
     # ------------------------------------------------------------------ records
     def _record_epoch(self, e: dict[str, Any], wall_s: float) -> None:
         snap = self._snap or {"workers": {}}
         workers = [
-            WorkerEpochStats(worker=w, node="", batch=v["batch"],
-                             partition=e["samples_by_worker"].get(w, 0), steps=v["applied"],
-                             compute_s=0.0, wait_s=0.0, throughput=0.0)
+            WorkerEpochStats(
+                worker=w,
+                node="",
+                batch=v["batch"],
+                partition=e["samples_by_worker"].get(w, 0),
+                steps=v["applied"],
+                compute_s=0.0,
+                wait_s=0.0,
+                throughput=0.0,
+            )
             for w, v in sorted(snap["workers"].items())
         ]
         rec = EpochRecord(
-            epoch=e["epoch"], wall_s=wall_s, steps=e["version"],
-            dataset_size=e["samples_applied"], samples_trained=e["samples_applied"],
-            retried_samples=e["retried_samples"], verified=e["verified"],
-            train_loss=e["train_loss"], test_loss=e["test_loss"],
-            test_accuracy=e["test_accuracy"], utilization=0.0, compute_balance=0.0,
-            policy=f"ps-{self.spec.protocol.mode}", emulated=self.spec.emulated,
+            epoch=e["epoch"],
+            wall_s=wall_s,
+            steps=e["version"],
+            dataset_size=e["samples_applied"],
+            samples_trained=e["samples_applied"],
+            retried_samples=e["retried_samples"],
+            verified=e["verified"],
+            train_loss=e["train_loss"],
+            test_loss=e["test_loss"],
+            test_accuracy=e["test_accuracy"],
+            utilization=0.0,
+            compute_balance=0.0,
+            policy=f"ps-{self.spec.protocol.mode}",
+            emulated=self.spec.emulated,
             workers=workers,
         )
         with self._lock:
             self._history.append(rec)
         self.tracking.epoch(rec)
-        self._log("INFO", f"epoch {rec.epoch}: version {e['version']}, test loss "
-                  f"{e['test_loss']:.4f}, accuracy {e['test_accuracy']:.3f}, "
-                  f"verified={rec.verified}")
+        self._log(
+            "INFO",
+            f"epoch {rec.epoch}: version {e['version']}, test loss "
+            f"{e['test_loss']:.4f}, accuracy {e['test_accuracy']:.3f}, "
+            f"verified={rec.verified}",
+        )
+
+
+def model_state(
+    spec: JobSpec, input_shape: tuple[int, ...], num_classes: int, flat: Any
+) -> dict[str, Any]:
+    """The model's state dict with the server's flat parameter vector ``flat`` in it: the
+    job's model as every replica builds it, its trainable parameters replaced in order (the
+    order the server flattened them in)."""
+    import torch
+    from dynabatch.actors.ps import build_replica, shared_tensor
+
+    model = build_replica(spec, input_shape, num_classes)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(shared_tensor(flat).clone(), params)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _ordinal(worker: str) -> int:

@@ -80,4 +80,8 @@ class PSRuntime(Protocol):
     def train_loss(self) -> float:
         """The mean training loss of the final weights over the whole training set."""
 
+    def final_weights(self) -> Any:
+        """The server's weights now (the final ones once the job finished): the model's
+        flat float32 parameter vector (every shard's slice, in order), a numpy array."""
+
     def shutdown(self) -> None: ...

@@ -138,9 +138,12 @@ class RayPSRuntime:
         from dynabatch.actors.ps import ParamStore
 
         ds = self._ds
-        _, flat = ray.get(self._server.pull.remote(), timeout=CALL_TIMEOUT_S)
         store = ParamStore(self.spec, tuple(ds.input_shape), ds.num_classes)
-        return store.evaluate(ds.x_train, ds.y_train, flat)[0]
+        return store.evaluate(ds.x_train, ds.y_train, self.final_weights())[0]
+
+    def final_weights(self) -> Any:
+        _, flat = ray.get(self._server.pull.remote(), timeout=CALL_TIMEOUT_S)
+        return flat
 
     def shutdown(self) -> None:
         for handle, _ in list(self._learners.values()):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from dynabatch.actors.spec import JobSpec, TrackingSpec
+from dynabatch.actors.spec import ArtifactsSpec, JobSpec, TrackingSpec
 from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.scheduler.core.ps.machine import PSCore
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, ClusterSpec, ParameterServerModel
@@ -116,8 +116,9 @@ def simulate_ps(spec: JobSpec, core: PSCore, config: PSSimConfig,
 
     ds = data if data is not None else load_dataset(spec.dataset, seed=spec.seed)
     # As the synchronous simulator: a simulation writes no event files into the job's
-    # tracking directory.
-    spec = spec.model_copy(update={"tracking": TrackingSpec()})
+    # tracking directory, nor its model into its artifacts directory (the driver keeps
+    # the model's files: model_files()).
+    spec = spec.model_copy(update={"tracking": TrackingSpec(), "artifacts": ArtifactsSpec()})
     if config.cluster is None:  # one learner per configured learner
         spec = spec.model_copy(update={"workers": len(config.learners)})
     nodes, speed, events = _world(spec, config)

@@ -178,6 +178,9 @@ class SimPSRuntime:
     def train_loss(self) -> float:
         return self.store.evaluate(self.ds.x_train, self.ds.y_train)[0]
 
+    def final_weights(self) -> Any:
+        return self.store.weights()
+
     def shutdown(self) -> None:
         pass
 

@@ -1,4 +1,6 @@
 """The trained model out: at the job's end, its final weights as safetensors with a manifest.
+:func:`publish_model` is how every driver puts it out (the parameter server's too, from its
+final weights); :class:`Artifacts` is the synchronous coordinator's part that calls it.
 
 The files (:mod:`dynabatch.actors.export`) are built from the state a holder returns, the
 same state a checkpoint saves, and kept by the coordinator (:meth:`~dynabatch.scheduler.
@@ -11,21 +13,77 @@ simulation without gradients, the tests' fakes) has none.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynabatch.scheduler.sync.job import Part
+
+if TYPE_CHECKING:
+    from dynabatch.scheduler.control import JobControl
+
+
+def publish_model(
+    control: JobControl,
+    *,
+    input_shape: tuple[int, ...] | list[int],
+    num_classes: int,
+    state: dict[str, Any],
+    epoch: int,
+    reason: str,
+    best: tuple[dict[str, Any] | None, int | None, dict[str, float] | None] = (None, None, None),
+) -> None:
+    """The one way a job's driver (synchronous or parameter server) puts its trained model
+    out: build the files from ``state`` (a model state dict) and the last epoch's metrics,
+    keep them in ``control`` (its ``model_files``), and write them to ``artifacts.dir/JOB_ID``
+    when the spec sets it. ``best``: the best epoch's state, epoch and metrics, when kept. A
+    problem (a state safetensors cannot hold, a directory it cannot write) is a WARNING in
+    the job's log: the job still ends as it was going to."""
+    from dynabatch.actors.data.source import DataError
+    from dynabatch.actors.export import ExportError, model_files, write_files
+
+    s = control.spec
+    last = control._history[-1] if control._history else None
+    metrics = {"train_loss": last.train_loss, **last.scores} if last else {}
+    best_state, best_epoch, best_metrics = best
+    try:
+        files = model_files(
+            spec=s,
+            input_shape=input_shape,
+            num_classes=num_classes,
+            final=state,
+            epoch=epoch,
+            metrics=metrics,
+            best=best_state,
+            best_epoch=best_epoch,
+            best_metrics=best_metrics,
+            job_id=control.job_id,
+        )
+    except ExportError as err:
+        control._log("WARNING", f"model export ({reason}) skipped: {err}")
+        return
+    with control._lock:
+        control._model_files = files
+    if not s.artifacts.dir:
+        control._log(
+            "INFO",
+            f"trained model ({reason}) at epoch {epoch}: kept for "
+            f"download ({', '.join(sorted(files))})",
+        )
+        return
+    target = f"{s.artifacts.dir.rstrip('/')}/{control.job_id}"
+    try:
+        write_files(files, target)
+    except (ExportError, DataError) as err:
+        control._log("WARNING", f"model export ({reason}): {err}")
+        return
+    control._log("INFO", f"trained model ({reason}) at epoch {epoch}: {target}")
 
 
 class Artifacts(Part):
     def save(self, reason: str) -> None:
         """Build the model's files from the state a holder returns, keep them, and write
-        them to ``artifacts.dir`` when it is set. A job that cannot export (no holder, a
-        state safetensors cannot hold, a directory it cannot write) still ends as it was
-        going to: the problem is a WARNING in its log."""
-        from dynabatch.actors.data.source import DataError
-        from dynabatch.actors.export import ExportError, model_files, write_files
-
-        job, s = self.job, self.spec
+        them to ``artifacts.dir`` when it is set (:func:`publish_model`). A job whose
+        holders cannot be read still ends as it was going to: a WARNING in its log."""
+        job = self.job
         data = job.data
         if data is None or not data.input_shape or not data.num_classes:
             return
@@ -36,41 +94,15 @@ class Artifacts(Part):
             return
         p = job.protocol
         epoch = p.epoch if p is not None else job.position.epoch
-        last = self.c._history[-1] if self.c._history else None
-        metrics = {"train_loss": last.train_loss, **last.scores} if last else {}
-        best, best_epoch, best_metrics = self._best()
-        try:
-            files = model_files(
-                spec=s,
-                input_shape=data.input_shape,
-                num_classes=data.num_classes,
-                final=model,
-                epoch=epoch,
-                metrics=metrics,
-                best=best,
-                best_epoch=best_epoch,
-                best_metrics=best_metrics,
-                job_id=self.c.job_id,
-            )
-        except ExportError as err:
-            self.log("WARNING", f"model export ({reason}) skipped: {err}")
-            return
-        with self.c._lock:
-            self.c._model_files = files
-        if not s.artifacts.dir:
-            self.log(
-                "INFO",
-                f"trained model ({reason}) at epoch {epoch}: kept for "
-                f"download ({', '.join(sorted(files))})",
-            )
-            return
-        target = f"{s.artifacts.dir.rstrip('/')}/{self.c.job_id}"
-        try:
-            write_files(files, target)
-        except (ExportError, DataError) as err:
-            self.log("WARNING", f"model export ({reason}): {err}")
-            return
-        self.log("INFO", f"trained model ({reason}) at epoch {epoch}: {target}")
+        publish_model(
+            self.c,
+            input_shape=data.input_shape,
+            num_classes=data.num_classes,
+            state=model,
+            epoch=epoch,
+            reason=reason,
+            best=self._best(),
+        )
 
     def _best(self) -> tuple[dict[str, Any] | None, int | None, dict[str, float] | None]:
         """The best epoch's model state, epoch (epochs trained) and metrics, from its
@@ -82,16 +114,16 @@ class Artifacts(Part):
         from dynabatch.scheduler.checkpoint import (
             BEST,
             CheckpointError,
+            checkpoint_exists,
             checkpoint_path,
             load_checkpoint_file,
         )
         from dynabatch.scheduler.telemetry import EpochRecord
 
-        path = checkpoint_path(s.checkpoint.dir, self.c.job_id, BEST)
-        if not path.is_file():
+        if not checkpoint_exists(s.checkpoint.dir, self.c.job_id, BEST):
             return None, None, None
         try:
-            ckpt = load_checkpoint_file(path)
+            ckpt = load_checkpoint_file(checkpoint_path(s.checkpoint.dir, self.c.job_id, BEST))
             state = ckpt["weights"]["model"]
             history = ckpt.get("history") or []
             rec = EpochRecord.model_validate(history[-1]) if history else None

@@ -88,11 +88,18 @@ def test_channels_last_applies_only_to_four_dimensional_inputs():
 # --- the worker ------------------------------------------------------------------------
 
 
-def _worker(spec: JobSpec, generation: int) -> Worker:
+def _worker(spec: JobSpec, generation: int | None) -> Worker:
+    """A worker of ``spec`` reading its samples by position, alone in group ``generation``
+    (None: not joined yet)."""
     data = open_dataset(spec.dataset, spec.seed)
     w = Worker("w0", 0, spec, data.refs[0], None, data.input_shape, data.num_classes)
-    w.join(w.group.open_store(generation, 1, "gloo", host="127.0.0.1"), 0)
+    if generation is not None:
+        _join(w, generation)
     return w
+
+
+def _join(w: Worker, generation: int) -> None:
+    w.join(w.group.open_store(generation, 1, "gloo", host="127.0.0.1"), 0)
 
 
 def _steps(n: int, size: int = 16) -> SegmentPlan:
@@ -132,11 +139,14 @@ def test_the_worker_trains_and_evaluates_structured_samples(dataset, model):
 
 def test_out_of_memory_halving_slices_dict_batches():
     spec = _spec({"name": f"{PLUG}:tabular", "options": {"n": 80}}, "tabular_model")
-    ref = _worker(spec, 1)
+    # Both built before either trains: a loader's reader seeds torch's global RNG (one
+    # process holds both here), which must not reach the other's initial weights.
+    ref, w = _worker(spec, None), _worker(spec, None)
+    _join(ref, 1)
     ok = ref.run_segment(_steps(1))
     ref.leave()
     assert ok.error is None, ok.error
-    w = _worker(spec, 2)
+    _join(w, 2)
 
     def hook(_m, _args, kwargs):
         if kwargs["num"].shape[0] > 5:
@@ -146,7 +156,7 @@ def test_out_of_memory_halving_slices_dict_batches():
     try:
         res = w.run_segment(_steps(1))
         assert res.error_kind == "oom" and res.oom_batch == 16
-        w.join(w.group.open_store(3, 1, "gloo", host="127.0.0.1"), 0)
+        _join(w, 3)
         plan = _steps(1)
         res = w.run_segment(SegmentPlan(0, 0, 64, plan.steps, micro_cap=4))
         assert res.error is None, res.error
@@ -301,10 +311,74 @@ def test_a_collate_is_user_code_and_is_refused_where_user_code_is_not_allowed():
 
 
 def test_a_collate_for_data_that_has_no_samples_to_collate_is_refused():
-    for name in ("digits", "parquet"):
+    for name in ("digits", "npy"):
         spec = _spec({"name": name, "path": "/nowhere", "collate": f"{PLUG}:pad"}, "x")
         msg = _error(lambda s=spec: open_dataset(s.dataset))
         assert msg.startswith("dataset.collate:")
     spec = _spec({"name": f"{PLUG}:tabular"}, "tabular_model")
     msg = _error(lambda: materialise(spec.dataset))
     assert msg.startswith("dataset.name:") and "protocol: sync" in msg
+
+
+# --- Parquet lists of any length ----------------------------------------------------------
+
+
+def _write_sequences(path, n: int = 100) -> P.Sequences:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ds = P.Sequences(n=n, longest=9, seed=7)
+    labels = [ds[i][1] for i in range(n)]
+    table = pa.table(
+        {
+            "ids": pa.array([s.tolist() for s in ds.seqs], pa.list_(pa.int64())),
+            "label": pa.array(labels, pa.int64()),
+        }
+    )
+    pq.write_table(table, str(path), row_group_size=16)
+    return ds
+
+
+def test_parquet_lists_of_any_length_are_read_by_position_and_padded_by_the_collate(tmp_path):
+    ds = _write_sequences(tmp_path / "seq.parquet")
+    spec = _spec(
+        {
+            "name": "parquet",
+            "path": str(tmp_path / "seq.parquet"),
+            "options": {"x": "ids", "y": "label"},
+            "collate": f"{PLUG}:pad",
+        },
+        "seq_classifier",
+    )
+    data = open_dataset(spec.dataset, spec.seed)
+    assert data.meta.structured and data.meta.targets == "classes"
+    assert data.num_classes == 2
+    ids = np.array([17, 3, 40])  # three row groups
+    x, y = data.train.read(ids)
+    lengths = [len(ds.seqs[i]) for i in ids]
+    assert x["input_ids"].shape == (3, max(lengths)) and x["input_ids"].dtype == torch.int64
+    assert x["attention_mask"].sum(1).tolist() == lengths
+    for j, i in enumerate(ids):
+        assert x["input_ids"][j, : lengths[j]].tolist() == ds.seqs[i].tolist()
+    assert y.tolist() == [ds[int(i)][1] for i in ids]
+    # And a worker trains on them.
+    w = _worker(spec, 1)
+    try:
+        res = w.run_segment(_steps(2))
+        assert res.error is None, res.error
+    finally:
+        w.leave()
+
+
+def test_parquet_lists_of_any_length_without_a_collate_say_to_set_one(tmp_path):
+    _write_sequences(tmp_path / "seq.parquet")
+    spec = _spec(
+        {
+            "name": "parquet",
+            "path": str(tmp_path / "seq.parquet"),
+            "options": {"x": "ids", "y": "label"},
+        },
+        "seq_classifier",
+    )
+    msg = _error(lambda: open_dataset(spec.dataset, spec.seed))
+    assert "values, but row 0 has" in msg and "dataset.collate" in msg

@@ -109,28 +109,43 @@ class SizedGangCheck:
 
     ``free``: slots per type left for the jobs being admitted. :meth:`admit` takes the
     job's slots per worker on each type (``size``) and the most workers its nodes hold
-    whole on each type (``room``; 0 where it cannot run)."""
+    whole on each type (``room``; 0 where it cannot run). It keeps one placement of the
+    admitted minimums as a witness: a new gang that fits beside it greedily is admitted at
+    once; otherwise HiGHS decides, with every admitted gang free to move."""
 
     free: np.ndarray
 
     def __post_init__(self) -> None:
         self._gangs: list[tuple[np.ndarray, np.ndarray, int]] = []
+        self._left = np.asarray(self.free, dtype=np.int64).copy()
 
     def admit(self, size: np.ndarray, room: np.ndarray, workers: int) -> bool:
-        trial = [*self._gangs, (np.asarray(size), np.asarray(room), workers)]
-        if not self.fits(self.free, trial):
+        gang = (np.asarray(size, dtype=np.int64), np.asarray(room, dtype=np.int64), workers)
+        take = np.zeros(len(self._left), dtype=np.int64)
+        want = workers
+        for t in np.argsort(-self._left, kind="stable"):
+            take[t] = min(want, int(self._left[t] // gang[0][t]), int(gang[1][t]))
+            want -= int(take[t])
+        if want <= 0:
+            self._left -= take * gang[0]
+            self._gangs.append(gang)
+            return True
+        x = self.placement(self.free, [*self._gangs, gang])
+        if x is None:
             return False
-        self._gangs = trial
+        self._gangs.append(gang)
+        used = sum((g[0] * x[j] for j, g in enumerate(self._gangs)), np.zeros_like(self._left))
+        self._left = np.asarray(self.free, dtype=np.int64) - used
         return True
 
     @staticmethod
-    def fits(free: np.ndarray, gangs: Sequence[tuple[np.ndarray, np.ndarray, int]]) -> bool:
-        """Whether integer workers x_jt ≤ room_jt with Σ_t x_jt ≥ min_j and
-        Σ_j size_jt·x_jt ≤ free_t exist."""
+    def placement(
+        free: np.ndarray, gangs: Sequence[tuple[np.ndarray, np.ndarray, int]]
+    ) -> np.ndarray | None:
+        """Integer workers x_jt ≤ room_jt with Σ_t x_jt ≥ min_j and Σ_j size_jt·x_jt ≤
+        free_t (rows: gangs), or None when there are none."""
         n_types = len(free)
         nvar = len(gangs) * n_types
-        if nvar == 0:
-            return True
         a = np.zeros((n_types + len(gangs), nvar))
         for j, (size, _, _) in enumerate(gangs):
             a[:n_types, j * n_types : (j + 1) * n_types] = np.diag(size)
@@ -144,7 +159,9 @@ class SizedGangCheck:
             bounds=Bounds(np.zeros(nvar), ub),
             constraints=LinearConstraint(a, lo, hi),
         )
-        return res.x is not None
+        if res.x is None:
+            return None
+        return np.rint(res.x).astype(np.int64).reshape(len(gangs), n_types)
 
 
 def single_type_admit(

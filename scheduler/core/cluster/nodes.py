@@ -6,7 +6,10 @@ Type, first found of:
 2. a custom resource ``node-type:<name>`` (any amount; for Ray versions or clusters
    without labels);
 3. derived from its resources: ``gpu-<model>x<count>`` when it has GPUs (the model from
-   Ray's ``accelerator_type:<model>`` resource, else ``gpu``), else ``cpu<count>``.
+   Ray's ``accelerator_type:<model>`` resource, else ``gpu``), else ``cpu<count>``; then
+   ``+<name>`` for each custom resource it carries (``ray start --resources``), so nodes a
+   job's ``node_resource`` picks are never one type with nodes it does not (a type is the
+   policy's unit: a job may use a type only if every node of it has the resource).
 
 Slots. A node's capacity is counted in slots: one per GPU on a node with GPUs, one per CPU
 on the others. A worker takes ``ceil(worker_cpus)`` slots on a CPU node
@@ -56,8 +59,26 @@ def node_type(node: RayNode) -> str:
     gpus = int(node.resources.get("GPU", 0.0))
     if gpus >= 1:
         models = sorted(k[len(ACCELERATOR) :] for k in node.resources if k.startswith(ACCELERATOR))
-        return f"gpu-{models[0] if models else 'gpu'}x{gpus}"
-    return f"cpu{int(node.resources.get('CPU', 0.0))}"
+        base = f"gpu-{models[0] if models else 'gpu'}x{gpus}"
+    else:
+        base = f"cpu{int(node.resources.get('CPU', 0.0))}"
+    return "+".join([base, *custom_resources(node)])
+
+
+# Resources Ray gives every node (or a placement group's bundles): not what makes a type.
+_RAY_OWN = {"CPU", "GPU", "memory", "object_store_memory", "TPU"}
+
+
+def custom_resources(node: RayNode) -> list[str]:
+    """The node's custom resources (sorted), Ray's own ones left out."""
+    return sorted(
+        k
+        for k, v in node.resources.items()
+        if v > 0
+        and k not in _RAY_OWN
+        and not k.startswith(("node:", ACCELERATOR, TYPE_RESOURCE, "bundle_group_"))
+        and "_group_" not in k
+    )
 
 
 def slots(node: RayNode) -> int:

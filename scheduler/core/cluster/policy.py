@@ -30,6 +30,7 @@ its fastest type, so jobs of different sizes and speeds are compared on one scal
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -120,12 +121,11 @@ def _decide(
     masks = {j: sum(1 << i for i, r in enumerate(v) if r > 0) for j, v in rates.items()}
     # Slots per worker on each type (the most over its nodes, should a type mix GPU and CPU
     # nodes); any above one needs the sized admission and the per-node room bounds.
-    size = {j.job_id: np.ones(len(types), dtype=np.int64) for j in ordered}
-    for j in ordered:
-        for n in nodes:
-            t = tix[n.node_type]
-            size[j.job_id][t] = max(size[j.job_id][t], j.size_on(n))
-    sized = any(int(v.max(initial=1)) > 1 for v in size.values())
+    cpu_type = np.zeros(len(types), dtype=bool)
+    for n in nodes:
+        cpu_type[tix[n.node_type]] |= not n.gpu
+    size = {j.job_id: np.where(cpu_type, j.worker_slots, 1).astype(np.int64) for j in ordered}
+    sized = any(j.worker_slots > 1 for j in ordered) and bool(cpu_type.any())
 
     def type_counts(slots: dict[str, int]) -> np.ndarray:
         out = np.zeros(len(types), dtype=np.int64)
@@ -156,13 +156,8 @@ def _decide(
         if j.job_id in held:
             for node_id, k in current[j.job_id].items():
                 node_free[node_id] -= k * j.size_on(node_map[node_id])
-    room = {j: np.zeros(len(types), dtype=np.int64) for j in size}
-    full = {j: np.zeros(len(types), dtype=np.int64) for j in size}
-    for n in nodes:
-        t = tix[n.node_type]
-        for j, v in size.items():
-            room[j][t] += node_free[n.node_id] // v[t]
-            full[j][t] += n.capacity // v[t]
+    room = _whole(nodes, tix, node_free, size, sized)
+    full = _whole(nodes, tix, {n.node_id: n.capacity for n in nodes}, size, sized)
 
     admitted: list[ClusterJob] = []
     queued: dict[str, str] = dict(blocked)  # job → why (without its position)
@@ -302,6 +297,33 @@ def _decide(
         )
     decision = ClusterDecision(knobs.policy, tuple(plans), tuple(j.job_id for j in queue))
     return decision, None
+
+
+def _whole(
+    nodes: Sequence[ClusterNode],
+    tix: dict[str, int],
+    free: dict[str, int],
+    size: dict[str, np.ndarray],
+    sized: bool,
+) -> dict[str, np.ndarray]:
+    """job → the most of its workers each type's nodes hold whole in their ``free`` slots
+    (with one slot per worker: the type's free slots)."""
+    per_type: dict[int, Counter[int]] = {}
+    for n in nodes:
+        per_type.setdefault(tix[n.node_type], Counter())[free[n.node_id]] += 1
+    plain = np.zeros(len(tix), dtype=np.int64)
+    for t, c in per_type.items():
+        plain[t] = sum(f * k for f, k in c.items())
+    if not sized:
+        return {j: plain for j in size}
+    out = {}
+    for j, v in size.items():
+        row = plain.copy()
+        for t, c in per_type.items():
+            if v[t] > 1:
+                row[t] = sum((f // int(v[t])) * k for f, k in c.items())
+        out[j] = row
+    return out
 
 
 def job_fits(job: ClusterJob, slots: dict[str, int]) -> bool:
