@@ -529,7 +529,7 @@ class FakeRuntime:
         self.uneven_failure = uneven_failure  # survivors at a failure differ by one step
         self.workers: dict[str, FakeWorker] = {}
         self.starting: list[str] = []
-        # Start-up and spares (SpareRuntime). A fresh worker is up start_s (virtual) after
+        # Start-up and spares. A fresh worker is up start_s (virtual) after
         # its spawn, a spare too; an adopted spare is up as soon as the spare is. Faults
         # (worker = the node): spare_dies (found by lost_spares), spare_dies_silently (once
         # up: found when it is adopted). Which spawns adopted a spare, which started fresh,
@@ -552,7 +552,7 @@ class FakeRuntime:
         # segment queued behind it cannot train until the next regroup.
         self._group_broken = False
         self.submitted = 0
-        # Plan updates (UpdatingRuntime): asked for, applied; how many steps of a queued
+        # Plan updates: asked for, applied; how many steps of a queued
         # segment the workers are taken to have started when one arrives.
         self.updates: list = []
         self.updates_applied: list = []
@@ -660,7 +660,8 @@ class FakeRuntime:
                     return True
         return False
 
-    def run_segment(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
+    def _run_segment(self, plans: dict[str, SegmentPlan], grace_s: float
+                     ) -> list[WorkerOutcome]:
         self._called("run_segment")
         self.calls["segments"] += 1
         self.plans.append(plans)
@@ -741,7 +742,7 @@ class FakeRuntime:
                 out.append(WorkerOutcome(w, result=SegmentResult(worker=w, steps=steps[w])))
         return out
 
-    # --- segments sent ahead (PipelinedRuntime) ---------------------------------------
+    # --- segments sent ahead ---------------------------------------------------------
     def submit_segment(self, plans: dict[str, SegmentPlan]) -> dict[str, SegmentPlan]:
         self._called("submit_segment")
         self.submitted += 1
@@ -757,7 +758,7 @@ class FakeRuntime:
         return self._run_queued(plans, grace_s)
 
     def update_segment(self, update, timeout_s: float) -> bool:
-        """UpdatingRuntime: a queued segment holding ``update.at_step`` has not started
+        """A queued segment holding ``update.at_step`` has not started
         (segments run when collected), so the update applies to it, unless the workers are
         taken to have started ``update_started`` of its steps already (a test control) or
         it ran early. Every update asked for is recorded in ``updates``."""
@@ -794,7 +795,7 @@ class FakeRuntime:
 
     def _run_queued(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
         if not self._group_broken:
-            return self.run_segment(plans, grace_s)
+            return self._run_segment(plans, grace_s)
         self.calls["segments"] += 1
         return [WorkerOutcome(w, lost="died: worker process died or node lost")
                 if w not in self.workers or not self.workers[w].alive

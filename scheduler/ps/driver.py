@@ -23,7 +23,7 @@ events:
 * ``protocol.shards: k`` runs k−1 shards beside the server, which holds slice 0 and the one
   core (the protocol is decided in one place only);
 * at the job's end (and at a cancel, once an epoch was trained) the server's final weights
-  go out as the trained model, by the synchronous job's own
+  go out as the trained model (:mod:`dynabatch.scheduler.ps.model`), by the synchronous job's own
   :func:`~dynabatch.scheduler.sync.artifacts.publish_model`: ``model.safetensors`` and
   ``manifest.json``, kept for download and written to ``artifacts.dir`` when set.
 """
@@ -40,6 +40,7 @@ from dynabatch.scheduler.core.membership import slowest_first
 from dynabatch.scheduler.core.ps.batch_policy import JiConfig, PerfAwareBatches
 from dynabatch.scheduler.core.ps.machine import PSCore
 from dynabatch.scheduler.core.ps.protocol import PSConfig
+from dynabatch.scheduler.ps.model import export_model
 from dynabatch.scheduler.runtime.ps_seam import LearnerExit, NodeJoined, PSRuntime
 from dynabatch.scheduler.runtime.seam import Clock
 from dynabatch.scheduler.telemetry import (
@@ -150,7 +151,8 @@ class PSCoordinator(JobControl):
         self._last_t: float | None = None
         self._want_final_loss = final_train_loss
         self.final_train_loss: float | None = None
-        self._model_shape: tuple[tuple[int, ...], int] | None = None  # (input shape, classes)
+        # (input shape, class count) of the model, once the data is loaded: its export.
+        self.model_shape: tuple[tuple[int, ...], int] | None = None
 
     # ------------------------------------------------------------------ public interface
     @property
@@ -232,7 +234,7 @@ class PSCoordinator(JobControl):
         if problem:
             self._finish(JobState.FAILED, problem)
             return False
-        self._model_shape = (tuple(ds.input_shape), int(ds.num_classes))
+        self.model_shape = (tuple(ds.input_shape), int(ds.num_classes))
         if self.core is None:
             self.core = build_core(s, len(ds.y_train))
         self.runtime.start_server(self.core, s.initial_workers or 0)
@@ -283,12 +285,12 @@ class PSCoordinator(JobControl):
         if snap["finished"]:
             if self._want_final_loss:
                 self.final_train_loss = self.runtime.train_loss()
-            self._export("end")
+            export_model(self, "end")
             self._finish(JobState.SUCCEEDED, None)
             return False
         if self._cancel:
             if self._history:  # it trained something: its model goes out
-                self._export("cancel")
+                export_model(self, "cancel")
             self._finish(JobState.CANCELLED, self._cancel)
             return False
         if not self._learners:
@@ -345,33 +347,6 @@ class PSCoordinator(JobControl):
         self.runtime.leave(w)
         self._event("leave", w, node, why)
 
-    def _export(self, reason: str) -> None:
-        """The server's weights now as the trained model (:func:`publish_model`), at the
-        epochs trained so far. A server that cannot be read is a WARNING: the job ends as
-        it was going to."""
-        from dynabatch.scheduler.sync.artifacts import publish_model
-
-        if self._model_shape is None:
-            return
-        shape, classes = self._model_shape
-        try:
-            state = model_state(self.spec, shape, classes, self.runtime.final_weights())
-        except Exception as err:  # a Ray error, a timeout: the training stands
-            self._log(
-                "WARNING",
-                f"model export ({reason}) skipped: the server's weights "
-                f"cannot be read ({type(err).__name__}: {err})",
-            )
-            return
-        publish_model(
-            self,
-            input_shape=shape,
-            num_classes=classes,
-            state=state,
-            epoch=len(self._history),
-            reason=reason,
-        )
-
     # ------------------------------------------------------------------ records
     def _record_epoch(self, e: dict[str, Any], wall_s: float) -> None:
         snap = self._snap or {"workers": {}}
@@ -414,22 +389,6 @@ class PSCoordinator(JobControl):
             f"{e['test_loss']:.4f}, accuracy {e['test_accuracy']:.3f}, "
             f"verified={rec.verified}",
         )
-
-
-def model_state(
-    spec: JobSpec, input_shape: tuple[int, ...], num_classes: int, flat: Any
-) -> dict[str, Any]:
-    """The model's state dict with the server's flat parameter vector ``flat`` in it: the
-    job's model as every replica builds it, its trainable parameters replaced in order (the
-    order the server flattened them in)."""
-    import torch
-    from dynabatch.actors.ps import build_replica, shared_tensor
-
-    model = build_replica(spec, input_shape, num_classes)
-    params = [p for p in model.parameters() if p.requires_grad]
-    with torch.no_grad():
-        torch.nn.utils.vector_to_parameters(shared_tensor(flat).clone(), params)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _ordinal(worker: str) -> int:

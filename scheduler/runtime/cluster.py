@@ -7,7 +7,8 @@ coordinator is launched to train on the nodes it was granted
 running job is told to train on new nodes (``assign``), which it does at its next step
 boundary through its elastic membership. Rounds run every ``round_s`` and on events: a job
 registered or finished, a node joined or lost (nodes are listed each round and whenever a
-caller wakes it).
+caller wakes it). A granted job's workers start only if it is still held once its
+coordinator is up: a cancel that arrived meanwhile gets the coordinator killed unstarted.
 
 Every remote call has a timeout. A coordinator that is gone (Ray says the actor died, or
 no actor has its name) is dropped from the rounds, its nodes free at the same round; one

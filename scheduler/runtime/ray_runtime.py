@@ -184,7 +184,7 @@ class RayRuntime:
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
 
-    # --- spares (SpareRuntime) --------------------------------------------------------
+    # --- spares --------------------------------------------------------------------
     def start_spare(self, node_id: str) -> None:
         if node_id in self._spares:
             return

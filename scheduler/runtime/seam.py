@@ -89,6 +89,10 @@ class RealClock:
 
 
 class Runtime(Protocol):
+    """Every runtime implements every call: the driver has one code path (segments sent
+    ahead, plan updates, spares, evaluation in shards), so what a simulated job does is
+    what a job on Ray does."""
+
     def load_data(self) -> DataInfo:
         """Load the job's dataset (raises ``WorkloadError`` naming the field)."""
 
@@ -96,16 +100,42 @@ class Runtime(Protocol):
         """Alive nodes that can host one of this job's workers."""
 
     def spawn(self, spawn: Spawn) -> None:
-        """Start a worker; :meth:`poll_started` reports when it is up (or failed)."""
+        """Start a worker; :meth:`poll_started` reports when it is up (or failed). A
+        :class:`Spawn` marked ``adopt`` turns the node's spare into the worker (it reserves
+        the worker's resources, then takes the worker's identity); when that spare is gone,
+        the worker starts afresh."""
 
     def poll_started(self, timeout_s: float) -> list[Started]:
         """Workers whose start finished, waiting up to ``timeout_s`` for the first one."""
 
     def kill(self, worker: str) -> None: ...
 
-    def run_segment(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
-        """Run the plans; a worker that has not answered ``grace_s`` after the first failure
-        is reported as hung."""
+    # --- spares: pre-warmed workers on idle nodes, where
+    # Membership.spare_plan says. They reserve nothing while they wait; each call returns
+    # at once.
+    def start_spare(self, node_id: str) -> None: ...
+
+    def stop_spare(self, node_id: str) -> None: ...
+
+    def lost_spares(self) -> list[tuple[str, str]]:
+        """Spares that died or did not come up in time since the last call: (node, why)."""
+
+    # --- segments: a worker runs its calls in order, so a segment submitted while another
+    # runs starts on each worker as soon as it ends the last (no bubble between segments
+    # while the driver reads the results).
+    def submit_segment(self, plans: dict[str, SegmentPlan]) -> Any:
+        """Send the plans; returns a ticket for :meth:`collect_segment`."""
+
+    def collect_segment(self, ticket: Any, grace_s: float) -> list[WorkerOutcome]:
+        """The outcomes of a submitted segment; a worker that has not answered ``grace_s``
+        after the first failure is reported as hung."""
+
+    def update_segment(self, update: Any, timeout_s: float) -> bool:
+        """Post ``update`` (a ``PlanUpdate``, ``dynabatch.scheduler.core.sync.update``) to
+        the segment already sent that holds its step: True when every worker of it will
+        apply the new allocation from ``update.at_step``, False when refused (a worker had
+        started that step, or the group cannot be reached in ``timeout_s``: nothing
+        changes)."""
 
     def regroup(
         self, generation: int, members: Sequence[str], state: dict[str, Any] | None,
@@ -130,108 +160,6 @@ class Runtime(Protocol):
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict[str, Any]:
         """``worker``'s model and optimizer state on the CPU; raises ``WorkerCallError``."""
-
-
-class PipelinedRuntime(Runtime, Protocol):
-    """A runtime that can queue a segment behind the one in flight (no bubble between
-    segments: each worker starts the next as soon as it ends the last, while the
-    coordinator reads the results). ``run_segment(p, g)`` is
-    ``collect_segment(submit_segment(p), g)``."""
-
-    def submit_segment(self, plans: dict[str, SegmentPlan]) -> Any:
-        """Send the plans; returns a ticket for :meth:`collect_segment`."""
-
-    def collect_segment(self, ticket: Any, grace_s: float) -> list[WorkerOutcome]:
-        """The outcomes of a submitted segment, as :meth:`Runtime.run_segment`."""
-
-
-def pipelined(runtime: Runtime) -> PipelinedRuntime | None:
-    """``runtime`` when it can send segments ahead, else None."""
-    ok = callable(getattr(runtime, "submit_segment", None)) and callable(
-        getattr(runtime, "collect_segment", None))
-    return runtime if ok else None  # type: ignore[return-value]
-
-
-class UpdatingRuntime(PipelinedRuntime, Protocol):
-    """A runtime whose workers apply plan updates inside a segment already sent
-    (``dynabatch.scheduler.core.sync.update``): the new allocation takes effect from
-    ``update.at_step`` on every worker, or on none."""
-
-    def update_segment(self, update: Any, timeout_s: float) -> bool:
-        """Post ``update`` (a ``PlanUpdate``); True when every worker of its segment will
-        apply it from its ``at_step``, False when refused (a worker had started that step,
-        or the group cannot be reached in ``timeout_s``: nothing changes)."""
-
-
-def plan_updates(runtime: Runtime) -> UpdatingRuntime | None:
-    """``runtime`` when it can update segments in flight, else None."""
-    ok = pipelined(runtime) is not None and callable(getattr(runtime, "update_segment", None))
-    return runtime if ok else None  # type: ignore[return-value]
-
-
-class SpareRuntime(Runtime, Protocol):
-    """A runtime that keeps pre-warmed spare workers on idle nodes, where
-    :meth:`~dynabatch.scheduler.core.membership.Membership.spare_plan` says. A :class:`Spawn` marked
-    ``adopt`` turns the node's spare into the worker (it reserves the worker's resources,
-    then takes the worker's identity); when that spare is gone, ``spawn`` starts one afresh.
-    Spares reserve nothing while they wait, and every call here returns at once."""
-
-    def start_spare(self, node_id: str) -> None: ...
-
-    def stop_spare(self, node_id: str) -> None: ...
-
-    def lost_spares(self) -> list[tuple[str, str]]:
-        """Spares that died or did not come up in time since the last call: (node, why)."""
-
-
-def spare_capable(runtime: Runtime) -> SpareRuntime | None:
-    """``runtime`` when it can keep spares, else None."""
-    ok = all(callable(getattr(runtime, m, None))
-             for m in ("start_spare", "stop_spare", "lost_spares"))
-    return runtime if ok else None  # type: ignore[return-value]
-
-
-class WholeSetEvaluation:
-    """Sharded evaluation over a runtime that only scores the whole held-out set on one
-    worker, synchronously (``evaluate(worker, timeout_s) -> scores``): the first worker of a
-    submission that answers scores everything, the other shards come back empty, and the
-    scores pass through ``finish`` unchanged."""
-
-    def __init__(self, runtime: Any, timeout_s: float):
-        self.runtime = runtime
-        self.timeout_s = timeout_s
-
-    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
-        total = float(sum(hi - lo for lo, hi in shards.values()))
-        out: list[ShardResult] = []
-        scores: dict[str, float] | None = None
-        for w in shards:
-            if scores is not None:
-                out.append(ShardResult(w, {"n": 0.0} | dict.fromkeys(scores, 0.0)))
-                continue
-            try:
-                scores = dict(self.runtime.evaluate(w, self.timeout_s) or {})
-            except WorkerCallError as err:
-                out.append(ShardResult(w, error=str(err), lost=err.lost))
-                continue
-            out.append(ShardResult(w, {"n": total} | {k: v * total for k, v in scores.items()}))
-        return out
-
-    def poll_evaluation(self, ticket: list[ShardResult], timeout_s: float) -> list[ShardResult]:
-        out = list(ticket)
-        ticket.clear()
-        return out
-
-    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
-        n = max(sums.get("n", 0.0), 1.0)
-        return {k: v / n for k, v in sums.items() if k != "n"}
-
-
-def sharded_evaluation(runtime: Any, timeout_s: float) -> Any:
-    """``runtime`` when it evaluates in shards, else a :class:`WholeSetEvaluation` over it."""
-    ok = all(callable(getattr(runtime, m, None))
-             for m in ("submit_evaluation", "poll_evaluation", "finish_evaluation"))
-    return runtime if ok else WholeSetEvaluation(runtime, timeout_s)
 
 
 class WorkerCallError(RuntimeError):

@@ -5,7 +5,14 @@ nodes, events and workers) and moves the clock by the time each call would take.
 
 What each call costs (formulas in :mod:`dynabatch.scheduler.sim.cost_model`):
 
-* ``run_segment``: step by step, ``max_i t_i(b_i) + t_ar(n, m)``; each worker reports what a
+* ``submit_segment``/``collect_segment``: calls run in the order sent, when collected
+  (:mod:`dynabatch.scheduler.sim.calls`): a segment sent ahead starts where the one before
+  it ended, with no bubble, as on Ray. After a failed segment the workers have left the
+  group, so a segment queued behind it trains nothing until the next regroup.
+  ``update_segment`` applies a plan update to the segment queued from its ``at_step`` on
+  every worker, or refuses it when the workers have started that step (the segment's
+  first: it started when the one before ended), as on Ray.
+* a segment, step by step: ``max_i t_i(b_i) + t_ar(n, m)``; each worker reports what a
   real worker reports (its order positions, its compute and wait, the step's coverage as the
   all-reduce would sum it). With ISGD, the batch loss rides in the gradient's all-reduce
   (the loss slot: no collective of its own), and each
@@ -17,7 +24,8 @@ What each call costs (formulas in :mod:`dynabatch.scheduler.sim.cost_model`):
   spec's injected errors raise in compute.
 * ``regroup``: ``regroup_s`` plus the state broadcast; a member whose node died fails it.
 * ``spawn``/``poll_started``: a worker is up ``start_s`` after it was spawned.
-* ``submit_evaluation``/``fetch_state``: free. Each holder's shard of the held-out set is
+* evaluation (queued like a segment: it scores the weights the calls before it leave) and
+  ``fetch_state``: free. Each holder's shard of the held-out set is
   scored at once (with real gradients, on the one model replica, which every holder's
   weights equal); a holder whose node died loses its shard, and the epoch its scores, as on
   Ray. Timing-only runs have no model: evaluation gives no loss and no accuracy (None), and
@@ -48,7 +56,9 @@ from dynabatch.actors.contracts import (
 from dynabatch.actors.emulation import error_at, slowdown_at
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.failures import WorkerOutcome
+from dynabatch.scheduler.core.sync.update import updated_plans
 from dynabatch.scheduler.runtime.seam import DataInfo, RegroupResult, ShardResult
+from dynabatch.scheduler.sim.calls import Call, CallQueue
 from dynabatch.scheduler.sim.cost_model import SimulatedCluster, compute_time, jitter
 from dynabatch.scheduler.sim.timeline import Recovery, SimClock
 from dynabatch.scheduler.sim.world import SimWorld
@@ -76,6 +86,9 @@ class SimRuntime(SimWorld):
         self._failed: tuple[float, tuple[str, ...]] | None = None
         self.steps_completed = 0
         self.segment_calls = 0
+        self._calls = CallQueue(self._run_call)
+        # The last segment failed: every worker left the group until the next regroup.
+        self._broken = False
         # The all-reduce moves the cluster's model_mb, or the real model's gradients when the
         # cluster gave no size and real-gradient mode knows it.
         self._model_bytes: float | None = None
@@ -83,7 +96,38 @@ class SimRuntime(SimWorld):
             self._model_bytes = float(gradients.model_bytes)
 
     # --- Runtime: training --------------------------------------------------------------------
-    def run_segment(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
+    def submit_segment(self, plans: dict[str, SegmentPlan]) -> Call:
+        return self._calls.send(Call(plans=dict(plans)))
+
+    def collect_segment(self, ticket: Call, grace_s: float) -> list[WorkerOutcome]:
+        self._calls.run_through(ticket, grace_s)
+        return ticket.outcomes or []
+
+    def update_segment(self, update: Any, timeout_s: float) -> bool:
+        call = self._calls.queued_segment(update.epoch, update.at_step)
+        if call is None:
+            return False
+        seg = next(iter(call.plans.values()))
+        if not seg.updates or update.at_step == seg.steps[0].step:
+            return False  # its workers claim no step, or have started this one
+        call.plans = updated_plans(call.plans, update)
+        return True
+
+    def _run_call(self, call: Call, grace_s: float) -> None:
+        if call.shards is not None:
+            call.results = self._evaluate(call.shards)
+            return
+        plans = call.plans
+        if self._broken:
+            call.outcomes = [WorkerOutcome(w, lost=LOST) if self._dead(w) else WorkerOutcome(
+                w, result=SegmentResult(worker=w, steps=[], error=PEER_LEFT,
+                                        error_kind="peer", failed_compute_s=0.0))
+                for w in plans]
+            return
+        call.outcomes = self._train(plans, grace_s)
+        self._broken = any(o.failed for o in call.outcomes)
+
+    def _train(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
         self.segment_calls += 1
         names = list(plans)
         first = plans[names[0]]
@@ -238,12 +282,6 @@ class SimRuntime(SimWorld):
                     failed_compute_s=float(compute[i]))))
         return out
 
-    def update_segment(self, update: Any, timeout_s: float) -> bool:
-        """The simulator runs one segment at a time (it sends none ahead), so no segment is
-        in flight when a re-plan is decided and there is nothing to update: refused, and
-        the driver applies the new allocation at the next segment, as it does here anyway."""
-        return False
-
     def regroup(self, generation: int, members: Sequence[str], state: dict[str, Any] | None,
                 timeout_s: float) -> RegroupResult:
         t0 = self.clock.now()
@@ -260,11 +298,25 @@ class SimRuntime(SimWorld):
             return RegroupResult(lost, "; ".join(f"{w}: rendezvous timed out" for w in others)
                                  or None)
         self.clock.advance_to(end)
+        self._broken = False
         if state is not None and self.gradients is not None:
             self.gradients.load_state(state)
         return RegroupResult({})
 
-    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> Call:
+        return self._calls.send(Call(shards=dict(shards)))
+
+    def poll_evaluation(self, ticket: Call, timeout_s: float) -> list[ShardResult]:
+        """Its shards once it ran: it runs now when only evaluations (free) are before it,
+        or when the driver waits (the segments before it run in the wait, as on Ray)."""
+        if not ticket.ran and (timeout_s > 0 or not self._calls.segments_before(ticket)):
+            self._calls.run_through(ticket, 0.0)
+        if not ticket.ran or ticket.delivered:
+            return []
+        ticket.delivered = True
+        return list(ticket.results or [])
+
+    def _evaluate(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
         self._advance(self.clock.now())
         out = []
         for w, (lo, hi) in shards.items():
@@ -276,12 +328,6 @@ class SimRuntime(SimWorld):
                 out.append(ShardResult(w, {"n": float(hi - lo)}))
             else:
                 out.append(ShardResult(w, self.gradients.eval_sums(lo, hi)))
-        return out
-
-    def poll_evaluation(self, ticket: list[ShardResult], timeout_s: float
-                        ) -> list[ShardResult]:
-        out = list(ticket)
-        ticket.clear()
         return out
 
     def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:

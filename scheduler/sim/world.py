@@ -5,7 +5,10 @@ cluster's events and the workers placed on its nodes.
 Cluster events (failures, joins, slowdowns) happen at their simulated time, or when the job
 reaches their (epoch, step). A failure takes nodes by the one rule of every simulator
 (:func:`~dynabatch.scheduler.core.victims.failure_victims`). A worker is up ``start_s``
-after it was spawned (``spawn``/``poll_started``).
+after it was spawned (``spawn``/``poll_started``). A spare (``start_spare``) is warm
+``start_s`` after it was started; a :class:`Spawn` marked ``adopt`` turns it into the worker,
+up as soon as the spare is (its warm-up already paid), as on Ray. A spare whose node fails
+is lost (``lost_spares``).
 :class:`~dynabatch.scheduler.sim.runtime.SimRuntime` adds the training calls.
 """
 
@@ -49,6 +52,7 @@ class SimWorld:
         self._nodes = {n.node_id: n for n in cluster.nodes}
         self._died_at: dict[str, float] = {}
         self._hosted: dict[str, int] = {}  # node id -> workers on it
+        self._spares: dict[str, float] = {}  # node id -> when its spare is warm
         self._timed = sorted((e for e in cluster.spec.events if e.at_s is not None),
                              key=lambda e: e.at_s)
         self._stepped = sorted((e for e in cluster.spec.events if e.epoch is not None),
@@ -124,8 +128,11 @@ class SimWorld:
 
     def spawn(self, spawn: Spawn) -> None:
         node = self._nodes[spawn.node_id]
-        w = _SimWorker(spawn.worker_id, spawn.ordinal, node,
-                       self.clock.now() + self.cluster.spec.recovery.start_s)
+        now = self.clock.now()
+        spare = self._spares.pop(spawn.node_id, None) if spawn.adopt else None
+        # Adopting a spare takes milliseconds on Ray: the worker is up once the spare is.
+        ready = now + self.cluster.spec.recovery.start_s if spare is None else max(now, spare)
+        w = _SimWorker(spawn.worker_id, spawn.ordinal, node, ready)
         self._starting[spawn.worker_id] = w
         self.ordinals[spawn.worker_id] = spawn.ordinal
         self._hosted[node.node_id] = self._hosted.get(node.node_id, 0) + 1
@@ -151,6 +158,21 @@ class SimWorld:
             self.workers[wid] = w
             out.append(Started(wid))
         return out
+
+    # --- Runtime: spares (they reserve nothing, as on Ray) --------------------------------
+    def start_spare(self, node_id: str) -> None:
+        if node_id not in self._spares:
+            self._spares[node_id] = self.clock.now() + self.cluster.spec.recovery.start_s
+
+    def stop_spare(self, node_id: str) -> None:
+        self._spares.pop(node_id, None)
+
+    def lost_spares(self) -> list[tuple[str, str]]:
+        self._advance(self.clock.now())
+        lost = [n for n in self._spares if not self._nodes[n].alive]
+        for n in lost:
+            del self._spares[n]
+        return [(n, "node lost (simulated node failure)") for n in lost]
 
     def _unhost(self, w: _SimWorker) -> None:
         self._hosted[w.node.node_id] = max(0, self._hosted.get(w.node.node_id, 0) - 1)

@@ -52,7 +52,7 @@ from dynabatch.scheduler.core.membership import Membership, NodeAssignment
 from dynabatch.scheduler.core.regime.regime import Regime
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.policy import policy_for
-from dynabatch.scheduler.runtime.seam import Clock, Runtime, spare_capable
+from dynabatch.scheduler.runtime.seam import Clock, Runtime
 from dynabatch.scheduler.sync.artifacts import Artifacts
 from dynabatch.scheduler.sync.checkpoints import Checkpoints
 from dynabatch.scheduler.sync.epochs import Epochs
@@ -264,10 +264,8 @@ class Coordinator(JobControl):
         m = self.job.membership
         for w in list(m.members) + list(m.pending.values()):
             self.runtime.kill(w.worker_id)
-        spares = spare_capable(self.runtime)
         for node in m.drop_spares():
-            if spares is not None:
-                spares.stop_spare(node)
+            self.runtime.stop_spare(node)
 
     # ---------------------------------------------------------------- the loop
     def _step(self) -> bool:

@@ -27,7 +27,6 @@ from dynabatch.scheduler.core.regime.stopping import Judgement, judge, should_st
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
-from dynabatch.scheduler.runtime.seam import plan_updates, sharded_evaluation
 from dynabatch.scheduler.sync.epoch_report import EpochTotals, build_record, summary, with_scores
 from dynabatch.scheduler.sync.evaluation import EvalRound, Evaluations, split
 from dynabatch.scheduler.sync.job import Part
@@ -42,11 +41,7 @@ class Epochs(Part):
     def __init__(self, coord: Coordinator):
         super().__init__(coord)
         # Evaluations run on the holders between segments, collected as they arrive.
-        sharded = sharded_evaluation(self.runtime, EVAL_TIMEOUT_S)
-        self.evals = Evaluations(sharded, self.clock, EVAL_TIMEOUT_S)
-        # An evaluation can be queued behind a segment in flight only by a runtime that
-        # queues it (an adapted one scores at once).
-        self.queues = sharded is self.runtime
+        self.evals = Evaluations(self.runtime, self.clock, EVAL_TIMEOUT_S)
         # Why the job stopped before its last epoch (early_stopping), once it did.
         self.stopped: str | None = None
 
@@ -67,7 +62,7 @@ class Epochs(Part):
                                s.rebalance.check_steps),
             position=job.position,
         )
-        job.protocol.updates = plan_updates(self.runtime) is not None
+        job.protocol.updates = True  # every runtime takes plan updates
         if job.ledger.epoch != job.protocol.epoch:
             job.ledger.begin_epoch(job.protocol.epoch, d.n_train)
         self.log("INFO", f"loaded {d.name}: {d.n_train} train, {d.n_test} test samples "

@@ -129,7 +129,7 @@ class Evaluations:
     """The evaluations in flight, oldest first (epochs end in order, and so do they).
 
     ``runtime`` implements ``submit_evaluation``, ``poll_evaluation`` and
-    ``finish_evaluation`` (see :func:`dynabatch.scheduler.runtime.seam.sharded_evaluation`). Every
+    ``finish_evaluation`` (see :class:`dynabatch.scheduler.runtime.seam.Runtime`). Every
     round has a deadline ``timeout_s`` after it was sent: a shard not in by then is
     counted as failed (not lost: the worker may only be slow)."""
 

@@ -1,19 +1,19 @@
 """The segment pipeline: send segments ahead, commit what the workers report, absorb failures.
 
-No bubbles. One segment is always in flight: the next segment is sent to the workers
-before the current one's results are read (a
-:class:`~dynabatch.scheduler.runtime.seam.PipelinedRuntime` queues it behind the one
-running), so workers go from segment to segment without waiting for the coordinator. A
-re-plan does not stop it: the segment ahead keeps the allocation it was planned under, and
-the new plan takes effect at the step after it (``SyncProtocol.replan(at=)``). Across an
-epoch's end (same global batch, no checkpoint due) the epoch's evaluation is queued first,
-then the next epoch's first segment. If the segment before it failed, the one ahead cannot
-have trained (its workers left the group) and is collected and discarded.
+No bubbles. One segment is always in flight: the next segment is sent to the workers before
+the current one's results are read (every runtime queues it behind the one running:
+:meth:`~dynabatch.scheduler.runtime.seam.Runtime.submit_segment`), so workers go from
+segment to segment without waiting for the coordinator. A re-plan does not stop it: the
+segment ahead keeps the allocation it was planned under, and the new plan takes effect at
+the step after it (``SyncProtocol.replan(at=)``). Across an epoch's end (same global batch,
+no checkpoint due) the epoch's evaluation is queued first, then the next epoch's first
+segment. If the segment before it failed, the one ahead cannot have trained (its workers
+left the group) and is collected and discarded.
 
 When a segment may be sent ahead, where it starts and how its wall time is attributed are
 pure decisions (``dynabatch.scheduler.core.sync.pipeline``); this module executes them.
 
-Plan updates. With a runtime that takes them (``UpdatingRuntime``), a re-plan does not wait
+Plan updates. A re-plan does not wait
 for the segment in flight either: it is adopted from the second step of that segment
 (``update_at``: the workers may have started its first) and posted to the workers
 (``update_segment``), which apply it at their next step boundary, all from that step, or
@@ -25,7 +25,7 @@ the step after the segment (``SyncProtocol.defer``). See
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dynabatch.scheduler.core.failures import Failure, WorkerOutcome, classify
 from dynabatch.scheduler.core.sync import pipeline as decide
@@ -37,24 +37,14 @@ from dynabatch.scheduler.core.sync.update import (
     update_at,
     updated_plans,
 )
-from dynabatch.scheduler.runtime.seam import pipelined, plan_updates
 from dynabatch.scheduler.sync.epoch_report import segment_busy
 from dynabatch.scheduler.sync.evaluation import EvalRound
 from dynabatch.scheduler.sync.job import Ahead, Part
-
-if TYPE_CHECKING:
-    from dynabatch.scheduler.sync.coordinator import Coordinator
-
 
 UPDATE_TIMEOUT_S = 2.0  # posting a plan update: one compare-and-set in the group's store
 
 
 class Pipeline(Part):
-    def __init__(self, coord: Coordinator):
-        super().__init__(coord)
-        self.pipe = pipelined(self.runtime)  # None: the runtime runs one segment at a time
-        self.updater = plan_updates(self.runtime)  # None: segments sent keep their plans
-
     def grace_s(self) -> float:
         return self.spec.collective_timeout_s + 5.0
 
@@ -81,7 +71,7 @@ class Pipeline(Part):
         """The step from which a re-plan decided now can take effect inside the segment in
         flight, by a plan update (None: only after it)."""
         a, p = self.job.ahead, self.job.protocol
-        if self.updater is None or a is None or a.position.epoch != p.epoch:
+        if a is None or a.position.epoch != p.epoch:
             return None
         if not next(iter(a.plans.values())).updates:
             return None  # its workers claim no step (rebalance: epoch): they would not see it
@@ -101,7 +91,7 @@ class Pipeline(Part):
         if why is not None:
             self.log("WARNING", f"plan update from step {at} not sent: {why}")
             return False
-        ok = self.updater.update_segment(update, UPDATE_TIMEOUT_S)
+        ok = self.runtime.update_segment(update, UPDATE_TIMEOUT_S)
         if ok:
             ahead.plans = updated_plans(ahead.plans, update)
             job.plan_updates += 1
@@ -115,7 +105,7 @@ class Pipeline(Part):
             # An assignment's hand-over drains workers at a boundary with nothing in flight.
             requests = bool(c._requests) or self.job.membership.handing_over
         return decide.can_send_ahead(
-            pipelined=self.pipe is not None, cancel_requested=c._cancel is not None,
+            cancel_requested=c._cancel is not None,
             retrying=self.job.budget.retrying, requests_pending=requests,
             regroup_due=self.job.membership.dirty, stamps_fixed=self.job.regime.can_stamp_ahead)
 
@@ -123,7 +113,7 @@ class Pipeline(Part):
         p, s, regime = self.job.protocol, self.spec, self.job.regime
         nxt = p.epoch + 1
         return decide.can_cross_epoch(
-            next_epoch=nxt, epochs=s.epochs, evaluations_queue=self.c.epochs.queues,
+            next_epoch=nxt, epochs=s.epochs,
             goodput=regime.mode == "goodput", next_batch=regime.batch_for(nxt),
             batch=p.global_batch,
             # A judged epoch (early_stopping, keep_best) waits for its evaluation, as a
@@ -148,7 +138,7 @@ class Pipeline(Part):
             # then trains on. Dropped if that segment fails (it is not the final state).
             behind = self.c.epochs.submit_evaluation(p.epoch, list(plans))
         nxt = self.stamp(p.plan_segment(at=plan.position))
-        job.ahead = Ahead(plan.position, nxt, self.pipe.submit_segment(nxt), self.clock.now(),
+        job.ahead = Ahead(plan.position, nxt, self.runtime.submit_segment(nxt), self.clock.now(),
                           behind)
         job.segments_sent_ahead += 1
 
@@ -165,7 +155,7 @@ class Pipeline(Part):
             self.train_segment()
             return
         job.ahead = None
-        outcomes = self.pipe.collect_segment(ahead.ticket, self.grace_s())
+        outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
         trained = [o.worker for o in outcomes if o.result is not None and o.result.steps]
         if trained:  # cannot happen: the group broke at the failure before it
             self.log("ERROR", f"a segment sent ahead trained on {trained} after the one "
@@ -188,13 +178,10 @@ class Pipeline(Part):
                 return True
             t0 = self.clock.now()
             behind, job.next_behind = job.next_behind, None
-            ticket = self.pipe.submit_segment(plans) if self.pipe else None
+            ticket = self.runtime.submit_segment(plans)
         start = p.position
-        if ticket is not None:
-            self.send_ahead(start, plans)
-            outcomes = self.pipe.collect_segment(ticket, self.grace_s())
-        else:
-            outcomes = self.runtime.run_segment(plans, grace_s=self.grace_s())
+        self.send_ahead(start, plans)
+        outcomes = self.runtime.collect_segment(ticket, self.grace_s())
         return self.commit(plans, outcomes, start, t0, behind=behind)
 
     def commit(self, plans: dict, outcomes: list[WorkerOutcome], start: Position, t0: float,
@@ -276,7 +263,7 @@ class Pipeline(Part):
             self.drain(commit=False)
             return
         job.ahead = None
-        outcomes = self.pipe.collect_segment(ahead.ticket, self.grace_s())
+        outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
         if any(o.result is not None and o.result.steps for o in outcomes):
             self.log("INFO", f"committing what the segment ahead trained after step "
                              f"{p.step} of epoch {p.epoch}")

@@ -18,7 +18,6 @@ from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Change
 from dynabatch.scheduler.core.sync.boundary import must_roll_back, wait_for_minimum
 from dynabatch.scheduler.core.sync.phase import Phase
-from dynabatch.scheduler.runtime.seam import spare_capable
 from dynabatch.scheduler.sync.job import Part
 
 # How often nodes are listed (every step boundary at most, and between segments sent
@@ -101,12 +100,10 @@ class Roster(Part):
         nodes = self.runtime.nodes()
         if not nodes and starting:
             self.c.reason = f"waiting for resources: {self.no_node_hint()}"
-        spares = spare_capable(self.runtime)
-        if spares is not None:
-            for node, why in spares.lost_spares():
-                m.spare_lost(node, why)
-                self.log("WARNING", f"the spare worker on node {node[:12]} was lost before "
-                                    f"it was adopted ({why}); that node gets no other spare")
+        for node, why in self.runtime.lost_spares():
+            m.spare_lost(node, why)
+            self.log("WARNING", f"the spare worker on node {node[:12]} was lost before "
+                                f"it was adopted ({why}); that node gets no other spare")
         adopted = False
         for sp in m.spawns(nodes, starting, s.gpus_on):
             job.tracker.add(sp.worker_id, sp.capacity)
@@ -116,12 +113,12 @@ class Roster(Part):
                              + (" (GPU)" if sp.gpus else "")
                              + (" (adopting its spare)" if sp.adopt else ""))
         # Spares once the first workers are up (they would compete with their start-up).
-        if spares is not None and not starting and not self.c.state.is_terminal:
+        if not starting and not self.c.state.is_terminal:
             plan = m.spare_plan(nodes, s.spares)
             for node in plan.stop:
-                spares.stop_spare(node)
+                self.runtime.stop_spare(node)
             for node in plan.start:
-                spares.start_spare(node)
+                self.runtime.start_spare(node)
                 self.log("INFO", f"starting a spare worker on node {node[:12]}")
         if not starting:
             self.note_placement(m.unplaced)

@@ -131,3 +131,32 @@ def test_ps_modes_join_shards_scale_down_and_wait(cluster):
     snap, workers = _finished(coord, _start(coord), 1)
     assert all(w.staleness_max <= 1 for w in workers.values())
     assert snap.ps.deferred > 0
+
+
+def test_a_ps_jobs_trained_model_is_the_servers_final_weights(cluster, tmp_path):
+    """The server's final weights (over two shards: slice 0 and the shard's) go out as the
+    model files in ``artifacts.dir``: ``load_model`` there rebuilds a model that scores on
+    the test set exactly what the server scored its final weights at the last epoch's end."""
+    import torch
+    from dynabatch.actors.export import load_model
+    from dynabatch.actors.ps import ParamStore
+    from dynabatch.actors.workloads.datasets import load_dataset
+
+    spec = _spec(
+        "ps-model", workers=2, epochs=2, dataset={"name": "digits", "limit": 240},
+        emulation={"slowdowns": [8, 8]}, protocol={"name": "ps", "mode": "async", "shards": 2},
+        artifacts={"dir": str(tmp_path / "art")},
+    )
+    coord = PSCoordinator("ps-model", spec)
+    thread = _start(coord)
+    _finished(coord, thread, 2)
+    model = load_model(tmp_path / "art" / "ps-model")
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.nn.utils.parameters_to_vector(params).detach().numpy()
+    ds = load_dataset(spec.dataset, seed=spec.seed)
+    store = ParamStore(spec, tuple(ds.input_shape), ds.num_classes)
+    loss, accuracy = store.evaluate(ds.x_test, ds.y_test, flat)  # as the server evaluates
+    last = coord.history()[-1]
+    assert loss == pytest.approx(last.test_loss, rel=1e-5)
+    assert accuracy == pytest.approx(last.test_accuracy)
+    assert sorted(coord.model_files()) == ["manifest.json", "model.safetensors"]

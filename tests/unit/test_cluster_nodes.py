@@ -76,3 +76,15 @@ def test_a_gang_no_node_set_can_hold_is_refused():
     # "tag" is on one of the two cpu1/cpu2 types' nodes: a, type cpu1, all tagged.
     assert gang_error(nodes, 2, "tag") is not None
     assert gang_error(nodes, 1, "tag") is None
+
+
+def test_nodes_with_a_custom_resource_are_a_type_of_their_own():
+    """The head node has as many CPUs as the tagged nodes: a job limited to the tag may
+    still use all three (their derived type is not the head's)."""
+    nodes = [
+        RayNode("head", {"CPU": 1, "node:__internal_head__": 1, "memory": 1e9}),
+        *(RayNode(f"t{i}", {"CPU": 1, "tag": 1, "node:10.0.0.1": 1}) for i in range(3)),
+    ]
+    assert [node_type(n) for n in nodes] == ["cpu1", "cpu1+tag", "cpu1+tag", "cpu1+tag"]
+    assert eligible_types(nodes, "tag") == frozenset({"cpu1+tag"})
+    assert gang_error(nodes, 3, "tag") is None

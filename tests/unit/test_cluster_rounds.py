@@ -63,7 +63,14 @@ def _events(draw):
         if kind == "register":
             lo = draw(st.integers(1, 3))
             events.append(
-                Registered(jid, lo, lo + draw(st.integers(0, 3)), draw(st.integers(0, 2)), now)
+                Registered(
+                    jid,
+                    lo,
+                    lo + draw(st.integers(0, 3)),
+                    draw(st.integers(0, 2)),
+                    now,
+                    worker_slots=draw(st.sampled_from([1, 1, 2])),
+                )
             )
         elif kind == "tick":
             now += draw(st.sampled_from([0.0, 1.0, 5.0, HOLD, 3 * HOLD]))
@@ -118,13 +125,14 @@ def test_random_runs_keep_capacity_gangs_and_holds(policy, events):
                 # Within the hold only a lost node (or the job's own new bounds) moves it.
                 if entry.last_resize_s is not None and event.now - entry.last_resize_s < HOLD:
                     assert lost or outside, (entry, c)
-        # What the started jobs hold after the round fits every node.
+        # What the started jobs hold after the round fits every node (in slots: a worker of
+        # a job of worker_slots 2 takes two).
         used: dict[str, int] = {}
         for j in state.jobs:
             if j.started:
                 for node, k in j.allocation:
                     if node in cap:
-                        used[node] = used.get(node, 0) + k
+                        used[node] = used.get(node, 0) + k * j.worker_slots
         assert all(used[n] <= cap[n] for n in used), (used, cap)
         # Started jobs are never queued; their allocation is what the commands said.
         assert not [j for j in state.view.jobs if j.queued and state.job(j.job_id).started]

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from dynabatch.actors.contracts import SegmentPlan, StepPlan
+from dynabatch.actors.group import ProcessGroup
 from dynabatch.actors.reducer import CollectivePlan, GradientReducer, group_plan
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.worker import Worker
@@ -57,26 +58,41 @@ def _segment(start: int, size: int) -> SegmentPlan:
     return SegmentPlan(0, 0, N, (StepPlan(0, 0, B, start, size),))
 
 
-def _member(rank: int, rv, staged: bool, kw: dict, out: mp.Queue) -> None:
-    """One member of the mixed group (a child process): one step of its share, then its
-    all-reduced gradient (or its error) goes to ``out``."""
+# The plans the mixed group is checked under: bucketed with DDP's bucket sizes, flat, and
+# bucketed with small buckets.
+KWS = ({}, {"allreduce": "flat"}, {"bucket_kb": 256})
+
+
+def _member(rank: int, rv, more: tuple, staged: bool, out: mp.Queue) -> None:
+    """One member of the mixed group (a child process): one step of its share under each of
+    :data:`KWS`, each in its own group (``rv``, then ``more``); the all-reduced gradients (or
+    the first error) go to ``out``, one report for all of them."""
     from dynabatch.actors import reducer
 
     if staged:  # the path a CUDA worker takes in a gloo group, forced on the CPU
         reducer.stages_through_host = lambda _device, _backend: True
+    got = []
     try:
-        w = _worker(rank, **kw)
-        w.join(rv, rank)
-        res = w.run_segment(_segment(sum(SHARES[:rank]), SHARES[rank]))
-        w.leave()
-        grad = w.reducer.flat[: w.reducer.n_params].numpy().copy()
-        out.put((rank, res.error, grad, w.reducer.n_buckets))
+        for group, kw in zip((rv, *more), KWS, strict=True):
+            w = _worker(rank, **kw)
+            w.join(group, rank)
+            res = w.run_segment(_segment(sum(SHARES[:rank]), SHARES[rank]))
+            w.leave()
+            grad = w.reducer.flat[: w.reducer.n_params].numpy().copy()
+            got.append((res.error, grad, w.reducer.n_buckets))
+        out.put((rank, got))
     except Exception as err:  # reported, so the parent fails with it instead of waiting
-        out.put((rank, f"{type(err).__name__}: {err}", None, None))
+        out.put((rank, [(f"{type(err).__name__}: {err}", None, None)]))
 
 
-def _mixed_group(**kw) -> dict[int, tuple]:
-    return run_members(_member, len(SHARES), lambda r: (r == 0, kw), timeout_s=TIMEOUT_S)
+def _mixed_groups() -> dict[int, list[tuple]]:
+    """Each rank's reports under every plan of :data:`KWS`, from one set of member
+    processes: spawning and importing torch in three processes is most of such a test's
+    time, so the plans share them (one group per plan, each with its own store)."""
+    stores = [ProcessGroup(TIMEOUT_S) for _ in KWS[1:]]  # held: they serve the groups
+    more = tuple(g.open_store(1, len(SHARES), "gloo", host="127.0.0.1") for g in stores)
+    got = run_members(_member, len(SHARES), lambda r: (more, r == 0), timeout_s=TIMEOUT_S)
+    return {rank: reports for rank, (reports,) in got.items()}
 
 
 def _reference(**kw) -> np.ndarray:
@@ -91,18 +107,20 @@ def _reference(**kw) -> np.ndarray:
     return w.reducer.flat[: w.reducer.n_params].numpy().copy()
 
 
-@pytest.mark.parametrize("kw", [{}, {"allreduce": "flat"}, {"bucket_kb": 256}])
-def test_a_staged_member_and_cpu_members_reduce_the_global_batchs_gradient(kw):
-    got = _mixed_group(**kw)
+def test_a_staged_member_and_cpu_members_reduce_the_global_batchs_gradient():
+    got = _mixed_groups()
     assert sorted(got) == [0, 1, 2], f"members that answered: {sorted(got)}"
-    errors = {r: e for r, (e, *_rest) in got.items() if e}
+    errors = {r: e for r, reports in got.items() for e, *_rest in reports if e}
     assert not errors, errors
-    ref = _reference(**kw)
-    buckets = {r: n for r, (_e, _g, n) in got.items()}
-    if kw.get("allreduce") != "flat":
-        assert set(buckets.values()) != {1}, "the model must span several buckets"
-    for rank, (_e, grad, _n) in got.items():
-        np.testing.assert_allclose(grad, ref, rtol=0, atol=1e-6, err_msg=f"rank {rank}")
+    for i, kw in enumerate(KWS):
+        ref = _reference(**kw)
+        buckets = {r: reports[i][2] for r, reports in got.items()}
+        if kw.get("allreduce") != "flat":
+            assert set(buckets.values()) != {1}, f"{kw}: the model must span several buckets"
+        for rank, reports in got.items():
+            np.testing.assert_allclose(
+                reports[i][1], ref, rtol=0, atol=1e-6, err_msg=f"{kw}, rank {rank}"
+            )
 
 
 # --- the plan itself --------------------------------------------------------------------

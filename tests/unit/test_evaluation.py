@@ -16,7 +16,7 @@ import torch
 from dynabatch.actors.spec import parse_spec
 from dynabatch.actors.worker import Worker
 from dynabatch.actors.workloads.objective import objective_for
-from dynabatch.scheduler.runtime.seam import ShardResult, WholeSetEvaluation, WorkerCallError
+from dynabatch.scheduler.runtime.seam import ShardResult
 from dynabatch.scheduler.sync.evaluation import EvalRound, Evaluations, combine, split
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -239,24 +239,10 @@ def test_a_round_sent_ahead_of_a_failed_segment_is_dropped():
     assert empty.done and not empty.complete and empty.sums() is None
 
 
-def test_the_whole_set_adapter_scores_on_the_first_worker_that_answers():
-    class _Old:
-        def evaluate(self, worker, timeout_s):
-            if worker == "a":
-                raise WorkerCallError("a", "gone", lost=True)
-            return {"loss": 0.5, "accuracy": 0.75}
-
-    ad = WholeSetEvaluation(_Old(), 5.0)
-    rnd = EvalRound(0, {"a": (0, 4), "b": (4, 7), "c": (7, 10)}, None, 0.0, 10.0)
-    rnd.ticket = ad.submit_evaluation(rnd.shards)
-    for res in ad.poll_evaluation(rnd.ticket, 0.0):
-        rnd.results[res.worker] = res
-    assert rnd.failures["a"].lost and rnd.complete
-    assert ad.finish_evaluation(rnd.sums()) == pytest.approx({"loss": 0.5, "accuracy": 0.75})
-
-
 def test_every_runtime_implements_the_runtime_protocol():
-    """The coordinator drives Ray, the simulator and the fakes through one protocol."""
+    """The coordinator drives Ray, the simulator and the fakes through one protocol, with no
+    optional part: every runtime sends ahead, takes plan updates, keeps spares and
+    evaluates in shards."""
     from dynabatch.scheduler.runtime.ray_runtime import RayRuntime
     from dynabatch.scheduler.runtime.seam import Runtime
     from dynabatch.scheduler.sim.runtime import SimRuntime
@@ -264,7 +250,9 @@ def test_every_runtime_implements_the_runtime_protocol():
     from tests.fakes import FakeRuntime
 
     methods = {n for n, v in vars(Runtime).items() if callable(v) and not n.startswith("_")}
-    assert {"submit_evaluation", "poll_evaluation", "finish_evaluation"} <= methods
+    assert {"submit_evaluation", "poll_evaluation", "finish_evaluation", "submit_segment",
+            "collect_segment", "update_segment", "start_spare", "stop_spare",
+            "lost_spares"} <= methods
     for cls in (RayRuntime, SimRuntime, FakeRuntime):
         missing = {n for n in methods if not callable(getattr(cls, n, None))}
         assert not missing, (cls.__name__, missing)

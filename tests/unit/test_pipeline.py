@@ -430,22 +430,3 @@ def test_any_fault_schedule_with_segments_ahead_trains_every_sample_once(
     for r in coord.history():  # scores, when there are any, are the epoch's own
         if r.test_accuracy is not None:
             assert r.test_accuracy == pytest.approx(min(1.0, (r.epoch + 1) * SPE / 100))
-
-
-def test_runtimes_without_sharded_evaluation_still_evaluate():
-    """A runtime that only scores the whole set on one worker (``evaluate``) is adapted."""
-
-    class _WholeSet(FakeRuntime):
-        submit_evaluation = poll_evaluation = finish_evaluation = None
-
-        def evaluate(self, worker, timeout_s):
-            return {"loss": 2.0, "accuracy": len(self.workers[worker].lineage) / 100}
-
-    spec = _pspec(epochs=2)
-    rt = _WholeSet(spec, n_train=1000, speeds={0: 1000, 1: 500, 2: 250})
-    from dynabatch.scheduler.sync.coordinator import Coordinator
-
-    coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
-    assert coord.run().state == JobState.SUCCEEDED
-    assert [r.test_accuracy for r in coord.history()] == pytest.approx([0.16, 0.32])
-    assert [r.test_loss for r in coord.history()] == pytest.approx([2.0, 2.0])

@@ -161,24 +161,6 @@ def test_segments_of_rebalance_epoch_are_never_updated():
     assert not any(next(iter(p.values())).updates for p in rt.plans)
 
 
-def test_a_runtime_without_updates_replans_after_the_segment_ahead():
-    class _NoUpdates(type(_coord(_spec())[1])):
-        update_segment = None
-
-    spec = _spec(rebalance={"mode": "adaptive", "check_steps": 4}, policy="dbs")
-    from dynabatch.scheduler.sync.coordinator import Coordinator
-
-    from tests.unit.test_engine_faults import N
-
-    rt = _NoUpdates(spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250})
-    coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
-    coord.run()
-    _assert_exactly_once(coord, rt)
-    assert not rt.updates and coord.job.plan_updates == 0
-    assert not any(next(iter(p.values())).updates for p in rt.plans)
-
-
-# ------------------------------------------------------------------ the worker and the store
 def test_the_store_decides_once_per_step_between_the_driver_and_the_workers():
     """A worker claims each step's key before starting it: an update posted first is found
     (and applied), one posted after is refused; the real RayRuntime posts it."""

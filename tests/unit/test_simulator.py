@@ -25,7 +25,7 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.failures import WorkerOutcome
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import NodeInfo
-from dynabatch.scheduler.runtime.seam import DataInfo, RegroupResult, Started
+from dynabatch.scheduler.runtime.seam import DataInfo, RegroupResult, ShardResult, Started
 from dynabatch.scheduler.sim.cluster_spec import MB, ClusterError, parse_cluster
 from dynabatch.scheduler.sim.cost_model import (
     SimulatedCluster,
@@ -97,7 +97,31 @@ class _ReplayRuntime:
     def kill(self, worker):
         pass
 
-    def run_segment(self, plans, grace_s):
+    def start_spare(self, node_id):
+        pass
+
+    def stop_spare(self, node_id):
+        pass
+
+    def lost_spares(self):
+        return []
+
+    def submit_segment(self, plans):
+        self._queued = dict(plans)
+        return self._queued
+
+    def update_segment(self, update, timeout_s):
+        """As workers do: the segment sent ahead started its first step when the one
+        before it ended; a later step of it takes the update."""
+        from dynabatch.scheduler.core.sync.update import updated_plans
+
+        seg = next(iter(self._queued.values()))
+        if not seg.updates or update.at_step == seg.steps[0].step:
+            return False
+        self._queued.update(updated_plans(self._queued, update))
+        return True
+
+    def collect_segment(self, plans, grace_s):
         names = list(plans)
         steps = {w: [] for w in names}
         for j in range(len(plans[names[0]].steps)):
@@ -121,8 +145,16 @@ class _ReplayRuntime:
     def regroup(self, generation, members, state, timeout_s):
         return RegroupResult({})
 
-    def evaluate(self, worker, timeout_s):
-        return {"loss": 0.0, "accuracy": 0.0}
+    def submit_evaluation(self, shards):
+        return [ShardResult(w, {"n": float(hi - lo)}) for w, (lo, hi) in shards.items()]
+
+    def poll_evaluation(self, ticket, timeout_s):
+        out = list(ticket)
+        ticket.clear()
+        return out
+
+    def finish_evaluation(self, sums):
+        return {}
 
     def fetch_state(self, worker, timeout_s):
         return {}

@@ -27,27 +27,25 @@ times = st.floats(0, 1e6, allow_nan=False)
 
 
 # ------------------------------------------------------------------ the pipeline
-@given(st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(),
-       st.booleans())
+@given(st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans())
 def test_a_segment_is_sent_ahead_only_with_nothing_to_do_at_rest(
-        pipelined, cancel, retrying, requests, regroup, fixed):
-    ok = can_send_ahead(pipelined=pipelined, cancel_requested=cancel, retrying=retrying,
+        cancel, retrying, requests, regroup, fixed):
+    ok = can_send_ahead(cancel_requested=cancel, retrying=retrying,
                         requests_pending=requests, regroup_due=regroup, stamps_fixed=fixed)
-    # Whatever needs the group at rest (or a runtime that cannot queue) stops it.
-    assert ok == (pipelined and fixed and not (cancel or retrying or requests or regroup))
+    # Whatever needs the group at rest stops it.
+    assert ok == (fixed and not (cancel or retrying or requests or regroup))
 
 
-@given(st.integers(0, 20), st.integers(1, 20), st.booleans(), st.booleans(),
+@given(st.integers(0, 20), st.integers(1, 20), st.booleans(),
        st.integers(1, 4), st.integers(1, 4), st.booleans())
 def test_an_epoch_is_crossed_only_at_the_same_batch_with_no_checkpoint_between(
-        nxt, epochs, queue, goodput, next_batch, batch, due):
-    ok = can_cross_epoch(next_epoch=nxt, epochs=epochs, evaluations_queue=queue,
-                         goodput=goodput, next_batch=next_batch, batch=batch,
-                         checkpoint_due=due)
+        nxt, epochs, goodput, next_batch, batch, due):
+    ok = can_cross_epoch(next_epoch=nxt, epochs=epochs, goodput=goodput,
+                         next_batch=next_batch, batch=batch, checkpoint_due=due)
     if ok:
-        assert nxt < epochs and queue and not goodput and next_batch == batch and not due
+        assert nxt < epochs and not goodput and next_batch == batch and not due
     else:
-        assert nxt >= epochs or not queue or goodput or next_batch != batch or due
+        assert nxt >= epochs or goodput or next_batch != batch or due
 
 
 @given(st.integers(0, 50), st.integers(0, 99), st.integers(1, 10), st.integers(1, 100))

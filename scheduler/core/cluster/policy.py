@@ -84,17 +84,19 @@ def decide(
 ) -> ClusterDecision:
     """The allocation of every job, the queue, and a reason for each job.
 
-    A job whose workers take several slots may find its count not placed whole on the
-    nodes (the free slots split over nodes, :mod:`.assign`): if that leaves it below its
-    ``min_workers``, the round is decided again with it queued, so gangs stay whole."""
+    A job whose workers take several slots may find its count on a type not placed whole
+    on the nodes (the free slots split over nodes beside other jobs, :mod:`.assign`): the
+    round is then decided again with its workers on that type capped at what was placed,
+    until every count is placed as decided (each pass lowers a cap, so this ends); a gang
+    the caps leave no room for waits whole."""
     knobs = knobs or ClusterKnobs()
     _check_unique(nodes, jobs)
-    blocked: dict[str, str] = {}
+    caps: dict[tuple[str, str], int] = {}
     while True:
-        decision, split = _decide(nodes, jobs, now, knobs, blocked)
-        if split is None:
+        decision, short = _decide(nodes, jobs, now, knobs, caps)
+        if not short:
             return decision
-        blocked[split] = SPLIT
+        caps.update(short)
 
 
 SPLIT = "its workers do not fit whole in the free slots of its nodes"
@@ -105,10 +107,11 @@ def _decide(
     jobs: Sequence[ClusterJob],
     now: float,
     knobs: ClusterKnobs,
-    blocked: dict[str, str],
-) -> tuple[ClusterDecision, str | None]:
-    """One decision with the ``blocked`` jobs queued (job → why); or the first job whose
-    placement fell below its minimum (then the decision is not used)."""
+    caps: dict[tuple[str, str], int],
+) -> tuple[ClusterDecision, dict[tuple[str, str], int]]:
+    """One decision with each (job, type) in ``caps`` held to that many workers; and the
+    (job, type) counts that could not be placed whole, with what was (when there are any,
+    the decision is not used)."""
     node_map = {n.node_id: n for n in nodes}
     types = sorted({n.node_type for n in nodes})
     tix = {t: i for i, t in enumerate(types)}
@@ -147,7 +150,6 @@ def _decide(
     if knobs.policy == "fifo":
         # Running jobs keep what they hold (lost slots aside): nothing is ever taken back.
         held = {j.job_id for j in ordered if job_fits(j, current[j.job_id])}
-    held -= set(blocked)
     held_counts = {j: type_counts(current[j]) for j in held}
     free = cap - sum((held_counts[j] * size[j] for j in held), np.zeros(len(types), dtype=np.int64))
     # Free slots per node after the held jobs, and the workers each job fits whole there.
@@ -156,11 +158,15 @@ def _decide(
         if j.job_id in held:
             for node_id, k in current[j.job_id].items():
                 node_free[node_id] -= k * j.size_on(node_map[node_id])
-    room = _whole(nodes, tix, node_free, size, sized)
+    room = _whole(nodes, tix, node_free, size, sized or bool(caps))
+    for (jid, t), most in caps.items():
+        if jid in room and t in tix:
+            room[jid][tix[t]] = min(room[jid][tix[t]], most)
+    capped = {jid for jid, _ in caps}
     full = _whole(nodes, tix, {n.node_id: n.capacity for n in nodes}, size, sized)
 
     admitted: list[ClusterJob] = []
-    queued: dict[str, str] = dict(blocked)  # job → why (without its position)
+    queued: dict[str, str] = {}  # job → why (without its position)
     counts: dict[str, np.ndarray] = {}
     eligible_cap = {j: int(full[j][rates[j] > 0].sum()) for j in rates}
     if knobs.policy == "fifo":
@@ -168,9 +174,7 @@ def _decide(
         left = free.copy()
         for job in ordered:
             jid = job.job_id
-            if jid in blocked and head is None:
-                head = jid  # queued where it stands: nobody passes it
-            if jid in held or jid in blocked:
+            if jid in held:
                 continue
             usable = rates[jid] > 0
             fit = np.minimum(left // size[jid], room[jid])
@@ -186,6 +190,8 @@ def _decide(
             elif head is None:
                 head = jid
                 queued[jid] = _not_free(job, eligible_cap[jid], int(fit[usable].sum()))
+                if jid in capped:
+                    queued[jid] = SPLIT
             else:
                 queued[jid] = f"waits for job {head} at the head of the queue"
     else:
@@ -194,7 +200,7 @@ def _decide(
         left = free.copy()
         for job in ordered:
             jid = job.job_id
-            if jid in held or jid in blocked:
+            if jid in held:
                 continue
             usable = rates[jid] > 0
             if knobs.policy == "single_type":
@@ -221,6 +227,8 @@ def _decide(
             why = _not_free(
                 job, eligible_cap[jid], max(space, 0), one_type=knobs.policy == "single_type"
             )
+            if jid in capped:
+                why = SPLIT
             if current[jid]:
                 why = f"preempted by higher-priority jobs; {why}"
             queued[jid] = why
@@ -235,7 +243,7 @@ def _decide(
                 running=np.array([bool(current[j.job_id]) for j in admitted]),
                 free=free,
                 size=np.array([size[j.job_id] for j in admitted]) if sized else None,
-                room=np.array([room[j.job_id] for j in admitted]) if sized else None,
+                room=np.array([room[j.job_id] for j in admitted]) if sized or caps else None,
             )
             x = solve(problem, knobs.policy, knobs)
             counts.update({j.job_id: x[i] for i, j in enumerate(admitted)})
@@ -252,12 +260,15 @@ def _decide(
     )
     for jid in held:
         slots[jid] = dict(current[jid])  # exactly what it holds, not a re-placement
+    short: dict[tuple[str, str], int] = {}
     for jid in run_order:
-        placed = sum(slots[jid].values())
-        if jid not in held and placed < int(counts[jid].sum()):
-            if placed < by_id[jid].min_workers:
-                return ClusterDecision(knobs.policy, (), ()), jid
-            counts[jid] = type_counts(slots[jid])
+        if jid in held:
+            continue
+        placed = type_counts(slots[jid])
+        for t in np.flatnonzero(placed < counts[jid]):
+            short[(jid, types[t])] = int(placed[t])
+    if short:
+        return ClusterDecision(knobs.policy, (), ()), short
 
     queue = sorted(
         (j for j in ordered if j.job_id in queued),
@@ -296,7 +307,7 @@ def _decide(
             )
         )
     decision = ClusterDecision(knobs.policy, tuple(plans), tuple(j.job_id for j in queue))
-    return decision, None
+    return decision, {}
 
 
 def _whole(

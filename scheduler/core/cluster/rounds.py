@@ -3,8 +3,9 @@
 No Ray, no clock. The scheduler actor (``dynabatch.scheduler.runtime.cluster``) feeds it
 events and executes the commands it returns:
 
-* events: a job registered (its bounds, priority, submit time), finished or gone, its
-  bounds changed, its telemetry (a :class:`ThroughputModel`), the nodes seen now (a node
+* events: a job registered (its bounds, priority, submit time, slots per worker), finished
+  or gone, its bounds changed, its telemetry (a :class:`ThroughputModel`, merged into what
+  it measured before), the nodes seen now (a node
   that joined or was lost is a change of that set), a start that failed, and a
   :class:`Tick` at ``now``, the only event that decides;
 * commands: :class:`Start` (launch a queued job's driver on these nodes) and

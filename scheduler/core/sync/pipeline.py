@@ -16,28 +16,27 @@ from dataclasses import dataclass
 from dynabatch.scheduler.core.sync.protocol import Position
 
 
-def can_send_ahead(*, pipelined: bool, cancel_requested: bool, retrying: bool,
-                   requests_pending: bool, regroup_due: bool, stamps_fixed: bool) -> bool:
+def can_send_ahead(*, cancel_requested: bool, retrying: bool, requests_pending: bool,
+                   regroup_due: bool, stamps_fixed: bool) -> bool:
     """Whether the segment after the one just sent may be sent before its results are read.
 
-    Not when the runtime cannot queue it (``pipelined``), nor when the next boundary needs
-    the group at rest: a cancellation, a scale or drain request, a regroup (a worker joined
-    or was lost), or the retry after a failure (``retrying``: it runs alone, so a second
-    failure costs one segment, not two). Not either when the next segment's stamps depend
-    on this one's losses (``stamps_fixed`` false: ISGD's chart)."""
-    return (pipelined and not cancel_requested and not retrying and not requests_pending
+    Not when the next boundary needs the group at rest: a cancellation, a scale or drain
+    request, a regroup (a worker joined or was lost), or the retry after a failure
+    (``retrying``: it runs alone, so a second failure costs one segment, not two). Not
+    either when the next segment's stamps depend on this one's losses (``stamps_fixed``
+    false: ISGD's chart)."""
+    return (not cancel_requested and not retrying and not requests_pending
             and not regroup_due and stamps_fixed)
 
 
-def can_cross_epoch(*, next_epoch: int, epochs: int, evaluations_queue: bool, goodput: bool,
-                    next_batch: int, batch: int, checkpoint_due: bool) -> bool:
+def can_cross_epoch(*, next_epoch: int, epochs: int, goodput: bool, next_batch: int,
+                    batch: int, checkpoint_due: bool) -> bool:
     """Whether the next epoch's first segment can be sent before this epoch ends: there is
-    a next epoch, it trains at the same global batch under the allocation carried over,
-    the runtime queues the epoch's evaluation in front of it (``evaluations_queue``), and
-    no checkpoint (which reads the state with nothing in flight) is due in between. Goodput
-    mode decides the next batch and its LR gain from the epoch's end, so it never does."""
-    return (next_epoch < epochs and evaluations_queue and not goodput
-            and next_batch == batch and not checkpoint_due)
+    a next epoch, it trains at the same global batch under the allocation carried over
+    (the epoch's evaluation is queued in front of it), and no checkpoint (which reads the
+    state with nothing in flight) is due in between. Goodput mode decides the next batch
+    and its LR gain from the epoch's end, so it never does."""
+    return next_epoch < epochs and not goodput and next_batch == batch and not checkpoint_due
 
 
 @dataclass(frozen=True, slots=True)

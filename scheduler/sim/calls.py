@@ -1,0 +1,73 @@
+"""The simulated workers' call queue: segments and evaluations run in the order they were sent,
+as each Ray actor runs its calls, and only when the driver needs their results.
+
+A segment sent ahead (``submit_segment``) waits here while the driver reads the one before
+it; it runs when it is collected (or when an evaluation behind it is waited for), starting
+on the virtual clock where the previous call ended: no bubble between segments, as on Ray.
+Until then it can take a plan update (:meth:`CallQueue.queued_segment`). Pure: no clock of
+its own; :class:`~dynabatch.scheduler.sim.runtime.SimRuntime` runs the calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dynabatch.actors.contracts import SegmentPlan
+from dynabatch.scheduler.core.failures import WorkerOutcome
+from dynabatch.scheduler.runtime.seam import ShardResult
+
+
+@dataclass(eq=False)
+class Call:
+    """One call sent to the workers: a segment (``plans``) or an evaluation (``shards``);
+    its answer (``outcomes`` or ``results``) once it ran. Also the call's ticket."""
+
+    plans: dict[str, SegmentPlan] | None = None
+    shards: dict[str, tuple[int, int]] | None = None
+    outcomes: list[WorkerOutcome] | None = None
+    results: list[ShardResult] | None = None
+    delivered: bool = False  # an evaluation's results were handed out (each once)
+
+    @property
+    def ran(self) -> bool:
+        return self.outcomes is not None or self.results is not None
+
+
+class CallQueue:
+    """Calls sent and not yet run, oldest first. ``run(call, grace_s)`` runs one and fills
+    in its answer."""
+
+    def __init__(self, run: Callable[[Call, float], None]):
+        self._run = run
+        self.pending: list[Call] = []
+
+    def send(self, call: Call) -> Call:
+        self.pending.append(call)
+        return call
+
+    def run_through(self, call: Call, grace_s: float) -> None:
+        """Run every call sent before ``call``, in order, then ``call`` (if not run yet)."""
+        while call in self.pending:
+            item = self.pending.pop(0)
+            if not item.ran:
+                self._run(item, grace_s)
+
+    def segments_before(self, call: Call) -> bool:
+        """Whether a segment that has not run is queued before ``call``."""
+        for item in self.pending:
+            if item is call:
+                return False
+            if item.plans is not None:
+                return True
+        return False
+
+    def queued_segment(self, epoch: int, step: int) -> Call | None:
+        """The segment queued (not run) that holds ``step`` of ``epoch``."""
+        for item in self.pending:
+            if item.plans is None:
+                continue
+            seg = next(iter(item.plans.values()))
+            if seg.epoch == epoch and any(sp.step == step for sp in seg.steps):
+                return item
+        return None

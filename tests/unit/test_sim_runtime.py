@@ -1,0 +1,118 @@
+"""The simulator's runtime does what Ray's does, on its virtual clock: the driver has one code
+path for every runtime (no capability flags), so a simulated job sends segments ahead,
+updates the plan of a segment in flight, adopts pre-warmed spares and evaluates in shards
+behind the segment it follows.
+"""
+
+from __future__ import annotations
+
+from dynabatch.actors.contracts import SegmentPlan, StepPlan
+from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.membership import Spawn
+from dynabatch.scheduler.core.sync.update import PlanUpdate
+from dynabatch.scheduler.runtime.seam import DataInfo
+from dynabatch.scheduler.sim.cluster_spec import parse_cluster
+from dynabatch.scheduler.sim.cost_model import SimulatedCluster
+from dynabatch.scheduler.sim.runtime import SimRuntime
+from dynabatch.scheduler.sim.simulator import simulate
+from dynabatch.scheduler.sim.timeline import SimClock
+
+
+def _spec(**kw) -> JobSpec:
+    base = dict(workers="auto", global_batch=64, epochs=4, policy="dbs",
+                rebalance={"mode": "adaptive", "check_steps": 2}, collective_timeout_s=5,
+                worker_wait_timeout_s=30)
+    base.update(kw)
+    return JobSpec.model_validate(base)
+
+
+def _cluster(count: int = 2, **kw):
+    base = {"classes": [{"name": "n", "count": count, "a_ms": 2, "c_ms_per_sample": 0.2}],
+            "recovery": {"start_s": 3.0, "detect_s": 0.2, "regroup_s": 0.1}}
+    base.update(kw)
+    return parse_cluster(base)
+
+
+def test_a_simulated_node_slowing_down_is_rebalanced_inside_the_segment_in_flight():
+    """As on Ray: segments go out ahead, and the re-plan after the slowdown reaches the
+    workers as a plan update to the segment already sent, not one segment later."""
+    cluster = _cluster(events=[{"epoch": 1, "step": 4,
+                                "slowdown": {"class": "n", "index": 0, "factor": 4}}])
+    jobs = []
+    r = simulate(_spec(), cluster, dataset_size=64 * 16, coordinator_hook=jobs.append)
+    assert r.snapshot.state == JobState.SUCCEEDED, r.snapshot.reason
+    job = jobs[0].job
+    assert job.segments_sent_ahead > 0
+    assert job.plan_updates > 0
+    assert all(h.verified and h.samples_trained == 64 * 16 for h in r.history)
+    # The slowed worker (index 0 of the class) ends with the smaller share.
+    last = sorted(r.history[-1].workers, key=lambda w: w.node)
+    assert last[0].batch < last[1].batch
+
+
+def _runtime(count: int = 2) -> SimRuntime:
+    spec = _spec(workers=count)
+    cluster = SimulatedCluster(_cluster(count))
+    rt = SimRuntime(spec, cluster, clock=SimClock(0.0), data=DataInfo("sim", 64 * 8, 16))
+    for i, n in enumerate(cluster.nodes):
+        rt.spawn(Spawn(f"w{i}", i, n.node_id, 1.0, 0.0))
+    while len(rt.workers) < count:
+        rt.poll_started(10.0)
+    assert rt.regroup(1, list(rt.workers), None, 5.0).ok
+    return rt
+
+
+def _segment(first: int, n: int, shares: tuple[int, int]) -> dict[str, SegmentPlan]:
+    plans = {}
+    for i, w in enumerate(("w0", "w1")):
+        lo = sum(shares[:i])
+        steps = tuple(StepPlan(s, s * 64, 64, s * 64 + lo, shares[i])
+                      for s in range(first, first + n))
+        plans[w] = SegmentPlan(0, 0, 64 * 8, steps, updates=True)
+    return plans
+
+
+def test_a_segment_sent_ahead_starts_where_the_last_ended_and_takes_updates_after_its_first_step():
+    rt = _runtime()
+    one = rt.submit_segment(_segment(0, 2, (32, 32)))
+    two = rt.submit_segment(_segment(2, 2, (32, 32)))
+    rt.collect_segment(one, 5.0)
+    t_one = rt.clock.now()
+    # Its first step started when the one before ended: too late to change it.
+    refused = PlanUpdate(0, 2, {"w0": _segment(2, 2, (48, 16))["w0"].steps,
+                                "w1": _segment(2, 2, (48, 16))["w1"].steps})
+    assert not rt.update_segment(refused, 2.0)
+    new = _segment(3, 1, (48, 16))
+    assert rt.update_segment(PlanUpdate(0, 3, {w: p.steps for w, p in new.items()}), 2.0)
+    out = {o.worker: o.result for o in rt.collect_segment(two, 5.0)}
+    assert [s.batch for s in out["w0"].steps] == [32, 48]
+    assert [s.batch for s in out["w1"].steps] == [32, 16]
+    # No bubble: the second segment's steps took all the time since the first one ended.
+    took = sum(s.compute_s + s.wait_s for s in out["w0"].steps)
+    assert abs((rt.clock.now() - t_one) - took) < 1e-9
+
+
+def test_an_evaluation_sent_behind_a_segment_waits_for_it():
+    rt = _runtime()
+    seg = rt.submit_segment(_segment(0, 2, (32, 32)))
+    ev = rt.submit_evaluation({"w0": (0, 8), "w1": (8, 16)})
+    assert rt.poll_evaluation(ev, 0.0) == []  # the segment before it is still running
+    assert rt.segment_calls == 0
+    rt.collect_segment(seg, 5.0)
+    shards = rt.poll_evaluation(ev, 0.0)
+    assert sorted((s.worker, s.sums["n"]) for s in shards) == [("w0", 8.0), ("w1", 8.0)]
+    assert rt.poll_evaluation(ev, 0.0) == []  # each shard is handed out once
+
+
+def test_a_simulated_lost_worker_is_replaced_by_adopting_the_warm_spare():
+    """A fresh worker takes ``start_s`` (3 s) to come up; the spare on the idle node paid
+    that ahead, so the worker that adopts it is back in training well under it."""
+    cluster = _cluster(3, events=[{"epoch": 2, "step": 2,
+                                   "fail": {"class": "n", "index": 0}}])
+    spec = _spec(workers=2, max_workers=2, min_workers=1, spares=1, epochs=5)
+    r = simulate(spec, cluster, dataset_size=64 * 16)
+    assert r.snapshot.state == JobState.SUCCEEDED, r.snapshot.reason
+    assert any("adopting its spare" in line.message for line in r.logs)
+    assert r.recoveries and r.recoveries[0].seconds < 3.0
+    assert all(h.verified for h in r.history)
