@@ -82,8 +82,8 @@ def run(policy: str, mode: str, check: int, args: argparse.Namespace,
     if picard:  # dbs without its secant step: the paper's proportional correction alone
         coord.job.policy = dataclasses.replace(coord.job.policy, secant=False)
     if not updates:  # the driver as before plan updates: a re-plan waits for the segment ahead
-        coord.runtime.update_segment = None
-        coord.pipeline.updater = None
+        # (every update refused: the allocation is deferred to the step after that segment)
+        coord.runtime.update_segment = lambda update, timeout_s: False
     recent: deque[list] = deque(maxlen=512)  # the last steps' reports, one per worker
     coord.watch_steps(recent.append)
     snap = coord.run()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dynabatch.actors.spec import JobSpec, StageSpec
@@ -87,7 +87,9 @@ def _with_stages(spec: JobSpec, stages: list[StageSpec], seed: int) -> JobSpec:
 
 
 def _run_until(job: JobSpec, cluster: ClusterSpec, epochs: int, holdout: float) -> SimResult:
-    """The job in the simulator, stopped once ``epochs`` epochs are done."""
+    """The job in the simulator, stopped once ``epochs`` epochs are done: their records (the
+    segment sent ahead across the window's end may train into the next epoch before the
+    stop, as on Ray; that epoch is not part of the probe)."""
     coord = []
 
     def stop(_done: int, _total: int) -> None:
@@ -100,7 +102,7 @@ def _run_until(job: JobSpec, cluster: ClusterSpec, epochs: int, holdout: float) 
     if len(res.history) < epochs:
         raise TuneError(f"a probe at B={job.schedule.stages[-1].global_batch} stopped after "
                         f"{len(res.history)} of {epochs} epochs: {res.snapshot.reason}")
-    return res
+    return replace(res, history=res.history[:epochs])
 
 
 def _sizes(prev: int, max_batch: int) -> list[int]:

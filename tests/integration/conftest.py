@@ -27,19 +27,21 @@ from tests.conftest import OWN_RAY_MODULES
 NODES = 3
 
 
+def head_node_args() -> dict[str, object]:
+    """The session cluster's head: no CPU, fast health checks."""
+    return {
+        "num_cpus": 0,
+        "object_store_memory": 150 * 2**20,
+        "_system_config": fast_health_check(),
+    }
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[object]:
     import ray
     from ray.cluster_utils import Cluster
 
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "object_store_memory": 150 * 2**20,
-            "_system_config": fast_health_check(),
-        },
-    )
+    c = Cluster(initialize_head=True, head_node_args=head_node_args())
     for i in range(NODES):
         c.add_node(
             num_cpus=1,

@@ -20,16 +20,24 @@ from dynabatch.scheduler.sim.timeline import SimClock
 
 
 def _spec(**kw) -> JobSpec:
-    base = dict(workers="auto", global_batch=64, epochs=4, policy="dbs",
-                rebalance={"mode": "adaptive", "check_steps": 2}, collective_timeout_s=5,
-                worker_wait_timeout_s=30)
+    base = dict(
+        workers="auto",
+        global_batch=64,
+        epochs=4,
+        policy="dbs",
+        rebalance={"mode": "adaptive", "check_steps": 2},
+        collective_timeout_s=5,
+        worker_wait_timeout_s=30,
+    )
     base.update(kw)
     return JobSpec.model_validate(base)
 
 
 def _cluster(count: int = 2, **kw):
-    base = {"classes": [{"name": "n", "count": count, "a_ms": 2, "c_ms_per_sample": 0.2}],
-            "recovery": {"start_s": 3.0, "detect_s": 0.2, "regroup_s": 0.1}}
+    base = {
+        "classes": [{"name": "n", "count": count, "a_ms": 2, "c_ms_per_sample": 0.2}],
+        "recovery": {"start_s": 3.0, "detect_s": 0.2, "regroup_s": 0.1},
+    }
     base.update(kw)
     return parse_cluster(base)
 
@@ -37,8 +45,9 @@ def _cluster(count: int = 2, **kw):
 def test_a_simulated_node_slowing_down_is_rebalanced_inside_the_segment_in_flight():
     """As on Ray: segments go out ahead, and the re-plan after the slowdown reaches the
     workers as a plan update to the segment already sent, not one segment later."""
-    cluster = _cluster(events=[{"epoch": 1, "step": 4,
-                                "slowdown": {"class": "n", "index": 0, "factor": 4}}])
+    cluster = _cluster(
+        events=[{"epoch": 1, "step": 4, "slowdown": {"class": "n", "index": 0, "factor": 4}}]
+    )
     jobs = []
     r = simulate(_spec(), cluster, dataset_size=64 * 16, coordinator_hook=jobs.append)
     assert r.snapshot.state == JobState.SUCCEEDED, r.snapshot.reason
@@ -67,8 +76,9 @@ def _segment(first: int, n: int, shares: tuple[int, int]) -> dict[str, SegmentPl
     plans = {}
     for i, w in enumerate(("w0", "w1")):
         lo = sum(shares[:i])
-        steps = tuple(StepPlan(s, s * 64, 64, s * 64 + lo, shares[i])
-                      for s in range(first, first + n))
+        steps = tuple(
+            StepPlan(s, s * 64, 64, s * 64 + lo, shares[i]) for s in range(first, first + n)
+        )
         plans[w] = SegmentPlan(0, 0, 64 * 8, steps, updates=True)
     return plans
 
@@ -80,8 +90,11 @@ def test_a_segment_sent_ahead_starts_where_the_last_ended_and_takes_updates_afte
     rt.collect_segment(one, 5.0)
     t_one = rt.clock.now()
     # Its first step started when the one before ended: too late to change it.
-    refused = PlanUpdate(0, 2, {"w0": _segment(2, 2, (48, 16))["w0"].steps,
-                                "w1": _segment(2, 2, (48, 16))["w1"].steps})
+    refused = PlanUpdate(
+        0,
+        2,
+        {"w0": _segment(2, 2, (48, 16))["w0"].steps, "w1": _segment(2, 2, (48, 16))["w1"].steps},
+    )
     assert not rt.update_segment(refused, 2.0)
     new = _segment(3, 1, (48, 16))
     assert rt.update_segment(PlanUpdate(0, 3, {w: p.steps for w, p in new.items()}), 2.0)
@@ -108,8 +121,7 @@ def test_an_evaluation_sent_behind_a_segment_waits_for_it():
 def test_a_simulated_lost_worker_is_replaced_by_adopting_the_warm_spare():
     """A fresh worker takes ``start_s`` (3 s) to come up; the spare on the idle node paid
     that ahead, so the worker that adopts it is back in training well under it."""
-    cluster = _cluster(3, events=[{"epoch": 2, "step": 2,
-                                   "fail": {"class": "n", "index": 0}}])
+    cluster = _cluster(3, events=[{"epoch": 2, "step": 2, "fail": {"class": "n", "index": 0}}])
     spec = _spec(workers=2, max_workers=2, min_workers=1, spares=1, epochs=5)
     r = simulate(spec, cluster, dataset_size=64 * 16)
     assert r.snapshot.state == JobState.SUCCEEDED, r.snapshot.reason

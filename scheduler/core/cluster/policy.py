@@ -346,15 +346,21 @@ def _ref(job: ClusterJob, rates: np.ndarray) -> float:
 
 
 def _not_free(job: ClusterJob, eligible: int, room: int, one_type: bool = False) -> str:
+    """Why a gang waits. ``eligible`` and ``room``: its workers the nodes of its types hold
+    in all and beside the jobs held or ahead (slots, for workers of one slot each)."""
     if eligible == 0:
         return "no node type it can use"
+    places = (
+        "worker slots"
+        if job.worker_slots == 1
+        else f"places for its workers of {job.worker_slots} CPU slots"
+    )
     if job.min_workers > eligible:
-        return (
-            f"min_workers {job.min_workers} exceeds the {eligible} worker slots of its node types"
-        )
+        return f"min_workers {job.min_workers} exceeds the {eligible} {places} of its node types"
     where = "on any one node type" if one_type else "on its node types"
+    unit = "slots" if job.worker_slots == 1 else places
     return (
-        f"min_workers {job.min_workers} not free: {room} of {eligible} slots {where} "
+        f"min_workers {job.min_workers} not free: {room} of {eligible} {unit} {where} "
         "are not held or kept for jobs ahead"
     )
 
