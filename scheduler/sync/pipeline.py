@@ -120,7 +120,8 @@ class Pipeline(Part):
             # checkpoint does.
             checkpoint_due=self.c.epochs.judges_epochs or checkpoint_due(
                 nxt, every_epochs=s.checkpoint.every_epochs, epochs=s.epochs,
-                checkpoint_dir=bool(s.checkpoint.dir)))
+                checkpoint_dir=bool(s.checkpoint.dir)),
+            replans_at_end=p.rule.mode == "epoch" and s.policy != "static")
 
     def send_ahead(self, start: Position, plans: dict[str, Any]) -> None:
         """Send the segment after the one at ``start`` (already sent) before its results

@@ -153,12 +153,24 @@ def _scored_final_weights(coord, rt) -> None:
 
 
 def test_without_faults_every_segment_but_the_first_goes_out_ahead():
-    coord, rt = _coord(_pspec())
+    coord, rt = _coord(_pspec(policy="static"))
     coord.run()
     _assert_exactly_once(coord, rt)
     # 2 segments per epoch; across the epochs' ends too, behind each epoch's evaluation.
     assert rt.calls["segments"] == 2 * coord.spec.epochs
     assert coord.job.segments_sent_ahead == rt.calls["segments"] - 1
+    assert rt.submitted == rt.calls["segments"]
+    _scored_final_weights(coord, rt)
+
+
+def test_an_epoch_whose_end_replans_is_not_crossed_ahead():
+    """``rebalance: epoch`` under dbs decides at the epoch's end: the next epoch's first
+    segment waits for that decision instead of training at the carried shares."""
+    coord, rt = _coord(_pspec(policy="dbs"))
+    coord.run()
+    _assert_exactly_once(coord, rt)
+    assert rt.calls["segments"] == 2 * coord.spec.epochs
+    assert coord.job.segments_sent_ahead == rt.calls["segments"] - coord.spec.epochs
     assert rt.submitted == rt.calls["segments"]
     _scored_final_weights(coord, rt)
 
@@ -236,7 +248,7 @@ def test_the_last_segment_of_an_epoch_fails_with_the_next_epoch_and_its_evaluati
     epoch's last segment, which fails: the evaluation scored weights that are not the
     epoch's (discarded), and the next segment could not train (discarded). The epoch's last
     step is retried, then evaluated."""
-    coord, rt = _coord(_pspec())
+    coord, rt = _coord(_pspec(policy="static"))  # dbs would not cross: its end re-plans
     rt.inject("die", "w1", epoch=0, step=SPE - 1)
     snap = coord.run()
     assert snap.state == JobState.SUCCEEDED, snap.reason
@@ -328,7 +340,7 @@ def test_a_job_that_fails_keeps_the_records_whose_evaluation_was_out():
 
 
 def test_cancel_with_a_segment_in_flight_checkpoints_what_it_trained(tmp_path):
-    spec = _pspec(checkpoint={"dir": str(tmp_path), "every_epochs": 5})
+    spec = _pspec(policy="static", checkpoint={"dir": str(tmp_path), "every_epochs": 5})
     coord, _ = _coord(spec)
     _run_to(coord, 1, 1)  # the first segment of epoch 1 is done; the second is in flight
     assert coord.job.ahead is not None
@@ -343,7 +355,7 @@ def test_cancel_with_a_segment_in_flight_checkpoints_what_it_trained(tmp_path):
 
 
 def test_cancel_with_the_next_epoch_in_flight(tmp_path):
-    spec = _pspec(checkpoint={"dir": str(tmp_path), "every_epochs": 5})
+    spec = _pspec(policy="static", checkpoint={"dir": str(tmp_path), "every_epochs": 5})
     coord, _ = _coord(spec)
     _run_to(coord, 0, 8)  # epoch 0's last segment done? no: in flight, with epoch 1's ahead
     while coord.epoch == 0:

@@ -128,3 +128,26 @@ def test_a_simulated_lost_worker_is_replaced_by_adopting_the_warm_spare():
     assert any("adopting its spare" in line.message for line in r.logs)
     assert r.recoveries and r.recoveries[0].seconds < 3.0
     assert all(h.verified for h in r.history)
+
+
+def test_an_epoch_end_rebalance_takes_effect_in_the_next_epoch_not_one_later():
+    """``rebalance: epoch`` (the default) decides at each epoch's end. Sending the next
+    epoch's first segment ahead under the carried allocation would train that whole epoch
+    at the old shares (found when the simulator began sending ahead as Ray does): the
+    driver must not cross an epoch whose end re-plans."""
+    cluster = parse_cluster({
+        "classes": [
+            {"name": "fast", "count": 1, "a_ms": 2, "c_ms_per_sample": 0.1},
+            {"name": "slow", "count": 1, "a_ms": 2, "c_ms_per_sample": 0.4},
+        ],
+    })
+    spec = _spec(epochs=3, rebalance={"mode": "epoch"})
+    r = simulate(spec, cluster, dataset_size=64 * 8)
+    assert r.snapshot.state == JobState.SUCCEEDED, r.snapshot.reason
+
+    def shares(h):
+        return {w.node.split("-")[0]: w.batch for w in h.workers}
+
+    # Epoch 0 measures at equal shares; epoch 1 already trains at the rebalanced ones.
+    assert r.history[1].workers and shares(r.history[1]) != shares(r.history[0]), [
+        shares(h) for h in r.history]

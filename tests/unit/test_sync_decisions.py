@@ -37,15 +37,17 @@ def test_a_segment_is_sent_ahead_only_with_nothing_to_do_at_rest(
 
 
 @given(st.integers(0, 20), st.integers(1, 20), st.booleans(),
-       st.integers(1, 4), st.integers(1, 4), st.booleans())
-def test_an_epoch_is_crossed_only_at_the_same_batch_with_no_checkpoint_between(
-        nxt, epochs, goodput, next_batch, batch, due):
+       st.integers(1, 4), st.integers(1, 4), st.booleans(), st.booleans())
+def test_an_epoch_is_crossed_only_at_the_same_batch_with_nothing_decided_between(
+        nxt, epochs, goodput, next_batch, batch, due, replans):
     ok = can_cross_epoch(next_epoch=nxt, epochs=epochs, goodput=goodput,
-                         next_batch=next_batch, batch=batch, checkpoint_due=due)
+                         next_batch=next_batch, batch=batch, checkpoint_due=due,
+                         replans_at_end=replans)
     if ok:
         assert nxt < epochs and not goodput and next_batch == batch and not due
+        assert not replans
     else:
-        assert nxt >= epochs or goodput or next_batch != batch or due
+        assert nxt >= epochs or goodput or next_batch != batch or due or replans
 
 
 @given(st.integers(0, 50), st.integers(0, 99), st.integers(1, 10), st.integers(1, 100))

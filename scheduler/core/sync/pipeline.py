@@ -30,13 +30,17 @@ def can_send_ahead(*, cancel_requested: bool, retrying: bool, requests_pending: 
 
 
 def can_cross_epoch(*, next_epoch: int, epochs: int, goodput: bool, next_batch: int,
-                    batch: int, checkpoint_due: bool) -> bool:
+                    batch: int, checkpoint_due: bool, replans_at_end: bool) -> bool:
     """Whether the next epoch's first segment can be sent before this epoch ends: there is
     a next epoch, it trains at the same global batch under the allocation carried over
     (the epoch's evaluation is queued in front of it), and no checkpoint (which reads the
     state with nothing in flight) is due in between. Goodput mode decides the next batch
-    and its LR gain from the epoch's end, so it never does."""
-    return next_epoch < epochs and not goodput and next_batch == batch and not checkpoint_due
+    and its LR gain from the epoch's end, so it never does. Nor when the epoch's end
+    re-plans (``replans_at_end``: ``rebalance: epoch`` under a speed-driven policy): a
+    segment sent ahead keeps the carried allocation and takes no plan update, so the
+    decision would wait a whole epoch; one round trip at the boundary costs less."""
+    return (next_epoch < epochs and not goodput and next_batch == batch
+            and not checkpoint_due and not replans_at_end)
 
 
 @dataclass(frozen=True, slots=True)
