@@ -233,9 +233,6 @@ class RayRuntime:
         return self._handles[worker]
 
     # --- training ---------------------------------------------------------------------
-    def run_segment(self, plans: dict[str, Any], grace_s: float) -> list[WorkerOutcome]:
-        return self.collect_segment(self.submit_segment(plans), grace_s)
-
     def submit_segment(self, plans: dict[str, Any]) -> tuple[dict[Any, str], list[str]]:
         # An actor runs its calls in order: a segment sent while another runs starts on
         # each worker as soon as the previous one ends there.

@@ -28,11 +28,24 @@ NODES = 3
 
 
 def head_node_args() -> dict[str, object]:
-    """The session cluster's head: no CPU, fast health checks."""
+    """The session cluster's head: no CPU, fast health checks, and ports that another Ray on
+    the host cannot take from it.
+
+    ``cluster_utils`` gives a head Ray's default dashboard port (8265) as an explicit port,
+    which Ray does not retry: with another Ray on the host holding it (a module of
+    ``OWN_RAY_MODULES`` beside this tier under ``-n 2``, or another session's), the head
+    started without a dashboard, and every actor's output, which the job log reads through
+    the dashboard's log API, was lost ("Could not read 'dashboard' from GCS"). ``None`` is
+    ``ray.init``'s default: 8265 or the next free port. The head's agent port likewise: 0
+    lets it bind a free one, as ``dynabatch.service.raycluster.free_agent_port`` does for the
+    embedded cluster.
+    """
     return {
         "num_cpus": 0,
         "object_store_memory": 150 * 2**20,
         "_system_config": fast_health_check(),
+        "dashboard_port": None,
+        "dashboard_agent_listen_port": 0,
     }
 
 

@@ -21,12 +21,11 @@ import numpy as np
 import pytest
 import torch
 from dynabatch.actors.contracts import SegmentPlan, StepPlan
-from dynabatch.actors.group import ProcessGroup
 from dynabatch.actors.reducer import CollectivePlan, GradientReducer, group_plan
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.worker import Worker
 
-from tests.gloo import run_members
+from tests.gloo import run_members_in_groups
 
 B = 24  # the step's global batch
 SHARES = (5, 12, 7)  # unequal shares of the three members; rank 0 is the staged one
@@ -86,12 +85,10 @@ def _member(rank: int, rv, more: tuple, staged: bool, out: mp.Queue) -> None:
 
 
 def _mixed_groups() -> dict[int, list[tuple]]:
-    """Each rank's reports under every plan of :data:`KWS`, from one set of member
-    processes: spawning and importing torch in three processes is most of such a test's
-    time, so the plans share them (one group per plan, each with its own store)."""
-    stores = [ProcessGroup(TIMEOUT_S) for _ in KWS[1:]]  # held: they serve the groups
-    more = tuple(g.open_store(1, len(SHARES), "gloo", host="127.0.0.1") for g in stores)
-    got = run_members(_member, len(SHARES), lambda r: (more, r == 0), timeout_s=TIMEOUT_S)
+    """Each rank's reports under every plan of :data:`KWS`, from one set of members."""
+    got = run_members_in_groups(
+        _member, len(SHARES), len(KWS), lambda r: (r == 0,), timeout_s=TIMEOUT_S
+    )
     return {rank: reports for rank, (reports,) in got.items()}
 
 

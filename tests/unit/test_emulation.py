@@ -57,35 +57,41 @@ def test_emulated_clock_ignores_time_the_thread_did_not_run():
 
 def test_real_clock_is_the_wall_clock():
     clock = ComputeClock(emulated=False)
+    t0 = time.perf_counter()
     clock.start()
     time.sleep(0.03)
-    assert clock.finish(5.0) == pytest.approx(0.03, abs=0.02)
+    reported = clock.finish(5.0)
+    # The wall time of the phase, not stretched (bounds that hold however loaded the host).
+    assert 0.03 <= reported <= time.perf_counter() - t0
 
 
 def test_pace_stretches_the_phase_so_far_and_finish_the_rest():
     """The reducer paces before each bucket leaves: by then the phase has taken f x its
     compute so far; finish() stretches the whole phase, and the sleeps are accounted."""
     clock = ComputeClock(emulated=True)
+    t0 = time.perf_counter()  # before start(): see the test above
     clock.start()
-    t0 = time.perf_counter()
     _burn(0.02)
     at_pace = clock.pace(4.0)
     assert at_pace == pytest.approx(0.08, rel=0.15)
-    assert time.perf_counter() - t0 >= at_pace * 0.95
+    assert time.perf_counter() - t0 >= at_pace
     _burn(0.02)
     total = clock.finish(4.0)
     assert total == pytest.approx(0.16, rel=0.15)
-    assert time.perf_counter() - t0 >= total * 0.95
+    assert time.perf_counter() - t0 >= total
     # What it slept is what the wall clock lacked (less when the thread was preempted).
     assert 0.0 <= clock.slept <= total - 0.04 + 0.01
 
 
-def test_pace_does_nothing_on_the_real_clock():
+def test_pace_does_nothing_on_the_real_clock(monkeypatch):
+    def no_sleep(seconds: float) -> None:
+        raise AssertionError(f"the real clock slept {seconds} s")
+
     clock = ComputeClock(emulated=False)
     clock.start()
-    t0 = time.perf_counter()
+    monkeypatch.setattr(time, "sleep", no_sleep)
     clock.pace(50.0)
-    assert time.perf_counter() - t0 < 0.01 and clock.slept == 0.0
+    assert clock.slept == 0.0
 
 
 def test_a_gpu_workers_slowdown_applies_on_the_device_synchronised_wall_clock():

@@ -21,7 +21,7 @@ from dynabatch.actors.precision import LossScaler
 from dynabatch.actors.spec import JobSpec, SpecError, parse_spec
 from dynabatch.actors.worker import Worker
 
-from tests.gloo import run_members
+from tests.gloo import run_members_in_groups
 
 B = 16  # the step's global batch
 SHARES = (6, 10)  # the two members' shares
@@ -127,37 +127,49 @@ def test_the_loss_scale_halves_on_overflow_and_grows_after_an_interval():
 # --- the group ----------------------------------------------------------------------------
 
 
-def _member(rank: int, rv, kw: dict, poison: bool, out: mp.Queue) -> None:
-    """One member (a child process): one step of its share; ``poison``: its gradient is
-    infinite. Sends its all-reduced gradient, whether it overflowed, its scale and whether
-    its weights stayed as they were."""
+# The group's configurations, each as (worker options, the rank whose gradient is made
+# infinite): bf16's all-reduce, and fp16 with an overflow on one member.
+PLANS = (({"precision": "bf16"}, None), ({"precision": "fp16"}, 1))
+
+
+def _member(rank: int, rv, more: tuple, out: mp.Queue) -> None:
+    """One member (a child process): one step of its share under each of :data:`PLANS`,
+    each in its own group (``rv``, then ``more``). Reports, per plan, its all-reduced
+    gradient, whether it overflowed, its scale and whether its weights stayed as they were
+    (or the first error)."""
+    reports = []
     try:
-        w = _worker(rank, **kw)
-        before = [p.detach().clone() for p in w.params]
-        if poison:
-            w.params[0].register_hook(lambda g: g + float("inf"))
-        w.join(rv, rank)
-        res = w.run_segment(_segment(sum(SHARES[:rank]), SHARES[rank]))
-        w.leave()
-        grad = w.reducer.flat[: w.reducer.n_params].numpy().copy()
-        same = all(torch.equal(a, b) for a, b in zip(before, w.params, strict=True))
-        scale = w.math.scaler.scale if w.math.scaler is not None else None
-        overflow = res.steps[0].overflow if res.steps else None
-        out.put((rank, res.error, grad, overflow, scale, same))
+        for group, (kw, poisoned) in zip((rv, *more), PLANS, strict=True):
+            w = _worker(rank, **kw)
+            before = [p.detach().clone() for p in w.params]
+            if rank == poisoned:
+                w.params[0].register_hook(lambda g: g + float("inf"))
+            w.join(group, rank)
+            res = w.run_segment(_segment(sum(SHARES[:rank]), SHARES[rank]))
+            w.leave()
+            grad = w.reducer.flat[: w.reducer.n_params].numpy().copy()
+            same = all(torch.equal(a, b) for a, b in zip(before, w.params, strict=True))
+            scale = w.math.scaler.scale if w.math.scaler is not None else None
+            overflow = res.steps[0].overflow if res.steps else None
+            reports.append((res.error, grad, overflow, scale, same))
+        out.put((rank, reports))
     except Exception as err:  # reported, so the parent fails with it instead of waiting
-        out.put((rank, f"{type(err).__name__}: {err}", None, None, None, None))
+        out.put((rank, [*reports, (f"{type(err).__name__}: {err}", None, None, None, None)]))
 
 
-def _group(kw: dict, poisoned: int | None = None) -> dict[int, tuple]:
-    got = run_members(_member, len(SHARES), lambda r: (kw, r == poisoned), timeout_s=TIMEOUT_S)
+@pytest.fixture(scope="module")
+def groups() -> list[dict[int, tuple]]:
+    """Per plan of :data:`PLANS`, each rank's report; one set of member processes runs them
+    all (see :func:`tests.gloo.run_members_in_groups`)."""
+    got = run_members_in_groups(_member, len(SHARES), len(PLANS), timeout_s=TIMEOUT_S)
     assert sorted(got) == list(range(len(SHARES))), f"members that answered: {sorted(got)}"
-    errors = {r: e for r, (e, *_rest) in got.items() if e}
+    errors = {r: e for r, (reports,) in got.items() for e, *_rest in reports if e}
     assert not errors, errors
-    return got
+    return [{r: reports[i] for r, (reports,) in got.items()} for i in range(len(PLANS))]
 
 
-def test_bf16_all_reduce_is_the_sum_of_the_members_computed_gradients():
-    got = _group({"precision": "bf16"})
+def test_bf16_all_reduce_is_the_sum_of_the_members_computed_gradients(groups):
+    got = groups[0]
     # Each share's weighted gradient, computed alone as its member computed it.
     parts = [_alone(sum(SHARES[:r]), SHARES[r], precision="bf16")[1] for r in range(2)]
     for rank, (_e, grad, overflow, _s, _same) in got.items():
@@ -167,8 +179,8 @@ def test_bf16_all_reduce_is_the_sum_of_the_members_computed_gradients():
         )
 
 
-def test_fp16_found_inf_is_agreed_every_worker_skips_and_halves_its_scale():
-    got = _group({"precision": "fp16"}, poisoned=1)
+def test_fp16_found_inf_is_agreed_every_worker_skips_and_halves_its_scale(groups):
+    got = groups[1]
     for rank, (_e, grad, overflow, scale, same) in got.items():
         assert not np.isfinite(grad).all(), f"rank {rank}: the infinity rode the all-reduce"
         assert overflow is True, f"rank {rank} did not see the overflow"
