@@ -21,6 +21,8 @@ Tree = Any  # a tensor (or numpy array), or a dict / tuple / list of them
 
 def rows(tree: Tree, lo: int, hi: int) -> Tree:
     """Rows ``[lo, hi)`` of every tensor (or array) in ``tree``: views, no copy."""
+    if isinstance(tree, torch.Tensor | np.ndarray):  # the common case, once per micro-batch
+        return tree[lo:hi]
     return tree_map(lambda t: t[lo:hi] if isinstance(t, torch.Tensor | np.ndarray) else t, tree)
 
 
@@ -33,4 +35,6 @@ def to_device(tree: Tree, device: torch.device, non_blocking: bool = False) -> T
             t = torch.from_numpy(t if t.flags.writeable else t.copy())
         return t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t
 
+    if isinstance(tree, torch.Tensor | np.ndarray):  # the common case: no tree walk
+        return move(tree)
     return tree_map(move, tree)

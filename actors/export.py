@@ -19,6 +19,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from dynabatch.actors.data.fs import join
+
 MANIFEST = "manifest.json"
 FINAL = "model.safetensors"
 BEST = "best.safetensors"
@@ -112,9 +114,6 @@ def model_files(
 
 
 # ------------------------------------------------------------------------------ the files
-def _join(directory: str, name: str) -> str:
-    return f"{directory.rstrip('/')}/{name}"
-
 
 def write_files(files: Mapping[str, bytes], directory: str, field: str = "artifacts.dir") -> str:
     """Write ``files`` into ``directory`` (created), the manifest last: a reader that finds
@@ -127,7 +126,7 @@ def write_files(files: Mapping[str, bytes], directory: str, field: str = "artifa
     try:
         filesystem.create_dir(path, recursive=True)
         for name in sorted(files, key=lambda n: n == MANIFEST):
-            with filesystem.open_output_stream(_join(path, name)) as out:
+            with filesystem.open_output_stream(join(path, name)) as out:
                 out.write(files[name])
     except (OSError, ValueError) as err:
         raise ExportError(f"{field}: cannot write {directory} ({first_line(err)})") from err
@@ -152,7 +151,7 @@ def has_model(directory: str) -> bool:
 
     try:
         filesystem, path = open_fs(directory, "artifacts.dir")
-        return kind_of(filesystem, _join(path, MANIFEST)) == "file"
+        return kind_of(filesystem, join(path, MANIFEST)) == "file"
     except (OSError, ValueError):
         return False
 
@@ -163,12 +162,12 @@ def read_files(directory: str) -> dict[str, bytes]:
     from dynabatch.actors.data.fs import open_fs
 
     filesystem, path = open_fs(directory, "model directory")
-    raw = _read(filesystem, _join(path, MANIFEST), _join(directory, MANIFEST))
-    manifest = parse_manifest(raw, _join(directory, MANIFEST))
+    raw = _read(filesystem, join(path, MANIFEST), join(directory, MANIFEST))
+    manifest = parse_manifest(raw, join(directory, MANIFEST))
     files = {MANIFEST: raw}
     for entry in manifest["weights"].values():
         files[entry["file"]] = _read(
-            filesystem, _join(path, entry["file"]), _join(directory, entry["file"])
+            filesystem, join(path, entry["file"]), join(directory, entry["file"])
         )
     return files
 
@@ -225,7 +224,7 @@ def load_model(directory: str | os.PathLike[str], which: str = "final", device: 
 
     directory = os.fspath(directory)  # a pathlib.Path is the usual thing to hand over
     files = read_files(directory)
-    shown = _join(directory, MANIFEST)
+    shown = join(directory, MANIFEST)
     manifest = parse_manifest(files[MANIFEST], shown)
     if which not in manifest["weights"]:
         raise ExportError(
@@ -247,13 +246,13 @@ def load_model(directory: str | os.PathLike[str], which: str = "final", device: 
         state = load(files[name])
     except Exception as err:  # safetensors raises its own error types for a bad file
         raise ExportError(
-            f"{_join(directory, name)}: not a safetensors file ({' '.join(str(err).split())})"
+            f"{join(directory, name)}: not a safetensors file ({' '.join(str(err).split())})"
         ) from None
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
         first = " ".join(str(err).split())[:300]
         raise ExportError(
-            f"{_join(directory, name)}: does not fit the model {spec.name!r} ({first})"
+            f"{join(directory, name)}: does not fit the model {spec.name!r} ({first})"
         ) from None
     return model.to(device).eval()

@@ -143,6 +143,10 @@ def prepare_input(x: Any, speed: SpeedOptions) -> Any:
     takes it: each 4-D tensor in channels_last, each tensor's batch dimension marked dynamic
     when compiled with ``dynamic`` (``maybe_mark_dynamic``: a batch of one, which torch
     specialises, compiles once more instead of failing)."""
+    if not (speed.channels_last or (speed.compiled and speed.dynamic)):
+        return x  # nothing to do: no walk over the batch on every micro-batch
+    if isinstance(x, torch.Tensor):
+        return _prepare(x, speed)
     return tree_map(lambda t: _prepare(t, speed) if isinstance(t, torch.Tensor) else t, x)
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from dynabatch.actors.data.fs import join
 
 # What torch's weights-only unpickler rebuilds (exact types: subclasses such as namedtuples
 # or numpy scalars are refused by it).
@@ -53,7 +54,7 @@ def checkpoint_path(directory: str | Path, job_id: str, name: str = LATEST) -> P
     from dynabatch.actors.data.fs import is_uri
 
     if is_uri(str(directory)):
-        return f"{str(directory).rstrip('/')}/{job_id}/{name}"
+        return join(str(directory), job_id, name)
     return Path(directory) / job_id / name
 
 
@@ -168,23 +169,27 @@ def _check_plain(value: Any, where: str) -> None:
             _check_plain(item, f"{where}.{i}")
 
 
-def load_checkpoint(directory: str | Path, job_id: str) -> dict[str, Any] | None:
-    """The job's checkpoint (under a local ``directory`` or a URI), None when it has none.
-    Raises :class:`CheckpointError` for a file that holds anything but tensors and plain
-    data, or that cannot be read."""
-    path = checkpoint_path(directory, job_id)
-    if _kind(path)[2] == "missing":
-        return None
-    return load_checkpoint_file(path)
+def load_checkpoint(directory: str | Path, job_id: str, name: str = LATEST
+                    ) -> dict[str, Any] | None:
+    """The job's checkpoint ``name`` (under a local ``directory`` or a URI), None when it has
+    none. Raises :class:`CheckpointError` for a file that holds anything but tensors and
+    plain data, or that cannot be read."""
+    path = checkpoint_path(directory, job_id, name)
+    found = _kind(path)  # one lookup: on an object store each is a request
+    return None if found[2] == "missing" else _load_found(path, *found)
 
 
 def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
     """The checkpoint in the file ``path`` (a local path or a URI; another job's, for
     ``checkpoint.from``). Raises :class:`CheckpointError` naming the file when it is not
     there, cannot be read, or holds anything but tensors and plain data."""
+    return _load_found(path, *_kind(path))
+
+
+def _load_found(path: str | Path, filesystem: Any | None, where: str, kind: str
+                ) -> dict[str, Any]:
     from dynabatch.actors.errors import first_line
 
-    filesystem, where, kind = _kind(path)
     if kind != "file":
         why = "it is a directory, not a checkpoint file" if kind == "dir" else "no such file"
         raise CheckpointError(f"{path}: {why}")

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dynabatch.actors.contracts import StepTelemetry
+from dynabatch.actors.data.fs import join
+from dynabatch.actors.errors import first_line
 from dynabatch.scheduler.telemetry import EpochRecord
 
 # Makes the writer for a directory: torch's SummaryWriter, or a test's stand-in.
@@ -91,7 +93,7 @@ class Tracking:
         warn: Callable[[str], None],
         writer_factory: WriterFactory = _summary_writer,
     ):
-        self.logdir = f"{root.rstrip('/')}/{job_id}" if root else None
+        self.logdir = join(root, job_id) if root else None
         self._warn = warn
         self._factory = writer_factory
         self._writer: Any = None
@@ -143,7 +145,7 @@ class Tracking:
         if writer is not None:
             with contextlib.suppress(Exception):  # it failed already: reported below
                 writer.close()
-        why = " ".join(str(err).split()) or type(err).__name__
+        why = first_line(err, typed=False)
         self._warn(
             f"tracking.tensorboard: cannot write event files to {self.logdir} "
             f"({why}); the job goes on without them"

@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dynabatch.actors.data.fs import join
 from dynabatch.actors.data.source import DataError
 from dynabatch.actors.export import ExportError, has_model, read_files, write_files
 from dynabatch.service.cluster_client import ClusterClient
@@ -69,7 +70,7 @@ def job_model(service: JobService, job_id: str) -> dict[str, bytes]:
     rec = service.get(job_id)
     places = []
     if rec.spec.artifacts.dir:
-        places.append(f"{rec.spec.artifacts.dir.rstrip('/')}/{job_id}")
+        places.append(join(rec.spec.artifacts.dir, job_id))
     kept = models_dir(service.store.path)
     if kept is not None:
         places.append(str(kept / job_id))

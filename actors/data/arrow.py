@@ -334,12 +334,10 @@ class ParquetSource(Source):
         return out
 
     def collate(self, samples: list[Any], ids: np.ndarray) -> tuple[Any, Any]:
-        from dynabatch.actors.data.structured import check_labels, collate_samples
+        from dynabatch.actors.data.structured import collate_share
 
-        x, y = collate_samples(samples, ids, self._collate, self.collate_path, "dataset.path")
-        if self.meta.targets == "classes":
-            check_labels(y, ids, self.meta.num_classes)
-        return x, y
+        return collate_share(samples, ids, self._collate, self.collate_path, "dataset.path",
+                             self.meta)
 
     def close(self) -> None:
         with self._lock:

@@ -57,7 +57,13 @@ def list_files(filesystem: Any, path: str, suffixes: tuple[str, ...],
     return out
 
 
+def join(base: str, *names: str) -> str:
+    """``base/name/...`` for a local path or a URI alike (a trailing ``/`` on ``base`` is
+    not doubled): the one way a job's directory under a root is named."""
+    return "/".join([str(base).rstrip("/"), *names])
+
+
 def child(filesystem: Any, path: str, name: str) -> str | None:
     """``path/name`` when it exists (a file or directory), else None."""
-    p = f"{path.rstrip('/')}/{name}"
+    p = join(path, name)
     return p if kind_of(filesystem, p) != "missing" else None

@@ -36,8 +36,7 @@ from dynabatch.actors.data.source import (
     split_ids,
 )
 from dynabatch.actors.data.structured import (
-    check_labels,
-    collate_samples,
+    collate_share,
     first_leaf,
     is_structured,
     load_collate,
@@ -147,10 +146,7 @@ class MapSource(Source):
                 for j, i in enumerate(np.asarray(ids, dtype=np.int64))]
 
     def collate(self, samples: list[Any], ids: np.ndarray) -> tuple[Any, Any]:
-        x, y = collate_samples(samples, ids, self._collate, self.collate_path, FIELD)
-        if self.meta.targets == "classes":
-            check_labels(y, ids, self.meta.num_classes)
-        return x, y
+        return collate_share(samples, ids, self._collate, self.collate_path, FIELD, self.meta)
 
     def read(self, ids: np.ndarray, keys: np.ndarray | None = None,
              out: Out | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -153,3 +153,13 @@ def check_labels(y: Tree, ids: Sequence[int], num_classes: int) -> None:
     if len(bad):
         row = int(bad[0, 0])
         raise SampleError(int(ids[row]), f"label {int(y[row])} is outside 0..{num_classes - 1}")
+
+
+def collate_share(samples: list[Any], ids: np.ndarray, fn: Collate | None, path: str | None,
+                  field: str, meta: Any) -> tuple[Any, Any]:
+    """A share's batch from its samples (:func:`collate_samples`), its class labels checked
+    against ``meta``: what every structured source's ``collate`` is."""
+    x, y = collate_samples(samples, ids, fn, path, field)
+    if meta.targets == "classes":
+        check_labels(y, ids, meta.num_classes)
+    return x, y

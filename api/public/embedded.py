@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dynabatch.actors.data.fs import join
 from dynabatch.actors.export import has_model
 from dynabatch.actors.spec import SpecError
 from dynabatch.scheduler.core.lifecycle import JobState
@@ -96,7 +97,7 @@ def run(
         view.close()
     model_dir = None
     if job.artifacts.dir:
-        place = f"{job.artifacts.dir.rstrip('/')}/{snap.job_id}"
+        place = join(job.artifacts.dir, snap.job_id)
         model_dir = place if has_model(place) else None
     return RunResult(
         job_id=snap.job_id,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def export_model(coord: PSCoordinator, reason: str) -> None:
         coord._log(
             "WARNING",
             f"model export ({reason}) skipped: the server's weights cannot be read "
-            f"({type(err).__name__}: {err})",
+            f"({first_line(err)})",
         )
         return
     publish_model(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dynabatch.actors.data.fs import join
 from dynabatch.scheduler.sync.job import Part
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def publish_model(
             f"download ({', '.join(sorted(files))})",
         )
         return
-    target = f"{s.artifacts.dir.rstrip('/')}/{control.job_id}"
+    target = join(s.artifacts.dir, control.job_id)
     try:
         write_files(files, target)
     except (ExportError, DataError) as err:
@@ -111,19 +112,13 @@ class Artifacts(Part):
         s = self.spec
         if getattr(s.checkpoint, "keep_best", None) is None or not s.checkpoint.dir:
             return None, None, None
-        from dynabatch.scheduler.checkpoint import (
-            BEST,
-            CheckpointError,
-            checkpoint_exists,
-            checkpoint_path,
-            load_checkpoint_file,
-        )
+        from dynabatch.scheduler.checkpoint import BEST, CheckpointError, load_checkpoint
         from dynabatch.scheduler.telemetry import EpochRecord
 
-        if not checkpoint_exists(s.checkpoint.dir, self.c.job_id, BEST):
-            return None, None, None
         try:
-            ckpt = load_checkpoint_file(checkpoint_path(s.checkpoint.dir, self.c.job_id, BEST))
+            ckpt = load_checkpoint(s.checkpoint.dir, self.c.job_id, BEST)
+            if ckpt is None:
+                return None, None, None
             state = ckpt["weights"]["model"]
             history = ckpt.get("history") or []
             rec = EpochRecord.model_validate(history[-1]) if history else None

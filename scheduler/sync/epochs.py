@@ -62,7 +62,6 @@ class Epochs(Part):
                                s.rebalance.check_steps),
             position=job.position,
         )
-        job.protocol.updates = True  # every runtime takes plan updates
         if job.ledger.epoch != job.protocol.epoch:
             job.ledger.begin_epoch(job.protocol.epoch, d.n_train)
         self.log("INFO", f"loaded {d.name}: {d.n_train} train, {d.n_test} test samples "

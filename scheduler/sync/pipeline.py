@@ -207,11 +207,13 @@ class Pipeline(Part):
             evaluation_s=evaluation_s, done=done, planned=planned, workers=len(plans),
             busy=segment_busy(results, done))
         job.last_collect = share.collected
+        committed: list[list[Any]] = []
         with self.c._lock:
             ep = job.ep
             ep.evaluation += share.evaluation
             for j in range(done):
                 reports = [r.steps[j] for r in results if len(r.steps) > j]
+                committed.append(reports)
                 job.ledger.commit(reports)
                 job.regime.observe(reports)
                 for watch in job.step_watchers:
@@ -228,9 +230,9 @@ class Pipeline(Part):
                 {r.worker: Position(start.epoch, start.step + len(r.steps)) for r in results}
             )
         # Outside the lock: the first write opens the event files (snapshots need not wait).
-        for j in range(done):
-            self.c.tracking.step([r.steps[j] for r in results if len(r.steps) > j],
-                                 p.dataset_size)
+        if self.c.tracking.active:
+            for reports in committed:
+                self.c.tracking.step(reports, p.dataset_size)
         if failure is None:
             job.budget.succeeded()  # the retry, if this was one, is over
             return True

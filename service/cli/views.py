@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 import typer
+from dynabatch.actors.data.fs import join
 from dynabatch.scheduler.telemetry import StepBreakdown
 from rich.console import Console
 from rich.table import Table
@@ -35,7 +36,7 @@ def breakdown_table(b: StepBreakdown) -> Table:
 def tensorboard_line(root: str, job_id: str) -> str:
     """Where a job's TensorBoard event files are (``tracking.tensorboard``: ``root``), and
     how to view them, in one line."""
-    return (f"TensorBoard event files: {root.rstrip('/')}/{job_id} "
+    return (f"TensorBoard event files: {join(root, job_id)} "
             f"(view: tensorboard --logdir {root})")
 
 

@@ -17,18 +17,14 @@ from dynabatch.scheduler.core.cluster.values import ClusterDecision, ClusterJob,
 @dataclass(frozen=True, slots=True)
 class NodeView:
     """A node, its type, its worker slots, and which jobs hold how many workers there.
-    ``slots_used``: the slots those workers take (a worker of a job asking several CPUs
-    takes several on a CPU node); None: one each."""
+    ``used``: the slots those workers take (a worker of a job asking several CPUs takes
+    several on a CPU node)."""
 
     node_id: str
     node_type: str
     capacity: int
+    used: int
     holders: tuple[tuple[str, int], ...] = ()
-    slots_used: int | None = None
-
-    @property
-    def used(self) -> int:
-        return sum(n for _, n in self.holders) if self.slots_used is None else self.slots_used
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +110,8 @@ def view_of(
             n.node_id,
             n.node_type,
             n.capacity,
-            tuple(sorted(holders[n.node_id])),
-            sum(k * by_job[j].size_on(n) for j, k in holders[n.node_id]),
+            used=sum(k * by_job[j].size_on(n) for j, k in holders[n.node_id]),
+            holders=tuple(sorted(holders[n.node_id])),
         )
         for n in sorted(nodes, key=lambda n: n.node_id)
     )

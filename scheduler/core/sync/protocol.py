@@ -83,9 +83,6 @@ class SyncProtocol:
         # the kernels' per-shape setup and is not a measurement, see core/sync/tracker.py).
         # A segment ends right after it, so the next check sees it a step sooner.
         self._measure_at: int | None = None
-        # Segments may be updated in flight (the runtime can post plan updates): each
-        # worker claims a step's key before it starts it (see core/sync/update.py).
-        self.updates = False
 
     # --- where the epoch stands ---------------------------------------------------------
     @property
@@ -318,6 +315,9 @@ class SyncProtocol:
                 steps.append(StepPlan(step=s, start=s * self.global_batch,
                                       size=self.step_size(s), own_start=base + lo,
                                       own_size=hi - lo))
+            # Every runtime posts plan updates to a segment in flight (each worker claims
+            # a step's key before it starts it: core/sync/update.py); epoch mode re-plans
+            # only at the epoch's end.
             plans[w] = SegmentPlan(epoch, self.seed, self.dataset_size, tuple(steps),
-                                   updates=self.updates and self.rule.mode != "epoch")
+                                   updates=self.rule.mode != "epoch")
         return plans
