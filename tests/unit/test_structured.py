@@ -108,16 +108,16 @@ def _steps(n: int, size: int = 16) -> SegmentPlan:
     )
 
 
-@pytest.mark.parametrize(
-    ("dataset", "model"),
-    [
-        ({"name": f"{PLUG}:tabular", "options": {"n": 80}}, "tabular_model"),
-        (
-            {"name": f"{PLUG}:sequences", "options": {"n": 80}, "collate": f"{PLUG}:pad"},
-            "seq_classifier",
-        ),
-    ],
-)
+STRUCTURED = [
+    ({"name": f"{PLUG}:tabular", "options": {"n": 80}}, "tabular_model"),
+    (
+        {"name": f"{PLUG}:sequences", "options": {"n": 80}, "collate": f"{PLUG}:pad"},
+        "seq_classifier",
+    ),
+]
+
+
+@pytest.mark.parametrize(("dataset", "model"), STRUCTURED)
 def test_the_worker_trains_and_evaluates_structured_samples(dataset, model):
     spec = _spec(dataset, model, micro_batch=5)  # 16-sample shares in 4 micro-batches
     w = _worker(spec, 1)
@@ -135,6 +135,57 @@ def test_the_worker_trains_and_evaluates_structured_samples(dataset, model):
         assert 0 <= sums["accuracy"] <= n_test
     finally:
         w.leave()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize(("dataset", "model"), STRUCTURED)
+def test_a_gpu_worker_trains_and_evaluates_structured_samples_as_a_cpu_worker_does(dataset, model):
+    """Dicts of tensors and padded sequences moved to the GPU per micro-batch: the same
+    losses, weights and evaluation sums as on the CPU (fp32, TF32 off)."""
+    specs = {
+        dev: _spec(
+            dataset,
+            model,
+            micro_batch=5,
+            device=dev,
+            precision="fp32",
+            **({"worker_gpus": 1} if dev == "cuda" else {}),
+        )
+        for dev in ("cuda", "cpu")
+    }
+    # Both built before either trains (a loader's reader seeds torch's global RNG).
+    data = open_dataset(specs["cpu"].dataset, specs["cpu"].seed)
+    workers = {
+        dev: Worker(
+            "w0",
+            0,
+            spec,
+            data.refs[0],
+            None,
+            data.input_shape,
+            data.num_classes,
+            gpus=1.0 if dev == "cuda" else 0.0,
+        )
+        for dev, spec in specs.items()
+    }
+    out = {}
+    for g, (dev, w) in enumerate(workers.items(), start=1):
+        w.join(w.group.open_store(g, 1, "nccl" if dev == "cuda" else "gloo", host="127.0.0.1"), 0)
+        try:
+            res = w.run_segment(_steps(3))
+            assert res.error is None, res.error
+            test = DataRef(specs[dev].dataset, specs[dev].seed, "test")
+            sums = w.evaluate_shard(test, None, 0, len(test.open()), batch=7)["sums"]
+            out[dev] = ([s.loss_sum for s in res.steps], w.state()["model"], sums)
+        finally:
+            w.leave()
+    assert next(iter(workers["cuda"].params)).is_cuda
+    gpu, cpu = out["cuda"], out["cpu"]
+    assert gpu[0] == pytest.approx(cpu[0], rel=1e-4)
+    for k, v in cpu[1].items():
+        torch.testing.assert_close(gpu[1][k], v, atol=1e-5, rtol=1e-4)
+    assert gpu[2]["n"] == cpu[2]["n"] and gpu[2]["accuracy"] == cpu[2]["accuracy"]
+    assert gpu[2]["loss"] == pytest.approx(cpu[2]["loss"], rel=1e-4)
 
 
 def test_out_of_memory_halving_slices_dict_batches():
