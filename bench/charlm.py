@@ -24,7 +24,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 from dynabatch.actors.spec import load_spec
 from dynabatch.actors.workloads import text
 from dynabatch.actors.workloads.datasets import load_dataset
-from dynabatch.service.cli.run import run_job
+from dynabatch.api.cli.run import run_job
 from rich.console import Console
 
 TARGET_REDUCTION = 0.30

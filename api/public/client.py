@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 
 import httpx
 from dynabatch.actors.spec import SpecError
+from dynabatch.api.cli.common import CliError, check_job_id, check_worker
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, LogLine
 from dynabatch.service.artifacts import unzip_model
-from dynabatch.service.cli.common import CliError, check_job_id, check_worker
 from dynabatch.service.client import DEFAULT_URL, ApiError, ConnectionFailed, DynabatchClient
 from dynabatch.service.schemas import JobDetail, JobSummary
 from dynabatch.specs import SpecLike, resolve_spec

@@ -1,7 +1,7 @@
 """``dynabatch.run(spec)``: train a job from a script or a notebook, as ``dynabatch run`` does.
 
 The job runs on an embedded local Ray (or the cluster at ``address``) through the command's
-own path (:func:`dynabatch.service.cli.run.run_job`); instead of the command's live table, a
+own path (:func:`dynabatch.api.cli.run.run_job`); instead of the command's live table, a
 tqdm progress bar counts the job's steps, one line per finished epoch is printed above it
 (the table's columns), and the job's log lines scroll above both.
 """
@@ -17,10 +17,10 @@ from typing import Any
 from dynabatch.actors.data.fs import join
 from dynabatch.actors.export import has_model
 from dynabatch.actors.spec import SpecError
+from dynabatch.api.cli.common import one_line, out_console
+from dynabatch.api.cli.run import EPOCH_COLUMNS, epoch_cells, option_problem, run_job
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, scores_text
-from dynabatch.service.cli.common import one_line, out_console
-from dynabatch.service.cli.run import EPOCH_COLUMNS, epoch_cells, option_problem, run_job
 from dynabatch.specs import SpecLike, resolve_spec
 
 __all__ = ["RunResult", "run"]

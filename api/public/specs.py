@@ -1,7 +1,7 @@
 """A job spec as the Python API takes it: a :class:`JobSpec`, a mapping, or a config file.
 
 ``Client.submit`` and ``dynabatch.run`` read it as ``dynabatch submit`` and ``dynabatch run``
-read a config (:mod:`dynabatch.service.cli.config`): a local ``working_dir`` made absolute and
+read a config (:mod:`dynabatch.api.cli.config`): a local ``working_dir`` made absolute and
 checked, and the spec validated, before anything is sent or started. Every problem is one
 :class:`SpecError` line naming the field (and the file, for a config file).
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from dynabatch.actors.spec import JobSpec, SpecError
-from dynabatch.service.cli.common import CliError
-from dynabatch.service.cli.config import mapping_config, read_config
+from dynabatch.api.cli.common import CliError
+from dynabatch.api.cli.config import mapping_config, read_config
 
 # What the Python API accepts as a job: a spec, its fields, or a YAML (or JSON) file's path.
 SpecLike: TypeAlias = JobSpec | dict[str, Any] | str | os.PathLike[str]

@@ -78,7 +78,8 @@ def ray_head() -> Iterator[str]:
                 raise AssertionError(f"ray start exited:\n{tail(log)}")
             return "block forever" in log.read_text(errors="replace")
 
-        wait_for("the Ray head to start", started, timeout=90)
+        # A liveness bound: on a loaded host (several Rays starting at once) it took over 90 s.
+        wait_for("the Ray head to start", started, timeout=180)
         yield f"127.0.0.1:{port}"
     finally:
         stop_process(proc, grace=5.0)

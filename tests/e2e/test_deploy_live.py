@@ -88,7 +88,7 @@ def live_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     argv = [
         sys.executable,
         "-m",
-        "dynabatch.service.cli",
+        "dynabatch.api.cli",
         "serve",
         "--host",
         "127.0.0.1",

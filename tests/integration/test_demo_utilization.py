@@ -3,7 +3,7 @@ cluster shows the product: the policy moves work off the slow nodes (heterogenei
 visible in the batches), and utilization is measured from the workers' reports.
 
 Utilization is the figure `dynabatch run` prints and writes to its report
-(``dynabatch.service.cli.run.utilization_summary``): the workers' compute over their wall
+(``dynabatch.api.cli.run.utilization_summary``): the workers' compute over their wall
 time, over the epochs trained under the policy's measured plan (the first plan has no
 measurements, and the segment sent ahead across the first epoch's end keeps it). Emulated
 compute is thread CPU time, so a worker's own preemption is not counted against it; a
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 from dynabatch.actors.spec.loading import load_spec
+from dynabatch.api.cli.run import utilization_summary
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.sync.coordinator import Coordinator
-from dynabatch.service.cli.run import utilization_summary
 
 pytestmark = pytest.mark.integration
 

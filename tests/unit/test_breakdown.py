@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 from dynabatch.actors.contracts import StepTelemetry
+from dynabatch.api.cli.views import breakdown_table
 from dynabatch.scheduler.runtime.seam import ShardResult
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.scheduler.sync.epoch_report import EpochTotals, with_scores
 from dynabatch.scheduler.sync.evaluation import EvalRound
 from dynabatch.scheduler.telemetry import EpochRecord, StepBreakdown
-from dynabatch.service.cli.views import breakdown_table
 from rich.console import Console
 
 from tests.fakes import EVAL_SPEEDUP, FakeRuntime

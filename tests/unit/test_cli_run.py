@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import typer
 from dynabatch.actors.spec import parse_spec
+from dynabatch.api.cli import run as run_cli
+from dynabatch.api.cli.common import CliError
+from dynabatch.api.cli.config import read_config
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from dynabatch.service.cli import run as run_cli
-from dynabatch.service.cli.common import CliError
-from dynabatch.service.cli.config import read_config
 from rich.console import Console
 from typer.testing import CliRunner
 

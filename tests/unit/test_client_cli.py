@@ -13,7 +13,7 @@ import httpx
 import pytest
 import typer
 from dynabatch.api.app import create_app
-from dynabatch.service.cli import jobs as client_cli
+from dynabatch.api.cli import jobs as client_cli
 from dynabatch.service.client import ApiError, ConnectionFailed, DynabatchClient
 from dynabatch.service.settings import Settings
 from fastapi.testclient import TestClient
@@ -447,7 +447,7 @@ def test_working_dir_is_zipped_and_uploaded_and_the_job_names_the_upload(
 
 # Issue 24 -----------------------------------------------------------------------------
 def test_version() -> None:
-    from dynabatch.service.cli import _register, app
+    from dynabatch.api.cli import _register, app
 
     _register()
     result = CliRunner().invoke(app, ["--version"])

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 from dynabatch.actors.spec import JobSpec, parse_spec
+from dynabatch.api.cli import run as run_cli
 from dynabatch.scheduler.core.cluster.nodes import RayNode
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime import cluster as cluster_rt
 from dynabatch.service import scheduling
-from dynabatch.service.cli import run as run_cli
 from rich.console import Console
 
 from tests.fakes import FakeCluster

@@ -17,6 +17,8 @@ import pytest
 import typer
 from dynabatch.actors.spec import JobSpec
 from dynabatch.api.app import create_app
+from dynabatch.api.cli import cluster as cluster_cli
+from dynabatch.api.cli import jobs as jobs_cli
 from dynabatch.scheduler.core.cluster import (
     ClusterJob,
     ClusterKnobs,
@@ -25,8 +27,6 @@ from dynabatch.scheduler.core.cluster import (
     decide,
 )
 from dynabatch.scheduler.core.cluster.view import ClusterView, view_of
-from dynabatch.service.cli import cluster as cluster_cli
-from dynabatch.service.cli import jobs as jobs_cli
 from dynabatch.service.client import DynabatchClient
 from dynabatch.service.jobs import JobService
 from dynabatch.service.settings import Settings

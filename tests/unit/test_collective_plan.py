@@ -205,7 +205,7 @@ def test_the_gpu_check_runs_bare_on_the_cpu_and_reports_its_json(tmp_path):
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=480,  # a liveness bound (about 45 s alone, 240+ at a load of 30)
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())

@@ -68,7 +68,7 @@ def _epoch(epoch: int, batches: list[int], util: float, wall: float) -> EpochRec
 
 
 def test_the_report_gives_the_runs_utilization_under_the_measured_plan():
-    from dynabatch.service.cli.run import utilization_line, utilization_summary
+    from dynabatch.api.cli.run import utilization_line, utilization_summary
 
     history = [_epoch(0, [86, 85, 85], 0.45, 1.0), _epoch(1, [86, 85, 85], 0.47, 1.0),
                _epoch(2, [178, 64, 14], 0.60, 0.6), _epoch(3, [180, 65, 11], 0.66, 0.6)]

@@ -220,7 +220,7 @@ def env_of(service: str) -> dict[str, str]:
 def serve_command() -> Any:
     """The real click command behind `dynabatch serve`."""
     import typer
-    from dynabatch.service import cli
+    from dynabatch.api import cli
 
     cli._register()
     group = typer.main.get_command(cli.app)
@@ -421,7 +421,7 @@ def test_ports_are_consistent() -> None:
 def test_api_listens_beyond_loopback_only_with_a_token_or_insecure() -> None:
     """`dynabatch serve` exits on a public address without a token unless --insecure: the
     deployments must say which (compose: an optional token, so --insecure; k8s: a token)."""
-    from dynabatch.service.cli.jobs import is_loopback
+    from dynabatch.api.cli.jobs import is_loopback
 
     params = parse_serve(command("api"))
     raw = yaml.safe_load(COMPOSE.read_text())["services"]["api"]["environment"]

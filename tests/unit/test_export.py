@@ -21,11 +21,11 @@ from dynabatch.actors.export import ExportError, load_model, model_files, write_
 from dynabatch.actors.spec import JobSpec, parse_spec
 from dynabatch.actors.workloads.models import build_model
 from dynabatch.api.app import create_app
+from dynabatch.api.cli import model as model_cli
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime.seam import DataInfo
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.service.artifacts import keep_model, models_dir
-from dynabatch.service.cli import model as model_cli
 from dynabatch.service.client import DynabatchClient
 from dynabatch.service.settings import Settings
 from dynabatch.service.submit_policy import SubmitPolicy, check_submission

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import typer
 from dynabatch.api.app import create_app
+from dynabatch.api.cli import jobs as client_cli
 from dynabatch.scheduler.runtime.seam import DataInfo
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.scheduler.sync.epoch_report import summary
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot
-from dynabatch.service.cli import jobs as client_cli
 from dynabatch.service.client import DynabatchClient
 from dynabatch.service.schemas import JobDetail
 from dynabatch.service.settings import Settings
@@ -51,7 +51,7 @@ def test_the_epoch_line_shows_the_jobs_own_metrics():
 
 
 def test_the_final_line_shows_the_jobs_own_metrics():
-    from dynabatch.service.cli.run import final_line
+    from dynabatch.api.cli.run import final_line
 
     snap = JobSnapshot(job_id="ab" * 6, name="diabetes", state="SUCCEEDED",
                        test_metrics=REGRESSION)

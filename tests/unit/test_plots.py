@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import typer
+from dynabatch.api.cli import run as run_cli
 from dynabatch.service import plots
-from dynabatch.service.cli import run as run_cli
 from typer.testing import CliRunner
 
 

@@ -191,8 +191,8 @@ def test_dynabatch_simulate_routes_a_ps_spec_to_the_ps_simulator(tmp_path):
     import json
 
     import typer
-    from dynabatch.service.cli import run as run_cli
-    from dynabatch.service.cli import simulate as sim_cli
+    from dynabatch.api.cli import run as run_cli
+    from dynabatch.api.cli import simulate as sim_cli
     from typer.testing import CliRunner
 
     (tmp_path / "job.yaml").write_text(

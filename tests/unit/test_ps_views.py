@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dynabatch.actors.spec import JobSpec
+from dynabatch.api.cli.jobs import _ps_table
 from dynabatch.api.metrics_ps import ps_families
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.ps.batch_policy import PerfAwareBatches
@@ -10,7 +11,6 @@ from dynabatch.scheduler.core.ps.machine import PSCore
 from dynabatch.scheduler.core.ps.protocol import PSConfig
 from dynabatch.scheduler.ps.driver import ps_status
 from dynabatch.scheduler.telemetry import JobSnapshot
-from dynabatch.service.cli.jobs import _ps_table
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 from rich.console import Console
@@ -58,7 +58,7 @@ def test_prometheus_families():
 
 
 def test_run_live_view_shows_staleness_per_worker():
-    from dynabatch.service.cli.run import render
+    from dynabatch.api.cli.run import render
 
     console = Console(width=160, record=True)
     console.print(render(_snapshot(), []))

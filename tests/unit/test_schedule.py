@@ -678,7 +678,7 @@ def test_tune_spends_at_most_its_budget_and_writes_a_loadable_config(tmp_path):
     pytest.importorskip("torch")
     import yaml
     from dynabatch.actors.spec import load_spec
-    from dynabatch.service.cli import _register, app
+    from dynabatch.api.cli import _register, app
     from typer.testing import CliRunner
 
     cfg = tmp_path / "job.yaml"

@@ -22,6 +22,8 @@ import pytest
 import typer
 from dynabatch.actors.contracts import SegmentResult, StepTelemetry, encode_counts
 from dynabatch.actors.spec import JobSpec
+from dynabatch.api.cli import run as run_cli
+from dynabatch.api.cli import simulate as sim_cli
 from dynabatch.scheduler.core.failures import WorkerOutcome
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import NodeInfo
@@ -35,8 +37,6 @@ from dynabatch.scheduler.sim.cost_model import (
 )
 from dynabatch.scheduler.sim.profiles import profiles_from_report
 from dynabatch.scheduler.sim.simulator import simulate
-from dynabatch.service.cli import run as run_cli
-from dynabatch.service.cli import simulate as sim_cli
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 from dynabatch.actors.spec import JobSpec, SpecError, parse_spec
+from dynabatch.api.cli.run import local_tracking
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.scheduler.tracking import Tracking
-from dynabatch.service.cli.run import local_tracking
 from dynabatch.service.submit_policy import SubmitPolicy, check_submission
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -202,7 +202,7 @@ def test_a_parameter_server_job_writes_its_epochs(tmp_path):
 # The service and the CLI -----------------------------------------------------------------
 def test_a_service_refuses_a_directory_outside_its_root_and_status_shows_where(tmp_path):
     from dynabatch.api.app import create_app
-    from dynabatch.service.cli import jobs as client_cli
+    from dynabatch.api.cli import jobs as client_cli
     from dynabatch.service.client import DynabatchClient
     from dynabatch.service.settings import Settings
     from fastapi.testclient import TestClient

@@ -49,6 +49,12 @@ SURPRISE = 1.5
 # workers' steps of 1-3 ms vary 0.5-2x, and a segment of two steps was off by 1.5x about
 # one time in ten, restarting the model and DBS's window on noise.
 SURPRISE_Z = 3.0
+# ... and only by a model of at least this many steps since the last change. A model of
+# the one segment that showed a change is as noisy as what it would be held to: two steps
+# at 0.5x read as a change, the model restarted from them, and the next two steps at 2x
+# read as a slowdown against it, which DBS then followed in full (equal workers split
+# 18/12/18 of 48 on noise alone).
+MIN_MODEL_STEPS = 3
 
 
 # The surprise test trusts a model measured at one batch size only this far from it: a
@@ -67,6 +73,10 @@ NEAR = 0.25
 NOISE_DECAY = 0.98
 PRIOR_NOISE = 0.4
 PRIOR_DOF = 4.0
+
+
+# MIN_MODEL_STEPS in the decayed weight that StepTimeStats.n counts.
+MIN_MODEL_WEIGHT = (1.0 - STATS_DECAY**MIN_MODEL_STEPS) / (1.0 - STATS_DECAY) - 1e-9
 
 
 def _predicts(stats: StepTimeStats, batch: float) -> bool:
@@ -296,7 +306,7 @@ class Tracker:
         changed = False
         f = fit(t.stats)
         mean_b = sum(b for b, _ in obs) / len(obs)
-        if f is not None and _predicts(t.stats, mean_b):
+        if f is not None and t.stats.n >= MIN_MODEL_WEIGHT and _predicts(t.stats, mean_b):
             mean_t = sum(s for _, s in obs) / len(obs)
             pred = f.predict(mean_b)
             bound = max(SURPRISE, math.exp(SURPRISE_Z * math.sqrt(

@@ -3,7 +3,7 @@
 Two tables: the nodes (type, worker slots used of total, the jobs holding them) and the
 queue (position, job, priority, why it waits); ``--json`` prints ``GET /v1/cluster``'s
 answer as it is. Errors are one line, as for every client command
-(:mod:`dynabatch.service.cli.common`).
+(:mod:`dynabatch.api.cli.common`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from dynabatch.service.cli.common import api_client, out_console, print_plain
-from dynabatch.service.cli.jobs import Token, Url
+from dynabatch.api.cli.common import api_client, out_console, print_plain
+from dynabatch.api.cli.jobs import Token, Url
 from dynabatch.service.client import DEFAULT_URL
 from dynabatch.service.cluster_schemas import ClusterState
 from rich.console import Group

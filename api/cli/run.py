@@ -15,9 +15,7 @@ from typing import Annotated, Any, Protocol
 import typer
 from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
-from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, scores_text
-from dynabatch.service.cli.common import (
+from dynabatch.api.cli.common import (
     CliError,
     log_text,
     one_line,
@@ -25,8 +23,10 @@ from dynabatch.service.cli.common import (
     print_plain,
     stderr,
 )
-from dynabatch.service.cli.config import SetOption, read_config
-from dynabatch.service.cli.views import breakdown_table, tensorboard_line
+from dynabatch.api.cli.config import SetOption, read_config
+from dynabatch.api.cli.views import breakdown_table, tensorboard_line
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, scores_text
 from dynabatch.service.labels import node_label
 from rich.console import Console, Group
 from rich.live import Live
@@ -64,7 +64,7 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
         epochs.add_row(*epoch_cells(r))
     parts = [head, workers, epochs]
     if snap.ps is not None:  # protocol ps: per-learner staleness
-        from dynabatch.service.cli.jobs import _ps_table
+        from dynabatch.api.cli.jobs import _ps_table
 
         parts.append(_ps_table(snap.ps))
     if snap.step_breakdown is not None:

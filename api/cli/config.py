@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 import yaml
 from dynabatch.actors.spec import JobSpec, SpecError, parse_spec
-from dynabatch.service.cli.common import CliError, one_line
+from dynabatch.api.cli.common import CliError, one_line
 from dynabatch.service.code_store import local_working_dir
 
 # ``--set FIELD=VALUE`` of ``run`` and ``submit``: one option, read by :func:`read_config`.

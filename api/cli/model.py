@@ -3,7 +3,7 @@
 The directory gets ``model.safetensors``, ``best.safetensors`` (when the job kept one) and
 ``manifest.json``, as ``GET /v1/jobs/{id}/model`` serves them; ``dynabatch.load_model(DIR)``
 rebuilds the module from it. Errors are one ``error: ...`` line and exit status 1, as the
-other client commands (:mod:`dynabatch.service.cli.common`).
+other client commands (:mod:`dynabatch.api.cli.common`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from dynabatch.api.cli.common import CliError, api_client
+from dynabatch.api.cli.jobs import JobIdArg, Token, Url
 from dynabatch.service.artifacts import unzip_model
-from dynabatch.service.cli.common import CliError, api_client
-from dynabatch.service.cli.jobs import JobIdArg, Token, Url
 from dynabatch.service.client import DEFAULT_URL
 
 

@@ -4,7 +4,7 @@
 ``scale ID N``, ``drain ID WORKER`` and ``resume ID`` talk to ``--url`` (``DYNABATCH_URL``)
 with ``--token`` (``DYNABATCH_API_TOKEN``). Any failure prints
 one line, ``error: ...``, on stderr and exits 1; never a traceback
-(:mod:`dynabatch.service.cli.common`, which also says how tests inject a client). ``serve``
+(:mod:`dynabatch.api.cli.common`, which also says how tests inject a client). ``serve``
 exits 2 when it refuses to listen beyond loopback without a token (``--insecure`` overrides
 that).
 """
@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.telemetry import LogLine, scores_text
-from dynabatch.service.cli.common import (
+from dynabatch.api.cli.common import (
     CliError,
     api_client,
     log_text,
@@ -34,8 +32,10 @@ from dynabatch.service.cli.common import (
     stderr,
     timestamp,
 )
-from dynabatch.service.cli.config import SetOption, read_config
-from dynabatch.service.cli.views import breakdown_table, tensorboard_line
+from dynabatch.api.cli.config import SetOption, read_config
+from dynabatch.api.cli.views import breakdown_table, tensorboard_line
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.telemetry import LogLine, scores_text
 from dynabatch.service.client import DEFAULT_URL, DynabatchClient
 from dynabatch.service.labels import node_label
 from dynabatch.service.schemas import JobDetail
@@ -536,7 +536,7 @@ def register(app: typer.Typer) -> None:
     app.command("resume")(resume)
 
 
-def main() -> None:  # pragma: no cover - ``dynabatch`` is dynabatch.service.cli:main
+def main() -> None:  # pragma: no cover - ``dynabatch`` is dynabatch.api.cli:main
     app = typer.Typer(pretty_exceptions_enable=False, no_args_is_help=True)
     register(app)
     app()

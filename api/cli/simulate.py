@@ -18,13 +18,13 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from dynabatch.actors.spec import POLICIES, JobSpec, SpecError, load_spec
+from dynabatch.api.cli import views
+from dynabatch.api.cli.run import render, write_report
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, ClusterSpec, load_cluster
 from dynabatch.scheduler.sim.profiles import cluster_from_profiles, profiles_from_report
 from dynabatch.scheduler.sim.simulator import SimResult, simulate
 from dynabatch.scheduler.telemetry import WorkerStatus
-from dynabatch.service.cli import views
-from dynabatch.service.cli.run import render, write_report
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -172,9 +172,9 @@ def run_ps(spec: JobSpec, cl: ClusterSpec, console: Console, report: Path | None
     """A ``protocol: ps`` spec: the parameter-server simulator (dynabatch.scheduler.sim.ps: the same
     core as on Ray, real gradients, the cluster's push/pull costs). True if it finished."""
     from dynabatch.actors.workloads.datasets import load_dataset
+    from dynabatch.api.cli.jobs import _ps_table
     from dynabatch.scheduler.ps.driver import build_core, ps_status
     from dynabatch.scheduler.sim.ps import learners_on, simulate_ps
-    from dynabatch.service.cli.jobs import _ps_table
 
     config = learners_on(spec, cl)
     ds = load_dataset(spec.dataset, seed=spec.seed)

@@ -1,5 +1,5 @@
 """The ``dynabatch`` command line: ``run`` trains a config on Ray; client commands talk to
-the REST service (see :mod:`dynabatch.service.cli.jobs`)."""
+the REST service (see :mod:`dynabatch.api.cli.jobs`)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _root(
 
 
 def _register() -> None:
-    from dynabatch.service.cli import cluster, jobs, model, run, simulate, tune
+    from dynabatch.api.cli import cluster, jobs, model, run, simulate, tune
 
     run.register(app)
     simulate.register(app)

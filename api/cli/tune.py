@@ -13,9 +13,9 @@ from typing import Annotated, NoReturn
 import typer
 import yaml
 from dynabatch.actors.spec import SpecError, load_spec
+from dynabatch.api.cli import views
+from dynabatch.api.cli.simulate import quiet_engine
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, load_cluster, parse_cluster
-from dynabatch.service.cli import views
-from dynabatch.service.cli.simulate import quiet_engine
 from dynabatch.service.tune import Probe, TuneError, tune
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
