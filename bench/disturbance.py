@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,32 @@ def _first_held(per_step: list[dict[str, Any]], start: int, ok: Any) -> int | No
     return None
 
 
+def per_step_balance(reports: Iterable[list[Any]]) -> list[dict[str, Any]]:
+    """One row per committed step (the reports ``Coordinator.watch_steps`` passes, one per
+    worker): its epoch, step, compute balance (mean / max of the workers' compute times) and
+    the workers' batches."""
+    rows = []
+    for row in reports:
+        if not row:
+            continue
+        times = [s.compute_s for s in row]
+        rows.append({"epoch": row[0].epoch, "step": row[0].step,
+                     "balance": statistics.mean(times) / max(times),
+                     "batches": {s.worker: s.batch for s in row}})
+    return rows
+
+
+def disturbance_start(per_step: list[dict[str, Any]], at: int, epoch: int = 1) -> int:
+    """The index of the first step at or after the disturbance (``epoch``, step ``at``)."""
+    return next(i for i, r in enumerate(per_step) if r["epoch"] == epoch and r["step"] >= at)
+
+
+def steps_to_recover(per_step: list[dict[str, Any]], start: int) -> int | None:
+    """Steps from ``start`` until the per-step balance is >= TARGET for HOLD steps in a row
+    (None: never)."""
+    return _first_held(per_step, start, lambda r: r["balance"] >= TARGET)
+
+
 def run(policy: str, mode: str, check: int, args: argparse.Namespace,
         updates: bool = True, picard: bool = False) -> dict[str, Any]:
     coord = Coordinator(f"disturb-{policy}", spec_for(policy, mode, check, args),
@@ -89,15 +116,9 @@ def run(policy: str, mode: str, check: int, args: argparse.Namespace,
     snap = coord.run()
     if snap.state.value != "SUCCEEDED":
         raise RuntimeError(f"{policy}/{mode}: {snap.state.value}: {snap.reason}")
-    steps = [row for row in recent if row]
-    per_step = []
-    for row in steps:
-        times = [s.compute_s for s in row]
-        per_step.append({"epoch": row[0].epoch, "step": row[0].step,
-                         "balance": statistics.mean(times) / max(times),
-                         "batches": {s.worker: s.batch for s in row}})
-    start = next(i for i, r in enumerate(per_step) if r["epoch"] == 1 and r["step"] >= args.at)
-    recover = _first_held(per_step, start, lambda r: r["balance"] >= TARGET)
+    per_step = per_step_balance(recent)
+    start = disturbance_start(per_step, args.at)
+    recover = steps_to_recover(per_step, start)
     first = next((i - start for i in range(start, len(per_step))
                   if per_step[i]["balance"] >= TARGET), None)
     slowed = per_step[start]["batches"]

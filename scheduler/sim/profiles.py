@@ -9,8 +9,18 @@ policy's own
 estimator) recovers it. Dividing by the recorded emulated slowdown gives the node's own
 speed; the job spec's emulation re-applies it in the simulation. A worker whose batch never
 changed (a static run) cannot separate ``a`` from ``c`` and gets the proportional fit
-``a = 0``. The all-reduce is estimated as the median over epochs of the per-step wait of that
-epoch's slowest worker (the one nobody waits for), put into ``α`` for the run's ``n``.
+``a = 0``. An epoch in which a worker's emulated slowdown changed part-way (a disturbance
+of the report's spec that starts after the epoch's first step) gives that worker no point:
+its record carries one slowdown for steps that ran at two.
+
+The rest of a step (what the simulator charges as the all-reduce, put into ``α`` for the
+run's ``n``) is estimated from the epochs' wall time: per epoch, ``wall_s / steps`` less
+the slowest worker's compute per step, the median over the epochs after the first (which
+pays the workers' start-up). That is everything a step costs beyond its slowest compute:
+the all-reduce, the optimizer step, the coordinator's and the evaluation's share, and, where
+emulated nodes share a machine's cores, the compute's wait for a core (emulated compute is
+CPU time). A record without ``wall_s`` falls back to the per-step wait of the epoch's
+slowest worker (the one nobody waits for).
 """
 
 from __future__ import annotations
@@ -44,12 +54,14 @@ def profiles_from_report(report: dict[str, Any]) -> tuple[list[WorkerProfile], f
     stats: dict[str, StepTimeStats] = {}
     nodes: dict[str, str] = {}
     points: dict[str, int] = {}
-    waits: list[float] = []
+    rests: list[float] = []
+    mixed = _mixed_epochs(report)
     for e, rec in enumerate(history):
         workers = rec.get("workers") if isinstance(rec, dict) else None
         if not isinstance(workers, list):
             raise ClusterError(f"history.{e}.workers: missing")
         slowest: tuple[float, float] | None = None
+        epoch = rec.get("epoch", e)
         for w in workers:
             try:
                 steps = int(w["steps"])
@@ -60,14 +72,16 @@ def profiles_from_report(report: dict[str, Any]) -> tuple[list[WorkerProfile], f
                 raise ClusterError(f"history.{e}.workers: bad worker record ({err})") from None
             if steps <= 0 or part <= 0 or comp <= 0:
                 continue
+            if slowest is None or comp / steps > slowest[0]:
+                slowest = (comp / steps, wait / steps)
+            if (_ordinal(name)[0], epoch) in mixed:
+                continue
             x, y = part / steps, comp / steps / slow
             stats[name] = stats.get(name, StepTimeStats()).add(x, y)
             nodes[name] = node
             points[name] = points.get(name, 0) + 1
-            if slowest is None or comp / steps > slowest[0]:
-                slowest = (comp / steps, wait / steps)
         if slowest is not None:
-            waits.append(slowest[1])
+            rests.append(_rest_of_step(rec, slowest))
     out = []
     for name in sorted(stats, key=_ordinal):
         f = fit(stats[name])
@@ -76,7 +90,33 @@ def profiles_from_report(report: dict[str, Any]) -> tuple[list[WorkerProfile], f
         out.append(WorkerProfile(name, nodes[name], f.a, f.c, points[name]))
     if not out:
         raise ClusterError("history: no worker trained a sample")
-    return out, float(np.median(waits)) if waits else 0.0
+    rests = rests[1:] or rests  # the first epoch pays the workers' start-up
+    return out, float(np.median(rests)) if rests else 0.0
+
+
+def _rest_of_step(rec: dict[str, Any], slowest: tuple[float, float]) -> float:
+    """An epoch's step time beyond its slowest compute (see the module docstring)."""
+    try:
+        wall, steps = float(rec["wall_s"]), int(rec["steps"])
+    except (KeyError, TypeError, ValueError):
+        return slowest[1]
+    return max(0.0, wall / steps - slowest[0]) if steps > 0 else slowest[1]
+
+
+def _mixed_epochs(report: dict[str, Any]) -> set[tuple[float, int]]:
+    """(worker ordinal, epoch) pairs whose emulated slowdown changed after the epoch's first
+    step: the report spec's disturbances that start part-way through an epoch."""
+    spec = report.get("spec")
+    emulation = spec.get("emulation") if isinstance(spec, dict) else None
+    found = emulation.get("disturbances") if isinstance(emulation, dict) else None
+    out: set[tuple[float, int]] = set()
+    for d in found if isinstance(found, list) else []:
+        try:
+            if int(d.get("step", 0)) > 0:
+                out.add((float(d["worker"]), int(d["epoch"])))
+        except (AttributeError, KeyError, TypeError, ValueError):
+            continue  # a spec the run itself validated; nothing to leave out
+    return out
 
 
 def _ordinal(worker: str) -> tuple[float, str]:

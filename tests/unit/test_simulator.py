@@ -280,6 +280,43 @@ def test_profiles_fitted_from_a_report_recover_the_step_time_model():
     assert allreduce == pytest.approx(0.001)
 
 
+def test_profiles_from_a_report_charge_the_step_time_beyond_compute_from_the_epochs_wall():
+    # What a step costs beyond its slowest compute (the all-reduce, the optimizer, the
+    # coordinator's and the evaluation's share, a compute's wait for a shared core) is in
+    # the epoch's wall time, not in any worker's all-reduce wait; the first epoch pays the
+    # workers' start-up and is left out.
+    history = []
+    for e, rest in enumerate([0.5, 0.012, 0.010, 0.011]):
+        workers = [{"worker": w, "node": f"n-{w}", "partition": 10 * b, "steps": 10,
+                    "compute_s": 10 * (0.001 + 0.0001 * b), "wait_s": 10 * 0.001}
+                   for w, b in (("w0", 40 + e), ("w1", 24 - e))]
+        slowest = max(w["compute_s"] for w in workers) / 10
+        history.append({"epoch": e, "steps": 10, "wall_s": 10 * (slowest + rest),
+                        "workers": workers})
+    _, allreduce = profiles_from_report({"history": history})
+    assert allreduce == pytest.approx(0.011)
+
+
+def test_profiles_from_a_report_leave_out_an_epoch_whose_slowdown_changed_mid_way():
+    # w1 runs 4x slower from epoch 1, step 5: its epoch-1 record (one slowdown, 4) mixes
+    # steps at 1x and 4x and would put the node's own speed too low.
+    a, c = 0.002, 0.0001
+    history = []
+    for e, b in enumerate([32, 24, 16]):
+        slow = [1.0, 0.5 * 1 + 0.5 * 4, 4.0][e]  # epoch 1: half its steps at each
+        workers = [{"worker": "w0", "node": "n0", "partition": 10 * (64 - b), "steps": 10,
+                    "compute_s": 10 * (a + c * (64 - b)), "wait_s": 0.01},
+                   {"worker": "w1", "node": "n1", "partition": 10 * b, "steps": 10,
+                    "compute_s": 10 * (a + c * b) * slow, "wait_s": 0.01,
+                    "slowdown": 1.0 if e == 0 else 4.0}]
+        history.append({"epoch": e, "workers": workers})
+    spec = {"emulation": {"disturbances": [{"worker": 1, "factor": 4.0, "epoch": 1,
+                                            "step": 5}]}}
+    profiles, _ = profiles_from_report({"spec": spec, "history": history})
+    assert [(p.worker, p.points) for p in profiles] == [("w0", 3), ("w1", 2)]
+    assert (profiles[1].a_s, profiles[1].c_s) == pytest.approx((a, c))
+
+
 # ------------------------------------------------------------------ (c) bad input
 @pytest.mark.parametrize(("data", "field"), [
     ({"events": [{"at_s": 1, "join": {"class": "gpu"}}]}, "events.0.join.class: unknown node"),
