@@ -31,7 +31,7 @@ chromium:
 # pytest workers (pytest-xdist): 2 runs the Ray groups beside the unit tier, as
 # tests/conftest.py's xdist_group_of groups them (docs/testing.md, "Suite time");
 # PYTEST_WORKERS=0 runs the suite serially in one process.
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 2
 
 test: $(STAMP) prometheus chromium
 	$(BIN)/ruff check .

@@ -21,43 +21,21 @@ settings.load_profile("dynabatch")
 OWN_RAY_MODULES = frozenset({"test_auto_resume.py", "test_busy_host.py", "test_shadowing.py"})
 
 
-# The integration modules of the session cluster's second group (see xdist_group_of): about
-# half of the tier's time, by the durations of a serial run.
-SECOND_CLUSTER_MODULES = frozenset(
-    {
-        "test_cluster_scheduler.py",
-        "test_data.py",
-        "test_export.py",
-        "test_hf.py",
-        "test_ps.py",
-        "test_python_run.py",
-        "test_session_cluster.py",
-        "test_tracking.py",
-        "test_training.py",
-    }
-)
-
-
 def xdist_group_of(nodeid: str) -> str | None:
-    """The group a test runs in under ``pytest -n N --dist loadgroup``, by its path.
+    """The group a test runs in under ``pytest -n 2 --dist loadgroup``, by its path.
 
-    The integration tests that use the session's ``cluster`` are in two groups of about equal
-    time: each group runs on one worker, which starts its own session cluster once and runs
-    the group's tests one after another. One group was the suite's floor (about 850 s of its
-    900 s on two workers): the tests wait on Ray far more than they compute, so two clusters
-    side by side halve it. The end-to-end tier is one group too: its modules share processes
-    (the Ray head, the API, Prometheus, Chromium) held by module- and session-scoped
-    fixtures, which a split would start twice. Everything else (the unit tier, the
-    integration tests of OWN_RAY_MODULES) is spread over the workers as they free up.
+    Every integration test that uses the session's ``cluster`` is in one group, so one worker
+    starts that cluster once and runs them one after another, as a serial run does. The
+    end-to-end tier is one group too: its modules share processes (the Ray head, the API,
+    Prometheus, Chromium) held by module- and session-scoped fixtures, which a split would
+    start twice. Everything else (the unit tier, the integration tests of OWN_RAY_MODULES)
+    is spread over the workers as they free up.
     """
     path = nodeid.split("::", 1)[0]
     if path.startswith("tests/e2e/"):
         return "e2e"
-    if path.startswith("tests/integration/"):
-        module = path.rsplit("/", 1)[-1]
-        if module in OWN_RAY_MODULES:
-            return None
-        return "ray-cluster-2" if module in SECOND_CLUSTER_MODULES else "ray-cluster-1"
+    if path.startswith("tests/integration/") and path.rsplit("/", 1)[-1] not in OWN_RAY_MODULES:
+        return "ray-cluster"
     return None
 
 

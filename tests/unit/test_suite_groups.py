@@ -1,10 +1,9 @@
-"""How ``pytest -n N --dist loadgroup`` splits the suite over its workers
+"""How ``pytest -n 2 --dist loadgroup`` splits the suite over two workers
 (``tests/conftest.py``).
 
-The integration tests on the session's Ray cluster stay in two groups (one worker and one
-cluster each, run one after another); a module listed in either must exist; a module listed
-as starting its own Ray must exist and not use that cluster, or it would run beside the
-groups and start another one.
+The integration tests on the session's Ray cluster must stay in one group (one worker, one
+cluster, run one after another); a module listed as starting its own Ray must exist and not
+use that cluster, or it would run beside the group and start a second one.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.conftest import OWN_RAY_MODULES, SECOND_CLUSTER_MODULES, xdist_group_of
+from tests.conftest import OWN_RAY_MODULES, xdist_group_of
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -27,8 +26,7 @@ def _test_params(module: Path) -> set[str]:
 
 
 def test_each_tier_gets_its_group() -> None:
-    assert xdist_group_of("tests/integration/test_elastic.py::test_x[a-b]") == "ray-cluster-1"
-    assert xdist_group_of("tests/integration/test_training.py::test_x") == "ray-cluster-2"
+    assert xdist_group_of("tests/integration/test_elastic.py::test_x[a-b]") == "ray-cluster"
     assert xdist_group_of("tests/e2e/test_service_e2e.py::test_y") == "e2e"
     assert xdist_group_of("tests/unit/test_policy.py::test_z") is None
     for name in OWN_RAY_MODULES:
@@ -40,10 +38,3 @@ def test_modules_that_start_their_own_ray_exist_and_never_ask_for_the_cluster() 
         module = TESTS / "integration" / name
         assert module.is_file(), f"{name} is listed in OWN_RAY_MODULES but does not exist"
         assert "cluster" not in _test_params(module), f"{name} uses the session cluster"
-
-
-def test_the_second_cluster_group_lists_modules_that_exist_on_the_cluster() -> None:
-    for name in SECOND_CLUSTER_MODULES:
-        module = TESTS / "integration" / name
-        assert module.is_file(), f"{name} is listed in SECOND_CLUSTER_MODULES but does not exist"
-        assert name not in OWN_RAY_MODULES, f"{name} is listed as starting its own Ray"
