@@ -29,7 +29,12 @@ def min_workers_problem(spec: JobSpec, nodes: Sequence[ClusterNode]) -> str | No
     alive = [n for n in nodes if n.alive]
     if need is None or not alive:
         return None
-    problem = gang_error([RayNode(n.node_id, n.resources) for n in alive], need, spec.node_resource)
+    problem = gang_error(
+        [RayNode(n.node_id, n.resources) for n in alive],
+        need,
+        spec.node_resource,
+        worker_gpus=spec.worker_gpus,
+    )
     if problem:
         return problem
     held = sum(spec.workers_on(n.resources) for n in alive)

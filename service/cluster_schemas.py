@@ -26,8 +26,10 @@ class ClusterNodeState(BaseModel):
         description="A Ray label or resource, or derived from the node's "
         "resources (GPU model, CPU count)."
     )
-    capacity: int = Field(description="Worker slots the node offers.")
-    used: int = Field(description="Slots held by jobs.")
+    capacity: float = Field(description="GPUs on a GPU node, else CPU slots: what it offers.")
+    used: float = Field(
+        description="What jobs' workers hold of it (GPUs, fractions where they share one)."
+    )
     jobs: list[NodeHolder] = Field(description="The jobs holding its slots.")
 
 
@@ -94,8 +96,8 @@ class SchedulerState(BaseModel):
     policy: str = Field(description="fifo, fair or goodput (DYNABATCH_CLUSTER_POLICY).")
     round: int = Field(description="The round these allocations come from.")
     decided_s: float = Field(description="When it was decided, on the scheduler's clock.")
-    capacity: int = Field(description="Worker slots over all nodes.")
-    used: int = Field(description="Slots held by jobs.")
+    capacity: float = Field(description="GPUs of the GPU nodes plus CPU slots of the others.")
+    used: float = Field(description="What jobs hold of it.")
     utilization: float = Field(description="used / capacity (0 on an empty cluster).")
     resizes: int = Field(description="Job resizes the scheduler made so far.")
 

@@ -25,7 +25,7 @@ def cluster_tables(state: ClusterState) -> Group:
     s = state.scheduler
     assert s is not None  # the caller prints the message instead
     head = Text(
-        f"policy {s.policy}  round {s.round}  slots {s.used}/{s.capacity}  "
+        f"policy {s.policy}  round {s.round}  slots {s.used:g}/{s.capacity:g}  "
         f"utilization {s.utilization:.2f}  resizes {s.resizes}"
     )
     nodes = Table(title=f"nodes ({len(state.nodes)})", expand=False)
@@ -33,7 +33,7 @@ def cluster_tables(state: ClusterState) -> Group:
         nodes.add_column(col, justify="right" if col == "slots" else "left")
     for n in state.nodes:
         jobs = ", ".join(f"{h.job_id} ({h.workers})" for h in n.jobs)
-        nodes.add_row(n.node_id, n.node_type, f"{n.used}/{n.capacity}", jobs or "-")
+        nodes.add_row(n.node_id, n.node_type, f"{n.used:g}/{n.capacity:g}", jobs or "-")
     queue = Table(title=f"queue ({len(state.queue)})", expand=False)
     for col in ("position", "job", "priority", "reason"):
         queue.add_column(col, justify="right" if col in ("position", "priority") else "left")

@@ -48,6 +48,7 @@ from dynabatch.scheduler.core.cluster.nodes import (
     cluster_nodes,
     eligible_types,
     gang_error,
+    gpu_units,
     job_bounds,
     node_type,
     slot_error,
@@ -116,7 +117,7 @@ def admissible(spec: JobSpec, nodes: Sequence[RayNode]) -> str | None:
     field)."""
     lo, _ = job_bounds(spec)
     return slot_error(spec.worker_gpus) or gang_error(
-        nodes, lo, spec.node_resource, spec.worker_cpus
+        nodes, lo, spec.node_resource, spec.worker_cpus, spec.worker_gpus
     )
 
 
@@ -314,6 +315,7 @@ class ClusterScheduler:
             e.submit_s,
             eligible_types(nodes, e.spec.node_resource),
             worker_slots(e.spec.worker_cpus),
+            gpu_units(e.spec.worker_gpus),
         )
 
     def _add(self, e: JobEntry) -> None:
@@ -380,6 +382,7 @@ class ClusterScheduler:
             tuple(assigned),
             r.eligible,
             r.worker_slots,
+            r.gpu_units,
         )
 
     # ------------------------------------------------------------------ rounds

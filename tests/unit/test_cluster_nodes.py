@@ -13,6 +13,7 @@ from dynabatch.scheduler.core.cluster.nodes import (
     slots,
     worker_slots,
 )
+from dynabatch.scheduler.core.cluster.values import GPU_UNITS
 
 
 def test_type_from_label_then_resource_then_resources():
@@ -28,7 +29,7 @@ def test_type_from_label_then_resource_then_resources():
 
 
 def test_slots_per_gpu_else_per_cpu_and_empty_nodes_left_out():
-    assert slots(RayNode("a", {"CPU": 16, "GPU": 2})) == 2
+    assert slots(RayNode("a", {"CPU": 16, "GPU": 2})) == 2 * GPU_UNITS  # shares of a GPU
     assert slots(RayNode("a", {"CPU": 3.5})) == 3
     assert slots(RayNode("a", {"CPU": 16, "GPU": 0.5})) == 16
     nodes = cluster_nodes(
@@ -49,7 +50,10 @@ def test_workers_of_several_gpus_are_refused_with_the_field():
 def test_a_worker_takes_its_cpus_in_slots_on_cpu_nodes_and_one_on_gpu_nodes():
     assert [worker_slots(c) for c in (0.25, 1.0, 1.5, 2.0)] == [1, 1, 2, 2]
     nodes = [RayNode("c", {"CPU": 5}), RayNode("g", {"CPU": 8, "GPU": 2})]
-    assert [(n.capacity, n.gpu) for n in cluster_nodes(nodes)] == [(5, False), (2, True)]
+    assert [(n.capacity, n.gpu) for n in cluster_nodes(nodes)] == [
+        (5, False),
+        (2 * GPU_UNITS, True),
+    ]
     # Workers of 2 CPUs: 2 whole on the 5-CPU node, one per GPU on the other.
     assert gang_error(nodes, 4, worker_cpus=2.0) is None
     assert gang_error(nodes, 5, worker_cpus=2.0) == (

@@ -1,11 +1,13 @@
 """The cluster scheduler's rounds (scheduler/core/cluster/rounds.py): random event sequences
 keep every node within capacity, start only whole gangs, never resize within the hold
-unless a node was lost, and a rebuilt scheduler touches no job."""
+unless a node was lost, and a rebuilt scheduler touches no job. The random runs mix in GPU
+nodes and jobs sharing GPUs (fractional ``worker_gpus``)."""
 
 from __future__ import annotations
 
 import pytest
 from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, ThroughputModel
+from dynabatch.scheduler.core.cluster.nodes import gpu_units
 from dynabatch.scheduler.core.cluster.rounds import (
     Assign,
     Bounds,
@@ -21,6 +23,7 @@ from dynabatch.scheduler.core.cluster.rounds import (
     rebuild,
     step,
 )
+from dynabatch.scheduler.core.cluster.values import GPU_UNITS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,10 +39,12 @@ def _nodes(spec: list[tuple[str, int]]) -> tuple[ClusterNode, ...]:
 def _events(draw):
     """A run of events over up to 5 jobs and 5 nodes, with time moving on by ticks."""
     n_nodes = draw(st.integers(1, 5))
-    all_nodes = [
-        ClusterNode(f"n{i}", draw(st.sampled_from(TYPES)), draw(st.integers(0, 3)))
-        for i in range(n_nodes)
-    ]
+    all_nodes = []
+    for i in range(n_nodes):
+        t = draw(st.sampled_from((*TYPES, "gpu")))
+        # A GPU node's capacity is its GPUs in shares of one.
+        cap = draw(st.integers(0, 3)) * (GPU_UNITS if t == "gpu" else 1)
+        all_nodes.append(ClusterNode(f"n{i}", t, cap, gpu=t == "gpu"))
     events: list = [NodesSeen(tuple(all_nodes))]
     now = 0.0
     for _ in range(draw(st.integers(1, 25))):
@@ -70,6 +75,7 @@ def _events(draw):
                     draw(st.integers(0, 2)),
                     now,
                     worker_slots=draw(st.sampled_from([1, 1, 2])),
+                    gpu_units=gpu_units(draw(st.sampled_from([1.0, 0.0, 0.5, 0.25, 1 / 3]))),
                 )
             )
         elif kind == "tick":
@@ -81,7 +87,7 @@ def _events(draw):
             keep = draw(st.lists(st.sampled_from(all_nodes), unique=True))
             events.append(NodesSeen(tuple(keep)))
         elif kind == "measure":
-            rates = {t: draw(st.floats(0.5, 10.0)) for t in TYPES}
+            rates = {t: draw(st.floats(0.5, 10.0)) for t in (*TYPES, "gpu")}
             events.append(Measured(jid, ThroughputModel.of(rates, rates, 0.01, 64.0)))
         elif kind == "bounds":
             lo = draw(st.integers(1, 3))
@@ -105,6 +111,7 @@ def test_random_runs_keep_capacity_gangs_and_holds(policy, events):
             assert commands == ()
             continue
         cap = {n.node_id: n.capacity for n in state.nodes}
+        gpu = {n.node_id: n.gpu for n in state.nodes}
         seen = set()
         for c in commands:
             assert c.job_id not in seen  # one command per job and round
@@ -126,13 +133,14 @@ def test_random_runs_keep_capacity_gangs_and_holds(policy, events):
                 if entry.last_resize_s is not None and event.now - entry.last_resize_s < HOLD:
                     assert lost or outside, (entry, c)
         # What the started jobs hold after the round fits every node (in slots: a worker of
-        # a job of worker_slots 2 takes two).
+        # a job of worker_slots 2 takes two; on a GPU node, its share of a GPU).
         used: dict[str, int] = {}
         for j in state.jobs:
             if j.started:
                 for node, k in j.allocation:
                     if node in cap:
-                        used[node] = used.get(node, 0) + k * j.worker_slots
+                        size = j.gpu_units if gpu[node] else j.worker_slots
+                        used[node] = used.get(node, 0) + k * size
         assert all(used[n] <= cap[n] for n in used), (used, cap)
         # Started jobs are never queued; their allocation is what the commands said.
         assert not [j for j in state.view.jobs if j.queued and state.job(j.job_id).started]

@@ -1,11 +1,13 @@
 """Issue 31: per-job slot sizes in the cluster policy (scheduler/core/cluster/).
 
-A worker takes ``worker_slots`` (``ceil(worker_cpus)``) slots on a CPU node and one on a
-GPU node. The policy's properties hold with such jobs mixed in: never over a node's slots,
-gangs whole or queued holding nothing, the queue in priority order, the same inputs giving
-the same decision, and no move when a decision is fed back (with sized workers, after
-at most one improvement: the per-type program does not see how free slots split over
-nodes, and a placement repaired for that may be bettered once).
+A worker takes ``worker_slots`` (``ceil(worker_cpus)``) slots on a CPU node and its
+``gpu_units`` on a GPU node (a GPU, or a share of one for fractional ``worker_gpus``: jobs
+share a GPU by the sum of their shares). The policy's properties hold with such jobs mixed
+in: never over a node's slots, gangs whole or queued holding nothing, the queue in
+priority order, the same inputs giving the same decision, and no move when a decision is
+fed back (with sized workers, after at most one improvement: the per-type program does not
+see how free slots split over nodes, and a placement repaired for that may be bettered
+once).
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ from dynabatch.scheduler.core.cluster import (
     ThroughputModel,
     decide,
 )
+from dynabatch.scheduler.core.cluster.nodes import gpu_units
 from dynabatch.scheduler.core.cluster.policy import SPLIT
 from dynabatch.scheduler.core.cluster.rounds import NodesSeen, Registered, RoundState, Tick, step
+from dynabatch.scheduler.core.cluster.values import GPU_UNITS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 TYPES = ("cpu-a", "cpu-b", "gpu")
+# worker_gpus a job may ask: a GPU each (1; 0 is a CPU-only worker, also a GPU there), or
+# shares that divide each other (1/2, 1/4) or not (1/3, 0.4: 2 per GPU as Ray packs them).
+SHARES = (1.0, 0.0, 0.5, 0.25, 1 / 3, 0.4)
 
 
 def _model(rates: dict[str, float]) -> ThroughputModel:
@@ -38,7 +45,8 @@ def _nodes(draw):
     out = []
     for i in range(draw(st.integers(1, 6))):
         t = draw(st.sampled_from(TYPES))
-        cap = draw(st.integers(0, 4 if t == "gpu" else 6))
+        # A GPU node's capacity: its GPUs, in shares of one.
+        cap = draw(st.integers(0, 4)) * GPU_UNITS if t == "gpu" else draw(st.integers(0, 6))
         out.append(ClusterNode(f"n{i}", t, cap, gpu=t == "gpu"))
     return out
 
@@ -58,6 +66,7 @@ def _jobs(draw):
                 priority=draw(st.integers(0, 2)),
                 submit_s=float(draw(st.integers(0, 5))),
                 worker_slots=draw(st.integers(1, 3)),
+                gpu_units=gpu_units(draw(st.sampled_from(SHARES))),
             )
         )
     return jobs
@@ -108,7 +117,7 @@ def test_sized_workers_keep_every_invariant(nodes, jobs, policy, hold):
     fed = _feed_back(jobs, first, 0.0)
     again = decide(nodes, fed, 0.0, knobs)
     _check(nodes, fed, again)
-    if all(j.worker_slots == 1 for j in jobs):
+    if all(j.worker_slots == 1 and j.gpu_units == GPU_UNITS for j in jobs):
         assert again.moves == (), again  # no flapping
     # With sized workers the per-type program does not see how free slots split over
     # nodes: a first decision repaired for that may improve once, then it settles.
@@ -126,7 +135,7 @@ def test_a_worker_of_two_cpus_takes_two_slots_and_one_gpu_slot(policy):
     nodes = [
         ClusterNode("c0", "cpu3", 3),
         ClusterNode("c1", "cpu3", 3),
-        ClusterNode("g0", "gpu", 1, gpu=True),
+        ClusterNode("g0", "gpu", GPU_UNITS, gpu=True),
     ]
     wide = ClusterJob("a", 3, 3, _model({"cpu3": 1.0, "gpu": 1.0}), worker_slots=2)
     d = decide(nodes, [wide], 0.0, ClusterKnobs(policy=policy))

@@ -4,17 +4,21 @@ Per type: every job first keeps the slots it holds there, up to its new count (a
 job gives up the nodes where it has fewest workers, so it stays on few nodes); then jobs
 that grow take free slots, first on nodes they already use, then the node that fits the
 rest best (the fullest node with room for all of it, else the emptiest node), ties broken
-by node id. Jobs are served in the queue order. A worker takes its job's slots on a node
-whole (``ClusterJob.size_on``). With one slot per worker every count is placed, since the
-counts per type never exceed the type's slots; with larger workers the free slots may be
-split over nodes so that a count is not placed whole: the job gets fewer workers, and the
-policy decides again without it if that leaves it below its minimum.
+by node id. Jobs keep their slots in the queue order, and take new ones largest workers
+first, then in the queue order (first-fit decreasing: workers of a fractional GPU fill
+what whole-GPU ones leave instead of splitting the GPUs they need). A worker takes its
+job's slots on a node whole (``ClusterJob.size_on``). With one slot per worker every count
+is placed, since the counts per type never exceed the type's slots; with larger workers
+the free slots may be split over nodes so that a count is not placed whole: the job gets
+fewer workers, and the policy decides again without it if that leaves it below its
+minimum.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 from dynabatch.scheduler.core.cluster.values import ClusterNode
 
 
@@ -32,55 +36,62 @@ def assign(
     for node in sorted(nodes, key=lambda n: n.node_id):
         by_type.setdefault(node.node_type, []).append(node)
     out: dict[str, dict[str, int]] = {j: {} for j in order}
-    for node_type, members in by_type.items():
-        free = {n.node_id: n.capacity for n in members}
-        member = {n.node_id: n for n in members}
+    for members in by_type.values():
+        ids = [n.node_id for n in members]  # sorted: the first of equals is the lowest id
+        pos = {k: i for i, k in enumerate(ids)}
+        free = np.array([n.capacity for n in members], dtype=np.int64)
         need: dict[str, int] = {}
         for job in order:
-            want = counts.get(job, {}).get(node_type, 0)
+            want = counts.get(job, {}).get(members[0].node_type, 0)
             if want <= 0:
                 continue
             held = sorted(
-                ((k, v) for k, v in current.get(job, {}).items() if k in free),
+                ((k, v) for k, v in current.get(job, {}).items() if k in pos),
                 key=lambda kv: (-kv[1], kv[0]),
             )
             for node_id, n in held:
-                keep = min(n, want, free[node_id] // size(job, member[node_id]))
                 if want <= 0:
                     break
+                i = pos[node_id]
+                each = size(job, members[i])
+                keep = min(n, want, int(free[i]) // each)
                 if keep <= 0:
                     continue
                 out[job][node_id] = keep
-                free[node_id] -= keep * size(job, member[node_id])
+                free[i] -= keep * each
                 want -= keep
             need[job] = want
-        for job in order:
-            want = need.get(job, 0)
+        # New places for the largest workers first (first-fit decreasing): smaller ones
+        # then fill what they leave, rather than splitting the room the large ones need.
+        kinds = {n.gpu: n for n in members}.values()  # a size depends on no more
+        growing = sorted(
+            (job for job in order if need.get(job, 0) > 0),
+            key=lambda job: -max(size(job, n) for n in kinds),
+        )
+        for job in growing:
+            want = need[job]
             mine = out[job]
-
-            def whole(node_id: str, job: str = job, free=free, member=member) -> int:
-                """Workers of ``job`` that fit whole in the node's free slots."""
-                return free[node_id] // size(job, member[node_id])
-
-            for node_id in sorted(k for k in mine if k in free):
+            sizes = np.array([size(job, n) for n in members], dtype=np.int64)
+            for node_id in sorted(k for k in mine if k in pos):
                 if want <= 0:
                     break
-                take = min(want, whole(node_id))
+                i = pos[node_id]
+                take = min(want, int(free[i] // sizes[i]))
                 if take:
                     mine[node_id] += take
-                    free[node_id] -= take * size(job, member[node_id])
+                    free[i] -= take * sizes[i]
                     want -= take
             while want > 0:
-                fits = [(whole(k), k) for k in free if whole(k) >= want]
-                if fits:
-                    _, node_id = min(fits)
+                whole = free // sizes  # workers of this job each node holds whole
+                fits = np.flatnonzero(whole >= want)
+                if fits.size:
+                    i = int(fits[np.argmin(whole[fits])])
                 else:
-                    roomy = [(-whole(k), k) for k in free if whole(k) > 0]
-                    if not roomy:
+                    i = int(np.argmax(whole))
+                    if whole[i] <= 0:
                         break  # the free slots are split too finely for its workers
-                    node_id = min(roomy)[1]
-                take = min(want, whole(node_id))
-                mine[node_id] = mine.get(node_id, 0) + take
-                free[node_id] -= take * size(job, member[node_id])
+                take = min(want, int(whole[i]))
+                mine[ids[i]] = mine.get(ids[i], 0) + take
+                free[i] -= take * sizes[i]
                 want -= take
     return out

@@ -11,13 +11,15 @@ Type, first found of:
    job's ``node_resource`` picks are never one type with nodes it does not (a type is the
    policy's unit: a job may use a type only if every node of it has the resource).
 
-Slots. A node's capacity is counted in slots: one per GPU on a node with GPUs, one per CPU
-on the others. A worker takes ``ceil(worker_cpus)`` slots on a CPU node
-(:func:`worker_slots`) and one slot on a GPU node, whatever its ``worker_gpus`` up to 1 (a
-fractional GPU is not shared between workers by the policy: it counts the whole slot; a
-CPU-only worker there takes one too). ``worker_gpus`` above 1 is refused
-(:func:`slot_error`). A job's ``node_resource`` limits it to the types whose every node
-carries that resource (:func:`eligible_types`): a type is the policy's unit.
+Slots. A node's capacity is counted in slots: ``GPU_UNITS`` per whole GPU on a node with
+GPUs (a slot is a fraction of a GPU), one per CPU on the others. A worker takes
+``ceil(worker_cpus)`` slots on a CPU node (:func:`worker_slots`) and :func:`gpu_units` on a
+GPU node: a whole GPU for ``worker_gpus`` 1 or ``auto``, and also for a CPU-only worker
+there (``worker_gpus`` 0: it is not packed beside GPU workers, as before GPUs were shared);
+a fraction w below 1 takes 1/k of a GPU, k = the workers of w Ray places on one GPU. So
+jobs of fractional GPUs share a node by the sum of their fractions. ``worker_gpus`` above 1
+is refused (:func:`slot_error`). A job's ``node_resource`` limits it to the types whose every
+node carries that resource (:func:`eligible_types`): a type is the policy's unit.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynabatch.scheduler.core.cluster.values import ClusterNode
+from dynabatch.scheduler.core.cluster.values import GPU_UNITS, ClusterNode
 
 TYPE_LABEL = "dynabatch.io/node-type"
 TYPE_RESOURCE = "node-type:"
 ACCELERATOR = "accelerator_type:"
+# Ray counts a resource in fixed point of 1/10000 (its RESOURCE_UNIT_SCALING).
+RAY_UNITS = 10000
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +86,10 @@ def custom_resources(node: RayNode) -> list[str]:
 
 
 def slots(node: RayNode) -> int:
-    """Worker slots: one per whole GPU, else one per whole CPU."""
+    """Worker slots: ``GPU_UNITS`` per whole GPU, else one per whole CPU."""
     gpus = node.resources.get("GPU", 0.0)
     if gpus >= 1:
-        return math.floor(gpus)
+        return math.floor(gpus) * GPU_UNITS
     return math.floor(node.resources.get("CPU", 0.0))
 
 
@@ -107,6 +111,22 @@ def worker_slots(worker_cpus: float) -> int:
     return max(1, math.ceil(worker_cpus))
 
 
+def gpu_units(worker_gpus: float | str) -> int:
+    """Slots one worker of ``worker_gpus`` takes on a GPU node (see the module docstring).
+
+    Ray packs fractional GPUs per GPU, in its fixed point: k = 10000 // (w in 1/10000)
+    workers of w share one GPU and none spans two (w = 0.4: 2 per GPU, not 2.5). A worker
+    therefore takes 1/k of a GPU, ``ceil(GPU_UNITS / k)`` slots: exact for every k up to 16
+    (w = 1/3 takes a third, 3 per GPU as Ray places them); beyond, the rounding up may count
+    one worker fewer per node than Ray places. Shares that do not divide each other (1/2
+    beside 1/3 and 1/5) are counted by their sum over a node's GPUs, which on a node of
+    several GPUs may be one worker more than Ray fits: that worker waits for its GPU."""
+    if worker_gpus == "auto" or not 0 < float(worker_gpus) < 1:
+        return GPU_UNITS
+    per_gpu = RAY_UNITS // max(1, round(float(worker_gpus) * RAY_UNITS))
+    return math.ceil(GPU_UNITS / per_gpu)
+
+
 def job_bounds(spec: Any) -> tuple[int, int]:
     """(min_workers, max_workers) the scheduler places a job spec within: its bounds,
     ``workers`` as both when it gives neither, and never more workers than its smallest
@@ -120,8 +140,8 @@ def slot_error(worker_gpus: float | str) -> str | None:
     """Why a job's workers cannot be counted in the scheduler's slots, or None."""
     if worker_gpus != "auto" and float(worker_gpus) > 1:
         return (
-            f"worker_gpus {float(worker_gpus):g}: the cluster scheduler counts one worker per "
-            "GPU; give it at most 1"
+            f"worker_gpus {float(worker_gpus):g}: the cluster scheduler places a worker on one "
+            "GPU or a share of one; give it at most 1"
         )
     return None
 
@@ -144,14 +164,16 @@ def gang_error(
     min_workers: int,
     resource: str | None = None,
     worker_cpus: float = 1.0,
+    worker_gpus: float | str = 0.0,
 ) -> str | None:
     """Why no set of the cluster's nodes can hold the job's ``min_workers`` together (its
     eligible types' slots hold fewer of its workers), or None."""
     nodes = list(nodes)
     ok = eligible_types(nodes, resource)
     size = worker_slots(worker_cpus)
+    on_gpu = gpu_units(worker_gpus)
     total = sum(
-        c.capacity // (1 if c.gpu else size)
+        c.capacity // (on_gpu if c.gpu else size)
         for c in cluster_nodes(nodes)
         if ok is None or c.node_type in ok
     )
@@ -162,6 +184,11 @@ def gang_error(
         return (
             f"min_workers {min_workers}: the cluster's worker slots{where} hold {total} "
             f"workers of {size} CPUs (worker_cpus {worker_cpus:g}); the job could never start"
+        )
+    if on_gpu < GPU_UNITS:
+        return (
+            f"min_workers {min_workers}: the cluster's worker slots{where} hold {total} "
+            f"workers of worker_gpus {float(worker_gpus):g}; the job could never start"
         )
     return (
         f"min_workers {min_workers}: the cluster has {total} worker slots{where}; "

@@ -30,7 +30,6 @@ its fastest type, so jobs of different sizes and speeds are compared on one scal
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,6 +42,7 @@ from dynabatch.scheduler.core.cluster.admission import (
 )
 from dynabatch.scheduler.core.cluster.assign import assign
 from dynabatch.scheduler.core.cluster.solve import Problem, solve
+from dynabatch.scheduler.core.cluster.units import scaled, whole
 from dynabatch.scheduler.core.cluster.values import (
     ClusterDecision,
     ClusterJob,
@@ -115,20 +115,25 @@ def _decide(
     node_map = {n.node_id: n for n in nodes}
     types = sorted({n.node_type for n in nodes})
     tix = {t: i for i, t in enumerate(types)}
+    ordered = sorted(jobs, key=order_key)
+    current, lost = sanitize(node_map, ordered)
+    nodes, size_of = scaled(nodes, ordered, tix)
+    node_map = {n.node_id: n for n in nodes}
     cap = np.zeros(len(types), dtype=np.int64)
     for n in nodes:
         cap[tix[n.node_type]] += n.capacity
-    ordered = sorted(jobs, key=order_key)
-    current, lost = sanitize(node_map, ordered)
     rates = {j.job_id: np.array([j.model.rate(t) for t in types]) for j in ordered}
     masks = {j: sum(1 << i for i, r in enumerate(v) if r > 0) for j, v in rates.items()}
     # Slots per worker on each type (the most over its nodes, should a type mix GPU and CPU
     # nodes); any above one needs the sized admission and the per-node room bounds.
-    cpu_type = np.zeros(len(types), dtype=bool)
-    for n in nodes:
-        cpu_type[tix[n.node_type]] |= not n.gpu
-    size = {j.job_id: np.where(cpu_type, j.worker_slots, 1).astype(np.int64) for j in ordered}
-    sized = any(j.worker_slots > 1 for j in ordered) and bool(cpu_type.any())
+    # A worker's size depends on the node's type and whether it has GPUs, no more.
+    kinds = {(n.node_type, n.gpu): n for n in nodes}.values()
+    size = {j.job_id: np.ones(len(types), dtype=np.int64) for j in ordered}
+    for n in kinds:
+        for j in ordered:
+            t = tix[n.node_type]
+            size[j.job_id][t] = max(size[j.job_id][t], size_of(j, n))
+    sized = any(bool((v > 1).any()) for v in size.values())
 
     def type_counts(slots: dict[str, int]) -> np.ndarray:
         out = np.zeros(len(types), dtype=np.int64)
@@ -157,13 +162,13 @@ def _decide(
     for j in ordered:
         if j.job_id in held:
             for node_id, k in current[j.job_id].items():
-                node_free[node_id] -= k * j.size_on(node_map[node_id])
-    room = _whole(nodes, tix, node_free, size, sized or bool(caps))
+                node_free[node_id] -= k * size_of(j, node_map[node_id])
+    room = whole(nodes, tix, node_free, size, sized or bool(caps))
     for (jid, t), most in caps.items():
         if jid in room and t in tix:
             room[jid][tix[t]] = min(room[jid][tix[t]], most)
     capped = {jid for jid, _ in caps}
-    full = _whole(nodes, tix, {n.node_id: n.capacity for n in nodes}, size, sized)
+    full = whole(nodes, tix, {n.node_id: n.capacity for n in nodes}, size, sized)
 
     admitted: list[ClusterJob] = []
     queued: dict[str, str] = {}  # job → why (without its position)
@@ -256,7 +261,7 @@ def _decide(
         {j: {types[i]: int(n) for i, n in enumerate(c) if n} for j, c in counts.items()},
         {j: s for j, s in current.items() if j in counts},
         run_order,
-        lambda jid, node: by_id[jid].size_on(node),
+        lambda jid, node: size_of(by_id[jid], node),
     )
     for jid in held:
         slots[jid] = dict(current[jid])  # exactly what it holds, not a re-placement
@@ -308,33 +313,6 @@ def _decide(
         )
     decision = ClusterDecision(knobs.policy, tuple(plans), tuple(j.job_id for j in queue))
     return decision, {}
-
-
-def _whole(
-    nodes: Sequence[ClusterNode],
-    tix: dict[str, int],
-    free: dict[str, int],
-    size: dict[str, np.ndarray],
-    sized: bool,
-) -> dict[str, np.ndarray]:
-    """job → the most of its workers each type's nodes hold whole in their ``free`` slots
-    (with one slot per worker: the type's free slots)."""
-    per_type: dict[int, Counter[int]] = {}
-    for n in nodes:
-        per_type.setdefault(tix[n.node_type], Counter())[free[n.node_id]] += 1
-    plain = np.zeros(len(tix), dtype=np.int64)
-    for t, c in per_type.items():
-        plain[t] = sum(f * k for f, k in c.items())
-    if not sized:
-        return {j: plain for j in size}
-    out = {}
-    for j, v in size.items():
-        row = plain.copy()
-        for t, c in per_type.items():
-            if v[t] > 1:
-                row[t] = sum((f // int(v[t])) * k for f, k in c.items())
-        out[j] = row
-    return out
 
 
 def job_fits(job: ClusterJob, slots: dict[str, int]) -> bool:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from dynabatch.scheduler.core.cluster.policy import decide
 from dynabatch.scheduler.core.cluster.throughput import ThroughputModel, bootstrap
 from dynabatch.scheduler.core.cluster.values import (
+    GPU_UNITS,
     ClusterDecision,
     ClusterJob,
     ClusterKnobs,
@@ -64,6 +65,7 @@ class Entry:
     eligible: frozenset[str] | None = None
     note: str | None = None
     worker_slots: int = 1
+    gpu_units: int = GPU_UNITS
 
     @property
     def workers(self) -> int:
@@ -107,6 +109,7 @@ class LiveJob:
     allocation: Slots = ()
     eligible: frozenset[str] | None = None
     worker_slots: int = 1
+    gpu_units: int = GPU_UNITS
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +124,8 @@ class Running:
 @dataclass(frozen=True, slots=True)
 class Registered:
     """A job to place (a second registration of a known id changes nothing).
-    ``worker_slots``: the slots one worker takes on a CPU node (one on a GPU node)."""
+    ``worker_slots``: the slots one worker takes on a CPU node; ``gpu_units``: those it
+    takes on a GPU node (:func:`~.nodes.gpu_units`)."""
 
     job_id: str
     min_workers: int
@@ -130,6 +134,7 @@ class Registered:
     submit_s: float = 0.0
     eligible: frozenset[str] | None = None
     worker_slots: int = 1
+    gpu_units: int = GPU_UNITS
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +238,7 @@ def step(
                 event.submit_s,
                 eligible=event.eligible,
                 worker_slots=event.worker_slots,
+                gpu_units=event.gpu_units,
             )
             return state._with(entry), ()
         case Running(job, now):
@@ -249,6 +255,7 @@ def step(
                 eligible=job.eligible,
                 model=known.model if known is not None else ThroughputModel(),
                 worker_slots=job.worker_slots,
+                gpu_units=job.gpu_units,
             )
             return state._with(entry), ()
         case Finished(job_id):
@@ -321,6 +328,7 @@ def policy_jobs(
             allocation=j.allocation,
             last_resize_s=j.last_resize_s,
             worker_slots=j.worker_slots,
+            gpu_units=j.gpu_units,
         )
         shown.append(job)
         decided.append(replace(job, priority=top) if j.started else job)

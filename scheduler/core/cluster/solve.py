@@ -10,7 +10,8 @@ with current counts ``x0``; for ``single_type`` a binary ``u_jt`` (the one type)
 ``throughput(S_j) / ref_j`` (see :mod:`.throughput`), exact at their knots.
 
 Constraints: ``Σ_j size_jt·x_jt ≤ free_t`` (slots: a worker takes ``size_jt`` of them,
-more than one for a job whose CPU workers ask several CPUs) and ``x_jt ≤ room_jt`` (the
+more than one for a job whose CPU workers ask several CPUs, or whose share of a GPU is
+larger than another job's there; :mod:`.units`) and ``x_jt ≤ room_jt`` (the
 workers its nodes of type t hold whole); ``min_j ≤ Σ_t x_jt ≤ max_j`` (gang admission made
 this feasible); ``Σ_t d_jt ≤ M·m_j``; single type: ``x_jt ≤ max_j·u_jt, Σ_t u_jt ≤ 1``.
 

@@ -13,12 +13,18 @@ from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
 
 POLICIES = ("fifo", "fair", "goodput", "single_type")
 
+# A GPU node's capacity in units of 1/GPU_UNITS of a GPU, so that workers of fractional
+# ``worker_gpus`` share one by an integer sum. lcm(1..16): a worker taking 1/k of a GPU is
+# exact for every k up to 16 (see ``nodes.gpu_units``).
+GPU_UNITS = 720720
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterNode:
     """A node: its type (a Ray label or resource, or derived from its resources) and its
-    worker slots (``capacity``): one per GPU on a GPU node (``gpu``), else one per CPU. A
-    worker takes one slot on a GPU node and its job's ``worker_slots`` on the others."""
+    worker slots (``capacity``): ``GPU_UNITS`` per GPU on a GPU node (``gpu``), else one per
+    CPU. A worker takes its job's ``gpu_units`` on a GPU node and its ``worker_slots`` on the
+    others."""
 
     node_id: str
     node_type: str
@@ -33,6 +39,11 @@ class ClusterNode:
         if self.capacity < 0:
             raise ValueError(f"node {self.node_id}: capacity {self.capacity} is below 0")
 
+    def shown(self, units: int) -> float:
+        """``units`` of this node's capacity as people read them: GPUs on a GPU node (its
+        slots are fractions of a GPU), slots (CPUs) on the others."""
+        return round(units / GPU_UNITS, 4) if self.gpu else float(units)
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterJob:
@@ -42,7 +53,9 @@ class ClusterJob:
     ``last_resize_s``: when its nodes last changed (started, grew, shrank or moved); None
     when it never ran. ``model``: its throughput per node type, already completed by
     :func:`~dynabatch.scheduler.core.cluster.throughput.bootstrap`. ``worker_slots``: the
-    slots one worker takes on a CPU node (``ceil(worker_cpus)``); one on a GPU node."""
+    slots one worker takes on a CPU node (``ceil(worker_cpus)``); ``gpu_units``: those it
+    takes on a GPU node (``GPU_UNITS`` for a whole GPU, or for a CPU-only worker there;
+    less for a fractional ``worker_gpus``, :func:`~.nodes.gpu_units`)."""
 
     job_id: str
     min_workers: int
@@ -53,12 +66,17 @@ class ClusterJob:
     allocation: tuple[tuple[str, int], ...] = ()
     last_resize_s: float | None = None
     worker_slots: int = 1
+    gpu_units: int = GPU_UNITS
 
     def __post_init__(self) -> None:
         if not self.job_id:
             raise ValueError("job_id: empty")
         if self.worker_slots < 1:
             raise ValueError(f"job {self.job_id}: worker_slots {self.worker_slots} is below 1")
+        if not 1 <= self.gpu_units <= GPU_UNITS:
+            raise ValueError(
+                f"job {self.job_id}: gpu_units {self.gpu_units} is not in 1..{GPU_UNITS}"
+            )
         if self.min_workers < 1:
             raise ValueError(f"job {self.job_id}: min_workers {self.min_workers} is below 1")
         if self.max_workers < self.min_workers:
@@ -78,7 +96,7 @@ class ClusterJob:
 
     def size_on(self, node: ClusterNode) -> int:
         """Slots one of its workers takes on ``node``."""
-        return 1 if node.gpu else self.worker_slots
+        return self.gpu_units if node.gpu else self.worker_slots
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,14 +16,15 @@ from dynabatch.scheduler.core.cluster.values import ClusterDecision, ClusterJob,
 
 @dataclass(frozen=True, slots=True)
 class NodeView:
-    """A node, its type, its worker slots, and which jobs hold how many workers there.
-    ``used``: the slots those workers take (a worker of a job asking several CPUs takes
-    several on a CPU node)."""
+    """A node, its type, its capacity, and which jobs hold how many workers there.
+    ``capacity``: its GPUs on a GPU node, else its CPU slots; ``used``: what those workers
+    take of it (GPUs, fractions where jobs share them; several CPU slots for a worker of a
+    job asking several CPUs)."""
 
     node_id: str
     node_type: str
-    capacity: int
-    used: int
+    capacity: float
+    used: float
     holders: tuple[tuple[str, int], ...] = ()
 
 
@@ -77,16 +78,17 @@ class ClusterView:
         raise KeyError(job_id)
 
     @property
-    def capacity(self) -> int:
+    def capacity(self) -> float:
+        """GPUs of the GPU nodes and CPU slots of the others."""
         return sum(n.capacity for n in self.nodes)
 
     @property
-    def used(self) -> int:
-        return sum(n.used for n in self.nodes)
+    def used(self) -> float:
+        return round(sum(n.used for n in self.nodes), 4)
 
     @property
     def utilization(self) -> float:
-        """Worker slots held over slots offered (0 on an empty cluster)."""
+        """Capacity held over capacity offered (0 on an empty cluster)."""
         return self.used / self.capacity if self.capacity else 0.0
 
 
@@ -109,8 +111,8 @@ def view_of(
         NodeView(
             n.node_id,
             n.node_type,
-            n.capacity,
-            used=sum(k * by_job[j].size_on(n) for j, k in holders[n.node_id]),
+            n.shown(n.capacity),
+            used=n.shown(sum(k * by_job[j].size_on(n) for j, k in holders[n.node_id])),
             holders=tuple(sorted(holders[n.node_id])),
         )
         for n in sorted(nodes, key=lambda n: n.node_id)
