@@ -8,11 +8,15 @@ of :mod:`dynabatch.service.errors`.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from dynabatch.service.scheduling import Scheduling
+    from dynabatch.service.settings import Settings
 
 
 class NodeJob(BaseModel):
@@ -98,3 +102,9 @@ class ClusterClient(Protocol):
         ...
 
     def nodes(self) -> list[ClusterNode]: ...
+
+    def scheduling(self, settings: Settings) -> Scheduling | None:
+        """The cluster's scheduler (``settings``' policy, round and hold), reached the way
+        this client reaches the cluster; None when the cluster has none, and each job then
+        starts at once."""
+        ...

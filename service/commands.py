@@ -223,6 +223,28 @@ class JobCommands:
         log.info("job %s: %s", rec.id, answer)
         return self.registry.get(rec.id) or rec
 
+    def _scheduled_drain(self, rec: JobRecord, worker: str) -> JobRecord:
+        """With the cluster scheduler on, a drain is a request to it: the job gives up the
+        worker's slot on its node (a worker there leaves at the next step boundary: this
+        one when it is the only one there, else the slowest of them) and its max_workers
+        drops by one (:class:`JobConflict`, 409, when it refuses: below min_workers)."""
+        try:
+            snap = self._membership_call(rec, lambda: self.cluster.snapshot(rec.id))
+        except CoordinatorGone:  # queued (nothing runs yet), or lost: the sync loop sees to it
+            raise WorkerNotFound(
+                f"worker {worker!r} is not a member of job {rec.id}: it has no running coordinator"
+            ) from None
+        member = next((w for w in snap.workers if w.worker == worker), None)
+        if member is None:
+            raise WorkerNotFound(f"worker {worker!r} is not a member of job {rec.id}")
+        try:
+            answer = self.scheduling.request_drain(rec.id, member.node)
+        except Refused as err:
+            raise JobConflict(str(err)) from None
+        self.registry.set_target_workers(rec.id, max(1, len(snap.workers) - 1))
+        log.info("job %s: drain of %s: %s", rec.id, worker, answer)
+        return self.reconciler.sync_job(rec.id, snapshot=snap) or rec
+
     def drain(self, job_id: str, worker: str) -> JobRecord:
         """Remove ``worker`` from the job at its next step boundary (gracefully: its share of
         the epoch goes to the others).
@@ -233,7 +255,7 @@ class JobCommands:
         with self.reconciler.lock:
             rec = self._live_record(job_id)
             if self.scheduling is not None:
-                raise JobConflict(self.scheduling.refuse_drain(job_id, worker))
+                return self._scheduled_drain(rec, worker)
             try:
                 snap = self._membership_call(rec, lambda: self.cluster.drain(job_id, worker))
             except CoordinatorGone as err:

@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
@@ -26,6 +26,10 @@ from dynabatch.service.errors import (
     RayCallError,
     WorkerNotFound,
 )
+
+if TYPE_CHECKING:
+    from dynabatch.service.scheduling import RayScheduling
+    from dynabatch.service.settings import Settings
 
 log = logging.getLogger("dynabatch.ray")
 
@@ -255,6 +259,17 @@ class RayClusterClient:
                 )
             )
         return out
+
+    def scheduling(self, settings: Settings) -> RayScheduling:
+        """The named cluster-scheduler actor on this Ray (created at its first call)."""
+        from dynabatch.service.scheduling import RayScheduling
+
+        return RayScheduling(
+            settings.cluster_policy,
+            settings.cluster_round_s,
+            settings.cluster_hold_s,
+            settings.ray_call_timeout_s,
+        )
 
 
 def _forget(handle: Any) -> None:

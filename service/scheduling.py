@@ -55,7 +55,10 @@ class Scheduling(Protocol):
         :class:`Refused`."""
         ...
 
-    def refuse_drain(self, job_id: str, worker: str) -> str: ...
+    def request_drain(self, job_id: str, node: str) -> str:
+        """The job's own drain of a worker on ``node``, as a request to the scheduler: its
+        answer (the slot there is freed, the job assigned the rest), or :class:`Refused`."""
+        ...
 
     def view(self) -> ClusterView | None:
         """The last round's view as of the last :meth:`sync` (no I/O)."""
@@ -132,8 +135,8 @@ class RayScheduling:
     def request_scale(self, job_id: str, workers: int) -> str:
         return self._call("request_scale", job_id, workers)
 
-    def refuse_drain(self, job_id: str, worker: str) -> str:
-        return self._call("refuse_drain", job_id, worker)
+    def request_drain(self, job_id: str, node: str) -> str:
+        return self._call("request_drain", job_id, node)
 
     def view(self) -> ClusterView | None:
         return self._view
@@ -165,16 +168,12 @@ class ClientScheduling(Protocol):
 
 
 def scheduler_for_run(address_given: bool, want: bool | None) -> RayScheduling | None:
-    """The scheduler ``dynabatch run`` goes through, on the Ray it is connected to: with
-    ``want`` None, the cluster's scheduler if one runs there (``address_given``: not the
-    embedded local Ray, where none can); True, that one or a new one (policy, round and hold
-    from the service's settings, ``DYNABATCH_CLUSTER_*``), running rounds at once since no
-    service rebuilds it; False, none."""
-    if want is False or (want is None and not address_given):
-        return None
-    from dynabatch.scheduler.runtime.cluster import find_scheduler
-
-    if want is None and find_scheduler() is None:
+    """The scheduler ``dynabatch run`` goes through, on the Ray it is connected to: on a
+    cluster (``address_given``: not the embedded local Ray, which runs the one job), unless
+    ``want`` is False, the cluster's scheduler, or a new one when none runs there (policy,
+    round and hold from the service's settings, ``DYNABATCH_CLUSTER_*``), running rounds at
+    once since no service rebuilds it; else none."""
+    if want is False or not address_given:
         return None
     from dynabatch.service.settings import Settings
 

@@ -103,10 +103,10 @@ class Settings(BaseSettings):
         "overrides it).",
     )
     cluster_scheduler: bool = Field(
-        default=False,
+        default=True,
         description="Run the cluster scheduler: submitted jobs queue and train on the nodes "
-        "it grants them (resized at step boundaries); off, each job starts at once and Ray's "
-        "wait for resources is the only arbiter.",
+        "it grants them (resized at step boundaries). Off (0), each job starts at once and "
+        "Ray's wait for resources is the only arbiter.",
     )
     # What specs submitted over REST may name (see dynabatch.service.submit_policy). Comma
     # lists are plain strings: pydantic-settings would try to JSON-decode a list from the env.

@@ -21,16 +21,7 @@ def build_service(settings: Settings, cluster: ClusterClient | None = None) -> J
             num_cpus=settings.ray_num_cpus,
             call_timeout_s=settings.ray_call_timeout_s,
         )
-    scheduling = None
-    if settings.cluster_scheduler:
-        from dynabatch.service.scheduling import RayScheduling
-
-        scheduling = RayScheduling(
-            settings.cluster_policy,
-            settings.cluster_round_s,
-            settings.cluster_hold_s,
-            settings.ray_call_timeout_s,
-        )
+    scheduling = cluster.scheduling(settings) if settings.cluster_scheduler else None
     return JobService(
         JobStore(settings.db_path),
         cluster,

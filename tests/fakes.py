@@ -294,6 +294,7 @@ class FakeCluster:
         self.node_ids = nodes
         self.coordinators: dict[str, FakeCoordinator] = {}
         self.launch_error: Exception | None = None
+        self.scheduler: object | None = None  # a fake Scheduling (service.scheduling)
         self.unavailable = False
         self.connected = False
         self.released: list[str] = []
@@ -419,6 +420,11 @@ class FakeCluster:
             )
             for i, n in enumerate(self.node_ids)
         ]
+
+    def scheduling(self, settings: object) -> object | None:
+        """``self.scheduler`` (None unless a test sets one): with none, each job starts at
+        once, as with the cluster scheduler off."""
+        return self.scheduler
 
     # Test controls ----------------------------------------------------------------------
     def kill(self, job_id: str, *, keep_name: bool = False) -> None:

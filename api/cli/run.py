@@ -304,10 +304,10 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
             console: Console, scheduler: bool | None = None,
             on_update: OnUpdate | None = None) -> JobSnapshot:
     """Train ``spec`` to its end, following it (:func:`follow_job`, which passes
-    ``on_update`` each poll). On a cluster whose scheduler runs
-    (``scheduler`` None), or when asked (True: started if missing), the job queues there and
-    trains on the nodes it grants (resized by it from then); False, or the embedded local
-    Ray, launches it at once."""
+    ``on_update`` each poll). On a cluster (``address`` or ``RAY_ADDRESS``), the job queues
+    with the cluster's scheduler (started if none runs) and trains on the nodes it grants
+    (resized by it from then); ``scheduler`` False, or the embedded local Ray, launches it at
+    once."""
     from dynabatch.scheduler.runtime.launch import launch_coordinator
     from dynabatch.service import scheduling as sched
     from dynabatch.service.raycluster import connect
@@ -411,9 +411,9 @@ def register(app: typer.Typer) -> None:
         sets: SetOption = None,
         scheduler: Annotated[bool | None, typer.Option(
             "--scheduler/--no-scheduler", help="With --address: queue the job with the "
-            "cluster scheduler and train on the nodes it grants (default: when one runs on "
-            "that cluster; --scheduler starts one if none runs); --no-scheduler launches "
-            "it at once, bypassing the scheduler.", show_default=False)] = None,
+            "cluster scheduler (started if none runs there) and train on the nodes it "
+            "grants (the default); --no-scheduler launches it at once, bypassing the "
+            "scheduler.", show_default=False)] = None,
     ) -> None:
         """Train CONFIG on Ray, showing the job's log and a live per-worker table."""
         console = out_console()

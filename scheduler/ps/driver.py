@@ -34,9 +34,9 @@ import logging
 from typing import Any
 
 from dynabatch.actors.spec import JobSpec
-from dynabatch.scheduler.control import Drain, JobControl, Scale
+from dynabatch.scheduler.control import Assign, Drain, JobControl, Scale
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.core.membership import slowest_first
+from dynabatch.scheduler.core.membership import NodeAssignment, slowest_first
 from dynabatch.scheduler.core.ps.batch_policy import JiConfig, PerfAwareBatches
 from dynabatch.scheduler.core.ps.machine import PSCore
 from dynabatch.scheduler.core.ps.protocol import PSConfig
@@ -221,6 +221,11 @@ class PSCoordinator(JobControl):
     def _member_ids(self) -> list[str]:
         return list(self._learners)
 
+    def _assignment_error(self, nodes: NodeAssignment) -> str | None:
+        # Learners are independent (asynchronous or stale-synchronous updates to the
+        # server): any number of at least one can train.
+        return None
+
     def shutdown(self) -> None:
         self._learners.clear()
         self.runtime.shutdown()
@@ -247,8 +252,11 @@ class PSCoordinator(JobControl):
             self._finish(JobState.FAILED, "no eligible node for a learner")
             return False
         self._nodes = nodes
-        for i in range(s.initial_workers or len(nodes)):
-            self._spawn(nodes[i % len(nodes)].node_id)
+        if self.assignment is not None:  # granted by the cluster scheduler before the start
+            self._place(self.assignment)  # (its queued Assign then finds nothing to do)
+        else:
+            for i in range(s.initial_workers or len(nodes)):
+                self._spawn(nodes[i % len(nodes)].node_id)
         self._transition(JobState.RUNNING, None)
         return True
 
@@ -256,7 +264,8 @@ class PSCoordinator(JobControl):
         self._serve_requests()
         for x in self.runtime.wait(POLL_S):
             if isinstance(x, NodeJoined):
-                self._spawn(x.node_id)
+                if self.assignment is None:  # assigned, it grows onto no other node
+                    self._spawn(x.node_id)
             elif x.worker not in self._learners:
                 continue
             elif x.error is None:
@@ -314,9 +323,10 @@ class PSCoordinator(JobControl):
         self._event("failure", x.worker, node, x.error or "lost")
 
     def _serve_requests(self) -> None:
-        # (No Assign: this driver refuses node assignments when they are requested.)
         for r in self._take_requests():
-            if isinstance(r, Drain) and r.worker in self._learners:
+            if isinstance(r, Assign):
+                self._place(r.nodes)
+            elif isinstance(r, Drain) and r.worker in self._learners:
                 self._remove(r.worker, "drained")
             elif isinstance(r, Scale):
                 self._nodes = self.runtime.nodes() or self._nodes
@@ -325,6 +335,21 @@ class PSCoordinator(JobControl):
                 extra = max(0, len(self._learners) - r.workers)
                 for w in self._slowest_first()[:extra]:
                     self._remove(w, f"scaled down to {r.workers}")
+
+    def _place(self, a: NodeAssignment) -> None:
+        """Learners on exactly the assignment's slots: on each node the slowest beyond its
+        slots leave (all of them on a node no longer assigned), then empty slots get new
+        learners. A leaving learner's in-flight samples are re-queued, as on a drain."""
+        keep: dict[str, int] = {}
+        for w in reversed(self._slowest_first()):  # the fastest first keep their slots
+            node = self._learners[w]
+            if keep.get(node, 0) < a.get(node):
+                keep[node] = keep.get(node, 0) + 1
+            else:
+                self._remove(w, "assigned elsewhere")
+        for node, k in a.slots:
+            for _ in range(k - keep.get(node, 0)):
+                self._spawn(node)
 
     def _slowest_first(self) -> list[str]:
         """Learners in the order a scale-down removes them: by samples applied per second

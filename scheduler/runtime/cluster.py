@@ -51,12 +51,14 @@ from dynabatch.scheduler.core.cluster.nodes import (
     gpu_units,
     job_bounds,
     node_type,
+    owner_bounds,
     slot_error,
     worker_slots,
 )
 from dynabatch.scheduler.core.cluster.rounds import (
     Assign,
     Bounds,
+    Drained,
     Finished,
     LiveJob,
     Measured,
@@ -265,30 +267,52 @@ class ClusterScheduler:
             entry = self._state.job(job_id)
             if entry is None:
                 raise ValueError(f"{PLACES}, but it does not know job {job_id}")
-            most = job_bounds(self._jobs[job_id].spec)[1]
+            least, most = owner_bounds(self._jobs[job_id].spec)
             if workers > most:
                 raise ValueError(
                     f"scale to {workers}: {PLACES}; refused: above its max_workers {most}"
                 )
-            if workers < entry.min_workers:
+            if workers < least:
                 raise ValueError(
                     f"scale to {workers}: {PLACES}; refused: below its min_workers "
-                    f"{entry.min_workers}, which are placed together or not at all"
+                    f"{least}, which are placed together or not at all"
                 )
-            self._state, _ = step(
-                self._state, Bounds(job_id, entry.min_workers, workers), self.knobs
-            )
+            # Below the gang it started with (``workers`` without min_workers): the owner's
+            # new size is its gang from now on.
+            lo = min(entry.min_workers, workers)
+            self._state, _ = step(self._state, Bounds(job_id, lo, workers), self.knobs)
         self._wake.set()
         return (
             f"{PLACES}; scale to {workers} recorded as its max_workers: the next round "
             f"gives it up to {workers} workers as the policy decides"
         )
 
-    def refuse_drain(self, job_id: str, worker: str) -> str:
-        return (
-            f"drain {worker}: {PLACES}; refused: it picks the job's nodes (scale the job "
-            "down instead, and the scheduler chooses who leaves)"
-        )
+    def request_drain(self, job_id: str, node: str) -> str:
+        """The job's own drain of a worker on ``node``: the job gives up one slot there at
+        its next step boundary (its driver is assigned its nodes less that slot) and its
+        max_workers drops by one. Raises ``ValueError`` (refused, with the reason) when the
+        job holds no slot there or would fall below its ``min_workers``."""
+        with self._lock:
+            entry = self._state.job(job_id)
+            if entry is None or not entry.started:
+                raise ValueError(f"drain: {PLACES}, but it does not run job {job_id}")
+            held = dict(entry.allocation)
+            if held.get(node, 0) < 1:
+                raise ValueError(f"drain: {PLACES}; job {job_id} holds no slot on node {node}")
+            keeps = sum(held.values()) - 1
+            least = owner_bounds(self._jobs[job_id].spec)[0]
+            if keeps < least:
+                raise ValueError(
+                    f"drain: {PLACES}; refused: {keeps} workers would be below its "
+                    f"min_workers {least}"
+                )
+            self._state, commands = step(
+                self._state, Drained(job_id, node, time.time(), least), self.knobs
+            )
+        for c in commands:
+            self._assign(c)
+        self._wake.set()  # the freed slot may start or grow another job
+        return f"{PLACES}; its slot on node {node} is freed, and its max_workers is now {keeps}"
 
     def view(self) -> ClusterView | None:
         with self._lock:

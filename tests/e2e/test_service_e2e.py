@@ -34,13 +34,22 @@ JOB: dict[str, Any] = {
     # training when the API is killed and started again (and the policy rebalances).
     "emulation": {"slowdowns": [60, 120]},
 }
-BLOCKED: dict[str, Any] = {
-    "name": "e2e-blocked",
+# The cluster's only node has 2 CPUs: a gang of two 1-CPU workers waits for the first job's
+# (the scheduler never starts part of a gang), and a 3-CPU worker could never start.
+QUEUED: dict[str, Any] = {
+    "name": "e2e-queued",
     "dataset": {"name": "digits"},
-    "workers": 1,
-    "worker_cpus": 3,  # the cluster's only node has 2
+    "workers": 2,
+    "min_workers": 2,
     "global_batch": 8,
     "epochs": 1,
+}
+NEVER: dict[str, Any] = {
+    **QUEUED,
+    "name": "e2e-never",
+    "workers": 1,
+    "min_workers": 1,
+    "worker_cpus": 3,
 }
 
 
@@ -62,20 +71,24 @@ def test_job_lifecycle_with_metrics_prometheus_and_api_restart(
     # Submit the job (its workers take a while to start).
     job = client.submit(JOB).job_id
 
-    # A job that cannot get its workers stays PENDING and says why; cancel, then 409.
-    # (Meanwhile the first job's workers start.)
-    blocked = client.submit(BLOCKED).job_id
+    # The cluster scheduler (on by default) refuses a job no set of nodes can hold, naming
+    # the field; a job that must wait for the first one's nodes stays PENDING, queued, and
+    # says why; cancel, then 409. (Meanwhile the first job's workers start.)
+    with pytest.raises(ApiError) as never:
+        client.submit(NEVER)
+    assert never.value.status == 422 and "could never start" in str(never.value), str(never.value)
+    blocked = client.submit(QUEUED).job_id
     pending = wait_for(
-        "the blocked job to show why it waits",
+        "the queued job to show why it waits",
         lambda: (
             (d := client.get(blocked)).state == JobState.PENDING
             and d.reason
-            and d.reason.startswith("waiting for")
+            and d.reason.startswith("queued: position 1 of 1")
             and d
         ),
         timeout=60,
     )
-    assert "workers" in (pending.reason or "") or "node" in (pending.reason or "")
+    assert "min_workers 2" in (pending.reason or ""), pending.reason
     cancelled = client.cancel(blocked, "e2e: not needed")
     if not cancelled.state.is_terminal:
         cancelled = wait_for(

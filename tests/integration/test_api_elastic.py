@@ -1,9 +1,11 @@
-"""The REST API's membership and resume endpoints on a real multi-node Ray cluster.
+"""The REST API's membership and resume endpoints on a real multi-node Ray cluster, with the
+service's defaults: the cluster scheduler on, so a scale or a drain is a request to it.
 
 The app runs in this process (TestClient) on the session's cluster, already connected: the
 service is built here and handed to ``create_app``, so the app's shutdown never calls
 ``ray.shutdown()``. The jobs' workers run on nodes tagged with a resource only this module
-uses.
+uses. The scheduler actor is killed when the module ends: it is detached, and a later
+``dynabatch run --address`` in the session would otherwise queue its job with it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 import ray
 from dynabatch.api.app import create_app
+from dynabatch.scheduler.runtime.cluster import find_scheduler
 from dynabatch.scheduler.runtime.launch import find_coordinator
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.settings import Settings
@@ -62,9 +65,13 @@ def api(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Test
     # Not embedded: jobs get detached coordinators, as under `dynabatch serve --address`.
     service = build_service(settings, RayClusterClient(cluster.address))
     assert not service.cluster.embedded
+    assert service.scheduling is not None  # the default
     with TestClient(create_app(settings, service=service)) as client:
         yield client
     service.store.close()
+    sched = find_scheduler()
+    if sched is not None:
+        ray.kill(sched, no_restart=True)
 
 
 def _get(client: TestClient, job: str) -> dict[str, Any]:
@@ -89,7 +96,7 @@ def _check_history(client: TestClient, job: str, epochs: int) -> list[dict[str, 
     return records
 
 
-def test_scale_down_through_the_api_keeps_training(api: TestClient) -> None:
+def test_scale_down_and_drain_through_the_api_keep_training(api: TestClient) -> None:
     r = api.post("/v1/jobs", json=_job())
     assert r.status_code == 201, r.text
     job = r.json()["job_id"]
@@ -107,32 +114,39 @@ def test_scale_down_through_the_api_keeps_training(api: TestClient) -> None:
 
     r = api.post(f"/v1/jobs/{job}/scale", json={"workers": 2})
     assert r.status_code == 202, r.text
-    assert r.json()["epoch"] < 7, "the job was nearly done before the scale request"
-    # The slowest by measured throughput leaves (equal nodes here: whichever measured
-    # slowest); the job log names it.
+    assert r.json()["epoch"] < 6, "the job was nearly done before the scale request"
+    # The scheduler's next round assigns the job two of its three nodes: the worker on the
+    # third leaves at a step boundary, its state handed over.
     members = [w["worker"] for w in r.json()["workers"]]
+    two = wait_for(lambda: len((b := _get(api, job))["workers"]) == 2 and b, timeout=120)
+    (scaled_out,) = set(members) - {w["worker"] for w in two["workers"]}
+    # The owner drains a named worker: the scheduler frees its node's slot; it leaves.
+    named = two["workers"][0]["worker"]
+    r = api.delete(f"/v1/jobs/{job}/workers/{named}")
+    assert r.status_code == 202, r.text
+    # Its last worker is not drained: the scheduler says why.
+    last_one = two["workers"][1]["worker"]
+    r = api.delete(f"/v1/jobs/{job}/workers/{last_one}")
+    assert r.status_code == 409 and "min_workers" in r.json()["detail"], r.text
 
     done = _wait_state(api, job, timeout=180)
     assert done["state"] == "SUCCEEDED", done["reason"]
-    assert done["worker_events"].get("leave:drained") == 1, done["worker_events"]
-    assert done["generation"] >= 2
+    assert done["worker_events"].get("leave:drained") == 2, done["worker_events"]
+    assert done["resumes"] == 0
     records = _check_history(api, job, 8)
     last = records[-1]
     logs = [x["message"] for x in api.get(f"/v1/jobs/{job}/logs").json()["lines"]]
-    (leaving,) = [w for w in members if f"worker {w} leave: drained" in logs]
-    kept = [w for w in members if w != leaving]
-    assert [w["worker"] for w in last["workers"]] == kept, (done["worker_events"], logs[-30:])
+    for w in (scaled_out, named):
+        assert f"worker {w} leave: drained" in logs, logs[-30:]
+    assert [w["worker"] for w in last["workers"]] == [last_one], (done["worker_events"], logs[-30:])
     assert len(records[0]["workers"]) == 3
     assert sum(w["partition"] for w in last["workers"]) == last["dataset_size"]
-    assert "scale requested: 2 workers" in logs
     # Finished: no more scaling.
     r = api.post(f"/v1/jobs/{job}/scale", json={"workers": 3})
     assert r.status_code == 409 and "SUCCEEDED" in r.json()["detail"]
 
 
-def test_killed_coordinator_is_resumed_from_its_checkpoint(
-    api: TestClient, tmp_path: Path
-) -> None:
+def test_killed_coordinator_is_resumed_from_its_checkpoint(api: TestClient, tmp_path: Path) -> None:
     spec = _job(epochs=6, checkpoint={"dir": str(tmp_path), "every_epochs": 1})
     r = api.post("/v1/jobs", json=spec)
     assert r.status_code == 201, r.text

@@ -11,6 +11,7 @@ from dynabatch.scheduler.core.cluster.nodes import gpu_units
 from dynabatch.scheduler.core.cluster.rounds import (
     Assign,
     Bounds,
+    Drained,
     Finished,
     LiveJob,
     Measured,
@@ -61,6 +62,7 @@ def _events(draw):
                     "measure",
                     "bounds",
                     "failed",
+                    "drain",
                 ]
             )
         )
@@ -92,6 +94,9 @@ def _events(draw):
         elif kind == "bounds":
             lo = draw(st.integers(1, 3))
             events.append(Bounds(jid, lo, lo + draw(st.integers(0, 2))))
+        elif kind == "drain":
+            node = draw(st.sampled_from(all_nodes)).node_id
+            events.append(Drained(jid, node, now, draw(st.integers(1, 3))))
         else:
             events.append(StartFailed(jid, "no"))
     events.append(Tick(now + 1.0))
@@ -107,6 +112,9 @@ def test_random_runs_keep_capacity_gangs_and_holds(policy, events):
     for event in events:
         before = state
         state, commands = step(state, event, knobs)
+        if isinstance(event, Drained):
+            _check_drain(before, state, event, commands)
+            continue
         if not isinstance(event, Tick):
             assert commands == ()
             continue
@@ -168,6 +176,46 @@ def test_two_jobs_asking_the_whole_cluster_one_at_a_time():
     s, _ = step(s, Finished("a"), knobs)
     s, cmds = step(s, Tick(3.0), knobs)
     assert cmds == (Start("b", (("n0", 1), ("n1", 1))),)
+
+
+def _check_drain(before: RoundState, after: RoundState, event: Drained, commands) -> None:
+    """A drain gives up exactly one slot on its node, at once, or changes nothing (the job
+    does not run there, or would fall below its floor); its bounds drop to what it keeps, so
+    no later round hands the slot back."""
+    old = before.job(event.job_id)
+    held = dict(old.allocation) if old is not None and old.started else {}
+    if held.get(event.node_id, 0) < 1 or sum(held.values()) - 1 < max(1, event.floor):
+        assert commands == () and after == before
+        return
+    held[event.node_id] -= 1
+    new = after.job(event.job_id)
+    assert commands == (Assign(event.job_id, new.allocation),)
+    assert dict(new.allocation) == {n: k for n, k in held.items() if k}
+    keeps = sum(held.values())
+    assert new.max_workers == min(old.max_workers, keeps) and new.last_resize_s == event.now
+    assert new.min_workers == min(old.min_workers, keeps)
+
+
+def test_a_drain_gives_up_the_slot_and_no_round_gives_it_back():
+    knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
+    s = RoundState()
+    for e in (NodesSeen(_nodes([("cpu", 1)] * 3)), Registered("a", 1, 3, 0, 0.0)):
+        s, _ = step(s, e, knobs)
+    s, (start,) = step(s, Tick(1.0), knobs)
+    assert start.workers == 3
+    s, cmds = step(s, Drained("a", "n1", 2.0), knobs)
+    assert cmds == (Assign("a", (("n0", 1), ("n2", 1))),)
+    s, cmds = step(s, Tick(3.0), knobs)
+    assert cmds == () and s.job("a").allocation == (("n0", 1), ("n2", 1))
+    # Another job takes the freed slot; the drained one grows only when asked to.
+    s, _ = step(s, Registered("b", 1, 1, 0, 4.0), knobs)
+    s, cmds = step(s, Tick(5.0), knobs)
+    assert cmds == (Start("b", (("n1", 1),)),)
+    s, cmds = step(s, Drained("a", "n1", 6.0), knobs)  # no slot of its there: nothing
+    assert cmds == ()
+    s, _ = step(s, Drained("a", "n0", 7.0), knobs)
+    s, cmds = step(s, Drained("a", "n2", 8.0), knobs)  # its last worker: refused
+    assert cmds == () and s.job("a").allocation == (("n2", 1),)
 
 
 def test_goodput_shrinks_a_running_job_to_admit_a_new_one_and_grows_it_back():

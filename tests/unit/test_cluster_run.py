@@ -244,3 +244,18 @@ def test_scheduler_flag_needs_an_address(tmp_path: Path, monkeypatch) -> None:
         "error: --scheduler needs --address: the embedded local Ray runs one job, with no "
         "cluster scheduler"
     )
+
+
+def test_run_on_a_cluster_goes_through_its_scheduler_starting_one_when_none_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``dynabatch run --address`` needs no flag to share a cluster: with no scheduler
+    there it gets one (the actor is created at its first call); ``--no-scheduler`` and the
+    embedded local Ray (one job) get none."""
+    monkeypatch.setattr(cluster_rt, "find_scheduler", lambda: None)
+    monkeypatch.setenv("DYNABATCH_CLUSTER_POLICY", "fair")
+    placer = scheduling.scheduler_for_run(True, None)
+    assert isinstance(placer, scheduling.RayScheduling)
+    assert placer._args[0] == "fair" and placer._args[-1] is True  # rounds from the start
+    assert scheduling.scheduler_for_run(True, False) is None
+    assert scheduling.scheduler_for_run(False, None) is None

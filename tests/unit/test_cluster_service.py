@@ -14,6 +14,7 @@ from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode
 from dynabatch.scheduler.core.cluster.nodes import job_bounds
 from dynabatch.scheduler.core.cluster.rounds import (
     Bounds,
+    Drained,
     Finished,
     NodesSeen,
     Registered,
@@ -24,7 +25,7 @@ from dynabatch.scheduler.core.cluster.rounds import (
 )
 from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.service.errors import InvalidRequest, JobConflict
+from dynabatch.service.errors import InvalidRequest, JobConflict, WorkerNotFound
 from dynabatch.service.jobs import JobService
 from dynabatch.service.scheduling import Refused
 from dynabatch.service.store import JobStore
@@ -39,11 +40,13 @@ class RoundsScheduling:
     def __init__(self, cluster: FakeCluster, slots: int = 2):
         self.cluster = cluster
         self.knobs = ClusterKnobs(policy="fifo", hold_s=0.0)
-        nodes = tuple(ClusterNode(f"n{i}", "cpu", 1) for i in range(slots))
+        # The fake cluster's nodes, where its coordinators place their workers.
+        nodes = tuple(ClusterNode(n, "cpu", 1) for n in cluster.node_ids[:slots])
         self.state, _ = step(RoundState(), NodesSeen(nodes), self.knobs)
         self.specs: dict[str, tuple[JobSpec, int]] = {}
         self.now = 0.0
         self.syncs = 0
+        self.assigned: list = []  # the Assign commands of drains
 
     def _step(self, event) -> tuple:
         self.state, commands = step(self.state, event, self.knobs)
@@ -83,8 +86,12 @@ class RoundsScheduling:
         self._step(Bounds(job_id, entry.min_workers, workers))
         return f"the cluster scheduler places this job; scale to {workers} recorded"
 
-    def refuse_drain(self, job_id: str, worker: str) -> str:
-        return f"drain {worker}: the cluster scheduler places this job; refused"
+    def request_drain(self, job_id: str, node: str) -> str:
+        entry = self.state.job(job_id)
+        if sum(k for _, k in entry.allocation) - 1 < entry.min_workers:
+            raise Refused("drain: the cluster scheduler places this job; refused")
+        self.assigned.extend(self._step(Drained(job_id, node, self.now)))
+        return f"the cluster scheduler places this job; its slot on node {node} is freed"
 
     def view(self) -> ClusterView | None:
         return self.state.view
@@ -143,6 +150,15 @@ def test_a_job_the_scheduler_cannot_place_is_refused_at_submit(setup):
     assert service.list()[1] == 0  # nothing stored
 
 
+def test_a_job_of_workers_auto_is_granted_every_slot_it_may_use(setup):
+    """``workers: auto`` is one worker per eligible node: the scheduler places it between 1
+    and as many workers as the slots hold, not on one worker."""
+    service, _, sched = setup
+    job = service.submit(JobSpec(name="auto", epochs=1, workers="auto"))
+    sched.tick()
+    assert sum(n for _, n in sched.state.job(job.id).allocation) == 2
+
+
 def test_scale_and_drain_become_requests_to_the_scheduler(setup):
     service, cluster, sched = setup
     job = service.submit(JobSpec(name="a", epochs=5, workers=2, min_workers=1, max_workers=2))
@@ -151,11 +167,34 @@ def test_scale_and_drain_become_requests_to_the_scheduler(setup):
     service.scale(job.id, 1)
     assert sched.state.job(job.id).max_workers == 1
     assert ("scale", job.id) not in cluster.calls  # the job's coordinator is not asked
-    with pytest.raises(JobConflict, match="the cluster scheduler places this job"):
-        service.drain(job.id, "w0")
     sched.state, _ = step(sched.state, Bounds(job.id, 2, 2), sched.knobs)
     with pytest.raises(JobConflict, match="refused"):
         service.scale(job.id, 1)
+
+
+def test_a_drain_frees_the_workers_slot_through_the_scheduler(setup):
+    """The owner drains a worker: the scheduler takes the slot on that worker's node off the
+    job's nodes (the job is assigned the rest) and lowers its max_workers, so no round gives
+    it back; a non-member is a 404 and a drain below min_workers a 409, both with the
+    reason; the job's coordinator is never asked to drain by itself."""
+    service, cluster, sched = setup
+    job = service.submit(JobSpec(name="a", epochs=5, workers=2, min_workers=1, max_workers=2))
+    sched.tick()
+    service.sync_once()
+    with pytest.raises(WorkerNotFound, match="'w9' is not a member"):
+        service.drain(job.id, "w9")
+    member = cluster.snapshot(job.id).workers[0]
+    service.drain(job.id, member.worker)
+    entry = sched.state.job(job.id)
+    assert sum(k for _, k in entry.allocation) == 1 and entry.max_workers == 1
+    assert [c.slots for c in sched.assigned] == [entry.allocation]
+    assert member.node not in dict(entry.allocation) or dict(entry.allocation)[member.node] < 2
+    assert ("drain", job.id) not in cluster.calls
+    sched.tick()  # a round keeps it at one: the slot stays free
+    assert sum(k for _, k in sched.state.job(job.id).allocation) == 1
+    other = cluster.snapshot(job.id).workers[1].worker
+    with pytest.raises(JobConflict, match="refused"):
+        service.drain(job.id, other)
 
 
 def test_a_restarted_api_leaves_queued_jobs_queued_and_tells_a_new_scheduler(setup):

@@ -129,11 +129,20 @@ def gpu_units(worker_gpus: float | str) -> int:
 
 def job_bounds(spec: Any) -> tuple[int, int]:
     """(min_workers, max_workers) the scheduler places a job spec within: its bounds,
-    ``workers`` as both when it gives neither, and never more workers than its smallest
-    global batch has samples."""
+    ``workers`` as both when it gives neither (``workers: auto``, one worker per eligible
+    node: 1 up to the cap below, the policy capping it by the slots), and never more workers
+    than its smallest global batch has samples."""
     lo = spec.min_workers or spec.initial_workers or 1
-    hi = spec.max_workers or spec.initial_workers or lo
+    hi = spec.max_workers or spec.initial_workers or spec.batch_range[0]
     return lo, max(lo, min(hi, spec.batch_range[0]))
+
+
+def owner_bounds(spec: Any) -> tuple[int, int]:
+    """The sizes the job's owner may scale or drain it to while the scheduler places it: its
+    ``min_workers`` (1 when it gives none: ``workers`` alone is the gang it starts with, not
+    a floor) up to its ``max_workers`` (when it gives none, as many as its smallest global
+    batch has samples)."""
+    return spec.min_workers or 1, spec.max_workers or spec.batch_range[0]
 
 
 def slot_error(worker_gpus: float | str) -> str | None:

@@ -6,8 +6,9 @@ events and executes the commands it returns:
 * events: a job registered (its bounds, priority, submit time, slots per worker), finished
   or gone, its bounds changed, its telemetry (a :class:`ThroughputModel`, merged into what
   it measured before), the nodes seen now (a node
-  that joined or was lost is a change of that set), a start that failed, and a
-  :class:`Tick` at ``now``, the only event that decides;
+  that joined or was lost is a change of that set), a start that failed, the job's own
+  drain of a worker (:class:`Drained`: one slot less, at once), and a :class:`Tick` at
+  ``now``, the only event that decides;
 * commands: :class:`Start` (launch a queued job's driver on these nodes) and
   :class:`Assign` (a running job trains on these nodes from its next step boundary).
 
@@ -177,13 +178,29 @@ class StartFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class Drained:
+    """The job's owner drains one of its workers on ``node_id``: the job gives up that slot
+    now (one ``Assign``, not a round: the owner chose the node, not the policy), and its
+    bounds drop to what it keeps, so no later round hands the slot back (a scale request
+    raises them again). Nothing changes when it would keep fewer than ``floor`` workers
+    (its own ``min_workers``) or holds no slot there."""
+
+    job_id: str
+    node_id: str
+    now: float
+    floor: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Decide at ``now``."""
 
     now: float
 
 
-Event = Registered | Running | Finished | Bounds | Measured | NodesSeen | StartFailed | Tick
+Event = (
+    Registered | Running | Finished | Bounds | Measured | NodesSeen | StartFailed | Drained | Tick
+)
 
 
 # --- commands --------------------------------------------------------------------------------
@@ -225,7 +242,8 @@ def step(
     knobs: ClusterKnobs,
     hints: Mapping[str, float] | None = None,
 ) -> tuple[RoundState, tuple[Command, ...]]:
-    """The state after ``event``, and what to do now (commands only come from a Tick)."""
+    """The state after ``event``, and what to do now (commands come from a Tick, and the
+    one ``Assign`` of a :class:`Drained`)."""
     match event:
         case Registered():
             if state.job(event.job_id) is not None:
@@ -279,6 +297,24 @@ def step(
             return state._with(
                 replace(entry, started=False, allocation=(), last_resize_s=None, note=why)
             ), ()
+        case Drained(job_id, node_id, now, floor):
+            entry = state.job(job_id)
+            held = dict(entry.allocation) if entry is not None and entry.started else {}
+            if held.get(node_id, 0) < 1:
+                return state, ()  # not running there (any more): nothing to give up
+            held[node_id] -= 1
+            slots = tuple(sorted((n, k) for n, k in held.items() if k > 0))
+            keeps = sum(k for _, k in slots)
+            if keeps < max(1, floor):
+                return state, ()  # the caller refuses this: below the job's own minimum
+            entry = replace(
+                entry,
+                allocation=slots,
+                min_workers=min(entry.min_workers, keeps),
+                max_workers=min(entry.max_workers, keeps),
+                last_resize_s=now,
+            )
+            return replace(state._with(entry), resizes=state.resizes + 1), (Assign(job_id, slots),)
         case Tick(now):
             return _round(state, now, knobs, hints)
     raise TypeError(f"not a cluster event: {event!r}")

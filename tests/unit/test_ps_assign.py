@@ -1,0 +1,45 @@
+"""A parameter-server job under the cluster scheduler: it takes node assignments (its
+learners start on the granted slots, and move when a round re-assigns it), so the scheduler
+can start and resize it as it does a synchronous job. Driven without Ray: the shipped driver
+over the simulator's runtime (real gradients)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from dynabatch.scheduler.core.lifecycle import JobState
+
+from tests.unit.test_ps_export import _job
+
+
+def _placed(coord) -> Counter:
+    return Counter(coord._learners.values())
+
+
+def test_a_ps_job_starts_on_its_assigned_slots_and_moves_when_reassigned() -> None:
+    coord, _ = _job("ps-assigned", epochs=3)
+    coord.assign({"n1": 2})  # the scheduler's grant, before the start (launch_coordinator)
+    assert coord.start()
+    assert _placed(coord) == {"n1": 2}
+    coord.assign({"n0": 1, "n1": 1})
+    assert coord.step()
+    assert _placed(coord) == {"n0": 1, "n1": 1}
+    left = [e for e in coord.events if e.kind == "leave"]
+    assert [e.reason for e in left] == ["assigned elsewhere"] and left[0].node == "n1"
+    while coord.step():
+        pass
+    snap = coord.snapshot()
+    assert snap.state == JobState.SUCCEEDED, snap.reason
+    assert all(r.verified for r in coord.history()) and len(coord.history()) == 3
+    assert coord.assigned() == (("n0", 1), ("n1", 1))
+
+
+def test_an_assigned_ps_job_refuses_its_own_scale_and_drain() -> None:
+    coord, _ = _job("ps-owned")
+    coord.assign({"n0": 1})
+    assert coord.start()
+    with pytest.raises(ValueError, match="assigned"):
+        coord.scale(2)
+    with pytest.raises(ValueError, match="assigned"):
+        coord.drain(next(iter(coord._learners)))
