@@ -441,3 +441,17 @@ def test_a_held_jobs_reason_says_how_long_it_is_held_on_a_real_clock():
     )
     reason = decide(nodes, [a], now, _knobs("goodput")).plan("a").reason
     assert reason.endswith("(held for 110 s more)"), reason
+
+
+@pytest.mark.parametrize("policy", ["goodput", "fair"])
+def test_a_job_asking_more_workers_than_the_cluster_has_still_grows_into_free_slots(policy):
+    """A job's normalised throughput is over what the cluster could give it (its eligible
+    slots), not over its ``max_workers`` alone: a ``workers: auto`` job may take up to its
+    global batch, and normalised by that many workers every allocation looked alike, so the
+    resize penalty kept it on 1 worker beside 3 free slots (found on the compose stack)."""
+    nodes = [ClusterNode("f", "fast", 2), ClusterNode("s", "slow", 2)]
+    model = M({"fast": 650.0, "slow": 650.0}, {"slow"}, 0.01, 512.0)
+    job = ClusterJob("b", 1, 512, model, allocation=(("s", 1),), last_resize_s=0.0)
+    (plan,) = decide(nodes, [job], 1000.0, ClusterKnobs(policy=policy)).plans
+    assert sum(n for _, n in plan.slots) == 4, plan.reason
+    assert plan.normalised == pytest.approx(1.0)

@@ -534,7 +534,9 @@ def test_ray_commands_match_the_real_ray_start_cli() -> None:
         assert res.get(WORKER_RESOURCE) == 1, f"{name} must offer {WORKER_RESOURCE}"
         resources[name] = res
         limit = float(services()[name]["deploy"]["resources"]["limits"]["cpus"])
-        assert 1 <= w["num_cpus"] <= max(1, math.ceil(limit)), (name, w["num_cpus"], limit)
+        # Ray CPUs are worker slots on the node's CFS quota: two per quota CPU at most (two
+        # jobs' workers may share a node, each on half of it), never more.
+        assert 1 <= w["num_cpus"] <= 2 * max(1, math.ceil(limit)), (name, w["num_cpus"], limit)
     assert resources["worker-fast"] != resources["worker-slow"], "node labels must differ"
     limits = {
         float(services()[n]["deploy"]["resources"]["limits"]["cpus"]) for n in WORKER_SERVICES

@@ -25,7 +25,9 @@ Policies:
   allocate), for comparison.
 
 Normalised throughput: a job's throughput over its throughput on ``max_workers`` workers of
-its fastest type, so jobs of different sizes and speeds are compared on one scale.
+its fastest type, so jobs of different sizes and speeds are compared on one scale; at most
+as many workers as its eligible nodes hold (a ``workers: auto`` job may take up to its
+global batch: over that many, every allocation looked alike and no resize paid its penalty).
 """
 
 from __future__ import annotations
@@ -243,7 +245,7 @@ def _decide(
                 lo=np.array([j.min_workers for j in admitted]),
                 hi=np.array([j.max_workers for j in admitted]),
                 saturation=np.array([j.model.saturation for j in admitted]),
-                ref=np.array([_ref(j, rates[j.job_id]) for j in admitted]),
+                ref=np.array([_ref(j, rates[j.job_id], eligible_cap[j.job_id]) for j in admitted]),
                 x0=np.array([type_counts(current[j.job_id]) for j in admitted]),
                 running=np.array([bool(current[j.job_id]) for j in admitted]),
                 free=free,
@@ -297,9 +299,7 @@ def _decide(
         reason = _running_reason(
             job, before, mine, per_type, jid in held, jid in lost, knobs, started_above, now
         )
-        norm = job.model.throughput(per_type) / max(
-            job.model.of_speed(job.max_workers * float(rates[jid].max())), 1e-300
-        )
+        norm = job.model.throughput(per_type) / _ref(job, rates[jid], eligible_cap[jid])
         plans.append(
             JobPlan(
                 jid,
@@ -319,8 +319,11 @@ def job_fits(job: ClusterJob, slots: dict[str, int]) -> bool:
     return bool(slots) and sum(slots.values()) >= job.min_workers
 
 
-def _ref(job: ClusterJob, rates: np.ndarray) -> float:
-    return max(job.model.of_speed(job.max_workers * float(rates.max())), 1e-300)
+def _ref(job: ClusterJob, rates: np.ndarray, eligible: int) -> float:
+    """The job's throughput on as many workers as it may have (its ``max_workers``, at most
+    the ``eligible`` ones its node types hold) of its fastest type: what normalises it."""
+    workers = min(job.max_workers, max(eligible, 1))
+    return max(job.model.of_speed(workers * float(rates.max())), 1e-300)
 
 
 def _not_free(job: ClusterJob, eligible: int, room: int, one_type: bool = False) -> str:
