@@ -234,6 +234,11 @@ class JobCommands:
             raise WorkerNotFound(
                 f"worker {worker!r} is not a member of job {rec.id}: it has no running coordinator"
             ) from None
+        if snap.ps is not None:  # its snapshot names no learner's node
+            raise JobConflict(
+                f"drain {worker}: the cluster scheduler places this parameter-server job; "
+                "scale it down instead (its slowest learners leave)"
+            )
         member = next((w for w in snap.workers if w.worker == worker), None)
         if member is None:
             raise WorkerNotFound(f"worker {worker!r} is not a member of job {rec.id}")

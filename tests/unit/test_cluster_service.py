@@ -212,3 +212,21 @@ def test_a_restarted_api_leaves_queued_jobs_queued_and_tells_a_new_scheduler(set
         assert again.get(a.id).state != JobState.FAILED
     finally:
         again.stop()
+
+
+def test_a_parameter_server_learner_is_not_drained_through_the_scheduler(setup, monkeypatch):
+    """Its snapshot names no learner's node, so the scheduler could not free the right
+    slot: the drain is refused with what to do instead, and nothing changes."""
+    from dynabatch.scheduler.telemetry import PSStatus
+
+    service, cluster, sched = setup
+    job = service.submit(JobSpec(name="a", epochs=5, workers=2, min_workers=1, max_workers=2))
+    sched.tick()
+    service.sync_once()
+    snap = cluster.snapshot(job.id)
+    ps = PSStatus(mode="async", version=0, applied=0, refused=0, pushes=0, pushes_per_s=0.0)
+    monkeypatch.setattr(cluster, "snapshot", lambda _: snap.model_copy(update={"ps": ps}))
+    before = sched.state.job(job.id)
+    with pytest.raises(JobConflict, match="scale it down instead"):
+        service.drain(job.id, snap.workers[0].worker)
+    assert sched.state.job(job.id) == before and not sched.assigned
