@@ -37,7 +37,7 @@ from dynabatch.service.errors import (
     WorkerNotFound,
 )
 from dynabatch.service.install_check import check_own_install_once
-from dynabatch.service.jobs import JobService
+from dynabatch.service.job_service import JobService
 from dynabatch.service.settings import Settings
 from dynabatch.service.submit_policy import SpecNotAllowed
 from dynabatch.service.wiring import build_service

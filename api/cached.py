@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.service.jobs import JobService
+from dynabatch.service.job_service import JobService
 from dynabatch.service.schemas import JobDetail, JobHistory, JobList, JobSummary
 from fastapi import Request, Response
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 from typing import Annotated
 
-from dynabatch.service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN, JobService
+from dynabatch.service.job_service import JOB_ID_PATTERN, WORKER_ID_PATTERN, JobService
 from dynabatch.service.schemas import JOB_ID_EXAMPLE, ErrorResponse
 from dynabatch.service.settings import Settings
 from fastapi import Depends, HTTPException, Path, Request, status

@@ -19,7 +19,7 @@ from dynabatch.api.metrics_ps import ps_families
 from dynabatch.api.schedule_metrics import schedule_families
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot
-from dynabatch.service.jobs import JobService
+from dynabatch.service.job_service import JobService
 from dynabatch.service.labels import node_label
 from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.core import (

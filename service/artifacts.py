@@ -23,7 +23,7 @@ from dynabatch.service.cluster_client import ClusterClient
 from dynabatch.service.errors import JobConflict, RayCallError
 
 if TYPE_CHECKING:  # the job service calls keep_model: no import cycle
-    from dynabatch.service.jobs import JobService
+    from dynabatch.service.job_service import JobService
 
 log = logging.getLogger("dynabatch.service")
 

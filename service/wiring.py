@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dynabatch.service.cluster_client import ClusterClient
-from dynabatch.service.jobs import JobService
+from dynabatch.service.job_service import JobService
 from dynabatch.service.settings import Settings
 from dynabatch.service.store import JobStore
 

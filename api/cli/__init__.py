@@ -1,5 +1,5 @@
 """The ``dynabatch`` command line: ``run`` trains a config on Ray; client commands talk to
-the REST service (see :mod:`dynabatch.api.cli.jobs`)."""
+the REST service (see :mod:`dynabatch.api.cli.job_commands`)."""
 
 from __future__ import annotations
 
@@ -40,12 +40,12 @@ def _root(
 
 
 def _register() -> None:
-    from dynabatch.api.cli import cluster, jobs, model, run, simulate, tune
+    from dynabatch.api.cli import cluster, job_commands, model, run, simulate, tune
 
     run.register(app)
     simulate.register(app)
     tune.register(app)
-    jobs.register(app)
+    job_commands.register(app)
     model.register(app)
     cluster.register(app)
 

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 from dynabatch.api.cli.common import api_client, out_console, print_plain
-from dynabatch.api.cli.jobs import Token, Url
+from dynabatch.api.cli.job_commands import Token, Url
 from dynabatch.service.client import DEFAULT_URL
 from dynabatch.service.cluster_schemas import ClusterState
 from rich.console import Group

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import typer
 from dynabatch.actors.spec import SpecError
 from dynabatch.service.client import ApiError, DynabatchClient
-from dynabatch.service.jobs import JOB_ID_PATTERN, WORKER_ID_PATTERN
+from dynabatch.service.job_service import JOB_ID_PATTERN, WORKER_ID_PATTERN
 from rich.console import Console
 from rich.text import Text
 

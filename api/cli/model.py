@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 from dynabatch.api.cli.common import CliError, api_client
-from dynabatch.api.cli.jobs import JobIdArg, Token, Url
+from dynabatch.api.cli.job_commands import JobIdArg, Token, Url
 from dynabatch.service.artifacts import unzip_model
 from dynabatch.service.client import DEFAULT_URL
 

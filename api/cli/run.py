@@ -64,7 +64,7 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
         epochs.add_row(*epoch_cells(r))
     parts = [head, workers, epochs]
     if snap.ps is not None:  # protocol ps: per-learner staleness
-        from dynabatch.api.cli.jobs import _ps_table
+        from dynabatch.api.cli.job_commands import _ps_table
 
         parts.append(_ps_table(snap.ps))
     if snap.step_breakdown is not None:

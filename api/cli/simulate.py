@@ -172,7 +172,7 @@ def run_ps(spec: JobSpec, cl: ClusterSpec, console: Console, report: Path | None
     """A ``protocol: ps`` spec: the parameter-server simulator (dynabatch.scheduler.sim.ps: the same
     core as on Ray, real gradients, the cluster's push/pull costs). True if it finished."""
     from dynabatch.actors.workloads.datasets import load_dataset
-    from dynabatch.api.cli.jobs import _ps_table
+    from dynabatch.api.cli.job_commands import _ps_table
     from dynabatch.scheduler.ps.driver import build_core, ps_status
     from dynabatch.scheduler.sim.ps import learners_on, simulate_ps
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dynabatch.api.deps import Credentials, SettingsDep, token_ok
 from dynabatch.service.errors import JobNotFound
-from dynabatch.service.jobs import JOB_ID_PATTERN
+from dynabatch.service.job_service import JOB_ID_PATTERN
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles

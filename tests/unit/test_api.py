@@ -16,7 +16,7 @@ import pytest
 from dynabatch.api.app import create_app
 from dynabatch.scheduler.checkpoint import checkpoint_path
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.service.jobs import EMBEDDED_ENDED, JobService
+from dynabatch.service.job_service import EMBEDDED_ENDED, JobService
 from dynabatch.service.settings import Settings
 from dynabatch.service.store import JobStore
 from dynabatch.service.wiring import build_service

@@ -12,7 +12,7 @@ import anyio.to_thread
 import pytest
 from dynabatch.api.app import create_app
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.service.jobs import JobService
+from dynabatch.service.job_service import JobService
 from dynabatch.service.schemas import JobDetail, JobHistory, JobList, JobSummary
 from dynabatch.service.settings import Settings
 from fastapi.testclient import TestClient

@@ -1,4 +1,4 @@
-"""JobService with the cluster scheduler on (service/jobs.py, service/scheduling.py): a
+"""JobService with the cluster scheduler on (service/job_service.py, service/scheduling.py): a
 submitted job is registered, not launched; a queued job stays PENDING with the queue's
 reason and is never taken for a lost one; it starts when granted; the job's own scale and
 drain become requests the scheduler answers. The scheduler here is the pure rounds
@@ -26,7 +26,7 @@ from dynabatch.scheduler.core.cluster.rounds import (
 from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.service.errors import InvalidRequest, JobConflict, WorkerNotFound
-from dynabatch.service.jobs import JobService
+from dynabatch.service.job_service import JobService
 from dynabatch.service.scheduling import Refused
 from dynabatch.service.store import JobStore
 

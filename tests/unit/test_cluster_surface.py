@@ -18,7 +18,7 @@ import typer
 from dynabatch.actors.spec import JobSpec
 from dynabatch.api.app import create_app
 from dynabatch.api.cli import cluster as cluster_cli
-from dynabatch.api.cli import jobs as jobs_cli
+from dynabatch.api.cli import job_commands as jobs_cli
 from dynabatch.scheduler.core.cluster import (
     ClusterJob,
     ClusterKnobs,
@@ -28,7 +28,7 @@ from dynabatch.scheduler.core.cluster import (
 )
 from dynabatch.scheduler.core.cluster.view import ClusterView, view_of
 from dynabatch.service.client import DynabatchClient
-from dynabatch.service.jobs import JobService
+from dynabatch.service.job_service import JobService
 from dynabatch.service.settings import Settings
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families

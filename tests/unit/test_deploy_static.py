@@ -421,7 +421,7 @@ def test_ports_are_consistent() -> None:
 def test_api_listens_beyond_loopback_only_with_a_token_or_insecure() -> None:
     """`dynabatch serve` exits on a public address without a token unless --insecure: the
     deployments must say which (compose: an optional token, so --insecure; k8s: a token)."""
-    from dynabatch.api.cli.jobs import is_loopback
+    from dynabatch.api.cli.job_commands import is_loopback
 
     params = parse_serve(command("api"))
     raw = yaml.safe_load(COMPOSE.read_text())["services"]["api"]["environment"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import typer
 from dynabatch.api.app import create_app
-from dynabatch.api.cli import jobs as client_cli
+from dynabatch.api.cli import job_commands as client_cli
 from dynabatch.scheduler.runtime.seam import DataInfo
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.scheduler.sync.epoch_report import summary

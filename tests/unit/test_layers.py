@@ -64,9 +64,9 @@ def test_our_packages_are_imported_only_under_dynabatch():
 
 def test_the_checker_sees_a_climbing_import(tmp_path):
     bad = tmp_path / "x.py"
-    bad.write_text("def f():\n    from dynabatch.service.jobs import JobService\n")
-    assert "dynabatch.service.jobs" in _imports(bad)
-    assert _layer("dynabatch.service.jobs") == "service"
+    bad.write_text("def f():\n    from dynabatch.service.job_service import JobService\n")
+    assert "dynabatch.service.job_service" in _imports(bad)
+    assert _layer("dynabatch.service.job_service") == "service"
     assert _layer("dynabatch.client") == _layer("dynabatch") == "api"
 
 
@@ -77,5 +77,7 @@ def test_the_walk_reports_a_lower_layer_reaching_up(tmp_path):
         "def serve():\n    from dynabatch.api.app import create_app\n"
     )
     (tmp_path / "api").mkdir()
-    (tmp_path / "api" / "ok.py").write_text("from dynabatch.service.jobs import JobService\n")
+    (tmp_path / "api" / "ok.py").write_text(
+        "from dynabatch.service.job_service import JobService\n"
+    )
     assert _climbing(tmp_path) == ["service/cli/jobs.py imports dynabatch.api.app"]

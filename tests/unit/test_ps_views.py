@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dynabatch.actors.spec import JobSpec
-from dynabatch.api.cli.jobs import _ps_table
+from dynabatch.api.cli.job_commands import _ps_table
 from dynabatch.api.metrics_ps import ps_families
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.ps.batch_policy import PerfAwareBatches

@@ -16,7 +16,7 @@ import typer
 from dynabatch import ApiError, Client, JobSpec, SpecError
 from dynabatch.actors.export import load_model
 from dynabatch.actors.spec import parse_spec
-from dynabatch.api.cli import jobs as jobs_cli
+from dynabatch.api.cli import job_commands as jobs_cli
 from dynabatch.api.cli import run as run_cli
 from dynabatch.embedded import ProgressView
 from dynabatch.service.client import DynabatchClient

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import schemathesis
 from dynabatch.api.app import create_app
-from dynabatch.service.jobs import JobService
+from dynabatch.service.job_service import JobService
 from dynabatch.service.settings import Settings
 from dynabatch.service.store import JobStore
 from hypothesis import HealthCheck, given, settings
