@@ -69,6 +69,7 @@ from dynabatch.scheduler.core.cluster.rounds import (
     Start,
     StartFailed,
     Tick,
+    drain_refusal,
     rebuild,
     step,
 )
@@ -293,22 +294,14 @@ class ClusterScheduler:
         max_workers drops by one. Raises ``ValueError`` (refused, with the reason) when the
         job holds no slot there or would fall below its ``min_workers``."""
         with self._lock:
-            entry = self._state.job(job_id)
-            if entry is None or not entry.started:
-                raise ValueError(f"drain: {PLACES}, but it does not run job {job_id}")
-            held = dict(entry.allocation)
-            if held.get(node, 0) < 1:
-                raise ValueError(f"drain: {PLACES}; job {job_id} holds no slot on node {node}")
-            keeps = sum(held.values()) - 1
-            least = owner_bounds(self._jobs[job_id].spec)[0]
-            if keeps < least:
-                raise ValueError(
-                    f"drain: {PLACES}; refused: {keeps} workers would be below its "
-                    f"min_workers {least}"
-                )
+            least = owner_bounds(self._jobs[job_id].spec)[0] if job_id in self._jobs else 1
+            why = drain_refusal(self._state, job_id, node, least)
+            if why is not None:
+                raise ValueError(f"drain: {PLACES}; {why}")
             self._state, commands = step(
                 self._state, Drained(job_id, node, time.time(), least), self.knobs
             )
+        keeps = sum(n for c in commands for _, n in c.slots)
         for c in commands:
             self._assign(c)
         self._wake.set()  # the freed slot may start or grow another job

@@ -21,6 +21,7 @@ from dynabatch.scheduler.core.cluster.rounds import (
     Start,
     StartFailed,
     Tick,
+    drain_refusal,
     rebuild,
     step,
 )
@@ -184,9 +185,12 @@ def _check_drain(before: RoundState, after: RoundState, event: Drained, commands
     no later round hands the slot back."""
     old = before.job(event.job_id)
     held = dict(old.allocation) if old is not None and old.started else {}
+    why = drain_refusal(before, event.job_id, event.node_id, event.floor)
     if held.get(event.node_id, 0) < 1 or sum(held.values()) - 1 < max(1, event.floor):
         assert commands == () and after == before
+        assert why is not None  # the actor's refusal names the same reason
         return
+    assert why is None
     held[event.node_id] -= 1
     new = after.job(event.job_id)
     assert commands == (Assign(event.job_id, new.allocation),)
@@ -213,9 +217,12 @@ def test_a_drain_gives_up_the_slot_and_no_round_gives_it_back():
     assert cmds == (Start("b", (("n1", 1),)),)
     s, cmds = step(s, Drained("a", "n1", 6.0), knobs)  # no slot of its there: nothing
     assert cmds == ()
+    assert drain_refusal(s, "a", "n1", 1) == "job a holds no slot on node n1"
     s, _ = step(s, Drained("a", "n0", 7.0), knobs)
     s, cmds = step(s, Drained("a", "n2", 8.0), knobs)  # its last worker: refused
     assert cmds == () and s.job("a").allocation == (("n2", 1),)
+    assert drain_refusal(s, "a", "n2", 1) == "refused: 0 workers would be below its min_workers 1"
+    assert drain_refusal(s, "zz", "n2", 1) == "it does not run job zz"
 
 
 def test_goodput_shrinks_a_running_job_to_admit_a_new_one_and_grows_it_back():

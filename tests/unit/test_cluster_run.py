@@ -259,3 +259,29 @@ def test_run_on_a_cluster_goes_through_its_scheduler_starting_one_when_none_runs
     assert placer._args[0] == "fair" and placer._args[-1] is True  # rounds from the start
     assert scheduling.scheduler_for_run(True, False) is None
     assert scheduling.scheduler_for_run(False, None) is None
+
+
+def test_the_actors_drain_refusals_are_the_pure_machines_reasons(world) -> None:
+    """The actor relays ``drain_refusal`` (no second copy of the checks): a job it does
+    not run, a node where the job holds no slot, a drain below ``min_workers``; a drain
+    it takes frees the slot and says what the job keeps."""
+    sched = _scheduler()
+    gang = parse_spec(GANG)
+    flexible = parse_spec({**GANG, "min_workers": 1})
+    with pytest.raises(ValueError, match="it does not run job a$"):
+        sched.request_drain("a", "n1")
+    sched.sync([cluster_rt.JobEntry("a", gang, 1.0)])
+    sched.round()
+    with pytest.raises(ValueError, match="refused: 1 workers would be below its min_workers 2"):
+        sched.request_drain("a", "n1")
+    sched.finished("a")
+    sched.sync([cluster_rt.JobEntry("b", flexible, 2.0)])
+    sched.round()
+    assert sched.allocation("b") == (("n1", 1), ("n2", 1))
+    assert sched.request_drain("b", "n2").endswith(
+        "its slot on node n2 is freed, and its max_workers is now 1"
+    )
+    assert sched.allocation("b") == (("n1", 1),)
+    assert world["coordinators"]["b"].assigned_to[-1] == {"n1": 1}
+    with pytest.raises(ValueError, match="job b holds no slot on node n2$"):
+        sched.request_drain("b", "n2")

@@ -298,15 +298,13 @@ def step(
                 replace(entry, started=False, allocation=(), last_resize_s=None, note=why)
             ), ()
         case Drained(job_id, node_id, now, floor):
+            if drain_refusal(state, job_id, node_id, floor) is not None:
+                return state, ()  # the caller words the refusal from the same reason
             entry = state.job(job_id)
-            held = dict(entry.allocation) if entry is not None and entry.started else {}
-            if held.get(node_id, 0) < 1:
-                return state, ()  # not running there (any more): nothing to give up
+            held = dict(entry.allocation)
             held[node_id] -= 1
             slots = tuple(sorted((n, k) for n, k in held.items() if k > 0))
             keeps = sum(k for _, k in slots)
-            if keeps < max(1, floor):
-                return state, ()  # the caller refuses this: below the job's own minimum
             entry = replace(
                 entry,
                 allocation=slots,
@@ -318,6 +316,22 @@ def step(
         case Tick(now):
             return _round(state, now, knobs, hints)
     raise TypeError(f"not a cluster event: {event!r}")
+
+
+def drain_refusal(state: RoundState, job_id: str, node_id: str, floor: int) -> str | None:
+    """Why a :class:`Drained` of ``job_id``'s worker on ``node_id`` changes nothing (None:
+    it is taken): the job does not run, holds no slot on that node, or would keep fewer
+    than ``floor`` workers (at least one)."""
+    entry = state.job(job_id)
+    if entry is None or not entry.started:
+        return f"it does not run job {job_id}"
+    held = dict(entry.allocation)
+    if held.get(node_id, 0) < 1:
+        return f"job {job_id} holds no slot on node {node_id}"
+    keeps = sum(held.values()) - 1
+    if keeps < max(1, floor):
+        return f"refused: {keeps} workers would be below its min_workers {max(1, floor)}"
+    return None
 
 
 def _merged(old: ThroughputModel, new: ThroughputModel) -> ThroughputModel:
