@@ -268,7 +268,7 @@ def test_the_actors_drain_refusals_are_the_pure_machines_reasons(world) -> None:
     sched = _scheduler()
     gang = parse_spec(GANG)
     flexible = parse_spec({**GANG, "min_workers": 1})
-    with pytest.raises(ValueError, match="it does not run job a$"):
+    with pytest.raises(ValueError, match=r"it does not run job a$"):
         sched.request_drain("a", "n1")
     sched.sync([cluster_rt.JobEntry("a", gang, 1.0)])
     sched.round()
@@ -283,5 +283,5 @@ def test_the_actors_drain_refusals_are_the_pure_machines_reasons(world) -> None:
     )
     assert sched.allocation("b") == (("n1", 1),)
     assert world["coordinators"]["b"].assigned_to[-1] == {"n1": 1}
-    with pytest.raises(ValueError, match="job b holds no slot on node n2$"):
+    with pytest.raises(ValueError, match=r"job b holds no slot on node n2$"):
         sched.request_drain("b", "n2")
