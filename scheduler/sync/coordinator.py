@@ -30,7 +30,10 @@ injected faults in unit tests. It is split by concern around one job-state value
 * ``checkpoints``: save, restore, roll back;
 * ``artifacts``: the trained model's files at the job's end.
 
-``step()`` is one pass of the control loop; ``run()`` loops it until the job is terminal.
+``step()`` is one step boundary: the pure :class:`~dynabatch.scheduler.core.sync.engine.
+SyncEngine` decides it (load, watch or reconcile, train, end the epoch, re-plan, succeed,
+cancel) from the facts this driver reads off its machines, and this driver carries out its
+commands on the parts; ``run()`` loops it until the job is terminal.
 The other public methods may be called from other threads while it runs (the actor is
 threaded): requests are queued and applied at the next step boundary. What needs the group
 at rest waits for a boundary with nothing in flight: a worker that started and joins, a
@@ -50,6 +53,35 @@ from dynabatch.scheduler.core.failures import RetryBudget
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership, NodeAssignment
 from dynabatch.scheduler.core.regime.regime import Regime
+from dynabatch.scheduler.core.sync.engine import (
+    AdoptStarted,
+    ApplyRequests,
+    AwaitInitial,
+    Become,
+    BeginEpoch,
+    Boundary,
+    Checkpoint,
+    Command,
+    CommitInFlight,
+    Crossing,
+    EndEpoch,
+    EndStep,
+    Facts,
+    FinishCancelled,
+    LoadData,
+    MarkRunning,
+    PollNodes,
+    PublishReady,
+    Ran,
+    Regroup,
+    Replan,
+    SaveModel,
+    Settle,
+    Succeed,
+    SyncEngine,
+    TrainSegment,
+    WaitForMinimum,
+)
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.policy import policy_for
 from dynabatch.scheduler.runtime.seam import Clock, Runtime
@@ -103,6 +135,7 @@ class Coordinator(JobControl):
             # (dynabatch.actors.output).
             runtime = RayRuntime(self.spec, output=self._follow_actor_output())
         self.runtime = runtime
+        self.engine = SyncEngine()  # decides each step boundary; this carries it out
         self.reason = "starting workers"
         s = self.spec
         lr_factors, lr_error = _lr_scheduler_factors(s)
@@ -269,55 +302,104 @@ class Coordinator(JobControl):
 
     # ---------------------------------------------------------------- the loop
     def _step(self) -> bool:
-        if self.state.is_terminal:
-            return False
-        job = self.job
-        if self._cancel is not None:
-            self._cancelling()
-            return False
-        if job.protocol is None:
-            self.epochs.load_data()
-        # With a segment in flight, membership changes wait for the next boundary.
-        if job.ahead is not None:
-            self.roster.watch()
-        elif not self.roster.reconcile():  # WAITING_FOR_WORKERS, or a regroup that failed
-            return not self.state.is_terminal
-        if self._cancel is not None:  # it came while the group formed: train no further
-            self._cancelling()
-            return False
-        self._become(Phase.TRAINING)
-        p = job.protocol
-        if self.epochs.trained:
-            self.epochs.maybe_succeed()  # FINISHING
-            return not self.state.is_terminal
-        if job.ep is None:
-            self.epochs.begin_epoch()
-            self.epochs.replan("epoch start", at=self.pipeline.ahead_end())
-        ok = self.pipeline.train_segment()
-        if p.epoch_complete:
-            self.epochs.end_epoch()
-        elif ok and p.due_check():
-            self.epochs.replan(f"{self.spec.rebalance.mode} check",
-                               at=self.pipeline.ahead_end())
-        self.epochs.publish_ready()
-        return not self.state.is_terminal
+        """One boundary: the engine decides, this carries out its commands in order and
+        answers the last of a batch with what the job's machines say after it."""
+        commands = self.engine.on(Boundary(self._facts()))
+        try:
+            while True:
+                ok = True
+                for command in commands:
+                    if isinstance(command, EndStep):
+                        return not command.stop and not self.state.is_terminal
+                    ok = self._carry_out(command)
+                commands = self.engine.on(Ran(self._facts(), ok))
+        except BaseException:
+            self.engine.interrupted()  # the job ended inside a command (or a bug)
+            raise
 
-    def _cancelling(self) -> None:
-        """CANCELLING: the checkpoint must hold what was trained, and an epoch it completed
-        ends; then the evaluations are awaited and the job is CANCELLED."""
-        job = self.job
-        self._become(Phase.CANCELLING)
-        if job.ahead is not None:
-            self.pipeline.drain(commit=True)
-            if job.protocol.epoch_complete and job.ep is not None:
+    def _facts(self) -> Facts:
+        job, s = self.job, self.spec
+        p, m = job.protocol, job.membership
+        with self._lock:
+            # An assignment's hand-over drains workers at a boundary with nothing in flight.
+            requests = bool(self._requests) or m.handing_over
+        crossing = None
+        if p is not None:
+            nxt = p.epoch + 1
+            crossing = Crossing(
+                next_epoch=nxt, epochs=s.epochs, goodput=job.regime.mode == "goodput",
+                next_batch=job.regime.batch_for(nxt), batch=p.global_batch,
+                # A judged epoch (early_stopping, keep_best) waits for its evaluation, as a
+                # checkpoint does.
+                checkpoint_due=self.epochs.judges_epochs or self.epochs.checkpoint_due(nxt),
+                replans_at_end=p.rule.mode == "epoch" and s.policy != "static")
+        return Facts(
+            terminal=self.state.is_terminal,
+            cancel_requested=self._cancel is not None,
+            data_loaded=p is not None,
+            in_flight=job.ahead is not None,
+            trained=p is not None and self.epochs.trained,
+            epoch_open=job.ep is not None,
+            epoch_complete=p is not None and p.epoch_complete,
+            check_due=p is not None and p.due_check(),
+            trained_any=bool(self._history) or self.step_in_epoch > 0,
+            retrying=job.budget.retrying, requests_pending=requests,
+            regroup_due=m.dirty, stamps_fixed=job.regime.can_stamp_ahead,
+            crossing=crossing,
+            pending=self.state == JobState.PENDING,
+            starting=not m.members and m.generation == 0 and self.state == JobState.PENDING,
+            node_poll_due=self.roster.node_poll_due(),
+            shortfall=m.shortfall(),
+        )
+
+    def _carry_out(self, command: Command) -> bool:
+        """One of the engine's commands, on this driver's parts; True unless a reconcile
+        left no group ready to train or a segment did not all run."""
+        match command:
+            case Become(phase):
+                self._become(phase)
+            case LoadData():
+                self.epochs.load_data()
+            case ApplyRequests():
+                self.roster.apply_requests()
+            case AdoptStarted():
+                self.roster.adopt_started(0.0)
+            case PollNodes(starting):
+                self.roster.poll_nodes(starting)
+            case AwaitInitial():
+                self.roster.await_initial()
+            case WaitForMinimum(shortfall):
+                self.roster.wait_for_min(shortfall)
+            case Regroup():
+                return self.roster.regroup()
+            case MarkRunning():
+                self._transition(JobState.RUNNING, None)
+            case Succeed():
+                self.epochs.maybe_succeed()
+            case BeginEpoch():
+                self.epochs.begin_epoch()
+            case Replan(check):
+                why = f"{self.spec.rebalance.mode} check" if check else "epoch start"
+                self.epochs.replan(why, at=self.pipeline.ahead_end())
+            case TrainSegment(ahead, across):
+                return self.pipeline.train_segment(ahead, across)
+            case EndEpoch():
                 self.epochs.end_epoch()
-            if self.state.is_terminal:
-                return
-        self.epochs.settle()
-        self.checkpoints.save(reason="cancel")
-        if self._history or self.step_in_epoch:  # it trained something: its model goes out
-            self.artifacts.save(reason="cancel")
-        self._finish(JobState.CANCELLED, self._cancel)
+            case PublishReady():
+                self.epochs.publish_ready()
+            case CommitInFlight():
+                self.pipeline.drain(commit=True)
+            case Settle():
+                self.epochs.settle()
+            case Checkpoint(reason):
+                self.checkpoints.save(reason=reason)
+            case SaveModel(reason):
+                self.artifacts.save(reason=reason)
+            case FinishCancelled():
+                self._finish(JobState.CANCELLED, self._cancel)
+            case _:
+                raise TypeError(f"not a command of the step loop: {command!r}")
+        return True
 
     def _become(self, phase: Phase) -> None:
         with self._lock:  # snapshot readers in other threads copy the changes

@@ -29,7 +29,6 @@ from typing import Any
 
 from dynabatch.scheduler.core.failures import Failure, WorkerOutcome, classify
 from dynabatch.scheduler.core.sync import pipeline as decide
-from dynabatch.scheduler.core.sync.boundary import checkpoint_due
 from dynabatch.scheduler.core.sync.protocol import Position
 from dynabatch.scheduler.core.sync.update import (
     PlanUpdate,
@@ -99,41 +98,16 @@ class Pipeline(Part):
             job.plan_updates_refused += 1
         return ok
 
-    def can_send_ahead(self) -> bool:
-        c = self.c
-        with c._lock:
-            # An assignment's hand-over drains workers at a boundary with nothing in flight.
-            requests = bool(c._requests) or self.job.membership.handing_over
-        return decide.can_send_ahead(
-            cancel_requested=c._cancel is not None,
-            retrying=self.job.budget.retrying, requests_pending=requests,
-            regroup_due=self.job.membership.dirty, stamps_fixed=self.job.regime.can_stamp_ahead)
-
-    def can_cross_epoch(self) -> bool:
-        p, s, regime = self.job.protocol, self.spec, self.job.regime
-        nxt = p.epoch + 1
-        return decide.can_cross_epoch(
-            next_epoch=nxt, epochs=s.epochs,
-            goodput=regime.mode == "goodput", next_batch=regime.batch_for(nxt),
-            batch=p.global_batch,
-            # A judged epoch (early_stopping, keep_best) waits for its evaluation, as a
-            # checkpoint does.
-            checkpoint_due=self.c.epochs.judges_epochs or checkpoint_due(
-                nxt, every_epochs=s.checkpoint.every_epochs, epochs=s.epochs,
-                checkpoint_dir=bool(s.checkpoint.dir)),
-            replans_at_end=p.rule.mode == "epoch" and s.policy != "static")
-
-    def send_ahead(self, start: Position, plans: dict[str, Any]) -> None:
+    def send_ahead(self, start: Position, plans: dict[str, Any], across: bool) -> None:
         """Send the segment after the one at ``start`` (already sent) before its results
-        are read: in this epoch, or the next epoch's first, behind the epoch's evaluation."""
-        if not self.can_send_ahead():
-            return
+        are read: in this epoch, or, when ``across`` (the engine decides both), the next
+        epoch's first, behind the epoch's evaluation."""
         job, p = self.job, self.job.protocol
         plan = decide.plan_ahead(start, len(next(iter(plans.values())).steps),
                                  p.steps_per_epoch)
         behind = None
         if plan.crosses_epoch:
-            if not self.can_cross_epoch():
+            if not across:
                 return
             # Each of the segment's workers scores its shard of the epoch's final weights,
             # then trains on. Dropped if that segment fails (it is not the final state).
@@ -164,8 +138,11 @@ class Pipeline(Part):
             for w in trained:
                 self.c.roster.remove(w, "failure", "trained past a failed segment")
 
-    def train_segment(self) -> bool:
-        """Run one segment; commit what the state holder completed. True when it all ran."""
+    def train_segment(self, send_ahead: bool = False, across: bool = False) -> bool:
+        """Run one segment; commit what the state holder completed. True when it all ran.
+        ``send_ahead``/``across``: send the next segment before reading this one's results,
+        and may that be the next epoch's first (:class:`~dynabatch.scheduler.core.sync.engine.
+        TrainSegment`)."""
         job, p = self.job, self.job.protocol
         ahead, job.ahead = job.ahead, None
         if ahead is not None and ahead.position == p.position:
@@ -181,7 +158,8 @@ class Pipeline(Part):
             behind, job.next_behind = job.next_behind, None
             ticket = self.runtime.submit_segment(plans)
         start = p.position
-        self.send_ahead(start, plans)
+        if send_ahead:
+            self.send_ahead(start, plans, across)
         outcomes = self.runtime.collect_segment(ticket, self.grace_s())
         return self.commit(plans, outcomes, start, t0, behind=behind)
 

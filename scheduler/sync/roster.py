@@ -1,7 +1,9 @@
 """The roster (membership and spares): who trains, at each step boundary.
 
-At a boundary with nothing in flight the group is reconciled: scale, drain and assign
-requests applied (and the workers an assignment moves drained, once the state is handed
+What a boundary does, and in which order, is the step loop's engine's
+(:class:`~dynabatch.scheduler.core.sync.engine.SyncEngine`); these are its commands'
+handlers. At a boundary with nothing in flight the group is reconciled: scale, drain and
+assign requests applied (and the workers an assignment moves drained, once the state is handed
 over), started workers adopted, workers started on nodes that appeared (and spares
 tended), then either the job waits for enough workers (WAITING_FOR_WORKERS: it fails after
 its timeout, :func:`~dynabatch.scheduler.core.sync.boundary.wait_for_minimum`) or a new
@@ -17,7 +19,6 @@ from dynabatch.scheduler.control import Assign, Drain, Scale
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Change
 from dynabatch.scheduler.core.sync.boundary import must_roll_back, wait_for_minimum
-from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.sync.job import Part
 
 # How often nodes are listed (every step boundary at most, and between segments sent
@@ -34,39 +35,13 @@ class Roster(Part):
     Membership` (named apart from the workers' process group, ``dynabatch.actors.group``)."""
 
     # ---------------------------------------------------------------- at a boundary
-    def reconcile(self) -> bool:
-        """Apply requests, joins and losses at a step boundary. True when ready to train."""
-        c, job = self.c, self.job
-        m = job.membership
-        self.apply_requests()
-        self.adopt_started(0.0)
-        starting = not m.members and m.generation == 0 and c.state == JobState.PENDING
-        now = self.clock.now()
-        if now - job.last_node_poll >= NODE_POLL_S or starting or m.dirty:
-            job.last_node_poll = now
-            self.spawn_missing(starting)
-        if starting:
-            self.await_initial()
-        shortfall = m.shortfall()
-        if shortfall is not None:
-            return self.wait_for_min(shortfall)
-        if m.dirty:
-            self.become(Phase.REGROUPING)
-            if not self.regroup():
-                return False
-        if c.state == JobState.PENDING:
-            c._transition(JobState.RUNNING, None)
-        return True
+    def node_poll_due(self) -> bool:
+        return self.clock.now() - self.job.last_node_poll >= NODE_POLL_S
 
-    def watch(self) -> None:
-        """With a segment in flight: notice workers that came up (one that joins stops the
-        sending ahead, so the next boundary has nothing in flight and regroups), and start
-        workers on nodes that appeared. A worker still starting blocks nothing."""
-        self.adopt_started(0.0)
-        now = self.clock.now()
-        if now - self.job.last_node_poll >= NODE_POLL_S:
-            self.job.last_node_poll = now
-            self.spawn_missing(starting=False)
+    def poll_nodes(self, starting: bool) -> None:
+        """List the nodes now: start workers where members are missing, tend spares."""
+        self.job.last_node_poll = self.clock.now()
+        self.spawn_missing(starting)
 
     def apply_requests(self) -> bool:
         m = self.job.membership
@@ -193,7 +168,6 @@ class Roster(Part):
 
     def wait_for_min(self, shortfall: str) -> bool:
         c, job, s = self.c, self.job, self.spec
-        self.become(Phase.WAITING_FOR_WORKERS)
         wait = wait_for_minimum(
             since=job.waiting_since, now=self.clock.now(),
             started=job.membership.generation != 0, start_timeout_s=s.start_timeout_s,

@@ -1,0 +1,305 @@
+"""The step loop's pure engine (``scheduler/core/sync/engine.py``): what a boundary does,
+from events and the facts they carry, with no driver behind it.
+
+The property drives it with random facts after every command (a cancel can arrive, an
+epoch can end, the job can finish inside any command) and checks the loop's rules; the
+real driver running these commands is tested through the coordinator's own tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from dynabatch.scheduler.core.sync.engine import (
+    AdoptStarted,
+    ApplyRequests,
+    AwaitInitial,
+    Become,
+    BeginEpoch,
+    Boundary,
+    Checkpoint,
+    CommitInFlight,
+    Crossing,
+    EndEpoch,
+    EndStep,
+    Facts,
+    FinishCancelled,
+    InvalidEvent,
+    LoadData,
+    MarkRunning,
+    PollNodes,
+    PublishReady,
+    Ran,
+    Regroup,
+    Replan,
+    SaveModel,
+    Settle,
+    Succeed,
+    SyncEngine,
+    TrainSegment,
+    WaitForMinimum,
+)
+from dynabatch.scheduler.core.sync.phase import Phase
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+rarely = st.sampled_from([False, False, False, True])  # so that most boundaries train
+facts = st.builds(
+    Facts,
+    terminal=rarely,
+    cancel_requested=rarely,
+    data_loaded=st.booleans(),
+    in_flight=st.booleans(),
+    trained=st.booleans(),
+    epoch_open=st.booleans(),
+    epoch_complete=st.booleans(),
+    check_due=st.booleans(),
+    trained_any=st.booleans(),
+    retrying=rarely,
+    requests_pending=rarely,
+    regroup_due=rarely,
+    stamps_fixed=st.booleans(),
+    crossing=st.none()
+    | st.builds(
+        Crossing,
+        next_epoch=st.integers(1, 4),
+        epochs=st.integers(1, 4),
+        goodput=st.booleans(),
+        next_batch=st.sampled_from([32, 64]),
+        batch=st.sampled_from([32, 64]),
+        checkpoint_due=st.booleans(),
+        replans_at_end=st.booleans(),
+    ),
+    pending=st.booleans(),
+    starting=rarely,
+    node_poll_due=st.booleans(),
+    shortfall=st.none() | st.just("1 of 2 workers"),
+)
+
+
+def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
+    """One boundary: every batch of commands with the facts that preceded it, and the
+    outcome that answered it."""
+    batches = []
+    before, commands = first, engine.on(Boundary(first))
+    for _ in range(10):
+        assert commands, "a batch is never empty"
+        last = commands[-1]
+        if isinstance(last, EndStep):
+            assert not any(isinstance(c, EndStep) for c in commands[:-1])
+            batches.append((before, commands, None))
+            return batches
+        after, ok = data.draw(facts), data.draw(st.booleans())
+        batches.append((before, commands, (after, ok)))
+        before, commands = after, engine.on(Ran(after, ok))
+    pytest.fail("a boundary did not end within 10 batches")
+
+
+@settings(max_examples=500)  # cheap examples; the rules have many branches
+@given(first=facts, data=st.data())
+def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObject) -> None:
+    engine = SyncEngine()
+    for _ in range(3):  # consecutive boundaries: each starts where the last left the engine
+        batches = _boundary(engine, first, data)
+        flat = [c for _, cs, _ in batches for c in cs]
+        if first.terminal:
+            assert flat == [EndStep(stop=True)]
+        cancelling = Become(Phase.CANCELLING) in flat
+        if cancelling:  # a cancel trains nothing new and stops the loop
+            assert flat[-1] == EndStep(stop=True)
+            assert not any(
+                isinstance(c, (TrainSegment, BeginEpoch, ApplyRequests, Regroup, Succeed))
+                for c in flat[flat.index(Become(Phase.CANCELLING)) :]
+            )
+            if FinishCancelled() in flat:  # the checkpoint holds what was trained, then
+                i = flat.index(FinishCancelled())
+                assert flat[i - 1] in (Checkpoint("cancel"), SaveModel("cancel"))
+                assert Settle() in flat[:i]
+        for before, commands, outcome in batches:
+            for c in commands:
+                if isinstance(c, LoadData):
+                    assert not before.data_loaded
+                if isinstance(c, BeginEpoch):
+                    assert not before.epoch_open
+                if isinstance(c, Succeed):
+                    assert before.trained and not before.cancel_requested
+                if isinstance(c, TrainSegment):
+                    # Decided to train by the facts of the batch that became TRAINING.
+                    decided = next(b for b, cs, _ in batches if Become(Phase.TRAINING) in cs)
+                    assert not decided.cancel_requested and not decided.trained
+                    # Sent ahead only when the next boundary need not have the group at
+                    # rest; across the epoch only when it may be sent ahead at all.
+                    if c.ahead:
+                        assert not (
+                            before.cancel_requested
+                            or before.retrying
+                            or before.requests_pending
+                            or before.regroup_due
+                        )
+                        assert before.stamps_fixed
+                    if c.across:
+                        assert c.ahead and before.crossing is not None
+                        cr = before.crossing
+                        assert cr.next_epoch < cr.epochs and cr.next_batch == cr.batch
+                        assert not (cr.goodput or cr.checkpoint_due or cr.replans_at_end)
+            for c in commands:
+                if isinstance(c, (ApplyRequests, Regroup, AwaitInitial)):
+                    assert not first.in_flight  # membership changes wait for a rest
+                if isinstance(c, PollNodes) and first.in_flight:  # when due
+                    assert before.node_poll_due and not c.starting
+                elif isinstance(c, PollNodes):  # when due, or at once after a change
+                    assert before.node_poll_due or before.starting or before.regroup_due
+                    assert c.starting == before.starting
+                if isinstance(c, AwaitInitial):
+                    assert before.starting
+                if isinstance(c, WaitForMinimum):  # too few: wait, and the step ends
+                    assert c.shortfall == before.shortfall
+                    assert commands[-3:] == [Become(Phase.WAITING_FOR_WORKERS), c, EndStep()]
+                if isinstance(c, Regroup):
+                    assert before.regroup_due and before.shortfall is None
+                    assert commands[-2:] == [Become(Phase.REGROUPING), c]
+                if isinstance(c, MarkRunning):
+                    assert before.pending
+            if Regroup() in commands and not outcome[1]:  # it failed: the step ends
+                assert next(cs for b, cs, _ in batches if b is outcome[0]) == [EndStep()]
+            if any(isinstance(c, TrainSegment) for c in commands) and not first.in_flight:
+                # Trained only with the group formed: no shortfall, no change pending.
+                # (With a regroup, the facts that decided it had none: the rule above.)
+                formed = [b for b, cs, _ in batches if Become(Phase.TRAINING) in cs]
+                if Regroup() not in flat:
+                    assert formed[0].shortfall is None and not formed[0].regroup_due
+            if commands and isinstance(commands[-1], TrainSegment):
+                after, ok = outcome
+                nxt = next(cs for b, cs, _ in batches if b is after)
+                assert (EndEpoch() in nxt) == after.epoch_complete
+                assert (Replan(check=True) in nxt) == (
+                    not after.epoch_complete and ok and after.check_due
+                )
+                assert nxt[-2:] == [PublishReady(), EndStep()]
+        if flat[-1] == EndStep(stop=True):
+            break
+        first = data.draw(facts)
+
+
+def test_a_training_boundary() -> None:
+    engine = SyncEngine()
+    first = Facts(data_loaded=False, pending=True, starting=True)
+    assert engine.on(Boundary(first)) == [LoadData(), ApplyRequests(), AdoptStarted()]
+    assert engine.on(Ran(first)) == [PollNodes(starting=True), AwaitInitial()]
+    assert engine.on(Ran(Facts(pending=True, regroup_due=True))) == [
+        Become(Phase.REGROUPING),
+        Regroup(),
+    ]
+    assert engine.on(Ran(Facts(pending=True), ok=True)) == [
+        MarkRunning(),
+        Become(Phase.TRAINING),
+        BeginEpoch(),
+        Replan(),
+    ]
+    # The epoch opened: the segment after this one may go ahead, but not into the next
+    # epoch when a checkpoint is due between them.
+    crossing = Crossing(
+        next_epoch=1,
+        epochs=3,
+        goodput=False,
+        next_batch=64,
+        batch=64,
+        checkpoint_due=True,
+        replans_at_end=False,
+    )
+    assert engine.on(Ran(Facts(epoch_open=True, crossing=crossing))) == [
+        TrainSegment(ahead=True, across=False)
+    ]
+    assert engine.on(Ran(Facts(epoch_open=True, check_due=True), ok=True)) == [
+        Replan(check=True),
+        PublishReady(),
+        EndStep(),
+    ]
+    # Next boundary, a segment in flight: no requests applied, no regroup; nodes listed
+    # when due; it completes the epoch.
+    in_flight = Facts(in_flight=True, epoch_open=True, node_poll_due=True, regroup_due=True)
+    assert engine.on(Boundary(in_flight)) == [AdoptStarted(), PollNodes()]
+    nothing_due = replace(crossing, checkpoint_due=False)
+    assert engine.on(Ran(Facts(in_flight=True, epoch_open=True, crossing=nothing_due))) == [
+        Become(Phase.TRAINING),
+        TrainSegment(ahead=True, across=True),
+    ]
+    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=True)) == [
+        EndEpoch(),
+        PublishReady(),
+        EndStep(),
+    ]
+    # A retry runs alone (nothing is sent ahead of it); the segment failed after its last
+    # step's collective and still completed the epoch.
+    assert engine.on(Boundary(Facts(epoch_open=True))) == [ApplyRequests(), AdoptStarted()]
+    assert engine.on(Ran(Facts(epoch_open=True, retrying=True))) == [
+        Become(Phase.TRAINING),
+        TrainSegment(ahead=False, across=False),
+    ]
+    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=False)) == [
+        EndEpoch(),
+        PublishReady(),
+        EndStep(),
+    ]
+
+
+def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
+    engine = SyncEngine()
+    engine.on(Boundary(Facts()))
+    short = Facts(shortfall="1 of 2 workers", regroup_due=True)
+    assert engine.on(Ran(short)) == [PollNodes()]  # the group changed: list nodes at once
+    assert engine.on(Ran(short)) == [
+        Become(Phase.WAITING_FOR_WORKERS),
+        WaitForMinimum("1 of 2 workers"),
+        EndStep(),
+    ]
+    engine.on(Boundary(Facts()))
+    assert engine.on(Ran(Facts(regroup_due=True, node_poll_due=False))) == [PollNodes()]
+    assert engine.on(Ran(Facts(regroup_due=True))) == [Become(Phase.REGROUPING), Regroup()]
+    assert engine.on(Ran(Facts(regroup_due=True), ok=False)) == [EndStep()]
+
+
+def test_a_cancel_while_the_group_formed_cancels() -> None:
+    engine = SyncEngine()
+    engine.on(Boundary(Facts(pending=True)))
+    assert engine.on(Ran(Facts(pending=True, cancel_requested=True))) == [
+        MarkRunning(),
+        Become(Phase.CANCELLING),
+        Settle(),
+    ]
+    assert engine.on(Ran(Facts(cancel_requested=True, trained_any=True))) == [
+        Checkpoint("cancel"),
+        SaveModel("cancel"),
+        FinishCancelled(),
+        EndStep(stop=True),
+    ]
+
+
+def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed() -> None:
+    engine = SyncEngine()
+    cancel = Facts(cancel_requested=True, in_flight=True, epoch_open=True)
+    assert engine.on(Boundary(cancel)) == [Become(Phase.CANCELLING), CommitInFlight()]
+    done = Facts(cancel_requested=True, epoch_open=True, epoch_complete=True)
+    assert engine.on(Ran(done)) == [EndEpoch()]
+    # That was the last epoch: the job succeeded in it, and is not cancelled.
+    assert engine.on(Ran(Facts(terminal=True, cancel_requested=True))) == [EndStep(stop=True)]
+    # Nothing was trained: no model goes out.
+    engine = SyncEngine()
+    engine.on(Boundary(Facts(cancel_requested=True)))
+    assert engine.on(Ran(Facts(cancel_requested=True))) == [
+        Checkpoint("cancel"),
+        FinishCancelled(),
+        EndStep(stop=True),
+    ]
+
+
+def test_an_outcome_nobody_waits_for_is_a_bug() -> None:
+    engine = SyncEngine()
+    with pytest.raises(InvalidEvent, match="Ran while AtRest"):
+        engine.on(Ran(Facts()))
+    engine.on(Boundary(Facts()))
+    with pytest.raises(InvalidEvent, match="Boundary while Gathering"):
+        engine.on(Boundary(Facts()))
+    engine.interrupted()  # the job ended inside a command: the next boundary is fresh
+    assert engine.on(Boundary(Facts(terminal=True))) == [EndStep(stop=True)]
