@@ -68,6 +68,7 @@ from dynabatch.scheduler.core.sync.engine import (
     EndStep,
     Facts,
     FinishCancelled,
+    FinishSucceeded,
     LoadData,
     MarkRunning,
     PollNodes,
@@ -77,7 +78,6 @@ from dynabatch.scheduler.core.sync.engine import (
     Replan,
     SaveModel,
     Settle,
-    Succeed,
     SyncEngine,
     TrainSegment,
     WaitForMinimum,
@@ -350,6 +350,7 @@ class Coordinator(JobControl):
             starting=not m.members and m.generation == 0 and self.state == JobState.PENDING,
             node_poll_due=self.roster.node_poll_due(),
             shortfall=m.shortfall(),
+            holders=bool(m.holders()),
         )
 
     def _carry_out(self, command: Command) -> bool:
@@ -374,8 +375,8 @@ class Coordinator(JobControl):
                 return self.roster.regroup()
             case MarkRunning():
                 self._transition(JobState.RUNNING, None)
-            case Succeed():
-                self.epochs.maybe_succeed()
+            case FinishSucceeded():
+                self._finish(JobState.SUCCEEDED, self.epochs.stopped)
             case BeginEpoch():
                 self.epochs.begin_epoch()
             case Replan(check):
@@ -384,7 +385,7 @@ class Coordinator(JobControl):
             case TrainSegment(ahead, across):
                 return self.pipeline.train_segment(ahead, across)
             case EndEpoch():
-                self.epochs.end_epoch()
+                self.epochs.end_epoch(return_after=False)
             case PublishReady():
                 self.epochs.publish_ready()
             case CommitInFlight():

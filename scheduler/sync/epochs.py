@@ -6,8 +6,8 @@ its final weights, split over the state holders and run off the critical path
 (``dynabatch.scheduler.sync.evaluation``). The record joins the history when the
 evaluation is in; an evaluation that lost a shard is run again on the holders left when
 nothing was queued behind it (:func:`~dynabatch.scheduler.core.sync.boundary.evaluate_again`).
-The job succeeds once every epoch is trained and evaluated and a member still holds the
-final state, or earlier, once ``early_stopping``'s metric has stopped improving.
+Whether the job is then trained (every epoch, or early stopping's) is :attr:`Epochs.trained`;
+its success is the step loop's engine's (``dynabatch.scheduler.core.sync.engine``).
 
 Judged epochs (``early_stopping``, ``checkpoint.keep_best``). Each epoch's evaluation is
 awaited at its end, before the next epoch's first segment is sent (the pipeline does not
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.regime.stopping import Judgement, judge, should_stop
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
 from dynabatch.scheduler.core.sync.phase import Phase
@@ -149,8 +148,9 @@ class Epochs(Part):
         self.log("INFO", f"{why}; the job ends after epoch {epoch}")
         return why
 
-    def end_epoch(self) -> None:
-        """Close the epoch (ENDING_EPOCH, then back to what it interrupted): verify it,
+    def end_epoch(self, return_after: bool = True) -> None:
+        """Close the epoch (ENDING_EPOCH, then back to what it interrupted, unless
+        ``return_after`` is false: the step loop's engine moves the phase on): verify it,
         build its record, checkpoint when due, and have the holders evaluate it (unless
         that was sent ahead). The record is published when the evaluation is in."""
         job, p = self.job, self.job.protocol
@@ -195,26 +195,8 @@ class Epochs(Part):
             if stop is not None:
                 self.stopped = stop
         self.publish_ready()
-        self.maybe_succeed(cancelling=interrupted is Phase.CANCELLING)
-        self.return_to(interrupted, during=Phase.ENDING_EPOCH)
-
-    def maybe_succeed(self, cancelling: bool = False) -> None:
-        """Done once every epoch is trained, its evaluations are in, and a member still
-        holds the final state; if the last holder was lost (in the final evaluation or
-        checkpoint), the next step's regroup restores the last checkpoint and trains on,
-        or fails with the reason. A cancel that arrives while the last evaluations are
-        awaited stops them being run again, and the next boundary ends the job CANCELLED;
-        one being honoured (``cancelling``: its segment in flight completed the last
-        epoch) lets the job succeed."""
-        m = self.job.membership
-        if self.trained and m.holders():
-            self.become(Phase.FINISHING)
-            self.settle()
-            if self.c._cancel is not None and not cancelling:
-                return
-            if m.holders():
-                self.c.artifacts.save(reason="end")
-                self.c._finish(JobState.SUCCEEDED, self.stopped)
+        if return_after:
+            self.return_to(interrupted, during=Phase.ENDING_EPOCH)
 
     @property
     def trained(self) -> bool:

@@ -25,6 +25,7 @@ from dynabatch.scheduler.core.sync.engine import (
     EndStep,
     Facts,
     FinishCancelled,
+    FinishSucceeded,
     InvalidEvent,
     LoadData,
     MarkRunning,
@@ -35,7 +36,6 @@ from dynabatch.scheduler.core.sync.engine import (
     Replan,
     SaveModel,
     Settle,
-    Succeed,
     SyncEngine,
     TrainSegment,
     WaitForMinimum,
@@ -75,6 +75,7 @@ facts = st.builds(
     starting=rarely,
     node_poll_due=st.booleans(),
     shortfall=st.none() | st.just("1 of 2 workers"),
+    holders=st.sampled_from([True, True, True, False]),
 )
 
 
@@ -109,7 +110,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
         if cancelling:  # a cancel trains nothing new and stops the loop
             assert flat[-1] == EndStep(stop=True)
             assert not any(
-                isinstance(c, (TrainSegment, BeginEpoch, ApplyRequests, Regroup, Succeed))
+                isinstance(c, (TrainSegment, BeginEpoch, ApplyRequests, Regroup))
                 for c in flat[flat.index(Become(Phase.CANCELLING)) :]
             )
             if FinishCancelled() in flat:  # the checkpoint holds what was trained, then
@@ -122,8 +123,15 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     assert not before.data_loaded
                 if isinstance(c, BeginEpoch):
                     assert not before.epoch_open
-                if isinstance(c, Succeed):
-                    assert before.trained and not before.cancel_requested
+                if isinstance(c, FinishSucceeded):
+                    # After FINISHING awaited the last evaluations, with a holder left, and
+                    # not beside a pending cancel unless the cancel's own segment ended it.
+                    assert before.holders
+                    assert flat.index(Become(Phase.FINISHING)) < flat.index(Settle())
+                    assert commands[commands.index(c) - 1] == SaveModel("end")
+                    assert not before.cancel_requested or cancelling
+                if c == Become(Phase.FINISHING):
+                    assert before.trained and before.holders
                 if isinstance(c, TrainSegment):
                     # Decided to train by the facts of the batch that became TRAINING.
                     decided = next(b for b, cs, _ in batches if Become(Phase.TRAINING) in cs)
@@ -172,11 +180,20 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
             if commands and isinstance(commands[-1], TrainSegment):
                 after, ok = outcome
                 nxt = next(cs for b, cs, _ in batches if b is after)
-                assert (EndEpoch() in nxt) == after.epoch_complete
-                assert (Replan(check=True) in nxt) == (
-                    not after.epoch_complete and ok and after.check_due
-                )
+                if after.epoch_complete:
+                    assert nxt == [EndEpoch()]
+                    continue
+                assert (Replan(check=True) in nxt) == (ok and after.check_due)
                 assert nxt[-2:] == [PublishReady(), EndStep()]
+            if commands == [EndEpoch()] and not cancelling:  # then FINISHING, or back
+                after, _ = outcome
+                nxt = next(cs for b, cs, _ in batches if b is after)
+                if after.terminal:
+                    assert nxt == [EndStep()]
+                elif after.trained and after.holders:
+                    assert nxt == [Become(Phase.FINISHING), Settle()]
+                else:
+                    assert nxt == [Become(Phase.TRAINING), PublishReady(), EndStep()]
         if flat[-1] == EndStep(stop=True):
             break
         first = data.draw(facts)
@@ -225,11 +242,8 @@ def test_a_training_boundary() -> None:
         Become(Phase.TRAINING),
         TrainSegment(ahead=True, across=True),
     ]
-    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=True)) == [
-        EndEpoch(),
-        PublishReady(),
-        EndStep(),
-    ]
+    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=True)) == [EndEpoch()]
+    assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
     # A retry runs alone (nothing is sent ahead of it); the segment failed after its last
     # step's collective and still completed the epoch.
     assert engine.on(Boundary(Facts(epoch_open=True))) == [ApplyRequests(), AdoptStarted()]
@@ -237,11 +251,8 @@ def test_a_training_boundary() -> None:
         Become(Phase.TRAINING),
         TrainSegment(ahead=False, across=False),
     ]
-    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=False)) == [
-        EndEpoch(),
-        PublishReady(),
-        EndStep(),
-    ]
+    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=False)) == [EndEpoch()]
+    assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
 
 
 def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
@@ -282,8 +293,17 @@ def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed()
     assert engine.on(Boundary(cancel)) == [Become(Phase.CANCELLING), CommitInFlight()]
     done = Facts(cancel_requested=True, epoch_open=True, epoch_complete=True)
     assert engine.on(Ran(done)) == [EndEpoch()]
-    # That was the last epoch: the job succeeded in it, and is not cancelled.
-    assert engine.on(Ran(Facts(terminal=True, cancel_requested=True))) == [EndStep(stop=True)]
+    # That was the last epoch: the job finishes SUCCEEDED, not CANCELLED.
+    trained = Facts(cancel_requested=True, trained=True, trained_any=True)
+    assert engine.on(Ran(trained)) == [Become(Phase.FINISHING), Settle()]
+    assert engine.on(Ran(trained)) == [SaveModel("end"), FinishSucceeded(), EndStep(stop=True)]
+    # Not the last: back to cancelling.
+    engine.on(Boundary(cancel))
+    engine.on(Ran(done))
+    assert engine.on(Ran(Facts(cancel_requested=True, trained_any=True))) == [
+        Become(Phase.CANCELLING),
+        Settle(),
+    ]
     # Nothing was trained: no model goes out.
     engine = SyncEngine()
     engine.on(Boundary(Facts(cancel_requested=True)))
@@ -291,6 +311,30 @@ def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed()
         Checkpoint("cancel"),
         FinishCancelled(),
         EndStep(stop=True),
+    ]
+
+
+def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_holder():
+    engine = SyncEngine()
+    engine.on(Boundary(Facts(epoch_open=True)))
+    engine.on(Ran(Facts(epoch_open=True)))
+    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True))) == [EndEpoch()]
+    trained = Facts(trained=True, trained_any=True)
+    assert engine.on(Ran(trained)) == [Become(Phase.FINISHING), Settle()]
+    assert engine.on(Ran(trained)) == [SaveModel("end"), FinishSucceeded(), EndStep()]
+    # A cancel that came while the last evaluations were awaited wins at the next boundary.
+    engine.on(Boundary(Facts()))
+    assert engine.on(Ran(trained)) == [Become(Phase.TRAINING), Become(Phase.FINISHING), Settle()]
+    assert engine.on(Ran(replace(trained, cancel_requested=True))) == [EndStep()]
+    # The last holder was lost meanwhile: the next boundary regroups and trains on.
+    engine.on(Boundary(Facts()))
+    engine.on(Ran(trained))
+    assert engine.on(Ran(replace(trained, holders=False))) == [EndStep()]
+    # Trained, but no holder: nothing to finish with yet.
+    engine.on(Boundary(Facts()))
+    assert engine.on(Ran(replace(trained, holders=False))) == [
+        Become(Phase.TRAINING),
+        EndStep(),
     ]
 
 

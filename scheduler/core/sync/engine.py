@@ -20,14 +20,18 @@ One boundary, as the engine decides it:
   group changed (REGROUPING; one that fails ends the step, the next boundary tries
   again); a job that was PENDING is RUNNING once its group is ready;
 * a cancellation that came while the group formed: cancel;
-* train: once every epoch is trained, *succeed* (await the last evaluations); else begin
-  the epoch if none is open (and plan it), run a segment, then end the epoch when it is
-  complete, or re-plan when the rebalance rule's check is due after a segment that all ran;
-  publish the evaluations that are in.
+* train: begin the epoch if none is open (and plan it), run a segment (sending the next
+  ahead when the next boundary need not have the group at rest), then end the epoch when
+  it is complete, or re-plan when the rebalance rule's check is due after a segment that
+  all ran; publish the evaluations that are in;
+* once every epoch is trained and a member holds the final state: FINISHING, the last
+  evaluations awaited, then the model handed out and the job SUCCEEDED. A cancel that
+  comes meanwhile wins at the next boundary; a holder lost meanwhile makes the next
+  boundary regroup (rolling back) and train on.
 
-A cancellation commits the segment in flight (ending the epoch it completed; which can end
-the job SUCCEEDED when it was the last), awaits the evaluations, writes the checkpoint,
-hands out the model when anything was trained, and ends the job CANCELLED.
+A cancellation commits the segment in flight (ending the epoch it completed; when that was
+the last, the job finishes SUCCEEDED instead), awaits the evaluations, writes the
+checkpoint, hands out the model when anything was trained, and ends the job CANCELLED.
 
 What each command does inside (a regroup, a segment's commit, an epoch's record) is the
 driver's parts' and the other pure machines' (protocol, membership, ledger, boundary).
@@ -83,6 +87,7 @@ class Facts:
     starting: bool = False  # no member yet, no group formed: the job's first start
     node_poll_due: bool = False  # nodes were last listed long enough ago to list again
     shortfall: str | None = None  # fewer workers than the job's minimum: which, and why
+    holders: bool = True  # a member holds the committed state
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +166,8 @@ class MarkRunning:
 
 
 @dataclass(frozen=True, slots=True)
-class Succeed:
-    """Every epoch is trained: await the last evaluations, hand out the model, succeed."""
+class FinishSucceeded:
+    """End the job SUCCEEDED (with early stopping's reason, when it stopped the training)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +196,9 @@ class TrainSegment:
 
 @dataclass(frozen=True, slots=True)
 class EndEpoch:
-    """Verify, record and checkpoint the epoch; queue its evaluation."""
+    """Verify, record and checkpoint the epoch; queue its evaluation (ENDING_EPOCH: the
+    engine then moves the loop on, to FINISHING or back to what the epoch's end
+    interrupted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +253,7 @@ Command = (
     | WaitForMinimum
     | Regroup
     | MarkRunning
-    | Succeed
+    | FinishSucceeded
     | BeginEpoch
     | Replan
     | TrainSegment
@@ -304,6 +311,19 @@ class Training:
 
 
 @dataclass(frozen=True, slots=True)
+class Ending:
+    """Waiting for the epoch a segment completed to end (the job may be trained now)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finishing:
+    """Every epoch is trained: waiting for the last evaluations. ``cancelling``: a
+    cancellation's last segment completed the last epoch, so the job succeeds."""
+
+    cancelling: bool
+
+
+@dataclass(frozen=True, slots=True)
 class CancelCommitting:
     """Cancelling: waiting for the segment in flight to be committed."""
 
@@ -328,6 +348,8 @@ LoopState = (
     | Regrouping
     | Opening
     | Training
+    | Ending
+    | Finishing
     | CancelCommitting
     | CancelEndingEpoch
     | CancelSettling
@@ -370,19 +392,35 @@ class SyncEngine:
             case Opening(), Ran(f):
                 return self._segment(f)
             case Training(), Ran(f, ok):
-                after: list[Command] = []
                 if f.epoch_complete:
-                    after.append(EndEpoch())
-                elif ok and f.check_due:
-                    after.append(Replan(check=True))
-                return self._rest(*after, PublishReady(), EndStep())
+                    self.state = Ending()
+                    return [EndEpoch()]
+                check = [Replan(check=True)] if ok and f.check_due else []
+                return self._rest(*check, PublishReady(), EndStep())
+            case Ending(), Ran(f):
+                if f.terminal:
+                    return self._rest(EndStep())
+                # The epoch ended: the job finishes, or returns to training.
+                back = [Become(Phase.TRAINING), PublishReady(), EndStep()]
+                return self._finishing(f, cancelling=False) or self._rest(*back)
+            case Finishing(cancelling), Ran(f):
+                if f.cancel_requested and not cancelling:
+                    return self._rest(EndStep())  # the next boundary cancels the job
+                if f.holders:
+                    return self._rest(SaveModel("end"), FinishSucceeded(), EndStep(stop=cancelling))
+                # The last holder was lost in the final evaluations: the next boundary
+                # regroups (rolling back) and trains on; a cancellation goes on cancelling.
+                return self._settle(f) if cancelling else self._rest(EndStep())
             case CancelCommitting(), Ran(f):
                 if f.epoch_complete and f.epoch_open:
                     self.state = CancelEndingEpoch()
                     return [EndEpoch()]
                 return self._settle(f)
             case CancelEndingEpoch(), Ran(f):
-                return self._settle(f)
+                if f.terminal:
+                    return self._rest(EndStep(stop=True))
+                back = [Become(Phase.CANCELLING)]
+                return self._finishing(f, cancelling=True) or [*back, *self._settle(f)]
             case CancelSettling(), Ran(f):
                 save = [SaveModel("cancel")] if f.trained_any else []
                 return self._rest(
@@ -433,7 +471,7 @@ class SyncEngine:
 
     def _train(self, f: Facts) -> list[Command]:
         if f.trained:
-            return self._rest(Become(Phase.TRAINING), Succeed(), EndStep())
+            return [Become(Phase.TRAINING), *(self._finishing(f, False) or self._rest(EndStep()))]
         if not f.epoch_open:
             self.state = Opening()
             return [Become(Phase.TRAINING), BeginEpoch(), Replan()]
@@ -454,6 +492,14 @@ class SyncEngine:
         across = ahead and c is not None and can_cross_epoch(**asdict(c))
         self.state = Training()
         return [TrainSegment(ahead=ahead, across=across)]
+
+    def _finishing(self, f: Facts, cancelling: bool) -> list[Command]:
+        """Every epoch is trained and a member holds the final state: await the last
+        evaluations before success (empty: not yet)."""
+        if not (f.trained and f.holders):
+            return []
+        self.state = Finishing(cancelling)
+        return [Become(Phase.FINISHING), Settle()]
 
     def _cancel(self, f: Facts) -> list[Command]:
         if f.in_flight:
