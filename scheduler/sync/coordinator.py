@@ -53,7 +53,8 @@ from dynabatch.scheduler.core.failures import RetryBudget
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership, NodeAssignment
 from dynabatch.scheduler.core.regime.regime import Regime
-from dynabatch.scheduler.core.sync.engine import (
+from dynabatch.scheduler.core.sync.engine import SyncEngine
+from dynabatch.scheduler.core.sync.messages import (
     AdoptStarted,
     ApplyRequests,
     AwaitInitial,
@@ -78,7 +79,6 @@ from dynabatch.scheduler.core.sync.engine import (
     Replan,
     SaveModel,
     Settle,
-    SyncEngine,
     TrainSegment,
     WaitForMinimum,
 )

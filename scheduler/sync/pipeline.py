@@ -141,8 +141,8 @@ class Pipeline(Part):
     def train_segment(self, send_ahead: bool = False, across: bool = False) -> bool:
         """Run one segment; commit what the state holder completed. True when it all ran.
         ``send_ahead``/``across``: send the next segment before reading this one's results,
-        and may that be the next epoch's first (:class:`~dynabatch.scheduler.core.sync.engine.
-        TrainSegment`)."""
+        and may that be the next epoch's first (the engine's
+        :class:`~dynabatch.scheduler.core.sync.messages.TrainSegment`)."""
         job, p = self.job, self.job.protocol
         ahead, job.ahead = job.ahead, None
         if ahead is not None and ahead.position == p.position:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from dynabatch.scheduler.core.sync.engine import (
+from dynabatch.scheduler.core.sync.engine import InvalidEvent, SyncEngine
+from dynabatch.scheduler.core.sync.messages import (
     AdoptStarted,
     ApplyRequests,
     AwaitInitial,
@@ -26,7 +27,6 @@ from dynabatch.scheduler.core.sync.engine import (
     Facts,
     FinishCancelled,
     FinishSucceeded,
-    InvalidEvent,
     LoadData,
     MarkRunning,
     PollNodes,
@@ -36,7 +36,6 @@ from dynabatch.scheduler.core.sync.engine import (
     Replan,
     SaveModel,
     Settle,
-    SyncEngine,
     TrainSegment,
     WaitForMinimum,
 )

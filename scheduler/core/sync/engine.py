@@ -43,229 +43,36 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from dynabatch.scheduler.core.sync.messages import (
+    AdoptStarted,
+    ApplyRequests,
+    AwaitInitial,
+    Become,
+    BeginEpoch,
+    Boundary,
+    Checkpoint,
+    Command,
+    CommitInFlight,
+    EndEpoch,
+    EndStep,
+    Event,
+    Facts,
+    FinishCancelled,
+    FinishSucceeded,
+    LoadData,
+    MarkRunning,
+    PollNodes,
+    PublishReady,
+    Ran,
+    Regroup,
+    Replan,
+    SaveModel,
+    Settle,
+    TrainSegment,
+    WaitForMinimum,
+)
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.pipeline import can_cross_epoch, can_send_ahead
-
-# --- facts and events -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Crossing:
-    """What decides whether the next epoch's first segment may be sent before this epoch
-    ends (:func:`~dynabatch.scheduler.core.sync.pipeline.can_cross_epoch`)."""
-
-    next_epoch: int
-    epochs: int
-    goodput: bool  # the regime decides the next batch from the epoch's end
-    next_batch: int
-    batch: int
-    checkpoint_due: bool  # or the epoch is judged (early stopping, keep_best)
-    replans_at_end: bool  # rebalance: epoch under a speed-driven policy
-
-
-@dataclass(frozen=True, slots=True)
-class Facts:
-    """What the driver's machines say now."""
-
-    terminal: bool = False  # the job ended (its JobState is terminal)
-    cancel_requested: bool = False
-    data_loaded: bool = True
-    in_flight: bool = False  # a segment sent ahead has not been collected
-    trained: bool = False  # every epoch is trained, or early stopping ended the training
-    epoch_open: bool = False  # the epoch has begun (its totals are open) and not ended
-    epoch_complete: bool = False  # every step of the protocol's epoch is committed
-    check_due: bool = False  # the rebalance rule's check is due at this step
-    trained_any: bool = False  # an epoch was recorded, or a step of this one trained
-    # What decides whether a segment may be sent ahead of the one before it:
-    retrying: bool = False  # the next segment retries a failure (it runs alone)
-    requests_pending: bool = False  # scale, drain or assign requests, or a hand-over
-    regroup_due: bool = False  # a worker joined or was lost: the next boundary regroups
-    stamps_fixed: bool = True  # the next segment's stamps do not wait on this one's losses
-    crossing: Crossing | None = None  # None before the data is loaded
-    # Who trains:
-    pending: bool = False  # the job's state is PENDING (it has not trained, or waits)
-    starting: bool = False  # no member yet, no group formed: the job's first start
-    node_poll_due: bool = False  # nodes were last listed long enough ago to list again
-    shortfall: str | None = None  # fewer workers than the job's minimum: which, and why
-    holders: bool = True  # a member holds the committed state
-
-
-@dataclass(frozen=True, slots=True)
-class Boundary:
-    """A step boundary: the loop's turn."""
-
-    facts: Facts
-
-
-@dataclass(frozen=True, slots=True)
-class Ran:
-    """The last batch of commands was carried out; ``ok``: its last command succeeded (a
-    regroup formed, a segment all ran; other commands: True)."""
-
-    facts: Facts
-    ok: bool = True
-
-
-Event = Boundary | Ran
-
-# --- commands ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Become:
-    """Move the loop's phase (reported; its moves are enforced by ``Phase``)."""
-
-    phase: Phase
-
-
-@dataclass(frozen=True, slots=True)
-class LoadData:
-    """Load the dataset and build the protocol at the job's position."""
-
-
-@dataclass(frozen=True, slots=True)
-class ApplyRequests:
-    """Apply the scale, drain and assign requests queued since the last boundary (drained
-    workers leave now)."""
-
-
-@dataclass(frozen=True, slots=True)
-class AdoptStarted:
-    """Take in the workers whose start finished (they join at the next regroup)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PollNodes:
-    """List the nodes: start workers where members are missing, tend the spares."""
-
-    starting: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class AwaitInitial:
-    """The first start: wait (up to the start timeout) for the workers to come up."""
-
-
-@dataclass(frozen=True, slots=True)
-class WaitForMinimum:
-    """Too few workers: say why, fail once the wait is over its limit, else wait a little
-    (the step ends: the next boundary looks again)."""
-
-    shortfall: str
-
-
-@dataclass(frozen=True, slots=True)
-class Regroup:
-    """Form the next generation (loading the checkpoint first when no member holds the
-    committed state). Answered with ``Ran.ok``: it formed."""
-
-
-@dataclass(frozen=True, slots=True)
-class MarkRunning:
-    """The job trains: PENDING becomes RUNNING."""
-
-
-@dataclass(frozen=True, slots=True)
-class FinishSucceeded:
-    """End the job SUCCEEDED (with early stopping's reason, when it stopped the training)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BeginEpoch:
-    """Open the epoch (its global batch, totals, ledger)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Replan:
-    """Re-plan the rest of the epoch, from the step after the segment in flight if any:
-    at the epoch's start, or when the rebalance rule's check is due (``check``)."""
-
-    check: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class TrainSegment:
-    """Run the next segment and commit what its state holders completed; answered with
-    ``Ran.ok``: it all ran. ``ahead``: send the segment after it before its results are
-    read; ``across``: that may be the next epoch's first (behind this epoch's
-    evaluation)."""
-
-    ahead: bool = False
-    across: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class EndEpoch:
-    """Verify, record and checkpoint the epoch; queue its evaluation (ENDING_EPOCH: the
-    engine then moves the loop on, to FINISHING or back to what the epoch's end
-    interrupted)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PublishReady:
-    """Publish the epochs whose evaluation is in."""
-
-
-@dataclass(frozen=True, slots=True)
-class CommitInFlight:
-    """Collect the segment in flight and commit it (a cancellation keeps what it trained)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Settle:
-    """Await the evaluations in flight and publish them."""
-
-
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
-    """Write the job's checkpoint (when it keeps them)."""
-
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class SaveModel:
-    """Hand out the trained model's files."""
-
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class FinishCancelled:
-    """End the job CANCELLED, with the cancellation's reason."""
-
-
-@dataclass(frozen=True, slots=True)
-class EndStep:
-    """The boundary is over. ``stop``: the loop ends whatever the job's state; otherwise it
-    goes on unless the job is terminal."""
-
-    stop: bool = False
-
-
-Command = (
-    Become
-    | LoadData
-    | ApplyRequests
-    | AdoptStarted
-    | PollNodes
-    | AwaitInitial
-    | WaitForMinimum
-    | Regroup
-    | MarkRunning
-    | FinishSucceeded
-    | BeginEpoch
-    | Replan
-    | TrainSegment
-    | EndEpoch
-    | PublishReady
-    | CommitInFlight
-    | Settle
-    | Checkpoint
-    | SaveModel
-    | FinishCancelled
-    | EndStep
-)
 
 # --- where the boundary stands ----------------------------------------------------------
 
