@@ -15,10 +15,11 @@ settings.register_profile(
 settings.load_profile("dynabatch")
 
 
-# Integration modules whose tests start their own Ray in a child process and never use the
-# session's cluster: they may run beside the others. (An integration test that asks for the
-# cluster fails in tests/integration/conftest.py if its module is listed here.)
-OWN_RAY_MODULES = frozenset({"test_auto_resume.py", "test_busy_host.py", "test_shadowing.py"})
+# Integration modules whose tests start their own Ray (in a child process, or a head of their
+# own that this process never connects to) and never use the session's cluster: they may run
+# beside the others, off the session cluster's worker. (An integration test that asks for
+# the cluster fails in tests/integration/conftest.py if its module is listed here.)
+OWN_RAY_MODULES = frozenset({"test_auto_resume.py", "test_session_cluster.py", "test_shadowing.py"})
 
 
 def xdist_group_of(nodeid: str) -> str | None:

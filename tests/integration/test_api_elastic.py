@@ -51,8 +51,10 @@ def _job(**kw: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def api(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    for _ in range(3):
+    nodes = [
         cluster.add_node(num_cpus=1, resources={TAG: 1}, object_store_memory=80 * 2**20)
+        for _ in range(3)
+    ]
     cluster.wait_for_nodes()
     db = tmp_path_factory.mktemp("api") / "jobs.db"
     # Jobs checkpoint under pytest's temporary directories (tmp_path), as a REST client may
@@ -72,6 +74,10 @@ def api(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Test
     sched = find_scheduler()
     if sched is not None:
         ray.kill(sched, no_restart=True)
+    # Idle nodes are not free (tests/integration/conftest.py): the rest of the session
+    # does without them.
+    for node in nodes:
+        cluster.remove_node(node, allow_graceful=False)
 
 
 def _get(client: TestClient, job: str) -> dict[str, Any]:

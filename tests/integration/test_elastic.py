@@ -1,5 +1,12 @@
 """Elastic membership on a real multi-node Ray cluster: node loss, scale-up, min_workers,
-scheduler death. Each test adds its own nodes, tagged with a resource only it uses."""
+scheduler death.
+
+A test that removes a node, or needs a node to appear, adds its own nodes, tagged with a
+resource only it uses. The others train on the session's three nodes (``SESSION``): the
+integration tier runs one test at a time, so nothing else trains there, and a node that is
+already up starts a worker sooner than a fresh one, whose raylet, dashboard agent and
+runtime-env agent are still starting beside it.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +26,9 @@ from dynabatch.scheduler.sync.coordinator import Coordinator
 from .conftest import wait_for
 
 pytestmark = pytest.mark.integration
+
+# The resource every node of the session's cluster carries (tests/integration/conftest.py).
+SESSION = "dynabatch_worker"
 
 
 def _spec(tag: str, **kw) -> JobSpec:
@@ -41,6 +51,11 @@ def _start(coord: Coordinator) -> threading.Thread:
     t = threading.Thread(target=coord.run, daemon=True)
     t.start()
     return t
+
+
+def _session_nodes() -> list[str]:
+    """The ids of the session's nodes (alive, carrying ``SESSION``)."""
+    return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(SESSION)]
 
 
 def _node_of(cluster, nodes, node_id: str):
@@ -96,9 +111,7 @@ def test_node_lost_at_the_end_of_an_epoch_keeps_training(cluster):
 
 
 def test_deterministic_worker_error_fails_the_job_quickly_with_the_error(cluster):
-    tag = "elastic_error"
-    _nodes(cluster, tag, 2)
-    spec = _spec(tag, workers=2, epochs=3, max_retries=2, collective_timeout_s=10,
+    spec = _spec(SESSION, workers=2, epochs=3, max_retries=2, collective_timeout_s=10,
                  emulation={"errors": [{"worker": 1, "epoch": 0, "step": 3}]})
     coord = Coordinator("error", spec, resume=False)
     t0 = time.monotonic()
@@ -112,12 +125,10 @@ def test_deterministic_worker_error_fails_the_job_quickly_with_the_error(cluster
 
 
 def test_straggler_beyond_the_collective_timeout_is_evicted(cluster):
-    tag = "elastic_straggler"
-    _nodes(cluster, tag, 3)
     # Worker 2 turns 1000x slower at epoch 1 step 2: a step then computes for a second or
     # two, beyond collective_timeout_s=1 but within the grace after which a worker that
     # does not answer at all counts as hung.
-    spec = _spec(tag, epochs=3, collective_timeout_s=1, worker_wait_timeout_s=30,
+    spec = _spec(SESSION, epochs=3, collective_timeout_s=1, worker_wait_timeout_s=30,
                  model={"name": "mlp", "hidden": 256},
                  emulation={"slowdowns": [1, 1, 1],
                             "disturbances": [{"worker": 2, "factor": 1000, "epoch": 1,
@@ -199,9 +210,7 @@ def test_below_min_workers_fails_with_reason_within_timeout(cluster):
 
 
 def test_killed_scheduler_resumes_from_checkpoint_with_identical_weights(cluster, tmp_path):
-    tag = "elastic_resume"
-    _nodes(cluster, tag, 2)
-    spec = _spec(tag, workers=2, epochs=3, policy="static",
+    spec = _spec(SESSION, workers=2, epochs=3, policy="static",
                  checkpoint={"dir": str(tmp_path / "a"), "every_epochs": 1})
     # Uninterrupted reference.
     ref = Coordinator("resume-ref", spec, resume=False).run()
@@ -247,14 +256,15 @@ def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster):
     the job."""
     from ray._private.state import available_resources_per_node
 
-    tag = "elastic_spare"
-    nodes = [n.node_id for n in _nodes(cluster, tag, 3)]
+    nodes = _session_nodes()
+    assert len(nodes) == 3, nodes
 
     def free_cpus() -> dict[str, float]:
         avail = available_resources_per_node()
         return {n: avail.get(n, {}).get("CPU", 0.0) for n in nodes}
 
-    coord = Coordinator("spare", _spec(tag, workers=2, max_workers=2, epochs=500), resume=False)
+    coord = Coordinator("spare", _spec(SESSION, workers=2, max_workers=2, epochs=500),
+                        resume=False)
     trained: set[str] = set()  # the workers that trained a step
     coord.watch_steps(lambda row: trained.update(r.worker for r in row))
     thread = _start(coord)
