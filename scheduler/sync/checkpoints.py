@@ -16,7 +16,6 @@ from dynabatch.actors.errors import first_line
 from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.sync.boundary import rollback
-from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.protocol import Position
 from dynabatch.scheduler.runtime.seam import WorkerCallError
 from dynabatch.scheduler.sync.job import Part
@@ -169,9 +168,8 @@ class Checkpoints(Part):
         return True
 
     def roll_back(self) -> None:
-        """No member holds the committed state (ROLLING_BACK): load the last checkpoint,
-        or fail; the regroup goes on with its weights."""
-        self.become(Phase.ROLLING_BACK)
+        """No member holds the committed state (ROLLING_BACK, the engine's): load the last
+        checkpoint, or fail; the regroup goes on with its weights."""
         # Records of epochs before it first: the checkpoint's history replaces them all.
         self.c.epochs.settle()
         s = self.spec
@@ -189,4 +187,3 @@ class Checkpoints(Part):
         if not verdict.restore:
             self.fail(verdict.reason)
         self.restore(ckpt, why=verdict.reason)
-        self.become(Phase.REGROUPING)

@@ -77,6 +77,7 @@ from dynabatch.scheduler.core.sync.messages import (
     Ran,
     Regroup,
     Replan,
+    RollBack,
     SaveModel,
     Settle,
     TrainSegment,
@@ -351,6 +352,8 @@ class Coordinator(JobControl):
             node_poll_due=self.roster.node_poll_due(),
             shortfall=m.shortfall(),
             holders=bool(m.holders()),
+            needs_state=m.dirty and m.regroup_plan().needs_state,
+            holding_restored=job.restored_weights is not None,
         )
 
     def _carry_out(self, command: Command) -> bool:
@@ -371,6 +374,8 @@ class Coordinator(JobControl):
                 self.roster.await_initial()
             case WaitForMinimum(shortfall):
                 self.roster.wait_for_min(shortfall)
+            case RollBack():
+                self.checkpoints.roll_back()
             case Regroup():
                 return self.roster.regroup()
             case MarkRunning():

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dynabatch.scheduler.control import Assign, Drain, Scale
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Change
-from dynabatch.scheduler.core.sync.boundary import must_roll_back, wait_for_minimum
+from dynabatch.scheduler.core.sync.boundary import wait_for_minimum
 from dynabatch.scheduler.sync.job import Part
 
 # How often nodes are listed (every step boundary at most, and between segments sent
@@ -202,11 +202,8 @@ class Roster(Part):
         again)."""
         job = self.job
         m = job.membership
+        # (No member holding the committed state: the engine rolled back first.)
         plan = m.regroup_plan()
-        if plan.needs_state and must_roll_back(
-                needs_state=True, holding_restored=job.restored_weights is not None):
-            self.c.checkpoints.roll_back()  # restores the weights, or ends the job
-            plan = m.regroup_plan()
         # Weights restored and not yet loaded go to rank 0 even when every member holds the
         # committed position: a new job starting from another's checkpoint (checkpoint.from)
         # is at epoch 0 step 0 with them.

@@ -34,6 +34,7 @@ from dynabatch.scheduler.core.sync.messages import (
     Ran,
     Regroup,
     Replan,
+    RollBack,
     SaveModel,
     Settle,
     TrainSegment,
@@ -75,6 +76,8 @@ facts = st.builds(
     node_poll_due=st.booleans(),
     shortfall=st.none() | st.just("1 of 2 workers"),
     holders=st.sampled_from([True, True, True, False]),
+    needs_state=st.booleans(),
+    holding_restored=st.booleans(),
 )
 
 
@@ -163,9 +166,22 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 if isinstance(c, WaitForMinimum):  # too few: wait, and the step ends
                     assert c.shortfall == before.shortfall
                     assert commands[-3:] == [Become(Phase.WAITING_FOR_WORKERS), c, EndStep()]
-                if isinstance(c, Regroup):
+                if isinstance(c, RollBack):  # no holder: the checkpoint first
                     assert before.regroup_due and before.shortfall is None
+                    assert before.needs_state and not before.holding_restored
+                    assert commands == [
+                        Become(Phase.REGROUPING),
+                        Become(Phase.ROLLING_BACK),
+                        RollBack(),
+                    ]
+                    after, _ = outcome
+                    nxt = next(cs for b, cs, _ in batches if b is after)
+                    assert nxt == [Become(Phase.REGROUPING), Regroup()]
+                if isinstance(c, Regroup):
                     assert commands[-2:] == [Become(Phase.REGROUPING), c]
+                    if not any(RollBack() in cs for _, cs, _ in batches):
+                        assert before.regroup_due and before.shortfall is None
+                        assert not before.needs_state or before.holding_restored
                 if isinstance(c, MarkRunning):
                     assert before.pending
             if Regroup() in commands and not outcome[1]:  # it failed: the step ends
@@ -268,6 +284,25 @@ def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
     assert engine.on(Ran(Facts(regroup_due=True, node_poll_due=False))) == [PollNodes()]
     assert engine.on(Ran(Facts(regroup_due=True))) == [Become(Phase.REGROUPING), Regroup()]
     assert engine.on(Ran(Facts(regroup_due=True), ok=False)) == [EndStep()]
+    # No member holds the committed state: the checkpoint is loaded first (ROLLING_BACK);
+    # weights restored and not yet loaded (a regroup that failed after loading them) need
+    # no second load.
+    engine.on(Boundary(Facts()))
+    lost = Facts(regroup_due=True, needs_state=True)
+    assert engine.on(Ran(lost)) == [PollNodes()]
+    assert engine.on(Ran(lost)) == [
+        Become(Phase.REGROUPING),
+        Become(Phase.ROLLING_BACK),
+        RollBack(),
+    ]
+    assert engine.on(Ran(Facts(regroup_due=True))) == [Become(Phase.REGROUPING), Regroup()]
+    engine.on(Ran(Facts(regroup_due=True), ok=False))
+    engine.on(Boundary(Facts()))
+    engine.on(Ran(replace(lost, holding_restored=True)))
+    assert engine.on(Ran(replace(lost, holding_restored=True))) == [
+        Become(Phase.REGROUPING),
+        Regroup(),
+    ]
 
 
 def test_a_cancel_while_the_group_formed_cancels() -> None:

@@ -18,7 +18,9 @@ One boundary, as the engine decides it:
   changed, and at the first start, which then waits for its workers), then wait when
   fewer than the minimum are in (WAITING_FOR_WORKERS; the step ends), or regroup when the
   group changed (REGROUPING; one that fails ends the step, the next boundary tries
-  again); a job that was PENDING is RUNNING once its group is ready;
+  again), loading the last checkpoint first when no member holds the committed state
+  (ROLLING_BACK; without one the job fails); a job that was PENDING is RUNNING once its
+  group is ready;
 * a cancellation that came while the group formed: cancel;
 * train: begin the epoch if none is open (and plan it), run a segment (sending the next
   ahead when the next boundary need not have the group at rest), then end the epoch when
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from dynabatch.scheduler.core.sync.boundary import must_roll_back
 from dynabatch.scheduler.core.sync.messages import (
     AdoptStarted,
     ApplyRequests,
@@ -66,6 +69,7 @@ from dynabatch.scheduler.core.sync.messages import (
     Ran,
     Regroup,
     Replan,
+    RollBack,
     SaveModel,
     Settle,
     TrainSegment,
@@ -98,6 +102,12 @@ class Gathering:
 class Placing:
     """Waiting for workers to be started on the nodes listed (and, at the first start, to
     come up)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RollingBack:
+    """Waiting for the last checkpoint to be loaded (or the job to fail) before the regroup:
+    no member holds the committed state."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +162,7 @@ LoopState = (
     | Watching
     | Gathering
     | Placing
+    | RollingBack
     | Regrouping
     | Opening
     | Training
@@ -192,6 +203,10 @@ class SyncEngine:
                 return self._gathered(f)
             case Placing(), Ran(f):
                 return self._gathered(f)
+            case RollingBack(), Ran():
+                # The checkpoint's weights wait in the driver: the regroup loads them.
+                self.state = Regrouping()
+                return [Become(Phase.REGROUPING), Regroup()]
             case Regrouping(), Ran(f, ok):
                 if not ok:
                     return self._rest(EndStep())  # the next boundary tries again
@@ -263,6 +278,9 @@ class SyncEngine:
                 Become(Phase.WAITING_FOR_WORKERS), WaitForMinimum(f.shortfall), EndStep()
             )
         if f.regroup_due:
+            if must_roll_back(needs_state=f.needs_state, holding_restored=f.holding_restored):
+                self.state = RollingBack()
+                return [Become(Phase.REGROUPING), Become(Phase.ROLLING_BACK), RollBack()]
             self.state = Regrouping()
             return [Become(Phase.REGROUPING), Regroup()]
         return self._formed(f)

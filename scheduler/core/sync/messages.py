@@ -56,6 +56,10 @@ class Facts:
     node_poll_due: bool = False  # nodes were last listed long enough ago to list again
     shortfall: str | None = None  # fewer workers than the job's minimum: which, and why
     holders: bool = True  # a member holds the committed state
+    # The next regroup has no member holding the committed state to broadcast from, and no
+    # weights restored from a checkpoint are waiting to be loaded.
+    needs_state: bool = False
+    holding_restored: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +130,12 @@ class WaitForMinimum:
 class Regroup:
     """Form the next generation (loading the checkpoint first when no member holds the
     committed state). Answered with ``Ran.ok``: it formed."""
+
+
+@dataclass(frozen=True, slots=True)
+class RollBack:
+    """No member holds the committed state: load the last checkpoint (its weights wait for
+    the regroup), or fail the job with the reason."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +229,7 @@ Command = (
     | PollNodes
     | AwaitInitial
     | WaitForMinimum
+    | RollBack
     | Regroup
     | MarkRunning
     | FinishSucceeded
