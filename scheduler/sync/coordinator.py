@@ -73,6 +73,7 @@ from dynabatch.scheduler.core.sync.messages import (
     LoadData,
     MarkRunning,
     PollNodes,
+    PostPlanUpdate,
     PublishReady,
     Ran,
     Regroup,
@@ -354,6 +355,7 @@ class Coordinator(JobControl):
             holders=bool(m.holders()),
             needs_state=m.dirty and m.regroup_plan().needs_state,
             holding_restored=job.restored_weights is not None,
+            update_offered=job.offered is not None,
         )
 
     def _carry_out(self, command: Command) -> bool:
@@ -387,6 +389,8 @@ class Coordinator(JobControl):
             case Replan(check):
                 why = f"{self.spec.rebalance.mode} check" if check else "epoch start"
                 self.epochs.replan(why, at=self.pipeline.ahead_end())
+            case PostPlanUpdate():
+                self.epochs.post_update()
             case TrainSegment(ahead, across):
                 return self.pipeline.train_segment(ahead, across)
             case EndEpoch():

@@ -23,12 +23,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dynabatch.scheduler.core.regime.stopping import Judgement, judge, should_stop
+from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from dynabatch.scheduler.sync.epoch_report import EpochTotals, build_record, summary, with_scores
 from dynabatch.scheduler.sync.evaluation import EvalRound, Evaluations, split
-from dynabatch.scheduler.sync.job import Part
+from dynabatch.scheduler.sync.job import OfferedUpdate, Part
 
 if TYPE_CHECKING:
     from dynabatch.scheduler.sync.coordinator import Coordinator
@@ -80,22 +81,43 @@ class Epochs(Part):
 
     def replan(self, why: str, at: int | None = None) -> None:
         """Re-plan the rest of the epoch from step ``at`` (default: now; a later step when
-        a segment is in flight: it keeps the allocation it was sent with)."""
+        a segment is in flight: it keeps the allocation it was sent with). A new allocation
+        that can take effect inside the segment in flight (its workers claim each step, so
+        they can be sent a plan update) is adopted from that earlier step and offered
+        (:attr:`SyncJob.offered`): the engine posts it (:meth:`post_update`)."""
         job, p = self.job, self.job.protocol
         if at is not None and job.membership.dirty:
             return  # a worker joined or was lost: the boundary's regroup re-plans
         workers = job.membership.worker_ids
-        # Inside the segment in flight when the runtime takes plan updates.
         early = self.c.pipeline.update_from() if at is not None else None
         decision = p.replan(job.policy, job.tracker.telemetry(workers, self.spec.max_batch),
                             at=at if early is None else early)
         if decision is None:
             return
         if early is not None:
-            if decision.rebalanced and self.c.pipeline.send_update(early, at):
-                at = early
-            else:
-                p.defer(early, at)  # kept, or refused: from the step after the segment
+            if decision.rebalanced:
+                job.offered = OfferedUpdate(decision, early, at, why)
+                return
+            p.defer(early, at)  # kept: from the step after the segment, as planned
+        self._adopted(decision, at, why)
+
+    def post_update(self) -> None:
+        """Send the offered re-plan to the workers of the segment in flight: from its early
+        step when they apply it, else (refused: a worker had started that step) from the
+        segment's end."""
+        job = self.job
+        offer, job.offered = job.offered, None
+        if offer is None:
+            return
+        at = offer.end
+        if self.c.pipeline.send_update(offer.early, offer.end):
+            at = offer.early
+        else:
+            job.protocol.defer(offer.early, offer.end)
+        self._adopted(offer.decision, at, offer.why)
+
+    def _adopted(self, decision: Decision, at: int | None, why: str) -> None:
+        job, p = self.job, self.job.protocol
         a = decision.allocation
         job.tracker.decided(dict(zip(a.workers, a.batches, strict=True)))
         if decision.rebalanced:

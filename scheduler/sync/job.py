@@ -23,6 +23,7 @@ from dynabatch.scheduler.core.failures import MemoryCaps, RetryBudget
 from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.membership import Membership
 from dynabatch.scheduler.core.regime.regime import Regime
+from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.phase import InvalidPhase, Phase
 from dynabatch.scheduler.core.sync.protocol import Position, SyncProtocol
 from dynabatch.scheduler.core.sync.tracker import Tracker
@@ -63,6 +64,18 @@ class PhaseChange:
     new: Phase
 
 
+@dataclass(frozen=True)
+class OfferedUpdate:
+    """A re-plan that changed the batches, adopted from step ``early`` of the segment in
+    flight (which ends at ``end``): its workers must be sent their steps from ``early``
+    under it, or it takes effect from ``end``."""
+
+    decision: Decision
+    early: int
+    end: int
+    why: str
+
+
 @dataclass
 class SyncJob:
     """What the synchronous driver knows about its job, in one place."""
@@ -86,6 +99,9 @@ class SyncJob:
     # The open epoch's totals; None between epochs (the next step boundary begins one).
     ep: EpochTotals | None = None
     ahead: Ahead | None = None  # the segment in flight, sent ahead
+    # A re-plan adopted inside the segment in flight, not yet posted to its workers (the
+    # engine's PostPlanUpdate posts it, or its refusal defers it to the segment's end).
+    offered: OfferedUpdate | None = None
     # An evaluation queued for the next segment sent (its workers score first); dropped by
     # a regroup, before which it ran.
     next_behind: EvalRound | None = None

@@ -30,6 +30,7 @@ from dynabatch.scheduler.core.sync.messages import (
     LoadData,
     MarkRunning,
     PollNodes,
+    PostPlanUpdate,
     PublishReady,
     Ran,
     Regroup,
@@ -78,6 +79,7 @@ facts = st.builds(
     holders=st.sampled_from([True, True, True, False]),
     needs_state=st.booleans(),
     holding_restored=st.booleans(),
+    update_offered=st.booleans(),
 )
 
 
@@ -86,7 +88,7 @@ def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
     outcome that answered it."""
     batches = []
     before, commands = first, engine.on(Boundary(first))
-    for _ in range(10):
+    for _ in range(12):
         assert commands, "a batch is never empty"
         last = commands[-1]
         if isinstance(last, EndStep):
@@ -96,7 +98,7 @@ def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
         after, ok = data.draw(facts), data.draw(st.booleans())
         batches.append((before, commands, (after, ok)))
         before, commands = after, engine.on(Ran(after, ok))
-    pytest.fail("a boundary did not end within 10 batches")
+    pytest.fail("a boundary did not end within 12 batches")
 
 
 @settings(max_examples=500)  # cheap examples; the rules have many branches
@@ -198,8 +200,30 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 if after.epoch_complete:
                     assert nxt == [EndEpoch()]
                     continue
-                assert (Replan(check=True) in nxt) == (ok and after.check_due)
-                assert nxt[-2:] == [PublishReady(), EndStep()]
+                if ok and after.check_due:  # a check re-plans only after a segment that ran
+                    assert nxt == [Replan(check=True)]
+                else:
+                    assert nxt == [PublishReady(), EndStep()]
+            if commands and isinstance(commands[-1], Replan):
+                # A re-plan offered inside the segment in flight is posted at once, alone;
+                # then the epoch's segment (at its opening) or the boundary's end.
+                after, _ = outcome
+                nxt = next(cs for b, cs, _ in batches if b is after)
+                if after.update_offered:
+                    assert nxt == [PostPlanUpdate()]
+                    posted, _ = next(o for b, _, o in batches if b is after)
+                    nxt = next(cs for b, cs, _ in batches if b is posted)
+                if commands[-1].check:
+                    assert nxt == [PublishReady(), EndStep()]
+                else:
+                    assert len(nxt) == 1 and isinstance(nxt[0], TrainSegment)
+            for c in commands:
+                if isinstance(c, PostPlanUpdate):  # only right after a re-plan offered one
+                    assert commands == [c] and before.update_offered
+                    assert any(
+                        o is not None and o[0] is before and isinstance(cs[-1], Replan)
+                        for _, cs, o in batches
+                    )
             if commands == [EndEpoch()] and not cancelling:  # then FINISHING, or back
                 after, _ = outcome
                 nxt = next(cs for b, cs, _ in batches if b is after)
@@ -244,10 +268,9 @@ def test_a_training_boundary() -> None:
         TrainSegment(ahead=True, across=False)
     ]
     assert engine.on(Ran(Facts(epoch_open=True, check_due=True), ok=True)) == [
-        Replan(check=True),
-        PublishReady(),
-        EndStep(),
+        Replan(check=True)
     ]
+    assert engine.on(Ran(Facts(epoch_open=True))) == [PublishReady(), EndStep()]
     # Next boundary, a segment in flight: no requests applied, no regroup; nodes listed
     # when due; it completes the epoch.
     in_flight = Facts(in_flight=True, epoch_open=True, node_poll_due=True, regroup_due=True)
@@ -268,6 +291,35 @@ def test_a_training_boundary() -> None:
     ]
     assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=False)) == [EndEpoch()]
     assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+
+
+def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once() -> None:
+    engine = SyncEngine()
+    # A check after a segment: the re-plan changed the batches from a step of the segment
+    # sent ahead; it is posted before the boundary ends.
+    engine.on(Boundary(Facts(in_flight=True, epoch_open=True)))
+    assert engine.on(Ran(Facts(in_flight=True, epoch_open=True))) == [
+        Become(Phase.TRAINING),
+        TrainSegment(ahead=True, across=False),
+    ]
+    assert engine.on(Ran(Facts(in_flight=True, epoch_open=True, check_due=True))) == [
+        Replan(check=True)
+    ]
+    offered = Facts(in_flight=True, epoch_open=True, update_offered=True)
+    assert engine.on(Ran(offered)) == [PostPlanUpdate()]
+    assert engine.on(Ran(Facts(in_flight=True, epoch_open=True))) == [PublishReady(), EndStep()]
+    # The epoch's opening plan, with the next epoch's first segment already sent: posted,
+    # then the segment.
+    assert engine.on(Boundary(Facts(in_flight=True))) == [AdoptStarted()]
+    assert engine.on(Ran(Facts(in_flight=True))) == [
+        Become(Phase.TRAINING),
+        BeginEpoch(),
+        Replan(),
+    ]
+    assert engine.on(Ran(replace(offered, epoch_open=True))) == [PostPlanUpdate()]
+    assert engine.on(Ran(Facts(in_flight=True, epoch_open=True))) == [
+        TrainSegment(ahead=True, across=False)
+    ]
 
 
 def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:

@@ -25,7 +25,10 @@ One boundary, as the engine decides it:
 * train: begin the epoch if none is open (and plan it), run a segment (sending the next
   ahead when the next boundary need not have the group at rest), then end the epoch when
   it is complete, or re-plan when the rebalance rule's check is due after a segment that
-  all ran; publish the evaluations that are in;
+  all ran; a re-plan (the epoch's, or a check's) that changed the batches from a step
+  inside the segment in flight is posted to that segment's workers at once (a plan
+  update; refused, it takes effect after the segment); publish the evaluations that are
+  in;
 * once every epoch is trained and a member holds the final state: FINISHING, the last
   evaluations awaited, then the model handed out and the job SUCCEEDED. A cancel that
   comes meanwhile wins at the next boundary; a holder lost meanwhile makes the next
@@ -65,6 +68,7 @@ from dynabatch.scheduler.core.sync.messages import (
     LoadData,
     MarkRunning,
     PollNodes,
+    PostPlanUpdate,
     PublishReady,
     Ran,
     Regroup,
@@ -122,6 +126,20 @@ class Opening:
 
 
 @dataclass(frozen=True, slots=True)
+class Checking:
+    """Waiting for the re-plan of the rebalance rule's check after a segment."""
+
+
+@dataclass(frozen=True, slots=True)
+class Posting:
+    """Waiting for a re-plan offered inside the segment in flight to be posted to its
+    workers (a plan update). ``opening``: it was the epoch's opening plan, and the epoch's
+    segment follows."""
+
+    opening: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Training:
     """Waiting for the segment (its ``ok`` and the epoch's completion decide what
     follows)."""
@@ -165,6 +183,8 @@ LoopState = (
     | RollingBack
     | Regrouping
     | Opening
+    | Checking
+    | Posting
     | Training
     | Ending
     | Finishing
@@ -212,13 +232,19 @@ class SyncEngine:
                     return self._rest(EndStep())  # the next boundary tries again
                 return self._formed(f)
             case Opening(), Ran(f):
-                return self._segment(f)
+                return self._replanned(f, opening=True)
             case Training(), Ran(f, ok):
                 if f.epoch_complete:
                     self.state = Ending()
                     return [EndEpoch()]
-                check = [Replan(check=True)] if ok and f.check_due else []
-                return self._rest(*check, PublishReady(), EndStep())
+                if ok and f.check_due:
+                    self.state = Checking()
+                    return [Replan(check=True)]
+                return self._rest(PublishReady(), EndStep())
+            case Checking(), Ran(f):
+                return self._replanned(f, opening=False)
+            case Posting(opening), Ran(f):
+                return self._segment(f) if opening else self._rest(PublishReady(), EndStep())
             case Ending(), Ran(f):
                 if f.terminal:
                     return self._rest(EndStep())
@@ -301,6 +327,15 @@ class SyncEngine:
             self.state = Opening()
             return [Become(Phase.TRAINING), BeginEpoch(), Replan()]
         return [Become(Phase.TRAINING), *self._segment(f)]
+
+    def _replanned(self, f: Facts, opening: bool) -> list[Command]:
+        """A re-plan that changed the batches inside the segment in flight is posted to
+        its workers before anything else (the protocol already plans from its step); then
+        the epoch's segment (``opening``), or the boundary's end."""
+        if f.update_offered:
+            self.state = Posting(opening)
+            return [PostPlanUpdate()]
+        return self._segment(f) if opening else self._rest(PublishReady(), EndStep())
 
     def _segment(self, f: Facts) -> list[Command]:
         """Whether the segment after this one goes ahead is decided here: not when the next

@@ -60,6 +60,9 @@ class Facts:
     # weights restored from a checkpoint are waiting to be loaded.
     needs_state: bool = False
     holding_restored: bool = False
+    # A re-plan changed the batches from a step inside the segment in flight: its workers
+    # have not been sent it yet.
+    update_offered: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +165,12 @@ class Replan:
 
 
 @dataclass(frozen=True, slots=True)
+class PostPlanUpdate:
+    """Send the workers of the segment in flight the re-plan offered inside it (from its
+    step where they apply it; refused, it takes effect after the segment)."""
+
+
+@dataclass(frozen=True, slots=True)
 class TrainSegment:
     """Run the next segment and commit what its state holders completed; answered with
     ``Ran.ok``: it all ran. ``ahead``: send the segment after it before its results are
@@ -235,6 +244,7 @@ Command = (
     | FinishSucceeded
     | BeginEpoch
     | Replan
+    | PostPlanUpdate
     | TrainSegment
     | EndEpoch
     | PublishReady
