@@ -169,9 +169,8 @@ class Checkpoints(Part):
 
     def roll_back(self) -> None:
         """No member holds the committed state (ROLLING_BACK, the engine's): load the last
-        checkpoint, or fail; the regroup goes on with its weights."""
-        # Records of epochs before it first: the checkpoint's history replaces them all.
-        self.c.epochs.settle()
+        checkpoint, or fail; the regroup goes on with its weights. (The engine settled the
+        evaluations in flight first: the checkpoint's history replaces their records.)"""
         s = self.spec
         ckpt, error = None, None
         if s.checkpoint.dir:

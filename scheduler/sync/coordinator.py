@@ -386,9 +386,12 @@ class Coordinator(JobControl):
                 self._finish(JobState.SUCCEEDED, self.epochs.stopped)
             case BeginEpoch():
                 self.epochs.begin_epoch()
-            case Replan(check):
-                why = f"{self.spec.rebalance.mode} check" if check else "epoch start"
-                self.epochs.replan(why, at=self.pipeline.ahead_end())
+            case Replan(cause):
+                if cause == "membership":  # at rest: nothing in flight keeps its plan
+                    self.epochs.replan("membership")
+                else:
+                    why = f"{self.spec.rebalance.mode} check" if cause == "check" else "epoch start"
+                    self.epochs.replan(why, at=self.pipeline.ahead_end())
             case PostPlanUpdate():
                 self.epochs.post_update()
             case TrainSegment(ahead, across):

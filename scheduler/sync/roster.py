@@ -230,10 +230,6 @@ class Roster(Part):
         job.regroup_seconds_total += dt
         self.log("INFO", f"generation {m.generation}: {len(plan.members)} workers "
                          f"{list(plan.members)} (formed in {dt:.2f}s)")
-        # Mid-epoch: re-split what is left over the new group (an epoch that has not begun
-        # re-plans when it begins).
-        if job.ep is not None and not job.protocol.epoch_complete:
-            self.c.epochs.replan("membership")
         return True
 
     def remove(self, worker: str, kind: str, reason: str) -> None:

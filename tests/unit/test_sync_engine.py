@@ -171,9 +171,10 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 if isinstance(c, RollBack):  # no holder: the checkpoint first
                     assert before.regroup_due and before.shortfall is None
                     assert before.needs_state and not before.holding_restored
-                    assert commands == [
+                    assert commands == [  # the evaluations in flight settled first
                         Become(Phase.REGROUPING),
                         Become(Phase.ROLLING_BACK),
+                        Settle(),
                         RollBack(),
                     ]
                     after, _ = outcome
@@ -188,6 +189,19 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     assert before.pending
             if Regroup() in commands and not outcome[1]:  # it failed: the step ends
                 assert next(cs for b, cs, _ in batches if b is outcome[0]) == [EndStep()]
+            if Regroup() in commands and outcome[1]:
+                # Formed mid-epoch: the rest of the epoch is split over the new group first.
+                after, _ = outcome
+                nxt = next(cs for b, cs, _ in batches if b is after)
+                resplit = after.epoch_open and not after.epoch_complete
+                assert (nxt[:1] == [Replan("membership")]) == resplit
+                if resplit:
+                    assert nxt == [Replan("membership")]
+            if Replan("membership") in commands:
+                assert any(
+                    o is not None and o[0] is before and o[1] and Regroup() in cs
+                    for _, cs, o in batches
+                )
             if any(isinstance(c, TrainSegment) for c in commands) and not first.in_flight:
                 # Trained only with the group formed: no shortfall, no change pending.
                 # (With a regroup, the facts that decided it had none: the rule above.)
@@ -201,7 +215,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     assert nxt == [EndEpoch()]
                     continue
                 if ok and after.check_due:  # a check re-plans only after a segment that ran
-                    assert nxt == [Replan(check=True)]
+                    assert nxt == [Replan("check")]
                 else:
                     assert nxt == [PublishReady(), EndStep()]
             if commands and isinstance(commands[-1], Replan):
@@ -213,7 +227,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     assert nxt == [PostPlanUpdate()]
                     posted, _ = next(o for b, _, o in batches if b is after)
                     nxt = next(cs for b, cs, _ in batches if b is posted)
-                if commands[-1].check:
+                if commands[-1].cause == "check":
                     assert nxt == [PublishReady(), EndStep()]
                 else:
                     assert len(nxt) == 1 and isinstance(nxt[0], TrainSegment)
@@ -268,7 +282,7 @@ def test_a_training_boundary() -> None:
         TrainSegment(ahead=True, across=False)
     ]
     assert engine.on(Ran(Facts(epoch_open=True, check_due=True), ok=True)) == [
-        Replan(check=True)
+        Replan("check")
     ]
     assert engine.on(Ran(Facts(epoch_open=True))) == [PublishReady(), EndStep()]
     # Next boundary, a segment in flight: no requests applied, no regroup; nodes listed
@@ -303,7 +317,7 @@ def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once(
         TrainSegment(ahead=True, across=False),
     ]
     assert engine.on(Ran(Facts(in_flight=True, epoch_open=True, check_due=True))) == [
-        Replan(check=True)
+        Replan("check")
     ]
     offered = Facts(in_flight=True, epoch_open=True, update_offered=True)
     assert engine.on(Ran(offered)) == [PostPlanUpdate()]
@@ -320,6 +334,25 @@ def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once(
     assert engine.on(Ran(Facts(in_flight=True, epoch_open=True))) == [
         TrainSegment(ahead=True, across=False)
     ]
+
+
+def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training() -> None:
+    engine = SyncEngine()
+    engine.on(Boundary(Facts(epoch_open=True)))
+    mid = Facts(epoch_open=True, regroup_due=True)
+    assert engine.on(Ran(mid)) == [PollNodes()]
+    assert engine.on(Ran(mid)) == [Become(Phase.REGROUPING), Regroup()]
+    assert engine.on(Ran(Facts(epoch_open=True), ok=True)) == [Replan("membership")]
+    assert engine.on(Ran(Facts(epoch_open=True))) == [
+        Become(Phase.TRAINING),
+        TrainSegment(ahead=True, across=False),
+    ]
+    # Between epochs (the next is planned when it begins), or the epoch complete: no re-split.
+    engine = SyncEngine()
+    engine.on(Boundary(Facts()))
+    engine.on(Ran(Facts(regroup_due=True)))
+    engine.on(Ran(Facts(regroup_due=True)))
+    assert engine.on(Ran(Facts(), ok=True)) == [Become(Phase.TRAINING), BeginEpoch(), Replan()]
 
 
 def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
@@ -345,6 +378,7 @@ def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
     assert engine.on(Ran(lost)) == [
         Become(Phase.REGROUPING),
         Become(Phase.ROLLING_BACK),
+        Settle(),
         RollBack(),
     ]
     assert engine.on(Ran(Facts(regroup_due=True))) == [Become(Phase.REGROUPING), Regroup()]

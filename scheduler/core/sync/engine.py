@@ -120,6 +120,12 @@ class Regrouping:
 
 
 @dataclass(frozen=True, slots=True)
+class Resplitting:
+    """The group formed mid-epoch: waiting for the rest of the epoch to be re-planned over
+    it."""
+
+
+@dataclass(frozen=True, slots=True)
 class Opening:
     """Waiting for the epoch to open and be planned (the segment is sent from what that
     leaves: its global batch decides whether the next epoch's first may go ahead)."""
@@ -182,6 +188,7 @@ LoopState = (
     | Placing
     | RollingBack
     | Regrouping
+    | Resplitting
     | Opening
     | Checking
     | Posting
@@ -230,6 +237,13 @@ class SyncEngine:
             case Regrouping(), Ran(f, ok):
                 if not ok:
                     return self._rest(EndStep())  # the next boundary tries again
+                if f.epoch_open and not f.epoch_complete:
+                    # Formed mid-epoch: the rest of the epoch is split over the new group
+                    # (an epoch that has not begun is planned when it begins).
+                    self.state = Resplitting()
+                    return [Replan("membership")]
+                return self._formed(f)
+            case Resplitting(), Ran(f):
                 return self._formed(f)
             case Opening(), Ran(f):
                 return self._replanned(f, opening=True)
@@ -239,7 +253,7 @@ class SyncEngine:
                     return [EndEpoch()]
                 if ok and f.check_due:
                     self.state = Checking()
-                    return [Replan(check=True)]
+                    return [Replan("check")]
                 return self._rest(PublishReady(), EndStep())
             case Checking(), Ran(f):
                 return self._replanned(f, opening=False)
@@ -306,7 +320,9 @@ class SyncEngine:
         if f.regroup_due:
             if must_roll_back(needs_state=f.needs_state, holding_restored=f.holding_restored):
                 self.state = RollingBack()
-                return [Become(Phase.REGROUPING), Become(Phase.ROLLING_BACK), RollBack()]
+                # The records of epochs before the checkpoint first: its history
+                # replaces them all.
+                return [Become(Phase.REGROUPING), Become(Phase.ROLLING_BACK), Settle(), RollBack()]
             self.state = Regrouping()
             return [Become(Phase.REGROUPING), Regroup()]
         return self._formed(f)

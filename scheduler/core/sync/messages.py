@@ -11,6 +11,7 @@ behaviour, so any executor (Ray's driver, the simulator's, a test) speaks them a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from dynabatch.scheduler.core.sync.phase import Phase
 
@@ -158,10 +159,11 @@ class BeginEpoch:
 
 @dataclass(frozen=True, slots=True)
 class Replan:
-    """Re-plan the rest of the epoch, from the step after the segment in flight if any:
-    at the epoch's start, or when the rebalance rule's check is due (``check``)."""
+    """Re-plan the rest of the epoch, from the step after the segment in flight if any.
+    ``cause``: the epoch's start (``epoch``), the rebalance rule's check (``check``), or a
+    group formed mid-epoch that the rest of the epoch is split over (``membership``)."""
 
-    check: bool = False
+    cause: Literal["epoch", "check", "membership"] = "epoch"
 
 
 @dataclass(frozen=True, slots=True)
