@@ -55,6 +55,7 @@ from dynabatch.scheduler.core.membership import Membership, NodeAssignment
 from dynabatch.scheduler.core.regime.regime import Regime
 from dynabatch.scheduler.core.sync.engine import SyncEngine
 from dynabatch.scheduler.core.sync.messages import (
+    AbsorbAhead,
     AdoptStarted,
     ApplyRequests,
     AwaitInitial,
@@ -396,8 +397,10 @@ class Coordinator(JobControl):
                 self.epochs.post_update()
             case TrainSegment(ahead, across):
                 return self.pipeline.train_segment(ahead, across)
+            case AbsorbAhead():
+                self.pipeline.absorb_ahead()
             case EndEpoch():
-                self.epochs.end_epoch(return_after=False)
+                self.epochs.end_epoch()
             case PublishReady():
                 self.epochs.publish_ready()
             case CommitInFlight():

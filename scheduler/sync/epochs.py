@@ -170,13 +170,11 @@ class Epochs(Part):
         self.log("INFO", f"{why}; the job ends after epoch {epoch}")
         return why
 
-    def end_epoch(self, return_after: bool = True) -> None:
-        """Close the epoch (ENDING_EPOCH, then back to what it interrupted, unless
-        ``return_after`` is false: the step loop's engine moves the phase on): verify it,
+    def end_epoch(self) -> None:
+        """Close the epoch (ENDING_EPOCH; the step loop's engine moves the phase on): verify it,
         build its record, checkpoint when due, and have the holders evaluate it (unless
         that was sent ahead). The record is published when the evaluation is in."""
         job, p = self.job, self.job.protocol
-        interrupted = job.phase
         self.become(Phase.ENDING_EPOCH)
         v = job.ledger.verify()
         if not v.verified:
@@ -217,8 +215,6 @@ class Epochs(Part):
             if stop is not None:
                 self.stopped = stop
         self.publish_ready()
-        if return_after:
-            self.return_to(interrupted, during=Phase.ENDING_EPOCH)
 
     @property
     def trained(self) -> bool:

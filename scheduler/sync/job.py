@@ -150,12 +150,6 @@ class SyncJob:
         self.phase_changes.append(PhaseChange(at, old, new))
         log.debug("[%s] phase %s -> %s", self.job_id, old.value, new.value)
 
-    def return_to(self, interrupted: Phase, at: float, during: Phase) -> None:
-        """Leave ``during`` (a phase entered inside a step) for the one it interrupted,
-        unless the job moved on from it (finished, say)."""
-        if self.phase is during:
-            self.become(interrupted, at)
-
 
 class Part:
     """One concern of the driver: shares the coordinator's :class:`SyncJob`, its job
@@ -189,7 +183,3 @@ class Part:
 
     def become(self, phase: Phase) -> None:
         self.c._become(phase)
-
-    def return_to(self, interrupted: Phase, during: Phase) -> None:
-        with self.c._lock:
-            self.job.return_to(interrupted, self.clock.now(), during=during)

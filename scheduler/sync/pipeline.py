@@ -125,9 +125,7 @@ class Pipeline(Part):
         if ahead is None:
             return
         if commit and ahead.position == job.protocol.position:
-            if job.ep is None:  # sent ahead across the epoch's end, which has ended
-                self.c.epochs.begin_epoch()
-            self.train_segment()
+            self.train_segment()  # (sent across the epoch's end: the engine began its epoch)
             return
         job.ahead = None
         outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
@@ -221,25 +219,23 @@ class Pipeline(Part):
             # An evaluation sent ahead of this epoch's end scored weights that are not the
             # epoch's final ones: the epoch is evaluated when it does end.
             self.c.epochs.evals.discard(p.epoch)
-        self.absorb_ahead()
         return False
 
     def absorb_ahead(self) -> None:
-        """After a failed segment, the one sent ahead. Usually it could not train: the
+        """After a failed segment, the one sent ahead (the engine's :class:`~dynabatch.
+        scheduler.core.sync.messages.AbsorbAhead`). Usually it could not train: the
         failure broke the group and its workers refuse it. But a segment can "fail" after
         every collective of it completed, when a worker's result is lost with its node
         (a result too large to travel inline lives in that node's object store). Its peers
         then went on, in lockstep with it, into the segment ahead: what they completed
         there is committed like any segment (the all-reduced coverage proves it); the
-        rest is discarded. A segment ahead in the next epoch opens it once this one ends."""
+        rest is discarded. (One ahead in the next epoch: the engine ended this epoch and
+        began that one first.)"""
         job = self.job
         ahead = job.ahead
         if ahead is None:
             return
         p = job.protocol
-        if p.epoch_complete and ahead.position == Position(p.epoch + 1, 0):
-            self.c.epochs.end_epoch()
-            self.c.epochs.begin_epoch()
         if ahead.position != p.position:
             self.drain(commit=False)
             return

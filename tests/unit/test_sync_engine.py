@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 from dynabatch.scheduler.core.sync.engine import InvalidEvent, SyncEngine
 from dynabatch.scheduler.core.sync.messages import (
+    AbsorbAhead,
     AdoptStarted,
     ApplyRequests,
     AwaitInitial,
@@ -113,10 +114,14 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
         cancelling = Become(Phase.CANCELLING) in flat
         if cancelling:  # a cancel trains nothing new and stops the loop
             assert flat[-1] == EndStep(stop=True)
+            after_cancel = flat[flat.index(Become(Phase.CANCELLING)) :]
             assert not any(
-                isinstance(c, (TrainSegment, BeginEpoch, ApplyRequests, Regroup))
-                for c in flat[flat.index(Become(Phase.CANCELLING)) :]
+                isinstance(c, (TrainSegment, ApplyRequests, Regroup, AbsorbAhead))
+                for c in after_cancel
             )
+            for i, c in enumerate(after_cancel):  # only the segment in flight's epoch
+                if isinstance(c, BeginEpoch):
+                    assert after_cancel[i + 1] == CommitInFlight()
             if FinishCancelled() in flat:  # the checkpoint holds what was trained, then
                 i = flat.index(FinishCancelled())
                 assert flat[i - 1] in (Checkpoint("cancel"), SaveModel("cancel"))
@@ -125,8 +130,10 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
             for c in commands:
                 if isinstance(c, LoadData):
                     assert not before.data_loaded
-                if isinstance(c, BeginEpoch):
-                    assert not before.epoch_open
+                if isinstance(c, BeginEpoch):  # (right after an epoch ended, it is not)
+                    ended = any(o is not None and o[0] is before and cs == [EndEpoch()]
+                                for _, cs, o in batches)
+                    assert not before.epoch_open or ended
                 if isinstance(c, FinishSucceeded):
                     # After FINISHING awaited the last evaluations, with a holder left, and
                     # not beside a pending cancel unless the cancel's own segment ended it.
@@ -211,6 +218,18 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
             if commands and isinstance(commands[-1], TrainSegment):
                 after, ok = outcome
                 nxt = next(cs for b, cs, _ in batches if b is after)
+                if not ok and after.in_flight:
+                    # Failed with the next segment sent: that one is absorbed, in the next
+                    # epoch when the failed one completed this.
+                    if not after.epoch_complete:
+                        assert nxt == [AbsorbAhead()]
+                        continue
+                    assert nxt == [EndEpoch()]
+                    ended, _ = next(o for b, _, o in batches if b is after)
+                    nxt = next(cs for b, cs, _ in batches if b is ended)
+                    if not ended.terminal:
+                        assert nxt == [Become(Phase.TRAINING), BeginEpoch(), AbsorbAhead()]
+                    continue
                 if after.epoch_complete:
                     assert nxt == [EndEpoch()]
                     continue
@@ -231,6 +250,15 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     assert nxt == [PublishReady(), EndStep()]
                 else:
                     assert len(nxt) == 1 and isinstance(nxt[0], TrainSegment)
+            if AbsorbAhead() in commands:  # what was sent ahead of a failed segment
+                failed = [o for _, cs, o in batches if isinstance(cs[-1], TrainSegment)]
+                assert failed and not failed[0][1] and failed[0][0].in_flight
+                after, _ = outcome
+                nxt = next(cs for b, cs, _ in batches if b is after)
+                if after.epoch_complete:
+                    assert nxt == [EndEpoch()]
+                else:
+                    assert nxt == [PublishReady(), EndStep()]
             for c in commands:
                 if isinstance(c, PostPlanUpdate):  # only right after a re-plan offered one
                     assert commands == [c] and before.update_offered
@@ -238,8 +266,10 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                         o is not None and o[0] is before and isinstance(cs[-1], Replan)
                         for _, cs, o in batches
                     )
-            if commands == [EndEpoch()] and not cancelling:  # then FINISHING, or back
-                after, _ = outcome
+            absorbing = any(o is not None and o[0] is before and isinstance(cs[-1], TrainSegment)
+                            and not o[1] and before.in_flight for _, cs, o in batches)
+            if commands == [EndEpoch()] and not cancelling and not absorbing:
+                after, _ = outcome  # then FINISHING, or back
                 nxt = next(cs for b, cs, _ in batches if b is after)
                 if after.terminal:
                     assert nxt == [EndStep()]
@@ -353,6 +383,41 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
     engine.on(Ran(Facts(regroup_due=True)))
     engine.on(Ran(Facts(regroup_due=True)))
     assert engine.on(Ran(Facts(), ok=True)) == [Become(Phase.TRAINING), BeginEpoch(), Replan()]
+
+
+def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> None:
+    engine = SyncEngine()
+    engine.on(Boundary(Facts(epoch_open=True)))
+    engine.on(Ran(Facts(epoch_open=True)))
+    # The segment failed mid-epoch with the next one sent: that one is collected.
+    assert engine.on(Ran(Facts(in_flight=True, epoch_open=True), ok=False)) == [AbsorbAhead()]
+    assert engine.on(Ran(Facts(epoch_open=True))) == [PublishReady(), EndStep()]
+    # It failed after completing the epoch, with the next epoch's first sent: the epoch
+    # ends, the next begins, then the one sent ahead is absorbed (and may complete it).
+    engine.on(Boundary(Facts(epoch_open=True)))
+    engine.on(Ran(Facts(epoch_open=True)))
+    done = Facts(in_flight=True, epoch_open=True, epoch_complete=True)
+    assert engine.on(Ran(done, ok=False)) == [EndEpoch()]
+    assert engine.on(Ran(Facts(in_flight=True))) == [
+        Become(Phase.TRAINING),
+        BeginEpoch(),
+        AbsorbAhead(),
+    ]
+    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True))) == [EndEpoch()]
+    assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+    # A segment that failed with nothing sent ahead: nothing to absorb.
+    engine.on(Boundary(Facts(epoch_open=True)))
+    engine.on(Ran(Facts(epoch_open=True)))
+    assert engine.on(Ran(Facts(epoch_open=True), ok=False)) == [PublishReady(), EndStep()]
+
+
+def test_a_cancel_commits_a_segment_sent_across_the_epochs_end_in_its_epoch() -> None:
+    engine = SyncEngine()
+    assert engine.on(Boundary(Facts(cancel_requested=True, in_flight=True))) == [
+        Become(Phase.CANCELLING),
+        BeginEpoch(),
+        CommitInFlight(),
+    ]
 
 
 def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:

@@ -90,18 +90,6 @@ def test_a_job_moves_only_along_the_table_and_records_each_change(walk):
             assert job.phase is old and len(job.phase_changes) == changes
 
 
-def test_return_to_the_interrupted_phase_unless_the_job_moved_on():
-    job = _job()
-    for p in (Phase.REGROUPING, Phase.TRAINING, Phase.ENDING_EPOCH):
-        job.become(p, 0.0)
-    job.return_to(Phase.TRAINING, 1.0, during=Phase.ENDING_EPOCH)
-    assert job.phase is Phase.TRAINING
-    job.become(Phase.ENDING_EPOCH, 2.0)
-    job.become(Phase.FINISHING, 3.0)
-    job.return_to(Phase.TRAINING, 4.0, during=Phase.ENDING_EPOCH)
-    assert job.phase is Phase.FINISHING
-
-
 def test_invalid_phase_pickles_intact():
     import pickle
 

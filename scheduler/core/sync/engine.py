@@ -23,7 +23,9 @@ One boundary, as the engine decides it:
   group is ready;
 * a cancellation that came while the group formed: cancel;
 * train: begin the epoch if none is open (and plan it), run a segment (sending the next
-  ahead when the next boundary need not have the group at rest), then end the epoch when
+  ahead when the next boundary need not have the group at rest; after a failed segment,
+  absorb the one sent ahead of it, in the next epoch when the failed one completed this
+  epoch), then end the epoch when
   it is complete, or re-plan when the rebalance rule's check is due after a segment that
   all ran; a re-plan (the epoch's, or a check's) that changed the batches from a step
   inside the segment in flight is posted to that segment's workers at once (a plan
@@ -50,6 +52,7 @@ from dataclasses import asdict, dataclass
 
 from dynabatch.scheduler.core.sync.boundary import must_roll_back
 from dynabatch.scheduler.core.sync.messages import (
+    AbsorbAhead,
     AdoptStarted,
     ApplyRequests,
     AwaitInitial,
@@ -152,6 +155,18 @@ class Training:
 
 
 @dataclass(frozen=True, slots=True)
+class EndingToAbsorb:
+    """A failed segment completed the epoch, and the next epoch's first was sent ahead of
+    it: waiting for the epoch to end, before that one is absorbed in the next."""
+
+
+@dataclass(frozen=True, slots=True)
+class Absorbing:
+    """After a failed segment: waiting for the one sent ahead of it to be collected (what
+    it trained committed, the rest discarded)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Ending:
     """Waiting for the epoch a segment completed to end (the job may be trained now)."""
 
@@ -193,6 +208,8 @@ LoopState = (
     | Checking
     | Posting
     | Training
+    | EndingToAbsorb
+    | Absorbing
     | Ending
     | Finishing
     | CancelCommitting
@@ -248,12 +265,30 @@ class SyncEngine:
             case Opening(), Ran(f):
                 return self._replanned(f, opening=True)
             case Training(), Ran(f, ok):
+                if not ok and f.in_flight:
+                    # The segment failed with the next one sent: what that one trained past
+                    # the failure is committed, in the next epoch when it completed this one.
+                    if f.epoch_complete:
+                        self.state = EndingToAbsorb()
+                        return [EndEpoch()]
+                    self.state = Absorbing()
+                    return [AbsorbAhead()]
                 if f.epoch_complete:
                     self.state = Ending()
                     return [EndEpoch()]
                 if ok and f.check_due:
                     self.state = Checking()
                     return [Replan("check")]
+                return self._rest(PublishReady(), EndStep())
+            case EndingToAbsorb(), Ran(f):
+                if f.terminal:
+                    return self._rest(EndStep())
+                self.state = Absorbing()
+                return [Become(Phase.TRAINING), BeginEpoch(), AbsorbAhead()]
+            case Absorbing(), Ran(f):
+                if f.epoch_complete:  # what it trained completed the epoch
+                    self.state = Ending()
+                    return [EndEpoch()]
                 return self._rest(PublishReady(), EndStep())
             case Checking(), Ran(f):
                 return self._replanned(f, opening=False)
@@ -379,8 +414,10 @@ class SyncEngine:
 
     def _cancel(self, f: Facts) -> list[Command]:
         if f.in_flight:
+            # Sent across the epoch's end, which has ended: it is committed in its epoch.
+            begin = [] if f.epoch_open else [BeginEpoch()]
             self.state = CancelCommitting()
-            return [Become(Phase.CANCELLING), CommitInFlight()]
+            return [Become(Phase.CANCELLING), *begin, CommitInFlight()]
         self.state = CancelSettling()
         return [Become(Phase.CANCELLING), Settle()]
 

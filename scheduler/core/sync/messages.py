@@ -184,6 +184,13 @@ class TrainSegment:
 
 
 @dataclass(frozen=True, slots=True)
+class AbsorbAhead:
+    """After a failed segment, collect the one sent ahead of it: commit what its workers
+    trained past the failure (they went on in lockstep when it came after every
+    collective of the segment: a result lost with its node), discard the rest."""
+
+
+@dataclass(frozen=True, slots=True)
 class EndEpoch:
     """Verify, record and checkpoint the epoch; queue its evaluation (ENDING_EPOCH: the
     engine then moves the loop on, to FINISHING or back to what the epoch's end
@@ -248,6 +255,7 @@ Command = (
     | Replan
     | PostPlanUpdate
     | TrainSegment
+    | AbsorbAhead
     | EndEpoch
     | PublishReady
     | CommitInFlight
