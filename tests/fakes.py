@@ -1,16 +1,18 @@
-"""An in-memory :class:`dynabatch.service.cluster_client.ClusterClient` for route and service tests.
+"""Test doubles without Ray: :class:`FakeCluster`, the service's cluster, and
+:class:`FakeRuntime`, a runtime with injected faults for the coordinator's own tests.
 
-Each job gets a :class:`FakeCoordinator` whose snapshot advances one step per ``snapshot()``
-call (when ``auto_advance``), through PENDING, RUNNING and SUCCEEDED, producing epoch
-records and log lines as a real coordinator would. Coordinators live in the FakeCluster,
-not in a JobService, so a second service on the same cluster re-attaches them the way an
-API restart finds detached actors.
-
-``scale`` and ``drain`` change the membership at once (a real coordinator does it at the next
-step boundary), with ``leave``/``join`` worker events. A coordinator that ``kill`` ended is
-kept as the job's "checkpoint" when its spec has ``checkpoint.dir``: a coordinator launched
-again for that job starts from its last finished epoch, with its history, as a real one
-restores its checkpoint file (which the service looks for on disk: tests write it).
+:class:`FakeCluster` is an in-memory :class:`dynabatch.service.cluster_client.ClusterClient`
+for route, service and client tests. Each job it launches is run by the real driver (the
+synchronous :class:`~dynabatch.scheduler.sync.coordinator.Coordinator`, or the
+:class:`~dynabatch.scheduler.ps.driver.PSCoordinator` for ``protocol: ps``) on the
+simulator's runtime and virtual clock, over a simulated cluster whose nodes are the ones
+``nodes()`` lists: the service meets the real lifecycle, snapshots, records, log lines,
+checkpoints and errors. Nothing runs in the background: each ``snapshot()`` (when
+``auto_advance``) or ``advance()`` is one step boundary of the job's driver
+(``coordinator.step()``), so tests are deterministic. Coordinators live in the FakeCluster, not
+in a JobService, so a second service on the same cluster re-attaches them the way an API
+restart finds detached actors; one launched again for a job resumes from the checkpoint its
+predecessor wrote in ``checkpoint.dir``, as on Ray.
 """
 
 from __future__ import annotations
@@ -19,14 +21,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from dynabatch.actors.accumulate import largest_micro, micro_ranges
 from dynabatch.actors.contracts import SegmentPlan, SegmentResult, StepTelemetry, encode_counts
 from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.workloads.datasets import load_dataset
+from dynabatch.scheduler.control import JobControl
 from dynabatch.scheduler.core.failures import WorkerOutcome
-from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
+from dynabatch.scheduler.core.lifecycle import InvalidTransition
 from dynabatch.scheduler.core.membership import NodeInfo, Spawn
+from dynabatch.scheduler.ps.driver import PSCoordinator, build_core
 from dynabatch.scheduler.runtime.seam import (
     DataInfo,
     RegroupResult,
@@ -34,12 +40,16 @@ from dynabatch.scheduler.runtime.seam import (
     Started,
     WorkerCallError,
 )
+from dynabatch.scheduler.sim.cluster_spec import parse_cluster
+from dynabatch.scheduler.sim.cost_model import SimulatedCluster
+from dynabatch.scheduler.sim.ps_runtime import Fail, SimPSRuntime
+from dynabatch.scheduler.sim.runtime import SimRuntime
+from dynabatch.scheduler.sim.timeline import SimClock
+from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.scheduler.telemetry import (
     EpochRecord,
     JobSnapshot,
     LogLine,
-    WorkerEpochStats,
-    WorkerStatus,
 )
 from dynabatch.service.cluster_client import ClusterNode
 from dynabatch.service.errors import (
@@ -53,226 +63,44 @@ from dynabatch.service.errors import (
 NODE_IDS = ("a" * 56, "b" * 56)
 
 
-class FakeCoordinator:
-    def __init__(
-        self,
-        job_id: str,
-        spec: JobSpec,
-        *,
-        steps_per_epoch: int = 3,
-        nodes: tuple[str, ...] = NODE_IDS,
-        hold: str | None = None,
-    ):
-        self.job_id = job_id
-        self.spec = spec
-        self.steps_per_epoch = steps_per_epoch
-        self.nodes = nodes
-        self.hold = hold  # stays PENDING with this reason while set
-        self.state = JobState.PENDING
-        self.reason: str | None = "starting workers"
-        self.epoch = 0
-        self.step = 0
-        self.history: list[EpochRecord] = []
-        self.lines: list[LogLine] = []
-        self.rebalances = 0
-        self.started_at: float | None = None
-        self.finished_at: float | None = None
-        self.workers: list[WorkerStatus] = []
-        self.members: list[int] = list(range(self.n_initial))  # worker ordinals
-        self.next_ordinal = len(self.members)
-        self.events: dict[str, int] = {}
-        # The trained model's files (dynabatch.actors.export) a test gives it.
-        self.model: dict[str, bytes] | None = None
-        self._lock = threading.Lock()
-        self._log("INFO", "coordinator started")
+def _sim_cluster(node_ids: tuple[str, ...], hold: bool) -> SimulatedCluster:
+    """One simulated node per id, each slower than the one before (unequal nodes), where a
+    worker starts at once; with ``hold``, every node is down from the start. A step takes
+    about 0.1 s of simulated time, so the driver lists the nodes (every 0.2 s) every step or
+    two: a scale-up is placed at the next step boundary."""
+    classes = [
+        {"name": f"n{i}", "count": 1, "a_ms": 100.0, "c_ms_per_sample": 1.0 * (i + 1), "cpus": 2.0}
+        for i in range(len(node_ids))
+    ]
+    events = [{"at_s": 0.0, "fail": len(node_ids)}] if hold else []
+    # A worker is up as soon as it is spawned: a scale-up joins at the next step boundary.
+    recovery = {"start_s": 0.0}
+    cluster = SimulatedCluster(
+        parse_cluster({"classes": classes, "events": events, "recovery": recovery})
+    )
+    for node, node_id in zip(cluster.nodes, node_ids, strict=True):
+        node.node_id = node_id  # the simulated nodes are the ones nodes() lists
+    return cluster
 
-    @property
-    def n_initial(self) -> int:
-        return self.spec.workers if isinstance(self.spec.workers, int) else len(self.nodes)
 
-    @property
-    def n_workers(self) -> int:
-        return len(self.members)
+class _ServiceClock(SimClock):
+    """The simulator's virtual clock, stamped with the wall's time: durations are simulated
+    (the driver waits and trains in no real time), while the times a job's records carry
+    (started, finished, log lines) are the service's own, so its retention and ages hold."""
 
-    def restore(self, dead: FakeCoordinator) -> None:
-        """Start from ``dead``'s last finished epoch, as from its checkpoint."""
-        self.history = list(dead.history)
-        self.epoch = len(self.history)
-        self.rebalances = dead.rebalances
-        self._log("INFO", f"resuming from checkpoint at epoch {self.epoch} step 0")
-
-    def _event(self, kind: str, reason: str) -> None:
-        key = f"{kind}:{reason}"
-        self.events[key] = self.events.get(key, 0) + 1
-
-    def _log(self, level: str, message: str) -> None:
-        self.lines.append(
-            LogLine(seq=len(self.lines), time=time.time(), level=level, message=message)
-        )
-
-    def _allocate(self) -> None:
-        """Equal shares, then each rebalance moves one sample from the last worker to the
-        first (as long as the last keeps one)."""
-        n = self.n_workers
-        base, extra = divmod(self.spec.global_batch, n)
-        batches = [base + (1 if i < extra else 0) for i in range(n)]
-        if n > 1:
-            shift = min(self.rebalances, batches[-1] - 1)
-            batches[0] += shift
-            batches[-1] -= shift
-        self.workers = [
-            WorkerStatus(
-                worker=f"w{self.members[i]}",
-                node=self.nodes[self.members[i] % len(self.nodes)],
-                rank=i,
-                batch=b,
-                partition=b * self.steps_per_epoch,
-                throughput=1000.0 * (i + 1),
-                compute_s_per_step=0.01 * (i + 1),
-                wait_s_per_step=0.002,
-            )
-            for i, b in enumerate(batches)
-        ]
-
-    def advance(self) -> None:
-        with self._lock:
-            if self.state.is_terminal:
-                return
-            if self.state == JobState.PENDING:
-                if self.hold:
-                    self.reason = self.hold
-                    return
-                self.state, self.reason = JobState.RUNNING, None
-                self.started_at = time.time()
-                self.events["join:node available"] = self.n_workers
-                self._allocate()
-                self._log("INFO", "state RUNNING")
-                return
-            self.step += 1
-            if self.step < self.steps_per_epoch:
-                return
-            self._end_epoch()
-
-    def _end_epoch(self) -> None:
-        n = self.n_workers
-        self.history.append(
-            EpochRecord(
-                epoch=self.epoch,
-                wall_s=0.5 + 0.1 * self.epoch,
-                steps=self.steps_per_epoch,
-                dataset_size=self.spec.global_batch * self.steps_per_epoch,
-                samples_trained=self.spec.global_batch * self.steps_per_epoch,
-                train_loss=1.0 / (self.epoch + 1),
-                test_loss=1.1 / (self.epoch + 1),
-                test_accuracy=min(0.99, 0.5 + 0.1 * self.epoch),
-                utilization=0.8,
-                compute_balance=0.9,
-                rebalances=1,
-                policy=self.spec.policy,
-                emulated=self.spec.emulated,
-                workers=[
-                    WorkerEpochStats(
-                        worker=w.worker,
-                        node=w.node,
-                        batch=w.batch,
-                        partition=w.partition,
-                        steps=self.steps_per_epoch,
-                        compute_s=0.1,
-                        wait_s=0.01,
-                        throughput=w.throughput,
-                    )
-                    for w in self.workers[:n]
-                ],
-            )
-        )
-        self.rebalances += 1
-        self._allocate()
-        self._log("INFO", f"epoch {self.epoch} done")
-        self.epoch += 1
-        self.step = 0
-        if self.epoch >= self.spec.epochs:
-            self.epoch = self.spec.epochs - 1
-            self.step = self.steps_per_epoch
-            self._finish(JobState.SUCCEEDED, None)
-
-    def _finish(self, state: JobState, reason: str | None) -> None:
-        self.state, self.reason = state, reason
-        self.finished_at = time.time()
-        self._log("INFO", f"state {state.value}" + (f": {reason}" if reason else ""))
-
-    def snapshot(self) -> JobSnapshot:
-        with self._lock:
-            last = self.history[-1] if self.history else None
-            return JobSnapshot(
-                job_id=self.job_id,
-                name=self.spec.name,
-                state=self.state,
-                reason=self.reason,
-                epoch=self.epoch,
-                step=self.step,
-                steps_per_epoch=self.steps_per_epoch,
-                epochs=self.spec.epochs,
-                generation=1 if self.workers else 0,
-                policy=self.spec.policy,
-                emulated=self.spec.emulated,
-                workers=list(self.workers),
-                train_loss=last.train_loss if last else None,
-                test_accuracy=last.test_accuracy if last else None,
-                test_metrics=last.scores if last else {},
-                utilization=last.utilization if last else None,
-                compute_balance=last.compute_balance if last else None,
-                rebalances_total=self.rebalances,
-                epochs_completed=len(self.history),
-                epoch_durations_s=[r.wall_s for r in self.history],
-                worker_events=dict(self.events),
-                regroup_seconds_total=0.01 if self.workers else 0.0,
-                started_at=self.started_at,
-                finished_at=self.finished_at,
-            )
-
-    def cancel(self, reason: str) -> JobSnapshot:
-        with self._lock:
-            if self.state.is_terminal:
-                raise InvalidTransition(self.state, JobState.CANCELLED)
-            self._finish(JobState.CANCELLED, reason)
-        return self.snapshot()
-
-    def scale(self, workers: int) -> JobSnapshot:
-        with self._lock:
-            if self.state.is_terminal:
-                raise InvalidTransition(self.state, JobState.RUNNING)
-            self._log("INFO", f"scale requested: {workers} workers")
-            while len(self.members) > workers:
-                self.members.pop()
-                self._event("leave", "drained")
-            while len(self.members) < workers:
-                self.members.append(self.next_ordinal)
-                self.next_ordinal += 1
-                self._event("join", "node available")
-            if self.state == JobState.RUNNING:
-                self._allocate()
-        return self.snapshot()
-
-    def drain(self, worker: str) -> JobSnapshot:
-        with self._lock:
-            if self.state.is_terminal:
-                raise InvalidTransition(self.state, JobState.RUNNING)
-            ordinals = {f"w{o}": o for o in self.members}
-            if worker not in ordinals:
-                raise KeyError(f"worker {worker!r} is not a member of job {self.job_id}")
-            if len(self.members) <= 1:
-                raise ValueError("cannot drain the last worker")
-            self._log("INFO", f"drain requested for {worker}")
-            self.members.remove(ordinals[worker])
-            self._event("leave", "drained")
-            if self.state == JobState.RUNNING:
-                self._allocate()
-        return self.snapshot()
+    def time(self) -> float:
+        return time.time()
 
 
 class FakeCluster:
-    """Implements ``ClusterClient``. Knobs: ``embedded``, ``auto_advance``, ``hold``,
-    ``launch_error``, ``unavailable``; ``kill(job_id)`` makes a coordinator die.
+    """Implements ``ClusterClient`` over the simulator (see the module docstring).
+
+    Knobs: ``embedded``; ``auto_advance`` (each ``snapshot()`` is one step of the job's
+    driver); ``steps_per_epoch`` (a synchronous job trains that many steps of its global
+    batch per epoch, timing only: no model, no losses or scores); ``real_gradients`` (it
+    trains the spec's model on its dataset instead: real losses, scores and model files);
+    ``hold`` (every node is down: jobs wait PENDING with their driver's reason);
+    ``launch_error``; ``unavailable``. ``kill(job_id)`` makes a coordinator die.
 
     Coordinators are named by job and generation, as Ray names them: a name stays taken
     while its coordinator lives, or after ``kill(job_id, keep_name=True)`` (a process killed
@@ -284,15 +112,17 @@ class FakeCluster:
         embedded: bool = False,
         auto_advance: bool = True,
         steps_per_epoch: int = 3,
-        hold: str | None = None,
+        real_gradients: bool = False,
+        hold: bool = False,
         nodes: tuple[str, ...] = NODE_IDS,
     ):
         self._embedded = embedded
         self.auto_advance = auto_advance
         self.steps_per_epoch = steps_per_epoch
+        self.real_gradients = real_gradients
         self.hold = hold
         self.node_ids = nodes
-        self.coordinators: dict[str, FakeCoordinator] = {}
+        self.coordinators: dict[str, JobControl] = {}
         self.launch_error: Exception | None = None
         self.scheduler: object | None = None  # a fake Scheduling (service.scheduling)
         self.unavailable = False
@@ -301,9 +131,11 @@ class FakeCluster:
         self.found: list[str] = []
         self.calls: list[tuple[str, str]] = []
         self.launches: dict[str, list[JobSpec]] = {}
-        self.dead: dict[str, FakeCoordinator] = {}
         self.generations: dict[str, int] = {}  # each live coordinator's generation
         self.reserved: set[tuple[str, int]] = set()  # names of coordinators killed outside Ray
+        # A driver steps in the thread that asked (a sync loop, a test): one at a time.
+        self._stepping = threading.RLock()
+        self._started: list[PSCoordinator] = []  # parameter-server drivers started
 
     # ClusterClient ----------------------------------------------------------------------
     @property
@@ -328,7 +160,7 @@ class FakeCluster:
         if self.unavailable:
             raise ClusterUnavailable("fake Ray is down")
 
-    def _coordinator(self, job_id: str) -> FakeCoordinator:
+    def _coordinator(self, job_id: str) -> JobControl:
         c = self.coordinators.get(job_id)
         if c is None:
             raise CoordinatorGone(f"The actor died: dynabatch-job-{job_id}")
@@ -339,21 +171,57 @@ class FakeCluster:
         if self.launch_error is not None:
             raise self.launch_error
         if job_id in self.coordinators or (job_id, generation) in self.reserved:
-            raise RayCallError(f"actor name dynabatch-job-{job_id} (generation {generation}) "
-                               "is already taken")
+            raise RayCallError(
+                f"actor name dynabatch-job-{job_id} (generation {generation}) is already taken"
+            )
         self.generations[job_id] = generation
         self.launches.setdefault(job_id, []).append(spec)
-        c = FakeCoordinator(
-            job_id,
+        # As launch_coordinator: resume=True, so a job with a checkpoint goes on from it.
+        if spec.protocol.name == "ps":
+            self.coordinators[job_id] = self._ps_coordinator(job_id, spec)
+        else:
+            self.coordinators[job_id] = self._sync_coordinator(job_id, spec)
+
+    def _sync_coordinator(self, job_id: str, spec: JobSpec) -> Coordinator:
+        clock = _ServiceClock()
+        gradients = None
+        if self.real_gradients:
+            from dynabatch.scheduler.sim.gradients import GradientEngine
+
+            gradients = GradientEngine(spec, 0.0)
+            data = DataInfo(
+                gradients.name,
+                gradients.n_train,
+                gradients.n_test,
+                gradients.input_shape,
+                gradients.num_classes,
+            )
+        else:
+            data = DataInfo(
+                f"{spec.dataset.name} (timing only)", self.steps_per_epoch * spec.global_batch, 0
+            )
+        runtime = SimRuntime(
             spec,
-            steps_per_epoch=self.steps_per_epoch,
-            nodes=self.node_ids,
-            hold=self.hold,
+            _sim_cluster(self.node_ids, self.hold),
+            clock=clock,
+            data=data,
+            gradients=gradients,
         )
-        dead = self.dead.get(job_id)
-        if dead is not None and spec.checkpoint.dir:
-            c.restore(dead)
-        self.coordinators[job_id] = c
+        return Coordinator(job_id, spec, resume=True, runtime=runtime, clock=clock)
+
+    def _ps_coordinator(self, job_id: str, spec: JobSpec) -> PSCoordinator:
+        """The parameter-server driver over the simulator's (real gradients, in process):
+        its core is the server's, which the simulated runtime holds, as ``simulate`` builds
+        it."""
+        clock = _ServiceClock()
+        nodes = _sim_cluster(self.node_ids, False).nodes
+        events = [(0.0, Fail(len(nodes)))] if self.hold else []
+        data = load_dataset(spec.dataset, seed=spec.seed)
+        runtime = SimPSRuntime(
+            spec, data, nodes, lambda i, n: (n.a_s, n.c_s), events=events, clock=clock
+        )
+        core = build_core(spec, len(data.y_train))
+        return PSCoordinator(job_id, spec, resume=True, runtime=runtime, core=core, clock=clock)
 
     def find(self, job_id: str, generation: int = 0) -> bool:
         self._check("find", job_id)
@@ -366,16 +234,16 @@ class FakeCluster:
         self._check("snapshot", job_id)
         c = self._coordinator(job_id)
         if self.auto_advance:
-            c.advance()
+            self._step(c)
         return c.snapshot()
 
     def history(self, job_id: str, since: int = 0) -> list[EpochRecord]:
         self._check("history", job_id)
-        return [r for r in self._coordinator(job_id).history if r.epoch >= since]
+        return self._coordinator(job_id).history(since)
 
     def logs(self, job_id: str, since: int = 0) -> list[LogLine]:
         self._check("logs", job_id)
-        return [x for x in self._coordinator(job_id).lines if x.seq >= since]
+        return self._coordinator(job_id).logs(since)
 
     def cancel(self, job_id: str, reason: str) -> JobSnapshot:
         self._check("cancel", job_id)
@@ -383,13 +251,19 @@ class FakeCluster:
 
     def scale(self, job_id: str, workers: int) -> JobSnapshot:
         self._check("scale", job_id)
-        return self._coordinator(job_id).scale(workers)
+        return self._membership(self._coordinator(job_id).scale, workers)
 
     def drain(self, job_id: str, worker: str) -> JobSnapshot:
         self._check("drain", job_id)
+        return self._membership(self._coordinator(job_id).drain, worker)
+
+    @staticmethod
+    def _membership(call: Callable[[Any], JobSnapshot], arg: Any) -> JobSnapshot:
+        """As RayClusterClient translates the driver's errors: KeyError (no such worker) and
+        ValueError (the last worker, a bad size) are the caller's mistakes."""
         try:
-            return self._coordinator(job_id).drain(worker)
-        except KeyError as err:  # as RayClusterClient translates the coordinator's errors
+            return call(arg)
+        except KeyError as err:
             raise WorkerNotFound(str(err.args[0])) from None
         except InvalidTransition:
             raise
@@ -398,14 +272,12 @@ class FakeCluster:
 
     def model_files(self, job_id: str) -> dict[str, bytes] | None:
         self._check("model_files", job_id)
-        return self._coordinator(job_id).model
+        return self._coordinator(job_id).model_files()
 
     def release(self, job_id: str) -> None:
         self._check("release", job_id)
         self.released.append(job_id)
-        gone = self.coordinators.pop(job_id, None)
-        if gone is not None:  # where it stopped, as its last checkpoint holds it
-            self.dead[job_id] = gone
+        self.coordinators.pop(job_id, None)
 
     def nodes(self) -> list[ClusterNode]:
         self._check("nodes")
@@ -428,17 +300,26 @@ class FakeCluster:
 
     # Test controls ----------------------------------------------------------------------
     def kill(self, job_id: str, *, keep_name: bool = False) -> None:
-        """The coordinator actor dies (node lost, OOM...). ``keep_name``: its process was
-        killed outside Ray, and its name stays taken."""
-        dead = self.coordinators.pop(job_id, None)
-        if dead is not None:
-            self.dead[job_id] = dead
-            if keep_name:
-                self.reserved.add((job_id, self.generations.get(job_id, 0)))
+        """The coordinator actor dies (node lost, OOM...), its workers with it. ``keep_name``:
+        its process was killed outside Ray, and its name stays taken."""
+        if self.coordinators.pop(job_id, None) is not None and keep_name:
+            self.reserved.add((job_id, self.generations.get(job_id, 0)))
 
     def advance(self, job_id: str, steps: int = 1) -> None:
+        """``steps`` step boundaries of the job's driver."""
+        c = self.coordinators[job_id]
         for _ in range(steps):
-            self.coordinators[job_id].advance()
+            self._step(c)
+
+    def _step(self, c: JobControl) -> None:
+        with self._stepping:
+            if c.state.is_terminal:
+                return
+            if isinstance(c, PSCoordinator) and c not in self._started:
+                self._started.append(c)
+                c.start()  # its run() starts the server and learners, then steps
+                return
+            c.step()
 
 
 # ======================================================================================

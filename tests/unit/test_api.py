@@ -384,23 +384,21 @@ def test_a_corrupt_member_is_found_before_it_is_kept(make_app: MakeApp, tmp_path
 # Reading jobs -------------------------------------------------------------------------
 def test_job_progresses_to_succeeded_with_history_and_logs(make_app: MakeApp) -> None:
     client, service, _ = make_app()
-    job = _submit(client)
-    _sync(service)
+    job = _submit(client, epochs=3)
+    _sync(service)  # the coordinator's first step: its workers start and train epoch 0
     body = client.get(f"/v1/jobs/{job}").json()
     assert body["state"] == "RUNNING"
     assert [w["worker"] for w in body["workers"]] == ["w0", "w1"]
     assert sum(w["batch"] for w in body["workers"]) == 64
     assert body["spec"]["global_batch"] == 64
-    _sync(service, 3)
-    body = client.get(f"/v1/jobs/{job}").json()
-    assert body["epochs_completed"] == 1
-    assert body["train_loss"] == 1.0 and body["test_accuracy"] == 0.5
+    assert body["epochs_completed"] == 1 and body["epoch"] == 1
     _sync(service, 10)
     body = client.get(f"/v1/jobs/{job}").json()
     assert body["state"] == "SUCCEEDED"
     assert body["finished_at"] is not None
     history = client.get(f"/v1/jobs/{job}/history").json()["records"]
-    assert [r["epoch"] for r in history] == [0, 1]
+    assert [r["epoch"] for r in history] == [0, 1, 2]
+    assert all(r["samples_trained"] == 3 * 64 and r["verified"] for r in history)
     assert (
         client.get(f"/v1/jobs/{job}/history", params={"since": 1}).json()["records"][0]["epoch"]
         == 1
@@ -440,15 +438,16 @@ def test_list_filters_by_state_and_paginates(make_app: MakeApp) -> None:
 def test_several_jobs_run_at_once(make_app: MakeApp) -> None:
     client, service, _ = make_app()
     a, b = _submit(client), _submit(client)
-    _sync(service, 2)
+    _sync(service)  # one step of each: epoch 0 of 2
     assert {client.get(f"/v1/jobs/{j}").json()["state"] for j in (a, b)} == {"RUNNING"}
 
 
 def test_pending_job_shows_why(make_app: MakeApp) -> None:
-    hold = "waiting for resources: no eligible node (check worker_cpus)"
-    client, service, _ = make_app(FakeCluster(hold=hold))
-    job = _submit(client, worker_cpus=64)
+    client, service, cluster = make_app(FakeCluster(hold=True))  # every node is down
+    job = _submit(client)
     _sync(service, 3)
+    hold = cluster.coordinators[job].snapshot().reason  # the coordinator's own words
+    assert hold is not None and hold.startswith("waiting for nodes: 0 workers")
     body = client.get(f"/v1/jobs/{job}").json()
     assert body["state"] == "PENDING" and body["reason"] == hold
     assert client.get("/v1/jobs").json()["items"][0]["reason"] == hold
@@ -498,7 +497,7 @@ def test_cancel_rejects_bad_reason(make_app: MakeApp) -> None:
 def test_coordinator_death_fails_the_job_with_reason(make_app: MakeApp) -> None:
     client, service, cluster = make_app()
     job = _submit(client)
-    _sync(service, 2)
+    _sync(service)
     cluster.kill(job)
     _sync(service)
     body = client.get(f"/v1/jobs/{job}").json()
@@ -540,9 +539,9 @@ def test_restart_reattaches_running_jobs_and_keeps_finished(make_app: MakeApp) -
     cluster = FakeCluster()  # outlives the API process, like a `ray start` cluster
     client, service, _ = make_app(cluster)
     done = _submit(client, epochs=1)
-    running = _submit(client, epochs=3)
-    lost = _submit(client, epochs=3)
-    _sync(service, 6)
+    running = _submit(client, epochs=4)
+    lost = _submit(client, epochs=4)
+    _sync(service, 2)  # a step a sync: one epoch each
     assert client.get(f"/v1/jobs/{done}").json()["state"] == "SUCCEEDED"
     _stop(client)
     cluster.kill(lost)  # its coordinator died while the API was down
@@ -556,8 +555,8 @@ def test_restart_reattaches_running_jobs_and_keeps_finished(make_app: MakeApp) -
     assert "no coordinator actor" in states[lost]["reason"]
     _sync(service, 12)
     body = client.get(f"/v1/jobs/{running}").json()
-    assert body["state"] == "SUCCEEDED" and body["epochs_completed"] == 3
-    assert len(client.get(f"/v1/jobs/{running}/history").json()["records"]) == 3
+    assert body["state"] == "SUCCEEDED" and body["epochs_completed"] == 4
+    assert len(client.get(f"/v1/jobs/{running}/history").json()["records"]) == 4
 
 
 def test_embedded_restart_fails_live_jobs_with_reason(make_app: MakeApp) -> None:
@@ -572,7 +571,7 @@ def test_embedded_restart_fails_live_jobs_with_reason(make_app: MakeApp) -> None
 
 def test_embedded_shutdown_fails_live_jobs(make_app: MakeApp) -> None:
     client, service, _ = make_app(FakeCluster(embedded=True))
-    job = _submit(client)
+    job = _submit(client, epochs=4)  # still running after the shutdown's last sync
     _sync(service)
     _stop(client)
     store = JobStore(service.store.path)
@@ -723,8 +722,9 @@ def test_metrics_names_are_exactly_the_documented_ones(make_app: MakeApp) -> Non
 
 def test_metrics_read_live_job_state_at_scrape_time(make_app: MakeApp) -> None:
     client, service, cluster = make_app()
-    job = _submit(client, name="metrics-job", policy="dbs")
-    _sync(service)
+    job = _submit(client, name="metrics-job", policy="dbs", epochs=3)
+    _sync(service, 2)  # a step a sync: epoch 1 trained on shares planned from epoch 0
+    snap = cluster.coordinators[job].snapshot()
     fams = _families(client.get("/metrics").text)
     batches = {
         s.labels["worker"]: (s.value, s.labels["node"])
@@ -732,7 +732,9 @@ def test_metrics_read_live_job_state_at_scrape_time(make_app: MakeApp) -> None:
         if s.labels["job_id"] == job
     }
     # The node by its first 8 hex digits, as the CLI and the page show it.
-    assert batches == {"w0": (32.0, NODE_IDS[0][:8]), "w1": (32.0, NODE_IDS[1][:8])}
+    assert batches == {w.worker: (float(w.batch), w.node[:8]) for w in snap.workers}
+    assert {n for _, n in batches.values()} == {NODE_IDS[0][:8], NODE_IDS[1][:8]}
+    assert batches["w0"][0] + batches["w1"][0] == 64
     for name in (
         "dynabatch_worker_partition_samples",
         "dynabatch_worker_throughput_samples_per_second",
@@ -744,24 +746,20 @@ def test_metrics_read_live_job_state_at_scrape_time(make_app: MakeApp) -> None:
     assert info.labels == {"job_id": job, "name": "metrics-job", "policy": "dbs"}
     states = {s.labels["state"]: s.value for s in fams["dynabatch_job_state"].samples}
     assert states == {"PENDING": 0, "RUNNING": 1, "SUCCEEDED": 0, "FAILED": 0, "CANCELLED": 0}
-
-    _sync(service, 3)  # one epoch ends: a rebalance, an epoch duration, a loss
-    fams = _families(client.get("/metrics").text)
-    batches = {s.labels["worker"]: s.value for s in fams["dynabatch_worker_batch_size"].samples}
-    assert batches == {"w0": 33.0, "w1": 31.0}
-    assert fams["dynabatch_job_rebalances"].samples[0].value == 1
-    assert fams["dynabatch_job_train_loss"].samples[0].value == 1.0
+    assert fams["dynabatch_job_rebalances"].samples[0].value == snap.rebalances_total
     hist = {
         s.name: s
         for s in fams["dynabatch_job_epoch_duration_seconds"].samples
         if s.name.endswith(("_count", "_sum"))
     }
-    assert hist["dynabatch_job_epoch_duration_seconds_count"].value == 1
-    assert hist["dynabatch_job_epoch_duration_seconds_sum"].value == pytest.approx(0.5)
+    assert hist["dynabatch_job_epoch_duration_seconds_count"].value == 2
+    assert hist["dynabatch_job_epoch_duration_seconds_sum"].value == pytest.approx(
+        sum(snap.epoch_durations_s)
+    )
     jobs = {s.labels["state"]: s.value for s in fams["dynabatch_jobs"].samples}
     assert jobs["RUNNING"] == 1
     assert fams["dynabatch_cluster_nodes"].samples[0].value == 2
-    assert cluster.coordinators[job].epoch == 1
+    assert cluster.coordinators[job].epoch == 2
 
 
 def test_metrics_and_history_show_each_metric_by_its_name_in_the_spec(
@@ -783,11 +781,12 @@ def test_metrics_and_history_show_each_metric_by_its_name_in_the_spec(
     fake_history = cluster.history
 
     def history(job_id: str, since: int = 0) -> list[Any]:
-        return [r.model_copy(update={"test_metrics": scores})
+        # The simulated job has no model: its records get the scores (and a held-out loss).
+        return [r.model_copy(update={"test_metrics": scores, "test_loss": 1.1})
                 for r in fake_history(job_id, since)]
 
     monkeypatch.setattr(cluster, "history", history)
-    _sync(service, 4)  # one epoch ends
+    _sync(service)  # one epoch ends
     fams = _families(client.get("/metrics").text)
     (loss,) = fams["dynabatch_job_test_loss"].samples
     assert loss.labels == {"job_id": job} and loss.value == pytest.approx(1.1)
@@ -968,16 +967,22 @@ def _workers(body: dict[str, Any]) -> list[str]:
 
 def test_scale_answers_202_with_the_new_membership(make_app: MakeApp) -> None:
     client, service, cluster = make_app()
-    job = _running(client, service, workers=3, global_batch=60)
+    job = _running(client, service, workers=3, global_batch=60, epochs=5)
     r = client.post(f"/v1/jobs/{job}/scale", json={"workers": 2})
     assert r.status_code == 202, r.text
-    body = r.json()
-    assert _workers(body) == ["w0", "w1"] and sum(w["batch"] for w in body["workers"]) == 60
-    assert body["worker_events"]["leave:drained"] == 1
+    # Queued: the coordinator applies it at its next step boundary.
+    assert _workers(r.json()) == ["w0", "w1", "w2"]
     assert ("scale", job) in cluster.calls
     assert service.get(job).target_workers == 2
+    _sync(service)
+    body = client.get(f"/v1/jobs/{job}").json()
+    # The slowest left: w1, alone on the slower node.
+    assert _workers(body) == ["w0", "w2"] and sum(w["batch"] for w in body["workers"]) == 60
+    assert body["worker_events"]["leave:drained"] == 1
     r = client.post(f"/v1/jobs/{job}/scale", json={"workers": 4})
-    assert r.status_code == 202 and _workers(r.json()) == ["w0", "w1", "w3", "w4"]
+    assert r.status_code == 202
+    _sync(service)
+    assert _workers(client.get(f"/v1/jobs/{job}").json()) == ["w0", "w2", "w3", "w4"]
     assert any("scale requested: 4" in x["message"] for x in client.get(
         f"/v1/jobs/{job}/logs").json()["lines"])
 
@@ -1020,14 +1025,15 @@ def test_scale_unknown_job_404_finished_job_409(make_app: MakeApp) -> None:
     assert client.post(f"/v1/jobs/{'0' * 12}/scale", json={"workers": 2}).status_code == 404
     assert client.post("/v1/jobs/nope/scale", json={"workers": 2}).status_code == 422
     done = _submit(client, epochs=1)
-    _sync(service, 6)
+    _sync(service, 2)
     r = client.post(f"/v1/jobs/{done}/scale", json={"workers": 1})
     assert r.status_code == 409 and r.json()["detail"] == (
         "job is SUCCEEDED; it cannot become RUNNING"
     )
     # It finished on the cluster, and the store has not seen it yet: still 409, stored.
-    racing = _running(client, service)
+    racing = _running(client, service, epochs=3)
     cluster.coordinators[racing].cancel("gone")
+    cluster.advance(racing)  # the coordinator ends the job at its next step boundary
     r = client.post(f"/v1/jobs/{racing}/scale", json={"workers": 1})
     assert r.status_code == 409 and "CANCELLED" in r.json()["detail"]
     assert client.get(f"/v1/jobs/{racing}").json()["state"] == "CANCELLED"
@@ -1035,12 +1041,14 @@ def test_scale_unknown_job_404_finished_job_409(make_app: MakeApp) -> None:
 
 def test_drain_removes_one_worker(make_app: MakeApp) -> None:
     client, service, _ = make_app()
-    job = _running(client, service, workers=3, global_batch=60)
+    job = _running(client, service, workers=3, global_batch=60, epochs=5)
     r = client.delete(f"/v1/jobs/{job}/workers/w1")
     assert r.status_code == 202, r.text
-    assert _workers(r.json()) == ["w0", "w2"]
-    assert r.json()["worker_events"] == {"join:node available": 3, "leave:drained": 1}
     assert service.get(job).target_workers == 2
+    _sync(service)  # applied at the coordinator's next step boundary
+    body = client.get(f"/v1/jobs/{job}").json()
+    assert _workers(body) == ["w0", "w2"]
+    assert body["worker_events"] == {"join:node available": 3, "leave:drained": 1}
     # No longer a member: 404, naming it.
     r = client.delete(f"/v1/jobs/{job}/workers/w1")
     assert r.status_code == 404 and r.json()["detail"] == (
@@ -1048,8 +1056,10 @@ def test_drain_removes_one_worker(make_app: MakeApp) -> None:
     )
     assert client.delete(f"/v1/jobs/{job}/workers/w2").status_code == 202
     assert service.get(job).target_workers == 1
+    # One left once w2's drain is applied (it is queued): the last is not drained.
     r = client.delete(f"/v1/jobs/{job}/workers/w0")
     assert r.status_code == 409 and r.json()["detail"] == "cannot drain the last worker"
+    _sync(service)
     assert _workers(client.get(f"/v1/jobs/{job}").json()) == ["w0"]
     _sync(service, 12)
     assert client.get(f"/v1/jobs/{job}").json()["state"] == "SUCCEEDED"
@@ -1083,9 +1093,11 @@ def test_drain_when_the_coordinator_died_is_404_and_the_job_fails(make_app: Make
 
 
 def test_membership_metrics_come_from_the_snapshot(make_app: MakeApp) -> None:
-    client, service, _ = make_app()
-    job = _running(client, service, workers=3, global_batch=60)
+    client, service, cluster = make_app()
+    job = _running(client, service, workers=3, global_batch=60, epochs=4)
     client.delete(f"/v1/jobs/{job}/workers/w2")
+    _sync(service)  # applied at the coordinator's next step boundary: a regroup
+    snap = cluster.coordinators[job].snapshot()
     fams = _families(client.get("/metrics").text)
     events = {
         (s.labels["kind"], s.labels["reason"]): s.value
@@ -1094,8 +1106,9 @@ def test_membership_metrics_come_from_the_snapshot(make_app: MakeApp) -> None:
     }
     assert events == {("join", "node available"): 3.0, ("leave", "drained"): 1.0}
     assert fams["dynabatch_job_workers"].samples[0].value == 2
-    assert fams["dynabatch_job_membership_generation"].samples[0].value == 1
-    assert fams["dynabatch_job_regroup_seconds"].samples[0].value == pytest.approx(0.01)
+    assert fams["dynabatch_job_membership_generation"].samples[0].value == 2
+    regroups = fams["dynabatch_job_regroup_seconds"].samples[0].value
+    assert regroups == pytest.approx(snap.regroup_seconds_total) and regroups > 0
     assert fams["dynabatch_job_retried_samples"].samples[0].value == 0
 
 
@@ -1131,10 +1144,10 @@ def _ckpt_spec(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
     return {"checkpoint": {"dir": str(tmp_path / "ckpt")}, "epochs": 3, **overrides}
 
 
-def _write_checkpoint(tmp_path: Path, job: str) -> Path:
+def _checkpointed(tmp_path: Path, job: str) -> Path:
+    """The checkpoint the job's coordinator wrote (at the end of each epoch)."""
     path = checkpoint_path(tmp_path / "ckpt", job)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"not read by the service")
+    assert path.is_file(), f"no checkpoint of job {job}"
     return path
 
 
@@ -1143,8 +1156,8 @@ def test_dead_coordinator_with_a_checkpoint_is_resumed(
 ) -> None:
     client, service, cluster = make_app()
     job = _submit(client, **_ckpt_spec(tmp_path))
-    _sync(service, 4)  # RUNNING, epoch 0 done
-    _write_checkpoint(tmp_path, job)
+    _sync(service)  # epoch 0 trained and checkpointed
+    _checkpointed(tmp_path, job)
     before = client.get(f"/v1/jobs/{job}/logs").json()["lines"]
     cluster.kill(job)
     _sync(service)
@@ -1168,8 +1181,8 @@ def test_dead_coordinator_with_a_checkpoint_is_resumed(
     assert [x["seq"] for x in lines] == list(range(len(lines)))
     messages = [x["message"] for x in lines]
     i = next(i for i, m in enumerate(messages) if "automatic resume 1 of 3" in m)
-    assert lines[i]["level"] == "WARNING" and messages[i + 1] == "coordinator started"
-    assert messages[i + 2] == "resuming from checkpoint at epoch 1 step 0"
+    assert lines[i]["level"] == "WARNING"
+    assert messages[i + 1] == "resuming from checkpoint at epoch 1 step 0"
     assert messages[-1] == "state SUCCEEDED"
     assert service.get(job).auto_resumes == 0  # it finished epochs after the resume
 
@@ -1177,8 +1190,8 @@ def test_dead_coordinator_with_a_checkpoint_is_resumed(
 def test_dead_coordinator_without_a_checkpoint_fails(make_app: MakeApp, tmp_path: Path) -> None:
     client, service, cluster = make_app()
     job = _submit(client, **_ckpt_spec(tmp_path))  # a checkpoint dir, but no file yet
-    _sync(service, 2)
-    cluster.kill(job)
+    cluster.kill(job)  # before its coordinator's first step
+    assert not checkpoint_path(tmp_path / "ckpt", job).exists()
     _sync(service)
     body = client.get(f"/v1/jobs/{job}").json()
     assert body["state"] == "FAILED" and "coordinator actor died" in body["reason"]
@@ -1186,15 +1199,18 @@ def test_dead_coordinator_without_a_checkpoint_fails(make_app: MakeApp, tmp_path
 
 
 def test_a_crash_loop_ends_failed_after_the_limit(make_app: MakeApp, tmp_path: Path) -> None:
-    client, service, cluster = make_app(auto_resume_limit=2)
+    # Its coordinators step only when told: each resumed one dies before finishing an epoch.
+    cluster = FakeCluster(auto_advance=False)
+    client, service, _ = make_app(cluster, auto_resume_limit=2)
     job = _submit(client, **_ckpt_spec(tmp_path))
-    _sync(service, 2)
-    _write_checkpoint(tmp_path, job)
+    cluster.advance(job)  # epoch 0 trained and checkpointed
+    _sync(service)
+    _checkpointed(tmp_path, job)
     for attempt in (1, 2):
         cluster.kill(job)
         _sync(service)  # resumed
         assert f"automatic resume {attempt} of 2" in service.get(job).reason
-        _sync(service)  # the new coordinator runs, but dies before finishing an epoch
+        _sync(service)
     cluster.kill(job)
     _sync(service)
     body = client.get(f"/v1/jobs/{job}").json()
@@ -1208,8 +1224,8 @@ def test_a_crash_loop_ends_failed_after_the_limit(make_app: MakeApp, tmp_path: P
 def test_auto_resume_can_be_turned_off(make_app: MakeApp, tmp_path: Path) -> None:
     client, service, cluster = make_app(auto_resume_limit=0)
     job = _submit(client, **_ckpt_spec(tmp_path))
-    _sync(service, 2)
-    _write_checkpoint(tmp_path, job)
+    _sync(service)  # epoch 0 trained and checkpointed
+    _checkpointed(tmp_path, job)
     cluster.kill(job)
     _sync(service)
     body = client.get(f"/v1/jobs/{job}").json()
@@ -1220,13 +1236,13 @@ def test_a_resumed_job_keeps_the_size_asked_for(make_app: MakeApp, tmp_path: Pat
     client, service, cluster = make_app()
     job = _submit(client, **_ckpt_spec(tmp_path, workers=3, global_batch=60, min_workers=2))
     _sync(service)
-    _write_checkpoint(tmp_path, job)
+    _checkpointed(tmp_path, job)
     assert client.post(f"/v1/jobs/{job}/scale", json={"workers": 1}).status_code == 202
     cluster.kill(job)
     _sync(service, 2)
     spec = cluster.launches[job][-1]
     assert (spec.workers, spec.max_workers, spec.min_workers) == (1, 1, 1)
-    assert _workers(client.get(f"/v1/jobs/{job}").json()) == ["w0"]
+    assert len(_workers(client.get(f"/v1/jobs/{job}").json())) == 1
     assert client.get(f"/v1/jobs/{job}").json()["spec"]["workers"] == 3  # as submitted
 
 
@@ -1236,7 +1252,7 @@ def test_scale_after_the_coordinator_died_applies_to_the_resumed_one(
     client, service, cluster = make_app()
     job = _submit(client, **_ckpt_spec(tmp_path))
     _sync(service)
-    _write_checkpoint(tmp_path, job)
+    _checkpointed(tmp_path, job)
     cluster.kill(job)
     r = client.post(f"/v1/jobs/{job}/scale", json={"workers": 1})
     assert r.status_code == 202 and r.json()["state"] == "PENDING" and r.json()["resumes"] == 1
@@ -1246,9 +1262,9 @@ def test_scale_after_the_coordinator_died_applies_to_the_resumed_one(
 def test_resume_on_request(make_app: MakeApp, tmp_path: Path) -> None:
     client, service, cluster = make_app(auto_resume_limit=0)
     job = _submit(client, **_ckpt_spec(tmp_path))
-    _sync(service, 4)
+    _sync(service)  # epoch 0 trained and checkpointed
     # Live with its coordinator: nothing to resume.
-    _write_checkpoint(tmp_path, job)
+    _checkpointed(tmp_path, job)
     r = client.post(f"/v1/jobs/{job}/resume")
     assert r.status_code == 409 and "coordinator is alive" in r.json()["detail"]
     cluster.kill(job)
@@ -1272,7 +1288,7 @@ def test_resume_of_a_live_job_whose_coordinator_is_gone(
     client, service, cluster = make_app()
     job = _submit(client, **_ckpt_spec(tmp_path))
     _sync(service)
-    _write_checkpoint(tmp_path, job)
+    _checkpointed(tmp_path, job)
     cluster.kill(job)  # not seen by a sync yet
     r = client.post(f"/v1/jobs/{job}/resume")
     assert r.status_code == 202 and r.json()["state"] == "PENDING"
@@ -1290,8 +1306,7 @@ def test_resume_conflicts(make_app: MakeApp, tmp_path: Path) -> None:
     r = client.post(f"/v1/jobs/{plain}/resume")
     assert r.status_code == 409 and "no checkpoint.dir" in r.json()["detail"]
     no_file = _submit(client, **_ckpt_spec(tmp_path))
-    _sync(service)
-    cluster.kill(no_file)
+    cluster.kill(no_file)  # before its coordinator's first step
     _sync(service)
     r = client.post(f"/v1/jobs/{no_file}/resume")
     assert r.status_code == 409 and "no checkpoint yet" in r.json()["detail"]
@@ -1304,8 +1319,8 @@ def test_resume_conflicts(make_app: MakeApp, tmp_path: Path) -> None:
 def test_a_cancelled_job_resumes_from_its_checkpoint(make_app: MakeApp, tmp_path: Path) -> None:
     client, service, cluster = make_app()
     job = _submit(client, **_ckpt_spec(tmp_path))
-    _sync(service, 4)
-    _write_checkpoint(tmp_path, job)  # as the coordinator writes one on cancel
+    _sync(service)  # epoch 0 trained and checkpointed
+    _checkpointed(tmp_path, job)  # as the coordinator writes one on cancel
     assert client.post(f"/v1/jobs/{job}/cancel").json()["state"] == "CANCELLED"
     assert cluster.released == [job]
     r = client.post(f"/v1/jobs/{job}/resume")
@@ -1326,7 +1341,7 @@ def test_resume_launch_failure_leaves_the_job_failed(make_app: MakeApp, tmp_path
     client, service, cluster = make_app(auto_resume_limit=0)
     job = _submit(client, **_ckpt_spec(tmp_path))
     _sync(service)
-    _write_checkpoint(tmp_path, job)
+    _checkpointed(tmp_path, job)
     cluster.kill(job)
     _sync(service)
     cluster.launch_error = RayCallError("no head node")
@@ -1343,8 +1358,8 @@ def test_restart_resumes_jobs_whose_coordinator_is_gone(
     client, service, _ = make_app(cluster)
     saved = _submit(client, **_ckpt_spec(tmp_path))
     lost = _submit(client)
-    _sync(service, 4)
-    _write_checkpoint(tmp_path, saved)
+    _sync(service)  # epoch 0 trained and checkpointed
+    _checkpointed(tmp_path, saved)
     _stop(client)
     cluster.kill(saved)
     cluster.kill(lost)
@@ -1374,8 +1389,8 @@ def test_a_spec_the_settings_no_longer_allow_is_not_resumed(
     client, service, _ = make_app(cluster, **allowed)
     extra = {"model": USER_CODE["model"]} if allowed else {}
     job = _submit(client, **_ckpt_spec(tmp_path, **extra))
-    _sync(service, 2)
-    _write_checkpoint(tmp_path, job)
+    _sync(service)  # epoch 0 trained and checkpointed
+    _checkpointed(tmp_path, job)
     _stop(client)
     cluster.kill(job)
     # The API comes back with settings that no longer allow what the stored spec names.
@@ -1394,9 +1409,9 @@ def test_a_spec_the_settings_no_longer_allow_is_not_resumed(
 def test_embedded_restart_resumes_checkpointed_jobs(make_app: MakeApp, tmp_path: Path) -> None:
     client, service, _ = make_app(FakeCluster(embedded=True))
     saved = _submit(client, **_ckpt_spec(tmp_path))
-    plain = _submit(client)
-    _sync(service, 2)
-    _write_checkpoint(tmp_path, saved)
+    plain = _submit(client, epochs=4)  # still running at the shutdown
+    _sync(service)  # epoch 0 trained and checkpointed
+    _checkpointed(tmp_path, saved)
     _stop(client)  # a clean shutdown: Ray ends with the process
     store = JobStore(service.store.path)  # the app closed its own
     rec, failed = store.get(saved), store.get(plain)
@@ -1422,7 +1437,7 @@ def test_embedded_hard_restart_resumes_checkpointed_jobs(
     client, service, _ = make_app(FakeCluster(embedded=True))
     job = _submit(client, **_ckpt_spec(tmp_path))
     _sync(service)
-    _write_checkpoint(tmp_path, job)
+    _checkpointed(tmp_path, job)
     # The process dies hard: no lifespan shutdown runs.
     client, service, cluster = make_app(FakeCluster(embedded=True))
     body = client.get(f"/v1/jobs/{job}").json()
@@ -1435,8 +1450,8 @@ def test_resume_replaces_a_failed_jobs_kept_coordinator(
 ) -> None:
     client, service, cluster = make_app(release_finished=False)
     job = _submit(client, **_ckpt_spec(tmp_path))
-    _sync(service, 2)
-    _write_checkpoint(tmp_path, job)
+    _sync(service)  # epoch 0 trained and checkpointed
+    _checkpointed(tmp_path, job)
     cluster.coordinators[job]._finish(JobState.FAILED, "only 1 workers available")
     _sync(service)
     assert client.get(f"/v1/jobs/{job}").json()["state"] == "FAILED"
@@ -1453,8 +1468,8 @@ def test_a_coordinator_killed_outside_ray_is_resumed_under_a_new_generation(
     cluster = FakeCluster()
     client, service, _ = make_app(cluster)
     job = _submit(client, **_ckpt_spec(tmp_path))
-    _sync(service, 4)
-    _write_checkpoint(tmp_path, job)
+    _sync(service)  # epoch 0 trained and checkpointed
+    _checkpointed(tmp_path, job)
     cluster.kill(job, keep_name=True)  # kill -9 of its process: Ray keeps the name taken
     _sync(service)
     body = client.get(f"/v1/jobs/{job}").json()
@@ -1475,7 +1490,7 @@ def test_a_job_resumed_on_another_cluster_is_found_there_after_a_restart(
     client, service, _ = make_app(FakeCluster(embedded=True))
     job = _submit(client, **_ckpt_spec(tmp_path))
     _sync(service)
-    _write_checkpoint(tmp_path, job)
+    _checkpointed(tmp_path, job)
     # The API comes back on an external cluster: the job is resumed there...
     external = FakeCluster()
     client, service, _ = make_app(external)

@@ -104,10 +104,12 @@ def test_a_change_is_read_once_and_shown_at_the_next_request(
     job = _running(client, service)
     before = {p: client.get(p) for p in _paths(job)[:3]}
     views = client.app.state.views
-    service.sync_job(job)  # the coordinator moved on a step: the job's row changed
+    # The coordinator moved on a step (a whole epoch: the spec re-plans at epochs' ends):
+    # the job's row changed.
+    service.sync_job(job)
     builds = views.builds
     status = client.get(f"/v1/jobs/{job}")
-    assert status.json()["step"] != before[f"/v1/jobs/{job}"].json()["step"]
+    assert status.json()["epoch"] != before[f"/v1/jobs/{job}"].json()["epoch"]
     assert status.headers["etag"] != before[f"/v1/jobs/{job}"].headers["etag"]
     assert views.builds == builds + 1  # built again, once
     watch = Watch(service, cluster, monkeypatch)

@@ -46,10 +46,10 @@ def test_run_shows_the_users_own_output(tty: bool) -> None:
     spec = parse_spec({"workers": 2, "global_batch": 64, "epochs": 1})
     cluster.launch("a" * 12, spec)
     coordinator = cluster.coordinators["a" * 12]
+    # The user's code printed to stderr on worker w0, as the coordinator's log follows it.
     for text in ("UserWarning: dataset.path is ignored by my loader",
                  "[red]raw[/red] mydata:cancer: :thumbs_up:"):
-        coordinator.lines.append(LogLine(seq=len(coordinator.lines), time=0.0,
-                                         level="STDERR", message=text))
+        coordinator._actor_line("w0", "stderr", text)
     out = io.StringIO()
     console = Console(file=out, force_terminal=tty, width=200)
     snap, hist = run_cli.follow_job(FakeJob(cluster, "a" * 12), console=console, quiet=not tty,

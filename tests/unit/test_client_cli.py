@@ -41,14 +41,15 @@ def cli() -> typer.Typer:
 def server(tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
     clients: list[TestClient] = []
 
-    def start(**settings: Any) -> TestClient:
+    def start(cluster: FakeCluster | None = None, **settings: Any) -> TestClient:
         options = {
             "db_path": str(tmp_path / "cli.db"),
             "sync_interval_s": 0.01,
             "checkpoint_root": str(tmp_path),
             **settings,
         }
-        client = TestClient(create_app(Settings(**options), cluster=FakeCluster()))
+        cluster = cluster if cluster is not None else FakeCluster()
+        client = TestClient(create_app(Settings(**options), cluster=cluster))
         client.__enter__()
         clients.append(client)
         return client
@@ -318,19 +319,23 @@ def test_scale_drain_resume(
     http = server(sync_interval_s=0, auto_resume_limit=0)  # the job stays put
     service = http.app.state.service
     cluster = service.cluster
-    spec = {"name": "elastic", "workers": 3, "global_batch": 60, "epochs": 2,
+    spec = {"name": "elastic", "workers": 3, "global_batch": 60, "epochs": 4,
             "checkpoint": {"dir": str(tmp_path / "ckpt")}}
     job = DynabatchClient(http=http).submit(spec).job_id
     service.sync_once()
 
     result = _invoke(cli, http, "scale", job, "2")
     assert result.exit_code == 0, result.output
+    # Requested: the coordinator applies it at its next step boundary.
     assert result.stdout.strip() == (
-        f"job {job} RUNNING: scale to 2 workers requested (workers now: w0, w1)"
+        f"job {job} RUNNING: scale to 2 workers requested (workers now: w0, w1, w2)"
     )
-    result = _invoke(cli, http, "drain", job, "w1")
+    service.sync_once()  # applied: the slowest (w1, alone on the slower node) left
+    result = _invoke(cli, http, "drain", job, "w2")
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == f"job {job} RUNNING: drain of w1 requested (workers now: w0)"
+    assert result.stdout.strip() == (
+        f"job {job} RUNNING: drain of w2 requested (workers now: w0, w2)"
+    )
     assert _one_error_line(_invoke(cli, http, "drain", job, "w0")) == (
         "error: cannot drain the last worker"
     )
@@ -341,9 +346,7 @@ def test_scale_drain_resume(
     assert "global_batch" in _one_error_line(_invoke(cli, http, "scale", job, "61"))
 
     assert "coordinator is alive" in _one_error_line(_invoke(cli, http, "resume", job))
-    path = checkpoint_path(tmp_path / "ckpt", job)
-    path.parent.mkdir(parents=True)
-    path.write_bytes(b"x")
+    assert checkpoint_path(tmp_path / "ckpt", job).is_file()  # the coordinator wrote it
     cluster.kill(job)
     service.sync_once()  # auto resume is off: FAILED
     result = _invoke(cli, http, "resume", job)
@@ -363,16 +366,19 @@ def test_new_commands_check_ids(
 
 
 def test_submit_waits_streams_logs_and_exits_with_the_outcome(
-    cli: typer.Typer, server: Callable[..., TestClient], config: Path
+    cli: typer.Typer, server: Callable[..., TestClient], tmp_path: Path
 ) -> None:
-    http = server(sync_interval_s=0.02)
+    # The job trains its model (real losses and scores): the outcome names its accuracy.
+    config = tmp_path / "small.yaml"
+    config.write_text(CONFIG.replace("{name: digits}", "{name: digits, limit: 256}"))
+    http = server(FakeCluster(real_gradients=True), sync_interval_s=0.02)
     result = _invoke(cli, http, "submit", str(config), "--interval", "0.02")
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     job = lines[0].strip()
     assert re.fullmatch(r"[0-9a-f]{12}", job)
     # The log lines (as `logs` prints them), the live table, then the outcome.
-    assert any(line.endswith("INFO    coordinator started") for line in lines)
+    assert any(line.endswith("INFO    state RUNNING") for line in lines)
     assert any("state SUCCEEDED" in line for line in lines)
     assert "w0" in result.stdout and lines[-1].startswith(f"job {job} SUCCEEDED; accuracy ")
 
@@ -467,7 +473,6 @@ def test_submit_prints_the_page_url_on_stderr(
 def test_followed_log_lines_are_printed_as_they_are(
     cli: typer.Typer, server: Callable[..., TestClient], config: Path
 ) -> None:
-    from dynabatch.scheduler.telemetry import LogLine
 
     http = server(sync_interval_s=0.02)
     cluster = http.app.state.service.cluster
@@ -476,9 +481,9 @@ def test_followed_log_lines_are_printed_as_they_are(
     def launch_with_output(job_id: str, spec: Any) -> None:
         launch(job_id, spec)
         coordinator = cluster.coordinators[job_id]
+        # The user's code printed on worker w0, as the coordinator's log follows it.
         for text in ("loaded mydata:cancer 427 train", "[red]not red[/red] :thumbs_up:"):
-            coordinator.lines.append(LogLine(seq=len(coordinator.lines), time=0.0,
-                                             level="STDOUT", message=text))
+            coordinator._actor_line("w0", "stdout", text)
 
     cluster.launch = launch_with_output
     result = _invoke(cli, http, "submit", str(config), "--interval", "0.02")

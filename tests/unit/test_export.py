@@ -354,8 +354,10 @@ def test_artifact_root_setting_takes_a_path_or_uri():
 def app(tmp_path: Path) -> Iterator[Callable[..., tuple[TestClient, FakeCluster, Settings]]]:
     clients: list[TestClient] = []
 
-    def make(**settings: Any) -> tuple[TestClient, FakeCluster, Settings]:
-        cluster = FakeCluster()
+    def make(
+        cluster: FakeCluster | None = None, **settings: Any
+    ) -> tuple[TestClient, FakeCluster, Settings]:
+        cluster = cluster if cluster is not None else FakeCluster()
         cfg = Settings(db_path=str(tmp_path / "jobs.db"), sync_interval_s=0.0, **settings)
         client = TestClient(create_app(cfg, cluster=cluster))
         client.__enter__()
@@ -372,15 +374,32 @@ def _unzip(data: bytes) -> dict[str, bytes]:
         return {n: z.read(n) for n in z.namelist()}
 
 
+# A job whose (simulated) workers train its real model, small enough to be quick.
+TRAINED = {**SPEC, "dataset": {"name": "digits", "limit": 256}}
+
+
+def _train_to_the_end(cluster: FakeCluster, job: str) -> dict[str, bytes]:
+    """Step the job's coordinator until it ends (the service does not see it yet): the
+    trained model's files it keeps."""
+    coordinator = cluster.coordinators[job]
+    for _ in range(50):
+        cluster.advance(job)
+        if coordinator.state.is_terminal:
+            break
+    assert coordinator.state == JobState.SUCCEEDED, coordinator.reason
+    files = coordinator.model_files()
+    assert files is not None and set(files) == {"manifest.json", "model.safetensors"}
+    return files
+
+
 def test_rest_serves_the_model_and_says_409_when_there_is_none(app, tmp_path):
-    client, cluster, cfg = app(api_token="s3cret")
+    client, cluster, cfg = app(FakeCluster(real_gradients=True), api_token="s3cret")
     auth = {"Authorization": "Bearer s3cret"}
-    job = client.post("/v1/jobs", json=SPEC, headers=auth).json()["job_id"]
+    job = client.post("/v1/jobs", json=TRAINED, headers=auth).json()["job_id"]
     assert client.get(f"/v1/jobs/{job}/model").status_code == 401  # token-guarded
     r = client.get(f"/v1/jobs/{job}/model", headers=auth)
     assert r.status_code == 409 and r.json() == {"detail": f"job {job} has no trained weights yet"}
-    _, files = _mlp_files()
-    cluster.coordinators[job].model = files  # the job ended: its coordinator has them
+    files = _train_to_the_end(cluster, job)  # the job ended: its coordinator has them
     r = client.get(f"/v1/jobs/{job}/model", headers=auth)
     assert r.status_code == 200 and r.headers["content-type"] == "application/zip"
     assert _unzip(r.content) == files
@@ -418,19 +437,19 @@ def _cli(http: TestClient, *args: str) -> Any:
 
 
 def test_cli_export_writes_the_directory_load_model_reads(app, tmp_path):
-    client, cluster, _ = app()
-    job = client.post("/v1/jobs", json=SPEC).json()["job_id"]
+    client, cluster, _ = app(FakeCluster(real_gradients=True))
+    job = client.post("/v1/jobs", json=TRAINED).json()["job_id"]
     result = _cli(client, "export", job, "-o", str(tmp_path / "out"))
     assert result.exit_code == 1
     assert result.output.strip() == f"error: job {job} has no trained weights yet"
-    model, files = _mlp_files()
-    cluster.coordinators[job].model = files
+    _train_to_the_end(cluster, job)
+    model = cluster.coordinators[job].runtime.gradients.model  # the model the job trained
     result = _cli(client, "export", job, "-o", str(tmp_path / "out"))
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == (
         f"job {job}: manifest.json, model.safetensors written to {tmp_path / 'out'}"
     )
-    x = torch.randn(2, 4)
+    x = torch.randn(2, 64)
     assert torch.equal(load_model(str(tmp_path / "out"))(x), model.eval()(x))
     assert torch.equal(load_model(tmp_path / "out")(x), model.eval()(x))  # a Path too
     (tmp_path / "f").write_text("")
@@ -440,11 +459,10 @@ def test_cli_export_writes_the_directory_load_model_reads(app, tmp_path):
 
 
 def test_a_finished_jobs_model_outlives_its_released_coordinator(app):
-    client, cluster, _ = app()
+    client, cluster, _ = app(FakeCluster(real_gradients=True))
     service = client.app.state.service
-    job = client.post("/v1/jobs", json=SPEC).json()["job_id"]
-    _, files = _mlp_files()
-    cluster.coordinators[job].model = files
+    job = client.post("/v1/jobs", json=TRAINED).json()["job_id"]
+    coordinator = cluster.coordinators[job]
     for _ in range(50):
         service.sync_once()
         if service.get(job).state.is_terminal:
@@ -452,4 +470,4 @@ def test_a_finished_jobs_model_outlives_its_released_coordinator(app):
     assert service.get(job).state == JobState.SUCCEEDED and job in cluster.released
     r = client.get(f"/v1/jobs/{job}/model")
     assert r.status_code == 200, r.text
-    assert _unzip(r.content) == files
+    assert _unzip(r.content) == coordinator.model_files()

@@ -61,11 +61,16 @@ def test_the_final_line_shows_the_jobs_own_metrics():
 
 
 # ------------------------------------------------------------------ the service's views
+def _app(tmp_path: Path, cluster: FakeCluster) -> TestClient:
+    settings = Settings(
+        db_path=str(tmp_path / "v.db"), sync_interval_s=0, checkpoint_root=str(tmp_path)
+    )
+    return TestClient(create_app(settings, cluster=cluster))
+
+
 @pytest.fixture
 def http(tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(db_path=str(tmp_path / "v.db"), sync_interval_s=0,
-                        checkpoint_root=str(tmp_path))
-    with TestClient(create_app(settings, cluster=FakeCluster())) as client:
+    with _app(tmp_path, FakeCluster()) as client:
         yield client
 
 
@@ -90,33 +95,30 @@ def _views(http: TestClient, job: str) -> tuple[str, str, str]:
 
 
 def test_list_status_and_the_page_agree_on_progress_in_every_state(http: TestClient):
-    job = DynabatchClient(http=http).submit({"name": "v", "epochs": 3, "workers": 2}).job_id
-    coordinator = http.app.state.service.cluster.coordinators[job]
-
-    def advance(n: int) -> None:
-        for _ in range(n):
-            coordinator.advance()
-        http.app.state.service.sync_once()
-
-    advance(2)  # RUNNING, in its first epoch
+    job = DynabatchClient(http=http).submit({"name": "v", "epochs": 4, "workers": 2}).job_id
+    service = http.app.state.service
+    service.sync_once()  # a step of the coordinator: RUNNING, one epoch completed
     assert len(set(_views(http, job))) == 1, _views(http, job)
-    advance(coordinator.steps_per_epoch)  # in its second epoch, one completed
+    service.sync_once()  # two completed
     assert len(set(_views(http, job))) == 1, _views(http, job)
     DynabatchClient(http=http).cancel(job, "enough")
-    http.app.state.service.sync_once()
-    done = len(coordinator.history)
-    assert 0 < done < 3
-    assert set(_views(http, job)) == {f"{done}/3"}  # CANCELLED: the epochs it completed
+    service.sync_once()  # the coordinator ends the job at its next step boundary
+    assert service.get(job).state.value == "CANCELLED"
+    done = len(service.history(job))
+    assert 0 < done < 4
+    assert set(_views(http, job)) == {f"{done}/4"}  # CANCELLED: the epochs it completed
 
 
-def test_status_and_the_page_show_the_jobs_own_metrics(http: TestClient):
-    job = DynabatchClient(http=http).submit({"name": "v", "epochs": 2, "workers": 2}).job_id
-    coordinator = http.app.state.service.cluster.coordinators[job]
-    for _ in range(1 + coordinator.steps_per_epoch):
-        coordinator.advance()
-    http.app.state.service.sync_once()
-    detail = http.get(f"/v1/jobs/{job}").json()
-    assert detail["test_metrics"] == {"accuracy": pytest.approx(0.5)}
+def test_status_and_the_page_show_the_jobs_own_metrics(tmp_path: Path):
+    # The job trains its model: its epochs are scored on the held-out set.
+    with _app(tmp_path, FakeCluster(real_gradients=True)) as http:
+        spec = {"name": "v", "epochs": 2, "workers": 2, "dataset": {"name": "digits", "limit": 256}}
+        job = DynabatchClient(http=http).submit(spec).job_id
+        http.app.state.service.sync_once()  # a step of the coordinator: one epoch
+        detail = http.get(f"/v1/jobs/{job}").json()
+        scores = http.app.state.service.cluster.coordinators[job].snapshot().test_metrics
+    assert set(scores) == {"accuracy"} and 0 <= scores["accuracy"] <= 1
+    assert detail["test_metrics"] == pytest.approx(scores)
     # A regression job's status shows its metrics, not an accuracy it does not have.
     regression = JobDetail.model_validate({**detail, "test_accuracy": None,
                                            "test_metrics": REGRESSION})

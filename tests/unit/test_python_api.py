@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from tests.fakes import FakeCluster
 from tests.unit import test_client_cli
 from tests.unit.test_cli_run import FakeJob
-from tests.unit.test_export import _mlp_files
+from tests.unit.test_export import _train_to_the_end
 
 server = test_client_cli.server  # the fixture: the app with a fake cluster
 
@@ -37,6 +37,7 @@ SPEC = {
     "global_batch": 64,
     "epochs": 2,
 }
+SMALL = {**SPEC, "dataset": {"name": "digits", "limit": 256}}  # a model trained quickly
 
 
 def _cli_error(http: TestClient, *args: str, token: str | None = None) -> str:
@@ -59,8 +60,8 @@ def test_the_public_names_are_the_layers_own() -> None:
 
 
 def test_submit_wait_history_logs_and_list(server: Callable[..., TestClient]) -> None:
-    client = Client(http=server())
-    job = client.submit(JobSpec.model_validate(SPEC))
+    client = Client(http=server(FakeCluster(real_gradients=True)))  # real losses
+    job = client.submit(JobSpec.model_validate(SMALL))
     assert repr(job) == f"Job({job.id!r})"
     done = job.wait(timeout_s=30, interval_s=0.02)
     assert done.state.value == "SUCCEEDED" and done.spec.name == "py-job"
@@ -164,34 +165,41 @@ def test_errors_are_the_clis(
 def test_scale_drain_and_cancel(server: Callable[..., TestClient]) -> None:
     http = server(sync_interval_s=0)  # the job stays put
     client = Client(http=http)
-    job = client.submit({**SPEC, "workers": 3, "global_batch": 60})
-    http.app.state.service.sync_once()
-    assert [w.worker for w in job.scale(2).workers] == ["w0", "w1"]
-    assert [w.worker for w in job.drain("w1").workers] == ["w0"]
+    service = http.app.state.service
+    job = client.submit({**SPEC, "workers": 3, "global_batch": 60, "epochs": 5})
+    service.sync_once()
+    # Requested: the coordinator applies each at its next step boundary (the sync's).
+    assert [w.worker for w in job.scale(2).workers] == ["w0", "w1", "w2"]
+    service.sync_once()  # the slowest (w1, alone on the slower node) left
+    assert [w.worker for w in job.drain("w2").workers] == ["w0", "w2"]
+    service.sync_once()
+    assert [w.worker for w in client.job(job.id).status().workers] == ["w0"]
     with pytest.raises(ValueError, match=r"'x7' is not a worker id"):
         job.drain("x7")
     with pytest.raises(ApiError, match="global_batch"):
         job.scale(61)
     assert job.cancel("changed my mind").reason == "changed my mind"
+    service.sync_once()
     assert job.wait(timeout_s=5, interval_s=0.01).state.value == "CANCELLED"
 
 
 def test_model_downloads_the_directory_load_model_reads(
     server: Callable[..., TestClient], tmp_path: Path
 ) -> None:
-    http = server(sync_interval_s=0)
+    cluster = FakeCluster(real_gradients=True)
+    http = server(cluster, sync_interval_s=0)
     client = Client(http=http)
-    job = client.submit(SPEC)
+    job = client.submit(SMALL)
     with pytest.raises(ApiError) as err:
         job.model(tmp_path / "out")
     assert err.value.status == 409 and str(err.value) == f"job {job.id} has no trained weights yet"
-    model, files = _mlp_files()
-    http.app.state.service.cluster.coordinators[job.id].model = files
+    _train_to_the_end(cluster, job.id)
+    model = cluster.coordinators[job.id].runtime.gradients.model  # the model the job trained
     out = job.model(tmp_path / "out")
     assert out == str(tmp_path / "out")
     assert sorted(p.name for p in Path(out).iterdir()) == ["manifest.json", "model.safetensors"]
-    x = torch.randn(3, 4)
-    assert torch.equal(load_model(out)(x), model.eval()(x))  # as returned
+    x = torch.randn(3, 64)
+    assert torch.equal(load_model(out)(x), model.eval()(x))  # as trained
     (tmp_path / "f").write_text("")
     with pytest.raises(NotADirectoryError, match=r"^directory: .*/f is a file"):
         job.model(tmp_path / "f")
