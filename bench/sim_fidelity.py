@@ -110,10 +110,10 @@ def run_in_sim(spec: JobSpec, cluster: ClusterSpec) -> tuple[list[EpochRecord], 
     return res.history, steps
 
 
-def fitted_cluster(report: Path) -> tuple[ClusterSpec, dict[str, Any]]:
-    """The cluster ``dynabatch simulate --from-report`` fits from ``report``, and its
-    numbers for the JSON."""
-    cl = cluster_for(None, report)
+def fitted_cluster(report: Path, spec: JobSpec) -> tuple[ClusterSpec, dict[str, Any]]:
+    """The cluster ``dynabatch simulate --from-report`` fits from ``report`` for ``spec``,
+    and its numbers for the JSON."""
+    cl = cluster_for(None, report, spec)
     return cl, {
         "workers": [
             {
@@ -137,7 +137,7 @@ def held_out(spec: JobSpec, report: Path, ray_hist: list[EpochRecord], k: int) -
     data["history"] = data["history"][:k]
     part = report.with_name(f"{report.stem}-first-{k}-epochs.json")
     part.write_text(json.dumps(data))
-    cl, _ = fitted_cluster(part)
+    cl, _ = fitted_cluster(part, spec)
     sim_hist, _ = run_in_sim(spec, cl)
     ray_s, sim_s = steady_epoch_s(ray_hist, k), steady_epoch_s(sim_hist, k)
     return {
@@ -153,7 +153,7 @@ def compare_cluster(slowdowns: list[float], args: argparse.Namespace, work: Path
     spec = hetero.make_spec(slowdowns, args.policy, args)
     report = work / f"cluster-{len(slowdowns)}-workers.json"
     ray_hist, _ = run_on_ray(spec, report)
-    cl, fit = fitted_cluster(report)
+    cl, fit = fitted_cluster(report, spec)
     sim_hist, _ = run_in_sim(spec, cl)
     ray_s, sim_s = steady_epoch_s(ray_hist), steady_epoch_s(sim_hist)
     return {
@@ -175,7 +175,7 @@ def compare_disturbance(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     spec = disturbance.spec_for(args.policy, "adaptive", 2, args)
     report = work / "disturbance.json"
     ray_hist, ray_steps = run_on_ray(spec, report)
-    cl, fit = fitted_cluster(report)
+    cl, fit = fitted_cluster(report, spec)
     sim_hist, sim_steps = run_in_sim(spec, cl)
     ray_rec, sim_rec = recovery(ray_steps, args.at), recovery(sim_steps, args.at)
     return {

@@ -22,7 +22,7 @@ from dynabatch.api.cli import views
 from dynabatch.api.cli.run import render, write_report
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, ClusterSpec, load_cluster
-from dynabatch.scheduler.sim.profiles import cluster_from_profiles, profiles_from_report
+from dynabatch.scheduler.sim.profiles import cluster_from_profiles, hosting, profiles_from_report
 from dynabatch.scheduler.sim.simulator import SimResult, simulate
 from dynabatch.scheduler.telemetry import WorkerStatus
 from rich.console import Console
@@ -49,7 +49,7 @@ class UsageError(ValueError):
     """A bad combination of options (one line)."""
 
 
-def cluster_for(cluster: Path | None, from_report: Path | None) -> ClusterSpec:
+def cluster_for(cluster: Path | None, from_report: Path | None, spec: JobSpec) -> ClusterSpec:
     if (cluster is None) == (from_report is None):
         raise UsageError("give exactly one of --cluster CLUSTER.yaml or --from-report R.json")
     if cluster is not None:
@@ -66,7 +66,8 @@ def cluster_for(cluster: Path | None, from_report: Path | None) -> ClusterSpec:
         profiles, allreduce_s = profiles_from_report(report)
     except ClusterError as err:
         raise ClusterError(f"{from_report}: {err}") from None
-    return cluster_from_profiles(profiles, allreduce_s)
+    # Each fitted node hosted its worker: it offers what the job's workers ask for.
+    return cluster_from_profiles(profiles, allreduce_s, **hosting(spec))
 
 
 def policies_for(spec: JobSpec, compare: str | None) -> list[str]:
@@ -239,7 +240,7 @@ def register(app: typer.Typer) -> None:
 
         try:
             spec = load_spec(config)
-            cl = cluster_for(cluster, from_report)
+            cl = cluster_for(cluster, from_report, spec)
             policies = policies_for(spec, compare)
         except SpecError as e:
             fail(f"{config}: {e}")

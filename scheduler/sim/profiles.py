@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.sync.steptime import StepTimeStats, fit
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, ClusterSpec, parse_cluster
 
@@ -127,15 +128,29 @@ def _ordinal(worker: str) -> tuple[float, str]:
 
 def cluster_from_profiles(profiles: Sequence[WorkerProfile], allreduce_s: float, *,
                           noise_sigma: float = 0.0, seed: int = 0,
-                          events: Sequence[dict] = ()) -> ClusterSpec:
+                          events: Sequence[dict] = (), cpus: float = 1.0,
+                          gpus: float = 0.0) -> ClusterSpec:
     """One single-node class per profiled worker (in worker order, so worker ``w{k}`` lands
-    on its own profile again), with the measured all-reduce put into ``α`` for this ``n``."""
+    on its own profile again), with the measured all-reduce put into ``α`` for this ``n``.
+    ``cpus``/``gpus``: what each node offers; it hosted its worker, so the job's
+    (:func:`hosting`)."""
     n = len(profiles)
     alpha_ms = allreduce_s * 1e3 / (2 * (n - 1)) if n > 1 else 0.0
     return parse_cluster({
         "classes": [{"name": f"{p.worker}", "count": 1, "a_ms": p.a_s * 1e3,
-                     "c_ms_per_sample": p.c_s * 1e3} for p in profiles],
+                     "c_ms_per_sample": p.c_s * 1e3, "cpus": cpus, "gpus": gpus}
+                    for p in profiles],
         "noise_sigma": noise_sigma, "seed": seed,
         "allreduce": {"alpha_ms": alpha_ms, "beta_ms_per_mb": 0.0, "model_mb": 0.0},
         "events": list(events),
     })
+
+
+def hosting(spec: JobSpec) -> dict[str, float]:
+    """What a node that hosted one of ``spec``'s workers offered at least: its CPUs, and a
+    GPU when every worker needs one (``cluster_from_profiles``' ``cpus`` and ``gpus``)."""
+    gpus = 0.0 if spec.worker_gpus == "auto" else float(spec.worker_gpus)
+    if spec.device == "cuda":
+        gpus = max(gpus, 1.0)
+    return {"cpus": spec.worker_cpus, "gpus": gpus}
+

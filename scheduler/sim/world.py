@@ -120,10 +120,18 @@ class SimWorld:
         return self.data
 
     def nodes(self) -> list[NodeInfo]:
+        """The alive nodes that can host one of the job's workers, as Ray's runtime lists
+        them (``JobSpec.workers_on``: its ``worker_cpus``, a GPU when it needs one). A
+        simulated cluster declares no custom resources: a spec's ``node_resource`` is taken
+        to be on every node."""
         self._advance(self.clock.now())
         if self._node_infos is None:
-            self._node_infos = [NodeInfo(n.node_id, cpus=n.cpus, gpus=n.gpus)
-                                for n in self.cluster.nodes if n.alive]
+            extra = {self.spec.node_resource: 1.0} if self.spec.node_resource else {}
+            self._node_infos = [
+                NodeInfo(n.node_id, cpus=n.cpus, gpus=n.gpus)
+                for n in self.cluster.nodes
+                if n.alive and self.spec.workers_on({"CPU": n.cpus, "GPU": n.gpus, **extra})
+            ]
         return self._node_infos
 
     def spawn(self, spawn: Spawn) -> None:

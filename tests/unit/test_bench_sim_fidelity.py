@@ -74,7 +74,7 @@ def test_a_report_fits_a_cluster_that_simulates_the_run_it_came_from(tmp_path):
     run = simulate(spec, cluster)
     report = tmp_path / "run.json"
     write_sim_report(report, run, real_gradients=False)
-    fitted, numbers = fitted_cluster(report)
+    fitted, numbers = fitted_cluster(report, spec)
     assert numbers["rest_of_step_ms"] == pytest.approx(6.0, rel=1e-3)  # 2(n-1)·α, n = 2
     again, _ = run_in_sim(spec, fitted)
     assert [r.wall_s for r in again[1:]] == pytest.approx(

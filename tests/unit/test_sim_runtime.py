@@ -151,3 +151,22 @@ def test_an_epoch_end_rebalance_takes_effect_in_the_next_epoch_not_one_later():
     # Epoch 0 measures at equal shares; epoch 1 already trains at the rebalanced ones.
     assert r.history[1].workers and shares(r.history[1]) != shares(r.history[0]), [
         shares(h) for h in r.history]
+
+
+def test_a_simulated_node_that_cannot_host_a_worker_is_not_eligible_as_on_ray():
+    """Nodes are listed as Ray's runtime lists them: only those that can host one of the
+    job's workers (its ``worker_cpus``, a GPU when it needs one). A job that no node can
+    host waits, then fails naming what it asks for, instead of training where Ray would
+    not place it."""
+    cluster = _cluster(classes=[{"name": "small", "count": 2, "a_ms": 2,
+                                 "c_ms_per_sample": 0.2, "cpus": 2}])
+    r = simulate(_spec(worker_cpus=4, workers=2, worker_wait_timeout_s=5, start_timeout_s=5),
+                 cluster, dataset_size=64 * 4)
+    assert r.snapshot.state == JobState.FAILED
+    assert not r.history
+    assert "worker_cpus=4" in (r.snapshot.reason or ""), r.snapshot.reason
+    # Nodes that can host it: the same job trains.
+    big = _cluster(classes=[{"name": "big", "count": 2, "a_ms": 2, "c_ms_per_sample": 0.2,
+                             "cpus": 4}])
+    ok = simulate(_spec(worker_cpus=4, workers=2), big, dataset_size=64 * 4)
+    assert ok.snapshot.state == JobState.SUCCEEDED, ok.snapshot.reason

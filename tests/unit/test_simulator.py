@@ -317,6 +317,25 @@ def test_profiles_from_a_report_leave_out_an_epoch_whose_slowdown_changed_mid_wa
     assert (profiles[1].a_s, profiles[1].c_s) == pytest.approx((a, c))
 
 
+def test_a_cluster_fitted_from_a_report_hosts_the_jobs_workers(tmp_path):
+    # Each fitted node hosted one of the run's workers: it offers what they ask for, so a
+    # job of 2-CPU workers (or GPU workers) trains on it as it did on Ray.
+    from dynabatch.api.cli.simulate import cluster_for
+
+    history = [{"epoch": e, "steps": 10, "wall_s": 0.1, "workers": [
+        {"worker": w, "node": f"n-{w}", "partition": 10 * b, "steps": 10,
+         "compute_s": 10 * (0.001 + 0.0001 * b), "wait_s": 0.01}
+        for w, b in (("w0", 40 + e), ("w1", 24 - e))]} for e in range(3)]
+    report = tmp_path / "run.json"
+    report.write_text(json.dumps({"history": history}))
+    for extra in ({"worker_cpus": 2}, {"device": "cuda", "worker_gpus": 1}):
+        spec = JobSpec.model_validate({"workers": 2, "global_batch": 64, "epochs": 2, **extra})
+        cluster = cluster_for(None, report, spec)
+        r = simulate(spec, cluster, dataset_size=64 * 4)
+        assert r.snapshot.state == JobState.SUCCEEDED, (extra, r.snapshot.reason)
+        assert len(r.history) == 2
+
+
 # ------------------------------------------------------------------ (c) bad input
 @pytest.mark.parametrize(("data", "field"), [
     ({"events": [{"at_s": 1, "join": {"class": "gpu"}}]}, "events.0.join.class: unknown node"),
