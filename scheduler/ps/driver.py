@@ -2,30 +2,27 @@
 simulator alike.
 
 :class:`PSCoordinator` has the coordinator's public interface (``run``, ``step``,
-``snapshot``, ``history``, ``logs``, ``cancel``, ``scale``, ``drain``, ``shutdown``), so the
-service launches and polls it like the synchronous one
-(:mod:`dynabatch.scheduler.runtime.launch`). The job's brain is the pure
+``snapshot``, ``history``, ``logs``, ``cancel``, ``scale``, ``drain``, ``assign``,
+``shutdown``), so the service launches and polls it like the synchronous one
+(:mod:`dynabatch.scheduler.runtime.launch`). The training's brain is the pure
 :class:`~dynabatch.scheduler.core.ps.machine.PSCore`, which lives in the server behind a
 :class:`~dynabatch.scheduler.runtime.ps_seam.PSRuntime`: Ray's
 (:class:`~dynabatch.scheduler.runtime.ray_ps.RayPSRuntime`, the default) or the simulator's
 (:class:`~dynabatch.scheduler.sim.ps_runtime.SimPSRuntime`, which runs this same code on a
-virtual clock). This driver only starts learners and turns what happens to them into core
-events:
+virtual clock). What the job does with its learners is decided by the pure
+:class:`~dynabatch.scheduler.core.ps.engine.PSEngine` (its docstring has the rules: a lost
+learner leaves, a raising one fails the job, scale/drain/assign, epochs, the end). This
+driver is its executor: it turns the runtime's reports (the dataset, the nodes, learners'
+exits, the server's snapshot) and the queued requests into the engine's events, and carries
+out the commands it returns (start the server, spawn, kill, leave, record an epoch, log,
+export, finish) with one ``match``, whatever the runtime.
 
-* a learner whose ``run`` fails because its node or process died *leaves*: its in-flight
-  gradient is dropped and its samples are re-queued; nobody regroups. A learner whose own
-  code raised (a deterministic error, e.g. a workload that cannot train) fails the job with
-  that error as the reason;
-* ``scale`` up spawns learners that join, pull and start; ``scale`` down and ``drain`` kill
-  learners (a scale-down the slowest first, by samples applied per second) and they
-  leave, their in-flight samples re-queued; a node the runtime adds for the job (the
-  simulator's cluster joins) gets a learner;
-* ``protocol.shards: k`` runs k−1 shards beside the server, which holds slice 0 and the one
-  core (the protocol is decided in one place only);
-* at the job's end (and at a cancel, once an epoch was trained) the server's final weights
-  go out as the trained model (:mod:`dynabatch.scheduler.ps.model`), by the synchronous job's own
-  :func:`~dynabatch.scheduler.sync.artifacts.publish_model`: ``model.safetensors`` and
-  ``manifest.json``, kept for download and written to ``artifacts.dir`` when set.
+``protocol.shards: k`` runs k−1 shards beside the server, which holds slice 0 and the one
+core (the protocol is decided in one place only). At the job's end (and at a cancel, once
+an epoch was trained) the server's final weights go out as the trained model
+(:mod:`dynabatch.scheduler.ps.model`), by the synchronous job's own
+:func:`~dynabatch.scheduler.sync.artifacts.publish_model`: ``model.safetensors`` and
+``manifest.json``, kept for download and written to ``artifacts.dir`` when set.
 """
 
 from __future__ import annotations
@@ -34,14 +31,41 @@ import logging
 from typing import Any
 
 from dynabatch.actors.spec import JobSpec
-from dynabatch.scheduler.control import Assign, Drain, JobControl, Scale
+from dynabatch.scheduler.control import Assign, Drain, JobControl, Request, Scale
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.core.membership import NodeAssignment, slowest_first
+from dynabatch.scheduler.core.membership import NodeAssignment
 from dynabatch.scheduler.core.ps.batch_policy import JiConfig, PerfAwareBatches
+from dynabatch.scheduler.core.ps.engine import PSEngine
 from dynabatch.scheduler.core.ps.machine import PSCore
+from dynabatch.scheduler.core.ps.messages import (
+    AssignRequested,
+    Command,
+    DataLoaded,
+    DrainRequested,
+    EpochSeen,
+    Event,
+    ExportModel,
+    Finish,
+    Kill,
+    LearnerEnded,
+    Leave,
+    ListNodes,
+    Log,
+    MarkRunning,
+    MeasureFinalLoss,
+    NodeAdded,
+    NodesListed,
+    Note,
+    Polled,
+    RecordEpoch,
+    ScaleRequested,
+    Sleep,
+    Spawn,
+    StartServer,
+)
 from dynabatch.scheduler.core.ps.protocol import PSConfig
 from dynabatch.scheduler.ps.model import export_model
-from dynabatch.scheduler.runtime.ps_seam import LearnerExit, NodeJoined, PSRuntime
+from dynabatch.scheduler.runtime.ps_seam import Happening, NodeJoined, PSRuntime
 from dynabatch.scheduler.runtime.seam import Clock
 from dynabatch.scheduler.telemetry import (
     EpochRecord,
@@ -53,8 +77,7 @@ from dynabatch.scheduler.telemetry import (
 
 log = logging.getLogger("dynabatch.ps")
 
-POLL_S = 0.25
-NODE_POLL_S = 0.5
+POLL_S = 0.25  # how long a step waits for the learners' exits
 
 
 def base_batch(spec: JobSpec) -> int:
@@ -143,13 +166,9 @@ class PSCoordinator(JobControl):
         super().__init__(job_id, spec, clock or runtime.clock)
         self.runtime = runtime
         self.core = core
-        self._learners: dict[str, str] = {}  # id → node
-        self._next = 0
-        self._nodes: list[Any] = []
+        self.engine = PSEngine(spec.initial_workers, spec.worker_wait_timeout_s, final_train_loss)
+        self._data: Any = None  # the dataset, from its load until the server starts
         self._snap: dict[str, Any] | None = None
-        self._seen_epochs = 0
-        self._last_t: float | None = None
-        self._want_final_loss = final_train_loss
         self.final_train_loss: float | None = None
         # (input shape, class count) of the model, once the data is loaded: its export.
         self.model_shape: tuple[tuple[int, ...], int] | None = None
@@ -160,6 +179,12 @@ class PSCoordinator(JobControl):
         """The server's last raw snapshot (``started_s``, ``elapsed_s``, ``puts``, ...)."""
         with self._lock:
             return self._snap
+
+    @property
+    def _learners(self) -> dict[str, str]:
+        """The job's learners now (worker id → node id), as the engine holds them."""
+        with self._lock:
+            return self.engine.learners
 
     def run(self) -> JobSnapshot:
         try:
@@ -227,150 +252,111 @@ class PSCoordinator(JobControl):
         return None
 
     def shutdown(self) -> None:
-        self._learners.clear()
+        with self._lock:
+            self.engine.stop()  # the runtime stops every learner with the job
         self.runtime.shutdown()
 
     # ------------------------------------------------------------------ the loop
     def _start(self) -> bool:
-        s = self.spec
         self.started_at = self.clock.time()
-        ds = self.runtime.load_data()
-        problem = dataset_problem(s, ds)
-        if problem:
-            self._finish(JobState.FAILED, problem)
-            return False
-        self.model_shape = (tuple(ds.input_shape), int(ds.num_classes))
-        if self.core is None:
-            self.core = build_core(s, len(ds.y_train))
-        self.runtime.start_server(self.core, s.initial_workers or 0)
-        nodes = self.runtime.nodes()
-        deadline = self.clock.now() + s.worker_wait_timeout_s
-        while not nodes and self.clock.now() < deadline:
-            self.clock.sleep(NODE_POLL_S)
-            nodes = self.runtime.nodes()
-        if not nodes:
-            self._finish(JobState.FAILED, "no eligible node for a learner")
-            return False
-        self._nodes = nodes
-        if self.assignment is not None:  # granted by the cluster scheduler before the start
-            self._place(self.assignment)  # (its queued Assign then finds nothing to do)
-        else:
-            for i in range(s.initial_workers or len(nodes)):
-                self._spawn(nodes[i % len(nodes)].node_id)
-        self._transition(JobState.RUNNING, None)
-        return True
+        self._data = self.runtime.load_data()
+        self._feed(DataLoaded(dataset_problem(self.spec, self._data)))
+        return not self.state.is_terminal
 
     def _step(self) -> bool:
-        self._serve_requests()
+        for r in self._take_requests():
+            self._feed(self._requested(r))
         for x in self.runtime.wait(POLL_S):
-            if isinstance(x, NodeJoined):
-                if self.assignment is None:  # assigned, it grows onto no other node
-                    self._spawn(x.node_id)
-            elif x.worker not in self._learners:
-                continue
-            elif x.error is None:
-                self._learners.pop(x.worker)  # finished normally
-            elif not x.lost:  # its code raised: every learner would; the job fails
-                self._log("ERROR", f"learner {x.worker} failed: {x.error}")
-                self._finish(JobState.FAILED, x.error)
-                return False
-            else:
-                self._lose(x)  # its actor or node died: no regroup
+            if not self.state.is_terminal:  # else a learner's own error failed the job
+                self._feed(self._happened(x))
+        if self.state.is_terminal:
+            return False
         snap = self.runtime.snapshot()
         with self._lock:
             self._snap = snap
-        if self._last_t is None and snap.get("started_s") is not None:
-            self._last_t = snap["started_s"]  # the first epoch is timed from the start barrier
-        for e in snap["epochs"][self._seen_epochs :]:
-            self._record_epoch(e, e["t"] - (self._last_t or 0.0))
-            self._last_t = e["t"]
-            if not e["verified"]:
-                self._finish(
-                    JobState.FAILED,
-                    f"epoch {e['epoch']} not exactly once: " + "; ".join(e["problems"][:3]),
-                )
-                return False
-        self._seen_epochs = len(snap["epochs"])
-        if snap["finished"]:
-            if self._want_final_loss:
+        self._feed(self._polled(snap))
+        return not self.state.is_terminal
+
+    def _feed(self, event: Event | None) -> None:
+        """Hand ``event`` to the engine and carry out its commands in order; a batch that
+        asks the world (it ends with ``ListNodes``) is answered with the next event."""
+        while event is not None:
+            with self._lock:  # other threads read the learners (drain, _learners)
+                commands = self.engine.on(event)
+            event = None
+            for command in commands:
+                event = self._carry_out(command)
+
+    def _carry_out(self, command: Command) -> Event | None:
+        """One of the engine's commands, on the runtime and the job's records."""
+        match command:
+            case StartServer(learners):
+                ds, self._data = self._data, None
+                self.model_shape = (tuple(ds.input_shape), int(ds.num_classes))
+                if self.core is None:
+                    self.core = build_core(self.spec, len(ds.y_train))
+                self.runtime.start_server(self.core, learners)
+            case ListNodes():
+                nodes = tuple(n.node_id for n in self.runtime.nodes())
+                return NodesListed(nodes, self.clock.now(), self.assignment)
+            case Sleep(seconds):
+                self.clock.sleep(seconds)
+            case Spawn(worker, ordinal, node):
+                self.runtime.spawn(worker, ordinal, node)
+            case Kill(worker):
+                self.runtime.kill(worker)
+            case Leave(worker):
+                self.runtime.leave(worker)
+            case Note(kind, worker, node, reason):
+                self._event(kind, worker, node, reason)
+            case Log(level, message):
+                self._log(level, message)
+            case MarkRunning():
+                self._transition(JobState.RUNNING, None)
+            case RecordEpoch(at, wall_s):
+                self._record_epoch((self._snap or {})["epochs"][at], wall_s)
+            case MeasureFinalLoss():
                 self.final_train_loss = self.runtime.train_loss()
-            export_model(self, "end")
-            self._finish(JobState.SUCCEEDED, None)
-            return False
-        if self._cancel:
-            if self._history:  # it trained something: its model goes out
-                export_model(self, "cancel")
-            self._finish(JobState.CANCELLED, self._cancel)
-            return False
-        if not self._learners:
-            self._finish(JobState.FAILED, "every learner was lost")
-            return False
-        return True
+            case ExportModel(reason):
+                export_model(self, reason)
+            case Finish(state, reason):
+                self._finish(state, reason)
+            case _:
+                raise TypeError(f"not a command of the parameter-server engine: {command!r}")
+        return None
 
-    def _spawn(self, node_id: str) -> str:
-        w = f"w{self._next}"
-        ordinal = self._next
-        self._next += 1
-        self.runtime.spawn(w, ordinal, node_id)
-        with self._lock:
-            self._learners[w] = node_id
-        self._event("join", w, node_id, "joined")
-        return w
+    # ------------------------------------------------------------------ events
+    def _requested(self, r: Request) -> Event:
+        match r:
+            case Scale(workers):
+                return ScaleRequested(workers)
+            case Drain(worker):
+                return DrainRequested(worker)
+            case Assign(nodes):
+                return AssignRequested(nodes, self.clock.now())
+        raise TypeError(f"not a request: {r!r}")
 
-    def _lose(self, x: LearnerExit) -> None:
-        node = self._learners.pop(x.worker)
-        self.runtime.leave(x.worker)
-        self._event("failure", x.worker, node, x.error or "lost")
+    def _happened(self, x: Happening) -> Event:
+        if isinstance(x, NodeJoined):
+            return NodeAdded(x.node_id, self.assignment is not None, self.clock.now())
+        return LearnerEnded(x.worker, x.error, x.lost)
 
-    def _serve_requests(self) -> None:
-        for r in self._take_requests():
-            if isinstance(r, Assign):
-                self._place(r.nodes)
-            elif isinstance(r, Drain) and r.worker in self._learners:
-                self._remove(r.worker, "drained")
-            elif isinstance(r, Scale):
-                self._nodes = self.runtime.nodes() or self._nodes
-                while len(self._learners) < r.workers:
-                    self._spawn(self._nodes[self._next % len(self._nodes)].node_id)
-                extra = max(0, len(self._learners) - r.workers)
-                for w in self._slowest_first()[:extra]:
-                    self._remove(w, f"scaled down to {r.workers}")
-
-    def _place(self, a: NodeAssignment) -> None:
-        """Learners on exactly the assignment's slots: on each node the slowest beyond its
-        slots leave (all of them on a node no longer assigned), then empty slots get new
-        learners. A leaving learner's in-flight samples are re-queued, as on a drain."""
-        keep: dict[str, int] = {}
-        for w in reversed(self._slowest_first()):  # the fastest first keep their slots
-            node = self._learners[w]
-            if keep.get(node, 0) < a.get(node):
-                keep[node] = keep.get(node, 0) + 1
-            else:
-                self._remove(w, "assigned elsewhere")
-        for node, k in a.slots:
-            for _ in range(k - keep.get(node, 0)):
-                self._spawn(node)
-
-    def _slowest_first(self) -> list[str]:
-        """Learners in the order a scale-down removes them: by samples applied per second
-        since each joined, the slowest first (one with none applied yet first of all)."""
-        now = self.clock.time()
-        joined = {e.worker: e.time for e in self.events if e.kind == "join"}
-        stats = (self._snap or {}).get("workers", {})
-        speeds = {}
-        for w in self._learners:
-            v, age = stats.get(w), now - joined.get(w, now)
-            if v and age > 0:
-                speeds[w] = v.get("applied", 0) * v.get("batch", 0) / age
-        return slowest_first([(w, _ordinal(w)) for w in self._learners], speeds)
-
-    def _remove(self, w: str, why: str) -> None:
-        """Stop learner ``w``: it leaves, its in-flight samples are re-queued."""
-        with self._lock:
-            node = self._learners.pop(w)
-        self.runtime.kill(w)
-        self.runtime.leave(w)
-        self._event("leave", w, node, why)
+    def _polled(self, snap: dict[str, Any]) -> Polled:
+        """The server's snapshot as the engine's event (samples applied: pushes applied
+        times the learner's batch now)."""
+        epochs = tuple(
+            EpochSeen(e["epoch"], e["t"], e["verified"], tuple(e["problems"]))
+            for e in snap["epochs"]
+        )
+        workers = snap.get("workers", {})
+        return Polled(
+            now=self.clock.now(),
+            started_s=snap.get("started_s"),
+            epochs=epochs,
+            finished=bool(snap["finished"]),
+            applied=tuple((w, v.get("applied", 0) * v.get("batch", 0)) for w, v in workers.items()),
+            cancel=self._cancel,
+        )
 
     # ------------------------------------------------------------------ records
     def _record_epoch(self, e: dict[str, Any], wall_s: float) -> None:
@@ -414,7 +400,3 @@ class PSCoordinator(JobControl):
             f"{e['test_loss']:.4f}, accuracy {e['test_accuracy']:.3f}, "
             f"verified={rec.verified}",
         )
-
-
-def _ordinal(worker: str) -> int:
-    return int(worker.lstrip("w") or 0)

@@ -1,0 +1,236 @@
+"""What passes between the parameter-server driver's engine and its executor.
+
+The executor (``dynabatch.scheduler.ps.driver``) turns what its runtime reports (the
+dataset, the nodes, the learners' exits, the server's snapshot) and the requests queued
+for the job into :data:`Event` s; the engine
+(:class:`~dynabatch.scheduler.core.ps.engine.PSEngine`) answers each with the
+:data:`Command` s to carry out, in order. These are frozen values with no behaviour, so any
+executor (the driver on Ray or the simulator, a test) speaks them alike. Times are the
+driver's clock (seconds), passed in as values: the engine reads no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.membership import NodeAssignment
+
+# --- events -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DataLoaded:
+    """The job's dataset is loaded; ``problem``: why the parameter server cannot train it
+    (one line naming the field), or None."""
+
+    problem: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodesListed:
+    """The answer to :class:`ListNodes`: the alive nodes that can host a learner, in a stable
+    order, at ``now``; ``assignment``: the node assignment in force, if any."""
+
+    nodes: tuple[str, ...]
+    now: float
+    assignment: NodeAssignment | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleRequested:
+    """Run exactly ``workers`` learners (answered with :class:`ListNodes` first: new
+    learners go round the nodes alive now)."""
+
+    workers: int
+
+
+@dataclass(frozen=True, slots=True)
+class DrainRequested:
+    """Learner ``worker`` leaves."""
+
+    worker: str
+
+
+@dataclass(frozen=True, slots=True)
+class AssignRequested:
+    """Learners on exactly these nodes' slots (the cluster scheduler's placement)."""
+
+    nodes: NodeAssignment
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerEnded:
+    """Learner ``worker``'s run ended: normally (``error`` None), because its process or
+    node died (``lost``), or because its own code raised (not ``lost``)."""
+
+    worker: str
+    error: str | None = None
+    lost: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class NodeAdded:
+    """A node was added for the job (the simulator's cluster joins); ``assigned``: the job
+    trains on assigned nodes only."""
+
+    node: str
+    assigned: bool
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class EpochSeen:
+    """One epoch the server finished: its number, when (the server's clock, ``t``), and
+    whether the ledger verified it was trained exactly once (else ``problems``)."""
+
+    epoch: int
+    t: float
+    verified: bool = True
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Polled:
+    """The server's snapshot at ``now``, read once per step after the learners' exits:
+    ``started_s`` (the start barrier, the first epoch's start, or None), every epoch it
+    finished so far (in order), whether the job is ``finished``, and the samples each
+    learner has had applied (``applied``: worker, samples). ``cancel``: the cancellation's
+    reason, when one is pending."""
+
+    now: float
+    started_s: float | None = None
+    epochs: tuple[EpochSeen, ...] = ()
+    finished: bool = False
+    applied: tuple[tuple[str, float], ...] = ()
+    cancel: str | None = None
+
+
+Event = (
+    DataLoaded
+    | NodesListed
+    | ScaleRequested
+    | DrainRequested
+    | AssignRequested
+    | LearnerEnded
+    | NodeAdded
+    | Polled
+)
+
+# --- commands ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StartServer:
+    """Build the core (from the dataset) and start the server; its requests wait until
+    ``learners`` have asked (the start barrier)."""
+
+    learners: int
+
+
+@dataclass(frozen=True, slots=True)
+class ListNodes:
+    """List the nodes that can host a learner; answered with :class:`NodesListed`. Always
+    the last command of its batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait ``seconds`` on the driver's clock (no node yet)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Spawn:
+    """Join learner ``worker`` (``ordinal``: its number, unique in the job) to the core and
+    start it on ``node``."""
+
+    worker: str
+    ordinal: int
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class Kill:
+    """Stop ``worker``'s process (it still has to :class:`Leave`)."""
+
+    worker: str
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """``worker`` is gone: the core re-queues its in-flight samples (no regroup)."""
+
+    worker: str
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Record a membership event (``kind``: join, leave or failure) in the job's events and
+    log."""
+
+    kind: str
+    worker: str
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    """A line in the job's log."""
+
+    level: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class MarkRunning:
+    """The learners are placed: PENDING becomes RUNNING."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordEpoch:
+    """Record the server's epoch at position ``at`` of its snapshot's epochs (the history,
+    tracking and the log), timed ``wall_s`` from the epoch before (or the start)."""
+
+    at: int
+    wall_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class MeasureFinalLoss:
+    """Evaluate the final weights on the whole training set (``final_train_loss``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExportModel:
+    """Hand out the server's weights as the trained model (``reason``: end or cancel)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """End the job in ``state`` with ``reason``. Always the last command the engine gives."""
+
+    state: JobState
+    reason: str | None = None
+
+
+Command = (
+    StartServer
+    | ListNodes
+    | Sleep
+    | Spawn
+    | Kill
+    | Leave
+    | Note
+    | Log
+    | MarkRunning
+    | RecordEpoch
+    | MeasureFinalLoss
+    | ExportModel
+    | Finish
+)
