@@ -18,27 +18,28 @@ One boundary, as the engine decides it:
   changed, and at the first start, which then waits for its workers), then wait when
   fewer than the minimum are in (WAITING_FOR_WORKERS; the step ends), or regroup when the
   group changed (REGROUPING; one that fails ends the step, the next boundary tries
-  again), loading the last checkpoint first when no member holds the committed state
-  (ROLLING_BACK; without one the job fails); a job that was PENDING is RUNNING once its
-  group is ready;
+  again; one formed mid-epoch has the rest of the epoch re-split over it), loading the
+  last checkpoint first, once the evaluations in flight are in, when no member holds the
+  committed state (ROLLING_BACK; without one the job fails); a job that was PENDING is
+  RUNNING once its group is ready;
 * a cancellation that came while the group formed: cancel;
 * train: begin the epoch if none is open (and plan it), run a segment (sending the next
-  ahead when the next boundary need not have the group at rest; after a failed segment,
-  absorb the one sent ahead of it, in the next epoch when the failed one completed this
-  epoch), then end the epoch when
+  ahead when the next boundary need not have the group at rest), then end the epoch when
   it is complete, or re-plan when the rebalance rule's check is due after a segment that
   all ran; a re-plan (the epoch's, or a check's) that changed the batches from a step
   inside the segment in flight is posted to that segment's workers at once (a plan
-  update; refused, it takes effect after the segment); publish the evaluations that are
-  in;
+  update; refused, it takes effect after the segment); after a failed segment, absorb the
+  one sent ahead of it (what it trained past the failure is committed), in the next epoch
+  when the failed one completed this; publish the evaluations that are in;
 * once every epoch is trained and a member holds the final state: FINISHING, the last
   evaluations awaited, then the model handed out and the job SUCCEEDED. A cancel that
   comes meanwhile wins at the next boundary; a holder lost meanwhile makes the next
   boundary regroup (rolling back) and train on.
 
-A cancellation commits the segment in flight (ending the epoch it completed; when that was
-the last, the job finishes SUCCEEDED instead), awaits the evaluations, writes the
-checkpoint, hands out the model when anything was trained, and ends the job CANCELLED.
+A cancellation commits the segment in flight (in its epoch, begun first when it was sent
+across the epoch's end; ending the epoch it completed; when that was the last, the job
+finishes SUCCEEDED instead), awaits the evaluations, writes the checkpoint, hands out the
+model when anything was trained, and ends the job CANCELLED.
 
 What each command does inside (a regroup, a segment's commit, an epoch's record) is the
 driver's parts' and the other pure machines' (protocol, membership, ledger, boundary).
