@@ -43,6 +43,7 @@ from dynabatch.scheduler.runtime.seam import (
 from dynabatch.scheduler.sim.cluster_spec import parse_cluster
 from dynabatch.scheduler.sim.cost_model import SimulatedCluster
 from dynabatch.scheduler.sim.ps_runtime import Fail, SimPSRuntime
+from dynabatch.scheduler.sim.replicas import StepOutcome
 from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sim.timeline import SimClock
 from dynabatch.scheduler.sync.coordinator import Coordinator
@@ -320,6 +321,157 @@ class FakeCluster:
                 c.start()  # its run() starts the server and learners, then steps
                 return
             c.step()
+
+
+# ======================================================================================
+# The simulator's runtime, set up as FakeRuntime's cluster: drives the real Coordinator.
+
+
+def sim_runtime(
+    spec: JobSpec,
+    *,
+    n_train: int,
+    nodes: int = 3,
+    speeds: dict[int, float] | None = None,
+    overhead_s: float = 0.001,
+    gradients: Any = None,
+    clock: SimClock | None = None,
+    runtime: type[SimRuntime] = SimRuntime,
+    start_s: float = 0.0,
+) -> SimRuntime:
+    """A :class:`SimRuntime` over ``nodes`` nodes named ``node00``, ``node01``...: node ``i``
+    takes ``overhead_s + b / speeds.get(i, 1000.0)`` seconds for a share of ``b`` samples
+    (as FakeRuntime's worker of ordinal ``i``, which the driver places on node ``i``). No
+    all-reduce, regroup or detection cost, no noise, and a worker or a spare is up ``start_s``
+    after it was started, so a test's figures are the compute alone; the data is ``n_train``
+    samples and 100 held out (``gradients``: the simulator's model replicas, :class:`Lineages`
+    or the real gradient engine; None for timing only). Node ``i`` is the one node of class
+    ``node{i:02d}``: a fault names it ``{"class": "node02", "index": 0}``. ``runtime``: the
+    class to build, a test's subclass of :class:`SimRuntime` (a defective runtime, say)."""
+    speeds = speeds or {}
+    classes = [
+        {
+            "name": f"node{i:02d}",
+            "count": 1,
+            "a_ms": overhead_s * 1e3,
+            "c_ms_per_sample": 1e3 / speeds.get(i, 1000.0),
+        }
+        for i in range(nodes)
+    ]
+    cluster = SimulatedCluster(
+        parse_cluster(
+            {
+                "classes": classes,
+                "allreduce": {"alpha_ms": 0.0, "beta_ms_per_mb": 0.0},
+                "recovery": {"detect_s": 0.0, "regroup_s": 0.0, "start_s": start_s},
+            }
+        )
+    )
+    for node, cls in zip(cluster.nodes, classes, strict=True):
+        node.node_id = cls["name"]  # as FakeRuntime names its nodes
+    return runtime(
+        spec,
+        cluster,
+        clock=clock or SimClock(1.7e9),
+        data=DataInfo("fake", n_train, 100),
+        gradients=gradients,
+    )
+
+
+class Lineages:
+    """The simulator's model replicas for tests (:class:`~dynabatch.scheduler.sim.replicas.
+    Replicas`): each worker's "weights" are the list of the (epoch, step) updates it applied,
+    in order, so a test reads off the final model whether every step was applied exactly
+    once. A step's mean loss is ``loss_of(epoch, step)`` (default 1.0); an ISGD extra
+    iteration multiplies it by ``isgd_decay``. A worker's evaluation accuracy is the share
+    of 100 steps its lineage holds; ``scored`` keeps each shard scored (worker, lineage)."""
+
+    model_bytes = 0
+
+    def __init__(self, loss_of: Callable[[int, int], float] | None = None, isgd_decay: float = 0.5):
+        self.loss_of = loss_of
+        self.isgd_decay = isgd_decay
+        self._lineages: dict[str, list[tuple[int, int]]] = {}
+        self.scored: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+
+    def lineage(self, worker: str) -> list[tuple[int, int]]:
+        """The steps ``worker`` applied (a killed worker's too, as it left them)."""
+        return list(self._lineages.get(worker, ()))
+
+    def step(self, seed, epoch, dataset_size, shares, rule=None, caps=None, *, workers=()):
+        step = shares[0].step
+        for w in workers:
+            self._lineages.setdefault(w, []).append((epoch, step))
+        loss = self.loss_of(epoch, step) if self.loss_of else 1.0
+        flagged, extra, psi = rule is not None and rule.flagged(loss), 0, loss
+        while flagged and rule.more(psi, extra):
+            # As dynabatch.actors.optim.isgd_extras: one update, then a pass gives the loss.
+            extra += 1
+            psi = loss * self.isgd_decay**extra
+        return StepOutcome([loss * sp.own_size for sp in shares], loss, flagged, extra)
+
+    def state(self, worker: str) -> dict:
+        return {"lineage": [list(x) for x in self.lineage(worker)]}
+
+    def load_state(self, state: dict | None, members) -> None:
+        src = (
+            [tuple(x) for x in state["lineage"]] if state is not None else self.lineage(members[0])
+        )
+        for w in members:
+            self._lineages[w] = list(src)
+
+    def eval_sums(self, worker: str, lo: int, hi: int) -> dict[str, float]:
+        lineage = self.lineage(worker)
+        self.scored.append((worker, tuple(lineage)))
+        n = float(hi - lo)
+        return {"n": n, "loss": n, "accuracy": min(1.0, len(lineage) / 100) * n}
+
+    def finish(self, sums: dict[str, float]) -> dict[str, float]:
+        n = max(sums["n"], 1.0)
+        return {"loss": sums["loss"] / n, "accuracy": sums["accuracy"] / n}
+
+
+def edit_steps(
+    outcomes: list[WorkerOutcome], edit: Callable[[StepTelemetry], StepTelemetry]
+) -> list[WorkerOutcome]:
+    """``outcomes`` with each reported step replaced by ``edit(step)`` (a test runtime's
+    change to what the workers report)."""
+    return [
+        o
+        if o.result is None
+        else WorkerOutcome(
+            o.worker,
+            o.result.model_copy(update={"steps": [edit(s) for s in o.result.steps]}),
+            o.lost,
+        )
+        for o in outcomes
+    ]
+
+
+class TimedSimRuntime(SimRuntime):
+    """The simulator's runtime whose workers also time what Ray's workers time and the
+    simulator leaves out: each step's whole time by the worker's clock (``step_s``), and the
+    seconds a shard of an evaluation takes (a sample scored ``EVAL_SPEEDUP`` times faster
+    than trained, the shards side by side)."""
+
+    def _train(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
+        return edit_steps(
+            super()._train(plans, grace_s),
+            lambda s: s.model_copy(update={"step_s": s.compute_s + s.wait_s}),
+        )
+
+    def _evaluate(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
+        took = {
+            w: (hi - lo) * self.workers[w].node.c_s / EVAL_SPEEDUP
+            for w, (lo, hi) in shards.items()
+            if w in self.workers
+        }
+        out = [
+            ShardResult(r.worker, r.sums, took.get(r.worker, 0.0), r.error, r.lost)
+            for r in super()._evaluate(shards)
+        ]
+        self.clock.sleep(max(took.values(), default=0.0))
+        return out
 
 
 # ======================================================================================

@@ -88,7 +88,10 @@ def with_policy(spec: JobSpec, policy: str) -> JobSpec:
 
 
 def simulation_block(r: SimResult, real_gradients: bool) -> dict[str, Any]:
-    """What a simulated report adds to a real run's: how it was simulated and its figures."""
+    """What a simulated report adds to a real run's: how it was simulated and its figures
+    (the cluster events, recoveries, the faults of its fault script that fired, and how many
+    calls of each kind the workers ran)."""
+    rec = r.runtime.record
     return {
         "cluster": r.cluster.model_dump(mode="json", by_alias=True),
         "real_gradients": real_gradients,
@@ -104,6 +107,10 @@ def simulation_block(r: SimResult, real_gradients: bool) -> dict[str, Any]:
         "recoveries": [{"failed_at_s": x.failed_at, "lost": list(x.lost),
                         "resumed_at_s": x.resumed_at, "seconds": x.seconds}
                        for x in r.recoveries],
+        "faults_fired": [f.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+                         for f in r.runtime.faults.fired],
+        "calls": {k: getattr(rec, k) for k in ("submitted", "segments", "regroups",
+                                                "evaluations", "fetches")},
     }
 
 

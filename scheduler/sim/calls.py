@@ -6,12 +6,13 @@ it; it runs when it is collected (or when an evaluation behind it is waited for)
 on the virtual clock where the previous call ended: no bubble between segments, as on Ray.
 Until then it can take a plan update (:meth:`CallQueue.queued_segment`). Pure: no clock of
 its own; :class:`~dynabatch.scheduler.sim.runtime.SimRuntime` runs the calls.
+:class:`CallRecord` is what the workers were asked over a run, for a report or a test.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dynabatch.actors.contracts import SegmentPlan
 from dynabatch.scheduler.core.failures import WorkerOutcome
@@ -53,6 +54,13 @@ class CallQueue:
             if not item.ran:
                 self._run(item, grace_s)
 
+    def run_all(self, grace_s: float) -> None:
+        """Run every call sent, in order."""
+        while self.pending:
+            item = self.pending.pop(0)
+            if not item.ran:
+                self._run(item, grace_s)
+
     def segments_before(self, call: Call) -> bool:
         """Whether a segment that has not run is queued before ``call``."""
         for item in self.pending:
@@ -71,3 +79,22 @@ class CallQueue:
             if seg.epoch == epoch and any(sp.step == step for sp in seg.steps):
                 return item
         return None
+
+
+@dataclass
+class CallRecord:
+    """What a simulated run asked of its workers, in order: how many calls of each kind
+    ran, the plans of every segment trained, and the workers and spares started and
+    stopped."""
+
+    submitted: int = 0  # segments sent
+    segments: int = 0  # segments run, those a broken group could not train included
+    regroups: int = 0
+    evaluations: int = 0  # evaluations run (each scores every shard sent)
+    fetches: int = 0  # fetch_state calls (checkpoints, handovers)
+    plans: list[dict[str, SegmentPlan]] = field(default_factory=list)  # segments trained
+    killed: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)  # spawns that took over a spare
+    fresh: list[str] = field(default_factory=list)  # spawns that started a new process
+    spares_started: list[str] = field(default_factory=list)  # node ids
+    spares_stopped: list[str] = field(default_factory=list)

@@ -4,7 +4,8 @@ the checks on it. Pure: pydantic and yaml only; no ray, no torch, no clock.
 A :class:`ClusterSpec` lists node classes (counts, per-step and per-sample costs, what the
 nodes offer), the per-step noise and the spread of nodes within a class, the communication
 costs (:class:`AllReduceModel`, :class:`ParameterServerModel`), the costs of membership
-changes (:class:`RecoveryModel`) and the cluster's events (failures, joins, slowdowns). What
+changes (:class:`RecoveryModel`), the cluster's events (failures, joins, slowdowns) and a
+fault script for the job's workers and spares (:class:`Fault`). What
 each thing costs in virtual time, from these numbers, is
 :mod:`dynabatch.scheduler.sim.cost_model`; a description fitted to a real run is
 :mod:`dynabatch.scheduler.sim.profiles`.
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     ValidationError,
     field_validator,
@@ -152,6 +154,67 @@ class Event(_Strict):
         return NodeSelector(count=self.fail) if isinstance(self.fail, int) else self.fail
 
 
+STEP_FAULTS = ("die", "hang", "error", "straggle", "oom", "lose_result")
+CALL_FAULTS = ("die_in_regroup", "die_in_evaluation", "die_in_checkpoint")
+NODE_FAULTS = ("spare_dies", "spare_dies_silently")
+FaultKind = Literal["die", "hang", "error", "straggle", "oom", "lose_result", "die_in_regroup",
+                    "die_in_evaluation", "die_in_checkpoint", "eval_error", "spare_dies",
+                    "spare_dies_silently"]
+
+
+class Fault(_Strict):
+    """Something that goes wrong with one of the job's workers (``worker``: its ordinal) or
+    with the spare on one node (``node``: a class and an index), as the simulator's runtime
+    plays it (:mod:`dynabatch.scheduler.sim.faults`).
+
+    At the first step at or after (``epoch``, ``step``) the worker takes part in: ``die``
+    (its process dies; the node stays up), ``hang`` (it stops answering), ``error`` (a
+    compute error, on every step from there on), ``straggle`` (that step's compute takes
+    ``seconds`` more), ``oom`` (from there on, a micro-batch of more than ``batch`` samples
+    runs out of memory), ``lose_result`` (the segment ending there completes, but the
+    worker's result is lost with its process, which dies one step into the next segment).
+    ``uneven`` (die, hang): the first survivor's all-reduce of the failing step completed
+    before the peer broke off. At the worker's ``nth`` regroup, evaluation or state fetch:
+    ``die_in_regroup``, ``die_in_evaluation``, ``die_in_checkpoint``. ``eval_error``: every
+    evaluation of the worker's shard raises ``error``. On the node's ``nth`` check:
+    ``spare_dies`` (its spare dies and is reported lost), ``spare_dies_silently`` (the
+    spare dies unseen: the worker that adopts it fails to start)."""
+
+    kind: FaultKind
+    worker: StrictInt | None = Field(default=None, ge=0)
+    node: NodeSelector | None = None
+    epoch: StrictInt | None = Field(default=None, ge=0)
+    step: StrictInt = Field(default=0, ge=0)
+    nth: StrictInt = Field(default=1, ge=1, le=1_000_000)
+    seconds: float | None = Field(default=None, gt=0.0, le=1e6)
+    batch: StrictInt | None = Field(default=None, ge=0)
+    error: str | None = Field(default=None, min_length=1, max_length=500)
+    uneven: StrictBool = False
+
+    @model_validator(mode="after")
+    def _fields_of_kind(self) -> Fault:
+        k, given = self.kind, self.model_fields_set
+        on_node = k in NODE_FAULTS
+        need = {"node" if on_node else "worker"}
+        if k in STEP_FAULTS:
+            need.add("epoch")
+        need |= {"straggle": {"seconds"}, "oom": {"batch"}}.get(k, set())
+        allowed = need | {"kind"} | ({"step"} if k in STEP_FAULTS else set())
+        allowed |= {"nth"} if k in CALL_FAULTS or on_node else set()
+        allowed |= {"error"} if k == "eval_error" else set()
+        allowed |= {"uneven"} if k in ("die", "hang") else set()
+        for name in self.__class__.model_fields:
+            if name in need and getattr(self, name) is None:
+                raise ValueError(f"{name}: required for kind {k}")
+        for name in self.__class__.model_fields:
+            if name in given and name not in allowed:
+                raise ValueError(f"{name}: does not apply to kind {k}")
+        if on_node and (self.node.node_class is None or self.node.index is None
+                        or self.node.count != 1):
+            raise ValueError("node: give {class, index} (one node)")
+        return self
+
+
 class ClusterSpec(_Strict):
     """A simulated cluster: node classes with counts, noise, communication and events."""
 
@@ -163,6 +226,7 @@ class ClusterSpec(_Strict):
     parameter_server: ParameterServerModel = Field(default_factory=ParameterServerModel)
     recovery: RecoveryModel = Field(default_factory=RecoveryModel)
     events: list[Event] = Field(default_factory=list)
+    faults: list[Fault] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _references(self) -> ClusterSpec:
@@ -189,7 +253,24 @@ class ClusterSpec(_Strict):
                                  f"{counts[cls]} nodes (indices 0..{counts[cls] - 1})")
             if isinstance(e.fail, NodeSelector) and e.fail.index is not None and e.fail.count != 1:
                 raise ValueError(f"events.{i}.fail.count: give count 1 with index")
+        for i, f in enumerate(self.faults):
+            if f.node is not None and (err := self.node_error(f.node)):
+                raise ValueError(f"faults.{i}.node.{err}")
         return self
+
+    def node_error(self, sel: NodeSelector) -> str | None:
+        """Why ``sel`` (a class and an index) names no node of this cluster at its start,
+        ``field: problem``; None when it does."""
+        counts = {c.name: c.count for c in self.classes}
+        if sel.node_class not in counts:
+            return (f"class: unknown node class {sel.node_class!r} "
+                    f"(classes: {', '.join(counts)})")
+        n = counts[sel.node_class]
+        joins = any(e.join is not None and e.join.node_class == sel.node_class
+                    for e in self.events)
+        if sel.index is not None and sel.index >= n and not joins:
+            return f"index: class {sel.node_class!r} has {n} nodes (indices 0..{n - 1})"
+        return None
 
     @property
     def nodes(self) -> int:

@@ -19,7 +19,6 @@ ordinary step comes last), and in goodput mode the same gradient norms are repor
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,21 +32,15 @@ from dynabatch.actors.worker import to_cpu
 from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.actors.workloads.models import build_model
 from dynabatch.actors.workloads.objective import objective_for, targets_kind
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutcome:
-    losses: list[float]  # each worker's summed loss over its share
-    psi: float = 0.0  # the global batch's mean loss before the step (ISGD judges it)
-    flagged: bool = False
-    extra_iters: int = 0
-    local_sqnorms: list[float | None] | None = None
-    global_sqnorm: float | None = None
+from dynabatch.scheduler.sim.replicas import StepOutcome
 
 
 class GradientEngine:
-    """``holdout``: evaluate on that fraction of the *training* samples, held out of
-    training (a validation split, as ``dynabatch tune`` needs), instead of the test set."""
+    """The simulator's :class:`~dynabatch.scheduler.sim.replicas.Replicas` with the real
+    model: one replica for every worker (see the module docstring), so the worker names the
+    seam passes are not needed. ``holdout``: evaluate on that fraction of the *training*
+    samples, held out of training (a validation split, as ``dynabatch tune`` needs), instead
+    of the test set."""
 
     def __init__(self, spec: JobSpec, holdout: float = 0.0):
         ds = load_dataset(spec.dataset, seed=spec.seed)
@@ -99,10 +92,13 @@ class GradientEngine:
 
     def step(self, seed: int, epoch: int, dataset_size: int,
              shares: Sequence[StepPlan], rule: IsgdRule | None = None,
-             caps: Sequence[int | None] | None = None) -> StepOutcome:
+             caps: Sequence[int | None] | None = None, *,
+             workers: Sequence[str] = ()) -> StepOutcome:
         """Train one step from the workers' shares (one per worker, in order); ``rule``:
         ISGD's for this step (from the segment's chart); ``caps``: each worker's micro-batch
-        cap (default: none, one micro-batch per share)."""
+        cap (default: none, one micro-batch per share). The one replica applies it, whoever
+        ``workers`` are: a member that did not is never read again (the driver regroups from
+        one that did)."""
         gather = self._epoch_order(seed, epoch, dataset_size)
         caps = caps if caps is not None else [None] * len(shares)
         first = shares[0]
@@ -152,7 +148,7 @@ class GradientEngine:
         return self.objective.evaluate(self.model, self.x_test, self.y_test,
                                        torch.device("cpu"), batch)
 
-    def eval_sums(self, lo: int, hi: int, batch: int = 1024) -> dict[str, float]:
+    def eval_sums(self, worker: str, lo: int, hi: int, batch: int = 1024) -> dict[str, float]:
         """A holder's shard of the held-out set, as
         :meth:`dynabatch.actors.worker.Worker.evaluate_shard`; :meth:`finish` scores the sums."""
         return self.objective.eval_sums(self.model, self.x_test, self.y_test, lo, hi,
@@ -161,11 +157,15 @@ class GradientEngine:
     def finish(self, sums: dict[str, float]) -> dict[str, float]:
         return self.objective.finish(sums)
 
-    def state(self) -> dict[str, Any]:
+    def state(self, worker: str = "") -> dict[str, Any]:
         return {"model": to_cpu(self.model.state_dict()),
                 "optimizer": to_cpu(self.optimizer.state_dict())}
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any] | None, members: Sequence[str] = ()) -> None:
+        """Every member takes ``state``; None: the first member's, which the one replica
+        already holds."""
+        if state is None:
+            return
         self.model.load_state_dict(state["model"])
         if state.get("optimizer") is not None:  # none: another optimizer's (checkpoint.from)
             self.optimizer.load_state_dict(state["optimizer"])

@@ -147,8 +147,12 @@ def learners_on(spec: JobSpec, cluster: ClusterSpec) -> PSSimConfig:
     node's times the spec's emulated slowdown, with the cluster's noise and its
     ``parameter_server`` push/pull costs over ``protocol.shards`` servers. Events at ``at_s``
     that fail nodes lose their learners (the nodes chosen by the rule every simulator uses);
-    joins add one learner per new node. Epoch-timed events and slowdowns are refused (the
-    parameter-server simulator runs on time only)."""
+    joins add one learner per new node. Epoch-timed events, slowdowns and a fault script
+    are refused (the parameter-server simulator runs on time only, and has no segments,
+    regroups or spares for the script's faults)."""
+    if cluster.faults:
+        raise ClusterError("faults: the parameter-server simulator plays no fault script "
+                           "(protocol sync only)")
     for k, e in enumerate(cluster.events):
         if e.at_s is None or e.kind == "slowdown":
             raise ClusterError(f"events.{k}: the parameter-server simulator takes fail and "

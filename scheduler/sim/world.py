@@ -8,7 +8,9 @@ reaches their (epoch, step). A failure takes nodes by the one rule of every simu
 after it was spawned (``spawn``/``poll_started``). A spare (``start_spare``) is warm
 ``start_s`` after it was started; a :class:`Spawn` marked ``adopt`` turns it into the worker,
 up as soon as the spare is (its warm-up already paid), as on Ray. A spare whose node fails
-is lost (``lost_spares``).
+is lost (``lost_spares``). The fault script (:mod:`dynabatch.scheduler.sim.faults`) can
+kill a worker's process (its node stays up and can host another) or a spare, seen at its
+check or only when it is adopted. ``record`` keeps the spawns, kills and spares.
 :class:`~dynabatch.scheduler.sim.runtime.SimRuntime` adds the training calls.
 """
 
@@ -23,8 +25,10 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.membership import NodeInfo, Spawn
 from dynabatch.scheduler.core.victims import failure_victims
 from dynabatch.scheduler.runtime.seam import DataInfo, Started, WorkerCallError
-from dynabatch.scheduler.sim.cluster_spec import Event, NodeSelector
+from dynabatch.scheduler.sim.calls import CallRecord
+from dynabatch.scheduler.sim.cluster_spec import Event, Fault, NodeSelector
 from dynabatch.scheduler.sim.cost_model import Node, SimulatedCluster
+from dynabatch.scheduler.sim.faults import FaultScript
 from dynabatch.scheduler.sim.timeline import ClusterHappening, SimClock
 
 
@@ -34,6 +38,8 @@ class _SimWorker:
     ordinal: int
     node: Node
     ready_at: float
+    died_at: float | None = None  # its process died (or hung) then; its node may live on
+    start_error: str | None = None  # it will fail to start (an adopted spare that died)
 
 
 class SimWorld:
@@ -60,6 +66,25 @@ class SimWorld:
         self._node_infos: list[NodeInfo] | None = None
         self._version = 0  # bumped when a node's speed or life changes
         self.happened: list[ClusterHappening] = []
+        self.record = CallRecord()
+        self.faults = FaultScript(cluster.spec.faults)
+
+    def inject(self, fault: Fault) -> None:
+        """Arm one more fault (a run under way included); see
+        :class:`~dynabatch.scheduler.sim.cluster_spec.Fault`."""
+        if fault.node is not None and (err := self.cluster.spec.node_error(fault.node)):
+            raise ValueError(f"node.{err}")
+        self.faults.add(fault)
+
+    def _node_key(self, node_id: str) -> tuple[str, int]:
+        """The (class, index) a fault names the node by."""
+        n = self._nodes[node_id]
+        return n.node_class, self.cluster.by_class[n.node_class].index(n)
+
+    def _process_dies(self, worker: str, t: float) -> None:
+        w = self.workers.get(worker)
+        if w is not None and w.died_at is None:
+            w.died_at = t
 
     # --- the cluster's events -------------------------------------------------------------
     def _advance(self, t: float, watch: Sequence[str] = ()) -> float | None:
@@ -109,10 +134,12 @@ class SimWorld:
 
     def _dead(self, worker: str) -> bool:
         w = self.workers.get(worker)
-        return w is None or not w.node.alive
+        return w is None or not w.node.alive or w.died_at is not None
 
     def _death_time(self, worker: str) -> float:
         w = self.workers.get(worker)
+        if w is not None and w.died_at is not None:
+            return w.died_at
         return self._died_at.get(w.node.node_id, self.clock.now()) if w else self.clock.now()
 
     # --- Runtime: data and workers ----------------------------------------------------------
@@ -141,6 +168,12 @@ class SimWorld:
         # Adopting a spare takes milliseconds on Ray: the worker is up once the spare is.
         ready = now + self.cluster.spec.recovery.start_s if spare is None else max(now, spare)
         w = _SimWorker(spawn.worker_id, spawn.ordinal, node, ready)
+        if spare is None:
+            self.record.fresh.append(spawn.worker_id)
+        else:
+            self.record.adopted.append(spawn.worker_id)
+            if self.faults.counted("spare_dies_silently", self._node_key(node.node_id)):
+                w.start_error = "spare process died before it was adopted (simulated)"
         self._starting[spawn.worker_id] = w
         self.ordinals[spawn.worker_id] = spawn.ordinal
         self._hosted[node.node_id] = self._hosted.get(node.node_id, 0) + 1
@@ -159,9 +192,10 @@ class SimWorld:
             if w.ready_at > self.clock.now():
                 continue
             del self._starting[wid]
-            if not w.node.alive:
+            if not w.node.alive or w.start_error:
                 self._unhost(w)
-                out.append(Started(wid, "node lost while the worker started (simulated)"))
+                out.append(Started(wid, w.start_error
+                                   or "node lost while the worker started (simulated)"))
                 continue
             self.workers[wid] = w
             out.append(Started(wid))
@@ -171,16 +205,21 @@ class SimWorld:
     def start_spare(self, node_id: str) -> None:
         if node_id not in self._spares:
             self._spares[node_id] = self.clock.now() + self.cluster.spec.recovery.start_s
+            self.record.spares_started.append(node_id)
 
     def stop_spare(self, node_id: str) -> None:
-        self._spares.pop(node_id, None)
+        if self._spares.pop(node_id, None) is not None:
+            self.record.spares_stopped.append(node_id)
 
     def lost_spares(self) -> list[tuple[str, str]]:
         self._advance(self.clock.now())
-        lost = [n for n in self._spares if not self._nodes[n].alive]
-        for n in lost:
+        lost = [(n, "node lost (simulated node failure)") if not self._nodes[n].alive
+                else (n, "spare process died (simulated)") for n in self._spares
+                if not self._nodes[n].alive
+                or self.faults.counted("spare_dies", self._node_key(n))]
+        for n, _ in lost:
             del self._spares[n]
-        return [(n, "node lost (simulated node failure)") for n in lost]
+        return lost
 
     def _unhost(self, w: _SimWorker) -> None:
         self._hosted[w.node.node_id] = max(0, self._hosted.get(w.node.node_id, 0) - 1)
@@ -189,6 +228,7 @@ class SimWorld:
         w = self.workers.pop(worker, None) or self._starting.pop(worker, None)
         if w is not None:
             self._unhost(w)
+            self.record.killed.append(worker)
 
     def _check_alive(self, worker: str) -> None:
         self._advance(self.clock.now())

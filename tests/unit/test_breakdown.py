@@ -5,8 +5,9 @@ split across holders hid, and the CLI table that shows them."""
 from __future__ import annotations
 
 import pytest
-from dynabatch.actors.contracts import StepTelemetry
+from dynabatch.actors.contracts import SegmentPlan, StepTelemetry
 from dynabatch.api.cli.views import breakdown_table
+from dynabatch.scheduler.core.failures import WorkerOutcome
 from dynabatch.scheduler.runtime.seam import ShardResult
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.scheduler.sync.epoch_report import EpochTotals, with_scores
@@ -14,7 +15,7 @@ from dynabatch.scheduler.sync.evaluation import EvalRound
 from dynabatch.scheduler.telemetry import EpochRecord, StepBreakdown
 from rich.console import Console
 
-from tests.fakes import EVAL_SPEEDUP, FakeRuntime
+from tests.fakes import EVAL_SPEEDUP, Lineages, TimedSimRuntime, edit_steps, sim_runtime
 from tests.unit.test_engine_faults import SPE, _assert_exactly_once, _spec
 
 
@@ -73,26 +74,31 @@ def test_a_record_gets_its_scores_and_evaluation_share_when_they_arrive():
     assert none.test_loss is None and none.test_accuracy is None and none.test_metrics == {}
 
 
-class _PhasedRuntime(FakeRuntime):
-    """Fake workers that report their phases: compute is 10% gather, 30% forward and 60%
-    backward; a step lasts its slowest worker's compute."""
+class _PhasedRuntime(TimedSimRuntime):
+    """Simulated workers that report their phases: compute is 10% gather, 30% forward and
+    60% backward; a step lasts its slowest worker's compute."""
 
-    def _apply(self, w, epoch, sps, compute, names, wait, cap=None):
-        rep = super()._apply(w, epoch, sps, compute, names, wait, cap)
-        c = compute[w]
-        return rep.model_copy(update={"gather_s": 0.1 * c, "forward_s": 0.3 * c,
-                                      "backward_s": 0.6 * c, "step_s": c + wait})
+    def _train(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
+        return edit_steps(super()._train(plans, grace_s), _phased)
+
+
+def _phased(rep: StepTelemetry) -> StepTelemetry:
+    c = rep.compute_s
+    return rep.model_copy(update={"gather_s": 0.1 * c, "forward_s": 0.3 * c,
+                                  "backward_s": 0.6 * c})
 
 
 def test_every_epoch_reports_its_breakdown_with_evaluation_off_the_critical_path():
     spec = _spec(rebalance={"mode": "epoch"}, policy="dbs")
     speeds = {0: 1000, 1: 500, 2: 250}
-    rt = _PhasedRuntime(spec, n_train=1000, speeds=speeds)
+    lineages = Lineages()
+    rt = sim_runtime(spec, n_train=1000, speeds=speeds, gradients=lineages,
+                     runtime=_PhasedRuntime)
     coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
     steps: list = []
     coord.watch_steps(steps.append)
     coord.run()
-    _assert_exactly_once(coord, rt)
+    _assert_exactly_once(coord, lineages)
     hist = coord.history()
     for r in hist:
         b = r.breakdown
@@ -109,7 +115,7 @@ def test_every_epoch_reports_its_breakdown_with_evaluation_off_the_critical_path
         assert r.evaluation_hidden_s > r.evaluation_s
         assert b.evaluation_s == pytest.approx(r.evaluation_s / SPE)
         assert b.evaluation_hidden_s == pytest.approx(r.evaluation_hidden_s / SPE)
-        # The fake coordinator takes no time: the wall time no step covers is the previous
+        # The coordinator takes no simulated time: the wall time no step covers is the previous
         # epoch's evaluation, which ran on the workers, not the coordinator's.
         assert b.coordinator_s == pytest.approx(0.0, abs=1e-9), r.epoch
     assert coord.snapshot().step_breakdown == hist[-1].breakdown

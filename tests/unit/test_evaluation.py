@@ -17,11 +17,10 @@ from dynabatch.actors.spec import parse_spec
 from dynabatch.actors.worker import Worker
 from dynabatch.actors.workloads.objective import objective_for
 from dynabatch.scheduler.runtime.seam import ShardResult
+from dynabatch.scheduler.sim.timeline import SimClock
 from dynabatch.scheduler.sync.evaluation import EvalRound, Evaluations, combine, split
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from tests.fakes import FakeClock
 
 P = "tests.unit.workload_plugins"
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,7 +180,7 @@ def _ok(w, n, secs=0.1):
 
 
 def test_a_round_is_ready_when_every_shard_answered_and_its_epoch_ended():
-    clock, rt = FakeClock(), _Runtime()
+    clock, rt = SimClock(), _Runtime()
     ev = Evaluations(rt, clock, timeout_s=10.0)
     r = ev.submit(0, {"a": (0, 6), "b": (6, 10)})
     rt.tickets[0].append(_ok("a", 6, 0.3))
@@ -197,7 +196,7 @@ def test_a_round_is_ready_when_every_shard_answered_and_its_epoch_ended():
 
 
 def test_a_lost_or_late_shard_leaves_the_round_without_scores():
-    clock, rt = FakeClock(), _Runtime()
+    clock, rt = SimClock(), _Runtime()
     ev = Evaluations(rt, clock, timeout_s=10.0)
     lost = ev.submit(0, {"a": (0, 5), "b": (5, 10)})
     lost.record = "r0"
@@ -217,7 +216,7 @@ def test_a_lost_or_late_shard_leaves_the_round_without_scores():
 
 
 def test_settle_waits_up_to_the_deadline_and_charges_the_wait():
-    clock, rt = FakeClock(), _Runtime()
+    clock, rt = SimClock(), _Runtime()
     ev = Evaluations(rt, clock, timeout_s=2.0)
     r = ev.submit(0, {"a": (0, 5)})
     r.record = "r"
@@ -227,7 +226,7 @@ def test_settle_waits_up_to_the_deadline_and_charges_the_wait():
 
 
 def test_a_round_sent_ahead_of_a_failed_segment_is_dropped():
-    clock, rt = FakeClock(), _Runtime()
+    clock, rt = SimClock(), _Runtime()
     ev = Evaluations(rt, clock, timeout_s=10.0)
     kept = ev.submit(0, {"a": (0, 5)})
     kept.record = "r0"
@@ -240,19 +239,17 @@ def test_a_round_sent_ahead_of_a_failed_segment_is_dropped():
 
 
 def test_every_runtime_implements_the_runtime_protocol():
-    """The coordinator drives Ray, the simulator and the fakes through one protocol, with no
+    """The coordinator drives Ray and the simulator through one protocol, with no
     optional part: every runtime sends ahead, takes plan updates, keeps spares and
     evaluates in shards."""
     from dynabatch.scheduler.runtime.ray_runtime import RayRuntime
     from dynabatch.scheduler.runtime.seam import Runtime
     from dynabatch.scheduler.sim.runtime import SimRuntime
 
-    from tests.fakes import FakeRuntime
-
     methods = {n for n, v in vars(Runtime).items() if callable(v) and not n.startswith("_")}
     assert {"submit_evaluation", "poll_evaluation", "finish_evaluation", "submit_segment",
             "collect_segment", "update_segment", "start_spare", "stop_spare",
             "lost_spares"} <= methods
-    for cls in (RayRuntime, SimRuntime, FakeRuntime):
+    for cls in (RayRuntime, SimRuntime):
         missing = {n for n in methods if not callable(getattr(cls, n, None))}
         assert not missing, (cls.__name__, missing)

@@ -24,6 +24,8 @@ from dynabatch.api.app import create_app
 from dynabatch.api.cli import model as model_cli
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime.seam import DataInfo
+from dynabatch.scheduler.sim.cost_model import SimulatedCluster
+from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.service.artifacts import keep_model, models_dir
 from dynabatch.service.client import DynabatchClient
@@ -32,7 +34,7 @@ from dynabatch.service.submit_policy import SubmitPolicy, check_submission
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from tests.fakes import FakeClock, FakeCluster, FakeRuntime
+from tests.fakes import FakeCluster, Lineages, sim_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = {"name": "digits", "workers": 2, "global_batch": 64, "epochs": 2}
@@ -156,16 +158,17 @@ def test_missing_files_and_weights_that_do_not_fit_are_named(tmp_path):
 
 
 # The coordinator writes them at the job's end -------------------------------------------
-class ModelRuntime(FakeRuntime):
-    """Fake workers holding one real MLP: what a holder returns is its state."""
+class ModelRuntime(SimRuntime):
+    """Simulated workers holding one real MLP: what a holder returns is its state. Their
+    accuracy grows with training (:class:`~tests.fakes.Lineages`)."""
 
-    def __init__(self, spec: JobSpec, **kw: Any):
-        super().__init__(spec, **kw)
+    def __init__(self, spec: JobSpec, cluster: SimulatedCluster, **kw: Any):
+        super().__init__(spec, cluster, **kw)
         torch.manual_seed(1)
         self.model = build_model(spec.model, (4,), 3)
 
     def load_data(self) -> DataInfo:
-        return DataInfo("fake", self.n_train, 100, (4,), 3)
+        return DataInfo("fake", self.data.n_train, 100, (4,), 3)
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict:
         super().fetch_state(worker, timeout_s)
@@ -191,9 +194,8 @@ def _coordinator(tmp_path: Path, **spec: Any) -> tuple[Coordinator, ModelRuntime
             **spec,
         }
     )
-    clock = FakeClock()
-    rt = ModelRuntime(s, n_train=32, clock=clock)
-    return Coordinator("job1", s, resume=False, runtime=rt, clock=clock), rt
+    rt = sim_runtime(s, n_train=32, gradients=Lineages(), runtime=ModelRuntime)
+    return Coordinator("job1", s, resume=False, runtime=rt, clock=rt.clock), rt
 
 
 def test_the_coordinator_writes_the_final_weights_to_artifacts_dir_at_the_end(tmp_path):
@@ -220,7 +222,7 @@ def test_the_best_epochs_weights_go_beside_the_final_ones_with_keep_best(tmp_pat
         tmp_path,
         epochs=3,
         artifacts={"dir": str(tmp_path / "art")},
-        # The fake's accuracy grows with training: "min" makes the first epoch the best.
+        # The accuracy grows with training: "min" makes the first epoch the best.
         checkpoint={
             "dir": str(tmp_path / "ckpt"),
             "keep_best": {"metric": "accuracy", "mode": "min"},
@@ -255,10 +257,8 @@ def test_a_job_without_artifacts_dir_keeps_the_files_and_a_write_failure_is_a_wa
 
 def test_a_job_with_no_real_model_has_no_files(tmp_path):
     s = JobSpec.model_validate({"name": "f", "workers": 2, "global_batch": 8, "epochs": 1})
-    clock = FakeClock()
-    coord = Coordinator(
-        "f", s, resume=False, runtime=FakeRuntime(s, n_train=16, clock=clock), clock=clock
-    )
+    rt = sim_runtime(s, n_train=16)
+    coord = Coordinator("f", s, resume=False, runtime=rt, clock=rt.clock)
     coord.run()
     assert coord.snapshot().state == JobState.SUCCEEDED and coord.model_files() is None
 

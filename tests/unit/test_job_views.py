@@ -17,7 +17,9 @@ import pytest
 import typer
 from dynabatch.api.app import create_app
 from dynabatch.api.cli import job_commands as client_cli
+from dynabatch.scheduler.core.failures import WorkerOutcome
 from dynabatch.scheduler.runtime.seam import DataInfo
+from dynabatch.scheduler.sim.calls import Call
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.scheduler.sync.epoch_report import summary
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot
@@ -28,7 +30,7 @@ from fastapi.testclient import TestClient
 from rich.console import Console
 from typer.testing import CliRunner
 
-from tests.fakes import FakeCluster, FakeRuntime, _EvalCall
+from tests.fakes import FakeCluster, TimedSimRuntime, sim_runtime
 from tests.unit.test_engine_faults import _spec
 
 REGRESSION = {"mae": 12.3456, "mse": 301.25}
@@ -129,31 +131,27 @@ def test_status_and_the_page_show_the_jobs_own_metrics(tmp_path: Path):
 
 
 # ------------------------------------------------------------------ no zero-time epoch
-class _LateCoordinator(FakeRuntime):
+class _LateCoordinator(TimedSimRuntime):
     """A coordinator slower than its workers (a busy machine): by the time it collects a
     segment, its workers have also run the evaluation queued behind it, before the segment
     sent ahead. The held-out set is large: each evaluation takes longer than an epoch's
     training."""
 
     def load_data(self) -> DataInfo:
-        return DataInfo("fake", self.n_train, 4000)
+        return DataInfo("fake", self.data.n_train, 4000)
 
-    def _apply(self, w, epoch, sps, compute, names, wait, cap=None):
-        # As real workers do: each step's whole time by the worker's clock.
-        rep = super()._apply(w, epoch, sps, compute, names, wait, cap)
-        return rep.model_copy(update={"step_s": compute[w] + wait})
-
-    def collect_segment(self, plans, grace_s):
-        out = super().collect_segment(plans, grace_s)
-        if self._pending and isinstance(self._pending[0], _EvalCall):
-            self._evaluate(self._pending.pop(0))  # ran before the coordinator looked
+    def collect_segment(self, ticket: Call, grace_s: float) -> list[WorkerOutcome]:
+        out = super().collect_segment(ticket, grace_s)
+        queued = self._calls.pending
+        if queued and queued[0].shards is not None:
+            self._calls.run_through(queued[0], grace_s)  # ran before the coordinator looked
         return out
 
 
 def test_no_epoch_is_charged_zero_time_for_an_evaluation_that_ran_before_it():
     spec = _spec(workers=2, global_batch=100, epochs=4, policy="dbs",
                  rebalance={"mode": "epoch"})
-    rt = _LateCoordinator(spec, n_train=100, speeds={0: 1000, 1: 1000})
+    rt = sim_runtime(spec, n_train=100, speeds={0: 1000, 1: 1000}, runtime=_LateCoordinator)
     coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
     coord.run()
     hist = coord.history()

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
-from dynabatch.actors.contracts import StepTelemetry, decode_counts, encode_counts
+from dynabatch.actors.contracts import SegmentPlan, StepTelemetry, decode_counts, encode_counts
+from dynabatch.scheduler.core.failures import WorkerOutcome
 from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.fakes import FakeRuntime
+from tests.fakes import edit_steps, sim_runtime
 from tests.unit.test_engine_faults import _spec
 
 
@@ -110,21 +112,24 @@ def test_rollback_and_state_round_trip():
     assert v.verified and v.retried_samples == 10 and v.epoch == 2
 
 
-class _LosingRuntime(FakeRuntime):
+class _LosingRuntime(SimRuntime):
     """A defective all-reduce: one sample of step 3 is missing from what it summed."""
 
-    def _apply(self, w, epoch, sps, compute, names, wait, cap=None):
-        rep = super()._apply(w, epoch, sps, compute, names, wait, cap)
-        if rep.step == 3:
-            counts = decode_counts(rep.coverage)
-            counts[0] = 0
-            rep = rep.model_copy(update={"coverage": encode_counts(counts)})
+    def _train(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
+        return edit_steps(super()._train(plans, grace_s), _lose_first_sample_of_step_3)
+
+
+def _lose_first_sample_of_step_3(rep: StepTelemetry) -> StepTelemetry:
+    if rep.step != 3:
         return rep
+    counts = decode_counts(rep.coverage)
+    counts[0] = 0
+    return rep.model_copy(update={"coverage": encode_counts(counts)})
 
 
 def test_a_sample_the_workers_did_not_train_fails_the_job_with_the_reason():
     spec = _spec()
-    rt = _LosingRuntime(spec, n_train=1000)
+    rt = sim_runtime(spec, n_train=1000, runtime=_LosingRuntime)
     snap = Coordinator("lose", spec, runtime=rt, clock=rt.clock).run()
     assert snap.state == JobState.FAILED
     assert "exactly-once" in snap.reason and "1 samples never trained (positions [192, 193))" \

@@ -9,7 +9,7 @@ from dynabatch.scheduler.sync.coordinator import Coordinator
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.fakes import FakeRuntime
+from tests.fakes import sim_runtime
 
 
 def _shown(lines: list[tuple[str, str]]) -> list[str]:
@@ -68,7 +68,7 @@ def test_every_occurrence_is_shown_or_counted(stream):
 
 def test_a_job_log_repeating_one_event_stays_small_and_keeps_the_count():
     spec = JobSpec.model_validate(dict(workers=2, global_batch=32, epochs=1))
-    rt = FakeRuntime(spec, n_train=200)
+    rt = sim_runtime(spec, n_train=200)
     coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
     for _ in range(20_000):
         coord._log("WARNING", "evaluation of epoch 2 on w0 failed: ValueError: bad shape")

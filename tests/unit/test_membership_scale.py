@@ -110,22 +110,29 @@ def test_scale_down_drains_the_slowest_first(speeds, target):
 # --- the driver (the real coordinator, without Ray) ---------------------------------------
 def _coord(room_per_node: int, **kw):
     from dynabatch.actors.spec import JobSpec
+    from dynabatch.scheduler.sim.runtime import SimRuntime
     from dynabatch.scheduler.sync.coordinator import Coordinator
 
-    from tests.fakes import FakeRuntime
+    from tests.fakes import sim_runtime
 
-    class OneMachine(FakeRuntime):
-        def nodes(self):
-            here = sum(1 for w in self.workers.values() if w.alive)
-            room = max(0, room_per_node - here)
-            return [NodeInfo(n, cpus=2.0, free=room > 0, room=room) for n in self.node_ids]
+    class OneMachine(SimRuntime):
+        """Room for ``room_per_node`` workers on its one node, less those it hosts (the
+        simulator's own ``nodes()`` gives no room: one worker per node)."""
 
+        def nodes(self) -> list[NodeInfo]:
+            room = max(0, room_per_node - len(self.workers))
+            return [NodeInfo(n.node_id, cpus=2.0, free=room > 0, room=room)
+                    for n in super().nodes()]
+
+    # The workers share one node: their speeds (1000, 250 and 500 samples/s) are the
+    # emulated slowdowns of their ordinals.
     base = dict(workers=2, max_workers=3, min_workers=1, global_batch=64, epochs=6,
                 policy="affine", rebalance={"mode": "epoch"}, collective_timeout_s=2,
-                worker_wait_timeout_s=5, start_timeout_s=5)
+                worker_wait_timeout_s=5, start_timeout_s=5,
+                emulation={"slowdowns": [1, 4, 2]})
     base.update(kw)
     spec = JobSpec.model_validate(base)
-    rt = OneMachine(spec, n_train=1000, nodes=1, speeds={0: 1000, 1: 250, 2: 500})
+    rt = sim_runtime(spec, n_train=1000, nodes=1, runtime=OneMachine)
     return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
 
 

@@ -8,15 +8,16 @@ driven through the fakes they agree. The batch in force is the job's
 from __future__ import annotations
 
 import pytest
+from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 
-from tests.fakes import FakeRuntime
+from tests.fakes import sim_runtime
 from tests.unit.test_engine_faults import _spec
 
 
-def _coord(**kw) -> tuple[Coordinator, FakeRuntime]:
+def _coord(**kw) -> tuple[Coordinator, SimRuntime]:
     spec = _spec(**kw)
-    rt = FakeRuntime(spec, n_train=2048, speeds={0: 1000, 1: 500, 2: 250}, overhead_s=0.004)
+    rt = sim_runtime(spec, n_train=2048, speeds={0: 1000, 1: 500, 2: 250}, overhead_s=0.004)
     return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
 
 
@@ -59,7 +60,7 @@ def test_the_batch_in_force_is_the_restored_one_until_the_data_is_loaded(tmp_pat
             "schedule": {"epoch": 1, "step": 3, "global_batch": 48, "regime": {}},
         },
     )
-    rt = FakeRuntime(spec, n_train=2048, speeds={0: 1000, 1: 500, 2: 250})
+    rt = sim_runtime(spec, n_train=2048, speeds={0: 1000, 1: 500, 2: 250})
     coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
     assert spec.global_batch == 64 and coord.job.protocol is None
     assert coord.snapshot().global_batch == 48
@@ -89,5 +90,5 @@ def test_the_threshold_becomes_min_gain_where_validation_says_it_applies(policy,
     assert ignored is not applies
     expected = make_policy(policy, **({"min_gain": 0.2} if applies else {}))
     assert policy_for(spec.policy, spec.rebalance.min_gain(spec.policy)) == expected
-    coord = Coordinator("job", spec, runtime=FakeRuntime(spec, n_train=64), resume=False)
+    coord = Coordinator("job", spec, runtime=sim_runtime(spec, n_train=64), resume=False)
     assert coord.job.policy == expected

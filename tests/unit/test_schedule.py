@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,11 +26,12 @@ from dynabatch.scheduler.core.regime.isgd import ControlChart, IsgdReportError, 
 from dynabatch.scheduler.core.regime.regime import Regime
 from dynabatch.scheduler.core.regime.schedule import LrRule, Schedule, Stage, scale_factor
 from dynabatch.scheduler.core.sync.steptime import StepTimeStats, equal_finish
+from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import FakeRuntime
+from tests.fakes import FakeRuntime, Lineages, sim_runtime
 
 stages_st = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 4096)), min_size=1,
                      max_size=5)
@@ -427,8 +429,9 @@ def _spec(**kw) -> JobSpec:
     return JobSpec.model_validate(base)
 
 
-def _coord(spec: JobSpec, **kw) -> tuple[Coordinator, FakeRuntime]:
-    rt = FakeRuntime(spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250}, **kw)
+def _coord(spec: JobSpec, gradients: Lineages | None = None) -> tuple[Coordinator, SimRuntime]:
+    rt = sim_runtime(spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250},
+                     gradients=gradients or Lineages())
     return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
 
 
@@ -446,11 +449,11 @@ def test_stage_boundary_replans_the_new_batch_and_scales_the_lr():
     for r in hist:  # every epoch still trains every sample exactly once
         assert r.verified and r.samples_trained == N
         assert sum(w.batch for w in r.workers) == r.global_batch
-    steps = [sp for plans in rt.plans for sp in next(iter(plans.values())).steps]
+    steps = [sp for plans in rt.record.plans for sp in next(iter(plans.values())).steps]
     sizes = {(sp.size, round(sp.lr, 6)) for sp in steps}
     # Stage 1 at LR 0.1; stage 2 ramps from 0.1 to 0.4 over one epoch, then holds 0.4.
     assert (50, 0.1) in sizes and (200, 0.4) in sizes
-    ramp = [sp.lr for plans in rt.plans for sp in next(iter(plans.values())).steps
+    ramp = [sp.lr for plans in rt.record.plans for sp in next(iter(plans.values())).steps
             if sp.size == 200]
     assert ramp == sorted(ramp) and 0.1 < ramp[0] < 0.4
     assert hist[-1].lr == pytest.approx(0.4)
@@ -462,7 +465,9 @@ def test_isgd_flags_outlier_batches_and_every_worker_repeats_them(max_extra, ext
         return 5.0 if step == 4 else 1.0 + 0.01 * (step % 3)
 
     spec = _spec(isgd={"enabled": True, "window": 5, "sigma": 2.0, "max_extra": max_extra})
-    coord, rt = _coord(spec, loss_of=loss_of, isgd_decay=0.5)
+    rt = FakeRuntime(spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250}, loss_of=loss_of,
+                     isgd_decay=0.5)
+    coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
     assert coord.run().state == JobState.SUCCEEDED
     hist = coord.history()
     assert hist[0].isgd_flagged == 0  # monitoring starts after the first epoch
@@ -528,7 +533,7 @@ def test_checkpoint_resume_keeps_the_schedule_position(tmp_path):
     assert coord2.job.regime.chart.losses == tuple(saved["regime"]["chart"])
     assert coord2.run().state == JobState.SUCCEEDED
     assert [r.global_batch for r in coord2.history()] == [50, 50, 200, 200]
-    first = next(iter(rt2.plans[0].values()))
+    first = next(iter(rt2.record.plans[0].values()))
     assert first.epoch == 3 and first.steps[0].size == 200
     assert first.steps[0].lr == pytest.approx(0.4)
 
@@ -552,7 +557,7 @@ def test_mid_epoch_resume_continues_the_schedule_where_it_stopped(tmp_path):
     coord2, rt2 = _coord(spec)
     assert coord2.job.regime.chart == coord.job.regime.chart
     assert coord2.run().state == JobState.SUCCEEDED
-    first = next(iter(rt2.plans[0].values()))
+    first = next(iter(rt2.record.plans[0].values()))
     assert (first.epoch, first.steps[0].step, first.steps[0].size) == (1, 10, 50)
     assert first.steps[0].lr == pytest.approx(0.1)
     hist = coord2.history()
@@ -561,17 +566,17 @@ def test_mid_epoch_resume_continues_the_schedule_where_it_stopped(tmp_path):
     assert hist[1].verified and hist[1].samples_trained == N and hist[1].grad_evals == N
 
 
-class _NoisyRuntime(FakeRuntime):
-    """Reports goodput's gradient norms at their expected values for |∇L|² = 1 and
-    tr(Σ) = 400 (B_noise = 400), with the finite-population correction."""
+class _NoisyLineages(Lineages):
+    """Replicas whose gradient norms, on the steps that measure the noise, are at their
+    expected values for |∇L|² = 1 and tr(Σ) = 400 (B_noise = 400), with the
+    finite-population correction."""
 
-    def _apply(self, w, epoch, sps, compute, names, wait, cap=None):
-        rep = super()._apply(w, epoch, sps, compute, names, wait, cap)
-        sp = sps[w]
-        if not sp.noise:
-            return rep
-        return rep.model_copy(update={"local_sqnorm": 1.0 + 400.0 * fpc(sp.own_size, N),
-                                      "global_sqnorm": 1.0 + 400.0 * fpc(sp.size, N)})
+    def step(self, seed, epoch, dataset_size, shares, rule=None, caps=None, *, workers=()):
+        out = super().step(seed, epoch, dataset_size, shares, rule, caps, workers=workers)
+        if not shares[0].noise:
+            return out
+        return replace(out, local_sqnorms=[1.0 + 400.0 * fpc(sp.own_size, N) for sp in shares],
+                       global_sqnorm=1.0 + 400.0 * fpc(shares[0].size, N))
 
 
 def test_goodput_state_survives_a_resume(tmp_path):
@@ -579,8 +584,7 @@ def test_goodput_state_survives_a_resume(tmp_path):
                  schedule={"mode": "goodput", "max_global_batch": 480})
 
     def make():
-        rt = _NoisyRuntime(spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250})
-        return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
+        return _coord(spec, _NoisyLineages())
 
     coord, _ = make()
     while coord.epoch < 3:
@@ -597,7 +601,7 @@ def test_goodput_state_survives_a_resume(tmp_path):
     assert coord2.job.regime.noise == coord.job.regime.noise
     assert coord2.job.regime.goodput_batch == coord.job.regime.goodput_batch
     assert coord2.run().state == JobState.SUCCEEDED
-    first = next(iter(rt2.plans[0].values()))
+    first = next(iter(rt2.record.plans[0].values()))
     b = hist[-1].goodput_batch
     assert first.epoch == 3 and first.steps[0].size == b
     # The resumed epoch's learning rate is AdaScale's gain at that batch, from the

@@ -9,15 +9,16 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime.ray_runtime import load_checked
 from dynabatch.scheduler.runtime.seam import DataInfo
+from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 
-from tests.fakes import FakeClock, FakeRuntime
+from tests.fakes import sim_runtime
 
 P = "tests.unit.workload_plugins"
 
 
-class CheckedDataRuntime(FakeRuntime):
-    """Fake workers, real data: loading runs the dataset, the model, the loss and the
+class CheckedDataRuntime(SimRuntime):
+    """Simulated workers, real data: loading runs the dataset, the model, the loss and the
     metrics exactly as RayRuntime.load_data does before any worker starts."""
 
     def load_data(self) -> DataInfo:
@@ -25,12 +26,11 @@ class CheckedDataRuntime(FakeRuntime):
         return DataInfo(ds.name, len(ds.y_train), len(ds.y_test))
 
 
-def _run(**spec: object) -> tuple[Coordinator, FakeRuntime]:
+def _run(**spec: object) -> tuple[Coordinator, SimRuntime]:
     s = JobSpec.model_validate({"name": "bad", "workers": 2, "global_batch": 8, "epochs": 1,
                                 **spec})
-    clock = FakeClock()
-    rt = CheckedDataRuntime(s, n_train=32, clock=clock)
-    coord = Coordinator("bad", s, resume=False, runtime=rt, clock=clock)
+    rt = sim_runtime(s, n_train=32, runtime=CheckedDataRuntime)
+    coord = Coordinator("bad", s, resume=False, runtime=rt, clock=rt.clock)
     coord.run()
     return coord, rt
 
@@ -53,7 +53,7 @@ def test_a_wrong_workload_fails_the_job_with_one_line_naming_the_field(
     snap = coord.snapshot()
     assert snap.state == JobState.FAILED
     assert snap.reason == reason and "\n" not in snap.reason
-    assert rt.workers == {} and rt.plans == []  # failed before any worker started
+    assert rt.ordinals == {} and rt.segment_calls == 0  # failed before any worker started
     assert coord.logs()[-1].message == f"state FAILED: {reason}"
 
 
@@ -120,7 +120,7 @@ def test_a_global_batch_larger_than_the_training_set_is_refused_at_load_time(
     coord, rt = _run(dataset={"name": f"{P}:arrays_loader"}, **spec)
     snap = coord.snapshot()
     assert (snap.state, snap.reason) == (JobState.FAILED, reason)
-    assert rt.workers == {} and rt.plans == []  # refused before any worker started
+    assert rt.ordinals == {} and rt.segment_calls == 0  # refused before any worker started
 
 
 def test_a_global_batch_the_size_of_the_training_set_trains() -> None:

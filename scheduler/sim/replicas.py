@@ -1,0 +1,68 @@
+"""What the simulator's runtime asks of the model its workers train: :class:`Replicas`, the
+seam between :class:`~dynabatch.scheduler.sim.runtime.SimRuntime` and a gradient engine.
+Pure: no ray, no torch.
+
+The seam names the workers each call is about: which of them applied a step (after a
+failure part-way through a step, only some of them did), whose state is fetched, which
+members take a state at a regroup, whose weights score a shard. An engine may keep one
+replica per worker, or one for all: the real
+:class:`~dynabatch.scheduler.sim.gradients.GradientEngine` keeps one, which is exact in
+synchronous training (every replica holds the same weights after each step, and a regroup
+broadcasts one member's to the rest), so it ignores the names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from dynabatch.actors.contracts import IsgdRule, StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    losses: list[float]  # each share's summed loss
+    psi: float = 0.0  # the global batch's mean loss before the step (ISGD judges it)
+    flagged: bool = False
+    extra_iters: int = 0
+    local_sqnorms: list[float | None] | None = None
+    global_sqnorm: float | None = None
+
+
+class Replicas(Protocol):
+    """The model replicas of a simulated job's workers, named by worker id."""
+
+    @property
+    def model_bytes(self) -> int:
+        """The gradient's bytes (0: unknown); the all-reduce moves them."""
+
+    def step(
+        self,
+        seed: int,
+        epoch: int,
+        dataset_size: int,
+        shares: Sequence[StepPlan],
+        rule: IsgdRule | None = None,
+        caps: Sequence[int | None] | None = None,
+        *,
+        workers: Sequence[str] = (),
+    ) -> StepOutcome:
+        """One step from every share (one per member, in order, as the all-reduce sums
+        them), applied by ``workers`` (each member when the step completed; fewer when it
+        failed part-way). ``rule``: ISGD's for the step; ``caps``: each share's micro-batch
+        cap."""
+
+    def state(self, worker: str) -> dict[str, Any]:
+        """``worker``'s model and optimizer state."""
+
+    def load_state(self, state: dict[str, Any] | None, members: Sequence[str]) -> None:
+        """A regroup: every member takes ``state``, or with None the first member's (rank
+        0's broadcast)."""
+
+    def eval_sums(self, worker: str, lo: int, hi: int) -> dict[str, float]:
+        """``worker``'s weights scored on the held-out samples ``[lo, hi)``: the sums
+        :meth:`finish` combines."""
+
+    def finish(self, sums: dict[str, float]) -> dict[str, float]:
+        """The scores from every shard's summed sums."""
