@@ -71,8 +71,10 @@ from dynabatch.scheduler.core.sync.messages import (
     Facts,
     FinishCancelled,
     FinishSucceeded,
+    JudgeEpoch,
     LoadData,
     MarkRunning,
+    NextEpoch,
     PollNodes,
     PostPlanUpdate,
     PublishReady,
@@ -357,6 +359,11 @@ class Coordinator(JobControl):
             needs_state=m.dirty and m.regroup_plan().needs_state,
             holding_restored=job.restored_weights is not None,
             update_offered=job.offered is not None,
+            checkpoint_due=p is not None and self.epochs.checkpoint_due(p.epoch + 1),
+            judges_epochs=self.epochs.judges_epochs,
+            keeps_checkpoints=bool(s.checkpoint.dir),
+            judged_best=self.epochs.judged[0] is not None,
+            judged_stop=self.epochs.judged[1] is not None,
         )
 
     def _carry_out(self, command: Command) -> bool:
@@ -401,14 +408,24 @@ class Coordinator(JobControl):
                 self.pipeline.absorb_ahead()
             case EndEpoch():
                 self.epochs.end_epoch()
+            case JudgeEpoch():
+                self.epochs.judge_epoch()
+            case NextEpoch():
+                self.epochs.next_epoch()
             case PublishReady():
                 self.epochs.publish_ready()
             case CommitInFlight():
                 self.pipeline.drain(commit=True)
             case Settle():
                 self.epochs.settle()
-            case Checkpoint(reason):
-                self.checkpoints.save(reason=reason)
+            case Checkpoint("cancel"):
+                self.checkpoints.save(reason="cancel")
+            case Checkpoint("best"):
+                best, _ = self.epochs.judged
+                self.checkpoints.save(reason=f"best {best['metric']}",
+                                      position=self.epochs.next_start, best=best)
+            case Checkpoint(reason):  # at an epoch's end, as the next epoch's start
+                self.checkpoints.save(reason=reason, position=self.epochs.next_start)
             case SaveModel(reason):
                 self.artifacts.save(reason=reason)
             case FinishCancelled():

@@ -1,13 +1,16 @@
 """Epochs: the data, each epoch's beginning and plan, its end, evaluation and record.
 
 An epoch begins with its global batch (a schedule may change it) and a plan; it ends with
-the ledger's exactly-once check, its record, a checkpoint when due, and an evaluation of
-its final weights, split over the state holders and run off the critical path
-(``dynabatch.scheduler.sync.evaluation``). The record joins the history when the
-evaluation is in; an evaluation that lost a shard is run again on the holders left when
-nothing was queued behind it (:func:`~dynabatch.scheduler.core.sync.boundary.evaluate_again`).
-Whether the job is then trained (every epoch, or early stopping's) is :attr:`Epochs.trained`;
-its success is the step loop's engine's (``dynabatch.scheduler.core.sync.engine``).
+the ledger's exactly-once check, its record and an evaluation of its final weights, split
+over the state holders and run off the critical path
+(``dynabatch.scheduler.sync.evaluation``). Whether that evaluation is awaited, the epoch
+judged and a checkpoint written before the next epoch begins is the step loop's engine's
+decision (``dynabatch.scheduler.core.sync.engine``), carried out here. The record joins
+the history when the evaluation is in; an evaluation that lost a shard is run again on the
+holders left when nothing was queued behind it
+(:func:`~dynabatch.scheduler.core.sync.boundary.evaluate_again`). Whether the job is then
+trained (every epoch, or early stopping's) is :attr:`Epochs.trained`; its success is the
+engine's.
 
 Judged epochs (``early_stopping``, ``checkpoint.keep_best``). Each epoch's evaluation is
 awaited at its end, before the next epoch's first segment is sent (the pipeline does not
@@ -20,12 +23,11 @@ them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dynabatch.scheduler.core.regime.stopping import Judgement, judge, should_stop
 from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
-from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from dynabatch.scheduler.sync.epoch_report import EpochTotals, build_record, summary, with_scores
 from dynabatch.scheduler.sync.evaluation import EvalRound, Evaluations, split
@@ -44,6 +46,9 @@ class Epochs(Part):
         self.evals = Evaluations(self.runtime, self.clock, EVAL_TIMEOUT_S)
         # Why the job stopped before its last epoch (early_stopping), once it did.
         self.stopped: str | None = None
+        # The ended epoch's judgement (judge_epoch), until the next epoch: the best
+        # checkpoint's description when it is the best so far, and early stopping's reason.
+        self.judged: tuple[dict[str, Any] | None, str | None] = (None, None)
 
     # ---------------------------------------------------------------- beginnings
     def load_data(self) -> None:
@@ -146,20 +151,32 @@ class Epochs(Part):
                   for r in self.c._history]
         return judge(values, mode, min_delta)
 
-    def judge_epoch(self, epoch: int, nxt: Position) -> str | None:
-        """After ``epoch``'s evaluation is in: keep its checkpoint as the best when it is
-        (keep_best), and the reason to stop here when early_stopping says so."""
-        best = self.spec.checkpoint.keep_best
+    @property
+    def next_start(self) -> Position:
+        """Where the epoch that just ended leaves the job: the next epoch's start (its
+        checkpoints are written as that)."""
+        return Position(self.job.protocol.epoch + 1, 0)
+
+    def judge_epoch(self) -> None:
+        """After the ended epoch's evaluation is in: whether it is the best by keep_best's
+        metric (what it was judged by, for the best checkpoint), and early stopping's reason
+        to end the training after it, if any (:attr:`judged`, until the next epoch)."""
+        epoch = self.job.protocol.epoch
         history = self.c._history
+        best = self.spec.checkpoint.keep_best
+        judged_best = None
         if best is not None:
             j = self._judged(best.metric, best.mode)
             if j.best is not None and history[j.best].epoch == epoch:
-                self.c.checkpoints.save(reason=f"best {best.metric}", position=nxt, best={
-                    "metric": best.metric, "mode": best.mode, "value": j.value,
-                    "epoch": epoch})
+                judged_best = {"metric": best.metric, "mode": best.mode, "value": j.value,
+                               "epoch": epoch}
+        self.judged = (judged_best, self._stop_after(epoch))
+
+    def _stop_after(self, epoch: int) -> str | None:
         es = self.spec.early_stopping
-        if es is None or nxt.epoch >= self.spec.epochs:
+        if es is None or epoch + 1 >= self.spec.epochs:
             return None
+        history = self.c._history
         j = self._judged(es.metric, es.mode, es.min_delta)
         if not should_stop(j, es.patience):
             return None
@@ -171,11 +188,11 @@ class Epochs(Part):
         return why
 
     def end_epoch(self) -> None:
-        """Close the epoch (ENDING_EPOCH; the step loop's engine moves the phase on): verify it,
-        build its record, checkpoint when due, and have the holders evaluate it (unless
-        that was sent ahead). The record is published when the evaluation is in."""
+        """Close the epoch's training: verify it from the workers' reports (the job fails
+        when the exactly-once check does not hold), build its record and have the holders
+        evaluate it (unless that was sent ahead). The record is published when the
+        evaluation is in; the job moves to the next epoch with :meth:`next_epoch`."""
         job, p = self.job, self.job.protocol
-        self.become(Phase.ENDING_EPOCH)
         v = job.ledger.verify()
         if not v.verified:
             self.fail(f"epoch {p.epoch}: exactly-once check of the workers' reports "
@@ -199,21 +216,19 @@ class Epochs(Part):
                                          [m.worker_id for m in job.membership.holders()])
             job.next_behind = rnd
         rnd.record, rnd.extra = record, ep
-        nxt = Position(p.epoch + 1, 0)
-        due = self.checkpoint_due(nxt.epoch)
-        if due or self.judges_epochs:
-            # The checkpoint holds the epoch's record, scores included, and a judged epoch
-            # is judged by them: wait for them (the slowest holder's shard), then read the
-            # state, with nothing in flight; the job shows the next epoch once it is written.
-            self.settle()
-        stop = self.judge_epoch(p.epoch, nxt) if self.judges_epochs else None
-        if due or (stop is not None and self.spec.checkpoint.dir):
-            self.c.checkpoints.save(reason="epoch" if due else "early stopping", position=nxt)
+
+    def next_epoch(self) -> None:
+        """The ended epoch is closed: the job stands at the next epoch's start (training
+        ends there when early stopping said so), and the evaluations that are in are
+        published."""
+        job, p = self.job, self.job.protocol
+        _, stop = self.judged
         with self.c._lock:
             p.next_epoch()
             job.ep = None
             if stop is not None:
                 self.stopped = stop
+        self.judged = (None, None)
         self.publish_ready()
 
     @property

@@ -28,8 +28,10 @@ from dynabatch.scheduler.core.sync.messages import (
     Facts,
     FinishCancelled,
     FinishSucceeded,
+    JudgeEpoch,
     LoadData,
     MarkRunning,
+    NextEpoch,
     PollNodes,
     PostPlanUpdate,
     PublishReady,
@@ -81,7 +83,14 @@ facts = st.builds(
     needs_state=st.booleans(),
     holding_restored=st.booleans(),
     update_offered=st.booleans(),
+    checkpoint_due=st.booleans(),
+    judges_epochs=st.booleans(),
+    keeps_checkpoints=st.booleans(),
+    judged_best=st.booleans(),
+    judged_stop=st.booleans(),
 )
+# An epoch's end with nothing due and nothing judged.
+END = [Become(Phase.ENDING_EPOCH), EndEpoch(), NextEpoch()]
 
 
 def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
@@ -100,6 +109,37 @@ def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
         batches.append((before, commands, (after, ok)))
         before, commands = after, engine.on(Ran(after, ok))
     pytest.fail("a boundary did not end within 12 batches")
+
+
+def _after(batches, facts: Facts) -> list:
+    """The batch the engine answered ``facts`` with."""
+    return next(cs for b, cs, _ in batches if b is facts)
+
+
+def _epoch_end(batches, before: Facts) -> Facts:
+    """Check the epoch's end that ``before`` decided (its batch starts with ENDING_EPOCH) and
+    return the facts that the step after it was decided on: a checkpoint due or a judged
+    epoch awaits the evaluation first; a judged epoch's checkpoints follow its judgement
+    (the best so far; early stopping's when the job keeps checkpoints, a due one anyway);
+    then the next epoch begins."""
+    cs = _after(batches, before)
+    outcome = next(o for b, _, o in batches if b is before)
+    assert cs[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()]
+    if not before.judges_epochs:
+        due = [Settle(), Checkpoint("epoch")] if before.checkpoint_due else []
+        assert cs[2:] == [*due, NextEpoch()]
+        return outcome[0]
+    assert cs[2:] == [Settle(), JudgeEpoch()]
+    judged = outcome[0]
+    if judged.terminal:  # the job ended while the evaluation was awaited
+        return judged
+    saves = [Checkpoint("best")] if judged.judged_best else []
+    if before.checkpoint_due:
+        saves.append(Checkpoint("epoch"))
+    elif judged.judged_stop and before.keeps_checkpoints:
+        saves.append(Checkpoint("early stopping"))
+    assert _after(batches, judged) == [*saves, NextEpoch()]
+    return next(o for b, _, o in batches if b is judged)[0]
 
 
 @settings(max_examples=500)  # cheap examples; the rules have many branches
@@ -131,7 +171,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 if isinstance(c, LoadData):
                     assert not before.data_loaded
                 if isinstance(c, BeginEpoch):  # (right after an epoch ended, it is not)
-                    ended = any(o is not None and o[0] is before and cs == [EndEpoch()]
+                    ended = any(o is not None and o[0] is before and cs[-1] == NextEpoch()
                                 for _, cs, o in batches)
                     assert not before.epoch_open or ended
                 if isinstance(c, FinishSucceeded):
@@ -224,14 +264,13 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     if not after.epoch_complete:
                         assert nxt == [AbsorbAhead()]
                         continue
-                    assert nxt == [EndEpoch()]
-                    ended, _ = next(o for b, _, o in batches if b is after)
-                    nxt = next(cs for b, cs, _ in batches if b is ended)
+                    ended = _epoch_end(batches, after)
+                    nxt = _after(batches, ended)
                     if not ended.terminal:
                         assert nxt == [Become(Phase.TRAINING), BeginEpoch(), AbsorbAhead()]
                     continue
                 if after.epoch_complete:
-                    assert nxt == [EndEpoch()]
+                    assert nxt[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()]
                     continue
                 if ok and after.check_due:  # a check re-plans only after a segment that ran
                     assert nxt == [Replan("check")]
@@ -257,7 +296,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 after, _ = outcome
                 nxt = next(cs for b, cs, _ in batches if b is after)
                 if after.epoch_complete:
-                    assert nxt == [EndEpoch()]
+                    assert nxt[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()]
                 else:
                     assert nxt == [PublishReady(), EndStep()]
             for c in commands:
@@ -270,9 +309,24 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     )
             absorbing = any(o is not None and o[0] is before and isinstance(cs[-1], TrainSegment)
                             and not o[1] and before.in_flight for _, cs, o in batches)
-            if commands == [EndEpoch()] and not cancelling and not absorbing:
-                after, _ = outcome  # then FINISHING, or back
-                nxt = next(cs for b, cs, _ in batches if b is after)
+            for c in commands:
+                if isinstance(c, EndEpoch):  # always the start of an epoch's end
+                    assert commands[:2] == [Become(Phase.ENDING_EPOCH), c]
+                if isinstance(c, (JudgeEpoch, NextEpoch)) or c in (
+                    Checkpoint("epoch"), Checkpoint("best"), Checkpoint("early stopping")
+                ):  # only in an epoch's end
+                    assert any(
+                        cs[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()]
+                        and (cs is commands or (o is not None and o[0] is before))
+                        for _, cs, o in batches
+                    )
+            if commands[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()]:
+                ended = _epoch_end(batches, before)
+            if commands[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()] and not (
+                cancelling or absorbing
+            ):
+                after = ended  # then FINISHING, or back
+                nxt = _after(batches, after)
                 if after.terminal:
                     assert nxt == [EndStep()]
                 elif after.trained and after.holders:
@@ -326,7 +380,7 @@ def test_a_training_boundary() -> None:
         Become(Phase.TRAINING),
         TrainSegment(ahead=True, across=True),
     ]
-    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=True)) == [EndEpoch()]
+    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=True)) == END
     assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
     # A retry runs alone (nothing is sent ahead of it); the segment failed after its last
     # step's collective and still completed the epoch.
@@ -335,7 +389,7 @@ def test_a_training_boundary() -> None:
         Become(Phase.TRAINING),
         TrainSegment(ahead=False, across=False),
     ]
-    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=False)) == [EndEpoch()]
+    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=False)) == END
     assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
 
 
@@ -411,18 +465,59 @@ def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> N
     engine.on(Boundary(Facts(epoch_open=True)))
     engine.on(Ran(Facts(epoch_open=True)))
     done = Facts(in_flight=True, epoch_open=True, epoch_complete=True)
-    assert engine.on(Ran(done, ok=False)) == [EndEpoch()]
+    assert engine.on(Ran(done, ok=False)) == END
     assert engine.on(Ran(Facts(in_flight=True))) == [
         Become(Phase.TRAINING),
         BeginEpoch(),
         AbsorbAhead(),
     ]
-    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True))) == [EndEpoch()]
+    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True))) == END
     assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
     # A segment that failed with nothing sent ahead: nothing to absorb.
     engine.on(Boundary(Facts(epoch_open=True)))
     engine.on(Ran(Facts(epoch_open=True)))
     assert engine.on(Ran(Facts(epoch_open=True), ok=False)) == [PublishReady(), EndStep()]
+
+
+def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_calls_for() -> None:
+    ending = [Become(Phase.ENDING_EPOCH), EndEpoch()]
+    engine = SyncEngine()
+    engine.on(Boundary(Facts(epoch_open=True)))
+    engine.on(Ran(Facts(epoch_open=True)))
+    # A checkpoint due: the epoch's evaluation is awaited (the checkpoint holds its record,
+    # scores included), the checkpoint is written as the next epoch's start.
+    due = Facts(epoch_open=True, epoch_complete=True, checkpoint_due=True)
+    assert engine.on(Ran(due)) == [*ending, Settle(), Checkpoint("epoch"), NextEpoch()]
+    assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+    # A judged epoch (early stopping, keep_best): judged once its evaluation is in; the best
+    # so far and early stopping's stop are written (early stopping's only when the job keeps
+    # checkpoints), then the training ends.
+    judged = Facts(epoch_open=True, epoch_complete=True, judges_epochs=True,
+                   keeps_checkpoints=True)
+    for best, stop, keeps, due, saves in [
+        (True, True, True, False, [Checkpoint("best"), Checkpoint("early stopping")]),
+        (False, True, False, False, []),
+        (True, False, True, True, [Checkpoint("best"), Checkpoint("epoch")]),
+        (False, True, True, True, [Checkpoint("epoch")]),
+        (False, False, True, False, []),
+    ]:
+        engine.on(Boundary(Facts(epoch_open=True)))
+        engine.on(Ran(Facts(epoch_open=True)))
+        before = replace(judged, keeps_checkpoints=keeps, checkpoint_due=due)
+        assert engine.on(Ran(before)) == [*ending, Settle(), JudgeEpoch()]
+        verdict = Facts(judged_best=best, judged_stop=stop)
+        assert engine.on(Ran(verdict)) == [*saves, NextEpoch()]
+        assert engine.on(Ran(Facts(trained=stop, trained_any=True))) == (
+            [Become(Phase.FINISHING), Settle()] if stop
+            else [Become(Phase.TRAINING), PublishReady(), EndStep()]
+        )
+        if stop:
+            engine.on(Ran(Facts(trained=True, trained_any=True)))
+    # The job ended while the evaluation was awaited: the step ends, nothing is written.
+    engine.on(Boundary(Facts(epoch_open=True)))
+    engine.on(Ran(Facts(epoch_open=True)))
+    engine.on(Ran(judged))
+    assert engine.on(Ran(Facts(terminal=True, judged_best=True))) == [EndStep()]
 
 
 def test_a_cancel_commits_a_segment_sent_across_the_epochs_end_in_its_epoch() -> None:
@@ -491,7 +586,7 @@ def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed()
     cancel = Facts(cancel_requested=True, in_flight=True, epoch_open=True)
     assert engine.on(Boundary(cancel)) == [Become(Phase.CANCELLING), CommitInFlight()]
     done = Facts(cancel_requested=True, epoch_open=True, epoch_complete=True)
-    assert engine.on(Ran(done)) == [EndEpoch()]
+    assert engine.on(Ran(done)) == END
     # That was the last epoch: the job finishes SUCCEEDED, not CANCELLED.
     trained = Facts(cancel_requested=True, trained=True, trained_any=True)
     assert engine.on(Ran(trained)) == [Become(Phase.FINISHING), Settle()]
@@ -517,7 +612,7 @@ def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_
     engine = SyncEngine()
     engine.on(Boundary(Facts(epoch_open=True)))
     engine.on(Ran(Facts(epoch_open=True)))
-    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True))) == [EndEpoch()]
+    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True))) == END
     trained = Facts(trained=True, trained_any=True)
     assert engine.on(Ran(trained)) == [Become(Phase.FINISHING), Settle()]
     assert engine.on(Ran(trained)) == [SaveModel("end"), FinishSucceeded(), EndStep()]

@@ -31,6 +31,10 @@ One boundary, as the engine decides it:
   update; refused, it takes effect after the segment); after a failed segment, absorb the
   one sent ahead of it (what it trained past the failure is committed), in the next epoch
   when the failed one completed this; publish the evaluations that are in;
+* an epoch's end: verify and record it (ENDING_EPOCH); when its checkpoint is due or the
+  epoch is judged (early stopping, keep_best), await its evaluation first; a judged epoch's
+  judgement decides the checkpoints (the best so far; early stopping's, when the job keeps
+  them); then the next epoch begins where they were written;
 * once every epoch is trained and a member holds the final state: FINISHING, the last
   evaluations awaited, then the model handed out and the job SUCCEEDED. A cancel that
   comes meanwhile wins at the next boundary; a holder lost meanwhile makes the next
@@ -69,8 +73,10 @@ from dynabatch.scheduler.core.sync.messages import (
     Facts,
     FinishCancelled,
     FinishSucceeded,
+    JudgeEpoch,
     LoadData,
     MarkRunning,
+    NextEpoch,
     PollNodes,
     PostPlanUpdate,
     PublishReady,
@@ -173,6 +179,18 @@ class Ending:
 
 
 @dataclass(frozen=True, slots=True)
+class Judging:
+    """The epoch ended and its evaluation was awaited: waiting for its judgement (best so
+    far; early stopping), which decides the checkpoints written before the next epoch.
+    ``then``: where the epoch's end returns; ``due``: the epoch's checkpoint is due anyway;
+    ``keeps``: the job keeps checkpoints (early stopping's is written only then)."""
+
+    then: Ending | EndingToAbsorb | CancelEndingEpoch
+    due: bool
+    keeps: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Finishing:
     """Every epoch is trained: waiting for the last evaluations. ``cancelling``: a
     cancellation's last segment completed the last epoch, so the job succeeds."""
@@ -212,6 +230,7 @@ LoopState = (
     | EndingToAbsorb
     | Absorbing
     | Ending
+    | Judging
     | Finishing
     | CancelCommitting
     | CancelEndingEpoch
@@ -270,13 +289,11 @@ class SyncEngine:
                     # The segment failed with the next one sent: what that one trained past
                     # the failure is committed, in the next epoch when it completed this one.
                     if f.epoch_complete:
-                        self.state = EndingToAbsorb()
-                        return [EndEpoch()]
+                        return self._end_epoch(f, EndingToAbsorb())
                     self.state = Absorbing()
                     return [AbsorbAhead()]
                 if f.epoch_complete:
-                    self.state = Ending()
-                    return [EndEpoch()]
+                    return self._end_epoch(f, Ending())
                 if ok and f.check_due:
                     self.state = Checking()
                     return [Replan("check")]
@@ -288,9 +305,19 @@ class SyncEngine:
                 return [Become(Phase.TRAINING), BeginEpoch(), AbsorbAhead()]
             case Absorbing(), Ran(f):
                 if f.epoch_complete:  # what it trained completed the epoch
-                    self.state = Ending()
-                    return [EndEpoch()]
+                    return self._end_epoch(f, Ending())
                 return self._rest(PublishReady(), EndStep())
+            case Judging(then, due, keeps), Ran(f):
+                if f.terminal:  # the job ended while the evaluation was awaited
+                    self.state = then
+                    return self.on(event)
+                best = [Checkpoint("best")] if f.judged_best else []
+                if due:
+                    save = [Checkpoint("epoch")]
+                else:
+                    save = [Checkpoint("early stopping")] if f.judged_stop and keeps else []
+                self.state = then
+                return [*best, *save, NextEpoch()]
             case Checking(), Ran(f):
                 return self._replanned(f, opening=False)
             case Posting(opening), Ran(f):
@@ -311,8 +338,7 @@ class SyncEngine:
                 return self._settle(f) if cancelling else self._rest(EndStep())
             case CancelCommitting(), Ran(f):
                 if f.epoch_complete and f.epoch_open:
-                    self.state = CancelEndingEpoch()
-                    return [EndEpoch()]
+                    return self._end_epoch(f, CancelEndingEpoch())
                 return self._settle(f)
             case CancelEndingEpoch(), Ran(f):
                 if f.terminal:
@@ -404,6 +430,21 @@ class SyncEngine:
         across = ahead and c is not None and can_cross_epoch(**asdict(c))
         self.state = Training()
         return [TrainSegment(ahead=ahead, across=across)]
+
+    def _end_epoch(self, f: Facts, then: Ending | EndingToAbsorb | CancelEndingEpoch
+                   ) -> list[Command]:
+        """The protocol's epoch is complete: end it, then (``then``) finish or go back to
+        what its end interrupted. A checkpoint due, or an epoch judged by its evaluation,
+        waits for that evaluation first (the checkpoint holds the epoch's record, scores
+        included); a judged epoch's checkpoints follow from its judgement. Then the next
+        epoch: the checkpoints are written as its start."""
+        end = [Become(Phase.ENDING_EPOCH), EndEpoch()]
+        if f.judges_epochs:
+            self.state = Judging(then, due=f.checkpoint_due, keeps=f.keeps_checkpoints)
+            return [*end, Settle(), JudgeEpoch()]
+        self.state = then
+        due = [Settle(), Checkpoint("epoch")] if f.checkpoint_due else []
+        return [*end, *due, NextEpoch()]
 
     def _finishing(self, f: Facts, cancelling: bool) -> list[Command]:
         """Every epoch is trained and a member holds the final state: await the last

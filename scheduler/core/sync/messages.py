@@ -64,6 +64,16 @@ class Facts:
     # A re-plan changed the batches from a step inside the segment in flight: its workers
     # have not been sent it yet.
     update_offered: bool = False
+    # At the end of the protocol's epoch (read before it ends): the job's checkpoint is due
+    # at the next epoch's start; each epoch is judged by its evaluation (early_stopping,
+    # checkpoint.keep_best); the job keeps checkpoints at all.
+    checkpoint_due: bool = False
+    judges_epochs: bool = False
+    keeps_checkpoints: bool = False
+    # What judging the epoch that ended said: it is the best by keep_best's metric; early
+    # stopping ends the training after it.
+    judged_best: bool = False
+    judged_stop: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,9 +202,22 @@ class AbsorbAhead:
 
 @dataclass(frozen=True, slots=True)
 class EndEpoch:
-    """Verify, record and checkpoint the epoch; queue its evaluation (ENDING_EPOCH: the
-    engine then moves the loop on, to FINISHING or back to what the epoch's end
-    interrupted)."""
+    """Verify the epoch from the workers' reports (the job fails when the exactly-once check
+    does not hold), build its record and queue its evaluation (unless that was sent
+    ahead). The record is published when the evaluation is in."""
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeEpoch:
+    """Judge the epoch that ended by its evaluation (awaited first): whether it is the best
+    by keep_best's metric, and whether early stopping ends the training after it."""
+
+
+@dataclass(frozen=True, slots=True)
+class NextEpoch:
+    """Close the epoch that ended: the protocol moves to the next epoch's start (the job
+    shows it from now on; training ends there when early stopping said so), and the
+    evaluations that are in are published."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,9 +237,12 @@ class Settle:
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """Write the job's checkpoint (when it keeps them)."""
+    """Write the job's checkpoint (when it keeps them). ``reason``: ``cancel`` (where the job
+    stands), or at the end of an epoch, as the start of the next: ``epoch`` (due),
+    ``early stopping`` (the training ends), ``best`` (the best epoch so far by keep_best's
+    metric, written beside the latest)."""
 
-    reason: str
+    reason: Literal["cancel", "epoch", "early stopping", "best"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +283,8 @@ Command = (
     | TrainSegment
     | AbsorbAhead
     | EndEpoch
+    | JudgeEpoch
+    | NextEpoch
     | PublishReady
     | CommitInFlight
     | Settle
