@@ -338,6 +338,7 @@ def sim_runtime(
     clock: SimClock | None = None,
     runtime: type[SimRuntime] = SimRuntime,
     start_s: float = 0.0,
+    events: list[dict] | None = None,
 ) -> SimRuntime:
     """A :class:`SimRuntime` over ``nodes`` nodes named ``node00``, ``node01``...: node ``i``
     takes ``overhead_s + b / speeds.get(i, 1000.0)`` seconds for a share of ``b`` samples
@@ -347,7 +348,10 @@ def sim_runtime(
     samples and 100 held out (``gradients``: the simulator's model replicas, :class:`Lineages`
     or the real gradient engine; None for timing only). Node ``i`` is the one node of class
     ``node{i:02d}``: a fault names it ``{"class": "node02", "index": 0}``. ``runtime``: the
-    class to build, a test's subclass of :class:`SimRuntime` (a defective runtime, say)."""
+    class to build, a test's subclass of :class:`SimRuntime` (a defective runtime, say).
+    ``events``: the cluster file's ``events:`` (a node that fails or joins at a time or at
+    an (epoch, step), as ``{"epoch": 1, "step": 6, "fail": {"class": "node01", "index": 0}}``;
+    a node that joins is named ``node01-00001``, the second of its class)."""
     speeds = speeds or {}
     classes = [
         {
@@ -364,6 +368,7 @@ def sim_runtime(
                 "classes": classes,
                 "allreduce": {"alpha_ms": 0.0, "beta_ms_per_mb": 0.0},
                 "recovery": {"detect_s": 0.0, "regroup_s": 0.0, "start_s": start_s},
+                "events": events or [],
             }
         )
     )

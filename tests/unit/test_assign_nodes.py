@@ -1,15 +1,15 @@
 """Issue 31 item 4 (its seam): "train on these nodes" on the job's control interface.
 
 The pure decision (:func:`placement_plan`, :meth:`Membership.handover`) is checked by
-properties; the synchronous driver (the real coordinator over ``tests.fakes``) is checked to
-move, grow and shrink a running job by assignment at step boundaries, with every epoch
-verified and no step lost, and to refuse a bad assignment with its reason.
+properties; the synchronous driver (the real coordinator on the simulator's runtime,
+``tests.fakes.sim_runtime``) is checked to move, grow and shrink a running job by assignment
+at step boundaries, with every epoch verified and no step lost, and to refuse a bad
+assignment with its reason.
 """
 
 from __future__ import annotations
 
 import pytest
-from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import (
     Membership,
@@ -19,11 +19,13 @@ from dynabatch.scheduler.core.membership import (
     slowest_first,
 )
 from dynabatch.scheduler.core.sync.protocol import Position
+from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.fakes import FakeRuntime
+from tests.fakes import Lineages, sim_runtime
+from tests.unit.test_engine_faults import SPE, N, _spec
 
 
 def _cpu(g):
@@ -165,27 +167,21 @@ def test_a_node_not_alive_gets_no_worker_and_is_reported():
 
 
 # --- the driver ---------------------------------------------------------------------------
-N, B = 1000, 64
-SPE = -(-N // B)
-
-
-def _coord(nodes: int = 3, **kw) -> tuple[Coordinator, FakeRuntime]:
-    base = dict(
-        workers=2,
-        min_workers=1,
-        max_workers=2,
-        global_batch=B,
-        epochs=4,
-        policy="affine",
-        rebalance={"mode": "adaptive"},
-        collective_timeout_s=2,
-        worker_wait_timeout_s=5,
-        start_timeout_s=5,
+def _coord(
+    nodes: int = 3, events: list[dict] | None = None, **kw
+) -> tuple[Coordinator, SimRuntime, Lineages]:
+    """Two workers (at most two) on ``nodes`` nodes, with the cluster's ``events``."""
+    spec = _spec(**{"workers": 2, "max_workers": 2, "epochs": 4, **kw})
+    lineages = Lineages()
+    rt = sim_runtime(
+        spec,
+        n_train=N,
+        nodes=nodes,
+        speeds={0: 1000, 1: 500, 2: 250, 3: 800},
+        gradients=lineages,
+        events=events,
     )
-    base.update(kw)
-    spec = JobSpec.model_validate(base)
-    rt = FakeRuntime(spec, n_train=N, nodes=nodes, speeds={0: 1000, 1: 500, 2: 250, 3: 800})
-    return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
+    return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt, lineages
 
 
 def _run_to_epoch(coord: Coordinator, epoch: int) -> None:
@@ -193,7 +189,7 @@ def _run_to_epoch(coord: Coordinator, epoch: int) -> None:
         assert coord.step(), coord.snapshot().reason
 
 
-def _assert_done(coord: Coordinator, rt: FakeRuntime) -> None:
+def _assert_done(coord: Coordinator, lineages: Lineages) -> None:
     snap = coord.snapshot()
     assert snap.state == JobState.SUCCEEDED, snap.reason
     hist = coord.history()
@@ -202,7 +198,7 @@ def _assert_done(coord: Coordinator, rt: FakeRuntime) -> None:
         assert r.verified and r.samples_trained == r.dataset_size == N, r
     full = [(e, s) for e in range(coord.spec.epochs) for s in range(SPE)]
     for w in coord.job.membership.worker_ids:  # no step lost: each holds every step once
-        assert rt.lineage(w) == full, w
+        assert lineages.lineage(w) == full, w
 
 
 def _nodes_of(coord: Coordinator) -> dict[str, int]:
@@ -213,36 +209,36 @@ def _nodes_of(coord: Coordinator) -> dict[str, int]:
 
 
 def test_a_running_job_moves_from_two_nodes_to_two_others_at_a_step_boundary():
-    coord, rt = _coord()
+    coord, rt, lineages = _coord()
     _run_to_epoch(coord, 1)
     assert _nodes_of(coord) == {"node00": 1, "node01": 1}
     coord.assign({"node01": 1, "node02": 1})
     _run_to_epoch(coord, 2)
     assert _nodes_of(coord) == {"node01": 1, "node02": 1}
     coord.run()
-    _assert_done(coord, rt)
+    _assert_done(coord, lineages)
     events = [(e.kind, e.worker, e.node) for e in coord.membership_events()]
     assert ("leave", "w0", "node00") in events and ("join", "w2", "node02") in events
     assert [e for e in events if e[0] in ("failure", "evict")] == []
-    assert rt.killed[:1] == ["w0"]
+    assert rt.record.killed[:1] == ["w0"]
 
 
 def test_a_job_moved_to_entirely_new_nodes_hands_its_state_over():
     """Nobody on the new nodes holds the state yet: the old workers stay until the new
     ones have joined a regroup, then leave (a drain first would lose the state)."""
-    coord, rt = _coord(nodes=4, min_workers=2)
+    coord, _, lineages = _coord(nodes=4, min_workers=2)
     _run_to_epoch(coord, 1)
     coord.assign({"node02": 1, "node03": 1})
     _run_to_epoch(coord, 3)
     assert _nodes_of(coord) == {"node02": 1, "node03": 1}
     coord.run()
-    _assert_done(coord, rt)
+    _assert_done(coord, lineages)
     leaves = {e.worker for e in coord.membership_events() if e.kind == "leave"}
     assert leaves == {"w0", "w1"}
 
 
 def test_grow_then_shrink_by_assignment():
-    coord, rt = _coord(epochs=5, max_workers=4)
+    coord, _, lineages = _coord(epochs=5, max_workers=4)
     _run_to_epoch(coord, 1)
     coord.assign({"node00": 2, "node01": 1, "node02": 1})  # grow: 2 -> 4
     _run_to_epoch(coord, 2)
@@ -250,12 +246,12 @@ def test_grow_then_shrink_by_assignment():
     _run_to_epoch(coord, 3)
     coord.assign({"node00": 1})  # shrink: 4 -> 1, the fastest on node00 stays
     coord.run()
-    _assert_done(coord, rt)
+    _assert_done(coord, lineages)
     assert coord.job.membership.worker_ids == ("w0",)
 
 
 def test_bad_assignments_and_own_resizing_are_refused_with_reasons():
-    coord, _ = _coord(min_workers=2, max_workers=3)
+    coord, _, _ = _coord(min_workers=2, max_workers=3)
     _run_to_epoch(coord, 1)
     with pytest.raises(ValueError, match=r"above the job's maximum of 3 \(max_workers\)"):
         coord.assign({"node00": 2, "node01": 2})
@@ -276,15 +272,17 @@ def test_bad_assignments_and_own_resizing_are_refused_with_reasons():
 
 
 def test_an_assigned_node_not_alive_is_said_until_it_joins():
-    coord, rt = _coord()
+    # A second node of class node02 joins the cluster at step 8 of epoch 2.
+    late = "node02-00001"
+    coord, rt, lineages = _coord(events=[{"epoch": 2, "step": 8, "join": {"class": "node02"}}])
     _run_to_epoch(coord, 1)
-    coord.assign({"node00": 1, "node09": 1})
+    coord.assign({"node00": 1, late: 1})
     _run_to_epoch(coord, 2)
+    assert late not in {n.node_id for n in rt.nodes()}  # not joined yet
     snap = coord.snapshot()
     assert _nodes_of(coord) == {"node00": 1}
     assert "1 of 2 assigned workers placed" in (snap.reason or ""), snap.reason
-    rt.add_node("node09")
     coord.run()
-    _assert_done(coord, rt)
-    assert _nodes_of(coord) == {"node00": 1, "node09": 1}
+    _assert_done(coord, lineages)
+    assert _nodes_of(coord) == {"node00": 1, late: 1}
     assert coord.snapshot().reason is None

@@ -46,26 +46,56 @@ def _payload() -> dict[str, Any]:
     """The dict scheduler/sync/coordinator.py's _checkpoint saves, built from the real parts."""
     spec = parse_spec({"epochs": 3, "checkpoint": {"dir": "/ckpt"}, "workers": 2})
     # A ledger mid-epoch, filled from real worker reports (as the coordinator keeps it).
-    protocol = SyncProtocol(global_batch=64, dataset_size=1000, seed=0,
-                            position=Position(1, 0))
-    protocol.replan(make_policy("affine"), [WorkerTelemetry(worker="w0"),
-                                            WorkerTelemetry(worker="w1")])
+    protocol = SyncProtocol(global_batch=64, dataset_size=1000, seed=0, position=Position(1, 0))
+    protocol.replan(
+        make_policy("affine"), [WorkerTelemetry(worker="w0"), WorkerTelemetry(worker="w1")]
+    )
     ledger = Ledger()
     ledger.begin_epoch(1, 1000)
     for step in zip(*(p.steps for p in protocol.plan_segment().values()), strict=True):
-        ledger.commit([StepTelemetry(
-            worker=f"w{i}", epoch=1, step=sp.step, batch=sp.own_size, samples=sp.own_size,
-            compute_s=0.01, wait_s=0.0, loss_sum=1.5, start=sp.own_start, step_start=sp.start,
-            step_size=sp.size, coverage=((1, sp.size),)) for i, sp in enumerate(step)])
+        ledger.commit(
+            [
+                StepTelemetry(
+                    worker=f"w{i}",
+                    epoch=1,
+                    step=sp.step,
+                    batch=sp.own_size,
+                    samples=sp.own_size,
+                    compute_s=0.01,
+                    wait_s=0.0,
+                    loss_sum=1.5,
+                    start=sp.own_start,
+                    step_start=sp.start,
+                    step_size=sp.size,
+                    coverage=((1, sp.size),),
+                )
+                for i, sp in enumerate(step)
+            ]
+        )
     ledger.retry(64)
     stats = WorkerEpochStats(
-        worker="w0", node="n0", batch=32, partition=500, steps=16, compute_s=0.5, wait_s=0.1,
+        worker="w0",
+        node="n0",
+        batch=32,
+        partition=500,
+        steps=16,
+        compute_s=0.5,
+        wait_s=0.1,
         throughput=1000.0,
     )
     record = EpochRecord(
-        epoch=0, wall_s=1.5, steps=16, dataset_size=1000, samples_trained=1000,
-        train_loss=0.7, test_loss=None, test_accuracy=0.9, utilization=0.8,
-        compute_balance=0.95, policy="affine", workers=[stats],
+        epoch=0,
+        wall_s=1.5,
+        steps=16,
+        dataset_size=1000,
+        samples_trained=1000,
+        train_loss=0.7,
+        test_loss=None,
+        test_accuracy=0.9,
+        utilization=0.8,
+        compute_balance=0.95,
+        policy="affine",
+        workers=[stats],
     )
     return {
         "job_id": JOB,
@@ -182,17 +212,27 @@ def test_saving_what_a_load_would_refuse_fails_at_once(
 
 # checkpoint.from: a new job starts from another job's checkpoint ---------------------
 def _fake_job(job_id: str, **kw: Any) -> tuple[Any, Any]:
-    """The real coordinator on the fake runtime, whose workers' "weights" are the list of
-    the (epoch, step) updates they applied."""
+    """The real coordinator on the simulator's runtime, whose workers' "weights" (the test's
+    :class:`~tests.fakes.Lineages`) are the list of the (epoch, step) updates they applied."""
     from dynabatch.scheduler.sync.coordinator import Coordinator
 
-    from tests.fakes import FakeRuntime
+    from tests.fakes import Lineages, sim_runtime
 
-    spec = parse_spec({"workers": 2, "min_workers": 1, "global_batch": 64, "epochs": 1,
-                       "collective_timeout_s": 2, "worker_wait_timeout_s": 5,
-                       "start_timeout_s": 5, **kw})
-    rt = FakeRuntime(spec, n_train=256, speeds={0: 1000, 1: 500})
-    return Coordinator(job_id, spec, runtime=rt, clock=rt.clock), rt
+    spec = parse_spec(
+        {
+            "workers": 2,
+            "min_workers": 1,
+            "global_batch": 64,
+            "epochs": 1,
+            "collective_timeout_s": 2,
+            "worker_wait_timeout_s": 5,
+            "start_timeout_s": 5,
+            **kw,
+        }
+    )
+    lineages = Lineages()
+    rt = sim_runtime(spec, n_train=256, speeds={0: 1000, 1: 500}, gradients=lineages)
+    return Coordinator(job_id, spec, runtime=rt, clock=rt.clock), lineages
 
 
 def test_checkpoint_from_round_trips_and_is_named_on_error() -> None:
@@ -208,8 +248,7 @@ def test_checkpoint_from_round_trips_and_is_named_on_error() -> None:
             parse_spec({"checkpoint": bad})
         assert str(info.value).startswith(needle) and "\n" not in str(info.value)
     with pytest.raises(SpecError) as info:
-        parse_spec({"checkpoint": {"from": "/c.pt"}, "workers": 2,
-                    "protocol": {"name": "ps"}})
+        parse_spec({"checkpoint": {"from": "/c.pt"}, "workers": 2, "protocol": {"name": "ps"}})
     assert "checkpoint.from: protocol ps" in str(info.value)
 
 
@@ -230,22 +269,22 @@ def test_checkpoint_from_must_resolve_under_an_allowed_root(tmp_path: Path) -> N
 
 
 def test_a_job_starts_from_another_jobs_checkpoint(tmp_path: Path) -> None:
-    first, rt1 = _fake_job("job-a", checkpoint={"dir": str(tmp_path)})
+    first, lin1 = _fake_job("job-a", checkpoint={"dir": str(tmp_path)})
     first.run()
     assert first.snapshot().state.value == "SUCCEEDED", first.snapshot().reason
-    trained = rt1.lineage(first.job.membership.worker_ids[0])
+    trained = lin1.lineage(first.job.membership.worker_ids[0])
     assert trained, "the first job trained"
 
     source = checkpoint_path(tmp_path, "job-a")
-    second, rt2 = _fake_job("job-b", epochs=2, checkpoint={"from": str(source)})
+    second, lin2 = _fake_job("job-b", epochs=2, checkpoint={"from": str(source)})
     second.run()
     snap = second.snapshot()
     assert snap.state.value == "SUCCEEDED", snap.reason
     # Its weights went on from the first job's: those updates, then its own two epochs.
-    lineage = rt2.lineage(second.job.membership.worker_ids[0])
+    lineage = lin2.lineage(second.job.membership.worker_ids[0])
     assert lineage[: len(trained)] == trained
-    assert [e for e, _ in lineage[len(trained):]] == sorted(e for e, _ in lineage[len(trained):])
-    assert {e for e, _ in lineage[len(trained):]} == {0, 1}
+    assert [e for e, _ in lineage[len(trained) :]] == sorted(e for e, _ in lineage[len(trained) :])
+    assert {e for e, _ in lineage[len(trained) :]} == {0, 1}
     assert [r.epoch for r in second.history()] == [0, 1]  # its own history, from epoch 0
     assert any(f"starting from checkpoint {source}" in x.message for x in second.logs())
 
@@ -267,14 +306,20 @@ def test_checkpoint_from_keeps_the_optimizer_state_only_for_the_same_optimizer(
     tmp_path: Path, optimizer: str, keeps: bool
 ) -> None:
     save_checkpoint(tmp_path, JOB, _payload())  # written by an SGD job
-    job, _ = _fake_job("job-d", optimizer={"name": optimizer},
-                       checkpoint={"from": str(checkpoint_path(tmp_path, JOB))})
+    job, _ = _fake_job(
+        "job-d",
+        optimizer={"name": optimizer},
+        checkpoint={"from": str(checkpoint_path(tmp_path, JOB))},
+    )
     weights = job.job.restored_weights
     assert weights is not None and set(weights["model"]) == set(_payload()["weights"]["model"])
     assert ("optimizer" in weights) is keeps
     (line,) = [x.message for x in job.logs() if x.message.startswith("starting from")]
-    assert line.endswith("weights and optimizer state" if keeps else
-                         "weights (its sgd optimizer state does not fit adam: not loaded)")
+    assert line.endswith(
+        "weights and optimizer state"
+        if keeps
+        else "weights (its sgd optimizer state does not fit adam: not loaded)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """early_stopping and checkpoint.keep_best (issue 33, item 3), on the real coordinator over
-the fake runtime: its held-out loss is 1.0 every epoch (it never improves) and its accuracy
-is the share of 100 steps the weights trained (it improves every epoch)."""
+the simulator's runtime with the test's model replicas (``tests.fakes.Lineages``): its
+held-out loss is 1.0 every epoch (it never improves) and its accuracy is the share of 100
+steps the weights trained (it improves every epoch)."""
 
 from __future__ import annotations
 
@@ -17,23 +18,10 @@ STEPS = 4  # steps per epoch: 256 samples at a global batch of 64
 
 
 def _job(job_id: str, **kw: Any) -> tuple[Any, Any]:
-    from dynabatch.scheduler.sync.coordinator import Coordinator
+    """test_checkpoint's job of 2 workers on 256 samples, for 6 epochs unless told."""
+    from tests.unit.test_checkpoint import _fake_job
 
-    from tests.fakes import FakeRuntime
-
-    spec = parse_spec(
-        {
-            "workers": 2,
-            "global_batch": 64,
-            "epochs": 6,
-            "collective_timeout_s": 2,
-            "worker_wait_timeout_s": 5,
-            "start_timeout_s": 5,
-            **kw,
-        }
-    )
-    rt = FakeRuntime(spec, n_train=256, speeds={0: 1000, 1: 500})
-    return Coordinator(job_id, spec, runtime=rt, clock=rt.clock), rt
+    return _fake_job(job_id, **{"epochs": 6, **kw})
 
 
 def test_a_metric_that_stops_improving_ends_the_job_succeeded_early():

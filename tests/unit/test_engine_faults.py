@@ -6,9 +6,15 @@ plans that become infeasible.
 After every run two things are checked from what happened, not from the plan:
 
 * each epoch's record is ``verified`` by the ledger, from the workers' reports;
-* the surviving model's lineage (the fake workers' "weights" are the list of the
-  (epoch, step) updates they applied) is every step of every epoch, each exactly once:
-  nothing skipped, nothing applied twice, never restarted from fresh weights.
+* the surviving model's lineage (the workers' "weights", the test's
+  :class:`~tests.fakes.Lineages`, are the list of the (epoch, step) updates they applied) is
+  every step of every epoch, each exactly once: nothing skipped, nothing applied twice,
+  never restarted from fresh weights.
+
+The runtime is the simulator's (``tests.fakes.sim_runtime``: node ``i`` computes like the
+worker of ordinal ``i``) with its fault script (:class:`~dynabatch.scheduler.sim.cluster_spec.
+Fault`, workers named by ordinal); nodes fail and join between two steps of the driver as
+the simulated cluster's events (:class:`_Cluster`).
 """
 
 from __future__ import annotations
@@ -16,34 +22,85 @@ from __future__ import annotations
 import pytest
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.runtime.seam import ShardResult
+from dynabatch.scheduler.sim.cluster_spec import Event, Fault
+from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import FakeRuntime
+from tests.fakes import FakeRuntime, Lineages, sim_runtime
 
 N, B = 1000, 64  # 16 steps per epoch, the last one partial (40 samples)
 SPE = -(-N // B)
 
 
 def _spec(**kw) -> JobSpec:
-    base = dict(workers=3, min_workers=1, global_batch=B, epochs=3, policy="affine",
-                rebalance={"mode": "adaptive"}, collective_timeout_s=2, worker_wait_timeout_s=5,
-                start_timeout_s=5)
+    base = dict(
+        workers=3,
+        min_workers=1,
+        global_batch=B,
+        epochs=3,
+        policy="affine",
+        rebalance={"mode": "adaptive"},
+        collective_timeout_s=2,
+        worker_wait_timeout_s=5,
+        start_timeout_s=5,
+    )
     base.update(kw)
     return JobSpec.model_validate(base)
 
 
+SPEEDS = {0: 1000, 1: 500, 2: 250}
+
+
 def _coord(spec: JobSpec, n: int = N, **kw) -> tuple[Coordinator, FakeRuntime]:
-    rt = FakeRuntime(spec, n_train=n, speeds={0: 1000, 1: 500, 2: 250}, **kw)
+    """The coordinator on the tests' fake runtime: kept for the two infeasible-plan tests below
+    (the simulator offers a node its worker holds to a second worker) and for
+    test_plan_update and test_snapshot_counts, which import it, until they move to the
+    simulator's runtime."""
+    rt = FakeRuntime(spec, n_train=n, speeds=SPEEDS, **kw)
     return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
+
+
+class _Cluster(SimRuntime):
+    """The simulator's runtime whose cluster a test changes between two steps of the driver:
+    a node fails, or nodes join, as the simulated cluster's events do at that moment."""
+
+    def _event(self, **what) -> None:
+        now = self.clock.now()
+        self._fire(Event(at_s=now, **what), now)
+
+    def fail(self, node_class: str) -> None:
+        """The one node of ``node_class`` fails (its worker is lost with it)."""
+        self._event(fail={"class": node_class, "index": 0})
+
+    def join(self, count: int) -> None:
+        """``count`` new nodes join (fast ones, of node00's class)."""
+        self._event(join={"class": "node00", "count": count})
+
+
+def _job(
+    spec: JobSpec, *faults: Fault, n: int = N, nodes: int = 3, runtime: type[SimRuntime] = _Cluster
+) -> tuple[Coordinator, _Cluster, Lineages]:
+    """The coordinator on the simulator's runtime with the fault script ``faults``; the
+    workers' model replicas are the test's :class:`Lineages`."""
+    lineages = Lineages()
+    rt = sim_runtime(
+        spec, n_train=n, nodes=nodes, speeds=SPEEDS, gradients=lineages, runtime=runtime
+    )
+    for f in faults:
+        rt.inject(f)
+    return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt, lineages
 
 
 def _full_lineage(epochs: int, spe: int = SPE) -> list[tuple[int, int]]:
     return [(e, s) for e in range(epochs) for s in range(spe)]
 
 
-def _assert_exactly_once(coord: Coordinator, rt: FakeRuntime, n: int = N, spe: int = SPE):
+def _assert_exactly_once(coord: Coordinator, model: Lineages, n: int = N, spe: int = SPE):
+    """The job succeeded, every epoch verified, and the survivor's weights (``model``: what
+    answers ``lineage(worker)``) hold every step of every epoch once, in order."""
     snap = coord.snapshot()
     assert snap.state == JobState.SUCCEEDED, snap.reason
     hist = coord.history()
@@ -52,7 +109,7 @@ def _assert_exactly_once(coord: Coordinator, rt: FakeRuntime, n: int = N, spe: i
         assert r.verified and r.samples_trained == r.dataset_size == n, r
         assert sum(w.partition for w in r.workers) <= n
     survivor = coord.job.membership.worker_ids[0]
-    assert rt.lineage(survivor) == _full_lineage(coord.spec.epochs, spe)
+    assert model.lineage(survivor) == _full_lineage(coord.spec.epochs, spe)
 
 
 def _run_to(coord: Coordinator, epoch: int, step: int) -> None:
@@ -61,12 +118,12 @@ def _run_to(coord: Coordinator, epoch: int, step: int) -> None:
 
 
 @pytest.mark.parametrize("step", [0, SPE // 2, SPE - 1], ids=["first", "middle", "last"])
-@pytest.mark.parametrize("worker", ["w0", "w2"])
-def test_worker_lost_at_any_step_of_an_epoch(step, worker):
-    coord, rt = _coord(_spec())
-    rt.inject("die", worker, epoch=1, step=step)
+@pytest.mark.parametrize("ordinal", [0, 2], ids=["w0", "w2"])
+def test_worker_lost_at_any_step_of_an_epoch(step, ordinal):
+    worker = f"w{ordinal}"
+    coord, _, lineages = _job(_spec(), Fault(kind="die", worker=ordinal, epoch=1, step=step))
     coord.run()
-    _assert_exactly_once(coord, rt)
+    _assert_exactly_once(coord, lineages)
     failures = [e for e in coord.membership_events() if e.kind == "failure"]
     assert [e.worker for e in failures] == [worker]
     assert coord.snapshot().retried_samples_total > 0
@@ -74,40 +131,46 @@ def test_worker_lost_at_any_step_of_an_epoch(step, worker):
 
 def test_loss_at_the_end_when_n_is_a_multiple_of_b():
     n = 10 * B
-    coord, rt = _coord(_spec(), n=n)
-    rt.inject("die", "w1", epoch=0, step=9)
+    coord, _, lineages = _job(_spec(), Fault(kind="die", worker=1, epoch=0, step=9), n=n)
     coord.run()
-    _assert_exactly_once(coord, rt, n=n, spe=10)
+    _assert_exactly_once(coord, lineages, n=n, spe=10)
 
 
 def test_uneven_failure_takes_the_survivor_that_got_furthest():
-    coord, rt = _coord(_spec(), uneven_failure=True)
-    rt.inject("die", "w2", epoch=0, step=5)
+    coord, rt, lineages = _job(_spec(), Fault(kind="die", worker=2, epoch=0, step=5, uneven=True))
     coord.run()
-    _assert_exactly_once(coord, rt)
+    _assert_exactly_once(coord, lineages)
+    # w0, the first survivor, applied step 5 before w2's death broke the step off: training
+    # went on from step 6 with its weights.
+    segments = [next(iter(plans.values())) for plans in rt.record.plans]
+    firsts = [(seg.epoch, seg.steps[0].step) for seg in segments]
+    assert firsts[firsts.index((0, 5)) + 1] == (0, 6), firsts
 
 
-@pytest.mark.parametrize(("kind", "worker", "nth"), [
-    ("die_in_regroup", "w1", 1),  # a newcomer of the first generation
-    ("die_in_regroup", "w0", 1),  # rank 0, the source of the state
-    ("die_in_checkpoint", "w0", 2),  # the holder asked for the state, at epoch 2's end
-    ("die_in_eval", "w0", 2),
-])
-def test_worker_lost_in_a_regroup_a_checkpoint_or_an_evaluation(kind, worker, nth, tmp_path):
-    coord, rt = _coord(_spec(checkpoint={"dir": str(tmp_path)}))
-    rt.inject(kind, worker, nth=nth)
+@pytest.mark.parametrize(
+    ("kind", "ordinal", "nth"),
+    [
+        ("die_in_regroup", 1, 1),  # a newcomer of the first generation
+        ("die_in_regroup", 0, 1),  # rank 0, the source of the state
+        ("die_in_checkpoint", 0, 2),  # the holder asked for the state, at epoch 2's end
+        ("die_in_evaluation", 0, 2),
+    ],
+)
+def test_worker_lost_in_a_regroup_a_checkpoint_or_an_evaluation(kind, ordinal, nth, tmp_path):
+    fault = Fault(kind=kind, worker=ordinal, nth=nth)
+    coord, _, lineages = _job(_spec(checkpoint={"dir": str(tmp_path)}), fault)
     coord.run()
-    _assert_exactly_once(coord, rt)
-    assert [e.worker for e in coord.membership_events() if e.kind == "failure"] == [worker]
+    _assert_exactly_once(coord, lineages)
+    failures = [e.worker for e in coord.membership_events() if e.kind == "failure"]
+    assert failures == [f"w{ordinal}"]
     if kind == "die_in_checkpoint":  # another holder gave the state: the checkpoint exists
         assert any("checkpoint (epoch) at epoch 2" in x.message for x in coord.logs())
 
 
 def test_hung_worker_is_removed_and_training_goes_on():
-    coord, rt = _coord(_spec())
-    rt.inject("hang", "w1", epoch=0, step=4)
+    coord, _, lineages = _job(_spec(), Fault(kind="hang", worker=1, epoch=0, step=4))
     coord.run()
-    _assert_exactly_once(coord, rt)
+    _assert_exactly_once(coord, lineages)
     (ev,) = [e for e in coord.membership_events() if e.kind == "failure"]
     assert ev.worker == "w1" and "hung" in ev.reason
 
@@ -115,104 +178,109 @@ def test_hung_worker_is_removed_and_training_goes_on():
 @pytest.mark.parametrize("step", [0, 8], ids=["at-an-epoch-end", "mid-epoch"])
 def test_cancel_then_resume_verifies_every_epoch(step, tmp_path):
     spec = _spec(checkpoint={"dir": str(tmp_path)})
-    coord, _ = _coord(spec)
+    coord, _, _ = _job(spec)
     _run_to(coord, 1, step)  # step 0 of epoch 1: epoch 0 has just ended
     assert (coord.epoch, coord.step_in_epoch) == (1, step)
     coord.cancel()
     coord.run()
     assert coord.snapshot().state == JobState.CANCELLED
 
-    again, rt2 = _coord(spec)
+    again, _, lineages = _job(spec)
     again.run()
-    _assert_exactly_once(again, rt2)
+    _assert_exactly_once(again, lineages)
     # Worker ids continue after the checkpoint's: never reused for another worker.
     assert min(int(w[1:]) for w in again.job.membership.worker_ids) >= 3
 
 
 def test_resumed_weights_survive_the_loss_of_the_member_carrying_them(tmp_path):
     spec = _spec(checkpoint={"dir": str(tmp_path)})
-    coord, _ = _coord(spec)
+    coord, _, _ = _job(spec)
     _run_to(coord, 1, 5)
     coord.cancel()
     coord.run()
-    again, rt2 = _coord(spec)
-    rt2.inject("die_in_regroup", "w3")  # the first newcomer: rank 0, loaded with the weights
+    # The first newcomer, w3: rank 0, loaded with the weights.
+    again, _, lineages = _job(spec, Fault(kind="die_in_regroup", worker=3))
     again.run()
-    _assert_exactly_once(again, rt2)
+    _assert_exactly_once(again, lineages)
+    assert [e.worker for e in again.membership_events() if e.kind == "failure"] == ["w3"]
 
 
-def _lose_everyone(coord: Coordinator, rt: FakeRuntime) -> None:
-    for node in list(rt.node_ids):
-        rt.remove_node(node)
+def _lose_everyone(rt: _Cluster) -> None:
+    """Every node fails at once; as many fresh ones join."""
     for i in range(3):
-        rt.add_node(f"fresh{i}")
+        rt.fail(f"node{i:02d}")
+    rt.join(3)
 
 
 def test_every_holder_lost_rolls_back_to_the_checkpoint(tmp_path):
-    coord, rt = _coord(_spec(checkpoint={"dir": str(tmp_path)}))
+    coord, rt, lineages = _job(_spec(checkpoint={"dir": str(tmp_path)}))
     _run_to(coord, 1, 6)
-    _lose_everyone(coord, rt)
+    _lose_everyone(rt)
     coord.run()
-    _assert_exactly_once(coord, rt)
+    _assert_exactly_once(coord, lineages)
     assert any("rolling back" in line.message for line in coord.logs())
 
 
 def test_every_holder_lost_without_a_checkpoint_fails_with_the_reason():
-    coord, rt = _coord(_spec())
+    coord, rt, _ = _job(_spec())
     _run_to(coord, 1, 6)
-    _lose_everyone(coord, rt)
+    _lose_everyone(rt)
     snap = coord.run()
     assert snap.state == JobState.FAILED
     assert "no checkpoint" in snap.reason and "fresh" in snap.reason
-    assert rt.calls["regroup"] == 1  # never formed a group from fresh weights
+    assert rt.record.regroups == 1  # never formed a group from fresh weights
 
 
 def test_deterministic_error_fails_the_job_after_bounded_retries():
-    coord, rt = _coord(_spec(max_retries=2))
-    rt.inject("error", "w1", epoch=0, step=3)
+    coord, rt, _ = _job(_spec(max_retries=2), Fault(kind="error", worker=1, epoch=0, step=3))
     t0 = rt.clock.now()
     snap = coord.run()
     assert snap.state == JobState.FAILED
     assert "w1" in snap.reason and "InjectedFault" in snap.reason and "3 attempts" in snap.reason
-    assert rt.calls["segments"] <= 2 + 3  # the steps before, then 3 attempts
+    assert rt.record.segments <= 2 + 3  # the steps before, then 3 attempts
     assert rt.clock.now() - t0 < 4 * (coord.spec.collective_timeout_s + 1)
 
 
-def _stop_after(rt: FakeRuntime, evaluations: int) -> None:
-    """End a job that evaluates without end (as the driver did) instead of hanging the
-    test: the driver turns the raise into an internal error."""
-    def guard(name: str) -> None:
-        if rt.calls["evaluate"] >= evaluations:
-            raise RuntimeError(f"evaluated {evaluations} times")
-    rt.on_call = guard
+class _StopsEvaluating(_Cluster):
+    """Ends a job that evaluates without end (as the driver did) instead of hanging the
+    test: its 100th evaluation raises, and the driver turns the raise into an internal
+    error."""
+
+    def _evaluate(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
+        if self.record.evaluations >= 100:
+            raise RuntimeError("evaluated 100 times")
+        return super()._evaluate(shards)
 
 
 @pytest.mark.parametrize("checkpoints", [False, True], ids=["plain", "checkpointed"])
 def test_an_evaluation_that_always_raises_fails_the_job_after_bounded_retries(
-        checkpoints, tmp_path):
+    checkpoints, tmp_path
+):
     # A metric that passed the two-sample check at load time but raises on real batches:
     # w1's shard fails every time. The epochs' evaluations and the final one evaluated
     # again count as one budget; the job fails once it is spent, with one line.
     kw = {"checkpoint": {"dir": str(tmp_path)}} if checkpoints else {}
-    coord, rt = _coord(_spec(max_retries=5, **kw))
-    rt.inject("eval_error", "w1")
-    _stop_after(rt, 100)
+    error = "metrics.0: 'mae' failed on this dataset and model (ValueError: bad shape)"
+    fault = Fault(kind="eval_error", worker=1, error=error)
+    coord, rt, _ = _job(_spec(max_retries=5, **kw), fault, runtime=_StopsEvaluating)
     snap = coord.run()
     assert snap.state == JobState.FAILED, snap.reason
     assert "\n" not in snap.reason
     assert "evaluation of epoch" in snap.reason and "on w1" in snap.reason, snap.reason
     assert "metrics.0: 'mae'" in snap.reason and "ValueError: bad shape" in snap.reason
     assert "6 attempts; max_retries=5" in snap.reason
-    assert rt.calls["evaluate"] == 6  # 1 attempt, then max_retries more
+    assert rt.record.evaluations == 6  # 1 attempt, then max_retries more
     lines = [x.message for x in coord.logs() if "evaluating again" in x.message]
     assert len(lines) <= 5
 
 
 def test_straggler_past_the_collective_timeout_is_evicted():
-    coord, rt = _coord(_spec())
-    rt.inject("straggle", "w2", epoch=0, step=3, seconds=30.0)
+    # 4 s: past the collective timeout (2 s), within the grace after it (a longer straggle
+    # is a hung worker, as on Ray).
+    fault = Fault(kind="straggle", worker=2, epoch=0, step=3, seconds=4.0)
+    coord, _, lineages = _job(_spec(), fault)
     coord.run()
-    _assert_exactly_once(coord, rt)
+    _assert_exactly_once(coord, lineages)
     (ev,) = [e for e in coord.membership_events() if e.kind == "evict"]
     assert ev.worker == "w2" and "straggler" in ev.reason
     assert ev.node in coord.job.membership.excluded_nodes  # no new worker on its node
@@ -220,6 +288,8 @@ def test_straggler_past_the_collective_timeout_is_evicted():
 
 
 def test_plan_that_becomes_infeasible_waits_with_the_reason_then_fails():
+    # On the fake runtime: the simulator offers a node whose CPU the job's worker holds to a
+    # second worker (SimWorld.nodes() marks every alive node free), where Ray would not.
     coord, rt = _coord(_spec(max_batch=24))  # 3 x 24 hold B=64; 2 x 24 do not
     assert coord.job.membership.min_size == 3
     _run_to(coord, 0, 4)
@@ -234,7 +304,7 @@ def test_plan_that_becomes_infeasible_waits_with_the_reason_then_fails():
 
 
 def test_plan_that_becomes_infeasible_resumes_when_a_node_joins():
-    coord, rt = _coord(_spec(max_batch=24))
+    coord, rt = _coord(_spec(max_batch=24))  # on the fake runtime: see the test above
     _run_to(coord, 0, 4)
     rt.remove_node("node01")
     for _ in range(5):
@@ -247,18 +317,23 @@ def test_plan_that_becomes_infeasible_resumes_when_a_node_joins():
 
 def test_workers_auto_is_bounded_by_the_global_batch():
     spec = _spec(workers="auto", global_batch=8, min_workers=None)
-    rt = FakeRuntime(spec, n_train=100, nodes=40)
+    rt = sim_runtime(spec, n_train=100, nodes=40)
     coord = Coordinator("auto", spec, runtime=rt, clock=rt.clock)
     coord.run()
     assert len(coord.job.membership.members) == 8
-    assert len(rt.workers) + len(rt.killed) == 8  # never spawned more than it could use
+    # Never spawned more than it could use.
+    assert len(rt.record.fresh) + len(rt.record.adopted) == 8
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     faults=st.lists(
-        st.tuples(st.sampled_from(["die", "hang", "die_in_regroup", "die_in_checkpoint"]),
-                  st.integers(0, 5), st.integers(0, 2), st.integers(0, SPE - 1)),
+        st.tuples(
+            st.sampled_from(["die", "hang", "die_in_regroup", "die_in_checkpoint"]),
+            st.integers(0, 5),
+            st.integers(0, 2),
+            st.integers(0, SPE - 1),
+        ),
         max_size=4,
     ),
     uneven=st.booleans(),
@@ -269,26 +344,32 @@ def test_any_fault_schedule_trains_every_sample_exactly_once(tmp_path_factory, f
     only when every holder of the state was lost before a checkpoint existed, fails with
     that reason."""
     spec = _spec(checkpoint={"dir": str(tmp_path_factory.mktemp("ck"))}, max_workers=3)
-    coord, rt = _coord(spec, nodes=8, uneven_failure=uneven)
-    for kind, w, epoch, step in faults:
-        rt.inject(kind, f"w{w}", epoch=epoch, step=step)
+    script = [
+        Fault(kind=kind, worker=w, epoch=epoch, step=step, uneven=uneven)
+        if kind in ("die", "hang")
+        else Fault(kind=kind, worker=w)  # at its first such call
+        for kind, w, epoch, step in faults
+    ]
+    coord, _, lineages = _job(spec, *script, nodes=8)
     snap = coord.run()
     if snap.state == JobState.FAILED and "no checkpoint to restore" in snap.reason:
         assert not any("checkpoint (epoch) at" in x.message for x in coord.logs()), snap.reason
         assert all(r.verified for r in coord.history())
         return
-    _assert_exactly_once(coord, rt)
+    _assert_exactly_once(coord, lineages)
 
 
 def test_last_holder_lost_in_the_final_checkpoint_retrains_from_the_previous_one(tmp_path):
     """Only the survivor that got furthest holds the final state; it dies while the final
     checkpoint is taken. The job must not report SUCCEEDED with a model missing the last
     step: it rolls back to the previous checkpoint and trains the last epoch again."""
-    coord, rt = _coord(_spec(checkpoint={"dir": str(tmp_path)}), uneven_failure=True)
-    rt.inject("die", "w0", epoch=2, step=SPE - 1)
-    rt.inject("die_in_checkpoint", "w1")  # w1: the survivor whose all-reduce finished
+    coord, _, lineages = _job(
+        _spec(checkpoint={"dir": str(tmp_path)}),
+        Fault(kind="die", worker=0, epoch=2, step=SPE - 1, uneven=True),
+        Fault(kind="die_in_checkpoint", worker=1),  # w1: the survivor whose all-reduce finished
+    )
     coord.run()
-    _assert_exactly_once(coord, rt)
+    _assert_exactly_once(coord, lineages)
     assert any("rolling back" in x.message for x in coord.logs())
 
 
@@ -296,7 +377,7 @@ def test_last_holder_lost_in_the_final_checkpoint_retrains_from_the_previous_one
 def test_each_epoch_replans_from_the_current_allocation(policy):
     """At an epoch's start the policy sees the allocation in force: DBS scales it (a counted
     rebalance), and affine keeps a converged one (its hysteresis spans epochs)."""
-    coord, _ = _coord(_spec(policy=policy, rebalance={"mode": "epoch"}, epochs=5))
+    coord, _, _ = _job(_spec(policy=policy, rebalance={"mode": "epoch"}, epochs=5))
     snap = coord.run()
     hist = coord.history()
     assert snap.rebalances_total >= 1 and hist[1].rebalances == 1, [r.rebalances for r in hist]

@@ -7,8 +7,8 @@ and the step is retried with the share accumulated over smaller micro-batches. T
 fails only when one sample does not fit.
 
 The out-of-memory error is injected by the tests: a forward pre-hook on the real worker's
-model (in-process, a one-rank gloo group), and the fake runtime's ``oom`` fault for the
-real coordinator.
+model (in-process, a one-rank gloo group), and the simulator's ``oom`` fault (its fault
+script) for the real coordinator.
 """
 
 from __future__ import annotations
@@ -29,9 +29,13 @@ from dynabatch.scheduler.core.failures import (
 )
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.sync.protocol import Position
+from dynabatch.scheduler.sim.cluster_spec import Fault
+from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 
-from tests.fakes import FakeRuntime
+from tests.fakes import Lineages
+from tests.unit.test_engine_faults import _assert_exactly_once, _spec
+from tests.unit.test_sim_faults import _coord as _sim_coord
 
 # --- the worker ---------------------------------------------------------------------------
 
@@ -170,71 +174,42 @@ def test_memory_cap_belongs_to_the_node_and_device():
 
 # --- the coordinator ----------------------------------------------------------------------
 
-N, B = 1000, 64
-SPE = -(-N // B)
 
-
-def _coord(**kw) -> tuple[Coordinator, FakeRuntime]:
-    base = dict(
-        workers=3,
-        min_workers=1,
-        global_batch=B,
-        epochs=3,
-        policy="affine",
-        rebalance={"mode": "adaptive"},
-        collective_timeout_s=2,
-        worker_wait_timeout_s=5,
-        start_timeout_s=5,
-        max_retries=0,
-    )
-    base.update(kw)
-    spec = JobSpec.model_validate(base)
-    rt = FakeRuntime(spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250})
-    return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
-
-
-def _verified(coord: Coordinator, rt: FakeRuntime) -> None:
-    snap = coord.snapshot()
-    assert snap.state == JobState.SUCCEEDED, snap.reason
-    hist = coord.history()
-    assert [r.epoch for r in hist] == list(range(coord.spec.epochs))
-    for r in hist:
-        assert r.verified and r.samples_trained == r.dataset_size == N, r
-    survivor = coord.job.membership.worker_ids[0]
-    assert rt.lineage(survivor) == [(e, s) for e in range(coord.spec.epochs) for s in range(SPE)]
+def _coord(*faults: Fault, **kw) -> tuple[Coordinator, SimRuntime, Lineages]:
+    """The fault tests' job and cluster; max_retries 0: an out-of-memory retry is not a
+    compute failure's retry."""
+    return _sim_coord(_spec(max_retries=0, **kw), *faults)
 
 
 def test_the_fastest_worker_out_of_memory_gets_a_smaller_micro_batch_and_the_job_finishes():
-    # max_retries 0: an out-of-memory retry is not a compute failure's retry.
-    coord, rt = _coord()
-    rt.inject("oom", "w0", epoch=0, step=2, batch=10)
+    coord, rt, lineages = _coord(Fault(kind="oom", worker=0, epoch=0, step=2, batch=10))
     coord.run()
-    _verified(coord, rt)
+    _assert_exactly_once(coord, lineages)
     node = coord.job.membership.get("w0").node
     assert coord.job.memory.cap(node, 0.0) <= 10
     # Every plan of w0 from the failure on carried the cap, and it trained under it.
-    capped = [p["w0"] for p in rt.plans if p["w0"].micro_cap is not None]
+    capped = [p["w0"] for p in rt.record.plans if p["w0"].micro_cap is not None]
     assert capped and all(p.micro_cap <= 10 for p in capped)
     assert coord.job.tracker.workers["w0"].micro_cap <= 10
-    assert all(p["w1"].micro_cap is None and p["w2"].micro_cap is None for p in rt.plans)
+    assert all(p["w1"].micro_cap is None and p["w2"].micro_cap is None for p in rt.record.plans)
 
 
 def test_a_replacement_on_the_same_node_inherits_the_cap():
-    coord, rt = _coord()
-    rt.inject("oom", "w0", epoch=0, step=2, batch=10)
-    rt.inject("die", "w0", epoch=1, step=3)
+    coord, rt, lineages = _coord(
+        Fault(kind="oom", worker=0, epoch=0, step=2, batch=10),
+        Fault(kind="die", worker=0, epoch=1, step=3),
+    )
     coord.run()
-    _verified(coord, rt)
-    assert "w0" in rt.killed
+    _assert_exactly_once(coord, lineages)
+    assert "w0" in rt.record.killed
     (new,) = [w for w in coord.job.membership.worker_ids if w not in ("w0", "w1", "w2")]
     assert coord.job.membership.get(new).node == "node00"  # w0's node
-    plans = [p[new] for p in rt.plans if new in p]
+    plans = [p[new] for p in rt.record.plans if new in p]
     assert plans and all(p.micro_cap is not None and p.micro_cap <= 10 for p in plans)
 
 
 def test_one_sample_that_does_not_fit_fails_the_job_with_one_line():
-    coord, rt = _coord()
-    rt.inject("oom", "w1", epoch=0, step=1, batch=0)
+    coord, _, _ = _coord(Fault(kind="oom", worker=1, epoch=0, step=1, batch=0))
     coord.run()
     snap = coord.snapshot()
     assert snap.state == JobState.FAILED
@@ -244,8 +219,7 @@ def test_one_sample_that_does_not_fit_fails_the_job_with_one_line():
 
 @pytest.mark.parametrize("batch", [1, 7])
 def test_the_cap_never_goes_below_what_fits(batch):
-    coord, rt = _coord(epochs=1)
-    rt.inject("oom", "w2", epoch=0, step=0, batch=batch)
+    coord, _, _ = _coord(Fault(kind="oom", worker=2, epoch=0, step=0, batch=batch), epochs=1)
     coord.run()
     assert coord.snapshot().state == JobState.SUCCEEDED, coord.snapshot().reason
     node = coord.job.membership.get("w2").node

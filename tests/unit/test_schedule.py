@@ -31,7 +31,7 @@ from dynabatch.scheduler.sync.coordinator import Coordinator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import FakeRuntime, Lineages, sim_runtime
+from tests.fakes import Lineages, sim_runtime
 
 stages_st = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 4096)), min_size=1,
                      max_size=5)
@@ -465,9 +465,7 @@ def test_isgd_flags_outlier_batches_and_every_worker_repeats_them(max_extra, ext
         return 5.0 if step == 4 else 1.0 + 0.01 * (step % 3)
 
     spec = _spec(isgd={"enabled": True, "window": 5, "sigma": 2.0, "max_extra": max_extra})
-    rt = FakeRuntime(spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250}, loss_of=loss_of,
-                     isgd_decay=0.5)
-    coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
+    coord, rt = _coord(spec, Lineages(loss_of=loss_of, isgd_decay=0.5))
     assert coord.run().state == JobState.SUCCEEDED
     hist = coord.history()
     assert hist[0].isgd_flagged == 0  # monitoring starts after the first epoch
@@ -479,10 +477,10 @@ def test_isgd_flags_outlier_batches_and_every_worker_repeats_them(max_extra, ext
         assert r.isgd_extra_iterations == extra
         assert r.grad_evals == N + extra * 50
         assert r.verified and r.samples_trained == N  # repeats are not new samples
-    for plans in rt.plans:  # every worker got the same chart
+    for plans in rt.record.plans:  # every worker got the same chart
         assert len({p.isgd for p in plans.values()}) == 1
     # The workers keep the chart up to date themselves: a segment is not cut to one step.
-    assert max(len(next(iter(p.values())).steps) for p in rt.plans) > 1
+    assert max(len(next(iter(p.values())).steps) for p in rt.record.plans) > 1
 
 
 def _report(worker: str, loss: float, flagged: bool, extra: int) -> StepTelemetry:

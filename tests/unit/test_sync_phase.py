@@ -4,6 +4,7 @@ driven job really goes through."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import pytest
 from dynabatch.actors.spec import JobSpec
@@ -11,12 +12,16 @@ from dynabatch.scheduler.core.failures import RetryBudget
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership
 from dynabatch.scheduler.core.sync.phase import InvalidPhase, Phase, moves
+from dynabatch.scheduler.runtime.seam import DataInfo
+from dynabatch.scheduler.sim.calls import Call
+from dynabatch.scheduler.sim.cluster_spec import Fault
+from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.scheduler.sync.job import SyncJob
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.fakes import FakeRuntime
+from tests.fakes import FakeRuntime, Lineages, sim_runtime
 
 LIVE = [p for p in Phase if not p.is_terminal]
 
@@ -61,8 +66,9 @@ def test_can_become_is_the_table_and_staying_is_allowed(old, new):
 
 
 def _job() -> SyncJob:
-    m = Membership(workers=2, min_workers=1, max_workers=None, global_batch=8, max_batch=None,
-                   max_possible=16)
+    m = Membership(
+        workers=2, min_workers=1, max_workers=None, global_batch=8, max_batch=None, max_possible=16
+    )
     return SyncJob(job_id="j", membership=m, regime=None, policy=None, budget=RetryBudget(1))
 
 
@@ -102,18 +108,68 @@ def test_invalid_phase_pickles_intact():
 N, B = 1000, 64  # 16 steps per epoch
 
 
-def _coord(**kw) -> tuple[Coordinator, FakeRuntime]:
-    base = dict(workers=3, min_workers=1, global_batch=B, epochs=2, policy="affine",
-                rebalance={"mode": "adaptive"}, collective_timeout_s=2, worker_wait_timeout_s=5,
-                start_timeout_s=5)
-    base.update(kw)
-    spec = JobSpec.model_validate(base)
-    rt = FakeRuntime(spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250})
+class _Cancelling(SimRuntime):
+    """The simulator's runtime with a test's ``hook``, called as the job loads its data
+    (its first call, in STARTING), and a stop for a driver that would evaluate again
+    without end."""
+
+    hook: Callable[[], None] | None = None
+
+    def load_data(self) -> DataInfo:
+        if self.hook is not None:
+            self.hook()
+        return super().load_data()
+
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> Call:
+        if self.record.evaluations >= 100:
+            raise RuntimeError("evaluated 100 times")
+        return super().submit_evaluation(shards)
+
+
+_SPEC = dict(
+    workers=3,
+    min_workers=1,
+    global_batch=B,
+    epochs=2,
+    policy="affine",
+    rebalance={"mode": "adaptive"},
+    collective_timeout_s=2,
+    worker_wait_timeout_s=5,
+    start_timeout_s=5,
+)
+
+
+def _coord(events: list[dict] | None = None, **kw) -> tuple[Coordinator, _Cancelling]:
+    """A job on the simulator's runtime over 3 nodes (node i computes 1000, 500, 250
+    samples/s); ``events``: nodes that fail or join as the job trains a step."""
+    spec = JobSpec.model_validate(_SPEC | kw)
+    rt = sim_runtime(
+        spec,
+        n_train=N,
+        speeds={0: 1000, 1: 500, 2: 250},
+        gradients=Lineages(),
+        runtime=_Cancelling,
+        events=events,
+    )
     return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
+
+
+# Node 1 fails as the job trains step 4 of epoch 0: under max_batch 24 the job waits for a
+# third worker (2 x 24 cannot hold B=64).
+LOSE_NODE1 = [{"epoch": 0, "step": 4, "fail": {"class": "node01", "index": 0}}]
+# Every node fails as the job trains step 6 of epoch 1, and 3 fresh nodes join.
+LOSE_EVERY_NODE = [
+    {"epoch": 1, "step": 6, "fail": 3},
+    {"epoch": 1, "step": 6, "join": {"class": "node00", "count": 3}},
+]
 
 
 def _path(coord: Coordinator) -> list[Phase]:
     return [c.new for c in coord.phase_changes()]
+
+
+def _lost(coord: Coordinator) -> list[str]:
+    return [e.worker for e in coord.membership_events() if e.kind == "failure"]
 
 
 def test_a_clean_run_starts_regroups_trains_ends_epochs_and_finishes():
@@ -127,11 +183,12 @@ def test_a_clean_run_starts_regroups_trains_ends_epochs_and_finishes():
 
 def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone():
     coord, rt = _coord()
-    rt.inject("die", "w1", epoch=0, step=5)
+    rt.inject(Fault(kind="die", worker=1, epoch=0, step=5))
     sent = []
     while coord.step():
         sent.append((coord.phase, coord.job.budget.retrying, coord.job.ahead is not None))
     assert coord.snapshot().state == JobState.SUCCEEDED
+    assert _lost(coord) == ["w1"]
     path = _path(coord)
     # The first group, the one after the loss (and one when a replacement joins).
     assert path.count(Phase.REGROUPING) >= 2
@@ -143,21 +200,21 @@ def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone():
 
 
 def test_every_holder_lost_rolls_back_inside_the_regroup(tmp_path):
-    coord, rt = _coord(checkpoint={"dir": str(tmp_path)}, epochs=3)
-    while (coord.epoch, coord.step_in_epoch) < (1, 6):
-        assert coord.step()
-    for node in list(rt.node_ids):
-        rt.remove_node(node)
-    for i in range(3):
-        rt.add_node(f"fresh{i}")
+    coord, _ = _coord(LOSE_EVERY_NODE, checkpoint={"dir": str(tmp_path)}, epochs=3)
     assert coord.run().state == JobState.SUCCEEDED
+    assert sorted(_lost(coord)) == ["w0", "w1", "w2"]
     path = _path(coord)
     i = path.index(Phase.ROLLING_BACK)
     assert path[i - 1] is Phase.REGROUPING and path[i + 1] is Phase.REGROUPING
 
 
 def test_too_few_workers_wait_then_fail_after_the_timeout():
-    coord, rt = _coord(max_batch=24)  # 3 x 24 hold B=64; 2 x 24 do not
+    # On FakeRuntime: the simulator lists every alive node as free (NodeInfo.free, room),
+    # so it would place the replacement beside w0 on node00, whose one CPU w0 holds, where
+    # Ray has no room for it.
+    spec = JobSpec.model_validate(_SPEC | {"max_batch": 24})  # 3 x 24 hold B=64; 2 x 24 do not
+    rt = FakeRuntime(spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250})
+    coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
     while (coord.epoch, coord.step_in_epoch) < (0, 4):
         assert coord.step()
     rt.remove_node("node01")
@@ -165,6 +222,7 @@ def test_too_few_workers_wait_then_fail_after_the_timeout():
     while coord.step():
         phases.append(coord.phase)
     assert coord.snapshot().state == JobState.FAILED
+    assert _lost(coord) == ["w1"]
     assert Phase.WAITING_FOR_WORKERS in phases and coord.phase is Phase.DONE
     waits = [c for c in coord.phase_changes() if c.new is Phase.WAITING_FOR_WORKERS]
     done = coord.phase_changes()[-1]
@@ -183,21 +241,19 @@ def test_a_cancel_with_a_segment_in_flight_commits_it_and_is_done():
 
 
 # ------------------------------------------------------------------ a cancel in every phase
-def _arm_cancel(coord: Coordinator, rt: FakeRuntime, phase: Phase) -> dict[str, int]:
+def _arm_cancel(coord: Coordinator, rt: _Cancelling, phase: Phase) -> dict[str, int]:
     """Cancel the job (as another thread would) once it is in ``phase``; returns the
     segments and evaluations run until then, filled in when it fires."""
     fired: dict[str, int] = {}
 
     def cancel() -> None:
         if not fired:
-            fired.update(segments=rt.calls["segments"], evaluations=rt.calls["evaluate"])
+            fired.update(segments=rt.record.segments, evaluations=rt.record.evaluations)
             coord.cancel("enough")
 
-    def on_call(name: str) -> None:
-        if rt.calls["evaluate"] >= 100:  # the driver evaluated again without end
-            raise RuntimeError("evaluated 100 times")
+    def cancel_in_phase() -> None:
         if coord.phase is phase:
-            cancel()  # a call made in the phase (STARTING is never entered: it is the first)
+            cancel()  # STARTING is never entered: it is the first phase
 
     job, become = coord.job, coord.job.become
 
@@ -207,49 +263,46 @@ def _arm_cancel(coord: Coordinator, rt: FakeRuntime, phase: Phase) -> dict[str, 
             cancel()
 
     job.become = become_and_cancel
-    rt.on_call = on_call
+    rt.hook = cancel_in_phase
     return fired
 
 
-def _to_waiting(coord: Coordinator, rt: FakeRuntime) -> None:
-    while (coord.epoch, coord.step_in_epoch) < (0, 4):
-        assert coord.step()
-    rt.remove_node("node01")  # 2 x max_batch 24 cannot hold B=64: the job waits
-
-
-def _to_last_epoch(coord: Coordinator, rt: FakeRuntime) -> None:
+def _to_last_epoch(coord: Coordinator) -> None:
     while (coord.epoch, coord.step_in_epoch) < (1, 6):
         assert coord.step()
 
 
-def _to_rolling_back(coord: Coordinator, rt: FakeRuntime) -> None:
-    _to_last_epoch(coord, rt)
-    for node in list(rt.node_ids):
-        rt.remove_node(node)
-    for i in range(3):
-        rt.add_node(f"fresh{i}")
+def _before_the_loss(coord: Coordinator) -> None:
+    """Step 6 of epoch 1 is next: every node fails in it (``LOSE_EVERY_NODE``)."""
+    _to_last_epoch(coord)
+    assert not _lost(coord) and Phase.ROLLING_BACK not in _path(coord)
 
 
-@pytest.mark.parametrize(("phase", "setup", "kw"), [
-    (Phase.STARTING, None, {}),
-    (Phase.WAITING_FOR_WORKERS, _to_waiting, {"max_batch": 24}),
-    (Phase.REGROUPING, None, {}),
-    (Phase.ROLLING_BACK, _to_rolling_back, {}),
-    (Phase.TRAINING, None, {}),
-    (Phase.ENDING_EPOCH, None, {}),
-    # Without checkpoints: one is due at the last epoch's end, which would await (and
-    # evaluate again) there, in ENDING_EPOCH.
-    (Phase.FINISHING, _to_last_epoch, {"checkpoint": {}}),
-], ids=lambda v: v.value if isinstance(v, Phase) else "")
+@pytest.mark.parametrize(
+    ("phase", "setup", "kw"),
+    [
+        (Phase.STARTING, None, {}),
+        (Phase.WAITING_FOR_WORKERS, None, {"max_batch": 24, "events": LOSE_NODE1}),
+        (Phase.REGROUPING, None, {}),
+        (Phase.ROLLING_BACK, _before_the_loss, {"events": LOSE_EVERY_NODE}),
+        (Phase.TRAINING, None, {}),
+        (Phase.ENDING_EPOCH, None, {}),
+        # Without checkpoints: one is due at the last epoch's end, which would await (and
+        # evaluate again) there, in ENDING_EPOCH.
+        (Phase.FINISHING, _to_last_epoch, {"checkpoint": {}}),
+    ],
+    ids=lambda v: v.value if isinstance(v, Phase) else "",
+)
 def test_a_cancel_takes_effect_within_a_step_or_an_evaluation_in_every_phase(
-        phase, setup, kw, tmp_path):
+    phase, setup, kw, tmp_path
+):
     # From the phase on, w0's evaluations always fail (a metric that raises on real
     # batches), with retries to spare: an epoch's end and the job's end evaluate again,
     # and a cancel must stop that too. A checkpoint is due at every epoch's end.
     coord, rt = _coord(**({"checkpoint": {"dir": str(tmp_path)}, "max_retries": 50} | kw))
     if setup is not None:
-        setup(coord, rt)
-    rt.inject("eval_error", "w0")
+        setup(coord)
+    rt.inject(Fault(kind="eval_error", worker=0))
     fired = _arm_cancel(coord, rt, phase)
     snap = coord.run()
     assert fired, f"the job never was {phase.value}"
@@ -258,7 +311,11 @@ def test_a_cancel_takes_effect_within_a_step_or_an_evaluation_in_every_phase(
     # At most the segment in flight and the one sent ahead of it are committed (none when
     # the cancel came before training), and the evaluation in flight awaited; nothing is
     # evaluated again.
-    idle = phase in (Phase.STARTING, Phase.WAITING_FOR_WORKERS, Phase.REGROUPING,
-                     Phase.ROLLING_BACK)
-    assert rt.calls["segments"] - fired["segments"] <= (0 if idle else 2)
-    assert rt.calls["evaluate"] - fired["evaluations"] <= 1
+    idle = phase in (
+        Phase.STARTING,
+        Phase.WAITING_FOR_WORKERS,
+        Phase.REGROUPING,
+        Phase.ROLLING_BACK,
+    )
+    assert rt.record.segments - fired["segments"] <= (0 if idle else 2)
+    assert rt.record.evaluations - fired["evaluations"] <= 1

@@ -12,12 +12,13 @@ import pytest
 from dynabatch.actors.spec import JobSpec, SpecError, parse_spec
 from dynabatch.api.cli.run import local_tracking
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.sim.timeline import SimClock
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.scheduler.tracking import Tracking
 from dynabatch.service.submit_policy import SubmitPolicy, check_submission
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.fakes import FakeClock, FakeRuntime
+from tests.fakes import Lineages, sim_runtime
 
 N_TRAIN = 64
 
@@ -33,9 +34,8 @@ def _coordinator(tmp_path: Path, loss_of: Any = None, **spec: Any) -> Coordinato
     s = JobSpec.model_validate(
         {"name": "tb", "workers": 2, "global_batch": 16, "epochs": 2, **spec}
     )
-    clock = FakeClock()
-    rt = FakeRuntime(s, n_train=N_TRAIN, clock=clock, loss_of=loss_of)
-    return Coordinator("job1", s, resume=False, runtime=rt, clock=clock)
+    rt = sim_runtime(s, n_train=N_TRAIN, gradients=Lineages(loss_of=loss_of))
+    return Coordinator("job1", s, resume=False, runtime=rt, clock=rt.clock)
 
 
 def test_a_job_writes_per_epoch_and_per_step_scalars_tensorboard_reads_back(tmp_path):
@@ -166,7 +166,7 @@ class _NoPSRuntime:
     """Enough of a parameter-server runtime to build its driver (nothing is started)."""
 
     def __init__(self) -> None:
-        self.clock = FakeClock()
+        self.clock = SimClock(1.7e9)
 
 
 def test_a_parameter_server_job_writes_its_epochs(tmp_path):
