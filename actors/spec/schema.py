@@ -320,9 +320,16 @@ class JobSpec(_Strict):
             return 0
         if self.node_resource and resources.get(self.node_resource, 0.0) <= 0:
             return 0
+        return self.room_in(resources, gpus)
+
+    def room_in(self, left: Mapping[str, float], node_gpus: float) -> int:
+        """How many of the job's workers fit in ``left`` (a node's CPUs and GPUs not yet
+        reserved) on a node offering ``node_gpus`` in all: a worker's GPU ask follows the
+        node's total, not what is left. The one rule for Ray's runtime and the simulator."""
         # The epsilon: 0.1 CPU x 3 must fit on 0.3 CPUs.
-        n = int(resources.get("CPU", 0.0) / self.worker_cpus + 1e-9)
-        return min(n, int(gpus / want + 1e-9)) if want > 0 else n
+        n = int(left.get("CPU", 0.0) / self.worker_cpus + 1e-9)
+        want = self.gpus_on(node_gpus)
+        return min(n, int(left.get("GPU", 0.0) / want + 1e-9)) if want > 0 else n
 
     @property
     def emulated(self) -> bool:

@@ -59,20 +59,12 @@ def eligible_nodes(spec: JobSpec, spare_gpus: dict[str, float] | None = None
         held = (spare_gpus or {}).get(n["NodeID"], 0.0)
         if held:
             left["GPU"] = left.get("GPU", 0.0) + held
-        free = (avail is not None and left.get("CPU", 0.0) >= spec.worker_cpus
-                and left.get("GPU", 0.0) >= spec.gpus_on(gpus))
+        room = spec.room_in(left, gpus) if avail is not None else 0
         out.append(
             NodeInfo(n["NodeID"], n.get("NodeManagerAddress", ""), res.get("CPU", 0.0), gpus,
-                     dict(res), free=free, room=_room(spec, left, gpus) if free else 0)
+                     dict(res), free=room > 0, room=room)
         )
     return sorted(out, key=lambda x: x.node_id)
-
-
-def _room(spec: JobSpec, left: dict[str, float], node_gpus: float) -> int:
-    """How many more of the job's workers the node's unreserved resources hold now."""
-    n = int(left.get("CPU", 0.0) / spec.worker_cpus + 1e-9)
-    g = spec.gpus_on(node_gpus)
-    return min(n, int(left.get("GPU", 0.0) / g + 1e-9)) if g else n
 
 
 def spawn_worker(

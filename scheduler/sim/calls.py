@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dynabatch.actors.contracts import SegmentPlan
 from dynabatch.scheduler.core.failures import WorkerOutcome
@@ -84,8 +85,8 @@ class CallQueue:
 @dataclass
 class CallRecord:
     """What a simulated run asked of its workers, in order: how many calls of each kind
-    ran, the plans of every segment trained, and the workers and spares started and
-    stopped."""
+    ran, the plans of every segment trained, the plan updates asked for and applied, and
+    the workers and spares started and stopped."""
 
     submitted: int = 0  # segments sent
     segments: int = 0  # segments run, those a broken group could not train included
@@ -93,6 +94,8 @@ class CallRecord:
     evaluations: int = 0  # evaluations run (each scores every shard sent)
     fetches: int = 0  # fetch_state calls (checkpoints, handovers)
     plans: list[dict[str, SegmentPlan]] = field(default_factory=list)  # segments trained
+    updates: list[Any] = field(default_factory=list)  # plan updates asked for, in order
+    updates_applied: list[Any] = field(default_factory=list)  # those the workers took
     killed: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)  # spawns that took over a spare
     fresh: list[str] = field(default_factory=list)  # spawns that started a new process

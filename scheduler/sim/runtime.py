@@ -16,7 +16,8 @@ What each call costs (formulas in :mod:`dynabatch.scheduler.sim.cost_model`):
   ``max_i t_i(b_i) + t_ar(n, m)``, a share computed in k micro-batches (its micro-batch
   cap: the spec's, or the plan's after an out-of-memory error) paying ``a_i`` k times;
   each worker reports what a
-  real worker reports (its order positions, its compute and wait, the step's coverage as the
+  real worker reports (its order positions, its compute and wait, the step's whole time by
+  its own clock ``step_s`` = compute + wait, the step's coverage as the
   all-reduce would sum it). With ISGD, the batch loss rides in the gradient's all-reduce
   (the loss slot: no collective of its own), and each
   extra iteration is one more pass (every share's compute again and its all-reduce); the
@@ -86,6 +87,7 @@ class SimRuntime(SimTraining):
         return ticket.outcomes or []
 
     def update_segment(self, update: Any, timeout_s: float) -> bool:
+        self.record.updates.append(update)
         call = self._calls.queued_segment(update.epoch, update.at_step)
         if call is None:
             return False
@@ -93,6 +95,7 @@ class SimRuntime(SimTraining):
         if not seg.updates or update.at_step == seg.steps[0].step:
             return False  # its workers claim no step, or have started this one
         call.plans = updated_plans(call.plans, update)
+        self.record.updates_applied.append(update)
         return True
 
     def _run_call(self, call: Call, grace_s: float) -> None:

@@ -233,6 +233,7 @@ class SimTraining(SimWorld):
                     samples=sp.own_size,
                     compute_s=comp[i],
                     wait_s=waits[i],
+                    step_s=comp[i] + waits[i],  # the step by the worker's clock, as on Ray
                     loss_sum=losses[i] if losses is not None else 0.0,
                     slowdown=slow[i],
                     start=sp.own_start,

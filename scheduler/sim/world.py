@@ -3,7 +3,8 @@
 cluster's events and the workers placed on its nodes.
 
 Cluster events (failures, joins, slowdowns) happen at their simulated time, or when the job
-reaches their (epoch, step). A failure takes nodes by the one rule of every simulator
+reaches their (epoch, step), or now (``happen``: a test between two steps). A failure
+takes nodes by the one rule of every simulator
 (:func:`~dynabatch.scheduler.core.victims.failure_victims`). A worker is up ``start_s``
 after it was spawned (``spawn``/``poll_started``). A spare (``start_spare``) is warm
 ``start_s`` after it was started; a :class:`Spawn` marked ``adopt`` turns it into the worker,
@@ -123,6 +124,17 @@ class SimWorld:
         self._node_infos = None
         self._version += 1
 
+    def happen(self, event: dict) -> None:
+        """One event of the cluster file's ``events:`` shape, without its time, happens now
+        (``{"fail": {"class": "n", "index": 0}}``, ``{"join": {"class": "n", "count": 2}}``):
+        for a caller that changes the cluster between two steps of the driver."""
+        now = self.clock.now()
+        self._fire(Event.model_validate({**event, "at_s": max(now, 0.0)}), now)
+
+    def spares_running(self) -> dict[str, float]:
+        """The job's spares now: node id -> the simulated time it is (or was) warm."""
+        return dict(self._spares)
+
     def _victims(self, sel: NodeSelector) -> list[Node]:
         """The nodes a failure takes: the one rule of every simulator
         (:func:`~dynabatch.scheduler.core.victims.failure_victims`)."""
@@ -150,15 +162,23 @@ class SimWorld:
         """The alive nodes that can host one of the job's workers, as Ray's runtime lists
         them (``JobSpec.workers_on``: its ``worker_cpus``, a GPU when it needs one). A
         simulated cluster declares no custom resources: a spec's ``node_resource`` is taken
-        to be on every node."""
+        to be on every node. ``free``/``room``: what the node has left once the job's
+        workers on it (starting or up) hold their CPUs and GPUs (``JobSpec.room_in``, Ray's
+        rule); a spare holds nothing, as on Ray."""
         self._advance(self.clock.now())
         if self._node_infos is None:
             extra = {self.spec.node_resource: 1.0} if self.spec.node_resource else {}
-            self._node_infos = [
-                NodeInfo(n.node_id, cpus=n.cpus, gpus=n.gpus)
-                for n in self.cluster.nodes
-                if n.alive and self.spec.workers_on({"CPU": n.cpus, "GPU": n.gpus, **extra})
-            ]
+            self._node_infos = []
+            for n in self.cluster.nodes:
+                if not (n.alive and self.spec.workers_on(
+                        {"CPU": n.cpus, "GPU": n.gpus, **extra})):
+                    continue
+                k = self._hosted.get(n.node_id, 0)
+                left = {"CPU": n.cpus - k * self.spec.worker_cpus,
+                        "GPU": n.gpus - k * self.spec.gpus_on(n.gpus)}
+                room = self.spec.room_in(left, n.gpus)
+                self._node_infos.append(
+                    NodeInfo(n.node_id, cpus=n.cpus, gpus=n.gpus, free=room > 0, room=room))
         return self._node_infos
 
     def spawn(self, spawn: Spawn) -> None:
@@ -177,6 +197,7 @@ class SimWorld:
         self._starting[spawn.worker_id] = w
         self.ordinals[spawn.worker_id] = spawn.ordinal
         self._hosted[node.node_id] = self._hosted.get(node.node_id, 0) + 1
+        self._node_infos = None  # its room changed
 
     def poll_started(self, timeout_s: float) -> list[Started]:
         now = self.clock.now()
@@ -223,6 +244,7 @@ class SimWorld:
 
     def _unhost(self, w: _SimWorker) -> None:
         self._hosted[w.node.node_id] = max(0, self._hosted.get(w.node.node_id, 0) - 1)
+        self._node_infos = None  # its room changed
 
     def kill(self, worker: str) -> None:
         w = self.workers.pop(worker, None) or self._starting.pop(worker, None)

@@ -1,7 +1,8 @@
 """The real coordinator (its machines and its driver code) under injected faults, without
-Ray: a worker killed at every point of a segment, a regroup, a checkpoint or an
-evaluation; every state holder lost at once; deterministic errors; stragglers; hung workers;
-plans that become infeasible.
+Ray: every state holder lost at once; deterministic errors; stragglers; evaluations that
+always raise; cancel and resume; plans that become infeasible; random fault schedules. (A
+worker lost at every point of a segment, a regroup, a checkpoint or an evaluation, hung or
+failing unevenly: ``test_sim_faults.py``, one test per fault kind.)
 
 After every run two things are checked from what happened, not from the plan:
 
@@ -14,7 +15,7 @@ After every run two things are checked from what happened, not from the plan:
 The runtime is the simulator's (``tests.fakes.sim_runtime``: node ``i`` computes like the
 worker of ordinal ``i``) with its fault script (:class:`~dynabatch.scheduler.sim.cluster_spec.
 Fault`, workers named by ordinal); nodes fail and join between two steps of the driver as
-the simulated cluster's events (:class:`_Cluster`).
+the simulated cluster's events (the runtime's ``happen``).
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import pytest
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime.seam import ShardResult
-from dynabatch.scheduler.sim.cluster_spec import Event, Fault
+from dynabatch.scheduler.sim.cluster_spec import Fault
 from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import FakeRuntime, Lineages, sim_runtime
+from tests.fakes import Lineages, sim_job, sim_runtime
 
 N, B = 1000, 64  # 16 steps per epoch, the last one partial (40 samples)
 SPE = -(-N // B)
@@ -54,44 +55,19 @@ def _spec(**kw) -> JobSpec:
 SPEEDS = {0: 1000, 1: 500, 2: 250}
 
 
-def _coord(spec: JobSpec, n: int = N, **kw) -> tuple[Coordinator, FakeRuntime]:
-    """The coordinator on the tests' fake runtime: kept for the two infeasible-plan tests below
-    (the simulator offers a node its worker holds to a second worker) and for
-    test_plan_update and test_snapshot_counts, which import it, until they move to the
-    simulator's runtime."""
-    rt = FakeRuntime(spec, n_train=n, speeds=SPEEDS, **kw)
-    return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
+def _job(spec: JobSpec, *faults: Fault, **kw) -> tuple[Coordinator, SimRuntime, Lineages]:
+    """:func:`~tests.fakes.sim_job` on this file's data (``N`` samples) and speeds."""
+    return sim_job(spec, *faults, **{"n_train": N, "speeds": SPEEDS, **kw})
 
 
-class _Cluster(SimRuntime):
-    """The simulator's runtime whose cluster a test changes between two steps of the driver:
-    a node fails, or nodes join, as the simulated cluster's events do at that moment."""
-
-    def _event(self, **what) -> None:
-        now = self.clock.now()
-        self._fire(Event(at_s=now, **what), now)
-
-    def fail(self, node_class: str) -> None:
-        """The one node of ``node_class`` fails (its worker is lost with it)."""
-        self._event(fail={"class": node_class, "index": 0})
-
-    def join(self, count: int) -> None:
-        """``count`` new nodes join (fast ones, of node00's class)."""
-        self._event(join={"class": "node00", "count": count})
+def _fail(rt: SimRuntime, node: str) -> None:
+    """The one node of class ``node`` fails now (its worker is lost with it)."""
+    rt.happen({"fail": {"class": node, "index": 0}})
 
 
-def _job(
-    spec: JobSpec, *faults: Fault, n: int = N, nodes: int = 3, runtime: type[SimRuntime] = _Cluster
-) -> tuple[Coordinator, _Cluster, Lineages]:
-    """The coordinator on the simulator's runtime with the fault script ``faults``; the
-    workers' model replicas are the test's :class:`Lineages`."""
-    lineages = Lineages()
-    rt = sim_runtime(
-        spec, n_train=n, nodes=nodes, speeds=SPEEDS, gradients=lineages, runtime=runtime
-    )
-    for f in faults:
-        rt.inject(f)
-    return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt, lineages
+def _join(rt: SimRuntime, count: int) -> None:
+    """``count`` new nodes (fast ones, of node00's class) join now."""
+    rt.happen({"join": {"class": "node00", "count": count}})
 
 
 def _full_lineage(epochs: int, spe: int = SPE) -> list[tuple[int, int]]:
@@ -117,62 +93,11 @@ def _run_to(coord: Coordinator, epoch: int, step: int) -> None:
         assert coord.step(), coord.snapshot().reason
 
 
-@pytest.mark.parametrize("step", [0, SPE // 2, SPE - 1], ids=["first", "middle", "last"])
-@pytest.mark.parametrize("ordinal", [0, 2], ids=["w0", "w2"])
-def test_worker_lost_at_any_step_of_an_epoch(step, ordinal):
-    worker = f"w{ordinal}"
-    coord, _, lineages = _job(_spec(), Fault(kind="die", worker=ordinal, epoch=1, step=step))
-    coord.run()
-    _assert_exactly_once(coord, lineages)
-    failures = [e for e in coord.membership_events() if e.kind == "failure"]
-    assert [e.worker for e in failures] == [worker]
-    assert coord.snapshot().retried_samples_total > 0
-
-
 def test_loss_at_the_end_when_n_is_a_multiple_of_b():
     n = 10 * B
-    coord, _, lineages = _job(_spec(), Fault(kind="die", worker=1, epoch=0, step=9), n=n)
+    coord, _, lineages = _job(_spec(), Fault(kind="die", worker=1, epoch=0, step=9), n_train=n)
     coord.run()
     _assert_exactly_once(coord, lineages, n=n, spe=10)
-
-
-def test_uneven_failure_takes_the_survivor_that_got_furthest():
-    coord, rt, lineages = _job(_spec(), Fault(kind="die", worker=2, epoch=0, step=5, uneven=True))
-    coord.run()
-    _assert_exactly_once(coord, lineages)
-    # w0, the first survivor, applied step 5 before w2's death broke the step off: training
-    # went on from step 6 with its weights.
-    segments = [next(iter(plans.values())) for plans in rt.record.plans]
-    firsts = [(seg.epoch, seg.steps[0].step) for seg in segments]
-    assert firsts[firsts.index((0, 5)) + 1] == (0, 6), firsts
-
-
-@pytest.mark.parametrize(
-    ("kind", "ordinal", "nth"),
-    [
-        ("die_in_regroup", 1, 1),  # a newcomer of the first generation
-        ("die_in_regroup", 0, 1),  # rank 0, the source of the state
-        ("die_in_checkpoint", 0, 2),  # the holder asked for the state, at epoch 2's end
-        ("die_in_evaluation", 0, 2),
-    ],
-)
-def test_worker_lost_in_a_regroup_a_checkpoint_or_an_evaluation(kind, ordinal, nth, tmp_path):
-    fault = Fault(kind=kind, worker=ordinal, nth=nth)
-    coord, _, lineages = _job(_spec(checkpoint={"dir": str(tmp_path)}), fault)
-    coord.run()
-    _assert_exactly_once(coord, lineages)
-    failures = [e.worker for e in coord.membership_events() if e.kind == "failure"]
-    assert failures == [f"w{ordinal}"]
-    if kind == "die_in_checkpoint":  # another holder gave the state: the checkpoint exists
-        assert any("checkpoint (epoch) at epoch 2" in x.message for x in coord.logs())
-
-
-def test_hung_worker_is_removed_and_training_goes_on():
-    coord, _, lineages = _job(_spec(), Fault(kind="hang", worker=1, epoch=0, step=4))
-    coord.run()
-    _assert_exactly_once(coord, lineages)
-    (ev,) = [e for e in coord.membership_events() if e.kind == "failure"]
-    assert ev.worker == "w1" and "hung" in ev.reason
 
 
 @pytest.mark.parametrize("step", [0, 8], ids=["at-an-epoch-end", "mid-epoch"])
@@ -205,11 +130,11 @@ def test_resumed_weights_survive_the_loss_of_the_member_carrying_them(tmp_path):
     assert [e.worker for e in again.membership_events() if e.kind == "failure"] == ["w3"]
 
 
-def _lose_everyone(rt: _Cluster) -> None:
+def _lose_everyone(rt: SimRuntime) -> None:
     """Every node fails at once; as many fresh ones join."""
     for i in range(3):
-        rt.fail(f"node{i:02d}")
-    rt.join(3)
+        _fail(rt, f"node{i:02d}")
+    _join(rt, 3)
 
 
 def test_every_holder_lost_rolls_back_to_the_checkpoint(tmp_path):
@@ -241,7 +166,7 @@ def test_deterministic_error_fails_the_job_after_bounded_retries():
     assert rt.clock.now() - t0 < 4 * (coord.spec.collective_timeout_s + 1)
 
 
-class _StopsEvaluating(_Cluster):
+class _StopsEvaluating(SimRuntime):
     """Ends a job that evaluates without end (as the driver did) instead of hanging the
     test: its 100th evaluation raises, and the driver turns the raise into an internal
     error."""
@@ -270,6 +195,7 @@ def test_an_evaluation_that_always_raises_fails_the_job_after_bounded_retries(
     assert "metrics.0: 'mae'" in snap.reason and "ValueError: bad shape" in snap.reason
     assert "6 attempts; max_retries=5" in snap.reason
     assert rt.record.evaluations == 6  # 1 attempt, then max_retries more
+    assert "w1" in coord.job.membership.worker_ids  # the worker stayed up
     lines = [x.message for x in coord.logs() if "evaluating again" in x.message]
     assert len(lines) <= 5
 
@@ -288,12 +214,10 @@ def test_straggler_past_the_collective_timeout_is_evicted():
 
 
 def test_plan_that_becomes_infeasible_waits_with_the_reason_then_fails():
-    # On the fake runtime: the simulator offers a node whose CPU the job's worker holds to a
-    # second worker (SimWorld.nodes() marks every alive node free), where Ray would not.
-    coord, rt = _coord(_spec(max_batch=24))  # 3 x 24 hold B=64; 2 x 24 do not
+    coord, rt, _ = _job(_spec(max_batch=24))  # 3 x 24 hold B=64; 2 x 24 do not
     assert coord.job.membership.min_size == 3
     _run_to(coord, 0, 4)
-    rt.remove_node("node01")
+    _fail(rt, "node01")  # the other two nodes' one CPU each is their worker's
     seen = []
     while coord.step():
         seen.append(coord.snapshot().reason or "")
@@ -304,15 +228,15 @@ def test_plan_that_becomes_infeasible_waits_with_the_reason_then_fails():
 
 
 def test_plan_that_becomes_infeasible_resumes_when_a_node_joins():
-    coord, rt = _coord(_spec(max_batch=24))  # on the fake runtime: see the test above
+    coord, rt, lineages = _job(_spec(max_batch=24))
     _run_to(coord, 0, 4)
-    rt.remove_node("node01")
+    _fail(rt, "node01")
     for _ in range(5):
         coord.step()
     assert coord.snapshot().state == JobState.PENDING
-    rt.add_node("node09")
+    _join(rt, 1)
     coord.run()
-    _assert_exactly_once(coord, rt)
+    _assert_exactly_once(coord, lineages)
 
 
 def test_workers_auto_is_bounded_by_the_global_batch():

@@ -34,8 +34,7 @@ from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 
 from tests.fakes import Lineages
-from tests.unit.test_engine_faults import _assert_exactly_once, _spec
-from tests.unit.test_sim_faults import _coord as _sim_coord
+from tests.unit.test_engine_faults import _assert_exactly_once, _job, _spec
 
 # --- the worker ---------------------------------------------------------------------------
 
@@ -178,13 +177,14 @@ def test_memory_cap_belongs_to_the_node_and_device():
 def _coord(*faults: Fault, **kw) -> tuple[Coordinator, SimRuntime, Lineages]:
     """The fault tests' job and cluster; max_retries 0: an out-of-memory retry is not a
     compute failure's retry."""
-    return _sim_coord(_spec(max_retries=0, **kw), *faults)
+    return _job(_spec(max_retries=0, **kw), *faults)
 
 
 def test_the_fastest_worker_out_of_memory_gets_a_smaller_micro_batch_and_the_job_finishes():
     coord, rt, lineages = _coord(Fault(kind="oom", worker=0, epoch=0, step=2, batch=10))
     coord.run()
     _assert_exactly_once(coord, lineages)
+    assert any("w0 ran out of memory on a micro-batch of" in x.message for x in coord.logs())
     node = coord.job.membership.get("w0").node
     assert coord.job.memory.cap(node, 0.0) <= 10
     # Every plan of w0 from the failure on carried the cap, and it trained under it.

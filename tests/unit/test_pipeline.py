@@ -19,12 +19,12 @@ from dynabatch.scheduler.sync.coordinator import Coordinator
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import Lineages, sim_runtime
+from tests.fakes import Lineages
 from tests.unit.test_engine_faults import (
     SPE,
-    N,
     _assert_exactly_once,
     _full_lineage,
+    _job,
     _run_to,
     _spec,
 )
@@ -154,9 +154,6 @@ def test_a_replan_while_the_epochs_last_segment_is_in_flight_is_the_next_epochs_
 
 
 # ------------------------------------------------------------------ the coordinator
-SPEEDS = {0: 1000, 1: 500, 2: 250}
-
-
 class _Scoring(SimRuntime):
     """The simulator's runtime keeping, per evaluation run, each scored shard's worker and
     the lineage ("weights") it scored: which evaluation scored which weights."""
@@ -172,31 +169,10 @@ class _Scoring(SimRuntime):
         return out
 
 
-def _coord(
-    spec: JobSpec,
-    *faults: Fault,
-    nodes: int = 3,
-    runtime: type[_Scoring] = _Scoring,
-    start_s: float = 0.0,
-    events: list[dict] | None = None,
-) -> tuple[Coordinator, _Scoring, Lineages]:
-    """The coordinator on the simulator's runtime over ``nodes`` nodes (node i computes
-    ``SPEEDS[i]`` samples/s, 1000 past them), with ``faults`` armed; the workers' model
-    replicas are :class:`Lineages`."""
-    lineages = Lineages()
-    rt = sim_runtime(
-        spec,
-        n_train=N,
-        nodes=nodes,
-        speeds=SPEEDS,
-        gradients=lineages,
-        runtime=runtime,
-        start_s=start_s,
-        events=events,
-    )
-    for f in faults:
-        rt.inject(f)
-    return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt, lineages
+def _coord(spec: JobSpec, *faults: Fault, **kw) -> tuple[Coordinator, _Scoring, Lineages]:
+    """The fault tests' job (:func:`~tests.unit.test_engine_faults._job`) on a runtime that
+    keeps which evaluation scored which weights."""
+    return _job(spec, *faults, **{"runtime": _Scoring, **kw})
 
 
 def _at_step(kind: str, worker: int, epoch: int, step: int) -> Fault:

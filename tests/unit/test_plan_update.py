@@ -5,6 +5,7 @@ position trained exactly once."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -18,10 +19,11 @@ from dynabatch.scheduler.core.sync.update import (
     update_at,
     updated_plans,
 )
+from dynabatch.scheduler.sync import pipeline
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_engine_faults import _assert_exactly_once, _coord, _run_to, _spec
+from tests.unit.test_engine_faults import _assert_exactly_once, _job, _run_to, _spec
 
 
 def _tel(speeds) -> list[WorkerTelemetry]:
@@ -114,51 +116,54 @@ def test_updates_accepted_or_refused_change_only_steps_not_started_and_cover_onc
     assert (counts == 1).all()
 
 
-# ------------------------------------------------------------------ the driver, on the fake
+# ------------------------------------------------------------------ the driver, on the simulator
 def _disturbed(**kw):
     spec = _spec(rebalance={"mode": "adaptive", "check_steps": 4}, **kw)
-    coord, rt = _coord(spec)
+    coord, rt, lineages = _job(spec)
     _run_to(coord, 1, 2)
-    rt.workers["w2"].speed = 50.0  # 5x slower, mid-epoch
-    return coord, rt
+    rt.happen({"slowdown": {"class": "node02", "index": 0, "factor": 5}})  # w2, mid-epoch
+    return coord, rt, lineages
 
 
 @pytest.mark.parametrize("policy", ["affine", "dbs"])
 def test_a_disturbance_is_answered_inside_the_segment_in_flight(policy):
-    coord, rt = _disturbed(policy=policy)
+    coord, rt, lineages = _disturbed(policy=policy)
     coord.run()
-    _assert_exactly_once(coord, rt)
-    assert coord.job.plan_updates >= 1 and rt.updates_applied
-    first = rt.updates_applied[0]
+    _assert_exactly_once(coord, lineages)
+    assert coord.job.plan_updates >= 1 and rt.record.updates_applied
+    first = rt.record.updates_applied[0]
     # Applied from the second step of the segment ahead, not after it.
-    seg = next(p for p in rt.plans if any(sp.step == first.at_step
-                                          for sp in next(iter(p.values())).steps))
+    seg = next(p for p in rt.record.plans if any(sp.step == first.at_step
+                                                 for sp in next(iter(p.values())).steps))
     steps = [sp.step for sp in next(iter(seg.values())).steps]
     assert first.at_step == steps[1]
     assert seg["w2"].steps[1] == first.plans["w2"][0]
 
 
-def test_a_refused_update_defers_the_plan_to_the_next_segment():
-    coord, rt = _disturbed(policy="affine")
-    rt.update_started = 4  # every worker is taken to be past any step an update aims at
-    asked, applied = len(rt.updates), len(rt.updates_applied)
+def test_a_refused_update_defers_the_plan_to_the_next_segment(monkeypatch):
+    coord, rt, lineages = _disturbed(policy="affine")
+    # The driver aims every update at the first step of the segment in flight, which the
+    # workers started when the one before it ended: the runtime refuses each, as Ray does
+    # for a step a worker has claimed.
+    monkeypatch.setattr(pipeline, "update_at", functools.partial(update_at, started=0))
+    asked, applied = len(rt.record.updates), len(rt.record.updates_applied)
     rebalances = coord.snapshot().rebalances_total
     coord.run()
-    _assert_exactly_once(coord, rt)
-    assert len(rt.updates) > asked and len(rt.updates_applied) == applied
+    _assert_exactly_once(coord, lineages)
+    assert len(rt.record.updates) > asked and len(rt.record.updates_applied) == applied
     assert coord.job.plan_updates == applied
-    assert coord.job.plan_updates_refused == len(rt.updates) - asked
+    assert coord.job.plan_updates_refused == len(rt.record.updates) - asked
     assert coord.snapshot().rebalances_total > rebalances
 
 
 def test_segments_of_rebalance_epoch_are_never_updated():
     """In ``rebalance: epoch`` the workers claim no step, so no update is posted to them
     (the next epoch's first re-plan takes effect after the segment sent across the end)."""
-    coord, rt = _coord(_spec(rebalance={"mode": "epoch"}, policy="dbs"))
+    coord, rt, lineages = _job(_spec(rebalance={"mode": "epoch"}, policy="dbs"))
     coord.run()
-    _assert_exactly_once(coord, rt)
-    assert not rt.updates and coord.job.plan_updates == 0
-    assert not any(next(iter(p.values())).updates for p in rt.plans)
+    _assert_exactly_once(coord, lineages)
+    assert not rt.record.updates and coord.job.plan_updates == 0
+    assert not any(next(iter(p.values())).updates for p in rt.record.plans)
 
 
 def test_the_store_decides_once_per_step_between_the_driver_and_the_workers():

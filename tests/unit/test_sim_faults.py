@@ -1,7 +1,10 @@
 """The simulator's fault script, through the real coordinator on the simulator's runtime.
 
 Each fault kind of :class:`~dynabatch.scheduler.sim.cluster_spec.Fault` is played on a
-small simulated cluster (``tests.fakes.sim_runtime``), and the model replicas are the
+small simulated cluster (``tests.fakes.sim_job``), one test per kind: here, or where its
+subject is tested (``straggle``, ``error``, ``eval_error`` and the last holder lost in
+``test_engine_faults.py``, ``oom`` in ``test_oom.py``, spare faults in
+``test_spares.py``). The model replicas are the
 test's :class:`~tests.fakes.Lineages`: each worker's "weights" are the (epoch, step) updates
 it applied. After a run the job succeeded, every epoch's record is ``verified`` by the
 ledger, and the surviving model holds every step of every epoch exactly once; or the job
@@ -26,33 +29,17 @@ from dynabatch.scheduler.sim.simulator import simulate
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from typer.testing import CliRunner
 
-from tests.fakes import Lineages, sim_runtime
+from tests.fakes import sim_runtime
 from tests.unit.test_engine_faults import (
     SPE,
     B,
     N,
     _assert_exactly_once,
     _full_lineage,
+    _job,
     _run_to,
     _spec,
 )
-
-SPEEDS = {0: 1000, 1: 500, 2: 250}
-
-
-def _coord(spec: JobSpec, *faults: Fault, speeds=None, nodes: int = 3, start_s: float = 0.0):
-    lineages = Lineages()
-    rt = sim_runtime(
-        spec,
-        n_train=N,
-        nodes=nodes,
-        speeds=SPEEDS if speeds is None else speeds,
-        gradients=lineages,
-        start_s=start_s,
-    )
-    for f in faults:
-        rt.inject(f)
-    return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt, lineages
 
 
 def _removed(coord: Coordinator) -> list[tuple[str, str]]:
@@ -67,7 +54,7 @@ def _logged(coord: Coordinator, text: str) -> bool:
 @pytest.mark.parametrize("step", [0, SPE // 2, SPE - 1], ids=["first", "middle", "last"])
 @pytest.mark.parametrize("ordinal", [0, 2])
 def test_a_worker_process_dies_at_any_step_and_its_node_hosts_the_replacement(step, ordinal):
-    coord, rt, lineages = _coord(_spec(), Fault(kind="die", worker=ordinal, epoch=1, step=step))
+    coord, rt, lineages = _job(_spec(), Fault(kind="die", worker=ordinal, epoch=1, step=step))
     coord.run()
     _assert_exactly_once(coord, lineages)
     assert _removed(coord) == [(f"w{ordinal}", "failure")]
@@ -80,7 +67,7 @@ def test_a_worker_process_dies_at_any_step_and_its_node_hosts_the_replacement(st
 
 
 def test_a_fault_injected_during_the_run_fires_at_its_step():
-    coord, rt, lineages = _coord(_spec())
+    coord, rt, lineages = _job(_spec())
     _run_to(coord, 1, 4)
     assert rt.record.killed == []
     rt.inject(Fault(kind="die", worker=1, epoch=1, step=6))
@@ -91,30 +78,18 @@ def test_a_fault_injected_during_the_run_fires_at_its_step():
 
 
 def test_a_hung_worker_is_lost_as_hung_once_its_peers_failed():
-    coord, _, lineages = _coord(_spec(), Fault(kind="hang", worker=1, epoch=0, step=4))
+    coord, _, lineages = _job(_spec(), Fault(kind="hang", worker=1, epoch=0, step=4))
     coord.run()
     _assert_exactly_once(coord, lineages)
     (ev,) = [e for e in coord.membership_events() if e.kind == "failure"]
     assert ev.worker == "w1" and ev.reason.startswith("hung:")
 
 
-def test_a_straggler_past_the_collective_timeout_is_evicted():
-    # 4 s more: its peers time out after 2 s, and it answers within the grace.
-    coord, _, lineages = _coord(
-        _spec(), Fault(kind="straggle", worker=2, epoch=0, step=3, seconds=4.0)
-    )
-    coord.run()
-    _assert_exactly_once(coord, lineages)
-    (ev,) = [e for e in coord.membership_events() if e.kind == "evict"]
-    assert ev.worker == "w2" and "straggler" in ev.reason
-    assert ev.node in coord.job.membership.excluded_nodes
-
-
 def test_a_short_straggle_only_takes_its_seconds():
     # w2 is the slowest: its step, and so the job, takes 0.5 s more; nobody times out.
-    plain, rt0, _ = _coord(_spec(policy="static"))
+    plain, rt0, _ = _job(_spec(policy="static"))
     plain.run()
-    coord, rt, lineages = _coord(
+    coord, rt, lineages = _job(
         _spec(policy="static"), Fault(kind="straggle", worker=2, epoch=1, step=5, seconds=0.5)
     )
     coord.run()
@@ -124,42 +99,12 @@ def test_a_short_straggle_only_takes_its_seconds():
     assert rt.record.plans == rt0.record.plans
 
 
-def test_a_compute_error_fails_the_job_after_bounded_retries():
-    coord, rt, _ = _coord(_spec(max_retries=2), Fault(kind="error", worker=1, epoch=0, step=3))
-    snap = coord.run()
-    assert snap.state == JobState.FAILED
-    assert "w1" in snap.reason and "InjectedFault" in snap.reason and "3 attempts" in snap.reason
-    assert rt.record.segments <= 2 + 3  # the steps before, then 3 attempts
-
-
-def test_out_of_memory_cuts_the_workers_share_into_micro_batches():
-    coord, rt, lineages = _coord(
-        _spec(max_retries=0), Fault(kind="oom", worker=0, epoch=0, step=2, batch=10)
-    )
-    coord.run()
-    _assert_exactly_once(coord, lineages)
-    assert _logged(coord, "w0 ran out of memory on a micro-batch of")
-    assert coord.job.memory.cap(coord.job.membership.get("w0").node, 0.0) <= 10
-    capped = [p["w0"] for p in rt.record.plans if p["w0"].micro_cap is not None]
-    assert capped and all(p.micro_cap <= 10 for p in capped)
-    # It trained under the cap and said so: the tracker holds the cap it reported.
-    assert coord.job.tracker.workers["w0"].micro_cap <= 10
-    assert all(p["w1"].micro_cap is None and p["w2"].micro_cap is None for p in rt.record.plans)
-
-
-def test_one_sample_that_does_not_fit_fails_the_job_with_one_line():
-    coord, _, _ = _coord(_spec(), Fault(kind="oom", worker=1, epoch=0, step=1, batch=0))
-    snap = coord.run()
-    assert snap.state == JobState.FAILED and "\n" not in snap.reason
-    assert "w1" in snap.reason and "one sample does not fit" in snap.reason, snap.reason
-
-
 def test_a_result_lost_after_its_segment_keeps_what_the_segment_ahead_trained():
     """Every collective of the segment completed, but w1's result was lost with its
     process, which died one step into the segment sent ahead: its peers trained that step
     with it, and it is committed."""
     spec = _spec(rebalance={"mode": "epoch"})
-    coord, rt, lineages = _coord(spec, Fault(kind="lose_result", worker=1, epoch=1, step=0))
+    coord, rt, lineages = _job(spec, Fault(kind="lose_result", worker=1, epoch=1, step=0))
     coord.run()
     _assert_exactly_once(coord, lineages)
     assert _removed(coord) == [("w1", "failure")]
@@ -186,7 +131,7 @@ def test_a_result_lost_after_its_segment_keeps_what_the_segment_ahead_trained():
     ],
 )
 def test_a_worker_dies_in_a_regroup_a_checkpoint_or_an_evaluation(kind, ordinal, nth, tmp_path):
-    coord, rt, lineages = _coord(
+    coord, rt, lineages = _job(
         _spec(checkpoint={"dir": str(tmp_path)}), Fault(kind=kind, worker=ordinal, nth=nth)
     )
     coord.run()
@@ -198,87 +143,27 @@ def test_a_worker_dies_in_a_regroup_a_checkpoint_or_an_evaluation(kind, ordinal,
         assert _logged(coord, "checkpoint (epoch) at epoch 2")
 
 
-def test_an_evaluation_that_always_raises_fails_the_job_with_its_message():
-    message = "metrics.0: 'mae' failed on this dataset and model (ValueError: bad shape)"
-    coord, rt, _ = _coord(_spec(max_retries=2), Fault(kind="eval_error", worker=1, error=message))
-    snap = coord.run()
-    assert snap.state == JobState.FAILED and "\n" not in snap.reason
-    assert "on w1" in snap.reason and message in snap.reason, snap.reason
-    assert rt.record.evaluations == 3  # 1 attempt, then max_retries more
-    assert "w1" in coord.job.membership.worker_ids  # the worker stayed up
-
-
-# --- spares -----------------------------------------------------------------------------
-def _spares(*faults: Fault, epochs: int = 8):
-    spec = _spec(workers=2, max_workers=2, epochs=epochs, start_timeout_s=30)
-    return _coord(spec, *faults, speeds={0: 1000, 1: 500, 2: 800}, start_s=2.0)
-
-
-NODE2 = {"class": "node02", "index": 0}
-
-
-def test_a_lost_worker_is_replaced_by_adopting_the_spare():
-    coord, rt, lineages = _spares(Fault(kind="die", worker=1, epoch=5, step=3))
-    coord.run()
-    _assert_exactly_once(coord, lineages)
-    assert rt.record.spares_started[0] == "node02" and rt.record.adopted == ["w2"]
-    assert rt.record.fresh == ["w0", "w1"]
-    assert coord.job.membership.get("w2").node == "node02"
-
-
-def test_a_spare_that_dies_is_dropped_and_the_replacement_starts_fresh():
-    coord, rt, lineages = _spares(
-        Fault(kind="spare_dies", node=NODE2), Fault(kind="die", worker=1, epoch=5, step=3)
-    )
-    coord.run()
-    _assert_exactly_once(coord, lineages)
-    assert rt.record.spares_started == ["node02"]  # never restarted on that node
-    assert coord.job.membership.no_spare == {"node02": "spare process died (simulated)"}
-    assert rt.record.adopted == [] and rt.record.fresh == ["w0", "w1", "w2"]
-    assert _logged(coord, "spare worker on node node02 was lost")
-
-
-def test_a_spare_found_dead_when_adopted_is_replaced_by_a_fresh_worker():
-    coord, rt, lineages = _spares(Fault(kind="spare_dies_silently", node=NODE2), epochs=12)
-    while (coord.epoch, coord.step_in_epoch) < (4, 4):
-        assert coord.step(), coord.snapshot().reason
-    coord.scale(3)
-    coord.run()
-    _assert_exactly_once(coord, lineages)
-    assert rt.record.adopted == ["w2"]  # it failed to start ...
-    assert _logged(coord, "worker w2 failed to start")
-    assert rt.record.fresh[-1] == "w3"  # ... and w3 started fresh on the same node
-    assert coord.job.membership.get("w3").node == "node02"
-
-
 # --- uneven failures --------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["die", "hang"])
 def test_an_uneven_failure_regroups_from_the_survivor_that_got_furthest(kind):
-    coord, _, lineages = _coord(_spec(), Fault(kind=kind, worker=0, epoch=0, step=5, uneven=True))
+    coord, rt, lineages = _job(_spec(), Fault(kind=kind, worker=0, epoch=0, step=5, uneven=True))
     _run_to_failure(coord)
     # w1's all-reduce of step 5 completed before w0 broke off; w2's did not.
     assert lineages.lineage("w1") == [(0, s) for s in range(6)]
     assert lineages.lineage("w2") == [(0, s) for s in range(5)]
     coord.run()
     _assert_exactly_once(coord, lineages)
+    # Training went on from step 6, with w1's weights: step 5 is not trained again.
+    firsts = [
+        (seg.epoch, seg.steps[0].step)
+        for seg in (next(iter(plans.values())) for plans in rt.record.plans)
+    ]
+    assert firsts[firsts.index((0, 5)) + 1] == (0, 6), firsts
 
 
 def _run_to_failure(coord: Coordinator) -> None:
     while not coord.membership_events() or all(e.kind == "join" for e in coord.membership_events()):
         assert coord.step(), coord.snapshot().reason
-
-
-def test_the_last_holder_lost_in_the_final_checkpoint_rolls_back(tmp_path):
-    """Only w1, the survivor that got furthest, holds the final state; it dies while the
-    final checkpoint is taken: the job rolls back to the previous checkpoint."""
-    coord, _, lineages = _coord(
-        _spec(checkpoint={"dir": str(tmp_path)}),
-        Fault(kind="die", worker=0, epoch=2, step=SPE - 1, uneven=True),
-        Fault(kind="die_in_checkpoint", worker=1),
-    )
-    coord.run()
-    _assert_exactly_once(coord, lineages)
-    assert _logged(coord, "rolling back")
 
 
 # --- the cluster file -------------------------------------------------------------------
@@ -395,7 +280,7 @@ def test_cli_bad_fault_is_one_line_naming_the_field_exit_2(tmp_path):
 
 
 def test_inject_checks_the_node_it_names():
-    _, rt, _ = _coord(_spec())
+    _, rt, _ = _job(_spec())
     with pytest.raises(ValueError, match=r"^node.index: class 'node02' has 1 nodes"):
         rt.inject(Fault(kind="spare_dies", node={"class": "node02", "index": 1}))
 

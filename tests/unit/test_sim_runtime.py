@@ -170,3 +170,25 @@ def test_a_simulated_node_that_cannot_host_a_worker_is_not_eligible_as_on_ray():
                              "cpus": 4}])
     ok = simulate(_spec(worker_cpus=4, workers=2), big, dataset_size=64 * 4)
     assert ok.snapshot.state == JobState.SUCCEEDED, ok.snapshot.reason
+
+
+def test_a_simulated_node_counts_the_workers_it_hosts_against_its_room_as_on_ray():
+    """A node's ``free``/``room`` follow from the workers it hosts against what one asks for
+    (``worker_cpus``), as Ray's unreserved resources do: a 1-CPU node hosting a worker has
+    no room for another (a replacement must not start beside it), a 2-CPU node with one
+    1-CPU worker has room for one more."""
+    cluster = SimulatedCluster(_cluster(classes=[
+        {"name": "one", "count": 1, "a_ms": 2, "c_ms_per_sample": 0.2, "cpus": 1},
+        {"name": "two", "count": 1, "a_ms": 2, "c_ms_per_sample": 0.2, "cpus": 2},
+    ]))
+    rt = SimRuntime(_spec(workers=2), cluster, clock=SimClock(0.0),
+                    data=DataInfo("sim", 64 * 8, 16))
+    one, two = (n.node_id for n in cluster.nodes)
+    before = {n.node_id: (n.free, n.slots) for n in rt.nodes()}
+    assert before == {one: (True, 1), two: (True, 2)}
+    rt.spawn(Spawn("w0", 0, one, 1.0, 0.0))
+    rt.spawn(Spawn("w1", 1, two, 1.0, 0.0))
+    after = {n.node_id: (n.free, n.slots) for n in rt.nodes()}
+    assert after == {one: (False, 0), two: (True, 1)}
+    rt.kill("w0")  # its CPU is the node's again
+    assert {n.node_id: n.slots for n in rt.nodes()}[one] == 1

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from dynabatch.scheduler.core.lifecycle import JobState
 
-from tests.unit.test_engine_faults import N, _coord, _spec
+from tests.unit.test_engine_faults import N, _job, _spec
 
 
 @pytest.mark.parametrize("mode", ["epoch", "adaptive"])
 def test_partitions_sum_to_the_dataset_at_every_step_and_at_the_end(mode):
-    coord, _ = _coord(_spec(rebalance={"mode": mode}))
+    coord, _, _ = _job(_spec(rebalance={"mode": mode}))
     sums = []
     while coord.step():
         snap = coord.snapshot()

@@ -15,8 +15,7 @@ from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 
 from tests.fakes import Lineages
-from tests.unit.test_engine_faults import _assert_exactly_once, _run_to, _spec
-from tests.unit.test_sim_faults import _coord
+from tests.unit.test_engine_faults import _assert_exactly_once, _job, _run_to, _spec
 
 START_S = 2.0
 NODE2 = {"class": "node02", "index": 0}  # the idle node, where the spare runs
@@ -26,13 +25,7 @@ def _setup(*faults: Fault, **kw) -> tuple[Coordinator, SimRuntime, Lineages]:
     """Two workers (at most two) on a three-node cluster: node02 is idle, so its spare
     waits there."""
     spec = _spec(**{"workers": 2, "max_workers": 2, "epochs": 8, "start_timeout_s": 30, **kw})
-    return _coord(spec, *faults, speeds={0: 1000, 1: 500, 2: 800}, start_s=START_S)
-
-
-def _spares(rt: SimRuntime) -> dict[str, float]:
-    """The spares running now: node -> when it is (or was) warm. The world's own table: no
-    call of the Runtime lists the spares."""
-    return dict(rt._spares)
+    return _job(spec, *faults, speeds={0: 1000, 1: 500, 2: 800}, start_s=START_S)
 
 
 def _joined(coord: Coordinator, worker: str) -> float | None:
@@ -45,7 +38,7 @@ def _scale_to_three(
 ) -> tuple[float, float]:
     """Scale to 3 once the spare is up; returns (request time, the newcomer's join time)."""
     _run_to(coord, 4, 4)
-    assert all(up < rt.clock.now() for up in _spares(rt).values())  # spares are up by now
+    assert all(up < rt.clock.now() for up in rt.spares_running().values())  # spares are up by now
     t_request = rt.clock.now()
     coord.scale(3)
     while _joined(coord, newcomer) is None:
@@ -62,7 +55,7 @@ def test_a_scale_up_adopts_the_warm_spare_and_joins_at_the_next_boundary():
     coord.run()
     _assert_exactly_once(coord, lineages)
     assert any("w2" in plans for plans in rt.record.plans)  # the adopted worker trained
-    assert _spares(rt) == {}  # none left behind
+    assert rt.spares_running() == {}  # none left behind
 
 
 def test_without_spares_the_same_scale_up_waits_for_a_fresh_start():
@@ -84,7 +77,7 @@ def test_a_spare_that_dies_before_adoption_is_dropped_and_the_worker_starts_fres
     assert any("spare worker on node node02 was lost" in x.message for x in coord.logs())
     coord.run()
     _assert_exactly_once(coord, lineages)
-    assert _spares(rt) == {}
+    assert rt.spares_running() == {}
 
 
 def test_a_spare_found_dead_when_adopted_is_replaced_by_a_fresh_worker():
@@ -104,6 +97,7 @@ def test_a_lost_worker_is_replaced_by_adopting_the_spare():
     coord, rt, lineages = _setup(Fault(kind="die", worker=1, epoch=5, step=3))
     coord.run()
     _assert_exactly_once(coord, lineages)
+    assert rt.record.spares_started[0] == "node02" and rt.record.fresh == ["w0", "w1"]
     assert rt.record.adopted == ["w2"] and coord.job.membership.get("w2").node == "node02"
     lost = next(e.time for e in coord.membership_events() if e.kind == "failure")
     joined = next(
@@ -115,8 +109,8 @@ def test_a_lost_worker_is_replaced_by_adopting_the_spare():
 def test_spares_are_stopped_when_the_job_ends():
     coord, rt, _ = _setup(epochs=2)
     _run_to(coord, 1, 2)
-    assert set(_spares(rt)) == {"node02"}
+    assert set(rt.spares_running()) == {"node02"}
     coord.cancel("test")
     coord.run()
     assert coord.snapshot().state == JobState.CANCELLED
-    assert _spares(rt) == {} and rt.record.spares_stopped == ["node02"]
+    assert rt.spares_running() == {} and rt.record.spares_stopped == ["node02"]

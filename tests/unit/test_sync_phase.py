@@ -21,7 +21,7 @@ from dynabatch.scheduler.sync.job import SyncJob
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.fakes import FakeRuntime, Lineages, sim_runtime
+from tests.fakes import sim_job
 
 LIVE = [p for p in Phase if not p.is_terminal]
 
@@ -143,15 +143,10 @@ def _coord(events: list[dict] | None = None, **kw) -> tuple[Coordinator, _Cancel
     """A job on the simulator's runtime over 3 nodes (node i computes 1000, 500, 250
     samples/s); ``events``: nodes that fail or join as the job trains a step."""
     spec = JobSpec.model_validate(_SPEC | kw)
-    rt = sim_runtime(
-        spec,
-        n_train=N,
-        speeds={0: 1000, 1: 500, 2: 250},
-        gradients=Lineages(),
-        runtime=_Cancelling,
-        events=events,
+    coord, rt, _ = sim_job(
+        spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250}, runtime=_Cancelling, events=events
     )
-    return Coordinator("job", spec, runtime=rt, clock=rt.clock), rt
+    return coord, rt
 
 
 # Node 1 fails as the job trains step 4 of epoch 0: under max_batch 24 the job waits for a
@@ -209,15 +204,9 @@ def test_every_holder_lost_rolls_back_inside_the_regroup(tmp_path):
 
 
 def test_too_few_workers_wait_then_fail_after_the_timeout():
-    # On FakeRuntime: the simulator lists every alive node as free (NodeInfo.free, room),
-    # so it would place the replacement beside w0 on node00, whose one CPU w0 holds, where
-    # Ray has no room for it.
-    spec = JobSpec.model_validate(_SPEC | {"max_batch": 24})  # 3 x 24 hold B=64; 2 x 24 do not
-    rt = FakeRuntime(spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250})
-    coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
-    while (coord.epoch, coord.step_in_epoch) < (0, 4):
-        assert coord.step()
-    rt.remove_node("node01")
+    # node01 fails at step 4 of epoch 0; the other two nodes' one CPU each is their worker's,
+    # so no third worker can start and 2 x 24 cannot hold B=64.
+    coord, _ = _coord(LOSE_NODE1, max_batch=24)
     phases = []
     while coord.step():
         phases.append(coord.phase)
