@@ -47,13 +47,14 @@ model when anything was trained, and ends the job CANCELLED.
 
 What each command does inside (a regroup, a segment's commit, an epoch's record) is the
 driver's parts' and the other pure machines' (protocol, membership, ledger, boundary).
-The engine's state is where the boundary stands (:data:`LoopState`): each state says which
+The engine's state is where the boundary stands
+(:data:`~dynabatch.scheduler.core.sync.states.LoopState`): each state says which
 command's outcome it waits for and carries what that outcome is judged by.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from dynabatch.scheduler.core.sync.boundary import must_roll_back
 from dynabatch.scheduler.core.sync.messages import (
@@ -91,150 +92,27 @@ from dynabatch.scheduler.core.sync.messages import (
 )
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.pipeline import can_cross_epoch, can_send_ahead
-
-# --- where the boundary stands ----------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class AtRest:
-    """Between boundaries."""
-
-
-@dataclass(frozen=True, slots=True)
-class Watching:
-    """A segment is in flight: waiting for started workers to be noticed and nodes
-    listed (membership changes wait for the next boundary with nothing in flight)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Gathering:
-    """Nothing in flight: waiting for the requests to be applied and started workers taken
-    in (then nodes are listed when due)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Placing:
-    """Waiting for workers to be started on the nodes listed (and, at the first start, to
-    come up)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RollingBack:
-    """Waiting for the last checkpoint to be loaded (or the job to fail) before the regroup:
-    no member holds the committed state."""
-
-
-@dataclass(frozen=True, slots=True)
-class Regrouping:
-    """Waiting for the next generation to form (its ``ok`` decides)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Resplitting:
-    """The group formed mid-epoch: waiting for the rest of the epoch to be re-planned over
-    it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Opening:
-    """Waiting for the epoch to open and be planned (the segment is sent from what that
-    leaves: its global batch decides whether the next epoch's first may go ahead)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Checking:
-    """Waiting for the re-plan of the rebalance rule's check after a segment."""
-
-
-@dataclass(frozen=True, slots=True)
-class Posting:
-    """Waiting for a re-plan offered inside the segment in flight to be posted to its
-    workers (a plan update). ``opening``: it was the epoch's opening plan, and the epoch's
-    segment follows."""
-
-    opening: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Training:
-    """Waiting for the segment (its ``ok`` and the epoch's completion decide what
-    follows)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EndingToAbsorb:
-    """A failed segment completed the epoch, and the next epoch's first was sent ahead of
-    it: waiting for the epoch to end, before that one is absorbed in the next."""
-
-
-@dataclass(frozen=True, slots=True)
-class Absorbing:
-    """After a failed segment: waiting for the one sent ahead of it to be collected (what
-    it trained committed, the rest discarded)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Ending:
-    """Waiting for the epoch a segment completed to end (the job may be trained now)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Judging:
-    """The epoch ended and its evaluation was awaited: waiting for its judgement (best so
-    far; early stopping), which decides the checkpoints written before the next epoch.
-    ``then``: where the epoch's end returns; ``due``: the epoch's checkpoint is due anyway;
-    ``keeps``: the job keeps checkpoints (early stopping's is written only then)."""
-
-    then: Ending | EndingToAbsorb | CancelEndingEpoch
-    due: bool
-    keeps: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Finishing:
-    """Every epoch is trained: waiting for the last evaluations. ``cancelling``: a
-    cancellation's last segment completed the last epoch, so the job succeeds."""
-
-    cancelling: bool
-
-
-@dataclass(frozen=True, slots=True)
-class CancelCommitting:
-    """Cancelling: waiting for the segment in flight to be committed."""
-
-
-@dataclass(frozen=True, slots=True)
-class CancelEndingEpoch:
-    """Cancelling: the committed segment completed the epoch, which is ending (the job may
-    have succeeded in it)."""
-
-
-@dataclass(frozen=True, slots=True)
-class CancelSettling:
-    """Cancelling: waiting for the evaluations (they decide whether anything was trained
-    that the model would hold)."""
-
-
-LoopState = (
-    AtRest
-    | Watching
-    | Gathering
-    | Placing
-    | RollingBack
-    | Regrouping
-    | Resplitting
-    | Opening
-    | Checking
-    | Posting
-    | Training
-    | EndingToAbsorb
-    | Absorbing
-    | Ending
-    | Judging
-    | Finishing
-    | CancelCommitting
-    | CancelEndingEpoch
-    | CancelSettling
+from dynabatch.scheduler.core.sync.states import (
+    Absorbing,
+    AtRest,
+    CancelCommitting,
+    CancelEndingEpoch,
+    CancelSettling,
+    Checking,
+    Ending,
+    EndingToAbsorb,
+    Finishing,
+    Gathering,
+    Judging,
+    LoopState,
+    Opening,
+    Placing,
+    Posting,
+    Regrouping,
+    Resplitting,
+    RollingBack,
+    Training,
+    Watching,
 )
 
 
