@@ -7,7 +7,6 @@ from collections import deque
 from collections.abc import Callable
 
 import pytest
-from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.failures import RetryBudget
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership
@@ -22,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.fakes import sim_job
+from tests.unit.test_engine_faults import N, _spec
 
 LIVE = [p for p in Phase if not p.is_terminal]
 
@@ -105,7 +105,6 @@ def test_invalid_phase_pickles_intact():
 
 
 # ------------------------------------------------------------------ a driven job's phases
-N, B = 1000, 64  # 16 steps per epoch
 
 
 class _Cancelling(SimRuntime):
@@ -126,23 +125,10 @@ class _Cancelling(SimRuntime):
         return super().submit_evaluation(shards)
 
 
-_SPEC = dict(
-    workers=3,
-    min_workers=1,
-    global_batch=B,
-    epochs=2,
-    policy="affine",
-    rebalance={"mode": "adaptive"},
-    collective_timeout_s=2,
-    worker_wait_timeout_s=5,
-    start_timeout_s=5,
-)
-
-
 def _coord(events: list[dict] | None = None, **kw) -> tuple[Coordinator, _Cancelling]:
     """A job on the simulator's runtime over 3 nodes (node i computes 1000, 500, 250
     samples/s); ``events``: nodes that fail or join as the job trains a step."""
-    spec = JobSpec.model_validate(_SPEC | kw)
+    spec = _spec(**{"epochs": 2, **kw})
     coord, rt, _ = sim_job(
         spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250}, runtime=_Cancelling, events=events
     )
