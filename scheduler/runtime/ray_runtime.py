@@ -41,7 +41,7 @@ SEGMENT_LIMIT_S = 3600.0
 def load_checked(spec: JobSpec) -> tuple[Any, Any]:
     """The job's dataset and its objective, the model, the loss and the metrics checked
     on two samples of it: a workload error names its field here, once, rather than inside
-    every worker's constructor. No Ray (a fake runtime's tests use it too)."""
+    every worker's constructor. No Ray (the simulator's tests use it too)."""
     from dynabatch.actors.workloads.datasets import load_dataset
     from dynabatch.actors.workloads.models import build_model
     from dynabatch.actors.workloads.objective import check_objective

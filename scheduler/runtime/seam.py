@@ -2,9 +2,9 @@
 
 The coordinator (``dynabatch.scheduler.sync.coordinator``) owns the pure machines and turns their
 decisions into calls on a :class:`Runtime`; the runtime turns those calls into actor calls
-(``dynabatch.scheduler.runtime.ray_runtime``), into in-process fakes with injected faults
-(``tests.fakes``),
-or into events on a virtual clock (a simulator). The same machine objects run under each.
+(``dynabatch.scheduler.runtime.ray_runtime``), or into events on a virtual clock (the
+simulator, ``dynabatch.scheduler.sim.runtime``, with its fault script: the unit tests' runtime
+too). The same machine objects run under each.
 
 Every call is bounded: the timeouts are arguments, and an implementation that cannot
 answer in time reports the worker as lost rather than blocking.

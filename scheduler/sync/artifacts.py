@@ -8,7 +8,7 @@ control.JobControl.model_files`) until it is released; the service copies them t
 ``artifacts.dir`` they are also written to ``DIR/JOB_ID/`` (a local path or a ``pyarrow.fs``
 URI). With ``checkpoint.keep_best``, the best epoch's weights come from its checkpoint
 (``best.pt``) and go beside the final ones. A job whose runtime has no real model (a
-simulation without gradients, the tests' fakes) has none.
+simulation without gradients) has none.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ The decisions live in pure machines (no ray, no torch, no clock), each in its mo
   back or evaluate again.
 
 The driver feeds them events and executes their decisions on a :class:`Runtime`: Ray
-actors in production (``dynabatch.scheduler.runtime.ray_runtime``), in-process fakes with
-injected faults in unit tests. It is split by concern around one job-state value
+actors in production (``dynabatch.scheduler.runtime.ray_runtime``), the simulator's virtual
+clock in ``dynabatch simulate`` and the unit tests (``dynabatch.scheduler.sim.runtime``).
+It is split by concern around one job-state value
 (:class:`~dynabatch.scheduler.sync.job.SyncJob`):
 
 * this module: the :class:`Coordinator` (public surface, snapshot) and the control loop;

@@ -2,7 +2,7 @@
 
 The driver (``dynabatch.scheduler.sync.coordinator``) does not decide what a step boundary
 does; it feeds :class:`SyncEngine` events and carries out the :class:`Command` s it gets
-back, on whatever runtime it drives (Ray, the simulator, the tests' fakes), with no
+back, on whatever runtime it drives (Ray, or the simulator: the unit tests' too), with no
 per-runtime branch. Each event carries :class:`Facts`, what the driver's machines say at
 that moment (read after the previous command ran: a cancel can arrive, an epoch can end,
 the job can finish inside any command), so the engine never reads the driver's state.
