@@ -376,6 +376,7 @@ def sim_runtime(
         clock=clock or SimClock(1.7e9),
         data=DataInfo("fake", n_train, 100),
         gradients=gradients,
+        keep_plans=True,
     )
 
 

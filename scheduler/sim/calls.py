@@ -85,15 +85,18 @@ class CallQueue:
 @dataclass
 class CallRecord:
     """What a simulated run asked of its workers, in order: how many calls of each kind
-    ran, the plans of every segment trained, the plan updates asked for and applied, and
-    the workers and spares started and stopped."""
+    ran, the segments trained (their plans only with ``keep_plans``: a long ``simulate`` of
+    a large cluster would otherwise hold every segment's per-worker plans to the end), the
+    plan updates asked for and applied, and the workers and spares started and stopped."""
 
+    keep_plans: bool = False
     submitted: int = 0  # segments sent
     segments: int = 0  # segments run, those a broken group could not train included
+    trained: int = 0  # segments trained (a broken group's refusals not counted)
     regroups: int = 0
     evaluations: int = 0  # evaluations run (each scores every shard sent)
     fetches: int = 0  # fetch_state calls (checkpoints, handovers)
-    plans: list[dict[str, SegmentPlan]] = field(default_factory=list)  # segments trained
+    plans: list[dict[str, SegmentPlan]] = field(default_factory=list)  # kept ones, in order
     updates: list[Any] = field(default_factory=list)  # plan updates asked for, in order
     updates_applied: list[Any] = field(default_factory=list)  # those the workers took
     killed: list[str] = field(default_factory=list)
@@ -101,3 +104,8 @@ class CallRecord:
     fresh: list[str] = field(default_factory=list)  # spawns that started a new process
     spares_started: list[str] = field(default_factory=list)  # node ids
     spares_stopped: list[str] = field(default_factory=list)
+
+    def note_trained(self, plans: dict[str, SegmentPlan]) -> None:
+        self.trained += 1
+        if self.keep_plans:
+            self.plans.append(plans)

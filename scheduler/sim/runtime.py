@@ -42,8 +42,8 @@ Ray, on top of the cluster's own speeds. The fault script (the cluster's ``fault
 :meth:`~dynabatch.scheduler.sim.world.SimWorld.inject`; :mod:`dynabatch.scheduler.sim.faults`)
 kills, hangs, slows or fails a worker at a step, at its nth regroup, evaluation or state
 fetch, or a spare; the outcomes are the ones above. ``record``
-(:class:`~dynabatch.scheduler.sim.calls.CallRecord`) counts the calls and keeps the plans
-trained, the kills, the spares and the spawns. The simulator writes no checkpoints (the spec's
+(:class:`~dynabatch.scheduler.sim.calls.CallRecord`) counts the calls and keeps the kills,
+the spares, the spawns and, when asked (``keep_plans``), the plans trained. The simulator writes no checkpoints (the spec's
 ``checkpoint`` is dropped): a job that loses every holder of its state fails, as a job
 without checkpoints does.
 """
@@ -68,11 +68,14 @@ from dynabatch.scheduler.sim.training import LOST, PEER_LEFT, SimTraining, peer_
 class SimRuntime(SimTraining):
     """A :class:`~dynabatch.scheduler.runtime.seam.Runtime` on a virtual clock (see the module
     docstring). ``gradients``: the model replicas the workers train
-    (:class:`~dynabatch.scheduler.sim.replicas.Replicas`; None: timing only)."""
+    (:class:`~dynabatch.scheduler.sim.replicas.Replicas`; None: timing only). ``keep_plans``:
+    ``record.plans`` keeps every trained segment's plans (tests read them; a run counts
+    them either way)."""
 
     def __init__(self, spec: JobSpec, cluster: SimulatedCluster, *, clock: SimClock,
-                 data: DataInfo, gradients: Replicas | None = None):
-        super().__init__(spec, cluster, clock=clock, data=data, gradients=gradients)
+                 data: DataInfo, gradients: Replicas | None = None, keep_plans: bool = False):
+        super().__init__(spec, cluster, clock=clock, data=data, gradients=gradients,
+                         keep_plans=keep_plans)
         self._calls = CallQueue(self._run_call)
         # The last segment failed: every worker left the group until the next regroup.
         self._broken = False

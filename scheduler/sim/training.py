@@ -52,8 +52,9 @@ class SimTraining(SimWorld):
         clock: SimClock,
         data: DataInfo,
         gradients: Replicas | None = None,
+        keep_plans: bool = False,
     ):
-        super().__init__(spec, cluster, clock=clock, data=data)
+        super().__init__(spec, cluster, clock=clock, data=data, keep_plans=keep_plans)
         self.gradients = gradients
         self.recoveries: list[Recovery] = []
         self._failed: tuple[float, tuple[str, ...]] | None = None
@@ -67,10 +68,10 @@ class SimTraining(SimWorld):
     @property
     def segment_calls(self) -> int:
         """Segments the workers trained (a broken group's refusals not counted)."""
-        return len(self.record.plans)
+        return self.record.trained
 
     def _train(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
-        self.record.plans.append(plans)
+        self.record.note_trained(plans)
         names = list(plans)
         first = plans[names[0]]
         n = len(names)

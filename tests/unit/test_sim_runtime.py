@@ -106,6 +106,18 @@ def test_a_segment_sent_ahead_starts_where_the_last_ended_and_takes_updates_afte
     assert abs((rt.clock.now() - t_one) - took) < 1e-9
 
 
+def test_a_run_counts_its_segments_and_keeps_their_plans_only_when_asked():
+    """``simulate`` of a large cluster must not hold every segment's per-worker plans to the
+    end of the run; the tests that read them ask for them."""
+    rt = _runtime()
+    for first in (0, 2, 4):
+        rt.collect_segment(rt.submit_segment(_segment(first, 2, (32, 32))), 5.0)
+    assert rt.segment_calls == 3 and rt.record.plans == []
+    kept = SimRuntime(_spec(workers=1), SimulatedCluster(_cluster(1)), clock=SimClock(0.0),
+                      data=DataInfo("sim", 64 * 8, 16), keep_plans=True)
+    assert kept.record.keep_plans and kept.record.plans == []
+
+
 def test_an_evaluation_sent_behind_a_segment_waits_for_it():
     rt = _runtime()
     seg = rt.submit_segment(_segment(0, 2, (32, 32)))
