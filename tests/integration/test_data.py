@@ -34,7 +34,7 @@ def _spec(dataset: dict, **kw) -> JobSpec:
     base = dict(name="data", dataset=dataset, model={"name": "mlp", "hidden": 32},
                 optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9}, workers=2,
                 global_batch=64, epochs=2, seed=3, node_resource="dynabatch_worker",
-                collective_timeout_s=10)
+                collective_timeout_s=10, spares=0)  # no spare process on the idle third node
     base.update(kw)
     return JobSpec.model_validate(base)
 

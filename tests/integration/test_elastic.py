@@ -32,10 +32,12 @@ SESSION = "dynabatch_worker"
 
 
 def _spec(tag: str, **kw) -> JobSpec:
+    # No spare unless the test is about one: on two saturated cores a spare (a worker process
+    # with torch, the model and the data) that nothing adopts only takes CPU from the job.
     base = dict(name=tag, dataset={"name": "digits"}, model={"name": "mlp", "hidden": 64},
                 optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9}, workers=3,
                 min_workers=1, global_batch=64, epochs=3, seed=5, node_resource=tag,
-                collective_timeout_s=3, worker_wait_timeout_s=20)
+                collective_timeout_s=3, worker_wait_timeout_s=20, spares=0)
     base.update(kw)
     return JobSpec.model_validate(base)
 
@@ -62,52 +64,43 @@ def _node_of(cluster, nodes, node_id: str):
     return next(n for n in nodes if n.node_id == node_id)
 
 
-def test_node_loss_mid_epoch_keeps_training(cluster):
+def test_nodes_lost_mid_epoch_and_in_an_epochs_last_steps_keep_training(cluster):
+    """Two node losses in one job: one mid-epoch, then one in an epoch's last steps (the
+    failure the first version could not survive), with a re-plan at every step. One job on
+    three nodes of its own instead of one each: two node starts and three worker starts
+    fewer, the same two failures."""
     tag = "elastic_loss"
     nodes = _nodes(cluster, tag, 3)
-    # Long enough that the lost node's worker is dead well before the job could end.
-    spec = _spec(tag, epochs=5, model={"name": "mlp", "hidden": 512})
-    baseline = Coordinator("loss-baseline", spec, resume=False).run()
-    assert baseline.state == JobState.SUCCEEDED
-
+    # Long enough that both lost nodes' workers are dead well before the job could end.
+    spec = _spec(tag, epochs=6, model={"name": "mlp", "hidden": 512},
+                 rebalance={"mode": "steps", "every_steps": 1})
     coord = Coordinator("loss", spec, resume=False)
     thread = _start(coord)
     wait_for(lambda: coord.epoch == 1 and coord.step_in_epoch >= 4, timeout=120, interval=0.01)
-    victim = coord.members[-1]
+    first = coord.members[-1]
     t_lost = time.monotonic()
-    cluster.remove_node(_node_of(cluster, nodes, victim.node), allow_graceful=False)
+    cluster.remove_node(_node_of(cluster, nodes, first.node), allow_graceful=False)
+    wait_for(lambda: coord.job.protocol is not None and coord.epoch == 3
+             and coord.step_in_epoch >= coord.job.protocol.steps_per_epoch - 2,
+             timeout=120, interval=0.002)
+    assert first.worker_id not in {m.worker_id for m in coord.members}
+    second = coord.members[-1]
+    cluster.remove_node(_node_of(cluster, nodes, second.node), allow_graceful=False)
     thread.join(timeout=180)
     snap = coord.snapshot()
     assert snap.state == JobState.SUCCEEDED, snap.reason
     failures = [e for e in coord.membership_events() if e.kind == "failure"]
-    assert [e.worker for e in failures] == [victim.worker_id]
+    assert [e.worker for e in failures] == [first.worker_id, second.worker_id]
     assert failures[0].time - (time.time() - (time.monotonic() - t_lost)) < 15
-    assert snap.generation >= 2
+    assert snap.generation >= 3
     for rec in coord.history():
         assert rec.verified and rec.samples_trained == rec.dataset_size
-    assert abs(snap.test_accuracy - baseline.test_accuracy) <= 0.02
-    assert len(coord.members) == 2
-
-
-def test_node_lost_at_the_end_of_an_epoch_keeps_training(cluster):
-    """The failure the first version could not survive: a loss in an epoch's last steps."""
-    tag = "elastic_last"
-    nodes = _nodes(cluster, tag, 3)
-    spec = _spec(tag, epochs=4, model={"name": "mlp", "hidden": 512},
-                 rebalance={"mode": "steps", "every_steps": 1})
-    coord = Coordinator("last", spec, resume=False)
-    thread = _start(coord)
-    wait_for(lambda: coord.job.protocol is not None and coord.epoch == 1
-             and coord.step_in_epoch >= coord.job.protocol.steps_per_epoch - 2,
-             timeout=120, interval=0.002)
-    victim = coord.members[-1]
-    cluster.remove_node(_node_of(cluster, nodes, victim.node), allow_graceful=False)
-    thread.join(timeout=180)
-    snap = coord.snapshot()
-    assert snap.state == JobState.SUCCEEDED, snap.reason
-    assert [e.worker for e in coord.membership_events() if e.kind == "failure"] == [
-        victim.worker_id]
-    assert all(r.verified and r.samples_trained == r.dataset_size for r in coord.history())
+    # Digits' bar for this model. An uninterrupted run of this spec (0.969; 0.956 at seed 6;
+    # a job that lost one node 0.969) used to run first for comparison; its CPU bought less
+    # than the checks above (every epoch verified exactly once) and the unit tier's lineage
+    # proofs after a loss at every point of an epoch.
+    assert snap.test_accuracy >= 0.9, snap.test_accuracy
+    assert len(coord.members) == 1
 
 
 def test_deterministic_worker_error_fails_the_job_quickly_with_the_error(cluster):
@@ -148,7 +141,7 @@ def test_joining_node_gets_a_worker_and_a_share_by_speed(cluster):
     # The newcomer (ordinal 2) is emulated 3x slower than the first two.
     # LeNet steps are compute-bound (few parameters, per-step overhead of a few samples),
     # so the share that equalises finish times is close to proportional to speed.
-    spec = _spec(tag, workers=2, max_workers=3, epochs=16, global_batch=128,
+    spec = _spec(tag, workers=2, max_workers=3, epochs=16, global_batch=128, spares=1,
                  dataset={"name": "mnist", "options": {"n_train": 6000, "n_test": 500}},
                  model={"name": "lenet"}, optimizer={"name": "sgd", "lr": 0.05},
                  emulation={"slowdowns": [1, 1, 3]})
@@ -263,7 +256,7 @@ def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster):
         avail = available_resources_per_node()
         return {n: avail.get(n, {}).get("CPU", 0.0) for n in nodes}
 
-    coord = Coordinator("spare", _spec(SESSION, workers=2, max_workers=2, epochs=500),
+    coord = Coordinator("spare", _spec(SESSION, workers=2, max_workers=2, epochs=500, spares=1),
                         resume=False)
     trained: set[str] = set()  # the workers that trained a step
     coord.watch_steps(lambda row: trained.update(r.worker for r in row))
@@ -295,7 +288,7 @@ def test_scale_up_shares_a_node_with_room_or_says_why_not(cluster):
     tag = "elastic_share"
     cluster.add_node(num_cpus=2, resources={tag: 1}, object_store_memory=80 * 2**20)
     cluster.wait_for_nodes()
-    coord = Coordinator("share", _spec(tag, workers=1, max_workers=3, epochs=500, spares=0),
+    coord = Coordinator("share", _spec(tag, workers=1, max_workers=3, epochs=500),
                         resume=False)
     thread = _start(coord)
     try:

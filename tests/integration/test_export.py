@@ -32,6 +32,7 @@ def test_a_ray_job_exports_its_model_and_a_fresh_process_loads_it(cluster, tmp_p
             "seed": 5,
             "node_resource": "dynabatch_worker",
             "collective_timeout_s": 10,
+            "spares": 0,  # no spare process on the idle third node
             "artifacts": {"dir": str(tmp_path / "models")},
         }
     )

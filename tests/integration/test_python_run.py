@@ -32,6 +32,7 @@ def test_run_returns_history_and_model_and_writes_tensorboard_scalars_per_epoch_
             "seed": 3,
             "node_resource": "dynabatch_worker",
             "collective_timeout_s": 10,
+            "spares": 0,  # no spare process on the idle third node
             "artifacts": {"dir": str(tmp_path / "models")},
             "tracking": {"tensorboard": str(tmp_path / "tb")},
         }
