@@ -43,9 +43,9 @@ Ray, on top of the cluster's own speeds. The fault script (the cluster's ``fault
 kills, hangs, slows or fails a worker at a step, at its nth regroup, evaluation or state
 fetch, or a spare; the outcomes are the ones above. ``record``
 (:class:`~dynabatch.scheduler.sim.calls.CallRecord`) counts the calls and keeps the kills,
-the spares, the spawns and, when asked (``keep_plans``), the plans trained. The simulator writes no checkpoints (the spec's
-``checkpoint`` is dropped): a job that loses every holder of its state fails, as a job
-without checkpoints does.
+the spares, the spawns and, when asked (``keep_plans``), the plans trained. The simulator
+writes no checkpoints (the spec's ``checkpoint`` is dropped): a job that loses every holder
+of its state fails, as a job without checkpoints does.
 """
 
 from __future__ import annotations
