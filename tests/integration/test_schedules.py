@@ -5,6 +5,8 @@ segments (one job, three nodes)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
@@ -66,9 +68,16 @@ def test_goodput_on_ray_reads_local_gradients_before_the_all_reduce(cluster):
     for r in hist:
         assert r.verified and r.samples_trained == r.dataset_size == 600
         assert sum(w.batch for w in r.workers) == r.global_batch
-    # Local and global norms reached the estimator: it produced a finite noise scale and
-    # chose a batch from it.
-    assert all(r.noise_scale is not None and r.noise_scale > 0 for r in hist)
+    # Local and global norms reached the estimator: it produced a finite, positive noise
+    # scale and chose a batch from it. Not in every epoch: each epoch's estimate is a
+    # regression over its steps' points, and with the shares DBS picks from measured speed
+    # (so from the machine's load) one epoch's fit can come out unusable (no estimate before
+    # the first usable one) or with a negative slope (tr(Σ) clipped to 0). Every epoch of
+    # the earlier fresh-clone runs had a positive one; in one run of issue 32's suite work an
+    # epoch did not (2 cores, the unit tier beside it).
+    scales = [r.noise_scale for r in hist]
+    assert any(s is not None and s > 0 for s in scales), scales
+    assert all(s is None or (math.isfinite(s) and s >= 0) for s in scales), scales
     assert all(r.goodput_batch is not None for r in hist)
     # It trained (the simulator's real-gradient run of this job: 2.28 -> 1.63).
     assert hist[-1].train_loss < hist[0].train_loss - 0.2
