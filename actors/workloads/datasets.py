@@ -16,9 +16,12 @@ and returns a :class:`DatasetArrays` or a tuple ``(x_train, y_train, x_test, y_t
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import importlib.util
 import math
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +50,7 @@ FILE_DATASETS = ("parquet", "npy", "imagefolder")
 # Distinct RNG stream tags, so that e.g. changing the limit never changes the data itself.
 _TAG_SYNTHETIC = 0x53594E
 _TAG_LIMIT = 0x4C494D
+_TAG_SPLIT = 0x53504C
 
 _MAX_GENERATED = 1_000_000
 
@@ -94,18 +98,34 @@ def _warn_unused_path(spec: DatasetSpec) -> None:
 def _split(
     x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A seeded train/test split, stratified when every class can appear in both parts."""
-    from sklearn.model_selection import train_test_split
+    """A seeded, shuffled train/test split, stratified when every class can appear in both parts.
 
+    Stratified: each class gives the test part its proportional share of ``n_test``, rounded
+    down, and the samples left over go to the classes with the largest remainders (ties in a
+    seeded order). Numpy alone, because every worker process loads its dataset: importing
+    scikit-learn for its splitter cost a worker about as much CPU as importing torch.
+    """
     n = len(y)
     n_test = min(max(1, math.ceil(n * test_fraction)), n - 1)
-    counts = np.bincount(y)
-    classes = int((counts > 0).sum())
-    stratify = y if counts[counts > 0].min() >= 2 and min(n_test, n - n_test) >= classes else None
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x, y, test_size=n_test, random_state=seed, shuffle=True, stratify=stratify
-    )
-    return x_tr, y_tr, x_te, y_te
+    rng = np.random.default_rng([seed, _TAG_SPLIT])
+    classes, counts = np.unique(y, return_counts=True)
+    if counts.min() >= 2 and min(n_test, n - n_test) >= len(classes):
+        share = counts * (n_test / n)
+        take = np.floor(share).astype(np.int64)
+        tie_order = rng.permutation(len(classes))
+        by_remainder = tie_order[np.argsort(-(share - take)[tie_order], kind="stable")]
+        take[by_remainder[: n_test - int(take.sum())]] += 1
+        test_parts, train_parts = [], []
+        for label, k in zip(classes, take, strict=True):
+            members = rng.permutation(np.flatnonzero(y == label))
+            test_parts.append(members[:k])
+            train_parts.append(members[k:])
+        test = rng.permutation(np.concatenate(test_parts))
+        train = rng.permutation(np.concatenate(train_parts))
+    else:
+        order = rng.permutation(n)
+        test, train = order[:n_test], order[n_test:]
+    return x[train], y[train], x[test], y[test]
 
 
 def _limit(arrays: DatasetArrays, limit: int | None, seed: int) -> DatasetArrays:
@@ -158,15 +178,26 @@ def _synthetic(spec: DatasetSpec, seed: int) -> DatasetArrays:
 
 
 def _digits(spec: DatasetSpec, seed: int) -> DatasetArrays:
-    from sklearn.datasets import load_digits
-
     _warn_unused_path(spec)
     _int_options(spec, INT_OPTIONS["digits"])
-    x, y = load_digits(return_X_y=True)
+    x, y = _digits_arrays()
     # Pixel values are 0..16 in this dataset.
     x = (x / 16.0).astype(np.float32)
-    x_tr, y_tr, x_te, y_te = _split(x, y.astype(np.int64), spec.test_fraction, seed)
+    x_tr, y_tr, x_te, y_te = _split(x, y, spec.test_fraction, seed)
     return DatasetArrays(spec.name, x_tr, y_tr, x_te, y_te, num_classes=10)
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits file (the rows ``load_digits`` returns: 64 pixels, then
+    the label), read from the installed package without importing it: ``import sklearn``
+    costs about a second of CPU, paid by every worker process that loads this dataset."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise WorkloadError("dataset.name: digits needs scikit-learn installed (its data file)")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    with gzip.open(path, "rt") as f:
+        data = np.loadtxt(f, delimiter=",")
+    return data[:, :-1], data[:, -1].astype(np.int64)
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ from dynabatch.actors.workloads.formats.idx import (
     write_mnist,
 )
 from dynabatch.actors.workloads.images import channel_stats, generate_mnist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 PLUGINS = "tests.unit.workload_plugins"
 
@@ -391,6 +393,63 @@ def test_digits_split() -> None:
     np.testing.assert_array_equal(d.y_train, again.y_train)
     other = load_dataset(DatasetSpec(name="digits", test_fraction=0.25), seed=1)
     assert not np.array_equal(d.y_train, other.y_train)
+
+
+def test_digits_are_scikit_learns_rows() -> None:
+    from dynabatch.actors.workloads.datasets import _digits_arrays
+    from sklearn.datasets import load_digits
+
+    x, y = _digits_arrays()
+    ref_x, ref_y = load_digits(return_X_y=True)
+    np.testing.assert_array_equal(x, ref_x)
+    np.testing.assert_array_equal(y, ref_y)
+
+
+def test_loading_the_built_in_tables_imports_no_scikit_learn() -> None:
+    """Every worker process loads its dataset: scikit-learn's import cost it about a second of
+    CPU, as much as torch's, for a file read and a split numpy does alone."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from dynabatch.actors.spec import DatasetSpec\n"
+        "from dynabatch.actors.workloads.datasets import load_dataset\n"
+        "for name in ('digits', 'synthetic'):\n"
+        "    load_dataset(DatasetSpec(name=name), seed=0)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@settings(max_examples=60)
+@given(
+    counts=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    fraction=st.floats(0.05, 0.95),
+    seed=st.integers(0, 2**31),
+)
+def test_split_is_a_seeded_partition_stratified_when_it_can_be(counts, fraction, seed) -> None:
+    from dynabatch.actors.workloads.datasets import _split
+
+    y = np.repeat(np.arange(len(counts)), counts)
+    n = len(y)
+    if n < 2:
+        return
+    x = np.arange(n)  # a sample's features name it, so the parts can be traced back
+    x_tr, y_tr, x_te, y_te = _split(x, y, fraction, seed)
+    n_test = min(max(1, int(np.ceil(n * fraction))), n - 1)
+    assert len(x_te) == n_test and len(x_tr) == n - n_test
+    assert sorted(np.concatenate([x_tr, x_te]).tolist()) == list(range(n))  # each once
+    np.testing.assert_array_equal(y[x_tr], y_tr)
+    np.testing.assert_array_equal(y[x_te], y_te)
+    if min(counts) >= 2 and min(n_test, n - n_test) >= len(counts):
+        share = np.asarray(counts) * n_test / n
+        got = np.bincount(y_te, minlength=len(counts))
+        assert np.all(got >= np.floor(share)) and np.all(got <= np.ceil(share)), (got, share)
+    again = _split(x, y, fraction, seed)
+    np.testing.assert_array_equal(again[0], x_tr)
+    np.testing.assert_array_equal(again[2], x_te)
 
 
 def test_digits_warns_about_path() -> None:
