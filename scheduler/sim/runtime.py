@@ -68,14 +68,12 @@ from dynabatch.scheduler.sim.training import LOST, PEER_LEFT, SimTraining, peer_
 class SimRuntime(SimTraining):
     """A :class:`~dynabatch.scheduler.runtime.seam.Runtime` on a virtual clock (see the module
     docstring). ``gradients``: the model replicas the workers train
-    (:class:`~dynabatch.scheduler.sim.replicas.Replicas`; None: timing only). ``keep_plans``:
-    ``record.plans`` keeps every trained segment's plans (tests read them; a run counts
-    them either way)."""
+    (:class:`~dynabatch.scheduler.sim.replicas.Replicas`; None: timing only). A run counts
+    its segments; ``record.keep_plans = True`` also keeps their plans (tests read them)."""
 
     def __init__(self, spec: JobSpec, cluster: SimulatedCluster, *, clock: SimClock,
-                 data: DataInfo, gradients: Replicas | None = None, keep_plans: bool = False):
-        super().__init__(spec, cluster, clock=clock, data=data, gradients=gradients,
-                         keep_plans=keep_plans)
+                 data: DataInfo, gradients: Replicas | None = None):
+        super().__init__(spec, cluster, clock=clock, data=data, gradients=gradients)
         self._calls = CallQueue(self._run_call)
         # The last segment failed: every worker left the group until the next regroup.
         self._broken = False

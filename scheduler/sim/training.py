@@ -52,9 +52,8 @@ class SimTraining(SimWorld):
         clock: SimClock,
         data: DataInfo,
         gradients: Replicas | None = None,
-        keep_plans: bool = False,
     ):
-        super().__init__(spec, cluster, clock=clock, data=data, keep_plans=keep_plans)
+        super().__init__(spec, cluster, clock=clock, data=data)
         self.gradients = gradients
         self.recoveries: list[Recovery] = []
         self._failed: tuple[float, tuple[str, ...]] | None = None

@@ -48,7 +48,7 @@ class SimWorld:
     docstring): the part of the simulator's runtime that is the world."""
 
     def __init__(self, spec: JobSpec, cluster: SimulatedCluster, *, clock: SimClock,
-                 data: DataInfo, keep_plans: bool = False):
+                 data: DataInfo):
         self.spec = spec
         self.cluster = cluster
         self.clock = clock
@@ -67,7 +67,7 @@ class SimWorld:
         self._node_infos: list[NodeInfo] | None = None
         self._version = 0  # bumped when a node's speed or life changes
         self.happened: list[ClusterHappening] = []
-        self.record = CallRecord(keep_plans=keep_plans)
+        self.record = CallRecord()
         self.faults = FaultScript(cluster.spec.faults)
 
     def inject(self, fault: Fault) -> None:

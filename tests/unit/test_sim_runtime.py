@@ -113,9 +113,12 @@ def test_a_run_counts_its_segments_and_keeps_their_plans_only_when_asked():
     for first in (0, 2, 4):
         rt.collect_segment(rt.submit_segment(_segment(first, 2, (32, 32))), 5.0)
     assert rt.segment_calls == 3 and rt.record.plans == []
-    kept = SimRuntime(_spec(workers=1), SimulatedCluster(_cluster(1)), clock=SimClock(0.0),
-                      data=DataInfo("sim", 64 * 8, 16), keep_plans=True)
-    assert kept.record.keep_plans and kept.record.plans == []
+    rt.record.keep_plans = True
+    rt.collect_segment(rt.submit_segment(_segment(6, 2, (32, 16))), 5.0)
+    assert rt.segment_calls == 4
+    kept = [{w: [(s.step, s.own_size) for s in p.steps] for w, p in plans.items()}
+            for plans in rt.record.plans]
+    assert kept == [{"w0": [(6, 32), (7, 32)], "w1": [(6, 16), (7, 16)]}]
 
 
 def test_an_evaluation_sent_behind_a_segment_waits_for_it():
