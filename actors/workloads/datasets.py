@@ -102,8 +102,8 @@ def _split(
 
     Stratified: each class gives the test part its proportional share of ``n_test``, rounded
     down, and the samples left over go to the classes with the largest remainders (ties in a
-    seeded order). Numpy alone, because every worker process loads its dataset: importing
-    scikit-learn for its splitter cost a worker about as much CPU as importing torch.
+    seeded order). Numpy alone: importing scikit-learn for its splitter cost each process
+    that loads the dataset (every job's coordinator) about a second of CPU.
     """
     n = len(y)
     n_test = min(max(1, math.ceil(n * test_fraction)), n - 1)
@@ -190,7 +190,7 @@ def _digits(spec: DatasetSpec, seed: int) -> DatasetArrays:
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's bundled digits file (the rows ``load_digits`` returns: 64 pixels, then
     the label), read from the installed package without importing it: ``import sklearn``
-    costs about a second of CPU, paid by every worker process that loads this dataset."""
+    costs about a second of CPU, paid by every process that loads this dataset."""
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
         raise WorkloadError("dataset.name: digits needs scikit-learn installed (its data file)")

@@ -406,8 +406,8 @@ def test_digits_are_scikit_learns_rows() -> None:
 
 
 def test_loading_the_built_in_tables_imports_no_scikit_learn() -> None:
-    """Every worker process loads its dataset: scikit-learn's import cost it about a second of
-    CPU, as much as torch's, for a file read and a split numpy does alone."""
+    """Every job's coordinator loads its dataset: scikit-learn's import cost it about a second
+    of CPU, for a file read and a split numpy does alone."""
     import subprocess
     import sys
 
