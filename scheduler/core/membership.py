@@ -552,6 +552,11 @@ class Membership:
                 out.append(w)
         return out
 
+    def drains_due(self, speeds: dict[str, float] | None = None) -> bool:
+        """Whether :meth:`apply_drains` would remove anyone now: a worker asked to leave, or
+        one the assignment moves now."""
+        return bool(self._drain) or bool(self.handover(speeds))
+
     def apply_drains(self, speeds: dict[str, float] | None = None) -> list[Change]:
         """Remove the workers requested to leave, and those the assignment moves now."""
         self._drain.update(self.handover(speeds))

@@ -88,7 +88,7 @@ class Artifacts(Part):
         data = job.data
         if data is None or not data.input_shape or not data.num_classes:
             return
-        state = self.c.checkpoints.held_state("model export")
+        state = self.held_state("model export")
         model = (state or {}).get("model")
         if not model:
             self.log("WARNING", f"model export ({reason}) skipped: no worker holds the state")

@@ -17,11 +17,9 @@ from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.sync.boundary import rollback
 from dynabatch.scheduler.core.sync.protocol import Position
-from dynabatch.scheduler.runtime.seam import WorkerCallError
 from dynabatch.scheduler.sync.job import Part
 from dynabatch.scheduler.telemetry import EpochRecord
 
-STATE_TIMEOUT_S = 120.0
 # What :meth:`Checkpoints.restore` reads without a default: a file without them is not one of
 # ours (or is damaged), and is named as such rather than failing on a KeyError.
 _RESTORED = ("epoch", "step", "weights", "history", "counters")
@@ -54,7 +52,7 @@ class Checkpoints(Part):
             "schedule": {"epoch": pos.epoch, "step": pos.step,
                          "global_batch": job.global_batch,
                          "regime": job.regime.to_state()},
-            "history": [r.model_dump(mode="json") for r in self.c._history],
+            "history": [r.model_dump(mode="json") for r in self.history],
             "counters": {
                 "rebalances_total": job.rebalances_total,
                 "retried_samples_total": job.retried_samples_total,
@@ -70,22 +68,6 @@ class Checkpoints(Part):
         path = save_checkpoint(s.checkpoint.dir, self.c.job_id, payload,
                                LATEST if best is None else BEST)
         self.log("INFO", f"checkpoint ({reason}) at epoch {pos.epoch} step {pos.step}: {path}")
-
-    def held_state(self, what: str) -> dict[str, Any] | None:
-        """The job's state (model and optimizer): restored weights not yet loaded into a
-        group, else read from the first holder that answers; None when none does. A holder
-        lost on the way is removed; ``what`` (``checkpoint``, say) names the call in the
-        log."""
-        job = self.job
-        weights = job.restored_weights  # restored but not yet loaded into a group
-        for holder in [] if weights is not None else job.membership.holders():
-            try:
-                return self.runtime.fetch_state(holder.worker_id, STATE_TIMEOUT_S)
-            except WorkerCallError as err:
-                self.log("WARNING", f"{what}: {err}")
-                if err.lost:
-                    self.c.roster.remove(err.worker, "failure", f"lost during a {what}")
-        return weights
 
     def resume(self) -> bool:
         """A job given a new coordinator goes on from its own checkpoint, when it has one.
@@ -112,16 +94,16 @@ class Checkpoints(Part):
             except (KeyError, TypeError, ValueError) as err:  # a value of the wrong shape
                 raise CheckpointError(f"{path}: cannot restore it ({first_line(err)})") from None
         except CheckpointError as err:
-            self.c._finish(JobState.FAILED, f"checkpoint: {err}")
+            self.finish(JobState.FAILED, f"checkpoint: {err}")
             return False
         return True
 
     def restore(self, ckpt: dict[str, Any], why: str) -> None:
         job = self.job
         pos = Position(ckpt["epoch"], ckpt["step"])
-        with self.c._lock:
+        with self.lock:
             job.position = pos
-            self.c._history = [EpochRecord.model_validate(r) for r in ckpt["history"]]
+            self.history[:] = [EpochRecord.model_validate(r) for r in ckpt["history"]]
             c = ckpt["counters"]
             job.rebalances_total = c["rebalances_total"]
             job.retried_samples_total = c["retried_samples_total"]
@@ -153,7 +135,7 @@ class Checkpoints(Part):
             if not isinstance(weights, dict):
                 raise CheckpointError(f"{path}: not a dynabatch checkpoint (it holds no weights)")
         except CheckpointError as err:
-            self.c._finish(JobState.FAILED, f"checkpoint.from: {err}")
+            self.finish(JobState.FAILED, f"checkpoint.from: {err}")
             return False
         source = ckpt.get("spec") or {}
         theirs = (source.get("optimizer") or {}).get("name")

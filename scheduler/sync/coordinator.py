@@ -58,6 +58,7 @@ from dynabatch.scheduler.core.sync.engine import SyncEngine
 from dynabatch.scheduler.core.sync.messages import (
     AbsorbAhead,
     AdoptStarted,
+    ApplyDrains,
     ApplyRequests,
     AwaitInitial,
     Become,
@@ -94,12 +95,16 @@ from dynabatch.scheduler.runtime.seam import Clock, Runtime
 from dynabatch.scheduler.sync.artifacts import Artifacts
 from dynabatch.scheduler.sync.checkpoints import Checkpoints
 from dynabatch.scheduler.sync.epochs import Epochs
+from dynabatch.scheduler.sync.evaluation import Evaluations
 from dynabatch.scheduler.sync.job import PhaseChange, SyncJob
 from dynabatch.scheduler.sync.pipeline import Pipeline
 from dynabatch.scheduler.sync.roster import Roster
 from dynabatch.scheduler.telemetry import JobSnapshot, WorkerStatus
 
 log = logging.getLogger("dynabatch.scheduler")
+
+# How long an evaluation round may take before its missing shards count as failed.
+EVAL_TIMEOUT_S = 600.0
 
 
 def _lr_scheduler_factors(spec: JobSpec) -> tuple[tuple[float, ...], str | None]:
@@ -157,6 +162,8 @@ class Coordinator(JobControl):
             policy=policy_for(s.policy, s.rebalance.min_gain(s.policy)),
             budget=RetryBudget(s.max_retries),
         )
+        # Evaluations run on the holders between segments, collected as they arrive.
+        self.evals = Evaluations(runtime, self.clock, EVAL_TIMEOUT_S)
         self.pipeline = Pipeline(self)
         self.roster = Roster(self)
         self.epochs = Epochs(self)
@@ -350,7 +357,8 @@ class Coordinator(JobControl):
             check_due=p is not None and p.due_check(),
             trained_any=bool(self._history) or self.step_in_epoch > 0,
             retrying=job.budget.retrying, requests_pending=requests,
-            regroup_due=m.dirty, stamps_fixed=job.regime.can_stamp_ahead,
+            regroup_due=m.dirty, drains_due=m.drains_due(job.tracker.speeds()),
+            stamps_fixed=job.regime.can_stamp_ahead,
             crossing=crossing,
             pending=self.state == JobState.PENDING,
             starting=not m.members and m.generation == 0 and self.state == JobState.PENDING,
@@ -377,6 +385,8 @@ class Coordinator(JobControl):
                 self.epochs.load_data()
             case ApplyRequests():
                 self.roster.apply_requests()
+            case ApplyDrains():
+                self.roster.apply_drains()
             case AdoptStarted():
                 self.roster.adopt_started(0.0)
             case PollNodes(starting):
@@ -400,9 +410,12 @@ class Coordinator(JobControl):
                     self.epochs.replan("membership")
                 else:
                     why = f"{self.spec.rebalance.mode} check" if cause == "check" else "epoch start"
-                    self.epochs.replan(why, at=self.pipeline.ahead_end())
+                    self.epochs.replan(why, at=self.pipeline.ahead_end(),
+                                       early=self.pipeline.update_from())
             case PostPlanUpdate():
-                self.epochs.post_update()
+                if (posted := self.pipeline.post_update()) is not None:
+                    offer, at = posted
+                    self.epochs.adopted(offer.decision, at, offer.why)
             case TrainSegment(ahead, across):
                 return self.pipeline.train_segment(ahead, across)
             case AbsorbAhead():

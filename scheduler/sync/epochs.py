@@ -30,20 +30,16 @@ from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from dynabatch.scheduler.sync.epoch_report import EpochTotals, build_record, summary, with_scores
-from dynabatch.scheduler.sync.evaluation import EvalRound, Evaluations, split
+from dynabatch.scheduler.sync.evaluation import EvalRound
 from dynabatch.scheduler.sync.job import OfferedUpdate, Part
 
 if TYPE_CHECKING:
     from dynabatch.scheduler.sync.coordinator import Coordinator
 
-EVAL_TIMEOUT_S = 600.0
-
 
 class Epochs(Part):
     def __init__(self, coord: Coordinator):
         super().__init__(coord)
-        # Evaluations run on the holders between segments, collected as they arrive.
-        self.evals = Evaluations(self.runtime, self.clock, EVAL_TIMEOUT_S)
         # Why the job stopped before its last epoch (early_stopping), once it did.
         self.stopped: str | None = None
         # The ended epoch's judgement (judge_epoch), until the next epoch: the best
@@ -84,17 +80,19 @@ class Epochs(Part):
         if job.ledger.epoch != p.epoch:
             job.ledger.begin_epoch(p.epoch, p.dataset_size)
 
-    def replan(self, why: str, at: int | None = None) -> None:
+    def replan(self, why: str, at: int | None = None, early: int | None = None) -> None:
         """Re-plan the rest of the epoch from step ``at`` (default: now; a later step when
-        a segment is in flight: it keeps the allocation it was sent with). A new allocation
-        that can take effect inside the segment in flight (its workers claim each step, so
-        they can be sent a plan update) is adopted from that earlier step and offered
-        (:attr:`SyncJob.offered`): the engine posts it (:meth:`post_update`)."""
+        a segment is in flight: it keeps the allocation it was sent with). ``early``: the
+        step of that segment from which a new allocation can still take effect inside it
+        (its workers claim each step, so they can be sent a plan update; the pipeline's
+        :meth:`~dynabatch.scheduler.sync.pipeline.Pipeline.update_from`): one that changed
+        the batches is adopted from there and offered (:attr:`SyncJob.offered`), and the
+        engine posts it (the pipeline's ``post_update``, then :meth:`adopted`)."""
         job, p = self.job, self.job.protocol
         if at is not None and job.membership.dirty:
             return  # a worker joined or was lost: the boundary's regroup re-plans
         workers = job.membership.worker_ids
-        early = self.c.pipeline.update_from() if at is not None else None
+        early = early if at is not None else None
         decision = p.replan(job.policy, job.tracker.telemetry(workers, self.spec.max_batch),
                             at=at if early is None else early)
         if decision is None:
@@ -104,24 +102,11 @@ class Epochs(Part):
                 job.offered = OfferedUpdate(decision, early, at, why)
                 return
             p.defer(early, at)  # kept: from the step after the segment, as planned
-        self._adopted(decision, at, why)
+        self.adopted(decision, at, why)
 
-    def post_update(self) -> None:
-        """Send the offered re-plan to the workers of the segment in flight: from its early
-        step when they apply it, else (refused: a worker had started that step) from the
-        segment's end."""
-        job = self.job
-        offer, job.offered = job.offered, None
-        if offer is None:
-            return
-        at = offer.end
-        if self.c.pipeline.send_update(offer.early, offer.end):
-            at = offer.early
-        else:
-            job.protocol.defer(offer.early, offer.end)
-        self._adopted(offer.decision, at, offer.why)
-
-    def _adopted(self, decision: Decision, at: int | None, why: str) -> None:
+    def adopted(self, decision: Decision, at: int | None, why: str) -> None:
+        """A re-plan took effect from step ``at`` (None: now): the tracker learns the
+        batches, and a rebalance is counted and logged."""
         job, p = self.job, self.job.protocol
         a = decision.allocation
         job.tracker.decided(dict(zip(a.workers, a.batches, strict=True)))
@@ -148,7 +133,7 @@ class Epochs(Part):
     def _judged(self, metric: str, mode: str, min_delta: float = 0.0) -> Judgement:
         """The history's best epoch by ``metric`` (``loss``: the held-out loss)."""
         values = [r.test_loss if metric == "loss" else r.scores.get(metric)
-                  for r in self.c._history]
+                  for r in self.history]
         return judge(values, mode, min_delta)
 
     @property
@@ -162,7 +147,7 @@ class Epochs(Part):
         metric (what it was judged by, for the best checkpoint), and early stopping's reason
         to end the training after it, if any (:attr:`judged`, until the next epoch)."""
         epoch = self.job.protocol.epoch
-        history = self.c._history
+        history = self.history
         best = self.spec.checkpoint.keep_best
         judged_best = None
         if best is not None:
@@ -176,7 +161,7 @@ class Epochs(Part):
         es = self.spec.early_stopping
         if es is None or epoch + 1 >= self.spec.epochs:
             return None
-        history = self.c._history
+        history = self.history
         j = self._judged(es.metric, es.mode, es.min_delta)
         if not should_stop(j, es.patience):
             return None
@@ -212,8 +197,8 @@ class Epochs(Part):
             generation=job.membership.generation)
         rnd = self.evals.unattached(p.epoch)
         if rnd is None:
-            rnd = self.submit_evaluation(p.epoch,
-                                         [m.worker_id for m in job.membership.holders()])
+            holders = [m.worker_id for m in job.membership.holders()]
+            rnd = self.evals.submit(p.epoch, job.evaluation_shards(holders))
             job.next_behind = rnd
         rnd.record, rnd.extra = record, ep
 
@@ -223,7 +208,7 @@ class Epochs(Part):
         published."""
         job, p = self.job, self.job.protocol
         _, stop = self.judged
-        with self.c._lock:
+        with self.lock:
             p.next_epoch()
             job.ep = None
             if stop is not None:
@@ -237,14 +222,6 @@ class Epochs(Part):
         return self.job.protocol.epoch >= self.spec.epochs or self.stopped is not None
 
     # ---------------------------------------------------------------- evaluations
-    def submit_evaluation(self, epoch: int, workers: list[str]) -> EvalRound:
-        """Split the held-out set over ``workers`` in proportion to their measured
-        throughput this epoch, and queue each its shard."""
-        speeds = self.job.tracker.speeds()
-        weights = {w: speeds.get(w, 0.0) for w in workers}
-        data = self.job.data
-        return self.evals.submit(epoch, split(data.n_test if data else 0, weights))
-
     def publish_ready(self) -> None:
         self.evals.poll()
         for rnd in self.evals.ready():
@@ -268,7 +245,7 @@ class Epochs(Part):
         for w, r in rnd.failures.items():
             self.log("WARNING", f"evaluation of epoch {rnd.epoch} on {w} failed: {r.error}")
             if r.lost:
-                self.c.roster.remove(w, "failure", "lost during evaluation")
+                self.remove_worker(w, "failure", "lost during evaluation")
         sums = rnd.sums()
         if sums is not None:
             job.budget.evaluated()
@@ -283,12 +260,12 @@ class Epochs(Part):
             complete=sums is not None, shard_failed=bool(rnd.failures),
             last_queued=rnd is job.next_behind,
             holders=tuple(m.worker_id for m in job.membership.holders()),
-            waited_s=rnd.critical_s, cancel_requested=self.c._cancel is not None)
+            waited_s=rnd.critical_s, cancel_requested=self.cancel_requested)
         if again is not None:
             # Nothing was sent behind it: the holders left still have the epoch's weights
             # and score the set again (at the job's end, say), so no scores are lost.
             self.log("INFO", f"epoch {rnd.epoch}: evaluating again on {list(again.workers)}")
-            rerun = self.submit_evaluation(rnd.epoch, list(again.workers))
+            rerun = self.evals.submit(rnd.epoch, job.evaluation_shards(list(again.workers)))
             rerun.record, rerun.extra = rnd.record, rnd.extra
             rerun.waited_s = again.waited_s
             job.next_behind = rerun
@@ -298,8 +275,8 @@ class Epochs(Part):
             self.log("WARNING", f"epoch {rnd.epoch}: no test scores (not every shard of "
                                 "the held-out set was scored)")
         record = with_scores(rnd.record, rnd.extra, scores, rnd)
-        with self.c._lock:
-            self.c._history.append(record)
+        with self.lock:
+            self.history.append(record)
             self.log("INFO", summary(record))
         self.c.tracking.epoch(record)
 

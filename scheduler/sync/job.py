@@ -5,20 +5,28 @@
 :class:`~dynabatch.scheduler.core.sync.phase.Phase` with the data that belongs to it (the
 segment in flight, the epoch's totals, weights restored from a checkpoint, since when the
 job waits for workers), and the counters the snapshot reports. The parts
-(``pipeline``, ``roster``, ``epochs``, ``checkpoints``) are small objects over it; the
-:class:`~dynabatch.scheduler.sync.coordinator.Coordinator` wires them and keeps the public
-surface.
+(``pipeline``, ``roster``, ``epochs``, ``checkpoints``, ``artifacts``) are small objects over
+it; the :class:`~dynabatch.scheduler.sync.coordinator.Coordinator` wires them, keeps the
+public surface and carries the step loop's engine's commands out on them.
+
+No part calls another. What several need is either the job's own (:class:`Part`: remove a
+worker, read the state from a holder, the evaluations in flight), or the coordinator passes
+one part's answer to another (a re-plan's first step inside the segment in flight, a posted
+plan update's outcome), or it is a command of its own (a drain waits for the evaluations
+first: the engine's ``Settle`` before ``ApplyDrains``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dynabatch.actors.contracts import StepTelemetry
+from dynabatch.scheduler.control import Scale
 from dynabatch.scheduler.core.failures import MemoryCaps, RetryBudget
 from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.membership import Membership
@@ -27,14 +35,18 @@ from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.phase import InvalidPhase, Phase
 from dynabatch.scheduler.core.sync.protocol import Position, SyncProtocol
 from dynabatch.scheduler.core.sync.tracker import Tracker
-from dynabatch.scheduler.runtime.seam import DataInfo
+from dynabatch.scheduler.runtime.seam import DataInfo, WorkerCallError
 from dynabatch.scheduler.sync.epoch_report import EpochTotals
-from dynabatch.scheduler.sync.evaluation import EvalRound
+from dynabatch.scheduler.sync.evaluation import EvalRound, split
 
 if TYPE_CHECKING:
     from dynabatch.actors.spec import JobSpec
+    from dynabatch.scheduler.core.lifecycle import JobState
+    from dynabatch.scheduler.core.membership import Change
     from dynabatch.scheduler.runtime.seam import Clock, Runtime
     from dynabatch.scheduler.sync.coordinator import Coordinator
+    from dynabatch.scheduler.sync.evaluation import Evaluations
+    from dynabatch.scheduler.telemetry import EpochRecord
 
 log = logging.getLogger("dynabatch.scheduler")
 
@@ -137,6 +149,13 @@ class SyncJob:
         :attr:`start_batch`. The snapshot, the checkpoint and the protocol read it here."""
         return self.protocol.global_batch if self.protocol is not None else self.start_batch
 
+    def evaluation_shards(self, workers: list[str]) -> dict[str, tuple[int, int]]:
+        """The held-out set split over ``workers`` in proportion to their measured
+        throughput (the tracker's: the one source of a worker's speed)."""
+        speeds = self.tracker.speeds()
+        n = self.data.n_test if self.data is not None else 0
+        return split(n, {w: speeds.get(w, 0.0) for w in workers})
+
     def become(self, new: Phase, at: float) -> None:
         """Move the loop to ``new`` (staying is allowed); an impossible move is a bug."""
         old = self.phase
@@ -151,9 +170,14 @@ class SyncJob:
         log.debug("[%s] phase %s -> %s", self.job_id, old.value, new.value)
 
 
+# How long reading the job's state from a holder may take (a checkpoint, the model's export).
+STATE_TIMEOUT_S = 120.0
+
+
 class Part:
     """One concern of the driver: shares the coordinator's :class:`SyncJob`, its job
-    control (log, lifecycle, requests) and its sibling parts."""
+    control (log, lifecycle, requests) and the operations on the job that several parts
+    need (below). A part never calls a sibling part."""
 
     def __init__(self, coord: Coordinator):
         self.c = coord
@@ -183,3 +207,73 @@ class Part:
 
     def become(self, phase: Phase) -> None:
         self.c._become(phase)
+
+    # The job control's state the parts read and change, named here once.
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while changing what snapshot readers in other threads copy."""
+        return self.c._lock
+
+    @property
+    def history(self) -> list[EpochRecord]:
+        """The epochs' records, in order (changed under :attr:`lock`)."""
+        return self.c._history
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self.c._cancel is not None
+
+    def take_requests(self) -> list[Any]:
+        """The scale, drain and assign requests queued since the last call."""
+        return self.c._take_requests()
+
+    def scale_queued(self) -> bool:
+        """A scale request is queued (not yet taken)."""
+        with self.c._lock:
+            return any(isinstance(r, Scale) for r in self.c._requests)
+
+    def transition(self, state: JobState, reason: str | None) -> None:
+        """Move the job's lifecycle state (its moves are enforced there)."""
+        self.c._transition(state, reason)
+
+    def finish(self, state: JobState, reason: str | None) -> None:
+        """End the job (without unwinding the step: see :meth:`fail`)."""
+        self.c._finish(state, reason)
+
+    @property
+    def evals(self) -> Evaluations:
+        """The evaluations in flight: queued by the pipeline (ahead of an epoch's end) and by
+        the epochs (at its end), published by the epochs."""
+        return self.c.evals
+
+    # ---------------------------------------------------------------- the job's operations
+    def remove_worker(self, worker: str, kind: str, reason: str) -> None:
+        """Take ``worker`` out of the job (lost, evicted, drained): out of the membership
+        and the tracker, killed, and its event recorded."""
+        with self.c._lock:
+            change = self.job.membership.remove(worker, kind, reason)
+        self.job.tracker.remove(worker)
+        self.runtime.kill(worker)
+        if change is not None:
+            self.changed(change)
+
+    def changed(self, change: Change) -> None:
+        """Record a membership change as a worker event (the snapshot's counts, the log)."""
+        self.c._event(change.kind, change.worker, change.node, change.reason,
+                      self.job.membership.generation)
+
+    def held_state(self, what: str) -> dict[str, Any] | None:
+        """The job's state (model and optimizer): restored weights not yet loaded into a
+        group, else read from the first holder that answers; None when none does. A holder
+        lost on the way is removed; ``what`` (``checkpoint``, say) names the call in the
+        log."""
+        job = self.job
+        weights = job.restored_weights  # restored but not yet loaded into a group
+        for holder in [] if weights is not None else job.membership.holders():
+            try:
+                return self.runtime.fetch_state(holder.worker_id, STATE_TIMEOUT_S)
+            except WorkerCallError as err:
+                self.log("WARNING", f"{what}: {err}")
+                if err.lost:
+                    self.remove_worker(err.worker, "failure", f"lost during a {what}")
+        return weights

@@ -38,7 +38,7 @@ from dynabatch.scheduler.core.sync.update import (
 )
 from dynabatch.scheduler.sync.epoch_report import segment_busy
 from dynabatch.scheduler.sync.evaluation import EvalRound
-from dynabatch.scheduler.sync.job import Ahead, Part
+from dynabatch.scheduler.sync.job import Ahead, OfferedUpdate, Part
 
 UPDATE_TIMEOUT_S = 2.0  # posting a plan update: one compare-and-set in the group's store
 
@@ -77,6 +77,20 @@ class Pipeline(Part):
         return update_at(committed=p.step, ahead_start=a.position.step,
                          ahead_end=a.position.step + a.length)
 
+    def post_update(self) -> tuple[OfferedUpdate, int] | None:
+        """Send the offered re-plan (:attr:`SyncJob.offered`) to the workers of the segment
+        in flight. Returns it with the step it takes effect from: its early step when they
+        apply it, else (refused: a worker had started that step) the segment's end, where
+        the protocol defers it. None when nothing was offered."""
+        job = self.job
+        offer, job.offered = job.offered, None
+        if offer is None:
+            return None
+        if self.send_update(offer.early, offer.end):
+            return offer, offer.early
+        job.protocol.defer(offer.early, offer.end)
+        return offer, offer.end
+
     def send_update(self, at: int, end: int) -> bool:
         """Send the workers their steps ``[at, end)`` of the segment in flight under the
         allocation just adopted from ``at``. True when they apply it; False when refused
@@ -111,7 +125,7 @@ class Pipeline(Part):
                 return
             # Each of the segment's workers scores its shard of the epoch's final weights,
             # then trains on. Dropped if that segment fails (it is not the final state).
-            behind = self.c.epochs.submit_evaluation(p.epoch, list(plans))
+            behind = self.evals.submit(p.epoch, job.evaluation_shards(list(plans)))
         nxt = self.stamp(p.plan_segment(at=plan.position))
         job.ahead = Ahead(plan.position, nxt, self.runtime.submit_segment(nxt), self.clock.now(),
                           behind)
@@ -134,7 +148,7 @@ class Pipeline(Part):
             self.log("ERROR", f"a segment sent ahead trained on {trained} after the one "
                               "before it failed; their state is not the committed one")
             for w in trained:
-                self.c.roster.remove(w, "failure", "trained past a failed segment")
+                self.remove_worker(w, "failure", "trained past a failed segment")
 
     def train_segment(self, send_ahead: bool = False, across: bool = False) -> bool:
         """Run one segment; commit what the state holder completed. True when it all ran.
@@ -171,7 +185,7 @@ class Pipeline(Part):
         now = self.clock.now()  # before the poll below: a simulated clock moves in it
         evaluation_s = None
         if behind is not None:
-            self.c.epochs.evals.poll()  # its shards ran first, so they are in
+            self.evals.poll()  # its shards ran first, so they are in
             if behind.done:
                 evaluation_s = behind.critical_s
         failure = classify(outcomes, self.spec.collective_timeout_s)
@@ -184,7 +198,7 @@ class Pipeline(Part):
             busy=segment_busy(results, done))
         job.last_collect = share.collected
         committed: list[list[Any]] = []
-        with self.c._lock:
+        with self.lock:
             ep = job.ep
             ep.evaluation += share.evaluation
             for j in range(done):
@@ -218,7 +232,7 @@ class Pipeline(Part):
         if not p.epoch_complete:
             # An evaluation sent ahead of this epoch's end scored weights that are not the
             # epoch's final ones: the epoch is evaluated when it does end.
-            self.c.epochs.evals.discard(p.epoch)
+            self.evals.discard(p.epoch)
         return False
 
     def absorb_ahead(self) -> None:
@@ -258,9 +272,9 @@ class Pipeline(Part):
             job.retried_samples_total += in_flight
         self.log("WARNING", f"step {p.step} of epoch {p.epoch} failed: {failure.summary}")
         for w, why in failure.lost.items():
-            self.c.roster.remove(w, "failure", why)
+            self.remove_worker(w, "failure", why)
         for w, why in failure.stragglers.items():
-            self.c.roster.remove(w, "evict", f"straggler: {why}")
+            self.remove_worker(w, "evict", f"straggler: {why}")
         for w, (_, batch) in failure.oom.items():
             m = job.membership.get(w)
             cap = job.memory.ran_out(m.node, m.gpus, batch) if m is not None else None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dynabatch.scheduler.control import Assign, Drain, Scale
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.core.membership import Change
 from dynabatch.scheduler.core.sync.boundary import wait_for_minimum
 from dynabatch.scheduler.sync.job import Part
 
@@ -43,11 +42,12 @@ class Roster(Part):
         self.job.last_node_poll = self.clock.now()
         self.spawn_missing(starting)
 
-    def apply_requests(self) -> bool:
+    def apply_requests(self) -> None:
+        """Take the queued scale, drain and assign requests into the membership (what they
+        drain leaves at :meth:`apply_drains`)."""
         m = self.job.membership
-        changed = False
         speeds = self.job.tracker.speeds()
-        for r in self.c._take_requests():
+        for r in self.take_requests():
             try:
                 match r:
                     case Scale(workers):
@@ -59,14 +59,13 @@ class Roster(Part):
                         self.job.last_node_poll = -1e18  # start its new workers now
             except (KeyError, ValueError) as err:
                 self.log("WARNING", f"{r} not applied: {err}")
-        drains = m.apply_drains(speeds)
-        if drains:
-            self.c.epochs.settle()  # a drained worker may still owe its shard of one
-        for change in drains:
+
+    def apply_drains(self) -> None:
+        """Remove the workers asked to leave, and those an assignment moves now (the engine
+        settles the evaluations first: a drained worker may still owe its shard of one)."""
+        for change in self.job.membership.apply_drains(self.job.tracker.speeds()):
             self.changed(change)
             self.runtime.kill(change.worker)
-            changed = True
-        return changed
 
     # ---------------------------------------------------------------- starting workers
     def spawn_missing(self, starting: bool) -> None:
@@ -119,15 +118,13 @@ class Roster(Part):
         workers could not be placed."""
         c = self.c
         note = None if unplaced is None else self.placement_text(*unplaced)
-        with c._lock:
-            asked = any(isinstance(r, Scale) for r in c._requests)
-        if note is None and asked:
+        if note is None and self.scale_queued():
             return  # a scale request not applied yet: its note stands until it is
         if note != c.placement_note and note is not None:
             self.log("WARNING", f"cannot place every worker: {note}")
         elif note != c.placement_note:
             self.log("INFO", "every requested worker is placed")
-        with c._lock:
+        with self.lock:
             if c.reason is None or c.reason == c.placement_note:
                 c.reason = note
             c.placement_note = note
@@ -150,7 +147,7 @@ class Roster(Part):
     def await_initial(self) -> None:
         m = self.job.membership
         deadline = self.clock.now() + self.spec.start_timeout_s
-        while m.pending and self.clock.now() < deadline and self.c._cancel is None:
+        while m.pending and self.clock.now() < deadline and not self.cancel_requested:
             self.c.reason = (
                 f"waiting for resources: {len(m.pending)} of {len(m.pending) + len(m.members)}"
                 f" workers not started yet ({len(self.runtime.nodes())} eligible nodes; other "
@@ -181,7 +178,7 @@ class Roster(Part):
         reason = (f"waiting for nodes: {shortfall} ({wait.waited:.0f}s of {wait.limit:.0f}s)"
                   f"{hint}")
         if c.state == JobState.RUNNING:
-            c._transition(JobState.PENDING, reason)
+            self.transition(JobState.PENDING, reason)
         c.reason = reason
         self.spawn_missing(starting=False)
         self.clock.sleep(0.2)
@@ -215,7 +212,7 @@ class Roster(Part):
                                       + 30)
         if not result.ok:
             for w, why in result.lost.items():
-                self.remove(w, "failure", why)
+                self.remove_worker(w, "failure", why)
             why = "; ".join([*result.lost.values(), *([result.error] if result.error else [])])
             self.log("WARNING", f"regroup failed ({why}); retrying")
             verdict = job.budget.regroup_failed(bool(result.lost), why)
@@ -231,14 +228,3 @@ class Roster(Part):
         self.log("INFO", f"generation {m.generation}: {len(plan.members)} workers "
                          f"{list(plan.members)} (formed in {dt:.2f}s)")
         return True
-
-    def remove(self, worker: str, kind: str, reason: str) -> None:
-        with self.c._lock:
-            change = self.job.membership.remove(worker, kind, reason)
-        self.job.tracker.remove(worker)
-        self.runtime.kill(worker)
-        if change is not None:
-            self.changed(change)
-
-    def changed(self, c: Change) -> None:
-        self.c._event(c.kind, c.worker, c.node, c.reason, self.job.membership.generation)

@@ -99,8 +99,11 @@ def test_evicted_straggler_node_gets_no_new_worker():
 def test_drain_and_scale_requests():
     m = _m()
     _start_all(m, _nodes(3))
+    assert not m.drains_due()
     m.request_drain("w1")
+    assert m.drains_due()  # the engine settles the evaluations before the drain
     assert [c.worker for c in m.apply_drains()] == ["w1"]
+    assert not m.drains_due()
     with pytest.raises(KeyError):
         m.request_drain("w9")
     m.request_drain("w0")

@@ -15,6 +15,7 @@ from dynabatch.scheduler.core.sync.engine import InvalidEvent, SyncEngine
 from dynabatch.scheduler.core.sync.messages import (
     AbsorbAhead,
     AdoptStarted,
+    ApplyDrains,
     ApplyRequests,
     AwaitInitial,
     Become,
@@ -63,6 +64,7 @@ facts = st.builds(
     retrying=rarely,
     requests_pending=rarely,
     regroup_due=rarely,
+    drains_due=rarely,
     stamps_fixed=st.booleans(),
     crossing=st.none()
     | st.builds(
@@ -111,6 +113,12 @@ def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
     pytest.fail("a boundary did not end within 12 batches")
 
 
+def _requests_applied(engine: SyncEngine, facts: Facts) -> None:
+    """A boundary at rest, up to its requests taken in (none drain anyone)."""
+    assert engine.on(Boundary(facts)) in ([ApplyRequests()], [LoadData(), ApplyRequests()])
+    assert engine.on(Ran(facts)) == [AdoptStarted()]
+
+
 def _after(batches, facts: Facts) -> list:
     """The batch the engine answered ``facts`` with."""
     return next(cs for b, cs, _ in batches if b is facts)
@@ -156,7 +164,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
             assert flat[-1] == EndStep(stop=True)
             after_cancel = flat[flat.index(Become(Phase.CANCELLING)) :]
             assert not any(
-                isinstance(c, (TrainSegment, ApplyRequests, Regroup, AbsorbAhead))
+                isinstance(c, (TrainSegment, ApplyRequests, ApplyDrains, Regroup, AbsorbAhead))
                 for c in after_cancel
             )
             for i, c in enumerate(after_cancel):  # only the segment in flight's epoch
@@ -203,8 +211,23 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                         assert cr.next_epoch < cr.epochs and cr.next_batch == cr.batch
                         assert not (cr.goodput or cr.checkpoint_due or cr.replans_at_end)
             for c in commands:
-                if isinstance(c, (ApplyRequests, Regroup, AwaitInitial)):
+                if isinstance(c, (ApplyRequests, ApplyDrains, Regroup, AwaitInitial)):
                     assert not first.in_flight  # membership changes wait for a rest
+                if isinstance(c, ApplyRequests):  # alone; what it drains leaves next
+                    assert commands[-1] == c
+                    after, _ = outcome
+                    nxt = _after(batches, after)
+                    if after.terminal:
+                        assert nxt == [EndStep()]
+                    elif after.drains_due:  # the evaluations settled first
+                        assert nxt == [Settle(), ApplyDrains(), AdoptStarted()]
+                    else:
+                        assert nxt == [AdoptStarted()]
+                if isinstance(c, ApplyDrains):  # only right after the requests, when due
+                    assert before.drains_due
+                    assert commands[: commands.index(c) + 1] == [Settle(), c]
+                    assert any(o is not None and o[0] is before and cs[-1] == ApplyRequests()
+                               for _, cs, o in batches)
                 if isinstance(c, PollNodes) and first.in_flight:  # when due
                     assert before.node_poll_due and not c.starting
                 elif isinstance(c, PollNodes):  # when due, or at once after a change
@@ -341,7 +364,8 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
 def test_a_training_boundary() -> None:
     engine = SyncEngine()
     first = Facts(data_loaded=False, pending=True, starting=True)
-    assert engine.on(Boundary(first)) == [LoadData(), ApplyRequests(), AdoptStarted()]
+    assert engine.on(Boundary(first)) == [LoadData(), ApplyRequests()]
+    assert engine.on(Ran(first)) == [AdoptStarted()]
     assert engine.on(Ran(first)) == [PollNodes(starting=True), AwaitInitial()]
     assert engine.on(Ran(Facts(pending=True, regroup_due=True))) == [
         Become(Phase.REGROUPING),
@@ -384,13 +408,34 @@ def test_a_training_boundary() -> None:
     assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
     # A retry runs alone (nothing is sent ahead of it); the segment failed after its last
     # step's collective and still completed the epoch.
-    assert engine.on(Boundary(Facts(epoch_open=True))) == [ApplyRequests(), AdoptStarted()]
+    assert engine.on(Boundary(Facts(epoch_open=True))) == [ApplyRequests()]
+    assert engine.on(Ran(Facts(epoch_open=True))) == [AdoptStarted()]
     assert engine.on(Ran(Facts(epoch_open=True, retrying=True))) == [
         Become(Phase.TRAINING),
         TrainSegment(ahead=False, across=False),
     ]
     assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=False)) == END
     assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+
+
+def test_a_drain_waits_for_the_evaluations_in_flight() -> None:
+    """A drained worker may still owe its shard of an evaluation: the requests are taken in,
+    then the evaluations settle, then the drained workers leave (and the group regroups)."""
+    engine = SyncEngine()
+    asked = Facts(epoch_open=True, requests_pending=True)
+    assert engine.on(Boundary(asked)) == [ApplyRequests()]
+    assert engine.on(Ran(replace(asked, drains_due=True))) == [
+        Settle(),
+        ApplyDrains(),
+        AdoptStarted(),
+    ]
+    changed = Facts(epoch_open=True, regroup_due=True)
+    assert engine.on(Ran(changed)) == [PollNodes()]  # a changed group lists the nodes first
+    assert engine.on(Ran(changed)) == [Become(Phase.REGROUPING), Regroup()]
+    # A scale up drains nobody: nothing waits for the evaluations.
+    engine = SyncEngine()
+    assert engine.on(Boundary(asked)) == [ApplyRequests()]
+    assert engine.on(Ran(asked)) == [AdoptStarted()]
 
 
 def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once() -> None:
@@ -424,7 +469,7 @@ def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once(
 
 def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training() -> None:
     engine = SyncEngine()
-    engine.on(Boundary(Facts(epoch_open=True)))
+    _requests_applied(engine, Facts(epoch_open=True))
     mid = Facts(epoch_open=True, regroup_due=True)
     assert engine.on(Ran(mid)) == [PollNodes()]
     assert engine.on(Ran(mid)) == [Become(Phase.REGROUPING), Regroup()]
@@ -436,7 +481,7 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
     # The re-split had nothing in flight to post to: the group trains on whatever the facts
     # say next (here an epoch to open; a stray offer is not a re-plan's to post).
     assert engine.on(Ran(Facts(epoch_open=True))) == [PublishReady(), EndStep()]
-    engine.on(Boundary(Facts(epoch_open=True)))
+    _requests_applied(engine, Facts(epoch_open=True))
     engine.on(Ran(mid))
     engine.on(Ran(mid))
     assert engine.on(Ran(Facts(epoch_open=True), ok=True)) == [Replan("membership")]
@@ -447,7 +492,7 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
     ]
     # Between epochs (the next is planned when it begins), or the epoch complete: no re-split.
     engine = SyncEngine()
-    engine.on(Boundary(Facts()))
+    _requests_applied(engine, Facts())
     engine.on(Ran(Facts(regroup_due=True)))
     engine.on(Ran(Facts(regroup_due=True)))
     assert engine.on(Ran(Facts(), ok=True)) == [Become(Phase.TRAINING), BeginEpoch(), Replan()]
@@ -455,14 +500,14 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
 
 def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> None:
     engine = SyncEngine()
-    engine.on(Boundary(Facts(epoch_open=True)))
+    _requests_applied(engine, Facts(epoch_open=True))
     engine.on(Ran(Facts(epoch_open=True)))
     # The segment failed mid-epoch with the next one sent: that one is collected.
     assert engine.on(Ran(Facts(in_flight=True, epoch_open=True), ok=False)) == [AbsorbAhead()]
     assert engine.on(Ran(Facts(epoch_open=True))) == [PublishReady(), EndStep()]
     # It failed after completing the epoch, with the next epoch's first sent: the epoch
     # ends, the next begins, then the one sent ahead is absorbed (and may complete it).
-    engine.on(Boundary(Facts(epoch_open=True)))
+    _requests_applied(engine, Facts(epoch_open=True))
     engine.on(Ran(Facts(epoch_open=True)))
     done = Facts(in_flight=True, epoch_open=True, epoch_complete=True)
     assert engine.on(Ran(done, ok=False)) == END
@@ -474,7 +519,7 @@ def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> N
     assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True))) == END
     assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
     # A segment that failed with nothing sent ahead: nothing to absorb.
-    engine.on(Boundary(Facts(epoch_open=True)))
+    _requests_applied(engine, Facts(epoch_open=True))
     engine.on(Ran(Facts(epoch_open=True)))
     assert engine.on(Ran(Facts(epoch_open=True), ok=False)) == [PublishReady(), EndStep()]
 
@@ -482,7 +527,7 @@ def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> N
 def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_calls_for() -> None:
     ending = [Become(Phase.ENDING_EPOCH), EndEpoch()]
     engine = SyncEngine()
-    engine.on(Boundary(Facts(epoch_open=True)))
+    _requests_applied(engine, Facts(epoch_open=True))
     engine.on(Ran(Facts(epoch_open=True)))
     # A checkpoint due: the epoch's evaluation is awaited (the checkpoint holds its record,
     # scores included), the checkpoint is written as the next epoch's start.
@@ -501,7 +546,7 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
         (False, True, True, True, [Checkpoint("epoch")]),
         (False, False, True, False, []),
     ]:
-        engine.on(Boundary(Facts(epoch_open=True)))
+        _requests_applied(engine, Facts(epoch_open=True))
         engine.on(Ran(Facts(epoch_open=True)))
         before = replace(judged, keeps_checkpoints=keeps, checkpoint_due=due)
         assert engine.on(Ran(before)) == [*ending, Settle(), JudgeEpoch()]
@@ -514,7 +559,7 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
         if stop:
             engine.on(Ran(Facts(trained=True, trained_any=True)))
     # The job ended while the evaluation was awaited: the step ends, nothing is written.
-    engine.on(Boundary(Facts(epoch_open=True)))
+    _requests_applied(engine, Facts(epoch_open=True))
     engine.on(Ran(Facts(epoch_open=True)))
     engine.on(Ran(judged))
     assert engine.on(Ran(Facts(terminal=True, judged_best=True))) == [EndStep()]
@@ -531,7 +576,7 @@ def test_a_cancel_commits_a_segment_sent_across_the_epochs_end_in_its_epoch() ->
 
 def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
     engine = SyncEngine()
-    engine.on(Boundary(Facts()))
+    _requests_applied(engine, Facts())
     short = Facts(shortfall="1 of 2 workers", regroup_due=True)
     assert engine.on(Ran(short)) == [PollNodes()]  # the group changed: list nodes at once
     assert engine.on(Ran(short)) == [
@@ -539,14 +584,14 @@ def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
         WaitForMinimum("1 of 2 workers"),
         EndStep(),
     ]
-    engine.on(Boundary(Facts()))
+    _requests_applied(engine, Facts())
     assert engine.on(Ran(Facts(regroup_due=True, node_poll_due=False))) == [PollNodes()]
     assert engine.on(Ran(Facts(regroup_due=True))) == [Become(Phase.REGROUPING), Regroup()]
     assert engine.on(Ran(Facts(regroup_due=True), ok=False)) == [EndStep()]
     # No member holds the committed state: the checkpoint is loaded first (ROLLING_BACK);
     # weights restored and not yet loaded (a regroup that failed after loading them) need
     # no second load.
-    engine.on(Boundary(Facts()))
+    _requests_applied(engine, Facts())
     lost = Facts(regroup_due=True, needs_state=True)
     assert engine.on(Ran(lost)) == [PollNodes()]
     assert engine.on(Ran(lost)) == [
@@ -557,7 +602,7 @@ def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
     ]
     assert engine.on(Ran(Facts(regroup_due=True))) == [Become(Phase.REGROUPING), Regroup()]
     engine.on(Ran(Facts(regroup_due=True), ok=False))
-    engine.on(Boundary(Facts()))
+    _requests_applied(engine, Facts())
     engine.on(Ran(replace(lost, holding_restored=True)))
     assert engine.on(Ran(replace(lost, holding_restored=True))) == [
         Become(Phase.REGROUPING),
@@ -567,7 +612,7 @@ def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
 
 def test_a_cancel_while_the_group_formed_cancels() -> None:
     engine = SyncEngine()
-    engine.on(Boundary(Facts(pending=True)))
+    _requests_applied(engine, Facts(pending=True))
     assert engine.on(Ran(Facts(pending=True, cancel_requested=True))) == [
         MarkRunning(),
         Become(Phase.CANCELLING),
@@ -610,22 +655,22 @@ def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed()
 
 def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_holder():
     engine = SyncEngine()
-    engine.on(Boundary(Facts(epoch_open=True)))
+    _requests_applied(engine, Facts(epoch_open=True))
     engine.on(Ran(Facts(epoch_open=True)))
     assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True))) == END
     trained = Facts(trained=True, trained_any=True)
     assert engine.on(Ran(trained)) == [Become(Phase.FINISHING), Settle()]
     assert engine.on(Ran(trained)) == [SaveModel("end"), FinishSucceeded(), EndStep()]
     # A cancel that came while the last evaluations were awaited wins at the next boundary.
-    engine.on(Boundary(Facts()))
+    _requests_applied(engine, Facts())
     assert engine.on(Ran(trained)) == [Become(Phase.TRAINING), Become(Phase.FINISHING), Settle()]
     assert engine.on(Ran(replace(trained, cancel_requested=True))) == [EndStep()]
     # The last holder was lost meanwhile: the next boundary regroups and trains on.
-    engine.on(Boundary(Facts()))
+    _requests_applied(engine, Facts())
     engine.on(Ran(trained))
     assert engine.on(Ran(replace(trained, holders=False))) == [EndStep()]
     # Trained, but no holder: nothing to finish with yet.
-    engine.on(Boundary(Facts()))
+    _requests_applied(engine, Facts())
     assert engine.on(Ran(replace(trained, holders=False))) == [
         Become(Phase.TRAINING),
         EndStep(),
@@ -637,7 +682,7 @@ def test_an_outcome_nobody_waits_for_is_a_bug() -> None:
     with pytest.raises(InvalidEvent, match="Ran while AtRest"):
         engine.on(Ran(Facts()))
     engine.on(Boundary(Facts()))
-    with pytest.raises(InvalidEvent, match="Boundary while Gathering"):
-        engine.on(Boundary(Facts()))
+    with pytest.raises(InvalidEvent, match="Boundary while Requesting"):
+        _requests_applied(engine, Facts())
     engine.interrupted()  # the job ended inside a command: the next boundary is fresh
     assert engine.on(Boundary(Facts(terminal=True))) == [EndStep(stop=True)]

@@ -14,7 +14,8 @@ One boundary, as the engine decides it:
 * otherwise: load the data if it is not loaded; then, with a segment in flight, only
   take in workers that came up and list the nodes when due (membership changes wait for
   the next boundary with nothing in flight); else *reconcile* the group: apply the
-  requests, take in started workers, list the nodes when due (at once when the group
+  requests (the workers they drain leave once the evaluations in flight are in: a drained
+  worker may owe a shard), take in started workers, list the nodes when due (at once when the group
   changed, and at the first start, which then waits for its workers), then wait when
   fewer than the minimum are in (WAITING_FOR_WORKERS; the step ends), or regroup when the
   group changed (REGROUPING; one that fails ends the step, the next boundary tries
@@ -60,6 +61,7 @@ from dynabatch.scheduler.core.sync.boundary import must_roll_back
 from dynabatch.scheduler.core.sync.messages import (
     AbsorbAhead,
     AdoptStarted,
+    ApplyDrains,
     ApplyRequests,
     AwaitInitial,
     Become,
@@ -109,6 +111,7 @@ from dynabatch.scheduler.core.sync.states import (
     Placing,
     Posting,
     Regrouping,
+    Requesting,
     Resplitting,
     RollingBack,
     Training,
@@ -135,6 +138,13 @@ class SyncEngine:
                 return self._boundary(f)
             case Watching(), Ran(f):
                 return self._formed(f)
+            case Requesting(), Ran(f):
+                if f.terminal:
+                    return self._rest(EndStep())
+                self.state = Gathering()
+                # A drained worker may still owe its shard of an evaluation: settle first.
+                drain = [Settle(), ApplyDrains()] if f.drains_due else []
+                return [*drain, AdoptStarted()]
             case Gathering(), Ran(f):
                 # Nodes are listed when due, and at once when the group changed or the job
                 # starts (its first workers).
@@ -246,8 +256,8 @@ class SyncEngine:
             self.state = Watching()
             poll = [PollNodes()] if f.node_poll_due else []
             return [*load, AdoptStarted(), *poll]
-        self.state = Gathering()
-        return [*load, ApplyRequests(), AdoptStarted()]
+        self.state = Requesting()
+        return [*load, ApplyRequests()]
 
     def _gathered(self, f: Facts) -> list[Command]:
         """Who trains is known: too few (wait), a changed group (regroup), or ready."""

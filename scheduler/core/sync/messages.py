@@ -49,6 +49,7 @@ class Facts:
     retrying: bool = False  # the next segment retries a failure (it runs alone)
     requests_pending: bool = False  # scale, drain or assign requests, or a hand-over
     regroup_due: bool = False  # a worker joined or was lost: the next boundary regroups
+    drains_due: bool = False  # workers asked to leave, or that an assignment moves now
     stamps_fixed: bool = True  # the next segment's stamps do not wait on this one's losses
     crossing: Crossing | None = None  # None before the data is loaded
     # Who trains:
@@ -111,8 +112,14 @@ class LoadData:
 
 @dataclass(frozen=True, slots=True)
 class ApplyRequests:
-    """Apply the scale, drain and assign requests queued since the last boundary (drained
-    workers leave now)."""
+    """Take the scale, drain and assign requests queued since the last boundary into the
+    membership (the workers they drain leave at :class:`ApplyDrains`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyDrains:
+    """Remove the workers asked to leave, and those an assignment moves now (after a
+    ``Settle``: a drained worker may still owe its shard of an evaluation)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +276,7 @@ Command = (
     Become
     | LoadData
     | ApplyRequests
+    | ApplyDrains
     | AdoptStarted
     | PollNodes
     | AwaitInitial

@@ -21,9 +21,15 @@ class Watching:
 
 
 @dataclass(frozen=True, slots=True)
+class Requesting:
+    """Nothing in flight: waiting for the requests to be taken into the membership (then
+    what they drain leaves, the evaluations settled first)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Gathering:
-    """Nothing in flight: waiting for the requests to be applied and started workers taken
-    in (then nodes are listed when due)."""
+    """Nothing in flight: waiting for the drains and for started workers to be taken in
+    (then nodes are listed when due)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +138,7 @@ class CancelSettling:
 LoopState = (
     AtRest
     | Watching
+    | Requesting
     | Gathering
     | Placing
     | RollingBack
