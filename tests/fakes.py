@@ -335,6 +335,7 @@ def sim_runtime(
     runtime: type[SimRuntime] = SimRuntime,
     start_s: float = 0.0,
     events: list[dict] | None = None,
+    eval_ms_per_sample: float = 0.0,
 ) -> SimRuntime:
     """A :class:`SimRuntime` over ``nodes`` nodes named ``node00``, ``node01``...: node ``i``
     takes ``overhead_s + b / speeds.get(i, 1000.0)`` seconds for a share of ``b`` samples
@@ -347,7 +348,8 @@ def sim_runtime(
     class to build, a test's subclass of :class:`SimRuntime` (a defective runtime, say).
     ``events``: the cluster file's ``events:`` (a node that fails or joins at a time or at
     an (epoch, step), as ``{"epoch": 1, "step": 6, "fail": {"class": "node01", "index": 0}}``;
-    a node that joins is named ``node01-00001``, the second of its class)."""
+    a node that joins is named ``node01-00001``, the second of its class).
+    ``eval_ms_per_sample``: what scoring a held-out sample costs every node (0: free)."""
     speeds = speeds or {}
     classes = [
         {
@@ -355,6 +357,7 @@ def sim_runtime(
             "count": 1,
             "a_ms": overhead_s * 1e3,
             "c_ms_per_sample": 1e3 / speeds.get(i, 1000.0),
+            "eval_ms_per_sample": eval_ms_per_sample,
         }
         for i in range(nodes)
     ]

@@ -43,13 +43,15 @@ class _Strict(BaseModel):
 
 class NodeClass(_Strict):
     """``count`` nodes with per-step cost ``a_ms`` and per-sample cost ``c_ms_per_sample``.
-    ``cpus``/``gpus`` are what the nodes offer; the engine reads them as its first guess at
-    a new worker's speed, as it does on Ray."""
+    ``eval_ms_per_sample``: what scoring one held-out sample costs (a forward pass; 0, the
+    default: evaluation is free). ``cpus``/``gpus`` are what the nodes offer; the engine
+    reads them as its first guess at a new worker's speed, as it does on Ray."""
 
     name: str = Field(min_length=1, max_length=64, pattern=NAME_PATTERN)
     count: StrictInt = Field(ge=0, le=1_000_000)
     a_ms: float = Field(ge=0.0, le=1e7)
     c_ms_per_sample: float = Field(gt=0.0, le=1e7)
+    eval_ms_per_sample: float = Field(default=0.0, ge=0.0, le=1e7)
     cpus: float = Field(default=1.0, gt=0.0, le=4096.0)
     gpus: float = Field(default=0.0, ge=0.0, le=64.0)
 

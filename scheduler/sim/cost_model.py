@@ -143,6 +143,7 @@ class Node:
     gpus: float = 0.0
     alive: bool = True
     factor: float = 1.0  # product of the cluster's slowdown events in force
+    e_s: float = 0.0  # seconds to score one held-out sample (its class's, with the spread)
 
 
 @dataclass
@@ -168,7 +169,8 @@ class SimulatedCluster:
         spread = float(np.exp(self.spec.node_sigma * self._node_rng.standard_normal())) if (
             self.spec.node_sigma > 0) else 1.0
         node = Node(f"{class_name}-{k:05d}", class_name, c.a_ms / 1e3 * spread,
-                    c.c_ms_per_sample / 1e3 * spread, c.cpus, c.gpus)
+                    c.c_ms_per_sample / 1e3 * spread, c.cpus, c.gpus,
+                    e_s=c.eval_ms_per_sample / 1e3 * spread)
         self.nodes.append(node)
         self.by_class[class_name].append(node)
         return node

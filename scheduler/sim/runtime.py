@@ -29,10 +29,12 @@ What each call costs (formulas in :mod:`dynabatch.scheduler.sim.cost_model`):
 * ``regroup``: ``regroup_s`` plus the state broadcast; a member whose node died fails it.
   The members take the state given, or the first member's.
 * ``spawn``/``poll_started``: a worker is up ``start_s`` after it was spawned.
-* evaluation (queued like a segment: it scores the weights the calls before it leave) and
-  ``fetch_state``: free. Each holder's shard of the held-out set is
-  scored at once by the holder's replica (:mod:`dynabatch.scheduler.sim.replicas`); a
-  holder whose node died loses its shard, and the epoch its scores, as on Ray.
+* evaluation (queued like a segment: it scores the weights the calls before it leave):
+  each holder's shard of the held-out set is scored by the holder's replica
+  (:mod:`dynabatch.scheduler.sim.replicas`) in its node's ``eval_ms_per_sample`` per sample
+  (0 by default: free), all at once, so the calls behind start at the slowest shard's end; a
+  holder whose node died before its shard was scored loses it, and the epoch its scores,
+  as on Ray. ``fetch_state``: free.
   Timing-only runs have no model: evaluation gives no loss and no accuracy (None), and
   the training loss of their records is 0.
 
@@ -161,8 +163,9 @@ class SimRuntime(SimTraining):
         return self._calls.send(Call(shards=dict(shards)))
 
     def poll_evaluation(self, ticket: Call, timeout_s: float) -> list[ShardResult]:
-        """Its shards once it ran: it runs now when only evaluations (free) are before it,
-        or when the driver waits (the segments before it run in the wait, as on Ray)."""
+        """Its shards once it ran: it runs now when only evaluations are before it (the
+        workers would start it at once), or when the driver waits (the segments before it
+        run in the wait, as on Ray)."""
         if not ticket.ran and (timeout_s > 0 or not self._calls.segments_before(ticket)):
             self._calls.run_through(ticket, 0.0)
         if not ticket.ran or ticket.delivered:
@@ -171,21 +174,32 @@ class SimRuntime(SimTraining):
         return list(ticket.results or [])
 
     def _evaluate(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
+        """Each worker scores its shard in its node's ``e_s`` per sample (times the node's
+        slowdown events; the spec's emulated slowdowns pace training only, as on Ray), all
+        at once: the clock moves to the slowest shard's end, and the calls behind start
+        there. A worker whose node goes down before its shard is scored loses it."""
         self.record.evaluations += 1
-        self._advance(self.clock.now())
-        self._calls_kill("die_in_evaluation", list(shards), self.clock.now())
+        t0 = self.clock.now()
+        self._advance(t0)
+        self._calls_kill("die_in_evaluation", list(shards), t0)
+        took = {w: (self.workers[w].node.e_s * self.workers[w].node.factor * (hi - lo)
+                    if not self._dead(w) else 0.0) for w, (lo, hi) in shards.items()}
+        end = t0 + max(took.values(), default=0.0)
+        if end > t0:
+            self._advance(end)
+            self.clock.advance_to(end)
         out = []
         for w, (lo, hi) in shards.items():
-            if self._dead(w):
+            if self._dead(w) and (took[w] == 0.0 or self._death_time(w) < t0 + took[w]):
                 out.append(ShardResult(w, error="worker process died or node lost (simulated)",
                                        lost=True))
             elif (error := self.faults.eval_error(self.workers[w].ordinal)) is not None:
-                out.append(ShardResult(w, error=error))  # the worker stays up
+                out.append(ShardResult(w, seconds=took[w], error=error))  # it stays up
             elif self.gradients is None:
                 # No model in timing-only mode: the record says so (no loss, no accuracy).
-                out.append(ShardResult(w, {"n": float(hi - lo)}))
+                out.append(ShardResult(w, {"n": float(hi - lo)}, seconds=took[w]))
             else:
-                out.append(ShardResult(w, self.gradients.eval_sums(w, lo, hi)))
+                out.append(ShardResult(w, self.gradients.eval_sums(w, lo, hi), seconds=took[w]))
         return out
 
     def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:

@@ -6,6 +6,7 @@ behind the segment it follows.
 
 from __future__ import annotations
 
+import pytest
 from dynabatch.actors.contracts import SegmentPlan, StepPlan
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
@@ -17,6 +18,8 @@ from dynabatch.scheduler.sim.cost_model import SimulatedCluster
 from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sim.simulator import simulate
 from dynabatch.scheduler.sim.timeline import SimClock
+
+from tests.fakes import sim_job
 
 
 def _spec(**kw) -> JobSpec:
@@ -60,9 +63,9 @@ def test_a_simulated_node_slowing_down_is_rebalanced_inside_the_segment_in_fligh
     assert last[0].batch < last[1].batch
 
 
-def _runtime(count: int = 2) -> SimRuntime:
+def _runtime(count: int = 2, **cluster_kw) -> SimRuntime:
     spec = _spec(workers=count)
-    cluster = SimulatedCluster(_cluster(count))
+    cluster = SimulatedCluster(_cluster(count, **cluster_kw))
     rt = SimRuntime(spec, cluster, clock=SimClock(0.0), data=DataInfo("sim", 64 * 8, 16))
     for i, n in enumerate(cluster.nodes):
         rt.spawn(Spawn(f"w{i}", i, n.node_id, 1.0, 0.0))
@@ -131,6 +134,42 @@ def test_an_evaluation_sent_behind_a_segment_waits_for_it():
     shards = rt.poll_evaluation(ev, 0.0)
     assert sorted((s.worker, s.sums["n"]) for s in shards) == [("w0", 8.0), ("w1", 8.0)]
     assert rt.poll_evaluation(ev, 0.0) == []  # each shard is handed out once
+
+
+def test_a_simulated_evaluation_takes_its_shards_time_and_the_segment_behind_it_waits():
+    """A worker scores its shard in ``eval_ms_per_sample`` per sample; the shards run at
+    once, and the segment queued behind them starts where the slowest ended."""
+    rt = _runtime(classes=[{"name": "n", "count": 2, "a_ms": 2, "c_ms_per_sample": 0.2,
+                            "eval_ms_per_sample": 5}])
+    rt.collect_segment(rt.submit_segment(_segment(0, 2, (32, 32))), 5.0)
+    t0 = rt.clock.now()
+    ev = rt.submit_evaluation({"w0": (0, 8), "w1": (8, 24)})
+    behind = rt.collect_segment(rt.submit_segment(_segment(2, 2, (32, 32))), 5.0)
+    took = {s.worker: s.seconds for s in rt.poll_evaluation(ev, 0.0)}
+    assert took == pytest.approx({"w0": 8 * 0.005, "w1": 16 * 0.005})
+    steps = next(o.result.steps for o in behind if o.worker == "w0")
+    trained = sum(s.compute_s + s.wait_s for s in steps)
+    assert rt.clock.now() - t0 == pytest.approx(16 * 0.005 + trained)
+
+
+def test_a_simulated_job_reports_the_evaluation_its_cluster_charges():
+    """The driver's records read the simulated shards' time as they read Ray's: per epoch,
+    the evaluation's critical part plus the part the split hid is the whole set's scoring
+    (100 held-out samples at 10 ms), and the run takes longer than with evaluation free."""
+    spec = JobSpec.model_validate(dict(workers=3, global_batch=48, epochs=3, policy="static",
+                                       collective_timeout_s=5, spares=0))
+    ends = {}
+    for cost in (0.0, 10.0):
+        coord, rt, _ = sim_job(spec, n_train=480, eval_ms_per_sample=cost)
+        snap = coord.run()
+        assert snap.state == JobState.SUCCEEDED
+        ends[cost] = rt.clock.now()
+        history = coord.history()
+        if cost:
+            assert [r.evaluation_s + r.evaluation_hidden_s for r in history] == pytest.approx(
+                [100 * cost / 1e3] * 3)
+            assert all(r.evaluation_s == pytest.approx(34 * cost / 1e3) for r in history)
+    assert ends[10.0] - ends[0.0] >= 3 * 34 * 0.010 - 1e-9
 
 
 def test_a_simulated_lost_worker_is_replaced_by_adopting_the_warm_spare():
