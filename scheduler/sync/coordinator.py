@@ -70,6 +70,7 @@ from dynabatch.scheduler.core.sync.messages import (
     Crossing,
     EndEpoch,
     EndStep,
+    Evaluate,
     Facts,
     FinishCancelled,
     FinishSucceeded,
@@ -422,6 +423,8 @@ class Coordinator(JobControl):
                 self.pipeline.absorb_ahead()
             case EndEpoch():
                 self.epochs.end_epoch()
+            case Evaluate():
+                self.epochs.evaluate()
             case JudgeEpoch():
                 self.epochs.judge_epoch()
             case NextEpoch():

@@ -174,9 +174,9 @@ class Epochs(Part):
 
     def end_epoch(self) -> None:
         """Close the epoch's training: verify it from the workers' reports (the job fails
-        when the exactly-once check does not hold), build its record and have the holders
-        evaluate it (unless that was sent ahead). The record is published when the
-        evaluation is in; the job moves to the next epoch with :meth:`next_epoch`."""
+        when the exactly-once check does not hold) and build its record (:meth:`evaluate`
+        attaches it to the epoch's evaluation; the job moves to the next epoch with
+        :meth:`next_epoch`)."""
         job, p = self.job, self.job.protocol
         v = job.ledger.verify()
         if not v.verified:
@@ -195,6 +195,15 @@ class Epochs(Part):
             regime=job.regime.end_epoch(p.epoch, p.global_batch, p.steps_per_epoch, ep.wall),
             policy=self.spec.policy, emulated=self.spec.emulated,
             generation=job.membership.generation)
+        job.ended = (record, ep)
+
+    def evaluate(self) -> None:
+        """Have the holders score the ended epoch, each its shard (unless that evaluation was
+        sent ahead of the epoch's end), and attach the epoch's record to it: the record is
+        published when the evaluation is in."""
+        job, p = self.job, self.job.protocol
+        record, ep = job.ended
+        job.ended = None
         rnd = self.evals.unattached(p.epoch)
         if rnd is None:
             holders = [m.worker_id for m in job.membership.holders()]

@@ -114,6 +114,9 @@ class SyncJob:
     # A re-plan adopted inside the segment in flight, not yet posted to its workers (the
     # engine's PostPlanUpdate posts it, or its refusal defers it to the segment's end).
     offered: OfferedUpdate | None = None
+    # The ended epoch's record and totals, from EndEpoch until Evaluate attaches them to the
+    # epoch's evaluation (the record is published when that is in).
+    ended: tuple[EpochRecord, EpochTotals] | None = None
     # An evaluation queued for the next segment sent (its workers score first); dropped by
     # a regroup, before which it ran.
     next_behind: EvalRound | None = None

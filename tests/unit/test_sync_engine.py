@@ -26,6 +26,7 @@ from dynabatch.scheduler.core.sync.messages import (
     Crossing,
     EndEpoch,
     EndStep,
+    Evaluate,
     Facts,
     FinishCancelled,
     FinishSucceeded,
@@ -92,7 +93,7 @@ facts = st.builds(
     judged_stop=st.booleans(),
 )
 # An epoch's end with nothing due and nothing judged.
-END = [Become(Phase.ENDING_EPOCH), EndEpoch(), NextEpoch()]
+END = [Become(Phase.ENDING_EPOCH), EndEpoch(), Evaluate(), NextEpoch()]
 
 
 def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
@@ -132,12 +133,12 @@ def _epoch_end(batches, before: Facts) -> Facts:
     then the next epoch begins."""
     cs = _after(batches, before)
     outcome = next(o for b, _, o in batches if b is before)
-    assert cs[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()]
+    assert cs[:3] == [Become(Phase.ENDING_EPOCH), EndEpoch(), Evaluate()]
     if not before.judges_epochs:
         due = [Settle(), Checkpoint("epoch")] if before.checkpoint_due else []
-        assert cs[2:] == [*due, NextEpoch()]
+        assert cs[3:] == [*due, NextEpoch()]
         return outcome[0]
-    assert cs[2:] == [Settle(), JudgeEpoch()]
+    assert cs[3:] == [Settle(), JudgeEpoch()]
     judged = outcome[0]
     if judged.terminal:  # the job ended while the evaluation was awaited
         return judged
@@ -335,6 +336,8 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
             for c in commands:
                 if isinstance(c, EndEpoch):  # always the start of an epoch's end
                     assert commands[:2] == [Become(Phase.ENDING_EPOCH), c]
+                if isinstance(c, Evaluate):  # the ended epoch, right after its end
+                    assert commands[1:3] == [EndEpoch(), c]
                 if isinstance(c, (JudgeEpoch, NextEpoch)) or c in (
                     Checkpoint("epoch"), Checkpoint("best"), Checkpoint("early stopping")
                 ):  # only in an epoch's end
@@ -525,7 +528,7 @@ def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> N
 
 
 def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_calls_for() -> None:
-    ending = [Become(Phase.ENDING_EPOCH), EndEpoch()]
+    ending = [Become(Phase.ENDING_EPOCH), EndEpoch(), Evaluate()]
     engine = SyncEngine()
     _requests_applied(engine, Facts(epoch_open=True))
     engine.on(Ran(Facts(epoch_open=True)))

@@ -32,7 +32,8 @@ One boundary, as the engine decides it:
   update; refused, it takes effect after the segment); after a failed segment, absorb the
   one sent ahead of it (what it trained past the failure is committed), in the next epoch
   when the failed one completed this; publish the evaluations that are in;
-* an epoch's end: verify and record it (ENDING_EPOCH); when its checkpoint is due or the
+* an epoch's end: verify and record it (ENDING_EPOCH), and have the holders evaluate it
+  (unless that evaluation was sent ahead of the end); when its checkpoint is due or the
   epoch is judged (early stopping, keep_best), await its evaluation first; a judged epoch's
   judgement decides the checkpoints (the best so far; early stopping's, when the job keeps
   them); then the next epoch begins where they were written;
@@ -72,6 +73,7 @@ from dynabatch.scheduler.core.sync.messages import (
     CommitInFlight,
     EndEpoch,
     EndStep,
+    Evaluate,
     Event,
     Facts,
     FinishCancelled,
@@ -326,7 +328,7 @@ class SyncEngine:
         waits for that evaluation first (the checkpoint holds the epoch's record, scores
         included); a judged epoch's checkpoints follow from its judgement. Then the next
         epoch: the checkpoints are written as its start."""
-        end = [Become(Phase.ENDING_EPOCH), EndEpoch()]
+        end = [Become(Phase.ENDING_EPOCH), EndEpoch(), Evaluate()]
         if f.judges_epochs:
             self.state = Judging(then, due=f.checkpoint_due, keeps=f.keeps_checkpoints)
             return [*end, Settle(), JudgeEpoch()]

@@ -210,8 +210,14 @@ class AbsorbAhead:
 @dataclass(frozen=True, slots=True)
 class EndEpoch:
     """Verify the epoch from the workers' reports (the job fails when the exactly-once check
-    does not hold), build its record and queue its evaluation (unless that was sent
-    ahead). The record is published when the evaluation is in."""
+    does not hold) and build its record."""
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluate:
+    """Have the holders score the ended epoch's final weights, each its shard of the
+    held-out set (unless that was sent ahead of the epoch's end), and attach the epoch's
+    record to that evaluation: the record is published when it is in."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +297,7 @@ Command = (
     | TrainSegment
     | AbsorbAhead
     | EndEpoch
+    | Evaluate
     | JudgeEpoch
     | NextEpoch
     | PublishReady
