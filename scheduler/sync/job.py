@@ -251,8 +251,8 @@ class Part:
 
     # ---------------------------------------------------------------- the job's operations
     def remove_worker(self, worker: str, kind: str, reason: str) -> None:
-        """Take ``worker`` out of the job (lost, evicted, drained): out of the membership
-        and the tracker, killed, and its event recorded."""
+        """Take ``worker`` out of the job (lost, or evicted as a straggler): out of the
+        membership and the tracker, killed, and its event recorded."""
         with self.c._lock:
             change = self.job.membership.remove(worker, kind, reason)
         self.job.tracker.remove(worker)
