@@ -75,6 +75,7 @@ from dynabatch.scheduler.core.sync.messages import (
     FinishCancelled,
     FinishSucceeded,
     JudgeEpoch,
+    Kill,
     LoadData,
     MarkRunning,
     NextEpoch,
@@ -87,6 +88,8 @@ from dynabatch.scheduler.core.sync.messages import (
     RollBack,
     SaveModel,
     Settle,
+    SpawnWorkers,
+    TendSpares,
     TrainSegment,
     WaitForMinimum,
 )
@@ -307,10 +310,12 @@ class Coordinator(JobControl):
         return self.roster.placement_text(short, workers) if short else None
 
     def shutdown(self) -> None:
-        # Every spawned worker is a member or pending until it is killed; spares too.
+        # Every spawned worker is a member, pending, or leaving until it is killed; spares
+        # too.
         m = self.job.membership
-        for w in list(m.members) + list(m.pending.values()):
-            self.runtime.kill(w.worker_id)
+        leaving, self.job.leaving = self.job.leaving, []
+        for w in [*leaving, *(w.worker_id for w in [*m.members, *m.pending.values()])]:
+            self.runtime.kill(w)
         for node in m.drop_spares():
             self.runtime.stop_spare(node)
 
@@ -374,6 +379,7 @@ class Coordinator(JobControl):
             keeps_checkpoints=bool(s.checkpoint.dir),
             judged_best=self.epochs.judged[0] is not None,
             judged_stop=self.epochs.judged[1] is not None,
+            stopping=bool(job.leaving),
         )
 
     def _carry_out(self, command: Command) -> bool:
@@ -392,6 +398,12 @@ class Coordinator(JobControl):
                 self.roster.adopt_started(0.0)
             case PollNodes(starting):
                 self.roster.poll_nodes(starting)
+            case SpawnWorkers(starting):
+                self.roster.spawn(starting)
+            case TendSpares():
+                self.roster.tend_spares()
+            case Kill():
+                self.roster.stop_leaving()
             case AwaitInitial():
                 self.roster.await_initial()
             case WaitForMinimum(shortfall):

@@ -29,7 +29,7 @@ from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.scheduler.control import Scale
 from dynabatch.scheduler.core.failures import MemoryCaps, RetryBudget
 from dynabatch.scheduler.core.ledger import Ledger
-from dynabatch.scheduler.core.membership import Membership
+from dynabatch.scheduler.core.membership import Membership, NodeInfo
 from dynabatch.scheduler.core.regime.regime import Regime
 from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.phase import InvalidPhase, Phase
@@ -127,6 +127,9 @@ class SyncJob:
     restored_batch: int | None = None
     waiting_since: float | None = None  # WAITING_FOR_WORKERS: since when
     last_node_poll: float = -1e18
+    nodes: list[NodeInfo] = field(default_factory=list)  # as last listed (PollNodes)
+    # Workers taken out of the job whose processes the engine's next Kill stops.
+    leaving: list[str] = field(default_factory=list)
     last_collect: float = -1e18  # when the last segment's results were read
 
     # Instrumentation (benchmarks, tests): called with each committed step's reports, in
@@ -252,13 +255,20 @@ class Part:
     # ---------------------------------------------------------------- the job's operations
     def remove_worker(self, worker: str, kind: str, reason: str) -> None:
         """Take ``worker`` out of the job (lost, or evicted as a straggler): out of the
-        membership and the tracker, killed, and its event recorded."""
+        membership and the tracker, its event recorded; the engine's next batch stops it
+        (:meth:`stop_leaving`)."""
         with self.c._lock:
             change = self.job.membership.remove(worker, kind, reason)
         self.job.tracker.remove(worker)
-        self.runtime.kill(worker)
+        self.job.leaving.append(worker)
         if change is not None:
             self.changed(change)
+
+    def stop_leaving(self) -> None:
+        """Stop the processes of the workers taken out of the job (the engine's ``Kill``)."""
+        leaving, self.job.leaving = self.job.leaving, []
+        for worker in leaving:
+            self.runtime.kill(worker)
 
     def changed(self, change: Change) -> None:
         """Record a membership change as a worker event (the snapshot's counts, the log)."""

@@ -226,8 +226,9 @@ class Pipeline(Part):
         if failure is None:
             job.budget.succeeded()  # the retry, if this was one, is over
             return True
-        # Lost and hung workers are removed (killed) first, so what they had queued ahead
-        # answers at once instead of after another grace period.
+        # Lost and hung workers are removed here; the engine's next batch kills them before
+        # anything else, so what they had queued ahead answers at once instead of after
+        # another grace period.
         self.segment_failed(failure, charge, partial=done < planned)
         if not p.epoch_complete:
             # An evaluation sent ahead of this epoch's end scored weights that are not the

@@ -38,9 +38,17 @@ class Roster(Part):
         return self.clock.now() - self.job.last_node_poll >= NODE_POLL_S
 
     def poll_nodes(self, starting: bool) -> None:
-        """List the nodes now: start workers where members are missing, tend spares."""
-        self.job.last_node_poll = self.clock.now()
-        self.spawn_missing(starting)
+        """List the nodes now (the engine's ``PollNodes``): the job's first start says when
+        there are none; spares lost before they were adopted are noted."""
+        job = self.job
+        job.last_node_poll = self.clock.now()
+        job.nodes = self.runtime.nodes()
+        if not job.nodes and starting:
+            self.c.reason = f"waiting for resources: {self.no_node_hint()}"
+        for node, why in self.runtime.lost_spares():
+            job.membership.spare_lost(node, why)
+            self.log("WARNING", f"the spare worker on node {node[:12]} was lost before "
+                                f"it was adopted ({why}); that node gets no other spare")
 
     def apply_requests(self) -> None:
         """Take the queued scale, drain and assign requests into the membership (what they
@@ -65,41 +73,38 @@ class Roster(Part):
         settles the evaluations first: a drained worker may still owe its shard of one)."""
         for change in self.job.membership.apply_drains(self.job.tracker.speeds()):
             self.changed(change)
-            self.runtime.kill(change.worker)
+            self.job.leaving.append(change.worker)
 
     # ---------------------------------------------------------------- starting workers
-    def spawn_missing(self, starting: bool) -> None:
+    def spawn(self, starting: bool) -> None:
+        """Start workers where members are missing, on the nodes last listed (the engine's
+        ``SpawnWorkers``); which nodes is the membership's."""
         job, s = self.job, self.spec
         m = job.membership
-        nodes = self.runtime.nodes()
-        if not nodes and starting:
-            self.c.reason = f"waiting for resources: {self.no_node_hint()}"
-        for node, why in self.runtime.lost_spares():
-            m.spare_lost(node, why)
-            self.log("WARNING", f"the spare worker on node {node[:12]} was lost before "
-                                f"it was adopted ({why}); that node gets no other spare")
         adopted = False
-        for sp in m.spawns(nodes, starting, s.gpus_on):
+        for sp in m.spawns(job.nodes, starting, s.gpus_on):
             job.tracker.add(sp.worker_id, sp.capacity)
             self.runtime.spawn(sp)
             adopted = adopted or sp.adopt
             self.log("INFO", f"starting worker {sp.worker_id} on node {sp.node_id[:12]}"
                              + (" (GPU)" if sp.gpus else "")
                              + (" (adopting its spare)" if sp.adopt else ""))
-        # Spares once the first workers are up (they would compete with their start-up).
-        if not starting and not self.c.state.is_terminal:
-            plan = m.spare_plan(nodes, s.spares)
-            for node in plan.stop:
-                self.runtime.stop_spare(node)
-            for node in plan.start:
-                self.runtime.start_spare(node)
-                self.log("INFO", f"starting a spare worker on node {node[:12]}")
         if not starting:
             self.note_placement(m.unplaced)
         if adopted and job.ahead is None:
             # Nothing in flight: the adopted spare answers in milliseconds, and joins the
             # group formed at this boundary.
             self.adopt_started(ADOPT_WAIT_S)
+
+    def tend_spares(self) -> None:
+        """Start and stop spares per the membership's plan on the nodes last listed (the
+        engine's ``TendSpares``, once the first workers are up)."""
+        plan = self.job.membership.spare_plan(self.job.nodes, self.spec.spares)
+        for node in plan.stop:
+            self.runtime.stop_spare(node)
+        for node in plan.start:
+            self.runtime.start_spare(node)
+            self.log("INFO", f"starting a spare worker on node {node[:12]}")
 
     def placement_text(self, short: int, want: int) -> str:
         s = self.spec
@@ -140,7 +145,7 @@ class Roster(Part):
             change = job.membership.started(st.worker)
             if change is None:
                 job.tracker.remove(st.worker)
-                self.runtime.kill(st.worker)
+                job.leaving.append(st.worker)
             else:
                 self.changed(change)
 
@@ -154,14 +159,15 @@ class Roster(Part):
                 "jobs may hold their CPUs)"
             )
             self.adopt_started(0.5)
-            if not m.pending:
-                self.spawn_missing(starting=True)
+            if not m.pending:  # some failed to start: their replacements, where room is
+                self.poll_nodes(starting=True)
+                self.spawn(starting=True)
         for w in list(m.pending):  # could not be placed in time
             self.log("WARNING", f"worker {w} could not start in "
                                 f"{self.spec.start_timeout_s:.0f}s")
             m.start_failed(w)
             self.job.tracker.remove(w)
-            self.runtime.kill(w)
+            self.job.leaving.append(w)
 
     def wait_for_min(self, shortfall: str) -> bool:
         c, job, s = self.c, self.job, self.spec
@@ -180,8 +186,8 @@ class Roster(Part):
         if c.state == JobState.RUNNING:
             self.transition(JobState.PENDING, reason)
         c.reason = reason
-        self.spawn_missing(starting=False)
-        self.clock.sleep(0.2)
+        # The next boundary lists the nodes again (NODE_POLL_S) and starts what is missing.
+        self.clock.sleep(NODE_POLL_S)
         return False
 
     def no_node_hint(self) -> str:

@@ -93,6 +93,21 @@ def _run_to(coord: Coordinator, epoch: int, step: int) -> None:
         assert coord.step(), coord.snapshot().reason
 
 
+def test_a_worker_taken_out_is_killed_by_the_next_batch_or_when_the_job_ends():
+    """Removing a worker only queues its kill: the engine's next batch begins with it, and
+    a job that ends first (a failure unwinds the step) kills it as it shuts down."""
+    coord, rt, _ = _job(_spec())
+    _run_to(coord, 1, 2)
+    coord.roster.remove_worker("w1", "failure", "lost (test)")
+    assert rt.record.killed == [] and coord.job.leaving == ["w1"]
+    assert coord.step()
+    assert rt.record.killed == ["w1"] and coord.job.leaving == []
+    coord.roster.remove_worker("w2", "evict", "straggler (test)")
+    coord.shutdown()
+    assert rt.record.killed[1] == "w2" and coord.job.leaving == []
+    assert sorted(set(rt.record.killed)) == sorted(rt.record.killed)  # each once
+
+
 def test_loss_at_the_end_when_n_is_a_multiple_of_b():
     n = 10 * B
     coord, _, lineages = _job(_spec(), Fault(kind="die", worker=1, epoch=0, step=9), n_train=n)

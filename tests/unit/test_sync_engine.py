@@ -31,6 +31,7 @@ from dynabatch.scheduler.core.sync.messages import (
     FinishCancelled,
     FinishSucceeded,
     JudgeEpoch,
+    Kill,
     LoadData,
     MarkRunning,
     NextEpoch,
@@ -43,6 +44,8 @@ from dynabatch.scheduler.core.sync.messages import (
     RollBack,
     SaveModel,
     Settle,
+    SpawnWorkers,
+    TendSpares,
     TrainSegment,
     WaitForMinimum,
 )
@@ -91,7 +94,10 @@ facts = st.builds(
     keeps_checkpoints=st.booleans(),
     judged_best=st.booleans(),
     judged_stop=st.booleans(),
+    stopping=rarely,
 )
+# Nodes listed after the first start: the missing workers started on them, spares tended.
+PLACE = [PollNodes(), SpawnWorkers(), TendSpares()]
 # An epoch's end with nothing due and nothing judged.
 END = [Become(Phase.ENDING_EPOCH), EndEpoch(), Evaluate(), NextEpoch()]
 
@@ -102,6 +108,11 @@ def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
     batches = []
     before, commands = first, engine.on(Boundary(first))
     for _ in range(12):
+        # Workers taken out of the job are stopped first thing in the next batch, and only
+        # then; the rest of the batch is what the facts decide (checked below).
+        assert (commands[:1] == [Kill()]) == before.stopping, (before.stopping, commands)
+        commands = commands[1:] if before.stopping else commands
+        assert Kill() not in commands
         assert commands, "a batch is never empty"
         last = commands[-1]
         if isinstance(last, EndStep):
@@ -234,6 +245,15 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 elif isinstance(c, PollNodes):  # when due, or at once after a change
                     assert before.node_poll_due or before.starting or before.regroup_due
                     assert c.starting == before.starting
+                if isinstance(c, PollNodes):  # the listed nodes get the missing workers,
+                    # then the spares (not at the first start)
+                    i = commands.index(c)
+                    spares = [] if c.starting else [TendSpares()]
+                    assert commands[i + 1 : i + 2 + len(spares)] == [
+                        SpawnWorkers(starting=c.starting), *spares]
+                    assert not before.terminal
+                if isinstance(c, (SpawnWorkers, TendSpares)):
+                    assert any(isinstance(x, PollNodes) for x in commands[: commands.index(c)])
                 if isinstance(c, AwaitInitial):
                     assert before.starting
                 if isinstance(c, WaitForMinimum):  # too few: wait, and the step ends
@@ -369,7 +389,8 @@ def test_a_training_boundary() -> None:
     first = Facts(data_loaded=False, pending=True, starting=True)
     assert engine.on(Boundary(first)) == [LoadData(), ApplyRequests()]
     assert engine.on(Ran(first)) == [AdoptStarted()]
-    assert engine.on(Ran(first)) == [PollNodes(starting=True), AwaitInitial()]
+    assert engine.on(Ran(first)) == [PollNodes(starting=True), SpawnWorkers(starting=True),
+                                     AwaitInitial()]
     assert engine.on(Ran(Facts(pending=True, regroup_due=True))) == [
         Become(Phase.REGROUPING),
         Regroup(),
@@ -401,7 +422,7 @@ def test_a_training_boundary() -> None:
     # Next boundary, a segment in flight: no requests applied, no regroup; nodes listed
     # when due; it completes the epoch.
     in_flight = Facts(in_flight=True, epoch_open=True, node_poll_due=True, regroup_due=True)
-    assert engine.on(Boundary(in_flight)) == [AdoptStarted(), PollNodes()]
+    assert engine.on(Boundary(in_flight)) == [AdoptStarted(), *PLACE]
     nothing_due = replace(crossing, checkpoint_due=False)
     assert engine.on(Ran(Facts(in_flight=True, epoch_open=True, crossing=nothing_due))) == [
         Become(Phase.TRAINING),
@@ -433,7 +454,7 @@ def test_a_drain_waits_for_the_evaluations_in_flight() -> None:
         AdoptStarted(),
     ]
     changed = Facts(epoch_open=True, regroup_due=True)
-    assert engine.on(Ran(changed)) == [PollNodes()]  # a changed group lists the nodes first
+    assert engine.on(Ran(changed)) == PLACE  # a changed group lists the nodes first
     assert engine.on(Ran(changed)) == [Become(Phase.REGROUPING), Regroup()]
     # A scale up drains nobody: nothing waits for the evaluations.
     engine = SyncEngine()
@@ -474,7 +495,7 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
     engine = SyncEngine()
     _requests_applied(engine, Facts(epoch_open=True))
     mid = Facts(epoch_open=True, regroup_due=True)
-    assert engine.on(Ran(mid)) == [PollNodes()]
+    assert engine.on(Ran(mid)) == PLACE
     assert engine.on(Ran(mid)) == [Become(Phase.REGROUPING), Regroup()]
     assert engine.on(Ran(Facts(epoch_open=True), ok=True)) == [Replan("membership")]
     assert engine.on(Ran(Facts(epoch_open=True))) == [
@@ -499,6 +520,25 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
     engine.on(Ran(Facts(regroup_due=True)))
     engine.on(Ran(Facts(regroup_due=True)))
     assert engine.on(Ran(Facts(), ok=True)) == [Become(Phase.TRAINING), BeginEpoch(), Replan()]
+
+
+def test_workers_taken_out_are_killed_before_anything_else() -> None:
+    """A segment failed with a worker lost and the next segment sent: the lost worker is
+    killed before the one sent ahead is collected (what it queued then fails at once), and
+    drained workers before the nodes are listed and workers spawned on them."""
+    engine = SyncEngine()
+    _requests_applied(engine, Facts(epoch_open=True))
+    engine.on(Ran(Facts(epoch_open=True)))
+    lost = Facts(in_flight=True, epoch_open=True, stopping=True)
+    assert engine.on(Ran(lost, ok=False)) == [Kill(), AbsorbAhead()]
+    assert engine.on(Ran(Facts(epoch_open=True))) == [PublishReady(), EndStep()]
+    assert engine.on(Boundary(Facts(epoch_open=True))) == [ApplyRequests()]
+    assert engine.on(Ran(Facts(epoch_open=True, drains_due=True))) == [
+        Settle(), ApplyDrains(), AdoptStarted()]
+    drained = Facts(epoch_open=True, regroup_due=True, stopping=True)
+    assert engine.on(Ran(drained)) == [Kill(), *PLACE]
+    # A job that ended inside a command still stops them.
+    assert engine.on(Ran(Facts(terminal=True, stopping=True))) == [Kill(), EndStep()]
 
 
 def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> None:
@@ -581,14 +621,14 @@ def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
     engine = SyncEngine()
     _requests_applied(engine, Facts())
     short = Facts(shortfall="1 of 2 workers", regroup_due=True)
-    assert engine.on(Ran(short)) == [PollNodes()]  # the group changed: list nodes at once
+    assert engine.on(Ran(short)) == PLACE  # the group changed: list nodes at once
     assert engine.on(Ran(short)) == [
         Become(Phase.WAITING_FOR_WORKERS),
         WaitForMinimum("1 of 2 workers"),
         EndStep(),
     ]
     _requests_applied(engine, Facts())
-    assert engine.on(Ran(Facts(regroup_due=True, node_poll_due=False))) == [PollNodes()]
+    assert engine.on(Ran(Facts(regroup_due=True, node_poll_due=False))) == PLACE
     assert engine.on(Ran(Facts(regroup_due=True))) == [Become(Phase.REGROUPING), Regroup()]
     assert engine.on(Ran(Facts(regroup_due=True), ok=False)) == [EndStep()]
     # No member holds the committed state: the checkpoint is loaded first (ROLLING_BACK);
@@ -596,7 +636,7 @@ def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
     # no second load.
     _requests_applied(engine, Facts())
     lost = Facts(regroup_due=True, needs_state=True)
-    assert engine.on(Ran(lost)) == [PollNodes()]
+    assert engine.on(Ran(lost)) == PLACE
     assert engine.on(Ran(lost)) == [
         Become(Phase.REGROUPING),
         Become(Phase.ROLLING_BACK),

@@ -7,16 +7,20 @@ per-runtime branch. Each event carries :class:`Facts`, what the driver's machine
 that moment (read after the previous command ran: a cancel can arrive, an epoch can end,
 the job can finish inside any command), so the engine never reads the driver's state.
 
+Workers taken out of the job inside a command (lost, evicted, drained, started unwanted
+or too late: ``Facts.stopping``) are killed first thing in the next batch, whatever it is.
+
 One boundary, as the engine decides it:
 
 * the job is terminal: nothing (the loop stops);
 * a cancellation is pending: cancel (below);
 * otherwise: load the data if it is not loaded; then, with a segment in flight, only
-  take in workers that came up and list the nodes when due (membership changes wait for
-  the next boundary with nothing in flight); else *reconcile* the group: apply the
-  requests (the workers they drain leave once the evaluations in flight are in: a drained
-  worker may owe a shard), take in started workers, list the nodes when due (at once when the group
-  changed, and at the first start, which then waits for its workers), then wait when
+  take in workers that came up and *place* when due: list the nodes, start the workers
+  the membership misses on them, tend the spares (membership changes wait for the next
+  boundary with nothing in flight); else *reconcile* the group: apply the requests (the
+  workers they drain leave once the evaluations in flight are in: a drained worker may owe
+  a shard), take in started workers, place when due (at once when the group changed, and
+  at the first start, which starts no spares and then waits for its workers), then wait when
   fewer than the minimum are in (WAITING_FOR_WORKERS; the step ends), or regroup when the
   group changed (REGROUPING; one that fails ends the step, the next boundary tries
   again; one formed mid-epoch has the rest of the epoch re-split over it), loading the
@@ -79,6 +83,7 @@ from dynabatch.scheduler.core.sync.messages import (
     FinishCancelled,
     FinishSucceeded,
     JudgeEpoch,
+    Kill,
     LoadData,
     MarkRunning,
     NextEpoch,
@@ -91,6 +96,8 @@ from dynabatch.scheduler.core.sync.messages import (
     RollBack,
     SaveModel,
     Settle,
+    SpawnWorkers,
+    TendSpares,
     TrainSegment,
     WaitForMinimum,
 )
@@ -135,6 +142,14 @@ class SyncEngine:
         self.state: LoopState = AtRest()
 
     def on(self, event: Event) -> list[Command]:
+        commands = self._decide(event)
+        # Workers taken out of the job inside the last batch (lost, evicted, drained,
+        # started unwanted) are stopped before anything else: what a hung worker queued
+        # then fails at once rather than after another grace period, and its node's
+        # resources are free before workers are spawned or the group formed again.
+        return [Kill(), *commands] if event.facts.stopping else commands
+
+    def _decide(self, event: Event) -> list[Command]:
         match self.state, event:
             case AtRest(), Boundary(f):
                 return self._boundary(f)
@@ -148,12 +163,14 @@ class SyncEngine:
                 drain = [Settle(), ApplyDrains()] if f.drains_due else []
                 return [*drain, AdoptStarted()]
             case Gathering(), Ran(f):
+                if f.terminal:
+                    return self._rest(EndStep())
                 # Nodes are listed when due, and at once when the group changed or the job
                 # starts (its first workers).
                 if f.starting or f.node_poll_due or f.regroup_due:
                     self.state = Placing()
                     wait = [AwaitInitial()] if f.starting else []
-                    return [PollNodes(starting=f.starting), *wait]
+                    return [*self._place(f.starting), *wait]
                 return self._gathered(f)
             case Placing(), Ran(f):
                 return self._gathered(f)
@@ -200,7 +217,7 @@ class SyncEngine:
             case Judging(then, due, keeps), Ran(f):
                 if f.terminal:  # the job ended while the evaluation was awaited
                     self.state = then
-                    return self.on(event)
+                    return self._decide(event)
                 best = [Checkpoint("best")] if f.judged_best else []
                 if due:
                     save = [Checkpoint("epoch")]
@@ -256,10 +273,17 @@ class SyncEngine:
         load = [] if f.data_loaded else [LoadData()]
         if f.in_flight:  # membership changes wait for the next boundary
             self.state = Watching()
-            poll = [PollNodes()] if f.node_poll_due else []
+            poll = self._place(starting=False) if f.node_poll_due else []
             return [*load, AdoptStarted(), *poll]
         self.state = Requesting()
         return [*load, ApplyRequests()]
+
+    @staticmethod
+    def _place(starting: bool) -> list[Command]:
+        """List the nodes, start the workers the membership misses on them, then tend the
+        spares (not at the first start: they would compete with its workers' start-up)."""
+        spares = [] if starting else [TendSpares()]
+        return [PollNodes(starting=starting), SpawnWorkers(starting=starting), *spares]
 
     def _gathered(self, f: Facts) -> list[Command]:
         """Who trains is known: too few (wait), a changed group (regroup), or ready."""

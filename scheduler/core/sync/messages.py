@@ -75,6 +75,9 @@ class Facts:
     # stopping ends the training after it.
     judged_best: bool = False
     judged_stop: bool = False
+    # Workers taken out of the job (lost, evicted, drained, started unwanted or too late)
+    # whose processes have not been stopped yet.
+    stopping: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,9 +132,30 @@ class AdoptStarted:
 
 @dataclass(frozen=True, slots=True)
 class PollNodes:
-    """List the nodes: start workers where members are missing, tend the spares."""
+    """List the nodes (the job's first start says when there are none), and note the
+    spares lost before they were adopted."""
 
     starting: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnWorkers:
+    """Start workers where the membership misses members, on the nodes last listed (which
+    nodes: the membership's; at the first start a small cluster shares nodes). A spare's
+    worker adopted with nothing in flight is awaited briefly, so it joins this regroup."""
+
+    starting: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TendSpares:
+    """Start and stop spare workers per the membership's spare plan on the nodes last
+    listed (once the first workers are up: spares would compete with their start)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kill:
+    """Stop the processes of the workers taken out of the job since the last stop."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +309,9 @@ Command = (
     | ApplyDrains
     | AdoptStarted
     | PollNodes
+    | SpawnWorkers
+    | TendSpares
+    | Kill
     | AwaitInitial
     | WaitForMinimum
     | RollBack
