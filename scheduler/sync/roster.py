@@ -159,7 +159,7 @@ class Roster(Part):
                 "jobs may hold their CPUs)"
             )
             self.adopt_started(0.5)
-            if not m.pending:  # some failed to start: their replacements, where room is
+            if not m.pending:  # some failed to start: start their replacements
                 self.poll_nodes(starting=True)
                 self.spawn(starting=True)
         for w in list(m.pending):  # could not be placed in time
