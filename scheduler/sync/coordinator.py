@@ -312,10 +312,10 @@ class Coordinator(JobControl):
     def shutdown(self) -> None:
         # Every spawned worker is a member, pending, or leaving until it is killed; spares
         # too.
+        self.roster.stop_leaving()
         m = self.job.membership
-        leaving, self.job.leaving = self.job.leaving, []
-        for w in [*leaving, *(w.worker_id for w in [*m.members, *m.pending.values()])]:
-            self.runtime.kill(w)
+        for w in [*m.members, *m.pending.values()]:
+            self.runtime.kill(w.worker_id)
         for node in m.drop_spares():
             self.runtime.stop_spare(node)
 
