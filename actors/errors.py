@@ -34,3 +34,11 @@ def is_out_of_memory(err: BaseException) -> bool:
     if any(t.__name__ == "OutOfMemoryError" for t in type(err).__mro__):
         return True
     return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+
+
+class TransportError(Exception):
+    """A remote call failed in Ray's transport, not in the caller's code. Ray raises an IO
+    error on a worker's connection to its own raylet (the node is going away: "Broken
+    pipe") as a plain ``OSError``, which reads like an error the worker's code raised; a
+    worker re-raises it as this, so whoever classifies the failure counts the worker lost
+    (its node or process went), not wrong."""

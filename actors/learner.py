@@ -12,13 +12,15 @@ where they are launched; the server is :mod:`dynabatch.actors.ps`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 from dynabatch.actors.contracts import epoch_order
 from dynabatch.actors.emulation import ComputeClock, slowdown_at
+from dynabatch.actors.errors import TransportError, first_line
 from dynabatch.actors.output import own_actor_id
 from dynabatch.actors.ps import Bounds, build_replica, shared_tensor
 from dynabatch.actors.spec import JobSpec
@@ -89,13 +91,15 @@ class Learner:
         bounds = bounds or ((0, self.computer.size),)
         lo0, hi0 = bounds[0]
         while True:
-            reply = ray.get(server.request.remote(self.worker_id), timeout=call_timeout_s)
+            with _transport():
+                reply = ray.get(server.request.remote(self.worker_id), timeout=call_timeout_s)
             if reply.get("finished"):
                 return {"worker": self.worker_id, "pushes": self.pushes}
             if "idle" in reply:
                 continue
             work = reply["work"]
-            parts = ray.get(reply["weights"], timeout=call_timeout_s)  # the slices, in parallel
+            with _transport():  # the slices, in parallel
+                parts = ray.get(reply["weights"], timeout=call_timeout_s)
             weights = parts[0] if len(parts) == 1 else np.concatenate(parts)
             factor = slowdown_at(self.spec.emulation, self.ordinal, work.epoch, self.pushes)
             self._clock.start()
@@ -103,10 +107,29 @@ class Learner:
                                         work.chunk.ranges)
             grad, loss_sum = self.computer.gradient(weights, ids)
             compute = self._clock.finish(factor)
-            if shards:
-                ray.get([s.put.remote(work.ticket, grad[lo:hi])
-                         for s, (lo, hi) in zip(shards, bounds[1:], strict=True)],
+            with _transport():
+                if shards:
+                    ray.get([s.put.remote(work.ticket, grad[lo:hi])
+                             for s, (lo, hi) in zip(shards, bounds[1:], strict=True)],
+                            timeout=call_timeout_s)
+                ray.get(server.push.remote(self.worker_id, grad[lo0:hi0], work.version,
+                                           len(ids), compute, loss_sum),
                         timeout=call_timeout_s)
-            ray.get(server.push.remote(self.worker_id, grad[lo0:hi0], work.version, len(ids),
-                                       compute, loss_sum), timeout=call_timeout_s)
             self.pushes += 1
+
+
+@contextmanager
+def _transport() -> Iterator[None]:
+    """Around the learner's calls to the server and its shards (submitting, and waiting for
+    the answer): an ``OSError`` Ray raises there is its transport failing (this worker's
+    node going away), raised on as a :class:`TransportError` so that the driver counts the
+    learner lost instead of failing the job with it. An error the server's own code raised
+    (a Ray task error, whatever its cause) goes on as it is."""
+    from ray.exceptions import RayError
+
+    try:
+        yield
+    except OSError as err:
+        if isinstance(err, RayError):
+            raise
+        raise TransportError(first_line(err)) from err

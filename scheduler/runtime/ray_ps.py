@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from dynabatch.actors.errors import first_line
+from dynabatch.actors.errors import TransportError, first_line
 from dynabatch.actors.output import ActorOutput
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.membership import NodeInfo
@@ -159,13 +159,14 @@ class RayPSRuntime:
 
 def own_error(err: BaseException) -> str | None:
     """The message of an error the learner's own code raised (None when its actor, node or
-    a remote call failed: Ray's errors, which mean it is lost). A ``WorkloadError`` names
-    the spec field, so its message is the reason as it is."""
+    a remote call failed: Ray's errors and a :class:`TransportError`, which mean it is
+    lost). A ``WorkloadError`` names the spec field, so its message is the reason as it
+    is."""
     from dynabatch.actors.workloads import WorkloadError
     from ray.exceptions import RayError, RayTaskError
 
     cause = err.cause if isinstance(err, RayTaskError) else None
-    if cause is None or isinstance(cause, RayError | TimeoutError):
+    if cause is None or isinstance(cause, RayError | TimeoutError | TransportError):
         return None
     if isinstance(cause, WorkloadError):
         return first_line(cause, typed=False)

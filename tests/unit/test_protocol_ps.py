@@ -304,6 +304,45 @@ def test_epochs_overlap_in_async_but_not_in_hardsync():
     assert isinstance(apply, Apply) and isinstance(end, EpochEnd) and end.epoch == 0
 
 
+def test_a_learner_whose_node_goes_is_lost_not_failed(monkeypatch):
+    """Ray raises an IO error on a worker's connection to its raylet (its node removed
+    mid-call) as a plain ``OSError: Broken pipe``. It failed a job whose learner's node went
+    (CI, test_ps_job_survives_a_lost_learner_exactly_once): the driver took it for the
+    learner's own error. The learner raises it on as a transport error: lost, replaced."""
+    from types import SimpleNamespace
+
+    import ray
+    from dynabatch.actors.learner import Learner
+    from dynabatch.scheduler.runtime.ray_ps import own_error
+    from ray.exceptions import RayTaskError
+
+    def broken_pipe(refs, timeout=None):
+        raise OSError("Broken pipe")
+
+    monkeypatch.setattr(ray, "get", broken_pipe)
+    call = SimpleNamespace(remote=lambda *a, **k: "ref")
+    learner = SimpleNamespace(worker_id="w0", computer=SimpleNamespace(size=10))
+    server = SimpleNamespace(request=call, push=call)
+    with pytest.raises(Exception) as raised:
+        Learner.run(learner, server, call_timeout_s=1.0)
+    assert own_error(RayTaskError("Learner.run", "traceback", raised.value)) is None
+    assert "Broken pipe" in str(raised.value)
+
+    # An OSError the server's own code raised reaches the learner as a Ray task error
+    # (an instance of its cause's type too): it is not the transport's, and goes on as it is.
+    server_error = RayTaskError("ParameterServer.request", "tb", OSError("disk full"))
+    server_error = server_error.as_instanceof_cause()
+    assert isinstance(server_error, OSError)
+
+    def server_raised(refs, timeout=None):
+        raise server_error
+
+    monkeypatch.setattr(ray, "get", server_raised)
+    with pytest.raises(Exception) as raised:
+        Learner.run(learner, server, call_timeout_s=1.0)
+    assert raised.value is server_error
+
+
 def test_driver_classifies_learner_errors_and_checks_the_data():
     from dynabatch.actors.spec import JobSpec
     from dynabatch.actors.workloads import WorkloadError
