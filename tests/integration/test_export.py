@@ -61,6 +61,7 @@ def test_a_ray_job_exports_its_model_and_a_fresh_process_loads_it(cluster, tmp_p
             str(out),
             str(tmp_path / "x.safetensors"),
             str(tmp_path / "y.safetensors"),
+            str(torch.get_num_threads()),
         ],
         capture_output=True,
         text=True,

@@ -264,12 +264,20 @@ def test_a_job_with_no_real_model_has_no_files(tmp_path):
 
 
 # Trained, exported, loaded in a fresh process without Ray --------------------------------
+# The fresh process computes as the test's does, so that the outputs are equal to the last
+# bit: with the test process's thread count (argv[4]; a test before it in the same pytest
+# worker may have set it, and a matmul split over another number of threads sums in another
+# order), and on an input copied out of the file (safetensors hands back a tensor where its
+# bytes lie in the file, 8 bytes past a 16-byte boundary here, and CPU matmul kernels take
+# another path on an input not aligned to 16 bytes: seen on an AMD EPYC with safetensors
+# 0.8.0). The model's weights are copied into its own parameters anyway.
 LOAD = """
 import sys, torch
 from dynabatch import load_model
 from safetensors.torch import load_file, save_file
+torch.set_num_threads(int(sys.argv[4]))
 model = load_model(sys.argv[1])
-x = load_file(sys.argv[2])["x"]
+x = load_file(sys.argv[2])["x"].clone()
 with torch.no_grad():
     save_file({"y": model(x)}, sys.argv[3])
 assert "ray" not in sys.modules, "load_model imported ray"
@@ -313,6 +321,7 @@ def test_trained_exported_and_loaded_in_a_fresh_process_gives_the_same_predictio
             str(tmp_path / "model"),
             str(tmp_path / "x.safetensors"),
             str(tmp_path / "y.safetensors"),
+            str(torch.get_num_threads()),
         ],
         capture_output=True,
         text=True,
