@@ -60,7 +60,7 @@ from dynabatch.scheduler.core.sync.messages import (
     AdoptStarted,
     ApplyDrains,
     ApplyRequests,
-    AwaitInitial,
+    AwaitStarts,
     Become,
     BeginEpoch,
     Boundary,
@@ -74,6 +74,7 @@ from dynabatch.scheduler.core.sync.messages import (
     Facts,
     FinishCancelled,
     FinishSucceeded,
+    GiveUpStarts,
     JudgeEpoch,
     Kill,
     LoadData,
@@ -368,6 +369,8 @@ class Coordinator(JobControl):
             crossing=crossing,
             pending=self.state == JobState.PENDING,
             starting=not m.members and m.generation == 0 and self.state == JobState.PENDING,
+            starts_pending=bool(m.pending),
+            start_overdue=job.starts_until is not None and self.clock.now() >= job.starts_until,
             node_poll_due=self.roster.node_poll_due(),
             shortfall=m.shortfall(),
             holders=bool(m.holders()),
@@ -404,8 +407,10 @@ class Coordinator(JobControl):
                 self.roster.tend_spares()
             case Kill():
                 self.roster.stop_leaving()
-            case AwaitInitial():
-                self.roster.await_initial()
+            case AwaitStarts(first):
+                self.roster.await_starts(first)
+            case GiveUpStarts():
+                self.roster.give_up_starts()
             case WaitForMinimum(shortfall):
                 self.roster.wait_for_min(shortfall)
             case RollBack():

@@ -126,6 +126,7 @@ class SyncJob:
     restored_weights: dict[str, Any] | None = None
     restored_batch: int | None = None
     waiting_since: float | None = None  # WAITING_FOR_WORKERS: since when
+    starts_until: float | None = None  # the first start's wait ends then (AwaitStarts)
     last_node_poll: float = -1e18
     nodes: list[NodeInfo] = field(default_factory=list)  # as last listed (PollNodes)
     # Workers taken out of the job whose processes the engine's next Kill stops.

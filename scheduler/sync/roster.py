@@ -27,6 +27,9 @@ NODE_POLL_S = 0.2
 # After adopting a spare at a boundary with nothing in flight, how long to wait for it to
 # answer so that it joins this regroup rather than one segment later.
 ADOPT_WAIT_S = 0.5
+# How long each of the first start's waits for its workers lasts (the engine looks again
+# after each: a cancel, the start timeout, workers that failed to start).
+START_WAIT_S = 0.5
 
 
 class Roster(Part):
@@ -149,22 +152,28 @@ class Roster(Part):
             else:
                 self.changed(change)
 
-    def await_initial(self) -> None:
+    def await_starts(self, first: bool) -> None:
+        """Wait a little for the first start's workers to come up, and take in those that
+        did (the engine's ``AwaitStarts``); ``first``: the start timeout counts from now."""
+        job = self.job
+        m = job.membership
+        if first:
+            job.starts_until = self.clock.now() + self.spec.start_timeout_s
+        self.c.reason = (
+            f"waiting for resources: {len(m.pending)} of {len(m.pending) + len(m.members)}"
+            f" workers not started yet ({len(self.runtime.nodes())} eligible nodes; other "
+            "jobs may hold their CPUs)"
+        )
+        self.adopt_started(START_WAIT_S)
+
+    def give_up_starts(self) -> None:
+        """The workers still starting when the first start's wait ended (the engine's
+        ``GiveUpStarts``): out of the membership, queued to be killed."""
         m = self.job.membership
-        deadline = self.clock.now() + self.spec.start_timeout_s
-        while m.pending and self.clock.now() < deadline and not self.cancel_requested:
-            self.c.reason = (
-                f"waiting for resources: {len(m.pending)} of {len(m.pending) + len(m.members)}"
-                f" workers not started yet ({len(self.runtime.nodes())} eligible nodes; other "
-                "jobs may hold their CPUs)"
-            )
-            self.adopt_started(0.5)
-            if not m.pending:  # some failed to start: start their replacements
-                self.poll_nodes(starting=True)
-                self.spawn(starting=True)
-        for w in list(m.pending):  # could not be placed in time
-            self.log("WARNING", f"worker {w} could not start in "
-                                f"{self.spec.start_timeout_s:.0f}s")
+        why = ("the job was cancelled while it started" if self.cancel_requested
+               else f"it could not start in {self.spec.start_timeout_s:.0f}s")
+        for w in list(m.pending):
+            self.log("WARNING", f"worker {w} given up: {why}")
             m.start_failed(w)
             self.job.tracker.remove(w)
             self.job.leaving.append(w)

@@ -108,6 +108,46 @@ def test_a_worker_taken_out_is_killed_by_the_next_batch_or_when_the_job_ends():
     assert sorted(set(rt.record.killed)) == sorted(rt.record.killed)  # each once
 
 
+def test_the_first_start_waits_for_its_workers_and_gives_up_those_not_up_in_time():
+    """The first start waits for its workers half a second at a time (the engine's
+    ``AwaitStarts``): up 3 s after they were started, they form the group and train at once.
+    Not up within the start timeout, they are given up (``GiveUpStarts``), killed once
+    each, and the job waits for workers; a cancel that comes during the wait gives them up
+    at once and cancels the job."""
+    coord, rt, _ = _job(_spec(start_timeout_s=5), start_s=3.0)
+    t0 = rt.clock.now()
+    assert coord.step()
+    assert sorted(coord.job.membership.worker_ids) == ["w0", "w1", "w2"]
+    assert coord.snapshot().state == JobState.RUNNING and coord.step_in_epoch > 0
+    assert 3.0 <= rt.clock.now() - t0 < 4.0 and rt.record.killed == []
+
+    coord, rt, _ = _job(_spec(start_timeout_s=2, worker_wait_timeout_s=60), start_s=30.0)
+    t0 = rt.clock.now()
+    assert coord.step()
+    assert 2.0 <= rt.clock.now() - t0 < 3.0  # the timeout, then WaitForMinimum's pause
+    assert sorted(rt.record.killed) == ["w0", "w1", "w2"] and coord.job.leaving == []
+    assert coord.snapshot().state == JobState.PENDING
+    assert not coord.job.membership.worker_ids and not coord.job.membership.pending
+    given_up = [x.message for x in coord.logs() if "given up" in x.message]
+    assert given_up == [f"worker w{i} given up: it could not start in 2s" for i in range(3)]
+
+    class CancelledWhileStarting(SimRuntime):
+        """The job is cancelled during the first wait for its workers."""
+
+        def poll_started(self, timeout_s: float):
+            coord.cancel()
+            return super().poll_started(timeout_s)
+
+    coord, rt, _ = _job(_spec(start_timeout_s=60), start_s=30.0,
+                        runtime=CancelledWhileStarting)
+    t0 = rt.clock.now()
+    assert not coord.step()  # the job ended
+    assert rt.clock.now() - t0 < 1.0 and sorted(rt.record.killed) == ["w0", "w1", "w2"]
+    assert [x.message for x in coord.logs() if "given up" in x.message] == [
+        f"worker w{i} given up: the job was cancelled while it started" for i in range(3)]
+    assert coord.snapshot().state == JobState.CANCELLED
+
+
 def test_loss_at_the_end_when_n_is_a_multiple_of_b():
     n = 10 * B
     coord, _, lineages = _job(_spec(), Fault(kind="die", worker=1, epoch=0, step=9), n_train=n)

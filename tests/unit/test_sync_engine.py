@@ -17,7 +17,7 @@ from dynabatch.scheduler.core.sync.messages import (
     AdoptStarted,
     ApplyDrains,
     ApplyRequests,
-    AwaitInitial,
+    AwaitStarts,
     Become,
     BeginEpoch,
     Boundary,
@@ -30,6 +30,7 @@ from dynabatch.scheduler.core.sync.messages import (
     Facts,
     FinishCancelled,
     FinishSucceeded,
+    GiveUpStarts,
     JudgeEpoch,
     Kill,
     LoadData,
@@ -83,6 +84,8 @@ facts = st.builds(
     ),
     pending=st.booleans(),
     starting=rarely,
+    starts_pending=rarely,
+    start_overdue=st.booleans(),
     node_poll_due=st.booleans(),
     shortfall=st.none() | st.just("1 of 2 workers"),
     holders=st.sampled_from([True, True, True, False]),
@@ -107,7 +110,8 @@ def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
     outcome that answered it."""
     batches = []
     before, commands = first, engine.on(Boundary(first))
-    for _ in range(12):
+    waits = 0
+    for _ in range(24):
         # Workers taken out of the job are stopped first thing in the next batch, and only
         # then; the rest of the batch is what the facts decide (checked below).
         assert (commands[:1] == [Kill()]) == before.stopping, (before.stopping, commands)
@@ -120,9 +124,22 @@ def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
             batches.append((before, commands, None))
             return batches
         after, ok = data.draw(facts), data.draw(st.booleans())
+        if isinstance(last, AwaitStarts):  # the start timeout ends the first start's wait
+            waits += 1
+            after = replace(after, start_overdue=after.start_overdue or waits >= 3)
         batches.append((before, commands, (after, ok)))
         before, commands = after, engine.on(Ran(after, ok))
-    pytest.fail("a boundary did not end within 12 batches")
+    pytest.fail("a boundary did not end within 24 batches")
+
+
+def _index(batches, facts: Facts) -> int:
+    """Where the batch decided on ``facts`` is in the boundary."""
+    return next(i for i, (b, _, _) in enumerate(batches) if b is facts)
+
+
+def _previous(batches, facts: Facts) -> list | None:
+    """The batch whose outcome was ``facts`` (None: they began the boundary)."""
+    return next((cs for _, cs, o in batches if o is not None and o[0] is facts), None)
 
 
 def _requests_applied(engine: SyncEngine, facts: Facts) -> None:
@@ -223,7 +240,8 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                         assert cr.next_epoch < cr.epochs and cr.next_batch == cr.batch
                         assert not (cr.goodput or cr.checkpoint_due or cr.replans_at_end)
             for c in commands:
-                if isinstance(c, (ApplyRequests, ApplyDrains, Regroup, AwaitInitial)):
+                if isinstance(c, (ApplyRequests, ApplyDrains, Regroup, AwaitStarts,
+                                  GiveUpStarts)):
                     assert not first.in_flight  # membership changes wait for a rest
                 if isinstance(c, ApplyRequests):  # alone; what it drains leaves next
                     assert commands[-1] == c
@@ -240,8 +258,17 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     assert commands[: commands.index(c) + 1] == [Settle(), c]
                     assert any(o is not None and o[0] is before and cs[-1] == ApplyRequests()
                                for _, cs, o in batches)
+                previous = _previous(batches, before)
+                waited = previous is not None and isinstance(previous[-1], AwaitStarts)
+                earlier_waits = [x for _, cs, _ in batches[: _index(batches, before)]
+                                 for x in cs if isinstance(x, AwaitStarts)]
                 if isinstance(c, PollNodes) and first.in_flight:  # when due
                     assert before.node_poll_due and not c.starting
+                elif isinstance(c, PollNodes) and waited:
+                    # The first start's wait took in the workers that came up, and none is
+                    # left starting: those that failed to start are started again.
+                    assert c.starting and not before.starts_pending
+                    assert commands == [c, SpawnWorkers(starting=True)]
                 elif isinstance(c, PollNodes):  # when due, or at once after a change
                     assert before.node_poll_due or before.starting or before.regroup_due
                     assert c.starting == before.starting
@@ -254,10 +281,30 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     assert not before.terminal
                 if isinstance(c, (SpawnWorkers, TendSpares)):
                     assert any(isinstance(x, PollNodes) for x in commands[: commands.index(c)])
-                if isinstance(c, AwaitInitial):
-                    assert before.starting
+                if isinstance(c, AwaitStarts):
+                    # Only while workers are starting, the job not cancelled, the start
+                    # timeout not over (it counts from the first wait, right after the
+                    # first start placed its workers).
+                    assert commands == [c] and before.starts_pending
+                    assert not before.cancel_requested
+                    assert _previous(batches, before)[-1] in (
+                        SpawnWorkers(starting=True), *earlier_waits)
+                    assert c.first == (not earlier_waits)
+                    assert c.first or not before.start_overdue
+                    after, _ = outcome
+                    if not (after.terminal or after.starts_pending):  # none left starting:
+                        # the ones that failed are started again
+                        assert _after(batches, after) == [PollNodes(True), SpawnWorkers(True)]
+                if isinstance(c, GiveUpStarts):  # still starting: over the timeout, or cancelled
+                    assert commands == [c] and before.starts_pending
+                    assert before.cancel_requested or before.start_overdue
+                    assert before.cancel_requested or earlier_waits  # the timeout counts
+                    # from the first wait, which always happens
+                    assert _previous(batches, before)[-1] in (
+                        SpawnWorkers(starting=True), *earlier_waits)
                 if isinstance(c, WaitForMinimum):  # too few: wait, and the step ends
                     assert c.shortfall == before.shortfall
+                    assert not before.cancel_requested  # a pending cancel cancels instead
                     assert commands[-3:] == [Become(Phase.WAITING_FOR_WORKERS), c, EndStep()]
                 if isinstance(c, RollBack):  # no holder: the checkpoint first
                     assert before.regroup_due and before.shortfall is None
@@ -389,8 +436,10 @@ def test_a_training_boundary() -> None:
     first = Facts(data_loaded=False, pending=True, starting=True)
     assert engine.on(Boundary(first)) == [LoadData(), ApplyRequests()]
     assert engine.on(Ran(first)) == [AdoptStarted()]
-    assert engine.on(Ran(first)) == [PollNodes(starting=True), SpawnWorkers(starting=True),
-                                     AwaitInitial()]
+    assert engine.on(Ran(first)) == [PollNodes(starting=True), SpawnWorkers(starting=True)]
+    assert engine.on(Ran(replace(first, starts_pending=True))) == [AwaitStarts(first=True)]
+    # All came up: the missing ones (none) are started again, then the group forms.
+    assert engine.on(Ran(first)) == [PollNodes(starting=True), SpawnWorkers(starting=True)]
     assert engine.on(Ran(Facts(pending=True, regroup_due=True))) == [
         Become(Phase.REGROUPING),
         Regroup(),
@@ -489,6 +538,87 @@ def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once(
     assert engine.on(Ran(Facts(in_flight=True, epoch_open=True))) == [
         TrainSegment(ahead=True, across=False)
     ]
+
+
+def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> None:
+    """The first start's wait is the engine's: a little at a time while workers are
+    starting; the ones that failed started again once none is left starting; those still
+    starting given up past the start timeout (counted from the first wait: a timeout left
+    over from an earlier boundary does not cut it) or on a cancel, which then cancels the
+    job rather than wait for workers."""
+    start = [PollNodes(starting=True), SpawnWorkers(starting=True)]
+    starting = Facts(pending=True, starting=True)
+    waiting = replace(starting, starts_pending=True)
+    engine = SyncEngine()
+    _requests_applied(engine, starting)
+    assert engine.on(Ran(starting)) == start
+    assert engine.on(Ran(replace(waiting, start_overdue=True))) == [AwaitStarts(first=True)]
+    assert engine.on(Ran(waiting)) == [AwaitStarts()]
+    assert engine.on(Ran(starting)) == start  # none left starting: replace the failed ones
+    assert engine.on(Ran(waiting)) == [AwaitStarts()]
+    assert engine.on(Ran(replace(waiting, start_overdue=True))) == [GiveUpStarts()]
+    given_up = Facts(pending=True, starting=True, shortfall="0 of 2 workers", stopping=True)
+    assert engine.on(Ran(given_up)) == [
+        Kill(), Become(Phase.WAITING_FOR_WORKERS), WaitForMinimum("0 of 2 workers"), EndStep()]
+
+    # All up at the first wait: the group forms (nothing failed, nothing is started again).
+    _requests_applied(engine, starting)
+    assert engine.on(Ran(starting)) == start
+    assert engine.on(Ran(waiting)) == [AwaitStarts(first=True)]
+    assert engine.on(Ran(starting)) == start
+    assert engine.on(Ran(Facts(pending=True, regroup_due=True))) == [
+        Become(Phase.REGROUPING), Regroup()]
+
+    # A cancel during the wait gives up at once; the job ends at the next boundary.
+    engine = SyncEngine()
+    _requests_applied(engine, starting)
+    assert engine.on(Ran(starting)) == start
+    assert engine.on(Ran(replace(waiting, cancel_requested=True))) == [GiveUpStarts()]
+    gave_up = Facts(pending=True, cancel_requested=True, shortfall="0 of 2", stopping=True)
+    assert engine.on(Ran(gave_up)) == [Kill(), Become(Phase.CANCELLING), Settle()]
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_the_first_starts_wait_follows_its_rules(data: st.DataObject) -> None:
+    """Random facts after every command of the first start's wait (the big property above
+    reaches it rarely): it waits while workers are starting, the first wait whatever a
+    timeout left over says; once none is left starting after a wait, the ones that failed
+    are started again; still starting past the timeout or on a cancel, they are given up;
+    a terminal job ends the step; otherwise who trains is known and the wait is over."""
+    during = st.builds(
+        Facts, terminal=rarely, cancel_requested=rarely, pending=st.just(True),
+        starting=st.booleans(), starts_pending=st.booleans(), start_overdue=st.booleans(),
+        shortfall=st.none() | st.just("0 of 2 workers"), regroup_due=st.booleans(),
+        stopping=rarely)
+    engine = SyncEngine()
+    _requests_applied(engine, Facts(pending=True, starting=True))
+    previous = engine.on(Ran(Facts(pending=True, starting=True)))
+    assert previous == [PollNodes(starting=True), SpawnWorkers(starting=True)]
+    waits = 0
+    for _ in range(40):
+        f = data.draw(during)
+        if waits >= 4:  # the start timeout is over by then
+            f = replace(f, start_overdue=True)
+        commands = engine.on(Ran(f))
+        assert (commands[:1] == [Kill()]) == f.stopping
+        body = commands[1:] if f.stopping else commands
+        if f.terminal:
+            assert body == [EndStep()]
+            return
+        if f.starts_pending:
+            if f.cancel_requested or (f.start_overdue and waits > 0):
+                assert body == [GiveUpStarts()]
+                return
+            assert body == [AwaitStarts(first=waits == 0)]
+            waits += 1
+        elif isinstance(previous[-1], AwaitStarts):
+            assert body == [PollNodes(starting=True), SpawnWorkers(starting=True)]
+        else:  # who trains is known: no more waiting or starting at this boundary
+            assert not any(isinstance(c, (AwaitStarts, GiveUpStarts, PollNodes)) for c in body)
+            return
+        previous = body
+    pytest.fail("the first start's wait did not end")
 
 
 def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training() -> None:

@@ -20,13 +20,14 @@ One boundary, as the engine decides it:
   boundary with nothing in flight); else *reconcile* the group: apply the requests (the
   workers they drain leave once the evaluations in flight are in: a drained worker may owe
   a shard), take in started workers, place when due (at once when the group changed, and
-  at the first start, which starts no spares and then waits for its workers), then wait when
-  fewer than the minimum are in (WAITING_FOR_WORKERS; the step ends), or regroup when the
-  group changed (REGROUPING; one that fails ends the step, the next boundary tries
-  again; one formed mid-epoch has the rest of the epoch re-split over it), loading the
-  last checkpoint first, once the evaluations in flight are in, when no member holds the
-  committed state (ROLLING_BACK; without one the job fails); a job that was PENDING is
-  RUNNING once its group is ready;
+  at the first start, which starts no spares and then waits for its workers: half a
+  second at a time, starting those that failed again, giving up those not up in the
+  start timeout), then wait when fewer than the minimum are in (WAITING_FOR_WORKERS; the
+  step ends), or regroup when the group changed (REGROUPING; one that fails ends the
+  step, the next boundary tries again; one formed mid-epoch has the rest of the epoch
+  re-split over it), loading the last checkpoint first, once the evaluations in flight
+  are in, when no member holds the committed state (ROLLING_BACK; without one the job
+  fails); a job that was PENDING is RUNNING once its group is ready;
 * a cancellation that came while the group formed: cancel;
 * train: begin the epoch if none is open (and plan it), run a segment (sending the next
   ahead when the next boundary need not have the group at rest), then end the epoch when
@@ -68,7 +69,7 @@ from dynabatch.scheduler.core.sync.messages import (
     AdoptStarted,
     ApplyDrains,
     ApplyRequests,
-    AwaitInitial,
+    AwaitStarts,
     Become,
     BeginEpoch,
     Boundary,
@@ -82,6 +83,7 @@ from dynabatch.scheduler.core.sync.messages import (
     Facts,
     FinishCancelled,
     FinishSucceeded,
+    GiveUpStarts,
     JudgeEpoch,
     Kill,
     LoadData,
@@ -106,6 +108,7 @@ from dynabatch.scheduler.core.sync.pipeline import can_cross_epoch, can_send_ahe
 from dynabatch.scheduler.core.sync.states import (
     Absorbing,
     AtRest,
+    AwaitingStarts,
     CancelCommitting,
     CancelEndingEpoch,
     CancelSettling,
@@ -167,11 +170,15 @@ class SyncEngine:
                     return self._rest(EndStep())
                 # Nodes are listed when due, and at once when the group changed or the job
                 # starts (its first workers).
-                if f.starting or f.node_poll_due or f.regroup_due:
+                if f.starting:  # its workers are started, then awaited
+                    self.state = AwaitingStarts(adopted=False, first=True)
+                    return self._place(starting=True)
+                if f.node_poll_due or f.regroup_due:
                     self.state = Placing()
-                    wait = [AwaitInitial()] if f.starting else []
-                    return [*self._place(f.starting), *wait]
+                    return self._place(starting=False)
                 return self._gathered(f)
+            case AwaitingStarts(adopted, first), Ran(f):
+                return self._await_starts(f, adopted, first)
             case Placing(), Ran(f):
                 return self._gathered(f)
             case RollingBack(), Ran():
@@ -285,10 +292,32 @@ class SyncEngine:
         spares = [] if starting else [TendSpares()]
         return [PollNodes(starting=starting), SpawnWorkers(starting=starting), *spares]
 
-    def _gathered(self, f: Facts) -> list[Command]:
-        """Who trains is known: too few (wait), a changed group (regroup), or ready."""
+    def _await_starts(self, f: Facts, adopted: bool, first: bool) -> list[Command]:
+        """The first start waits for its workers a little at a time, taking in those that
+        came up; once none is left starting, it starts the ones that failed again (on the
+        nodes listed again). Those still starting when the start timeout is over, or when a
+        cancel comes, are given up; then who trains is known."""
         if f.terminal:
             return self._rest(EndStep())
+        if f.starts_pending:
+            if f.cancel_requested or (f.start_overdue and not first):
+                self.state = Placing()
+                return [GiveUpStarts()]
+            self.state = AwaitingStarts(adopted=True, first=False)
+            return [AwaitStarts(first=first)]
+        if adopted:  # none left starting: replace those that failed to start
+            self.state = AwaitingStarts(adopted=False, first=False)
+            return self._place(starting=True)
+        return self._gathered(f)
+
+    def _gathered(self, f: Facts) -> list[Command]:
+        """Who trains is known: too few (wait), a changed group (regroup), or ready. Too
+        few with a cancellation pending (it came during the first start's wait, say)
+        cancels: the wait would only delay it, or fail the job first."""
+        if f.terminal:
+            return self._rest(EndStep())
+        if f.shortfall is not None and f.cancel_requested:
+            return self._cancel(f)
         if f.shortfall is not None:
             return self._rest(
                 Become(Phase.WAITING_FOR_WORKERS), WaitForMinimum(f.shortfall), EndStep()

@@ -55,6 +55,8 @@ class Facts:
     # Who trains:
     pending: bool = False  # the job's state is PENDING (it has not trained, or waits)
     starting: bool = False  # no member yet, no group formed: the job's first start
+    starts_pending: bool = False  # workers were started and have not come up yet
+    start_overdue: bool = False  # the first start's wait is past the start timeout
     node_poll_due: bool = False  # nodes were last listed long enough ago to list again
     shortfall: str | None = None  # fewer workers than the job's minimum: which, and why
     holders: bool = True  # a member holds the committed state
@@ -159,8 +161,19 @@ class Kill:
 
 
 @dataclass(frozen=True, slots=True)
-class AwaitInitial:
-    """The first start: wait (up to the start timeout) for the workers to come up."""
+class AwaitStarts:
+    """The first start: wait a little (half a second) for the workers starting to come up,
+    and take in those that did. ``first``: the first start's wait begins now (its limit,
+    the start timeout, counts from here)."""
+
+    first: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUpStarts:
+    """The workers still starting when the first start's wait ended (over the start
+    timeout, or the job cancelled) are given up: out of the membership, queued to be
+    killed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +325,8 @@ Command = (
     | SpawnWorkers
     | TendSpares
     | Kill
-    | AwaitInitial
+    | AwaitStarts
+    | GiveUpStarts
     | WaitForMinimum
     | RollBack
     | Regroup

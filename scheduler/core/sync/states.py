@@ -34,8 +34,19 @@ class Gathering:
 
 @dataclass(frozen=True, slots=True)
 class Placing:
-    """Waiting for workers to be started on the nodes listed (and, at the first start, to
-    come up)."""
+    """Waiting for workers to be started on the nodes listed (or, at the first start, for
+    those that did not come up to be given up)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitingStarts:
+    """The first start: waiting for its workers to come up, a little at a time, up to the
+    start timeout. ``adopted``: the last command took in the workers that came up (once
+    none is left starting, the ones that failed are started again); ``first``: the wait has
+    not begun (its clock starts at its first wait)."""
+
+    adopted: bool
+    first: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +152,7 @@ LoopState = (
     | Requesting
     | Gathering
     | Placing
+    | AwaitingStarts
     | RollingBack
     | Regrouping
     | Resplitting
