@@ -125,11 +125,11 @@ def _transport() -> Iterator[None]:
     node going away), raised on as a :class:`TransportError` so that the driver counts the
     learner lost instead of failing the job with it. An error the server's own code raised
     (a Ray task error, whatever its cause) goes on as it is."""
-    from ray.exceptions import RayError
-
     try:
         yield
     except OSError as err:
+        from ray.exceptions import RayError  # here, off the loop's path: only on an error
+
         if isinstance(err, RayError):
             raise
         raise TransportError(first_line(err)) from err

@@ -239,6 +239,12 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                         cr = before.crossing
                         assert cr.next_epoch < cr.epochs and cr.next_batch == cr.batch
                         assert not (cr.goodput or cr.checkpoint_due or cr.replans_at_end)
+            # What came before this batch in the boundary: the first start's waits, and
+            # whether the batch right before it was one.
+            previous = _previous(batches, before)
+            waited = previous is not None and isinstance(previous[-1], AwaitStarts)
+            earlier_waits = [x for _, cs, _ in batches[: _index(batches, before)]
+                             for x in cs if isinstance(x, AwaitStarts)]
             for c in commands:
                 if isinstance(c, (ApplyRequests, ApplyDrains, Regroup, AwaitStarts,
                                   GiveUpStarts)):
@@ -258,10 +264,6 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     assert commands[: commands.index(c) + 1] == [Settle(), c]
                     assert any(o is not None and o[0] is before and cs[-1] == ApplyRequests()
                                for _, cs, o in batches)
-                previous = _previous(batches, before)
-                waited = previous is not None and isinstance(previous[-1], AwaitStarts)
-                earlier_waits = [x for _, cs, _ in batches[: _index(batches, before)]
-                                 for x in cs if isinstance(x, AwaitStarts)]
                 if isinstance(c, PollNodes) and first.in_flight:  # when due
                     assert before.node_poll_due and not c.starting
                 elif isinstance(c, PollNodes) and waited:
@@ -287,8 +289,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     # first start placed its workers).
                     assert commands == [c] and before.starts_pending
                     assert not before.cancel_requested
-                    assert _previous(batches, before)[-1] in (
-                        SpawnWorkers(starting=True), *earlier_waits)
+                    assert previous[-1] in (SpawnWorkers(starting=True), *earlier_waits)
                     assert c.first == (not earlier_waits)
                     assert c.first or not before.start_overdue
                     after, _ = outcome
@@ -300,8 +301,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     assert before.cancel_requested or before.start_overdue
                     assert before.cancel_requested or earlier_waits  # the timeout counts
                     # from the first wait, which always happens
-                    assert _previous(batches, before)[-1] in (
-                        SpawnWorkers(starting=True), *earlier_waits)
+                    assert previous[-1] in (SpawnWorkers(starting=True), *earlier_waits)
                 if isinstance(c, WaitForMinimum):  # too few: wait, and the step ends
                     assert c.shortfall == before.shortfall
                     assert not before.cancel_requested  # a pending cancel cancels instead
