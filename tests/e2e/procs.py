@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,8 +21,40 @@ T = TypeVar("T")
 BIN = Path(sys.executable).parent
 
 
+def _ephemeral_start() -> int:
+    """The lowest port the kernel hands out on its own (``ip_local_port_range``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# A port a test hands to a server it starts comes from below the kernel's ephemeral range.
+# One the kernel picks (a bind to port 0) is what every outgoing connection and every Ray
+# process beside the test (the other pytest worker's cluster) may be given next, so it can
+# be taken between the pick and the server's own bind: a Ray head's dashboard port was
+# ("Failed to bind ... already occupied", three e2e tests errored). Each pytest-xdist worker
+# draws from its own slice, and no port is handed out twice in a process.
+_LOW, _HIGH = 20000, min(_ephemeral_start(), 32768)
+_handed_out: set[int] = set()
+
+
 def find_free_port() -> int:
-    with socket.socket() as s:
+    """A port free now on loopback that nothing else on this machine picks on its own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdigit() else 0
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    candidates = [p for p in range(_LOW + index % count, _HIGH, count) if p not in _handed_out]
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # no such range here (an unusual ip_local_port_range)
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
