@@ -83,7 +83,6 @@ from dynabatch.scheduler.core.sync.messages import (
     PollNodes,
     PostPlanUpdate,
     PublishReady,
-    Ran,
     Regroup,
     Replan,
     RollBack,
@@ -93,6 +92,7 @@ from dynabatch.scheduler.core.sync.messages import (
     TendSpares,
     TrainSegment,
     WaitForMinimum,
+    outcome,
 )
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.policy import policy_for
@@ -323,7 +323,8 @@ class Coordinator(JobControl):
     # ---------------------------------------------------------------- the loop
     def _step(self) -> bool:
         """One boundary: the engine decides, this carries out its commands in order and
-        answers the last of a batch with what the job's machines say after it."""
+        answers each batch with the event its last command yields (``outcome``), carrying
+        what the job's machines say after it."""
         commands = self.engine.on(Boundary(self._facts()))
         try:
             while True:
@@ -332,7 +333,7 @@ class Coordinator(JobControl):
                     if isinstance(command, EndStep):
                         return not command.stop and not self.state.is_terminal
                     ok = self._carry_out(command)
-                commands = self.engine.on(Ran(self._facts(), ok))
+                commands = self.engine.on(outcome(commands[-1], self._facts(), ok))
         except BaseException:
             self.engine.interrupted()  # the job ended inside a command (or a bug)
             raise

@@ -22,11 +22,15 @@ from dynabatch.scheduler.core.sync.messages import (
     BeginEpoch,
     Boundary,
     Checkpoint,
+    Command,
     CommitInFlight,
     Crossing,
+    Done,
     EndEpoch,
     EndStep,
     Evaluate,
+    EvaluationsIn,
+    Event,
     Facts,
     FinishCancelled,
     FinishSucceeded,
@@ -39,20 +43,42 @@ from dynabatch.scheduler.core.sync.messages import (
     PollNodes,
     PostPlanUpdate,
     PublishReady,
-    Ran,
     Regroup,
+    Regrouped,
     Replan,
+    RequestsTaken,
     RollBack,
     SaveModel,
+    SegmentDone,
     Settle,
     SpawnWorkers,
     TendSpares,
     TrainSegment,
     WaitForMinimum,
+    WorkersPlaced,
+    WorkersStarted,
+    outcome,
 )
 from dynabatch.scheduler.core.sync.phase import Phase
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+
+class Engine(SyncEngine):
+    """The engine answered as the driver answers it: each batch that does not end the step
+    with the event its last command yields (``outcome``)."""
+
+    last: list[Command] = []
+
+    def on(self, event: Event) -> list[Command]:
+        self.last = super().on(event)
+        return self.last
+
+    def ran(self, facts: Facts, ok: bool = True) -> list[Command]:
+        """Answer the last batch: its last command ran (``ok``: it formed, it all ran), and
+        ``facts`` are what the machines say after it."""
+        return self.on(outcome(self.last[-1], facts, ok))
+
 
 rarely = st.sampled_from([False, False, False, True])  # so that most boundaries train
 facts = st.builds(
@@ -128,7 +154,7 @@ def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
             waits += 1
             after = replace(after, start_overdue=after.start_overdue or waits >= 3)
         batches.append((before, commands, (after, ok)))
-        before, commands = after, engine.on(Ran(after, ok))
+        before, commands = after, engine.ran(after, ok)
     pytest.fail("a boundary did not end within 24 batches")
 
 
@@ -142,10 +168,10 @@ def _previous(batches, facts: Facts) -> list | None:
     return next((cs for _, cs, o in batches if o is not None and o[0] is facts), None)
 
 
-def _requests_applied(engine: SyncEngine, facts: Facts) -> None:
+def _requests_applied(engine: Engine, facts: Facts) -> None:
     """A boundary at rest, up to its requests taken in (none drain anyone)."""
     assert engine.on(Boundary(facts)) in ([ApplyRequests()], [LoadData(), ApplyRequests()])
-    assert engine.on(Ran(facts)) == [AdoptStarted()]
+    assert engine.ran(facts) == [AdoptStarted()]
 
 
 def _after(batches, facts: Facts) -> list:
@@ -160,14 +186,14 @@ def _epoch_end(batches, before: Facts) -> Facts:
     (the best so far; early stopping's when the job keeps checkpoints, a due one anyway);
     then the next epoch begins."""
     cs = _after(batches, before)
-    outcome = next(o for b, _, o in batches if b is before)
+    answered = next(o for b, _, o in batches if b is before)
     assert cs[:3] == [Become(Phase.ENDING_EPOCH), EndEpoch(), Evaluate()]
     if not before.judges_epochs:
         due = [Settle(), Checkpoint("epoch")] if before.checkpoint_due else []
         assert cs[3:] == [*due, NextEpoch()]
-        return outcome[0]
+        return answered[0]
     assert cs[3:] == [Settle(), JudgeEpoch()]
-    judged = outcome[0]
+    judged = answered[0]
     if judged.terminal:  # the job ended while the evaluation was awaited
         return judged
     saves = [Checkpoint("best")] if judged.judged_best else []
@@ -182,7 +208,7 @@ def _epoch_end(batches, before: Facts) -> Facts:
 @settings(max_examples=500)  # cheap examples; the rules have many branches
 @given(first=facts, data=st.data())
 def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObject) -> None:
-    engine = SyncEngine()
+    engine = Engine()
     for _ in range(3):  # consecutive boundaries: each starts where the last left the engine
         batches = _boundary(engine, first, data)
         flat = [c for _, cs, _ in batches for c in cs]
@@ -203,7 +229,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 i = flat.index(FinishCancelled())
                 assert flat[i - 1] in (Checkpoint("cancel"), SaveModel("cancel"))
                 assert Settle() in flat[:i]
-        for before, commands, outcome in batches:
+        for before, commands, answered in batches:
             for c in commands:
                 if isinstance(c, LoadData):
                     assert not before.data_loaded
@@ -251,7 +277,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     assert not first.in_flight  # membership changes wait for a rest
                 if isinstance(c, ApplyRequests):  # alone; what it drains leaves next
                     assert commands[-1] == c
-                    after, _ = outcome
+                    after, _ = answered
                     nxt = _after(batches, after)
                     if after.terminal:
                         assert nxt == [EndStep()]
@@ -292,7 +318,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     assert previous[-1] in (SpawnWorkers(starting=True), *earlier_waits)
                     assert c.first == (not earlier_waits)
                     assert c.first or not before.start_overdue
-                    after, _ = outcome
+                    after, _ = answered
                     if not (after.terminal or after.starts_pending):  # none left starting:
                         # the ones that failed are started again
                         assert _after(batches, after) == [PollNodes(True), SpawnWorkers(True)]
@@ -315,7 +341,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                         Settle(),
                         RollBack(),
                     ]
-                    after, _ = outcome
+                    after, _ = answered
                     nxt = next(cs for b, cs, _ in batches if b is after)
                     assert nxt == [Become(Phase.REGROUPING), Regroup()]
                 if isinstance(c, Regroup):
@@ -325,11 +351,11 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                         assert not before.needs_state or before.holding_restored
                 if isinstance(c, MarkRunning):
                     assert before.pending
-            if Regroup() in commands and not outcome[1]:  # it failed: the step ends
-                assert next(cs for b, cs, _ in batches if b is outcome[0]) == [EndStep()]
-            if Regroup() in commands and outcome[1]:
+            if Regroup() in commands and not answered[1]:  # it failed: the step ends
+                assert next(cs for b, cs, _ in batches if b is answered[0]) == [EndStep()]
+            if Regroup() in commands and answered[1]:
                 # Formed mid-epoch: the rest of the epoch is split over the new group first.
-                after, _ = outcome
+                after, _ = answered
                 nxt = next(cs for b, cs, _ in batches if b is after)
                 resplit = after.epoch_open and not after.epoch_complete
                 assert (nxt[:1] == [Replan("membership")]) == resplit
@@ -347,7 +373,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 if Regroup() not in flat:
                     assert formed[0].shortfall is None and not formed[0].regroup_due
             if commands and isinstance(commands[-1], TrainSegment):
-                after, ok = outcome
+                after, ok = answered
                 nxt = next(cs for b, cs, _ in batches if b is after)
                 if not ok and after.in_flight:
                     # Failed with the next segment sent: that one is absorbed, in the next
@@ -371,7 +397,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 # A re-plan offered inside the segment in flight is posted at once, alone;
                 # then the epoch's segment (at its opening) or the boundary's end. (A
                 # re-split after a regroup has nothing in flight: the group trains on.)
-                after, _ = outcome
+                after, _ = answered
                 nxt = next(cs for b, cs, _ in batches if b is after)
                 if after.update_offered:
                     assert nxt == [PostPlanUpdate()]
@@ -384,7 +410,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
             if AbsorbAhead() in commands:  # what was sent ahead of a failed segment
                 failed = [o for _, cs, o in batches if isinstance(cs[-1], TrainSegment)]
                 assert failed and not failed[0][1] and failed[0][0].in_flight
-                after, _ = outcome
+                after, _ = answered
                 nxt = next(cs for b, cs, _ in batches if b is after)
                 if after.epoch_complete:
                     assert nxt[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()]
@@ -432,19 +458,19 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
 
 
 def test_a_training_boundary() -> None:
-    engine = SyncEngine()
+    engine = Engine()
     first = Facts(data_loaded=False, pending=True, starting=True)
     assert engine.on(Boundary(first)) == [LoadData(), ApplyRequests()]
-    assert engine.on(Ran(first)) == [AdoptStarted()]
-    assert engine.on(Ran(first)) == [PollNodes(starting=True), SpawnWorkers(starting=True)]
-    assert engine.on(Ran(replace(first, starts_pending=True))) == [AwaitStarts(first=True)]
+    assert engine.ran(first) == [AdoptStarted()]
+    assert engine.ran(first) == [PollNodes(starting=True), SpawnWorkers(starting=True)]
+    assert engine.ran(replace(first, starts_pending=True)) == [AwaitStarts(first=True)]
     # All came up: the missing ones (none) are started again, then the group forms.
-    assert engine.on(Ran(first)) == [PollNodes(starting=True), SpawnWorkers(starting=True)]
-    assert engine.on(Ran(Facts(pending=True, regroup_due=True))) == [
+    assert engine.ran(first) == [PollNodes(starting=True), SpawnWorkers(starting=True)]
+    assert engine.ran(Facts(pending=True, regroup_due=True)) == [
         Become(Phase.REGROUPING),
         Regroup(),
     ]
-    assert engine.on(Ran(Facts(pending=True), ok=True)) == [
+    assert engine.ran(Facts(pending=True), ok=True) == [
         MarkRunning(),
         Become(Phase.TRAINING),
         BeginEpoch(),
@@ -461,81 +487,81 @@ def test_a_training_boundary() -> None:
         checkpoint_due=True,
         replans_at_end=False,
     )
-    assert engine.on(Ran(Facts(epoch_open=True, crossing=crossing))) == [
+    assert engine.ran(Facts(epoch_open=True, crossing=crossing)) == [
         TrainSegment(ahead=True, across=False)
     ]
-    assert engine.on(Ran(Facts(epoch_open=True, check_due=True), ok=True)) == [
+    assert engine.ran(Facts(epoch_open=True, check_due=True), ok=True) == [
         Replan("check")
     ]
-    assert engine.on(Ran(Facts(epoch_open=True))) == [PublishReady(), EndStep()]
+    assert engine.ran(Facts(epoch_open=True)) == [PublishReady(), EndStep()]
     # Next boundary, a segment in flight: no requests applied, no regroup; nodes listed
     # when due; it completes the epoch.
     in_flight = Facts(in_flight=True, epoch_open=True, node_poll_due=True, regroup_due=True)
     assert engine.on(Boundary(in_flight)) == [AdoptStarted(), *PLACE]
     nothing_due = replace(crossing, checkpoint_due=False)
-    assert engine.on(Ran(Facts(in_flight=True, epoch_open=True, crossing=nothing_due))) == [
+    assert engine.ran(Facts(in_flight=True, epoch_open=True, crossing=nothing_due)) == [
         Become(Phase.TRAINING),
         TrainSegment(ahead=True, across=True),
     ]
-    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=True)) == END
-    assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+    assert engine.ran(Facts(epoch_open=True, epoch_complete=True), ok=True) == END
+    assert engine.ran(Facts()) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
     # A retry runs alone (nothing is sent ahead of it); the segment failed after its last
     # step's collective and still completed the epoch.
     assert engine.on(Boundary(Facts(epoch_open=True))) == [ApplyRequests()]
-    assert engine.on(Ran(Facts(epoch_open=True))) == [AdoptStarted()]
-    assert engine.on(Ran(Facts(epoch_open=True, retrying=True))) == [
+    assert engine.ran(Facts(epoch_open=True)) == [AdoptStarted()]
+    assert engine.ran(Facts(epoch_open=True, retrying=True)) == [
         Become(Phase.TRAINING),
         TrainSegment(ahead=False, across=False),
     ]
-    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True), ok=False)) == END
-    assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+    assert engine.ran(Facts(epoch_open=True, epoch_complete=True), ok=False) == END
+    assert engine.ran(Facts()) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
 
 
 def test_a_drain_waits_for_the_evaluations_in_flight() -> None:
     """A drained worker may still owe its shard of an evaluation: the requests are taken in,
     then the evaluations settle, then the drained workers leave (and the group regroups)."""
-    engine = SyncEngine()
+    engine = Engine()
     asked = Facts(epoch_open=True, requests_pending=True)
     assert engine.on(Boundary(asked)) == [ApplyRequests()]
-    assert engine.on(Ran(replace(asked, drains_due=True))) == [
+    assert engine.ran(replace(asked, drains_due=True)) == [
         Settle(),
         ApplyDrains(),
         AdoptStarted(),
     ]
     changed = Facts(epoch_open=True, regroup_due=True)
-    assert engine.on(Ran(changed)) == PLACE  # a changed group lists the nodes first
-    assert engine.on(Ran(changed)) == [Become(Phase.REGROUPING), Regroup()]
+    assert engine.ran(changed) == PLACE  # a changed group lists the nodes first
+    assert engine.ran(changed) == [Become(Phase.REGROUPING), Regroup()]
     # A scale up drains nobody: nothing waits for the evaluations.
-    engine = SyncEngine()
+    engine = Engine()
     assert engine.on(Boundary(asked)) == [ApplyRequests()]
-    assert engine.on(Ran(asked)) == [AdoptStarted()]
+    assert engine.ran(asked) == [AdoptStarted()]
 
 
 def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once() -> None:
-    engine = SyncEngine()
+    engine = Engine()
     # A check after a segment: the re-plan changed the batches from a step of the segment
     # sent ahead; it is posted before the boundary ends.
     engine.on(Boundary(Facts(in_flight=True, epoch_open=True)))
-    assert engine.on(Ran(Facts(in_flight=True, epoch_open=True))) == [
+    assert engine.ran(Facts(in_flight=True, epoch_open=True)) == [
         Become(Phase.TRAINING),
         TrainSegment(ahead=True, across=False),
     ]
-    assert engine.on(Ran(Facts(in_flight=True, epoch_open=True, check_due=True))) == [
+    assert engine.ran(Facts(in_flight=True, epoch_open=True, check_due=True)) == [
         Replan("check")
     ]
     offered = Facts(in_flight=True, epoch_open=True, update_offered=True)
-    assert engine.on(Ran(offered)) == [PostPlanUpdate()]
-    assert engine.on(Ran(Facts(in_flight=True, epoch_open=True))) == [PublishReady(), EndStep()]
+    assert engine.ran(offered) == [PostPlanUpdate()]
+    assert engine.ran(Facts(in_flight=True, epoch_open=True)) == [PublishReady(), EndStep()]
     # The epoch's opening plan, with the next epoch's first segment already sent: posted,
     # then the segment.
     assert engine.on(Boundary(Facts(in_flight=True))) == [AdoptStarted()]
-    assert engine.on(Ran(Facts(in_flight=True))) == [
+    assert engine.ran(Facts(in_flight=True)) == [
         Become(Phase.TRAINING),
         BeginEpoch(),
         Replan(),
     ]
-    assert engine.on(Ran(replace(offered, epoch_open=True))) == [PostPlanUpdate()]
-    assert engine.on(Ran(Facts(in_flight=True, epoch_open=True))) == [
+    assert engine.ran(replace(offered, epoch_open=True)) == [PostPlanUpdate()]
+    assert engine.ran(Facts(in_flight=True, epoch_open=True)) == [
         TrainSegment(ahead=True, across=False)
     ]
 
@@ -549,33 +575,33 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
     start = [PollNodes(starting=True), SpawnWorkers(starting=True)]
     starting = Facts(pending=True, starting=True)
     waiting = replace(starting, starts_pending=True)
-    engine = SyncEngine()
+    engine = Engine()
     _requests_applied(engine, starting)
-    assert engine.on(Ran(starting)) == start
-    assert engine.on(Ran(replace(waiting, start_overdue=True))) == [AwaitStarts(first=True)]
-    assert engine.on(Ran(waiting)) == [AwaitStarts()]
-    assert engine.on(Ran(starting)) == start  # none left starting: replace the failed ones
-    assert engine.on(Ran(waiting)) == [AwaitStarts()]
-    assert engine.on(Ran(replace(waiting, start_overdue=True))) == [GiveUpStarts()]
+    assert engine.ran(starting) == start
+    assert engine.ran(replace(waiting, start_overdue=True)) == [AwaitStarts(first=True)]
+    assert engine.ran(waiting) == [AwaitStarts()]
+    assert engine.ran(starting) == start  # none left starting: replace the failed ones
+    assert engine.ran(waiting) == [AwaitStarts()]
+    assert engine.ran(replace(waiting, start_overdue=True)) == [GiveUpStarts()]
     given_up = Facts(pending=True, starting=True, shortfall="0 of 2 workers", stopping=True)
-    assert engine.on(Ran(given_up)) == [
+    assert engine.ran(given_up) == [
         Kill(), Become(Phase.WAITING_FOR_WORKERS), WaitForMinimum("0 of 2 workers"), EndStep()]
 
     # All up at the first wait: the group forms (nothing failed, nothing is started again).
     _requests_applied(engine, starting)
-    assert engine.on(Ran(starting)) == start
-    assert engine.on(Ran(waiting)) == [AwaitStarts(first=True)]
-    assert engine.on(Ran(starting)) == start
-    assert engine.on(Ran(Facts(pending=True, regroup_due=True))) == [
+    assert engine.ran(starting) == start
+    assert engine.ran(waiting) == [AwaitStarts(first=True)]
+    assert engine.ran(starting) == start
+    assert engine.ran(Facts(pending=True, regroup_due=True)) == [
         Become(Phase.REGROUPING), Regroup()]
 
     # A cancel during the wait gives up at once; the job ends at the next boundary.
-    engine = SyncEngine()
+    engine = Engine()
     _requests_applied(engine, starting)
-    assert engine.on(Ran(starting)) == start
-    assert engine.on(Ran(replace(waiting, cancel_requested=True))) == [GiveUpStarts()]
+    assert engine.ran(starting) == start
+    assert engine.ran(replace(waiting, cancel_requested=True)) == [GiveUpStarts()]
     gave_up = Facts(pending=True, cancel_requested=True, shortfall="0 of 2", stopping=True)
-    assert engine.on(Ran(gave_up)) == [Kill(), Become(Phase.CANCELLING), Settle()]
+    assert engine.ran(gave_up) == [Kill(), Become(Phase.CANCELLING), Settle()]
 
 
 @settings(max_examples=300)
@@ -591,16 +617,16 @@ def test_the_first_starts_wait_follows_its_rules(data: st.DataObject) -> None:
         starting=st.booleans(), starts_pending=st.booleans(), start_overdue=st.booleans(),
         shortfall=st.none() | st.just("0 of 2 workers"), regroup_due=st.booleans(),
         stopping=rarely)
-    engine = SyncEngine()
+    engine = Engine()
     _requests_applied(engine, Facts(pending=True, starting=True))
-    previous = engine.on(Ran(Facts(pending=True, starting=True)))
+    previous = engine.ran(Facts(pending=True, starting=True))
     assert previous == [PollNodes(starting=True), SpawnWorkers(starting=True)]
     waits = 0
     for _ in range(40):
         f = data.draw(during)
         if waits >= 4:  # the start timeout is over by then
             f = replace(f, start_overdue=True)
-        commands = engine.on(Ran(f))
+        commands = engine.ran(f)
         assert (commands[:1] == [Kill()]) == f.stopping
         body = commands[1:] if f.stopping else commands
         if f.terminal:
@@ -622,91 +648,91 @@ def test_the_first_starts_wait_follows_its_rules(data: st.DataObject) -> None:
 
 
 def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training() -> None:
-    engine = SyncEngine()
+    engine = Engine()
     _requests_applied(engine, Facts(epoch_open=True))
     mid = Facts(epoch_open=True, regroup_due=True)
-    assert engine.on(Ran(mid)) == PLACE
-    assert engine.on(Ran(mid)) == [Become(Phase.REGROUPING), Regroup()]
-    assert engine.on(Ran(Facts(epoch_open=True), ok=True)) == [Replan("membership")]
-    assert engine.on(Ran(Facts(epoch_open=True))) == [
+    assert engine.ran(mid) == PLACE
+    assert engine.ran(mid) == [Become(Phase.REGROUPING), Regroup()]
+    assert engine.ran(Facts(epoch_open=True), ok=True) == [Replan("membership")]
+    assert engine.ran(Facts(epoch_open=True)) == [
         Become(Phase.TRAINING),
         TrainSegment(ahead=True, across=False),
     ]
     # The re-split had nothing in flight to post to: the group trains on whatever the facts
     # say next (here an epoch to open; a stray offer is not a re-plan's to post).
-    assert engine.on(Ran(Facts(epoch_open=True))) == [PublishReady(), EndStep()]
+    assert engine.ran(Facts(epoch_open=True)) == [PublishReady(), EndStep()]
     _requests_applied(engine, Facts(epoch_open=True))
-    engine.on(Ran(mid))
-    engine.on(Ran(mid))
-    assert engine.on(Ran(Facts(epoch_open=True), ok=True)) == [Replan("membership")]
-    assert engine.on(Ran(Facts(update_offered=True))) == [
+    engine.ran(mid)
+    engine.ran(mid)
+    assert engine.ran(Facts(epoch_open=True), ok=True) == [Replan("membership")]
+    assert engine.ran(Facts(update_offered=True)) == [
         Become(Phase.TRAINING),
         BeginEpoch(),
         Replan(),
     ]
     # Between epochs (the next is planned when it begins), or the epoch complete: no re-split.
-    engine = SyncEngine()
+    engine = Engine()
     _requests_applied(engine, Facts())
-    engine.on(Ran(Facts(regroup_due=True)))
-    engine.on(Ran(Facts(regroup_due=True)))
-    assert engine.on(Ran(Facts(), ok=True)) == [Become(Phase.TRAINING), BeginEpoch(), Replan()]
+    engine.ran(Facts(regroup_due=True))
+    engine.ran(Facts(regroup_due=True))
+    assert engine.ran(Facts(), ok=True) == [Become(Phase.TRAINING), BeginEpoch(), Replan()]
 
 
 def test_workers_taken_out_are_killed_before_anything_else() -> None:
     """A segment failed with a worker lost and the next segment sent: the lost worker is
     killed before the one sent ahead is collected (what it queued then fails at once), and
     drained workers before the nodes are listed and workers spawned on them."""
-    engine = SyncEngine()
+    engine = Engine()
     _requests_applied(engine, Facts(epoch_open=True))
-    engine.on(Ran(Facts(epoch_open=True)))
+    engine.ran(Facts(epoch_open=True))
     lost = Facts(in_flight=True, epoch_open=True, stopping=True)
-    assert engine.on(Ran(lost, ok=False)) == [Kill(), AbsorbAhead()]
-    assert engine.on(Ran(Facts(epoch_open=True))) == [PublishReady(), EndStep()]
+    assert engine.ran(lost, ok=False) == [Kill(), AbsorbAhead()]
+    assert engine.ran(Facts(epoch_open=True)) == [PublishReady(), EndStep()]
     assert engine.on(Boundary(Facts(epoch_open=True))) == [ApplyRequests()]
-    assert engine.on(Ran(Facts(epoch_open=True, drains_due=True))) == [
+    assert engine.ran(Facts(epoch_open=True, drains_due=True)) == [
         Settle(), ApplyDrains(), AdoptStarted()]
     drained = Facts(epoch_open=True, regroup_due=True, stopping=True)
-    assert engine.on(Ran(drained)) == [Kill(), *PLACE]
+    assert engine.ran(drained) == [Kill(), *PLACE]
     # A job that ended inside a command still stops them.
-    assert engine.on(Ran(Facts(terminal=True, stopping=True))) == [Kill(), EndStep()]
+    assert engine.ran(Facts(terminal=True, stopping=True)) == [Kill(), EndStep()]
 
 
 def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> None:
-    engine = SyncEngine()
+    engine = Engine()
     _requests_applied(engine, Facts(epoch_open=True))
-    engine.on(Ran(Facts(epoch_open=True)))
+    engine.ran(Facts(epoch_open=True))
     # The segment failed mid-epoch with the next one sent: that one is collected.
-    assert engine.on(Ran(Facts(in_flight=True, epoch_open=True), ok=False)) == [AbsorbAhead()]
-    assert engine.on(Ran(Facts(epoch_open=True))) == [PublishReady(), EndStep()]
+    assert engine.ran(Facts(in_flight=True, epoch_open=True), ok=False) == [AbsorbAhead()]
+    assert engine.ran(Facts(epoch_open=True)) == [PublishReady(), EndStep()]
     # It failed after completing the epoch, with the next epoch's first sent: the epoch
     # ends, the next begins, then the one sent ahead is absorbed (and may complete it).
     _requests_applied(engine, Facts(epoch_open=True))
-    engine.on(Ran(Facts(epoch_open=True)))
+    engine.ran(Facts(epoch_open=True))
     done = Facts(in_flight=True, epoch_open=True, epoch_complete=True)
-    assert engine.on(Ran(done, ok=False)) == END
-    assert engine.on(Ran(Facts(in_flight=True))) == [
+    assert engine.ran(done, ok=False) == END
+    assert engine.ran(Facts(in_flight=True)) == [
         Become(Phase.TRAINING),
         BeginEpoch(),
         AbsorbAhead(),
     ]
-    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True))) == END
-    assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+    assert engine.ran(Facts(epoch_open=True, epoch_complete=True)) == END
+    assert engine.ran(Facts()) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
     # A segment that failed with nothing sent ahead: nothing to absorb.
     _requests_applied(engine, Facts(epoch_open=True))
-    engine.on(Ran(Facts(epoch_open=True)))
-    assert engine.on(Ran(Facts(epoch_open=True), ok=False)) == [PublishReady(), EndStep()]
+    engine.ran(Facts(epoch_open=True))
+    assert engine.ran(Facts(epoch_open=True), ok=False) == [PublishReady(), EndStep()]
 
 
 def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_calls_for() -> None:
     ending = [Become(Phase.ENDING_EPOCH), EndEpoch(), Evaluate()]
-    engine = SyncEngine()
+    engine = Engine()
     _requests_applied(engine, Facts(epoch_open=True))
-    engine.on(Ran(Facts(epoch_open=True)))
+    engine.ran(Facts(epoch_open=True))
     # A checkpoint due: the epoch's evaluation is awaited (the checkpoint holds its record,
     # scores included), the checkpoint is written as the next epoch's start.
     due = Facts(epoch_open=True, epoch_complete=True, checkpoint_due=True)
-    assert engine.on(Ran(due)) == [*ending, Settle(), Checkpoint("epoch"), NextEpoch()]
-    assert engine.on(Ran(Facts())) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+    assert engine.ran(due) == [*ending, Settle(), Checkpoint("epoch"), NextEpoch()]
+    assert engine.ran(Facts()) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
     # A judged epoch (early stopping, keep_best): judged once its evaluation is in; the best
     # so far and early stopping's stop are written (early stopping's only when the job keeps
     # checkpoints), then the training ends.
@@ -720,26 +746,26 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
         (False, False, True, False, []),
     ]:
         _requests_applied(engine, Facts(epoch_open=True))
-        engine.on(Ran(Facts(epoch_open=True)))
+        engine.ran(Facts(epoch_open=True))
         before = replace(judged, keeps_checkpoints=keeps, checkpoint_due=due)
-        assert engine.on(Ran(before)) == [*ending, Settle(), JudgeEpoch()]
+        assert engine.ran(before) == [*ending, Settle(), JudgeEpoch()]
         verdict = Facts(judged_best=best, judged_stop=stop)
-        assert engine.on(Ran(verdict)) == [*saves, NextEpoch()]
-        assert engine.on(Ran(Facts(trained=stop, trained_any=True))) == (
+        assert engine.ran(verdict) == [*saves, NextEpoch()]
+        assert engine.ran(Facts(trained=stop, trained_any=True)) == (
             [Become(Phase.FINISHING), Settle()] if stop
             else [Become(Phase.TRAINING), PublishReady(), EndStep()]
         )
         if stop:
-            engine.on(Ran(Facts(trained=True, trained_any=True)))
+            engine.ran(Facts(trained=True, trained_any=True))
     # The job ended while the evaluation was awaited: the step ends, nothing is written.
     _requests_applied(engine, Facts(epoch_open=True))
-    engine.on(Ran(Facts(epoch_open=True)))
-    engine.on(Ran(judged))
-    assert engine.on(Ran(Facts(terminal=True, judged_best=True))) == [EndStep()]
+    engine.ran(Facts(epoch_open=True))
+    engine.ran(judged)
+    assert engine.ran(Facts(terminal=True, judged_best=True)) == [EndStep()]
 
 
 def test_a_cancel_commits_a_segment_sent_across_the_epochs_end_in_its_epoch() -> None:
-    engine = SyncEngine()
+    engine = Engine()
     assert engine.on(Boundary(Facts(cancel_requested=True, in_flight=True))) == [
         Become(Phase.CANCELLING),
         BeginEpoch(),
@@ -748,50 +774,50 @@ def test_a_cancel_commits_a_segment_sent_across_the_epochs_end_in_its_epoch() ->
 
 
 def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
-    engine = SyncEngine()
+    engine = Engine()
     _requests_applied(engine, Facts())
     short = Facts(shortfall="1 of 2 workers", regroup_due=True)
-    assert engine.on(Ran(short)) == PLACE  # the group changed: list nodes at once
-    assert engine.on(Ran(short)) == [
+    assert engine.ran(short) == PLACE  # the group changed: list nodes at once
+    assert engine.ran(short) == [
         Become(Phase.WAITING_FOR_WORKERS),
         WaitForMinimum("1 of 2 workers"),
         EndStep(),
     ]
     _requests_applied(engine, Facts())
-    assert engine.on(Ran(Facts(regroup_due=True, node_poll_due=False))) == PLACE
-    assert engine.on(Ran(Facts(regroup_due=True))) == [Become(Phase.REGROUPING), Regroup()]
-    assert engine.on(Ran(Facts(regroup_due=True), ok=False)) == [EndStep()]
+    assert engine.ran(Facts(regroup_due=True, node_poll_due=False)) == PLACE
+    assert engine.ran(Facts(regroup_due=True)) == [Become(Phase.REGROUPING), Regroup()]
+    assert engine.ran(Facts(regroup_due=True), ok=False) == [EndStep()]
     # No member holds the committed state: the checkpoint is loaded first (ROLLING_BACK);
     # weights restored and not yet loaded (a regroup that failed after loading them) need
     # no second load.
     _requests_applied(engine, Facts())
     lost = Facts(regroup_due=True, needs_state=True)
-    assert engine.on(Ran(lost)) == PLACE
-    assert engine.on(Ran(lost)) == [
+    assert engine.ran(lost) == PLACE
+    assert engine.ran(lost) == [
         Become(Phase.REGROUPING),
         Become(Phase.ROLLING_BACK),
         Settle(),
         RollBack(),
     ]
-    assert engine.on(Ran(Facts(regroup_due=True))) == [Become(Phase.REGROUPING), Regroup()]
-    engine.on(Ran(Facts(regroup_due=True), ok=False))
+    assert engine.ran(Facts(regroup_due=True)) == [Become(Phase.REGROUPING), Regroup()]
+    engine.ran(Facts(regroup_due=True), ok=False)
     _requests_applied(engine, Facts())
-    engine.on(Ran(replace(lost, holding_restored=True)))
-    assert engine.on(Ran(replace(lost, holding_restored=True))) == [
+    engine.ran(replace(lost, holding_restored=True))
+    assert engine.ran(replace(lost, holding_restored=True)) == [
         Become(Phase.REGROUPING),
         Regroup(),
     ]
 
 
 def test_a_cancel_while_the_group_formed_cancels() -> None:
-    engine = SyncEngine()
+    engine = Engine()
     _requests_applied(engine, Facts(pending=True))
-    assert engine.on(Ran(Facts(pending=True, cancel_requested=True))) == [
+    assert engine.ran(Facts(pending=True, cancel_requested=True)) == [
         MarkRunning(),
         Become(Phase.CANCELLING),
         Settle(),
     ]
-    assert engine.on(Ran(Facts(cancel_requested=True, trained_any=True))) == [
+    assert engine.ran(Facts(cancel_requested=True, trained_any=True)) == [
         Checkpoint("cancel"),
         SaveModel("cancel"),
         FinishCancelled(),
@@ -800,26 +826,26 @@ def test_a_cancel_while_the_group_formed_cancels() -> None:
 
 
 def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed() -> None:
-    engine = SyncEngine()
+    engine = Engine()
     cancel = Facts(cancel_requested=True, in_flight=True, epoch_open=True)
     assert engine.on(Boundary(cancel)) == [Become(Phase.CANCELLING), CommitInFlight()]
     done = Facts(cancel_requested=True, epoch_open=True, epoch_complete=True)
-    assert engine.on(Ran(done)) == END
+    assert engine.ran(done) == END
     # That was the last epoch: the job finishes SUCCEEDED, not CANCELLED.
     trained = Facts(cancel_requested=True, trained=True, trained_any=True)
-    assert engine.on(Ran(trained)) == [Become(Phase.FINISHING), Settle()]
-    assert engine.on(Ran(trained)) == [SaveModel("end"), FinishSucceeded(), EndStep(stop=True)]
+    assert engine.ran(trained) == [Become(Phase.FINISHING), Settle()]
+    assert engine.ran(trained) == [SaveModel("end"), FinishSucceeded(), EndStep(stop=True)]
     # Not the last: back to cancelling.
     engine.on(Boundary(cancel))
-    engine.on(Ran(done))
-    assert engine.on(Ran(Facts(cancel_requested=True, trained_any=True))) == [
+    engine.ran(done)
+    assert engine.ran(Facts(cancel_requested=True, trained_any=True)) == [
         Become(Phase.CANCELLING),
         Settle(),
     ]
     # Nothing was trained: no model goes out.
-    engine = SyncEngine()
+    engine = Engine()
     engine.on(Boundary(Facts(cancel_requested=True)))
-    assert engine.on(Ran(Facts(cancel_requested=True))) == [
+    assert engine.ran(Facts(cancel_requested=True)) == [
         Checkpoint("cancel"),
         FinishCancelled(),
         EndStep(stop=True),
@@ -827,35 +853,73 @@ def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed()
 
 
 def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_holder():
-    engine = SyncEngine()
+    engine = Engine()
     _requests_applied(engine, Facts(epoch_open=True))
-    engine.on(Ran(Facts(epoch_open=True)))
-    assert engine.on(Ran(Facts(epoch_open=True, epoch_complete=True))) == END
+    engine.ran(Facts(epoch_open=True))
+    assert engine.ran(Facts(epoch_open=True, epoch_complete=True)) == END
     trained = Facts(trained=True, trained_any=True)
-    assert engine.on(Ran(trained)) == [Become(Phase.FINISHING), Settle()]
-    assert engine.on(Ran(trained)) == [SaveModel("end"), FinishSucceeded(), EndStep()]
+    assert engine.ran(trained) == [Become(Phase.FINISHING), Settle()]
+    assert engine.ran(trained) == [SaveModel("end"), FinishSucceeded(), EndStep()]
     # A cancel that came while the last evaluations were awaited wins at the next boundary.
     _requests_applied(engine, Facts())
-    assert engine.on(Ran(trained)) == [Become(Phase.TRAINING), Become(Phase.FINISHING), Settle()]
-    assert engine.on(Ran(replace(trained, cancel_requested=True))) == [EndStep()]
+    assert engine.ran(trained) == [Become(Phase.TRAINING), Become(Phase.FINISHING), Settle()]
+    assert engine.ran(replace(trained, cancel_requested=True)) == [EndStep()]
     # The last holder was lost meanwhile: the next boundary regroups and trains on.
     _requests_applied(engine, Facts())
-    engine.on(Ran(trained))
-    assert engine.on(Ran(replace(trained, holders=False))) == [EndStep()]
+    engine.ran(trained)
+    assert engine.ran(replace(trained, holders=False)) == [EndStep()]
     # Trained, but no holder: nothing to finish with yet.
     _requests_applied(engine, Facts())
-    assert engine.on(Ran(replace(trained, holders=False))) == [
+    assert engine.ran(replace(trained, holders=False)) == [
         Become(Phase.TRAINING),
         EndStep(),
     ]
 
 
 def test_an_outcome_nobody_waits_for_is_a_bug() -> None:
-    engine = SyncEngine()
-    with pytest.raises(InvalidEvent, match="Ran while AtRest"):
-        engine.on(Ran(Facts()))
+    engine = Engine()
+    with pytest.raises(InvalidEvent, match="Done while AtRest"):
+        engine.on(Done(Facts()))
     engine.on(Boundary(Facts()))
     with pytest.raises(InvalidEvent, match="Boundary while Requesting"):
         _requests_applied(engine, Facts())
     engine.interrupted()  # the job ended inside a command: the next boundary is fresh
     assert engine.on(Boundary(Facts(terminal=True))) == [EndStep(stop=True)]
+
+
+def test_each_state_takes_only_the_outcome_its_batch_yields() -> None:
+    """An executor that answers a batch with another command's outcome (a regroup's for a
+    segment, a segment's for the requests) is refused, not read as something else."""
+    engine = Engine()
+    engine.on(Boundary(Facts()))  # ApplyRequests
+    with pytest.raises(InvalidEvent, match="SegmentDone while Requesting"):
+        engine.on(SegmentDone(Facts(), all_ran=False))
+    engine.interrupted()
+    _requests_applied(engine, Facts(epoch_open=True))
+    assert engine.ran(Facts(epoch_open=True)) == [
+        Become(Phase.TRAINING), TrainSegment(ahead=True, across=False)]
+    with pytest.raises(InvalidEvent, match="Regrouped while Training"):
+        engine.on(Regrouped(Facts(epoch_open=True), formed=True))
+    # The segment's own outcome: a lost worker's segment (not all ran) re-plans nothing.
+    assert engine.on(SegmentDone(Facts(epoch_open=True, check_due=True), all_ran=False)) == [
+        PublishReady(), EndStep()]
+
+
+@pytest.mark.parametrize(("command", "kind"), [
+    (TrainSegment(), SegmentDone), (AbsorbAhead(), SegmentDone), (CommitInFlight(), SegmentDone),
+    (Regroup(), Regrouped), (AdoptStarted(), WorkersStarted), (AwaitStarts(), WorkersStarted),
+    (PollNodes(), WorkersPlaced), (SpawnWorkers(), WorkersPlaced), (TendSpares(), WorkersPlaced),
+    (ApplyRequests(), RequestsTaken), (Settle(), EvaluationsIn), (JudgeEpoch(), EvaluationsIn),
+    (NextEpoch(), Done), (Replan(), Done), (RollBack(), Done), (GiveUpStarts(), Done),
+    (PostPlanUpdate(), Done), (LoadData(), Done),
+])
+def test_a_command_is_answered_with_its_own_kind_of_outcome(command, kind) -> None:
+    f = Facts(epoch_open=True)
+    event = outcome(command, f, ok=False)
+    assert type(event) is kind and event.facts is f
+    if kind is SegmentDone:
+        assert event.all_ran is False
+    if kind is Regrouped:
+        assert event.formed is False
+    with pytest.raises(ValueError, match="EndStep"):
+        outcome(EndStep(), f)

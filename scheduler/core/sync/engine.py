@@ -5,7 +5,11 @@ does; it feeds :class:`SyncEngine` events and carries out the :class:`Command` s
 back, on whatever runtime it drives (Ray, or the simulator: the unit tests' too), with no
 per-runtime branch. Each event carries :class:`Facts`, what the driver's machines say at
 that moment (read after the previous command ran: a cancel can arrive, an epoch can end,
-the job can finish inside any command), so the engine never reads the driver's state.
+the job can finish inside any command), so the engine never reads the driver's state. The
+events are the boundary (the loop's tick) and what the last batch's last command did: a
+segment done (``all_ran``: no worker lost or failed in it), a regroup (``formed``), workers
+started, workers placed, requests taken, evaluations in, or done; a request (scale, drain,
+assign, cancel) and a worker lost between events show in the facts of the next one.
 
 Workers taken out of the job inside a command (lost, evicted, drained, started unwanted
 or too late: ``Facts.stopping``) are killed first thing in the next batch, whatever it is.
@@ -76,9 +80,11 @@ from dynabatch.scheduler.core.sync.messages import (
     Checkpoint,
     Command,
     CommitInFlight,
+    Done,
     EndEpoch,
     EndStep,
     Evaluate,
+    EvaluationsIn,
     Event,
     Facts,
     FinishCancelled,
@@ -92,16 +98,20 @@ from dynabatch.scheduler.core.sync.messages import (
     PollNodes,
     PostPlanUpdate,
     PublishReady,
-    Ran,
     Regroup,
+    Regrouped,
     Replan,
+    RequestsTaken,
     RollBack,
     SaveModel,
+    SegmentDone,
     Settle,
     SpawnWorkers,
     TendSpares,
     TrainSegment,
     WaitForMinimum,
+    WorkersPlaced,
+    WorkersStarted,
 )
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.pipeline import can_cross_epoch, can_send_ahead
@@ -117,6 +127,7 @@ from dynabatch.scheduler.core.sync.states import (
     EndingToAbsorb,
     Finishing,
     Gathering,
+    GivingUp,
     Judging,
     LoopState,
     Opening,
@@ -138,8 +149,11 @@ class InvalidEvent(RuntimeError):
 class SyncEngine:
     """The step loop's decisions. :meth:`on` takes an event and returns the commands to
     carry out in order. A batch that does not end with :class:`EndStep` is answered with
-    :class:`Ran`: the facts after its last command, and that command's ``ok`` (a
-    :class:`Regroup` that formed, a :class:`TrainSegment` that all ran)."""
+    the event its last command yields (:func:`~dynabatch.scheduler.core.sync.messages.
+    outcome`: :class:`SegmentDone` after a segment, :class:`Regrouped` after a regroup,
+    :class:`WorkersStarted`, :class:`WorkersPlaced`, :class:`RequestsTaken`,
+    :class:`EvaluationsIn`, or :class:`Done`), with the facts after it. Each state takes
+    only the kinds its batch can yield: any other is an :class:`InvalidEvent`."""
 
     def __init__(self) -> None:
         self.state: LoopState = AtRest()
@@ -156,16 +170,16 @@ class SyncEngine:
         match self.state, event:
             case AtRest(), Boundary(f):
                 return self._boundary(f)
-            case Watching(), Ran(f):
+            case Watching(), WorkersStarted(f) | WorkersPlaced(f):
                 return self._formed(f)
-            case Requesting(), Ran(f):
+            case Requesting(), RequestsTaken(f):
                 if f.terminal:
                     return self._rest(EndStep())
                 self.state = Gathering()
                 # A drained worker may still owe its shard of an evaluation: settle first.
                 drain = [Settle(), ApplyDrains()] if f.drains_due else []
                 return [*drain, AdoptStarted()]
-            case Gathering(), Ran(f):
+            case Gathering(), WorkersStarted(f):
                 if f.terminal:
                     return self._rest(EndStep())
                 # Nodes are listed when due, and at once when the group changed or the job
@@ -177,16 +191,18 @@ class SyncEngine:
                     self.state = Placing()
                     return self._place(starting=False)
                 return self._gathered(f)
-            case AwaitingStarts(adopted, first), Ran(f):
+            case AwaitingStarts(adopted, first), WorkersStarted(f) | WorkersPlaced(f):
                 return self._await_starts(f, adopted, first)
-            case Placing(), Ran(f):
+            case Placing(), WorkersPlaced(f):
                 return self._gathered(f)
-            case RollingBack(), Ran():
+            case GivingUp(), Done(f):
+                return self._gathered(f)
+            case RollingBack(), Done():
                 # The checkpoint's weights wait in the driver: the regroup loads them.
                 self.state = Regrouping()
                 return [Become(Phase.REGROUPING), Regroup()]
-            case Regrouping(), Ran(f, ok):
-                if not ok:
+            case Regrouping(), Regrouped(f, formed):
+                if not formed:
                     return self._rest(EndStep())  # the next boundary tries again
                 if f.epoch_open and not f.epoch_complete:
                     # Formed mid-epoch: the rest of the epoch is split over the new group
@@ -194,12 +210,12 @@ class SyncEngine:
                     self.state = Resplitting()
                     return [Replan("membership")]
                 return self._formed(f)
-            case Resplitting(), Ran(f):
+            case Resplitting(), Done(f):
                 return self._formed(f)
-            case Opening(), Ran(f):
+            case Opening(), Done(f):
                 return self._replanned(f, opening=True)
-            case Training(), Ran(f, ok):
-                if not ok and f.in_flight:
+            case Training(), SegmentDone(f, all_ran):
+                if not all_ran and f.in_flight:
                     # The segment failed with the next one sent: what that one trained past
                     # the failure is committed, in the next epoch when it completed this one.
                     if f.epoch_complete:
@@ -208,23 +224,22 @@ class SyncEngine:
                     return [AbsorbAhead()]
                 if f.epoch_complete:
                     return self._end_epoch(f, Ending())
-                if ok and f.check_due:
+                if all_ran and f.check_due:
                     self.state = Checking()
                     return [Replan("check")]
                 return self._rest(PublishReady(), EndStep())
-            case EndingToAbsorb(), Ran(f):
+            case EndingToAbsorb(), Done(f):
                 if f.terminal:
                     return self._rest(EndStep())
                 self.state = Absorbing()
                 return [Become(Phase.TRAINING), BeginEpoch(), AbsorbAhead()]
-            case Absorbing(), Ran(f):
+            case Absorbing(), SegmentDone(f):
                 if f.epoch_complete:  # what it trained completed the epoch
                     return self._end_epoch(f, Ending())
                 return self._rest(PublishReady(), EndStep())
-            case Judging(then, due, keeps), Ran(f):
+            case Judging(then, due, keeps), EvaluationsIn(f):
                 if f.terminal:  # the job ended while the evaluation was awaited
-                    self.state = then
-                    return self._decide(event)
+                    return self._rest(EndStep(stop=isinstance(then, CancelEndingEpoch)))
                 best = [Checkpoint("best")] if f.judged_best else []
                 if due:
                     save = [Checkpoint("epoch")]
@@ -232,17 +247,17 @@ class SyncEngine:
                     save = [Checkpoint("early stopping")] if f.judged_stop and keeps else []
                 self.state = then
                 return [*best, *save, NextEpoch()]
-            case Checking(), Ran(f):
+            case Checking(), Done(f):
                 return self._replanned(f, opening=False)
-            case Posting(opening), Ran(f):
+            case Posting(opening), Done(f):
                 return self._segment(f) if opening else self._rest(PublishReady(), EndStep())
-            case Ending(), Ran(f):
+            case Ending(), Done(f):
                 if f.terminal:
                     return self._rest(EndStep())
                 # The epoch ended: the job finishes, or returns to training.
                 back = [Become(Phase.TRAINING), PublishReady(), EndStep()]
                 return self._finishing(f, cancelling=False) or self._rest(*back)
-            case Finishing(cancelling), Ran(f):
+            case Finishing(cancelling), EvaluationsIn(f):
                 if f.cancel_requested and not cancelling:
                     return self._rest(EndStep())  # the next boundary cancels the job
                 if f.holders:
@@ -250,16 +265,16 @@ class SyncEngine:
                 # The last holder was lost in the final evaluations: the next boundary
                 # regroups (rolling back) and trains on; a cancellation goes on cancelling.
                 return self._settle(f) if cancelling else self._rest(EndStep())
-            case CancelCommitting(), Ran(f):
+            case CancelCommitting(), SegmentDone(f):
                 if f.epoch_complete and f.epoch_open:
                     return self._end_epoch(f, CancelEndingEpoch())
                 return self._settle(f)
-            case CancelEndingEpoch(), Ran(f):
+            case CancelEndingEpoch(), Done(f):
                 if f.terminal:
                     return self._rest(EndStep(stop=True))
                 back = [Become(Phase.CANCELLING)]
                 return self._finishing(f, cancelling=True) or [*back, *self._settle(f)]
-            case CancelSettling(), Ran(f):
+            case CancelSettling(), EvaluationsIn(f):
                 save = [SaveModel("cancel")] if f.trained_any else []
                 return self._rest(
                     Checkpoint("cancel"), *save, FinishCancelled(), EndStep(stop=True)
@@ -301,7 +316,7 @@ class SyncEngine:
             return self._rest(EndStep())
         if f.starts_pending:
             if f.cancel_requested or (f.start_overdue and not first):
-                self.state = Placing()
+                self.state = GivingUp()
                 return [GiveUpStarts()]
             self.state = AwaitingStarts(adopted=True, first=False)
             return [AwaitStarts(first=first)]

@@ -1,8 +1,10 @@
 """What passes between the step loop's engine and its executor.
 
 :class:`Facts` (what the driver's machines say, read after each batch of commands) ride on
-the two events, :class:`Boundary` (a step boundary: the loop's turn) and :class:`Ran` (the
-last batch was carried out); the engine answers with :data:`Command` s, which the driver
+every event: :class:`Boundary` (a step boundary: the loop's turn), and the outcome of the
+last batch of commands, typed by what its last command did (:func:`outcome`: a segment
+done, a group regrouped, workers started or placed, requests taken, evaluations in, or just
+done); the engine answers with :data:`Command` s, which the driver
 (``dynabatch.scheduler.sync.coordinator``) carries out on its parts. The decisions are the
 engine's (``dynabatch.scheduler.core.sync.engine``); these are frozen values with no
 behaviour, so any executor (Ray's driver, the simulator's, a test) speaks them alike.
@@ -84,21 +86,81 @@ class Facts:
 
 @dataclass(frozen=True, slots=True)
 class Boundary:
-    """A step boundary: the loop's turn."""
+    """The loop's turn (its tick): a step boundary begins."""
+
+    facts: Facts
+
+
+# What the last command of a batch did. A batch of commands that does not end with
+# EndStep is answered with one of these (``outcome``): the kind its last command yields,
+# with the facts after it. Each engine state takes only the kinds its batch can yield.
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A command with nothing to report beyond the facts after it: the data loaded, a
+    re-plan made or posted, the checkpoint rolled back to, an epoch ended, the workers that
+    did not start given up."""
 
     facts: Facts
 
 
 @dataclass(frozen=True, slots=True)
-class Ran:
-    """The last batch of commands was carried out; ``ok``: its last command succeeded (a
-    regroup formed, a segment all ran; other commands: True)."""
+class RequestsTaken:
+    """The scale, drain and assign requests queued since the last boundary were taken into
+    the membership (``Facts.drains_due``: workers they drain leave next)."""
 
     facts: Facts
-    ok: bool = True
 
 
-Event = Boundary | Ran
+@dataclass(frozen=True, slots=True)
+class WorkersStarted:
+    """The workers whose start finished were taken in (``Facts.starts_pending``: others are
+    still starting; ``Facts.regroup_due``: one joins at the next regroup)."""
+
+    facts: Facts
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersPlaced:
+    """The nodes were listed and workers started where the membership misses members (and
+    the spares tended): their start is under way."""
+
+    facts: Facts
+
+
+@dataclass(frozen=True, slots=True)
+class Regrouped:
+    """The next generation was asked to form. ``formed``: it did; not formed (a worker was
+    lost or failed while it formed), the next boundary tries again."""
+
+    facts: Facts
+    formed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentDone:
+    """A segment was collected and what its state holders completed committed (the one
+    just run, the one sent ahead of a failed one, or the one in flight at a cancel).
+    ``all_ran``: every worker ran its part; not so, a worker was lost or failed in it, and
+    the facts say what that left (``regroup_due``, ``stopping``, ``in_flight``)."""
+
+    facts: Facts
+    all_ran: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class EvaluationsIn:
+    """The evaluations in flight were awaited and published (and, after ``JudgeEpoch``, the
+    epoch that ended judged by its own: ``Facts.judged_best``, ``Facts.judged_stop``)."""
+
+    facts: Facts
+
+
+Outcome = (
+    Done | RequestsTaken | WorkersStarted | WorkersPlaced | Regrouped | SegmentDone | EvaluationsIn
+)
+Event = Boundary | Outcome
 
 # --- commands ---------------------------------------------------------------------------
 
@@ -187,7 +249,7 @@ class WaitForMinimum:
 @dataclass(frozen=True, slots=True)
 class Regroup:
     """Form the next generation (loading the checkpoint first when no member holds the
-    committed state). Answered with ``Ran.ok``: it formed."""
+    committed state). Answered with :class:`Regrouped` (``formed``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +291,7 @@ class PostPlanUpdate:
 @dataclass(frozen=True, slots=True)
 class TrainSegment:
     """Run the next segment and commit what its state holders completed; answered with
-    ``Ran.ok``: it all ran. ``ahead``: send the segment after it before its results are
+    :class:`SegmentDone` (``all_ran``). ``ahead``: send the segment after it before its results are
     read; ``across``: that may be the next epoch's first (behind this epoch's
     evaluation)."""
 
@@ -349,3 +411,26 @@ Command = (
     | FinishCancelled
     | EndStep
 )
+
+
+def outcome(command: Command, facts: Facts, ok: bool = True) -> Outcome:
+    """The event that answers a batch whose last command was ``command``: its kind is the
+    command's, ``facts`` are read after it, and ``ok`` is what the command returned (a
+    regroup formed, a segment all ran; True for the rest)."""
+    match command:
+        case TrainSegment() | AbsorbAhead() | CommitInFlight():
+            return SegmentDone(facts, all_ran=ok)
+        case Regroup():
+            return Regrouped(facts, formed=ok)
+        case AdoptStarted() | AwaitStarts():
+            return WorkersStarted(facts)
+        case PollNodes() | SpawnWorkers() | TendSpares():
+            return WorkersPlaced(facts)
+        case ApplyRequests():
+            return RequestsTaken(facts)
+        case Settle() | JudgeEpoch():
+            return EvaluationsIn(facts)
+        case EndStep():
+            raise ValueError("EndStep ends the boundary: nothing answers it")
+        case _:
+            return Done(facts)

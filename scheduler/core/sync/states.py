@@ -34,8 +34,13 @@ class Gathering:
 
 @dataclass(frozen=True, slots=True)
 class Placing:
-    """Waiting for workers to be started on the nodes listed (or, at the first start, for
-    those that did not come up to be given up)."""
+    """Waiting for workers to be started on the nodes listed."""
+
+
+@dataclass(frozen=True, slots=True)
+class GivingUp:
+    """The first start's wait is over (the start timeout, or a cancel): waiting for the
+    workers still starting to be given up."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +157,7 @@ LoopState = (
     | Requesting
     | Gathering
     | Placing
+    | GivingUp
     | AwaitingStarts
     | RollingBack
     | Regrouping
