@@ -68,7 +68,9 @@ class Engine(SyncEngine):
     """The engine answered as the driver answers it: each batch that does not end the step
     with the event its last command yields (``outcome``)."""
 
-    last: list[Command] = []
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: list[Command] = []
 
     def on(self, event: Event) -> list[Command]:
         self.last = super().on(event)

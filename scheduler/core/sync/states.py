@@ -1,7 +1,7 @@
 """Where the synchronous step loop's boundary stands: the states of
 :class:`~dynabatch.scheduler.core.sync.engine.SyncEngine`. Each says which command's outcome
-the engine waits for and carries what that outcome is judged by; the engine dispatches on
-them. Frozen values, no behaviour.
+(an event of ``messages``) the engine waits for and carries what that outcome is judged by;
+the engine dispatches on them. Frozen values, no behaviour.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class RollingBack:
 
 @dataclass(frozen=True, slots=True)
 class Regrouping:
-    """Waiting for the next generation to form (its ``ok`` decides)."""
+    """Waiting for the next generation to form (:class:`Regrouped`: ``formed`` decides)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +93,8 @@ class Posting:
 
 @dataclass(frozen=True, slots=True)
 class Training:
-    """Waiting for the segment (its ``ok`` and the epoch's completion decide what
-    follows)."""
+    """Waiting for the segment (:class:`SegmentDone`: ``all_ran`` and the epoch's completion
+    decide what follows)."""
 
 
 @dataclass(frozen=True, slots=True)
