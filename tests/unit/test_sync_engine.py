@@ -923,5 +923,8 @@ def test_a_command_is_answered_with_its_own_kind_of_outcome(command, kind) -> No
         assert event.all_ran is False
     if kind is Regrouped:
         assert event.formed is False
+
+
+def test_nothing_answers_the_end_of_a_step() -> None:
     with pytest.raises(ValueError, match="EndStep"):
-        outcome(EndStep(), f)
+        outcome(EndStep(), Facts())

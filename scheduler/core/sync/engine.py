@@ -238,8 +238,8 @@ class SyncEngine:
                     return self._end_epoch(f, Ending())
                 return self._rest(PublishReady(), EndStep())
             case Judging(then, due, keeps), EvaluationsIn(f):
-                if f.terminal:  # the job ended while the evaluation was awaited
-                    return self._rest(EndStep(stop=isinstance(then, CancelEndingEpoch)))
+                if f.terminal:  # the job ended while the evaluation was awaited: the loop stops
+                    return self._rest(EndStep())
                 best = [Checkpoint("best")] if f.judged_best else []
                 if due:
                     save = [Checkpoint("epoch")]

@@ -291,8 +291,8 @@ class PostPlanUpdate:
 @dataclass(frozen=True, slots=True)
 class TrainSegment:
     """Run the next segment and commit what its state holders completed; answered with
-    :class:`SegmentDone` (``all_ran``). ``ahead``: send the segment after it before its results are
-    read; ``across``: that may be the next epoch's first (behind this epoch's
+    :class:`SegmentDone` (``all_ran``). ``ahead``: send the segment after it before its
+    results are read; ``across``: that may be the next epoch's first (behind this epoch's
     evaluation)."""
 
     ahead: bool = False
