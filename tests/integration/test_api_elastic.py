@@ -46,6 +46,8 @@ def _job(**kw: Any) -> dict[str, Any]:
         "node_resource": TAG,
         "collective_timeout_s": 3,
         "worker_wait_timeout_s": 20,
+        # No spare on the node a scale-down or a drain frees: nothing here scales back up.
+        "spares": 0,
     }
     base.update(kw)
     return base

@@ -142,7 +142,7 @@ def test_joining_node_gets_a_worker_and_a_share_by_speed(cluster):
     # LeNet steps are compute-bound (few parameters, per-step overhead of a few samples),
     # so the share that equalises finish times is close to proportional to speed.
     spec = _spec(tag, workers=2, max_workers=3, epochs=16, global_batch=128, spares=1,
-                 dataset={"name": "mnist", "options": {"n_train": 6000, "n_test": 500}},
+                 dataset={"name": "mnist", "options": {"n_train": 4000, "n_test": 500}},
                  model={"name": "lenet"}, optimizer={"name": "sgd", "lr": 0.05},
                  emulation={"slowdowns": [1, 1, 3]})
     coord = Coordinator("join", spec, resume=False)

@@ -28,7 +28,8 @@ def test_the_hf_text_example_trains_on_ray_workers(cluster, tmp_path):
         timeout=300,
     )
     spec = load_spec(EXAMPLE / "gpt2-hetero.yaml").model_copy(
-        update={"node_resource": "dynabatch_worker", "epochs": 3}
+        # No spare process on the session's idle third node: nothing here adopts one.
+        update={"node_resource": "dynabatch_worker", "epochs": 3, "spares": 0}
     )
     spec = spec.model_copy(
         update={"dataset": spec.dataset.model_copy(update={"path": str(tmp_path)})}

@@ -6,13 +6,20 @@ import numpy as np
 import pytest
 import ray
 import torch
-from dynabatch.actors.contracts import SegmentPlan, StepPlan
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.worker import Worker
-from dynabatch.actors.workloads.datasets import load_dataset
-from dynabatch.actors.workloads.models import build_model
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.sync.coordinator import Coordinator
+
+from tests.unit.test_weighted_update import (
+    CUTS,
+    SHARES,
+    STEP,
+    one_process_weights,
+    segment,
+    spec_of,
+    step_data,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -26,77 +33,43 @@ def _spec(**kw) -> JobSpec:
     return JobSpec.model_validate(base)
 
 
-LM = dict(dataset={"name": "pysource", "options": {"chars": 20000, "seq_len": 16}},
-          model={"name": "charlm", "hidden": 16, "options": {"heads": 2, "layers": 1}},
-          loss="next_token")
-REGRESSION = dict(dataset={"name": "tests.unit.workload_plugins:regression_loader",
-                           "options": {"n": 96, "train": 64}}, loss="mse")
-# A user loss by import path, which prints: Ray's log API must show each worker's lines.
-USER_LOSS = dict(loss="tests.unit.workload_plugins:chatty_ce")
-# Small buckets launched from backward's hooks, and memory caps that make the workers
-# accumulate 2, 3 and 3 micro-batches.
-ACCUMULATED = {"allreduce": "bucketed", "bucket_kb": 1, "micro_batch": [3, 4, 16]}
-
-
-@pytest.mark.parametrize(("workload", "comm"), [
-    ({}, {"allreduce": "flat"}), ({}, ACCUMULATED), (LM, {"allreduce": "bucketed"}),
-    (REGRESSION, {"allreduce": "flat"}), (USER_LOSS, {"allreduce": "bucketed"}),
-], ids=["cross_entropy-flat", "cross_entropy-bucketed-accumulated", "next_token-bucketed",
-        "mse-flat", "user_loss-bucketed"])
-def test_weighted_allreduce_equals_one_process_update(cluster, workload, comm):
-    """3 workers with batches 5, 11 and 48 make the update of one process on 64 samples,
-    for classification, a regression's mse, a language model's per-sample loss and a
-    user's loss named by import path, with the flat and the bucketed all-reduce, and with
-    micro-batch accumulation."""
+def test_a_users_loss_on_ray_workers_makes_one_process_update_and_its_prints_are_logged(cluster):
+    """3 Ray workers with batches 5, 11 and 48, under a user's loss named by import path
+    that prints, make the update of one process on the 64 samples (the bucketed
+    all-reduce, two steps); each worker's prints come back through Ray's log API. The
+    other losses and all-reduce plans are checked on a gloo group of processes
+    (``tests/unit/test_weighted_update.py``)."""
     from dynabatch.actors.output import ActorOutput
-    from dynabatch.actors.workloads.losses import resolve_loss
 
-    spec = _spec(optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9}, **workload, **comm)
-    ds = load_dataset(spec.dataset, seed=spec.seed)
-    x, y = ds.x_train[:64], ds.y_train[:64]
+    spec = spec_of(loss="tests.unit.workload_plugins:chatty_ce", allreduce="bucketed",
+                   node_resource="dynabatch_worker")
+    x, y, shape, classes = step_data(spec)
     cls = ray.remote(Worker)
-    workers = [cls.options(num_cpus=1).remote(f"w{i}", i, spec, x, y, ds.input_shape,
-                                              ds.num_classes) for i in range(3)]
-    rv = ray.get(workers[0].open_store.remote(1, 3))
+    workers = [cls.options(num_cpus=1).remote(f"w{i}", i, spec, x, y, shape, classes)
+               for i in range(len(SHARES))]
+    rv = ray.get(workers[0].open_store.remote(1, len(SHARES)))
     ray.get([w.join.remote(rv, r, 0) for r, w in enumerate(workers)])
-    cuts = np.cumsum([0, 5, 11, 48])
     for epoch in range(2):  # two steps, so momentum is exercised too
-        plans = [SegmentPlan(epoch, spec.seed, 64, (StepPlan(0, 0, 64, int(cuts[i]),
-                                                              int(cuts[i + 1] - cuts[i])),))
-                 for i in range(3)]
-        results = ray.get([w.run_segment.remote(p) for w, p in zip(workers, plans, strict=True)],
-                          timeout=120)
-        for r, lo in zip(results, cuts, strict=False):
+        results = ray.get([w.run_segment.remote(segment(epoch, r, spec.seed))
+                           for r, w in enumerate(workers)], timeout=120)
+        for rank, r in enumerate(results):
             assert r.error is None, r.error
             (st,) = r.steps
             # The all-reduce itself saw each of the 64 positions exactly once.
-            assert st.coverage == ((1, 64),) and st.start == lo
-            cap = (comm.get("micro_batch") or [None] * 3)[results.index(r)]
-            assert st.micro_batches == (-(-st.samples // cap) if cap else 1)
+            assert st.coverage == ((1, STEP),) and st.start == CUTS[rank]
     states = ray.get([w.state.remote() for w in workers], timeout=60)
-
-    torch.manual_seed(spec.seed)
-    model = build_model(spec.model, ds.input_shape, ds.num_classes)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    for _ in range(2):
-        opt.zero_grad()
-        xb = torch.from_numpy(x)
-        yb = torch.from_numpy(y)
-        resolve_loss(spec.loss or "cross_entropy")(model(xb), yb).mean().backward()
-        opt.step()
-    ref = model.state_dict()
+    ref = one_process_weights(spec)
     for st in states:
         for k, v in ref.items():
             assert torch.allclose(st["model"][k], v, atol=1e-5, rtol=0), k
-    if workload is USER_LOSS:  # the user's prints, read back through Ray's log API
-        got: list[tuple[str, str, str]] = []
-        out = ActorOutput.for_ray(lambda *line: got.append(line))
-        for i, w in enumerate(workers):
-            out.watch(f"w{i}", ray.get(w.actor_id.remote(), timeout=60))
-            out.unwatch(f"w{i}")  # read once, to the end
-        out.poll()
-        for i, b in enumerate((5, 11, 48)):
-            assert (f"w{i}", "stdout", f"chatty batch of {b}") in got, got
+    got: list[tuple[str, str, str]] = []
+    out = ActorOutput.for_ray(lambda *line: got.append(line))
+    for i, w in enumerate(workers):
+        out.watch(f"w{i}", ray.get(w.actor_id.remote(), timeout=60))
+        out.unwatch(f"w{i}")  # read once, to the end
+    out.poll()
+    for i, b in enumerate(SHARES):
+        assert (f"w{i}", "stdout", f"chatty batch of {b}") in got, got
     for w in workers:
         ray.kill(w)
 
