@@ -96,17 +96,18 @@ def one_process_weights(spec: JobSpec) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _member(rank: int, rv: Any, more: tuple, out: mp.Queue) -> None:
+def _member(rank: int, rv: Any, more: tuple, data: tuple, out: mp.Queue) -> None:
     """One worker (a child process): the two steps of its share under every configuration,
-    each in its own group; reports each step's (error, coverage, start, samples, micro
-    batches) and the final weights, or the first exception."""
+    each in its own group, on the configuration's ``data`` (loaded once, by the test);
+    reports each step's (error, coverage, start, samples, micro batches) and the final
+    weights, or the first exception."""
     from dynabatch.actors.worker import Worker
 
     got = []
     try:
-        for group, (_, kw) in zip((rv, *more), CONFIGS, strict=True):
+        for group, (_, kw), (x, y, shape, classes) in zip((rv, *more), CONFIGS, data,
+                                                           strict=True):
             spec = spec_of(**kw)
-            x, y, shape, classes = step_data(spec)
             w = Worker(f"w{rank}", rank, spec, x, y, shape, classes)
             w.join(group, rank)
             steps = []
@@ -123,7 +124,9 @@ def _member(rank: int, rv: Any, more: tuple, out: mp.Queue) -> None:
 
 
 def test_three_unequal_shares_make_one_process_update_for_every_loss():
-    got = run_members_in_groups(_member, len(SHARES), len(CONFIGS), timeout_s=TIMEOUT_S)
+    data = tuple(step_data(spec_of(**kw)) for _, kw in CONFIGS)
+    got = run_members_in_groups(_member, len(SHARES), len(CONFIGS), lambda rank: (data,),
+                                timeout_s=TIMEOUT_S)
     assert sorted(got) == [0, 1, 2], f"members that answered: {sorted(got)}: {got}"
     reports = {rank: report for rank, (report,) in got.items()}
     failed = {r: rep for r, rep in reports.items() if isinstance(rep, str)}
