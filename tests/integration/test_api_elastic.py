@@ -148,7 +148,9 @@ def test_scale_down_and_drain_through_the_api_keep_training(api: TestClient) -> 
 
 
 def test_killed_coordinator_is_resumed_from_its_checkpoint(api: TestClient, tmp_path: Path) -> None:
-    spec = _job(epochs=6, checkpoint={"dir": str(tmp_path), "every_epochs": 1})
+    # Two workers: the resume, not the group's size, is what is tested (each worker is a
+    # process started twice, before the kill and after it).
+    spec = _job(workers=2, epochs=6, checkpoint={"dir": str(tmp_path), "every_epochs": 1})
     r = api.post("/v1/jobs", json=spec)
     assert r.status_code == 201, r.text
     job = r.json()["job_id"]
