@@ -854,6 +854,18 @@ def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed()
     ]
 
 
+def test_a_cancels_judged_epoch_end_that_finds_the_job_terminal_stops_the_loop() -> None:
+    # Found by test_every_boundary_follows_the_loops_rules in a fresh-clone run: the
+    # review's simplification to a plain EndStep() broke "a cancel stops the loop".
+    engine = Engine()
+    cancel = Facts(cancel_requested=True, in_flight=True, epoch_open=True)
+    assert engine.on(Boundary(cancel)) == [Become(Phase.CANCELLING), CommitInFlight()]
+    done = Facts(cancel_requested=True, epoch_open=True, epoch_complete=True,
+                 judges_epochs=True)
+    assert engine.ran(done)[-1] == JudgeEpoch()
+    assert engine.ran(Facts(terminal=True)) == [EndStep(stop=True)]
+
+
 def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_holder():
     engine = Engine()
     _requests_applied(engine, Facts(epoch_open=True))

@@ -238,8 +238,9 @@ class SyncEngine:
                     return self._end_epoch(f, Ending())
                 return self._rest(PublishReady(), EndStep())
             case Judging(then, due, keeps), EvaluationsIn(f):
-                if f.terminal:  # the job ended while the evaluation was awaited: the loop stops
-                    return self._rest(EndStep())
+                if f.terminal:  # the job ended while the evaluation was awaited
+                    # A cancel's epoch end stops the loop, as every cancel does.
+                    return self._rest(EndStep(stop=isinstance(then, CancelEndingEpoch)))
                 best = [Checkpoint("best")] if f.judged_best else []
                 if due:
                     save = [Checkpoint("epoch")]
