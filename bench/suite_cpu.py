@@ -9,7 +9,9 @@ nothing else on the machine, as a plugin::
     PYTHONPATH=bench RAY_AUTH_MODE=disabled SUITE_CPU_OUT=/tmp/cpu.json \\
         .venv/bin/python -m pytest -q -p suite_cpu tests/integration
 
-then summarise one run, or compare two (per test, the second minus the first)::
+then summarise one run (totals and per file), or compare two: their totals, the tests only
+one of them ran, and the CPU ratio of the tests both ran (how far the machine itself moved
+between the runs, which any saving must be read against)::
 
     .venv/bin/python bench/suite_cpu.py /tmp/cpu.json [/tmp/cpu-after.json]
 
