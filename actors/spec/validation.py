@@ -103,9 +103,12 @@ def check_combinations(spec: JobSpec) -> None:
         raise CombinationError(problems)
     _ps_warnings(spec)
     if slow and most is not None and len(slow) > most:
+        # Not "ignored": a scale request is an explicit size and may go past max_workers
+        # (Membership.request_scale), and the workers it adds take these entries.
+        bound = "max_workers" if spec.max_workers else "workers"
         warnings.warn(
-            f"emulation.slowdowns has {len(slow)} entries; entries past {most} are "
-            "ignored (no more workers can exist: see workers and max_workers)",
+            f"emulation.slowdowns has {len(slow)} entries; entries past {most} apply only "
+            f"to workers that a scale request adds beyond {bound} ({most})",
             UserWarning,
             stacklevel=3,
         )

@@ -293,8 +293,17 @@ def test_any_input_is_a_spec_or_one_line_field_named_error(data):
 def test_extra_slowdowns_are_for_later_joiners_and_warn_past_max_workers():
     spec = parse_spec({"workers": 2, "max_workers": 3, "emulation": {"slowdowns": [1, 1, 2]}})
     assert spec.emulation.slowdowns == [1, 1, 2]
-    with pytest.warns(UserWarning, match="entries past 3 are ignored"):
+    # Past the declared size they are not ignored: a scale request may add workers beyond
+    # it (an explicit size, as the parameter-server test's scale from 2 to 3 does), and
+    # those take the entries. The warning says so rather than "ignored".
+    with pytest.warns(UserWarning) as caught:
         parse_spec({"workers": 3, "emulation": {"slowdowns": [1, 1, 1, 1]}})
+    (w,) = caught
+    assert str(w.message) == (
+        "emulation.slowdowns has 4 entries; entries past 3 apply only to workers that a "
+        "scale request adds beyond workers (3)")
+    with pytest.warns(UserWarning, match=r"beyond max_workers \(3\)$"):
+        parse_spec({"workers": 2, "max_workers": 3, "emulation": {"slowdowns": [1] * 5}})
 
 
 # Strict integers -------------------------------------------------------------------------
