@@ -57,7 +57,7 @@ JOB_SPEC = {
     "epochs": 10_000,
     "policy": "affine",
     "rebalance": {"mode": "steps", "every_steps": 10},
-    "emulation": {"slowdowns": [1, 2]},
+    "emulation": {"slowdowns": [10, 20]},
 }
 
 
@@ -189,7 +189,7 @@ PS_JOB_SPEC = {
     "global_batch": 32,
     "epochs": 10_000,
     "protocol": {"name": "ps", "mode": "async"},
-    "emulation": {"slowdowns": [1, 2]},
+    "emulation": {"slowdowns": [10, 20]},
 }
 
 

@@ -179,8 +179,11 @@ def test_two_gangs_on_two_slots_run_one_after_the_other(slots, tmp_path):
 def test_goodput_shrinks_a_job_to_admit_another_and_a_new_scheduler_adopts_it(slots):
     sched = _scheduler("goodput")
     # Long enough never to end by itself here: the test cancels it once it has been
-    # watched through both resizes and the scheduler's restart.
-    a = _spec("a", workers=2, min_workers=1, max_workers=2, epochs=1000)
+    # watched through both resizes and the scheduler's restart. Its workers sleep 10x their
+    # compute (emulated, equal on both nodes): nothing here depends on its speed, and a job
+    # training flat out for the whole test would take most of the 2 cores from the rest.
+    a = _spec("a", workers=2, min_workers=1, max_workers=2, epochs=1000,
+              emulation={"slowdowns": [10, 10]})
     b = _spec("b", workers=1, min_workers=1, max_workers=1, epochs=1)
     try:
         ray.get(sched.sync.remote([JobEntry("gpa", a, 1.0)]))

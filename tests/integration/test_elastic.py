@@ -31,6 +31,13 @@ pytestmark = pytest.mark.integration
 SESSION = "dynabatch_worker"
 
 
+def idle(workers: int) -> dict:
+    """The emulation of a job that trains until the test cancels it: each of its workers
+    sleeps 10x its compute, since nothing in such a test depends on the job's speed, and a job
+    training flat out would take the 2 cores from the Ray processes the test watches."""
+    return {"slowdowns": [10] * workers}
+
+
 def _spec(tag: str, **kw) -> JobSpec:
     # No spare unless the test is about one: on two saturated cores a spare (a worker process
     # with torch, the model and the data) that nothing adopts only takes CPU from the job.
@@ -256,8 +263,8 @@ def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster):
         avail = available_resources_per_node()
         return {n: avail.get(n, {}).get("CPU", 0.0) for n in nodes}
 
-    coord = Coordinator("spare", _spec(SESSION, workers=2, max_workers=2, epochs=500, spares=1),
-                        resume=False)
+    coord = Coordinator("spare", _spec(SESSION, workers=2, max_workers=2, epochs=500, spares=1,
+                                       emulation=idle(2)), resume=False)
     trained: set[str] = set()  # the workers that trained a step
     coord.watch_steps(lambda row: trained.update(r.worker for r in row))
     thread = _start(coord)
@@ -288,8 +295,8 @@ def test_scale_up_shares_a_node_with_room_or_says_why_not(cluster):
     tag = "elastic_share"
     cluster.add_node(num_cpus=2, resources={tag: 1}, object_store_memory=80 * 2**20)
     cluster.wait_for_nodes()
-    coord = Coordinator("share", _spec(tag, workers=1, max_workers=3, epochs=500),
-                        resume=False)
+    coord = Coordinator("share", _spec(tag, workers=1, max_workers=3, epochs=500,
+                                       emulation=idle(3)), resume=False)
     thread = _start(coord)
     try:
         wait_for(lambda: coord.state == JobState.RUNNING and coord.epoch >= 1, timeout=120,

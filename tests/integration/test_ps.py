@@ -5,7 +5,8 @@
   once.
 * The modes on real actors, three short jobs in one test: hardsync with a learner joining
   (τ = 0 throughout), softsync over two server shards with a scale-down (the drained learner
-  leaves, its samples re-queued), and bounded staleness ``wait`` (τ ≤ S, updates deferred).
+  leaves, its samples re-queued; its final weights go out as the model files), and bounded
+  staleness ``wait`` (τ ≤ S, updates deferred).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def test_ps_job_survives_a_lost_learner_exactly_once(cluster):
     assert snap.ps.version > 0 and coord.history()[-1].test_accuracy > 0.5
 
 
-def test_ps_modes_join_shards_scale_down_and_wait(cluster):
+def test_ps_modes_join_shards_scale_down_wait_and_export(cluster, tmp_path):
     # hardsync, 2 learners; a third joins mid-run and every gradient still has τ = 0. Once
     # it is a member every update waits for its gradient, so the job cannot end without it.
     # 8 short epochs (120 updates, ~50 ms each here): the emulated slowdown barely stretches
@@ -108,10 +109,11 @@ def test_ps_modes_join_shards_scale_down_and_wait(cluster):
     # 3-softsync over two server shards (the core decides on one; the slices apply on
     # both); scaled down to 2 mid-run: the slowest learner (w2, emulated 30x) leaves, the job
     # finishes.
-    coord = PSCoordinator("ps-soft", _spec(
+    spec = _spec(
         "ps-soft", workers=3, epochs=3, emulation={"slowdowns": [1, 1, 30]},
         protocol={"name": "ps", "mode": "softsync", "n": 3, "lr_staleness": "per_gradient",
-                  "shards": 2}))
+                  "shards": 2}, artifacts={"dir": str(tmp_path / "art")})
+    coord = PSCoordinator("ps-soft", spec)
     thread = _start(coord)
     wait_for(lambda: (s := coord.server_stats) is not None and s["version"] >= 5, timeout=60,
              interval=0.05)
@@ -123,6 +125,7 @@ def test_ps_modes_join_shards_scale_down_and_wait(cluster):
                for e in coord.events)
     assert not workers["w2"].member and workers["w0"].member and workers["w1"].member
     assert coord.history()[-1].test_accuracy > 0.5
+    _check_exported_model(coord, spec, tmp_path / "art" / "ps-soft")
 
     # Bounded staleness, wait: a slow learner makes the others wait, never τ > S. Three
     # learners: with two (one 4x slower), a run deferred nothing, since an MLP's step is
@@ -135,8 +138,8 @@ def test_ps_modes_join_shards_scale_down_and_wait(cluster):
     assert snap.ps.deferred > 0
 
 
-def test_a_ps_jobs_trained_model_is_the_servers_final_weights(cluster, tmp_path):
-    """The server's final weights (over two shards: slice 0 and the shard's) go out as the
+def _check_exported_model(coord: PSCoordinator, spec: JobSpec, where) -> None:
+    """The server's final weights (over two shards: slice 0 and the shard's) went out as the
     model files in ``artifacts.dir``: ``load_model`` there rebuilds a model that scores on
     the test set exactly what the server scored its final weights at the last epoch's end."""
     import torch
@@ -144,15 +147,7 @@ def test_a_ps_jobs_trained_model_is_the_servers_final_weights(cluster, tmp_path)
     from dynabatch.actors.ps import ParamStore
     from dynabatch.actors.workloads.datasets import load_dataset
 
-    spec = _spec(
-        "ps-model", workers=2, epochs=2, dataset={"name": "digits", "limit": 240},
-        emulation={"slowdowns": [8, 8]}, protocol={"name": "ps", "mode": "async", "shards": 2},
-        artifacts={"dir": str(tmp_path / "art")},
-    )
-    coord = PSCoordinator("ps-model", spec)
-    thread = _start(coord)
-    _finished(coord, thread, 2)
-    model = load_model(tmp_path / "art" / "ps-model")
+    model = load_model(where)
     params = [p for p in model.parameters() if p.requires_grad]
     flat = torch.nn.utils.parameters_to_vector(params).detach().numpy()
     ds = load_dataset(spec.dataset, seed=spec.seed)
