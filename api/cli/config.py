@@ -2,27 +2,51 @@
 ``working_dir`` resolved against the config's own folder.
 
 Every problem is one :class:`CliError` line naming the file and the field (or the option):
-``job.yaml: working_dir: /home/me/mycode is not a directory (...)``.
+``job.yaml: working_dir: /home/me/mycode is not a directory (...)``. A setting the spec
+accepts but that has no effect is one ``warning: job.yaml: ...`` line
+(:func:`spec_warnings_shown`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 import yaml
 from dynabatch.actors.spec import JobSpec, SpecError, parse_spec
-from dynabatch.api.cli.common import CliError, one_line
+from dynabatch.api.cli.common import CliError, one_line, print_plain, stderr
 from dynabatch.service.code_store import local_working_dir
 
 # ``--set FIELD=VALUE`` of ``run`` and ``submit``: one option, read by :func:`read_config`.
 SetOption = Annotated[list[str] | None, typer.Option(
     "--set", metavar="FIELD=VALUE", help="Override a field of the config, e.g. "
     "--set epochs=3 --set optimizer.lr=0.01 (repeatable; the value is YAML).")]
+
+@contextmanager
+def spec_warnings_shown(config: Path | str) -> Iterator[list[str]]:
+    """Show the warnings that validating a spec in the block raises (accepted settings with
+    no effect: ``actors/spec/validation.py``) as the CLI's own lines on stderr,
+    ``warning: CONFIG: message``, once the block ends, rather than in Python's form, whose
+    file and line point into pydantic. Yields the list the messages are put in (filled when
+    the block ends), so ``submit`` does not repeat the ones the service sends back. Warnings
+    of other kinds go on as they came."""
+    shown: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield shown
+    for w in caught:
+        if issubclass(w.category, UserWarning):
+            shown.append(str(w.message))
+            print_plain(stderr(), f"warning: {config}: {one_line(str(w.message))}")
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 

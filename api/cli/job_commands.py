@@ -32,7 +32,7 @@ from dynabatch.api.cli.common import (
     stderr,
     timestamp,
 )
-from dynabatch.api.cli.config import SetOption, read_config
+from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
 from dynabatch.api.cli.views import breakdown_table, tensorboard_line
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import LogLine, scores_text
@@ -305,7 +305,8 @@ def submit(
 ) -> None:
     """Submit a job config: print its id (its page's URL on stderr), then follow it."""
     with one_line_errors():
-        spec, _ = read_config(config, sets=sets or (), working_dir=working_dir)
+        with spec_warnings_shown(config) as local:
+            spec, _ = read_config(config, sets=sets or (), working_dir=working_dir)
         what = "--working-dir" if working_dir is not None else f"{config}: working_dir"
         with make_client(ctx, url, token) as client:
             job = client.submit_with_code(spec, what=what)
@@ -316,7 +317,8 @@ def submit(
             # On stderr: stdout stays the id alone, for scripts.
             print_plain(stderr(), f"job page: {page_url(client.url, job.job_id)}")
             for w in job.warnings:
-                print_plain(stderr(), f"warning: {one_line(w)}")
+                if w not in local:  # the same validation, already shown for the file
+                    print_plain(stderr(), f"warning: {one_line(w)}")
             if wait and (code := _follow(client, job.job_id, interval)):
                 raise typer.Exit(code)
 

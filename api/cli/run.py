@@ -23,7 +23,7 @@ from dynabatch.api.cli.common import (
     print_plain,
     stderr,
 )
-from dynabatch.api.cli.config import SetOption, read_config
+from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
 from dynabatch.api.cli.views import breakdown_table, tensorboard_line
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, scores_text
@@ -418,7 +418,8 @@ def register(app: typer.Typer) -> None:
         """Train CONFIG on Ray, showing the job's log and a live per-worker table."""
         console = out_console()
         try:
-            _, spec = read_config(config, sets=sets or (), working_dir=working_dir)
+            with spec_warnings_shown(config):
+                _, spec = read_config(config, sets=sets or (), working_dir=working_dir)
         except CliError as err:
             print_plain(stderr(), f"error: {one_line(str(err))}")
             raise typer.Exit(2) from None

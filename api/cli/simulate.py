@@ -19,6 +19,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from dynabatch.actors.spec import POLICIES, JobSpec, SpecError, load_spec
 from dynabatch.api.cli import views
+from dynabatch.api.cli.config import spec_warnings_shown
 from dynabatch.api.cli.run import render, write_report
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, ClusterSpec, load_cluster
@@ -246,7 +247,8 @@ def register(app: typer.Typer) -> None:
             views.fail(err, message)
 
         try:
-            spec = load_spec(config)
+            with spec_warnings_shown(config):
+                spec = load_spec(config)
             cl = cluster_for(cluster, from_report, spec)
             policies = policies_for(spec, compare)
         except SpecError as e:

@@ -14,6 +14,7 @@ import typer
 import yaml
 from dynabatch.actors.spec import SpecError, load_spec
 from dynabatch.api.cli import views
+from dynabatch.api.cli.config import spec_warnings_shown
 from dynabatch.api.cli.simulate import quiet_engine
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, load_cluster, parse_cluster
 from dynabatch.service.tune import Probe, TuneError, tune
@@ -62,7 +63,8 @@ def register(app: typer.Typer) -> None:
             views.fail(err, message)
 
         try:
-            spec = load_spec(config)
+            with spec_warnings_shown(config):
+                spec = load_spec(config)
             cl = (load_cluster(cluster) if cluster is not None
                   else _default_cluster(spec.initial_workers or 2))
         except SpecError as e:

@@ -203,3 +203,34 @@ def test_run_refuses_an_unknown_option_before_starting_ray(
     result = CliRunner().invoke(_app(), ["run", str(cfg)])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert result.stderr.splitlines() == [f"error: {cfg}: {problem}"]
+
+
+# A spec the service accepts with a warning: the third slowdown applies only to a worker a
+# scale request adds past ``workers``.
+WARNED = CONFIG + "emulation: {slowdowns: [1, 2, 3]}\n"
+WARNING = ("emulation.slowdowns has 3 entries; entries past 2 apply only to workers that a "
+           "scale request adds beyond workers (2)")
+
+
+def test_run_and_simulate_show_a_specs_warning_as_one_line_naming_the_file(
+    tmp_path: Path,
+) -> None:
+    """Not Python's form (``.../pydantic/main.py:792: UserWarning: ...`` and a line of
+    pydantic's source): the CLI's own ``warning: FILE: message``, once."""
+    from dynabatch.api.cli import simulate as sim_cli
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(WARNED)
+    (tmp_path / "cluster.yaml").write_text(
+        "classes: [{name: n, count: 2, a_ms: 1, c_ms_per_sample: 0.1}]\n")
+    app = _app()
+    sim_cli.register(app)
+    # ``run`` stops at its option check (before any Ray), after reading the config.
+    ran = CliRunner().invoke(app, ["run", str(cfg), "--scheduler"])
+    simulated = CliRunner().invoke(app, ["simulate", str(cfg), "--cluster",
+                                         str(tmp_path / "cluster.yaml"), "--quiet"])
+    assert ran.exit_code == 2 and simulated.exit_code == 0, (ran.output, simulated.output)
+    for result in (ran, simulated):
+        warned = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
+        assert warned == [f"warning: {cfg}: {WARNING}"], result.stderr
+        assert "pydantic" not in result.output

@@ -470,6 +470,20 @@ def test_submit_prints_the_page_url_on_stderr(
     assert f"job page: http://api.example:8000/jobs/{job}" in result.stderr
 
 
+def test_submit_shows_a_specs_warning_once(
+    cli: typer.Typer, server: Callable[..., TestClient], config: Path
+) -> None:
+    """The config's warning is read locally and the service sends it back too: one line,
+    ``warning: FILE: message``, not Python's form pointing into pydantic nor a repeat."""
+    config.write_text(CONFIG + "emulation: {slowdowns: [1, 2, 3]}\n")
+    result = _invoke(cli, server(), "submit", str(config), "--no-wait")
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
+    assert warned == [
+        f"warning: {config}: emulation.slowdowns has 3 entries; entries past 2 apply only to "
+        "workers that a scale request adds beyond workers (2)"], result.stderr
+
+
 def test_followed_log_lines_are_printed_as_they_are(
     cli: typer.Typer, server: Callable[..., TestClient], config: Path
 ) -> None:
