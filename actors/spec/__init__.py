@@ -38,6 +38,7 @@ from dynabatch.actors.spec.sections import (
     OptimizerSpec,
     ProtocolSpec,
     RebalanceSpec,
+    SpecWarning,
     StageSpec,
     TrackingSpec,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "ProtocolSpec",
     "RebalanceSpec",
     "SpecError",
+    "SpecWarning",
     "StageSpec",
     "TrackingSpec",
     "format_validation_error",

@@ -25,6 +25,14 @@ from pydantic import (
     model_validator,
 )
 
+
+class SpecWarning(UserWarning):
+    """A value the spec accepts but that has no effect, or only in some case (said in the
+    message). Its own category, so that a front end can show these as its own lines (the
+    CLI's ``warning: FILE: ...``, the REST reply's ``warnings``) and leave other warnings
+    as Python shows them."""
+
+
 # The grammar dynabatch.actors.workloads.imports resolves: dotted module names, then one attribute.
 IMPORT_PATH_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
 MODULE_PATTERN = r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$"
@@ -344,7 +352,7 @@ class OptimizerSpec(_Strict):
     @model_validator(mode="after")
     def _ignored(self) -> OptimizerSpec:
         if self.name in ("adam", "adamw") and self.momentum:
-            warnings.warn(f"optimizer.momentum is ignored by {self.name}", UserWarning,
+            warnings.warn(f"optimizer.momentum is ignored by {self.name}", SpecWarning,
                           stacklevel=2)
         if self.options and self.name in BUILTIN_OPTIMIZERS:
             raise ValueError(f"options are for a torch.optim class or 'pkg.mod:make', not "

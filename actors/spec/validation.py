@@ -5,7 +5,7 @@ accepted but have no effect.
 invalid combination as a ``(field path, problem)`` pair and raises them together as one
 :class:`CombinationError` (a ``ValueError``), which
 :func:`dynabatch.actors.spec.loading.format_validation_error` expands to one ``field:
-problem`` line each; a value that is accepted but ignored produces a ``UserWarning``.
+problem`` line each; a value that is accepted but ignored produces a ``SpecWarning``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dynabatch.actors.spec.sections import (
     LrScheduleSpec,
     ProtocolSpec,
     RebalanceSpec,
+    SpecWarning,
     hf_option_problems,
 )
 
@@ -109,7 +110,7 @@ def check_combinations(spec: JobSpec) -> None:
         warnings.warn(
             f"emulation.slowdowns has {len(slow)} entries; entries past {most} apply only "
             f"to workers that a scale request adds beyond {bound} ({most})",
-            UserWarning,
+            SpecWarning,
             stacklevel=3,
         )
     rb = spec.rebalance
@@ -119,25 +120,25 @@ def check_combinations(spec: JobSpec) -> None:
         why = (f"rebalance mode {rb.mode} re-plans at fixed points"
                if rb.mode != "adaptive" else "policy static never re-sizes")
         warnings.warn(f"rebalance.threshold is ignored: {why} (it applies to "
-                      "rebalance: adaptive with dbs or affine)", UserWarning, stacklevel=3)
+                      "rebalance: adaptive with dbs or affine)", SpecWarning, stacklevel=3)
     if spec.precision != "fp32" and spec.protocol.name != "sync":
         warnings.warn(f"precision {spec.precision} is ignored by protocol "
                       f"{spec.protocol.name} (it applies to the sync protocol's workers)",
-                      UserWarning, stacklevel=3)
+                      SpecWarning, stacklevel=3)
     elif spec.precision == "tf32" and (spec.device == "cpu" or spec.worker_gpus == 0):
         warnings.warn("precision tf32 is ignored on the CPU (TF32 is a CUDA matmul mode): "
-                      "the job trains in fp32", UserWarning, stacklevel=3)
+                      "the job trains in fp32", SpecWarning, stacklevel=3)
     speed = [f for f, on in (("channels_last", spec.channels_last),
                              ("compile", spec.compile is not None)) if on]
     if speed and spec.protocol.name != "sync":
         warnings.warn(f"{' and '.join(speed)} ignored by protocol {spec.protocol.name} (it "
-                      "applies to the sync protocol's workers)", UserWarning, stacklevel=3)
+                      "applies to the sync protocol's workers)", SpecWarning, stacklevel=3)
     for d in spec.emulation.disturbances:
         if d.epoch >= spec.epochs:
             warnings.warn(
                 f"emulation disturbance at epoch {d.epoch} is ignored: the job has "
                 f"{spec.epochs} epochs",
-                UserWarning,
+                SpecWarning,
                 stacklevel=3,
             )
 
@@ -341,5 +342,5 @@ def _ps_warnings(spec: JobSpec) -> None:
         for f in ("max_staleness", "lr_staleness", "on_stale"):
             if getattr(p, f) != getattr(ProtocolSpec(), f):
                 warnings.warn(f"protocol.{f} is ignored by mode hardsync (staleness is always "
-                              "0)", UserWarning, stacklevel=4)
+                              "0)", SpecWarning, stacklevel=4)
 

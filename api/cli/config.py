@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 import typer
 import yaml
-from dynabatch.actors.spec import JobSpec, SpecError, parse_spec
+from dynabatch.actors.spec import JobSpec, SpecError, SpecWarning, parse_spec
 from dynabatch.api.cli.common import CliError, one_line, print_plain, stderr
 from dynabatch.service.code_store import local_working_dir
 
@@ -29,23 +29,32 @@ SetOption = Annotated[list[str] | None, typer.Option(
     "--set epochs=3 --set optimizer.lr=0.01 (repeatable; the value is YAML).")]
 
 @contextmanager
-def spec_warnings_shown(config: Path | str) -> Iterator[list[str]]:
-    """Show the warnings that validating a spec in the block raises (accepted settings with
-    no effect: ``actors/spec/validation.py``) as the CLI's own lines on stderr,
-    ``warning: CONFIG: message``, once the block ends, rather than in Python's form, whose
-    file and line point into pydantic. Yields the list the messages are put in (filled when
-    the block ends), so ``submit`` does not repeat the ones the service sends back. Warnings
-    of other kinds go on as they came."""
-    shown: list[str] = []
+def spec_warnings_caught() -> Iterator[list[str]]:
+    """Collect the warnings that validating a spec in the block raises (:class:`SpecWarning`:
+    accepted settings with no effect) instead of letting Python show them in its form, whose
+    file and line point into pydantic. Yields the list their messages are put in (filled
+    when the block ends), for the caller to show as its own. Warnings of other kinds go on
+    as they came."""
+    messages: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        yield shown
+        yield messages
     for w in caught:
-        if issubclass(w.category, UserWarning):
-            shown.append(str(w.message))
-            print_plain(stderr(), f"warning: {config}: {one_line(str(w.message))}")
+        if issubclass(w.category, SpecWarning):
+            messages.append(str(w.message))
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+@contextmanager
+def spec_warnings_shown(config: Path | str) -> Iterator[list[str]]:
+    """:func:`spec_warnings_caught`, shown as the CLI's own lines on stderr once the block
+    ends, ``warning: CONFIG: message``. The messages stay in the yielded list, so ``submit``
+    does not repeat the ones the service sends back."""
+    with spec_warnings_caught() as messages:
+        yield messages
+    for m in messages:
+        print_plain(stderr(), f"warning: {config}: {one_line(m)}")
 
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")

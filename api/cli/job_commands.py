@@ -15,11 +15,13 @@ import ipaddress
 import os
 import sys
 import time
+import warnings
 from collections import deque
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from dynabatch.actors.spec import SpecWarning
 from dynabatch.api.cli.common import (
     CliError,
     api_client,
@@ -191,6 +193,9 @@ def _serve(insecure: bool, **overrides: Any) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # A submitted spec's warnings go back to its submitter (the reply's ``warnings``); in
+    # the service's own log they would be Python's form, pointing into pydantic.
+    warnings.filterwarnings("ignore", category=SpecWarning)
     service = build_service(settings)
     try:
         service.cluster.connect()  # fail here, with one line, rather than in the lifespan

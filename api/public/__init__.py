@@ -12,7 +12,8 @@ as it was:
 * :func:`run` and :class:`RunResult` (``dynabatch.embedded``): train a job in this process's
   Ray (or a cluster's), as ``dynabatch run``, with a progress bar.
 * :class:`JobSpec` (``dynabatch.actors.spec``) and the errors: :class:`SpecError` (a bad
-  spec, naming the field), :class:`ApiError` and :class:`ConnectionFailed` (the service).
+  spec, naming the field), :class:`ApiError` and :class:`ConnectionFailed` (the service);
+  :class:`SpecWarning`, the category of a spec's accepted settings that have no effect.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _PUBLIC = {
     "RunResult": "dynabatch.embedded",
     "JobSpec": "dynabatch.actors.spec",
     "SpecError": "dynabatch.actors.spec",
+    "SpecWarning": "dynabatch.actors.spec",
     "ApiError": "dynabatch.service.client",
     "ConnectionFailed": "dynabatch.service.client",
 }

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from dynabatch.actors.spec import SpecError
+from dynabatch.actors.spec import SpecError, SpecWarning
 from dynabatch.api.cli.common import CliError, check_job_id, check_worker
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, LogLine
@@ -89,10 +89,10 @@ class Client:
         ``working_dir`` is shipped the same way. The service's warnings about the spec are
         issued as Python warnings and kept in :attr:`Job.warnings`. Raises
         :class:`SpecError` before anything is sent when the spec is not valid."""
-        data, _, what = resolve_spec(spec, working_dir=working_dir)
+        data, _, what = resolve_spec(spec, working_dir=working_dir, warn_at=None)
         submitted = self.call(self.api.submit_with_code, data, what=what)
         for w in submitted.warnings:
-            warnings.warn(f"job {submitted.job_id}: {w}", stacklevel=2)
+            warnings.warn(f"job {submitted.job_id}: {w}", SpecWarning, stacklevel=2)
         return Job(self, submitted.job_id, warnings=list(submitted.warnings))
 
     def job(self, job_id: str) -> Job:

@@ -9,26 +9,43 @@ checked, and the spec validated, before anything is sent or started. Every probl
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from dynabatch.actors.spec import JobSpec, SpecError
+from dynabatch.actors.spec import JobSpec, SpecError, SpecWarning
 from dynabatch.api.cli.common import CliError
-from dynabatch.api.cli.config import mapping_config, read_config
+from dynabatch.api.cli.config import mapping_config, read_config, spec_warnings_caught
 
 # What the Python API accepts as a job: a spec, its fields, or a YAML (or JSON) file's path.
 SpecLike: TypeAlias = JobSpec | dict[str, Any] | str | os.PathLike[str]
 
 
 def resolve_spec(
-    spec: SpecLike, *, working_dir: str | os.PathLike[str] | None = None
+    spec: SpecLike, *, working_dir: str | os.PathLike[str] | None = None,
+    warn_at: int | None = 3,
 ) -> tuple[dict[str, Any], JobSpec, str]:
     """``spec`` as the mapping to send, the validated spec, and what its local
     ``working_dir`` is called in errors (the argument, or the file's field).
 
     A file's own relative ``working_dir`` is read from the file's folder, a mapping's from
     the current directory; ``working_dir`` (relative to the current directory) overrides
-    either. Raises :class:`SpecError` (one line naming the field) for any problem."""
+    either. Raises :class:`SpecError` (one line naming the field) for any problem.
+
+    The spec's warnings (:class:`SpecWarning`) are issued at the frame ``warn_at`` levels up
+    (3: the line that called the caller, ``dynabatch.run(...)`` in the user's code), not in
+    pydantic; None: not issued (``Client.submit`` issues the service's copy instead)."""
+    with spec_warnings_caught() as messages:
+        out = _resolve(spec, working_dir)
+    if warn_at is not None:
+        for m in messages:
+            warnings.warn(m, SpecWarning, stacklevel=warn_at)
+    return out
+
+
+def _resolve(
+    spec: SpecLike, working_dir: str | os.PathLike[str] | None
+) -> tuple[dict[str, Any], JobSpec, str]:
     override = Path(working_dir) if working_dir is not None else None
     try:
         if isinstance(spec, str | os.PathLike):

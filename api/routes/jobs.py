@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 from typing import Annotated
 
-from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.spec import JobSpec, SpecWarning
 from dynabatch.api.cached import JobViews
 from dynabatch.api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, WorkerId, require_token
 from dynabatch.scheduler.core.lifecycle import JobState
@@ -54,7 +54,7 @@ def _spec_warnings(spec: JobSpec) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         JobSpec.model_validate(spec.model_dump())
-    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    return [str(w.message) for w in caught if issubclass(w.category, SpecWarning)]
 
 
 @router.post(

@@ -21,8 +21,13 @@ from tests.e2e.procs import BIN, _session_pids, base_env, find_free_port, tail, 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 STOP_LIMIT_S = 5.0
+# Its worker sleeps 10x its compute (nothing here needs it fast). The second slowdown is for
+# a worker a scale request would add: accepted with a warning, which goes back to the
+# submitter and stays out of the service's log (Python's form would point into pydantic).
 JOB = {"name": "signals", "dataset": {"name": "synthetic"}, "workers": 1, "global_batch": 32,
-       "epochs": 500, "spares": 0}
+       "epochs": 500, "spares": 0, "emulation": {"slowdowns": [10, 10]}}
+JOB_WARNING = ("emulation.slowdowns has 2 entries; entries past 1 apply only to workers that "
+               "a scale request adds beyond workers (1)")
 
 
 def _serve(tmp_path: Path, name: str) -> tuple[subprocess.Popen[bytes], str, Path]:
@@ -57,7 +62,9 @@ def test_serve_stops_within_5s_with_status_0(tmp_path: Path, how: str) -> None:
     try:
         job = None
         if how == "group-sigterm":  # with a job training: its end is recorded
-            job = httpx.post(f"{url}/v1/jobs", json=JOB, timeout=30).json()["job_id"]
+            submitted = httpx.post(f"{url}/v1/jobs", json=JOB, timeout=30).json()
+            job = submitted["job_id"]
+            assert submitted["warnings"] == [JOB_WARNING], submitted
             wait_for("the job to run", lambda: httpx.get(
                 f"{url}/v1/jobs/{job}", timeout=5).json()["state"] == "RUNNING", timeout=120)
         start = time.monotonic()
@@ -80,6 +87,7 @@ def test_serve_stops_within_5s_with_status_0(tmp_path: Path, how: str) -> None:
             store.close()
             assert rec is not None and rec.state.value == "FAILED", rec
             assert "embedded Ray cluster ended" in (rec.reason or "")
+            assert JOB_WARNING not in log.read_text(errors="replace"), tail(log)
     finally:
         for pid in _session_pids(proc.pid):
             with contextlib.suppress(ProcessLookupError):

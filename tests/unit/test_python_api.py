@@ -4,6 +4,7 @@ real app in-process, with a fake cluster: what a user's script sees, and the CLI
 from __future__ import annotations
 
 import io
+import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,7 @@ import dynabatch
 import pytest
 import torch
 import typer
-from dynabatch import ApiError, Client, JobSpec, SpecError
+from dynabatch import ApiError, Client, JobSpec, SpecError, SpecWarning
 from dynabatch.actors.export import load_model
 from dynabatch.actors.spec import parse_spec
 from dynabatch.api.cli import job_commands as jobs_cli
@@ -254,3 +255,35 @@ def test_run_refuses_a_bad_spec_before_ray_starts(monkeypatch: pytest.MonkeyPatc
     assert str(err.value) == "model.options: unknown option 'layerz' for mlp (allowed: layers)"
     with pytest.raises(ValueError, match=r"^scheduler: needs address"):
         dynabatch.run(SPEC, scheduler=True)
+
+
+# Accepted with a warning: the third slowdown applies only to a worker a scale request adds.
+WARNED = {**SPEC, "emulation": {"slowdowns": [1, 2, 3]}}
+WARNING = ("emulation.slowdowns has 3 entries; entries past 2 apply only to workers that a "
+           "scale request adds beyond workers (2)")
+
+
+def test_a_specs_warning_points_at_the_users_line_once(
+    server: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dynabatch.run`` issues the spec's warning at the user's call, not inside pydantic;
+    ``Client.submit`` issues the service's copy alone (the local validation's would repeat
+    it), with the job's id."""
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *_, **__: pytest.fail("Ray was started"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.warns(SpecWarning) as caught, pytest.raises(ValueError, match=r"^scheduler"):
+        dynabatch.run(WARNED, scheduler=True)  # stops before Ray, after the spec is read
+    assert [(str(w.message), w.filename) for w in caught] == [(WARNING, __file__)]
+
+    client = Client(http=server())
+    with pytest.warns(SpecWarning) as caught:
+        # The service runs in this process here, and FastAPI's reading of the body (a
+        # pydantic TypeAdapter) warns in it too; `dynabatch serve` keeps that copy out of
+        # its own log (test_serve_signals.py).
+        warnings.filterwarnings("ignore", category=SpecWarning, module=r"pydantic\.type_adapter")
+        job = client.submit(WARNED)
+    assert [(str(w.message), w.filename) for w in caught] == [
+        (f"job {job.id}: {WARNING}", __file__)]
+    assert job.warnings == [WARNING]
