@@ -12,7 +12,13 @@ What a spec submitted over REST may name is the service's policy:
 :mod:`dynabatch.service.submit_policy`.
 """
 
-from dynabatch.actors.spec.loading import SpecError, format_validation_error, load_spec, parse_spec
+from dynabatch.actors.spec.loading import (
+    SpecError,
+    format_validation_error,
+    load_spec,
+    parse_spec,
+    spec_warnings_caught,
+)
 from dynabatch.actors.spec.schema import MAX_WORKERS, POLICIES, JobSpec
 from dynabatch.actors.spec.sections import (
     BUILTIN_DATASETS,
@@ -77,4 +83,5 @@ __all__ = [
     "format_validation_error",
     "load_spec",
     "parse_spec",
+    "spec_warnings_caught",
 ]

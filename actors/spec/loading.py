@@ -1,16 +1,22 @@
 """Reading a job spec from a mapping or a YAML (or JSON) file, with one-line errors.
 
 ``str(SpecError)`` is always a single line: one ``field: problem`` entry per problem (every
-invalid combination its own entry), joined by ``; ``.
+invalid combination its own entry), joined by ``; ``. A setting accepted but without effect
+is a :class:`SpecWarning`, which :func:`spec_warnings_caught` collects for a front end to
+show as its own.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
 from dynabatch.actors.spec.schema import JobSpec
+from dynabatch.actors.spec.sections import SpecWarning
 from dynabatch.actors.spec.validation import CombinationError
 from pydantic import ValidationError
 
@@ -66,3 +72,25 @@ def load_spec(path: str | Path) -> JobSpec:
         raise SpecError([f"not valid YAML ({err})".replace("\n", " ")]) from None
     return parse_spec(data)
 
+
+
+@contextmanager
+def spec_warnings_caught() -> Iterator[list[str]]:
+    """Collect the :class:`SpecWarning`\\ s that validating a spec in the block raises,
+    instead of letting Python show them in its form, whose file and line point into
+    pydantic. Yields the list their messages are put in (filled when the block ends), for
+    the caller to show as its own (the CLI's lines, the REST reply, the Python API's warning
+    at the user's line). Warnings of other kinds go on as they came, also when the block
+    raises."""
+    messages: list[str] = []
+    caught: list[warnings.WarningMessage] | None = None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield messages
+    finally:  # outside catch_warnings: re-issued warnings reach the caller's filters
+        for w in caught or ():
+            if issubclass(w.category, SpecWarning):
+                messages.append(str(w.message))
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 import yaml
-from dynabatch.actors.spec import JobSpec, SpecError, SpecWarning, parse_spec
+from dynabatch.actors.spec import JobSpec, SpecError, parse_spec, spec_warnings_caught
 from dynabatch.api.cli.common import CliError, one_line, print_plain, stderr
 from dynabatch.service.code_store import local_working_dir
 
@@ -27,23 +26,6 @@ from dynabatch.service.code_store import local_working_dir
 SetOption = Annotated[list[str] | None, typer.Option(
     "--set", metavar="FIELD=VALUE", help="Override a field of the config, e.g. "
     "--set epochs=3 --set optimizer.lr=0.01 (repeatable; the value is YAML).")]
-
-@contextmanager
-def spec_warnings_caught() -> Iterator[list[str]]:
-    """Collect the warnings that validating a spec in the block raises (:class:`SpecWarning`:
-    accepted settings with no effect) instead of letting Python show them in its form, whose
-    file and line point into pydantic. Yields the list their messages are put in (filled
-    when the block ends), for the caller to show as its own. Warnings of other kinds go on
-    as they came."""
-    messages: list[str] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield messages
-    for w in caught:
-        if issubclass(w.category, SpecWarning):
-            messages.append(str(w.message))
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 @contextmanager

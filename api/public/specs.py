@@ -13,9 +13,9 @@ import warnings
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from dynabatch.actors.spec import JobSpec, SpecError, SpecWarning
+from dynabatch.actors.spec import JobSpec, SpecError, SpecWarning, spec_warnings_caught
 from dynabatch.api.cli.common import CliError
-from dynabatch.api.cli.config import mapping_config, read_config, spec_warnings_caught
+from dynabatch.api.cli.config import mapping_config, read_config
 
 # What the Python API accepts as a job: a spec, its fields, or a YAML (or JSON) file's path.
 SpecLike: TypeAlias = JobSpec | dict[str, Any] | str | os.PathLike[str]

@@ -5,10 +5,9 @@ Thin: JobService does the work.
 
 from __future__ import annotations
 
-import warnings
 from typing import Annotated
 
-from dynabatch.actors.spec import JobSpec, SpecWarning
+from dynabatch.actors.spec import JobSpec, spec_warnings_caught
 from dynabatch.api.cached import JobViews
 from dynabatch.api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, WorkerId, require_token
 from dynabatch.scheduler.core.lifecycle import JobState
@@ -51,10 +50,9 @@ _SPEC_EXAMPLES = {
 
 def _spec_warnings(spec: JobSpec) -> list[str]:
     """Warnings (accepted settings with no effect) that validating this spec raises."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with spec_warnings_caught() as messages:
         JobSpec.model_validate(spec.model_dump())
-    return [str(w.message) for w in caught if issubclass(w.category, SpecWarning)]
+    return messages
 
 
 @router.post(

@@ -47,7 +47,9 @@ RATE_INTERVAL = "10s"  # Grafana's $__rate_interval for a 1 s scrape interval, w
 API_JOB = "dynabatch-api"
 
 # A job that runs until the test cancels it: two workers, one emulated twice as slow, so the
-# policy rebalances and every per-worker series moves.
+# policy rebalances and every per-worker series moves. Both sleep 10x and 20x their compute:
+# the test waits for 15 s of samples, not for training, and at full speed the jobs' workers
+# would take the 2 cores.
 JOB_SPEC = {
     "name": "deploy-live",
     "dataset": {"name": "digits", "limit": 480},
@@ -180,7 +182,7 @@ def has_finite_value(result: list[dict[str, Any]]) -> bool:
     return False
 
 # The parameter-server panels need a job with protocol ps: asynchronous, two learners, one
-# emulated twice as slow, so staleness differs per learner.
+# emulated twice as slow (10x and 20x, as the sync job), so staleness differs per learner.
 PS_JOB_SPEC = {
     "name": "deploy-live-ps",
     "dataset": {"name": "digits", "limit": 480},

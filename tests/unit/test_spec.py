@@ -306,6 +306,20 @@ def test_extra_slowdowns_are_for_later_joiners_and_warn_past_max_workers():
         parse_spec({"workers": 2, "max_workers": 3, "emulation": {"slowdowns": [1] * 5}})
 
 
+def test_spec_warnings_caught_keeps_the_specs_and_passes_the_rest_on_even_when_it_raises():
+    from dynabatch.actors.spec import SpecWarning, spec_warnings_caught
+
+    with (pytest.warns(DeprecationWarning, match="other") as rest, pytest.raises(SpecError),
+          spec_warnings_caught() as messages):
+        warnings.warn("other", DeprecationWarning, stacklevel=1)
+        parse_spec({"workers": 2, "emulation": {"slowdowns": [1, 1, 1]}})
+        parse_spec({"epochs": 0})
+    assert [w.category for w in rest] == [DeprecationWarning]  # not the spec's
+    assert messages == ["emulation.slowdowns has 3 entries; entries past 2 apply only to "
+                        "workers that a scale request adds beyond workers (2)"]
+    assert issubclass(SpecWarning, UserWarning)
+
+
 # Strict integers -------------------------------------------------------------------------
 # Every integer field of the spec, with how to put a value there. A field added to the
 # schema without a line here fails test_every_integer_field_is_listed.
