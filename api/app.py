@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from dynabatch.actors.spec import spec_warnings_silenced
 from dynabatch.api.cached import JobViews
 from dynabatch.api.metrics import (
     Exposition,
@@ -192,10 +193,28 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
 
+class _SpecWarningsSilenced:
+    """Requests are answered without issuing a spec's :class:`SpecWarning`\\ s in the
+    service's process (FastAPI's reading of a body, its re-validation of an answer that
+    holds a stored spec): the submitter gets them in the reply's ``warnings``
+    (``api/routes/jobs.py``), and the service's log never shows them."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        with spec_warnings_silenced():  # this request's task only (a context variable)
+            await self.app(scope, receive, send)
+
+
 class _App(FastAPI):
     def build_middleware_stack(self) -> ASGIApp:
         # Around everything, FastAPI's body limit included: see api/too_large.py.
-        return JsonTooLarge(super().build_middleware_stack(), self.max_body_size)
+        return _SpecWarningsSilenced(
+            JsonTooLarge(super().build_middleware_stack(), self.max_body_size))
 
 
 def create_app(

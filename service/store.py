@@ -21,7 +21,6 @@ import itertools
 import sqlite3
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.spec import JobSpec, spec_warnings_silenced
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 
@@ -151,8 +150,8 @@ class _Parsed:
 
 
 def _load_spec(text: str) -> JobSpec:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    # A stored spec was warned about when it was submitted; reading it back says nothing.
+    with spec_warnings_silenced():
         return JobSpec.model_validate_json(text)
 
 

@@ -8,7 +8,6 @@ show as its own.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 
 import yaml
 from dynabatch.actors.spec.schema import JobSpec
-from dynabatch.actors.spec.sections import SpecWarning
+from dynabatch.actors.spec.sections import SPEC_WARNINGS_SINK
 from dynabatch.actors.spec.validation import CombinationError
 from pydantic import ValidationError
 
@@ -73,24 +72,27 @@ def load_spec(path: str | Path) -> JobSpec:
     return parse_spec(data)
 
 
-
 @contextmanager
 def spec_warnings_caught() -> Iterator[list[str]]:
-    """Collect the :class:`SpecWarning`\\ s that validating a spec in the block raises,
-    instead of letting Python show them in its form, whose file and line point into
-    pydantic. Yields the list their messages are put in (filled when the block ends), for
-    the caller to show as its own (the CLI's lines, the REST reply, the Python API's warning
-    at the user's line). Warnings of other kinds go on as they came, also when the block
-    raises."""
+    """Collect the :class:`SpecWarning`\\ s that validating a spec in the block raises
+    (each message once), instead of letting Python show them in its form, whose file and
+    line point into pydantic. Yields the list their messages are put in, for the caller to
+    show as its own (the CLI's lines, the REST reply, the Python API's warning at the
+    user's line). Only this thread's (or task's) validations are collected, and no
+    ``warnings`` filter changes: warnings of other kinds, and other threads' spec
+    warnings, go on as they come, also when the block raises."""
     messages: list[str] = []
-    caught: list[warnings.WarningMessage] | None = None
+    token = SPEC_WARNINGS_SINK.set(messages)
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield messages
-    finally:  # outside catch_warnings: re-issued warnings reach the caller's filters
-        for w in caught or ():
-            if issubclass(w.category, SpecWarning):
-                messages.append(str(w.message))
-            else:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        yield messages
+    finally:
+        SPEC_WARNINGS_SINK.reset(token)
+
+
+@contextmanager
+def spec_warnings_silenced() -> Iterator[None]:
+    """Validate specs in the block without issuing their :class:`SpecWarning`\\ s: a spec
+    read back (a stored job, the service's answer about one) was warned about once, when
+    it was submitted, and a read never says it again."""
+    with spec_warnings_caught():
+        yield

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import re
 import warnings
+from contextvars import ContextVar
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -31,6 +32,25 @@ class SpecWarning(UserWarning):
     message). Its own category, so that a front end can show these as its own lines (the
     CLI's ``warning: FILE: ...``, the REST reply's ``warnings``) and leave other warnings
     as Python shows them."""
+
+
+# Where the SpecWarnings of the spec being validated go, in this thread or task: a list of
+# their messages (``spec_warnings_caught``, ``spec_warnings_silenced``), or None: issued
+# as Python warnings. A context variable, not a ``warnings`` filter: the service validates
+# specs on several threads at once, and a process-wide filter set for one request changed
+# what another thread's validation showed.
+SPEC_WARNINGS_SINK: ContextVar[list[str] | None] = ContextVar(
+    "dynabatch_spec_warnings", default=None)
+
+
+def warn_spec(message: str, stacklevel: int = 2) -> None:
+    """Issue a :class:`SpecWarning`: into the collecting front end's list when one is
+    collecting (once per message), else as a Python warning ``stacklevel`` frames up."""
+    sink = SPEC_WARNINGS_SINK.get()
+    if sink is None:
+        warnings.warn(message, SpecWarning, stacklevel=stacklevel + 1)
+    elif message not in sink:
+        sink.append(message)
 
 
 # The grammar dynabatch.actors.workloads.imports resolves: dotted module names, then one attribute.
@@ -352,8 +372,7 @@ class OptimizerSpec(_Strict):
     @model_validator(mode="after")
     def _ignored(self) -> OptimizerSpec:
         if self.name in ("adam", "adamw") and self.momentum:
-            warnings.warn(f"optimizer.momentum is ignored by {self.name}", SpecWarning,
-                          stacklevel=2)
+            warn_spec(f"optimizer.momentum is ignored by {self.name}")
         if self.options and self.name in BUILTIN_OPTIMIZERS:
             raise ValueError(f"options are for a torch.optim class or 'pkg.mod:make', not "
                              f"{self.name} (its fields are lr, momentum, nesterov and "

@@ -10,7 +10,6 @@ problem`` line each; a value that is accepted but ignored produces a ``SpecWarni
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -20,8 +19,8 @@ from dynabatch.actors.spec.sections import (
     LrScheduleSpec,
     ProtocolSpec,
     RebalanceSpec,
-    SpecWarning,
     hf_option_problems,
+    warn_spec,
 )
 
 if TYPE_CHECKING:
@@ -107,40 +106,34 @@ def check_combinations(spec: JobSpec) -> None:
         # Not "ignored": a scale request is an explicit size and may go past max_workers
         # (Membership.request_scale), and the workers it adds take these entries.
         bound = "max_workers" if spec.max_workers else "workers"
-        warnings.warn(
+        warn_spec(
             f"emulation.slowdowns has {len(slow)} entries; entries past {most} apply only "
-            f"to workers that a scale request adds beyond {bound} ({most})",
-            SpecWarning,
-            stacklevel=3,
-        )
+            f"to workers that a scale request adds beyond {bound} ({most})", stacklevel=3)
     rb = spec.rebalance
     # Against the default, as the other warnings: a stored spec read back has every field set.
     if rb.threshold != type(rb).model_fields["threshold"].default and (
             spec.protocol.name == "sync") and rb.min_gain(spec.policy) is None:
         why = (f"rebalance mode {rb.mode} re-plans at fixed points"
                if rb.mode != "adaptive" else "policy static never re-sizes")
-        warnings.warn(f"rebalance.threshold is ignored: {why} (it applies to "
-                      "rebalance: adaptive with dbs or affine)", SpecWarning, stacklevel=3)
+        warn_spec(f"rebalance.threshold is ignored: {why} (it applies to "
+                  "rebalance: adaptive with dbs or affine)", stacklevel=3)
     if spec.precision != "fp32" and spec.protocol.name != "sync":
-        warnings.warn(f"precision {spec.precision} is ignored by protocol "
-                      f"{spec.protocol.name} (it applies to the sync protocol's workers)",
-                      SpecWarning, stacklevel=3)
+        warn_spec(f"precision {spec.precision} is ignored by protocol "
+                  f"{spec.protocol.name} (it applies to the sync protocol's workers)",
+                  stacklevel=3)
     elif spec.precision == "tf32" and (spec.device == "cpu" or spec.worker_gpus == 0):
-        warnings.warn("precision tf32 is ignored on the CPU (TF32 is a CUDA matmul mode): "
-                      "the job trains in fp32", SpecWarning, stacklevel=3)
+        warn_spec("precision tf32 is ignored on the CPU (TF32 is a CUDA matmul mode): "
+                  "the job trains in fp32", stacklevel=3)
     speed = [f for f, on in (("channels_last", spec.channels_last),
                              ("compile", spec.compile is not None)) if on]
     if speed and spec.protocol.name != "sync":
-        warnings.warn(f"{' and '.join(speed)} ignored by protocol {spec.protocol.name} (it "
-                      "applies to the sync protocol's workers)", SpecWarning, stacklevel=3)
+        warn_spec(f"{' and '.join(speed)} ignored by protocol {spec.protocol.name} (it "
+                  "applies to the sync protocol's workers)", stacklevel=3)
     for d in spec.emulation.disturbances:
         if d.epoch >= spec.epochs:
-            warnings.warn(
+            warn_spec(
                 f"emulation disturbance at epoch {d.epoch} is ignored: the job has "
-                f"{spec.epochs} epochs",
-                SpecWarning,
-                stacklevel=3,
-            )
+                f"{spec.epochs} epochs", stacklevel=3)
 
 
 def _schedule_problems(spec: JobSpec, bad: Bad, n: int | None) -> None:
@@ -341,6 +334,6 @@ def _ps_warnings(spec: JobSpec) -> None:
     if p.name == "ps" and p.mode == "hardsync":
         for f in ("max_staleness", "lr_staleness", "on_stale"):
             if getattr(p, f) != getattr(ProtocolSpec(), f):
-                warnings.warn(f"protocol.{f} is ignored by mode hardsync (staleness is always "
-                              "0)", SpecWarning, stacklevel=4)
+                warn_spec(f"protocol.{f} is ignored by mode hardsync (staleness is always "
+                          "0)", stacklevel=4)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from dynabatch.actors.spec import SpecWarning
+from dynabatch.actors.spec import SpecWarning, spec_warnings_silenced
 from dynabatch.api.cli.common import (
     CliError,
     api_client,
@@ -345,7 +345,8 @@ def _follow(client: DynabatchClient, job_id: str, interval: float) -> int:
                 print_plain(live.console, log_text(data["time"], data["level"],
                                                    data["message"]))
             elif event in ("job", "end"):
-                final = JobDetail.model_validate(data)
+                with spec_warnings_silenced():  # read back: warned at the submission
+                    final = JobDetail.model_validate(data)
                 live.update(_job_table(final), refresh=True)
     if final is None:  # pragma: no cover - the server always ends with `end`
         final = client.get(job_id)
