@@ -269,7 +269,7 @@ class StepTelemetry(_Frozen):
         "samples per second of its threads' time (None: nothing read, or in memory).")
 
 
-ErrorKind = Literal["peer", "compute", "oom"]
+ErrorKind = Literal["peer", "compute", "oom", "user"]
 
 
 class SegmentResult(_Frozen):
@@ -277,7 +277,9 @@ class SegmentResult(_Frozen):
 
     ``error_kind`` tells why it stopped early: ``peer`` when the collective failed (a peer
     died, left or timed out: retryable), ``compute`` when this worker's own step raised
-    (gather, forward, backward or optimizer: possibly deterministic), ``oom`` when its
+    (gather, forward, backward or optimizer: possibly deterministic), ``user`` when that
+    error is one in the job's own data, model or configuration (deterministic: the job
+    fails at once, :class:`~dynabatch.actors.errors.UserError`), ``oom`` when its
     forward or backward ran out of device memory on a micro-batch of ``oom_batch``
     samples (retried with a smaller memory cap). ``failed_compute_s`` is how long the
     failed step computed before the collective, which tells a straggler.

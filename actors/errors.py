@@ -42,3 +42,18 @@ class TransportError(Exception):
     pipe") as a plain ``OSError``, which reads like an error the worker's code raised; a
     worker re-raises it as this, so whoever classifies the failure counts the worker lost
     (its node or process went), not wrong."""
+
+
+class UserError(Exception):
+    """A mark on an error in the job's own data, model or configuration (a token id beyond
+    the model's vocabulary, dict samples whose keys differ): the same step fails the same
+    way on any node, so the job fails at once, naming it, instead of retrying it as a
+    fault (``scheduler/core/failures.py``). Mixed into the error's own class, e.g.
+    ``class TokenIdError(WorkloadError, UserError)``."""
+
+
+def is_user_error(err: BaseException) -> bool:
+    """Whether ``err``, or what a Ray task error says its task raised (its ``cause``), is a
+    :class:`UserError`."""
+    cause = getattr(err, "cause", None)
+    return isinstance(err, UserError) or isinstance(cause, UserError)

@@ -54,7 +54,7 @@ from dynabatch.actors.contracts import (
 )
 from dynabatch.actors.device_data import WorkerData, data_budget, model_bytes
 from dynabatch.actors.emulation import ComputeClock, error_at, node_slowdown, slowdown_at
-from dynabatch.actors.errors import first_line, is_out_of_memory
+from dynabatch.actors.errors import first_line, is_out_of_memory, is_user_error
 from dynabatch.actors.group import ProcessGroup, Rendezvous, gpu_key
 from dynabatch.actors.instrumentation import Instrumentation
 from dynabatch.actors.optim import build_optimizer
@@ -419,7 +419,9 @@ class Worker(Instrumentation):
                 # driver halves its memory cap and retries the step (scheduler/core/failures.py).
                 raise _StepFailed("oom", err, clock.finish(1.0),
                                   largest_micro(sp.own_size, self._cap)) from err
-            raise _StepFailed("compute", err, clock.finish(1.0)) from err
+            # An error in the job's data, model or configuration fails it at once.
+            kind = "user" if is_user_error(err) else "compute"
+            raise _StepFailed(kind, err, clock.finish(1.0)) from err
         compute = clock.finish(factor)  # sleeps what is left of an emulated slowdown
         # The time the step blocked for its samples (0 when read-ahead hid it) is compute:
         # a worker whose loader cannot keep up gets the share its loader feeds.

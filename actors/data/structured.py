@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from dynabatch.actors.batch import Tree
 from dynabatch.actors.data.source import DataError, SampleError
-from dynabatch.actors.errors import first_line
+from dynabatch.actors.errors import UserError, first_line
 from torch.utils._pytree import keystr, tree_flatten_with_path
 from torch.utils.data import default_collate
 
@@ -86,6 +86,11 @@ def _form(value: Any) -> str:
     return "one tensor"
 
 
+class FormError(DataError, UserError):
+    """Samples whose inputs differ in form (dict keys, tuple length): an error in the
+    dataset itself, the same on every node, so the job fails at once (not retried)."""
+
+
 def check_same_form(samples: Sequence[tuple[Any, Any]], ids: Sequence[int], field: str) -> None:
     """Every sample's input has the first one's form (the same dict keys, the same tuple
     length), or a DataError naming both samples and both forms."""
@@ -93,7 +98,7 @@ def check_same_form(samples: Sequence[tuple[Any, Any]], ids: Sequence[int], fiel
     for j in range(1, len(samples)):
         form = _form(samples[j][0])
         if form != first:
-            raise DataError(
+            raise FormError(
                 f"{field}: sample {int(ids[j])}'s input has {form}, but sample "
                 f"{int(ids[0])}'s has {first}"
             )

@@ -26,6 +26,7 @@ import difflib
 import inspect
 from typing import Any
 
+from dynabatch.actors.errors import UserError
 from dynabatch.actors.spec import ModelSpec
 from dynabatch.actors.spec.sections import HF_TASKS, hf_option_problems
 from dynabatch.actors.workloads import WorkloadError
@@ -39,6 +40,11 @@ AUTO_CLASSES = {
 # Special token ids that a config's defaults may put outside a small vocabulary.
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 FIELD = "model.options.config"
+
+
+class TokenIdError(WorkloadError, UserError):
+    """A token id at or above the model's ``vocab_size`` (or below 0): an error in the
+    job's data or model, the same on every node, so the job fails at once naming it."""
 
 
 def _transformers() -> Any:
@@ -159,9 +165,52 @@ def build_hf(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) ->
             f"model_type {cfg.model_type!r}"
         )
     try:
-        return auto.from_config(cfg)
+        return guard_token_ids(auto.from_config(cfg), f"{FIELD}.vocab_size")
     except Exception as err:
         raise WorkloadError(
             f"{FIELD}: building the {cfg.model_type} model failed "
             f"({type(err).__name__}: {one_line(str(err))})"
         ) from err
+
+
+# --------------------------------------------------------------------- token id checks
+
+def _token_problem(lo: int, hi: int, vocab: int, field: str, where: str) -> str | None:
+    """The one line for ids spanning ``lo..hi`` against ``vocab`` rows, or None."""
+    if lo < 0:
+        return (f"{field}: token id {lo} in {where} is negative (the model's ids are "
+                f"0..{vocab - 1}): padding belongs in attention_mask, not in input_ids")
+    if hi >= vocab:
+        return (f"{field}: token id {hi} in {where} is at or above the model's vocab_size "
+                f"{vocab} (its ids are 0..{vocab - 1}): set vocab_size to at least {hi + 1}, "
+                "or use the tokenizer the model was made for")
+    return None
+
+
+def guard_token_ids(model: Any, field: str) -> Any:
+    """Check every batch's ``input_ids`` before the model's embedding looks them up: an id
+    outside the embedding is a :class:`TokenIdError` naming the largest (or a negative)
+    id, the ``vocab_size`` and ``field``, not torch's ``IndexError: index out of range in
+    self`` (on a GPU, a device-side assert that ends the process). A forward pre-hook, kept
+    out of ``torch.compile``'s graph; on a GPU it costs one small synchronisation a
+    forward. Returns ``model``."""
+    import torch
+
+    embedding = model.get_input_embeddings()
+    vocab = getattr(embedding, "num_embeddings", None)
+    if not isinstance(vocab, int):
+        return model
+
+    @torch.compiler.disable
+    def check(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, torch.Tensor) or not ids.numel() or ids.is_floating_point():
+            return
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        problem = _token_problem(lo, hi, vocab, field, "the batch's input_ids")
+        if problem is not None:
+            raise TokenIdError(problem)
+
+    model.register_forward_pre_hook(check, with_kwargs=True)
+    return model
+

@@ -10,6 +10,10 @@ Every failure is classified:
 * **deterministic**: a worker's own step raised (an exception in the model or the loss,
   an injected error). The step is retried up to ``max_retries`` times; then the job fails
   with that error;
+* **user error**: what a worker's step raised is an error in the job's own data, model or
+  configuration (:class:`~dynabatch.actors.errors.UserError`: a token id at or above the
+  model's ``vocab_size``, dict samples whose keys differ). It fails the same way on every
+  node, so it is not a fault: the job fails at once, naming it, without retries;
 * **out of memory**: a worker's forward or backward ran out of device memory on a
   micro-batch of b samples. Its node and device's memory cap becomes b // 2
   (:class:`MemoryCaps`; every later plan of a worker there carries it, so a replacement
@@ -59,12 +63,14 @@ class Failure:
     peer_errors: tuple[str, ...] = ()
     # worker -> (its error, the micro-batch that did not fit its device's memory)
     oom: dict[str, tuple[str, int]] = field(default_factory=dict)
+    user: dict[str, str] = field(default_factory=dict)  # worker -> its error (not retried)
 
     @property
     def summary(self) -> str:
         parts = [f"{w} {r}" for w, r in self.lost.items()]
         parts += [f"{w} straggler: {r}" for w, r in self.stragglers.items()]
         parts += [f"{w} raised {e}" for w, e in self.compute.items()]
+        parts += [f"{w} raised {e}" for w, e in self.user.items()]
         parts += [f"{w} ran out of memory on a micro-batch of {b}: {e}"
                   for w, (e, b) in self.oom.items()]
         if not parts and self.peer_errors:
@@ -80,9 +86,10 @@ def classify(outcomes: list[WorkerOutcome], collective_timeout_s: float) -> Fail
     answered = [o.result for o in outcomes if o.result is not None and o.result.error]
     compute = {r.worker: r.error for r in answered if r.error_kind == "compute"}
     oom = {r.worker: (r.error, r.oom_batch or 0) for r in answered if r.error_kind == "oom"}
-    peer = tuple(r.error for r in answered if r.error_kind not in ("compute", "oom"))
+    user = {r.worker: r.error for r in answered if r.error_kind == "user"}
+    peer = tuple(r.error for r in answered if r.error_kind not in ("compute", "oom", "user"))
     stragglers: dict[str, str] = {}
-    if not lost and not compute and not oom and answered:
+    if not lost and not compute and not oom and not user and answered:
         slow = max(answered, key=lambda r: r.failed_compute_s or 0.0)
         took = slow.failed_compute_s or 0.0
         if took > STRAGGLER_FRACTION * collective_timeout_s:
@@ -91,7 +98,7 @@ def classify(outcomes: list[WorkerOutcome], collective_timeout_s: float) -> Fail
                 f"{collective_timeout_s:g} allows its peers to wait"
             )
     return Failure(lost=lost, stragglers=stragglers, compute=compute, peer_errors=peer,
-                   oom=oom)
+                   oom=oom, user=user)
 
 
 @dataclass
@@ -144,6 +151,9 @@ class RetryBudget:
         if position != self.position:
             self.position, self.compute_failures, self.unexplained = position, 0, 0
         where = f"epoch {position.epoch} step {position.step}"
+        for worker, error in failure.user.items():
+            return (f"worker {worker} failed at {where} with {error} (an error in the job's "
+                    "data, model or configuration: not retried)")
         for worker, (error, batch) in failure.oom.items():
             if batch <= 1:
                 return (f"worker {worker} ran out of memory at {where} on a micro-batch of "

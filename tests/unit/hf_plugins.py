@@ -60,3 +60,27 @@ def raises(outputs: Any) -> torch.Tensor:
 def tuple_ce(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
     """A user's loss that takes the tuple apart itself: no adapter needed."""
     return nn.functional.cross_entropy(outputs[0], targets, reduction="none")
+
+
+class TokenClasses(torch.utils.data.Dataset):
+    """A map-style dataset of token id sequences (``{"input_ids": ...}``, as a tokenizer
+    gives them) and 3 classes; the largest id,
+    ``vocab - 1``, is in sample 0, the one the load-time check of the objective reads."""
+
+    num_classes = 3
+
+    def __init__(self, vocab: int, n: int = 32, t: int = 8):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randint(0, min(vocab, 40), (n, t), generator=g)
+        self.x[0, 5] = vocab - 1
+        self.y = torch.arange(n) % 3
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        return {"input_ids": self.x[i]}, self.y[i]
+
+
+def token_classes(vocab: int, n: int = 32, t: int = 8) -> TokenClasses:
+    return TokenClasses(vocab, n, t)

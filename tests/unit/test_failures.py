@@ -99,3 +99,30 @@ def test_regroup_failures_do_not_touch_the_segment_retries():
     assert budget.retrying and budget.regroup_failed(False, "x") is None
     budget.succeeded()
     assert not budget.retrying
+
+
+def test_a_user_error_fails_the_job_at_once_naming_it():
+    """An error in the job's data, model or configuration (error_kind user: a token id
+    beyond the vocabulary, dict samples whose keys differ) fails the same way on every node:
+    the first one fails the job, with no retries, and says it is not a fault."""
+    f = classify([_res("w0", "peer"), _res("w1", "user", took=50.0)], 10)
+    assert f.user == {"w1": "user error"}
+    assert not f.compute and not f.stragglers
+    verdict = RetryBudget(2).failed(Position(0, 3), f)
+    assert verdict == ("worker w1 failed at epoch 0 step 3 with user error (an error in the "
+                       "job's data, model or configuration: not retried)")
+    assert "user error" in f.summary
+
+
+def test_a_user_error_is_told_from_its_mark_or_its_ray_cause():
+    from dynabatch.actors.data.source import DataError
+    from dynabatch.actors.errors import UserError, is_user_error
+
+    class Wrong(DataError, UserError):
+        pass
+
+    assert is_user_error(Wrong("dataset.name: x"))
+    assert not is_user_error(DataError("dataset.name: sample 3: OSError"))
+    wrapped = RuntimeError("ray::Worker.run_segment()")
+    wrapped.cause = Wrong("x")
+    assert is_user_error(wrapped)

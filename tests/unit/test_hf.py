@@ -251,3 +251,71 @@ def test_a_tiny_gpt2_trains_through_the_local_worker_and_its_loss_falls():
         w.leave()
     assert after["loss"] < 0.5 * before["loss"], (before, after)
     assert after["perplexity"] < before["perplexity"] / 2
+
+
+def _classifier(vocab: int = 40):
+    spec = parse_spec({"model": _model({**BERT, "vocab_size": vocab},
+                                       task="sequence-classification")})
+    torch.manual_seed(0)
+    return spec, build_model(spec.model, (8,), 3)
+
+
+TOO_LARGE = ("model.options.config.vocab_size: token id 57 in the batch's input_ids is at or "
+             "above the model's vocab_size 40 (its ids are 0..39): set vocab_size to at least "
+             "58, or use the tokenizer the model was made for")
+
+
+def test_a_token_id_beyond_the_vocabulary_is_named_before_the_embedding_lookup():
+    """The first step's (or the load-time check's) batch: the largest id, the vocab_size and
+    the field, as one line, and a user error (not retried), not an IndexError."""
+    from dynabatch.actors.errors import is_user_error
+
+    spec, model = _classifier()
+    x = np.random.default_rng(0).integers(0, 40, (4, 8))
+    x[1, 3] = 57
+    with pytest.raises(WorkloadError) as err:
+        check_objective(spec, model, x, np.array([0, 1, 2, 1]))
+    assert str(err.value) == TOO_LARGE and is_user_error(err.value)
+    # A dict batch (input_ids, attention_mask) is checked the same way.
+    ids = torch.from_numpy(x)
+    with pytest.raises(WorkloadError, match="token id 57 in the batch's input_ids"):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    with pytest.raises(WorkloadError, match="token id -1 in the batch's input_ids is negative"):
+        model(torch.full((2, 8), -1))
+
+
+def test_a_token_id_beyond_the_vocabulary_fails_the_workers_step_as_a_user_error():
+    """The worker reports it as error_kind user, so the driver fails the job at once."""
+    from dynabatch.actors.worker import Worker
+
+    spec = JobSpec.model_validate(dict(
+        dataset={"name": "synthetic"}, model=_model({**BERT}, task="sequence-classification"),
+        workers=1, global_batch=8, collective_timeout_s=5))
+    x = np.random.default_rng(0).integers(0, 40, (16, 8))
+    x[11, 0] = 57
+    y = np.arange(16) % 3
+    w = Worker("w0", 0, spec, x, y, (8,), 3)
+    w.join(w.group.open_store(1, 1, "gloo", host="127.0.0.1"), 0)
+    try:
+        steps = tuple(StepPlan(s, s * 8, 8, s * 8, 8) for s in range(2))
+        res = w.run_segment(SegmentPlan(0, 0, 16, steps))
+    finally:
+        w.leave()
+    assert res.error_kind == "user"
+    assert "token id 57 in the batch's input_ids" in res.error and "vocab_size 40" in res.error
+
+
+def test_a_job_whose_data_has_ids_beyond_the_vocabulary_fails_at_load_naming_them():
+    """What the driver loads before any worker trains (the objective's check on the first
+    samples): a WorkloadError naming the id, the vocab_size and the field, which fails the
+    job with that line; it was ``internal error: IndexError: index out of range in self``."""
+    from dynabatch.scheduler.runtime.ray_runtime import open_checked
+
+    spec = parse_spec({"dataset": {"name": f"{P}:token_classes", "options": {"vocab": 60}},
+                       "model": _model(BERT, task="sequence-classification"),
+                       "global_batch": 16})
+    with pytest.raises(WorkloadError) as err:
+        open_checked(spec)
+    assert str(err.value).startswith("model.options.config.vocab_size: token id 59 in the "
+                                     "batch's input_ids is at or above the model's "
+                                     "vocab_size 40")

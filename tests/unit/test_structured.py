@@ -323,6 +323,17 @@ def test_dict_keys_that_differ_name_both_samples_and_both_key_sets():
     )
 
 
+def test_dict_keys_that_differ_are_a_user_error_that_is_not_retried():
+    """The same samples differ on every node: the step's error is the job's own (its
+    worker reports error_kind user and the job fails at once, scheduler/core/failures.py)."""
+    from dynabatch.actors.errors import is_user_error
+
+    src = MapSource(P.tabular(odd_keys_at=6), "tab")
+    with pytest.raises(DataError) as err:
+        src.read(np.array([4, 6]))
+    assert is_user_error(err.value)
+
+
 def test_a_sample_that_is_not_input_and_target_says_so():
     src = MapSource(P.sequences(bad_at=3), "seq", collate=f"{PLUG}:pad")
     msg = _error(lambda: src.read(np.array([1, 3])))
