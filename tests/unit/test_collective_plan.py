@@ -199,7 +199,7 @@ def test_the_gpu_check_runs_bare_on_the_cpu_and_reports_its_json(tmp_path):
             str(out),
             "--only",
             "environment,mixed_plan,two_workers_one_gpu,nccl_missing_peer,oom_recovery,"
-            "fp16_found_inf,data_wait",
+            "fp16_found_inf,data_wait,throughput",
         ],
         cwd=tmp_path,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
@@ -233,3 +233,8 @@ def test_the_gpu_check_runs_bare_on_the_cpu_and_reports_its_json(tmp_path):
     assert wait["status"] == "ok", wait
     assert wait["threads"] >= 1 and wait["samples_per_s"] > 0
     assert wait["data_wait_per_step_ms"] >= 0 and 0 <= wait["wait_fraction"] <= 1
+    speed = checks["throughput"]
+    assert speed["status"] == "ok", speed
+    assert speed["cpu_fp32"] > 0 and speed["cpu_conv_channels_last_fp32"] > 0
+    if not torch.cuda.is_available():  # issue 49: skipped with its reason, not a hang
+        assert "only meaningful on a GPU" in speed["cpu_compiled_fp32"]
