@@ -35,7 +35,7 @@ from dynabatch.api.cli.common import (
     timestamp,
 )
 from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
-from dynabatch.api.cli.views import breakdown_table, tensorboard_line
+from dynabatch.api.cli.views import breakdown_table, tensorboard_line, tensorboard_made
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import LogLine, scores_text
 from dynabatch.service.client import DEFAULT_URL, DynabatchClient
@@ -86,7 +86,10 @@ def _job_table(job: Any) -> Group:
     if job.reason:
         head.append(f"\nreason: {job.reason}", style="dim")
     spec = getattr(job, "spec", None)
-    if spec is not None and spec.tracking.tensorboard:
+    # The folder is made at the job's first step: none for a job that ended before it.
+    if spec is not None and spec.tracking.tensorboard and tensorboard_made(
+            spec.tracking.tensorboard, job.job_id, here=False,
+            trained=not job.state.is_terminal or job.epoch > 0 or job.step > 0):
         head.append("\n" + tensorboard_line(spec.tracking.tensorboard, job.job_id), style="dim")
     workers = Table(title="workers", expand=False)
     for col in ("worker", "node", "batch", "partition", "samples/s", "compute/step", "wait/step"):

@@ -24,7 +24,7 @@ from dynabatch.api.cli.common import (
     stderr,
 )
 from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
-from dynabatch.api.cli.views import breakdown_table, tensorboard_line
+from dynabatch.api.cli.views import breakdown_table, tensorboard_line, tensorboard_made
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, scores_text
 from dynabatch.service.labels import node_label
@@ -151,6 +151,7 @@ def write_report(path: Path, spec: JobSpec, snap: JobSnapshot,
         "utilization": utilization_summary(history),
         "history": [r.model_dump(mode="json") for r in history],
     }
+    path.parent.mkdir(parents=True, exist_ok=True)  # a folder named for it, made here
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(report, indent=2))
     os.replace(tmp, path)
@@ -219,13 +220,16 @@ def local_tracking(spec: JobSpec) -> JobSpec:
         "tracking": spec.tracking.model_copy(update={"tensorboard": path})})
 
 
-def option_problem(spec: JobSpec) -> str | None:
+def option_problem(spec: JobSpec, *, here: bool = False) -> str | None:
     """The first dataset or model option the job's loader or builder cannot take (an
     unknown name, a required one missing), as one line, or None: read from the built-ins'
     tables and the user functions' signatures, so a typo is reported before Ray starts,
     not after. A user module that does not import here (it may on the cluster) is left
     to the job, which reports it. The file kinds' options (parquet, npy, imagefolder) are
-    checked against their sources' tables, with no file opened."""
+    checked against their sources' tables, with no file opened. ``dataset.collate`` is
+    imported too (the working_dir on the path): a module without the function named is
+    reported, and so is a module that does not import when the job runs ``here`` (the
+    embedded local Ray, whose workers see what this process sees)."""
     from dynabatch.actors.data.open import check_file_options
     from dynabatch.actors.workloads import WorkloadError
     from dynabatch.actors.workloads.datasets import check_dataset_options
@@ -246,9 +250,27 @@ def option_problem(spec: JobSpec) -> str | None:
                 continue
             except WorkloadError as err:
                 return one_line(str(err))
+        return _collate_problem(spec.dataset.collate, here=here)
     finally:
         if local:
             sys.path.remove(local)
+    return None
+
+
+def _collate_problem(collate: str | None, *, here: bool) -> str | None:
+    """Why ``dataset.collate`` cannot be imported (one line), or None; see
+    :func:`option_problem`."""
+    from dynabatch.actors.workloads.imports import NotImportable, resolve_callable
+
+    if collate is None:
+        return None
+    try:
+        resolve_callable(collate, "dataset.collate")
+    except NotImportable as err:
+        module = collate.partition(":")[0]
+        return one_line(str(err)) if here or module in sys.modules else None
+    except Exception as err:  # a module whose own code fails: the job would fail the same
+        return one_line(f"dataset.collate: {first_line(err, limit=None)}")
     return None
 
 
@@ -300,6 +322,38 @@ def follow_job(job: JobHandle, *, console: Console, quiet: bool,
     return snap, hist
 
 
+def _tensorboard_teller(spec: JobSpec, job_id: str, *, here: bool) -> OnUpdate:
+    """Told each poll: prints where the job's TensorBoard files are (one line, on stderr)
+    once its folder exists, which a job that ends before its first step never makes."""
+    root = spec.tracking.tensorboard
+    said = not root
+
+    def tell(snap: JobSnapshot, hist: list[EpochRecord]) -> None:
+        nonlocal said
+        trained = bool(hist) or snap.epoch > 0 or snap.step > 0
+        if not said and tensorboard_made(root, job_id, trained=trained, here=here):
+            said = True
+            print_plain(stderr(), tensorboard_line(root, job_id))
+
+    return tell
+
+
+def report_problem(path: Path) -> str | None:
+    """Why the JSON report cannot be written at ``path`` (one line), or None: its folder is
+    made now (as the report's own is at the end), so a job is never trained for a report
+    that is then lost."""
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"cannot make the folder {parent} ({err.strerror or type(err).__name__})"
+    if path.is_dir():
+        return "is a folder; name the report's file (e.g. report.json)"
+    if not os.access(parent, os.W_OK):
+        return f"cannot write in the folder {parent} (permission denied)"
+    return None
+
+
 def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: bool,
             console: Console, scheduler: bool | None = None,
             on_update: OnUpdate | None = None) -> JobSnapshot:
@@ -347,11 +401,16 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
                 interrupted=lambda: interrupted["n"] > 0)
             print_plain(stderr(), f"cluster scheduler: job {job_id} granted its nodes")
             tick = sched.keep_alive(placer, job_id, spec, submit_s)
-        if spec.tracking.tensorboard:
-            print_plain(stderr(), tensorboard_line(spec.tracking.tensorboard, job_id))
+        tell_tensorboard = _tensorboard_teller(spec, job_id, here=embedded)
+
+        def updated(snap: JobSnapshot, hist: list[EpochRecord]) -> None:
+            tell_tensorboard(snap, hist)
+            if on_update is not None:
+                on_update(snap, hist)
+
         try:
             snap, hist = follow_job(RayJob(handle), console=console, quiet=quiet,
-                                    interrupted=interrupted, tick=tick, on_update=on_update)
+                                    interrupted=interrupted, tick=tick, on_update=updated)
         finally:
             if placer is not None:
                 sched.finish_quietly(placer, job_id)
@@ -427,9 +486,14 @@ def register(app: typer.Typer) -> None:
             print_plain(stderr(), "error: --scheduler needs --address: the embedded local "
                         "Ray runs one job, with no cluster scheduler")
             raise typer.Exit(2)
-        problem = option_problem(spec)
+        problem = option_problem(
+            spec, here=address is None and not os.environ.get("RAY_ADDRESS"))
         if problem:
             print_plain(stderr(), f"error: {config}: {problem}")
+            raise typer.Exit(2)
+        problem = report_problem(report) if report else None
+        if problem:
+            print_plain(stderr(), f"error: --report {report}: {problem}")
             raise typer.Exit(2)
         try:
             snap = run_job(spec, address=address, report=report, quiet=quiet, console=console,

@@ -3,10 +3,11 @@ and where a job's TensorBoard event files are."""
 
 from __future__ import annotations
 
+import os
 from typing import NoReturn
 
 import typer
-from dynabatch.actors.data.fs import join
+from dynabatch.actors.data.fs import is_uri, join
 from dynabatch.scheduler.telemetry import StepBreakdown
 from rich.console import Console
 from rich.table import Table
@@ -38,6 +39,15 @@ def tensorboard_line(root: str, job_id: str) -> str:
     how to view them, in one line."""
     return (f"TensorBoard event files: {join(root, job_id)} "
             f"(view: tensorboard --logdir {root})")
+
+
+def tensorboard_made(root: str, job_id: str, *, trained: bool, here: bool) -> bool:
+    """Whether the job's TensorBoard folder exists (its tracking makes it at the first
+    step it writes): looked at when ``here`` (the job's driver runs on this machine and
+    ``root`` is a local path), else told by ``trained`` (the job trained a step)."""
+    if here and not is_uri(root):
+        return os.path.isdir(join(os.path.expanduser(root), job_id))
+    return trained
 
 
 def fail(err: Console, message: str) -> NoReturn:

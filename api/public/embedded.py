@@ -18,7 +18,13 @@ from dynabatch.actors.data.fs import join
 from dynabatch.actors.export import has_model
 from dynabatch.actors.spec import SpecError
 from dynabatch.api.cli.common import one_line, out_console
-from dynabatch.api.cli.run import EPOCH_COLUMNS, epoch_cells, option_problem, run_job
+from dynabatch.api.cli.run import (
+    EPOCH_COLUMNS,
+    epoch_cells,
+    option_problem,
+    report_problem,
+    run_job,
+)
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, scores_text
 from dynabatch.specs import SpecLike, resolve_spec
@@ -68,7 +74,8 @@ def run(
 
     A job that fails or is cancelled is a result, not an exception. Raises
     :class:`SpecError` (one line naming the field) before Ray starts when the spec, or an
-    option of its dataset or model, is not valid; ``ConnectionError`` when the cluster at
+    option of its dataset or model, is not valid; ``ValueError`` when ``report``'s folder
+    cannot be made or written; ``ConnectionError`` when the cluster at
     ``address`` cannot be reached.
     """
     _, job, _ = resolve_spec(spec, working_dir=working_dir)
@@ -77,9 +84,13 @@ def run(
             "scheduler: needs address: the embedded local Ray runs one job, "
             "with no cluster scheduler"
         )
-    problem = option_problem(job)
+    here = address is None and not os.environ.get("RAY_ADDRESS")
+    problem = option_problem(job, here=here)
     if problem:
         raise SpecError([problem])
+    problem = report_problem(Path(report)) if report else None
+    if problem:  # before the job trains, not after: the report is never lost
+        raise ValueError(f"report: {report}: {problem}")
     view = ProgressView(enabled=progress)
     try:
         snap = run_job(
