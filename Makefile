@@ -1,23 +1,49 @@
-# `make run` and `make test` work on a fresh machine: they create .venv,
-# install torch pinned first (the local CPU wheel, no CUDA download), then the rest.
+# `make run` and `make test` work on a fresh machine: they create .venv, install torch pinned
+# first (the local CPU wheel, no CUDA download), then exactly the versions in the committed
+# lock (requirements/*.lock, with hashes), then the project itself without resolving anything.
+# `make lock` refreshes the lock on purpose, from pyproject.toml's ranges.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
+PIP_VERSION ?= 26.3
+UV_VERSION ?= 0.13.9
+# Where the CPU torch wheel lies (pip's find-links on this machine): `make lock` resolves
+# torch's own dependencies against it, so no CUDA package enters the lock.
+TORCH_WHEELS ?= /opt/wheels
+RUNTIME_LOCK := requirements/runtime.lock
+TEST_LOCK := requirements/test.lock
 
-.PHONY: run test lint bench install clean prometheus chromium images deploy-test
-
-$(STAMP): pyproject.toml
+# The venv, pip and torch, each pinned.
+$(VENV)/.base:
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q pip==$(PIP_VERSION)
 	$(BIN)/pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/pip install -q -e '.[test]'
-	touch $(STAMP)
+	touch $@
+
+# A lock's packages (--no-deps: the lock is the whole closure; --require-hashes: the files
+# are the ones locked), then the project itself, editable, built with the locked setuptools.
+define install_lock
+	$(BIN)/pip install -q --require-hashes --no-deps -r $(1)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
+endef
+
+$(VENV)/.runtime: $(VENV)/.base $(RUNTIME_LOCK) pyproject.toml setup.py
+	$(call install_lock,$(RUNTIME_LOCK))
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base $(TEST_LOCK) pyproject.toml setup.py
+	$(call install_lock,$(TEST_LOCK))
+	touch $@
+
+STAMP := $(VENV)/.test
+
+.PHONY: run test lint bench install lock clean prometheus chromium images deploy-test
 
 install: $(STAMP)
 
-run: $(STAMP)
+run: $(VENV)/.runtime
 	RAY_AUTH_MODE=disabled $(BIN)/dynabatch run examples/digits-hetero.yaml --report dynabatch-report.json
 
 # Prometheus (Debian's package) is needed by the end-to-end tier; install it if missing.
@@ -59,6 +85,24 @@ images:
 deploy-test: $(STAMP)
 	DYNABATCH_DEPLOY_TEST=1 RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -p no:cacheprovider \
 		-s -x --timeout 5400 tests/deploy
+
+# Refresh the lock from pyproject.toml's ranges (uv, pinned): the test set first (the runtime
+# set, the `hf` and `test` extras), then the runtime set (with `hf`) held to the same versions.
+# torch is left out of both (pinned above); its dependencies come from the CPU wheel's metadata.
+lock: $(VENV)/.base
+	$(BIN)/pip install -q uv==$(UV_VERSION)
+	printf 'torch==%s\n' $(TORCH_VERSION) > $(VENV)/torch-constraint.txt
+	$(call compile_lock,--extra test -c $(VENV)/torch-constraint.txt,$(TEST_LOCK))
+	$(call compile_lock,-c $(VENV)/torch-constraint.txt -c $(TEST_LOCK),$(RUNTIME_LOCK))
+	@! grep -qiE '^(nvidia|triton|cuda)' $(TEST_LOCK) $(RUNTIME_LOCK) || { echo "the lock took \
+		CUDA packages: set TORCH_WHEELS to the folder of the CPU torch $(TORCH_VERSION) wheel"; exit 1; }
+
+# pyproject.toml's runtime set with the `hf` extra, plus $(1), into the lock file $(2).
+define compile_lock
+	$(BIN)/uv pip compile -q pyproject.toml --extra hf $(1) --python-version 3.11 \
+		--generate-hashes --no-emit-package torch --custom-compile-command 'make lock' \
+		$(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS)) -o $(2)
+endef
 
 clean:
 	rm -rf $(VENV) .pytest_cache

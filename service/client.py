@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import httpx
 from dynabatch.actors.errors import first_line
-from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.spec import JobSpec, spec_warnings_silenced
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import LogLine
 from dynabatch.service.cluster_schemas import ClusterState
@@ -87,18 +87,18 @@ class DynabatchClient:
         timeout: float = 10.0,
         retries: int = 4,
         retry_wait_s: float = 0.25,
-        http: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
     ):
+        """``transport`` carries the requests instead of the network (httpx's own
+        ``MockTransport``, or a test's transport to an app in the same process)."""
         self.url = url.rstrip("/")
         self.retries = max(1, retries)
         self.retry_wait_s = retry_wait_s
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._owns_http = http is None
-        self._http = http if http is not None else httpx.Client(base_url=self.url, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
 
     def close(self) -> None:
-        if self._owns_http:
-            self._http.close()
+        self._http.close()
 
     def __enter__(self) -> DynabatchClient:
         return self
@@ -134,7 +134,10 @@ class DynabatchClient:
         if response.status_code >= 400:
             raise ApiError(_error_message(response), response.status_code)
         try:
-            return model.model_validate(response.json())
+            # A job's spec in an answer was warned about when it was submitted: reading
+            # the job (status, polling, scale) never warns again.
+            with spec_warnings_silenced():
+                return model.model_validate(response.json())
         except (ValueError, ValidationError) as err:
             first = first_line(err, typed=False, limit=None)
             raise ApiError(f"unexpected response from {method} {path}: {first}") from None

@@ -39,7 +39,8 @@ class Client:
     """A client of the dynabatch REST API at ``url`` (default ``DYNABATCH_URL``, else
     ``http://127.0.0.1:8000``) with the bearer ``token`` (default ``DYNABATCH_API_TOKEN``).
 
-    ``http`` sends through a given ``httpx.Client`` instead (a test's ``TestClient``).
+    ``transport`` carries the requests instead of the network (an ``httpx.BaseTransport``:
+    httpx's ``MockTransport``, or a test's transport to an app in the same process).
     Use it as a context manager, or call :meth:`close`, to release its connections.
     """
 
@@ -49,12 +50,13 @@ class Client:
         token: str | None = None,
         *,
         timeout_s: float = 10.0,
-        http: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
     ):
         url = url or os.environ.get("DYNABATCH_URL") or DEFAULT_URL
         if token is None:
             token = os.environ.get("DYNABATCH_API_TOKEN") or None
-        self.api = DynabatchClient(url, token=token, timeout=timeout_s, http=http)
+        self.api = DynabatchClient(url, token=token, timeout=timeout_s,
+                                    transport=transport)
 
     @property
     def url(self) -> str:

@@ -19,6 +19,7 @@ from dynabatch.service.settings import Settings
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from tests.asgi import AppTransport
 from tests.fakes import FakeCluster
 
 CONFIG = """\
@@ -71,7 +72,7 @@ def _invoke(cli: typer.Typer, http: TestClient | None, *args: str) -> Any:
     if http is not None:
 
         def factory(url: str, token: str | None) -> DynabatchClient:
-            return DynabatchClient(url, token=token, http=http)
+            return DynabatchClient(url, token=token, transport=AppTransport(http))
 
     result = CliRunner().invoke(cli, list(args), obj={"client_factory": factory})
     assert "Traceback" not in result.output, result.output
@@ -95,7 +96,7 @@ def _free_port() -> int:
 # The client ---------------------------------------------------------------------------
 def test_client_roundtrip(server: Callable[..., TestClient]) -> None:
     http = server()
-    client = DynabatchClient(http=http)
+    client = DynabatchClient(transport=AppTransport(http))
     job = client.submit({"name": "py", "epochs": 1})
     assert job.state.value == "PENDING"
     done = client.wait(job.job_id, timeout_s=10, interval_s=0.02)
@@ -120,8 +121,8 @@ def test_client_retries_connection_errors() -> None:
             raise httpx.ConnectError("connection refused", request=request)
         return httpx.Response(200, json={"items": [], "total": 0, "offset": 0, "limit": 50})
 
-    http = httpx.Client(base_url="http://api", transport=httpx.MockTransport(handler))
-    client = DynabatchClient(http=http, retries=3, retry_wait_s=0.001)
+    client = DynabatchClient("http://api", transport=httpx.MockTransport(handler), retries=3,
+                             retry_wait_s=0.001)
     assert client.list().total == 0
     assert calls["n"] == 3
 
@@ -141,8 +142,8 @@ def test_client_does_not_retry_a_post_that_may_have_arrived() -> None:
         calls["n"] += 1
         raise httpx.ReadError("connection reset", request=request)
 
-    http = httpx.Client(base_url="http://api", transport=httpx.MockTransport(handler))
-    client = DynabatchClient(http=http, retries=4, retry_wait_s=0.001)
+    client = DynabatchClient("http://api", transport=httpx.MockTransport(handler), retries=4,
+                             retry_wait_s=0.001)
     with pytest.raises(ConnectionFailed):
         client.submit({"name": "x"})
     assert calls["n"] == 1
@@ -189,7 +190,7 @@ def test_list_status_logs(
 ) -> None:
     http = server()
     job = _invoke(cli, http, "submit", str(config), "--no-wait").stdout.strip()
-    DynabatchClient(http=http).wait(job, timeout_s=10, interval_s=0.02)
+    DynabatchClient(transport=AppTransport(http)).wait(job, timeout_s=10, interval_s=0.02)
     result = _invoke(cli, http, "list")
     assert result.exit_code == 0 and job in result.stdout and "SUCCEEDED" in result.stdout
     result = _invoke(cli, http, "list", "--state", "RUNNING", "--json")
@@ -321,7 +322,7 @@ def test_scale_drain_resume(
     cluster = service.cluster
     spec = {"name": "elastic", "workers": 3, "global_batch": 60, "epochs": 4,
             "checkpoint": {"dir": str(tmp_path / "ckpt")}}
-    job = DynabatchClient(http=http).submit(spec).job_id
+    job = DynabatchClient(transport=AppTransport(http)).submit(spec).job_id
     service.sync_once()
 
     result = _invoke(cli, http, "scale", job, "2")
@@ -389,7 +390,7 @@ def test_following_a_job_that_did_not_succeed_exits_1(
 ) -> None:
     http = server(sync_interval_s=0)  # the job stays put until cancelled
     job = _invoke(cli, http, "submit", str(config), "--no-wait").stdout.strip()
-    client = DynabatchClient(http=http)
+    client = DynabatchClient(transport=AppTransport(http))
     client.cancel(job, "changed my mind")
     assert client_cli._follow(client, job, 0.02) == 1
     assert capsys.readouterr().out.splitlines()[-1] == f"job {job} CANCELLED: changed my mind"
@@ -398,8 +399,8 @@ def test_following_a_job_that_did_not_succeed_exits_1(
 def test_event_stream_resumes_after_the_last_event_id(server: Callable[..., TestClient],
                                                       config: Path) -> None:
     http = server(sync_interval_s=0.02)
-    job = DynabatchClient(http=http).submit({"workers": 2, "epochs": 2}).job_id
-    events = list(DynabatchClient(http=http).events(job, interval_s=0.02))
+    job = DynabatchClient(transport=AppTransport(http)).submit({"workers": 2, "epochs": 2}).job_id
+    events = list(DynabatchClient(transport=AppTransport(http)).events(job, interval_s=0.02))
     kinds = [e for e, _ in events]
     assert kinds[-1] == "end" and kinds.count("epoch") == 2
     seqs = [d["seq"] for e, d in events if e == "log"]
@@ -511,7 +512,7 @@ def test_tables_are_not_cut_when_output_is_not_a_terminal(
 ) -> None:
     http = server(sync_interval_s=0.02)
     job = _invoke(cli, http, "submit", str(config), "--no-wait").stdout.strip()
-    DynabatchClient(http=http).wait(job, timeout_s=10, interval_s=0.02)
+    DynabatchClient(transport=AppTransport(http)).wait(job, timeout_s=10, interval_s=0.02)
     result = _invoke(cli, http, "status", job)
     assert result.exit_code == 0
     assert "…" not in result.stdout
@@ -588,8 +589,8 @@ def _log_api(n_lines: int, state: str = "SUCCEEDED") -> Callable[[str, str | Non
                 "updated_at": 0.0, "spec": {}})
         return httpx.Response(404, json={"detail": "not here"})
 
-    http = httpx.Client(base_url="http://api", transport=httpx.MockTransport(handler))
-    return lambda url, token: DynabatchClient(url, token=token, http=http)
+    return lambda url, token: DynabatchClient(url, token=token,
+                                              transport=httpx.MockTransport(handler))
 
 
 def _logs(cli: typer.Typer, n_lines: int, *args: str) -> list[str]:

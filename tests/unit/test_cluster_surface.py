@@ -34,6 +34,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
+from tests.asgi import AppTransport
 from tests.fakes import FakeCluster
 
 SPEC = {"name": "digits", "workers": 2, "global_batch": 64, "epochs": 2}
@@ -98,7 +99,7 @@ def _invoke(http: TestClient, *args: str) -> Any:
     cluster_cli.register(cli)
 
     def factory(url: str, token: str | None) -> DynabatchClient:
-        return DynabatchClient(url, token=token, http=http)
+        return DynabatchClient(url, token=token, transport=AppTransport(http))
 
     result = CliRunner().invoke(cli, list(args), obj={"client_factory": factory})
     assert "Traceback" not in result.output, result.output

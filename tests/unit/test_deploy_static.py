@@ -19,7 +19,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from fnmatch import fnmatch
 from pathlib import Path
@@ -615,8 +614,8 @@ def test_dockerfile_pins_cpu_torch_first_and_runs_as_non_root() -> None:
     runs = [rest for op, rest in ins if op == "RUN"]
     torch_at = next(i for i, r in enumerate(runs) if "torch==${TORCH_VERSION}" in r)
     assert "--index-url" in runs[torch_at]
-    deps_at = next(i for i, r in enumerate(runs) if "requirements" in r and "pip install" in r)
-    project_at = next(i for i, r in enumerate(runs) if "pip install --no-deps ." in r)
+    deps_at = next(i for i, r in enumerate(runs) if "runtime.lock" in r and "pip install" in r)
+    project_at = next(i for i, r in enumerate(runs) if "pip install --no-deps --no-build" in r)
     assert torch_at < deps_at < project_at, "torch, then the dependencies, then the project"
     users = [rest for op, rest in ins if op == "USER"]
     assert users and users[-1] not in ("root", "0"), "the image must not run as root"
@@ -625,25 +624,20 @@ def test_dockerfile_pins_cpu_torch_first_and_runs_as_non_root() -> None:
     assert "docker-entrypoint.sh" in entry
 
 
-def test_dockerfile_requirements_add_the_ray_default_extra() -> None:
-    """Run the Dockerfile's own requirements script (deploy/requirements.py: the classic
-    builder that `make images` uses has no heredocs) against pyproject.toml."""
-    runs = [rest for op, rest in dockerfile_instructions() if op == "RUN"]
-    run = next(r for r in runs if "requirements.py" in r and "requirements.txt" in r)
-    copied = [rest.split() for op, rest in dockerfile_instructions() if op == "COPY"]
-    script = next(src for *srcs, dst in copied for src in srcs if src.endswith("requirements.py"))
-    assert Path(run.split()[1]).name == Path(script).name, run
-    out = subprocess.run(
-        [sys.executable, str(ROOT / script), "pyproject.toml"],
-        text=True,
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.split()
-    ray = [d for d in out if d.startswith("ray[")]
-    assert len(ray) == 1 and "default" in ray[0] and "train" in ray[0], ray
-    assert ray[0].endswith("==2.60.0")
-    assert any(d.startswith("torch") for d in out)
+def test_dockerfile_installs_the_runtime_lock_with_hashes() -> None:
+    """The image resolves nothing: it installs the committed runtime lock, whole and hashed,
+    and builds the project with the locked setuptools."""
+    ins = dockerfile_instructions()
+    copied = [rest.split() for op, rest in ins if op == "COPY"]
+    assert ["requirements/runtime.lock", "./requirements/runtime.lock"] in copied
+    runs = [rest for op, rest in ins if op == "RUN"]
+    deps = next(r for r in runs if "requirements/runtime.lock" in r)
+    assert "--require-hashes" in deps and "--no-deps" in deps and "pip check" in deps
+    assert any("pip install --no-deps --no-build-isolation ." in r for r in runs)
+    args = dict(re.match(r"(\w+)=?(.*)", rest).groups() for op, rest in ins if op == "ARG")
+    makefile = (ROOT / "Makefile").read_text()
+    assert args["PIP_VERSION"] == re.search(r"PIP_VERSION \?= (\S+)", makefile).group(1)
+    assert any('pip install "pip==${PIP_VERSION}"' in r for r in runs)
 
 
 def dockerignore_excludes(path: str, patterns: list[str]) -> bool:

@@ -34,6 +34,7 @@ from dynabatch.service.submit_policy import SubmitPolicy, check_submission
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from tests.asgi import AppTransport
 from tests.fakes import FakeCluster, Lineages, sim_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -438,7 +439,7 @@ def _cli(http: TestClient, *args: str) -> Any:
     cli.command("noop")(lambda: None)  # a group, so the command is named as in dynabatch
 
     def factory(url: str, token: str | None) -> DynabatchClient:
-        return DynabatchClient(url, token=token, http=http)
+        return DynabatchClient(url, token=token, transport=AppTransport(http))
 
     result = CliRunner().invoke(cli, list(args), obj={"client_factory": factory})
     assert "Traceback" not in result.output, result.output

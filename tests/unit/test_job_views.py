@@ -30,6 +30,7 @@ from fastapi.testclient import TestClient
 from rich.console import Console
 from typer.testing import CliRunner
 
+from tests.asgi import AppTransport
 from tests.fakes import FakeCluster, TimedSimRuntime, sim_runtime
 from tests.unit.test_engine_faults import _spec
 
@@ -79,8 +80,10 @@ def http(tmp_path: Path) -> Iterator[TestClient]:
 def _cli(http: TestClient, *args: str) -> str:
     app = typer.Typer(pretty_exceptions_enable=False)
     client_cli.register(app)
+    transport = AppTransport(http)
     result = CliRunner().invoke(app, list(args), obj={
-        "client_factory": lambda url, token: DynabatchClient(url, token=token, http=http)})
+        "client_factory": lambda url, token: DynabatchClient(url, token=token,
+                                                             transport=transport)})
     assert result.exit_code == 0, result.output
     return result.stdout
 
@@ -97,13 +100,14 @@ def _views(http: TestClient, job: str) -> tuple[str, str, str]:
 
 
 def test_list_status_and_the_page_agree_on_progress_in_every_state(http: TestClient):
-    job = DynabatchClient(http=http).submit({"name": "v", "epochs": 4, "workers": 2}).job_id
+    client = DynabatchClient(transport=AppTransport(http))
+    job = client.submit({"name": "v", "epochs": 4, "workers": 2}).job_id
     service = http.app.state.service
     service.sync_once()  # a step of the coordinator: RUNNING, one epoch completed
     assert len(set(_views(http, job))) == 1, _views(http, job)
     service.sync_once()  # two completed
     assert len(set(_views(http, job))) == 1, _views(http, job)
-    DynabatchClient(http=http).cancel(job, "enough")
+    DynabatchClient(transport=AppTransport(http)).cancel(job, "enough")
     service.sync_once()  # the coordinator ends the job at its next step boundary
     assert service.get(job).state.value == "CANCELLED"
     done = len(service.history(job))
@@ -115,7 +119,7 @@ def test_status_and_the_page_show_the_jobs_own_metrics(tmp_path: Path):
     # The job trains its model: its epochs are scored on the held-out set.
     with _app(tmp_path, FakeCluster(real_gradients=True)) as http:
         spec = {"name": "v", "epochs": 2, "workers": 2, "dataset": {"name": "digits", "limit": 256}}
-        job = DynabatchClient(http=http).submit(spec).job_id
+        job = DynabatchClient(transport=AppTransport(http)).submit(spec).job_id
         http.app.state.service.sync_once()  # a step of the coordinator: one epoch
         detail = http.get(f"/v1/jobs/{job}").json()
         scores = http.app.state.service.cluster.coordinators[job].snapshot().test_metrics

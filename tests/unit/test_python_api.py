@@ -24,6 +24,7 @@ from dynabatch.service.client import DynabatchClient
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from tests.asgi import AppTransport
 from tests.fakes import FakeCluster
 from tests.unit import test_client_cli
 from tests.unit.test_cli_run import FakeJob
@@ -45,7 +46,7 @@ def _cli_error(http: TestClient, *args: str, token: str | None = None) -> str:
     """The CLI's one error line for the same call, without its ``error: `` prefix."""
     cli = typer.Typer(pretty_exceptions_enable=False)
     jobs_cli.register(cli)
-    factory = lambda url, tok: DynabatchClient(url, token=tok, http=http)  # noqa: E731
+    factory = lambda url, tok: DynabatchClient(url, token=tok, transport=AppTransport(http))  # noqa: E731
     env = {"DYNABATCH_API_TOKEN": token} if token else {}
     result = CliRunner().invoke(cli, list(args), obj={"client_factory": factory}, env=env)
     assert result.exit_code == 1, result.output
@@ -61,7 +62,7 @@ def test_the_public_names_are_the_layers_own() -> None:
 
 
 def test_submit_wait_history_logs_and_list(server: Callable[..., TestClient]) -> None:
-    client = Client(http=server(FakeCluster(real_gradients=True)))  # real losses
+    client = Client(transport=AppTransport(server(FakeCluster(real_gradients=True))))  # real losses
     job = client.submit(JobSpec.model_validate(SMALL))
     assert repr(job) == f"Job({job.id!r})"
     done = job.wait(timeout_s=30, interval_s=0.02)
@@ -87,7 +88,7 @@ def test_submit_ships_the_working_dir_as_an_upload(
     (code / "pkg" / "losses.py").write_text("def loss(o, t):\n    return o.sum(1)\n")
     root = tmp_path / "uploads"
     http = server(user_code_modules="*", code_root=str(root))
-    client = Client(http=http)
+    client = Client(transport=AppTransport(http))
     job = client.submit(SPEC, working_dir=code)
     (stored,) = root.glob("*.zip")  # the code travelled in the request, not as a path
     assert job.status().spec.working_dir == stored.as_uri()
@@ -106,14 +107,14 @@ def test_submit_ships_the_working_dir_as_an_upload(
     assert list(root.glob("*.zip")) == [stored]
     # A service that keeps no uploads: the CLI's refusal, naming the argument.
     with pytest.raises(ApiError) as err:
-        Client(http=server(user_code_modules="*")).submit(SPEC, working_dir=code)
+        Client(transport=AppTransport(server(user_code_modules="*"))).submit(SPEC, working_dir=code)
     assert str(err.value).startswith("working_dir: ") and "DYNABATCH_CODE_ROOT" in str(err.value)
 
 
 def test_a_bad_spec_names_the_field_and_sends_nothing(
     server: Callable[..., TestClient], tmp_path: Path
 ) -> None:
-    client = Client(http=server())
+    client = Client(transport=AppTransport(server()))
     with pytest.raises(
         SpecError, match=r"^global_batch: Input should be greater than or equal to 1"
     ):
@@ -138,7 +139,7 @@ def test_errors_are_the_clis(
     http = server(api_token="s3cret")
     monkeypatch.delenv("DYNABATCH_API_TOKEN", raising=False)
     with pytest.raises(ApiError) as err:
-        Client(http=http, token="wrong").jobs()
+        Client(transport=AppTransport(http), token="wrong").jobs()
     assert err.value.status == 401
     cli_line = _cli_error(http, "list", token="wrong")
     assert cli_line.endswith("(pass --token or set DYNABATCH_API_TOKEN to the service's token)")
@@ -146,7 +147,7 @@ def test_errors_are_the_clis(
     # A notebook shows it as one line, not the client's frames.
     assert err.value._render_traceback_() == [f"ApiError: {err.value}"]
     monkeypatch.setenv("DYNABATCH_API_TOKEN", "s3cret")  # as the CLI reads it
-    client = Client(http=http)
+    client = Client(transport=AppTransport(http))
     unknown = "0123456789ab"
     with pytest.raises(ApiError) as err:
         client.job(unknown)
@@ -165,7 +166,7 @@ def test_errors_are_the_clis(
 
 def test_scale_drain_and_cancel(server: Callable[..., TestClient]) -> None:
     http = server(sync_interval_s=0)  # the job stays put
-    client = Client(http=http)
+    client = Client(transport=AppTransport(http))
     service = http.app.state.service
     job = client.submit({**SPEC, "workers": 3, "global_batch": 60, "epochs": 5})
     service.sync_once()
@@ -189,7 +190,7 @@ def test_model_downloads_the_directory_load_model_reads(
 ) -> None:
     cluster = FakeCluster(real_gradients=True)
     http = server(cluster, sync_interval_s=0)
-    client = Client(http=http)
+    client = Client(transport=AppTransport(http))
     job = client.submit(SMALL)
     with pytest.raises(ApiError) as err:
         job.model(tmp_path / "out")
@@ -277,7 +278,7 @@ def test_a_specs_warning_points_at_the_users_line_once(
         dynabatch.run(WARNED, scheduler=True)  # stops before Ray, after the spec is read
     assert [(str(w.message), w.filename) for w in caught] == [(WARNING, __file__)]
 
-    client = Client(http=server())
+    client = Client(transport=AppTransport(server()))
     with pytest.warns(SpecWarning) as caught:
         # The service runs in this process here, and FastAPI's reading of the body (a
         # pydantic TypeAdapter) warns in it too; `dynabatch serve` keeps that copy out of

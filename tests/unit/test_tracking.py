@@ -18,6 +18,7 @@ from dynabatch.scheduler.tracking import Tracking
 from dynabatch.service.submit_policy import SubmitPolicy, check_submission
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.asgi import AppTransport
 from tests.fakes import Lineages, sim_runtime
 
 N_TRAIN = 64
@@ -217,13 +218,14 @@ def test_a_service_refuses_a_directory_outside_its_root_and_status_shows_where(t
     cli = Typer(pretty_exceptions_enable=False)
     client_cli.register(cli)
     with TestClient(create_app(settings, cluster=FakeCluster())) as http:
-        client = DynabatchClient(http=http)
+        client = DynabatchClient(transport=AppTransport(http))
         refused = http.post("/v1/jobs", json={"tracking": {"tensorboard": "/elsewhere"}})
         assert refused.status_code == 422
         assert "tracking.tensorboard" in refused.text and "/elsewhere" in refused.text
         tb = str(tmp_path / "out" / "tb")
         job = client.submit({"name": "tb", "epochs": 1, "tracking": {"tensorboard": tb}})
-        obj = {"client_factory": lambda url, token: DynabatchClient(url, token=token, http=http)}
+        obj = {"client_factory": lambda url, token: DynabatchClient(
+            url, token=token, transport=AppTransport(http))}
         result = CliRunner().invoke(cli, ["status", job.job_id], obj=obj)
     assert result.exit_code == 0, result.output
     lines = [x for x in result.stdout.splitlines() if "TensorBoard" in x]
