@@ -25,7 +25,12 @@ MANIFEST = "manifest.json"
 FINAL = "model.safetensors"
 BEST = "best.safetensors"
 FILES = {"final": FINAL, "best": BEST}
+# The job's tokenizer (dataset.tokenizer), kept beside the weights when the spec names one.
+TOKENIZER = "tokenizer.json"
 FORMAT = "dynabatch-model/1"
+# What an export may be written as: the model directory above, or a Hugging Face folder
+# that transformers' from_pretrained loads (hf_files).
+EXPORT_FORMATS = ("dynabatch", "hf")
 
 
 class ExportError(ValueError):
@@ -105,12 +110,50 @@ def model_files(
         "job_id": job_id,
         "model": {"name": model.name, "hidden": model.hidden, "options": dict(model.options)},
         "input_shape": [int(n) for n in input_shape],
+        "input": input_description(spec, input_shape),
         "num_classes": int(num_classes),
         "weights": weights,
         "spec": spec.model_dump(mode="json"),
     }
+    if model.name == "hf":
+        # What rebuilds it with transformers alone: no pretrained folder, no user module.
+        manifest["hf_config"], manifest["hf_class"] = _hf_config(spec, input_shape, num_classes)
+    if spec.dataset.tokenizer:
+        files[TOKENIZER] = _read_local(spec.dataset.tokenizer, "dataset.tokenizer")
+        manifest["tokenizer"] = TOKENIZER
     files[MANIFEST] = json.dumps(manifest, indent=2, sort_keys=True).encode()
     return files
+
+
+def input_description(spec: Any, input_shape: tuple[int, ...] | list[int]) -> dict[str, Any]:
+    """What the model takes, in words a user can act on: for a text model token ids
+    (``input_ids``, int64, ``seq_len`` tokens a sample), else a float tensor of
+    ``shape`` a sample."""
+    if spec.model.name == "hf" or spec.loss == "next_token":
+        return {"kind": "token_ids", "key": "input_ids", "dtype": "int64",
+                "seq_len": int(input_shape[0]) if len(input_shape) == 1 else None,
+                "tokenizer": TOKENIZER if spec.dataset.tokenizer else None}
+    return {"kind": "tensor", "dtype": "float32", "shape": [int(n) for n in input_shape]}
+
+
+def _read_local(path: str, field: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise ExportError(f"{field}: cannot read {path} ({err.strerror})") from None
+
+
+def _hf_config(spec: Any, input_shape: Any, num_classes: int) -> tuple[dict[str, Any], str]:
+    """The transformers config (as a dict) and model class of an ``hf`` model, as the job
+    built it."""
+    from dynabatch.actors.workloads import WorkloadError
+    from dynabatch.actors.workloads.hf import hf_model_config
+
+    try:
+        return hf_model_config(spec.model, tuple(input_shape), num_classes)
+    except WorkloadError as err:
+        raise ExportError(str(err)) from None
 
 
 # ------------------------------------------------------------------------------ the files
@@ -165,6 +208,8 @@ def read_files(directory: str) -> dict[str, bytes]:
     raw = _read(filesystem, join(path, MANIFEST), join(directory, MANIFEST))
     manifest = parse_manifest(raw, join(directory, MANIFEST))
     files = {MANIFEST: raw}
+    if manifest.get("tokenizer") == TOKENIZER:
+        files[TOKENIZER] = _read(filesystem, join(path, TOKENIZER), join(directory, TOKENIZER))
     for entry in manifest["weights"].values():
         files[entry["file"]] = _read(
             filesystem, join(path, entry["file"]), join(directory, entry["file"])
@@ -238,7 +283,10 @@ def load_model(directory: str | os.PathLike[str], which: str = "final", device: 
         where = ".".join(str(p) for p in e["loc"])
         raise ExportError(f"{shown}: model.{where}: {e['msg']}") from None
     try:
-        model = build_model(spec, tuple(manifest["input_shape"]), manifest["num_classes"])
+        if isinstance(manifest.get("hf_config"), dict):
+            model = _hf_model(manifest, shown)
+        else:
+            model = build_model(spec, tuple(manifest["input_shape"]), manifest["num_classes"])
     except WorkloadError as err:
         raise ExportError(f"{shown}: {err}") from None
     name = manifest["weights"][which]["file"]
@@ -256,3 +304,58 @@ def load_model(directory: str | os.PathLike[str], which: str = "final", device: 
             f"{join(directory, name)}: does not fit the model {spec.name!r} ({first})"
         ) from None
     return model.to(device).eval()
+
+
+def _hf_model(manifest: dict[str, Any], shown: str) -> Any:
+    """The transformers model a manifest's ``hf_config`` and ``hf_class`` describe, with
+    fresh weights: transformers alone rebuilds it (no user module, no pretrained folder)."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise ExportError(f"{shown}: hf_config: needs the transformers package ({err})") from None
+    config = dict(manifest["hf_config"])
+    cls = getattr(transformers, str(manifest.get("hf_class")), None)
+    if not isinstance(cls, type):
+        raise ExportError(f"{shown}: hf_class: {manifest.get('hf_class')!r} is not a "
+                          f"transformers model class (transformers {transformers.__version__})")
+    try:
+        cfg = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+        return cls(cfg)
+    except Exception as err:
+        raise ExportError(f"{shown}: hf_config: transformers cannot build it "
+                          f"({type(err).__name__}: {' '.join(str(err).split())[:300]})") from None
+
+
+def hf_files(files: Mapping[str, bytes], which: str = "final") -> dict[str, bytes]:
+    """A dynabatch model directory's files (``files``, as :func:`read_files` gives them) as a
+    Hugging Face folder's: ``config.json`` (with ``id2label``/``label2id`` when the spec
+    names its ``dataset.labels``), ``model.safetensors`` (the ``which`` weights) and, when
+    the job had a ``dataset.tokenizer``, ``tokenizer.json`` with a ``tokenizer_config.json``
+    that makes ``AutoTokenizer`` read it. ``AutoModelFor<task>.from_pretrained(folder)``
+    loads it. :class:`ExportError` for a model that is not a transformers model."""
+    import tempfile
+    from pathlib import Path
+
+    manifest = parse_manifest(files[MANIFEST])
+    if manifest["model"]["name"] != "hf" or not isinstance(manifest.get("hf_config"), dict):
+        raise ExportError(f"{MANIFEST}: model.name: {manifest['model']['name']!r} is not a "
+                          "Hugging Face model (model.name: hf): export it as dynabatch")
+    with tempfile.TemporaryDirectory(prefix="dynabatch-hf-") as tmp:
+        src = Path(tmp) / "model"
+        src.mkdir()
+        for name, data in files.items():
+            (src / name).write_bytes(data)
+        model = load_model(src, which)
+        labels = (manifest.get("spec") or {}).get("dataset", {}).get("labels")
+        if labels and len(labels) == model.config.num_labels:
+            model.config.id2label = dict(enumerate(labels))
+            model.config.label2id = {name: i for i, name in enumerate(labels)}
+        out = Path(tmp) / "hf"
+        model.save_pretrained(out, safe_serialization=True)
+        result = {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+    if TOKENIZER in files:
+        result[TOKENIZER] = files[TOKENIZER]
+        result["tokenizer_config.json"] = json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast",
+             "model_max_length": int(manifest["input_shape"][0])}, indent=2).encode()
+    return result

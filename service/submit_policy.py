@@ -183,7 +183,8 @@ def uri_problem(value: str, roots: tuple[str, ...]) -> str | None:
 def check_paths(
     spec: JobSpec, data_roots: Iterable[str], checkpoint_root: str | None
 ) -> list[tuple[str, str]]:
-    """(field, problem) for ``dataset.path`` outside ``data_roots``, ``checkpoint.dir``
+    """(field, problem) for ``dataset.path`` (and ``dataset.tokenizer``, an hf model's
+    ``model.options.pretrained`` folder) outside ``data_roots``, ``checkpoint.dir``
     outside ``checkpoint_root`` and ``checkpoint.from`` (a file the job reads) outside
     both."""
     data_roots = tuple(data_roots)
@@ -192,6 +193,14 @@ def check_paths(
         why = path_problem(spec.dataset.path, data_roots, "dataset paths")
         if why:
             problems.append(("dataset.path", why))
+    # Files the job reads beside its data: the tokenizer, an hf model's pretrained folder.
+    pretrained = spec.model.options.get("pretrained") if spec.model.name == "hf" else None
+    for field, value in (("dataset.tokenizer", spec.dataset.tokenizer),
+                         ("model.options.pretrained", pretrained)):
+        if isinstance(value, str):
+            why = path_problem(value, data_roots, "dataset paths")
+            if why:
+                problems.append((field, why))
     if spec.checkpoint.dir:  # "" means no checkpoints, as everywhere else
         roots = () if checkpoint_root is None else (checkpoint_root,)
         why = path_problem(spec.checkpoint.dir, roots, "checkpoint directories")

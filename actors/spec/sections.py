@@ -211,6 +211,16 @@ class DatasetSpec(_Strict):
         "targets), for example padding sequences to the share's longest with an attention "
         "mask. User code, allowed as other import paths are.",
         examples=["my_pkg.text:pad_batch"])
+    tokenizer: str | None = Field(
+        default=None, min_length=1,
+        description="The tokenizer the token ids came from: a tokenizers tokenizer.json "
+        "(a local absolute path, confined like dataset.path). Its vocabulary must fit an hf "
+        "model's vocab_size; dynabatch export --format hf puts it beside the model.",
+        examples=["/data/my-bert/tokenizer.json"])
+    labels: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1,
+        description="The class names, in class order (label 0 first): an hf export's "
+        "config.json gets them as id2label and label2id.", examples=[["negative", "positive"]])
     test_fraction: float = Field(
         default=0.2, gt=0.0, lt=1.0, description="Held-out split when the dataset has none."
     )
@@ -231,6 +241,23 @@ class DatasetSpec(_Strict):
     @classmethod
     def _known(cls, v: str) -> str:
         return known_name("dataset", v, BUILTIN_DATASETS)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _local_file(cls, v: str | None) -> str | None:
+        if v is not None and (re.match(URI_PATTERN, v) or not v.startswith("/")):
+            raise ValueError(f"{v!r} must be a local absolute path (a tokenizer.json)")
+        return v
+
+    @model_validator(mode="after")
+    def _labels_fit(self) -> DatasetSpec:
+        if self.labels is not None:
+            if len(set(self.labels)) != len(self.labels):
+                raise ValueError("labels: every class name must differ")
+            if self.num_classes is not None and len(self.labels) != self.num_classes:
+                raise ValueError(f"labels: {len(self.labels)} names, but num_classes is "
+                                 f"{self.num_classes}")
+        return self
 
 
 class ModelSpec(_Strict):
@@ -264,18 +291,27 @@ class ModelSpec(_Strict):
 def hf_option_problems(options: dict[str, Any]) -> list[tuple[str, str]]:
     """(field, problem) for ``model.options`` of ``model.name: hf`` that can be told without
     transformers: their shape, and a hub id, which is refused because nothing is ever
-    downloaded (a job has no network at run time). The config's own keys are checked by
+    downloaded (a job has no network at run time). ``pretrained`` is a local folder's
+    absolute path (a ``save_pretrained`` folder or a dynabatch model directory), confined
+    by the service like ``dataset.path``. The config's own keys are checked by
     :func:`dynabatch.actors.workloads.hf.check_hf_options`, which imports transformers."""
     hub = ("nothing is downloaded (a job has no network at run time): give the model's "
            "config instead, options: {config: {model_type: gpt2, n_layer: 2, ...}}")
     problems: list[tuple[str, str]] = []
-    if "pretrained" in options:
-        problems.append(("model.options.pretrained", f"hub id {options['pretrained']!r}: "
-                         + hub))
+    pretrained = options.get("pretrained")
+    if pretrained is not None and (not isinstance(pretrained, str)
+                                   or not pretrained.startswith("/")):
+        problems.append(("model.options.pretrained", f"hub id {pretrained!r}: nothing is "
+                         "downloaded (a job has no network at run time): give a local "
+                         "folder's absolute path (a save_pretrained folder or a dynabatch "
+                         "model directory), or the model's config"))
+    if pretrained is not None and "config" in options:
+        problems.append(("model.options.config", "not with pretrained: the folder's "
+                         "config.json is the model's"))
     unknown = sorted(set(options) - {"config", "task", "pretrained"})
     if unknown:
         problems.append(("model.options", f"unknown option {unknown[0]!r} for hf "
-                         "(allowed: config, task)"))
+                         "(allowed: config, pretrained, task)"))
     task = options.get("task", HF_TASKS[0])
     if task not in HF_TASKS:
         problems.append(("model.options.task", f"must be {' or '.join(HF_TASKS)}, got "

@@ -65,10 +65,7 @@ def _task(spec: ModelSpec) -> str:
 def _config_class(spec: ModelSpec) -> tuple[type, dict[str, Any]]:
     """The config class of ``model_type`` and the other config keys, each checked to be a
     field of that class; shape problems (a hub id among them) come first."""
-    problems = hf_option_problems(spec.options)
-    if problems:
-        field, problem = problems[0]
-        raise WorkloadError(f"{field}: {problem}")
+    _problems(spec)
     mapping = _transformers().CONFIG_MAPPING
     config = dict(spec.options["config"])
     model_type = config.pop("model_type")
@@ -107,20 +104,120 @@ def _config_fields(cls: type) -> set[str]:
 
 def check_hf_options(spec: ModelSpec) -> None:
     """``model.options`` of an ``hf`` model, without building it: the shape, the model type
-    and every config key (WorkloadError naming ``model.options.config.<key>``)."""
-    _config_class(spec)
+    and every config key (WorkloadError naming ``model.options.config.<key>``), or the
+    pretrained folder's kind."""
+    if "pretrained" in spec.options:
+        _problems(spec)
+        pretrained_kind(spec.options["pretrained"])
+    else:
+        _config_class(spec)
+
+
+def _problems(spec: ModelSpec) -> None:
+    problems = hf_option_problems(spec.options)
+    if problems:
+        field, problem = problems[0]
+        raise WorkloadError(f"{field}: {problem}")
+
+
+PRETRAINED = "model.options.pretrained"
+
+
+def pretrained_kind(folder: str) -> str:
+    """``hf`` for a ``save_pretrained`` folder (``config.json``), ``dynabatch`` for a
+    dynabatch model directory (``manifest.json``); a WorkloadError naming
+    ``model.options.pretrained`` otherwise."""
+    from pathlib import Path
+
+    from dynabatch.actors.export import MANIFEST
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise WorkloadError(f"{PRETRAINED}: {folder} is not a directory")
+    if (path / "config.json").is_file():
+        return "hf"
+    if (path / MANIFEST).is_file():
+        return "dynabatch"
+    raise WorkloadError(f"{PRETRAINED}: {folder} holds neither config.json (a save_pretrained "
+                        f"folder) nor {MANIFEST} (a dynabatch model directory)")
+
+
+def pretrained_config(folder: str) -> dict[str, Any]:
+    """The transformers config of a pretrained folder, as a dict: its ``config.json``, or
+    the one a dynabatch model directory's manifest recorded (``hf_config``)."""
+    import json
+    from pathlib import Path
+
+    from dynabatch.actors.export import MANIFEST
+
+    kind = pretrained_kind(folder)
+    name = "config.json" if kind == "hf" else MANIFEST
+    try:
+        data = json.loads((Path(folder) / name).read_text())
+    except (OSError, ValueError) as err:
+        raise WorkloadError(f"{PRETRAINED}: {folder}/{name}: cannot read it ({err})") from None
+    config = data if kind == "hf" else data.get("hf_config")
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise WorkloadError(f"{PRETRAINED}: {folder}/{name}: holds no transformers config "
+                            "with a model_type")
+    return config
+
+
+def _from_pretrained(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> Any:
+    """The pretrained folder's model for this job's task and data: a ``save_pretrained``
+    folder through ``AutoModelFor<task>.from_pretrained`` (local files only), a dynabatch
+    model directory through :func:`dynabatch.actors.export.load_model`. A
+    sequence-classification head of another size is made anew for the dataset's classes."""
+    folder = spec.options["pretrained"]
+    task = _task(spec)
+    transformers = _transformers()
+    auto = getattr(transformers, AUTO_CLASSES[task])
+    kind = pretrained_kind(folder)
+    extra: dict[str, Any] = {"use_cache": False}
+    if task == "sequence-classification":
+        extra.update(num_labels=num_classes, ignore_mismatched_sizes=True)
+    try:
+        if kind == "hf":
+            model = auto.from_pretrained(folder, local_files_only=True, **extra)
+        else:
+            from dynabatch.actors.export import load_model
+
+            model = load_model(folder).train()
+    except WorkloadError:
+        raise
+    except Exception as err:
+        raise WorkloadError(f"{PRETRAINED}: {folder}: cannot load it "
+                            f"({type(err).__name__}: {one_line(str(err))})") from err
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise WorkloadError(f"{PRETRAINED}: {folder}: not a transformers model")
+    if task == "causal-lm" and cfg.vocab_size < num_classes:
+        raise WorkloadError(f"{PRETRAINED}: its config's vocab_size {cfg.vocab_size} is "
+                            f"smaller than the dataset's vocabulary ({num_classes} token ids)")
+    if task == "sequence-classification" and cfg.num_labels != num_classes:
+        raise WorkloadError(f"{PRETRAINED}: its model has {cfg.num_labels} labels, but the "
+                            f"dataset has {num_classes} classes")
+    longest = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(longest, int) and input_shape[0] > longest:
+        raise WorkloadError(f"{PRETRAINED}: its config's max_position_embeddings is {longest}, "
+                            f"but the samples are {input_shape[0]} tokens long")
+    cfg.use_cache = False
+    return guard_token_ids(model, f"{PRETRAINED} (its config's vocab_size)")
 
 
 def build_hf(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> Any:
     """The ``transformers`` model of ``spec.options`` for token sequences of
     ``input_shape`` (one dimension: the sequence length) and ``num_classes`` (the
     vocabulary for causal-lm, the labels for sequence-classification)."""
-    cls, config = _config_class(spec)
-    task = _task(spec)
     if len(input_shape) != 1:
         raise WorkloadError(
             f"model.name: hf needs token sequences (N, T), got samples of shape {input_shape}"
         )
+    if "pretrained" in spec.options:
+        _problems(spec)
+        return _from_pretrained(spec, input_shape, num_classes)
+    cls, config = _config_class(spec)
+    task = _task(spec)
     size_key = "vocab_size" if task == "causal-lm" else "num_labels"
     given = config.setdefault(size_key, num_classes)
     if task == "causal-lm" and isinstance(given, int) and given < num_classes:
@@ -214,3 +311,65 @@ def guard_token_ids(model: Any, field: str) -> Any:
     model.register_forward_pre_hook(check, with_kwargs=True)
     return model
 
+
+
+def check_tokenizer(spec: Any) -> None:
+    """``dataset.tokenizer`` (a ``tokenizers`` tokenizer.json) against an ``hf`` model's
+    ``vocab_size`` (its config's, or the pretrained folder's config.json): a tokenizer with
+    more tokens than the model's embedding is one line naming the field. Nothing when the
+    spec names no tokenizer."""
+    path = spec.dataset.tokenizer
+    if path is None:
+        return
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as err:
+        raise WorkloadError(f"dataset.tokenizer: needs the tokenizers package "
+                            f"({one_line(str(err))})") from err
+    try:
+        size = Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+    except Exception as err:
+        raise WorkloadError(f"dataset.tokenizer: {path}: not a tokenizers tokenizer.json "
+                            f"({type(err).__name__}: {one_line(str(err))})") from err
+    if spec.model.name != "hf":
+        return
+    options = spec.model.options
+    if "pretrained" in options:
+        vocab = pretrained_config(options["pretrained"]).get("vocab_size")
+        source = f"{PRETRAINED}'s config.json"
+    else:
+        config = options.get("config") if isinstance(options.get("config"), dict) else {}
+        vocab = config.get("vocab_size", spec.dataset.num_classes)
+        source = f"{FIELD}.vocab_size"
+    if isinstance(vocab, int) and size > vocab:
+        raise WorkloadError(f"dataset.tokenizer: {path} has {size} tokens, more than the "
+                            f"model's vocab_size {vocab} ({source})")
+
+
+def hf_model_config(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int
+                    ) -> tuple[dict[str, Any], str]:
+    """The transformers config (a dict) and model class of the model :func:`build_hf`
+    builds, without its weights: what an export records so that transformers alone
+    rebuilds it."""
+    import torch
+
+    if "pretrained" not in spec.options:
+        with torch.device("meta"):  # only the config is wanted: no weights are made
+            built = build_hf(spec, input_shape, num_classes)
+        return built.config.to_dict(), type(built).__name__
+    folder = spec.options["pretrained"]
+    if pretrained_kind(folder) == "dynabatch":
+        import json
+        from pathlib import Path
+
+        from dynabatch.actors.export import MANIFEST
+
+        manifest = json.loads((Path(folder) / MANIFEST).read_text())
+        return pretrained_config(folder), str(manifest.get("hf_class"))
+    transformers = _transformers()
+    extra: dict[str, Any] = {"use_cache": False}
+    if _task(spec) == "sequence-classification":
+        extra["num_labels"] = num_classes
+    cfg = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, **extra)
+    auto = getattr(transformers, AUTO_CLASSES[_task(spec)])
+    return cfg.to_dict(), auto._model_mapping[type(cfg)].__name__

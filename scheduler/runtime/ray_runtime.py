@@ -58,9 +58,11 @@ def open_checked(spec: JobSpec) -> tuple[Any, Any]:
     workers open) and its objective, checked on the first two training samples. No Ray."""
     import numpy as np
     from dynabatch.actors.data.open import open_dataset
+    from dynabatch.actors.workloads.hf import check_tokenizer
     from dynabatch.actors.workloads.models import build_model
     from dynabatch.actors.workloads.objective import check_objective
 
+    check_tokenizer(spec)  # dataset.tokenizer against the model's vocab_size
     data = open_dataset(spec.dataset, seed=spec.seed)
     _refuse_oversized_batch(spec, len(data.train))
     model = build_model(spec.model, tuple(data.input_shape), data.num_classes)

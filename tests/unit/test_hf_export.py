@@ -1,0 +1,144 @@
+"""Pretrained weights from a local folder (``model.options.pretrained: DIR``), the manifest
+that rebuilds an hf model with transformers alone, and the Hugging Face export (``hf_files``:
+a folder ``from_pretrained`` loads, with id2label and the job's tokenizer). Nothing is
+downloaded: the tiny pretrained folder and tokenizer are made here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dynabatch.actors.export import hf_files, load_model, model_files, read_files, write_files
+from dynabatch.actors.spec import SpecError, parse_spec
+from dynabatch.actors.workloads import WorkloadError
+from dynabatch.actors.workloads.models import build_model
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+BERT = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, max_position_embeddings=16)
+
+
+def tiny_pretrained(folder: Path) -> Path:
+    """A save_pretrained folder of a 1-layer BERT (masked LM, as a pretrained model is)."""
+    torch.manual_seed(1)
+    transformers.BertForMaskedLM(transformers.BertConfig(**BERT)).save_pretrained(folder)
+    return folder
+
+
+def tiny_tokenizer(path: Path, size: int = 40) -> Path:
+    """A word-level tokenizers tokenizer.json of ``size`` words."""
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{f"w{i}": i for i in range(2, size)}}
+    tok = tokenizers.Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def _spec(pre: Path, tokenizer: Path | None = None, **dataset):
+    return parse_spec({
+        "dataset": {"name": "synthetic", "labels": ["neg", "pos"], **dataset,
+                    **({"tokenizer": str(tokenizer)} if tokenizer else {})},
+        "model": {"name": "hf", "options": {"pretrained": str(pre),
+                                            "task": "sequence-classification"}},
+    })
+
+
+def test_pretrained_weights_load_from_a_save_pretrained_folder(tmp_path):
+    pre = tiny_pretrained(tmp_path / "pre")
+    model = build_model(_spec(pre).model, (8,), 2)
+    assert type(model).__name__ == "BertForSequenceClassification"
+    saved = transformers.BertForMaskedLM.from_pretrained(pre).state_dict()
+    w = "bert.encoder.layer.0.attention.self.query.weight"
+    assert torch.equal(model.state_dict()[w], saved[w])  # the folder's weights, not fresh
+    assert model.config.num_labels == 2 and model.config.use_cache is False
+    with pytest.raises(WorkloadError, match=r"model.options.pretrained \(its config's "
+                       r"vocab_size\): token id 45 in the batch's input_ids"):
+        model(torch.tensor([[3, 45]]))
+
+
+@pytest.mark.parametrize(("pretrained", "says"), [
+    ("bert-base-uncased", "model.options.pretrained: hub id 'bert-base-uncased': nothing is "
+                          "downloaded"),
+    ("rel/dir", "model.options.pretrained: hub id 'rel/dir'"),
+])
+def test_a_pretrained_that_is_not_an_absolute_folder_is_refused_naming_the_field(
+        pretrained, says):
+    with pytest.raises(SpecError) as err:
+        parse_spec({"model": {"name": "hf", "options": {"pretrained": pretrained}}})
+    assert any(p.startswith(says) for p in err.value.problems), err.value.problems
+
+
+def test_a_pretrained_folder_without_a_model_is_named(tmp_path):
+    with pytest.raises(WorkloadError, match=r"model.options.pretrained: .* holds neither "
+                       r"config.json"):
+        build_model(_spec(tmp_path).model, (8,), 2)
+
+
+def test_the_pretrained_folder_is_confined_like_dataset_paths(tmp_path):
+    from dynabatch.service.submit_policy import check_paths
+
+    spec = _spec(tmp_path / "pre", tokenizer=tmp_path / "t.json")
+    fields = {f for f, _ in check_paths(spec, ["/srv/data"], None)}
+    assert fields == {"model.options.pretrained", "dataset.tokenizer"}
+    assert check_paths(spec, [str(tmp_path)], None) == []
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line_naming_the_field(tmp_path):
+    from dynabatch.actors.workloads.hf import check_tokenizer
+
+    pre = tiny_pretrained(tmp_path / "pre")
+    check_tokenizer(_spec(pre, tiny_tokenizer(tmp_path / "ok.json", 40)))
+    with pytest.raises(WorkloadError) as err:
+        check_tokenizer(_spec(pre, tiny_tokenizer(tmp_path / "big.json", 50)))
+    assert str(err.value) == (
+        f"dataset.tokenizer: {tmp_path}/big.json has 50 tokens, more than the model's "
+        "vocab_size 40 (model.options.pretrained's config.json)")
+
+
+def test_the_hf_export_loads_with_transformers_alone_in_a_fresh_process(tmp_path):
+    pre = tiny_pretrained(tmp_path / "pre")
+    tok = tiny_tokenizer(tmp_path / "tokenizer.json")
+    spec = _spec(pre, tok)
+    torch.manual_seed(0)
+    trained = build_model(spec.model, (8,), 2)
+    files = model_files(spec=spec, input_shape=(8,), num_classes=2,
+                        final=trained.state_dict(), epoch=1)
+    manifest = json.loads(files["manifest.json"])
+    assert manifest["input"] == {"kind": "token_ids", "key": "input_ids", "dtype": "int64",
+                                 "seq_len": 8, "tokenizer": "tokenizer.json"}
+    assert manifest["hf_class"] == "BertForSequenceClassification"
+    write_files(files, str(tmp_path / "job"))
+    shutil.rmtree(pre)  # load_model needs neither the pretrained folder nor a user module
+    x = torch.tensor([[2, 5, 7, 9, 3, 1, 1, 1]])
+    again = load_model(tmp_path / "job")
+    with torch.no_grad():
+        want = trained.eval()(x).logits
+        assert torch.allclose(again(x).logits, want)
+    out = tmp_path / "hf"
+    out.mkdir()
+    for name, data in hf_files(read_files(str(tmp_path / "job"))).items():
+        (out / name).write_bytes(data)
+    code = (
+        "import json, sys, torch, transformers as t\n"
+        "m = t.AutoModelForSequenceClassification.from_pretrained(sys.argv[1]).eval()\n"
+        "tok = t.AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "ids = tok('w2 w5 w7', return_tensors='pt')['input_ids']\n"
+        "print(json.dumps([m.config.id2label[1], ids.tolist(), "
+        "m(torch.tensor([[2, 5, 7, 9, 3, 1, 1, 1]])).logits.tolist()]))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    label, ids, logits = json.loads(run.stdout.strip().splitlines()[-1])
+    assert label == "pos" and ids == [[2, 5, 7]]
+    assert torch.allclose(torch.tensor(logits), want, atol=1e-5)
