@@ -102,9 +102,9 @@ def unzip_model(data: bytes, directory: Path) -> list[str]:
     """Write a downloaded model zip's files into ``directory`` (created); their names.
     ValueError with one line when it is not a model zip: a name with a path in it (which
     could write outside ``directory``) or no manifest."""
-    from dynabatch.actors.export import FILES, MANIFEST
+    from dynabatch.actors.export import FILES, MANIFEST, TOKENIZER
 
-    allowed = {MANIFEST, *FILES.values()}
+    allowed = {MANIFEST, TOKENIZER, *FILES.values()}
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
             names = z.namelist()
@@ -118,3 +118,21 @@ def unzip_model(data: bytes, directory: Path) -> list[str]:
     except zipfile.BadZipFile as err:
         raise ValueError(f"not a dynabatch model download ({err})") from None
     return sorted(names)
+
+
+def write_hf_export(data: bytes, directory: Path) -> list[str]:
+    """A downloaded model zip (``data``, as ``GET /v1/jobs/{id}/model`` serves it) written
+    into ``directory`` (created) as a Hugging Face folder
+    (:func:`dynabatch.actors.export.hf_files`); the names written. ValueError (an
+    ``ExportError``) with one line when it is not a Hugging Face model."""
+    import tempfile
+
+    from dynabatch.actors.export import hf_files, read_files
+
+    with tempfile.TemporaryDirectory(prefix="dynabatch-export-") as tmp:
+        unzip_model(data, Path(tmp))
+        files = hf_files(read_files(tmp))
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        (directory / name).write_bytes(content)
+    return sorted(files)

@@ -142,3 +142,26 @@ def test_the_hf_export_loads_with_transformers_alone_in_a_fresh_process(tmp_path
     label, ids, logits = json.loads(run.stdout.strip().splitlines()[-1])
     assert label == "pos" and ids == [[2, 5, 7]]
     assert torch.allclose(torch.tensor(logits), want, atol=1e-5)
+
+
+def test_the_cli_and_rest_download_becomes_an_hf_folder_and_a_non_hf_model_is_refused(
+        tmp_path):
+    """What ``dynabatch export ID --format hf`` does with the zip the service serves."""
+    from dynabatch.actors.export import ExportError
+    from dynabatch.service.artifacts import write_hf_export, zip_model
+
+    pre = tiny_pretrained(tmp_path / "pre")
+    spec = _spec(pre, tiny_tokenizer(tmp_path / "tokenizer.json"))
+    model = build_model(spec.model, (8,), 2)
+    files = model_files(spec=spec, input_shape=(8,), num_classes=2, final=model.state_dict(),
+                        epoch=0)
+    names = write_hf_export(zip_model(files), tmp_path / "out")
+    assert {"config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= set(names)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["id2label"] == {"0": "neg", "1": "pos"} and config["label2id"]["pos"] == 1
+    mlp = parse_spec({})
+    plain = model_files(spec=mlp, input_shape=(64,), num_classes=10, epoch=0,
+                        final=build_model(mlp.model, (64,), 10).state_dict())
+    with pytest.raises(ExportError, match="'mlp' is not a Hugging Face model"):
+        write_hf_export(zip_model(plain), tmp_path / "no")
