@@ -30,8 +30,10 @@ from dynabatch.service.errors import (
     CoordinatorGone,
     InvalidRequest,
     JobConflict,
+    JobFinished,
     RayCallError,
     WorkerNotFound,
+    finished_message,
 )
 from dynabatch.service.reads import JobReads
 from dynabatch.service.reconciler import Reconciler
@@ -167,20 +169,23 @@ class JobCommands:
                 break
         return self.reconciler.sync_job(job_id, snapshot=snap) or rec
 
-    def _live_record(self, job_id: str) -> JobRecord:
+    def _live_record(self, job_id: str, done: str) -> JobRecord:
+        """The job's record; :class:`JobFinished` (409, "a finished job cannot be
+        ``done``") when it finished."""
         rec = self.reads.record(job_id)
         if rec.state.is_terminal:
-            raise InvalidTransition(rec.state, JobState.RUNNING)
+            raise JobFinished(rec.state, job_id, done)
         return rec
 
-    def _membership_call(self, rec: JobRecord, call: Callable[[], JobSnapshot]) -> JobSnapshot:
+    def _membership_call(self, rec: JobRecord, call: Callable[[], JobSnapshot],
+                         done: str) -> JobSnapshot:
         """Run a scale or drain call on the job's coordinator. A coordinator that finished
         meanwhile is a 409 with the state it finished in."""
         try:
             return call()
         except InvalidTransition:
-            done = self.reconciler.sync_job(rec.id) or rec
-            raise InvalidTransition(done.state, JobState.RUNNING) from None
+            ended = self.reconciler.sync_job(rec.id) or rec
+            raise JobFinished(ended.state, rec.id, done) from None
 
     def scale(self, job_id: str, workers: int) -> JobRecord:
         """Run the job with exactly ``workers`` workers from its next step boundary on.
@@ -190,7 +195,7 @@ class JobCommands:
         bounds: :func:`~dynabatch.scheduler.core.membership.scale_error`).
         """
         with self.reconciler.lock:
-            rec = self._live_record(job_id)
+            rec = self._live_record(job_id, "scaled")
             spec = rec.spec
             problem = scale_error(workers, *spec.batch_range, spec.max_batch)
             if problem:
@@ -198,14 +203,15 @@ class JobCommands:
             if self.scheduling is not None:
                 return self._scheduled_scale(rec, workers)
             try:
-                snap = self._membership_call(rec, lambda: self.cluster.scale(job_id, workers))
+                snap = self._membership_call(
+                    rec, lambda: self.cluster.scale(job_id, workers), "scaled")
             except CoordinatorGone as err:
                 # The size holds for the coordinator that resumes the job (if it can be).
                 self.registry.set_target_workers(job_id, workers)
                 done = self.reconciler.coordinator_lost(rec, Reconciler.died(err))
                 if done is None or done.state.is_terminal:
-                    raise InvalidTransition(
-                        done.state if done else JobState.FAILED, JobState.RUNNING
+                    raise JobFinished(
+                        done.state if done else JobState.FAILED, job_id, "scaled"
                     ) from None
                 return done
             self.registry.set_target_workers(job_id, workers)
@@ -229,7 +235,8 @@ class JobCommands:
         one when it is the only one there, else the slowest of them) and its max_workers
         drops by one (:class:`JobConflict`, 409, when it refuses: below min_workers)."""
         try:
-            snap = self._membership_call(rec, lambda: self.cluster.snapshot(rec.id))
+            snap = self._membership_call(
+                rec, lambda: self.cluster.snapshot(rec.id), "drained")
         except CoordinatorGone:  # queued (nothing runs yet), or lost: the sync loop sees to it
             raise WorkerNotFound(
                 f"worker {worker!r} is not a member of job {rec.id}: it has no running coordinator"
@@ -258,11 +265,12 @@ class JobCommands:
         worker and ``InvalidTransition`` (409) when the job finished.
         """
         with self.reconciler.lock:
-            rec = self._live_record(job_id)
+            rec = self._live_record(job_id, "drained")
             if self.scheduling is not None:
                 return self._scheduled_drain(rec, worker)
             try:
-                snap = self._membership_call(rec, lambda: self.cluster.drain(job_id, worker))
+                snap = self._membership_call(
+                    rec, lambda: self.cluster.drain(job_id, worker), "drained")
             except CoordinatorGone as err:
                 done = self.reconciler.coordinator_lost(rec, Reconciler.died(err))
                 what = "it is being resumed" if done and not done.state.is_terminal else "it failed"
@@ -292,10 +300,9 @@ class JobCommands:
         with self.reconciler.lock:
             rec = self.reads.record(job_id)
             if not rec.state.can_resume:
-                raise JobConflict(
-                    f"job is {rec.state.value}; only a FAILED or CANCELLED job, or a live one "
-                    "whose coordinator is gone, can be resumed"
-                )
+                raise JobConflict(finished_message(
+                    rec.state, job_id, "a job that succeeded cannot be resumed (only a FAILED "
+                    "or CANCELLED job, or a live one whose coordinator is gone, can be)"))
             alive = self.cluster.find(job_id, rec.resumes)
             if alive and not rec.state.is_terminal:
                 raise JobConflict(

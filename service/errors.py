@@ -60,6 +60,30 @@ class AlreadyFinished(InvalidTransition):
         return (AlreadyFinished, (self.old, self.job_id))
 
 
+class JobFinished(InvalidTransition):
+    """A request that only a live job takes (scale, drain) to one that finished (409), in
+    the user's words: ``job 3f2a has finished (SUCCEEDED); a finished job cannot be
+    scaled``, rather than the lifecycle's ``job is SUCCEEDED; it cannot become RUNNING``."""
+
+    def __init__(self, old: JobState, job_id: str = "", done: str = "changed"):
+        super().__init__(old, JobState.RUNNING)
+        self.args = (finished_message(old, job_id, f"a finished job cannot be {done}"),)
+        self.job_id, self.done = job_id, done
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self):
+        return (JobFinished, (self.old, self.job_id, self.done))
+
+
+def finished_message(state: JobState, job_id: str, why: str) -> str:
+    """``job ID has finished (STATE); WHY``: the refusal of a request a finished job cannot
+    take."""
+    job = f"job {job_id}" if job_id else "the job"
+    return f"{job} has finished ({state.value}); {why}"
+
+
 class InvalidRequest(ValueError):
     """A well-formed request that this job cannot take (422), naming the body field."""
 
