@@ -39,7 +39,7 @@ $(VENV)/.test: $(VENV)/.base $(TEST_LOCK) pyproject.toml setup.py
 
 STAMP := $(VENV)/.test
 
-.PHONY: run test lint bench install lock clean prometheus chromium images deploy-test
+.PHONY: run test lint bench install lock clean prometheus chromium images deploy-test bundle
 
 install: $(STAMP)
 
@@ -85,6 +85,13 @@ images:
 deploy-test: $(STAMP)
 	DYNABATCH_DEPLOY_TEST=1 RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -p no:cacheprovider \
 		-s -x --timeout 5400 tests/deploy
+
+# The offline bundle for a GPU node without network (docs/operations.md): the wheels it needs
+# beyond torch and numpy, cp312 manylinux x86-64, at the lock's versions and hashes, into
+# .bundle/; Ray without its Java jar unless BUNDLE_FULL=1. Checks bundle + tree < 60 MiB.
+BUNDLE_FULL ?=
+bundle: $(STAMP)
+	$(BIN)/python deploy/bundle.py --out .bundle $(if $(BUNDLE_FULL),--full)
 
 # Refresh the lock from pyproject.toml's ranges (uv, pinned): the test set first (the runtime
 # set, the `hf` and `test` extras), then the runtime set (with `hf`) held to the same versions.
