@@ -3,7 +3,9 @@
 The job runs on an embedded local Ray (or the cluster at ``address``) through the command's
 own path (:func:`dynabatch.api.cli.run.run_job`); instead of the command's live table, a
 tqdm progress bar counts the job's steps, one line per finished epoch is printed above it
-(the table's columns), and the job's log lines scroll above both.
+(the table's columns), and the job's log lines scroll above both. Where nothing redraws
+a line (output redirected to a file or a pipe), the bar is a plain progress line now and
+then (:class:`PlainProgress`).
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ class ProgressView:
         steps = max(snap.steps_per_epoch, 0)
         total = snap.epochs * steps or None
         if self._bar is None:
-            self._bar = _tqdm(total=total, desc=snap.name, unit="step", file=self.file)
+            self._bar = (_tqdm(total=total, desc=snap.name, unit="step", file=self.file)
+                         if _draws_a_bar(self.file) else PlainProgress(self.file, snap.name))
             self._bar.write(self._row(EPOCH_COLUMNS), file=self.file)
         for record in fresh:
             self._bar.write(self._row(epoch_cells(record)), file=self.file)
@@ -175,6 +178,59 @@ class ProgressView:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+# How often a redirected run prints a progress line between its epochs' lines.
+PROGRESS_EVERY_S = 30.0
+
+
+class PlainProgress:
+    """The bar's stand-in where nothing redraws a line (output to a file or a pipe): a plain
+    line, ``NAME: step N/TOTAL (P%), epoch E/EPOCHS, loss ...``, when the epoch changes, at
+    the end and at most every :data:`PROGRESS_EVERY_S` in between; the same calls as the
+    tqdm bar's that :class:`ProgressView` makes."""
+
+    def __init__(self, file: Any, desc: str, every_s: float = PROGRESS_EVERY_S):
+        self.file, self.desc, self.every_s = file, desc, every_s
+        self.n: int = 0
+        self.total: int | None = None
+        self._last: tuple[float, str] | None = None  # when, and the epoch, last printed
+
+    def write(self, line: str, file: Any = None) -> None:
+        print(line, file=file or self.file, flush=True)
+
+    def set_postfix_str(self, facts: str, refresh: bool = True) -> None:
+        import time
+
+        epoch = facts.split(",", 1)[0]
+        now = time.monotonic()
+        ended = facts.endswith(tuple(s.value for s in JobState if s.is_terminal))
+        if (self._last is not None and not ended and epoch == self._last[1]
+                and now - self._last[0] < self.every_s):
+            return
+        self._last = (now, epoch)
+        if self.total:
+            steps = f"step {self.n}/{self.total} ({100 * self.n // self.total}%)"
+        else:
+            steps = f"step {self.n}"
+        self.write(f"{self.desc}: {steps}, {facts}")
+
+    def close(self) -> None:
+        self.file.flush()
+
+
+def _draws_a_bar(file: Any) -> bool:
+    """Whether a bar can redraw its line here: a terminal, or a notebook (whose output is
+    no terminal, but shows tqdm's bar)."""
+    isatty = getattr(file, "isatty", None)
+    if isatty is not None and isatty():
+        return True
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
 
 
 def _tqdm(**kwargs: Any) -> Any:

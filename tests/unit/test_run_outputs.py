@@ -171,3 +171,35 @@ def test_status_names_the_tensorboard_folder_only_when_the_job_made_it(
     out = io.StringIO()
     Console(file=out, width=300).print(_job_table(job))
     assert ("TensorBoard event files: /runs/tb/" in out.getvalue()) is shown
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _progress_text(file: io.StringIO) -> tuple[str, Any]:
+    from dynabatch.embedded import ProgressView
+
+    cluster = FakeCluster()
+    cluster.launch("b" * 12, parse_spec({**SPEC, "name": "bar", "epochs": 3}))
+    view = ProgressView(enabled=True, file=file)
+    snap, _ = run_cli.follow_job(FakeJob(cluster, "b" * 12), console=view.console, quiet=True,
+                                 interval_s=0.0, on_update=view.update)
+    view.close()
+    return file.getvalue(), snap
+
+
+def test_progress_to_a_file_is_plain_lines_not_a_bar() -> None:
+    """``dynabatch.run`` with its output redirected (a log file, CI): a progress line now
+    and then (each epoch, the end, or every PROGRESS_EVERY_S), never tqdm's ``\\r``
+    redraws; on a terminal, the bar."""
+    text, snap = _progress_text(io.StringIO())
+    assert "\r" not in text
+    progress = [x for x in text.splitlines() if x.startswith("bar: step ")]
+    total = snap.epochs * snap.steps_per_epoch
+    assert 2 <= len(progress) <= snap.epochs + 2, progress  # a modest rate
+    assert progress[-1].startswith(f"bar: step {total}/{total} (100%), epoch 3/3")
+    assert progress[-1].endswith("SUCCEEDED")
+    bar, _ = _progress_text(_Terminal())
+    assert "\r" in bar and f"{total}/{total}" in bar
