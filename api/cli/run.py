@@ -229,10 +229,12 @@ def option_problem(spec: JobSpec, *, here: bool = False) -> str | None:
     checked against their sources' tables, with no file opened. ``dataset.collate`` is
     imported too (the working_dir on the path): a module without the function named is
     reported, and so is a module that does not import when the job runs ``here`` (the
-    embedded local Ray, whose workers see what this process sees)."""
+    embedded local Ray, whose workers see what this process sees). ``dataset.tokenizer``
+    is read and its vocabulary checked against an hf model's ``vocab_size``."""
     from dynabatch.actors.data.open import check_file_options
     from dynabatch.actors.workloads import WorkloadError
     from dynabatch.actors.workloads.datasets import check_dataset_options
+    from dynabatch.actors.workloads.hf import check_tokenizer
     from dynabatch.actors.workloads.imports import NotImportable
     from dynabatch.actors.workloads.models import check_model_options
 
@@ -243,7 +245,9 @@ def option_problem(spec: JobSpec, *, here: bool = False) -> str | None:
     try:
         for check, section in ((check_dataset_options, spec.dataset),
                                (check_file_options, spec.dataset),
-                               (check_model_options, spec.model)):
+                               (check_model_options, spec.model),
+                               # dataset.tokenizer against the model's vocab_size
+                               (check_tokenizer, spec)):
             try:
                 check(section)
             except NotImportable:

@@ -165,3 +165,35 @@ def test_the_cli_and_rest_download_becomes_an_hf_folder_and_a_non_hf_model_is_re
                         final=build_model(mlp.model, (64,), 10).state_dict())
     with pytest.raises(ExportError, match="'mlp' is not a Hugging Face model"):
         write_hf_export(zip_model(plain), tmp_path / "no")
+
+
+def test_dynabatch_run_refuses_a_tokenizer_larger_than_the_model_before_ray_starts(
+        tmp_path, monkeypatch):
+    """The pre-check of ``dynabatch run`` reads ``dataset.tokenizer``: one line, exit 2, and
+    Ray never starts (it would only fail the job later, after minutes of start-up)."""
+    import dynabatch.service.raycluster
+    import ray
+    import typer
+    from dynabatch.api.cli import run as run_cli
+    from typer.testing import CliRunner
+
+    def no_ray(*_, **__):
+        raise AssertionError("Ray was started before the tokenizer was checked")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.setattr(dynabatch.service.raycluster, "connect", no_ray)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    pre = tiny_pretrained(tmp_path / "pre")
+    big = tiny_tokenizer(tmp_path / "big.json", 50)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(
+        "name: t\nworkers: 1\nglobal_batch: 8\nepochs: 1\n"
+        f"dataset: {{name: parquet, path: {tmp_path}/data, tokenizer: {big}}}\n"
+        f"model: {{name: hf, options: {{pretrained: {pre}, task: sequence-classification}}}}\n")
+    app = typer.Typer(pretty_exceptions_enable=False)
+    run_cli.register(app)
+    result = CliRunner().invoke(app, ["run", str(cfg)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.stderr.splitlines() == [
+        f"error: {cfg}: dataset.tokenizer: {big} has 50 tokens, more than the model's "
+        "vocab_size 40 (model.options.pretrained's config.json)"]
