@@ -77,10 +77,11 @@ EPOCH_COLUMNS = ("epoch", "time", "train loss", "held-out", "utilization", "bala
 
 
 def epoch_cells(r: EpochRecord) -> list[str]:
-    """One finished epoch as the epoch table's cells (:data:`EPOCH_COLUMNS`)."""
+    """One finished epoch as the epoch table's cells (:data:`EPOCH_COLUMNS`), counted
+    from 1 as the progress's ``epoch 1/N``."""
     # "verified": the ledger found every sample trained exactly once, from the reports.
     samples = f"{r.samples_trained:,}" + (" verified" if r.verified else "")
-    return [str(r.epoch), f"{r.wall_s:.2f}s", f"{r.train_loss:.4f}", held_out(r),
+    return [str(r.epoch + 1), f"{r.wall_s:.2f}s", f"{r.train_loss:.4f}", held_out(r),
             f"{r.utilization:.3f}", f"{r.compute_balance:.3f}", str(r.rebalances),
             samples, str(r.retried_samples)]
 
@@ -132,8 +133,9 @@ def utilization_line(summary: dict[str, Any]) -> str:
     run, planned, k = summary["run"], summary["planned"], summary["planned_from_epoch"]
     if run is None or planned is None:
         return "utilization: no training time measured"
-    before = f"epochs 0-{k - 1}" if k > 1 else "epoch 0"
-    return (f"utilization {planned:.3f} from epoch {k}, under the policy's measured plan "
+    # Counted from 1, as every epoch a user reads; ``k`` is the record's 0-based index.
+    before = f"epochs 1-{k}" if k > 1 else "epoch 1"
+    return (f"utilization {planned:.3f} from epoch {k + 1}, under the policy's measured plan "
             f"(whole run {run:.3f}: {before} trained under the first split, before any "
             "measurement; per epoch "
             f"{', '.join(f'{u:.2f}' for u in summary['by_epoch'])}). Utilization is the "

@@ -140,10 +140,13 @@ def with_scores(record: EpochRecord, totals: EpochTotals, scores: dict[str, floa
     })
 
 
-def summary(record: EpochRecord) -> str:
-    """The epoch's line in the job log, with the job's own held-out metrics."""
+def summary(record: EpochRecord, epochs: int | None = None) -> str:
+    """The epoch's line in the job log, with the job's own held-out metrics: ``epoch 1/N``
+    for the first of ``epochs``, as the progress and ``status`` count them."""
     scores = scores_text(record.scores) or "no test scores"
-    return (f"epoch {record.epoch}: {record.wall_s:.2f}s, loss {record.train_loss:.4f}, "
+    of = f"/{epochs}" if epochs else ""
+    return (f"epoch {record.epoch + 1}{of}: {record.wall_s:.2f}s, "
+            f"loss {record.train_loss:.4f}, "
             f"{scores}, balance {record.compute_balance:.3f}, utilization "
             f"{record.utilization:.3f}, {record.samples_trained} samples verified exactly once"
             + explain_utilization(record))

@@ -286,7 +286,7 @@ class Epochs(Part):
         record = with_scores(rnd.record, rnd.extra, scores, rnd)
         with self.lock:
             self.history.append(record)
-            self.log("INFO", summary(record))
+            self.log("INFO", summary(record, self.spec.epochs))
         self.c.tracking.epoch(record)
 
     def close(self) -> None:

@@ -78,7 +78,7 @@ def test_the_report_gives_the_runs_utilization_under_the_measured_plan():
     assert s["run"] == pytest.approx((0.45 + 0.47 + 0.6 * 0.6 + 0.66 * 0.6) / 3.2)
     assert s["by_epoch"] == [0.45, 0.47, 0.6, 0.66]
     line = utilization_line(s)
-    assert line.startswith("utilization 0.630 from epoch 2") and "epochs 0-1" in line
+    assert line.startswith("utilization 0.630 from epoch 3") and "epochs 1-2" in line
     # Equal nodes (the batches never change): every epoch after the first.
     same = utilization_summary([_epoch(e, [64, 64], 0.8, 1.0) for e in range(3)])
     assert same["planned_from_epoch"] == 1 and same["planned"] == pytest.approx(0.8)

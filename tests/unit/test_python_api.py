@@ -224,8 +224,8 @@ def test_the_progress_view_shows_the_steps_and_a_line_per_epoch() -> None:
     view.close()
     text = out.getvalue()
     assert snap.state.value == "SUCCEEDED" and view.history == hist and len(hist) == 3
-    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])]
-    assert [r[0] for r in rows] == ["0", "1", "2"]  # one line per epoch, in order
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])]
+    assert [r[0] for r in rows] == ["1", "2", "3"]  # one line per epoch, in order, from 1
     assert [r[2] for r in rows] == [f"{h.train_loss:.4f}" for h in hist]
     assert text.count("epoch  ") == 1  # the header once
     total = snap.epochs * snap.steps_per_epoch

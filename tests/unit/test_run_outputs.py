@@ -203,3 +203,23 @@ def test_progress_to_a_file_is_plain_lines_not_a_bar() -> None:
     assert progress[-1].endswith("SUCCEEDED")
     bar, _ = _progress_text(_Terminal())
     assert "\r" in bar and f"{total}/{total}" in bar
+
+
+def test_epochs_are_counted_from_1_wherever_a_user_reads_them() -> None:
+    """The job log's epoch line, ``run``'s epoch table and utilization line, and the
+    progress (``epoch 1/N``) all count epochs from 1; the records keep their 0-based index."""
+    from dynabatch.scheduler.sync.epoch_report import summary
+    from dynabatch.scheduler.telemetry import EpochRecord
+
+    record = EpochRecord(epoch=0, wall_s=1.0, steps=3, dataset_size=192,
+                         samples_trained=192, train_loss=0.5, utilization=0.5,
+                         compute_balance=0.9, rebalances=0, generation=0, policy="dbs",
+                         emulated=False, workers=[])
+    assert summary(record, epochs=3).startswith("epoch 1/3: ")
+    assert run_cli.epoch_cells(record)[0] == "1"
+    line = run_cli.utilization_line({"run": 0.5, "planned": 0.6, "planned_from_epoch": 2,
+                                     "by_epoch": [0.4, 0.5, 0.6]})
+    assert line.startswith("utilization 0.600 from epoch 3") and "epochs 1-2" in line
+    line = run_cli.utilization_line({"run": 0.5, "planned": 0.6, "planned_from_epoch": 1,
+                                     "by_epoch": [0.4, 0.6]})
+    assert line.startswith("utilization 0.600 from epoch 2") and "epoch 1 trained" in line
