@@ -191,14 +191,18 @@ class RetryBudget:
         self.evaluation_failures = 0
 
     def evaluation_failed(self, epoch: int, worker: str, shard: tuple[int, int],
-                          error: str) -> str | None:
+                          error: str, *, user: bool = False) -> str | None:
         """Record an evaluation of ``epoch`` whose ``shard`` of the held-out set failed
         on ``worker`` (alive) with ``error``; the reason to fail the job, or None to go
-        on (evaluating again when the weights are still there)."""
+        on (evaluating again when the weights are still there). A ``user`` error (one in
+        the job's data, model or configuration) fails it at once, as in training."""
         self.evaluation_failures += 1
+        lo, hi = shard
+        where = f"evaluation of epoch {epoch} failed on {worker} (test samples [{lo}, {hi}))"
+        if user:
+            return (f"{where} with {error} (an error in the job's data, model or "
+                    "configuration: not retried)")
         if self.evaluation_failures > self.max_retries:
-            lo, hi = shard
-            return (f"evaluation of epoch {epoch} failed on {worker} (test samples "
-                    f"[{lo}, {hi})) with {error} ({self.evaluation_failures} attempts; "
+            return (f"{where} with {error} ({self.evaluation_failures} attempts; "
                     f"max_retries={self.max_retries})")
         return None

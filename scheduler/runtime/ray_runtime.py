@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from dynabatch.actors.errors import first_line
+from dynabatch.actors.errors import first_line, is_user_error
 from dynabatch.actors.group import choose_backend
 from dynabatch.actors.output import ActorOutput
 from dynabatch.actors.spec import JobSpec
@@ -351,7 +351,8 @@ class RayRuntime:
             except RayActorError as err:
                 out.append(ShardResult(w, error=_why_lost(err), lost=True))
             except (RayError, GetTimeoutError) as err:
-                out.append(ShardResult(w, error=first_line(err)))
+                # What evaluate_shard raised; a user error fails the job at once.
+                out.append(ShardResult(w, error=first_line(err), user=is_user_error(err)))
         return out
 
     def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:

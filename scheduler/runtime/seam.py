@@ -58,13 +58,16 @@ class RegroupResult:
 class ShardResult:
     """One worker's shard of an evaluation: the sums of its test samples (``{"n", "loss",
     <metric>: Σ}``, see ``Objective.eval_sums``) and the seconds the worker spent on them;
-    or, without sums, why (``lost``: the worker is gone)."""
+    or, without sums, why (``lost``: the worker is gone; ``user``: what it raised is an
+    error in the job's data, model or configuration, ``dynabatch.actors.errors.UserError``,
+    which fails the job at once, as in training)."""
 
     worker: str
     sums: dict[str, float] | None = None
     seconds: float = 0.0
     error: str | None = None
     lost: bool = False
+    user: bool = False
 
 
 class Clock(Protocol):

@@ -262,7 +262,7 @@ class Epochs(Part):
                                            if not r.lost), None)):
             w, r = bad
             verdict = job.budget.evaluation_failed(rnd.epoch, w, rnd.shards[w],
-                                                   r.error or "no answer")
+                                                   r.error or "no answer", user=r.user)
             if verdict is not None:
                 self.fail(verdict)
         again = evaluate_again(

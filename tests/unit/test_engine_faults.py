@@ -364,3 +364,25 @@ def test_each_epoch_replans_from_the_current_allocation(policy):
     assert last["w0"] > last["w1"] > last["w2"], last
     if policy == "affine":  # noise-free speeds: converged, then kept
         assert [r.rebalances for r in hist[2:]] == [0, 0, 0]
+
+
+class _UserErrorInEvaluation(SimRuntime):
+    """w1's shard raises a user error (a token id beyond the vocabulary, seen only in the
+    held-out set) every time it is scored."""
+
+    def _evaluate(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
+        out = super()._evaluate(shards)
+        return [ShardResult(r.worker, seconds=r.seconds, user=True,
+                            error="TokenIdError: model.options.config.vocab_size: token id 60 "
+                                  "in the batch's input_ids is at or above the model's "
+                                  "vocab_size 50") if r.worker == "w1" else r for r in out]
+
+
+def test_a_user_error_in_evaluation_fails_the_job_at_once_as_in_training():
+    coord, rt, _ = _job(_spec(max_retries=5), runtime=_UserErrorInEvaluation)
+    snap = coord.run()
+    assert snap.state == JobState.FAILED, snap.reason
+    assert "evaluation of epoch 0 failed on w1" in snap.reason, snap.reason
+    assert "token id 60" in snap.reason and "not retried" in snap.reason
+    assert rt.record.evaluations == 1  # no second attempt
+    assert not [x for x in coord.logs() if "evaluating again" in x.message]

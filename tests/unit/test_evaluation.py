@@ -253,3 +253,25 @@ def test_every_runtime_implements_the_runtime_protocol():
     for cls in (RayRuntime, SimRuntime):
         missing = {n for n in methods if not callable(getattr(cls, n, None))}
         assert not missing, (cls.__name__, missing)
+
+
+def test_a_shard_that_raised_a_user_error_says_so_on_ray(monkeypatch):
+    """What a worker's ``evaluate_shard`` raised reaches the driver as a Ray task error: a
+    user error in it (a token id beyond the vocabulary) is marked, so the job fails at once
+    as it does in training; any other error stays a failure to retry."""
+    from dynabatch.actors.workloads.hf import TokenIdError
+    from dynabatch.scheduler.runtime import ray_runtime
+    from ray.exceptions import RayTaskError
+
+    raised = {"a": TokenIdError("token id 60 is at or above the model's vocab_size 50"),
+              "b": ValueError("bad shape")}
+    monkeypatch.setattr(ray_runtime.ray, "wait", lambda refs, **_: (list(refs), []))
+
+    def get(ref, **_):
+        raise RayTaskError("evaluate_shard", "Traceback ...", raised[ref]).as_instanceof_cause()
+
+    monkeypatch.setattr(ray_runtime.ray, "get", get)
+    out = {r.worker: r for r in ray_runtime.RayRuntime.poll_evaluation(
+        None, {"a": "w0", "b": "w1"}, 0.0)}
+    assert out["w0"].user and not out["w0"].lost and "token id 60" in out["w0"].error
+    assert not out["w1"].user and "bad shape" in out["w1"].error

@@ -126,3 +126,13 @@ def test_a_user_error_is_told_from_its_mark_or_its_ray_cause():
     wrapped = RuntimeError("ray::Worker.run_segment()")
     wrapped.cause = Wrong("x")
     assert is_user_error(wrapped)
+
+
+def test_an_evaluation_user_error_is_not_retried_and_others_are():
+    budget = RetryBudget(max_retries=2)
+    assert budget.evaluation_failed(0, "w1", (0, 8), "ValueError: flaky") is None
+    verdict = budget.evaluation_failed(0, "w1", (0, 8), "TokenIdError: token id 60",
+                                       user=True)
+    assert verdict == ("evaluation of epoch 0 failed on w1 (test samples [0, 8)) with "
+                       "TokenIdError: token id 60 (an error in the job's data, model or "
+                       "configuration: not retried)")
