@@ -37,7 +37,6 @@ import zipfile
 from email.parser import Parser
 from pathlib import Path
 
-from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -52,9 +51,8 @@ ROOTS = ("ray", "pydantic", "tenacity")
 RAY_JAR = "ray/jars/ray_dist.jar"
 # The Python packages of the GPU machine's image ('cuda'; the device notes' list as read on
 # 2026-11-17), canonical names. A dependency named here is not bundled.
-GPU_IMAGE_HAS = frozenset(
-    canonicalize_name(n)
-    for n in """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio
+_IMAGE_PACKAGES = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal
+    annotated-doc anyio
     attrs botorch build certifi charset-normalizer chex click cloudpickle cmake colorama
     contourpy coverage cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler
     cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
@@ -78,8 +76,8 @@ GPU_IMAGE_HAS = frozenset(
     tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio
     torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton
     typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt
-    xarray xxhash yarl zipp""".split()
-)
+    xarray xxhash yarl zipp"""
+GPU_IMAGE_HAS = frozenset(canonicalize_name(n) for n in _IMAGE_PACKAGES.split())
 # The target: the GPU machine's Python (3.12) on Linux x86-64. pip matches a manylinux tag
 # exactly, so the usual ones are all named (the device notes).
 PYTHON_VERSION = "3.12"
