@@ -150,12 +150,28 @@ def install_bundle(bundle: Path, target: Path) -> dict[str, Any]:
         return {"status": "fail", "error": "; ".join(bad)}
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     same = here == manifest["python"]
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-           "--no-compile", "--no-cache-dir", "--disable-pip-version-check",
-           "--target", str(target)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "--target",
+        str(target),
+    ]
     if not same:  # the wheels are cp312: pip installs them for that Python only
-        cmd += ["--only-binary=:all:", "--python-version", manifest["python"],
-                "--implementation", "cp"]  # fmt: skip
+        cmd += [
+            "--only-binary=:all:",
+            "--python-version",
+            manifest["python"],
+            "--implementation",
+            "cp",
+        ]
         cmd += [a for p in manifest.get("platforms", []) for a in ("--platform", p)]
     proc = subprocess.run([*cmd, *map(str, wheels)], capture_output=True, text=True)
     res: dict[str, Any] = {
@@ -180,8 +196,14 @@ def install_bundle(bundle: Path, target: Path) -> dict[str, Any]:
         )
         return res
     names = sorted({w["name"] for w in manifest["wheels"]})
+    # The installed top-level modules (packages and single-module wheels), each imported.
+    tops = sorted(
+        p.stem if p.suffix == ".py" else p.name
+        for p in target.iterdir()
+        if (p.suffix == ".py" or (p / "__init__.py").is_file()) and p.name != "__pycache__"
+    )
     probe = textwrap.dedent(f"""
-        import importlib.metadata as md, json
+        import importlib, importlib.metadata as md, json
         from packaging.requirements import Requirement
         unmet = []
         for name in {names!r}:
@@ -196,18 +218,26 @@ def install_bundle(bundle: Path, target: Path) -> dict[str, Any]:
                     continue
                 if req.specifier and not req.specifier.contains(have, prereleases=True):
                     unmet.append(f"{{name}} needs {{req}}: {{have}} installed")
-        import ray, pydantic, jsonschema
-        print(json.dumps({{"ray": ray.__version__, "ray_from": ray.__file__,
-                          "pydantic": pydantic.__version__, "unmet": unmet}}))
+        origin = {{m: getattr(importlib.import_module(m), "__file__", None) for m in {tops!r}}}
+        versions = {{n: md.version(n) for n in {names!r}}}
+        print(json.dumps({{"origin": origin, "versions": versions, "unmet": unmet}}))
         """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), os.environ.get(
-        "PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")])
+    )
     got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     if got.returncode != 0:
         why = (got.stderr.strip().splitlines() or ["no output"])[-1][:500]
         return {**res, "status": "fail", "importable": False, "error": f"import: {why}"}
     info = json.loads(got.stdout.strip().splitlines()[-1])
-    ok = info["ray_from"].startswith(str(target)) and not info["unmet"]
+    # Each module from the target, not from another copy on the path.
+    elsewhere = sorted(
+        m for m, f in info.pop("origin").items() if not str(f).startswith(str(target))
+    )
+    info["modules"] = tops
+    if elsewhere:
+        info["imported_from_elsewhere"] = elsewhere
+    ok = not elsewhere and not info["unmet"]
     return {**res, **info, "importable": True, "status": "ok" if ok else "fail"}
 
 
@@ -465,8 +495,9 @@ def _physical_uuids() -> dict[str, str]:
     """nvidia-smi's GPU index -> UUID (the index is what Ray assigns)."""
     proc = subprocess.run(
         ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     out = {}
     for line in proc.stdout.splitlines():
         if "," in line:
@@ -498,8 +529,9 @@ def _placed(lab: Lab, worker_gpus: Any, workers: int, cfg: dict[str, Any]) -> di
         started += rt.poll_started(1.0)
     errors = [s.error for s in started if getattr(s, "error", None)]
     probes = {w: ray.get(rt.handle(w).__ray_call__.remote(_probe), timeout=60) for w in names}
-    backend = choose_backend([rt._devices.get(w, "cpu") for w in names],
-                             [rt._gpus.get(w) for w in names])  # fmt: skip
+    backend = choose_backend(
+        [rt._devices.get(w, "cpu") for w in names], [rt._gpus.get(w) for w in names]
+    )
     for w in names:
         rt.kill(w)
     return {"probes": probes, "backend": backend, "errors": errors}
@@ -532,7 +564,7 @@ def check_ray_devices(cfg: dict[str, Any]) -> dict[str, Any]:
         job = train(
             job_spec("half-gpus", "mlp", 2, cfg, worker_gpus=0.5, node_resource="gpu_only"),
             lab.address,
-                    )
+        )
         job.pop("log")
         res["half_gpu_job"] = job
         if job["state"] != "SUCCEEDED" or not job.get("verified"):
@@ -553,18 +585,22 @@ def check_mixed_job(cfg: dict[str, Any]) -> dict[str, Any]:
         lab.close()
 
 
-def mixed_jobs(address: str, gpu_node: str | None, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The mixed jobs on the Ray at ``address`` whose nodes offer ``tier{N}`` (N CPU nodes
-    and the GPU node ``gpu_node``), each in the order of ``cfg``, until ``cfg["budget_s"]``
-    is spent; with ``gpu_node`` the GPU worker alone first (``gpu_only``)."""
+def mixed_jobs(
+    address: str, gpu_node: str | None, cfg: dict[str, Any], resource: str = "tier{n}"
+) -> dict[str, Any]:
+    """The mixed jobs on the Ray at ``address``, N CPU workers on the nodes offering
+    ``resource`` (formatted with ``n``: the Lab's ``tier{n}`` is N CPU nodes and the GPU node
+    ``gpu_node``), in the order of ``cfg``, until ``cfg["budget_s"]`` is spent; with
+    ``gpu_node`` the GPU worker alone first (``gpu_only``)."""
     t0 = time.monotonic()
     res: dict[str, Any] = {"status": "ok", "jobs": {}, "not_run": []}
     problems: list[str] = []
     alone: dict[str, float] = {}
     if gpu_node is not None:
         for model in cfg["models"]:
-            spec = job_spec(f"alone-{model}", model, 1, cfg, worker_gpus=1,
-                            node_resource="gpu_only")  # fmt: skip
+            spec = job_spec(
+                f"alone-{model}", model, 1, cfg, worker_gpus=1, node_resource="gpu_only"
+            )
             job = train(spec, address)
             job.pop("log")
             res["jobs"][f"{model}/gpu-alone"] = job
@@ -580,9 +616,15 @@ def mixed_jobs(address: str, gpu_node: str | None, cfg: dict[str, Any]) -> dict[
             res["not_run"].append(key)
             continue
         workers = n + (1 if gpu_node is not None else 0)
-        spec = job_spec(f"mixed-{model}-{n}-{policy}", model, workers, cfg,
-                        worker_gpus="auto" if gpu_node is not None else 0,
-                        node_resource=f"tier{n}", policy=policy)  # fmt: skip
+        spec = job_spec(
+            f"mixed-{model}-{n}-{policy}",
+            model,
+            workers,
+            cfg,
+            worker_gpus="auto" if gpu_node is not None else 0,
+            node_resource=resource.format(n=n),
+            policy=policy,
+        )
         job = train(spec, address)
         job.pop("log")
         res["jobs"][key] = job
@@ -652,8 +694,9 @@ def check_oom_in_ray(cfg: dict[str, Any]) -> dict[str, Any]:
     job["log"] = oom_lines
     gpu_worker = [w for w in job.get("workers", []) if _on(lab.gpu_node.node_id, w["node"])]
     micro = job.get("breakdown_s_per_step", {}).get("micro_batches", 1.0)
-    ok = (job["state"] == "SUCCEEDED" and job.get("verified") and bool(oom_lines)
-          and bool(gpu_worker))  # fmt: skip
+    ok = (
+        job["state"] == "SUCCEEDED" and job.get("verified") and bool(oom_lines) and bool(gpu_worker)
+    )
     return {"status": "ok" if ok else "fail", "limit": limit, "micro_batches": micro, **job}
 
 
@@ -667,8 +710,9 @@ def check_slowdown_on_gpu(cfg: dict[str, Any]) -> dict[str, Any]:
     at_step = 5
     try:
         # The GPU worker's ordinal: the job starts one worker per node, in node-id order.
-        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]
-                       and n["Resources"].get(WORKER_RES))  # fmt: skip
+        nodes = sorted(
+            n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(WORKER_RES)
+        )
         ordinal = nodes.index(gpu_id)
         seen: dict[str, Any] = {"before": None, "slowed_at": None, "moved_at": None}
 
@@ -681,12 +725,23 @@ def check_slowdown_on_gpu(cfg: dict[str, Any]) -> dict[str, Any]:
                 seen["before"] = w.batch
             elif w.slowdown >= 2 and seen["slowed_at"] is None:
                 seen["slowed_at"] = pos
-            if (seen["slowed_at"] is not None and seen["moved_at"] is None
-                    and seen["before"] is not None and w.batch < seen["before"]):  # fmt: skip
+            if (
+                seen["slowed_at"] is not None
+                and seen["moved_at"] is None
+                and seen["before"] is not None
+                and w.batch < seen["before"]
+            ):
                 seen["moved_at"] = pos
 
-        spec = job_spec("slowdown", "cnn", 3, cfg, worker_gpus="auto", node_resource=WORKER_RES,
-                        rebalance={"mode": "adaptive", "check_steps": 2})  # fmt: skip
+        spec = job_spec(
+            "slowdown",
+            "cnn",
+            3,
+            cfg,
+            worker_gpus="auto",
+            node_resource=WORKER_RES,
+            rebalance={"mode": "adaptive", "check_steps": 2},
+        )
         spec["emulation"] = {
             "slowdowns": [1, 1, 1],
             "disturbances": [{"worker": ordinal, "factor": 2, "epoch": 1, "step": at_step}],
@@ -699,11 +754,22 @@ def check_slowdown_on_gpu(cfg: dict[str, Any]) -> dict[str, Any]:
     if seen["moved_at"] is not None:
         spe = seen["moved_at"] - (seen["slowed_at"] or 0)
     slowed = [w for w in job.get("workers", []) if w["slowdown"] >= 2]
-    ok = (job["state"] == "SUCCEEDED" and job.get("verified") and spe is not None
-          and spe <= MOVE_WITHIN_STEPS and all(_on(gpu_id, w["node"]) for w in slowed)
-          and bool(slowed))  # fmt: skip
-    return {"status": "ok" if ok else "fail", "gpu_ordinal": ordinal, "seen": seen,
-            "steps_to_move_at_most": spe, "within": MOVE_WITHIN_STEPS, **job}  # fmt: skip
+    ok = (
+        job["state"] == "SUCCEEDED"
+        and job.get("verified")
+        and spe is not None
+        and spe <= MOVE_WITHIN_STEPS
+        and all(_on(gpu_id, w["node"]) for w in slowed)
+        and bool(slowed)
+    )
+    return {
+        "status": "ok" if ok else "fail",
+        "gpu_ordinal": ordinal,
+        "seen": seen,
+        "steps_to_move_at_most": spe,
+        "within": MOVE_WITHIN_STEPS,
+        **job,
+    }
 
 
 def check_spare_on_gpu(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -712,8 +778,17 @@ def check_spare_on_gpu(cfg: dict[str, Any]) -> dict[str, Any]:
     lab = Lab(cpu_nodes=2, gpu=False)
     events: dict[str, Any] = {}
     try:
-        spec = job_spec("spare", "mlp", 2, cfg, worker_gpus="auto", node_resource=WORKER_RES,
-                        spares=1, max_workers=2, epochs=cfg["epochs"] + 2)  # fmt: skip
+        spec = job_spec(
+            "spare",
+            "mlp",
+            2,
+            cfg,
+            worker_gpus="auto",
+            node_resource=WORKER_RES,
+            spares=1,
+            max_workers=2,
+            epochs=cfg["epochs"] + 2,
+        )
         done: dict[str, Any] = {}
         thread = threading.Thread(
             target=lambda: done.update(job=train(spec, lab.address, follow)),
@@ -789,25 +864,43 @@ def run_one(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def run_isolated(name: str, cfg: dict[str, Any], timeout: float, env: dict) -> dict[str, Any]:
     """``name`` in a process of its own (a session, killed whole on timeout)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--check", name,
-           "--config", json.dumps(cfg)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--check",
+        name,
+        "--config",
+        json.dumps(cfg),
+    ]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return {"status": "fail", "error": f"timed out after {timeout:.0f} s (a hang)",
-                "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+        return {
+            "status": "fail",
+            "error": f"timed out after {timeout:.0f} s (a hang)",
+            "seconds": round(time.monotonic() - t0, 1),
+        }
     with contextlib.suppress(ProcessLookupError):  # Ray processes the check left behind
         os.killpg(proc.pid, signal.SIGKILL)
     lines = [ln for ln in out.splitlines() if ln.startswith(RESULT)]
     if not lines:
         why = (err.strip().splitlines() or ["no output"])[-1][:500]
-        return {"status": "fail", "error": f"exit {proc.returncode}: {why}",
-                "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+        return {
+            "status": "fail",
+            "error": f"exit {proc.returncode}: {why}",
+            "seconds": round(time.monotonic() - t0, 1),
+        }
     res = json.loads(lines[-1][len(RESULT) :])
     res["seconds"] = round(time.monotonic() - t0, 1)
     return res
@@ -818,8 +911,10 @@ def device_name() -> str:
 
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})"
-    return (f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
-            f"(torch {torch.__version__})")  # fmt: skip
+    return (
+        f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
+        f"(torch {torch.__version__})"
+    )
 
 
 def prepare(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -864,8 +959,10 @@ def main(argv: list[str] | None = None) -> int:
     names = CHECKS if args.only is None else tuple(args.only.split(","))
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
-        print(f"--only: unknown check {unknown[0]!r}; the checks are {', '.join(CHECKS)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"--only: unknown check {unknown[0]!r}; the checks are {', '.join(CHECKS)}",
+            file=sys.stderr,
+        )
         return 2
     cfg = _config(args)
     t0 = time.monotonic()
@@ -888,8 +985,12 @@ def main(argv: list[str] | None = None) -> int:
             checks[name] = run_isolated(name, cfg, min(TIMEOUT_S[name], left), env)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report = {"device": device_name(), "sized_for": cfg["sized_for"], "checks": checks,
-              "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+    report = {
+        "device": device_name(),
+        "sized_for": cfg["sized_for"],
+        "checks": checks,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
     text = json.dumps(report, indent=1, default=str)
     print(text)
     out = args.out or (

@@ -234,20 +234,32 @@ def download(name: str, version: str, dest: Path) -> Path:
     """``name==version`` as one cp312 manylinux x86-64 (or pure-Python) wheel into
     ``dest``, with pip (no dependencies: the closure is this script's)."""
     cmd = [
-        sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-        "--python-version", PYTHON_VERSION, "--implementation", "cp",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        PYTHON_VERSION,
+        "--implementation",
+        "cp",
         *[a for p in PLATFORMS for a in ("--platform", p)],
-        "-d", str(dest), f"{name}=={version}",
-    ]  # fmt: skip
+        "-d",
+        str(dest),
+        f"{name}=={version}",
+    ]
     before = set(dest.glob("*.whl"))
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise BundleError(f"pip download {name}=={version} for cp312 manylinux x86-64: {why}")
     got = [
-        w for w in dest.glob("*.whl")
+        w
+        for w in dest.glob("*.whl")
         if canonicalize_name(w.name.split("-")[0]) == name and w.name.split("-")[1] == version
-    ]  # fmt: skip
+    ]
     if len(got) != 1:
         new = sorted(p.name for p in set(dest.glob("*.whl")) - before)
         raise BundleError(f"pip download {name}=={version}: expected one wheel, got {new}")
@@ -284,8 +296,10 @@ def tree_bytes(root: Path) -> int:
     files git does not ignore."""
     out = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=root, capture_output=True, check=True,
-    ).stdout  # fmt: skip
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout
     total = 0
     for rel in out.decode().split("\0"):
         p = root / rel
