@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,30 +50,35 @@ from dynabatch.scheduler.core.cluster.nodes import (
     gang_error,
     gpu_units,
     job_bounds,
-    node_type,
     owner_bounds,
     slot_error,
     worker_slots,
 )
 from dynabatch.scheduler.core.cluster.rounds import (
+    Abandon,
     Assign,
-    Bounds,
+    AssignRefused,
+    Command,
     Drained,
+    Dropped,
+    Entry,
+    Event,
     Finished,
-    LiveJob,
-    Measured,
+    Heard,
+    Launched,
     NodesSeen,
-    Registered,
+    Polled,
+    Refused,
     RoundState,
+    Run,
     Running,
+    ScaleRequested,
     Start,
     StartFailed,
     Tick,
-    drain_refusal,
     rebuild,
     step,
 )
-from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
 from dynabatch.scheduler.core.cluster.values import ClusterKnobs
 from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.runtime.launch import (
@@ -87,6 +92,8 @@ log = logging.getLogger("dynabatch.cluster")
 
 # Why the job's own scale and drain are answered by the scheduler, not the job.
 PLACES = "the cluster scheduler places this job"
+
+Slots = tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,23 +131,52 @@ def admissible(spec: JobSpec, nodes: Sequence[RayNode]) -> str | None:
     )
 
 
-def model_of(snapshot: Any, types: Mapping[str, str]) -> ThroughputModel | None:
-    """The job's samples/s of compute per worker on each node type it runs on (the median of
-    its workers there, batch over compute seconds per step), from its snapshot."""
-    per: dict[str, list[float]] = {}
-    for w in snapshot.workers:
-        t = types.get(w.node)
-        if t is not None and w.compute_s_per_step > 0 and w.batch > 0:
-            per.setdefault(t, []).append(w.batch / w.compute_s_per_step)
-    if not per:
-        return None
-    rates = {t: sorted(v)[len(v) // 2] for t, v in per.items()}
-    return ThroughputModel.of(rates, rates, 0.0, float(snapshot.global_batch or 1))
+class RayCalls:
+    """What the scheduler asks of Ray: the nodes, a job's coordinator by name, a launch, a
+    remote call's answer (``get``, within a timeout) and a kill. The one seam its tests
+    replace (:class:`ClusterScheduler`'s ``calls``)."""
+
+    def nodes(self) -> list[RayNode]:
+        return ray_nodes()
+
+    def find(self, job_id: str, generation: int) -> Any | None:
+        return find_coordinator(job_id, generation)
+
+    def launch(
+        self, job_id: str, spec: JobSpec, generation: int, slots: Slots, timeout_s: float
+    ) -> Any:
+        """The job's coordinator, detached, with ``slots`` in force and no worker started
+        (its ``run`` comes later)."""
+        return launch_coordinator(
+            job_id,
+            spec,
+            detached=True,
+            generation=generation,
+            assignment=dict(slots),
+            timeout_s=timeout_s,
+            start=False,
+        )
+
+    def get(self, ref: Any, timeout_s: float) -> Any:
+        return ray.get(ref, timeout=timeout_s)
+
+    def kill(self, handle: Any) -> None:
+        ray.kill(handle, no_restart=True)
+
+
+def _one_line(err: BaseException) -> str:
+    """An error as one line: a remote call's own exception (Ray wraps it), its last line."""
+    text = str(getattr(err, "cause", None) or err).strip()
+    return text.splitlines()[-1][:300] if text else repr(err)
 
 
 class ClusterScheduler:
-    """The actor (see the module docstring). Its methods may be called from other threads
-    while the round loop runs: state changes go through ``_lock``."""
+    """The actor (see the module docstring): Ray calls, threads and relaying. What is
+    decided (the queue, allocations, generations, a client's lease, whether a job's driver
+    was granted and is up, its members, the owner's requests and their refusals) is the
+    pure round state (:mod:`~dynabatch.scheduler.core.cluster.rounds`). Its methods may be
+    called from other threads while the round loop runs: state changes go through
+    ``_lock``."""
 
     def __init__(
         self,
@@ -152,25 +188,26 @@ class ClusterScheduler:
         synced: bool = False,
         client_lease_s: float = 60.0,
         background: bool = True,
+        clock: Callable[[], float] = time.time,
+        calls: RayCalls | None = None,
     ):
         """``synced``: rounds run from the start (a scheduler ``dynabatch run`` started, with
         no service to rebuild it); else none before the service's first :meth:`sync`.
         ``background``: False runs rounds only when :meth:`round` is called (its caller
-        drives them)."""
-        self.knobs = ClusterKnobs(policy=policy, hold_s=hold_s)
+        drives them). ``clock``: the time rounds and holds are decided at. ``calls``: Ray
+        (:class:`RayCalls`)."""
+        self.knobs = ClusterKnobs(policy=policy, hold_s=hold_s, client_lease_s=client_lease_s)
         self.round_s = round_s
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
-        self.client_lease_s = client_lease_s
+        self.clock = clock
+        self.calls = calls or RayCalls()
         self._lock = threading.RLock()
-        self._state = RoundState()
-        self._jobs: dict[str, JobEntry] = {}
-        self._handles: dict[str, Any] = {}
-        # Client jobs granted whose driver has not launched their coordinator yet, and when
-        # each client job's driver was last heard from.
-        self._granted: set[str] = set()
-        self._seen: dict[str, float] = {}
-        self._synced = synced  # no round before the service has said which jobs live
+        self._state = RoundState(synced=synced)
+        # What a launch needs (the spec), and the coordinators' handles by (job, generation):
+        # Ray's objects, no decision.
+        self._entries: dict[str, JobEntry] = {}
+        self._handles: dict[tuple[str, int], Any] = {}
         self._wake = threading.Event()
         self._round_lock = threading.Lock()
         if background:
@@ -179,32 +216,33 @@ class ClusterScheduler:
 
     # ------------------------------------------------------------------ the service's calls
     def admissible(self, spec: JobSpec) -> str | None:
-        return admissible(spec, ray_nodes())
+        return admissible(spec, self.calls.nodes())
 
     def register(self, entry: JobEntry) -> None:
         """Place ``entry``'s job (a known job of the same generation: nothing changes; a
         later generation is a resumed job, placed again). Raises ``ValueError`` when the
         scheduler cannot place it."""
-        why = self.admissible(entry.spec)
+        nodes = self.calls.nodes()
+        why = admissible(entry.spec, nodes)
         if why is not None:
             raise ValueError(why)
         with self._lock:
+            self._add(entry, nodes)
             if entry.client:
-                self._seen[entry.job_id] = time.time()
-            self._add(entry)
+                self._step(Heard(entry.job_id, self.clock()))
         self._wake.set()
 
-    def grant(self, job_id: str) -> tuple[tuple[tuple[str, int], ...] | None, str]:
+    def grant(self, job_id: str) -> tuple[Slots | None, str]:
         """A client job's driver asks whether it may start: (its nodes as (node id, worker
         slots) pairs, "") once granted, else (None, why it waits: the queue's reason).
         Raises ``ValueError`` for a job the scheduler does not hold (dropped, or never
         registered)."""
         with self._lock:
+            self._step(Heard(job_id, self.clock()))
             entry = self._state.job(job_id)
-            if entry is None or job_id not in self._jobs:
+            if entry is None:
                 raise ValueError(f"the cluster scheduler does not hold job {job_id}")
-            self._seen[job_id] = time.time()
-            if entry.started and job_id in self._granted:
+            if entry.started and not entry.launched:
                 return entry.allocation, ""
             view = self._state.view
             shown = next((j for j in view.jobs if j.job_id == job_id), None) if view else None
@@ -214,17 +252,20 @@ class ClusterScheduler:
     def launched(self, job_id: str, slots: Sequence[tuple[str, int]]) -> None:
         """A client job's driver launched its coordinator on ``slots`` (the grant it read):
         from now it is polled and resized like any job. A round that moved it meanwhile is
-        sent to it now."""
-        handle = find_coordinator(job_id, 0)
+        sent to it now. (Its run owns that coordinator: never killed here.)"""
         with self._lock:
             entry = self._state.job(job_id)
-            if entry is None or handle is None:
-                return
-            self._granted.discard(job_id)
-            self._handles[job_id] = handle
-            allocation = entry.allocation
-        if tuple(sorted(allocation)) != tuple(sorted(tuple(s) for s in slots)):
-            self._assign(Assign(job_id, allocation))
+        if entry is None:
+            return
+        handle = self.calls.find(job_id, entry.generation)
+        if handle is None:
+            return
+        with self._lock:
+            self._handles[(job_id, entry.generation)] = handle
+            commands = self._step(
+                Launched(job_id, entry.generation, tuple(tuple(s) for s in slots))
+            )
+        self._execute(c for c in commands if not isinstance(c, Abandon))
 
     def sync(self, entries: Sequence[JobEntry]) -> tuple[list[str], ClusterView | None]:
         """Every live job the service knows, at once: unknown ones are adopted (coordinator
@@ -232,24 +273,24 @@ class ClusterScheduler:
         scheduler rebuilds its state this way. Returns the jobs whose coordinator it has
         launched (the launch returned) or adopted, and the last round's view."""
         listed = {e.job_id for e in entries}
+        nodes = self.calls.nodes()
         with self._lock:
-            first = not self._synced
+            first = not self._state.synced
             # The run's jobs are not in the service's store: kept, not dropped.
-            clients = [e for e in self._jobs.values() if e.client and e.job_id not in listed]
+            clients = [
+                self._entries[j.job_id]
+                for j in self._state.jobs
+                if j.client and j.job_id not in listed and j.job_id in self._entries
+            ]
             if first:
-                self._state = self._rebuilt([*entries, *clients])
-                self._synced = True
+                self._state = self._rebuilt([*entries, *clients], nodes)
             else:
                 for e in entries:
-                    self._add(e)
+                    self._add(e, nodes)
             kept = listed | {e.job_id for e in clients}
             for job_id in [j.job_id for j in self._state.jobs if j.job_id not in kept]:
-                self._drop(job_id)
-            # Started once its coordinator exists: the rounds mark a job started when they
-            # grant it, before its launch (in the round's thread) has returned.
-            started = [
-                j.job_id for j in self._state.jobs if j.started and j.job_id in self._handles
-            ]
+                self._step(Finished(job_id))
+            started = [j.job_id for j in self._state.jobs if j.started and j.launched]
             view = self._state.view
         if first:
             self._wake.set()
@@ -257,53 +298,39 @@ class ClusterScheduler:
 
     def finished(self, job_id: str) -> None:
         with self._lock:
-            self._drop(job_id)
+            self._step(Finished(job_id))
         self._wake.set()
 
     def request_scale(self, job_id: str, workers: int) -> str:
-        """The job's own scale request: recorded as its bounds (at most ``workers``) for the
-        next round, which grants what the policy gives it. Raises ``ValueError`` (refused,
-        with the reason) below its ``min_workers`` or for a job not placed here."""
+        """The job's own scale request, answered at once by the rounds (not held): its
+        bounds become at most ``workers`` and it is resized now as far as free slots allow;
+        what it still waits for is its ``waits`` in the view. Raises ``ValueError`` (refused,
+        with the reason): below 1, above what the cluster's nodes of its types hold of its
+        workers, or a job not placed here."""
         with self._lock:
+            commands = self._step(ScaleRequested(job_id, workers, self.clock()))
             entry = self._state.job(job_id)
-            if entry is None:
-                raise ValueError(f"{PLACES}, but it does not know job {job_id}")
-            least, most = owner_bounds(self._jobs[job_id].spec)
-            if workers > most:
-                raise ValueError(
-                    f"scale to {workers}: {PLACES}; refused: above its max_workers {most}"
-                )
-            if workers < least:
-                raise ValueError(
-                    f"scale to {workers}: {PLACES}; refused: below its min_workers "
-                    f"{least}, which are placed together or not at all"
-                )
-            # Below the gang it started with (``workers`` without min_workers): the owner's
-            # new size is its gang from now on.
-            lo = min(entry.min_workers, workers)
-            self._state, _ = step(self._state, Bounds(job_id, lo, workers), self.knobs)
+        self._raise_refusal(commands, "")
+        self._execute(commands)
         self._wake.set()
-        return (
-            f"{PLACES}; scale to {workers} recorded as its max_workers: the next round "
-            f"gives it up to {workers} workers as the policy decides"
-        )
+        if entry is not None and entry.waits:
+            return f"{PLACES}; {entry.waits}"
+        if any(isinstance(c, Assign) for c in commands):
+            return f"{PLACES}; scaled to {workers} workers from its next step boundary"
+        return f"{PLACES}; it has {workers} workers"
 
     def request_drain(self, job_id: str, node: str) -> str:
         """The job's own drain of a worker on ``node``: the job gives up one slot there at
         its next step boundary (its driver is assigned its nodes less that slot) and its
-        max_workers drops by one. Raises ``ValueError`` (refused, with the reason) when the
-        job holds no slot there or would fall below its ``min_workers``."""
+        max_workers drops by one. Raises ``ValueError`` (refused, with the rounds' reason)
+        when the job holds no slot there or would fall below its ``min_workers``."""
         with self._lock:
-            least = owner_bounds(self._jobs[job_id].spec)[0] if job_id in self._jobs else 1
-            why = drain_refusal(self._state, job_id, node, least)
-            if why is not None:
-                raise ValueError(f"drain: {PLACES}; {why}")
-            self._state, commands = step(
-                self._state, Drained(job_id, node, time.time(), least), self.knobs
-            )
-        keeps = sum(n for c in commands for _, n in c.slots)
-        for c in commands:
-            self._assign(c)
+            e = self._entries.get(job_id)
+            least = owner_bounds(e.spec)[0] if e is not None else 1
+            commands = self._step(Drained(job_id, node, self.clock(), least))
+        self._raise_refusal(commands, "drain: ")
+        keeps = sum(c.workers for c in commands if isinstance(c, Assign))
+        self._execute(commands)
         self._wake.set()  # the freed slot may start or grow another job
         return f"{PLACES}; its slot on node {node} is freed, and its max_workers is now {keeps}"
 
@@ -316,69 +343,81 @@ class ClusterScheduler:
         self._round()
         return self.view()
 
-    def allocation(self, job_id: str) -> tuple[tuple[str, int], ...] | None:
+    def allocation(self, job_id: str) -> Slots | None:
         with self._lock:
             entry = self._state.job(job_id)
             return None if entry is None else entry.allocation
 
     # ------------------------------------------------------------------ state
-    def _registered(self, e: JobEntry, nodes: Sequence[RayNode]) -> Registered:
+    def _step(self, event: Event) -> tuple[Command, ...]:
+        """One event into the rounds (under ``_lock``); what it dropped is forgotten here."""
+        self._state, commands = step(self._state, event, self.knobs)
+        held = {(j.job_id, j.generation) for j in self._state.jobs}
+        for key in [k for k in self._handles if k not in held]:
+            del self._handles[key]
+        for job_id in [j for j in self._entries if self._state.job(j) is None]:
+            del self._entries[job_id]
+        return commands
+
+    @staticmethod
+    def _raise_refusal(commands: Iterable[Command], what: str) -> None:
+        for c in commands:
+            if isinstance(c, Refused):
+                raise ValueError(f"{what}{PLACES}; {c.why}")
+
+    def _entry(self, e: JobEntry, nodes: Sequence[RayNode], allocation: Slots = ()) -> Entry:
         lo, hi = job_bounds(e.spec)
-        return Registered(
+        return Entry(
             e.job_id,
             lo,
             hi,
             e.spec.priority,
             e.submit_s,
+            allocation,
             eligible_types(nodes, e.spec.node_resource),
             worker_slots(e.spec.worker_cpus),
             gpu_units(e.spec.worker_gpus),
+            generation=e.generation,
+            client=e.client,
         )
 
-    def _add(self, e: JobEntry) -> None:
-        known = self._jobs.get(e.job_id)
-        if known is not None and known.generation >= e.generation:
+    def _add(self, e: JobEntry, nodes: Sequence[RayNode]) -> None:
+        """Register ``e`` (the rounds decide whether it is news); a new one whose
+        coordinator is alive is adopted as it runs."""
+        before = self._state.job(e.job_id)
+        self._entries.setdefault(e.job_id, e)
+        self._step(self._entry(e, nodes))
+        after = self._state.job(e.job_id)
+        if after is before or after is None:
             return
-        if known is not None:  # a resumed job: its old coordinator is gone
-            self._drop(e.job_id)
-        self._jobs[e.job_id] = e
-        nodes = ray_nodes()
-        live = self._live(e, nodes)
-        event = Running(live, time.time()) if live is not None else self._registered(e, nodes)
-        self._state, _ = step(self._state, event, self.knobs)
+        self._entries[e.job_id] = e
+        allocation = self._live(e)
+        if allocation is not None:
+            self._step(Running(self._entry(e, nodes, allocation), self.clock()))
 
-    def _drop(self, job_id: str) -> None:
-        self._jobs.pop(job_id, None)
-        self._handles.pop(job_id, None)
-        self._granted.discard(job_id)
-        self._seen.pop(job_id, None)
-        self._state, _ = step(self._state, Finished(job_id), self.knobs)
-
-    def _rebuilt(self, entries: Sequence[JobEntry]) -> RoundState:
-        nodes = ray_nodes()
+    def _rebuilt(self, entries: Sequence[JobEntry], nodes: Sequence[RayNode]) -> RoundState:
         running, queued = [], []
-        self._jobs.clear()
+        self._entries = {e.job_id: e for e in entries}
         for e in entries:
-            self._jobs[e.job_id] = e
-            live = self._live(e, nodes)
-            if live is not None:
-                running.append(live)
+            allocation = self._live(e)
+            if allocation is not None:
+                running.append(self._entry(e, nodes, allocation))
             else:
-                queued.append(self._registered(e, nodes))
+                queued.append(self._entry(e, nodes))
         log.info("cluster scheduler rebuilt: %d running, %d queued", len(running), len(queued))
-        return rebuild(cluster_nodes(nodes), running, queued, time.time(), self.knobs)
+        return rebuild(cluster_nodes(nodes), running, queued, self.clock(), self.knobs)
 
-    def _live(self, e: JobEntry, nodes: Sequence[RayNode]) -> LiveJob | None:
-        """The job as its alive coordinator runs it, or None (no coordinator, or it does not
-        answer: then it is queued, and its coordinator, if any, is found again when it
-        is granted, as its name is taken)."""
-        handle = find_coordinator(e.job_id, e.generation)
+    def _live(self, e: JobEntry) -> Slots | None:
+        """Where the job's alive coordinator trains (its assignment, else its workers'
+        nodes), or None (no coordinator, or it does not answer: then it is queued, and its
+        coordinator, if any, is found again when it is granted, as its name is taken)."""
+        handle = self.calls.find(e.job_id, e.generation)
         if handle is None:
             return None
         try:
-            assigned = ray.get(handle.assigned.remote(), timeout=self.call_timeout_s)
+            assigned = self.calls.get(handle.assigned.remote(), self.call_timeout_s)
             if assigned is None:
-                snap = ray.get(handle.snapshot.remote(), timeout=self.call_timeout_s)
+                snap = self.calls.get(handle.snapshot.remote(), self.call_timeout_s)
                 if snap.state.is_terminal:
                     return None
                 counts: dict[str, int] = {}
@@ -388,19 +427,8 @@ class ClusterScheduler:
         except Exception as err:
             log.warning("job %s: cannot read its coordinator (%s)", e.job_id, err)
             return None
-        self._handles[e.job_id] = handle
-        r = self._registered(e, nodes)
-        return LiveJob(
-            e.job_id,
-            r.min_workers,
-            r.max_workers,
-            r.priority,
-            r.submit_s,
-            tuple(assigned),
-            r.eligible,
-            r.worker_slots,
-            r.gpu_units,
-        )
+        self._handles[(e.job_id, e.generation)] = handle
+        return tuple(sorted(tuple(a) for a in assigned))
 
     # ------------------------------------------------------------------ rounds
     def _loop(self) -> None:
@@ -414,123 +442,124 @@ class ClusterScheduler:
 
     def _round(self) -> None:
         with self._round_lock:
-            if not self._synced:
-                return
-            nodes = ray_nodes()
-            types = {n.node_id: node_type(n) for n in nodes}
             with self._lock:
-                self._drop_silent_clients(time.time())
-                self._state, _ = step(self._state, NodesSeen(cluster_nodes(nodes)), self.knobs)
-                # A granted client job has no coordinator until its driver launches it.
-                granted = self._granted
+                if not self._state.synced:
+                    return
+            nodes = self.calls.nodes()
+            with self._lock:
+                self._step(NodesSeen(cluster_nodes(nodes)))
+                # Polled: the jobs whose driver is up (a granted client job has none until
+                # its run launches it).
                 running = [
-                    j.job_id for j in self._state.jobs if j.started and j.job_id not in granted
+                    (j.job_id, j.generation) for j in self._state.jobs if j.started and j.launched
                 ]
-            for job_id in running:
-                self._poll(job_id, types)
+            for job_id, generation in running:
+                self._poll(job_id, generation)
             with self._lock:
-                self._state, commands = step(self._state, Tick(time.time()), self.knobs)
-            for c in commands:
-                if isinstance(c, Start):
-                    self._start(c)
-                elif isinstance(c, Assign):
-                    self._assign(c)
+                commands = self._step(Tick(self.clock()))
+            self._execute(commands)
 
-    def _drop_silent_clients(self, now: float) -> None:
-        """Client jobs with no coordinator yet whose driver is not heard from any more."""
-        for job_id, e in list(self._jobs.items()):
-            silent = now - self._seen.get(job_id, now) > self.client_lease_s
-            if e.client and job_id not in self._handles and silent:
-                log.info("job %s: its run is not heard from; dropped", job_id)
-                self._drop(job_id)
+    def _execute(self, commands: Iterable[Command]) -> None:
+        for c in commands:
+            if isinstance(c, Start):
+                self._start(c)
+            elif isinstance(c, Assign):
+                self._assign(c)
+            elif isinstance(c, Dropped):
+                log.info("job %s: dropped from the cluster rounds (%s)", c.job_id, c.why)
 
-    def _poll(self, job_id: str, types: Mapping[str, str]) -> None:
-        """Its snapshot: ended or gone → dropped; else its telemetry → its model."""
+    def _poll(self, job_id: str, generation: int) -> None:
+        """Its snapshot: ended or gone → dropped; else its report (members, speeds)."""
         with self._lock:
-            handle = self._handles.get(job_id)
-            entry = self._jobs.get(job_id)
-        if entry is None:
-            return
+            handle = self._handles.get((job_id, generation))
         if handle is None:
-            handle = find_coordinator(job_id, entry.generation)
+            handle = self.calls.find(job_id, generation)
         if handle is None:
             self._gone(job_id, "no coordinator actor by its name")
             return
         try:
-            snap = ray.get(handle.snapshot.remote(), timeout=self.call_timeout_s)
+            snap = self.calls.get(handle.snapshot.remote(), self.call_timeout_s)
         except ray.exceptions.GetTimeoutError:
             log.warning("job %s: its coordinator did not answer in time", job_id)
             return
         except ray.exceptions.RayActorError as err:
-            self._gone(job_id, str(err).splitlines()[0] if str(err) else "actor died")
+            self._gone(job_id, _one_line(err) if str(err) else "actor died")
             return
         if snap.state.is_terminal:
             self._gone(job_id, f"it ended {snap.state.value}")
             return
-        model = model_of(snap, types)
+        report = Polled(
+            job_id,
+            tuple((w.node, float(w.throughput)) for w in snap.workers),
+            float(snap.global_batch or 1),
+        )
         with self._lock:
-            self._handles[job_id] = handle
-            if model is not None:
-                self._state, _ = step(self._state, Measured(job_id, model), self.knobs)
+            entry = self._state.job(job_id)
+            if entry is not None and entry.generation == generation:
+                self._handles[(job_id, generation)] = handle
+                self._step(report)
 
     def _gone(self, job_id: str, why: str) -> None:
         log.info("job %s: dropped from the cluster rounds (%s)", job_id, why)
         with self._lock:
-            self._drop(job_id)
+            self._step(Finished(job_id))
 
     def _start(self, c: Start) -> None:
-        """Launch the granted job's coordinator, its workers only once the job is still
-        held when the launch returns: a cancel (``finished``) or a later generation
-        (``register``) may arrive meanwhile, since the launch runs outside the lock. Such a
-        coordinator is killed before it starts a worker; the rounds already freed its
-        slots (the job was dropped), so the queue gets them at the next round."""
+        """Launch the granted job's coordinator; the rounds then say whether its workers
+        start (``Run``, after the newest assignment if a round moved it during the launch)
+        or, when the job is no longer held (a cancel or a later generation arrived
+        meanwhile: the launch runs outside the lock), that it is killed unstarted
+        (``Abandon``); its slots, freed when the job was dropped, go to the queue at the
+        next round. A client job's run launches its own (:meth:`grant`)."""
         with self._lock:
-            entry = self._jobs.get(c.job_id)
-            if entry is not None and entry.client:  # its run launches it (grant)
-                self._granted.add(c.job_id)
-                self._seen[c.job_id] = time.time()
-                log.info("job %s: granted %s to its run", c.job_id, c.slots)
-                return
-        if entry is None:
+            entry = self._state.job(c.job_id)
+            e = self._entries.get(c.job_id)
+        if entry is None or e is None:
+            return
+        if entry.client:
+            log.info("job %s: granted %s to its run", c.job_id, c.slots)
             return
         try:
-            handle = launch_coordinator(
-                c.job_id,
-                entry.spec,
-                detached=True,
-                generation=entry.generation,
-                assignment=dict(c.slots),
-                timeout_s=self.start_timeout_s,
-                start=False,
+            handle = self.calls.launch(
+                c.job_id, e.spec, entry.generation, c.slots, self.start_timeout_s
             )
         except Exception as err:
-            why = str(err).strip().splitlines()[-1][:300] if str(err).strip() else repr(err)
+            why = _one_line(err)
             log.warning("job %s: could not start on %s: %s", c.job_id, c.slots, why)
             with self._lock:
-                self._state, _ = step(self._state, StartFailed(c.job_id, why), self.knobs)
+                self._step(StartFailed(c.job_id, why))
             return
         with self._lock:
-            held = self._state.job(c.job_id)
-            wanted = self._jobs.get(c.job_id) is entry and held is not None and held.started
-            if wanted:
-                self._handles[c.job_id] = handle
+            commands = self._step(Launched(c.job_id, entry.generation, c.slots))
+            if not any(isinstance(x, Abandon) for x in commands):
+                self._handles[(c.job_id, entry.generation)] = handle
+        for x in commands:
+            if isinstance(x, Abandon):
+                log.info("job %s: %s; not started", c.job_id, x.why)
+                self.calls.kill(handle)
+            elif isinstance(x, Assign):
+                log.info("job %s: a round moved it during its launch", c.job_id)
+                self._assign(x)
+            elif isinstance(x, Run):
                 handle.run.remote()
-        if not wanted:
-            log.info("job %s: left the queue while it was granted; not started", c.job_id)
-            ray.kill(handle, no_restart=True)
-            return
-        log.info("job %s: started on %s", c.job_id, c.slots)
+                log.info("job %s: started on %s", c.job_id, c.slots)
 
     def _assign(self, c: Assign) -> None:
         with self._lock:
-            handle = self._handles.get(c.job_id)
+            entry = self._state.job(c.job_id)
+            handle = None if entry is None else self._handles.get((c.job_id, entry.generation))
         if handle is None:
             return  # dropped meanwhile
         try:
-            ray.get(handle.assign.remote(dict(c.slots)), timeout=self.call_timeout_s)
+            self.calls.get(handle.assign.remote(dict(c.slots)), self.call_timeout_s)
         except ray.exceptions.RayActorError as err:
-            self._gone(c.job_id, str(err).splitlines()[0] if str(err) else "actor died")
-        except Exception as err:  # a timeout, or refused: the next round decides again
+            self._gone(c.job_id, _one_line(err) if str(err) else "actor died")
+        except ValueError as err:  # the job refused it: a fact the rounds keep and show
+            why = _one_line(err)
+            log.warning("job %s: refused the assignment %s: %s", c.job_id, c.slots, why)
+            with self._lock:
+                self._step(AssignRefused(c.job_id, c.slots, why))
+        except Exception as err:  # a timeout: the next round decides again
             log.warning("job %s: assignment %s not confirmed: %s", c.job_id, c.slots, err)
         else:
             log.info("job %s: assigned %s", c.job_id, c.slots)

@@ -8,46 +8,18 @@ job, keep no coordinator of it, and give its slots to the queue at the next roun
 
 from __future__ import annotations
 
-from typing import Any
-
-import pytest
-from dynabatch.actors.spec import JobSpec, parse_spec
+from dynabatch.actors.spec import parse_spec
 from dynabatch.scheduler.runtime import cluster as cluster_rt
 
-from tests.unit.test_cluster_run import GANG, Coordinator, world  # noqa: F401
+from tests.unit.test_cluster_run import GANG, _scheduler, world  # noqa: F401
 
 
-@pytest.fixture
-def cancelling(world, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:  # noqa: F811
-    """``world`` whose launch of a job in ``cancel_during`` tells the scheduler the job
-    finished (the service's cancel) before the launch returns."""
-    world["cancel_during"] = set()
-    world["sched"] = None
-
-    def launch(job_id: str, spec: JobSpec, **kw: Any) -> Coordinator:
-        world["launched"].append((job_id, kw["assignment"]))
-        coordinator = Coordinator()
-        world["coordinators"][job_id] = coordinator
-        if job_id in world["cancel_during"]:
-            world["sched"].finished(job_id)  # the cancel, mid-launch
-        if kw.get("start", True):
-            coordinator.run.remote()
-        return coordinator
-
-    def kill(handle: Any, no_restart: bool = True) -> None:
-        handle.killed = True
-
-    monkeypatch.setattr(cluster_rt, "launch_coordinator", launch)
-    monkeypatch.setattr(cluster_rt.ray, "kill", kill)
-    return world
-
-
-def test_a_cancel_during_the_grant_starts_no_workers_and_frees_its_slots(cancelling) -> None:
-    w = cancelling
-    sched = cluster_rt.ClusterScheduler("fifo", round_s=1.0, hold_s=0.0, background=False)
-    w["sched"] = sched
+def test_a_cancel_during_the_grant_starts_no_workers_and_frees_its_slots(world) -> None:  # noqa: F811
+    w = world
+    sched = _scheduler(w)
     spec = parse_spec(GANG)
-    w["cancel_during"].add("a")
+    # The service's cancel arrives while a's coordinator launches.
+    w["calls"].during_launch["a"] = lambda: sched.finished("a")
     sched.sync([cluster_rt.JobEntry("a", spec, 1.0), cluster_rt.JobEntry("b", spec, 2.0)])
     sched.round()  # grants a both nodes; a is cancelled while its coordinator launches
     a = w["coordinators"]["a"]

@@ -30,8 +30,9 @@ def test_type_from_label_then_resource_then_resources():
 
 def test_slots_per_gpu_else_per_cpu_and_empty_nodes_left_out():
     assert slots(RayNode("a", {"CPU": 16, "GPU": 2})) == 2 * GPU_UNITS  # shares of a GPU
-    assert slots(RayNode("a", {"CPU": 3.5})) == 3
-    assert slots(RayNode("a", {"CPU": 16, "GPU": 0.5})) == 16
+    # CPUs in Ray's fixed point (1/10000), fractions included.
+    assert slots(RayNode("a", {"CPU": 3.5})) == 35000
+    assert slots(RayNode("a", {"CPU": 16, "GPU": 0.5})) == 160000
     nodes = cluster_nodes(
         [
             RayNode("b", {"CPU": 2}),
@@ -39,7 +40,8 @@ def test_slots_per_gpu_else_per_cpu_and_empty_nodes_left_out():
             RayNode("c", {"CPU": 2}, alive=False),
         ]
     )
-    assert [(n.node_id, n.node_type, n.capacity) for n in nodes] == [("b", "cpu2", 2)]
+    assert [(n.node_id, n.node_type, n.capacity) for n in nodes] == [("b", "cpu2", 20000)]
+    assert nodes[0].shown(nodes[0].capacity) == 2.0  # people read CPUs
 
 
 def test_workers_of_several_gpus_are_refused_with_the_field():
@@ -48,10 +50,10 @@ def test_workers_of_several_gpus_are_refused_with_the_field():
 
 
 def test_a_worker_takes_its_cpus_in_slots_on_cpu_nodes_and_one_on_gpu_nodes():
-    assert [worker_slots(c) for c in (0.25, 1.0, 1.5, 2.0)] == [1, 1, 2, 2]
+    assert [worker_slots(c) for c in (0.25, 1.0, 1.5, 2.0)] == [2500, 10000, 15000, 20000]
     nodes = [RayNode("c", {"CPU": 5}), RayNode("g", {"CPU": 8, "GPU": 2})]
     assert [(n.capacity, n.gpu) for n in cluster_nodes(nodes)] == [
-        (5, False),
+        (50000, False),
         (2 * GPU_UNITS, True),
     ]
     # Workers of 2 CPUs: 2 whole on the 5-CPU node, one per GPU on the other.
@@ -92,3 +94,35 @@ def test_nodes_with_a_custom_resource_are_a_type_of_their_own():
     assert [node_type(n) for n in nodes] == ["cpu1", "cpu1+tag", "cpu1+tag", "cpu1+tag"]
     assert eligible_types(nodes, "tag") == frozenset({"cpu1+tag"})
     assert gang_error(nodes, 3, "tag") is None
+
+
+def test_fractional_cpus_pack_as_ray_packs_them():
+    """Issue 50 (6): the demo's 3 workers of 0.5 CPU fit a 2-CPU node, as Ray places them
+    (once counted as a whole slot each: refused, "the cluster has 2 worker slots")."""
+    two = [RayNode("n", {"CPU": 2.0})]
+    assert gang_error(two, 3, worker_cpus=0.5) is None
+    assert gang_error(two, 4, worker_cpus=0.5) is None
+    assert gang_error(two, 5, worker_cpus=0.5) == (
+        "min_workers 5: the cluster's worker slots hold 4 workers of 0.5 CPUs (worker_cpus "
+        "0.5); the job could never start"
+    )
+    # 0.6 CPU: 3 on 2 CPUs (1.8), as Ray's sum per node allows.
+    assert gang_error(two, 3, worker_cpus=0.6) is None
+    assert gang_error(two, 4, worker_cpus=0.6) is not None
+    # The rounds start the gang of 3 on the one node.
+    from dynabatch.scheduler.core.cluster import ClusterKnobs
+    from dynabatch.scheduler.core.cluster.rounds import (
+        Entry,
+        NodesSeen,
+        RoundState,
+        Start,
+        Tick,
+        step,
+    )
+
+    knobs = ClusterKnobs(policy="fifo", hold_s=0.0)
+    s, _ = step(RoundState(), NodesSeen(cluster_nodes(two)), knobs)
+    s, _ = step(s, Entry("demo", 3, 3, worker_slots=worker_slots(0.5)), knobs)
+    s, cmds = step(s, Tick(1.0), knobs)
+    assert cmds == (Start("demo", (("n", 3),)),)
+    assert s.view.nodes[0].used == 1.5 and s.view.nodes[0].capacity == 2.0

@@ -12,10 +12,11 @@ from dynabatch.scheduler.core.cluster.rounds import (
     Assign,
     Bounds,
     Drained,
+    Entry,
     Finished,
-    LiveJob,
     Measured,
     NodesSeen,
+    Refused,
     Registered,
     RoundState,
     Start,
@@ -187,8 +188,8 @@ def _check_drain(before: RoundState, after: RoundState, event: Drained, commands
     held = dict(old.allocation) if old is not None and old.started else {}
     why = drain_refusal(before, event.job_id, event.node_id, event.floor)
     if held.get(event.node_id, 0) < 1 or sum(held.values()) - 1 < max(1, event.floor):
-        assert commands == () and after == before
-        assert why is not None  # the actor's refusal names the same reason
+        assert why is not None  # returned, never dropped: the actor relays it
+        assert commands == (Refused(event.job_id, why),) and after == before
         return
     assert why is None
     held[event.node_id] -= 1
@@ -215,12 +216,12 @@ def test_a_drain_gives_up_the_slot_and_no_round_gives_it_back():
     s, _ = step(s, Registered("b", 1, 1, 0, 4.0), knobs)
     s, cmds = step(s, Tick(5.0), knobs)
     assert cmds == (Start("b", (("n1", 1),)),)
-    s, cmds = step(s, Drained("a", "n1", 6.0), knobs)  # no slot of its there: nothing
-    assert cmds == ()
+    s, cmds = step(s, Drained("a", "n1", 6.0), knobs)  # no slot of its there: refused
+    assert cmds == (Refused("a", "job a holds no slot on node n1"),)
     assert drain_refusal(s, "a", "n1", 1) == "job a holds no slot on node n1"
     s, _ = step(s, Drained("a", "n0", 7.0), knobs)
     s, cmds = step(s, Drained("a", "n2", 8.0), knobs)  # its last worker: refused
-    assert cmds == () and s.job("a").allocation == (("n2", 1),)
+    assert [type(c) for c in cmds] == [Refused] and s.job("a").allocation == (("n2", 1),)
     assert drain_refusal(s, "a", "n2", 1) == "refused: 0 workers would be below its min_workers 1"
     assert drain_refusal(s, "zz", "n2", 1) == "it does not run job zz"
 
@@ -317,7 +318,7 @@ def test_rebuild_touches_no_job_and_keeps_the_allocation():
     nodes = _nodes([("cpu", 1)] * 3)
     s = rebuild(
         nodes,
-        [LiveJob("a", 1, 3, allocation=(("n1", 1), ("n0", 1)))],
+        [Entry("a", 1, 3, allocation=(("n1", 1), ("n0", 1)))],
         [Registered("b", 1, 1, 0, 5.0), Registered("a", 1, 3)],
         now=50.0,
     )
@@ -330,8 +331,8 @@ def test_rebuild_touches_no_job_and_keeps_the_allocation():
     again = rebuild(
         nodes,
         [
-            LiveJob("a", 1, 3, allocation=(("n0", 1), ("n1", 1))),
-            LiveJob("b", 1, 1, 0, 5.0, (("n2", 1),)),
+            Entry("a", 1, 3, allocation=(("n0", 1), ("n1", 1))),
+            Entry("b", 1, 1, 0, 5.0, (("n2", 1),)),
         ],
         [],
         now=60.0,

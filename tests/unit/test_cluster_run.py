@@ -30,7 +30,8 @@ GANG = {"workers": 2, "min_workers": 2, "max_workers": 2, "global_batch": 64, "e
 
 
 class Remote:
-    """A method of a fake actor: ``.remote()`` returns its answer (``ray.get`` is identity)."""
+    """A method of a fake actor: ``.remote()`` returns its answer (``FakeCalls.get`` is
+    identity)."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -44,42 +45,88 @@ class Coordinator:
 
     def __init__(self) -> None:
         self.assigned_to: list[dict[str, int]] = []
-        self.snapshot = Remote(lambda: SimpleNamespace(state=JobState.RUNNING, workers=[]))
+        self.workers: list[SimpleNamespace] = []  # its members, as its snapshot reports them
+        self.snapshot = Remote(
+            lambda: SimpleNamespace(
+                state=JobState.RUNNING, workers=list(self.workers), global_batch=64
+            )
+        )
         self.assign = Remote(self.assigned_to.append)
         self.assigned = Remote(lambda: None)
         self.ran = False  # run() called: its workers started
         self.run = Remote(self._run)
+        self.killed = False
 
     def _run(self) -> None:
         self.ran = True
 
 
+class FakeCalls(cluster_rt.RayCalls):
+    """Ray as the scheduler asks it (:class:`~cluster_rt.RayCalls`): two one-slot nodes,
+    coordinators by job id, the launches it made; ``during_launch`` runs while a launch is
+    under way (a cancel or a round arriving then)."""
+
+    def __init__(self) -> None:
+        self.coordinators: dict[str, Coordinator] = {}
+        self.launched: list[tuple[str, dict[str, int]]] = []
+        self.node_list = [RayNode(f"n{i}", {"CPU": 1.0, "node-type:t": 1.0}) for i in (1, 2)]
+        self.during_launch: dict[str, Any] = {}
+
+    def nodes(self) -> list[RayNode]:
+        return list(self.node_list)
+
+    def find(self, job_id: str, generation: int) -> Coordinator | None:
+        return self.coordinators.get(job_id)
+
+    def launch(self, job_id, spec, generation, slots, timeout_s) -> Coordinator:
+        self.launched.append((job_id, dict(slots)))
+        self.coordinators[job_id] = Coordinator()
+        if job_id in self.during_launch:
+            self.during_launch[job_id]()
+        return self.coordinators[job_id]
+
+    def get(self, ref: Any, timeout_s: float) -> Any:
+        return ref
+
+    def kill(self, handle: Any) -> None:
+        handle.killed = True
+
+
+class Clock:
+    """The scheduler's clock, moved by the test."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture
-def world(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Two one-slot nodes; coordinators by job id; launches the scheduler made."""
-    w: dict[str, Any] = {"coordinators": {}, "launched": []}
-    nodes = [RayNode(f"n{i}", {"CPU": 1.0, "node-type:t": 1.0}) for i in (1, 2)]
-    monkeypatch.setattr(cluster_rt, "ray_nodes", lambda: nodes)
-    monkeypatch.setattr(
-        cluster_rt, "find_coordinator", lambda job_id, gen=0: w["coordinators"].get(job_id)
+def world() -> dict[str, Any]:
+    """The fake Ray and clock a scheduler is built on (:func:`_scheduler`)."""
+    calls = FakeCalls()
+    return {
+        "calls": calls,
+        "clock": Clock(),
+        "coordinators": calls.coordinators,
+        "launched": calls.launched,
+    }
+
+
+def _scheduler(world: dict[str, Any], policy: str = "fifo") -> cluster_rt.ClusterScheduler:
+    return cluster_rt.ClusterScheduler(
+        policy,
+        round_s=1.0,
+        hold_s=0.0,
+        background=False,
+        clock=world["clock"],
+        calls=world["calls"],
     )
-
-    def launch(job_id: str, spec: JobSpec, **kw: Any) -> Coordinator:
-        w["launched"].append((job_id, kw["assignment"]))
-        w["coordinators"][job_id] = Coordinator()
-        return w["coordinators"][job_id]
-
-    monkeypatch.setattr(cluster_rt, "launch_coordinator", launch)
-    monkeypatch.setattr(cluster_rt.ray, "get", lambda value, timeout=None: value)
-    return w
-
-
-def _scheduler() -> cluster_rt.ClusterScheduler:
-    return cluster_rt.ClusterScheduler("fifo", round_s=1.0, hold_s=0.0, background=False)
 
 
 def test_a_runs_job_is_granted_to_its_run_and_the_services_sync_keeps_it(world) -> None:
-    sched = _scheduler()
+    sched = _scheduler(world)
     spec = parse_spec(GANG)
     sched.register(cluster_rt.JobEntry("run1", spec, 1.0, client=True))
     # The service's first sync (its rebuild) lists only its own jobs: none.
@@ -116,7 +163,7 @@ def test_a_new_scheduler_adopts_a_runs_job_its_run_tells_it_about(world) -> None
     running = Coordinator()
     running.assigned = Remote(lambda: (("n1", 1), ("n2", 1)))
     world["coordinators"]["run1"] = running
-    sched = _scheduler()
+    sched = _scheduler(world)
     sched.register(cluster_rt.JobEntry("run1", spec, 1.0, client=True))  # its keep-alive
     sched.sync([cluster_rt.JobEntry("svc", spec, 2.0)])
     view = sched.round()
@@ -125,18 +172,17 @@ def test_a_new_scheduler_adopts_a_runs_job_its_run_tells_it_about(world) -> None
     assert world["launched"] == []
 
 
-def test_a_queued_runs_job_whose_run_is_gone_is_dropped(world, monkeypatch) -> None:
-    now = [1000.0]
-    monkeypatch.setattr(cluster_rt.time, "time", lambda: now[0])
-    sched = _scheduler()
+def test_a_queued_runs_job_whose_run_is_gone_is_dropped(world) -> None:
+    now = world["clock"]
+    sched = _scheduler(world)
     spec = parse_spec(GANG)
     sched.sync([cluster_rt.JobEntry("svc", spec, 1.0)])
     sched.round()
     sched.register(cluster_rt.JobEntry("run1", spec, 2.0, client=True))
-    now[0] += sched.client_lease_s / 2
+    now.now += sched.knobs.client_lease_s / 2
     sched.round()
     assert sched.grant("run1")[0] is None  # queued behind svc, and heard from
-    now[0] += sched.client_lease_s + 1
+    now.now += sched.knobs.client_lease_s + 1
     sched.round()
     with pytest.raises(ValueError, match="does not hold job run1"):
         sched.grant("run1")
@@ -265,7 +311,7 @@ def test_the_actors_drain_refusals_are_the_pure_machines_reasons(world) -> None:
     """The actor relays ``drain_refusal`` (no second copy of the checks): a job it does
     not run, a node where the job holds no slot, a drain below ``min_workers``; a drain
     it takes frees the slot and says what the job keeps."""
-    sched = _scheduler()
+    sched = _scheduler(world)
     gang = parse_spec(GANG)
     flexible = parse_spec({**GANG, "min_workers": 1})
     with pytest.raises(ValueError, match=r"it does not run job a$"):

@@ -12,14 +12,16 @@ Type, first found of:
    policy's unit: a job may use a type only if every node of it has the resource).
 
 Slots. A node's capacity is counted in slots: ``GPU_UNITS`` per whole GPU on a node with
-GPUs (a slot is a fraction of a GPU), one per CPU on the others. A worker takes
-``ceil(worker_cpus)`` slots on a CPU node (:func:`worker_slots`) and :func:`gpu_units` on a
-GPU node: a whole GPU for ``worker_gpus`` 1 or ``auto``, and also for a CPU-only worker
-there (``worker_gpus`` 0: it is not packed beside GPU workers, as before GPUs were shared);
-a fraction w below 1 takes 1/k of a GPU, k = the workers of w Ray places on one GPU. So
-jobs of fractional GPUs share a node by the sum of their fractions. ``worker_gpus`` above 1
-is refused (:func:`slot_error`). A job's ``node_resource`` limits it to the types whose every
-node carries that resource (:func:`eligible_types`): a type is the policy's unit.
+GPUs (a slot is a fraction of a GPU), ``RAY_UNITS`` per CPU on the others (Ray's own fixed
+point: Ray packs a node's CPUs by the sum of its workers' ``worker_cpus``, so three workers
+of 0.5 CPU fit on 2 CPUs here as there). A worker takes its ``worker_cpus`` in those units
+on a CPU node (:func:`worker_slots`) and :func:`gpu_units` on a GPU node: a whole GPU for
+``worker_gpus`` 1 or ``auto``, and also for a CPU-only worker there (``worker_gpus`` 0: it
+is not packed beside GPU workers, as before GPUs were shared); a fraction w below 1 takes
+1/k of a GPU, k = the workers of w Ray places on one GPU. So jobs of fractional GPUs share
+a node by the sum of their fractions. ``worker_gpus`` above 1 is refused
+(:func:`slot_error`). A job's ``node_resource`` limits it to the types whose every node
+carries that resource (:func:`eligible_types`): a type is the policy's unit.
 """
 
 from __future__ import annotations
@@ -86,11 +88,17 @@ def custom_resources(node: RayNode) -> list[str]:
 
 
 def slots(node: RayNode) -> int:
-    """Worker slots: ``GPU_UNITS`` per whole GPU, else one per whole CPU."""
+    """Worker slots: ``GPU_UNITS`` per whole GPU, else ``RAY_UNITS`` per CPU (Ray's fixed
+    point, fractions included)."""
     gpus = node.resources.get("GPU", 0.0)
     if gpus >= 1:
         return math.floor(gpus) * GPU_UNITS
-    return math.floor(node.resources.get("CPU", 0.0))
+    return _ray_units(node.resources.get("CPU", 0.0))
+
+
+def _ray_units(amount: float) -> int:
+    """``amount`` of a resource in Ray's fixed point (it rounds to 1/10000 too)."""
+    return round(amount * RAY_UNITS)
 
 
 def has_gpu(node: RayNode) -> bool:
@@ -100,15 +108,16 @@ def has_gpu(node: RayNode) -> bool:
 def cluster_nodes(nodes: Iterable[RayNode]) -> tuple[ClusterNode, ...]:
     """The alive nodes with at least one slot, as the policy takes them."""
     return tuple(
-        ClusterNode(n.node_id, node_type(n), slots(n), has_gpu(n))
+        ClusterNode(n.node_id, node_type(n), slots(n), has_gpu(n), cpu_units=RAY_UNITS)
         for n in sorted(nodes, key=lambda n: n.node_id)
         if n.alive and slots(n) > 0
     )
 
 
 def worker_slots(worker_cpus: float) -> int:
-    """Slots one worker of ``worker_cpus`` CPUs takes on a CPU node."""
-    return max(1, math.ceil(worker_cpus))
+    """Slots one worker of ``worker_cpus`` CPUs takes on a CPU node: its CPUs in Ray's
+    fixed point (a node of 2 CPUs holds 4 workers of 0.5, 3 of 0.6: as Ray places them)."""
+    return max(1, _ray_units(worker_cpus))
 
 
 def gpu_units(worker_gpus: float | str) -> int:
@@ -189,10 +198,11 @@ def gang_error(
     if total >= min_workers:
         return None
     where = f" on node types whose nodes all have node_resource {resource!r}" if resource else ""
-    if size > 1:
+    if size != RAY_UNITS:
         return (
             f"min_workers {min_workers}: the cluster's worker slots{where} hold {total} "
-            f"workers of {size} CPUs (worker_cpus {worker_cpus:g}); the job could never start"
+            f"workers of {worker_cpus:g} CPUs (worker_cpus {worker_cpus:g}); the job could "
+            "never start"
         )
     if on_gpu < GPU_UNITS:
         return (

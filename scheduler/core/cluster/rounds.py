@@ -1,27 +1,45 @@
 """The cluster scheduler's rounds: a pure state machine around :func:`decide`.
 
 No Ray, no clock. The scheduler actor (``dynabatch.scheduler.runtime.cluster``) feeds it
-events and executes the commands it returns:
+events and executes the commands it returns; everything that decides is here:
 
-* events: a job registered (its bounds, priority, submit time, slots per worker), finished
-  or gone, its bounds changed, its telemetry (a :class:`ThroughputModel`, merged into what
-  it measured before), the nodes seen now (a node
-  that joined or was lost is a change of that set), a start that failed, the job's own
-  drain of a worker (:class:`Drained`: one slot less, at once), and a :class:`Tick` at
-  ``now``, the only event that decides;
-* commands: :class:`Start` (launch a queued job's driver on these nodes) and
-  :class:`Assign` (a running job trains on these nodes from its next step boundary).
+* events: a job registered (:class:`Entry` itself: its bounds, priority, submit time, slots
+  per worker, generation, whether its own run launches it), adopted as it runs
+  (:class:`Running`), finished or gone; the owner's requests (:class:`ScaleRequested`,
+  :class:`Drained`); its report (:class:`Polled`: its members per node and its speed per
+  node type); a coordinator that came up (:class:`Launched`), a start that failed, an
+  assignment the job refused (:class:`AssignRefused`); a client's run heard from
+  (:class:`Heard`); the nodes seen now; and a :class:`Tick` at ``now``, the round;
+* commands: :class:`Start` (launch a queued job's driver on these nodes), :class:`Assign`
+  (a running job trains on these nodes from its next step boundary), :class:`Run` (start
+  the launched driver's workers), :class:`Abandon` (kill a driver launched for a job no
+  longer held), :class:`Dropped` (a job left the rounds: forget it) and :class:`Refused`
+  (an owner's request is not carried out: the actor relays ``why`` as the answer).
 
-What it keeps per job (:class:`Entry`): bounds, priority, submit time, its allocation,
-when that last changed (the hold), whether its driver runs, and its model. A round builds
-the policy's inputs from them, decides, and turns each changed plan into one command:
+What it keeps per job (:class:`Entry`): what the job asks (bounds, priority, submit time,
+slot sizes, eligible types, generation, whether it is a client's) and its place in the
+rounds (its allocation and when it last changed (the hold), whether it was granted and its
+driver is up, its model, its members as it reports them, an assignment it refused, and what
+an owner's request still waits for). A round builds the policy's inputs from them
+(:class:`ClusterJob`, the policy's own input), decides, and turns each changed plan into one
+command:
 
 * a queued job is started only with a whole gang (``min_workers`` workers or more; the
   policy never grants less, and a plan below it is dropped here too);
-* a running job's changed plan is one ``Assign`` (its resize);
+* a running job's changed plan is one ``Assign`` (its resize), unless it is the very
+  assignment the job refused: that is not sent again (the job keeps what it has);
 * a running job is never sent back to the queue: a job has no pause, so the policy sees
   running jobs at the top priority, and a later job of higher priority waits for nodes a
   running job gives up (shrinking to its minimum) or frees by finishing.
+
+An owner's request is not a round: it is answered at once, and the hold (for the
+scheduler's own moves) does not apply. A scale gives the job bounds ``min(its minimum, n)``
+to ``n`` and an ``Assign`` now of what free slots allow (a shrink always); what it still
+waits for is on its entry (the view's ``waits``) and the job is not held until it has it.
+
+Slots: a CPU node's capacity and a worker's size there are in whatever integer unit the
+caller counts (Ray's fixed point of 1/10000 CPU for nodes listed from Ray, so fractional
+CPUs pack as Ray packs them); the policy sees them divided by their common divisor.
 
 :func:`rebuild` is the state a new scheduler starts from (after the API process or the
 scheduler actor restarted): the live jobs as they run, each holding its nodes from
@@ -30,6 +48,7 @@ scheduler actor restarted): the live jobs as they run, each holding its nodes fr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -48,11 +67,27 @@ from dynabatch.scheduler.core.cluster.view import ClusterView, view_of
 Slots = tuple[tuple[str, int], ...]
 
 
+def _workers(slots: Slots) -> int:
+    return sum(n for _, n in slots)
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One job the scheduler knows. ``started``: its driver was launched (it trains on
-    ``allocation``); ``eligible``: the node types it may use (None: all). ``note``: why a
-    start failed, shown while it waits again."""
+    """One job the scheduler knows: the one record of a job (registered as it is, adopted
+    with its ``allocation``, kept in the rounds).
+
+    What it asks: bounds, ``priority``, ``submit_s``, ``eligible`` node types (None: all),
+    ``worker_slots`` (slots of one worker on a CPU node) and ``gpu_units`` (on a GPU node),
+    ``generation`` (its coordinator's: a resume is the next) and ``client`` (its own run
+    launches its coordinator once granted).
+
+    Its place in the rounds: ``allocation`` and ``last_resize_s`` (the hold); ``started``:
+    granted (its driver is launched or being launched on ``allocation``); ``launched``: its
+    driver is up (the launch returned, it was adopted, or its run launched it);
+    ``seen_s``: a client's run last heard from; ``model``; ``note``: why a start failed;
+    ``members``: its workers per node as it last reported them (None: no report yet);
+    ``refused``: an assignment it refused and why; ``waits``: what an owner's request still
+    waits for; ``said``: the reason an owner's request gave, shown until the next round."""
 
     job_id: str
     min_workers: int
@@ -60,28 +95,45 @@ class Entry:
     priority: int = 0
     submit_s: float = 0.0
     allocation: Slots = ()
-    last_resize_s: float | None = None
-    started: bool = False
-    model: ThroughputModel = ThroughputModel()  # noqa: RUF009 (a frozen value)
     eligible: frozenset[str] | None = None
-    note: str | None = None
     worker_slots: int = 1
     gpu_units: int = GPU_UNITS
+    generation: int = 0
+    client: bool = False
+    last_resize_s: float | None = None
+    started: bool = False
+    launched: bool = False
+    seen_s: float | None = None
+    model: ThroughputModel = ThroughputModel()  # noqa: RUF009 (a frozen value)
+    note: str | None = None
+    members: Slots | None = None
+    refused: tuple[Slots, str] | None = None
+    waits: str | None = None
+    said: str | None = None
 
     @property
     def workers(self) -> int:
-        return sum(n for _, n in self.allocation)
+        return _workers(self.allocation)
+
+    def size_on(self, node: ClusterNode) -> int:
+        """Slots one of its workers takes on ``node``."""
+        return self.gpu_units if node.gpu else self.worker_slots
 
 
 @dataclass(frozen=True, slots=True)
 class RoundState:
-    """Everything the rounds keep: nodes, jobs (by id), the last round's view, counters."""
+    """Everything the rounds keep: nodes, jobs (by id), the last round's decision and view,
+    counters. ``synced``: rounds decide (a new scheduler waits for the service's list of
+    live jobs first)."""
 
     nodes: tuple[ClusterNode, ...] = ()
     jobs: tuple[Entry, ...] = ()
     round_no: int = 0
     resizes: int = 0
     view: ClusterView | None = None
+    decision: ClusterDecision | None = None
+    decided_s: float = 0.0
+    synced: bool = True
 
     def job(self, job_id: str) -> Entry | None:
         return next((j for j in self.jobs if j.job_id == job_id), None)
@@ -96,46 +148,19 @@ class RoundState:
 
 # --- events ----------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True, slots=True)
-class LiveJob:
-    """A job found running when a scheduler starts: its bounds and where its driver says it
-    trains (its assignment, else its workers' nodes)."""
-
-    job_id: str
-    min_workers: int
-    max_workers: int
-    priority: int = 0
-    submit_s: float = 0.0
-    allocation: Slots = ()
-    eligible: frozenset[str] | None = None
-    worker_slots: int = 1
-    gpu_units: int = GPU_UNITS
+# A job to place is its entry as registered: a second registration of a known id of the same
+# (or an older) generation changes nothing; a later generation (a resumed job) replaces it.
+Registered = Entry
 
 
 @dataclass(frozen=True, slots=True)
 class Running:
-    """A job found running (a new scheduler adopting it): it holds its nodes from ``now``,
-    so nothing moves it before the hold, a lost node aside. No command follows."""
+    """A job found running (a new scheduler adopting it): ``job`` with the allocation its
+    driver trains on holds it from ``now``, so nothing moves it before the hold, a lost
+    node aside. No command follows."""
 
-    job: LiveJob
+    job: Entry
     now: float
-
-
-@dataclass(frozen=True, slots=True)
-class Registered:
-    """A job to place (a second registration of a known id changes nothing).
-    ``worker_slots``: the slots one worker takes on a CPU node; ``gpu_units``: those it
-    takes on a GPU node (:func:`~.nodes.gpu_units`)."""
-
-    job_id: str
-    min_workers: int
-    max_workers: int
-    priority: int = 0
-    submit_s: float = 0.0
-    eligible: frozenset[str] | None = None
-    worker_slots: int = 1
-    gpu_units: int = GPU_UNITS
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,11 +172,24 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """The job's own scale request, recorded as new bounds for the next round."""
+    """New bounds for the next round (no request: nothing is answered or assigned now)."""
 
     job_id: str
     min_workers: int
     max_workers: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleRequested:
+    """The job's owner asks for ``workers`` workers: refused (a :class:`Refused`) below 1,
+    above what the cluster's nodes of its types could ever hold of its workers, or for a
+    job the scheduler does not hold; else its bounds become ``min(its minimum, workers)``
+    to ``workers`` and it is resized now as far as free slots allow (see the module
+    docstring)."""
+
+    job_id: str
+    workers: int
+    now: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +198,18 @@ class Measured:
 
     job_id: str
     model: ThroughputModel
+
+
+@dataclass(frozen=True, slots=True)
+class Polled:
+    """The job's own report (its snapshot): each worker's node and speed (samples per
+    compute-second, 0 when not measured yet), and its global batch. Its members per node
+    are recorded; the speeds, per node type (the median of its workers there), are
+    :class:`Measured`."""
+
+    job_id: str
+    workers: tuple[tuple[str, float], ...]
+    global_batch: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,11 +228,42 @@ class StartFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class Launched:
+    """The driver of ``job_id``'s ``generation`` is up, launched on ``slots``: a
+    :class:`Run` (its workers start; not for a client's job, whose run runs it), preceded
+    by an :class:`Assign` of its newest allocation when a round moved it meanwhile; an
+    :class:`Abandon` when the job is no longer held (cancelled or resumed meanwhile)."""
+
+    job_id: str
+    generation: int
+    slots: Slots
+
+
+@dataclass(frozen=True, slots=True)
+class AssignRefused:
+    """The job refused the assignment ``slots`` (``why``, its one line): it keeps what it
+    has (its members, when it reported them), and no round sends the same assignment
+    again; the view says so."""
+
+    job_id: str
+    slots: Slots
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """A client job's run was heard from at ``now`` (its registration or grant poll)."""
+
+    job_id: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class Drained:
     """The job's owner drains one of its workers on ``node_id``: the job gives up that slot
     now (one ``Assign``, not a round: the owner chose the node, not the policy), and its
     bounds drop to what it keeps, so no later round hands the slot back (a scale request
-    raises them again). Nothing changes when it would keep fewer than ``floor`` workers
+    raises them again). A :class:`Refused` when it would keep fewer than ``floor`` workers
     (its own ``min_workers``) or holds no slot there."""
 
     job_id: str
@@ -199,7 +280,20 @@ class Tick:
 
 
 Event = (
-    Registered | Running | Finished | Bounds | Measured | NodesSeen | StartFailed | Drained | Tick
+    Entry
+    | Running
+    | Finished
+    | Bounds
+    | ScaleRequested
+    | Measured
+    | Polled
+    | NodesSeen
+    | StartFailed
+    | Launched
+    | AssignRefused
+    | Heard
+    | Drained
+    | Tick
 )
 
 
@@ -215,7 +309,7 @@ class Start:
 
     @property
     def workers(self) -> int:
-        return sum(n for _, n in self.slots)
+        return _workers(self.slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,10 +321,41 @@ class Assign:
 
     @property
     def workers(self) -> int:
-        return sum(n for _, n in self.slots)
+        return _workers(self.slots)
 
 
-Command = Start | Assign
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Start the launched driver's workers."""
+
+    job_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Abandon:
+    """Kill the driver just launched for a job no longer held, before any worker starts."""
+
+    job_id: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """The rounds dropped the job (``why``): forget its driver."""
+
+    job_id: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """An owner's request is not carried out: ``why``, one line, is the answer."""
+
+    job_id: str
+    why: str
+
+
+Command = Start | Assign | Run | Abandon | Dropped | Refused
 
 
 # --- the machine -----------------------------------------------------------------------------
@@ -242,38 +367,47 @@ def step(
     knobs: ClusterKnobs,
     hints: Mapping[str, float] | None = None,
 ) -> tuple[RoundState, tuple[Command, ...]]:
-    """The state after ``event``, and what to do now (commands come from a Tick, and the
-    one ``Assign`` of a :class:`Drained`)."""
+    """The state after ``event``, and what to do now."""
+    state, commands = _step(state, event, knobs, hints)
+    if not isinstance(event, Tick) and state.decision is not None:
+        state = replace(state, view=_view(state, hints))
+    return state, commands
+
+
+def _step(
+    state: RoundState,
+    event: Event,
+    knobs: ClusterKnobs,
+    hints: Mapping[str, float] | None,
+) -> tuple[RoundState, tuple[Command, ...]]:
     match event:
-        case Registered():
-            if state.job(event.job_id) is not None:
+        case Entry():
+            known = state.job(event.job_id)
+            if known is not None and known.generation >= event.generation:
                 return state, ()
-            entry = Entry(
-                event.job_id,
-                event.min_workers,
-                event.max_workers,
-                event.priority,
-                event.submit_s,
-                eligible=event.eligible,
-                worker_slots=event.worker_slots,
-                gpu_units=event.gpu_units,
+            fresh = replace(
+                event,
+                allocation=(),
+                last_resize_s=None,
+                started=False,
+                launched=False,
+                members=None,
+                refused=None,
+                waits=None,
+                said=None,
+                note=None,
+                model=known.model if known is not None else event.model,
             )
-            return state._with(entry), ()
+            return state._with(fresh), ()
         case Running(job, now):
             known = state.job(job.job_id)
-            entry = Entry(
-                job.job_id,
-                job.min_workers,
-                job.max_workers,
-                job.priority,
-                job.submit_s,
+            entry = replace(
+                job,
                 allocation=tuple(sorted(job.allocation)),
                 last_resize_s=now,
                 started=True,
-                eligible=job.eligible,
-                model=known.model if known is not None else ThroughputModel(),
-                worker_slots=job.worker_slots,
-                gpu_units=job.gpu_units,
+                launched=True,
+                model=known.model if known is not None else job.model,
             )
             return state._with(entry), ()
         case Finished(job_id):
@@ -283,11 +417,25 @@ def step(
             if entry is None:
                 return state, ()
             return state._with(replace(entry, min_workers=lo, max_workers=hi)), ()
+        case ScaleRequested():
+            return _scale(state, event)
         case Measured(job_id, model):
             entry = state.job(job_id)
             if entry is None:
                 return state, ()
             return state._with(replace(entry, model=_merged(entry.model, model))), ()
+        case Polled(job_id, workers, batch):
+            entry = state.job(job_id)
+            if entry is None:
+                return state, ()
+            counts: dict[str, int] = {}
+            for node, _ in workers:
+                counts[node] = counts.get(node, 0) + 1
+            entry = replace(entry, members=tuple(sorted(counts.items())))
+            model = _model_of(state, workers, batch)
+            if model is not None:
+                entry = replace(entry, model=_merged(entry.model, model))
+            return state._with(entry), ()
         case NodesSeen(nodes):
             return replace(state, nodes=tuple(sorted(nodes, key=lambda n: n.node_id))), ()
         case StartFailed(job_id, why):
@@ -295,26 +443,64 @@ def step(
             if entry is None:
                 return state, ()
             return state._with(
-                replace(entry, started=False, allocation=(), last_resize_s=None, note=why)
+                replace(
+                    entry,
+                    started=False,
+                    launched=False,
+                    allocation=(),
+                    last_resize_s=None,
+                    note=why,
+                )
             ), ()
-        case Drained(job_id, node_id, now, floor):
-            if drain_refusal(state, job_id, node_id, floor) is not None:
-                return state, ()  # the caller words the refusal from the same reason
+        case Launched(job_id, generation, slots):
             entry = state.job(job_id)
+            if entry is None or entry.generation != generation or not entry.started:
+                return state, (Abandon(job_id, "it left the queue while it was granted"),)
+            commands: list[Command] = []
+            if tuple(sorted(slots)) != entry.allocation:
+                commands.append(Assign(job_id, entry.allocation))
+            if not entry.client:
+                commands.append(Run(job_id))
+            return state._with(replace(entry, launched=True)), tuple(commands)
+        case AssignRefused(job_id, slots, why):
+            entry = state.job(job_id)
+            if entry is None:
+                return state, ()
+            has = entry.members if entry.members else entry.allocation
+            entry = replace(entry, refused=(tuple(sorted(slots)), why), allocation=has)
+            return state._with(entry), ()
+        case Heard(job_id, now):
+            entry = state.job(job_id)
+            if entry is None:
+                return state, ()
+            return state._with(replace(entry, seen_s=now)), ()
+        case Drained(job_id, node_id, now, floor):
+            why = drain_refusal(state, job_id, node_id, floor)
+            if why is not None:
+                return state, (Refused(job_id, why),)
+            entry = state.job(job_id)
+            assert entry is not None
             held = dict(entry.allocation)
             held[node_id] -= 1
             slots = tuple(sorted((n, k) for n, k in held.items() if k > 0))
-            keeps = sum(k for _, k in slots)
+            keeps = _workers(slots)
             entry = replace(
                 entry,
                 allocation=slots,
                 min_workers=min(entry.min_workers, keeps),
                 max_workers=min(entry.max_workers, keeps),
                 last_resize_s=now,
+                waits=None,
+                refused=None,
+                said=f"drained one worker on node {node_id} by its owner, keeps {keeps}",
             )
             return replace(state._with(entry), resizes=state.resizes + 1), (Assign(job_id, slots),)
         case Tick(now):
-            return _round(state, now, knobs, hints)
+            if not state.synced:
+                return state, ()
+            state, dropped = _drop_silent_clients(state, now, knobs)
+            state, commands = _round(state, now, knobs, hints)
+            return state, (*dropped, *commands)
     raise TypeError(f"not a cluster event: {event!r}")
 
 
@@ -334,6 +520,123 @@ def drain_refusal(state: RoundState, job_id: str, node_id: str, floor: int) -> s
     return None
 
 
+def capacity_for(state: RoundState, entry: Entry) -> int:
+    """The most of ``entry``'s workers the alive nodes of its types could ever hold (every
+    other job gone)."""
+    return sum(
+        n.capacity // entry.size_on(n)
+        for n in state.nodes
+        if entry.eligible is None or n.node_type in entry.eligible
+    )
+
+
+def _free(state: RoundState, but: str) -> dict[str, int]:
+    """Slots per node that no job other than ``but`` holds."""
+    free = {n.node_id: n.capacity for n in state.nodes}
+    nodes = {n.node_id: n for n in state.nodes}
+    for j in state.jobs:
+        if j.job_id == but:
+            continue
+        for node_id, k in j.allocation:
+            if node_id in free:
+                free[node_id] -= k * j.size_on(nodes[node_id])
+    return free
+
+
+def _scale(state: RoundState, event: ScaleRequested) -> tuple[RoundState, tuple[Command, ...]]:
+    """An owner's scale (see :class:`ScaleRequested`)."""
+    n, job_id = event.workers, event.job_id
+    entry = state.job(job_id)
+    if entry is None:
+        return state, (Refused(job_id, f"the cluster scheduler does not hold job {job_id}"),)
+    if n < 1:
+        return state, (Refused(job_id, f"scale to {n}: a job needs at least 1 worker"),)
+    most = capacity_for(state, entry)
+    if n > most:
+        return state, (
+            Refused(
+                job_id,
+                f"scale to {n}: above the cluster's capacity for this job: the nodes of its "
+                f"types hold {most} of its workers",
+            ),
+        )
+    entry = replace(entry, min_workers=min(entry.min_workers, n), max_workers=n, refused=None)
+    if not entry.started:
+        waits = f"scale to {n}: starts with up to {n} workers once its gang is free"
+        return state._with(replace(entry, waits=waits)), ()
+    have = entry.workers
+    if n == have:
+        return state._with(replace(entry, waits=None)), ()
+    if n < have:
+        slots = _shrunk(entry.allocation, n)
+        said = f"shrinks from {have} to {n} workers at its owner's request"
+    else:
+        slots = _grown(state, entry, n)
+        said = f"grows from {have} to {_workers(slots)} workers at its owner's request"
+    got = _workers(slots)
+    waits = (
+        None
+        if got >= n
+        else f"scale to {n}: has {got}; {n - got} more wait for free slots on its node types"
+    )
+    if got == have:
+        return state._with(replace(entry, waits=waits)), ()
+    entry = replace(entry, allocation=slots, last_resize_s=event.now, waits=waits, said=said)
+    return replace(state._with(entry), resizes=state.resizes + 1), (Assign(job_id, slots),)
+
+
+def _shrunk(allocation: Slots, n: int) -> Slots:
+    """``allocation`` less workers down to ``n``: off the nodes where it has fewest first
+    (it stays on few nodes, as a round's shrink does), ties the lower node id first."""
+    held = dict(allocation)
+    drop = _workers(allocation) - n
+    for node_id, _ in sorted(allocation, key=lambda kv: (kv[1], kv[0])):
+        if drop <= 0:
+            break
+        take = min(drop, held[node_id])
+        held[node_id] -= take
+        drop -= take
+    return tuple(sorted((k, v) for k, v in held.items() if v > 0))
+
+
+def _grown(state: RoundState, entry: Entry, n: int) -> Slots:
+    """``entry``'s allocation grown toward ``n`` workers in the free slots of its node
+    types: its own nodes first, then the nodes with most room (ties by node id)."""
+    free = _free(state, entry.job_id)
+    for node_id, k in entry.allocation:
+        node = next((x for x in state.nodes if x.node_id == node_id), None)
+        if node is not None:
+            free[node_id] -= k * entry.size_on(node)
+    held = dict(entry.allocation)
+    want = n - entry.workers
+    nodes = [x for x in state.nodes if entry.eligible is None or x.node_type in entry.eligible]
+    nodes.sort(key=lambda x: (x.node_id not in held, -free[x.node_id], x.node_id))
+    for node in nodes:
+        if want <= 0:
+            break
+        take = min(want, max(0, free[node.node_id]) // entry.size_on(node))
+        if take:
+            held[node.node_id] = held.get(node.node_id, 0) + take
+            want -= take
+    return tuple(sorted(held.items()))
+
+
+def _model_of(
+    state: RoundState, workers: Sequence[tuple[str, float]], batch: float
+) -> ThroughputModel | None:
+    """The job's speed per node type: the median of its workers' speeds there (a worker on
+    a node the rounds do not list, or not measured yet, counts for none)."""
+    types = {n.node_id: n.node_type for n in state.nodes}
+    per: dict[str, list[float]] = {}
+    for node, speed in workers:
+        if node in types and speed > 0:
+            per.setdefault(types[node], []).append(speed)
+    if not per:
+        return None
+    rates = {t: sorted(v)[len(v) // 2] for t, v in per.items()}
+    return ThroughputModel.of(rates, rates, 0.0, float(batch or 1.0))
+
+
 def _merged(old: ThroughputModel, new: ThroughputModel) -> ThroughputModel:
     """The job's model after a new measurement: the types measured now take their new
     rates, a type measured before and not now keeps its measurement (a job that moved off
@@ -344,13 +647,32 @@ def _merged(old: ThroughputModel, new: ThroughputModel) -> ThroughputModel:
     return ThroughputModel.of(rates, old.measured | new.measured, new.overhead_s, new.global_batch)
 
 
+def _drop_silent_clients(
+    state: RoundState, now: float, knobs: ClusterKnobs
+) -> tuple[RoundState, tuple[Command, ...]]:
+    """Client jobs with no driver up whose run has not been heard from for
+    ``client_lease_s`` (the run was killed while it waited) leave the rounds."""
+    dropped = []
+    for j in state.jobs:
+        if (
+            j.client
+            and not j.launched
+            and j.seen_s is not None
+            and now - j.seen_s > knobs.client_lease_s
+        ):
+            state = state._without(j.job_id)
+            dropped.append(Dropped(j.job_id, "its run is not heard from"))
+    return state, tuple(dropped)
+
+
 def policy_jobs(
     state: RoundState, hints: Mapping[str, float] | None = None
 ) -> tuple[list[ClusterJob], list[ClusterJob]]:
     """The policy's view of the jobs: (as decided, as shown). Models are completed over the
     node types present (:func:`bootstrap`, unknown speeds from ``hints``, else equal), and
     a type outside a job's ``eligible`` ones gets rate 0. Decided: every running job at the
-    top priority, so the policy never queues it; shown: their own priorities."""
+    top priority, so the policy never queues it, and a job an owner's request left short of
+    its size not held; shown: as they are."""
     types = sorted({n.node_type for n in state.nodes})
     # Equal speeds by default, over the types present and those a job measured (its only
     # measured type may have no node left: the others are estimated from it).
@@ -381,14 +703,33 @@ def policy_jobs(
             gpu_units=j.gpu_units,
         )
         shown.append(job)
-        decided.append(replace(job, priority=top) if j.started else job)
+        if j.started:
+            job = replace(job, priority=top)
+        if j.waits is not None:
+            job = replace(job, last_resize_s=None)  # the owner's request is not held
+        decided.append(job)
     return decided, shown
+
+
+def _in_units(
+    nodes: Sequence[ClusterNode], jobs: Sequence[ClusterJob]
+) -> tuple[list[ClusterNode], list[ClusterJob]]:
+    """CPU nodes' capacities and workers' sizes there divided by their common divisor, so
+    the policy counts (and words) one slot per worker when every worker takes one CPU: the
+    same fits in smaller numbers."""
+    unit = math.gcd(*(n.capacity for n in nodes if not n.gpu), *(j.worker_slots for j in jobs))
+    if unit <= 1:
+        return list(nodes), list(jobs)
+    return (
+        [n if n.gpu else replace(n, capacity=n.capacity // unit) for n in nodes],
+        [replace(j, worker_slots=j.worker_slots // unit) for j in jobs],
+    )
 
 
 def _round(
     state: RoundState, now: float, knobs: ClusterKnobs, hints: Mapping[str, float] | None
 ) -> tuple[RoundState, tuple[Command, ...]]:
-    decided, shown = policy_jobs(state, hints)
+    decided, _ = policy_jobs(state, hints)
     decision, stuck = _decide(state, decided, now, knobs)
     commands: list[Command] = []
     resizes = state.resizes
@@ -405,23 +746,37 @@ def _round(
             if plan.workers < entry.min_workers:
                 continue  # never a partial gang
             commands.append(Start(entry.job_id, plan.slots))
-            new = new._with(
-                replace(entry, started=True, allocation=plan.slots, last_resize_s=now, note=None)
+            entry = replace(
+                entry, started=True, allocation=plan.slots, last_resize_s=now, note=None
             )
+        elif entry.refused is not None and entry.refused[0] == plan.slots:
+            continue  # the job refused exactly this: it keeps what it has
         else:
             commands.append(Assign(entry.job_id, plan.slots))
             resizes += 1
-            new = new._with(replace(entry, allocation=plan.slots, last_resize_s=now))
-    decision = _shown(decision, state)
-    view = view_of(
-        state.nodes,
-        shown,
-        decision,
-        round_no=state.round_no + 1,
-        decided_s=now,
-        resizes=resizes,
+            entry = replace(entry, allocation=plan.slots, last_resize_s=now, refused=None)
+        new = new._with(entry)
+    # An owner's request done (or no longer wanted) waits for nothing; reasons are the
+    # round's again.
+    new = replace(
+        new,
+        jobs=tuple(
+            replace(
+                j,
+                said=None,
+                waits=None if j.started and j.workers >= j.max_workers else j.waits,
+            )
+            for j in new.jobs
+        ),
     )
-    return replace(new, round_no=state.round_no + 1, resizes=resizes, view=view), tuple(commands)
+    new = replace(
+        new,
+        round_no=state.round_no + 1,
+        resizes=resizes,
+        decision=_shown(decision, state),
+        decided_s=now,
+    )
+    return replace(new, view=_view(new, hints)), tuple(commands)
 
 
 def _decide(
@@ -431,7 +786,8 @@ def _decide(
     when a lost node left it below ``min_workers`` with no room for them anywhere: its driver
     still runs its surviving workers (and waits for its minimum), so it keeps those slots,
     nobody else is given them, and it is placed again once slots free."""
-    nodes = {n.node_id: n for n in state.nodes}
+    in_units, decided = _in_units(state.nodes, decided)
+    nodes = {n.node_id: n for n in in_units}
     by_id = {j.job_id: j for j in decided}
     stuck: dict[str, tuple[tuple[str, int], ...]] = {}
     while True:
@@ -461,21 +817,27 @@ def _decide(
     plans = list(decision.plans)
     for jid, slots in stuck.items():
         entry = state.job(jid)
-        by_type: dict[str, int] = {}
-        for m, k in slots:
-            by_type[nodes[m].node_type] = by_type.get(nodes[m].node_type, 0) + k
         plans.append(
             JobPlan(
                 jid,
                 slots,
-                tuple(sorted(by_type.items())),
+                _by_type(state, slots),
                 False,
-                f"keeps {sum(k for _, k in slots)} workers, below its min_workers "
+                f"keeps {_workers(slots)} workers, below its min_workers "
                 f"{entry.min_workers} after a node was lost: grows back when slots free",
             )
         )
     plans.sort(key=lambda p: p.job_id)
     return replace(decision, plans=tuple(plans)), set(stuck)
+
+
+def _by_type(state: RoundState, slots: Slots) -> Slots:
+    types = {n.node_id: n.node_type for n in state.nodes}
+    by_type: dict[str, int] = {}
+    for m, k in slots:
+        if m in types:
+            by_type[types[m]] = by_type.get(types[m], 0) + k
+    return tuple(sorted(by_type.items()))
 
 
 def _shown(decision: ClusterDecision, state: RoundState) -> ClusterDecision:
@@ -489,10 +851,69 @@ def _shown(decision: ClusterDecision, state: RoundState) -> ClusterDecision:
     return replace(decision, plans=tuple(plans))
 
 
+def differs(entry: Entry) -> str | None:
+    """Why the job's members (its own report) are not its allocation, or None when they
+    are the same or it has not reported yet: an assignment it refused, else the workers
+    still to start or to leave, per node."""
+    if entry.refused is not None:
+        slots, why = entry.refused
+        shown = ", ".join(f"{m}: {k}" for m, k in slots) or "no node"
+        return f"the job refused the assignment ({shown}): {why}"
+    if entry.members is None or not entry.started or entry.members == entry.allocation:
+        return None
+    want, have = dict(entry.allocation), dict(entry.members)
+    parts = []
+    for node in sorted({*want, *have}):
+        more = want.get(node, 0) - have.get(node, 0)
+        if more:
+            each = "worker" if abs(more) == 1 else "workers"
+            verb = "starting" if more > 0 else "draining"
+            parts.append(f"{verb} {abs(more)} {each} on node {node}")
+    return "; ".join(parts) or None
+
+
+def _view(state: RoundState, hints: Mapping[str, float] | None) -> ClusterView | None:
+    """The last round's decision as the jobs stand now: each known job's allocation (a
+    request answered since the round included, with the reason it gave), members,
+    ``differs`` and ``waits``; jobs gone since the round are left out."""
+    if state.decision is None:
+        return None
+    _, shown = policy_jobs(state, hints)
+    plans = []
+    for p in state.decision.plans:
+        entry = state.job(p.job_id)
+        if entry is None:
+            continue
+        if entry.started:
+            p = replace(
+                p,
+                slots=entry.allocation,
+                by_type=_by_type(state, entry.allocation),
+                position=None,
+                reason=entry.said or p.reason,
+            )
+        plans.append(p)
+    decision = replace(
+        state.decision,
+        plans=tuple(plans),
+        queue=tuple(q for q in state.decision.queue if state.job(q) is not None),
+    )
+    known = {p.job_id for p in plans}
+    return view_of(
+        state.nodes,
+        [j for j in shown if j.job_id in known],
+        decision,
+        round_no=state.round_no,
+        decided_s=state.decided_s,
+        resizes=state.resizes,
+        facts={j.job_id: (j.members, differs(j), j.waits) for j in state.jobs if j.job_id in known},
+    )
+
+
 def rebuild(
     nodes: Iterable[ClusterNode],
-    running: Sequence[LiveJob],
-    queued: Sequence[Registered],
+    running: Sequence[Entry],
+    queued: Sequence[Entry],
     now: float,
     knobs: ClusterKnobs | None = None,
 ) -> RoundState:

@@ -22,14 +22,16 @@ GPU_UNITS = 720720
 @dataclass(frozen=True, slots=True)
 class ClusterNode:
     """A node: its type (a Ray label or resource, or derived from its resources) and its
-    worker slots (``capacity``): ``GPU_UNITS`` per GPU on a GPU node (``gpu``), else one per
-    CPU. A worker takes its job's ``gpu_units`` on a GPU node and its ``worker_slots`` on the
-    others."""
+    worker slots (``capacity``): ``GPU_UNITS`` per GPU on a GPU node (``gpu``), else
+    ``cpu_units`` per CPU (Ray's fixed point, ``RAY_UNITS``, for a node listed from Ray, so
+    fractional CPUs pack as Ray packs them; 1 by default). A worker takes its job's
+    ``gpu_units`` on a GPU node and its ``worker_slots`` on the others."""
 
     node_id: str
     node_type: str
     capacity: int
     gpu: bool = False
+    cpu_units: int = 1
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -38,11 +40,13 @@ class ClusterNode:
             raise ValueError(f"node {self.node_id}: node_type is empty")
         if self.capacity < 0:
             raise ValueError(f"node {self.node_id}: capacity {self.capacity} is below 0")
+        if self.cpu_units < 1:
+            raise ValueError(f"node {self.node_id}: cpu_units {self.cpu_units} is below 1")
 
     def shown(self, units: int) -> float:
         """``units`` of this node's capacity as people read them: GPUs on a GPU node (its
-        slots are fractions of a GPU), slots (CPUs) on the others."""
-        return round(units / GPU_UNITS, 4) if self.gpu else float(units)
+        slots are fractions of a GPU), CPUs on the others."""
+        return round(units / (GPU_UNITS if self.gpu else self.cpu_units), 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +57,8 @@ class ClusterJob:
     ``last_resize_s``: when its nodes last changed (started, grew, shrank or moved); None
     when it never ran. ``model``: its throughput per node type, already completed by
     :func:`~dynabatch.scheduler.core.cluster.throughput.bootstrap`. ``worker_slots``: the
-    slots one worker takes on a CPU node (``ceil(worker_cpus)``); ``gpu_units``: those it
+    slots one worker takes on a CPU node (its ``worker_cpus`` in the node's ``cpu_units``);
+    ``gpu_units``: those it
     takes on a GPU node (``GPU_UNITS`` for a whole GPU, or for a CPU-only worker there;
     less for a fractional ``worker_gpus``, :func:`~.nodes.gpu_units`)."""
 
@@ -112,7 +117,9 @@ class ClusterKnobs:
     each job's concave throughput curve. ``node_limit`` / ``mip_gap``: HiGHS's branch-and-
     bound limits (a node count, not a time, so a decision does not depend on the clock).
     ``fair_weight``: for ``fair``, the weight of the worst job's and every job's share of
-    the max-min level against total throughput."""
+    the max-min level against total throughput. ``client_lease_s``: a job whose own run
+    launches it (``dynabatch run``) and whose run is not heard from for this long before its
+    driver is up leaves the rounds."""
 
     policy: str = "goodput"
     hold_s: float = 120.0
@@ -123,6 +130,7 @@ class ClusterKnobs:
     node_limit: int = 2000
     mip_gap: float = 0.01
     fair_weight: float = 10.0
+    client_lease_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -134,6 +142,7 @@ class ClusterKnobs:
             "hysteresis",
             "mip_gap",
             "fair_weight",
+            "client_lease_s",
         ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0.0):

@@ -8,7 +8,7 @@ all render this one value, so they cannot disagree.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dynabatch.scheduler.core.cluster.values import ClusterDecision, ClusterJob, ClusterNode
@@ -35,7 +35,13 @@ class JobView:
     ``allocation``: (node_id, workers) it trains on (empty: queued). ``by_type``: workers per
     node type. ``position``: 1-based place in the queue, None when running. ``rates``:
     samples/s of one worker per node type, ``measured`` the types the job's own telemetry
-    gave (the others are estimates). ``normalised``: its throughput over its best."""
+    gave (the others are estimates). ``normalised``: its throughput over its best.
+
+    Facts beside the decision: ``members``: (node_id, workers) the job itself last reported
+    (None: no report yet, or not running); ``differs``: why its members are not its
+    allocation (workers starting or draining per node, or an assignment it refused, with
+    the job's reason), None when they agree; ``waits``: what an owner's request (a scale)
+    still waits for, None when nothing."""
 
     job_id: str
     priority: int
@@ -48,6 +54,9 @@ class JobView:
     rates: tuple[tuple[str, float], ...]
     measured: tuple[str, ...]
     normalised: float
+    members: tuple[tuple[str, int], ...] | None = None
+    differs: str | None = None
+    waits: str | None = None
 
     @property
     def queued(self) -> bool:
@@ -100,8 +109,12 @@ def view_of(
     round_no: int = 0,
     decided_s: float = 0.0,
     resizes: int = 0,
+    facts: Mapping[str, tuple[tuple[tuple[str, int], ...] | None, str | None, str | None]]
+    | None = None,
 ) -> ClusterView:
-    """The read model of one round: ``decision`` taken over ``nodes`` and ``jobs``."""
+    """The read model of one round: ``decision`` taken over ``nodes`` and ``jobs``;
+    ``facts``: per job, (``members``, ``differs``, ``waits``) as :class:`JobView` has them."""
+    facts = facts or {}
     by_job = {j.job_id: j for j in jobs}
     holders: dict[str, list[tuple[str, int]]] = {n.node_id: [] for n in nodes}
     for plan in decision.plans:
@@ -120,6 +133,7 @@ def view_of(
     job_views = []
     for plan in decision.plans:
         job = by_job[plan.job_id]
+        members, differs, waits = facts.get(plan.job_id, (None, None, None))
         job_views.append(
             JobView(
                 job_id=plan.job_id,
@@ -133,6 +147,9 @@ def view_of(
                 rates=job.model.rates,
                 measured=tuple(sorted(job.model.measured)),
                 normalised=plan.normalised,
+                members=members,
+                differs=differs,
+                waits=waits,
             )
         )
     return ClusterView(
