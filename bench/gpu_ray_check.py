@@ -681,15 +681,20 @@ def check_oom_in_ray(cfg: dict[str, Any]) -> dict[str, Any]:
     if not _cuda():
         return _skipped(NO_GPU)
     limit = cfg["oom_limit"]
+    code = tempfile.mkdtemp(prefix="hungry-model-")
+    Path(code, "hungry_model.py").write_text(OOM_MODULE.format(limit=limit))
+    # On PYTHONPATH before Ray starts, so every Ray process imports it: a working_dir is
+    # shipped only by the run that starts Ray (README's Limits), and the Lab starts it here.
+    os.environ["PYTHONPATH"] = os.pathsep.join([code, os.environ.get("PYTHONPATH", "")])
+    sys.path.insert(0, code)
     lab = Lab(cpu_nodes=1, gpu=True)
     try:
-        with tempfile.TemporaryDirectory() as code:
-            Path(code, "hungry_model.py").write_text(OOM_MODULE.format(limit=limit))
-            spec = job_spec("oom", "mlp", 2, cfg, worker_gpus="auto", node_resource=WORKER_RES)
-            spec.update(model={"name": "hungry_model:build", "hidden": 64}, working_dir=code)
-            job = train(spec, lab.address)
+        spec = job_spec("oom", "mlp", 2, cfg, worker_gpus="auto", node_resource=WORKER_RES)
+        spec.update(model={"name": "hungry_model:build", "hidden": 64})
+        job = train(spec, lab.address)
     finally:
         lab.close()
+        shutil.rmtree(code, ignore_errors=True)
     oom_lines = [ln for ln in job["log"] if "memory" in ln.lower()][:5]
     job["log"] = oom_lines
     gpu_worker = [w for w in job.get("workers", []) if _on(lab.gpu_node.node_id, w["node"])]
