@@ -127,8 +127,8 @@ class JobControl:
         return None
 
     def _assignment_error(self, nodes: NodeAssignment) -> str | None:
-        """Why this job cannot train on ``nodes`` (its bounds), or None. A driver that
-        cannot honour an assignment says so here."""
+        """Why this job cannot train on ``nodes`` (its batch cannot be split over that many
+        workers), or None. A driver that cannot honour an assignment says so here."""
         return "this job's driver does not take node assignments"
 
     # ------------------------------------------------------------------ public interface
@@ -193,20 +193,33 @@ class JobControl:
         return self.snapshot()
 
     def assign(self, nodes: Mapping[str, int] | NodeAssignment) -> JobSnapshot:
-        """Train on exactly these nodes (node id: worker slots) from the next step boundary:
-        workers on nodes no longer assigned, or beyond a node's slots, drain with their
-        state handed over; new workers start on the assigned nodes' empty slots. Refused
-        (``ValueError``, one line) when an entry is not a node id with at least one slot,
-        or the total is outside the job's bounds. From then on the placement is the
-        cluster scheduler's: the job's own ``scale`` and ``drain`` are refused, and it
-        grows onto no other node; a later ``assign`` replaces this one."""
-        a = nodes if isinstance(nodes, NodeAssignment) else NodeAssignment.of(nodes)
-        err = self._assignment_error(a)
-        if err is not None:
-            raise ValueError(f"assignment ({a}): {err}")
+        """Train on exactly these nodes (node id: worker slots): new workers start on the
+        assigned nodes' empty slots at the driver's next step boundary, and join a
+        boundary once up; workers on nodes no longer assigned, or beyond a node's slots,
+        drain with their state handed over. The assignment is authoritative: its total
+        becomes the job's size, whatever the spec's ``min_workers``/``max_workers`` (the
+        cluster scheduler owns them). Refused (``ValueError``, one line, written to the
+        job's log as a WARNING first) when an entry is not a node id with at least one
+        slot, the job's batch cannot be split over the total, or the job has ended
+        (:class:`InvalidTransition`). From then on the placement is the cluster
+        scheduler's: the job's own ``scale`` and ``drain`` are refused, and it grows onto
+        no other node; a later ``assign`` replaces this one."""
+        try:
+            a = nodes if isinstance(nodes, NodeAssignment) else NodeAssignment.of(nodes)
+        except ValueError as err:
+            self._log("WARNING", str(err))
+            raise
         with self._lock:
+            refused: ValueError | None = None
             if self.state.is_terminal:
-                raise InvalidTransition(self.state, JobState.RUNNING)
+                refused = InvalidTransition(self.state, JobState.RUNNING)
+            elif (why := self._assignment_error(a)) is not None:
+                refused = ValueError(why)
+            if refused is not None:
+                line = f"assignment ({a}): {refused}"
+                self._log("WARNING", line)
+                # An ended job's refusal keeps its kind (the service answers it as such).
+                raise refused if isinstance(refused, InvalidTransition) else ValueError(line)
             self.assignment = a
             self._requests.append(Assign(a))
             self._log("INFO", f"assignment requested: {a}")
@@ -225,10 +238,17 @@ class JobControl:
                              f"it ({self.assignment})")
 
     # ------------------------------------------------------------------ for the drivers
-    def _take_requests(self) -> list[Request]:
+    def _take_requests(self, assignments: bool = False) -> list[Request]:
+        """The queued requests, oldest first (``assignments``: only the assignments at the
+        head of the queue; the rest stay queued, in order)."""
         with self._lock:
-            requests, self._requests = list(self._requests), deque()
-        return requests
+            if not assignments:
+                requests, self._requests = list(self._requests), deque()
+                return requests
+            taken: list[Request] = []
+            while self._requests and isinstance(self._requests[0], Assign):
+                taken.append(self._requests.popleft())
+        return taken
 
     def _event_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -12,10 +12,11 @@ weights are only in a checkpoint), :meth:`Membership.regroup_plan` says so and t
 must load a checkpoint into the group, or fail: it never continues from fresh weights.
 
 Bounds. The job keeps between ``min_size`` and ``max_size`` workers:
-``min_size = max(min_workers, ceil(B / max_batch))`` (fewer could not hold the global
-batch) and ``max_size = min(max_workers or workers or B, B)`` (a worker needs at least one
-sample per step), so ``workers: auto`` is bounded too. Below ``min_size`` the job waits
-with a reason.
+``min_size = max(min_workers, ceil(B_max / max_batch))`` (fewer could not hold the largest
+global batch the schedule trains) and ``max_size = min(max_workers or workers or B_min,
+B_min)`` (a worker needs at least one sample of the smallest per step), so ``workers: auto``
+is bounded too: :func:`batch_bounds`, the service's rule too. Below ``min_size`` the job
+waits with a reason.
 
 Placement and scale. A new worker goes first to a node with none of the job's workers.
 At the first start a small cluster shares nodes round-robin; later (a scale-up, a
@@ -41,6 +42,8 @@ Assignment. A :class:`NodeAssignment` says "train on exactly these nodes" (node 
 slots; the cluster scheduler's placement of the job). Which workers leave and where new ones
 start is :func:`placement_plan`'s (pure): on each assigned node the fastest of its workers
 keep its slots, every other worker drains, and each assigned node gets its missing slots.
+The assignment is authoritative (the cluster scheduler owns the job's size): any total the
+batch allows is taken, and becomes the job's maximum (and its minimum when below it).
 While an assignment is in force workers start only on assigned nodes, and spares only wait
 there. The state is handed over, never lost: a drain that would leave no holder of the
 committed state, or fewer than ``min_size`` members, waits until the new workers have
@@ -255,14 +258,18 @@ class Membership:
         workers: int | None,
         min_workers: int | None,
         max_workers: int | None,
-        global_batch: int,
+        smallest_batch: int,
         max_batch: int | None,
+        largest_batch: int | None = None,
         max_possible: int = 4096,
     ):
-        self.global_batch = global_batch
+        # The smallest and the largest global batch the job's schedule trains (a stage-wise
+        # or goodput schedule trains several; None: only the smallest).
+        self.smallest_batch = smallest_batch
+        self.largest_batch = smallest_batch if largest_batch is None else largest_batch
         self.max_batch = max_batch
         self.target = workers  # None: one per eligible node
-        need, most = batch_bounds(global_batch, global_batch, max_batch)
+        need, most = batch_bounds(smallest_batch, self.largest_batch, max_batch)
         self.max_size = min(max_workers or workers or max_possible, most, max_possible)
         self.min_size = max(min_workers or 1, need)
         self.members: list[Member] = []
@@ -277,8 +284,9 @@ class Membership:
         self.no_spare: dict[str, str] = {}  # nodes whose spare was lost: why
         # After :meth:`spawns`: (workers that could not be placed now, workers wanted).
         self.unplaced: tuple[int, int] | None = None
-        # The job's own size limits, as declared (scale requests move min/max_size later).
-        self.bounds = (self.min_size, self.max_size)
+        # The job's floor as declared (an assignment lowers min_size below it only to its
+        # own total).
+        self.floor = self.min_size
         # "Train on exactly these nodes", once requested (see the module docstring).
         self.assignment: NodeAssignment | None = None
 
@@ -299,27 +307,17 @@ class Membership:
         if n >= self.min_size:
             return None
         why = f"{n} workers, below the minimum of {self.min_size}"
-        if self.max_batch and math.ceil(self.global_batch / self.max_batch) == self.min_size > 1:
+        if self.max_batch and math.ceil(self.largest_batch / self.max_batch) == self.min_size > 1:
             why += (f" (max_batch {self.max_batch} x workers must hold global_batch "
-                    f"{self.global_batch})")
+                    f"{self.largest_batch})")
         else:
             why += " (min_workers)"
         return why
 
-    def size_error(self, workers: int) -> str | None:
-        """Why the job cannot run with ``workers`` workers (outside its declared bounds),
-        or None."""
-        lo, hi = self.bounds
-        if workers < lo:
-            why = (f"max_batch {self.max_batch} x workers must hold global_batch "
-                   f"{self.global_batch}" if lo > 1 and self.max_batch
-                   and math.ceil(self.global_batch / self.max_batch) == lo else "min_workers")
-            return f"{workers} workers is below the job's minimum of {lo} ({why})"
-        if workers > hi:
-            why = ("every worker needs at least one sample of global_batch "
-                   f"{self.global_batch}" if hi == self.global_batch else "max_workers")
-            return f"{workers} workers is above the job's maximum of {hi} ({why})"
-        return None
+    def batch_error(self, workers: int) -> str | None:
+        """Why the job's batch cannot be split over ``workers`` workers (:func:`scale_error`,
+        over the schedule's smallest and largest batch), or None."""
+        return scale_error(workers, self.smallest_batch, self.largest_batch, self.max_batch)
 
     @property
     def handing_over(self) -> bool:
@@ -477,7 +475,7 @@ class Membership:
         if self.assignment is None:
             return len(self.members) < self.max_size
         here = sum(1 for x in self.members if x.node == m.node)
-        return here < self.assignment.get(m.node) and len(self.members) < self.global_batch
+        return here < self.assignment.get(m.node) and len(self.members) < self.smallest_batch
 
     def start_failed(self, worker: str) -> None:
         self.pending.pop(worker, None)
@@ -512,7 +510,7 @@ class Membership:
         if workers < 1:
             raise ValueError("workers: must be at least 1")
         # An explicit size: neither more (growth onto free nodes) nor fewer.
-        self.target = min(workers, self.global_batch)
+        self.target = min(workers, self.smallest_batch)
         self.max_size = self.target
         self.min_size = min(self.min_size, self.target)
         for m in self.drain_order(speeds)[: max(0, len(self.members) - self.target)]:
@@ -525,13 +523,16 @@ class Membership:
         return [by_id[w] for w in order]
 
     def request_assignment(self, assignment: NodeAssignment) -> None:
-        """Train on exactly ``assignment`` from now on (see the module docstring); raises
-        ``ValueError`` when its total is outside the job's bounds."""
-        err = self.size_error(assignment.total)
+        """Train on exactly ``assignment`` from now on (see the module docstring): its total
+        becomes the job's size (target and maximum; the minimum too when below the job's
+        floor). Raises ``ValueError`` only when the batch cannot be split over that many
+        (:meth:`batch_error`): the cluster scheduler owns the job's bounds."""
+        err = self.batch_error(assignment.total)
         if err is not None:
             raise ValueError(err)
         self.assignment = assignment
         self.target = self.max_size = assignment.total
+        self.min_size = min(self.floor, assignment.total)
 
     def handover(self, speeds: dict[str, float] | None = None) -> list[str]:
         """The workers to drain now for the assignment: those :func:`placement_plan` says

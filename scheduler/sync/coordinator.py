@@ -38,8 +38,9 @@ commands on the parts; ``run()`` loops it until the job is terminal.
 The other public methods may be called from other threads while it runs (the actor is
 threaded): requests are queued and applied at the next step boundary. What needs the group
 at rest waits for a boundary with nothing in flight: a worker that started and joins, a
-scale, drain or assign request (and the hand-over an assignment starts), a checkpoint,
-cancellation, and the retry after a failure.
+scale or drain request (and the hand-over an assignment starts), a checkpoint,
+cancellation, and the retry after a failure. An assignment is taken at the next boundary
+even with a segment in flight, so that its new workers start up while the group trains.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from collections.abc import Callable
 
 from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.actors.spec import MAX_WORKERS, JobSpec
-from dynabatch.scheduler.control import JobControl, JobEnded
+from dynabatch.scheduler.control import Assign, JobControl, JobEnded
 from dynabatch.scheduler.core.failures import RetryBudget
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership, NodeAssignment
@@ -160,9 +161,10 @@ class Coordinator(JobControl):
             membership=Membership(
                 workers=s.initial_workers, min_workers=s.min_workers,
                 max_workers=s.max_workers,
-                # The smallest batch the schedule trains bounds the group's size.
-                global_batch=s.batch_range[0], max_batch=s.max_batch,
-                max_possible=MAX_WORKERS),
+                # The schedule's smallest and largest batch bound the group's size, as they
+                # bound the service's scale (batch_bounds: one rule).
+                smallest_batch=s.batch_range[0], largest_batch=s.batch_range[1],
+                max_batch=s.max_batch, max_possible=MAX_WORKERS),
             regime=Regime(s, lr_factors),
             policy=policy_for(s.policy, s.rebalance.min_gain(s.policy)),
             budget=RetryBudget(s.max_retries),
@@ -298,7 +300,7 @@ class Coordinator(JobControl):
 
     def _assignment_error(self, nodes: NodeAssignment) -> str | None:
         with self._lock:
-            return self.job.membership.size_error(nodes.total)
+            return self.job.membership.batch_error(nodes.total)
 
     def _placement_note(self, workers: int) -> str | None:
         with self._lock:
@@ -307,7 +309,7 @@ class Coordinator(JobControl):
                 return None  # the first start shares nodes as it must
         nodes = self.runtime.nodes()
         with self._lock:
-            short = m.unplaceable(nodes, min(workers, m.global_batch))
+            short = m.unplaceable(nodes, min(workers, m.smallest_batch))
         return self.roster.placement_text(short, workers) if short else None
 
     def shutdown(self) -> None:
@@ -344,6 +346,7 @@ class Coordinator(JobControl):
         with self._lock:
             # An assignment's hand-over drains workers at a boundary with nothing in flight.
             requests = bool(self._requests) or m.handing_over
+            assigning = bool(self._requests) and isinstance(self._requests[0], Assign)
         crossing = None
         if p is not None:
             nxt = p.epoch + 1
@@ -365,6 +368,7 @@ class Coordinator(JobControl):
             check_due=p is not None and p.due_check(),
             trained_any=bool(self._history) or self.step_in_epoch > 0,
             retrying=job.budget.retrying, requests_pending=requests,
+            assignment_queued=assigning,
             regroup_due=m.dirty, drains_due=m.drains_due(job.tracker.speeds()),
             stamps_fixed=job.regime.can_stamp_ahead,
             crossing=crossing,
@@ -394,8 +398,8 @@ class Coordinator(JobControl):
                 self._become(phase)
             case LoadData():
                 self.epochs.load_data()
-            case ApplyRequests():
-                self.roster.apply_requests()
+            case ApplyRequests(assignments):
+                self.roster.apply_requests(assignments)
             case ApplyDrains():
                 self.roster.apply_drains()
             case AdoptStarted():

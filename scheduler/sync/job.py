@@ -230,9 +230,10 @@ class Part:
     def cancel_requested(self) -> bool:
         return self.c._cancel is not None
 
-    def take_requests(self) -> list[Any]:
-        """The scale, drain and assign requests queued since the last call."""
-        return self.c._take_requests()
+    def take_requests(self, assignments: bool = False) -> list[Any]:
+        """The scale, drain and assign requests queued since the last call (``assignments``:
+        only the assignments at the head of the queue)."""
+        return self.c._take_requests(assignments)
 
     def scale_queued(self) -> bool:
         """A scale request is queued (not yet taken)."""

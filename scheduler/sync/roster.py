@@ -53,12 +53,13 @@ class Roster(Part):
             self.log("WARNING", f"the spare worker on node {node[:12]} was lost before "
                                 f"it was adopted ({why}); that node gets no other spare")
 
-    def apply_requests(self) -> None:
+    def apply_requests(self, assignments: bool = False) -> None:
         """Take the queued scale, drain and assign requests into the membership (what they
-        drain leaves at :meth:`apply_drains`)."""
+        drain leaves at :meth:`apply_drains`); ``assignments``: only the assignments at the
+        head of the queue (with a segment in flight: their workers start now)."""
         m = self.job.membership
         speeds = self.job.tracker.speeds()
-        for r in self.take_requests():
+        for r in self.take_requests(assignments):
             try:
                 match r:
                     case Scale(workers):

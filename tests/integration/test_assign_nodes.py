@@ -55,7 +55,7 @@ def test_a_running_job_moves_to_two_other_nodes(cluster):
         assert len(old) == 2 and len(new) == 2
         coord.assign({new[0]: 1, new[1]: 1})
         pending = coord.job.membership.pending
-        while not pending:  # up to the boundary that applies it (nothing in flight)
+        while not pending:  # up to the next boundary, which starts its workers
             assert coord.step(), coord.snapshot().reason
         assert {m.node for m in pending.values()} == set(new)
 

@@ -110,7 +110,7 @@ def test_plan_is_idempotent_once_applied(spec, nodes):
 
 
 def _membership(n: int, lo: int | None, hi: int | None) -> Membership:
-    m = Membership(workers=n, min_workers=lo, max_workers=hi, global_batch=64, max_batch=None)
+    m = Membership(workers=n, min_workers=lo, max_workers=hi, smallest_batch=64, max_batch=None)
     for s in m.spawns([NodeInfo(f"n{i}") for i in range(n)], True, _cpu):
         m.started(s.worker_id)
     m.regrouped(m.worker_ids)
@@ -128,18 +128,15 @@ def _membership(n: int, lo: int | None, hi: int | None) -> Membership:
 def test_handover_keeps_the_state_and_bounds_and_ends_matching(n, lo, extra, nodes, speeds):
     """Boundary after boundary (drains, then starts, then a regroup) the job reaches the
     assignment: it never has fewer than its minimum, always keeps a holder of the state,
-    never holds more than its minimum beyond the assignment, and an assignment outside its
-    bounds is refused."""
+    never holds more than its minimum beyond the assignment. The assignment is taken
+    whatever the spec's min_workers and max_workers (the cluster scheduler owns them): its
+    total becomes the job's maximum, and its minimum where below it."""
     lo = min(lo, n)
     hi = n + extra
     m = _membership(n, lo, hi)
     a = NodeAssignment.of(nodes)
-    if not lo <= a.total <= hi:
-        with pytest.raises(ValueError, match=r"below the job's minimum|above the job's max"):
-            m.request_assignment(a)
-        assert m.assignment is None
-        return
     m.request_assignment(a)
+    assert (m.min_size, m.max_size) == (min(lo, a.total), a.total)
     view = [NodeInfo(f"n{i}") for i in range(6)]
     by_worker = {f"w{i}": v for i, v in enumerate(speeds)}
     for _ in range(6):
@@ -255,12 +252,11 @@ def test_grow_then_shrink_by_assignment():
 def test_bad_assignments_and_own_resizing_are_refused_with_reasons():
     coord, _, _ = _coord(min_workers=2, max_workers=3)
     _run_to_epoch(coord, 1)
-    with pytest.raises(ValueError, match=r"above the job's maximum of 3 \(max_workers\)"):
-        coord.assign({"node00": 2, "node01": 2})
-    with pytest.raises(ValueError, match=r"below the job's minimum of 2 \(min_workers\)"):
-        coord.assign({"node00": 1})
+    with pytest.raises(ValueError, match=r"workers \(65\) is above the job's global_batch"):
+        coord.assign({"node00": 33, "node01": 32})
     with pytest.raises(ValueError, match="slots must be an integer of at least 1"):
         coord.assign({"node00": 0, "node01": 2})
+    assert _warnings(coord)[-1].startswith("assignment: node 'node00': slots must be")
     assert coord.assignment is None
     coord.scale(3)  # not assigned yet: the job's own scale works as before
     coord.assign({"node01": 1, "node02": 1})
@@ -288,3 +284,90 @@ def test_an_assigned_node_not_alive_is_said_until_it_joins():
     _assert_done(coord, lineages)
     assert _nodes_of(coord) == {"node00": 1, late: 1}
     assert coord.snapshot().reason is None
+
+
+# --- issue 50: the scheduler's assignment is authoritative ---------------------------------
+def test_an_assignment_above_the_specs_max_workers_is_carried_out():
+    """The cluster scheduler owns the job's bounds: a job of ``workers: 1`` (``max_workers``
+    1 implied) assigned two slots trains on two workers (issue 50: it was refused with "2
+    workers is above the job's maximum of 1 (max_workers)", in the scheduler's Ray log
+    only)."""
+    coord, _, lineages = _coord(workers=1, max_workers=None)
+    _run_to_epoch(coord, 1)
+    coord.assign({"node00": 1, "node01": 1})
+    _run_to_epoch(coord, 2)
+    assert _nodes_of(coord) == {"node00": 1, "node01": 1}
+    assert (coord.job.membership.min_size, coord.job.membership.max_size) == (1, 2)
+    coord.run()
+    _assert_done(coord, lineages)
+
+
+def test_the_membership_takes_an_assignments_total_as_its_bounds():
+    m = _membership(2, 2, 2)
+    m.request_assignment(NodeAssignment.of({"n0": 2, "n1": 2}))  # above max_workers 2
+    assert (m.min_size, m.max_size, m.target) == (2, 4, 4)
+    m.request_assignment(NodeAssignment.of({"n0": 1}))  # below min_workers 2
+    assert (m.min_size, m.max_size, m.target) == (1, 1, 1)
+
+
+def _warnings(coord: Coordinator) -> list[str]:
+    return [line.message for line in coord.logs() if line.level == "WARNING"]
+
+
+def test_an_assignment_the_batch_cannot_take_is_refused_in_one_line_and_in_the_job_log():
+    coord, _, _ = _coord(max_batch=32)
+    _run_to_epoch(coord, 1)
+    for nodes, why in [
+        ({"node00": 40, "node01": 25}, "workers (65) is above the job's global_batch (64)"),
+        ({"node00": 1}, "1 workers with max_batch 32 cannot hold the job's global_batch (64)"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            coord.assign(nodes)
+        line = str(err.value)
+        assert why in line and "\n" not in line and line.startswith("assignment (")
+        assert _warnings(coord)[-1] == line
+    assert coord.assignment is None
+    coord.run()
+    assert coord.snapshot().state == JobState.SUCCEEDED
+
+
+def test_an_assignment_to_a_finished_job_is_refused_and_logged():
+    coord, _, _ = _coord(epochs=1)
+    coord.run()
+    with pytest.raises(ValueError) as err:
+        coord.assign({"node00": 1})
+    assert "SUCCEEDED" in str(err.value)
+    assert _warnings(coord)[-1] == f"assignment (node00: 1): {err.value}"
+
+
+class _SpawnsAt(SimRuntime):
+    """Notes, at each spawn, how many segments had been trained by then."""
+
+    def spawn(self, spawn):
+        self.spawned = [*getattr(self, "spawned", []), (spawn.worker_id, self.record.trained)]
+        super().spawn(spawn)
+
+
+def test_an_assignments_new_workers_start_while_the_segment_in_flight_trains():
+    """Issue 50: a job given more nodes started their workers only at a boundary with
+    nothing in flight (after the segment in flight, sent without one ahead), then their
+    cold start followed. They start at the first boundary after the assignment arrives,
+    while the old group trains on, and join at a boundary once up; exactly once holds."""
+    spec = _spec(workers=2, max_workers=3, epochs=4, spares=0)
+    lineages = Lineages()
+    rt = sim_runtime(spec, n_train=N, nodes=3, speeds={0: 1000, 1: 500, 2: 250},
+                     gradients=lineages, runtime=_SpawnsAt)
+    coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
+    coord.assign({"node00": 1, "node01": 1})  # the scheduler's first grant
+    _run_to_epoch(coord, 1)
+    assert [w for w, _ in rt.spawned] == ["w0", "w1"]
+    while coord.job.ahead is None or coord.job.ahead.position.epoch != 1:
+        assert coord.step()
+    trained = rt.record.trained
+    coord.assign({"node00": 1, "node01": 1, "node02": 1})
+    assert coord.step()
+    assert rt.spawned[2:] == [("w2", trained)]  # before the segment in flight ended
+    _run_to_epoch(coord, 2)
+    assert _nodes_of(coord) == {"node00": 1, "node01": 1, "node02": 1}
+    coord.run()
+    _assert_done(coord, lineages)

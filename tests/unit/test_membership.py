@@ -14,7 +14,7 @@ def _nodes(n):
 
 
 def _m(**kw):
-    base = dict(workers=3, min_workers=None, max_workers=None, global_batch=64, max_batch=None)
+    base = dict(workers=3, min_workers=None, max_workers=None, smallest_batch=64, max_batch=None)
     base.update(kw)
     return Membership(**base)
 
@@ -30,7 +30,7 @@ def _start_all(m, nodes, starting=True):
 def test_never_more_members_than_the_bounds_allow(workers, max_workers, b, nodes, rounds):
     if workers is not None and max_workers is not None and workers > max_workers:
         workers = max_workers
-    m = _m(workers=workers, max_workers=max_workers, global_batch=b)
+    m = _m(workers=workers, max_workers=max_workers, smallest_batch=b)
     for r in range(rounds):
         _start_all(m, _nodes(nodes), starting=r == 0)
         assert len(m.members) <= m.max_size <= b
@@ -39,9 +39,9 @@ def test_never_more_members_than_the_bounds_allow(workers, max_workers, b, nodes
 
 
 def test_workers_auto_is_bounded_by_global_batch_and_max_workers():
-    assert _m(workers=None, global_batch=8).max_size == 8
-    assert _m(workers=None, global_batch=8, max_workers=5).max_size == 5
-    assert _m(workers=None, global_batch=10**6).max_size == 4096
+    assert _m(workers=None, smallest_batch=8).max_size == 8
+    assert _m(workers=None, smallest_batch=8, max_workers=5).max_size == 5
+    assert _m(workers=None, smallest_batch=10**6).max_size == 4096
 
 
 def test_min_size_covers_the_global_batch_under_max_batch():

@@ -14,7 +14,7 @@ def _cpu(g):
 
 
 def _m(**kw):
-    base = dict(workers=2, min_workers=None, max_workers=3, global_batch=64, max_batch=None)
+    base = dict(workers=2, min_workers=None, max_workers=3, smallest_batch=64, max_batch=None)
     base.update(kw)
     return Membership(**base)
 

@@ -43,7 +43,32 @@ def test_membership_takes_its_size_limits_from_the_same_bounds() -> None:
             workers=None,
             min_workers=None,
             max_workers=None,
-            global_batch=batch,
+            smallest_batch=batch,
             max_batch=max_batch,
         )
         assert (m.min_size, m.max_size) == batch_bounds(batch, batch, max_batch)
+
+
+def test_a_stage_wise_jobs_driver_and_service_agree_on_its_size_limits() -> None:
+    """Issue 50: the driver's floor came from the schedule's smallest batch only, the
+    service's from the largest too: a job of stages 64 then 256 with max_batch 64 could
+    shrink to one worker in the driver, which the service refuses (it cannot hold 256)."""
+    from dynabatch.actors.spec import JobSpec
+    from dynabatch.scheduler.sync.coordinator import Coordinator
+
+    from tests.fakes import sim_runtime
+
+    spec = JobSpec.model_validate({
+        "workers": 4, "min_workers": 1, "max_batch": 64, "epochs": 2, "global_batch": 64,
+        "schedule": {"stages": [{"epochs": 1, "global_batch": 64},
+                                {"epochs": 1, "global_batch": 256}]},
+    })
+    smallest, largest = spec.batch_range
+    m = Coordinator("job", spec, runtime=sim_runtime(spec, n_train=512, nodes=4)).job.membership
+    lo, hi = batch_bounds(smallest, largest, spec.max_batch)
+    assert (m.min_size, m.max_size) == (lo, min(hi, 4)) == (4, 4)
+    for n in range(1, 9):  # every size the driver allows, the service's rule allows
+        assert (scale_error(n, smallest, largest, spec.max_batch) is None) == (
+            lo <= n <= hi), n
+        if m.min_size <= n <= m.max_size:
+            assert scale_error(n, smallest, largest, spec.max_batch) is None

@@ -67,7 +67,8 @@ def test_can_become_is_the_table_and_staying_is_allowed(old, new):
 
 def _job() -> SyncJob:
     m = Membership(
-        workers=2, min_workers=1, max_workers=None, global_batch=8, max_batch=None, max_possible=16
+        workers=2, min_workers=1, max_workers=None, smallest_batch=8, max_batch=None,
+        max_possible=16,
     )
     return SyncJob(job_id="j", membership=m, regime=None, policy=None, budget=RetryBudget(1))
 

@@ -19,9 +19,11 @@ One boundary, as the engine decides it:
 * the job is terminal: nothing (the loop stops);
 * a cancellation is pending: cancel (below);
 * otherwise: load the data if it is not loaded; then, with a segment in flight, only
-  take in workers that came up and *place* when due: list the nodes, start the workers
-  the membership misses on them, tend the spares (membership changes wait for the next
-  boundary with nothing in flight); else *reconcile* the group: apply the requests (the
+  take in the assignments queued first (so that their new workers start now, while the
+  group trains on), take in workers that came up and *place* when due (at once after an
+  assignment): list the nodes, start the workers the membership misses on them, tend the
+  spares (other membership changes wait for the next boundary with nothing in flight);
+  else *reconcile* the group: apply the requests (the
   workers they drain leave once the evaluations in flight are in: a drained worker may owe
   a shard), take in started workers, place when due (at once when the group changed, and
   at the first start, which starts no spares and then waits for its workers: half a
@@ -296,8 +298,11 @@ class SyncEngine:
         load = [] if f.data_loaded else [LoadData()]
         if f.in_flight:  # membership changes wait for the next boundary
             self.state = Watching()
-            poll = self._place(starting=False) if f.node_poll_due else []
-            return [*load, AdoptStarted(), *poll]
+            # An assignment's workers start now, while the segment in flight trains: they
+            # join at a boundary once up.
+            take = [ApplyRequests(assignments=True)] if f.assignment_queued else []
+            poll = self._place(starting=False) if f.node_poll_due or take else []
+            return [*load, *take, AdoptStarted(), *poll]
         self.state = Requesting()
         return [*load, ApplyRequests()]
 

@@ -50,6 +50,9 @@ class Facts:
     # What decides whether a segment may be sent ahead of the one before it:
     retrying: bool = False  # the next segment retries a failure (it runs alone)
     requests_pending: bool = False  # scale, drain or assign requests, or a hand-over
+    # The first queued request is an assignment: its workers start at the next boundary,
+    # also with a segment in flight (they start up while the group trains on).
+    assignment_queued: bool = False
     regroup_due: bool = False  # a worker joined or was lost: the next boundary regroups
     drains_due: bool = False  # workers asked to leave, or that an assignment moves now
     stamps_fixed: bool = True  # the next segment's stamps do not wait on this one's losses
@@ -180,7 +183,11 @@ class LoadData:
 @dataclass(frozen=True, slots=True)
 class ApplyRequests:
     """Take the scale, drain and assign requests queued since the last boundary into the
-    membership (the workers they drain leave at :class:`ApplyDrains`)."""
+    membership (the workers they drain leave at :class:`ApplyDrains`). ``assignments``:
+    only the assignments at the head of the queue (a boundary with a segment in flight:
+    their new workers start now; the rest waits for a boundary at rest)."""
+
+    assignments: bool = False
 
 
 @dataclass(frozen=True, slots=True)
