@@ -311,7 +311,7 @@ class ClusterScheduler:
             commands = self._step(ScaleRequested(job_id, workers, self.clock()))
             entry = self._state.job(job_id)
         self._raise_refusal(commands, "")
-        self._execute(commands)
+        self._relay(self._execute(commands), f"scale to {workers}: ")
         self._wake.set()
         if entry is not None and entry.waits:
             return f"{PLACES}; {entry.waits}"
@@ -330,8 +330,8 @@ class ClusterScheduler:
             commands = self._step(Drained(job_id, node, self.clock(), least))
         self._raise_refusal(commands, "drain: ")
         keeps = sum(c.workers for c in commands if isinstance(c, Assign))
-        self._execute(commands)
         self._wake.set()  # the freed slot may start or grow another job
+        self._relay(self._execute(commands), "drain: ")
         return f"{PLACES}; its slot on node {node} is freed, and its max_workers is now {keeps}"
 
     def view(self) -> ClusterView | None:
@@ -358,6 +358,12 @@ class ClusterScheduler:
         for job_id in [j for j in self._entries if self._state.job(j) is None]:
             del self._entries[job_id]
         return commands
+
+    @staticmethod
+    def _relay(refused: str | None, what: str) -> None:
+        """An owner's request the job itself refused (its ``assign`` raised) is refused."""
+        if refused is not None:
+            raise ValueError(f"{what}{PLACES}; the job refused it: {refused}")
 
     @staticmethod
     def _raise_refusal(commands: Iterable[Command], what: str) -> None:
@@ -459,14 +465,17 @@ class ClusterScheduler:
                 commands = self._step(Tick(self.clock()))
             self._execute(commands)
 
-    def _execute(self, commands: Iterable[Command]) -> None:
+    def _execute(self, commands: Iterable[Command]) -> str | None:
+        """Carry out ``commands``; the job's reason when it refused an assignment."""
+        refused = None
         for c in commands:
             if isinstance(c, Start):
                 self._start(c)
             elif isinstance(c, Assign):
-                self._assign(c)
+                refused = self._assign(c) or refused
             elif isinstance(c, Dropped):
                 log.info("job %s: dropped from the cluster rounds (%s)", c.job_id, c.why)
+        return refused
 
     def _poll(self, job_id: str, generation: int) -> None:
         """Its snapshot: ended or gone → dropped; else its report (members, speeds)."""
@@ -544,12 +553,14 @@ class ClusterScheduler:
                 handle.run.remote()
                 log.info("job %s: started on %s", c.job_id, c.slots)
 
-    def _assign(self, c: Assign) -> None:
+    def _assign(self, c: Assign) -> str | None:
+        """Send ``c`` to the job; the job's reason when it refused it (also a fact the
+        rounds keep), else None."""
         with self._lock:
             entry = self._state.job(c.job_id)
             handle = None if entry is None else self._handles.get((c.job_id, entry.generation))
         if handle is None:
-            return  # dropped meanwhile
+            return None  # dropped meanwhile, or its launch (which sends the newest) runs
         try:
             self.calls.get(handle.assign.remote(dict(c.slots)), self.call_timeout_s)
         except ray.exceptions.RayActorError as err:
@@ -559,10 +570,12 @@ class ClusterScheduler:
             log.warning("job %s: refused the assignment %s: %s", c.job_id, c.slots, why)
             with self._lock:
                 self._step(AssignRefused(c.job_id, c.slots, why))
+            return why
         except Exception as err:  # a timeout: the next round decides again
             log.warning("job %s: assignment %s not confirmed: %s", c.job_id, c.slots, err)
         else:
             log.info("job %s: assigned %s", c.job_id, c.slots)
+        return None
 
 
 def ensure_scheduler(

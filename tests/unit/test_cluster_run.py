@@ -114,11 +114,13 @@ def world() -> dict[str, Any]:
     }
 
 
-def _scheduler(world: dict[str, Any], policy: str = "fifo") -> cluster_rt.ClusterScheduler:
+def _scheduler(
+    world: dict[str, Any], policy: str = "fifo", hold_s: float = 0.0
+) -> cluster_rt.ClusterScheduler:
     return cluster_rt.ClusterScheduler(
         policy,
         round_s=1.0,
-        hold_s=0.0,
+        hold_s=hold_s,
         background=False,
         clock=world["clock"],
         calls=world["calls"],
@@ -331,3 +333,70 @@ def test_the_actors_drain_refusals_are_the_pure_machines_reasons(world) -> None:
     assert world["coordinators"]["b"].assigned_to[-1] == {"n1": 1}
     with pytest.raises(ValueError, match=r"job b holds no slot on node n2$"):
         sched.request_drain("b", "n2")
+
+
+ONE = {"workers": 1, "min_workers": 1, "max_workers": 1, "global_batch": 64, "epochs": 1}
+
+
+def test_an_owners_scale_up_is_assigned_at_once_under_the_default_hold(world) -> None:
+    """Issue 50's first finding: under serve's defaults (hold 120 s) a scale above the
+    spec's max_workers was recorded, never assigned, and refused in a Ray log. The scale
+    is sent to the job at once; what cannot be is refused to the caller with the reason."""
+    sched = _scheduler(world, "goodput", hold_s=120.0)
+    sched.sync([cluster_rt.JobEntry("a", parse_spec(ONE), 1.0)])
+    sched.round()
+    coordinator = world["coordinators"]["a"]
+    assert world["launched"] == [("a", {"n1": 1})] and coordinator.ran
+    world["clock"].now += 1.0  # well within the hold
+    answer = sched.request_scale("a", 2)
+    assert answer.endswith("scaled to 2 workers from its next step boundary")
+    assert coordinator.assigned_to == [{"n1": 1, "n2": 1}]
+    assert sched.view().job("a").allocation == (("n1", 1), ("n2", 1))
+    with pytest.raises(ValueError, match=r"scale to 3: above the cluster's capacity for this "):
+        sched.request_scale("a", 3)
+    with pytest.raises(ValueError, match=r"scale to 0: a job needs at least 1 worker$"):
+        sched.request_scale("a", 0)
+
+
+def test_what_the_job_has_and_what_it_refused_are_in_the_view(world) -> None:
+    """Members come from the job's own snapshot; an assignment it refuses (its ``assign``
+    raises) is recorded and shown, not lost in a log, and not sent again."""
+    sched = _scheduler(world, "goodput")
+    sched.sync([cluster_rt.JobEntry("a", parse_spec({**GANG, "min_workers": 1}), 1.0)])
+    sched.round()
+    coordinator = world["coordinators"]["a"]
+    coordinator.workers = [SimpleNamespace(node="n1", throughput=5.0)]
+    view = sched.round()
+    assert view.job("a").allocation == (("n1", 1), ("n2", 1))
+    assert view.job("a").members == (("n1", 1),)
+    assert view.job("a").differs == "starting 1 worker on node n2"
+
+    asked: list[dict[str, int]] = []
+
+    def refuse(slots: dict[str, int]) -> None:
+        asked.append(slots)
+        raise ValueError("the job is stopping")
+
+    coordinator.assign = Remote(refuse)
+    with pytest.raises(ValueError, match=r"drain: .*; the job refused it: the job is stopping$"):
+        sched.request_drain("a", "n1")  # taken by the rounds, refused by the job
+    view = sched.view()
+    assert view.job("a").differs == "the job refused the assignment (n2: 1): the job is stopping"
+    assert view.job("a").allocation == (("n1", 1),)  # what it has
+    sched.round()
+    sched.round()
+    assert asked == [{"n2": 1}]  # not sent again
+
+
+def test_a_first_start_sends_the_newest_assignment_before_its_workers_start(world) -> None:
+    """A round (here the owner's scale) moved the job while its coordinator launched: the
+    newest allocation is assigned before ``run``, not the launch's."""
+    sched = _scheduler(world, "fifo", hold_s=120.0)
+    spec = parse_spec({**GANG, "min_workers": 1})
+    world["calls"].during_launch["a"] = lambda: sched.request_scale("a", 1)
+    sched.sync([cluster_rt.JobEntry("a", spec, 1.0)])
+    sched.round()
+    coordinator = world["coordinators"]["a"]
+    assert world["launched"] == [("a", {"n1": 1, "n2": 1})]
+    assert coordinator.assigned_to == [{"n1": 1}] and coordinator.ran
+    assert sched.allocation("a") == (("n1", 1),)

@@ -587,10 +587,11 @@ def _scale(state: RoundState, event: ScaleRequested) -> tuple[RoundState, tuple[
 
 def _shrunk(allocation: Slots, n: int) -> Slots:
     """``allocation`` less workers down to ``n``: off the nodes where it has fewest first
-    (it stays on few nodes, as a round's shrink does), ties the lower node id first."""
+    (it stays on few nodes, as a round's shrink does), ties the higher node id first."""
     held = dict(allocation)
     drop = _workers(allocation) - n
-    for node_id, _ in sorted(allocation, key=lambda kv: (kv[1], kv[0])):
+    by_id = sorted(allocation, key=lambda kv: kv[0], reverse=True)
+    for node_id, _ in sorted(by_id, key=lambda kv: kv[1]):
         if drop <= 0:
             break
         take = min(drop, held[node_id])
