@@ -71,6 +71,18 @@ from dynabatch.scheduler.core.cluster import (
     decide,
 )
 
+from bench.cluster_inputs import (
+    InputError,
+    fit_gavel_job,
+    gavel_nodes,
+    node_speeds,
+    read_gavel_throughputs,
+    read_gavel_trace,
+    read_jobs_csv,
+    read_nodes_csv,
+    type_speeds,
+)
+
 TYPES = ("H100", "A100", "V100", "CPU")
 SPEED = {"H100": 1.0, "A100": 0.6, "V100": 0.3, "CPU": 0.05}
 SHARE = {"H100": 0.1, "A100": 0.2, "V100": 0.3, "CPU": 0.4}
@@ -86,7 +98,13 @@ class TraceJob:
     arrival: float
     g: int
     model: ThroughputModel  # the truth
-    work: float  # samples
+    work: float  # samples (steps, for a trace of Gavel's)
+    min_workers: int = 0  # 0: ceil(g/2), the generator's rule
+    max_workers: int = 0  # 0: 2g
+
+    def bounds(self) -> tuple[int, int]:
+        lo = self.min_workers or max(1, math.ceil(self.g / 2))
+        return lo, max(lo, self.max_workers or 2 * self.g)
 
 
 def make_nodes(n: int) -> list[ClusterNode]:
@@ -122,6 +140,91 @@ def make_jobs(n: int, nodes: list[ClusterNode], load: float, seed: int) -> list[
     return jobs
 
 
+def from_files(
+    trace_path: Path,
+    *,
+    throughputs: Path | None = None,
+    cluster: Path | None = None,
+    gavel_cluster: str | None = None,
+    gpus_per_server: str = "1:1:1",
+    bounds: str = "rigid",
+    first: int | None = None,
+    skip_unknown: bool = False,
+) -> tuple[list[ClusterNode], list[TraceJob], dict[str, float], dict]:
+    """(nodes, jobs, the prior per node type, what was read) from files
+    (:mod:`bench.cluster_inputs`). A job's truth: with a throughput table, Gavel's measured
+    steps/s of its model on its ``workers`` GPUs of each type, fitted exactly
+    (``fit_gavel_job``); without one, one worker's rate on a type is the type's ``speed``
+    (1 where the nodes file gives none) and 90% scaling efficiency at ``workers``.
+    ``bounds``: ``rigid`` (min = max = workers, as Gavel runs them) or ``elastic``
+    (ceil(workers/2) .. 2·workers); a CSV's own ``min_workers``/``max_workers`` win.
+    ``skip_unknown``: leave out jobs the table has no throughput for (else an error)."""
+    rows = (
+        read_jobs_csv(trace_path) if trace_path.suffix == ".csv" else read_gavel_trace(trace_path)
+    )
+    if first is not None:
+        rows = sorted(rows, key=lambda r: r.arrival_s)[:first]
+    if cluster is not None and gavel_cluster is not None:
+        raise InputError("give one of --cluster and --gavel-cluster")
+    if cluster is not None:
+        node_rows = read_nodes_csv(cluster)
+    elif gavel_cluster is not None:
+        node_rows = gavel_nodes(gavel_cluster, gpus_per_server)
+    else:
+        raise InputError("a trace from a file needs --cluster FILE or --gavel-cluster SPEC")
+    nodes = [ClusterNode(n.node_id, n.node_type, n.gpus) for n in node_rows]
+    types = sorted({n.node_type for n in nodes})
+    table = read_gavel_throughputs(throughputs) if throughputs is not None else None
+    if table is not None:
+        missing = [t for t in types if t not in table]
+        if missing:
+            raise InputError(f"{throughputs}: node types {', '.join(missing)} have no throughputs")
+    prior = dict(node_speeds(node_rows))
+    if table is not None:
+        prior = {**type_speeds(table, types), **prior}
+    hints = {t: prior.get(t, 1.0) for t in types}
+    jobs: list[TraceJob] = []
+    skipped = 0
+    for row in rows:
+        if table is not None:
+            try:
+                rates, k = fit_gavel_job(table, row.model, row.workers, types)
+            except KeyError as exc:
+                if skip_unknown:
+                    skipped += 1
+                    continue
+                raise InputError(f"{trace_path}: job {row.job_id}: {exc.args[0]}") from None
+        else:
+            rates = {t: hints[t] for t in types}
+            k = (1.0 / 0.9 - 1.0) / (row.workers * max(rates.values()))
+        model = ThroughputModel.of(rates, types, overhead_s=k, global_batch=1.0)
+        if row.steps is not None:
+            work = row.steps
+        else:
+            assert row.duration_s is not None
+            work = row.duration_s * model.of_speed(row.workers * max(rates.values()))
+        lo = row.min_workers or (row.workers if bounds == "rigid" else 0)
+        hi = row.max_workers or (row.workers if bounds == "rigid" else 0)
+        jobs.append(TraceJob(row.job_id, row.arrival_s, row.workers, model, work, lo, hi))
+    if not jobs:
+        raise InputError(f"{trace_path}: no job left (skipped {skipped} without throughputs)")
+    biggest = max(sum(n.capacity for n in nodes if n.node_type == t) for t in types)
+    too_big = [j.job_id for j in jobs if j.bounds()[0] > biggest]
+    if too_big:
+        raise InputError(
+            f"{trace_path}: job {too_big[0]} needs more workers than any node type has "
+            f"({biggest}); {len(too_big)} such jobs"
+        )
+    info = {
+        "trace": str(trace_path),
+        "jobs_read": len(rows),
+        "skipped_unknown": skipped,
+        "bounds": bounds,
+        "prior": hints,
+    }
+    return nodes, jobs, hints, info
+
+
 def simulate(
     policy: str,
     nodes: list[ClusterNode],
@@ -129,10 +232,14 @@ def simulate(
     round_s: float,
     hold_s: float,
     pause_s: float,
+    hints: dict[str, float] | None = None,
 ) -> tuple[dict, list[float]]:
+    """One policy over the trace. ``hints``: the prior per node type for a job that has
+    not run there (default: the generator's nominal speeds)."""
     knobs = ClusterKnobs(policy=policy, hold_s=hold_s)
     total_slots = sum(n.capacity for n in nodes)
-    hints = dict(SPEED)
+    types = sorted({n.node_type for n in nodes})
+    hints = dict(SPEED if hints is None else hints)
     by_id = {j.job_id: j for j in trace}
     pending = sorted(trace, key=lambda j: j.arrival)
     nxt = 0
@@ -177,12 +284,11 @@ def simulate(
                 )
                 for jid, s in active.items()
             }
-            models = bootstrap(estimated, TYPES, hints)
+            models = bootstrap(estimated, types, hints)
             jobs = [
                 ClusterJob(
                     jid,
-                    max(1, math.ceil(by_id[jid].g / 2)),
-                    2 * by_id[jid].g,
+                    *by_id[jid].bounds(),
                     models[jid],
                     submit_s=by_id[jid].arrival,
                     allocation=s["slots"],
@@ -259,21 +365,44 @@ def main() -> None:
     ap.add_argument("--resize-pause-s", type=float, default=10.0)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--out", type=Path)
+    files = ap.add_argument_group("inputs from files (docs/cluster.md, 'Inputs from files')")
+    files.add_argument("--trace", type=Path, help="Gavel's trace, or a CSV of jobs (.csv)")
+    files.add_argument("--throughputs", type=Path, help="Gavel's throughput JSON")
+    files.add_argument("--cluster", type=Path, help="a CSV of nodes: id,type,gpus[,speed]")
+    files.add_argument("--gavel-cluster", help="Gavel's spec #v100:#p100:#k80 (GPUs)")
+    files.add_argument("--gpus-per-server", default="1:1:1")
+    files.add_argument("--bounds", choices=("rigid", "elastic"), default="rigid")
+    files.add_argument("--first", type=int, help="only the first N jobs by arrival")
+    files.add_argument(
+        "--skip-unknown", action="store_true", help="leave out jobs the throughput table lacks"
+    )
     args = ap.parse_args()
-    nodes = make_nodes(args.nodes)
-    trace = make_jobs(args.jobs, nodes, args.load, args.seed)
-    out: dict = {
-        "nodes": len(nodes),
-        "jobs": len(trace),
-        "seed": args.seed,
-        "load": args.load,
-        "slots": sum(n.capacity for n in nodes),
-        "policies": {},
-    }
+    hints = None
+    out: dict = {}
+    if args.trace is not None:
+        try:
+            nodes, trace, hints, info = from_files(
+                args.trace,
+                throughputs=args.throughputs,
+                cluster=args.cluster,
+                gavel_cluster=args.gavel_cluster,
+                gpus_per_server=args.gpus_per_server,
+                bounds=args.bounds,
+                first=args.first,
+                skip_unknown=args.skip_unknown,
+            )
+        except InputError as exc:
+            sys.exit(f"error: {exc}")
+        out.update(info)
+    else:
+        nodes = make_nodes(args.nodes)
+        trace = make_jobs(args.jobs, nodes, args.load, args.seed)
+        out.update(seed=args.seed, load=args.load)
+    out.update(nodes=len(nodes), jobs=len(trace), slots=sum(n.capacity for n in nodes), policies={})
     every: list[float] = []
     for policy in args.policies.split(","):
         out["policies"][policy], ms = simulate(
-            policy, nodes, trace, args.round_s, args.hold_s, args.resize_pause_s
+            policy, nodes, trace, args.round_s, args.hold_s, args.resize_pause_s, hints
         )
         every += ms
         print(f"{policy}: {out['policies'][policy]}", file=sys.stderr, flush=True)

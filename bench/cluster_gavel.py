@@ -1,0 +1,271 @@
+"""dynabatch's cluster policies beside Gavel's, on Gavel's own traces and throughputs.
+
+Each case is one of Gavel's traces (its Philly-derived ``traces/msr/seed=S/VC.trace``, or
+any trace in its format), cut to its first ``--first`` jobs that Gavel's throughput table
+covers (a job type it measured at that scale factor; the others are left out of both
+simulators, and counted), on a cluster in Gavel's notation (``#v100:#p100:#k80`` GPUs,
+``--gpus-per-server``). The same cut trace runs in
+
+* **Gavel's simulator** (``scripts/drivers/simulate_scheduler_with_trace.py`` of
+  stanford-futuredata/gavel), outside this repository, for each of ``--gavel-policies``:
+  with ``--gavel-dir DIR`` (its checkout) and ``--gavel-python PY`` (a Python with its
+  dependencies) this script writes the cut trace in Gavel's 10-field format to a temporary
+  directory and runs it there, reading ``Average job completion time`` from its output;
+  or with ``--gavel-results FILE`` it takes Gavel's figures from an earlier output of this
+  script (a case matched by trace and cluster), so nothing of Gavel's is needed here;
+* **dynabatch's job-level simulator** (``bench/cluster.py``'s ``simulate``, the policy's
+  own code) for ``fair``, ``single_type`` and ``goodput``, with each job's truth fitted
+  exactly to Gavel's measured steps/s on its GPUs of each type
+  (``bench/cluster_inputs.py``'s ``fit_gavel_job``), rigid (``min = max = scale_factor``,
+  as Gavel runs it) and elastic (``ceil(g/2) .. 2g``).
+
+Prints ONE JSON object::
+
+    {"gavel_commit", "gavel_command", "settings", "traces": [{"trace", "cluster", "jobs",
+     "skipped_unknown", "gavel": {POLICY: {"avg_jct_s"}},
+     "dynabatch": {POLICY: {"avg_jct_s", ...}},            # rigid jobs
+     "dynabatch_elastic": {POLICY: {"avg_jct_s", ...}},    # elastic jobs
+     "ratios": {...}}]}
+
+    .venv/bin/python bench/cluster_gavel.py --case TRACE@36:36:36 [--case ...] \\
+        --throughputs bench/data/gavel/simulation_throughputs.json --first 100 \\
+        (--gavel-dir /tmp/gavel/scheduler --gavel-python /tmp/gavel-venv/bin/python \\
+         --gavel-commit SHA | --gavel-results bench/results-cluster-gavel.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.cluster import from_files, simulate
+from bench.cluster_inputs import (
+    InputError,
+    JobRow,
+    read_gavel_throughputs,
+    read_gavel_trace,
+)
+
+GAVEL_POLICIES = ("max_min_fairness", "max_min_fairness_perf", "finish_time_fairness_perf")
+OURS = ("fair", "single_type", "goodput")
+DRIVER = "scripts/drivers/simulate_scheduler_with_trace.py"
+JCT = re.compile(r"Average job completion time:\s*([0-9.eE+-]+)\s*seconds")
+
+
+def cut(trace: Path, table: dict, first: int) -> tuple[list[JobRow], int]:
+    """The first ``first`` jobs (by arrival) whose (model, workers) the table has on every
+    type; and how many jobs before the cut it left out."""
+    rows = sorted(read_gavel_trace(trace), key=lambda r: r.arrival_s)
+    kept: list[JobRow] = []
+    skipped = 0
+    for r in rows:
+        if len(kept) == first:
+            break
+        if all((r.model, r.workers) in table[t] for t in table):
+            kept.append(r)
+        else:
+            skipped += 1
+    return kept, skipped
+
+
+def write_gavel_trace(rows: list[JobRow], path: Path) -> None:
+    """Rows in Gavel's 10-field trace format (``utils.parse_trace``); the command and
+    directory are placeholders, which its simulator does not run."""
+    lines = []
+    for r in rows:
+        assert r.steps is not None
+        fields = [r.model, "-", "-", "-step", "0", str(int(r.steps)), str(r.workers), "1", "-1"]
+        lines.append("\t".join([*fields, repr(r.arrival_s)]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run_gavel(
+    gavel_dir: Path,
+    python: str,
+    trace: Path,
+    throughputs: Path,
+    spec: str,
+    per_server: str,
+    policy: str,
+    round_s: int,
+) -> tuple[dict, list[str]]:
+    """Gavel's simulator on the trace: ({"avg_jct_s", "wall_s"}, the command)."""
+    cmd = [
+        python,
+        DRIVER,
+        "-t",
+        str(trace),
+        "-p",
+        policy,
+        "--throughputs_file",
+        str(throughputs.resolve()),
+        "-c",
+        spec,
+        "--num_gpus_per_server",
+        per_server,
+        "--seed",
+        "0",
+        "--solver",
+        "ECOS",
+        "--time_per_iteration",
+        str(round_s),
+    ]
+    start = time.monotonic()
+    done = subprocess.run(cmd, cwd=gavel_dir, capture_output=True, text=True, check=False)
+    found = JCT.findall(done.stdout + done.stderr)
+    if done.returncode != 0 or not found:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"Gavel {policy} on {trace.name}: exit {done.returncode}: {tail[0]}")
+    return {
+        "avg_jct_s": round(float(found[-1]), 1),
+        "wall_s": round(time.monotonic() - start, 1),
+    }, cmd
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--case", action="append", required=True, help="TRACE@#v100:#p100:#k80 (repeatable)"
+    )
+    ap.add_argument("--throughputs", type=Path, required=True)
+    ap.add_argument("--gpus-per-server", default="4:4:4")
+    ap.add_argument("--first", type=int, default=100)
+    ap.add_argument(
+        "--round-s",
+        type=float,
+        default=360.0,
+        help="dynabatch's round, and Gavel's --time_per_iteration",
+    )
+    ap.add_argument("--hold-s", type=float, default=720.0)
+    ap.add_argument("--resize-pause-s", type=float, default=10.0)
+    ap.add_argument("--gavel-policies", default=",".join(GAVEL_POLICIES))
+    ap.add_argument("--gavel-dir", type=Path, help="Gavel's scheduler/ directory")
+    ap.add_argument("--gavel-python", default="python3")
+    ap.add_argument("--gavel-commit", default=None)
+    ap.add_argument("--gavel-results", type=Path, help="Gavel's figures from an earlier run")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if (args.gavel_dir is None) == (args.gavel_results is None):
+        sys.exit("error: give one of --gavel-dir (run Gavel) and --gavel-results (read them)")
+    try:
+        table = read_gavel_throughputs(args.throughputs)
+    except InputError as exc:
+        sys.exit(f"error: {exc}")
+    earlier: dict = {}
+    commit = args.gavel_commit
+    command = None
+    if args.gavel_results is not None:
+        old = json.loads(args.gavel_results.read_text())
+        earlier = {(c["trace"], c["cluster"], c.get("jobs")): c["gavel"] for c in old["traces"]}
+        commit = commit or old.get("gavel_commit")
+        command = old.get("gavel_command")
+    policies = args.gavel_policies.split(",")
+    out: dict = {
+        "gavel_commit": commit,
+        "gavel_command": command,
+        "settings": {
+            "first": args.first,
+            "gpus_per_server": args.gpus_per_server,
+            "round_s": args.round_s,
+            "hold_s": args.hold_s,
+            "resize_pause_s": args.resize_pause_s,
+            "throughputs": str(args.throughputs),
+        },
+        "traces": [],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in args.case:
+            trace_s, _, spec = case.rpartition("@")
+            trace = Path(trace_s)
+            name = "/".join(trace.parts[-2:])
+            try:
+                rows, skipped = cut(trace, table, args.first)
+            except InputError as exc:
+                sys.exit(f"error: {exc}")
+            cut_path = Path(tmp) / f"{len(out['traces'])}.trace"
+            write_gavel_trace(rows, cut_path)
+            entry: dict = {
+                "trace": name,
+                "cluster": spec,
+                "jobs": len(rows),
+                "skipped_unknown": skipped,
+                "gavel": {},
+            }
+            if args.gavel_dir is not None:
+                for policy in policies:
+                    entry["gavel"][policy], cmd = run_gavel(
+                        args.gavel_dir,
+                        args.gavel_python,
+                        cut_path,
+                        args.throughputs,
+                        spec,
+                        args.gpus_per_server,
+                        policy,
+                        int(args.round_s),
+                    )
+                    out["gavel_command"] = " ".join(
+                        "TRACE" if c == str(cut_path) else c for c in cmd
+                    ).replace(str(args.throughputs.resolve()), str(args.throughputs))
+                    print(f"{name} gavel {policy}: {entry['gavel'][policy]}", file=sys.stderr)
+            else:
+                found = earlier.get((name, spec, len(rows)))
+                if found is None:
+                    sys.exit(
+                        f"error: {args.gavel_results}: no Gavel figures for {name} on {spec} "
+                        f"with {len(rows)} jobs"
+                    )
+                entry["gavel"] = found
+            for key, bounds in (("dynabatch", "rigid"), ("dynabatch_elastic", "elastic")):
+                nodes, jobs, hints, _ = from_files(
+                    cut_path,
+                    throughputs=args.throughputs,
+                    gavel_cluster=spec,
+                    gpus_per_server=args.gpus_per_server,
+                    bounds=bounds,
+                )
+                entry[key] = {}
+                for policy in OURS:
+                    res, _ms = simulate(
+                        policy, nodes, jobs, args.round_s, args.hold_s, args.resize_pause_s, hints
+                    )
+                    entry[key][policy] = {
+                        k: res[k]
+                        for k in ("avg_jct_s", "p90_jct_s", "makespan_s", "utilization", "resizes")
+                    }
+                    print(f"{name} {key} {policy}: {entry[key][policy]}", file=sys.stderr)
+            aware = [p for p in entry["gavel"] if p.endswith("_perf")]
+            best = min((entry["gavel"][p]["avg_jct_s"] for p in aware), default=None)
+            entry["ratios"] = _ratios(entry, best)
+            out["traces"].append(entry)
+            print(f"{name}: {entry['ratios']}", file=sys.stderr, flush=True)
+    text = json.dumps(out)
+    print(text)
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _ratios(entry: dict, best_aware: float | None) -> dict:
+    """Average JCT over Gavel's best heterogeneity-aware policy's, and goodput's over
+    dynabatch's own single_type, rigid and elastic."""
+    out: dict = {}
+    for key in ("dynabatch", "dynabatch_elastic"):
+        ours = entry[key]
+        if best_aware:
+            for p in OURS:
+                out[f"{key}.{p}/gavel_best_aware"] = round(ours[p]["avg_jct_s"] / best_aware, 3)
+        out[f"{key}.goodput/single_type"] = round(
+            ours["goodput"]["avg_jct_s"] / ours["single_type"]["avg_jct_s"], 3
+        )
+    return out
+
+
+if __name__ == "__main__":
+    main()
