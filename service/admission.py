@@ -33,6 +33,7 @@ def min_workers_problem(spec: JobSpec, nodes: Sequence[ClusterNode]) -> str | No
         [RayNode(n.node_id, n.resources) for n in alive],
         need,
         spec.node_resource,
+        worker_cpus=spec.worker_cpus,
         worker_gpus=spec.worker_gpus,
     )
     if problem:

@@ -126,3 +126,21 @@ def test_fractional_cpus_pack_as_ray_packs_them():
     s, cmds = step(s, Tick(1.0), knobs)
     assert cmds == (Start("demo", (("n", 3),)),)
     assert s.view.nodes[0].used == 1.5 and s.view.nodes[0].capacity == 2.0
+
+
+def test_serve_admits_the_demos_spec_on_a_two_cpu_node():
+    """Issue 50 (6): examples/digits-hetero.yaml (3 workers of 0.5 CPU) was answered 422,
+    "the cluster has 2 worker slots", on the 2-CPU machine Ray trains it on."""
+    from pathlib import Path
+
+    import yaml
+    from dynabatch.actors.spec import parse_spec
+    from dynabatch.service.admission import min_workers_problem
+    from dynabatch.service.cluster_client import ClusterNode as ServiceNode
+
+    root = Path(__file__).resolve().parents[2]
+    raw = yaml.safe_load((root / "examples" / "digits-hetero.yaml").read_text())
+    spec = parse_spec({**raw, "min_workers": raw["workers"]})
+    node = ServiceNode(node_id="n", address="10.0.0.1", resources={"CPU": 2.0})
+    assert spec.worker_cpus == 0.5 and spec.min_workers == 3
+    assert min_workers_problem(spec, [node]) is None
