@@ -290,7 +290,10 @@ def guard_token_ids(model: Any, field: str) -> Any:
     id, the ``vocab_size`` and ``field``, not torch's ``IndexError: index out of range in
     self`` (on a GPU, a device-side assert that ends the process). A forward pre-hook, kept
     out of ``torch.compile``'s graph; on a GPU it costs one small synchronisation a
-    forward. Returns ``model``."""
+    forward. Ids that arrive as floats (a Parquet integer column read for class targets is
+    float32, as any model input is) are cast to int64 when every value is a whole number
+    (float32 holds each id below 2**24 exactly), else a :class:`TokenIdError` names the
+    value. Returns ``model``."""
     import torch
 
     embedding = model.get_input_embeddings()
@@ -299,14 +302,28 @@ def guard_token_ids(model: Any, field: str) -> Any:
         return model
 
     @torch.compiler.disable
-    def check(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def check(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if not isinstance(ids, torch.Tensor) or not ids.numel() or ids.is_floating_point():
-            return
+        if not isinstance(ids, torch.Tensor) or not ids.numel():
+            return None
+        cast = ids.is_floating_point()
+        if cast:
+            wrong = ids[ids != ids.trunc()]
+            if wrong.numel():
+                raise TokenIdError(f"input_ids: the batch holds {float(wrong[0]):g}, not a "
+                                   "token id (a whole number): an hf model's input is token "
+                                   "ids")
+            ids = ids.long()
         lo, hi = (int(v) for v in torch.aminmax(ids))
         problem = _token_problem(lo, hi, vocab, field, "the batch's input_ids")
         if problem is not None:
             raise TokenIdError(problem)
+        if not cast:
+            return None
+        if "input_ids" in kwargs:
+            return args, {**kwargs, "input_ids": ids}
+        return (ids, *args[1:]), kwargs
 
     model.register_forward_pre_hook(check, with_kwargs=True)
     return model

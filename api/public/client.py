@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from dynabatch.actors.export import EXPORT_FORMATS
 from dynabatch.actors.spec import SpecError, SpecWarning
 from dynabatch.api.cli.common import CliError, check_job_id, check_worker
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, LogLine
-from dynabatch.service.artifacts import unzip_model
+from dynabatch.service.artifacts import unzip_model, write_hf_export
 from dynabatch.service.client import DEFAULT_URL, ApiError, ConnectionFailed, DynabatchClient
 from dynabatch.service.schemas import JobDetail, JobSummary
 from dynabatch.specs import SpecLike, resolve_spec
@@ -168,17 +169,23 @@ class Job:
         """Cancel the job at its next step boundary (an :class:`ApiError`, 409, if it ended)."""
         return self.client.call(self.client.api.cancel, self.id, reason)
 
-    def model(self, directory: str | os.PathLike[str]) -> str:
+    def model(self, directory: str | os.PathLike[str], format: str = "dynabatch") -> str:
         """Download the job's trained model (``model.safetensors``, ``best.safetensors`` when
         kept, ``manifest.json``) into ``directory`` (created), as ``dynabatch export`` does,
-        and return its path, which ``dynabatch.load_model`` takes to rebuild the module. An
-        :class:`ApiError` (409) while the job has no trained weights yet."""
+        and return its path, which ``dynabatch.load_model`` takes to rebuild the module.
+        ``format="hf"``: a Hugging Face folder instead (``config.json``, the weights, the
+        job's tokenizer), which ``transformers.AutoModelFor...from_pretrained`` loads, as
+        ``dynabatch export --format hf`` writes. An :class:`ApiError` (409) while the job
+        has no trained weights yet; an OSError naming ``directory`` for a model that is not
+        a Hugging Face one."""
+        if format not in EXPORT_FORMATS:
+            raise ValueError(f"format: must be {' or '.join(EXPORT_FORMATS)}, got {format!r}")
         out = Path(directory)
         if out.exists() and not out.is_dir():
             raise NotADirectoryError(f"directory: {out} is a file, not a directory")
         data = self.client.call(self.client.api.model, self.id)
         try:
-            unzip_model(data, out)
+            write_hf_export(data, out) if format == "hf" else unzip_model(data, out)
         except (ValueError, OSError) as err:
             raise OSError(f"directory: {out}: {err}") from None
         return str(out)

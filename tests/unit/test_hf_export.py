@@ -197,3 +197,88 @@ def test_dynabatch_run_refuses_a_tokenizer_larger_than_the_model_before_ray_star
     assert result.stderr.splitlines() == [
         f"error: {cfg}: dataset.tokenizer: {big} has 50 tokens, more than the model's "
         "vocab_size 40 (model.options.pretrained's config.json)"]
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf-text"
+
+
+def _example_spec(data: Path, **update):
+    """examples/hf-text/bert-sentiment.yaml on the inputs its make_bert.py wrote in
+    ``data`` (the spec names /tmp/dynabatch-hf-bert)."""
+    import warnings
+
+    from dynabatch.actors.spec import SpecWarning, load_spec
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SpecWarning)  # the example is warning-free
+        spec = load_spec(EXAMPLE / "bert-sentiment.yaml")
+    named = spec.model_dump(mode="json")
+    assert named["dataset"]["path"] == "/tmp/dynabatch-hf-bert"
+    named["dataset"].update(path=str(data), tokenizer=str(data / "tokenizer.json"))
+    named["model"]["options"]["pretrained"] = str(data / "pretrained")
+    named.update(update)
+    return parse_spec(named)
+
+
+def test_the_bert_example_trains_and_its_hf_export_loads_in_a_fresh_process(tmp_path):
+    """examples/hf-text/README.md's path without Ray: make_bert.py's inputs, the example's
+    spec submitted to the service (the fake cluster trains its real model), the trained
+    model downloaded as an HF folder with the Python API (``Job.model(DIR, format="hf")``,
+    what ``dynabatch export ID --format hf`` writes) and classify.py loading it with
+    transformers alone in a fresh process."""
+    from dynabatch import Client
+    from dynabatch.api.app import create_app
+    from dynabatch.scheduler.core.lifecycle import JobState
+    from dynabatch.service.settings import Settings
+    from fastapi.testclient import TestClient
+
+    from tests.asgi import AppTransport
+    from tests.fakes import FakeCluster
+
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(EXAMPLE / "make_bert.py"), str(data), "--train",
+                    "64", "--test", "32"], check=True, capture_output=True, timeout=300)
+    spec = _example_spec(data, epochs=2)
+    cluster = FakeCluster(real_gradients=True)
+    settings = Settings(db_path=str(tmp_path / "jobs.db"), sync_interval_s=0,
+                        data_roots=str(data))
+    with TestClient(create_app(settings, cluster=cluster)) as http:
+        client = Client(transport=AppTransport(http))
+        job = client.submit(spec)
+        coordinator = cluster.coordinators[job.id]
+        while not coordinator.state.is_terminal:  # each advance: one step of its driver
+            cluster.advance(job.id)
+        assert coordinator.state == JobState.SUCCEEDED, coordinator.reason
+        out = job.model(tmp_path / "hf", format="hf")
+    assert sorted(p.name for p in Path(out).iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    words = ["the", "film", "was", "really", "great", "and", "fun"]
+    run = subprocess.run([sys.executable, str(EXAMPLE / "classify.py"), out, " ".join(words)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = json.loads(run.stdout.strip().splitlines()[-1])
+    assert said["labels"] == {"0": "negative", "1": "positive"}
+    (review,) = said["reviews"]
+    vocab = json.loads((data / "tokenizer.json").read_text())["model"]["vocab"]
+    assert review["ids"] == [vocab[w] for w in words]  # the job's tokenizer
+    assert review["label"] in ("negative", "positive")
+
+
+def test_token_ids_that_arrive_as_floats_are_cast_and_a_fraction_is_named(tmp_path):
+    """A Parquet integer column read for class targets reaches the model as float32: the
+    ids are whole numbers, so the model takes them as int64 (not torch's 'Expected tensor
+    for argument #1 indices to have ... Long'); a fraction is no token id."""
+    from dynabatch.actors.workloads.hf import TokenIdError
+
+    model = build_model(_spec(tiny_pretrained(tmp_path / "pre")).model, (4,), 2).eval()
+    ids = torch.tensor([[2, 5, 7, 39]])
+    with torch.no_grad():
+        want = model(ids).logits
+        assert torch.equal(model(ids.float()).logits, want)
+        assert torch.equal(model(input_ids=ids.float()).logits, want)
+    with pytest.raises(TokenIdError, match=r"^input_ids: the batch holds 2.5, not a token id"):
+        model(torch.tensor([[2.5, 3.0]]))
+    with pytest.raises(TokenIdError, match="token id 45 in the batch's input_ids"):
+        model(torch.tensor([[45.0]]))
+    with pytest.raises(ValueError, match="^format: must be dynabatch or hf, got 'onnx'"):
+        job.model(tmp_path / "x", format="onnx")
