@@ -70,6 +70,7 @@ from dynabatch.scheduler.core.cluster import (
     bootstrap,
     decide,
 )
+from dynabatch.scheduler.core.cluster.throughput import prior
 
 from bench.cluster_inputs import (
     InputError,
@@ -179,10 +180,12 @@ def from_files(
         missing = [t for t in types if t not in table]
         if missing:
             raise InputError(f"{throughputs}: node types {', '.join(missing)} have no throughputs")
-    prior = dict(node_speeds(node_rows))
+    # The prior per node type: the nodes file's speed, else the table's class of the type,
+    # else the GPU model named in the type (throughput.prior).
+    known = dict(node_speeds(node_rows))
     if table is not None:
-        prior = {**type_speeds(table, types), **prior}
-    hints = {t: prior.get(t, 1.0) for t in types}
+        known = {**type_speeds(table, types), **known}
+    hints = prior(types, known)
     jobs: list[TraceJob] = []
     skipped = 0
     for row in rows:

@@ -148,3 +148,4 @@ def test_fit_matches_gavel_exactly_at_the_jobs_size():
     assert type_speeds(table, ["k80", "v100"]) == {"k80": 0.25, "v100": 1.0}
     with pytest.raises(KeyError, match="no throughput"):
         fit_gavel_job(table, "R", 2, ["v100"])
+

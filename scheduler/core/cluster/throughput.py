@@ -131,6 +131,54 @@ def type_ratios(models: Iterable[ThroughputModel]) -> dict[tuple[str, str], floa
     return {k: math.exp(float(np.median(v))) for k, v in logs.items()}
 
 
+# Relative training throughput of one GPU by model (an H100 = 1): the class a node type's
+# GPU model puts it in, for a job that has not run on it. Round figures from public
+# per-GPU training benchmarks (MLPerf Training, vendor sheets) and Gavel's measured tables
+# (V100 : P100 : K80 about 1 : 0.6 : 0.2); only their order and rough ratios matter, since
+# a job's own measurement replaces them. Keys are matched case-insensitively inside the
+# type's name (``gpu-A100x8``, ``v100``), longest first.
+GPU_SPEED: dict[str, float] = {
+    "H200": 1.1,
+    "H100": 1.0,
+    "A100": 0.6,
+    "L40S": 0.5,
+    "A10G": 0.25,
+    "L4": 0.2,
+    "V100": 0.3,
+    "T4": 0.1,
+    "P100": 0.18,
+    "K80": 0.06,
+}
+# A CPU-only node type (``cpu<count>``), against the same H100.
+CPU_SPEED = 0.02
+
+
+def prior(
+    node_types: Iterable[str], speeds: Mapping[str, float] | None = None
+) -> dict[str, float]:
+    """The prior relative speed of one worker per node type, for :func:`bootstrap`'s
+    ``hints``: ``speeds`` where given (a cluster file's ``speed`` column, a node label),
+    else the class of the GPU model named in the type (:data:`GPU_SPEED`), else
+    :data:`CPU_SPEED` for a ``cpu<count>`` type, else 1 (no prior: every such type rated
+    alike, as before a prior existed)."""
+    speeds = dict(speeds or {})
+    out: dict[str, float] = {}
+    models = sorted(GPU_SPEED, key=len, reverse=True)
+    for t in node_types:
+        if speeds.get(t, 0.0) > 0.0:
+            out[t] = float(speeds[t])
+            continue
+        name = t.upper()
+        found = next((m for m in models if m in name), None)
+        if found is not None:
+            out[t] = GPU_SPEED[found]
+        elif name.startswith("CPU"):
+            out[t] = CPU_SPEED
+        else:
+            out[t] = 1.0
+    return out
+
+
 def bootstrap(
     models: Mapping[str, ThroughputModel],
     node_types: Iterable[str],
