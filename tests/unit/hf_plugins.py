@@ -65,14 +65,15 @@ def tuple_ce(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) 
 class TokenClasses(torch.utils.data.Dataset):
     """A map-style dataset of token id sequences (``{"input_ids": ...}``, as a tokenizer
     gives them) and 3 classes; the largest id,
-    ``vocab - 1``, is in sample 0, the one the load-time check of the objective reads."""
+    ``vocab - 1``, is in sample ``at`` (0: the one the load-time check of the objective
+    reads; a later one is first seen by a worker's training step)."""
 
     num_classes = 3
 
-    def __init__(self, vocab: int, n: int = 32, t: int = 8):
+    def __init__(self, vocab: int, n: int = 32, t: int = 8, at: int = 0):
         g = torch.Generator().manual_seed(0)
         self.x = torch.randint(0, min(vocab, 40), (n, t), generator=g)
-        self.x[0, 5] = vocab - 1
+        self.x[at, 5] = vocab - 1
         self.y = torch.arange(n) % 3
 
     def __len__(self) -> int:
@@ -82,5 +83,5 @@ class TokenClasses(torch.utils.data.Dataset):
         return {"input_ids": self.x[i]}, self.y[i]
 
 
-def token_classes(vocab: int, n: int = 32, t: int = 8) -> TokenClasses:
-    return TokenClasses(vocab, n, t)
+def token_classes(vocab: int, n: int = 32, t: int = 8, at: int = 0) -> TokenClasses:
+    return TokenClasses(vocab, n, t, at)
