@@ -185,7 +185,7 @@
   }
 
   function drawCharts() {
-    const x = epochs.map((e) => e.epoch);
+    const x = epochs.map((e) => e.epoch + 1);  // epochs are counted from 1 wherever a user reads them
     const data = {
       "loss-chart": [x, epochs.map((e) => e.train_loss), epochs.map((e) => e.test_loss)],
     };
@@ -225,7 +225,7 @@
     epochs.push(e);
     const row = $("epochs").tBodies[0].insertRow();
     row.dataset.epoch = e.epoch;
-    cell(row, e.epoch);
+    cell(row, e.epoch + 1);
     cell(row, fmt(e.wall_s, 2));
     cell(row, fmt(e.train_loss));
     cell(row, fmt(e.test_loss));

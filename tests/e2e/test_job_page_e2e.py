@@ -239,16 +239,17 @@ def test_shipped_code_live_page_and_the_output_of_a_worker_that_died(
                                                   "completed")
     assert "uplot" in d.classes  # uPlot drew the charts
     loss = json.loads(d.by_id["loss-chart"]["attrs"]["data-points"])
-    assert loss[0] == list(range(EPOCHS))
+    assert loss[0] == list(range(1, EPOCHS + 1))
     assert loss[1] == pytest.approx([h["train_loss"] for h in history])
     assert loss[2] == pytest.approx([h["test_loss"] for h in history])
     metrics = {e["attrs"]["data-metric"]: json.loads(e["attrs"]["data-points"])
                for e in d.by_id.values() if "data-metric" in e["attrs"]}
     assert set(metrics) == set(history[-1]["test_metrics"]) == {"accuracy", "perplexity"}
     for name, series in metrics.items():
-        assert series[0] == list(range(EPOCHS))
+        assert series[0] == list(range(1, EPOCHS + 1))
         assert series[1] == pytest.approx([h["test_metrics"][name] for h in history])
-    assert [row[0] for row in d.rows["epochs"]] == [str(i) for i in range(EPOCHS)]
+    # Epochs are counted from 1, as in the job's log, the CLI and the progress line.
+    assert [row[0] for row in d.rows["epochs"]] == [str(i) for i in range(1, EPOCHS + 1)]
     shown = {row[0]: (int(row[2]), int(row[3])) for row in d.rows["workers"]}
     assert shown == {w["worker"]: (w["batch"], w["partition"]) for w in final["workers"]}
     assert d.by_id["balance"]["text"].strip() == f"{history[-1]['compute_balance']:.3f}"
@@ -297,7 +298,7 @@ def _check_work_charts(page: Page, history: list[dict[str, Any]]) -> None:
     """Issue 24 item 10: how dynabatch shares the work, from the epochs' records (what the
     workers reported): each worker's share of the global batch (stacked), its compute and
     wait per step, samples per second; and the loss on a log scale."""
-    x = list(range(EPOCHS))
+    x = list(range(1, EPOCHS + 1))  # epochs counted from 1, as the table and the log say
     names: list[str] = []
     for h in history:
         names += [w["worker"] for w in h["workers"] if w["worker"] not in names]
