@@ -131,6 +131,8 @@ class RayScheduling:
 
     def finished(self, job_id: str) -> None:
         self._call("finished", job_id)
+        # The job leaves the views now, not at the next sync.
+        self._view = self._call("view")
 
     def request_scale(self, job_id: str, workers: int) -> str:
         return self._call("request_scale", job_id, workers)

@@ -307,8 +307,8 @@ def test_min_workers_no_node_set_can_meet_is_refused_at_submit(app) -> None:
     r = client.post("/v1/jobs", json={**SPEC, "workers": 3, "min_workers": 3, "worker_cpus": 2})
     assert r.status_code == 422
     assert r.json()["detail"][0]["msg"] == (
-        "min_workers 3: the cluster's 2 alive nodes hold 2 of this job's workers (2 CPU "
-        "each); the job could never start"
+        "min_workers 3: the cluster's worker slots hold 2 workers of 2 CPUs (worker_cpus 2); "
+        "the job could never start"
     )
     # A GPU job on nodes without GPUs: no node hosts one.
     r = client.post("/v1/jobs", json={**SPEC, "min_workers": 1, "worker_gpus": 1})
