@@ -159,6 +159,8 @@ class JobCommands:
             try:
                 snap = self.cluster.cancel(job_id, reason)
             except CoordinatorGone:
+                if self.link is not None:  # queued (as of a stale answer): it leaves now
+                    self.link.finished(job_id)
                 return self.registry.cancelled(job_id, reason)
             except InvalidTransition:
                 # It finished between our read and the coordinator's; report what it is.
