@@ -340,3 +340,22 @@ def test_rebuild_touches_no_job_and_keeps_the_allocation():
     again, cmds = step(again, Tick(61.0), knobs)
     assert cmds == ()
     assert again.view.job("b").allocation == (("n2", 1),)
+
+
+def test_two_equal_new_jobs_span_both_gpu_types_from_their_first_round():
+    """Issue 52 item 5: before any job has measured a type, the rounds rate the types by a
+    prior per node type (the GPU model's class), not as equal, so two equal jobs on an
+    H100 node and a V100 node both start on both types. (Each job's step has a fixed cost,
+    its all-reduce, so a job gains less from each worker it adds.)"""
+    knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
+    s = RoundState()
+    nodes = (ClusterNode("h", "gpu-H100x2", 2 * GPU_UNITS, gpu=True),
+             ClusterNode("v", "gpu-V100x2", 2 * GPU_UNITS, gpu=True))
+    unmeasured = ThroughputModel.of({}, (), overhead_s=0.5, global_batch=1.0)
+    for e in (NodesSeen(nodes), Registered("a", 1, 4, 0, 0.0), Registered("b", 1, 4, 0, 0.0),
+              Measured("a", unmeasured), Measured("b", unmeasured)):
+        s, _ = step(s, e, knobs)
+    s, cmds = step(s, Tick(1.0), knobs)
+    starts = {c.job_id: dict(c.slots) for c in cmds if isinstance(c, Start)}
+    assert set(starts) == {"a", "b"}
+    assert all(set(slots) == {"h", "v"} for slots in starts.values()), starts

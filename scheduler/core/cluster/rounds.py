@@ -53,7 +53,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from dynabatch.scheduler.core.cluster.policy import decide
-from dynabatch.scheduler.core.cluster.throughput import ThroughputModel, bootstrap
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel, bootstrap, prior
 from dynabatch.scheduler.core.cluster.values import (
     GPU_UNITS,
     ClusterDecision,
@@ -670,15 +670,17 @@ def policy_jobs(
     state: RoundState, hints: Mapping[str, float] | None = None
 ) -> tuple[list[ClusterJob], list[ClusterJob]]:
     """The policy's view of the jobs: (as decided, as shown). Models are completed over the
-    node types present (:func:`bootstrap`, unknown speeds from ``hints``, else equal), and
+    node types present (:func:`bootstrap`, unknown speeds from ``hints``, else from the
+    types' prior, :func:`~.throughput.prior`: the GPU model's class), and
     a type outside a job's ``eligible`` ones gets rate 0. Decided: every running job at the
     top priority, so the policy never queues it, and a job an owner's request left short of
     its size not held; shown: as they are."""
     types = sorted({n.node_type for n in state.nodes})
-    # Equal speeds by default, over the types present and those a job measured (its only
-    # measured type may have no node left: the others are estimated from it).
+    # A prior per type by default, over the types present and those a job measured (its
+    # only measured type may have no node left: the others are estimated from it), so jobs
+    # that measured nothing yet still see which types are fast and span them.
     measured = {t for j in state.jobs for t in j.model.measured}
-    hints = dict(hints) if hints else {t: 1.0 for t in {*types, *measured}}
+    hints = dict(hints) if hints else prior({*types, *measured})
     models = bootstrap({j.job_id: j.model for j in state.jobs}, types, hints)
     top = max((j.priority for j in state.jobs), default=0)
     shown, decided = [], []
