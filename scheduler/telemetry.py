@@ -93,7 +93,12 @@ class EpochRecord(_Frozen):
     test_metrics: dict[str, float] = Field(
         default_factory=dict,
         description="The job's evaluation metrics on the held-out set (accuracy, perplexity, "
-        "mse, user metrics), by name.",
+        "mse, f1, auroc, user metrics), by name.",
+    )
+    test_matrices: dict[str, list[list[float]]] = Field(
+        default_factory=dict,
+        description="The job's held-out metrics that are tables, by name: a confusion "
+        "matrix's rows are the true classes, its columns the predicted ones (counts).",
     )
     utilization: float = Field(description="sum(compute_i) / (n_workers * wall time).")
     compute_balance: float = Field(description="mean(compute_i) / max(compute_i).")

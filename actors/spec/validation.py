@@ -186,7 +186,8 @@ def computed_metrics(spec: JobSpec) -> tuple[str, ...]:
     """The held-out values a job reports by name: ``loss`` and its metrics (those it names,
     or its loss's defaults; with the loss chosen from the data, any built-in loss's)."""
     if spec.metrics is not None:
-        names = [m.name for m in spec.metrics]
+        # A confusion matrix is a table, not a number an epoch can be judged by.
+        names = [m.name for m in spec.metrics if m.fn != "confusion_matrix"]
     elif spec.loss in DEFAULT_METRICS:
         names = list(DEFAULT_METRICS[spec.loss])
     else:  # the loss (or a user loss's metrics) follows the dataset's targets
