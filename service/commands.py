@@ -292,7 +292,7 @@ class JobCommands:
             answer = self.scheduling.request_drain(rec.id, member.node)
         except Refused as err:
             raise JobConflict(str(err)) from None
-        self.registry.set_target_workers(rec.id, max(1, len(snap.workers) - 1))
+        self.registry.set_target_workers(rec.id, staying - 1)
         log.info("job %s: drain of %s: %s", rec.id, worker, answer)
         return self.reconciler.sync_job(rec.id, snapshot=snap) or rec
 
