@@ -364,6 +364,9 @@ class JobCommands:
                 # generation), so nothing waits for Ray to free the old one's.
                 self.cluster.release(job_id)
             was = f"job was {rec.state.value}" + (f" ({rec.reason})" if rec.reason else "")
-            rec = self.reconciler.relaunch(rec, f"resume requested; {was}", automatic=False)
+            try:
+                rec = self.reconciler.relaunch(rec, f"resume requested; {was}", automatic=False)
+            except Refused as err:  # the job is left FAILED with the same reason
+                raise JobConflict(f"job {job_id} cannot be resumed: {err}") from None
             log.info("job %s: resumed on request", job_id)
             return rec

@@ -268,13 +268,13 @@ class Reconciler:
             return failed
         try:
             return self.relaunch(rec, decision.reason, automatic=True)
-        except RayCallError:
+        except (RayCallError, Refused):
             return self.registry.get(rec.id)  # relaunch recorded the failure
 
     def relaunch(self, rec: JobRecord, reason: str, automatic: bool) -> JobRecord:
         """Start a new coordinator for ``rec``, the job's next generation, which picks up
         the checkpoint. A launch that fails leaves the job FAILED and re-raises the
-        RayCallError."""
+        RayCallError, or the cluster scheduler's :class:`Refused` with its reason."""
         rec = self.registry.resumed(rec.id, reason, automatic=automatic)
         log.warning("job %s: %s", rec.id, reason)
         with self.launching(rec.id):
@@ -285,7 +285,7 @@ class Reconciler:
                     self.cluster.launch(rec.id, launch_spec(rec), rec.resumes)
             except Refused as err:
                 self.registry.fail(rec.id, f"{reason}; not resumed: {err}")
-                raise RayCallError(str(err)) from None
+                raise
             except RayCallError as err:
                 self.registry.fail(
                     rec.id,

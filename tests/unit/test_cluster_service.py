@@ -30,6 +30,7 @@ from dynabatch.service.errors import InvalidRequest, JobConflict, WorkerNotFound
 from dynabatch.service.job_service import JobService
 from dynabatch.service.scheduling import Refused
 from dynabatch.service.store import JobStore
+from dynabatch.service.submit_policy import SubmitPolicy
 
 from tests.fakes import FakeCluster
 
@@ -320,3 +321,29 @@ def test_a_parameter_server_learner_is_not_drained_through_the_scheduler(setup, 
     with pytest.raises(JobConflict, match="scale it down instead"):
         service.drain(job.id, snap.workers[0].worker)
     assert sched.state.job(job.id) == before and not sched.assigned
+
+
+def test_a_resume_the_scheduler_refuses_is_a_409_with_its_reason(setup, tmp_path, monkeypatch):
+    """Not a 503 as if Ray were gone: the scheduler's reason, and the job FAILED with it."""
+    _, cluster, sched = setup
+    service = JobService(
+        JobStore(":memory:"), cluster, sync_interval_s=0, scheduling=sched,
+        submit_policy=SubmitPolicy(checkpoint_root=str(tmp_path)),
+    )
+    spec = JobSpec(name="a", epochs=5, workers=1, checkpoint={"dir": str(tmp_path)})
+    job = service.submit(spec)
+    sched.tick()
+    service.sync_once()
+    service.sync_once()  # an epoch trained and checkpointed
+    assert service.cancel(job.id).state == JobState.CANCELLED
+    why = "min_workers 1: the cluster has 0 worker slots; the job could never start"
+
+    def refuse(*_):
+        raise Refused(why)
+
+    monkeypatch.setattr(sched, "register", refuse)
+    with pytest.raises(JobConflict) as err:
+        service.resume(job.id)
+    assert str(err.value) == f"job {job.id} cannot be resumed: {why}"
+    assert service.get(job.id).state == JobState.FAILED
+    assert service.get(job.id).reason.endswith(f"not resumed: {why}")
