@@ -93,10 +93,6 @@ class Ledger:
         self._retried = 0
         self._problems = []
 
-    @property
-    def committed_steps(self) -> int:
-        return len(self._steps)
-
     def commit(self, reports: Sequence[StepTelemetry]) -> None:
         """Record one step from the reports of the workers that completed it."""
         if not reports:
