@@ -66,7 +66,7 @@ One plan per group (:class:`CollectivePlan`). Every member of a group must issue
 collectives, the same number in the same order over the same offsets, or gloo fails on a
 size mismatch, hangs, or sums unrelated slices. So the mode and the bucket boundaries are
 the group's: :func:`group_plan` derives them from what every member shares (the group's
-backend, which the scheduler chose from every member's device; the spec's mode and bucket
+backend, which the coordinator chose from every member's device; the spec's mode and bucket
 size; the model), never from one member's device, and :meth:`GradientReducer.use_group`
 takes them at the join. A GPU member of a gloo group (any member on the CPU) cannot hand
 gloo device memory: it *stages* the buffer through pinned host memory after backward (one

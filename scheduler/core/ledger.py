@@ -14,7 +14,7 @@ step that was attempted but not committed (it failed and is retried) are counted
 
 The ledger never trusts the plan: a step committed twice, a position missing from the
 coverage, a position counted twice, or reports of one step that disagree all show up as
-problems, and the scheduler fails the job with them.
+problems, and the coordinator fails the job with them.
 """
 
 from __future__ import annotations
