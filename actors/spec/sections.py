@@ -382,19 +382,33 @@ class LrScheduleSpec(_Strict):
 
 
 class LrSchedulerSpec(_Strict):
-    """A ``torch.optim.lr_scheduler`` class by name, with its constructor's ``options``
-    (not its optimizer). The coordinator steps it once per epoch on a dummy parameter
-    (:func:`dynabatch.actors.optim.lr_scheduler_factors`) and puts the resulting learning
-    rate into every step's plan: epoch ``e`` trains at the rate after ``e`` calls of
-    ``step()``."""
+    """A ``torch.optim.lr_scheduler`` class by name, or the user's ``make(optimizer,
+    **options)`` by import path, with its constructor's ``options`` (not its optimizer).
+    The coordinator steps it on a dummy parameter (:class:`dynabatch.actors.optim.LrSteps`)
+    and puts the resulting learning rate into every step's plan. ``interval: epoch``: epoch
+    ``e`` trains at the rate after ``e`` calls of ``step()``; ``interval: step``: the job's
+    ``k``-th committed optimizer step (from 0) at the rate after ``k`` calls, the same after
+    a lost node or a resume."""
 
-    name: str = Field(pattern=CLASS_NAME_PATTERN,
-                      description="A torch.optim.lr_scheduler class stepped per epoch "
-                      "(StepLR, CosineAnnealingLR, ExponentialLR, LambdaLR is not: its "
-                      "options are functions).", examples=["CosineAnnealingLR"])
+    name: str = Field(description="A torch.optim.lr_scheduler class (StepLR, "
+                      "CosineAnnealingLR, OneCycleLR, LinearLR, ...; LambdaLR is not: its "
+                      "options are functions) or 'pkg.mod:make' (make(optimizer, **options) "
+                      "returns one, as transformers:get_linear_schedule_with_warmup does).",
+                      examples=["CosineAnnealingLR"])
     options: dict[str, Any] = Field(default_factory=dict,
                                     description="Keyword arguments of its constructor.",
                                     examples=[{"T_max": 10}])
+    interval: Literal["step", "epoch"] = Field(
+        default="epoch", description="When it steps: after every optimizer step (step) or "
+        "every epoch (epoch).")
+
+    @field_validator("name")
+    @classmethod
+    def _class_or_path(cls, v: str) -> str:
+        if re.match(CLASS_NAME_PATTERN, v) or re.match(IMPORT_PATH_PATTERN, v):
+            return v
+        raise ValueError(f"{v!r} is neither a torch.optim.lr_scheduler class name nor "
+                         "'pkg.mod:make'")
 
 
 class OptimizerSpec(_Strict):

@@ -173,6 +173,10 @@ def _schedule_problems(spec: JobSpec, bad: Bad, n: int | None) -> None:
             bad("schedule.min_global_batch", f"min_global_batch ({low}) is smaller than "
                                              f"workers ({n}): every worker needs at "
                                              "least one sample per step")
+    sched = spec.optimizer.lr_scheduler
+    if sched is not None and sched.interval == "step" and spec.schedule.mode != "fixed":
+        bad("optimizer.lr_scheduler.interval", "step counts optimizer steps over the job: it "
+            f"needs a fixed global batch (schedule.mode is {spec.schedule.mode})")
     if spec.optimizer.lr_scheduler is not None and spec.optimizer.schedule != LrScheduleSpec():
         bad("optimizer.lr_scheduler", "optimizer.lr_scheduler and optimizer.schedule both set "
             "the learning rate over the job: use one of them")
