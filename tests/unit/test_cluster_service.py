@@ -13,13 +13,13 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, rounds
 from dynabatch.scheduler.core.cluster.nodes import job_bounds
 from dynabatch.scheduler.core.cluster.rounds import (
-    Assign,
     Drained,
     Entry,
-    Finished,
+    JobGone,
     NodesSeen,
+    Reassign,
+    ResizeRequested,
     RoundState,
-    ScaleRequested,
     Start,
     Tick,
     step,
@@ -48,7 +48,7 @@ class RoundsScheduling:
         self.specs: dict[str, tuple[JobSpec, int]] = {}
         self.now = 0.0
         self.syncs = 0
-        self.assigned: list = []  # the Assign commands of owners' requests
+        self.assigned: list = []  # the Reassign commands of owners' requests
         self.ended: list[str] = []  # the jobs the service said finished
 
     def _step(self, event) -> tuple:
@@ -64,7 +64,7 @@ class RoundsScheduling:
         if job_id in self.specs and self.specs[job_id][1] >= generation:
             return
         if job_id in self.specs:
-            self._step(Finished(job_id))
+            self._step(JobGone(job_id))
         self.specs[job_id] = (spec, generation)
         lo, hi = job_bounds(spec)
         self._step(Entry(job_id, lo, hi, spec.priority, submit_s, generation=generation))
@@ -76,22 +76,22 @@ class RoundsScheduling:
         listed = {j[0] for j in jobs}
         for j in self.state.jobs:
             if j.job_id not in listed:
-                self._step(Finished(j.job_id))
+                self._step(JobGone(j.job_id))
         return {j.job_id for j in self.state.jobs if j.started}
 
     def finished(self, job_id: str) -> None:
         self.ended.append(job_id)
-        self._step(Finished(job_id))
+        self._step(JobGone(job_id))
 
     def _relayed(self, commands: tuple, what: str) -> None:
         """As the actor does: a refusal is raised with its reason, an assignment sent."""
         for c in commands:
-            if isinstance(c, rounds.Refused):
+            if isinstance(c, rounds.RequestRefused):
                 raise Refused(f"{what}the cluster scheduler places this job; {c.why}")
-        self.assigned.extend(c for c in commands if isinstance(c, Assign))
+        self.assigned.extend(c for c in commands if isinstance(c, Reassign))
 
     def request_scale(self, job_id: str, workers: int) -> str:
-        self._relayed(self._step(ScaleRequested(job_id, workers, self.now)), "")
+        self._relayed(self._step(ResizeRequested(job_id, workers, self.now)), "")
         return f"the cluster scheduler places this job; scale to {workers}"
 
     def request_drain(self, job_id: str, node: str) -> str:
