@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import ray
 from dynabatch.api.app import create_app
-from dynabatch.scheduler.runtime.cluster import find_scheduler
+from dynabatch.scheduler.runtime.cluster_scheduler import find_scheduler
 from dynabatch.scheduler.runtime.launch import find_coordinator
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.settings import Settings

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from dynabatch.scheduler.runtime.cluster import find_scheduler
+from dynabatch.scheduler.runtime.cluster_scheduler import find_scheduler
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.procs import ApiServer, find_free_port, wait_for

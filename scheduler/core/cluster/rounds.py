@@ -1,6 +1,6 @@
 """The cluster scheduler's rounds: a pure state machine around :func:`decide`.
 
-No Ray, no clock. The scheduler actor (``dynabatch.scheduler.runtime.cluster``) feeds it
+No Ray, no clock. The scheduler actor (``dynabatch.scheduler.runtime.cluster_scheduler``) feeds it
 events and executes the commands it returns; everything that decides is here:
 
 * events: a job registered (:class:`Entry` itself: its bounds, priority, submit time, slots
