@@ -13,12 +13,12 @@ from collections.abc import Sequence
 
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.cluster.nodes import RayNode, gang_error
-from dynabatch.service.cluster_client import ClusterNode
+from dynabatch.service.cluster_client import NodeStatus
 from dynabatch.service.store import JobRecord
 from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
 
 
-def min_workers_problem(spec: JobSpec, nodes: Sequence[ClusterNode]) -> str | None:
+def min_workers_problem(spec: JobSpec, nodes: Sequence[NodeStatus]) -> str | None:
     """Why no set of the alive ``nodes`` can ever hold the job's ``min_workers`` together,
     or None when they can (or the spec sets no minimum, or no node is listed). Two limits:
     the cluster scheduler's worker slots (:func:`gang_error`, what it can grant) and what
@@ -42,7 +42,7 @@ def min_workers_problem(spec: JobSpec, nodes: Sequence[ClusterNode]) -> str | No
     return f"min_workers {need}: {short}; the job could never start" if short else None
 
 
-def capacity_problem(spec: JobSpec, nodes: Sequence[ClusterNode], workers: int) -> str | None:
+def capacity_problem(spec: JobSpec, nodes: Sequence[NodeStatus], workers: int) -> str | None:
     """Why the alive ``nodes`` could never hold ``workers`` of the job's workers at once
     (what each node's resources hold of them: :meth:`JobSpec.workers_on`), or None when
     they can or no node is listed."""

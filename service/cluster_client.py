@@ -1,5 +1,5 @@
 """The seam between the service and Ray: :class:`ClusterClient` (every Ray call the service
-makes) and the cluster view it returns (:class:`ClusterNode`, :class:`NodeJob`).
+makes) and the cluster view it returns (:class:`NodeStatus`, :class:`NodeJob`).
 
 Implementations: :class:`dynabatch.service.ray_client.RayClusterClient` (Ray) and
 ``tests.fakes.FakeCluster`` (in memory, for route and service tests). They raise the errors
@@ -27,7 +27,7 @@ class NodeJob(BaseModel):
     workers: list[str] = Field(description="Names of this job's workers on the node.")
 
 
-class ClusterNode(BaseModel):
+class NodeStatus(BaseModel):
     """A Ray node, its resources, and the live jobs whose workers it hosts."""
 
     model_config = ConfigDict(frozen=True)
@@ -101,7 +101,7 @@ class ClusterClient(Protocol):
         manifest), None when it has none (yet)."""
         ...
 
-    def nodes(self) -> list[ClusterNode]: ...
+    def nodes(self) -> list[NodeStatus]: ...
 
     def scheduling(self, settings: Settings) -> Scheduling | None:
         """The cluster's scheduler (``settings``' policy, round and hold), reached the way

@@ -29,7 +29,7 @@ from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from dynabatch.service.admission import checkpoint_exists
-from dynabatch.service.cluster_client import ClusterClient, ClusterNode
+from dynabatch.service.cluster_client import ClusterClient, NodeStatus
 from dynabatch.service.commands import JobCommands
 from dynabatch.service.reads import JobReads, MetricState
 from dynabatch.service.reconciler import EMBEDDED_ENDED, Reconciler
@@ -197,7 +197,7 @@ class JobService:
     def logs(self, job_id: str, since: int = 0, limit: int = 1000) -> list[LogLine]:
         return self.reads.logs(job_id, since, limit)
 
-    def nodes(self) -> list[ClusterNode]:
+    def nodes(self) -> list[NodeStatus]:
         """Ray's nodes, each with the live jobs whose workers it hosts."""
         return self.reads.nodes()
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from dynabatch.service.cluster_client import ClusterNode
+from dynabatch.service.cluster_client import NodeStatus
 from dynabatch.service.errors import (
     ClusterUnavailable,
     CoordinatorGone,
@@ -225,7 +225,7 @@ class RayClusterClient:
             raise RayCallError(f"cannot stop the coordinator of job {job_id}: {err}") from err
 
     # Nodes ------------------------------------------------------------------------------
-    def nodes(self) -> list[ClusterNode]:
+    def nodes(self) -> list[NodeStatus]:
         import ray
 
         try:
@@ -244,7 +244,7 @@ class RayClusterClient:
             resources = {k: float(v) for k, v in (n.get("Resources") or {}).items()}
             alive = bool(n.get("Alive"))
             out.append(
-                ClusterNode(
+                NodeStatus(
                     node_id=node_id,
                     address=str(n.get("NodeManagerAddress", "")),
                     hostname=str(n.get("NodeManagerHostname", "")),

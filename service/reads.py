@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from dynabatch.service.cluster_client import ClusterClient, ClusterNode, NodeJob
+from dynabatch.service.cluster_client import ClusterClient, NodeJob, NodeStatus
 from dynabatch.service.cluster_schemas import GRANTED, scheduler_note
 from dynabatch.service.errors import JobNotFound
 from dynabatch.service.store import JobRecord, JobStore
@@ -100,7 +100,7 @@ class JobReads:
         self.record(job_id)
         return self.store.logs(job_id, since, limit)
 
-    def nodes(self) -> list[ClusterNode]:
+    def nodes(self) -> list[NodeStatus]:
         """Ray's nodes, each with the live jobs whose workers it hosts."""
         nodes = self.cluster.nodes()
         hosted: dict[str, dict[str, NodeJob]] = {n.node_id: {} for n in nodes}

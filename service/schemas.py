@@ -11,7 +11,7 @@ from typing import Any
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from dynabatch.service.cluster_client import ClusterNode
+from dynabatch.service.cluster_client import NodeStatus
 from dynabatch.service.store import JobRecord
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -262,7 +262,7 @@ class CodeUploaded(BaseModel):
 
 
 class NodeList(BaseModel):
-    nodes: list[ClusterNode]
+    nodes: list[NodeStatus]
 
 
 class Health(BaseModel):

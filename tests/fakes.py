@@ -48,7 +48,7 @@ from dynabatch.scheduler.telemetry import (
     JobSnapshot,
     LogLine,
 )
-from dynabatch.service.cluster_client import ClusterNode
+from dynabatch.service.cluster_client import NodeStatus
 from dynabatch.service.errors import (
     ClusterUnavailable,
     CoordinatorGone,
@@ -276,10 +276,10 @@ class FakeCluster:
         self.released.append(job_id)
         self.coordinators.pop(job_id, None)
 
-    def nodes(self) -> list[ClusterNode]:
+    def nodes(self) -> list[NodeStatus]:
         self._check("nodes")
         return [
-            ClusterNode(
+            NodeStatus(
                 node_id=n,
                 address=f"10.0.0.{i + 1}",
                 hostname=f"node{i}",

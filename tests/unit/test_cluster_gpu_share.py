@@ -30,7 +30,7 @@ from dynabatch.scheduler.core.cluster.rounds import (
 )
 from dynabatch.scheduler.core.cluster.values import GPU_UNITS
 from dynabatch.service.admission import min_workers_problem
-from dynabatch.service.cluster_client import ClusterNode as ServiceNode
+from dynabatch.service.cluster_client import NodeStatus
 from dynabatch.service.cluster_schemas import ClusterState
 from rich.console import Console
 
@@ -125,7 +125,7 @@ def test_rounds_start_both_halves_and_the_view_shows_gpus():
 
 
 def test_submit_admits_a_gang_that_fits_on_shared_gpus_and_names_the_field_otherwise():
-    nodes = [ServiceNode(node_id="g0", address="10.0.0.1", resources={"CPU": 8.0, "GPU": 1.0})]
+    nodes = [NodeStatus(node_id="g0", address="10.0.0.1", resources={"CPU": 8.0, "GPU": 1.0})]
 
     def spec(lo: int):
         return parse_spec(

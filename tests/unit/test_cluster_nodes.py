@@ -136,11 +136,11 @@ def test_serve_admits_the_demos_spec_on_a_two_cpu_node():
     import yaml
     from dynabatch.actors.spec import parse_spec
     from dynabatch.service.admission import min_workers_problem
-    from dynabatch.service.cluster_client import ClusterNode as ServiceNode
+    from dynabatch.service.cluster_client import NodeStatus
 
     root = Path(__file__).resolve().parents[2]
     raw = yaml.safe_load((root / "examples" / "digits-hetero.yaml").read_text())
     spec = parse_spec({**raw, "min_workers": raw["workers"]})
-    node = ServiceNode(node_id="n", address="10.0.0.1", resources={"CPU": 2.0})
+    node = NodeStatus(node_id="n", address="10.0.0.1", resources={"CPU": 2.0})
     assert spec.worker_cpus == 0.5 and spec.min_workers == 3
     assert min_workers_problem(spec, [node]) is None
