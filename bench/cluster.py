@@ -92,6 +92,41 @@ SIZES = (1, 2, 4, 8, 16, 32, 64)
 SIZE_P = (0.55, 0.12, 0.15, 0.12, 0.04, 0.015, 0.005)
 POLICIES = ("fifo", "single_type", "fair", "goodput")
 
+# dynabatch's own resize cost is measured (bench/elastic.py); see measured_resize_s.
+ELASTIC_RESULTS = Path(__file__).resolve().parent / "results-elastic.json"
+# A peer's resize is a checkpoint-restart. Pollux (Qiao et al., OSDI'21) charges each
+# re-allocation 30 s in its published simulator (petuum/adaptdl at de25dcc,
+# simulator/simulator.py, Job.reallocate: ``self.rescale_time = 30``). Gavel's simulator
+# charges its preemptions nothing; its round of 6 minutes is sized to amortise them.
+PEER_RESTART_S = 30.0
+# The policies that stand for the peers (one node type per job, as Gavel and Sia allocate),
+# charged PEER_RESTART_S per change of nodes instead of dynabatch's resize.
+PEER_POLICIES = ("single_type",)
+
+
+def measured_resize_s(path: Path = ELASTIC_RESULTS) -> float:
+    """What a resize at a step boundary costs dynabatch, from ``bench/elastic.py``'s last
+    run: the median seconds from a new node being ready to the first step the job takes
+    with its worker (``scale_up.median_ready_to_first_step_s``, 2.25 s in the committed
+    run), or from a node's loss to training again, whichever is longer. The running workers
+    keep training while a newcomer starts, so charging it as a pause of the whole job is an
+    upper bound."""
+    try:
+        data = json.loads(path.read_text())
+        grow = float(data["scale_up"]["median_ready_to_first_step_s"])
+        shrink = float(data["node_loss"]["median_removal_to_training_s"])
+    except OSError as exc:
+        raise InputError(f"{path}: {exc.strerror or exc}; give --resize-pause-s") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{path}: no measured resize ({exc!r}); give --resize-pause-s") from None
+    return round(max(grow, shrink), 2)
+
+
+def pause_for(policy: str, resize_s: float, restart_s: float, peers: tuple[str, ...]) -> float:
+    """The seconds a change of nodes costs a job under ``policy``: a peer's restart for the
+    policies standing for a peer, dynabatch's resize for the others."""
+    return restart_s if policy in peers else resize_s
+
 
 @dataclasses.dataclass
 class TraceJob:
@@ -237,16 +272,29 @@ def simulate(
     pause_s: float,
     hints: dict[str, float] | None = None,
     window: tuple[float, float] | None = None,
+    timeshare: bool = False,
 ) -> tuple[dict, list[float]]:
-    """One policy over the trace. ``hints``: the prior per node type for a job that has
-    not run there (default: the generator's nominal speeds). ``window``: (start, end) of a
-    measured window (the steady-state mode): its ``busy`` fraction of slot-seconds and the
-    average JCT of the jobs that arrive inside it are reported too."""
+    """One policy over the trace. ``pause_s``: the seconds of no progress a job pays each
+    time its nodes change (a resize, or a restart where a peer's is charged).
+    ``hints``: the prior per node type for a job that has not run there (default: the
+    generator's nominal speeds). ``window``: (start, end) of a measured window (the
+    steady-state mode): its ``busy`` fraction of slot-seconds and the average JCT of the
+    jobs that arrive inside it are reported too.
+
+    ``timeshare``: Gavel's round-based time-sharing, for calibration against its
+    simulator. At every round boundary the policy decides with no job held, admitting in
+    the order of the least attained service first (a job's seconds of progress at its
+    speed alone on ``max_workers`` of its fastest type, as the policy normalises); a
+    running job keeps its nodes only if admitted again. So a long job that started first
+    gives way to waiting ones each round, as Gavel's priorities make it; a job whose nodes
+    change pays ``pause_s`` (Gavel's simulator charges 0)."""
     knobs = ClusterKnobs(policy=policy, hold_s=hold_s)
     total_slots = sum(n.capacity for n in nodes)
     types = sorted({n.node_type for n in nodes})
     hints = dict(SPEED if hints is None else hints)
     by_id = {j.job_id: j for j in trace}
+    # A job's throughput alone on max_workers of its fastest type (timeshare's service unit).
+    ref = {j.job_id: max(j.model.throughput({tt: j.bounds()[1]}) for tt in types) for j in trace}
     pending = sorted(trace, key=lambda j: j.arrival)
     nxt = 0
     active: dict[str, dict] = {}
@@ -272,6 +320,7 @@ def simulate(
                 "last": None,
                 "pause_until": 0.0,
                 "measured": set(),
+                "attained": 0.0,
             }
             nxt += 1
             need = True
@@ -279,7 +328,7 @@ def simulate(
             s["last"] is not None and last_decision < s["last"] + hold_s <= t
             for s in active.values()
         )
-        if need or (t >= next_round - 1e-9 and expired):
+        if need or (t >= next_round - 1e-9 and (expired or timeshare)):
             start = time.perf_counter()
             cpu = time.process_time()
             estimated = {
@@ -305,14 +354,21 @@ def simulate(
                         m.overhead_s,
                         m.global_batch,
                     )
+            # Time-sharing: nobody is held; the least attained service is admitted first,
+            # and a running job keeps its nodes only if admitted again.
+            rank = {
+                jid: i
+                for i, jid in enumerate(sorted(active, key=lambda j: (active[j]["attained"], j)))
+            }
             jobs = [
                 ClusterJob(
                     jid,
                     *by_id[jid].bounds(),
                     models[jid],
+                    priority=-rank[jid] if timeshare else 0,
                     submit_s=by_id[jid].arrival,
                     allocation=s["slots"],
-                    last_resize_s=s["last"],
+                    last_resize_s=None if timeshare else s["last"],
                 )
                 for jid, s in active.items()
             ]
@@ -349,6 +405,7 @@ def simulate(
                 window_busy += sum(s["types"].values()) * inside
                 run = max(0.0, t_next - max(t, s["pause_until"]))
                 s["remaining"] -= speeds[jid] * run
+                s["attained"] += speeds[jid] * run / ref[jid]
         t = t_next
         for jid in [
             jid
@@ -399,7 +456,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--round-s", type=float, default=30.0)
     ap.add_argument("--hold-s", type=float, default=120.0)
-    ap.add_argument("--resize-pause-s", type=float, default=10.0)
+    ap.add_argument(
+        "--resize-pause-s",
+        type=float,
+        help="dynabatch's cost of a resize at a step boundary (default: measured, "
+        "bench/results-elastic.json)",
+    )
+    ap.add_argument(
+        "--restart-s",
+        type=float,
+        default=PEER_RESTART_S,
+        help="a peer's checkpoint-restart, charged per change of nodes to --peer-policies "
+        f"(default {PEER_RESTART_S:g}: Pollux's simulator)",
+    )
+    ap.add_argument("--peer-policies", default=",".join(PEER_POLICIES))
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument(
         "--steady",
@@ -423,6 +493,12 @@ def main() -> None:
     args = ap.parse_args()
     hints = None
     out: dict = {}
+    try:
+        resize_s = measured_resize_s() if args.resize_pause_s is None else args.resize_pause_s
+    except InputError as exc:
+        sys.exit(f"error: {exc}")
+    peers = tuple(p for p in args.peer_policies.split(",") if p)
+    out["costs"] = {"resize_s": resize_s, "restart_s": args.restart_s, "peer_policies": peers}
     if args.trace is not None:
         try:
             nodes, trace, hints, info = from_files(
@@ -450,7 +526,14 @@ def main() -> None:
     every: list[float] = []
     for policy in args.policies.split(","):
         out["policies"][policy], ms = simulate(
-            policy, nodes, trace, args.round_s, args.hold_s, args.resize_pause_s, hints, window
+            policy,
+            nodes,
+            trace,
+            args.round_s,
+            args.hold_s,
+            pause_for(policy, resize_s, args.restart_s, peers),
+            hints,
+            window,
         )
         every += ms
         print(f"{policy}: {out['policies'][policy]}", file=sys.stderr, flush=True)

@@ -17,7 +17,16 @@ simulators, and counted), on a cluster in Gavel's notation (``#v100:#p100:#k80``
   own code) for ``fair``, ``single_type`` and ``goodput``, with each job's truth fitted
   exactly to Gavel's measured steps/s on its GPUs of each type
   (``bench/cluster_inputs.py``'s ``fit_gavel_job``), rigid (``min = max = scale_factor``,
-  as Gavel runs it) and elastic (``ceil(g/2) .. 2g``).
+  as Gavel runs it) and elastic (``ceil(g/2) .. 2g``). A change of a job's nodes costs
+  dynabatch's measured resize (``--resize-pause-s``, default from
+  ``bench/results-elastic.json``) and, under ``single_type`` (which stands for Gavel and
+  Sia, one type per job), a peer's checkpoint-restart (``--restart-s``, default Pollux's
+  30 s; ``bench/cluster.py``'s ``PEER_RESTART_S``).
+* **the calibration row** (``--rows ...,timeshare``): the rigid jobs under dynabatch's
+  ``--timeshare-policies`` with Gavel's time-sharing (``simulate(timeshare=True)``: every
+  round every job is placed afresh, least attained service first) and Gavel simulator's
+  free preemption (``--timeshare-restart-s`` 0): where the policies agree, the two
+  simulators should agree. It decides every round, so it is the slow row.
 
 Prints ONE JSON object::
 
@@ -25,6 +34,7 @@ Prints ONE JSON object::
      "skipped_unknown", "gavel": {POLICY: {"avg_jct_s"}},
      "dynabatch": {POLICY: {"avg_jct_s", ...}},            # rigid jobs
      "dynabatch_elastic": {POLICY: {"avg_jct_s", ...}},    # elastic jobs
+     "dynabatch_timeshare": {POLICY: {"avg_jct_s", ...}},  # rigid, time-shared (calibration)
      "ratios": {...}}]}
 
     .venv/bin/python bench/cluster_gavel.py --case TRACE@36:36:36 [--case ...] \\
@@ -46,7 +56,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.cluster import from_files, simulate
+from bench.cluster import (
+    PEER_POLICIES,
+    PEER_RESTART_S,
+    from_files,
+    measured_resize_s,
+    pause_for,
+    simulate,
+)
 from bench.cluster_inputs import (
     InputError,
     JobRow,
@@ -56,6 +73,12 @@ from bench.cluster_inputs import (
 
 GAVEL_POLICIES = ("max_min_fairness", "max_min_fairness_perf", "finish_time_fairness_perf")
 OURS = ("fair", "single_type", "goodput")
+# Row sets: the key in a trace's entry, the jobs' bounds, whether Gavel's time-sharing.
+ROWS = {
+    "rigid": ("dynabatch", "rigid", False),
+    "elastic": ("dynabatch_elastic", "elastic", False),
+    "timeshare": ("dynabatch_timeshare", "rigid", True),
+}
 DRIVER = "scripts/drivers/simulate_scheduler_with_trace.py"
 JCT = re.compile(r"Average job completion time:\s*([0-9.eE+-]+)\s*seconds")
 
@@ -145,7 +168,29 @@ def main() -> None:
         help="dynabatch's round, and Gavel's --time_per_iteration",
     )
     ap.add_argument("--hold-s", type=float, default=720.0)
-    ap.add_argument("--resize-pause-s", type=float, default=10.0)
+    ap.add_argument(
+        "--resize-pause-s",
+        type=float,
+        help="dynabatch's resize (default: measured, bench/results-elastic.json)",
+    )
+    ap.add_argument(
+        "--restart-s",
+        type=float,
+        default=PEER_RESTART_S,
+        help=f"a peer's checkpoint-restart, charged to {', '.join(PEER_POLICIES)}",
+    )
+    ap.add_argument(
+        "--rows",
+        default="rigid,elastic",
+        help=f"dynabatch's row sets, of {', '.join(ROWS)} (timeshare: the calibration row)",
+    )
+    ap.add_argument("--timeshare-policies", default="single_type,fair")
+    ap.add_argument(
+        "--timeshare-restart-s",
+        type=float,
+        default=0.0,
+        help="a preemption's cost in the timeshare row (Gavel's simulator: 0)",
+    )
     ap.add_argument("--gavel-policies", default=",".join(GAVEL_POLICIES))
     ap.add_argument("--gavel-dir", type=Path, help="Gavel's scheduler/ directory")
     ap.add_argument("--gavel-python", default="python3")
@@ -155,8 +200,13 @@ def main() -> None:
     args = ap.parse_args()
     if (args.gavel_dir is None) == (args.gavel_results is None):
         sys.exit("error: give one of --gavel-dir (run Gavel) and --gavel-results (read them)")
+    rows_wanted = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in rows_wanted if r not in ROWS]
+    if unknown or not rows_wanted:
+        sys.exit(f"error: --rows: {', '.join(unknown) or 'empty'}: not of {', '.join(ROWS)}")
     try:
         table = read_gavel_throughputs(args.throughputs)
+        resize_s = measured_resize_s() if args.resize_pause_s is None else args.resize_pause_s
     except InputError as exc:
         sys.exit(f"error: {exc}")
     earlier: dict = {}
@@ -176,7 +226,12 @@ def main() -> None:
             "gpus_per_server": args.gpus_per_server,
             "round_s": args.round_s,
             "hold_s": args.hold_s,
-            "resize_pause_s": args.resize_pause_s,
+            "resize_pause_s": resize_s,
+            "restart_s": args.restart_s,
+            "peer_policies": list(PEER_POLICIES),
+            "rows": rows_wanted,
+            "timeshare_policies": args.timeshare_policies.split(","),
+            "timeshare_restart_s": args.timeshare_restart_s,
             "throughputs": str(args.throughputs),
         },
         "traces": [],
@@ -223,7 +278,8 @@ def main() -> None:
                         f"with {len(rows)} jobs"
                     )
                 entry["gavel"] = found
-            for key, bounds in (("dynabatch", "rigid"), ("dynabatch_elastic", "elastic")):
+            for row in rows_wanted:
+                key, bounds, timeshare = ROWS[row]
                 nodes, jobs, hints, _ = from_files(
                     cut_path,
                     throughputs=args.throughputs,
@@ -232,9 +288,21 @@ def main() -> None:
                     bounds=bounds,
                 )
                 entry[key] = {}
-                for policy in OURS:
+                for policy in args.timeshare_policies.split(",") if timeshare else OURS:
+                    pause = (
+                        args.timeshare_restart_s
+                        if timeshare
+                        else pause_for(policy, resize_s, args.restart_s, PEER_POLICIES)
+                    )
                     res, _ms = simulate(
-                        policy, nodes, jobs, args.round_s, args.hold_s, args.resize_pause_s, hints
+                        policy,
+                        nodes,
+                        jobs,
+                        args.round_s,
+                        args.hold_s,
+                        pause,
+                        hints,
+                        timeshare=timeshare,
                     )
                     entry[key][policy] = {
                         k: res[k]
@@ -254,16 +322,24 @@ def main() -> None:
 
 def _ratios(entry: dict, best_aware: float | None) -> dict:
     """Average JCT over Gavel's best heterogeneity-aware policy's, and goodput's over
-    dynabatch's own single_type, rigid and elastic."""
+    dynabatch's own single_type, rigid and elastic; for the calibration, each policy's
+    over Gavel's ``max_min_fairness_perf`` (the heterogeneity-aware policy)."""
     out: dict = {}
-    for key in ("dynabatch", "dynabatch_elastic"):
-        ours = entry[key]
+    aware = entry["gavel"].get("max_min_fairness_perf", {}).get("avg_jct_s")
+    for key, _bounds, _ts in ROWS.values():
+        ours = entry.get(key)
+        if not ours:
+            continue
+        if aware:
+            for p, res in ours.items():
+                out[f"{key}.{p}/gavel_mmf_perf"] = round(res["avg_jct_s"] / aware, 3)
         if best_aware:
-            for p in OURS:
-                out[f"{key}.{p}/gavel_best_aware"] = round(ours[p]["avg_jct_s"] / best_aware, 3)
-        out[f"{key}.goodput/single_type"] = round(
-            ours["goodput"]["avg_jct_s"] / ours["single_type"]["avg_jct_s"], 3
-        )
+            for p, res in ours.items():
+                out[f"{key}.{p}/gavel_best_aware"] = round(res["avg_jct_s"] / best_aware, 3)
+        if "goodput" in ours and "single_type" in ours:
+            out[f"{key}.goodput/single_type"] = round(
+                ours["goodput"]["avg_jct_s"] / ours["single_type"]["avg_jct_s"], 3
+            )
     return out
 
 
