@@ -100,6 +100,15 @@ class EpochRecord(_Frozen):
         description="The job's held-out metrics that are tables, by name: a confusion "
         "matrix's rows are the true classes, its columns the predicted ones (counts).",
     )
+    validation_loss: float | None = None
+    validation_metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="With dataset.validation: the job's metrics on the validation split, by "
+        "name (early_stopping and keep_best judge on them; test_* then holds the test set's "
+        "scores only where it was scored: the final epoch, or every epoch when asked).")
+    validation_matrices: dict[str, list[list[float]]] = Field(
+        default_factory=dict, description="The validation split's table metrics (a "
+        "confusion matrix), as test_matrices.")
     utilization: float = Field(description="sum(compute_i) / (n_workers * wall time).")
     compute_balance: float = Field(description="mean(compute_i) / max(compute_i).")
     rebalances: int = 0
@@ -137,6 +146,12 @@ class EpochRecord(_Frozen):
         if self.test_metrics or self.test_accuracy is None:
             return dict(self.test_metrics)
         return {"accuracy": self.test_accuracy}
+
+    def held_out(self, split: str) -> tuple[float | None, dict[str, float]]:
+        """The held-out loss and metrics of ``split`` (test, validation)."""
+        if split == "validation":
+            return self.validation_loss, dict(self.validation_metrics)
+        return self.test_loss, self.scores
 
 
 class WorkerStatus(_Frozen):
@@ -219,6 +234,10 @@ class JobSnapshot(_Frozen):
     test_metrics: dict[str, float] = Field(
         default_factory=dict, description="The last evaluated epoch's held-out metrics, by "
         "the names in the job's spec (accuracy, mae, mse, user metrics).")
+    validation_metrics: dict[str, float] = Field(
+        default_factory=dict, description="With dataset.validation: the last evaluated "
+        "epoch's metrics on the validation split (test_metrics: the test set's, once "
+        "scored).")
     utilization: float | None = None
     compute_balance: float | None = None
     rebalances_total: int = 0

@@ -40,10 +40,12 @@ WriterFactory = Callable[[str], Any]
 def epoch_scalars(record: EpochRecord) -> dict[str, float]:
     """The epoch's scalars by TensorBoard tag (see the module docstring)."""
     out = {"epoch/train_loss": record.train_loss}
-    if record.test_loss is not None:
-        out["epoch/test_loss"] = record.test_loss
-    for name, value in record.scores.items():
-        out[f"epoch/test_{name}"] = value
+    for split in ("validation", "test"):  # each tag names the held-out split it is from
+        loss, scores = record.held_out(split)
+        if loss is not None:
+            out[f"epoch/{split}_loss"] = loss
+        for name, value in scores.items():
+            out[f"epoch/{split}_{name}"] = value
     out["epoch/utilization"] = record.utilization
     out["epoch/compute_balance"] = record.compute_balance
     out["epoch/time_s"] = record.wall_s
@@ -123,8 +125,9 @@ class Tracking:
     def epoch(self, record: EpochRecord) -> None:
         """Write an epoch's scalars and tables and flush, so TensorBoard shows the epoch at
         once."""
-        images = {f"epoch/test_{k}": img for k, m in record.test_matrices.items()
-                  if (img := matrix_image(m)) is not None}
+        tables = {**{f"epoch/validation_{k}": m for k, m in record.validation_matrices.items()},
+                  **{f"epoch/test_{k}": m for k, m in record.test_matrices.items()}}
+        images = {tag: img for tag, m in tables.items() if (img := matrix_image(m)) is not None}
         self._write(record.epoch, epoch_scalars(record), flush=True, images=images)
 
     def step(self, reports: Sequence[StepTelemetry], dataset_size: int) -> None:

@@ -197,8 +197,12 @@ def check_paths(
             problems.append(("dataset.path", why))
     # Files the job reads beside its data: the tokenizer, an hf model's pretrained folder.
     pretrained = spec.model.options.get("pretrained") if spec.model.name == "hf" else None
+    # dataset.validation as a path of its own (a name is a split under dataset.path).
+    val = spec.dataset.validation
+    val_path = val if isinstance(val, str) and ("/" in val or ":" in val) else None
     for field, value in (("dataset.tokenizer", spec.dataset.tokenizer),
-                         ("model.options.pretrained", pretrained)):
+                         ("model.options.pretrained", pretrained),
+                         ("dataset.validation", val_path)):
         if isinstance(value, str):
             why = path_problem(value, data_roots, "dataset paths")
             if why:

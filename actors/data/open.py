@@ -9,6 +9,13 @@ only the samples it trains.
 Splits. A ``path`` holding ``train`` and ``test`` (files or folders) uses them; otherwise
 ``test_fraction`` is held out: the last rows of a Parquet or ``.npy`` set, a seeded choice
 of images or map-style samples.
+
+Validation (``dataset.validation``, optional). A fraction: that share of the training
+samples (after ``dataset.limit``), held out by :func:`~dynabatch.actors.data.source.holdout_ids`
+seeded from the job's seed, for every kind of source. A name: the split of that name, a
+file or folder beside ``train`` and ``test`` under ``path`` (parquet, npy, imagefolder), or
+a key of the dict a map-style loader returns (an HF-style ``{"train", "validation",
+"test"}``). A path (with a ``/``, or a URI): its own files (parquet, npy, imagefolder).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dynabatch.actors.data.source import (
     Range,
     Source,
     Subset,
+    holdout_ids,
     split_ids,
 )
 from dynabatch.actors.spec import DatasetSpec
@@ -41,7 +49,7 @@ class DataRef:
 
     spec: DatasetSpec
     seed: int
-    split: str  # train | test
+    split: str  # train | validation | test
     extra: dict[str, Any] = field(default_factory=dict)
 
     def open(self) -> Source:
@@ -92,9 +100,30 @@ def _base(spec: DatasetSpec, path: str, extra: dict[str, Any]) -> Source:
 
 def open_source(spec: DatasetSpec, seed: int, split: str,
                 extra: dict[str, Any] | None = None) -> Source:
-    """One split of a file-backed or map-style dataset (``dataset.limit`` applied to train)."""
-    src = _open_split(spec, seed, split, extra or {})
-    return _limited(src, spec) if split == "train" else src
+    """One split (train, validation, test) of a file-backed or map-style dataset
+    (``dataset.limit`` applied to train, before a validation fraction is held out of it)."""
+    fraction = spec.validation_fraction
+    if split == "test" or (split == "validation" and fraction is None):
+        return _open_split(spec, seed, split, extra or {})
+    train = _limited(_open_split(spec, seed, "train", extra or {}), spec)
+    if fraction is None:
+        return train
+    keep, held = holdout_ids(len(train), fraction, seed)
+    return Subset(train, keep if split == "train" else held)
+
+
+def _validation_path(spec: DatasetSpec, fs: Any, root: str) -> str:
+    """Where a file source's named validation split is: its own path (one with a ``/`` or
+    a URI), or the file or folder of that name beside train and test under ``path``."""
+    from dynabatch.actors.data.fs import child, is_uri
+
+    name = str(spec.validation)
+    if "/" in name or is_uri(name):
+        return name
+    if child(fs, root, name) is None:
+        raise DataError(f"dataset.validation: no split {name!r} under {spec.path} (a file "
+                        f"or folder {name} beside train and test)")
+    return spec.path.rstrip("/") + "/" + name
 
 
 def _open_split(spec: DatasetSpec, seed: int, split: str, extra: dict[str, Any]) -> Source:
@@ -105,6 +134,8 @@ def _open_split(spec: DatasetSpec, seed: int, split: str, extra: dict[str, Any])
             raise DataError(f"dataset.path: {spec.name} needs a path (a file, a directory or "
                             "a URI)")
         fs, root = open_fs(spec.path)
+        if split == "validation":
+            return _base(spec, _validation_path(spec, fs, root), extra)
         parts = (child(fs, root, "train"), child(fs, root, "test"))
         if parts[0] is not None and parts[1] is not None:
             where = spec.path.rstrip("/") + "/" + split
@@ -121,8 +152,29 @@ def _open_split(spec: DatasetSpec, seed: int, split: str, extra: dict[str, Any])
 
     fn = resolve_callable(spec.name, "dataset.name")
     result = call_user(fn, spec.name, "dataset.name", **spec.options)
+    if split == "validation":
+        return named_split(result, spec, open_map(result, spec.name, "train", seed,
+                                                  spec.test_fraction, spec.num_classes,
+                                                  spec.targets, spec.collate).meta)
     return open_map(result, spec.name, split, seed, spec.test_fraction, spec.num_classes,
                     spec.targets, spec.collate)
+
+
+def named_split(result: Any, spec: DatasetSpec, meta: Meta) -> Source:
+    """The split ``dataset.validation`` names of a map-style loader's return value: a key of
+    its dict (an HF-style ``{"train", "validation", "test"}``)."""
+    from dynabatch.actors.data.mapstyle import MapSource, is_map_style
+
+    name = str(spec.validation)
+    if not isinstance(result, dict):
+        raise DataError(f"dataset.validation: {spec.name!r} returned one dataset or a pair, "
+                        f"which has no split {name!r}: return a dict of splits, or give a "
+                        "fraction of train")
+    if name not in result or not is_map_style(result[name]):
+        found = ", ".join(sorted(str(k) for k in result))
+        raise DataError(f"dataset.validation: {spec.name!r} returned no split {name!r} "
+                        f"(its splits: {found})")
+    return MapSource(result[name], spec.name, meta, collate=spec.collate)
 
 
 @dataclass
@@ -133,8 +185,13 @@ class Opened:
     meta: Meta
     train: Source
     test: Source
-    arrays: Any = None  # DatasetArrays for in-memory datasets
+    arrays: Any = None  # DatasetArrays for in-memory datasets (x_train without validation)
     refs: tuple[DataRef, DataRef] | None = None  # for file-backed and map-style ones
+    # dataset.validation's split, when the job has one: its source, and its ref (file-backed
+    # and map-style) or its (x, y) arrays (in memory).
+    validation: Source | None = None
+    validation_ref: DataRef | None = None
+    validation_arrays: tuple[Any, Any] | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -145,13 +202,36 @@ class Opened:
         return self.meta.num_classes
 
 
-def from_arrays(ds: Any) -> Opened:
+def from_arrays(ds: Any, spec: DatasetSpec | None = None, seed: int = 0) -> Opened:
+    """In-memory data as opened data; ``spec``'s validation fraction held out of train."""
+    import dataclasses
+
     from dynabatch.actors.workloads.objective import targets_kind
 
     meta = Meta(ds.name, tuple(ds.input_shape), ds.num_classes, targets_kind(ds.y_train),
                 tuple(ds.y_train.shape[1:]))
+    val = None
+    if spec is not None and spec.validation is not None:
+        if spec.validation_fraction is None:
+            raise DataError(f"dataset.validation: {spec.name} is in memory, with no split "
+                            f"named {spec.validation!r}: give a fraction of train (e.g. 0.1)")
+        keep, held = holdout_ids(len(ds.y_train), spec.validation_fraction, seed)
+        val = (ds.x_train[held], ds.y_train[held])
+        ds = dataclasses.replace(ds, x_train=ds.x_train[keep], y_train=ds.y_train[keep])
     return Opened(ds.name, meta, ArraySource(ds.x_train, ds.y_train, meta),
-                  ArraySource(ds.x_test, ds.y_test, meta), arrays=ds)
+                  ArraySource(ds.x_test, ds.y_test, meta), arrays=ds,
+                  validation=ArraySource(*val, meta) if val is not None else None,
+                  validation_arrays=val)
+
+
+def _with_validation(opened: Opened, spec: DatasetSpec, seed: int,
+                     extra: dict[str, Any] | None = None) -> Opened:
+    """File-backed or map-style ``opened`` with dataset.validation's split, if any."""
+    if spec.validation is None:
+        return opened
+    opened.validation = open_source(spec, seed, "validation", extra)
+    opened.validation_ref = DataRef(spec, seed, "validation", dict(extra or {}))
+    return opened
 
 
 def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
@@ -169,9 +249,10 @@ def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
         extra = {"classes": base.classes} if spec.name == "imagefolder" else {}
         test = open_source(spec, seed, "test", extra)
         refs = (DataRef(spec, seed, "train", extra), DataRef(spec, seed, "test", extra))
-        return Opened(spec.name, train.meta, train, test, refs=refs)
+        return _with_validation(Opened(spec.name, train.meta, train, test, refs=refs), spec,
+                                seed, extra)
     if spec.name in BUILTIN_DATASETS:
-        return from_arrays(load_dataset(spec, seed))
+        return from_arrays(load_dataset(spec, seed), spec, seed)
     from dynabatch.actors.data.mapstyle import open_map, split_result
     from dynabatch.actors.workloads.imports import (
         call_user,
@@ -186,13 +267,21 @@ def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
         if spec.collate is not None:
             raise DataError(f"dataset.collate: {spec.name!r} returned arrays, not a map-style "
                             "dataset (len and __getitem__): there are no samples to collate")
-        return from_arrays(user_arrays(spec, result, seed))
-    train = _limited(open_map(result, spec.name, "train", seed, spec.test_fraction,
+        return from_arrays(user_arrays(spec, result, seed), spec, seed)
+    whole = _limited(open_map(result, spec.name, "train", seed, spec.test_fraction,
                               spec.num_classes, spec.targets, spec.collate), spec)
+    train, validation = whole, None
+    if spec.validation_fraction is not None:
+        keep, held = holdout_ids(len(whole), spec.validation_fraction, seed)
+        train, validation = Subset(whole, keep), Subset(whole, held)
+    elif spec.validation is not None:
+        validation = named_split(result, spec, whole.meta)
     test = open_map(result, spec.name, "test", seed, spec.test_fraction, spec.num_classes,
                     spec.targets, spec.collate)
     refs = (DataRef(spec, seed, "train"), DataRef(spec, seed, "test"))
-    return Opened(spec.name, train.meta, train, test, refs=refs)
+    return Opened(spec.name, train.meta, train, test, refs=refs, validation=validation,
+                  validation_ref=(DataRef(spec, seed, "validation") if validation is not None
+                                  else None))
 
 
 def _limited(src: Source, spec: DatasetSpec) -> Source:

@@ -198,6 +198,28 @@ def split_ids(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.n
     return np.sort(perm[n_test:]), np.sort(perm[:n_test])
 
 
+# The validation split's stream tag: apart from the test split's, so that holding out a
+# validation split never changes which samples are the test set.
+_TAG_HOLDOUT = 0x7A1
+
+
+def holdout_ids(n: int, fraction: float, seed: int,
+                field: str = "dataset.validation") -> tuple[np.ndarray, np.ndarray]:
+    """A seeded validation split of ``range(n)``: (kept, held out) ids, each sorted;
+    ``round(n·fraction)`` held out, at least one. The same ``seed`` always holds out the same
+    samples (the job's seed: a resumed job and every worker hold out the same ones); the
+    simulator's tuning holdout is this split too. A fraction that leaves no sample to train
+    is a DataError naming ``field``."""
+    if not 0 < fraction < 1:
+        raise DataError(f"{field}: a fraction of the training samples must be in (0, 1), "
+                        f"got {fraction}")
+    n_val = max(1, round(n * fraction))
+    if n_val >= n:
+        raise DataError(f"{field}: {fraction} of {n} training samples leaves none to train")
+    perm = np.random.default_rng([seed, _TAG_HOLDOUT]).permutation(n)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 

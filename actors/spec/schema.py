@@ -24,6 +24,7 @@ from dynabatch.actors.spec.sections import (
     DatasetSpec,
     EarlyStoppingSpec,
     EmulationSpec,
+    EvaluationSpec,
     IsgdSpec,
     MetricSpec,
     ModelSpec,
@@ -175,6 +176,10 @@ class JobSpec(_Strict):
         default=None,
         description="End the job SUCCEEDED once a held-out metric has stopped improving: "
         "{metric, mode: min|max, patience, min_delta}.")
+    evaluation: EvaluationSpec = Field(
+        default_factory=EvaluationSpec,
+        description="When the test set is scored: {test_every_epoch} (with "
+        "dataset.validation).")
     artifacts: ArtifactsSpec = Field(
         default_factory=ArtifactsSpec,
         description="Where the trained model (safetensors and a manifest) goes at the end.")

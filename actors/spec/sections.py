@@ -254,6 +254,14 @@ class DatasetSpec(_Strict):
     test_fraction: float = Field(
         default=0.2, gt=0.0, lt=1.0, description="Held-out split when the dataset has none."
     )
+    validation: float | str | None = Field(
+        default=None,
+        description="A validation split, judged by early_stopping and checkpoint.keep_best "
+        "instead of the test set (which is then scored at the end): a fraction of the "
+        "training samples in (0, 1), held out by a split seeded from the job's seed; or the "
+        "split's name (a folder beside train/ and test/ under dataset.path, a key of the "
+        "dict a loader returns) or its own path (parquet, npy, imagefolder).",
+        examples=[0.1, "validation", "/data/reviews/dev"])
     limit: StrictInt | None = Field(
         default=None, ge=1, description="Use at most this many training samples."
     )
@@ -271,6 +279,26 @@ class DatasetSpec(_Strict):
     @classmethod
     def _known(cls, v: str) -> str:
         return known_name("dataset", v, BUILTIN_DATASETS)
+
+    @field_validator("validation", mode="before")
+    @classmethod
+    def _validation(cls, v: Any) -> Any:
+        # One line for a number out of range, rather than one per member of the union.
+        if isinstance(v, bool):
+            raise ValueError(f"must be a fraction in (0, 1), a split's name or a path, got {v}")
+        if isinstance(v, int | float):
+            if not 0 < v < 1:
+                raise ValueError(f"a fraction of the training samples must be in (0, 1), "
+                                 f"got {v}")
+            return float(v)
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("must name a split or a path, not an empty string")
+        return v
+
+    @property
+    def validation_fraction(self) -> float | None:
+        """``validation`` when it is a fraction of train, else None."""
+        return self.validation if isinstance(self.validation, float) else None
 
     @field_validator("tokenizer")
     @classmethod
@@ -633,6 +661,18 @@ class EarlyStoppingSpec(BestSpec):
     min_delta: float = Field(default=0.0, ge=0.0,
                              description="How much better than the best so far a value must "
                              "be to count as an improvement.")
+
+
+class EvaluationSpec(_Strict):
+    """When the test set is scored. With ``dataset.validation`` every epoch is scored on the
+    validation split (early stopping and keep_best judge on it) and the test set once, on
+    the final weights (after the last epoch, or after an early stop); ``test_every_epoch``
+    scores it after every epoch as well. Without a validation split the test set is the
+    one scored every epoch, as it is judged."""
+
+    test_every_epoch: bool = Field(
+        default=False, description="Also score the test set after every epoch (with "
+        "dataset.validation; without it, the test set is scored every epoch anyway).")
 
 
 class CheckpointSpec(_Strict):

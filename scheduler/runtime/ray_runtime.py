@@ -64,21 +64,25 @@ def open_checked(spec: JobSpec) -> tuple[Any, Any]:
 
     check_tokenizer(spec)  # dataset.tokenizer against the model's vocab_size
     data = open_dataset(spec.dataset, seed=spec.seed)
-    _refuse_oversized_batch(spec, len(data.train))
+    _refuse_oversized_batch(spec, len(data.train),
+                            len(data.validation) if data.validation is not None else 0)
     model = build_model(spec.model, tuple(data.input_shape), data.num_classes)
     x2, y2 = data.train.read(np.arange(min(2, len(data.train))))
     return data, check_objective(spec, model, x2, y2)
 
 
-def _refuse_oversized_batch(spec: JobSpec, n_train: int) -> None:
+def _refuse_oversized_batch(spec: JobSpec, n_train: int, n_validation: int = 0) -> None:
     """A global batch the training set cannot fill fails the job at load time (one line,
-    naming the field), not with a one-step epoch."""
+    naming the field), not with a one-step epoch; ``n_validation``: what a validation
+    fraction held out of it (said, as the reason it is smaller)."""
     from dynabatch.actors.spec.validation import batch_fits_data
     from dynabatch.actors.workloads import WorkloadError
 
     problem = batch_fits_data(spec, n_train)
     if problem is not None:
-        raise WorkloadError(f"{problem[0]}: {problem[1]}")
+        held = (f"; dataset.validation held {n_validation} out of it"
+                if n_validation and spec.dataset.validation_fraction else "")
+        raise WorkloadError(f"{problem[0]}: {problem[1]}{held}")
 
 
 class RayRuntime:
@@ -86,6 +90,7 @@ class RayRuntime:
         self.spec = spec
         self.output = output  # follows each worker's stdout and stderr into the job log
         self._data: dict[str, Any] | None = None
+        self._held: dict[str, tuple[Any, Any]] = {}  # the held-out splits' (x, y) by name
         self._handles: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self._devices: dict[str, str] = {}
@@ -114,8 +119,16 @@ class RayRuntime:
             "x_train": train[0], "y_train": train[1], "x_test": test[0], "y_test": test[1],
             "input_shape": tuple(data.input_shape), "num_classes": data.num_classes,
         }
+        # dataset.validation's split, scored where the driver asks for it (not sent to the
+        # workers at spawn: evaluate_shard takes the split it scores).
+        if data.validation_arrays is not None:
+            self._held = {"validation": tuple(ray.put(a) for a in data.validation_arrays)}
+        elif data.validation_ref is not None:
+            self._held = {"validation": (data.validation_ref, None)}
+        self._held["test"] = (test[0], test[1])
+        n_val = len(data.validation) if data.validation is not None else 0
         return DataInfo(data.name, len(data.train), len(data.test),
-                        tuple(data.input_shape), data.num_classes)
+                        tuple(data.input_shape), data.num_classes, n_validation=n_val)
 
     # --- workers ----------------------------------------------------------------------
     def nodes(self) -> list[NodeInfo]:
@@ -323,12 +336,13 @@ class RayRuntime:
             self._plan_store = None
             return False
 
-    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> dict[Any, str]:
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]],
+                          split: str = "test") -> dict[Any, str]:
         # Queued on each actor behind the segment before it, ahead of the one after.
-        data, ticket = self._data, {}
+        (x, y), ticket = self._held[split], {}
         for w, (lo, hi) in shards.items():
             handle = self._handles.get(w)
-            ticket[handle.evaluate_shard.remote(data["x_test"], data["y_test"], lo, hi)
+            ticket[handle.evaluate_shard.remote(x, y, lo, hi)
                    if handle is not None else ("gone", w)] = w
         return ticket
 

@@ -31,6 +31,8 @@ class DataInfo:
     # (dynabatch.actors.export). Empty/0 from runtimes without a real model.
     input_shape: tuple[int, ...] = ()
     num_classes: int = 0
+    # dataset.validation's split (0: none; the test set is then the one judged).
+    n_validation: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,10 +150,12 @@ class Runtime(Protocol):
         loading ``state`` into it when given. A member whose join raised is not lost: it
         is alive and takes part in the next attempt."""
 
-    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> Any:
-        """Queue each worker's evaluation of the held-out samples ``[lo, hi)``: behind the
-        calls sent to it before (so it scores the weights they leave) and ahead of those
-        sent after. Returns a ticket for :meth:`poll_evaluation`."""
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]],
+                          split: str = "test") -> Any:
+        """Queue each worker's evaluation of the held-out samples ``[lo, hi)`` of ``split``
+        (test, or validation when the data has one): behind the calls sent to it before
+        (so it scores the weights they leave) and ahead of those sent after. Returns a
+        ticket for :meth:`poll_evaluation`."""
 
     def poll_evaluation(self, ticket: Any, timeout_s: float) -> list[ShardResult]:
         """The ticket's shards that finished since the last poll (each returned once),

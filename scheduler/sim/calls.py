@@ -27,6 +27,7 @@ class Call:
 
     plans: dict[str, SegmentPlan] | None = None
     shards: dict[str, tuple[int, int]] | None = None
+    split: str = "test"  # the held-out split an evaluation scores
     outcomes: list[WorkerOutcome] | None = None
     results: list[ShardResult] | None = None
     delivered: bool = False  # an evaluation's results were handed out (each once)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from dynabatch.actors.contracts import IsgdRule, StepPlan, epoch_order
+from dynabatch.actors.data.source import holdout_ids
 from dynabatch.actors.device_data import BatchGather
 from dynabatch.actors.optim import build_optimizer
 from dynabatch.actors.spec import JobSpec
@@ -47,17 +48,20 @@ class GradientEngine:
         self.name = ds.name
         x, y = np.asarray(ds.x_train), np.asarray(ds.y_train)
         self.x_test, self.y_test = np.asarray(ds.x_test), np.asarray(ds.y_test)
-        if holdout > 0:
-            if not holdout < 1:
-                raise ValueError(f"holdout must be below 1, got {holdout}")
-            n_val = max(1, round(len(y) * holdout))
-            if n_val >= len(y):
-                raise ValueError(f"holdout {holdout} leaves no training sample")
-            perm = np.random.default_rng([spec.seed, 0x7A1]).permutation(len(y))
-            val, keep = np.sort(perm[:n_val]), np.sort(perm[n_val:])
-            self.x_test, self.y_test = x[val], y[val]
-            self.name = f"{ds.name} ({len(keep)} train, {n_val} validation held out)"
+        # The held-out sets by split name (the runtime's evaluation names one).
+        self.held: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        fraction = holdout or spec.dataset.validation_fraction
+        if fraction:
+            # The job's own validation split (dataset.validation), or tune's (holdout): the
+            # same seeded split a real job holds out.
+            keep, val = holdout_ids(len(y), fraction, spec.seed,
+                                    "holdout" if holdout else "dataset.validation")
+            self.held["validation"] = (x[val], y[val])
+            self.name = f"{ds.name} ({len(keep)} train, {len(val)} validation held out)"
             x, y = x[keep], y[keep]
+            if holdout:  # tune scores the validation split in the test set's place
+                self.x_test, self.y_test = self.held["validation"]
+        self.held["test"] = (self.x_test, self.y_test)
         self.x = torch.from_numpy(np.ascontiguousarray(x))
         self.y = torch.from_numpy(np.ascontiguousarray(y))
         self.objective = objective_for(spec, targets_kind(y))
@@ -148,11 +152,16 @@ class GradientEngine:
         return self.objective.evaluate(self.model, self.x_test, self.y_test,
                                        torch.device("cpu"), batch)
 
-    def eval_sums(self, worker: str, lo: int, hi: int, batch: int = 1024) -> dict[str, float]:
-        """A holder's shard of the held-out set, as
+    @property
+    def n_validation(self) -> int:
+        return len(self.held["validation"][1]) if "validation" in self.held else 0
+
+    def eval_sums(self, worker: str, lo: int, hi: int, batch: int = 1024,
+                  split: str = "test") -> dict[str, float]:
+        """A holder's shard of the held-out ``split`` (test, validation), as
         :meth:`dynabatch.actors.worker.Worker.evaluate_shard`; :meth:`finish` scores the sums."""
-        return self.objective.eval_sums(self.model, self.x_test, self.y_test, lo, hi,
-                                        torch.device("cpu"), batch)
+        x, y = self.held[split]
+        return self.objective.eval_sums(self.model, x, y, lo, hi, torch.device("cpu"), batch)
 
     def finish(self, sums: dict[str, float]) -> dict[str, float]:
         return self.objective.finish(sums)

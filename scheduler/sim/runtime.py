@@ -103,7 +103,8 @@ class SimRuntime(SimTraining):
 
     def _run_call(self, call: Call, grace_s: float) -> None:
         if call.shards is not None:
-            call.results = self._evaluate(call.shards)
+            call.results = (self._evaluate(call.shards) if call.split == "test"
+                            else self._evaluate(call.shards, call.split))
             return
         plans = call.plans
         self.record.segments += 1
@@ -159,8 +160,9 @@ class SimRuntime(SimTraining):
             if not self._dead(w) and self.faults.counted(kind, self.workers[w].ordinal):
                 self._process_dies(w, t)
 
-    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> Call:
-        return self._calls.send(Call(shards=dict(shards)))
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]],
+                          split: str = "test") -> Call:
+        return self._calls.send(Call(shards=dict(shards), split=split))
 
     def poll_evaluation(self, ticket: Call, timeout_s: float) -> list[ShardResult]:
         """Its shards once it ran: it runs now when only evaluations are before it (the
@@ -173,7 +175,8 @@ class SimRuntime(SimTraining):
         ticket.delivered = True
         return list(ticket.results or [])
 
-    def _evaluate(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
+    def _evaluate(self, shards: dict[str, tuple[int, int]],
+                  split: str = "test") -> list[ShardResult]:
         """Each worker scores its shard in its node's ``e_s`` per sample (times the node's
         slowdown events; the spec's emulated slowdowns pace training only, as on Ray), all
         at once: the clock moves to the slowest shard's end, and the calls behind start
@@ -199,7 +202,10 @@ class SimRuntime(SimTraining):
                 # No model in timing-only mode: the record says so (no loss, no accuracy).
                 out.append(ShardResult(w, {"n": float(hi - lo)}, seconds=took[w]))
             else:
-                out.append(ShardResult(w, self.gradients.eval_sums(w, lo, hi), seconds=took[w]))
+                # The test split by the replicas' plain call (every Replicas has one).
+                sums = (self.gradients.eval_sums(w, lo, hi) if split == "test"
+                        else self.gradients.eval_sums(w, lo, hi, split=split))
+                out.append(ShardResult(w, sums, seconds=took[w]))
         return out
 
     def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:

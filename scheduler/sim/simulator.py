@@ -142,7 +142,8 @@ def simulate(
             raise ClusterError(f"dataset_size: real-gradient mode trains the job's dataset "
                                f"({gradients.n_train} samples), not {dataset_size}")
         data = DataInfo(gradients.name, gradients.n_train, gradients.n_test,
-                        gradients.input_shape, gradients.num_classes)
+                        gradients.input_shape, gradients.num_classes,
+                        n_validation=0 if holdout else gradients.n_validation)
     elif dataset_size is None:
         data = DataInfo(*dataset_sizes(spec))
     else:

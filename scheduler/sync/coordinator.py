@@ -278,6 +278,7 @@ class Coordinator(JobControl):
                 train_loss=last.train_loss if last else None,
                 test_accuracy=last.test_accuracy if last else None,
                 test_metrics=last.scores if last else {},
+                validation_metrics=dict(last.validation_metrics) if last else {},
                 utilization=last.utilization if last else None,
                 compute_balance=last.compute_balance if last else None,
                 rebalances_total=job.rebalances_total, epochs_completed=len(self._history),

@@ -128,24 +128,37 @@ def build_record(
     )
 
 
-def with_scores(record: EpochRecord, totals: EpochTotals, scores: dict[str, float] | None,
-                rnd: EvalRound) -> EpochRecord:
-    """``record`` completed by its evaluation (``scores`` None: it did not complete)."""
+def split_fields(split: str, scores: dict[str, float] | None) -> dict[str, Any]:
+    """The record's fields of the held-out ``split`` (test, validation) that ``scores``
+    (the evaluation's ``{"loss", <metric>: ...}``, None: none) fill."""
     scores, matrices = split_scores(scores or {})  # a confusion matrix is a table
     loss = scores.pop("loss", None)
+    if split == "validation":
+        return {"validation_loss": loss, "validation_metrics": scores,
+                "validation_matrices": matrices}
+    return {"test_loss": loss, "test_accuracy": scores.get("accuracy"), "test_metrics": scores,
+            "test_matrices": matrices}
+
+
+def with_scores(record: EpochRecord, totals: EpochTotals, scores: dict[str, float] | None,
+                rnd: EvalRound) -> EpochRecord:
+    """``record`` completed by its evaluation (``scores`` None: it did not complete), in the
+    fields of the split the round scored."""
     evaluation, hidden = rnd.critical_s, rnd.hidden_s
     return record.model_copy(update={
-        "test_loss": loss, "test_accuracy": scores.get("accuracy"), "test_metrics": scores,
-        "test_matrices": matrices,
+        **split_fields(rnd.split, scores),
         "evaluation_s": evaluation, "evaluation_hidden_s": hidden,
         "breakdown": totals.breakdown(record.elapsed_s or 0.0, evaluation, hidden),
     })
 
 
 def summary(record: EpochRecord, epochs: int | None = None) -> str:
-    """The epoch's line in the job log, with the job's own held-out metrics: ``epoch 1/N``
-    for the first of ``epochs``, as the progress and ``status`` count them."""
-    scores = scores_text(record.scores) or "no test scores"
+    """The epoch's line in the job log, with the job's own held-out metrics, each split
+    named: ``epoch 1/N`` for the first of ``epochs``, as the progress and ``status`` count
+    them."""
+    scores = "; ".join(f"{split} {text}" for split, text in (
+        ("validation", scores_text(record.validation_metrics)),
+        ("test", scores_text(record.scores))) if text) or "no test scores"
     of = f"/{epochs}" if epochs else ""
     return (f"epoch {record.epoch + 1}{of}: {record.wall_s:.2f}s, "
             f"loss {record.train_loss:.4f}, "

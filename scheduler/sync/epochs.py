@@ -29,9 +29,16 @@ from dynabatch.scheduler.core.regime.stopping import Judgement, judge, should_st
 from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
-from dynabatch.scheduler.sync.epoch_report import EpochTotals, build_record, summary, with_scores
-from dynabatch.scheduler.sync.evaluation import EvalRound
+from dynabatch.scheduler.sync.epoch_report import (
+    EpochTotals,
+    build_record,
+    split_fields,
+    summary,
+    with_scores,
+)
+from dynabatch.scheduler.sync.evaluation import EvalRound, due_for_test
 from dynabatch.scheduler.sync.job import OfferedUpdate, Part
+from dynabatch.scheduler.telemetry import EpochRecord, scores_text
 
 if TYPE_CHECKING:
     from dynabatch.scheduler.sync.coordinator import Coordinator
@@ -45,6 +52,8 @@ class Epochs(Part):
         # The ended epoch's judgement (judge_epoch), until the next epoch: the best
         # checkpoint's description when it is the best so far, and early stopping's reason.
         self.judged: tuple[dict[str, Any] | None, str | None] = (None, None)
+        # Test scores of an epoch whose record is not in the history yet (publish_test).
+        self.test_scores: dict[int, dict[str, Any]] = {}
 
     # ---------------------------------------------------------------- beginnings
     def load_data(self) -> None:
@@ -65,7 +74,13 @@ class Epochs(Part):
         )
         if job.ledger.epoch != job.protocol.epoch:
             job.ledger.begin_epoch(job.protocol.epoch, d.n_train)
-        self.log("INFO", f"loaded {d.name}: {d.n_train} train, {d.n_test} test samples "
+        if d.n_validation:  # judged on the validation split; the test set when due
+            self.evals.split, self.evals.n_test = "validation", d.n_test
+            self.evals.test_after = lambda epoch: due_for_test(
+                validation=True, every_epoch=s.evaluation.test_every_epoch,
+                last=epoch + 1 >= s.epochs, stopped=False)
+        val = f"{d.n_validation} validation, " if d.n_validation else ""
+        self.log("INFO", f"loaded {d.name}: {d.n_train} train, {val}{d.n_test} test samples "
                          f"in {self.clock.now() - t0:.2f}s")
 
     def begin_epoch(self) -> None:
@@ -131,9 +146,10 @@ class Epochs(Part):
         return self.spec.early_stopping is not None or self.spec.checkpoint.keep_best is not None
 
     def _judged(self, metric: str, mode: str, min_delta: float = 0.0) -> Judgement:
-        """The history's best epoch by ``metric`` (``loss``: the held-out loss)."""
-        values = [r.test_loss if metric == "loss" else r.scores.get(metric)
-                  for r in self.history]
+        """The history's best epoch by ``metric`` (``loss``: the held-out loss) on the
+        judged split (validation, when the job has one)."""
+        held = [r.held_out(self.evals.split) for r in self.history]
+        values = [loss if metric == "loss" else scores.get(metric) for loss, scores in held]
         return judge(values, mode, min_delta)
 
     @property
@@ -209,7 +225,7 @@ class Epochs(Part):
             holders = [m.worker_id for m in job.membership.holders()]
             rnd = self.evals.submit(p.epoch, job.evaluation_shards(holders))
             job.next_behind = rnd
-        rnd.record, rnd.extra = record, ep
+        self.evals.attach(p.epoch, record, ep)
 
     def next_epoch(self) -> None:
         """The ended epoch is closed: the job stands at the next epoch's start (training
@@ -217,6 +233,14 @@ class Epochs(Part):
         published."""
         job, p = self.job, self.job.protocol
         _, stop = self.judged
+        due = self.evals.test_after
+        if stop is not None and due is not None and not due(p.epoch):
+            # An early stop ends the training with these weights: the test set scores them
+            # (the holders have them: a judged epoch sends nothing ahead of its evaluation).
+            holders = [m.worker_id for m in job.membership.holders()]
+            rnd = self.evals.submit_test(p.epoch, holders, job.tracker.speeds())
+            rnd.record, rnd.extra = self.history[-1], job.ep  # published into that record
+            job.next_behind = rnd
         with self.lock:
             p.next_epoch()
             job.ep = None
@@ -274,20 +298,42 @@ class Epochs(Part):
             # Nothing was sent behind it: the holders left still have the epoch's weights
             # and score the set again (at the job's end, say), so no scores are lost.
             self.log("INFO", f"epoch {rnd.epoch}: evaluating again on {list(again.workers)}")
-            rerun = self.evals.submit(rnd.epoch, job.evaluation_shards(list(again.workers)))
+            rerun = self.evals.submit(rnd.epoch, job.evaluation_shards(list(again.workers),
+                                                                      rnd.split), rnd.split)
             rerun.record, rerun.extra = rnd.record, rnd.extra
             rerun.waited_s = again.waited_s
             job.next_behind = rerun
             return
         scores = self.evals.runtime.finish_evaluation(sums) if sums is not None else None
         if scores is None and rnd.shards:
-            self.log("WARNING", f"epoch {rnd.epoch}: no test scores (not every shard of "
-                                "the held-out set was scored)")
-        record = with_scores(rnd.record, rnd.extra, scores, rnd)
+            self.log("WARNING", f"epoch {rnd.epoch}: no {rnd.split} scores (not every shard "
+                                f"of the {rnd.split} set was scored)")
+        if rnd.split != self.evals.split:  # the test round behind a validation round
+            self.publish_test(rnd.epoch, scores)
+            return
+        record = self._with_test(with_scores(rnd.record, rnd.extra, scores, rnd))
         with self.lock:
             self.history.append(record)
             self.log("INFO", summary(record, self.spec.epochs))
         self.c.tracking.epoch(record)
+
+    def publish_test(self, epoch: int, scores: dict[str, float] | None) -> None:
+        """A test round's scores of ``epoch``'s weights join the epoch's record (in the
+        history, or once it is: its validation round may have been run again)."""
+        self.test_scores[epoch] = split_fields("test", scores)
+        at = next((i for i, r in enumerate(self.history) if r.epoch == epoch), None)
+        if at is None:
+            return
+        record = self._with_test(self.history[at])
+        with self.lock:
+            self.history[at] = record
+            self.log("INFO", f"epoch {epoch}: test "
+                             f"{scores_text(record.scores) or 'not scored'}")
+        self.c.tracking.epoch(record)
+
+    def _with_test(self, record: EpochRecord) -> EpochRecord:
+        fields = self.test_scores.pop(record.epoch, None)
+        return record if fields is None else record.model_copy(update=fields)
 
     def close(self) -> None:
         """The job ends otherwise than by success or cancellation (which wait for them):

@@ -21,8 +21,14 @@ costs the critical path (every worker waits for it at the next step's all-reduce
 of the work, ``Σ seconds − max seconds``, is what the split hid: one worker evaluating alone
 would have added it while the others waited.
 
-:func:`split` and :func:`combine` are pure; :class:`Evaluations` is driver bookkeeping over
-a runtime and a clock (``dynabatch.scheduler.runtime.seam``).
+Splits. Each epoch scores the judged split: ``dataset.validation``'s when the job has one,
+else the test set. With a validation split the test set is scored by a round of its own,
+queued right behind the epoch's validation round on the same holders (so it scores the same
+weights) where :func:`due_for_test` says: the last epoch, every epoch when
+``evaluation.test_every_epoch``, and the epoch an early stop ends the training after.
+
+:func:`split`, :func:`combine` and :func:`due_for_test` are pure; :class:`Evaluations` is driver
+bookkeeping over a runtime and a clock (``dynabatch.scheduler.runtime.seam``).
 """
 
 from __future__ import annotations
@@ -76,6 +82,14 @@ def combine(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def due_for_test(*, validation: bool, every_epoch: bool, last: bool, stopped: bool) -> bool:
+    """Whether an epoch's weights are scored on the test set in a round of their own: only
+    in a job with a validation split (without one, the test set is the judged split, scored
+    every epoch), after the last epoch, after the epoch an early stop ends the training
+    with, or every epoch when asked."""
+    return validation and (every_epoch or last or stopped)
+
+
 @dataclass
 class EvalRound:
     """One evaluation of the weights at the end of ``epoch``, split over ``shards``.
@@ -92,6 +106,7 @@ class EvalRound:
     record: Any = None
     extra: Any = None
     waited_s: float = 0.0  # the coordinator's time blocked on it (at the job's end, say)
+    split: str = "test"  # the held-out split it scores (test, validation)
 
     @property
     def attached(self) -> bool:
@@ -144,17 +159,50 @@ class Evaluations:
         self.clock = clock
         self.timeout_s = timeout_s
         self.rounds: list[EvalRound] = []
+        # The judged split each epoch scores (validation, when the data has one), the test
+        # set's size, and which epochs' weights are also scored on the test set (due_for_test).
+        self.split = "test"
+        self.n_test = 0
+        self.test_after: Any = None  # (epoch) -> bool; None: never
 
-    def submit(self, epoch: int, shards: dict[str, tuple[int, int]]) -> EvalRound:
+    def submit(self, epoch: int, shards: dict[str, tuple[int, int]],
+               split: str | None = None) -> EvalRound:
+        """Queue a round of ``split`` (default: the judged split, followed by a test round
+        on the same holders when :attr:`test_after` says so for ``epoch``)."""
+        r = self._submit(epoch, shards, split or self.split)
+        if split is None and self.split != "test" and self.test_after is not None \
+                and self.test_after(epoch):
+            self.submit_test(epoch, list(shards), {w: hi - lo for w, (lo, hi) in shards.items()})
+        return r
+
+    def submit_test(self, epoch: int, holders: list[str],
+                    weights: Mapping[str, float] | None = None) -> EvalRound:
+        """A round scoring ``epoch``'s weights on the test set, split over ``holders`` (in
+        proportion to ``weights``, their validation shares: their throughput)."""
+        weights = weights or dict.fromkeys(holders, 1.0)
+        return self._submit(epoch, split(self.n_test, {w: weights.get(w, 0.0) for w in holders}),
+                            "test")
+
+    def _submit(self, epoch: int, shards: dict[str, tuple[int, int]], which: str) -> EvalRound:
         now = self.clock.now()
-        ticket = self.runtime.submit_evaluation(shards) if shards else None
-        r = EvalRound(epoch, dict(shards), ticket, now, now + self.timeout_s)
+        ticket = None
+        if shards:  # a runtime with no validation split need not know about splits
+            ticket = (self.runtime.submit_evaluation(shards) if which == "test"
+                      else self.runtime.submit_evaluation(shards, split=which))
+        r = EvalRound(epoch, dict(shards), ticket, now, now + self.timeout_s, split=which)
         self.rounds.append(r)
         return r
 
     def unattached(self, epoch: int) -> EvalRound | None:
         """The round sent ahead for ``epoch``'s end, before its last segment was in."""
         return next((r for r in self.rounds if r.epoch == epoch and not r.attached), None)
+
+    def attach(self, epoch: int, record: Any, extra: Any) -> None:
+        """Give ``epoch``'s rounds not yet attached (its judged round and the test round
+        behind it) the epoch's record, to publish it with once they are in."""
+        for r in self.rounds:
+            if r.epoch == epoch and not r.attached:
+                r.record, r.extra = record, extra
 
     def discard(self, epoch: int) -> None:
         """Drop a round sent ahead for ``epoch``'s end: the segment before it failed, so it

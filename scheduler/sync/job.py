@@ -156,11 +156,16 @@ class SyncJob:
         :attr:`start_batch`. The snapshot, the checkpoint and the protocol read it here."""
         return self.protocol.global_batch if self.protocol is not None else self.start_batch
 
-    def evaluation_shards(self, workers: list[str]) -> dict[str, tuple[int, int]]:
-        """The held-out set split over ``workers`` in proportion to their measured
+    def evaluation_shards(self, workers: list[str], which: str | None = None
+                          ) -> dict[str, tuple[int, int]]:
+        """The held-out split ``which`` (default: the judged one, validation when the data
+        has it, else test) split over ``workers`` in proportion to their measured
         throughput (the tracker's: the one source of a worker's speed)."""
         speeds = self.tracker.speeds()
-        n = self.data.n_test if self.data is not None else 0
+        d, n = self.data, 0
+        if d is not None:
+            which = which or ("validation" if d.n_validation else "test")
+            n = d.n_validation if which == "validation" else d.n_test
         return split(n, {w: speeds.get(w, 0.0) for w in workers})
 
     def become(self, new: Phase, at: float) -> None:
