@@ -11,8 +11,8 @@ The decisions live in pure machines (no ray, no torch, no clock), each in its mo
   trained; verified exactly once at every epoch's end;
 * :class:`~dynabatch.scheduler.core.membership.Membership`: who is in, who holds the
   current state, what to spawn or evict;
-* :mod:`dynabatch.scheduler.core.failures`: what a failed segment means, and when to stop
-  retrying (segments and regroups);
+* :mod:`dynabatch.scheduler.core.failures`: what a failed segment means, and each
+  failure's one decision (retry, evict, roll back, fail: :class:`FailurePolicy`);
 * :mod:`dynabatch.scheduler.core.sync.phase`: where the loop stands (:class:`Phase`), and
   :mod:`~dynabatch.scheduler.core.sync.pipeline` and :mod:`~dynabatch.scheduler.core.sync.
   boundary`: what may be sent ahead, whose time a segment took, when to wait, fail, roll
@@ -50,8 +50,8 @@ from collections.abc import Callable
 
 from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.actors.spec import MAX_WORKERS, JobSpec
-from dynabatch.scheduler.control import Assign, JobControl, JobEnded
-from dynabatch.scheduler.core.failures import RetryBudget
+from dynabatch.scheduler.control import Assign, JobControl
+from dynabatch.scheduler.core.failures import FailurePolicy
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership, NodeAssignment
 from dynabatch.scheduler.core.regime.regime import Regime
@@ -167,7 +167,7 @@ class Coordinator(JobControl):
                 max_batch=s.max_batch, max_possible=MAX_WORKERS),
             regime=Regime(s, lr_factors),
             policy=policy_for(s.policy, s.rebalance.min_gain(s.policy)),
-            budget=RetryBudget(s.max_retries),
+            failures=FailurePolicy(s.max_retries),
         )
         # Evaluations run on the holders between segments, collected as they arrive.
         self.evals = Evaluations(runtime, self.clock, EVAL_TIMEOUT_S)
@@ -227,8 +227,6 @@ class Coordinator(JobControl):
         """One control-loop step; False once the job is terminal."""
         try:
             return self._step()
-        except JobEnded:
-            return False
         except Exception as err:  # the job fails with the reason; the actor stays up
             log.exception("job %s failed", self.job_id)
             self._finish(JobState.FAILED, f"internal error: {type(err).__name__}: {err}")
@@ -335,9 +333,12 @@ class Coordinator(JobControl):
                     if isinstance(command, EndStep):
                         return not command.stop and not self.state.is_terminal
                     ok = self._carry_out(command)
+                    if self.state.is_terminal:  # the failure policy failed the job in it
+                        self.engine.interrupted()
+                        return False
                 commands = self.engine.on(outcome(commands[-1], self._facts(), ok))
         except BaseException:
-            self.engine.interrupted()  # the job ended inside a command (or a bug)
+            self.engine.interrupted()  # a bug: the job fails with it
             raise
 
     def _facts(self) -> Facts:
@@ -367,7 +368,7 @@ class Coordinator(JobControl):
             epoch_complete=p is not None and p.epoch_complete,
             check_due=p is not None and p.due_check(),
             trained_any=bool(self._history) or self.step_in_epoch > 0,
-            retrying=job.budget.retrying, requests_pending=requests,
+            retrying=job.attempts.retrying, requests_pending=requests,
             assignment_queued=assigning,
             regroup_due=m.dirty, drains_due=m.drains_due(job.tracker.speeds()),
             stamps_fixed=job.regime.can_stamp_ahead,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dynabatch.scheduler.core.failures import Fail, FailureEvent
 from dynabatch.scheduler.core.regime.stopping import Judgement, judge, should_stop
 from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
@@ -55,7 +56,8 @@ class Epochs(Part):
         try:
             job.data = self.runtime.load_data()
         except WorkloadError as err:
-            self.fail(str(err))
+            self.failed(FailureEvent("data", error=str(err)))
+            return
         d = job.data
         job.protocol = SyncProtocol(
             global_batch=job.start_batch, dataset_size=d.n_train, seed=s.seed,
@@ -180,8 +182,10 @@ class Epochs(Part):
         job, p = self.job, self.job.protocol
         v = job.ledger.verify()
         if not v.verified:
-            self.fail(f"epoch {p.epoch}: exactly-once check of the workers' reports "
-                      f"failed: {v.reason}")
+            self.failed(FailureEvent("exactly_once", error=(
+                f"epoch {p.epoch}: exactly-once check of the workers' reports failed: "
+                f"{v.reason}")))
+            return
         ep = job.ep
         alloc = p.allocation
         planned = set(alloc.workers) if alloc else set()
@@ -247,8 +251,8 @@ class Epochs(Part):
 
     def publish(self, rnd: EvalRound, closing: bool = False) -> None:
         """An epoch's evaluation is in: its record joins the history, with the scores when
-        every shard was scored. A shard that failed on a live worker counts against the
-        retry budget (the job fails once it is spent), unless the job is ending anyway
+        every shard was scored. A shard that failed on a live worker is a failure the
+        policy decides (the job fails once its retries are spent), unless the job is ending anyway
         (``closing``)."""
         job = self.job
         for w, r in rnd.failures.items():
@@ -257,14 +261,15 @@ class Epochs(Part):
                 self.remove_worker(w, "failure", "lost during evaluation")
         sums = rnd.sums()
         if sums is not None:
-            job.budget.evaluated()
+            job.attempts = job.attempts.evaluated()
         elif not closing and (bad := next(((w, r) for w, r in rnd.failures.items()
                                            if not r.lost), None)):
             w, r = bad
-            verdict = job.budget.evaluation_failed(rnd.epoch, w, rnd.shards[w],
-                                                   r.error or "no answer", user=r.user)
-            if verdict is not None:
-                self.fail(verdict)
+            decision = self.failed(FailureEvent(
+                "evaluation", position=Position(rnd.epoch, 0), worker=w, shard=rnd.shards[w],
+                error=r.error or "no answer", user=r.user))
+            if isinstance(decision, Fail):
+                return
         again = evaluate_again(
             complete=sums is not None, shard_failed=bool(rnd.failures),
             last_queued=rnd is job.next_behind,

@@ -285,8 +285,9 @@ class SyncEngine:
         raise InvalidEvent(f"{type(event).__name__} while {type(self.state).__name__}")
 
     def interrupted(self) -> None:
-        """The boundary was cut short: the job ended inside a command (a failure unwinds
-        the step). The next boundary starts afresh (and finds the job terminal)."""
+        """The boundary was cut short: the job ended inside a command (the failure
+        policy's ``Fail``, or a bug). The next boundary starts afresh (and finds the job
+        terminal)."""
         self.state = AtRest()
 
     # ------------------------------------------------------------------ the steps
