@@ -92,6 +92,7 @@ from dynabatch.scheduler.core.sync.messages import (
     SpawnWorkers,
     TendSpares,
     TrainSegment,
+    Verdict,
     WaitForMinimum,
     outcome,
 )
@@ -386,14 +387,13 @@ class Coordinator(JobControl):
             checkpoint_due=p is not None and self.epochs.checkpoint_due(p.epoch + 1),
             judges_epochs=self.epochs.judges_epochs,
             keeps_checkpoints=bool(s.checkpoint.dir),
-            judged_best=self.epochs.judged[0] is not None,
-            judged_stop=self.epochs.judged[1] is not None,
             stopping=bool(job.leaving),
         )
 
-    def _carry_out(self, command: Command) -> bool:
+    def _carry_out(self, command: Command) -> bool | Verdict:
         """One of the engine's commands, on this driver's parts; True unless a reconcile
-        left no group ready to train or a segment did not all run."""
+        left no group ready to train or a segment did not all run (an epoch's judgement:
+        its :class:`Verdict`)."""
         match command:
             case Become(phase):
                 self._become(phase)
@@ -449,9 +449,9 @@ class Coordinator(JobControl):
             case Evaluate():
                 self.epochs.evaluate()
             case JudgeEpoch():
-                self.epochs.judge_epoch()
-            case NextEpoch():
-                self.epochs.next_epoch()
+                return self.epochs.judge_epoch()
+            case NextEpoch(stop):
+                self.epochs.next_epoch(stop)
             case PublishReady():
                 self.epochs.publish_ready()
             case CommitInFlight():
@@ -460,8 +460,7 @@ class Coordinator(JobControl):
                 self.epochs.settle()
             case Checkpoint("cancel"):
                 self.checkpoints.save(reason="cancel")
-            case Checkpoint("best"):
-                best, _ = self.epochs.judged
+            case Checkpoint("best", best):
                 self.checkpoints.save(reason=f"best {best['metric']}",
                                       position=self.epochs.next_start, best=best)
             case Checkpoint(reason):  # at an epoch's end, as the next epoch's start

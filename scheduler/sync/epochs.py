@@ -23,12 +23,13 @@ them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dynabatch.scheduler.core.failures import Fail, FailureEvent
 from dynabatch.scheduler.core.regime.stopping import Judgement, judge, should_stop
 from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
+from dynabatch.scheduler.core.sync.messages import Verdict
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from dynabatch.scheduler.sync.epoch_report import EpochTotals, build_record, summary, with_scores
 from dynabatch.scheduler.sync.evaluation import EvalRound
@@ -43,9 +44,6 @@ class Epochs(Part):
         super().__init__(coord)
         # Why the job stopped before its last epoch (early_stopping), once it did.
         self.stopped: str | None = None
-        # The ended epoch's judgement (judge_epoch), until the next epoch: the best
-        # checkpoint's description when it is the best so far, and early stopping's reason.
-        self.judged: tuple[dict[str, Any] | None, str | None] = (None, None)
 
     # ---------------------------------------------------------------- beginnings
     def load_data(self) -> None:
@@ -144,10 +142,10 @@ class Epochs(Part):
         checkpoints are written as that)."""
         return Position(self.job.protocol.epoch + 1, 0)
 
-    def judge_epoch(self) -> None:
+    def judge_epoch(self) -> Verdict:
         """After the ended epoch's evaluation is in: whether it is the best by keep_best's
         metric (what it was judged by, for the best checkpoint), and early stopping's reason
-        to end the training after it, if any (:attr:`judged`, until the next epoch)."""
+        to end the training after it, if any."""
         epoch = self.job.protocol.epoch
         history = self.history
         best = self.spec.checkpoint.keep_best
@@ -157,7 +155,7 @@ class Epochs(Part):
             if j.best is not None and history[j.best].epoch == epoch:
                 judged_best = {"metric": best.metric, "mode": best.mode, "value": j.value,
                                "epoch": epoch}
-        self.judged = (judged_best, self._stop_after(epoch))
+        return Verdict(judged_best, self._stop_after(epoch))
 
     def _stop_after(self, epoch: int) -> str | None:
         es = self.spec.early_stopping
@@ -215,18 +213,16 @@ class Epochs(Part):
             job.next_behind = rnd
         rnd.record, rnd.extra = record, ep
 
-    def next_epoch(self) -> None:
+    def next_epoch(self, stop: str | None = None) -> None:
         """The ended epoch is closed: the job stands at the next epoch's start (training
-        ends there when early stopping said so), and the evaluations that are in are
-        published."""
+        ends there when early stopping said so: ``stop``), and the evaluations that are in
+        are published."""
         job, p = self.job, self.job.protocol
-        _, stop = self.judged
         with self.lock:
             p.next_epoch()
             job.ep = None
             if stop is not None:
                 self.stopped = stop
-        self.judged = (None, None)
         self.publish_ready()
 
     @property
