@@ -1,4 +1,4 @@
-"""What crosses between the scheduler and a worker: the plan it trains and what it reports.
+"""What crosses between a job's coordinator and a worker: the plan it trains and what it reports.
 
 These types sit in ``actors`` because that is the lowest layer that uses them: the
 scheduler imports them downward. Pure: numpy and pydantic, no ray, no torch.
@@ -13,7 +13,7 @@ Coverage. Each step the gradient all-reduce also sums a vector with one slot per
 of the step, in which every worker writes 1 at the positions it trained. After the
 all-reduce every participant holds, per position, how many workers trained it in that
 step: a fact produced by the collective itself, reported as a run-length encoding
-(:func:`encode_counts`). The scheduler's ledger rebuilds the epoch from these reports.
+(:func:`encode_counts`). The coordinator's ledger rebuilds the epoch from these reports.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ so an emulated GPU worker's clock is the wall clock after a device synchronisati
 sleep delays the kernels queued after it, so the device-timed compute (CUDA events) sees
 the slowed worker too. Slowdowns are thus applied on GPU workers as on CPU ones (they were
 silently ignored there before). The synchronisation before each bucket costs the overlap of
-the slowed worker's buckets with its backward: an emulation is a test of the scheduler,
+the slowed worker's buckets with its backward: an emulation is a test of the coordinator,
 not of the GPU's speed.
 
 Where the slowdown is applied. A slow node is slow *before* its gradient leaves: with the

@@ -1,6 +1,6 @@
 """One line for an error: what logs, job reasons and one-line CLI or API messages show.
 
-The lowest layer that needs it (workers, the scheduler's runtimes and drivers, the service
+The lowest layer that needs it (workers, the job drivers and their runtimes, the service
 and its HTTP client all use it), with no imports of its own.
 """
 

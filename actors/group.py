@@ -3,7 +3,7 @@
 Re-forming after a change of membership is destroy + init with a new store: reusing a
 store across generations would let a stale member's keys leak into the new group.
 
-Backends. The scheduler picks the backend per generation (:func:`choose_backend`): NCCL
+Backends. The coordinator picks the backend per generation (:func:`choose_backend`): NCCL
 when every member trains on a GPU, gloo otherwise (a job that mixes GPU and CPU nodes;
 GPU members stage their flat gradient buffer through pinned host memory for it).
 

@@ -161,12 +161,22 @@ def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
         ) from None
 
 
-def lr_scheduler_factors(sched: LrSchedulerSpec, base_lr: float, epochs: int) -> tuple[float, ...]:
-    """The learning rate of each of ``epochs`` epochs, as a factor of ``base_lr``, under the
-    torch.optim.lr_scheduler ``sched``: the scheduler is stepped once per epoch (the unit of
-    torch's epoch schedulers) on an SGD over one dummy parameter, so the sequence is pure
-    and the same for every worker; epoch ``e`` trains at the rate after ``e`` steps.
-    A problem is a WorkloadError naming the field."""
+def _lr_scheduler(sched: LrSchedulerSpec, base_lr: float
+                  ) -> tuple[torch.optim.Optimizer, Any]:
+    """``sched`` built on an SGD over one dummy parameter at ``base_lr``: a
+    torch.optim.lr_scheduler class by name with its ``options``, or the user's
+    ``make(optimizer, **options)`` by import path (Hugging Face's
+    ``get_linear_schedule_with_warmup``, say). A problem is a WorkloadError naming the field."""
+    dummy = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([dummy], lr=base_lr)
+    if re.match(IMPORT_PATH_PATTERN, sched.name):
+        field = "optimizer.lr_scheduler.name"
+        made = call_user(partial(resolve_callable(sched.name, field), opt), sched.name, field,
+                         **sched.options)
+        if not isinstance(made, torch.optim.lr_scheduler.LRScheduler):
+            raise WorkloadError(f"{field}: {sched.name!r} returned a {type(made).__name__}, "
+                                "not a torch.optim.lr_scheduler.LRScheduler")
+        return opt, made
     cls = _torch_class(
         torch.optim.lr_scheduler,
         torch.optim.lr_scheduler.LRScheduler,
@@ -182,30 +192,76 @@ def lr_scheduler_factors(sched: LrSchedulerSpec, base_lr: float, epochs: int) ->
                 f"optimizer.lr_scheduler.options.{key}: {sched.name} has no "
                 f"option {key!r} (it takes: {', '.join(takes)})"
             )
-    dummy = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([dummy], lr=base_lr)
+    needed = [p.name for p in inspect.signature(cls).parameters.values()
+              if p.default is inspect.Parameter.empty and p.name != "optimizer"
+              and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [k for k in needed if k not in sched.options]
+    if missing:
+        raise WorkloadError(
+            f"optimizer.lr_scheduler.options: {sched.name} needs {', '.join(missing)} "
+            "(no default)")
     try:
-        scheduler = cls(opt, **sched.options)
+        return opt, cls(opt, **sched.options)
     except (TypeError, ValueError, KeyError) as err:
         raise WorkloadError(
             f"optimizer.lr_scheduler.options: {sched.name} refused them: {first_line(err)}"
         ) from None
-    out = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's notes on call order; nothing is trained
-        for e in range(epochs):
-            out.append(opt.param_groups[0]["lr"] / base_lr)
-            if e == epochs - 1:
-                break  # no epoch after the last (OneCycleLR's total_steps may be epochs)
-            opt.step()  # no gradient: changes nothing, keeps torch's call order
-            try:
-                scheduler.step()
-            except (ValueError, ZeroDivisionError) as err:  # OneCycleLR past total_steps
-                raise WorkloadError(
-                    f"optimizer.lr_scheduler.options: {sched.name} cannot "
-                    f"step {epochs} epochs: {first_line(err)}"
-                ) from None
-    return tuple(out)
+
+
+class LrSteps:
+    """The learning rate after each of the scheduler's ``step()`` calls, as a factor of
+    ``base_lr``, computed on demand and kept: ``factor(k)`` is the rate after ``k`` steps.
+
+    The scheduler runs on a dummy parameter (:func:`_lr_scheduler`), so the sequence is a
+    pure function of ``k``: the driver stamps step ``k`` of the job with ``factor(k)``, and
+    the same step after a lost node, a retry or a resume from a checkpoint (which keeps the
+    epoch and step, the scheduler's position) trains at the same rate."""
+
+    def __init__(self, sched: LrSchedulerSpec, base_lr: float, unit: str = "step"):
+        self.name, self.base_lr, self.unit = sched.name, base_lr, unit
+        self._opt, self._scheduler = _lr_scheduler(sched, base_lr)
+        self._factors = [self._opt.param_groups[0]["lr"] / base_lr]
+
+    def factor(self, k: int) -> float:
+        k = max(k, 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on call order; nothing is trained
+            while len(self._factors) <= k:
+                self._opt.step()  # no gradient: changes nothing, keeps torch's call order
+                try:
+                    self._scheduler.step()
+                except (ValueError, ZeroDivisionError) as err:  # OneCycleLR past total_steps
+                    raise WorkloadError(
+                        f"optimizer.lr_scheduler.options: {self.name} cannot step "
+                        f"{len(self._factors)} {self.unit}s: {first_line(err)}"
+                    ) from None
+                self._factors.append(self._opt.param_groups[0]["lr"] / self.base_lr)
+        return self._factors[k]
+
+    __call__ = factor
+
+
+def lr_scheduler_factors(sched: LrSchedulerSpec, base_lr: float, epochs: int) -> tuple[float, ...]:
+    """The learning rate of each of ``epochs`` epochs, as a factor of ``base_lr``, under the
+    torch.optim.lr_scheduler ``sched`` stepped once per epoch (:class:`LrSteps`): epoch ``e``
+    trains at the rate after ``e`` steps. A problem is a WorkloadError naming the field."""
+    steps = LrSteps(sched, base_lr, "epoch")
+    # No step after the last epoch (OneCycleLR's total_steps may be epochs).
+    return tuple(steps.factor(e) for e in range(epochs))
+
+
+def lr_schedule(spec: JobSpec) -> tuple[float, ...] | LrSteps:
+    """The spec's ``optimizer.lr_scheduler`` as the driver's schedule takes it: a factor per
+    epoch (``interval: epoch``, empty without one), or the factor after each committed
+    optimizer step (``interval: step``)."""
+    sched = spec.optimizer.lr_scheduler
+    if sched is None:
+        return ()
+    if sched.interval == "step":
+        steps = LrSteps(sched, spec.optimizer.lr)
+        steps.factor(1)  # one step now: a schedule that cannot step fails the job at once
+        return steps
+    return lr_scheduler_factors(sched, spec.optimizer.lr, spec.epochs)
 
 
 def check_optimizer(spec: JobSpec) -> None:
@@ -215,8 +271,8 @@ def check_optimizer(spec: JobSpec) -> None:
     o = spec.optimizer
     if o.name not in ("sgd", "adam", "adamw") and not re.match(IMPORT_PATH_PATTERN, o.name):
         build_optimizer(spec, [torch.nn.Parameter(torch.zeros(1))])
-    if o.lr_scheduler is not None:
-        lr_scheduler_factors(o.lr_scheduler, o.lr, spec.epochs)
+    if o.lr_scheduler is not None and not re.match(IMPORT_PATH_PATTERN, o.lr_scheduler.name):
+        lr_schedule(spec)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> None:

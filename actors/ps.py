@@ -401,7 +401,3 @@ class ParameterServer:
         snap["apply_ms_mean"] = (1e3 * float(np.mean(self.apply_s))) if self.apply_s else 0.0
         snap["puts"] = self.puts
         return snap
-
-    def apply_times(self) -> list[float]:
-        """Wall seconds of each update (the shard benchmark reads them)."""
-        return list(self.apply_s)

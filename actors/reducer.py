@@ -33,19 +33,14 @@ Two modes:
   NCCL require. :meth:`GradientReducer.finish` launches what the hooks did not (a worker
   with an empty share runs no backward) and waits for all.
 
-Bucket sizes (:func:`auto_bucket_bytes`, when the spec gives no ``bucket_kb``). DDP uses
-25 MiB buckets with a 1 MiB first one; for the models dynabatch's tests and benchmarks
-train (LeNet 247 KB, the small ResNet 311 KB of gradients) that is ONE bucket, launched
-when the last gradient is ready: no overlap at all. On a GPU (NCCL reduces on its own
-stream, beside the kernels of backward) a bucket is therefore a quarter of the model, at
-least 32 KiB (below that, a collective's fixed cost outweighs what it can hide) and at most
-DDP's 25 MiB, and the first bucket at most DDP's 1 MiB, so communication starts early in
-backward on large models too. On the CPU, gloo reduces in its own thread on the cores
-backward is using, so hiding communication costs compute: measured in
-``bench/ddp_overhead.py`` on 2 cores, the quarter rule (2 buckets for LeNet, 3 for the
-ResNet) hid 50-60% of the all-reduce and still ran 5% (LeNet) and 14% (ResNet) slower per
-epoch than one all-reduce after backward (``bench/results-ddp-overhead-quarter-buckets.json``).
-So the CPU default is DDP's own sizes: what DDP does, and no slower than flat.
+Bucket sizes (:func:`auto_bucket_bytes`, when the spec gives no ``bucket_kb``). DDP's 25 MiB
+buckets (1 MiB first) make a small model's gradients ONE bucket, launched when the last
+gradient is ready: no overlap. On a GPU (NCCL reduces on its own stream, beside backward's
+kernels) a bucket is therefore a quarter of the model, at least 32 KiB (below that a
+collective's fixed cost outweighs what it hides) and at most DDP's 25 MiB, the first at most
+DDP's 1 MiB. On the CPU gloo reduces in a thread on the cores backward uses, so hiding
+communication costs compute, and the default is DDP's own sizes (measured: "Overlap on the
+CPU" in docs/benchmarks.md).
 
 Goodput. In goodput mode the worker reports |g_i|² of its own share *before* the
 all-reduce overwrites it in place. Each bucket's squared norm is taken just before that
@@ -71,7 +66,7 @@ One plan per group (:class:`CollectivePlan`). Every member of a group must issue
 collectives, the same number in the same order over the same offsets, or gloo fails on a
 size mismatch, hangs, or sums unrelated slices. So the mode and the bucket boundaries are
 the group's: :func:`group_plan` derives them from what every member shares (the group's
-backend, which the scheduler chose from every member's device; the spec's mode and bucket
+backend, which the coordinator chose from every member's device; the spec's mode and bucket
 size; the model), never from one member's device, and :meth:`GradientReducer.use_group`
 takes them at the join. A GPU member of a gloo group (any member on the CPU) cannot hand
 gloo device memory: it *stages* the buffer through pinned host memory after backward (one
@@ -157,7 +152,7 @@ def plan_buckets(sizes: Sequence[int], bucket_elems: int, first_elems: int | Non
     Returns ``(lo, hi, params)`` per bucket in launch order: bucket 0 ends at the last
     parameter, each bucket is contiguous and holds at least one parameter, and a bucket is
     closed once it reaches ``bucket_elems`` elements (``first_elems`` for bucket 0, when
-    given). Pure, for tests.
+    given). Pure.
     """
     offsets = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).tolist()
     buckets: list[tuple[int, int, list[int]]] = []

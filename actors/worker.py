@@ -56,7 +56,6 @@ from dynabatch.actors.device_data import WorkerData, data_budget, model_bytes
 from dynabatch.actors.emulation import ComputeClock, error_at, node_slowdown, slowdown_at
 from dynabatch.actors.errors import first_line, is_out_of_memory, is_user_error
 from dynabatch.actors.group import ProcessGroup, Rendezvous, gpu_key
-from dynabatch.actors.instrumentation import Instrumentation
 from dynabatch.actors.optim import build_optimizer
 from dynabatch.actors.output import own_actor_id
 from dynabatch.actors.precision import SpeedOptions, channels_last_applies
@@ -177,7 +176,7 @@ def _process_started() -> float | None:
         return None
 
 
-class Worker(Instrumentation):
+class Worker:
     """One training worker. ``worker_id`` None builds a *spare*: the process, the imports,
     the data, the model and its warm-up are paid now, on an idle node, and :meth:`adopt`
     later gives it the identity of the worker that starts there (a scale-up or a
@@ -228,7 +227,6 @@ class Worker(Instrumentation):
         self.reducer = GradientReducer(self.params, self.device, spec.global_batch,
                                        spec.allreduce,
                                        spec.bucket_kb * 1024 if spec.bucket_kb else None)
-        self._n_params = self.reducer.n_params
         self.micro_cap = micro_cap(spec.micro_batch, ordinal) if worker_id else None
         # The cap this segment's shares are computed under: the spec's, tightened by the
         # memory cap the driver learned for this node and device (SegmentPlan.micro_cap).
@@ -390,11 +388,6 @@ class Worker(Instrumentation):
 
     def _step(self, epoch: int, sp: StepPlan, isgd: IsgdPlan | None = None) -> StepTelemetry:
         factor = slowdown_at(self.spec.emulation, self.ordinal, epoch, sp.step) * self._node_factor
-        if self.stall_s:
-            # Before compute: backward's hooks send the gradient buckets, so a stall after
-            # it would come after this worker's share of the all-reduce went out.
-            time.sleep(self.stall_s)
-            self.stall_s = 0.0
         t_step = time.perf_counter()
         clock = self._clock
         clock.start()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.service.cluster_schemas import scheduler_note
 from dynabatch.service.job_service import JobService
 from dynabatch.service.schemas import JobDetail, JobHistory, JobList, JobSummary
 from fastapi import Request, Response
@@ -77,19 +78,19 @@ class JobViews:
         store = self.service.store
         kind = key[0]
         if kind == "job":
-            # A queued job's reason comes from the cluster scheduler's round, not the store.
-            return store.row_version(key[1]), self.service.queue_reason(key[1])
+            # A live job's reason may come from the cluster scheduler's round, not the store.
+            return store.row_version(key[1]), self.service.scheduler_note(key[1])
         if kind == "history":
             return store.history_version(key[1])
         return store.rows_version, self._queue()
 
-    def _queue(self) -> tuple[tuple[str, str], ...]:
-        """What of the cluster scheduler's round a job list shows: the queued jobs and
-        their reasons."""
+    def _queue(self) -> tuple[tuple[str, str | None], ...]:
+        """What of the cluster scheduler's round a job list shows: each job's note (the
+        queue's reason, what a scale waits for, a grant)."""
         view = self.service.cluster_view()
         if view is None:
             return ()
-        return tuple((j, view.job(j).reason) for j in view.queue)
+        return tuple((j.job_id, scheduler_note(view, j.job_id)) for j in view.jobs)
 
     def kept(self, key: tuple) -> Body | None:
         """The kept answer for ``key`` when it is current, else None. No I/O."""

@@ -19,6 +19,12 @@ def cluster_families(view: ClusterView | None) -> Iterator[Metric]:
         "Workers the cluster scheduler allocates to a job on a node type.",
         labels=["job_id", "node_type"],
     )
+    members = GaugeMetricFamily(
+        "dynabatch_cluster_member_workers",
+        "Workers a job itself last reported to the cluster scheduler (beside its allocation: "
+        "they differ while workers start or drain, or when it refused an assignment).",
+        labels=["job_id"],
+    )
     utilization = GaugeMetricFamily(
         "dynabatch_cluster_utilization_ratio",
         "Worker slots held by jobs over the slots the nodes offer.",
@@ -31,6 +37,8 @@ def cluster_families(view: ClusterView | None) -> Iterator[Metric]:
         for job in view.jobs:
             for node_type, n in job.by_type:
                 allocated.add_metric([job.job_id, node_type], float(n))
+            if job.members is not None:
+                members.add_metric([job.job_id], float(sum(k for _, k in job.members)))
         utilization.add_metric([], view.utilization)
         resizes.add_metric([], float(view.resizes))
-    yield from (queue, allocated, utilization, resizes)
+    yield from (queue, allocated, members, utilization, resizes)

@@ -236,9 +236,12 @@ def simulate(
     hold_s: float,
     pause_s: float,
     hints: dict[str, float] | None = None,
+    window: tuple[float, float] | None = None,
 ) -> tuple[dict, list[float]]:
     """One policy over the trace. ``hints``: the prior per node type for a job that has
-    not run there (default: the generator's nominal speeds)."""
+    not run there (default: the generator's nominal speeds). ``window``: (start, end) of a
+    measured window (the steady-state mode): its ``busy`` fraction of slot-seconds and the
+    average JCT of the jobs that arrive inside it are reported too."""
     knobs = ClusterKnobs(policy=policy, hold_s=hold_s)
     total_slots = sum(n.capacity for n in nodes)
     types = sorted({n.node_type for n in nodes})
@@ -255,6 +258,7 @@ def simulate(
         float
     ] = []  # this process's CPU time: what neighbours on a shared machine do not inflate
     busy = 0.0  # slot-seconds allocated
+    window_busy = 0.0  # of them, inside the measured window
     resizes = 0
     need = False
     next_round = 0.0
@@ -288,6 +292,19 @@ def simulate(
                 for jid, s in active.items()
             }
             models = bootstrap(estimated, types, hints)
+            # A type the job cannot run on at all (rate 0 in its truth: Gavel's table has
+            # such, a model too large for the GPU) is known up front, as a job's
+            # node_resource is, not learned by running there.
+            for jid in models:
+                cannot = {tt for tt in types if by_id[jid].model.rate(tt) <= 0.0}
+                if cannot:
+                    m = models[jid]
+                    models[jid] = ThroughputModel.of(
+                        {tt: (0.0 if tt in cannot else r) for tt, r in m.rates},
+                        m.measured,
+                        m.overhead_s,
+                        m.global_batch,
+                    )
             jobs = [
                 ClusterJob(
                     jid,
@@ -325,9 +342,11 @@ def simulate(
                 speeds[jid] = v
                 t_next = min(t_next, max(t, s["pause_until"]) + s["remaining"] / v)
         dt = t_next - t
+        inside = 0.0 if window is None else max(0.0, min(t_next, window[1]) - max(t, window[0]))
         for jid, s in active.items():
             if s["types"]:
                 busy += sum(s["types"].values()) * dt
+                window_busy += sum(s["types"].values()) * inside
                 run = max(0.0, t_next - max(t, s["pause_until"]))
                 s["remaining"] -= speeds[jid] * run
         t = t_next
@@ -341,7 +360,22 @@ def simulate(
             need = True
     jct = np.array([finished[j.job_id] - j.arrival for j in trace])
     makespan = max(finished.values())
+    measured = {}
+    if window is not None:
+        inside_jobs = [
+            finished[j.job_id] - j.arrival for j in trace if window[0] <= j.arrival <= window[1]
+        ]
+        measured = {
+            "window": {
+                "start_s": round(window[0], 1),
+                "end_s": round(window[1], 1),
+                "busy": round(window_busy / (total_slots * (window[1] - window[0])), 4),
+                "jobs": len(inside_jobs),
+                "avg_jct_s": round(float(np.mean(inside_jobs)), 1) if inside_jobs else None,
+            }
+        }
     return {
+        **measured,
         "avg_jct_s": round(float(jct.mean()), 1),
         "p90_jct_s": round(float(np.percentile(jct, 90)), 1),
         "makespan_s": round(makespan, 1),
@@ -367,6 +401,13 @@ def main() -> None:
     ap.add_argument("--hold-s", type=float, default=120.0)
     ap.add_argument("--resize-pause-s", type=float, default=10.0)
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument(
+        "--steady",
+        type=float,
+        metavar="WARM",
+        help="steady-state mode: measure from the arrival of the first WARM fraction of jobs "
+        "(warm-up) to the last arrival (drain excluded); busy and JCT over that window",
+    )
     ap.add_argument("--out", type=Path)
     files = ap.add_argument_group("inputs from files (docs/cluster.md, 'Inputs from files')")
     files.add_argument("--trace", type=Path, help="Gavel's trace, or a CSV of jobs (.csv)")
@@ -402,10 +443,14 @@ def main() -> None:
         trace = make_jobs(args.jobs, nodes, args.load, args.seed)
         out.update(seed=args.seed, load=args.load)
     out.update(nodes=len(nodes), jobs=len(trace), slots=sum(n.capacity for n in nodes), policies={})
+    window = None
+    if args.steady is not None:
+        arrivals = sorted(j.arrival for j in trace)
+        window = (arrivals[min(len(arrivals) - 1, int(args.steady * len(arrivals)))], arrivals[-1])
     every: list[float] = []
     for policy in args.policies.split(","):
         out["policies"][policy], ms = simulate(
-            policy, nodes, trace, args.round_s, args.hold_s, args.resize_pause_s, hints
+            policy, nodes, trace, args.round_s, args.hold_s, args.resize_pause_s, hints, window
         )
         every += ms
         print(f"{policy}: {out['policies'][policy]}", file=sys.stderr, flush=True)

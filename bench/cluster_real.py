@@ -44,7 +44,7 @@ from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dynabatch.actors.emulation import NODE_SLOWDOWN_ENV
-from dynabatch.scheduler.runtime.cluster import find_scheduler
+from dynabatch.scheduler.runtime.cluster_scheduler import find_scheduler
 from dynabatch.scheduler.runtime.launch import find_coordinator
 from real_hetero import Api
 from report import emit

@@ -48,6 +48,7 @@ from dynabatch.service.raycluster import fast_health_check
 from ray.cluster_utils import Cluster
 
 from bench.report import emit
+from bench.worker_probes import stall
 
 KINDS = ("first_step", "mid_epoch", "last_step", "two_nodes", "during_regroup",
          "deterministic_error", "hung_worker", "random")
@@ -140,7 +141,7 @@ def trial(cluster: Cluster, kind: str, i: int, rng: random.Random) -> dict[str, 
     elif kind == "hung_worker":
         wait_until(lambda: at(1, 4), 120)
         fault_at = time.monotonic()
-        ray.get(coord.runtime.handle(victim()).stall.remote(1000.0), timeout=30)
+        ray.get(coord.runtime.handle(victim()).__ray_call__.remote(stall, 1000.0), timeout=30)
     elif kind == "random":
         epoch, step = rng.randrange(EPOCHS), rng.randrange(SPE)
         note = f"drawn: epoch {epoch} step {step}"

@@ -896,7 +896,9 @@ def check_data_wait(cfg: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         if _has("pyarrow"):
             from dynabatch.actors.data.arrow import ParquetSource
-            from dynabatch.actors.data.write import write_parquet
+            if str(ROOT) not in sys.path:  # this script's folder is on it, not the checkout
+                sys.path.insert(0, str(ROOT))
+            from bench.data_files import write_parquet
 
             write_parquet(tmp, x, y, row_group_size=1024)
             source, res["source"] = ParquetSource(tmp, {"shape": [3, 32, 32]}), "parquet"

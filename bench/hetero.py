@@ -52,6 +52,7 @@ from dynabatch.service.raycluster import fast_health_check
 from ray.cluster_utils import Cluster
 
 from bench.report import emit
+from bench.worker_probes import profile, time_allreduce
 
 CLUSTERS = {"a": [1.0, 3.0], "b": [1.0, 1.0, 2.0, 4.0]}
 PROFILE_BATCHES = [16, 64, 128, 192, 256]
@@ -105,7 +106,7 @@ def run_policy(spec: JobSpec) -> dict[str, Any]:
 
 def _lockstep_fits(workers: list[Any], grids: list[list[int]], repeats: int
                    ) -> tuple[list[Any], list[dict[int, float]]]:
-    profiles = ray.get([w.profile.remote(g, repeats, True, True) for w, g in
+    profiles = ray.get([w.__ray_call__.remote(profile, g, repeats, True, True) for w, g in
                         zip(workers, grids, strict=True)], timeout=600)
     fits = []
     for prof in profiles:
@@ -136,7 +137,8 @@ def measure_ideal(spec: JobSpec, n_train: int, repeats: int = 5) -> dict[str, An
         rv = ray.get(workers[0].open_store.remote(1, len(workers)), timeout=120)
         ray.get([w.join.remote(rv, r, 0) for r, w in enumerate(workers)], timeout=120)
         allreduce = statistics.median(
-            ray.get([w.time_allreduce.remote(10) for w in workers], timeout=120))
+            ray.get([w.__ray_call__.remote(time_allreduce, 10) for w in workers],
+                    timeout=120))
         n, B = len(workers), spec.global_batch
         fits1, _ = _lockstep_fits(workers, [PROFILE_BATCHES] * n, repeats)
         b1, _ = _equal_finish(fits1, B)

@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     from functools import partial
 
     from dynabatch.actors.data.arrow import ParquetSource
-    from dynabatch.actors.data.write import write_parquet
 
+    from bench.data_files import write_parquet
     from bench.report import emit
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -34,6 +34,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -89,6 +90,11 @@ class LoadLearner:
         return {"pull_s": pulls, "push_s": pushes}
 
 
+def _apply_times(server: Any) -> list[float]:
+    """Wall seconds of the server's recent updates, read inside its actor (``__ray_call__``)."""
+    return list(server.apply_s)
+
+
 def one(hidden: int, k: int, learners: int, seconds: float, warmup: float, pool: list
         ) -> dict:
     import ray
@@ -120,13 +126,14 @@ def one(hidden: int, k: int, learners: int, seconds: float, warmup: float, pool:
         ray.get([g.run.remote(w, server, shards, bounds, warmup) for g, w in runs],
                 timeout=CALL_TIMEOUT_S + warmup)
         v0 = ray.get(server.snapshot.remote(), timeout=CALL_TIMEOUT_S)["pushes"]
-        n_apply = len(ray.get(server.apply_times.remote(), timeout=CALL_TIMEOUT_S))
+        n_apply = len(ray.get(server.__ray_call__.remote(_apply_times), timeout=CALL_TIMEOUT_S))
         t0 = time.monotonic()
         res = ray.get([g.run.remote(w, server, shards, bounds, seconds) for g, w in runs],
                       timeout=CALL_TIMEOUT_S + seconds)
         wall = time.monotonic() - t0
         snap = ray.get(server.snapshot.remote(), timeout=CALL_TIMEOUT_S)
-        applies = ray.get(server.apply_times.remote(), timeout=CALL_TIMEOUT_S)[n_apply:]
+        applies = ray.get(server.__ray_call__.remote(_apply_times),
+                          timeout=CALL_TIMEOUT_S)[n_apply:]
     finally:
         for h in [server, *shards]:
             ray.kill(h, no_restart=True)

@@ -36,7 +36,7 @@ class WorkerEpochStats(_Frozen):
 
 class StepBreakdown(_Frozen):
     """Where a step's time went, in seconds per step: the mean over the epoch's committed
-    steps of the workers' mean phase times, plus the scheduler's share.
+    steps of the workers' mean phase times, plus the coordinator's share.
 
     ``gather_s + forward_s + backward_s`` is the workers' compute (``compute_s`` in the
     telemetry, without emulated slowdowns); ``allreduce_wait_s`` is the all-reduce after
@@ -68,7 +68,7 @@ class StepBreakdown(_Frozen):
 
 
 class EpochRecord(_Frozen):
-    """One epoch of a job, as the scheduler saw it."""
+    """One epoch of a job, as its coordinator saw it."""
 
     epoch: int
     wall_s: float
@@ -93,7 +93,12 @@ class EpochRecord(_Frozen):
     test_metrics: dict[str, float] = Field(
         default_factory=dict,
         description="The job's evaluation metrics on the held-out set (accuracy, perplexity, "
-        "mse, user metrics), by name.",
+        "mse, f1, auroc, user metrics), by name.",
+    )
+    test_matrices: dict[str, list[list[float]]] = Field(
+        default_factory=dict,
+        description="The job's held-out metrics that are tables, by name: a confusion "
+        "matrix's rows are the true classes, its columns the predicted ones (counts).",
     )
     utilization: float = Field(description="sum(compute_i) / (n_workers * wall time).")
     compute_balance: float = Field(description="mean(compute_i) / max(compute_i).")
@@ -119,7 +124,7 @@ class EpochRecord(_Frozen):
         "epoch's evaluation runs on the holders right after).")
     evaluation_s: float = Field(
         default=0.0, description="What the epoch's evaluation cost the critical path: the "
-        "slowest holder's shard of the held-out set, or the scheduler's wait for it.")
+        "slowest holder's shard of the held-out set, or the coordinator's wait for it.")
     evaluation_hidden_s: float = Field(
         default=0.0, description="Evaluation work the split across holders kept off the "
         "critical path (the other shards' time).")

@@ -8,7 +8,8 @@ from the spec; the drivers hand it what they already record, at three points:
   held-out metric as ``epoch/test_NAME``, utilisation, compute balance, epoch time,
   samples/s, global batch, learning rate) and ``worker_share/WORKER`` (the worker's share of
   the epoch's samples) and ``worker_batch/WORKER`` (its batch at the epoch's end), at
-  step = the epoch (as in the job's log).
+  step = the epoch (as in the job's log); each held-out table (a confusion matrix) as an
+  image ``epoch/test_NAME`` (:func:`matrix_image`).
 * :meth:`Tracking.step`: a committed synchronous step's reports. Tags ``step/loss`` (the
   step's mean per-sample loss) and ``step/global_batch``, at step = samples trained since
   the job began (``epoch * dataset size + the step's end position``): it stays monotone
@@ -60,6 +61,21 @@ def epoch_scalars(record: EpochRecord) -> dict[str, float]:
     return out
 
 
+def matrix_image(matrix: Sequence[Sequence[float]], cell: int = 16) -> Any:
+    """A confusion matrix as a grey image ``(H, W)`` of uint8: each row (a true class)
+    scaled by its count, so a cell's brightness is the fraction of the class predicted as
+    the column's; ``cell`` pixels a side per cell."""
+    import numpy as np
+
+    m = np.asarray(matrix, dtype=np.float64)
+    if m.ndim != 2 or not m.size:
+        return None
+    rows = m.sum(axis=1, keepdims=True)
+    frac = np.divide(m, rows, out=np.zeros_like(m), where=rows > 0)
+    img = np.round(frac * 255).astype(np.uint8)
+    return np.kron(img, np.ones((cell, cell), dtype=np.uint8))
+
+
 def step_scalars(
     reports: Sequence[StepTelemetry], dataset_size: int
 ) -> tuple[int, dict[str, float]] | None:
@@ -105,8 +121,11 @@ class Tracking:
         return not self._broken
 
     def epoch(self, record: EpochRecord) -> None:
-        """Write an epoch's scalars and flush, so TensorBoard shows the epoch at once."""
-        self._write(record.epoch, epoch_scalars(record), flush=True)
+        """Write an epoch's scalars and tables and flush, so TensorBoard shows the epoch at
+        once."""
+        images = {f"epoch/test_{k}": img for k, m in record.test_matrices.items()
+                  if (img := matrix_image(m)) is not None}
+        self._write(record.epoch, epoch_scalars(record), flush=True, images=images)
 
     def step(self, reports: Sequence[StepTelemetry], dataset_size: int) -> None:
         """Write a committed step's scalars (queued: the writer's thread writes them)."""
@@ -126,7 +145,8 @@ class Tracking:
         except Exception as err:  # never the job's failure
             self._fail(err)
 
-    def _write(self, step: int, scalars: dict[str, float], flush: bool) -> None:
+    def _write(self, step: int, scalars: dict[str, float], flush: bool,
+               images: dict[str, Any] | None = None) -> None:
         if self._broken:
             return
         try:
@@ -134,6 +154,8 @@ class Tracking:
                 self._writer = self._factory(self.logdir)
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, global_step=step)
+            for tag, img in (images or {}).items():
+                self._writer.add_image(tag, img, global_step=step, dataformats="HW")
             if flush:
                 self._writer.flush()
         except Exception as err:  # a full disk, a path that is a file: never the job's

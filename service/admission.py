@@ -38,8 +38,19 @@ def min_workers_problem(spec: JobSpec, nodes: Sequence[ClusterNode]) -> str | No
     )
     if problem:
         return problem
+    short = capacity_problem(spec, alive, need)
+    return f"min_workers {need}: {short}; the job could never start" if short else None
+
+
+def capacity_problem(spec: JobSpec, nodes: Sequence[ClusterNode], workers: int) -> str | None:
+    """Why the alive ``nodes`` could never hold ``workers`` of the job's workers at once
+    (what each node's resources hold of them: :meth:`JobSpec.workers_on`), or None when
+    they can or no node is listed."""
+    alive = [n for n in nodes if n.alive]
+    if not alive:
+        return None
     held = sum(spec.workers_on(n.resources) for n in alive)
-    if held >= need:
+    if held >= workers:
         return None
     each = f"{spec.worker_cpus:g} CPU"
     if spec.worker_gpus == "auto" or spec.worker_gpus > 0:
@@ -47,8 +58,8 @@ def min_workers_problem(spec: JobSpec, nodes: Sequence[ClusterNode]) -> str | No
     if spec.node_resource:
         each += f", node_resource {spec.node_resource!r}"
     return (
-        f"min_workers {need}: the cluster's {len(alive)} alive nodes hold {held} of this "
-        f"job's workers ({each} each); the job could never start"
+        f"the cluster's {len(alive)} alive nodes hold {held} of this job's workers ({each} "
+        "each)"
     )
 
 

@@ -55,7 +55,24 @@ class ClusterJobState(BaseModel):
     min_workers: int
     max_workers: int
     workers: int = Field(description="Workers allocated (0 while queued).")
-    allocation: list[Slot] = Field(description="The nodes it trains on.")
+    allocation: list[Slot] = Field(
+        description="The scheduler's decision: the nodes it is to train on, and how many "
+        "workers on each."
+    )
+    members: list[Slot] | None = Field(
+        default=None,
+        description="The fact: its workers per node as the job itself last reported them to "
+        "the scheduler (each round); null before its first report or while queued.",
+    )
+    differs: str | None = Field(
+        default=None,
+        description="Why its members are not its allocation (workers starting or draining "
+        "per node, or an assignment the job refused, with its reason); null when they agree.",
+    )
+    waits: str | None = Field(
+        default=None,
+        description="What an owner's request (a scale) still waits for; null when nothing.",
+    )
     by_type: dict[str, int] = Field(description="Workers per node type.")
     speed: list[TypeSpeed] = Field(description="Its speed per node type, measured or estimated.")
     normalised: float = Field(
@@ -74,6 +91,11 @@ class ClusterJobState(BaseModel):
             max_workers=job.max_workers,
             workers=job.workers,
             allocation=[Slot(node_id=n, workers=w) for n, w in job.allocation],
+            members=None if job.members is None else [
+                Slot(node_id=n, workers=w) for n, w in job.members
+            ],
+            differs=job.differs,
+            waits=job.waits,
             by_type=dict(job.by_type),
             speed=[
                 TypeSpeed(node_type=t, samples_per_s=r, measured=t in measured)
@@ -180,12 +202,22 @@ class ClusterState(BaseModel):
         )
 
 
-def queue_reason(view: ClusterView | None, job_id: str) -> str | None:
-    """Why ``job_id`` waits, when the scheduler's last round queued it (``queued: position
-    2 of 3 (...)``); None when it runs, is not the scheduler's, or nothing schedules."""
+GRANTED = "granted {n} workers by the cluster scheduler; the coordinator is starting"
+
+
+def scheduler_note(view: ClusterView | None, job_id: str) -> str | None:
+    """What the scheduler's last round says of ``job_id`` beside the job's own state: why
+    it waits, when queued (``queued: position 2 of 3 (...)``); what an owner's request
+    still waits for (its ``waits``); that it was granted nodes and its coordinator is
+    starting (no report from it yet). None when the scheduler has nothing to add, the job
+    is not the scheduler's, or nothing schedules."""
     if view is None:
         return None
     for j in view.jobs:
         if j.job_id == job_id:
-            return j.reason if j.queued else None
+            if j.queued:
+                return j.reason
+            if j.waits:
+                return j.waits
+            return GRANTED.format(n=j.workers) if j.members is None else None
     return None

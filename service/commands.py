@@ -22,7 +22,12 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.core.membership import scale_error
 from dynabatch.scheduler.telemetry import JobSnapshot
-from dynabatch.service.admission import checkpoint_exists, min_workers_problem, relaunch_refusal
+from dynabatch.service.admission import (
+    capacity_problem,
+    checkpoint_exists,
+    min_workers_problem,
+    relaunch_refusal,
+)
 from dynabatch.service.cluster_client import ClusterClient
 from dynabatch.service.errors import (
     AlreadyFinished,
@@ -93,7 +98,7 @@ class JobCommands:
                 raise InvalidRequest(why.split(" ", 1)[0], why)
         job_id = new_job_id()
         with self.reconciler.launching(job_id):
-            rec = self.registry.create(job_id, spec)
+            rec = self.registry.create(job_id, spec, queued=self.link is not None)
             try:
                 if self.link is not None:
                     self.link.register(rec)  # queued: started on the nodes it is granted
@@ -154,6 +159,8 @@ class JobCommands:
             try:
                 snap = self.cluster.cancel(job_id, reason)
             except CoordinatorGone:
+                if self.link is not None:  # queued (as of a stale answer): it leaves now
+                    self.link.finished(job_id)
                 return self.registry.cancelled(job_id, reason)
             except InvalidTransition:
                 # It finished between our read and the coordinator's; report what it is.
@@ -197,11 +204,16 @@ class JobCommands:
         with self.reconciler.lock:
             rec = self._live_record(job_id, "scaled")
             spec = rec.spec
+            if workers < 1:
+                raise InvalidRequest(
+                    "workers", f"workers ({workers}) must be at least 1: to stop the job, "
+                    "cancel it")
             problem = scale_error(workers, *spec.batch_range, spec.max_batch)
             if problem:
                 raise InvalidRequest("workers", problem)
             if self.scheduling is not None:
                 return self._scheduled_scale(rec, workers)
+            self._check_capacity(spec, workers)
             try:
                 snap = self._membership_call(
                     rec, lambda: self.cluster.scale(job_id, workers), "scaled")
@@ -218,9 +230,26 @@ class JobCommands:
             log.info("job %s: scale to %d workers requested", job_id, workers)
             return self.reconciler.sync_job(job_id, snapshot=snap) or rec
 
+    def _check_capacity(self, spec: JobSpec, workers: int) -> None:
+        """Without the cluster scheduler: :class:`JobConflict` (409) when the cluster's
+        alive nodes could never hold ``workers`` of this job's workers at once (the
+        scheduler refuses the same scale with the same words). When Ray cannot list its
+        nodes now, the scale is not refused for it."""
+        try:
+            nodes = self.cluster.nodes()
+        except RayCallError as err:
+            log.warning("cannot list Ray nodes to check a scale: %s", err)
+            return
+        problem = capacity_problem(spec, nodes, workers)
+        if problem:
+            raise JobConflict(f"scale to {workers}: above the cluster's capacity: {problem}")
+
     def _scheduled_scale(self, rec: JobRecord, workers: int) -> JobRecord:
-        """With the cluster scheduler on, a scale is a request to it: recorded as the job's
-        max_workers for its next round (:class:`JobConflict`, 409, when it refuses)."""
+        """With the cluster scheduler on, a scale is a request to it, answered at once (not
+        held): the job's bounds become at most ``workers`` and it is assigned what free
+        slots allow now; what it still waits for is in its status. :class:`JobConflict`
+        (409) when the scheduler refuses, with its reason (above the cluster's capacity for
+        the job, or a job it does not hold)."""
         try:
             answer = self.scheduling.request_scale(rec.id, workers)
         except Refused as err:
@@ -249,11 +278,21 @@ class JobCommands:
         member = next((w for w in snap.workers if w.worker == worker), None)
         if member is None:
             raise WorkerNotFound(f"worker {worker!r} is not a member of job {rec.id}")
+        # Its workers less those already leaving (a drained worker is listed until its step
+        # boundary): the size last asked for bounds them.
+        staying = len(snap.workers)
+        if rec.target_workers is not None:
+            staying = min(staying, rec.target_workers)
+        if staying <= 1:  # the driver's own words, as without the scheduler
+            raise JobConflict(
+                f"cannot drain the last worker ({worker}) of job {rec.id}: cancel the job to "
+                "stop it"
+            )
         try:
             answer = self.scheduling.request_drain(rec.id, member.node)
         except Refused as err:
             raise JobConflict(str(err)) from None
-        self.registry.set_target_workers(rec.id, max(1, len(snap.workers) - 1))
+        self.registry.set_target_workers(rec.id, staying - 1)
         log.info("job %s: drain of %s: %s", rec.id, worker, answer)
         return self.reconciler.sync_job(rec.id, snapshot=snap) or rec
 
@@ -325,6 +364,9 @@ class JobCommands:
                 # generation), so nothing waits for Ray to free the old one's.
                 self.cluster.release(job_id)
             was = f"job was {rec.state.value}" + (f" ({rec.reason})" if rec.reason else "")
-            rec = self.reconciler.relaunch(rec, f"resume requested; {was}", automatic=False)
+            try:
+                rec = self.reconciler.relaunch(rec, f"resume requested; {was}", automatic=False)
+            except Refused as err:  # the job is left FAILED with the same reason
+                raise JobConflict(f"job {job_id} cannot be resumed: {err}") from None
             log.info("job %s: resumed on request", job_id)
             return rec

@@ -170,8 +170,8 @@ class JobService:
 
     # Queries (the read model) -----------------------------------------------------------
     def get(self, job_id: str) -> JobRecord:
-        """The job as every view shows it: a job the cluster scheduler queues has the
-        queue's reason (:meth:`queue_reason`)."""
+        """The job as every view shows it: a live job has the cluster scheduler's word on
+        it (:meth:`scheduler_note`: the queue's reason, what a scale waits for)."""
         return self.reads.get(job_id)
 
     def list(
@@ -185,10 +185,11 @@ class JobService:
         loop (api/cached.py)."""
         return None if self.scheduling is None else self.scheduling.view()
 
-    def queue_reason(self, job_id: str) -> str | None:
-        """Why the job waits, when the cluster scheduler's last round queued it
-        (``queued: position 2 of 3 (...)``); None otherwise. No I/O."""
-        return self.reads.queue_reason(job_id)
+    def scheduler_note(self, job_id: str) -> str | None:
+        """The cluster scheduler's word on the job
+        (:func:`~dynabatch.service.cluster_schemas.scheduler_note`); None when it has none.
+        No I/O."""
+        return self.reads.scheduler_note(job_id)
 
     def history(self, job_id: str, since: int = 0) -> list[EpochRecord]:
         return self.reads.history(job_id, since)

@@ -19,7 +19,7 @@ from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from dynabatch.service.cluster_client import ClusterClient, ClusterNode, NodeJob
-from dynabatch.service.cluster_schemas import queue_reason
+from dynabatch.service.cluster_schemas import GRANTED, scheduler_note
 from dynabatch.service.errors import JobNotFound
 from dynabatch.service.store import JobRecord, JobStore
 
@@ -35,12 +35,18 @@ class MetricState:
 
 
 def shown(rec: JobRecord, view: ClusterView | None) -> JobRecord:
-    """``rec`` with the queue's reason while the cluster scheduler's round ``view`` queues
-    it."""
+    """``rec`` with the cluster scheduler's word on it (:func:`scheduler_note`) while it is
+    live: the queue's reason while its round ``view`` queues it, what an owner's scale
+    still waits for, and, while the job is PENDING, that its coordinator is starting on the
+    nodes it was granted."""
     if rec.state.is_terminal:
         return rec
-    why = queue_reason(view, rec.id)
-    return rec if why is None or why == rec.reason else replace(rec, reason=why)
+    why = scheduler_note(view, rec.id)
+    if why is None or why == rec.reason:
+        return rec
+    if rec.state != JobState.PENDING and why.startswith(GRANTED.split("{", 1)[0]):
+        return rec  # it runs: its own report says so until the scheduler has heard it
+    return replace(rec, reason=why)
 
 
 class JobReads:
@@ -83,8 +89,8 @@ class JobReads:
         view = self.view()
         return [shown(r, view) for r in records], total
 
-    def queue_reason(self, job_id: str) -> str | None:
-        return queue_reason(self.view(), job_id)
+    def scheduler_note(self, job_id: str) -> str | None:
+        return scheduler_note(self.view(), job_id)
 
     def history(self, job_id: str, since: int = 0) -> list[EpochRecord]:
         self.record(job_id)

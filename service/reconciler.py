@@ -129,8 +129,9 @@ class Reconciler:
         """Find the coordinators of jobs the store says are live; returns the ids found.
         A job whose coordinator is gone is recovered by :meth:`coordinator_lost`."""
         found = []
-        queued = self._queued_now()
-        for rec in self.registry.live():
+        live = self.registry.live()  # one read: see sync_once
+        queued = self._queued(live)
+        for rec in live:
             if rec.id in queued:
                 continue  # the cluster scheduler has not started it: nothing to re-attach
             if rec.cluster == EMBEDDED_CLUSTER or self.cluster.embedded:
@@ -183,9 +184,15 @@ class Reconciler:
 
     # Sync -------------------------------------------------------------------------------
     def sync_once(self) -> None:
-        """Poll every live job once, and refresh the count of alive nodes."""
-        queued = self._queued_now()
-        for rec in self.registry.live():
+        """Poll every live job once, and refresh the count of alive nodes.
+
+        One read of the live jobs decides both which the cluster scheduler has not started
+        (queued: no coordinator to poll) and which are polled: a job submitted after it is
+        left to the next tick. (Two reads failed a job submitted between them for having
+        no coordinator: it was in neither the queued set nor the launching one.)"""
+        live = self.registry.live()
+        queued = self._queued(live)
+        for rec in live:
             if self._stop.is_set() and self._thread is not None:
                 return
             with self._launching_lock:
@@ -198,9 +205,10 @@ class Reconciler:
             log.warning("cannot list Ray nodes: %s", err)
             self.alive_nodes = None
 
-    def _queued_now(self) -> set[str]:
-        """The live jobs the cluster scheduler has not started (none when it is off)."""
-        return set() if self.link is None else self.link.queued(self.registry.live())
+    def _queued(self, live: list[JobRecord]) -> set[str]:
+        """Of the ``live`` jobs, those the cluster scheduler has not started (none when it
+        is off)."""
+        return set() if self.link is None else self.link.queued(live)
 
     def sync_job(self, job_id: str, snapshot: JobSnapshot | None = None) -> JobRecord | None:
         """Bring one job's stored state, history and logs up to date with its coordinator."""
@@ -254,16 +262,19 @@ class Reconciler:
         if decision.action is Action.NONE:
             return rec
         if decision.action is Action.FAIL:
-            return self.registry.fail(rec.id, decision.reason)
+            failed = self.registry.fail(rec.id, decision.reason)
+            if self.link is not None:  # it leaves the scheduler's queue and views now
+                self.link.finished(rec.id)
+            return failed
         try:
             return self.relaunch(rec, decision.reason, automatic=True)
-        except RayCallError:
+        except (RayCallError, Refused):
             return self.registry.get(rec.id)  # relaunch recorded the failure
 
     def relaunch(self, rec: JobRecord, reason: str, automatic: bool) -> JobRecord:
         """Start a new coordinator for ``rec``, the job's next generation, which picks up
         the checkpoint. A launch that fails leaves the job FAILED and re-raises the
-        RayCallError."""
+        RayCallError, or the cluster scheduler's :class:`Refused` with its reason."""
         rec = self.registry.resumed(rec.id, reason, automatic=automatic)
         log.warning("job %s: %s", rec.id, reason)
         with self.launching(rec.id):
@@ -274,7 +285,7 @@ class Reconciler:
                     self.cluster.launch(rec.id, launch_spec(rec), rec.resumes)
             except Refused as err:
                 self.registry.fail(rec.id, f"{reason}; not resumed: {err}")
-                raise RayCallError(str(err)) from None
+                raise
             except RayCallError as err:
                 self.registry.fail(
                     rec.id,

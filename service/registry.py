@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from dynabatch.service.store import JobRecord, JobStore
+from dynabatch.service.store import QUEUED, STARTING, JobRecord, JobStore
 
 log = logging.getLogger("dynabatch.service")
 
@@ -47,9 +47,13 @@ class JobRegistry:
         return self.store.live()
 
     # State changes ----------------------------------------------------------------------
-    def create(self, job_id: str, spec: JobSpec) -> JobRecord:
-        """A new job, PENDING, to start where this service starts coordinators."""
-        rec = self.store.create(job_id, spec, cluster=self.cluster_name(), now=self.clock())
+    def create(self, job_id: str, spec: JobSpec, *, queued: bool = False) -> JobRecord:
+        """A new job, PENDING, to start where this service starts coordinators (``queued``:
+        it waits for the cluster scheduler, and says so, not that it is starting)."""
+        rec = self.store.create(
+            job_id, spec, cluster=self.cluster_name(), now=self.clock(),
+            reason=QUEUED if queued else STARTING,
+        )
         self.on_change()
         return rec
 

@@ -2,9 +2,10 @@
 live jobs it has started, and the calls the sync loop and the commands make to it.
 
 With the scheduler on, a job is registered with it and its coordinator started by it once
-its nodes are granted; until then the job has no coordinator to poll. ``started`` is the
-jobs it started as of the last sync with it, what the service falls back on when it cannot
-be reached.
+its nodes are granted; until then the job has no coordinator to poll. Which jobs it started
+is the scheduler's fact (its round state): ``started`` is only its last answer to
+:meth:`SchedulerLink.queued`, kept as it said it (never changed here) for when it cannot be
+reached.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class SchedulerLink:
     def __init__(self, scheduling: Scheduling, cluster: ClusterClient):
         self.scheduling = scheduling
         self.cluster = cluster
-        self.started: set[str] = set()
+        self.started: frozenset[str] = frozenset()  # the scheduler's last answer
 
     def queued(self, live: Sequence[JobRecord]) -> set[str]:
         """Tell the scheduler every live job (so a new scheduler rebuilds from the store
@@ -45,14 +46,13 @@ class SchedulerLink:
                     self.cluster.find(rec.id, rec.resumes)
                 except RayCallError as err:
                     log.warning("job %s: cannot find its coordinator yet (%s)", rec.id, err)
-        self.started = set(started)
+        self.started = frozenset(started)
         return {r.id for r in live if r.id not in started}
 
     def register(self, rec: JobRecord) -> None:
         """Queue the job's current generation: the scheduler starts it once its nodes are
-        granted. Raises ``Refused`` or ``RayCallError``."""
+        granted (its next answer says so). Raises ``Refused`` or ``RayCallError``."""
         self.scheduling.register(rec.id, launch_spec(rec), rec.created_at, rec.resumes)
-        self.started.discard(rec.id)
 
     def finished(self, job_id: str) -> None:
         """Tell the scheduler the job is done or leaves its queue: its nodes go to the next

@@ -1,5 +1,6 @@
 """The seam between the service and the cluster scheduler actor
-(:mod:`dynabatch.scheduler.runtime.cluster`): :class:`Scheduling`, and its Ray implementation.
+(:mod:`dynabatch.scheduler.runtime.cluster_scheduler`): :class:`Scheduling`, and its Ray
+implementation.
 
 With the scheduler on (``DYNABATCH_CLUSTER_SCHEDULER=1``) a submitted job is registered with
 it instead of launched: the scheduler starts its coordinator on the nodes it grants, and
@@ -86,7 +87,7 @@ class RayScheduling:
     def _actor(self) -> Any:
         with self._lock:
             if self._handle is None:
-                from dynabatch.scheduler.runtime.cluster import ensure_scheduler
+                from dynabatch.scheduler.runtime.cluster_scheduler import ensure_scheduler
 
                 self._handle = ensure_scheduler(*self._args)
             return self._handle
@@ -118,12 +119,12 @@ class RayScheduling:
         return self._call("admissible", spec)
 
     def register(self, job_id: str, spec: JobSpec, submit_s: float, generation: int) -> None:
-        from dynabatch.scheduler.runtime.cluster import JobEntry
+        from dynabatch.scheduler.runtime.cluster_scheduler import JobEntry
 
         self._call("register", JobEntry(job_id, spec, submit_s, generation))
 
     def sync(self, jobs: Sequence[tuple[str, JobSpec, float, int]]) -> set[str]:
-        from dynabatch.scheduler.runtime.cluster import JobEntry
+        from dynabatch.scheduler.runtime.cluster_scheduler import JobEntry
 
         started, view = self._call("sync", [JobEntry(*j) for j in jobs])
         self._view = view
@@ -131,6 +132,8 @@ class RayScheduling:
 
     def finished(self, job_id: str) -> None:
         self._call("finished", job_id)
+        # The job leaves the views now, not at the next sync.
+        self._view = self._call("view")
 
     def request_scale(self, job_id: str, workers: int) -> str:
         return self._call("request_scale", job_id, workers)
@@ -143,7 +146,7 @@ class RayScheduling:
 
     def register_client(self, job_id: str, spec: JobSpec, submit_s: float) -> None:
         """Register (or, repeated, keep alive) a job whose own driver launches it."""
-        from dynabatch.scheduler.runtime.cluster import JobEntry
+        from dynabatch.scheduler.runtime.cluster_scheduler import JobEntry
 
         self._call("register", JobEntry(job_id, spec, submit_s, 0, client=True))
 

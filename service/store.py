@@ -80,6 +80,12 @@ _ADDED_COLUMNS = (
 )
 
 
+# A new job's reason until its coordinator reports: launched at once (no cluster scheduler),
+# or queued with the scheduler until its next round places it (which then gives the reason).
+STARTING = "submitted; the coordinator is starting"
+QUEUED = "queued: waiting for the cluster scheduler's next round"
+
+
 @dataclass(frozen=True, slots=True)
 class JobRecord:
     """A job as stored: what was asked for, where it ran and what was last seen of it."""
@@ -269,7 +275,13 @@ class JobStore:
 
     # Jobs -------------------------------------------------------------------------------
     def create(
-        self, job_id: str, spec: JobSpec, *, cluster: str, now: float | None = None
+        self,
+        job_id: str,
+        spec: JobSpec,
+        *,
+        cluster: str,
+        now: float | None = None,
+        reason: str = STARTING,
     ) -> JobRecord:
         now = time.time() if now is None else now
         with self._tx(job_id) as db:
@@ -281,7 +293,7 @@ class JobStore:
                     spec.name,
                     spec.model_dump_json(),
                     JobState.PENDING.value,
-                    "submitted; the coordinator is starting",
+                    reason,
                     cluster,
                     now,
                     now,

@@ -109,6 +109,8 @@ def check_user_code(spec: JobSpec, allowed: Iterable[str],
     if spec.model.output:
         named.append(("model.output", spec.model.output))
     named += [(f"metrics.{i}", m.fn) for i, m in enumerate(spec.metrics or ())]
+    if spec.optimizer.lr_scheduler is not None:
+        named.append(("optimizer.lr_scheduler.name", spec.optimizer.lr_scheduler.name))
     if spec.working_dir is not None and ANY_MODULE not in allowed:
         # Shipped code may shadow any module, allowed ones included: only with "*".
         why = shipping_problems(SubmitPolicy(user_code_modules=allowed, code_root=code_root))

@@ -46,7 +46,7 @@ class SampleError(DataError):
 
 @dataclass(frozen=True)
 class Meta:
-    """What the scheduler and the model need to know of a source."""
+    """What the coordinator and the model need to know of a source."""
 
     name: str
     sample_shape: tuple[int, ...]

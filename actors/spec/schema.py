@@ -86,10 +86,14 @@ class JobSpec(_Strict):
     metrics: list[MetricSpec] | None = Field(
         default=None, max_length=16,
         description="Evaluation metrics on the held-out set, each {name, fn} or just fn: "
-        "accuracy, mse, perplexity or 'pkg.mod:function' ((outputs, targets) -> one value per "
-        "sample, averaged), shown by its name (default: the function's name). Default: from "
-        "the loss (cross_entropy: accuracy, next_token: perplexity and accuracy, mse: mse).",
-        examples=[["accuracy", {"name": "f1", "fn": "my_pkg.metrics:f1"}]],
+        "accuracy, mse, perplexity; over the whole held-out set across workers: f1, "
+        "precision, recall ({fn: f1, average: macro|micro|weighted}), confusion_matrix, "
+        "auroc, mae, rmse, r2; or 'pkg.mod:name' (a function (outputs, targets) -> one value "
+        "per sample, averaged, or a torchmetrics.Metric subclass), shown by its name "
+        "(default: the function's name). Default: from the loss (cross_entropy: accuracy, "
+        "next_token: perplexity and accuracy, mse: mse).",
+        examples=[["accuracy", "f1", {"name": "f1_weighted", "fn": "f1",
+                                      "average": "weighted"}, "confusion_matrix"]],
     )
     schedule: BatchScheduleSpec = Field(default_factory=BatchScheduleSpec)
     isgd: IsgdSpec = Field(default_factory=IsgdSpec)

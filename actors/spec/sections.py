@@ -62,7 +62,12 @@ BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm", "hf")
 # model.options.task for model.name hf (dynabatch.actors.workloads.hf builds them).
 HF_TASKS = ("causal-lm", "sequence-classification")
 BUILTIN_LOSSES = ("cross_entropy", "mse", "next_token")
-BUILTIN_METRICS = ("accuracy", "mse", "perplexity")
+BUILTIN_METRICS = ("accuracy", "mse", "perplexity", "f1", "precision", "recall",
+                   "confusion_matrix", "auroc", "mae", "rmse", "r2")
+# metrics.<i>.average: how f1, precision, recall (and auroc: macro, weighted) average classes.
+AVERAGES = ("macro", "micro", "weighted")
+AVERAGED_METRICS = {"f1": AVERAGES, "precision": AVERAGES, "recall": AVERAGES,
+                    "auroc": ("macro", "weighted")}
 # Metrics a built-in loss calls for when the spec names none.
 DEFAULT_METRICS = {
     "cross_entropy": ("accuracy",),
@@ -111,13 +116,19 @@ class MetricSpec(_Strict):
     A plain string is the short form: ``"pkg.mod:f1"`` is ``{fn: "pkg.mod:f1"}``, named by
     its function, ``f1``; it is written back in that form when its name is the default."""
 
-    fn: str = Field(description="accuracy, mse, perplexity or 'pkg.mod:function' "
-                    "((outputs, targets) -> one value per sample, averaged).",
-                    examples=["accuracy", "my_pkg.metrics:f1"])
+    fn: str = Field(description="A built-in (accuracy, mse, perplexity; over the whole "
+                    "held-out set: f1, precision, recall, confusion_matrix, auroc, mae, rmse, "
+                    "r2) or 'pkg.mod:name': a function (outputs, targets) -> one value per "
+                    "sample, averaged, or a torchmetrics.Metric subclass.",
+                    examples=["accuracy", "f1", "my_pkg.metrics:top5"])
     name: str = Field(description="What the metric is called everywhere it is shown: a "
                       "letter or _, then letters, digits or _ (64 at most), unique in the job; "
                       "not n or loss. Default: the function's name (f1 for 'pkg.mod:f1').",
                       examples=["f1"])
+    average: str | None = Field(
+        default=None, description="How f1, precision and recall average over classes: "
+        "macro (the default), micro or weighted; auroc: macro or weighted.",
+        examples=["weighted"])
 
     @model_validator(mode="before")
     @classmethod
@@ -125,8 +136,8 @@ class MetricSpec(_Strict):
         if isinstance(data, str):  # its problem is the entry's: metrics.<i>
             data = {"fn": known_name("metric", data, BUILTIN_METRICS)}
         elif not isinstance(data, dict | MetricSpec):
-            raise ValueError("must be a metric (accuracy, mse, perplexity or 'pkg.mod:function')"
-                             " or a mapping {name: ..., fn: ...}")
+            raise ValueError(f"must be a metric ({', '.join(BUILTIN_METRICS)} or "
+                             "'pkg.mod:function') or a mapping {name: ..., fn: ...}")
         if isinstance(data, dict) and data.get("name") is None:
             data = {**data, "name": default_metric_name(data.get("fn"))}
         return data
@@ -135,6 +146,20 @@ class MetricSpec(_Strict):
     @classmethod
     def _known(cls, v: str) -> str:
         return known_name("metric", v, BUILTIN_METRICS)
+
+    @field_validator("average")
+    @classmethod
+    def _average(cls, v: str | None, info: ValidationInfo) -> str | None:
+        fn = info.data.get("fn")
+        if v is None or fn is None:
+            return v
+        allowed = AVERAGED_METRICS.get(fn)
+        if allowed is None:
+            raise ValueError(f"{fn!r} takes no average (only "
+                             f"{', '.join(AVERAGED_METRICS)} do)")
+        if v not in allowed:
+            raise ValueError(f"{v!r} is not an average of {fn}: use {', '.join(allowed)}")
+        return v
 
     @field_validator("name", mode="before")
     @classmethod
@@ -161,7 +186,12 @@ class MetricSpec(_Strict):
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> Any:
         # The short form when it says it all: specs written before names read back the same.
-        return self.fn if self.name == default_metric_name(self.fn) else handler(self)
+        if self.name == default_metric_name(self.fn) and self.average is None:
+            return self.fn
+        out = handler(self)
+        if isinstance(out, dict) and out.get("average") is None:
+            out.pop("average", None)  # written back as it was given
+        return out
 
 
 class DatasetSpec(_Strict):
@@ -352,19 +382,33 @@ class LrScheduleSpec(_Strict):
 
 
 class LrSchedulerSpec(_Strict):
-    """A ``torch.optim.lr_scheduler`` class by name, with its constructor's ``options``
-    (not its optimizer). The coordinator steps it once per epoch on a dummy parameter
-    (:func:`dynabatch.actors.optim.lr_scheduler_factors`) and puts the resulting learning
-    rate into every step's plan: epoch ``e`` trains at the rate after ``e`` calls of
-    ``step()``."""
+    """A ``torch.optim.lr_scheduler`` class by name, or the user's ``make(optimizer,
+    **options)`` by import path, with its constructor's ``options`` (not its optimizer).
+    The coordinator steps it on a dummy parameter (:class:`dynabatch.actors.optim.LrSteps`)
+    and puts the resulting learning rate into every step's plan. ``interval: epoch``: epoch
+    ``e`` trains at the rate after ``e`` calls of ``step()``; ``interval: step``: the job's
+    ``k``-th committed optimizer step (from 0) at the rate after ``k`` calls, the same after
+    a lost node or a resume."""
 
-    name: str = Field(pattern=CLASS_NAME_PATTERN,
-                      description="A torch.optim.lr_scheduler class stepped per epoch "
-                      "(StepLR, CosineAnnealingLR, ExponentialLR, LambdaLR is not: its "
-                      "options are functions).", examples=["CosineAnnealingLR"])
+    name: str = Field(description="A torch.optim.lr_scheduler class (StepLR, "
+                      "CosineAnnealingLR, OneCycleLR, LinearLR, ...; LambdaLR is not: its "
+                      "options are functions) or 'pkg.mod:make' (make(optimizer, **options) "
+                      "returns one, as transformers:get_linear_schedule_with_warmup does).",
+                      examples=["CosineAnnealingLR"])
     options: dict[str, Any] = Field(default_factory=dict,
                                     description="Keyword arguments of its constructor.",
                                     examples=[{"T_max": 10}])
+    interval: Literal["step", "epoch"] = Field(
+        default="epoch", description="When it steps: after every optimizer step (step) or "
+        "every epoch (epoch).")
+
+    @field_validator("name")
+    @classmethod
+    def _class_or_path(cls, v: str) -> str:
+        if re.match(CLASS_NAME_PATTERN, v) or re.match(IMPORT_PATH_PATTERN, v):
+            return v
+        raise ValueError(f"{v!r} is neither a torch.optim.lr_scheduler class name nor "
+                         "'pkg.mod:make'")
 
 
 class OptimizerSpec(_Strict):

@@ -173,6 +173,10 @@ def _schedule_problems(spec: JobSpec, bad: Bad, n: int | None) -> None:
             bad("schedule.min_global_batch", f"min_global_batch ({low}) is smaller than "
                                              f"workers ({n}): every worker needs at "
                                              "least one sample per step")
+    sched = spec.optimizer.lr_scheduler
+    if sched is not None and sched.interval == "step" and spec.schedule.mode != "fixed":
+        bad("optimizer.lr_scheduler.interval", "step counts optimizer steps over the job: it "
+            f"needs a fixed global batch (schedule.mode is {spec.schedule.mode})")
     if spec.optimizer.lr_scheduler is not None and spec.optimizer.schedule != LrScheduleSpec():
         bad("optimizer.lr_scheduler", "optimizer.lr_scheduler and optimizer.schedule both set "
             "the learning rate over the job: use one of them")
@@ -186,7 +190,8 @@ def computed_metrics(spec: JobSpec) -> tuple[str, ...]:
     """The held-out values a job reports by name: ``loss`` and its metrics (those it names,
     or its loss's defaults; with the loss chosen from the data, any built-in loss's)."""
     if spec.metrics is not None:
-        names = [m.name for m in spec.metrics]
+        # A confusion matrix is a table, not a number an epoch can be judged by.
+        names = [m.name for m in spec.metrics if m.fn != "confusion_matrix"]
     elif spec.loss in DEFAULT_METRICS:
         names = list(DEFAULT_METRICS[spec.loss])
     else:  # the loss (or a user loss's metrics) follows the dataset's targets

@@ -60,8 +60,9 @@ class Objective:
         return self.per_sample(outputs, targets).sum()
 
     def eval_sums(self, model: nn.Module, x: np.ndarray, y: np.ndarray, lo: int, hi: int,
-                  device: torch.device, batch: int = 1024) -> dict[str, float]:
-        """``{"n": samples, "loss": Σ ℓ_j, <metric>: Σ v_j, ...}`` over ``(x, y)[lo:hi]``.
+                  device: torch.device, batch: int = 1024) -> dict[str, Any]:
+        """``{"n": samples, "loss": Σ ℓ_j, <metric>: Σ v_j, ..., "states": {<metric>:
+        [its states]}}`` over ``(x, y)[lo:hi]`` (``states``: the stateful metrics').
 
         Every metric is a per-sample function plus a ``finish`` of the mean (see
         :mod:`dynabatch.actors.workloads.metrics`), so the sums of disjoint shards add up to the
@@ -78,10 +79,12 @@ class Objective:
         return self.eval_batches(model, batches(), max(0, hi - lo), device)
 
     def eval_batches(self, model: nn.Module, batches: Iterable[tuple[Any, Any]], n: int,
-                     device: torch.device) -> dict[str, float]:
+                     device: torch.device) -> dict[str, Any]:
         """:meth:`eval_sums` over ``n`` samples given as batches of numpy arrays, or of
         dicts or tuples of tensors (a source read by position: ``dynabatch.actors.data``)."""
-        sums = {"n": float(n), "loss": 0.0} | {m.name: 0.0 for _, m in self.metrics}
+        sums: dict[str, Any] = {"n": float(n), "loss": 0.0} | {
+            m.name: 0.0 for _, m in self.metrics if m.stateful is None}
+        states = {m.name: M.Accumulator(m) for _, m in self.metrics if m.stateful is not None}
         model.eval()
         try:
             with torch.no_grad():
@@ -93,23 +96,34 @@ class Objective:
                     v = per_sample_of("loss", self.loss_name, self.loss, out, yb)
                     sums["loss"] += float(v.sum())
                     for field, m in self.metrics:
+                        if m.stateful is not None:
+                            update_of(field, m.fn, states[m.name], out, yb)
+                            continue
                         v = per_sample_of(field, m.fn, m.per_sample, out, yb)
                         sums[m.name] += float(v.sum())
         finally:
             model.train()
+        if states:
+            # The stateful metrics' states, as numpy: the driver merges them across shards.
+            sums[M.STATES] = {k: [p] for k, a in states.items() if (p := a.payload())}
         return sums
 
-    def finish(self, sums: dict[str, float]) -> dict[str, float]:
-        """``{"loss": mean per-sample loss, <metric>: finish(mean), ...}`` from (combined)
-        :meth:`eval_sums`."""
+    def finish(self, sums: dict[str, Any]) -> dict[str, Any]:
+        """``{"loss": mean per-sample loss, <metric>: value, ...}`` from (combined)
+        :meth:`eval_sums`: a per-sample metric's ``finish`` of its mean, a stateful one
+        computed once from every shard's merged states (a matrix is a list of rows)."""
         n = max(sums.get("n", 0.0), 1.0)
-        out = {"loss": sums["loss"] / n}
+        out: dict[str, Any] = {"loss": sums["loss"] / n}
+        states = sums.get(M.STATES) or {}
         for _, m in self.metrics:
-            out[m.name] = m.finish(sums[m.name] / n)
+            if m.stateful is None:
+                out[m.name] = m.finish(sums[m.name] / n)
+            elif states.get(m.name):
+                out[m.name] = M.compute(m, states[m.name])
         return out
 
     def evaluate(self, model: nn.Module, x: np.ndarray, y: np.ndarray, device: torch.device,
-                 batch: int = 1024) -> dict[str, float]:
+                 batch: int = 1024) -> dict[str, Any]:
         """``{"loss": mean per-sample loss, <metric>: value, ...}`` over ``(x, y)``."""
         return self.finish(self.eval_sums(model, x, y, 0, len(y), device, batch))
 
@@ -117,11 +131,12 @@ class Objective:
 def objective_for(spec: JobSpec, kind: str) -> Objective:
     loss_name = spec.loss or L.DEFAULT_LOSS[kind]
     loss = L.resolve_loss(loss_name)
-    named = [(m.name, m.fn) for m in spec.metrics] if spec.metrics is not None else [
-        (n, n) for n in M.DEFAULT_METRICS.get(loss_name) or M.DEFAULT_METRICS[L.DEFAULT_LOSS[kind]]]
+    named = [(m.name, m.fn, m.average) for m in spec.metrics] if spec.metrics is not None else [
+        (n, n, None)
+        for n in M.DEFAULT_METRICS.get(loss_name) or M.DEFAULT_METRICS[L.DEFAULT_LOSS[kind]]]
     # Each metric keyed by its spec name (test_metrics, /metrics, the page, the CLI).
-    metrics = tuple((f"metrics.{i}", M.resolve_metric(fn, f"metrics.{i}", name))
-                    for i, (name, fn) in enumerate(named))
+    metrics = tuple((f"metrics.{i}", M.resolve_metric(fn, f"metrics.{i}", name, average))
+                    for i, (name, fn, average) in enumerate(named))
     return Objective(loss_name, loss, metrics, model_outputs(spec.model.output))
 
 
@@ -182,10 +197,34 @@ def check_objective(spec: JobSpec, model: nn.Module, x: np.ndarray, y: np.ndarra
                 f"model.output: the model returned a {type(out).__name__}, not a tensor, and "
                 f"loss {obj.loss_name!r} needs one: name the tensor the loss gets with "
                 "model.output: 'pkg.mod:fn'")
-        for field, name, fn in [("loss", obj.loss_name, obj.loss),
-                                *((f, m.fn, m.per_sample) for f, m in obj.metrics)]:
-            per_sample_of(field, name, fn, out, yb)
+        per_sample_of("loss", obj.loss_name, obj.loss, out, yb)
+        for field, m in obj.metrics:
+            if m.stateful is None:
+                per_sample_of(field, m.fn, m.per_sample, out, yb)
+                continue
+            acc = M.Accumulator(m)
+            update_of(field, m.fn, acc, out, yb)
+            payload = acc.payload()
+            try:
+                M.compute(m, [payload] if payload else [])
+            except Exception as err:
+                raise WorkloadError(f"{field}: {m.fn!r} failed on this dataset and model "
+                                    f"({first_line(err)})") from err
     return obj
+
+
+def update_of(field: str, name: str, acc: M.Accumulator, outputs: Any,
+              targets: torch.Tensor) -> None:
+    """A stateful metric updated with a batch; an exception is a one-line WorkloadError
+    naming ``field`` and ``name``."""
+    try:
+        acc.update(outputs, targets)
+    except WorkloadError:
+        raise
+    except Exception as err:
+        raise WorkloadError(
+            f"{field}: {name!r} failed on this dataset and model ({first_line(err)})"
+        ) from err
 
 
 def per_sample_of(field: str, name: str, fn: Any, outputs: torch.Tensor,

@@ -40,13 +40,13 @@ def _root(
 
 
 def _register() -> None:
-    from dynabatch.api.cli import cluster, job_commands, model, run, simulate, tune
+    from dynabatch.api.cli import cluster, export_commands, job_commands, run, simulate, tune
 
     run.register(app)
     simulate.register(app)
     tune.register(app)
     job_commands.register(app)
-    model.register(app)
+    export_commands.register(app)
     cluster.register(app)
 
 

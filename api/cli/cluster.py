@@ -1,9 +1,10 @@
 """``dynabatch cluster``: the cluster scheduler's last round, from the REST service.
 
-Two tables: the nodes (type, worker slots used of total, the jobs holding them) and the
-queue (position, job, priority, why it waits); ``--json`` prints ``GET /v1/cluster``'s
-answer as it is. Errors are one line, as for every client command
-(:mod:`dynabatch.api.cli.common`).
+Three tables: the nodes (type, worker slots used of total, the jobs holding them), the
+placed jobs (the scheduler's allocation beside the members the job itself reported, and why
+they differ or what an owner's scale waits for) and the queue (position, job, priority, why
+it waits); ``--json`` prints ``GET /v1/cluster``'s answer as it is. Errors are one line, as
+for every client command (:mod:`dynabatch.api.cli.common`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,23 @@ import typer
 from dynabatch.api.cli.common import api_client, out_console, print_plain
 from dynabatch.api.cli.job_commands import Token, Url
 from dynabatch.service.client import DEFAULT_URL
-from dynabatch.service.cluster_schemas import ClusterState
+from dynabatch.service.cluster_schemas import ClusterState, Slot
+from dynabatch.service.labels import node_label
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
 
+def _slots(slots: list[Slot] | None) -> str:
+    """``3 (a1b2c3d4: 2, e5f6a7b8: 1)``; ``-`` when none was reported."""
+    if slots is None:
+        return "-"
+    per_node = ", ".join(f"{node_label(s.node_id)}: {s.workers}" for s in slots)
+    return f"{sum(s.workers for s in slots)} ({per_node or 'none'})"
+
+
 def cluster_tables(state: ClusterState) -> Group:
-    """The round's heading, its nodes and its queue."""
+    """The round's heading, its nodes, the placed jobs and the queue."""
     s = state.scheduler
     assert s is not None  # the caller prints the message instead
     head = Text(
@@ -34,13 +44,20 @@ def cluster_tables(state: ClusterState) -> Group:
     for n in state.nodes:
         jobs = ", ".join(f"{h.job_id} ({h.workers})" for h in n.jobs)
         nodes.add_row(n.node_id, n.node_type, f"{n.used:g}/{n.capacity:g}", jobs or "-")
+    placed = [j for j in state.jobs if j.position is None]
+    jobs = Table(title=f"jobs ({len(placed)})", expand=False)
+    for col in ("job", "allocated", "members", "differs"):
+        jobs.add_column(col)
+    for j in placed:
+        note = "; ".join(x for x in (j.differs, j.waits and f"waits: {j.waits}") if x)
+        jobs.add_row(j.job_id, _slots(j.allocation), _slots(j.members), Text(note or "-"))
     queue = Table(title=f"queue ({len(state.queue)})", expand=False)
     for col in ("position", "job", "priority", "reason"):
         queue.add_column(col, justify="right" if col in ("position", "priority") else "left")
     for q in state.queue:
         # Reasons are our own text, but shown as they are: never read as markup.
         queue.add_row(str(q.position), q.job_id, str(q.priority), Text(q.reason))
-    return Group(head, nodes, queue)
+    return Group(head, nodes, jobs, queue)
 
 
 def cluster(

@@ -435,8 +435,8 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
 
 
 def report_plots(path: Path, out: Path | None = None) -> list[Path]:
-    """Render a JSON report's PNG plots (dynabatch.service.plots) beside it, or under ``out``."""
-    from dynabatch.service.plots import render
+    """Render a JSON report's PNG plots (dynabatch.api.cli.plots) beside it, or under ``out``."""
+    from dynabatch.api.cli.plots import render
 
     report = json.loads(path.read_text())
     return render(report, out or path.parent, prefix=f"{path.stem}-")

@@ -1,5 +1,5 @@
 """``dynabatch tune CONFIG``: choose each stage's (global batch, LR factor, warm-up) from short
-probe runs in the simulator's real-gradient mode (:mod:`dynabatch.service.tune`), judged on a
+probe runs in the simulator's real-gradient mode (:mod:`dynabatch.api.cli.tuning`), judged on a
 validation
 split held out of the training data, over several seeds; write the tuned YAML config and a
 JSON report of every probe. Errors are one line, exit status 2."""
@@ -16,8 +16,8 @@ from dynabatch.actors.spec import SpecError, load_spec
 from dynabatch.api.cli import views
 from dynabatch.api.cli.config import spec_warnings_shown
 from dynabatch.api.cli.simulate import quiet_engine
+from dynabatch.api.cli.tuning import Probe, TuneError, tune
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, load_cluster, parse_cluster
-from dynabatch.service.tune import Probe, TuneError, tune
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table

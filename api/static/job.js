@@ -221,6 +221,32 @@
   // Held-out metrics as the CLI shows them: each by its name in the job's spec.
   const scoresText = (m) => Object.entries(m || {}).map(([k, v]) => `${k} ${fmt(v)}`).join(", ");
 
+  // The latest epoch's held-out tables (a confusion matrix): rows are the true classes,
+  // columns the predicted ones, as the record keeps them (test_matrices).
+  function drawMatrices(e) {
+    const box = $("matrices");
+    const tables = Object.entries(e.test_matrices || {});
+    if (!tables.length) return;
+    box.replaceChildren();
+    for (const [name, rows] of tables) {
+      const h = document.createElement("h2");
+      h.textContent = `${name}, epoch ${e.epoch + 1} (held-out set; rows: true class, ` +
+        "columns: predicted)";
+      const table = document.createElement("table");
+      table.className = "matrix";
+      const head = table.createTHead().insertRow();
+      cell(head, "");
+      rows.forEach((_, j) => { cell(head, j); });
+      const body = table.createTBody();
+      rows.forEach((r, i) => {
+        const row = body.insertRow();
+        cell(row, i);
+        for (const v of r) cell(row, Number.isInteger(v) ? v : fmt(v));
+      });
+      box.append(h, table);
+    }
+  }
+
   function addEpoch(e) {
     epochs.push(e);
     const row = $("epochs").tBodies[0].insertRow();
@@ -237,6 +263,7 @@
     cell(row, dw === null || dw === undefined ? "" : `${(dw * 1e3).toFixed(1)} ms`);
     cell(row, e.verified ? "yes" : "no");
     $("balance").textContent = fmt(e.compute_balance, 3);
+    drawMatrices(e);
     drawCharts();
   }
 

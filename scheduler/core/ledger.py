@@ -14,7 +14,7 @@ step that was attempted but not committed (it failed and is retried) are counted
 
 The ledger never trusts the plan: a step committed twice, a position missing from the
 coverage, a position counted twice, or reports of one step that disagree all show up as
-problems, and the scheduler fails the job with them.
+problems, and the coordinator fails the job with them.
 """
 
 from __future__ import annotations
@@ -92,10 +92,6 @@ class Ledger:
         self._steps = {}
         self._retried = 0
         self._problems = []
-
-    @property
-    def committed_steps(self) -> int:
-        return len(self._steps)
 
     def commit(self, reports: Sequence[StepTelemetry]) -> None:
         """Record one step from the reports of the workers that completed it."""

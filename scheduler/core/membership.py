@@ -15,7 +15,7 @@ Bounds. The job keeps between ``min_size`` and ``max_size`` workers:
 ``min_size = max(min_workers, ceil(B_max / max_batch))`` (fewer could not hold the largest
 global batch the schedule trains) and ``max_size = min(max_workers or workers or B_min,
 B_min)`` (a worker needs at least one sample of the smallest per step), so ``workers: auto``
-is bounded too: :func:`batch_bounds`, the service's rule too. Below ``min_size`` the job
+is bounded too: :func:`worker_bounds`, the service's rule too. Below ``min_size`` the job
 waits with a reason.
 
 Placement and scale. A new worker goes first to a node with none of the job's workers.
@@ -62,7 +62,7 @@ from dynabatch.scheduler.core.sync.protocol import Position
 ORIGIN = Position(0, 0)
 
 
-def batch_bounds(smallest_batch: int, largest_batch: int, max_batch: int | None
+def worker_bounds(smallest_batch: int, largest_batch: int, max_batch: int | None
                  ) -> tuple[int, int]:
     """The fewest and the most workers that can train at every global batch from
     ``smallest_batch`` to ``largest_batch`` (a batch schedule trains several): ``max_batch``
@@ -75,8 +75,8 @@ def batch_bounds(smallest_batch: int, largest_batch: int, max_batch: int | None
 def scale_error(workers: int, smallest_batch: int, largest_batch: int,
                 max_batch: int | None) -> str | None:
     """Why ``workers`` workers cannot train at every global batch from ``smallest_batch``
-    to ``largest_batch`` (:func:`batch_bounds`), or None when they can."""
-    lo, hi = batch_bounds(smallest_batch, largest_batch, max_batch)
+    to ``largest_batch`` (:func:`worker_bounds`), or None when they can."""
+    lo, hi = worker_bounds(smallest_batch, largest_batch, max_batch)
     if workers > hi:
         return (f"workers ({workers}) is above the job's global_batch ({smallest_batch}): "
                 "every worker needs at least one sample per step")
@@ -269,7 +269,7 @@ class Membership:
         self.largest_batch = smallest_batch if largest_batch is None else largest_batch
         self.max_batch = max_batch
         self.target = workers  # None: one per eligible node
-        need, most = batch_bounds(smallest_batch, self.largest_batch, max_batch)
+        need, most = worker_bounds(smallest_batch, self.largest_batch, max_batch)
         self.max_size = min(max_workers or workers or max_possible, most, max_possible)
         self.min_size = max(min_workers or 1, need)
         self.members: list[Member] = []

@@ -12,7 +12,7 @@ from dynabatch.scheduler.ps.driver import PSCoordinator
 from dynabatch.scheduler.sync.coordinator import Coordinator
 
 NAMESPACE = "dynabatch"  # every job's named actors live here
-# The cluster scheduler (dynabatch.scheduler.runtime.cluster): one per Ray cluster, by name.
+# The cluster scheduler (scheduler/runtime/cluster_scheduler.py): one per Ray cluster, by name.
 SCHEDULER_NAME = "dynabatch-cluster-scheduler"
 
 # snapshot()/cancel() must be served while run() blocks in another thread.

@@ -231,7 +231,7 @@ class RayRuntime:
         return out
 
     def handle(self, worker: str) -> Any:
-        """The worker's actor handle (tests and benchmarks inject stalls through it)."""
+        """The worker's actor handle."""
         return self._handles[worker]
 
     # --- training ---------------------------------------------------------------------

@@ -114,18 +114,19 @@ log = logging.getLogger("dynabatch.scheduler")
 EVAL_TIMEOUT_S = 600.0
 
 
-def _lr_scheduler_factors(spec: JobSpec) -> tuple[tuple[float, ...], str | None]:
+def _lr_scheduler_factors(spec: JobSpec) -> tuple[tuple[float, ...] | Callable[[int], float],
+                                                 str | None]:
     """The spec's ``optimizer.lr_scheduler`` as a learning-rate factor per epoch (empty when
-    it has none), and the one-line problem when it cannot be computed (torch, so imported
-    only for a job that has one)."""
+    it has none) or per optimizer step (``actors.optim.lr_schedule``), and the one-line
+    problem when it cannot be computed (torch, so imported only for a job that has one)."""
     sched = spec.optimizer.lr_scheduler
     if sched is None:
         return (), None
-    from dynabatch.actors.optim import lr_scheduler_factors
+    from dynabatch.actors.optim import lr_schedule
     from dynabatch.actors.workloads import WorkloadError
 
     try:
-        return lr_scheduler_factors(sched, spec.optimizer.lr, spec.epochs), None
+        return lr_schedule(spec), None
     except WorkloadError as err:
         return (), str(err)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynabatch.actors.contracts import StepTelemetry
+from dynabatch.actors.workloads.metric_states import split_scores
 from dynabatch.scheduler.core.ledger import Verification
 from dynabatch.scheduler.core.sync.allocation import Allocation
 from dynabatch.scheduler.core.sync.tracker import WorkerTrack
@@ -130,11 +131,12 @@ def build_record(
 def with_scores(record: EpochRecord, totals: EpochTotals, scores: dict[str, float] | None,
                 rnd: EvalRound) -> EpochRecord:
     """``record`` completed by its evaluation (``scores`` None: it did not complete)."""
-    scores = dict(scores or {})
+    scores, matrices = split_scores(scores or {})  # a confusion matrix is a table
     loss = scores.pop("loss", None)
     evaluation, hidden = rnd.critical_s, rnd.hidden_s
     return record.model_copy(update={
         "test_loss": loss, "test_accuracy": scores.get("accuracy"), "test_metrics": scores,
+        "test_matrices": matrices,
         "evaluation_s": evaluation, "evaluation_hidden_s": hidden,
         "breakdown": totals.breakdown(record.elapsed_s or 0.0, evaluation, hidden),
     })

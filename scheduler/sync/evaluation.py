@@ -7,8 +7,9 @@ shards whenever they arrive (:class:`Evaluations`). An actor runs its calls in o
 shard scores the epoch's final weights and its worker trains on right after it, without a
 round trip to the coordinator; nobody waits for one worker to score the whole set.
 
-Exact. A metric is a per-sample function plus a ``finish`` of the mean
-(``actors/workloads/metrics.py``), so a shard's sums ``{"n", "loss", <metric>: Σ}`` add up
+Exact. A metric is a per-sample function plus a ``finish`` of the mean, or a torchmetrics
+metric whose states merge (``actors/workloads/metrics.py``), so a shard's sums
+``{"n", "loss", <metric>: Σ, "states": ...}`` add up
 (:func:`combine`) to the sums of the whole set, and the runtime's ``finish_evaluation``
 applies the means and finishes once: the scores equal one worker's over the whole set, to
 float rounding (``tests/unit/test_evaluation.py``, perplexity and a user metric included).
@@ -30,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynabatch.actors.workloads.metric_states import STATES, merge_states
 from dynabatch.scheduler.runtime.seam import Clock, ShardResult
 
 
@@ -61,12 +63,16 @@ def split(n: int, weights: Mapping[str, float]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def combine(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    """The sums of the union of disjoint shards: each key added up."""
-    out: dict[str, float] = {}
+def combine(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The sums of the union of disjoint shards: each key added up; the stateful metrics'
+    states (``metrics.STATES``) gathered for ``finish_evaluation`` to merge."""
+    out: dict[str, Any] = {}
     for part in parts:
         for k, v in part.items():
-            out[k] = out.get(k, 0.0) + float(v)
+            if k == STATES:
+                out[k] = merge_states([out.get(k, {}), v])
+            else:
+                out[k] = out.get(k, 0.0) + float(v)
     return out
 
 

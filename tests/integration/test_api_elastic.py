@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import ray
 from dynabatch.api.app import create_app
-from dynabatch.scheduler.runtime.cluster import find_scheduler
+from dynabatch.scheduler.runtime.cluster_scheduler import find_scheduler
 from dynabatch.scheduler.runtime.launch import find_coordinator
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.settings import Settings
@@ -125,10 +125,10 @@ def test_scale_down_and_drain_through_the_api_keep_training(api: TestClient) -> 
     named = two["workers"][0]["worker"]
     r = api.delete(f"/v1/jobs/{job}/workers/{named}")
     assert r.status_code == 202, r.text
-    # Its last worker is not drained: the scheduler says why.
+    # Its last worker is not drained: the service says why, as the driver would.
     last_one = two["workers"][1]["worker"]
     r = api.delete(f"/v1/jobs/{job}/workers/{last_one}")
-    assert r.status_code == 409 and "min_workers" in r.json()["detail"], r.text
+    assert r.status_code == 409 and "cannot drain the last worker" in r.json()["detail"], r.text
 
     done = _wait_state(api, job, timeout=180)
     assert done["state"] == "SUCCEEDED", done["reason"]

@@ -27,7 +27,7 @@ import ray
 from dynabatch.actors.spec import JobSpec
 from dynabatch.api.cli.run import run_job
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.runtime.cluster import JobEntry, ensure_scheduler, find_scheduler
+from dynabatch.scheduler.runtime.cluster_scheduler import JobEntry, ensure_scheduler, find_scheduler
 from dynabatch.scheduler.runtime.launch import find_coordinator
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.settings import Settings

@@ -12,3 +12,14 @@ def make(params, decay: float = 0.0):
 
 def not_an_optimizer(params):
     return list(params)
+
+
+def warmup_then_decay(optimizer, warmup: int, total: int):
+    """``make(optimizer, **options)`` for ``optimizer.lr_scheduler.name``: linear warmup over
+    ``warmup`` steps, then linear decay to 0 at ``total`` (Hugging Face's
+    get_linear_schedule_with_warmup)."""
+    def factor(k: int) -> float:
+        if k < warmup:
+            return k / max(1, warmup)
+        return max(0.0, (total - k) / max(1, total - warmup))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

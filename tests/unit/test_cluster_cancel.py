@@ -9,7 +9,7 @@ job, keep no coordinator of it, and give its slots to the queue at the next roun
 from __future__ import annotations
 
 from dynabatch.actors.spec import parse_spec
-from dynabatch.scheduler.runtime import cluster as cluster_rt
+from dynabatch.scheduler.runtime import cluster_scheduler as cluster_rt
 
 from tests.unit.test_cluster_run import GANG, _scheduler, world  # noqa: F401
 

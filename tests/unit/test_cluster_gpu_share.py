@@ -21,7 +21,7 @@ from dynabatch.scheduler.core.cluster import (
 )
 from dynabatch.scheduler.core.cluster.nodes import RayNode, cluster_nodes, gpu_units
 from dynabatch.scheduler.core.cluster.rounds import (
-    Finished,
+    JobGone,
     NodesSeen,
     Registered,
     RoundState,
@@ -115,7 +115,7 @@ def test_rounds_start_both_halves_and_the_view_shows_gpus():
     assert (node.capacity, node.used) == (1.0, 1.0)  # GPUs, not slots of a share
     assert s.view.utilization == 1.0
     # REST and the CLI read GPUs too: half of the GPU held once "a" is gone.
-    s, _ = step(s, Finished("a"), knobs)
+    s, _ = step(s, JobGone("a"), knobs)
     s, _ = step(s, Tick(2.0), knobs)
     state = ClusterState.of(s.view)
     assert (state.nodes[0].capacity, state.nodes[0].used) == (1.0, 0.5)

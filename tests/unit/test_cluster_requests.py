@@ -1,7 +1,7 @@
 """Issue 50: the owner's requests in the pure cluster rounds (scheduler/core/cluster/rounds.py).
 
 A scale is an event the rounds answer at once: refused with its reason (returned as a
-``Refused`` command, never dropped), or carried out now as far as free slots allow, past
+``RequestRefused`` command, never dropped), or carried out now as far as free slots allow, past
 the hold (which is for the scheduler's own moves), with what it still waits for on the
 job's entry and in the view. An assignment the job refused is a fact: kept, shown, and not
 sent again. The job's members (its own report) sit beside its decided allocation in the
@@ -16,18 +16,18 @@ import pytest
 from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode
 from dynabatch.scheduler.core.cluster.rounds import (
     Abandon,
-    Assign,
     AssignRefused,
     Drained,
     Entry,
-    Finished,
+    JobGone,
+    JobReported,
     Launched,
     NodesSeen,
-    Polled,
-    Refused,
+    Reassign,
+    RequestRefused,
+    ResizeRequested,
     RoundState,
     Run,
-    ScaleRequested,
     Start,
     Tick,
     step,
@@ -54,11 +54,11 @@ def _running(nodes, *jobs: Entry, policy: str = "goodput", at: float = 1.0):
 
 def test_a_scale_up_is_assigned_at_once_past_the_hold_and_above_the_specs_max():
     """The issue's first finding: scale 2 -> 3 under serve's defaults (hold 120 s) was
-    recorded and never carried out. Now: an Assign at once, bounds the owner's size."""
+    recorded and never carried out. Now: a Reassign at once, bounds the owner's size."""
     s, knobs, _ = _running(_nodes(4), Entry("a", 2, 2), policy="fifo")
     assert s.job("a").workers == 2
-    s, cmds = step(s, ScaleRequested("a", 3, 2.0), knobs)  # within the hold
-    assert cmds == (Assign("a", (("n0", 1), ("n1", 1), ("n2", 1))),)
+    s, cmds = step(s, ResizeRequested("a", 3, 2.0), knobs)  # within the hold
+    assert cmds == (Reassign("a", (("n0", 1), ("n1", 1), ("n2", 1))),)
     a = s.job("a")
     assert (a.min_workers, a.max_workers, a.waits) == (2, 3, None)
     assert s.view.job("a").allocation == a.allocation
@@ -70,22 +70,22 @@ def test_a_scale_up_is_assigned_at_once_past_the_hold_and_above_the_specs_max():
 
 def test_a_scale_down_is_assigned_at_once_and_lowers_the_gang():
     s, knobs, _ = _running(_nodes(3), Entry("a", 3, 3))
-    s, cmds = step(s, ScaleRequested("a", 1, 2.0), knobs)
-    assert [type(c) for c in cmds] == [Assign] and cmds[0].workers == 1
+    s, cmds = step(s, ResizeRequested("a", 1, 2.0), knobs)
+    assert [type(c) for c in cmds] == [Reassign] and cmds[0].workers == 1
     assert (s.job("a").min_workers, s.job("a").max_workers) == (1, 1)
 
 
 def test_a_scale_beyond_the_free_slots_takes_what_is_free_and_says_what_it_waits_for():
     nodes = _nodes(3)
     s, knobs, _ = _running(nodes, Entry("a", 1, 1), Entry("b", 1, 1, submit_s=0.5))
-    s, cmds = step(s, ScaleRequested("a", 3, 2.0), knobs)
+    s, cmds = step(s, ResizeRequested("a", 3, 2.0), knobs)
     assert [c.workers for c in cmds] == [2]  # the one free slot now
     waits = "scale to 3: has 2; 1 more wait for free slots on its node types"
     assert s.job("a").waits == waits and s.view.job("a").waits == waits
     # Not held: once b ends, the next round grows it at once (within the hold).
-    s, _ = step(s, Finished("b"), knobs)
+    s, _ = step(s, JobGone("b"), knobs)
     s, cmds = step(s, Tick(3.0), knobs)
-    assert cmds == (Assign("a", (("n0", 1), ("n1", 1), ("n2", 1))),)
+    assert cmds == (Reassign("a", (("n0", 1), ("n1", 1), ("n2", 1))),)
     assert s.job("a").waits is None and s.view.job("a").waits is None
 
 
@@ -103,10 +103,10 @@ def test_a_scale_beyond_the_free_slots_takes_what_is_free_and_says_what_it_waits
 )
 def test_a_scale_the_cluster_cannot_carry_out_is_refused_with_its_reason(workers, why):
     s, knobs, _ = _running(_nodes(4), Entry("a", 1, 2))
-    after, cmds = step(s, ScaleRequested("a", workers, 2.0), knobs)
-    assert cmds == (Refused("a", why),) and after == s
-    _, cmds = step(s, ScaleRequested("zz", 1, 2.0), knobs)
-    assert cmds == (Refused("zz", "the cluster scheduler does not hold job zz"),)
+    after, cmds = step(s, ResizeRequested("a", workers, 2.0), knobs)
+    assert cmds == (RequestRefused("a", why),) and after == s
+    _, cmds = step(s, ResizeRequested("zz", 1, 2.0), knobs)
+    assert cmds == (RequestRefused("zz", "the cluster scheduler does not hold job zz"),)
 
 
 def test_the_capacity_for_a_job_counts_its_workers_sizes_and_types():
@@ -117,8 +117,8 @@ def test_the_capacity_for_a_job_counts_its_workers_sizes_and_types():
     )
     s, knobs, _ = _running(nodes, Entry("a", 1, 1, worker_slots=2, eligible=frozenset({"cpu"})))
     # Workers of 2 slots: 2 on c0, 1 on c1; x0 is not its type.
-    assert step(s, ScaleRequested("a", 3, 2.0), knobs)[1][0].workers == 3
-    assert isinstance(step(s, ScaleRequested("a", 4, 2.0), knobs)[1][0], Refused)
+    assert step(s, ResizeRequested("a", 3, 2.0), knobs)[1][0].workers == 3
+    assert isinstance(step(s, ResizeRequested("a", 4, 2.0), knobs)[1][0], RequestRefused)
 
 
 def test_a_refused_assignment_is_kept_shown_and_not_sent_again():
@@ -126,7 +126,7 @@ def test_a_refused_assignment_is_kept_shown_and_not_sent_again():
     resend the very assignment it refused."""
     s, knobs, _ = _running(_nodes(2), Entry("a", 1, 2), policy="fifo")
     assert s.job("a").workers == 2
-    s, _ = step(s, Polled("a", (("n0", 3.0),)), knobs)  # only one worker came up
+    s, _ = step(s, JobReported("a", (("n0", 3.0),)), knobs)  # only one worker came up
     s, _ = step(s, AssignRefused("a", (("n0", 1), ("n1", 1)), "2 workers: no"), knobs)
     assert s.job("a").allocation == (("n0", 1),)
     differs = "the job refused the assignment (n0: 1, n1: 1): 2 workers: no"
@@ -136,21 +136,21 @@ def test_a_refused_assignment_is_kept_shown_and_not_sent_again():
     assert cmds == ()  # the same assignment is not sent again
     assert s.view.job("a").differs == differs and s.view.job("a").allocation == (("n0", 1),)
     # The owner's new request clears it and is carried out.
-    s, cmds = step(s, ScaleRequested("a", 1, 501.0), knobs)
+    s, cmds = step(s, ResizeRequested("a", 1, 501.0), knobs)
     assert cmds == () and s.view.job("a").differs is None
 
 
 def test_members_are_shown_beside_the_allocation_with_why_they_differ():
     s, knobs, _ = _running(_nodes(3), Entry("a", 1, 3), policy="fifo")
     assert s.view.job("a").members is None  # no report yet: nothing claimed
-    s, _ = step(s, Polled("a", (("n0", 2.0),)), knobs)
+    s, _ = step(s, JobReported("a", (("n0", 2.0),)), knobs)
     view = s.view.job("a")
     assert view.allocation == (("n0", 1), ("n1", 1), ("n2", 1))
     assert view.members == (("n0", 1),)
     assert view.differs == "starting 1 worker on node n1; starting 1 worker on node n2"
-    s, _ = step(s, Polled("a", (("n0", 2.0), ("n1", 2.0), ("n2", 1.0), ("n2", 1.0))), knobs)
+    s, _ = step(s, JobReported("a", (("n0", 2.0), ("n1", 2.0), ("n2", 1.0), ("n2", 1.0))), knobs)
     assert s.view.job("a").differs == "draining 1 worker on node n2"
-    s, _ = step(s, Polled("a", (("n0", 2.0), ("n1", 2.0), ("n2", 1.0))), knobs)
+    s, _ = step(s, JobReported("a", (("n0", 2.0), ("n1", 2.0), ("n2", 1.0))), knobs)
     assert s.view.job("a").differs is None
     # The report's speeds are the job's model (one source: the snapshot's throughput).
     assert s.job("a").model.rate("cpu") == 2.0 and "cpu" in s.job("a").model.measured
@@ -159,7 +159,7 @@ def test_members_are_shown_beside_the_allocation_with_why_they_differ():
 def test_a_drain_refusal_is_returned_not_dropped():
     s, knobs, _ = _running(_nodes(2), Entry("a", 2, 2))
     after, cmds = step(s, Drained("a", "n0", 2.0, floor=2), knobs)
-    assert cmds == (Refused("a", "refused: 1 workers would be below its min_workers 2"),)
+    assert cmds == (RequestRefused("a", "refused: 1 workers would be below its min_workers 2"),)
     assert after == s
 
 
@@ -169,13 +169,13 @@ def test_a_first_start_carries_out_the_newest_assignment():
     s, knobs, cmds = _running(_nodes(3), Entry("a", 1, 3), policy="fifo")
     (start,) = cmds
     assert start == Start("a", (("n0", 1), ("n1", 1), ("n2", 1)))
-    s, _ = step(s, ScaleRequested("a", 1, 2.0), knobs)  # moved during the launch
+    s, _ = step(s, ResizeRequested("a", 1, 2.0), knobs)  # moved during the launch
     s, cmds = step(s, Launched("a", 0, start.slots), knobs)
-    assert cmds == (Assign("a", (("n0", 1),)), Run("a"))
+    assert cmds == (Reassign("a", (("n0", 1),)), Run("a"))
     assert s.job("a").launched
     _, cmds = step(s, Launched("a", 0, (("n0", 1),)), knobs)
     assert cmds == (Run("a"),)
-    s, _ = step(s, Finished("a"), knobs)
+    s, _ = step(s, JobGone("a"), knobs)
     _, cmds = step(s, Launched("a", 0, start.slots), knobs)
     assert [type(c) for c in cmds] == [Abandon]
 
@@ -222,34 +222,34 @@ def _runs(draw):
             now += draw(st.sampled_from([0.0, 1.0, HOLD / 2, 2 * HOLD]))
             events.append(Tick(now))
         elif kind == "scale":
-            events.append(ScaleRequested(jid, draw(st.integers(-1, 8)), now))
+            events.append(ResizeRequested(jid, draw(st.integers(-1, 8)), now))
         elif kind == "drain":
             events.append(Drained(jid, draw(st.sampled_from(nodes)).node_id, now))
         elif kind == "lose":
             events.append(NodesSeen(tuple(draw(st.lists(st.sampled_from(nodes), unique=True)))))
         elif kind == "end":
-            events.append(Finished(jid))
+            events.append(JobGone(jid))
         else:
             node = draw(st.sampled_from(nodes)).node_id
-            events.append(Polled(jid, ((node, 1.0),)))
+            events.append(JobReported(jid, ((node, 1.0),)))
     events.append(Tick(now + 1.0))
     return events
 
 
 def _answered(state: RoundState, event, commands) -> bool:
-    """A request is carried out (an Assign, or nothing to do: its size is what it has or
+    """A request is carried out (a Reassign, or nothing to do: its size is what it has or
     waits for), or refused with a reason: never silently dropped."""
-    refused = [c for c in commands if isinstance(c, Refused)]
+    refused = [c for c in commands if isinstance(c, RequestRefused)]
     if refused:
-        return all(c.why for c in refused) and not any(isinstance(c, Assign) for c in commands)
+        return all(c.why for c in refused) and not any(isinstance(c, Reassign) for c in commands)
     entry = state.job(event.job_id)
     if entry is None:
         return False
-    if isinstance(event, ScaleRequested):
+    if isinstance(event, ResizeRequested):
         return entry.max_workers == event.workers and (
             entry.waits is not None or not entry.started or entry.workers == event.workers
         )
-    return any(isinstance(c, Assign) for c in commands)
+    return any(isinstance(c, Reassign) for c in commands)
 
 
 @pytest.mark.parametrize("policy", ["fifo", "goodput"])
@@ -260,7 +260,7 @@ def test_every_allocation_is_one_its_bounds_accept_and_every_request_is_answered
     state = RoundState()
     for event in events:
         state, commands = step(state, event, knobs)
-        if isinstance(event, ScaleRequested | Drained):
+        if isinstance(event, ResizeRequested | Drained):
             assert _answered(state, event, commands), (event, commands)
         alive = {n.node_id: n for n in state.nodes}
         used: dict[str, int] = {}
@@ -280,7 +280,7 @@ def test_every_allocation_is_one_its_bounds_accept_and_every_request_is_answered
         if isinstance(event, Tick):
             assert all(used[n] <= alive[n].capacity for n in used), (used, state.nodes)
         for c in commands:
-            if isinstance(c, Assign | Start):
+            if isinstance(c, Reassign | Start):
                 j = state.job(c.job_id)
                 assert c.workers <= j.max_workers and c.slots == j.allocation
 

@@ -9,15 +9,15 @@ import pytest
 from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, ThroughputModel
 from dynabatch.scheduler.core.cluster.nodes import gpu_units
 from dynabatch.scheduler.core.cluster.rounds import (
-    Assign,
     Bounds,
     Drained,
     Entry,
-    Finished,
+    JobGone,
     Measured,
     NodesSeen,
-    Refused,
+    Reassign,
     Registered,
+    RequestRefused,
     RoundState,
     Start,
     StartFailed,
@@ -86,7 +86,7 @@ def _events(draw):
             now += draw(st.sampled_from([0.0, 1.0, 5.0, HOLD, 3 * HOLD]))
             events.append(Tick(now))
         elif kind == "finish":
-            events.append(Finished(jid))
+            events.append(JobGone(jid))
         elif kind == "nodes":
             keep = draw(st.lists(st.sampled_from(all_nodes), unique=True))
             events.append(NodesSeen(tuple(keep)))
@@ -134,7 +134,7 @@ def test_random_runs_keep_capacity_gangs_and_holds(policy, events):
                 # A whole gang, never more than asked.
                 assert entry.min_workers <= c.workers <= entry.max_workers
             else:
-                assert isinstance(c, Assign) and entry.started
+                assert isinstance(c, Reassign) and entry.started
                 lost = any(node not in cap for node, _ in entry.allocation) or any(
                     k > cap[node] for node, k in entry.allocation if node in cap
                 )
@@ -175,7 +175,7 @@ def test_two_jobs_asking_the_whole_cluster_one_at_a_time():
     assert s.view.job("b").queued and s.view.job("b").allocation == ()
     s, cmds = step(s, Tick(2.0), knobs)
     assert cmds == ()
-    s, _ = step(s, Finished("a"), knobs)
+    s, _ = step(s, JobGone("a"), knobs)
     s, cmds = step(s, Tick(3.0), knobs)
     assert cmds == (Start("b", (("n0", 1), ("n1", 1))),)
 
@@ -189,12 +189,12 @@ def _check_drain(before: RoundState, after: RoundState, event: Drained, commands
     why = drain_refusal(before, event.job_id, event.node_id, event.floor)
     if held.get(event.node_id, 0) < 1 or sum(held.values()) - 1 < max(1, event.floor):
         assert why is not None  # returned, never dropped: the actor relays it
-        assert commands == (Refused(event.job_id, why),) and after == before
+        assert commands == (RequestRefused(event.job_id, why),) and after == before
         return
     assert why is None
     held[event.node_id] -= 1
     new = after.job(event.job_id)
-    assert commands == (Assign(event.job_id, new.allocation),)
+    assert commands == (Reassign(event.job_id, new.allocation),)
     assert dict(new.allocation) == {n: k for n, k in held.items() if k}
     keeps = sum(held.values())
     assert new.max_workers == min(old.max_workers, keeps) and new.last_resize_s == event.now
@@ -209,7 +209,7 @@ def test_a_drain_gives_up_the_slot_and_no_round_gives_it_back():
     s, (start,) = step(s, Tick(1.0), knobs)
     assert start.workers == 3
     s, cmds = step(s, Drained("a", "n1", 2.0), knobs)
-    assert cmds == (Assign("a", (("n0", 1), ("n2", 1))),)
+    assert cmds == (Reassign("a", (("n0", 1), ("n2", 1))),)
     s, cmds = step(s, Tick(3.0), knobs)
     assert cmds == () and s.job("a").allocation == (("n0", 1), ("n2", 1))
     # Another job takes the freed slot; the drained one grows only when asked to.
@@ -217,11 +217,11 @@ def test_a_drain_gives_up_the_slot_and_no_round_gives_it_back():
     s, cmds = step(s, Tick(5.0), knobs)
     assert cmds == (Start("b", (("n1", 1),)),)
     s, cmds = step(s, Drained("a", "n1", 6.0), knobs)  # no slot of its there: refused
-    assert cmds == (Refused("a", "job a holds no slot on node n1"),)
+    assert cmds == (RequestRefused("a", "job a holds no slot on node n1"),)
     assert drain_refusal(s, "a", "n1", 1) == "job a holds no slot on node n1"
     s, _ = step(s, Drained("a", "n0", 7.0), knobs)
     s, cmds = step(s, Drained("a", "n2", 8.0), knobs)  # its last worker: refused
-    assert [type(c) for c in cmds] == [Refused] and s.job("a").allocation == (("n2", 1),)
+    assert [type(c) for c in cmds] == [RequestRefused] and s.job("a").allocation == (("n2", 1),)
     assert drain_refusal(s, "a", "n2", 1) == "refused: 0 workers would be below its min_workers 1"
     assert drain_refusal(s, "zz", "n2", 1) == "it does not run job zz"
 
@@ -236,12 +236,12 @@ def test_goodput_shrinks_a_running_job_to_admit_a_new_one_and_grows_it_back():
     s, _ = step(s, Registered("b", 2, 2, 0, 2.0), knobs)
     s, cmds = step(s, Tick(3.0), knobs)
     by = {c.job_id: c for c in cmds}
-    assert isinstance(by["a"], Assign) and by["a"].workers == 1
+    assert isinstance(by["a"], Reassign) and by["a"].workers == 1
     assert isinstance(by["b"], Start) and by["b"].workers == 2
     assert s.resizes == 1
-    s, _ = step(s, Finished("b"), knobs)
+    s, _ = step(s, JobGone("b"), knobs)
     s, cmds = step(s, Tick(4.0), knobs)
-    assert cmds == (Assign("a", (("n0", 1), ("n1", 1), ("n2", 1))),)
+    assert cmds == (Reassign("a", (("n0", 1), ("n1", 1), ("n2", 1))),)
     assert s.view.resizes == 2
 
 
@@ -268,7 +268,7 @@ def test_a_lost_node_reallocates_within_the_hold():
     assert cmds == (Start("a", (("n0", 1), ("n1", 1))),)
     s, _ = step(s, NodesSeen((nodes[0], nodes[2])), knobs)
     s, cmds = step(s, Tick(2.0), knobs)
-    assert cmds == (Assign("a", (("n0", 1), ("n2", 1))),)
+    assert cmds == (Reassign("a", (("n0", 1), ("n2", 1))),)
 
 
 def test_a_job_left_below_its_minimum_keeps_its_slots_and_no_one_takes_them():
@@ -340,3 +340,22 @@ def test_rebuild_touches_no_job_and_keeps_the_allocation():
     again, cmds = step(again, Tick(61.0), knobs)
     assert cmds == ()
     assert again.view.job("b").allocation == (("n2", 1),)
+
+
+def test_two_equal_new_jobs_span_both_gpu_types_from_their_first_round():
+    """Issue 52 item 5: before any job has measured a type, the rounds rate the types by a
+    prior per node type (the GPU model's class), not as equal, so two equal jobs on an
+    H100 node and a V100 node both start on both types. (Each job's step has a fixed cost,
+    its all-reduce, so a job gains less from each worker it adds.)"""
+    knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
+    s = RoundState()
+    nodes = (ClusterNode("h", "gpu-H100x2", 2 * GPU_UNITS, gpu=True),
+             ClusterNode("v", "gpu-V100x2", 2 * GPU_UNITS, gpu=True))
+    unmeasured = ThroughputModel.of({}, (), overhead_s=0.5, global_batch=1.0)
+    for e in (NodesSeen(nodes), Registered("a", 1, 4, 0, 0.0), Registered("b", 1, 4, 0, 0.0),
+              Measured("a", unmeasured), Measured("b", unmeasured)):
+        s, _ = step(s, e, knobs)
+    s, cmds = step(s, Tick(1.0), knobs)
+    starts = {c.job_id: dict(c.slots) for c in cmds if isinstance(c, Start)}
+    assert set(starts) == {"a", "b"}
+    assert all(set(slots) == {"h", "v"} for slots in starts.values()), starts

@@ -10,14 +10,15 @@ from collections.abc import Sequence
 
 import pytest
 from dynabatch.actors.spec import JobSpec
-from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode
+from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, rounds
 from dynabatch.scheduler.core.cluster.nodes import job_bounds
 from dynabatch.scheduler.core.cluster.rounds import (
-    Bounds,
     Drained,
-    Finished,
+    Entry,
+    JobGone,
     NodesSeen,
-    Registered,
+    Reassign,
+    ResizeRequested,
     RoundState,
     Start,
     Tick,
@@ -29,6 +30,7 @@ from dynabatch.service.errors import InvalidRequest, JobConflict, WorkerNotFound
 from dynabatch.service.job_service import JobService
 from dynabatch.service.scheduling import Refused
 from dynabatch.service.store import JobStore
+from dynabatch.service.submit_policy import SubmitPolicy
 
 from tests.fakes import FakeCluster
 
@@ -46,7 +48,8 @@ class RoundsScheduling:
         self.specs: dict[str, tuple[JobSpec, int]] = {}
         self.now = 0.0
         self.syncs = 0
-        self.assigned: list = []  # the Assign commands of drains
+        self.assigned: list = []  # the Reassign commands of owners' requests
+        self.ended: list[str] = []  # the jobs the service said finished
 
     def _step(self, event) -> tuple:
         self.state, commands = step(self.state, event, self.knobs)
@@ -61,10 +64,10 @@ class RoundsScheduling:
         if job_id in self.specs and self.specs[job_id][1] >= generation:
             return
         if job_id in self.specs:
-            self._step(Finished(job_id))
+            self._step(JobGone(job_id))
         self.specs[job_id] = (spec, generation)
         lo, hi = job_bounds(spec)
-        self._step(Registered(job_id, lo, hi, spec.priority, submit_s))
+        self._step(Entry(job_id, lo, hi, spec.priority, submit_s, generation=generation))
 
     def sync(self, jobs: Sequence[tuple[str, JobSpec, float, int]]) -> set[str]:
         self.syncs += 1
@@ -73,24 +76,27 @@ class RoundsScheduling:
         listed = {j[0] for j in jobs}
         for j in self.state.jobs:
             if j.job_id not in listed:
-                self._step(Finished(j.job_id))
+                self._step(JobGone(j.job_id))
         return {j.job_id for j in self.state.jobs if j.started}
 
     def finished(self, job_id: str) -> None:
-        self._step(Finished(job_id))
+        self.ended.append(job_id)
+        self._step(JobGone(job_id))
+
+    def _relayed(self, commands: tuple, what: str) -> None:
+        """As the actor does: a refusal is raised with its reason, an assignment sent."""
+        for c in commands:
+            if isinstance(c, rounds.RequestRefused):
+                raise Refused(f"{what}the cluster scheduler places this job; {c.why}")
+        self.assigned.extend(c for c in commands if isinstance(c, Reassign))
 
     def request_scale(self, job_id: str, workers: int) -> str:
-        entry = self.state.job(job_id)
-        if workers < entry.min_workers:
-            raise Refused(f"the cluster scheduler places this job; scale to {workers} refused")
-        self._step(Bounds(job_id, entry.min_workers, workers))
-        return f"the cluster scheduler places this job; scale to {workers} recorded"
+        self._relayed(self._step(ResizeRequested(job_id, workers, self.now)), "")
+        return f"the cluster scheduler places this job; scale to {workers}"
 
     def request_drain(self, job_id: str, node: str) -> str:
         entry = self.state.job(job_id)
-        if sum(k for _, k in entry.allocation) - 1 < entry.min_workers:
-            raise Refused("drain: the cluster scheduler places this job; refused")
-        self.assigned.extend(self._step(Drained(job_id, node, self.now)))
+        self._relayed(self._step(Drained(job_id, node, self.now, entry.min_workers)), "drain: ")
         return f"the cluster scheduler places this job; its slot on node {node} is freed"
 
     def view(self) -> ClusterView | None:
@@ -114,8 +120,8 @@ def setup():
     service.store.close()
 
 
-def _gang(name: str) -> JobSpec:
-    return JobSpec(name=name, epochs=1, workers=2, min_workers=2, max_workers=2)
+def _gang(name: str, epochs: int = 1) -> JobSpec:
+    return JobSpec(name=name, epochs=epochs, workers=2, min_workers=2, max_workers=2)
 
 
 def test_a_queued_job_waits_pending_with_its_reason_and_starts_when_granted(setup):
@@ -159,17 +165,99 @@ def test_a_job_of_workers_auto_is_granted_every_slot_it_may_use(setup):
     assert sum(n for _, n in sched.state.job(job.id).allocation) == 2
 
 
-def test_scale_and_drain_become_requests_to_the_scheduler(setup):
+def test_an_owners_scale_is_carried_out_at_once_or_refused_with_the_reason(setup):
+    """Under a long hold, an owner's scale is assigned at once, above the spec's
+    max_workers too (the owner's size becomes the job's bounds, as without the scheduler);
+    0 workers, a size the batch cannot be split into and a size above what the cluster
+    could ever hold are refused at once, one line each; the job's coordinator is never
+    asked to scale by itself."""
     service, cluster, sched = setup
-    job = service.submit(JobSpec(name="a", epochs=5, workers=2, min_workers=1, max_workers=2))
+    sched.knobs = ClusterKnobs(policy="fifo", hold_s=120.0)
+    job = service.submit(JobSpec(name="a", epochs=5, workers=1, global_batch=8))
     sched.tick()
     service.sync_once()
-    service.scale(job.id, 1)
-    assert sched.state.job(job.id).max_workers == 1
+    service.scale(job.id, 2)
+    (assign,) = sched.assigned
+    assert sum(k for _, k in assign.slots) == 2
+    assert sched.state.job(job.id).max_workers == 2
     assert ("scale", job.id) not in cluster.calls  # the job's coordinator is not asked
-    sched.state, _ = step(sched.state, Bounds(job.id, 2, 2), sched.knobs)
-    with pytest.raises(JobConflict, match="refused"):
-        service.scale(job.id, 1)
+    with pytest.raises(JobConflict) as err:
+        service.scale(job.id, 3)
+    assert str(err.value) == (
+        "the cluster scheduler places this job; scale to 3: above the cluster's capacity "
+        "for this job: the nodes of its types hold 2 of its workers"
+    )
+    with pytest.raises(InvalidRequest, match=r"^workers \(0\) must be at least 1"):
+        service.scale(job.id, 0)
+    with pytest.raises(InvalidRequest, match="above the job's global_batch"):
+        service.scale(job.id, 9)
+    assert len(sched.assigned) == 1  # nothing else changed
+
+
+def test_a_scale_above_the_clusters_capacity_is_refused_without_the_scheduler_too() -> None:
+    """The same meaning in both modes: without the scheduler, a size no set of the alive
+    nodes could hold is a 409 in the same words, before the job is asked."""
+    cluster = FakeCluster(steps_per_epoch=1)
+    cluster.connect()
+    service = JobService(JobStore(":memory:"), cluster, sync_interval_s=0)
+    try:
+        job = service.submit(JobSpec(name="a", epochs=5, workers=1, worker_cpus=2))
+        held = sum(JobSpec(name="x", worker_cpus=2).workers_on(n.resources)
+                   for n in cluster.nodes())
+        with pytest.raises(JobConflict) as err:
+            service.scale(job.id, held + 1)
+        assert str(err.value).startswith(
+            f"scale to {held + 1}: above the cluster's capacity: the cluster's ")
+        assert ("scale", job.id) not in cluster.calls
+    finally:
+        service.store.close()
+
+
+def test_a_job_submitted_between_the_sync_loops_reads_is_left_queued(setup):
+    """The sync loop decides which jobs are queued and which it polls from one read of the
+    live jobs: a job submitted while it asks the scheduler is not taken for one whose
+    coordinator died (it was FAILED, "no coordinator actor", 28 ms after its submit)."""
+    service, cluster, sched = setup
+    a = service.submit(_gang("a", epochs=5))
+    sched.tick()
+    service.sync_once()
+    late: list = []
+    sync = sched.sync
+
+    def sync_then_submit(jobs):
+        started = sync(jobs)
+        if not late:  # the submit lands between the loop's read and its polls
+            late.append(service.submit(_gang("b")))
+        return started
+
+    sched.sync = sync_then_submit
+    service.sync_once()
+    b = service.get(late[0].id)
+    assert b.state == JobState.PENDING, b.reason
+    assert ("snapshot", b.id) not in cluster.calls
+    assert service.get(a.id).state == JobState.RUNNING
+
+
+def test_a_queued_job_says_it_is_queued_not_that_its_coordinator_starts(setup):
+    service, _, sched = setup
+    service.submit(_gang("a"))
+    b = service.submit(_gang("b"))
+    # Before a round has seen it: queued, waiting for the round (no coordinator starts).
+    assert service.get(b.id).reason == "queued: waiting for the cluster scheduler's next round"
+    sched.tick()
+    assert service.get(b.id).reason.startswith("queued: position 1 of 1")
+
+
+def test_a_job_failed_for_a_lost_coordinator_leaves_the_scheduler_at_once(setup):
+    service, cluster, sched = setup
+    a = service.submit(_gang("a", epochs=5))
+    sched.tick()
+    service.sync_once()
+    cluster.kill(a.id)  # no checkpoint: it fails
+    service.sync_job(a.id)
+    assert service.get(a.id).state == JobState.FAILED
+    assert sched.ended == [a.id] and sched.state.job(a.id) is None
+    assert all(j.job_id != a.id for j in service.cluster_view().jobs)
 
 
 def test_a_drain_frees_the_workers_slot_through_the_scheduler(setup):
@@ -193,8 +281,11 @@ def test_a_drain_frees_the_workers_slot_through_the_scheduler(setup):
     sched.tick()  # a round keeps it at one: the slot stays free
     assert sum(k for _, k in sched.state.job(job.id).allocation) == 1
     other = cluster.snapshot(job.id).workers[1].worker
-    with pytest.raises(JobConflict, match="refused"):
+    with pytest.raises(JobConflict) as err:
         service.drain(job.id, other)
+    assert str(err.value) == (
+        f"cannot drain the last worker ({other}) of job {job.id}: cancel the job to stop it"
+    )
 
 
 def test_a_restarted_api_leaves_queued_jobs_queued_and_tells_a_new_scheduler(setup):
@@ -230,3 +321,29 @@ def test_a_parameter_server_learner_is_not_drained_through_the_scheduler(setup, 
     with pytest.raises(JobConflict, match="scale it down instead"):
         service.drain(job.id, snap.workers[0].worker)
     assert sched.state.job(job.id) == before and not sched.assigned
+
+
+def test_a_resume_the_scheduler_refuses_is_a_409_with_its_reason(setup, tmp_path, monkeypatch):
+    """Not a 503 as if Ray were gone: the scheduler's reason, and the job FAILED with it."""
+    _, cluster, sched = setup
+    service = JobService(
+        JobStore(":memory:"), cluster, sync_interval_s=0, scheduling=sched,
+        submit_policy=SubmitPolicy(checkpoint_root=str(tmp_path)),
+    )
+    spec = JobSpec(name="a", epochs=5, workers=1, checkpoint={"dir": str(tmp_path)})
+    job = service.submit(spec)
+    sched.tick()
+    service.sync_once()
+    service.sync_once()  # an epoch trained and checkpointed
+    assert service.cancel(job.id).state == JobState.CANCELLED
+    why = "min_workers 1: the cluster has 0 worker slots; the job could never start"
+
+    def refuse(*_):
+        raise Refused(why)
+
+    monkeypatch.setattr(sched, "register", refuse)
+    with pytest.raises(JobConflict) as err:
+        service.resume(job.id)
+    assert str(err.value) == f"job {job.id} cannot be resumed: {why}"
+    assert service.get(job.id).state == JobState.FAILED
+    assert service.get(job.id).reason.endswith(f"not resumed: {why}")

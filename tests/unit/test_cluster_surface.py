@@ -216,8 +216,45 @@ def test_cli_cluster_prints_nodes_and_queue(app, monkeypatch) -> None:
         if x.startswith("│")
     ]
     assert rows[:2] == [["n1", "H100", "2/2", f"{a} (2)"], ["n2", "cpu", "2/2", f"{a} (2)"]]
-    assert [r[:3] for r in rows[2:]] == [["1", b, "0"], ["2", c, "0"]]
-    assert rows[3][3].startswith("queued: position 2 of 2 (min_workers 3")
+    # The placed job: its allocation; no report from it yet.
+    assert rows[2] == [a, "4 (n1: 2, n2: 2)", "-", "-"]
+    assert [r[:3] for r in rows[3:]] == [["1", b, "0"], ["2", c, "0"]]
+    assert rows[4][3].startswith("queued: position 2 of 2 (min_workers 3")
+
+
+def test_a_jobs_allocation_and_its_members_are_shown_side_by_side(app, monkeypatch) -> None:
+    """Views show facts: the scheduler's allocation, the members the job reported and why
+    they differ, in REST, the CLI and /metrics alike."""
+    client, service = app()
+    ids = [_submit(client, name=f"job{i}") for i in range(3)]
+    a = ids[0]
+    base = _round(ids)
+    jobs = [
+        ClusterJob(j, lo, hi, MODEL, submit_s=float(i))
+        for i, (j, (lo, hi)) in enumerate(zip(ids, [(3, 4), (2, 2), (3, 3)], strict=True))
+    ]
+    decision = decide(NODES, jobs, 10.0, ClusterKnobs())
+    why = "starting 1 worker on node n2"
+    view = view_of(NODES, jobs, decision, round_no=7, decided_s=10.0,
+                   facts={a: ((("n1", 2), ("n2", 1)), why, None)})
+    assert view.job(a).allocation == base.job(a).allocation
+    monkeypatch.setattr(service, "cluster_view", lambda: view)
+    entry = next(j for j in client.get("/v1/cluster").json()["jobs"] if j["job_id"] == a)
+    assert entry["allocation"] == [{"node_id": "n1", "workers": 2}, {"node_id": "n2", "workers": 2}]
+    assert entry["members"] == [{"node_id": "n1", "workers": 2}, {"node_id": "n2", "workers": 1}]
+    assert (entry["workers"], entry["differs"], entry["waits"]) == (4, why, None)
+    out = _invoke(client, "cluster")
+    assert out.exit_code == 0, out.output
+    row = next(x for x in out.stdout.splitlines() if x.startswith(f"│ {a}"))
+    cells = [c.strip() for c in row.strip().strip("│").split("│")]
+    assert cells == [a, "4 (n1: 2, n2: 2)", "3 (n1: 2, n2: 1)", why]
+    samples = {
+        (s.name, s.labels.get("job_id")): s.value
+        for f in text_string_to_metric_families(client.get("/metrics").text)
+        for s in f.samples
+    }
+    assert samples[("dynabatch_cluster_member_workers", a)] == 3.0
+    assert ("dynabatch_cluster_member_workers", ids[1]) not in samples  # queued: none
 
 
 def test_cli_cluster_json_is_the_rest_answer(app, monkeypatch) -> None:
@@ -307,8 +344,8 @@ def test_min_workers_no_node_set_can_meet_is_refused_at_submit(app) -> None:
     r = client.post("/v1/jobs", json={**SPEC, "workers": 3, "min_workers": 3, "worker_cpus": 2})
     assert r.status_code == 422
     assert r.json()["detail"][0]["msg"] == (
-        "min_workers 3: the cluster's 2 alive nodes hold 2 of this job's workers (2 CPU "
-        "each); the job could never start"
+        "min_workers 3: the cluster's worker slots hold 2 workers of 2 CPUs (worker_cpus 2); "
+        "the job could never start"
     )
     # A GPU job on nodes without GPUs: no node hosts one.
     r = client.post("/v1/jobs", json={**SPEC, "min_workers": 1, "worker_gpus": 1})

@@ -21,7 +21,7 @@ from dynabatch.actors.export import ExportError, load_model, model_files, write_
 from dynabatch.actors.spec import JobSpec, parse_spec
 from dynabatch.actors.workloads.models import build_model
 from dynabatch.api.app import create_app
-from dynabatch.api.cli import model as model_cli
+from dynabatch.api.cli import export_commands as model_cli
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime.seam import DataInfo
 from dynabatch.scheduler.sim.cost_model import SimulatedCluster

@@ -249,7 +249,14 @@ def test_the_bert_example_trains_and_its_hf_export_loads_in_a_fresh_process(tmp_
         while not coordinator.state.is_terminal:  # each advance: one step of its driver
             cluster.advance(job.id)
         assert coordinator.state == JobState.SUCCEEDED, coordinator.reason
+        # Macro-F1 and the confusion matrix over the whole held-out set (32 reviews).
+        last = coordinator.history()[-1]
+        assert 0.0 <= last.test_metrics["f1"] <= 1.0
+        cm = last.test_matrices["confusion_matrix"]
+        assert len(cm) == 2 and sum(map(sum, cm)) == 32
         out = job.model(tmp_path / "hf", format="hf")
+        with pytest.raises(ValueError, match=r"^format: must be dynabatch or hf, got 'onnx'"):
+            job.model(tmp_path / "x", format="onnx")
     assert sorted(p.name for p in Path(out).iterdir()) == [
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     words = ["the", "film", "was", "really", "great", "and", "fun"]
@@ -280,5 +287,3 @@ def test_token_ids_that_arrive_as_floats_are_cast_and_a_fraction_is_named(tmp_pa
         model(torch.tensor([[2.5, 3.0]]))
     with pytest.raises(TokenIdError, match="token id 45 in the batch's input_ids"):
         model(torch.tensor([[45.0]]))
-    with pytest.raises(ValueError, match="^format: must be dynabatch or hf, got 'onnx'"):
-        job.model(tmp_path / "x", format="onnx")

@@ -108,7 +108,8 @@ def test_parquet_read_by_many_threads_is_the_same_as_by_one(tmp_path):
     batches are those one thread reads."""
     from dynabatch.actors.data.arrow import ParquetSource
     from dynabatch.actors.data.order import block_order
-    from dynabatch.actors.data.write import write_parquet
+
+    from bench.data_files import write_parquet
 
     rng = np.random.default_rng(0)
     write_parquet(

@@ -131,8 +131,8 @@ def test_metrics_are_scored_under_their_names_in_the_spec():
 
 
 def test_unknown_metric_and_loss_are_field_errors():
-    with pytest.raises(SpecError, match=r"^metrics\.0: unknown metric 'f1'"):
-        parse_spec({"metrics": ["f1"]})
+    with pytest.raises(SpecError, match=r"^metrics\.0: unknown metric 'f2'"):
+        parse_spec({"metrics": ["f2"]})
     with pytest.raises(SpecError, match=r"^loss: unknown loss 'hinge'"):
         parse_spec({"loss": "hinge"})
 

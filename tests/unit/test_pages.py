@@ -84,3 +84,13 @@ def test_the_page_shows_the_jobs_own_metrics_and_progress_wraps_logs_and_fits_it
         css = c.get("/static/job.css").text
         log_rule = next(r for r in css.split("}") if "#log {" in r)
         assert "white-space: pre-wrap" in log_rule
+
+
+def test_the_page_shows_the_latest_confusion_matrix_as_a_table(tmp_path: Path) -> None:
+    # Issue 54: a record's test_matrices (a confusion matrix) is drawn as a table under
+    # the epochs, rows the true classes; the drawing itself runs in Chromium (tests/e2e).
+    with _client(tmp_path) as c:
+        job = c.post("/v1/jobs", json={"workers": 2}).json()["job_id"]
+        assert 'id="matrices"' in c.get(f"/jobs/{job}").text
+        script = c.get("/static/job.js").text
+        assert "e.test_matrices" in script and "drawMatrices(e)" in script

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import typer
+from dynabatch.api.cli import plots
 from dynabatch.api.cli import run as run_cli
-from dynabatch.service import plots
 from typer.testing import CliRunner
 
 

@@ -1,5 +1,5 @@
 """The one definition of how many workers a job's global batch allows
-(scheduler/core/membership.py: ``batch_bounds``, ``scale_error``), checked against the
+(scheduler/core/membership.py: ``worker_bounds``, ``scale_error``), checked against the
 rule itself over every small case, and used by both the coordinator's membership and the
 service's scale command."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 
-from dynabatch.scheduler.core.membership import Membership, batch_bounds, scale_error
+from dynabatch.scheduler.core.membership import Membership, scale_error, worker_bounds
 
 
 def _fits(workers: int, batch: int, max_batch: int | None) -> bool:
@@ -23,7 +23,7 @@ def test_scale_error_is_none_exactly_when_every_batch_of_the_range_fits() -> Non
         ok = all(_fits(workers, b, max_batch) for b in range(smallest, largest + 1))
         why = scale_error(workers, smallest, largest, max_batch)
         assert (why is None) == ok, (workers, smallest, largest, max_batch, why)
-        lo, hi = batch_bounds(smallest, largest, max_batch)
+        lo, hi = worker_bounds(smallest, largest, max_batch)
         assert (lo <= workers <= hi) == ok
 
 
@@ -46,7 +46,7 @@ def test_membership_takes_its_size_limits_from_the_same_bounds() -> None:
             smallest_batch=batch,
             max_batch=max_batch,
         )
-        assert (m.min_size, m.max_size) == batch_bounds(batch, batch, max_batch)
+        assert (m.min_size, m.max_size) == worker_bounds(batch, batch, max_batch)
 
 
 def test_a_stage_wise_jobs_driver_and_service_agree_on_its_size_limits() -> None:
@@ -65,7 +65,7 @@ def test_a_stage_wise_jobs_driver_and_service_agree_on_its_size_limits() -> None
     })
     smallest, largest = spec.batch_range
     m = Coordinator("job", spec, runtime=sim_runtime(spec, n_train=512, nodes=4)).job.membership
-    lo, hi = batch_bounds(smallest, largest, spec.max_batch)
+    lo, hi = worker_bounds(smallest, largest, spec.max_batch)
     assert (m.min_size, m.max_size) == (lo, min(hi, 4)) == (4, 4)
     for n in range(1, 9):  # every size the driver allows, the service's rule allows
         assert (scale_error(n, smallest, largest, spec.max_batch) is None) == (

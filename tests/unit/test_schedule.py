@@ -719,9 +719,9 @@ def test_tune_spends_at_most_its_budget_and_writes_a_loadable_config(tmp_path):
 
 def test_tune_judges_against_the_small_batch_baseline_on_a_validation_split(monkeypatch):
     pytest.importorskip("torch")
+    from dynabatch.api.cli import tuning as tune_mod
     from dynabatch.scheduler.sim.cluster_spec import parse_cluster
     from dynabatch.scheduler.sim.gradients import GradientEngine
-    from dynabatch.service import tune as tune_mod
 
     spec = parse_spec({"dataset": {"name": "digits", "limit": 300},
                        "model": {"name": "mlp", "hidden": 8}, "workers": 2, "epochs": 4,

@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
+import torchmetrics
 from dynabatch.actors.workloads.datasets import DatasetArrays
 from torch import nn
 
@@ -101,3 +103,33 @@ def chatty_ce(outputs, targets):
 
     print(f"chatty batch of {len(targets)}")
     return F.cross_entropy(outputs, targets, reduction="none")
+
+
+class MisclassifiedCount(torchmetrics.Metric):
+    """A user torchmetrics.Metric by import path: the held-out samples whose argmax is wrong
+    (its state a sum, so it merges across shards)."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("wrong", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        self.wrong += (outputs.argmax(-1) != targets).sum().float()
+
+    def compute(self) -> torch.Tensor:
+        return self.wrong
+
+
+class NeedsArguments(torchmetrics.Metric):
+    """A torchmetrics.Metric that cannot be built without arguments."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+
+
+def bce_loss(outputs, targets):
+    """Binary cross-entropy per sample on one logit per sample."""
+    return torch.nn.functional.binary_cross_entropy_with_logits(
+        outputs.reshape(targets.shape), targets.float(), reduction="none")

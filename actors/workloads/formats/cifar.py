@@ -1,10 +1,9 @@
-"""CIFAR-10 python batches: a safe unpickler (arrays and lists only), readers and writers."""
+"""CIFAR-10 python batches: a safe unpickler (arrays and lists only) and readers."""
 
 from __future__ import annotations
 
 import codecs
 import pickle
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,53 +153,3 @@ def read_cifar10(path: str | Path) -> CifarArrays:
     return x_train, y_train, x_test, y_test
 
 
-def write_cifar_batch(
-    path: str | Path, images: np.ndarray, labels: Sequence[int] | np.ndarray, batch_label: str = ""
-) -> Path:
-    """Write one batch exactly as the published files: a protocol-2 pickle with bytes keys."""
-    x = np.asarray(images)
-    if x.dtype != np.uint8:
-        raise ValueError(f"CIFAR images must be uint8, got {x.dtype}")
-    shaped = (x.ndim == 4 and x.shape[1:] == (3, 32, 32)) or (
-        x.ndim == 2 and x.shape[1] == _CIFAR_PIXELS
-    )
-    if not shaped:
-        raise ValueError(f"CIFAR images must be (N, 3, 32, 32) or (N, 3072), got {x.shape}")
-    data = np.ascontiguousarray(x.reshape(len(x), _CIFAR_PIXELS))
-    labs = [int(v) for v in np.asarray(labels).reshape(-1)]
-    batch = {
-        b"batch_label": batch_label.encode(),
-        b"labels": labs,
-        b"data": data,
-        b"filenames": [f"image_{i:05d}.png".encode() for i in range(len(labs))],
-    }
-    p = Path(path)
-    with p.open("wb") as f:
-        pickle.dump(batch, f, protocol=2)
-    return p
-
-
-def write_cifar10(
-    directory: str | Path,
-    x_train: np.ndarray,
-    y_train: np.ndarray,
-    x_test: np.ndarray,
-    y_test: np.ndarray,
-    label_names: Sequence[str] = CIFAR10_LABELS,
-) -> Path:
-    """Write a CIFAR-10 directory (5 training batches, test batch, meta) into ``directory``."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    x_parts = np.array_split(np.asarray(x_train), len(CIFAR10_TRAIN_BATCHES))
-    y_parts = np.array_split(np.asarray(y_train), len(CIFAR10_TRAIN_BATCHES))
-    for i, (name, xs, ys) in enumerate(zip(CIFAR10_TRAIN_BATCHES, x_parts, y_parts, strict=True)):
-        write_cifar_batch(d / name, xs, ys, f"training batch {i + 1} of 5")
-    write_cifar_batch(d / CIFAR10_TEST_BATCH, x_test, y_test, "testing batch 1 of 1")
-    meta = {
-        b"num_cases_per_batch": len(x_parts[0]),
-        b"label_names": [n.encode() for n in label_names],
-        b"num_vis": _CIFAR_PIXELS,
-    }
-    with (d / CIFAR10_META).open("wb") as f:
-        pickle.dump(meta, f, protocol=2)
-    return d

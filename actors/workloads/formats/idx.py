@@ -1,4 +1,4 @@
-"""IDX files (MNIST's format): encode, decode, read and write, gzip or not."""
+"""IDX files (MNIST's format): encode, decode and read, gzip or not."""
 
 from __future__ import annotations
 
@@ -114,23 +114,6 @@ def _read_maybe_gzip(path: Path) -> bytes:
         raise FormatError(f"{path}: corrupt or truncated gzip data ({err})") from err
 
 
-def read_idx(path: str | Path, magic: int | None = None) -> np.ndarray:
-    """Read an IDX file, plain or gzip-compressed (detected from its first bytes)."""
-    p = Path(path)
-    return decode_idx(_read_maybe_gzip(p), source=str(p), magic=magic)
-
-
-def write_idx(path: str | Path, array: np.ndarray) -> Path:
-    """Write ``array`` as an IDX file; gzip-compressed when the name ends in ``.gz``."""
-    p = Path(path)
-    data = encode_idx(array)
-    if p.suffix == ".gz":
-        # mtime=0 keeps the bytes reproducible for a given array.
-        data = gzip.compress(data, mtime=0)
-    p.write_bytes(data)
-    return p
-
-
 # MNIST ---------------------------------------------------------------------------------------
 
 MNIST_FILES: dict[str, str] = {
@@ -227,21 +210,3 @@ def encode_mnist(
     return out
 
 
-def write_mnist(
-    directory: str | Path,
-    x_train: np.ndarray,
-    y_train: np.ndarray,
-    x_test: np.ndarray,
-    y_test: np.ndarray,
-    *,
-    gz: bool = False,
-) -> dict[str, Path]:
-    """Write the four MNIST files (uint8 images (N, H, W), uint8 labels) into ``directory``."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for key, data in encode_mnist(x_train, y_train, x_test, y_test).items():
-        p = d / (MNIST_FILES[key] + (".gz" if gz else ""))
-        p.write_bytes(gzip.compress(data, mtime=0) if gz else data)
-        paths[key] = p
-    return paths

@@ -1,19 +1,19 @@
 """The cluster scheduler's rounds: a pure state machine around :func:`decide`.
 
-No Ray, no clock. The scheduler actor (``dynabatch.scheduler.runtime.cluster``) feeds it
+No Ray, no clock. The scheduler actor (``dynabatch.scheduler.runtime.cluster_scheduler``) feeds it
 events and executes the commands it returns; everything that decides is here:
 
 * events: a job registered (:class:`Entry` itself: its bounds, priority, submit time, slots
   per worker, generation, whether its own run launches it), adopted as it runs
-  (:class:`Running`), finished or gone; the owner's requests (:class:`ScaleRequested`,
-  :class:`Drained`); its report (:class:`Polled`: its members per node and its speed per
+  (:class:`FoundRunning`), finished or gone; the owner's requests (:class:`ResizeRequested`,
+  :class:`Drained`); its report (:class:`JobReported`: its members per node and its speed per
   node type); a coordinator that came up (:class:`Launched`), a start that failed, an
   assignment the job refused (:class:`AssignRefused`); a client's run heard from
   (:class:`Heard`); the nodes seen now; and a :class:`Tick` at ``now``, the round;
-* commands: :class:`Start` (launch a queued job's driver on these nodes), :class:`Assign`
+* commands: :class:`Start` (launch a queued job's driver on these nodes), :class:`Reassign`
   (a running job trains on these nodes from its next step boundary), :class:`Run` (start
   the launched driver's workers), :class:`Abandon` (kill a driver launched for a job no
-  longer held), :class:`Dropped` (a job left the rounds: forget it) and :class:`Refused`
+  longer held), :class:`Dropped` (a job left the rounds: forget it) and :class:`RequestRefused`
   (an owner's request is not carried out: the actor relays ``why`` as the answer).
 
 What it keeps per job (:class:`Entry`): what the job asks (bounds, priority, submit time,
@@ -26,7 +26,7 @@ command:
 
 * a queued job is started only with a whole gang (``min_workers`` workers or more; the
   policy never grants less, and a plan below it is dropped here too);
-* a running job's changed plan is one ``Assign`` (its resize), unless it is the very
+* a running job's changed plan is one ``Reassign`` (its resize), unless it is the very
   assignment the job refused: that is not sent again (the job keeps what it has);
 * a running job is never sent back to the queue: a job has no pause, so the policy sees
   running jobs at the top priority, and a later job of higher priority waits for nodes a
@@ -34,7 +34,7 @@ command:
 
 An owner's request is not a round: it is answered at once, and the hold (for the
 scheduler's own moves) does not apply. A scale gives the job bounds ``min(its minimum, n)``
-to ``n`` and an ``Assign`` now of what free slots allow (a shrink always); what it still
+to ``n`` and an ``Reassign`` now of what free slots allow (a shrink always); what it still
 waits for is on its entry (the view's ``waits``) and the job is not held until it has it.
 
 Slots: a CPU node's capacity and a worker's size there are in whatever integer unit the
@@ -53,7 +53,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from dynabatch.scheduler.core.cluster.policy import decide
-from dynabatch.scheduler.core.cluster.throughput import ThroughputModel, bootstrap
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel, bootstrap, prior
 from dynabatch.scheduler.core.cluster.values import (
     GPU_UNITS,
     ClusterDecision,
@@ -154,7 +154,7 @@ Registered = Entry
 
 
 @dataclass(frozen=True, slots=True)
-class Running:
+class FoundRunning:
     """A job found running (a new scheduler adopting it): ``job`` with the allocation its
     driver trains on holds it from ``now``, so nothing moves it before the hold, a lost
     node aside. No command follows."""
@@ -164,7 +164,7 @@ class Running:
 
 
 @dataclass(frozen=True, slots=True)
-class Finished:
+class JobGone:
     """The job ended, or its driver is gone: its nodes are free at the next round."""
 
     job_id: str
@@ -180,8 +180,8 @@ class Bounds:
 
 
 @dataclass(frozen=True, slots=True)
-class ScaleRequested:
-    """The job's owner asks for ``workers`` workers: refused (a :class:`Refused`) below 1,
+class ResizeRequested:
+    """The job's owner asks for ``workers`` workers: refused (a :class:`RequestRefused`) below 1,
     above what the cluster's nodes of its types could ever hold of its workers, or for a
     job the scheduler does not hold; else its bounds become ``min(its minimum, workers)``
     to ``workers`` and it is resized now as far as free slots allow (see the module
@@ -201,7 +201,7 @@ class Measured:
 
 
 @dataclass(frozen=True, slots=True)
-class Polled:
+class JobReported:
     """The job's own report (its snapshot): each worker's node and speed (samples per
     compute-second, 0 when not measured yet), and its global batch. Its members per node
     are recorded; the speeds, per node type (the median of its workers there), are
@@ -231,7 +231,7 @@ class StartFailed:
 class Launched:
     """The driver of ``job_id``'s ``generation`` is up, launched on ``slots``: a
     :class:`Run` (its workers start; not for a client's job, whose run runs it), preceded
-    by an :class:`Assign` of its newest allocation when a round moved it meanwhile; an
+    by an :class:`Reassign` of its newest allocation when a round moved it meanwhile; an
     :class:`Abandon` when the job is no longer held (cancelled or resumed meanwhile)."""
 
     job_id: str
@@ -261,9 +261,9 @@ class Heard:
 @dataclass(frozen=True, slots=True)
 class Drained:
     """The job's owner drains one of its workers on ``node_id``: the job gives up that slot
-    now (one ``Assign``, not a round: the owner chose the node, not the policy), and its
+    now (one ``Reassign``, not a round: the owner chose the node, not the policy), and its
     bounds drop to what it keeps, so no later round hands the slot back (a scale request
-    raises them again). A :class:`Refused` when it would keep fewer than ``floor`` workers
+    raises them again). A :class:`RequestRefused` when it would keep fewer than ``floor`` workers
     (its own ``min_workers``) or holds no slot there."""
 
     job_id: str
@@ -281,12 +281,12 @@ class Tick:
 
 Event = (
     Entry
-    | Running
-    | Finished
+    | FoundRunning
+    | JobGone
     | Bounds
-    | ScaleRequested
+    | ResizeRequested
     | Measured
-    | Polled
+    | JobReported
     | NodesSeen
     | StartFailed
     | Launched
@@ -313,7 +313,7 @@ class Start:
 
 
 @dataclass(frozen=True, slots=True)
-class Assign:
+class Reassign:
     """The running job trains on ``slots`` from its next step boundary."""
 
     job_id: str
@@ -348,14 +348,14 @@ class Dropped:
 
 
 @dataclass(frozen=True, slots=True)
-class Refused:
+class RequestRefused:
     """An owner's request is not carried out: ``why``, one line, is the answer."""
 
     job_id: str
     why: str
 
 
-Command = Start | Assign | Run | Abandon | Dropped | Refused
+Command = Start | Reassign | Run | Abandon | Dropped | RequestRefused
 
 
 # --- the machine -----------------------------------------------------------------------------
@@ -399,7 +399,7 @@ def _step(
                 model=known.model if known is not None else event.model,
             )
             return state._with(fresh), ()
-        case Running(job, now):
+        case FoundRunning(job, now):
             known = state.job(job.job_id)
             entry = replace(
                 job,
@@ -410,21 +410,21 @@ def _step(
                 model=known.model if known is not None else job.model,
             )
             return state._with(entry), ()
-        case Finished(job_id):
+        case JobGone(job_id):
             return state._without(job_id), ()
         case Bounds(job_id, lo, hi):
             entry = state.job(job_id)
             if entry is None:
                 return state, ()
             return state._with(replace(entry, min_workers=lo, max_workers=hi)), ()
-        case ScaleRequested():
+        case ResizeRequested():
             return _scale(state, event)
         case Measured(job_id, model):
             entry = state.job(job_id)
             if entry is None:
                 return state, ()
             return state._with(replace(entry, model=_merged(entry.model, model))), ()
-        case Polled(job_id, workers, batch):
+        case JobReported(job_id, workers, batch):
             entry = state.job(job_id)
             if entry is None:
                 return state, ()
@@ -458,7 +458,7 @@ def _step(
                 return state, (Abandon(job_id, "it left the queue while it was granted"),)
             commands: list[Command] = []
             if tuple(sorted(slots)) != entry.allocation:
-                commands.append(Assign(job_id, entry.allocation))
+                commands.append(Reassign(job_id, entry.allocation))
             if not entry.client:
                 commands.append(Run(job_id))
             return state._with(replace(entry, launched=True)), tuple(commands)
@@ -477,7 +477,7 @@ def _step(
         case Drained(job_id, node_id, now, floor):
             why = drain_refusal(state, job_id, node_id, floor)
             if why is not None:
-                return state, (Refused(job_id, why),)
+                return state, (RequestRefused(job_id, why),)
             entry = state.job(job_id)
             assert entry is not None
             held = dict(entry.allocation)
@@ -494,7 +494,8 @@ def _step(
                 refused=None,
                 said=f"drained one worker on node {node_id} by its owner, keeps {keeps}",
             )
-            return replace(state._with(entry), resizes=state.resizes + 1), (Assign(job_id, slots),)
+            return (replace(state._with(entry), resizes=state.resizes + 1),
+                    (Reassign(job_id, slots),))
         case Tick(now):
             if not state.synced:
                 return state, ()
@@ -543,18 +544,18 @@ def _free(state: RoundState, but: str) -> dict[str, int]:
     return free
 
 
-def _scale(state: RoundState, event: ScaleRequested) -> tuple[RoundState, tuple[Command, ...]]:
-    """An owner's scale (see :class:`ScaleRequested`)."""
+def _scale(state: RoundState, event: ResizeRequested) -> tuple[RoundState, tuple[Command, ...]]:
+    """An owner's scale (see :class:`ResizeRequested`)."""
     n, job_id = event.workers, event.job_id
     entry = state.job(job_id)
     if entry is None:
-        return state, (Refused(job_id, f"the cluster scheduler does not hold job {job_id}"),)
+        return state, (RequestRefused(job_id, f"the cluster scheduler does not hold job {job_id}"),)
     if n < 1:
-        return state, (Refused(job_id, f"scale to {n}: a job needs at least 1 worker"),)
+        return state, (RequestRefused(job_id, f"scale to {n}: a job needs at least 1 worker"),)
     most = capacity_for(state, entry)
     if n > most:
         return state, (
-            Refused(
+            RequestRefused(
                 job_id,
                 f"scale to {n}: above the cluster's capacity for this job: the nodes of its "
                 f"types hold {most} of its workers",
@@ -582,7 +583,7 @@ def _scale(state: RoundState, event: ScaleRequested) -> tuple[RoundState, tuple[
     if got == have:
         return state._with(replace(entry, waits=waits)), ()
     entry = replace(entry, allocation=slots, last_resize_s=event.now, waits=waits, said=said)
-    return replace(state._with(entry), resizes=state.resizes + 1), (Assign(job_id, slots),)
+    return replace(state._with(entry), resizes=state.resizes + 1), (Reassign(job_id, slots),)
 
 
 def _shrunk(allocation: Slots, n: int) -> Slots:
@@ -670,15 +671,17 @@ def policy_jobs(
     state: RoundState, hints: Mapping[str, float] | None = None
 ) -> tuple[list[ClusterJob], list[ClusterJob]]:
     """The policy's view of the jobs: (as decided, as shown). Models are completed over the
-    node types present (:func:`bootstrap`, unknown speeds from ``hints``, else equal), and
+    node types present (:func:`bootstrap`, unknown speeds from ``hints``, else from the
+    types' prior, :func:`~.throughput.prior`: the GPU model's class), and
     a type outside a job's ``eligible`` ones gets rate 0. Decided: every running job at the
     top priority, so the policy never queues it, and a job an owner's request left short of
     its size not held; shown: as they are."""
     types = sorted({n.node_type for n in state.nodes})
-    # Equal speeds by default, over the types present and those a job measured (its only
-    # measured type may have no node left: the others are estimated from it).
+    # A prior per type by default, over the types present and those a job measured (its
+    # only measured type may have no node left: the others are estimated from it), so jobs
+    # that measured nothing yet still see which types are fast and span them.
     measured = {t for j in state.jobs for t in j.model.measured}
-    hints = dict(hints) if hints else {t: 1.0 for t in {*types, *measured}}
+    hints = dict(hints) if hints else prior({*types, *measured})
     models = bootstrap({j.job_id: j.model for j in state.jobs}, types, hints)
     top = max((j.priority for j in state.jobs), default=0)
     shown, decided = [], []
@@ -753,7 +756,7 @@ def _round(
         elif entry.refused is not None and entry.refused[0] == plan.slots:
             continue  # the job refused exactly this: it keeps what it has
         else:
-            commands.append(Assign(entry.job_id, plan.slots))
+            commands.append(Reassign(entry.job_id, plan.slots))
             resizes += 1
             entry = replace(entry, allocation=plan.slots, last_resize_s=now, refused=None)
         new = new._with(entry)
@@ -918,13 +921,13 @@ def rebuild(
     now: float,
     knobs: ClusterKnobs | None = None,
 ) -> RoundState:
-    """The state of a new scheduler: the running jobs as they are (:class:`Running`), each
+    """The state of a new scheduler: the running jobs as they are (:class:`FoundRunning`), each
     holding its nodes from ``now``, and the queued ones waiting. No command: nothing is
     touched until the first round."""
     knobs = knobs or ClusterKnobs()
     state, _ = step(RoundState(), NodesSeen(tuple(nodes)), knobs)
     for job in running:
-        state, _ = step(state, Running(job, now), knobs)
+        state, _ = step(state, FoundRunning(job, now), knobs)
     for job in queued:
         state, _ = step(state, job, knobs)
     return state

@@ -27,7 +27,9 @@ The learning rate of a step is ``lr = lr_0 · f_sched(t) · f_warm(t) · f_batch
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 LR_SCHEDULES = ("constant", "multistep", "cosine")
 LR_SCALINGS = ("linear", "sqrt", "none")
@@ -56,6 +58,8 @@ class LrRule:
     warmup_epochs: float = 0.0
     total_epochs: int = 1
     epoch_factors: tuple[float, ...] = ()  # an LR scheduler's factor per epoch, if any
+    # An LR scheduler stepped per optimizer step: its factor after k steps (pure in k).
+    step_factors: Callable[[int], float] | None = None
 
     def __post_init__(self) -> None:
         if self.name not in LR_SCHEDULES:
@@ -110,14 +114,16 @@ class Schedule:
         return cls((Stage(epochs, global_batch),), lr, "none", 0.0)
 
     @classmethod
-    def from_spec(cls, spec, epoch_factors: tuple[float, ...] = ()) -> Schedule:
+    def from_spec(cls, spec, epoch_factors: Any = ()) -> Schedule:
         """The schedule of a :class:`~dynabatch.actors.spec.JobSpec` (fixed or stages; goodput mode
         starts at ``global_batch`` and overrides the batch each epoch). ``epoch_factors``:
         the spec's ``optimizer.lr_scheduler`` as a factor per epoch, when it has one."""
         o = spec.optimizer
         r = o.schedule
+        per_step = callable(epoch_factors)  # optimizer.lr_scheduler.interval: step
         lr = LrRule(o.lr, r.name, tuple(r.milestones), r.gamma, r.min_factor, r.warmup_epochs,
-                    spec.epochs, tuple(epoch_factors))
+                    spec.epochs, () if per_step else tuple(epoch_factors),
+                    epoch_factors if per_step else None)
         b = spec.schedule
         if b.mode == "stages":
             return cls(tuple(Stage(s.epochs, s.global_batch, s.lr_factor, s.warmup_epochs)
@@ -174,4 +180,8 @@ class Schedule:
         ``f_batch`` (goodput mode's AdaScale gain)."""
         t = epoch + (step + 1) / max(steps_per_epoch, 1)
         fb = self.batch_factor(epoch, t) if batch_factor is None else batch_factor
+        if self.lr.step_factors is not None:
+            # The job's k-th optimizer step (a fixed batch: every epoch has as many).
+            k = epoch * steps_per_epoch + step
+            return self.lr.base_lr * self.lr.step_factors(k) * fb
         return self.lr.base_lr * self.lr.factor(epoch, t) * fb

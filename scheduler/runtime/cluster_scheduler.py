@@ -56,23 +56,23 @@ from dynabatch.scheduler.core.cluster.nodes import (
 )
 from dynabatch.scheduler.core.cluster.rounds import (
     Abandon,
-    Assign,
     AssignRefused,
     Command,
     Drained,
     Dropped,
     Entry,
     Event,
-    Finished,
+    FoundRunning,
     Heard,
+    JobGone,
+    JobReported,
     Launched,
     NodesSeen,
-    Polled,
-    Refused,
+    Reassign,
+    RequestRefused,
+    ResizeRequested,
     RoundState,
     Run,
-    Running,
-    ScaleRequested,
     Start,
     StartFailed,
     Tick,
@@ -289,7 +289,7 @@ class ClusterScheduler:
                     self._add(e, nodes)
             kept = listed | {e.job_id for e in clients}
             for job_id in [j.job_id for j in self._state.jobs if j.job_id not in kept]:
-                self._step(Finished(job_id))
+                self._step(JobGone(job_id))
             started = [j.job_id for j in self._state.jobs if j.started and j.launched]
             view = self._state.view
         if first:
@@ -298,7 +298,7 @@ class ClusterScheduler:
 
     def finished(self, job_id: str) -> None:
         with self._lock:
-            self._step(Finished(job_id))
+            self._step(JobGone(job_id))
         self._wake.set()
 
     def request_scale(self, job_id: str, workers: int) -> str:
@@ -308,14 +308,14 @@ class ClusterScheduler:
         with the reason): below 1, above what the cluster's nodes of its types hold of its
         workers, or a job not placed here."""
         with self._lock:
-            commands = self._step(ScaleRequested(job_id, workers, self.clock()))
+            commands = self._step(ResizeRequested(job_id, workers, self.clock()))
             entry = self._state.job(job_id)
         self._raise_refusal(commands, "")
         self._relay(self._execute(commands), f"scale to {workers}: ")
         self._wake.set()
         if entry is not None and entry.waits:
             return f"{PLACES}; {entry.waits}"
-        if any(isinstance(c, Assign) for c in commands):
+        if any(isinstance(c, Reassign) for c in commands):
             return f"{PLACES}; scaled to {workers} workers from its next step boundary"
         return f"{PLACES}; it has {workers} workers"
 
@@ -329,7 +329,7 @@ class ClusterScheduler:
             least = owner_bounds(e.spec)[0] if e is not None else 1
             commands = self._step(Drained(job_id, node, self.clock(), least))
         self._raise_refusal(commands, "drain: ")
-        keeps = sum(c.workers for c in commands if isinstance(c, Assign))
+        keeps = sum(c.workers for c in commands if isinstance(c, Reassign))
         self._wake.set()  # the freed slot may start or grow another job
         self._relay(self._execute(commands), "drain: ")
         return f"{PLACES}; its slot on node {node} is freed, and its max_workers is now {keeps}"
@@ -368,7 +368,7 @@ class ClusterScheduler:
     @staticmethod
     def _raise_refusal(commands: Iterable[Command], what: str) -> None:
         for c in commands:
-            if isinstance(c, Refused):
+            if isinstance(c, RequestRefused):
                 raise ValueError(f"{what}{PLACES}; {c.why}")
 
     def _entry(self, e: JobEntry, nodes: Sequence[RayNode], allocation: Slots = ()) -> Entry:
@@ -399,7 +399,7 @@ class ClusterScheduler:
         self._entries[e.job_id] = e
         allocation = self._live(e)
         if allocation is not None:
-            self._step(Running(self._entry(e, nodes, allocation), self.clock()))
+            self._step(FoundRunning(self._entry(e, nodes, allocation), self.clock()))
 
     def _rebuilt(self, entries: Sequence[JobEntry], nodes: Sequence[RayNode]) -> RoundState:
         running, queued = [], []
@@ -454,7 +454,7 @@ class ClusterScheduler:
             nodes = self.calls.nodes()
             with self._lock:
                 self._step(NodesSeen(cluster_nodes(nodes)))
-                # Polled: the jobs whose driver is up (a granted client job has none until
+                # JobReported: the jobs whose driver is up (a granted client job has none until
                 # its run launches it).
                 running = [
                     (j.job_id, j.generation) for j in self._state.jobs if j.started and j.launched
@@ -471,7 +471,7 @@ class ClusterScheduler:
         for c in commands:
             if isinstance(c, Start):
                 self._start(c)
-            elif isinstance(c, Assign):
+            elif isinstance(c, Reassign):
                 refused = self._assign(c) or refused
             elif isinstance(c, Dropped):
                 log.info("job %s: dropped from the cluster rounds (%s)", c.job_id, c.why)
@@ -497,7 +497,7 @@ class ClusterScheduler:
         if snap.state.is_terminal:
             self._gone(job_id, f"it ended {snap.state.value}")
             return
-        report = Polled(
+        report = JobReported(
             job_id,
             tuple((w.node, float(w.throughput)) for w in snap.workers),
             float(snap.global_batch or 1),
@@ -511,7 +511,7 @@ class ClusterScheduler:
     def _gone(self, job_id: str, why: str) -> None:
         log.info("job %s: dropped from the cluster rounds (%s)", job_id, why)
         with self._lock:
-            self._step(Finished(job_id))
+            self._step(JobGone(job_id))
 
     def _start(self, c: Start) -> None:
         """Launch the granted job's coordinator; the rounds then say whether its workers
@@ -546,14 +546,14 @@ class ClusterScheduler:
             if isinstance(x, Abandon):
                 log.info("job %s: %s; not started", c.job_id, x.why)
                 self.calls.kill(handle)
-            elif isinstance(x, Assign):
+            elif isinstance(x, Reassign):
                 log.info("job %s: a round moved it during its launch", c.job_id)
                 self._assign(x)
             elif isinstance(x, Run):
                 handle.run.remote()
                 log.info("job %s: started on %s", c.job_id, c.slots)
 
-    def _assign(self, c: Assign) -> str | None:
+    def _assign(self, c: Reassign) -> str | None:
         """Send ``c`` to the job; the job's reason when it refused it (also a fact the
         rounds keep), else None."""
         with self._lock:

@@ -1,0 +1,115 @@
+"""Test helpers that write the dataset formats the product reads (IDX/MNIST and CIFAR-10
+python batches) byte for byte as the published files, and read an IDX file back."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from dynabatch.actors.workloads.formats.cifar import (
+    CIFAR10_LABELS,
+    CIFAR10_META,
+    CIFAR10_TEST_BATCH,
+    CIFAR10_TRAIN_BATCHES,
+)
+from dynabatch.actors.workloads.formats.idx import (
+    MNIST_FILES,
+    _read_maybe_gzip,
+    decode_idx,
+    encode_idx,
+    encode_mnist,
+)
+
+_CIFAR_PIXELS = 3 * 32 * 32
+
+
+def read_idx(path: str | Path, magic: int | None = None) -> np.ndarray:
+    """Read an IDX file, plain or gzip-compressed (detected from its first bytes)."""
+    p = Path(path)
+    return decode_idx(_read_maybe_gzip(p), source=str(p), magic=magic)
+
+
+def write_idx(path: str | Path, array: np.ndarray) -> Path:
+    """Write ``array`` as an IDX file; gzip-compressed when the name ends in ``.gz``."""
+    p = Path(path)
+    data = encode_idx(array)
+    if p.suffix == ".gz":
+        # mtime=0 keeps the bytes reproducible for a given array.
+        data = gzip.compress(data, mtime=0)
+    p.write_bytes(data)
+    return p
+
+
+def write_mnist(
+    directory: str | Path,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    *,
+    gz: bool = False,
+) -> dict[str, Path]:
+    """Write the four MNIST files (uint8 images (N, H, W), uint8 labels) into ``directory``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for key, data in encode_mnist(x_train, y_train, x_test, y_test).items():
+        p = d / (MNIST_FILES[key] + (".gz" if gz else ""))
+        p.write_bytes(gzip.compress(data, mtime=0) if gz else data)
+        paths[key] = p
+    return paths
+
+
+def write_cifar_batch(
+    path: str | Path, images: np.ndarray, labels: Sequence[int] | np.ndarray, batch_label: str = ""
+) -> Path:
+    """Write one batch exactly as the published files: a protocol-2 pickle with bytes keys."""
+    x = np.asarray(images)
+    if x.dtype != np.uint8:
+        raise ValueError(f"CIFAR images must be uint8, got {x.dtype}")
+    shaped = (x.ndim == 4 and x.shape[1:] == (3, 32, 32)) or (
+        x.ndim == 2 and x.shape[1] == _CIFAR_PIXELS
+    )
+    if not shaped:
+        raise ValueError(f"CIFAR images must be (N, 3, 32, 32) or (N, 3072), got {x.shape}")
+    data = np.ascontiguousarray(x.reshape(len(x), _CIFAR_PIXELS))
+    labs = [int(v) for v in np.asarray(labels).reshape(-1)]
+    batch = {
+        b"batch_label": batch_label.encode(),
+        b"labels": labs,
+        b"data": data,
+        b"filenames": [f"image_{i:05d}.png".encode() for i in range(len(labs))],
+    }
+    p = Path(path)
+    with p.open("wb") as f:
+        pickle.dump(batch, f, protocol=2)
+    return p
+
+
+def write_cifar10(
+    directory: str | Path,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    label_names: Sequence[str] = CIFAR10_LABELS,
+) -> Path:
+    """Write a CIFAR-10 directory (5 training batches, test batch, meta) into ``directory``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    x_parts = np.array_split(np.asarray(x_train), len(CIFAR10_TRAIN_BATCHES))
+    y_parts = np.array_split(np.asarray(y_train), len(CIFAR10_TRAIN_BATCHES))
+    for i, (name, xs, ys) in enumerate(zip(CIFAR10_TRAIN_BATCHES, x_parts, y_parts, strict=True)):
+        write_cifar_batch(d / name, xs, ys, f"training batch {i + 1} of 5")
+    write_cifar_batch(d / CIFAR10_TEST_BATCH, x_test, y_test, "testing batch 1 of 1")
+    meta = {
+        b"num_cases_per_batch": len(x_parts[0]),
+        b"label_names": [n.encode() for n in label_names],
+        b"num_vis": _CIFAR_PIXELS,
+    }
+    with (d / CIFAR10_META).open("wb") as f:
+        pickle.dump(meta, f, protocol=2)
+    return d
