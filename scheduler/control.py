@@ -36,10 +36,6 @@ log = logging.getLogger("dynabatch.scheduler")
 LOG_LINES_KEPT = 5000
 
 
-class JobEnded(Exception):
-    """Raised after the job has been moved to a terminal state, to unwind the step."""
-
-
 @dataclass(frozen=True, slots=True)
 class Scale:
     """Run with exactly ``workers`` workers."""
@@ -316,6 +312,3 @@ class JobControl:
         self.tracking.close()
         self.shutdown()
 
-    def _fail_now(self, reason: str) -> None:
-        self._finish(JobState.FAILED, reason)
-        raise JobEnded

@@ -26,13 +26,18 @@ nothing loops forever. So is forming the group: a regroup that fails with nobody
 tried at most ``max_retries + 1`` times in a row. And an evaluation whose shard failed on a
 worker that is still up (a metric that raises on real batches, a shard that timed out) is
 deterministic as far as the driver can tell: evaluations that fail so, in a row, are
-allowed ``max_retries`` retries, whichever epochs they score. :class:`RetryBudget` counts
+allowed ``max_retries`` retries, whichever epochs they score. :class:`Attempts` counts
 all three.
+
+Every failure the driver meets is a :class:`FailureEvent`, and :class:`FailurePolicy`
+(pure) turns it into exactly one :data:`FailureDecision`: retry, evict, roll back, or
+fail the job. No command ends the job by itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from dynabatch.actors.contracts import SegmentResult
 from dynabatch.scheduler.core.sync.protocol import Position
@@ -125,17 +130,75 @@ class MemoryCaps:
         return self.caps.get((node, gpus))
 
 
-@dataclass
-class RetryBudget:
-    """Consecutive failures: of segments at one position, and of regroups; decides when to
-    stop retrying."""
+# What a failure can be: a segment's (``counted``: not one sent ahead of a failed one,
+# whose failure is the one already counted), a regroup's, an evaluation shard's on a live
+# worker, the wait for the minimum of workers running out, every holder of the state lost
+# (a checkpoint to roll back to, or not), the data that would not load, and the epoch's
+# exactly-once check.
+FailureKind = Literal["segment", "regroup", "evaluation", "no_workers", "state_lost", "data",
+                      "exactly_once"]
 
-    max_retries: int
+
+@dataclass(frozen=True, slots=True)
+class FailureEvent:
+    """A failure as the driver saw it. ``where``: the position of a segment or the epoch of
+    an evaluation; ``failure``: a segment's, classified; ``worker``/``error``: whose and
+    what (an evaluation's shard, the reason of the others); ``lost``: a regroup lost
+    workers; ``user``: an evaluation's error is the job's own; ``checkpoint``: a rollback
+    found one to restore."""
+
+    kind: FailureKind
+    position: Position = field(default_factory=lambda: Position(0, 0))
+    failure: Failure | None = None
+    counted: bool = True
+    worker: str | None = None
+    error: str = ""
+    shard: tuple[int, int] = (0, 0)
+    lost: bool = False
+    user: bool = False
+    checkpoint: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Go on: the step, the regroup or the evaluation runs again (on a different group when
+    workers were lost)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Take these workers out of the job (worker -> why), then retry without them."""
+
+    workers: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class RollBack:
+    """No member holds the committed state: restore the checkpoint, then regroup."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """End the job FAILED with ``reason``."""
+
+    reason: str
+
+
+FailureDecision = Retry | Evict | RollBack | Fail
+
+
+@dataclass(frozen=True, slots=True)
+class Attempts:
+    """Consecutive failures: of segments at one position (``position``: the retry's, None
+    once a segment succeeded), of regroups, and of evaluations. What the policy counts."""
+
     position: Position | None = None
-    compute_failures: int = 0
+    compute: int = 0
     unexplained: int = 0
-    regroup_failures: int = 0
-    evaluation_failures: int = 0
+    regroup: int = 0
+    evaluation: int = 0
 
     @property
     def retrying(self) -> bool:
@@ -143,66 +206,100 @@ class RetryBudget:
         (alone: nothing is sent ahead of it). It outlives the regroups and waits between."""
         return self.position is not None
 
-    def succeeded(self) -> None:
-        self.position, self.compute_failures, self.unexplained = None, 0, 0
+    def succeeded(self) -> Attempts:
+        return replace(self, position=None, compute=0, unexplained=0)
 
-    def failed(self, position: Position, failure: Failure) -> str | None:
-        """Record a failure at ``position``; the reason to fail the job, or None to retry."""
-        if position != self.position:
-            self.position, self.compute_failures, self.unexplained = position, 0, 0
-        where = f"epoch {position.epoch} step {position.step}"
-        for worker, error in failure.user.items():
-            return (f"worker {worker} failed at {where} with {error} (an error in the job's "
-                    "data, model or configuration: not retried)")
-        for worker, (error, batch) in failure.oom.items():
-            if batch <= 1:
-                return (f"worker {worker} ran out of memory at {where} on a micro-batch of "
-                        f"one sample: one sample does not fit its device ({error})")
-        if failure.compute:
-            self.compute_failures += 1
-            if self.compute_failures > self.max_retries:
-                worker, error = next(iter(failure.compute.items()))
-                return (f"worker {worker} failed at {where} with {error} "
-                        f"({self.compute_failures} attempts; max_retries={self.max_retries})")
-            return None
-        if failure.lost or failure.stragglers:
-            return None  # membership changes: the retry runs on a different group
-        if failure.oom:
-            return None  # a smaller memory cap: the retry computes smaller micro-batches
-        self.unexplained += 1
-        if self.unexplained > self.max_retries + 1:
-            return f"step failed {self.unexplained} times at {where}: {failure.summary}"
-        return None
+    def regrouped(self) -> Attempts:
+        return replace(self, regroup=0)
 
-    def regrouped(self) -> None:
-        self.regroup_failures = 0
-
-    def regroup_failed(self, lost_workers: bool, why: str) -> str | None:
-        """Record a regroup that failed (``lost_workers``: it lost some, so the next one
-        forms a different group and is always allowed); the reason to fail the job, or None
-        to try again at the next boundary."""
-        self.regroup_failures += 1
-        if not lost_workers and self.regroup_failures > self.max_retries + 1:
-            return f"the group could not be formed {self.regroup_failures} times in a row: {why}"
-        return None
-
-    def evaluated(self) -> None:
+    def evaluated(self) -> Attempts:
         """An evaluation scored every shard: the evaluations' failures start over."""
-        self.evaluation_failures = 0
+        return replace(self, evaluation=0)
 
-    def evaluation_failed(self, epoch: int, worker: str, shard: tuple[int, int],
-                          error: str, *, user: bool = False) -> str | None:
-        """Record an evaluation of ``epoch`` whose ``shard`` of the held-out set failed
-        on ``worker`` (alive) with ``error``; the reason to fail the job, or None to go
-        on (evaluating again when the weights are still there). A ``user`` error (one in
-        the job's data, model or configuration) fails it at once, as in training."""
-        self.evaluation_failures += 1
-        lo, hi = shard
-        where = f"evaluation of epoch {epoch} failed on {worker} (test samples [{lo}, {hi}))"
-        if user:
-            return (f"{where} with {error} (an error in the job's data, model or "
-                    "configuration: not retried)")
-        if self.evaluation_failures > self.max_retries:
-            return (f"{where} with {error} ({self.evaluation_failures} attempts; "
-                    f"max_retries={self.max_retries})")
-        return None
+
+@dataclass(frozen=True, slots=True)
+class FailurePolicy:
+    """Every failure's one decision: retry, evict, roll back or fail. Pure: the attempts
+    so far come in and go out (:meth:`decide`), as Ray Train's ``FailureDecision`` is made
+    from the failure and its count against ``max_retries``."""
+
+    max_retries: int
+
+    def decide(self, attempts: Attempts, event: FailureEvent
+               ) -> tuple[Attempts, FailureDecision]:
+        match event.kind:
+            case "segment":
+                return self._segment(attempts, event)
+            case "regroup":
+                n = attempts.regroup + 1
+                attempts = replace(attempts, regroup=n)
+                # A regroup that lost workers forms a different group next time.
+                if not event.lost and n > self.max_retries + 1:
+                    return attempts, Fail(f"the group could not be formed {n} times in a "
+                                          f"row: {event.error}")
+                return attempts, Retry()
+            case "evaluation":
+                n = attempts.evaluation + 1
+                attempts = replace(attempts, evaluation=n)
+                lo, hi = event.shard
+                where = (f"evaluation of epoch {event.position.epoch} failed on "
+                         f"{event.worker} (test samples [{lo}, {hi}))")
+                if event.user:
+                    return attempts, Fail(f"{where} with {event.error} {_USER}")
+                if n > self.max_retries:
+                    return attempts, Fail(f"{where} with {event.error} ({n} attempts; "
+                                          f"max_retries={self.max_retries})")
+                return attempts, Retry()
+            case "state_lost":
+                at = event.position
+                lost = ("every worker holding the current model state was lost "
+                        f"(committed at epoch {at.epoch} step {at.step})")
+                if event.error:
+                    return attempts, Fail(f"{lost}, and the checkpoint cannot be loaded: "
+                                          f"{event.error}")
+                if not event.checkpoint:  # never from freshly initialised weights
+                    return attempts, Fail(f"{lost}, and there is no checkpoint to restore "
+                                          "(set checkpoint.dir); not continuing from freshly "
+                                          "initialised weights")
+                return attempts, RollBack(f"{lost}; rolling back")
+            case _:  # no_workers, data, exactly_once: nothing to retry
+                return attempts, Fail(event.error)
+
+    def _segment(self, attempts: Attempts, event: FailureEvent
+                 ) -> tuple[Attempts, FailureDecision]:
+        f = event.failure or Failure()
+        evict = Evict({w: f"straggler: {why}" for w, why in f.stragglers.items()})
+        if not event.counted:  # the failure before it was counted, and decided
+            return attempts, evict if f.stragglers else Retry()
+        position = event.position
+        if position != attempts.position:
+            attempts = replace(attempts, position=position, compute=0, unexplained=0)
+        where = f"epoch {position.epoch} step {position.step}"
+        for worker, error in f.user.items():
+            return attempts, Fail(f"worker {worker} failed at {where} with {error} {_USER}")
+        for worker, (error, batch) in f.oom.items():
+            if batch <= 1:
+                return attempts, Fail(
+                    f"worker {worker} ran out of memory at {where} on a micro-batch of "
+                    f"one sample: one sample does not fit its device ({error})")
+        if f.compute:
+            n = attempts.compute + 1
+            attempts = replace(attempts, compute=n)
+            if n > self.max_retries:
+                worker, error = next(iter(f.compute.items()))
+                return attempts, Fail(f"worker {worker} failed at {where} with {error} "
+                                      f"({n} attempts; max_retries={self.max_retries})")
+            return attempts, Retry()
+        if f.stragglers:
+            return attempts, evict  # the retry runs without them
+        if f.lost or f.oom:
+            # A different group, or a smaller memory cap: the retry is not the same step.
+            return attempts, Retry()
+        n = attempts.unexplained + 1
+        attempts = replace(attempts, unexplained=n)
+        if n > self.max_retries + 1:
+            return attempts, Fail(f"step failed {n} times at {where}: {f.summary}")
+        return attempts, Retry()
+
+
+_USER = "(an error in the job's data, model or configuration: not retried)"

@@ -4,7 +4,7 @@ A checkpoint holds a holder's weights, the ledger, the schedule's position and s
 history and the counters. Restored weights stay in the :class:`~dynabatch.scheduler.sync.
 job.SyncJob` until a regroup loads them into the group. When a regroup finds no member
 holding the committed state, the job rolls back to its last checkpoint or fails
-(:func:`~dynabatch.scheduler.core.sync.boundary.rollback` decides which). Checkpoints need
+(:class:`~dynabatch.scheduler.core.failures.FailurePolicy` decides which). Checkpoints need
 torch, so ``dynabatch.scheduler.checkpoint`` is imported lazily: a simulated job keeps none.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from dynabatch.actors.errors import first_line
+from dynabatch.scheduler.core.failures import FailureEvent, RollBack
 from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.core.sync.boundary import rollback
 from dynabatch.scheduler.core.sync.protocol import Position
 from dynabatch.scheduler.sync.job import Part
 from dynabatch.scheduler.telemetry import EpochRecord
@@ -162,9 +162,8 @@ class Checkpoints(Part):
                 ckpt = load_checkpoint(s.checkpoint.dir, self.c.job_id)
             except CheckpointError as err:
                 error = str(err)
-        verdict = rollback(committed=self.job.membership.committed,
-                           checkpoint_dir=bool(s.checkpoint.dir), found=bool(ckpt),
-                           load_error=error)
-        if not verdict.restore:
-            self.fail(verdict.reason)
-        self.restore(ckpt, why=verdict.reason)
+        decision = self.failed(FailureEvent(
+            "state_lost", position=self.job.membership.committed, error=error or "",
+            checkpoint=ckpt is not None))
+        if isinstance(decision, RollBack):
+            self.restore(ckpt, why=decision.reason)

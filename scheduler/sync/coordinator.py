@@ -11,8 +11,8 @@ The decisions live in pure machines (no ray, no torch, no clock), each in its mo
   trained; verified exactly once at every epoch's end;
 * :class:`~dynabatch.scheduler.core.membership.Membership`: who is in, who holds the
   current state, what to spawn or evict;
-* :mod:`dynabatch.scheduler.core.failures`: what a failed segment means, and when to stop
-  retrying (segments and regroups);
+* :mod:`dynabatch.scheduler.core.failures`: what a failed segment means, and each
+  failure's one decision (retry, evict, roll back, fail: :class:`FailurePolicy`);
 * :mod:`dynabatch.scheduler.core.sync.phase`: where the loop stands (:class:`Phase`), and
   :mod:`~dynabatch.scheduler.core.sync.pipeline` and :mod:`~dynabatch.scheduler.core.sync.
   boundary`: what may be sent ahead, whose time a segment took, when to wait, fail, roll
@@ -50,8 +50,8 @@ from collections.abc import Callable
 
 from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.actors.spec import MAX_WORKERS, JobSpec
-from dynabatch.scheduler.control import Assign, JobControl, JobEnded
-from dynabatch.scheduler.core.failures import RetryBudget
+from dynabatch.scheduler.control import Assign, JobControl
+from dynabatch.scheduler.core.failures import FailurePolicy
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership, NodeAssignment
 from dynabatch.scheduler.core.regime.regime import Regime
@@ -92,6 +92,7 @@ from dynabatch.scheduler.core.sync.messages import (
     SpawnWorkers,
     TendSpares,
     TrainSegment,
+    Verdict,
     WaitForMinimum,
     outcome,
 )
@@ -168,7 +169,7 @@ class Coordinator(JobControl):
                 max_batch=s.max_batch, max_possible=MAX_WORKERS),
             regime=Regime(s, lr_factors),
             policy=policy_for(s.policy, s.rebalance.min_gain(s.policy)),
-            budget=RetryBudget(s.max_retries),
+            failures=FailurePolicy(s.max_retries),
         )
         # Evaluations run on the holders between segments, collected as they arrive.
         self.evals = Evaluations(runtime, self.clock, EVAL_TIMEOUT_S)
@@ -228,8 +229,6 @@ class Coordinator(JobControl):
         """One control-loop step; False once the job is terminal."""
         try:
             return self._step()
-        except JobEnded:
-            return False
         except Exception as err:  # the job fails with the reason; the actor stays up
             log.exception("job %s failed", self.job_id)
             self._finish(JobState.FAILED, f"internal error: {type(err).__name__}: {err}")
@@ -337,9 +336,12 @@ class Coordinator(JobControl):
                     if isinstance(command, EndStep):
                         return not command.stop and not self.state.is_terminal
                     ok = self._carry_out(command)
+                    if self.state.is_terminal:  # the failure policy failed the job in it
+                        self.engine.interrupted()
+                        return False
                 commands = self.engine.on(outcome(commands[-1], self._facts(), ok))
         except BaseException:
-            self.engine.interrupted()  # the job ended inside a command (or a bug)
+            self.engine.interrupted()  # a bug: the job fails with it
             raise
 
     def _facts(self) -> Facts:
@@ -369,7 +371,7 @@ class Coordinator(JobControl):
             epoch_complete=p is not None and p.epoch_complete,
             check_due=p is not None and p.due_check(),
             trained_any=bool(self._history) or self.step_in_epoch > 0,
-            retrying=job.budget.retrying, requests_pending=requests,
+            retrying=job.attempts.retrying, requests_pending=requests,
             assignment_queued=assigning,
             regroup_due=m.dirty, drains_due=m.drains_due(job.tracker.speeds()),
             stamps_fixed=job.regime.can_stamp_ahead,
@@ -387,14 +389,13 @@ class Coordinator(JobControl):
             checkpoint_due=p is not None and self.epochs.checkpoint_due(p.epoch + 1),
             judges_epochs=self.epochs.judges_epochs,
             keeps_checkpoints=bool(s.checkpoint.dir),
-            judged_best=self.epochs.judged[0] is not None,
-            judged_stop=self.epochs.judged[1] is not None,
             stopping=bool(job.leaving),
         )
 
-    def _carry_out(self, command: Command) -> bool:
+    def _carry_out(self, command: Command) -> bool | Verdict:
         """One of the engine's commands, on this driver's parts; True unless a reconcile
-        left no group ready to train or a segment did not all run."""
+        left no group ready to train or a segment did not all run (an epoch's judgement:
+        its :class:`Verdict`)."""
         match command:
             case Become(phase):
                 self._become(phase)
@@ -450,9 +451,9 @@ class Coordinator(JobControl):
             case Evaluate():
                 self.epochs.evaluate()
             case JudgeEpoch():
-                self.epochs.judge_epoch()
-            case NextEpoch():
-                self.epochs.next_epoch()
+                return self.epochs.judge_epoch()
+            case NextEpoch(stop):
+                self.epochs.next_epoch(stop)
             case PublishReady():
                 self.epochs.publish_ready()
             case CommitInFlight():
@@ -461,8 +462,7 @@ class Coordinator(JobControl):
                 self.epochs.settle()
             case Checkpoint("cancel"):
                 self.checkpoints.save(reason="cancel")
-            case Checkpoint("best"):
-                best, _ = self.epochs.judged
+            case Checkpoint("best", best):
                 self.checkpoints.save(reason=f"best {best['metric']}",
                                       position=self.epochs.next_start, best=best)
             case Checkpoint(reason):  # at an epoch's end, as the next epoch's start

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dynabatch.scheduler.core.failures import Fail, FailureEvent
 from dynabatch.scheduler.core.regime.stopping import Judgement, judge, should_stop
 from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
+from dynabatch.scheduler.core.sync.messages import Verdict
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from dynabatch.scheduler.sync.epoch_report import (
     EpochTotals,
@@ -49,9 +51,6 @@ class Epochs(Part):
         super().__init__(coord)
         # Why the job stopped before its last epoch (early_stopping), once it did.
         self.stopped: str | None = None
-        # The ended epoch's judgement (judge_epoch), until the next epoch: the best
-        # checkpoint's description when it is the best so far, and early stopping's reason.
-        self.judged: tuple[dict[str, Any] | None, str | None] = (None, None)
         # Test scores of an epoch whose record is not in the history yet (publish_test).
         self.test_scores: dict[int, dict[str, Any]] = {}
 
@@ -64,7 +63,8 @@ class Epochs(Part):
         try:
             job.data = self.runtime.load_data()
         except WorkloadError as err:
-            self.fail(str(err))
+            self.failed(FailureEvent("data", error=str(err)))
+            return
         d = job.data
         job.protocol = SyncProtocol(
             global_batch=job.start_batch, dataset_size=d.n_train, seed=s.seed,
@@ -158,10 +158,10 @@ class Epochs(Part):
         checkpoints are written as that)."""
         return Position(self.job.protocol.epoch + 1, 0)
 
-    def judge_epoch(self) -> None:
+    def judge_epoch(self) -> Verdict:
         """After the ended epoch's evaluation is in: whether it is the best by keep_best's
         metric (what it was judged by, for the best checkpoint), and early stopping's reason
-        to end the training after it, if any (:attr:`judged`, until the next epoch)."""
+        to end the training after it, if any."""
         epoch = self.job.protocol.epoch
         history = self.history
         best = self.spec.checkpoint.keep_best
@@ -171,7 +171,7 @@ class Epochs(Part):
             if j.best is not None and history[j.best].epoch == epoch:
                 judged_best = {"metric": best.metric, "mode": best.mode, "value": j.value,
                                "epoch": epoch}
-        self.judged = (judged_best, self._stop_after(epoch))
+        return Verdict(judged_best, self._stop_after(epoch))
 
     def _stop_after(self, epoch: int) -> str | None:
         es = self.spec.early_stopping
@@ -196,8 +196,10 @@ class Epochs(Part):
         job, p = self.job, self.job.protocol
         v = job.ledger.verify()
         if not v.verified:
-            self.fail(f"epoch {p.epoch}: exactly-once check of the workers' reports "
-                      f"failed: {v.reason}")
+            self.failed(FailureEvent("exactly_once", error=(
+                f"epoch {p.epoch}: exactly-once check of the workers' reports failed: "
+                f"{v.reason}")))
+            return
         ep = job.ep
         alloc = p.allocation
         planned = set(alloc.workers) if alloc else set()
@@ -227,12 +229,11 @@ class Epochs(Part):
             job.next_behind = rnd
         self.evals.attach(p.epoch, record, ep)
 
-    def next_epoch(self) -> None:
+    def next_epoch(self, stop: str | None = None) -> None:
         """The ended epoch is closed: the job stands at the next epoch's start (training
-        ends there when early stopping said so), and the evaluations that are in are
-        published."""
+        ends there when early stopping said so: ``stop``), and the evaluations that are in
+        are published."""
         job, p = self.job, self.job.protocol
-        _, stop = self.judged
         due = self.evals.test_after
         if stop is not None and due is not None and not due(p.epoch):
             # An early stop ends the training with these weights: the test set scores them
@@ -246,7 +247,6 @@ class Epochs(Part):
             job.ep = None
             if stop is not None:
                 self.stopped = stop
-        self.judged = (None, None)
         self.publish_ready()
 
     @property
@@ -271,8 +271,8 @@ class Epochs(Part):
 
     def publish(self, rnd: EvalRound, closing: bool = False) -> None:
         """An epoch's evaluation is in: its record joins the history, with the scores when
-        every shard was scored. A shard that failed on a live worker counts against the
-        retry budget (the job fails once it is spent), unless the job is ending anyway
+        every shard was scored. A shard that failed on a live worker is a failure the
+        policy decides (the job fails once its retries are spent), unless the job is ending anyway
         (``closing``)."""
         job = self.job
         for w, r in rnd.failures.items():
@@ -281,14 +281,15 @@ class Epochs(Part):
                 self.remove_worker(w, "failure", "lost during evaluation")
         sums = rnd.sums()
         if sums is not None:
-            job.budget.evaluated()
+            job.attempts = job.attempts.evaluated()
         elif not closing and (bad := next(((w, r) for w, r in rnd.failures.items()
                                            if not r.lost), None)):
             w, r = bad
-            verdict = job.budget.evaluation_failed(rnd.epoch, w, rnd.shards[w],
-                                                   r.error or "no answer", user=r.user)
-            if verdict is not None:
-                self.fail(verdict)
+            decision = self.failed(FailureEvent(
+                "evaluation", position=Position(rnd.epoch, 0), worker=w, shard=rnd.shards[w],
+                error=r.error or "no answer", user=r.user))
+            if isinstance(decision, Fail):
+                return
         again = evaluate_again(
             complete=sums is not None, shard_failed=bool(rnd.failures),
             last_queued=rnd is job.next_behind,

@@ -1,7 +1,7 @@
 """The synchronous driver's one job-state value, and the base of the parts that share it.
 
 :class:`SyncJob` holds everything the driver's parts read and change: the pure machines
-(protocol, policy, tracker, ledger, membership, regime, retry budget), the loop's
+(protocol, policy, tracker, ledger, membership, regime, failure policy), the loop's
 :class:`~dynabatch.scheduler.core.sync.phase.Phase` with the data that belongs to it (the
 segment in flight, the epoch's totals, weights restored from a checkpoint, since when the
 job waits for workers), and the counters the snapshot reports. The parts
@@ -27,8 +27,17 @@ from typing import TYPE_CHECKING, Any
 
 from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.scheduler.control import Scale
-from dynabatch.scheduler.core.failures import MemoryCaps, RetryBudget
+from dynabatch.scheduler.core.failures import (
+    Attempts,
+    Evict,
+    Fail,
+    FailureDecision,
+    FailureEvent,
+    FailurePolicy,
+    MemoryCaps,
+)
 from dynabatch.scheduler.core.ledger import Ledger
+from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership, NodeInfo
 from dynabatch.scheduler.core.regime.regime import Regime
 from dynabatch.scheduler.core.sync.allocation import Decision
@@ -41,7 +50,6 @@ from dynabatch.scheduler.sync.evaluation import EvalRound, split
 
 if TYPE_CHECKING:
     from dynabatch.actors.spec import JobSpec
-    from dynabatch.scheduler.core.lifecycle import JobState
     from dynabatch.scheduler.core.membership import Change
     from dynabatch.scheduler.runtime.seam import Clock, Runtime
     from dynabatch.scheduler.sync.coordinator import Coordinator
@@ -96,7 +104,8 @@ class SyncJob:
     membership: Membership
     regime: Regime  # the global batch, LR, ISGD and goodput of every step
     policy: Any
-    budget: RetryBudget
+    failures: FailurePolicy
+    attempts: Attempts = field(default_factory=Attempts)  # the failures the policy counts
     tracker: Tracker = field(default_factory=Tracker)
     ledger: Ledger = field(default_factory=Ledger)
     # Memory caps learned from out-of-memory failures, per node and device.
@@ -213,9 +222,21 @@ class Part:
     def log(self, level: str, message: str) -> None:
         self.c._log(level, message)
 
-    def fail(self, reason: str) -> None:
-        """End the job FAILED with ``reason`` and unwind the step (raises JobEnded)."""
-        self.c._fail_now(reason)
+    def failed(self, event: FailureEvent) -> FailureDecision:
+        """A failure: the job's :class:`FailurePolicy` decides it (the only place one is
+        decided), and what the decision does to the job is done here: the workers it evicts
+        leave, and a :class:`Fail` ends the job FAILED (the caller returns; the step loop
+        stops at the end of the command). Retry and roll back are the caller's to carry
+        out."""
+        job = self.job
+        job.attempts, decision = job.failures.decide(job.attempts, event)
+        match decision:
+            case Evict(workers):
+                for w, why in workers.items():
+                    self.remove_worker(w, "evict", why)
+            case Fail(reason):
+                self.c._finish(JobState.FAILED, reason)
+        return decision
 
     def become(self, phase: Phase) -> None:
         self.c._become(phase)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from dynabatch.scheduler.core.failures import Failure, WorkerOutcome, classify
+from dynabatch.scheduler.core.failures import Failure, FailureEvent, WorkerOutcome, classify
 from dynabatch.scheduler.core.sync import pipeline as decide
 from dynabatch.scheduler.core.sync.protocol import Position
 from dynabatch.scheduler.core.sync.update import (
@@ -178,7 +178,7 @@ class Pipeline(Part):
     def commit(self, plans: dict, outcomes: list[WorkerOutcome], start: Position, t0: float,
                charge: bool = True, behind: EvalRound | None = None) -> bool:
         """Commit what the state holders completed of a segment; handle its failure. True
-        when it all ran. ``charge``: count a failure against the retry budget (not for a
+        when it all ran. ``charge``: count a failure against the retries (not for a
         segment sent ahead, whose failure is the one already counted). ``behind``: an
         evaluation its workers ran just before it (its time is not the segment's)."""
         job, p = self.job, self.job.protocol
@@ -224,7 +224,7 @@ class Pipeline(Part):
             for reports in committed:
                 self.c.tracking.step(reports, p.dataset_size)
         if failure is None:
-            job.budget.succeeded()  # the retry, if this was one, is over
+            job.attempts = job.attempts.succeeded()  # the retry, if this was one, is over
             return True
         # Lost and hung workers are removed here; the engine's next batch kills them before
         # anything else, so what they had queued ahead answers at once instead of after
@@ -274,8 +274,6 @@ class Pipeline(Part):
         self.log("WARNING", f"step {p.step} of epoch {p.epoch} failed: {failure.summary}")
         for w, why in failure.lost.items():
             self.remove_worker(w, "failure", why)
-        for w, why in failure.stragglers.items():
-            self.remove_worker(w, "evict", f"straggler: {why}")
         for w, (_, batch) in failure.oom.items():
             m = job.membership.get(w)
             cap = job.memory.ran_out(m.node, m.gpus, batch) if m is not None else None
@@ -284,8 +282,7 @@ class Pipeline(Part):
                                     f"node {m.node}'s memory cap is now {cap} samples")
         # Whoever is left broke off the collective: the group must be formed again.
         job.membership.dirty = True
-        # Uncharged (a segment sent ahead), the failure before it was counted: the budget
-        # says the next segment is a retry either way.
-        verdict = job.budget.failed(p.position, failure) if charge else None
-        if verdict is not None:
-            self.fail(verdict)
+        # Uncharged (a segment sent ahead), the failure before it was counted: the next
+        # segment is a retry either way. The policy evicts the stragglers.
+        self.failed(FailureEvent("segment", position=p.position, failure=failure,
+                                 counted=charge))

@@ -16,6 +16,7 @@ next boundary. Who is in, who holds the state and what to spawn is the pure
 from __future__ import annotations
 
 from dynabatch.scheduler.control import Assign, Drain, Scale
+from dynabatch.scheduler.core.failures import FailureEvent
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.sync.boundary import wait_for_minimum
 from dynabatch.scheduler.sync.job import Part
@@ -190,7 +191,10 @@ class Roster(Part):
             self.log("WARNING", f"cannot train: {shortfall}")
         hint = "" if self.runtime.nodes() else f": {self.no_node_hint()}"
         if wait.give_up:
-            self.fail(f"only {shortfall} available after waiting {wait.limit:.0f}s{hint}")
+            self.failed(FailureEvent(
+                "no_workers",
+                error=f"only {shortfall} available after waiting {wait.limit:.0f}s{hint}"))
+            return False
         reason = (f"waiting for nodes: {shortfall} ({wait.waited:.0f}s of {wait.limit:.0f}s)"
                   f"{hint}")
         if c.state == JobState.RUNNING:
@@ -231,11 +235,9 @@ class Roster(Part):
                 self.remove_worker(w, "failure", why)
             why = "; ".join([*result.lost.values(), *([result.error] if result.error else [])])
             self.log("WARNING", f"regroup failed ({why}); retrying")
-            verdict = job.budget.regroup_failed(bool(result.lost), why)
-            if verdict is not None:
-                self.fail(verdict)
+            self.failed(FailureEvent("regroup", lost=bool(result.lost), error=why))
             return False
-        job.budget.regrouped()
+        job.attempts = job.attempts.regrouped()
         job.next_behind = None  # an evaluation queued before the regroup ran before it
         m.regrouped(plan.members)
         job.restored_weights = None  # only now: a failed join must be able to load it again

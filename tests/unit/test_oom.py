@@ -22,8 +22,11 @@ from dynabatch.actors.errors import is_out_of_memory
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.worker import Worker
 from dynabatch.scheduler.core.failures import (
+    Attempts,
+    FailureEvent,
+    FailurePolicy,
     MemoryCaps,
-    RetryBudget,
+    Retry,
     WorkerOutcome,
     classify,
 )
@@ -151,12 +154,14 @@ def test_oom_is_its_own_class_and_is_retried_uncounted_until_one_sample():
     )
     assert f.oom == {"w0": ("OutOfMemoryError: CUDA out of memory", 32)}
     assert not f.compute and not f.stragglers
-    budget = RetryBudget(max_retries=0)
+    policy, attempts = FailurePolicy(max_retries=0), Attempts()
     at = Position(0, 3)
     for _ in range(5):  # each retry is at a smaller micro-batch: none is charged
-        assert budget.failed(at, f) is None
+        attempts, d = policy.decide(attempts, FailureEvent("segment", position=at, failure=f))
+        assert isinstance(d, Retry)
     one = classify([_failed("w0", "oom", "OutOfMemoryError: CUDA out of memory", 1), peer], 10)
-    why = budget.failed(at, one)
+    _, d = policy.decide(attempts, FailureEvent("segment", position=at, failure=one))
+    why = d.reason
     assert why is not None and "\n" not in why
     assert "w0" in why and "one sample does not fit" in why and "epoch 0 step 3" in why
 

@@ -9,7 +9,6 @@ from dynabatch.scheduler.core.sync.boundary import (
     checkpoint_due,
     evaluate_again,
     must_roll_back,
-    rollback,
     wait_for_minimum,
 )
 from dynabatch.scheduler.core.sync.pipeline import (
@@ -129,22 +128,6 @@ def test_the_wait_fails_exactly_at_the_timeout_passed_in():
 @given(st.booleans(), st.booleans())
 def test_a_regroup_rolls_back_only_when_nobody_and_nothing_holds_the_state(needs, holding):
     assert must_roll_back(needs_state=needs, holding_restored=holding) == (needs and not holding)
-
-
-@given(st.booleans(), st.booleans(), st.one_of(st.none(), st.text(min_size=1, max_size=20)))
-def test_a_rollback_restores_a_loaded_checkpoint_or_fails_with_the_reason(
-        has_dir, found, error):
-    at = Position(3, 7)
-    r = rollback(committed=at, checkpoint_dir=has_dir, found=found and error is None,
-                 load_error=error)
-    assert "committed at epoch 3 step 7" in r.reason
-    assert r.restore == (has_dir and found and error is None)
-    if r.restore:
-        assert r.reason.endswith("rolling back")
-    elif has_dir and error is not None:
-        assert r.reason.endswith(f"cannot be loaded: {error}")
-    else:  # never from freshly initialised weights
-        assert "no checkpoint to restore" in r.reason
 
 
 @given(st.booleans(), st.booleans(), st.booleans(),

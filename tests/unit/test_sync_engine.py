@@ -54,6 +54,7 @@ from dynabatch.scheduler.core.sync.messages import (
     SpawnWorkers,
     TendSpares,
     TrainSegment,
+    Verdict,
     WaitForMinimum,
     WorkersPlaced,
     WorkersStarted,
@@ -76,13 +77,17 @@ class Engine(SyncEngine):
         self.last = super().on(event)
         return self.last
 
-    def ran(self, facts: Facts, ok: bool = True) -> list[Command]:
+    def ran(self, facts: Facts, ok: bool | Verdict = True) -> list[Command]:
         """Answer the last batch: its last command ran (``ok``: it formed, it all ran), and
         ``facts`` are what the machines say after it."""
         return self.on(outcome(self.last[-1], facts, ok))
 
 
 rarely = st.sampled_from([False, False, False, True])  # so that most boundaries train
+# keep_best's description of the best epoch so far (a judged epoch's Verdict).
+BEST = {"metric": "loss", "mode": "min", "value": 0.5, "epoch": 0}
+verdicts = st.builds(Verdict, st.sampled_from([None, BEST]),
+                     st.sampled_from([None, "early stopping: loss has not improved"]))
 facts = st.builds(
     Facts,
     terminal=rarely,
@@ -123,8 +128,6 @@ facts = st.builds(
     checkpoint_due=st.booleans(),
     judges_epochs=st.booleans(),
     keeps_checkpoints=st.booleans(),
-    judged_best=st.booleans(),
-    judged_stop=st.booleans(),
     stopping=rarely,
 )
 # Nodes listed after the first start: the missing workers started on them, spares tended.
@@ -152,6 +155,8 @@ def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
             batches.append((before, commands, None))
             return batches
         after, ok = data.draw(facts), data.draw(st.booleans())
+        if isinstance(last, JudgeEpoch):  # the epoch's judgement comes with its outcome
+            ok = data.draw(verdicts)
         if isinstance(last, AwaitStarts):  # the start timeout ends the first start's wait
             waits += 1
             after = replace(after, start_overdue=after.start_overdue or waits >= 3)
@@ -195,15 +200,15 @@ def _epoch_end(batches, before: Facts) -> Facts:
         assert cs[3:] == [*due, NextEpoch()]
         return answered[0]
     assert cs[3:] == [Settle(), JudgeEpoch()]
-    judged = answered[0]
+    judged, verdict = answered
     if judged.terminal:  # the job ended while the evaluation was awaited
         return judged
-    saves = [Checkpoint("best")] if judged.judged_best else []
+    saves = [Checkpoint("best", BEST)] if verdict.best else []
     if before.checkpoint_due:
         saves.append(Checkpoint("epoch"))
-    elif judged.judged_stop and before.keeps_checkpoints:
+    elif verdict.stop and before.keeps_checkpoints:
         saves.append(Checkpoint("early stopping"))
-    assert _after(batches, judged) == [*saves, NextEpoch()]
+    assert _after(batches, judged) == [*saves, NextEpoch(verdict.stop)]
     return next(o for b, _, o in batches if b is judged)[0]
 
 
@@ -236,7 +241,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 if isinstance(c, LoadData):
                     assert not before.data_loaded
                 if isinstance(c, BeginEpoch):  # (right after an epoch ended, it is not)
-                    ended = any(o is not None and o[0] is before and cs[-1] == NextEpoch()
+                    ended = any(o is not None and o[0] is before and isinstance(cs[-1], NextEpoch)
                                 for _, cs, o in batches)
                     assert not before.epoch_open or ended
                 if isinstance(c, FinishSucceeded):
@@ -434,7 +439,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 if isinstance(c, Evaluate):  # the ended epoch, right after its end
                     assert commands[1:3] == [EndEpoch(), c]
                 if isinstance(c, (JudgeEpoch, NextEpoch)) or c in (
-                    Checkpoint("epoch"), Checkpoint("best"), Checkpoint("early stopping")
+                    Checkpoint("epoch"), Checkpoint("best", BEST), Checkpoint("early stopping")
                 ):  # only in an epoch's end
                     assert any(
                         cs[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()]
@@ -741,9 +746,9 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
     judged = Facts(epoch_open=True, epoch_complete=True, judges_epochs=True,
                    keeps_checkpoints=True)
     for best, stop, keeps, due, saves in [
-        (True, True, True, False, [Checkpoint("best"), Checkpoint("early stopping")]),
+        (True, True, True, False, [Checkpoint("best", BEST), Checkpoint("early stopping")]),
         (False, True, False, False, []),
-        (True, False, True, True, [Checkpoint("best"), Checkpoint("epoch")]),
+        (True, False, True, True, [Checkpoint("best", BEST), Checkpoint("epoch")]),
         (False, True, True, True, [Checkpoint("epoch")]),
         (False, False, True, False, []),
     ]:
@@ -751,8 +756,8 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
         engine.ran(Facts(epoch_open=True))
         before = replace(judged, keeps_checkpoints=keeps, checkpoint_due=due)
         assert engine.ran(before) == [*ending, Settle(), JudgeEpoch()]
-        verdict = Facts(judged_best=best, judged_stop=stop)
-        assert engine.ran(verdict) == [*saves, NextEpoch()]
+        verdict = Verdict(BEST if best else None, "stopped" if stop else None)
+        assert engine.ran(Facts(), verdict) == [*saves, NextEpoch(verdict.stop)]
         assert engine.ran(Facts(trained=stop, trained_any=True)) == (
             [Become(Phase.FINISHING), Settle()] if stop
             else [Become(Phase.TRAINING), PublishReady(), EndStep()]
@@ -763,7 +768,7 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
     _requests_applied(engine, Facts(epoch_open=True))
     engine.ran(Facts(epoch_open=True))
     engine.ran(judged)
-    assert engine.ran(Facts(terminal=True, judged_best=True)) == [EndStep()]
+    assert engine.ran(Facts(terminal=True), Verdict(BEST)) == [EndStep()]
 
 
 def test_a_cancel_commits_a_segment_sent_across_the_epochs_end_in_its_epoch() -> None:

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable
 
 import pytest
-from dynabatch.scheduler.core.failures import RetryBudget
+from dynabatch.scheduler.core.failures import FailurePolicy
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership
 from dynabatch.scheduler.core.sync.phase import InvalidPhase, Phase, moves
@@ -70,7 +70,7 @@ def _job() -> SyncJob:
         workers=2, min_workers=1, max_workers=None, smallest_batch=8, max_batch=None,
         max_possible=16,
     )
-    return SyncJob(job_id="j", membership=m, regime=None, policy=None, budget=RetryBudget(1))
+    return SyncJob(job_id="j", membership=m, regime=None, policy=None, failures=FailurePolicy(1))
 
 
 @given(st.lists(st.tuples(st.sampled_from(list(Phase)), st.floats(0, 1e6)), max_size=40))
@@ -168,7 +168,7 @@ def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone():
     rt.inject(Fault(kind="die", worker=1, epoch=0, step=5))
     sent = []
     while coord.step():
-        sent.append((coord.phase, coord.job.budget.retrying, coord.job.ahead is not None))
+        sent.append((coord.phase, coord.job.attempts.retrying, coord.job.ahead is not None))
     assert coord.snapshot().state == JobState.SUCCEEDED
     assert _lost(coord) == ["w1"]
     path = _path(coord)

@@ -5,7 +5,8 @@ Pure (no clock, no I/O: the driver passes in its clock readings and what it load
 * too few workers: how long the job has waited and whether it gives up
   (:func:`wait_for_minimum`);
 * no member holds the committed state: whether a regroup must roll back
-  (:func:`must_roll_back`), and whether it restores the checkpoint or fails (:func:`rollback`);
+  (:func:`must_roll_back`; whether it restores the checkpoint or fails is the
+  :class:`~dynabatch.scheduler.core.failures.FailurePolicy`'s);
 * an epoch's evaluation lost a shard: whether the holders score it again
   (:func:`evaluate_again`);
 * when a checkpoint is due (:func:`checkpoint_due`).
@@ -14,8 +15,6 @@ Pure (no clock, no I/O: the driver passes in its clock readings and what it load
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from dynabatch.scheduler.core.sync.protocol import Position
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,29 +51,6 @@ def must_roll_back(*, needs_state: bool, holding_restored: bool) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class Rollback:
-    """Restore the checkpoint (``restore``), or fail the job; ``reason`` says why either."""
-
-    restore: bool
-    reason: str
-
-
-def rollback(*, committed: Position, checkpoint_dir: bool, found: bool,
-             load_error: str | None = None) -> Rollback:
-    """Every holder of the state committed at ``committed`` was lost: restore the
-    checkpoint when the job keeps one (``checkpoint_dir``) and it loaded (``found``), or
-    fail; never train on from freshly initialised weights."""
-    lost = ("every worker holding the current model state was lost "
-            f"(committed at epoch {committed.epoch} step {committed.step})")
-    if checkpoint_dir and load_error is not None:
-        return Rollback(False, f"{lost}, and the checkpoint cannot be loaded: {load_error}")
-    if not (checkpoint_dir and found):
-        return Rollback(False, f"{lost}, and there is no checkpoint to restore (set "
-                               "checkpoint.dir); not continuing from freshly initialised weights")
-    return Rollback(True, f"{lost}; rolling back")
-
-
-@dataclass(frozen=True, slots=True)
 class Reevaluation:
     """Score an epoch's weights again on ``workers``; the time already lost waiting for
     the failed round (``waited_s``) stays charged to the epoch."""
@@ -91,8 +67,8 @@ def evaluate_again(*, complete: bool, shard_failed: bool, last_queued: bool,
     holders still have the epoch's weights), the holders left score the set again, so no
     scores are lost. Otherwise (or with no holder left) the record goes without scores; so
     it does when a cancel is pending, which takes effect within one evaluation. How often
-    a failing evaluation is run again is the retry budget's
-    (:meth:`~dynabatch.scheduler.core.failures.RetryBudget.evaluation_failed`)."""
+    a failing evaluation is run again is the
+    :class:`~dynabatch.scheduler.core.failures.FailurePolicy`'s."""
     if complete or not shard_failed or not last_queued or not holders or cancel_requested:
         return None
     return Reevaluation(workers=holders, waited_s=waited_s)

@@ -239,17 +239,17 @@ class SyncEngine:
                 if f.epoch_complete:  # what it trained completed the epoch
                     return self._end_epoch(f, Ending())
                 return self._rest(PublishReady(), EndStep())
-            case Judging(then, due, keeps), EvaluationsIn(f):
+            case Judging(then, due, keeps), EvaluationsIn(f, verdict):
                 if f.terminal:  # the job ended while the evaluation was awaited
                     # A cancel's epoch end stops the loop, as every cancel does.
                     return self._rest(EndStep(stop=isinstance(then, CancelEndingEpoch)))
-                best = [Checkpoint("best")] if f.judged_best else []
+                best = [Checkpoint("best", verdict.best)] if verdict.best else []
                 if due:
                     save = [Checkpoint("epoch")]
                 else:
-                    save = [Checkpoint("early stopping")] if f.judged_stop and keeps else []
+                    save = [Checkpoint("early stopping")] if verdict.stop and keeps else []
                 self.state = then
-                return [*best, *save, NextEpoch()]
+                return [*best, *save, NextEpoch(verdict.stop)]
             case Checking(), Done(f):
                 return self._replanned(f, opening=False)
             case Posting(opening), Done(f):
@@ -285,8 +285,9 @@ class SyncEngine:
         raise InvalidEvent(f"{type(event).__name__} while {type(self.state).__name__}")
 
     def interrupted(self) -> None:
-        """The boundary was cut short: the job ended inside a command (a failure unwinds
-        the step). The next boundary starts afresh (and finds the job terminal)."""
+        """The boundary was cut short: the job ended inside a command (the failure
+        policy's ``Fail``, or a bug). The next boundary starts afresh (and finds the job
+        terminal)."""
         self.state = AtRest()
 
     # ------------------------------------------------------------------ the steps

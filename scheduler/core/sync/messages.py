@@ -13,7 +13,7 @@ behaviour, so any executor (Ray's driver, the simulator's, a test) speaks them a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from dynabatch.scheduler.core.sync.phase import Phase
 
@@ -78,10 +78,6 @@ class Facts:
     checkpoint_due: bool = False
     judges_epochs: bool = False
     keeps_checkpoints: bool = False
-    # What judging the epoch that ended said: it is the best by keep_best's metric; early
-    # stopping ends the training after it.
-    judged_best: bool = False
-    judged_stop: bool = False
     # Workers taken out of the job (lost, evicted, drained, started unwanted or too late)
     # whose processes have not been stopped yet.
     stopping: bool = False
@@ -153,11 +149,22 @@ class SegmentDone:
 
 
 @dataclass(frozen=True, slots=True)
+class Verdict:
+    """What judging the epoch that ended by its evaluation said: ``best``, what it is the
+    best by (keep_best's metric, mode, value and epoch), when it is the best so far;
+    ``stop``, early stopping's reason to end the training after it."""
+
+    best: dict[str, Any] | None = None
+    stop: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EvaluationsIn:
     """The evaluations in flight were awaited and published (and, after ``JudgeEpoch``, the
-    epoch that ended judged by its own: ``Facts.judged_best``, ``Facts.judged_stop``)."""
+    epoch that ended judged by its own: ``verdict``)."""
 
     facts: Facts
+    verdict: Verdict = Verdict()
 
 
 Outcome = (
@@ -335,8 +342,10 @@ class JudgeEpoch:
 @dataclass(frozen=True, slots=True)
 class NextEpoch:
     """Close the epoch that ended: the protocol moves to the next epoch's start (the job
-    shows it from now on; training ends there when early stopping said so), and the
-    evaluations that are in are published."""
+    shows it from now on; training ends there when early stopping said so: ``stop``, its
+    reason), and the evaluations that are in are published."""
+
+    stop: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,9 +368,10 @@ class Checkpoint:
     """Write the job's checkpoint (when it keeps them). ``reason``: ``cancel`` (where the job
     stands), or at the end of an epoch, as the start of the next: ``epoch`` (due),
     ``early stopping`` (the training ends), ``best`` (the best epoch so far by keep_best's
-    metric, written beside the latest)."""
+    metric, written beside the latest: ``best`` says by what)."""
 
     reason: Literal["cancel", "epoch", "early stopping", "best"]
+    best: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,11 +430,13 @@ Command = (
 )
 
 
-def outcome(command: Command, facts: Facts, ok: bool = True) -> Outcome:
+def outcome(command: Command, facts: Facts, ok: bool | Verdict = True) -> Outcome:
     """The event that answers a batch whose last command was ``command``: its kind is the
     command's, ``facts`` are read after it, and ``ok`` is what the command returned (a
-    regroup formed, a segment all ran; True for the rest)."""
+    regroup formed, a segment all ran, an epoch's verdict; True for the rest)."""
     match command:
+        case JudgeEpoch():
+            return EvaluationsIn(facts, ok if isinstance(ok, Verdict) else Verdict())
         case TrainSegment() | AbsorbAhead() | CommitInFlight():
             return SegmentDone(facts, all_ran=ok)
         case Regroup():
