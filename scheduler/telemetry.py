@@ -18,6 +18,15 @@ def scores_text(scores: Mapping[str, float]) -> str:
     return ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
 
 
+def splits_text(validation: Mapping[str, float] | None, test: Mapping[str, float] | None
+                ) -> str:
+    """Held-out metrics of each split, the split named: ``validation f1 0.8123; test f1
+    0.7950`` ("" when there are none)."""
+    return "; ".join(f"{name} {text}" for name, scores in (("validation", validation),
+                                                           ("test", test))
+                     if scores and (text := scores_text(scores)))
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True)
 

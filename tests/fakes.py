@@ -192,6 +192,7 @@ class FakeCluster:
                 gradients.n_test,
                 gradients.input_shape,
                 gradients.num_classes,
+                n_validation=gradients.n_validation,
             )
         else:
             data = DataInfo(

@@ -293,7 +293,9 @@ def materialise(spec: DatasetSpec, seed: int = 0) -> Any:
     which do not read by position): for small sets only."""
     from dynabatch.actors.workloads.datasets import DatasetArrays
 
-    o = open_dataset(spec, seed)
+    # The train and test splits whole: a validation fraction is held out by the caller
+    # (the simulator's GradientEngine), from these arrays.
+    o = open_dataset(spec.model_copy(update={"validation": None}), seed)
     if o.arrays is not None:
         return o.arrays
     if o.meta.structured:

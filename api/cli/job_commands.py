@@ -37,7 +37,7 @@ from dynabatch.api.cli.common import (
 from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
 from dynabatch.api.cli.views import breakdown_table, tensorboard_line, tensorboard_made
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.telemetry import LogLine, scores_text
+from dynabatch.scheduler.telemetry import LogLine, splits_text
 from dynabatch.service.client import DEFAULT_URL, DynabatchClient
 from dynabatch.service.labels import node_label
 from dynabatch.service.schemas import JobDetail
@@ -77,8 +77,9 @@ def _job_table(job: Any) -> Group:
     facts = []
     if job.train_loss is not None:
         facts.append(f"train loss {job.train_loss:.4f}")
-    if job.test_metrics:  # the job's own metrics, by their names in its spec
-        facts.append(f"held-out {scores_text(job.test_metrics)}")
+    held = splits_text(getattr(job, "validation_metrics", None), job.test_metrics)
+    if held:  # the job's own metrics, by their names in its spec, each split named
+        facts.append(held)
     if job.utilization is not None:
         facts.append(f"utilization {job.utilization:.3f}")
     facts.append(f"rebalances {job.rebalances_total}")
@@ -358,8 +359,8 @@ def _follow(client: DynabatchClient, job_id: str, interval: float) -> int:
     line = f"job {final.job_id} {final.state.value}"
     if final.reason:
         line += f": {final.reason}"
-    if final.test_metrics:
-        line += f"; {scores_text(final.test_metrics)}"
+    if held := splits_text(getattr(final, "validation_metrics", None), final.test_metrics):
+        line += f"; {held}"
     console.print(line, markup=False, highlight=False)
     return 0 if final.state == JobState.SUCCEEDED else 1
 

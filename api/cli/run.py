@@ -26,7 +26,7 @@ from dynabatch.api.cli.common import (
 from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
 from dynabatch.api.cli.views import breakdown_table, tensorboard_line, tensorboard_made
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, scores_text
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, splits_text
 from dynabatch.service.labels import node_label
 from rich.console import Console, Group
 from rich.live import Live
@@ -87,8 +87,9 @@ def epoch_cells(r: EpochRecord) -> list[str]:
 
 
 def held_out(record: EpochRecord) -> str:
-    """The epoch's held-out metrics, each by its name in the spec ("-" before its scores)."""
-    return scores_text(record.scores) or "-"
+    """The epoch's held-out metrics, each by its name in the spec and its split named ("-"
+    before its scores)."""
+    return splits_text(record.validation_metrics, record.scores) or "-"
 
 
 def final_line(snap: JobSnapshot) -> str:
@@ -96,8 +97,8 @@ def final_line(snap: JobSnapshot) -> str:
     line = f"{snap.name}: {snap.state.value}"
     if snap.reason:
         line += f" ({snap.reason})"
-    if snap.test_metrics:
-        line += f"; {scores_text(snap.test_metrics)}"
+    if held := splits_text(snap.validation_metrics, snap.test_metrics):
+        line += f"; {held}"
     return line
 
 

@@ -165,6 +165,12 @@
     return m;
   }
 
+  // A record's validation-split metrics (dataset.validation), keyed as their own charts.
+  function validationOf(e) {
+    return Object.fromEntries(Object.entries(e.validation_metrics || {})
+      .map(([k, v]) => ["validation_" + k, v]));
+  }
+
   // The chart of one metric, made the first time an epoch reports it.
   function metricChart(name) {
     const id = "metric-" + name.replace(/[^A-Za-z0-9_-]/g, "-");
@@ -189,9 +195,10 @@
     const data = {
       "loss-chart": [x, epochs.map((e) => e.train_loss), epochs.map((e) => e.test_loss)],
     };
-    const names = new Set(epochs.flatMap((e) => Object.keys(metricsOf(e))));
+    const all = (e) => ({ ...metricsOf(e), ...validationOf(e) });
+    const names = new Set(epochs.flatMap((e) => Object.keys(all(e))));
     for (const name of [...names].sort()) {
-      data[metricChart(name)] = [x, epochs.map((e) => metricsOf(e)[name] ?? null)];
+      data[metricChart(name)] = [x, epochs.map((e) => all(e)[name] ?? null)];
     }
     if ($("loss-log").checked) {  // a log scale shows no value <= 0
       data["loss-chart"] = data["loss-chart"].map((s, i) => (i ? s.map(
@@ -220,6 +227,10 @@
 
   // Held-out metrics as the CLI shows them: each by its name in the job's spec.
   const scoresText = (m) => Object.entries(m || {}).map(([k, v]) => `${k} ${fmt(v)}`).join(", ");
+  // Each split's metrics with the split named (telemetry.splits_text's words).
+  const splitsText = (val, test) => [["validation", val], ["test", test]]
+    .filter(([, m]) => Object.keys(m || {}).length)
+    .map(([name, m]) => `${name} ${scoresText(m)}`).join("; ");
 
   // The latest epoch's held-out tables (a confusion matrix): rows are the true classes,
   // columns the predicted ones, as the record keeps them (test_matrices).
@@ -255,7 +266,7 @@
     cell(row, fmt(e.wall_s, 2));
     cell(row, fmt(e.train_loss));
     cell(row, fmt(e.test_loss));
-    cell(row, scoresText(metricsOf(e)) || "-");
+    cell(row, splitsText(e.validation_metrics, metricsOf(e)) || "-");
     cell(row, fmt(e.compute_balance, 3));
     cell(row, fmt(e.utilization, 3));
     // The time a step waited for its samples (0 when the loader's read-ahead hid it).
@@ -282,7 +293,7 @@
     }
     $("utilization").textContent = fmt(j.utilization, 3);
     $("train-loss").textContent = fmt(j.train_loss);
-    $("metrics").textContent = scoresText(j.test_metrics) || "-";
+    $("metrics").textContent = splitsText(j.validation_metrics, j.test_metrics) || "-";
     $("rebalances").textContent = j.rebalances_total;
     const body = $("workers").tBodies[0];
     body.replaceChildren();

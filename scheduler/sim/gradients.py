@@ -30,6 +30,7 @@ from dynabatch.actors.optim import build_optimizer
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.step import StepMath, mean_loss, share_sqnorm, sqnorm
 from dynabatch.actors.worker import to_cpu
+from dynabatch.actors.workloads import WorkloadError
 from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.actors.workloads.models import build_model
 from dynabatch.actors.workloads.objective import objective_for, targets_kind
@@ -51,6 +52,9 @@ class GradientEngine:
         # The held-out sets by split name (the runtime's evaluation names one).
         self.held: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         fraction = holdout or spec.dataset.validation_fraction
+        if not holdout and spec.dataset.validation is not None and fraction is None:
+            raise WorkloadError(f"dataset.validation: the simulator holds out a fraction of "
+                                f"train, not the split {spec.dataset.validation!r}")
         if fraction:
             # The job's own validation split (dataset.validation), or tune's (holdout): the
             # same seeded split a real job holds out.

@@ -24,7 +24,7 @@ from dynabatch.scheduler.telemetry import (
     EpochRecord,
     StepBreakdown,
     WorkerEpochStats,
-    scores_text,
+    splits_text,
 )
 
 _PHASES = ("gather_s", "forward_s", "backward_s", "wait_s", "optimizer_s", "overlap_s",
@@ -156,9 +156,7 @@ def summary(record: EpochRecord, epochs: int | None = None) -> str:
     """The epoch's line in the job log, with the job's own held-out metrics, each split
     named: ``epoch 1/N`` for the first of ``epochs``, as the progress and ``status`` count
     them."""
-    scores = "; ".join(f"{split} {text}" for split, text in (
-        ("validation", scores_text(record.validation_metrics)),
-        ("test", scores_text(record.scores))) if text) or "no test scores"
+    scores = splits_text(record.validation_metrics, record.scores) or "no test scores"
     of = f"/{epochs}" if epochs else ""
     return (f"epoch {record.epoch + 1}{of}: {record.wall_s:.2f}s, "
             f"loss {record.train_loss:.4f}, "

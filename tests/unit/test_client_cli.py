@@ -381,7 +381,7 @@ def test_submit_waits_streams_logs_and_exits_with_the_outcome(
     # The log lines (as `logs` prints them), the live table, then the outcome.
     assert any(line.endswith("INFO    state RUNNING") for line in lines)
     assert any("state SUCCEEDED" in line for line in lines)
-    assert "w0" in result.stdout and lines[-1].startswith(f"job {job} SUCCEEDED; accuracy ")
+    assert "w0" in result.stdout and lines[-1].startswith(f"job {job} SUCCEEDED; test accuracy ")
 
 
 def test_following_a_job_that_did_not_succeed_exits_1(

@@ -249,11 +249,17 @@ def test_the_bert_example_trains_and_its_hf_export_loads_in_a_fresh_process(tmp_
         while not coordinator.state.is_terminal:  # each advance: one step of its driver
             cluster.advance(job.id)
         assert coordinator.state == JobState.SUCCEEDED, coordinator.reason
-        # Macro-F1 and the confusion matrix over the whole held-out set (32 reviews).
-        last = coordinator.history()[-1]
+        # Macro-F1 on the validation split (a quarter of the 64 training reviews) every
+        # epoch, and the final test score over the whole test set (32 reviews) once.
+        history = coordinator.history()
+        assert all(0.0 <= r.validation_metrics["f1"] <= 1.0 for r in history)
+        assert [bool(r.test_metrics) for r in history] == [False, True]
+        last = history[-1]
         assert 0.0 <= last.test_metrics["f1"] <= 1.0
+        assert sum(map(sum, last.validation_matrices["confusion_matrix"])) == 16
         cm = last.test_matrices["confusion_matrix"]
         assert len(cm) == 2 and sum(map(sum, cm)) == 32
+        assert coordinator.snapshot().validation_metrics == last.validation_metrics
         out = job.model(tmp_path / "hf", format="hf")
         with pytest.raises(ValueError, match=r"^format: must be dynabatch or hf, got 'onnx'"):
             job.model(tmp_path / "x", format="onnx")

@@ -58,7 +58,7 @@ def test_the_final_line_shows_the_jobs_own_metrics():
 
     snap = JobSnapshot(job_id="ab" * 6, name="diabetes", state="SUCCEEDED",
                        test_metrics=REGRESSION)
-    assert final_line(snap) == "diabetes: SUCCEEDED; mae 12.3456, mse 301.2500"
+    assert final_line(snap) == "diabetes: SUCCEEDED; test mae 12.3456, mse 301.2500"
     failed = JobSnapshot(job_id="ab" * 6, name="diabetes", state="FAILED", reason="boom")
     assert final_line(failed) == "diabetes: FAILED (boom)"
 
