@@ -152,9 +152,15 @@ def make_nodes(n: int) -> list[ClusterNode]:
     return nodes
 
 
-def make_jobs(n: int, nodes: list[ClusterNode], load: float, seed: int) -> list[TraceJob]:
+def make_jobs(
+    n: int, nodes: list[ClusterNode], load: float, seed: int, size_scale: int = 1
+) -> list[TraceJob]:
+    """``n`` jobs of the trace (module docstring). ``size_scale``: every job asks for that
+    many times the workers (the same trace otherwise, arriving at the rate that offers the
+    same load): a cluster ten times larger is filled by the same number of jobs, so its
+    steady state can be simulated in the time a larger count of decisions would not fit."""
     rng = np.random.default_rng(seed)
-    sizes = rng.choice(SIZES, size=n, p=SIZE_P)
+    sizes = rng.choice(SIZES, size=n, p=SIZE_P) * size_scale
     durations = np.clip(rng.lognormal(math.log(20 * 60), 1.4, n), 60.0, 48 * 3600.0)
     capacity = sum(nd.capacity * SPEED[nd.node_type] for nd in nodes) / SPEED["A100"]
     demand = float(np.mean(sizes * durations))  # A100 worker-seconds per job
@@ -453,6 +459,13 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1000)
     ap.add_argument("--jobs", type=int, default=400)
     ap.add_argument("--load", type=float, default=1.0)
+    ap.add_argument(
+        "--size-scale",
+        type=int,
+        default=1,
+        help="every generated job asks for this many times the workers (a large cluster "
+        "filled by fewer jobs)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--round-s", type=float, default=30.0)
     ap.add_argument("--hold-s", type=float, default=120.0)
@@ -516,8 +529,10 @@ def main() -> None:
         out.update(info)
     else:
         nodes = make_nodes(args.nodes)
-        trace = make_jobs(args.jobs, nodes, args.load, args.seed)
-        out.update(seed=args.seed, load=args.load)
+        if args.size_scale < 1:
+            sys.exit(f"error: --size-scale: {args.size_scale} is below 1")
+        trace = make_jobs(args.jobs, nodes, args.load, args.seed, args.size_scale)
+        out.update(seed=args.seed, load=args.load, size_scale=args.size_scale)
     out.update(nodes=len(nodes), jobs=len(trace), slots=sum(n.capacity for n in nodes), policies={})
     window = None
     if args.steady is not None:

@@ -313,6 +313,8 @@ def main() -> None:
             best = min((entry["gavel"][p]["avg_jct_s"] for p in aware), default=None)
             entry["ratios"] = _ratios(entry, best)
             out["traces"].append(entry)
+            if args.out:  # after every case, so a long run that is stopped keeps what it did
+                args.out.write_text(json.dumps(out, indent=1) + "\n")
             print(f"{name}: {entry['ratios']}", file=sys.stderr, flush=True)
     text = json.dumps(out)
     print(text)
