@@ -65,3 +65,13 @@ def test_timeshare_gives_a_waiting_job_turns_on_a_busy_gpu():
     assert shared["avg_jct_s"] < 0.6 * kept["avg_jct_s"]
     assert shared["resizes"] == 0  # a preemption is not a resize
     assert shared["makespan_s"] == pytest.approx(10_500.0, abs=1.0)  # no work lost at cost 0
+
+
+def test_size_scale_is_the_same_trace_with_k_times_the_workers():
+    from bench.cluster import make_jobs, make_nodes
+
+    small = make_jobs(20, make_nodes(10), 1.5, seed=3)
+    large = make_jobs(20, make_nodes(100), 1.5, seed=3, size_scale=10)
+    assert [j.g * 10 for j in small] == [j.g for j in large]
+    # Ten times the capacity, ten times each job's demand: the same arrivals.
+    assert [j.arrival for j in small] == pytest.approx([j.arrival for j in large], rel=0.05)
