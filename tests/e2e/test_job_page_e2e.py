@@ -210,7 +210,7 @@ def test_shipped_code_live_page_and_the_output_of_a_worker_that_died(
     assert submit.returncode == 0, "\n".join(lines[-60:])
     # The last line: the outcome and the job's own held-out metrics, by their spec names.
     last = rest(server, f"/v1/jobs/{job}")["test_metrics"]
-    assert lines[-1] == (f"job {job} SUCCEEDED; accuracy {last['accuracy']:.4f}, "
+    assert lines[-1] == (f"job {job} SUCCEEDED; test accuracy {last['accuracy']:.4f}, "
                          f"perplexity {last['perplexity']:.4f}")
     assert any("stdout: hello from the user's loss" in ln for ln in lines), lines[-40:]
 
