@@ -308,7 +308,7 @@ class JobCollector(Collector):
                 state.add_metric([job, st.value], 1.0 if st == s.state else 0.0)
             epoch.add_metric([job], float(s.epoch))
             step.add_metric([job], float(s.step))
-            workers.add_metric([job], float(len(s.workers)))
+            workers.add_metric([job], float(s.group_size))
             generation.add_metric([job], float(s.generation))
             for family, value in (
                 (loss, s.train_loss),

@@ -175,6 +175,8 @@ class WorkerStatus(_Frozen):
     compute_s_per_step: float = 0.0
     wait_s_per_step: float = 0.0
     slowdown: float = 1.0
+    joined: bool = Field(default=True, description="In the group that trains now; false "
+                         "while it is up but joins only at the next step boundary.")
 
 
 class MembershipEvent(_Frozen):
@@ -225,6 +227,12 @@ class PSStatus(_Frozen):
 
 class JobSnapshot(_Frozen):
     """The live state of a job, read by the API, the CLI and the metrics collector."""
+
+    @property
+    def group_size(self) -> int:
+        """The workers that train now: those listed but still joining are not counted (the
+        one count the status, the metrics and the cluster scheduler report)."""
+        return sum(1 for w in self.workers if w.joined)
 
     job_id: str
     name: str

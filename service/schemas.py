@@ -152,7 +152,8 @@ class JobSummary(BaseModel):
     epochs: int
     step: int
     progress: str = _PROGRESS
-    workers: int = Field(description="Workers in the latest allocation.")
+    workers: int = Field(description="Workers in the group that trains now (a worker that is "
+                         "up but joins at the next step boundary is not counted yet).")
     created_at: float
     updated_at: float
     finished_at: float | None = None
@@ -171,7 +172,7 @@ class JobSummary(BaseModel):
             epochs=epochs,
             step=snap.step,
             progress=progress(snap, epochs),
-            workers=len(snap.workers),
+            workers=snap.group_size,
             created_at=rec.created_at,
             updated_at=rec.updated_at,
             finished_at=rec.finished_at,

@@ -499,7 +499,7 @@ class ClusterScheduler:
             return
         report = JobReported(
             job_id,
-            tuple((w.node, float(w.throughput)) for w in snap.workers),
+            tuple((w.node, float(w.throughput)) for w in snap.workers if w.joined),
             float(snap.global_batch or 1),
         )
         with self._lock:

@@ -261,6 +261,7 @@ class Coordinator(JobControl):
                     compute_s_per_step=t.compute_per_step if t else 0.0,
                     wait_s_per_step=t.wait_per_step if t else 0.0,
                     slowdown=t.slowdown if t else 1.0,
+                    joined=m.worker_id in batch_of,
                 ))
             events = self._event_counts()
             regime = job.regime.live(

@@ -371,3 +371,27 @@ def test_an_assignments_new_workers_start_while_the_segment_in_flight_trains():
     assert _nodes_of(coord) == {"node00": 1, "node01": 1, "node02": 1}
     coord.run()
     _assert_done(coord, lineages)
+
+
+def test_a_joining_worker_is_listed_but_not_counted_until_the_group_forms():
+    """Issue 50: the status said 3 workers while the group of 3 formed 12.6 s later. A
+    worker that is up but joins only at the next regroup is listed (joined false) and not
+    counted in the snapshot's group size, which the status, the gauges and the cluster
+    scheduler's members report."""
+    from dynabatch.scheduler.core.membership import Member
+
+    spec = _spec(workers=2, max_workers=3, epochs=4, spares=0)
+    lineages = Lineages()
+    rt = sim_runtime(spec, n_train=N, nodes=2, speeds={0: 1000, 1: 500},
+                     gradients=lineages, runtime=_SpawnsAt)
+    coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
+    _run_to_epoch(coord, 1)
+    assert coord.snapshot().group_size == 2
+    # The driver's view once a third worker's actor is up (Ray starts it in the background):
+    # a member of the job, joining at the next regroup.
+    members = coord.job.membership
+    members.pending["w9"] = Member("w9", 9, "node01", 1.0)
+    assert members.started("w9") is not None
+    snap = coord.snapshot()
+    assert [w.worker for w in snap.workers if not w.joined] == ["w9"]
+    assert snap.group_size == 2 and len(snap.workers) == 3

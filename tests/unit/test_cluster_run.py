@@ -365,7 +365,7 @@ def test_what_the_job_has_and_what_it_refused_are_in_the_view(world) -> None:
     sched.sync([cluster_rt.JobEntry("a", parse_spec({**GANG, "min_workers": 1}), 1.0)])
     sched.round()
     coordinator = world["coordinators"]["a"]
-    coordinator.workers = [SimpleNamespace(node="n1", throughput=5.0)]
+    coordinator.workers = [SimpleNamespace(node="n1", throughput=5.0, joined=True)]
     view = sched.round()
     assert view.job("a").allocation == (("n1", 1), ("n2", 1))
     assert view.job("a").members == (("n1", 1),)
