@@ -254,7 +254,8 @@ def test_shipped_code_live_page_and_the_output_of_a_worker_that_died(
     assert shown == {w["worker"]: (w["batch"], w["partition"]) for w in final["workers"]}
     assert d.by_id["balance"]["text"].strip() == f"{history[-1]['compute_balance']:.3f}"
     # The headline: the job's own metrics, by name (issue 29: "test accuracy -").
-    assert d.by_id["metrics"]["text"].strip() == ", ".join(
+    # The split is named (the job has no validation split: its held-out set is the test set).
+    assert d.by_id["metrics"]["text"].strip() == "test " + ", ".join(
         f"{k} {v:.4f}" for k, v in final["test_metrics"].items())
     assert final["progress"] == f"{EPOCHS} of {EPOCHS} epochs completed"
     assert d.by_id["controls"]["attrs"].get("hidden") is not None  # finished: no controls

@@ -151,11 +151,14 @@ def test_joining_node_gets_a_worker_and_a_share_by_speed(cluster):
     _nodes(cluster, tag, 2)
     # The newcomer (ordinal 2) is emulated 3x slower than the first two.
     # LeNet steps are compute-bound (few parameters, per-step overhead of a few samples),
-    # so the share that equalises finish times is close to proportional to speed.
-    spec = _spec(tag, workers=2, max_workers=3, epochs=16, global_batch=128, spares=1,
+    # so the share that equalises finish times is close to proportional to speed. Every
+    # worker sleeps as long again as it computes (2, 2, 6), and the job has 24 epochs: a
+    # node's start on a loaded host (a CI run joined it at epoch 14 of 16) leaves epochs
+    # to watch the newcomer in, without taking more of the cores.
+    spec = _spec(tag, workers=2, max_workers=3, epochs=24, global_batch=128, spares=1,
                  dataset={"name": "mnist", "options": {"n_train": 4000, "n_test": 500}},
                  model={"name": "lenet"}, optimizer={"name": "sgd", "lr": 0.05},
-                 emulation={"slowdowns": [1, 1, 3]})
+                 emulation={"slowdowns": [2, 2, 6]})
     coord = Coordinator("join", spec, resume=False)
     thread = _start(coord)
     wait_for(lambda: coord.epoch >= 1, timeout=120, interval=0.05)
