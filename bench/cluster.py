@@ -43,7 +43,9 @@ Prints ONE JSON object::
 ``utilization``: allocated worker slots over all slots, averaged over the makespan.
 The top-level ``decision_ms`` covers every decision of every policy (the policy call with
 its bootstrap, wall time); per policy, ``decision_cpu_ms`` is the same in this process's
-CPU time, which other processes on a shared machine do not inflate.
+CPU time, which other processes on a shared machine inflate much less, and ``load_avg_1m``
+the host's 1-minute load average as the policy's run started and ended (``host_cpus``: its
+CPUs).
 
     .venv/bin/python bench/cluster.py [--nodes 1000] [--jobs 400] [--out FILE]
 """
@@ -54,6 +56,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -539,7 +542,9 @@ def main() -> None:
         arrivals = sorted(j.arrival for j in trace)
         window = (arrivals[min(len(arrivals) - 1, int(args.steady * len(arrivals)))], arrivals[-1])
     every: list[float] = []
+    out["host_cpus"] = os.cpu_count()
     for policy in args.policies.split(","):
+        load_before = os.getloadavg()[0]
         out["policies"][policy], ms = simulate(
             policy,
             nodes,
@@ -550,6 +555,12 @@ def main() -> None:
             hints,
             window,
         )
+        # The host's 1-minute load average as the policy started and ended: how far its wall
+        # times are from a quiet machine's (its decision_cpu_ms much less so).
+        out["policies"][policy]["load_avg_1m"] = [
+            round(load_before, 2),
+            round(os.getloadavg()[0], 2),
+        ]
         every += ms
         print(f"{policy}: {out['policies'][policy]}", file=sys.stderr, flush=True)
     out["decision_ms"] = _summary(every)

@@ -28,6 +28,13 @@ simulators, and counted), on a cluster in Gavel's notation (``#v100:#p100:#k80``
   free preemption (``--timeshare-restart-s`` 0): where the policies agree, the two
   simulators should agree. It decides every round, so it is the slow row.
 
+``--merge FILE`` (repeatable) adds the traces of earlier outputs of this script: runs of
+one trace each (several at once, say) become one file. They must come from the same Gavel
+commit, command and settings as each other and as this run's cases, else the merge is
+refused, naming the file and what differs; a trace run later (a later file, or a case of
+this run) replaces an earlier one of the same trace and cluster. With ``--merge`` alone no
+case is run.
+
 Prints ONE JSON object::
 
     {"gavel_commit", "gavel_command", "settings", "traces": [{"trace", "cluster", "jobs",
@@ -41,6 +48,7 @@ Prints ONE JSON object::
         --throughputs bench/data/gavel/simulation_throughputs.json --first 100 \\
         (--gavel-dir /tmp/gavel/scheduler --gavel-python /tmp/gavel-venv/bin/python \\
          --gavel-commit SHA | --gavel-results bench/results-cluster-gavel.json)
+    .venv/bin/python bench/cluster_gavel.py --merge A.json --merge B.json --out C.json
 """
 
 from __future__ import annotations
@@ -81,6 +89,47 @@ ROWS = {
 }
 DRIVER = "scripts/drivers/simulate_scheduler_with_trace.py"
 JCT = re.compile(r"Average job completion time:\s*([0-9.eE+-]+)\s*seconds")
+
+
+class MergeError(ValueError):
+    """Outputs that cannot be merged; its message is one line."""
+
+
+# What says how an output's figures were made: outputs merged must agree on all of them.
+PROVENANCE = ("gavel_commit", "gavel_command", "settings")
+
+
+def merge(outputs: list[tuple[str, dict]]) -> dict:
+    """Outputs of this script (each with the name of where it came from) as one: their
+    traces in order, a later trace of the same (trace, cluster) replacing the earlier in
+    its place. Raises :class:`MergeError` when two differ in how they were made."""
+    if not outputs:
+        raise MergeError("nothing to merge")
+    first_name, first = outputs[0]
+    merged: dict = {k: first.get(k) for k in PROVENANCE}
+    traces: dict[tuple[str, str], dict] = {}
+    for name, out in outputs:
+        for key in PROVENANCE:
+            if out.get(key) != merged[key]:
+                raise MergeError(
+                    f"{name}: {key}: {json.dumps(out.get(key))} differs from "
+                    f"{first_name}'s {json.dumps(merged[key])}"
+                )
+        for entry in out.get("traces", []):
+            traces[(entry["trace"], entry["cluster"])] = entry
+    merged["traces"] = list(traces.values())
+    return merged
+
+
+def read_output(path: Path) -> dict:
+    """An earlier output of this script; a file that is not one is a one-line error."""
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise MergeError(f"{path}: cannot be read as JSON: {exc}") from None
+    if not isinstance(out, dict) or not isinstance(out.get("traces"), list):
+        raise MergeError(f"{path}: traces: missing; not an output of bench/cluster_gavel.py")
+    return out
 
 
 def cut(trace: Path, table: dict, first: int) -> tuple[list[JobRow], int]:
@@ -155,10 +204,8 @@ def run_gavel(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--case", action="append", required=True, help="TRACE@#v100:#p100:#k80 (repeatable)"
-    )
-    ap.add_argument("--throughputs", type=Path, required=True)
+    ap.add_argument("--case", action="append", help="TRACE@#v100:#p100:#k80 (repeatable)")
+    ap.add_argument("--throughputs", type=Path, help="Gavel's throughput JSON (with --case)")
     ap.add_argument("--gpus-per-server", default="4:4:4")
     ap.add_argument("--first", type=int, default=100)
     ap.add_argument(
@@ -196,8 +243,26 @@ def main() -> None:
     ap.add_argument("--gavel-python", default="python3")
     ap.add_argument("--gavel-commit", default=None)
     ap.add_argument("--gavel-results", type=Path, help="Gavel's figures from an earlier run")
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        action="append",
+        default=[],
+        help="an earlier output whose traces join this one's (repeatable)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    try:
+        earlier_outputs = [(str(p), read_output(p)) for p in args.merge]
+    except MergeError as exc:
+        sys.exit(f"error: --merge: {exc}")
+    if not args.case:
+        if not earlier_outputs:
+            sys.exit("error: give --case (run a trace) or --merge (join earlier outputs)")
+        _emit(earlier_outputs, None, args.out)
+        return
+    if args.throughputs is None:
+        sys.exit("error: --throughputs: needed with --case")
     if (args.gavel_dir is None) == (args.gavel_results is None):
         sys.exit("error: give one of --gavel-dir (run Gavel) and --gavel-results (read them)")
     rows_wanted = [r for r in args.rows.split(",") if r]
@@ -236,6 +301,13 @@ def main() -> None:
         },
         "traces": [],
     }
+    for name, other in earlier_outputs:
+        for key in ("gavel_commit", "settings"):
+            if other.get(key) != out[key]:
+                sys.exit(
+                    f"error: --merge: {name}: {key}: {json.dumps(other.get(key))} differs "
+                    f"from this run's {json.dumps(out[key])}"
+                )
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.case:
             trace_s, _, spec = case.rpartition("@")
@@ -314,12 +386,30 @@ def main() -> None:
             entry["ratios"] = _ratios(entry, best)
             out["traces"].append(entry)
             if args.out:  # after every case, so a long run that is stopped keeps what it did
-                args.out.write_text(json.dumps(out, indent=1) + "\n")
+                _emit(earlier_outputs, out, args.out, final=False)
             print(f"{name}: {entry['ratios']}", file=sys.stderr, flush=True)
-    text = json.dumps(out)
-    print(text)
-    if args.out:
-        args.out.write_text(json.dumps(out, indent=1) + "\n")
+    _emit(earlier_outputs, out, args.out)
+
+
+def _emit(
+    earlier: list[tuple[str, dict]], out: dict | None, path: Path | None, final: bool = True
+) -> None:
+    """This run's output joined to the earlier ones: written to ``path``, and printed when
+    final. If they differ in how they were made, the final call prints this run's output
+    alone (its figures are not lost) and ends the run with one line saying what differs."""
+    outputs = earlier + ([("this run", out)] if out is not None else [])
+    try:
+        whole = merge(outputs) if earlier else out
+    except MergeError as exc:
+        if not final:
+            return
+        if out is not None:
+            print(json.dumps(out))
+        sys.exit(f"error: --merge: {exc}")
+    if final:
+        print(json.dumps(whole))
+    if path:
+        path.write_text(json.dumps(whole, indent=1) + "\n")
 
 
 def _ratios(entry: dict, best_aware: float | None) -> dict:
