@@ -110,8 +110,3 @@ class ComputeClock:
     def finish(self, factor: float) -> float:
         """End the phase, stretched to ``factor`` × its compute; return the compute time."""
         return self.pace(factor)
-
-
-def error_at(emulation: EmulationSpec, ordinal: int, epoch: int, step: int) -> bool:
-    """Whether the worker with this ordinal has an injected error at (epoch, step)."""
-    return any(e.worker == ordinal and (epoch, step) >= (e.epoch, e.step) for e in emulation.errors)

@@ -53,7 +53,7 @@ from dynabatch.actors.contracts import (
     plan_key,
 )
 from dynabatch.actors.device_data import WorkerData, data_budget, model_bytes
-from dynabatch.actors.emulation import ComputeClock, error_at, node_slowdown, slowdown_at
+from dynabatch.actors.emulation import ComputeClock, node_slowdown, slowdown_at
 from dynabatch.actors.errors import first_line, is_out_of_memory, is_user_error
 from dynabatch.actors.group import ProcessGroup, Rendezvous, gpu_key
 from dynabatch.actors.optim import build_optimizer
@@ -70,10 +70,6 @@ from dynabatch.actors.step import (
     mean_loss,
     share_sqnorm,
 )
-
-
-class InjectedFault(RuntimeError):
-    """A deterministic error injected by ``emulation.errors``."""
 
 
 class _StepFailed(Exception):
@@ -398,8 +394,6 @@ class Worker:
                 pace=(lambda: clock.pace(factor)) if clock.emulated else None)
         log = PhaseLog(r.marks.mark, lambda: clock.slept)
         try:
-            if error_at(self.spec.emulation, self.ordinal, epoch, sp.step):
-                raise InjectedFault(f"injected error at epoch {epoch} step {sp.step}")
             cover(r.cov, sp)
             # The last micro-batch's backward arms the reducer: buckets go out as they
             # complete, behind the rest of backward.

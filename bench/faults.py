@@ -11,7 +11,8 @@ Kinds (4 trials each by default, 32 in all):
 * ``during_regroup``: one node is removed, and a second one as soon as the coordinator
   logs the failure, while it forms the new group;
 * ``deterministic_error``: a worker raises on every step from epoch 1 step 3
-  (``emulation.errors``): the job must FAIL with that error, within a bound;
+  (``bench/worker_probes.py``'s ``fail_from``): the job must FAIL with that error, within
+  a bound;
 * ``hung_worker``: a worker stalls for 1000 s before its all-reduce;
 * ``random``: one node removed at a uniformly random step of the job (epoch and step
   drawn uniformly; the removal follows the coordinator reaching it).
@@ -48,7 +49,7 @@ from dynabatch.service.raycluster import fast_health_check
 from ray.cluster_utils import Cluster
 
 from bench.report import emit
-from bench.worker_probes import stall
+from bench.worker_probes import fail_when_spawned, stall
 
 KINDS = ("first_step", "mid_epoch", "last_step", "two_nodes", "during_regroup",
          "deterministic_error", "hung_worker", "random")
@@ -93,9 +94,9 @@ def trial(cluster: Cluster, kind: str, i: int, rng: random.Random) -> dict[str, 
         kw["emulation"] = {"slowdowns": [1.0] * workers, "disturbances": [
             {"worker": victim_ordinal, "factor": 1000, "epoch": 1, "step": STEP_OF[kind]},
             {"worker": victim_ordinal, "factor": 1, "epoch": 1, "step": STEP_OF[kind] + 1}]}
-    if kind == "deterministic_error":
-        kw["emulation"] = {"errors": [{"worker": victim_ordinal, "epoch": 1, "step": 3}]}
     coord = Coordinator(f"faults-{tag}", make_spec(tag, workers, **kw), resume=False)
+    if kind == "deterministic_error":
+        fail_when_spawned(coord.runtime, victim_ordinal, 1, 3)
     thread = threading.Thread(target=coord.run, daemon=True)
     t0 = time.monotonic()
     thread.start()

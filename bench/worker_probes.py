@@ -2,9 +2,10 @@
 
 ``handle.__ray_call__.remote(fn, *args)`` runs ``fn(worker, *args)`` on the worker actor,
 in order with its other calls, so the product's :class:`~dynabatch.actors.worker.Worker`
-carries no benchmark code: ``bench/hetero.py`` profiles step times and the all-reduce to
-compute a cluster's best achievable epoch, and ``bench/faults.py`` makes a worker hang to
-test the driver's collective timeout.
+carries no benchmark or fault-injection code: ``bench/hetero.py`` profiles step times and
+the all-reduce to compute a cluster's best achievable epoch; ``bench/faults.py`` makes a
+worker hang to test the driver's collective timeout, and it and the fault tests make a
+worker raise on every step (:func:`fail_from`; the job spec injects no faults).
 
     ray.get(handle.__ray_call__.remote(profile, [16, 64], 5, True, True))
 """
@@ -33,6 +34,47 @@ def stall(worker: Any, seconds: float) -> None:
         return step(*args, **kwargs)
 
     worker._step = stalled
+
+
+class InjectedFault(RuntimeError):
+    """The error :func:`fail_from` makes a worker raise."""
+
+
+def fail_from(worker: Any, epoch: int, step: int) -> None:
+    """Make the worker raise :class:`InjectedFault` in the compute phase of every step from
+    (``epoch``, ``step``) on, where a bug in the user's model raises: the worker reports it
+    as its own compute error and leaves the group, and the driver retries the step, then
+    fails the job with it."""
+    take = worker._step
+
+    def failing(e: int, sp: Any, *args: Any, **kwargs: Any) -> Any:
+        if (e, sp.step) < (epoch, step):
+            return take(e, sp, *args, **kwargs)
+
+        def share(*_args: Any, **_kwargs: Any) -> Any:
+            raise InjectedFault(f"injected error at epoch {e} step {sp.step}")
+
+        worker.math.share = share  # this step's forward and backward only
+        try:
+            return take(e, sp, *args, **kwargs)
+        finally:
+            del worker.math.share
+
+    worker._step = failing
+
+
+def fail_when_spawned(runtime: Any, ordinal: int, epoch: int, step: int) -> None:
+    """Arm :func:`fail_from` on the worker of ``ordinal`` as the job's Ray runtime spawns
+    it: the probe is the worker's next call after its start, before any segment reaches
+    it (an actor runs its calls in order)."""
+    spawn = runtime.spawn
+
+    def spawned(s: Any) -> None:
+        spawn(s)
+        if s.ordinal == ordinal:
+            runtime.handle(s.worker_id).__ray_call__.remote(fail_from, epoch, step)
+
+    runtime.spawn = spawned
 
 
 def profile(worker: Any, batches: list[int], repeats: int = 5, wall: bool = False,

@@ -343,5 +343,5 @@ class JobSpec(_Strict):
     @property
     def emulated(self) -> bool:
         e = self.emulation
-        return bool(e.slowdowns or e.disturbances or e.errors)
+        return bool(e.slowdowns or e.disturbances)
 

@@ -594,26 +594,16 @@ class Disturbance(_Strict):
     step: StrictInt = Field(default=0, ge=0)
 
 
-class InjectedError(_Strict):
-    """From ``epoch`` (and ``step``) on, worker ``worker`` raises in its compute phase on
-    every step: a deterministic worker error, for fault tests and ``bench/faults.py``."""
-
-    worker: StrictInt = Field(ge=0, description="Worker index (rank in the initial membership).")
-    epoch: StrictInt = Field(default=0, ge=0)
-    step: StrictInt = Field(default=0, ge=0)
-
-
 class EmulationSpec(_Strict):
     """Heterogeneity emulation for clusters whose nodes are equal. Off unless set.
 
     A worker with slowdown f sleeps (f-1) times its measured compute after each compute
-    phase, so its compute time is f times the real one. ``errors`` injects deterministic
-    worker errors.
+    phase, so its compute time is f times the real one. Fault injection is no part of a job
+    spec: tests and benchmarks inject a worker's errors themselves (``bench/worker_probes.py``).
     """
 
     slowdowns: list[Annotated[float, Field(ge=1.0, le=1000.0)]] = Field(default_factory=list)
     disturbances: list[Disturbance] = Field(default_factory=list)
-    errors: list[InjectedError] = Field(default_factory=list)
 
 
 class RebalanceSpec(_Strict):

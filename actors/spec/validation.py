@@ -278,8 +278,6 @@ def _ps_problems(spec: JobSpec, bad: Bad) -> None:
         bad("checkpoint.from", "protocol ps does not start from checkpoints")
     if spec.worker_gpus != 0 or spec.device == "cuda":
         bad("worker_gpus", "protocol ps learners run on the CPU")
-    if spec.emulation.errors:
-        bad("emulation.errors", "protocol ps does not inject worker errors")
     if spec.max_batch is not None:
         bad("max_batch", "protocol ps bounds batches itself (perf_aware: 4·b0)")
     # The learners and the server compute cross-entropy and accuracy only.

@@ -21,7 +21,7 @@ from dynabatch.actors.contracts import (
     StepTelemetry,
     encode_counts,
 )
-from dynabatch.actors.emulation import error_at, slowdown_at
+from dynabatch.actors.emulation import slowdown_at
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.failures import WorkerOutcome
 from dynabatch.scheduler.runtime.seam import DataInfo
@@ -57,17 +57,11 @@ class SimTraining(SimWorld):
         self.gradients = gradients
         self.recoveries: list[Recovery] = []
         self._failed: tuple[float, tuple[str, ...]] | None = None
-        self.steps_completed = 0
         # The all-reduce moves the cluster's model_mb, or the real model's gradients when the
         # cluster gave no size and real-gradient mode knows it.
         self._model_bytes: float | None = None
         if cluster.spec.allreduce.model_mb == 0 and gradients is not None:
             self._model_bytes = float(gradients.model_bytes)
-
-    @property
-    def segment_calls(self) -> int:
-        """Segments the workers trained (a broken group's refusals not counted)."""
-        return self.record.trained
 
     def _train(self, plans: dict[str, SegmentPlan], grace_s: float) -> list[WorkerOutcome]:
         self.record.note_trained(plans)
@@ -135,17 +129,8 @@ class SimTraining(SimWorld):
                         steps, names, first, sps, b, compute, emu, micro, caps, rule, only=lucky
                     )
                 return self._lost(names, steps, compute, t0)
-            erred = {
-                w: (
-                    "compute",
-                    f"InjectedFault: injected error (worker {self.workers[w].ordinal})",
-                    None,
-                )
-                for w in self._erring(names, first.epoch, step)
-            }
-            erred.update(hit.errors if hit is not None else {})
-            if erred:
-                return self._compute_error(names, steps, erred, compute, t0)
+            if hit is not None and hit.errors:
+                return self._compute_error(names, steps, hit.errors, compute, t0)
             enter = t0 + compute
             first_in = float(enter.min())
             if float(enter.max()) - first_in > timeout:
@@ -185,7 +170,6 @@ class SimTraining(SimWorld):
                 end += extra * (end - t0)
                 self.clock.advance_to(end)
                 isgd = isgd.after(out.psi if out is not None else 0.0)
-            self.steps_completed += 1
         return [WorkerOutcome(w, result=SegmentResult(worker=w, steps=steps[w])) for w in names]
 
     def _report(
@@ -261,12 +245,6 @@ class SimTraining(SimWorld):
     def _emulated(self, names: Sequence[str], epoch: int, step: int) -> np.ndarray:
         em = self.spec.emulation
         return np.array([slowdown_at(em, self.workers[w].ordinal, epoch, step) for w in names])
-
-    def _erring(self, names: Sequence[str], epoch: int, step: int) -> list[str]:
-        em = self.spec.emulation
-        if not em.errors:
-            return []
-        return [w for w in names if error_at(em, self.workers[w].ordinal, epoch, step)]
 
     def _lost(
         self, names: list[str], steps: _Steps, compute: np.ndarray, t0: float

@@ -23,6 +23,8 @@ from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime.launch import find_coordinator, launch_coordinator
 from dynabatch.scheduler.sync.coordinator import Coordinator
 
+from bench.worker_probes import fail_when_spawned
+
 from .conftest import wait_for
 
 pytestmark = pytest.mark.integration
@@ -114,9 +116,10 @@ def test_nodes_lost_mid_epoch_and_in_an_epochs_last_steps_keep_training(cluster)
 
 
 def test_deterministic_worker_error_fails_the_job_quickly_with_the_error(cluster):
-    spec = _spec(SESSION, workers=2, epochs=3, max_retries=2, collective_timeout_s=10,
-                 emulation={"errors": [{"worker": 1, "epoch": 0, "step": 3}]})
+    spec = _spec(SESSION, workers=2, epochs=3, max_retries=2, collective_timeout_s=10)
     coord = Coordinator("error", spec, resume=False)
+    # Worker 1 raises on every step from epoch 0 step 3, as a bug in its model would.
+    fail_when_spawned(coord.runtime, 1, 0, 3)
     snap = coord.run()
     assert snap.state == JobState.FAILED
     assert "InjectedFault" in snap.reason and "w1" in snap.reason and "3 attempts" in snap.reason

@@ -115,10 +115,10 @@ def test_a_run_counts_its_segments_and_keeps_their_plans_only_when_asked():
     rt = _runtime()
     for first in (0, 2, 4):
         rt.collect_segment(rt.submit_segment(_segment(first, 2, (32, 32))), 5.0)
-    assert rt.segment_calls == 3 and rt.record.plans == []
+    assert rt.record.trained == 3 and rt.record.plans == []
     rt.record.keep_plans = True
     rt.collect_segment(rt.submit_segment(_segment(6, 2, (32, 16))), 5.0)
-    assert rt.segment_calls == 4
+    assert rt.record.trained == 4
     kept = [{w: [(s.step, s.own_size) for s in p.steps] for w, p in plans.items()}
             for plans in rt.record.plans]
     assert kept == [{"w0": [(6, 32), (7, 32)], "w1": [(6, 16), (7, 16)]}]
@@ -129,7 +129,7 @@ def test_an_evaluation_sent_behind_a_segment_waits_for_it():
     seg = rt.submit_segment(_segment(0, 2, (32, 32)))
     ev = rt.submit_evaluation({"w0": (0, 8), "w1": (8, 16)})
     assert rt.poll_evaluation(ev, 0.0) == []  # the segment before it is still running
-    assert rt.segment_calls == 0
+    assert rt.record.trained == 0
     rt.collect_segment(seg, 5.0)
     shards = rt.poll_evaluation(ev, 0.0)
     assert sorted((s.worker, s.sums["n"]) for s in shards) == [("w0", 8.0), ("w1", 8.0)]

@@ -62,6 +62,9 @@ def test_defaults_are_valid():
         ({"device": "tpu"}, "device: "),
         ({"emulation": {"slowdowns": [1, 0.5]}}, "emulation.slowdowns.1: "),
         ({"emulation": {"disturbances": [{"worker": 0}]}}, "emulation.disturbances.0.factor: "),
+        # Fault injection is no part of a job spec (tests inject a worker's errors themselves).
+        ({"emulation": {"errors": [{"worker": 1, "epoch": 0, "step": 3}]}},
+         "emulation.errors: unknown field"),
         ({"checkpoint": {"every_epochs": 0}}, "checkpoint.every_epochs: "),
     ],
 )
@@ -355,9 +358,6 @@ INT_FIELDS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "emulation.disturbances.0.step": lambda v: {
         "emulation": {"disturbances": [{"worker": 0, "factor": 2, "step": v}]}
     },
-    "emulation.errors.0.worker": lambda v: {"emulation": {"errors": [{"worker": v}]}},
-    "emulation.errors.0.epoch": lambda v: {"emulation": {"errors": [{"worker": 0, "epoch": v}]}},
-    "emulation.errors.0.step": lambda v: {"emulation": {"errors": [{"worker": 0, "step": v}]}},
     "protocol.n": lambda v: {"protocol": {"name": "ps", "mode": "softsync", "n": v}},
     "protocol.max_staleness": lambda v: {"protocol": {"name": "ps", "max_staleness": v}},
     "protocol.replan_pushes": lambda v: {

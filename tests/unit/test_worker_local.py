@@ -19,6 +19,8 @@ from dynabatch.actors.group import (
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.worker import Worker, pick_device, to_cpu
 
+from bench.worker_probes import fail_from
+
 
 def _spec(**kw) -> JobSpec:
     base = dict(dataset={"name": "synthetic"}, model={"name": "mlp", "hidden": 8}, workers=1,
@@ -29,7 +31,7 @@ def _spec(**kw) -> JobSpec:
 
 @pytest.fixture
 def worker():
-    spec = _spec(emulation={"errors": [{"worker": 0, "epoch": 0, "step": 2}]})
+    spec = _spec()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 4)).astype(np.float32)
     y = rng.integers(0, 3, size=40)
@@ -58,6 +60,7 @@ def test_worker_reports_positions_and_coverage_and_trains_the_order(worker):
 
 
 def test_own_error_is_a_compute_error_and_the_worker_leaves_the_group(worker):
+    fail_from(worker, 0, 2)  # the worker's own code raises from step 2 on
     res = worker.run_segment(_plan([1, 2]))
     assert [s.step for s in res.steps] == [1]
     assert res.error_kind == "compute" and "InjectedFault" in res.error

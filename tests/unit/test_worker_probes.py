@@ -4,6 +4,8 @@ a one-rank gloo group."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from dynabatch.actors.contracts import SegmentPlan, StepPlan
@@ -45,3 +47,32 @@ def test_a_stall_hangs_the_next_step_only(worker, monkeypatch):
     assert slept == [1000.0]
     assert first.error is None and second.error is None
     assert [s.step for s in first.steps + second.steps] == [0, 1]
+
+
+def test_fail_from_raises_from_its_step_on_as_the_workers_own_error(worker):
+    worker_probes.fail_from(worker, 0, 1)
+    first = worker.run_segment(_plan(0))
+    second = worker.run_segment(_plan(1))
+    assert first.error is None and [s.step for s in first.steps] == [0]
+    assert second.error_kind == "compute" and not second.steps
+    assert second.error.startswith("InjectedFault: injected error at epoch 0 step 1")
+    assert not worker.group.active  # it left the group, as for a bug in its model
+
+
+def test_fail_when_spawned_arms_only_the_worker_of_that_ordinal():
+    armed: list[tuple[str, object, tuple]] = []
+
+    class Runtime:
+        def spawn(self, s):
+            self.spawned = s.worker_id
+
+        def handle(self, w):
+            return SimpleNamespace(__ray_call__=SimpleNamespace(
+                remote=lambda fn, *args: armed.append((w, fn, args))))
+
+    rt = Runtime()
+    worker_probes.fail_when_spawned(rt, 1, 2, 3)
+    for ordinal in (0, 1, 2):
+        rt.spawn(SimpleNamespace(worker_id=f"w{ordinal}", ordinal=ordinal))
+        assert rt.spawned == f"w{ordinal}"  # the runtime's own spawn ran
+    assert armed == [("w1", worker_probes.fail_from, (2, 3))]

@@ -53,7 +53,7 @@ def test_a_wrong_workload_fails_the_job_with_one_line_naming_the_field(
     snap = coord.snapshot()
     assert snap.state == JobState.FAILED
     assert snap.reason == reason and "\n" not in snap.reason
-    assert rt.ordinals == {} and rt.segment_calls == 0  # failed before any worker started
+    assert rt.ordinals == {} and rt.record.trained == 0  # failed before any worker started
     assert coord.logs()[-1].message == f"state FAILED: {reason}"
 
 
@@ -120,7 +120,7 @@ def test_a_global_batch_larger_than_the_training_set_is_refused_at_load_time(
     coord, rt = _run(dataset={"name": f"{P}:arrays_loader"}, **spec)
     snap = coord.snapshot()
     assert (snap.state, snap.reason) == (JobState.FAILED, reason)
-    assert rt.ordinals == {} and rt.segment_calls == 0  # refused before any worker started
+    assert rt.ordinals == {} and rt.record.trained == 0  # refused before any worker started
 
 
 def test_a_global_batch_the_size_of_the_training_set_trains() -> None:
