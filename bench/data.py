@@ -33,10 +33,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from dynabatch.actors.data.write import write_imagefolder
 from dynabatch.actors.workloads.images import generate_mnist
 
-from bench.data_files import write_parquet
+from bench.data_files import write_imagefolder, write_parquet
 from bench.report import emit
 
 ROW = 28 * 28 + 8  # bytes per row in the file: pixels and the label

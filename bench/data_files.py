@@ -1,5 +1,6 @@
 """Writing arrays as the files the data sources read, for benchmarks and tests:
-MNIST-format Parquet and ``.npy`` shards (image folders: ``dynabatch.actors.data.write``)."""
+MNIST-format Parquet, ``.npy`` shards and image folders (also
+``examples/make_imagefolder.py``'s)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,20 @@ def write_parquet(path: str, x: np.ndarray, y: np.ndarray, row_group_size: int =
         pq.write_table(table, f, row_group_size=row_group_size, compression="none")
         files.append(f)
     return files
+
+
+def write_imagefolder(path: str, x: np.ndarray, y: np.ndarray, classes: list[str] | None = None
+                      ) -> None:
+    """uint8 images (N, H, W) or (N, H, W, C) as ``path/<class>/<i>.png``, the layout the
+    ``imagefolder`` source reads."""
+    from PIL import Image
+
+    names = classes or [str(c) for c in range(int(np.max(y)) + 1)]
+    for c in names:
+        os.makedirs(os.path.join(path, c), exist_ok=True)
+    for i, (img, label) in enumerate(zip(x, y, strict=True)):
+        Image.fromarray(np.asarray(img, np.uint8)).save(
+            os.path.join(path, names[int(label)], f"{i:06d}.png"))
 
 
 def write_npy(path: str, x: np.ndarray, y: np.ndarray, shards: int = 2) -> None:

@@ -10,10 +10,15 @@ DIR defaults to /tmp/dynabatch-imagefolder (the path the example config names).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-from dynabatch.actors.data.write import write_imagefolder
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's bench/
+
 from dynabatch.actors.workloads.images import generate_mnist
+
+from bench.data_files import write_imagefolder
 
 
 def main() -> None:

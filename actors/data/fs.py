@@ -9,9 +9,6 @@ from typing import Any
 from dynabatch.actors.data.source import DataError
 from dynabatch.actors.errors import first_line
 
-URI_SCHEMES = ("s3://", "gs://", "gcs://", "hdfs://", "viewfs://", "file://", "abfs://",
-               "abfss://")
-
 
 def is_uri(path: str) -> bool:
     return "://" in path

@@ -7,15 +7,10 @@ printable ASCII; anything else is id 0). The stream is cut in two by position: t
 ``1 - test_fraction`` of it trains, the rest (other modules) is held out. Each part is cut
 into non-overlapping windows of ``seq_len + 1`` characters; ``x`` is a window without its last
 character and ``y`` without its first (the next character at every position).
-
-:func:`unigram_perplexity` is the baseline a language model must beat: the perplexity on the
-held-out targets of the training set's character frequencies (add-one smoothed),
-``exp(-mean_t log p(y_t))``.
 """
 
 from __future__ import annotations
 
-import math
 import sysconfig
 from pathlib import Path
 
@@ -86,10 +81,3 @@ def split_corpus(
     x_tr, y_tr = windows(ids[:cut], seq_len)
     x_te, y_te = windows(ids[cut:], seq_len)
     return x_tr, y_tr, x_te, y_te
-
-
-def unigram_perplexity(y_train: np.ndarray, y_test: np.ndarray, vocab: int = VOCAB) -> float:
-    """Held-out perplexity of the add-one smoothed training character frequencies."""
-    counts = np.bincount(np.asarray(y_train).ravel(), minlength=vocab).astype(np.float64) + 1.0
-    logp = np.log(counts / counts.sum())
-    return float(math.exp(-logp[np.asarray(y_test).ravel()].mean()))

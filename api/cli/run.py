@@ -261,7 +261,6 @@ def option_problem(spec: JobSpec, *, here: bool = False) -> str | None:
     finally:
         if local:
             sys.path.remove(local)
-    return None
 
 
 def _collate_problem(collate: str | None, *, here: bool) -> str | None:

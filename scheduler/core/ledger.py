@@ -123,10 +123,6 @@ class Ledger:
         """Samples computed in an attempt that was not committed (the step is retried)."""
         self._retried += samples
 
-    def rollback(self, step: int) -> None:
-        """Forget committed steps from ``step`` on (the model was restored to before it)."""
-        self._steps = {s: e for s, e in self._steps.items() if s < step}
-
     def verify(self) -> Verification:
         n = self.dataset_size
         counts = np.zeros(n, dtype=np.int64)

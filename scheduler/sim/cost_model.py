@@ -118,12 +118,6 @@ class Ideal:
     epoch_s: float  # Σ over the epoch's steps of max_i t_i(b_i*)·m_n + t_ar
 
     @property
-    def step_compute_s(self) -> float:
-        """A full step's compute: T*, or longer when a worker's minimum batch of 1 sample
-        already takes longer (a per-step cost above T*)."""
-        return float(self.times.max())
-
-    @property
     def v(self) -> np.ndarray:
         """``v_i = b_i* / t_i(b_i*)``: each worker's throughput at its equal-finish batch."""
         return self.batches / self.times

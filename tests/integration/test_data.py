@@ -7,13 +7,12 @@ field."""
 from __future__ import annotations
 
 import pytest
-from dynabatch.actors.data.write import write_imagefolder
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.workloads.images import generate_mnist
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.sync.coordinator import Coordinator
 
-from bench.data_files import write_npy, write_parquet
+from bench.data_files import write_imagefolder, write_npy, write_parquet
 
 from .conftest import wait_for
 

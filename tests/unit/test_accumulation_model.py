@@ -10,13 +10,19 @@ from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry
 from dynabatch.scheduler.core.sync.policy import AffinePolicy
 from dynabatch.scheduler.core.sync.steptime import (
     StepTimeStats,
-    accumulated_step_time,
     accumulation_slope,
     fit,
 )
 from dynabatch.scheduler.core.sync.tracker import Tracker
 from hypothesis import given
 from hypothesis import strategies as st
+
+
+def accumulated_step_time(a: float, c: float, batch: float, micro: float | None) -> float:
+    """A worker's step time for a share of ``batch`` computed in micro-batches of at most
+    ``micro``: every micro-batch pays the overhead, t(b) = ceil(b / m)·a + c·b."""
+    k = 1 if micro is None or batch <= micro else math.ceil(batch / micro)
+    return k * a + c * batch
 
 
 @given(st.floats(0, 1), st.floats(1e-4, 1), st.integers(1, 4096), st.integers(1, 512))

@@ -70,6 +70,11 @@ def _knobs(policy: str, hold_s: float = 120.0) -> ClusterKnobs:
     return ClusterKnobs(policy=policy, hold_s=hold_s)
 
 
+def _moves(decision) -> tuple[str, ...]:
+    """The jobs whose nodes the decision changes (started, resized, moved or preempted)."""
+    return tuple(p.job_id for p in decision.plans if p.changed)
+
+
 def _feed_back(jobs, decision, now):
     """The jobs as they stand once ``decision`` is applied at ``now``."""
     out = []
@@ -148,8 +153,8 @@ def test_decisions_keep_every_invariant_over_two_rounds(
     fed = _feed_back(jobs, first, 0.0)
     again = decide(nodes, fed, 0.0, knobs)
     _check(nodes, fed, again, knobs)
-    assert again.moves == (), again
-    assert decide(nodes, _feed_back(fed, again, 0.0), 0.0, knobs).moves == ()
+    assert _moves(again) == (), again
+    assert _moves(decide(nodes, _feed_back(fed, again, 0.0), 0.0, knobs)) == ()
     # Then some jobs finish, others arrive, a node is lost: still valid, and a job within
     # its hold time whose nodes all remain keeps exactly its nodes.
     kept_nodes = nodes[lose:] or nodes
@@ -256,7 +261,7 @@ def test_a_higher_priority_arrival_preempts_down_to_the_others_min_workers(polic
     # Within their hold time the running jobs do not move: c waits, and says why.
     held = [dataclasses.replace(j, last_resize_s=-10.0) for j in (a, b)]
     w = decide(nodes, [*held, c], 0.0, _knobs(policy))
-    assert w.moves == ()
+    assert _moves(w) == ()
     assert w.queue == ("c",)
     assert w.plan("c").reason.startswith("queued: position 1 of 1 (min_workers 4 not free")
     assert "held for 110 s more" in w.plan("a").reason
@@ -276,7 +281,7 @@ def test_an_allocation_as_good_as_any_other_is_kept(policy, swap):
         ClusterJob("a", 2, 2, model, allocation=first, last_resize_s=-1e3),
         ClusterJob("b", 2, 2, model, allocation=second, last_resize_s=-1e3),
     ]
-    assert decide(nodes, jobs, 0.0, _knobs(policy)).moves == ()
+    assert _moves(decide(nodes, jobs, 0.0, _knobs(policy))) == ()
 
 
 @pytest.mark.parametrize("policy", ["fair", "goodput"])
@@ -295,7 +300,7 @@ def test_a_higher_priority_arrival_displaces_a_job_whose_minimum_no_longer_fits(
     )
     # An equal priority does not displace a running job: the newcomer waits.
     e = decide(nodes, [low, dataclasses.replace(high, priority=0)], 0.0, _knobs(policy))
-    assert e.queue == ("high",) and e.moves == ()
+    assert e.queue == ("high",) and _moves(e) == ()
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -10,11 +10,10 @@ from dynabatch.actors.data.loader import Loader
 from dynabatch.actors.data.open import DataRef, materialise, open_dataset, open_source
 from dynabatch.actors.data.order import block_order
 from dynabatch.actors.data.source import DataError, augment_keys
-from dynabatch.actors.data.write import write_imagefolder
 from dynabatch.actors.spec.sections import DatasetSpec
 from dynabatch.actors.workloads import WorkloadError
 
-from bench.data_files import write_npy, write_parquet
+from bench.data_files import write_imagefolder, write_npy, write_parquet
 
 P = "tests.unit.data_plugins"
 

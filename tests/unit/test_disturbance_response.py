@@ -209,7 +209,8 @@ def test_dbs_replans_a_slowdown_whatever_the_threshold():
     d = DBSPolicy(min_gain=0.05).decide(_dbs_telemetry([1.0, 1.0, 1.0, 4.0], [64] * 4),
                                         256, 8192, current)
     assert d.rebalanced and d.allocation.batches[3] < 25
-    assert d.predicted_gain is not None and d.predicted_gain > 0.5
+    assert d.predicted_step_s is not None and d.current_step_s
+    assert 1.0 - d.predicted_step_s / d.current_step_s > 0.5  # the predicted gain
 
 
 def test_dbs_waits_for_every_worker_under_the_current_plan():

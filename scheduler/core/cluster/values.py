@@ -191,8 +191,3 @@ class ClusterDecision:
             if p.job_id == job_id:
                 return p
         raise KeyError(job_id)
-
-    @property
-    def moves(self) -> tuple[str, ...]:
-        """The jobs whose nodes change (started, resized, moved or preempted)."""
-        return tuple(p.job_id for p in self.plans if p.changed)

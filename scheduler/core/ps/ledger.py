@@ -66,10 +66,6 @@ class AsyncLedger:
         return sum(hi - lo for lo, hi in self._queue)
 
     @property
-    def outstanding(self) -> dict[int, Chunk]:
-        return dict(self._out)
-
-    @property
     def complete(self) -> bool:
         return self.epoch is not None and not self._queue and not self._out
 

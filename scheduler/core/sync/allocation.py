@@ -82,13 +82,6 @@ class Allocation:
             raise IndexError(f"step {step} is outside the epoch's {steps} steps")
         return steps
 
-    def step_batch(self, step: int) -> int:
-        """Global batch of ``step`` (the last step may be partial); IndexError if out of range."""
-        steps = self._check_step(step)
-        if step < steps - 1:
-            return self.global_batch
-        return self.dataset_size - (steps - 1) * self.global_batch
-
     def step_shares(self, step: int) -> tuple[int, ...]:
         """Each worker's number of samples in ``step``; IndexError if out of range."""
         steps = self._check_step(step)
@@ -122,12 +115,6 @@ class Decision:
     reason: str
     predicted_step_s: float | None = None
     current_step_s: float | None = None
-
-    @property
-    def predicted_gain(self) -> float | None:
-        if self.predicted_step_s is None or not self.current_step_s:
-            return None
-        return 1.0 - self.predicted_step_s / self.current_step_s
 
 
 class Policy(Protocol):

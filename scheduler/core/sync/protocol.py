@@ -94,10 +94,6 @@ class SyncProtocol:
         return Position(self.epoch, self.step)
 
     @property
-    def remaining_samples(self) -> int:
-        return max(0, self.dataset_size - self.step * self.global_batch)
-
-    @property
     def epoch_complete(self) -> bool:
         return self.step >= self.steps_per_epoch
 

@@ -100,21 +100,12 @@ def fit(stats: StepTimeStats, min_relative_spread: float = 0.05) -> AffineFit | 
     return out
 
 
-def accumulated_step_time(a: float, c: float, batch: float, micro: float | None) -> float:
-    """Step time of a share of ``batch`` computed in micro-batches of at most ``micro``
-    (see ``dynabatch.actors.accumulate``): every micro-batch pays the overhead::
-
-        t(b) = ceil(b / m)·a + c·b
-    """
-    k = 1 if micro is None or batch <= micro else math.ceil(batch / micro)
-    return k * a + c * batch
-
-
 def accumulation_slope(a: np.ndarray, c: np.ndarray, micro: np.ndarray) -> np.ndarray:
-    """Per-sample cost of the affine envelope of :func:`accumulated_step_time` that equal
-    finish plans with: ceil(b/m)·a + c·b ≤ a + (c + a/m)·b, so a worker whose memory
-    caps its micro-batch at m is planned at ``c + a/m`` (exact within one overhead ``a``;
-    ``micro`` NaN or inf: uncapped, ``c`` unchanged)."""
+    """Per-sample cost of the affine envelope that equal finish plans with, of the step time
+    of a share computed in micro-batches of at most m (``dynabatch.actors.accumulate``;
+    every micro-batch pays the overhead): ceil(b/m)·a + c·b ≤ a + (c + a/m)·b, so a
+    worker whose memory caps its micro-batch at m is planned at ``c + a/m`` (exact within
+    one overhead ``a``; ``micro`` NaN or inf: uncapped, ``c`` unchanged)."""
     m = np.where(np.isfinite(micro) & (micro > 0), micro, np.inf)
     return c + a / m
 
