@@ -239,3 +239,25 @@ def test_get_reads_the_row_once_until_it_is_written(store: JobStore) -> None:
         store.transition("j", JobState.RUNNING, "no")
     assert store.get("j") is done and store.row_version("j") == row
     assert store.get("nope") is None and store.row_version("nope") == 0
+
+
+def test_a_spec_stored_with_the_former_emulation_errors_reads_back(tmp_path: Path) -> None:
+    """Every spec the service stored while the job spec had ``emulation.errors`` (fault
+    injection, since moved to the tests) carries it; the spec now refuses the field, and
+    the store still reads such a row back, without it."""
+    import sqlite3
+
+    path = tmp_path / "jobs.db"
+    s = JobStore(path)
+    s.create("a" * 12, _spec("old", emulation={"slowdowns": [1, 2]}), cluster="x", now=1.0)
+    s.close()
+    db = sqlite3.connect(path)
+    with db:
+        db.execute("UPDATE jobs SET spec = replace(spec, '\"disturbances\":[]', "
+                   "'\"disturbances\":[],\"errors\":[]')")
+    assert '"errors":[]' in db.execute("SELECT spec FROM jobs").fetchone()[0]
+    db.close()
+    s = JobStore(path)
+    rec = s.get("a" * 12)
+    s.close()
+    assert rec is not None and rec.spec.emulation.slowdowns == [1, 2]
