@@ -127,6 +127,11 @@ class JobControl:
         workers), or None. A driver that cannot honour an assignment says so here."""
         return "this job's driver does not take node assignments"
 
+    def _assignment_arrived(self) -> None:
+        """An assignment was queued (on the caller's thread): a driver that can start its
+        workers at once, while its step loop trains, does so here; by default its next step
+        boundary takes it."""
+
     # ------------------------------------------------------------------ public interface
     def model_files(self) -> dict[str, bytes] | None:
         """The trained model's files by name (safetensors and manifest), once the job has
@@ -190,13 +195,15 @@ class JobControl:
 
     def assign(self, nodes: Mapping[str, int] | NodeAssignment) -> JobSnapshot:
         """Train on exactly these nodes (node id: worker slots): new workers start on the
-        assigned nodes' empty slots at the driver's next step boundary, and join a
-        boundary once up; workers on nodes no longer assigned, or beyond a node's slots,
-        drain with their state handed over. The assignment is authoritative: its total
-        becomes the job's size, whatever the spec's ``min_workers``/``max_workers`` (the
-        cluster scheduler owns them). Refused (``ValueError``, one line, written to the
-        job's log as a WARNING first) when an entry is not a node id with at least one
-        slot, the job's batch cannot be split over the total, or the job has ended
+        assigned nodes' empty slots as it arrives while the job trains (the synchronous
+        driver; else at the driver's next step boundary), and join a boundary once up;
+        workers on nodes no longer assigned, or beyond a node's slots, drain with their
+        state handed over (those still starting stop at once). The assignment is
+        authoritative: its total becomes the job's size, whatever the spec's
+        ``min_workers``/``max_workers`` (the cluster scheduler owns them). Refused
+        (``ValueError``, one line, written to the job's log as a WARNING first) when an
+        entry is not a node id with at least one slot, the job's batch cannot be split
+        over the total, or the job has ended
         (:class:`InvalidTransition`). From then on the placement is the cluster
         scheduler's: the job's own ``scale`` and ``drain`` are refused, and it grows onto
         no other node; a later ``assign`` replaces this one."""
@@ -219,6 +226,7 @@ class JobControl:
             self.assignment = a
             self._requests.append(Assign(a))
             self._log("INFO", f"assignment requested: {a}")
+        self._assignment_arrived()
         return self.snapshot()
 
     def assigned(self) -> tuple[tuple[str, int], ...] | None:

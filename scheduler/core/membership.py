@@ -534,6 +534,18 @@ class Membership:
         self.target = self.max_size = assignment.total
         self.min_size = min(self.floor, assignment.total)
 
+    def withdraw(self) -> list[str]:
+        """The workers still starting that the assignment in force leaves out (a newer one
+        withdrew their slots before they came up): out of the job now, as a start given up
+        (the group is unchanged); the driver stops them."""
+        if self.assignment is None:
+            return []
+        out = [w for w in placement_plan(self._placed(), self.assignment).drain
+               if w in self.pending]
+        for w in out:
+            del self.pending[w]
+        return out
+
     def handover(self, speeds: dict[str, float] | None = None) -> list[str]:
         """The workers to drain now for the assignment: those :func:`placement_plan` says
         leave, except that the members left must include a holder of the committed state

@@ -9,6 +9,8 @@ boundary through its elastic membership. Rounds run every ``round_s`` and on eve
 registered or finished, a node joined or lost (nodes are listed each round and whenever a
 caller wakes it). A granted job's workers start only if it is still held once its
 coordinator is up: a cancel that arrived meanwhile gets the coordinator killed unstarted.
+A running job's members are its own report: its coordinator sends them whenever its group
+forms (:meth:`ClusterScheduler.report`, without waiting), and each round polls it too.
 
 Every remote call has a timeout. A coordinator that is gone (Ray says the actor died, or
 no actor has its name) is dropped from the rounds, its nodes free at the same round; one
@@ -334,6 +336,20 @@ class ClusterScheduler:
         self._relay(self._execute(commands), "drain: ")
         return f"{PLACES}; its slot on node {node} is freed, and its max_workers is now {keeps}"
 
+    def report(
+        self,
+        job_id: str,
+        generation: int,
+        workers: Sequence[tuple[str, float]],
+        global_batch: float,
+    ) -> None:
+        """The job's own report, sent by its coordinator (of ``generation``) whenever its
+        group forms (:class:`~dynabatch.scheduler.runtime.seam.GroupReport`): its joined
+        members' nodes and speeds and its global batch. Its members in the view change at
+        once, not at the next round's poll."""
+        workers = tuple((str(node), float(speed)) for node, speed in workers)
+        self._heard_from(generation, JobReported(job_id, workers, float(global_batch or 1)))
+
     def view(self) -> ClusterView | None:
         with self._lock:
             return self._state.view
@@ -502,11 +518,19 @@ class ClusterScheduler:
             tuple((w.node, float(w.throughput)) for w in snap.workers if w.joined),
             float(snap.global_batch or 1),
         )
+        self._heard_from(generation, report, handle)
+
+    def _heard_from(self, generation: int, report: JobReported, handle: Any = None) -> None:
+        """The job's report into the rounds, when it comes from the coordinator generation
+        held (one of a job resumed since, or dropped, is ignored); ``handle``: that
+        coordinator's, kept."""
         with self._lock:
-            entry = self._state.job(job_id)
-            if entry is not None and entry.generation == generation:
-                self._handles[(job_id, generation)] = handle
-                self._step(report)
+            entry = self._state.job(report.job_id)
+            if entry is None or entry.generation != generation:
+                return
+            if handle is not None:
+                self._handles[(report.job_id, generation)] = handle
+            self._step(report)
 
     def _gone(self, job_id: str, why: str) -> None:
         log.info("job %s: dropped from the cluster rounds (%s)", job_id, why)

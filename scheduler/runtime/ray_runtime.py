@@ -9,6 +9,8 @@ in time is reported as lost or hung, never waited on forever.
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from dynabatch.scheduler.core.membership import NodeInfo, Spawn
 from dynabatch.scheduler.runtime.pool import eligible_nodes, reserve, spawn_worker, start_spare
 from dynabatch.scheduler.runtime.seam import (
     DataInfo,
+    GroupReport,
     RegroupResult,
     ShardResult,
     Started,
@@ -31,6 +34,8 @@ from dynabatch.scheduler.runtime.seam import (
 )
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import remove_placement_group
+
+log = logging.getLogger("dynabatch.scheduler")
 
 # Small calls (info, open a store): a live actor answers in milliseconds.
 CALL_TIMEOUT_S = 60.0
@@ -85,9 +90,56 @@ def _refuse_oversized_batch(spec: JobSpec, n_train: int, n_validation: int = 0) 
         raise WorkloadError(f"{problem[0]}: {problem[1]}{held}")
 
 
+def own_generation(job_id: str) -> int | None:
+    """The coordinator generation of the calling actor, read off its name
+    (:func:`~dynabatch.scheduler.runtime.launch.coordinator_name`); None when it is not
+    ``job_id``'s coordinator actor."""
+    from dynabatch.scheduler.runtime.launch import coordinator_name
+
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None:  # a driver process (its name would be asked with a warning)
+        return None
+    name = context.get_actor_name() or ""
+    base = coordinator_name(job_id, 0)
+    if name == base:
+        return 0
+    tail = name.removeprefix(f"{base}-g")
+    return int(tail) if tail != name and tail.isdigit() else None
+
+
+class RayGroupReports:
+    """The cluster scheduler actor, as a job's coordinator tells it of its group
+    (:class:`~dynabatch.scheduler.runtime.seam.GroupReports`): found by name at each report
+    (a restarted scheduler is a new actor), called without waiting. With no scheduler (the
+    job's membership decides its size) nothing is sent."""
+
+    def report(self, report: GroupReport) -> None:
+        from dynabatch.scheduler.runtime.launch import NAMESPACE, SCHEDULER_NAME
+
+        generation = own_generation(report.job_id)
+        if generation is None:
+            return  # not a coordinator actor: no scheduler placed it
+        try:
+            scheduler = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+        except ValueError:
+            return
+        try:  # fire and forget: its rounds poll the job anyway
+            scheduler.report.remote(report.job_id, generation, report.workers,
+                                    report.global_batch)
+        except Exception as err:
+            log.warning("[%s] could not report its group to the cluster scheduler: %s",
+                        report.job_id, first_line(err))
+
+
 class RayRuntime:
+    """The coordinator's :class:`~dynabatch.scheduler.runtime.seam.Runtime` on Ray. Its
+    tables of workers and spares change under ``_lock``: the step loop's thread and the
+    actor's request threads (an assignment starts its workers as it arrives) both start
+    and stop workers."""
+
     def __init__(self, spec: JobSpec, output: ActorOutput | None = None):
         self.spec = spec
+        self._lock = threading.RLock()
         self.output = output  # follows each worker's stdout and stderr into the job log
         self._data: dict[str, Any] | None = None
         self._held: dict[str, tuple[Any, Any]] = {}  # the held-out splits' (x, y) by name
@@ -132,11 +184,17 @@ class RayRuntime:
 
     # --- workers ----------------------------------------------------------------------
     def nodes(self) -> list[NodeInfo]:
-        nodes = eligible_nodes(self.spec, {n: s.gpus for n, s in self._spares.items()})
+        with self._lock:
+            held = {n: s.gpus for n, s in self._spares.items()}
+        nodes = eligible_nodes(self.spec, held)
         self._node_gpus = {n.node_id: n.gpus for n in nodes}
         return nodes
 
     def spawn(self, spawn: Spawn) -> None:
+        with self._lock:
+            self._spawn(spawn)
+
+    def _spawn(self, spawn: Spawn) -> None:
         w = spawn.worker_id
         self.startups[w] = {"spawn": time.time()}
         spare = self._spares.pop(spawn.node_id, None) if spawn.adopt else None
@@ -162,10 +220,17 @@ class RayRuntime:
             self.output.watch(worker, self._handles[worker].actor_id.remote())
 
     def poll_started(self, timeout_s: float) -> list[Started]:
-        if not self._pending:
+        with self._lock:
+            refs = list(self._pending.values())
+        if not refs:
             return []
-        refs = list(self._pending.values())
-        ray.wait(refs, num_returns=1, timeout=timeout_s)
+        ray.wait(refs, num_returns=1, timeout=timeout_s)  # not under the lock: it waits
+        with self._lock:
+            return self._started(refs)
+
+    def _started(self, refs: list[Any]) -> list[Started]:
+        """The workers of ``refs`` that finished starting (still pending: one stopped
+        meanwhile is not reported)."""
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         out = []
         for worker, ref in list(self._pending.items()):
@@ -187,42 +252,50 @@ class RayRuntime:
     def kill(self, worker: str) -> None:
         if self.output is not None:  # its last lines (a dead worker's traceback) are read
             self.output.unwatch(worker)
-        self._pending.pop(worker, None)
-        self._devices.pop(worker, None)
-        self._gpus.pop(worker, None)
-        handle = self._handles.pop(worker, None)
+        with self._lock:
+            self._pending.pop(worker, None)
+            self._devices.pop(worker, None)
+            self._gpus.pop(worker, None)
+            handle = self._handles.pop(worker, None)
+            pg = self._reservations.pop(worker, None)
         if handle is not None:
             with contextlib.suppress(Exception):
                 ray.kill(handle, no_restart=True)
-        pg = self._reservations.pop(worker, None)
         if pg is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
 
     # --- spares --------------------------------------------------------------------
     def start_spare(self, node_id: str) -> None:
-        if node_id in self._spares:
-            return
-        node_gpus = self._node_gpus.get(node_id, 0.0)
-        handle = start_spare(self.spec, node_id, self._data, node_gpus)
-        self._spares[node_id] = _Spare(handle, handle.info.remote(), time.monotonic(),
-                                       gpus=self.spec.gpus_on(node_gpus))
+        with self._lock:
+            if node_id in self._spares:
+                return
+            node_gpus = self._node_gpus.get(node_id, 0.0)
+            handle = start_spare(self.spec, node_id, self._data, node_gpus)
+            self._spares[node_id] = _Spare(handle, handle.info.remote(), time.monotonic(),
+                                           gpus=self.spec.gpus_on(node_gpus))
 
     def stop_spare(self, node_id: str) -> None:
-        spare = self._spares.pop(node_id, None)
+        with self._lock:
+            spare = self._spares.pop(node_id, None)
         if spare is not None:
             with contextlib.suppress(Exception):
                 ray.kill(spare.handle, no_restart=True)
 
     def spare_nodes(self) -> dict[str, bool]:
         """Nodes holding a spare, and whether it is up (benchmarks and tests wait on it,
-        from another thread: a copy first)."""
-        return {n: s.up for n, s in dict(self._spares).items()}
+        from another thread)."""
+        with self._lock:
+            return {n: s.up for n, s in self._spares.items()}
 
     def lost_spares(self) -> list[tuple[str, str]]:
         """Spares that died, or are not up ``start_timeout_s`` after they were started.
         A spare that dies once up is found when it is adopted (its worker fails to start
         and is started afresh)."""
+        with self._lock:
+            return self._lost_spares()
+
+    def _lost_spares(self) -> list[tuple[str, str]]:
         waiting = {s.ready: n for n, s in self._spares.items() if not s.up}
         if not waiting:
             return []

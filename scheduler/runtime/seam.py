@@ -72,6 +72,27 @@ class ShardResult:
     user: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class GroupReport:
+    """What a job tells the cluster scheduler when its group changes (it formed, first or
+    again): each joined member's node and speed (samples per compute-second, 0 when not
+    measured yet), and the global batch in force. The scheduler's view shows these as the
+    job's members at once, rather than at its next round's poll of the job."""
+
+    job_id: str
+    workers: tuple[tuple[str, float], ...]
+    global_batch: float
+
+
+class GroupReports(Protocol):
+    """Where a job's :class:`GroupReport` goes: the cluster scheduler actor on Ray
+    (``dynabatch.scheduler.runtime.ray_runtime.RayGroupReports``); a list in the tests."""
+
+    def report(self, report: GroupReport) -> None:
+        """Send ``report`` without waiting for an answer; never raises (with no scheduler
+        to tell, nothing happens)."""
+
+
 class Clock(Protocol):
     def now(self) -> float:
         """Monotonic seconds (timeouts, durations)."""

@@ -39,8 +39,9 @@ The other public methods may be called from other threads while it runs (the act
 threaded): requests are queued and applied at the next step boundary. What needs the group
 at rest waits for a boundary with nothing in flight: a worker that started and joins, a
 scale or drain request (and the hand-over an assignment starts), a checkpoint,
-cancellation, and the retry after a failure. An assignment is taken at the next boundary
-even with a segment in flight, so that its new workers start up while the group trains.
+cancellation, and the retry after a failure. An assignment is taken as it arrives once the
+job trains (before that, at the next boundary), so that its new workers start up while the
+group trains; each group formed is reported to the cluster scheduler (``reports``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ from dynabatch.scheduler.core.sync.messages import (
 )
 from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.policy import policy_for
-from dynabatch.scheduler.runtime.seam import Clock, Runtime
+from dynabatch.scheduler.runtime.seam import Clock, GroupReports, Runtime
 from dynabatch.scheduler.sync.artifacts import Artifacts
 from dynabatch.scheduler.sync.checkpoints import Checkpoints
 from dynabatch.scheduler.sync.epochs import Epochs
@@ -144,16 +145,22 @@ class Coordinator(JobControl):
         resume: bool = True,
         runtime: Runtime | None = None,
         clock: Clock | None = None,
+        reports: GroupReports | None = None,
     ):
+        """``runtime``: Ray's when None. ``reports``: where the job tells the cluster
+        scheduler its group whenever one forms (with Ray's runtime, the scheduler actor;
+        none: not told)."""
         super().__init__(job_id, spec if isinstance(spec, JobSpec)
                          else JobSpec.model_validate(spec), clock)
         if runtime is None:
-            from dynabatch.scheduler.runtime.ray_runtime import RayRuntime
+            from dynabatch.scheduler.runtime.ray_runtime import RayGroupReports, RayRuntime
 
             # The workers' and this driver's own output, into the job log
             # (dynabatch.actors.output).
             runtime = RayRuntime(self.spec, output=self._follow_actor_output())
+            reports = reports or RayGroupReports()
         self.runtime = runtime
+        self.reports = reports
         self.engine = SyncEngine()  # decides each step boundary; this carries it out
         self.reason = "starting workers"
         s = self.spec
@@ -304,6 +311,17 @@ class Coordinator(JobControl):
         with self._lock:
             return self.job.membership.batch_error(nodes.total)
 
+    def _assignment_arrived(self) -> None:
+        """Start the assignment's new workers now, while the job trains (the roster's
+        :meth:`~dynabatch.scheduler.sync.roster.Roster.start_assigned`); one that cannot
+        start now is started by the next boundary."""
+        try:
+            self.roster.start_assigned()
+        except Exception as err:
+            self._log("WARNING", f"the assignment's workers could not start at once "
+                                 f"({type(err).__name__}: {err}); the next step boundary "
+                                 "starts them")
+
     def _placement_note(self, workers: int) -> str | None:
         with self._lock:
             m = self.job.membership
@@ -348,10 +366,15 @@ class Coordinator(JobControl):
     def _facts(self) -> Facts:
         job, s = self.job, self.spec
         p, m = job.protocol, job.membership
-        with self._lock:
+        speeds = job.tracker.speeds()
+        with self._lock:  # an arriving assignment changes the placement (Roster)
             # An assignment's hand-over drains workers at a boundary with nothing in flight.
             requests = bool(self._requests) or m.handing_over
             assigning = bool(self._requests) and isinstance(self._requests[0], Assign)
+            drains_due = m.drains_due(speeds)
+            starts_pending = bool(m.pending)
+            shortfall = m.shortfall()
+            needs_state = m.dirty and m.regroup_plan().needs_state
         crossing = None
         if p is not None:
             nxt = p.epoch + 1
@@ -374,17 +397,17 @@ class Coordinator(JobControl):
             trained_any=bool(self._history) or self.step_in_epoch > 0,
             retrying=job.attempts.retrying, requests_pending=requests,
             assignment_queued=assigning,
-            regroup_due=m.dirty, drains_due=m.drains_due(job.tracker.speeds()),
+            regroup_due=m.dirty, drains_due=drains_due,
             stamps_fixed=job.regime.can_stamp_ahead,
             crossing=crossing,
             pending=self.state == JobState.PENDING,
             starting=not m.members and m.generation == 0 and self.state == JobState.PENDING,
-            starts_pending=bool(m.pending),
+            starts_pending=starts_pending,
             start_overdue=job.starts_until is not None and self.clock.now() >= job.starts_until,
             node_poll_due=self.roster.node_poll_due(),
-            shortfall=m.shortfall(),
+            shortfall=shortfall,
             holders=bool(m.holders()),
-            needs_state=m.dirty and m.regroup_plan().needs_state,
+            needs_state=needs_state,
             holding_restored=job.restored_weights is not None,
             update_offered=job.offered is not None,
             checkpoint_due=p is not None and self.epochs.checkpoint_due(p.epoch + 1),

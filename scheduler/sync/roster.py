@@ -11,6 +11,14 @@ generation is formed (REGROUPING), loading the last checkpoint first when no mem
 the committed state (ROLLING_BACK). With a segment in flight, changes only wait for the
 next boundary. Who is in, who holds the state and what to spawn is the pure
 :class:`~dynabatch.scheduler.core.membership.Membership`'s.
+
+An assignment is taken as it arrives, on the actor's request thread, while the step loop
+trains (:meth:`Roster.start_assigned`): its new workers start then, and a boundary adopts
+them once up, as it adopts any started worker. So the membership's placement (requests,
+spawns, adoptions, drains, the regroup's plan) changes under the job's lock on both
+threads; the loop never holds it while it waits. A worker's telemetry is tracked from when
+it joins the members (the tracker is the loop's alone). Once a group forms, the job tells
+the cluster scheduler its members (:meth:`Roster.report_group`).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from dynabatch.scheduler.control import Assign, Drain, Scale
 from dynabatch.scheduler.core.failures import FailureEvent
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.sync.boundary import wait_for_minimum
+from dynabatch.scheduler.runtime.seam import GroupReport
 from dynabatch.scheduler.sync.job import Part
 
 # How often nodes are listed (every step boundary at most, and between segments sent
@@ -45,58 +54,97 @@ class Roster(Part):
         """List the nodes now (the engine's ``PollNodes``): the job's first start says when
         there are none; spares lost before they were adopted are noted."""
         job = self.job
-        job.last_node_poll = self.clock.now()
-        job.nodes = self.runtime.nodes()
-        if not job.nodes and starting:
-            self.c.reason = f"waiting for resources: {self.no_node_hint()}"
-        for node, why in self.runtime.lost_spares():
-            job.membership.spare_lost(node, why)
-            self.log("WARNING", f"the spare worker on node {node[:12]} was lost before "
-                                f"it was adopted ({why}); that node gets no other spare")
+        with self.lock:
+            job.last_node_poll = self.clock.now()
+            job.nodes = self.runtime.nodes()
+            if not job.nodes and starting:
+                self.c.reason = f"waiting for resources: {self.no_node_hint()}"
+            for node, why in self.runtime.lost_spares():
+                job.membership.spare_lost(node, why)
+                self.log("WARNING", f"the spare worker on node {node[:12]} was lost before "
+                                    f"it was adopted ({why}); that node gets no other spare")
 
-    def apply_requests(self, assignments: bool = False) -> None:
+    def apply_requests(self, assignments: bool = False) -> bool:
         """Take the queued scale, drain and assign requests into the membership (what they
-        drain leaves at :meth:`apply_drains`); ``assignments``: only the assignments at the
-        head of the queue (with a segment in flight: their workers start now)."""
+        drain leaves at :meth:`apply_drains`; workers still starting that an assignment
+        leaves out stop now); ``assignments``: only the assignments at the head of the queue
+        (with a segment in flight: their workers start now). True when one was taken."""
         m = self.job.membership
-        speeds = self.job.tracker.speeds()
-        for r in self.take_requests(assignments):
-            try:
-                match r:
-                    case Scale(workers):
-                        m.request_scale(workers, speeds=speeds)
-                    case Drain(worker):
-                        m.request_drain(worker)
-                    case Assign(nodes):
-                        m.request_assignment(nodes)
-                        self.job.last_node_poll = -1e18  # start its new workers now
-            except (KeyError, ValueError) as err:
-                self.log("WARNING", f"{r} not applied: {err}")
+        took = False
+        with self.lock:
+            for r in self.take_requests(assignments):
+                try:
+                    match r:
+                        case Scale(workers):
+                            m.request_scale(workers, speeds=self.job.tracker.speeds())
+                        case Drain(worker):
+                            m.request_drain(worker)
+                        case Assign(nodes):
+                            m.request_assignment(nodes)
+                            took = True
+                            self.job.last_node_poll = -1e18  # start its new workers now
+                            self.withdraw()
+                except (KeyError, ValueError) as err:
+                    self.log("WARNING", f"{r} not applied: {err}")
+        return took
+
+    def withdraw(self) -> None:
+        """Stop the workers still starting that the assignment in force leaves out (an
+        earlier one started them): they would hold slots the scheduler has given away."""
+        for w in self.job.membership.withdraw():
+            self.runtime.kill(w)
+            self.log("INFO", f"worker {w} stopped before it joined: the assignment in force "
+                             "leaves its slot out")
 
     def apply_drains(self) -> None:
         """Remove the workers asked to leave, and those an assignment moves now (the engine
         settles the evaluations first: a drained worker may still owe its shard of one)."""
-        for change in self.job.membership.apply_drains(self.job.tracker.speeds()):
+        with self.lock:
+            changes = self.job.membership.apply_drains(self.job.tracker.speeds())
+        for change in changes:
             self.changed(change)
             self.job.leaving.append(change.worker)
 
     # ---------------------------------------------------------------- starting workers
-    def spawn(self, starting: bool) -> None:
+    def start_assigned(self) -> None:
+        """An assignment arrived (on the actor's request thread, the step loop training
+        meanwhile): take it now and start the workers its new slots need, as a boundary with
+        a segment in flight would, so that they start up while the group trains and join at
+        the first boundary once up; workers still starting for an earlier assignment that
+        it leaves out stop. Before the job's first group (its first start places the newest
+        assignment), or once it ends or is cancelled, the next boundary takes it."""
+        c, job = self.c, self.job
+        with self.lock:
+            if (c.state.is_terminal or self.cancel_requested or job.protocol is None
+                    or job.membership.generation == 0):
+                return
+            if self.apply_requests(assignments=True):
+                self.poll_nodes(starting=False)
+                self.spawn(starting=False, wait=False)
+
+    def spawn(self, starting: bool, wait: bool = True) -> None:
         """Start workers where members are missing, on the nodes last listed (the engine's
-        ``SpawnWorkers``); which nodes is the membership's."""
+        ``SpawnWorkers``); which nodes is the membership's. ``wait``: with nothing in
+        flight, an adopted spare is waited for a moment (see :data:`ADOPT_WAIT_S`)."""
         job, s = self.job, self.spec
         m = job.membership
         adopted = False
-        for sp in m.spawns(job.nodes, starting, s.gpus_on):
-            job.tracker.add(sp.worker_id, sp.capacity)
-            self.runtime.spawn(sp)
-            adopted = adopted or sp.adopt
-            self.log("INFO", f"starting worker {sp.worker_id} on node {sp.node_id[:12]}"
-                             + (" (GPU)" if sp.gpus else "")
-                             + (" (adopting its spare)" if sp.adopt else ""))
-        if not starting:
-            self.note_placement(m.unplaced)
-        if adopted and job.ahead is None:
+        with self.lock:
+            spawns = m.spawns(job.nodes, starting, s.gpus_on)
+            for i, sp in enumerate(spawns):
+                try:
+                    self.runtime.spawn(sp)
+                except BaseException:
+                    for left in spawns[i:]:  # not started: not left starting for ever
+                        m.start_failed(left.worker_id)
+                    raise
+                adopted = adopted or sp.adopt
+                self.log("INFO", f"starting worker {sp.worker_id} on node {sp.node_id[:12]}"
+                                 + (" (GPU)" if sp.gpus else "")
+                                 + (" (adopting its spare)" if sp.adopt else ""))
+            if not starting:
+                self.note_placement(m.unplaced)
+        if wait and adopted and job.ahead is None:
             # Nothing in flight: the adopted spare answers in milliseconds, and joins the
             # group formed at this boundary.
             self.adopt_started(ADOPT_WAIT_S)
@@ -104,12 +152,13 @@ class Roster(Part):
     def tend_spares(self) -> None:
         """Start and stop spares per the membership's plan on the nodes last listed (the
         engine's ``TendSpares``, once the first workers are up)."""
-        plan = self.job.membership.spare_plan(self.job.nodes, self.spec.spares)
-        for node in plan.stop:
-            self.runtime.stop_spare(node)
-        for node in plan.start:
-            self.runtime.start_spare(node)
-            self.log("INFO", f"starting a spare worker on node {node[:12]}")
+        with self.lock:
+            plan = self.job.membership.spare_plan(self.job.nodes, self.spec.spares)
+            for node in plan.stop:
+                self.runtime.stop_spare(node)
+            for node in plan.start:
+                self.runtime.start_spare(node)
+                self.log("INFO", f"starting a spare worker on node {node[:12]}")
 
     def placement_text(self, short: int, want: int) -> str:
         s = self.spec
@@ -140,18 +189,23 @@ class Roster(Part):
             c.placement_note = note
 
     def adopt_started(self, timeout_s: float) -> None:
+        """Take in the workers that came up (waiting up to ``timeout_s`` for the first, not
+        under the lock): each joins the members, its telemetry tracked from now, or is
+        stopped when no longer wanted."""
         job = self.job
+        m = job.membership
         for st in self.runtime.poll_started(timeout_s):
             if st.error is not None:
-                job.membership.start_failed(st.worker)
-                job.tracker.remove(st.worker)
+                with self.lock:
+                    m.start_failed(st.worker)
                 self.log("WARNING", f"worker {st.worker} failed to start: {st.error}")
                 continue
-            change = job.membership.started(st.worker)
+            with self.lock:
+                change = m.started(st.worker)
             if change is None:
-                job.tracker.remove(st.worker)
                 job.leaving.append(st.worker)
             else:
+                job.tracker.add(st.worker, m.get(st.worker).capacity)
                 self.changed(change)
 
     def await_starts(self, first: bool) -> None:
@@ -174,10 +228,12 @@ class Roster(Part):
         m = self.job.membership
         why = ("the job was cancelled while it started" if self.cancel_requested
                else f"it could not start in {self.spec.start_timeout_s:.0f}s")
-        for w in list(m.pending):
+        with self.lock:
+            given_up = list(m.pending)
+            for w in given_up:
+                m.start_failed(w)
+        for w in given_up:
             self.log("WARNING", f"worker {w} given up: {why}")
-            m.start_failed(w)
-            self.job.tracker.remove(w)
             self.job.leaving.append(w)
 
     def wait_for_min(self, shortfall: str) -> bool:
@@ -220,7 +276,8 @@ class Roster(Part):
         job = self.job
         m = job.membership
         # (No member holding the committed state: the engine rolled back first.)
-        plan = m.regroup_plan()
+        with self.lock:
+            plan = m.regroup_plan()
         # Weights restored and not yet loaded go to rank 0 even when every member holds the
         # committed position: a new job starting from another's checkpoint (checkpoint.from)
         # is at epoch 0 step 0 with them.
@@ -239,10 +296,26 @@ class Roster(Part):
             return False
         job.attempts = job.attempts.regrouped()
         job.next_behind = None  # an evaluation queued before the regroup ran before it
-        m.regrouped(plan.members)
+        with self.lock:
+            m.regrouped(plan.members)
         job.restored_weights = None  # only now: a failed join must be able to load it again
         dt = self.clock.now() - t0
         job.regroup_seconds_total += dt
         self.log("INFO", f"generation {m.generation}: {len(plan.members)} workers "
                          f"{list(plan.members)} (formed in {dt:.2f}s)")
+        self.report_group(plan.members)
         return True
+
+    def report_group(self, members: tuple[str, ...]) -> None:
+        """Tell the cluster scheduler the group that formed (``members``: their nodes and
+        speeds, and the global batch), when one placed the job (an assignment is in force):
+        its view shows them at once. Sent without waiting."""
+        c, job = self.c, self.job
+        m = job.membership
+        if c.reports is None or m.assignment is None:
+            return
+        speeds = job.tracker.speeds()
+        nodes = {x.worker_id: x.node for x in m.members}
+        c.reports.report(GroupReport(
+            c.job_id, tuple((nodes[w], speeds.get(w, 0.0)) for w in members if w in nodes),
+            float(job.global_batch)))

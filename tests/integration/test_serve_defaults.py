@@ -12,9 +12,10 @@ After each request the test waits until the job's own members (``GET /v1/jobs/{i
 scheduler's allocation and the members it last heard of (``GET /v1/cluster``) and the
 Prometheus gauges (the ``/metrics`` text) agree, and it checks that every epoch trained is
 verified. Settings other than the defaults: a checkpoint root (a resume needs a checkpoint,
-and a REST client may name no directory without one), and rounds every 5 s instead of 30 s:
-the scheduler hears a job's members at its rounds, so agreement within one round would
-otherwise cost half a minute per request (the hold, which the bug was about, stays 120 s).
+and a REST client may name no directory without one), and rounds every 5 s instead of 30 s.
+No view here waits for a round: a request wakes the scheduler, and the job reports its
+members to it as each group forms; the short rounds only bound how long a lost report would
+stall a check (the hold, which the bug was about, stays 120 s).
 """
 
 from __future__ import annotations
