@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from dynabatch.actors.spec import JobSpec, parse_spec
-from dynabatch.scheduler.core.sync.phase import Phase
+from dynabatch.scheduler.core.sync.states import Opening, Training
 from dynabatch.scheduler.sim.cluster_spec import parse_cluster
 from dynabatch.scheduler.sim.simulator import SimResult, simulate
 
@@ -87,17 +87,27 @@ def run(spec: JobSpec, cluster: dict[str, Any] | None = None, eval_every: int | 
     nxt = [eval_every or 0]
     start: list[float] = []  # the clock when the first epoch began (after workers started)
 
+    def seen(c: Any) -> None:
+        """Keep the coordinator, and note when its first epoch begins (after the workers
+        started): its engine's first decision to train (the simulator's clock does not
+        advance between the two)."""
+        coord.append(c)
+        on = c.engine.on
+
+        def watching(event: Any) -> Any:
+            commands = on(event)
+            if not start and isinstance(c.engine.state, (Opening, Training)):
+                start.append(c.clock.now())
+            return commands
+
+        c.engine.on = watching
+
     def progress(_done: int, _total: int) -> None:
         if curve is None or not coord:
             return
         c = coord[0]
         if not start:
-            # The first epoch begins (after the workers started) at the loop's first move
-            # to TRAINING: the simulator's clock does not advance between the two.
-            began = [ch.at for ch in c.phase_changes() if ch.new is Phase.TRAINING]
-            if not began:
-                return
-            start.append(began[0])
+            return
         hist = c.history()
         steps = sum(r.steps for r in hist) + (c.step_in_epoch if c.epoch < spec.epochs else 0)
         if steps < nxt[0] and c.epoch < spec.epochs:
@@ -111,7 +121,7 @@ def run(spec: JobSpec, cluster: dict[str, Any] | None = None, eval_every: int | 
             c.cancel("reached the target")
 
     res = simulate(spec, parse_cluster(cluster or CLUSTER), real_gradients=True,
-                   coordinator_hook=coord.append, progress=progress if curve else None)
+                   coordinator_hook=seen, progress=progress if curve else None)
     stopped = stop_at is not None and res.snapshot.reason == "reached the target"
     if res.snapshot.state.value != "SUCCEEDED" and not stopped:
         raise RuntimeError(f"{spec.name}: {res.snapshot.reason}")

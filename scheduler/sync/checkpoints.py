@@ -150,7 +150,7 @@ class Checkpoints(Part):
         return True
 
     def roll_back(self) -> None:
-        """No member holds the committed state (ROLLING_BACK, the engine's): load the last
+        """No member holds the committed state (the engine's ``RollingBack``): load the last
         checkpoint, or fail; the regroup goes on with its weights. (The engine settled the
         evaluations in flight first: the checkpoint's history replaces their records.)"""
         s = self.spec

@@ -13,8 +13,7 @@ The decisions live in pure machines (no ray, no torch, no clock), each in its mo
   current state, what to spawn or evict;
 * :mod:`dynabatch.scheduler.core.failures`: what a failed segment means, and each
   failure's one decision (retry, evict, roll back, fail: :class:`FailurePolicy`);
-* :mod:`dynabatch.scheduler.core.sync.phase`: where the loop stands (:class:`Phase`), and
-  :mod:`~dynabatch.scheduler.core.sync.pipeline` and :mod:`~dynabatch.scheduler.core.sync.
+* :mod:`~dynabatch.scheduler.core.sync.pipeline` and :mod:`~dynabatch.scheduler.core.sync.
   boundary`: what may be sent ahead, whose time a segment took, when to wait, fail, roll
   back or evaluate again.
 
@@ -63,7 +62,6 @@ from dynabatch.scheduler.core.sync.messages import (
     ApplyDrains,
     ApplyRequests,
     AwaitStarts,
-    Become,
     BeginEpoch,
     Boundary,
     Checkpoint,
@@ -97,14 +95,13 @@ from dynabatch.scheduler.core.sync.messages import (
     WaitForMinimum,
     outcome,
 )
-from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.policy import policy_for
 from dynabatch.scheduler.runtime.seam import Clock, GroupReports, Runtime
 from dynabatch.scheduler.sync.artifacts import Artifacts
 from dynabatch.scheduler.sync.checkpoints import Checkpoints
 from dynabatch.scheduler.sync.epochs import Epochs
 from dynabatch.scheduler.sync.evaluation import Evaluations
-from dynabatch.scheduler.sync.job import PhaseChange, SyncJob
+from dynabatch.scheduler.sync.job import SyncJob
 from dynabatch.scheduler.sync.pipeline import Pipeline
 from dynabatch.scheduler.sync.roster import Roster
 from dynabatch.scheduler.telemetry import JobSnapshot, WorkerStatus
@@ -134,8 +131,9 @@ def _lr_scheduler_factors(spec: JobSpec) -> tuple[tuple[float, ...] | Callable[[
 
 class Coordinator(JobControl):
     """A synchronous job's driver. Its state is one value, :attr:`job` (a
-    :class:`SyncJob`); what it reports is :meth:`snapshot`, :meth:`history`,
-    :meth:`phase_changes` and the views below."""
+    :class:`SyncJob`; where its loop stands is its engine's state,
+    ``engine.state``); what it reports is :meth:`snapshot`, :meth:`history` and the views
+    below."""
 
     def __init__(
         self,
@@ -198,16 +196,6 @@ class Coordinator(JobControl):
             self.checkpoints.start_from(s.checkpoint.from_)
 
     # ---------------------------------------------------------------- views
-    @property
-    def phase(self) -> Phase:
-        """Where the control loop stands (finer than :attr:`state`)."""
-        return self.job.phase
-
-    def phase_changes(self) -> list[PhaseChange]:
-        """The loop's recent phase changes, oldest first."""
-        with self._lock:
-            return list(self.job.phase_changes)
-
     @property
     def epoch(self) -> int:
         p = self.job.protocol
@@ -414,6 +402,7 @@ class Coordinator(JobControl):
             judges_epochs=self.epochs.judges_epochs,
             keeps_checkpoints=bool(s.checkpoint.dir),
             stopping=bool(job.leaving),
+            now=self.clock.now(),
         )
 
     def _carry_out(self, command: Command) -> bool | Verdict:
@@ -421,8 +410,6 @@ class Coordinator(JobControl):
         left no group ready to train or a segment did not all run (an epoch's judgement:
         its :class:`Verdict`)."""
         match command:
-            case Become(phase):
-                self._become(phase)
             case LoadData():
                 self.epochs.load_data()
             case ApplyRequests(assignments):
@@ -443,8 +430,8 @@ class Coordinator(JobControl):
                 self.roster.await_starts(first)
             case GiveUpStarts():
                 self.roster.give_up_starts()
-            case WaitForMinimum(shortfall):
-                self.roster.wait_for_min(shortfall)
+            case WaitForMinimum(shortfall, since):
+                self.roster.wait_for_min(shortfall, since)
             case RollBack():
                 self.checkpoints.roll_back()
             case Regroup():
@@ -499,13 +486,7 @@ class Coordinator(JobControl):
                 raise TypeError(f"not a command of the step loop: {command!r}")
         return True
 
-    def _become(self, phase: Phase) -> None:
-        with self._lock:  # snapshot readers in other threads copy the changes
-            self.job.become(phase, self.clock.now())
-
     def _finish(self, state: JobState, reason: str | None) -> None:
         if not self.state.is_terminal:
             self.epochs.close()
         super()._finish(state, reason)
-        if self.state.is_terminal:
-            self._become(Phase.DONE)

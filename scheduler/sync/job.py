@@ -1,10 +1,9 @@
 """The synchronous driver's one job-state value, and the base of the parts that share it.
 
 :class:`SyncJob` holds everything the driver's parts read and change: the pure machines
-(protocol, policy, tracker, ledger, membership, regime, failure policy), the loop's
-:class:`~dynabatch.scheduler.core.sync.phase.Phase` with the data that belongs to it (the
-segment in flight, the epoch's totals, weights restored from a checkpoint, since when the
-job waits for workers), and the counters the snapshot reports. The parts
+(protocol, policy, tracker, ledger, membership, regime, failure policy), the loop's data
+(the segment in flight, the epoch's totals, weights restored from a checkpoint), and the
+counters the snapshot reports. The parts
 (``pipeline``, ``roster``, ``epochs``, ``checkpoints``, ``artifacts``) are small objects over
 it; the :class:`~dynabatch.scheduler.sync.coordinator.Coordinator` wires them, keeps the
 public surface and carries the step loop's engine's commands out on them.
@@ -18,9 +17,7 @@ first: the engine's ``Settle`` before ``ApplyDrains``).
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,7 +38,6 @@ from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership, NodeInfo
 from dynabatch.scheduler.core.regime.regime import Regime
 from dynabatch.scheduler.core.sync.allocation import Decision
-from dynabatch.scheduler.core.sync.phase import InvalidPhase, Phase
 from dynabatch.scheduler.core.sync.protocol import Position, SyncProtocol
 from dynabatch.scheduler.core.sync.tracker import Tracker
 from dynabatch.scheduler.runtime.seam import DataInfo, WorkerCallError
@@ -55,11 +51,6 @@ if TYPE_CHECKING:
     from dynabatch.scheduler.sync.coordinator import Coordinator
     from dynabatch.scheduler.sync.evaluation import Evaluations
     from dynabatch.scheduler.telemetry import EpochRecord
-
-log = logging.getLogger("dynabatch.scheduler")
-
-# Phase changes kept for tests and debugging (a few per epoch).
-PHASE_CHANGES_KEPT = 256
 
 
 @dataclass
@@ -75,13 +66,6 @@ class Ahead:
     @property
     def length(self) -> int:
         return len(next(iter(self.plans.values())).steps)
-
-
-@dataclass(frozen=True, slots=True)
-class PhaseChange:
-    at: float  # the driver's clock
-    old: Phase
-    new: Phase
 
 
 @dataclass(frozen=True)
@@ -114,9 +98,6 @@ class SyncJob:
     data: DataInfo | None = None
     position: Position = field(default_factory=lambda: Position(0, 0))  # where to start
 
-    phase: Phase = Phase.STARTING
-    phase_changes: deque[PhaseChange] = field(
-        default_factory=lambda: deque(maxlen=PHASE_CHANGES_KEPT))
     # The open epoch's totals; None between epochs (the next step boundary begins one).
     ep: EpochTotals | None = None
     ahead: Ahead | None = None  # the segment in flight, sent ahead
@@ -129,12 +110,11 @@ class SyncJob:
     # An evaluation queued for the next segment sent (its workers score first); dropped by
     # a regroup, before which it ran.
     next_behind: EvalRound | None = None
-    # From a checkpoint (resuming, or ROLLING_BACK): the weights stay here until a regroup
+    # From a checkpoint (resuming, or rolling back): the weights stay here until a regroup
     # loads them into the group (one that fails must be able to load them again), and the
     # global batch trained there until the data is loaded.
     restored_weights: dict[str, Any] | None = None
     restored_batch: int | None = None
-    waiting_since: float | None = None  # WAITING_FOR_WORKERS: since when
     starts_until: float | None = None  # the first start's wait ends then (AwaitStarts)
     last_node_poll: float = -1e18
     nodes: list[NodeInfo] = field(default_factory=list)  # as last listed (PollNodes)
@@ -176,19 +156,6 @@ class SyncJob:
             which = which or ("validation" if d.n_validation else "test")
             n = d.n_validation if which == "validation" else d.n_test
         return split(n, {w: speeds.get(w, 0.0) for w in workers})
-
-    def become(self, new: Phase, at: float) -> None:
-        """Move the loop to ``new`` (staying is allowed); an impossible move is a bug."""
-        old = self.phase
-        if new is old:
-            return
-        if not old.can_become(new):
-            raise InvalidPhase(old, new)
-        self.phase = new
-        if old is Phase.WAITING_FOR_WORKERS:
-            self.waiting_since = None  # the wait ended: a later one starts over
-        self.phase_changes.append(PhaseChange(at, old, new))
-        log.debug("[%s] phase %s -> %s", self.job_id, old.value, new.value)
 
 
 # How long reading the job's state from a holder may take (a checkpoint, the model's export).
@@ -237,9 +204,6 @@ class Part:
             case Fail(reason):
                 self.c._finish(JobState.FAILED, reason)
         return decision
-
-    def become(self, phase: Phase) -> None:
-        self.c._become(phase)
 
     # The job control's state the parts read and change, named here once.
     @property

@@ -5,10 +5,10 @@ What a boundary does, and in which order, is the step loop's engine's
 handlers. At a boundary with nothing in flight the group is reconciled: scale, drain and
 assign requests applied (and the workers an assignment moves drained, once the state is handed
 over), started workers adopted, workers started on nodes that appeared (and spares
-tended), then either the job waits for enough workers (WAITING_FOR_WORKERS: it fails after
+tended), then either the job waits for enough workers (the engine's ``Waiting``: it fails after
 its timeout, :func:`~dynabatch.scheduler.core.sync.boundary.wait_for_minimum`) or a new
-generation is formed (REGROUPING), loading the last checkpoint first when no member holds
-the committed state (ROLLING_BACK). With a segment in flight, changes only wait for the
+generation is formed (``Regrouping``), loading the last checkpoint first when no member holds
+the committed state (``RollingBack``). With a segment in flight, changes only wait for the
 next boundary. Who is in, who holds the state and what to spawn is the pure
 :class:`~dynabatch.scheduler.core.membership.Membership`'s.
 
@@ -236,13 +236,14 @@ class Roster(Part):
             self.log("WARNING", f"worker {w} given up: {why}")
             self.job.leaving.append(w)
 
-    def wait_for_min(self, shortfall: str) -> bool:
+    def wait_for_min(self, shortfall: str, since: float | None) -> bool:
+        """Too few workers since ``since`` (None: from now; the engine's ``Waiting`` keeps
+        when the wait began)."""
         c, job, s = self.c, self.job, self.spec
         wait = wait_for_minimum(
-            since=job.waiting_since, now=self.clock.now(),
+            since=since, now=self.clock.now(),
             started=job.membership.generation != 0, start_timeout_s=s.start_timeout_s,
             worker_wait_timeout_s=s.worker_wait_timeout_s)
-        job.waiting_since = wait.since
         if wait.first:
             self.log("WARNING", f"cannot train: {shortfall}")
         hint = "" if self.runtime.nodes() else f": {self.no_node_hint()}"
@@ -271,8 +272,8 @@ class Roster(Part):
 
     # ---------------------------------------------------------------- the group
     def regroup(self) -> bool:
-        """Form a new generation (REGROUPING). False when it failed (the next step tries
-        again)."""
+        """Form a new generation (the engine's ``Regrouping``). False when it failed (the next
+        step tries again)."""
         job = self.job
         m = job.membership
         # (No member holding the committed state: the engine rolled back first.)

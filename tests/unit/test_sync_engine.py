@@ -18,7 +18,6 @@ from dynabatch.scheduler.core.sync.messages import (
     ApplyDrains,
     ApplyRequests,
     AwaitStarts,
-    Become,
     BeginEpoch,
     Boundary,
     Checkpoint,
@@ -60,7 +59,17 @@ from dynabatch.scheduler.core.sync.messages import (
     WorkersStarted,
     outcome,
 )
-from dynabatch.scheduler.core.sync.phase import Phase
+from dynabatch.scheduler.core.sync.states import (
+    AtRest,
+    CancelCommitting,
+    CancelSettling,
+    Finishing,
+    Opening,
+    Regrouping,
+    RollingBack,
+    Training,
+    Waiting,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -133,13 +142,13 @@ facts = st.builds(
 # Nodes listed after the first start: the missing workers started on them, spares tended.
 PLACE = [PollNodes(), SpawnWorkers(), TendSpares()]
 # An epoch's end with nothing due and nothing judged.
-END = [Become(Phase.ENDING_EPOCH), EndEpoch(), Evaluate(), NextEpoch()]
+END = [EndEpoch(), Evaluate(), NextEpoch()]
 
 
 def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
     """One boundary: every batch of commands with the facts that preceded it, and the
-    outcome that answered it."""
-    batches = []
+    outcome that answered it; and the engine's state after each batch."""
+    batches, states = [], []
     before, commands = first, engine.on(Boundary(first))
     waits = 0
     for _ in range(24):
@@ -153,7 +162,8 @@ def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
         if isinstance(last, EndStep):
             assert not any(isinstance(c, EndStep) for c in commands[:-1])
             batches.append((before, commands, None))
-            return batches
+            states.append(engine.state)
+            return batches, states
         after, ok = data.draw(facts), data.draw(st.booleans())
         if isinstance(last, JudgeEpoch):  # the epoch's judgement comes with its outcome
             ok = data.draw(verdicts)
@@ -161,6 +171,7 @@ def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
             waits += 1
             after = replace(after, start_overdue=after.start_overdue or waits >= 3)
         batches.append((before, commands, (after, ok)))
+        states.append(engine.state)
         before, commands = after, engine.ran(after, ok)
     pytest.fail("a boundary did not end within 24 batches")
 
@@ -187,19 +198,19 @@ def _after(batches, facts: Facts) -> list:
 
 
 def _epoch_end(batches, before: Facts) -> Facts:
-    """Check the epoch's end that ``before`` decided (its batch starts with ENDING_EPOCH) and
+    """Check the epoch's end that ``before`` decided (its batch starts with EndEpoch) and
     return the facts that the step after it was decided on: a checkpoint due or a judged
     epoch awaits the evaluation first; a judged epoch's checkpoints follow its judgement
     (the best so far; early stopping's when the job keeps checkpoints, a due one anyway);
     then the next epoch begins."""
     cs = _after(batches, before)
     answered = next(o for b, _, o in batches if b is before)
-    assert cs[:3] == [Become(Phase.ENDING_EPOCH), EndEpoch(), Evaluate()]
+    assert cs[:2] == [EndEpoch(), Evaluate()]
     if not before.judges_epochs:
         due = [Settle(), Checkpoint("epoch")] if before.checkpoint_due else []
-        assert cs[3:] == [*due, NextEpoch()]
+        assert cs[2:] == [*due, NextEpoch()]
         return answered[0]
-    assert cs[3:] == [Settle(), JudgeEpoch()]
+    assert cs[2:] == [Settle(), JudgeEpoch()]
     judged, verdict = answered
     if judged.terminal:  # the job ended while the evaluation was awaited
         return judged
@@ -217,14 +228,21 @@ def _epoch_end(batches, before: Facts) -> Facts:
 def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObject) -> None:
     engine = Engine()
     for _ in range(3):  # consecutive boundaries: each starts where the last left the engine
-        batches = _boundary(engine, first, data)
+        rest = engine.state  # between boundaries: at rest, or waiting for workers
+        assert isinstance(rest, (AtRest, Waiting))
+        batches, states = _boundary(engine, first, data)
         flat = [c for _, cs, _ in batches for c in cs]
+        def became(*kinds: type, states=states) -> int | None:
+            """The first batch after which the engine was one of ``kinds``."""
+            return next((i for i, x in enumerate(states) if isinstance(x, kinds)), None)
+
         if first.terminal:
             assert flat == [EndStep(stop=True)]
-        cancelling = Become(Phase.CANCELLING) in flat
+        cancel_at = became(CancelCommitting, CancelSettling)
+        cancelling = cancel_at is not None
         if cancelling:  # a cancel trains nothing new and stops the loop
             assert flat[-1] == EndStep(stop=True)
-            after_cancel = flat[flat.index(Become(Phase.CANCELLING)) :]
+            after_cancel = [c for _, cs, _ in batches[cancel_at:] for c in cs]
             assert not any(
                 isinstance(c, (TrainSegment, ApplyRequests, ApplyDrains, Regroup, AbsorbAhead))
                 for c in after_cancel
@@ -248,14 +266,14 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     # After FINISHING awaited the last evaluations, with a holder left, and
                     # not beside a pending cancel unless the cancel's own segment ended it.
                     assert before.holders
-                    assert Settle() in flat[flat.index(Become(Phase.FINISHING)) :]
+                    i = became(Finishing)
+                    assert i is not None and i < _index(batches, before)
+                    assert batches[i][1][-1] == Settle()
                     assert commands[commands.index(c) - 1] == SaveModel("end")
                     assert not before.cancel_requested or cancelling
-                if c == Become(Phase.FINISHING):
-                    assert before.trained and before.holders
                 if isinstance(c, TrainSegment):
-                    # Decided to train by the facts of the batch that became TRAINING.
-                    decided = next(b for b, cs, _ in batches if Become(Phase.TRAINING) in cs)
+                    # Decided to train by the facts of the batch that began training.
+                    decided = batches[became(Opening, Training)][0]
                     assert not decided.cancel_requested and not decided.trained
                     # Sent ahead only when the next boundary need not have the group at
                     # rest; across the epoch only when it may be sent ahead at all.
@@ -338,21 +356,21 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 if isinstance(c, WaitForMinimum):  # too few: wait, and the step ends
                     assert c.shortfall == before.shortfall
                     assert not before.cancel_requested  # a pending cancel cancels instead
-                    assert commands[-3:] == [Become(Phase.WAITING_FOR_WORKERS), c, EndStep()]
+                    assert commands[-2:] == [c, EndStep()]
+                    # A wait goes on from the one the boundary began in, or starts now.
+                    assert c.since == (rest.since if isinstance(rest, Waiting) else None)
+                    since = before.now if c.since is None else c.since
+                    assert engine.state == Waiting(since, before.shortfall)
                 if isinstance(c, RollBack):  # no holder: the checkpoint first
                     assert before.regroup_due and before.shortfall is None
                     assert before.needs_state and not before.holding_restored
-                    assert commands == [  # the evaluations in flight settled first
-                        Become(Phase.REGROUPING),
-                        Become(Phase.ROLLING_BACK),
-                        Settle(),
-                        RollBack(),
-                    ]
+                    # the evaluations in flight settled first
+                    assert commands == [Settle(), RollBack()]
                     after, _ = answered
                     nxt = next(cs for b, cs, _ in batches if b is after)
-                    assert nxt == [Become(Phase.REGROUPING), Regroup()]
+                    assert nxt == [Regroup()]
                 if isinstance(c, Regroup):
-                    assert commands[-2:] == [Become(Phase.REGROUPING), c]
+                    assert commands == [c]
                     if not any(RollBack() in cs for _, cs, _ in batches):
                         assert before.regroup_due and before.shortfall is None
                         assert not before.needs_state or before.holding_restored
@@ -376,9 +394,9 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
             if any(isinstance(c, TrainSegment) for c in commands) and not first.in_flight:
                 # Trained only with the group formed: no shortfall, no change pending.
                 # (With a regroup, the facts that decided it had none: the rule above.)
-                formed = [b for b, cs, _ in batches if Become(Phase.TRAINING) in cs]
+                formed = batches[became(Opening, Training)][0]
                 if Regroup() not in flat:
-                    assert formed[0].shortfall is None and not formed[0].regroup_due
+                    assert formed.shortfall is None and not formed.regroup_due
             if commands and isinstance(commands[-1], TrainSegment):
                 after, ok = answered
                 nxt = next(cs for b, cs, _ in batches if b is after)
@@ -391,10 +409,10 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     ended = _epoch_end(batches, after)
                     nxt = _after(batches, ended)
                     if not ended.terminal:
-                        assert nxt == [Become(Phase.TRAINING), BeginEpoch(), AbsorbAhead()]
+                        assert nxt == [BeginEpoch(), AbsorbAhead()]
                     continue
                 if after.epoch_complete:
-                    assert nxt[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()]
+                    assert nxt[:1] == [EndEpoch()]
                     continue
                 if ok and after.check_due:  # a check re-plans only after a segment that ran
                     assert nxt == [Replan("check")]
@@ -420,7 +438,7 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                 after, _ = answered
                 nxt = next(cs for b, cs, _ in batches if b is after)
                 if after.epoch_complete:
-                    assert nxt[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()]
+                    assert nxt[:1] == [EndEpoch()]
                 else:
                     assert nxt == [PublishReady(), EndStep()]
             for c in commands:
@@ -435,30 +453,33 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                             and not o[1] and before.in_flight for _, cs, o in batches)
             for c in commands:
                 if isinstance(c, EndEpoch):  # always the start of an epoch's end
-                    assert commands[:2] == [Become(Phase.ENDING_EPOCH), c]
+                    assert commands[0] == c
                 if isinstance(c, Evaluate):  # the ended epoch, right after its end
-                    assert commands[1:3] == [EndEpoch(), c]
+                    assert commands[:2] == [EndEpoch(), c]
                 if isinstance(c, (JudgeEpoch, NextEpoch)) or c in (
                     Checkpoint("epoch"), Checkpoint("best", BEST), Checkpoint("early stopping")
                 ):  # only in an epoch's end
                     assert any(
-                        cs[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()]
+                        cs[:1] == [EndEpoch()]
                         and (cs is commands or (o is not None and o[0] is before))
                         for _, cs, o in batches
                     )
-            if commands[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()]:
+            if commands[:1] == [EndEpoch()]:
                 ended = _epoch_end(batches, before)
-            if commands[:2] == [Become(Phase.ENDING_EPOCH), EndEpoch()] and not (
-                cancelling or absorbing
-            ):
-                after = ended  # then FINISHING, or back
+            if commands[:1] == [EndEpoch()] and not (cancelling or absorbing):
+                after = ended  # then Finishing, or back
                 nxt = _after(batches, after)
+                i = _index(batches, after)
                 if after.terminal:
                     assert nxt == [EndStep()]
                 elif after.trained and after.holders:
-                    assert nxt == [Become(Phase.FINISHING), Settle()]
+                    assert nxt == [Settle()] and states[i] == Finishing(cancelling=False)
                 else:
-                    assert nxt == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+                    assert nxt == [PublishReady(), EndStep()] and states[i] == AtRest()
+        # Finishing only with every epoch trained and a holder of the final state.
+        for (before, _, _), state in zip(batches, states, strict=True):
+            if isinstance(state, Finishing):
+                assert before.trained and before.holders
         if flat[-1] == EndStep(stop=True):
             break
         first = data.draw(facts)
@@ -474,12 +495,10 @@ def test_a_training_boundary() -> None:
     # All came up: the missing ones (none) are started again, then the group forms.
     assert engine.ran(first) == [PollNodes(starting=True), SpawnWorkers(starting=True)]
     assert engine.ran(Facts(pending=True, regroup_due=True)) == [
-        Become(Phase.REGROUPING),
         Regroup(),
     ]
     assert engine.ran(Facts(pending=True), ok=True) == [
         MarkRunning(),
-        Become(Phase.TRAINING),
         BeginEpoch(),
         Replan(),
     ]
@@ -507,21 +526,19 @@ def test_a_training_boundary() -> None:
     assert engine.on(Boundary(in_flight)) == [AdoptStarted(), *PLACE]
     nothing_due = replace(crossing, checkpoint_due=False)
     assert engine.ran(Facts(in_flight=True, epoch_open=True, crossing=nothing_due)) == [
-        Become(Phase.TRAINING),
         TrainSegment(ahead=True, across=True),
     ]
     assert engine.ran(Facts(epoch_open=True, epoch_complete=True), ok=True) == END
-    assert engine.ran(Facts()) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+    assert engine.ran(Facts()) == [PublishReady(), EndStep()]
     # A retry runs alone (nothing is sent ahead of it); the segment failed after its last
     # step's collective and still completed the epoch.
     assert engine.on(Boundary(Facts(epoch_open=True))) == [ApplyRequests()]
     assert engine.ran(Facts(epoch_open=True)) == [AdoptStarted()]
     assert engine.ran(Facts(epoch_open=True, retrying=True)) == [
-        Become(Phase.TRAINING),
         TrainSegment(ahead=False, across=False),
     ]
     assert engine.ran(Facts(epoch_open=True, epoch_complete=True), ok=False) == END
-    assert engine.ran(Facts()) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+    assert engine.ran(Facts()) == [PublishReady(), EndStep()]
 
 
 def test_a_drain_waits_for_the_evaluations_in_flight() -> None:
@@ -537,7 +554,7 @@ def test_a_drain_waits_for_the_evaluations_in_flight() -> None:
     ]
     changed = Facts(epoch_open=True, regroup_due=True)
     assert engine.ran(changed) == PLACE  # a changed group lists the nodes first
-    assert engine.ran(changed) == [Become(Phase.REGROUPING), Regroup()]
+    assert engine.ran(changed) == [Regroup()]
     # A scale up drains nobody: nothing waits for the evaluations.
     engine = Engine()
     assert engine.on(Boundary(asked)) == [ApplyRequests()]
@@ -550,7 +567,6 @@ def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once(
     # sent ahead; it is posted before the boundary ends.
     engine.on(Boundary(Facts(in_flight=True, epoch_open=True)))
     assert engine.ran(Facts(in_flight=True, epoch_open=True)) == [
-        Become(Phase.TRAINING),
         TrainSegment(ahead=True, across=False),
     ]
     assert engine.ran(Facts(in_flight=True, epoch_open=True, check_due=True)) == [
@@ -563,7 +579,6 @@ def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once(
     # then the segment.
     assert engine.on(Boundary(Facts(in_flight=True))) == [AdoptStarted()]
     assert engine.ran(Facts(in_flight=True)) == [
-        Become(Phase.TRAINING),
         BeginEpoch(),
         Replan(),
     ]
@@ -592,7 +607,7 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
     assert engine.ran(replace(waiting, start_overdue=True)) == [GiveUpStarts()]
     given_up = Facts(pending=True, starting=True, shortfall="0 of 2 workers", stopping=True)
     assert engine.ran(given_up) == [
-        Kill(), Become(Phase.WAITING_FOR_WORKERS), WaitForMinimum("0 of 2 workers"), EndStep()]
+        Kill(), WaitForMinimum("0 of 2 workers"), EndStep()]
 
     # All up at the first wait: the group forms (nothing failed, nothing is started again).
     _requests_applied(engine, starting)
@@ -600,7 +615,7 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
     assert engine.ran(waiting) == [AwaitStarts(first=True)]
     assert engine.ran(starting) == start
     assert engine.ran(Facts(pending=True, regroup_due=True)) == [
-        Become(Phase.REGROUPING), Regroup()]
+        Regroup()]
 
     # A cancel during the wait gives up at once; the job ends at the next boundary.
     engine = Engine()
@@ -608,7 +623,7 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
     assert engine.ran(starting) == start
     assert engine.ran(replace(waiting, cancel_requested=True)) == [GiveUpStarts()]
     gave_up = Facts(pending=True, cancel_requested=True, shortfall="0 of 2", stopping=True)
-    assert engine.ran(gave_up) == [Kill(), Become(Phase.CANCELLING), Settle()]
+    assert engine.ran(gave_up) == [Kill(), Settle()]
 
 
 @settings(max_examples=300)
@@ -659,10 +674,9 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
     _requests_applied(engine, Facts(epoch_open=True))
     mid = Facts(epoch_open=True, regroup_due=True)
     assert engine.ran(mid) == PLACE
-    assert engine.ran(mid) == [Become(Phase.REGROUPING), Regroup()]
+    assert engine.ran(mid) == [Regroup()]
     assert engine.ran(Facts(epoch_open=True), ok=True) == [Replan("membership")]
     assert engine.ran(Facts(epoch_open=True)) == [
-        Become(Phase.TRAINING),
         TrainSegment(ahead=True, across=False),
     ]
     # The re-split had nothing in flight to post to: the group trains on whatever the facts
@@ -673,7 +687,6 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
     engine.ran(mid)
     assert engine.ran(Facts(epoch_open=True), ok=True) == [Replan("membership")]
     assert engine.ran(Facts(update_offered=True)) == [
-        Become(Phase.TRAINING),
         BeginEpoch(),
         Replan(),
     ]
@@ -682,7 +695,7 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
     _requests_applied(engine, Facts())
     engine.ran(Facts(regroup_due=True))
     engine.ran(Facts(regroup_due=True))
-    assert engine.ran(Facts(), ok=True) == [Become(Phase.TRAINING), BeginEpoch(), Replan()]
+    assert engine.ran(Facts(), ok=True) == [BeginEpoch(), Replan()]
 
 
 def test_workers_taken_out_are_killed_before_anything_else() -> None:
@@ -718,12 +731,11 @@ def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> N
     done = Facts(in_flight=True, epoch_open=True, epoch_complete=True)
     assert engine.ran(done, ok=False) == END
     assert engine.ran(Facts(in_flight=True)) == [
-        Become(Phase.TRAINING),
         BeginEpoch(),
         AbsorbAhead(),
     ]
     assert engine.ran(Facts(epoch_open=True, epoch_complete=True)) == END
-    assert engine.ran(Facts()) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+    assert engine.ran(Facts()) == [PublishReady(), EndStep()]
     # A segment that failed with nothing sent ahead: nothing to absorb.
     _requests_applied(engine, Facts(epoch_open=True))
     engine.ran(Facts(epoch_open=True))
@@ -731,7 +743,7 @@ def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> N
 
 
 def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_calls_for() -> None:
-    ending = [Become(Phase.ENDING_EPOCH), EndEpoch(), Evaluate()]
+    ending = [EndEpoch(), Evaluate()]
     engine = Engine()
     _requests_applied(engine, Facts(epoch_open=True))
     engine.ran(Facts(epoch_open=True))
@@ -739,7 +751,7 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
     # scores included), the checkpoint is written as the next epoch's start.
     due = Facts(epoch_open=True, epoch_complete=True, checkpoint_due=True)
     assert engine.ran(due) == [*ending, Settle(), Checkpoint("epoch"), NextEpoch()]
-    assert engine.ran(Facts()) == [Become(Phase.TRAINING), PublishReady(), EndStep()]
+    assert engine.ran(Facts()) == [PublishReady(), EndStep()]
     # A judged epoch (early stopping, keep_best): judged once its evaluation is in; the best
     # so far and early stopping's stop are written (early stopping's only when the job keeps
     # checkpoints), then the training ends.
@@ -759,8 +771,8 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
         verdict = Verdict(BEST if best else None, "stopped" if stop else None)
         assert engine.ran(Facts(), verdict) == [*saves, NextEpoch(verdict.stop)]
         assert engine.ran(Facts(trained=stop, trained_any=True)) == (
-            [Become(Phase.FINISHING), Settle()] if stop
-            else [Become(Phase.TRAINING), PublishReady(), EndStep()]
+            [Settle()] if stop
+            else [PublishReady(), EndStep()]
         )
         if stop:
             engine.ran(Facts(trained=True, trained_any=True))
@@ -774,7 +786,6 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
 def test_a_cancel_commits_a_segment_sent_across_the_epochs_end_in_its_epoch() -> None:
     engine = Engine()
     assert engine.on(Boundary(Facts(cancel_requested=True, in_flight=True))) == [
-        Become(Phase.CANCELLING),
         BeginEpoch(),
         CommitInFlight(),
     ]
@@ -786,34 +797,60 @@ def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
     short = Facts(shortfall="1 of 2 workers", regroup_due=True)
     assert engine.ran(short) == PLACE  # the group changed: list nodes at once
     assert engine.ran(short) == [
-        Become(Phase.WAITING_FOR_WORKERS),
         WaitForMinimum("1 of 2 workers"),
         EndStep(),
     ]
     _requests_applied(engine, Facts())
     assert engine.ran(Facts(regroup_due=True, node_poll_due=False)) == PLACE
-    assert engine.ran(Facts(regroup_due=True)) == [Become(Phase.REGROUPING), Regroup()]
+    assert engine.ran(Facts(regroup_due=True)) == [Regroup()]
     assert engine.ran(Facts(regroup_due=True), ok=False) == [EndStep()]
-    # No member holds the committed state: the checkpoint is loaded first (ROLLING_BACK);
+    # No member holds the committed state: the checkpoint is loaded first (RollingBack);
     # weights restored and not yet loaded (a regroup that failed after loading them) need
     # no second load.
     _requests_applied(engine, Facts())
     lost = Facts(regroup_due=True, needs_state=True)
     assert engine.ran(lost) == PLACE
     assert engine.ran(lost) == [
-        Become(Phase.REGROUPING),
-        Become(Phase.ROLLING_BACK),
         Settle(),
         RollBack(),
     ]
-    assert engine.ran(Facts(regroup_due=True)) == [Become(Phase.REGROUPING), Regroup()]
+    assert engine.state == RollingBack()  # inside the regroup, which goes on with it
+    assert engine.ran(Facts(regroup_due=True)) == [Regroup()]
+    assert engine.state == Regrouping()
     engine.ran(Facts(regroup_due=True), ok=False)
     _requests_applied(engine, Facts())
     engine.ran(replace(lost, holding_restored=True))
     assert engine.ran(replace(lost, holding_restored=True)) == [
-        Become(Phase.REGROUPING),
         Regroup(),
     ]
+
+
+def test_a_wait_for_workers_is_the_engines_state_and_carries_since_when() -> None:
+    """Too few workers: the engine rests ``Waiting`` since the wait began; a boundary that
+    finds too few again goes on with that wait (the job fails once it is over its limit),
+    one that trains ends it, and a later shortfall starts a new one."""
+    engine = Engine()
+    short = Facts(shortfall="1 of 2 workers", now=10.0)
+    _requests_applied(engine, short)
+    assert engine.ran(short) == [WaitForMinimum("1 of 2 workers"), EndStep()]
+    assert engine.state == Waiting(10.0, "1 of 2 workers")
+    later = replace(short, now=25.0, shortfall="1 of 2 workers (node01 lost)")
+    _requests_applied(engine, later)
+    assert engine.ran(later) == [WaitForMinimum(later.shortfall, since=10.0), EndStep()]
+    assert engine.state == Waiting(10.0, later.shortfall)
+    # Enough workers: the group trains, and the wait is over.
+    _requests_applied(engine, Facts(now=30.0))
+    assert engine.ran(Facts(now=30.0)) == [BeginEpoch(), Replan()]
+    assert engine.ran(Facts(epoch_open=True)) == [TrainSegment(ahead=True, across=False)]
+    assert engine.ran(Facts(epoch_open=True)) == [PublishReady(), EndStep()]
+    assert engine.state == AtRest()
+    again = Facts(shortfall="1 of 2 workers", epoch_open=True, now=50.0)
+    _requests_applied(engine, again)
+    assert engine.ran(again) == [WaitForMinimum("1 of 2 workers"), EndStep()]
+    assert engine.state == Waiting(50.0, "1 of 2 workers")
+    # A cancel ends a wait at the next boundary.
+    assert engine.on(Boundary(replace(again, cancel_requested=True))) == [Settle()]
+    assert engine.state == CancelSettling()
 
 
 def test_a_cancel_while_the_group_formed_cancels() -> None:
@@ -821,7 +858,6 @@ def test_a_cancel_while_the_group_formed_cancels() -> None:
     _requests_applied(engine, Facts(pending=True))
     assert engine.ran(Facts(pending=True, cancel_requested=True)) == [
         MarkRunning(),
-        Become(Phase.CANCELLING),
         Settle(),
     ]
     assert engine.ran(Facts(cancel_requested=True, trained_any=True)) == [
@@ -835,18 +871,17 @@ def test_a_cancel_while_the_group_formed_cancels() -> None:
 def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed() -> None:
     engine = Engine()
     cancel = Facts(cancel_requested=True, in_flight=True, epoch_open=True)
-    assert engine.on(Boundary(cancel)) == [Become(Phase.CANCELLING), CommitInFlight()]
+    assert engine.on(Boundary(cancel)) == [CommitInFlight()]
     done = Facts(cancel_requested=True, epoch_open=True, epoch_complete=True)
     assert engine.ran(done) == END
     # That was the last epoch: the job finishes SUCCEEDED, not CANCELLED.
     trained = Facts(cancel_requested=True, trained=True, trained_any=True)
-    assert engine.ran(trained) == [Become(Phase.FINISHING), Settle()]
+    assert engine.ran(trained) == [Settle()]
     assert engine.ran(trained) == [SaveModel("end"), FinishSucceeded(), EndStep(stop=True)]
     # Not the last: back to cancelling.
     engine.on(Boundary(cancel))
     engine.ran(done)
     assert engine.ran(Facts(cancel_requested=True, trained_any=True)) == [
-        Become(Phase.CANCELLING),
         Settle(),
     ]
     # Nothing was trained: no model goes out.
@@ -864,7 +899,7 @@ def test_a_cancels_judged_epoch_end_that_finds_the_job_terminal_stops_the_loop()
     # review's simplification to a plain EndStep() broke "a cancel stops the loop".
     engine = Engine()
     cancel = Facts(cancel_requested=True, in_flight=True, epoch_open=True)
-    assert engine.on(Boundary(cancel)) == [Become(Phase.CANCELLING), CommitInFlight()]
+    assert engine.on(Boundary(cancel)) == [CommitInFlight()]
     done = Facts(cancel_requested=True, epoch_open=True, epoch_complete=True,
                  judges_epochs=True)
     assert engine.ran(done)[-1] == JudgeEpoch()
@@ -877,11 +912,12 @@ def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_
     engine.ran(Facts(epoch_open=True))
     assert engine.ran(Facts(epoch_open=True, epoch_complete=True)) == END
     trained = Facts(trained=True, trained_any=True)
-    assert engine.ran(trained) == [Become(Phase.FINISHING), Settle()]
+    assert engine.ran(trained) == [Settle()]
+    assert engine.state == Finishing(cancelling=False)
     assert engine.ran(trained) == [SaveModel("end"), FinishSucceeded(), EndStep()]
     # A cancel that came while the last evaluations were awaited wins at the next boundary.
     _requests_applied(engine, Facts())
-    assert engine.ran(trained) == [Become(Phase.TRAINING), Become(Phase.FINISHING), Settle()]
+    assert engine.ran(trained) == [Settle()]
     assert engine.ran(replace(trained, cancel_requested=True)) == [EndStep()]
     # The last holder was lost meanwhile: the next boundary regroups and trains on.
     _requests_applied(engine, Facts())
@@ -890,7 +926,6 @@ def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_
     # Trained, but no holder: nothing to finish with yet.
     _requests_applied(engine, Facts())
     assert engine.ran(replace(trained, holders=False)) == [
-        Become(Phase.TRAINING),
         EndStep(),
     ]
 
@@ -916,7 +951,7 @@ def test_each_state_takes_only_the_outcome_its_batch_yields() -> None:
     engine.interrupted()
     _requests_applied(engine, Facts(epoch_open=True))
     assert engine.ran(Facts(epoch_open=True)) == [
-        Become(Phase.TRAINING), TrainSegment(ahead=True, across=False)]
+        TrainSegment(ahead=True, across=False)]
     with pytest.raises(InvalidEvent, match="Regrouped while Training"):
         engine.on(Regrouped(Facts(epoch_open=True), formed=True))
     # The segment's own outcome: a lost worker's segment (not all ran) re-plans nothing.

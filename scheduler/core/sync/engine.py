@@ -28,11 +28,12 @@ One boundary, as the engine decides it:
   a shard), take in started workers, place when due (at once when the group changed, and
   at the first start, which starts no spares and then waits for its workers: half a
   second at a time, starting those that failed again, giving up those not up in the
-  start timeout), then wait when fewer than the minimum are in (WAITING_FOR_WORKERS; the
-  step ends), or regroup when the group changed (REGROUPING; one that fails ends the
+  start timeout), then wait when fewer than the minimum are in (``Waiting``, since
+  when it began: a boundary that waits again goes on with it; the step ends), or regroup
+  when the group changed (``Regrouping``; one that fails ends the
   step, the next boundary tries again; one formed mid-epoch has the rest of the epoch
   re-split over it), loading the last checkpoint first, once the evaluations in flight
-  are in, when no member holds the committed state (ROLLING_BACK; without one the job
+  are in, when no member holds the committed state (``RollingBack``; without one the job
   fails); a job that was PENDING is RUNNING once its group is ready;
 * a cancellation that came while the group formed: cancel;
 * train: begin the epoch if none is open (and plan it), run a segment (sending the next
@@ -43,12 +44,12 @@ One boundary, as the engine decides it:
   update; refused, it takes effect after the segment); after a failed segment, absorb the
   one sent ahead of it (what it trained past the failure is committed), in the next epoch
   when the failed one completed this; publish the evaluations that are in;
-* an epoch's end: verify and record it (ENDING_EPOCH), and have the holders evaluate it
+* an epoch's end: verify and record it, and have the holders evaluate it
   (unless that evaluation was sent ahead of the end); when its checkpoint is due or the
   epoch is judged (early stopping, keep_best), await its evaluation first; a judged epoch's
   judgement decides the checkpoints (the best so far; early stopping's, when the job keeps
   them); then the next epoch begins where they were written;
-* once every epoch is trained and a member holds the final state: FINISHING, the last
+* once every epoch is trained and a member holds the final state: ``Finishing``, the last
   evaluations awaited, then the model handed out and the job SUCCEEDED. A cancel that
   comes meanwhile wins at the next boundary; a holder lost meanwhile makes the next
   boundary regroup (rolling back) and train on.
@@ -60,9 +61,10 @@ model when anything was trained, and ends the job CANCELLED.
 
 What each command does inside (a regroup, a segment's commit, an epoch's record) is the
 driver's parts' and the other pure machines' (protocol, membership, ledger, boundary).
-The engine's state is where the boundary stands
-(:data:`~dynabatch.scheduler.core.sync.states.LoopState`): each state says which
-command's outcome it waits for and carries what that outcome is judged by.
+The engine's state is where the loop stands, its one vocabulary
+(:data:`~dynabatch.scheduler.core.sync.states.LoopState`): between boundaries
+``AtRest`` or ``Waiting`` for workers; inside one, each state says which command's outcome
+it waits for and carries what that outcome is judged by.
 """
 
 from __future__ import annotations
@@ -76,7 +78,6 @@ from dynabatch.scheduler.core.sync.messages import (
     ApplyDrains,
     ApplyRequests,
     AwaitStarts,
-    Become,
     BeginEpoch,
     Boundary,
     Checkpoint,
@@ -115,7 +116,6 @@ from dynabatch.scheduler.core.sync.messages import (
     WorkersPlaced,
     WorkersStarted,
 )
-from dynabatch.scheduler.core.sync.phase import Phase
 from dynabatch.scheduler.core.sync.pipeline import can_cross_epoch, can_send_ahead
 from dynabatch.scheduler.core.sync.states import (
     Absorbing,
@@ -140,6 +140,7 @@ from dynabatch.scheduler.core.sync.states import (
     Resplitting,
     RollingBack,
     Training,
+    Waiting,
     Watching,
 )
 
@@ -170,39 +171,39 @@ class SyncEngine:
 
     def _decide(self, event: Event) -> list[Command]:
         match self.state, event:
-            case AtRest(), Boundary(f):
+            case AtRest() | Waiting(), Boundary(f):
                 return self._boundary(f)
             case Watching(), WorkersStarted(f) | WorkersPlaced(f):
                 return self._formed(f)
-            case Requesting(), RequestsTaken(f):
+            case Requesting(waiting), RequestsTaken(f):
                 if f.terminal:
                     return self._rest(EndStep())
-                self.state = Gathering()
+                self.state = Gathering(waiting)
                 # A drained worker may still owe its shard of an evaluation: settle first.
                 drain = [Settle(), ApplyDrains()] if f.drains_due else []
                 return [*drain, AdoptStarted()]
-            case Gathering(), WorkersStarted(f):
+            case Gathering(waiting), WorkersStarted(f):
                 if f.terminal:
                     return self._rest(EndStep())
                 # Nodes are listed when due, and at once when the group changed or the job
                 # starts (its first workers).
                 if f.starting:  # its workers are started, then awaited
-                    self.state = AwaitingStarts(adopted=False, first=True)
+                    self.state = AwaitingStarts(adopted=False, first=True, waiting=waiting)
                     return self._place(starting=True)
                 if f.node_poll_due or f.regroup_due:
-                    self.state = Placing()
+                    self.state = Placing(waiting)
                     return self._place(starting=False)
-                return self._gathered(f)
-            case AwaitingStarts(adopted, first), WorkersStarted(f) | WorkersPlaced(f):
-                return self._await_starts(f, adopted, first)
-            case Placing(), WorkersPlaced(f):
-                return self._gathered(f)
-            case GivingUp(), Done(f):
-                return self._gathered(f)
+                return self._gathered(f, waiting)
+            case AwaitingStarts(adopted, first, waiting), WorkersStarted(f) | WorkersPlaced(f):
+                return self._await_starts(f, adopted, first, waiting)
+            case Placing(waiting), WorkersPlaced(f):
+                return self._gathered(f, waiting)
+            case GivingUp(waiting), Done(f):
+                return self._gathered(f, waiting)
             case RollingBack(), Done():
                 # The checkpoint's weights wait in the driver: the regroup loads them.
                 self.state = Regrouping()
-                return [Become(Phase.REGROUPING), Regroup()]
+                return [Regroup()]
             case Regrouping(), Regrouped(f, formed):
                 if not formed:
                     return self._rest(EndStep())  # the next boundary tries again
@@ -234,7 +235,7 @@ class SyncEngine:
                 if f.terminal:
                     return self._rest(EndStep())
                 self.state = Absorbing()
-                return [Become(Phase.TRAINING), BeginEpoch(), AbsorbAhead()]
+                return [BeginEpoch(), AbsorbAhead()]
             case Absorbing(), SegmentDone(f):
                 if f.epoch_complete:  # what it trained completed the epoch
                     return self._end_epoch(f, Ending())
@@ -258,7 +259,7 @@ class SyncEngine:
                 if f.terminal:
                     return self._rest(EndStep())
                 # The epoch ended: the job finishes, or returns to training.
-                back = [Become(Phase.TRAINING), PublishReady(), EndStep()]
+                back = [PublishReady(), EndStep()]
                 return self._finishing(f, cancelling=False) or self._rest(*back)
             case Finishing(cancelling), EvaluationsIn(f):
                 if f.cancel_requested and not cancelling:
@@ -275,8 +276,7 @@ class SyncEngine:
             case CancelEndingEpoch(), Done(f):
                 if f.terminal:
                     return self._rest(EndStep(stop=True))
-                back = [Become(Phase.CANCELLING)]
-                return self._finishing(f, cancelling=True) or [*back, *self._settle(f)]
+                return self._finishing(f, cancelling=True) or self._settle(f)
             case CancelSettling(), EvaluationsIn(f):
                 save = [SaveModel("cancel")] if f.trained_any else []
                 return self._rest(
@@ -304,7 +304,8 @@ class SyncEngine:
             take = [ApplyRequests(assignments=True)] if f.assignment_queued else []
             poll = self._place(starting=False) if f.node_poll_due or take else []
             return [*load, *take, AdoptStarted(), *poll]
-        self.state = Requesting()
+        # A wait for workers goes on through this boundary's reconcile (or ends with it).
+        self.state = Requesting(self.state if isinstance(self.state, Waiting) else None)
         return [*load, ApplyRequests()]
 
     @staticmethod
@@ -314,7 +315,8 @@ class SyncEngine:
         spares = [] if starting else [TendSpares()]
         return [PollNodes(starting=starting), SpawnWorkers(starting=starting), *spares]
 
-    def _await_starts(self, f: Facts, adopted: bool, first: bool) -> list[Command]:
+    def _await_starts(self, f: Facts, adopted: bool, first: bool, waiting: Waiting | None
+                      ) -> list[Command]:
         """The first start waits for its workers a little at a time, taking in those that
         came up; once none is left starting, it starts the ones that failed again (on the
         nodes listed again). Those still starting when the start timeout is over, or when a
@@ -323,35 +325,36 @@ class SyncEngine:
             return self._rest(EndStep())
         if f.starts_pending:
             if f.cancel_requested or (f.start_overdue and not first):
-                self.state = GivingUp()
+                self.state = GivingUp(waiting)
                 return [GiveUpStarts()]
-            self.state = AwaitingStarts(adopted=True, first=False)
+            self.state = AwaitingStarts(adopted=True, first=False, waiting=waiting)
             return [AwaitStarts(first=first)]
         if adopted:  # none left starting: replace those that failed to start
-            self.state = AwaitingStarts(adopted=False, first=False)
+            self.state = AwaitingStarts(adopted=False, first=False, waiting=waiting)
             return self._place(starting=True)
-        return self._gathered(f)
+        return self._gathered(f, waiting)
 
-    def _gathered(self, f: Facts) -> list[Command]:
-        """Who trains is known: too few (wait), a changed group (regroup), or ready. Too
-        few with a cancellation pending (it came during the first start's wait, say)
-        cancels: the wait would only delay it, or fail the job first."""
+    def _gathered(self, f: Facts, waiting: Waiting | None) -> list[Command]:
+        """Who trains is known: too few (wait: since ``waiting`` began, or from now), a
+        changed group (regroup), or ready. Too few with a cancellation pending (it came
+        during the first start's wait, say) cancels: the wait would only delay it, or fail
+        the job first."""
         if f.terminal:
             return self._rest(EndStep())
         if f.shortfall is not None and f.cancel_requested:
             return self._cancel(f)
         if f.shortfall is not None:
-            return self._rest(
-                Become(Phase.WAITING_FOR_WORKERS), WaitForMinimum(f.shortfall), EndStep()
-            )
+            since = waiting.since if waiting else None
+            self.state = Waiting(f.now if since is None else since, f.shortfall)
+            return [WaitForMinimum(f.shortfall, since), EndStep()]
         if f.regroup_due:
             if must_roll_back(needs_state=f.needs_state, holding_restored=f.holding_restored):
                 self.state = RollingBack()
                 # The records of epochs before the checkpoint first: its history
                 # replaces them all.
-                return [Become(Phase.REGROUPING), Become(Phase.ROLLING_BACK), Settle(), RollBack()]
+                return [Settle(), RollBack()]
             self.state = Regrouping()
-            return [Become(Phase.REGROUPING), Regroup()]
+            return [Regroup()]
         return self._formed(f)
 
     def _formed(self, f: Facts) -> list[Command]:
@@ -365,11 +368,11 @@ class SyncEngine:
 
     def _train(self, f: Facts) -> list[Command]:
         if f.trained:
-            return [Become(Phase.TRAINING), *(self._finishing(f, False) or self._rest(EndStep()))]
+            return self._finishing(f, False) or self._rest(EndStep())
         if not f.epoch_open:
             self.state = Opening()
-            return [Become(Phase.TRAINING), BeginEpoch(), Replan()]
-        return [Become(Phase.TRAINING), *self._segment(f)]
+            return [BeginEpoch(), Replan()]
+        return self._segment(f)
 
     def _replanned(self, f: Facts, opening: bool) -> list[Command]:
         """A re-plan that changed the batches inside the segment in flight is posted to
@@ -403,7 +406,7 @@ class SyncEngine:
         waits for that evaluation first (the checkpoint holds the epoch's record, scores
         included); a judged epoch's checkpoints follow from its judgement. Then the next
         epoch: the checkpoints are written as its start."""
-        end = [Become(Phase.ENDING_EPOCH), EndEpoch(), Evaluate()]
+        end = [EndEpoch(), Evaluate()]
         if f.judges_epochs:
             self.state = Judging(then, due=f.checkpoint_due, keeps=f.keeps_checkpoints)
             return [*end, Settle(), JudgeEpoch()]
@@ -417,16 +420,16 @@ class SyncEngine:
         if not (f.trained and f.holders):
             return []
         self.state = Finishing(cancelling)
-        return [Become(Phase.FINISHING), Settle()]
+        return [Settle()]
 
     def _cancel(self, f: Facts) -> list[Command]:
         if f.in_flight:
             # Sent across the epoch's end, which has ended: it is committed in its epoch.
             begin = [] if f.epoch_open else [BeginEpoch()]
             self.state = CancelCommitting()
-            return [Become(Phase.CANCELLING), *begin, CommitInFlight()]
+            return [*begin, CommitInFlight()]
         self.state = CancelSettling()
-        return [Become(Phase.CANCELLING), Settle()]
+        return [Settle()]
 
     def _settle(self, f: Facts) -> list[Command]:
         if f.terminal:  # the committed segment completed the last epoch: it succeeded

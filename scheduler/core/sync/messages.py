@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dynabatch.scheduler.core.sync.phase import Phase
-
 # --- facts and events -------------------------------------------------------------------
 
 
@@ -81,6 +79,7 @@ class Facts:
     # Workers taken out of the job (lost, evicted, drained, started unwanted or too late)
     # whose processes have not been stopped yet.
     stopping: bool = False
+    now: float = 0.0  # the driver's clock (a wait for workers is timed from it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,13 +175,6 @@ Event = Boundary | Outcome
 
 
 @dataclass(frozen=True, slots=True)
-class Become:
-    """Move the loop's phase (reported; its moves are enforced by ``Phase``)."""
-
-    phase: Phase
-
-
-@dataclass(frozen=True, slots=True)
 class LoadData:
     """Load the dataset and build the protocol at the job's position."""
 
@@ -255,9 +247,11 @@ class GiveUpStarts:
 @dataclass(frozen=True, slots=True)
 class WaitForMinimum:
     """Too few workers: say why, fail once the wait is over its limit, else wait a little
-    (the step ends: the next boundary looks again)."""
+    (the step ends: the next boundary looks again). ``since``: when the wait began (None:
+    it begins now)."""
 
     shortfall: str
+    since: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,8 +389,7 @@ class EndStep:
 
 
 Command = (
-    Become
-    | LoadData
+    LoadData
     | ApplyRequests
     | ApplyDrains
     | AdoptStarted

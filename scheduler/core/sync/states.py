@@ -1,7 +1,11 @@
-"""Where the synchronous step loop's boundary stands: the states of
-:class:`~dynabatch.scheduler.core.sync.engine.SyncEngine`. Each says which command's outcome
-(an event of ``messages``) the engine waits for and carries what that outcome is judged by;
-the engine dispatches on them. Frozen values, no behaviour.
+"""Where the synchronous step loop stands: the states of
+:class:`~dynabatch.scheduler.core.sync.engine.SyncEngine`, the loop's one vocabulary (what
+the job is doing is its engine's state; its public
+:class:`~dynabatch.scheduler.core.lifecycle.JobState` says only PENDING, RUNNING or how it
+ended). Between boundaries the engine is :class:`AtRest`, or :class:`Waiting` for workers;
+inside one, each state says which command's outcome (an event of ``messages``) the engine
+waits for and carries what that outcome is judged by; the engine dispatches on them.
+Frozen values, no behaviour.
 """
 
 from __future__ import annotations
@@ -15,6 +19,17 @@ class AtRest:
 
 
 @dataclass(frozen=True, slots=True)
+class Waiting:
+    """Between boundaries, with fewer workers than the job's minimum (``shortfall`` says
+    which, and why) since ``since`` (the driver's clock): the next boundary looks again, and
+    the job fails once the wait is over its limit. A boundary that does not wait again ends
+    the wait (a later one starts over)."""
+
+    since: float
+    shortfall: str
+
+
+@dataclass(frozen=True, slots=True)
 class Watching:
     """A segment is in flight: waiting for started workers to be noticed and nodes
     listed (membership changes wait for the next boundary with nothing in flight)."""
@@ -23,7 +38,10 @@ class Watching:
 @dataclass(frozen=True, slots=True)
 class Requesting:
     """Nothing in flight: waiting for the requests to be taken into the membership (then
-    what they drain leaves, the evaluations settled first)."""
+    what they drain leaves, the evaluations settled first). ``waiting``: the wait for
+    workers this boundary began in (its reconcile states carry it on; None: none)."""
+
+    waiting: Waiting | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,16 +49,22 @@ class Gathering:
     """Nothing in flight: waiting for the drains and for started workers to be taken in
     (then nodes are listed when due)."""
 
+    waiting: Waiting | None = None
+
 
 @dataclass(frozen=True, slots=True)
 class Placing:
     """Waiting for workers to be started on the nodes listed."""
+
+    waiting: Waiting | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class GivingUp:
     """The first start's wait is over (the start timeout, or a cancel): waiting for the
     workers still starting to be given up."""
+
+    waiting: Waiting | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +76,7 @@ class AwaitingStarts:
 
     adopted: bool
     first: bool
+    waiting: Waiting | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +178,7 @@ class CancelSettling:
 
 LoopState = (
     AtRest
+    | Waiting
     | Watching
     | Requesting
     | Gathering
