@@ -43,24 +43,12 @@ CALL_TIMEOUT_S = 60.0
 SEGMENT_LIMIT_S = 3600.0
 
 
-def load_checked(spec: JobSpec) -> tuple[Any, Any]:
-    """The job's dataset and its objective, the model, the loss and the metrics checked
-    on two samples of it: a workload error names its field here, once, rather than inside
-    every worker's constructor. No Ray (the simulator's tests use it too)."""
-    from dynabatch.actors.workloads.datasets import load_dataset
-    from dynabatch.actors.workloads.models import build_model
-    from dynabatch.actors.workloads.objective import check_objective
-
-    ds = load_dataset(spec.dataset, seed=spec.seed)
-    _refuse_oversized_batch(spec, len(ds.y_train))
-    model = build_model(spec.model, tuple(ds.input_shape), ds.num_classes)
-    return ds, check_objective(spec, model, ds.x_train, ds.y_train)
-
-
 def open_checked(spec: JobSpec) -> tuple[Any, Any]:
-    """:func:`load_checked` for data read by position: the job's
-    :class:`~dynabatch.actors.data.open.Opened` data (arrays, or sources and the refs its
-    workers open) and its objective, checked on the first two training samples. No Ray."""
+    """The job's :class:`~dynabatch.actors.data.open.Opened` data (arrays, or sources and
+    the refs its workers open) and its objective, the model, the loss and the metrics
+    checked on the first two training samples: a workload error names its field here,
+    once, rather than inside every worker's constructor. No Ray (the simulator's tests use
+    it too)."""
     import numpy as np
     from dynabatch.actors.data.open import open_dataset
     from dynabatch.actors.workloads.hf import check_tokenizer

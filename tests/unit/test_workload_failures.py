@@ -1,13 +1,13 @@
 """A job whose workload is wrong ends FAILED with one line naming the field: the real
 coordinator, the fake cluster, and the data loaded and checked as the Ray runtime does
-(``dynabatch.scheduler.runtime.ray_runtime.load_checked``)."""
+(``dynabatch.scheduler.runtime.ray_runtime.open_checked``)."""
 
 from __future__ import annotations
 
 import pytest
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.runtime.ray_runtime import load_checked
+from dynabatch.scheduler.runtime.ray_runtime import open_checked
 from dynabatch.scheduler.runtime.seam import DataInfo
 from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
@@ -22,8 +22,8 @@ class CheckedDataRuntime(SimRuntime):
     metrics exactly as RayRuntime.load_data does before any worker starts."""
 
     def load_data(self) -> DataInfo:
-        ds, _ = load_checked(self.spec)
-        return DataInfo(ds.name, len(ds.y_train), len(ds.y_test))
+        data, _ = open_checked(self.spec)
+        return DataInfo(data.name, len(data.train), len(data.test))
 
 
 def _run(**spec: object) -> tuple[Coordinator, SimRuntime]:
