@@ -49,6 +49,7 @@ from dynabatch.service.raycluster import fast_health_check
 from ray.cluster_utils import Cluster
 
 from bench.report import emit
+from bench.runtime_watch import count_segments, watch_steps
 
 TARGET = 0.85
 HOLD = 3
@@ -77,7 +78,7 @@ def _first_held(per_step: list[dict[str, Any]], start: int, ok: Any) -> int | No
 
 
 def per_step_balance(reports: Iterable[list[Any]]) -> list[dict[str, Any]]:
-    """One row per committed step (the reports ``Coordinator.watch_steps`` passes, one per
+    """One row per committed step (the reports ``runtime_watch.watch_steps`` passes, one per
     worker): its epoch, step, compute balance (mean / max of the workers' compute times) and
     the workers' batches."""
     rows = []
@@ -112,7 +113,8 @@ def run(policy: str, mode: str, check: int, args: argparse.Namespace,
         # (every update refused: the allocation is deferred to the step after that segment)
         coord.runtime.update_segment = lambda update, timeout_s: False
     recent: deque[list] = deque(maxlen=512)  # the last steps' reports, one per worker
-    coord.watch_steps(recent.append)
+    watch_steps(coord.runtime, recent.append)
+    counts = count_segments(coord.runtime)
     snap = coord.run()
     if snap.state.value != "SUCCEEDED":
         raise RuntimeError(f"{policy}/{mode}: {snap.state.value}: {snap.reason}")
@@ -143,8 +145,8 @@ def run(policy: str, mode: str, check: int, args: argparse.Namespace,
             r["balance"] for r in per_step[start + (recover or 0):][:20]),
         "epoch_s": [round(r.wall_s, 3) for r in hist],
         "rebalances": snap.rebalances_total,
-        "plan_updates": coord.job.plan_updates,
-        "plan_updates_refused": coord.job.plan_updates_refused,
+        "plan_updates": counts.updates_applied,
+        "plan_updates_refused": counts.updates_refused,
         "final_accuracy": hist[-1].test_accuracy,
         "per_step_balance": [round(r["balance"], 3) for r in per_step[start - 3:start + 25]],
         "per_step_victim_batch": [r["batches"].get(victim) for r in per_step[start - 3:start + 25]],

@@ -36,11 +36,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray
 from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.runtime import ray_runtime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.service.raycluster import fast_health_check
 from ray.cluster_utils import Cluster
 
 from bench.report import emit
+from bench.runtime_watch import record_spares, spares_up
 
 
 def spec(tag: str, **kw: Any) -> JobSpec:
@@ -141,6 +143,8 @@ def scale_up_spare(cluster: Cluster, run: int) -> dict[str, Any]:
     for _ in range(3):
         cluster.add_node(num_cpus=1, resources={tag: 1})
     cluster.wait_for_nodes()
+    spares: dict[str, Any] = {}  # node id -> the spare started there
+    ray_runtime.start_spare = record_spares(spares)
     coord = Coordinator("spare", spec(tag, workers=2, max_workers=2, epochs=12), resume=False)
     progress: list[tuple[float, int, int, int]] = []
     stop = threading.Event()
@@ -148,7 +152,7 @@ def scale_up_spare(cluster: Cluster, run: int) -> dict[str, Any]:
     runner = threading.Thread(target=coord.run, daemon=True)
     runner.start()
     deadline = time.monotonic() + 300
-    while not (coord.epoch >= 1 and any(coord.runtime.spare_nodes().values())):
+    while not (coord.epoch >= 1 and spares_up(spares)):
         if time.monotonic() > deadline or not runner.is_alive():
             raise RuntimeError(f"no spare came up: {coord.snapshot().reason}")
         time.sleep(0.01)

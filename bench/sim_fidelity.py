@@ -54,6 +54,7 @@ from dynabatch.scheduler.telemetry import EpochRecord
 
 from bench import disturbance, hetero
 from bench.report import emit
+from bench.runtime_watch import watch_steps
 
 SKIP = 1  # epochs left out of the mean: the first pays start-up
 NODES = 4  # the Ray cluster's nodes: the most any of the three jobs uses
@@ -75,7 +76,7 @@ def relative_error(predicted: float, measured: float) -> float:
 def recovery(reports: list[list[Any]], at: int) -> dict[str, Any]:
     """Steps to recover balance after the disturbance at epoch 1, step ``at`` (the
     disturbance bench's definition), from the per-step reports a coordinator's
-    ``watch_steps`` gave, with the balance of the steps around it."""
+    ``watch_steps`` (``bench/runtime_watch.py``) gave, with the balance of the steps around it."""
     rows = disturbance.per_step_balance(reports)
     start = disturbance.disturbance_start(rows, at)
     return {
@@ -91,7 +92,7 @@ def run_on_ray(spec: JobSpec, report: Path) -> tuple[list[EpochRecord], list[lis
 
     coord = Coordinator(spec.name, spec, resume=False)
     steps: list[list[Any]] = []
-    coord.watch_steps(steps.append)
+    watch_steps(coord.runtime, steps.append)
     snap = coord.run()
     if snap.state.value != "SUCCEEDED":
         raise RuntimeError(f"{spec.name}: {snap.state.value}: {snap.reason}")
@@ -104,7 +105,8 @@ def run_in_sim(spec: JobSpec, cluster: ClusterSpec) -> tuple[list[EpochRecord], 
     """The same job in the simulator on ``cluster``: its epoch records and per-step reports."""
     steps: list[list[Any]] = []
     with quiet_engine():
-        res = simulate(spec, cluster, coordinator_hook=lambda c: c.watch_steps(steps.append))
+        res = simulate(spec, cluster,
+                       coordinator_hook=lambda c: watch_steps(c.runtime, steps.append))
     if res.snapshot.state.value != "SUCCEEDED":
         raise RuntimeError(f"{spec.name} (simulated): {res.snapshot.reason}")
     return res.history, steps

@@ -270,12 +270,6 @@ class RayRuntime:
             with contextlib.suppress(Exception):
                 ray.kill(spare.handle, no_restart=True)
 
-    def spare_nodes(self) -> dict[str, bool]:
-        """Nodes holding a spare, and whether it is up (benchmarks and tests wait on it,
-        from another thread)."""
-        with self._lock:
-            return {n: s.up for n, s in self._spares.items()}
-
     def lost_spares(self) -> list[tuple[str, str]]:
         """Spares that died, or are not up ``start_timeout_s`` after they were started.
         A spare that dies once up is found when it is adopted (its worker fails to start

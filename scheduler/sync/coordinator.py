@@ -48,7 +48,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.actors.spec import MAX_WORKERS, JobSpec
 from dynabatch.scheduler.control import Assign, JobControl
 from dynabatch.scheduler.core.failures import FailurePolicy
@@ -283,14 +282,6 @@ class Coordinator(JobControl):
                 step_breakdown=last.breakdown if last else None,
                 started_at=self.started_at, finished_at=self.finished_at,
             )
-
-    def watch_steps(self, watcher: Callable[[list[StepTelemetry]], None]) -> None:
-        """Call ``watcher`` with each committed step's reports (one per worker that trained
-        it), in order: instrumentation for benchmarks and tests (per-step balance, replayed
-        telemetry). Training reads nothing back. It is called under the coordinator's lock,
-        so it must be quick (appending to a list, say)."""
-        with self._lock:
-            self.job.step_watchers.append(watcher)
 
     def _member_ids(self) -> list[str]:
         return self.job.membership.worker_ids

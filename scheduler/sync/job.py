@@ -18,11 +18,9 @@ first: the engine's ``Settle`` before ``ApplyDrains``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.scheduler.control import Scale
 from dynabatch.scheduler.core.failures import (
     Attempts,
@@ -122,15 +120,9 @@ class SyncJob:
     leaving: list[str] = field(default_factory=list)
     last_collect: float = -1e18  # when the last segment's results were read
 
-    # Instrumentation (benchmarks, tests): called with each committed step's reports, in
-    # order (Coordinator.watch_steps). Training reads nothing back.
-    step_watchers: list[Callable[[list[StepTelemetry]], None]] = field(default_factory=list)
     rebalances_total: int = 0
     regroup_seconds_total: float = 0.0
     retried_samples_total: int = 0
-    segments_sent_ahead: int = 0
-    plan_updates: int = 0  # re-plans that took effect inside a segment already sent
-    plan_updates_refused: int = 0  # ... refused (a worker had started the step): deferred
 
     @property
     def start_batch(self) -> int:

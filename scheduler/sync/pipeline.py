@@ -107,9 +107,6 @@ class Pipeline(Part):
         ok = self.runtime.update_segment(update, UPDATE_TIMEOUT_S)
         if ok:
             ahead.plans = updated_plans(ahead.plans, update)
-            job.plan_updates += 1
-        else:
-            job.plan_updates_refused += 1
         return ok
 
     def send_ahead(self, start: Position, plans: dict[str, Any], across: bool) -> None:
@@ -129,7 +126,6 @@ class Pipeline(Part):
         nxt = self.stamp(p.plan_segment(at=plan.position))
         job.ahead = Ahead(plan.position, nxt, self.runtime.submit_segment(nxt), self.clock.now(),
                           behind)
-        job.segments_sent_ahead += 1
 
     def drain(self, commit: bool) -> None:
         """Collect the segment in flight: commit it (``commit``), or discard it after a
@@ -206,8 +202,6 @@ class Pipeline(Part):
                 committed.append(reports)
                 job.ledger.commit(reports)
                 job.regime.observe(reports)
-                for watch in job.step_watchers:
-                    watch(reports)
                 ep.add_step(reports)
             ep.add_segment(results, done)
             for r in results:

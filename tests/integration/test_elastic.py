@@ -22,7 +22,9 @@ from dynabatch.scheduler.checkpoint import load_checkpoint
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime.launch import find_coordinator, launch_coordinator
 from dynabatch.scheduler.sync.coordinator import Coordinator
+from ray.exceptions import RayActorError
 
+from bench.runtime_watch import StartedSpare, record_spares, spares_up, watch_steps
 from bench.worker_probes import fail_when_spawned
 
 from .conftest import wait_for
@@ -259,10 +261,11 @@ def test_killed_scheduler_resumes_from_checkpoint_with_identical_weights(cluster
         assert torch.equal(final[k], v), k
 
 
-def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster):
+def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster, monkeypatch):
     """A 2-worker job on 3 nodes keeps a spare on the idle one, holding none of its CPU;
     a scale-up adopts it (it reserves the CPU, then trains), and nothing of it outlives
     the job."""
+    from dynabatch.scheduler.runtime import ray_runtime
     from ray._private.state import available_resources_per_node
 
     nodes = _session_nodes()
@@ -275,11 +278,12 @@ def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster):
     coord = Coordinator("spare", _spec(SESSION, workers=2, max_workers=2, epochs=500, spares=1,
                                        emulation=idle(2)), resume=False)
     trained: set[str] = set()  # the workers that trained a step
-    coord.watch_steps(lambda row: trained.update(r.worker for r in row))
+    watch_steps(coord.runtime, lambda row: trained.update(r.worker for r in row))
+    spares: dict[str, StartedSpare] = {}  # node id -> the spare started there
+    monkeypatch.setattr(ray_runtime, "start_spare", record_spares(spares))
     thread = _start(coord)
     try:
-        up = wait_for(lambda: [n for n, ok in coord.runtime.spare_nodes().items() if ok],
-                      timeout=120, interval=0.05)
+        up = wait_for(lambda: spares_up(spares), timeout=120, interval=0.05)
         (node,) = up
         assert node not in {m.node for m in coord.members}
         wait_for(lambda: free_cpus()[node] == 1.0, timeout=10)  # the spare reserves nothing
@@ -293,7 +297,10 @@ def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster):
         coord.cancel("test done")
         thread.join(timeout=60)
     assert coord.snapshot().state == JobState.CANCELLED
-    assert coord.runtime.spare_nodes() == {}
+    assert node in spares
+    for spare in spares.values():  # adopted or not, no spare outlives the job
+        with pytest.raises(RayActorError):
+            ray.get(spare.handle.info.remote(), timeout=30)
     wait_for(lambda: set(free_cpus().values()) == {1.0}, timeout=20)  # all released
 
 

@@ -15,6 +15,7 @@ from dynabatch.scheduler.sync.evaluation import EvalRound
 from dynabatch.scheduler.telemetry import EpochRecord, StepBreakdown
 from rich.console import Console
 
+from bench.runtime_watch import watch_steps
 from tests.fakes import EVAL_SPEEDUP, Lineages, TimedSimRuntime, edit_steps, sim_runtime
 from tests.unit.test_engine_faults import SPE, _assert_exactly_once, _spec
 
@@ -96,7 +97,7 @@ def test_every_epoch_reports_its_breakdown_with_evaluation_off_the_critical_path
                      runtime=_PhasedRuntime)
     coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
     steps: list = []
-    coord.watch_steps(steps.append)
+    watch_steps(rt, steps.append)
     coord.run()
     _assert_exactly_once(coord, lineages)
     hist = coord.history()

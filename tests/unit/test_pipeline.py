@@ -19,6 +19,7 @@ from dynabatch.scheduler.sync.coordinator import Coordinator
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.runtime_watch import count_segments
 from tests.fakes import Lineages
 from tests.unit.test_engine_faults import (
     SPE,
@@ -203,11 +204,12 @@ def _scored_final_weights(coord: Coordinator, rt: _Scoring) -> None:
 
 def test_without_faults_every_segment_but_the_first_goes_out_ahead():
     coord, rt, lineages = _coord(_pspec(policy="static"))
+    counts = count_segments(rt)
     coord.run()
     _assert_exactly_once(coord, lineages)
     # 2 segments per epoch; across the epochs' ends too, behind each epoch's evaluation.
     assert rt.record.segments == 2 * coord.spec.epochs
-    assert coord.job.segments_sent_ahead == rt.record.segments - 1
+    assert counts.sent_ahead == rt.record.segments - 1
     assert rt.record.submitted == rt.record.segments
     _scored_final_weights(coord, rt)
 
@@ -216,10 +218,11 @@ def test_an_epoch_whose_end_replans_is_not_crossed_ahead():
     """``rebalance: epoch`` under dbs decides at the epoch's end: the next epoch's first
     segment waits for that decision instead of training at the carried shares."""
     coord, rt, lineages = _coord(_pspec(policy="dbs"))
+    counts = count_segments(rt)
     coord.run()
     _assert_exactly_once(coord, lineages)
     assert rt.record.segments == 2 * coord.spec.epochs
-    assert coord.job.segments_sent_ahead == rt.record.segments - coord.spec.epochs
+    assert counts.sent_ahead == rt.record.segments - coord.spec.epochs
     assert rt.record.submitted == rt.record.segments
     _scored_final_weights(coord, rt)
 
@@ -232,9 +235,10 @@ def test_segments_go_out_ahead_when_replans_are_due(rebalance, policy):
     """In adaptive and steps modes a re-plan is due at (almost) every boundary: the plan
     changes asynchronously, from the step after the segment ahead."""
     coord, rt, lineages = _coord(_spec(rebalance=rebalance, policy=policy))
+    counts = count_segments(rt)
     coord.run()
     _assert_exactly_once(coord, lineages)
-    assert coord.job.segments_sent_ahead == rt.record.segments - 1 > 0
+    assert counts.sent_ahead == rt.record.segments - 1 > 0
     assert coord.snapshot().rebalances_total >= 1
     assert any("from step" in x.message for x in coord.logs() if "rebalance" in x.message)
     # The plan follows the speeds (1000, 500, 250 samples/s).
@@ -437,16 +441,17 @@ def test_a_worker_still_starting_does_not_stop_the_pipeline():
     spec = _spec(max_workers=4, rebalance={"mode": "adaptive"}, start_timeout_s=30)
     # A node joins as step 4 trains; a worker takes 0.5 s (about 13 steps) to come up.
     join = {"epoch": 0, "step": 4, "join": {"class": "node00", "count": 1}}
-    coord, _, lineages = _coord(spec, start_s=0.5, events=[join])
+    coord, rt, lineages = _coord(spec, start_s=0.5, events=[join])
+    counts = count_segments(rt)
     _run_to(coord, 0, 4)
     while not coord.job.membership.pending:  # the node joined; its worker is placed
         assert coord.step(), coord.snapshot().reason
-    sent, pending_steps = coord.job.segments_sent_ahead, 0
+    sent, pending_steps = counts.sent_ahead, 0
     while len(coord.job.membership.worker_ids) < 4:
         assert coord.step(), coord.snapshot().reason
         pending_steps += bool(coord.job.membership.pending)
     assert pending_steps >= 3
-    assert coord.job.segments_sent_ahead >= sent + pending_steps - 1
+    assert counts.sent_ahead >= sent + pending_steps - 1
     coord.run()
     _assert_exactly_once(coord, lineages)
     assert coord.job.membership.get("w3").node == "node00-00001"
@@ -495,13 +500,14 @@ def test_any_fault_schedule_with_segments_ahead_trains_every_sample_once(
             script.append(Fault(kind=kind, worker=w, epoch=epoch, step=step))
         else:  # the survivors differ by a step, or not
             script.append(Fault(kind=kind, worker=w, epoch=epoch, step=step, uneven=uneven))
-    coord, _, lineages = _coord(spec, *script, nodes=8)
+    coord, rt, lineages = _coord(spec, *script, nodes=8)
+    counts = count_segments(rt)
     snap = coord.run()
     if snap.state == JobState.FAILED and "no checkpoint to restore" in snap.reason:
         assert all(r.verified for r in coord.history())
         return
     _assert_exactly_once(coord, lineages)
-    assert coord.job.segments_sent_ahead > 0
+    assert counts.sent_ahead > 0
     for r in coord.history():  # scores, when there are any, are the epoch's own
         if r.test_accuracy is not None:
             assert r.test_accuracy == pytest.approx(min(1.0, (r.epoch + 1) * SPE / 100))

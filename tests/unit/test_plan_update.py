@@ -130,7 +130,7 @@ def test_a_disturbance_is_answered_inside_the_segment_in_flight(policy):
     coord, rt, lineages = _disturbed(policy=policy)
     coord.run()
     _assert_exactly_once(coord, lineages)
-    assert coord.job.plan_updates >= 1 and rt.record.updates_applied
+    assert rt.record.updates_applied
     first = rt.record.updates_applied[0]
     # Applied from the second step of the segment ahead, not after it.
     seg = next(p for p in rt.record.plans if any(sp.step == first.at_step
@@ -151,8 +151,6 @@ def test_a_refused_update_defers_the_plan_to_the_next_segment(monkeypatch):
     coord.run()
     _assert_exactly_once(coord, lineages)
     assert len(rt.record.updates) > asked and len(rt.record.updates_applied) == applied
-    assert coord.job.plan_updates == applied
-    assert coord.job.plan_updates_refused == len(rt.record.updates) - asked
     assert coord.snapshot().rebalances_total > rebalances
 
 
@@ -162,7 +160,7 @@ def test_segments_of_rebalance_epoch_are_never_updated():
     coord, rt, lineages = _job(_spec(rebalance={"mode": "epoch"}, policy="dbs"))
     coord.run()
     _assert_exactly_once(coord, lineages)
-    assert not rt.record.updates and coord.job.plan_updates == 0
+    assert not rt.record.updates
     assert not any(next(iter(p.values())).updates for p in rt.record.plans)
 
 

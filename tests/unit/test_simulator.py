@@ -39,6 +39,8 @@ from dynabatch.scheduler.sim.profiles import profiles_from_report
 from dynabatch.scheduler.sim.simulator import simulate
 from typer.testing import CliRunner
 
+from bench.runtime_watch import watch_steps
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -173,7 +175,7 @@ def test_simulated_and_replayed_runs_make_the_same_allocation_decisions(policy):
 
     def hook(c) -> None:
         c.job.policy = _RecordingPolicy(c.job.policy, sim_log)
-        c.watch_steps(sim_steps.append)
+        watch_steps(c.runtime, sim_steps.append)
 
     sim = simulate(spec, cluster, dataset_size=n_train, coordinator_hook=hook)
     assert sim.snapshot.state == JobState.SUCCEEDED, sim.snapshot.reason
