@@ -95,3 +95,14 @@ def test_a_broken_link_or_anchor_is_found(tmp_path: Path) -> None:
         "missing.md: no such file",
         "doc.md#nowhere: no heading #nowhere in doc.md",
     ]
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    """The pages the README links to keep their own links and anchors true as well (a
+    heading renamed in docs/architecture.md once left its table of contents pointing
+    nowhere)."""
+    folders = ("docs", "examples", "bench", "deploy")
+    pages = sorted(p for folder in folders for p in (ROOT / folder).rglob("*.md"))
+    assert pages
+    problems = {str(p.relative_to(ROOT)): b for p in pages if (b := broken_links(p))}
+    assert problems == {}
