@@ -22,7 +22,7 @@ from dynabatch.scheduler.checkpoint import load_checkpoint
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime.launch import find_coordinator, launch_coordinator
 from dynabatch.scheduler.sync.coordinator import Coordinator
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from bench.runtime_watch import StartedSpare, record_spares, spares_up, watch_steps
 from bench.worker_probes import fail_when_spawned
@@ -236,15 +236,26 @@ def test_killed_scheduler_resumes_from_checkpoint_with_identical_weights(cluster
     seen = []
 
     def past_first_epoch() -> bool:
-        seen.append(ray.get(handle.snapshot.remote(), timeout=10))
+        # Until its process is up (Ray and torch imported, on a loaded host more than the
+        # call's 10 s: a fresh-clone run failed here) the actor answers nothing: not yet.
+        try:
+            seen.append(ray.get(handle.snapshot.remote(), timeout=10))
+        except GetTimeoutError:
+            return False
         return seen[-1].epoch >= 1 or seen[-1].state.is_terminal
 
     try:
-        wait_for(past_first_epoch, timeout=120, interval=0.05)
-    except TimeoutError:
-        last = seen[-1]
-        raise AssertionError(f"still at {last.state} epoch {last.epoch}: {last.reason}") from None
-    ray.kill(handle, no_restart=True)
+        try:
+            wait_for(past_first_epoch, timeout=120, interval=0.05)
+        except TimeoutError:
+            last = seen[-1] if seen else None
+            raise AssertionError(
+                "never answered" if last is None
+                else f"still at {last.state} epoch {last.epoch}: {last.reason}") from None
+    finally:
+        # Detached: left running, its two workers would hold two of the session's three
+        # nodes into the next test (whose spare then found no idle node).
+        ray.kill(handle, no_restart=True)
     last = seen[-1]
     assert not last.state.is_terminal and last.epoch < 3, (last.state, last.reason, last.epoch)
     wait_for(lambda: find_coordinator("resume-job") is None, timeout=30)
