@@ -9,6 +9,7 @@ coordinator from the checkpoint: the one way out of FAILED or CANCELLED, back to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -73,6 +74,12 @@ _TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class MarkRunning:
+    """A command either engine gives (the step loop's, the parameter server's): the job
+    runs, PENDING becomes RUNNING (the group is ready, or the learners are placed)."""
 
 
 class InvalidTransition(ValueError):

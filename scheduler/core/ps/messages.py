@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.lifecycle import JobState, MarkRunning
 from dynabatch.scheduler.core.membership import NodeAssignment
 
 # --- events -----------------------------------------------------------------------------
@@ -183,11 +183,6 @@ class Log:
 
     level: str
     message: str
-
-
-@dataclass(frozen=True, slots=True)
-class MarkRunning:
-    """The learners are placed: PENDING becomes RUNNING."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dynabatch.scheduler.core.lifecycle import MarkRunning
+
 # --- facts and events -------------------------------------------------------------------
 
 
@@ -264,11 +266,6 @@ class Regroup:
 class RollBack:
     """No member holds the committed state: load the last checkpoint (its weights wait for
     the regroup), or fail the job with the reason."""
-
-
-@dataclass(frozen=True, slots=True)
-class MarkRunning:
-    """The job trains: PENDING becomes RUNNING."""
 
 
 @dataclass(frozen=True, slots=True)
