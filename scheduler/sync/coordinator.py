@@ -75,7 +75,8 @@ from dynabatch.scheduler.core.sync.messages import (
     FinishSucceeded,
     GiveUpStarts,
     JudgeEpoch,
-    Kill,
+    KillLeaving,
+    LoadCheckpoint,
     LoadData,
     MarkRunning,
     NextEpoch,
@@ -84,7 +85,6 @@ from dynabatch.scheduler.core.sync.messages import (
     PublishReady,
     Regroup,
     Replan,
-    RollBack,
     SaveModel,
     Settle,
     SpawnWorkers,
@@ -415,7 +415,7 @@ class Coordinator(JobControl):
                 self.roster.spawn(starting)
             case TendSpares():
                 self.roster.tend_spares()
-            case Kill():
+            case KillLeaving():
                 self.roster.stop_leaving()
             case AwaitStarts(first):
                 self.roster.await_starts(first)
@@ -423,7 +423,7 @@ class Coordinator(JobControl):
                 self.roster.give_up_starts()
             case WaitForMinimum(shortfall, since):
                 self.roster.wait_for_min(shortfall, since)
-            case RollBack():
+            case LoadCheckpoint():
                 self.checkpoints.roll_back()
             case Regroup():
                 return self.roster.regroup()

@@ -116,7 +116,7 @@ class SyncJob:
     starts_until: float | None = None  # the first start's wait ends then (AwaitStarts)
     last_node_poll: float = -1e18
     nodes: list[NodeInfo] = field(default_factory=list)  # as last listed (PollNodes)
-    # Workers taken out of the job whose processes the engine's next Kill stops.
+    # Workers taken out of the job whose processes the engine's next KillLeaving stops.
     leaving: list[str] = field(default_factory=list)
     last_collect: float = -1e18  # when the last segment's results were read
 
@@ -249,7 +249,7 @@ class Part:
             self.changed(change)
 
     def stop_leaving(self) -> None:
-        """Stop the processes of the workers taken out of the job (the engine's ``Kill``)."""
+        """Stop the processes of the workers taken out of the job (the engine's ``KillLeaving``)."""
         leaving, self.job.leaving = self.job.leaving, []
         for worker in leaving:
             self.runtime.kill(worker)

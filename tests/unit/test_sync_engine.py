@@ -35,7 +35,8 @@ from dynabatch.scheduler.core.sync.messages import (
     FinishSucceeded,
     GiveUpStarts,
     JudgeEpoch,
-    Kill,
+    KillLeaving,
+    LoadCheckpoint,
     LoadData,
     MarkRunning,
     NextEpoch,
@@ -46,7 +47,6 @@ from dynabatch.scheduler.core.sync.messages import (
     Regrouped,
     Replan,
     RequestsTaken,
-    RollBack,
     SaveModel,
     SegmentDone,
     Settle,
@@ -154,9 +154,9 @@ def _boundary(engine: SyncEngine, first: Facts, data: st.DataObject):
     for _ in range(24):
         # Workers taken out of the job are stopped first thing in the next batch, and only
         # then; the rest of the batch is what the facts decide (checked below).
-        assert (commands[:1] == [Kill()]) == before.stopping, (before.stopping, commands)
+        assert (commands[:1] == [KillLeaving()]) == before.stopping, (before.stopping, commands)
         commands = commands[1:] if before.stopping else commands
-        assert Kill() not in commands
+        assert KillLeaving() not in commands
         assert commands, "a batch is never empty"
         last = commands[-1]
         if isinstance(last, EndStep):
@@ -361,17 +361,17 @@ def test_every_boundary_follows_the_loops_rules(first: Facts, data: st.DataObjec
                     assert c.since == (rest.since if isinstance(rest, Waiting) else None)
                     since = before.now if c.since is None else c.since
                     assert engine.state == Waiting(since, before.shortfall)
-                if isinstance(c, RollBack):  # no holder: the checkpoint first
+                if isinstance(c, LoadCheckpoint):  # no holder: the checkpoint first
                     assert before.regroup_due and before.shortfall is None
                     assert before.needs_state and not before.holding_restored
                     # the evaluations in flight settled first
-                    assert commands == [Settle(), RollBack()]
+                    assert commands == [Settle(), LoadCheckpoint()]
                     after, _ = answered
                     nxt = next(cs for b, cs, _ in batches if b is after)
                     assert nxt == [Regroup()]
                 if isinstance(c, Regroup):
                     assert commands == [c]
-                    if not any(RollBack() in cs for _, cs, _ in batches):
+                    if not any(LoadCheckpoint() in cs for _, cs, _ in batches):
                         assert before.regroup_due and before.shortfall is None
                         assert not before.needs_state or before.holding_restored
                 if isinstance(c, MarkRunning):
@@ -607,7 +607,7 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
     assert engine.ran(replace(waiting, start_overdue=True)) == [GiveUpStarts()]
     given_up = Facts(pending=True, starting=True, shortfall="0 of 2 workers", stopping=True)
     assert engine.ran(given_up) == [
-        Kill(), WaitForMinimum("0 of 2 workers"), EndStep()]
+        KillLeaving(), WaitForMinimum("0 of 2 workers"), EndStep()]
 
     # All up at the first wait: the group forms (nothing failed, nothing is started again).
     _requests_applied(engine, starting)
@@ -623,7 +623,7 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
     assert engine.ran(starting) == start
     assert engine.ran(replace(waiting, cancel_requested=True)) == [GiveUpStarts()]
     gave_up = Facts(pending=True, cancel_requested=True, shortfall="0 of 2", stopping=True)
-    assert engine.ran(gave_up) == [Kill(), Settle()]
+    assert engine.ran(gave_up) == [KillLeaving(), Settle()]
 
 
 @settings(max_examples=300)
@@ -649,7 +649,7 @@ def test_the_first_starts_wait_follows_its_rules(data: st.DataObject) -> None:
         if waits >= 4:  # the start timeout is over by then
             f = replace(f, start_overdue=True)
         commands = engine.ran(f)
-        assert (commands[:1] == [Kill()]) == f.stopping
+        assert (commands[:1] == [KillLeaving()]) == f.stopping
         body = commands[1:] if f.stopping else commands
         if f.terminal:
             assert body == [EndStep()]
@@ -706,15 +706,15 @@ def test_workers_taken_out_are_killed_before_anything_else() -> None:
     _requests_applied(engine, Facts(epoch_open=True))
     engine.ran(Facts(epoch_open=True))
     lost = Facts(in_flight=True, epoch_open=True, stopping=True)
-    assert engine.ran(lost, ok=False) == [Kill(), AbsorbAhead()]
+    assert engine.ran(lost, ok=False) == [KillLeaving(), AbsorbAhead()]
     assert engine.ran(Facts(epoch_open=True)) == [PublishReady(), EndStep()]
     assert engine.on(Boundary(Facts(epoch_open=True))) == [ApplyRequests()]
     assert engine.ran(Facts(epoch_open=True, drains_due=True)) == [
         Settle(), ApplyDrains(), AdoptStarted()]
     drained = Facts(epoch_open=True, regroup_due=True, stopping=True)
-    assert engine.ran(drained) == [Kill(), *PLACE]
+    assert engine.ran(drained) == [KillLeaving(), *PLACE]
     # A job that ended inside a command still stops them.
-    assert engine.ran(Facts(terminal=True, stopping=True)) == [Kill(), EndStep()]
+    assert engine.ran(Facts(terminal=True, stopping=True)) == [KillLeaving(), EndStep()]
 
 
 def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> None:
@@ -812,7 +812,7 @@ def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
     assert engine.ran(lost) == PLACE
     assert engine.ran(lost) == [
         Settle(),
-        RollBack(),
+        LoadCheckpoint(),
     ]
     assert engine.state == RollingBack()  # inside the regroup, which goes on with it
     assert engine.ran(Facts(regroup_due=True)) == [Regroup()]
@@ -964,7 +964,7 @@ def test_each_state_takes_only_the_outcome_its_batch_yields() -> None:
     (Regroup(), Regrouped), (AdoptStarted(), WorkersStarted), (AwaitStarts(), WorkersStarted),
     (PollNodes(), WorkersPlaced), (SpawnWorkers(), WorkersPlaced), (TendSpares(), WorkersPlaced),
     (ApplyRequests(), RequestsTaken), (Settle(), EvaluationsIn), (JudgeEpoch(), EvaluationsIn),
-    (NextEpoch(), Done), (Replan(), Done), (RollBack(), Done), (GiveUpStarts(), Done),
+    (NextEpoch(), Done), (Replan(), Done), (LoadCheckpoint(), Done), (GiveUpStarts(), Done),
     (PostPlanUpdate(), Done), (LoadData(), Done),
 ])
 def test_a_command_is_answered_with_its_own_kind_of_outcome(command, kind) -> None:

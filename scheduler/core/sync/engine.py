@@ -94,7 +94,8 @@ from dynabatch.scheduler.core.sync.messages import (
     FinishSucceeded,
     GiveUpStarts,
     JudgeEpoch,
-    Kill,
+    KillLeaving,
+    LoadCheckpoint,
     LoadData,
     MarkRunning,
     NextEpoch,
@@ -105,7 +106,6 @@ from dynabatch.scheduler.core.sync.messages import (
     Regrouped,
     Replan,
     RequestsTaken,
-    RollBack,
     SaveModel,
     SegmentDone,
     Settle,
@@ -167,7 +167,7 @@ class SyncEngine:
         # started unwanted) are stopped before anything else: what a hung worker queued
         # then fails at once rather than after another grace period, and its node's
         # resources are free before workers are spawned or the group formed again.
-        return [Kill(), *commands] if event.facts.stopping else commands
+        return [KillLeaving(), *commands] if event.facts.stopping else commands
 
     def _decide(self, event: Event) -> list[Command]:
         match self.state, event:
@@ -352,7 +352,7 @@ class SyncEngine:
                 self.state = RollingBack()
                 # The records of epochs before the checkpoint first: its history
                 # replaces them all.
-                return [Settle(), RollBack()]
+                return [Settle(), LoadCheckpoint()]
             self.state = Regrouping()
             return [Regroup()]
         return self._formed(f)

@@ -226,7 +226,7 @@ class TendSpares:
 
 
 @dataclass(frozen=True, slots=True)
-class Kill:
+class KillLeaving:
     """Stop the processes of the workers taken out of the job since the last stop."""
 
 
@@ -263,9 +263,10 @@ class Regroup:
 
 
 @dataclass(frozen=True, slots=True)
-class RollBack:
+class LoadCheckpoint:
     """No member holds the committed state: load the last checkpoint (its weights wait for
-    the regroup), or fail the job with the reason."""
+    the regroup), or fail the job with the reason (the failure policy's ``RollBack`` or
+    ``Fail``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,11 +394,11 @@ Command = (
     | PollNodes
     | SpawnWorkers
     | TendSpares
-    | Kill
+    | KillLeaving
     | AwaitStarts
     | GiveUpStarts
     | WaitForMinimum
-    | RollBack
+    | LoadCheckpoint
     | Regroup
     | MarkRunning
     | FinishSucceeded
