@@ -60,7 +60,7 @@ from dynabatch.scheduler.core.ps.messages import (
     RecordEpoch,
     ScaleRequested,
     Sleep,
-    Spawn,
+    SpawnLearner,
     StartServer,
 )
 from dynabatch.scheduler.core.ps.protocol import PSConfig
@@ -301,7 +301,7 @@ class PSCoordinator(JobControl):
                 return NodesListed(nodes, self.clock.now(), self.assignment)
             case Sleep(seconds):
                 self.clock.sleep(seconds)
-            case Spawn(worker, ordinal, node):
+            case SpawnLearner(worker, ordinal, node):
                 self.runtime.spawn(worker, ordinal, node)
             case Kill(worker):
                 self.runtime.kill(worker)

@@ -47,7 +47,7 @@ from dynabatch.scheduler.core.ps.messages import (
     RecordEpoch,
     ScaleRequested,
     Sleep,
-    Spawn,
+    SpawnLearner,
     StartServer,
 )
 from dynabatch.scheduler.core.sync.engine import InvalidEvent
@@ -99,7 +99,7 @@ class Model:
         joined, killed = [], []
         for i, c in enumerate(commands):
             match c:
-                case Spawn(w, ordinal, node):
+                case SpawnLearner(w, ordinal, node):
                     assert w not in self.ever and ordinal not in self.ordinals, "reused"
                     assert w == f"w{ordinal}"
                     assert commands[i + 1] == Note("join", w, node, "joined")
@@ -308,8 +308,9 @@ def test_the_first_learners_go_round_the_nodes_and_the_job_runs() -> None:
     engine.on(DataLoaded())
     assert engine.on(NodesListed((), 0.0)) == [Sleep(NODE_POLL_S), ListNodes()]
     out = engine.on(NodesListed(("n0", "n1"), 0.5))
-    spawns = [c for c in out if isinstance(c, Spawn)]
-    assert spawns == [Spawn("w0", 0, "n0"), Spawn("w1", 1, "n1"), Spawn("w2", 2, "n0")]
+    spawns = [c for c in out if isinstance(c, SpawnLearner)]
+    assert spawns == [SpawnLearner("w0", 0, "n0"), SpawnLearner("w1", 1, "n1"),
+                      SpawnLearner("w2", 2, "n0")]
     assert out[-1] == MarkRunning() and isinstance(engine.state, Running)
     # Unset: one learner per node, with no start barrier.
     unset = PSEngine(None, wait_s=1.0)
@@ -348,7 +349,7 @@ def test_a_learner_that_finished_is_gone_a_lost_one_leaves_and_a_raising_one_fai
 def test_a_node_added_gets_a_learner_unless_the_job_is_assigned() -> None:
     engine = _running(2)
     assert engine.on(NodeAdded("n2", assigned=False, now=1.0)) == [
-        Spawn("w2", 2, "n2"),
+        SpawnLearner("w2", 2, "n2"),
         Note("join", "w2", "n2", "joined"),
     ]
     assert engine.on(NodeAdded("n3", assigned=True, now=1.0)) == []
@@ -369,13 +370,13 @@ def test_a_scale_up_goes_round_the_nodes_listed_now() -> None:
     engine = _running(2)
     engine.on(ScaleRequested(4))
     out = engine.on(NodesListed(("n0", "n1", "n2"), 1.0))
-    assert [c for c in out if isinstance(c, Spawn)] == [
-        Spawn("w2", 2, "n2"),
-        Spawn("w3", 3, "n0"),
+    assert [c for c in out if isinstance(c, SpawnLearner)] == [
+        SpawnLearner("w2", 2, "n2"),
+        SpawnLearner("w3", 3, "n0"),
     ]
     engine.on(ScaleRequested(5))
     out = engine.on(NodesListed((), 2.0))  # none listed: the last list stands
-    assert [c for c in out if isinstance(c, Spawn)] == [Spawn("w4", 4, "n1")]
+    assert [c for c in out if isinstance(c, SpawnLearner)] == [SpawnLearner("w4", 4, "n1")]
 
 
 def test_an_assignment_keeps_the_fastest_on_each_node_and_fills_empty_slots() -> None:

@@ -59,7 +59,7 @@ from dynabatch.scheduler.core.ps.messages import (
     RecordEpoch,
     ScaleRequested,
     Sleep,
-    Spawn,
+    SpawnLearner,
     StartServer,
 )
 from dynabatch.scheduler.core.sync.engine import InvalidEvent
@@ -104,7 +104,7 @@ EngineState = Starting | WaitingForNode | Running | Scaling | Ended
 
 
 @dataclass(frozen=True, slots=True)
-class Learner:
+class LearnerRecord:
     """A learner of the job: where it runs, its ordinal, and when it joined."""
 
     node: str
@@ -123,7 +123,7 @@ class PSEngine:
         self.wait_s = wait_s
         self.final_loss = final_loss
         self.state: EngineState = Starting()
-        self._members: dict[str, Learner] = {}
+        self._members: dict[str, LearnerRecord] = {}
         self._next = 0  # the next learner's ordinal
         self._nodes: tuple[str, ...] = ()  # as last listed: where a scale-up goes round
         self._applied: dict[str, float] = {}  # samples applied per learner, last snapshot
@@ -256,8 +256,8 @@ class PSEngine:
         ordinal = self._next
         self._next += 1
         w = f"w{ordinal}"
-        self._members[w] = Learner(node, ordinal, now)
-        return [Spawn(w, ordinal, node), Note("join", w, node, "joined")]
+        self._members[w] = LearnerRecord(node, ordinal, now)
+        return [SpawnLearner(w, ordinal, node), Note("join", w, node, "joined")]
 
     def _remove(self, w: str, why: str) -> list[Command]:
         """Stop learner ``w``: it leaves, its in-flight samples are re-queued."""

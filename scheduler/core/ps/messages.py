@@ -143,7 +143,7 @@ class Sleep:
 
 
 @dataclass(frozen=True, slots=True)
-class Spawn:
+class SpawnLearner:
     """Join learner ``worker`` (``ordinal``: its number, unique in the job) to the core and
     start it on ``node``."""
 
@@ -218,7 +218,7 @@ Command = (
     StartServer
     | ListNodes
     | Sleep
-    | Spawn
+    | SpawnLearner
     | Kill
     | Leave
     | Note
