@@ -38,7 +38,7 @@ from dynabatch.scheduler.runtime.seam import (
 )
 from dynabatch.scheduler.sim.cluster_spec import parse_cluster
 from dynabatch.scheduler.sim.cost_model import SimulatedCluster
-from dynabatch.scheduler.sim.ps_runtime import Fail, SimPSRuntime
+from dynabatch.scheduler.sim.ps_runtime import NodeFailure, SimPSRuntime
 from dynabatch.scheduler.sim.replicas import StepOutcome
 from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sim.timeline import SimClock
@@ -213,7 +213,7 @@ class FakeCluster:
         it."""
         clock = _ServiceClock()
         nodes = _sim_cluster(self.node_ids, False).nodes
-        events = [(0.0, Fail(len(nodes)))] if self.hold else []
+        events = [(0.0, NodeFailure(len(nodes)))] if self.hold else []
         data = load_dataset(spec.dataset, seed=spec.seed)
         runtime = SimPSRuntime(
             spec, data, nodes, lambda i, n: (n.a_s, n.c_s), events=events, clock=clock

@@ -2,7 +2,7 @@
 it, with the reason either way.
 
 Pure (no Ray, no store, no clock): the service's reconciler gathers the facts into a
-:class:`LostCoordinator` and executes the :class:`Recovery` that :func:`decide_lost`
+:class:`LostCoordinator` and executes the :class:`RecoveryDecision` that :func:`decide_lost`
 returns, so the crash-loop policy is one function that can be tested over every case.
 
 The policy. A job is resumed only from a checkpoint that exists, under a spec the service's
@@ -46,7 +46,7 @@ class LostCoordinator:
 
 
 @dataclass(frozen=True, slots=True)
-class Recovery:
+class RecoveryDecision:
     """The decision: what to do and the reason the job records."""
 
     action: Action
@@ -55,28 +55,28 @@ class Recovery:
     """Which automatic resume this is (1 to the limit); None unless resuming."""
 
 
-def decide_lost(lost: LostCoordinator) -> Recovery:
+def decide_lost(lost: LostCoordinator) -> RecoveryDecision:
     """Resume ``lost``'s job from its checkpoint or fail it (see the module's policy)."""
     why = lost.why
     if lost.state.is_terminal:
-        return Recovery(Action.NONE, f"job is already {lost.state.value}")
+        return RecoveryDecision(Action.NONE, f"job is already {lost.state.value}")
     if not lost.checkpoint:
-        return Recovery(Action.FAIL, why)
+        return RecoveryDecision(Action.FAIL, why)
     if lost.not_allowed:
-        return Recovery(Action.FAIL, f"{why}; not resumed: {lost.not_allowed}")
+        return RecoveryDecision(Action.FAIL, f"{why}; not resumed: {lost.not_allowed}")
     limit = lost.auto_resume_limit
     if limit <= 0:
-        return Recovery(
+        return RecoveryDecision(
             Action.FAIL, f"{why}; automatic resume is off: it can be resumed from its checkpoint"
         )
     if lost.auto_resumes >= limit:
-        return Recovery(
+        return RecoveryDecision(
             Action.FAIL,
             f"{why}; not resumed again: {lost.auto_resumes} automatic resumes without "
             f"finishing an epoch (limit {limit})",
         )
     attempt = lost.auto_resumes + 1
-    return Recovery(
+    return RecoveryDecision(
         Action.RESUME,
         f"{why}; resuming from its checkpoint (automatic resume {attempt} of {limit})",
         attempt,

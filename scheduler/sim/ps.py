@@ -26,7 +26,7 @@ from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.scheduler.core.ps.machine import PSCore
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, ClusterSpec, ParameterServerModel
 from dynabatch.scheduler.sim.cost_model import Node, SimulatedCluster
-from dynabatch.scheduler.sim.ps_runtime import Fail, Join, SimPSRuntime, TimedEvent
+from dynabatch.scheduler.sim.ps_runtime import Join, NodeFailure, SimPSRuntime, TimedEvent
 from dynabatch.scheduler.sim.timeline import ClusterHappening, SimClock
 from dynabatch.scheduler.telemetry import EpochRecord
 
@@ -87,7 +87,7 @@ def _node(ln: SimLearner) -> Node:
 def _world(spec: JobSpec, config: PSSimConfig) -> tuple[list[Node], Any, list[TimedEvent]]:
     """The nodes, each learner's speed and the timed events of ``config``."""
     if config.cluster is None:
-        events: list[TimedEvent] = [(t, Fail(1, w, 0)) for t, w in config.lose]
+        events: list[TimedEvent] = [(t, NodeFailure(1, w, 0)) for t, w in config.lose]
         events += [(t, Join(lambda ln=ln: [_node(ln)])) for t, ln in config.join]
         return [_node(ln) for ln in config.learners], lambda i, n: (n.a_s, n.c_s), events
     model = SimulatedCluster(config.cluster)
@@ -105,7 +105,7 @@ def _world(spec: JobSpec, config: PSSimConfig) -> tuple[list[Node], Any, list[Ti
                                                     for _ in range(j.count)])))
         else:
             sel = e.selector
-            events.append((e.at_s, Fail(sel.count, sel.node_class, sel.index)))
+            events.append((e.at_s, NodeFailure(sel.count, sel.node_class, sel.index)))
     return model.nodes, speed, events
 
 

@@ -46,7 +46,7 @@ STALLED = "lost: the simulation has nothing left to happen (simulated)"
 
 
 @dataclass(frozen=True, slots=True)
-class Fail:
+class NodeFailure:
     """``count`` nodes (of ``node_class``; its ``index``-th node when given) fail."""
 
     count: int = 1
@@ -61,7 +61,7 @@ class Join:
     make: Callable[[], list[Node]]
 
 
-TimedEvent = tuple[float, Fail | Join]
+TimedEvent = tuple[float, NodeFailure | Join]
 Speed = Callable[[int, Node], tuple[float, float]]  # (ordinal, node) → (a_s, c_s)
 
 
@@ -215,7 +215,7 @@ class SimPSRuntime:
         if events:
             self._wake(t)
 
-    def _fire(self, e: Fail | Join, t: float) -> list[Happening]:
+    def _fire(self, e: NodeFailure | Join, t: float) -> list[Happening]:
         if isinstance(e, Join):
             added = e.make()
             self.cluster_nodes.extend(n for n in added if n not in self.cluster_nodes)

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.core.recovery import Action, LostCoordinator, Recovery, decide_lost
+from dynabatch.scheduler.core.recovery import Action, LostCoordinator, RecoveryDecision, decide_lost
 
 WHY = "the job's coordinator actor died: boom"
 CASES = list(
@@ -64,6 +64,6 @@ def test_inputs_and_decision_are_frozen() -> None:
         lost.checkpoint = False  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         decide_lost(lost).action = Action.FAIL  # type: ignore[misc]
-    assert decide_lost(lost) == Recovery(
+    assert decide_lost(lost) == RecoveryDecision(
         Action.RESUME, f"{WHY}; resuming from its checkpoint (automatic resume 1 of 3)", 1
     )
