@@ -202,6 +202,8 @@ def plan_key(epoch: int, step: int) -> str:
 
 
 class _Frozen(BaseModel):
+    """The base of the immutable records here and in ``dynabatch.scheduler.telemetry``."""
+
     model_config = ConfigDict(frozen=True)
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from dynabatch.actors.contracts import _Frozen
 from dynabatch.scheduler.core.lifecycle import JobState
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 
 def scores_text(scores: Mapping[str, float]) -> str:
@@ -25,10 +26,6 @@ def splits_text(validation: Mapping[str, float] | None, test: Mapping[str, float
     return "; ".join(f"{name} {text}" for name, scores in (("validation", validation),
                                                            ("test", test))
                      if scores and (text := scores_text(scores)))
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True)
 
 
 class WorkerEpochStats(_Frozen):

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
+from dynabatch.actors.spec.sections import _Strict
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     StrictBool,
@@ -35,10 +35,6 @@ NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
 class ClusterError(ValueError):
     """A cluster description that cannot be used; ``str()`` is one line naming the field."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
 class NodeClass(_Strict):
@@ -96,12 +92,18 @@ class NodeSelector(_Strict):
     """``count`` nodes of class ``class`` (any class when omitted); ``index`` picks the
     class's ``index``-th node (in creation order) instead."""
 
+    # ``class`` is a Python keyword: the attribute ``node_class`` is accepted too.
+    model_config = ConfigDict(validate_by_name=True)
+
     node_class: str | None = Field(default=None, alias="class")
     count: StrictInt = Field(default=1, ge=1, le=1_000_000)
     index: StrictInt | None = Field(default=None, ge=0)
 
 
 class JoinSpec(_Strict):
+    # ``class`` is a Python keyword: the attribute ``node_class`` is accepted too.
+    model_config = ConfigDict(validate_by_name=True)
+
     node_class: str = Field(alias="class")
     count: StrictInt = Field(default=1, ge=1, le=1_000_000)
 
@@ -109,6 +111,9 @@ class JoinSpec(_Strict):
 class SlowdownSpec(_Strict):
     """From the event on, the step time of the class's ``index``-th node (every node of the
     class when ``index`` is omitted) is multiplied by ``factor``."""
+
+    # ``class`` is a Python keyword: the attribute ``node_class`` is accepted too.
+    model_config = ConfigDict(validate_by_name=True)
 
     node_class: str = Field(alias="class")
     index: StrictInt | None = Field(default=None, ge=0)
