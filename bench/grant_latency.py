@@ -22,9 +22,10 @@ the job reported (its log lines and membership events, ``logs()`` and
 * ``arrived_s``: the job's log line ``assignment requested``;
 * ``started_s``: the last new worker's ``starting worker ... on node ...`` line (its actor
   was asked for); ``started_first_s`` the first;
-* ``up_s``: the last new worker's ``join`` event (its actor came up and it was taken in
-  as a member, to join the next group formed); ``cold_start_s``: the median, over the new
-  workers, of its join event less its start line;
+* ``up_s``: the last new worker's ``join`` event (taken in as a member at the first step
+  boundary after its actor came up; it trains from the next group formed);
+  ``cold_start_s``: the median, over the new workers, of its join event less its start
+  line;
 * ``joined_s``: the log line ``generation G: 3 workers`` of the group that trains with
   them (the snapshot's workers all ``joined``); ``seen_joined_s``: when the bench's poll
   (every 0.1 s) first saw that snapshot;
@@ -168,7 +169,7 @@ def job_spec(name: str, slowdown: float) -> Any:
     return JobSpec.model_validate(dict(
         name=name, dataset={"name": "digits"}, model={"name": "mlp", "hidden": 64},
         optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
-        workers=1, min_workers=1, max_workers=NODES, global_batch=64, epochs=3, seed=5,
+        workers=1, min_workers=1, max_workers=NODES, global_batch=64, epochs=20, seed=5,
         node_resource=TAG, spares=0, collective_timeout_s=30, worker_wait_timeout_s=60,
         # Every worker as slow, whatever its ordinal (new workers take higher ones).
         emulation={"slowdowns": [slowdown] * 8}))
@@ -219,7 +220,7 @@ def measure(address: str, job_id: str, slowdown: float, code: str) -> dict[str, 
                                    f"{s.reason}")
             return s if s.epoch >= 1 and s.step >= 1 else None
 
-        wait("the job's second epoch", training_epoch_1, 300)
+        wait("the job's second epoch", training_epoch_1, 300, 0.25)
         first = ray.get(handle.history.remote())[0]
         seg = segment(first.model_dump(), MAX_SEGMENT_STEPS)
         # Into the segment in flight (its first steps committed, the next sent ahead).
@@ -235,7 +236,12 @@ def measure(address: str, job_id: str, slowdown: float, code: str) -> dict[str, 
                                    f"{s.state.value}: {s.reason}")
             return s if s.group_size == NODES else None
 
-        wait(f"a group of {NODES}", grouped, 300)
+        try:
+            wait(f"a group of {NODES}", grouped, 300)
+        except (RuntimeError, TimeoutError):
+            for x in ray.get(handle.logs.remote()):  # what the job said, for the reader
+                log(f"  job log {x.time - t_call:+8.2f}s {x.level}: {x.message}")
+            raise
         seen = time.time() - t_call
         logs = [x.model_dump() for x in ray.get(handle.logs.remote())]
         events = [e.model_dump() for e in ray.get(handle.membership_events.remote())]
@@ -307,7 +313,8 @@ def run_child(co: dict[str, Any], address: str, job_id: str,
            "--address", address, "--code", co["path"], "--slowdown", str(args.slowdown)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=co["path"])
     if p.returncode != 0:
-        tail = "\n".join(p.stderr.strip().splitlines()[-8:])
+        said = [x for x in p.stderr.splitlines() if x.startswith("  job log")]
+        tail = "\n".join(said + p.stderr.strip().splitlines()[-8:])
         raise SystemExit(f"{co['label']}: run {job_id} failed:\n{tail}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -318,7 +325,7 @@ def main() -> None:
                     help="A checkout to measure; repeat for side by side (before first). "
                          "Default: this one.")
     ap.add_argument("--rounds", type=int, default=2, help="Runs per checkout, alternating.")
-    ap.add_argument("--slowdown", type=float, default=60.0,
+    ap.add_argument("--slowdown", type=float, default=300.0,
                     help="Every worker's emulated slowdown (a segment lasts a few seconds).")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
