@@ -2,15 +2,16 @@
 nodes (their own node type, ``node-type:csched``) between jobs.
 
 (a) The issue's deadlock, through the service: two jobs each asking for both slots,
-submitted at once. No job ever holds a partial allocation; one trains while the other waits
-PENDING with the queue's reason, holding nothing, then the other; both SUCCEED with every
-epoch verified.
+submitted at once (behind (c)'s job, so both contend for the slots it frees). No job ever
+holds a partial allocation; one trains while the other waits PENDING with the queue's
+reason, holding nothing, then the other; both SUCCEED with every epoch verified.
 (b) goodput: a running job shrinks at a step boundary to admit a new one, grows back when
 that one finishes, keeps training while the scheduler actor is killed, and a new scheduler
 adopts it with the same allocation. No restart, every epoch verified.
 (c) ``dynabatch run --address``'s job path with the scheduler running: the run's job
-queues there and trains on the nodes it grants; a job then submitted through the service
-queues behind it (fifo) and starts once the run reports its job finished.
+queues there and trains on the nodes it grants; jobs then submitted through the service
+queue behind it (fifo) and start once the run reports its job finished. (a) and (c) are one
+test: a run's job, then (a)'s two.
 (d) Item 7's behaviour, not its times: 3 elastic jobs at once and a 4th once the first has
 finished an epoch, under goodput on 4 nodes of two types (2 more, 3x slower, beside the
 module's): every job SUCCEEDS with every epoch verified, jobs are resized, none restarts.
@@ -126,54 +127,87 @@ def _release(*job_ids: str) -> None:
             ray.kill(handle, no_restart=True)
 
 
-def test_two_gangs_on_two_slots_run_one_after_the_other(slots, tmp_path):
-    """Through the service, as ``dynabatch serve`` runs it with the scheduler on."""
-    old = find_scheduler()
-    if old is not None:
-        ray.kill(old, no_restart=True)
-        wait_for(lambda: find_scheduler() is None, timeout=30)
-    settings = Settings(
-        db_path=str(tmp_path / "jobs.db"),
-        sync_interval_s=0,
-        cluster_scheduler=True,
-        cluster_policy="fifo",
-        cluster_round_s=0.5,
-        cluster_hold_s=0.0,
-    )
-    service = build_service(settings, RayClusterClient(ray.get_runtime_context().gcs_address))
-    service.cluster.connect()
-    service.start()
+def test_a_run_then_two_gangs_submitted_at_once_hold_both_slots_or_none_in_turn(
+    slots, cluster, tmp_path
+):
+    """(a) and (c) in one job sequence. ``run``'s own job path (``run_job``, as ``dynabatch
+    run --address`` calls it) while the scheduler runs: the scheduler sees the job and places
+    it on both slots. Two jobs each asking for both slots are then submitted to the service
+    at once (as ``dynabatch serve`` runs it with the scheduler on): they queue behind the
+    run's job, holding nothing; the run reports its end, and they train one after the
+    other, never on a partial gang, the second PENDING with the queue's reason meanwhile.
+    (They were two tests, each with its own scheduler, service and second job.)"""
+    service = _service(tmp_path, "fifo")
     gang = dict(workers=2, min_workers=2, max_workers=2)
-    a = service.submit(_spec("a", **gang))
-    b = service.submit(_spec("b", **gang))
-    views, reasons = [], []
-    try:
+    seen: dict = {"views": [], "a": None, "b": None, "reasons": [], "b_reasons": []}
+    done = threading.Event()
 
-        def done() -> bool:
+    def service_side() -> None:
+        # The service's sync loop, and two submits once the run's job holds its nodes.
+        while not done.is_set():
             service.sync_once()
-            views.append(service.cluster_view())
-            reasons.extend(r.reason for r in (service.get(a.id), service.get(b.id)) if r.reason)
-            return all(service.get(j).state.is_terminal for j in (a.id, b.id))
+            view = service.cluster_view()
+            if view is not None:
+                seen["views"].append(view)
+                held = [j for j in view.jobs if j.allocation]
+                if seen["a"] is None and held:
+                    seen["run"] = held[0].job_id
+                    seen["a"] = service.submit(_spec("a", **gang)).id
+                    seen["b"] = service.submit(_spec("b", **gang)).id
+            if seen["a"] is not None:
+                recs = [service.get(seen["a"]), service.get(seen["b"])]
+                seen["reasons"].extend(r.reason for r in recs if r.reason)
+                if recs[1].reason:
+                    seen["b_reasons"].append(recs[1].reason)
+                if all(r.state.is_terminal for r in recs):
+                    return
+            done.wait(0.5)
 
-        wait_for(done, timeout=400, interval=0.5)
-        for job_id in (a.id, b.id):
+    thread = threading.Thread(target=service_side, daemon=True)
+    thread.start()
+    try:
+        # In the main thread: run installs its Ctrl-C handler.
+        snap = run_job(
+            _spec("r", **gang),
+            address=cluster.address,
+            report=tmp_path / "run.json",
+            quiet=True,
+            console=Console(file=io.StringIO()),
+        )
+        assert snap.state == JobState.SUCCEEDED, snap.reason
+        run_id = snap.job_id
+        assert seen.get("run") == run_id  # the scheduler placed the run's job
+        hist = json.loads((tmp_path / "run.json").read_text())["history"]
+        assert [r["epoch"] for r in hist] == [0, 1] and all(r["verified"] for r in hist)
+        # It ended: reported finished, the scheduler holds it no more.
+        sched = find_scheduler()
+        wait_for(lambda: ray.get(sched.allocation.remote(run_id), timeout=30) is None)
+        thread.join(timeout=400)
+        assert not thread.is_alive(), "the submitted jobs did not end"
+        for job_id in (seen["a"], seen["b"]):
             rec = service.get(job_id)
             assert rec.state == JobState.SUCCEEDED, (job_id, rec.reason)
             hist = service.history(job_id)
             assert [r.epoch for r in hist] == [0, 1] and all(r.verified for r in hist)
         # Never a partial gang: a job holds both slots or none, and one waited for the
         # other, PENDING with the queue's reason.
+        views = seen["views"]
         held = [j.workers for v in views if v for j in v.jobs]
         assert held and all(n in (0, 2) for n in held)
         assert any(v and len(v.queue) == 1 for v in views)
-        assert any(r.startswith("queued: position 1 of 1") for r in reasons)
+        assert any(r.startswith("queued: position 1 of 1") for r in seen["reasons"])
+        # While the run's job held both slots, the submitted ones waited, holding nothing.
+        a, b = seen["a"], seen["b"]
+        by_job = [{j.job_id: j for j in v.jobs} for v in views]
+        during = [v for v in by_job if run_id in v and a in v and b in v and v[run_id].allocation]
+        assert during and all(v[a].workers == 0 and v[b].workers == 0 for v in during)
+        assert all(sorted(n for n, _ in v[run_id].allocation) == slots for v in during)
+        assert any(list(v.queue) == [a, b] for v in views)  # in submit order (fifo)
+        assert any(r.startswith("queued: position 1 of 1") for r in seen["b_reasons"])
     finally:
-        service.stop()
-        _release(a.id, b.id)
-        sched = find_scheduler()
-        if sched is not None:
-            ray.kill(sched, no_restart=True)
-        service.store.close()
+        done.set()
+        thread.join(timeout=30)
+        _stop(service, [j for j in (seen["a"], seen["b"]) if j])
 
 
 def test_goodput_shrinks_a_job_to_admit_another_and_a_new_scheduler_adopts_it(slots):
@@ -229,72 +263,3 @@ def test_goodput_shrinks_a_job_to_admit_another_and_a_new_scheduler_adopts_it(sl
     finally:
         _release("gpa", "gpb")
         ray.kill(sched, no_restart=True)
-
-
-def test_run_goes_through_the_scheduler_and_a_submitted_job_queues_behind_it(
-    slots, cluster, tmp_path
-):
-    """``run``'s own job path (``run_job``, as ``dynabatch run --address`` calls it) while
-    the scheduler runs: the scheduler sees the job, places it on both slots, and a job
-    submitted to the service queues behind it; the run reports its end, and the other
-    starts."""
-    service = _service(tmp_path, "fifo")
-    gang = dict(workers=2, min_workers=2, max_workers=2)
-    seen: dict = {"views": [], "b": None, "b_reasons": []}
-    done = threading.Event()
-
-    def service_side() -> None:
-        # The service's sync loop, and a submit once the run's job holds its nodes.
-        while not done.is_set():
-            service.sync_once()
-            view = service.cluster_view()
-            if view is not None:
-                seen["views"].append(view)
-                held = [j for j in view.jobs if j.allocation]
-                if seen["b"] is None and held:
-                    seen["run"] = held[0].job_id
-                    seen["b"] = service.submit(_spec("b", **gang)).id
-            if seen["b"] is not None:
-                rec = service.get(seen["b"])
-                if rec.reason:
-                    seen["b_reasons"].append(rec.reason)
-                if rec.state.is_terminal:
-                    return
-            done.wait(0.5)
-
-    thread = threading.Thread(target=service_side, daemon=True)
-    thread.start()
-    try:
-        # In the main thread: run installs its Ctrl-C handler.
-        snap = run_job(
-            _spec("r", **gang),
-            address=cluster.address,
-            report=tmp_path / "run.json",
-            quiet=True,
-            console=Console(file=io.StringIO()),
-        )
-        assert snap.state == JobState.SUCCEEDED, snap.reason
-        run_id = snap.job_id
-        assert seen.get("run") == run_id  # the scheduler placed the run's job
-        hist = json.loads((tmp_path / "run.json").read_text())["history"]
-        assert [r["epoch"] for r in hist] == [0, 1] and all(r["verified"] for r in hist)
-        # It ended: reported finished, the scheduler holds it no more.
-        sched = find_scheduler()
-        wait_for(lambda: ray.get(sched.allocation.remote(run_id), timeout=30) is None)
-        thread.join(timeout=400)
-        assert not thread.is_alive(), "the submitted job did not end"
-        b = service.get(seen["b"])
-        assert b.state == JobState.SUCCEEDED, b.reason
-        hist = service.history(b.id)
-        assert [r.epoch for r in hist] == [0, 1] and all(r.verified for r in hist)
-        # While the run's job held both slots, the submitted one waited, holding nothing.
-        by_job = [{j.job_id: j for j in v.jobs} for v in seen["views"]]
-        during = [v for v in by_job if run_id in v and b.id in v and v[run_id].allocation]
-        assert during and all(v[b.id].workers == 0 for v in during)
-        assert all(sorted(n for n, _ in v[run_id].allocation) == slots for v in during)
-        assert any(list(v.queue) == [b.id] for v in seen["views"])
-        assert any(r.startswith("queued: position 1 of 1") for r in seen["b_reasons"])
-    finally:
-        done.set()
-        thread.join(timeout=30)
-        _stop(service, [seen["b"]] if seen["b"] else [])
