@@ -12,10 +12,10 @@ After each request the test waits until the job's own members (``GET /v1/jobs/{i
 scheduler's allocation and the members it last heard of (``GET /v1/cluster``) and the
 Prometheus gauges (the ``/metrics`` text) agree, and it checks that every epoch trained is
 verified. Settings other than the defaults: a checkpoint root (a resume needs a checkpoint,
-and a REST client may name no directory without one), and rounds every 5 s instead of 30 s.
-No view here waits for a round: a request wakes the scheduler, and the job reports its
-members to it as each group forms; the short rounds only bound how long a lost report would
-stall a check (the hold, which the bug was about, stays 120 s).
+and a REST client may name no directory without one), and rounds every second instead of
+every 30 s. No view here should wait for a round: a request wakes the scheduler, and the job
+reports its members to it as each group forms; the short rounds only bound how long a lost
+report would stall a check (the hold, which the bug was about, stays 120 s).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tests.e2e.procs import ApiServer, find_free_port, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 TAG = "dynabatch_worker"  # the session's worker nodes (tests/integration/conftest.py)
-ROUND_S = 5
+ROUND_S = 1
 # A liveness bound per request (a cold worker start on the loaded 2-core host took 15 s),
 # not a speed check.
 AGREE_S = 150
