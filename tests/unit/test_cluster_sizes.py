@@ -23,8 +23,8 @@ from dynabatch.scheduler.core.cluster import (
     ThroughputModel,
     decide,
 )
+from dynabatch.scheduler.core.cluster.decision import SPLIT
 from dynabatch.scheduler.core.cluster.nodes import gpu_units
-from dynabatch.scheduler.core.cluster.policy import SPLIT
 from dynabatch.scheduler.core.cluster.rounds import NodesSeen, Registered, RoundState, Tick, step
 from dynabatch.scheduler.core.cluster.values import GPU_UNITS
 from hypothesis import HealthCheck, given, settings

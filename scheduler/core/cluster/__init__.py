@@ -2,7 +2,7 @@
 cluster of unequal nodes). No Ray, no torch, no clock: nodes and jobs in, one
 :class:`ClusterDecision` out. See docs/cluster.md."""
 
-from dynabatch.scheduler.core.cluster.policy import decide
+from dynabatch.scheduler.core.cluster.decision import decide
 from dynabatch.scheduler.core.cluster.throughput import (
     ThroughputModel,
     WorkerFit,

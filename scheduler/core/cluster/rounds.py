@@ -52,7 +52,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from dynabatch.scheduler.core.cluster.policy import decide
+from dynabatch.scheduler.core.cluster.decision import decide
 from dynabatch.scheduler.core.cluster.throughput import ThroughputModel, bootstrap, prior
 from dynabatch.scheduler.core.cluster.values import (
     GPU_UNITS,
