@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dynabatch.actors.spec import JobSpec
-from dynabatch.scheduler.core.cluster.nodes import RayNode, gang_error
+from dynabatch.scheduler.core.cluster.ray_nodes import RayNode, gang_error
 from dynabatch.service.cluster_client import NodeStatus
 from dynabatch.service.store import JobRecord
 from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission

@@ -45,7 +45,7 @@ from typing import Any
 
 import ray
 from dynabatch.actors.spec import JobSpec
-from dynabatch.scheduler.core.cluster.nodes import (
+from dynabatch.scheduler.core.cluster.ray_nodes import (
     RayNode,
     cluster_nodes,
     eligible_types,

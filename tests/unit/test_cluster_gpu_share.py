@@ -19,7 +19,7 @@ from dynabatch.scheduler.core.cluster import (
     ThroughputModel,
     decide,
 )
-from dynabatch.scheduler.core.cluster.nodes import RayNode, cluster_nodes, gpu_units
+from dynabatch.scheduler.core.cluster.ray_nodes import RayNode, cluster_nodes, gpu_units
 from dynabatch.scheduler.core.cluster.rounds import (
     JobGone,
     NodesSeen,

@@ -1,9 +1,9 @@
 """A Ray node's type and worker slots for the cluster scheduler
-(scheduler/core/cluster/nodes.py), and the jobs it refuses with a reason."""
+(scheduler/core/cluster/ray_nodes.py), and the jobs it refuses with a reason."""
 
 from __future__ import annotations
 
-from dynabatch.scheduler.core.cluster.nodes import (
+from dynabatch.scheduler.core.cluster.ray_nodes import (
     RayNode,
     cluster_nodes,
     eligible_types,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, ThroughputModel
-from dynabatch.scheduler.core.cluster.nodes import gpu_units
+from dynabatch.scheduler.core.cluster.ray_nodes import gpu_units
 from dynabatch.scheduler.core.cluster.rounds import (
     Bounds,
     Drained,

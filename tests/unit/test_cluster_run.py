@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from dynabatch.actors.spec import JobSpec, parse_spec
 from dynabatch.api.cli import run as run_cli
-from dynabatch.scheduler.core.cluster.nodes import RayNode
+from dynabatch.scheduler.core.cluster.ray_nodes import RayNode
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime import cluster_scheduler as cluster_rt
 from dynabatch.service import scheduling

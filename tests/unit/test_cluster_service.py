@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import pytest
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, rounds
-from dynabatch.scheduler.core.cluster.nodes import job_bounds
+from dynabatch.scheduler.core.cluster.ray_nodes import job_bounds
 from dynabatch.scheduler.core.cluster.rounds import (
     Drained,
     Entry,

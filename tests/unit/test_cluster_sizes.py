@@ -24,7 +24,7 @@ from dynabatch.scheduler.core.cluster import (
     decide,
 )
 from dynabatch.scheduler.core.cluster.decision import SPLIT
-from dynabatch.scheduler.core.cluster.nodes import gpu_units
+from dynabatch.scheduler.core.cluster.ray_nodes import gpu_units
 from dynabatch.scheduler.core.cluster.rounds import NodesSeen, Registered, RoundState, Tick, step
 from dynabatch.scheduler.core.cluster.values import GPU_UNITS
 from hypothesis import HealthCheck, given, settings

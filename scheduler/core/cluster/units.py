@@ -2,7 +2,7 @@
 workers are counted in, and how many of a job's workers each type's nodes hold whole (pure).
 
 A GPU node counts ``GPU_UNITS`` slots per GPU so that fractional ``worker_gpus`` share it
-(:mod:`.nodes`); dividing each type by the greatest common divisor of its capacities and
+(:mod:`.ray_nodes`); dividing each type by the greatest common divisor of its capacities and
 sizes keeps the common cases (whole GPUs, or every job of one share) at one slot per
 worker, where gang admission is Hall's condition and not a program per job.
 """
