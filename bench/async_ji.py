@@ -32,7 +32,7 @@ CIFAR-10 files instead. ``--ray-arm``: the winning arm and ASGD on real Ray acto
 its own α0 from the simulator's sweep (short; emulated speeds). ``--reuse FILE``: keep that
 file's digits sweep (and its CIFAR and Ray parts unless redone), chaining ``commands``.
 
-Simulator: ``dynabatch.scheduler.sim.ps`` (the production PS core and driver, real gradients,
+Simulator: ``dynabatch.scheduler.sim.ps_job`` (the production PS core and driver, real gradients,
 virtual clock t_i(b) = (2 ms + 0.5 ms·b)/speed_i with 5% jitter).
 
     python bench/async_ji.py --jobs 2 --out FILE      # digits sweep and CIFAR part
@@ -55,8 +55,8 @@ import torch
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.workloads.datasets import DatasetArrays, load_dataset
 from dynabatch.scheduler.ps.driver import build_core
-from dynabatch.scheduler.sim import ps as sim_ps
-from dynabatch.scheduler.sim.ps import PSSimConfig, SimLearner, simulate_ps
+from dynabatch.scheduler.sim import ps_job as sim_ps
+from dynabatch.scheduler.sim.ps_job import PSSimConfig, SimLearner, simulate_ps
 from dynabatch.scheduler.sim.ps_runtime import SimPSRuntime
 
 from bench.report import emit
@@ -335,7 +335,7 @@ def main() -> None:
     load = [round(x, 2) for x in os.getloadavg()]  # this run's (a reused part keeps its own)
     out: dict = {"command": cmd, "commands": [cmd],
                  "load_average": load,
-                 "mode": "simulator (scheduler/sim/ps.py, real gradients, virtual clock)",
+                 "mode": "simulator (scheduler/sim/ps_job.py, real gradients, virtual clock)",
                  "epochs": a.epochs, "b0": a.b0, "lrs": lrs, "widen": a.widen,
                  "refine": a.refine,
                  "seeds": a.seeds,

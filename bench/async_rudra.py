@@ -1,6 +1,6 @@
 """Rudra (Gupta, Zhang, Wang, ICDM 2016): hardsync vs n-softsync with α0 and α0/τ, in the
-simulator with real gradients (``dynabatch.scheduler.sim.ps``: the production PS core on a virtual
-clock, every learner's gradient computed in-process on the weights it pulled).
+simulator with real gradients (``dynabatch.scheduler.sim.ps_job``: the production PS core on a
+virtual clock, every learner's gradient computed in-process on the weights it pulled).
 
 Set-up: λ learners of equal speed (t(b) = 2 ms + 0.5 ms/sample, 10% log-normal jitter),
 per-learner batch μ = 128/λ (μλ = 128, Rudra's rule), digits (1,437 training samples), an
@@ -45,8 +45,8 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.scheduler.core.ps.batch_policy import PerfAwareBatches
 from dynabatch.scheduler.core.ps.machine import PSCore
-from dynabatch.scheduler.core.ps.protocol import PSConfig
-from dynabatch.scheduler.sim.ps import PSSimConfig, SimLearner, simulate_ps
+from dynabatch.scheduler.core.ps.rudra import PSConfig
+from dynabatch.scheduler.sim.ps_job import PSSimConfig, SimLearner, simulate_ps
 
 from bench.report import emit
 

@@ -721,7 +721,7 @@ class ProtocolSpec(_Strict):
     per-worker batches (the policy). ``ps``: a parameter server (Rudra's hardsync, n-softsync
     and async, with staleness-aware learning rates; ``batch: perf_aware`` is Ji et al.'s
     per-learner batches). Each learner's base batch is ``global_batch // workers`` (μ, so
-    μλ = global_batch). See ``dynabatch.scheduler.core.ps.protocol`` for the formulas."""
+    μλ = global_batch). See ``dynabatch.scheduler.core.ps.rudra`` for the formulas."""
 
     name: Literal["sync", "ps"] = "sync"
     mode: Literal["async", "softsync", "hardsync"] = "async"

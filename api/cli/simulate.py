@@ -178,12 +178,12 @@ def print_result(console: Console, r: SimResult) -> None:
 
 
 def run_ps(spec: JobSpec, cl: ClusterSpec, console: Console, report: Path | None) -> bool:
-    """A ``protocol: ps`` spec: the parameter-server simulator (dynabatch.scheduler.sim.ps: the same
-    core as on Ray, real gradients, the cluster's push/pull costs). True if it finished."""
+    """A ``protocol: ps`` spec: the parameter-server simulator (dynabatch.scheduler.sim.ps_job:
+    the same core as on Ray, real gradients, the cluster's push/pull costs). True if it finished."""
     from dynabatch.actors.workloads.datasets import load_dataset
     from dynabatch.api.cli.job_commands import _ps_table
     from dynabatch.scheduler.ps.driver import build_core, ps_status
-    from dynabatch.scheduler.sim.ps import learners_on, simulate_ps
+    from dynabatch.scheduler.sim.ps_job import learners_on, simulate_ps
 
     config = learners_on(spec, cl)
     ds = load_dataset(spec.dataset, seed=spec.seed)

@@ -20,7 +20,7 @@ export, finish) with one ``match``, whatever the runtime.
 ``protocol.shards: k`` runs k−1 shards beside the server, which holds slice 0 and the one
 core (the protocol is decided in one place only). At the job's end (and at a cancel, once
 an epoch was trained) the server's final weights go out as the trained model
-(:mod:`dynabatch.scheduler.ps.model`), by the synchronous job's own
+(:mod:`dynabatch.scheduler.ps.trained_model`), by the synchronous job's own
 :func:`~dynabatch.scheduler.sync.artifacts.publish_model`: ``model.safetensors`` and
 ``manifest.json``, kept for download and written to ``artifacts.dir`` when set.
 """
@@ -63,8 +63,8 @@ from dynabatch.scheduler.core.ps.messages import (
     SpawnLearner,
     StartServer,
 )
-from dynabatch.scheduler.core.ps.protocol import PSConfig
-from dynabatch.scheduler.ps.model import export_model
+from dynabatch.scheduler.core.ps.rudra import PSConfig
+from dynabatch.scheduler.ps.trained_model import export_model
 from dynabatch.scheduler.runtime.ps_seam import Happening, NodeJoined, PSRuntime
 from dynabatch.scheduler.runtime.seam import Clock
 from dynabatch.scheduler.telemetry import (

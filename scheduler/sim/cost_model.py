@@ -31,7 +31,7 @@ as in the real worker. A step of the synchronous protocol takes::
 and each worker reports ``compute_s = t_i(b_i)`` and ``wait_s = T_step − t_i(b_i)`` (its
 all-reduce, including the wait for slower peers), the split the real worker reports.
 
-**Parameter server** (the asynchronous protocols, :mod:`dynabatch.scheduler.sim.ps`; the
+**Parameter server** (the asynchronous protocols, :mod:`dynabatch.scheduler.sim.ps_job`; the
 synchronous one does not use it; the formulas are
 :class:`~dynabatch.scheduler.sim.cluster_spec.ParameterServerModel`'s): a push or a pull of
 ``m`` bytes takes ``push_ms + m·β_ps`` or ``pull_ms + m·β_ps``. Sharded over ``k`` server

@@ -1,7 +1,7 @@
 """The parameter server on a virtual clock: :class:`SimPSRuntime`, the simulator's
 :class:`~dynabatch.scheduler.runtime.ps_seam.PSRuntime`, under the shipped
 :class:`~dynabatch.scheduler.ps.driver.PSCoordinator` (``simulate_ps`` in
-:mod:`dynabatch.scheduler.sim.ps` wires them). The core, its events' interpreter
+:mod:`dynabatch.scheduler.sim.ps_job` wires them). The core, its events' interpreter
 (:class:`~dynabatch.actors.ps_events.CoreEventInterpreter`) and the driver are the ones that
 run on Ray; this module is only the world: learners, nodes, time.
 

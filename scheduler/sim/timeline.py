@@ -1,6 +1,6 @@
 """Virtual time and what happened on it, for both simulators (the synchronous one,
 :mod:`dynabatch.scheduler.sim.simulator`, and the parameter server's,
-:mod:`dynabatch.scheduler.sim.ps`): the :class:`SimClock`, the cluster events as they
+:mod:`dynabatch.scheduler.sim.ps_job`): the :class:`SimClock`, the cluster events as they
 happened (:class:`ClusterHappening`) and the recoveries from failed steps
 (:class:`Recovery`). Pure: no ray, no torch; the clock's wall time is read once, at its
 start.

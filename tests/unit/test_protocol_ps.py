@@ -4,10 +4,10 @@ random event schedules (pushes in any order, refusals, learners lost and joining
 from __future__ import annotations
 
 import pytest
+from dynabatch.scheduler.core.ps.async_ledger import AsyncLedger
 from dynabatch.scheduler.core.ps.batch_policy import JiConfig, PerfAwareBatches, ji_batches
-from dynabatch.scheduler.core.ps.ledger import AsyncLedger
 from dynabatch.scheduler.core.ps.machine import EpochEnd, Finished, Idle, PSCore, Work
-from dynabatch.scheduler.core.ps.protocol import Apply, PSConfig, PSProtocol, Pulled, Refuse, Wait
+from dynabatch.scheduler.core.ps.rudra import Apply, PSConfig, PSProtocol, Pulled, Refuse, Wait
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -12,8 +12,8 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.scheduler.core.ps.batch_policy import JiConfig, PerfAwareBatches
 from dynabatch.scheduler.core.ps.machine import PSCore
-from dynabatch.scheduler.core.ps.protocol import PSConfig
-from dynabatch.scheduler.sim.ps import PSSimConfig, SimLearner, simulate_ps
+from dynabatch.scheduler.core.ps.rudra import PSConfig
+from dynabatch.scheduler.sim.ps_job import PSSimConfig, SimLearner, simulate_ps
 
 SPEC = JobSpec(dataset={"name": "digits", "limit": 96}, model={"name": "mlp", "hidden": 16},
                optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.5}, workers=3,
@@ -235,7 +235,7 @@ def test_one_failure_victim_rule_for_both_protocols():
     from dynabatch.scheduler.ps.driver import build_core
     from dynabatch.scheduler.sim.cluster_spec import parse_cluster
     from dynabatch.scheduler.sim.cost_model import Node
-    from dynabatch.scheduler.sim.ps import learners_on
+    from dynabatch.scheduler.sim.ps_job import learners_on
     from dynabatch.scheduler.sim.simulator import simulate
 
     nodes = [Node(f"n{i}", "a" if i < 3 else "b", 0.0, 1.0) for i in range(5)]

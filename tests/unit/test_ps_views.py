@@ -8,7 +8,7 @@ from dynabatch.api.metrics_ps import ps_families
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.ps.batch_policy import PerfAwareBatches
 from dynabatch.scheduler.core.ps.machine import PSCore
-from dynabatch.scheduler.core.ps.protocol import PSConfig
+from dynabatch.scheduler.core.ps.rudra import PSConfig
 from dynabatch.scheduler.ps.driver import ps_status
 from dynabatch.scheduler.telemetry import JobSnapshot
 from prometheus_client import CollectorRegistry, generate_latest

@@ -312,7 +312,7 @@ def test_a_share_cut_into_micro_batches_pays_the_per_step_cost_for_each():
 
 
 def test_the_parameter_server_simulator_refuses_a_fault_script():
-    from dynabatch.scheduler.sim.ps import learners_on
+    from dynabatch.scheduler.sim.ps_job import learners_on
 
     cluster = parse_cluster(
         {"classes": CLASSES, "faults": [{"kind": "die", "worker": 0, "epoch": 0}]}

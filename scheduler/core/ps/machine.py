@@ -1,6 +1,6 @@
 """One parameter-server job's brain: the PS protocol, the async ledger and the batch policy,
 driven by the same events from the Ray server actor (:mod:`dynabatch.actors.ps`) and the simulator
-(:mod:`dynabatch.scheduler.sim.ps`). Pure: no ray, no torch, no clock.
+(:mod:`dynabatch.scheduler.sim.ps_job`). Pure: no ray, no torch, no clock.
 
 A learner asks for work (:meth:`PSCore.request`): it gets the weights' version to pull and a
 chunk of an epoch's order positions sized by the batch policy, or is told to wait (hardsync,
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dynabatch.scheduler.core.ledger import Verification
+from dynabatch.scheduler.core.ps.async_ledger import AsyncLedger, Chunk
 from dynabatch.scheduler.core.ps.batch_policy import PerfAwareBatches
-from dynabatch.scheduler.core.ps.ledger import AsyncLedger, Chunk
-from dynabatch.scheduler.core.ps.protocol import (
+from dynabatch.scheduler.core.ps.rudra import (
     Apply,
     PSConfig,
     PSProtocol,

@@ -3,7 +3,7 @@
 Pure: numpy only, no ray, no torch, no clock.
 
 In parameter-server training a sample is trained when the gradient that contains it is
-applied by the server (:class:`dynabatch.scheduler.core.ps.protocol.Apply`), not when a learner
+applied by the server (:class:`dynabatch.scheduler.core.ps.rudra.Apply`), not when a learner
 computed
 it. The epoch's order positions ``[0, N)`` form a queue of ranges. A learner takes a chunk
 (the next ``b`` positions, possibly several ranges after re-queues); the chunk is then
