@@ -40,14 +40,21 @@ def _root(
 
 
 def _register() -> None:
-    from dynabatch.api.cli import cluster, export_commands, job_commands, run, simulate, tune
+    from dynabatch.api.cli import (
+        cluster_commands,
+        export_commands,
+        job_commands,
+        run,
+        simulate,
+        tune,
+    )
 
     run.register(app)
     simulate.register(app)
     tune.register(app)
     job_commands.register(app)
     export_commands.register(app)
-    cluster.register(app)
+    cluster_commands.register(app)
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from dynabatch.actors.spec import parse_spec
-from dynabatch.api.cli.cluster import cluster_tables
+from dynabatch.api.cli.cluster_commands import cluster_tables
 from dynabatch.scheduler.core.cluster import (
     POLICIES,
     ClusterJob,

@@ -17,7 +17,7 @@ import pytest
 import typer
 from dynabatch.actors.spec import JobSpec
 from dynabatch.api.app import create_app
-from dynabatch.api.cli import cluster as cluster_cli
+from dynabatch.api.cli import cluster_commands as cluster_cli
 from dynabatch.api.cli import job_commands as jobs_cli
 from dynabatch.scheduler.core.cluster import (
     ClusterJob,
