@@ -2,10 +2,10 @@
 driver's evaluation bookkeeping, ``dynabatch.scheduler.sync.evaluation``, stays pure).
 
 A shard's sums hold ``{STATES: {metric name: [payload]}}``, a payload being
-``{"args", "state"}`` of numpy arrays (``dynabatch.actors.workloads.metrics.Accumulator``).
+``{"args", "state"}`` of numpy arrays (``dynabatch.actors.workloads.eval_metrics.Accumulator``).
 :func:`merge_states` gathers the shards' payloads side by side; the metric's own
 ``merge_state`` (torchmetrics: sums add, lists concatenate) merges them when the scores
-are computed (``dynabatch.actors.workloads.metrics.compute``)."""
+are computed (``dynabatch.actors.workloads.eval_metrics.compute``)."""
 
 from __future__ import annotations
 

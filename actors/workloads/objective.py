@@ -25,8 +25,8 @@ from dynabatch.actors.errors import first_line
 from dynabatch.actors.precision import call_model
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.workloads import WorkloadError
+from dynabatch.actors.workloads import eval_metrics as M
 from dynabatch.actors.workloads import losses as L
-from dynabatch.actors.workloads import metrics as M
 from dynabatch.actors.workloads.imports import describe, resolve_callable
 from torch import nn
 
@@ -65,9 +65,9 @@ class Objective:
         [its states]}}`` over ``(x, y)[lo:hi]`` (``states``: the stateful metrics').
 
         Every metric is a per-sample function plus a ``finish`` of the mean (see
-        :mod:`dynabatch.actors.workloads.metrics`), so the sums of disjoint shards add up to the
-        sums of
-        their union: the held-out set can be split across workers, the shards' sums added
+        :mod:`dynabatch.actors.workloads.eval_metrics`), so the sums of disjoint shards add up
+        to the sums of their union: the held-out set can be split across workers, the shards'
+        sums added
         (``dynabatch.scheduler.sync.evaluation.combine``) and :meth:`finish` applied once."""
         def batches():
             for s in range(lo, hi, batch):
