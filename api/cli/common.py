@@ -16,8 +16,8 @@ from typing import Any, TextIO
 
 import typer
 from dynabatch.actors.spec import SpecError
-from dynabatch.service.client import ApiError, DynabatchClient
 from dynabatch.service.job_service import JOB_ID_PATTERN, WORKER_ID_PATTERN
+from dynabatch.service.rest_client import ApiError, DynabatchClient
 from rich.console import Console
 from rich.text import Text
 

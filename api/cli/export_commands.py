@@ -18,7 +18,7 @@ from dynabatch.actors.export import EXPORT_FORMATS
 from dynabatch.api.cli.common import CliError, api_client
 from dynabatch.api.cli.job_commands import JobIdArg, Token, Url
 from dynabatch.service.artifacts import unzip_model, write_hf_export
-from dynabatch.service.client import DEFAULT_URL
+from dynabatch.service.rest_client import DEFAULT_URL
 
 
 def export(

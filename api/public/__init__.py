@@ -29,8 +29,8 @@ _PUBLIC = {
     "JobSpec": "dynabatch.actors.spec",
     "SpecError": "dynabatch.actors.spec",
     "SpecWarning": "dynabatch.actors.spec",
-    "ApiError": "dynabatch.service.client",
-    "ConnectionFailed": "dynabatch.service.client",
+    "ApiError": "dynabatch.service.rest_client",
+    "ConnectionFailed": "dynabatch.service.rest_client",
 }
 
 __all__ = sorted(_PUBLIC)

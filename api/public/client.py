@@ -1,7 +1,7 @@
 """The Python client of a dynabatch service: ``Client(url, token)`` and its :class:`Job` handles.
 
 It is what the ``dynabatch submit``/``status``/``logs``/``scale``/``export`` commands do, from
-Python, on :class:`dynabatch.service.client.DynabatchClient`. Failures are the CLI's, as
+Python, on :class:`dynabatch.service.rest_client.DynabatchClient`. Failures are the CLI's, as
 exceptions with the same one-line messages: :class:`SpecError` for a bad spec (raised before
 anything is sent), :class:`ApiError` for what the service refused (``.status`` is the HTTP
 status) and :class:`ConnectionFailed` when it cannot be reached.
@@ -24,7 +24,7 @@ from dynabatch.api.cli.common import CliError, check_job_id, check_worker
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, LogLine
 from dynabatch.service.artifacts import unzip_model, write_hf_export
-from dynabatch.service.client import DEFAULT_URL, ApiError, ConnectionFailed, DynabatchClient
+from dynabatch.service.rest_client import DEFAULT_URL, ApiError, ConnectionFailed, DynabatchClient
 from dynabatch.service.schemas import JobDetail, JobSummary
 from dynabatch.specs import SpecLike, resolve_spec
 

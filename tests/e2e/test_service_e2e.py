@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.service.client import ApiError, DynabatchClient
+from dynabatch.service.rest_client import ApiError, DynabatchClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.procs import BIN, ApiServer, base_env, promql, wait_for

@@ -14,7 +14,7 @@ import pytest
 import typer
 from dynabatch.api.app import create_app
 from dynabatch.api.cli import job_commands as client_cli
-from dynabatch.service.client import ApiError, ConnectionFailed, DynabatchClient
+from dynabatch.service.rest_client import ApiError, ConnectionFailed, DynabatchClient
 from dynabatch.service.settings import Settings
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner

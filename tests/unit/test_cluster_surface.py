@@ -27,8 +27,8 @@ from dynabatch.scheduler.core.cluster import (
     decide,
 )
 from dynabatch.scheduler.core.cluster.view import ClusterView, view_of
-from dynabatch.service.client import DynabatchClient
 from dynabatch.service.job_service import JobService
+from dynabatch.service.rest_client import DynabatchClient
 from dynabatch.service.settings import Settings
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families

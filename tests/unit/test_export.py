@@ -28,7 +28,7 @@ from dynabatch.scheduler.sim.cost_model import SimulatedCluster
 from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.service.artifacts import keep_model, models_dir
-from dynabatch.service.client import DynabatchClient
+from dynabatch.service.rest_client import DynabatchClient
 from dynabatch.service.settings import Settings
 from dynabatch.service.submit_policy import SubmitPolicy, check_submission
 from fastapi.testclient import TestClient

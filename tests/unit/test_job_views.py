@@ -23,7 +23,7 @@ from dynabatch.scheduler.sim.calls import Call
 from dynabatch.scheduler.sync.coordinator import Coordinator
 from dynabatch.scheduler.sync.epoch_report import summary
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot
-from dynabatch.service.client import DynabatchClient
+from dynabatch.service.rest_client import DynabatchClient
 from dynabatch.service.schemas import JobDetail
 from dynabatch.service.settings import Settings
 from fastapi.testclient import TestClient

@@ -20,7 +20,7 @@ from dynabatch.actors.spec import parse_spec
 from dynabatch.api.cli import job_commands as jobs_cli
 from dynabatch.api.cli import run as run_cli
 from dynabatch.embedded import ProgressView
-from dynabatch.service.client import DynabatchClient
+from dynabatch.service.rest_client import DynabatchClient
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 

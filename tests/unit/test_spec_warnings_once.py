@@ -16,7 +16,7 @@ import typer
 from dynabatch import Client, SpecWarning
 from dynabatch.actors.spec import parse_spec, spec_warnings_caught, spec_warnings_silenced
 from dynabatch.api.cli import job_commands as jobs_cli
-from dynabatch.service.client import DynabatchClient
+from dynabatch.service.rest_client import DynabatchClient
 from typer.testing import CliRunner
 
 from tests.asgi import AppTransport

@@ -204,7 +204,7 @@ def test_a_parameter_server_job_writes_its_epochs(tmp_path):
 def test_a_service_refuses_a_directory_outside_its_root_and_status_shows_where(tmp_path):
     from dynabatch.api.app import create_app
     from dynabatch.api.cli import job_commands as client_cli
-    from dynabatch.service.client import DynabatchClient
+    from dynabatch.service.rest_client import DynabatchClient
     from dynabatch.service.settings import Settings
     from fastapi.testclient import TestClient
     from typer import Typer
