@@ -29,7 +29,9 @@ from dynabatch.api.routes.code import code_router
 from dynabatch.api.too_large import JsonTooLarge
 from dynabatch.scheduler.core.lifecycle import InvalidTransition
 from dynabatch.service.cluster_client import ClusterClient
-from dynabatch.service.errors import (
+from dynabatch.service.install_check import check_own_install_once
+from dynabatch.service.job_service import JobService
+from dynabatch.service.service_errors import (
     ClusterUnavailable,
     InvalidRequest,
     JobConflict,
@@ -37,8 +39,6 @@ from dynabatch.service.errors import (
     RayCallError,
     WorkerNotFound,
 )
-from dynabatch.service.install_check import check_own_install_once
-from dynabatch.service.job_service import JobService
 from dynabatch.service.settings import Settings
 from dynabatch.service.submit_policy import SpecNotAllowed
 from dynabatch.service.wiring import build_service

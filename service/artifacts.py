@@ -20,7 +20,7 @@ from dynabatch.actors.data.fs import join
 from dynabatch.actors.data.source import DataError
 from dynabatch.actors.export import ExportError, has_model, read_files, write_files
 from dynabatch.service.cluster_client import ClusterClient
-from dynabatch.service.errors import JobConflict, RayCallError
+from dynabatch.service.service_errors import JobConflict, RayCallError
 
 if TYPE_CHECKING:  # the job service calls keep_model: no import cycle
     from dynabatch.service.job_service import JobService

@@ -3,7 +3,7 @@ makes) and the cluster view it returns (:class:`NodeStatus`, :class:`NodeJob`).
 
 Implementations: :class:`dynabatch.service.ray_client.RayClusterClient` (Ray) and
 ``tests.fakes.FakeCluster`` (in memory, for route and service tests). They raise the errors
-of :mod:`dynabatch.service.errors`.
+of :mod:`dynabatch.service.service_errors`.
 """
 
 from __future__ import annotations

@@ -29,7 +29,12 @@ from dynabatch.service.admission import (
     relaunch_refusal,
 )
 from dynabatch.service.cluster_client import ClusterClient
-from dynabatch.service.errors import (
+from dynabatch.service.reads import JobReads
+from dynabatch.service.reconciler import Reconciler
+from dynabatch.service.registry import JobRegistry
+from dynabatch.service.scheduler_link import SchedulerLink
+from dynabatch.service.scheduling import Refused, Scheduling
+from dynabatch.service.service_errors import (
     AlreadyFinished,
     ClusterUnavailable,
     CoordinatorGone,
@@ -40,11 +45,6 @@ from dynabatch.service.errors import (
     WorkerNotFound,
     finished_message,
 )
-from dynabatch.service.reads import JobReads
-from dynabatch.service.reconciler import Reconciler
-from dynabatch.service.registry import JobRegistry
-from dynabatch.service.scheduler_link import SchedulerLink
-from dynabatch.service.scheduling import Refused, Scheduling
 from dynabatch.service.store import JobRecord
 from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
 

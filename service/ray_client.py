@@ -1,5 +1,5 @@
 """The real :class:`dynabatch.service.cluster_client.ClusterClient`: Ray calls, with Ray's
-errors translated (:mod:`dynabatch.service.errors`).
+errors translated (:mod:`dynabatch.service.service_errors`).
 
 Coordinator handles are cached per job; a job without a cached handle (e.g. after an API
 restart) is looked up by its actor name, that of the generation last launched or found.
@@ -19,7 +19,7 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from dynabatch.service.cluster_client import NodeStatus
-from dynabatch.service.errors import (
+from dynabatch.service.service_errors import (
     ClusterUnavailable,
     CoordinatorGone,
     JobConflict,

@@ -20,7 +20,7 @@ from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from dynabatch.service.cluster_client import ClusterClient, NodeJob, NodeStatus
 from dynabatch.service.cluster_schemas import GRANTED, scheduler_note
-from dynabatch.service.errors import JobNotFound
+from dynabatch.service.service_errors import JobNotFound
 from dynabatch.service.store import JobRecord, JobStore
 
 

@@ -21,10 +21,10 @@ from dynabatch.scheduler.telemetry import JobSnapshot
 from dynabatch.service.admission import checkpoint_exists, launch_spec, relaunch_refusal
 from dynabatch.service.artifacts import keep_model, models_dir
 from dynabatch.service.cluster_client import ClusterClient
-from dynabatch.service.errors import ClusterUnavailable, CoordinatorGone, RayCallError
 from dynabatch.service.registry import JobRegistry
 from dynabatch.service.scheduler_link import SchedulerLink
 from dynabatch.service.scheduling import Refused
+from dynabatch.service.service_errors import ClusterUnavailable, CoordinatorGone, RayCallError
 from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord
 from dynabatch.service.submit_policy import SubmitPolicy
 

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 from dynabatch.service.admission import launch_spec
 from dynabatch.service.cluster_client import ClusterClient
-from dynabatch.service.errors import RayCallError
 from dynabatch.service.scheduling import Scheduling
+from dynabatch.service.service_errors import RayCallError
 from dynabatch.service.store import JobRecord
 
 log = logging.getLogger("dynabatch.service")

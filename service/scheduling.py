@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.cluster.view import ClusterView
-from dynabatch.service.errors import ClusterUnavailable, RayCallError
+from dynabatch.service.service_errors import ClusterUnavailable, RayCallError
 
 log = logging.getLogger("dynabatch.service")
 

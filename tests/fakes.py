@@ -49,7 +49,7 @@ from dynabatch.scheduler.telemetry import (
     LogLine,
 )
 from dynabatch.service.cluster_client import NodeStatus
-from dynabatch.service.errors import (
+from dynabatch.service.service_errors import (
     ClusterUnavailable,
     CoordinatorGone,
     JobConflict,

@@ -178,7 +178,7 @@ def _serve(insecure: bool, **overrides: Any) -> None:
 
     import uvicorn
     from dynabatch.api.app import create_app  # the composition root: serve starts the HTTP layer
-    from dynabatch.service.errors import RayCallError
+    from dynabatch.service.service_errors import RayCallError
     from dynabatch.service.settings import Settings, settings_problems
     from dynabatch.service.wiring import build_service
     from pydantic import ValidationError

@@ -10,8 +10,8 @@ from typing import Literal
 from dynabatch.actors.export import ExportError, hf_files
 from dynabatch.api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, require_token
 from dynabatch.service.artifacts import job_model, zip_model
-from dynabatch.service.errors import JobConflict
 from dynabatch.service.schemas import ErrorResponse
+from dynabatch.service.service_errors import JobConflict
 from fastapi import APIRouter, Depends, Response
 
 router = APIRouter(

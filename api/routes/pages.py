@@ -23,8 +23,8 @@ from importlib import resources
 from pathlib import Path
 
 from dynabatch.api.deps import Credentials, SettingsDep, token_ok
-from dynabatch.service.errors import JobNotFound
 from dynabatch.service.job_service import JOB_ID_PATTERN
+from dynabatch.service.service_errors import JobNotFound
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles

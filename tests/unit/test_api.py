@@ -506,7 +506,7 @@ def test_coordinator_death_fails_the_job_with_reason(make_app: MakeApp) -> None:
 
 
 def test_launch_errors(make_app: MakeApp) -> None:
-    from dynabatch.service.errors import ClusterUnavailable, RayCallError
+    from dynabatch.service.service_errors import ClusterUnavailable, RayCallError
 
     client, _, cluster = make_app()
     cluster.launch_error = RayCallError("bad resources")
@@ -1337,7 +1337,7 @@ def test_a_cancelled_job_resumes_from_its_checkpoint(make_app: MakeApp, tmp_path
 
 
 def test_resume_launch_failure_leaves_the_job_failed(make_app: MakeApp, tmp_path: Path) -> None:
-    from dynabatch.service.errors import RayCallError
+    from dynabatch.service.service_errors import RayCallError
 
     client, service, cluster = make_app(auto_resume_limit=0)
     job = _submit(client, **_ckpt_spec(tmp_path))

@@ -26,9 +26,9 @@ from dynabatch.scheduler.core.cluster.rounds import (
 )
 from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.service.errors import InvalidRequest, JobConflict, WorkerNotFound
 from dynabatch.service.job_service import JobService
 from dynabatch.service.scheduling import Refused
+from dynabatch.service.service_errors import InvalidRequest, JobConflict, WorkerNotFound
 from dynabatch.service.store import JobStore
 from dynabatch.service.submit_policy import SubmitPolicy
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 import ray.exceptions as rex
 from dynabatch.scheduler.core.lifecycle import InvalidTransition
-from dynabatch.service.errors import ClusterUnavailable, CoordinatorGone, RayCallError
 from dynabatch.service.ray_client import RayClusterClient, _probe, _translate
+from dynabatch.service.service_errors import ClusterUnavailable, CoordinatorGone, RayCallError
 
 
 def test_timeouts_and_unavailable_actors_are_transient() -> None:
@@ -63,7 +63,7 @@ def test_membership_errors_of_the_coordinator_are_the_callers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from dynabatch.scheduler.core.lifecycle import JobState
-    from dynabatch.service.errors import JobConflict, WorkerNotFound
+    from dynabatch.service.service_errors import JobConflict, WorkerNotFound
 
     client = RayClusterClient("10.0.0.1:6379")
 
