@@ -6,7 +6,7 @@ registry, holding the reconciler's lock so that no sync of the job interleaves.
 ``submit`` refuses (:class:`dynabatch.service.submit_policy.SpecNotAllowed`, 422, nothing
 stored) a spec that names user code, a dataset path or a checkpoint dir that
 ``submit_policy`` does not allow, and a resume checks the stored spec again
-(:func:`~dynabatch.service.admission.relaunch_refusal`), so settings tightened since the job
+(:func:`~dynabatch.service.launch_checks.relaunch_refusal`), so settings tightened since the job
 was stored hold too.
 """
 
@@ -22,13 +22,13 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.core.membership import scale_error
 from dynabatch.scheduler.telemetry import JobSnapshot
-from dynabatch.service.admission import (
+from dynabatch.service.cluster_client import ClusterClient
+from dynabatch.service.launch_checks import (
     capacity_problem,
     checkpoint_exists,
     min_workers_problem,
     relaunch_refusal,
 )
-from dynabatch.service.cluster_client import ClusterClient
 from dynabatch.service.reads import JobReads
 from dynabatch.service.reconciler import Reconciler
 from dynabatch.service.registry import JobRegistry

@@ -11,7 +11,7 @@ The service is a facade over its parts, each in a module of its own:
   :mod:`dynabatch.scheduler.core.recovery`: resume from the checkpoint or fail);
 - :mod:`~dynabatch.service.reads`: the read model (get, list, history, logs, nodes, the
   job state /metrics exports);
-- :mod:`~dynabatch.service.admission`: whether a spec may be launched;
+- :mod:`~dynabatch.service.launch_checks`: whether a spec may be launched;
 - :mod:`~dynabatch.service.scheduler_link`: the cluster scheduler, when it is on.
 
 Every Ray call goes through a :class:`~dynabatch.service.cluster_client.ClusterClient`, so
@@ -28,9 +28,9 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from dynabatch.service.admission import checkpoint_exists
 from dynabatch.service.cluster_client import ClusterClient, NodeStatus
 from dynabatch.service.commands import JobCommands
+from dynabatch.service.launch_checks import checkpoint_exists
 from dynabatch.service.reads import JobReads, MetricState
 from dynabatch.service.reconciler import EMBEDDED_ENDED, Reconciler
 from dynabatch.service.registry import JobRegistry

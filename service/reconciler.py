@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from dynabatch.actors.errors import first_line
 from dynabatch.scheduler.core.recovery import Action, LostCoordinator, decide_lost
 from dynabatch.scheduler.telemetry import JobSnapshot
-from dynabatch.service.admission import checkpoint_exists, launch_spec, relaunch_refusal
 from dynabatch.service.artifacts import keep_model, models_dir
 from dynabatch.service.cluster_client import ClusterClient
+from dynabatch.service.launch_checks import checkpoint_exists, launch_spec, relaunch_refusal
 from dynabatch.service.registry import JobRegistry
 from dynabatch.service.scheduler_link import SchedulerLink
 from dynabatch.service.scheduling import Refused

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from dynabatch.service.admission import launch_spec
 from dynabatch.service.cluster_client import ClusterClient
+from dynabatch.service.launch_checks import launch_spec
 from dynabatch.service.scheduling import Scheduling
 from dynabatch.service.service_errors import RayCallError
 from dynabatch.service.store import JobRecord

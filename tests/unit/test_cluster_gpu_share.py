@@ -29,9 +29,9 @@ from dynabatch.scheduler.core.cluster.rounds import (
     step,
 )
 from dynabatch.scheduler.core.cluster.values import GPU_UNITS
-from dynabatch.service.admission import min_workers_problem
 from dynabatch.service.cluster_client import NodeStatus
 from dynabatch.service.cluster_schemas import ClusterState
+from dynabatch.service.launch_checks import min_workers_problem
 from rich.console import Console
 
 GPU1 = "gpu-gpux1"  # the type Ray nodes of one GPU get

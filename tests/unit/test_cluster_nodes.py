@@ -135,8 +135,8 @@ def test_serve_admits_the_demos_spec_on_a_two_cpu_node():
 
     import yaml
     from dynabatch.actors.spec import parse_spec
-    from dynabatch.service.admission import min_workers_problem
     from dynabatch.service.cluster_client import NodeStatus
+    from dynabatch.service.launch_checks import min_workers_problem
 
     root = Path(__file__).resolve().parents[2]
     raw = yaml.safe_load((root / "examples" / "digits-hetero.yaml").read_text())
