@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from dynabatch.actors.spec import JobSpec, parse_spec
-from dynabatch.scheduler.core.sync.states import Opening, Training
+from dynabatch.scheduler.core.sync.loop import BeginEpoch, TrainSegment
 from dynabatch.scheduler.sim.cluster_spec import parse_cluster
 from dynabatch.scheduler.sim.simulator import SimResult, simulate
 
@@ -89,18 +89,17 @@ def run(spec: JobSpec, cluster: dict[str, Any] | None = None, eval_every: int | 
 
     def seen(c: Any) -> None:
         """Keep the coordinator, and note when its first epoch begins (after the workers
-        started): its engine's first decision to train (the simulator's clock does not
-        advance between the two)."""
+        started): the first epoch opened or segment sent (the simulator's clock does not
+        advance between the loop's decision and its effect)."""
         coord.append(c)
-        on = c.engine.on
+        carry_out = c._carry_out
 
-        def watching(event: Any) -> Any:
-            commands = on(event)
-            if not start and isinstance(c.engine.state, (Opening, Training)):
+        def watching(effect: Any) -> Any:
+            if not start and isinstance(effect, (BeginEpoch, TrainSegment)):
                 start.append(c.clock.now())
-            return commands
+            return carry_out(effect)
 
-        c.engine.on = watching
+        c._carry_out = watching
 
     def progress(_done: int, _total: int) -> None:
         if curve is None or not coord:

@@ -82,6 +82,11 @@ class MarkRunning:
     runs, PENDING becomes RUNNING (the group is ready, or the learners are placed)."""
 
 
+class InvalidEvent(RuntimeError):
+    """An event an engine (the step loop's, the parameter server's) cannot take in its
+    state: a bug in its executor."""
+
+
 class InvalidTransition(ValueError):
     def __init__(self, old: JobState, new: JobState):
         super().__init__(f"job is {old.value}; it cannot become {new.value}")

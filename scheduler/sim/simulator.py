@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 # The service caps a job at dynabatch.actors.spec.MAX_WORKERS (4096) workers, and the coordinator
 # builds its Membership with that cap. It is a limit of the service, not of the engine's
-# machines, so simulated clusters beyond it lift it (see _lift_worker_cap).
+# machines, so simulated clusters beyond it lift it (the coordinator's ``worker_cap``).
 SIM_MAX_WORKERS = 1_000_000
 
 # ------------------------------------------------------------------------------ the driver
@@ -159,8 +159,7 @@ def simulate(
     )
 
     coord = Coordinator(job_id or f"sim-{spec.policy}", spec, resume=False, runtime=runtime,
-                        clock=clock)
-    _lift_worker_cap(coord, spec)
+                        clock=clock, worker_cap=SIM_MAX_WORKERS)
     if coordinator_hook is not None:
         coordinator_hook(coord)
     # Steps per epoch at each epoch's planned batch (a stage schedule's; goodput mode's
@@ -188,10 +187,3 @@ def simulate(
         events=coord.membership_events(), logs=coord.logs(), happened=runtime.happened,
         recoveries=runtime.recoveries, sim_seconds=clock.now(), wall_s=wall,
         dataset_size=data.n_train, ideal=ideal, runtime=runtime, skip=skip)
-
-
-def _lift_worker_cap(coord: Coordinator, spec: JobSpec) -> None:
-    """Let ``workers: auto`` grow past the service's 4096 in a simulated cluster."""
-    if spec.workers == "auto":
-        m = coord.job.membership
-        m.max_size = min(spec.max_workers or SIM_MAX_WORKERS, spec.global_batch)

@@ -49,36 +49,34 @@ import logging
 from collections.abc import Callable
 
 from dynabatch.actors.spec import MAX_WORKERS, JobSpec
-from dynabatch.scheduler.control import Assign, JobControl
+from dynabatch.scheduler.control import JobControl
 from dynabatch.scheduler.core.failures import FailurePolicy
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership, NodeAssignment
 from dynabatch.scheduler.core.regime.regime import Regime
-from dynabatch.scheduler.core.sync.engine import SyncEngine
-from dynabatch.scheduler.core.sync.messages import (
+from dynabatch.scheduler.core.sync.loop import (
     AbsorbAhead,
     AdoptStarted,
     ApplyDrains,
-    ApplyRequests,
+    AtRest,
     AwaitStarts,
     BeginEpoch,
-    Boundary,
     Checkpoint,
-    Command,
     CommitInFlight,
-    Crossing,
+    Effect,
     EndEpoch,
+    EndJob,
     EndStep,
     Evaluate,
-    Facts,
-    FinishCancelled,
-    FinishSucceeded,
+    Failed,
     GiveUpStarts,
     JudgeEpoch,
-    KillLeaving,
     LoadCheckpoint,
     LoadData,
+    LoopConfig,
+    LoopState,
     MarkRunning,
+    MembershipView,
     NextEpoch,
     PollNodes,
     PostPlanUpdate,
@@ -86,15 +84,21 @@ from dynabatch.scheduler.core.sync.messages import (
     Regroup,
     Replan,
     SaveModel,
+    Seen,
     Settle,
     SpawnWorkers,
+    StopWorkers,
+    TakeRequests,
     TendSpares,
+    Tick,
     TrainSegment,
     Verdict,
     WaitForMinimum,
-    outcome,
+    answer,
+    step,
 )
 from dynabatch.scheduler.core.sync.policy import policy_for
+from dynabatch.scheduler.core.sync.protocol import RebalanceRule
 from dynabatch.scheduler.runtime.seam import Clock, GroupReports, Runtime
 from dynabatch.scheduler.sync.artifacts import Artifacts
 from dynabatch.scheduler.sync.checkpoints import Checkpoints
@@ -143,10 +147,12 @@ class Coordinator(JobControl):
         runtime: Runtime | None = None,
         clock: Clock | None = None,
         reports: GroupReports | None = None,
+        worker_cap: int = MAX_WORKERS,
     ):
         """``runtime``: Ray's when None. ``reports``: where the job tells the cluster
         scheduler its group whenever one forms (with Ray's runtime, the scheduler actor;
-        none: not told)."""
+        none: not told). ``worker_cap``: the most workers a job may have (the service's;
+        the simulator's clusters go past it)."""
         super().__init__(job_id, spec if isinstance(spec, JobSpec)
                          else JobSpec.model_validate(spec), clock)
         if runtime is None:
@@ -158,9 +164,17 @@ class Coordinator(JobControl):
             reports = reports or RayGroupReports()
         self.runtime = runtime
         self.reports = reports
-        self.engine = SyncEngine()  # decides each step boundary; this carries it out
+        self.loop: LoopState = AtRest()  # where the step loop stands (its reducer's state)
         self.reason = "starting workers"
         s = self.spec
+        self.loop_config = LoopConfig(
+            epochs=s.epochs,
+            rule=RebalanceRule(s.rebalance.mode, s.rebalance.every_steps,
+                               s.rebalance.check_steps),
+            policy_static=s.policy == "static", goodput=s.schedule.mode == "goodput",
+            checkpoint_dir=bool(s.checkpoint.dir), checkpoint_every=s.checkpoint.every_epochs,
+            judges_epochs=s.early_stopping is not None or s.checkpoint.keep_best is not None,
+            start_timeout_s=s.start_timeout_s)
         lr_factors, lr_error = _lr_scheduler_factors(s)
         self.job = SyncJob(
             job_id=job_id,
@@ -170,7 +184,7 @@ class Coordinator(JobControl):
                 # The schedule's smallest and largest batch bound the group's size, as they
                 # bound the service's scale (batch_bounds: one rule).
                 smallest_batch=s.batch_range[0], largest_batch=s.batch_range[1],
-                max_batch=s.max_batch, max_possible=MAX_WORKERS),
+                max_batch=s.max_batch, max_possible=worker_cap),
             regime=Regime(s, lr_factors),
             policy=policy_for(s.policy, s.rebalance.min_gain(s.policy)),
             failures=FailurePolicy(s.max_retries),
@@ -225,8 +239,7 @@ class Coordinator(JobControl):
             return self._step()
         except Exception as err:  # the job fails with the reason; the actor stays up
             log.exception("job %s failed", self.job_id)
-            self._finish(JobState.FAILED, f"internal error: {type(err).__name__}: {err}")
-            return False
+            return self._fail(f"internal error: {type(err).__name__}: {err}")
 
     def snapshot(self) -> JobSnapshot:
         with self._lock:
@@ -314,7 +327,7 @@ class Coordinator(JobControl):
     def shutdown(self) -> None:
         # Every spawned worker is a member, pending, or leaving until it is killed; spares
         # too.
-        self.roster.stop_leaving()
+        self.roster.stop(tuple(self.job.leaving))
         m = self.job.membership
         for w in [*m.members, *m.pending.values()]:
             self.runtime.kill(w.worker_id)
@@ -323,87 +336,73 @@ class Coordinator(JobControl):
 
     # ---------------------------------------------------------------- the loop
     def _step(self) -> bool:
-        """One boundary: the engine decides, this carries out its commands in order and
-        answers each batch with the event its last command yields (``outcome``), carrying
-        what the job's machines say after it."""
-        commands = self.engine.on(Boundary(self._facts()))
-        try:
-            while True:
-                ok = True
-                for command in commands:
-                    if isinstance(command, EndStep):
-                        return not command.stop and not self.state.is_terminal
-                    ok = self._carry_out(command)
-                    if self.state.is_terminal:  # the failure policy failed the job in it
-                        self.engine.interrupted()
-                        return False
-                commands = self.engine.on(outcome(commands[-1], self._facts(), ok))
-        except BaseException:
-            self.engine.interrupted()  # a bug: the job fails with it
-            raise
+        """One boundary: the reducer decides, this carries out its effects in order and
+        answers each batch with what its last effect did (``answer``), or with the failure
+        the failure policy decided to end the job in it (``Failed``)."""
+        if self.state.is_terminal:  # ended before the loop ran (a checkpoint unreadable)
+            return False
+        self.loop, effects = step(self.loop, self._tick(), self.loop_config)
+        while True:
+            ok: bool | Verdict = True
+            for effect in effects:
+                if isinstance(effect, EndStep):
+                    return not effect.stop and not self.state.is_terminal
+                ok = self._carry_out(effect)
+                if self.job.failure is not None:
+                    return self._fail(self.job.failure)
+            self.loop, effects = step(
+                self.loop, answer(effects[-1], self._seen(), self.clock.now(), ok),
+                self.loop_config)
 
-    def _facts(self) -> Facts:
-        job, s = self.job, self.spec
+    def _fail(self, reason: str) -> bool:
+        """A failure ended the job (the failure policy's ``Fail``, or a bug): the reducer
+        concludes it and its effects are carried out."""
+        self.loop, effects = step(self.loop, Failed(reason), self.loop_config)
+        for effect in effects:
+            if not isinstance(effect, EndStep):
+                self._carry_out(effect)
+        return False
+
+    def _tick(self) -> Tick:
+        return Tick(self._seen(), self.clock.now())
+
+    def _seen(self) -> Seen:
+        """What the job's machines say now."""
+        job = self.job
         p, m = job.protocol, job.membership
         speeds = job.tracker.speeds()
         with self._lock:  # an arriving assignment changes the placement (Roster)
-            # An assignment's hand-over drains workers at a boundary with nothing in flight.
-            requests = bool(self._requests) or m.handing_over
-            assigning = bool(self._requests) and isinstance(self._requests[0], Assign)
-            drains_due = m.drains_due(speeds)
-            starts_pending = bool(m.pending)
-            shortfall = m.shortfall()
-            needs_state = m.dirty and m.regroup_plan().needs_state
-        crossing = None
-        if p is not None:
-            nxt = p.epoch + 1
-            crossing = Crossing(
-                next_epoch=nxt, epochs=s.epochs, goodput=job.regime.mode == "goodput",
-                next_batch=job.regime.batch_for(nxt), batch=p.global_batch,
-                # A judged epoch (early_stopping, keep_best) waits for its evaluation, as a
-                # checkpoint does.
-                checkpoint_due=self.epochs.judges_epochs or self.epochs.checkpoint_due(nxt),
-                replans_at_end=p.rule.mode == "epoch" and s.policy != "static")
-        return Facts(
-            terminal=self.state.is_terminal,
-            cancel_requested=self._cancel is not None,
-            data_loaded=p is not None,
-            in_flight=job.ahead is not None,
-            trained=p is not None and self.epochs.trained,
+            requests = tuple(type(r).__name__.lower() for r in self._requests)
+            membership = MembershipView(
+                dirty=m.dirty, drains_due=m.drains_due(speeds), starts_pending=bool(m.pending),
+                first_start=(not m.members and m.generation == 0
+                             and self.state == JobState.PENDING),
+                shortfall=m.shortfall(), holders=bool(m.holders()),
+                needs_state=m.dirty and m.regroup_plan().needs_state)
+            handing_over = m.handing_over
+            cancel = self._cancel
+            recorded = len(self._history)
+        return Seen(
+            cancel=cancel, pending=self.state == JobState.PENDING, data_loaded=p is not None,
+            trained=p is not None and self.epochs.trained, stopped=self.epochs.stopped,
+            epoch=self.epoch, step=self.step_in_epoch,
+            steps_per_epoch=p.steps_per_epoch if p else 1,
             epoch_open=job.ep is not None,
-            epoch_complete=p is not None and p.epoch_complete,
-            check_due=p is not None and p.due_check(),
-            trained_any=bool(self._history) or self.step_in_epoch > 0,
-            retrying=job.attempts.retrying, requests_pending=requests,
-            assignment_queued=assigning,
-            regroup_due=m.dirty, drains_due=drains_due,
-            stamps_fixed=job.regime.can_stamp_ahead,
-            crossing=crossing,
-            pending=self.state == JobState.PENDING,
-            starting=not m.members and m.generation == 0 and self.state == JobState.PENDING,
-            starts_pending=starts_pending,
-            start_overdue=job.starts_until is not None and self.clock.now() >= job.starts_until,
-            node_poll_due=self.roster.node_poll_due(),
-            shortfall=shortfall,
-            holders=bool(m.holders()),
-            needs_state=needs_state,
+            epoch_complete=p is not None and p.epoch_complete, recorded=recorded,
+            in_flight=job.ahead is not None, update_offered=job.offered is not None,
+            batch=job.global_batch, next_batch=job.regime.batch_for(self.epoch + 1),
+            stamps_fixed=job.regime.can_stamp_ahead, retrying=job.attempts.retrying,
+            requests=requests, handing_over=handing_over,
             holding_restored=job.restored_weights is not None,
-            update_offered=job.offered is not None,
-            checkpoint_due=p is not None and self.epochs.checkpoint_due(p.epoch + 1),
-            judges_epochs=self.epochs.judges_epochs,
-            keeps_checkpoints=bool(s.checkpoint.dir),
-            stopping=bool(job.leaving),
-            now=self.clock.now(),
-        )
+            membership=membership, leaving=tuple(job.leaving))
 
-    def _carry_out(self, command: Command) -> bool | Verdict:
-        """One of the engine's commands, on this driver's parts; True unless a reconcile
-        left no group ready to train or a segment did not all run (an epoch's judgement:
-        its :class:`Verdict`)."""
-        match command:
+    def _carry_out(self, effect: Effect) -> bool | Verdict:
+        """One of the reducer's effects, on this driver's parts; True unless a regroup did
+        not form or a segment did not all run (an epoch's judgement: its :class:`Verdict`)."""
+        match effect:
             case LoadData():
                 self.epochs.load_data()
-            case ApplyRequests(assignments):
+            case TakeRequests(assignments):
                 self.roster.apply_requests(assignments)
             case ApplyDrains():
                 self.roster.apply_drains()
@@ -415,10 +414,10 @@ class Coordinator(JobControl):
                 self.roster.spawn(starting)
             case TendSpares():
                 self.roster.tend_spares()
-            case KillLeaving():
-                self.roster.stop_leaving()
-            case AwaitStarts(first):
-                self.roster.await_starts(first)
+            case StopWorkers(workers):
+                self.roster.stop(workers)
+            case AwaitStarts():
+                self.roster.await_starts()
             case GiveUpStarts():
                 self.roster.give_up_starts()
             case WaitForMinimum(shortfall, since):
@@ -429,8 +428,6 @@ class Coordinator(JobControl):
                 return self.roster.regroup()
             case MarkRunning():
                 self._transition(JobState.RUNNING, None)
-            case FinishSucceeded():
-                self._finish(JobState.SUCCEEDED, self.epochs.stopped)
             case BeginEpoch():
                 self.epochs.begin_epoch()
             case Replan(cause):
@@ -462,19 +459,17 @@ class Coordinator(JobControl):
                 self.pipeline.drain(commit=True)
             case Settle():
                 self.epochs.settle()
-            case Checkpoint("cancel"):
-                self.checkpoints.save(reason="cancel")
-            case Checkpoint("best", best):
-                self.checkpoints.save(reason=f"best {best['metric']}",
-                                      position=self.epochs.next_start, best=best)
-            case Checkpoint(reason):  # at an epoch's end, as the next epoch's start
-                self.checkpoints.save(reason=reason, position=self.epochs.next_start)
+            case Checkpoint("best", position, best):
+                self.checkpoints.save(reason=f"best {best['metric']}", position=position,
+                                      best=best)
+            case Checkpoint(reason, position):
+                self.checkpoints.save(reason=reason, position=position)
             case SaveModel(reason):
                 self.artifacts.save(reason=reason)
-            case FinishCancelled():
-                self._finish(JobState.CANCELLED, self._cancel)
+            case EndJob(outcome, reason):
+                self._finish(outcome, reason)
             case _:
-                raise TypeError(f"not a command of the step loop: {command!r}")
+                raise TypeError(f"not an effect of the step loop: {effect!r}")
         return True
 
     def _finish(self, state: JobState, reason: str | None) -> None:

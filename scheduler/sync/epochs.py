@@ -29,7 +29,7 @@ from dynabatch.scheduler.core.failures import Fail, FailureEvent
 from dynabatch.scheduler.core.regime.stopping import Judgement, judge, should_stop
 from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
-from dynabatch.scheduler.core.sync.messages import Verdict
+from dynabatch.scheduler.core.sync.loop import Verdict
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from dynabatch.scheduler.sync.epoch_report import (
     EpochTotals,

@@ -113,11 +113,11 @@ class SyncJob:
     # global batch trained there until the data is loaded.
     restored_weights: dict[str, Any] | None = None
     restored_batch: int | None = None
-    starts_until: float | None = None  # the first start's wait ends then (AwaitStarts)
-    last_node_poll: float = -1e18
     nodes: list[NodeInfo] = field(default_factory=list)  # as last listed (PollNodes)
-    # Workers taken out of the job whose processes the engine's next KillLeaving stops.
+    # Workers taken out of the job whose processes the loop's next StopWorkers stops.
     leaving: list[str] = field(default_factory=list)
+    # The failure policy decided to fail the job, why: the loop ends it (its ``Failed``).
+    failure: str | None = None
     last_collect: float = -1e18  # when the last segment's results were read
 
     rebalances_total: int = 0
@@ -184,9 +184,9 @@ class Part:
     def failed(self, event: FailureEvent) -> FailureDecision:
         """A failure: the job's :class:`FailurePolicy` decides it (the only place one is
         decided), and what the decision does to the job is done here: the workers it evicts
-        leave, and a :class:`Fail` ends the job FAILED (the caller returns; the step loop
-        stops at the end of the command). Retry and roll back are the caller's to carry
-        out."""
+        leave, and a :class:`Fail` is noted for the step loop, which ends the job FAILED
+        once the effect returns (the caller returns at once). Retry and roll back are the
+        caller's to carry out."""
         job = self.job
         job.attempts, decision = job.failures.decide(job.attempts, event)
         match decision:
@@ -194,7 +194,7 @@ class Part:
                 for w, why in workers.items():
                     self.remove_worker(w, "evict", why)
             case Fail(reason):
-                self.c._finish(JobState.FAILED, reason)
+                job.failure = job.failure or reason
         return decision
 
     # The job control's state the parts read and change, named here once.
@@ -248,10 +248,11 @@ class Part:
         if change is not None:
             self.changed(change)
 
-    def stop_leaving(self) -> None:
-        """Stop the processes of the workers taken out of the job (the engine's ``KillLeaving``)."""
-        leaving, self.job.leaving = self.job.leaving, []
-        for worker in leaving:
+    def stop(self, workers: tuple[str, ...]) -> None:
+        """Stop the processes of these workers taken out of the job (the loop's
+        ``StopWorkers``)."""
+        self.job.leaving = [w for w in self.job.leaving if w not in workers]
+        for worker in workers:
             self.runtime.kill(worker)
 
     def changed(self, change: Change) -> None:

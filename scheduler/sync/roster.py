@@ -27,13 +27,10 @@ from dynabatch.scheduler.control import Assign, Drain, Scale
 from dynabatch.scheduler.core.failures import FailureEvent
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.sync.boundary import wait_for_minimum
+from dynabatch.scheduler.core.sync.loop import NODE_POLL_S
 from dynabatch.scheduler.runtime.seam import GroupReport
 from dynabatch.scheduler.sync.job import Part
 
-# How often nodes are listed (every step boundary at most, and between segments sent
-# ahead): a node that joins gets its worker or spare this soon. Listing costs two GCS
-# calls of about a millisecond.
-NODE_POLL_S = 0.2
 # After adopting a spare at a boundary with nothing in flight, how long to wait for it to
 # answer so that it joins this regroup rather than one segment later.
 ADOPT_WAIT_S = 0.5
@@ -47,15 +44,11 @@ class Roster(Part):
     Membership` (named apart from the workers' process group, ``dynabatch.actors.group``)."""
 
     # ---------------------------------------------------------------- at a boundary
-    def node_poll_due(self) -> bool:
-        return self.clock.now() - self.job.last_node_poll >= NODE_POLL_S
-
     def poll_nodes(self, starting: bool) -> None:
         """List the nodes now (the engine's ``PollNodes``): the job's first start says when
         there are none; spares lost before they were adopted are noted."""
         job = self.job
         with self.lock:
-            job.last_node_poll = self.clock.now()
             job.nodes = self.runtime.nodes()
             if not job.nodes and starting:
                 self.c.reason = f"waiting for resources: {self.no_node_hint()}"
@@ -82,7 +75,6 @@ class Roster(Part):
                         case Assign(nodes):
                             m.request_assignment(nodes)
                             took = True
-                            self.job.last_node_poll = -1e18  # start its new workers now
                             self.withdraw()
                 except (KeyError, ValueError) as err:
                     self.log("WARNING", f"{r} not applied: {err}")
@@ -208,13 +200,10 @@ class Roster(Part):
                 job.tracker.add(st.worker, m.get(st.worker).capacity)
                 self.changed(change)
 
-    def await_starts(self, first: bool) -> None:
+    def await_starts(self) -> None:
         """Wait a little for the first start's workers to come up, and take in those that
-        did (the engine's ``AwaitStarts``); ``first``: the start timeout counts from now."""
-        job = self.job
-        m = job.membership
-        if first:
-            job.starts_until = self.clock.now() + self.spec.start_timeout_s
+        did (the loop's ``AwaitStarts``; the start timeout is its)."""
+        m = self.job.membership
         self.c.reason = (
             f"waiting for resources: {len(m.pending)} of {len(m.pending) + len(m.members)}"
             f" workers not started yet ({len(self.runtime.nodes())} eligible nodes; other "

@@ -1,6 +1,6 @@
 """docs/architecture.md stays true to the tree: every file it names in backticks exists
-(a path under ``core/`` is the scheduler's), and the step loop's engine it draws is the one
-in the code: each of the engine's states and each event it takes is named in the doc."""
+(a path under ``core/`` is the scheduler's), and the step loop it draws is the one in the
+code: each of the reducer's states and each event it takes is named in the doc."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 import typing
 from pathlib import Path
 
-from dynabatch.scheduler.core.sync import messages, states
+from dynabatch.scheduler.core.sync import loop
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "architecture.md").read_text()
@@ -23,7 +23,7 @@ def test_every_file_the_architecture_names_exists():
 
 
 def test_the_drawn_engine_has_the_codes_states_and_events():
-    state_names = [t.__name__ for t in typing.get_args(states.LoopState)]
-    event_names = [t.__name__ for t in typing.get_args(messages.Event)]
+    state_names = [t.__name__ for t in typing.get_args(loop.LoopState)]
+    event_names = [t.__name__ for t in typing.get_args(loop.Event)]
     absent = [n for n in [*state_names, *event_names] if not re.search(rf"\b{n}\b", DOC)]
     assert not absent, f"docs/architecture.md does not draw: {absent}"

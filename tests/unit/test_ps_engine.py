@@ -13,32 +13,35 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState
 from dynabatch.scheduler.core.membership import NodeAssignment
 from dynabatch.scheduler.core.ps.engine import (
     NODE_POLL_S,
+    Crew,
     Ended,
+    EngineState,
     PSEngine,
     Running,
     Scaling,
     Starting,
     WaitingForNode,
+    job_state,
+    learners,
 )
 from dynabatch.scheduler.core.ps.messages import (
     AssignRequested,
     Command,
     DataLoaded,
     DrainRequested,
+    DriverFailed,
     EpochSeen,
     Event,
     ExportModel,
-    Finish,
     Kill,
     LearnerEnded,
     Leave,
     ListNodes,
     Log,
-    MarkRunning,
     MeasureFinalLoss,
     NodeAdded,
     NodesListed,
@@ -50,7 +53,6 @@ from dynabatch.scheduler.core.ps.messages import (
     SpawnLearner,
     StartServer,
 )
-from dynabatch.scheduler.core.sync.engine import InvalidEvent
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
@@ -61,9 +63,25 @@ assignments = st.dictionaries(st.sampled_from(NODES), st.integers(1, 3), min_siz
 )
 
 
-def _running(initial: int | None = 2, nodes: tuple[str, ...] = ("n0", "n1"), **kw) -> PSEngine:
+class Held:
+    """The engine's rules and its state, stepped in place as the driver does."""
+
+    def __init__(self, initial: int | None, wait_s: float, final_loss: bool = False) -> None:
+        self.engine = PSEngine(initial, wait_s, final_loss)
+        self.state: EngineState = Starting()
+
+    def on(self, event: Event) -> list[Command]:
+        self.state, out = self.engine.step(self.state, event)
+        return out
+
+    @property
+    def learners(self) -> dict[str, str]:
+        return learners(self.state)
+
+
+def _running(initial: int | None = 2, nodes: tuple[str, ...] = ("n0", "n1"), **kw) -> Held:
     """An engine past its start: ``initial`` learners round ``nodes``, joined at time 0."""
-    engine = PSEngine(initial, wait_s=5.0, **kw)
+    engine = Held(initial, wait_s=5.0, **kw)
     engine.on(DataLoaded())
     engine.on(NodesListed(nodes, 0.0))
     return engine
@@ -119,7 +137,7 @@ class Model:
 
 
 @st.composite
-def running_event(draw: st.DrawFn, engine: PSEngine, model: Model, now: float) -> Event:
+def running_event(draw: st.DrawFn, engine: Held, model: Model, now: float) -> Event:
     members = sorted(model.members) or ["w99"]
     worker = draw(st.sampled_from([*members, "w99"]))
     kind = draw(st.sampled_from(["scale", "drain", "assign", "exit", "node", "poll", "poll"]))
@@ -161,7 +179,7 @@ def running_event(draw: st.DrawFn, engine: PSEngine, model: Model, now: float) -
 def test_every_run_follows_the_drivers_rules(
     initial: int | None, final_loss: bool, data: st.DataObject
 ) -> None:
-    engine = PSEngine(initial, wait_s=2.0, final_loss=final_loss)
+    engine = Held(initial, wait_s=2.0, final_loss=final_loss)
     model, now, exported = Model(), 0.0, 0
     for _ in range(25):
         now += data.draw(st.floats(0.0, 1.5))
@@ -186,24 +204,21 @@ def test_every_run_follows_the_drivers_rules(
         joined, killed = model.apply(out, now)
         if isinstance(event, LearnerEnded) and event.error is None:
             model.members.pop(event.worker, None)  # it finished: gone, nothing to do
-        if any(isinstance(c, Finish) for c in out):
+        f = engine.state if isinstance(engine.state, Ended) else None
+        if f is not None:
             model.members.clear()  # the job's learners end with it
+            assert not joined
         assert engine.learners == {w: m[0] for w, m in model.members.items()}
-        finishes = [c for c in out if isinstance(c, Finish)]
-        assert not finishes or (len(finishes) == 1 and out[-1] == finishes[0])
         assert not any(isinstance(c, ListNodes) for c in out[:-1])  # it waits for the answer
-        if finishes:
-            assert isinstance(engine.state, Ended) and not joined
-        f = finishes[0] if finishes else None
         exported += sum(isinstance(c, ExportModel) for c in out)
         assert exported <= 1  # the model goes out once at most
-        if f is not None and f.state == JobState.SUCCEEDED:  # only when the server says so
+        if f is not None and f.outcome == JobState.SUCCEEDED:  # only when the server says so
             assert isinstance(event, Polled) and event.finished
 
         match state, event:
             case Starting(), DataLoaded(problem):
                 if problem:
-                    assert out == [Finish(JobState.FAILED, problem)]
+                    assert out == [] and f == Ended(JobState.FAILED, problem)
                 else:
                     assert out == [StartServer(initial or 0), ListNodes()]
             case WaitingForNode(), NodesListed(nodes, t, assignment):
@@ -211,10 +226,11 @@ def test_every_run_follows_the_drivers_rules(
                     model.first_listing = t
                 if not nodes:
                     over = t >= model.first_listing + 2.0
-                    want = [Finish(JobState.FAILED, "no eligible node for a learner")]
-                    assert out == (want if over else [Sleep(NODE_POLL_S), ListNodes()])
+                    want = Ended(JobState.FAILED, "no eligible node for a learner")
+                    assert (out, f) == (([], want) if over else ([Sleep(NODE_POLL_S), ListNodes()],
+                                                                  None))
                 else:
-                    assert out[-1] == MarkRunning()
+                    assert job_state(engine.state) == JobState.RUNNING
                     placed = Counter(model.members[w][0] for w in joined)
                     if assignment is not None:  # a place leaves exactly the slots
                         assert placed == dict(assignment.slots)
@@ -234,14 +250,14 @@ def test_every_run_follows_the_drivers_rules(
                 for k in killed:  # on each node, the fastest keep their slots
                     same = [w for w in before if w not in killed and before[w][0] == before[k][0]]
                     assert all(keys[k] <= keys[w] for w in same)
-            case Running(), ScaleRequested(workers):
-                assert out == [ListNodes()] and engine.state == Scaling(workers)
+            case Running(crew), ScaleRequested(workers):
+                assert out == [ListNodes()] and engine.state == Scaling(workers, crew)
             case Running(), DrainRequested(w):
                 assert killed == ([w] if w in before else []) and not joined
             case Running(), LearnerEnded(w, error, lost):
                 if w in before and error is not None and not lost:  # a raising learner
-                    assert out == [Log("ERROR", f"learner {w} failed: {error}"), f]
-                    assert f == Finish(JobState.FAILED, error)
+                    assert out == [Log("ERROR", f"learner {w} failed: {error}")]
+                    assert f == Ended(JobState.FAILED, error)
                 else:
                     assert f is None and not joined and not killed
                     assert w not in model.members
@@ -253,8 +269,8 @@ def test_every_run_follows_the_drivers_rules(
                 if model.last_t is None and p.started_s is not None:
                     model.last_t = p.started_s
                 for c, e in zip(recorded, new, strict=False):  # once each, in order
-                    assert c == RecordEpoch(len(model.recorded), e.t - (model.last_t or 0.0))
-                    model.recorded.append(c.at)
+                    assert c == RecordEpoch(e, e.t - (model.last_t or 0.0))
+                    model.recorded.append(c.epoch.epoch)
                     model.last_t = e.t
                 model.server_epochs = list(p.epochs)
                 model.applied = dict(p.applied)
@@ -262,7 +278,7 @@ def test_every_run_follows_the_drivers_rules(
                 exports = [c for c in out if isinstance(c, ExportModel)]
                 if bad is not None:
                     assert len(recorded) == new.index(bad) + 1
-                    assert f is not None and f.state == JobState.FAILED
+                    assert f is not None and f.outcome == JobState.FAILED
                     assert f"epoch {bad.epoch} " in f.reason
                     assert not exports
                     return
@@ -270,12 +286,12 @@ def test_every_run_follows_the_drivers_rules(
                 if p.finished:  # success only when the server says finished
                     assert exports == [ExportModel("end")]
                     assert (MeasureFinalLoss() in out) == final_loss
-                    assert f == Finish(JobState.SUCCEEDED)
+                    assert f == Ended(JobState.SUCCEEDED)
                 elif p.cancel:
                     assert exports == ([ExportModel("cancel")] if model.recorded else [])
-                    assert f == Finish(JobState.CANCELLED, p.cancel)
+                    assert f == Ended(JobState.CANCELLED, p.cancel)
                 elif not before:
-                    assert f == Finish(JobState.FAILED, "every learner was lost")
+                    assert f == Ended(JobState.FAILED, "every learner was lost")
                 else:
                     assert f is None and not exports
             case _:
@@ -287,45 +303,45 @@ def test_every_run_follows_the_drivers_rules(
 
 
 def test_a_dataset_the_server_cannot_train_fails_the_job_before_anything_starts() -> None:
-    engine = PSEngine(2, wait_s=5.0)
+    engine = Held(2, wait_s=5.0)
     why = "dataset.name: protocol ps trains classification (class labels) only"
-    assert engine.on(DataLoaded(why)) == [Finish(JobState.FAILED, why)]
-    assert isinstance(engine.state, Ended)
+    assert engine.on(DataLoaded(why)) == []
+    assert engine.state == Ended(JobState.FAILED, why)
+    assert job_state(engine.state) == JobState.FAILED
 
 
 def test_the_start_waits_for_a_node_from_its_first_listing_then_fails() -> None:
-    engine = PSEngine(2, wait_s=1.0)
+    engine = Held(2, wait_s=1.0)
     assert engine.on(DataLoaded()) == [StartServer(2), ListNodes()]
     assert engine.on(NodesListed((), 10.0)) == [Sleep(NODE_POLL_S), ListNodes()]
     assert engine.on(NodesListed((), 10.5)) == [Sleep(NODE_POLL_S), ListNodes()]
-    assert engine.on(NodesListed((), 11.0)) == [
-        Finish(JobState.FAILED, "no eligible node for a learner")
-    ]
+    assert engine.on(NodesListed((), 11.0)) == []
+    assert engine.state == Ended(JobState.FAILED, "no eligible node for a learner")
 
 
 def test_the_first_learners_go_round_the_nodes_and_the_job_runs() -> None:
-    engine = PSEngine(3, wait_s=1.0)
+    engine = Held(3, wait_s=1.0)
     engine.on(DataLoaded())
     assert engine.on(NodesListed((), 0.0)) == [Sleep(NODE_POLL_S), ListNodes()]
     out = engine.on(NodesListed(("n0", "n1"), 0.5))
     spawns = [c for c in out if isinstance(c, SpawnLearner)]
     assert spawns == [SpawnLearner("w0", 0, "n0"), SpawnLearner("w1", 1, "n1"),
                       SpawnLearner("w2", 2, "n0")]
-    assert out[-1] == MarkRunning() and isinstance(engine.state, Running)
+    assert isinstance(engine.state, Running) and job_state(engine.state) == JobState.RUNNING
     # Unset: one learner per node, with no start barrier.
-    unset = PSEngine(None, wait_s=1.0)
+    unset = Held(None, wait_s=1.0)
     assert unset.on(DataLoaded()) == [StartServer(0), ListNodes()]
     unset.on(NodesListed(("n0", "n1", "n2"), 0.0))
     assert unset.learners == {"w0": "n0", "w1": "n1", "w2": "n2"}
 
 
 def test_an_assigned_start_places_learners_on_exactly_the_slots() -> None:
-    engine = PSEngine(1, wait_s=1.0)
+    engine = Held(1, wait_s=1.0)
     engine.on(DataLoaded())
     a = NodeAssignment.of({"n1": 2, "n2": 1})
-    out = engine.on(NodesListed(("n0", "n1", "n2"), 0.0, a))
+    engine.on(NodesListed(("n0", "n1", "n2"), 0.0, a))
     assert Counter(engine.learners.values()) == {"n1": 2, "n2": 1}
-    assert out[-1] == MarkRunning()
+    assert job_state(engine.state) == JobState.RUNNING
     assert engine.on(AssignRequested(a, 1.0)) == []  # its queued Assign: nothing to do
 
 
@@ -338,10 +354,8 @@ def test_a_learner_that_finished_is_gone_a_lost_one_leaves_and_a_raising_one_fai
     ]
     assert engine.on(LearnerEnded("w1", "late report", lost=False)) == []  # not a learner
     out = engine.on(LearnerEnded("w2", "ValueError: bad shape", lost=False))
-    assert out == [
-        Log("ERROR", "learner w2 failed: ValueError: bad shape"),
-        Finish(JobState.FAILED, "ValueError: bad shape"),
-    ]
+    assert out == [Log("ERROR", "learner w2 failed: ValueError: bad shape")]
+    assert engine.state == Ended(JobState.FAILED, "ValueError: bad shape")
     with pytest.raises(InvalidEvent, match="Polled while Ended"):
         engine.on(Polled(now=9.0))
 
@@ -402,60 +416,71 @@ def test_epochs_are_recorded_once_timed_from_the_start_and_an_unverified_one_fai
     engine = _running(2)
     e0, e1 = EpochSeen(0, 2.0), EpochSeen(1, 5.0)
     assert engine.on(Polled(now=1.0, started_s=0.5)) == []
-    assert engine.on(Polled(now=3.0, started_s=0.5, epochs=(e0,))) == [RecordEpoch(0, 1.5)]
+    assert engine.on(Polled(now=3.0, started_s=0.5, epochs=(e0,))) == [RecordEpoch(e0, 1.5)]
     assert engine.on(Polled(now=4.0, started_s=0.5, epochs=(e0,))) == []
     bad = EpochSeen(2, 6.0, verified=False, problems=("a", "b", "c", "d"))
     out = engine.on(Polled(now=7.0, epochs=(e0, e1, bad)))
-    assert out == [
-        RecordEpoch(1, 3.0),
-        RecordEpoch(2, 1.0),
-        Finish(JobState.FAILED, "epoch 2 not exactly once: a; b; c"),
-    ]
+    assert out == [RecordEpoch(e1, 3.0), RecordEpoch(bad, 1.0)]
+    assert engine.state == Ended(JobState.FAILED, "epoch 2 not exactly once: a; b; c")
 
 
 def test_the_end_measures_the_final_loss_when_wanted_exports_and_succeeds() -> None:
     engine = _running(2, final_loss=True)
-    out = engine.on(Polled(now=5.0, epochs=(EpochSeen(0, 4.0),), finished=True, cancel="x"))
-    assert out == [
-        RecordEpoch(0, 4.0),
-        MeasureFinalLoss(),
-        ExportModel("end"),
-        Finish(JobState.SUCCEEDED),
-    ]
-    assert engine.learners == {}
+    e0 = EpochSeen(0, 4.0)
+    out = engine.on(Polled(now=5.0, epochs=(e0,), finished=True, cancel="x"))
+    assert out == [RecordEpoch(e0, 4.0), MeasureFinalLoss(), ExportModel("end")]
+    assert engine.state == Ended(JobState.SUCCEEDED) and engine.learners == {}
     plain = _running(2)
-    assert plain.on(Polled(now=5.0, finished=True)) == [
-        ExportModel("end"),
-        Finish(JobState.SUCCEEDED),
-    ]
+    assert plain.on(Polled(now=5.0, finished=True)) == [ExportModel("end")]
+    assert plain.state == Ended(JobState.SUCCEEDED)
 
 
 def test_a_cancel_exports_the_model_only_once_an_epoch_was_trained() -> None:
     engine = _running(2)
-    assert engine.on(Polled(now=1.0, cancel="stop")) == [Finish(JobState.CANCELLED, "stop")]
+    assert engine.on(Polled(now=1.0, cancel="stop")) == []
+    assert engine.state == Ended(JobState.CANCELLED, "stop")
     trained = _running(2)
     trained.on(Polled(now=2.0, epochs=(EpochSeen(0, 1.0),)))
     assert trained.on(Polled(now=3.0, epochs=(EpochSeen(0, 1.0),), cancel="stop")) == [
-        ExportModel("cancel"),
-        Finish(JobState.CANCELLED, "stop"),
+        ExportModel("cancel")
     ]
+    assert trained.state == Ended(JobState.CANCELLED, "stop")
 
 
 def test_every_learner_lost_fails_the_job() -> None:
     engine = _running(1, ("n0",))
     engine.on(LearnerEnded("w0", "node died"))
-    assert engine.on(Polled(now=1.0)) == [Finish(JobState.FAILED, "every learner was lost")]
+    assert engine.on(Polled(now=1.0)) == []
+    assert engine.state == Ended(JobState.FAILED, "every learner was lost")
 
 
-def test_an_event_no_state_expects_is_refused_and_a_stopped_engine_has_no_learners() -> None:
-    engine = PSEngine(1, wait_s=1.0)
+def test_a_failed_command_fails_the_job_from_any_state_and_a_late_one_changes_nothing() -> None:
+    rules = PSEngine(2, wait_s=5.0)
+    why = "internal error: OSError: no space"
+    for state in (Starting(), WaitingForNode(3.0), _running(2).state, Scaling(3, Crew())):
+        assert job_state(state) != JobState.FAILED
+        assert rules.step(state, DriverFailed(why)) == (Ended(JobState.FAILED, why), [])
+    done = Ended(JobState.SUCCEEDED)
+    assert rules.step(done, DriverFailed(why)) == (done, [])
+
+
+def test_the_public_state_is_derived_from_the_engines() -> None:
+    assert [job_state(s) for s in (Starting(), WaitingForNode(), Running(Crew()),
+                                   Scaling(2, Crew()), Ended(JobState.CANCELLED, "stop"))] == [
+        JobState.PENDING, JobState.PENDING, JobState.RUNNING, JobState.RUNNING,
+        JobState.CANCELLED,
+    ]
+
+
+def test_an_event_no_state_expects_is_refused_and_an_ended_job_has_no_learners() -> None:
+    engine = Held(1, wait_s=1.0)
     with pytest.raises(InvalidEvent, match="Polled while Starting"):
         engine.on(Polled(now=0.0))
     engine.on(DataLoaded())
     with pytest.raises(InvalidEvent, match="ScaleRequested while WaitingForNode"):
         engine.on(ScaleRequested(2))
     running = _running(2)
-    running.stop()  # the driver failed the job on an error, or shut it down
+    running.on(DriverFailed("internal error: KeyError: 'x'"))  # a command raised
     assert running.learners == {} and isinstance(running.state, Ended)
     with pytest.raises(InvalidEvent):
         running.on(NodeAdded("n0", assigned=False, now=1.0))

@@ -1,10 +1,13 @@
-"""The parameter-server driver's decisions as a pure engine: events in, commands out.
+"""The parameter-server driver's decisions as a pure reducer: ``step(state, event) ->
+(state, commands)``.
 
 The driver (``dynabatch.scheduler.ps.driver``) does not decide what a learner's exit, a
-request or an epoch means; it feeds :class:`PSEngine` events made from what its runtime
+request or an epoch means; it feeds :meth:`PSEngine.step` events made from what its runtime
 reports and carries out the commands it gets back, on Ray or in the simulator alike. The
-engine owns the job's learners (their nodes, ordinals and join times), the next ordinal
-and the epochs recorded; time comes in on the events.
+state is the one value that says where the job is, with its data: the learners (their
+nodes, ordinals and join times), the next ordinal and the epochs recorded ride in
+:class:`Crew`; the job's public state is :func:`job_state` of it. Time comes in on the
+events.
 
 * **Starting** (:class:`DataLoaded`): a dataset the server cannot train fails the job;
   else the server starts, with a start barrier of ``initial_workers``, and the nodes are
@@ -28,29 +31,32 @@ and the epochs recorded; time comes in on the events.
     says finished (its final training loss measured when wanted, the model exported),
     else CANCELLED at a pending cancel (the model exported once an epoch was recorded),
     else FAILED when every learner was lost.
-* **Ended**: no event is expected (:class:`InvalidEvent`); the job's learners are gone.
+* **A command failed** (:class:`DriverFailed`, in any state but the end): the job fails
+  with the reason.
+* **Ended**: carries the outcome and its reason; no event is expected (:class:`InvalidEvent`)
+  but a late :class:`DriverFailed`, which changes nothing; the job's learners are gone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
-from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState
 from dynabatch.scheduler.core.membership import NodeAssignment, slowest_first
 from dynabatch.scheduler.core.ps.messages import (
     AssignRequested,
     Command,
     DataLoaded,
     DrainRequested,
+    DriverFailed,
     Event,
     ExportModel,
-    Finish,
     Kill,
     LearnerEnded,
     Leave,
     ListNodes,
     Log,
-    MarkRunning,
     MeasureFinalLoss,
     NodeAdded,
     NodesListed,
@@ -62,9 +68,34 @@ from dynabatch.scheduler.core.ps.messages import (
     SpawnLearner,
     StartServer,
 )
-from dynabatch.scheduler.core.sync.engine import InvalidEvent
 
 NODE_POLL_S = 0.5  # how often the start lists the nodes while none can host a learner
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerRecord:
+    """A learner of the job: where it runs, its ordinal, and when it joined."""
+
+    node: str
+    ordinal: int
+    joined: float
+
+
+@dataclass(frozen=True, slots=True)
+class Crew:
+    """A running job's learners and what the engine knows of them: ``members`` (worker id →
+    record), the ``next`` ordinal, the ``nodes`` as last listed (where a scale-up goes
+    round), the samples each learner had applied at the last snapshot, the epochs
+    ``recorded`` and when the last of them ended (``last_t``). A value: each step makes a
+    new one."""
+
+    members: Mapping[str, LearnerRecord] = field(default_factory=dict)
+    next: int = 0
+    nodes: tuple[str, ...] = ()
+    applied: Mapping[str, float] = field(default_factory=dict)
+    recorded: int = 0
+    last_t: float | None = None
+
 
 # --- the engine's states ----------------------------------------------------------------
 
@@ -87,193 +118,209 @@ class Running:
     """The learners train; the driver's steps bring their exits, requests and the
     server's snapshot."""
 
+    crew: Crew
+
 
 @dataclass(frozen=True, slots=True)
 class Scaling:
-    """A scale request waits for the nodes to be listed."""
+    """A scale request to ``workers`` learners waits for the nodes to be listed."""
 
     workers: int
+    crew: Crew
 
 
 @dataclass(frozen=True, slots=True)
 class Ended:
-    """The job is terminal."""
+    """The job is terminal: ``outcome`` (SUCCEEDED, FAILED or CANCELLED) and why."""
+
+    outcome: JobState
+    reason: str | None = None
 
 
 EngineState = Starting | WaitingForNode | Running | Scaling | Ended
 
 
+def job_state(state: EngineState) -> JobState:
+    """The job's public state, derived from the engine's: PENDING until the first learners
+    are placed, RUNNING while they train, then the outcome."""
+    match state:
+        case Running() | Scaling():
+            return JobState.RUNNING
+        case Ended(outcome):
+            return outcome
+    return JobState.PENDING
+
+
+def learners(state: EngineState) -> dict[str, str]:
+    """The job's learners in ``state``: worker id → node id (none before the start and after
+    the end)."""
+    if isinstance(state, Running | Scaling):
+        return {w: m.node for w, m in state.crew.members.items()}
+    return {}
+
+
+Step = tuple[EngineState, list[Command]]
+Grown = tuple[Crew, list[Command]]
+
+
 @dataclass(frozen=True, slots=True)
-class LearnerRecord:
-    """A learner of the job: where it runs, its ordinal, and when it joined."""
-
-    node: str
-    ordinal: int
-    joined: float
-
-
 class PSEngine:
-    """The parameter-server job's decisions. :meth:`on` takes an event and returns the
-    commands to carry out in order. ``initial_workers``: the job's first learners (None:
-    one per node); ``wait_s``: how long the start waits for a node; ``final_loss``: measure
-    the final weights' training loss at the end."""
+    """The parameter-server job's rules. ``initial_workers``: the job's first learners
+    (None: one per node); ``wait_s``: how long the start waits for a node; ``final_loss``:
+    measure the final weights' training loss at the end. :meth:`step` is pure."""
 
-    def __init__(self, initial_workers: int | None, wait_s: float, final_loss: bool = False):
-        self.initial_workers = initial_workers
-        self.wait_s = wait_s
-        self.final_loss = final_loss
-        self.state: EngineState = Starting()
-        self._members: dict[str, LearnerRecord] = {}
-        self._next = 0  # the next learner's ordinal
-        self._nodes: tuple[str, ...] = ()  # as last listed: where a scale-up goes round
-        self._applied: dict[str, float] = {}  # samples applied per learner, last snapshot
-        self.epochs_recorded = 0
-        self._last_t: float | None = None  # when the last recorded epoch ended
+    initial_workers: int | None
+    wait_s: float
+    final_loss: bool = False
 
-    @property
-    def learners(self) -> dict[str, str]:
-        """The job's learners now: worker id → node id."""
-        return {w: m.node for w, m in self._members.items()}
-
-    def on(self, event: Event) -> list[Command]:
-        match self.state, event:
-            case Starting(), DataLoaded(problem):
+    def step(self, state: EngineState, event: Event) -> Step:
+        """The state after ``event`` and the commands to carry out, in order."""
+        match state, event:
+            case Ended(), DriverFailed():
+                return state, []  # the job ended already: its outcome stands
+            case _, DriverFailed(reason):
+                return Ended(JobState.FAILED, reason), []
+            case Starting(), DataLoaded(problem, data):
                 if problem is not None:
-                    return self._end(Finish(JobState.FAILED, problem))
-                self.state = WaitingForNode()
-                return [StartServer(self.initial_workers or 0), ListNodes()]
+                    return Ended(JobState.FAILED, problem), []
+                return WaitingForNode(), [StartServer(self.initial_workers or 0, data),
+                                          ListNodes()]
             case WaitingForNode(deadline), NodesListed(nodes, now, assignment):
                 if nodes:
                     return self._first_learners(nodes, now, assignment)
                 deadline = now + self.wait_s if deadline is None else deadline
                 if now >= deadline:
-                    return self._end(Finish(JobState.FAILED, "no eligible node for a learner"))
-                self.state = WaitingForNode(deadline)
-                return [Sleep(NODE_POLL_S), ListNodes()]
-            case Scaling(workers), NodesListed(nodes, now):
-                self.state = Running()
-                return self._scale(workers, nodes, now)
-            case Running(), ScaleRequested(workers):
-                self.state = Scaling(workers)
-                return [ListNodes()]
-            case Running(), DrainRequested(worker):
-                return self._remove(worker, "drained") if worker in self._members else []
-            case Running(), AssignRequested(nodes, now):
-                return self._place(nodes, now)
-            case Running(), LearnerEnded(worker, error, lost):
-                return self._ended(worker, error, lost)
-            case Running(), NodeAdded(node, assigned, now):
+                    return Ended(JobState.FAILED, "no eligible node for a learner"), []
+                return WaitingForNode(deadline), [Sleep(NODE_POLL_S), ListNodes()]
+            case Scaling(workers, crew), NodesListed(nodes, now):
+                return _running(_scale(crew, workers, nodes, now))
+            case Running(crew), ScaleRequested(workers):
+                return Scaling(workers, crew), [ListNodes()]
+            case Running(crew), DrainRequested(worker):
+                if worker not in crew.members:
+                    return state, []
+                return _running(_remove(crew, worker, "drained"))
+            case Running(crew), AssignRequested(nodes, now):
+                return _running(_place(crew, nodes, now))
+            case Running(crew), LearnerEnded(worker, error, lost):
+                return _ended(crew, worker, error, lost)
+            case Running(crew), NodeAdded(node, assigned, now):
                 # An assigned job grows onto no other node.
-                return [] if assigned else self._spawn(node, now)
-            case Running(), Polled() as snap:
-                return self._polled(snap)
-        raise InvalidEvent(f"{type(event).__name__} while {type(self.state).__name__}")
+                return (state, []) if assigned else _running(_spawn(crew, node, now))
+            case Running(crew), Polled() as snap:
+                return self._polled(crew, snap)
+        raise InvalidEvent(f"{type(event).__name__} while {type(state).__name__}")
 
-    def stop(self) -> None:
-        """The job ended outside the engine (the driver failed it on an error, or shut it
-        down): its learners are gone and it takes no more events."""
-        self.state = Ended()
-        self._members.clear()
-
-    # ------------------------------------------------------------------ the decisions
     def _first_learners(
         self, nodes: tuple[str, ...], now: float, assignment: NodeAssignment | None
-    ) -> list[Command]:
-        self._nodes = nodes
-        self.state = Running()
+    ) -> Step:
+        crew = Crew(nodes=nodes)
         if assignment is not None:  # granted by the cluster scheduler before the start (its
-            out = self._place(assignment, now)  # queued Assign then finds nothing to do)
-        else:
-            out = []
-            for i in range(self.initial_workers or len(nodes)):
-                out += self._spawn(nodes[i % len(nodes)], now)
-        return [*out, MarkRunning()]
-
-    def _ended(self, worker: str, error: str | None, lost: bool) -> list[Command]:
-        if worker not in self._members:  # not a learner now (removed already)
-            return []
-        if error is None:  # finished normally: the job is finished
-            del self._members[worker]
-            return []
-        if not lost:  # its code raised: every learner would; the job fails
-            return self._end(
-                Log("ERROR", f"learner {worker} failed: {error}"), Finish(JobState.FAILED, error)
-            )
-        node = self._members.pop(worker).node  # its actor or node died: no regroup
-        return [Leave(worker), Note("failure", worker, node, error)]
-
-    def _scale(self, workers: int, nodes: tuple[str, ...], now: float) -> list[Command]:
-        self._nodes = nodes or self._nodes
+            return _running(_place(crew, assignment, now))  # queued Assign finds nothing)
         out: list[Command] = []
-        while len(self._members) < workers:
-            out += self._spawn(self._nodes[self._next % len(self._nodes)], now)
-        extra = max(0, len(self._members) - workers)
-        for w in self._slowest_first(now)[:extra]:
-            out += self._remove(w, f"scaled down to {workers}")
-        return out
+        for i in range(self.initial_workers or len(nodes)):
+            crew, spawned = _spawn(crew, nodes[i % len(nodes)], now)
+            out += spawned
+        return Running(crew), out
 
-    def _place(self, a: NodeAssignment, now: float) -> list[Command]:
-        """Learners on exactly the assignment's slots: on each node the slowest beyond its
-        slots leave (all of them on a node no longer assigned), then empty slots get new
-        learners. A leaving learner's in-flight samples are re-queued, as on a drain."""
-        keep: dict[str, int] = {}
+    def _polled(self, crew: Crew, snap: Polled) -> Step:
+        recorded, last_t = crew.recorded, crew.last_t
+        if last_t is None and snap.started_s is not None:
+            last_t = snap.started_s  # the first epoch is timed from the start barrier
         out: list[Command] = []
-        for w in reversed(self._slowest_first(now)):  # the fastest first keep their slots
-            node = self._members[w].node
-            if keep.get(node, 0) < a.get(node):
-                keep[node] = keep.get(node, 0) + 1
-            else:
-                out += self._remove(w, "assigned elsewhere")
-        for node, k in a.slots:
-            for _ in range(k - keep.get(node, 0)):
-                out += self._spawn(node, now)
-        return out
-
-    def _polled(self, snap: Polled) -> list[Command]:
-        self._applied = dict(snap.applied)
-        if self._last_t is None and snap.started_s is not None:
-            self._last_t = snap.started_s  # the first epoch is timed from the start barrier
-        out: list[Command] = []
-        for e in snap.epochs[self.epochs_recorded :]:
-            out.append(RecordEpoch(self.epochs_recorded, e.t - (self._last_t or 0.0)))
-            self.epochs_recorded += 1
-            self._last_t = e.t
+        for e in snap.epochs[recorded:]:
+            out.append(RecordEpoch(e, e.t - (last_t or 0.0)))
+            recorded, last_t = recorded + 1, e.t
             if not e.verified:
                 why = f"epoch {e.epoch} not exactly once: " + "; ".join(e.problems[:3])
-                return self._end(*out, Finish(JobState.FAILED, why))
+                return Ended(JobState.FAILED, why), out
         if snap.finished:
             loss = [MeasureFinalLoss()] if self.final_loss else []
-            return self._end(*out, *loss, ExportModel("end"), Finish(JobState.SUCCEEDED))
+            return Ended(JobState.SUCCEEDED), [*out, *loss, ExportModel("end")]
         if snap.cancel is not None:
-            export = [ExportModel("cancel")] if self.epochs_recorded else []  # it trained
-            return self._end(*out, *export, Finish(JobState.CANCELLED, snap.cancel))
-        if not self._members:
-            return self._end(*out, Finish(JobState.FAILED, "every learner was lost"))
-        return out
+            export = [ExportModel("cancel")] if recorded else []  # it trained
+            return Ended(JobState.CANCELLED, snap.cancel), [*out, *export]
+        if not crew.members:
+            return Ended(JobState.FAILED, "every learner was lost"), out
+        return Running(replace(crew, applied=dict(snap.applied), recorded=recorded,
+                               last_t=last_t)), out
 
-    # ------------------------------------------------------------------ learners
-    def _spawn(self, node: str, now: float) -> list[Command]:
-        ordinal = self._next
-        self._next += 1
-        w = f"w{ordinal}"
-        self._members[w] = LearnerRecord(node, ordinal, now)
-        return [SpawnLearner(w, ordinal, node), Note("join", w, node, "joined")]
 
-    def _remove(self, w: str, why: str) -> list[Command]:
-        """Stop learner ``w``: it leaves, its in-flight samples are re-queued."""
-        node = self._members.pop(w).node
-        return [Kill(w), Leave(w), Note("leave", w, node, why)]
+# ---------------------------------------------------------------------- the decisions
+def _running(grown: Grown) -> Step:
+    crew, out = grown
+    return Running(crew), out
 
-    def _slowest_first(self, now: float) -> list[str]:
-        """Learners in the order a scale-down removes them: by samples applied per second
-        since each joined, the slowest first (one with none applied yet first of all)."""
-        speeds = {}
-        for w, m in self._members.items():
-            applied, age = self._applied.get(w), now - m.joined
-            if applied is not None and age > 0:
-                speeds[w] = applied / age
-        return slowest_first([(w, m.ordinal) for w, m in self._members.items()], speeds)
 
-    def _end(self, *commands: Command) -> list[Command]:
-        self.stop()
-        return list(commands)
+def _ended(crew: Crew, worker: str, error: str | None, lost: bool) -> Step:
+    if worker not in crew.members:  # not a learner now (removed already)
+        return Running(crew), []
+    if error is None:  # finished normally: the job is finished
+        return Running(_without(crew, worker)), []
+    if not lost:  # its code raised: every learner would; the job fails
+        return Ended(JobState.FAILED, error), [Log("ERROR", f"learner {worker} failed: {error}")]
+    node = crew.members[worker].node  # its actor or node died: no regroup
+    return Running(_without(crew, worker)), [Leave(worker), Note("failure", worker, node, error)]
+
+
+def _scale(crew: Crew, workers: int, nodes: tuple[str, ...], now: float) -> Grown:
+    crew = replace(crew, nodes=nodes or crew.nodes)
+    out: list[Command] = []
+    while len(crew.members) < workers:
+        crew, spawned = _spawn(crew, crew.nodes[crew.next % len(crew.nodes)], now)
+        out += spawned
+    extra = max(0, len(crew.members) - workers)
+    for w in _slowest_first(crew, now)[:extra]:
+        crew, removed = _remove(crew, w, f"scaled down to {workers}")
+        out += removed
+    return crew, out
+
+
+def _place(crew: Crew, a: NodeAssignment, now: float) -> Grown:
+    """Learners on exactly the assignment's slots: on each node the slowest beyond its
+    slots leave (all of them on a node no longer assigned), then empty slots get new
+    learners. A leaving learner's in-flight samples are re-queued, as on a drain."""
+    keep: dict[str, int] = {}
+    out: list[Command] = []
+    for w in reversed(_slowest_first(crew, now)):  # the fastest first keep their slots
+        node = crew.members[w].node
+        if keep.get(node, 0) < a.get(node):
+            keep[node] = keep.get(node, 0) + 1
+        else:
+            crew, removed = _remove(crew, w, "assigned elsewhere")
+            out += removed
+    for node, k in a.slots:
+        for _ in range(k - keep.get(node, 0)):
+            crew, spawned = _spawn(crew, node, now)
+            out += spawned
+    return crew, out
+
+
+# ---------------------------------------------------------------------- learners
+def _spawn(crew: Crew, node: str, now: float) -> Grown:
+    ordinal = crew.next
+    w = f"w{ordinal}"
+    members = {**crew.members, w: LearnerRecord(node, ordinal, now)}
+    return (replace(crew, members=members, next=ordinal + 1),
+            [SpawnLearner(w, ordinal, node), Note("join", w, node, "joined")])
+
+
+def _remove(crew: Crew, w: str, why: str) -> Grown:
+    """Stop learner ``w``: it leaves, its in-flight samples are re-queued."""
+    node = crew.members[w].node
+    return _without(crew, w), [Kill(w), Leave(w), Note("leave", w, node, why)]
+
+
+def _without(crew: Crew, w: str) -> Crew:
+    return replace(crew, members={k: m for k, m in crew.members.items() if k != w})
+
+
+def _slowest_first(crew: Crew, now: float) -> list[str]:
+    """Learners in the order a scale-down removes them: by samples applied per second
+    since each joined, the slowest first (one with none applied yet first of all)."""
+    speeds = {}
+    for w, m in crew.members.items():
+        applied, age = crew.applied.get(w), now - m.joined
+        if applied is not None and age > 0:
+            speeds[w] = applied / age
+    return slowest_first([(w, m.ordinal) for w, m in crew.members.items()], speeds)

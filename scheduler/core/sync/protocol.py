@@ -47,6 +47,12 @@ class RebalanceRule:
     every_steps: int = 10
     check_steps: int = 2
 
+    def due(self, step: int, steps_per_epoch: int) -> bool:
+        """Whether the rule asks for a re-plan at the boundary before ``step``."""
+        if self.mode == "epoch" or step >= steps_per_epoch:
+            return False
+        return step % self.every_steps == 0 if self.mode == "steps" else True
+
 
 @dataclass(frozen=True, slots=True, order=True)
 class Position:
@@ -240,13 +246,7 @@ class SyncProtocol:
 
     def due_check(self, step: int | None = None) -> bool:
         """Whether the rule asks for a re-plan at this step boundary (or at ``step``)."""
-        step = self.step if step is None else step
-        mode = self.rule.mode
-        if mode == "epoch" or step >= self.steps_per_epoch:
-            return False
-        if mode == "steps":
-            return step % self.rule.every_steps == 0
-        return True
+        return self.rule.due(self.step if step is None else step, self.steps_per_epoch)
 
     # --- segments ---------------------------------------------------------------------
     def segment_length(self, step: int | None = None) -> int:

@@ -1,0 +1,824 @@
+"""A synchronous job's life in one file: the step loop as a reducer.
+
+``step(state, event) -> (state, effects)`` is pure (no Ray, no torch, no clock). The
+executor (``dynabatch.scheduler.sync.coordinator``) feeds it what happened and carries the
+effects out in order, on Ray's runtime, the simulator's or a test's alike.
+
+**Events** are what happened. :class:`Tick` is a step boundary (the loop's turn, with the
+time); every other event answers the batch of effects the reducer gave last, typed by
+what its last effect did (:func:`answer`): a segment done (``all_ran``), a group
+regrouped (``formed``), workers started or placed, requests taken, evaluations in (an
+epoch's :class:`Verdict`), or just done. A failure that the failure policy
+(``dynabatch.scheduler.core.failures.FailurePolicy``, pure) decided to fail the job is
+:class:`Failed`: it answers whatever was awaited, and the job ends FAILED. Each event
+carries :class:`Seen`: what the job's machines (membership, protocol, regime, failure
+attempts, the request queue) say after it. What is *due* the reducer derives from its own
+state, the job's :class:`LoopConfig` and those readings: a checkpoint (every N epochs, the
+last), an epoch's judgement, the rebalance rule's check, listing the nodes again, the first
+start's deadline, whether the next segment may be sent ahead or across the epoch's end.
+
+**Effects** carry what the executor needs: which workers to stop, where a checkpoint is
+written and what it is the best by, how a segment is sent, with what outcome the job ends.
+
+**States** are where the loop stands, and carry their data (:data:`LoopState`): between
+boundaries :class:`AtRest` or :class:`Waiting` (too few workers: since when, which);
+inside one, :class:`Reconciling` (who trains), :class:`Regrouping`, :class:`Training`
+(the epoch), :class:`EndingEpoch` (the epoch, what follows), :class:`Finishing`,
+:class:`Cancelling` (why), and :class:`Concluded` (the outcome). Every state also carries
+:class:`Memo`, what the reducer remembers across boundaries (when it last listed the
+nodes).
+
+One boundary, as the reducer decides it:
+
+* a cancellation is pending: cancel (below);
+* otherwise: load the data if it is not loaded; then, with a segment in flight, only take
+  in the assignments queued first (their new workers start now, while the group trains
+  on), take in workers that came up, and *place* when due (at once after an assignment):
+  list the nodes, start the workers the membership misses, tend the spares; other
+  membership changes wait for a boundary with nothing in flight. At rest, *reconcile*:
+  apply the requests (what they drain leaves once the evaluations in flight are in: a
+  drained worker may owe a shard), take in started workers, place when due (at once when
+  the group changed, and at the first start, which starts no spares and then waits for
+  its workers up to the start timeout, starting again those that failed, giving up those
+  not up); then wait when fewer than the minimum are in (the step ends), or regroup when
+  the group changed (loading the last checkpoint first when no member holds the
+  committed state; a regroup that fails ends the step; one formed mid-epoch has the rest
+  of the epoch re-split over it); a job that was PENDING is RUNNING once its group is
+  ready;
+* train: begin the epoch if none is open (and plan it), run a segment (sending the next
+  ahead when the next boundary need not have the group at rest), then end the epoch when
+  it is complete, or re-plan when the rebalance rule's check is due after a segment that
+  all ran; a re-plan that changed the batches inside the segment in flight is posted to
+  its workers at once; after a failed segment, absorb the one sent ahead of it (in the
+  next epoch when the failed one completed this);
+* an epoch's end: verify and record it, have the holders evaluate it; when its checkpoint
+  is due or the epoch is judged (early stopping, keep_best), await the evaluation first;
+  the judgement decides the checkpoints; the next epoch begins where they were written;
+* every epoch trained and a member holding the final state: await the last evaluations,
+  hand out the model, and end SUCCEEDED (a cancel that comes meanwhile wins; a holder
+  lost meanwhile makes the next boundary regroup and train on).
+
+A cancellation commits the segment in flight (ending the epoch it completed; when that
+was the last, the job succeeds instead), awaits the evaluations, writes the checkpoint,
+hands out the model when anything was trained, and ends the job CANCELLED.
+
+Workers taken out of the job inside a batch (lost, evicted, drained, started unwanted:
+``Seen.leaving``) are stopped first thing in the next batch, whatever it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState, MarkRunning
+from dynabatch.scheduler.core.sync.boundary import checkpoint_due, must_roll_back
+from dynabatch.scheduler.core.sync.pipeline import can_cross_epoch, can_send_ahead
+from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule
+
+# How often nodes are listed (every step boundary at most, and between segments sent
+# ahead): a node that joins gets its worker or spare this soon. Listing costs two GCS
+# calls of about a millisecond.
+NODE_POLL_S = 0.2
+
+
+# --- what the reducer is told once, and each time ---------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LoopConfig:
+    """What the job's spec fixes for its life."""
+
+    epochs: int
+    rule: RebalanceRule = field(default_factory=RebalanceRule)
+    policy_static: bool = False  # the policy never re-plans from speed
+    goodput: bool = False  # the regime decides the next global batch at each epoch's end
+    checkpoint_dir: bool = False  # the job keeps checkpoints
+    checkpoint_every: int = 1
+    judges_epochs: bool = False  # early_stopping or checkpoint.keep_best
+    start_timeout_s: float = 600.0
+
+    def checkpoint_due(self, epoch: int) -> bool:
+        """A checkpoint is written as ``epoch`` begins."""
+        return checkpoint_due(epoch, every_epochs=self.checkpoint_every, epochs=self.epochs,
+                              checkpoint_dir=self.checkpoint_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipView:
+    """What the membership says (``dynabatch.scheduler.core.membership``)."""
+
+    dirty: bool = False  # a worker joined or was lost: the next boundary at rest regroups
+    drains_due: bool = False  # workers asked to leave, or an assignment moves now
+    starts_pending: bool = False  # workers started that have not come up yet
+    first_start: bool = False  # no member and no group formed yet, the job PENDING
+    shortfall: str | None = None  # fewer workers than the minimum: which, and why
+    holders: bool = True  # a member holds the committed state
+    needs_state: bool = False  # the next regroup has no member holding that state
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """What the job's machines say after the last effect (read by the executor)."""
+
+    cancel: str | None = None  # a cancellation's reason, once requested
+    pending: bool = False  # the job's lifecycle state is PENDING
+    data_loaded: bool = True
+    trained: bool = False  # every epoch trained, or early stopping ended the training
+    epoch: int = 0  # the protocol's (or, before the data is loaded, the job's position)
+    step: int = 0
+    steps_per_epoch: int = 1
+    epoch_open: bool = False  # its totals are open (begun, not ended)
+    epoch_complete: bool = False  # every step of the protocol's epoch is committed
+    stopped: str | None = None  # early stopping's reason, when it ended the training
+    recorded: int = 0  # epochs recorded in the job's history
+    in_flight: bool = False  # a segment sent ahead has not been collected
+    update_offered: bool = False  # a re-plan inside the segment in flight, not yet posted
+    batch: int = 0  # the global batch in force
+    next_batch: int = 0  # the regime's for the next epoch
+    stamps_fixed: bool = True  # the next segment's stamps do not wait on this one's losses
+    retrying: bool = False  # the failure policy retries: the next segment runs alone
+    requests: tuple[str, ...] = ()  # the kinds queued: "scale", "drain", "assign"
+    handing_over: bool = False  # an assignment's hand-over waits for a boundary at rest
+    holding_restored: bool = False  # weights from a checkpoint wait for the next regroup
+    membership: MembershipView = MembershipView()
+    leaving: tuple[str, ...] = ()  # workers taken out whose processes still run
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """An ended epoch judged by its evaluation: ``best`` (keep_best's metric, mode, value
+    and epoch) when it is the best so far; ``stop``, early stopping's reason to end."""
+
+    best: dict[str, Any] | None = None
+    stop: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """A step boundary begins."""
+
+    seen: Seen
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The batch ended with an effect that reports nothing but what it left."""
+
+    seen: Seen
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestsTaken:
+    seen: Seen
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersStarted:
+    seen: Seen
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersPlaced:
+    seen: Seen
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Regrouped:
+    seen: Seen
+    now: float
+    formed: bool  # not formed: a worker was lost or failed while it formed
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentDone:
+    seen: Seen
+    now: float
+    all_ran: bool = True  # not so: a worker was lost or failed in it
+
+
+@dataclass(frozen=True, slots=True)
+class EvaluationsIn:
+    seen: Seen
+    now: float
+    verdict: Verdict = Verdict()
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The failure policy decided to fail the job (or the executor hit a bug): ``reason``
+    says why. It answers any batch."""
+
+    reason: str
+
+
+Answer = Done | RequestsTaken | WorkersStarted | WorkersPlaced | Regrouped | SegmentDone \
+    | EvaluationsIn
+Event = Tick | Answer | Failed
+
+
+# --- effects ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LoadData:
+    """Load the dataset and build the protocol at the job's position."""
+
+
+@dataclass(frozen=True, slots=True)
+class TakeRequests:
+    """Take the queued scale, drain and assign requests into the membership (``assignments``:
+    only the assignments at the head of the queue, their workers starting now)."""
+
+    assignments: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyDrains:
+    """Remove the workers asked to leave and those an assignment moves now."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptStarted:
+    """Take in the workers whose start finished (they join at the next regroup)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PollNodes:
+    """List the nodes (the first start says when there are none)."""
+
+    starting: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnWorkers:
+    """Start workers where the membership misses members, on the nodes last listed."""
+
+    starting: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TendSpares:
+    """Start and stop spare workers per the membership's spare plan."""
+
+
+@dataclass(frozen=True, slots=True)
+class StopWorkers:
+    """Stop these workers' processes (taken out of the job)."""
+
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitStarts:
+    """Wait a little (half a second) for the workers starting, and take in those up."""
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUpStarts:
+    """Give up the workers still starting: out of the membership, to be stopped."""
+
+
+@dataclass(frozen=True, slots=True)
+class WaitForMinimum:
+    """Too few workers since ``since``: say why, fail once the wait is over its limit, else
+    wait a little (the step ends)."""
+
+    shortfall: str
+    since: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCheckpoint:
+    """No member holds the committed state: load the last checkpoint (its weights wait for
+    the regroup), or fail (the failure policy's ``RollBack`` or ``Fail``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Regroup:
+    """Form the next generation; answered with :class:`Regrouped`."""
+
+
+@dataclass(frozen=True, slots=True)
+class BeginEpoch:
+    """Open the epoch (its global batch, totals, ledger)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Replan:
+    """Re-plan the rest of the epoch (from the step after the segment in flight, if any):
+    at its start (``epoch``), the rebalance rule's check (``check``), or over a group
+    formed mid-epoch (``membership``)."""
+
+    cause: Literal["epoch", "check", "membership"] = "epoch"
+
+
+@dataclass(frozen=True, slots=True)
+class PostPlanUpdate:
+    """Send the segment in flight's workers the re-plan offered inside it."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSegment:
+    """Run the next segment and commit what it completed; answered with :class:`SegmentDone`.
+    ``ahead``: send the one after it before its results are read; ``across``: that may be
+    the next epoch's first (behind this epoch's evaluation)."""
+
+    ahead: bool = False
+    across: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AbsorbAhead:
+    """After a failed segment, collect the one sent ahead of it: commit what it trained past
+    the failure, discard the rest."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitInFlight:
+    """Collect the segment in flight and commit it (a cancellation keeps what it trained)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndEpoch:
+    """Verify the epoch from the workers' reports and build its record."""
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluate:
+    """Have the holders score the ended epoch (unless sent ahead of its end); its record is
+    published when that is in."""
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeEpoch:
+    """Await the ended epoch's evaluation and judge it (best so far; early stopping)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NextEpoch:
+    """The protocol moves to the next epoch's start (training ends there when early
+    stopping said so: ``stop``); the evaluations in are published."""
+
+    stop: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PublishReady:
+    """Publish the epochs whose evaluation is in."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Await the evaluations in flight and publish them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """Write the job's checkpoint at ``position`` (None: where the job stands). ``reason``:
+    ``cancel``, ``epoch`` (due), ``early stopping``, ``best`` (``best`` says by what)."""
+
+    reason: Literal["cancel", "epoch", "early stopping", "best"]
+    position: Position | None = None
+    best: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SaveModel:
+    """Hand out the trained model's files."""
+
+    reason: Literal["end", "cancel"]
+
+
+@dataclass(frozen=True, slots=True)
+class EndJob:
+    """The job ends with ``outcome`` (SUCCEEDED, CANCELLED or FAILED) and ``reason``."""
+
+    outcome: JobState
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EndStep:
+    """The boundary is over; ``stop``: the loop ends."""
+
+    stop: bool = False
+
+
+Effect = (
+    LoadData | TakeRequests | ApplyDrains | AdoptStarted | PollNodes | SpawnWorkers
+    | TendSpares | StopWorkers | AwaitStarts | GiveUpStarts | WaitForMinimum | LoadCheckpoint
+    | Regroup | MarkRunning | BeginEpoch | Replan | PostPlanUpdate | TrainSegment
+    | AbsorbAhead | CommitInFlight | EndEpoch | Evaluate | JudgeEpoch | NextEpoch
+    | PublishReady | Settle | Checkpoint | SaveModel | EndJob | EndStep
+)
+
+
+def answer(effect: Effect, seen: Seen, now: float, ok: bool | Verdict = True) -> Answer:
+    """The event that answers a batch whose last effect was ``effect``: ``seen`` after it,
+    ``ok`` what it returned (a regroup formed, a segment all ran, an epoch's verdict)."""
+    match effect:
+        case JudgeEpoch():
+            return EvaluationsIn(seen, now, ok if isinstance(ok, Verdict) else Verdict())
+        case TrainSegment() | AbsorbAhead() | CommitInFlight():
+            return SegmentDone(seen, now, all_ran=bool(ok))
+        case Regroup():
+            return Regrouped(seen, now, formed=bool(ok))
+        case AdoptStarted() | AwaitStarts():
+            return WorkersStarted(seen, now)
+        case PollNodes() | SpawnWorkers() | TendSpares():
+            return WorkersPlaced(seen, now)
+        case TakeRequests():
+            return RequestsTaken(seen, now)
+        case Settle():
+            return EvaluationsIn(seen, now)
+        case EndStep():
+            raise ValueError("EndStep ends the boundary: nothing answers it")
+        case _:
+            return Done(seen, now)
+
+
+# --- states -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Memo:
+    """What the reducer remembers across boundaries."""
+
+    polled_at: float | None = None  # when the nodes were last listed
+
+
+@dataclass(frozen=True, slots=True)
+class AtRest:
+    """Between boundaries."""
+
+    memo: Memo = Memo()
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """Between boundaries, too few workers (``shortfall``) since ``since``: the next
+    boundary looks again; the job fails once the wait is over its limit."""
+
+    since: float
+    shortfall: str
+    memo: Memo = Memo()
+
+
+ReconcileStage = Literal["watching", "requests", "gathering", "placing", "awaiting",
+                         "giving_up"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reconciling:
+    """Settling who trains. ``stage``: ``watching`` (a segment in flight: workers started
+    and nodes listed only), ``requests``, ``gathering`` (drains, started workers),
+    ``placing``, ``awaiting`` (the first start's workers; ``adopted``: the last effect took
+    in those up; ``deadline``: when the wait for them ends, once begun), ``giving_up``.
+    ``waiting``: the wait for workers this boundary began in."""
+
+    stage: ReconcileStage
+    waiting: Waiting | None = None
+    adopted: bool = False
+    deadline: float | None = None
+    memo: Memo = Memo()
+
+
+@dataclass(frozen=True, slots=True)
+class Regrouping:
+    """Forming the next generation. ``stage``: ``rolling_back`` (loading the last checkpoint
+    first), ``forming``, ``resplitting`` (formed mid-epoch: the rest of it re-planned)."""
+
+    stage: Literal["rolling_back", "forming", "resplitting"]
+    memo: Memo = Memo()
+
+
+@dataclass(frozen=True, slots=True)
+class Training:
+    """Training ``epoch``. ``stage``: ``opening`` (the epoch begun and planned),
+    ``checking`` (the rebalance rule's re-plan), ``posting`` (a plan update; ``opening``
+    when the epoch's segment follows), ``segment``, ``absorbing`` (what was sent ahead of a
+    failed segment)."""
+
+    epoch: int
+    stage: Literal["opening", "checking", "posting", "segment", "absorbing"]
+    opening: bool = False
+    memo: Memo = Memo()
+
+
+Then = Literal["train", "absorb", "cancel"]
+
+
+@dataclass(frozen=True, slots=True)
+class EndingEpoch:
+    """Ending ``epoch``. ``then``: what follows (train on; absorb the next epoch's first,
+    sent ahead of the failed segment that completed it; or go on cancelling). ``judging``:
+    its evaluation is awaited to judge it; ``due``: its checkpoint is due anyway."""
+
+    epoch: int
+    then: Then
+    judging: bool = False
+    due: bool = False
+    memo: Memo = Memo()
+
+
+@dataclass(frozen=True, slots=True)
+class Finishing:
+    """Every epoch trained: awaiting the last evaluations (``cancelling``: a cancel's last
+    segment completed the last epoch, so the job succeeds)."""
+
+    cancelling: bool
+    memo: Memo = Memo()
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelling:
+    """Cancelling for ``reason``: ``committing`` the segment in flight, or ``settling``
+    the evaluations."""
+
+    reason: str
+    stage: Literal["committing", "settling"]
+    memo: Memo = Memo()
+
+
+@dataclass(frozen=True, slots=True)
+class Concluded:
+    """The job ended: ``outcome`` and why."""
+
+    outcome: JobState
+    reason: str | None = None
+    memo: Memo = field(default_factory=Memo)
+
+
+LoopState = (AtRest | Waiting | Reconciling | Regrouping | Training | EndingEpoch | Finishing
+             | Cancelling | Concluded)
+
+
+Effects = list[Effect]
+
+
+# --- the reducer ------------------------------------------------------------------------
+
+
+def step(state: LoopState, event: Event, config: LoopConfig) -> tuple[LoopState, Effects]:
+    """Where the loop goes from ``state`` on ``event``, and the effects to carry out in
+    order. A batch not ending with :class:`EndStep` is answered with :func:`answer`'s event
+    for its last effect (or :class:`Failed`)."""
+    if isinstance(event, Failed):
+        if isinstance(state, Concluded):
+            return state, [EndStep(stop=True)]
+        return (Concluded(JobState.FAILED, event.reason, state.memo),
+                [EndJob(JobState.FAILED, event.reason), EndStep(stop=True)])
+    new, effects = _decide(state, event, config)
+    if event.seen.leaving:
+        # Workers taken out in the last batch are stopped before anything else: what a hung
+        # worker queued then fails at once, and its node is free before others start.
+        effects = [StopWorkers(event.seen.leaving), *effects]
+    return new, effects
+
+
+def _decide(state: LoopState, event: Answer | Tick, cfg: LoopConfig) -> tuple[LoopState, Effects]:
+    d = _Boundary(cfg, state.memo, event.now)
+    f = event.seen
+    match state, event:
+        case Concluded(), Tick():
+            return state, [EndStep(stop=True)]
+        case AtRest() | Waiting(), Tick():
+            return d.tick(f, state if isinstance(state, Waiting) else None)
+        case Reconciling("watching"), WorkersStarted() | WorkersPlaced():
+            return d.formed(f)
+        case Reconciling("requests", waiting), RequestsTaken():
+            drain = [Settle(), ApplyDrains()] if f.membership.drains_due else []
+            return Reconciling("gathering", waiting, memo=d.memo), [*drain, AdoptStarted()]
+        case Reconciling("gathering", waiting), WorkersStarted():
+            if f.membership.first_start:  # its workers are started, then awaited
+                return d.place(Reconciling("awaiting", waiting), starting=True)
+            if d.poll_due() or f.membership.dirty:
+                return d.place(Reconciling("placing", waiting), starting=False)
+            return d.gathered(f, waiting)
+        case Reconciling("awaiting", waiting, adopted, deadline), \
+                WorkersStarted() | WorkersPlaced():
+            return d.await_starts(f, adopted, deadline, waiting)
+        case Reconciling("placing" | "giving_up", waiting), WorkersPlaced() | Done():
+            return d.gathered(f, waiting)
+        case Regrouping("rolling_back"), Done():
+            return Regrouping("forming", d.memo), [Regroup()]  # with the checkpoint's weights
+        case Regrouping("forming"), Regrouped(formed=formed):
+            if not formed:
+                return d.rest(EndStep())  # the next boundary tries again
+            if f.epoch_open and not f.epoch_complete:
+                # Formed mid-epoch: the rest of the epoch is split over the new group.
+                return Regrouping("resplitting", d.memo), [Replan("membership")]
+            return d.formed(f)
+        case Regrouping("resplitting"), Done():
+            return d.formed(f)
+        case Training(_, "opening"), Done():
+            return d.replanned(f, opening=True)
+        case Training(_, "checking"), Done():
+            return d.replanned(f, opening=False)
+        case Training(_, "posting", opening), Done():
+            return d.segment(f) if opening else d.rest(PublishReady(), EndStep())
+        case Training(epoch, "segment"), SegmentDone(all_ran=all_ran):
+            if not all_ran and f.in_flight:
+                # Failed with the next one sent: what that trained past the failure is
+                # committed, in the next epoch when this one completed the epoch.
+                if f.epoch_complete:
+                    return d.end_epoch(f, "absorb")
+                return Training(epoch, "absorbing", memo=d.memo), [AbsorbAhead()]
+            if f.epoch_complete:
+                return d.end_epoch(f, "train")
+            if all_ran and cfg.rule.due(f.step, f.steps_per_epoch):
+                return Training(epoch, "checking", memo=d.memo), [Replan("check")]
+            return d.rest(PublishReady(), EndStep())
+        case Training(_, "absorbing"), SegmentDone():
+            if f.epoch_complete:
+                return d.end_epoch(f, "train")
+            return d.rest(PublishReady(), EndStep())
+        case EndingEpoch(epoch, then, True, due), EvaluationsIn(verdict=verdict):
+            best = [Checkpoint("best", Position(epoch + 1, 0), verdict.best)] \
+                if verdict.best else []
+            if due:
+                save = [Checkpoint("epoch", Position(epoch + 1, 0))]
+            elif verdict.stop and cfg.checkpoint_dir:
+                save = [Checkpoint("early stopping", Position(epoch + 1, 0))]
+            else:
+                save = []
+            return (EndingEpoch(epoch, then, memo=d.memo),
+                    [*best, *save, NextEpoch(verdict.stop)])
+        case EndingEpoch(epoch, "absorb", False), Done():
+            return Training(epoch + 1, "absorbing", memo=d.memo), [BeginEpoch(), AbsorbAhead()]
+        case EndingEpoch(_, "train", False), Done():
+            return d.finishing(f, cancelling=False) or d.rest(PublishReady(), EndStep())
+        case EndingEpoch(_, "cancel", False), Done():
+            return d.finishing(f, cancelling=True) or d.settle_cancel(f)
+        case Finishing(cancelling), EvaluationsIn():
+            if f.cancel is not None and not cancelling:
+                return d.rest(EndStep())  # the next boundary cancels the job
+            if f.membership.holders:
+                return d.conclude(JobState.SUCCEEDED, f.stopped, SaveModel("end"),
+                                  stop=cancelling)
+            # The last holder was lost in the final evaluations: the next boundary regroups
+            # (rolling back) and trains on; a cancellation goes on cancelling.
+            return d.settle_cancel(f) if cancelling else d.rest(EndStep())
+        case Cancelling(_, "committing"), SegmentDone():
+            if f.epoch_complete and f.epoch_open:
+                return d.end_epoch(f, "cancel")
+            return d.settle_cancel(f)
+        case Cancelling(reason, "settling"), EvaluationsIn():
+            save = [SaveModel("cancel")] if f.recorded or f.step > 0 else []
+            return d.conclude(JobState.CANCELLED, reason, Checkpoint("cancel"), *save,
+                              stop=True)
+    raise InvalidEvent(f"{type(event).__name__} while {state!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Boundary:
+    """The decisions one event's handling shares: the config, what the reducer remembers
+    (updated as effects are chosen) and the event's time."""
+
+    cfg: LoopConfig
+    memo: Memo
+    now: float
+
+    def poll_due(self) -> bool:
+        m = self.memo
+        return m.polled_at is None or self.now - m.polled_at >= NODE_POLL_S
+
+    def rest(self, *effects: Effect) -> tuple[LoopState, Effects]:
+        return AtRest(self.memo), list(effects)
+
+    def conclude(self, outcome: JobState, reason: str | None, *effects: Effect,
+                 stop: bool) -> tuple[LoopState, Effects]:
+        return (Concluded(outcome, reason, self.memo),
+                [*effects, EndJob(outcome, reason), EndStep(stop=stop)])
+
+    def tick(self, f: Seen, waiting: Waiting | None) -> tuple[LoopState, Effects]:
+        if f.cancel is not None:
+            return self.cancel(f)
+        load = [] if f.data_loaded else [LoadData()]
+        if f.in_flight:  # membership changes wait for a boundary at rest
+            # An assignment's workers start now, while the segment in flight trains.
+            take = [TakeRequests(assignments=True)] if f.requests[:1] == ("assign",) else []
+            state: LoopState = Reconciling("watching", memo=self.memo)
+            poll: Effects = []
+            if self.poll_due() or take:
+                state, poll = self.place(state, starting=False)
+            return state, [*load, *take, AdoptStarted(), *poll]
+        # An assignment taken now has its workers started at once: the nodes are listed.
+        memo = replace(self.memo, polled_at=None) if "assign" in f.requests else self.memo
+        return Reconciling("requests", waiting, memo=memo), [*load, TakeRequests()]
+
+    def place(self, state: Reconciling, starting: bool) -> tuple[LoopState, Effects]:
+        """List the nodes, start the workers the membership misses, tend the spares (not at
+        the first start: they would compete with its workers' start-up)."""
+        memo = replace(self.memo, polled_at=self.now)
+        spares: Effects = [] if starting else [TendSpares()]
+        return (replace(state, memo=memo),
+                [PollNodes(starting), SpawnWorkers(starting), *spares])
+
+    def await_starts(self, f: Seen, adopted: bool, deadline: float | None,
+                     waiting: Waiting | None) -> tuple[LoopState, Effects]:
+        """The first start waits for its workers a little at a time up to the start timeout
+        (from its first wait), starting again those that failed once none is left starting;
+        those still starting at the deadline, or at a cancel, are given up."""
+        memo = self.memo
+        if f.membership.starts_pending:
+            if f.cancel is not None or (deadline is not None and self.now >= deadline):
+                return Reconciling("giving_up", waiting, memo=memo), [GiveUpStarts()]
+            if deadline is None:  # the wait begins: the start timeout counts from now
+                deadline = self.now + self.cfg.start_timeout_s
+            return (Reconciling("awaiting", waiting, adopted=True, deadline=deadline, memo=memo),
+                    [AwaitStarts()])
+        if adopted:  # none left starting: replace those that failed to start
+            return self.place(Reconciling("awaiting", waiting, deadline=deadline),
+                              starting=True)
+        return self.gathered(f, waiting)
+
+    def gathered(self, f: Seen, waiting: Waiting | None) -> tuple[LoopState, Effects]:
+        """Who trains is known: too few (wait), a changed group (regroup), or ready. Too few
+        with a cancellation pending cancels: the wait would only delay it."""
+        r = f.membership
+        if r.shortfall is not None and f.cancel is not None:
+            return self.cancel(f)
+        if r.shortfall is not None:
+            since = waiting.since if waiting else None
+            return (Waiting(self.now if since is None else since, r.shortfall, self.memo),
+                    [WaitForMinimum(r.shortfall, since), EndStep()])
+        if r.dirty:
+            if must_roll_back(needs_state=r.needs_state, holding_restored=f.holding_restored):
+                # The records of epochs before the checkpoint first: its history replaces them.
+                return Regrouping("rolling_back", self.memo), [Settle(), LoadCheckpoint()]
+            return Regrouping("forming", self.memo), [Regroup()]
+        return self.formed(f)
+
+    def formed(self, f: Seen) -> tuple[LoopState, Effects]:
+        """The group is ready: the job runs; then cancel or train."""
+        running: Effects = [MarkRunning()] if f.pending and not f.in_flight else []
+        state, effects = self.cancel(f) if f.cancel is not None else self.train(f)
+        return state, [*running, *effects]
+
+    def train(self, f: Seen) -> tuple[LoopState, Effects]:
+        if f.trained:
+            return self.finishing(f, False) or self.rest(EndStep())
+        if not f.epoch_open:
+            return Training(f.epoch, "opening", memo=self.memo), [BeginEpoch(), Replan()]
+        return self.segment(f)
+
+    def replanned(self, f: Seen, opening: bool) -> tuple[LoopState, Effects]:
+        """A re-plan that changed the batches inside the segment in flight is posted first;
+        then the epoch's segment (``opening``), or the boundary's end."""
+        if f.update_offered:
+            return Training(f.epoch, "posting", opening, self.memo), [PostPlanUpdate()]
+        return self.segment(f) if opening else self.rest(PublishReady(), EndStep())
+
+    def segment(self, f: Seen) -> tuple[LoopState, Effects]:
+        """The next segment, and whether the one after it goes ahead: not when the next
+        boundary needs the group at rest or the stamps wait on this segment's losses; across
+        the epoch's end only when nothing between the epochs reads the state."""
+        cfg = self.cfg
+        ahead = can_send_ahead(
+            cancel_requested=f.cancel is not None, retrying=f.retrying,
+            requests_pending=bool(f.requests) or f.handing_over, regroup_due=f.membership.dirty,
+            stamps_fixed=f.stamps_fixed)
+        nxt = f.epoch + 1
+        across = ahead and f.data_loaded and can_cross_epoch(
+            next_epoch=nxt, epochs=cfg.epochs, goodput=cfg.goodput, next_batch=f.next_batch,
+            batch=f.batch, checkpoint_due=cfg.judges_epochs or cfg.checkpoint_due(nxt),
+            replans_at_end=cfg.rule.mode == "epoch" and not cfg.policy_static)
+        return Training(f.epoch, "segment", memo=self.memo), [TrainSegment(ahead, across)]
+
+    def end_epoch(self, f: Seen, then: Then) -> tuple[LoopState, Effects]:
+        """The protocol's epoch is complete: end and evaluate it. A checkpoint due, or an
+        epoch judged by its evaluation, awaits that first (the checkpoint holds the epoch's
+        record, scores included); the checkpoints are written as the next epoch's start."""
+        cfg, epoch = self.cfg, f.epoch
+        due = cfg.checkpoint_due(epoch + 1)
+        end: Effects = [EndEpoch(), Evaluate()]
+        if cfg.judges_epochs:
+            return (EndingEpoch(epoch, then, judging=True, due=due, memo=self.memo),
+                    [*end, Settle(), JudgeEpoch()])
+        save = [Settle(), Checkpoint("epoch", Position(epoch + 1, 0))] if due else []
+        return EndingEpoch(epoch, then, memo=self.memo), [*end, *save, NextEpoch()]
+
+    def finishing(self, f: Seen, cancelling: bool) -> tuple[LoopState, Effects] | None:
+        """Every epoch trained and a member holding the final state: await the last
+        evaluations before success (None: not yet)."""
+        if not (f.trained and f.membership.holders):
+            return None
+        return Finishing(cancelling, self.memo), [Settle()]
+
+    def cancel(self, f: Seen) -> tuple[LoopState, Effects]:
+        reason = f.cancel or "cancelled"
+        if f.in_flight:
+            # Sent across the epoch's end, which has ended: it is committed in its epoch.
+            begin: Effects = [] if f.epoch_open else [BeginEpoch()]
+            return Cancelling(reason, "committing", self.memo), [*begin, CommitInFlight()]
+        return Cancelling(reason, "settling", self.memo), [Settle()]
+
+    def settle_cancel(self, f: Seen) -> tuple[LoopState, Effects]:
+        return Cancelling(f.cancel or "cancelled", "settling", self.memo), [Settle()]
