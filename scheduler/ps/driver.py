@@ -13,9 +13,10 @@ virtual clock). What the job does with its learners is decided by the pure
 :class:`~dynabatch.scheduler.core.ps.engine.PSEngine` (its docstring has the rules: a lost
 learner leaves, a raising one fails the job, scale/drain/assign, epochs, the end). This
 driver is its executor: it turns the runtime's reports (the dataset, the nodes, learners'
-exits, the server's snapshot) and the queued requests into the engine's events, and carries
-out the commands it returns (start the server, spawn, kill, leave, record an epoch, log,
-export, finish) with one ``match``, whatever the runtime.
+exits, the server's snapshot), the queued requests and a command that failed into the
+engine's events, carries out the commands it returns (start the server, spawn, kill, leave,
+record an epoch, log, export) with one ``match``, whatever the runtime, and then publishes
+the job's state, :func:`~dynabatch.scheduler.core.ps.engine.job_state` of the engine's.
 
 ``protocol.shards: k`` runs k−1 shards beside the server, which holds slice 0 and the one
 core (the protocol is decided in one place only). At the job's end (and at a cancel, once
@@ -32,26 +33,31 @@ from typing import Any
 
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.control import Assign, Drain, JobControl, Request, Scale
-from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import NodeAssignment
 from dynabatch.scheduler.core.ps.batch_policy import JiConfig, PerfAwareBatches
-from dynabatch.scheduler.core.ps.engine import PSEngine
+from dynabatch.scheduler.core.ps.engine import (
+    Ended,
+    EngineState,
+    PSEngine,
+    Starting,
+    job_state,
+    learners,
+)
 from dynabatch.scheduler.core.ps.machine import PSCore
 from dynabatch.scheduler.core.ps.messages import (
     AssignRequested,
     Command,
     DataLoaded,
     DrainRequested,
+    DriverFailed,
     EpochSeen,
     Event,
     ExportModel,
-    Finish,
     Kill,
     LearnerEnded,
     Leave,
     ListNodes,
     Log,
-    MarkRunning,
     MeasureFinalLoss,
     NodeAdded,
     NodesListed,
@@ -167,7 +173,9 @@ class PSCoordinator(JobControl):
         self.runtime = runtime
         self.core = core
         self.engine = PSEngine(spec.initial_workers, spec.worker_wait_timeout_s, final_train_loss)
-        self._data: Any = None  # the dataset, from its load until the server starts
+        # Where the job is, with its learners: the engine's state once a step's commands
+        # are carried out (the job's public state is derived from it).
+        self.engine_state: EngineState = Starting()
         self._snap: dict[str, Any] | None = None
         self.final_train_loss: float | None = None
         # (input shape, class count) of the model, once the data is loaded: its export.
@@ -184,7 +192,7 @@ class PSCoordinator(JobControl):
     def _learners(self) -> dict[str, str]:
         """The job's learners now (worker id → node id), as the engine holds them."""
         with self._lock:
-            return self.engine.learners
+            return learners(self.engine_state)
 
     def run(self) -> JobSnapshot:
         try:
@@ -211,10 +219,11 @@ class PSCoordinator(JobControl):
         try:
             return fn()
         except WorkloadError as err:  # the data or model cannot be used: its own message
-            self._finish(JobState.FAILED, str(err))
+            failed = DriverFailed(str(err))
         except Exception as err:  # the job fails with the reason; the actor stays up
             log.exception("ps job %s failed", self.job_id)
-            self._finish(JobState.FAILED, f"internal error: {type(err).__name__}: {err}")
+            failed = DriverFailed(f"internal error: {type(err).__name__}: {err}")
+        self._feed(failed)
         return False
 
     def snapshot(self) -> JobSnapshot:
@@ -252,15 +261,13 @@ class PSCoordinator(JobControl):
         return None
 
     def shutdown(self) -> None:
-        with self._lock:
-            self.engine.stop()  # the runtime stops every learner with the job
-        self.runtime.shutdown()
+        self.runtime.shutdown()  # it stops every learner with the job
 
     # ------------------------------------------------------------------ the loop
     def _start(self) -> bool:
         self.started_at = self.clock.time()
-        self._data = self.runtime.load_data()
-        self._feed(DataLoaded(dataset_problem(self.spec, self._data)))
+        data = self.runtime.load_data()
+        self._feed(DataLoaded(dataset_problem(self.spec, data), data))
         return not self.state.is_terminal
 
     def _step(self) -> bool:
@@ -278,20 +285,27 @@ class PSCoordinator(JobControl):
         return not self.state.is_terminal
 
     def _feed(self, event: Event | None) -> None:
-        """Hand ``event`` to the engine and carry out its commands in order; a batch that
-        asks the world (it ends with ``ListNodes``) is answered with the next event."""
+        """Hand ``event`` to the engine, carry out its commands in order, then take its new
+        state and publish the job's; a batch that asks the world (it ends with
+        ``ListNodes``) is answered with the next event. A command that raises leaves the
+        state as it was before the event (the caller feeds the failure)."""
         while event is not None:
-            with self._lock:  # other threads read the learners (drain, _learners)
-                commands = self.engine.on(event)
+            state, commands = self.engine.step(self.engine_state, event)
             event = None
             for command in commands:
                 event = self._carry_out(command)
+            with self._lock:  # other threads read the learners (drain, _learners)
+                self.engine_state = state
+            public = job_state(state)
+            if public.is_terminal:
+                self._finish(public, state.reason if isinstance(state, Ended) else None)
+            elif public is not self.state:
+                self._transition(public, None)
 
     def _carry_out(self, command: Command) -> Event | None:
         """One of the engine's commands, on the runtime and the job's records."""
         match command:
-            case StartServer(learners):
-                ds, self._data = self._data, None
+            case StartServer(learners, ds):
                 self.model_shape = (tuple(ds.input_shape), int(ds.num_classes))
                 if self.core is None:
                     self.core = build_core(self.spec, len(ds.y_train))
@@ -311,16 +325,12 @@ class PSCoordinator(JobControl):
                 self._event(kind, worker, node, reason)
             case Log(level, message):
                 self._log(level, message)
-            case MarkRunning():
-                self._transition(JobState.RUNNING, None)
-            case RecordEpoch(at, wall_s):
-                self._record_epoch((self._snap or {})["epochs"][at], wall_s)
+            case RecordEpoch(epoch, wall_s):
+                self._record_epoch(epoch.record, wall_s)
             case MeasureFinalLoss():
                 self.final_train_loss = self.runtime.train_loss()
             case ExportModel(reason):
                 export_model(self, reason)
-            case Finish(state, reason):
-                self._finish(state, reason)
             case _:
                 raise TypeError(f"not a command of the parameter-server engine: {command!r}")
         return None
@@ -345,7 +355,7 @@ class PSCoordinator(JobControl):
         """The server's snapshot as the engine's event (samples applied: pushes applied
         times the learner's batch now)."""
         epochs = tuple(
-            EpochSeen(e["epoch"], e["t"], e["verified"], tuple(e["problems"]))
+            EpochSeen(e["epoch"], e["t"], e["verified"], tuple(e["problems"]), e)
             for e in snap["epochs"]
         )
         workers = snap.get("workers", {})

@@ -1,7 +1,8 @@
 """A parameter-server job's trained model: the server's final weights go out as the same
 files a synchronous job writes (``model.safetensors`` + ``manifest.json``), kept for
-download and written to ``artifacts.dir``, so ``load_model`` rebuilds the server's model.
-Driven without Ray: the shipped driver over the simulator's runtime (real gradients)."""
+download and written to ``artifacts.dir``, so ``load_model`` rebuilds the server's model;
+the job is seen ended only once its model is out, and a command that raises fails it through
+the engine. Driven without Ray: the shipped driver over the simulator's runtime (real gradients)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dynabatch.actors.export import load_model
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.ps.engine import Ended, job_state
 from dynabatch.scheduler.ps.driver import PSCoordinator
 from dynabatch.scheduler.sim.cost_model import Node
 from dynabatch.scheduler.sim.ps_runtime import SimPSRuntime
@@ -84,3 +86,35 @@ def test_a_cancelled_ps_job_that_trained_an_epoch_keeps_its_model() -> None:
     m = json.loads(files["manifest.json"])
     assert m["weights"]["final"]["epoch"] == len(coord.history()) >= 1
     assert any(x.message.startswith("trained model (cancel)") for x in coord.logs())
+
+
+def test_the_job_is_seen_ended_only_once_its_model_is_out() -> None:
+    """The public state is derived from the engine's once a step's commands are carried out:
+    a reader that sees SUCCEEDED finds the model files there."""
+    coord, rt = _job("ps-order", epochs=1)
+    seen: list[JobState] = []
+    weights = rt.final_weights
+
+    def final_weights() -> Any:
+        seen.append(coord.state)
+        return weights()
+
+    rt.final_weights = final_weights  # type: ignore[method-assign]
+    snap = coord.run()
+    assert snap.state == JobState.SUCCEEDED and seen == [JobState.RUNNING]
+    assert coord.state == job_state(coord.engine_state) and coord.model_files() is not None
+
+
+def test_a_command_that_raises_fails_the_job_through_the_engine() -> None:
+    coord, rt = _job("ps-broken")
+    assert coord.start()
+
+    def spawn(worker: str, ordinal: int, node_id: str) -> None:
+        raise RuntimeError("the node refused the actor")
+
+    rt.spawn = spawn  # type: ignore[method-assign]
+    coord.scale(3)
+    assert not coord.step()
+    why = "internal error: RuntimeError: the node refused the actor"
+    assert coord.engine_state == Ended(JobState.FAILED, why)
+    assert (coord.state, coord.reason) == (JobState.FAILED, why) and coord._learners == {}

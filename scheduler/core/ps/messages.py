@@ -11,9 +11,10 @@ driver's clock (seconds), passed in as values: the engine reads no clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from dynabatch.scheduler.core.lifecycle import JobState, MarkRunning
 from dynabatch.scheduler.core.membership import NodeAssignment
 
 # --- events -----------------------------------------------------------------------------
@@ -21,10 +22,11 @@ from dynabatch.scheduler.core.membership import NodeAssignment
 
 @dataclass(frozen=True, slots=True)
 class DataLoaded:
-    """The job's dataset is loaded; ``problem``: why the parameter server cannot train it
-    (one line naming the field), or None."""
+    """The job's dataset (``data``) is loaded; ``problem``: why the parameter server cannot
+    train it (one line naming the field), or None."""
 
     problem: str | None = None
+    data: Any = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +85,14 @@ class NodeAdded:
 @dataclass(frozen=True, slots=True)
 class EpochSeen:
     """One epoch the server finished: its number, when (the server's clock, ``t``), and
-    whether the ledger verified it was trained exactly once (else ``problems``)."""
+    whether the ledger verified it was trained exactly once (else ``problems``); ``record``:
+    the server's own record of it, as it reported it."""
 
     epoch: int
     t: float
     verified: bool = True
     problems: tuple[str, ...] = ()
+    record: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,14 @@ class Polled:
     cancel: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class DriverFailed:
+    """Carrying out a command failed: the data or model cannot be used (the error's own
+    message), or an internal error; the job fails with ``reason``."""
+
+    reason: str
+
+
 Event = (
     DataLoaded
     | NodesListed
@@ -116,6 +128,7 @@ Event = (
     | LearnerEnded
     | NodeAdded
     | Polled
+    | DriverFailed
 )
 
 # --- commands ---------------------------------------------------------------------------
@@ -123,10 +136,11 @@ Event = (
 
 @dataclass(frozen=True, slots=True)
 class StartServer:
-    """Build the core (from the dataset) and start the server; its requests wait until
-    ``learners`` have asked (the start barrier)."""
+    """Build the core (from the dataset ``data``) and start the server; its requests wait
+    until ``learners`` have asked (the start barrier)."""
 
     learners: int
+    data: Any = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,10 +201,10 @@ class Log:
 
 @dataclass(frozen=True, slots=True)
 class RecordEpoch:
-    """Record the server's epoch at position ``at`` of its snapshot's epochs (the history,
-    tracking and the log), timed ``wall_s`` from the epoch before (or the start)."""
+    """Record the server's ``epoch`` (the history, tracking and the log), timed ``wall_s``
+    from the epoch before (or the start)."""
 
-    at: int
+    epoch: EpochSeen
     wall_s: float
 
 
@@ -206,14 +220,6 @@ class ExportModel:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class Finish:
-    """End the job in ``state`` with ``reason``. Always the last command the engine gives."""
-
-    state: JobState
-    reason: str | None = None
-
-
 Command = (
     StartServer
     | ListNodes
@@ -223,9 +229,7 @@ Command = (
     | Leave
     | Note
     | Log
-    | MarkRunning
     | RecordEpoch
     | MeasureFinalLoss
     | ExportModel
-    | Finish
 )
