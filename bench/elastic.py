@@ -1,7 +1,7 @@
 """Recovery times of elastic membership, on a ``ray.cluster_utils`` cluster.
 
 * Node loss: a node hosting one of 3 workers is removed mid-epoch. Reported: seconds from
-  the removal to the failure being detected (the scheduler's failure event), and from
+  the removal to the failure being detected (the coordinator's failure event), and from
   detection until training runs again (the next completed step, over the survivors).
 * Scale-up (a node joins, cold): a node joins a running 2-worker job (max_workers 3).
   Reported: seconds from the node being ready (``add_node`` and ``wait_for_nodes``

@@ -56,13 +56,13 @@ class ClusterJobState(BaseModel):
     max_workers: int
     workers: int = Field(description="Workers allocated (0 while queued).")
     allocation: list[Slot] = Field(
-        description="The scheduler's decision: the nodes it is to train on, and how many "
-        "workers on each."
+        description="The cluster scheduler's decision: the nodes it is to train on, and how "
+        "many workers on each."
     )
     members: list[Slot] | None = Field(
         default=None,
         description="The fact: its workers per node as the job itself last reported them to "
-        "the scheduler (each round); null before its first report or while queued.",
+        "the cluster scheduler (each round); null before its first report or while queued.",
     )
     differs: str | None = Field(
         default=None,
@@ -117,11 +117,11 @@ class QueueEntry(BaseModel):
 class SchedulerState(BaseModel):
     policy: str = Field(description="fifo, fair or goodput (DYNABATCH_CLUSTER_POLICY).")
     round: int = Field(description="The round these allocations come from.")
-    decided_s: float = Field(description="When it was decided, on the scheduler's clock.")
+    decided_s: float = Field(description="When it was decided, on the cluster scheduler's clock.")
     capacity: float = Field(description="GPUs of the GPU nodes plus CPU slots of the others.")
     used: float = Field(description="What jobs hold of it.")
     utilization: float = Field(description="used / capacity (0 on an empty cluster).")
-    resizes: int = Field(description="Job resizes the scheduler made so far.")
+    resizes: int = Field(description="Job resizes the cluster scheduler made so far.")
 
 
 class ClusterState(BaseModel):
@@ -167,7 +167,7 @@ class ClusterState(BaseModel):
     message: str | None = Field(default=None, description="Why the rest is empty, if it is.")
     nodes: list[ClusterNodeState]
     queue: list[QueueEntry] = Field(description="Waiting jobs, in order.")
-    jobs: list[ClusterJobState] = Field(description="Every job the scheduler decided over.")
+    jobs: list[ClusterJobState] = Field(description="Every job the cluster scheduler decided over.")
 
     @classmethod
     def of(cls, view: ClusterView | None) -> ClusterState:

@@ -1,6 +1,6 @@
 """Response (and small request) models of the REST API, with OpenAPI examples.
 
-Job data reuses the scheduler's types (``JobSnapshot``, ``EpochRecord``, ``LogLine``) so the
+Job data reuses the coordinator's types (``JobSnapshot``, ``EpochRecord``, ``LogLine``) so the
 REST view, the CLI and the metrics read the same fields.
 """
 

@@ -285,7 +285,7 @@ class JobSpec(_Strict):
         check_combinations(self)  # raises every invalid combination at once; warns
         return self
 
-    # Helpers used by the scheduler -------------------------------------------------------
+    # Helpers for the coordinator and the cluster scheduler ------------------------------------
     @property
     def batch_range(self) -> tuple[int, int]:
         """The smallest and largest global batch the job may train at."""

@@ -478,7 +478,7 @@ def register(app: typer.Typer) -> None:
             "--scheduler/--no-scheduler", help="With --address: queue the job with the "
             "cluster scheduler (started if none runs there) and train on the nodes it "
             "grants (the default); --no-scheduler launches it at once, bypassing the "
-            "scheduler.", show_default=False)] = None,
+            "cluster scheduler.", show_default=False)] = None,
     ) -> None:
         """Train CONFIG on Ray, showing the job's log and a live per-worker table."""
         console = out_console()

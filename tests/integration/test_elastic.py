@@ -220,7 +220,7 @@ def test_below_min_workers_fails_with_reason_within_timeout(cluster):
     assert "below the minimum of 2 (min_workers)" in snap.reason
 
 
-def test_killed_scheduler_resumes_from_checkpoint_with_identical_weights(cluster, tmp_path):
+def test_killed_coordinator_resumes_from_checkpoint_with_identical_weights(cluster, tmp_path):
     spec = _spec(SESSION, workers=2, epochs=3, policy="static",
                  checkpoint={"dir": str(tmp_path / "a"), "every_epochs": 1})
     # Uninterrupted reference.
