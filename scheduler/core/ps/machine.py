@@ -26,7 +26,7 @@ epochs handed out with nothing in flight) is flushed as a partial update.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from dynabatch.scheduler.core.ledger import Verification
@@ -101,7 +101,6 @@ class _Ticket:
 class CoreCounters:
     pushes: int = 0
     lost_inflight_samples: int = 0
-    verifications: list[Verification] = field(default_factory=list)
 
 
 OPEN_EPOCHS = 2  # the epoch being completed and the next one
@@ -117,7 +116,6 @@ class PSCore:
         self.epochs = epochs
         self.seed = seed
         self.epoch = 0  # the oldest open epoch: the one being completed
-        self.finished = False
         # None: overlap except in hardsync (False: the epoch barrier, for an ablation).
         self.overlap = config.mode != "hardsync" if overlap is None else overlap
         self.counters = CoreCounters()
@@ -130,9 +128,9 @@ class PSCore:
             self.join(w)
 
     @property
-    def ledger(self) -> AsyncLedger:
-        """The oldest open epoch's ledger."""
-        return self.ledgers[self.epoch]
+    def finished(self) -> bool:
+        """Every epoch ended: none is open (the oldest open one is always kept until then)."""
+        return not self.ledgers
 
     def _open(self, epoch: int) -> AsyncLedger:
         led = AsyncLedger()
@@ -230,11 +228,8 @@ class PSCore:
         # Epochs end in order; a later one may have completed first.
         while not self.finished and self.ledgers[self.epoch].complete:
             e = self.epoch
-            v = self.ledgers.pop(e).verify()
-            self.counters.verifications.append(v)
-            out.append(EpochEnd(e, v, self.protocol.version))
+            out.append(EpochEnd(e, self.ledgers.pop(e).verify(), self.protocol.version))
             if e + 1 >= self.epochs:
-                self.finished = True
                 break
             self.epoch = e + 1
             if self.epoch not in self.ledgers:
