@@ -160,7 +160,6 @@ def learners(state: EngineState) -> dict[str, str]:
 
 
 Step = tuple[EngineState, list[Command]]
-Grown = tuple[Crew, list[Command]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +174,7 @@ class PSEngine:
 
     def step(self, state: EngineState, event: Event) -> Step:
         """The state after ``event`` and the commands to carry out, in order."""
+        out: list[Command] = []  # the helpers below append to it
         match state, event:
             case Ended(), DriverFailed():
                 return state, []  # the job ended already: its outcome stands
@@ -187,41 +187,38 @@ class PSEngine:
                                           ListNodes()]
             case WaitingForNode(deadline), NodesListed(nodes, now, assignment):
                 if nodes:
-                    return self._first_learners(nodes, now, assignment)
+                    return self._first_learners(nodes, now, assignment, out), out
                 deadline = now + self.wait_s if deadline is None else deadline
                 if now >= deadline:
                     return Ended(JobState.FAILED, "no eligible node for a learner"), []
                 return WaitingForNode(deadline), [Sleep(NODE_POLL_S), ListNodes()]
             case Scaling(workers, crew), NodesListed(nodes, now):
-                return _running(_scale(crew, workers, nodes, now))
+                return Running(_scale(crew, workers, nodes, now, out)), out
             case Running(crew), ScaleRequested(workers):
                 return Scaling(workers, crew), [ListNodes()]
-            case Running(crew), DrainRequested(worker):
-                if worker not in crew.members:
-                    return state, []
-                return _running(_remove(crew, worker, "drained"))
+            case Running(crew), DrainRequested(worker) if worker in crew.members:
+                return Running(_remove(crew, worker, "drained", out)), out
+            case Running(), DrainRequested():
+                return state, []
             case Running(crew), AssignRequested(nodes, now):
-                return _running(_place(crew, nodes, now))
+                return Running(_place(crew, nodes, now, out)), out
             case Running(crew), LearnerEnded(worker, error, lost):
                 return _ended(crew, worker, error, lost)
             case Running(crew), NodeAdded(node, assigned, now):
                 # An assigned job grows onto no other node.
-                return (state, []) if assigned else _running(_spawn(crew, node, now))
+                return (state if assigned else Running(_spawn(crew, node, now, out))), out
             case Running(crew), Polled() as snap:
                 return self._polled(crew, snap)
         raise InvalidEvent(f"{type(event).__name__} while {type(state).__name__}")
 
-    def _first_learners(
-        self, nodes: tuple[str, ...], now: float, assignment: NodeAssignment | None
-    ) -> Step:
+    def _first_learners(self, nodes: tuple[str, ...], now: float,
+                        assignment: NodeAssignment | None, out: list[Command]) -> Running:
         crew = Crew(nodes=nodes)
         if assignment is not None:  # granted by the cluster scheduler before the start (its
-            return _running(_place(crew, assignment, now))  # queued Assign finds nothing)
-        out: list[Command] = []
+            return Running(_place(crew, assignment, now, out))  # queued Assign finds nothing)
         for i in range(self.initial_workers or len(nodes)):
-            crew, spawned = _spawn(crew, nodes[i % len(nodes)], now)
-            out += spawned
-        return Running(crew), out
+            crew = _spawn(crew, nodes[i % len(nodes)], now, out)
+        return Running(crew)
 
     def _polled(self, crew: Crew, snap: Polled) -> Step:
         recorded, last_t = crew.recorded, crew.last_t
@@ -247,11 +244,7 @@ class PSEngine:
 
 
 # ---------------------------------------------------------------------- the decisions
-def _running(grown: Grown) -> Step:
-    crew, out = grown
-    return Running(crew), out
-
-
+# Each takes the crew and returns the new one, appending its commands to ``out``.
 def _ended(crew: Crew, worker: str, error: str | None, lost: bool) -> Step:
     if worker not in crew.members:  # not a learner now (removed already)
         return Running(crew), []
@@ -263,52 +256,46 @@ def _ended(crew: Crew, worker: str, error: str | None, lost: bool) -> Step:
     return Running(_without(crew, worker)), [Leave(worker), Note("failure", worker, node, error)]
 
 
-def _scale(crew: Crew, workers: int, nodes: tuple[str, ...], now: float) -> Grown:
+def _scale(crew: Crew, workers: int, nodes: tuple[str, ...], now: float,
+           out: list[Command]) -> Crew:
     crew = replace(crew, nodes=nodes or crew.nodes)
-    out: list[Command] = []
     while len(crew.members) < workers:
-        crew, spawned = _spawn(crew, crew.nodes[crew.next % len(crew.nodes)], now)
-        out += spawned
+        crew = _spawn(crew, crew.nodes[crew.next % len(crew.nodes)], now, out)
     extra = max(0, len(crew.members) - workers)
     for w in _slowest_first(crew, now)[:extra]:
-        crew, removed = _remove(crew, w, f"scaled down to {workers}")
-        out += removed
-    return crew, out
+        crew = _remove(crew, w, f"scaled down to {workers}", out)
+    return crew
 
 
-def _place(crew: Crew, a: NodeAssignment, now: float) -> Grown:
+def _place(crew: Crew, a: NodeAssignment, now: float, out: list[Command]) -> Crew:
     """Learners on exactly the assignment's slots: on each node the slowest beyond its
     slots leave (all of them on a node no longer assigned), then empty slots get new
     learners. A leaving learner's in-flight samples are re-queued, as on a drain."""
     keep: dict[str, int] = {}
-    out: list[Command] = []
     for w in reversed(_slowest_first(crew, now)):  # the fastest first keep their slots
         node = crew.members[w].node
         if keep.get(node, 0) < a.get(node):
             keep[node] = keep.get(node, 0) + 1
         else:
-            crew, removed = _remove(crew, w, "assigned elsewhere")
-            out += removed
+            crew = _remove(crew, w, "assigned elsewhere", out)
     for node, k in a.slots:
         for _ in range(k - keep.get(node, 0)):
-            crew, spawned = _spawn(crew, node, now)
-            out += spawned
-    return crew, out
+            crew = _spawn(crew, node, now, out)
+    return crew
 
 
 # ---------------------------------------------------------------------- learners
-def _spawn(crew: Crew, node: str, now: float) -> Grown:
-    ordinal = crew.next
-    w = f"w{ordinal}"
+def _spawn(crew: Crew, node: str, now: float, out: list[Command]) -> Crew:
+    ordinal, w = crew.next, f"w{crew.next}"
+    out += [SpawnLearner(w, ordinal, node), Note("join", w, node, "joined")]
     members = {**crew.members, w: LearnerRecord(node, ordinal, now)}
-    return (replace(crew, members=members, next=ordinal + 1),
-            [SpawnLearner(w, ordinal, node), Note("join", w, node, "joined")])
+    return replace(crew, members=members, next=ordinal + 1)
 
 
-def _remove(crew: Crew, w: str, why: str) -> Grown:
+def _remove(crew: Crew, w: str, why: str, out: list[Command]) -> Crew:
     """Stop learner ``w``: it leaves, its in-flight samples are re-queued."""
-    node = crew.members[w].node
-    return _without(crew, w), [Kill(w), Leave(w), Note("leave", w, node, why)]
+    out += [Kill(w), Leave(w), Note("leave", w, crew.members[w].node, why)]
+    return _without(crew, w)
 
 
 def _without(crew: Crew, w: str) -> Crew:
