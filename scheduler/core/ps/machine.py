@@ -74,7 +74,7 @@ class EpochEnd:
         handler.on_epoch_end(self)
 
 
-Event = PushOutcome | EpochEnd
+CoreEvent = PushOutcome | EpochEnd
 
 
 class EventHandler(Protocol):
@@ -159,7 +159,7 @@ class PSCore:
     def join(self, worker: str) -> None:
         self.protocol.join(worker)
 
-    def leave(self, worker: str) -> list[Event]:
+    def leave(self, worker: str) -> list[CoreEvent]:
         """``worker`` is lost: its in-flight chunk is re-queued, no regroup."""
         if worker not in self.protocol.members:
             return []
@@ -172,7 +172,7 @@ class PSCore:
         return self._after(self.protocol.leave(worker))
 
     # --- events -----------------------------------------------------------------------
-    def request(self, worker: str) -> tuple[Work | Idle | Finished, list[Event]]:
+    def request(self, worker: str) -> tuple[Work | Idle | Finished, list[CoreEvent]]:
         if self.finished:
             return Finished(worker), []
         if worker not in self.protocol.members:
@@ -194,7 +194,7 @@ class PSCore:
                     pulled.version, chunk), []
 
     def push(self, worker: str, ticket: int, version_pulled: int, compute_s: float
-             ) -> list[Event]:
+             ) -> list[CoreEvent]:
         if self._inflight.get(worker) != ticket:
             raise ValueError(f"{worker} pushes ticket {ticket}, which it does not hold")
         t = self._tickets[ticket]
@@ -213,8 +213,8 @@ class PSCore:
         return self._inflight.get(worker)
 
     # --- bookkeeping --------------------------------------------------------------------
-    def _after(self, decisions: list[PushOutcome]) -> list[Event]:
-        out: list[Event] = []
+    def _after(self, decisions: list[PushOutcome]) -> list[CoreEvent]:
+        out: list[CoreEvent] = []
         for d in decisions:
             self._record(d)
             out.append(d)
