@@ -1,8 +1,10 @@
-"""The synchronous loop's one vocabulary, its engine's states, as a driven job really goes
-through them: the states it rests in between boundaries (at rest, waiting for workers since
-when) and the ones inside a boundary (regrouping, rolling back, training, ending an epoch,
-finishing, cancelling). The public :class:`JobState` (PENDING, RUNNING, how it ended) is the
-lifecycle's, checked in ``test_lifecycle.py``."""
+"""The synchronous loop's one vocabulary, its reducer's states
+(``dynabatch.scheduler.core.sync.loop``), as a driven job really goes through them: the
+states it rests in between boundaries (at rest, waiting for workers since when), the ones
+inside a boundary (regrouping, rolling back, training, ending an epoch, finishing,
+cancelling) and the one it ends in (concluded, with the job's outcome). The public
+:class:`JobState` (PENDING, RUNNING, how it ended) is the lifecycle's, checked in
+``test_lifecycle.py``."""
 
 from __future__ import annotations
 
@@ -10,24 +12,25 @@ from collections.abc import Callable
 
 import pytest
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.core.sync.messages import Command, Event
-from dynabatch.scheduler.core.sync.states import (
+from dynabatch.scheduler.core.sync.loop import (
     AtRest,
-    CancelCommitting,
-    CancelSettling,
-    Ending,
-    Finishing,
+    Cancelling,
+    Concluded,
+    Effects,
+    EndingEpoch,
+    Event,
+    LoopConfig,
     LoopState,
-    Opening,
     Regrouping,
-    RollingBack,
     Training,
     Waiting,
+    step,
 )
 from dynabatch.scheduler.runtime.seam import DataInfo
 from dynabatch.scheduler.sim.calls import Call
 from dynabatch.scheduler.sim.cluster_spec import Fault
 from dynabatch.scheduler.sim.runtime import SimRuntime
+from dynabatch.scheduler.sync import coordinator
 from dynabatch.scheduler.sync.coordinator import Coordinator
 
 from tests.fakes import sim_job
@@ -74,32 +77,57 @@ LOSE_EVERY_NODE = [
 ]
 
 
-Seen = list[tuple[float, LoopState]]
+Trail = list[tuple[float, LoopState]]
 
 
-def _record(coord: Coordinator, then: Callable[[LoopState], None] | None = None) -> Seen:
-    """The engine's state after each of its decisions, with the driver's clock (the product
-    keeps no log of them: this wraps the engine's ``on``); ``then`` is called with each."""
-    seen: Seen = []
-    on = coord.engine.on
+def kind(state: LoopState) -> str:
+    """The state's name on a job's path: its type's, or its stage's where one type has
+    several (training's opening, check, posting and absorbing; a regroup's rolling back;
+    an epoch's end judging it or going on cancelling; a cancel committing or settling)."""
+    match state:
+        case Regrouping("rolling_back"):
+            return "rolling back"
+        case Regrouping():
+            return "regrouping"
+        case Training(_, "segment"):
+            return "training"
+        case Training(_, stage):
+            return stage
+        case EndingEpoch(_, "train", False):
+            return "ending"
+        case EndingEpoch(_, then, judging):
+            return "judging" if judging else f"ending to {then}"
+        case Cancelling(_, stage):
+            return f"cancel {stage}"
+    return type(state).__name__
 
-    def recording(event: Event) -> list[Command]:
-        commands = on(event)
-        seen.append((coord.clock.now(), coord.engine.state))
+
+def _record(coord: Coordinator, monkeypatch: pytest.MonkeyPatch,
+            then: Callable[[LoopState], None] | None = None) -> Trail:
+    """The loop's state after each of the reducer's decisions, with the driver's clock (the
+    product keeps no log of them: this wraps the ``step`` the coordinator calls, as it
+    calls it); ``then`` is called with each."""
+    trail: Trail = []
+
+    def recording(state: LoopState, event: Event, config: LoopConfig
+                  ) -> tuple[LoopState, Effects]:
+        new, effects = step(state, event, config)
+        trail.append((coord.clock.now(), new))
         if then is not None:
-            then(coord.engine.state)
-        return commands
+            then(new)
+        return new, effects
 
-    coord.engine.on = recording
-    return seen
+    monkeypatch.setattr(coordinator, "step", recording)
+    return trail
 
 
-def _path(seen: Seen, *kinds: type) -> list[type]:
+def _path(trail: Trail, *kinds: str) -> list[str]:
     """The kinds of state the job went through, of ``kinds``, each stay counted once."""
-    path: list[type] = []
-    for _, state in seen:
-        if isinstance(state, kinds) and (not path or path[-1] is not type(state)):
-            path.append(type(state))
+    path: list[str] = []
+    for _, state in trail:
+        k = kind(state)
+        if k in kinds and (not path or path[-1] != k):
+            path.append(k)
     return path
 
 
@@ -107,82 +135,91 @@ def _lost(coord: Coordinator) -> list[str]:
     return [e.worker for e in coord.membership_events() if e.kind == "failure"]
 
 
-def test_a_clean_run_regroups_trains_ends_epochs_and_finishes():
+def test_a_clean_run_regroups_trains_ends_epochs_and_finishes(monkeypatch):
     coord, _ = _coord()
-    assert coord.engine.state == AtRest()
-    seen = _record(coord)
+    assert coord.loop == AtRest()
+    trail = _record(coord, monkeypatch)
     assert coord.run().state == JobState.SUCCEEDED
-    assert coord.engine.state == AtRest()
-    T, E = Training, Ending
-    assert _path(seen, Regrouping, Training, Ending, Finishing, Waiting, CancelSettling) == [
-        Regrouping, T, E, T, E, Finishing]
+    assert coord.loop == Concluded(JobState.SUCCEEDED, None, coord.loop.memo)
+    assert _path(trail, "regrouping", "training", "ending", "Finishing", "Waiting",
+                 "cancel settling", "Concluded") == [
+        "regrouping", "training", "ending", "training", "ending", "Finishing", "Concluded"]
+    # Each epoch's states carry it.
+    assert sorted({s.epoch for _, s in trail if isinstance(s, Training | EndingEpoch)}) == [0, 1]
+    # Once concluded, a boundary does nothing and says the loop is over.
+    assert not coord.step() and isinstance(coord.loop, Concluded)
 
 
-def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone():
+def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone(monkeypatch):
     coord, rt = _coord()
     rt.inject(Fault(kind="die", worker=1, epoch=0, step=5))
-    seen = _record(coord)
+    trail = _record(coord, monkeypatch)
     sent = []
     while coord.step():
         sent.append((coord.job.attempts.retrying, coord.job.ahead is not None))
     assert coord.snapshot().state == JobState.SUCCEEDED
     assert _lost(coord) == ["w1"]
-    path = _path(seen, Regrouping, Training)
+    path = _path(trail, "regrouping", "training")
     # The first group, the one after the loss (and one when a replacement joins).
-    assert path.count(Regrouping) >= 2
-    i = path.index(Regrouping, 1)
-    assert path[i - 1] is Training and path[i + 1] is Training
+    assert path.count("regrouping") >= 2
+    i = path.index("regrouping", 1)
+    assert path[i - 1] == "training" and path[i + 1] == "training"
     # While the failure is being retried, nothing is sent ahead of the retry.
     assert any(retrying for retrying, _ in sent)
     assert not any(retrying and ahead for retrying, ahead in sent)
 
 
-def test_every_holder_lost_rolls_back_inside_the_regroup(tmp_path):
+def test_every_holder_lost_rolls_back_inside_the_regroup(tmp_path, monkeypatch):
     coord, _ = _coord(LOSE_EVERY_NODE, checkpoint={"dir": str(tmp_path)}, epochs=3)
-    seen = _record(coord)
+    trail = _record(coord, monkeypatch)
     assert coord.run().state == JobState.SUCCEEDED
     assert sorted(_lost(coord)) == ["w0", "w1", "w2"]
-    path = _path(seen, Regrouping, RollingBack, Training)
-    i = path.index(RollingBack)
-    assert path.count(RollingBack) == 1
-    assert path[i + 1] is Regrouping and path[i + 2] is Training
+    path = _path(trail, "regrouping", "rolling back", "training")
+    i = path.index("rolling back")
+    assert path.count("rolling back") == 1
+    assert path[i + 1] == "regrouping" and path[i + 2] == "training"
 
 
-def test_too_few_workers_wait_then_fail_after_the_timeout():
+def test_too_few_workers_wait_then_fail_after_the_timeout(monkeypatch):
     # node01 fails at step 4 of epoch 0; the other two nodes' one CPU each is their worker's,
     # so no third worker can start and 2 x 24 cannot hold B=64.
     coord, rt = _coord(LOSE_NODE1, max_batch=24)
-    seen = _record(coord)
+    trail = _record(coord, monkeypatch)
     while coord.step():
         pass
-    assert coord.snapshot().state == JobState.FAILED
+    snap = coord.snapshot()
+    assert snap.state == JobState.FAILED
     assert _lost(coord) == ["w1"]
-    waits = [state for _, state in seen if isinstance(state, Waiting)]
+    waits = [state for _, state in trail if isinstance(state, Waiting)]
     # One wait, carried from boundary to boundary since it began, and the job failed in it
-    # once it had lasted the timeout.
+    # once it had lasted the timeout: the failure policy's Fail concludes the loop.
     assert len(waits) >= 2 and {w.since for w in waits} == {waits[0].since}
-    assert waits[0].since == next(at for at, state in seen if isinstance(state, Waiting))
-    assert seen[-1][1] is waits[-1] and "below the minimum" in waits[-1].shortfall
+    assert waits[0].since == next(at for at, state in trail if isinstance(state, Waiting))
+    assert trail[-2][1] is waits[-1] and "below the minimum" in waits[-1].shortfall
+    assert trail[-1][1] == Concluded(JobState.FAILED, snap.reason, waits[-1].memo)
     assert rt.clock.now() - waits[0].since >= coord.spec.worker_wait_timeout_s
 
 
-def test_a_cancel_with_a_segment_in_flight_commits_it_and_is_done():
+def test_a_cancel_with_a_segment_in_flight_commits_it_and_is_done(monkeypatch):
     coord, _ = _coord()
-    seen = _record(coord)
+    trail = _record(coord, monkeypatch)
     while coord.job.ahead is None:
         assert coord.step()
     coord.cancel("enough")
     assert not coord.step()
-    assert coord.snapshot().state == JobState.CANCELLED
-    assert _path(seen, CancelCommitting, CancelSettling, Training)[-2:] == [
-        CancelCommitting, CancelSettling]
-    assert [type(state) for _, state in seen[-2:]] == [CancelSettling, AtRest]
+    snap = coord.snapshot()
+    assert snap.state == JobState.CANCELLED and snap.reason == "enough"
+    assert _path(trail, "cancel committing", "cancel settling", "training")[-2:] == [
+        "cancel committing", "cancel settling"]
+    assert [kind(state) for _, state in trail[-2:]] == ["cancel settling", "Concluded"]
+    assert trail[-2][1].reason == "enough"
+    assert trail[-1][1] == Concluded(JobState.CANCELLED, "enough", trail[-1][1].memo)
 
 
 # ------------------------------------------------------------------ a cancel in every state
-def _arm_cancel(coord: Coordinator, rt: _Cancelling, kinds: tuple[type, ...] | None
-                ) -> tuple[dict[str, int], Seen]:
-    """Cancel the job (as another thread would) once its engine is in one of ``kinds``
+def _arm_cancel(coord: Coordinator, rt: _Cancelling, kinds: tuple[str, ...] | None,
+                monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, int], Trail]:
+    """Cancel the job (as another thread would) once its loop is in one of ``kinds``
     (None: as it loads its data, before any group forms); returns the segments and
     evaluations run until then, filled in when it fires, and the states seen."""
     fired: dict[str, int] = {}
@@ -193,12 +230,12 @@ def _arm_cancel(coord: Coordinator, rt: _Cancelling, kinds: tuple[type, ...] | N
             coord.cancel("enough")
 
     def cancel_in(state: LoopState) -> None:
-        if kinds is not None and isinstance(state, kinds):
+        if kinds is not None and kind(state) in kinds:
             cancel()
 
     if kinds is None:
         rt.hook = cancel
-    return fired, _record(coord, then=cancel_in)
+    return fired, _record(coord, monkeypatch, then=cancel_in)
 
 
 def _to_last_epoch(coord: Coordinator) -> None:
@@ -216,20 +253,20 @@ def _before_the_loss(coord: Coordinator) -> None:
     ("kinds", "setup", "kw", "idle"),
     [
         (None, None, {}, True),
-        ((Waiting,), None, {"max_batch": 24, "events": LOSE_NODE1}, True),
-        ((Regrouping,), None, {}, True),
-        ((RollingBack,), _before_the_loss, {"events": LOSE_EVERY_NODE}, True),
-        ((Opening, Training), None, {}, False),
-        ((Ending,), None, {}, False),
+        (("Waiting",), None, {"max_batch": 24, "events": LOSE_NODE1}, True),
+        (("regrouping",), None, {}, True),
+        (("rolling back",), _before_the_loss, {"events": LOSE_EVERY_NODE}, True),
+        (("opening", "training"), None, {}, False),
+        (("ending",), None, {}, False),
         # Without checkpoints: one is due at the last epoch's end, which would await (and
-        # evaluate again) there, while Ending.
-        ((Finishing,), _to_last_epoch, {"checkpoint": {}}, False),
+        # evaluate again) there, while ending.
+        (("Finishing",), _to_last_epoch, {"checkpoint": {}}, False),
     ],
     ids=["starting", "waiting", "regrouping", "rolling-back", "training", "ending-epoch",
          "finishing"],
 )
 def test_a_cancel_takes_effect_within_a_step_or_an_evaluation_in_every_state(
-    kinds, setup, kw, idle, tmp_path
+    kinds, setup, kw, idle, tmp_path, monkeypatch
 ):
     # From then on, w0's evaluations always fail (a metric that raises on real batches),
     # with retries to spare: an epoch's end and the job's end evaluate again, and a cancel
@@ -238,11 +275,12 @@ def test_a_cancel_takes_effect_within_a_step_or_an_evaluation_in_every_state(
     if setup is not None:
         setup(coord)
     rt.inject(Fault(kind="eval_error", worker=0))
-    fired, seen = _arm_cancel(coord, rt, kinds)
+    fired, trail = _arm_cancel(coord, rt, kinds, monkeypatch)
     snap = coord.run()
     assert fired, f"the job never was {kinds}"
     assert snap.state == JobState.CANCELLED, snap.reason
-    assert [type(state) for _, state in seen[-2:]] == [CancelSettling, AtRest]
+    assert [kind(state) for _, state in trail[-2:]] == ["cancel settling", "Concluded"]
+    assert trail[-1][1] == Concluded(JobState.CANCELLED, "enough", trail[-1][1].memo)
     # At most the segment in flight and the one sent ahead of it are committed (none when
     # the cancel came before training), and the evaluation in flight awaited; nothing is
     # evaluated again.
