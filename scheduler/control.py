@@ -21,6 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from dynabatch.actors.output import ActorOutput
 from dynabatch.actors.spec import JobSpec
@@ -73,22 +74,26 @@ Request = Scale | Drain | Assign
 ASSIGNED = "placement is the cluster scheduler's"
 
 
+# The best epoch's model state, epoch and metrics (checkpoint.keep_best), or Nones.
+BestEpoch = tuple[dict[str, Any] | None, int | None, dict[str, float] | None]
+
+
 class JobControl:
     def __init__(self, job_id: str, spec: JobSpec, clock: Clock | None = None):
         self.job_id = job_id
         self.spec = spec
         self.clock = clock or RealClock()
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         self.state = JobState.PENDING
         self.reason: str | None = None
-        self._history: list[EpochRecord] = []
+        self.records: list[EpochRecord] = []
         self._logs: deque[LogLine] = deque(maxlen=LOG_LINES_KEPT)
         self._log_seq = 0
         # One event repeated (a loop, a user's print in a loop) is counted, not repeated:
         # the log and the service's store of it stay small.
         self._repeats = Repeats()
         self.events: list[MembershipEvent] = []
-        self._cancel: str | None = None
+        self.cancel_reason: str | None = None
         self._requests: deque[Request] = deque()
         # The node assignment in force (the last one accepted), or None.
         self.assignment: NodeAssignment | None = None
@@ -104,7 +109,7 @@ class JobControl:
         # Experiment tracking (tracking.tensorboard): the drivers hand it each epoch's record
         # and, the synchronous one, each committed step; closed at the job's end.
         self.tracking = Tracking(spec.tracking.tensorboard, job_id,
-                                 warn=lambda message: self._log("WARNING", message))
+                                 warn=lambda message: self.log("WARNING", message))
 
     # ------------------------------------------------------------------ for subclasses
     def snapshot(self) -> JobSnapshot:
@@ -136,26 +141,26 @@ class JobControl:
     def model_files(self) -> dict[str, bytes] | None:
         """The trained model's files by name (safetensors and manifest), once the job has
         ended with weights; None before, or when it has none."""
-        with self._lock:
+        with self.lock:
             return None if self._model_files is None else dict(self._model_files)
 
     def history(self, since: int = 0) -> list[EpochRecord]:
-        with self._lock:
-            return [r for r in self._history if r.epoch >= since]
+        with self.lock:
+            return [r for r in self.records if r.epoch >= since]
 
     def logs(self, since: int = 0) -> list[LogLine]:
-        with self._lock:
+        with self.lock:
             return [line for line in self._logs if line.seq >= since]
 
     def membership_events(self) -> list[MembershipEvent]:
-        with self._lock:
+        with self.lock:
             return list(self.events)
 
     def cancel(self, reason: str = "cancelled by user") -> JobSnapshot:
-        with self._lock:
+        with self.lock:
             if self.state.is_terminal:
                 raise InvalidTransition(self.state, JobState.CANCELLED)
-            self._cancel = reason
+            self.cancel_reason = reason
         return self.snapshot()
 
     def scale(self, workers: int) -> JobSnapshot:
@@ -163,16 +168,16 @@ class JobControl:
         (``ValueError``) while a node assignment is in force: see :meth:`assign`."""
         if workers < 1:
             raise ValueError("workers: must be at least 1")
-        with self._lock:
+        with self.lock:
             if self.state.is_terminal:
                 raise InvalidTransition(self.state, JobState.RUNNING)
             self._refuse_if_assigned("scale")
             self._requests.append(Scale(workers))
-            self._log("INFO", f"scale requested: {workers} workers")
+            self.log("INFO", f"scale requested: {workers} workers")
         note = self._placement_note(workers)
-        with self._lock:
+        with self.lock:
             if note is not None:
-                self._log("WARNING", f"scale to {workers}: {note}")
+                self.log("WARNING", f"scale to {workers}: {note}")
             if self.reason is None or self.reason == self.placement_note:
                 self.reason = note
             self.placement_note = note
@@ -181,7 +186,7 @@ class JobControl:
     def drain(self, worker: str) -> JobSnapshot:
         """``worker`` leaves at the next step boundary. Refused (``ValueError``) while a
         node assignment is in force: see :meth:`assign`."""
-        with self._lock:
+        with self.lock:
             members = self._member_ids()
             if worker not in members:
                 raise KeyError(f"worker {worker!r} is not a member of job {self.job_id}")
@@ -190,7 +195,7 @@ class JobControl:
             if len(members) - draining <= 1:
                 raise ValueError("cannot drain the last worker")
             self._requests.append(Drain(worker))
-            self._log("INFO", f"drain requested for {worker}")
+            self.log("INFO", f"drain requested for {worker}")
         return self.snapshot()
 
     def assign(self, nodes: Mapping[str, int] | NodeAssignment) -> JobSnapshot:
@@ -210,9 +215,9 @@ class JobControl:
         try:
             a = nodes if isinstance(nodes, NodeAssignment) else NodeAssignment.of(nodes)
         except ValueError as err:
-            self._log("WARNING", str(err))
+            self.log("WARNING", str(err))
             raise
-        with self._lock:
+        with self.lock:
             refused: ValueError | None = None
             if self.state.is_terminal:
                 refused = InvalidTransition(self.state, JobState.RUNNING)
@@ -220,19 +225,19 @@ class JobControl:
                 refused = ValueError(why)
             if refused is not None:
                 line = f"assignment ({a}): {refused}"
-                self._log("WARNING", line)
+                self.log("WARNING", line)
                 # An ended job's refusal keeps its kind (the service answers it as such).
                 raise refused if isinstance(refused, InvalidTransition) else ValueError(line)
             self.assignment = a
             self._requests.append(Assign(a))
-            self._log("INFO", f"assignment requested: {a}")
+            self.log("INFO", f"assignment requested: {a}")
         self._assignment_arrived()
         return self.snapshot()
 
     def assigned(self) -> tuple[tuple[str, int], ...] | None:
         """The node assignment in force as (node id, slots) pairs, or None: what a new
         cluster scheduler reads back when it adopts the running job."""
-        with self._lock:
+        with self.lock:
             return None if self.assignment is None else self.assignment.slots
 
     def _refuse_if_assigned(self, what: str) -> None:
@@ -242,10 +247,10 @@ class JobControl:
                              f"it ({self.assignment})")
 
     # ------------------------------------------------------------------ for the drivers
-    def _take_requests(self, assignments: bool = False) -> list[Request]:
+    def take_requests(self, assignments: bool = False) -> list[Request]:
         """The queued requests, oldest first (``assignments``: only the assignments at the
         head of the queue; the rest stay queued, in order)."""
-        with self._lock:
+        with self.lock:
             if not assignments:
                 requests, self._requests = list(self._requests), deque()
                 return requests
@@ -254,6 +259,68 @@ class JobControl:
                 taken.append(self._requests.popleft())
         return taken
 
+    def scale_queued(self) -> bool:
+        """A scale request is queued (not yet taken)."""
+        with self.lock:
+            return any(isinstance(r, Scale) for r in self._requests)
+
+    def publish_model(
+        self,
+        *,
+        input_shape: tuple[int, ...] | list[int],
+        num_classes: int,
+        state: dict[str, Any],
+        epoch: int,
+        reason: str,
+        best: BestEpoch = (None, None, None),
+    ) -> None:
+        """The one way a job's driver (synchronous or parameter server) puts its trained model
+        out: build the files from ``state`` (a model state dict) and the last epoch's metrics,
+        keep them (:meth:`model_files`), and write them to ``artifacts.dir/JOB_ID`` when the
+        spec sets it. ``best``: the best epoch's state, epoch and metrics, when kept. A
+        problem (a state safetensors cannot hold, a directory it cannot write) is a WARNING in
+        the job's log: the job still ends as it was going to."""
+        from dynabatch.actors.data.fs import join
+        from dynabatch.actors.data.source import DataError
+        from dynabatch.actors.export import ExportError, model_files, write_files
+
+        s = self.spec
+        last = self.records[-1] if self.records else None
+        metrics = {"train_loss": last.train_loss, **last.scores} if last else {}
+        best_state, best_epoch, best_metrics = best
+        try:
+            files = model_files(
+                spec=s,
+                input_shape=input_shape,
+                num_classes=num_classes,
+                final=state,
+                epoch=epoch,
+                metrics=metrics,
+                best=best_state,
+                best_epoch=best_epoch,
+                best_metrics=best_metrics,
+                job_id=self.job_id,
+            )
+        except ExportError as err:
+            self.log("WARNING", f"model export ({reason}) skipped: {err}")
+            return
+        with self.lock:
+            self._model_files = files
+        if not s.artifacts.dir:
+            self.log(
+                "INFO",
+                f"trained model ({reason}) at epoch {epoch}: kept for "
+                f"download ({', '.join(sorted(files))})",
+            )
+            return
+        target = join(s.artifacts.dir, self.job_id)
+        try:
+            write_files(files, target)
+        except (ExportError, DataError) as err:
+            self.log("WARNING", f"model export ({reason}): {err}")
+            return
+        self.log("INFO", f"trained model ({reason}) at epoch {epoch}: {target}")
+
     def _event_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for e in self.events:
@@ -261,17 +328,17 @@ class JobControl:
             counts[key] = counts.get(key, 0) + 1
         return counts
 
-    def _event(self, kind: str, worker: str, node: str, reason: str,
+    def record_event(self, kind: str, worker: str, node: str, reason: str,
                generation: int = 0) -> None:
-        with self._lock:
+        with self.lock:
             self.events.append(MembershipEvent(time=self.clock.time(), kind=kind,
                                                worker=worker, node=node, reason=reason,
                                                generation=generation))
         level = "INFO" if kind in ("join", "leave") else "WARNING"
-        self._log(level, f"worker {worker} {kind}: {reason}")
+        self.log(level, f"worker {worker} {kind}: {reason}")
 
-    def _log(self, level: str, message: str) -> None:
-        with self._lock:
+    def log(self, level: str, message: str) -> None:
+        with self.lock:
             self._append(self._repeats.offer(level, message))
 
     def _append(self, lines: list[tuple[str, str]]) -> None:
@@ -293,29 +360,29 @@ class JobControl:
 
     def _actor_line(self, source: str, stream: str, line: str) -> None:
         if stream == "note":
-            self._log("WARNING", f"{source}: {line}")
+            self.log("WARNING", f"{source}: {line}")
         else:
-            self._log("INFO" if stream == "stdout" else "WARNING", f"{source} {stream}: {line}")
+            self.log("INFO" if stream == "stdout" else "WARNING", f"{source} {stream}: {line}")
 
-    def _transition(self, new: JobState, reason: str | None) -> None:
-        with self._lock:
+    def transition(self, new: JobState, reason: str | None) -> None:
+        with self.lock:
             if not self.state.can_become(new):
                 raise InvalidTransition(self.state, new)
             self.state = new
             self.reason = reason
             if new == JobState.RUNNING and self.started_at is None:
                 self.started_at = self.clock.time()
-            self._log("INFO", f"state {new.value}" + (f": {reason}" if reason else ""))
+            self.log("INFO", f"state {new.value}" + (f": {reason}" if reason else ""))
 
-    def _finish(self, state: JobState, reason: str | None) -> None:
+    def finish(self, state: JobState, reason: str | None) -> None:
         if self.output is not None and not self.state.is_terminal:
             # The actors' last lines, before anyone can see the job end.
             self.output.close()
-        with self._lock:
+        with self.lock:
             if self.state.is_terminal:
                 return
             self._append(self._repeats.flush())  # the counts of repeats not shown yet
-            self._transition(state, reason)
+            self.transition(state, reason)
             self.finished_at = self.clock.time()
         self.tracking.close()
         self.shutdown()

@@ -22,7 +22,7 @@ the job's state, :func:`~dynabatch.scheduler.core.ps.engine.job_state` of the en
 core (the protocol is decided in one place only). At the job's end (and at a cancel, once
 an epoch was trained) the server's final weights go out as the trained model
 (:mod:`dynabatch.scheduler.ps.trained_model`), by the synchronous job's own
-:func:`~dynabatch.scheduler.sync.artifacts.publish_model`: ``model.safetensors`` and
+:meth:`~dynabatch.scheduler.control.JobControl.publish_model`: ``model.safetensors`` and
 ``manifest.json``, kept for download and written to ``artifacts.dir`` when set.
 """
 
@@ -185,13 +185,13 @@ class PSCoordinator(JobControl):
     @property
     def server_stats(self) -> dict[str, Any] | None:
         """The server's last raw snapshot (``started_s``, ``elapsed_s``, ``puts``, ...)."""
-        with self._lock:
+        with self.lock:
             return self._snap
 
     @property
     def _learners(self) -> dict[str, str]:
         """The job's learners now (worker id → node id), as the engine holds them."""
-        with self._lock:
+        with self.lock:
             return learners(self.engine_state)
 
     def run(self) -> JobSnapshot:
@@ -227,9 +227,9 @@ class PSCoordinator(JobControl):
         return False
 
     def snapshot(self) -> JobSnapshot:
-        with self._lock:
+        with self.lock:
             snap = self._snap
-            last = self._history[-1] if self._history else None
+            last = self.records[-1] if self.records else None
             events = self._event_counts()
             return JobSnapshot(
                 job_id=self.job_id,
@@ -243,10 +243,10 @@ class PSCoordinator(JobControl):
                 train_loss=last.train_loss if last else None,
                 test_accuracy=last.test_accuracy if last else None,
                 test_metrics=last.scores if last else {},
-                epochs_completed=len(self._history),
-                epoch_durations_s=[r.wall_s for r in self._history],
+                epochs_completed=len(self.records),
+                epoch_durations_s=[r.wall_s for r in self.records],
                 worker_events=events,
-                retried_samples_total=sum(r.retried_samples for r in self._history),
+                retried_samples_total=sum(r.retried_samples for r in self.records),
                 started_at=self.started_at,
                 finished_at=self.finished_at,
                 ps=ps_status(self.spec, snap) if snap else None,
@@ -271,7 +271,7 @@ class PSCoordinator(JobControl):
         return not self.state.is_terminal
 
     def _step(self) -> bool:
-        for r in self._take_requests():
+        for r in self.take_requests():
             self._feed(self._requested(r))
         for x in self.runtime.wait(POLL_S):
             if not self.state.is_terminal:  # else a learner's own error failed the job
@@ -279,7 +279,7 @@ class PSCoordinator(JobControl):
         if self.state.is_terminal:
             return False
         snap = self.runtime.snapshot()
-        with self._lock:
+        with self.lock:
             self._snap = snap
         self._feed(self._polled(snap))
         return not self.state.is_terminal
@@ -294,13 +294,13 @@ class PSCoordinator(JobControl):
             event = None
             for command in commands:
                 event = self._carry_out(command)
-            with self._lock:  # other threads read the learners (drain, _learners)
+            with self.lock:  # other threads read the learners (drain, _learners)
                 self.engine_state = state
             public = job_state(state)
             if public.is_terminal:
-                self._finish(public, state.reason if isinstance(state, Ended) else None)
+                self.finish(public, state.reason if isinstance(state, Ended) else None)
             elif public is not self.state:
-                self._transition(public, None)
+                self.transition(public, None)
 
     def _carry_out(self, command: Command) -> Event | None:
         """One of the engine's commands, on the runtime and the job's records."""
@@ -322,9 +322,9 @@ class PSCoordinator(JobControl):
             case Leave(worker):
                 self.runtime.leave(worker)
             case Note(kind, worker, node, reason):
-                self._event(kind, worker, node, reason)
+                self.record_event(kind, worker, node, reason)
             case Log(level, message):
-                self._log(level, message)
+                self.log(level, message)
             case RecordEpoch(epoch, wall_s):
                 self._record_epoch(epoch.record, wall_s)
             case MeasureFinalLoss():
@@ -365,7 +365,7 @@ class PSCoordinator(JobControl):
             epochs=epochs,
             finished=bool(snap["finished"]),
             applied=tuple((w, v.get("applied", 0) * v.get("batch", 0)) for w, v in workers.items()),
-            cancel=self._cancel,
+            cancel=self.cancel_reason,
         )
 
     # ------------------------------------------------------------------ records
@@ -401,10 +401,10 @@ class PSCoordinator(JobControl):
             emulated=self.spec.emulated,
             workers=workers,
         )
-        with self._lock:
-            self._history.append(rec)
+        with self.lock:
+            self.records.append(rec)
         self.tracking.epoch(rec)
-        self._log(
+        self.log(
             "INFO",
             f"epoch {rec.epoch}: version {e['version']}, test loss "
             f"{e['test_loss']:.4f}, accuracy {e['test_accuracy']:.3f}, "

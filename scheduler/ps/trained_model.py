@@ -1,6 +1,6 @@
 """A parameter-server job's trained model: the server's flat weights as the model's state
 dict, put out by the one function every driver uses
-(:func:`~dynabatch.scheduler.sync.artifacts.publish_model`): ``model.safetensors`` and
+(:meth:`~dynabatch.scheduler.control.JobControl.publish_model`): ``model.safetensors`` and
 ``manifest.json``, kept for download and written to ``artifacts.dir`` when set."""
 
 from __future__ import annotations
@@ -34,22 +34,19 @@ def export_model(coord: PSCoordinator, reason: str) -> None:
     """The server's weights now as the job's trained model, at the epochs trained so far. A
     server that cannot be read is a WARNING in the job's log: the job ends as it was going
     to."""
-    from dynabatch.scheduler.sync.artifacts import publish_model
-
     if coord.model_shape is None:  # the data never loaded: nothing was trained
         return
     shape, classes = coord.model_shape
     try:
         state = model_state(coord.spec, shape, classes, coord.runtime.final_weights())
     except Exception as err:  # a Ray error, a timeout: the training stands
-        coord._log(
+        coord.log(
             "WARNING",
             f"model export ({reason}) skipped: the server's weights cannot be read "
             f"({first_line(err)})",
         )
         return
-    publish_model(
-        coord,
+    coord.publish_model(
         input_shape=shape,
         num_classes=classes,
         state=state,

@@ -1,6 +1,7 @@
 """The trained model out: at the job's end, its final weights as safetensors with a manifest.
-:func:`publish_model` is how every driver puts it out (the parameter server's too, from its
-final weights); :class:`Artifacts` is the synchronous coordinator's part that calls it.
+:meth:`~dynabatch.scheduler.control.JobControl.publish_model` is how every driver puts it out
+(the parameter server's too, from its final weights); :class:`Artifacts` is the synchronous
+coordinator's part that calls it.
 
 The files (:mod:`dynabatch.actors.export`) are built from the state a holder returns, the
 same state a checkpoint saves, and kept by the coordinator (:meth:`~dynabatch.scheduler.
@@ -13,76 +14,15 @@ simulation without gradients) has none.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dynabatch.actors.data.fs import join
 from dynabatch.scheduler.sync.job import Part
-
-if TYPE_CHECKING:
-    from dynabatch.scheduler.control import JobControl
-
-
-def publish_model(
-    control: JobControl,
-    *,
-    input_shape: tuple[int, ...] | list[int],
-    num_classes: int,
-    state: dict[str, Any],
-    epoch: int,
-    reason: str,
-    best: tuple[dict[str, Any] | None, int | None, dict[str, float] | None] = (None, None, None),
-) -> None:
-    """The one way a job's driver (synchronous or parameter server) puts its trained model
-    out: build the files from ``state`` (a model state dict) and the last epoch's metrics,
-    keep them in ``control`` (its ``model_files``), and write them to ``artifacts.dir/JOB_ID``
-    when the spec sets it. ``best``: the best epoch's state, epoch and metrics, when kept. A
-    problem (a state safetensors cannot hold, a directory it cannot write) is a WARNING in
-    the job's log: the job still ends as it was going to."""
-    from dynabatch.actors.data.source import DataError
-    from dynabatch.actors.export import ExportError, model_files, write_files
-
-    s = control.spec
-    last = control._history[-1] if control._history else None
-    metrics = {"train_loss": last.train_loss, **last.scores} if last else {}
-    best_state, best_epoch, best_metrics = best
-    try:
-        files = model_files(
-            spec=s,
-            input_shape=input_shape,
-            num_classes=num_classes,
-            final=state,
-            epoch=epoch,
-            metrics=metrics,
-            best=best_state,
-            best_epoch=best_epoch,
-            best_metrics=best_metrics,
-            job_id=control.job_id,
-        )
-    except ExportError as err:
-        control._log("WARNING", f"model export ({reason}) skipped: {err}")
-        return
-    with control._lock:
-        control._model_files = files
-    if not s.artifacts.dir:
-        control._log(
-            "INFO",
-            f"trained model ({reason}) at epoch {epoch}: kept for "
-            f"download ({', '.join(sorted(files))})",
-        )
-        return
-    target = join(s.artifacts.dir, control.job_id)
-    try:
-        write_files(files, target)
-    except (ExportError, DataError) as err:
-        control._log("WARNING", f"model export ({reason}): {err}")
-        return
-    control._log("INFO", f"trained model ({reason}) at epoch {epoch}: {target}")
 
 
 class Artifacts(Part):
     def save(self, reason: str) -> None:
         """Build the model's files from the state a holder returns, keep them, and write
-        them to ``artifacts.dir`` when it is set (:func:`publish_model`). A job whose
+        them to ``artifacts.dir`` when it is set (the job control's ``publish_model``). A job whose
         holders cannot be read still ends as it was going to: a WARNING in its log."""
         job = self.job
         data = job.data
@@ -95,8 +35,7 @@ class Artifacts(Part):
             return
         p = job.protocol
         epoch = p.epoch if p is not None else job.position.epoch
-        publish_model(
-            self.c,
+        self.c.publish_model(
             input_shape=data.input_shape,
             num_classes=data.num_classes,
             state=model,

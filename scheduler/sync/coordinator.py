@@ -197,7 +197,7 @@ class Coordinator(JobControl):
         self.checkpoints = Checkpoints(self)
         self.artifacts = Artifacts(self)
         if lr_error is not None:  # as a checkpoint that cannot be loaded: the job fails
-            self._finish(JobState.FAILED, lr_error)
+            self.finish(JobState.FAILED, lr_error)
             return
         # A checkpoint that cannot be loaded fails the job, not this constructor (the job then
         # ends FAILED naming the file, and run() returns at once).
@@ -242,7 +242,7 @@ class Coordinator(JobControl):
             return self._fail(f"internal error: {type(err).__name__}: {err}")
 
     def snapshot(self) -> JobSnapshot:
-        with self._lock:
+        with self.lock:
             job = self.job
             p = job.protocol
             alloc = p.allocation if p else None
@@ -250,7 +250,7 @@ class Coordinator(JobControl):
             # Between epochs (job.ep is None) the tracker still holds the ended epoch's
             # samples while the plan is the next one's: count one of them, never both. A
             # finished job shows its last epoch's partitions, as its record does.
-            last = self._history[-1] if self._history else None
+            last = self.records[-1] if self.records else None
             done = p is not None and p.epoch >= self.spec.epochs and last is not None
             final = {w.worker: w.partition for w in last.workers} if done else {}
             workers = []
@@ -288,8 +288,8 @@ class Coordinator(JobControl):
                 validation_metrics=dict(last.validation_metrics) if last else {},
                 utilization=last.utilization if last else None,
                 compute_balance=last.compute_balance if last else None,
-                rebalances_total=job.rebalances_total, epochs_completed=len(self._history),
-                epoch_durations_s=[r.wall_s for r in self._history], worker_events=events,
+                rebalances_total=job.rebalances_total, epochs_completed=len(self.records),
+                epoch_durations_s=[r.wall_s for r in self.records], worker_events=events,
                 regroup_seconds_total=job.regroup_seconds_total,
                 retried_samples_total=job.retried_samples_total,
                 step_breakdown=last.breakdown if last else None,
@@ -300,7 +300,7 @@ class Coordinator(JobControl):
         return self.job.membership.worker_ids
 
     def _assignment_error(self, nodes: NodeAssignment) -> str | None:
-        with self._lock:
+        with self.lock:
             return self.job.membership.batch_error(nodes.total)
 
     def _assignment_arrived(self) -> None:
@@ -310,17 +310,17 @@ class Coordinator(JobControl):
         try:
             self.roster.start_assigned()
         except Exception as err:
-            self._log("WARNING", f"the assignment's workers could not start at once "
+            self.log("WARNING", f"the assignment's workers could not start at once "
                                  f"({type(err).__name__}: {err}); the next step boundary "
                                  "starts them")
 
     def _placement_note(self, workers: int) -> str | None:
-        with self._lock:
+        with self.lock:
             m = self.job.membership
             if self.state == JobState.PENDING and m.generation == 0:
                 return None  # the first start shares nodes as it must
         nodes = self.runtime.nodes()
-        with self._lock:
+        with self.lock:
             short = m.unplaceable(nodes, min(workers, m.smallest_batch))
         return self.roster.placement_text(short, workers) if short else None
 
@@ -371,7 +371,7 @@ class Coordinator(JobControl):
         job = self.job
         p, m = job.protocol, job.membership
         speeds = job.tracker.speeds()
-        with self._lock:  # an arriving assignment changes the placement (Roster)
+        with self.lock:  # an arriving assignment changes the placement (Roster)
             requests = tuple(type(r).__name__.lower() for r in self._requests)
             membership = MembershipView(
                 dirty=m.dirty, drains_due=m.drains_due(speeds), starts_pending=bool(m.pending),
@@ -380,8 +380,8 @@ class Coordinator(JobControl):
                 shortfall=m.shortfall(), holders=bool(m.holders()),
                 needs_state=m.dirty and m.regroup_plan().needs_state)
             handing_over = m.handing_over
-            cancel = self._cancel
-            recorded = len(self._history)
+            cancel = self.cancel_reason
+            recorded = len(self.records)
         return Seen(
             cancel=cancel, pending=self.state == JobState.PENDING, data_loaded=p is not None,
             trained=p is not None and self.epochs.trained, stopped=self.epochs.stopped,
@@ -427,7 +427,7 @@ class Coordinator(JobControl):
             case Regroup():
                 return self.roster.regroup()
             case MarkRunning():
-                self._transition(JobState.RUNNING, None)
+                self.transition(JobState.RUNNING, None)
             case BeginEpoch():
                 self.epochs.begin_epoch()
             case Replan(cause):
@@ -467,12 +467,12 @@ class Coordinator(JobControl):
             case SaveModel(reason):
                 self.artifacts.save(reason=reason)
             case EndJob(outcome, reason):
-                self._finish(outcome, reason)
+                self.finish(outcome, reason)
             case _:
                 raise TypeError(f"not an effect of the step loop: {effect!r}")
         return True
 
-    def _finish(self, state: JobState, reason: str | None) -> None:
+    def finish(self, state: JobState, reason: str | None) -> None:
         if not self.state.is_terminal:
             self.epochs.close()
-        super()._finish(state, reason)
+        super().finish(state, reason)

@@ -21,7 +21,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dynabatch.scheduler.control import Scale
 from dynabatch.scheduler.core.failures import (
     Attempts,
     Evict,
@@ -179,7 +178,7 @@ class Part:
         return self.c.runtime
 
     def log(self, level: str, message: str) -> None:
-        self.c._log(level, message)
+        self.c.log(level, message)
 
     def failed(self, event: FailureEvent) -> FailureDecision:
         """A failure: the job's :class:`FailurePolicy` decides it (the only place one is
@@ -201,34 +200,33 @@ class Part:
     @property
     def lock(self) -> threading.RLock:
         """Held while changing what snapshot readers in other threads copy."""
-        return self.c._lock
+        return self.c.lock
 
     @property
     def history(self) -> list[EpochRecord]:
         """The epochs' records, in order (changed under :attr:`lock`)."""
-        return self.c._history
+        return self.c.records
 
     @property
     def cancel_requested(self) -> bool:
-        return self.c._cancel is not None
+        return self.c.cancel_reason is not None
 
     def take_requests(self, assignments: bool = False) -> list[Any]:
         """The scale, drain and assign requests queued since the last call (``assignments``:
         only the assignments at the head of the queue)."""
-        return self.c._take_requests(assignments)
+        return self.c.take_requests(assignments)
 
     def scale_queued(self) -> bool:
         """A scale request is queued (not yet taken)."""
-        with self.c._lock:
-            return any(isinstance(r, Scale) for r in self.c._requests)
+        return self.c.scale_queued()
 
     def transition(self, state: JobState, reason: str | None) -> None:
         """Move the job's lifecycle state (its moves are enforced there)."""
-        self.c._transition(state, reason)
+        self.c.transition(state, reason)
 
     def finish(self, state: JobState, reason: str | None) -> None:
         """End the job (without unwinding the step: see :meth:`fail`)."""
-        self.c._finish(state, reason)
+        self.c.finish(state, reason)
 
     @property
     def evals(self) -> Evaluations:
@@ -241,7 +239,7 @@ class Part:
         """Take ``worker`` out of the job (lost, or evicted as a straggler): out of the
         membership and the tracker, its event recorded; the engine's next batch stops it
         (:meth:`stop_leaving`)."""
-        with self.c._lock:
+        with self.c.lock:
             change = self.job.membership.remove(worker, kind, reason)
         self.job.tracker.remove(worker)
         self.job.leaving.append(worker)
@@ -257,7 +255,7 @@ class Part:
 
     def changed(self, change: Change) -> None:
         """Record a membership change as a worker event (the snapshot's counts, the log)."""
-        self.c._event(change.kind, change.worker, change.node, change.reason,
+        self.c.record_event(change.kind, change.worker, change.node, change.reason,
                       self.job.membership.generation)
 
     def held_state(self, what: str) -> dict[str, Any] | None:

@@ -1453,7 +1453,7 @@ def test_resume_replaces_a_failed_jobs_kept_coordinator(
     job = _submit(client, **_ckpt_spec(tmp_path))
     _sync(service)  # epoch 0 trained and checkpointed
     _checkpointed(tmp_path, job)
-    cluster.coordinators[job]._finish(JobState.FAILED, "only 1 workers available")
+    cluster.coordinators[job].finish(JobState.FAILED, "only 1 workers available")
     _sync(service)
     assert client.get(f"/v1/jobs/{job}").json()["state"] == "FAILED"
     assert job in cluster.coordinators  # kept: release_finished is off

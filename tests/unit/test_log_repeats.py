@@ -71,8 +71,8 @@ def test_a_job_log_repeating_one_event_stays_small_and_keeps_the_count():
     rt = sim_runtime(spec, n_train=200)
     coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
     for _ in range(20_000):
-        coord._log("WARNING", "evaluation of epoch 2 on w0 failed: ValueError: bad shape")
-        coord._log("INFO", "epoch 2: evaluating again on ['w0', 'w1']")
+        coord.log("WARNING", "evaluation of epoch 2 on w0 failed: ValueError: bad shape")
+        coord.log("INFO", "epoch 2: evaluating again on ['w0', 'w1']")
     assert len(coord.logs()) < 20
     coord.cancel("enough")
     assert coord.run().state == JobState.CANCELLED
