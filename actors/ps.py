@@ -157,6 +157,19 @@ def shared_tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype == torch.float64 else t
 
 
+def model_state(
+    spec: JobSpec, input_shape: tuple[int, ...], num_classes: int, flat: Any
+) -> dict[str, Any]:
+    """The model's state dict with the server's flat parameter vector ``flat`` in it (the
+    trained model a job exports): the job's model as every replica builds it, its trainable
+    parameters replaced in the order the server flattened them in."""
+    model = build_replica(spec, input_shape, num_classes)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(shared_tensor(flat).clone(), params)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 class ParamShard:
     """One slice of a sharded server: gradient slices in, the coordinator's decisions applied,
     one ``ray.put`` of the slice per version."""

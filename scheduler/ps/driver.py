@@ -21,7 +21,7 @@ the job's state, :func:`~dynabatch.scheduler.core.ps.engine.job_state` of the en
 ``protocol.shards: k`` runs k−1 shards beside the server, which holds slice 0 and the one
 core (the protocol is decided in one place only). At the job's end (and at a cancel, once
 an epoch was trained) the server's final weights go out as the trained model
-(:mod:`dynabatch.scheduler.ps.trained_model`), by the synchronous job's own
+(:func:`~dynabatch.actors.ps.model_state`), by the synchronous job's own
 :meth:`~dynabatch.scheduler.control.JobControl.publish_model`: ``model.safetensors`` and
 ``manifest.json``, kept for download and written to ``artifacts.dir`` when set.
 """
@@ -70,7 +70,6 @@ from dynabatch.scheduler.core.ps.messages import (
     StartServer,
 )
 from dynabatch.scheduler.core.ps.rudra import PSConfig
-from dynabatch.scheduler.ps.trained_model import export_model
 from dynabatch.scheduler.runtime.ps_seam import Happening, NodeJoined, PSRuntime
 from dynabatch.scheduler.runtime.seam import Clock
 from dynabatch.scheduler.telemetry import (
@@ -330,10 +329,29 @@ class PSCoordinator(JobControl):
             case MeasureFinalLoss():
                 self.final_train_loss = self.runtime.train_loss()
             case ExportModel(reason):
-                export_model(self, reason)
+                self._export_model(reason)
             case _:
                 raise TypeError(f"not a command of the parameter-server engine: {command!r}")
         return None
+
+    def _export_model(self, reason: str) -> None:
+        """The server's weights now as the job's trained model, at the epochs trained so
+        far. A server that cannot be read is a WARNING in the job's log: the job ends as it
+        was going to."""
+        from dynabatch.actors.errors import first_line
+        from dynabatch.actors.ps import model_state
+
+        if self.model_shape is None:  # the data never loaded: nothing was trained
+            return
+        shape, classes = self.model_shape
+        try:
+            state = model_state(self.spec, shape, classes, self.runtime.final_weights())
+        except Exception as err:  # a Ray error, a timeout: the training stands
+            self.log("WARNING", f"model export ({reason}) skipped: the server's weights "
+                     f"cannot be read ({first_line(err)})")
+            return
+        self.publish_model(input_shape=shape, num_classes=classes, state=state,
+                           epoch=len(self.history()), reason=reason)
 
     # ------------------------------------------------------------------ events
     def _requested(self, r: Request) -> Event:
