@@ -78,8 +78,8 @@ _TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 
 @dataclass(frozen=True, slots=True)
 class MarkRunning:
-    """A command either engine gives (the step loop's, the parameter server's): the job
-    runs, PENDING becomes RUNNING (the group is ready, or the learners are placed)."""
+    """The step loop's effect once its group is ready: PENDING becomes RUNNING (the
+    parameter server's job state is derived from its engine's state instead)."""
 
 
 class InvalidEvent(RuntimeError):
