@@ -32,7 +32,7 @@ from dynabatch.scheduler.runtime.seam import Clock, RealClock
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, MembershipEvent
 from dynabatch.scheduler.tracking import Tracking
 
-log = logging.getLogger("dynabatch.scheduler")
+log = logging.getLogger("dynabatch.coordinator")
 
 LOG_LINES_KEPT = 5000
 

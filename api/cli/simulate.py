@@ -37,7 +37,7 @@ SHOWN_WORKERS = 16
 def quiet_engine():
     """The coordinator logs through ``dynabatch.scheduler``; a simulation's lines are in its
     result (and its report), so they are not echoed while it runs."""
-    logger = logging.getLogger("dynabatch.scheduler")
+    logger = logging.getLogger("dynabatch.coordinator")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     try:

@@ -35,7 +35,7 @@ from dynabatch.scheduler.runtime.seam import (
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import remove_placement_group
 
-log = logging.getLogger("dynabatch.scheduler")
+log = logging.getLogger("dynabatch.coordinator")
 
 # Small calls (info, open a store): a live actor answers in milliseconds.
 CALL_TIMEOUT_S = 60.0

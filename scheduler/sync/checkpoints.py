@@ -150,8 +150,8 @@ class Checkpoints(Part):
         return True
 
     def roll_back(self) -> None:
-        """No member holds the committed state (the engine's ``RollingBack``): load the last
-        checkpoint, or fail; the regroup goes on with its weights. (The engine settled the
+        """No member holds the committed state (the loop's rolling back): load the last
+        checkpoint, or fail; the regroup goes on with its weights. (The loop settled the
         evaluations in flight first: the checkpoint's history replaces their records.)"""
         s = self.spec
         ckpt, error = None, None

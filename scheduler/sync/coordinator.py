@@ -1,4 +1,4 @@
-"""The scheduler of one job: a thin driver of pure machines over a runtime.
+"""The coordinator of one job: the step loop's executor, over pure machines and a runtime.
 
 The decisions live in pure machines (no ray, no torch, no clock), each in its module:
 
@@ -13,7 +13,7 @@ The decisions live in pure machines (no ray, no torch, no clock), each in its mo
   current state, what to spawn or evict;
 * :mod:`dynabatch.scheduler.core.failures`: what a failed segment means, and each
   failure's one decision (retry, evict, roll back, fail: :class:`FailurePolicy`);
-* :mod:`~dynabatch.scheduler.core.sync.pipeline` and :mod:`~dynabatch.scheduler.core.sync.
+* :mod:`~dynabatch.scheduler.core.sync.ahead` and :mod:`~dynabatch.scheduler.core.sync.
   boundary`: what may be sent ahead, whose time a segment took, when to wait, fail, roll
   back or evaluate again.
 
@@ -28,12 +28,12 @@ It is split by concern around one job-state value
 * ``roster``: membership and spares (reconcile, spawn, adopt, wait for the minimum, regroup);
 * ``epochs``: the data, epochs' beginnings and ends, evaluations, success;
 * ``checkpoints``: save, restore, roll back;
-* ``artifacts``: the trained model's files at the job's end.
+* ``final_model``: the trained model's files at the job's end.
 
-``step()`` is one step boundary: the pure :class:`~dynabatch.scheduler.core.sync.engine.
-SyncEngine` decides it (load, watch or reconcile, train, end the epoch, re-plan, succeed,
-cancel) from the facts this driver reads off its machines, and this driver carries out its
-commands on the parts; ``run()`` loops it until the job is terminal.
+``step()`` is one step boundary: the pure reducer (:func:`~dynabatch.scheduler.core.sync.
+loop.step`) decides it (load, watch or reconcile, train, end the epoch, re-plan, succeed,
+cancel, fail) from what this executor tells it happened, and this executor carries out its
+effects on the parts; ``run()`` loops it until the job is terminal.
 The other public methods may be called from other threads while it runs (the actor is
 threaded): requests are queued and applied at the next step boundary. What needs the group
 at rest waits for a boundary with nothing in flight: a worker that started and joins, a
@@ -100,16 +100,16 @@ from dynabatch.scheduler.core.sync.loop import (
 from dynabatch.scheduler.core.sync.policy import policy_for
 from dynabatch.scheduler.core.sync.protocol import RebalanceRule
 from dynabatch.scheduler.runtime.seam import Clock, GroupReports, Runtime
-from dynabatch.scheduler.sync.artifacts import Artifacts
 from dynabatch.scheduler.sync.checkpoints import Checkpoints
 from dynabatch.scheduler.sync.epochs import Epochs
 from dynabatch.scheduler.sync.evaluation import Evaluations
+from dynabatch.scheduler.sync.final_model import FinalModel
 from dynabatch.scheduler.sync.job import SyncJob
 from dynabatch.scheduler.sync.pipeline import Pipeline
 from dynabatch.scheduler.sync.roster import Roster
 from dynabatch.scheduler.telemetry import JobSnapshot, WorkerStatus
 
-log = logging.getLogger("dynabatch.scheduler")
+log = logging.getLogger("dynabatch.coordinator")
 
 # How long an evaluation round may take before its missing shards count as failed.
 EVAL_TIMEOUT_S = 600.0
@@ -134,8 +134,8 @@ def _lr_scheduler_factors(spec: JobSpec) -> tuple[tuple[float, ...] | Callable[[
 
 class Coordinator(JobControl):
     """A synchronous job's driver. Its state is one value, :attr:`job` (a
-    :class:`SyncJob`; where its loop stands is its engine's state,
-    ``engine.state``); what it reports is :meth:`snapshot`, :meth:`history` and the views
+    :class:`SyncJob`; where its loop stands is its reducer's state,
+    ``loop``); what it reports is :meth:`snapshot`, :meth:`history` and the views
     below."""
 
     def __init__(
@@ -195,7 +195,7 @@ class Coordinator(JobControl):
         self.roster = Roster(self)
         self.epochs = Epochs(self)
         self.checkpoints = Checkpoints(self)
-        self.artifacts = Artifacts(self)
+        self.final_model = FinalModel(self)
         if lr_error is not None:  # as a checkpoint that cannot be loaded: the job fails
             self.finish(JobState.FAILED, lr_error)
             return
@@ -465,7 +465,7 @@ class Coordinator(JobControl):
             case Checkpoint(reason, position):
                 self.checkpoints.save(reason=reason, position=position)
             case SaveModel(reason):
-                self.artifacts.save(reason=reason)
+                self.final_model.save(reason=reason)
             case EndJob(outcome, reason):
                 self.finish(outcome, reason)
             case _:

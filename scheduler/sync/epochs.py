@@ -4,13 +4,13 @@ An epoch begins with its global batch (a schedule may change it) and a plan; it 
 the ledger's exactly-once check, its record and an evaluation of its final weights, split
 over the state holders and run off the critical path
 (``dynabatch.scheduler.sync.evaluation``). Whether that evaluation is awaited, the epoch
-judged and a checkpoint written before the next epoch begins is the step loop's engine's
-decision (``dynabatch.scheduler.core.sync.engine``), carried out here. The record joins
+judged and a checkpoint written before the next epoch begins is the step loop's reducer's
+decision (``dynabatch.scheduler.core.sync.loop``), carried out here. The record joins
 the history when the evaluation is in; an evaluation that lost a shard is run again on the
 holders left when nothing was queued behind it
 (:func:`~dynabatch.scheduler.core.sync.boundary.evaluate_again`). Whether the job is then
 trained (every epoch, or early stopping's) is :attr:`Epochs.trained`; its success is the
-engine's.
+loop's.
 
 Judged epochs (``early_stopping``, ``checkpoint.keep_best``). Each epoch's evaluation is
 awaited at its end, before the next epoch's first segment is sent (the pipeline does not
@@ -102,7 +102,7 @@ class Epochs(Part):
         (its workers claim each step, so they can be sent a plan update; the pipeline's
         :meth:`~dynabatch.scheduler.sync.pipeline.Pipeline.update_from`): one that changed
         the batches is adopted from there and offered (:attr:`SyncJob.offered`), and the
-        engine posts it (the pipeline's ``post_update``, then :meth:`adopted`)."""
+        loop posts it (the pipeline's ``post_update``, then :meth:`adopted`)."""
         job, p = self.job, self.job.protocol
         if at is not None and job.membership.dirty:
             return  # a worker joined or was lost: the boundary's regroup re-plans

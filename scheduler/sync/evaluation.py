@@ -8,7 +8,7 @@ shard scores the epoch's final weights and its worker trains on right after it, 
 round trip to the coordinator; nobody waits for one worker to score the whole set.
 
 Exact. A metric is a per-sample function plus a ``finish`` of the mean, or a torchmetrics
-metric whose states merge (``actors/workloads/metrics.py``), so a shard's sums
+metric whose states merge (``actors/workloads/eval_metrics.py``), so a shard's sums
 ``{"n", "loss", <metric>: Σ, "states": ...}`` add up
 (:func:`combine`) to the sums of the whole set, and the runtime's ``finish_evaluation``
 applies the means and finishes once: the scores equal one worker's over the whole set, to

@@ -4,15 +4,15 @@
 (protocol, policy, tracker, ledger, membership, regime, failure policy), the loop's data
 (the segment in flight, the epoch's totals, weights restored from a checkpoint), and the
 counters the snapshot reports. The parts
-(``pipeline``, ``roster``, ``epochs``, ``checkpoints``, ``artifacts``) are small objects over
+(``pipeline``, ``roster``, ``epochs``, ``checkpoints``, ``final_model``) are small objects over
 it; the :class:`~dynabatch.scheduler.sync.coordinator.Coordinator` wires them, keeps the
-public surface and carries the step loop's engine's commands out on them.
+public surface and carries the step loop's effects out on them.
 
 No part calls another. What several need is either the job's own (:class:`Part`: remove a
 worker, read the state from a holder, the evaluations in flight), or the coordinator passes
 one part's answer to another (a re-plan's first step inside the segment in flight, a posted
 plan update's outcome), or it is a command of its own (a drain waits for the evaluations
-first: the engine's ``Settle`` before ``ApplyDrains``).
+first: the loop's ``Settle`` before ``ApplyDrains``).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class SyncJob:
     ep: EpochTotals | None = None
     ahead: Ahead | None = None  # the segment in flight, sent ahead
     # A re-plan adopted inside the segment in flight, not yet posted to its workers (the
-    # engine's PostPlanUpdate posts it, or its refusal defers it to the segment's end).
+    # loop's PostPlanUpdate posts it, or its refusal defers it to the segment's end).
     offered: OfferedUpdate | None = None
     # The ended epoch's record and totals, from EndEpoch until Evaluate attaches them to the
     # epoch's evaluation (the record is published when that is in).
@@ -237,7 +237,7 @@ class Part:
     # ---------------------------------------------------------------- the job's operations
     def remove_worker(self, worker: str, kind: str, reason: str) -> None:
         """Take ``worker`` out of the job (lost, or evicted as a straggler): out of the
-        membership and the tracker, its event recorded; the engine's next batch stops it
+        membership and the tracker, its event recorded; the loop's next batch stops it
         (:meth:`stop_leaving`)."""
         with self.c.lock:
             change = self.job.membership.remove(worker, kind, reason)

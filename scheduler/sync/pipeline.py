@@ -11,7 +11,7 @@ segment. If the segment before it failed, the one ahead cannot have trained (its
 left the group) and is collected and discarded.
 
 When a segment may be sent ahead, where it starts and how its wall time is attributed are
-pure decisions (``dynabatch.scheduler.core.sync.pipeline``); this module executes them.
+pure decisions (``dynabatch.scheduler.core.sync.ahead``); this module executes them.
 
 Plan updates. A re-plan does not wait
 for the segment in flight either: it is adopted from the second step of that segment
@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 from dynabatch.scheduler.core.failures import Failure, FailureEvent, WorkerOutcome, classify
-from dynabatch.scheduler.core.sync import pipeline as decide
+from dynabatch.scheduler.core.sync import ahead as decide
 from dynabatch.scheduler.core.sync.protocol import Position
 from dynabatch.scheduler.core.sync.update import (
     PlanUpdate,
@@ -111,7 +111,7 @@ class Pipeline(Part):
 
     def send_ahead(self, start: Position, plans: dict[str, Any], across: bool) -> None:
         """Send the segment after the one at ``start`` (already sent) before its results
-        are read: in this epoch, or, when ``across`` (the engine decides both), the next
+        are read: in this epoch, or, when ``across`` (the loop decides both), the next
         epoch's first, behind the epoch's evaluation."""
         job, p = self.job, self.job.protocol
         plan = decide.plan_ahead(start, len(next(iter(plans.values())).steps),
@@ -135,7 +135,7 @@ class Pipeline(Part):
         if ahead is None:
             return
         if commit and ahead.position == job.protocol.position:
-            self.train_segment()  # (sent across the epoch's end: the engine began its epoch)
+            self.train_segment()  # (sent across the epoch's end: the loop began its epoch)
             return
         job.ahead = None
         outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
@@ -149,8 +149,8 @@ class Pipeline(Part):
     def train_segment(self, send_ahead: bool = False, across: bool = False) -> bool:
         """Run one segment; commit what the state holder completed. True when it all ran.
         ``send_ahead``/``across``: send the next segment before reading this one's results,
-        and may that be the next epoch's first (the engine's
-        :class:`~dynabatch.scheduler.core.sync.messages.TrainSegment`)."""
+        and may that be the next epoch's first (the loop's
+        :class:`~dynabatch.scheduler.core.sync.loop.TrainSegment`)."""
         job, p = self.job, self.job.protocol
         ahead, job.ahead = job.ahead, None
         if ahead is not None and ahead.position == p.position:
@@ -220,7 +220,7 @@ class Pipeline(Part):
         if failure is None:
             job.attempts = job.attempts.succeeded()  # the retry, if this was one, is over
             return True
-        # Lost and hung workers are removed here; the engine's next batch kills them before
+        # Lost and hung workers are removed here; the loop's next batch kills them before
         # anything else, so what they had queued ahead answers at once instead of after
         # another grace period.
         self.segment_failed(failure, charge, partial=done < planned)
@@ -231,14 +231,14 @@ class Pipeline(Part):
         return False
 
     def absorb_ahead(self) -> None:
-        """After a failed segment, the one sent ahead (the engine's :class:`~dynabatch.
-        scheduler.core.sync.messages.AbsorbAhead`). Usually it could not train: the
+        """After a failed segment, the one sent ahead (the loop's :class:`~dynabatch.
+        scheduler.core.sync.loop.AbsorbAhead`). Usually it could not train: the
         failure broke the group and its workers refuse it. But a segment can "fail" after
         every collective of it completed, when a worker's result is lost with its node
         (a result too large to travel inline lives in that node's object store). Its peers
         then went on, in lockstep with it, into the segment ahead: what they completed
         there is committed like any segment (the all-reduced coverage proves it); the
-        rest is discarded. (One ahead in the next epoch: the engine ended this epoch and
+        rest is discarded. (One ahead in the next epoch: the loop ended this epoch and
         began that one first.)"""
         job = self.job
         ahead = job.ahead

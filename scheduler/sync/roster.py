@@ -1,25 +1,24 @@
 """The roster (membership and spares): who trains, at each step boundary.
 
-What a boundary does, and in which order, is the step loop's engine's
-(:class:`~dynabatch.scheduler.core.sync.engine.SyncEngine`); these are its commands'
-handlers. At a boundary with nothing in flight the group is reconciled: scale, drain and
-assign requests applied (and the workers an assignment moves drained, once the state is handed
-over), started workers adopted, workers started on nodes that appeared (and spares
-tended), then either the job waits for enough workers (the engine's ``Waiting``: it fails after
-its timeout, :func:`~dynabatch.scheduler.core.sync.boundary.wait_for_minimum`) or a new
-generation is formed (``Regrouping``), loading the last checkpoint first when no member holds
-the committed state (``RollingBack``). With a segment in flight, changes only wait for the
-next boundary. Who is in, who holds the state and what to spawn is the pure
+What a boundary does, and in which order, is the step loop's reducer's
+(:mod:`dynabatch.scheduler.core.sync.loop`); these carry out its effects. At a boundary with
+nothing in flight the group is reconciled: scale, drain and assign requests applied (and the
+workers an assignment moves drained, once the state is handed over), started workers
+adopted, workers started on nodes that appeared (and spares tended), then either the job
+waits for enough workers (the loop's ``Waiting``: it fails after its timeout,
+:func:`~dynabatch.scheduler.core.sync.boundary.wait_for_minimum`) or a new generation is
+formed (``Regrouping``), loading the last checkpoint first when no member holds the
+committed state (its ``rolling_back`` stage). With a segment in flight, changes only wait
+for the next boundary. Who is in, who holds the state and what to spawn is the pure
 :class:`~dynabatch.scheduler.core.membership.Membership`'s.
 
 An assignment is taken as it arrives, on the actor's request thread, while the step loop
 trains (:meth:`Roster.start_assigned`): its new workers start then, and a boundary adopts
 them once up, as it adopts any started worker. So the membership's placement (requests,
-spawns, adoptions, drains, the regroup's plan) changes under the job's lock on both
-threads; the loop never holds it while it waits. A worker's telemetry is tracked from when
-it joins the members (the tracker is the loop's alone). Once a group forms, the job tells
-the cluster scheduler its members (:meth:`Roster.report_group`).
-"""
+spawns, adoptions, drains, the regroup's plan) changes under the job's lock on both threads;
+the loop never holds it while it waits. A worker's telemetry is tracked from when it joins
+the members (the tracker is the loop's alone). Once a group forms, the job tells the cluster
+scheduler its members (:meth:`Roster.report_group`)."""
 
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ from dynabatch.scheduler.sync.job import Part
 # After adopting a spare at a boundary with nothing in flight, how long to wait for it to
 # answer so that it joins this regroup rather than one segment later.
 ADOPT_WAIT_S = 0.5
-# How long each of the first start's waits for its workers lasts (the engine looks again
+# How long each of the first start's waits for its workers lasts (the loop looks again
 # after each: a cancel, the start timeout, workers that failed to start).
 START_WAIT_S = 0.5
 
@@ -45,7 +44,7 @@ class Roster(Part):
 
     # ---------------------------------------------------------------- at a boundary
     def poll_nodes(self, starting: bool) -> None:
-        """List the nodes now (the engine's ``PollNodes``): the job's first start says when
+        """List the nodes now (the loop's ``PollNodes``): the job's first start says when
         there are none; spares lost before they were adopted are noted."""
         job = self.job
         with self.lock:
@@ -89,7 +88,7 @@ class Roster(Part):
                              "leaves its slot out")
 
     def apply_drains(self) -> None:
-        """Remove the workers asked to leave, and those an assignment moves now (the engine
+        """Remove the workers asked to leave, and those an assignment moves now (the loop
         settles the evaluations first: a drained worker may still owe its shard of one)."""
         with self.lock:
             changes = self.job.membership.apply_drains(self.job.tracker.speeds())
@@ -115,7 +114,7 @@ class Roster(Part):
                 self.spawn(starting=False, wait=False)
 
     def spawn(self, starting: bool, wait: bool = True) -> None:
-        """Start workers where members are missing, on the nodes last listed (the engine's
+        """Start workers where members are missing, on the nodes last listed (the loop's
         ``SpawnWorkers``); which nodes is the membership's. ``wait``: with nothing in
         flight, an adopted spare is waited for a moment (see :data:`ADOPT_WAIT_S`)."""
         job, s = self.job, self.spec
@@ -143,7 +142,7 @@ class Roster(Part):
 
     def tend_spares(self) -> None:
         """Start and stop spares per the membership's plan on the nodes last listed (the
-        engine's ``TendSpares``, once the first workers are up)."""
+        loop's ``TendSpares``, once the first workers are up)."""
         with self.lock:
             plan = self.job.membership.spare_plan(self.job.nodes, self.spec.spares)
             for node in plan.stop:
@@ -212,7 +211,7 @@ class Roster(Part):
         self.adopt_started(START_WAIT_S)
 
     def give_up_starts(self) -> None:
-        """The workers still starting when the first start's wait ended (the engine's
+        """The workers still starting when the first start's wait ended (the loop's
         ``GiveUpStarts``): out of the membership, queued to be killed."""
         m = self.job.membership
         why = ("the job was cancelled while it started" if self.cancel_requested
@@ -226,7 +225,7 @@ class Roster(Part):
             self.job.leaving.append(w)
 
     def wait_for_min(self, shortfall: str, since: float | None) -> bool:
-        """Too few workers since ``since`` (None: from now; the engine's ``Waiting`` keeps
+        """Too few workers since ``since`` (None: from now; the loop's ``Waiting`` keeps
         when the wait began)."""
         c, job, s = self.c, self.job, self.spec
         wait = wait_for_minimum(
@@ -261,11 +260,11 @@ class Roster(Part):
 
     # ---------------------------------------------------------------- the group
     def regroup(self) -> bool:
-        """Form a new generation (the engine's ``Regrouping``). False when it failed (the next
+        """Form a new generation (the loop's ``Regrouping``). False when it failed (the next
         step tries again)."""
         job = self.job
         m = job.membership
-        # (No member holding the committed state: the engine rolled back first.)
+        # (No member holding the committed state: the loop rolled back first.)
         with self.lock:
             plan = m.regroup_plan()
         # Weights restored and not yet loaded go to rank 0 even when every member holds the

@@ -5,18 +5,18 @@ roll back, evaluate again, checkpoint due)."""
 from __future__ import annotations
 
 import pytest
-from dynabatch.scheduler.core.sync.boundary import (
-    checkpoint_due,
-    evaluate_again,
-    must_roll_back,
-    wait_for_minimum,
-)
-from dynabatch.scheduler.core.sync.pipeline import (
+from dynabatch.scheduler.core.sync.ahead import (
     ahead_end,
     attribute_wall,
     can_cross_epoch,
     can_send_ahead,
     plan_ahead,
+)
+from dynabatch.scheduler.core.sync.boundary import (
+    checkpoint_due,
+    evaluate_again,
+    must_roll_back,
+    wait_for_minimum,
 )
 from dynabatch.scheduler.core.sync.protocol import Position
 from hypothesis import given

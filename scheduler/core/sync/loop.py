@@ -72,8 +72,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState, MarkRunning
+from dynabatch.scheduler.core.sync.ahead import can_cross_epoch, can_send_ahead
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, must_roll_back
-from dynabatch.scheduler.core.sync.pipeline import can_cross_epoch, can_send_ahead
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule
 
 # How often nodes are listed (every step boundary at most, and between segments sent

@@ -1,6 +1,6 @@
 """The trained model out: at the job's end, its final weights as safetensors with a manifest.
 :meth:`~dynabatch.scheduler.control.JobControl.publish_model` is how every driver puts it out
-(the parameter server's too, from its final weights); :class:`Artifacts` is the synchronous
+(the parameter server's too, from its final weights); :class:`FinalModel` is the synchronous
 coordinator's part that calls it.
 
 The files (:mod:`dynabatch.actors.export`) are built from the state a holder returns, the
@@ -19,7 +19,7 @@ from typing import Any
 from dynabatch.scheduler.sync.job import Part
 
 
-class Artifacts(Part):
+class FinalModel(Part):
     def save(self, reason: str) -> None:
         """Build the model's files from the state a holder returns, keep them, and write
         them to ``artifacts.dir`` when it is set (the job control's ``publish_model``). A job whose
