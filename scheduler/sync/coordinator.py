@@ -61,6 +61,7 @@ from dynabatch.scheduler.core.sync.loop import (
     AtRest,
     AwaitStarts,
     BeginEpoch,
+    Boundary,
     Checkpoint,
     CommitInFlight,
     Effect,
@@ -90,7 +91,6 @@ from dynabatch.scheduler.core.sync.loop import (
     StopWorkers,
     TakeRequests,
     TendSpares,
-    Tick,
     TrainSegment,
     Verdict,
     WaitForMinimum,
@@ -341,7 +341,7 @@ class Coordinator(JobControl):
         the failure policy decided to end the job in it (``Failed``)."""
         if self.state.is_terminal:  # ended before the loop ran (a checkpoint unreadable)
             return False
-        self.loop, effects = step(self.loop, self._tick(), self.loop_config)
+        self.loop, effects = step(self.loop, self._boundary(), self.loop_config)
         while True:
             ok: bool | Verdict = True
             for effect in effects:
@@ -363,8 +363,8 @@ class Coordinator(JobControl):
                 self._carry_out(effect)
         return False
 
-    def _tick(self) -> Tick:
-        return Tick(self._seen(), self.clock.now())
+    def _boundary(self) -> Boundary:
+        return Boundary(self._seen(), self.clock.now())
 
     def _seen(self) -> Seen:
         """What the job's machines say now."""

@@ -4,7 +4,7 @@
 executor (``dynabatch.scheduler.sync.coordinator``) feeds it what happened and carries the
 effects out in order, on Ray's runtime, the simulator's or a test's alike.
 
-**Events** are what happened. :class:`Tick` is a step boundary (the loop's turn, with the
+**Events** are what happened. :class:`Boundary` is a step boundary (the loop's turn, with the
 time); every other event answers the batch of effects the reducer gave last, typed by
 what its last effect did (:func:`answer`): a segment done (``all_ran``), a group
 regrouped (``formed``), workers started or placed, requests taken, evaluations in (an
@@ -155,7 +155,7 @@ class Verdict:
 
 
 @dataclass(frozen=True, slots=True)
-class Tick:
+class Boundary:
     """A step boundary begins."""
 
     seen: Seen
@@ -219,7 +219,7 @@ class Failed:
 
 Answer = Done | RequestsTaken | WorkersStarted | WorkersPlaced | Regrouped | SegmentDone \
     | EvaluationsIn
-Event = Tick | Answer | Failed
+Event = Boundary | Answer | Failed
 
 
 # --- effects ----------------------------------------------------------------------------
@@ -582,13 +582,14 @@ def step(state: LoopState, event: Event, config: LoopConfig) -> tuple[LoopState,
     return new, effects
 
 
-def _decide(state: LoopState, event: Answer | Tick, cfg: LoopConfig) -> tuple[LoopState, Effects]:
-    d = _Boundary(cfg, state.memo, event.now)
+def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
+            ) -> tuple[LoopState, Effects]:
+    d = _Decisions(cfg, state.memo, event.now)
     f = event.seen
     match state, event:
-        case Concluded(), Tick():
+        case Concluded(), Boundary():
             return state, [EndStep(stop=True)]
-        case AtRest() | Waiting(), Tick():
+        case AtRest() | Waiting(), Boundary():
             return d.tick(f, state if isinstance(state, Waiting) else None)
         case Reconciling("watching"), WorkersStarted() | WorkersPlaced():
             return d.formed(f)
@@ -677,7 +678,7 @@ def _decide(state: LoopState, event: Answer | Tick, cfg: LoopConfig) -> tuple[Lo
 
 
 @dataclass(frozen=True, slots=True)
-class _Boundary:
+class _Decisions:
     """The decisions one event's handling shares: the config, what the reducer remembers
     (updated as effects are chosen) and the event's time."""
 
