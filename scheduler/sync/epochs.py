@@ -152,12 +152,6 @@ class Epochs(Part):
         values = [loss if metric == "loss" else scores.get(metric) for loss, scores in held]
         return judge(values, mode, min_delta)
 
-    @property
-    def next_start(self) -> Position:
-        """Where the epoch that just ended leaves the job: the next epoch's start (its
-        checkpoints are written as that)."""
-        return Position(self.job.protocol.epoch + 1, 0)
-
     def judge_epoch(self) -> Verdict:
         """After the ended epoch's evaluation is in: whether it is the best by keep_best's
         metric (what it was judged by, for the best checkpoint), and early stopping's reason

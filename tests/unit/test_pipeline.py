@@ -78,7 +78,7 @@ def test_replans_adopted_ahead_never_change_a_segment_sent_and_cover_the_epoch_o
             for sp in sps:
                 counts[sp.own_start : sp.own_start + sp.own_size] += 1
         p.advance(end - start)
-        if p.due_check() or data.draw(st.booleans()):
+        if p.rule.due(p.step, p.steps_per_epoch) or data.draw(st.booleans()):
             speeds = data.draw(st.lists(st.floats(0.5, 8.0), min_size=k, max_size=k))
             policy = make_policy(data.draw(st.sampled_from(["static", "dbs", "affine"])))
             at = ahead[0] + len(next(iter(ahead[1].values())).steps) if ahead else None

@@ -61,6 +61,6 @@ def test_cannot_advance_past_the_epoch_or_skip_it():
 def test_steps_rule_lands_on_multiples():
     p = SyncProtocol(global_batch=4, dataset_size=400, seed=0, rule=RebalanceRule("steps", 5))
     p.advance(3)
-    assert p.segment_length() == 2 and not p.due_check()
+    assert p.segment_length() == 2 and not p.rule.due(p.step, p.steps_per_epoch)
     p.advance(2)
-    assert p.due_check()
+    assert p.rule.due(p.step, p.steps_per_epoch)

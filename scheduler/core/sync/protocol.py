@@ -244,10 +244,6 @@ class SyncProtocol:
                 total += a.step_shares(a.steps - 1)[i]
         return total
 
-    def due_check(self, step: int | None = None) -> bool:
-        """Whether the rule asks for a re-plan at this step boundary (or at ``step``)."""
-        return self.rule.due(self.step if step is None else step, self.steps_per_epoch)
-
     # --- segments ---------------------------------------------------------------------
     def segment_length(self, step: int | None = None) -> int:
         step = self.step if step is None else step
