@@ -92,7 +92,6 @@ from dynabatch.scheduler.core.sync.loop import (
     TakeRequests,
     TendSpares,
     TrainSegment,
-    Verdict,
     WaitForMinimum,
     answer,
     step,
@@ -343,7 +342,7 @@ class Coordinator(JobControl):
             return False
         self.loop, effects = step(self.loop, self._boundary(), self.loop_config)
         while True:
-            ok: bool | Verdict = True
+            ok: object = True
             for effect in effects:
                 if isinstance(effect, EndStep):
                     return not effect.stop and not self.state.is_terminal
@@ -389,16 +388,17 @@ class Coordinator(JobControl):
             steps_per_epoch=p.steps_per_epoch if p else 1,
             epoch_open=job.ep is not None,
             epoch_complete=p is not None and p.epoch_complete, recorded=recorded,
-            in_flight=job.ahead is not None, update_offered=job.offered is not None,
+            in_flight=job.ahead is not None,
             batch=job.global_batch, next_batch=job.regime.batch_for(self.epoch + 1),
             stamps_fixed=job.regime.can_stamp_ahead, retrying=job.attempts.retrying,
             requests=requests, handing_over=handing_over,
             holding_restored=job.restored_weights is not None,
             membership=membership, leaving=tuple(job.leaving))
 
-    def _carry_out(self, effect: Effect) -> bool | Verdict:
+    def _carry_out(self, effect: Effect) -> object:
         """One of the reducer's effects, on this driver's parts; True unless a regroup did
-        not form or a segment did not all run (an epoch's judgement: its :class:`Verdict`)."""
+        not form or a segment did not all run (an epoch's judgement: its :class:`Verdict`;
+        a re-plan: what it offers the segment in flight, or None)."""
         match effect:
             case LoadData():
                 self.epochs.load_data()
@@ -432,15 +432,12 @@ class Coordinator(JobControl):
                 self.epochs.begin_epoch()
             case Replan(cause):
                 if cause == "membership":  # at rest: nothing in flight keeps its plan
-                    self.epochs.replan("membership")
-                else:
-                    why = f"{self.spec.rebalance.mode} check" if cause == "check" else "epoch start"
-                    self.epochs.replan(why, at=self.pipeline.ahead_end(),
-                                       early=self.pipeline.update_from())
-            case PostPlanUpdate():
-                if (posted := self.pipeline.post_update()) is not None:
-                    offer, at = posted
-                    self.epochs.adopted(offer.decision, at, offer.why)
+                    return self.epochs.replan("membership")
+                why = f"{self.spec.rebalance.mode} check" if cause == "check" else "epoch start"
+                return self.epochs.replan(why, at=self.pipeline.ahead_end(),
+                                          early=self.pipeline.update_from())
+            case PostPlanUpdate(offer):
+                self.epochs.adopted(offer.decision, self.pipeline.post_update(offer), offer.why)
             case TrainSegment(ahead, across):
                 return self.pipeline.train_segment(ahead, across)
             case AbsorbAhead():

@@ -31,6 +31,7 @@ from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
 from dynabatch.scheduler.core.sync.loop import Verdict
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
+from dynabatch.scheduler.core.sync.update import OfferedUpdate
 from dynabatch.scheduler.sync.epoch_report import (
     EpochTotals,
     build_record,
@@ -39,7 +40,7 @@ from dynabatch.scheduler.sync.epoch_report import (
     with_scores,
 )
 from dynabatch.scheduler.sync.evaluation import EvalRound, due_for_test
-from dynabatch.scheduler.sync.job import OfferedUpdate, Part
+from dynabatch.scheduler.sync.job import Part
 from dynabatch.scheduler.telemetry import EpochRecord, scores_text
 
 if TYPE_CHECKING:
@@ -95,29 +96,31 @@ class Epochs(Part):
         if job.ledger.epoch != p.epoch:
             job.ledger.begin_epoch(p.epoch, p.dataset_size)
 
-    def replan(self, why: str, at: int | None = None, early: int | None = None) -> None:
+    def replan(self, why: str, at: int | None = None, early: int | None = None
+               ) -> OfferedUpdate | None:
         """Re-plan the rest of the epoch from step ``at`` (default: now; a later step when
         a segment is in flight: it keeps the allocation it was sent with). ``early``: the
         step of that segment from which a new allocation can still take effect inside it
         (its workers claim each step, so they can be sent a plan update; the pipeline's
         :meth:`~dynabatch.scheduler.sync.pipeline.Pipeline.update_from`): one that changed
-        the batches is adopted from there and offered (:attr:`SyncJob.offered`), and the
-        loop posts it (the pipeline's ``post_update``, then :meth:`adopted`)."""
+        the batches is adopted from there and returned, offered to the segment in flight:
+        the loop posts it (``PostPlanUpdate``: the pipeline's ``post_update``, then
+        :meth:`adopted`)."""
         job, p = self.job, self.job.protocol
         if at is not None and job.membership.dirty:
-            return  # a worker joined or was lost: the boundary's regroup re-plans
+            return None  # a worker joined or was lost: the boundary's regroup re-plans
         workers = job.membership.worker_ids
         early = early if at is not None else None
         decision = p.replan(job.policy, job.tracker.telemetry(workers, self.spec.max_batch),
                             at=at if early is None else early)
         if decision is None:
-            return
+            return None
         if early is not None:
             if decision.rebalanced:
-                job.offered = OfferedUpdate(decision, early, at, why)
-                return
+                return OfferedUpdate(decision, early, at, why)
             p.defer(early, at)  # kept: from the step after the segment, as planned
         self.adopted(decision, at, why)
+        return None
 
     def adopted(self, decision: Decision, at: int | None, why: str) -> None:
         """A re-plan took effect from step ``at`` (None: now): the tracker learns the

@@ -34,7 +34,6 @@ from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership, NodeInfo
 from dynabatch.scheduler.core.regime.regime import Regime
-from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.protocol import Position, SyncProtocol
 from dynabatch.scheduler.core.sync.tracker import Tracker
 from dynabatch.scheduler.runtime.seam import DataInfo, WorkerCallError
@@ -65,18 +64,6 @@ class Ahead:
         return len(next(iter(self.plans.values())).steps)
 
 
-@dataclass(frozen=True)
-class OfferedUpdate:
-    """A re-plan that changed the batches, adopted from step ``early`` of the segment in
-    flight (which ends at ``end``): its workers must be sent their steps from ``early``
-    under it, or it takes effect from ``end``."""
-
-    decision: Decision
-    early: int
-    end: int
-    why: str
-
-
 @dataclass
 class SyncJob:
     """What the synchronous driver knows about its job, in one place."""
@@ -98,9 +85,6 @@ class SyncJob:
     # The open epoch's totals; None between epochs (the next step boundary begins one).
     ep: EpochTotals | None = None
     ahead: Ahead | None = None  # the segment in flight, sent ahead
-    # A re-plan adopted inside the segment in flight, not yet posted to its workers (the
-    # loop's PostPlanUpdate posts it, or its refusal defers it to the segment's end).
-    offered: OfferedUpdate | None = None
     # The ended epoch's record and totals, from EndEpoch until Evaluate attaches them to the
     # epoch's evaluation (the record is published when that is in).
     ended: tuple[EpochRecord, EpochTotals] | None = None

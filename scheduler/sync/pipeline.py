@@ -31,6 +31,7 @@ from dynabatch.scheduler.core.failures import Failure, FailureEvent, WorkerOutco
 from dynabatch.scheduler.core.sync import ahead as decide
 from dynabatch.scheduler.core.sync.protocol import Position
 from dynabatch.scheduler.core.sync.update import (
+    OfferedUpdate,
     PlanUpdate,
     check_update,
     update_at,
@@ -38,7 +39,7 @@ from dynabatch.scheduler.core.sync.update import (
 )
 from dynabatch.scheduler.sync.epoch_report import segment_busy
 from dynabatch.scheduler.sync.evaluation import EvalRound
-from dynabatch.scheduler.sync.job import Ahead, OfferedUpdate, Part
+from dynabatch.scheduler.sync.job import Ahead, Part
 
 UPDATE_TIMEOUT_S = 2.0  # posting a plan update: one compare-and-set in the group's store
 
@@ -77,19 +78,14 @@ class Pipeline(Part):
         return update_at(committed=p.step, ahead_start=a.position.step,
                          ahead_end=a.position.step + a.length)
 
-    def post_update(self) -> tuple[OfferedUpdate, int] | None:
-        """Send the offered re-plan (:attr:`SyncJob.offered`) to the workers of the segment
-        in flight. Returns it with the step it takes effect from: its early step when they
-        apply it, else (refused: a worker had started that step) the segment's end, where
-        the protocol defers it. None when nothing was offered."""
-        job = self.job
-        offer, job.offered = job.offered, None
-        if offer is None:
-            return None
+    def post_update(self, offer: OfferedUpdate) -> int:
+        """Send the re-plan offered inside the segment in flight to its workers. Returns the
+        step it takes effect from: its early step when they apply it, else (refused: a
+        worker had started that step) the segment's end, where the protocol defers it."""
         if self.send_update(offer.early, offer.end):
-            return offer, offer.early
-        job.protocol.defer(offer.early, offer.end)
-        return offer, offer.end
+            return offer.early
+        self.job.protocol.defer(offer.early, offer.end)
+        return offer.end
 
     def send_update(self, at: int, end: int) -> bool:
         """Send the workers their steps ``[at, end)`` of the segment in flight under the

@@ -75,6 +75,7 @@ from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState, MarkRunni
 from dynabatch.scheduler.core.sync.ahead import can_cross_epoch, can_send_ahead
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, must_roll_back
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule
+from dynabatch.scheduler.core.sync.update import OfferedUpdate
 
 # How often nodes are listed (every step boundary at most, and between segments sent
 # ahead): a node that joins gets its worker or spare this soon. Listing costs two GCS
@@ -133,7 +134,6 @@ class Seen:
     stopped: str | None = None  # early stopping's reason, when it ended the training
     recorded: int = 0  # epochs recorded in the job's history
     in_flight: bool = False  # a segment sent ahead has not been collected
-    update_offered: bool = False  # a re-plan inside the segment in flight, not yet posted
     batch: int = 0  # the global batch in force
     next_batch: int = 0  # the regime's for the next epoch
     stamps_fixed: bool = True  # the next segment's stamps do not wait on this one's losses
@@ -168,6 +168,16 @@ class Done:
 
     seen: Seen
     now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Replanned:
+    """A re-plan was made; ``offer``: it changed the batches from a step inside the segment
+    in flight, whose workers have not been sent it yet."""
+
+    seen: Seen
+    now: float
+    offer: OfferedUpdate | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,8 +227,8 @@ class Failed:
     reason: str
 
 
-Answer = Done | RequestsTaken | WorkersStarted | WorkersPlaced | Regrouped | SegmentDone \
-    | EvaluationsIn
+Answer = Done | Replanned | RequestsTaken | WorkersStarted | WorkersPlaced | Regrouped \
+    | SegmentDone | EvaluationsIn
 Event = Boundary | Answer | Failed
 
 
@@ -320,7 +330,10 @@ class Replan:
 
 @dataclass(frozen=True, slots=True)
 class PostPlanUpdate:
-    """Send the segment in flight's workers the re-plan offered inside it."""
+    """Send the segment in flight's workers the re-plan offered inside it (refused, it takes
+    effect after the segment)."""
+
+    offer: OfferedUpdate
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,10 +432,13 @@ Effect = (
 )
 
 
-def answer(effect: Effect, seen: Seen, now: float, ok: bool | Verdict = True) -> Answer:
+def answer(effect: Effect, seen: Seen, now: float, ok: Any = True) -> Answer:
     """The event that answers a batch whose last effect was ``effect``: ``seen`` after it,
-    ``ok`` what it returned (a regroup formed, a segment all ran, an epoch's verdict)."""
+    ``ok`` what it returned (a regroup formed, a segment all ran, an epoch's verdict, a
+    re-plan's offer)."""
     match effect:
+        case Replan():
+            return Replanned(seen, now, ok if isinstance(ok, OfferedUpdate) else None)
         case JudgeEpoch():
             return EvaluationsIn(seen, now, ok if isinstance(ok, Verdict) else Verdict())
         case TrainSegment() | AbsorbAhead() | CommitInFlight():
@@ -616,12 +632,12 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
                 # Formed mid-epoch: the rest of the epoch is split over the new group.
                 return Regrouping("resplitting", d.memo), [Replan("membership")]
             return d.formed(f)
-        case Regrouping("resplitting"), Done():
-            return d.formed(f)
-        case Training(_, "opening"), Done():
-            return d.replanned(f, opening=True)
-        case Training(_, "checking"), Done():
-            return d.replanned(f, opening=False)
+        case Regrouping("resplitting"), Replanned():
+            return d.formed(f)  # at rest: nothing in flight to offer a re-plan to
+        case Training(_, "opening"), Replanned(offer=offer):
+            return d.replanned(f, offer, opening=True)
+        case Training(_, "checking"), Replanned(offer=offer):
+            return d.replanned(f, offer, opening=False)
         case Training(_, "posting", opening), Done():
             return d.segment(f) if opening else d.rest(PublishReady(), EndStep())
         case Training(epoch, "segment"), SegmentDone(all_ran=all_ran):
@@ -770,11 +786,12 @@ class _Decisions:
             return Training(f.epoch, "opening", memo=self.memo), [BeginEpoch(), Replan()]
         return self.segment(f)
 
-    def replanned(self, f: Seen, opening: bool) -> tuple[LoopState, Effects]:
+    def replanned(self, f: Seen, offer: OfferedUpdate | None, opening: bool
+                  ) -> tuple[LoopState, Effects]:
         """A re-plan that changed the batches inside the segment in flight is posted first;
         then the epoch's segment (``opening``), or the boundary's end."""
-        if f.update_offered:
-            return Training(f.epoch, "posting", opening, self.memo), [PostPlanUpdate()]
+        if offer is not None:
+            return Training(f.epoch, "posting", opening, self.memo), [PostPlanUpdate(offer)]
         return self.segment(f) if opening else self.rest(PublishReady(), EndStep())
 
     def segment(self, f: Seen) -> tuple[LoopState, Effects]:

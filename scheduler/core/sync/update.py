@@ -23,6 +23,19 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dynabatch.actors.contracts import SegmentPlan, StepPlan, plan_key
+from dynabatch.scheduler.core.sync.allocation import Decision
+
+
+@dataclass(frozen=True, slots=True)
+class OfferedUpdate:
+    """A re-plan that changed the batches, adopted from step ``early`` of the segment in
+    flight (which ends at ``end``): its workers must be sent their steps from ``early``
+    under it, or it takes effect from ``end``."""
+
+    decision: Decision
+    early: int
+    end: int
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
