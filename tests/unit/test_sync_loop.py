@@ -1,0 +1,1171 @@
+"""The step loop's pure reducer (``scheduler/core/sync/loop.py``): what a boundary does, from
+events, what they say the machines see (:class:`Seen`) and the job's :class:`LoopConfig`,
+with no driver behind it.
+
+The property drives it with random readings after every effect (a cancel can arrive, an
+epoch can end, the failure policy can fail the job inside any effect) and checks the loop's
+rules, what is due computed here from the config and the clock (a checkpoint, a judged
+epoch, the rebalance rule's check, listing the nodes, the first start's deadline); the real
+driver carrying these effects out is tested through the coordinator's own tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import pytest
+from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState
+from dynabatch.scheduler.core.sync.allocation import Allocation, Decision
+from dynabatch.scheduler.core.sync.loop import (
+    NODE_POLL_S,
+    AbsorbAhead,
+    AdoptStarted,
+    ApplyDrains,
+    AtRest,
+    AwaitStarts,
+    BeginEpoch,
+    Boundary,
+    Cancelling,
+    Checkpoint,
+    CommitInFlight,
+    Concluded,
+    Done,
+    Effect,
+    Effects,
+    EndEpoch,
+    EndingEpoch,
+    EndJob,
+    EndStep,
+    Evaluate,
+    EvaluationsIn,
+    Event,
+    Failed,
+    Finishing,
+    GiveUpStarts,
+    JudgeEpoch,
+    LoadCheckpoint,
+    LoadData,
+    LoopConfig,
+    LoopState,
+    MarkRunning,
+    MembershipView,
+    Memo,
+    NextEpoch,
+    PollNodes,
+    PostPlanUpdate,
+    PublishReady,
+    Reconciling,
+    Regroup,
+    Regrouped,
+    Regrouping,
+    Replan,
+    Replanned,
+    RequestsTaken,
+    SaveModel,
+    Seen,
+    SegmentDone,
+    Settle,
+    SpawnWorkers,
+    StopWorkers,
+    TakeRequests,
+    TendSpares,
+    Training,
+    TrainSegment,
+    Verdict,
+    WaitForMinimum,
+    Waiting,
+    WorkersPlaced,
+    WorkersStarted,
+    answer,
+    step,
+)
+from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule
+from dynabatch.scheduler.core.sync.update import OfferedUpdate
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+T0 = 100.0  # the examples' clock: the nodes were last listed then (not due again before
+LATER = T0 + NODE_POLL_S  # this)
+CFG = LoopConfig(epochs=3)  # no checkpoints, nothing judged, re-planned at each epoch's start
+_VIEW = {f.name for f in fields(MembershipView)}
+
+
+def S(**kw) -> Seen:
+    """What the machines say: :class:`Seen`'s fields and the membership's, in one call."""
+    view = {k: kw.pop(k) for k in list(kw) if k in _VIEW}
+    return Seen(membership=MembershipView(**view), **kw)
+
+
+class Loop:
+    """The reducer driven as the executor drives it: its state kept, each batch that does
+    not end the step answered with the event its last effect yields (``answer``)."""
+
+    def __init__(self, config: LoopConfig = CFG, state: LoopState | None = None) -> None:
+        self.config = config
+        self.state: LoopState = AtRest(Memo(polled_at=T0)) if state is None else state
+        self.last: Effects = []
+
+    def on(self, event: Event) -> Effects:
+        self.state, self.last = step(self.state, event, self.config)
+        return self.last
+
+    def tick(self, seen: Seen, now: float = T0) -> Effects:
+        return self.on(Boundary(seen, now))
+
+    def ran(self, seen: Seen, ok: object = True, now: float = T0) -> Effects:
+        """Answer the last batch: its last effect ran (``ok``: it formed, it all ran, its
+        verdict, its offer), and ``seen`` is what the machines say after it."""
+        return self.on(answer(self.last[-1], seen, now, ok))
+
+
+# keep_best's description of the best epoch so far (a judged epoch's Verdict).
+BEST = {"metric": "loss", "mode": "min", "value": 0.5, "epoch": 0}
+# A re-plan that changed the batches from step 5 of the segment in flight (to step 8).
+OFFER = OfferedUpdate(
+    Decision(Allocation(("w0", "w1"), (40, 24), (600, 400), 64, 1000), True, "affine"),
+    early=5, end=8, why="adaptive check")
+# Nodes listed after the first start: the missing workers started on them, spares tended.
+PLACE = [PollNodes(), SpawnWorkers(), TendSpares()]
+START = [PollNodes(starting=True), SpawnWorkers(starting=True)]
+# An epoch's end with nothing due and nothing judged.
+END = [EndEpoch(), Evaluate(), NextEpoch()]
+
+
+def _requests_taken(loop: Loop, seen: Seen, now: float = T0) -> None:
+    """A boundary at rest, up to its requests taken in (none drain anyone)."""
+    assert loop.tick(seen, now) in ([TakeRequests()], [LoadData(), TakeRequests()])
+    assert loop.ran(seen, now=now) == [AdoptStarted()]
+
+
+# ------------------------------------------------------------------ what is due, from outside
+
+
+def _checkpoint_due(cfg: LoopConfig, epoch: int) -> bool:
+    """The job's checkpoint is written as ``epoch`` begins: every N epochs, and the last."""
+    return cfg.checkpoint_dir and (epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs)
+
+
+def _check_due(cfg: LoopConfig, seen: Seen) -> bool:
+    """The rebalance rule re-plans before this step (``steps``: every N; ``adaptive``: at
+    every boundary; ``epoch``: never inside an epoch)."""
+    rule = cfg.rule
+    if rule.mode == "epoch" or seen.step >= seen.steps_per_epoch:
+        return False
+    return rule.mode == "adaptive" or seen.step % rule.every_steps == 0
+
+
+def _ahead(seen: Seen) -> bool:
+    """The next segment may be sent before this one's results are read: the next boundary
+    need not have the group at rest, and its stamps do not wait on this one's losses."""
+    return (seen.cancel is None and not seen.retrying and not seen.requests
+            and not seen.handing_over and not seen.membership.dirty and seen.stamps_fixed)
+
+
+def _across(cfg: LoopConfig, seen: Seen) -> bool:
+    """That next segment may be the next epoch's first: there is one, at the same batch,
+    and nothing between the epochs reads the state or re-plans from the epoch's end."""
+    nxt = seen.epoch + 1
+    return (_ahead(seen) and seen.data_loaded and nxt < cfg.epochs and not cfg.goodput
+            and seen.next_batch == seen.batch and not cfg.judges_epochs
+            and not _checkpoint_due(cfg, nxt)
+            and not (cfg.rule.mode == "epoch" and not cfg.policy_static))
+
+
+# ------------------------------------------------------------------ the property
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One decision: the state before it, the event, the effects, the state after."""
+
+    before: LoopState
+    event: Event
+    effects: Effects
+    after: LoopState
+
+    @property
+    def seen(self) -> Seen | None:
+        return None if isinstance(self.event, Failed) else self.event.seen
+
+    @property
+    def body(self) -> Effects:
+        """The effects past the workers stopped first."""
+        return [e for e in self.effects if not isinstance(e, StopWorkers)]
+
+
+rarely = st.sampled_from([False, False, False, True])  # so that most boundaries train
+mostly = st.sampled_from([True, True, True, False])
+cancels = st.sampled_from([None] * 7 + ["enough"])
+verdicts = st.builds(Verdict, st.sampled_from([None, BEST]),
+                     st.sampled_from([None, "early stopping: loss has not improved"]))
+views = st.builds(
+    MembershipView, dirty=rarely, drains_due=rarely, starts_pending=rarely,
+    first_start=rarely, shortfall=st.sampled_from([None, None, None, "1 of 2 workers"]),
+    holders=mostly, needs_state=st.booleans())
+seens = st.builds(
+    Seen, cancel=cancels, pending=st.booleans(), data_loaded=mostly,
+    trained=rarely, epoch=st.integers(0, 4), step=st.integers(0, 8),
+    steps_per_epoch=st.sampled_from([4, 8]), epoch_open=st.booleans(),
+    epoch_complete=st.booleans(), stopped=st.none() | st.just("early stopping"),
+    recorded=st.integers(0, 2), in_flight=st.booleans(),
+    batch=st.sampled_from([64, 64, 32]), next_batch=st.sampled_from([64, 64, 32]),
+    stamps_fixed=mostly, retrying=rarely,
+    requests=st.sampled_from([(), (), (), (), (), ("scale",), ("assign",), ("drain", "assign")]),
+    handing_over=rarely, holding_restored=st.booleans(), membership=views,
+    leaving=st.sampled_from([(), (), (), ("w3",), ("w1", "w2")]))
+configs = st.builds(
+    LoopConfig, epochs=st.integers(1, 4),
+    rule=st.sampled_from([RebalanceRule(), RebalanceRule("steps", every_steps=2),
+                          RebalanceRule("adaptive")]),
+    policy_static=st.booleans(), goodput=rarely, checkpoint_dir=st.booleans(),
+    checkpoint_every=st.integers(1, 3), judges_epochs=rarely,
+    start_timeout_s=st.just(5.0))
+# Time between two events: listing the nodes falls due (NODE_POLL_S) now and then.
+pauses = st.sampled_from([0.0, 0.0, 0.05, 0.3, 1.0])
+failing = st.sampled_from([False] * 30 + [True])  # the failure policy fails the job
+
+
+def _draw_seen(data: st.DataObject, cancel: str | None) -> Seen:
+    """Random readings; a cancel once requested stays requested (the job's control never
+    withdraws one)."""
+    seen = data.draw(seens)
+    return seen if cancel is None else replace(seen, cancel=cancel)
+
+
+def _boundary(loop: Loop, tick: Boundary, data: st.DataObject) -> list[Batch]:
+    """One boundary: every decision, each answered with random readings after it (or the
+    job failed in it), until one ends the step."""
+    cancel = tick.seen.cancel
+    batches: list[Batch] = []
+    event: Event = tick
+    now = tick.now
+    for _ in range(24):
+        before = loop.state
+        effects = loop.on(event)
+        batches.append(Batch(before, event, effects, loop.state))
+        last = effects[-1]
+        if isinstance(last, EndStep):
+            return batches
+        if data.draw(failing):
+            event = Failed("the failure policy failed the job")
+            continue
+        now += data.draw(pauses)
+        if isinstance(last, AwaitStarts):  # a wait takes its time: the deadline comes
+            now += 2.0
+        if isinstance(last, JudgeEpoch):  # the epoch's judgement comes with its answer
+            ok = data.draw(verdicts)
+        elif isinstance(last, Replan):  # a re-plan may offer an update to the segment in flight
+            ok = data.draw(st.sampled_from([None, OFFER]))
+        else:
+            ok = data.draw(st.booleans())
+        event = answer(last, _draw_seen(data, cancel), now, ok)
+        cancel = event.seen.cancel
+    pytest.fail("a boundary did not end within 24 batches")
+
+
+def _answer(batches: list[Batch], i: int) -> Batch | None:
+    """The decision on the event that answered batch ``i`` (None: it ended the step)."""
+    return batches[i + 1] if i + 1 < len(batches) else None
+
+
+def _epoch_end(cfg: LoopConfig, batches: list[Batch], i: int) -> int:
+    """Check the epoch's end decided at batch ``i`` (it starts with EndEpoch) and return
+    the batch that decides what follows it: a checkpoint due or a judged epoch awaits the
+    evaluation first; a judged epoch's checkpoints follow its judgement (the best so far;
+    early stopping's when the job keeps checkpoints, a due one anyway), written as the next
+    epoch's start; then the next epoch begins."""
+    b = batches[i]
+    epoch = b.seen.epoch
+    at = Position(epoch + 1, 0)
+    due = _checkpoint_due(cfg, epoch + 1)
+    assert b.body[:2] == [EndEpoch(), Evaluate()]
+    assert isinstance(b.after, EndingEpoch) and b.after.epoch == epoch
+    if not cfg.judges_epochs:
+        saves = [Settle(), Checkpoint("epoch", at)] if due else []
+        assert b.body[2:] == [*saves, NextEpoch()]
+        return i + 1
+    assert b.body[2:] == [Settle(), JudgeEpoch()]
+    judged = _answer(batches, i)
+    if judged is None or judged.seen is None:  # it failed while the evaluation was awaited
+        return i + 1
+    verdict = judged.event.verdict
+    saves = [Checkpoint("best", at, BEST)] if verdict.best else []
+    if due:
+        saves.append(Checkpoint("epoch", at))
+    elif verdict.stop and cfg.checkpoint_dir:
+        saves.append(Checkpoint("early stopping", at))
+    assert judged.body == [*saves, NextEpoch(verdict.stop)]
+    assert isinstance(judged.after, EndingEpoch) and judged.after.epoch == epoch
+    return i + 2
+
+
+def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
+                    polled: float | None) -> float | None:
+    """The loop's rules over one boundary; returns when the nodes were last listed."""
+    tick = batches[0].event
+    first = tick.seen
+    flat = [e for b in batches for e in b.body]
+    if isinstance(rest, Concluded):  # the job ended: nothing more
+        assert flat == [EndStep(stop=True)] and batches[0].after is rest
+        return polled
+    in_flight = first.in_flight and first.cancel is None
+    if not in_flight and first.cancel is None and "assign" in first.requests:
+        polled = None  # an assignment's workers start at once: the nodes are listed now
+    cancel_at = next((i for i, b in enumerate(batches) if isinstance(b.after, Cancelling)),
+                     None)
+    failed = isinstance(batches[-1].event, Failed)
+    if cancel_at is not None and not failed:  # a cancel trains nothing new, stops the loop
+        assert flat[-1] == EndStep(stop=True)
+        after_cancel = [e for b in batches[cancel_at:] for e in b.body]
+        assert not any(isinstance(e, (TrainSegment, TakeRequests, ApplyDrains, Regroup,
+                                      AbsorbAhead)) for e in after_cancel)
+        for j, e in enumerate(after_cancel):  # only the segment in flight's epoch
+            if isinstance(e, BeginEpoch):
+                assert after_cancel[j + 1] == CommitInFlight()
+        ends = [e for e in flat if isinstance(e, EndJob)]
+        reason = batches[cancel_at].after.reason
+        assert reason == batches[cancel_at].seen.cancel  # the cancel's, to the end
+        assert all(b.after.reason == reason for b in batches[cancel_at:]
+                   if isinstance(b.after, Cancelling))
+        if ends and ends[0].outcome == JobState.CANCELLED:
+            # the checkpoint holds what was trained; the cancel's reason ends the job
+            j = flat.index(ends[0])
+            assert ends[0] == EndJob(JobState.CANCELLED, reason)
+            assert flat[j - 1] in (Checkpoint("cancel"), SaveModel("cancel"))
+            assert Settle() in flat[:j]
+    waits: list[float] = []  # when the first start's waits were decided
+    for i, b in enumerate(batches):
+        seen, effects, body = b.seen, b.effects, b.body
+        if seen is None:  # the failure policy failed the job: it ends, once
+            assert effects == [EndJob(JobState.FAILED, b.event.reason), EndStep(stop=True)]
+            assert b.after == Concluded(JobState.FAILED, b.event.reason, b.before.memo)
+            continue
+        now = b.event.now
+        prev = batches[i - 1] if i else None
+        nxt = _answer(batches, i)
+        answered = nxt.seen if nxt is not None else None
+        # Workers taken out are stopped first thing in the next batch, all of them, and only
+        # then.
+        assert (effects[:1] == [StopWorkers(seen.leaving)]) == bool(seen.leaving), effects
+        assert sum(isinstance(e, StopWorkers) for e in effects) == bool(seen.leaving)
+        assert body, "a batch is never empty"
+        assert not any(isinstance(e, EndStep) for e in body[:-1])
+        poll_due = polled is None or now - polled >= NODE_POLL_S
+        for e in body:
+            if isinstance(e, LoadData):
+                assert not seen.data_loaded
+            if isinstance(e, BeginEpoch):  # (right after an epoch ended, it is not)
+                assert not seen.epoch_open or (prev is not None and prev.body[-1:]
+                                               and isinstance(prev.body[-1], NextEpoch))
+            if isinstance(e, EndJob) and e.outcome == JobState.SUCCEEDED:
+                # After finishing awaited the last evaluations, with a holder left, and not
+                # beside a pending cancel unless the cancel's own segment ended it.
+                assert isinstance(b.before, Finishing) and prev.body[-1] == Settle()
+                assert seen.membership.holders
+                assert body == [SaveModel("end"), e, EndStep(stop=b.before.cancelling)]
+                assert e.reason == seen.stopped
+                assert seen.cancel is None or b.before.cancelling
+                assert b.after == Concluded(JobState.SUCCEEDED, seen.stopped, b.before.memo)
+            if isinstance(e, TrainSegment):
+                # Decided to train by the readings of the batch that began training.
+                began = next(x for x in batches if isinstance(x.after, Training))
+                assert began.seen.cancel is None and not began.seen.trained
+                # Sent ahead exactly when the next boundary need not have the group at rest;
+                # across the epoch exactly when nothing between the epochs reads the state.
+                assert e == TrainSegment(ahead=_ahead(seen), across=_across(cfg, seen))
+                assert b.after == Training(seen.epoch, "segment", memo=b.after.memo)
+            if isinstance(e, (TakeRequests, ApplyDrains, Regroup, AwaitStarts, GiveUpStarts)):
+                # membership changes wait for a rest (an assignment's workers start now)
+                assert not in_flight or e == TakeRequests(assignments=True)
+            if isinstance(e, TakeRequests) and in_flight:
+                assert i == 0 and seen.requests[:1] == ("assign",)
+            if isinstance(e, TakeRequests) and not in_flight:  # alone; what it drains leaves
+                assert i == 0 and body[-1] == e and e == TakeRequests()
+                if answered is not None:
+                    drain = [Settle(), ApplyDrains()] if answered.membership.drains_due else []
+                    assert nxt.body == [*drain, AdoptStarted()]
+            if isinstance(e, ApplyDrains):  # only right after the requests, when due
+                assert seen.membership.drains_due and prev.body[-1] == TakeRequests()
+                assert body[: body.index(e) + 1] == [Settle(), e]
+        # Listing the nodes: when due, or at once after an assignment, a change or at the
+        # first start; the first start's waits list them again to replace workers that
+        # failed to start.
+        polls = [e for e in body if isinstance(e, PollNodes)]
+        waited = prev is not None and prev.body[-1] == AwaitStarts()
+        if in_flight and i == 0:
+            assert bool(polls) == (poll_due or TakeRequests(assignments=True) in body)
+        gathering = not in_flight and prev is not None and prev.body[-1] == AdoptStarted()
+        if gathering:
+            m = seen.membership
+            assert bool(polls) == (m.first_start or m.dirty or poll_due)
+        for e in polls:
+            assert (in_flight and i == 0) or gathering or waited
+            if waited:
+                # None is left starting: those that failed to start are started again.
+                assert e.starting and not seen.membership.starts_pending
+                assert body == START
+            elif gathering:
+                assert e.starting == seen.membership.first_start
+            else:
+                assert not e.starting
+            j = body.index(e)
+            spares = [] if e.starting else [TendSpares()]
+            assert body[j + 1: j + 2 + len(spares)] == [SpawnWorkers(e.starting), *spares]
+            polled = now
+        assert b.after.memo == Memo(polled_at=polled)  # what the loop remembers
+        for e in body:
+            if isinstance(e, (SpawnWorkers, TendSpares)):
+                assert any(isinstance(x, PollNodes) for x in body[: body.index(e)])
+        # The first start's wait: a little at a time while workers are starting; given up
+        # once the start timeout (counted from the first wait) is over, or on a cancel.
+        if isinstance(b.before, Reconciling) and b.before.stage == "awaiting" \
+                and seen.membership.starts_pending:
+            over = bool(waits) and now >= waits[0] + cfg.start_timeout_s
+            assert body == ([GiveUpStarts()] if seen.cancel is not None or over
+                            else [AwaitStarts()])
+        for e in body:
+            if isinstance(e, AwaitStarts):
+                assert body == [e] and seen.membership.starts_pending
+                assert seen.cancel is None
+                assert prev.body[-1] in (SpawnWorkers(starting=True), AwaitStarts())
+                waits.append(now)
+                assert b.after.deadline == waits[0] + cfg.start_timeout_s
+                assert now < b.after.deadline
+                if answered is not None and not answered.membership.starts_pending:
+                    assert nxt.body == START  # none left starting: replace those that failed
+            if isinstance(e, GiveUpStarts):
+                assert body == [e] and seen.membership.starts_pending
+                assert seen.cancel is not None or (waits and now >= b.before.deadline)
+                assert prev.body[-1] in (SpawnWorkers(starting=True), AwaitStarts())
+            if isinstance(e, WaitForMinimum):  # too few: wait, and the step ends
+                assert e.shortfall == seen.membership.shortfall
+                assert seen.cancel is None  # a pending cancel cancels instead
+                assert body[-2:] == [e, EndStep()]
+                # A wait goes on from the one the boundary began in, or starts now.
+                assert e.since == (rest.since if isinstance(rest, Waiting) else None)
+                since = now if e.since is None else e.since
+                assert b.after == Waiting(since, e.shortfall, b.after.memo)
+            if isinstance(e, LoadCheckpoint):  # no holder: the checkpoint first
+                m = seen.membership
+                assert m.dirty and m.shortfall is None
+                assert m.needs_state and not seen.holding_restored
+                assert body == [Settle(), LoadCheckpoint()]  # the evaluations settled first
+                if answered is not None:
+                    assert nxt.body == [Regroup()]
+            if isinstance(e, Regroup):
+                assert body == [e]
+                if not any(LoadCheckpoint() in x.body for x in batches):
+                    m = seen.membership
+                    assert m.dirty and m.shortfall is None
+                    assert not m.needs_state or seen.holding_restored
+            if isinstance(e, MarkRunning):
+                assert seen.pending and not seen.in_flight
+        if Regroup() in body and answered is not None:
+            if not nxt.event.formed:  # it failed: the step ends
+                assert nxt.body == [EndStep()]
+            else:
+                # Formed mid-epoch: the rest of the epoch is split over the new group first.
+                resplit = answered.epoch_open and not answered.epoch_complete
+                assert (nxt.body[:1] == [Replan("membership")]) == resplit
+                if resplit:
+                    assert nxt.body == [Replan("membership")]
+        if Replan("membership") in body:
+            assert prev.body == [Regroup()] and b.event.formed
+        if any(isinstance(e, TrainSegment) for e in body) and not in_flight:
+            # Trained only with the group formed: no shortfall, no change pending. (With a
+            # regroup, the readings that decided it had none: the rule above.)
+            began = next(x for x in batches if isinstance(x.after, Training))
+            if Regroup() not in flat:
+                assert began.seen.membership.shortfall is None
+                assert not began.seen.membership.dirty
+        if isinstance(body[-1], TrainSegment) and answered is not None:
+            ok = nxt.event.all_ran
+            if not ok and answered.in_flight:
+                # Failed with the next segment sent: that one is absorbed, in the next epoch
+                # when the failed one completed this.
+                if not answered.epoch_complete:
+                    assert nxt.body == [AbsorbAhead()]
+                    assert nxt.after == Training(seen.epoch, "absorbing", memo=nxt.after.memo)
+                    continue
+                j = _epoch_end(cfg, batches, i + 1)
+                if j < len(batches) and batches[j].seen is not None:
+                    assert batches[j].body == [BeginEpoch(), AbsorbAhead()]
+                    assert batches[j].after == Training(answered.epoch + 1, "absorbing",
+                                                        memo=batches[j].after.memo)
+                continue
+            if answered.epoch_complete:
+                assert nxt.body[:1] == [EndEpoch()]
+            elif ok and _check_due(cfg, answered):  # a check re-plans only after a full run
+                assert nxt.body == [Replan("check")]
+            else:
+                assert nxt.body == [PublishReady(), EndStep()]
+        if isinstance(body[-1], Replan) and body[-1].cause != "membership" \
+                and answered is not None:
+            # A re-plan offered inside the segment in flight is posted at once, alone; then
+            # the epoch's segment (at its opening) or the boundary's end.
+            after = nxt
+            if nxt.event.offer is not None:
+                assert nxt.body == [PostPlanUpdate(nxt.event.offer)]
+                after = _answer(batches, i + 1)
+            if after is not None and after.seen is not None:
+                if body[-1].cause == "check":
+                    assert after.body == [PublishReady(), EndStep()]
+                else:
+                    assert len(after.body) == 1 and isinstance(after.body[0], TrainSegment)
+        if AbsorbAhead() in body:  # what was sent ahead of a failed segment
+            failed_at = [x for x in batches[:i] if x.body[-1:] and
+                         isinstance(x.body[-1], TrainSegment)]
+            assert failed_at
+            if answered is not None:
+                if answered.epoch_complete:
+                    assert nxt.body[:1] == [EndEpoch()]
+                else:
+                    assert nxt.body == [PublishReady(), EndStep()]
+        for e in body:
+            if isinstance(e, PostPlanUpdate):  # only right after a re-plan offered one
+                assert body == [e] and e.offer is b.event.offer is not None
+                assert isinstance(prev.body[-1], Replan) and prev.body[-1].cause != "membership"
+            if isinstance(e, EndEpoch):  # always the start of an epoch's end
+                assert body[0] == e
+            if isinstance(e, Evaluate):  # the ended epoch, right after its end
+                assert body[:2] == [EndEpoch(), e]
+            if isinstance(e, (JudgeEpoch, NextEpoch)) or (
+                    isinstance(e, Checkpoint) and e.reason != "cancel"):
+                # only in an epoch's end, written as the next epoch's start
+                assert body[:1] == [EndEpoch()] or prev.body[:1] == [EndEpoch()]
+            if isinstance(e, Checkpoint) and e.reason == "cancel":
+                assert e.position is None and isinstance(b.before, Cancelling)
+                save = [SaveModel("cancel")] if seen.recorded or seen.step > 0 else []
+                assert body == [e, *save, EndJob(JobState.CANCELLED, b.before.reason),
+                                EndStep(stop=True)]
+        absorbing = prev is not None and isinstance(prev.body[-1], TrainSegment) \
+            and not b.event.all_ran and seen.in_flight
+        if body[:1] == [EndEpoch()]:
+            j = _epoch_end(cfg, batches, i)
+            if j < len(batches) and batches[j].seen is not None and not absorbing \
+                    and cancel_at is None:
+                after = batches[j]  # then finishing, or back
+                m = after.seen
+                if m.trained and m.membership.holders:
+                    assert after.body == [Settle()]
+                    assert after.after == Finishing(False, after.after.memo)
+                else:
+                    assert after.body == [PublishReady(), EndStep()]
+                    assert isinstance(after.after, AtRest)
+        # Finishing only with every epoch trained and a holder of the final state.
+        if isinstance(b.after, Finishing):
+            assert seen.trained and seen.membership.holders
+    return polled
+
+
+@settings(max_examples=500)  # cheap examples; the rules have many branches
+@given(cfg=configs, first=seens, data=st.data())
+def test_every_boundary_follows_the_loops_rules(cfg: LoopConfig, first: Seen,
+                                                data: st.DataObject) -> None:
+    loop = Loop(cfg)
+    now, polled = T0, T0
+    for _ in range(3):  # consecutive boundaries: each starts where the last left the loop
+        rest = loop.state  # between boundaries: at rest, waiting for workers, or concluded
+        assert isinstance(rest, (AtRest, Waiting, Concluded))
+        batches = _boundary(loop, Boundary(first, now), data)
+        polled = _check_boundary(cfg, rest, batches, polled)
+        if batches[-1].effects[-1] == EndStep(stop=True):
+            # The loop is over: it stays concluded, whatever comes.
+            assert isinstance(loop.state, Concluded)
+            ended = loop.state
+            assert loop.on(Failed("again")) == [EndStep(stop=True)] and loop.state is ended
+            assert loop.tick(S()) == [EndStep(stop=True)] and loop.state is ended
+            break
+        last = next(b.seen for b in reversed(batches) if b.seen is not None)
+        now = batches[-1].event.now + data.draw(pauses)
+        first = _draw_seen(data, last.cancel)
+
+
+# ------------------------------------------------------------------ examples
+
+
+def test_a_training_boundary() -> None:
+    # Nothing between epoch 0 and 1 reads the state (no checkpoint due, a static policy):
+    # a segment may be sent across; the steps rule re-plans every 4 steps.
+    cfg = LoopConfig(epochs=3, policy_static=True, rule=RebalanceRule("steps", every_steps=4))
+    loop = Loop(cfg, AtRest())  # the nodes never listed
+    first = S(data_loaded=False, pending=True, first_start=True)
+    assert loop.tick(first) == [LoadData(), TakeRequests()]
+    assert loop.ran(first) == [AdoptStarted()]
+    assert loop.ran(first) == START
+    assert loop.ran(S(pending=True, first_start=True, starts_pending=True)) == [AwaitStarts()]
+    # All came up: the missing ones (none) are started again, then the group forms.
+    assert loop.ran(first) == START
+    assert loop.ran(S(pending=True, dirty=True)) == [Regroup()]
+    assert loop.ran(S(pending=True), ok=True) == [MarkRunning(), BeginEpoch(), Replan()]
+    assert loop.state == Training(0, "opening", memo=Memo(polled_at=T0))
+    opened = S(epoch_open=True, steps_per_epoch=16, batch=64, next_batch=64)
+    assert loop.ran(opened) == [TrainSegment(ahead=True, across=True)]
+    # At step 4 the rule's check is due after a segment that all ran.
+    assert loop.ran(replace(opened, step=4), ok=True) == [Replan("check")]
+    assert loop.ran(replace(opened, step=4)) == [PublishReady(), EndStep()]
+    # Next boundary, a segment in flight: no requests taken, no regroup; nodes listed once
+    # due (NODE_POLL_S after they last were); it completes the epoch.
+    in_flight = replace(opened, in_flight=True, step=8, membership=MembershipView(dirty=True))
+    assert loop.tick(in_flight, now=T0 + NODE_POLL_S / 2) == [AdoptStarted()]
+    assert loop.ran(replace(in_flight, membership=MembershipView())) == [
+        TrainSegment(ahead=True, across=True)]
+    assert loop.ran(S(epoch_open=True, epoch_complete=True), ok=True) == END
+    assert loop.ran(S()) == [PublishReady(), EndStep()]
+    assert loop.tick(in_flight, now=LATER) == [AdoptStarted(), *PLACE]
+    assert loop.state.memo == Memo(polled_at=LATER)
+    assert loop.ran(replace(in_flight, membership=MembershipView())) == [
+        TrainSegment(ahead=True, across=True)]
+    assert loop.ran(replace(opened, step=13)) == [PublishReady(), EndStep()]
+    # A retry runs alone (nothing is sent ahead of it); the segment failed after its last
+    # step's collective and still completed the epoch.
+    _requests_taken(loop, opened, now=LATER)
+    assert loop.ran(replace(opened, retrying=True), now=LATER) == [
+        TrainSegment(ahead=False, across=False)]
+    assert loop.ran(S(epoch_open=True, epoch_complete=True), ok=False) == END
+    assert loop.ran(S()) == [PublishReady(), EndStep()]
+
+
+@pytest.mark.parametrize(("cfg", "seen"), [
+    (LoopConfig(epochs=3, checkpoint_dir=True), S()),  # a checkpoint due at epoch 1
+    (LoopConfig(epochs=4, checkpoint_dir=True, checkpoint_every=2), S(epoch=1)),  # at 2
+    (LoopConfig(epochs=3, judges_epochs=True), S()),  # its evaluation judges the epoch
+    (LoopConfig(epochs=3, goodput=True), S()),  # the regime decides the next batch
+    (LoopConfig(epochs=3), S()),  # the epoch's end re-plans from its speeds
+    (LoopConfig(epochs=3, policy_static=True), S(next_batch=128)),  # the batch changes
+    (LoopConfig(epochs=3, policy_static=True), S(epoch=2)),  # no next epoch
+    (LoopConfig(epochs=3, policy_static=True), S(data_loaded=False)),
+], ids=["checkpoint", "checkpoint-every-2", "judged", "goodput", "replans-at-end",
+        "batch-changes", "last-epoch", "no-data"])
+def test_a_segment_goes_across_the_epochs_end_only_when_nothing_between_reads_the_state(
+        cfg: LoopConfig, seen: Seen) -> None:
+    seen = replace(seen, epoch_open=True, batch=64, next_batch=seen.next_batch or 64)
+    loop = Loop(cfg)
+    _requests_taken(loop, seen)
+    assert loop.ran(seen) == [TrainSegment(ahead=True, across=False)]
+    # What makes it go across: a static policy, no checkpoint due, nothing judged.
+    loop = Loop(LoopConfig(epochs=4, policy_static=True, checkpoint_dir=True,
+                           checkpoint_every=2))
+    _requests_taken(loop, S(epoch_open=True))
+    assert loop.ran(S(epoch_open=True, batch=64, next_batch=64)) == [
+        TrainSegment(ahead=True, across=True)]
+
+
+def test_nodes_are_listed_when_due_and_at_once_for_an_assignment() -> None:
+    """The loop remembers when it listed the nodes (``Memo.polled_at``): a boundary at rest
+    lists them again NODE_POLL_S later, or at once when it takes an assignment (its
+    workers start now)."""
+    loop = Loop()
+    _requests_taken(loop, S(epoch_open=True), now=T0 + NODE_POLL_S / 2)
+    assert loop.ran(S(epoch_open=True), now=T0 + NODE_POLL_S / 2) == [
+        TrainSegment(ahead=True, across=False)]
+    assert loop.state.memo == Memo(polled_at=T0)
+    loop.ran(S(epoch_open=True))
+    _requests_taken(loop, S(epoch_open=True), now=LATER)
+    assert loop.ran(S(epoch_open=True), now=LATER) == PLACE
+    assert loop.state.memo == Memo(polled_at=LATER)
+    assert loop.ran(S(epoch_open=True), now=LATER) == [TrainSegment(ahead=True, across=False)]
+    loop.ran(S(epoch_open=True))
+    assign = S(epoch_open=True, requests=("assign",))
+    assert loop.tick(assign, now=LATER) == [TakeRequests()]
+    assert loop.ran(S(epoch_open=True), now=LATER) == [AdoptStarted()]
+    assert loop.ran(S(epoch_open=True), now=LATER) == PLACE
+    # With a segment in flight: only the assignment at the head of the queue is taken, its
+    # workers started at once.
+    loop = Loop()
+    queued = S(epoch_open=True, in_flight=True, requests=("assign", "scale"))
+    assert loop.tick(queued) == [TakeRequests(assignments=True), AdoptStarted(), *PLACE]
+    loop = Loop()
+    queued = S(epoch_open=True, in_flight=True, requests=("scale", "assign"))
+    assert loop.tick(queued) == [AdoptStarted()]
+
+
+def test_a_drain_waits_for_the_evaluations_in_flight() -> None:
+    """A drained worker may still owe its shard of an evaluation: the requests are taken in,
+    then the evaluations settle, then the drained workers leave (and the group regroups)."""
+    loop = Loop()
+    asked = S(epoch_open=True, requests=("drain",))
+    assert loop.tick(asked) == [TakeRequests()]
+    assert loop.ran(S(epoch_open=True, drains_due=True)) == [
+        Settle(), ApplyDrains(), AdoptStarted()]
+    changed = S(epoch_open=True, dirty=True)
+    assert loop.ran(changed) == PLACE  # a changed group lists the nodes first
+    assert loop.ran(changed) == [Regroup()]
+    # A scale up drains nobody: nothing waits for the evaluations.
+    loop = Loop()
+    assert loop.tick(replace(asked, requests=("scale",))) == [TakeRequests()]
+    assert loop.ran(S(epoch_open=True)) == [AdoptStarted()]
+
+
+def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once() -> None:
+    # (a checkpoint due at epoch 1: nothing goes across)
+    loop = Loop(LoopConfig(epochs=3, rule=RebalanceRule("adaptive"), checkpoint_dir=True))
+    # A check after a segment: the re-plan changed the batches from a step of the segment
+    # sent ahead; it is posted before the boundary ends.
+    flying = S(in_flight=True, epoch_open=True, step=4, steps_per_epoch=16)
+    loop.tick(flying)
+    assert loop.ran(flying) == [TrainSegment(ahead=True, across=False)]
+    assert loop.ran(flying) == [Replan("check")]
+    assert loop.ran(flying, ok=OFFER) == [PostPlanUpdate(OFFER)]
+    assert loop.ran(flying) == [PublishReady(), EndStep()]
+    # The epoch's opening plan, with the next epoch's first segment already sent: posted,
+    # then the segment.
+    assert loop.tick(S(in_flight=True)) == [AdoptStarted()]
+    assert loop.ran(S(in_flight=True)) == [BeginEpoch(), Replan()]
+    assert loop.ran(flying, ok=OFFER) == [PostPlanUpdate(OFFER)]
+    assert loop.ran(flying) == [TrainSegment(ahead=True, across=False)]
+    # A segment where a worker was lost re-plans nothing, whatever the rule says.
+    assert loop.ran(replace(flying, in_flight=False), ok=False) == [PublishReady(), EndStep()]
+
+
+def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> None:
+    """The first start's wait is the loop's: a little at a time while workers are starting;
+    the ones that failed started again once none is left starting; those still starting
+    given up once the start timeout is over (``Reconciling.deadline``, counted from the
+    boundary's first wait: an earlier boundary's does not cut it) or on a cancel, which then
+    cancels the job rather than wait for workers."""
+    starting = S(pending=True, first_start=True)
+    waiting = replace(starting, membership=replace(starting.membership, starts_pending=True))
+    loop = Loop(LoopConfig(epochs=3, start_timeout_s=5.0))
+    _requests_taken(loop, starting)
+    assert loop.ran(starting) == START
+    assert loop.state == Reconciling("awaiting", memo=Memo(polled_at=T0))
+    assert loop.ran(waiting, now=T0 + 1) == [AwaitStarts()]
+    assert loop.state.deadline == T0 + 6  # from the first wait
+    assert loop.ran(waiting, now=T0 + 3) == [AwaitStarts()]
+    assert loop.state.deadline == T0 + 6
+    assert loop.ran(starting, now=T0 + 4) == START  # none left starting: replace the failed
+    assert loop.ran(waiting, now=T0 + 5.9) == [AwaitStarts()]
+    assert loop.state.deadline == T0 + 6
+    assert loop.ran(waiting, now=T0 + 6) == [GiveUpStarts()]
+    given_up = S(pending=True, first_start=True, shortfall="0 of 2 workers",
+                 leaving=("w0", "w1"))
+    assert loop.ran(given_up, now=T0 + 6) == [
+        StopWorkers(("w0", "w1")), WaitForMinimum("0 of 2 workers"), EndStep()]
+    assert loop.state == Waiting(T0 + 6, "0 of 2 workers", Memo(polled_at=T0 + 4))
+
+    # All up at the next boundary's first wait, long after the last deadline: the group
+    # forms (nothing failed, nothing is started again).
+    late = T0 + 60
+    _requests_taken(loop, starting, now=late)
+    assert loop.ran(starting, now=late) == START
+    assert loop.ran(waiting, now=late) == [AwaitStarts()]
+    assert loop.state.deadline == late + 5
+    assert loop.ran(starting, now=late) == START
+    assert loop.ran(S(pending=True, dirty=True), now=late) == [Regroup()]
+
+    # A cancel during the wait gives up at once; then the job is cancelled.
+    loop = Loop()
+    _requests_taken(loop, starting)
+    assert loop.ran(starting) == START
+    assert loop.ran(replace(waiting, cancel="enough")) == [GiveUpStarts()]
+    gave_up = S(pending=True, cancel="enough", shortfall="0 of 2", leaving=("w0",))
+    assert loop.ran(gave_up) == [StopWorkers(("w0",)), Settle()]
+    assert loop.state == Cancelling("enough", "settling", loop.state.memo)
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_the_first_starts_wait_follows_its_rules(data: st.DataObject) -> None:
+    """Random readings after every effect of the first start's wait (the big property above
+    reaches it rarely): it waits while workers are starting, the first wait whatever time it
+    is; once none is left starting after a wait, the ones that failed are started again;
+    still starting past the deadline (the first wait's time plus the start timeout) or on a
+    cancel, they are given up; the failure policy's Fail ends the job; otherwise who trains
+    is known and the wait is over."""
+    during = st.builds(
+        S, cancel=cancels, pending=st.just(True), first_start=st.booleans(),
+        starts_pending=st.booleans(), shortfall=st.none() | st.just("0 of 2 workers"),
+        dirty=st.booleans(), leaving=st.sampled_from([(), ("w1",)]))
+    cfg = LoopConfig(epochs=3, start_timeout_s=5.0)
+    loop = Loop(cfg)
+    _requests_taken(loop, S(pending=True, first_start=True))
+    previous = loop.ran(S(pending=True, first_start=True))
+    assert previous == START
+    now, first_wait = T0, None
+    for _ in range(40):
+        f = data.draw(during)
+        now += data.draw(st.sampled_from([0.0, 0.5, 2.0, 4.0]))
+        if data.draw(failing):
+            assert loop.on(Failed("no workers")) == [
+                EndJob(JobState.FAILED, "no workers"), EndStep(stop=True)]
+            assert loop.state == Concluded(JobState.FAILED, "no workers", loop.state.memo)
+            return
+        effects = loop.ran(f, now=now)
+        assert (effects[:1] == [StopWorkers(f.leaving)]) == bool(f.leaving)
+        body = effects[1:] if f.leaving else effects
+        if f.membership.starts_pending:
+            over = first_wait is not None and now >= first_wait + cfg.start_timeout_s
+            if f.cancel is not None or over:
+                assert body == [GiveUpStarts()]
+                return
+            assert body == [AwaitStarts()]
+            first_wait = now if first_wait is None else first_wait
+            assert loop.state.deadline == first_wait + cfg.start_timeout_s
+        elif previous[-1] == AwaitStarts():
+            assert body == START
+            assert loop.state.deadline == first_wait + cfg.start_timeout_s
+        else:  # who trains is known: no more waiting or starting at this boundary
+            assert not any(isinstance(e, (AwaitStarts, GiveUpStarts, PollNodes)) for e in body)
+            return
+        previous = body
+    pytest.fail("the first start's wait did not end")
+
+
+def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training() -> None:
+    loop = Loop()
+    _requests_taken(loop, S(epoch_open=True))
+    mid = S(epoch_open=True, dirty=True)
+    assert loop.ran(mid) == PLACE
+    assert loop.ran(mid) == [Regroup()]
+    assert loop.ran(S(epoch_open=True), ok=True) == [Replan("membership")]
+    assert loop.state == Regrouping("resplitting", loop.state.memo)
+    assert loop.ran(S(epoch_open=True)) == [TrainSegment(ahead=True, across=False)]
+    # The re-split had nothing in flight to post to: the group trains on whatever the
+    # readings say next (here an epoch to open; a stray offer is not a re-plan's to post).
+    assert loop.ran(S(epoch_open=True)) == [PublishReady(), EndStep()]
+    _requests_taken(loop, S(epoch_open=True), now=LATER)
+    loop.ran(mid, now=LATER)
+    loop.ran(mid, now=LATER)
+    assert loop.ran(S(epoch_open=True), ok=True) == [Replan("membership")]
+    assert loop.ran(S(), ok=OFFER) == [BeginEpoch(), Replan()]
+    # Between epochs (the next is planned when it begins), or the epoch complete: no
+    # re-split.
+    for between in (S(), S(epoch_open=True, epoch_complete=True)):
+        loop = Loop()
+        _requests_taken(loop, S())
+        loop.ran(S(dirty=True))
+        loop.ran(S(dirty=True))
+        assert loop.ran(between, ok=True)[:1] != [Replan("membership")]
+
+
+def test_workers_taken_out_are_stopped_before_anything_else() -> None:
+    """A segment failed with a worker lost and the next segment sent: the lost worker is
+    stopped before the one sent ahead is collected (what it queued then fails at once), and
+    drained workers before the nodes are listed and workers spawned on them: exactly the
+    workers the machines say are leaving."""
+    loop = Loop()
+    _requests_taken(loop, S(epoch_open=True))
+    loop.ran(S(epoch_open=True))
+    lost = S(in_flight=True, epoch_open=True, leaving=("w1",))
+    assert loop.ran(lost, ok=False) == [StopWorkers(("w1",)), AbsorbAhead()]
+    assert loop.ran(S(epoch_open=True)) == [PublishReady(), EndStep()]
+    assert loop.tick(S(epoch_open=True, requests=("drain",))) == [TakeRequests()]
+    assert loop.ran(S(epoch_open=True, drains_due=True)) == [
+        Settle(), ApplyDrains(), AdoptStarted()]
+    drained = S(epoch_open=True, dirty=True, leaving=("w2", "w0"))
+    assert loop.ran(drained) == [StopWorkers(("w2", "w0")), *PLACE]
+    # At a boundary's start too, and once the job is over.
+    assert loop.ran(S(epoch_open=True, dirty=True, leaving=("w4",))) == [
+        StopWorkers(("w4",)), Regroup()]
+    loop = Loop(state=Concluded(JobState.SUCCEEDED))
+    assert loop.tick(S(leaving=("w3",))) == [StopWorkers(("w3",)), EndStep(stop=True)]
+
+
+def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> None:
+    loop = Loop()
+    _requests_taken(loop, S(epoch_open=True, epoch=1))
+    loop.ran(S(epoch_open=True, epoch=1))
+    # The segment failed mid-epoch with the next one sent: that one is collected.
+    assert loop.ran(S(in_flight=True, epoch_open=True, epoch=1), ok=False) == [AbsorbAhead()]
+    assert loop.state == Training(1, "absorbing", memo=loop.state.memo)
+    assert loop.ran(S(epoch_open=True, epoch=1)) == [PublishReady(), EndStep()]
+    # It failed after completing the epoch, with the next epoch's first sent: the epoch
+    # ends, the next begins, then the one sent ahead is absorbed (and may complete it).
+    _requests_taken(loop, S(epoch_open=True, epoch=1))
+    loop.ran(S(epoch_open=True, epoch=1))
+    done = S(in_flight=True, epoch_open=True, epoch_complete=True, epoch=1)
+    assert loop.ran(done, ok=False) == END
+    assert loop.state == EndingEpoch(1, "absorb", memo=loop.state.memo)
+    assert loop.ran(S(in_flight=True, epoch=2)) == [BeginEpoch(), AbsorbAhead()]
+    assert loop.state == Training(2, "absorbing", memo=loop.state.memo)
+    assert loop.ran(S(epoch_open=True, epoch_complete=True, epoch=2)) == END
+    assert loop.state == EndingEpoch(2, "train", memo=loop.state.memo)
+    assert loop.ran(S(epoch=3)) == [PublishReady(), EndStep()]
+    # A segment that failed with nothing sent ahead: nothing to absorb.
+    _requests_taken(loop, S(epoch_open=True))
+    loop.ran(S(epoch_open=True))
+    assert loop.ran(S(epoch_open=True), ok=False) == [PublishReady(), EndStep()]
+
+
+def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_calls_for() -> None:
+    """A checkpoint due (the job keeps them: every N epochs, and after the last) or a judged
+    epoch awaits the epoch's evaluation (the checkpoint holds its record, scores included);
+    every checkpoint of an epoch's end is written as the next epoch's start."""
+    ending = [EndEpoch(), Evaluate()]
+    loop = Loop(LoopConfig(epochs=4, checkpoint_dir=True, checkpoint_every=2))
+    for epoch, due in [(0, False), (1, True), (2, False), (3, True)]:  # 2 by every, 4 last
+        _requests_taken(loop, S(epoch_open=True, epoch=epoch))
+        loop.ran(S(epoch_open=True, epoch=epoch))
+        complete = S(epoch_open=True, epoch_complete=True, epoch=epoch)
+        saves = [Settle(), Checkpoint("epoch", Position(epoch + 1, 0))] if due else []
+        assert loop.ran(complete) == [*ending, *saves, NextEpoch()]
+        assert loop.state == EndingEpoch(epoch, "train", memo=loop.state.memo)
+        assert loop.ran(S(epoch=epoch + 1)) == [PublishReady(), EndStep()]
+    # A judged epoch (early stopping, keep_best): judged once its evaluation is in; the best
+    # so far and early stopping's stop are written (early stopping's only when the job keeps
+    # checkpoints), then the training ends.
+    at = Position(2, 0)
+    for best, stop, keeps, every, saves in [
+        (True, True, True, 3, [Checkpoint("best", at, BEST), Checkpoint("early stopping", at)]),
+        (False, True, False, 1, []),
+        (True, False, True, 1, [Checkpoint("best", at, BEST), Checkpoint("epoch", at)]),
+        (False, True, True, 2, [Checkpoint("epoch", at)]),
+        (False, False, True, 3, []),
+    ]:
+        loop = Loop(LoopConfig(epochs=3, judges_epochs=True, checkpoint_dir=keeps,
+                               checkpoint_every=every))
+        _requests_taken(loop, S(epoch_open=True, epoch=1))
+        loop.ran(S(epoch_open=True, epoch=1))
+        judged = S(epoch_open=True, epoch_complete=True, epoch=1)
+        assert loop.ran(judged) == [*ending, Settle(), JudgeEpoch()]
+        assert loop.state == EndingEpoch(1, "train", judging=True, due=keeps and every != 3,
+                                         memo=loop.state.memo)
+        verdict = Verdict(BEST if best else None, "stopped" if stop else None)
+        assert loop.ran(S(epoch=1), verdict) == [*saves, NextEpoch(verdict.stop)]
+        assert loop.state == EndingEpoch(1, "train", memo=loop.state.memo)
+        trained = S(epoch=2, trained=stop, stopped=verdict.stop, recorded=2)
+        assert loop.ran(trained) == ([Settle()] if stop else [PublishReady(), EndStep()])
+        if stop:  # early stopping's reason is the job's end
+            assert loop.ran(trained) == [
+                SaveModel("end"), EndJob(JobState.SUCCEEDED, "stopped"), EndStep()]
+    # The job failed while the evaluation was awaited: it ends, nothing is written.
+    loop = Loop(LoopConfig(epochs=3, judges_epochs=True, checkpoint_dir=True))
+    _requests_taken(loop, S(epoch_open=True))
+    loop.ran(S(epoch_open=True))
+    loop.ran(S(epoch_open=True, epoch_complete=True))
+    assert loop.on(Failed("evaluation: w0 raised")) == [
+        EndJob(JobState.FAILED, "evaluation: w0 raised"), EndStep(stop=True)]
+
+
+def test_a_cancel_commits_a_segment_sent_across_the_epochs_end_in_its_epoch() -> None:
+    loop = Loop()
+    assert loop.tick(S(cancel="enough", in_flight=True)) == [BeginEpoch(), CommitInFlight()]
+    assert loop.state == Cancelling("enough", "committing", loop.state.memo)
+
+
+def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
+    loop = Loop()
+    _requests_taken(loop, S())
+    short = S(shortfall="1 of 2 workers", dirty=True)
+    assert loop.ran(short) == PLACE  # the group changed: list nodes at once
+    assert loop.ran(short) == [WaitForMinimum("1 of 2 workers"), EndStep()]
+    _requests_taken(loop, S())
+    assert loop.ran(S(dirty=True)) == PLACE  # (not due by the clock)
+    assert loop.ran(S(dirty=True)) == [Regroup()]
+    assert loop.ran(S(dirty=True), ok=False) == [EndStep()]
+    assert isinstance(loop.state, AtRest)
+    # No member holds the committed state: the checkpoint is loaded first (rolling back);
+    # weights restored and not yet loaded (a regroup that failed after loading them) need
+    # no second load.
+    _requests_taken(loop, S())
+    lost = S(dirty=True, needs_state=True)
+    assert loop.ran(lost) == PLACE
+    assert loop.ran(lost) == [Settle(), LoadCheckpoint()]
+    assert loop.state == Regrouping("rolling_back", loop.state.memo)  # inside the regroup
+    assert loop.ran(S(dirty=True)) == [Regroup()]
+    assert loop.state == Regrouping("forming", loop.state.memo)
+    loop.ran(S(dirty=True), ok=False)
+    _requests_taken(loop, S())
+    loop.ran(replace(lost, holding_restored=True))
+    assert loop.ran(replace(lost, holding_restored=True)) == [Regroup()]
+
+
+def test_a_wait_for_workers_is_the_loops_state_and_carries_since_when() -> None:
+    """Too few workers: the loop rests ``Waiting`` since the wait began; a boundary that
+    finds too few again goes on with that wait (the job fails once it is over its limit),
+    one that trains ends it, and a later shortfall starts a new one."""
+    loop = Loop()
+    short = S(shortfall="1 of 2 workers")
+    _requests_taken(loop, short, now=T0)
+    assert loop.ran(short, now=T0) == [WaitForMinimum("1 of 2 workers"), EndStep()]
+    assert loop.state == Waiting(T0, "1 of 2 workers", Memo(polled_at=T0))
+    later = S(shortfall="1 of 2 workers (node01 lost)")
+    _requests_taken(loop, later, now=T0 + 15)
+    assert loop.state.waiting == Waiting(T0, "1 of 2 workers", Memo(polled_at=T0))
+    assert loop.ran(later, now=T0 + 15) == PLACE  # the nodes listed (due): the wait goes on
+    assert loop.ran(later, now=T0 + 15) == [
+        WaitForMinimum(later.membership.shortfall, since=T0), EndStep()]
+    assert loop.state == Waiting(T0, later.membership.shortfall, Memo(polled_at=T0 + 15))
+    # Enough workers: the group trains, and the wait is over.
+    _requests_taken(loop, S(), now=T0 + 15)
+    assert loop.ran(S(), now=T0 + 15) == [BeginEpoch(), Replan()]
+    assert loop.ran(S(epoch_open=True)) == [TrainSegment(ahead=True, across=False)]
+    assert loop.ran(S(epoch_open=True)) == [PublishReady(), EndStep()]
+    assert isinstance(loop.state, AtRest)
+    again = S(shortfall="1 of 2 workers", epoch_open=True)
+    _requests_taken(loop, again, now=T0 + 15.1)
+    assert loop.ran(again, now=T0 + 15.1) == [WaitForMinimum("1 of 2 workers"), EndStep()]
+    assert loop.state == Waiting(T0 + 15.1, "1 of 2 workers", Memo(polled_at=T0 + 15))
+    # A cancel ends a wait at the next boundary.
+    assert loop.tick(replace(again, cancel="enough"), now=T0 + 16) == [Settle()]
+    assert loop.state == Cancelling("enough", "settling", loop.state.memo)
+
+
+def test_a_cancel_while_the_group_formed_cancels_with_its_reason() -> None:
+    loop = Loop()
+    _requests_taken(loop, S(pending=True))
+    assert loop.ran(S(pending=True, cancel="owner: enough")) == [MarkRunning(), Settle()]
+    assert loop.state == Cancelling("owner: enough", "settling", loop.state.memo)
+    assert loop.ran(S(cancel="owner: enough", recorded=1)) == [
+        Checkpoint("cancel"), SaveModel("cancel"),
+        EndJob(JobState.CANCELLED, "owner: enough"), EndStep(stop=True)]
+    assert loop.state == Concluded(JobState.CANCELLED, "owner: enough", loop.state.memo)
+
+
+def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed() -> None:
+    loop = Loop()
+    cancel = S(cancel="enough", in_flight=True, epoch_open=True, epoch=2)
+    assert loop.tick(cancel) == [CommitInFlight()]
+    done = S(cancel="enough", epoch_open=True, epoch_complete=True, epoch=2)
+    assert loop.ran(done) == END
+    assert loop.state == EndingEpoch(2, "cancel", memo=loop.state.memo)
+    # That was the last epoch: the job finishes SUCCEEDED, not CANCELLED.
+    trained = S(cancel="enough", trained=True, recorded=3, epoch=3)
+    assert loop.ran(trained) == [Settle()]
+    assert loop.state == Finishing(True, loop.state.memo)
+    assert loop.ran(trained) == [
+        SaveModel("end"), EndJob(JobState.SUCCEEDED), EndStep(stop=True)]
+    # Not the last: back to cancelling, with the cancel's reason.
+    loop = Loop()
+    loop.tick(cancel)
+    loop.ran(done)
+    assert loop.ran(S(cancel="enough", recorded=3, epoch=3)) == [Settle()]
+    assert loop.state == Cancelling("enough", "settling", loop.state.memo)
+    assert loop.ran(S(cancel="enough", recorded=3, epoch=3)) == [
+        Checkpoint("cancel"), SaveModel("cancel"), EndJob(JobState.CANCELLED, "enough"),
+        EndStep(stop=True)]
+    # Nothing was trained: no model goes out.
+    loop = Loop()
+    loop.tick(S(cancel="enough"))
+    assert loop.ran(S(cancel="enough")) == [
+        Checkpoint("cancel"), EndJob(JobState.CANCELLED, "enough"), EndStep(stop=True)]
+    # A step of the first epoch trained: the model goes out.
+    loop = Loop()
+    loop.tick(S(cancel="enough"))
+    assert SaveModel("cancel") in loop.ran(S(cancel="enough", step=3))
+
+
+def test_a_failure_in_a_cancels_judged_epoch_end_concludes_and_stops_the_loop() -> None:
+    # Found by test_every_boundary_follows_the_loops_rules in a fresh-clone run (the old
+    # engine): a job ended while a cancel's epoch end awaited the evaluation must stop the
+    # loop, as every cancel does.
+    loop = Loop(LoopConfig(epochs=3, judges_epochs=True))
+    cancel = S(cancel="enough", in_flight=True, epoch_open=True)
+    assert loop.tick(cancel) == [CommitInFlight()]
+    done = S(cancel="enough", epoch_open=True, epoch_complete=True)
+    assert loop.ran(done)[-1] == JudgeEpoch()
+    assert loop.state == EndingEpoch(0, "cancel", judging=True, memo=loop.state.memo)
+    assert loop.on(Failed("evaluation failed")) == [
+        EndJob(JobState.FAILED, "evaluation failed"), EndStep(stop=True)]
+
+
+def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_holder():
+    loop = Loop()
+    _requests_taken(loop, S(epoch_open=True, epoch=2))
+    loop.ran(S(epoch_open=True, epoch=2))
+    assert loop.ran(S(epoch_open=True, epoch_complete=True, epoch=2)) == END
+    trained = S(trained=True, recorded=3, epoch=3)
+    assert loop.ran(trained) == [Settle()]
+    assert loop.state == Finishing(False, loop.state.memo)
+    assert loop.ran(trained) == [SaveModel("end"), EndJob(JobState.SUCCEEDED), EndStep()]
+    assert loop.state == Concluded(JobState.SUCCEEDED, None, loop.state.memo)
+    # A cancel that came while the last evaluations were awaited wins at the next boundary.
+    loop = Loop()
+    _requests_taken(loop, S())
+    assert loop.ran(trained) == [Settle()]
+    assert loop.ran(replace(trained, cancel="enough")) == [EndStep()]
+    assert isinstance(loop.state, AtRest)
+    assert loop.tick(replace(trained, cancel="enough")) == [Settle()]
+    # The last holder was lost meanwhile: the next boundary regroups and trains on.
+    loop = Loop()
+    _requests_taken(loop, S())
+    loop.ran(trained)
+    assert loop.ran(replace(trained, membership=MembershipView(holders=False))) == [EndStep()]
+    assert isinstance(loop.state, AtRest)
+    # Trained, but no holder: nothing to finish with yet.
+    _requests_taken(loop, S())
+    assert loop.ran(replace(trained, membership=MembershipView(holders=False))) == [EndStep()]
+
+
+def _states() -> list[LoopState]:
+    m = Memo(polled_at=T0)
+    return [
+        AtRest(m), Waiting(T0, "1 of 2", m), Reconciling("requests", memo=m),
+        Reconciling("awaiting", adopted=True, deadline=T0 + 5, memo=m),
+        Regrouping("forming", m), Training(1, "segment", memo=m),
+        EndingEpoch(1, "train", judging=True, memo=m), Finishing(False, m),
+        Cancelling("enough", "settling", m),
+    ]
+
+
+@pytest.mark.parametrize("state", _states(), ids=lambda s: type(s).__name__)
+def test_a_failure_answers_any_state_and_concludes_the_job_once(state: LoopState) -> None:
+    """The failure policy's Fail (or a bug) answers whatever batch was awaited: the job ends
+    FAILED with its reason and the loop stops; the loop stays concluded, so a second failure
+    or a later boundary changes nothing and ends nothing again."""
+    loop = Loop(state=state)
+    assert loop.on(Failed("segment: w1 raised 3 times")) == [
+        EndJob(JobState.FAILED, "segment: w1 raised 3 times"), EndStep(stop=True)]
+    ended = Concluded(JobState.FAILED, "segment: w1 raised 3 times", state.memo)
+    assert loop.state == ended
+    assert loop.on(Failed("internal error: again")) == [EndStep(stop=True)]
+    assert loop.state == ended
+    assert loop.tick(S(cancel="enough", in_flight=True)) == [EndStep(stop=True)]
+    assert loop.state == ended
+
+
+def test_an_answer_nobody_waits_for_is_a_bug() -> None:
+    loop = Loop()
+    with pytest.raises(InvalidEvent, match="Done while AtRest"):
+        loop.on(Done(S(), T0))
+    loop.tick(S())
+    with pytest.raises(InvalidEvent, match="Boundary while Reconciling"):
+        _requests_taken(loop, S())
+    # Once concluded, only a boundary (or a failure) is taken.
+    loop = Loop(state=Concluded(JobState.SUCCEEDED))
+    with pytest.raises(InvalidEvent, match="EvaluationsIn while Concluded"):
+        loop.on(EvaluationsIn(S(), T0))
+
+
+def test_each_state_takes_only_the_answer_its_batch_yields() -> None:
+    """An executor that answers a batch with another effect's answer (a regroup's for a
+    segment, a segment's for the requests) is refused, not read as something else."""
+    loop = Loop()
+    loop.tick(S())  # TakeRequests
+    with pytest.raises(InvalidEvent, match="SegmentDone while Reconciling"):
+        loop.on(SegmentDone(S(), T0, all_ran=False))
+    loop = Loop()
+    _requests_taken(loop, S(epoch_open=True))
+    assert loop.ran(S(epoch_open=True)) == [TrainSegment(ahead=True, across=False)]
+    with pytest.raises(InvalidEvent, match="Regrouped while Training"):
+        loop.on(Regrouped(S(epoch_open=True), T0, formed=True))
+
+
+@pytest.mark.parametrize(("effect", "kind"), [
+    (TrainSegment(), SegmentDone), (AbsorbAhead(), SegmentDone), (CommitInFlight(), SegmentDone),
+    (Regroup(), Regrouped), (AdoptStarted(), WorkersStarted), (AwaitStarts(), WorkersStarted),
+    (PollNodes(), WorkersPlaced), (SpawnWorkers(), WorkersPlaced), (TendSpares(), WorkersPlaced),
+    (TakeRequests(), RequestsTaken), (Settle(), EvaluationsIn), (JudgeEpoch(), EvaluationsIn),
+    (NextEpoch(), Done), (Replan(), Replanned), (LoadCheckpoint(), Done),
+    (GiveUpStarts(), Done), (PostPlanUpdate(OFFER), Done), (LoadData(), Done),
+    (StopWorkers(("w1",)), Done),
+])
+def test_an_effect_is_answered_with_its_own_kind_of_event(effect: Effect, kind: type) -> None:
+    seen = S(epoch_open=True)
+    event = answer(effect, seen, 7.5, ok=False)
+    assert type(event) is kind and event.seen is seen and event.now == 7.5
+    if kind is SegmentDone:
+        assert event.all_ran is False
+    if kind is Regrouped:
+        assert event.formed is False
+    if kind is Replanned:
+        assert event.offer is None
+    verdict = Verdict(BEST, "stopped")
+    assert answer(JudgeEpoch(), seen, 7.5, verdict) == EvaluationsIn(seen, 7.5, verdict)
+    assert answer(Replan("check"), seen, 7.5, OFFER) == Replanned(seen, 7.5, OFFER)
+
+
+def test_nothing_answers_the_end_of_a_step() -> None:
+    with pytest.raises(ValueError, match="EndStep"):
+        answer(EndStep(), S(), T0)
