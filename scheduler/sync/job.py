@@ -32,7 +32,7 @@ from dynabatch.scheduler.core.failures import (
 )
 from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.core.membership import Membership, NodeInfo
+from dynabatch.scheduler.core.membership import Membership
 from dynabatch.scheduler.core.regime.regime import Regime
 from dynabatch.scheduler.core.sync.protocol import Position, SyncProtocol
 from dynabatch.scheduler.core.sync.tracker import Tracker
@@ -96,12 +96,10 @@ class SyncJob:
     # global batch trained there until the data is loaded.
     restored_weights: dict[str, Any] | None = None
     restored_batch: int | None = None
-    nodes: list[NodeInfo] = field(default_factory=list)  # as last listed (PollNodes)
     # Workers taken out of the job whose processes the loop's next StopWorkers stops.
     leaving: list[str] = field(default_factory=list)
     # The failure policy decided to fail the job, why: the loop ends it (its ``Failed``).
     failure: str | None = None
-    last_collect: float = -1e18  # when the last segment's results were read
 
     rebalances_total: int = 0
     regroup_seconds_total: float = 0.0

@@ -25,7 +25,7 @@ the step after the segment (``SyncProtocol.defer``). See
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynabatch.scheduler.core.failures import Failure, FailureEvent, WorkerOutcome, classify
 from dynabatch.scheduler.core.sync import ahead as decide
@@ -41,10 +41,17 @@ from dynabatch.scheduler.sync.epoch_report import segment_busy
 from dynabatch.scheduler.sync.evaluation import EvalRound
 from dynabatch.scheduler.sync.job import Ahead, Part
 
+if TYPE_CHECKING:
+    from dynabatch.scheduler.sync.coordinator import Coordinator
+
 UPDATE_TIMEOUT_S = 2.0  # posting a plan update: one compare-and-set in the group's store
 
 
 class Pipeline(Part):
+    def __init__(self, coord: Coordinator):
+        super().__init__(coord)
+        self.last_collect = -1e18  # when the last segment's results were read
+
     def grace_s(self) -> float:
         return self.spec.collective_timeout_s + 5.0
 
@@ -185,10 +192,10 @@ class Pipeline(Part):
         done = max((len(r.steps) for r in results), default=0)
         planned = len(next(iter(plans.values())).steps)
         share = decide.attribute_wall(
-            sent=t0, last_collected=job.last_collect, now=now,
+            sent=t0, last_collected=self.last_collect, now=now,
             evaluation_s=evaluation_s, done=done, planned=planned, workers=len(plans),
             busy=segment_busy(results, done))
-        job.last_collect = share.collected
+        self.last_collect = share.collected
         committed: list[list[Any]] = []
         with self.lock:
             ep = job.ep

@@ -22,6 +22,8 @@ scheduler its members (:meth:`Roster.report_group`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dynabatch.scheduler.control import Assign, Drain, Scale
 from dynabatch.scheduler.core.failures import FailureEvent
 from dynabatch.scheduler.core.lifecycle import JobState
@@ -29,6 +31,10 @@ from dynabatch.scheduler.core.sync.boundary import wait_for_minimum
 from dynabatch.scheduler.core.sync.loop import NODE_POLL_S
 from dynabatch.scheduler.runtime.seam import GroupReport
 from dynabatch.scheduler.sync.job import Part
+
+if TYPE_CHECKING:
+    from dynabatch.scheduler.core.membership import NodeInfo
+    from dynabatch.scheduler.sync.coordinator import Coordinator
 
 # After adopting a spare at a boundary with nothing in flight, how long to wait for it to
 # answer so that it joins this regroup rather than one segment later.
@@ -42,14 +48,18 @@ class Roster(Part):
     """Who trains: the driver's side of :class:`~dynabatch.scheduler.core.membership.
     Membership` (named apart from the workers' process group, ``dynabatch.actors.group``)."""
 
+    def __init__(self, coord: Coordinator):
+        super().__init__(coord)
+        self.nodes: list[NodeInfo] = []  # as last listed (PollNodes)
+
     # ---------------------------------------------------------------- at a boundary
     def poll_nodes(self, starting: bool) -> None:
         """List the nodes now (the loop's ``PollNodes``): the job's first start says when
         there are none; spares lost before they were adopted are noted."""
         job = self.job
         with self.lock:
-            job.nodes = self.runtime.nodes()
-            if not job.nodes and starting:
+            self.nodes = self.runtime.nodes()
+            if not self.nodes and starting:
                 self.c.reason = f"waiting for resources: {self.no_node_hint()}"
             for node, why in self.runtime.lost_spares():
                 job.membership.spare_lost(node, why)
@@ -121,7 +131,7 @@ class Roster(Part):
         m = job.membership
         adopted = False
         with self.lock:
-            spawns = m.spawns(job.nodes, starting, s.gpus_on)
+            spawns = m.spawns(self.nodes, starting, s.gpus_on)
             for i, sp in enumerate(spawns):
                 try:
                     self.runtime.spawn(sp)
@@ -144,7 +154,7 @@ class Roster(Part):
         """Start and stop spares per the membership's plan on the nodes last listed (the
         loop's ``TendSpares``, once the first workers are up)."""
         with self.lock:
-            plan = self.job.membership.spare_plan(self.job.nodes, self.spec.spares)
+            plan = self.job.membership.spare_plan(self.nodes, self.spec.spares)
             for node in plan.stop:
                 self.runtime.stop_spare(node)
             for node in plan.start:
