@@ -388,7 +388,7 @@ class Coordinator(JobControl):
             steps_per_epoch=p.steps_per_epoch if p else 1,
             epoch_open=job.ep is not None,
             epoch_complete=p is not None and p.epoch_complete, recorded=recorded,
-            in_flight=job.ahead is not None,
+            in_flight=self.pipeline.ahead is not None,
             batch=job.global_batch, next_batch=job.regime.batch_for(self.epoch + 1),
             stamps_fixed=job.regime.can_stamp_ahead, retrying=job.attempts.retrying,
             requests=requests, handing_over=handing_over,
@@ -410,8 +410,8 @@ class Coordinator(JobControl):
                 self.roster.adopt_started(0.0)
             case PollNodes(starting):
                 self.roster.poll_nodes(starting)
-            case SpawnWorkers(starting):
-                self.roster.spawn(starting)
+            case SpawnWorkers(starting, at_rest):
+                self.roster.spawn(starting, wait=at_rest)
             case TendSpares():
                 self.roster.tend_spares()
             case StopWorkers(workers):

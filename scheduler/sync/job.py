@@ -50,21 +50,6 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Ahead:
-    """A segment sent before the previous one's results were read."""
-
-    position: Position
-    plans: dict[str, Any]
-    ticket: Any
-    sent: float
-    behind: EvalRound | None = None  # an evaluation queued on its workers just before it
-
-    @property
-    def length(self) -> int:
-        return len(next(iter(self.plans.values())).steps)
-
-
-@dataclass
 class SyncJob:
     """What the synchronous driver knows about its job, in one place."""
 
@@ -84,7 +69,6 @@ class SyncJob:
 
     # The open epoch's totals; None between epochs (the next step boundary begins one).
     ep: EpochTotals | None = None
-    ahead: Ahead | None = None  # the segment in flight, sent ahead
     # The ended epoch's record and totals, from EndEpoch until Evaluate attaches them to the
     # epoch's evaluation (the record is published when that is in).
     ended: tuple[EpochRecord, EpochTotals] | None = None

@@ -24,7 +24,7 @@ the step after the segment (``SyncProtocol.defer``). See
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from dynabatch.scheduler.core.failures import Failure, FailureEvent, WorkerOutcome, classify
@@ -39,7 +39,7 @@ from dynabatch.scheduler.core.sync.update import (
 )
 from dynabatch.scheduler.sync.epoch_report import segment_busy
 from dynabatch.scheduler.sync.evaluation import EvalRound
-from dynabatch.scheduler.sync.job import Ahead, Part
+from dynabatch.scheduler.sync.job import Part
 
 if TYPE_CHECKING:
     from dynabatch.scheduler.sync.coordinator import Coordinator
@@ -47,9 +47,25 @@ if TYPE_CHECKING:
 UPDATE_TIMEOUT_S = 2.0  # posting a plan update: one compare-and-set in the group's store
 
 
+@dataclass
+class Ahead:
+    """A segment sent before the previous one's results were read."""
+
+    position: Position
+    plans: dict[str, Any]
+    ticket: Any
+    sent: float
+    behind: EvalRound | None = None  # an evaluation queued on its workers just before it
+
+    @property
+    def length(self) -> int:
+        return len(next(iter(self.plans.values())).steps)
+
+
 class Pipeline(Part):
     def __init__(self, coord: Coordinator):
         super().__init__(coord)
+        self.ahead: Ahead | None = None  # the segment in flight, sent ahead
         self.last_collect = -1e18  # when the last segment's results were read
 
     def grace_s(self) -> float:
@@ -70,14 +86,14 @@ class Pipeline(Part):
 
     def ahead_end(self) -> int | None:
         """The step after the segment in flight, when it lies in this epoch."""
-        a = self.job.ahead
+        a = self.ahead
         return decide.ahead_end(a.position if a else None, a.length if a else 0,
                                 self.job.protocol.epoch)
 
     def update_from(self) -> int | None:
         """The step from which a re-plan decided now can take effect inside the segment in
         flight, by a plan update (None: only after it)."""
-        a, p = self.job.ahead, self.job.protocol
+        a, p = self.ahead, self.job.protocol
         if a is None or a.position.epoch != p.epoch:
             return None
         if not next(iter(a.plans.values())).updates:
@@ -98,8 +114,8 @@ class Pipeline(Part):
         """Send the workers their steps ``[at, end)`` of the segment in flight under the
         allocation just adopted from ``at``. True when they apply it; False when refused
         (a worker had started step ``at``): the caller defers the allocation to ``end``."""
-        job, p = self.job, self.job.protocol
-        ahead = job.ahead
+        p = self.job.protocol
+        ahead = self.ahead
         seg = self.stamp(p.plan_segment(at=at, whole=True))
         update = PlanUpdate(p.epoch, at, {w: tuple(sp for sp in s.steps if sp.step < end)
                                           for w, s in seg.items()})
@@ -127,20 +143,20 @@ class Pipeline(Part):
             # then trains on. Dropped if that segment fails (it is not the final state).
             behind = self.evals.submit(p.epoch, job.evaluation_shards(list(plans)))
         nxt = self.stamp(p.plan_segment(at=plan.position))
-        job.ahead = Ahead(plan.position, nxt, self.runtime.submit_segment(nxt), self.clock.now(),
+        self.ahead = Ahead(plan.position, nxt, self.runtime.submit_segment(nxt), self.clock.now(),
                           behind)
 
     def drain(self, commit: bool) -> None:
         """Collect the segment in flight: commit it (``commit``), or discard it after a
         failure of the one before it."""
         job = self.job
-        ahead = job.ahead
+        ahead = self.ahead
         if ahead is None:
             return
         if commit and ahead.position == job.protocol.position:
             self.train_segment()  # (sent across the epoch's end: the loop began its epoch)
             return
-        job.ahead = None
+        self.ahead = None
         outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
         trained = [o.worker for o in outcomes if o.result is not None and o.result.steps]
         if trained:  # cannot happen: the group broke at the failure before it
@@ -155,12 +171,12 @@ class Pipeline(Part):
         and may that be the next epoch's first (the loop's
         :class:`~dynabatch.scheduler.core.sync.loop.TrainSegment`)."""
         job, p = self.job, self.job.protocol
-        ahead, job.ahead = job.ahead, None
+        ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.position == p.position:
             plans, ticket, t0, behind = ahead.plans, ahead.ticket, ahead.sent, ahead.behind
         else:
             if ahead is not None:  # defensive: a segment ahead always starts here
-                job.ahead = ahead
+                self.ahead = ahead
                 self.drain(commit=False)
             plans = self.stamp(p.plan_segment())
             if not plans:
@@ -244,14 +260,14 @@ class Pipeline(Part):
         rest is discarded. (One ahead in the next epoch: the loop ended this epoch and
         began that one first.)"""
         job = self.job
-        ahead = job.ahead
+        ahead = self.ahead
         if ahead is None:
             return
         p = job.protocol
         if ahead.position != p.position:
             self.drain(commit=False)
             return
-        job.ahead = None
+        self.ahead = None
         outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
         if any(o.result is not None and o.result.steps for o in outcomes):
             self.log("INFO", f"committing what the segment ahead trained after step "

@@ -125,8 +125,8 @@ class Roster(Part):
 
     def spawn(self, starting: bool, wait: bool = True) -> None:
         """Start workers where members are missing, on the nodes last listed (the loop's
-        ``SpawnWorkers``); which nodes is the membership's. ``wait``: with nothing in
-        flight, an adopted spare is waited for a moment (see :data:`ADOPT_WAIT_S`)."""
+        ``SpawnWorkers``); which nodes is the membership's. ``wait`` (nothing in flight):
+        an adopted spare is waited for a moment (see :data:`ADOPT_WAIT_S`)."""
         job, s = self.job, self.spec
         m = job.membership
         adopted = False
@@ -145,7 +145,7 @@ class Roster(Part):
                                  + (" (adopting its spare)" if sp.adopt else ""))
             if not starting:
                 self.note_placement(m.unplaced)
-        if wait and adopted and job.ahead is None:
+        if wait and adopted:
             # Nothing in flight: the adopted spare answers in milliseconds, and joins the
             # group formed at this boundary.
             self.adopt_started(ADOPT_WAIT_S)

@@ -361,7 +361,7 @@ def test_an_assignments_new_workers_start_while_the_segment_in_flight_trains():
     coord.assign({"node00": 1, "node01": 1})  # the scheduler's first grant
     _run_to_epoch(coord, 1)
     assert [w for w, _ in rt.spawned] == ["w0", "w1"]
-    while coord.job.ahead is None or coord.job.ahead.position.epoch != 1:
+    while coord.pipeline.ahead is None or coord.pipeline.ahead.position.epoch != 1:
         assert coord.step()
     trained = rt.record.trained
     coord.assign({"node00": 1, "node01": 1, "node02": 1})

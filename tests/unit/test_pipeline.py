@@ -286,7 +286,7 @@ def test_a_failure_while_a_replanned_segment_is_ahead(mode, kind):
     coord, rt, lineages = _coord(_spec(rebalance=rebalance, policy="dbs"))
     _run_to(coord, 1, 4)
     p = coord.job.protocol
-    assert coord.job.ahead is not None and len(p._plans) == 2  # a plan adopted ahead
+    assert coord.pipeline.ahead is not None and len(p._plans) == 2  # a plan adopted ahead
     rt.inject(_at_step(kind, 2, epoch=1, step=p.step + 1))
     snap = coord.run()
     assert snap.state == JobState.SUCCEEDED, snap.reason
@@ -399,7 +399,7 @@ def test_cancel_with_a_segment_in_flight_checkpoints_what_it_trained(tmp_path):
     spec = _pspec(policy="static", checkpoint={"dir": str(tmp_path), "every_epochs": 5})
     coord, _, _ = _coord(spec)
     _run_to(coord, 1, 1)  # the first segment of epoch 1 is done; the second is in flight
-    assert coord.job.ahead is not None
+    assert coord.pipeline.ahead is not None
     coord.cancel()
     coord.run()
     # The segment in flight was committed, and the epoch it completed was ended.
@@ -416,7 +416,7 @@ def test_cancel_with_the_next_epoch_in_flight(tmp_path):
     _run_to(coord, 0, 8)  # epoch 0's last segment in flight, with epoch 1's ahead
     while coord.epoch == 0:
         assert coord.step()
-    assert coord.job.ahead is not None and coord.job.ahead.position == Position(1, 0)
+    assert coord.pipeline.ahead is not None and coord.pipeline.ahead.position == Position(1, 0)
     coord.cancel()
     coord.run()
     assert coord.snapshot().state == JobState.CANCELLED

@@ -267,9 +267,12 @@ class PollNodes:
 
 @dataclass(frozen=True, slots=True)
 class SpawnWorkers:
-    """Start workers where the membership misses members, on the nodes last listed."""
+    """Start workers where the membership misses members, on the nodes last listed.
+    ``at_rest``: nothing in flight, so a spare adopted now is waited for a moment (it joins
+    this boundary's regroup)."""
 
     starting: bool = False
+    at_rest: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -724,19 +727,20 @@ class _Decisions:
             state: LoopState = Reconciling("watching", memo=self.memo)
             poll: Effects = []
             if self.poll_due() or take:
-                state, poll = self.place(state, starting=False)
+                state, poll = self.place(state, starting=False, at_rest=False)
             return state, [*load, *take, AdoptStarted(), *poll]
         # An assignment taken now has its workers started at once: the nodes are listed.
         memo = replace(self.memo, polled_at=None) if "assign" in f.requests else self.memo
         return Reconciling("requests", waiting, memo=memo), [*load, TakeRequests()]
 
-    def place(self, state: Reconciling, starting: bool) -> tuple[LoopState, Effects]:
+    def place(self, state: Reconciling, starting: bool, at_rest: bool = True
+              ) -> tuple[LoopState, Effects]:
         """List the nodes, start the workers the membership misses, tend the spares (not at
         the first start: they would compete with its workers' start-up)."""
         memo = replace(self.memo, polled_at=self.now)
         spares: Effects = [] if starting else [TendSpares()]
         return (replace(state, memo=memo),
-                [PollNodes(starting), SpawnWorkers(starting), *spares])
+                [PollNodes(starting), SpawnWorkers(starting, at_rest), *spares])
 
     def await_starts(self, f: Seen, adopted: bool, deadline: float | None,
                      waiting: Waiting | None) -> tuple[LoopState, Effects]:
