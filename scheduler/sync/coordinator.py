@@ -68,7 +68,6 @@ from dynabatch.scheduler.core.sync.loop import (
     EndEpoch,
     EndJob,
     EndStep,
-    Evaluate,
     Failed,
     GiveUpStarts,
     JudgeEpoch,
@@ -443,9 +442,8 @@ class Coordinator(JobControl):
             case AbsorbAhead():
                 self.pipeline.absorb_ahead()
             case EndEpoch():
-                self.epochs.end_epoch()
-            case Evaluate():
-                self.epochs.evaluate()
+                if (ended := self.epochs.end_epoch()) is not None:
+                    self.epochs.evaluate(*ended)
             case JudgeEpoch():
                 return self.epochs.judge_epoch()
             case NextEpoch(stop):

@@ -185,18 +185,18 @@ class Epochs(Part):
         self.log("INFO", f"{why}; the job ends after epoch {epoch}")
         return why
 
-    def end_epoch(self) -> None:
-        """Close the epoch's training: verify it from the workers' reports (the job fails
-        when the exactly-once check does not hold) and build its record (:meth:`evaluate`
-        attaches it to the epoch's evaluation; the job moves to the next epoch with
-        :meth:`next_epoch`)."""
+    def end_epoch(self) -> tuple[EpochRecord, EpochTotals] | None:
+        """Close the epoch's training: verify it from the workers' reports (None: the
+        exactly-once check does not hold, and the failure policy fails the job) and build
+        its record, returned with the epoch's totals (:meth:`evaluate` attaches them to the
+        epoch's evaluation; the job moves to the next epoch with :meth:`next_epoch`)."""
         job, p = self.job, self.job.protocol
         v = job.ledger.verify()
         if not v.verified:
             self.failed(FailureEvent("exactly_once", error=(
                 f"epoch {p.epoch}: exactly-once check of the workers' reports failed: "
                 f"{v.reason}")))
-            return
+            return None
         ep = job.ep
         alloc = p.allocation
         planned = set(alloc.workers) if alloc else set()
@@ -210,15 +210,13 @@ class Epochs(Part):
             regime=job.regime.end_epoch(p.epoch, p.global_batch, p.steps_per_epoch, ep.wall),
             policy=self.spec.policy, emulated=self.spec.emulated,
             generation=job.membership.generation)
-        job.ended = (record, ep)
+        return record, ep
 
-    def evaluate(self) -> None:
+    def evaluate(self, record: EpochRecord, ep: EpochTotals) -> None:
         """Have the holders score the ended epoch, each its shard (unless that evaluation was
         sent ahead of the epoch's end), and attach the epoch's record to it: the record is
         published when the evaluation is in."""
         job, p = self.job, self.job.protocol
-        record, ep = job.ended
-        job.ended = None
         rnd = self.evals.unattached(p.epoch)
         if rnd is None:
             holders = [m.worker_id for m in job.membership.holders()]

@@ -69,9 +69,6 @@ class SyncJob:
 
     # The open epoch's totals; None between epochs (the next step boundary begins one).
     ep: EpochTotals | None = None
-    # The ended epoch's record and totals, from EndEpoch until Evaluate attaches them to the
-    # epoch's evaluation (the record is published when that is in).
-    ended: tuple[EpochRecord, EpochTotals] | None = None
     # An evaluation queued for the next segment sent (its workers score first); dropped by
     # a regroup, before which it ran.
     next_behind: EvalRound | None = None

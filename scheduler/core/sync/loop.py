@@ -362,13 +362,9 @@ class CommitInFlight:
 
 @dataclass(frozen=True, slots=True)
 class EndEpoch:
-    """Verify the epoch from the workers' reports and build its record."""
-
-
-@dataclass(frozen=True, slots=True)
-class Evaluate:
-    """Have the holders score the ended epoch (unless sent ahead of its end); its record is
-    published when that is in."""
+    """Verify the epoch from the workers' reports, build its record, and have the holders
+    score its final weights (unless that was sent ahead of its end): the record is
+    published when that evaluation is in."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,7 +426,7 @@ Effect = (
     LoadData | TakeRequests | ApplyDrains | AdoptStarted | PollNodes | SpawnWorkers
     | TendSpares | StopWorkers | AwaitStarts | GiveUpStarts | WaitForMinimum | LoadCheckpoint
     | Regroup | MarkRunning | BeginEpoch | Replan | PostPlanUpdate | TrainSegment
-    | AbsorbAhead | CommitInFlight | EndEpoch | Evaluate | JudgeEpoch | NextEpoch
+    | AbsorbAhead | CommitInFlight | EndEpoch | JudgeEpoch | NextEpoch
     | PublishReady | Settle | Checkpoint | SaveModel | EndJob | EndStep
 )
 
@@ -820,12 +816,11 @@ class _Decisions:
         record, scores included); the checkpoints are written as the next epoch's start."""
         cfg, epoch = self.cfg, f.epoch
         due = cfg.checkpoint_due(epoch + 1)
-        end: Effects = [EndEpoch(), Evaluate()]
         if cfg.judges_epochs:
             return (EndingEpoch(epoch, then, judging=True, due=due, memo=self.memo),
-                    [*end, Settle(), JudgeEpoch()])
+                    [EndEpoch(), Settle(), JudgeEpoch()])
         save = [Settle(), Checkpoint("epoch", Position(epoch + 1, 0))] if due else []
-        return EndingEpoch(epoch, then, memo=self.memo), [*end, *save, NextEpoch()]
+        return EndingEpoch(epoch, then, memo=self.memo), [EndEpoch(), *save, NextEpoch()]
 
     def finishing(self, f: Seen, cancelling: bool) -> tuple[LoopState, Effects] | None:
         """Every epoch trained and a member holding the final state: await the last
