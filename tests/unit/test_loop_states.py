@@ -23,6 +23,7 @@ from dynabatch.scheduler.core.sync.loop import (
     LoopState,
     Regrouping,
     Training,
+    TrainSegment,
     Waiting,
     step,
 )
@@ -103,16 +104,19 @@ def kind(state: LoopState) -> str:
 
 
 def _record(coord: Coordinator, monkeypatch: pytest.MonkeyPatch,
-            then: Callable[[LoopState], None] | None = None) -> Trail:
+            then: Callable[[LoopState], None] | None = None,
+            decisions: list[tuple[Event, Effects]] | None = None) -> Trail:
     """The loop's state after each of the reducer's decisions, with the driver's clock (the
     product keeps no log of them: this wraps the ``step`` the coordinator calls, as it
-    calls it); ``then`` is called with each."""
+    calls it); ``then`` is called with each; ``decisions`` gets each event and effects."""
     trail: Trail = []
 
     def recording(state: LoopState, event: Event, config: LoopConfig
                   ) -> tuple[LoopState, Effects]:
         new, effects = step(state, event, config)
         trail.append((coord.clock.now(), new))
+        if decisions is not None:
+            decisions.append((event, effects))
         if then is not None:
             then(new)
         return new, effects
@@ -153,10 +157,9 @@ def test_a_clean_run_regroups_trains_ends_epochs_and_finishes(monkeypatch):
 def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone(monkeypatch):
     coord, rt = _coord()
     rt.inject(Fault(kind="die", worker=1, epoch=0, step=5))
-    trail = _record(coord, monkeypatch)
-    sent = []
-    while coord.step():
-        sent.append((coord.job.attempts.retrying, coord.job.ahead is not None))
+    decisions: list[tuple[Event, Effects]] = []
+    trail = _record(coord, monkeypatch, decisions=decisions)
+    coord.run()
     assert coord.snapshot().state == JobState.SUCCEEDED
     assert _lost(coord) == ["w1"]
     path = _path(trail, "regrouping", "training")
@@ -164,7 +167,10 @@ def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone(mo
     assert path.count("regrouping") >= 2
     i = path.index("regrouping", 1)
     assert path[i - 1] == "training" and path[i + 1] == "training"
-    # While the failure is being retried, nothing is sent ahead of the retry.
+    # While the failure is being retried (as the coordinator reads its failure policy),
+    # nothing is sent ahead of the retry.
+    sent = [(event.seen.retrying, e.ahead) for event, effects in decisions
+            for e in effects if isinstance(e, TrainSegment)]
     assert any(retrying for retrying, _ in sent)
     assert not any(retrying and ahead for retrying, ahead in sent)
 
@@ -202,8 +208,10 @@ def test_too_few_workers_wait_then_fail_after_the_timeout(monkeypatch):
 
 def test_a_cancel_with_a_segment_in_flight_commits_it_and_is_done(monkeypatch):
     coord, _ = _coord()
-    trail = _record(coord, monkeypatch)
-    while coord.job.ahead is None:
+    decisions: list[tuple[Event, Effects]] = []
+    trail = _record(coord, monkeypatch, decisions=decisions)
+    while not any(e == TrainSegment(ahead=True, across=False) for _, effects in decisions
+                  for e in effects):  # a segment was sent ahead: one is in flight
         assert coord.step()
     coord.cancel("enough")
     assert not coord.step()

@@ -36,7 +36,6 @@ from dynabatch.scheduler.core.sync.loop import (
     EndingEpoch,
     EndJob,
     EndStep,
-    Evaluate,
     EvaluationsIn,
     Event,
     Failed,
@@ -126,9 +125,11 @@ OFFER = OfferedUpdate(
     early=5, end=8, why="adaptive check")
 # Nodes listed after the first start: the missing workers started on them, spares tended.
 PLACE = [PollNodes(), SpawnWorkers(), TendSpares()]
+# The same with a segment in flight: a spare adopted now is not waited for.
+PLACE_FLYING = [PollNodes(), SpawnWorkers(at_rest=False), TendSpares()]
 START = [PollNodes(starting=True), SpawnWorkers(starting=True)]
 # An epoch's end with nothing due and nothing judged.
-END = [EndEpoch(), Evaluate(), NextEpoch()]
+END = [EndEpoch(), NextEpoch()]
 
 
 def _requests_taken(loop: Loop, seen: Seen, now: float = T0) -> None:
@@ -278,13 +279,13 @@ def _epoch_end(cfg: LoopConfig, batches: list[Batch], i: int) -> int:
     epoch = b.seen.epoch
     at = Position(epoch + 1, 0)
     due = _checkpoint_due(cfg, epoch + 1)
-    assert b.body[:2] == [EndEpoch(), Evaluate()]
+    assert b.body[:1] == [EndEpoch()]
     assert isinstance(b.after, EndingEpoch) and b.after.epoch == epoch
     if not cfg.judges_epochs:
         saves = [Settle(), Checkpoint("epoch", at)] if due else []
-        assert b.body[2:] == [*saves, NextEpoch()]
+        assert b.body[1:] == [*saves, NextEpoch()]
         return i + 1
-    assert b.body[2:] == [Settle(), JudgeEpoch()]
+    assert b.body[1:] == [Settle(), JudgeEpoch()]
     judged = _answer(batches, i)
     if judged is None or judged.seen is None:  # it failed while the evaluation was awaited
         return i + 1
@@ -410,7 +411,9 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert not e.starting
             j = body.index(e)
             spares = [] if e.starting else [TendSpares()]
-            assert body[j + 1: j + 2 + len(spares)] == [SpawnWorkers(e.starting), *spares]
+            # (a spare adopted at rest is waited for: it joins this boundary's regroup)
+            spawn = SpawnWorkers(e.starting, at_rest=not (in_flight and i == 0))
+            assert body[j + 1: j + 2 + len(spares)] == [spawn, *spares]
             polled = now
         assert b.after.memo == Memo(polled_at=polled)  # what the loop remembers
         for e in body:
@@ -527,8 +530,6 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert isinstance(prev.body[-1], Replan) and prev.body[-1].cause != "membership"
             if isinstance(e, EndEpoch):  # always the start of an epoch's end
                 assert body[0] == e
-            if isinstance(e, Evaluate):  # the ended epoch, right after its end
-                assert body[:2] == [EndEpoch(), e]
             if isinstance(e, (JudgeEpoch, NextEpoch)) or (
                     isinstance(e, Checkpoint) and e.reason != "cancel"):
                 # only in an epoch's end, written as the next epoch's start
@@ -612,7 +613,7 @@ def test_a_training_boundary() -> None:
         TrainSegment(ahead=True, across=True)]
     assert loop.ran(S(epoch_open=True, epoch_complete=True), ok=True) == END
     assert loop.ran(S()) == [PublishReady(), EndStep()]
-    assert loop.tick(in_flight, now=LATER) == [AdoptStarted(), *PLACE]
+    assert loop.tick(in_flight, now=LATER) == [AdoptStarted(), *PLACE_FLYING]
     assert loop.state.memo == Memo(polled_at=LATER)
     assert loop.ran(replace(in_flight, membership=MembershipView())) == [
         TrainSegment(ahead=True, across=True)]
@@ -674,7 +675,7 @@ def test_nodes_are_listed_when_due_and_at_once_for_an_assignment() -> None:
     # workers started at once.
     loop = Loop()
     queued = S(epoch_open=True, in_flight=True, requests=("assign", "scale"))
-    assert loop.tick(queued) == [TakeRequests(assignments=True), AdoptStarted(), *PLACE]
+    assert loop.tick(queued) == [TakeRequests(assignments=True), AdoptStarted(), *PLACE_FLYING]
     loop = Loop()
     queued = S(epoch_open=True, in_flight=True, requests=("scale", "assign"))
     assert loop.tick(queued) == [AdoptStarted()]
@@ -892,7 +893,7 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
     """A checkpoint due (the job keeps them: every N epochs, and after the last) or a judged
     epoch awaits the epoch's evaluation (the checkpoint holds its record, scores included);
     every checkpoint of an epoch's end is written as the next epoch's start."""
-    ending = [EndEpoch(), Evaluate()]
+    ending = [EndEpoch()]
     loop = Loop(LoopConfig(epochs=4, checkpoint_dir=True, checkpoint_every=2))
     for epoch, due in [(0, False), (1, True), (2, False), (3, True)]:  # 2 by every, 4 last
         _requests_taken(loop, S(epoch_open=True, epoch=epoch))
