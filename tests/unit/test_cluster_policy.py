@@ -1,5 +1,5 @@
 """The cluster policy (scheduler/core/cluster/): properties over random clusters, each
-policy's intent on small examples, and the throughput model."""
+policy's intent on small examples, and the throughput model's bootstrap."""
 
 from __future__ import annotations
 
@@ -11,12 +11,9 @@ from dynabatch.scheduler.core.cluster import (
     ClusterKnobs,
     ClusterNode,
     ThroughputModel,
-    WorkerFit,
     bootstrap,
     decide,
-    measure,
 )
-from dynabatch.scheduler.core.sync.steptime import StepTimeStats
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -393,31 +390,6 @@ def test_bad_input_is_one_line_naming_the_field(make, message):
 
 
 # --- the throughput model ------------------------------------------------------------------
-
-
-def _stats(a: float, c: float, batches=(8.0, 16.0, 32.0)) -> StepTimeStats:
-    s = StepTimeStats()
-    for b in batches:
-        s = s.add(b, a + c * b)
-    return s
-
-
-def test_measure_fits_each_type_from_the_workers_affine_step_times():
-    workers = [
-        WorkerFit("fast", _stats(0.01, 0.001)),
-        WorkerFit("fast", _stats(0.01, 0.001)),
-        WorkerFit("fast", _stats(0.01, 0.01)),  # one straggler: the median ignores it
-        WorkerFit("slow", _stats(0.01, 0.004)),
-        WorkerFit("slow", StepTimeStats()),
-    ]
-    m = measure(workers, global_batch=64.0, allreduce_s=0.02)
-    assert m.rate("fast") == pytest.approx(1000.0)
-    assert m.rate("slow") == pytest.approx(250.0)
-    assert m.overhead_s == pytest.approx(0.03)
-    assert m.measured == {"fast", "slow"}
-    # Throughput: B / (B/S + τ) for S = Σ n·rate.
-    s = 2 * 1000.0 + 250.0
-    assert m.throughput({"fast": 2, "slow": 1}) == pytest.approx(64.0 / (64.0 / s + 0.03))
 
 
 def test_bootstrap_estimates_an_unmeasured_type_from_other_jobs_ratios():

@@ -5,9 +5,7 @@ cluster of unequal nodes). No Ray, no torch, no clock: nodes and jobs in, one
 from dynabatch.scheduler.core.cluster.decision import decide
 from dynabatch.scheduler.core.cluster.throughput import (
     ThroughputModel,
-    WorkerFit,
     bootstrap,
-    measure,
 )
 from dynabatch.scheduler.core.cluster.values import (
     POLICIES,
@@ -26,8 +24,6 @@ __all__ = [
     "ClusterNode",
     "JobPlan",
     "ThroughputModel",
-    "WorkerFit",
     "bootstrap",
     "decide",
-    "measure",
 ]

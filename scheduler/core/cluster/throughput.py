@@ -15,22 +15,20 @@ whatever the share. That is what lets the cluster MILP model it with tangent lin
 is why a job may span node types: per-worker batches balance unequal workers, so a slow
 worker adds its own ``rate`` instead of holding the step back to its pace.
 
-Estimation. :func:`measure` fits each worker's affine step time with
-:func:`~dynabatch.scheduler.core.sync.steptime.fit` and takes, per node type, the median
-rate of that type's workers. :func:`bootstrap` fills the types a job has not run on from
-other jobs' speed ratios between types (as Sia bootstraps), or from per-type hints when no
-job has run on both; a type is marked measured only by the job's own telemetry, so an
-estimate is replaced as soon as the job has run there.
+Estimation. The rounds take, per node type, the median speed the job's workers there
+report (:mod:`~dynabatch.scheduler.core.cluster.rounds`). :func:`bootstrap` fills the types
+a job has not run on from other jobs' speed ratios between types (as Sia bootstraps), or
+from per-type hints when no job has run on both; a type is marked measured only by the
+job's own telemetry, so an estimate is replaced as soon as the job has run there.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from dynabatch.scheduler.core.sync.steptime import StepTimeStats, fit
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,34 +86,6 @@ class ThroughputModel:
     def throughput(self, counts: Mapping[str, int]) -> float:
         """Samples per second on ``counts`` workers per node type."""
         return self.of_speed(sum(n * self.rate(t) for t, n in counts.items()))
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerFit:
-    """One worker's telemetry for :func:`measure`: its node type and the decayed
-    (batch, compute seconds) statistics its tracker keeps."""
-
-    node_type: str
-    stats: StepTimeStats
-
-
-def measure(
-    workers: Sequence[WorkerFit], global_batch: float, allreduce_s: float = 0.0
-) -> ThroughputModel:
-    """The job's model from its workers' step-time fits: per type the median ``1/c`` of the
-    workers of that type (one straggler does not set a type's speed), τ = the median fixed
-    overhead ``a`` plus ``allreduce_s``. Workers without a usable fit are skipped."""
-    per_type: dict[str, list[float]] = {}
-    overheads: list[float] = []
-    for w in workers:
-        f = fit(w.stats)
-        if f is None:
-            continue
-        per_type.setdefault(w.node_type, []).append(1.0 / f.c)
-        overheads.append(f.a)
-    rates = {t: float(np.median(v)) for t, v in per_type.items()}
-    overhead = float(np.median(overheads)) if overheads else 0.0
-    return ThroughputModel.of(rates, rates, overhead + allreduce_s, global_batch)
 
 
 def type_ratios(models: Iterable[ThroughputModel]) -> dict[tuple[str, str], float]:
