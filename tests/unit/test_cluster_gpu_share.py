@@ -21,9 +21,9 @@ from dynabatch.scheduler.core.cluster import (
 )
 from dynabatch.scheduler.core.cluster.ray_nodes import RayNode, cluster_nodes, gpu_units
 from dynabatch.scheduler.core.cluster.rounds import (
+    Entry,
     JobGone,
     NodesSeen,
-    Registered,
     RoundState,
     Tick,
     step,
@@ -105,8 +105,8 @@ def test_rounds_start_both_halves_and_the_view_shows_gpus():
     s = RoundState()
     for e in (
         NodesSeen(_gpu_nodes(1)),
-        Registered("a", 1, 1, 0, 0.0, gpu_units=gpu_units(0.5)),
-        Registered("b", 1, 2, 0, 1.0, gpu_units=gpu_units(0.25)),
+        Entry("a", 1, 1, 0, 0.0, gpu_units=gpu_units(0.5)),
+        Entry("b", 1, 2, 0, 1.0, gpu_units=gpu_units(0.25)),
     ):
         s, _ = step(s, e, knobs)
     s, cmds = step(s, Tick(1.0), knobs)

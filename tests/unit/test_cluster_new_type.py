@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, ThroughputModel
 from dynabatch.scheduler.core.cluster.rounds import (
+    Entry,
     Measured,
     NodesSeen,
-    Registered,
     RoundState,
     Tick,
     policy_jobs,
@@ -70,7 +70,7 @@ def test_a_new_type_joining_mid_run_keeps_capacity_and_determinism(policy, run, 
     knobs = ClusterKnobs(policy=policy, hold_s=hold)
     s, _ = step(RoundState(), NodesSeen(nodes), knobs)
     for jid, lo, hi, prio, _ in jobs:
-        s, _ = step(s, Registered(jid, lo, hi, prio, 0.0), knobs)
+        s, _ = step(s, Entry(jid, lo, hi, prio, 0.0), knobs)
     s, _ = step(s, Tick(1.0), knobs)
     for jid, *_, rates in jobs:
         if rates:
@@ -97,7 +97,7 @@ def test_the_new_type_is_given_estimated_from_other_jobs_and_replaced_once_measu
     knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
     old = (ClusterNode("n0", "slow", 1), ClusterNode("n1", "slow", 1))
     s = RoundState()
-    for e in (NodesSeen(old), Registered("a", 1, 3, 0, 0.0), Registered("b", 1, 1, 0, 0.0)):
+    for e in (NodesSeen(old), Entry("a", 1, 3, 0, 0.0), Entry("b", 1, 1, 0, 0.0)):
         s, _ = step(s, e, knobs)
     s, _ = step(s, Tick(1.0), knobs)
     s, _ = step(s, Measured("a", _model({"slow": 10.0})), knobs)

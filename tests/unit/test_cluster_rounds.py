@@ -16,7 +16,6 @@ from dynabatch.scheduler.core.cluster.rounds import (
     Measured,
     NodesSeen,
     Reassign,
-    Registered,
     RequestRefused,
     RoundState,
     Start,
@@ -72,7 +71,7 @@ def _events(draw):
         if kind == "register":
             lo = draw(st.integers(1, 3))
             events.append(
-                Registered(
+                Entry(
                     jid,
                     lo,
                     lo + draw(st.integers(0, 3)),
@@ -166,8 +165,8 @@ def test_two_jobs_asking_the_whole_cluster_one_at_a_time():
     s = RoundState()
     for e in (
         NodesSeen(_nodes([("cpu", 1), ("cpu", 1)])),
-        Registered("a", 2, 2, 0, 0.0),
-        Registered("b", 2, 2, 0, 0.0),
+        Entry("a", 2, 2, 0, 0.0),
+        Entry("b", 2, 2, 0, 0.0),
     ):
         s, _ = step(s, e, knobs)
     s, cmds = step(s, Tick(1.0), knobs)
@@ -204,7 +203,7 @@ def _check_drain(before: RoundState, after: RoundState, event: Drained, commands
 def test_a_drain_gives_up_the_slot_and_no_round_gives_it_back():
     knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
     s = RoundState()
-    for e in (NodesSeen(_nodes([("cpu", 1)] * 3)), Registered("a", 1, 3, 0, 0.0)):
+    for e in (NodesSeen(_nodes([("cpu", 1)] * 3)), Entry("a", 1, 3, 0, 0.0)):
         s, _ = step(s, e, knobs)
     s, (start,) = step(s, Tick(1.0), knobs)
     assert start.workers == 3
@@ -213,7 +212,7 @@ def test_a_drain_gives_up_the_slot_and_no_round_gives_it_back():
     s, cmds = step(s, Tick(3.0), knobs)
     assert cmds == () and s.job("a").allocation == (("n0", 1), ("n2", 1))
     # Another job takes the freed slot; the drained one grows only when asked to.
-    s, _ = step(s, Registered("b", 1, 1, 0, 4.0), knobs)
+    s, _ = step(s, Entry("b", 1, 1, 0, 4.0), knobs)
     s, cmds = step(s, Tick(5.0), knobs)
     assert cmds == (Start("b", (("n1", 1),)),)
     s, cmds = step(s, Drained("a", "n1", 6.0), knobs)  # no slot of its there: refused
@@ -229,11 +228,11 @@ def test_a_drain_gives_up_the_slot_and_no_round_gives_it_back():
 def test_goodput_shrinks_a_running_job_to_admit_a_new_one_and_grows_it_back():
     knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
     s = RoundState()
-    for e in (NodesSeen(_nodes([("cpu", 1)] * 3)), Registered("a", 1, 3, 0, 0.0)):
+    for e in (NodesSeen(_nodes([("cpu", 1)] * 3)), Entry("a", 1, 3, 0, 0.0)):
         s, _ = step(s, e, knobs)
     s, cmds = step(s, Tick(1.0), knobs)
     assert [type(c) for c in cmds] == [Start] and cmds[0].workers == 3
-    s, _ = step(s, Registered("b", 2, 2, 0, 2.0), knobs)
+    s, _ = step(s, Entry("b", 2, 2, 0, 2.0), knobs)
     s, cmds = step(s, Tick(3.0), knobs)
     by = {c.job_id: c for c in cmds}
     assert isinstance(by["a"], Reassign) and by["a"].workers == 1
@@ -248,10 +247,10 @@ def test_goodput_shrinks_a_running_job_to_admit_a_new_one_and_grows_it_back():
 def test_a_running_job_is_not_sent_back_to_the_queue_by_a_higher_priority():
     knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
     s = RoundState()
-    for e in (NodesSeen(_nodes([("cpu", 1)] * 2)), Registered("low", 2, 2, 0, 0.0)):
+    for e in (NodesSeen(_nodes([("cpu", 1)] * 2)), Entry("low", 2, 2, 0, 0.0)):
         s, _ = step(s, e, knobs)
     s, _ = step(s, Tick(1.0), knobs)
-    s, _ = step(s, Registered("high", 2, 2, 5, 2.0), knobs)
+    s, _ = step(s, Entry("high", 2, 2, 5, 2.0), knobs)
     s, cmds = step(s, Tick(3.0), knobs)
     assert cmds == ()
     assert s.view.job("high").queued and s.view.job("high").priority == 5
@@ -262,7 +261,7 @@ def test_a_lost_node_reallocates_within_the_hold():
     knobs = ClusterKnobs(policy="goodput", hold_s=100.0)
     nodes = _nodes([("cpu", 1)] * 3)
     s = RoundState()
-    for e in (NodesSeen(nodes[:2]), Registered("a", 2, 2, 0, 0.0)):
+    for e in (NodesSeen(nodes[:2]), Entry("a", 2, 2, 0, 0.0)):
         s, _ = step(s, e, knobs)
     s, cmds = step(s, Tick(1.0), knobs)
     assert cmds == (Start("a", (("n0", 1), ("n1", 1))),)
@@ -275,10 +274,10 @@ def test_a_job_left_below_its_minimum_keeps_its_slots_and_no_one_takes_them():
     knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
     nodes = _nodes([("cpu", 1)] * 2)
     s = RoundState()
-    for e in (NodesSeen(nodes), Registered("a", 2, 2, 0, 0.0)):
+    for e in (NodesSeen(nodes), Entry("a", 2, 2, 0, 0.0)):
         s, _ = step(s, e, knobs)
     s, _ = step(s, Tick(1.0), knobs)
-    s, _ = step(s, Registered("b", 1, 1, 0, 2.0), knobs)
+    s, _ = step(s, Entry("b", 1, 1, 0, 2.0), knobs)
     s, _ = step(s, NodesSeen(nodes[1:]), knobs)
     s, cmds = step(s, Tick(3.0), knobs)
     assert cmds == ()
@@ -290,7 +289,7 @@ def test_a_job_left_below_its_minimum_keeps_its_slots_and_no_one_takes_them():
 def test_a_failed_start_waits_again_holding_nothing_and_says_why():
     knobs = ClusterKnobs(policy="fifo", hold_s=0.0)
     s = RoundState()
-    for e in (NodesSeen(_nodes([("cpu", 1)])), Registered("a", 1, 1, 0, 0.0)):
+    for e in (NodesSeen(_nodes([("cpu", 1)])), Entry("a", 1, 1, 0, 0.0)):
         s, _ = step(s, e, knobs)
     s, _ = step(s, Tick(1.0), knobs)
     s, _ = step(s, StartFailed("a", "name taken"), knobs)
@@ -304,7 +303,7 @@ def test_eligible_types_limit_a_job():
     s = RoundState()
     for e in (
         NodesSeen(_nodes([("cpu", 2), ("gpu", 2)])),
-        Registered("a", 1, 4, 0, 0.0, eligible=frozenset({"gpu"})),
+        Entry("a", 1, 4, 0, 0.0, eligible=frozenset({"gpu"})),
     ):
         s, _ = step(s, e, knobs)
     s, cmds = step(s, Tick(1.0), knobs)
@@ -319,7 +318,7 @@ def test_rebuild_touches_no_job_and_keeps_the_allocation():
     s = rebuild(
         nodes,
         [Entry("a", 1, 3, allocation=(("n1", 1), ("n0", 1)))],
-        [Registered("b", 1, 1, 0, 5.0), Registered("a", 1, 3)],
+        [Entry("b", 1, 1, 0, 5.0), Entry("a", 1, 3)],
         now=50.0,
     )
     assert s.job("a").started and s.job("a").allocation == (("n0", 1), ("n1", 1))
@@ -352,7 +351,7 @@ def test_two_equal_new_jobs_span_both_gpu_types_from_their_first_round():
     nodes = (ClusterNode("h", "gpu-H100x2", 2 * GPU_UNITS, gpu=True),
              ClusterNode("v", "gpu-V100x2", 2 * GPU_UNITS, gpu=True))
     unmeasured = ThroughputModel.of({}, (), overhead_s=0.5, global_batch=1.0)
-    for e in (NodesSeen(nodes), Registered("a", 1, 4, 0, 0.0), Registered("b", 1, 4, 0, 0.0),
+    for e in (NodesSeen(nodes), Entry("a", 1, 4, 0, 0.0), Entry("b", 1, 4, 0, 0.0),
               Measured("a", unmeasured), Measured("b", unmeasured)):
         s, _ = step(s, e, knobs)
     s, cmds = step(s, Tick(1.0), knobs)

@@ -25,7 +25,7 @@ from dynabatch.scheduler.core.cluster import (
 )
 from dynabatch.scheduler.core.cluster.decision import SPLIT
 from dynabatch.scheduler.core.cluster.ray_nodes import gpu_units
-from dynabatch.scheduler.core.cluster.rounds import NodesSeen, Registered, RoundState, Tick, step
+from dynabatch.scheduler.core.cluster.rounds import Entry, NodesSeen, RoundState, Tick, step
 from dynabatch.scheduler.core.cluster.values import GPU_UNITS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -176,8 +176,8 @@ def test_rounds_start_sized_gangs_and_count_their_slots_in_the_view():
     s = RoundState()
     for e in (
         NodesSeen((ClusterNode("n0", "cpu4", 4), ClusterNode("n1", "cpu4", 4))),
-        Registered("a", 2, 2, 0, 0.0, worker_slots=2),
-        Registered("b", 3, 3, 0, 1.0),
+        Entry("a", 2, 2, 0, 0.0, worker_slots=2),
+        Entry("b", 3, 3, 0, 1.0),
     ):
         s, _ = step(s, e, knobs)
     s, cmds = step(s, Tick(1.0), knobs)

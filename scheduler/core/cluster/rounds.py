@@ -148,11 +148,6 @@ class RoundState:
 
 # --- events ----------------------------------------------------------------------------------
 
-# A job to place is its entry as registered: a second registration of a known id of the same
-# (or an older) generation changes nothing; a later generation (a resumed job) replaces it.
-Registered = Entry
-
-
 @dataclass(frozen=True, slots=True)
 class FoundRunning:
     """A job found running (a new scheduler adopting it): ``job`` with the allocation its
@@ -381,8 +376,8 @@ def _step(
     hints: Mapping[str, float] | None,
 ) -> tuple[RoundState, tuple[Command, ...]]:
     match event:
-        case Entry():
-            known = state.job(event.job_id)
+        case Entry():  # a job registered: a known id's same or older generation changes
+            known = state.job(event.job_id)  # nothing; a later one (a resume) replaces it
             if known is not None and known.generation >= event.generation:
                 return state, ()
             fresh = replace(
