@@ -44,7 +44,7 @@ from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dynabatch.actors.emulation import NODE_SLOWDOWN_ENV
-from dynabatch.scheduler.runtime.cluster_scheduler import find_scheduler
+from dynabatch.scheduler.runtime.cluster_scheduler import NAMESPACE, SCHEDULER_NAME
 from dynabatch.scheduler.runtime.launch import find_coordinator
 from real_hetero import Api
 from report import emit
@@ -156,6 +156,14 @@ def resizes(job_id: str, generation: int) -> int | None:
     events = ray.get(handle.membership_events.remote(), timeout=30)
     changed = {e.generation for e in events if e.kind not in NOT_RESIZES}
     return max(0, len(changed) - 1)
+
+
+def find_scheduler() -> Any | None:
+    """The cluster's scheduler actor, None when none runs."""
+    try:
+        return ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None
 
 
 def release(job_ids: list[str]) -> None:

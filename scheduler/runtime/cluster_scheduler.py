@@ -626,10 +626,3 @@ def ensure_scheduler(
         )
         .remote(policy, round_s, hold_s, call_timeout_s, synced=synced)
     )
-
-
-def find_scheduler() -> Any | None:
-    try:
-        return ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
-    except ValueError:
-        return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -110,3 +111,14 @@ def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2):
             return value
         time.sleep(interval)
     raise TimeoutError("condition not met in time")
+
+
+def find_scheduler() -> Any | None:
+    """The cluster's scheduler actor (detached, named), None when none runs."""
+    import ray
+    from dynabatch.scheduler.runtime.cluster_scheduler import NAMESPACE, SCHEDULER_NAME
+
+    try:
+        return ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None

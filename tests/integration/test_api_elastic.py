@@ -19,14 +19,13 @@ from typing import Any
 import pytest
 import ray
 from dynabatch.api.app import create_app
-from dynabatch.scheduler.runtime.cluster_scheduler import find_scheduler
 from dynabatch.scheduler.runtime.launch import find_coordinator
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.settings import Settings
 from dynabatch.service.wiring import build_service
 from fastapi.testclient import TestClient
 
-from .conftest import wait_for
+from .conftest import find_scheduler, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -27,10 +27,11 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from dynabatch.scheduler.runtime.cluster_scheduler import find_scheduler
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.procs import ApiServer, find_free_port, wait_for
+
+from .conftest import find_scheduler
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -300,7 +300,6 @@ def test_run_on_a_cluster_goes_through_its_scheduler_starting_one_when_none_runs
     """``dynabatch run --address`` needs no flag to share a cluster: with no scheduler
     there it gets one (the actor is created at its first call); ``--no-scheduler`` and the
     embedded local Ray (one job) get none."""
-    monkeypatch.setattr(cluster_rt, "find_scheduler", lambda: None)
     monkeypatch.setenv("DYNABATCH_CLUSTER_POLICY", "fair")
     placer = scheduling.scheduler_for_run(True, None)
     assert isinstance(placer, scheduling.RayScheduling)
