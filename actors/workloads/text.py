@@ -59,10 +59,6 @@ def encode(text: str) -> np.ndarray:
     return _LOOKUP[raw]
 
 
-def decode(ids: np.ndarray) -> str:
-    return "".join("?" if i == 0 else ALPHABET[i - 1] for i in np.asarray(ids).tolist())
-
-
 def windows(ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Non-overlapping ``(x, y)`` windows: ``y`` is ``x`` shifted by one character."""
     n = (len(ids) - 1) // seq_len

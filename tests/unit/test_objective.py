@@ -163,7 +163,8 @@ def test_pysource_is_deterministic_and_the_charlm_predicts_every_position():
     a, b = load_dataset(spec.dataset), load_dataset(spec.dataset)
     assert np.array_equal(a.x_train, b.x_train) and a.x_train.shape[1] == 16
     assert np.array_equal(a.x_train[:, 1:], a.y_train[:, :-1])  # y is x shifted by one
-    assert text.decode(text.encode("def f():\n\treturn 1")) == "def f():\n\treturn 1"
+    ids = text.encode("def f():\n\treturn 1")  # ids 1.. are the alphabet's characters
+    assert "".join(text.ALPHABET[i - 1] for i in ids) == "def f():\n\treturn 1"
     model = build_model(spec.model, a.input_shape, a.num_classes)
     out = model(torch.from_numpy(a.x_train[:2]))
     assert out.shape == (2, 16, text.VOCAB)
