@@ -27,10 +27,9 @@ from collections.abc import Callable
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.scheduler.telemetry import EpochRecord, LogLine
 from dynabatch.service.cluster_client import ClusterClient, NodeStatus
 from dynabatch.service.commands import JobCommands
-from dynabatch.service.launch_checks import checkpoint_exists
 from dynabatch.service.reads import JobReads, MetricState
 from dynabatch.service.reconciler import EMBEDDED_ENDED, Reconciler
 from dynabatch.service.registry import JobRegistry
@@ -126,18 +125,6 @@ class JobService:
     def interrupt_live(self) -> None:
         self.reconciler.interrupt_live()
 
-    def reattach(self) -> list[str]:
-        return self.reconciler.reattach()
-
-    def sync_once(self) -> None:
-        self.reconciler.sync_once()
-
-    def sync_job(self, job_id: str, snapshot: JobSnapshot | None = None) -> JobRecord | None:
-        return self.reconciler.sync_job(job_id, snapshot)
-
-    def checkpoint_exists(self, rec: JobRecord) -> bool:
-        return checkpoint_exists(rec)
-
     @property
     def ready(self) -> bool:
         return self.cluster.ping()
@@ -201,9 +188,6 @@ class JobService:
         """Ray's nodes, each with the live jobs whose workers it hosts."""
         return self.reads.nodes()
 
-    def metric_snapshots(self) -> list[JobSnapshot]:
-        return self.reads.metric_snapshots()
-
     def metric_state(self) -> MetricState:
         """What /metrics exports (:meth:`JobReads.metric_state`)."""
         return self.reads.metric_state()
@@ -215,14 +199,3 @@ class JobService:
     def metrics_ttl_s(self) -> float:
         """How long one read of the metrics' job state serves (0: every scrape reads)."""
         return self.reads.metrics_ttl_s
-
-    @property
-    def _metric_ttl_s(self) -> float:  # the name tests set
-        return self.reads.metrics_ttl_s
-
-    @_metric_ttl_s.setter
-    def _metric_ttl_s(self, value: float) -> None:
-        self.reads.metrics_ttl_s = value
-
-    def job_counts(self) -> dict[JobState, int]:
-        return self.reads.job_counts()

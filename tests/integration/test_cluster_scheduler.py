@@ -107,7 +107,7 @@ def _service(tmp_path, policy: str, hold_s: float = 0.0, round_s: float = 0.5):
     service = build_service(settings, RayClusterClient(ray.get_runtime_context().gcs_address))
     service.cluster.connect()
     service.start()
-    service.sync_once()  # the scheduler exists and has rebuilt: rounds run
+    service.reconciler.sync_once()  # the scheduler exists and has rebuilt: rounds run
     return service
 
 
@@ -145,7 +145,7 @@ def test_a_run_then_two_gangs_submitted_at_once_hold_both_slots_or_none_in_turn(
     def service_side() -> None:
         # The service's sync loop, and two submits once the run's job holds its nodes.
         while not done.is_set():
-            service.sync_once()
+            service.reconciler.sync_once()
             view = service.cluster_view()
             if view is not None:
                 seen["views"].append(view)

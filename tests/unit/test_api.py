@@ -71,7 +71,7 @@ def _submit(client: TestClient, **overrides: Any) -> str:
 
 def _sync(service: JobService, times: int = 1) -> None:
     for _ in range(times):
-        service.sync_once()
+        service.reconciler.sync_once()
 
 
 # Submit and validation ----------------------------------------------------------------
@@ -817,7 +817,7 @@ def test_metrics_scrapes_share_one_store_read_until_it_changes(
 ) -> None:
     client, service, _ = make_app(sync_interval_s=30.0)
     job = _submit(client)
-    service.sync_once()
+    service.reconciler.sync_once()
     reads = {"n": 0}
     live = service.store.live
 
@@ -829,7 +829,7 @@ def test_metrics_scrapes_share_one_store_read_until_it_changes(
     for _ in range(5):
         assert job in client.get("/metrics").text
     assert reads["n"] == 1  # one read for five scrapes
-    service.sync_job(job)  # the store changed: the next scrape reads it
+    service.reconciler.sync_job(job)  # the store changed: the next scrape reads it
     client.get("/metrics")
     assert reads["n"] == 2
 
@@ -841,7 +841,7 @@ def test_concurrent_scrapes_share_one_render_per_interval(
 
     client, service, _ = make_app(sync_interval_s=30.0)  # the cache lives 1 s at most
     job = _submit(client)
-    service.sync_once()
+    service.reconciler.sync_once()
     renders = {"n": 0}
     render = dynabatch.api.metrics.generate_latest
 
@@ -852,7 +852,7 @@ def test_concurrent_scrapes_share_one_render_per_interval(
     monkeypatch.setattr(dynabatch.api.metrics, "generate_latest", counted)
     bodies = {client.get("/metrics").text for _ in range(10)}
     assert renders["n"] == 1 and len(bodies) == 1 and job in bodies.pop()
-    service.sync_job(job)  # a change: rendered again
+    service.reconciler.sync_job(job)  # a change: rendered again
     client.get("/metrics")
     assert renders["n"] == 2
     time.sleep(1.05)  # never older than the interval

@@ -42,7 +42,7 @@ def _running(client: TestClient, service: JobService, epochs: int = 2) -> str:
     """A RUNNING job with ``epochs`` finished epochs in the store."""
     job = _submit(client)
     while len(service.history(job)) < epochs:
-        service.sync_once()
+        service.reconciler.sync_once()
     assert service.get(job).state == JobState.RUNNING
     return job
 
@@ -80,7 +80,7 @@ def test_unchanged_reads_do_no_ray_call_no_query_and_no_thread_hand_off(
     client, service, cluster = app
     # /metrics is re-rendered at least once per sync interval (at most 1 s; none here):
     # a slow test must not see that as a change.
-    monkeypatch.setattr(service, "_metric_ttl_s", 3600.0)
+    monkeypatch.setattr(service.reads, "metrics_ttl_s", 3600.0)
     job = _running(client, service)
     first = {p: client.get(p) for p in _paths(job)}  # built once
     assert all(r.status_code == 200 for r in first.values())
@@ -106,7 +106,7 @@ def test_a_change_is_read_once_and_shown_at_the_next_request(
     views = client.app.state.views
     # The coordinator moved on a step (a whole epoch: the spec re-plans at epochs' ends):
     # the job's row changed.
-    service.sync_job(job)
+    service.reconciler.sync_job(job)
     builds = views.builds
     status = client.get(f"/v1/jobs/{job}")
     assert status.json()["epoch"] != before[f"/v1/jobs/{job}"].json()["epoch"]
@@ -133,7 +133,7 @@ def test_a_new_epoch_shows_in_the_history(
     job = _running(client, service)
     n = len(client.get(f"/v1/jobs/{job}/history").json()["records"])
     while len(service.history(job)) == n:
-        service.sync_once()
+        service.reconciler.sync_once()
     records = client.get(f"/v1/jobs/{job}/history").json()["records"]
     assert [r["epoch"] for r in records] == list(range(n + 1))
     assert [r["epoch"] for r in client.get(f"/v1/jobs/{job}/history?since=1").json()
@@ -185,7 +185,7 @@ def test_etag_and_if_none_match(app: tuple[TestClient, JobService, FakeCluster],
     assert client.get(url, headers={"If-None-Match": '"other"'}).status_code == 200
     # Once the job changed, the old tag no longer matches: the new body comes.
     while client.get(url).headers["etag"] == etag:
-        service.sync_once()
+        service.reconciler.sync_once()
     changed = client.get(url, headers={"If-None-Match": etag})
     assert changed.status_code == 200 and changed.headers["etag"] != etag
 

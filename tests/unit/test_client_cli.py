@@ -323,7 +323,7 @@ def test_scale_drain_resume(
     spec = {"name": "elastic", "workers": 3, "global_batch": 60, "epochs": 4,
             "checkpoint": {"dir": str(tmp_path / "ckpt")}}
     job = DynabatchClient(transport=AppTransport(http)).submit(spec).job_id
-    service.sync_once()
+    service.reconciler.sync_once()
 
     result = _invoke(cli, http, "scale", job, "2")
     assert result.exit_code == 0, result.output
@@ -331,7 +331,7 @@ def test_scale_drain_resume(
     assert result.stdout.strip() == (
         f"job {job} RUNNING: scale to 2 workers requested (workers now: w0, w1, w2)"
     )
-    service.sync_once()  # applied: the slowest (w1, alone on the slower node) left
+    service.reconciler.sync_once()  # applied: the slowest (w1, alone on the slower node) left
     result = _invoke(cli, http, "drain", job, "w2")
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == (
@@ -349,7 +349,7 @@ def test_scale_drain_resume(
     assert "coordinator is alive" in _one_error_line(_invoke(cli, http, "resume", job))
     assert checkpoint_path(tmp_path / "ckpt", job).is_file()  # the coordinator wrote it
     cluster.kill(job)
-    service.sync_once()  # auto resume is off: FAILED
+    service.reconciler.sync_once()  # auto resume is off: FAILED
     result = _invoke(cli, http, "resume", job)
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith(f"job {job} PENDING: resume requested; job was FAILED")

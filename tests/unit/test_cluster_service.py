@@ -132,19 +132,19 @@ def test_a_queued_job_waits_pending_with_its_reason_and_starts_when_granted(setu
     sched.tick()
     assert list(cluster.launches) == [a.id]
     for _ in range(3):  # b has no coordinator: never taken for a lost one
-        service.sync_once()
+        service.reconciler.sync_once()
     got = service.get(b.id)
     assert got.state == JobState.PENDING
     assert got.reason.startswith("queued: position 1 of 1")
     assert ("snapshot", b.id) not in cluster.calls
     while not service.get(a.id).state.is_terminal:
-        service.sync_once()
+        service.reconciler.sync_once()
     assert service.get(a.id).state == JobState.SUCCEEDED
     assert sched.state.job(a.id) is None  # reported finished
     sched.tick()
     assert list(cluster.launches) == [a.id, b.id]
     while not service.get(b.id).state.is_terminal:
-        service.sync_once()
+        service.reconciler.sync_once()
     assert service.get(b.id).state == JobState.SUCCEEDED
 
 
@@ -175,7 +175,7 @@ def test_an_owners_scale_is_carried_out_at_once_or_refused_with_the_reason(setup
     sched.knobs = ClusterKnobs(policy="fifo", hold_s=120.0)
     job = service.submit(JobSpec(name="a", epochs=5, workers=1, global_batch=8))
     sched.tick()
-    service.sync_once()
+    service.reconciler.sync_once()
     service.scale(job.id, 2)
     (assign,) = sched.assigned
     assert sum(k for _, k in assign.slots) == 2
@@ -220,7 +220,7 @@ def test_a_job_submitted_between_the_sync_loops_reads_is_left_queued(setup):
     service, cluster, sched = setup
     a = service.submit(_gang("a", epochs=5))
     sched.tick()
-    service.sync_once()
+    service.reconciler.sync_once()
     late: list = []
     sync = sched.sync
 
@@ -231,7 +231,7 @@ def test_a_job_submitted_between_the_sync_loops_reads_is_left_queued(setup):
         return started
 
     sched.sync = sync_then_submit
-    service.sync_once()
+    service.reconciler.sync_once()
     b = service.get(late[0].id)
     assert b.state == JobState.PENDING, b.reason
     assert ("snapshot", b.id) not in cluster.calls
@@ -252,9 +252,9 @@ def test_a_job_failed_for_a_lost_coordinator_leaves_the_scheduler_at_once(setup)
     service, cluster, sched = setup
     a = service.submit(_gang("a", epochs=5))
     sched.tick()
-    service.sync_once()
+    service.reconciler.sync_once()
     cluster.kill(a.id)  # no checkpoint: it fails
-    service.sync_job(a.id)
+    service.reconciler.sync_job(a.id)
     assert service.get(a.id).state == JobState.FAILED
     assert sched.ended == [a.id] and sched.state.job(a.id) is None
     assert all(j.job_id != a.id for j in service.cluster_view().jobs)
@@ -268,7 +268,7 @@ def test_a_drain_frees_the_workers_slot_through_the_scheduler(setup):
     service, cluster, sched = setup
     job = service.submit(JobSpec(name="a", epochs=5, workers=2, min_workers=1, max_workers=2))
     sched.tick()
-    service.sync_once()
+    service.reconciler.sync_once()
     with pytest.raises(WorkerNotFound, match="'w9' is not a member"):
         service.drain(job.id, "w9")
     member = cluster.snapshot(job.id).workers[0]
@@ -313,7 +313,7 @@ def test_a_parameter_server_learner_is_not_drained_through_the_scheduler(setup, 
     service, cluster, sched = setup
     job = service.submit(JobSpec(name="a", epochs=5, workers=2, min_workers=1, max_workers=2))
     sched.tick()
-    service.sync_once()
+    service.reconciler.sync_once()
     snap = cluster.snapshot(job.id)
     ps = PSStatus(mode="async", version=0, applied=0, refused=0, pushes=0, pushes_per_s=0.0)
     monkeypatch.setattr(cluster, "snapshot", lambda _: snap.model_copy(update={"ps": ps}))
@@ -333,8 +333,8 @@ def test_a_resume_the_scheduler_refuses_is_a_409_with_its_reason(setup, tmp_path
     spec = JobSpec(name="a", epochs=5, workers=1, checkpoint={"dir": str(tmp_path)})
     job = service.submit(spec)
     sched.tick()
-    service.sync_once()
-    service.sync_once()  # an epoch trained and checkpointed
+    service.reconciler.sync_once()
+    service.reconciler.sync_once()  # an epoch trained and checkpointed
     assert service.cancel(job.id).state == JobState.CANCELLED
     why = "min_workers 1: the cluster has 0 worker slots; the job could never start"
 

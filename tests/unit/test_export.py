@@ -474,7 +474,7 @@ def test_a_finished_jobs_model_outlives_its_released_coordinator(app):
     job = client.post("/v1/jobs", json=TRAINED).json()["job_id"]
     coordinator = cluster.coordinators[job]
     for _ in range(50):
-        service.sync_once()
+        service.reconciler.sync_once()
         if service.get(job).state.is_terminal:
             break
     assert service.get(job).state == JobState.SUCCEEDED and job in cluster.released

@@ -103,12 +103,12 @@ def test_list_status_and_the_page_agree_on_progress_in_every_state(http: TestCli
     client = DynabatchClient(transport=AppTransport(http))
     job = client.submit({"name": "v", "epochs": 4, "workers": 2}).job_id
     service = http.app.state.service
-    service.sync_once()  # a step of the coordinator: RUNNING, one epoch completed
+    service.reconciler.sync_once()  # a step of the coordinator: RUNNING, one epoch completed
     assert len(set(_views(http, job))) == 1, _views(http, job)
-    service.sync_once()  # two completed
+    service.reconciler.sync_once()  # two completed
     assert len(set(_views(http, job))) == 1, _views(http, job)
     DynabatchClient(transport=AppTransport(http)).cancel(job, "enough")
-    service.sync_once()  # the coordinator ends the job at its next step boundary
+    service.reconciler.sync_once()  # the coordinator ends the job at its next step boundary
     assert service.get(job).state.value == "CANCELLED"
     done = len(service.history(job))
     assert 0 < done < 4
@@ -120,7 +120,7 @@ def test_status_and_the_page_show_the_jobs_own_metrics(tmp_path: Path):
     with _app(tmp_path, FakeCluster(real_gradients=True)) as http:
         spec = {"name": "v", "epochs": 2, "workers": 2, "dataset": {"name": "digits", "limit": 256}}
         job = DynabatchClient(transport=AppTransport(http)).submit(spec).job_id
-        http.app.state.service.sync_once()  # a step of the coordinator: one epoch
+        http.app.state.service.reconciler.sync_once()  # a step of the coordinator: one epoch
         detail = http.get(f"/v1/jobs/{job}").json()
         scores = http.app.state.service.cluster.coordinators[job].snapshot().test_metrics
     assert set(scores) == {"accuracy"} and 0 <= scores["accuracy"] <= 1

@@ -169,19 +169,19 @@ def test_scale_drain_and_cancel(server: Callable[..., TestClient]) -> None:
     client = Client(transport=AppTransport(http))
     service = http.app.state.service
     job = client.submit({**SPEC, "workers": 3, "global_batch": 60, "epochs": 5})
-    service.sync_once()
+    service.reconciler.sync_once()
     # Requested: the coordinator applies each at its next step boundary (the sync's).
     assert [w.worker for w in job.scale(2).workers] == ["w0", "w1", "w2"]
-    service.sync_once()  # the slowest (w1, alone on the slower node) left
+    service.reconciler.sync_once()  # the slowest (w1, alone on the slower node) left
     assert [w.worker for w in job.drain("w2").workers] == ["w0", "w2"]
-    service.sync_once()
+    service.reconciler.sync_once()
     assert [w.worker for w in client.job(job.id).status().workers] == ["w0"]
     with pytest.raises(ValueError, match=r"'x7' is not a worker id"):
         job.drain("x7")
     with pytest.raises(ApiError, match="global_batch"):
         job.scale(61)
     assert job.cancel("changed my mind").reason == "changed my mind"
-    service.sync_once()
+    service.reconciler.sync_once()
     assert job.wait(timeout_s=5, interval_s=0.01).state.value == "CANCELLED"
 
 

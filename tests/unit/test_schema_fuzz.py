@@ -35,7 +35,7 @@ def api_schema() -> Iterator[schemathesis.BaseSchema]:
     for epochs in (1, 3, 5):
         service.submit(JobSpec(name=f"seed{epochs}", epochs=epochs))
     for _ in range(6):
-        service.sync_once()
+        service.reconciler.sync_once()
     yield schemathesis.openapi.from_asgi("/openapi.json", app)
     store.close()
 
