@@ -363,9 +363,9 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 # beside a pending cancel unless the cancel's own segment ended it.
                 assert isinstance(b.before, Finishing) and prev.body[-1] == Settle()
                 assert seen.membership.holders
-                assert body == [SaveModel("end"), e, EndStep(stop=b.before.cancelling)]
+                assert body == [SaveModel("end"), e, EndStep(stop=b.before.cancel is not None)]
                 assert e.reason == seen.stopped
-                assert seen.cancel is None or b.before.cancelling
+                assert seen.cancel is None or b.before.cancel is not None
                 assert b.after == Concluded(JobState.SUCCEEDED, seen.stopped, b.before.memo)
             if isinstance(e, TrainSegment):
                 # Decided to train by the readings of the batch that began training.
@@ -549,7 +549,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 m = after.seen
                 if m.trained and m.membership.holders:
                     assert after.body == [Settle()]
-                    assert after.after == Finishing(False, after.after.memo)
+                    assert after.after == Finishing(None, after.after.memo)
                 else:
                     assert after.body == [PublishReady(), EndStep()]
                     assert isinstance(after.after, AtRest)
@@ -1020,11 +1020,11 @@ def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed()
     assert loop.tick(cancel) == [CommitInFlight()]
     done = S(cancel="enough", epoch_open=True, epoch_complete=True, epoch=2)
     assert loop.ran(done) == END
-    assert loop.state == EndingEpoch(2, "cancel", memo=loop.state.memo)
+    assert loop.state == EndingEpoch(2, "cancel", memo=loop.state.memo, cancel="enough")
     # That was the last epoch: the job finishes SUCCEEDED, not CANCELLED.
     trained = S(cancel="enough", trained=True, recorded=3, epoch=3)
     assert loop.ran(trained) == [Settle()]
-    assert loop.state == Finishing(True, loop.state.memo)
+    assert loop.state == Finishing("enough", loop.state.memo)
     assert loop.ran(trained) == [
         SaveModel("end"), EndJob(JobState.SUCCEEDED), EndStep(stop=True)]
     # Not the last: back to cancelling, with the cancel's reason.
@@ -1056,7 +1056,8 @@ def test_a_failure_in_a_cancels_judged_epoch_end_concludes_and_stops_the_loop() 
     assert loop.tick(cancel) == [CommitInFlight()]
     done = S(cancel="enough", epoch_open=True, epoch_complete=True)
     assert loop.ran(done)[-1] == JudgeEpoch()
-    assert loop.state == EndingEpoch(0, "cancel", judging=True, memo=loop.state.memo)
+    assert loop.state == EndingEpoch(0, "cancel", judging=True, memo=loop.state.memo,
+                                     cancel="enough")
     assert loop.on(Failed("evaluation failed")) == [
         EndJob(JobState.FAILED, "evaluation failed"), EndStep(stop=True)]
 
@@ -1068,7 +1069,7 @@ def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_
     assert loop.ran(S(epoch_open=True, epoch_complete=True, epoch=2)) == END
     trained = S(trained=True, recorded=3, epoch=3)
     assert loop.ran(trained) == [Settle()]
-    assert loop.state == Finishing(False, loop.state.memo)
+    assert loop.state == Finishing(None, loop.state.memo)
     assert loop.ran(trained) == [SaveModel("end"), EndJob(JobState.SUCCEEDED), EndStep()]
     assert loop.state == Concluded(JobState.SUCCEEDED, None, loop.state.memo)
     # A cancel that came while the last evaluations were awaited wins at the next boundary.
@@ -1095,7 +1096,7 @@ def _states() -> list[LoopState]:
         AtRest(m), Waiting(T0, "1 of 2", m), Reconciling("requests", memo=m),
         Reconciling("awaiting", adopted=True, deadline=T0 + 5, memo=m),
         Regrouping("forming", m), Training(1, "segment", memo=m),
-        EndingEpoch(1, "train", judging=True, memo=m), Finishing(False, m),
+        EndingEpoch(1, "train", judging=True, memo=m), Finishing(None, m),
         Cancelling("enough", "settling", m),
     ]
 
@@ -1170,3 +1171,29 @@ def test_an_effect_is_answered_with_its_own_kind_of_event(effect: Effect, kind: 
 def test_nothing_answers_the_end_of_a_step() -> None:
     with pytest.raises(ValueError, match="EndStep"):
         answer(EndStep(), S(), T0)
+
+
+def test_placing_and_giving_up_take_only_their_own_answers() -> None:
+    # Found by the port to the reducer: the two states shared one case, so each took the
+    # other's answer (a placement answered with Done trained on).
+    cfg = LoopConfig(epochs=2)
+    with pytest.raises(InvalidEvent, match="Done while Reconciling"):
+        step(Reconciling("placing"), Done(S(), 0.0), cfg)
+    with pytest.raises(InvalidEvent, match="WorkersPlaced while Reconciling"):
+        step(Reconciling("giving_up"), WorkersPlaced(S(), 0.0), cfg)
+
+
+def test_a_cancels_reason_is_the_states_through_its_epochs_end() -> None:
+    # The cancel's reason rides in the states (committing, the epoch's end it completes,
+    # settling) to EndJob, whatever a later reading says.
+    cfg = LoopConfig(epochs=5)
+    state, _ = step(Cancelling("owner: stop", "committing"),
+                    SegmentDone(S(epoch_open=True, epoch_complete=True, epoch=1), 0.0), cfg)
+    assert isinstance(state, EndingEpoch) and state.cancel == "owner: stop"
+    state, effects = step(state, Done(S(epoch=2), 0.0), cfg)
+    assert (state, effects) == (Cancelling("owner: stop", "settling"), [Settle()])
+    state, effects = step(state, EvaluationsIn(S(recorded=2), 0.0), cfg)
+    assert effects[-2:] == [EndJob(JobState.CANCELLED, "owner: stop"), EndStep(stop=True)]
+    state, _ = step(Cancelling("owner: stop", "committing"),
+                    SegmentDone(S(epoch_open=True, epoch=1, step=3), 0.0), cfg)
+    assert state == Cancelling("owner: stop", "settling")

@@ -532,22 +532,24 @@ Then = Literal["train", "absorb", "cancel"]
 @dataclass(frozen=True, slots=True)
 class EndingEpoch:
     """Ending ``epoch``. ``then``: what follows (train on; absorb the next epoch's first,
-    sent ahead of the failed segment that completed it; or go on cancelling). ``judging``:
-    its evaluation is awaited to judge it; ``due``: its checkpoint is due anyway."""
+    sent ahead of the failed segment that completed it; or go on cancelling, for
+    ``cancel``). ``judging``: its evaluation is awaited to judge it; ``due``: its checkpoint
+    is due anyway."""
 
     epoch: int
     then: Then
     judging: bool = False
     due: bool = False
     memo: Memo = Memo()
+    cancel: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Finishing:
-    """Every epoch trained: awaiting the last evaluations (``cancelling``: a cancel's last
-    segment completed the last epoch, so the job succeeds)."""
+    """Every epoch trained: awaiting the last evaluations. ``cancel``: the reason of a
+    cancellation whose last segment completed the last epoch (the job succeeds)."""
 
-    cancelling: bool
+    cancel: str | None
     memo: Memo = Memo()
 
 
@@ -620,7 +622,9 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
         case Reconciling("awaiting", waiting, adopted, deadline), \
                 WorkersStarted() | WorkersPlaced():
             return d.await_starts(f, adopted, deadline, waiting)
-        case Reconciling("placing" | "giving_up", waiting), WorkersPlaced() | Done():
+        case Reconciling("placing", waiting), WorkersPlaced():
+            return d.gathered(f, waiting)
+        case Reconciling("giving_up", waiting), Done():
             return d.gathered(f, waiting)
         case Regrouping("rolling_back"), Done():
             return Regrouping("forming", d.memo), [Regroup()]  # with the checkpoint's weights
@@ -664,15 +668,16 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
                 save = [Checkpoint("early stopping", Position(epoch + 1, 0))]
             else:
                 save = []
-            return (EndingEpoch(epoch, then, memo=d.memo),
+            return (EndingEpoch(epoch, then, memo=d.memo, cancel=state.cancel),
                     [*best, *save, NextEpoch(verdict.stop)])
         case EndingEpoch(epoch, "absorb", False), Done():
             return Training(epoch + 1, "absorbing", memo=d.memo), [BeginEpoch(), AbsorbAhead()]
         case EndingEpoch(_, "train", False), Done():
-            return d.finishing(f, cancelling=False) or d.rest(PublishReady(), EndStep())
-        case EndingEpoch(_, "cancel", False), Done():
-            return d.finishing(f, cancelling=True) or d.settle_cancel(f)
-        case Finishing(cancelling), EvaluationsIn():
+            return d.finishing(f, cancel=None) or d.rest(PublishReady(), EndStep())
+        case EndingEpoch(_, "cancel", False, cancel=reason), Done():
+            return d.finishing(f, cancel=reason) or d.settle_cancel(reason)
+        case Finishing(cancel), EvaluationsIn():
+            cancelling = cancel is not None
             if f.cancel is not None and not cancelling:
                 return d.rest(EndStep())  # the next boundary cancels the job
             if f.membership.holders:
@@ -680,11 +685,11 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
                                   stop=cancelling)
             # The last holder was lost in the final evaluations: the next boundary regroups
             # (rolling back) and trains on; a cancellation goes on cancelling.
-            return d.settle_cancel(f) if cancelling else d.rest(EndStep())
-        case Cancelling(_, "committing"), SegmentDone():
+            return d.settle_cancel(cancel) if cancel is not None else d.rest(EndStep())
+        case Cancelling(reason, "committing"), SegmentDone():
             if f.epoch_complete and f.epoch_open:
-                return d.end_epoch(f, "cancel")
-            return d.settle_cancel(f)
+                return d.end_epoch(f, "cancel", cancel=reason)
+            return d.settle_cancel(reason)
         case Cancelling(reason, "settling"), EvaluationsIn():
             save = [SaveModel("cancel")] if f.recorded or f.step > 0 else []
             return d.conclude(JobState.CANCELLED, reason, Checkpoint("cancel"), *save,
@@ -781,7 +786,7 @@ class _Decisions:
 
     def train(self, f: Seen) -> tuple[LoopState, Effects]:
         if f.trained:
-            return self.finishing(f, False) or self.rest(EndStep())
+            return self.finishing(f, None) or self.rest(EndStep())
         if not f.epoch_open:
             return Training(f.epoch, "opening", memo=self.memo), [BeginEpoch(), Replan()]
         return self.segment(f)
@@ -810,24 +815,27 @@ class _Decisions:
             replans_at_end=cfg.rule.mode == "epoch" and not cfg.policy_static)
         return Training(f.epoch, "segment", memo=self.memo), [TrainSegment(ahead, across)]
 
-    def end_epoch(self, f: Seen, then: Then) -> tuple[LoopState, Effects]:
+    def end_epoch(self, f: Seen, then: Then, cancel: str | None = None
+                  ) -> tuple[LoopState, Effects]:
         """The protocol's epoch is complete: end and evaluate it. A checkpoint due, or an
         epoch judged by its evaluation, awaits that first (the checkpoint holds the epoch's
         record, scores included); the checkpoints are written as the next epoch's start."""
         cfg, epoch = self.cfg, f.epoch
         due = cfg.checkpoint_due(epoch + 1)
         if cfg.judges_epochs:
-            return (EndingEpoch(epoch, then, judging=True, due=due, memo=self.memo),
+            return (EndingEpoch(epoch, then, judging=True, due=due, memo=self.memo,
+                                cancel=cancel),
                     [EndEpoch(), Settle(), JudgeEpoch()])
         save = [Settle(), Checkpoint("epoch", Position(epoch + 1, 0))] if due else []
-        return EndingEpoch(epoch, then, memo=self.memo), [EndEpoch(), *save, NextEpoch()]
+        return (EndingEpoch(epoch, then, memo=self.memo, cancel=cancel),
+                [EndEpoch(), *save, NextEpoch()])
 
-    def finishing(self, f: Seen, cancelling: bool) -> tuple[LoopState, Effects] | None:
+    def finishing(self, f: Seen, cancel: str | None) -> tuple[LoopState, Effects] | None:
         """Every epoch trained and a member holding the final state: await the last
         evaluations before success (None: not yet)."""
         if not (f.trained and f.membership.holders):
             return None
-        return Finishing(cancelling, self.memo), [Settle()]
+        return Finishing(cancel, self.memo), [Settle()]
 
     def cancel(self, f: Seen) -> tuple[LoopState, Effects]:
         reason = f.cancel or "cancelled"
@@ -835,7 +843,7 @@ class _Decisions:
             # Sent across the epoch's end, which has ended: it is committed in its epoch.
             begin: Effects = [] if f.epoch_open else [BeginEpoch()]
             return Cancelling(reason, "committing", self.memo), [*begin, CommitInFlight()]
-        return Cancelling(reason, "settling", self.memo), [Settle()]
+        return self.settle_cancel(reason)
 
-    def settle_cancel(self, f: Seen) -> tuple[LoopState, Effects]:
-        return Cancelling(f.cancel or "cancelled", "settling", self.memo), [Settle()]
+    def settle_cancel(self, reason: str) -> tuple[LoopState, Effects]:
+        return Cancelling(reason, "settling", self.memo), [Settle()]
