@@ -201,12 +201,13 @@ class Part:
     def remove_worker(self, worker: str, kind: str, reason: str) -> None:
         """Take ``worker`` out of the job (lost, or evicted as a straggler): out of the
         membership and the tracker, its event recorded; the loop's next batch stops it
-        (:meth:`stop_leaving`)."""
+        (``StopWorkers``). One taken out already (reported lost again by a later call) is
+        neither stopped nor recorded twice."""
         with self.c.lock:
             change = self.job.membership.remove(worker, kind, reason)
         self.job.tracker.remove(worker)
-        self.job.leaving.append(worker)
         if change is not None:
+            self.job.leaving.append(worker)
             self.changed(change)
 
     def stop(self, workers: tuple[str, ...]) -> None:

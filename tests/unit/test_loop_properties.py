@@ -519,13 +519,10 @@ def test_every_failure_gets_exactly_one_decision(tmp_path_factory, sc):
     check_one_decision_per_failure(drive_example(sc, tmp_path_factory))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: a worker lost in the evaluation sent ahead of an epoch's end is reported "
-    "lost again by the segment sent behind it, and Part.remove_worker queues its kill again "
-    "(job.leaving gets it twice), so it is killed twice"))
 def test_a_worker_that_left_is_killed_once(tmp_path):
     """Found by the properties above: w0 dies in the first evaluation (epoch 0's, sent
-    ahead of the next epoch's first segment, which w0 is in)."""
+    ahead of the next epoch's first segment, which w0 is in), and the segment behind it
+    reports it lost again; it was queued to be stopped twice."""
     sc = Scenario(epochs=2, checkpoint=False, keep_best=False, early_stopping=False,
                   faults=(Fault(kind="die_in_evaluation", worker=0),), actions=(),
                   cancel_at=None)
