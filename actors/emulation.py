@@ -14,10 +14,9 @@ On a GPU. A GPU's work is not the host thread's CPU time (the thread only queues
 so an emulated GPU worker's clock is the wall clock after a device synchronisation
 (``sync``): the phase so far is what the GPU took, less what the emulation slept; the
 sleep delays the kernels queued after it, so the device-timed compute (CUDA events) sees
-the slowed worker too. Slowdowns are thus applied on GPU workers as on CPU ones (they were
-silently ignored there before). The synchronisation before each bucket costs the overlap of
-the slowed worker's buckets with its backward: an emulation is a test of the coordinator,
-not of the GPU's speed.
+the slowed worker too. Slowdowns are thus applied on GPU workers as on CPU ones. The
+synchronisation before each bucket costs the overlap of the slowed worker's buckets with its
+backward: an emulation is a test of the coordinator, not of the GPU's speed.
 
 Where the slowdown is applied. A slow node is slow *before* its gradient leaves: with the
 bucketed all-reduce, buckets go out from backward's hooks, so the stretch cannot all come

@@ -39,10 +39,9 @@ def set_matmul_precision(precision: str, device: torch.device) -> None:
     (process-wide flags: one worker per process); nothing on the CPU, which has no TF32.
 
     Both flags are set either way: cuDNN's convolutions default to TF32 in PyTorch, so
-    without this ``fp32`` was TF32 for every convolution (found on an H200 by
-    ``bench/gpu_check.py``: a conv model's fp32 gradients 2e-4 off the CPU's). Only the
-    legacy ``allow_tf32`` setters are used: mixing them with ``fp32_precision`` makes
-    torch refuse to read the flags."""
+    without this ``fp32`` would be TF32 for every convolution (docs/benchmarks.md, "GPU
+    check: one H200"). Only the legacy ``allow_tf32`` setters are used: mixing them with
+    ``fp32_precision`` makes torch refuse to read the flags."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}: use one of {PRECISIONS}")
     if device.type == "cuda":

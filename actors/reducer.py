@@ -7,7 +7,7 @@ summed loss::
 
     flat = [ grad(p_0) | grad(p_1) | ... | grad(p_{n-1}) | loss | coverage[0:B_s] ]
 
-The loss slot (ISGD's batch loss, issue 21). The share's summed loss is known after the
+The loss slot (ISGD's batch loss). The share's summed loss is known after the
 last micro-batch's forward, before its backward, so the worker writes it into the slot
 there (:meth:`dynabatch.actors.step.StepMath.share`'s ``loss_slot``) and it rides in the
 collective that already carries the coverage: every worker gets the global batch's summed

@@ -144,9 +144,9 @@ class RequestMetricsMiddleware:
 class Exposition:
     """The /metrics body, rendered at most once per ``service.metrics_ttl_s`` (the sync
     interval, at most 1 s): concurrent scrapes wait for one render and share it, instead of
-    each rendering every series (hundreds of lines: ~10 ms of CPU each, which 50 clients
-    turned into a queue). A render is never older than that interval, and none is reused
-    after the service recorded a change (a sync, a submission, a cancel)."""
+    each rendering every series and queueing behind the others' renders. A render is never
+    older than that interval, and none is reused after the service recorded a change (a
+    sync, a submission, a cancel)."""
 
     def __init__(self, registry: Any, service: JobService):
         self.registry = registry

@@ -164,9 +164,7 @@ class JobSpec(_Strict):
         "Off by default: compiling costs seconds to minutes at each worker's start.",
         examples=[{"mode": "default", "dynamic": True}])
     epochs: StrictInt = Field(default=3, ge=1, le=100_000)
-    # dbs by default: bench/hetero.py (median of 5 runs, default per-epoch re-plans) found
-    # affine 2% faster on cluster (a) and dbs 7% faster on (b); affine is the better choice
-    # with `rebalance: adaptive` (bench/disturbance.py: recovered in 11 steps against 25).
+    # dbs by default, affine with `rebalance: adaptive`: docs/benchmarks.md, "Default policy".
     policy: Literal["static", "dbs", "affine"] = "dbs"
     rebalance: RebalanceSpec = Field(default_factory=RebalanceSpec)
     seed: StrictInt = Field(default=0, ge=0, le=2**31 - 1)

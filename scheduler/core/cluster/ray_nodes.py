@@ -17,9 +17,9 @@ point: Ray packs a node's CPUs by the sum of its workers' ``worker_cpus``, so th
 of 0.5 CPU fit on 2 CPUs here as there). A worker takes its ``worker_cpus`` in those units
 on a CPU node (:func:`worker_slots`) and :func:`gpu_units` on a GPU node: a whole GPU for
 ``worker_gpus`` 1 or ``auto``, and also for a CPU-only worker there (``worker_gpus`` 0: it
-is not packed beside GPU workers, as before GPUs were shared); a fraction w below 1 takes
-1/k of a GPU, k = the workers of w Ray places on one GPU. So jobs of fractional GPUs share
-a node by the sum of their fractions. ``worker_gpus`` above 1 is refused
+is not packed beside GPU workers); a fraction w below 1 takes 1/k of a GPU, k = the workers
+of w Ray places on one GPU. So jobs of fractional GPUs share a node by the sum of their
+fractions. ``worker_gpus`` above 1 is refused
 (:func:`slot_error`). A job's ``node_resource`` limits it to the types whose every node
 carries that resource (:func:`eligible_types`): a type is the policy's unit.
 """

@@ -220,7 +220,7 @@ def solve(problem: Problem, policy: str, knobs: ClusterKnobs) -> np.ndarray:
         # The max-min level of the LP relaxation (Gavel's LP); the integer program then
         # maximises every job's part of that level and the worst job's throughput (tau),
         # and total throughput after. An integer max-min objective alone is costly to prove
-        # (its bound hardly moves: 0.4 s at 100 jobs against 0.04 s for this one).
+        # (its bound hardly moves; docs/cluster.md).
         lp = milp(
             np.where(np.arange(nvar) == ix_tau, -1.0, 0.0),
             integrality=None,

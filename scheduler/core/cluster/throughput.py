@@ -130,7 +130,7 @@ def prior(
     ``hints``: ``speeds`` where given (a cluster file's ``speed`` column, a node label),
     else the class of the GPU model named in the type (:data:`GPU_SPEED`), else
     :data:`CPU_SPEED` for a ``cpu<count>`` type, else 1 (no prior: every such type rated
-    alike, as before a prior existed)."""
+    alike)."""
     speeds = dict(speeds or {})
     out: dict[str, float] = {}
     models = sorted(GPU_SPEED, key=len, reverse=True)
