@@ -56,10 +56,6 @@ Token = Annotated[
 JobIdArg = Annotated[str, typer.Argument(help="Job id, as printed by submit.")]
 
 
-def _ts(t: float | None) -> str:
-    return timestamp(t)
-
-
 def _job_table(job: Any) -> Group:
     state_style = {
         JobState.SUCCEEDED: "green",
@@ -390,7 +386,7 @@ def list_jobs(
                 j.state.value,
                 j.progress,
                 str(j.workers),
-                _ts(j.created_at),
+                timestamp(j.created_at),
                 j.reason or "",
             )
         out_console().print(table)
@@ -480,7 +476,7 @@ def logs(
 
 
 def _echo_log(line: LogLine) -> None:
-    typer.echo(f"{_ts(line.time)} {line.level:<7} {line.message}")
+    typer.echo(f"{timestamp(line.time)} {line.level:<7} {line.message}")
 
 
 def _accepted(job: Any, what: str) -> str:
