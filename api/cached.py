@@ -71,7 +71,6 @@ class JobViews:
         self._items: OrderedDict[Hashable, Body] = OrderedDict()
         self._lock = threading.Lock()  # the dict
         self._build = threading.Lock()  # one build at a time: concurrent misses share it
-        self.builds = 0  # answers built so far (for tests and benchmarks)
 
     # Versions: read without I/O ---------------------------------------------------------
     def _version(self, key: tuple) -> object:
@@ -113,7 +112,6 @@ class JobViews:
             version = self._version(key)  # before the read: a write during it is news
             data = make()
             body = Body(version, data, etag_of(data))
-            self.builds += 1
         with self._lock:
             self._items[key] = body
             self._items.move_to_end(key)
