@@ -260,7 +260,6 @@ class GradientReducer:
         self._norms = False
         self._sq: list[torch.Tensor] = []
         self._pace: Callable[[], object] | None = None
-        self.last: Reduced | None = None  # the last step's (tests, benchmarks)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, p in enumerate(self.params)] if self.params else []
         self.alloc(max_step)
@@ -427,11 +426,9 @@ class GradientReducer:
         if compute_end is None:
             compute_end = self.marks.mark()
         if self.staged:
-            self.last = self._staged_finish(compute_end, loss)
-            return self.last
+            return self._staged_finish(compute_end, loss)
         if not self.overlapping:
-            self.last = self._flat_finish(compute_end, loss)
-            return self.last
+            return self._flat_finish(compute_end, loss)
         if not self._buckets:  # a model without parameters: loss and coverage alone
             dist.all_reduce(self.flat[self.n_params:self.n_params + 1 + self._step_size],
                             op=dist.ReduceOp.SUM)
@@ -465,7 +462,6 @@ class GradientReducer:
                  for a, b in self._spans]
         res.hidden_s = hidden_seconds(spans, self.marks.seconds(compute_end))
         res.first_launch_s = spans[0][0] if spans else None
-        self.last = res
         return res
 
     def _to_host(self, cov: torch.Tensor, *scalars: torch.Tensor | None) -> tuple:

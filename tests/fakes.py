@@ -490,3 +490,17 @@ class TimedSimRuntime(SimRuntime):
         ]
         self.clock.sleep(max(took.values(), default=0.0))
         return out
+
+
+def reduced_steps(reducer: Any) -> list[Any]:
+    """Each :class:`~dynabatch.actors.reducer.Reduced` that ``reducer`` finishes from now on,
+    in order (a worker's step returns only its telemetry)."""
+    seen: list[Any] = []
+    finish = reducer.finish
+
+    def finishing(*args: Any, **kwargs: Any) -> Any:
+        seen.append(finish(*args, **kwargs))
+        return seen[-1]
+
+    reducer.finish = finishing
+    return seen

@@ -25,6 +25,8 @@ from dynabatch.actors.worker import Worker
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.fakes import reduced_steps
+
 
 @given(st.integers(0, 500), st.one_of(st.none(), st.integers(1, 64)))
 def test_micro_ranges_cover_the_share_within_the_cap(size, cap):
@@ -99,9 +101,10 @@ def test_accumulated_and_bucketed_steps_equal_one_flat_batch(kw):
 def test_bucketed_all_reduce_is_launched_from_backward_hooks():
     w = _worker(allreduce="bucketed", bucket_kb=1)
     assert len(w.reducer._buckets) > 1
+    reduced = reduced_steps(w.reducer)
     steps = _train(w)
     # Buckets went out during backward, and their communication overlapped it.
-    assert w.reducer.last.early == w.reducer.n_buckets
+    assert reduced[-1].early == w.reducer.n_buckets
     assert all(s.overlap_s > 0 for s in steps)
     assert all(s.backward_s > 0 and s.forward_s > 0 and s.step_s >= s.compute_s
                for s in steps)
@@ -215,8 +218,9 @@ def test_step_marks_on_the_cpu_are_host_seconds():
 
 def test_overlap_is_measured_as_communication_hidden_behind_compute():
     w = _worker(allreduce="bucketed", bucket_kb=1)
+    reduced = reduced_steps(w.reducer)
     steps = _train(w)
-    red = w.reducer.last
+    red = reduced[-1]
     assert red.buckets == w.reducer.n_buckets > 1
     assert red.early == red.buckets  # every bucket went out from backward's hooks
     # Some communication ran while backward went on, never more than the compute itself.
@@ -231,13 +235,14 @@ def test_goodput_norms_are_read_per_bucket_and_keep_the_overlap():
     out = {}
     for kw in ({"allreduce": "bucketed", "bucket_kb": 1}, {"allreduce": "flat"}):
         w = _worker(**kw)
+        reduced = reduced_steps(w.reducer)
         w.join(w.group.open_store(1, 1, "gloo", host="127.0.0.1"), 0)
         try:
             res = w.run_segment(plan)
         finally:
             w.leave()
         assert res.error is None, res.error
-        out[kw["allreduce"]] = (res.steps, w.reducer.last)
+        out[kw["allreduce"]] = (res.steps, reduced[-1])
     steps, red = out["bucketed"]
     assert red.early == red.buckets > 1 and all(s.overlap_s > 0 for s in steps)
     for s, f in zip(steps, out["flat"][0], strict=True):
@@ -270,8 +275,9 @@ def test_emulated_slowness_is_applied_before_the_buckets_leave():
     """A worker slowed 6x sends its first bucket after 6x the compute that precedes it, not
     at full speed: later than a sixth of its (emulated) compute."""
     w = _worker(allreduce="bucketed", bucket_kb=1, emulation={"slowdowns": [6]})
+    reduced = reduced_steps(w.reducer)
     steps = _train(w)
-    red = w.reducer.last
+    red = reduced[-1]
     assert red.early == red.buckets
     assert red.first_launch_s > 1.5 * steps[-1].compute_s / 6
 
@@ -288,8 +294,9 @@ def test_backward_time_leaves_out_the_emulated_sleep(monkeypatch):
         return 0.0
 
     monkeypatch.setattr(clock, "pace", pace)
+    reduced = reduced_steps(w.reducer)
     steps = _train(w)
-    assert w.reducer.last.early == w.reducer.n_buckets > 1
+    assert reduced[-1].early == w.reducer.n_buckets > 1
     # Each step slept at least 0.1 s per launch in backward, none of it in backward_s.
     assert all(s.backward_s < 0.08 and s.step_s > 0.2 for s in steps)
 

@@ -21,6 +21,8 @@ from dynabatch.actors.precision import SpeedOptions, channels_last_applies
 from dynabatch.actors.spec import JobSpec, SpecError, parse_spec
 from dynabatch.actors.worker import Worker, speed_options
 
+from tests.fakes import reduced_steps
+
 N = 64
 B = 16
 SIZES = (3, 5, 7, 11, 16)  # five share sizes, as five re-plans would give
@@ -51,12 +53,13 @@ def _train(w: Worker, sizes: tuple[int, ...]) -> list[tuple[np.ndarray, int, int
     (parameter by parameter, each in NCHW order), the collectives launched and how many of
     them went out from backward's hooks."""
     w.join(w.group.open_store(1, 1, "gloo", host="127.0.0.1"), 0)
+    reduced = reduced_steps(w.reducer)
     out, start = [], 0
     try:
         for k, size in enumerate(sizes):
             res = w.run_segment(SegmentPlan(0, 0, N, (StepPlan(k, start, size, start, size),)))
             assert res.error is None, res.error
-            red = w.reducer.last
+            red = reduced[-1]
             grad = torch.cat([p.grad.contiguous().reshape(-1) for p in w.params])
             out.append((grad.cpu().numpy().copy(), red.buckets, red.early))
             start += size
