@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from dynabatch.actors.data.source import DataError
 from dynabatch.actors.errors import first_line
+from dynabatch.actors.spec.sections import URI_PATTERN
 
 
 def is_uri(path: str) -> bool:
-    return "://" in path
+    """Whether ``path`` starts with a URI scheme (``s3://``, ``file://``): the spec's rule."""
+    return re.match(URI_PATTERN, path) is not None
 
 
 def open_fs(path: str, field: str = "dataset.path") -> tuple[Any, str]:

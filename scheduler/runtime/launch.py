@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import ray
-from dynabatch.actors.spec import URI_PATTERN, JobSpec
+from dynabatch.actors.data.fs import is_uri
+from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.ps.driver import PSCoordinator
 from dynabatch.scheduler.sync.coordinator import Coordinator
 
@@ -26,10 +26,6 @@ def coordinator_name(job_id: str, generation: int = 0) -> str:
     process was killed outside Ray (``kill -9``, the OOM killer)."""
     base = f"dynabatch-job-{job_id}"
     return base if generation == 0 else f"{base}-g{generation}"
-
-
-def is_uri(value: str) -> bool:
-    return re.match(URI_PATTERN, value) is not None
 
 
 def shipped_code(working_dir: str) -> dict[str, Any] | None:

@@ -8,7 +8,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from dynabatch.scheduler.runtime.launch import is_uri, shipped_code
+from dynabatch.actors.data.fs import is_uri
+from dynabatch.scheduler.runtime.launch import shipped_code
 from dynabatch.service.code_store import (
     MAX_UNPACKED_BYTES,
     TOP_LEVEL,
