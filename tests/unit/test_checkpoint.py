@@ -12,7 +12,7 @@ import pytest
 import torch
 from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.actors.spec import parse_spec
-from dynabatch.actors.workloads import build_model
+from dynabatch.actors.workloads.models import build_model
 from dynabatch.scheduler.checkpoint import (
     CheckpointError,
     checkpoint_path,

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 from dynabatch.actors.spec import DatasetSpec, ModelSpec
-from dynabatch.actors.workloads import WorkloadError, build_model, load_dataset
-from dynabatch.actors.workloads.models import LeNet, ResNet
+from dynabatch.actors.workloads import WorkloadError
+from dynabatch.actors.workloads.datasets import load_dataset
+from dynabatch.actors.workloads.models import LeNet, ResNet, build_model
 from torch import nn
 
 PLUGINS = "tests.unit.workload_plugins"
