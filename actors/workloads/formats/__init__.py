@@ -1,7 +1,7 @@
 """Readers and writers for the on-disk dataset formats: IDX (MNIST) and CIFAR-10 python batches.
 
-The writers produce byte-exact versions of the published formats, so tests and benchmarks can
-make small files that go through the very same readers as the real datasets.
+The tests' writers (``tests/formats.py``) make small files in these formats that go through
+the very same readers as the real datasets.
 
 IDX: a 4-byte big-endian magic ``00 00 <type> <ndim>``, then ``ndim`` big-endian uint32 sizes,
 then the data in C order, big-endian. MNIST images are ``0x00000803`` (ubyte, N x 28 x 28) and
