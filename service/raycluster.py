@@ -15,7 +15,8 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from dynabatch.scheduler.runtime.launch import NAMESPACE, is_uri
+from dynabatch.actors.data.fs import is_uri
+from dynabatch.scheduler.runtime.launch import NAMESPACE
 
 # Fast failure detection. The GCS checks each node every 200 ms and declares it dead after 3
 # failed checks in a row: a node whose raylet is gone (refused connections) in about 0.5 s
