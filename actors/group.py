@@ -58,12 +58,11 @@ NCCL_FAULT_MODE_ENV = "DYNABATCH_NCCL_FAULT_MODE"
 DEFAULT_NCCL_FAULT_MODE = "blocking"
 
 
-def nccl_fault_mode(environ: dict[str, str] | None = None) -> str:
+def nccl_fault_mode() -> str:
     """The NCCL fault mode this process's groups use: ``DYNABATCH_NCCL_FAULT_MODE``
     (``blocking`` or ``async``), default ``blocking``; another value is a ValueError naming
     the setting."""
-    env = os.environ if environ is None else environ
-    mode = env.get(NCCL_FAULT_MODE_ENV, "").strip() or DEFAULT_NCCL_FAULT_MODE
+    mode = os.environ.get(NCCL_FAULT_MODE_ENV, "").strip() or DEFAULT_NCCL_FAULT_MODE
     if mode not in NCCL_FAULT_MODES:
         raise ValueError(f"{NCCL_FAULT_MODE_ENV}: unknown NCCL fault mode {mode!r}: use one "
                          f"of {', '.join(NCCL_FAULT_MODES)}")
@@ -100,13 +99,10 @@ def gpu_key(node_id: str, gpu_ids: Sequence[str | int]) -> str | None:
     return f"{node_id}/{gpu_ids[0]}" if gpu_ids else None
 
 
-def configure_nccl_fault_handling(mode: str | None = None) -> str:
-    """Make NCCL raise in survivors instead of killing them, in fault mode ``mode`` (None:
-    :func:`nccl_fault_mode`); read by torch when the group is formed. Returns the mode."""
-    mode = mode or nccl_fault_mode()
-    if mode not in NCCL_FAULT_MODES:
-        raise ValueError(f"unknown NCCL fault mode {mode!r}: use one of "
-                         f"{', '.join(NCCL_FAULT_MODES)}")
+def configure_nccl_fault_handling() -> str:
+    """Make NCCL raise in survivors instead of killing them, in this process's fault mode
+    (:func:`nccl_fault_mode`); read by torch when the group is formed. Returns the mode."""
+    mode = nccl_fault_mode()
     os.environ.update(NCCL_FAULT_MODES[mode])
     return mode
 

@@ -438,7 +438,6 @@ class JobStore:
         *,
         automatic: bool,
         cluster: str | None = None,
-        level: str = "WARNING",
         now: float | None = None,
     ) -> JobRecord:
         """A new coordinator is being started for the job from its checkpoint.
@@ -466,7 +465,7 @@ class JobStore:
             seq = 0 if last is None else int(last) + 1
             db.execute(
                 "INSERT INTO logs (job_id, seq, time, level, message) VALUES (?, ?, ?, ?, ?)",
-                (job_id, seq, now, level, reason),
+                (job_id, seq, now, "WARNING", reason),
             )
             snapshot = row["snapshot"]
             if snapshot:
