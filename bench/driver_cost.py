@@ -24,6 +24,8 @@ loop and Ray's core-worker threads that carry its calls, ``bench/procs.py``), an
 ``loop_cpu_ms_per_step``, the loop's own thread (``time.thread_time``).
 ``driver_cores``: the process's CPU over the wall time of those epochs (the share of a core
 the driver took; on a shared 2-core machine, wall time moves with the load, CPU time less).
+``steady_wall_ms_per_step``: those epochs' wall time per step (a steady epoch's speed; with
+two checkouts interleaved, a side-by-side figure of the training itself).
 
 **Side by side**: each measurement runs in a child process of the checkout measured, with
 that checkout's virtual environment (``--repo PATH``, repeatable: ``PATH/.venv/bin/python``,
@@ -63,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 from bench.report import emit  # noqa: E402
 
 FIGURES = ("driver_cpu_ms_per_step", "driver_cpu_ms_per_step_all", "loop_cpu_ms_per_step",
-           "driver_cores", "runtime_cpu_ms_per_step", "wall_s")
+           "driver_cores", "steady_wall_ms_per_step", "runtime_cpu_ms_per_step", "wall_s")
 
 
 def log(msg: str) -> None:
@@ -234,6 +236,8 @@ def _ray_run(coord: Any, workers: int, args: argparse.Namespace) -> dict[str, An
         "driver_cpu_ms_per_step": 1e3 * (p1 - p0) / steady_steps,
         "loop_cpu_ms_per_step": 1e3 * (l1 - l0) / steady_steps,
         "driver_cores": (p1 - p0) / (w1 - w0),
+        # the steady epochs' wall time per step: a steady epoch's speed, checkouts interleaved
+        "steady_wall_ms_per_step": 1e3 * (w1 - w0) / steady_steps,
         "wall_s": wall,
     }
 
@@ -294,7 +298,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [r[key] for r in runs if key in r]
         if vals:
             out[key] = round(statistics.median(vals), 4)
-    out["driver_cpu_ms_per_step_runs"] = [round(r["driver_cpu_ms_per_step"], 4) for r in runs]
+    for key in ("driver_cpu_ms_per_step", "steady_wall_ms_per_step"):
+        if key in runs[0]:
+            out[f"{key}_runs"] = [round(r[key], 4) for r in runs]
     return out
 
 
