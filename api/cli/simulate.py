@@ -35,7 +35,7 @@ SHOWN_WORKERS = 16
 
 @contextmanager
 def quiet_engine():
-    """The coordinator logs through ``dynabatch.scheduler``; a simulation's lines are in its
+    """The coordinator logs through ``dynabatch.coordinator``; a simulation's lines are in its
     result (and its report), so they are not echoed while it runs."""
     logger = logging.getLogger("dynabatch.coordinator")
     level = logger.level
