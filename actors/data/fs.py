@@ -9,7 +9,11 @@ from typing import Any
 
 from dynabatch.actors.data.source import DataError
 from dynabatch.actors.errors import first_line
-from dynabatch.actors.spec.sections import URI_PATTERN
+
+# What a URI looks like (a scheme, then ://): anything else is a local path. Here, with no
+# import beyond the standard library, so that what reads data needs no spec (a bare GPU
+# machine has no pydantic).
+URI_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://"
 
 
 def is_uri(path: str) -> bool:

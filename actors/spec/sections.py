@@ -13,6 +13,7 @@ import warnings
 from contextvars import ContextVar
 from typing import Annotated, Any, Literal
 
+from dynabatch.actors.data.fs import URI_PATTERN
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -81,8 +82,6 @@ CLASS_NAME_PATTERN = r"^[A-Z][A-Za-z0-9_]{0,63}$"
 # Python identifier (so it reads the same in every table). Not the evaluation sums' own keys.
 METRIC_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
 RESERVED_METRIC_NAMES = ("n", "loss")
-# What a working_dir URI looks like (a scheme, then ://): anything else is a local path.
-URI_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://"
 
 # Integer fields are StrictInt: "7" or true is an error naming the field, never a silent
 # conversion (YAML and JSON configs give real integers). Float fields stay lax: `lr: 1` must
