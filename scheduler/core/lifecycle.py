@@ -9,7 +9,6 @@ coordinator from the checkpoint: the one way out of FAILED or CANCELLED, back to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -74,12 +73,6 @@ _TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class MarkRunning:
-    """The step loop's effect once its group is ready: PENDING becomes RUNNING (the
-    parameter server's job state is derived from its engine's state instead)."""
 
 
 class InvalidEvent(RuntimeError):

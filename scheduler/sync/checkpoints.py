@@ -10,22 +10,30 @@ torch, so ``dynabatch.scheduler.checkpoint`` is imported lazily: a simulated job
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynabatch.actors.errors import first_line
 from dynabatch.scheduler.core.failures import FailureEvent, RollBack
 from dynabatch.scheduler.core.ledger import Ledger
-from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.sync.protocol import Position
-from dynabatch.scheduler.sync.job import Part
 from dynabatch.scheduler.telemetry import EpochRecord
+
+if TYPE_CHECKING:
+    from dynabatch.scheduler.control import JobControl
+    from dynabatch.scheduler.sync.job import SyncJob
+    from dynabatch.scheduler.sync.workforce import Workforce
 
 # What :meth:`Checkpoints.restore` reads without a default: a file without them is not one of
 # ours (or is damaged), and is named as such rather than failing on a KeyError.
 _RESTORED = ("epoch", "step", "weights", "history", "counters")
 
 
-class Checkpoints(Part):
+class Checkpoints:
+    def __init__(self, job: SyncJob, control: JobControl, workforce: Workforce):
+        self.job, self.control, self.workforce = job, control, workforce
+        self.spec, self.clock, self.lock, self.log = (control.spec, control.clock, control.lock,
+                                                      control.log)
+
     def save(self, reason: str, position: Position | None = None,
              best: dict[str, Any] | None = None) -> None:
         """Save the job where it stands (or at ``position``: the epoch that just ended is
@@ -34,14 +42,14 @@ class Checkpoints(Part):
         job, s = self.job, self.spec
         if not s.checkpoint.dir:
             return
-        weights = self.held_state("checkpoint")
+        weights = self.workforce.held_state("checkpoint", job.restored_weights)
         if weights is None:
             self.log("WARNING", f"checkpoint ({reason}) skipped: no worker holds the state")
             return
         p = job.protocol
         pos = position or (p.position if p else job.position)
         payload = {
-            "job_id": self.c.job_id,
+            "job_id": self.control.job_id,
             "spec": s.model_dump(mode="json"),
             "epoch": pos.epoch,
             "step": pos.step,
@@ -52,7 +60,7 @@ class Checkpoints(Part):
             "schedule": {"epoch": pos.epoch, "step": pos.step,
                          "global_batch": job.global_batch,
                          "regime": job.regime.to_state()},
-            "history": [r.model_dump(mode="json") for r in self.history],
+            "history": [r.model_dump(mode="json") for r in self.control.records],
             "counters": {
                 "rebalances_total": job.rebalances_total,
                 "retried_samples_total": job.retried_samples_total,
@@ -65,26 +73,26 @@ class Checkpoints(Part):
 
         if best is not None:
             payload["best"] = best
-        path = save_checkpoint(s.checkpoint.dir, self.c.job_id, payload,
+        path = save_checkpoint(s.checkpoint.dir, self.control.job_id, payload,
                                LATEST if best is None else BEST)
         self.log("INFO", f"checkpoint ({reason}) at epoch {pos.epoch} step {pos.step}: {path}")
 
-    def resume(self) -> bool:
+    def resume(self) -> str | None:
         """A job given a new coordinator goes on from its own checkpoint, when it has one.
-        False when that cannot be loaded: the job has then FAILED with one line naming the
-        file and the problem. Nothing is raised: this runs in the coordinator's constructor,
-        and an actor whose constructor raised cannot show the job's end to anyone."""
+        When that cannot be loaded: one line naming the file and the problem, with which
+        the job fails. Nothing is raised: this runs in the coordinator's constructor, and an
+        actor whose constructor raised cannot show the job's end to anyone."""
         from dynabatch.scheduler.checkpoint import (
             CheckpointError,
             checkpoint_path,
             load_checkpoint,
         )
 
-        path = checkpoint_path(self.spec.checkpoint.dir, self.c.job_id)
+        path = checkpoint_path(self.spec.checkpoint.dir, self.control.job_id)
         try:
-            ckpt = load_checkpoint(self.spec.checkpoint.dir, self.c.job_id)
+            ckpt = load_checkpoint(self.spec.checkpoint.dir, self.control.job_id)
             if ckpt is None:
-                return True
+                return None
             missing = [k for k in _RESTORED if k not in ckpt]
             if missing:
                 raise CheckpointError(f"{path}: not a dynabatch checkpoint (it holds no "
@@ -94,16 +102,15 @@ class Checkpoints(Part):
             except (KeyError, TypeError, ValueError) as err:  # a value of the wrong shape
                 raise CheckpointError(f"{path}: cannot restore it ({first_line(err)})") from None
         except CheckpointError as err:
-            self.finish(JobState.FAILED, f"checkpoint: {err}")
-            return False
-        return True
+            return f"checkpoint: {err}"
+        return None
 
     def restore(self, ckpt: dict[str, Any], why: str) -> None:
         job = self.job
         pos = Position(ckpt["epoch"], ckpt["step"])
         with self.lock:
             job.position = pos
-            self.history[:] = [EpochRecord.model_validate(r) for r in ckpt["history"]]
+            self.control.records[:] = [EpochRecord.model_validate(r) for r in ckpt["history"]]
             c = ckpt["counters"]
             job.rebalances_total = c["rebalances_total"]
             job.retried_samples_total = c["retried_samples_total"]
@@ -117,16 +124,15 @@ class Checkpoints(Part):
             job.restored_batch = sched.get("global_batch")
             if job.protocol is not None:
                 job.protocol.rewind(pos, job.start_batch)
-                job.ep = None
         self.log("INFO" if why == "resuming" else "WARNING",
                  f"{why} from checkpoint at epoch {pos.epoch} step {pos.step}")
 
-    def start_from(self, path: str) -> bool:
+    def start_from(self, path: str) -> str | None:
         """A new job starts from another job's checkpoint (``checkpoint.from``): its weights,
         and its optimizer state when that job used the same optimizer (another optimizer's
         state does not fit this one); not its position, history or schedule, which are the
-        other job's. The first regroup loads them into the group. False when the file
-        cannot be loaded: the job has then FAILED with one line naming the field and file."""
+        other job's. The first regroup loads them into the group. When the file cannot be
+        loaded: one line naming the field and file, with which the job fails."""
         from dynabatch.scheduler.checkpoint import CheckpointError, load_checkpoint_file
 
         try:
@@ -135,8 +141,7 @@ class Checkpoints(Part):
             if not isinstance(weights, dict):
                 raise CheckpointError(f"{path}: not a dynabatch checkpoint (it holds no weights)")
         except CheckpointError as err:
-            self.finish(JobState.FAILED, f"checkpoint.from: {err}")
-            return False
+            return f"checkpoint.from: {err}"
         source = ckpt.get("spec") or {}
         theirs = (source.get("optimizer") or {}).get("name")
         mine = self.spec.optimizer.name
@@ -147,23 +152,25 @@ class Checkpoints(Part):
         self.job.restored_weights = weights
         self.log("INFO", f"starting from checkpoint {path} (job {ckpt.get('job_id', '?')}, "
                          f"epoch {ckpt.get('epoch', '?')} step {ckpt.get('step', '?')}): {note}")
-        return True
+        return None
 
-    def roll_back(self) -> None:
+    def roll_back(self) -> bool:
         """No member holds the committed state (the loop's rolling back): load the last
-        checkpoint, or fail; the regroup goes on with its weights. (The loop settled the
-        evaluations in flight first: the checkpoint's history replaces their records.)"""
+        checkpoint (True), or fail; the regroup goes on with its weights. (The loop settled
+        the evaluations in flight first: the checkpoint's history replaces their records.)"""
         s = self.spec
         ckpt, error = None, None
         if s.checkpoint.dir:
             from dynabatch.scheduler.checkpoint import CheckpointError, load_checkpoint
 
             try:
-                ckpt = load_checkpoint(s.checkpoint.dir, self.c.job_id)
+                ckpt = load_checkpoint(s.checkpoint.dir, self.control.job_id)
             except CheckpointError as err:
                 error = str(err)
-        decision = self.failed(FailureEvent(
+        decision = self.workforce.failed(FailureEvent(
             "state_lost", position=self.job.membership.committed, error=error or "",
             checkpoint=ckpt is not None))
-        if isinstance(decision, RollBack):
-            self.restore(ckpt, why=decision.reason)
+        if not isinstance(decision, RollBack):
+            return False
+        self.restore(ckpt, why=decision.reason)
+        return True

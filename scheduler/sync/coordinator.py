@@ -20,10 +20,11 @@ The decisions live in pure machines (no ray, no torch, no clock), each in its mo
 The driver feeds them events and executes their decisions on a :class:`Runtime`: Ray
 actors in production (``dynabatch.scheduler.runtime.ray_runtime``), the simulator's virtual
 clock in ``dynabatch simulate`` and the unit tests (``dynabatch.scheduler.sim.runtime``).
-It is split by concern around one job-state value
-(:class:`~dynabatch.scheduler.sync.job.SyncJob`):
+It is split by concern over the job's machines
+(:class:`~dynabatch.scheduler.sync.job.SyncJob`), each part given what it uses:
 
 * this module: the :class:`Coordinator` (public surface, snapshot) and the control loop;
+* ``workforce``: the job's workers: who leaves and is stopped, what a failure decides;
 * ``pipeline``: segments sent ahead, committed, absorbed after a failure;
 * ``roster``: membership and spares (reconcile, spawn, adopt, wait for the minimum, regroup);
 * ``epochs``: the data, epochs' beginnings and ends, evaluations, success;
@@ -64,10 +65,12 @@ from dynabatch.scheduler.core.sync.loop import (
     Boundary,
     Checkpoint,
     CommitInFlight,
+    Concluded,
     Effect,
     EndEpoch,
     EndJob,
     EndStep,
+    Event,
     Failed,
     GiveUpStarts,
     JudgeEpoch,
@@ -75,7 +78,6 @@ from dynabatch.scheduler.core.sync.loop import (
     LoadData,
     LoopConfig,
     LoopState,
-    MarkRunning,
     MembershipView,
     NextEpoch,
     PollNodes,
@@ -92,7 +94,9 @@ from dynabatch.scheduler.core.sync.loop import (
     TendSpares,
     TrainSegment,
     WaitForMinimum,
+    Waiting,
     answer,
+    public_state,
     step,
 )
 from dynabatch.scheduler.core.sync.policy import policy_for
@@ -105,6 +109,7 @@ from dynabatch.scheduler.sync.final_model import FinalModel
 from dynabatch.scheduler.sync.job import SyncJob
 from dynabatch.scheduler.sync.pipeline import Pipeline
 from dynabatch.scheduler.sync.roster import Roster
+from dynabatch.scheduler.sync.workforce import Workforce
 from dynabatch.scheduler.telemetry import JobSnapshot, WorkerStatus
 
 log = logging.getLogger("dynabatch.coordinator")
@@ -131,10 +136,10 @@ def _lr_scheduler_factors(spec: JobSpec) -> tuple[tuple[float, ...] | Callable[[
 
 
 class Coordinator(JobControl):
-    """A synchronous job's driver. Its state is one value, :attr:`job` (a
-    :class:`SyncJob`; where its loop stands is its reducer's state,
-    ``loop``); what it reports is :meth:`snapshot`, :meth:`history` and the views
-    below."""
+    """A synchronous job's driver. Where its loop stands is its reducer's state,
+    :attr:`loop` (the job's public state is derived from it); its machines are :attr:`job`
+    (a :class:`SyncJob`); what it reports is :meth:`snapshot`, :meth:`history` and the
+    views below."""
 
     def __init__(
         self,
@@ -185,26 +190,30 @@ class Coordinator(JobControl):
                 max_batch=s.max_batch, max_possible=worker_cap),
             regime=Regime(s, lr_factors),
             policy=policy_for(s.policy, s.rebalance.min_gain(s.policy)),
-            failures=FailurePolicy(s.max_retries),
         )
         # Evaluations run on the holders between segments, collected as they arrive.
         self.evals = Evaluations(runtime, self.clock, EVAL_TIMEOUT_S)
-        self.pipeline = Pipeline(self)
-        self.roster = Roster(self)
-        self.epochs = Epochs(self)
-        self.checkpoints = Checkpoints(self)
-        self.final_model = FinalModel(self)
-        if lr_error is not None:  # as a checkpoint that cannot be loaded: the job fails
-            self.finish(JobState.FAILED, lr_error)
-            return
+        # The parts, each given what it uses; none holds this coordinator or another part.
+        job = self.job
+        self.workforce = Workforce(job.membership, job.tracker, FailurePolicy(s.max_retries),
+                               runtime, self)
+        self.pipeline = Pipeline(job, self, self.workforce, runtime, self.evals)
+        self.roster = Roster(job, self, self.workforce, runtime, self.evals, reports)
+        self.epochs = Epochs(job, self, self.workforce, runtime, self.evals)
+        self.checkpoints = Checkpoints(job, self, self.workforce)
+        self.final_model = FinalModel(job, self, self.workforce)
         # A checkpoint that cannot be loaded fails the job, not this constructor (the job then
-        # ends FAILED naming the file, and run() returns at once).
-        if resume and s.checkpoint.dir and not self.checkpoints.resume():
-            return
-        if s.checkpoint.from_ and self.job.restored_weights is None:
+        # ends FAILED naming the file, and run() returns at once); so does an LR schedule.
+        error = lr_error
+        if error is None and resume and s.checkpoint.dir:
+            error = self.checkpoints.resume()
+        if error is None and s.checkpoint.from_ and self.job.restored_weights is None:
             # A new job starts from another's checkpoint; one resuming from its own goes on
             # from that, which holds what it learnt since.
-            self.checkpoints.start_from(s.checkpoint.from_)
+            error = self.checkpoints.start_from(s.checkpoint.from_)
+        if error is not None:
+            self.loop = Concluded(JobState.FAILED, error)
+            self.finish(JobState.FAILED, error)
 
     # ---------------------------------------------------------------- views
     @property
@@ -245,7 +254,7 @@ class Coordinator(JobControl):
             p = job.protocol
             alloc = p.allocation if p else None
             batch_of = dict(zip(alloc.workers, alloc.batches, strict=True)) if alloc else {}
-            # Between epochs (job.ep is None) the tracker still holds the ended epoch's
+            # Between epochs (no totals open) the tracker still holds the ended epoch's
             # samples while the plan is the next one's: count one of them, never both. A
             # finished job shows its last epoch's partitions, as its record does.
             last = self.records[-1] if self.records else None
@@ -257,7 +266,7 @@ class Coordinator(JobControl):
                 batch = part = 0
                 if m.worker_id in batch_of:
                     batch = batch_of[m.worker_id]
-                    trained = t.epoch_samples if t and job.ep is not None else 0
+                    trained = t.epoch_samples if t and self.epochs.totals is not None else 0
                     part = final.get(m.worker_id, 0) if done else (
                         trained + p.planned_remaining(m.worker_id))
                 workers.append(WorkerStatus(
@@ -325,7 +334,7 @@ class Coordinator(JobControl):
     def shutdown(self) -> None:
         # Every spawned worker is a member, pending, or leaving until it is killed; spares
         # too.
-        self.roster.stop(tuple(self.job.leaving))
+        self.workforce.stop(tuple(self.workforce.leaving))
         m = self.job.membership
         for w in [*m.members, *m.pending.values()]:
             self.runtime.kill(w.worker_id)
@@ -339,27 +348,37 @@ class Coordinator(JobControl):
         the failure policy decided to end the job in it (``Failed``)."""
         if self.state.is_terminal:  # ended before the loop ran (a checkpoint unreadable)
             return False
-        self.loop, effects = step(self.loop, self._boundary(), self.loop_config)
+        effects = self._decide(self._boundary())
         while True:
             ok: object = True
             for effect in effects:
                 if isinstance(effect, EndStep):
                     return not effect.stop and not self.state.is_terminal
                 ok = self._carry_out(effect)
-                if self.job.failure is not None:
-                    return self._fail(self.job.failure)
-            self.loop, effects = step(
-                self.loop, answer(effects[-1], self._seen(), self.clock.now(), ok),
-                self.loop_config)
+                if self.workforce.failure is not None:
+                    return self._fail(self.workforce.failure)
+            effects = self._decide(answer(effects[-1], self._seen(), self.clock.now(), ok))
 
     def _fail(self, reason: str) -> bool:
         """A failure ended the job (the failure policy's ``Fail``, or a bug): the reducer
         concludes it and its effects are carried out."""
-        self.loop, effects = step(self.loop, Failed(reason), self.loop_config)
-        for effect in effects:
+        for effect in self._decide(Failed(reason)):
             if not isinstance(effect, EndStep):
                 self._carry_out(effect)
         return False
+
+    def _decide(self, event: Event) -> list[Effect]:
+        """The reducer's step on ``event``; the job's public state follows the loop's
+        (:func:`~dynabatch.scheduler.core.sync.loop.public_state`) at once: RUNNING as its
+        group is ready, PENDING as it waits. Its end is published by ``EndJob``, the
+        concluding batch's last effect, once the checkpoint and the model are out."""
+        self.loop, effects = step(self.loop, event, self.loop_config)
+        public = public_state(self.loop)
+        if not public.is_terminal and public is not self.state:
+            why = (f"waiting for nodes: {self.loop.shortfall}"
+                   if isinstance(self.loop, Waiting) else None)
+            self.transition(public, why)
+        return effects
 
     def _boundary(self) -> Boundary:
         return Boundary(self._seen(), self.clock.now())
@@ -373,26 +392,25 @@ class Coordinator(JobControl):
             requests = tuple(type(r).__name__.lower() for r in self._requests)
             membership = MembershipView(
                 dirty=m.dirty, drains_due=m.drains_due(speeds), starts_pending=bool(m.pending),
-                first_start=(not m.members and m.generation == 0
-                             and self.state == JobState.PENDING),
+                first_start=not m.members and m.generation == 0,
                 shortfall=m.shortfall(), holders=bool(m.holders()),
                 needs_state=m.dirty and m.regroup_plan().needs_state)
             handing_over = m.handing_over
             cancel = self.cancel_reason
             recorded = len(self.records)
         return Seen(
-            cancel=cancel, pending=self.state == JobState.PENDING, data_loaded=p is not None,
+            cancel=cancel, data_loaded=p is not None,
             trained=p is not None and self.epochs.trained, stopped=self.epochs.stopped,
             epoch=self.epoch, step=self.step_in_epoch,
             steps_per_epoch=p.steps_per_epoch if p else 1,
-            epoch_open=job.ep is not None,
+            epoch_open=self.epochs.totals is not None,
             epoch_complete=p is not None and p.epoch_complete, recorded=recorded,
             in_flight=self.pipeline.ahead is not None,
             batch=job.global_batch, next_batch=job.regime.batch_for(self.epoch + 1),
-            stamps_fixed=job.regime.can_stamp_ahead, retrying=job.attempts.retrying,
+            stamps_fixed=job.regime.can_stamp_ahead, retrying=self.workforce.attempts.retrying,
             requests=requests, handing_over=handing_over,
             holding_restored=job.restored_weights is not None,
-            membership=membership, leaving=tuple(job.leaving))
+            membership=membership, leaving=tuple(self.workforce.leaving))
 
     def _carry_out(self, effect: Effect) -> object:
         """One of the reducer's effects, on this driver's parts; True unless a regroup did
@@ -414,7 +432,7 @@ class Coordinator(JobControl):
             case TendSpares():
                 self.roster.tend_spares()
             case StopWorkers(workers):
-                self.roster.stop(workers)
+                self.workforce.stop(workers)
             case AwaitStarts():
                 self.roster.await_starts()
             case GiveUpStarts():
@@ -422,11 +440,10 @@ class Coordinator(JobControl):
             case WaitForMinimum(shortfall, since):
                 self.roster.wait_for_min(shortfall, since)
             case LoadCheckpoint():
-                self.checkpoints.roll_back()
+                if self.checkpoints.roll_back():
+                    self.epochs.rolled_back()
             case Regroup():
                 return self.roster.regroup()
-            case MarkRunning():
-                self.transition(JobState.RUNNING, None)
             case BeginEpoch():
                 self.epochs.begin_epoch()
             case Replan(cause):
@@ -438,9 +455,9 @@ class Coordinator(JobControl):
             case PostPlanUpdate(offer):
                 self.epochs.adopted(offer.decision, self.pipeline.post_update(offer), offer.why)
             case TrainSegment(ahead, across):
-                return self.pipeline.train_segment(ahead, across)
+                return self.pipeline.train_segment(self.epochs.totals, ahead, across)
             case AbsorbAhead():
-                self.pipeline.absorb_ahead()
+                self.pipeline.absorb_ahead(self.epochs.totals)
             case EndEpoch():
                 if (ended := self.epochs.end_epoch()) is not None:
                     self.epochs.evaluate(*ended)
@@ -451,7 +468,7 @@ class Coordinator(JobControl):
             case PublishReady():
                 self.epochs.publish_ready()
             case CommitInFlight():
-                self.pipeline.drain(commit=True)
+                self.pipeline.drain(self.epochs.totals)
             case Settle():
                 self.epochs.settle()
             case Checkpoint("best", position, best):

@@ -40,18 +40,28 @@ from dynabatch.scheduler.sync.epoch_report import (
     with_scores,
 )
 from dynabatch.scheduler.sync.evaluation import EvalRound, due_for_test
-from dynabatch.scheduler.sync.job import Part
 from dynabatch.scheduler.telemetry import EpochRecord, scores_text
 
 if TYPE_CHECKING:
-    from dynabatch.scheduler.sync.coordinator import Coordinator
+    from dynabatch.scheduler.control import JobControl
+    from dynabatch.scheduler.runtime.seam import Runtime
+    from dynabatch.scheduler.sync.evaluation import Evaluations
+    from dynabatch.scheduler.sync.job import SyncJob
+    from dynabatch.scheduler.sync.workforce import Workforce
 
 
-class Epochs(Part):
-    def __init__(self, coord: Coordinator):
-        super().__init__(coord)
+class Epochs:
+    def __init__(self, job: SyncJob, control: JobControl, workforce: Workforce, runtime: Runtime,
+                 evals: Evaluations):
+        self.job, self.control, self.workforce = job, control, workforce
+        self.runtime, self.evals = runtime, evals
+        self.spec, self.clock, self.lock, self.log = (control.spec, control.clock, control.lock,
+                                                      control.log)
         # Why the job stopped before its last epoch (early_stopping), once it did.
         self.stopped: str | None = None
+        # The open epoch's totals (the pipeline commits each segment into them); None
+        # between epochs (the next step boundary begins one).
+        self.totals: EpochTotals | None = None
         # Test scores of an epoch whose record is not in the history yet (publish_test).
         self.test_scores: dict[int, dict[str, Any]] = {}
 
@@ -64,7 +74,7 @@ class Epochs(Part):
         try:
             job.data = self.runtime.load_data()
         except WorkloadError as err:
-            self.failed(FailureEvent("data", error=str(err)))
+            self.workforce.failed(FailureEvent("data", error=str(err)))
             return
         d = job.data
         job.protocol = SyncProtocol(
@@ -91,7 +101,7 @@ class Epochs(Part):
             if batch != p.global_batch:
                 self.log("INFO", f"epoch {p.epoch}: global batch {p.global_batch} -> {batch}")
                 p.resize(batch)
-        job.ep = EpochTotals(started=self.clock.now())
+        self.totals = EpochTotals(started=self.clock.now())
         job.tracker.begin_epoch()
         if job.ledger.epoch != p.epoch:
             job.ledger.begin_epoch(p.epoch, p.dataset_size)
@@ -122,6 +132,11 @@ class Epochs(Part):
         self.adopted(decision, at, why)
         return None
 
+    def rolled_back(self) -> None:
+        """The job went back to its last checkpoint: the open epoch's totals go (the next
+        boundary begins the epoch again, from the checkpoint's step)."""
+        self.totals = None
+
     def adopted(self, decision: Decision, at: int | None, why: str) -> None:
         """A re-plan took effect from step ``at`` (None: now): the tracker learns the
         batches, and a rebalance is counted and logged."""
@@ -130,7 +145,7 @@ class Epochs(Part):
         job.tracker.decided(dict(zip(a.workers, a.batches, strict=True)))
         if decision.rebalanced:
             job.rebalances_total += 1
-            job.ep.rebalances += 1
+            self.totals.rebalances += 1
             where = f" from step {at}" if at is not None and at != p.step else ""
             self.log("INFO", f"rebalance ({why}): batches "
                              f"{dict(zip(a.workers, a.batches, strict=True))}{where} — "
@@ -151,7 +166,7 @@ class Epochs(Part):
     def _judged(self, metric: str, mode: str, min_delta: float = 0.0) -> Judgement:
         """The history's best epoch by ``metric`` (``loss``: the held-out loss) on the
         judged split (validation, when the job has one)."""
-        held = [r.held_out(self.evals.split) for r in self.history]
+        held = [r.held_out(self.evals.split) for r in self.control.records]
         values = [loss if metric == "loss" else scores.get(metric) for loss, scores in held]
         return judge(values, mode, min_delta)
 
@@ -160,7 +175,7 @@ class Epochs(Part):
         metric (what it was judged by, for the best checkpoint), and early stopping's reason
         to end the training after it, if any."""
         epoch = self.job.protocol.epoch
-        history = self.history
+        history = self.control.records
         best = self.spec.checkpoint.keep_best
         judged_best = None
         if best is not None:
@@ -174,7 +189,7 @@ class Epochs(Part):
         es = self.spec.early_stopping
         if es is None or epoch + 1 >= self.spec.epochs:
             return None
-        history = self.history
+        history = self.control.records
         j = self._judged(es.metric, es.mode, es.min_delta)
         if not should_stop(j, es.patience):
             return None
@@ -193,11 +208,11 @@ class Epochs(Part):
         job, p = self.job, self.job.protocol
         v = job.ledger.verify()
         if not v.verified:
-            self.failed(FailureEvent("exactly_once", error=(
+            self.workforce.failed(FailureEvent("exactly_once", error=(
                 f"epoch {p.epoch}: exactly-once check of the workers' reports failed: "
                 f"{v.reason}")))
             return None
-        ep = job.ep
+        ep = self.totals
         alloc = p.allocation
         planned = set(alloc.workers) if alloc else set()
         tracks = {w: t for w in job.membership.worker_ids
@@ -221,7 +236,7 @@ class Epochs(Part):
         if rnd is None:
             holders = [m.worker_id for m in job.membership.holders()]
             rnd = self.evals.submit(p.epoch, job.evaluation_shards(holders))
-            job.next_behind = rnd
+            self.evals.behind = rnd
         self.evals.attach(p.epoch, record, ep)
 
     def next_epoch(self, stop: str | None = None) -> None:
@@ -235,11 +250,12 @@ class Epochs(Part):
             # (the holders have them: a judged epoch sends nothing ahead of its evaluation).
             holders = [m.worker_id for m in job.membership.holders()]
             rnd = self.evals.submit_test(p.epoch, holders, job.tracker.speeds())
-            rnd.record, rnd.extra = self.history[-1], job.ep  # published into that record
-            job.next_behind = rnd
+            # Published into that record.
+            rnd.record, rnd.extra = self.control.records[-1], self.totals
+            self.evals.behind = rnd
         with self.lock:
             p.next_epoch()
-            job.ep = None
+            self.totals = None
             if stop is not None:
                 self.stopped = stop
         self.publish_ready()
@@ -273,23 +289,23 @@ class Epochs(Part):
         for w, r in rnd.failures.items():
             self.log("WARNING", f"evaluation of epoch {rnd.epoch} on {w} failed: {r.error}")
             if r.lost:
-                self.remove_worker(w, "failure", "lost during evaluation")
+                self.workforce.remove(w, "failure", "lost during evaluation")
         sums = rnd.sums()
         if sums is not None:
-            job.attempts = job.attempts.evaluated()
+            self.workforce.attempts = self.workforce.attempts.evaluated()
         elif not closing and (bad := next(((w, r) for w, r in rnd.failures.items()
                                            if not r.lost), None)):
             w, r = bad
-            decision = self.failed(FailureEvent(
+            decision = self.workforce.failed(FailureEvent(
                 "evaluation", position=Position(rnd.epoch, 0), worker=w, shard=rnd.shards[w],
                 error=r.error or "no answer", user=r.user))
             if isinstance(decision, Fail):
                 return
         again = evaluate_again(
             complete=sums is not None, shard_failed=bool(rnd.failures),
-            last_queued=rnd is job.next_behind,
+            last_queued=rnd is self.evals.behind,
             holders=tuple(m.worker_id for m in job.membership.holders()),
-            waited_s=rnd.critical_s, cancel_requested=self.cancel_requested)
+            waited_s=rnd.critical_s, cancel_requested=self.control.cancel_reason is not None)
         if again is not None:
             # Nothing was sent behind it: the holders left still have the epoch's weights
             # and score the set again (at the job's end, say), so no scores are lost.
@@ -298,7 +314,7 @@ class Epochs(Part):
                                                                       rnd.split), rnd.split)
             rerun.record, rerun.extra = rnd.record, rnd.extra
             rerun.waited_s = again.waited_s
-            job.next_behind = rerun
+            self.evals.behind = rerun
             return
         scores = self.evals.runtime.finish_evaluation(sums) if sums is not None else None
         if scores is None and rnd.shards:
@@ -309,23 +325,23 @@ class Epochs(Part):
             return
         record = self._with_test(with_scores(rnd.record, rnd.extra, scores, rnd))
         with self.lock:
-            self.history.append(record)
+            self.control.records.append(record)
             self.log("INFO", summary(record, self.spec.epochs))
-        self.c.tracking.epoch(record)
+        self.control.tracking.epoch(record)
 
     def publish_test(self, epoch: int, scores: dict[str, float] | None) -> None:
         """A test round's scores of ``epoch``'s weights join the epoch's record (in the
         history, or once it is: its validation round may have been run again)."""
         self.test_scores[epoch] = split_fields("test", scores)
-        at = next((i for i, r in enumerate(self.history) if r.epoch == epoch), None)
+        at = next((i for i, r in enumerate(self.control.records) if r.epoch == epoch), None)
         if at is None:
             return
-        record = self._with_test(self.history[at])
+        record = self._with_test(self.control.records[at])
         with self.lock:
-            self.history[at] = record
+            self.control.records[at] = record
             self.log("INFO", f"epoch {epoch}: test "
                              f"{scores_text(record.scores) or 'not scored'}")
-        self.c.tracking.epoch(record)
+        self.control.tracking.epoch(record)
 
     def _with_test(self, record: EpochRecord) -> EpochRecord:
         fields = self.test_scores.pop(record.epoch, None)
@@ -337,7 +353,6 @@ class Epochs(Part):
         in by now."""
         if not self.evals.busy:
             return
-        self.job.next_behind = None
         self.evals.poll(timeout_s=1.0)
         for rnd in self.evals.close("the job ended before this shard was scored"):
             self.publish(rnd, closing=True)

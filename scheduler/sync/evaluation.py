@@ -164,6 +164,9 @@ class Evaluations:
         self.split = "test"
         self.n_test = 0
         self.test_after: Any = None  # (epoch) -> bool; None: never
+        # The round queued for the next segment sent (its workers score first: the
+        # segment's time is not charged with it). A regroup drops it: it ran before.
+        self.behind: EvalRound | None = None
 
     def submit(self, epoch: int, shards: dict[str, tuple[int, int]],
                split: str | None = None) -> EvalRound:
@@ -252,7 +255,7 @@ class Evaluations:
         for r in out:
             for w in r.shards:
                 r.results.setdefault(w, ShardResult(w, error=why))
-        self.rounds = []
+        self.rounds, self.behind = [], None
         return out
 
     @property

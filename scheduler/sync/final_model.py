@@ -14,12 +14,20 @@ simulation without gradients) has none.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dynabatch.scheduler.sync.job import Part
+if TYPE_CHECKING:
+    from dynabatch.scheduler.control import JobControl
+    from dynabatch.scheduler.sync.job import SyncJob
+    from dynabatch.scheduler.sync.workforce import Workforce
 
 
-class FinalModel(Part):
+
+class FinalModel:
+    def __init__(self, job: SyncJob, control: JobControl, workforce: Workforce):
+        self.job, self.control, self.workforce = job, control, workforce
+        self.spec, self.log = control.spec, control.log
+
     def save(self, reason: str) -> None:
         """Build the model's files from the state a holder returns, keep them, and write
         them to ``artifacts.dir`` when it is set (the job control's ``publish_model``). A job whose
@@ -28,14 +36,14 @@ class FinalModel(Part):
         data = job.data
         if data is None or not data.input_shape or not data.num_classes:
             return
-        state = self.held_state("model export")
+        state = self.workforce.held_state("model export", job.restored_weights)
         model = (state or {}).get("model")
         if not model:
             self.log("WARNING", f"model export ({reason}) skipped: no worker holds the state")
             return
         p = job.protocol
         epoch = p.epoch if p is not None else job.position.epoch
-        self.c.publish_model(
+        self.control.publish_model(
             input_shape=data.input_shape,
             num_classes=data.num_classes,
             state=model,
@@ -55,7 +63,7 @@ class FinalModel(Part):
         from dynabatch.scheduler.telemetry import EpochRecord
 
         try:
-            ckpt = load_checkpoint(s.checkpoint.dir, self.c.job_id, BEST)
+            ckpt = load_checkpoint(s.checkpoint.dir, self.control.job_id, BEST)
             if ckpt is None:
                 return None, None, None
             state = ckpt["weights"]["model"]

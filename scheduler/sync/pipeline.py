@@ -37,12 +37,15 @@ from dynabatch.scheduler.core.sync.update import (
     update_at,
     updated_plans,
 )
-from dynabatch.scheduler.sync.epoch_report import segment_busy
+from dynabatch.scheduler.sync.epoch_report import EpochTotals, segment_busy
 from dynabatch.scheduler.sync.evaluation import EvalRound
-from dynabatch.scheduler.sync.job import Part
 
 if TYPE_CHECKING:
-    from dynabatch.scheduler.sync.coordinator import Coordinator
+    from dynabatch.scheduler.control import JobControl
+    from dynabatch.scheduler.runtime.seam import Runtime
+    from dynabatch.scheduler.sync.evaluation import Evaluations
+    from dynabatch.scheduler.sync.job import SyncJob
+    from dynabatch.scheduler.sync.workforce import Workforce
 
 UPDATE_TIMEOUT_S = 2.0  # posting a plan update: one compare-and-set in the group's store
 
@@ -62,9 +65,13 @@ class Ahead:
         return len(next(iter(self.plans.values())).steps)
 
 
-class Pipeline(Part):
-    def __init__(self, coord: Coordinator):
-        super().__init__(coord)
+class Pipeline:
+    def __init__(self, job: SyncJob, control: JobControl, workforce: Workforce, runtime: Runtime,
+                 evals: Evaluations):
+        self.job, self.control, self.workforce = job, control, workforce
+        self.runtime, self.evals = runtime, evals
+        self.spec, self.clock, self.lock, self.log = (control.spec, control.clock, control.lock,
+                                                      control.log)
         self.ahead: Ahead | None = None  # the segment in flight, sent ahead
         self.last_collect = -1e18  # when the last segment's results were read
 
@@ -80,7 +87,7 @@ class Pipeline(Part):
         out = {}
         for w, plan in plans.items():
             m = job.membership.get(w)
-            cap = job.memory.cap(m.node, m.gpus) if m is not None else None
+            cap = self.workforce.memory.cap(m.node, m.gpus) if m is not None else None
             out[w] = replace(plan, micro_cap=cap) if cap is not None else plan
         return out
 
@@ -146,15 +153,16 @@ class Pipeline(Part):
         self.ahead = Ahead(plan.position, nxt, self.runtime.submit_segment(nxt), self.clock.now(),
                           behind)
 
-    def drain(self, commit: bool) -> None:
-        """Collect the segment in flight: commit it (``commit``), or discard it after a
-        failure of the one before it."""
+    def drain(self, totals: EpochTotals | None) -> None:
+        """Collect the segment in flight: commit it into the open epoch's ``totals``, or
+        (None) discard it after a failure of the one before it."""
         job = self.job
         ahead = self.ahead
         if ahead is None:
             return
-        if commit and ahead.position == job.protocol.position:
-            self.train_segment()  # (sent across the epoch's end: the loop began its epoch)
+        if totals is not None and ahead.position == job.protocol.position:
+            # (Sent across the epoch's end: the loop began its epoch.)
+            self.train_segment(totals)
             return
         self.ahead = None
         outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
@@ -163,35 +171,38 @@ class Pipeline(Part):
             self.log("ERROR", f"a segment sent ahead trained on {trained} after the one "
                               "before it failed; their state is not the committed one")
             for w in trained:
-                self.remove_worker(w, "failure", "trained past a failed segment")
+                self.workforce.remove(w, "failure", "trained past a failed segment")
 
-    def train_segment(self, send_ahead: bool = False, across: bool = False) -> bool:
-        """Run one segment; commit what the state holder completed. True when it all ran.
-        ``send_ahead``/``across``: send the next segment before reading this one's results,
-        and may that be the next epoch's first (the loop's
-        :class:`~dynabatch.scheduler.core.sync.loop.TrainSegment`)."""
-        job, p = self.job, self.job.protocol
+    def train_segment(self, totals: EpochTotals, send_ahead: bool = False,
+                      across: bool = False) -> bool:
+        """Run one segment; commit what the state holder completed (into the open epoch's
+        ``totals``, the epochs' to close). True when it all ran. ``send_ahead``/``across``:
+        send the next segment before reading this one's results, and may that be the next
+        epoch's first (the loop's :class:`~dynabatch.scheduler.core.sync.loop.
+        TrainSegment`)."""
+        p = self.job.protocol
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.position == p.position:
             plans, ticket, t0, behind = ahead.plans, ahead.ticket, ahead.sent, ahead.behind
         else:
             if ahead is not None:  # defensive: a segment ahead always starts here
                 self.ahead = ahead
-                self.drain(commit=False)
+                self.drain(None)
             plans = self.stamp(p.plan_segment())
             if not plans:
                 return True
             t0 = self.clock.now()
-            behind, job.next_behind = job.next_behind, None
+            behind, self.evals.behind = self.evals.behind, None
             ticket = self.runtime.submit_segment(plans)
         start = p.position
         if send_ahead:
             self.send_ahead(start, plans, across)
         outcomes = self.runtime.collect_segment(ticket, self.grace_s())
-        return self.commit(plans, outcomes, start, t0, behind=behind)
+        return self.commit(plans, outcomes, start, t0, totals, behind=behind)
 
     def commit(self, plans: dict, outcomes: list[WorkerOutcome], start: Position, t0: float,
-               charge: bool = True, behind: EvalRound | None = None) -> bool:
+               totals: EpochTotals, charge: bool = True, behind: EvalRound | None = None
+               ) -> bool:
         """Commit what the state holders completed of a segment; handle its failure. True
         when it all ran. ``charge``: count a failure against the retries (not for a
         segment sent ahead, whose failure is the one already counted). ``behind``: an
@@ -214,7 +225,7 @@ class Pipeline(Part):
         self.last_collect = share.collected
         committed: list[list[Any]] = []
         with self.lock:
-            ep = job.ep
+            ep = totals
             ep.evaluation += share.evaluation
             for j in range(done):
                 reports = [r.steps[j] for r in results if len(r.steps) > j]
@@ -233,11 +244,12 @@ class Pipeline(Part):
                 {r.worker: Position(start.epoch, start.step + len(r.steps)) for r in results}
             )
         # Outside the lock: the first write opens the event files (snapshots need not wait).
-        if self.c.tracking.active:
+        if self.control.tracking.active:
             for reports in committed:
-                self.c.tracking.step(reports, p.dataset_size)
+                self.control.tracking.step(reports, p.dataset_size)
         if failure is None:
-            job.attempts = job.attempts.succeeded()  # the retry, if this was one, is over
+            # The retry, if this was one, is over.
+            self.workforce.attempts = self.workforce.attempts.succeeded()
             return True
         # Lost and hung workers are removed here; the loop's next batch kills them before
         # anything else, so what they had queued ahead answers at once instead of after
@@ -249,7 +261,7 @@ class Pipeline(Part):
             self.evals.discard(p.epoch)
         return False
 
-    def absorb_ahead(self) -> None:
+    def absorb_ahead(self, totals: EpochTotals) -> None:
         """After a failed segment, the one sent ahead (the loop's :class:`~dynabatch.
         scheduler.core.sync.loop.AbsorbAhead`). Usually it could not train: the
         failure broke the group and its workers refuse it. But a segment can "fail" after
@@ -265,15 +277,15 @@ class Pipeline(Part):
             return
         p = job.protocol
         if ahead.position != p.position:
-            self.drain(commit=False)
+            self.drain(None)
             return
         self.ahead = None
         outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
         if any(o.result is not None and o.result.steps for o in outcomes):
             self.log("INFO", f"committing what the segment ahead trained after step "
                              f"{p.step} of epoch {p.epoch}")
-            self.commit(ahead.plans, outcomes, ahead.position, ahead.sent, charge=False,
-                        behind=ahead.behind)
+            self.commit(ahead.plans, outcomes, ahead.position, ahead.sent, totals,
+                        charge=False, behind=ahead.behind)
 
     def segment_failed(self, failure: Failure, charge: bool = True,
                        partial: bool = True) -> None:
@@ -286,10 +298,10 @@ class Pipeline(Part):
             job.retried_samples_total += in_flight
         self.log("WARNING", f"step {p.step} of epoch {p.epoch} failed: {failure.summary}")
         for w, why in failure.lost.items():
-            self.remove_worker(w, "failure", why)
+            self.workforce.remove(w, "failure", why)
         for w, (_, batch) in failure.oom.items():
             m = job.membership.get(w)
-            cap = job.memory.ran_out(m.node, m.gpus, batch) if m is not None else None
+            cap = self.workforce.memory.ran_out(m.node, m.gpus, batch) if m is not None else None
             if cap is not None:
                 self.log("WARNING", f"{w} ran out of memory on a micro-batch of {batch}: "
                                     f"node {m.node}'s memory cap is now {cap} samples")
@@ -297,5 +309,5 @@ class Pipeline(Part):
         job.membership.dirty = True
         # Uncharged (a segment sent ahead), the failure before it was counted: the next
         # segment is a retry either way. The policy evicts the stragglers.
-        self.failed(FailureEvent("segment", position=p.position, failure=failure,
+        self.workforce.failed(FailureEvent("segment", position=p.position, failure=failure,
                                  counted=charge))

@@ -26,15 +26,17 @@ from typing import TYPE_CHECKING
 
 from dynabatch.scheduler.control import Assign, Drain, Scale
 from dynabatch.scheduler.core.failures import FailureEvent
-from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.sync.boundary import wait_for_minimum
 from dynabatch.scheduler.core.sync.loop import NODE_POLL_S
 from dynabatch.scheduler.runtime.seam import GroupReport
-from dynabatch.scheduler.sync.job import Part
 
 if TYPE_CHECKING:
+    from dynabatch.scheduler.control import JobControl
     from dynabatch.scheduler.core.membership import NodeInfo
-    from dynabatch.scheduler.sync.coordinator import Coordinator
+    from dynabatch.scheduler.runtime.seam import GroupReports, Runtime
+    from dynabatch.scheduler.sync.evaluation import Evaluations
+    from dynabatch.scheduler.sync.job import SyncJob
+    from dynabatch.scheduler.sync.workforce import Workforce
 
 # After adopting a spare at a boundary with nothing in flight, how long to wait for it to
 # answer so that it joins this regroup rather than one segment later.
@@ -44,12 +46,18 @@ ADOPT_WAIT_S = 0.5
 START_WAIT_S = 0.5
 
 
-class Roster(Part):
+class Roster:
     """Who trains: the driver's side of :class:`~dynabatch.scheduler.core.membership.
     Membership` (named apart from the workers' process group, ``dynabatch.actors.group``)."""
 
-    def __init__(self, coord: Coordinator):
-        super().__init__(coord)
+    def __init__(self, job: SyncJob, control: JobControl, workforce: Workforce, runtime: Runtime,
+                 evals: Evaluations, reports: GroupReports | None):
+        """``reports``: where a group formed is told to the cluster scheduler (None: not
+        told)."""
+        self.job, self.control, self.workforce = job, control, workforce
+        self.runtime, self.evals, self.reports = runtime, evals, reports
+        self.spec, self.clock, self.lock, self.log = (control.spec, control.clock, control.lock,
+                                                      control.log)
         self.nodes: list[NodeInfo] = []  # as last listed (PollNodes)
 
     # ---------------------------------------------------------------- at a boundary
@@ -60,7 +68,7 @@ class Roster(Part):
         with self.lock:
             self.nodes = self.runtime.nodes()
             if not self.nodes and starting:
-                self.c.reason = f"waiting for resources: {self.no_node_hint()}"
+                self.control.reason = f"waiting for resources: {self.no_node_hint()}"
             for node, why in self.runtime.lost_spares():
                 job.membership.spare_lost(node, why)
                 self.log("WARNING", f"the spare worker on node {node[:12]} was lost before "
@@ -74,7 +82,7 @@ class Roster(Part):
         m = self.job.membership
         took = False
         with self.lock:
-            for r in self.take_requests(assignments):
+            for r in self.control.take_requests(assignments):
                 try:
                     match r:
                         case Scale(workers):
@@ -103,8 +111,8 @@ class Roster(Part):
         with self.lock:
             changes = self.job.membership.apply_drains(self.job.tracker.speeds())
         for change in changes:
-            self.changed(change)
-            self.job.leaving.append(change.worker)
+            self.workforce.changed(change)
+            self.workforce.left(change.worker)
 
     # ---------------------------------------------------------------- starting workers
     def start_assigned(self) -> None:
@@ -114,9 +122,9 @@ class Roster(Part):
         the first boundary once up; workers still starting for an earlier assignment that
         it leaves out stop. Before the job's first group (its first start places the newest
         assignment), or once it ends or is cancelled, the next boundary takes it."""
-        c, job = self.c, self.job
+        c, job = self.control, self.job
         with self.lock:
-            if (c.state.is_terminal or self.cancel_requested or job.protocol is None
+            if (c.state.is_terminal or c.cancel_reason is not None or job.protocol is None
                     or job.membership.generation == 0):
                 return
             if self.apply_requests(assignments=True):
@@ -176,9 +184,9 @@ class Roster(Part):
     def note_placement(self, unplaced: tuple[int, int] | None) -> None:
         """Keep saying, in the log once and in the reason while it lasts, that requested
         workers could not be placed."""
-        c = self.c
+        c = self.control
         note = None if unplaced is None else self.placement_text(*unplaced)
-        if note is None and self.scale_queued():
+        if note is None and self.control.scale_queued():
             return  # a scale request not applied yet: its note stands until it is
         if note != c.placement_note and note is not None:
             self.log("WARNING", f"cannot place every worker: {note}")
@@ -204,16 +212,16 @@ class Roster(Part):
             with self.lock:
                 change = m.started(st.worker)
             if change is None:
-                job.leaving.append(st.worker)
+                self.workforce.left(st.worker)
             else:
                 job.tracker.add(st.worker, m.get(st.worker).capacity)
-                self.changed(change)
+                self.workforce.changed(change)
 
     def await_starts(self) -> None:
         """Wait a little for the first start's workers to come up, and take in those that
         did (the loop's ``AwaitStarts``; the start timeout is its)."""
         m = self.job.membership
-        self.c.reason = (
+        self.control.reason = (
             f"waiting for resources: {len(m.pending)} of {len(m.pending) + len(m.members)}"
             f" workers not started yet ({len(self.runtime.nodes())} eligible nodes; other "
             "jobs may hold their CPUs)"
@@ -224,7 +232,7 @@ class Roster(Part):
         """The workers still starting when the first start's wait ended (the loop's
         ``GiveUpStarts``): out of the membership, queued to be killed."""
         m = self.job.membership
-        why = ("the job was cancelled while it started" if self.cancel_requested
+        why = ("the job was cancelled while it started" if self.control.cancel_reason is not None
                else f"it could not start in {self.spec.start_timeout_s:.0f}s")
         with self.lock:
             given_up = list(m.pending)
@@ -232,12 +240,12 @@ class Roster(Part):
                 m.start_failed(w)
         for w in given_up:
             self.log("WARNING", f"worker {w} given up: {why}")
-            self.job.leaving.append(w)
+            self.workforce.left(w)
 
     def wait_for_min(self, shortfall: str, since: float | None) -> bool:
         """Too few workers since ``since`` (None: from now; the loop's ``Waiting`` keeps
         when the wait began)."""
-        c, job, s = self.c, self.job, self.spec
+        c, job, s = self.control, self.job, self.spec
         wait = wait_for_minimum(
             since=since, now=self.clock.now(),
             started=job.membership.generation != 0, start_timeout_s=s.start_timeout_s,
@@ -246,15 +254,13 @@ class Roster(Part):
             self.log("WARNING", f"cannot train: {shortfall}")
         hint = "" if self.runtime.nodes() else f": {self.no_node_hint()}"
         if wait.give_up:
-            self.failed(FailureEvent(
+            self.workforce.failed(FailureEvent(
                 "no_workers",
                 error=f"only {shortfall} available after waiting {wait.limit:.0f}s{hint}"))
             return False
-        reason = (f"waiting for nodes: {shortfall} ({wait.waited:.0f}s of {wait.limit:.0f}s)"
-                  f"{hint}")
-        if c.state == JobState.RUNNING:
-            self.transition(JobState.PENDING, reason)
-        c.reason = reason
+        # (The job is PENDING meanwhile: its state follows the loop's Waiting.)
+        c.reason = (f"waiting for nodes: {shortfall} ({wait.waited:.0f}s of "
+                    f"{wait.limit:.0f}s){hint}")
         # The next boundary lists the nodes again (NODE_POLL_S) and starts what is missing.
         self.clock.sleep(NODE_POLL_S)
         return False
@@ -288,13 +294,13 @@ class Roster(Part):
                                       + 30)
         if not result.ok:
             for w, why in result.lost.items():
-                self.remove_worker(w, "failure", why)
+                self.workforce.remove(w, "failure", why)
             why = "; ".join([*result.lost.values(), *([result.error] if result.error else [])])
             self.log("WARNING", f"regroup failed ({why}); retrying")
-            self.failed(FailureEvent("regroup", lost=bool(result.lost), error=why))
+            self.workforce.failed(FailureEvent("regroup", lost=bool(result.lost), error=why))
             return False
-        job.attempts = job.attempts.regrouped()
-        job.next_behind = None  # an evaluation queued before the regroup ran before it
+        self.workforce.attempts = self.workforce.attempts.regrouped()
+        self.evals.behind = None  # an evaluation queued before the regroup ran before it
         with self.lock:
             m.regrouped(plan.members)
         job.restored_weights = None  # only now: a failed join must be able to load it again
@@ -309,12 +315,12 @@ class Roster(Part):
         """Tell the cluster scheduler the group that formed (``members``: their nodes and
         speeds, and the global batch), when one placed the job (an assignment is in force):
         its view shows them at once. Sent without waiting."""
-        c, job = self.c, self.job
+        c, job = self.control, self.job
         m = job.membership
-        if c.reports is None or m.assignment is None:
+        if self.reports is None or m.assignment is None:
             return
         speeds = job.tracker.speeds()
         nodes = {x.worker_id: x.node for x in m.members}
-        c.reports.report(GroupReport(
+        self.reports.report(GroupReport(
             c.job_id, tuple((nodes[w], speeds.get(w, 0.0)) for w in members if w in nodes),
             float(job.global_batch)))

@@ -1,7 +1,7 @@
-"""The synchronous driver's parts (``scheduler/sync/``) never call one another, and reach the
-job control's state only through :class:`~dynabatch.scheduler.sync.job.Part`: what one part
-needs of another goes through the coordinator (which passes one's answer to the other) or
-the step loop's engine (a command of its own)."""
+"""The synchronous driver's parts (``scheduler/sync/``) know neither the coordinator nor one
+another: each is given the job's machines, its control and what else it uses, and what one
+part needs of another goes through the coordinator (which passes one's answer to the other)
+or the step loop's reducer (an effect of its own)."""
 
 from __future__ import annotations
 
@@ -13,35 +13,35 @@ PARTS = {"pipeline", "roster", "epochs", "checkpoints", "final_model"}
 
 
 def _reaches(source: str) -> list[str]:
-    """Every ``self.c.X`` (and ``c.X`` after ``c = self.c``) that names a part or a private
-    field of the coordinator, as ``line: X``."""
+    """What a part's module imports of the coordinator or of another part (type-only
+    imports included), and every base class of its classes, as ``line: name``."""
     out = []
     for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Attribute):
-            continue
-        base = node.value
-        via_self_c = (isinstance(base, ast.Attribute) and base.attr == "c"
-                      and isinstance(base.value, ast.Name) and base.value.id == "self")
-        via_c = isinstance(base, ast.Name) and base.id == "c"
-        if (via_self_c or via_c) and (node.attr in PARTS or node.attr.startswith("_")):
-            out.append((node.lineno, node.attr))
-    return [f"{line}: {attr}" for line, attr in sorted(out)]
+        if isinstance(node, ast.ImportFrom) and node.module:
+            leaf = node.module.rsplit(".", 1)[-1]
+            if node.module.startswith("dynabatch.scheduler.sync.") \
+                    and (leaf == "coordinator" or leaf in PARTS):
+                out.append((node.lineno, node.module))
+        elif isinstance(node, ast.ClassDef):
+            out.extend((node.lineno, f"{node.name}({ast.unparse(b)})") for b in node.bases)
+    return [f"{line}: {name}" for line, name in sorted(out)]
 
 
-def test_no_part_calls_a_sibling_or_reads_the_coordinators_privates() -> None:
+def test_no_part_knows_the_coordinator_or_a_sibling() -> None:
     found = {p: r for p in sorted(PARTS) if (r := _reaches((SYNC / f"{p}.py").read_text()))}
     assert found == {}
 
 
-def test_the_check_sees_a_sibling_call_and_a_private_read() -> None:
-    src = ("class Pipeline:\n"
-           "    def f(self):\n"
-           "        self.c.roster.remove('w0')\n"
-           "        c = self.c\n"
-           "        with c._lock:\n"
-           "            pass\n"
-           "        self.c.reason = 'fine: a public field'\n")
-    assert _reaches(src) == ["3: roster", "5: _lock"]
+def test_the_check_sees_a_sibling_the_coordinator_and_a_shared_base() -> None:
+    src = ("from typing import TYPE_CHECKING\n"
+           "from dynabatch.scheduler.sync.roster import Roster\n"
+           "if TYPE_CHECKING:\n"
+           "    from dynabatch.scheduler.sync.coordinator import Coordinator\n"
+           "from dynabatch.scheduler.sync.workforce import Workforce\n"
+           "class Pipeline(Part):\n"
+           "    pass\n")
+    assert _reaches(src) == ["2: dynabatch.scheduler.sync.roster",
+                             "4: dynabatch.scheduler.sync.coordinator", "6: Pipeline(Part)"]
 
 
 SCHEDULER = SYNC.parent

@@ -98,13 +98,13 @@ def test_a_worker_taken_out_is_killed_by_the_next_batch_or_when_the_job_ends():
     a job that ends first (a failure unwinds the step) kills it as it shuts down."""
     coord, rt, _ = _job(_spec())
     _run_to(coord, 1, 2)
-    coord.roster.remove_worker("w1", "failure", "lost (test)")
-    assert rt.record.killed == [] and coord.job.leaving == ["w1"]
+    coord.workforce.remove("w1", "failure", "lost (test)")
+    assert rt.record.killed == [] and coord.workforce.leaving == ["w1"]
     assert coord.step()
-    assert rt.record.killed == ["w1"] and coord.job.leaving == []
-    coord.roster.remove_worker("w2", "evict", "straggler (test)")
+    assert rt.record.killed == ["w1"] and coord.workforce.leaving == []
+    coord.workforce.remove("w2", "evict", "straggler (test)")
     coord.shutdown()
-    assert rt.record.killed[1] == "w2" and coord.job.leaving == []
+    assert rt.record.killed[1] == "w2" and coord.workforce.leaving == []
     assert sorted(set(rt.record.killed)) == sorted(rt.record.killed)  # each once
 
 
@@ -125,7 +125,7 @@ def test_the_first_start_waits_for_its_workers_and_gives_up_those_not_up_in_time
     t0 = rt.clock.now()
     assert coord.step()
     assert 2.0 <= rt.clock.now() - t0 < 3.0  # the timeout, then WaitForMinimum's pause
-    assert sorted(rt.record.killed) == ["w0", "w1", "w2"] and coord.job.leaving == []
+    assert sorted(rt.record.killed) == ["w0", "w1", "w2"] and coord.workforce.leaving == []
     assert coord.snapshot().state == JobState.PENDING
     assert not coord.job.membership.worker_ids and not coord.job.membership.pending
     given_up = [x.message for x in coord.logs() if "given up" in x.message]

@@ -33,6 +33,7 @@ import pytest
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.failures import Fail, FailureEvent, FailurePolicy
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
+from dynabatch.scheduler.core.sync.loop import public_state
 from dynabatch.scheduler.runtime.seam import RegroupResult, ShardResult, WorkerCallError
 from dynabatch.scheduler.sim.calls import Call
 from dynabatch.scheduler.sim.cluster_spec import Fault
@@ -350,6 +351,8 @@ def drive(sc: Scenario, ck_dir: Path) -> Run:
                 before = _trained(rt, lineages)
                 coord.cancel()
             going = coord.step()
+            # The job's public state is derived from the loop's, whatever happened.
+            assert coord.state is public_state(coord.loop), (coord.state, coord.loop)
             if seen is not None and not seen.steps_to_end and not going:
                 seen.steps_to_end = i + 1 - sc.cancel_at
                 seen.submitted_after = rt.record.submitted

@@ -191,7 +191,7 @@ def test_the_fastest_worker_out_of_memory_gets_a_smaller_micro_batch_and_the_job
     _assert_exactly_once(coord, lineages)
     assert any("w0 ran out of memory on a micro-batch of" in x.message for x in coord.logs())
     node = coord.job.membership.get("w0").node
-    assert coord.job.memory.cap(node, 0.0) <= 10
+    assert coord.workforce.memory.cap(node, 0.0) <= 10
     # Every plan of w0 from the failure on carried the cap, and it trained under it.
     capped = [p["w0"] for p in rt.record.plans if p["w0"].micro_cap is not None]
     assert capped and all(p.micro_cap <= 10 for p in capped)
@@ -228,7 +228,7 @@ def test_the_cap_never_goes_below_what_fits(batch):
     coord.run()
     assert coord.snapshot().state == JobState.SUCCEEDED, coord.snapshot().reason
     node = coord.job.membership.get("w2").node
-    cap = coord.job.memory.cap(node, 0.0)
+    cap = coord.workforce.memory.cap(node, 0.0)
     assert cap <= batch and cap > batch // 2  # halved until it fit, not further
 
 

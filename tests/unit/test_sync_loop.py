@@ -46,7 +46,6 @@ from dynabatch.scheduler.core.sync.loop import (
     LoadData,
     LoopConfig,
     LoopState,
-    MarkRunning,
     MembershipView,
     Memo,
     NextEpoch,
@@ -76,6 +75,7 @@ from dynabatch.scheduler.core.sync.loop import (
     WorkersPlaced,
     WorkersStarted,
     answer,
+    public_state,
     step,
 )
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule
@@ -204,7 +204,7 @@ views = st.builds(
     first_start=rarely, shortfall=st.sampled_from([None, None, None, "1 of 2 workers"]),
     holders=mostly, needs_state=st.booleans())
 seens = st.builds(
-    Seen, cancel=cancels, pending=st.booleans(), data_loaded=mostly,
+    Seen, cancel=cancels, data_loaded=mostly,
     trained=rarely, epoch=st.integers(0, 4), step=st.integers(0, 8),
     steps_per_epoch=st.sampled_from([4, 8]), epoch_open=st.booleans(),
     epoch_complete=st.booleans(), stopped=st.none() | st.just("early stopping"),
@@ -345,6 +345,16 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
         prev = batches[i - 1] if i else None
         nxt = _answer(batches, i)
         answered = nxt.seen if nxt is not None else None
+        # The job's public state is the loop's: RUNNING whenever it trains, PENDING while it
+        # waits for workers, the outcome (the one EndJob carries out) once concluded.
+        public = public_state(b.after)
+        if any(isinstance(e, TrainSegment) for e in body):
+            assert public is JobState.RUNNING
+        if isinstance(b.after, Waiting):
+            assert public is JobState.PENDING
+        for e in body:
+            if isinstance(e, EndJob):
+                assert isinstance(b.after, Concluded) and public is e.outcome
         # Workers taken out are stopped first thing in the next batch, all of them, and only
         # then.
         assert (effects[:1] == [StopWorkers(seen.leaving)]) == bool(seen.leaving), effects
@@ -415,7 +425,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             spawn = SpawnWorkers(e.starting, at_rest=not (in_flight and i == 0))
             assert body[j + 1: j + 2 + len(spares)] == [spawn, *spares]
             polled = now
-        assert b.after.memo == Memo(polled_at=polled)  # what the loop remembers
+        assert b.after.memo.polled_at == polled  # when the loop last listed the nodes
         for e in body:
             if isinstance(e, (SpawnWorkers, TendSpares)):
                 assert any(isinstance(x, PollNodes) for x in body[: body.index(e)])
@@ -461,8 +471,6 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                     m = seen.membership
                     assert m.dirty and m.shortfall is None
                     assert not m.needs_state or seen.holding_restored
-            if isinstance(e, MarkRunning):
-                assert seen.pending and not seen.in_flight
         if Regroup() in body and answered is not None:
             if not nxt.event.formed:  # it failed: the step ends
                 assert nxt.body == [EndStep()]
@@ -590,16 +598,18 @@ def test_a_training_boundary() -> None:
     # a segment may be sent across; the steps rule re-plans every 4 steps.
     cfg = LoopConfig(epochs=3, policy_static=True, rule=RebalanceRule("steps", every_steps=4))
     loop = Loop(cfg, AtRest())  # the nodes never listed
-    first = S(data_loaded=False, pending=True, first_start=True)
+    first = S(data_loaded=False, first_start=True)
     assert loop.tick(first) == [LoadData(), TakeRequests()]
     assert loop.ran(first) == [AdoptStarted()]
     assert loop.ran(first) == START
-    assert loop.ran(S(pending=True, first_start=True, starts_pending=True)) == [AwaitStarts()]
+    assert loop.ran(S(first_start=True, starts_pending=True)) == [AwaitStarts()]
     # All came up: the missing ones (none) are started again, then the group forms.
     assert loop.ran(first) == START
-    assert loop.ran(S(pending=True, dirty=True)) == [Regroup()]
-    assert loop.ran(S(pending=True), ok=True) == [MarkRunning(), BeginEpoch(), Replan()]
-    assert loop.state == Training(0, "opening", memo=Memo(polled_at=T0))
+    assert loop.ran(S(dirty=True)) == [Regroup()]
+    assert public_state(loop.state) is JobState.PENDING
+    assert loop.ran(S(), ok=True) == [BeginEpoch(), Replan()]
+    assert loop.state == Training(0, "opening", memo=Memo(polled_at=T0, running=True))
+    assert public_state(loop.state) is JobState.RUNNING
     opened = S(epoch_open=True, steps_per_epoch=16, batch=64, next_batch=64)
     assert loop.ran(opened) == [TrainSegment(ahead=True, across=True)]
     # At step 4 the rule's check is due after a segment that all ran.
@@ -614,7 +624,7 @@ def test_a_training_boundary() -> None:
     assert loop.ran(S(epoch_open=True, epoch_complete=True), ok=True) == END
     assert loop.ran(S()) == [PublishReady(), EndStep()]
     assert loop.tick(in_flight, now=LATER) == [AdoptStarted(), *PLACE_FLYING]
-    assert loop.state.memo == Memo(polled_at=LATER)
+    assert loop.state.memo.polled_at == LATER
     assert loop.ran(replace(in_flight, membership=MembershipView())) == [
         TrainSegment(ahead=True, across=True)]
     assert loop.ran(replace(opened, step=13)) == [PublishReady(), EndStep()]
@@ -660,11 +670,11 @@ def test_nodes_are_listed_when_due_and_at_once_for_an_assignment() -> None:
     _requests_taken(loop, S(epoch_open=True), now=T0 + NODE_POLL_S / 2)
     assert loop.ran(S(epoch_open=True), now=T0 + NODE_POLL_S / 2) == [
         TrainSegment(ahead=True, across=False)]
-    assert loop.state.memo == Memo(polled_at=T0)
+    assert loop.state.memo.polled_at == T0
     loop.ran(S(epoch_open=True))
     _requests_taken(loop, S(epoch_open=True), now=LATER)
     assert loop.ran(S(epoch_open=True), now=LATER) == PLACE
-    assert loop.state.memo == Memo(polled_at=LATER)
+    assert loop.state.memo.polled_at == LATER
     assert loop.ran(S(epoch_open=True), now=LATER) == [TrainSegment(ahead=True, across=False)]
     loop.ran(S(epoch_open=True))
     assign = S(epoch_open=True, requests=("assign",))
@@ -725,7 +735,7 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
     given up once the start timeout is over (``Reconciling.deadline``, counted from the
     boundary's first wait: an earlier boundary's does not cut it) or on a cancel, which then
     cancels the job rather than wait for workers."""
-    starting = S(pending=True, first_start=True)
+    starting = S(first_start=True)
     waiting = replace(starting, membership=replace(starting.membership, starts_pending=True))
     loop = Loop(LoopConfig(epochs=3, start_timeout_s=5.0))
     _requests_taken(loop, starting)
@@ -739,7 +749,7 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
     assert loop.ran(waiting, now=T0 + 5.9) == [AwaitStarts()]
     assert loop.state.deadline == T0 + 6
     assert loop.ran(waiting, now=T0 + 6) == [GiveUpStarts()]
-    given_up = S(pending=True, first_start=True, shortfall="0 of 2 workers",
+    given_up = S(first_start=True, shortfall="0 of 2 workers",
                  leaving=("w0", "w1"))
     assert loop.ran(given_up, now=T0 + 6) == [
         StopWorkers(("w0", "w1")), WaitForMinimum("0 of 2 workers"), EndStep()]
@@ -753,14 +763,14 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
     assert loop.ran(waiting, now=late) == [AwaitStarts()]
     assert loop.state.deadline == late + 5
     assert loop.ran(starting, now=late) == START
-    assert loop.ran(S(pending=True, dirty=True), now=late) == [Regroup()]
+    assert loop.ran(S(dirty=True), now=late) == [Regroup()]
 
     # A cancel during the wait gives up at once; then the job is cancelled.
     loop = Loop()
     _requests_taken(loop, starting)
     assert loop.ran(starting) == START
     assert loop.ran(replace(waiting, cancel="enough")) == [GiveUpStarts()]
-    gave_up = S(pending=True, cancel="enough", shortfall="0 of 2", leaving=("w0",))
+    gave_up = S(cancel="enough", shortfall="0 of 2", leaving=("w0",))
     assert loop.ran(gave_up) == [StopWorkers(("w0",)), Settle()]
     assert loop.state == Cancelling("enough", "settling", loop.state.memo)
 
@@ -775,13 +785,13 @@ def test_the_first_starts_wait_follows_its_rules(data: st.DataObject) -> None:
     cancel, they are given up; the failure policy's Fail ends the job; otherwise who trains
     is known and the wait is over."""
     during = st.builds(
-        S, cancel=cancels, pending=st.just(True), first_start=st.booleans(),
+        S, cancel=cancels, first_start=st.booleans(),
         starts_pending=st.booleans(), shortfall=st.none() | st.just("0 of 2 workers"),
         dirty=st.booleans(), leaving=st.sampled_from([(), ("w1",)]))
     cfg = LoopConfig(epochs=3, start_timeout_s=5.0)
     loop = Loop(cfg)
-    _requests_taken(loop, S(pending=True, first_start=True))
-    previous = loop.ran(S(pending=True, first_start=True))
+    _requests_taken(loop, S(first_start=True))
+    previous = loop.ran(S(first_start=True))
     assert previous == START
     now, first_wait = T0, None
     for _ in range(40):
@@ -1005,8 +1015,9 @@ def test_a_wait_for_workers_is_the_loops_state_and_carries_since_when() -> None:
 
 def test_a_cancel_while_the_group_formed_cancels_with_its_reason() -> None:
     loop = Loop()
-    _requests_taken(loop, S(pending=True))
-    assert loop.ran(S(pending=True, cancel="owner: enough")) == [MarkRunning(), Settle()]
+    _requests_taken(loop, S())
+    assert loop.ran(S(cancel="owner: enough")) == [Settle()]
+    assert public_state(loop.state) is JobState.RUNNING  # its group formed, then cancelled
     assert loop.state == Cancelling("owner: enough", "settling", loop.state.memo)
     assert loop.ran(S(cancel="owner: enough", recorded=1)) == [
         Checkpoint("cancel"), SaveModel("cancel"),

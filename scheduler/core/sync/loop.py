@@ -71,7 +71,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState, MarkRunning
+from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState
 from dynabatch.scheduler.core.sync.ahead import can_cross_epoch, can_send_ahead
 from dynabatch.scheduler.core.sync.boundary import checkpoint_due, must_roll_back
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule
@@ -112,7 +112,7 @@ class MembershipView:
     dirty: bool = False  # a worker joined or was lost: the next boundary at rest regroups
     drains_due: bool = False  # workers asked to leave, or an assignment moves now
     starts_pending: bool = False  # workers started that have not come up yet
-    first_start: bool = False  # no member and no group formed yet, the job PENDING
+    first_start: bool = False  # no member and no group formed yet
     shortfall: str | None = None  # fewer workers than the minimum: which, and why
     holders: bool = True  # a member holds the committed state
     needs_state: bool = False  # the next regroup has no member holding that state
@@ -123,7 +123,6 @@ class Seen:
     """What the job's machines say after the last effect (read by the executor)."""
 
     cancel: str | None = None  # a cancellation's reason, once requested
-    pending: bool = False  # the job's lifecycle state is PENDING
     data_loaded: bool = True
     trained: bool = False  # every epoch trained, or early stopping ended the training
     epoch: int = 0  # the protocol's (or, before the data is loaded, the job's position)
@@ -425,7 +424,7 @@ class EndStep:
 Effect = (
     LoadData | TakeRequests | ApplyDrains | AdoptStarted | PollNodes | SpawnWorkers
     | TendSpares | StopWorkers | AwaitStarts | GiveUpStarts | WaitForMinimum | LoadCheckpoint
-    | Regroup | MarkRunning | BeginEpoch | Replan | PostPlanUpdate | TrainSegment
+    | Regroup | BeginEpoch | Replan | PostPlanUpdate | TrainSegment
     | AbsorbAhead | CommitInFlight | EndEpoch | JudgeEpoch | NextEpoch
     | PublishReady | Settle | Checkpoint | SaveModel | EndJob | EndStep
 )
@@ -466,6 +465,8 @@ class Memo:
     """What the reducer remembers across boundaries."""
 
     polled_at: float | None = None  # when the nodes were last listed
+    # A group formed and the job has not waited for workers since: it is RUNNING.
+    running: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -577,6 +578,17 @@ LoopState = (AtRest | Waiting | Reconciling | Regrouping | Training | EndingEpoc
 
 
 Effects = list[Effect]
+
+
+def public_state(state: LoopState) -> JobState:
+    """The job's lifecycle state, derived from where its loop stands: PENDING until its
+    first group forms and while it waits for workers (until a group forms again), RUNNING
+    otherwise, and the outcome once concluded. The executor publishes it after each
+    ``step`` (the outcome once the concluding batch's effects are carried out:
+    :class:`EndJob`)."""
+    if isinstance(state, Concluded):
+        return state.outcome
+    return JobState.RUNNING if state.memo.running else JobState.PENDING
 
 
 # --- the reducer ------------------------------------------------------------------------
@@ -769,7 +781,8 @@ class _Decisions:
             return self.cancel(f)
         if r.shortfall is not None:
             since = waiting.since if waiting else None
-            return (Waiting(self.now if since is None else since, r.shortfall, self.memo),
+            memo = replace(self.memo, running=False)  # the job waits: PENDING
+            return (Waiting(self.now if since is None else since, r.shortfall, memo),
                     [WaitForMinimum(r.shortfall, since), EndStep()])
         if r.dirty:
             if must_roll_back(needs_state=r.needs_state, holding_restored=f.holding_restored):
@@ -779,10 +792,10 @@ class _Decisions:
         return self.formed(f)
 
     def formed(self, f: Seen) -> tuple[LoopState, Effects]:
-        """The group is ready: the job runs; then cancel or train."""
-        running: Effects = [MarkRunning()] if f.pending and not f.in_flight else []
-        state, effects = self.cancel(f) if f.cancel is not None else self.train(f)
-        return state, [*running, *effects]
+        """The group is ready: the job runs (RUNNING: :func:`public_state`); then cancel or
+        train."""
+        d = replace(self, memo=replace(self.memo, running=True))
+        return d.cancel(f) if f.cancel is not None else d.train(f)
 
     def train(self, f: Seen) -> tuple[LoopState, Effects]:
         if f.trained:
