@@ -7,6 +7,11 @@ and its HTTP client all use it), with no imports of its own.
 from __future__ import annotations
 
 
+def one_line(text: str) -> str:
+    """``text`` with its whitespace (newlines, tracebacks) folded to single spaces."""
+    return " ".join(str(text).split())
+
+
 def first_line(err: BaseException, *, typed: bool = True, limit: int | None = 300) -> str:
     """The first non-blank line of ``err``'s message, whitespace folded, at most ``limit``
     characters: ``ValueError: bad value`` (``typed``) or ``bad value``; just the type's name

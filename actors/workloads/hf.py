@@ -26,11 +26,11 @@ import difflib
 import inspect
 from typing import Any
 
-from dynabatch.actors.errors import UserError
+from dynabatch.actors.errors import UserError, one_line
 from dynabatch.actors.spec import ModelSpec
 from dynabatch.actors.spec.sections import HF_TASKS, hf_option_problems
 from dynabatch.actors.workloads import WorkloadError
-from dynabatch.actors.workloads.imports import one_line
+from dynabatch.actors.workloads.imports import describe
 
 # The Auto class of each task.
 AUTO_CLASSES = {
@@ -187,7 +187,7 @@ def _from_pretrained(spec: ModelSpec, input_shape: tuple[int, ...], num_classes:
         raise
     except Exception as err:
         raise WorkloadError(f"{PRETRAINED}: {folder}: cannot load it "
-                            f"({type(err).__name__}: {one_line(str(err))})") from err
+                            f"({describe(err)})") from err
     cfg = getattr(model, "config", None)
     if cfg is None:
         raise WorkloadError(f"{PRETRAINED}: {folder}: not a transformers model")
@@ -247,7 +247,7 @@ def build_hf(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) ->
         cfg = cls(**config)
     except Exception as err:
         raise WorkloadError(
-            f"{FIELD}: {cls.__name__} refused it ({type(err).__name__}: {one_line(str(err))})"
+            f"{FIELD}: {cls.__name__} refused it ({describe(err)})"
         ) from err
     longest = getattr(cfg, "max_position_embeddings", None)
     if isinstance(longest, int) and input_shape[0] > longest:
@@ -266,7 +266,7 @@ def build_hf(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) ->
     except Exception as err:
         raise WorkloadError(
             f"{FIELD}: building the {cfg.model_type} model failed "
-            f"({type(err).__name__}: {one_line(str(err))})"
+            f"({describe(err)})"
         ) from err
 
 
@@ -347,7 +347,7 @@ def check_tokenizer(spec: Any) -> None:
         size = Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
     except Exception as err:
         raise WorkloadError(f"dataset.tokenizer: {path}: not a tokenizers tokenizer.json "
-                            f"({type(err).__name__}: {one_line(str(err))})") from err
+                            f"({describe(err)})") from err
     if spec.model.name != "hf":
         return
     options = spec.model.options

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from dynabatch.actors.errors import one_line
 from dynabatch.actors.workloads import WorkloadError
 
 _PATH = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attr>[A-Za-z_]\w*)$")
@@ -23,11 +24,6 @@ _PATH = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attr>[A-Za
 class NotImportable(WorkloadError):
     """An import path whose module or attribute cannot be imported here (it may still be
     importable where the job runs: a cluster's own packages, a remote working_dir)."""
-
-
-def one_line(text: str) -> str:
-    """Collapse whitespace (tracebacks, multi-line messages) so errors stay one line."""
-    return " ".join(str(text).split())
 
 
 def describe(err: BaseException) -> str:

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import typer
+from dynabatch.actors.errors import one_line
 from dynabatch.actors.spec import SpecError
 from dynabatch.service.job_service import JOB_ID_PATTERN, WORKER_ID_PATTERN
 from dynabatch.service.rest_client import ApiError, DynabatchClient
@@ -61,11 +62,6 @@ def print_plain(console: Console, text: str | Text) -> None:
     """Print ``text`` as it is: no markup, emoji or highlighting."""
     console.print(text if isinstance(text, Text) else Text(text), markup=False, emoji=False,
                   highlight=False)
-
-
-def one_line(text: str) -> str:
-    """``text`` with its whitespace (newlines included) folded to single spaces."""
-    return " ".join(str(text).split())
 
 
 @contextmanager
