@@ -37,16 +37,6 @@ class JiConfig:
     every_pushes: int = 0  # 0: re-plan at each epoch
     scale_lr: bool = True  # α × b_i/b0 (the best variant measured; False: the plain reading)
 
-    def __post_init__(self) -> None:
-        if self.b0 < 1 or self.b_min < 1:
-            raise ValueError("b0 and b_min must be at least 1")
-        if self.b_max is not None and self.b_max < self.b_min:
-            raise ValueError(f"b_max ({self.b_max}) is below b_min ({self.b_min})")
-        if not 0.0 <= self.ema < 1.0:
-            raise ValueError(f"ema must be in [0, 1), got {self.ema}")
-        if self.every_pushes < 0:
-            raise ValueError(f"every_pushes must be non-negative, got {self.every_pushes}")
-
 
 def ji_batches(total: int, speeds: dict[str, float], b_min: int = 1,
                b_max: int | None = None) -> dict[str, int]:
@@ -64,8 +54,6 @@ class PerfAwareBatches:
     """Fixed batches when ``config`` is None (plain ASGD / softsync), Ji et al.'s otherwise."""
 
     def __init__(self, b0: int, config: JiConfig | None = None):
-        if b0 < 1:
-            raise ValueError(f"b0 must be at least 1, got {b0}")
         self.b0 = b0
         self.config = config
         self.speeds: dict[str, float] = {}

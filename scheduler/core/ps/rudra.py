@@ -60,23 +60,13 @@ OnStale = Literal["refuse", "wait"]
 
 @dataclass(frozen=True, slots=True)
 class PSConfig:
+    """The ``protocol:`` section's Rudra knobs, checked there (``ProtocolSpec``), not here."""
+
     mode: Mode = "async"
     n: int = 1  # softsync's n; ignored by async and hardsync
     lr_staleness: LrRule = "none"
     max_staleness: int | None = None
     on_stale: OnStale = "refuse"
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("async", "softsync", "hardsync"):
-            raise ValueError(f"mode: unknown mode {self.mode!r}")
-        if self.n < 1:
-            raise ValueError(f"n: must be at least 1, got {self.n}")
-        if self.lr_staleness not in ("none", "per_gradient", "average"):
-            raise ValueError(f"lr_staleness: unknown rule {self.lr_staleness!r}")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"max_staleness: must be non-negative, got {self.max_staleness}")
-        if self.on_stale not in ("refuse", "wait"):
-            raise ValueError(f"on_stale: unknown action {self.on_stale!r}")
 
     def gradients_per_update(self, learners: int) -> int:
         """c: gradients averaged into one update with ``learners`` learners."""
