@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from dynabatch.scheduler.core.failures import Fail, FailureEvent
 from dynabatch.scheduler.core.regime.stopping import Judgement, judge, should_stop
 from dynabatch.scheduler.core.sync.allocation import Decision
-from dynabatch.scheduler.core.sync.boundary import checkpoint_due, evaluate_again
+from dynabatch.scheduler.core.sync.boundary import evaluate_again
 from dynabatch.scheduler.core.sync.loop import Verdict
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from dynabatch.scheduler.core.sync.update import OfferedUpdate
@@ -152,17 +152,6 @@ class Epochs:
                              f"{decision.reason}")
 
     # ---------------------------------------------------------------- ends
-    def checkpoint_due(self, epoch: int) -> bool:
-        c = self.spec.checkpoint
-        return checkpoint_due(epoch, every_epochs=c.every_epochs, epochs=self.spec.epochs,
-                              checkpoint_dir=bool(c.dir))
-
-    @property
-    def judges_epochs(self) -> bool:
-        """Whether each epoch's evaluation decides something before the next epoch starts
-        (early_stopping, checkpoint.keep_best)."""
-        return self.spec.early_stopping is not None or self.spec.checkpoint.keep_best is not None
-
     def _judged(self, metric: str, mode: str, min_delta: float = 0.0) -> Judgement:
         """The history's best epoch by ``metric`` (``loss``: the held-out loss) on the
         judged split (validation, when the job has one)."""
