@@ -28,8 +28,6 @@ class Judgement:
 
 def judge(values: Sequence[float | None], mode: str, min_delta: float = 0.0) -> Judgement:
     """The best of ``values`` (one per epoch, in order) under ``mode`` (min or max)."""
-    if mode not in ("min", "max"):
-        raise ValueError(f"unknown mode {mode!r}: use min or max")
     best: int | None = None
     value: float | None = None
     stale = 0
