@@ -23,8 +23,6 @@ def micro_ranges(size: int, cap: int | None) -> list[tuple[int, int]]:
         return []
     if cap is None or size <= cap:
         return [(0, size)]
-    if cap < 1:
-        raise ValueError(f"micro-batch cap must be at least 1, got {cap}")
     return even_ranges(size, -(-size // cap))
 
 

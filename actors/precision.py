@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -42,8 +41,6 @@ def set_matmul_precision(precision: str, device: torch.device) -> None:
     without this ``fp32`` would be TF32 for every convolution (docs/benchmarks.md, "GPU
     check: one H200"). Only the legacy ``allow_tf32`` setters are used: mixing them with
     ``fp32_precision`` makes torch refuse to read the flags."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}: use one of {PRECISIONS}")
     if device.type == "cuda":
         tf32 = precision == "tf32"
         torch.backends.cuda.matmul.allow_tf32 = tf32

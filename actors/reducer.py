@@ -85,8 +85,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-MODES = ("flat", "bucketed")
-
 DDP_BUCKET_BYTES = 25 * 2**20
 DDP_FIRST_BUCKET_BYTES = 2**20
 MIN_BUCKET_BYTES = 32 * 2**10
@@ -119,8 +117,6 @@ def group_plan(backend: str | None, sizes: Sequence[int], mode: str = "bucketed"
     (None: automatic). NCCL (every member on a GPU): the GPU's sizes; otherwise (some member
     on the CPU, or no group) DDP's, which its CPU members reduce best with and its GPU
     members stage. Pure: every member computes the same value."""
-    if mode not in MODES:
-        raise ValueError(f"unknown all-reduce mode {mode!r}: use one of {MODES}")
     if bucket_bytes is None:
         first, rest = auto_bucket_bytes(sum(sizes) * elem, gpu=backend == "nccl")
     else:
