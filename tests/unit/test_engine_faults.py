@@ -292,6 +292,12 @@ def test_plan_that_becomes_infeasible_resumes_when_a_node_joins():
     _join(rt, 1)
     coord.run()
     _assert_exactly_once(coord, lineages)
+    # The job's state followed its loop's: RUNNING once formed, PENDING while it waited
+    # (saying for what), RUNNING again once a group formed, then its outcome.
+    moves = [x.message for x in coord.logs() if x.message.startswith("state ")]
+    assert [m.split(":")[0] for m in moves] == [
+        "state RUNNING", "state PENDING", "state RUNNING", "state SUCCEEDED"]
+    assert moves[1].startswith("state PENDING: waiting for nodes: ")
 
 
 def test_workers_auto_is_bounded_by_the_global_batch():
