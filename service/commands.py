@@ -204,10 +204,6 @@ class JobCommands:
         with self.reconciler.lock:
             rec = self._live_record(job_id, "scaled")
             spec = rec.spec
-            if workers < 1:
-                raise InvalidRequest(
-                    "workers", f"workers ({workers}) must be at least 1: to stop the job, "
-                    "cancel it")
             problem = scale_error(workers, *spec.batch_range, spec.max_batch)
             if problem:
                 raise InvalidRequest("workers", problem)
