@@ -10,12 +10,14 @@ torch, so ``dynabatch.scheduler.checkpoint`` is imported lazily: a simulated job
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from dynabatch.actors.errors import first_line
 from dynabatch.scheduler.core.failures import FailureEvent, RollBack
 from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.sync.protocol import Position
+from dynabatch.scheduler.sync.job import Start
 from dynabatch.scheduler.telemetry import EpochRecord
 
 if TYPE_CHECKING:
@@ -42,12 +44,12 @@ class Checkpoints:
         job, s = self.job, self.spec
         if not s.checkpoint.dir:
             return
-        weights = self.workforce.held_state("checkpoint", job.restored_weights)
+        weights = self.workforce.held_state("checkpoint", job.start.weights)
         if weights is None:
             self.log("WARNING", f"checkpoint ({reason}) skipped: no worker holds the state")
             return
         p = job.protocol
-        pos = position or (p.position if p else job.position)
+        pos = position or (p.position if p else job.start.position)
         payload = {
             "job_id": self.control.job_id,
             "spec": s.model_dump(mode="json"),
@@ -109,7 +111,6 @@ class Checkpoints:
         job = self.job
         pos = Position(ckpt["epoch"], ckpt["step"])
         with self.lock:
-            job.position = pos
             self.control.records[:] = [EpochRecord.model_validate(r) for r in ckpt["history"]]
             c = ckpt["counters"]
             job.rebalances_total = c["rebalances_total"]
@@ -118,10 +119,9 @@ class Checkpoints:
             m.next_ordinal = max(m.next_ordinal, c.get("next_ordinal", 0))
             m.restored(pos)
             job.ledger = Ledger.from_state(ckpt.get("ledger") or {})
-            job.restored_weights = ckpt["weights"]
             sched = ckpt.get("schedule") or {}
             job.regime.load_state(sched.get("regime") or {})
-            job.restored_batch = sched.get("global_batch")
+            job.start = Start(pos, sched.get("global_batch"), ckpt["weights"])
             if job.protocol is not None:
                 job.protocol.rewind(pos, job.start_batch)
         self.log("INFO" if why == "resuming" else "WARNING",
@@ -149,7 +149,7 @@ class Checkpoints:
         if "optimizer" in weights and theirs != mine:
             weights = {k: v for k, v in weights.items() if k != "optimizer"}
             note = f"weights (its {theirs} optimizer state does not fit {mine}: not loaded)"
-        self.job.restored_weights = weights
+        self.job.start = replace(self.job.start, weights=weights)
         self.log("INFO", f"starting from checkpoint {path} (job {ckpt.get('job_id', '?')}, "
                          f"epoch {ckpt.get('epoch', '?')} step {ckpt.get('step', '?')}): {note}")
         return None

@@ -207,7 +207,7 @@ class Coordinator(JobControl):
         error = lr_error
         if error is None and resume and s.checkpoint.dir:
             error = self.checkpoints.resume()
-        if error is None and s.checkpoint.from_ and self.job.restored_weights is None:
+        if error is None and s.checkpoint.from_ and self.job.start.weights is None:
             # A new job starts from another's checkpoint; one resuming from its own goes on
             # from that, which holds what it learnt since.
             error = self.checkpoints.start_from(s.checkpoint.from_)
@@ -219,12 +219,12 @@ class Coordinator(JobControl):
     @property
     def epoch(self) -> int:
         p = self.job.protocol
-        return p.epoch if p else self.job.position.epoch
+        return p.epoch if p else self.job.start.position.epoch
 
     @property
     def step_in_epoch(self) -> int:
         p = self.job.protocol
-        return p.step if p else self.job.position.step
+        return p.step if p else self.job.start.position.step
 
     @property
     def generation(self) -> int:
@@ -409,7 +409,7 @@ class Coordinator(JobControl):
             batch=job.global_batch, next_batch=job.regime.batch_for(self.epoch + 1),
             stamps_fixed=job.regime.can_stamp_ahead, retrying=self.workforce.attempts.retrying,
             requests=requests, handing_over=handing_over,
-            holding_restored=job.restored_weights is not None,
+            holding_restored=job.start.weights is not None,
             membership=membership, leaving=tuple(self.workforce.leaving))
 
     def _carry_out(self, effect: Effect) -> object:

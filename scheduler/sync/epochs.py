@@ -81,7 +81,7 @@ class Epochs:
             global_batch=job.start_batch, dataset_size=d.n_train, seed=s.seed,
             rule=RebalanceRule(s.rebalance.mode, s.rebalance.every_steps,
                                s.rebalance.check_steps),
-            position=job.position,
+            position=job.start.position,
         )
         if job.ledger.epoch != job.protocol.epoch:
             job.ledger.begin_epoch(job.protocol.epoch, d.n_train)

@@ -36,13 +36,13 @@ class FinalModel:
         data = job.data
         if data is None or not data.input_shape or not data.num_classes:
             return
-        state = self.workforce.held_state("model export", job.restored_weights)
+        state = self.workforce.held_state("model export", job.start.weights)
         model = (state or {}).get("model")
         if not model:
             self.log("WARNING", f"model export ({reason}) skipped: no worker holds the state")
             return
         p = job.protocol
-        epoch = p.epoch if p is not None else job.position.epoch
+        epoch = p.epoch if p is not None else job.start.position.epoch
         self.control.publish_model(
             input_shape=data.input_shape,
             num_classes=data.num_classes,

@@ -1,8 +1,9 @@
 """The synchronous job's pure machines, and where its training (re)starts.
 
 :class:`SyncJob` holds the machines the driver's parts drive (membership, regime, policy,
-tracker, ledger, and the protocol once the data is loaded), where the protocol starts (a
-checkpoint's position, weights and batch, until a regroup loads them) and the counters
+tracker, ledger, and the protocol once the data is loaded), where the protocol starts
+(:class:`Start`: a checkpoint's position, batch and weights, until a regroup loads them)
+and the counters
 the snapshot reports and a checkpoint keeps. What the loop carries between effects has
 one owner each: the segment in flight the pipeline's, the open epoch's totals the
 epochs', the evaluation queued behind the next segment the evaluations', the workers
@@ -31,6 +32,17 @@ from dynabatch.scheduler.runtime.seam import DataInfo
 from dynabatch.scheduler.sync.evaluation import split
 
 
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Where the protocol (re)starts: a checkpoint's position and the global batch trained
+    there (None: the regime's for that epoch), and its weights until a regroup loads them
+    into the group (one that fails must be able to load them again)."""
+
+    position: Position = field(default_factory=lambda: Position(0, 0))
+    batch: int | None = None
+    weights: dict[str, Any] | None = None
+
+
 @dataclass
 class SyncJob:
     """A synchronous job's machines and where its training stands."""
@@ -43,13 +55,8 @@ class SyncJob:
     ledger: Ledger = field(default_factory=Ledger)
     protocol: SyncProtocol | None = None  # once the data is loaded
     data: DataInfo | None = None
-    position: Position = field(default_factory=lambda: Position(0, 0))  # where to start
-
-    # From a checkpoint (resuming, or rolling back): the weights stay here until a regroup
-    # loads them into the group (one that fails must be able to load them again), and the
-    # global batch trained there until the data is loaded.
-    restored_weights: dict[str, Any] | None = None
-    restored_batch: int | None = None
+    # Replaced whole: by a checkpoint restored, by the regroup that loads its weights.
+    start: Start = field(default_factory=Start)
 
     rebalances_total: int = 0
     regroup_seconds_total: float = 0.0
@@ -57,10 +64,9 @@ class SyncJob:
 
     @property
     def start_batch(self) -> int:
-        """The global batch at :attr:`position`, where the protocol (re)starts: the one
-        trained there when it was restored from a checkpoint, else the regime's for its
-        epoch."""
-        return self.restored_batch or self.regime.batch_for(self.position.epoch)
+        """The global batch where the protocol (re)starts: the one trained there when it
+        was restored from a checkpoint, else the regime's for its epoch."""
+        return self.start.batch or self.regime.batch_for(self.start.position.epoch)
 
     @property
     def global_batch(self) -> int:

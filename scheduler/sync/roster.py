@@ -22,6 +22,7 @@ scheduler its members (:meth:`Roster.report_group`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from dynabatch.scheduler.control import Assign, Drain, Scale
@@ -286,7 +287,7 @@ class Roster:
         # Weights restored and not yet loaded go to rank 0 even when every member holds the
         # committed position: a new job starting from another's checkpoint (checkpoint.from)
         # is at epoch 0 step 0 with them.
-        state = job.restored_weights
+        state = job.start.weights
         t0 = self.clock.now()
         # A join is its start-up (join_timeout) and the state broadcast (a collective).
         result = self.runtime.regroup(m.generation + 1, plan.members, state,
@@ -303,7 +304,8 @@ class Roster:
         self.evals.behind = None  # an evaluation queued before the regroup ran before it
         with self.lock:
             m.regrouped(plan.members)
-        job.restored_weights = None  # only now: a failed join must be able to load it again
+        # Only now: a failed join must be able to load it again.
+        job.start = replace(job.start, weights=None)
         dt = self.clock.now() - t0
         job.regroup_seconds_total += dt
         self.log("INFO", f"generation {m.generation}: {len(plan.members)} workers "

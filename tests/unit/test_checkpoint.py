@@ -311,7 +311,7 @@ def test_checkpoint_from_keeps_the_optimizer_state_only_for_the_same_optimizer(
         optimizer={"name": optimizer},
         checkpoint={"from": str(checkpoint_path(tmp_path, JOB))},
     )
-    weights = job.job.restored_weights
+    weights = job.job.start.weights
     assert weights is not None and set(weights["model"]) == set(_payload()["weights"]["model"])
     assert ("optimizer" in weights) is keeps
     (line,) = [x.message for x in job.logs() if x.message.startswith("starting from")]
