@@ -196,7 +196,7 @@ class Coordinator(JobControl):
         # The parts, each given what it uses; none holds this coordinator or another part.
         job = self.job
         self.workforce = Workforce(job.membership, job.tracker, FailurePolicy(s.max_retries),
-                               runtime, self)
+                                   runtime, self)
         self.pipeline = Pipeline(job, self, self.workforce, runtime, self.evals)
         self.roster = Roster(job, self, self.workforce, runtime, self.evals, reports)
         self.epochs = Epochs(job, self, self.workforce, runtime, self.evals)
