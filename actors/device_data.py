@@ -156,9 +156,9 @@ class WorkerData:
     segment's planned shares ahead of time. Never a copy of a whole file-backed set."""
 
     def __init__(self, x_train: object, y_train: object, spec: object, device: torch.device):
-        from dynabatch.actors.data.order import order_for
+        from dynabatch.actors.data.order import block_order
 
-        self.spec, self.device, self._order_for = spec, device, order_for
+        self.spec, self.device, self._block_order = spec, device, block_order
         self.loader = None
         self._test: dict[tuple, object] = {}
         self._eval_pool = None
@@ -239,7 +239,7 @@ class WorkerData:
         key = (seed, epoch, size)
         if getattr(self, "_key", None) != key:
             self._key = key
-            order = self._order_for(seed, epoch, size, shuffle, self.block)
+            order = self._block_order(seed, epoch, size, self.block, shuffle)
             if self.loader is not None:
                 self.loader.set_order(key, order, epoch)
             else:

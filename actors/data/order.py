@@ -4,8 +4,8 @@ A plain permutation (:func:`dynabatch.actors.contracts.epoch_order`) scatters ev
 over the whole file, so each sample would cost a row group's decode. :func:`block_order`
 is a permutation of ``range(n)`` too (so the ledger and its proof do not change): the
 blocks of ``block`` consecutive ids in a seeded random order, then the ids shuffled within
-each window of ``window`` consecutive blocks. A step's samples then come from at most
-``window`` blocks, and a worker decodes each block about once per epoch while its cache
+each window of ``WINDOW`` consecutive blocks. A step's samples then come from at most
+``WINDOW`` blocks, and a worker decodes each block about once per epoch while its cache
 holds a window. Seeded from (seed, epoch) like the plain order: every worker computes the
 same one.
 """
@@ -18,8 +18,9 @@ from dynabatch.actors.contracts import epoch_order
 WINDOW = 16
 
 
-def block_order(seed: int, epoch: int, n: int, block: int, shuffle: str = "every_epoch",
-                window: int = WINDOW) -> np.ndarray:
+def block_order(seed: int, epoch: int, n: int, block: int, shuffle: str = "every_epoch"
+                ) -> np.ndarray:
+    """The order a worker trains: the plain permutation when ``block`` is 1, else blocked."""
     if block <= 1:
         return epoch_order(seed, epoch, n, shuffle)
     e = epoch if shuffle == "every_epoch" else 0
@@ -30,12 +31,7 @@ def block_order(seed: int, epoch: int, n: int, block: int, shuffle: str = "every
     ids = (blocks[:, None] * dt(block) + np.arange(block, dtype=dt)[None, :]).ravel()
     if nb * block > n:  # the last block is short
         ids = ids[ids < n]
-    span = window * block
+    span = WINDOW * block
     for s in range(0, n, span):
         rng.shuffle(ids[s:s + span])
     return ids
-
-
-def order_for(seed: int, epoch: int, n: int, shuffle: str, block: int) -> np.ndarray:
-    """The order a worker trains: the plain permutation, or :func:`block_order`."""
-    return block_order(seed, epoch, n, block, shuffle)
