@@ -183,12 +183,6 @@ class SimulatedCluster:
         ar = self.spec.allreduce
         return ar.model_mb * ar.beta_ms_per_mb / 1e3
 
-    def push_s(self, nbytes: float, shards: int = 1) -> float:
-        return self.spec.parameter_server.push_s(nbytes, shards)
-
-    def pull_s(self, nbytes: float, shards: int = 1) -> float:
-        return self.spec.parameter_server.pull_s(nbytes, shards)
-
     def ideal(self, a: np.ndarray, c: np.ndarray, global_batch: int,
               dataset_size: int) -> Ideal:
         """The equal-finish optimum for workers of true step costs ``a``, ``c`` (seconds; the
