@@ -65,8 +65,6 @@ def connect(
     address: str | None = None,
     *,
     num_cpus: int | None = None,
-    object_store_mb: int = 256,
-    namespace: str = NAMESPACE,
     working_dir: str | None = None,
 ) -> dict[str, Any]:
     """Connect this process to Ray and return ``ray.init``'s context info.
@@ -93,13 +91,13 @@ def connect(
                 # The log API's server (see the module docstring); loopback only.
                 include_dashboard=True,
                 dashboard_host="127.0.0.1",
-                object_store_memory=object_store_mb * 2**20,
-                namespace=namespace,
+                object_store_memory=256 * 2**20,
+                namespace=NAMESPACE,
                 log_to_driver=False,
                 runtime_env=job_env,
                 _system_config=fast_health_check(),
             )
     else:
-        ctx = ray.init(address=address, namespace=namespace, log_to_driver=False,
+        ctx = ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
                        runtime_env=job_env)
     return {"address": ctx.address_info.get("gcs_address", address)}
