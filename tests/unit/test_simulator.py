@@ -232,8 +232,9 @@ def test_formulas():
     assert (jitter(np.random.default_rng(0), 0.0, 5) == 1.0).all()
     model = SimulatedCluster(_cluster(parameter_server={"push_ms": 1, "pull_ms": 2,
                                                     "beta_ms_per_mb": 0.5}))
-    assert model.push_s(2 * MB) == pytest.approx(0.001 + 0.001)
-    assert model.pull_s(2 * MB) == pytest.approx(0.002 + 0.001)
+    ps = model.spec.parameter_server  # what the PS simulator asks
+    assert ps.push_s(2 * MB) == pytest.approx(0.001 + 0.001)
+    assert ps.pull_s(2 * MB) == pytest.approx(0.002 + 0.001)
     ideal = model.ideal(a, c, 1000, 2000)
     t = a + c * ideal.batches
     assert t == pytest.approx(np.full(2, float(ideal.times.max())))  # equal finish
