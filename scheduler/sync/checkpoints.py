@@ -33,20 +33,18 @@ _RESTORED = ("epoch", "step", "weights", "history", "counters")
 class Checkpoints:
     def __init__(self, job: SyncJob, control: JobControl, workforce: Workforce):
         self.job, self.control, self.workforce = job, control, workforce
-        self.spec, self.clock, self.lock, self.log = (control.spec, control.clock, control.lock,
-                                                      control.log)
 
     def save(self, reason: str, position: Position | None = None,
              best: dict[str, Any] | None = None) -> None:
         """Save the job where it stands (or at ``position``: the epoch that just ended is
         saved as the start of the next). ``best``: this is the best epoch by a metric
         (keep_best; what it was judged by): written as ``best.pt``, not the latest."""
-        job, s = self.job, self.spec
+        job, s = self.job, self.control.spec
         if not s.checkpoint.dir:
             return
         weights = self.workforce.held_state("checkpoint", job.start.weights)
         if weights is None:
-            self.log("WARNING", f"checkpoint ({reason}) skipped: no worker holds the state")
+            self.control.log("WARNING", f"checkpoint ({reason}) skipped: no worker holds the state")
             return
         p = job.protocol
         pos = position or (p.position if p else job.start.position)
@@ -68,7 +66,7 @@ class Checkpoints:
                 "retried_samples_total": job.retried_samples_total,
                 "next_ordinal": job.membership.next_ordinal,
             },
-            "time": self.clock.time(),
+            "time": self.control.clock.time(),
             "reason": reason,
         }
         from dynabatch.scheduler.checkpoint import BEST, LATEST, save_checkpoint
@@ -77,7 +75,8 @@ class Checkpoints:
             payload["best"] = best
         path = save_checkpoint(s.checkpoint.dir, self.control.job_id, payload,
                                LATEST if best is None else BEST)
-        self.log("INFO", f"checkpoint ({reason}) at epoch {pos.epoch} step {pos.step}: {path}")
+        self.control.log("INFO", f"checkpoint ({reason}) at epoch {pos.epoch} step {pos.step}: "
+                                 f"{path}")
 
     def resume(self) -> str | None:
         """A job given a new coordinator goes on from its own checkpoint, when it has one.
@@ -90,9 +89,9 @@ class Checkpoints:
             load_checkpoint,
         )
 
-        path = checkpoint_path(self.spec.checkpoint.dir, self.control.job_id)
+        path = checkpoint_path(self.control.spec.checkpoint.dir, self.control.job_id)
         try:
-            ckpt = load_checkpoint(self.spec.checkpoint.dir, self.control.job_id)
+            ckpt = load_checkpoint(self.control.spec.checkpoint.dir, self.control.job_id)
             if ckpt is None:
                 return None
             missing = [k for k in _RESTORED if k not in ckpt]
@@ -110,7 +109,7 @@ class Checkpoints:
     def restore(self, ckpt: dict[str, Any], why: str) -> None:
         job = self.job
         pos = Position(ckpt["epoch"], ckpt["step"])
-        with self.lock:
+        with self.control.lock:
             self.control.records[:] = [EpochRecord.model_validate(r) for r in ckpt["history"]]
             c = ckpt["counters"]
             job.rebalances_total = c["rebalances_total"]
@@ -124,8 +123,8 @@ class Checkpoints:
             job.start = Start(pos, sched.get("global_batch"), ckpt["weights"])
             if job.protocol is not None:
                 job.protocol.rewind(pos, job.start_batch)
-        self.log("INFO" if why == "resuming" else "WARNING",
-                 f"{why} from checkpoint at epoch {pos.epoch} step {pos.step}")
+        self.control.log("INFO" if why == "resuming" else "WARNING",
+                         f"{why} from checkpoint at epoch {pos.epoch} step {pos.step}")
 
     def start_from(self, path: str) -> str | None:
         """A new job starts from another job's checkpoint (``checkpoint.from``): its weights,
@@ -144,21 +143,22 @@ class Checkpoints:
             return f"checkpoint.from: {err}"
         source = ckpt.get("spec") or {}
         theirs = (source.get("optimizer") or {}).get("name")
-        mine = self.spec.optimizer.name
+        mine = self.control.spec.optimizer.name
         note = "weights and optimizer state"
         if "optimizer" in weights and theirs != mine:
             weights = {k: v for k, v in weights.items() if k != "optimizer"}
             note = f"weights (its {theirs} optimizer state does not fit {mine}: not loaded)"
         self.job.start = replace(self.job.start, weights=weights)
-        self.log("INFO", f"starting from checkpoint {path} (job {ckpt.get('job_id', '?')}, "
-                         f"epoch {ckpt.get('epoch', '?')} step {ckpt.get('step', '?')}): {note}")
+        self.control.log("INFO", f"starting from checkpoint {path} (job "
+                                 f"{ckpt.get('job_id', '?')}, epoch {ckpt.get('epoch', '?')} step "
+                                 f"{ckpt.get('step', '?')}): {note}")
         return None
 
     def roll_back(self) -> bool:
         """No member holds the committed state (the loop's rolling back): load the last
         checkpoint (True), or fail; the regroup goes on with its weights. (The loop settled
         the evaluations in flight first: the checkpoint's history replaces their records.)"""
-        s = self.spec
+        s = self.control.spec
         ckpt, error = None, None
         if s.checkpoint.dir:
             from dynabatch.scheduler.checkpoint import CheckpointError, load_checkpoint

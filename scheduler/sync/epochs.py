@@ -55,8 +55,6 @@ class Epochs:
                  evals: Evaluations):
         self.job, self.control, self.workforce = job, control, workforce
         self.runtime, self.evals = runtime, evals
-        self.spec, self.clock, self.lock, self.log = (control.spec, control.clock, control.lock,
-                                                      control.log)
         # Why the job stopped before its last epoch (early_stopping), once it did.
         self.stopped: str | None = None
         # The open epoch's totals (the pipeline commits each segment into them); None
@@ -69,8 +67,8 @@ class Epochs:
     def load_data(self) -> None:
         from dynabatch.actors.workloads import WorkloadError
 
-        job, s = self.job, self.spec
-        t0 = self.clock.now()
+        job, s = self.job, self.control.spec
+        t0 = self.control.clock.now()
         try:
             job.data = self.runtime.load_data()
         except WorkloadError as err:
@@ -91,17 +89,18 @@ class Epochs:
                 validation=True, every_epoch=s.evaluation.test_every_epoch,
                 last=epoch + 1 >= s.epochs, stopped=False)
         val = f"{d.n_validation} validation, " if d.n_validation else ""
-        self.log("INFO", f"loaded {d.name}: {d.n_train} train, {val}{d.n_test} test samples "
-                         f"in {self.clock.now() - t0:.2f}s")
+        self.control.log("INFO", f"loaded {d.name}: {d.n_train} train, {val}{d.n_test} test "
+                                 f"samples in {self.control.clock.now() - t0:.2f}s")
 
     def begin_epoch(self) -> None:
         job, p = self.job, self.job.protocol
         if p.step == 0:
             batch = job.regime.batch_for(p.epoch)
             if batch != p.global_batch:
-                self.log("INFO", f"epoch {p.epoch}: global batch {p.global_batch} -> {batch}")
+                self.control.log("INFO", f"epoch {p.epoch}: global batch {p.global_batch} -> "
+                                         f"{batch}")
                 p.resize(batch)
-        self.totals = EpochTotals(started=self.clock.now())
+        self.totals = EpochTotals(started=self.control.clock.now())
         job.tracker.begin_epoch()
         if job.ledger.epoch != p.epoch:
             job.ledger.begin_epoch(p.epoch, p.dataset_size)
@@ -121,7 +120,7 @@ class Epochs:
             return None  # a worker joined or was lost: the boundary's regroup re-plans
         workers = job.membership.worker_ids
         early = early if at is not None else None
-        decision = p.replan(job.policy, job.tracker.telemetry(workers, self.spec.max_batch),
+        decision = p.replan(job.policy, job.tracker.telemetry(workers, self.control.spec.max_batch),
                             at=at if early is None else early)
         if decision is None:
             return None
@@ -147,9 +146,9 @@ class Epochs:
             job.rebalances_total += 1
             self.totals.rebalances += 1
             where = f" from step {at}" if at is not None and at != p.step else ""
-            self.log("INFO", f"rebalance ({why}): batches "
-                             f"{dict(zip(a.workers, a.batches, strict=True))}{where} — "
-                             f"{decision.reason}")
+            self.control.log("INFO", f"rebalance ({why}): batches "
+                                     f"{dict(zip(a.workers, a.batches, strict=True))}{where} — "
+                                     f"{decision.reason}")
 
     # ---------------------------------------------------------------- ends
     def _judged(self, metric: str, mode: str, min_delta: float = 0.0) -> Judgement:
@@ -165,7 +164,7 @@ class Epochs:
         to end the training after it, if any."""
         epoch = self.job.protocol.epoch
         history = self.control.records
-        best = self.spec.checkpoint.keep_best
+        best = self.control.spec.checkpoint.keep_best
         judged_best = None
         if best is not None:
             j = self._judged(best.metric, best.mode)
@@ -175,8 +174,8 @@ class Epochs:
         return Verdict(judged_best, self._stop_after(epoch))
 
     def _stop_after(self, epoch: int) -> str | None:
-        es = self.spec.early_stopping
-        if es is None or epoch + 1 >= self.spec.epochs:
+        es = self.control.spec.early_stopping
+        if es is None or epoch + 1 >= self.control.spec.epochs:
             return None
         history = self.control.records
         j = self._judged(es.metric, es.mode, es.min_delta)
@@ -186,7 +185,7 @@ class Epochs:
                f"{history[j.best].epoch}'s {j.value:g} for {j.stale} "
                f"epoch{'s' if j.stale != 1 else ''} (patience "
                f"{es.patience})")
-        self.log("INFO", f"{why}; the job ends after epoch {epoch}")
+        self.control.log("INFO", f"{why}; the job ends after epoch {epoch}")
         return why
 
     def end_epoch(self) -> tuple[EpochRecord, EpochTotals] | None:
@@ -209,10 +208,10 @@ class Epochs:
                   and (t.epoch_steps or w in planned)}
         record = build_record(
             epoch=p.epoch, steps=p.steps_per_epoch, verification=v, totals=ep,
-            elapsed=self.clock.now() - ep.started, tracks=tracks,
+            elapsed=self.control.clock.now() - ep.started, tracks=tracks,
             nodes={m.worker_id: m.node for m in job.membership.members}, allocation=alloc,
             regime=job.regime.end_epoch(p.epoch, p.global_batch, p.steps_per_epoch, ep.wall),
-            policy=self.spec.policy, emulated=self.spec.emulated,
+            policy=self.control.spec.policy, emulated=self.control.spec.emulated,
             generation=job.membership.generation)
         return record, ep
 
@@ -242,7 +241,7 @@ class Epochs:
             # Published into that record.
             rnd.record, rnd.extra = self.control.records[-1], self.totals
             self.evals.behind = rnd
-        with self.lock:
+        with self.control.lock:
             p.next_epoch()
             self.totals = None
             if stop is not None:
@@ -252,7 +251,7 @@ class Epochs:
     @property
     def trained(self) -> bool:
         """Every epoch is trained, or early_stopping ended the training."""
-        return self.job.protocol.epoch >= self.spec.epochs or self.stopped is not None
+        return self.job.protocol.epoch >= self.control.spec.epochs or self.stopped is not None
 
     # ---------------------------------------------------------------- evaluations
     def publish_ready(self) -> None:
@@ -276,7 +275,7 @@ class Epochs:
         (``closing``)."""
         job = self.job
         for w, r in rnd.failures.items():
-            self.log("WARNING", f"evaluation of epoch {rnd.epoch} on {w} failed: {r.error}")
+            self.control.log("WARNING", f"evaluation of epoch {rnd.epoch} on {w} failed: {r.error}")
             if r.lost:
                 self.workforce.remove(w, "failure", "lost during evaluation")
         sums = rnd.sums()
@@ -298,7 +297,8 @@ class Epochs:
         if again is not None:
             # Nothing was sent behind it: the holders left still have the epoch's weights
             # and score the set again (at the job's end, say), so no scores are lost.
-            self.log("INFO", f"epoch {rnd.epoch}: evaluating again on {list(again.workers)}")
+            self.control.log("INFO", f"epoch {rnd.epoch}: evaluating again on "
+                                     f"{list(again.workers)}")
             rerun = self.evals.submit(rnd.epoch, job.evaluation_shards(list(again.workers),
                                                                       rnd.split), rnd.split)
             rerun.record, rerun.extra = rnd.record, rnd.extra
@@ -307,15 +307,15 @@ class Epochs:
             return
         scores = self.evals.runtime.finish_evaluation(sums) if sums is not None else None
         if scores is None and rnd.shards:
-            self.log("WARNING", f"epoch {rnd.epoch}: no {rnd.split} scores (not every shard "
-                                f"of the {rnd.split} set was scored)")
+            self.control.log("WARNING", f"epoch {rnd.epoch}: no {rnd.split} scores (not every "
+                                        f"shard of the {rnd.split} set was scored)")
         if rnd.split != self.evals.split:  # the test round behind a validation round
             self.publish_test(rnd.epoch, scores)
             return
         record = self._with_test(with_scores(rnd.record, rnd.extra, scores, rnd))
-        with self.lock:
+        with self.control.lock:
             self.control.records.append(record)
-            self.log("INFO", summary(record, self.spec.epochs))
+            self.control.log("INFO", summary(record, self.control.spec.epochs))
         self.control.tracking.epoch(record)
 
     def publish_test(self, epoch: int, scores: dict[str, float] | None) -> None:
@@ -326,10 +326,10 @@ class Epochs:
         if at is None:
             return
         record = self._with_test(self.control.records[at])
-        with self.lock:
+        with self.control.lock:
             self.control.records[at] = record
-            self.log("INFO", f"epoch {epoch}: test "
-                             f"{scores_text(record.scores) or 'not scored'}")
+            self.control.log("INFO", f"epoch {epoch}: test "
+                                     f"{scores_text(record.scores) or 'not scored'}")
         self.control.tracking.epoch(record)
 
     def _with_test(self, record: EpochRecord) -> EpochRecord:

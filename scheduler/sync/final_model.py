@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 class FinalModel:
     def __init__(self, job: SyncJob, control: JobControl, workforce: Workforce):
         self.job, self.control, self.workforce = job, control, workforce
-        self.spec, self.log = control.spec, control.log
 
     def save(self, reason: str) -> None:
         """Build the model's files from the state a holder returns, keep them, and write
@@ -39,7 +38,8 @@ class FinalModel:
         state = self.workforce.held_state("model export", job.start.weights)
         model = (state or {}).get("model")
         if not model:
-            self.log("WARNING", f"model export ({reason}) skipped: no worker holds the state")
+            self.control.log("WARNING", f"model export ({reason}) skipped: no worker holds the "
+                                        "state")
             return
         p = job.protocol
         epoch = p.epoch if p is not None else job.start.position.epoch
@@ -56,7 +56,7 @@ class FinalModel:
         """The best epoch's model state, epoch (epochs trained) and metrics, from its
         checkpoint when the job keeps one (``checkpoint.keep_best``); Nones otherwise, or
         when it cannot be read (a WARNING: the final weights still go out)."""
-        s = self.spec
+        s = self.control.spec
         if getattr(s.checkpoint, "keep_best", None) is None or not s.checkpoint.dir:
             return None, None, None
         from dynabatch.scheduler.checkpoint import BEST, CheckpointError, load_checkpoint
@@ -72,5 +72,5 @@ class FinalModel:
             metrics = {"train_loss": rec.train_loss, **rec.scores} if rec else {}
             return state, ckpt.get("epoch"), metrics
         except (CheckpointError, KeyError, TypeError, ValueError) as err:
-            self.log("WARNING", f"model export: the best weights are left out ({err})")
+            self.control.log("WARNING", f"model export: the best weights are left out ({err})")
             return None, None, None

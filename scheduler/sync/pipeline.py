@@ -70,13 +70,11 @@ class Pipeline:
                  evals: Evaluations):
         self.job, self.control, self.workforce = job, control, workforce
         self.runtime, self.evals = runtime, evals
-        self.spec, self.clock, self.lock, self.log = (control.spec, control.clock, control.lock,
-                                                      control.log)
         self.ahead: Ahead | None = None  # the segment in flight, sent ahead
         self.last_collect = -1e18  # when the last segment's results were read
 
     def grace_s(self) -> float:
-        return self.spec.collective_timeout_s + 5.0
+        return self.control.spec.collective_timeout_s + 5.0
 
     def stamp(self, plans: dict[str, Any]) -> dict[str, Any]:
         """The protocol's plans, stamped with the regime's learning rates and ISGD chart
@@ -128,7 +126,7 @@ class Pipeline:
                                           for w, s in seg.items()})
         why = check_update(ahead.plans, update)
         if why is not None:
-            self.log("WARNING", f"plan update from step {at} not sent: {why}")
+            self.control.log("WARNING", f"plan update from step {at} not sent: {why}")
             return False
         ok = self.runtime.update_segment(update, UPDATE_TIMEOUT_S)
         if ok:
@@ -150,8 +148,8 @@ class Pipeline:
             # then trains on. Dropped if that segment fails (it is not the final state).
             behind = self.evals.submit(p.epoch, job.evaluation_shards(list(plans)))
         nxt = self.stamp(p.plan_segment(at=plan.position))
-        self.ahead = Ahead(plan.position, nxt, self.runtime.submit_segment(nxt), self.clock.now(),
-                          behind)
+        self.ahead = Ahead(plan.position, nxt, self.runtime.submit_segment(nxt),
+                           self.control.clock.now(), behind)
 
     def drain(self, totals: EpochTotals | None) -> None:
         """Collect the segment in flight: commit it into the open epoch's ``totals``, or
@@ -168,8 +166,8 @@ class Pipeline:
         outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
         trained = [o.worker for o in outcomes if o.result is not None and o.result.steps]
         if trained:  # cannot happen: the group broke at the failure before it
-            self.log("ERROR", f"a segment sent ahead trained on {trained} after the one "
-                              "before it failed; their state is not the committed one")
+            self.control.log("ERROR", f"a segment sent ahead trained on {trained} after the one "
+                                      "before it failed; their state is not the committed one")
             for w in trained:
                 self.workforce.remove(w, "failure", "trained past a failed segment")
 
@@ -191,7 +189,7 @@ class Pipeline:
             plans = self.stamp(p.plan_segment())
             if not plans:
                 return True
-            t0 = self.clock.now()
+            t0 = self.control.clock.now()
             behind, self.evals.behind = self.evals.behind, None
             ticket = self.runtime.submit_segment(plans)
         start = p.position
@@ -208,13 +206,13 @@ class Pipeline:
         segment sent ahead, whose failure is the one already counted). ``behind``: an
         evaluation its workers ran just before it (its time is not the segment's)."""
         job, p = self.job, self.job.protocol
-        now = self.clock.now()  # before the poll below: a simulated clock moves in it
+        now = self.control.clock.now()  # before the poll below: a simulated clock moves in it
         evaluation_s = None
         if behind is not None:
             self.evals.poll()  # its shards ran first, so they are in
             if behind.done:
                 evaluation_s = behind.critical_s
-        failure = classify(outcomes, self.spec.collective_timeout_s)
+        failure = classify(outcomes, self.control.spec.collective_timeout_s)
         results = [o.result for o in outcomes if o.result is not None]
         done = max((len(r.steps) for r in results), default=0)
         planned = len(next(iter(plans.values())).steps)
@@ -224,7 +222,7 @@ class Pipeline:
             busy=segment_busy(results, done))
         self.last_collect = share.collected
         committed: list[list[Any]] = []
-        with self.lock:
+        with self.control.lock:
             ep = totals
             ep.evaluation += share.evaluation
             for j in range(done):
@@ -282,8 +280,8 @@ class Pipeline:
         self.ahead = None
         outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
         if any(o.result is not None and o.result.steps for o in outcomes):
-            self.log("INFO", f"committing what the segment ahead trained after step "
-                             f"{p.step} of epoch {p.epoch}")
+            self.control.log("INFO", f"committing what the segment ahead trained after step "
+                                     f"{p.step} of epoch {p.epoch}")
             self.commit(ahead.plans, outcomes, ahead.position, ahead.sent, totals,
                         charge=False, behind=ahead.behind)
 
@@ -296,15 +294,15 @@ class Pipeline:
             in_flight = p.step_size(p.step)
             job.ledger.retry(in_flight)
             job.retried_samples_total += in_flight
-        self.log("WARNING", f"step {p.step} of epoch {p.epoch} failed: {failure.summary}")
+        self.control.log("WARNING", f"step {p.step} of epoch {p.epoch} failed: {failure.summary}")
         for w, why in failure.lost.items():
             self.workforce.remove(w, "failure", why)
         for w, (_, batch) in failure.oom.items():
             m = job.membership.get(w)
             cap = self.workforce.memory.ran_out(m.node, m.gpus, batch) if m is not None else None
             if cap is not None:
-                self.log("WARNING", f"{w} ran out of memory on a micro-batch of {batch}: "
-                                    f"node {m.node}'s memory cap is now {cap} samples")
+                self.control.log("WARNING", f"{w} ran out of memory on a micro-batch of {batch}: "
+                                            f"node {m.node}'s memory cap is now {cap} samples")
         # Whoever is left broke off the collective: the group must be formed again.
         job.membership.dirty = True
         # Uncharged (a segment sent ahead), the failure before it was counted: the next

@@ -57,8 +57,6 @@ class Roster:
         told)."""
         self.job, self.control, self.workforce = job, control, workforce
         self.runtime, self.evals, self.reports = runtime, evals, reports
-        self.spec, self.clock, self.lock, self.log = (control.spec, control.clock, control.lock,
-                                                      control.log)
         self.nodes: list[NodeInfo] = []  # as last listed (PollNodes)
 
     # ---------------------------------------------------------------- at a boundary
@@ -66,14 +64,15 @@ class Roster:
         """List the nodes now (the loop's ``PollNodes``): the job's first start says when
         there are none; spares lost before they were adopted are noted."""
         job = self.job
-        with self.lock:
+        with self.control.lock:
             self.nodes = self.runtime.nodes()
             if not self.nodes and starting:
                 self.control.reason = f"waiting for resources: {self.no_node_hint()}"
             for node, why in self.runtime.lost_spares():
                 job.membership.spare_lost(node, why)
-                self.log("WARNING", f"the spare worker on node {node[:12]} was lost before "
-                                    f"it was adopted ({why}); that node gets no other spare")
+                self.control.log("WARNING", f"the spare worker on node {node[:12]} was lost "
+                                            f"before it was adopted ({why}); that node gets no "
+                                            "other spare")
 
     def apply_requests(self, assignments: bool = False) -> bool:
         """Take the queued scale, drain and assign requests into the membership (what they
@@ -82,7 +81,7 @@ class Roster:
         (with a segment in flight: their workers start now). True when one was taken."""
         m = self.job.membership
         took = False
-        with self.lock:
+        with self.control.lock:
             for r in self.control.take_requests(assignments):
                 try:
                     match r:
@@ -95,7 +94,7 @@ class Roster:
                             took = True
                             self.withdraw()
                 except (KeyError, ValueError) as err:
-                    self.log("WARNING", f"{r} not applied: {err}")
+                    self.control.log("WARNING", f"{r} not applied: {err}")
         return took
 
     def withdraw(self) -> None:
@@ -103,13 +102,13 @@ class Roster:
         earlier one started them): they would hold slots the scheduler has given away."""
         for w in self.job.membership.withdraw():
             self.runtime.kill(w)
-            self.log("INFO", f"worker {w} stopped before it joined: the assignment in force "
-                             "leaves its slot out")
+            self.control.log("INFO", f"worker {w} stopped before it joined: the assignment in "
+                                     "force leaves its slot out")
 
     def apply_drains(self) -> None:
         """Remove the workers asked to leave, and those an assignment moves now (the loop
         settles the evaluations first: a drained worker may still owe its shard of one)."""
-        with self.lock:
+        with self.control.lock:
             changes = self.job.membership.apply_drains(self.job.tracker.speeds())
         for change in changes:
             self.workforce.changed(change)
@@ -124,7 +123,7 @@ class Roster:
         it leaves out stop. Before the job's first group (its first start places the newest
         assignment), or once it ends or is cancelled, the next boundary takes it."""
         c, job = self.control, self.job
-        with self.lock:
+        with self.control.lock:
             if (c.state.is_terminal or c.cancel_reason is not None or job.protocol is None
                     or job.membership.generation == 0):
                 return
@@ -136,10 +135,10 @@ class Roster:
         """Start workers where members are missing, on the nodes last listed (the loop's
         ``SpawnWorkers``); which nodes is the membership's. ``wait`` (nothing in flight):
         an adopted spare is waited for a moment (see :data:`ADOPT_WAIT_S`)."""
-        job, s = self.job, self.spec
+        job, s = self.job, self.control.spec
         m = job.membership
         adopted = False
-        with self.lock:
+        with self.control.lock:
             spawns = m.spawns(self.nodes, starting, s.gpus_on)
             for i, sp in enumerate(spawns):
                 try:
@@ -149,9 +148,9 @@ class Roster:
                         m.start_failed(left.worker_id)
                     raise
                 adopted = adopted or sp.adopt
-                self.log("INFO", f"starting worker {sp.worker_id} on node {sp.node_id[:12]}"
-                                 + (" (GPU)" if sp.gpus else "")
-                                 + (" (adopting its spare)" if sp.adopt else ""))
+                self.control.log("INFO", f"starting worker {sp.worker_id} on node {sp.node_id[:12]}"
+                                         + (" (GPU)" if sp.gpus else "")
+                                         + (" (adopting its spare)" if sp.adopt else ""))
             if not starting:
                 self.note_placement(m.unplaced)
         if wait and adopted:
@@ -162,16 +161,16 @@ class Roster:
     def tend_spares(self) -> None:
         """Start and stop spares per the membership's plan on the nodes last listed (the
         loop's ``TendSpares``, once the first workers are up)."""
-        with self.lock:
-            plan = self.job.membership.spare_plan(self.nodes, self.spec.spares)
+        with self.control.lock:
+            plan = self.job.membership.spare_plan(self.nodes, self.control.spec.spares)
             for node in plan.stop:
                 self.runtime.stop_spare(node)
             for node in plan.start:
                 self.runtime.start_spare(node)
-                self.log("INFO", f"starting a spare worker on node {node[:12]}")
+                self.control.log("INFO", f"starting a spare worker on node {node[:12]}")
 
     def placement_text(self, short: int, want: int) -> str:
-        s = self.spec
+        s = self.control.spec
         if self.job.membership.assignment is not None:
             return (f"{want - short} of {want} assigned workers placed: {short} are for "
                     "assigned nodes that are not alive or cannot host this job's workers "
@@ -190,10 +189,10 @@ class Roster:
         if note is None and self.control.scale_queued():
             return  # a scale request not applied yet: its note stands until it is
         if note != c.placement_note and note is not None:
-            self.log("WARNING", f"cannot place every worker: {note}")
+            self.control.log("WARNING", f"cannot place every worker: {note}")
         elif note != c.placement_note:
-            self.log("INFO", "every requested worker is placed")
-        with self.lock:
+            self.control.log("INFO", "every requested worker is placed")
+        with self.control.lock:
             if c.reason is None or c.reason == c.placement_note:
                 c.reason = note
             c.placement_note = note
@@ -206,11 +205,11 @@ class Roster:
         m = job.membership
         for st in self.runtime.poll_started(timeout_s):
             if st.error is not None:
-                with self.lock:
+                with self.control.lock:
                     m.start_failed(st.worker)
-                self.log("WARNING", f"worker {st.worker} failed to start: {st.error}")
+                self.control.log("WARNING", f"worker {st.worker} failed to start: {st.error}")
                 continue
-            with self.lock:
+            with self.control.lock:
                 change = m.started(st.worker)
             if change is None:
                 self.workforce.left(st.worker)
@@ -234,25 +233,25 @@ class Roster:
         ``GiveUpStarts``): out of the membership, queued to be killed."""
         m = self.job.membership
         why = ("the job was cancelled while it started" if self.control.cancel_reason is not None
-               else f"it could not start in {self.spec.start_timeout_s:.0f}s")
-        with self.lock:
+               else f"it could not start in {self.control.spec.start_timeout_s:.0f}s")
+        with self.control.lock:
             given_up = list(m.pending)
             for w in given_up:
                 m.start_failed(w)
         for w in given_up:
-            self.log("WARNING", f"worker {w} given up: {why}")
+            self.control.log("WARNING", f"worker {w} given up: {why}")
             self.workforce.left(w)
 
     def wait_for_min(self, shortfall: str, since: float | None) -> bool:
         """Too few workers since ``since`` (None: from now; the loop's ``Waiting`` keeps
         when the wait began)."""
-        c, job, s = self.control, self.job, self.spec
+        c, job, s = self.control, self.job, self.control.spec
         wait = wait_for_minimum(
-            since=since, now=self.clock.now(),
+            since=since, now=self.control.clock.now(),
             started=job.membership.generation != 0, start_timeout_s=s.start_timeout_s,
             worker_wait_timeout_s=s.worker_wait_timeout_s)
         if wait.first:
-            self.log("WARNING", f"cannot train: {shortfall}")
+            self.control.log("WARNING", f"cannot train: {shortfall}")
         hint = "" if self.runtime.nodes() else f": {self.no_node_hint()}"
         if wait.give_up:
             self.workforce.failed(FailureEvent(
@@ -263,11 +262,11 @@ class Roster:
         c.reason = (f"waiting for nodes: {shortfall} ({wait.waited:.0f}s of "
                     f"{wait.limit:.0f}s){hint}")
         # The next boundary lists the nodes again (NODE_POLL_S) and starts what is missing.
-        self.clock.sleep(NODE_POLL_S)
+        self.control.clock.sleep(NODE_POLL_S)
         return False
 
     def no_node_hint(self) -> str:
-        s = self.spec
+        s = self.control.spec
         g = s.worker_gpus
         gpus = g if g == "auto" else f"{g:g}"
         need = f"worker_cpus={s.worker_cpus:g}, worker_gpus={gpus}"
@@ -282,34 +281,34 @@ class Roster:
         job = self.job
         m = job.membership
         # (No member holding the committed state: the loop rolled back first.)
-        with self.lock:
+        with self.control.lock:
             plan = m.regroup_plan()
         # Weights restored and not yet loaded go to rank 0 even when every member holds the
         # committed position: a new job starting from another's checkpoint (checkpoint.from)
         # is at epoch 0 step 0 with them.
         state = job.start.weights
-        t0 = self.clock.now()
+        t0 = self.control.clock.now()
         # A join is its start-up (join_timeout) and the state broadcast (a collective).
+        s = self.control.spec
         result = self.runtime.regroup(m.generation + 1, plan.members, state,
-                                      self.spec.join_timeout + self.spec.collective_timeout_s
-                                      + 30)
+                                      s.join_timeout + s.collective_timeout_s + 30)
         if not result.ok:
             for w, why in result.lost.items():
                 self.workforce.remove(w, "failure", why)
             why = "; ".join([*result.lost.values(), *([result.error] if result.error else [])])
-            self.log("WARNING", f"regroup failed ({why}); retrying")
+            self.control.log("WARNING", f"regroup failed ({why}); retrying")
             self.workforce.failed(FailureEvent("regroup", lost=bool(result.lost), error=why))
             return False
         self.workforce.attempts = self.workforce.attempts.regrouped()
         self.evals.behind = None  # an evaluation queued before the regroup ran before it
-        with self.lock:
+        with self.control.lock:
             m.regrouped(plan.members)
         # Only now: a failed join must be able to load it again.
         job.start = replace(job.start, weights=None)
-        dt = self.clock.now() - t0
+        dt = self.control.clock.now() - t0
         job.regroup_seconds_total += dt
-        self.log("INFO", f"generation {m.generation}: {len(plan.members)} workers "
-                         f"{list(plan.members)} (formed in {dt:.2f}s)")
+        self.control.log("INFO", f"generation {m.generation}: {len(plan.members)} workers "
+                                 f"{list(plan.members)} (formed in {dt:.2f}s)")
         self.report_group(plan.members)
         return True
 
