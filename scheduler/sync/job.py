@@ -2,11 +2,10 @@
 
 :class:`SyncJob` holds the machines the driver's parts drive (membership, regime, policy,
 tracker, ledger, and the protocol once the data is loaded), where the protocol starts
-(:class:`Start`: a checkpoint's position, batch and weights, until a regroup loads them)
-and the counters
-the snapshot reports and a checkpoint keeps. What the loop carries between effects has
-one owner each: the segment in flight the pipeline's, the open epoch's totals the
-epochs', the evaluation queued behind the next segment the evaluations', the workers
+(:class:`Start`: a checkpoint's position, batch and weights, until a regroup loads them) and
+the counters the snapshot reports and a checkpoint keeps. What the loop carries between
+effects has one owner each: the segment in flight the pipeline's, the open epoch's totals
+the epochs', the evaluation queued behind the next segment the evaluations', the workers
 leaving and the failure decided the workforce's. The parts (``pipeline``, ``roster``,
 ``epochs``, ``checkpoints``, ``final_model``) are each given the job, the job's control
 (:class:`~dynabatch.scheduler.control.JobControl`: spec, clock, log, lock, records,
