@@ -19,7 +19,14 @@ settings.load_profile("dynabatch")
 # own that this process never connects to) and never use the session's cluster: they may run
 # beside the others, off the session cluster's worker. (An integration test that asks for
 # the cluster fails in tests/integration/conftest.py if its module is listed here.)
-OWN_RAY_MODULES = frozenset({"test_auto_resume.py", "test_session_cluster.py", "test_shadowing.py"})
+OWN_RAY_MODULES = frozenset(
+    {
+        "test_auto_resume.py",
+        "test_gpu_ray_check_own_ray.py",
+        "test_session_cluster.py",
+        "test_shadowing.py",
+    }
+)
 
 
 def xdist_group_of(nodeid: str) -> str | None:
