@@ -405,7 +405,6 @@ class Coordinator(JobControl):
             steps_per_epoch=p.steps_per_epoch if p else 1,
             epoch_open=self.epochs.totals is not None,
             epoch_complete=p is not None and p.epoch_complete, recorded=recorded,
-            in_flight=self.pipeline.ahead is not None,
             batch=job.global_batch, next_batch=job.regime.batch_for(self.epoch + 1),
             stamps_fixed=job.regime.can_stamp_ahead, retrying=self.workforce.attempts.retrying,
             requests=requests, handing_over=handing_over,

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynabatch.scheduler.core.failures import Failure, FailureEvent, WorkerOutcome, classify
 from dynabatch.scheduler.core.sync import ahead as decide
+from dynabatch.scheduler.core.sync.loop import SegmentRun
 from dynabatch.scheduler.core.sync.protocol import Position
 from dynabatch.scheduler.core.sync.update import (
     OfferedUpdate,
@@ -133,23 +134,24 @@ class Pipeline:
             ahead.plans = updated_plans(ahead.plans, update)
         return ok
 
-    def send_ahead(self, start: Position, plans: dict[str, Any], across: bool) -> None:
+    def send_ahead(self, start: Position, plans: dict[str, Any], across: bool) -> bool:
         """Send the segment after the one at ``start`` (already sent) before its results
         are read: in this epoch, or, when ``across`` (the loop decides both), the next
-        epoch's first, behind the epoch's evaluation."""
+        epoch's first, behind the epoch's evaluation. False: there is none to send."""
         job, p = self.job, self.job.protocol
         plan = decide.plan_ahead(start, len(next(iter(plans.values())).steps),
                                  p.steps_per_epoch)
         behind = None
         if plan.crosses_epoch:
             if not across:
-                return
+                return False
             # Each of the segment's workers scores its shard of the epoch's final weights,
             # then trains on. Dropped if that segment fails (it is not the final state).
             behind = self.evals.submit(p.epoch, job.evaluation_shards(list(plans)))
         nxt = self.stamp(p.plan_segment(at=plan.position))
         self.ahead = Ahead(plan.position, nxt, self.runtime.submit_segment(nxt),
                            self.control.clock.now(), behind)
+        return True
 
     def drain(self, totals: EpochTotals | None) -> None:
         """Collect the segment in flight: commit it into the open epoch's ``totals``, or
@@ -172,9 +174,9 @@ class Pipeline:
                 self.workforce.remove(w, "failure", "trained past a failed segment")
 
     def train_segment(self, totals: EpochTotals, send_ahead: bool = False,
-                      across: bool = False) -> bool:
+                      across: bool = False) -> SegmentRun:
         """Run one segment; commit what the state holder completed (into the open epoch's
-        ``totals``, the epochs' to close). True when it all ran. ``send_ahead``/``across``:
+        ``totals``, the epochs' to close). ``send_ahead``/``across``:
         send the next segment before reading this one's results, and may that be the next
         epoch's first (the loop's :class:`~dynabatch.scheduler.core.sync.loop.
         TrainSegment`)."""
@@ -188,15 +190,14 @@ class Pipeline:
                 self.drain(None)
             plans = self.stamp(p.plan_segment())
             if not plans:
-                return True
+                return SegmentRun()
             t0 = self.control.clock.now()
             behind, self.evals.behind = self.evals.behind, None
             ticket = self.runtime.submit_segment(plans)
         start = p.position
-        if send_ahead:
-            self.send_ahead(start, plans, across)
+        sent = send_ahead and self.send_ahead(start, plans, across)
         outcomes = self.runtime.collect_segment(ticket, self.grace_s())
-        return self.commit(plans, outcomes, start, t0, totals, behind=behind)
+        return SegmentRun(self.commit(plans, outcomes, start, t0, totals, behind=behind), sent)
 
     def commit(self, plans: dict, outcomes: list[WorkerOutcome], start: Position, t0: float,
                totals: EpochTotals, charge: bool = True, behind: EvalRound | None = None

@@ -33,7 +33,7 @@ import pytest
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.failures import Fail, FailureEvent, FailurePolicy
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
-from dynabatch.scheduler.core.sync.loop import public_state
+from dynabatch.scheduler.core.sync.loop import Concluded, public_state
 from dynabatch.scheduler.runtime.seam import RegroupResult, ShardResult, WorkerCallError
 from dynabatch.scheduler.sim.calls import Call
 from dynabatch.scheduler.sim.cluster_spec import Fault
@@ -353,6 +353,10 @@ def drive(sc: Scenario, ck_dir: Path) -> Run:
             going = coord.step()
             # The job's public state is derived from the loop's, whatever happened.
             assert coord.state is public_state(coord.loop), (coord.state, coord.loop)
+            # The segment in flight is the reducer's own (what the last segment run said),
+            # and it is the pipeline's.
+            if not isinstance(coord.loop, Concluded):
+                assert coord.loop.memo.in_flight == (coord.pipeline.ahead is not None)
             if seen is not None and not seen.steps_to_end and not going:
                 seen.steps_to_end = i + 1 - sc.cancel_at
                 seen.submitted_after = rt.record.submitted

@@ -62,6 +62,7 @@ from dynabatch.scheduler.core.sync.loop import (
     SaveModel,
     Seen,
     SegmentDone,
+    SegmentRun,
     Settle,
     SpawnWorkers,
     StopWorkers,
@@ -130,6 +131,11 @@ PLACE_FLYING = [PollNodes(), SpawnWorkers(at_rest=False), TendSpares()]
 START = [PollNodes(starting=True), SpawnWorkers(starting=True)]
 # An epoch's end with nothing due and nothing judged.
 END = [EndEpoch(), NextEpoch()]
+# A segment that ran with the next sent ahead (it is in flight), and one that failed so.
+AHEAD = SegmentRun(sent_ahead=True)
+FAILED_AHEAD = SegmentRun(all_ran=False, sent_ahead=True)
+# Between boundaries with a segment in flight.
+FLYING = AtRest(Memo(polled_at=T0, in_flight=True))
 
 
 def _requests_taken(loop: Loop, seen: Seen, now: float = T0) -> None:
@@ -208,7 +214,7 @@ seens = st.builds(
     trained=rarely, epoch=st.integers(0, 4), step=st.integers(0, 8),
     steps_per_epoch=st.sampled_from([4, 8]), epoch_open=st.booleans(),
     epoch_complete=st.booleans(), stopped=st.none() | st.just("early stopping"),
-    recorded=st.integers(0, 2), in_flight=st.booleans(),
+    recorded=st.integers(0, 2),
     batch=st.sampled_from([64, 64, 32]), next_batch=st.sampled_from([64, 64, 32]),
     stamps_fixed=mostly, retrying=rarely,
     requests=st.sampled_from([(), (), (), (), (), ("scale",), ("assign",), ("drain", "assign")]),
@@ -257,6 +263,8 @@ def _boundary(loop: Loop, tick: Boundary, data: st.DataObject) -> list[Batch]:
             ok = data.draw(verdicts)
         elif isinstance(last, Replan):  # a re-plan may offer an update to the segment in flight
             ok = data.draw(st.sampled_from([None, OFFER]))
+        elif isinstance(last, TrainSegment):  # the next goes ahead only when it may
+            ok = SegmentRun(data.draw(st.booleans()), last.ahead and data.draw(st.booleans()))
         else:
             ok = data.draw(st.booleans())
         event = answer(last, _draw_seen(data, cancel), now, ok)
@@ -309,7 +317,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
     if isinstance(rest, Concluded):  # the job ended: nothing more
         assert flat == [EndStep(stop=True)] and batches[0].after is rest
         return polled
-    in_flight = first.in_flight and first.cancel is None
+    in_flight = rest.memo.in_flight and first.cancel is None
     if not in_flight and first.cancel is None and "assign" in first.requests:
         polled = None  # an assignment's workers start at once: the nodes are listed now
     cancel_at = next((i for i, b in enumerate(batches) if isinstance(b.after, Cancelling)),
@@ -426,6 +434,9 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             assert body[j + 1: j + 2 + len(spares)] == [spawn, *spares]
             polled = now
         assert b.after.memo.polled_at == polled  # when the loop last listed the nodes
+        # A segment is in flight exactly when the last segment run said it sent one ahead.
+        flying = b.event.sent_ahead if isinstance(b.event, SegmentDone) else b.before.memo.in_flight
+        assert b.after.memo.in_flight == flying
         for e in body:
             if isinstance(e, (SpawnWorkers, TendSpares)):
                 assert any(isinstance(x, PollNodes) for x in body[: body.index(e)])
@@ -491,7 +502,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert not began.seen.membership.dirty
         if isinstance(body[-1], TrainSegment) and answered is not None:
             ok = nxt.event.all_ran
-            if not ok and answered.in_flight:
+            if not ok and nxt.event.sent_ahead:
                 # Failed with the next segment sent: that one is absorbed, in the next epoch
                 # when the failed one completed this.
                 if not answered.epoch_complete:
@@ -548,7 +559,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert body == [e, *save, EndJob(JobState.CANCELLED, b.before.reason),
                                 EndStep(stop=True)]
         absorbing = prev is not None and isinstance(prev.body[-1], TrainSegment) \
-            and not b.event.all_ran and seen.in_flight
+            and not b.event.all_ran and b.event.sent_ahead
         if body[:1] == [EndEpoch()]:
             j = _epoch_end(cfg, batches, i)
             if j < len(batches) and batches[j].seen is not None and not absorbing \
@@ -571,7 +582,8 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
 @given(cfg=configs, first=seens, data=st.data())
 def test_every_boundary_follows_the_loops_rules(cfg: LoopConfig, first: Seen,
                                                 data: st.DataObject) -> None:
-    loop = Loop(cfg)
+    # (the job may resume between boundaries with a segment in flight)
+    loop = Loop(cfg, AtRest(Memo(polled_at=T0, in_flight=data.draw(st.booleans()))))
     now, polled = T0, T0
     for _ in range(3):  # consecutive boundaries: each starts where the last left the loop
         rest = loop.state  # between boundaries: at rest, waiting for workers, or concluded
@@ -613,21 +625,23 @@ def test_a_training_boundary() -> None:
     opened = S(epoch_open=True, steps_per_epoch=16, batch=64, next_batch=64)
     assert loop.ran(opened) == [TrainSegment(ahead=True, across=True)]
     # At step 4 the rule's check is due after a segment that all ran.
-    assert loop.ran(replace(opened, step=4), ok=True) == [Replan("check")]
+    assert loop.ran(replace(opened, step=4), ok=AHEAD) == [Replan("check")]
+    assert loop.state.memo.in_flight  # the next segment was sent ahead
     assert loop.ran(replace(opened, step=4)) == [PublishReady(), EndStep()]
     # Next boundary, a segment in flight: no requests taken, no regroup; nodes listed once
     # due (NODE_POLL_S after they last were); it completes the epoch.
-    in_flight = replace(opened, in_flight=True, step=8, membership=MembershipView(dirty=True))
+    in_flight = replace(opened, step=8, membership=MembershipView(dirty=True))
     assert loop.tick(in_flight, now=T0 + NODE_POLL_S / 2) == [AdoptStarted()]
     assert loop.ran(replace(in_flight, membership=MembershipView())) == [
         TrainSegment(ahead=True, across=True)]
-    assert loop.ran(S(epoch_open=True, epoch_complete=True), ok=True) == END
+    assert loop.ran(S(epoch_open=True, epoch_complete=True), ok=AHEAD) == END
     assert loop.ran(S()) == [PublishReady(), EndStep()]
     assert loop.tick(in_flight, now=LATER) == [AdoptStarted(), *PLACE_FLYING]
     assert loop.state.memo.polled_at == LATER
     assert loop.ran(replace(in_flight, membership=MembershipView())) == [
         TrainSegment(ahead=True, across=True)]
     assert loop.ran(replace(opened, step=13)) == [PublishReady(), EndStep()]
+    assert not loop.state.memo.in_flight  # nothing was sent ahead of that one
     # A retry runs alone (nothing is sent ahead of it); the segment failed after its last
     # step's collective and still completed the epoch.
     _requests_taken(loop, opened, now=LATER)
@@ -683,11 +697,11 @@ def test_nodes_are_listed_when_due_and_at_once_for_an_assignment() -> None:
     assert loop.ran(S(epoch_open=True), now=LATER) == PLACE
     # With a segment in flight: only the assignment at the head of the queue is taken, its
     # workers started at once.
-    loop = Loop()
-    queued = S(epoch_open=True, in_flight=True, requests=("assign", "scale"))
+    loop = Loop(state=FLYING)
+    queued = S(epoch_open=True, requests=("assign", "scale"))
     assert loop.tick(queued) == [TakeRequests(assignments=True), AdoptStarted(), *PLACE_FLYING]
-    loop = Loop()
-    queued = S(epoch_open=True, in_flight=True, requests=("scale", "assign"))
+    loop = Loop(state=FLYING)
+    queued = S(epoch_open=True, requests=("scale", "assign"))
     assert loop.tick(queued) == [AdoptStarted()]
 
 
@@ -710,23 +724,25 @@ def test_a_drain_waits_for_the_evaluations_in_flight() -> None:
 
 def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once() -> None:
     # (a checkpoint due at epoch 1: nothing goes across)
-    loop = Loop(LoopConfig(epochs=3, rule=RebalanceRule("adaptive"), checkpoint_dir=True))
+    cfg = LoopConfig(epochs=3, rule=RebalanceRule("adaptive"), checkpoint_dir=True)
+    loop = Loop(cfg, FLYING)
     # A check after a segment: the re-plan changed the batches from a step of the segment
     # sent ahead; it is posted before the boundary ends.
-    flying = S(in_flight=True, epoch_open=True, step=4, steps_per_epoch=16)
-    loop.tick(flying)
+    flying = S(epoch_open=True, step=4, steps_per_epoch=16)
+    assert loop.tick(flying) == [AdoptStarted()]
     assert loop.ran(flying) == [TrainSegment(ahead=True, across=False)]
-    assert loop.ran(flying) == [Replan("check")]
+    assert loop.ran(flying, ok=AHEAD) == [Replan("check")]
     assert loop.ran(flying, ok=OFFER) == [PostPlanUpdate(OFFER)]
     assert loop.ran(flying) == [PublishReady(), EndStep()]
     # The epoch's opening plan, with the next epoch's first segment already sent: posted,
     # then the segment.
-    assert loop.tick(S(in_flight=True)) == [AdoptStarted()]
-    assert loop.ran(S(in_flight=True)) == [BeginEpoch(), Replan()]
+    loop = Loop(cfg, FLYING)
+    assert loop.tick(S()) == [AdoptStarted()]
+    assert loop.ran(S()) == [BeginEpoch(), Replan()]
     assert loop.ran(flying, ok=OFFER) == [PostPlanUpdate(OFFER)]
     assert loop.ran(flying) == [TrainSegment(ahead=True, across=False)]
     # A segment where a worker was lost re-plans nothing, whatever the rule says.
-    assert loop.ran(replace(flying, in_flight=False), ok=False) == [PublishReady(), EndStep()]
+    assert loop.ran(flying, ok=False) == [PublishReady(), EndStep()]
 
 
 def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> None:
@@ -858,8 +874,8 @@ def test_workers_taken_out_are_stopped_before_anything_else() -> None:
     loop = Loop()
     _requests_taken(loop, S(epoch_open=True))
     loop.ran(S(epoch_open=True))
-    lost = S(in_flight=True, epoch_open=True, leaving=("w1",))
-    assert loop.ran(lost, ok=False) == [StopWorkers(("w1",)), AbsorbAhead()]
+    lost = S(epoch_open=True, leaving=("w1",))
+    assert loop.ran(lost, ok=FAILED_AHEAD) == [StopWorkers(("w1",)), AbsorbAhead()]
     assert loop.ran(S(epoch_open=True)) == [PublishReady(), EndStep()]
     assert loop.tick(S(epoch_open=True, requests=("drain",))) == [TakeRequests()]
     assert loop.ran(S(epoch_open=True, drains_due=True)) == [
@@ -878,17 +894,19 @@ def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> N
     _requests_taken(loop, S(epoch_open=True, epoch=1))
     loop.ran(S(epoch_open=True, epoch=1))
     # The segment failed mid-epoch with the next one sent: that one is collected.
-    assert loop.ran(S(in_flight=True, epoch_open=True, epoch=1), ok=False) == [AbsorbAhead()]
+    assert loop.ran(S(epoch_open=True, epoch=1), ok=FAILED_AHEAD) == [AbsorbAhead()]
     assert loop.state == Training(1, "absorbing", memo=loop.state.memo)
+    assert loop.state.memo.in_flight
     assert loop.ran(S(epoch_open=True, epoch=1)) == [PublishReady(), EndStep()]
+    assert not loop.state.memo.in_flight  # collected
     # It failed after completing the epoch, with the next epoch's first sent: the epoch
     # ends, the next begins, then the one sent ahead is absorbed (and may complete it).
     _requests_taken(loop, S(epoch_open=True, epoch=1))
     loop.ran(S(epoch_open=True, epoch=1))
-    done = S(in_flight=True, epoch_open=True, epoch_complete=True, epoch=1)
-    assert loop.ran(done, ok=False) == END
+    done = S(epoch_open=True, epoch_complete=True, epoch=1)
+    assert loop.ran(done, ok=FAILED_AHEAD) == END
     assert loop.state == EndingEpoch(1, "absorb", memo=loop.state.memo)
-    assert loop.ran(S(in_flight=True, epoch=2)) == [BeginEpoch(), AbsorbAhead()]
+    assert loop.ran(S(epoch=2)) == [BeginEpoch(), AbsorbAhead()]
     assert loop.state == Training(2, "absorbing", memo=loop.state.memo)
     assert loop.ran(S(epoch_open=True, epoch_complete=True, epoch=2)) == END
     assert loop.state == EndingEpoch(2, "train", memo=loop.state.memo)
@@ -950,8 +968,8 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
 
 
 def test_a_cancel_commits_a_segment_sent_across_the_epochs_end_in_its_epoch() -> None:
-    loop = Loop()
-    assert loop.tick(S(cancel="enough", in_flight=True)) == [BeginEpoch(), CommitInFlight()]
+    loop = Loop(state=FLYING)
+    assert loop.tick(S(cancel="enough")) == [BeginEpoch(), CommitInFlight()]
     assert loop.state == Cancelling("enough", "committing", loop.state.memo)
 
 
@@ -1026,8 +1044,8 @@ def test_a_cancel_while_the_group_formed_cancels_with_its_reason() -> None:
 
 
 def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed() -> None:
-    loop = Loop()
-    cancel = S(cancel="enough", in_flight=True, epoch_open=True, epoch=2)
+    loop = Loop(state=FLYING)
+    cancel = S(cancel="enough", epoch_open=True, epoch=2)
     assert loop.tick(cancel) == [CommitInFlight()]
     done = S(cancel="enough", epoch_open=True, epoch_complete=True, epoch=2)
     assert loop.ran(done) == END
@@ -1039,7 +1057,7 @@ def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed()
     assert loop.ran(trained) == [
         SaveModel("end"), EndJob(JobState.SUCCEEDED), EndStep(stop=True)]
     # Not the last: back to cancelling, with the cancel's reason.
-    loop = Loop()
+    loop = Loop(state=FLYING)
     loop.tick(cancel)
     loop.ran(done)
     assert loop.ran(S(cancel="enough", recorded=3, epoch=3)) == [Settle()]
@@ -1062,8 +1080,8 @@ def test_a_failure_in_a_cancels_judged_epoch_end_concludes_and_stops_the_loop() 
     # Found by test_every_boundary_follows_the_loops_rules in a fresh-clone run (the old
     # engine): a job ended while a cancel's epoch end awaited the evaluation must stop the
     # loop, as every cancel does.
-    loop = Loop(LoopConfig(epochs=3, judges_epochs=True))
-    cancel = S(cancel="enough", in_flight=True, epoch_open=True)
+    loop = Loop(LoopConfig(epochs=3, judges_epochs=True), FLYING)
+    cancel = S(cancel="enough", epoch_open=True)
     assert loop.tick(cancel) == [CommitInFlight()]
     done = S(cancel="enough", epoch_open=True, epoch_complete=True)
     assert loop.ran(done)[-1] == JudgeEpoch()
@@ -1124,7 +1142,7 @@ def test_a_failure_answers_any_state_and_concludes_the_job_once(state: LoopState
     assert loop.state == ended
     assert loop.on(Failed("internal error: again")) == [EndStep(stop=True)]
     assert loop.state == ended
-    assert loop.tick(S(cancel="enough", in_flight=True)) == [EndStep(stop=True)]
+    assert loop.tick(S(cancel="enough")) == [EndStep(stop=True)]
     assert loop.state == ended
 
 

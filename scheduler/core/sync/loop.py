@@ -26,7 +26,7 @@ inside one, :class:`Reconciling` (who trains), :class:`Regrouping`, :class:`Trai
 (the epoch), :class:`EndingEpoch` (the epoch, what follows), :class:`Finishing`,
 :class:`Cancelling` (why), and :class:`Concluded` (the outcome). Every state also carries
 :class:`Memo`, what the reducer remembers across boundaries (when it last listed the
-nodes).
+nodes, whether a segment is in flight: what the last :class:`SegmentDone` said).
 
 One boundary, as the reducer decides it:
 
@@ -132,7 +132,6 @@ class Seen:
     epoch_complete: bool = False  # every step of the protocol's epoch is committed
     stopped: str | None = None  # early stopping's reason, when it ended the training
     recorded: int = 0  # epochs recorded in the job's history
-    in_flight: bool = False  # a segment sent ahead has not been collected
     batch: int = 0  # the global batch in force
     next_batch: int = 0  # the regime's for the next epoch
     stamps_fixed: bool = True  # the next segment's stamps do not wait on this one's losses
@@ -205,10 +204,23 @@ class Regrouped:
 
 
 @dataclass(frozen=True, slots=True)
+class SegmentRun:
+    """What running a segment did: ``all_ran`` unless a worker was lost or failed in it;
+    ``sent_ahead``: the next segment was sent before its results were read (it is in
+    flight)."""
+
+    all_ran: bool = True
+    sent_ahead: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class SegmentDone:
+    """A segment ran (a collected one sent ahead sends nothing more)."""
+
     seen: Seen
     now: float
     all_ran: bool = True  # not so: a worker was lost or failed in it
+    sent_ahead: bool = False  # the next segment is in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,15 +444,16 @@ Effect = (
 
 def answer(effect: Effect, seen: Seen, now: float, ok: Any = True) -> Answer:
     """The event that answers a batch whose last effect was ``effect``: ``seen`` after it,
-    ``ok`` what it returned (a regroup formed, a segment all ran, an epoch's verdict, a
-    re-plan's offer)."""
+    ``ok`` what it returned (a regroup formed, a segment's :class:`SegmentRun` or whether it
+    all ran, an epoch's verdict, a re-plan's offer)."""
     match effect:
         case Replan():
             return Replanned(seen, now, ok if isinstance(ok, OfferedUpdate) else None)
         case JudgeEpoch():
             return EvaluationsIn(seen, now, ok if isinstance(ok, Verdict) else Verdict())
         case TrainSegment() | AbsorbAhead() | CommitInFlight():
-            return SegmentDone(seen, now, all_ran=bool(ok))
+            run = ok if isinstance(ok, SegmentRun) else SegmentRun(all_ran=bool(ok))
+            return SegmentDone(seen, now, run.all_ran, run.sent_ahead)
         case Regroup():
             return Regrouped(seen, now, formed=bool(ok))
         case AdoptStarted() | AwaitStarts():
@@ -465,6 +478,8 @@ class Memo:
     """What the reducer remembers across boundaries."""
 
     polled_at: float | None = None  # when the nodes were last listed
+    # A segment sent ahead has not been collected (the last segment run said so).
+    in_flight: bool = False
     # A group formed and the job has not waited for workers since: it is RUNNING.
     running: bool = False
 
@@ -603,6 +618,8 @@ def step(state: LoopState, event: Event, config: LoopConfig) -> tuple[LoopState,
             return state, [EndStep(stop=True)]
         return (Concluded(JobState.FAILED, event.reason, state.memo),
                 [EndJob(JobState.FAILED, event.reason), EndStep(stop=True)])
+    if isinstance(event, SegmentDone):  # a run sends the next ahead, or collects all
+        state = replace(state, memo=replace(state.memo, in_flight=event.sent_ahead))
     new, effects = _decide(state, event, config)
     if event.seen.leaving:
         # Workers taken out in the last batch are stopped before anything else: what a hung
@@ -655,8 +672,8 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
             return d.replanned(f, offer, opening=False)
         case Training(_, "posting", opening), Done():
             return d.segment(f) if opening else d.rest(PublishReady(), EndStep())
-        case Training(epoch, "segment"), SegmentDone(all_ran=all_ran):
-            if not all_ran and f.in_flight:
+        case Training(epoch, "segment"), SegmentDone(all_ran=all_ran, sent_ahead=flying):
+            if not all_ran and flying:
                 # Failed with the next one sent: what that trained past the failure is
                 # committed, in the next epoch when this one completed the epoch.
                 if f.epoch_complete:
@@ -734,7 +751,7 @@ class _Decisions:
         if f.cancel is not None:
             return self.cancel(f)
         load = [] if f.data_loaded else [LoadData()]
-        if f.in_flight:  # membership changes wait for a boundary at rest
+        if self.memo.in_flight:  # membership changes wait for a boundary at rest
             # An assignment's workers start now, while the segment in flight trains.
             take = [TakeRequests(assignments=True)] if f.requests[:1] == ("assign",) else []
             state: LoopState = Reconciling("watching", memo=self.memo)
@@ -852,7 +869,7 @@ class _Decisions:
 
     def cancel(self, f: Seen) -> tuple[LoopState, Effects]:
         reason = f.cancel or "cancelled"
-        if f.in_flight:
+        if self.memo.in_flight:
             # Sent across the epoch's end, which has ended: it is committed in its epoch.
             begin: Effects = [] if f.epoch_open else [BeginEpoch()]
             return Cancelling(reason, "committing", self.memo), [*begin, CommitInFlight()]
