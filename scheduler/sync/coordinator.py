@@ -390,11 +390,13 @@ class Coordinator(JobControl):
         speeds = job.tracker.speeds()
         with self.lock:  # an arriving assignment changes the placement (Roster)
             requests = tuple(type(r).__name__.lower() for r in self._requests)
+            plan = m.regroup_plan() if m.dirty else None
             membership = MembershipView(
                 dirty=m.dirty, drains_due=m.drains_due(speeds), starts_pending=bool(m.pending),
                 first_start=not m.members and m.generation == 0,
                 shortfall=m.shortfall(), holders=bool(m.holders()),
-                needs_state=m.dirty and m.regroup_plan().needs_state)
+                needs_state=plan is not None and plan.needs_state,
+                group=plan.members if plan is not None else ())
             handing_over = m.handing_over
             cancel = self.cancel_reason
             recorded = len(self.records)
@@ -441,8 +443,8 @@ class Coordinator(JobControl):
             case LoadCheckpoint():
                 if self.checkpoints.roll_back():
                     self.epochs.rolled_back()
-            case Regroup():
-                return self.roster.regroup()
+            case Regroup(members, source):
+                return self.roster.regroup(members, restored=source == "checkpoint")
             case BeginEpoch():
                 self.epochs.begin_epoch()
             case Replan(cause):

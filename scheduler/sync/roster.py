@@ -275,22 +275,19 @@ class Roster:
         return f"no alive node offers {need}"
 
     # ---------------------------------------------------------------- the group
-    def regroup(self) -> bool:
-        """Form a new generation (the loop's ``Regrouping``). False when it failed (the next
-        step tries again)."""
+    def regroup(self, members: tuple[str, ...], restored: bool) -> bool:
+        """Form a new generation of ``members``, rank 0 first (the loop's ``Regroup``; no
+        member holding the committed state: it rolled back first). ``restored``: the weights
+        a checkpoint restored go to rank 0, even when every member holds the committed
+        position (a job starting from another's checkpoint, ``checkpoint.from``, is at epoch
+        0 step 0 with them). False when it failed (the next step tries again)."""
         job = self.job
         m = job.membership
-        # (No member holding the committed state: the loop rolled back first.)
-        with self.control.lock:
-            plan = m.regroup_plan()
-        # Weights restored and not yet loaded go to rank 0 even when every member holds the
-        # committed position: a new job starting from another's checkpoint (checkpoint.from)
-        # is at epoch 0 step 0 with them.
-        state = job.start.weights
+        state = job.start.weights if restored else None
         t0 = self.control.clock.now()
         # A join is its start-up (join_timeout) and the state broadcast (a collective).
         s = self.control.spec
-        result = self.runtime.regroup(m.generation + 1, plan.members, state,
+        result = self.runtime.regroup(m.generation + 1, members, state,
                                       s.join_timeout + s.collective_timeout_s + 30)
         if not result.ok:
             for w, why in result.lost.items():
@@ -302,14 +299,14 @@ class Roster:
         self.workforce.attempts = self.workforce.attempts.regrouped()
         self.evals.behind = None  # an evaluation queued before the regroup ran before it
         with self.control.lock:
-            m.regrouped(plan.members)
+            m.regrouped(members)
         # Only now: a failed join must be able to load it again.
         job.start = replace(job.start, weights=None)
         dt = self.control.clock.now() - t0
         job.regroup_seconds_total += dt
-        self.control.log("INFO", f"generation {m.generation}: {len(plan.members)} workers "
-                                 f"{list(plan.members)} (formed in {dt:.2f}s)")
-        self.report_group(plan.members)
+        self.control.log("INFO", f"generation {m.generation}: {len(members)} workers "
+                                 f"{list(members)} (formed in {dt:.2f}s)")
+        self.report_group(members)
         return True
 
     def report_group(self, members: tuple[str, ...]) -> None:

@@ -90,9 +90,17 @@ CFG = LoopConfig(epochs=3)  # no checkpoints, nothing judged, re-planned at each
 _VIEW = {f.name for f in fields(MembershipView)}
 
 
+# The next generation the membership plans when a regroup is due, rank 0 first.
+GROUP = ("w0", "w1")
+REGROUP = Regroup(GROUP, "holder")
+
+
 def S(**kw) -> Seen:
-    """What the machines say: :class:`Seen`'s fields and the membership's, in one call."""
+    """What the machines say: :class:`Seen`'s fields and the membership's, in one call (a
+    regroup due plans :data:`GROUP` unless told otherwise)."""
     view = {k: kw.pop(k) for k in list(kw) if k in _VIEW}
+    if view.get("dirty"):
+        view.setdefault("group", GROUP)
     return Seen(membership=MembershipView(**view), **kw)
 
 
@@ -208,7 +216,8 @@ verdicts = st.builds(Verdict, st.sampled_from([None, BEST]),
 views = st.builds(
     MembershipView, dirty=rarely, drains_due=rarely, starts_pending=rarely,
     first_start=rarely, shortfall=st.sampled_from([None, None, None, "1 of 2 workers"]),
-    holders=mostly, needs_state=st.booleans())
+    holders=mostly, needs_state=st.booleans(),
+    group=st.sampled_from([(), GROUP, ("w2", "w0", "w1")]))
 seens = st.builds(
     Seen, cancel=cancels, data_loaded=mostly,
     trained=rarely, epoch=st.integers(0, 4), step=st.integers(0, 8),
@@ -475,14 +484,18 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert m.needs_state and not seen.holding_restored
                 assert body == [Settle(), LoadCheckpoint()]  # the evaluations settled first
                 if answered is not None:
-                    assert nxt.body == [Regroup()]
+                    # (the group planned after the roll-back: the rule below)
+                    assert len(nxt.body) == 1 and isinstance(nxt.body[0], Regroup)
             if isinstance(e, Regroup):
                 assert body == [e]
+                # The membership's plan, its state restored weights when they wait.
+                assert e.members == seen.membership.group
+                assert e.source == ("checkpoint" if seen.holding_restored else "holder")
                 if not any(LoadCheckpoint() in x.body for x in batches):
                     m = seen.membership
                     assert m.dirty and m.shortfall is None
                     assert not m.needs_state or seen.holding_restored
-        if Regroup() in body and answered is not None:
+        if body[-1:] and isinstance(body[-1], Regroup) and answered is not None:
             if not nxt.event.formed:  # it failed: the step ends
                 assert nxt.body == [EndStep()]
             else:
@@ -492,12 +505,13 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 if resplit:
                     assert nxt.body == [Replan("membership")]
         if Replan("membership") in body:
-            assert prev.body == [Regroup()] and b.event.formed
+            assert isinstance(prev.body[-1], Regroup) and len(prev.body) == 1
+            assert b.event.formed
         if any(isinstance(e, TrainSegment) for e in body) and not in_flight:
             # Trained only with the group formed: no shortfall, no change pending. (With a
             # regroup, the readings that decided it had none: the rule above.)
             began = next(x for x in batches if isinstance(x.after, Training))
-            if Regroup() not in flat:
+            if not any(isinstance(e, Regroup) for e in flat):
                 assert began.seen.membership.shortfall is None
                 assert not began.seen.membership.dirty
         if isinstance(body[-1], TrainSegment) and answered is not None:
@@ -617,7 +631,7 @@ def test_a_training_boundary() -> None:
     assert loop.ran(S(first_start=True, starts_pending=True)) == [AwaitStarts()]
     # All came up: the missing ones (none) are started again, then the group forms.
     assert loop.ran(first) == START
-    assert loop.ran(S(dirty=True)) == [Regroup()]
+    assert loop.ran(S(dirty=True)) == [REGROUP]
     assert public_state(loop.state) is JobState.PENDING
     assert loop.ran(S(), ok=True) == [BeginEpoch(), Replan()]
     assert loop.state == Training(0, "opening", memo=Memo(polled_at=T0, running=True))
@@ -715,7 +729,7 @@ def test_a_drain_waits_for_the_evaluations_in_flight() -> None:
         Settle(), ApplyDrains(), AdoptStarted()]
     changed = S(epoch_open=True, dirty=True)
     assert loop.ran(changed) == PLACE  # a changed group lists the nodes first
-    assert loop.ran(changed) == [Regroup()]
+    assert loop.ran(changed) == [REGROUP]
     # A scale up drains nobody: nothing waits for the evaluations.
     loop = Loop()
     assert loop.tick(replace(asked, requests=("scale",))) == [TakeRequests()]
@@ -779,7 +793,7 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
     assert loop.ran(waiting, now=late) == [AwaitStarts()]
     assert loop.state.deadline == late + 5
     assert loop.ran(starting, now=late) == START
-    assert loop.ran(S(dirty=True), now=late) == [Regroup()]
+    assert loop.ran(S(dirty=True), now=late) == [REGROUP]
 
     # A cancel during the wait gives up at once; then the job is cancelled.
     loop = Loop()
@@ -844,7 +858,7 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
     _requests_taken(loop, S(epoch_open=True))
     mid = S(epoch_open=True, dirty=True)
     assert loop.ran(mid) == PLACE
-    assert loop.ran(mid) == [Regroup()]
+    assert loop.ran(mid) == [REGROUP]
     assert loop.ran(S(epoch_open=True), ok=True) == [Replan("membership")]
     assert loop.state == Regrouping("resplitting", loop.state.memo)
     assert loop.ran(S(epoch_open=True)) == [TrainSegment(ahead=True, across=False)]
@@ -884,7 +898,7 @@ def test_workers_taken_out_are_stopped_before_anything_else() -> None:
     assert loop.ran(drained) == [StopWorkers(("w2", "w0")), *PLACE]
     # At a boundary's start too, and once the job is over.
     assert loop.ran(S(epoch_open=True, dirty=True, leaving=("w4",))) == [
-        StopWorkers(("w4",)), Regroup()]
+        StopWorkers(("w4",)), REGROUP]
     loop = Loop(state=Concluded(JobState.SUCCEEDED))
     assert loop.tick(S(leaving=("w3",))) == [StopWorkers(("w3",)), EndStep(stop=True)]
 
@@ -981,7 +995,7 @@ def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
     assert loop.ran(short) == [WaitForMinimum("1 of 2 workers"), EndStep()]
     _requests_taken(loop, S())
     assert loop.ran(S(dirty=True)) == PLACE  # (not due by the clock)
-    assert loop.ran(S(dirty=True)) == [Regroup()]
+    assert loop.ran(S(dirty=True)) == [REGROUP]
     assert loop.ran(S(dirty=True), ok=False) == [EndStep()]
     assert isinstance(loop.state, AtRest)
     # No member holds the committed state: the checkpoint is loaded first (rolling back);
@@ -992,12 +1006,14 @@ def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
     assert loop.ran(lost) == PLACE
     assert loop.ran(lost) == [Settle(), LoadCheckpoint()]
     assert loop.state == Regrouping("rolling_back", loop.state.memo)  # inside the regroup
-    assert loop.ran(S(dirty=True)) == [Regroup()]
+    # The group planned after the roll-back, rank 0 loading the checkpoint's weights.
+    restored = S(dirty=True, needs_state=True, holding_restored=True, group=("w1", "w0"))
+    assert loop.ran(restored) == [Regroup(("w1", "w0"), "checkpoint")]
     assert loop.state == Regrouping("forming", loop.state.memo)
     loop.ran(S(dirty=True), ok=False)
     _requests_taken(loop, S())
     loop.ran(replace(lost, holding_restored=True))
-    assert loop.ran(replace(lost, holding_restored=True)) == [Regroup()]
+    assert loop.ran(replace(lost, holding_restored=True)) == [Regroup(GROUP, "checkpoint")]
 
 
 def test_a_wait_for_workers_is_the_loops_state_and_carries_since_when() -> None:
@@ -1175,7 +1191,7 @@ def test_each_state_takes_only_the_answer_its_batch_yields() -> None:
 
 @pytest.mark.parametrize(("effect", "kind"), [
     (TrainSegment(), SegmentDone), (AbsorbAhead(), SegmentDone), (CommitInFlight(), SegmentDone),
-    (Regroup(), Regrouped), (AdoptStarted(), WorkersStarted), (AwaitStarts(), WorkersStarted),
+    (REGROUP, Regrouped), (AdoptStarted(), WorkersStarted), (AwaitStarts(), WorkersStarted),
     (PollNodes(), WorkersPlaced), (SpawnWorkers(), WorkersPlaced), (TendSpares(), WorkersPlaced),
     (TakeRequests(), RequestsTaken), (Settle(), EvaluationsIn), (JudgeEpoch(), EvaluationsIn),
     (NextEpoch(), Done), (Replan(), Replanned), (LoadCheckpoint(), Done),

@@ -116,6 +116,9 @@ class MembershipView:
     shortfall: str | None = None  # fewer workers than the minimum: which, and why
     holders: bool = True  # a member holds the committed state
     needs_state: bool = False  # the next regroup has no member holding that state
+    # The next generation's members in rank order (a regroup due): rank 0 holds the
+    # committed state when any member does.
+    group: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +328,12 @@ class LoadCheckpoint:
 
 @dataclass(frozen=True, slots=True)
 class Regroup:
-    """Form the next generation; answered with :class:`Regrouped`."""
+    """Form the next generation of ``members`` in rank order; rank 0 is the source of the
+    state: the committed state it holds (``holder``), or the weights restored from a
+    checkpoint, loaded into it first (``checkpoint``). Answered with :class:`Regrouped`."""
+
+    members: tuple[str, ...]
+    source: Literal["holder", "checkpoint"] = "holder"
 
 
 @dataclass(frozen=True, slots=True)
@@ -656,7 +664,7 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
         case Reconciling("giving_up", waiting), Done():
             return d.gathered(f, waiting)
         case Regrouping("rolling_back"), Done():
-            return Regrouping("forming", d.memo), [Regroup()]  # with the checkpoint's weights
+            return Regrouping("forming", d.memo), [d.regroup(f)]  # the checkpoint's weights
         case Regrouping("forming"), Regrouped(formed=formed):
             if not formed:
                 return d.rest(EndStep())  # the next boundary tries again
@@ -805,8 +813,14 @@ class _Decisions:
             if must_roll_back(needs_state=r.needs_state, holding_restored=f.holding_restored):
                 # The records of epochs before the checkpoint first: its history replaces them.
                 return Regrouping("rolling_back", self.memo), [Settle(), LoadCheckpoint()]
-            return Regrouping("forming", self.memo), [Regroup()]
+            return Regrouping("forming", self.memo), [self.regroup(f)]
         return self.formed(f)
+
+    @staticmethod
+    def regroup(f: Seen) -> Regroup:
+        """The membership's next generation, its state from the weights a checkpoint
+        restored when they wait to be loaded, else from the holder at rank 0."""
+        return Regroup(f.membership.group, "checkpoint" if f.holding_restored else "holder")
 
     def formed(self, f: Seen) -> tuple[LoopState, Effects]:
         """The group is ready: the job runs (RUNNING: :func:`public_state`); then cancel or
