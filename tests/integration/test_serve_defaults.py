@@ -57,10 +57,13 @@ def _spec(name: str, ckpt: Path, **kw: Any) -> dict[str, Any]:
         "worker_wait_timeout_s": 60,
         "spares": 0,
         "checkpoint": {"dir": str(ckpt)},
-        # Every worker sleeps 300x its compute (an epoch of one worker about 10 s here): the
+        # Every worker sleeps 100x its compute (an epoch of one worker about 3 s here): the
         # job trains through the requests without taking the cores (ordinals past the first
-        # workers are those a scale adds).
-        "emulation": {"slowdowns": [300] * 8},
+        # workers are those a scale adds). Not slower: a request takes effect at a step
+        # boundary, after the segment in flight (up to 8 steps) and the one sent ahead; at
+        # 300x those took longer than the service's 5 s cancel wait, and each request waited
+        # for them (the test 59-66 s against 41-45 s, for the same CPU).
+        "emulation": {"slowdowns": [100] * 8},
     }
     base.update(kw)
     return base
