@@ -402,11 +402,10 @@ class Coordinator(JobControl):
             recorded = len(self.records)
         return Seen(
             cancel=cancel, data_loaded=p is not None,
-            trained=p is not None and self.epochs.trained, stopped=self.epochs.stopped,
+            stopped=self.epochs.stopped,
             epoch=self.epoch, step=self.step_in_epoch,
             steps_per_epoch=p.steps_per_epoch if p else 1,
-            epoch_open=self.epochs.totals is not None,
-            epoch_complete=p is not None and p.epoch_complete, recorded=recorded,
+            recorded=recorded,
             batch=job.global_batch, next_batch=job.regime.batch_for(self.epoch + 1),
             stamps_fixed=job.regime.can_stamp_ahead, retrying=self.workforce.attempts.retrying,
             requests=requests, handing_over=handing_over,

@@ -9,7 +9,7 @@ decision (``dynabatch.scheduler.core.sync.loop``), carried out here. The record 
 the history when the evaluation is in; an evaluation that lost a shard is run again on the
 holders left when nothing was queued behind it
 (:func:`~dynabatch.scheduler.core.sync.boundary.evaluate_again`). Whether the job is then
-trained (every epoch, or early stopping's) is :attr:`Epochs.trained`; its success is the
+trained (every epoch, or early stopping's :attr:`Epochs.stopped`) and succeeds is the
 loop's.
 
 Judged epochs (``early_stopping``, ``checkpoint.keep_best``). Each epoch's evaluation is
@@ -247,11 +247,6 @@ class Epochs:
             if stop is not None:
                 self.stopped = stop
         self.publish_ready()
-
-    @property
-    def trained(self) -> bool:
-        """Every epoch is trained, or early_stopping ended the training."""
-        return self.job.protocol.epoch >= self.control.spec.epochs or self.stopped is not None
 
     # ---------------------------------------------------------------- evaluations
     def publish_ready(self) -> None:

@@ -142,8 +142,11 @@ END = [EndEpoch(), NextEpoch()]
 # A segment that ran with the next sent ahead (it is in flight), and one that failed so.
 AHEAD = SegmentRun(sent_ahead=True)
 FAILED_AHEAD = SegmentRun(all_ran=False, sent_ahead=True)
-# Between boundaries with a segment in flight.
-FLYING = AtRest(Memo(polled_at=T0, in_flight=True))
+# Between boundaries in an open epoch; the same with a segment in flight; and with the next
+# epoch's first segment in flight (sent across the epoch's end, which has ended).
+OPEN = AtRest(Memo(polled_at=T0, epoch_open=True))
+FLYING = AtRest(Memo(polled_at=T0, in_flight=True, epoch_open=True))
+ACROSS = AtRest(Memo(polled_at=T0, in_flight=True))
 
 
 def _requests_taken(loop: Loop, seen: Seen, now: float = T0) -> None:
@@ -220,9 +223,10 @@ views = st.builds(
     group=st.sampled_from([(), GROUP, ("w2", "w0", "w1")]))
 seens = st.builds(
     Seen, cancel=cancels, data_loaded=mostly,
-    trained=rarely, epoch=st.integers(0, 4), step=st.integers(0, 8),
-    steps_per_epoch=st.sampled_from([4, 8]), epoch_open=st.booleans(),
-    epoch_complete=st.booleans(), stopped=st.none() | st.just("early stopping"),
+    # (trained mostly not: the epochs are 1 to 4, early stopping rare)
+    epoch=st.sampled_from([0, 0, 0, 1, 1, 2, 4]), step=st.integers(0, 8),
+    steps_per_epoch=st.sampled_from([4, 8]),
+    stopped=st.sampled_from([None] * 7 + ["early stopping"]),
     recorded=st.integers(0, 2),
     batch=st.sampled_from([64, 64, 32]), next_batch=st.sampled_from([64, 64, 32]),
     stamps_fixed=mostly, retrying=rarely,
@@ -382,9 +386,8 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
         for e in body:
             if isinstance(e, LoadData):
                 assert not seen.data_loaded
-            if isinstance(e, BeginEpoch):  # (right after an epoch ended, it is not)
-                assert not seen.epoch_open or (prev is not None and prev.body[-1:]
-                                               and isinstance(prev.body[-1], NextEpoch))
+            if isinstance(e, BeginEpoch):  # only with none open (the last one closed)
+                assert not b.before.memo.epoch_open
             if isinstance(e, EndJob) and e.outcome == JobState.SUCCEEDED:
                 # After finishing awaited the last evaluations, with a holder left, and not
                 # beside a pending cancel unless the cancel's own segment ended it.
@@ -397,7 +400,8 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             if isinstance(e, TrainSegment):
                 # Decided to train by the readings of the batch that began training.
                 began = next(x for x in batches if isinstance(x.after, Training))
-                assert began.seen.cancel is None and not began.seen.trained
+                assert began.seen.cancel is None and not cfg.trained(began.seen)
+                assert b.after.memo.epoch_open  # in an open epoch
                 # Sent ahead exactly when the next boundary need not have the group at rest;
                 # across the epoch exactly when nothing between the epochs reads the state.
                 assert e == TrainSegment(ahead=_ahead(seen), across=_across(cfg, seen))
@@ -500,7 +504,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert nxt.body == [EndStep()]
             else:
                 # Formed mid-epoch: the rest of the epoch is split over the new group first.
-                resplit = answered.epoch_open and not answered.epoch_complete
+                resplit = nxt.before.memo.epoch_open and not answered.epoch_complete
                 assert (nxt.body[:1] == [Replan("membership")]) == resplit
                 if resplit:
                     assert nxt.body == [Replan("membership")]
@@ -580,7 +584,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                     and cancel_at is None:
                 after = batches[j]  # then finishing, or back
                 m = after.seen
-                if m.trained and m.membership.holders:
+                if cfg.trained(m) and m.membership.holders:
                     assert after.body == [Settle()]
                     assert after.after == Finishing(None, after.after.memo)
                 else:
@@ -588,7 +592,13 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                     assert isinstance(after.after, AtRest)
         # Finishing only with every epoch trained and a holder of the final state.
         if isinstance(b.after, Finishing):
-            assert seen.trained and seen.membership.holders
+            assert cfg.trained(seen) and seen.membership.holders
+        # An epoch is open from its BeginEpoch to its NextEpoch (or a roll-back).
+        if EndEpoch() in body or AbsorbAhead() in body or CommitInFlight() in body:
+            assert b.after.memo.epoch_open or NextEpoch() in body \
+                or any(isinstance(e, NextEpoch) for e in body)
+        if any(isinstance(e, (NextEpoch, LoadCheckpoint)) for e in body):
+            assert not b.after.memo.epoch_open
     return polled
 
 
@@ -596,8 +606,10 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
 @given(cfg=configs, first=seens, data=st.data())
 def test_every_boundary_follows_the_loops_rules(cfg: LoopConfig, first: Seen,
                                                 data: st.DataObject) -> None:
-    # (the job may resume between boundaries with a segment in flight)
-    loop = Loop(cfg, AtRest(Memo(polled_at=T0, in_flight=data.draw(st.booleans()))))
+    # (the job may resume between boundaries with an epoch open, a segment in flight)
+    flying = data.draw(st.booleans())
+    opened = flying or data.draw(st.booleans())
+    loop = Loop(cfg, AtRest(Memo(polled_at=T0, in_flight=flying, epoch_open=opened)))
     now, polled = T0, T0
     for _ in range(3):  # consecutive boundaries: each starts where the last left the loop
         rest = loop.state  # between boundaries: at rest, waiting for workers, or concluded
@@ -634,9 +646,10 @@ def test_a_training_boundary() -> None:
     assert loop.ran(S(dirty=True)) == [REGROUP]
     assert public_state(loop.state) is JobState.PENDING
     assert loop.ran(S(), ok=True) == [BeginEpoch(), Replan()]
-    assert loop.state == Training(0, "opening", memo=Memo(polled_at=T0, running=True))
+    assert loop.state == Training(0, "opening",
+                                  memo=Memo(polled_at=T0, epoch_open=True, running=True))
     assert public_state(loop.state) is JobState.RUNNING
-    opened = S(epoch_open=True, steps_per_epoch=16, batch=64, next_batch=64)
+    opened = S(steps_per_epoch=16, batch=64, next_batch=64)
     assert loop.ran(opened) == [TrainSegment(ahead=True, across=True)]
     # At step 4 the rule's check is due after a segment that all ran.
     assert loop.ran(replace(opened, step=4), ok=AHEAD) == [Replan("check")]
@@ -648,20 +661,24 @@ def test_a_training_boundary() -> None:
     assert loop.tick(in_flight, now=T0 + NODE_POLL_S / 2) == [AdoptStarted()]
     assert loop.ran(replace(in_flight, membership=MembershipView())) == [
         TrainSegment(ahead=True, across=True)]
-    assert loop.ran(S(epoch_open=True, epoch_complete=True), ok=AHEAD) == END
+    assert loop.ran(S(step=1), ok=AHEAD) == END
     assert loop.ran(S()) == [PublishReady(), EndStep()]
-    assert loop.tick(in_flight, now=LATER) == [AdoptStarted(), *PLACE_FLYING]
+    # The next epoch's first segment was sent across its end: that epoch begins (and is
+    # planned) before the segment is collected.
+    assert not loop.state.memo.epoch_open and loop.state.memo.in_flight
+    second = replace(opened, epoch=1)
+    assert loop.tick(second, now=LATER) == [AdoptStarted(), *PLACE_FLYING]
     assert loop.state.memo.polled_at == LATER
-    assert loop.ran(replace(in_flight, membership=MembershipView())) == [
-        TrainSegment(ahead=True, across=True)]
-    assert loop.ran(replace(opened, step=13)) == [PublishReady(), EndStep()]
+    assert loop.ran(second) == [BeginEpoch(), Replan()]
+    assert loop.ran(second) == [TrainSegment(ahead=True, across=True)]
+    assert loop.ran(replace(second, step=13)) == [PublishReady(), EndStep()]
     assert not loop.state.memo.in_flight  # nothing was sent ahead of that one
     # A retry runs alone (nothing is sent ahead of it); the segment failed after its last
     # step's collective and still completed the epoch.
-    _requests_taken(loop, opened, now=LATER)
-    assert loop.ran(replace(opened, retrying=True), now=LATER) == [
+    _requests_taken(loop, second, now=LATER)
+    assert loop.ran(replace(second, retrying=True), now=LATER) == [
         TrainSegment(ahead=False, across=False)]
-    assert loop.ran(S(epoch_open=True, epoch_complete=True), ok=False) == END
+    assert loop.ran(S(epoch=1, step=1), ok=False) == END
     assert loop.ran(S()) == [PublishReady(), EndStep()]
 
 
@@ -678,15 +695,15 @@ def test_a_training_boundary() -> None:
         "batch-changes", "last-epoch", "no-data"])
 def test_a_segment_goes_across_the_epochs_end_only_when_nothing_between_reads_the_state(
         cfg: LoopConfig, seen: Seen) -> None:
-    seen = replace(seen, epoch_open=True, batch=64, next_batch=seen.next_batch or 64)
-    loop = Loop(cfg)
+    seen = replace(seen, batch=64, next_batch=seen.next_batch or 64)
+    loop = Loop(cfg, OPEN)
     _requests_taken(loop, seen)
     assert loop.ran(seen) == [TrainSegment(ahead=True, across=False)]
     # What makes it go across: a static policy, no checkpoint due, nothing judged.
     loop = Loop(LoopConfig(epochs=4, policy_static=True, checkpoint_dir=True,
-                           checkpoint_every=2))
-    _requests_taken(loop, S(epoch_open=True))
-    assert loop.ran(S(epoch_open=True, batch=64, next_batch=64)) == [
+                           checkpoint_every=2), OPEN)
+    _requests_taken(loop, S())
+    assert loop.ran(S(batch=64, next_batch=64)) == [
         TrainSegment(ahead=True, across=True)]
 
 
@@ -694,28 +711,28 @@ def test_nodes_are_listed_when_due_and_at_once_for_an_assignment() -> None:
     """The loop remembers when it listed the nodes (``Memo.polled_at``): a boundary at rest
     lists them again NODE_POLL_S later, or at once when it takes an assignment (its
     workers start now)."""
-    loop = Loop()
-    _requests_taken(loop, S(epoch_open=True), now=T0 + NODE_POLL_S / 2)
-    assert loop.ran(S(epoch_open=True), now=T0 + NODE_POLL_S / 2) == [
+    loop = Loop(state=OPEN)
+    _requests_taken(loop, S(), now=T0 + NODE_POLL_S / 2)
+    assert loop.ran(S(), now=T0 + NODE_POLL_S / 2) == [
         TrainSegment(ahead=True, across=False)]
     assert loop.state.memo.polled_at == T0
-    loop.ran(S(epoch_open=True))
-    _requests_taken(loop, S(epoch_open=True), now=LATER)
-    assert loop.ran(S(epoch_open=True), now=LATER) == PLACE
+    loop.ran(S())
+    _requests_taken(loop, S(), now=LATER)
+    assert loop.ran(S(), now=LATER) == PLACE
     assert loop.state.memo.polled_at == LATER
-    assert loop.ran(S(epoch_open=True), now=LATER) == [TrainSegment(ahead=True, across=False)]
-    loop.ran(S(epoch_open=True))
-    assign = S(epoch_open=True, requests=("assign",))
+    assert loop.ran(S(), now=LATER) == [TrainSegment(ahead=True, across=False)]
+    loop.ran(S())
+    assign = S(requests=("assign",))
     assert loop.tick(assign, now=LATER) == [TakeRequests()]
-    assert loop.ran(S(epoch_open=True), now=LATER) == [AdoptStarted()]
-    assert loop.ran(S(epoch_open=True), now=LATER) == PLACE
+    assert loop.ran(S(), now=LATER) == [AdoptStarted()]
+    assert loop.ran(S(), now=LATER) == PLACE
     # With a segment in flight: only the assignment at the head of the queue is taken, its
     # workers started at once.
     loop = Loop(state=FLYING)
-    queued = S(epoch_open=True, requests=("assign", "scale"))
+    queued = S(requests=("assign", "scale"))
     assert loop.tick(queued) == [TakeRequests(assignments=True), AdoptStarted(), *PLACE_FLYING]
     loop = Loop(state=FLYING)
-    queued = S(epoch_open=True, requests=("scale", "assign"))
+    queued = S(requests=("scale", "assign"))
     assert loop.tick(queued) == [AdoptStarted()]
 
 
@@ -723,17 +740,17 @@ def test_a_drain_waits_for_the_evaluations_in_flight() -> None:
     """A drained worker may still owe its shard of an evaluation: the requests are taken in,
     then the evaluations settle, then the drained workers leave (and the group regroups)."""
     loop = Loop()
-    asked = S(epoch_open=True, requests=("drain",))
+    asked = S(requests=("drain",))
     assert loop.tick(asked) == [TakeRequests()]
-    assert loop.ran(S(epoch_open=True, drains_due=True)) == [
+    assert loop.ran(S(drains_due=True)) == [
         Settle(), ApplyDrains(), AdoptStarted()]
-    changed = S(epoch_open=True, dirty=True)
+    changed = S(dirty=True)
     assert loop.ran(changed) == PLACE  # a changed group lists the nodes first
     assert loop.ran(changed) == [REGROUP]
     # A scale up drains nobody: nothing waits for the evaluations.
     loop = Loop()
     assert loop.tick(replace(asked, requests=("scale",))) == [TakeRequests()]
-    assert loop.ran(S(epoch_open=True)) == [AdoptStarted()]
+    assert loop.ran(S()) == [AdoptStarted()]
 
 
 def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once() -> None:
@@ -742,7 +759,7 @@ def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once(
     loop = Loop(cfg, FLYING)
     # A check after a segment: the re-plan changed the batches from a step of the segment
     # sent ahead; it is posted before the boundary ends.
-    flying = S(epoch_open=True, step=4, steps_per_epoch=16)
+    flying = S(step=4, steps_per_epoch=16)
     assert loop.tick(flying) == [AdoptStarted()]
     assert loop.ran(flying) == [TrainSegment(ahead=True, across=False)]
     assert loop.ran(flying, ok=AHEAD) == [Replan("check")]
@@ -750,7 +767,7 @@ def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once(
     assert loop.ran(flying) == [PublishReady(), EndStep()]
     # The epoch's opening plan, with the next epoch's first segment already sent: posted,
     # then the segment.
-    loop = Loop(cfg, FLYING)
+    loop = Loop(cfg, ACROSS)
     assert loop.tick(S()) == [AdoptStarted()]
     assert loop.ran(S()) == [BeginEpoch(), Replan()]
     assert loop.ran(flying, ok=OFFER) == [PostPlanUpdate(OFFER)]
@@ -854,26 +871,26 @@ def test_the_first_starts_wait_follows_its_rules(data: st.DataObject) -> None:
 
 
 def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training() -> None:
-    loop = Loop()
-    _requests_taken(loop, S(epoch_open=True))
-    mid = S(epoch_open=True, dirty=True)
+    loop = Loop(state=OPEN)
+    _requests_taken(loop, S())
+    mid = S(dirty=True)
     assert loop.ran(mid) == PLACE
     assert loop.ran(mid) == [REGROUP]
-    assert loop.ran(S(epoch_open=True), ok=True) == [Replan("membership")]
+    assert loop.ran(S(), ok=True) == [Replan("membership")]
     assert loop.state == Regrouping("resplitting", loop.state.memo)
-    assert loop.ran(S(epoch_open=True)) == [TrainSegment(ahead=True, across=False)]
-    # The re-split had nothing in flight to post to: the group trains on whatever the
-    # readings say next (here an epoch to open; a stray offer is not a re-plan's to post).
-    assert loop.ran(S(epoch_open=True)) == [PublishReady(), EndStep()]
-    _requests_taken(loop, S(epoch_open=True), now=LATER)
+    assert loop.ran(S()) == [TrainSegment(ahead=True, across=False)]
+    # The re-split had nothing in flight to post to: a stray offer is not a re-plan's to
+    # post, and the group trains on.
+    assert loop.ran(S()) == [PublishReady(), EndStep()]
+    _requests_taken(loop, S(), now=LATER)
     loop.ran(mid, now=LATER)
     loop.ran(mid, now=LATER)
-    assert loop.ran(S(epoch_open=True), ok=True) == [Replan("membership")]
-    assert loop.ran(S(), ok=OFFER) == [BeginEpoch(), Replan()]
+    assert loop.ran(S(), ok=True) == [Replan("membership")]
+    assert loop.ran(S(), ok=OFFER) == [TrainSegment(ahead=True, across=False)]
     # Between epochs (the next is planned when it begins), or the epoch complete: no
     # re-split.
-    for between in (S(), S(epoch_open=True, epoch_complete=True)):
-        loop = Loop()
+    for state, between in ((AtRest(Memo(polled_at=T0)), S()), (OPEN, S(step=1))):
+        loop = Loop(state=state)
         _requests_taken(loop, S())
         loop.ran(S(dirty=True))
         loop.ran(S(dirty=True))
@@ -885,50 +902,51 @@ def test_workers_taken_out_are_stopped_before_anything_else() -> None:
     stopped before the one sent ahead is collected (what it queued then fails at once), and
     drained workers before the nodes are listed and workers spawned on them: exactly the
     workers the machines say are leaving."""
-    loop = Loop()
-    _requests_taken(loop, S(epoch_open=True))
-    loop.ran(S(epoch_open=True))
-    lost = S(epoch_open=True, leaving=("w1",))
+    loop = Loop(state=OPEN)
+    _requests_taken(loop, S())
+    loop.ran(S())
+    lost = S(leaving=("w1",))
     assert loop.ran(lost, ok=FAILED_AHEAD) == [StopWorkers(("w1",)), AbsorbAhead()]
-    assert loop.ran(S(epoch_open=True)) == [PublishReady(), EndStep()]
-    assert loop.tick(S(epoch_open=True, requests=("drain",))) == [TakeRequests()]
-    assert loop.ran(S(epoch_open=True, drains_due=True)) == [
+    assert loop.ran(S()) == [PublishReady(), EndStep()]
+    assert loop.tick(S(requests=("drain",))) == [TakeRequests()]
+    assert loop.ran(S(drains_due=True)) == [
         Settle(), ApplyDrains(), AdoptStarted()]
-    drained = S(epoch_open=True, dirty=True, leaving=("w2", "w0"))
+    drained = S(dirty=True, leaving=("w2", "w0"))
     assert loop.ran(drained) == [StopWorkers(("w2", "w0")), *PLACE]
     # At a boundary's start too, and once the job is over.
-    assert loop.ran(S(epoch_open=True, dirty=True, leaving=("w4",))) == [
+    assert loop.ran(S(dirty=True, leaving=("w4",))) == [
         StopWorkers(("w4",)), REGROUP]
     loop = Loop(state=Concluded(JobState.SUCCEEDED))
     assert loop.tick(S(leaving=("w3",))) == [StopWorkers(("w3",)), EndStep(stop=True)]
 
 
 def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> None:
-    loop = Loop()
-    _requests_taken(loop, S(epoch_open=True, epoch=1))
-    loop.ran(S(epoch_open=True, epoch=1))
+    loop = Loop(LoopConfig(epochs=4), OPEN)
+    _requests_taken(loop, S(epoch=1))
+    loop.ran(S(epoch=1))
     # The segment failed mid-epoch with the next one sent: that one is collected.
-    assert loop.ran(S(epoch_open=True, epoch=1), ok=FAILED_AHEAD) == [AbsorbAhead()]
+    assert loop.ran(S(epoch=1), ok=FAILED_AHEAD) == [AbsorbAhead()]
     assert loop.state == Training(1, "absorbing", memo=loop.state.memo)
     assert loop.state.memo.in_flight
-    assert loop.ran(S(epoch_open=True, epoch=1)) == [PublishReady(), EndStep()]
+    assert loop.ran(S(epoch=1)) == [PublishReady(), EndStep()]
     assert not loop.state.memo.in_flight  # collected
     # It failed after completing the epoch, with the next epoch's first sent: the epoch
     # ends, the next begins, then the one sent ahead is absorbed (and may complete it).
-    _requests_taken(loop, S(epoch_open=True, epoch=1))
-    loop.ran(S(epoch_open=True, epoch=1))
-    done = S(epoch_open=True, epoch_complete=True, epoch=1)
+    _requests_taken(loop, S(epoch=1))
+    loop.ran(S(epoch=1))
+    done = S(step=1, epoch=1)
     assert loop.ran(done, ok=FAILED_AHEAD) == END
     assert loop.state == EndingEpoch(1, "absorb", memo=loop.state.memo)
     assert loop.ran(S(epoch=2)) == [BeginEpoch(), AbsorbAhead()]
     assert loop.state == Training(2, "absorbing", memo=loop.state.memo)
-    assert loop.ran(S(epoch_open=True, epoch_complete=True, epoch=2)) == END
+    assert loop.ran(S(step=1, epoch=2)) == END
     assert loop.state == EndingEpoch(2, "train", memo=loop.state.memo)
     assert loop.ran(S(epoch=3)) == [PublishReady(), EndStep()]
     # A segment that failed with nothing sent ahead: nothing to absorb.
-    _requests_taken(loop, S(epoch_open=True))
-    loop.ran(S(epoch_open=True))
-    assert loop.ran(S(epoch_open=True), ok=False) == [PublishReady(), EndStep()]
+    _requests_taken(loop, S(epoch=3))
+    assert loop.ran(S(epoch=3)) == [BeginEpoch(), Replan()]
+    loop.ran(S(epoch=3))
+    assert loop.ran(S(epoch=3), ok=False) == [PublishReady(), EndStep()]
 
 
 def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_calls_for() -> None:
@@ -938,13 +956,16 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
     ending = [EndEpoch()]
     loop = Loop(LoopConfig(epochs=4, checkpoint_dir=True, checkpoint_every=2))
     for epoch, due in [(0, False), (1, True), (2, False), (3, True)]:  # 2 by every, 4 last
-        _requests_taken(loop, S(epoch_open=True, epoch=epoch))
-        loop.ran(S(epoch_open=True, epoch=epoch))
-        complete = S(epoch_open=True, epoch_complete=True, epoch=epoch)
+        _requests_taken(loop, S(epoch=epoch))
+        assert loop.ran(S(epoch=epoch)) == [BeginEpoch(), Replan()]
+        loop.ran(S(epoch=epoch))
+        complete = S(step=1, epoch=epoch)
         saves = [Settle(), Checkpoint("epoch", Position(epoch + 1, 0))] if due else []
         assert loop.ran(complete) == [*ending, *saves, NextEpoch()]
         assert loop.state == EndingEpoch(epoch, "train", memo=loop.state.memo)
-        assert loop.ran(S(epoch=epoch + 1)) == [PublishReady(), EndStep()]
+        # (after the last, the job finishes)
+        assert loop.ran(S(epoch=epoch + 1)) == (
+            [Settle()] if epoch == 3 else [PublishReady(), EndStep()])
     # A judged epoch (early stopping, keep_best): judged once its evaluation is in; the best
     # so far and early stopping's stop are written (early stopping's only when the job keeps
     # checkpoints), then the training ends.
@@ -958,31 +979,32 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
     ]:
         loop = Loop(LoopConfig(epochs=3, judges_epochs=True, checkpoint_dir=keeps,
                                checkpoint_every=every))
-        _requests_taken(loop, S(epoch_open=True, epoch=1))
-        loop.ran(S(epoch_open=True, epoch=1))
-        judged = S(epoch_open=True, epoch_complete=True, epoch=1)
+        _requests_taken(loop, S(epoch=1))
+        loop.ran(S(epoch=1))
+        loop.ran(S(epoch=1))
+        judged = S(step=1, epoch=1)
         assert loop.ran(judged) == [*ending, Settle(), JudgeEpoch()]
         assert loop.state == EndingEpoch(1, "train", judging=True, due=keeps and every != 3,
                                          memo=loop.state.memo)
         verdict = Verdict(BEST if best else None, "stopped" if stop else None)
         assert loop.ran(S(epoch=1), verdict) == [*saves, NextEpoch(verdict.stop)]
         assert loop.state == EndingEpoch(1, "train", memo=loop.state.memo)
-        trained = S(epoch=2, trained=stop, stopped=verdict.stop, recorded=2)
+        trained = S(epoch=2, stopped=verdict.stop, recorded=2)
         assert loop.ran(trained) == ([Settle()] if stop else [PublishReady(), EndStep()])
         if stop:  # early stopping's reason is the job's end
             assert loop.ran(trained) == [
                 SaveModel("end"), EndJob(JobState.SUCCEEDED, "stopped"), EndStep()]
     # The job failed while the evaluation was awaited: it ends, nothing is written.
-    loop = Loop(LoopConfig(epochs=3, judges_epochs=True, checkpoint_dir=True))
-    _requests_taken(loop, S(epoch_open=True))
-    loop.ran(S(epoch_open=True))
-    loop.ran(S(epoch_open=True, epoch_complete=True))
+    loop = Loop(LoopConfig(epochs=3, judges_epochs=True, checkpoint_dir=True), OPEN)
+    _requests_taken(loop, S())
+    loop.ran(S())
+    assert loop.ran(S(step=1))[-1] == JudgeEpoch()
     assert loop.on(Failed("evaluation: w0 raised")) == [
         EndJob(JobState.FAILED, "evaluation: w0 raised"), EndStep(stop=True)]
 
 
 def test_a_cancel_commits_a_segment_sent_across_the_epochs_end_in_its_epoch() -> None:
-    loop = Loop(state=FLYING)
+    loop = Loop(state=ACROSS)
     assert loop.tick(S(cancel="enough")) == [BeginEpoch(), CommitInFlight()]
     assert loop.state == Cancelling("enough", "committing", loop.state.memo)
 
@@ -1035,13 +1057,15 @@ def test_a_wait_for_workers_is_the_loops_state_and_carries_since_when() -> None:
     # Enough workers: the group trains, and the wait is over.
     _requests_taken(loop, S(), now=T0 + 15)
     assert loop.ran(S(), now=T0 + 15) == [BeginEpoch(), Replan()]
-    assert loop.ran(S(epoch_open=True)) == [TrainSegment(ahead=True, across=False)]
-    assert loop.ran(S(epoch_open=True)) == [PublishReady(), EndStep()]
+    assert loop.ran(S()) == [TrainSegment(ahead=True, across=False)]
+    assert loop.ran(S()) == [PublishReady(), EndStep()]
     assert isinstance(loop.state, AtRest)
-    again = S(shortfall="1 of 2 workers", epoch_open=True)
+    again = S(shortfall="1 of 2 workers")
     _requests_taken(loop, again, now=T0 + 15.1)
     assert loop.ran(again, now=T0 + 15.1) == [WaitForMinimum("1 of 2 workers"), EndStep()]
-    assert loop.state == Waiting(T0 + 15.1, "1 of 2 workers", Memo(polled_at=T0 + 15))
+    # (the epoch begun stays open)
+    assert loop.state == Waiting(T0 + 15.1, "1 of 2 workers",
+                                 Memo(polled_at=T0 + 15, epoch_open=True))
     # A cancel ends a wait at the next boundary.
     assert loop.tick(replace(again, cancel="enough"), now=T0 + 16) == [Settle()]
     assert loop.state == Cancelling("enough", "settling", loop.state.memo)
@@ -1061,19 +1085,19 @@ def test_a_cancel_while_the_group_formed_cancels_with_its_reason() -> None:
 
 def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed() -> None:
     loop = Loop(state=FLYING)
-    cancel = S(cancel="enough", epoch_open=True, epoch=2)
+    cancel = S(cancel="enough", epoch=2)
     assert loop.tick(cancel) == [CommitInFlight()]
-    done = S(cancel="enough", epoch_open=True, epoch_complete=True, epoch=2)
+    done = S(cancel="enough", step=1, epoch=2)
     assert loop.ran(done) == END
     assert loop.state == EndingEpoch(2, "cancel", memo=loop.state.memo, cancel="enough")
     # That was the last epoch: the job finishes SUCCEEDED, not CANCELLED.
-    trained = S(cancel="enough", trained=True, recorded=3, epoch=3)
+    trained = S(cancel="enough", recorded=3, epoch=3)
     assert loop.ran(trained) == [Settle()]
     assert loop.state == Finishing("enough", loop.state.memo)
     assert loop.ran(trained) == [
         SaveModel("end"), EndJob(JobState.SUCCEEDED), EndStep(stop=True)]
-    # Not the last: back to cancelling, with the cancel's reason.
-    loop = Loop(state=FLYING)
+    # Not the last (of 4): back to cancelling, with the cancel's reason.
+    loop = Loop(LoopConfig(epochs=4), FLYING)
     loop.tick(cancel)
     loop.ran(done)
     assert loop.ran(S(cancel="enough", recorded=3, epoch=3)) == [Settle()]
@@ -1097,9 +1121,9 @@ def test_a_failure_in_a_cancels_judged_epoch_end_concludes_and_stops_the_loop() 
     # engine): a job ended while a cancel's epoch end awaited the evaluation must stop the
     # loop, as every cancel does.
     loop = Loop(LoopConfig(epochs=3, judges_epochs=True), FLYING)
-    cancel = S(cancel="enough", epoch_open=True)
+    cancel = S(cancel="enough")
     assert loop.tick(cancel) == [CommitInFlight()]
-    done = S(cancel="enough", epoch_open=True, epoch_complete=True)
+    done = S(cancel="enough", step=1)
     assert loop.ran(done)[-1] == JudgeEpoch()
     assert loop.state == EndingEpoch(0, "cancel", judging=True, memo=loop.state.memo,
                                      cancel="enough")
@@ -1108,11 +1132,11 @@ def test_a_failure_in_a_cancels_judged_epoch_end_concludes_and_stops_the_loop() 
 
 
 def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_holder():
-    loop = Loop()
-    _requests_taken(loop, S(epoch_open=True, epoch=2))
-    loop.ran(S(epoch_open=True, epoch=2))
-    assert loop.ran(S(epoch_open=True, epoch_complete=True, epoch=2)) == END
-    trained = S(trained=True, recorded=3, epoch=3)
+    loop = Loop(state=OPEN)
+    _requests_taken(loop, S(epoch=2))
+    loop.ran(S(epoch=2))
+    assert loop.ran(S(step=1, epoch=2)) == END
+    trained = S(recorded=3, epoch=3)  # (of 3)
     assert loop.ran(trained) == [Settle()]
     assert loop.state == Finishing(None, loop.state.memo)
     assert loop.ran(trained) == [SaveModel("end"), EndJob(JobState.SUCCEEDED), EndStep()]
@@ -1182,11 +1206,11 @@ def test_each_state_takes_only_the_answer_its_batch_yields() -> None:
     loop.tick(S())  # TakeRequests
     with pytest.raises(InvalidEvent, match="SegmentDone while Reconciling"):
         loop.on(SegmentDone(S(), T0, all_ran=False))
-    loop = Loop()
-    _requests_taken(loop, S(epoch_open=True))
-    assert loop.ran(S(epoch_open=True)) == [TrainSegment(ahead=True, across=False)]
+    loop = Loop(state=OPEN)
+    _requests_taken(loop, S())
+    assert loop.ran(S()) == [TrainSegment(ahead=True, across=False)]
     with pytest.raises(InvalidEvent, match="Regrouped while Training"):
-        loop.on(Regrouped(S(epoch_open=True), T0, formed=True))
+        loop.on(Regrouped(S(), T0, formed=True))
 
 
 @pytest.mark.parametrize(("effect", "kind"), [
@@ -1199,7 +1223,7 @@ def test_each_state_takes_only_the_answer_its_batch_yields() -> None:
     (StopWorkers(("w1",)), Done),
 ])
 def test_an_effect_is_answered_with_its_own_kind_of_event(effect: Effect, kind: type) -> None:
-    seen = S(epoch_open=True)
+    seen = S()
     event = answer(effect, seen, 7.5, ok=False)
     assert type(event) is kind and event.seen is seen and event.now == 7.5
     if kind is SegmentDone:
@@ -1211,6 +1235,9 @@ def test_an_effect_is_answered_with_its_own_kind_of_event(effect: Effect, kind: 
     verdict = Verdict(BEST, "stopped")
     assert answer(JudgeEpoch(), seen, 7.5, verdict) == EvaluationsIn(seen, 7.5, verdict)
     assert answer(Replan("check"), seen, 7.5, OFFER) == Replanned(seen, 7.5, OFFER)
+    # A segment run's answer says whether the next was sent ahead.
+    assert answer(TrainSegment(ahead=True), seen, 7.5, FAILED_AHEAD) == SegmentDone(
+        seen, 7.5, all_ran=False, sent_ahead=True)
 
 
 def test_nothing_answers_the_end_of_a_step() -> None:
@@ -1232,13 +1259,13 @@ def test_a_cancels_reason_is_the_states_through_its_epochs_end() -> None:
     # The cancel's reason rides in the states (committing, the epoch's end it completes,
     # settling) to EndJob, whatever a later reading says.
     cfg = LoopConfig(epochs=5)
-    state, _ = step(Cancelling("owner: stop", "committing"),
-                    SegmentDone(S(epoch_open=True, epoch_complete=True, epoch=1), 0.0), cfg)
+    committing = Cancelling("owner: stop", "committing", Memo(epoch_open=True))
+    state, _ = step(committing, SegmentDone(S(step=1, epoch=1), 0.0), cfg)
     assert isinstance(state, EndingEpoch) and state.cancel == "owner: stop"
     state, effects = step(state, Done(S(epoch=2), 0.0), cfg)
     assert (state, effects) == (Cancelling("owner: stop", "settling"), [Settle()])
+    assert not state.memo.epoch_open  # (closed by the epoch's end)
     state, effects = step(state, EvaluationsIn(S(recorded=2), 0.0), cfg)
     assert effects[-2:] == [EndJob(JobState.CANCELLED, "owner: stop"), EndStep(stop=True)]
-    state, _ = step(Cancelling("owner: stop", "committing"),
-                    SegmentDone(S(epoch_open=True, epoch=1, step=3), 0.0), cfg)
-    assert state == Cancelling("owner: stop", "settling")
+    state, _ = step(committing, SegmentDone(S(epoch=1, step=3, steps_per_epoch=8), 0.0), cfg)
+    assert state == Cancelling("owner: stop", "settling", committing.memo)

@@ -15,7 +15,8 @@ carries :class:`Seen`: what the job's machines (membership, protocol, regime, fa
 attempts, the request queue) say after it. What is *due* the reducer derives from its own
 state, the job's :class:`LoopConfig` and those readings: a checkpoint (every N epochs, the
 last), an epoch's judgement, the rebalance rule's check, listing the nodes again, the first
-start's deadline, whether the next segment may be sent ahead or across the epoch's end.
+start's deadline, whether the next segment may be sent ahead or across the epoch's end,
+whether the epoch is complete and the job trained.
 
 **Effects** carry what the executor needs: which workers to stop, where a checkpoint is
 written and what it is the best by, how a segment is sent, with what outcome the job ends.
@@ -26,7 +27,8 @@ inside one, :class:`Reconciling` (who trains), :class:`Regrouping`, :class:`Trai
 (the epoch), :class:`EndingEpoch` (the epoch, what follows), :class:`Finishing`,
 :class:`Cancelling` (why), and :class:`Concluded` (the outcome). Every state also carries
 :class:`Memo`, what the reducer remembers across boundaries (when it last listed the
-nodes, whether a segment is in flight: what the last :class:`SegmentDone` said).
+nodes; whether a segment is in flight: what the last :class:`SegmentDone` said; whether an
+epoch is open: begun and not yet closed).
 
 One boundary, as the reducer decides it:
 
@@ -104,6 +106,10 @@ class LoopConfig:
         return checkpoint_due(epoch, every_epochs=self.checkpoint_every, epochs=self.epochs,
                               checkpoint_dir=self.checkpoint_dir)
 
+    def trained(self, seen: Seen) -> bool:
+        """Every epoch is trained, or early stopping ended the training."""
+        return seen.data_loaded and (seen.epoch >= self.epochs or seen.stopped is not None)
+
 
 @dataclass(frozen=True, slots=True)
 class MembershipView:
@@ -127,12 +133,9 @@ class Seen:
 
     cancel: str | None = None  # a cancellation's reason, once requested
     data_loaded: bool = True
-    trained: bool = False  # every epoch trained, or early stopping ended the training
     epoch: int = 0  # the protocol's (or, before the data is loaded, the job's position)
-    step: int = 0
+    step: int = 0  # steps of the epoch committed
     steps_per_epoch: int = 1
-    epoch_open: bool = False  # its totals are open (begun, not ended)
-    epoch_complete: bool = False  # every step of the protocol's epoch is committed
     stopped: str | None = None  # early stopping's reason, when it ended the training
     recorded: int = 0  # epochs recorded in the job's history
     batch: int = 0  # the global batch in force
@@ -144,6 +147,11 @@ class Seen:
     holding_restored: bool = False  # weights from a checkpoint wait for the next regroup
     membership: MembershipView = MembershipView()
     leaving: tuple[str, ...] = ()  # workers taken out whose processes still run
+
+    @property
+    def epoch_complete(self) -> bool:
+        """Every step of the protocol's epoch is committed."""
+        return self.data_loaded and self.step >= self.steps_per_epoch
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,6 +496,8 @@ class Memo:
     polled_at: float | None = None  # when the nodes were last listed
     # A segment sent ahead has not been collected (the last segment run said so).
     in_flight: bool = False
+    # An epoch is open: begun (BeginEpoch) and not yet closed (NextEpoch, or a roll-back).
+    epoch_open: bool = False
     # A group formed and the job has not waited for workers since: it is RUNNING.
     running: bool = False
 
@@ -629,11 +639,25 @@ def step(state: LoopState, event: Event, config: LoopConfig) -> tuple[LoopState,
     if isinstance(event, SegmentDone):  # a run sends the next ahead, or collects all
         state = replace(state, memo=replace(state.memo, in_flight=event.sent_ahead))
     new, effects = _decide(state, event, config)
+    if (memo := _epoch_opened(new.memo, effects)) is not new.memo:
+        new = replace(new, memo=memo)
     if event.seen.leaving:
         # Workers taken out in the last batch are stopped before anything else: what a hung
         # worker queued then fails at once, and its node is free before others start.
         effects = [StopWorkers(event.seen.leaving), *effects]
     return new, effects
+
+
+def _epoch_opened(memo: Memo, effects: Effects) -> Memo:
+    """What ``effects`` do to the open epoch: BeginEpoch opens it; NextEpoch closes it, and
+    so does loading the last checkpoint (the job goes back to its start)."""
+    is_open = memo.epoch_open
+    for e in effects:
+        if isinstance(e, BeginEpoch):
+            is_open = True
+        elif isinstance(e, (NextEpoch, LoadCheckpoint)):
+            is_open = False
+    return memo if is_open == memo.epoch_open else replace(memo, epoch_open=is_open)
 
 
 def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
@@ -668,7 +692,7 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
         case Regrouping("forming"), Regrouped(formed=formed):
             if not formed:
                 return d.rest(EndStep())  # the next boundary tries again
-            if f.epoch_open and not f.epoch_complete:
+            if d.memo.epoch_open and not f.epoch_complete:
                 # Formed mid-epoch: the rest of the epoch is split over the new group.
                 return Regrouping("resplitting", d.memo), [Replan("membership")]
             return d.formed(f)
@@ -724,7 +748,7 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
             # (rolling back) and trains on; a cancellation goes on cancelling.
             return d.settle_cancel(cancel) if cancel is not None else d.rest(EndStep())
         case Cancelling(reason, "committing"), SegmentDone():
-            if f.epoch_complete and f.epoch_open:
+            if f.epoch_complete and d.memo.epoch_open:
                 return d.end_epoch(f, "cancel", cancel=reason)
             return d.settle_cancel(reason)
         case Cancelling(reason, "settling"), EvaluationsIn():
@@ -829,9 +853,9 @@ class _Decisions:
         return d.cancel(f) if f.cancel is not None else d.train(f)
 
     def train(self, f: Seen) -> tuple[LoopState, Effects]:
-        if f.trained:
+        if self.cfg.trained(f):
             return self.finishing(f, None) or self.rest(EndStep())
-        if not f.epoch_open:
+        if not self.memo.epoch_open:
             return Training(f.epoch, "opening", memo=self.memo), [BeginEpoch(), Replan()]
         return self.segment(f)
 
@@ -877,7 +901,7 @@ class _Decisions:
     def finishing(self, f: Seen, cancel: str | None) -> tuple[LoopState, Effects] | None:
         """Every epoch trained and a member holding the final state: await the last
         evaluations before success (None: not yet)."""
-        if not (f.trained and f.membership.holders):
+        if not (self.cfg.trained(f) and f.membership.holders):
             return None
         return Finishing(cancel, self.memo), [Settle()]
 
@@ -885,7 +909,7 @@ class _Decisions:
         reason = f.cancel or "cancelled"
         if self.memo.in_flight:
             # Sent across the epoch's end, which has ended: it is committed in its epoch.
-            begin: Effects = [] if f.epoch_open else [BeginEpoch()]
+            begin: Effects = [] if self.memo.epoch_open else [BeginEpoch()]
             return Cancelling(reason, "committing", self.memo), [*begin, CommitInFlight()]
         return self.settle_cancel(reason)
 
