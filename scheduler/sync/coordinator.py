@@ -407,7 +407,7 @@ class Coordinator(JobControl):
             steps_per_epoch=p.steps_per_epoch if p else 1,
             recorded=recorded,
             batch=job.global_batch, next_batch=job.regime.batch_for(self.epoch + 1),
-            stamps_fixed=job.regime.can_stamp_ahead, retrying=self.workforce.attempts.retrying,
+            stamps_fixed=job.regime.can_stamp_ahead,
             requests=requests, handing_over=handing_over,
             holding_restored=job.start.weights is not None,
             membership=membership, leaving=tuple(self.workforce.leaving))
@@ -457,7 +457,7 @@ class Coordinator(JobControl):
             case TrainSegment(ahead, across):
                 return self.pipeline.train_segment(self.epochs.totals, ahead, across)
             case AbsorbAhead():
-                self.pipeline.absorb_ahead(self.epochs.totals)
+                return self.pipeline.absorb_ahead(self.epochs.totals)
             case EndEpoch():
                 if (ended := self.epochs.end_epoch()) is not None:
                     self.epochs.evaluate(*ended)
@@ -468,7 +468,7 @@ class Coordinator(JobControl):
             case PublishReady():
                 self.epochs.publish_ready()
             case CommitInFlight():
-                self.pipeline.drain(self.epochs.totals)
+                return self.pipeline.drain(self.epochs.totals)
             case Settle():
                 self.epochs.settle()
             case Checkpoint("best", position, best):

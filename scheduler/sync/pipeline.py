@@ -153,17 +153,16 @@ class Pipeline:
                            self.control.clock.now(), behind)
         return True
 
-    def drain(self, totals: EpochTotals | None) -> None:
+    def drain(self, totals: EpochTotals | None) -> SegmentRun:
         """Collect the segment in flight: commit it into the open epoch's ``totals``, or
-        (None) discard it after a failure of the one before it."""
+        (None) discard it after a failure of the one before it (it did not run)."""
         job = self.job
         ahead = self.ahead
         if ahead is None:
-            return
+            return SegmentRun()
         if totals is not None and ahead.position == job.protocol.position:
             # (Sent across the epoch's end: the loop began its epoch.)
-            self.train_segment(totals)
-            return
+            return self.train_segment(totals)
         self.ahead = None
         outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
         trained = [o.worker for o in outcomes if o.result is not None and o.result.steps]
@@ -172,6 +171,7 @@ class Pipeline:
                                       "before it failed; their state is not the committed one")
             for w in trained:
                 self.workforce.remove(w, "failure", "trained past a failed segment")
+        return SegmentRun(all_ran=False)
 
     def train_segment(self, totals: EpochTotals, send_ahead: bool = False,
                       across: bool = False) -> SegmentRun:
@@ -260,7 +260,7 @@ class Pipeline:
             self.evals.discard(p.epoch)
         return False
 
-    def absorb_ahead(self, totals: EpochTotals) -> None:
+    def absorb_ahead(self, totals: EpochTotals) -> SegmentRun:
         """After a failed segment, the one sent ahead (the loop's :class:`~dynabatch.
         scheduler.core.sync.loop.AbsorbAhead`). Usually it could not train: the
         failure broke the group and its workers refuse it. But a segment can "fail" after
@@ -269,22 +269,23 @@ class Pipeline:
         then went on, in lockstep with it, into the segment ahead: what they completed
         there is committed like any segment (the all-reduced coverage proves it); the
         rest is discarded. (One ahead in the next epoch: the loop ended this epoch and
-        began that one first.)"""
+        began that one first.) It all ran only when it was committed whole: otherwise the
+        failed segment's retry is still to run."""
         job = self.job
         ahead = self.ahead
         if ahead is None:
-            return
+            return SegmentRun(all_ran=False)
         p = job.protocol
         if ahead.position != p.position:
-            self.drain(None)
-            return
+            return self.drain(None)
         self.ahead = None
         outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
-        if any(o.result is not None and o.result.steps for o in outcomes):
-            self.control.log("INFO", f"committing what the segment ahead trained after step "
-                                     f"{p.step} of epoch {p.epoch}")
-            self.commit(ahead.plans, outcomes, ahead.position, ahead.sent, totals,
-                        charge=False, behind=ahead.behind)
+        if not any(o.result is not None and o.result.steps for o in outcomes):
+            return SegmentRun(all_ran=False)
+        self.control.log("INFO", f"committing what the segment ahead trained after step "
+                                 f"{p.step} of epoch {p.epoch}")
+        return SegmentRun(self.commit(ahead.plans, outcomes, ahead.position, ahead.sent,
+                                      totals, charge=False, behind=ahead.behind))
 
     def segment_failed(self, failure: Failure, charge: bool = True,
                        partial: bool = True) -> None:

@@ -105,10 +105,12 @@ def kind(state: LoopState) -> str:
 
 def _record(coord: Coordinator, monkeypatch: pytest.MonkeyPatch,
             then: Callable[[LoopState], None] | None = None,
-            decisions: list[tuple[Event, Effects]] | None = None) -> Trail:
+            decisions: list[tuple[Event, Effects]] | None = None,
+            retrying: list[bool] | None = None) -> Trail:
     """The loop's state after each of the reducer's decisions, with the driver's clock (the
     product keeps no log of them: this wraps the ``step`` the coordinator calls, as it
-    calls it); ``then`` is called with each; ``decisions`` gets each event and effects."""
+    calls it); ``then`` is called with each; ``decisions`` gets each event and effects,
+    ``retrying`` whether the failure policy was retrying a segment when it decided."""
     trail: Trail = []
 
     def recording(state: LoopState, event: Event, config: LoopConfig
@@ -117,6 +119,8 @@ def _record(coord: Coordinator, monkeypatch: pytest.MonkeyPatch,
         trail.append((coord.clock.now(), new))
         if decisions is not None:
             decisions.append((event, effects))
+        if retrying is not None:
+            retrying.append(coord.workforce.attempts.retrying)
         if then is not None:
             then(new)
         return new, effects
@@ -158,7 +162,8 @@ def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone(mo
     coord, rt = _coord()
     rt.inject(Fault(kind="die", worker=1, epoch=0, step=5))
     decisions: list[tuple[Event, Effects]] = []
-    trail = _record(coord, monkeypatch, decisions=decisions)
+    retrying: list[bool] = []
+    trail = _record(coord, monkeypatch, decisions=decisions, retrying=retrying)
     coord.run()
     assert coord.snapshot().state == JobState.SUCCEEDED
     assert _lost(coord) == ["w1"]
@@ -167,9 +172,9 @@ def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone(mo
     assert path.count("regrouping") >= 2
     i = path.index("regrouping", 1)
     assert path[i - 1] == "training" and path[i + 1] == "training"
-    # While the failure is being retried (as the coordinator reads its failure policy),
-    # nothing is sent ahead of the retry.
-    sent = [(event.seen.retrying, e.ahead) for event, effects in decisions
+    # While the failure is being retried (as the coordinator's failure policy says), nothing
+    # is sent ahead of the retry.
+    sent = [(retried, e.ahead) for (_, effects), retried in zip(decisions, retrying, strict=True)
             for e in effects if isinstance(e, TrainSegment)]
     assert any(retrying for retrying, _ in sent)
     assert not any(retrying and ahead for retrying, ahead in sent)

@@ -172,18 +172,19 @@ def _check_due(cfg: LoopConfig, seen: Seen) -> bool:
     return rule.mode == "adaptive" or seen.step % rule.every_steps == 0
 
 
-def _ahead(seen: Seen) -> bool:
-    """The next segment may be sent before this one's results are read: the next boundary
-    need not have the group at rest, and its stamps do not wait on this one's losses."""
-    return (seen.cancel is None and not seen.retrying and not seen.requests
+def _ahead(seen: Seen, retrying: bool) -> bool:
+    """The next segment may be sent before this one's results are read: it is not a retry
+    (``retrying``: the last segment did not all run), the next boundary need not have the
+    group at rest, and its stamps do not wait on this one's losses."""
+    return (seen.cancel is None and not retrying and not seen.requests
             and not seen.handing_over and not seen.membership.dirty and seen.stamps_fixed)
 
 
-def _across(cfg: LoopConfig, seen: Seen) -> bool:
+def _across(cfg: LoopConfig, seen: Seen, retrying: bool) -> bool:
     """That next segment may be the next epoch's first: there is one, at the same batch,
     and nothing between the epochs reads the state or re-plans from the epoch's end."""
     nxt = seen.epoch + 1
-    return (_ahead(seen) and seen.data_loaded and nxt < cfg.epochs and not cfg.goodput
+    return (_ahead(seen, retrying) and seen.data_loaded and nxt < cfg.epochs and not cfg.goodput
             and seen.next_batch == seen.batch and not cfg.judges_epochs
             and not _checkpoint_due(cfg, nxt)
             and not (cfg.rule.mode == "epoch" and not cfg.policy_static))
@@ -229,7 +230,7 @@ seens = st.builds(
     stopped=st.sampled_from([None] * 7 + ["early stopping"]),
     recorded=st.integers(0, 2),
     batch=st.sampled_from([64, 64, 32]), next_batch=st.sampled_from([64, 64, 32]),
-    stamps_fixed=mostly, retrying=rarely,
+    stamps_fixed=mostly,
     requests=st.sampled_from([(), (), (), (), (), ("scale",), ("assign",), ("drain", "assign")]),
     handing_over=rarely, holding_restored=st.booleans(), membership=views,
     leaving=st.sampled_from([(), (), (), ("w3",), ("w1", "w2")]))
@@ -404,7 +405,9 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert b.after.memo.epoch_open  # in an open epoch
                 # Sent ahead exactly when the next boundary need not have the group at rest;
                 # across the epoch exactly when nothing between the epochs reads the state.
-                assert e == TrainSegment(ahead=_ahead(seen), across=_across(cfg, seen))
+                retrying = b.before.memo.retrying
+                assert e == TrainSegment(ahead=_ahead(seen, retrying),
+                                         across=_across(cfg, seen, retrying))
                 assert b.after == Training(seen.epoch, "segment", memo=b.after.memo)
             if isinstance(e, (TakeRequests, ApplyDrains, Regroup, AwaitStarts, GiveUpStarts)):
                 # membership changes wait for a rest (an assignment's workers start now)
@@ -447,9 +450,14 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             assert body[j + 1: j + 2 + len(spares)] == [spawn, *spares]
             polled = now
         assert b.after.memo.polled_at == polled  # when the loop last listed the nodes
-        # A segment is in flight exactly when the last segment run said it sent one ahead.
-        flying = b.event.sent_ahead if isinstance(b.event, SegmentDone) else b.before.memo.in_flight
-        assert b.after.memo.in_flight == flying
+        # A segment is in flight exactly when the last segment run said it sent one ahead;
+        # the next is a retry exactly when the last did not all run.
+        if isinstance(b.event, SegmentDone):
+            assert b.after.memo.in_flight == b.event.sent_ahead
+            assert b.after.memo.retrying == (not b.event.all_ran)
+        else:
+            assert b.after.memo.in_flight == b.before.memo.in_flight
+            assert b.after.memo.retrying == b.before.memo.retrying
         for e in body:
             if isinstance(e, (SpawnWorkers, TendSpares)):
                 assert any(isinstance(x, PollNodes) for x in body[: body.index(e)])
@@ -609,7 +617,8 @@ def test_every_boundary_follows_the_loops_rules(cfg: LoopConfig, first: Seen,
     # (the job may resume between boundaries with an epoch open, a segment in flight)
     flying = data.draw(st.booleans())
     opened = flying or data.draw(st.booleans())
-    loop = Loop(cfg, AtRest(Memo(polled_at=T0, in_flight=flying, epoch_open=opened)))
+    loop = Loop(cfg, AtRest(Memo(polled_at=T0, in_flight=flying, epoch_open=opened,
+                                 retrying=data.draw(rarely))))
     now, polled = T0, T0
     for _ in range(3):  # consecutive boundaries: each starts where the last left the loop
         rest = loop.state  # between boundaries: at rest, waiting for workers, or concluded
@@ -671,13 +680,13 @@ def test_a_training_boundary() -> None:
     assert loop.state.memo.polled_at == LATER
     assert loop.ran(second) == [BeginEpoch(), Replan()]
     assert loop.ran(second) == [TrainSegment(ahead=True, across=True)]
-    assert loop.ran(replace(second, step=13)) == [PublishReady(), EndStep()]
-    assert not loop.state.memo.in_flight  # nothing was sent ahead of that one
-    # A retry runs alone (nothing is sent ahead of it); the segment failed after its last
-    # step's collective and still completed the epoch.
+    # It failed, with nothing sent ahead of it.
+    assert loop.ran(replace(second, step=13), ok=False) == [PublishReady(), EndStep()]
+    assert not loop.state.memo.in_flight and loop.state.memo.retrying
+    # Its retry runs alone (nothing is sent ahead of it); it failed after its last step's
+    # collective and still completed the epoch.
     _requests_taken(loop, second, now=LATER)
-    assert loop.ran(replace(second, retrying=True), now=LATER) == [
-        TrainSegment(ahead=False, across=False)]
+    assert loop.ran(second, now=LATER) == [TrainSegment(ahead=False, across=False)]
     assert loop.ran(S(epoch=1, step=1), ok=False) == END
     assert loop.ran(S()) == [PublishReady(), EndStep()]
 

@@ -11,8 +11,8 @@ regrouped (``formed``), workers started or placed, requests taken, evaluations i
 epoch's :class:`Verdict`), or just done. A failure that the failure policy
 (``dynabatch.scheduler.core.failures.FailurePolicy``, pure) decided to fail the job is
 :class:`Failed`: it answers whatever was awaited, and the job ends FAILED. Each event
-carries :class:`Seen`: what the job's machines (membership, protocol, regime, failure
-attempts, the request queue) say after it. What is *due* the reducer derives from its own
+carries :class:`Seen`: what the job's machines (membership, protocol, regime, the
+request queue) say after it. What is *due* the reducer derives from its own
 state, the job's :class:`LoopConfig` and those readings: a checkpoint (every N epochs, the
 last), an epoch's judgement, the rebalance rule's check, listing the nodes again, the first
 start's deadline, whether the next segment may be sent ahead or across the epoch's end,
@@ -27,8 +27,8 @@ inside one, :class:`Reconciling` (who trains), :class:`Regrouping`, :class:`Trai
 (the epoch), :class:`EndingEpoch` (the epoch, what follows), :class:`Finishing`,
 :class:`Cancelling` (why), and :class:`Concluded` (the outcome). Every state also carries
 :class:`Memo`, what the reducer remembers across boundaries (when it last listed the
-nodes; whether a segment is in flight: what the last :class:`SegmentDone` said; whether an
-epoch is open: begun and not yet closed).
+nodes; whether a segment is in flight and whether the next is a retry: what the last
+:class:`SegmentDone` said; whether an epoch is open: begun and not yet closed).
 
 One boundary, as the reducer decides it:
 
@@ -141,7 +141,6 @@ class Seen:
     batch: int = 0  # the global batch in force
     next_batch: int = 0  # the regime's for the next epoch
     stamps_fixed: bool = True  # the next segment's stamps do not wait on this one's losses
-    retrying: bool = False  # the failure policy retries: the next segment runs alone
     requests: tuple[str, ...] = ()  # the kinds queued: "scale", "drain", "assign"
     handing_over: bool = False  # an assignment's hand-over waits for a boundary at rest
     holding_restored: bool = False  # weights from a checkpoint wait for the next regroup
@@ -498,6 +497,9 @@ class Memo:
     in_flight: bool = False
     # An epoch is open: begun (BeginEpoch) and not yet closed (NextEpoch, or a roll-back).
     epoch_open: bool = False
+    # The last segment did not all run: the next is its retry, and runs alone (through
+    # regroups and waits, until a segment all runs).
+    retrying: bool = False
     # A group formed and the job has not waited for workers since: it is RUNNING.
     running: bool = False
 
@@ -637,7 +639,8 @@ def step(state: LoopState, event: Event, config: LoopConfig) -> tuple[LoopState,
         return (Concluded(JobState.FAILED, event.reason, state.memo),
                 [EndJob(JobState.FAILED, event.reason), EndStep(stop=True)])
     if isinstance(event, SegmentDone):  # a run sends the next ahead, or collects all
-        state = replace(state, memo=replace(state.memo, in_flight=event.sent_ahead))
+        state = replace(state, memo=replace(state.memo, in_flight=event.sent_ahead,
+                                            retrying=not event.all_ran))
     new, effects = _decide(state, event, config)
     if (memo := _epoch_opened(new.memo, effects)) is not new.memo:
         new = replace(new, memo=memo)
@@ -873,7 +876,7 @@ class _Decisions:
         the epoch's end only when nothing between the epochs reads the state."""
         cfg = self.cfg
         ahead = can_send_ahead(
-            cancel_requested=f.cancel is not None, retrying=f.retrying,
+            cancel_requested=f.cancel is not None, retrying=self.memo.retrying,
             requests_pending=bool(f.requests) or f.handing_over, regroup_due=f.membership.dirty,
             stamps_fixed=f.stamps_fixed)
         nxt = f.epoch + 1
