@@ -79,6 +79,7 @@ from dynabatch.scheduler.core.sync.loop import (
     LoopConfig,
     LoopState,
     MembershipView,
+    Memo,
     NextEpoch,
     PollNodes,
     PostPlanUpdate,
@@ -214,6 +215,8 @@ class Coordinator(JobControl):
         if error is not None:
             self.loop = Concluded(JobState.FAILED, error)
             self.finish(JobState.FAILED, error)
+        elif self.job.start.weights is not None:  # the first group forms with them
+            self.loop = AtRest(Memo(restored=True))
 
     # ---------------------------------------------------------------- views
     @property
@@ -402,14 +405,12 @@ class Coordinator(JobControl):
             recorded = len(self.records)
         return Seen(
             cancel=cancel, data_loaded=p is not None,
-            stopped=self.epochs.stopped,
             epoch=self.epoch, step=self.step_in_epoch,
             steps_per_epoch=p.steps_per_epoch if p else 1,
             recorded=recorded,
             batch=job.global_batch, next_batch=job.regime.batch_for(self.epoch + 1),
             stamps_fixed=job.regime.can_stamp_ahead,
             requests=requests, handing_over=handing_over,
-            holding_restored=job.start.weights is not None,
             membership=membership, leaving=tuple(self.workforce.leaving))
 
     def _carry_out(self, effect: Effect) -> object:

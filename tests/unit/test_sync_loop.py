@@ -172,6 +172,11 @@ def _check_due(cfg: LoopConfig, seen: Seen) -> bool:
     return rule.mode == "adaptive" or seen.step % rule.every_steps == 0
 
 
+def _trained(cfg: LoopConfig, seen: Seen, memo: Memo) -> bool:
+    """Every epoch is trained, or early stopping ended the training."""
+    return seen.data_loaded and (seen.epoch >= cfg.epochs or memo.stopped is not None)
+
+
 def _ahead(seen: Seen, retrying: bool) -> bool:
     """The next segment may be sent before this one's results are read: it is not a retry
     (``retrying``: the last segment did not all run), the next boundary need not have the
@@ -227,12 +232,11 @@ seens = st.builds(
     # (trained mostly not: the epochs are 1 to 4, early stopping rare)
     epoch=st.sampled_from([0, 0, 0, 1, 1, 2, 4]), step=st.integers(0, 8),
     steps_per_epoch=st.sampled_from([4, 8]),
-    stopped=st.sampled_from([None] * 7 + ["early stopping"]),
     recorded=st.integers(0, 2),
     batch=st.sampled_from([64, 64, 32]), next_batch=st.sampled_from([64, 64, 32]),
     stamps_fixed=mostly,
     requests=st.sampled_from([(), (), (), (), (), ("scale",), ("assign",), ("drain", "assign")]),
-    handing_over=rarely, holding_restored=st.booleans(), membership=views,
+    handing_over=rarely, membership=views,
     leaving=st.sampled_from([(), (), (), ("w3",), ("w1", "w2")]))
 configs = st.builds(
     LoopConfig, epochs=st.integers(1, 4),
@@ -318,6 +322,8 @@ def _epoch_end(cfg: LoopConfig, batches: list[Batch], i: int) -> int:
     elif verdict.stop and cfg.checkpoint_dir:
         saves.append(Checkpoint("early stopping", at))
     assert judged.body == [*saves, NextEpoch(verdict.stop)]
+    # Early stopping's reason is remembered from then on (the job is trained).
+    assert judged.after.memo.stopped == (verdict.stop or judged.before.memo.stopped)
     assert isinstance(judged.after, EndingEpoch) and judged.after.epoch == epoch
     return i + 2
 
@@ -395,13 +401,14 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert isinstance(b.before, Finishing) and prev.body[-1] == Settle()
                 assert seen.membership.holders
                 assert body == [SaveModel("end"), e, EndStep(stop=b.before.cancel is not None)]
-                assert e.reason == seen.stopped
+                assert e.reason == b.before.memo.stopped
                 assert seen.cancel is None or b.before.cancel is not None
-                assert b.after == Concluded(JobState.SUCCEEDED, seen.stopped, b.before.memo)
+                assert b.after == Concluded(JobState.SUCCEEDED, e.reason, b.before.memo)
             if isinstance(e, TrainSegment):
                 # Decided to train by the readings of the batch that began training.
                 began = next(x for x in batches if isinstance(x.after, Training))
-                assert began.seen.cancel is None and not cfg.trained(began.seen)
+                assert began.seen.cancel is None
+                assert not _trained(cfg, began.seen, began.before.memo)
                 assert b.after.memo.epoch_open  # in an open epoch
                 # Sent ahead exactly when the next boundary need not have the group at rest;
                 # across the epoch exactly when nothing between the epochs reads the state.
@@ -493,7 +500,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             if isinstance(e, LoadCheckpoint):  # no holder: the checkpoint first
                 m = seen.membership
                 assert m.dirty and m.shortfall is None
-                assert m.needs_state and not seen.holding_restored
+                assert m.needs_state and not b.before.memo.restored
                 assert body == [Settle(), LoadCheckpoint()]  # the evaluations settled first
                 if answered is not None:
                     # (the group planned after the roll-back: the rule below)
@@ -502,11 +509,11 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert body == [e]
                 # The membership's plan, its state restored weights when they wait.
                 assert e.members == seen.membership.group
-                assert e.source == ("checkpoint" if seen.holding_restored else "holder")
+                assert e.source == ("checkpoint" if b.after.memo.restored else "holder")
                 if not any(LoadCheckpoint() in x.body for x in batches):
                     m = seen.membership
                     assert m.dirty and m.shortfall is None
-                    assert not m.needs_state or seen.holding_restored
+                    assert not m.needs_state or b.before.memo.restored
         if body[-1:] and isinstance(body[-1], Regroup) and answered is not None:
             if not nxt.event.formed:  # it failed: the step ends
                 assert nxt.body == [EndStep()]
@@ -592,7 +599,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                     and cancel_at is None:
                 after = batches[j]  # then finishing, or back
                 m = after.seen
-                if cfg.trained(m) and m.membership.holders:
+                if _trained(cfg, m, after.before.memo) and m.membership.holders:
                     assert after.body == [Settle()]
                     assert after.after == Finishing(None, after.after.memo)
                 else:
@@ -600,7 +607,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                     assert isinstance(after.after, AtRest)
         # Finishing only with every epoch trained and a holder of the final state.
         if isinstance(b.after, Finishing):
-            assert cfg.trained(seen) and seen.membership.holders
+            assert _trained(cfg, seen, b.before.memo) and seen.membership.holders
         # An epoch is open from its BeginEpoch to its NextEpoch (or a roll-back).
         if EndEpoch() in body or AbsorbAhead() in body or CommitInFlight() in body:
             assert b.after.memo.epoch_open or NextEpoch() in body \
@@ -617,8 +624,9 @@ def test_every_boundary_follows_the_loops_rules(cfg: LoopConfig, first: Seen,
     # (the job may resume between boundaries with an epoch open, a segment in flight)
     flying = data.draw(st.booleans())
     opened = flying or data.draw(st.booleans())
-    loop = Loop(cfg, AtRest(Memo(polled_at=T0, in_flight=flying, epoch_open=opened,
-                                 retrying=data.draw(rarely))))
+    loop = Loop(cfg, AtRest(Memo(
+        polled_at=T0, in_flight=flying, epoch_open=opened, retrying=data.draw(rarely),
+        restored=data.draw(rarely), stopped=data.draw(st.sampled_from([None] * 5 + ["early"])))))
     now, polled = T0, T0
     for _ in range(3):  # consecutive boundaries: each starts where the last left the loop
         rest = loop.state  # between boundaries: at rest, waiting for workers, or concluded
@@ -998,7 +1006,8 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
         verdict = Verdict(BEST if best else None, "stopped" if stop else None)
         assert loop.ran(S(epoch=1), verdict) == [*saves, NextEpoch(verdict.stop)]
         assert loop.state == EndingEpoch(1, "train", memo=loop.state.memo)
-        trained = S(epoch=2, stopped=verdict.stop, recorded=2)
+        assert loop.state.memo.stopped == verdict.stop
+        trained = S(epoch=2, recorded=2)
         assert loop.ran(trained) == ([Settle()] if stop else [PublishReady(), EndStep()])
         if stop:  # early stopping's reason is the job's end
             assert loop.ran(trained) == [
@@ -1038,13 +1047,16 @@ def test_too_few_workers_wait_and_a_failed_regroup_ends_the_step() -> None:
     assert loop.ran(lost) == [Settle(), LoadCheckpoint()]
     assert loop.state == Regrouping("rolling_back", loop.state.memo)  # inside the regroup
     # The group planned after the roll-back, rank 0 loading the checkpoint's weights.
-    restored = S(dirty=True, needs_state=True, holding_restored=True, group=("w1", "w0"))
+    restored = S(dirty=True, needs_state=True, group=("w1", "w0"))
     assert loop.ran(restored) == [Regroup(("w1", "w0"), "checkpoint")]
-    assert loop.state == Regrouping("forming", loop.state.memo)
+    assert loop.state == Regrouping("forming", loop.state.memo) and loop.state.memo.restored
     loop.ran(S(dirty=True), ok=False)
     _requests_taken(loop, S())
-    loop.ran(replace(lost, holding_restored=True))
-    assert loop.ran(replace(lost, holding_restored=True)) == [Regroup(GROUP, "checkpoint")]
+    loop.ran(lost)
+    assert loop.ran(lost) == [Regroup(GROUP, "checkpoint")]
+    # Formed: the weights are loaded, and the next regroup's state is a holder's.
+    assert loop.ran(S(), ok=True) == [BeginEpoch(), Replan()]
+    assert not loop.state.memo.restored
 
 
 def test_a_wait_for_workers_is_the_loops_state_and_carries_since_when() -> None:

@@ -28,7 +28,8 @@ inside one, :class:`Reconciling` (who trains), :class:`Regrouping`, :class:`Trai
 :class:`Cancelling` (why), and :class:`Concluded` (the outcome). Every state also carries
 :class:`Memo`, what the reducer remembers across boundaries (when it last listed the
 nodes; whether a segment is in flight and whether the next is a retry: what the last
-:class:`SegmentDone` said; whether an epoch is open: begun and not yet closed).
+:class:`SegmentDone` said; whether an epoch is open: begun and not yet closed; whether
+weights restored from a checkpoint wait for a group to form; early stopping's reason).
 
 One boundary, as the reducer decides it:
 
@@ -106,9 +107,6 @@ class LoopConfig:
         return checkpoint_due(epoch, every_epochs=self.checkpoint_every, epochs=self.epochs,
                               checkpoint_dir=self.checkpoint_dir)
 
-    def trained(self, seen: Seen) -> bool:
-        """Every epoch is trained, or early stopping ended the training."""
-        return seen.data_loaded and (seen.epoch >= self.epochs or seen.stopped is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,14 +134,12 @@ class Seen:
     epoch: int = 0  # the protocol's (or, before the data is loaded, the job's position)
     step: int = 0  # steps of the epoch committed
     steps_per_epoch: int = 1
-    stopped: str | None = None  # early stopping's reason, when it ended the training
     recorded: int = 0  # epochs recorded in the job's history
     batch: int = 0  # the global batch in force
     next_batch: int = 0  # the regime's for the next epoch
     stamps_fixed: bool = True  # the next segment's stamps do not wait on this one's losses
     requests: tuple[str, ...] = ()  # the kinds queued: "scale", "drain", "assign"
     handing_over: bool = False  # an assignment's hand-over waits for a boundary at rest
-    holding_restored: bool = False  # weights from a checkpoint wait for the next regroup
     membership: MembershipView = MembershipView()
     leaving: tuple[str, ...] = ()  # workers taken out whose processes still run
 
@@ -500,6 +496,11 @@ class Memo:
     # The last segment did not all run: the next is its retry, and runs alone (through
     # regroups and waits, until a segment all runs).
     retrying: bool = False
+    # Weights restored from a checkpoint (resuming, checkpoint.from, a roll-back) wait for
+    # the next group to form with them.
+    restored: bool = False
+    # Early stopping's reason, once an epoch's judgement ended the training.
+    stopped: str | None = None
     # A group formed and the job has not waited for workers since: it is RUNNING.
     running: bool = False
 
@@ -690,11 +691,13 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
             return d.gathered(f, waiting)
         case Reconciling("giving_up", waiting), Done():
             return d.gathered(f, waiting)
-        case Regrouping("rolling_back"), Done():
-            return Regrouping("forming", d.memo), [d.regroup(f)]  # the checkpoint's weights
+        case Regrouping("rolling_back"), Done():  # the checkpoint's weights wait
+            d = replace(d, memo=replace(d.memo, restored=True))
+            return Regrouping("forming", d.memo), [d.regroup(f)]
         case Regrouping("forming"), Regrouped(formed=formed):
             if not formed:
                 return d.rest(EndStep())  # the next boundary tries again
+            d = replace(d, memo=replace(d.memo, restored=False))  # loaded into the group
             if d.memo.epoch_open and not f.epoch_complete:
                 # Formed mid-epoch: the rest of the epoch is split over the new group.
                 return Regrouping("resplitting", d.memo), [Replan("membership")]
@@ -732,7 +735,8 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
                 save = [Checkpoint("early stopping", Position(epoch + 1, 0))]
             else:
                 save = []
-            return (EndingEpoch(epoch, then, memo=d.memo, cancel=state.cancel),
+            memo = replace(d.memo, stopped=verdict.stop) if verdict.stop else d.memo
+            return (EndingEpoch(epoch, then, memo=memo, cancel=state.cancel),
                     [*best, *save, NextEpoch(verdict.stop)])
         case EndingEpoch(epoch, "absorb", False), Done():
             return Training(epoch + 1, "absorbing", memo=d.memo), [BeginEpoch(), AbsorbAhead()]
@@ -745,7 +749,7 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
             if f.cancel is not None and not cancelling:
                 return d.rest(EndStep())  # the next boundary cancels the job
             if f.membership.holders:
-                return d.conclude(JobState.SUCCEEDED, f.stopped, SaveModel("end"),
+                return d.conclude(JobState.SUCCEEDED, d.memo.stopped, SaveModel("end"),
                                   stop=cancelling)
             # The last holder was lost in the final evaluations: the next boundary regroups
             # (rolling back) and trains on; a cancellation goes on cancelling.
@@ -837,17 +841,20 @@ class _Decisions:
             return (Waiting(self.now if since is None else since, r.shortfall, memo),
                     [WaitForMinimum(r.shortfall, since), EndStep()])
         if r.dirty:
-            if must_roll_back(needs_state=r.needs_state, holding_restored=f.holding_restored):
+            if must_roll_back(needs_state=r.needs_state, holding_restored=self.memo.restored):
                 # The records of epochs before the checkpoint first: its history replaces them.
                 return Regrouping("rolling_back", self.memo), [Settle(), LoadCheckpoint()]
             return Regrouping("forming", self.memo), [self.regroup(f)]
         return self.formed(f)
 
-    @staticmethod
-    def regroup(f: Seen) -> Regroup:
+    def regroup(self, f: Seen) -> Regroup:
         """The membership's next generation, its state from the weights a checkpoint
         restored when they wait to be loaded, else from the holder at rank 0."""
-        return Regroup(f.membership.group, "checkpoint" if f.holding_restored else "holder")
+        return Regroup(f.membership.group, "checkpoint" if self.memo.restored else "holder")
+
+    def trained(self, f: Seen) -> bool:
+        """Every epoch is trained, or early stopping ended the training."""
+        return f.data_loaded and (f.epoch >= self.cfg.epochs or self.memo.stopped is not None)
 
     def formed(self, f: Seen) -> tuple[LoopState, Effects]:
         """The group is ready: the job runs (RUNNING: :func:`public_state`); then cancel or
@@ -856,7 +863,7 @@ class _Decisions:
         return d.cancel(f) if f.cancel is not None else d.train(f)
 
     def train(self, f: Seen) -> tuple[LoopState, Effects]:
-        if self.cfg.trained(f):
+        if self.trained(f):
             return self.finishing(f, None) or self.rest(EndStep())
         if not self.memo.epoch_open:
             return Training(f.epoch, "opening", memo=self.memo), [BeginEpoch(), Replan()]
@@ -904,7 +911,7 @@ class _Decisions:
     def finishing(self, f: Seen, cancel: str | None) -> tuple[LoopState, Effects] | None:
         """Every epoch trained and a member holding the final state: await the last
         evaluations before success (None: not yet)."""
-        if not (self.cfg.trained(f) and f.membership.holders):
+        if not (self.trained(f) and f.membership.holders):
             return None
         return Finishing(cancel, self.memo), [Settle()]
 
