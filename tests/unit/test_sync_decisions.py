@@ -13,9 +13,7 @@ from dynabatch.scheduler.core.sync.ahead import (
     plan_ahead,
 )
 from dynabatch.scheduler.core.sync.boundary import (
-    checkpoint_due,
     evaluate_again,
-    must_roll_back,
     wait_for_minimum,
 )
 from dynabatch.scheduler.core.sync.protocol import Position
@@ -125,10 +123,6 @@ def test_the_wait_fails_exactly_at_the_timeout_passed_in():
     assert w.give_up and w.limit == 30.0 and not w.first
 
 
-@given(st.booleans(), st.booleans())
-def test_a_regroup_rolls_back_only_when_nobody_and_nothing_holds_the_state(needs, holding):
-    assert must_roll_back(needs_state=needs, holding_restored=holding) == (needs and not holding)
-
 
 @given(st.booleans(), st.booleans(), st.booleans(),
        st.lists(st.sampled_from(["w0", "w1", "w2"]), unique=True, max_size=3),
@@ -142,10 +136,3 @@ def test_a_lost_evaluation_is_run_again_only_while_the_holders_have_the_weights(
         assert again.workers == tuple(holders) and again.waited_s == waited
     else:
         assert again is None
-
-
-@given(st.integers(1, 50), st.integers(1, 10), st.integers(1, 50), st.booleans())
-def test_checkpoints_are_due_every_few_epochs_and_after_the_last(epoch, every, epochs, kept):
-    due = checkpoint_due(epoch, every_epochs=every, epochs=epochs, checkpoint_dir=kept)
-    assert due == (kept and (epoch % every == 0 or epoch == epochs))
-    assert not checkpoint_due(epoch, every_epochs=every, epochs=epochs, checkpoint_dir=False)

@@ -4,12 +4,11 @@ Pure (no clock, no I/O: the driver passes in its clock readings and what it load
 
 * too few workers: how long the job has waited and whether it gives up
   (:func:`wait_for_minimum`);
-* no member holds the committed state: whether a regroup must roll back
-  (:func:`must_roll_back`; whether it restores the checkpoint or fails is the
-  :class:`~dynabatch.scheduler.core.failures.FailurePolicy`'s);
 * an epoch's evaluation lost a shard: whether the holders score it again
-  (:func:`evaluate_again`);
-* when a checkpoint is due (:func:`checkpoint_due`).
+  (:func:`evaluate_again`).
+
+(Whether a regroup rolls back and when a checkpoint is due are the step loop's reducer's:
+``dynabatch.scheduler.core.sync.loop``.)
 """
 
 from __future__ import annotations
@@ -43,12 +42,6 @@ def wait_for_minimum(*, since: float | None, now: float, started: bool,
                        give_up=waited >= limit)
 
 
-def must_roll_back(*, needs_state: bool, holding_restored: bool) -> bool:
-    """A regroup with no member holding the committed state loads the last checkpoint,
-    unless weights restored from one are held already (a regroup that failed after loading
-    them tries again with the same)."""
-    return needs_state and not holding_restored
-
 
 @dataclass(frozen=True, slots=True)
 class Reevaluation:
@@ -72,9 +65,3 @@ def evaluate_again(*, complete: bool, shard_failed: bool, last_queued: bool,
     if complete or not shard_failed or not last_queued or not holders or cancel_requested:
         return None
     return Reevaluation(workers=holders, waited_s=waited_s)
-
-
-def checkpoint_due(epoch: int, *, every_epochs: int, epochs: int, checkpoint_dir: bool) -> bool:
-    """Whether a checkpoint is taken when ``epoch`` begins (the one before it ended): every
-    ``every_epochs`` epochs and after the last, when the job keeps checkpoints."""
-    return checkpoint_dir and (epoch % every_epochs == 0 or epoch == epochs)

@@ -76,7 +76,6 @@ from typing import Any, Literal
 
 from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState
 from dynabatch.scheduler.core.sync.ahead import can_cross_epoch, can_send_ahead
-from dynabatch.scheduler.core.sync.boundary import checkpoint_due, must_roll_back
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule
 from dynabatch.scheduler.core.sync.update import OfferedUpdate
 
@@ -103,9 +102,10 @@ class LoopConfig:
     start_timeout_s: float = 600.0
 
     def checkpoint_due(self, epoch: int) -> bool:
-        """A checkpoint is written as ``epoch`` begins."""
-        return checkpoint_due(epoch, every_epochs=self.checkpoint_every, epochs=self.epochs,
-                              checkpoint_dir=self.checkpoint_dir)
+        """A checkpoint is written as ``epoch`` begins (the one before it ended): every
+        ``checkpoint_every`` epochs and after the last, when the job keeps checkpoints."""
+        return self.checkpoint_dir and (epoch % self.checkpoint_every == 0
+                                        or epoch == self.epochs)
 
 
 
@@ -841,7 +841,9 @@ class _Decisions:
             return (Waiting(self.now if since is None else since, r.shortfall, memo),
                     [WaitForMinimum(r.shortfall, since), EndStep()])
         if r.dirty:
-            if must_roll_back(needs_state=r.needs_state, holding_restored=self.memo.restored):
+            # No member holds the committed state: load the last checkpoint, unless weights
+            # restored from one wait already (a regroup that failed after loading them).
+            if r.needs_state and not self.memo.restored:
                 # The records of epochs before the checkpoint first: its history replaces them.
                 return Regrouping("rolling_back", self.memo), [Settle(), LoadCheckpoint()]
             return Regrouping("forming", self.memo), [self.regroup(f)]
