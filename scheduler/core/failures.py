@@ -192,19 +192,14 @@ FailureDecision = Retry | Evict | RollBack | Fail
 @dataclass(frozen=True, slots=True)
 class Attempts:
     """Consecutive failures: of segments at one position (``position``: the retry's, None
-    once a segment succeeded), of regroups, and of evaluations. What the policy counts."""
+    once a segment succeeded; it outlives the regroups and waits between), of regroups, and
+    of evaluations. What the policy counts."""
 
     position: Position | None = None
     compute: int = 0
     unexplained: int = 0
     regroup: int = 0
     evaluation: int = 0
-
-    @property
-    def retrying(self) -> bool:
-        """A segment failed since the last one that succeeded: the next runs as its retry
-        (alone: nothing is sent ahead of it). It outlives the regroups and waits between."""
-        return self.position is not None
 
     def succeeded(self) -> Attempts:
         return replace(self, position=None, compute=0, unexplained=0)

@@ -9,8 +9,8 @@ decision (``dynabatch.scheduler.core.sync.loop``), carried out here. The record 
 the history when the evaluation is in; an evaluation that lost a shard is run again on the
 holders left when nothing was queued behind it
 (:func:`~dynabatch.scheduler.core.sync.boundary.evaluate_again`). Whether the job is then
-trained (every epoch, or early stopping's :attr:`Epochs.stopped`) and succeeds is the
-loop's.
+trained (every epoch, or early stopping's reason, the ``NextEpoch`` it gave) and succeeds
+is the loop's.
 
 Judged epochs (``early_stopping``, ``checkpoint.keep_best``). Each epoch's evaluation is
 awaited at its end, before the next epoch's first segment is sent (the pipeline does not
@@ -55,8 +55,6 @@ class Epochs:
                  evals: Evaluations):
         self.job, self.control, self.workforce = job, control, workforce
         self.runtime, self.evals = runtime, evals
-        # Why the job stopped before its last epoch (early_stopping), once it did.
-        self.stopped: str | None = None
         # The open epoch's totals (the pipeline commits each segment into them); None
         # between epochs (the next step boundary begins one).
         self.totals: EpochTotals | None = None
@@ -244,8 +242,6 @@ class Epochs:
         with self.control.lock:
             p.next_epoch()
             self.totals = None
-            if stop is not None:
-                self.stopped = stop
         self.publish_ready()
 
     # ---------------------------------------------------------------- evaluations

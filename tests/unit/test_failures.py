@@ -123,14 +123,15 @@ def test_regroups_that_fail_in_a_row_are_bounded(kinds, max_retries):
 def test_regroup_failures_do_not_touch_the_segment_retries():
     budget = Budget(0)
     assert budget.regroup(False, "x") is None
-    assert not budget.attempts.retrying
+    assert budget.attempts.position is None
     f = classify([_res("w0", "peer"), WorkerOutcome("w1", lost="died")], 10)
     assert budget.segment(Position(0, 2), f) is None
-    assert budget.attempts.retrying  # the next segment is the retry, whatever happens
+    # The retry's position is counted, whatever happens before it runs.
+    assert budget.attempts.position == Position(0, 2)
     budget.attempts = budget.attempts.regrouped()
-    assert budget.attempts.retrying and budget.regroup(False, "x") is None
+    assert budget.attempts.position == Position(0, 2) and budget.regroup(False, "x") is None
     budget.attempts = budget.attempts.succeeded()
-    assert not budget.attempts.retrying
+    assert budget.attempts.position is None
 
 
 def test_a_straggler_is_evicted_by_the_policy_counted_or_not():
@@ -141,7 +142,7 @@ def test_a_straggler_is_evicted_by_the_policy_counted_or_not():
                                      counted=counted))
         assert isinstance(d, Evict) and list(d.workers) == ["w1"]
         assert d.workers["w1"].startswith("straggler: a step computed 12.0s")
-        assert attempts.retrying == counted
+        assert (attempts.position is not None) == counted
 
 
 _outcomes = st.lists(

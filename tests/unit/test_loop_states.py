@@ -120,7 +120,7 @@ def _record(coord: Coordinator, monkeypatch: pytest.MonkeyPatch,
         if decisions is not None:
             decisions.append((event, effects))
         if retrying is not None:
-            retrying.append(coord.workforce.attempts.retrying)
+            retrying.append(coord.workforce.attempts.position is not None)
         if then is not None:
             then(new)
         return new, effects
