@@ -17,7 +17,7 @@ from dynabatch.actors.errors import first_line
 from dynabatch.scheduler.core.failures import FailureEvent, RollBack
 from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.sync.protocol import Position
-from dynabatch.scheduler.sync.job import Start
+from dynabatch.scheduler.sync.job import StartPoint
 from dynabatch.scheduler.telemetry import EpochRecord
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class Checkpoints:
             job.ledger = Ledger.from_state(ckpt.get("ledger") or {})
             sched = ckpt.get("schedule") or {}
             job.regime.load_state(sched.get("regime") or {})
-            job.start = Start(pos, sched.get("global_batch"), ckpt["weights"])
+            job.start = StartPoint(pos, sched.get("global_batch"), ckpt["weights"])
             if job.protocol is not None:
                 job.protocol.rewind(pos, job.start_batch)
         self.control.log("INFO" if why == "resuming" else "WARNING",

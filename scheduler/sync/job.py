@@ -2,7 +2,7 @@
 
 :class:`SyncJob` holds the machines the driver's parts drive (membership, regime, policy,
 tracker, ledger, and the protocol once the data is loaded), where the protocol starts
-(:class:`Start`: a checkpoint's position, batch and weights, until a regroup loads them) and
+(:class:`StartPoint`: a checkpoint's position, batch and weights, until a regroup loads them) and
 the counters the snapshot reports and a checkpoint keeps. What the loop carries between
 effects has one owner each: the segment in flight the pipeline's, the open epoch's totals
 the epochs', the evaluation queued behind the next segment the evaluations', the workers
@@ -32,7 +32,7 @@ from dynabatch.scheduler.sync.evaluation import split
 
 
 @dataclass(frozen=True, slots=True)
-class Start:
+class StartPoint:
     """Where the protocol (re)starts: a checkpoint's position and the global batch trained
     there (None: the regime's for that epoch), and its weights until a regroup loads them
     into the group (one that fails must be able to load them again)."""
@@ -55,7 +55,7 @@ class SyncJob:
     protocol: SyncProtocol | None = None  # once the data is loaded
     data: DataInfo | None = None
     # Replaced whole: by a checkpoint restored, by the regroup that loads its weights.
-    start: Start = field(default_factory=Start)
+    start: StartPoint = field(default_factory=StartPoint)
 
     rebalances_total: int = 0
     regroup_seconds_total: float = 0.0
