@@ -404,7 +404,7 @@ class Coordinator(JobControl):
             cancel = self.cancel_reason
             recorded = len(self.records)
         return Seen(
-            cancel=cancel, data_loaded=p is not None,
+            cancel=cancel,
             epoch=self.epoch, step=self.step_in_epoch,
             steps_per_epoch=p.steps_per_epoch if p else 1,
             recorded=recorded,

@@ -354,14 +354,15 @@ def drive(sc: Scenario, ck_dir: Path) -> Run:
             # The job's public state is derived from the loop's, whatever happened.
             assert coord.state is public_state(coord.loop), (coord.state, coord.loop)
             # What the reducer remembers (the segment in flight, the open epoch, the retry,
-            # restored weights waiting) is what the pipeline, the epochs, the failure
-            # policy and the job's start say.
+            # restored weights waiting, the data loaded) is what the pipeline, the epochs,
+            # the failure policy and the job say.
             if not isinstance(coord.loop, Concluded):
                 assert coord.loop.memo.in_flight == (coord.pipeline.ahead is not None)
                 assert coord.loop.memo.epoch_open == (coord.epochs.totals is not None)
                 assert coord.loop.memo.retrying == (coord.workforce.attempts.position
                                                     is not None)
                 assert coord.loop.memo.restored == (coord.job.start.weights is not None)
+                assert coord.loop.memo.data_loaded == (coord.job.protocol is not None)
             if seen is not None and not seen.steps_to_end and not going:
                 seen.steps_to_end = i + 1 - sc.cancel_at
                 seen.submitted_after = rt.record.submitted

@@ -104,13 +104,18 @@ def S(**kw) -> Seen:
     return Seen(membership=MembershipView(**view), **kw)
 
 
+def _memo(**kw: object) -> Memo:
+    """What the reducer remembers, in a job whose data is loaded."""
+    return Memo(data_loaded=True, **kw)
+
+
 class Loop:
     """The reducer driven as the executor drives it: its state kept, each batch that does
     not end the step answered with the event its last effect yields (``answer``)."""
 
     def __init__(self, config: LoopConfig = CFG, state: LoopState | None = None) -> None:
         self.config = config
-        self.state: LoopState = AtRest(Memo(polled_at=T0)) if state is None else state
+        self.state: LoopState = AtRest(_memo(polled_at=T0)) if state is None else state
         self.last: Effects = []
 
     def on(self, event: Event) -> Effects:
@@ -144,9 +149,9 @@ AHEAD = SegmentRun(sent_ahead=True)
 FAILED_AHEAD = SegmentRun(all_ran=False, sent_ahead=True)
 # Between boundaries in an open epoch; the same with a segment in flight; and with the next
 # epoch's first segment in flight (sent across the epoch's end, which has ended).
-OPEN = AtRest(Memo(polled_at=T0, epoch_open=True))
-FLYING = AtRest(Memo(polled_at=T0, in_flight=True, epoch_open=True))
-ACROSS = AtRest(Memo(polled_at=T0, in_flight=True))
+OPEN = AtRest(_memo(polled_at=T0, epoch_open=True))
+FLYING = AtRest(_memo(polled_at=T0, in_flight=True, epoch_open=True))
+ACROSS = AtRest(_memo(polled_at=T0, in_flight=True))
 
 
 def _requests_taken(loop: Loop, seen: Seen, now: float = T0) -> None:
@@ -174,7 +179,7 @@ def _check_due(cfg: LoopConfig, seen: Seen) -> bool:
 
 def _trained(cfg: LoopConfig, seen: Seen, memo: Memo) -> bool:
     """Every epoch is trained, or early stopping ended the training."""
-    return seen.data_loaded and (seen.epoch >= cfg.epochs or memo.stopped is not None)
+    return seen.epoch >= cfg.epochs or memo.stopped is not None
 
 
 def _ahead(seen: Seen, retrying: bool) -> bool:
@@ -189,7 +194,7 @@ def _across(cfg: LoopConfig, seen: Seen, retrying: bool) -> bool:
     """That next segment may be the next epoch's first: there is one, at the same batch,
     and nothing between the epochs reads the state or re-plans from the epoch's end."""
     nxt = seen.epoch + 1
-    return (_ahead(seen, retrying) and seen.data_loaded and nxt < cfg.epochs and not cfg.goodput
+    return (_ahead(seen, retrying) and nxt < cfg.epochs and not cfg.goodput
             and seen.next_batch == seen.batch and not cfg.judges_epochs
             and not _checkpoint_due(cfg, nxt)
             and not (cfg.rule.mode == "epoch" and not cfg.policy_static))
@@ -228,7 +233,7 @@ views = st.builds(
     holders=mostly, needs_state=st.booleans(),
     group=st.sampled_from([(), GROUP, ("w2", "w0", "w1")]))
 seens = st.builds(
-    Seen, cancel=cancels, data_loaded=mostly,
+    Seen, cancel=cancels,
     # (trained mostly not: the epochs are 1 to 4, early stopping rare)
     epoch=st.sampled_from([0, 0, 0, 1, 1, 2, 4]), step=st.integers(0, 8),
     steps_per_epoch=st.sampled_from([4, 8]),
@@ -392,7 +397,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
         poll_due = polled is None or now - polled >= NODE_POLL_S
         for e in body:
             if isinstance(e, LoadData):
-                assert not seen.data_loaded
+                assert not b.before.memo.data_loaded and b.after.memo.data_loaded
             if isinstance(e, BeginEpoch):  # only with none open (the last one closed)
                 assert not b.before.memo.epoch_open
             if isinstance(e, EndJob) and e.outcome == JobState.SUCCEEDED:
@@ -409,7 +414,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 began = next(x for x in batches if isinstance(x.after, Training))
                 assert began.seen.cancel is None
                 assert not _trained(cfg, began.seen, began.before.memo)
-                assert b.after.memo.epoch_open  # in an open epoch
+                assert b.after.memo.epoch_open and b.after.memo.data_loaded  # an open epoch
                 # Sent ahead exactly when the next boundary need not have the group at rest;
                 # across the epoch exactly when nothing between the epochs reads the state.
                 retrying = b.before.memo.retrying
@@ -625,8 +630,9 @@ def test_every_boundary_follows_the_loops_rules(cfg: LoopConfig, first: Seen,
     flying = data.draw(st.booleans())
     opened = flying or data.draw(st.booleans())
     loop = Loop(cfg, AtRest(Memo(
-        polled_at=T0, in_flight=flying, epoch_open=opened, retrying=data.draw(rarely),
-        restored=data.draw(rarely), stopped=data.draw(st.sampled_from([None] * 5 + ["early"])))))
+        data_loaded=data.draw(mostly), polled_at=T0, in_flight=flying, epoch_open=opened,
+        retrying=data.draw(rarely), restored=data.draw(rarely),
+        stopped=data.draw(st.sampled_from([None] * 5 + ["early"])))))
     now, polled = T0, T0
     for _ in range(3):  # consecutive boundaries: each starts where the last left the loop
         rest = loop.state  # between boundaries: at rest, waiting for workers, or concluded
@@ -653,7 +659,7 @@ def test_a_training_boundary() -> None:
     # a segment may be sent across; the steps rule re-plans every 4 steps.
     cfg = LoopConfig(epochs=3, policy_static=True, rule=RebalanceRule("steps", every_steps=4))
     loop = Loop(cfg, AtRest())  # the nodes never listed
-    first = S(data_loaded=False, first_start=True)
+    first = S(first_start=True)
     assert loop.tick(first) == [LoadData(), TakeRequests()]
     assert loop.ran(first) == [AdoptStarted()]
     assert loop.ran(first) == START
@@ -664,7 +670,7 @@ def test_a_training_boundary() -> None:
     assert public_state(loop.state) is JobState.PENDING
     assert loop.ran(S(), ok=True) == [BeginEpoch(), Replan()]
     assert loop.state == Training(0, "opening",
-                                  memo=Memo(polled_at=T0, epoch_open=True, running=True))
+                                  memo=_memo(polled_at=T0, epoch_open=True, running=True))
     assert public_state(loop.state) is JobState.RUNNING
     opened = S(steps_per_epoch=16, batch=64, next_batch=64)
     assert loop.ran(opened) == [TrainSegment(ahead=True, across=True)]
@@ -707,9 +713,8 @@ def test_a_training_boundary() -> None:
     (LoopConfig(epochs=3), S()),  # the epoch's end re-plans from its speeds
     (LoopConfig(epochs=3, policy_static=True), S(next_batch=128)),  # the batch changes
     (LoopConfig(epochs=3, policy_static=True), S(epoch=2)),  # no next epoch
-    (LoopConfig(epochs=3, policy_static=True), S(data_loaded=False)),
 ], ids=["checkpoint", "checkpoint-every-2", "judged", "goodput", "replans-at-end",
-        "batch-changes", "last-epoch", "no-data"])
+        "batch-changes", "last-epoch"])
 def test_a_segment_goes_across_the_epochs_end_only_when_nothing_between_reads_the_state(
         cfg: LoopConfig, seen: Seen) -> None:
     seen = replace(seen, batch=64, next_batch=seen.next_batch or 64)
@@ -804,7 +809,7 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
     loop = Loop(LoopConfig(epochs=3, start_timeout_s=5.0))
     _requests_taken(loop, starting)
     assert loop.ran(starting) == START
-    assert loop.state == Reconciling("awaiting", memo=Memo(polled_at=T0))
+    assert loop.state == Reconciling("awaiting", memo=_memo(polled_at=T0))
     assert loop.ran(waiting, now=T0 + 1) == [AwaitStarts()]
     assert loop.state.deadline == T0 + 6  # from the first wait
     assert loop.ran(waiting, now=T0 + 3) == [AwaitStarts()]
@@ -817,7 +822,7 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
                  leaving=("w0", "w1"))
     assert loop.ran(given_up, now=T0 + 6) == [
         StopWorkers(("w0", "w1")), WaitForMinimum("0 of 2 workers"), EndStep()]
-    assert loop.state == Waiting(T0 + 6, "0 of 2 workers", Memo(polled_at=T0 + 4))
+    assert loop.state == Waiting(T0 + 6, "0 of 2 workers", _memo(polled_at=T0 + 4))
 
     # All up at the next boundary's first wait, long after the last deadline: the group
     # forms (nothing failed, nothing is started again).
@@ -906,7 +911,7 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
     assert loop.ran(S(), ok=OFFER) == [TrainSegment(ahead=True, across=False)]
     # Between epochs (the next is planned when it begins), or the epoch complete: no
     # re-split.
-    for state, between in ((AtRest(Memo(polled_at=T0)), S()), (OPEN, S(step=1))):
+    for state, between in ((AtRest(_memo(polled_at=T0)), S()), (OPEN, S(step=1))):
         loop = Loop(state=state)
         _requests_taken(loop, S())
         loop.ran(S(dirty=True))
@@ -1067,14 +1072,14 @@ def test_a_wait_for_workers_is_the_loops_state_and_carries_since_when() -> None:
     short = S(shortfall="1 of 2 workers")
     _requests_taken(loop, short, now=T0)
     assert loop.ran(short, now=T0) == [WaitForMinimum("1 of 2 workers"), EndStep()]
-    assert loop.state == Waiting(T0, "1 of 2 workers", Memo(polled_at=T0))
+    assert loop.state == Waiting(T0, "1 of 2 workers", _memo(polled_at=T0))
     later = S(shortfall="1 of 2 workers (node01 lost)")
     _requests_taken(loop, later, now=T0 + 15)
-    assert loop.state.waiting == Waiting(T0, "1 of 2 workers", Memo(polled_at=T0))
+    assert loop.state.waiting == Waiting(T0, "1 of 2 workers", _memo(polled_at=T0))
     assert loop.ran(later, now=T0 + 15) == PLACE  # the nodes listed (due): the wait goes on
     assert loop.ran(later, now=T0 + 15) == [
         WaitForMinimum(later.membership.shortfall, since=T0), EndStep()]
-    assert loop.state == Waiting(T0, later.membership.shortfall, Memo(polled_at=T0 + 15))
+    assert loop.state == Waiting(T0, later.membership.shortfall, _memo(polled_at=T0 + 15))
     # Enough workers: the group trains, and the wait is over.
     _requests_taken(loop, S(), now=T0 + 15)
     assert loop.ran(S(), now=T0 + 15) == [BeginEpoch(), Replan()]
@@ -1086,7 +1091,7 @@ def test_a_wait_for_workers_is_the_loops_state_and_carries_since_when() -> None:
     assert loop.ran(again, now=T0 + 15.1) == [WaitForMinimum("1 of 2 workers"), EndStep()]
     # (the epoch begun stays open)
     assert loop.state == Waiting(T0 + 15.1, "1 of 2 workers",
-                                 Memo(polled_at=T0 + 15, epoch_open=True))
+                                 _memo(polled_at=T0 + 15, epoch_open=True))
     # A cancel ends a wait at the next boundary.
     assert loop.tick(replace(again, cancel="enough"), now=T0 + 16) == [Settle()]
     assert loop.state == Cancelling("enough", "settling", loop.state.memo)
@@ -1181,7 +1186,7 @@ def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_
 
 
 def _states() -> list[LoopState]:
-    m = Memo(polled_at=T0)
+    m = _memo(polled_at=T0)
     return [
         AtRest(m), Waiting(T0, "1 of 2", m), Reconciling("requests", memo=m),
         Reconciling("awaiting", adopted=True, deadline=T0 + 5, memo=m),
@@ -1280,11 +1285,11 @@ def test_a_cancels_reason_is_the_states_through_its_epochs_end() -> None:
     # The cancel's reason rides in the states (committing, the epoch's end it completes,
     # settling) to EndJob, whatever a later reading says.
     cfg = LoopConfig(epochs=5)
-    committing = Cancelling("owner: stop", "committing", Memo(epoch_open=True))
+    committing = Cancelling("owner: stop", "committing", _memo(epoch_open=True))
     state, _ = step(committing, SegmentDone(S(step=1, epoch=1), 0.0), cfg)
     assert isinstance(state, EndingEpoch) and state.cancel == "owner: stop"
     state, effects = step(state, Done(S(epoch=2), 0.0), cfg)
-    assert (state, effects) == (Cancelling("owner: stop", "settling"), [Settle()])
+    assert (state, effects) == (Cancelling("owner: stop", "settling", _memo()), [Settle()])
     assert not state.memo.epoch_open  # (closed by the epoch's end)
     state, effects = step(state, EvaluationsIn(S(recorded=2), 0.0), cfg)
     assert effects[-2:] == [EndJob(JobState.CANCELLED, "owner: stop"), EndStep(stop=True)]

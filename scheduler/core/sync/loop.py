@@ -28,7 +28,8 @@ inside one, :class:`Reconciling` (who trains), :class:`Regrouping`, :class:`Trai
 :class:`Cancelling` (why), and :class:`Concluded` (the outcome). Every state also carries
 :class:`Memo`, what the reducer remembers across boundaries (when it last listed the
 nodes; whether a segment is in flight and whether the next is a retry: what the last
-:class:`SegmentDone` said; whether an epoch is open: begun and not yet closed; whether
+:class:`SegmentDone` said; whether the data is loaded and an epoch open (its own effects'
+doing: loaded, begun and not yet closed); whether
 weights restored from a checkpoint wait for a group to form; early stopping's reason).
 
 One boundary, as the reducer decides it:
@@ -130,7 +131,6 @@ class Seen:
     """What the job's machines say after the last effect (read by the executor)."""
 
     cancel: str | None = None  # a cancellation's reason, once requested
-    data_loaded: bool = True
     epoch: int = 0  # the protocol's (or, before the data is loaded, the job's position)
     step: int = 0  # steps of the epoch committed
     steps_per_epoch: int = 1
@@ -146,7 +146,7 @@ class Seen:
     @property
     def epoch_complete(self) -> bool:
         """Every step of the protocol's epoch is committed."""
-        return self.data_loaded and self.step >= self.steps_per_epoch
+        return self.step >= self.steps_per_epoch
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,6 +491,8 @@ class Memo:
     polled_at: float | None = None  # when the nodes were last listed
     # A segment sent ahead has not been collected (the last segment run said so).
     in_flight: bool = False
+    # The data is loaded and the protocol built (LoadData, at the first boundary).
+    data_loaded: bool = False
     # An epoch is open: begun (BeginEpoch) and not yet closed (NextEpoch, or a roll-back).
     epoch_open: bool = False
     # The last segment did not all run: the next is its retry, and runs alone (through
@@ -643,7 +645,7 @@ def step(state: LoopState, event: Event, config: LoopConfig) -> tuple[LoopState,
         state = replace(state, memo=replace(state.memo, in_flight=event.sent_ahead,
                                             retrying=not event.all_ran))
     new, effects = _decide(state, event, config)
-    if (memo := _epoch_opened(new.memo, effects)) is not new.memo:
+    if (memo := _remember(new.memo, effects)) is not new.memo:
         new = replace(new, memo=memo)
     if event.seen.leaving:
         # Workers taken out in the last batch are stopped before anything else: what a hung
@@ -652,16 +654,21 @@ def step(state: LoopState, event: Event, config: LoopConfig) -> tuple[LoopState,
     return new, effects
 
 
-def _epoch_opened(memo: Memo, effects: Effects) -> Memo:
-    """What ``effects`` do to the open epoch: BeginEpoch opens it; NextEpoch closes it, and
-    so does loading the last checkpoint (the job goes back to its start)."""
-    is_open = memo.epoch_open
+def _remember(memo: Memo, effects: Effects) -> Memo:
+    """What ``effects`` leave behind: LoadData loads the data; BeginEpoch opens an epoch;
+    NextEpoch closes it, and so does loading the last checkpoint (the job goes back to its
+    start)."""
+    loaded, is_open = memo.data_loaded, memo.epoch_open
     for e in effects:
-        if isinstance(e, BeginEpoch):
+        if isinstance(e, LoadData):
+            loaded = True
+        elif isinstance(e, BeginEpoch):
             is_open = True
         elif isinstance(e, (NextEpoch, LoadCheckpoint)):
             is_open = False
-    return memo if is_open == memo.epoch_open else replace(memo, epoch_open=is_open)
+    if (loaded, is_open) == (memo.data_loaded, memo.epoch_open):
+        return memo
+    return replace(memo, data_loaded=loaded, epoch_open=is_open)
 
 
 def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
@@ -789,7 +796,7 @@ class _Decisions:
     def tick(self, f: Seen, waiting: Waiting | None) -> tuple[LoopState, Effects]:
         if f.cancel is not None:
             return self.cancel(f)
-        load = [] if f.data_loaded else [LoadData()]
+        load = [] if self.memo.data_loaded else [LoadData()]
         if self.memo.in_flight:  # membership changes wait for a boundary at rest
             # An assignment's workers start now, while the segment in flight trains.
             take = [TakeRequests(assignments=True)] if f.requests[:1] == ("assign",) else []
@@ -856,7 +863,7 @@ class _Decisions:
 
     def trained(self, f: Seen) -> bool:
         """Every epoch is trained, or early stopping ended the training."""
-        return f.data_loaded and (f.epoch >= self.cfg.epochs or self.memo.stopped is not None)
+        return f.epoch >= self.cfg.epochs or self.memo.stopped is not None
 
     def formed(self, f: Seen) -> tuple[LoopState, Effects]:
         """The group is ready: the job runs (RUNNING: :func:`public_state`); then cancel or
@@ -889,7 +896,7 @@ class _Decisions:
             requests_pending=bool(f.requests) or f.handing_over, regroup_due=f.membership.dirty,
             stamps_fixed=f.stamps_fixed)
         nxt = f.epoch + 1
-        across = ahead and f.data_loaded and can_cross_epoch(
+        across = ahead and can_cross_epoch(
             next_epoch=nxt, epochs=cfg.epochs, goodput=cfg.goodput, next_batch=f.next_batch,
             batch=f.batch, checkpoint_due=cfg.judges_epochs or cfg.checkpoint_due(nxt),
             replans_at_end=cfg.rule.mode == "epoch" and not cfg.policy_static)
