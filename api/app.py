@@ -11,7 +11,7 @@ the environment).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -110,6 +110,33 @@ def _field_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# The service's errors answered as ``{"detail": PREFIX + str(err)}`` with their status.
+_PLAIN_ERRORS: tuple[tuple[type[Exception], int, str], ...] = (
+    (JobNotFound, status.HTTP_404_NOT_FOUND, ""),
+    (WorkerNotFound, status.HTTP_404_NOT_FOUND, ""),
+    (InvalidTransition, status.HTTP_409_CONFLICT, ""),
+    (JobConflict, status.HTTP_409_CONFLICT, ""),
+    (ClusterUnavailable, status.HTTP_503_SERVICE_UNAVAILABLE, "Ray is not reachable: "),
+    (RayCallError, status.HTTP_502_BAD_GATEWAY, "Ray call failed: "),
+)
+
+
+def _plain_error(code: int, prefix: str) -> Callable[[Request, Exception], Awaitable[Response]]:
+    async def handle(_: Request, err: Exception) -> Response:
+        return JSONResponse({"detail": f"{prefix}{err}"}, status_code=code)
+
+    return handle
+
+
+def _field_problems(problems: Iterable[tuple[str, str]], kind: str) -> JSONResponse:
+    """A 422 naming each body field and its problem, as the spec's validation errors do."""
+    detail = [
+        {"loc": ["body", *field.split(".")], "field": field, "msg": msg, "type": kind}
+        for field, msg in problems
+    ]
+    return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -134,55 +161,17 @@ def _install_error_handlers(app: FastAPI) -> None:
             )
         return await http_exception_handler(request, err)
 
-    @app.exception_handler(JobNotFound)
-    async def not_found(_: Request, err: JobNotFound) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status_code=status.HTTP_404_NOT_FOUND)
-
-    @app.exception_handler(WorkerNotFound)
-    async def worker_not_found(_: Request, err: WorkerNotFound) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status_code=status.HTTP_404_NOT_FOUND)
-
-    @app.exception_handler(InvalidTransition)
-    async def conflict(_: Request, err: InvalidTransition) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status_code=status.HTTP_409_CONFLICT)
-
-    @app.exception_handler(JobConflict)
-    async def job_conflict(_: Request, err: JobConflict) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status_code=status.HTTP_409_CONFLICT)
+    for exc, code, prefix in _PLAIN_ERRORS:
+        app.add_exception_handler(exc, _plain_error(code, prefix))
 
     @app.exception_handler(InvalidRequest)
     async def invalid_request(_: Request, err: InvalidRequest) -> JSONResponse:
-        problem = {
-            "loc": ["body", *err.field.split(".")],
-            "field": err.field,
-            "msg": err.message,
-            "type": "value_error",
-        }
-        return JSONResponse(
-            {"detail": [problem]}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT
-        )
+        return _field_problems([(err.field, err.message)], "value_error")
 
     @app.exception_handler(SpecNotAllowed)
     async def not_allowed(_: Request, err: SpecNotAllowed) -> JSONResponse:
         # The same shape as the spec's validation errors: one entry per field.
-        detail = [
-            {"loc": ["body", *field.split(".")], "field": field, "msg": msg, "type": "not_allowed"}
-            for field, msg in err.problems
-        ]
-        return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
-
-    @app.exception_handler(ClusterUnavailable)
-    async def unavailable(_: Request, err: ClusterUnavailable) -> JSONResponse:
-        return JSONResponse(
-            {"detail": f"Ray is not reachable: {err}"},
-            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
-        )
-
-    @app.exception_handler(RayCallError)
-    async def cluster_error(_: Request, err: RayCallError) -> JSONResponse:
-        return JSONResponse(
-            {"detail": f"Ray call failed: {err}"}, status_code=status.HTTP_502_BAD_GATEWAY
-        )
+        return _field_problems(err.problems, "not_allowed")
 
     @app.exception_handler(Exception)
     async def internal(request: Request, err: Exception) -> JSONResponse:
