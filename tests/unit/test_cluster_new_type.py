@@ -13,7 +13,7 @@ import pytest
 from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, ThroughputModel
 from dynabatch.scheduler.core.cluster.rounds import (
     Entry,
-    Measured,
+    JobReported,
     NodesSeen,
     RoundState,
     Tick,
@@ -27,8 +27,13 @@ OLD = ("fast", "slow")
 NEW = "new"
 
 
-def _model(rates: dict[str, float]) -> ThroughputModel:
-    return ThroughputModel.of(rates, rates, 0.01, 64.0)
+def _measured(state: RoundState, job_id: str, rates: dict[str, float]) -> JobReported:
+    """The job's report of one worker per measured type, on the first node of that type (a
+    type with no node listed is not measured)."""
+    first = {}
+    for n in state.nodes:
+        first.setdefault(n.node_type, n.node_id)
+    return JobReported(job_id, tuple((first[t], r) for t, r in rates.items() if t in first))
 
 
 def _rates(state: RoundState, job_id: str) -> ThroughputModel:
@@ -74,7 +79,7 @@ def test_a_new_type_joining_mid_run_keeps_capacity_and_determinism(policy, run, 
     s, _ = step(s, Tick(1.0), knobs)
     for jid, *_, rates in jobs:
         if rates:
-            s, _ = step(s, Measured(jid, _model(rates)), knobs)
+            s, _ = step(s, _measured(s, jid, rates), knobs)
     s, _ = step(s, NodesSeen((*nodes, new)), knobs)
     # Every job has an estimate for the new type (nobody ran there: the equal hints).
     for jid, *_ in jobs:
@@ -100,21 +105,21 @@ def test_the_new_type_is_given_estimated_from_other_jobs_and_replaced_once_measu
     for e in (NodesSeen(old), Entry("a", 1, 3, 0, 0.0), Entry("b", 1, 1, 0, 0.0)):
         s, _ = step(s, e, knobs)
     s, _ = step(s, Tick(1.0), knobs)
-    s, _ = step(s, Measured("a", _model({"slow": 10.0})), knobs)
-    s, _ = step(s, Measured("b", _model({"slow": 4.0})), knobs)
+    s, _ = step(s, _measured(s, "a", {"slow": 10.0}), knobs)
+    s, _ = step(s, _measured(s, "b", {"slow": 4.0}), knobs)
     # A node of a type nobody has run on joins; the policy gives it to a (room to grow).
     s, _ = step(s, NodesSeen((*old, ClusterNode("n2", NEW, 2))), knobs)
     s, _ = step(s, Tick(2.0), knobs)
     assert dict(s.job("a").allocation).get("n2", 0) > 0
     # a runs there and is measured on it alone: 3x its slow speed. Its slow measurement is
     # kept, and b's estimate for the new type comes from a's ratio (Sia's bootstrap).
-    s, _ = step(s, Measured("a", _model({NEW: 30.0})), knobs)
+    s, _ = step(s, _measured(s, "a", {NEW: 30.0}), knobs)
     a = _rates(s, "a")
     assert (a.rate("slow"), a.rate(NEW)) == (10.0, 30.0)
     assert a.measured == {"slow", NEW}
     assert _rates(s, "b").rate(NEW) == pytest.approx(12.0)
     assert NEW not in _rates(s, "b").measured
     # b's own measurement replaces the estimate.
-    s, _ = step(s, Measured("b", _model({NEW: 6.0, "slow": 4.0})), knobs)
+    s, _ = step(s, _measured(s, "b", {NEW: 6.0, "slow": 4.0}), knobs)
     assert _rates(s, "b").rate(NEW) == 6.0
     assert NEW in _rates(s, "b").measured

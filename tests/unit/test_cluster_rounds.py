@@ -9,11 +9,10 @@ import pytest
 from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, ThroughputModel
 from dynabatch.scheduler.core.cluster.ray_nodes import gpu_units
 from dynabatch.scheduler.core.cluster.rounds import (
-    Bounds,
     Drained,
     Entry,
     JobGone,
-    Measured,
+    JobReported,
     NodesSeen,
     Reassign,
     RequestRefused,
@@ -61,7 +60,6 @@ def _events(draw):
                     "finish",
                     "nodes",
                     "measure",
-                    "bounds",
                     "failed",
                     "drain",
                 ]
@@ -89,12 +87,9 @@ def _events(draw):
         elif kind == "nodes":
             keep = draw(st.lists(st.sampled_from(all_nodes), unique=True))
             events.append(NodesSeen(tuple(keep)))
-        elif kind == "measure":
-            rates = {t: draw(st.floats(0.5, 10.0)) for t in (*TYPES, "gpu")}
-            events.append(Measured(jid, ThroughputModel.of(rates, rates, 0.01, 64.0)))
-        elif kind == "bounds":
-            lo = draw(st.integers(1, 3))
-            events.append(Bounds(jid, lo, lo + draw(st.integers(0, 2))))
+        elif kind == "measure":  # the job's report: one worker on each node
+            workers = tuple((n.node_id, draw(st.floats(0.5, 10.0))) for n in all_nodes)
+            events.append(JobReported(jid, workers, 64.0))
         elif kind == "drain":
             node = draw(st.sampled_from(all_nodes)).node_id
             events.append(Drained(jid, node, now, draw(st.integers(1, 3))))
@@ -351,8 +346,8 @@ def test_two_equal_new_jobs_span_both_gpu_types_from_their_first_round():
     nodes = (ClusterNode("h", "gpu-H100x2", 2 * GPU_UNITS, gpu=True),
              ClusterNode("v", "gpu-V100x2", 2 * GPU_UNITS, gpu=True))
     unmeasured = ThroughputModel.of({}, (), overhead_s=0.5, global_batch=1.0)
-    for e in (NodesSeen(nodes), Entry("a", 1, 4, 0, 0.0), Entry("b", 1, 4, 0, 0.0),
-              Measured("a", unmeasured), Measured("b", unmeasured)):
+    for e in (NodesSeen(nodes), Entry("a", 1, 4, 0, 0.0, model=unmeasured),
+              Entry("b", 1, 4, 0, 0.0, model=unmeasured)):
         s, _ = step(s, e, knobs)
     s, cmds = step(s, Tick(1.0), knobs)
     starts = {c.job_id: dict(c.slots) for c in cmds if isinstance(c, Start)}

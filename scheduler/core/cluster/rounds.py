@@ -1,55 +1,15 @@
 """The cluster scheduler's rounds: a pure state machine around :func:`decide`.
 
-No Ray, no clock. The scheduler actor (``dynabatch.scheduler.runtime.cluster_scheduler``) feeds it
-events and executes the commands it returns; everything that decides is here:
-
-* events: a job registered (:class:`Entry` itself: its bounds, priority, submit time, slots
-  per worker, generation, whether its own run launches it), adopted as it runs
-  (:class:`FoundRunning`), finished or gone; the owner's requests (:class:`ResizeRequested`,
-  :class:`Drained`); its report (:class:`JobReported`: its members per node and its speed per
-  node type); a coordinator that came up (:class:`Launched`), a start that failed, an
-  assignment the job refused (:class:`AssignRefused`); a client's run heard from
-  (:class:`Heard`); the nodes seen now; and a :class:`Tick` at ``now``, the round;
-* commands: :class:`Start` (launch a queued job's driver on these nodes), :class:`Reassign`
-  (a running job trains on these nodes from its next step boundary), :class:`Run` (start
-  the launched driver's workers), :class:`Abandon` (kill a driver launched for a job no
-  longer held), :class:`Dropped` (a job left the rounds: forget it) and :class:`RequestRefused`
-  (an owner's request is not carried out: the actor relays ``why`` as the answer).
-
-What it keeps per job (:class:`Entry`): what the job asks (bounds, priority, submit time,
-slot sizes, eligible types, generation, whether it is a client's) and its place in the
-rounds (its allocation and when it last changed (the hold), whether it was granted and its
-driver is up, its model, its members as it reports them, an assignment it refused, and what
-an owner's request still waits for). A round builds the policy's inputs from them
-(:class:`ClusterJob`, the policy's own input), decides, and turns each changed plan into one
-command:
-
-* a queued job is started only with a whole gang (``min_workers`` workers or more; the
-  policy never grants less, and a plan below it is dropped here too);
-* a running job's changed plan is one ``Reassign`` (its resize), unless it is the very
-  assignment the job refused: that is not sent again (the job keeps what it has);
-* a running job is never sent back to the queue: a job has no pause, so the policy sees
-  running jobs at the top priority, and a later job of higher priority waits for nodes a
-  running job gives up (shrinking to its minimum) or frees by finishing.
-
-An owner's request is not a round: it is answered at once, and the hold (for the
-scheduler's own moves) does not apply. A scale gives the job bounds ``min(its minimum, n)``
-to ``n`` and an ``Reassign`` now of what free slots allow (a shrink always); what it still
-waits for is on its entry (the view's ``waits``) and the job is not held until it has it.
-
-Slots: a CPU node's capacity and a worker's size there are in whatever integer unit the
-caller counts (Ray's fixed point of 1/10000 CPU for nodes listed from Ray, so fractional
-CPUs pack as Ray packs them); the policy sees them divided by their common divisor.
-
-:func:`rebuild` is the state a new scheduler starts from (after the API process or the
-scheduler actor restarted): the live jobs as they run, each holding its nodes from
-``now`` (so nothing moves before the hold, unless a node was lost), touching no job.
+No Ray, no clock: the scheduler actor (:mod:`dynabatch.scheduler.runtime.cluster_scheduler`)
+feeds it events and executes the commands it returns. Only a :class:`Tick` decides; an
+owner's request (scale, drain) is answered at once, outside the hold. docs/cluster.md, "The
+scheduler that runs", says what each event and command means.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from dynabatch.scheduler.core.cluster.decision import decide
@@ -166,15 +126,6 @@ class JobGone:
 
 
 @dataclass(frozen=True, slots=True)
-class Bounds:
-    """New bounds for the next round (no request: nothing is answered or assigned now)."""
-
-    job_id: str
-    min_workers: int
-    max_workers: int
-
-
-@dataclass(frozen=True, slots=True)
 class ResizeRequested:
     """The job's owner asks for ``workers`` workers: refused (a :class:`RequestRefused`) below 1,
     above what the cluster's nodes of its types could ever hold of its workers, or for a
@@ -185,14 +136,6 @@ class ResizeRequested:
     job_id: str
     workers: int
     now: float
-
-
-@dataclass(frozen=True, slots=True)
-class Measured:
-    """The job's throughput per node type, from its telemetry."""
-
-    job_id: str
-    model: ThroughputModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,9 +221,7 @@ Event = (
     Entry
     | FoundRunning
     | JobGone
-    | Bounds
     | ResizeRequested
-    | Measured
     | JobReported
     | NodesSeen
     | StartFailed
@@ -360,12 +301,11 @@ def step(
     state: RoundState,
     event: Event,
     knobs: ClusterKnobs,
-    hints: Mapping[str, float] | None = None,
 ) -> tuple[RoundState, tuple[Command, ...]]:
     """The state after ``event``, and what to do now."""
-    state, commands = _step(state, event, knobs, hints)
+    state, commands = _step(state, event, knobs)
     if not isinstance(event, Tick) and state.decision is not None:
-        state = replace(state, view=_view(state, hints))
+        state = replace(state, view=_view(state))
     return state, commands
 
 
@@ -373,7 +313,6 @@ def _step(
     state: RoundState,
     event: Event,
     knobs: ClusterKnobs,
-    hints: Mapping[str, float] | None,
 ) -> tuple[RoundState, tuple[Command, ...]]:
     match event:
         case Entry():  # a job registered: a known id's same or older generation changes
@@ -407,18 +346,8 @@ def _step(
             return state._with(entry), ()
         case JobGone(job_id):
             return state._without(job_id), ()
-        case Bounds(job_id, lo, hi):
-            entry = state.job(job_id)
-            if entry is None:
-                return state, ()
-            return state._with(replace(entry, min_workers=lo, max_workers=hi)), ()
         case ResizeRequested():
             return _scale(state, event)
-        case Measured(job_id, model):
-            entry = state.job(job_id)
-            if entry is None:
-                return state, ()
-            return state._with(replace(entry, model=_merged(entry.model, model))), ()
         case JobReported(job_id, workers, batch):
             entry = state.job(job_id)
             if entry is None:
@@ -495,7 +424,7 @@ def _step(
             if not state.synced:
                 return state, ()
             state, dropped = _drop_silent_clients(state, now, knobs)
-            state, commands = _round(state, now, knobs, hints)
+            state, commands = _round(state, now, knobs)
             return state, (*dropped, *commands)
     raise TypeError(f"not a cluster event: {event!r}")
 
@@ -662,22 +591,20 @@ def _drop_silent_clients(
     return state, tuple(dropped)
 
 
-def policy_jobs(
-    state: RoundState, hints: Mapping[str, float] | None = None
-) -> tuple[list[ClusterJob], list[ClusterJob]]:
+def policy_jobs(state: RoundState) -> tuple[list[ClusterJob], list[ClusterJob]]:
     """The policy's view of the jobs: (as decided, as shown). Models are completed over the
-    node types present (:func:`bootstrap`, unknown speeds from ``hints``, else from the
-    types' prior, :func:`~.throughput.prior`: the GPU model's class), and
-    a type outside a job's ``eligible`` ones gets rate 0. Decided: every running job at the
-    top priority, so the policy never queues it, and a job an owner's request left short of
-    its size not held; shown: as they are."""
+    node types present (:func:`bootstrap`, unknown speeds from the types'
+    :func:`~.throughput.prior`), and a type outside a job's ``eligible`` ones gets rate 0.
+    Decided: every running job at the top priority, so the policy never queues it, and a
+    job an owner's request left short of its size not held; shown: as they are."""
     types = sorted({n.node_type for n in state.nodes})
-    # A prior per type by default, over the types present and those a job measured (its
-    # only measured type may have no node left: the others are estimated from it), so jobs
-    # that measured nothing yet still see which types are fast and span them.
+    # The prior covers the types present and those a job measured (its only measured type
+    # may have no node left: the others are estimated from it), so jobs that measured
+    # nothing yet still see which types are fast and span them.
     measured = {t for j in state.jobs for t in j.model.measured}
-    hints = dict(hints) if hints else prior({*types, *measured})
-    models = bootstrap({j.job_id: j.model for j in state.jobs}, types, hints)
+    models = bootstrap(
+        {j.job_id: j.model for j in state.jobs}, types, prior({*types, *measured})
+    )
     top = max((j.priority for j in state.jobs), default=0)
     shown, decided = [], []
     for j in state.jobs:
@@ -726,9 +653,9 @@ def _in_units(
 
 
 def _round(
-    state: RoundState, now: float, knobs: ClusterKnobs, hints: Mapping[str, float] | None
+    state: RoundState, now: float, knobs: ClusterKnobs
 ) -> tuple[RoundState, tuple[Command, ...]]:
-    decided, _ = policy_jobs(state, hints)
+    decided, _ = policy_jobs(state)
     decision, stuck = _decide(state, decided, now, knobs)
     commands: list[Command] = []
     resizes = state.resizes
@@ -775,7 +702,7 @@ def _round(
         decision=_shown(decision, state),
         decided_s=now,
     )
-    return replace(new, view=_view(new, hints)), tuple(commands)
+    return replace(new, view=_view(new)), tuple(commands)
 
 
 def _decide(
@@ -871,13 +798,13 @@ def differs(entry: Entry) -> str | None:
     return "; ".join(parts) or None
 
 
-def _view(state: RoundState, hints: Mapping[str, float] | None) -> ClusterView | None:
+def _view(state: RoundState) -> ClusterView | None:
     """The last round's decision as the jobs stand now: each known job's allocation (a
     request answered since the round included, with the reason it gave), members,
     ``differs`` and ``waits``; jobs gone since the round are left out."""
     if state.decision is None:
         return None
-    _, shown = policy_jobs(state, hints)
+    _, shown = policy_jobs(state)
     plans = []
     for p in state.decision.plans:
         entry = state.job(p.job_id)
