@@ -1,47 +1,14 @@
 """The coordinator of one job: the step loop's executor, over pure machines and a runtime.
 
-The decisions live in pure machines (no ray, no torch, no clock), each in its module:
-
-* :class:`~dynabatch.scheduler.core.sync.protocol.SyncProtocol`: where the epoch stands
-  and which positions each worker trains next (synchronous DBS);
-* the policy (``dynabatch.scheduler.core.sync.policy``): batch sizes from telemetry;
-* :class:`~dynabatch.scheduler.core.sync.tracker.Tracker`: the per-worker telemetry the
-  policy and reports use;
-* :class:`~dynabatch.scheduler.core.ledger.Ledger`: which samples the workers *reported*
-  trained; verified exactly once at every epoch's end;
-* :class:`~dynabatch.scheduler.core.membership.Membership`: who is in, who holds the
-  current state, what to spawn or evict;
-* :mod:`dynabatch.scheduler.core.failures`: what a failed segment means, and each
-  failure's one decision (retry, evict, roll back, fail: :class:`FailurePolicy`);
-* :mod:`~dynabatch.scheduler.core.sync.ahead` and :mod:`~dynabatch.scheduler.core.sync.
-  boundary`: what may be sent ahead, whose time a segment took, when to wait, fail, roll
-  back or evaluate again.
-
-The driver feeds them events and executes their decisions on a :class:`Runtime`: Ray
-actors in production (``dynabatch.scheduler.runtime.ray_runtime``), the simulator's virtual
-clock in ``dynabatch simulate`` and the unit tests (``dynabatch.scheduler.sim.runtime``).
-It is split by concern over the job's machines
-(:class:`~dynabatch.scheduler.sync.job.SyncJob`), each part given what it uses:
-
-* this module: the :class:`Coordinator` (public surface, snapshot) and the control loop;
-* ``workforce``: the job's workers: who leaves and is stopped, what a failure decides;
-* ``pipeline``: segments sent ahead, committed, absorbed after a failure;
-* ``roster``: membership and spares (reconcile, spawn, adopt, wait for the minimum, regroup);
-* ``epochs``: the data, epochs' beginnings and ends, evaluations, success;
-* ``checkpoints``: save, restore, roll back;
-* ``final_model``: the trained model's files at the job's end.
-
 ``step()`` is one step boundary: the pure reducer (:func:`~dynabatch.scheduler.core.sync.
-loop.step`) decides it (load, watch or reconcile, train, end the epoch, re-plan, succeed,
-cancel, fail) from what this executor tells it happened, and this executor carries out its
-effects on the parts; ``run()`` loops it until the job is terminal.
-The other public methods may be called from other threads while it runs (the actor is
-threaded): requests are queued and applied at the next step boundary. What needs the group
-at rest waits for a boundary with nothing in flight: a worker that started and joins, a
-scale or drain request (and the hand-over an assignment starts), a checkpoint,
-cancellation, and the retry after a failure. An assignment is taken as it arrives once the
-job trains (before that, at the next boundary), so that its new workers start up while the
-group trains; each group formed is reported to the cluster scheduler (``reports``).
+loop.step`) decides it from what this executor tells it happened, and this executor carries
+out its effects on its parts (``workforce``, ``pipeline``, ``roster``, ``epochs``,
+``checkpoints``, ``final_model``), over the job's pure machines
+(:class:`~dynabatch.scheduler.sync.job.SyncJob`) and a :class:`Runtime`: Ray actors in
+production, the simulator's virtual clock in ``dynabatch simulate`` and the unit tests.
+``run()`` loops it until the job is terminal. The other public methods may be called from
+other threads while it runs (the actor is threaded): requests are queued and applied at
+the next step boundary. ``docs/architecture.md`` ("The step loop") draws the whole.
 """
 
 from __future__ import annotations

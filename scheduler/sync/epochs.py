@@ -1,24 +1,11 @@
 """Epochs: the data, each epoch's beginning and plan, its end, evaluation and record.
 
-An epoch begins with its global batch (a schedule may change it) and a plan; it ends with
-the ledger's exactly-once check, its record and an evaluation of its final weights, split
-over the state holders and run off the critical path
-(``dynabatch.scheduler.sync.evaluation``). Whether that evaluation is awaited, the epoch
-judged and a checkpoint written before the next epoch begins is the step loop's reducer's
-decision (``dynabatch.scheduler.core.sync.loop``), carried out here. The record joins
-the history when the evaluation is in; an evaluation that lost a shard is run again on the
-holders left when nothing was queued behind it
-(:func:`~dynabatch.scheduler.core.sync.boundary.evaluate_again`). Whether the job is then
-trained (every epoch, or early stopping's reason, the ``NextEpoch`` it gave) and succeeds
-is the loop's.
-
-Judged epochs (``early_stopping``, ``checkpoint.keep_best``). Each epoch's evaluation is
-awaited at its end, before the next epoch's first segment is sent (the pipeline does not
-cross the boundary): whether the job goes on, and whether these weights are the best, are
-decided from it (:func:`~dynabatch.scheduler.core.regime.stopping.judge` over the history).
-The best epoch's checkpoint is written to ``DIR/JOB_ID/best.pt`` with the weights of that
-epoch's end, beside the latest; a stop writes the latest checkpoint too, when the job keeps
-them.
+An epoch ends with the ledger's exactly-once check, its record and an evaluation of its
+final weights on the state holders, off the critical path (``evaluation``); the record
+joins the history when that is in. A judged epoch (``early_stopping``,
+``checkpoint.keep_best``) is judged from its evaluation over the history
+(:func:`~dynabatch.scheduler.core.regime.stopping.judge`). Whether to await, judge and
+checkpoint is the step loop's decision (``dynabatch.scheduler.core.sync.loop``).
 """
 
 from __future__ import annotations

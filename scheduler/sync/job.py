@@ -2,19 +2,8 @@
 
 :class:`SyncJob` holds the machines the driver's parts drive (membership, regime, policy,
 tracker, ledger, and the protocol once the data is loaded), where the protocol starts
-(:class:`StartPoint`: a checkpoint's position, batch and weights, until a regroup loads them) and
-the counters the snapshot reports and a checkpoint keeps. What the loop carries between
-effects has one owner each: the segment in flight the pipeline's, the open epoch's totals
-the epochs', the evaluation queued behind the next segment the evaluations', the workers
-leaving and the failure decided the workforce's. The parts (``pipeline``, ``roster``,
-``epochs``, ``checkpoints``, ``final_model``) are each given the job, the job's control
-(:class:`~dynabatch.scheduler.control.JobControl`: spec, clock, log, lock, records,
-requests) and, as they need them, the runtime, the evaluations in flight and the job's
-workers (:class:`~dynabatch.scheduler.sync.workforce.Workforce`: who leaves, what a failure
-decides). No part holds the coordinator or another part: what one needs of another the
-coordinator passes (a re-plan's first step inside the segment in flight, a posted plan
-update's outcome, the open epoch's totals to the pipeline), or it is an effect of its own (a
-drain waits for the evaluations first: the loop's ``Settle`` before ``ApplyDrains``).
+(:class:`StartPoint`) and the counters the snapshot reports and a checkpoint keeps. How the
+parts share them, and what each owns, is in ``docs/architecture.md`` ("The step loop").
 """
 
 from __future__ import annotations

@@ -1,73 +1,15 @@
 """A synchronous job's life in one file: the step loop as a reducer.
 
-``step(state, event) -> (state, effects)`` is pure (no Ray, no torch, no clock). The
-executor (``dynabatch.scheduler.sync.coordinator``) feeds it what happened and carries the
-effects out in order, on Ray's runtime, the simulator's or a test's alike.
-
-**Events** are what happened. :class:`Boundary` is a step boundary (the loop's turn, with the
-time); every other event answers the batch of effects the reducer gave last, typed by
-what its last effect did (:func:`answer`): a segment done (``all_ran``), a group
-regrouped (``formed``), workers started or placed, requests taken, evaluations in (an
-epoch's :class:`Verdict`), or just done. A failure that the failure policy
-(``dynabatch.scheduler.core.failures.FailurePolicy``, pure) decided to fail the job is
-:class:`Failed`: it answers whatever was awaited, and the job ends FAILED. Each event
-carries :class:`Seen`: what the job's machines (membership, protocol, regime, the
-request queue) say after it. What is *due* the reducer derives from its own
-state, the job's :class:`LoopConfig` and those readings: a checkpoint (every N epochs, the
-last), an epoch's judgement, the rebalance rule's check, listing the nodes again, the first
-start's deadline, whether the next segment may be sent ahead or across the epoch's end,
-whether the epoch is complete and the job trained.
-
-**Effects** carry what the executor needs: which workers to stop, where a checkpoint is
-written and what it is the best by, how a segment is sent, with what outcome the job ends.
-
-**States** are where the loop stands, and carry their data (:data:`LoopState`): between
-boundaries :class:`AtRest` or :class:`Waiting` (too few workers: since when, which);
-inside one, :class:`Reconciling` (who trains), :class:`Regrouping`, :class:`Training`
-(the epoch), :class:`EndingEpoch` (the epoch, what follows), :class:`Finishing`,
-:class:`Cancelling` (why), and :class:`Concluded` (the outcome). Every state also carries
-:class:`Memo`, what the reducer remembers across boundaries (when it last listed the
-nodes; whether a segment is in flight and whether the next is a retry: what the last
-:class:`SegmentDone` said; whether the data is loaded and an epoch open (its own effects'
-doing: loaded, begun and not yet closed); whether
-weights restored from a checkpoint wait for a group to form; early stopping's reason).
-
-One boundary, as the reducer decides it:
-
-* a cancellation is pending: cancel (below);
-* otherwise: load the data if it is not loaded; then, with a segment in flight, only take
-  in the assignments queued first (their new workers start now, while the group trains
-  on), take in workers that came up, and *place* when due (at once after an assignment):
-  list the nodes, start the workers the membership misses, tend the spares; other
-  membership changes wait for a boundary with nothing in flight. At rest, *reconcile*:
-  apply the requests (what they drain leaves once the evaluations in flight are in: a
-  drained worker may owe a shard), take in started workers, place when due (at once when
-  the group changed, and at the first start, which starts no spares and then waits for
-  its workers up to the start timeout, starting again those that failed, giving up those
-  not up); then wait when fewer than the minimum are in (the step ends), or regroup when
-  the group changed (loading the last checkpoint first when no member holds the
-  committed state; a regroup that fails ends the step; one formed mid-epoch has the rest
-  of the epoch re-split over it); a job that was PENDING is RUNNING once its group is
-  ready;
-* train: begin the epoch if none is open (and plan it), run a segment (sending the next
-  ahead when the next boundary need not have the group at rest), then end the epoch when
-  it is complete, or re-plan when the rebalance rule's check is due after a segment that
-  all ran; a re-plan that changed the batches inside the segment in flight is posted to
-  its workers at once; after a failed segment, absorb the one sent ahead of it (in the
-  next epoch when the failed one completed this);
-* an epoch's end: verify and record it, have the holders evaluate it; when its checkpoint
-  is due or the epoch is judged (early stopping, keep_best), await the evaluation first;
-  the judgement decides the checkpoints; the next epoch begins where they were written;
-* every epoch trained and a member holding the final state: await the last evaluations,
-  hand out the model, and end SUCCEEDED (a cancel that comes meanwhile wins; a holder
-  lost meanwhile makes the next boundary regroup and train on).
-
-A cancellation commits the segment in flight (ending the epoch it completed; when that
-was the last, the job succeeds instead), awaits the evaluations, writes the checkpoint,
-hands out the model when anything was trained, and ends the job CANCELLED.
-
-Workers taken out of the job inside a batch (lost, evicted, drained, started unwanted:
-``Seen.leaving``) are stopped first thing in the next batch, whatever it is.
+``step(state, event, config) -> (state, effects)`` is pure (no Ray, no torch, no clock).
+The executor (``dynabatch.scheduler.sync.coordinator``) feeds it what happened and carries
+the effects out in order, on Ray's runtime, the simulator's or a test's alike. Events are
+what happened (a step boundary, or the answer to the last batch of effects, with
+:class:`Seen`: what the job's machines say after it); effects carry what the executor needs;
+states say where the loop stands and carry their data, with :class:`Memo`, what the reducer
+remembers across boundaries. What is due (a checkpoint, an epoch's judgement, the rebalance
+rule's check, listing the nodes, the first start's deadline, sending a segment ahead) the
+reducer derives from its state, :class:`LoopConfig` and the event. The state diagram, and
+what each state and effect means, is in ``docs/architecture.md`` ("The step loop").
 """
 
 from __future__ import annotations
