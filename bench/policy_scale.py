@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dynabatch.scheduler.core.sync.allocation import Allocation, WorkerTelemetry, make_allocation
-from dynabatch.scheduler.core.sync.policy import make_policy
+from dynabatch.scheduler.core.sync.policy import policy_for
 from dynabatch.scheduler.core.sync.steptime import StepTimeStats
 
 POLICIES = ("static", "dbs", "affine")
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         dataset = 100 * global_batch
         current = equal_current(telemetry, global_batch, dataset)
         for name in POLICIES:
-            policy = make_policy(name)
+            policy = policy_for(name)
             fresh = time_decide(policy, telemetry, global_batch, dataset, None, args.repeats)
             replan = time_decide(policy, telemetry, global_batch, dataset, current, args.repeats)
             results[name][str(n)] = {

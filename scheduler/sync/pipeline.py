@@ -189,8 +189,9 @@ class Pipeline:
                 self.ahead = ahead
                 self.drain(None)
             plans = self.stamp(p.plan_segment())
-            if not plans:
-                return SegmentRun()
+            if not plans:  # the loop trains only an epoch not complete: a bug
+                raise RuntimeError(f"no segment to train at {p.position} (the epoch is "
+                                   "complete)")
             t0 = self.control.clock.now()
             behind, self.evals.behind = self.evals.behind, None
             ticket = self.runtime.submit_segment(plans)

@@ -21,7 +21,7 @@ from dynabatch.scheduler.checkpoint import (
 )
 from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry
-from dynabatch.scheduler.core.sync.policy import make_policy
+from dynabatch.scheduler.core.sync.policy import policy_for
 from dynabatch.scheduler.core.sync.protocol import Position, SyncProtocol
 from dynabatch.scheduler.telemetry import EpochRecord, WorkerEpochStats
 
@@ -48,7 +48,7 @@ def _payload() -> dict[str, Any]:
     # A ledger mid-epoch, filled from real worker reports (as the coordinator keeps it).
     protocol = SyncProtocol(global_batch=64, dataset_size=1000, seed=0, position=Position(1, 0))
     protocol.replan(
-        make_policy("affine"), [WorkerTelemetry(worker="w0"), WorkerTelemetry(worker="w1")]
+        policy_for("affine"), [WorkerTelemetry(worker="w0"), WorkerTelemetry(worker="w1")]
     )
     ledger = Ledger()
     ledger.begin_epoch(1, 1000)

@@ -78,7 +78,7 @@ def test_the_threshold_becomes_min_gain_where_validation_says_it_applies(policy,
     import warnings
 
     from dynabatch.actors.spec import JobSpec
-    from dynabatch.scheduler.core.sync.policy import make_policy, policy_for
+    from dynabatch.scheduler.core.sync.policy import policy_for
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -88,7 +88,7 @@ def test_the_threshold_becomes_min_gain_where_validation_says_it_applies(policy,
     ignored = any("rebalance.threshold is ignored" in str(w.message) for w in caught)
     applies = mode == "adaptive" and policy != "static"
     assert ignored is not applies
-    expected = make_policy(policy, **({"min_gain": 0.2} if applies else {}))
+    expected = policy_for(policy, 0.2 if applies else None)
     assert policy_for(spec.policy, spec.rebalance.min_gain(spec.policy)) == expected
     coord = Coordinator("job", spec, runtime=sim_runtime(spec, n_train=64), resume=False)
     assert coord.job.policy == expected

@@ -10,7 +10,7 @@ import pytest
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry
-from dynabatch.scheduler.core.sync.policy import StaticPolicy, make_policy
+from dynabatch.scheduler.core.sync.policy import StaticPolicy, policy_for
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from dynabatch.scheduler.runtime.seam import ShardResult
 from dynabatch.scheduler.sim.cluster_spec import Fault
@@ -60,7 +60,7 @@ def test_replans_adopted_ahead_never_change_a_segment_sent_and_cover_the_epoch_o
     every position of the epoch is trained once."""
     p = SyncProtocol(global_batch=b, dataset_size=n, seed=1, rule=rule)
     k = data.draw(st.integers(1, min(b, 4)))
-    p.replan(make_policy("static"), _tel([1.0] * k))
+    p.replan(policy_for("static"), _tel([1.0] * k))
     counts = np.zeros(n, dtype=np.int64)
     ahead: tuple[int, dict] | None = None
     while not p.epoch_complete:
@@ -80,7 +80,7 @@ def test_replans_adopted_ahead_never_change_a_segment_sent_and_cover_the_epoch_o
         p.advance(end - start)
         if p.rule.due(p.step, p.steps_per_epoch) or data.draw(st.booleans()):
             speeds = data.draw(st.lists(st.floats(0.5, 8.0), min_size=k, max_size=k))
-            policy = make_policy(data.draw(st.sampled_from(["static", "dbs", "affine"])))
+            policy = policy_for(data.draw(st.sampled_from(["static", "dbs", "affine"])))
             at = ahead[0] + len(next(iter(ahead[1].values())).steps) if ahead else None
             p.replan(policy, _tel(speeds), at=at)
             assert p.planned_remaining("w0") >= 0
@@ -101,10 +101,10 @@ def test_the_next_epochs_first_segment_planned_ahead_is_the_one_planned_after_th
 ):
     b = max(b, len(speeds))
     p = SyncProtocol(global_batch=b, dataset_size=n, seed=3, rule=rule)
-    p.replan(make_policy("dbs"), _tel(speeds))
+    p.replan(policy_for("dbs"), _tel(speeds))
     mid = data.draw(st.integers(0, p.steps_per_epoch - 1))
     p.advance(mid)
-    p.replan(make_policy("dbs"), _tel(speeds[::-1]))  # a mid-epoch plan: cut over the rest
+    p.replan(policy_for("dbs"), _tel(speeds[::-1]))  # a mid-epoch plan: cut over the rest
     p.advance(p.steps_per_epoch - mid)
     ahead = p.plan_segment(at=Position(p.epoch + 1, 0))
     allocation = p.allocation
@@ -123,7 +123,7 @@ def test_an_allocation_adopted_ahead_applies_only_from_its_step():
     p = SyncProtocol(global_batch=10, dataset_size=200, seed=0, rule=RebalanceRule("adaptive"))
     p.replan(StaticPolicy(), _tel([1, 1]))
     before = p.plan_segment(at=2)  # the segment ahead, under equal shares
-    d = p.replan(make_policy("dbs"), _tel([4.0, 1.0]), at=4)
+    d = p.replan(policy_for("dbs"), _tel([4.0, 1.0]), at=4)
     assert d.rebalanced and d.allocation.batches == (8, 2)
     assert p.allocation.batches == (5, 5)  # still in force now
     assert p.plan_segment(at=2) == before
@@ -140,7 +140,7 @@ def test_a_replan_while_the_epochs_last_segment_is_in_flight_is_the_next_epochs_
     p = SyncProtocol(global_batch=10, dataset_size=95, seed=0)
     p.replan(StaticPolicy(), _tel([1, 1]))
     first = p.plan_segment()
-    d = p.replan(make_policy("dbs"), _tel([4.0, 1.0]), at=p.steps_per_epoch)
+    d = p.replan(policy_for("dbs"), _tel([4.0, 1.0]), at=p.steps_per_epoch)
     assert d.allocation.dataset_size == 95 and d.allocation.batches == (8, 2)
     assert p.allocation.batches == (5, 5) and p.plan_segment() == first
     assert p.planned_remaining("w0") == p.allocation.partitions[0]  # nothing of the next

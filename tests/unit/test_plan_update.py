@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from dynabatch.actors.contracts import SegmentPlan, StepPlan, plan_key
 from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry
-from dynabatch.scheduler.core.sync.policy import make_policy
+from dynabatch.scheduler.core.sync.policy import policy_for
 from dynabatch.scheduler.core.sync.protocol import RebalanceRule, SyncProtocol
 from dynabatch.scheduler.core.sync.update import (
     PlanUpdate,
@@ -47,7 +47,7 @@ def test_an_update_aims_past_the_step_the_workers_may_have_started():
 def test_an_update_that_moves_a_global_batch_or_leaves_a_hole_is_rejected():
     p = SyncProtocol(global_batch=10, dataset_size=100, seed=0,
                      rule=RebalanceRule("adaptive", 10, 4))
-    p.replan(make_policy("static"), _tel([1, 1]))
+    p.replan(policy_for("static"), _tel([1, 1]))
     seg = p.plan_segment()
     good = PlanUpdate(0, 1, {w: s.steps[1:] for w, s in seg.items()})
     assert check_update(seg, good) is None
@@ -74,7 +74,7 @@ def test_updates_accepted_or_refused_change_only_steps_not_started_and_cover_onc
     p = SyncProtocol(global_batch=b, dataset_size=n, seed=1,
                      rule=RebalanceRule("adaptive", 10, check))
     k = data.draw(st.integers(1, min(b, 4)))
-    p.replan(make_policy("static"), _tel([1.0] * k))
+    p.replan(policy_for("static"), _tel([1.0] * k))
     counts = np.zeros(n, dtype=np.int64)
     ahead = None
     while not p.epoch_complete:
@@ -94,7 +94,7 @@ def test_updates_accepted_or_refused_change_only_steps_not_started_and_cover_onc
         a_end = ahead[0] + _steps(ahead[1])
         early = update_at(committed=p.step, ahead_start=ahead[0], ahead_end=a_end)
         speeds = data.draw(st.lists(st.floats(0.2, 8.0), min_size=k, max_size=k))
-        policy = make_policy(data.draw(st.sampled_from(["dbs", "affine"])))
+        policy = policy_for(data.draw(st.sampled_from(["dbs", "affine"])))
         if early is None:
             p.replan(policy, _tel(speeds), at=a_end)
             continue

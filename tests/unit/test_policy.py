@@ -12,7 +12,7 @@ from dynabatch.scheduler.core.sync.allocation import (
     WorkerTelemetry,
     make_allocation,
 )
-from dynabatch.scheduler.core.sync.policy import AffinePolicy, DBSPolicy, StaticPolicy, make_policy
+from dynabatch.scheduler.core.sync.policy import AffinePolicy, DBSPolicy, StaticPolicy, policy_for
 from dynabatch.scheduler.core.sync.steptime import StepTimeStats, shared_overhead_fit
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -198,7 +198,7 @@ def check_steps(alloc: Allocation) -> None:
 @given(case=scenarios())
 def test_policy_allocation_invariants(name, case):
     telemetry, global_batch, dataset, current = case
-    policy = make_policy(name)
+    policy = policy_for(name)
     decision = policy.decide(telemetry, global_batch, dataset, current)
     assert isinstance(decision, Decision)
     check_allocation(decision.allocation, telemetry, global_batch, dataset)
@@ -274,12 +274,12 @@ def test_bounds_errors():
             policy.decide(tel, 4, -1)
 
 
-def test_make_policy():
-    assert isinstance(make_policy("static"), StaticPolicy)
-    assert isinstance(make_policy("dbs"), DBSPolicy)
-    assert make_policy("affine", min_gain=0.1) == AffinePolicy(min_gain=0.1)
+def test_policy_for():
+    assert isinstance(policy_for("static"), StaticPolicy)
+    assert isinstance(policy_for("dbs"), DBSPolicy)
+    assert policy_for("affine", min_gain=0.1) == AffinePolicy(min_gain=0.1)
     with pytest.raises(ValueError, match="unknown policy"):
-        make_policy("fifo")
+        policy_for("fifo")
     with pytest.raises(ValueError, match="min_gain"):
         AffinePolicy(min_gain=-0.1)
 
@@ -292,7 +292,7 @@ def test_make_policy():
 def test_keep_path_survives_global_batch_change(name):
     tel = [WorkerTelemetry("a"), WorkerTelemetry("b")]
     current = make_allocation(["a", "b"], np.array([2, 2]), 4, 10)
-    d = make_policy(name).decide(tel, 6, 10, current)
+    d = policy_for(name).decide(tel, 6, 10, current)
     assert sum(d.allocation.batches) == 6
     assert d.rebalanced
 
@@ -301,7 +301,7 @@ def test_keep_path_survives_global_batch_change(name):
 def test_keep_path_respects_new_caps(name):
     current = make_allocation(["a", "b"], np.array([2, 2]), 4, 10)
     tel = [WorkerTelemetry("a", cap=1), WorkerTelemetry("b")]
-    d = make_policy(name).decide(tel, 4, 10, current)
+    d = policy_for(name).decide(tel, 4, 10, current)
     assert d.allocation.batches == (1, 3)
     assert d.rebalanced
 
@@ -310,7 +310,7 @@ def test_keep_path_respects_new_caps(name):
 def test_no_telemetry_keeps_valid_plan(name):
     current = make_allocation(["a", "b"], np.array([3, 1]), 4, 10)
     tel = [WorkerTelemetry("a"), WorkerTelemetry("b")]
-    d = make_policy(name).decide(tel, 4, 12, current)
+    d = policy_for(name).decide(tel, 4, 12, current)
     assert not d.rebalanced
     assert d.allocation.batches == (3, 1)
     assert d.allocation.dataset_size == 12
@@ -319,7 +319,7 @@ def test_no_telemetry_keeps_valid_plan(name):
 @pytest.mark.parametrize("name", ["dbs", "affine"])
 def test_no_telemetry_splits_by_capacity(name):
     tel = [WorkerTelemetry("a", capacity=3.0), WorkerTelemetry("b", capacity=1.0)]
-    d = make_policy(name).decide(tel, 40, 100)
+    d = policy_for(name).decide(tel, 40, 100)
     assert d.allocation.batches == (30, 10)
 
 

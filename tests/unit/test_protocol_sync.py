@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry
-from dynabatch.scheduler.core.sync.policy import make_policy
+from dynabatch.scheduler.core.sync.policy import policy_for
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +24,7 @@ def test_segments_cover_the_epoch_exactly_once_across_replans(n, b, data):
         speeds = data.draw(st.lists(st.floats(0.5, 8.0), min_size=k, max_size=k))
         tel = [WorkerTelemetry(worker=f"w{i}", samples=int(100 * s), compute_s=1.0)
                for i, s in enumerate(speeds)]
-        p.replan(make_policy(data.draw(st.sampled_from(["static", "dbs"]))), tel)
+        p.replan(policy_for(data.draw(st.sampled_from(["static", "dbs"]))), tel)
         plans = p.plan_segment()
         assert plans
         steps = len(next(iter(plans.values())).steps)
@@ -37,7 +37,7 @@ def test_segments_cover_the_epoch_exactly_once_across_replans(n, b, data):
         p.advance(done)
     assert (counts == 1).all()
     assert p.step * p.global_batch >= p.dataset_size  # no sample left
-    assert p.replan(make_policy("static"), tel) is None
+    assert p.replan(policy_for("static"), tel) is None
 
 
 def test_epoch_completes_on_the_last_step_even_when_n_is_a_multiple_of_b():

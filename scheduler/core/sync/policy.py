@@ -357,15 +357,12 @@ def _cautious(a: np.ndarray, c: np.ndarray, cols: np.ndarray, slowed: np.ndarray
     return np.where(rows, c_k * k, a), np.where(rows, c_k, c)
 
 
-def policy_for(name: str, min_gain: float | None) -> Policy:
+def policy_for(name: str, min_gain: float | None = None) -> Policy:
     """Policy ``name`` with ``min_gain`` (None: its own default), as a job spec gives them:
     ``spec.policy`` and ``spec.rebalance.min_gain(spec.policy)``
     (:meth:`~dynabatch.actors.spec.sections.RebalanceSpec.min_gain` states when the
     threshold applies)."""
-    return make_policy(name, **({} if min_gain is None else {"min_gain": min_gain}))
-
-
-def make_policy(name: str, **options: float) -> Policy:
+    options = {} if min_gain is None else {"min_gain": min_gain}
     if name == "static":
         return StaticPolicy()
     if name == "dbs":

@@ -75,29 +75,11 @@ class AffineFit:
 
 
 def fit(stats: StepTimeStats, min_relative_spread: float = 0.05) -> AffineFit | None:
-    """Least-squares fit of t = a + c·b; proportional fallback; None without usable data."""
-    if stats.empty:
-        return None
-    n = stats.n
-    mean_b = stats.sb / n
-    var_b = stats.sbb / n - mean_b * mean_b
-    proportional = AffineFit(0.0, stats.st / stats.sb)
-    # A spread of batch sizes below a few percent cannot separate overhead from slope.
-    if var_b <= (min_relative_spread * mean_b) ** 2:
-        out = proportional
-    else:
-        c = (n * stats.sbt - stats.sb * stats.st) / (n * stats.sbb - stats.sb * stats.sb)
-        a = (stats.st - c * stats.sb) / n
-        if c <= 0.0:
-            out = proportional
-        elif a < 0.0:
-            # Noise gave a negative overhead: refit through the origin.
-            out = AffineFit(0.0, stats.sbt / stats.sbb)
-        else:
-            out = AffineFit(a, c)
-    if not (math.isfinite(out.a) and math.isfinite(out.c) and out.c > 0.0 and out.a >= 0.0):
-        return None
-    return out
+    """Least-squares fit of t = a + c·b; proportional fallback; None without usable data
+    (one row of :func:`fit_arrays`)."""
+    a, c = fit_arrays(*([x] for x in (stats.n, stats.sb, stats.st, stats.sbb, stats.sbt)),
+                      min_relative_spread)
+    return None if math.isnan(c[0]) else AffineFit(float(a[0]), float(c[0]))
 
 
 def accumulation_slope(a: np.ndarray, c: np.ndarray, micro: np.ndarray) -> np.ndarray:
@@ -118,7 +100,10 @@ def fit_arrays(
     sbt: np.ndarray,
     min_relative_spread: float = 0.05,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Vectorised :func:`fit` over many workers. Rows :func:`fit` maps to None get NaN."""
+    """Per row, the least-squares fit of t = a + c·b. A spread of batch sizes below a few
+    percent cannot separate overhead from slope, nor can a slope that is not positive: the
+    proportional fit ``a = 0``; a negative overhead (noise) refits through the origin. NaN
+    in rows without usable data."""
     n, sb, st, sbb, sbt = (np.asarray(x, dtype=np.float64) for x in (n, sb, st, sbb, sbt))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         mean_b = sb / n
