@@ -1,37 +1,10 @@
 """The cluster scheduler that runs: one named, detached Ray actor per Ray cluster.
 
-It holds the queue and the allocations (the pure rounds of
-:mod:`dynabatch.scheduler.core.cluster.rounds`) and executes their commands: a granted job's
-coordinator is launched to train on the nodes it was granted
-(:func:`~dynabatch.scheduler.runtime.launch.launch_coordinator` with ``assignment``), and a
-running job is told to train on new nodes (``assign``), which it does at its next step
-boundary through its elastic membership. Rounds run every ``round_s`` and on events: a job
-registered or finished, a node joined or lost (nodes are listed each round and whenever a
-caller wakes it). A granted job's workers start only if it is still held once its
-coordinator is up: a cancel that arrived meanwhile gets the coordinator killed unstarted.
-A running job's members are its own report: its coordinator sends them whenever its group
-forms (:meth:`ClusterScheduler.report`, without waiting), and each round polls it too.
-
-Every remote call has a timeout. A coordinator that is gone (Ray says the actor died, or
-no actor has its name) is dropped from the rounds, its nodes free at the same round; one
-that does not answer in time is asked again next round.
-
-Rebuild. The scheduler keeps nothing on disk. A new one (after the actor or the API
-process restarted) runs no round until the service has told it every live job
-(:meth:`ClusterScheduler.sync`, from the store): a job whose coordinator is alive is adopted
-as it runs (its assignment, or its workers' nodes), holding its nodes from then
-(:func:`~dynabatch.scheduler.core.cluster.rounds.rebuild`); the others queue. No job is
-touched.
-
-Jobs of ``dynabatch run --address`` (``JobEntry.client``). Their own driver launches the
-coordinator (in its own Ray job, so it ships the run's local code and ends with the run):
-a round that grants such a job records the grant, the driver reads it (:meth:`grant`),
-launches its coordinator on those nodes and says so (:meth:`launched`); from then it is
-polled and resized like any job. The service's store does not know them, so its
-:meth:`~ClusterScheduler.sync` never drops them and its rebuild keeps them; their driver
-tells a new scheduler about them again (:meth:`register`, repeated while it follows the
-job). One whose driver has not been heard from for ``client_lease_s`` before its
-coordinator runs (the run was killed while it waited) is dropped.
+It holds the pure rounds (:mod:`dynabatch.scheduler.core.cluster.rounds`) and executes their
+commands on Ray: launching a granted job's coordinator on its nodes, or telling a running job
+to train on new ones. Every remote call has a timeout. It keeps nothing on disk: a new one
+rebuilds from the service's :meth:`ClusterScheduler.sync`. docs/cluster.md, "The scheduler
+that runs", describes its calls, its rebuild and the jobs of ``dynabatch run --address``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """The cluster policy: nodes and jobs in, one :class:`ClusterDecision` out (pure).
 
-Steps, the same for every policy:
-
-1. Current allocations are checked against the nodes that exist (a lost node's slots are
-   gone; :func:`.admission.sanitize`).
-2. Jobs within ``hold_s`` of their last resize are *held*: their nodes stay as they are
-   (unless a node of theirs was lost).
-3. Gang admission in the order ``(-priority, running first, submit, id)``
-   (:mod:`.admission`): a job runs only if its ``min_workers`` fit together; a queued job
-   holds nothing. A running job of lower priority can be displaced only by a higher one.
-4. Counts per node type for the admitted, not-held jobs (:mod:`.solve`), then concrete
-   nodes (:mod:`.assign`).
-
-Policies:
-
-* ``fifo``: today's behaviour, made explicit. Running jobs keep exactly what they hold;
-  the head of the queue starts when its ``min_workers`` are free, taking up to
-  ``max_workers`` of the free slots, its fastest types first; nobody passes the head.
-* ``fair``: heterogeneity-aware max-min fairness on normalised throughput (Gavel), then
-  what is left over by total throughput. Later, smaller jobs may pass a waiting one.
-* ``goodput``: the largest total normalised throughput, less a penalty per resize, with
-  hysteresis (Sia's program, without its one-type-per-job rule).
-* ``single_type``: ``goodput`` with every job on one node type (how Gavel and Sia
-  allocate), for comparison.
-
-Normalised throughput: a job's throughput over its throughput on ``max_workers`` workers of
-its fastest type, so jobs of different sizes and speeds are compared on one scale; at most
-as many workers as its eligible nodes hold (a ``workers: auto`` job may take up to its
-global batch: over that many, every allocation looked alike and no resize paid its penalty).
+Lost nodes, then holds, then gang admission (:mod:`.admission`), then counts per node type
+(:mod:`.solve`) and concrete nodes (:mod:`.assign`): docs/cluster.md, "The decision" and
+"Policies" (``fifo``, ``fair``, ``goodput``, ``single_type``). A job's throughput is
+normalised by its throughput on ``max_workers`` (at most what its eligible nodes hold) of its
+fastest type, so jobs of different sizes and speeds compare on one scale.
 """
 
 from __future__ import annotations

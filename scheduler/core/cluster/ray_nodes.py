@@ -1,27 +1,9 @@
 """A Ray node as the cluster scheduler sees it: its type and its worker slots (pure).
 
-Type, first found of:
-
-1. the node label ``dynabatch.io/node-type`` (``ray start --labels``);
-2. a custom resource ``node-type:<name>`` (any amount; for Ray versions or clusters
-   without labels);
-3. derived from its resources: ``gpu-<model>x<count>`` when it has GPUs (the model from
-   Ray's ``accelerator_type:<model>`` resource, else ``gpu``), else ``cpu<count>``; then
-   ``+<name>`` for each custom resource it carries (``ray start --resources``), so nodes a
-   job's ``node_resource`` picks are never one type with nodes it does not (a type is the
-   policy's unit: a job may use a type only if every node of it has the resource).
-
-Slots. A node's capacity is counted in slots: ``GPU_UNITS`` per whole GPU on a node with
-GPUs (a slot is a fraction of a GPU), ``RAY_UNITS`` per CPU on the others (Ray's own fixed
-point: Ray packs a node's CPUs by the sum of its workers' ``worker_cpus``, so three workers
-of 0.5 CPU fit on 2 CPUs here as there). A worker takes its ``worker_cpus`` in those units
-on a CPU node (:func:`worker_slots`) and :func:`gpu_units` on a GPU node: a whole GPU for
-``worker_gpus`` 1 or ``auto``, and also for a CPU-only worker there (``worker_gpus`` 0: it
-is not packed beside GPU workers); a fraction w below 1 takes 1/k of a GPU, k = the workers
-of w Ray places on one GPU. So jobs of fractional GPUs share a node by the sum of their
-fractions. ``worker_gpus`` above 1 is refused
-(:func:`slot_error`). A job's ``node_resource`` limits it to the types whose every node
-carries that resource (:func:`eligible_types`): a type is the policy's unit.
+The type is the node's ``dynabatch.io/node-type`` label, else its ``node-type:<name>``
+resource, else derived from its resources (:func:`node_type`). Slots: ``GPU_UNITS`` per GPU
+on a GPU node, so fractional ``worker_gpus`` share one; Ray's fixed point per CPU on the
+others, so fractional CPUs pack as Ray packs them. docs/cluster.md, "Node types and slots".
 """
 
 from __future__ import annotations
@@ -51,7 +33,9 @@ class RayNode:
 
 
 def node_type(node: RayNode) -> str:
-    """The node's type (see the module docstring)."""
+    """The node's type: its label, else its ``node-type:`` resource, else
+    ``gpu-<model>x<count>`` or ``cpu<count>`` then ``+<name>`` per custom resource, so the
+    nodes a job's ``node_resource`` picks never share a type with nodes that lack it."""
     label = (node.labels or {}).get(TYPE_LABEL, "").strip()
     if label:
         return label
@@ -121,7 +105,8 @@ def worker_slots(worker_cpus: float) -> int:
 
 
 def gpu_units(worker_gpus: float | str) -> int:
-    """Slots one worker of ``worker_gpus`` takes on a GPU node (see the module docstring).
+    """Slots one worker of ``worker_gpus`` takes on a GPU node: a whole GPU for 1, ``auto``
+    or 0 (a CPU-only worker is not packed beside GPU workers), else 1/k of one.
 
     Ray packs fractional GPUs per GPU, in its fixed point: k = 10000 // (w in 1/10000)
     workers of w share one GPU and none spans two (w = 0.4: 2 per GPU, not 2.5). A worker

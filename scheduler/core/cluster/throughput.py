@@ -1,25 +1,10 @@
-"""A job's throughput on a configuration of node types, and how it is estimated.
+"""A job's throughput on a configuration of node types, and how it is estimated (pure).
 
-Pure (numpy only). The model is the equal-finish step of
-:mod:`dynabatch.scheduler.core.sync.steptime` seen from the cluster: worker i of type t
-takes ``a + c_t·b`` seconds for a local batch b, so for a global batch B split to finish
-together, with ``S = Σ_i 1/c_i`` (samples per second of compute the configuration offers)
-and ``τ`` the per-step time more workers do not shrink (the fixed overhead ``a`` plus the
-all-reduce)::
-
-    step(S) = B / S + τ          throughput(S) = B / step(S) = S / (1 + S·τ/B)
-
-``S`` is linear in the worker counts per type (``S = Σ_t n_t·rate_t``, ``rate_t = 1/c_t``),
-and ``throughput(S)`` is concave in S: each added worker gains less, because τ is paid
-whatever the share. That is what lets the cluster MILP model it with tangent lines, and it
-is why a job may span node types: per-worker batches balance unequal workers, so a slow
-worker adds its own ``rate`` instead of holding the step back to its pace.
-
-Estimation. The rounds take, per node type, the median speed the job's workers there
-report (:mod:`~dynabatch.scheduler.core.cluster.rounds`). :func:`bootstrap` fills the types
-a job has not run on from other jobs' speed ratios between types (as Sia bootstraps), or
-from per-type hints when no job has run on both; a type is marked measured only by the
-job's own telemetry, so an estimate is replaced as soon as the job has run there.
+``throughput(S) = S / (1 + S·τ/B)``, with ``S = Σ_t n_t·rate_t`` the samples per second of
+compute the workers offer, τ the per-step time more workers do not shrink and B the global
+batch: concave in S, so the cluster MILP bounds it by tangent lines. :func:`bootstrap` fills
+the types a job has not run on from other jobs' ratios (Sia), else from the :func:`prior`.
+docs/cluster.md, "The throughput model".
 """
 
 from __future__ import annotations
