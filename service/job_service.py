@@ -1,48 +1,98 @@
 """``JobService``: submit, list, inspect, cancel, scale, drain and resume jobs; keep the store
 in step with Ray. What ``api/``, the CLI and the tests call.
 
-The service is a facade over its parts, each in a module of its own:
+Each command checks what it is asked against the job's stored state, calls the job's
+coordinator (or the cluster scheduler, when it is on) and records the outcome through the
+registry (:mod:`~dynabatch.service.registry`), holding the reconciler's lock so that no sync
+of the job interleaves (:mod:`~dynabatch.service.reconciler`: the sync loop, the re-attach on
+start and the recovery of a lost coordinator). ``submit`` refuses
+(:class:`~dynabatch.service.submit_policy.SpecNotAllowed`, 422, nothing stored) a spec that
+names user code or paths that ``submit_policy`` does not allow, and a resume checks the
+stored spec again (:func:`~dynabatch.service.launch_checks.relaunch_refusal`).
 
-- :mod:`~dynabatch.service.commands`: submit, cancel, scale, drain, resume;
-- :mod:`~dynabatch.service.registry`: every write to the jobs' stored state, each move
-  checked against the lifecycle by the store;
-- :mod:`~dynabatch.service.reconciler`: the sync loop, the re-attach on start and the
-  recovery of a lost coordinator (the pure policy in
-  :mod:`dynabatch.scheduler.core.recovery`: resume from the checkpoint or fail);
-- :mod:`~dynabatch.service.reads`: the read model (get, list, history, logs, nodes, the
-  job state /metrics exports);
-- :mod:`~dynabatch.service.launch_checks`: whether a spec may be launched;
-- :mod:`~dynabatch.service.scheduler_link`: the cluster scheduler, when it is on.
+Every view of the jobs is read from the store, never from Ray; a live job that the cluster
+scheduler's last round queues is shown with the queue's reason. /metrics reads go through a
+cache kept for one sync interval at most, dropped at each write of the registry.
 
-Every Ray call goes through a :class:`~dynabatch.service.cluster_client.ClusterClient`, so
-routes and this service run against ``tests.fakes.FakeCluster`` as well as the real
+Every Ray call goes through the cluster client, so routes and this service run against
+``tests.fakes.FakeCluster`` as well as the real
 :class:`dynabatch.service.ray_client.RayClusterClient`.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
+from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.cluster.view import ClusterView
-from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.telemetry import EpochRecord, LogLine
-from dynabatch.service.cluster_client import ClusterClient, NodeStatus
-from dynabatch.service.commands import JobCommands
-from dynabatch.service.reads import JobReads, MetricState
+from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
+from dynabatch.scheduler.core.membership import scale_error
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.service.cluster_client import ClusterClient, NodeJob, NodeStatus
+from dynabatch.service.cluster_schemas import GRANTED, scheduler_note
+from dynabatch.service.launch_checks import (
+    capacity_problem,
+    checkpoint_exists,
+    min_workers_problem,
+    relaunch_refusal,
+)
 from dynabatch.service.reconciler import EMBEDDED_ENDED, Reconciler
 from dynabatch.service.registry import JobRegistry
 from dynabatch.service.scheduler_link import SchedulerLink
-from dynabatch.service.scheduling import Scheduling
+from dynabatch.service.scheduling import Refused, Scheduling
+from dynabatch.service.service_errors import (
+    AlreadyFinished,
+    ClusterUnavailable,
+    CoordinatorGone,
+    InvalidRequest,
+    JobConflict,
+    JobFinished,
+    JobNotFound,
+    RayCallError,
+    WorkerNotFound,
+    finished_message,
+)
 from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
-from dynabatch.service.submit_policy import SubmitPolicy
+from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
 
 __all__ = ["EMBEDDED_ENDED", "JOB_ID_PATTERN", "WORKER_ID_PATTERN", "JobService", "MetricState"]
+
+log = logging.getLogger("dynabatch.service")
 
 JOB_ID_PATTERN = r"^[0-9a-f]{12}$"
 WORKER_ID_PATTERN = r"^w[0-9]{1,6}$"
 AUTO_RESUME_LIMIT = 3
+
+
+@dataclass(frozen=True)
+class MetricState:
+    """One read of the job state /metrics exports (:meth:`JobService.metric_state`)."""
+
+    read_at: float
+    snapshots: list[JobSnapshot]
+    last_records: dict[str, EpochRecord]
+    job_counts: dict[JobState, int]
+
+
+def shown(rec: JobRecord, view: ClusterView | None) -> JobRecord:
+    """``rec`` with the cluster scheduler's word on it (:func:`scheduler_note`) while it is
+    live: the queue's reason while its round ``view`` queues it, what an owner's scale
+    still waits for, and, while the job is PENDING, that its coordinator is starting on the
+    nodes it was granted."""
+    if rec.state.is_terminal:
+        return rec
+    why = scheduler_note(view, rec.id)
+    if why is None or why == rec.reason:
+        return rec
+    if rec.state != JobState.PENDING and why.startswith(GRANTED.split("{", 1)[0]):
+        return rec  # it runs: its own report says so until the scheduler has heard it
+    return replace(rec, reason=why)
 
 
 class JobService:
@@ -71,17 +121,12 @@ class JobService:
         # The cluster scheduler (None: off, every job is launched at once).
         self.scheduling = scheduling
         self.link = None if scheduling is None else SchedulerLink(scheduling, cluster)
-        # Looked up at each read, so a test may stand in a round of its own.
-        self.reads = JobReads(
-            store,
-            cluster,
-            view=lambda: self.cluster_view(),
-            clock=clock,
-            metrics_retention_s=metrics_retention_s,
-            metrics_ttl_s=min(sync_interval_s, 1.0),
-        )
+        self.metrics_retention_s = metrics_retention_s
+        self.metrics_ttl_s = min(sync_interval_s, 1.0)  # how long one metrics read serves
+        self._metric_lock = threading.Lock()
+        self._metric_cache: MetricState | None = None
         self.registry = JobRegistry(
-            store, cluster_name=self._cluster_name, clock=clock, on_change=self.reads.changed
+            store, cluster_name=self._cluster_name, clock=clock, on_change=self.changed
         )
         self.reconciler = Reconciler(
             self.registry,
@@ -91,16 +136,6 @@ class JobService:
             release_finished=release_finished,
             auto_resume_limit=auto_resume_limit,
             submit_policy=self.submit_policy,
-        )
-        self.commands = JobCommands(
-            self.registry,
-            self.reads,
-            self.reconciler,
-            cluster,
-            scheduling,
-            self.link,
-            submit_policy=self.submit_policy,
-            cancel_wait_s=cancel_wait_s,
         )
 
     def _cluster_name(self) -> str:
@@ -133,38 +168,312 @@ class JobService:
     def alive_nodes(self) -> int | None:
         return self.reconciler.alive_nodes
 
-    # Commands (service/commands.py) ----------------------------------------------------
+    # Commands ---------------------------------------------------------------------------
     def submit(self, spec: JobSpec) -> JobRecord:
-        """Store the job and start its coordinator (:meth:`JobCommands.submit`)."""
-        return self.commands.submit(spec)
+        """Store the job and start its coordinator. A launch that fails leaves it FAILED.
+
+        Raises :class:`SpecNotAllowed` (422; nothing is stored) when the spec names user code
+        or paths that ``submit_policy`` does not allow, :class:`InvalidRequest` (422; nothing
+        is stored) when no set of the cluster's nodes can hold its ``min_workers``,
+        :class:`ClusterUnavailable` (after recording the failure) when Ray did not answer;
+        other launch errors are the job's reason and the record is returned.
+        """
+        problems = check_submission(spec, self.submit_policy)
+        if problems:
+            raise SpecNotAllowed(problems)
+        self._check_fits(spec)
+        if self.link is not None:
+            why = self._scheduler_refusal(spec)
+            if why:
+                raise InvalidRequest(why.split(" ", 1)[0], why)
+        job_id = uuid.uuid4().hex[:12]
+        with self.reconciler.launching(job_id):
+            rec = self.registry.create(job_id, spec, queued=self.link is not None)
+            try:
+                if self.link is not None:
+                    self.link.register(rec)  # queued: started on the nodes it is granted
+                else:
+                    self.cluster.launch(job_id, spec)
+            except Refused as err:  # the cluster changed since the check above
+                return self.registry.fail(job_id, f"refused by the cluster scheduler: {err}") or rec
+            except ClusterUnavailable as err:
+                self.registry.fail(
+                    job_id, f"could not start the job's coordinator: {first_line(err, typed=False)}"
+                )
+                raise
+            except RayCallError as err:
+                failed = self.registry.fail(
+                    job_id, f"could not start the job's coordinator: {first_line(err, typed=False)}"
+                )
+                return failed or rec
+        log.info("job %s (%s) submitted", job_id, spec.name)
+        return rec
+
+    def _scheduler_refusal(self, spec: JobSpec) -> str | None:
+        """Why the cluster scheduler could never place this job (a one-line reason that
+        starts with the field), or None; None too when it cannot be asked now."""
+        try:
+            return self.scheduling.admissible(spec)
+        except RayCallError as err:
+            log.warning("cannot ask the cluster scheduler about a new job: %s", err)
+            return None
+
+    def _check_fits(self, spec: JobSpec) -> None:
+        """Refuse (:class:`InvalidRequest` on ``min_workers``, 422, nothing stored) a job
+        whose ``min_workers`` no set of the cluster's alive nodes can hold. When Ray cannot
+        list its nodes now, the job is not refused for it."""
+        if spec.min_workers is None:
+            return
+        try:
+            nodes = self.cluster.nodes()
+        except RayCallError as err:
+            log.warning("cannot list Ray nodes to check min_workers: %s", err)
+            return
+        problem = min_workers_problem(spec, nodes)
+        if problem:
+            raise InvalidRequest("min_workers", problem)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobRecord:
-        """Cancel a live job (:meth:`JobCommands.cancel`)."""
-        return self.commands.cancel(job_id, reason)
+        """Cancel a live job. Raises :class:`AlreadyFinished` (an ``InvalidTransition``, 409)
+        when it already ended.
+
+        The coordinator stops at its next step boundary; this waits up to ``cancel_wait_s``
+        for that, so the answer is usually the final CANCELLED state.
+        """
+        with self.reconciler.lock:
+            rec = self.record(job_id)
+            if rec.state.is_terminal:
+                raise AlreadyFinished(rec.state, job_id)
+            if self.link is not None and job_id not in self.link.started:
+                self.link.finished(job_id)  # still queued: it leaves the queue unstarted
+            try:
+                snap = self.cluster.cancel(job_id, reason)
+            except CoordinatorGone:
+                if self.link is not None:  # queued (as of a stale answer): it leaves now
+                    self.link.finished(job_id)
+                return self.registry.cancelled(job_id, reason)
+            except InvalidTransition:
+                # It finished between our read and the coordinator's; report what it is.
+                done = self.reconciler.sync_job(job_id) or rec
+                raise AlreadyFinished(done.state, job_id) from None
+            log.info("job %s: cancel requested (%s)", job_id, reason)
+        deadline = time.monotonic() + self.cancel_wait_s
+        while not snap.state.is_terminal and time.monotonic() < deadline:
+            time.sleep(0.1)
+            try:
+                snap = self.cluster.snapshot(job_id)
+            except RayCallError:
+                break
+        return self.reconciler.sync_job(job_id, snapshot=snap) or rec
+
+    def _live_record(self, job_id: str, done: str) -> JobRecord:
+        """The job's record; :class:`JobFinished` (409, "a finished job cannot be
+        ``done``") when it finished."""
+        rec = self.record(job_id)
+        if rec.state.is_terminal:
+            raise JobFinished(rec.state, job_id, done)
+        return rec
+
+    def _membership_call(self, rec: JobRecord, call: Callable[[], JobSnapshot],
+                         done: str) -> JobSnapshot:
+        """Run a scale or drain call on the job's coordinator. A coordinator that finished
+        meanwhile is a 409 with the state it finished in."""
+        try:
+            return call()
+        except InvalidTransition:
+            ended = self.reconciler.sync_job(rec.id) or rec
+            raise JobFinished(ended.state, rec.id, done) from None
 
     def scale(self, job_id: str, workers: int) -> JobRecord:
-        """Run the job with exactly ``workers`` workers (:meth:`JobCommands.scale`)."""
-        return self.commands.scale(job_id, workers)
+        """Run the job with exactly ``workers`` workers from its next step boundary on.
+
+        Raises ``InvalidTransition`` (409) when it finished, :class:`InvalidRequest` (422)
+        when the job's global batch cannot be split that many ways (the membership's
+        bounds: :func:`~dynabatch.scheduler.core.membership.scale_error`).
+        """
+        with self.reconciler.lock:
+            rec = self._live_record(job_id, "scaled")
+            spec = rec.spec
+            problem = scale_error(workers, *spec.batch_range, spec.max_batch)
+            if problem:
+                raise InvalidRequest("workers", problem)
+            if self.scheduling is not None:
+                return self._scheduled_scale(rec, workers)
+            self._check_capacity(spec, workers)
+            try:
+                snap = self._membership_call(
+                    rec, lambda: self.cluster.scale(job_id, workers), "scaled")
+            except CoordinatorGone as err:
+                # The size holds for the coordinator that resumes the job (if it can be).
+                self.registry.set_target_workers(job_id, workers)
+                done = self.reconciler.coordinator_lost(rec, Reconciler.died(err))
+                if done is None or done.state.is_terminal:
+                    raise JobFinished(
+                        done.state if done else JobState.FAILED, job_id, "scaled"
+                    ) from None
+                return done
+            self.registry.set_target_workers(job_id, workers)
+            log.info("job %s: scale to %d workers requested", job_id, workers)
+            return self.reconciler.sync_job(job_id, snapshot=snap) or rec
+
+    def _check_capacity(self, spec: JobSpec, workers: int) -> None:
+        """Without the cluster scheduler: :class:`JobConflict` (409) when the cluster's
+        alive nodes could never hold ``workers`` of this job's workers at once (the
+        scheduler refuses the same scale with the same words). When Ray cannot list its
+        nodes now, the scale is not refused for it."""
+        try:
+            nodes = self.cluster.nodes()
+        except RayCallError as err:
+            log.warning("cannot list Ray nodes to check a scale: %s", err)
+            return
+        problem = capacity_problem(spec, nodes, workers)
+        if problem:
+            raise JobConflict(f"scale to {workers}: above the cluster's capacity: {problem}")
+
+    def _scheduled_scale(self, rec: JobRecord, workers: int) -> JobRecord:
+        """With the cluster scheduler on, a scale is a request to it, answered at once (not
+        held): the job's bounds become at most ``workers`` and it is assigned what free
+        slots allow now; what it still waits for is in its status. :class:`JobConflict`
+        (409) when the scheduler refuses, with its reason (above the cluster's capacity for
+        the job, or a job it does not hold)."""
+        try:
+            answer = self.scheduling.request_scale(rec.id, workers)
+        except Refused as err:
+            raise JobConflict(str(err)) from None
+        self.registry.set_target_workers(rec.id, workers)
+        log.info("job %s: %s", rec.id, answer)
+        return self.registry.get(rec.id) or rec
+
+    def _scheduled_drain(self, rec: JobRecord, worker: str) -> JobRecord:
+        """With the cluster scheduler on, a drain is a request to it: the job gives up the
+        worker's slot on its node (a worker there leaves at the next step boundary: this
+        one when it is the only one there, else the slowest of them) and its max_workers
+        drops by one (:class:`JobConflict`, 409, when it refuses: below min_workers)."""
+        try:
+            snap = self._membership_call(
+                rec, lambda: self.cluster.snapshot(rec.id), "drained")
+        except CoordinatorGone:  # queued (nothing runs yet), or lost: the sync loop sees to it
+            raise WorkerNotFound(
+                f"worker {worker!r} is not a member of job {rec.id}: it has no running coordinator"
+            ) from None
+        if snap.ps is not None:  # its snapshot names no learner's node
+            raise JobConflict(
+                f"drain {worker}: the cluster scheduler places this parameter-server job; "
+                "scale it down instead (its slowest learners leave)"
+            )
+        member = next((w for w in snap.workers if w.worker == worker), None)
+        if member is None:
+            raise WorkerNotFound(f"worker {worker!r} is not a member of job {rec.id}")
+        # Its workers less those already leaving (a drained worker is listed until its step
+        # boundary): the size last asked for bounds them.
+        staying = len(snap.workers)
+        if rec.target_workers is not None:
+            staying = min(staying, rec.target_workers)
+        if staying <= 1:  # the driver's own words, as without the scheduler
+            raise JobConflict(
+                f"cannot drain the last worker ({worker}) of job {rec.id}: cancel the job to "
+                "stop it"
+            )
+        try:
+            answer = self.scheduling.request_drain(rec.id, member.node)
+        except Refused as err:
+            raise JobConflict(str(err)) from None
+        self.registry.set_target_workers(rec.id, staying - 1)
+        log.info("job %s: drain of %s: %s", rec.id, worker, answer)
+        return self.reconciler.sync_job(rec.id, snapshot=snap) or rec
 
     def drain(self, job_id: str, worker: str) -> JobRecord:
-        """Remove ``worker`` from the job (:meth:`JobCommands.drain`)."""
-        return self.commands.drain(job_id, worker)
+        """Remove ``worker`` from the job at its next step boundary (gracefully: its share of
+        the epoch goes to the others).
+
+        Raises :class:`WorkerNotFound` (404), :class:`JobConflict` (409) for the job's last
+        worker and ``InvalidTransition`` (409) when the job finished.
+        """
+        with self.reconciler.lock:
+            rec = self._live_record(job_id, "drained")
+            if self.scheduling is not None:
+                return self._scheduled_drain(rec, worker)
+            try:
+                snap = self._membership_call(
+                    rec, lambda: self.cluster.drain(job_id, worker), "drained")
+            except CoordinatorGone as err:
+                done = self.reconciler.coordinator_lost(rec, Reconciler.died(err))
+                what = "it is being resumed" if done and not done.state.is_terminal else "it failed"
+                raise WorkerNotFound(
+                    f"worker {worker!r} is not a member of job {job_id}: the job's coordinator "
+                    f"was lost and its workers with it ({what})"
+                ) from None
+            # The size a resumed coordinator starts with. The drained worker may be listed
+            # until the step boundary, and so may others drained before it: the size last
+            # asked for, less one, is then the smaller number.
+            others = sum(1 for w in snap.workers if w.worker != worker)
+            if rec.target_workers is not None:
+                others = min(others, rec.target_workers - 1)
+            self.registry.set_target_workers(job_id, max(1, others))
+            log.info("job %s: drain of %s requested", job_id, worker)
+            return self.reconciler.sync_job(job_id, snapshot=snap) or rec
 
     def resume(self, job_id: str) -> JobRecord:
-        """Start a new coordinator for the job from its checkpoint
-        (:meth:`JobCommands.resume`)."""
-        return self.commands.resume(job_id)
+        """Start a new coordinator for the job from its checkpoint.
 
-    # Queries (the read model) -----------------------------------------------------------
+        For a FAILED or CANCELLED job (a cancel writes a checkpoint where it stopped), or a
+        live one whose coordinator is gone. Raises :class:`JobConflict` (409) for a job
+        that SUCCEEDED, that has no checkpoint, or whose coordinator is alive;
+        :class:`ClusterUnavailable` (503, after recording the failure) when Ray did not
+        answer.
+        """
+        with self.reconciler.lock:
+            rec = self.record(job_id)
+            if not rec.state.can_resume:
+                raise JobConflict(finished_message(
+                    rec.state, job_id, "a job that succeeded cannot be resumed (only a FAILED "
+                    "or CANCELLED job, or a live one whose coordinator is gone, can be)"))
+            alive = self.cluster.find(job_id, rec.resumes)
+            if alive and not rec.state.is_terminal:
+                raise JobConflict(
+                    f"job is {rec.state.value} and its coordinator is alive: nothing to resume"
+                )
+            if not rec.spec.checkpoint.dir:
+                raise JobConflict(
+                    f"job {job_id} has no checkpoint.dir in its spec: nothing to resume from"
+                )
+            if not checkpoint_exists(rec):
+                raise JobConflict(
+                    f"job {job_id} has no checkpoint yet in {rec.spec.checkpoint.dir}"
+                )
+            refused = relaunch_refusal(rec.spec, self.submit_policy)
+            if refused:
+                raise JobConflict(f"job {job_id} cannot be resumed: {refused}")
+            if alive:
+                # The finished job's coordinator was kept (release_finished off, or the
+                # release failed): it goes. The new one has a name of its own (the next
+                # generation), so nothing waits for Ray to free the old one's.
+                self.cluster.release(job_id)
+            was = f"job was {rec.state.value}" + (f" ({rec.reason})" if rec.reason else "")
+            try:
+                rec = self.reconciler.relaunch(rec, f"resume requested; {was}", automatic=False)
+            except Refused as err:  # the job is left FAILED with the same reason
+                raise JobConflict(f"job {job_id} cannot be resumed: {err}") from None
+            log.info("job %s: resumed on request", job_id)
+            return rec
+
+    # Reads ------------------------------------------------------------------------------
+    def record(self, job_id: str) -> JobRecord:
+        """The job as stored; raises :class:`JobNotFound` (404) for an unknown id."""
+        rec = self.store.get(job_id)
+        if rec is None:
+            raise JobNotFound(job_id)
+        return rec
+
     def get(self, job_id: str) -> JobRecord:
-        """The job as every view shows it: a live job has the cluster scheduler's word on
-        it (:meth:`scheduler_note`: the queue's reason, what a scale waits for)."""
-        return self.reads.get(job_id)
+        return shown(self.record(job_id), self.cluster_view())
 
     def list(
         self, state: JobState | None = None, *, offset: int = 0, limit: int = 50
     ) -> tuple[list[JobRecord], int]:
-        return self.reads.list(state, offset=offset, limit=limit)
+        records, total = self.store.list(state, offset=offset, limit=limit)
+        view = self.cluster_view()
+        return [shown(r, view) for r in records], total
 
     def cluster_view(self) -> ClusterView | None:
         """The cluster scheduler's last round; None when no scheduler runs. Answers from
@@ -173,29 +482,68 @@ class JobService:
         return None if self.scheduling is None else self.scheduling.view()
 
     def scheduler_note(self, job_id: str) -> str | None:
-        """The cluster scheduler's word on the job
-        (:func:`~dynabatch.service.cluster_schemas.scheduler_note`); None when it has none.
-        No I/O."""
-        return self.reads.scheduler_note(job_id)
+        return scheduler_note(self.cluster_view(), job_id)
 
     def history(self, job_id: str, since: int = 0) -> list[EpochRecord]:
-        return self.reads.history(job_id, since)
+        self.record(job_id)
+        return self.store.history(job_id, since)
 
     def logs(self, job_id: str, since: int = 0, limit: int = 1000) -> list[LogLine]:
-        return self.reads.logs(job_id, since, limit)
+        self.record(job_id)
+        return self.store.logs(job_id, since, limit)
 
     def nodes(self) -> list[NodeStatus]:
         """Ray's nodes, each with the live jobs whose workers it hosts."""
-        return self.reads.nodes()
+        nodes = self.cluster.nodes()
+        hosted: dict[str, dict[str, NodeJob]] = {n.node_id: {} for n in nodes}
+        for rec in self.store.live():
+            snap = rec.current_snapshot()
+            for w in snap.workers:
+                for n in nodes:
+                    if n.matches(w.node):
+                        jobs = hosted[n.node_id]
+                        prev = jobs.get(rec.id)
+                        workers = [*prev.workers, w.worker] if prev else [w.worker]
+                        jobs[rec.id] = NodeJob(job_id=rec.id, name=rec.name, workers=workers)
+                        break
+        return [n.model_copy(update={"jobs": list(hosted[n.node_id].values())}) for n in nodes]
+
+    # Metrics ----------------------------------------------------------------------------
+    def changed(self) -> None:
+        """The store changed: the next /metrics read reads it again."""
+        self._metric_cache = None
+
+    def metric_snapshots(self) -> list[JobSnapshot]:
+        """Live jobs and those that finished within the retention window, oldest first."""
+        recs = self.store.live() + self.store.finished_since(
+            self.clock() - self.metrics_retention_s
+        )
+        recs.sort(key=lambda r: (r.created_at, r.id))
+        return [r.current_snapshot() for r in recs]
 
     def metric_state(self) -> MetricState:
-        """What /metrics exports (:meth:`JobReads.metric_state`)."""
-        return self.reads.metric_state()
+        """:meth:`metric_snapshots`, each job's last epoch record (its held-out loss and
+        metrics) and the job counts, read at most once per ``metrics_ttl_s``, so scrapes
+        under load share one read instead of each queueing on the store."""
+        now = time.monotonic()
+        with self._metric_lock:
+            cached = self._metric_cache
+            if cached is not None and now - cached.read_at < self.metrics_ttl_s:
+                return cached
+            snaps = self.metric_snapshots()
+            state = MetricState(
+                read_at=now,
+                snapshots=snaps,
+                last_records=self.store.last_records(s.job_id for s in snaps),
+                job_counts=self.store.count_by_state(),
+            )
+            self._metric_cache = state
+            return state
 
     def kept_metric_state(self) -> MetricState | None:
-        return self.reads.kept_metric_state()
-
-    @property
-    def metrics_ttl_s(self) -> float:
-        """How long one read of the metrics' job state serves (0: every scrape reads)."""
-        return self.reads.metrics_ttl_s
+        """The state :meth:`metric_state` would return without reading the store, or None
+        when it would read it. No I/O, no lock."""
+        cached = self._metric_cache
+        if cached is not None and time.monotonic() - cached.read_at < self.metrics_ttl_s:
+            return cached
+        return None

@@ -23,7 +23,7 @@ log = logging.getLogger("dynabatch.service")
 
 class JobRegistry:
     """The store-facing side of ``JobService``: its writes, and the reads the sync loop and
-    the commands act on (the views read through :class:`~dynabatch.service.reads.JobReads`).
+    the commands act on (the views read the store through ``JobService``).
     """
 
     def __init__(

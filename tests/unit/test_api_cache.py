@@ -94,7 +94,7 @@ def test_unchanged_reads_do_no_ray_call_no_query_and_no_thread_hand_off(
     client, service, cluster = app
     # /metrics is re-rendered at least once per sync interval (at most 1 s; none here):
     # a slow test must not see that as a change.
-    monkeypatch.setattr(service.reads, "metrics_ttl_s", 3600.0)
+    monkeypatch.setattr(service, "metrics_ttl_s", 3600.0)
     job = _running(client, service)
     built = _builds(monkeypatch)
     first = {p: client.get(p) for p in _paths(job)}  # built once
