@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,14 +17,60 @@ from dynabatch.actors.workloads.formats.cifar import (
     CIFAR10_TRAIN_BATCHES,
 )
 from dynabatch.actors.workloads.formats.idx import (
+    IDX_TYPES,
     MNIST_FILES,
     _read_maybe_gzip,
     decode_idx,
-    encode_idx,
-    encode_mnist,
 )
 
 _CIFAR_PIXELS = 3 * 32 * 32
+_IDX_CODES = {(dt.kind, dt.itemsize): code for code, dt in IDX_TYPES.items()}
+
+
+def idx_magic(dtype: np.dtype | type, ndim: int) -> int:
+    """The magic number an IDX file of this element type and rank starts with."""
+    dt = np.dtype(dtype)
+    code = _IDX_CODES.get((dt.kind, dt.itemsize))
+    if code is None:
+        raise ValueError(
+            f"IDX cannot store dtype {dt} (use uint8, int8, int16, int32, float32 or float64)"
+        )
+    if not 1 <= ndim <= 255:
+        raise ValueError(f"IDX stores 1 to 255 dimensions, not {ndim}")
+    return (code << 8) | ndim
+
+
+def encode_idx(array: np.ndarray) -> bytes:
+    """The IDX bytes of ``array`` (uncompressed)."""
+    arr = np.asarray(array)
+    magic = idx_magic(arr.dtype, arr.ndim)
+    if any(n >= 2**32 for n in arr.shape):
+        raise ValueError(f"IDX sizes are uint32; shape {arr.shape} does not fit")
+    big = arr.astype(IDX_TYPES[magic >> 8], copy=False)
+    header = struct.pack(f">I{arr.ndim}I", magic, *arr.shape)
+    return header + np.ascontiguousarray(big).tobytes()
+
+
+def encode_mnist(
+    x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray
+) -> dict[str, bytes]:
+    """The four MNIST IDX blobs (keys as in ``MNIST_FILES``) for uint8 images and labels."""
+    arrays = {
+        "train_images": x_train,
+        "train_labels": y_train,
+        "test_images": x_test,
+        "test_labels": y_test,
+    }
+    out = {}
+    for key, arr in arrays.items():
+        a = np.asarray(arr)
+        if a.dtype != np.uint8:
+            raise ValueError(f"{key} must be uint8 for MNIST, got {a.dtype}")
+        want = 3 if key.endswith("images") else 1
+        if a.ndim != want:
+            raise ValueError(f"{key} must have {want} dimensions, got shape {a.shape}")
+        out[key] = encode_idx(a)
+    return out
 
 
 def read_idx(path: str | Path, magic: int | None = None) -> np.ndarray:

@@ -6,7 +6,7 @@ Built-ins (nothing is ever downloaded):
 * ``digits``: scikit-learn's bundled 8x8 digits (1797 samples), as 64 features in [0, 1].
 * ``mnist``: the four IDX files in ``dataset.path``; without a path, MNIST-format data is
   generated from the seed (seven-segment style digits with random slant, scale, stroke width
-  and noise), written as real IDX bytes and parsed by the same reader as the files.
+  and noise).
 * ``cifar10``: the python pickle batches in ``dataset.path`` (or its ``cifar-10-batches-py``).
 
 A user loader ``"pkg.mod:function"`` is called with ``dataset.options`` as keyword arguments
@@ -30,12 +30,7 @@ from dynabatch.actors.workloads import WorkloadError
 from dynabatch.actors.workloads.arrays import DatasetArrays, InvalidArrays, as_labels
 from dynabatch.actors.workloads.formats import FormatError
 from dynabatch.actors.workloads.formats.cifar import read_cifar10
-from dynabatch.actors.workloads.formats.idx import (
-    MNIST_FILES,
-    encode_mnist,
-    parse_mnist,
-    read_mnist,
-)
+from dynabatch.actors.workloads.formats.idx import read_mnist
 from dynabatch.actors.workloads.images import (
     channel_stats,
     generate_mnist,
@@ -218,9 +213,7 @@ def _mnist(spec: DatasetSpec, seed: int) -> DatasetArrays:
         except FormatError as err:
             raise WorkloadError(f"dataset.path: {err}") from err
     else:
-        # Round-trip through real IDX bytes, so generated data takes the same path as files.
-        blobs = encode_mnist(*generate_mnist(opts["n_train"], opts["n_test"], seed))
-        raw = parse_mnist(blobs, {k: f"<generated {v}>" for k, v in MNIST_FILES.items()})
+        raw = generate_mnist(opts["n_train"], opts["n_test"], seed)
     x_tr, y_tr, x_te, y_te = raw
     return DatasetArrays(
         spec.name, unit_images(x_tr), y_tr, unit_images(x_te), y_te, num_classes=10

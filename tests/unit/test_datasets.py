@@ -18,12 +18,19 @@ from dynabatch.actors.workloads.formats.cifar import (
     read_cifar10,
     read_cifar10_meta,
 )
-from dynabatch.actors.workloads.formats.idx import MNIST_FILES, decode_idx, encode_idx
+from dynabatch.actors.workloads.formats.idx import MNIST_FILES, decode_idx
 from dynabatch.actors.workloads.images import channel_stats, generate_mnist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.formats import read_idx, write_cifar10, write_cifar_batch, write_idx, write_mnist
+from tests.formats import (
+    encode_idx,
+    read_idx,
+    write_cifar10,
+    write_cifar_batch,
+    write_idx,
+    write_mnist,
+)
 
 PLUGINS = "tests.unit.workload_plugins"
 
