@@ -511,13 +511,6 @@ class Worker:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def evaluate(self, x_test: np.ndarray, y_test: np.ndarray, batch: int = 1024
-                 ) -> dict[str, float]:
-        """``{"loss": test loss, <metric>: value}`` (see :class:`Objective`)."""
-        return self._capped_eval(
-            lambda b: self.objective.evaluate(self.model, x_test, y_test, self.device, b),
-            batch, len(y_test))
-
     def evaluate_shard(self, x_test: np.ndarray, y_test: np.ndarray, lo: int, hi: int,
                        batch: int = 1024) -> dict[str, Any]:
         """This worker's shard ``[lo, hi)`` of the held-out set: ``{"sums": {"n", "loss",

@@ -152,7 +152,7 @@ class GradientEngine:
         return losses, local
 
     def evaluate(self, batch: int = 1024) -> dict[str, float]:
-        """The held-out loss and metrics, as :meth:`dynabatch.actors.worker.Worker.evaluate`."""
+        """The held-out loss and metrics (:meth:`Objective.evaluate`), on the CPU."""
         return self.objective.evaluate(self.model, self.x_test, self.y_test,
                                        torch.device("cpu"), batch)
 

@@ -121,7 +121,7 @@ def test_workers_shards_add_up_to_one_workers_whole_set():
     w = Worker("w0", 0, spec, x, y, (4,), 3)
     xt = rng.normal(size=(37, 4)).astype(np.float32)
     yt = rng.integers(0, 3, size=37)
-    whole = w.evaluate(xt, yt, batch=8)
+    whole = w.objective.evaluate(w.model, xt, yt, w.device, batch=8)
     shards = [w.evaluate_shard(xt, yt, lo, hi, batch=8)
               for lo, hi in split(37, {"a": 2.0, "b": 1.0, "c": 0.5}).values()]
     assert all(s["seconds"] >= 0 for s in shards)

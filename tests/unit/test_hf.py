@@ -241,12 +241,12 @@ def test_a_tiny_gpt2_trains_through_the_local_worker_and_its_loss_falls():
     w = Worker("w0", 0, spec, x, y, (t,), vocab)
     w.join(w.group.open_store(1, 1, "gloo", host="127.0.0.1"), 0)
     try:
-        before = w.evaluate(xt, yt)
+        before = w.objective.evaluate(w.model, xt, yt, w.device)
         for epoch in range(6):
             steps = tuple(StepPlan(s, s * 16, 16, s * 16, 16) for s in range(n // 16))
             res = w.run_segment(SegmentPlan(epoch, 0, n, steps))
             assert res.error is None, res.error
-        after = w.evaluate(xt, yt)
+        after = w.objective.evaluate(w.model, xt, yt, w.device)
     finally:
         w.leave()
     assert after["loss"] < 0.5 * before["loss"], (before, after)
