@@ -56,7 +56,8 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.workloads.datasets import DatasetArrays, load_dataset
 from dynabatch.scheduler.ps.driver import build_core
 from dynabatch.scheduler.sim import ps_job as sim_ps
-from dynabatch.scheduler.sim.ps_job import PSSimConfig, SimLearner, simulate_ps
+from dynabatch.scheduler.sim.cluster_spec import parse_cluster
+from dynabatch.scheduler.sim.ps_job import simulate_ps
 from dynabatch.scheduler.sim.ps_runtime import SimPSRuntime
 
 from bench.report import emit
@@ -126,8 +127,14 @@ def run_one(arm, proto, a, speeds, lr, seed, ds, dataset, model, epochs) -> dict
     lam = len(speeds)
     spec = spec_for(arm, proto, a, lam, lr, seed, dataset, model, epochs, speeds)
     core = build_core(spec, len(ds.y_train))
-    learners = tuple(SimLearner(f"w{i}", C_S / s, A_S / s) for i, s in enumerate(speeds))
-    res = simulate_ps(spec, core, PSSimConfig(learners, noise=0.05, seed=seed), data=ds)
+    # One node per learner at the fastest speed: the spec's emulated slowdown of learner i
+    # (max/s_i) makes its t(b) = (A_S + C_S·b)/s_i.
+    top = max(speeds)
+    cluster = parse_cluster({
+        "classes": [{"name": "n", "count": lam, "a_ms": A_S * 1e3 / top,
+                     "c_ms_per_sample": C_S * 1e3 / top}],
+        "noise_sigma": 0.05, "seed": seed, "parameter_server": {"beta_ms_per_mb": 0.0}})
+    res = simulate_ps(spec, core, cluster, data=ds)
     assert all(e["verified"] for e in res.epochs)
     taus = np.asarray([t for v in res.staleness.values() for t in v] or [0])
     fin = res.final_train_loss

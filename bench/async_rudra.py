@@ -46,7 +46,8 @@ from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.scheduler.core.ps.batch_policy import PerfAwareBatches
 from dynabatch.scheduler.core.ps.machine import PSCore
 from dynabatch.scheduler.core.ps.rudra import PSConfig
-from dynabatch.scheduler.sim.ps_job import PSSimConfig, SimLearner, simulate_ps
+from dynabatch.scheduler.sim.cluster_spec import parse_cluster
+from dynabatch.scheduler.sim.ps_job import simulate_ps
 
 from bench.report import emit
 
@@ -64,9 +65,10 @@ def make_spec(lam: int, mu: int, lr: float, epochs: int, seed: int, model: str) 
 def run(spec: JobSpec, ds, cfg: PSConfig, lam: int, mu: int, *, overlap: bool | None = None):
     core = PSCore(cfg, dataset_size=len(ds.y_train), epochs=spec.epochs, seed=spec.seed,
                   batches=PerfAwareBatches(mu), overlap=overlap)
-    learners = tuple(SimLearner(f"w{i}", 0.0005, 0.002) for i in range(lam))
-    res = simulate_ps(spec, core, PSSimConfig(learners, noise=0.1, seed=spec.seed,
-                                              eval_train=False), data=ds)
+    cluster = parse_cluster({
+        "classes": [{"name": "n", "count": lam, "a_ms": 2.0, "c_ms_per_sample": 0.5}],
+        "noise_sigma": 0.1, "seed": spec.seed, "parameter_server": {"beta_ms_per_mb": 0.0}})
+    res = simulate_ps(spec, core, cluster, data=ds, final_train_loss=False)
     assert all(e["verified"] for e in res.epochs), "ledger: not exactly once"
     # A diverged run ends in NaN loss; its accuracy is chance, which the error shows.
     errs = [100.0 * (1.0 - e["test_accuracy"]) for e in res.epochs]

@@ -38,7 +38,7 @@ from dynabatch.scheduler.runtime.seam import (
 )
 from dynabatch.scheduler.sim.cluster_spec import parse_cluster
 from dynabatch.scheduler.sim.cost_model import SimulatedCluster
-from dynabatch.scheduler.sim.ps_runtime import NodeFailure, SimPSRuntime
+from dynabatch.scheduler.sim.ps_runtime import SimPSRuntime
 from dynabatch.scheduler.sim.replicas import StepOutcome
 from dynabatch.scheduler.sim.runtime import SimRuntime
 from dynabatch.scheduler.sim.timeline import SimClock
@@ -212,12 +212,8 @@ class FakeCluster:
         its core is the server's, which the simulated runtime holds, as ``simulate`` builds
         it."""
         clock = _ServiceClock()
-        nodes = _sim_cluster(self.node_ids, False).nodes
-        events = [(0.0, NodeFailure(len(nodes)))] if self.hold else []
         data = load_dataset(spec.dataset, seed=spec.seed)
-        runtime = SimPSRuntime(
-            spec, data, nodes, lambda i, n: (n.a_s, n.c_s), events=events, clock=clock
-        )
+        runtime = SimPSRuntime(spec, data, _sim_cluster(self.node_ids, self.hold), clock=clock)
         core = build_core(spec, len(data.y_train))
         return PSCoordinator(job_id, spec, resume=True, runtime=runtime, core=core, clock=clock)
 

@@ -183,11 +183,11 @@ def run_ps(spec: JobSpec, cl: ClusterSpec, console: Console, report: Path | None
     from dynabatch.actors.workloads.datasets import load_dataset
     from dynabatch.api.cli.job_commands import _ps_table
     from dynabatch.scheduler.ps.driver import build_core, ps_status
-    from dynabatch.scheduler.sim.ps_job import learners_on, simulate_ps
+    from dynabatch.scheduler.sim.ps_job import check_cluster, simulate_ps
 
-    config = learners_on(spec, cl)
+    check_cluster(cl)
     ds = load_dataset(spec.dataset, seed=spec.seed)
-    r = simulate_ps(spec, build_core(spec, len(ds.y_train)), config, data=ds)
+    r = simulate_ps(spec, build_core(spec, len(ds.y_train)), cl, data=ds)
     t = Table(title=f"{spec.name}: protocol ps ({spec.protocol.mode}), simulated")
     for col in ("epoch", "sim time", "test loss", "test acc", "samples"):
         t.add_column(col, justify="right")

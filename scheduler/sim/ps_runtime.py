@@ -1,21 +1,18 @@
 """The parameter server on a virtual clock: :class:`SimPSRuntime`, the simulator's
-:class:`~dynabatch.scheduler.runtime.ps_seam.PSRuntime`, under the shipped
-:class:`~dynabatch.scheduler.ps.driver.PSCoordinator` (``simulate_ps`` in
-:mod:`dynabatch.scheduler.sim.ps_job` wires them). The core, its events' interpreter
-(:class:`~dynabatch.actors.ps_events.CoreEventInterpreter`) and the driver are the ones that
-run on Ray; this module is only the world: learners, nodes, time.
+:class:`~dynabatch.scheduler.runtime.ps_seam.PSRuntime` under the shipped
+:class:`~dynabatch.scheduler.ps.driver.PSCoordinator` (wired by
+:func:`~dynabatch.scheduler.sim.ps_job.simulate_ps`). The core, the event interpreter and the
+driver are the ones that run on Ray; this module is only the world: learners, nodes, time.
 
-Learner ``w`` on node ``n`` takes ``t(b) = (a + c·b)·ε`` seconds of virtual time to compute a
-gradient over ``b`` samples (``a, c`` from ``speed(ordinal, node)``, ``ε`` a log-normal
-jitter with σ = ``noise``), plus ``rtt_s`` and, with the cluster's ``parameter_server``
-costs, the pull and push of the model's bytes over ``shards`` server actors
-(:class:`~dynabatch.scheduler.sim.cluster_spec.ParameterServerModel`). A gradient is computed, for
-real, when its learner pulls (it depends only on the weights of the version it pulled, so this
-is exact) and pushed ``t(b)`` and the transfers later; the server's own work takes no virtual
-time. Timed cluster events: ``fail`` takes nodes by the one rule of every simulator
-(:func:`~dynabatch.scheduler.core.victims.failure_victims`), and the learners on them are lost
-(the driver makes them leave: their in-flight samples are re-queued); ``join`` adds nodes,
-and the driver starts a learner on each.
+Learner ``w`` takes ``t(b) = (a + c·b)·ε`` seconds to compute a gradient over ``b`` samples
+(``a, c``: its node's times the spec's emulated slowdown of its ordinal; ``ε`` a log-normal
+jitter with σ = the cluster's ``noise_sigma``), plus the pull and push of the model's bytes
+over the job's ``protocol.shards`` server actors (the cluster's ``parameter_server``). The
+gradient is computed, for real, when the learner pulls (it depends only on the version
+pulled, so this is exact) and pushed ``t(b)`` and the transfers later; the server's own work
+takes no virtual time. Timed cluster events: ``fail`` takes nodes by the rule every simulator
+uses (:func:`~dynabatch.scheduler.core.victims.failure_victims`) and their learners are lost;
+``join`` adds nodes, and the driver starts a learner on each.
 
 This module imports torch (through :mod:`dynabatch.actors.ps` and :mod:`dynabatch.actors.learner`).
 """
@@ -24,8 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -37,58 +33,34 @@ from dynabatch.scheduler.core.membership import NodeInfo
 from dynabatch.scheduler.core.ps.machine import Idle, PSCore, Work
 from dynabatch.scheduler.core.victims import failure_victims
 from dynabatch.scheduler.runtime.ps_seam import Happening, LearnerExit, NodeJoined
-from dynabatch.scheduler.sim.cluster_spec import ParameterServerModel
-from dynabatch.scheduler.sim.cost_model import Node
+from dynabatch.scheduler.sim.cluster_spec import Event
+from dynabatch.scheduler.sim.cost_model import Node, SimulatedCluster
 from dynabatch.scheduler.sim.timeline import ClusterHappening, SimClock
 
 LOST = "died: learner process died or node lost (simulated node failure)"
 STALLED = "lost: the simulation has nothing left to happen (simulated)"
 
 
-@dataclass(frozen=True, slots=True)
-class NodeFailure:
-    """``count`` nodes (of ``node_class``; its ``index``-th node when given) fail."""
-
-    count: int = 1
-    node_class: str | None = None
-    index: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Join:
-    """Nodes join: ``make()`` adds them to the cluster and returns them."""
-
-    make: Callable[[], list[Node]]
-
-
-TimedEvent = tuple[float, NodeFailure | Join]
-Speed = Callable[[int, Node], tuple[float, float]]  # (ordinal, node) → (a_s, c_s)
-
-
 class SimPSRuntime:
-    """``nodes``: the cluster's nodes in creation order (joins append to it); ``events``:
-    timed failures and joins; ``speed``: a learner's ``(a, c)`` from its ordinal and node."""
+    """``spec`` on ``cluster``'s nodes (joins add to them), with its ``at_s`` events (see the
+    module docstring)."""
 
-    def __init__(self, spec: JobSpec, data: Any, nodes: list[Node], speed: Speed, *,
-                 events: Sequence[TimedEvent] = (), noise: float = 0.05, seed: int = 0,
-                 rtt_s: float = 0.0, parameter_server: ParameterServerModel | None = None,
-                 shards: int = 1, clock: SimClock | None = None):
+    def __init__(self, spec: JobSpec, data: Any, cluster: SimulatedCluster, *,
+                 clock: SimClock | None = None):
         self.spec = spec
         self.ds = data
-        self.cluster_nodes = nodes
-        self.speed = speed
+        self.cluster = cluster
         self.clock = clock or SimClock()
-        self.noise = noise
-        self.rng = np.random.default_rng(seed)
-        self.rtt_s = rtt_s
-        self.parameter_server = parameter_server
-        self.shards = shards
+        self.noise = cluster.spec.noise_sigma
+        self.rng = np.random.default_rng(cluster.spec.seed)
+        self.shards = spec.protocol.shards
         self.epochs: list[dict[str, Any]] = []
         self.happened: list[ClusterHappening] = []
         self.core: PSCore | None = None
         self.store: ParamStore | None = None
         self.events: CoreEventInterpreter | None = None
-        self._pending = list(events)  # scheduled at the first wait, after the first requests
+        # Scheduled at the first wait, after the first requests.
+        self._pending = list(cluster.spec.events)
         self._heap: list[tuple[float, int, str, str, Any]] = []
         self._seq = 0
         self._placed: dict[str, Node] = {}
@@ -102,7 +74,7 @@ class SimPSRuntime:
 
     def nodes(self) -> list[NodeInfo]:
         return [NodeInfo(n.node_id, cpus=n.cpus, gpus=n.gpus)
-                for n in self.cluster_nodes if n.alive]
+                for n in self.cluster.nodes if n.alive]
 
     def start_server(self, core: PSCore, learners: int) -> None:
         ds, shape = self.ds, tuple(self.ds.input_shape)
@@ -111,22 +83,22 @@ class SimPSRuntime:
         self.computer = GradientComputer(self.spec, ds.x_train, ds.y_train, shape,
                                          ds.num_classes)
         self.events = CoreEventInterpreter(self.store, keep_staleness=True)
-        cost, nbytes = self.parameter_server, 4.0 * self.store.size  # float32
-        self.comm_s = self.rtt_s + (0.0 if cost is None else
-                                    cost.pull_s(nbytes, self.shards)
-                                    + cost.push_s(nbytes, self.shards))
+        cost, nbytes = self.cluster.spec.parameter_server, 4.0 * self.store.size  # float32
+        self.comm_s = cost.pull_s(nbytes, self.shards) + cost.push_s(nbytes, self.shards)
 
     def spawn(self, worker: str, ordinal: int, node_id: str) -> None:
-        node = next(n for n in self.cluster_nodes if n.node_id == node_id)
+        node = next(n for n in self.cluster.nodes if n.node_id == node_id)
+        slow = self.spec.emulation.slowdowns
+        f = slow[ordinal] if ordinal < len(slow) else 1.0
         self._placed[worker] = node
-        self._speeds[worker] = self.speed(ordinal, node)
+        self._speeds[worker] = (node.a_s * f, node.c_s * f)
         self.core.join(worker)
         self._alive.add(worker)
         self._at(self.clock.now(), "request", worker)
 
     def wait(self, timeout_s: float) -> list[Happening]:
-        for t, e in self._pending:
-            self._at(t, "cluster", "", e)
+        for e in self._pending:
+            self._at(e.at_s, "cluster", "", e)
         self._pending = []
         end = self.clock.now() + timeout_s
         core = self.core
@@ -215,14 +187,15 @@ class SimPSRuntime:
         if events:
             self._wake(t)
 
-    def _fire(self, e: NodeFailure | Join, t: float) -> list[Happening]:
-        if isinstance(e, Join):
-            added = e.make()
-            self.cluster_nodes.extend(n for n in added if n not in self.cluster_nodes)
+    def _fire(self, e: Event, t: float) -> list[Happening]:
+        if e.join is not None:
+            added = [self.cluster.add_node(e.join.node_class) for _ in range(e.join.count)]
             self._record(t, "join", added)
             return [NodeJoined(n.node_id) for n in added]
+        sel = e.selector
         busy = {self._placed[w].node_id for w in self._alive}
-        victims = failure_victims(self.cluster_nodes, e.count, e.node_class, e.index, busy)
+        victims = failure_victims(self.cluster.nodes, sel.count, sel.node_class, sel.index,
+                                  busy)
         for n in victims:
             n.alive = False
         self._record(t, "fail", victims)

@@ -18,7 +18,8 @@ from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.ps.engine import Ended, job_state
 from dynabatch.scheduler.ps.driver import PSCoordinator
-from dynabatch.scheduler.sim.cost_model import Node
+from dynabatch.scheduler.sim.cluster_spec import parse_cluster
+from dynabatch.scheduler.sim.cost_model import SimulatedCluster
 from dynabatch.scheduler.sim.ps_runtime import SimPSRuntime
 from dynabatch.scheduler.sim.timeline import SimClock
 
@@ -38,15 +39,12 @@ def _job(job_id: str, **kw: Any) -> tuple[PSCoordinator, SimPSRuntime]:
     )
     clock = SimClock()
     # Slow enough (virtual seconds) that an epoch ends between control-loop steps.
-    nodes = [Node("n0", "n0", 0.0, 0.01), Node("n1", "n1", 0.0, 0.02)]
-    rt = SimPSRuntime(
-        spec,
-        load_dataset(spec.dataset, seed=spec.seed),
-        nodes,
-        lambda _i, n: (n.a_s, n.c_s),
-        noise=0.0,
-        clock=clock,
-    )
+    cluster = SimulatedCluster(parse_cluster({"classes": [
+        {"name": "n0", "count": 1, "a_ms": 0.0, "c_ms_per_sample": 10.0},
+        {"name": "n1", "count": 1, "a_ms": 0.0, "c_ms_per_sample": 20.0}]}))
+    for node in cluster.nodes:
+        node.node_id = node.node_class  # the nodes n0 and n1 (assignments name them)
+    rt = SimPSRuntime(spec, load_dataset(spec.dataset, seed=spec.seed), cluster, clock=clock)
     return PSCoordinator(job_id, spec, runtime=rt, clock=clock), rt
 
 

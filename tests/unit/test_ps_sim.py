@@ -13,21 +13,33 @@ from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.scheduler.core.ps.batch_policy import JiConfig, PerfAwareBatches
 from dynabatch.scheduler.core.ps.machine import PSCore
 from dynabatch.scheduler.core.ps.rudra import PSConfig
-from dynabatch.scheduler.sim.ps_job import PSSimConfig, SimLearner, simulate_ps
+from dynabatch.scheduler.sim.cluster_spec import parse_cluster
+from dynabatch.scheduler.sim.ps_job import simulate_ps
 
 SPEC = JobSpec(dataset={"name": "digits", "limit": 96}, model={"name": "mlp", "hidden": 16},
                optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.5}, workers=3,
                global_batch=24, epochs=2)
 
 
-def _learners(speeds):
-    return tuple(SimLearner(f"w{i}", 0.001 / s) for i, s in enumerate(speeds))
+def _run(core, speeds, noise=0.05, events=(), extra=(), ps=None, shards=1,
+         final_train_loss=True):
+    """``SPEC`` with one learner per speed, each on its own node (1 ms per sample at speed
+    1); ``extra``: (class, ms per sample) of nodes that only join; ``ps``: push/pull costs
+    (none: free) over ``shards`` servers."""
+    classes = [{"name": f"n{i}", "count": 1, "a_ms": 0.0, "c_ms_per_sample": 1.0 / s}
+               for i, s in enumerate(speeds)]
+    classes += [{"name": n, "count": 0, "a_ms": 0.0, "c_ms_per_sample": c} for n, c in extra]
+    cluster = parse_cluster({"classes": classes, "noise_sigma": noise, "events": list(events),
+                             "parameter_server": ps or {"beta_ms_per_mb": 0.0}})
+    protocol = SPEC.protocol.model_copy(update={"shards": shards})
+    spec = SPEC.model_copy(update={"workers": len(speeds), "protocol": protocol})
+    return simulate_ps(spec, core, cluster, final_train_loss=final_train_loss)
 
 
 def test_hardsync_equals_sgd_on_the_summed_batch():
     core = PSCore(PSConfig("hardsync"), dataset_size=96, epochs=2, seed=0,
                   batches=PerfAwareBatches(8))
-    res = simulate_ps(SPEC, core, PSSimConfig(_learners([1, 1, 1]), noise=0.0))
+    res = _run(core, [1, 1, 1], noise=0.0)
     assert all(e["verified"] for e in res.epochs) and len(res.epochs) == 2
     assert set(t for v in res.staleness.values() for t in v) == {0}
 
@@ -50,9 +62,9 @@ def test_hardsync_equals_sgd_on_the_summed_batch():
 def test_async_with_a_lost_and_a_joining_learner_is_exactly_once():
     core = PSCore(PSConfig("async", lr_staleness="per_gradient", max_staleness=4),
                   dataset_size=96, epochs=2, seed=0, batches=PerfAwareBatches(8))
-    cfg = PSSimConfig(_learners([1, 1, 2, 4]), lose=((0.01, "w3"),),
-                      join=((0.02, SimLearner("w9", 0.0005)),))
-    res = simulate_ps(SPEC, core, cfg)
+    res = _run(core, [1, 1, 2, 4], events=[{"at_s": 0.01, "fail": {"class": "n3", "index": 0}},
+                                           {"at_s": 0.02, "join": {"class": "n9"}}],
+               extra=[("n9", 0.5)])
     assert [e["verified"] for e in res.epochs] == [True, True]
     assert core.counters.lost_inflight_samples > 0
     # The driver names learners: the one started on the joining node is the fifth, w4.
@@ -65,7 +77,7 @@ def test_async_with_a_lost_and_a_joining_learner_is_exactly_once():
 def test_perf_aware_batches_follow_speeds_in_the_simulator():
     core = PSCore(PSConfig("async"), dataset_size=96, epochs=3, seed=0,
                   batches=PerfAwareBatches(8, JiConfig(b0=8, every_pushes=4)))
-    simulate_ps(SPEC, core, PSSimConfig(_learners([1, 1, 2, 4]), noise=0.0))
+    _run(core, [1, 1, 2, 4], noise=0.0)
     b = {w: core.batches.batch(w) for w in ("w0", "w1", "w2", "w3")}
     assert b["w0"] < b["w2"] < b["w3"] and abs(sum(b.values()) - 32) <= 2
 
@@ -131,9 +143,8 @@ def test_parameter_server_costs_and_shards_in_the_simulator():
     def run(cost, shards=1):
         core = PSCore(PSConfig("async"), dataset_size=96, epochs=1, seed=0,
                       batches=PerfAwareBatches(8))
-        return simulate_ps(SPEC, core, PSSimConfig(_learners([1]), noise=0.0,
-                                                   parameter_server=cost, shards=shards,
-                                                   eval_train=False))
+        return _run(core, [1], noise=0.0, ps=cost and cost.model_dump(), shards=shards,
+                    final_train_loss=False)
     free, paid = run(None), run(ps)
     size = ParamStore(SPEC, (64,), 10).size
     per_push = ps.push_s(4 * size) + ps.pull_s(4 * size)
@@ -235,7 +246,6 @@ def test_one_failure_victim_rule_for_both_protocols():
     from dynabatch.scheduler.ps.driver import build_core
     from dynabatch.scheduler.sim.cluster_spec import parse_cluster
     from dynabatch.scheduler.sim.cost_model import Node
-    from dynabatch.scheduler.sim.ps_job import learners_on
     from dynabatch.scheduler.sim.simulator import simulate
 
     nodes = [Node(f"n{i}", "a" if i < 3 else "b", 0.0, 1.0) for i in range(5)]
@@ -258,8 +268,7 @@ def test_one_failure_victim_rule_for_both_protocols():
         dataset={"name": "digits", "limit": 400}, model={"name": "mlp", "hidden": 16},
         workers=5, global_batch=20, epochs=3, protocol={"name": "ps", "mode": "async"}))
     ds = load_dataset(ps_spec.dataset, seed=0)
-    ps = simulate_ps(ps_spec, build_core(ps_spec, len(ds.y_train)),
-                     learners_on(ps_spec, cluster), data=ds)
+    ps = simulate_ps(ps_spec, build_core(ps_spec, len(ds.y_train)), cluster, data=ds)
     want = [("fail", ("b-00001",)), ("fail", ("a-00002",)), ("fail", ("b-00000",))]
     assert [(h.kind, h.nodes) for h in sync.happened] == want
     assert [(h.kind, h.nodes) for h in ps.happened] == want

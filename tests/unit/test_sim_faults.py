@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import typer
-from dynabatch.actors.spec import JobSpec
 from dynabatch.api.cli import run as run_cli
 from dynabatch.api.cli import simulate as sim_cli
 from dynabatch.scheduler.core.lifecycle import JobState
@@ -312,11 +311,10 @@ def test_a_share_cut_into_micro_batches_pays_the_per_step_cost_for_each():
 
 
 def test_the_parameter_server_simulator_refuses_a_fault_script():
-    from dynabatch.scheduler.sim.ps_job import learners_on
+    from dynabatch.scheduler.sim.ps_job import check_cluster
 
     cluster = parse_cluster(
         {"classes": CLASSES, "faults": [{"kind": "die", "worker": 0, "epoch": 0}]}
     )
-    spec = JobSpec.model_validate({"workers": 2, "global_batch": 64, "protocol": {"name": "ps"}})
     with pytest.raises(ClusterError, match=r"^faults: the parameter-server simulator plays no"):
-        learners_on(spec, cluster)
+        check_cluster(cluster)
