@@ -1,54 +1,12 @@
 """Membership: who is in, who holds the current model state, what to spawn or evict.
 
 Pure: no ray, no torch, no clock. The driver reports what happened (nodes seen, a worker
-started or was lost, a segment's progress, a regroup done) and asks what to do next.
-
-State versions. Every worker starts from the seeded initial weights, version
-``Position(0, 0)``. A member's version is the (epoch, step) its weights have reached; the
-job's committed version is the furthest one a surviving member reported. A member *holds
-the current state* when its version equals the committed one, and a regroup broadcasts
-from such a member. When none is left (every holder lost at once, or a resume whose
-weights are only in a checkpoint), :meth:`Membership.regroup_plan` says so and the driver
-must load a checkpoint into the group, or fail: it never continues from fresh weights.
-
-Bounds. The job keeps between ``min_size`` and ``max_size`` workers:
-``min_size = max(min_workers, ceil(B_max / max_batch))`` (fewer could not hold the largest
-global batch the schedule trains) and ``max_size = min(max_workers or workers or B_min,
-B_min)`` (a worker needs at least one sample of the smallest per step), so ``workers: auto``
-is bounded too: :func:`worker_bounds`, the service's rule too. Below ``min_size`` the job
-waits with a reason.
-
-Placement and scale. A new worker goes first to a node with none of the job's workers.
-At the first start a small cluster shares nodes round-robin; later (a scale-up, a
-replacement) a node that hosts the job's workers takes more only while it has room now
-(:attr:`NodeInfo.slots`: its unreserved CPUs and GPUs), and what cannot be placed is
-reported (:attr:`Membership.unplaced`, :meth:`Membership.unplaceable`) for the driver to
-say. A scale-down drains the slowest first (:func:`slowest_first`, by measured speed).
-
-Spares. A worker's start-up (a process, the torch import, the model, the data) takes
-seconds; a pre-warmed *spare* on an idle node pays it ahead, so a worker that later starts
-there (a scale-up, a replacement after a loss) adopts the spare and only takes its identity.
-:meth:`Membership.spare_plan` says where spares should be: at most ``limit``, at most one
-per node, only on eligible nodes that host none of this job's workers, GPU nodes included
-(a GPU worker's spare holds the GPU it will drive, since a GPU is visible only to the
-process it was reserved for: :func:`dynabatch.scheduler.runtime.pool.start_spare`). A spare
-is started only on a node with room for a worker (``NodeInfo.free``); once there it stays
-while the node is eligible (it holds no CPU, so it keeps no CPU job out), unless the limit
-is better spent on a free node. :meth:`Membership.spawns` takes free nodes with a spare
-first and marks those spawns ``adopt``. A node whose spare was lost before adoption gets
-no other spare.
-
-Assignment. A :class:`NodeAssignment` says "train on exactly these nodes" (node id: worker
-slots; the cluster scheduler's placement of the job). Which workers leave and where new ones
-start is :func:`placement_plan`'s (pure): on each assigned node the fastest of its workers
-keep its slots, every other worker drains, and each assigned node gets its missing slots.
-The assignment is authoritative (the cluster scheduler owns the job's size): any total the
-batch allows is taken, and becomes the job's maximum (and its minimum when below it).
-While an assignment is in force workers start only on assigned nodes, and spares only wait
-there. The state is handed over, never lost: a drain that would leave no holder of the
-committed state, or fewer than ``min_size`` members, waits until the new workers have
-joined a regroup (which broadcasts the state to them); so a job moved to entirely new nodes
-briefly trains on old and new together.
+started or was lost, a segment's progress, a regroup done) and asks what to do next. A
+member *holds the current state* when its version (the (epoch, step) its weights reached)
+is the job's committed one; a regroup broadcasts from a holder, and with none left the
+driver must load a checkpoint or fail, never continue from fresh weights. Placement,
+spares, assignments and bounds: docs/elasticity.md ("Scale up", "Train on these nodes",
+"Spares", "Bounds").
 """
 
 from __future__ import annotations
@@ -287,7 +245,7 @@ class Membership:
         # The job's floor as declared (an assignment lowers min_size below it only to its
         # own total).
         self.floor = self.min_size
-        # "Train on exactly these nodes", once requested (see the module docstring).
+        # "Train on exactly these nodes", once requested (:meth:`request_assignment`).
         self.assignment: NodeAssignment | None = None
 
     # --- queries ----------------------------------------------------------------------
@@ -432,7 +390,7 @@ class Membership:
 
     # --- spares -----------------------------------------------------------------------
     def spare_plan(self, nodes: Sequence[NodeInfo], limit: int) -> SparePlan:
-        """Where this job's spares should be now (see the module docstring), up to
+        """Where this job's spares should be now (docs/elasticity.md, "Spares"), up to
         ``limit``: first the spares on free nodes, then free nodes without one, then the
         spares on nodes another job has filled meanwhile; in node order within each."""
         used = self._used()
@@ -523,7 +481,8 @@ class Membership:
         return [by_id[w] for w in order]
 
     def request_assignment(self, assignment: NodeAssignment) -> None:
-        """Train on exactly ``assignment`` from now on (see the module docstring): its total
+        """Train on exactly ``assignment`` from now on (workers start and spares wait only
+        on its nodes; the state is handed over, never lost: :meth:`handover`): its total
         becomes the job's size (target and maximum; the minimum too when below the job's
         floor). Raises ``ValueError`` only when the batch cannot be split over that many
         (:meth:`batch_error`): the cluster scheduler owns the job's bounds."""

@@ -1,12 +1,8 @@
 """Where workers run: eligible Ray nodes, and launching one pinned worker actor per node.
 
-A worker is started afresh (:func:`spawn_worker`: the actor reserves its CPUs and GPUs), or
-a spare started ahead on an idle node (:func:`start_spare`) is adopted. A spare reserves
-nothing while it waits, so it never keeps another job (or this one) off the node's CPUs;
-it costs the node memory only (a Python process with torch, the model and a view of the
-data). Adopting it first reserves the worker's CPUs on that node with a placement group
-(:func:`reserve`); the adopted worker trains only once the reservation is held, so an
-adopted worker holds exactly what a fresh one would.
+A worker is started afresh (:func:`spawn_worker`), or a spare started ahead on an idle node
+(:func:`start_spare`, holding no CPU while it waits) is adopted once the worker's CPUs are
+reserved there (:func:`reserve`): docs/elasticity.md, "Spares".
 """
 
 from __future__ import annotations
@@ -30,18 +26,9 @@ def _available() -> dict[str, dict[str, float]] | None:
         return None
 
 
-def hosts_worker(spec: JobSpec, resources: dict[str, float]) -> bool:
-    """Whether a node with ``resources`` (Ray's totals) can host one of the job's workers:
-    its CPUs, the GPUs the worker asks for there, the job's ``node_resource``; and a GPU
-    when the job needs one on every worker (``device: cuda`` or ``worker_gpus`` > 0).
-    Without that last rule a CPU-only node is eligible under ``worker_gpus: auto`` with
-    ``device: cuda``, and its worker, finding no GPU, fails and is replaced there for ever."""
-    return spec.workers_on(resources) > 0
-
-
 def eligible_nodes(spec: JobSpec, spare_gpus: dict[str, float] | None = None
                    ) -> list[NodeInfo]:
-    """Alive nodes that can host one of this job's workers (:func:`hosts_worker`). With
+    """Alive nodes that can host one of this job's workers (``spec.workers_on``). With
     ``worker_gpus: auto`` (and device ``auto``) a node without a GPU is eligible too (its
     worker trains on the CPU). ``free``: it has the unreserved CPUs (and GPUs) for one more
     worker now. ``spare_gpus``: the GPUs this job's spares hold, per node: its own, free for
@@ -52,7 +39,7 @@ def eligible_nodes(spec: JobSpec, spare_gpus: dict[str, float] | None = None
         if not n.get("Alive"):
             continue
         res = n.get("Resources", {})
-        if not hosts_worker(spec, res):
+        if spec.workers_on(res) <= 0:
             continue
         gpus = res.get("GPU", 0.0)
         left = dict((avail or {}).get(n["NodeID"], {}))
@@ -78,12 +65,9 @@ def spawn_worker(
 def start_spare(spec: JobSpec, node_id: str, data: dict[str, Any], node_gpus: float = 0.0
                 ) -> Any:
     """Start a spare worker on ``node_id`` (which offers ``node_gpus``): a :class:`Worker`
-    without an identity, holding no CPU (see the module docstring). On a node where the
-    job's worker takes a GPU the spare holds that GPU from the start: a GPU is visible only
-    to the process Ray reserved it for (``CUDA_VISIBLE_DEVICES``), so a spare without one
-    could not become a GPU worker (GPU nodes had no spares for that reason). The adopted
-    worker then reserves only its CPUs (:func:`reserve`); :func:`eligible_nodes` counts the
-    spare's GPU as the job's own."""
+    without an identity, holding no CPU. Where the job's worker takes a GPU the spare holds
+    it from the start, since a GPU is visible only to the process Ray reserved it for;
+    :func:`eligible_nodes` counts that GPU as the job's own."""
     return _launch(spec, node_id, data, None, -1, 0, spec.gpus_on(node_gpus))
 
 
