@@ -60,14 +60,11 @@ _STAT_FIELDS = attrgetter("n", "sb", "st", "sbb", "sbt")
 _SLOWED = attrgetter("slowed")
 _SE = attrgetter("se")
 # DBS's secant step needs its two batch sizes at least this far apart (larger / smaller):
-# 64 and 75 samples, 10% apart in time, give a slope of noise on shared cores.
+# nearby sizes give a slope of noise.
 SECANT_RATIO = 1.5
-# ... and its two times more than this many standard errors of their difference apart. The
-# line is drawn only after a far move, which noise on equal workers does not make (a share
-# moves by what stands out of the noise, see ``DBSPolicy.z``), and it is what takes a
-# slowed worker to equal finish: a far move leaves one step or two at the new size, so the
-# two times of a real 4x slowdown stand about 2 errors apart, and 3 (``DBSPolicy.z``)
-# rejected the line and left the share to creep by proportional steps.
+# ... and its two times more than this many standard errors of their difference apart.
+# Lower than ``DBSPolicy.z``: the line is drawn only after a far move, which noise does not
+# make, and a far move leaves one step or two at the new size to measure it by.
 SECANT_Z = 1.0
 
 
@@ -103,8 +100,7 @@ class DBSPolicy:
     ``min_gain`` (``rebalance: adaptive``'s threshold, as for affine): keep the current
     allocation unless the step time DBS's own model predicts (``max_i b_i / v_i``) falls by
     more than this fraction. 0 (the paper's per-epoch re-sizing): every measured change is
-    applied. Without it, re-sizing every few steps on step times that vary by 10% between
-    equal workers moved every share at almost every check, and each new batch size costs
+    applied. Without it, frequent checks move shares on noise, and each new batch size costs
     its first step the kernels' per-shape setup (see ``...sync.tracker``).
 
     ``secant``: the rule iterates towards equal finish (``b_i ∝ v_i(b_i)`` holds exactly
@@ -125,15 +121,13 @@ class DBSPolicy:
     spread of the steps, ``WorkerTelemetry.se``; in full from ``2·z``). Two measurements
     are taken whole: a worker the tracker found slowed down (``WorkerTelemetry.slowed``,
     a change of speed beyond its noise), and a secant line (through two times more than
-    ``SECANT_Z`` standard errors apart). Shrunk, they moved a slowed worker part of the
-    way at each re-plan, and the rest waited on windows that each far move restarted. On
-    shared cores equal workers' steps of 1-3 ms vary 0.5-2x; there a per-step overhead
-    dominates, so a worker's throughput grows with its share and the rule barely pulls a
-    noisy split back: without the test, each move a window's noise drifts equal workers
-    far apart.
-    Under a plan kept, the window goes on and its error shrinks as its steps add up, so a
-    real difference is corrected soon after; a 4x slowdown stands out at once. 0: every
-    measured difference moves the split (the paper).
+    ``SECANT_Z`` standard errors apart): shrunk, they would move a slowed worker part of
+    the way at each re-plan. Where a per-step overhead dominates, a worker's throughput
+    grows with its share and the rule barely pulls a noisy split back, so without the test
+    noise drifts equal workers apart. Under a plan kept, the window goes on and its error
+    shrinks as its steps add up, so a real difference is corrected soon after. 0: every
+    measured difference moves the split (the paper). Measured: docs/benchmarks.md, "Equal
+    workers under noise" and "Why the policies' constants".
     """
 
     name: Literal["dbs"] = "dbs"

@@ -144,9 +144,9 @@ def beyond_noise(t: np.ndarray, se: np.ndarray, z: float) -> np.ndarray:
     error, the second term the median's): a deviation
     within λ is taken as noise, one beyond 2λ is kept whole, and one between is kept in
     part, ramping from none to all. So workers whose times differ by their noise are made
-    equal and the current plan is kept, while a worker 4x slower keeps all of its slowdown
-    (a soft threshold, always taking λ off, had halved the first correction of a 4x
-    slowdown measured over two steps). Ones when ``z`` is 0 or no error is known."""
+    equal and the current plan is kept, while a worker much slower keeps all of its
+    slowdown (a soft threshold, always taking λ off, would shrink every real correction).
+    Ones when ``z`` is 0 or no error is known."""
     se = np.asarray(se, dtype=np.float64)
     if z <= 0.0 or not (se > 0.0).any():
         return np.ones(len(se))

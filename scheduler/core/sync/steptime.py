@@ -130,13 +130,12 @@ def two_point_fit(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the line ``t = a + c·b`` through (b1, t1) and (b2, t2); NaN where it is not
     to be trusted: a point missing (NaN), batches less than ``min_ratio`` apart (the larger
-    over the smaller; on shared cores a step's time varies by 10-20%, so nearby sizes give a
-    slope of noise), a line with ``c <= 0`` or ``a < 0`` (time that falls as the batch
-    grows, or a negative overhead: noise again), or two times that differ by no more than
-    ``z`` standard errors of their difference (``se1``, ``se2``: the relative standard
-    errors of t1 and t2). Where a fixed cost dominates, t1 and t2 differ by little, and a
-    slope through their noise is nearly flat: equal finish on flat lines moves whole shares
-    on a fraction of a millisecond."""
+    over the smaller: nearby sizes give a slope of noise), a line with ``c <= 0`` or
+    ``a < 0`` (time that falls as the batch grows, or a negative overhead: noise again), or
+    two times that differ by no more than ``z`` standard errors of their difference
+    (``se1``, ``se2``: the relative standard errors of t1 and t2). Where a fixed cost
+    dominates, t1 and t2 differ by little, and a slope through their noise is nearly flat:
+    equal finish on flat lines would move whole shares on noise."""
     b1, t1, b2, t2 = (np.asarray(x, dtype=np.float64) for x in (b1, t1, b2, t2))
     with np.errstate(divide="ignore", invalid="ignore"):
         c = (t2 - t1) / (b2 - b1)

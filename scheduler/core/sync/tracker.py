@@ -12,10 +12,8 @@ surprise test takes a change of speed for noise no more.
 A worker's first step at a batch size it has not computed before pays one-off costs: a
 newcomer's warm-up, and on every step whose shape is new the kernels' per-shape setup
 (oneDNN builds its convolution primitives per input shape on a CPU, cuDNN picks its
-algorithms on a GPU) and the allocator's new blocks. Measured for LeNet on one CPU thread
-(a timing loop outside the benchmarks):
-7.8 ms at batch 64, 12.4-18 ms for the first step at each of 70-75, back to 8.5 ms when a
-size is seen again. Such a step says little about the worker's speed, so it is left out of
+algorithms on a GPU) and the allocator's new blocks (docs/benchmarks.md, "Why the
+policies' constants"). Such a step says little about the worker's speed, so it is left out of
 the step-time model and of the surprise test (a re-plan to new sizes would otherwise look
 like every worker slowing down), and of the DBS window (DBS would shrink every share it
 had just moved, and move it again). Epoch totals count every step.
@@ -39,37 +37,27 @@ from dynabatch.scheduler.core.sync.steptime import StepTimeStats, fit
 STATS_DECAY = 0.9
 # A segment whose mean compute is off the model by more than this factor is a change of
 # speed (a disturbance), not noise: the worker's model restarts from the new observations,
-# rather than rescaling the old fit by the observed ratio: where workers share cores the
-# others speed up as the victim slows, so its slowdown is not a uniform scale of the old
-# model, and the new observations are the better prior (docs/benchmarks.md, "Disturbance
-# recovery").
+# not a rescaled old fit (where workers share cores the others speed up as the victim
+# slows, so its slowdown is not a uniform scale of the old model).
 SURPRISE = 1.5
 # ... and by more than this many standard errors of the segment's mean against the model's
-# (from the worker's step-time noise, ``WorkerTrack.noise``): on a shared 2-core host equal
-# workers' steps of 1-3 ms vary 0.5-2x, and a segment of two steps was off by 1.5x about
-# one time in ten, restarting the model and DBS's window on noise.
+# (``WorkerTrack.noise``), so that a short segment's noise does not restart the model.
 SURPRISE_Z = 3.0
-# ... and only by a model of at least this many steps since the last change. A model of
-# the one segment that showed a change is as noisy as what it would be held to: two steps
-# at 0.5x read as a change, the model restarted from them, and the next two steps at 2x
-# read as a slowdown against it, which DBS then followed in full (equal workers split
-# 18/12/18 of 48 on noise alone).
+# ... and only by a model of at least this many steps since the last change: a model of
+# the one segment that showed a change is as noisy as what it would be held to.
 MIN_MODEL_STEPS = 3
 
 
 # The surprise test trusts a model measured at one batch size only this far from it: a
-# proportional fit (all a model of one size can be) extrapolated from 64 samples to 5
-# predicted 3.4 ms for a step of 13 ms (its overhead), and "surprised" a worker that had
-# only been given a smaller batch, throwing away the measurements that gave it its fit.
+# proportional fit (all a model of one size can be) extrapolated far misses the overhead.
 NEAR = 0.25
 
 # DBS's noise estimate (see :meth:`WorkerTrack.noise`): the windows a worker closed stay in
 # it with weight ``NOISE_DECAY`` per step since, so it follows the host's load over about
-# 50 steps. ``PRIOR_NOISE`` (relative spread of one step's time) is pooled in with the
-# weight of ``PRIOR_DOF`` steps, so a window of one or two steps is not taken as exact: 0.4
-# is the spread of a step that takes 0.5-2x its time (log-uniform), as 1-3 ms steps did on
-# a shared 2-core host. Its weight fades as the worker's own steps add up (equal workers'
-# larger steps vary by 10-20%, see ``decided``).
+# 50 steps. ``PRIOR_NOISE`` (relative spread of one step's time: a step that takes 0.5-2x
+# its time, log-uniform) is pooled in with the weight of ``PRIOR_DOF`` steps, so a window of
+# one or two steps is not taken as exact; its weight fades as the worker's own steps add up.
+# Where these values come from: docs/benchmarks.md, "Why the policies' constants".
 NOISE_DECAY = 0.98
 PRIOR_NOISE = 0.4
 PRIOR_DOF = 4.0
@@ -222,9 +210,8 @@ class Tracker:
     def decided(self, batches: dict[str, int] | None = None) -> None:
         """A policy decision was taken. DBS measures each worker at its batch in the
         allocation decided (``batches``): since that batch was decided, so a plan kept
-        is measured over all its steps, not re-judged on the last one or two (on shared
-        cores those vary by 10-20% between equal workers, and DBS re-sized on them at
-        every check). Only steps at that batch count: the segment in flight still runs
+        is measured over all its steps, not re-judged on the last one or two (noise). Only
+        steps at that batch count: the segment in flight still runs
         the old plan, and a second correction from its steps would repeat the first.
         ``batches`` None: every window restarts.
 
