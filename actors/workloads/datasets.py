@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dynabatch.actors.data.open import FILE_KINDS
 from dynabatch.actors.spec import DatasetSpec
 from dynabatch.actors.workloads import WorkloadError
 from dynabatch.actors.workloads.arrays import DatasetArrays, InvalidArrays, as_labels
@@ -40,7 +41,6 @@ from dynabatch.actors.workloads.images import (
 from dynabatch.actors.workloads.imports import call_user, check_user_options, resolve_callable
 
 BUILTIN_DATASETS = ("synthetic", "digits", "mnist", "cifar10", "pysource")
-FILE_DATASETS = ("parquet", "npy", "imagefolder")
 
 # Distinct RNG stream tags, so that e.g. changing the limit never changes the data itself.
 _TAG_SYNTHETIC = 0x53594E
@@ -257,7 +257,7 @@ def check_dataset_options(spec: DatasetSpec) -> None:
     (parquet, npy, imagefolder) check theirs when their files are opened."""
     if spec.name in INT_OPTIONS:
         _int_options(spec, INT_OPTIONS[spec.name])
-    elif spec.name not in FILE_DATASETS:
+    elif spec.name not in FILE_KINDS:
         fn = resolve_callable(spec.name, "dataset.name")
         check_user_options(fn, spec.name, "dataset.options", spec.options)
 
@@ -357,7 +357,7 @@ def load_dataset(spec: DatasetSpec, seed: int = 0) -> DatasetArrays:
 
     Raises :class:`WorkloadError` naming the spec field at fault.
     """
-    if spec.name in FILE_DATASETS:  # read whole: the simulator and protocol: ps only
+    if spec.name in FILE_KINDS:  # read whole: the simulator and protocol: ps only
         from dynabatch.actors.data.open import materialise
 
         return materialise(spec, seed)

@@ -40,10 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 import torchmetrics
-from dynabatch.actors.spec.sections import DEFAULT_METRICS as _SPEC_DEFAULT_METRICS
 from dynabatch.actors.workloads import WorkloadError, losses
 from dynabatch.actors.workloads.imports import resolve_callable
-from dynabatch.actors.workloads.metric_states import STATES, merge_states, split_scores
 from torchmetrics import classification as C
 from torchmetrics import regression as R
 
@@ -176,9 +174,6 @@ BUILTIN = {
     "mse": Metric("mse", losses.mse),
     "perplexity": Metric("perplexity", losses.cross_entropy, _exp),
 }
-# Metrics a loss calls for when the spec names none (the spec's table: submit-time checks
-# of the metric names a job computes read it without torch).
-DEFAULT_METRICS = _SPEC_DEFAULT_METRICS
 
 
 def resolve_metric(fn: str, field: str, name: str | None = None,
@@ -247,10 +242,6 @@ def export_state(metric: torchmetrics.Metric) -> dict[str, Any]:
 def _import_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return {k: [torch.from_numpy(np.asarray(a)) for a in v] if isinstance(v, list)
             else torch.from_numpy(np.asarray(v)) for k, v in state.items()}
-
-
-__all__ = ["STATES", "Accumulator", "Metric", "compute", "merge_states", "resolve_metric",
-           "split_scores"]
 
 
 def compute(metric: Metric, payloads: list[dict[str, Any]]) -> float | list[list[float]]:

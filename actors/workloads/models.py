@@ -25,7 +25,6 @@ from dynabatch.actors.workloads import WorkloadError
 from dynabatch.actors.workloads.imports import call_user, check_user_options, resolve_callable
 from torch import nn
 
-BUILTIN_MODELS = ("mlp", "lenet", "resnet", "charlm", "hf")
 NORMS = ("group", "batch", "none")
 
 
@@ -55,17 +54,19 @@ def check_model_options(spec: ModelSpec) -> None:
 
         check_hf_options(spec)
         return
-    _refuse_passed(spec)
-    fn = resolve_callable(spec.name, "model.name")
-    check_user_options(fn, spec.name, "model.options", spec.options, passed=PASSED)
+    _user_builder(spec)
 
 
-def _refuse_passed(spec: ModelSpec) -> None:
+def _user_builder(spec: ModelSpec) -> Callable[..., Any]:
+    """The user's ``pkg.mod:build``, checked to take ``model.options`` beside ``PASSED``."""
     reserved = sorted(set(PASSED) & set(spec.options))
     if reserved:
         raise WorkloadError(
             f"model.options: {reserved[0]!r} is passed by the service and cannot be an option"
         )
+    fn = resolve_callable(spec.name, "model.name")
+    check_user_options(fn, spec.name, "model.options", spec.options, passed=PASSED)
+    return fn
 
 
 def _check_options(spec: ModelSpec, allowed: Sequence[str]) -> None:
@@ -299,9 +300,7 @@ def _build_resnet(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: in
 
 def _build_user(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     field = "model.name"
-    _refuse_passed(spec)
-    fn = resolve_callable(spec.name, field)
-    check_user_options(fn, spec.name, "model.options", spec.options, passed=PASSED)
+    fn = _user_builder(spec)
     model = call_user(
         fn, spec.name, field, input_shape=input_shape, num_classes=num_classes, **spec.options
     )

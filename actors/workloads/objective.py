@@ -24,10 +24,12 @@ from dynabatch.actors.batch import rows, to_device
 from dynabatch.actors.errors import first_line
 from dynabatch.actors.precision import call_model
 from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.spec.sections import DEFAULT_METRICS
 from dynabatch.actors.workloads import WorkloadError
 from dynabatch.actors.workloads import eval_metrics as M
 from dynabatch.actors.workloads import losses as L
 from dynabatch.actors.workloads.imports import describe, resolve_callable
+from dynabatch.actors.workloads.metric_states import STATES
 from torch import nn
 
 Outputs = Callable[[Any], Any]  # what the model returns -> what the loss gets
@@ -105,7 +107,7 @@ class Objective:
             model.train()
         if states:
             # The stateful metrics' states, as numpy: the driver merges them across shards.
-            sums[M.STATES] = {k: [p] for k, a in states.items() if (p := a.payload())}
+            sums[STATES] = {k: [p] for k, a in states.items() if (p := a.payload())}
         return sums
 
     def finish(self, sums: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +116,7 @@ class Objective:
         computed once from every shard's merged states (a matrix is a list of rows)."""
         n = max(sums.get("n", 0.0), 1.0)
         out: dict[str, Any] = {"loss": sums["loss"] / n}
-        states = sums.get(M.STATES) or {}
+        states = sums.get(STATES) or {}
         for _, m in self.metrics:
             if m.stateful is None:
                 out[m.name] = m.finish(sums[m.name] / n)
@@ -133,7 +135,7 @@ def objective_for(spec: JobSpec, kind: str) -> Objective:
     loss = L.resolve_loss(loss_name)
     named = [(m.name, m.fn, m.average) for m in spec.metrics] if spec.metrics is not None else [
         (n, n, None)
-        for n in M.DEFAULT_METRICS.get(loss_name) or M.DEFAULT_METRICS[L.DEFAULT_LOSS[kind]]]
+        for n in DEFAULT_METRICS.get(loss_name) or DEFAULT_METRICS[L.DEFAULT_LOSS[kind]]]
     # Each metric keyed by its spec name (test_metrics, /metrics, the page, the CLI).
     metrics = tuple((f"metrics.{i}", M.resolve_metric(fn, f"metrics.{i}", name, average))
                     for i, (name, fn, average) in enumerate(named))

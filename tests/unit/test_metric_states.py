@@ -12,7 +12,7 @@ import pytest
 import torch
 from dynabatch.actors.spec import SpecError, parse_spec
 from dynabatch.actors.workloads import WorkloadError
-from dynabatch.actors.workloads.eval_metrics import split_scores
+from dynabatch.actors.workloads.metric_states import split_scores
 from dynabatch.actors.workloads.objective import check_objective, objective_for
 from dynabatch.scheduler.sync.evaluation import combine, split
 from hypothesis import given, settings
