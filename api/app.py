@@ -28,9 +28,9 @@ from dynabatch.api.routes.cluster import router as cluster_router
 from dynabatch.api.routes.code import code_router
 from dynabatch.api.too_large import JsonTooLarge
 from dynabatch.scheduler.core.lifecycle import InvalidTransition
-from dynabatch.service.cluster_client import ClusterClient
 from dynabatch.service.install_check import check_own_install_once
 from dynabatch.service.job_service import JobService
+from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.service_errors import (
     ClusterUnavailable,
     InvalidRequest,
@@ -208,7 +208,7 @@ class _App(FastAPI):
 
 def create_app(
     settings: Settings | None = None,
-    cluster: ClusterClient | None = None,
+    cluster: RayClusterClient | None = None,
     service: JobService | None = None,
 ) -> FastAPI:
     # Also under a plain `uvicorn --factory dynabatch.api.app:create_app`: the packages must be ours

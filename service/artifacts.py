@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from dynabatch.actors.data.fs import join
 from dynabatch.actors.data.source import DataError
 from dynabatch.actors.export import ExportError, has_model, read_files, write_files
-from dynabatch.service.cluster_client import ClusterClient
+from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.service_errors import JobConflict, RayCallError
 
 if TYPE_CHECKING:  # the job service calls keep_model: no import cycle
@@ -45,7 +45,7 @@ def models_dir(db_path: str) -> Path | None:
     return Path(db_path).expanduser().resolve().parent / "models"
 
 
-def keep_model(cluster: ClusterClient, job_id: str, models_dir: Path | None) -> bool:
+def keep_model(cluster: RayClusterClient, job_id: str, models_dir: Path | None) -> bool:
     """Copy the finished job's model files from its coordinator into ``models_dir/JOB_ID``,
     before the coordinator is released. False when it has none (or cannot be asked): a
     failure to keep them never keeps the job from being released."""

@@ -34,7 +34,7 @@ from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.core.membership import scale_error
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
-from dynabatch.service.cluster_client import ClusterClient, NodeJob, NodeStatus
+from dynabatch.service.cluster_client import NodeJob, NodeStatus
 from dynabatch.service.cluster_schemas import GRANTED, scheduler_note
 from dynabatch.service.launch_checks import (
     capacity_problem,
@@ -42,10 +42,11 @@ from dynabatch.service.launch_checks import (
     min_workers_problem,
     relaunch_refusal,
 )
+from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.reconciler import EMBEDDED_ENDED, Reconciler
 from dynabatch.service.registry import JobRegistry
 from dynabatch.service.scheduler_link import SchedulerLink
-from dynabatch.service.scheduling import Refused, Scheduling
+from dynabatch.service.scheduling import RayScheduling, Refused
 from dynabatch.service.service_errors import (
     AlreadyFinished,
     ClusterUnavailable,
@@ -101,7 +102,7 @@ class JobService:
     def __init__(
         self,
         store: JobStore,
-        cluster: ClusterClient,
+        cluster: RayClusterClient,
         *,
         sync_interval_s: float = 1.0,
         metrics_retention_s: float = 3600.0,
@@ -110,7 +111,7 @@ class JobService:
         auto_resume_limit: int = AUTO_RESUME_LIMIT,
         submit_policy: SubmitPolicy | None = None,
         clock: Callable[[], float] = time.time,
-        scheduling: Scheduling | None = None,
+        scheduling: RayScheduling | None = None,
     ):
         self.store = store
         self.cluster = cluster

@@ -1,5 +1,6 @@
-"""The real :class:`dynabatch.service.cluster_client.ClusterClient`: Ray calls, with Ray's
-errors translated (:mod:`dynabatch.service.service_errors`).
+"""The service's cluster client: every Ray call the service makes, with Ray's errors
+translated (:mod:`dynabatch.service.service_errors`). ``tests.fakes.FakeCluster`` stands in
+for it in route and service tests.
 
 Coordinator handles are cached per job; a job without a cached handle (e.g. after an API
 restart) is looked up by its actor name, that of the generation last launched or found.
@@ -19,6 +20,7 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from dynabatch.service.cluster_client import NodeStatus
+from dynabatch.service.scheduling import RayScheduling
 from dynabatch.service.service_errors import (
     ClusterUnavailable,
     CoordinatorGone,
@@ -28,7 +30,6 @@ from dynabatch.service.service_errors import (
 )
 
 if TYPE_CHECKING:
-    from dynabatch.service.scheduling import RayScheduling
     from dynabatch.service.settings import Settings
 
 log = logging.getLogger("dynabatch.ray")
@@ -56,10 +57,12 @@ class RayClusterClient:
 
     @property
     def embedded(self) -> bool:
+        """True when Ray lives in this process and ends with it."""
         return self._requested in (None, "", "local")
 
     @property
     def address(self) -> str:
+        """The cluster's address, for the record of where a job ran."""
         return self._address
 
     def connect(self) -> None:
@@ -127,6 +130,8 @@ class RayClusterClient:
 
     # Coordinators -----------------------------------------------------------------------
     def launch(self, job_id: str, spec: JobSpec, generation: int = 0) -> None:
+        """Start the job's coordinator of ``generation`` (the job's count of resumes, as
+        the store keeps it): each generation's actor has a name of its own."""
         from dynabatch.scheduler.runtime.launch import launch_coordinator
 
         with self._lock:
@@ -141,6 +146,8 @@ class RayClusterClient:
             self._handles[job_id] = handle
 
     def find(self, job_id: str, generation: int = 0) -> bool:
+        """Whether the job's coordinator of ``generation`` is there; later calls for the job
+        go to it."""
         from dynabatch.scheduler.runtime.launch import find_coordinator
 
         with self._lock:
@@ -194,6 +201,8 @@ class RayClusterClient:
         return JobSnapshot.model_validate(self._membership_call(job_id, "scale", workers))
 
     def drain(self, job_id: str, worker: str) -> JobSnapshot:
+        """Remove ``worker`` at the next step boundary. Raises :class:`WorkerNotFound`,
+        :class:`JobConflict` (its last worker) or ``InvalidTransition`` (terminal)."""
         return JobSnapshot.model_validate(self._membership_call(job_id, "drain", worker))
 
     def _membership_call(self, job_id: str, method: str, *args: Any) -> Any:
@@ -210,6 +219,7 @@ class RayClusterClient:
             raise
 
     def model_files(self, job_id: str) -> dict[str, bytes] | None:
+        """The trained model's files the coordinator keeps, None when it has none (yet)."""
         return self._call(job_id, "model_files")
 
     def release(self, job_id: str) -> None:
@@ -261,9 +271,8 @@ class RayClusterClient:
         return out
 
     def scheduling(self, settings: Settings) -> RayScheduling:
-        """The named cluster-scheduler actor on this Ray (created at its first call)."""
-        from dynabatch.service.scheduling import RayScheduling
-
+        """The named cluster-scheduler actor on this Ray (created at its first call), with
+        ``settings``' policy, round and hold. (A cluster without one answers None.)"""
         return RayScheduling(
             settings.cluster_policy,
             settings.cluster_round_s,

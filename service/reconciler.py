@@ -19,8 +19,8 @@ from dynabatch.actors.errors import first_line
 from dynabatch.scheduler.core.recovery import Action, LostCoordinator, decide_lost
 from dynabatch.scheduler.telemetry import JobSnapshot
 from dynabatch.service.artifacts import keep_model, models_dir
-from dynabatch.service.cluster_client import ClusterClient
 from dynabatch.service.launch_checks import checkpoint_exists, launch_spec, relaunch_refusal
+from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.registry import JobRegistry
 from dynabatch.service.scheduler_link import SchedulerLink
 from dynabatch.service.scheduling import Refused
@@ -50,7 +50,7 @@ class Reconciler:
     def __init__(
         self,
         registry: JobRegistry,
-        cluster: ClusterClient,
+        cluster: RayClusterClient,
         link: SchedulerLink | None,
         *,
         sync_interval_s: float,

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from dynabatch.service.cluster_client import ClusterClient
 from dynabatch.service.launch_checks import launch_spec
-from dynabatch.service.scheduling import Scheduling
+from dynabatch.service.ray_client import RayClusterClient
+from dynabatch.service.scheduling import RayScheduling
 from dynabatch.service.service_errors import RayCallError
 from dynabatch.service.store import JobRecord
 
@@ -23,7 +23,7 @@ log = logging.getLogger("dynabatch.service")
 
 
 class SchedulerLink:
-    def __init__(self, scheduling: Scheduling, cluster: ClusterClient):
+    def __init__(self, scheduling: RayScheduling, cluster: RayClusterClient):
         self.scheduling = scheduling
         self.cluster = cluster
         self.started: frozenset[str] = frozenset()  # the scheduler's last answer

@@ -1,11 +1,10 @@
 """The seam between the service and the cluster scheduler actor
-(:mod:`dynabatch.scheduler.runtime.cluster_scheduler`): :class:`Scheduling`, and its Ray
-implementation.
+(:mod:`dynabatch.scheduler.runtime.cluster_scheduler`): :class:`RayScheduling`.
 
 With the scheduler on (``DYNABATCH_CLUSTER_SCHEDULER=1``) a submitted job is registered with
 it instead of launched: the scheduler starts its coordinator on the nodes it grants, and
 the job stays PENDING with the queue's reason until then. Every sync tick the service tells
-it every live job from the store (:meth:`Scheduling.sync`), which is how a new scheduler
+it every live job from the store (:meth:`RayScheduling.sync`), which is how a new scheduler
 rebuilds its state after the actor or the API restarted.
 
 ``dynabatch run --address`` goes through the same scheduler when one runs on the cluster
@@ -21,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.cluster.view import ClusterView
@@ -34,41 +33,10 @@ class Refused(ValueError):
     """The scheduler refuses the job or the request; the message says why."""
 
 
-class Scheduling(Protocol):
-    def admissible(self, spec: JobSpec) -> str | None:
-        """Why the scheduler could never place this job, or None."""
-        ...
-
-    def register(self, job_id: str, spec: JobSpec, submit_s: float, generation: int) -> None:
-        """Place the job (its coordinator of ``generation`` once granted). Raises
-        :class:`Refused`."""
-        ...
-
-    def sync(self, jobs: Sequence[tuple[str, JobSpec, float, int]]) -> set[str]:
-        """Every live job (id, spec, submit time, generation); returns those the scheduler
-        started (or adopted). Keeps the last round's view for :meth:`view`."""
-        ...
-
-    def finished(self, job_id: str) -> None: ...
-
-    def request_scale(self, job_id: str, workers: int) -> str:
-        """The job's own scale, as a request to the scheduler: its answer, or
-        :class:`Refused`."""
-        ...
-
-    def request_drain(self, job_id: str, node: str) -> str:
-        """The job's own drain of a worker on ``node``, as a request to the scheduler: its
-        answer (the slot there is freed, the job assigned the rest), or :class:`Refused`."""
-        ...
-
-    def view(self) -> ClusterView | None:
-        """The last round's view as of the last :meth:`sync` (no I/O)."""
-        ...
-
-
 class RayScheduling:
-    """:class:`Scheduling` over the named actor, created when missing (each call that finds
-    it gone makes a new one, which rebuilds at the next :meth:`sync`)."""
+    """The named scheduler actor, created when missing (each call that finds it gone makes a
+    new one, which rebuilds at the next :meth:`sync`). A refusal raises :class:`Refused`
+    with the scheduler's reason. Tests stand in a fake over the pure rounds."""
 
     def __init__(
         self,
@@ -124,6 +92,8 @@ class RayScheduling:
         self._call("register", JobEntry(job_id, spec, submit_s, generation))
 
     def sync(self, jobs: Sequence[tuple[str, JobSpec, float, int]]) -> set[str]:
+        """Every live job (id, spec, submit time, generation); returns those the scheduler
+        started (or adopted). Keeps the last round's view for :meth:`view` (no I/O)."""
         from dynabatch.scheduler.runtime.cluster_scheduler import JobEntry
 
         started, view = self._call("sync", [JobEntry(*j) for j in jobs])
@@ -157,19 +127,6 @@ class RayScheduling:
         self._call("launched", job_id, list(slots))
 
 
-class ClientScheduling(Protocol):
-    """What ``dynabatch run`` asks of the scheduler (:class:`RayScheduling`; a fake in the
-    tests)."""
-
-    def register_client(self, job_id: str, spec: JobSpec, submit_s: float) -> None: ...
-
-    def grant(self, job_id: str) -> tuple[tuple[tuple[str, int], ...] | None, str]: ...
-
-    def launched(self, job_id: str, slots: Sequence[tuple[str, int]]) -> None: ...
-
-    def finished(self, job_id: str) -> None: ...
-
-
 def scheduler_for_run(address_given: bool, want: bool | None) -> RayScheduling | None:
     """The scheduler ``dynabatch run`` goes through, on the Ray it is connected to: on a
     cluster (``address_given``: not the embedded local Ray, which runs the one job), unless
@@ -187,7 +144,7 @@ def scheduler_for_run(address_given: bool, want: bool | None) -> RayScheduling |
 
 
 def run_placed(
-    scheduling: ClientScheduling,
+    scheduling: RayScheduling,
     spec: JobSpec,
     launch: Callable[[str, dict[str, int]], Any],
     *,
@@ -232,7 +189,7 @@ def _quietly(call: Callable[..., Any], *args: Any) -> None:
 
 
 def keep_alive(
-    scheduling: ClientScheduling, job_id: str, spec: JobSpec, submit_s: float, every_s: float = 5.0
+    scheduling: RayScheduling, job_id: str, spec: JobSpec, submit_s: float, every_s: float = 5.0
 ) -> Callable[[], None]:
     """A tick for the run's follow loop: re-registers its job every ``every_s`` (a new
     scheduler, after the old one died, adopts it as it runs; one call is a no-op to the one
@@ -247,6 +204,6 @@ def keep_alive(
     return tick
 
 
-def finish_quietly(scheduling: ClientScheduling, job_id: str) -> None:
+def finish_quietly(scheduling: RayScheduling, job_id: str) -> None:
     """Tell the scheduler the run's job ended (its nodes free at once)."""
     _quietly(scheduling.finished, job_id)

@@ -5,17 +5,15 @@
 
 from __future__ import annotations
 
-from dynabatch.service.cluster_client import ClusterClient
 from dynabatch.service.job_service import JobService
+from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.settings import Settings
 from dynabatch.service.store import JobStore
 
 
-def build_service(settings: Settings, cluster: ClusterClient | None = None) -> JobService:
+def build_service(settings: Settings, cluster: RayClusterClient | None = None) -> JobService:
     """The JobService the settings describe: SQLite store and (by default) Ray."""
     if cluster is None:
-        from dynabatch.service.ray_client import RayClusterClient
-
         cluster = RayClusterClient(
             settings.ray_address,
             num_cpus=settings.ray_num_cpus,

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 
 import typer
 from dynabatch.actors.errors import first_line
@@ -160,20 +160,9 @@ def write_report(path: Path, spec: JobSpec, snap: JobSnapshot,
     os.replace(tmp, path)
 
 
-class JobHandle(Protocol):
-    """What ``run`` reads of its job's coordinator (a Ray actor; a fake in the tests)."""
-
-    def snapshot(self) -> JobSnapshot: ...
-
-    def history(self, since: int = 0) -> list[EpochRecord]: ...
-
-    def logs(self, since: int = 0) -> list[LogLine]: ...
-
-    def cancel(self, reason: str) -> JobSnapshot: ...
-
-
 class RayJob:
-    """A coordinator actor's handle as a :class:`JobHandle`: every call bounded in time."""
+    """What ``run`` reads of its job's coordinator actor (a fake in the tests), every call
+    bounded in time."""
 
     def __init__(self, handle: Any):
         self.handle = handle
@@ -284,7 +273,7 @@ def _collate_problem(collate: str | None, *, here: bool) -> str | None:
 OnUpdate = Callable[[JobSnapshot, list[EpochRecord]], None]
 
 
-def follow_job(job: JobHandle, *, console: Console, quiet: bool,
+def follow_job(job: RayJob, *, console: Console, quiet: bool,
                interrupted: dict[str, int] | None = None,
                interval_s: float = 0.5, tick: Callable[[], None] | None = None,
                on_update: OnUpdate | None = None,

@@ -36,7 +36,7 @@ from tests.fakes import FakeCluster
 
 
 class RoundsScheduling:
-    """:class:`~dynabatch.service.scheduling.Scheduling` over the pure rounds; ``tick()``
+    """:class:`~dynabatch.service.scheduling.RayScheduling` over the pure rounds; ``tick()``
     runs a round and launches what it starts on the fake cluster."""
 
     def __init__(self, cluster: FakeCluster, slots: int = 2):
