@@ -25,7 +25,6 @@ from dynabatch.scheduler.core.cluster.ray_nodes import (
     gang_error,
     gpu_units,
     job_bounds,
-    owner_bounds,
     slot_error,
     worker_slots,
 )
@@ -301,7 +300,8 @@ class ClusterScheduler:
         when the job holds no slot there or would fall below its ``min_workers``."""
         with self._lock:
             e = self._entries.get(job_id)
-            least = owner_bounds(e.spec)[0] if e is not None else 1
+            # Its own min_workers (``workers`` alone is the gang it starts with, no floor).
+            least = (e.spec.min_workers if e is not None else None) or 1
             commands = self._step(Drained(job_id, node, self.clock(), least))
         self._raise_refusal(commands, "drain: ")
         keeps = sum(c.workers for c in commands if isinstance(c, Reassign))
@@ -328,7 +328,7 @@ class ClusterScheduler:
             return self._state.view
 
     def round(self) -> ClusterView | None:
-        """Run one round now (tests and ``dynabatch cluster --now`` need not wait)."""
+        """Run one round now (tests need not wait for the next)."""
         self._round()
         return self.view()
 

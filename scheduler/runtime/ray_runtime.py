@@ -428,19 +428,12 @@ class RayRuntime:
         return self._objective.finish(sums)
 
     def fetch_state(self, worker: str, timeout_s: float) -> dict[str, Any]:
-        return self._call(worker, "state", timeout_s)
-
-    def _call(self, worker: str, method: str, timeout_s: float, *args: Any) -> Any:
-        return self._get(worker, method, getattr(self._handles[worker], method).remote(*args),
-                         timeout_s)
-
-    def _get(self, worker: str, method: str, ref: Any, timeout_s: float) -> Any:
         try:
-            return ray.get(ref, timeout=timeout_s)
+            return ray.get(self._handles[worker].state.remote(), timeout=timeout_s)
         except RayActorError as err:
             raise WorkerCallError(worker, _why_lost(err), lost=True) from None
         except GetTimeoutError:
-            raise WorkerCallError(worker, f"{method} timed out after {timeout_s:g}s",
+            raise WorkerCallError(worker, f"state timed out after {timeout_s:g}s",
                                   lost=False) from None
         except RayError as err:
             raise WorkerCallError(worker, first_line(err), lost=False) from None

@@ -133,7 +133,7 @@ def _decide(
             held.add(job.job_id)
     if knobs.policy == "fifo":
         # Running jobs keep what they hold (lost slots aside): nothing is ever taken back.
-        held = {j.job_id for j in ordered if job_fits(j, current[j.job_id])}
+        held = {j.job_id for j in ordered if sum(current[j.job_id].values()) >= j.min_workers}
     held_counts = {j: type_counts(current[j]) for j in held}
     free = cap - sum((held_counts[j] * size[j] for j in held), np.zeros(len(types), dtype=np.int64))
     # Free slots per node after the held jobs, and the workers each job fits whole there.
@@ -254,10 +254,7 @@ def _decide(
     if short:
         return ClusterDecision(knobs.policy, (), ()), short
 
-    queue = sorted(
-        (j for j in ordered if j.job_id in queued),
-        key=lambda j: (-j.priority, 0 if j.allocation else 1, j.submit_s, j.job_id),
-    )
+    queue = [j for j in ordered if j.job_id in queued]  # ``ordered`` is the queue's order
     position = {j.job_id: i + 1 for i, j in enumerate(queue)}
     started_above = {
         j.job_id: j.priority for j in ordered if j.job_id in counts and not j.allocation
@@ -290,10 +287,6 @@ def _decide(
         )
     decision = ClusterDecision(knobs.policy, tuple(plans), tuple(j.job_id for j in queue))
     return decision, {}
-
-
-def job_fits(job: ClusterJob, slots: dict[str, int]) -> bool:
-    return bool(slots) and sum(slots.values()) >= job.min_workers
 
 
 def _ref(job: ClusterJob, rates: np.ndarray, eligible: int) -> float:

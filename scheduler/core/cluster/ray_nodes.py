@@ -131,14 +131,6 @@ def job_bounds(spec: Any) -> tuple[int, int]:
     return lo, max(lo, min(hi, spec.batch_range[0]))
 
 
-def owner_bounds(spec: Any) -> tuple[int, int]:
-    """The sizes the job's owner may scale or drain it to while the scheduler places it: its
-    ``min_workers`` (1 when it gives none: ``workers`` alone is the gang it starts with, not
-    a floor) up to its ``max_workers`` (when it gives none, as many as its smallest global
-    batch has samples)."""
-    return spec.min_workers or 1, spec.max_workers or spec.batch_range[0]
-
-
 def slot_error(worker_gpus: float | str) -> str | None:
     """Why a job's workers cannot be counted in the scheduler's slots, or None."""
     if worker_gpus != "auto" and float(worker_gpus) > 1:
