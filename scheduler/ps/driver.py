@@ -1,29 +1,15 @@
 """The driver of a parameter-server job (``protocol: {name: ps}``), on Ray and in the
 simulator alike.
 
-:class:`PSCoordinator` has the coordinator's public interface (``run``, ``step``,
-``snapshot``, ``history``, ``logs``, ``cancel``, ``scale``, ``drain``, ``assign``,
-``shutdown``), so the service launches and polls it like the synchronous one
-(:mod:`dynabatch.scheduler.runtime.launch`). The training's brain is the pure
-:class:`~dynabatch.scheduler.core.ps.machine.PSCore`, which lives in the server behind a
-:class:`~dynabatch.scheduler.runtime.ps_seam.PSRuntime`: Ray's
-(:class:`~dynabatch.scheduler.runtime.ray_ps.RayPSRuntime`, the default) or the simulator's
-(:class:`~dynabatch.scheduler.sim.ps_runtime.SimPSRuntime`, which runs this same code on a
-virtual clock). What the job does with its learners is decided by the pure
-:class:`~dynabatch.scheduler.core.ps.engine.PSEngine` (its docstring has the rules: a lost
-learner leaves, a raising one fails the job, scale/drain/assign, epochs, the end). This
-driver is its executor: it turns the runtime's reports (the dataset, the nodes, learners'
-exits, the server's snapshot), the queued requests and a command that failed into the
-engine's events, carries out the commands it returns (start the server, spawn, kill, leave,
-record an epoch, log, export) with one ``match``, whatever the runtime, and then publishes
-the job's state, :func:`~dynabatch.scheduler.core.ps.engine.job_state` of the engine's.
-
-``protocol.shards: k`` runs k−1 shards beside the server, which holds slice 0 and the one
-core (the protocol is decided in one place only). At the job's end (and at a cancel, once
-an epoch was trained) the server's final weights go out as the trained model
-(:func:`~dynabatch.actors.ps.model_state`), by the synchronous job's own
-:meth:`~dynabatch.scheduler.control.JobControl.publish_model`: ``model.safetensors`` and
-``manifest.json``, kept for download and written to ``artifacts.dir`` when set.
+:class:`PSCoordinator` has the coordinator's public interface, so the service launches and
+polls it like the synchronous one. It is the executor of the pure
+:class:`~dynabatch.scheduler.core.ps.engine.PSEngine`: it turns what its
+:class:`~dynabatch.scheduler.runtime.ps_seam.PSRuntime` reports (Ray's, or the simulator's
+:class:`~dynabatch.scheduler.sim.ps_runtime.SimPSRuntime`) and the queued requests into the
+engine's events, carries out the commands it returns, and publishes the job's state. The
+training's brain, :class:`~dynabatch.scheduler.core.ps.machine.PSCore`, lives in the server.
+At the job's end (and at a cancel, once an epoch was trained) the server's final weights go
+out as the trained model through :meth:`~dynabatch.scheduler.control.JobControl.publish_model`.
 """
 
 from __future__ import annotations
@@ -85,19 +71,9 @@ log = logging.getLogger("dynabatch.ps")
 POLL_S = 0.25  # how long a step waits for the learners' exits
 
 
-def base_batch(spec: JobSpec) -> int:
-    """μ = global_batch // workers: each learner's batch, so μλ = global_batch."""
-    return max(1, spec.global_batch // (spec.initial_workers or 1))
-
-
-def ps_config(spec: JobSpec) -> PSConfig:
-    p = spec.protocol
-    return PSConfig(p.mode, p.n, p.lr_staleness, p.max_staleness, p.on_stale)
-
-
 def build_core(spec: JobSpec, dataset_size: int) -> PSCore:
     p = spec.protocol
-    b0 = base_batch(spec)
+    b0 = max(1, spec.global_batch // (spec.initial_workers or 1))  # μ, so μλ = global_batch
     # b_min = b0/4: v_i = b_i/t_i under-rates a learner whose fixed per-push cost dominates
     # at a small batch, which shrinks its batch further; on Ray (digits MLP) b_min = 1 let
     # three of four learners collapse to 1 sample. The floor stops that feedback.
@@ -113,7 +89,7 @@ def build_core(spec: JobSpec, dataset_size: int) -> PSCore:
         else None
     )
     return PSCore(
-        ps_config(spec),
+        PSConfig(p.mode, p.n, p.lr_staleness, p.max_staleness, p.on_stale),
         dataset_size=dataset_size,
         epochs=spec.epochs,
         seed=spec.seed,

@@ -1,25 +1,13 @@
-"""Performance-aware per-worker batch sizes for asynchronous SGD (Ji, Zhang, Fu, Gao, Li;
+"""Performance-aware per-learner batch sizes for asynchronous SGD (Ji, Zhang, Fu, Gao, Li;
 J. Comp. Res. & Dev. 2019). Pure: no ray, no torch, no clock.
 
-Each learner's speed is an exponential moving average of its measured throughput,
-``v_i ← β·v_i + (1−β)·b_i/t_i`` (the first measurement sets it). Every ``every_pushes``
-pushes (or at each epoch when 0) the batches are re-planned::
-
-    b_i = clip(round(B · v_i / Σ_j v_j), b_min, b_max),   B = λ·b0
-
-so every learner's iteration takes about ``B/Σv`` seconds: pushes arrive round-robin and
-each gradient is about λ−1 versions old, with little spread, instead of the slow learner's
-gradients being many versions old. A learner with no measurement yet gets b0. By default
-(``scale_lr``) the learning rate of a gradient is scaled by its own sample count over b0
-(:meth:`lr_scale`): the batch it was computed on, not the batch planned since (a re-plan
-may come between).
-
-Why the scaling is the default: the plain reading applies every gradient at α0 whatever
-its batch, so a fast learner's large batch takes one α0 step where ASGD would have taken
-b_i/b0 of them, and at equal samples the model takes fewer, smaller steps and trains far
-less; scaling α by b_i/b0 gives each sample the step it has under ASGD (measured:
-docs/benchmarks.md, "Ji et al.: performance-aware batches").
-See docs/parameter-server.md.
+Each learner's speed is an exponential moving average of its throughput,
+``v_i ← β·v_i + (1−β)·b_i/t_i``. Every ``every_pushes`` pushes (or at each epoch when 0) the
+batches are re-planned, ``b_i = clip(round(B · v_i / Σ_j v_j), b_min, b_max)`` with
+``B = λ·b0``, so every learner's iteration takes about the same time and each gradient is
+about λ−1 versions old. With ``scale_lr`` (the default) a gradient's learning rate is scaled
+by its own sample count over b0, so each sample gets the step it has under ASGD
+(docs/parameter-server.md, "Ji et al.: the default").
 """
 
 from __future__ import annotations

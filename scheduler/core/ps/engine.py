@@ -1,40 +1,16 @@
 """The parameter-server driver's decisions as a pure reducer: ``step(state, event) ->
-(state, commands)``.
+(state, commands)``; the driver (``dynabatch.scheduler.ps.driver``) feeds it events made from
+what its runtime reports and carries out the commands, on Ray or in the simulator alike. The
+learners ride in :class:`Crew`; the job's public state is :func:`job_state` of the engine's;
+time comes in on the events.
 
-The driver (``dynabatch.scheduler.ps.driver``) does not decide what a learner's exit, a
-request or an epoch means; it feeds :meth:`PSEngine.step` events made from what its runtime
-reports and carries out the commands it gets back, on Ray or in the simulator alike. The
-state is the one value that says where the job is, with its data: the learners (their
-nodes, ordinals and join times), the next ordinal and the epochs recorded ride in
-:class:`Crew`; the job's public state is :func:`job_state` of it. Time comes in on the
-events.
-
-* **Starting** (:class:`DataLoaded`): a dataset the server cannot train fails the job;
-  else the server starts, with a start barrier of ``initial_workers``, and the nodes are
-  listed.
-* **Waiting for a node** (:class:`NodesListed`): none yet, and the wait
-  (``worker_wait_timeout_s``, from the first listing) not over: sleep and list again; over:
-  the job fails. With nodes: learners on the assignment's slots when the job is assigned,
-  else ``initial_workers`` (one per node when unset) round the nodes; the job is RUNNING.
-* **Running**, between the driver's steps:
-
-  - a learner that ended normally is gone (the job finished); one whose process or node
-    died *leaves* (its in-flight samples re-queued; nobody regroups); one whose own code
-    raised fails the job with that error (every learner would raise it);
-  - a node added for the job gets a learner, unless the job trains on assigned nodes;
-  - ``Assign``: learners on exactly the slots, the fastest keeping theirs; ``Drain``: the
-    learner leaves; ``Scale``: the nodes are listed (*scaling*), then new learners go
-    round them, or the slowest leave (by samples applied per second since each joined,
-    one not measured yet first);
-  - the server's snapshot: each epoch it finished is recorded once, in order (one not
-    verified exactly-once fails the job); then the job ends: SUCCEEDED when the server
-    says finished (its final training loss measured when wanted, the model exported),
-    else CANCELLED at a pending cancel (the model exported once an epoch was recorded),
-    else FAILED when every learner was lost.
-* **A command failed** (:class:`DriverFailed`, in any state but the end): the job fails
-  with the reason.
-* **Ended**: carries the outcome and its reason; no event is expected (:class:`InvalidEvent`)
-  but a late :class:`DriverFailed`, which changes nothing; the job's learners are gone.
+The rules: the start waits up to ``worker_wait_timeout_s`` for a node, then places
+``initial_workers`` (one per node when unset) round the nodes, or on the assignment's slots.
+A learner that ended normally is gone (the job finished); one whose process or node died
+*leaves* (its in-flight samples re-queued, nobody regroups); one whose own code raised fails
+the job (every learner would raise it). ``Assign`` keeps the fastest on their slots; a
+scale-down removes the slowest (by samples applied per second since each joined). Each epoch
+the server finished is recorded once, in order; one not verified exactly-once fails the job.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """One parameter-server job's brain: the PS protocol, the async ledger and the batch policy,
-driven by the same events from the Ray server actor (:mod:`dynabatch.actors.ps`) and the simulator
-(:mod:`dynabatch.scheduler.sim.ps_job`). Pure: no ray, no torch, no clock.
+driven by the same events from the Ray server actor (:mod:`dynabatch.actors.ps`) and the
+simulator. Pure: no ray, no torch, no clock.
 
-A learner asks for work (:meth:`PSCore.request`): it gets the weights' version to pull and a
-chunk of an epoch's order positions sized by the batch policy, or is told to wait (hardsync,
-bounded staleness ``wait``, or nothing is left to hand out), or that the job is finished. It
-pushes its mean gradient with the ticket (:meth:`PSCore.push`). Every decision the protocol
-makes is reflected in the ledger at once: an applied gradient's chunk is applied, a refused
-one's is re-queued. A lost learner (:meth:`PSCore.leave`) has its in-flight chunk re-queued;
-its gradients already pushed stay. When an epoch's every position is applied the core
-verifies exactly-once and emits :class:`EpochEnd`, in epoch order.
+A learner asks for work (:meth:`PSCore.request`): a chunk of an epoch's order positions and
+the version to pull, or wait, or finished. Its push (:meth:`PSCore.push`) goes to the
+protocol, whose every decision is reflected in the ledger at once (applied, or re-queued
+when refused); a lost learner's in-flight chunk is re-queued. Each epoch, once its every
+position is applied, is verified exactly-once and ends (:class:`EpochEnd`), in order.
 
-**Epochs overlap** (async and softsync): once epoch e has nothing left to hand out, learners
-take chunks of epoch e+1 while e's last gradients are still in flight (at most two epochs
-are open; re-queued samples of the older one go first). Rudra's learners read minibatches
-continuously; an epoch barrier would instead make every learner pull the *same* version at
-each epoch start, a burst of gradients with τ = 0, 1, …, λ−1 on the same weights, which under
-α0/τ sums to a step of (1 + H_{λ−1})·α0 (4.3·α0 at λ = 16) once per epoch (measured: it made
-16-softsync α0/τ fail at α0 = 0.6, see the README). **hardsync keeps the barrier**: its
-update is one step of SGD on the summed batch, and an update never spans two epochs' orders.
-A softsync update still gathering when nothing more can arrive (the job's end, or both open
-epochs handed out with nothing in flight) is flushed as a partial update.
+Epochs overlap in async and softsync (two open at most): with an epoch barrier every learner
+would pull the same version at each epoch start, a burst whose α0/τ factors add up to
+(1 + H_{λ−1})·α0 (docs/parameter-server.md, "Epochs overlap"). hardsync keeps the barrier:
+its update is one SGD step on one epoch's summed batch. A softsync update still gathering
+when nothing more can arrive is flushed as a partial update.
 """
 
 from __future__ import annotations

@@ -207,11 +207,6 @@ class PSProtocol:
         self._inflight[worker] = self.version
         return Pulled(worker, self.version)
 
-    def cancel(self, worker: str) -> list[PushOutcome]:
-        """``worker`` pulled but will not push (it had no samples to train)."""
-        self._inflight.pop(worker, None)
-        return self._drain()
-
     def push(self, worker: str, push_id: int, version_pulled: int, samples: int,
              lr_scale: float = 1.0) -> list[PushOutcome]:
         if worker not in self._members:
