@@ -1,53 +1,15 @@
 """The simulator's runtime: :class:`SimRuntime`, a
 :class:`~dynabatch.scheduler.runtime.seam.Runtime` on a virtual clock. It answers the
-coordinator's calls from its :class:`~dynabatch.scheduler.sim.world.SimWorld` (the cluster's
-nodes, events and workers) and moves the clock by the time each call would take.
-
-What each call costs (formulas in :mod:`dynabatch.scheduler.sim.cost_model`):
-
-* ``submit_segment``/``collect_segment``: calls run in the order sent, when collected
-  (:mod:`dynabatch.scheduler.sim.calls`): a segment sent ahead starts where the one before
-  it ended, with no bubble, as on Ray. After a failed segment the workers have left the
-  group, so a segment queued behind it trains nothing until the next regroup.
-  ``update_segment`` applies a plan update to the segment queued from its ``at_step`` on
-  every worker, or refuses it when the workers have started that step (the segment's
-  first: it started when the one before ended), as on Ray.
-* a segment, step by step (:mod:`dynabatch.scheduler.sim.training`):
-  ``max_i t_i(b_i) + t_ar(n, m)``, a share computed in k micro-batches (its micro-batch
-  cap: the spec's, or the plan's after an out-of-memory error) paying ``a_i`` k times;
-  each worker reports what a
-  real worker reports (its order positions, its compute and wait, the step's whole time by
-  its own clock ``step_s`` = compute + wait, the step's coverage as the
-  all-reduce would sum it). With ISGD, the batch loss rides in the gradient's all-reduce
-  (the loss slot: no collective of its own), and each
-  extra iteration is one more pass (every share's compute again and its all-reduce); the
-  step's ``compute_s`` stays its own pass, as on Ray. A node that fails during a step takes
-  the step down: the worker on it is lost, its peers answer with a peer error once they
-  finished computing and the failure was detected (``detect_s`` after it). A worker
-  computing past the collective timeout makes its peers time out (a straggler); the job
-  spec's injected errors raise in compute.
-* ``regroup``: ``regroup_s`` plus the state broadcast; a member whose node died fails it.
-  The members take the state given, or the first member's.
-* ``spawn``/``poll_started``: a worker is up ``start_s`` after it was spawned.
-* evaluation (queued like a segment: it scores the weights the calls before it leave):
-  each holder's shard of the held-out set is scored by the holder's replica
-  (:mod:`dynabatch.scheduler.sim.replicas`) in its node's ``eval_ms_per_sample`` per sample
-  (0 by default: free), all at once, so the calls behind start at the slowest shard's end; a
-  holder whose node died before its shard was scored loses it, and the epoch its scores,
-  as on Ray. ``fetch_state``: free.
-  Timing-only runs have no model: evaluation gives no loss and no accuracy (None), and
-  the training loss of their records is 0.
-
-Cluster events happen in the world (:mod:`dynabatch.scheduler.sim.world`). The job spec's
-``emulation`` (slowdowns, disturbances, injected errors) applies per worker ordinal, as on
-Ray, on top of the cluster's own speeds. The fault script (the cluster's ``faults:``, or
-:meth:`~dynabatch.scheduler.sim.world.SimWorld.inject`; :mod:`dynabatch.scheduler.sim.faults`)
-kills, hangs, slows or fails a worker at a step, at its nth regroup, evaluation or state
-fetch, or a spare; the outcomes are the ones above. ``record``
-(:class:`~dynabatch.scheduler.sim.calls.CallRecord`) counts the calls and keeps the kills,
-the spares, the spawns and, when asked (``keep_plans``), the plans trained. The simulator
-writes no checkpoints (the spec's ``checkpoint`` is dropped): a job that loses every holder
-of its state fails, as a job without checkpoints does.
+coordinator's calls from its world (:mod:`~dynabatch.scheduler.sim.world`: nodes, events,
+workers) and moves the clock by what each call would take on Ray
+(:mod:`~dynabatch.scheduler.sim.cost_model`). Segments and evaluations run in the order sent,
+when collected (:mod:`~dynabatch.scheduler.sim.calls`); a segment runs step by step in
+:mod:`~dynabatch.scheduler.sim.training`. After a failed segment the workers have left the
+group, so one queued behind it trains nothing until the next regroup. The job spec's
+``emulation`` and the fault script (:mod:`~dynabatch.scheduler.sim.faults`) apply per worker
+ordinal, as on Ray. Timing-only runs (no ``gradients``) have no model: evaluation gives no
+loss and no accuracy. The simulator writes no checkpoints: a job that loses every holder of
+its state fails, as a job without checkpoints does.
 """
 
 from __future__ import annotations
@@ -68,10 +30,8 @@ from dynabatch.scheduler.sim.training import LOST, PEER_LEFT, SimTraining, peer_
 
 
 class SimRuntime(SimTraining):
-    """A :class:`~dynabatch.scheduler.runtime.seam.Runtime` on a virtual clock (see the module
-    docstring). ``gradients``: the model replicas the workers train
-    (:class:`~dynabatch.scheduler.sim.replicas.Replicas`; None: timing only). A run counts
-    its segments; ``record.keep_plans = True`` also keeps their plans (tests read them)."""
+    """``gradients``: the model replicas the workers train (None: timing only).
+    ``record.keep_plans = True`` also keeps the plans trained (tests read them)."""
 
     def __init__(self, spec: JobSpec, cluster: SimulatedCluster, *, clock: SimClock,
                  data: DataInfo, gradients: Replicas | None = None):

@@ -1,9 +1,12 @@
 """A simulated segment, step by step: :class:`SimTraining`, the part of the simulator's
-runtime that trains (what each step costs, how failures, stragglers, hung workers, compute
-and out-of-memory errors play out, and what each worker reports), on top of the world
-(:mod:`dynabatch.scheduler.sim.world`). The formulas and the outcomes are described in
-:mod:`dynabatch.scheduler.sim.runtime`; the fault script's kinds in
-:class:`~dynabatch.scheduler.sim.cluster_spec.Fault`.
+runtime that trains, on top of the world (:mod:`dynabatch.scheduler.sim.world`). A step takes
+``max_i t_i(b_i) + t_ar(n, m)`` (:mod:`dynabatch.scheduler.sim.cost_model`), a share in k
+micro-batches paying ``a_i`` k times, and each ISGD extra iteration one more pass; each worker
+reports what a real one reports. A node that fails during a step takes the step down: its
+worker is lost, and its peers answer with a peer error once they finished computing and the
+failure was detected (``detect_s`` after it). A worker computing past the collective timeout
+makes its peers time out; the fault script's kinds are
+:class:`~dynabatch.scheduler.sim.cluster_spec.Fault`'s.
 """
 
 from __future__ import annotations
