@@ -88,32 +88,28 @@ class RecoveryModel(_Strict):
     start_s: float = Field(default=6.5, ge=0.0, le=1e5)
 
 
-class NodeSelector(_Strict):
-    """``count`` nodes of class ``class`` (any class when omitted); ``index`` picks the
-    class's ``index``-th node (in creation order) instead."""
-
+class _ByClass(_Strict):
     # ``class`` is a Python keyword: the attribute ``node_class`` is accepted too.
     model_config = ConfigDict(validate_by_name=True)
+
+
+class NodeSelector(_ByClass):
+    """``count`` nodes of class ``class`` (any class when omitted); ``index`` picks the
+    class's ``index``-th node (in creation order) instead."""
 
     node_class: str | None = Field(default=None, alias="class")
     count: StrictInt = Field(default=1, ge=1, le=1_000_000)
     index: StrictInt | None = Field(default=None, ge=0)
 
 
-class JoinSpec(_Strict):
-    # ``class`` is a Python keyword: the attribute ``node_class`` is accepted too.
-    model_config = ConfigDict(validate_by_name=True)
-
+class JoinSpec(_ByClass):
     node_class: str = Field(alias="class")
     count: StrictInt = Field(default=1, ge=1, le=1_000_000)
 
 
-class SlowdownSpec(_Strict):
+class SlowdownSpec(_ByClass):
     """From the event on, the step time of the class's ``index``-th node (every node of the
     class when ``index`` is omitted) is multiplied by ``factor``."""
-
-    # ``class`` is a Python keyword: the attribute ``node_class`` is accepted too.
-    model_config = ConfigDict(validate_by_name=True)
 
     node_class: str = Field(alias="class")
     index: StrictInt | None = Field(default=None, ge=0)
@@ -243,21 +239,13 @@ class ClusterSpec(_Strict):
             if n in seen:
                 raise ValueError(f"classes.{i}.name: duplicate node class {n!r}")
             seen.add(n)
-        if sum(c.count for c in self.classes) < 1:
+        if self.nodes < 1:
             raise ValueError("classes: no nodes (every count is 0)")
-        known = ", ".join(names)
-        counts = {c.name: c.count for c in self.classes}
         for i, e in enumerate(self.events):
             target = e.fail if isinstance(e.fail, NodeSelector) else e.join or e.slowdown
-            cls = getattr(target, "node_class", None)
-            if cls is not None and cls not in seen:
-                raise ValueError(f"events.{i}.{e.kind}.class: unknown node class {cls!r} "
-                                 f"(classes: {known})")
-            index = getattr(target, "index", None)
-            if index is not None and e.kind != "join" and index >= counts[cls] and not any(
-                    x.join is not None and x.join.node_class == cls for x in self.events):
-                raise ValueError(f"events.{i}.{e.kind}.index: class {cls!r} has "
-                                 f"{counts[cls]} nodes (indices 0..{counts[cls] - 1})")
+            if getattr(target, "node_class", None) is not None and (
+                    err := self.node_error(target)):
+                raise ValueError(f"events.{i}.{e.kind}.{err}")
             if isinstance(e.fail, NodeSelector) and e.fail.index is not None and e.fail.count != 1:
                 raise ValueError(f"events.{i}.fail.count: give count 1 with index")
         for i, f in enumerate(self.faults):
@@ -265,9 +253,10 @@ class ClusterSpec(_Strict):
                 raise ValueError(f"faults.{i}.node.{err}")
         return self
 
-    def node_error(self, sel: NodeSelector) -> str | None:
+    def node_error(self, sel: NodeSelector | JoinSpec | SlowdownSpec) -> str | None:
         """Why ``sel`` (a class and an index) names no node of this cluster at its start,
-        ``field: problem``; None when it does."""
+        ``field: problem``; None when it does (an index past the class's nodes does when
+        nodes of the class join)."""
         counts = {c.name: c.count for c in self.classes}
         if sel.node_class not in counts:
             return (f"class: unknown node class {sel.node_class!r} "
@@ -275,7 +264,8 @@ class ClusterSpec(_Strict):
         n = counts[sel.node_class]
         joins = any(e.join is not None and e.join.node_class == sel.node_class
                     for e in self.events)
-        if sel.index is not None and sel.index >= n and not joins:
+        index = getattr(sel, "index", None)  # a join names no index
+        if index is not None and index >= n and not joins:
             return f"index: class {sel.node_class!r} has {n} nodes (indices 0..{n - 1})"
         return None
 
