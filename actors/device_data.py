@@ -26,6 +26,7 @@ import warnings
 import numpy as np
 import torch
 from dynabatch.actors.batch import Tree, to_device
+from dynabatch.actors.data.loader import StagingPool, _Buffer
 
 # Fraction of what is left after the model, its optimizer state and the activations of
 # the largest micro-batch that the data may not take: the caching allocator's
@@ -73,20 +74,6 @@ def stage_dataset(x: torch.Tensor, y: torch.Tensor, device: torch.device,
     return x, y, "staged"
 
 
-class _Staging:
-    """One host buffer pair for gathered samples (page-locked on a GPU), reused while
-    large enough."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, rows: int, pin: bool):
-        self.x = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, pin_memory=pin)
-        self.y = torch.empty((rows, *y.shape[1:]), dtype=y.dtype, pin_memory=pin)
-        self.copied: torch.cuda.Event | None = None  # recorded after its last copy
-
-    @property
-    def rows(self) -> int:
-        return self.x.shape[0]
-
-
 class BatchGather:
     """Micro-batches of the epoch's order, gathered from the training set where it lives
     (``where`` as returned by :func:`stage_dataset`) and delivered on ``device``. Staged:
@@ -100,8 +87,9 @@ class BatchGather:
         self.pin = self._cuda if pin is None else pin
         self._order: torch.Tensor | None = None
         self._key: object = None
-        self._staging: list[_Staging | None] = [None, None]
-        self._turn = 0
+        # Staged: two buffers in turn, so a gather never overwrites the batch before it.
+        self.pool = StagingPool(x, y, self.pin, keep=2)
+        self._held: _Buffer | None = None
 
     def set_order(self, key: object, order: np.ndarray) -> None:
         """Use ``order`` (sample ids by position) until the next call with another key;
@@ -118,8 +106,11 @@ class BatchGather:
         if self.where != "staged":
             # On the CPU a view of the order; on the GPU both live on the device.
             return self.x.index_select(0, ids), self.y.index_select(0, ids)
-        buf = self._buffer(hi - lo)
         n = hi - lo
+        buf = self.pool.take(n)
+        if self._held is not None:
+            self.pool.give(self._held)
+        self._held = buf
         xs, ys = buf.x[:n], buf.y[:n]
         torch.index_select(self.x, 0, ids, out=xs)
         torch.index_select(self.y, 0, ids, out=ys)
@@ -130,22 +121,6 @@ class BatchGather:
         buf.copied = torch.cuda.Event()
         buf.copied.record()
         return xb, yb
-
-    def _buffer(self, rows: int) -> _Staging:
-        k, self._turn = self._turn, 1 - self._turn
-        buf = self._staging[k]
-        if buf is not None and buf.copied is not None:
-            buf.copied.synchronize()  # its previous copy must be done before it is rewritten
-        if buf is None or buf.rows < rows:
-            # Grow geometrically: pinned allocations are slow, and shares change size.
-            grow = max(rows, 2 * buf.rows) if buf is not None else rows
-            buf = self._staging[k] = _Staging(self.x, self.y, grow, pin=self.pin)
-        return buf
-
-    @property
-    def staging(self) -> list[_Staging | None]:
-        """The staging buffers (tests)."""
-        return self._staging
 
 
 class WorkerData:

@@ -98,17 +98,12 @@ def _child_samples(ids: np.ndarray, keys: np.ndarray) -> list[object]:
 
 
 class _Buffer:
-    """One staging buffer pair for a read share (page-locked on a GPU node)."""
+    """One staging buffer pair of ``rows`` samples shaped like ``x`` and ``y``'s (page-locked
+    on a GPU node: allocated once, reused for many shares, so pinning's cost is paid once)."""
 
-    def __init__(self, meta: object, rows: int, pin: bool):
-        from dynabatch.actors.data.source import x_dtype, y_dtype
-
-        self.x = torch.from_numpy(np.empty((rows, *meta.sample_shape),
-                                           dtype=x_dtype(meta.targets)))
-        self.y = torch.from_numpy(np.empty((rows, *meta.target_shape),
-                                           dtype=y_dtype(meta.targets)))
-        if pin:  # allocated once, reused for many shares: pinning's cost is paid once
-            self.x, self.y = self.x.pin_memory(), self.y.pin_memory()
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, rows: int, pin: bool):
+        self.x = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, pin_memory=pin)
+        self.y = torch.empty((rows, *y.shape[1:]), dtype=y.dtype, pin_memory=pin)
         self.copied: torch.cuda.Event | None = None  # recorded after its last device copy
 
     @property
@@ -117,12 +112,13 @@ class _Buffer:
 
 
 class StagingPool:
-    """Reused staging buffers. ``take(rows)`` hands out a free buffer of at least ``rows``
-    (waiting for its last device copy), else a new one, grown geometrically since shares
-    change size; ``give`` returns one. At most ``keep`` free buffers are kept."""
+    """Reused staging buffers for samples shaped like ``x`` and ``y``'s rows. ``take(rows)``
+    hands out a free buffer of at least ``rows`` (waiting for its last device copy), else a
+    new one, grown geometrically since shares change size; ``give`` returns one. At most
+    ``keep`` free buffers are kept."""
 
-    def __init__(self, meta: object, pin: bool, keep: int):
-        self.meta, self.pin, self.keep = meta, pin, keep
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, pin: bool, keep: int):
+        self.x, self.y, self.pin, self.keep = x, y, pin, keep
         self._free: list[_Buffer] = []
         self._lock = threading.Lock()
         self.allocated = 0  # buffers created (tests: reuse means this stays small)
@@ -139,7 +135,7 @@ class StagingPool:
             if buf is None:
                 self.allocated += 1
         if buf is None:
-            return _Buffer(self.meta, rows, self.pin)
+            return _Buffer(self.x, self.y, rows, self.pin)
         if buf.copied is not None:
             buf.copied.synchronize()  # the device's copies out of it are done
             buf.copied = None
@@ -170,7 +166,8 @@ class Loader:
         # share being trained; keeping as many free means a new one only for a larger share.
         # A structured source's shares are tensors collated per share: no fixed-shape buffer.
         self.structured = source.meta.structured
-        self.pool = StagingPool(source.meta, pin=cuda, keep=self.depth + self.threads + 1) \
+        self.pool = StagingPool(*map(torch.from_numpy, batch_arrays(source.meta, 0)), pin=cuda,
+                                keep=self.depth + self.threads + 1) \
             if (cuda if staging is None else staging) and not self.structured else None
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dynabatch-data")
         # spawn, not fork: the worker has threads (and maybe CUDA) that a fork would copy

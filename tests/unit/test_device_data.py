@@ -54,16 +54,15 @@ def test_staging_gathers_into_two_preallocated_buffers_in_turn():
     x, y, order = _data()
     g = BatchGather(x, y, torch.device("cpu"), "staged")
     g.set_order(0, order)
-    a, _ = g.gather(0, 10)
+    a, ya = g.gather(0, 10)
     b, _ = g.gather(10, 20)
-    bufs = g.staging
-    assert a.data_ptr() == bufs[0].x.data_ptr() and b.data_ptr() == bufs[1].x.data_ptr()
+    assert a.data_ptr() != b.data_ptr() and g.pool.allocated == 2
     assert torch.equal(a, x[torch.from_numpy(order[0:10])])  # not overwritten by b
     c, yc = g.gather(20, 28)  # smaller: the first buffer again, no new allocation
-    assert g.staging[0] is bufs[0] and c.data_ptr() == bufs[0].x.data_ptr()
-    assert yc.data_ptr() == bufs[0].y.data_ptr()
-    d, _ = g.gather(0, 40)  # larger: that buffer grows
-    assert g.staging[1].rows >= 40 and torch.equal(d, x[torch.from_numpy(order[:40])])
+    assert c.data_ptr() == a.data_ptr() and yc.data_ptr() == ya.data_ptr()
+    assert g.pool.allocated == 2
+    d, _ = g.gather(0, 40)  # larger: a larger buffer replaces one
+    assert g.pool.allocated == 3 and torch.equal(d, x[torch.from_numpy(order[:40])])
 
 
 def test_training_data_stays_where_it_is_on_the_cpu():
@@ -112,7 +111,7 @@ def test_pinned_staging_feeds_the_gpu_asynchronously():
     g = BatchGather(x, y, torch.device("cuda", 0), "staged")
     g.set_order(0, order)
     outs = [g.gather(lo, lo + 10) for lo in range(0, 50, 10)]
-    assert all(s.x.is_pinned() for s in g.staging)
+    assert all(s.x.is_pinned() and s.y.is_pinned() for s in [g._held, *g.pool._free])
     for k, (xb, yb) in enumerate(outs):
         ids = torch.from_numpy(order[10 * k:10 * k + 10])
         assert xb.is_cuda and torch.equal(xb.cpu(), x[ids]) and torch.equal(yb.cpu(), y[ids])
