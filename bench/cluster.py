@@ -2,11 +2,12 @@
 
 A seeded trace: ``--nodes`` nodes of 4 types, and ``--jobs`` jobs arriving over time. Each
 job's progress is its throughput (samples/s) under its current allocation, from the same
-:class:`~dynabatch.scheduler.core.cluster.ThroughputModel` the policy plans with; the same
-:func:`~dynabatch.scheduler.core.cluster.decide` allocates. Compared: ``fifo`` (today's
-behaviour: first come first served, a running job keeps what it got), ``single_type``
-(the goodput program with one node type per job, as Gavel and Sia allocate), ``fair``
-(max-min on normalised throughput) and ``goodput`` (jobs may span types).
+:class:`~dynabatch.scheduler.core.cluster.throughput.ThroughputModel` the policy plans with;
+the same :func:`~dynabatch.scheduler.core.cluster.decision.decide` allocates. Compared:
+``fifo`` (today's behaviour: first come first served, a running job keeps what it got),
+``single_type`` (the goodput program with one node type per job, as Gavel and Sia
+allocate), ``fair`` (max-min on normalised throughput) and ``goodput`` (jobs may span
+types).
 
 The trace (shapes of the public Philly (Jeon et al., ATC'19) and Helios (Hu et al.,
 SC'21) traces, not their data):
@@ -65,15 +66,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dynabatch.scheduler.core.cluster import (
-    ClusterJob,
-    ClusterKnobs,
-    ClusterNode,
-    ThroughputModel,
-    bootstrap,
-    decide,
-)
-from dynabatch.scheduler.core.cluster.throughput import prior
+from dynabatch.scheduler.core.cluster.decision import decide
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel, bootstrap, prior
+from dynabatch.scheduler.core.cluster.values import ClusterJob, ClusterKnobs, ClusterNode
 
 from bench.cluster_inputs import (
     InputError,

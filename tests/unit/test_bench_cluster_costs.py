@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from dynabatch.scheduler.core.cluster import ClusterNode, ThroughputModel
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
+from dynabatch.scheduler.core.cluster.values import ClusterNode
 
 from bench.cluster import (
     ELASTIC_RESULTS,

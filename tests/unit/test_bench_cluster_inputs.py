@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dynabatch.scheduler.core.cluster import ThroughputModel
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
 
 from bench.cluster_inputs import (
     InputError,

@@ -12,13 +12,9 @@ from __future__ import annotations
 import pytest
 from dynabatch.actors.spec import parse_spec
 from dynabatch.api.cli.cluster_commands import cluster_tables
-from dynabatch.scheduler.core.cluster import (
-    POLICIES,
-    ClusterJob,
-    ClusterKnobs,
-    ThroughputModel,
-    decide,
-)
+from dynabatch.scheduler.core.cluster.decision import decide
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
+from dynabatch.scheduler.core.cluster.values import POLICIES, ClusterJob, ClusterKnobs
 from dynabatch.scheduler.core.cluster.ray_nodes import RayNode, cluster_nodes, gpu_units
 from dynabatch.scheduler.core.cluster.rounds import (
     Entry,

@@ -10,7 +10,8 @@ measurement covers other types only.
 from __future__ import annotations
 
 import pytest
-from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, ThroughputModel
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
+from dynabatch.scheduler.core.cluster.values import ClusterKnobs, ClusterNode
 from dynabatch.scheduler.core.cluster.rounds import (
     Entry,
     JobReported,

@@ -110,7 +110,7 @@ def test_fractional_cpus_pack_as_ray_packs_them():
     assert gang_error(two, 3, worker_cpus=0.6) is None
     assert gang_error(two, 4, worker_cpus=0.6) is not None
     # The rounds start the gang of 3 on the one node.
-    from dynabatch.scheduler.core.cluster import ClusterKnobs
+    from dynabatch.scheduler.core.cluster.values import ClusterKnobs
     from dynabatch.scheduler.core.cluster.rounds import (
         Entry,
         NodesSeen,

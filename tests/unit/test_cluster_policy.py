@@ -6,14 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from dynabatch.scheduler.core.cluster import (
-    ClusterJob,
-    ClusterKnobs,
-    ClusterNode,
-    ThroughputModel,
-    bootstrap,
-    decide,
-)
+from dynabatch.scheduler.core.cluster.decision import decide
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel, bootstrap
+from dynabatch.scheduler.core.cluster.values import ClusterJob, ClusterKnobs, ClusterNode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -1,13 +1,14 @@
 """throughput.prior: a prior speed per node type for jobs that have not run there (issue 52)."""
 
-from dynabatch.scheduler.core.cluster import ThroughputModel
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
 
 
 def test_prior_lets_two_equal_new_jobs_span_both_types():
     """Issue 52 item 5: with nothing measured, a prior per node type (the GPU model's
     class, or a cluster file's speed) rates the types apart, so two equal jobs both span
     both types under goodput, where equal hints left them one type each."""
-    from dynabatch.scheduler.core.cluster import ClusterJob, ClusterKnobs, ClusterNode, decide
+    from dynabatch.scheduler.core.cluster.decision import decide
+    from dynabatch.scheduler.core.cluster.values import ClusterJob, ClusterKnobs, ClusterNode
     from dynabatch.scheduler.core.cluster.throughput import bootstrap, prior
 
     types = ["gpu-H100x2", "gpu-V100x2"]

@@ -13,7 +13,7 @@ its nodes' capacity, and every request is answered.
 from __future__ import annotations
 
 import pytest
-from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode
+from dynabatch.scheduler.core.cluster.values import ClusterKnobs, ClusterNode
 from dynabatch.scheduler.core.cluster.rounds import (
     Abandon,
     AssignRefused,

@@ -6,7 +6,8 @@ nodes and jobs sharing GPUs (fractional ``worker_gpus``)."""
 from __future__ import annotations
 
 import pytest
-from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, ThroughputModel
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
+from dynabatch.scheduler.core.cluster.values import ClusterKnobs, ClusterNode
 from dynabatch.scheduler.core.cluster.ray_nodes import gpu_units
 from dynabatch.scheduler.core.cluster.rounds import (
     Drained,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 from dynabatch.actors.spec import JobSpec
-from dynabatch.scheduler.core.cluster import ClusterKnobs, ClusterNode, rounds
+from dynabatch.scheduler.core.cluster import rounds
 from dynabatch.scheduler.core.cluster.ray_nodes import job_bounds
 from dynabatch.scheduler.core.cluster.rounds import (
     Drained,
@@ -24,6 +24,7 @@ from dynabatch.scheduler.core.cluster.rounds import (
     Tick,
     step,
 )
+from dynabatch.scheduler.core.cluster.values import ClusterKnobs, ClusterNode
 from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.service.job_service import JobService

@@ -19,13 +19,9 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.api.app import create_app
 from dynabatch.api.cli import cluster_commands as cluster_cli
 from dynabatch.api.cli import job_commands as jobs_cli
-from dynabatch.scheduler.core.cluster import (
-    ClusterJob,
-    ClusterKnobs,
-    ClusterNode,
-    ThroughputModel,
-    decide,
-)
+from dynabatch.scheduler.core.cluster.decision import decide
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
+from dynabatch.scheduler.core.cluster.values import ClusterJob, ClusterKnobs, ClusterNode
 from dynabatch.scheduler.core.cluster.view import ClusterView, view_of
 from dynabatch.service.job_service import JobService
 from dynabatch.service.rest_client import DynabatchClient
