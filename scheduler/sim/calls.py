@@ -1,12 +1,8 @@
-"""The simulated workers' call queue: segments and evaluations run in the order they were sent,
-as each Ray actor runs its calls, and only when the driver needs their results.
-
-A segment sent ahead (``submit_segment``) waits here while the driver reads the one before
-it; it runs when it is collected (or when an evaluation behind it is waited for), starting
-on the virtual clock where the previous call ended: no bubble between segments, as on Ray.
-Until then it can take a plan update (:meth:`CallQueue.queued_segment`). Pure: no clock of
-its own; :class:`~dynabatch.scheduler.sim.runtime.SimRuntime` runs the calls.
-:class:`CallRecord` is what the workers were asked over a run, for a report or a test.
+"""The simulated workers' call queue: segments and evaluations run in the order they were
+sent, as each Ray actor runs its calls, and only when the driver needs their results, each
+starting where the previous call ended (no bubble between segments, as on Ray). A segment
+queued can still take a plan update (:meth:`CallQueue.queued_segment`). :class:`CallRecord`
+is what the workers were asked over a run, for a report or a test.
 """
 
 from __future__ import annotations

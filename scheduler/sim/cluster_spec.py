@@ -1,14 +1,6 @@
-"""What a simulated cluster is: its description, as a YAML file or a mapping gives it, and
-the checks on it. Pure: pydantic and yaml only; no ray, no torch, no clock.
-
-A :class:`ClusterSpec` lists node classes (counts, per-step and per-sample costs, what the
-nodes offer), the per-step noise and the spread of nodes within a class, the communication
-costs (:class:`AllReduceModel`, :class:`ParameterServerModel`), the costs of membership
-changes (:class:`RecoveryModel`), the cluster's events (failures, joins, slowdowns) and a
-fault script for the job's workers and spares (:class:`Fault`). What
-each thing costs in virtual time, from these numbers, is
-:mod:`dynabatch.scheduler.sim.cost_model`; a description fitted to a real run is
-:mod:`dynabatch.scheduler.sim.profiles`.
+"""What a simulated cluster is (:class:`ClusterSpec`), as a YAML file or a mapping gives it,
+and the checks on it; what each thing costs in virtual time is
+:mod:`dynabatch.scheduler.sim.cost_model`. Pure: pydantic and yaml only.
 """
 
 from __future__ import annotations
@@ -63,7 +55,9 @@ class AllReduceModel(_Strict):
 
 
 class ParameterServerModel(_Strict):
-    """Push/pull latency for the asynchronous (parameter-server) protocols."""
+    """Push/pull costs of the parameter-server protocols. Over ``k > 1`` server actors the
+    slices move in parallel, and a push has two phases (the slices to their shards, then the
+    commit to the server that decides)."""
 
     push_ms: float = Field(default=0.0, ge=0.0, le=1e6)
     pull_ms: float = Field(default=0.0, ge=0.0, le=1e6)

@@ -31,20 +31,14 @@ as in the real worker. A step of the synchronous protocol takes::
 and each worker reports ``compute_s = t_i(b_i)`` and ``wait_s = T_step − t_i(b_i)`` (its
 all-reduce, including the wait for slower peers), the split the real worker reports.
 
-**Parameter server** (the asynchronous protocols, :mod:`dynabatch.scheduler.sim.ps_job`; the
-synchronous one does not use it; the formulas are
-:class:`~dynabatch.scheduler.sim.cluster_spec.ParameterServerModel`'s): a push or a pull of
-``m`` bytes takes ``push_ms + m·β_ps`` or ``pull_ms + m·β_ps``. Sharded over ``k`` server
-actors the k slices move in parallel, and a push has two phases (slices 1..k−1 to their
-shards, then the commit with slice 0 to the server that decides)::
+**Parameter server** (:mod:`dynabatch.scheduler.sim.ps_job` only): a push or a pull of
+``m`` bytes over ``k`` server actors,
+:class:`~dynabatch.scheduler.sim.cluster_spec.ParameterServerModel`'s formulas.
 
-    push = 2·push_ms + (m/k)·β_ps,     pull = pull_ms + (m/k)·β_ps        (k > 1)
-
-**Recovery.** A node failure is seen by the survivors ``detect_s`` after it happens (their
-collective fails; measured median 0.47 s with the fast health checks, docs/benchmarks.md,
-"Elastic recovery"); forming a group takes ``regroup_s`` plus the state broadcast ``model_mb·β``
-(measured median 0.08 s); a worker on a joining node is up ``start_s`` after it is spawned
-(measured 6.5 s from node ready to join).
+**Recovery.** A node failure is seen by the survivors ``detect_s`` after it happens;
+forming a group takes ``regroup_s`` plus the state broadcast ``model_mb·β``; a worker on a
+joining node is up ``start_s`` after it is spawned (defaults measured on Ray:
+:class:`~dynabatch.scheduler.sim.cluster_spec.RecoveryModel`).
 
 **The ideal.** For a set of workers with true ``a_i, c_i`` (each node's own speed times the
 slowdowns in force: its cluster events and the spec's emulation; no jitter) and global batch

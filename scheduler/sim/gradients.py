@@ -1,19 +1,11 @@
-"""Real gradients for the simulator: every simulated worker's share computed in-process.
+"""Real gradients for the simulator: every simulated worker's share computed in-process, by
+the worker's own step math (:class:`dynabatch.actors.step.StepMath`) on the model and
+optimizer the worker builds. Imported only in real-gradient mode (it imports torch).
 
-Imported only in real-gradient mode (it imports torch). One model replica stands for every
-worker: in synchronous training all replicas hold the same weights after each step (the
-all-reduce gives each the same gradient, and a joining worker receives the state by
-broadcast), so one copy is exact. Each worker's share is still computed on its own, from the
-order positions the plan gave it, by the worker's own step math
-(:class:`dynabatch.actors.step.StepMath`, gathered as the worker gathers): the summed loss
-over its ``b_i`` samples scaled by ``1/B_s``, so its gradient is ``(b_i/B_s)·g_i``. The
-shares' gradients are then summed, which is the SUM all-reduce: ``Σ_i (b_i/B_s)·g_i``, the
-mean gradient of the global batch. The optimizer is the one the worker builds
-(:func:`dynabatch.actors.optim.build_optimizer`), on the model the worker builds from the
-same seed, so the simulated run trains the same SGD as a real one. The plan's learning rate
-and ISGD rule are applied by the same :meth:`~dynabatch.actors.step.StepMath.update` (every
-extra iteration is one conservative update and one more pass over the shares, and the
-ordinary step comes last), and in goodput mode the same gradient norms are reported.
+One model replica stands for every worker: in synchronous training all replicas hold the
+same weights after each step, and a regroup broadcasts one member's state, so one copy is
+exact. Each share's summed loss is scaled by ``1/B_s`` and the shares' gradients summed: the
+SUM all-reduce, the mean gradient of the global batch.
 """
 
 from __future__ import annotations

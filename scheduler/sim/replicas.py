@@ -1,14 +1,8 @@
 """What the simulator's runtime asks of the model its workers train: :class:`Replicas`, the
-seam between :class:`~dynabatch.scheduler.sim.runtime.SimRuntime` and a gradient engine.
+seam between :class:`~dynabatch.scheduler.sim.runtime.SimRuntime` and a gradient engine (the
+real :class:`~dynabatch.scheduler.sim.gradients.GradientEngine`, or a test's). Each call names
+the workers it is about, so an engine may keep one replica per worker, or one for all.
 Pure: no ray, no torch.
-
-The seam names the workers each call is about: which of them applied a step (after a
-failure part-way through a step, only some of them did), whose state is fetched, which
-members take a state at a regroup, whose weights score a shard. An engine may keep one
-replica per worker, or one for all: the real
-:class:`~dynabatch.scheduler.sim.gradients.GradientEngine` keeps one, which is exact in
-synchronous training (every replica holds the same weights after each step, and a regroup
-broadcasts one member's to the rest), so it ignores the names.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Virtual time and what happened on it, for both simulators (the synchronous one,
-:mod:`dynabatch.scheduler.sim.simulator`, and the parameter server's,
-:mod:`dynabatch.scheduler.sim.ps_job`): the :class:`SimClock`, the cluster events as they
-happened (:class:`ClusterHappening`) and the recoveries from failed steps
-(:class:`Recovery`). Pure: no ray, no torch; the clock's wall time is read once, at its
-start.
+"""Virtual time and what happened on it, for both simulators: the :class:`SimClock`, the
+cluster events as they happened and the recoveries from failed steps. Pure: no ray, no torch.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The simulated cluster as the simulator's runtime sees it: :class:`SimWorld`, the nodes of a
-:class:`~dynabatch.scheduler.sim.cost_model.SimulatedCluster` (true speeds, alive or not), the
-cluster's events and the workers placed on its nodes.
-
-Cluster events (failures, joins, slowdowns) happen at their simulated time, or when the job
-reaches their (epoch, step), or now (``happen``: a test between two steps). A failure
-takes nodes by the one rule of every simulator
-(:func:`~dynabatch.scheduler.core.victims.failure_victims`). A worker is up ``start_s``
-after it was spawned (``spawn``/``poll_started``). A spare (``start_spare``) is warm
-``start_s`` after it was started; a :class:`Spawn` marked ``adopt`` turns it into the worker,
-up as soon as the spare is (its warm-up already paid), as on Ray. A spare whose node fails
-is lost (``lost_spares``). The fault script (:mod:`dynabatch.scheduler.sim.faults`) can
-kill a worker's process (its node stays up and can host another) or a spare, seen at its
-check or only when it is adopted. ``record`` keeps the spawns, kills and spares.
-:class:`~dynabatch.scheduler.sim.runtime.SimRuntime` adds the training calls.
+:class:`~dynabatch.scheduler.sim.cost_model.SimulatedCluster`, the cluster's events and the
+workers and spares placed on its nodes. Events happen at their simulated time, when the job
+reaches their (epoch, step), or now (``happen``); a failure takes nodes by the rule every
+simulator uses (:func:`~dynabatch.scheduler.core.victims.failure_victims`). Workers and spares
+are up ``start_s`` after they were started; an adopted spare's worker is up as soon as the
+spare is, as on Ray. :class:`~dynabatch.scheduler.sim.runtime.SimRuntime` adds the calls.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""What passes between the parameter-server driver's engine and its executor.
-
-The executor (``dynabatch.scheduler.ps.driver``) turns what its runtime reports (the
-dataset, the nodes, the learners' exits, the server's snapshot) and the requests queued
-for the job into :data:`Event` s; the engine
-(:class:`~dynabatch.scheduler.core.ps.engine.PSEngine`) answers each with the
-:data:`Command` s to carry out, in order. These are frozen values with no behaviour, so any
-executor (the driver on Ray or the simulator, a test) speaks them alike. Times are the
-driver's clock (seconds), passed in as values: the engine reads no clock.
+"""The events the parameter-server driver feeds its engine
+(:class:`~dynabatch.scheduler.core.ps.engine.PSEngine`) and the commands it gets back, as
+frozen values. Times are the driver's clock, passed in: the engine reads no clock.
 """
 
 from __future__ import annotations
