@@ -1,37 +1,16 @@
 """What a failed segment means, and how often it may be retried. Pure: no ray, no clock.
 
-Every failure is classified:
-
-* **retryable**: a worker was lost (its actor died, its node went away) or hung (no answer
-  long after its peers gave up): it is removed and the step is retried over the others;
-* **straggler**: every worker answered, but the collective timed out while one worker was
-  still computing for longer than the timeout allows: it is evicted (its node is kept
-  out), so the same step does not time out again and again;
-* **deterministic**: a worker's own step raised (an exception in the model or the loss,
-  an injected error). The step is retried up to ``max_retries`` times; then the job fails
-  with that error;
-* **user error**: what a worker's step raised is an error in the job's own data, model or
-  configuration (:class:`~dynabatch.actors.errors.UserError`: a token id at or above the
-  model's ``vocab_size``, dict samples whose keys differ). It fails the same way on every
-  node, so it is not a fault: the job fails at once, naming it, without retries;
-* **out of memory**: a worker's forward or backward ran out of device memory on a
-  micro-batch of b samples. Its node and device's memory cap becomes b // 2
-  (:class:`MemoryCaps`; every later plan of a worker there carries it, so a replacement
-  inherits it) and the step is retried, uncounted: each retry is at a smaller micro-batch,
-  so they end. The job fails only when one sample does not fit.
-
-A failure that fits none of these (every worker reports a peer error and nobody is
-slow) is retried too, at most ``max_retries + 1`` times in a row at the same step, so
-nothing loops forever. So is forming the group: a regroup that fails with nobody lost is
-tried at most ``max_retries + 1`` times in a row. And an evaluation whose shard failed on a
-worker that is still up (a metric that raises on real batches, a shard that timed out) is
-deterministic as far as the driver can tell: evaluations that fail so, in a row, are
-allowed ``max_retries`` retries, whichever epochs they score. :class:`Attempts` counts
-all three.
-
-Every failure the driver meets is a :class:`FailureEvent`, and :class:`FailurePolicy`
-(pure) turns it into exactly one :data:`FailureDecision`: retry, evict, roll back, or
-fail the job. No command ends the job by itself.
+:func:`classify` sorts a segment's failure: a worker *lost* or *hung* is removed and the step
+retried over the others; a *straggler* (everyone answered, but one computed past what the
+collective timeout lets its peers wait) is evicted and its node kept out, so the step does
+not time out again and again; a worker's own error is retried up to ``max_retries`` times; a
+*user error* (:class:`~dynabatch.actors.errors.UserError`, in the job's own data, model or
+configuration) fails the job at once, as it would on every node; *out of memory* halves the
+micro-batch cap of the worker's node and device (:class:`MemoryCaps`) and retries uncounted,
+failing only when one sample does not fit. Unexplained failures, regroups that fail with
+nobody lost and failed evaluations are bounded too (:class:`Attempts`), so nothing loops
+forever. :class:`FailurePolicy` turns each :class:`FailureEvent` into exactly one decision:
+retry, evict, roll back, or fail the job.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The ledger: which samples each epoch trained, rebuilt from what the workers reported.
 
-Pure: numpy only, no ray, no torch, no clock.
-
-A step is *committed* when a worker that holds the surviving model state reports it
-complete (its all-reduce and optimizer step done). Each report carries the step's
-coverage, the per-position count that the all-reduce itself summed (see
-:mod:`dynabatch.actors.contracts`), and the worker's own positions. At the end of an epoch
-:meth:`Ledger.verify` rebuilds the per-sample count over ``[0, N)`` from the committed
-steps' coverage and checks that every sample was trained exactly once; it also checks that
-the positions the workers said they trained fall inside their steps' coverage. Samples of a
-step that was attempted but not committed (it failed and is retried) are counted apart as
-``retried``.
-
-The ledger never trusts the plan: a step committed twice, a position missing from the
-coverage, a position counted twice, or reports of one step that disagree all show up as
-problems, and the coordinator fails the job with them.
+Pure: numpy only. A step is committed when a worker holding the surviving state reports it
+complete. :meth:`Ledger.verify` rebuilds the per-sample count over ``[0, N)`` from the
+committed steps' all-reduced coverage (:mod:`dynabatch.actors.contracts`) and checks that
+every sample was trained exactly once and that each worker's positions lie inside its step's
+coverage; samples of an attempt that is retried are counted apart as ``retried``. It never
+trusts the plan: a step committed twice, a position missing or counted twice, or reports of
+one step that disagree are problems, and the coordinator fails the job with them.
 """
 
 from __future__ import annotations

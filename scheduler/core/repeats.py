@@ -1,16 +1,11 @@
 """Repeated log lines counted, not repeated. Pure: no clock, no I/O.
 
-A job's log is kept by its driver and stored by the service line by line, so one event
-that repeats (a loop in the driver, a user's print in a loop) would grow both without
-bound. :class:`Repeats` lets a line through the first few times it comes back, then counts
-it: a summary line carries the count at every power of ten, and a final one once the
-repeats stop or the job ends (:meth:`Repeats.flush`). Lines are appended only, never
-rewritten, because the service copies a job's lines once each, by sequence number.
-
-A line *repeats* when the same level and message came within the last ``window`` lines
-offered (suppressed ones included), so an event that alternates with another (a failed
-evaluation and its retry) is counted too, while a line that comes back once an epoch
-among other lines is shown every time.
+A job's log is stored line by line, so one event that repeats (a loop in the driver, a
+user's print in a loop) would grow it without bound. Lines are appended only, never
+rewritten, because the service copies a job's lines once each, by sequence number. A line
+*repeats* when the same level and message came within the last ``window`` lines offered, so
+an event that alternates with another (a failed evaluation and its retry) is counted too,
+while a line that comes back once an epoch among others is shown every time.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Concrete nodes for worker counts per (job, node type): deterministic and sticky (pure).
 
-Per type: every job first keeps the slots it holds there, up to its new count (a shrinking
-job gives up the nodes where it has fewest workers, so it stays on few nodes); then jobs
-that grow take free slots, first on nodes they already use, then the node that fits the
-rest best (the fullest node with room for all of it, else the emptiest node), ties broken
-by node id. Jobs keep their slots in the queue order, and take new ones largest workers
-first, then in the queue order (first-fit decreasing: workers of a fractional GPU fill
-what whole-GPU ones leave instead of splitting the GPUs they need). A worker takes its
-job's slots on a node whole (``ClusterJob.size_on``). With one slot per worker every count
-is placed, since the counts per type never exceed the type's slots; with larger workers
-the free slots may be split over nodes so that a count is not placed whole: the job gets
-fewer workers, and the policy decides again without it if that leaves it below its
-minimum.
+Per type, every job first keeps the slots it holds, up to its new count (a shrink gives up
+the nodes where it has fewest workers); then growing jobs take free slots on their own
+nodes first, then on the node that fits the rest best, largest workers first (first-fit
+decreasing, so fractional-GPU workers fill what whole-GPU ones leave), ties by node id. With
+workers of several slots a count may not be placed whole: the job gets fewer workers, and
+:func:`~.decision.decide` decides again with its count there capped.
 """
 
 from __future__ import annotations

@@ -108,13 +108,9 @@ def gpu_units(worker_gpus: float | str) -> int:
     """Slots one worker of ``worker_gpus`` takes on a GPU node: a whole GPU for 1, ``auto``
     or 0 (a CPU-only worker is not packed beside GPU workers), else 1/k of one.
 
-    Ray packs fractional GPUs per GPU, in its fixed point: k = 10000 // (w in 1/10000)
-    workers of w share one GPU and none spans two (w = 0.4: 2 per GPU, not 2.5). A worker
-    therefore takes 1/k of a GPU, ``ceil(GPU_UNITS / k)`` slots: exact for every k up to 16
-    (w = 1/3 takes a third, 3 per GPU as Ray places them); beyond, the rounding up may count
-    one worker fewer per node than Ray places. Shares that do not divide each other (1/2
-    beside 1/3 and 1/5) are counted by their sum over a node's GPUs, which on a node of
-    several GPUs may be one worker more than Ray fits: that worker waits for its GPU."""
+    Ray packs k = 10000 // (w in 1/10000) workers of w on one GPU, none spanning two (w =
+    0.4: 2 per GPU), so a worker takes ``ceil(GPU_UNITS / k)`` slots: exact for k up to 16
+    (docs/cluster.md, "Node types and slots", says where it is not)."""
     if worker_gpus == "auto" or not 0 < float(worker_gpus) < 1:
         return GPU_UNITS
     per_gpu = RAY_UNITS // max(1, round(float(worker_gpus) * RAY_UNITS))

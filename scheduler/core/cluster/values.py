@@ -106,20 +106,10 @@ class ClusterJob:
 
 @dataclass(frozen=True, slots=True)
 class ClusterKnobs:
-    """The policy and its settings.
-
-    ``hold_s``: a job's nodes do not change again within this time of their last change
-    (a lost node overrides it). ``resize_penalty``: normalised throughput a resize must gain
-    (per job resized; Sia's restart penalty, smaller because a resize here costs a step
-    boundary, not a restart). ``move_cost``: a tie-breaker per worker moved, so equal
-    solutions keep the current one. ``hysteresis``: the current allocation is kept unless
-    the new one beats its objective by this fraction. ``tangents``: lines approximating
-    each job's concave throughput curve. ``node_limit`` / ``mip_gap``: HiGHS's branch-and-
-    bound limits (a node count, not a time, so a decision does not depend on the clock).
-    ``fair_weight``: for ``fair``, the weight of the worst job's and every job's share of
-    the max-min level against total throughput. ``client_lease_s``: a job whose own run
-    launches it (``dynabatch run``) and whose run is not heard from for this long before its
-    driver is up leaves the rounds."""
+    """The policy and its settings (docs/cluster.md, "Knobs"). ``node_limit``: a node count,
+    not a time, so a decision does not depend on the clock. ``client_lease_s``: a job whose
+    own run launches it (``dynabatch run``) and whose run is not heard from for this long
+    before its driver is up leaves the rounds."""
 
     policy: str = "goodput"
     hold_s: float = 120.0
