@@ -23,7 +23,7 @@ from dynabatch.api.metrics import (
     RequestMetricsMiddleware,
     RequestStats,
 )
-from dynabatch.api.routes import events, health, jobs, model, nodes, pages
+from dynabatch.api.routes import health, jobs, pages
 from dynabatch.api.routes.cluster import router as cluster_router
 from dynabatch.api.routes.code import code_router
 from dynabatch.api.too_large import JsonTooLarge
@@ -258,12 +258,9 @@ def create_app(
 
     _install_error_handlers(app)
     app.include_router(jobs.router)
-    app.include_router(model.router)
     app.include_router(code_router(settings.max_code_bytes))
-    app.include_router(events.router)
     app.include_router(pages.router)
     app.mount("/static", pages.static_files(), name="static")
-    app.include_router(nodes.router)
     app.include_router(cluster_router)
     app.include_router(health.health)
     app.include_router(health.metrics)

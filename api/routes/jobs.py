@@ -1,16 +1,29 @@
-"""/v1/jobs: submit, list, inspect, history, logs, cancel, scale, drain, resume.
+"""/v1/jobs: submit, list, inspect, history, logs, cancel, scale, drain, resume, the trained
+model (a zip: ``dynabatch.service.artifacts`` finds the files) and the job's events.
 
 Thin: JobService does the work.
+
+``GET /v1/jobs/{id}/events`` streams the job as server-sent events, as they happen: ``job``
+(:class:`~dynabatch.service.schemas.JobDetail`) whenever it changed, ``epoch`` (each
+finished epoch's record), ``log`` (each log line, the workers' own output included, with its
+sequence number as the event id, so a reconnecting client sends ``Last-Event-ID`` or
+``?since=`` and misses nothing) and ``end`` (the final job, once it is terminal and
+everything before it was sent). It polls the store every ``interval_s``, so it shows exactly
+what ``GET /v1/jobs/{id}``, ``/history`` and ``/logs`` show.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Annotated, Literal
 
+from dynabatch.actors.export import ExportError, hf_files
 from dynabatch.actors.spec import JobSpec, spec_warnings_caught
 from dynabatch.api.cached import JobViews
 from dynabatch.api.deps import ERRORS, NOT_FOUND, JobId, ServiceDep, WorkerId, require_token
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.service.artifacts import job_model, zip_model
 from dynabatch.service.schemas import (
     CancelRequest,
     ErrorResponse,
@@ -21,7 +34,9 @@ from dynabatch.service.schemas import (
     JobSubmitted,
     ScaleRequest,
 )
-from fastapi import APIRouter, Body, Depends, Query, Request, Response, status
+from dynabatch.service.service_errors import JobConflict
+from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response, status
+from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 router = APIRouter(
@@ -244,3 +259,94 @@ def resume_job(job_id: JobId, service: ServiceDep) -> JobDetail:
     coordinator dead (up to `DYNABATCH_AUTO_RESUME_LIMIT` times without the job finishing an
     epoch in between)."""
     return JobDetail.of(service.resume(job_id))
+
+
+@router.get(
+    "/{job_id}/model",
+    summary="Download the job's trained model",
+    response_class=Response,
+    responses={
+        200: {
+            "content": {"application/zip": {}},
+            "description": "A zip of model.safetensors (the final weights), "
+            "best.safetensors (when kept) and manifest.json.",
+        },
+        **NOT_FOUND,
+        409: {"model": ErrorResponse, "description": "The job has no trained weights yet."},
+    },
+)
+def get_model(job_id: JobId, service: ServiceDep,
+              format: Literal["dynabatch", "hf"] = "dynabatch") -> Response:
+    """The job's trained model, written at its end: `model.safetensors`, `best.safetensors`
+    when the job kept the best by metric, and `manifest.json` (the spec, the model builder,
+    input shape, epoch, metrics, dtypes). `dynabatch.load_model(DIR)` rebuilds the module
+    from the unpacked directory; any safetensors reader takes the weights. `format=hf`: a
+    Hugging Face folder instead (`config.json` with `id2label` when the spec names
+    `dataset.labels`, `model.safetensors`, the job's tokenizer), which
+    `transformers.AutoModelFor...from_pretrained(DIR)` loads (409 for a model that is not
+    `model.name: hf`)."""
+    files = job_model(service, job_id)
+    if format == "hf":
+        try:
+            files = hf_files(files)
+        except ExportError as err:
+            raise JobConflict(str(err)) from None
+    return Response(
+        zip_model(files),
+        media_type="application/zip",
+        headers={"Content-Disposition": f'attachment; filename="dynabatch-{job_id}-model.zip"'},
+    )
+
+
+def _existing(job_id: JobId, service: ServiceDep) -> str:
+    # A dependency, so an unknown job is a 404 before the stream starts.
+    service.get(job_id)
+    return job_id
+
+
+def _first_log(since: int, last_event_id: str | None) -> int:
+    if last_event_id and last_event_id.isdigit():
+        return max(since, int(last_event_id) + 1)
+    return since
+
+
+@router.get("/{job_id}/events", response_class=EventSourceResponse, responses=NOT_FOUND,
+            summary="Live job, epochs and logs (server-sent events)")
+async def job_events(
+    request: Request,
+    job_id: Annotated[str, Depends(_existing)],
+    service: ServiceDep,
+    since: Annotated[int, Query(ge=0, le=2**62, description="First log sequence number.")] = 0,
+    epochs_since: Annotated[int, Query(ge=0, le=2**31 - 1, description="First epoch.")] = 0,
+    interval_s: Annotated[float, Query(ge=0.02, le=10.0)] = 0.5,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> AsyncIterator[ServerSentEvent]:
+    """`job`, `epoch`, `log` and a final `end` event; see the module docstring."""
+    next_log = _first_log(since, last_event_id)
+    next_epoch = epochs_since
+    last_job = None
+    while True:
+        # Read the state first: when it is terminal, the history and logs read after it
+        # are complete, and `end` is the last event.
+        job = JobDetail.of(await run_in_threadpool(service.get, job_id))
+        for rec in await run_in_threadpool(service.history, job_id, next_epoch):
+            yield ServerSentEvent(event="epoch", data=rec.model_dump(mode="json"))
+            next_epoch = rec.epoch + 1
+        while True:
+            lines = await run_in_threadpool(service.logs, job_id, next_log, 1000)
+            for line in lines:
+                yield ServerSentEvent(event="log", id=str(line.seq),
+                                      data=line.model_dump(mode="json"))
+                next_log = line.seq + 1
+            if len(lines) < 1000:
+                break
+        dumped = job.model_dump(mode="json")
+        if dumped != last_job:
+            yield ServerSentEvent(event="job", data=dumped)
+            last_job = dumped
+        if job.state.is_terminal:
+            yield ServerSentEvent(event="end", data=dumped)
+            return
+        if await request.is_disconnected():
+            return
+        await asyncio.sleep(interval_s)
