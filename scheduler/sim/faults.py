@@ -1,12 +1,8 @@
-"""The simulator's fault script: which of the job's workers (by ordinal) or spares (by node)
-fail, and when, as :class:`~dynabatch.scheduler.sim.runtime.SimRuntime` asks at each step,
-regroup, evaluation, state fetch, spare check and adoption. Pure: no ray, no torch, no clock.
-
-A fault comes from the cluster description's ``faults:`` list or from
-``SimRuntime.inject`` (:class:`~dynabatch.scheduler.sim.cluster_spec.Fault` says what each
-kind means). A step fault fires at the first step at or after its (epoch, step) that its
-worker takes part in, once; ``error`` and ``oom`` hold from there on. A fault counted per
-call (``die_in_*``, the spares') fires at its ``nth`` call for its worker or node.
+"""The simulator's fault script (the cluster's ``faults:``, or ``SimRuntime.inject``): which
+of the job's workers (by ordinal) or spares (by node) fail, and when; the kinds are
+:class:`~dynabatch.scheduler.sim.cluster_spec.Fault`'s. A step fault fires once, at the first
+step at or after its (epoch, step) its worker takes part in (``error`` and ``oom`` hold from
+there on); a fault counted per call fires at its ``nth`` call. Pure: numpy only.
 """
 
 from __future__ import annotations

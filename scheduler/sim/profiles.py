@@ -1,26 +1,18 @@
-"""Cluster descriptions fitted to a real run. Pure: numpy only; no ray, no torch, no clock.
+"""Cluster descriptions fitted to a real run (``dynabatch run --report``). Pure: numpy only.
 
-**Profiles from a real run.** :func:`profiles_from_report` fits ``a_i, c_i`` per worker from
-a ``dynabatch run --report`` file: each epoch record gives one point
-``(partition/steps, compute_s/steps / slowdown)``. Because ``t`` is affine in ``b``, the mean
-step time over an epoch is exactly ``a + c·(mean b)``, so these points lie on the worker's
-line; a least-squares fit over the epochs (:func:`dynabatch.scheduler.core.sync.steptime.fit`, the
-policy's own
-estimator) recovers it. Dividing by the recorded emulated slowdown gives the node's own
-speed; the job spec's emulation re-applies it in the simulation. A worker whose batch never
-changed (a static run) cannot separate ``a`` from ``c`` and gets the proportional fit
-``a = 0``. An epoch in which a worker's emulated slowdown changed part-way (a disturbance
-of the report's spec that starts after the epoch's first step) gives that worker no point:
-its record carries one slowdown for steps that ran at two.
+:func:`profiles_from_report` fits ``a_i, c_i`` per worker: each epoch record gives one point
+``(partition/steps, compute_s/steps / slowdown)``, which lies on the worker's line because
+``t`` is affine in ``b``; the fit is the policy's own estimator
+(:func:`dynabatch.scheduler.core.sync.steptime.fit`). Dividing by the emulated slowdown gives
+the node's own speed (the job spec's emulation re-applies it in the simulation). A worker
+whose batch never changed gets the proportional fit ``a = 0``; an epoch in which a worker's
+slowdown changed part-way gives it no point (its record carries one slowdown for two).
 
-The rest of a step (what the simulator charges as the all-reduce, put into ``α`` for the
-run's ``n``) is estimated from the epochs' wall time: per epoch, ``wall_s / steps`` less
-the slowest worker's compute per step, the median over the epochs after the first (which
-pays the workers' start-up). That is everything a step costs beyond its slowest compute:
-the all-reduce, the optimizer step, the coordinator's and the evaluation's share, and, where
-emulated nodes share a machine's cores, the compute's wait for a core (emulated compute is
-CPU time). A record without ``wall_s`` falls back to the per-step wait of the epoch's
-slowest worker (the one nobody waits for).
+The rest of a step (charged as the all-reduce, put into ``α``) is the median over the epochs
+after the first (which pays the start-up) of ``wall_s / steps`` less the slowest worker's
+compute per step: the all-reduce, the optimizer, the coordinator's and evaluation's share,
+and emulated compute's wait for a shared core. A record without ``wall_s`` falls back to the
+slowest worker's wait per step.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""The asynchronous ledger: which samples of an epoch were *applied*, exactly once.
+"""The asynchronous ledger: which samples of an epoch were *applied*, exactly once. Pure:
+numpy only.
 
-Pure: numpy only, no ray, no torch, no clock.
-
-In parameter-server training a sample is trained when the gradient that contains it is
-applied by the server (:class:`dynabatch.scheduler.core.ps.rudra.Apply`), not when a learner
-computed
-it. The epoch's order positions ``[0, N)`` form a queue of ranges. A learner takes a chunk
-(the next ``b`` positions, possibly several ranges after re-queues); the chunk is then
-*applied* (its gradient went into an update) or *re-queued* at the front (its gradient was
-refused, or its learner was lost with it in flight) and handed out again. The epoch is
-complete when the queue is empty and nothing is outstanding; :meth:`AsyncLedger.verify`
-rebuilds the per-position count from the applied chunks and checks that every sample was
-applied exactly once (a chunk applied twice, or re-queued after it was applied, is a problem,
-never silently fixed).
+A sample is trained when the gradient that contains it is applied by the server, not when a
+learner computed it. The epoch's order positions form a queue of ranges; a learner takes a
+chunk, which is then applied or re-queued at the front (its gradient refused, or its learner
+lost with it in flight). :meth:`AsyncLedger.verify` rebuilds the per-position count from the
+applied chunks: a problem is reported, never silently fixed.
 """
 
 from __future__ import annotations

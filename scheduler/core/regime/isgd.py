@@ -1,21 +1,11 @@
 """ISGD on the coordinator's side (Wang et al., arXiv 1603.05544). Pure.
 
-The control chart itself (:class:`~dynabatch.actors.contracts.ControlChart`: a FIFO of the last
-``window`` global batch losses ψ, limit = mean(ψ) + σ·std(ψ)) lives in
-``dynabatch.actors.contracts``
-because workers run it too: a segment's plan carries the chart as of its first step
-(:class:`~dynabatch.actors.contracts.IsgdPlan`), and since every worker sees the same all-reduced
-loss
-of every step, each keeps the chart up to date itself and judges every batch against the
-limit of the batches just before it. Segments stay as long as the rebalance rule makes
-them (no round trip per step).
-
-The coordinator keeps its own copy of the chart and replays it from the workers' reports
-(:func:`judge`): for every committed step, each worker must report the same ψ and the same
-flag, the flag must be ψ > limit of the replayed chart, a flagged batch must have had at
-least one extra iteration on every worker (its loss was above the limit) and at most
-``max_extra``, and an unflagged one none. A report that breaks this is a bug in
-a driver, and the job fails with it rather than count what did not happen.
+The control chart (:class:`~dynabatch.actors.contracts.ControlChart`) lives in
+``dynabatch.actors.contracts`` because workers run it too: every worker sees the same
+all-reduced loss of every step, so each keeps the chart up to date itself within a segment
+(no round trip per step). The coordinator replays its own copy from the workers' reports
+(:func:`judge`); a report that breaks the chart is a bug in a driver, and the job fails with it
+rather than count what did not happen.
 """
 
 from __future__ import annotations

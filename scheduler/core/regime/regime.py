@@ -1,16 +1,9 @@
 """The training regime of a job: its schedule, ISGD chart and goodput estimate, as the
-coordinator consults them. Pure (no ray, no torch, no clock): events in, decisions out.
-
-The coordinator asks it for each epoch's global batch (:meth:`Regime.batch_for`), has it
-stamp each step of a plan with the step's learning rate and noise request and each segment
-with its ISGD chart (:meth:`Regime.stamp`), feeds it every committed step's reports
-(:meth:`Regime.observe`: the ISGD chart is replayed from them and the workers' decisions
-checked, :mod:`dynabatch.scheduler.core.regime.isgd`) and closes each epoch with it
-(:meth:`Regime.end_epoch`),
-which returns the epoch's fields for the :class:`~dynabatch.scheduler.telemetry.EpochRecord` and, in
-goodput mode, decides the next epoch's batch (:mod:`dynabatch.scheduler.core.regime.goodput`). Its
-state
-(:meth:`to_state`) goes into checkpoints with the position.
+coordinator consults them. Pure: events in, decisions out. The coordinator asks it for each
+epoch's global batch, has it stamp each plan's steps (learning rate, noise request, ISGD
+chart), feeds it every committed step's reports (the ISGD chart is replayed from them and the
+workers' decisions checked) and closes each epoch with it, which in goodput mode decides the
+next epoch's batch. Its state (:meth:`Regime.to_state`) goes into checkpoints.
 """
 
 from __future__ import annotations

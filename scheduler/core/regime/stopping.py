@@ -1,15 +1,7 @@
-"""Which epoch is the best by a held-out metric, and how long ago it was. Pure.
-
-``early_stopping`` ends a job once its metric has not improved for ``patience`` evaluated
-epochs; ``checkpoint.keep_best`` keeps the best epoch's checkpoint. Both read the same
-judgement of the job's history (:func:`judge`), recomputed from the epoch records each
-time, so a job resumed or rolled back to a checkpoint (whose history comes with it) judges
-exactly as the one that wrote it.
-
-An epoch improves on the best so far when its value is lower (``min``) or higher (``max``)
-by more than ``min_delta``; the first scored epoch is the first best. An epoch without the
-value (its evaluation lost a shard, or a NaN) is not judged: it neither improves nor counts
-against the patience.
+"""Which epoch is the best by a held-out metric, and how long ago it was, for
+``early_stopping`` and ``checkpoint.keep_best``. Pure. Recomputed from the epoch records each
+time, so a job resumed or rolled back judges exactly as the one that wrote them. An epoch
+without the value (a lost shard, a NaN) neither improves nor counts against the patience.
 """
 
 from __future__ import annotations
