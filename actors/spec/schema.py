@@ -32,8 +32,8 @@ from dynabatch.actors.spec.sections import (
     ProtocolSpec,
     RebalanceSpec,
     TrackingSpec,
+    _known,
     _Strict,
-    known_name,
 )
 from dynabatch.actors.spec.validation import CombinationError, check_combinations
 from pydantic import ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -69,7 +69,7 @@ class JobSpec(_Strict):
     dataset: DatasetSpec = Field(default_factory=DatasetSpec)
     model: ModelSpec = Field(default_factory=ModelSpec)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
-    loss: str | None = Field(
+    loss: Annotated[str, _known("loss", BUILTIN_LOSSES)] | None = Field(
         default=None,
         description="Per-sample loss: cross_entropy, mse, next_token or 'pkg.mod:function' "
         "((outputs, targets) -> one loss per sample, shape (B,)). Default: from the dataset "
@@ -220,11 +220,6 @@ class JobSpec(_Strict):
         "the job fails with that error; likewise of evaluations whose shard failed on a live "
         "worker (a metric that raises), counted in a row.",
     )
-
-    @field_validator("loss")
-    @classmethod
-    def _loss(cls, v: str | None) -> str | None:
-        return v if v is None else known_name("loss", v, BUILTIN_LOSSES)
 
     @field_validator("metrics")
     @classmethod

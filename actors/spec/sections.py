@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from dynabatch.actors.data.fs import URI_PATTERN
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -98,6 +99,11 @@ def known_name(kind: str, value: str, builtins: tuple[str, ...]) -> str:
     )
 
 
+def _known(kind: str, builtins: tuple[str, ...]) -> AfterValidator:
+    """A field's check that it names one of ``builtins`` or an import path (:func:`known_name`)."""
+    return AfterValidator(lambda v: known_name(kind, v, builtins))
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -115,11 +121,11 @@ class MetricSpec(_Strict):
     A plain string is the short form: ``"pkg.mod:f1"`` is ``{fn: "pkg.mod:f1"}``, named by
     its function, ``f1``; it is written back in that form when its name is the default."""
 
-    fn: str = Field(description="A built-in (accuracy, mse, perplexity; over the whole "
-                    "held-out set: f1, precision, recall, confusion_matrix, auroc, mae, rmse, "
-                    "r2) or 'pkg.mod:name': a function (outputs, targets) -> one value per "
-                    "sample, averaged, or a torchmetrics.Metric subclass.",
-                    examples=["accuracy", "f1", "my_pkg.metrics:top5"])
+    fn: Annotated[str, _known("metric", BUILTIN_METRICS)] = Field(
+        description="A built-in (accuracy, mse, perplexity; over the whole held-out set: f1, "
+        "precision, recall, confusion_matrix, auroc, mae, rmse, r2) or 'pkg.mod:name': a "
+        "function (outputs, targets) -> one value per sample, averaged, or a "
+        "torchmetrics.Metric subclass.", examples=["accuracy", "f1", "my_pkg.metrics:top5"])
     name: str = Field(description="What the metric is called everywhere it is shown: a "
                       "letter or _, then letters, digits or _ (64 at most), unique in the job; "
                       "not n or loss. Default: the function's name (f1 for 'pkg.mod:f1').",
@@ -140,11 +146,6 @@ class MetricSpec(_Strict):
         if isinstance(data, dict) and data.get("name") is None:
             data = {**data, "name": default_metric_name(data.get("fn"))}
         return data
-
-    @field_validator("fn")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        return known_name("metric", v, BUILTIN_METRICS)
 
     @field_validator("average")
     @classmethod
@@ -203,7 +204,7 @@ class DatasetSpec(_Strict):
     and returns a ``DatasetArrays``, a tuple of arrays, or a map-style dataset.
     """
 
-    name: str = Field(
+    name: Annotated[str, _known("dataset", BUILTIN_DATASETS)] = Field(
         default="digits",
         description="Built-in dataset (synthetic, digits, mnist, cifar10, pysource), a "
         "source read by position (parquet, npy, imagefolder) or 'pkg.mod:load'.",
@@ -274,11 +275,6 @@ class DatasetSpec(_Strict):
         "(Caffe-style, as ISGD's paper trains).",
     )
 
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        return known_name("dataset", v, BUILTIN_DATASETS)
-
     @field_validator("validation", mode="before")
     @classmethod
     def _validation(cls, v: Any) -> Any:
@@ -321,8 +317,8 @@ class ModelSpec(_Strict):
     """Which network to train: a built-in (``mlp``, ``lenet``, ``resnet``, ``charlm``), a
     Hugging Face ``transformers`` model from its config (``hf``) or ``pkg.mod:build``."""
 
-    name: str = Field(default="mlp", examples=["mlp", "lenet", "resnet", "hf",
-                                               "my_pkg.nets:build"])
+    name: Annotated[str, _known("model", BUILTIN_MODELS)] = Field(
+        default="mlp", examples=["mlp", "lenet", "resnet", "hf", "my_pkg.nets:build"])
     hidden: StrictInt = Field(default=64, ge=1, le=65536, description="Hidden width for the MLP.")
     options: dict[str, Any] = Field(default_factory=dict)
     output: str | None = Field(
@@ -331,11 +327,6 @@ class ModelSpec(_Strict):
         "the tensor the loss and metrics get. Default: the output itself when it is a "
         "tensor, its logits when it is a transformers ModelOutput.",
         examples=["my_pkg.nets:pooled"])
-
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        return known_name("model", v, BUILTIN_MODELS)
 
     @field_validator("output")
     @classmethod
