@@ -180,7 +180,6 @@ class ParamShard:
         self.store = ParamStore(spec, input_shape, num_classes, bounds)
         self._grads: dict[int, np.ndarray] = {}
         self._ref: tuple[int, Any] | None = None
-        self.puts = 0  # ray.put calls: one per version
 
     def actor_id(self) -> str | None:
         """This actor's Ray id: the job reads its stdout and stderr by it
@@ -213,7 +212,6 @@ class ParamShard:
         v = self.store.version
         if self._ref is None or self._ref[0] != v:
             self._ref = (v, ray.put(self.store.weights()))
-            self.puts += 1
         return self._ref[1]
 
 

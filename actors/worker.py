@@ -269,9 +269,7 @@ class Worker:
             micro = self._cap or self.spec.max_batch or self.spec.global_batch
             budget = data_budget(free_before, model_bytes(self.params, self.optimizer),
                                  act_per_sample, micro)
-        self.data_on = self.data.place(budget)
-        # The in-memory arrays where they are (None for a source read by position).
-        self.x, self.y = getattr(self.data, "x", None), getattr(self.data, "y", None)
+        self.data.place(budget)
 
     # --- membership -------------------------------------------------------------------
     def info(self) -> dict[str, Any]:

@@ -262,7 +262,7 @@ def test_a_bucket_leaves_a_hook_only_after_the_pace():
         calls = []
         r.begin(24, pace=lambda: (calls.append(r.marks.mark()), time.sleep(0.05)))
         r.arm()
-        xb, yb = torch.from_numpy(w.x[:24].numpy()), w.y[:24]
+        xb, yb = torch.from_numpy(w.data.x[:24].numpy()), w.data.y[:24]
         (w.objective.loss_sum(w.model(xb), yb) / 24).backward()
         red = r.finish()
     finally:

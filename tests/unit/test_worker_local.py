@@ -170,7 +170,7 @@ def _gpu_worker(monkeypatch, backend: str, allreduce: str, where: str) -> Worker
     x = rng.normal(size=(40, 4)).astype(np.float32)
     y = rng.integers(0, 3, size=40)
     w = Worker("w0", 0, spec, x, y, (4,), 3, gpus=1.0)
-    assert w.data_on == where
+    assert w.data.where == where
     w.join(w.group.open_store(1, 1, backend, host="127.0.0.1"), 0)
     return w
 
@@ -227,7 +227,7 @@ def test_the_data_gets_the_device_memory_the_model_leaves(monkeypatch, room, whe
     (free, model, act, micro), = seen
     assert free > 0 and model == 4 * sum(p.numel() * 4 for p in w.params)
     assert act > 0 and micro == 5
-    assert w.data_on == where and w.x.is_cuda == (where == "device")
+    assert w.data.where == where and w.data.x.is_cuda == (where == "device")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
