@@ -40,7 +40,6 @@ from dynabatch.scheduler.core.ps.messages import (
     Event,
     ExportModel,
     Kill,
-    LearnerEnded,
     Leave,
     ListNodes,
     Log,
@@ -343,7 +342,7 @@ class PSCoordinator(JobControl):
     def _happened(self, x: Happening) -> Event:
         if isinstance(x, NodeJoined):
             return NodeAdded(x.node_id, self.assignment is not None, self.clock.now())
-        return LearnerEnded(x.worker, x.error, x.lost)
+        return x
 
     def _polled(self, snap: dict[str, Any]) -> Polled:
         """The server's snapshot as the engine's event (samples applied: pushes applied

@@ -18,21 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dynabatch.scheduler.core.membership import NodeInfo
+from dynabatch.scheduler.core.ps.messages import LearnerEnded
 from dynabatch.scheduler.runtime.seam import Clock
 
 if TYPE_CHECKING:
     from dynabatch.scheduler.core.ps.machine import PSCore
-
-
-@dataclass(frozen=True, slots=True)
-class LearnerExit:
-    """A learner's run ended: normally (``error`` None: the job finished), because its
-    process or node died (``lost``: it leaves, no regroup), or because its own code raised
-    (not ``lost``: every learner would, the job fails with ``error``)."""
-
-    worker: str
-    error: str | None = None
-    lost: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +33,7 @@ class NodeJoined:
     node_id: str
 
 
-Happening = LearnerExit | NodeJoined
+Happening = LearnerEnded | NodeJoined  # a learner's exit is the engine's event as it is
 
 
 class PSRuntime(Protocol):

@@ -23,7 +23,8 @@ from dynabatch.actors.output import ActorOutput
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.membership import NodeInfo
 from dynabatch.scheduler.core.ps.machine import PSCore
-from dynabatch.scheduler.runtime.ps_seam import Happening, LearnerExit
+from dynabatch.scheduler.core.ps.messages import LearnerEnded
+from dynabatch.scheduler.runtime.ps_seam import Happening
 from dynabatch.scheduler.runtime.seam import Clock, RealClock
 
 CALL_TIMEOUT_S = 30.0
@@ -113,11 +114,11 @@ class RayPSRuntime:
             try:
                 ray.get(ref, timeout=CALL_TIMEOUT_S)
                 self._learners.pop(w)  # finished normally
-                out.append(LearnerExit(w))
+                out.append(LearnerEnded(w))
             except Exception as err:
                 own = own_error(err)
-                out.append(LearnerExit(w, own, lost=False) if own is not None
-                           else LearnerExit(w, first_line(err, typed=False)))
+                out.append(LearnerEnded(w, own, lost=False) if own is not None
+                           else LearnerEnded(w, first_line(err, typed=False)))
         return out
 
     def leave(self, worker: str) -> None:

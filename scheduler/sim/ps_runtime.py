@@ -31,8 +31,9 @@ from dynabatch.actors.ps_events import CoreEventInterpreter
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.membership import NodeInfo
 from dynabatch.scheduler.core.ps.machine import Idle, PSCore, Work
+from dynabatch.scheduler.core.ps.messages import LearnerEnded
 from dynabatch.scheduler.core.victims import failure_victims
-from dynabatch.scheduler.runtime.ps_seam import Happening, LearnerExit, NodeJoined
+from dynabatch.scheduler.runtime.ps_seam import Happening, NodeJoined
 from dynabatch.scheduler.sim.cluster_spec import Event
 from dynabatch.scheduler.sim.cost_model import Node, SimulatedCluster
 from dynabatch.scheduler.sim.timeline import ClusterHappening, SimClock
@@ -124,7 +125,7 @@ class SimPSRuntime:
         if core.finished:
             return []
         # Nothing left to happen and the job is not done: its learners can never finish.
-        return [LearnerExit(w, STALLED) for w in sorted(self._alive)]
+        return [LearnerEnded(w, STALLED) for w in sorted(self._alive)]
 
     def leave(self, worker: str) -> None:
         self._alive.discard(worker)
@@ -203,7 +204,7 @@ class SimPSRuntime:
         for w in lost:
             self._alive.discard(w)
             self._idle.discard(w)
-        return [LearnerExit(w, LOST) for w in lost]
+        return [LearnerEnded(w, LOST) for w in lost]
 
     def _record(self, t: float, kind: str, nodes: Sequence[Node]) -> None:
         self.happened.append(ClusterHappening(t, kind, tuple(n.node_id for n in nodes)))

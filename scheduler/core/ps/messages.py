@@ -58,8 +58,9 @@ class AssignRequested:
 
 @dataclass(frozen=True, slots=True)
 class LearnerEnded:
-    """Learner ``worker``'s run ended: normally (``error`` None), because its process or
-    node died (``lost``), or because its own code raised (not ``lost``)."""
+    """Learner ``worker``'s run ended (as the runtime reports it): normally (``error`` None),
+    because its process or node died (``lost``: it leaves, no regroup), or because its own
+    code raised (not ``lost``: every learner would, the job fails)."""
 
     worker: str
     error: str | None = None
