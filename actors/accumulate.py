@@ -1,12 +1,8 @@
 """Micro-batches: a worker's memory cap limits what it computes at once, not its share.
 
 A worker whose share of a step is b_i and whose memory holds at most m_i samples at once
-computes the share as k_i = ceil(b_i / m_i) micro-batches of nearly equal size
-(b_i = Σ_j b_ij, each b_ij ≤ m_i) and accumulates their gradients before the all-reduce.
-Each micro-batch's summed loss is scaled by 1/B (B the step's global batch), so the
-accumulated gradient is Σ_j (1/B)·Σ_{x in j} ∇ℓ(x) = (b_i/B)·g_i, exactly what one
-micro-batch of b_i would give: the weighted all-reduce stays the mean gradient of the
-global batch.
+computes the share as k_i = ceil(b_i / m_i) micro-batches of nearly equal size and
+accumulates their gradients before the all-reduce (:mod:`dynabatch.actors.step`).
 
 Step time. With a per-micro-batch overhead a_i and per-sample cost c_i, a share of b takes
 ``t_i(b) = ceil(b / m_i)·a_i + c_i·b`` (see

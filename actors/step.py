@@ -12,49 +12,21 @@ Three callers compute gradients, and all of them go through :class:`StepMath`:
 Weighting. A share of ``b_i`` of the step's ``B`` samples back-propagates
 ``Σ_{j ∈ b_i} ℓ_j / B`` (ℓ the job's per-sample loss), so its gradient is
 ``(b_i/B)·g_i`` with g_i the mean gradient over the share, and the SUM over the shares is
-``Σ_i (b_i/B)·g_i``: the mean gradient of the global batch, whatever the split.
+``Σ_i (b_i/B)·g_i``: the mean gradient of the global batch, whatever the split. A share
+larger than the replica's memory cap is cut into micro-batches
+(:func:`dynabatch.actors.accumulate.micro_ranges`) whose backward passes add their
+``Σ ℓ_j / B`` gradients into ``p.grad`` in place: exactly what one micro-batch of ``b_i``
+would give. Only the last micro-batch's backward completes the gradient: an ``arm``
+callback runs just before it (the worker's reducer launches its buckets from its hooks).
 
-Accumulation. A share larger than the replica's memory cap is cut into micro-batches
-(:func:`dynabatch.actors.accumulate.micro_ranges`); each micro-batch's backward adds its
-``Σ ℓ_j / B`` gradient into ``p.grad`` in place, so the accumulated gradient is exactly
-what one micro-batch of ``b_i`` would give. Only the last micro-batch's backward completes
-the gradient: an ``arm`` callback runs just before it (the worker's reducer launches its
-buckets from that backward's hooks, overlapping communication with it).
+fp16 (:class:`dynabatch.actors.precision.LossScaler`) back-propagates ``scale · Σ ℓ_j / B``,
+and :meth:`StepMath.update` unscales the all-reduced gradient. Whether the step overflowed
+is decided on that *all-reduced* gradient: an inf or NaN in any worker's share makes the sum
+non-finite in every worker's copy (IEEE addition carries it), so every worker, holding the
+same bits, skips the same step and halves its scale the same way.
 
-Coverage. A share writes 1 into the step's coverage slot of every position it trained
-(:func:`cover`); the all-reduce then sums the slots into the per-position count.
-
-Loss slot. Given ``loss_slot`` (the reducer's, just before the coverage slots), a share
-writes its summed loss there after its last micro-batch's forward and before that
-micro-batch's backward, so the loss rides in the first bucket of the gradient's all-reduce
-and every worker gets the global batch's ψ with the gradient: ISGD needs no collective of
-its own.
-
-The update (:meth:`StepMath.update`). The plan's learning rate is set; ISGD judges the
-global batch's mean loss ψ (:func:`mean_loss` of the all-reduced summed loss) and a flagged
-batch runs its extra iterations (:func:`dynabatch.actors.optim.isgd_extras`, each one a
-conservative update and a pass from the caller); the ordinary optimizer step comes last,
-on the gradient clipped to ``optimizer.clip_grad_norm`` when the spec sets it (the global
-norm: the all-reduced gradient is the global batch's in every worker, so every worker
-computes the same norm and applies the same scale).
-
-Precision (the spec's ``precision``). bf16 and fp16 run forward and the loss under
-``torch.autocast`` (the weights, the gradients and so the all-reduce buffer stay fp32);
-tf32 lets CUDA's matmuls and convolutions use TF32
-(:func:`dynabatch.actors.precision.set_matmul_precision`); ``channels_last`` and
-``compile`` change how forward runs, not what it computes
-(:class:`dynabatch.actors.precision.SpeedOptions`). fp16
-also scales the loss (:class:`dynabatch.actors.precision.LossScaler`): each micro-batch
-back-propagates ``scale · Σ ℓ_j / B``, so the SUM all-reduce gives ``scale`` times the
-global batch's gradient, which :meth:`StepMath.update` divides by ``scale`` before the
-optimizer. Whether the step overflowed is decided on the *all-reduced* gradient: an inf or
-NaN in any worker's share makes the sum non-finite in every worker's copy (IEEE addition
-carries it), so the found-inf flag rides in the gradient's own all-reduce and every worker,
-holding the same bits, skips the same step and halves its scale the same way.
-
-What is *not* here: the all-reduce itself (the caller's: a collective, a sum in-process, a
-push) and timing, which the caller owns; :class:`PhaseLog` only records the marks the
-caller's clock gives it and adds them up.
+The all-reduce itself (a collective, a sum in-process, a push) and the timing are the
+caller's; :class:`PhaseLog` only records the marks the caller's clock gives it.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """The training worker: a plain class; ``ray.remote`` is applied where it is launched.
 
-Each step a worker trains its share of the global batch and joins a weighted all-reduce.
-It scales its summed loss by 1/B (B the step's global batch), so its gradient is
-``(b_i / B) · g_i`` with g_i the mean gradient over its b_i samples, and the SUM
-all-reduce yields ``Σ_i (b_i / B) · g_i``: exactly the mean gradient of the global batch,
-whatever the split. Compute (gather + forward + backward, plus any emulated slowdown) is
-timed apart from the all-reduce, which includes waiting for slower peers.
-
-The all-reduce buffer holds the gradients followed by one coverage slot per position of
-the step (see :mod:`dynabatch.actors.contracts`), so the collective that applies a step also proves
-which samples it contained. :mod:`dynabatch.actors.reducer` owns it and reduces it flat or in
-buckets launched from backward's hooks; :mod:`dynabatch.actors.accumulate` cuts a share larger than
-the worker's memory cap into micro-batches whose gradients accumulate before it. The step's
-math (the 1/B weighting, the micro-batches, the coverage slots, ISGD's extra iterations) is
-:mod:`dynabatch.actors.step`, which the simulator's real-gradient mode runs too; this module
-adds the collective, the clocks and the error classes around it.
+Each step the worker trains its share of the global batch with the step's math
+(:mod:`dynabatch.actors.step`) and joins the weighted all-reduce of its gradient buffer,
+which also carries the step's coverage (:mod:`dynabatch.actors.reducer`); this module adds
+the group, the clocks and the error classes around them.
 
 Errors are classified where they happen: a failure inside the collective is a *peer*
 error (retryable: someone died, left or timed out); anything else during the step is this
@@ -26,10 +15,9 @@ unchanged). Either way the worker leaves the group at once, so peers blocked in 
 collective fail fast instead of waiting out the timeout.
 
 Devices. A worker trains on its node's GPU when it was placed with one, otherwise on the
-CPU with torch threads set to its CPUs. In a gloo group (any member on the CPU) a GPU
-worker stages its buffer through pinned host memory. Which collectives a step issues (flat
-or bucketed, and the buckets) is the group's plan, taken at the join, the same in every
-member whatever its device (:func:`dynabatch.actors.reducer.group_plan`).
+CPU with torch threads set to its CPUs; which collectives a step issues is the group's
+plan, the same in every member whatever its device
+(:func:`dynabatch.actors.reducer.group_plan`).
 """
 
 from __future__ import annotations
