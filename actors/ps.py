@@ -19,12 +19,9 @@ The learner is :mod:`dynabatch.actors.learner`.
   decides nothing: learners put their gradient's slice on it, and the coordinating server
   tells it which tickets to apply with which weights (or to drop) and the resulting version.
 
-The interface of the issue, ``push(worker, grad, version_pulled, samples, compute_s)`` and
-``pull() -> (version, weights)``, is :meth:`ParameterServer.push` and
-:meth:`ParameterServer.pull`. A learner does not call ``pull`` itself: the server also hands
-out *which samples* to train (the exactly-once ledger), so a learner's pull is
-:meth:`ParameterServer.request`, which returns the chunk together with the version and its
-weights in one round trip. ``pull`` serves the final weights (evaluation, tests).
+A learner's pull is :meth:`ParameterServer.request`: the chunk to train (the exactly-once
+ledger) with the version and its weights, in one round trip; :meth:`ParameterServer.pull`
+serves the final weights.
 """
 
 from __future__ import annotations

@@ -14,10 +14,9 @@ collective that already carries the coverage: every worker gets the global batch
 loss back with the gradient (:attr:`Reduced.global_loss_sum`), and ISGD's control chart
 needs no collective of its own (a step that flags nothing costs what an SGD step costs).
 
-Weighting. Each worker scales its summed loss by 1/B (B the step's global batch), so the
-SUM all-reduce yields Σ_i (b_i/B)·g_i, the mean gradient of the global batch, whatever the
-split or the bucketing: a bucket is a contiguous slice of the buffer and the sum is taken
-element-wise.
+Each worker back-propagates its summed loss over 1/B (:mod:`dynabatch.actors.step`), so the
+SUM all-reduce is the global batch's mean gradient whatever the bucketing: a bucket is a
+contiguous slice of the buffer and the sum is taken element-wise.
 
 Two modes:
 
@@ -50,17 +49,10 @@ the hooks (overlap is kept); the coverage slots are not part of any norm.
 Hooks fire only while the reducer is *armed*: with micro-batch accumulation only the last
 micro-batch's backward completes the gradient, so the earlier ones run unarmed.
 
-Measuring overlap. Each bucket's launch is marked, and its completion is marked by a
-callback on the collective's future (``work.get_future().then``; on the CPU with gloo it
-runs in gloo's thread when the bucket is reduced, on a GPU it records a CUDA event on a
-stream that waits for the collective). The communication *hidden* behind compute is the
-length of the union of the buckets' in-flight intervals that lies before the end of
-compute (:func:`hidden_seconds`); what remains after compute is the worker's ``wait_s``.
-
-GPU. Marks are CUDA events on a GPU, read after the step's one synchronisation at the end
-of :meth:`GradientReducer.finish` (which also brings the coverage, the loss and the norms
-to the host in one pinned copy), so compute and wait are device-timed without a second
-synchronisation.
+Measuring overlap. Each bucket's launch is marked, and its completion by a callback on the
+collective's future; the communication *hidden* behind compute is the part of the buckets'
+in-flight intervals before compute ended (:func:`hidden_seconds`). On a GPU the marks are
+CUDA events, read after the step's one synchronisation (:meth:`GradientReducer.finish`).
 
 One plan per group (:class:`CollectivePlan`). Every member of a group must issue the same
 collectives, the same number in the same order over the same offsets, or gloo fails on a
