@@ -28,7 +28,6 @@ from dynabatch.service.schemas import (
     JobLogs,
     JobSubmitted,
     NodeList,
-    Readiness,
 )
 from pydantic import BaseModel, ValidationError
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -268,18 +267,6 @@ class DynabatchClient:
     def cluster(self) -> ClusterState:
         """The cluster scheduler's last round (``GET /v1/cluster``)."""
         return self._call(ClusterState, "GET", "/v1/cluster")
-
-    def ready(self) -> Readiness:
-        response = self._send("GET", "/readyz")
-        if response.status_code not in (200, 503):
-            raise ApiError(_error_message(response), response.status_code)
-        return Readiness.model_validate(response.json())
-
-    def metrics(self) -> str:
-        response = self._send("GET", "/metrics")
-        if response.status_code >= 400:
-            raise ApiError(_error_message(response), response.status_code)
-        return response.text
 
     def wait(self, job_id: str, *, timeout_s: float = 600.0, interval_s: float = 1.0) -> JobDetail:
         """Poll until the job is terminal; raises ApiError on timeout."""

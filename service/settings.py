@@ -15,8 +15,6 @@ from dynabatch.service.submit_policy import ANY_MODULE, SubmitPolicy
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-EMBEDDED_ADDRESSES = frozenset({"", "local"})
-
 
 def split_list(value: str) -> tuple[str, ...]:
     """The entries of a comma-separated setting, stripped; empty entries dropped."""
@@ -176,11 +174,6 @@ class Settings(BaseSettings):
         if v is not None and "://" not in v and not Path(v).is_absolute():
             raise ValueError(f"{v!r} is not an absolute path nor a URI")
         return v
-
-    @property
-    def embedded(self) -> bool:
-        """True when the service starts its own Ray (which ends with the API process)."""
-        return self.ray_address is None or self.ray_address.strip() in EMBEDDED_ADDRESSES
 
     @property
     def submit_policy(self) -> SubmitPolicy:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     s = Settings()
-    assert s.db_path == "dynabatch.db" and s.embedded and s.token is None
+    assert s.db_path == "dynabatch.db" and s.ray_address is None and s.token is None
     assert not s.auth_health and not s.auth_metrics
 
 
@@ -22,10 +22,10 @@ def test_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     s = Settings()
     assert (s.port, s.db_path, s.token, s.auth_metrics) == (9001, "/tmp/x.db", "t0k", True)
-    assert s.ray_address == "10.0.0.1:6379" and not s.embedded
+    assert s.ray_address == "10.0.0.1:6379"
     assert "t0k" not in repr(s)  # the token is a secret
     monkeypatch.setenv("DYNABATCH_RAY_ADDRESS", "local")
-    assert Settings().embedded  # ours wins over Ray's
+    assert Settings().ray_address == "local"  # ours wins over Ray's
     assert Settings(ray_address="10.0.0.2:6379").ray_address == "10.0.0.2:6379"  # --address
 
 
