@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -50,7 +50,6 @@ from dynabatch.scheduler.core.cluster.rounds import (
     Start,
     StartFailed,
     Tick,
-    rebuild,
     step,
 )
 from dynabatch.scheduler.core.cluster.values import ClusterKnobs
@@ -243,29 +242,26 @@ class ClusterScheduler:
 
     def sync(self, entries: Sequence[JobEntry]) -> tuple[list[str], ClusterView | None]:
         """Every live job the service knows, at once: unknown ones are adopted (coordinator
-        alive) or queued, known ones not listed are dropped. The first call of a new
-        scheduler rebuilds its state this way. Returns the jobs whose coordinator it has
-        launched (the launch returned) or adopted, and the last round's view."""
+        alive, holding its nodes from now) or queued, known ones not listed are dropped. A new
+        scheduler's rounds start after its first call (its rebuild). Returns the jobs whose
+        coordinator it has launched (the launch returned) or adopted, and the last round's
+        view."""
         listed = {e.job_id for e in entries}
         nodes = self.calls.nodes()
         with self._lock:
             first = not self._state.synced
             # The run's jobs are not in the service's store: kept, not dropped.
-            clients = [
-                self._entries[j.job_id]
-                for j in self._state.jobs
-                if j.client and j.job_id not in listed and j.job_id in self._entries
-            ]
-            if first:
-                self._state = self._rebuilt([*entries, *clients], nodes)
-            else:
-                for e in entries:
-                    self._add(e, nodes)
-            kept = listed | {e.job_id for e in clients}
+            kept = listed | {j.job_id for j in self._state.jobs if j.client}
+            for e in entries:
+                self._add(e, nodes)
             for job_id in [j.job_id for j in self._state.jobs if j.job_id not in kept]:
                 self._step(JobGone(job_id))
             started = [j.job_id for j in self._state.jobs if j.started and j.launched]
             view = self._state.view
+            if first:
+                self._state = replace(self._state, synced=True)
+                log.info("cluster scheduler rebuilt: %d running, %d queued", len(started),
+                         len(self._state.jobs) - len(started))
         if first:
             self._wake.set()
         return started, view
@@ -389,18 +385,6 @@ class ClusterScheduler:
         allocation = self._live(e)
         if allocation is not None:
             self._step(FoundRunning(self._entry(e, nodes, allocation), self.clock()))
-
-    def _rebuilt(self, entries: Sequence[JobEntry], nodes: Sequence[RayNode]) -> RoundState:
-        running, queued = [], []
-        self._entries = {e.job_id: e for e in entries}
-        for e in entries:
-            allocation = self._live(e)
-            if allocation is not None:
-                running.append(self._entry(e, nodes, allocation))
-            else:
-                queued.append(self._entry(e, nodes))
-        log.info("cluster scheduler rebuilt: %d running, %d queued", len(running), len(queued))
-        return rebuild(cluster_nodes(nodes), running, queued, self.clock(), self.knobs)
 
     def _live(self, e: JobEntry) -> Slots | None:
         """Where the job's alive coordinator trains (its assignment, else its workers'

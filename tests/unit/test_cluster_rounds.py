@@ -6,12 +6,11 @@ nodes and jobs sharing GPUs (fractional ``worker_gpus``)."""
 from __future__ import annotations
 
 import pytest
-from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
-from dynabatch.scheduler.core.cluster.values import ClusterKnobs, ClusterNode
 from dynabatch.scheduler.core.cluster.ray_nodes import gpu_units
 from dynabatch.scheduler.core.cluster.rounds import (
     Drained,
     Entry,
+    FoundRunning,
     JobGone,
     JobReported,
     NodesSeen,
@@ -22,10 +21,10 @@ from dynabatch.scheduler.core.cluster.rounds import (
     StartFailed,
     Tick,
     drain_refusal,
-    rebuild,
     step,
 )
-from dynabatch.scheduler.core.cluster.values import GPU_UNITS
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
+from dynabatch.scheduler.core.cluster.values import GPU_UNITS, ClusterKnobs, ClusterNode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -304,6 +303,18 @@ def test_eligible_types_limit_a_job():
         s, _ = step(s, e, knobs)
     s, cmds = step(s, Tick(1.0), knobs)
     assert cmds == (Start("a", (("n1", 2),)),)
+
+
+def rebuild(nodes, running, queued, now: float) -> RoundState:
+    """A new scheduler's state as the actor builds it: the running jobs adopted as they run
+    (holding their nodes from ``now``), the queued ones registered."""
+    knobs = ClusterKnobs()
+    state, _ = step(RoundState(), NodesSeen(tuple(nodes)), knobs)
+    for job in running:
+        state, _ = step(state, FoundRunning(job, now), knobs)
+    for job in queued:
+        state, _ = step(state, job, knobs)
+    return state
 
 
 def test_rebuild_touches_no_job_and_keeps_the_allocation():

@@ -9,7 +9,7 @@ scheduler that runs", says what each event and command means.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from dynabatch.scheduler.core.cluster.decision import decide
@@ -834,22 +834,3 @@ def _view(state: RoundState) -> ClusterView | None:
         resizes=state.resizes,
         facts={j.job_id: (j.members, differs(j), j.waits) for j in state.jobs if j.job_id in known},
     )
-
-
-def rebuild(
-    nodes: Iterable[ClusterNode],
-    running: Sequence[Entry],
-    queued: Sequence[Entry],
-    now: float,
-    knobs: ClusterKnobs | None = None,
-) -> RoundState:
-    """The state of a new scheduler: the running jobs as they are (:class:`FoundRunning`), each
-    holding its nodes from ``now``, and the queued ones waiting. No command: nothing is
-    touched until the first round."""
-    knobs = knobs or ClusterKnobs()
-    state, _ = step(RoundState(), NodesSeen(tuple(nodes)), knobs)
-    for job in running:
-        state, _ = step(state, FoundRunning(job, now), knobs)
-    for job in queued:
-        state, _ = step(state, job, knobs)
-    return state
