@@ -62,10 +62,6 @@ class Verification:
         )
 
 
-class LedgerError(ValueError):
-    """Reports that cannot be recorded (a report for another epoch)."""
-
-
 class Ledger:
     """Committed steps of the current epoch. ``begin_epoch`` starts a new one."""
 
@@ -88,10 +84,10 @@ class Ledger:
     def commit(self, reports: Sequence[StepTelemetry]) -> None:
         """Record one step from the reports of the workers that completed it."""
         if not reports:
-            raise LedgerError("a step needs at least one report")
+            raise ValueError("a step needs at least one report")
         first = reports[0]
         if first.epoch != self.epoch:
-            raise LedgerError(f"report for epoch {first.epoch}, ledger is on epoch {self.epoch}")
+            raise ValueError(f"report for epoch {first.epoch}, ledger is on epoch {self.epoch}")
         for r in reports[1:]:
             same = (r.epoch, r.step, r.step_start, r.step_size, r.coverage) == (
                 first.epoch, first.step, first.step_start, first.step_size, first.coverage)
