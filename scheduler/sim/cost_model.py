@@ -59,11 +59,13 @@ and the ideal epoch is the sum of ``T_ideal`` over its steps (the last one at it
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 import numpy as np
 from dynabatch.scheduler.core.sync.steptime import equal_finish
-from dynabatch.scheduler.sim.cluster_spec import MB, ClusterSpec
+from dynabatch.scheduler.core.victims import failure_victims
+from dynabatch.scheduler.sim.cluster_spec import MB, ClusterSpec, Event
 
 
 def compute_time(a: np.ndarray, c: np.ndarray, b: np.ndarray, factor: np.ndarray | float = 1.0,
@@ -162,6 +164,24 @@ class SimulatedCluster:
         self.nodes.append(node)
         self.by_class[class_name].append(node)
         return node
+
+    def apply(self, e: Event, busy: Container[str]) -> list[Node]:
+        """Cluster event ``e`` happens: the nodes it adds, slows down or fails (the victims
+        by the one rule of every simulator; ``busy``: the ids of the nodes hosting a worker)."""
+        if e.join is not None:
+            return [self.add_node(e.join.node_class) for _ in range(e.join.count)]
+        if e.slowdown is not None:
+            s = e.slowdown
+            pool = self.by_class[s.node_class]
+            nodes = pool if s.index is None else pool[s.index:s.index + 1]
+            for n in nodes:
+                n.factor = s.factor
+            return nodes
+        sel = e.selector
+        victims = failure_victims(self.nodes, sel.count, sel.node_class, sel.index, busy)
+        for n in victims:
+            n.alive = False
+        return victims
 
     # --- costs ---------------------------------------------------------------------------
     def allreduce_s(self, n: int, step_size: int, model_bytes: float | None = None) -> float:

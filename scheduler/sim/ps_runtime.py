@@ -32,7 +32,6 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.membership import NodeInfo
 from dynabatch.scheduler.core.ps.machine import Idle, PSCore, Work
 from dynabatch.scheduler.core.ps.messages import LearnerEnded
-from dynabatch.scheduler.core.victims import failure_victims
 from dynabatch.scheduler.runtime.ps_seam import Happening, NodeJoined
 from dynabatch.scheduler.sim.cluster_spec import Event
 from dynabatch.scheduler.sim.cost_model import Node, SimulatedCluster
@@ -189,22 +188,12 @@ class SimPSRuntime:
             self._wake(t)
 
     def _fire(self, e: Event, t: float) -> list[Happening]:
+        nodes = self.cluster.apply(e, {self._placed[w].node_id for w in self._alive})
+        self.happened.append(ClusterHappening(t, e.kind, tuple(n.node_id for n in nodes)))
         if e.join is not None:
-            added = [self.cluster.add_node(e.join.node_class) for _ in range(e.join.count)]
-            self._record(t, "join", added)
-            return [NodeJoined(n.node_id) for n in added]
-        sel = e.selector
-        busy = {self._placed[w].node_id for w in self._alive}
-        victims = failure_victims(self.cluster.nodes, sel.count, sel.node_class, sel.index,
-                                  busy)
-        for n in victims:
-            n.alive = False
-        self._record(t, "fail", victims)
+            return [NodeJoined(n.node_id) for n in nodes]
         lost = [w for w, n in self._placed.items() if w in self._alive and not n.alive]
         for w in lost:
             self._alive.discard(w)
             self._idle.discard(w)
         return [LearnerEnded(w, LOST) for w in lost]
-
-    def _record(self, t: float, kind: str, nodes: Sequence[Node]) -> None:
-        self.happened.append(ClusterHappening(t, kind, tuple(n.node_id for n in nodes)))

@@ -16,10 +16,9 @@ import numpy as np
 from dynabatch.actors.emulation import slowdown_at
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.membership import NodeInfo, Spawn
-from dynabatch.scheduler.core.victims import failure_victims
 from dynabatch.scheduler.runtime.seam import DataInfo, Started, WorkerCallError
 from dynabatch.scheduler.sim.calls import CallRecord
-from dynabatch.scheduler.sim.cluster_spec import Event, Fault, NodeSelector
+from dynabatch.scheduler.sim.cluster_spec import Event, Fault
 from dynabatch.scheduler.sim.cost_model import Node, SimulatedCluster
 from dynabatch.scheduler.sim.faults import FaultScript
 from dynabatch.scheduler.sim.timeline import ClusterHappening, SimClock
@@ -95,24 +94,13 @@ class SimWorld:
             self._fire(self._stepped.pop(0), t)
 
     def _fire(self, e: Event, t: float) -> None:
-        if e.kind == "join":
-            added = [self.cluster.add_node(e.join.node_class) for _ in range(e.join.count)]
-            for n in added:
-                self._nodes[n.node_id] = n
-            self._record(t, "join", added)
-        elif e.kind == "slowdown":
-            s = e.slowdown
-            pool = self.cluster.by_class[s.node_class]
-            nodes = pool if s.index is None else pool[s.index:s.index + 1]
-            for n in nodes:
-                n.factor = s.factor
-            self._record(t, "slowdown", nodes, f"x{s.factor:g}")
-        else:
-            victims = self._victims(e.selector)
-            for n in victims:
-                n.alive = False
+        nodes = self.cluster.apply(e, {n for n, k in self._hosted.items() if k})
+        for n in nodes:
+            self._nodes[n.node_id] = n  # a joining node is new
+            if e.kind == "fail":
                 self._died_at[n.node_id] = t
-            self._record(t, "fail", victims)
+        detail = f"x{e.slowdown.factor:g}" if e.slowdown is not None else ""
+        self.happened.append(ClusterHappening(t, e.kind, tuple(n.node_id for n in nodes), detail))
         self._node_infos = None
         self._version += 1
 
@@ -126,15 +114,6 @@ class SimWorld:
     def spares_running(self) -> dict[str, float]:
         """The job's spares now: node id -> the simulated time it is (or was) warm."""
         return dict(self._spares)
-
-    def _victims(self, sel: NodeSelector) -> list[Node]:
-        """The nodes a failure takes: the one rule of every simulator
-        (:func:`~dynabatch.scheduler.core.victims.failure_victims`)."""
-        busy = {n for n, k in self._hosted.items() if k}
-        return failure_victims(self.cluster.nodes, sel.count, sel.node_class, sel.index, busy)
-
-    def _record(self, t: float, kind: str, nodes: Sequence[Node], detail: str = "") -> None:
-        self.happened.append(ClusterHappening(t, kind, tuple(n.node_id for n in nodes), detail))
 
     def _dead(self, worker: str) -> bool:
         w = self.workers.get(worker)
