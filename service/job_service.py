@@ -43,9 +43,8 @@ from dynabatch.service.launch_checks import (
     relaunch_refusal,
 )
 from dynabatch.service.ray_client import RayClusterClient
-from dynabatch.service.reconciler import EMBEDDED_ENDED, Reconciler
+from dynabatch.service.reconciler import EMBEDDED_ENDED, Reconciler, SchedulerLink
 from dynabatch.service.registry import JobRegistry
-from dynabatch.service.scheduler_link import SchedulerLink
 from dynabatch.service.scheduling import RayScheduling, Refused
 from dynabatch.service.service_errors import (
     AlreadyFinished,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from dynabatch.actors.errors import first_line
@@ -22,8 +22,7 @@ from dynabatch.service.artifacts import keep_model, models_dir
 from dynabatch.service.launch_checks import checkpoint_exists, launch_spec, relaunch_refusal
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.registry import JobRegistry
-from dynabatch.service.scheduler_link import SchedulerLink
-from dynabatch.service.scheduling import Refused
+from dynabatch.service.scheduling import RayScheduling, Refused
 from dynabatch.service.service_errors import ClusterUnavailable, CoordinatorGone, RayCallError
 from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord
 from dynabatch.service.submit_policy import SubmitPolicy
@@ -42,6 +41,53 @@ def _reachable(cluster: object) -> bool:
     """Whether the cluster answers now, by its bounded check when it has one."""
     check = getattr(cluster, "reachable", None)
     return bool(check()) if callable(check) else True
+
+
+class SchedulerLink:
+    """The service's side of the cluster scheduler: which live jobs it has started, and the
+    calls the sync loop and the commands make to it. With the scheduler on, a job has no
+    coordinator to poll until the scheduler starts it once its nodes are granted. Which jobs
+    it started is the scheduler's fact: ``started`` is only its last answer to
+    :meth:`queued`, kept as it said it for when it cannot be reached."""
+
+    def __init__(self, scheduling: RayScheduling, cluster: RayClusterClient):
+        self.scheduling = scheduling
+        self.cluster = cluster
+        self.started: frozenset[str] = frozenset()  # the scheduler's last answer
+
+    def queued(self, live: Sequence[JobRecord]) -> set[str]:
+        """Tell the scheduler every live job (so a new scheduler rebuilds from the store
+        and the live coordinators), and return those it has not started, which have no
+        coordinator to poll yet. If it cannot be reached, the jobs it started as of the last
+        sync are polled and the others wait."""
+        try:
+            started = self.scheduling.sync(
+                [(r.id, launch_spec(r), r.created_at, r.resumes) for r in live]
+            )
+        except RayCallError as err:
+            log.warning("cannot sync with the cluster scheduler: %s", err)
+            started = self.started
+        for rec in live:
+            if rec.id in started and rec.id not in self.started:
+                try:  # later calls for the job go to the generation the scheduler started
+                    self.cluster.find(rec.id, rec.resumes)
+                except RayCallError as err:
+                    log.warning("job %s: cannot find its coordinator yet (%s)", rec.id, err)
+        self.started = frozenset(started)
+        return {r.id for r in live if r.id not in started}
+
+    def register(self, rec: JobRecord) -> None:
+        """Queue the job's current generation: the scheduler starts it once its nodes are
+        granted (its next answer says so). Raises ``Refused`` or ``RayCallError``."""
+        self.scheduling.register(rec.id, launch_spec(rec), rec.created_at, rec.resumes)
+
+    def finished(self, job_id: str) -> None:
+        """Tell the scheduler the job is done or leaves its queue: its nodes go to the next
+        job now, not at the next round."""
+        try:
+            self.scheduling.finished(job_id)
+        except RayCallError as err:
+            log.warning("job %s: cannot tell the cluster scheduler (%s)", job_id, err)
 
 
 class Reconciler:
