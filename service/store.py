@@ -17,17 +17,17 @@ whole history is to be re-read (and replaced) at its next sync.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dynabatch.actors.spec import JobSpec, spec_warnings_silenced
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
@@ -131,31 +131,10 @@ class JobRecord:
         return self.snapshot.model_copy(update=update)
 
 
-class _Parsed:
-    """Parsed JSON columns by their text: a job's spec, snapshot and epoch records are read
-    far more often than they change (every status, list, history and page read parses them),
-    and the models are frozen, so one parse serves every read of the same text. Bounded:
-    the oldest entries go first."""
-
-    def __init__(self, size: int = 1024):
-        self.size = size
-        self._items: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, kind: str, text: str, parse: Callable[[str], Any]) -> Any:
-        key = (kind, text)
-        with self._lock:
-            hit = self._items.get(key)
-        if hit is not None:
-            return hit
-        value = parse(text)
-        with self._lock:
-            self._items[key] = value
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
-        return value
-
-
+# Parsed JSON columns by their text: a job's spec, snapshot and epoch records are read far
+# more often than they change (every status, list, history and page read parses them), and
+# the models are frozen, so one parse serves every read of the same text.
+@functools.lru_cache(maxsize=1024)
 def _load_spec(text: str) -> JobSpec:
     if '"errors"' in text:
         # Stored while the spec had emulation.errors (fault injection, now the tests'):
@@ -169,19 +148,8 @@ def _load_spec(text: str) -> JobSpec:
         return JobSpec.model_validate_json(text)
 
 
-_PARSED = _Parsed()
-
-
-def _spec(text: str) -> JobSpec:
-    return _PARSED.get("spec", text, _load_spec)
-
-
-def _snapshot(text: str) -> JobSnapshot:
-    return _PARSED.get("snapshot", text, JobSnapshot.model_validate_json)
-
-
-def _epoch_record(text: str) -> EpochRecord:
-    return _PARSED.get("record", text, EpochRecord.model_validate_json)
+_snapshot = functools.lru_cache(maxsize=1024)(JobSnapshot.model_validate_json)
+_epoch_record = functools.lru_cache(maxsize=1024)(EpochRecord.model_validate_json)
 
 
 def _row_to_record(row: sqlite3.Row) -> JobRecord:
@@ -189,7 +157,7 @@ def _row_to_record(row: sqlite3.Row) -> JobRecord:
     return JobRecord(
         id=row["id"],
         name=row["name"],
-        spec=_spec(row["spec"]),
+        spec=_load_spec(row["spec"]),
         state=JobState(row["state"]),
         reason=row["reason"],
         cluster=row["cluster"],
