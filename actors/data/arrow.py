@@ -28,10 +28,10 @@ import numpy as np
 from dynabatch.actors.data.fs import list_files, open_fs
 from dynabatch.actors.data.source import (
     DataError,
-    Meta,
     Out,
     Source,
     batch_arrays,
+    file_meta,
     x_dtype,
     y_dtype,
 )
@@ -203,17 +203,11 @@ class ParquetSource(Source):
         x0, y0 = self._group(0)
         if collate is not None:  # the first row's own shapes, which other rows need not share
             x0, y0 = x0[0][None], y0[0][None]
-        kind = targets or ("values" if y0.dtype.kind == "f" else
-                           "tokens" if y0.ndim == 2 else "classes")
-        if kind == "classes" and num_classes is None:
-            if ymax < 0:  # no statistics: read the label column once (the driver only)
-                ymax = max(int(self._file(i).read(columns=[self.ycol]).column(0)
-                               .to_numpy().max()) for i in range(len(self.files)))
-            num_classes = ymax + 1
-        k = int(num_classes) if num_classes is not None else (
-            int(y0.shape[1]) if y0.ndim == 2 else 1)
-        self.meta = Meta(name, tuple(x0.shape[1:]), max(k, 1), kind, tuple(y0.shape[1:]),
-                         structured=collate is not None)
+        # Without statistics the label column is read once (the driver only).
+        self.meta = file_meta(name, x0, y0, targets, num_classes, lambda: ymax if ymax >= 0
+                              else max(int(self._file(i).read(columns=[self.ycol]).column(0)
+                                           .to_numpy().max()) for i in range(len(self.files))),
+                              structured=collate is not None)
         self._cache.clear()  # group 0 was decoded before the targets' dtype was known
 
     def _file(self, i: int) -> Any:
@@ -275,11 +269,7 @@ class ParquetSource(Source):
         kind = getattr(self, "meta", None)
         if ragged:  # rows of their own lengths (or not), typed one by one
             x, y = _rows_typed(x, self.scale, kind), _rows_typed(y, None, kind, target=True)
-            with self._lock:
-                self._cache[key] = (x, y)
-                while len(self._cache) > max(1, self.cache_groups):
-                    self._cache.popitem(last=False)
-            return x, y
+            return self._cached(key, x, y)
         scale = self.scale if self.scale is not None else (
             1 / 255 if x.dtype == np.uint8 else 1.0)
         tokens = kind is not None and kind.targets == "tokens"
@@ -293,6 +283,11 @@ class ParquetSource(Source):
             x = x.reshape(len(x), *self.shape)
         if kind is not None:
             y = y.astype(y_dtype(kind.targets))
+        return self._cached(key, x, y)
+
+    def _cached(self, key: tuple[int, int], x: np.ndarray, y: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """``(x, y)``, kept as row group ``key``'s in the LRU cache."""
         with self._lock:
             self._cache[key] = (x, y)
             while len(self._cache) > max(1, self.cache_groups):

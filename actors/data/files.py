@@ -27,6 +27,7 @@ from dynabatch.actors.data.source import (
     SampleError,
     Source,
     batch_arrays,
+    file_meta,
 )
 from dynabatch.actors.errors import first_line
 
@@ -78,14 +79,8 @@ class NpySource(Source):
             sizes.append(len(ax))
         self.files = xs
         self.starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
-        y0 = self.y[0]
-        kind = targets or ("values" if y0.dtype.kind == "f" else
-                           "tokens" if y0.ndim == 2 else "classes")
-        if kind == "classes" and num_classes is None:
-            num_classes = max(int(a.max()) for a in self.y if len(a)) + 1  # labels: small
-        k = int(num_classes) if num_classes is not None else (
-            int(y0.shape[1]) if y0.ndim == 2 else 1)
-        self.meta = Meta(name, tuple(self.x[0].shape[1:]), max(k, 1), kind, tuple(y0.shape[1:]))
+        self.meta = file_meta(name, self.x[0], self.y[0], targets, num_classes,
+                              lambda: max(int(a.max()) for a in self.y if len(a)))
 
     def __len__(self) -> int:
         return int(self.starts[-1])

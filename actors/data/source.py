@@ -58,6 +58,20 @@ class Meta:
     structured: bool = False
 
 
+def file_meta(name: str, x0: np.ndarray, y0: np.ndarray, targets: str | None,
+              num_classes: int | None, largest_label: Any, structured: bool = False) -> Meta:
+    """A file source's Meta from its first rows ``x0, y0`` and the spec's ``targets`` and
+    ``num_classes`` (the defaults: from ``y0``'s dtype and shape; class labels count up to
+    ``largest_label()``)."""
+    kind = targets or ("values" if y0.dtype.kind == "f" else
+                       "tokens" if y0.ndim == 2 else "classes")
+    if kind == "classes" and num_classes is None:
+        num_classes = largest_label() + 1
+    k = int(num_classes) if num_classes is not None else (
+        int(y0.shape[1]) if y0.ndim == 2 else 1)
+    return Meta(name, tuple(x0.shape[1:]), max(k, 1), kind, tuple(y0.shape[1:]), structured)
+
+
 class Source:
     """Random access by sample id (see the module docstring). Subclasses set ``meta``."""
 
