@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
+from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.cluster.ray_nodes import (
     RayNode,
@@ -135,12 +136,6 @@ class RayCalls:
 
     def kill(self, handle: Any) -> None:
         ray.kill(handle, no_restart=True)
-
-
-def _one_line(err: BaseException) -> str:
-    """An error as one line: a remote call's own exception (Ray wraps it), its last line."""
-    text = str(getattr(err, "cause", None) or err).strip()
-    return text.splitlines()[-1][:300] if text else repr(err)
 
 
 class ClusterScheduler:
@@ -465,7 +460,7 @@ class ClusterScheduler:
             log.warning("job %s: its coordinator did not answer in time", job_id)
             return
         except ray.exceptions.RayActorError as err:
-            self._gone(job_id, _one_line(err) if str(err) else "actor died")
+            self._gone(job_id, first_line(err, typed=False) if str(err) else "actor died")
             return
         if snap.state.is_terminal:
             self._gone(job_id, f"it ended {snap.state.value}")
@@ -514,7 +509,7 @@ class ClusterScheduler:
                 c.job_id, e.spec, entry.generation, c.slots, self.start_timeout_s
             )
         except Exception as err:
-            why = _one_line(err)
+            why = first_line(err, typed=False)
             log.warning("job %s: could not start on %s: %s", c.job_id, c.slots, why)
             with self._lock:
                 self._step(StartFailed(c.job_id, why))
@@ -545,9 +540,9 @@ class ClusterScheduler:
         try:
             self.calls.get(handle.assign.remote(dict(c.slots)), self.call_timeout_s)
         except ray.exceptions.RayActorError as err:
-            self._gone(c.job_id, _one_line(err) if str(err) else "actor died")
+            self._gone(c.job_id, first_line(err, typed=False) if str(err) else "actor died")
         except ValueError as err:  # the job refused it: a fact the rounds keep and show
-            why = _one_line(err)
+            why = first_line(err, typed=False)
             log.warning("job %s: refused the assignment %s: %s", c.job_id, c.slots, why)
             with self._lock:
                 self._step(AssignRefused(c.job_id, c.slots, why))

@@ -169,19 +169,18 @@ def single_type_admit(
     mask: int,
     rates: np.ndarray,
     workers: int,
-    size: np.ndarray | None = None,
-    room: np.ndarray | None = None,
+    size: np.ndarray,
+    room: np.ndarray,
 ) -> int:
     """For a one-type-per-job policy: the type (index) the gang fits on, the job's fastest
-    such, reserving it in ``free`` (slots; ``size`` slots per worker on each type, one by
-    default, and at most ``room`` workers on each type); -1 when none has room."""
-    size = np.ones(len(free), dtype=np.int64) if size is None else size
+    such, reserving it in ``free`` (slots; ``size`` slots per worker on each type, and at
+    most ``room`` workers on each type); -1 when none has room."""
     best = -1
     for t in range(len(free)):
         if (
             mask >> t & 1
             and free[t] >= workers * size[t]
-            and (room is None or room[t] >= workers)
+            and room[t] >= workers
             and (best < 0 or (rates[t], free[t]) > (rates[best], free[best]))
         ):
             best = t
