@@ -162,20 +162,8 @@ FaultKind = Literal["die", "hang", "error", "straggle", "oom", "lose_result", "d
 class Fault(_Strict):
     """Something that goes wrong with one of the job's workers (``worker``: its ordinal) or
     with the spare on one node (``node``: a class and an index), as the simulator's runtime
-    plays it (:mod:`dynabatch.scheduler.sim.faults`).
-
-    At the first step at or after (``epoch``, ``step``) the worker takes part in: ``die``
-    (its process dies; the node stays up), ``hang`` (it stops answering), ``error`` (a
-    compute error, on every step from there on), ``straggle`` (that step's compute takes
-    ``seconds`` more), ``oom`` (from there on, a micro-batch of more than ``batch`` samples
-    runs out of memory), ``lose_result`` (the segment ending there completes, but the
-    worker's result is lost with its process, which dies one step into the next segment).
-    ``uneven`` (die, hang): the first survivor's all-reduce of the failing step completed
-    before the peer broke off. At the worker's ``nth`` regroup, evaluation or state fetch:
-    ``die_in_regroup``, ``die_in_evaluation``, ``die_in_checkpoint``. ``eval_error``: every
-    evaluation of the worker's shard raises ``error``. On the node's ``nth`` check:
-    ``spare_dies`` (its spare dies and is reported lost), ``spare_dies_silently`` (the
-    spare dies unseen: the worker that adopts it fails to start)."""
+    plays it (:mod:`dynabatch.scheduler.sim.faults`); the kinds and their fields are
+    docs/simulator.md's table."""
 
     kind: FaultKind
     worker: StrictInt | None = Field(default=None, ge=0)

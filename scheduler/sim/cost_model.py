@@ -114,13 +114,10 @@ class Ideal:
     epoch_s: float  # Σ over the epoch's steps of max_i t_i(b_i*)·m_n + t_ar
 
     @property
-    def v(self) -> np.ndarray:
-        """``v_i = b_i* / t_i(b_i*)``: each worker's throughput at its equal-finish batch."""
-        return self.batches / self.times
-
-    @property
     def sum_v(self) -> float:
-        return float(self.v.sum())
+        """``Σ v_i``, ``v_i = b_i* / t_i(b_i*)``: each worker's throughput at its equal-finish
+        batch."""
+        return float((self.batches / self.times).sum())
 
 
 @dataclass

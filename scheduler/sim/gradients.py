@@ -143,11 +143,6 @@ class GradientEngine:
             p.grad = g
         return losses, local
 
-    def evaluate(self, batch: int = 1024) -> dict[str, float]:
-        """The held-out loss and metrics (:meth:`Objective.evaluate`), on the CPU."""
-        return self.objective.evaluate(self.model, self.x_test, self.y_test,
-                                       torch.device("cpu"), batch)
-
     @property
     def n_validation(self) -> int:
         return len(self.held["validation"][1]) if "validation" in self.held else 0

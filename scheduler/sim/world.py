@@ -111,10 +111,6 @@ class SimWorld:
         now = self.clock.now()
         self._fire(Event.model_validate({**event, "at_s": max(now, 0.0)}), now)
 
-    def spares_running(self) -> dict[str, float]:
-        """The job's spares now: node id -> the simulated time it is (or was) warm."""
-        return dict(self._spares)
-
     def _dead(self, worker: str) -> bool:
         w = self.workers.get(worker)
         return w is None or not w.node.alive or w.died_at is not None

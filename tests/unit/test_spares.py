@@ -38,7 +38,7 @@ def _scale_to_three(
 ) -> tuple[float, float]:
     """Scale to 3 once the spare is up; returns (request time, the newcomer's join time)."""
     _run_to(coord, 4, 4)
-    assert all(up < rt.clock.now() for up in rt.spares_running().values())  # spares are up by now
+    assert all(up < rt.clock.now() for up in rt._spares.values())  # spares are up by now
     t_request = rt.clock.now()
     coord.scale(3)
     while _joined(coord, newcomer) is None:
@@ -55,7 +55,7 @@ def test_a_scale_up_adopts_the_warm_spare_and_joins_at_the_next_boundary():
     coord.run()
     _assert_exactly_once(coord, lineages)
     assert any("w2" in plans for plans in rt.record.plans)  # the adopted worker trained
-    assert rt.spares_running() == {}  # none left behind
+    assert rt._spares == {}  # none left behind
 
 
 def test_without_spares_the_same_scale_up_waits_for_a_fresh_start():
@@ -77,7 +77,7 @@ def test_a_spare_that_dies_before_adoption_is_dropped_and_the_worker_starts_fres
     assert any("spare worker on node node02 was lost" in x.message for x in coord.logs())
     coord.run()
     _assert_exactly_once(coord, lineages)
-    assert rt.spares_running() == {}
+    assert rt._spares == {}
 
 
 def test_a_spare_found_dead_when_adopted_is_replaced_by_a_fresh_worker():
@@ -109,8 +109,8 @@ def test_a_lost_worker_is_replaced_by_adopting_the_spare():
 def test_spares_are_stopped_when_the_job_ends():
     coord, rt, _ = _setup(epochs=2)
     _run_to(coord, 1, 2)
-    assert set(rt.spares_running()) == {"node02"}
+    assert set(rt._spares) == {"node02"}
     coord.cancel("test")
     coord.run()
     assert coord.snapshot().state == JobState.CANCELLED
-    assert rt.spares_running() == {} and rt.record.spares_stopped == ["node02"]
+    assert rt._spares == {} and rt.record.spares_stopped == ["node02"]
