@@ -314,11 +314,13 @@ def _step(
     event: Event,
     knobs: ClusterKnobs,
 ) -> tuple[RoundState, tuple[Command, ...]]:
+    known = state.job(getattr(event, "job_id", ""))
+    if known is None and isinstance(event, JobReported | StartFailed | AssignRefused | Heard):
+        return state, ()  # about a job the rounds no longer hold
     match event:
         case Entry():  # a job registered: a known id's same or older generation changes
-            known = state.job(event.job_id)  # nothing; a later one (a resume) replaces it
-            if known is not None and known.generation >= event.generation:
-                return state, ()
+            if known is not None and known.generation >= event.generation:  # nothing; a
+                return state, ()  # later one (a resume) replaces it
             fresh = replace(
                 event,
                 allocation=(),
@@ -349,13 +351,10 @@ def _step(
         case ResizeRequested():
             return _scale(state, event)
         case JobReported(job_id, workers, batch):
-            entry = state.job(job_id)
-            if entry is None:
-                return state, ()
             counts: dict[str, int] = {}
             for node, _ in workers:
                 counts[node] = counts.get(node, 0) + 1
-            entry = replace(entry, members=tuple(sorted(counts.items())))
+            entry = replace(known, members=tuple(sorted(counts.items())))
             model = _model_of(state, workers, batch)
             if model is not None:
                 entry = replace(entry, model=_merged(entry.model, model))
@@ -363,12 +362,9 @@ def _step(
         case NodesSeen(nodes):
             return replace(state, nodes=tuple(sorted(nodes, key=lambda n: n.node_id))), ()
         case StartFailed(job_id, why):
-            entry = state.job(job_id)
-            if entry is None:
-                return state, ()
             return state._with(
                 replace(
-                    entry,
+                    known,
                     started=False,
                     launched=False,
                     allocation=(),
@@ -377,27 +373,20 @@ def _step(
                 )
             ), ()
         case Launched(job_id, generation, slots):
-            entry = state.job(job_id)
-            if entry is None or entry.generation != generation or not entry.started:
+            if known is None or known.generation != generation or not known.started:
                 return state, (Abandon(job_id, "it left the queue while it was granted"),)
             commands: list[Command] = []
-            if tuple(sorted(slots)) != entry.allocation:
-                commands.append(Reassign(job_id, entry.allocation))
-            if not entry.client:
+            if tuple(sorted(slots)) != known.allocation:
+                commands.append(Reassign(job_id, known.allocation))
+            if not known.client:
                 commands.append(Run(job_id))
-            return state._with(replace(entry, launched=True)), tuple(commands)
+            return state._with(replace(known, launched=True)), tuple(commands)
         case AssignRefused(job_id, slots, why):
-            entry = state.job(job_id)
-            if entry is None:
-                return state, ()
-            has = entry.members if entry.members else entry.allocation
-            entry = replace(entry, refused=(tuple(sorted(slots)), why), allocation=has)
+            has = known.members if known.members else known.allocation
+            entry = replace(known, refused=(tuple(sorted(slots)), why), allocation=has)
             return state._with(entry), ()
         case Heard(job_id, now):
-            entry = state.job(job_id)
-            if entry is None:
-                return state, ()
-            return state._with(replace(entry, seen_s=now)), ()
+            return state._with(replace(known, seen_s=now)), ()
         case Drained(job_id, node_id, now, floor):
             why = drain_refusal(state, job_id, node_id, floor)
             if why is not None:
