@@ -22,17 +22,14 @@ process) in both of the two fault modes (:data:`NCCL_FAULT_MODES`), which differ
 collective's failure reaches the worker:
 
 * ``blocking`` (the default): ``TORCH_NCCL_BLOCKING_WAIT=1``, ``work.wait()`` blocks the
-  host until the collective ends and raises in the calling thread when it times out. It
-  polls the work every few milliseconds, one bucket at a time, which Ray dropped for its
-  cost.
+  host until the collective ends and raises in the calling thread when it times out (it
+  polls the work every few milliseconds, one bucket at a time);
 * ``async``: ``TORCH_NCCL_BLOCKING_WAIT=0``, ``work.wait()`` only orders the stream; the
   watchdog thread times the collective out, aborts the communicator and marks the work
   failed, and the next call on the group raises.
 
-Both are bounded by the collectives' timeout. Which is faster is measured by
-``bench/gpu_check.py`` (check ``nccl_fault_modes``, two GPUs); the mode is the setting
-``DYNABATCH_NCCL_FAULT_MODE`` (read here, the one place), so the measurement can choose
-without a code change. :meth:`ProcessGroup.leave` aborts the communicator
+Both are bounded by the collectives' timeout; the setting ``DYNABATCH_NCCL_FAULT_MODE``
+picks one (docs/elasticity.md). :meth:`ProcessGroup.leave` aborts the communicator
 (:func:`abort_group`) before destroying the group, so a survivor raises, leaves and
 re-forms.
 """
@@ -138,12 +135,10 @@ def check_in(store: dist.Store, rank: int, world_size: int, timeout: timedelta) 
 
 def abort_group() -> None:
     """Abort the default group's communicators, so a collective blocked on a dead peer
-    returns and the group can be destroyed. ``ProcessGroup.abort`` is public (bound in
-    torch/csrc/distributed/c10d/init.cpp with ``shutdown``), present in torch 2.11 and
-    2.13; 2.11 also has the private ``distributed_c10d._abort_process_group``, which this
-    module used before. Looked up outside the error handling: a torch without it raises
-    AttributeError here instead of silently skipping the abort. Errors of the abort itself
-    (a communicator already broken) are expected: the group is being replaced."""
+    returns and the group can be destroyed. ``abort`` is looked up outside the error
+    handling: a torch without it raises AttributeError instead of silently skipping the
+    abort. Errors of the abort itself (a communicator already broken) are expected: the
+    group is being replaced."""
     abort = dist.group.WORLD.abort
     with contextlib.suppress(RuntimeError):
         abort()

@@ -1,16 +1,5 @@
-"""The job specification: one schema for YAML configs, the REST API and the CLI.
-
-- :mod:`~dynabatch.actors.spec.sections`: the spec's sections (``dataset:``, ``model:``, ...)
-  and the grammar of the names it may use;
-- :mod:`~dynabatch.actors.spec.schema`: ``JobSpec``, the job itself;
-- :mod:`~dynabatch.actors.spec.validation`: the rules across fields;
-- :mod:`~dynabatch.actors.spec.loading`: a mapping or a YAML file into a ``JobSpec``, with
-  one-line ``SpecError``\\ s.
-
-The names callers use are re-exported here (``from dynabatch.actors.spec import JobSpec``).
-What a spec submitted over REST may name is the service's policy:
-:mod:`dynabatch.service.submit_policy`.
-"""
+"""The job specification: one schema for YAML configs, the REST API and the CLI. The
+names callers use are re-exported here (``from dynabatch.actors.spec import JobSpec``)."""
 
 from dynabatch.actors.spec.loading import (
     SpecError,

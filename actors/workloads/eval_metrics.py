@@ -1,32 +1,15 @@
-"""Evaluation metrics on the held-out set.
+"""Evaluation metrics on the held-out set, both kinds exact over a set split across workers.
 
-Two kinds of metric, both exact over a held-out set split across workers:
-
-* **per-sample**: a function ``(outputs, targets) -> values (B,)`` plus a ``finish``
+* **per-sample**: a function ``(outputs, targets) -> values (B,)`` (``accuracy``, ``mse``,
+  ``perplexity``: ``exp`` of the mean cross-entropy, or the user's), plus a ``finish``
   applied to the mean over the set; the shards' sums add up.
-
-  - ``accuracy``: the fraction of correct argmax predictions (per token for sequences);
-  - ``mse``: the mean squared error (:func:`dynabatch.actors.workloads.losses.mse`);
-  - ``perplexity``: ``exp`` of the mean per-sample cross-entropy; for equal-length
-    sequences that is ``exp(-(1/NT) Σ log p(y_t))``, the per-token perplexity;
-  - a user ``"pkg.mod:function"``: the mean of its per-sample values.
-
-* **stateful**: a ``torchmetrics.Metric`` whose states are sufficient statistics (counts
-  per class, a confusion matrix, the scores AUROC sorts, sums of errors). Each worker
-  updates one on its shard and ships its states as numpy arrays (:class:`Accumulator`,
-  :func:`export_state`) inside the shard's sums under ``STATES``; the driver gathers
-  the shards' states (``metric_states.merge_states``), merges them with torchmetrics' own
-  ``merge_state`` into one metric and computes once (:func:`compute`): the value one
-  process gives over the whole set, whatever the split.
-
-  - ``f1``, ``precision``, ``recall`` (``average``: macro by default, micro, weighted),
-    ``auroc`` (macro or weighted), ``confusion_matrix`` (a matrix: rows are the true
-    classes, columns the predicted ones): from class logits ``(B, C)`` (or ``(B, T, C)``
-    per token); one logit per sample (``(B,)`` or ``(B, 1)``) is a binary classifier
-    (positive above probability 0.5);
-  - ``mae``, ``rmse``, ``r2``: regression outputs shaped like the targets;
-  - a user ``torchmetrics.Metric`` subclass by import path, built without arguments and
-    updated with ``(outputs, targets)`` as the loss gets them.
+* **stateful**: a ``torchmetrics.Metric`` whose states are sufficient statistics (f1,
+  precision, recall, auroc, the confusion matrix, mae, rmse, r2, or the user's subclass).
+  Each worker updates one on its shard and ships its states as numpy arrays
+  (:class:`Accumulator`); the driver merges the shards' states with torchmetrics' own
+  ``merge_state`` and computes once (:func:`compute`): the value one process gives over
+  the whole set, whatever the split. Class metrics take logits ``(B, C)`` (or ``(B, T, C)``
+  per token); one logit per sample is a binary classifier.
 """
 
 from __future__ import annotations
