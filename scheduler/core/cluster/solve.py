@@ -4,31 +4,20 @@ Nodes are aggregated by type, so the program's size depends on jobs × types, no
 number of nodes; concrete nodes are chosen afterwards (:mod:`.assign`).
 
 Variables, per admitted job j and type t: ``x_jt`` (integer workers), ``y_j`` (normalised
-throughput), ``d_jt ≥ |x_jt − x0_jt|`` and a binary ``m_j`` (resized) for a running job
-with current counts ``x0``; for ``single_type`` a binary ``u_jt`` (the one type). With
-``S_j = Σ_t rate_jt·x_jt``, ``y_j`` is bounded by tangent lines of the job's concave curve
-``throughput(S_j) / ref_j`` (see :mod:`.throughput`), exact at their knots.
+throughput, bounded by tangent lines of the job's concave curve, :mod:`.throughput`),
+``d_jt ≥ |x_jt − x0_jt|`` and a binary ``m_j`` (resized) for a running job with current
+counts ``x0``; for ``single_type`` a binary ``u_jt`` (the one type). Constraints:
+``Σ_j size_jt·x_jt ≤ free_t`` (a worker may take several slots, :mod:`.units`), ``x_jt ≤
+room_jt`` (what its nodes of type t hold whole), ``min_j ≤ Σ_t x_jt ≤ max_j`` (gang admission
+made this feasible), ``Σ_t d_jt ≤ M·m_j``; single type: ``x_jt ≤ max_j·u_jt, Σ_t u_jt ≤ 1``.
 
-Constraints: ``Σ_j size_jt·x_jt ≤ free_t`` (slots: a worker takes ``size_jt`` of them,
-more than one for a job whose CPU workers ask several CPUs, or whose share of a GPU is
-larger than another job's there; :mod:`.units`) and ``x_jt ≤ room_jt`` (the
-workers its nodes of type t hold whole); ``min_j ≤ Σ_t x_jt ≤ max_j`` (gang admission made
-this feasible); ``Σ_t d_jt ≤ M·m_j``; single type: ``x_jt ≤ max_j·u_jt, Σ_t u_jt ≤ 1``.
-
-Objectives (``scipy.optimize.milp``, HiGHS):
-
-* ``goodput`` / ``single_type``: max ``Σ y_j − resize_penalty·Σ m_j − move_cost·Σ d_jt``.
-* ``fair`` (Gavel's max-min, on normalised throughput): the LP relaxation's max-min level
-  ``L`` first (max ``τ`` with ``τ ≤ y_j``); then the integer program maximises
-  ``W·(Σ_j w_j + τ) + Σ_j y_j`` with ``w_j ≤ min(y_j, L)`` and ``τ ≤ y_j``: every job's
-  shortfall below the fair level weighs ``W`` (``fair_weight``) times more than
-  throughput, and what max-min leaves over goes where it gains most.
-
-Hysteresis: the current counts are kept when they are feasible and the solved objective
-(less its resize penalties) beats theirs by at most ``hysteresis`` of their value. A
-decision fed back as the current allocation is optimal for its own objective up to the
-penalties it already paid, so this makes "no change in, no change out" hold even where the
-solver stops within its gap or breaks a tie another way.
+Objectives (``scipy.optimize.milp``, HiGHS): ``goodput`` / ``single_type`` maximise ``Σ y_j −
+resize_penalty·Σ m_j − move_cost·Σ d_jt``; ``fair`` takes the LP relaxation's max-min level
+``L`` first, then maximises ``W·(Σ_j w_j + τ) + Σ_j y_j`` with ``w_j ≤ min(y_j, L)`` and ``τ ≤
+y_j`` (``W``: ``fair_weight``), so every job's shortfall below the fair level outweighs
+throughput. Hysteresis: the current counts are kept when feasible and the solution (less its
+penalties) beats them by at most ``hysteresis``, so a decision fed back as the current
+allocation changes nothing even where the solver stops within its gap.
 """
 
 from __future__ import annotations
