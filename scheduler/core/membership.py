@@ -471,14 +471,8 @@ class Membership:
         self.target = min(workers, self.smallest_batch)
         self.max_size = self.target
         self.min_size = min(self.min_size, self.target)
-        for m in self.drain_order(speeds)[: max(0, len(self.members) - self.target)]:
-            self._drain.add(m.worker_id)
-
-    def drain_order(self, speeds: dict[str, float] | None = None) -> list[Member]:
-        """Members in the order a scale-down removes them (see :meth:`request_scale`)."""
         order = slowest_first([(m.worker_id, m.ordinal) for m in self.members], speeds)
-        by_id = {m.worker_id: m for m in self.members}
-        return [by_id[w] for w in order]
+        self._drain.update(order[: max(0, len(self.members) - self.target)])
 
     def request_assignment(self, assignment: NodeAssignment) -> None:
         """Train on exactly ``assignment`` from now on (workers start and spares wait only
