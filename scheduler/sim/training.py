@@ -12,6 +12,7 @@ makes its peers time out; the fault script's kinds are
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 from dynabatch.actors.accumulate import micro_cap, micro_ranges, tighter_cap
@@ -125,12 +126,12 @@ class SimTraining(SimWorld):
             # node down ends the step there (later events wait for their own time).
             self._advance(end, watch=names)
             rule = isgd.rule() if isgd is not None else None
+            report = partial(self._report, steps, names, first, sps, b, compute, emu, micro,
+                             caps, rule)
             lucky = self._lucky(names, hit)
             if any(self._dead(w) for w in names):
                 if lucky is not None:
-                    self._report(
-                        steps, names, first, sps, b, compute, emu, micro, caps, rule, only=lucky
-                    )
+                    report(only=lucky)
                 return self._lost(names, steps, compute, t0)
             if hit is not None and hit.errors:
                 return self._compute_error(names, steps, hit.errors, compute, t0)
@@ -138,9 +139,7 @@ class SimTraining(SimWorld):
             first_in = float(enter.min())
             if float(enter.max()) - first_in > timeout:
                 if lucky is not None:
-                    self._report(
-                        steps, names, first, sps, b, compute, emu, micro, caps, rule, only=lucky
-                    )
+                    report(only=lucky)
                 out = self._timed_out(names, steps, compute, enter, first_in + timeout, grace_s)
                 for w in hit.hung if hit is not None else ():
                     self._process_dies(w, self.clock.now())  # it answers nothing from now on
@@ -150,19 +149,7 @@ class SimTraining(SimWorld):
                 t_fail, lost = self._failed
                 self.recoveries.append(Recovery(t_fail, lost, t0))
                 self._failed = None
-            out = self._report(
-                steps,
-                names,
-                first,
-                sps,
-                b,
-                compute,
-                emu,
-                micro,
-                caps,
-                rule,
-                wait=(end - t0) - compute,
-            )
+            out = report(wait=(end - t0) - compute)
             if isgd is not None:
                 # ISGD, as on the workers: the batch loss rides in the gradient's all-reduce
                 # (its loss slot, beside the coverage: no cost of its own), and each extra
