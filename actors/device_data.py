@@ -77,18 +77,15 @@ def stage_dataset(x: torch.Tensor, y: torch.Tensor, device: torch.device,
 class BatchGather:
     """Micro-batches of the epoch's order, gathered from the training set where it lives
     (``where`` as returned by :func:`stage_dataset`) and delivered on ``device``. Staged:
-    through reused buffers, page-locked when ``pin`` (a CUDA device; tests run the same
-    path with ordinary memory)."""
+    through reused buffers, page-locked on a CUDA device (on the CPU, only tests stage)."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, device: torch.device, where: str,
-                 pin: bool | None = None):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, device: torch.device, where: str):
         self.x, self.y, self.device, self.where = x, y, device, where
         self._cuda = device.type == "cuda"
-        self.pin = self._cuda if pin is None else pin
         self._order: torch.Tensor | None = None
         self._key: object = None
         # Staged: two buffers in turn, so a gather never overwrites the batch before it.
-        self.pool = StagingPool(x, y, self.pin, keep=2)
+        self.pool = StagingPool(x, y, self._cuda, keep=2)
         self._held: _Buffer | None = None
 
     def set_order(self, key: object, order: np.ndarray) -> None:

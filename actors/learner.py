@@ -78,10 +78,8 @@ class Learner:
         self._clock = ComputeClock(spec.emulated)
         self.pushes = 0
 
-    def actor_id(self) -> str | None:
-        """This actor's Ray id: the job reads its stdout and stderr by it
-        (dynabatch.actors.output)."""
-        return own_actor_id()
+    # This actor's Ray id: the job reads its stdout and stderr by it (actors/output.py).
+    actor_id = staticmethod(own_actor_id)
 
     def run(self, server: Any, shards: Sequence[Any] = (), bounds: Bounds | None = None,
             call_timeout_s: float = 60.0) -> dict[str, Any]:

@@ -178,10 +178,8 @@ class ParamShard:
         self._grads: dict[int, np.ndarray] = {}
         self._ref: tuple[int, Any] | None = None
 
-    def actor_id(self) -> str | None:
-        """This actor's Ray id: the job reads its stdout and stderr by it
-        (dynabatch.actors.output)."""
-        return own_actor_id()
+    # This actor's Ray id: the job reads its stdout and stderr by it (actors/output.py).
+    actor_id = staticmethod(own_actor_id)
 
     def put(self, ticket: int, grad: np.ndarray) -> None:
         if grad.size != self.store.size:
@@ -251,10 +249,8 @@ class ParameterServer:
         self.started: float | None = None if start_learners else self._t0
         self.start_timeout_s = start_timeout_s
 
-    def actor_id(self) -> str | None:
-        """This actor's Ray id: the job reads its stdout and stderr by it
-        (dynabatch.actors.output)."""
-        return own_actor_id()
+    # This actor's Ray id: the job reads its stdout and stderr by it (actors/output.py).
+    actor_id = staticmethod(own_actor_id)
 
     # --- learners ---------------------------------------------------------------------
     async def _await(self, refs: list[Any]) -> list[Any]:

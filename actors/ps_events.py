@@ -22,11 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-
-class Store(Protocol):
-    def apply(self, grads: Sequence[tuple[Any, float]]) -> None: ...
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +49,7 @@ class CoreEventInterpreter:
     """``keep_staleness``: keep every applied gradient's τ per learner (the simulator's
     figures); the server keeps only the core's summaries."""
 
-    def __init__(self, store: Store, *, keep_staleness: bool = False):
+    def __init__(self, store: Any, *, keep_staleness: bool = False):
         self.store = store
         self.keep_staleness = keep_staleness
         self.staleness: dict[str, list[int]] = {}

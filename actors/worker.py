@@ -269,10 +269,8 @@ class Worker:
                 "gpu": gpu_key(node, self._gpu_ids) if self.device.type == "cuda" else None,
                 "startup": dict(self.startup)}
 
-    def actor_id(self) -> str | None:
-        """This actor's Ray id: the job reads its stdout and stderr by it
-        (dynabatch.actors.output)."""
-        return own_actor_id()
+    # This actor's Ray id: the job reads its stdout and stderr by it (actors/output.py).
+    actor_id = staticmethod(own_actor_id)
 
     def adopt(self, worker_id: str, ordinal: int, reservation: Any = None) -> dict[str, Any]:
         """A spare becomes worker ``worker_id``: only what depends on the identity is set
