@@ -84,18 +84,6 @@ class JobEntry:
     client: bool = False
 
 
-def ray_nodes() -> list[RayNode]:
-    return [
-        RayNode(
-            str(n.get("NodeID", "")),
-            {k: float(v) for k, v in (n.get("Resources") or {}).items()},
-            dict(n.get("Labels") or {}),
-            bool(n.get("Alive")),
-        )
-        for n in ray.nodes()
-    ]
-
-
 def admissible(spec: JobSpec, nodes: Sequence[RayNode]) -> str | None:
     """Why the scheduler cannot place this job, or None (a one-line reason naming the
     field)."""
@@ -111,7 +99,15 @@ class RayCalls:
     replace (:class:`ClusterScheduler`'s ``calls``)."""
 
     def nodes(self) -> list[RayNode]:
-        return ray_nodes()
+        return [
+            RayNode(
+                str(n.get("NodeID", "")),
+                {k: float(v) for k, v in (n.get("Resources") or {}).items()},
+                dict(n.get("Labels") or {}),
+                bool(n.get("Alive")),
+            )
+            for n in ray.nodes()
+        ]
 
     def find(self, job_id: str, generation: int) -> Any | None:
         return find_coordinator(job_id, generation)
@@ -275,8 +271,7 @@ class ClusterScheduler:
         with self._lock:
             commands = self._step(ResizeRequested(job_id, workers, self.clock()))
             entry = self._state.job(job_id)
-        self._raise_refusal(commands, "")
-        self._relay(self._execute(commands), f"scale to {workers}: ")
+        self._carry_out(commands, "", f"scale to {workers}: ")
         self._wake.set()
         if entry is not None and entry.waits:
             return f"{PLACES}; {entry.waits}"
@@ -294,10 +289,9 @@ class ClusterScheduler:
             # Its own min_workers (``workers`` alone is the gang it starts with, no floor).
             least = (e.spec.min_workers if e is not None else None) or 1
             commands = self._step(Drained(job_id, node, self.clock(), least))
-        self._raise_refusal(commands, "drain: ")
-        keeps = sum(c.workers for c in commands if isinstance(c, Reassign))
+        self._carry_out(commands, "drain: ", "drain: ")
         self._wake.set()  # the freed slot may start or grow another job
-        self._relay(self._execute(commands), "drain: ")
+        keeps = sum(c.workers for c in commands if isinstance(c, Reassign))
         return f"{PLACES}; its slot on node {node} is freed, and its max_workers is now {keeps}"
 
     def report(
@@ -339,17 +333,15 @@ class ClusterScheduler:
             del self._entries[job_id]
         return commands
 
-    @staticmethod
-    def _relay(refused: str | None, what: str) -> None:
-        """An owner's request the job itself refused (its ``assign`` raised) is refused."""
-        if refused is not None:
-            raise ValueError(f"{what}{PLACES}; the job refused it: {refused}")
-
-    @staticmethod
-    def _raise_refusal(commands: Iterable[Command], what: str) -> None:
+    def _carry_out(self, commands: Sequence[Command], refused: str, relayed: str) -> None:
+        """An owner's request: ``ValueError`` when the rounds refused it (``refused`` begins
+        the answer) or the job did (its ``assign`` raised: ``relayed``), else done."""
         for c in commands:
             if isinstance(c, RequestRefused):
-                raise ValueError(f"{what}{PLACES}; {c.why}")
+                raise ValueError(f"{refused}{PLACES}; {c.why}")
+        why = self._execute(commands)
+        if why is not None:
+            raise ValueError(f"{relayed}{PLACES}; the job refused it: {why}")
 
     def _entry(self, e: JobEntry, nodes: Sequence[RayNode], allocation: Slots = ()) -> Entry:
         lo, hi = job_bounds(e.spec)
