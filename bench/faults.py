@@ -142,7 +142,7 @@ def trial(cluster: Cluster, kind: str, i: int, rng: random.Random) -> dict[str, 
     elif kind == "hung_worker":
         wait_until(lambda: at(1, 4), 120)
         fault_at = time.monotonic()
-        ray.get(coord.runtime.handle(victim()).__ray_call__.remote(stall, 1000.0), timeout=30)
+        ray.get(coord.runtime._handles[victim()].__ray_call__.remote(stall, 1000.0), timeout=30)
     elif kind == "random":
         epoch, step = rng.randrange(EPOCHS), rng.randrange(SPE)
         note = f"drawn: epoch {epoch} step {step}"

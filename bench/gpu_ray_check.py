@@ -530,7 +530,7 @@ def _placed(lab: Lab, worker_gpus: Any, workers: int, cfg: dict[str, Any]) -> di
     while len(started) < workers and time.monotonic() < deadline:
         started += rt.poll_started(1.0)
     errors = [s.error for s in started if getattr(s, "error", None)]
-    probes = {w: ray.get(rt.handle(w).__ray_call__.remote(_probe), timeout=60) for w in names}
+    probes = {w: ray.get(rt._handles[w].__ray_call__.remote(_probe), timeout=60) for w in names}
     backend = choose_backend(
         [rt._devices.get(w, "cpu") for w in names], [rt._gpus.get(w) for w in names]
     )

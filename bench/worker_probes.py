@@ -72,7 +72,7 @@ def fail_when_spawned(runtime: Any, ordinal: int, epoch: int, step: int) -> None
     def spawned(s: Any) -> None:
         spawn(s)
         if s.ordinal == ordinal:
-            runtime.handle(s.worker_id).__ray_call__.remote(fail_from, epoch, step)
+            runtime._handles[s.worker_id].__ray_call__.remote(fail_from, epoch, step)
 
     runtime.spawn = spawned
 

@@ -298,10 +298,6 @@ class RayRuntime:
                 out.append((node, f"not up after {limit:g}s"))
         return out
 
-    def handle(self, worker: str) -> Any:
-        """The worker's actor handle."""
-        return self._handles[worker]
-
     # --- training ---------------------------------------------------------------------
     def submit_segment(self, plans: dict[str, Any]) -> tuple[dict[Any, str], list[str]]:
         # An actor runs its calls in order: a segment sent while another runs starts on

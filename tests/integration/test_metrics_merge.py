@@ -59,7 +59,7 @@ def test_metrics_merged_over_unequal_shards_survive_a_node_lost_mid_evaluation(c
         victim = max(shards, key=lambda w: shards[w][1] - shards[w][0])
         # An actor runs its calls in order: its shard waits behind this one (which ends with
         # the node, its process with its raylet; bounded all the same).
-        rt.handle(victim).__ray_call__.remote(lambda _self: __import__("time").sleep(300))
+        rt._handles[victim].__ray_call__.remote(lambda _self: __import__("time").sleep(300))
         ticket = submit(shards, *args, **kw)
         others = [ref for ref, w in ticket.items() if w != victim]
         done, _ = ray.wait(others, num_returns=len(others), timeout=120)
