@@ -436,7 +436,7 @@ class Lineages:
         for w in members:
             self._lineages[w] = list(src)
 
-    def eval_sums(self, worker: str, lo: int, hi: int) -> dict[str, float]:
+    def eval_sums(self, worker: str, lo: int, hi: int, split: str = "test") -> dict[str, float]:
         lineage = self.lineage(worker)
         self.scored.append((worker, tuple(lineage)))
         n = float(hi - lo)
@@ -474,7 +474,8 @@ class TimedSimRuntime(SimRuntime):
     ``EVAL_SPEEDUP``, the shards side by side. (Each step's ``step_s`` is the simulator's
     own.)"""
 
-    def _evaluate(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
+    def _evaluate(self, shards: dict[str, tuple[int, int]], split: str = "test"
+                  ) -> list[ShardResult]:
         took = {
             w: (hi - lo) * self.workers[w].node.c_s / EVAL_SPEEDUP
             for w, (lo, hi) in shards.items()
@@ -482,7 +483,7 @@ class TimedSimRuntime(SimRuntime):
         }
         out = [
             ShardResult(r.worker, r.sums, took.get(r.worker, 0.0), r.error, r.lost)
-            for r in super()._evaluate(shards)
+            for r in super()._evaluate(shards, split)
         ]
         self.clock.sleep(max(took.values(), default=0.0))
         return out

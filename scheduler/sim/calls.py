@@ -45,16 +45,10 @@ class CallQueue:
         self.pending.append(call)
         return call
 
-    def run_through(self, call: Call, grace_s: float) -> None:
-        """Run every call sent before ``call``, in order, then ``call`` (if not run yet)."""
-        while call in self.pending:
-            item = self.pending.pop(0)
-            if not item.ran:
-                self._run(item, grace_s)
-
-    def run_all(self, grace_s: float) -> None:
-        """Run every call sent, in order."""
-        while self.pending:
+    def run_through(self, call: Call | None, grace_s: float) -> None:
+        """Run every call sent before ``call``, in order, then ``call`` (if not run yet);
+        None: every call sent."""
+        while self.pending and (call is None or call in self.pending):
             item = self.pending.pop(0)
             if not item.ran:
                 self._run(item, grace_s)

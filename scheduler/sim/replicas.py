@@ -54,9 +54,10 @@ class Replicas(Protocol):
         """A regroup: every member takes ``state``, or with None the first member's (rank
         0's broadcast)."""
 
-    def eval_sums(self, worker: str, lo: int, hi: int) -> dict[str, float]:
-        """``worker``'s weights scored on the held-out samples ``[lo, hi)``: the sums
-        :meth:`finish` combines."""
+    def eval_sums(self, worker: str, lo: int, hi: int, *, split: str = "test"
+                  ) -> dict[str, float]:
+        """``worker``'s weights scored on the held-out ``split``'s samples ``[lo, hi)``: the
+        sums :meth:`finish` combines."""
 
     def finish(self, sums: dict[str, float]) -> dict[str, float]:
         """The scores from every shard's summed sums."""

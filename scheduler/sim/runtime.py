@@ -63,8 +63,7 @@ class SimRuntime(SimTraining):
 
     def _run_call(self, call: Call, grace_s: float) -> None:
         if call.shards is not None:
-            call.results = (self._evaluate(call.shards) if call.split == "test"
-                            else self._evaluate(call.shards, call.split))
+            call.results = self._evaluate(call.shards, call.split)
             return
         plans = call.plans
         self.record.segments += 1
@@ -87,7 +86,7 @@ class SimRuntime(SimTraining):
         lost = [w for w in call.plans
                 if self.faults.result_lost(self.ordinals[w], seg.epoch, seg.steps[-1].step)]
         if lost:
-            self._calls.run_all(grace_s)
+            self._calls.run_through(None, grace_s)
             call.outcomes = [WorkerOutcome(o.worker, lost=LOST) if o.worker in lost else o
                              for o in call.outcomes]
 
@@ -162,9 +161,7 @@ class SimRuntime(SimTraining):
                 # No model in timing-only mode: the record says so (no loss, no accuracy).
                 out.append(ShardResult(w, {"n": float(hi - lo)}, seconds=took[w]))
             else:
-                # The test split by the replicas' plain call (every Replicas has one).
-                sums = (self.gradients.eval_sums(w, lo, hi) if split == "test"
-                        else self.gradients.eval_sums(w, lo, hi, split=split))
+                sums = self.gradients.eval_sums(w, lo, hi, split=split)
                 out.append(ShardResult(w, sums, seconds=took[w]))
         return out
 

@@ -226,10 +226,11 @@ class _StopsEvaluating(SimRuntime):
     test: its 100th evaluation raises, and the driver turns the raise into an internal
     error."""
 
-    def _evaluate(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
+    def _evaluate(self, shards: dict[str, tuple[int, int]], split: str = "test"
+                  ) -> list[ShardResult]:
         if self.record.evaluations >= 100:
             raise RuntimeError("evaluated 100 times")
-        return super()._evaluate(shards)
+        return super()._evaluate(shards, split)
 
 
 @pytest.mark.parametrize("checkpoints", [False, True], ids=["plain", "checkpointed"])
@@ -376,8 +377,9 @@ class _UserErrorInEvaluation(SimRuntime):
     """w1's shard raises a user error (a token id beyond the vocabulary, seen only in the
     held-out set) every time it is scored."""
 
-    def _evaluate(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
-        out = super()._evaluate(shards)
+    def _evaluate(self, shards: dict[str, tuple[int, int]], split: str = "test"
+                  ) -> list[ShardResult]:
+        out = super()._evaluate(shards, split)
         return [ShardResult(r.worker, seconds=r.seconds, user=True,
                             error="TokenIdError: model.options.config.vocab_size: token id 60 "
                                   "in the batch's input_ids is at or above the model's "

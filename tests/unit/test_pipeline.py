@@ -163,9 +163,10 @@ class _Scoring(SimRuntime):
         super().__init__(*args, **kw)
         self.evaluated: list[dict[str, tuple[tuple[int, int], ...]]] = []
 
-    def _evaluate(self, shards: dict[str, tuple[int, int]]) -> list[ShardResult]:
+    def _evaluate(self, shards: dict[str, tuple[int, int]], split: str = "test"
+                  ) -> list[ShardResult]:
         before = len(self.gradients.scored)
-        out = super()._evaluate(shards)
+        out = super()._evaluate(shards, split)
         self.evaluated.append(dict(self.gradients.scored[before:]))
         return out
 
