@@ -1,22 +1,18 @@
 """``JobService``: submit, list, inspect, cancel, scale, drain and resume jobs; keep the store
-in step with Ray. What ``api/``, the CLI and the tests call.
+in step with Ray (:mod:`~dynabatch.service.reconciler`). What ``api/``, the CLI and the tests
+call.
 
 Each command checks what it is asked against the job's stored state, calls the job's
-coordinator (or the cluster scheduler, when it is on) and records the outcome through the
-registry (:mod:`~dynabatch.service.registry`), holding the reconciler's lock so that no sync
-of the job interleaves (:mod:`~dynabatch.service.reconciler`: the sync loop, the re-attach on
-start and the recovery of a lost coordinator). ``submit`` refuses
-(:class:`~dynabatch.service.submit_policy.SpecNotAllowed`, 422, nothing stored) a spec that
-names user code or paths that ``submit_policy`` does not allow, and a resume checks the
-stored spec again (:func:`~dynabatch.service.launch_checks.relaunch_refusal`).
+coordinator (or the cluster scheduler, when it is on) and records the outcome in the store,
+holding the reconciler's lock so that no sync of the job interleaves. ``submit`` refuses
+(:class:`~dynabatch.service.submit_policy.SpecNotAllowed`, 422, nothing stored) a spec naming
+user code or paths that ``submit_policy`` does not allow; a resume checks the stored spec
+again (:func:`~dynabatch.service.launch_checks.relaunch_refusal`).
 
 Every view of the jobs is read from the store, never from Ray; a live job that the cluster
-scheduler's last round queues is shown with the queue's reason. /metrics reads go through a
-cache kept for one sync interval at most, dropped at each write of the registry.
-
-Every Ray call goes through the cluster client, so routes and this service run against
-``tests.fakes.FakeCluster`` as well as the real
-:class:`dynabatch.service.ray_client.RayClusterClient`.
+scheduler's last round queues is shown with the queue's reason. Routes and this service run
+against ``tests.fakes.FakeCluster`` as well as the real
+:class:`~dynabatch.service.ray_client.RayClusterClient`.
 """
 
 from __future__ import annotations
@@ -44,7 +40,6 @@ from dynabatch.service.launch_checks import (
 )
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.reconciler import EMBEDDED_ENDED, Reconciler, SchedulerLink
-from dynabatch.service.registry import JobRegistry
 from dynabatch.service.scheduling import RayScheduling, Refused
 from dynabatch.service.service_errors import (
     AlreadyFinished,
@@ -58,7 +53,7 @@ from dynabatch.service.service_errors import (
     WorkerNotFound,
     finished_message,
 )
-from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
+from dynabatch.service.store import QUEUED, STARTING, JobRecord, JobStore
 from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
 
 __all__ = ["EMBEDDED_ENDED", "JOB_ID_PATTERN", "WORKER_ID_PATTERN", "JobService", "MetricState"]
@@ -75,6 +70,7 @@ class MetricState:
     """One read of the job state /metrics exports (:meth:`JobService.metric_state`)."""
 
     read_at: float
+    version: int  # the store's, when read: a write since makes it stale
     snapshots: list[JobSnapshot]
     last_records: dict[str, EpochRecord]
     job_counts: dict[JobState, int]
@@ -125,22 +121,16 @@ class JobService:
         self.metrics_ttl_s = min(sync_interval_s, 1.0)  # how long one metrics read serves
         self._metric_lock = threading.Lock()
         self._metric_cache: MetricState | None = None
-        self.registry = JobRegistry(
-            store, cluster_name=self._cluster_name, clock=clock, on_change=self.changed
-        )
         self.reconciler = Reconciler(
-            self.registry,
+            store,
             cluster,
             self.link,
+            clock=clock,
             sync_interval_s=sync_interval_s,
             release_finished=release_finished,
             auto_resume_limit=auto_resume_limit,
             submit_policy=self.submit_policy,
         )
-
-    def _cluster_name(self) -> str:
-        """Where this service starts coordinators, as stored with each job."""
-        return EMBEDDED_CLUSTER if self.cluster.embedded else self.cluster.address
 
     # Lifecycle and sync (the reconciler) ------------------------------------------------
     def start(self) -> None:
@@ -188,21 +178,25 @@ class JobService:
                 raise InvalidRequest(why.split(" ", 1)[0], why)
         job_id = uuid.uuid4().hex[:12]
         with self.reconciler.launching(job_id):
-            rec = self.registry.create(job_id, spec, queued=self.link is not None)
+            rec = self.store.create(
+                job_id, spec, cluster=self.reconciler.cluster_name(), now=self.clock(),
+                reason=STARTING if self.link is None else QUEUED,
+            )
             try:
                 if self.link is not None:
                     self.link.register(rec)  # queued: started on the nodes it is granted
                 else:
                     self.cluster.launch(job_id, spec)
             except Refused as err:  # the cluster changed since the check above
-                return self.registry.fail(job_id, f"refused by the cluster scheduler: {err}") or rec
+                why = f"refused by the cluster scheduler: {err}"
+                return self.reconciler.fail(job_id, why) or rec
             except ClusterUnavailable as err:
-                self.registry.fail(
+                self.reconciler.fail(
                     job_id, f"could not start the job's coordinator: {first_line(err, typed=False)}"
                 )
                 raise
             except RayCallError as err:
-                failed = self.registry.fail(
+                failed = self.reconciler.fail(
                     job_id, f"could not start the job's coordinator: {first_line(err, typed=False)}"
                 )
                 return failed or rec
@@ -251,7 +245,7 @@ class JobService:
             except CoordinatorGone:
                 if self.link is not None:  # queued (as of a stale answer): it leaves now
                     self.link.finished(job_id)
-                return self.registry.cancelled(job_id, reason)
+                return self.store.transition(job_id, JobState.CANCELLED, reason, now=self.clock())
             except InvalidTransition:
                 # It finished between our read and the coordinator's; report what it is.
                 done = self.reconciler.sync_job(job_id) or rec
@@ -305,14 +299,14 @@ class JobService:
                     rec, lambda: self.cluster.scale(job_id, workers), "scaled")
             except CoordinatorGone as err:
                 # The size holds for the coordinator that resumes the job (if it can be).
-                self.registry.set_target_workers(job_id, workers)
+                self.store.set_target_workers(job_id, workers)
                 done = self.reconciler.coordinator_lost(rec, Reconciler.died(err))
                 if done is None or done.state.is_terminal:
                     raise JobFinished(
                         done.state if done else JobState.FAILED, job_id, "scaled"
                     ) from None
                 return done
-            self.registry.set_target_workers(job_id, workers)
+            self.store.set_target_workers(job_id, workers)
             log.info("job %s: scale to %d workers requested", job_id, workers)
             return self.reconciler.sync_job(job_id, snapshot=snap) or rec
 
@@ -340,9 +334,9 @@ class JobService:
             answer = self.scheduling.request_scale(rec.id, workers)
         except Refused as err:
             raise JobConflict(str(err)) from None
-        self.registry.set_target_workers(rec.id, workers)
+        self.store.set_target_workers(rec.id, workers)
         log.info("job %s: %s", rec.id, answer)
-        return self.registry.get(rec.id) or rec
+        return self.store.get(rec.id) or rec
 
     def _scheduled_drain(self, rec: JobRecord, worker: str) -> JobRecord:
         """With the cluster scheduler on, a drain is a request to it: the job gives up the
@@ -378,7 +372,7 @@ class JobService:
             answer = self.scheduling.request_drain(rec.id, member.node)
         except Refused as err:
             raise JobConflict(str(err)) from None
-        self.registry.set_target_workers(rec.id, staying - 1)
+        self.store.set_target_workers(rec.id, staying - 1)
         log.info("job %s: drain of %s: %s", rec.id, worker, answer)
         return self.reconciler.sync_job(rec.id, snapshot=snap) or rec
 
@@ -409,7 +403,7 @@ class JobService:
             others = sum(1 for w in snap.workers if w.worker != worker)
             if rec.target_workers is not None:
                 others = min(others, rec.target_workers - 1)
-            self.registry.set_target_workers(job_id, max(1, others))
+            self.store.set_target_workers(job_id, max(1, others))
             log.info("job %s: drain of %s requested", job_id, worker)
             return self.reconciler.sync_job(job_id, snapshot=snap) or rec
 
@@ -509,10 +503,6 @@ class JobService:
         return [n.model_copy(update={"jobs": list(hosted[n.node_id].values())}) for n in nodes]
 
     # Metrics ----------------------------------------------------------------------------
-    def changed(self) -> None:
-        """The store changed: the next /metrics read reads it again."""
-        self._metric_cache = None
-
     def metric_snapshots(self) -> list[JobSnapshot]:
         """Live jobs and those that finished within the retention window, oldest first."""
         recs = self.store.live() + self.store.finished_since(
@@ -527,12 +517,14 @@ class JobService:
         under load share one read instead of each queueing on the store."""
         now = time.monotonic()
         with self._metric_lock:
-            cached = self._metric_cache
-            if cached is not None and now - cached.read_at < self.metrics_ttl_s:
+            cached = self.kept_metric_state()
+            if cached is not None:
                 return cached
+            version = self.store.version  # before the read: a write during it is news
             snaps = self.metric_snapshots()
             state = MetricState(
                 read_at=now,
+                version=version,
                 snapshots=snaps,
                 last_records=self.store.last_records(s.job_id for s in snaps),
                 job_counts=self.store.count_by_state(),
@@ -544,6 +536,7 @@ class JobService:
         """The state :meth:`metric_state` would return without reading the store, or None
         when it would read it. No I/O, no lock."""
         cached = self._metric_cache
-        if cached is not None and time.monotonic() - cached.read_at < self.metrics_ttl_s:
+        if (cached is not None and cached.version == self.store.version
+                and time.monotonic() - cached.read_at < self.metrics_ttl_s):
             return cached
         return None

@@ -1,30 +1,29 @@
 """The reconciler: the sync loop that keeps the store in step with Ray (each live job's
-snapshot, new epochs and log lines, through the registry; a finished job's coordinator
-released), the re-attach of jobs an earlier API process left live, and the recovery of a
-lost coordinator: the pure crash-loop policy
-(:func:`dynabatch.scheduler.core.recovery.decide_lost`) decides, this executes it. A resume
+snapshot, new epochs and log lines; a finished job's coordinator released), the re-attach of
+jobs an earlier API process left live, and the recovery of a lost coordinator, as the pure
+crash-loop policy (:func:`dynabatch.scheduler.core.recovery.decide_lost`) decides. A resume
 starts the job's next generation, a coordinator named by the store's count of resumes, so it
-never waits for Ray to free a dead one's name. With the cluster scheduler on, a job has no
-coordinator to poll until the scheduler starts it on the nodes it grants.
+never waits for Ray to free a dead one's name. Every state move is checked against the
+lifecycle by the store's writes, which refuse one it does not allow.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from dynabatch.actors.errors import first_line
+from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.core.recovery import Action, LostCoordinator, decide_lost
-from dynabatch.scheduler.telemetry import JobSnapshot
+from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from dynabatch.service.artifacts import keep_model, models_dir
 from dynabatch.service.launch_checks import checkpoint_exists, launch_spec, relaunch_refusal
 from dynabatch.service.ray_client import RayClusterClient
-from dynabatch.service.registry import JobRegistry
 from dynabatch.service.scheduling import RayScheduling, Refused
 from dynabatch.service.service_errors import ClusterUnavailable, CoordinatorGone, RayCallError
-from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord
+from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
 from dynabatch.service.submit_policy import SubmitPolicy
 
 log = logging.getLogger("dynabatch.service")
@@ -95,17 +94,19 @@ class Reconciler:
 
     def __init__(
         self,
-        registry: JobRegistry,
+        store: JobStore,
         cluster: RayClusterClient,
         link: SchedulerLink | None,
         *,
+        clock: Callable[[], float],
         sync_interval_s: float,
         release_finished: bool,
         auto_resume_limit: int,
         submit_policy: SubmitPolicy,
     ):
-        self.registry = registry
+        self.store = store
         self.cluster = cluster
+        self.clock = clock
         self.link = link  # the cluster scheduler's; None when it is off
         self.sync_interval_s = sync_interval_s
         self.release_finished = release_finished
@@ -161,21 +162,22 @@ class Reconciler:
         """Record the end of the embedded Ray in every live job: those with a checkpoint
         stay live (PENDING) to be resumed when the API starts again, the others FAIL.
         Store writes only: safe when Ray is gone, and from another thread."""
-        for rec in self.registry.live():
+        for rec in self.store.live():
             if self.auto_resume_limit > 0 and checkpoint_exists(rec):
-                self.registry.interrupt(
+                self.store.interrupt(
                     rec.id,
                     f"{EMBEDDED_ENDED}; the job resumes from its checkpoint when the "
                     "API starts again",
+                    now=self.clock(),
                 )
             else:
-                self.registry.fail(rec.id, EMBEDDED_ENDED)
+                self.fail(rec.id, EMBEDDED_ENDED)
 
     def reattach(self) -> list[str]:
         """Find the coordinators of jobs the store says are live; returns the ids found.
         A job whose coordinator is gone is recovered by :meth:`coordinator_lost`."""
         found = []
-        live = self.registry.live()  # one read: see sync_once
+        live = self.store.live()  # one read: see sync_once
         queued = self._queued(live)
         for rec in live:
             if rec.id in queued:
@@ -183,7 +185,7 @@ class Reconciler:
             if rec.cluster == EMBEDDED_CLUSTER or self.cluster.embedded:
                 if rec.cluster != EMBEDDED_CLUSTER:
                     # Its own cluster may still be running it: never start a second copy.
-                    self.registry.fail(
+                    self.fail(
                         rec.id,
                         f"the API restarted with an embedded Ray; the job's cluster "
                         f"({rec.cluster}) is no longer attached",
@@ -236,7 +238,7 @@ class Reconciler:
         (queued: no coordinator to poll) and which are polled: a job submitted after it is
         left to the next tick. (Two reads failed a job submitted between them for having
         no coordinator: it was in neither the queued set nor the launching one.)"""
-        live = self.registry.live()
+        live = self.store.live()
         queued = self._queued(live)
         for rec in live:
             if self._stop.is_set() and self._thread is not None:
@@ -259,12 +261,16 @@ class Reconciler:
     def sync_job(self, job_id: str, snapshot: JobSnapshot | None = None) -> JobRecord | None:
         """Bring one job's stored state, history and logs up to date with its coordinator."""
         with self.lock:
-            rec = self.registry.get(job_id)
+            rec = self.store.get(job_id)
             if rec is None or rec.state.is_terminal:
                 return rec
             try:
                 snap = snapshot if snapshot is not None else self.cluster.snapshot(job_id)
-                last_epoch, since = self.registry.log_cursor(rec)
+                # A resumed job's history is read whole (``resync``); its coordinator numbers
+                # its log lines from 0, stored after the earlier ones' by ``log_offset``.
+                last_epoch = None if rec.resync else self.store.last_epoch(job_id)
+                last_seq = self.store.last_log_seq(job_id)
+                since = 0 if last_seq is None else max(0, last_seq + 1 - rec.log_offset)
                 records = self.cluster.history(job_id, 0 if last_epoch is None else last_epoch + 1)
                 lines = self.cluster.logs(job_id, since)
             except CoordinatorGone as err:
@@ -274,17 +280,52 @@ class Reconciler:
             except RayCallError as err:
                 log.warning("job %s: sync failed (%s)", job_id, first_line(err, typed=False))
                 return rec
-            done = self.registry.record_sync(rec, snap, records, lines)
+            done = self._record_sync(rec, snap, records, lines)
             if snap.state.is_terminal and self.link is not None:
                 self.link.finished(job_id)
             if snap.state.is_terminal and self.release_finished:
                 # The coordinator may hold the only copy of the trained model.
-                keep_model(self.cluster, job_id, models_dir(self.registry.store.path))
+                keep_model(self.cluster, job_id, models_dir(self.store.path))
                 try:
                     self.cluster.release(job_id)
                 except RayCallError as err:
                     log.warning("job %s: cannot release coordinator (%s)", job_id, err)
             return done
+
+    def _record_sync(
+        self,
+        rec: JobRecord,
+        snapshot: JobSnapshot,
+        records: Sequence[EpochRecord],
+        lines: Sequence[LogLine],
+    ) -> JobRecord | None:
+        """Store what one poll of ``rec``'s coordinator read. A resumed job that finished an
+        epoch is not crash-looping: its count of automatic resumes goes back to 0."""
+        if rec.resync:
+            self.store.replace_history(rec.id, records)
+        else:
+            self.store.add_history(rec.id, records)
+            if records and rec.auto_resumes:
+                self.store.reset_auto_resumes(rec.id)
+        if rec.log_offset:
+            lines = [x.model_copy(update={"seq": x.seq + rec.log_offset}) for x in lines]
+        self.store.add_logs(rec.id, lines)
+        self.store.save_snapshot(snapshot, now=self.clock())
+        return self.store.get(rec.id)
+
+    def cluster_name(self) -> str:
+        """Where this service starts coordinators, as stored with each job."""
+        return EMBEDDED_CLUSTER if self.cluster.embedded else self.cluster.address
+
+    def fail(self, job_id: str, reason: str) -> JobRecord | None:
+        """The job FAILED with ``reason``; one that already finished is left as it is (and
+        returned as stored)."""
+        try:
+            rec = self.store.transition(job_id, JobState.FAILED, reason, now=self.clock())
+        except (KeyError, InvalidTransition):
+            return self.store.get(job_id)
+        log.warning("job %s: FAILED (%s)", job_id, reason)
+        return rec
 
     @staticmethod
     def died(err: Exception) -> str:
@@ -308,20 +349,22 @@ class Reconciler:
         if decision.action is Action.NONE:
             return rec
         if decision.action is Action.FAIL:
-            failed = self.registry.fail(rec.id, decision.reason)
+            failed = self.fail(rec.id, decision.reason)
             if self.link is not None:  # it leaves the scheduler's queue and views now
                 self.link.finished(rec.id)
             return failed
         try:
             return self.relaunch(rec, decision.reason, automatic=True)
         except (RayCallError, Refused):
-            return self.registry.get(rec.id)  # relaunch recorded the failure
+            return self.store.get(rec.id)  # relaunch recorded the failure
 
     def relaunch(self, rec: JobRecord, reason: str, automatic: bool) -> JobRecord:
         """Start a new coordinator for ``rec``, the job's next generation, which picks up
         the checkpoint. A launch that fails leaves the job FAILED and re-raises the
         RayCallError, or the cluster scheduler's :class:`Refused` with its reason."""
-        rec = self.registry.resumed(rec.id, reason, automatic=automatic)
+        rec = self.store.mark_resumed(
+            rec.id, reason, automatic=automatic, cluster=self.cluster_name(), now=self.clock()
+        )
         log.warning("job %s: %s", rec.id, reason)
         with self.launching(rec.id):
             try:
@@ -330,10 +373,10 @@ class Reconciler:
                 else:
                     self.cluster.launch(rec.id, launch_spec(rec), rec.resumes)
             except Refused as err:
-                self.registry.fail(rec.id, f"{reason}; not resumed: {err}")
+                self.fail(rec.id, f"{reason}; not resumed: {err}")
                 raise
             except RayCallError as err:
-                self.registry.fail(
+                self.fail(
                     rec.id,
                     f"{reason}; could not start a new coordinator: {first_line(err, typed=False)}",
                 )

@@ -191,6 +191,7 @@ class JobStore:
         self._row_versions: dict[str, int] = {}
         self._history_versions: dict[str, int] = {}
         self._rows_version = 0
+        self._version = 0
         self._records: OrderedDict[str, JobRecord] = OrderedDict()
         with self._lock:
             if self.path != ":memory:":
@@ -221,7 +222,7 @@ class JobStore:
                 raise
             self._db.execute("COMMIT")
             if job_id is not None:
-                version = next(self._clock)
+                version = self._version = next(self._clock)
                 if row:
                     self._row_versions[job_id] = version
                     self._rows_version = version
@@ -243,6 +244,11 @@ class JobStore:
     def history_version(self, job_id: str) -> int:
         """Changes whenever the job's epoch records are written."""
         return self._history_versions.get(job_id, 0)
+
+    @property
+    def version(self) -> int:
+        """Changes whenever any job's row or epoch records are written."""
+        return self._version
 
     @property
     def rows_version(self) -> int:
