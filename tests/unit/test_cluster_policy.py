@@ -376,7 +376,6 @@ def test_resizes_stick_to_the_nodes_a_job_holds():
         (lambda: ClusterJob("a", 3, 2, M({})), "job a: max_workers 2 is below min_workers 3"),
         (lambda: ClusterNode("n", "cpu", -1), "node n: capacity -1 is below 0"),
         (lambda: M({"cpu": -1.0}), "rate of node type 'cpu': -1.0 is not >= 0"),
-        (lambda: decide([ClusterNode("n", "cpu", 1)] * 2, [], 0.0), "node_id 'n' appears twice"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_field(make, message):
