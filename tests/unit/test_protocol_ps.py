@@ -27,7 +27,7 @@ def _run(core: PSCore, data, workers: list[str], faults: bool, max_events: int =
     for _ in range(max_events):
         if core.finished:
             break
-        members = sorted(core.members)
+        members = sorted(core.protocol.members)
         choice = data.draw(st.integers(0, 9))
         if faults and choice == 0 and len(members) > 1:
             w = data.draw(st.sampled_from(members))

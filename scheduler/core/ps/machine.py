@@ -144,10 +144,6 @@ class PSCore:
         return None
 
     # --- membership -------------------------------------------------------------------
-    @property
-    def members(self) -> frozenset[str]:
-        return self.protocol.members
-
     def join(self, worker: str) -> None:
         self.protocol.join(worker)
 

@@ -175,10 +175,6 @@ class PSProtocol:
     def members(self) -> frozenset[str]:
         return frozenset(self._members)
 
-    @property
-    def gradients_per_update(self) -> int:
-        return self.config.gradients_per_update(len(self._members))
-
     def join(self, worker: str) -> None:
         if worker in self._members:
             raise ValueError(f"{worker} is already a member")
@@ -235,7 +231,7 @@ class PSProtocol:
     def _drain(self) -> list[PushOutcome]:
         out: list[PushOutcome] = []
         while True:
-            c = self.gradients_per_update
+            c = self.config.gradients_per_update(len(self._members))
             if len(self._queue) < c:
                 return out
             if self.config.mode == "hardsync" and self._inflight:
