@@ -444,13 +444,11 @@ def capacity_for(state: RoundState, entry: Entry) -> int:
     )
 
 
-def _free(state: RoundState, but: str) -> dict[str, int]:
-    """Slots per node that no job other than ``but`` holds."""
+def _free(state: RoundState) -> dict[str, int]:
+    """Slots per node that no job holds."""
     free = {n.node_id: n.capacity for n in state.nodes}
     nodes = {n.node_id: n for n in state.nodes}
     for j in state.jobs:
-        if j.job_id == but:
-            continue
         for node_id, k in j.allocation:
             if node_id in free:
                 free[node_id] -= k * j.size_on(nodes[node_id])
@@ -517,11 +515,7 @@ def _shrunk(allocation: Slots, n: int) -> Slots:
 def _grown(state: RoundState, entry: Entry, n: int) -> Slots:
     """``entry``'s allocation grown toward ``n`` workers in the free slots of its node
     types: its own nodes first, then the nodes with most room (ties by node id)."""
-    free = _free(state, entry.job_id)
-    for node_id, k in entry.allocation:
-        node = next((x for x in state.nodes if x.node_id == node_id), None)
-        if node is not None:
-            free[node_id] -= k * entry.size_on(node)
+    free = _free(state)
     held = dict(entry.allocation)
     want = n - entry.workers
     nodes = [x for x in state.nodes if entry.eligible is None or x.node_type in entry.eligible]
