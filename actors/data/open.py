@@ -99,13 +99,14 @@ def _base(spec: DatasetSpec, path: str, extra: dict[str, Any]) -> Source:
 
 
 def open_source(spec: DatasetSpec, seed: int, split: str,
-                extra: dict[str, Any] | None = None) -> Source:
+                extra: dict[str, Any] | None = None, result: Any = None) -> Source:
     """One split (train, validation, test) of a file-backed or map-style dataset
-    (``dataset.limit`` applied to train, before a validation fraction is held out of it)."""
+    (``dataset.limit`` applied to train, before a validation fraction is held out of it).
+    ``result``: what the map-style loader returned, when it was called already."""
     fraction = spec.validation_fraction
     if split == "test" or (split == "validation" and fraction is None):
-        return _open_split(spec, seed, split, extra or {})
-    train = _limited(_open_split(spec, seed, "train", extra or {}), spec)
+        return _open_split(spec, seed, split, extra or {}, result)
+    train = _limited(_open_split(spec, seed, "train", extra or {}, result), spec)
     if fraction is None:
         return train
     keep, held = holdout_ids(len(train), fraction, seed)
@@ -126,7 +127,8 @@ def _validation_path(spec: DatasetSpec, fs: Any, root: str) -> str:
     return spec.path.rstrip("/") + "/" + name
 
 
-def _open_split(spec: DatasetSpec, seed: int, split: str, extra: dict[str, Any]) -> Source:
+def _open_split(spec: DatasetSpec, seed: int, split: str, extra: dict[str, Any],
+                result: Any = None) -> Source:
     if spec.name in FILE_KINDS:
         from dynabatch.actors.data.fs import child, open_fs
 
@@ -150,8 +152,9 @@ def _open_split(spec: DatasetSpec, seed: int, split: str, extra: dict[str, Any])
     from dynabatch.actors.data.mapstyle import open_map
     from dynabatch.actors.workloads.imports import call_user, resolve_callable
 
-    fn = resolve_callable(spec.name, "dataset.name")
-    result = call_user(fn, spec.name, "dataset.name", **spec.options)
+    if result is None:
+        fn = resolve_callable(spec.name, "dataset.name")
+        result = call_user(fn, spec.name, "dataset.name", **spec.options)
     if split == "validation":
         return named_split(result, spec, open_map(result, spec.name, "train", seed,
                                                   spec.test_fraction, spec.num_classes,
@@ -224,16 +227,6 @@ def from_arrays(ds: Any, spec: DatasetSpec | None = None, seed: int = 0) -> Open
                   validation_arrays=val)
 
 
-def _with_validation(opened: Opened, spec: DatasetSpec, seed: int,
-                     extra: dict[str, Any] | None = None) -> Opened:
-    """File-backed or map-style ``opened`` with dataset.validation's split, if any."""
-    if spec.validation is None:
-        return opened
-    opened.validation = open_source(spec, seed, "validation", extra)
-    opened.validation_ref = DataRef(spec, seed, "validation", dict(extra or {}))
-    return opened
-
-
 def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
     """The job's data: arrays for in-memory datasets, sources and refs for the others."""
     from dynabatch.actors.workloads.datasets import BUILTIN_DATASETS, load_dataset, user_arrays
@@ -241,47 +234,41 @@ def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
     if spec.collate is not None and spec.name in (*BUILTIN_DATASETS, "npy", "imagefolder"):
         raise DataError(f"dataset.collate: {spec.name} samples are not collated; only a "
                         "map-style dataset's and Parquet rows are")
+    if spec.name in BUILTIN_DATASETS:
+        return from_arrays(load_dataset(spec, seed), spec, seed)
+    result, extra = None, {}
     if spec.name in FILE_KINDS:
         train = open_source(spec, seed, "train")
         base = train
         while isinstance(base, Subset | Range):
             base = base.base
-        extra = {"classes": base.classes} if spec.name == "imagefolder" else {}
-        test = open_source(spec, seed, "test", extra)
-        refs = (DataRef(spec, seed, "train", extra), DataRef(spec, seed, "test", extra))
-        return _with_validation(Opened(spec.name, train.meta, train, test, refs=refs), spec,
-                                seed, extra)
-    if spec.name in BUILTIN_DATASETS:
-        return from_arrays(load_dataset(spec, seed), spec, seed)
-    from dynabatch.actors.data.mapstyle import open_map, split_result
-    from dynabatch.actors.workloads.imports import (
-        call_user,
-        check_user_options,
-        resolve_callable,
-    )
+        if spec.name == "imagefolder":  # the test split's classes are the training set's
+            extra = {"classes": base.classes}
+    else:
+        from dynabatch.actors.data.mapstyle import split_result
+        from dynabatch.actors.workloads.imports import (
+            call_user,
+            check_user_options,
+            resolve_callable,
+        )
 
-    fn = resolve_callable(spec.name, "dataset.name")
-    check_user_options(fn, spec.name, "dataset.options", spec.options)
-    result = call_user(fn, spec.name, "dataset.name", **spec.options)
-    if split_result(result) is None:
-        if spec.collate is not None:
-            raise DataError(f"dataset.collate: {spec.name!r} returned arrays, not a map-style "
-                            "dataset (len and __getitem__): there are no samples to collate")
-        return from_arrays(user_arrays(spec, result, seed), spec, seed)
-    whole = _limited(open_map(result, spec.name, "train", seed, spec.test_fraction,
-                              spec.num_classes, spec.targets, spec.collate), spec)
-    train, validation = whole, None
-    if spec.validation_fraction is not None:
-        keep, held = holdout_ids(len(whole), spec.validation_fraction, seed)
-        train, validation = Subset(whole, keep), Subset(whole, held)
-    elif spec.validation is not None:
-        validation = named_split(result, spec, whole.meta)
-    test = open_map(result, spec.name, "test", seed, spec.test_fraction, spec.num_classes,
-                    spec.targets, spec.collate)
-    refs = (DataRef(spec, seed, "train"), DataRef(spec, seed, "test"))
-    return Opened(spec.name, train.meta, train, test, refs=refs, validation=validation,
-                  validation_ref=(DataRef(spec, seed, "validation") if validation is not None
-                                  else None))
+        fn = resolve_callable(spec.name, "dataset.name")
+        check_user_options(fn, spec.name, "dataset.options", spec.options)
+        result = call_user(fn, spec.name, "dataset.name", **spec.options)
+        if split_result(result) is None:
+            if spec.collate is not None:
+                raise DataError(f"dataset.collate: {spec.name!r} returned arrays, not a "
+                                "map-style dataset (len and __getitem__): there are no "
+                                "samples to collate")
+            return from_arrays(user_arrays(spec, result, seed), spec, seed)
+        train = open_source(spec, seed, "train", extra, result)
+    test = open_source(spec, seed, "test", extra, result)
+    refs = (DataRef(spec, seed, "train", extra), DataRef(spec, seed, "test", extra))
+    opened = Opened(spec.name, train.meta, train, test, refs=refs)
+    if spec.validation is not None:
+        opened.validation = open_source(spec, seed, "validation", extra, result)
+        opened.validation_ref = DataRef(spec, seed, "validation", dict(extra))
+    return opened
 
 
 def _limited(src: Source, spec: DatasetSpec) -> Source:

@@ -52,14 +52,11 @@ class Objective:
     # and the metrics see it.
     outputs: Outputs
 
-    def per_sample(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        return L.check_per_sample(self.loss(self.outputs(outputs), targets), len(targets),
-                                  "loss", self.loss_name)
-
     def loss_sum(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """``Σ_j ℓ_j`` over the batch (a scalar tensor with a graph); ``outputs`` is what
         the model returned (a tensor, or e.g. a ModelOutput: see :func:`model_outputs`)."""
-        return self.per_sample(outputs, targets).sum()
+        return L.check_per_sample(self.loss(self.outputs(outputs), targets), len(targets),
+                                  "loss", self.loss_name).sum()
 
     def eval_sums(self, model: nn.Module, x: np.ndarray, y: np.ndarray, lo: int, hi: int,
                   device: torch.device, batch: int = 1024) -> dict[str, Any]:
