@@ -145,42 +145,38 @@ class Exposition:
     """The /metrics body, rendered at most once per ``service.metrics_ttl_s`` (the sync
     interval, at most 1 s): concurrent scrapes wait for one render and share it, instead of
     each rendering every series and queueing behind the others' renders. A render is never
-    older than that interval, and none is reused after the service recorded a change (a
-    sync, a submission, a cancel)."""
+    older than that interval, and none is reused after the store changed (a sync, a
+    submission, a cancel)."""
 
     def __init__(self, registry: Any, service: JobService):
         self.registry = registry
         self.service = service
         self._lock = threading.Lock()
-        # The last render: (body, the service's metric state it read, when). One value, so
-        # kept() reads it whole without the lock.
-        self._kept: tuple[bytes, object, float] | None = None
+        # The last render: (body, the store's version it read, when). One value, so kept()
+        # reads it whole without the lock.
+        self._kept: tuple[bytes, int, float] | None = None
 
     def kept(self) -> bytes | None:
-        """The last render when :meth:`render` would return it as it is, else None. No I/O
-        and no lock: the async route answers with it on the event loop, and renders in a
-        worker thread only when it is None."""
+        """The last render when it is current, else None. No I/O and no lock: the async
+        route answers with it on the event loop, and renders in a worker thread only when it
+        is None."""
         kept = self._kept
         if kept is None:
             return None
-        body, state, at = kept
+        body, version, at = kept
         if time.monotonic() - at >= self.service.metrics_ttl_s:
             return None
-        return body if self.service.kept_metric_state() is state else None
+        return body if self.service.store.version == version else None
 
     def render(self) -> bytes:
-        ttl = self.service.metrics_ttl_s
-        if ttl <= 0:
+        if self.service.metrics_ttl_s <= 0:
             return generate_latest(self.registry)
         with self._lock:
-            now = time.monotonic()
-            state = self.service.metric_state()
-            if self._kept is not None:
-                body, kept_state, at = self._kept
-                if state is kept_state and now - at < ttl:
-                    return body
-            body = generate_latest(self.registry)
-            self._kept = (body, state, now)
+            body = self.kept()  # another scrape rendered it while this one waited
+            if body is None:
+                now, version = time.monotonic(), self.service.store.version
+                body = generate_latest(self.registry)
+                self._kept = (body, version, now)
             return body
 
 

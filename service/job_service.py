@@ -18,7 +18,6 @@ against ``tests.fakes.FakeCluster`` as well as the real
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -69,8 +68,6 @@ AUTO_RESUME_LIMIT = 3
 class MetricState:
     """One read of the job state /metrics exports (:meth:`JobService.metric_state`)."""
 
-    read_at: float
-    version: int  # the store's, when read: a write since makes it stale
     snapshots: list[JobSnapshot]
     last_records: dict[str, EpochRecord]
     job_counts: dict[JobState, int]
@@ -118,9 +115,7 @@ class JobService:
         self.scheduling = scheduling
         self.link = None if scheduling is None else SchedulerLink(scheduling, cluster)
         self.metrics_retention_s = metrics_retention_s
-        self.metrics_ttl_s = min(sync_interval_s, 1.0)  # how long one metrics read serves
-        self._metric_lock = threading.Lock()
-        self._metric_cache: MetricState | None = None
+        self.metrics_ttl_s = min(sync_interval_s, 1.0)  # how long one /metrics render serves
         self.reconciler = Reconciler(
             store,
             cluster,
@@ -513,30 +508,10 @@ class JobService:
 
     def metric_state(self) -> MetricState:
         """:meth:`metric_snapshots`, each job's last epoch record (its held-out loss and
-        metrics) and the job counts, read at most once per ``metrics_ttl_s``, so scrapes
-        under load share one read instead of each queueing on the store."""
-        now = time.monotonic()
-        with self._metric_lock:
-            cached = self.kept_metric_state()
-            if cached is not None:
-                return cached
-            version = self.store.version  # before the read: a write during it is news
-            snaps = self.metric_snapshots()
-            state = MetricState(
-                read_at=now,
-                version=version,
-                snapshots=snaps,
-                last_records=self.store.last_records(s.job_id for s in snaps),
-                job_counts=self.store.count_by_state(),
-            )
-            self._metric_cache = state
-            return state
-
-    def kept_metric_state(self) -> MetricState | None:
-        """The state :meth:`metric_state` would return without reading the store, or None
-        when it would read it. No I/O, no lock."""
-        cached = self._metric_cache
-        if (cached is not None and cached.version == self.store.version
-                and time.monotonic() - cached.read_at < self.metrics_ttl_s):
-            return cached
-        return None
+        metrics) and the job counts."""
+        snaps = self.metric_snapshots()
+        return MetricState(
+            snapshots=snaps,
+            last_records=self.store.last_records(s.job_id for s in snaps),
+            job_counts=self.store.count_by_state(),
+        )
