@@ -58,6 +58,7 @@ from dynabatch.actors.step import (
     mean_loss,
     share_sqnorm,
 )
+from torch.utils._pytree import tree_map
 
 
 class _StepFailed(Exception):
@@ -138,13 +139,8 @@ def compute_clock(spec: JobSpec, device: torch.device) -> ComputeClock:
 def to_cpu(obj: Any) -> Any:
     """A copy of a (nested) state dict with every tensor on the CPU: checkpoints and the
     coordinator must not need a GPU to hold a GPU worker's state."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
+    return tree_map(lambda t: t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t,
+                    obj)
 
 
 def _process_started() -> float | None:
