@@ -55,35 +55,13 @@ def eligible_nodes(spec: JobSpec, spare_gpus: dict[str, float] | None = None
 
 
 def spawn_worker(
-    spec: JobSpec, worker_id: str, ordinal: int, node_id: str, gpus: float,
-    data: dict[str, Any],
+    spec: JobSpec, worker_id: str | None, ordinal: int, node_id: str, gpus: float,
+    data: dict[str, Any], cpus: float | None = None,
 ) -> Any:
-    """Start a worker actor pinned to ``node_id``. Data arrays travel as object refs."""
-    return _launch(spec, node_id, data, worker_id, ordinal, spec.worker_cpus, gpus)
-
-
-def start_spare(spec: JobSpec, node_id: str, data: dict[str, Any], node_gpus: float = 0.0
-                ) -> Any:
-    """Start a spare worker on ``node_id`` (which offers ``node_gpus``): a :class:`Worker`
-    without an identity, holding no CPU. Where the job's worker takes a GPU the spare holds
-    it from the start, since a GPU is visible only to the process Ray reserved it for;
-    :func:`eligible_nodes` counts that GPU as the job's own."""
-    return _launch(spec, node_id, data, None, -1, 0, spec.gpus_on(node_gpus))
-
-
-def reserve(spec: JobSpec, node_id: str) -> PlacementGroup:
-    """Reserve one worker's CPUs on ``node_id`` for an adopted spare. ``ready()`` resolves
-    once they are held (at once on a free node; when another job took them meanwhile, once
-    it lets them go, as a fresh worker would wait to be placed)."""
-    return placement_group([{"CPU": spec.worker_cpus}], strategy="STRICT_PACK",
-                           bundle_label_selector=[{NODE_ID_LABEL_KEY: node_id}])
-
-
-def _launch(spec: JobSpec, node_id: str, data: dict[str, Any], worker_id: str | None,
-            ordinal: int, cpus: float, gpus: float) -> Any:
-    cls = ray.remote(Worker)
-    return cls.options(
-        num_cpus=cpus,
+    """Start a worker actor pinned to ``node_id``, asking ``cpus`` (default: the spec's
+    ``worker_cpus``). Data arrays travel as object refs."""
+    return ray.remote(Worker).options(
+        num_cpus=spec.worker_cpus if cpus is None else cpus,
         num_gpus=gpus,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         max_restarts=0,
@@ -98,3 +76,20 @@ def _launch(spec: JobSpec, node_id: str, data: dict[str, Any], worker_id: str | 
         data["num_classes"],
         gpus,
     )
+
+
+def start_spare(spec: JobSpec, node_id: str, data: dict[str, Any], node_gpus: float) -> Any:
+    """Start a spare worker on ``node_id`` (which offers ``node_gpus``): a :class:`Worker`
+    without an identity, holding no CPU. Where the job's worker takes a GPU the spare holds
+    it from the start, since a GPU is visible only to the process Ray reserved it for;
+    :func:`eligible_nodes` counts that GPU as the job's own."""
+    return spawn_worker(spec, None, -1, node_id, spec.gpus_on(node_gpus), data, cpus=0)
+
+
+def reserve(spec: JobSpec, node_id: str) -> PlacementGroup:
+    """Reserve one worker's CPUs on ``node_id`` for an adopted spare. ``ready()`` resolves
+    once they are held (at once on a free node; when another job took them meanwhile, once
+    it lets them go, as a fresh worker would wait to be placed)."""
+    return placement_group([{"CPU": spec.worker_cpus}], strategy="STRICT_PACK",
+                           bundle_label_selector=[{NODE_ID_LABEL_KEY: node_id}])
+

@@ -85,10 +85,9 @@ GPU_NODE = {"CPU": 4.0, "GPU": 1.0}
 
 
 def _hosts(spec: JobSpec, res: dict[str, float]) -> bool:
-    # Here, not at the top: pool imports Ray, which a bare GPU machine may lack.
-    from dynabatch.scheduler.runtime.pool import hosts_worker
-
-    return hosts_worker(spec, res)
+    """Whether a node offering ``res`` is eligible for the job's workers (``eligible_nodes``'s
+    rule)."""
+    return spec.workers_on(res) > 0
 
 
 def test_device_cuda_places_workers_only_on_gpu_nodes():
@@ -131,8 +130,8 @@ def test_a_gpu_nodes_spare_holds_the_gpu_its_worker_will_drive(monkeypatch):
     launched = []
     monkeypatch.setattr(
         pool,
-        "_launch",
-        lambda spec, node, data, wid, ordinal, cpus, gpus: launched.append((node, wid, cpus, gpus)),
+        "spawn_worker",
+        lambda spec, wid, ordinal, node, gpus, data, cpus: launched.append((node, wid, cpus, gpus)),
     )
     pool.start_spare(_spec(worker_gpus="auto"), "gpu", {}, node_gpus=GPU_NODE["GPU"])
     pool.start_spare(_spec(worker_gpus="auto"), "cpu", {}, node_gpus=0.0)
