@@ -180,28 +180,25 @@ class RayRuntime:
 
     def spawn(self, spawn: Spawn) -> None:
         with self._lock:
-            self._spawn(spawn)
-
-    def _spawn(self, spawn: Spawn) -> None:
-        w = spawn.worker_id
-        self.startups[w] = {"spawn": time.time()}
-        spare = self._spares.pop(spawn.node_id, None) if spawn.adopt else None
-        if spare is None:  # a fresh worker (also when the spare was lost meanwhile)
-            handle = spawn_worker(self.spec, w, spawn.ordinal, spawn.node_id, spawn.gpus,
-                                  self._data)
-            self._handles[w] = handle
-            self._pending[w] = handle.info.remote()
+            w = spawn.worker_id
+            self.startups[w] = {"spawn": time.time()}
+            spare = self._spares.pop(spawn.node_id, None) if spawn.adopt else None
+            if spare is None:  # a fresh worker (also when the spare was lost meanwhile)
+                handle = spawn_worker(self.spec, w, spawn.ordinal, spawn.node_id, spawn.gpus,
+                                      self._data)
+                self._handles[w] = handle
+                self._pending[w] = handle.info.remote()
+                self._watch(w)
+                return
+            # The spare takes the identity once the worker's CPUs are reserved on its node
+            # (the placement group's ready() is the call's dependency); until then it is
+            # pending, like a fresh worker waiting to be placed.
+            self.startups[w]["spare"] = True
+            pg = reserve(self.spec, spawn.node_id)
+            self._reservations[w] = pg
+            self._handles[w] = spare.handle
+            self._pending[w] = spare.handle.adopt.remote(w, spawn.ordinal, pg.ready())
             self._watch(w)
-            return
-        # The spare takes the identity once the worker's CPUs are reserved on its node
-        # (the placement group's ready() is the call's dependency); until then it is
-        # pending, like a fresh worker waiting to be placed.
-        self.startups[w]["spare"] = True
-        pg = reserve(self.spec, spawn.node_id)
-        self._reservations[w] = pg
-        self._handles[w] = spare.handle
-        self._pending[w] = spare.handle.adopt.remote(w, spawn.ordinal, pg.ready())
-        self._watch(w)
 
     def _watch(self, worker: str) -> None:
         if self.output is not None:  # by its actor id, asked now, answered once it is built
@@ -213,29 +210,24 @@ class RayRuntime:
         if not refs:
             return []
         ray.wait(refs, num_returns=1, timeout=timeout_s)  # not under the lock: it waits
-        with self._lock:
-            return self._started(refs)
-
-    def _started(self, refs: list[Any]) -> list[Started]:
-        """The workers of ``refs`` that finished starting (still pending: one stopped
-        meanwhile is not reported)."""
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        out = []
-        for worker, ref in list(self._pending.items()):
-            if ref not in ready:
-                continue
-            del self._pending[worker]
-            try:
-                info = ray.get(ref, timeout=CALL_TIMEOUT_S)
-                self._devices[worker] = info["device"]
-                self._gpus[worker] = info.get("gpu")
-                self.startups.setdefault(worker, {}).update(info.get("startup") or {},
-                                                            started=time.time())
-                out.append(Started(worker))
-            except (RayError, GetTimeoutError) as err:
-                self.kill(worker)
-                out.append(Started(worker, first_line(err)))
-        return out
+        with self._lock:  # those still pending: one stopped meanwhile is not reported
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            out = []
+            for worker, ref in list(self._pending.items()):
+                if ref not in ready:
+                    continue
+                del self._pending[worker]
+                try:
+                    info = ray.get(ref, timeout=CALL_TIMEOUT_S)
+                    self._devices[worker] = info["device"]
+                    self._gpus[worker] = info.get("gpu")
+                    self.startups.setdefault(worker, {}).update(info.get("startup") or {},
+                                                                started=time.time())
+                    out.append(Started(worker))
+                except (RayError, GetTimeoutError) as err:
+                    self.kill(worker)
+                    out.append(Started(worker, first_line(err)))
+            return out
 
     def kill(self, worker: str) -> None:
         if self.output is not None:  # its last lines (a dead worker's traceback) are read
@@ -275,28 +267,25 @@ class RayRuntime:
         A spare that dies once up is found when it is adopted (its worker fails to start
         and is started afresh)."""
         with self._lock:
-            return self._lost_spares()
-
-    def _lost_spares(self) -> list[tuple[str, str]]:
-        waiting = {s.ready: n for n, s in self._spares.items() if not s.up}
-        if not waiting:
-            return []
-        done, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
-        out = []
-        for ref in done:
-            node = waiting[ref]
-            try:
-                ray.get(ref, timeout=CALL_TIMEOUT_S)
-                self._spares[node].up = True
-            except (RayError, GetTimeoutError) as err:
-                self.stop_spare(node)
-                out.append((node, first_line(err)))
-        limit = self.spec.start_timeout_s
-        for node, spare in list(self._spares.items()):
-            if not spare.up and time.monotonic() - spare.since > limit:
-                self.stop_spare(node)
-                out.append((node, f"not up after {limit:g}s"))
-        return out
+            waiting = {s.ready: n for n, s in self._spares.items() if not s.up}
+            if not waiting:
+                return []
+            done, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
+            out = []
+            for ref in done:
+                node = waiting[ref]
+                try:
+                    ray.get(ref, timeout=CALL_TIMEOUT_S)
+                    self._spares[node].up = True
+                except (RayError, GetTimeoutError) as err:
+                    self.stop_spare(node)
+                    out.append((node, first_line(err)))
+            limit = self.spec.start_timeout_s
+            for node, spare in list(self._spares.items()):
+                if not spare.up and time.monotonic() - spare.since > limit:
+                    self.stop_spare(node)
+                    out.append((node, f"not up after {limit:g}s"))
+            return out
 
     # --- training ---------------------------------------------------------------------
     def submit_segment(self, plans: dict[str, Any]) -> tuple[dict[Any, str], list[str]]:
