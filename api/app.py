@@ -29,7 +29,7 @@ from dynabatch.api.routes.code import code_router
 from dynabatch.api.too_large import JsonTooLarge
 from dynabatch.scheduler.core.lifecycle import InvalidTransition
 from dynabatch.service.install_check import check_own_install_once
-from dynabatch.service.job_service import JobService
+from dynabatch.service.job_service import JobService, build_service
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.service_errors import (
     ClusterUnavailable,
@@ -41,7 +41,6 @@ from dynabatch.service.service_errors import (
 )
 from dynabatch.service.settings import Settings
 from dynabatch.service.submit_policy import SpecNotAllowed
-from dynabatch.service.wiring import build_service
 from fastapi import FastAPI, Request, status
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError

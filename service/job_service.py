@@ -52,10 +52,14 @@ from dynabatch.service.service_errors import (
     WorkerNotFound,
     finished_message,
 )
+from dynabatch.service.settings import Settings
 from dynabatch.service.store import QUEUED, STARTING, JobRecord, JobStore
 from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
 
-__all__ = ["EMBEDDED_ENDED", "JOB_ID_PATTERN", "WORKER_ID_PATTERN", "JobService", "MetricState"]
+__all__ = [
+    "EMBEDDED_ENDED", "JOB_ID_PATTERN", "WORKER_ID_PATTERN", "JobService", "MetricState",
+    "build_service",
+]
 
 log = logging.getLogger("dynabatch.service")
 
@@ -515,3 +519,25 @@ class JobService:
             last_records=self.store.last_records(s.job_id for s in snaps),
             job_counts=self.store.count_by_state(),
         )
+
+
+def build_service(settings: Settings, cluster: RayClusterClient | None = None) -> JobService:
+    """The JobService the settings describe: SQLite store and (by default) Ray."""
+    if cluster is None:
+        cluster = RayClusterClient(
+            settings.ray_address,
+            num_cpus=settings.ray_num_cpus,
+            call_timeout_s=settings.ray_call_timeout_s,
+        )
+    scheduling = cluster.scheduling(settings) if settings.cluster_scheduler else None
+    return JobService(
+        JobStore(settings.db_path),
+        cluster,
+        sync_interval_s=settings.sync_interval_s,
+        metrics_retention_s=settings.metrics_retention_s,
+        release_finished=settings.release_finished,
+        cancel_wait_s=settings.cancel_wait_s,
+        auto_resume_limit=settings.auto_resume_limit,
+        submit_policy=settings.submit_policy,
+        scheduling=scheduling,
+    )

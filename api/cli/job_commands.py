@@ -174,9 +174,9 @@ def _serve(insecure: bool, **overrides: Any) -> None:
 
     import uvicorn
     from dynabatch.api.app import create_app  # the composition root: serve starts the HTTP layer
+    from dynabatch.service.job_service import build_service
     from dynabatch.service.service_errors import RayCallError
     from dynabatch.service.settings import Settings, settings_problems
-    from dynabatch.service.wiring import build_service
     from pydantic import ValidationError
 
     given = {k: v for k, v in overrides.items() if v is not None}

@@ -20,9 +20,9 @@ import pytest
 import ray
 from dynabatch.api.app import create_app
 from dynabatch.scheduler.runtime.launch import find_coordinator
+from dynabatch.service.job_service import build_service
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.settings import Settings
-from dynabatch.service.wiring import build_service
 from fastapi.testclient import TestClient
 
 from .conftest import find_scheduler, wait_for

@@ -31,7 +31,7 @@ import ray
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.runtime.launch import find_coordinator
 from dynabatch.service.settings import Settings
-from dynabatch.service.wiring import build_service
+from dynabatch.service.job_service import build_service
 
 root = sys.argv[1]
 settings = Settings(db_path=os.path.join(root, "jobs.db"), sync_interval_s=0.2,

@@ -30,9 +30,9 @@ from dynabatch.api.cli.run import run_job
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.runtime.cluster_scheduler import JobEntry, ensure_scheduler
 from dynabatch.scheduler.runtime.launch import find_coordinator
+from dynabatch.service.job_service import build_service
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.settings import Settings
-from dynabatch.service.wiring import build_service
 from rich.console import Console
 
 from .conftest import find_scheduler, wait_for

@@ -16,10 +16,9 @@ import pytest
 from dynabatch.api.app import create_app
 from dynabatch.scheduler.checkpoint import checkpoint_path
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.service.job_service import EMBEDDED_ENDED, JobService
+from dynabatch.service.job_service import EMBEDDED_ENDED, JobService, build_service
 from dynabatch.service.settings import Settings
 from dynabatch.service.store import JobStore
-from dynabatch.service.wiring import build_service
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -298,12 +298,12 @@ def test_serve_refuses_a_public_address_without_a_token(
 def test_serve_listens_on_loopback_with_a_token_or_when_told(
     cli: typer.Typer, monkeypatch: pytest.MonkeyPatch, args: list[str], token: str | None
 ) -> None:
-    import dynabatch.service.wiring
+    import dynabatch.service.job_service
 
     def build_service(*_: Any, **__: Any) -> None:
         raise RuntimeError("past the address check")  # instead of starting Ray
 
-    monkeypatch.setattr(dynabatch.service.wiring, "build_service", build_service)
+    monkeypatch.setattr(dynabatch.service.job_service, "build_service", build_service)
     if token is None:
         monkeypatch.delenv("DYNABATCH_API_TOKEN", raising=False)
     else:
