@@ -352,9 +352,7 @@ def _follow(client: DynabatchClient, job_id: str, interval: float) -> int:
         final = client.get(job_id)
     if not console.is_terminal:
         console.line()  # a non-terminal Live leaves the cursor after the table
-    line = f"job {final.job_id} {final.state.value}"
-    if final.reason:
-        line += f": {final.reason}"
+    line = _outcome(final)
     if held := splits_text(getattr(final, "validation_metrics", None), final.test_metrics):
         line += f"; {held}"
     console.print(line, markup=False, highlight=False)
@@ -424,10 +422,7 @@ def watch(
                 time.sleep(interval)
                 job = client.get(job_id)
                 live.update(_job_table(job), refresh=True)
-        line = f"job {job.job_id} {job.state.value}"
-        if job.reason:
-            line += f": {job.reason}"
-        console.print(line, markup=False, highlight=False)
+        console.print(_outcome(job), markup=False, highlight=False)
         if job.state != JobState.SUCCEEDED:
             raise typer.Exit(1)
 
@@ -443,8 +438,7 @@ def cancel(
 
     with api_client(ctx, url, token, job_id=job_id) as client:
         job = client.cancel(job_id, reason)
-        suffix = f": {job.reason}" if job.reason else ""
-        typer.echo(f"job {job.job_id} {job.state.value}{suffix}")
+        typer.echo(_outcome(job))
 
 
 def logs(
@@ -473,6 +467,11 @@ def logs(
             if since == seen and client.get(job_id).state.is_terminal:
                 return
             time.sleep(interval)
+
+
+def _outcome(job: Any) -> str:
+    """``job ID STATE`` and the job's reason, if any."""
+    return f"job {job.job_id} {job.state.value}" + (f": {job.reason}" if job.reason else "")
 
 
 def _echo_log(line: LogLine) -> None:
@@ -525,8 +524,7 @@ def resume(
 
     with api_client(ctx, url, token, job_id=job_id) as client:
         job = client.resume(job_id)
-        suffix = f": {job.reason}" if job.reason else ""
-        typer.echo(f"job {job.job_id} {job.state.value}{suffix}")
+        typer.echo(_outcome(job))
 
 
 def register(app: typer.Typer) -> None:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -79,8 +78,12 @@ class Client:
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` (a ``DynabatchClient`` method) with the CLI's errors: a
         401 says how to give the token."""
-        with _cli_errors():
+        try:
             return fn(*args, **kwargs)
+        except ApiError as err:
+            if err.status != 401:
+                raise
+            raise type(err)(f"{err}{_TOKEN_HINT}", err.status) from None
 
     def submit(self, spec: SpecLike, *, working_dir: str | os.PathLike[str] | None = None) -> Job:
         """Submit a job and return its handle.
@@ -189,16 +192,6 @@ class Job:
         except (ValueError, OSError) as err:
             raise OSError(f"directory: {out}: {err}") from None
         return str(out)
-
-
-@contextmanager
-def _cli_errors() -> Iterator[None]:
-    try:
-        yield
-    except ApiError as err:
-        if err.status != 401:
-            raise
-        raise type(err)(f"{err}{_TOKEN_HINT}", err.status) from None
 
 
 def _checked(check: Callable[[str], str], value: str) -> None:
