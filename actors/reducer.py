@@ -431,26 +431,34 @@ class GradientReducer:
         g = self.flat[:self.n_params]
         global_sq = torch.dot(g, g) if self._norms else None
         slots = self.flat[self.n_params:self.n_params + 1 + self._step_size]  # loss, coverage
-        if self.device.type == "cuda":
-            comm_end = self.marks.mark()
-            host = self._to_host(slots, loss, local_sq, global_sq)
-            res = Reduced(coverage=host[0][1:], loss_sum=host[1], local_sq=host[2],
-                          global_sq=host[3], hidden_s=0.0, buckets=launched, early=self._early,
-                          global_loss_sum=float(host[0][0]))
-            res.compute_s = self.marks.seconds(compute_end)
-            res.wait_s = max(0.0, self.marks.seconds(comm_end) - res.compute_s)
-        else:
-            comm_end = self.marks.mark()
-            h = slots.numpy()
-            res = Reduced(coverage=h[1:], loss_sum=_item(loss), local_sq=_item_or(local_sq),
-                          global_sq=_item_or(global_sq), hidden_s=0.0, buckets=launched,
-                          early=self._early, global_loss_sum=float(h[0]))
+        res, comm_end = self._home(slots, loss, local_sq, global_sq, launched, self._early,
+                                   compute_end)
         # A completion not marked yet (its callback still to run) ended by the last wait.
         spans = [(self.marks.seconds(a), self.marks.seconds(b if b is not None else comm_end))
                  for a, b in self._spans]
         res.hidden_s = hidden_seconds(spans, self.marks.seconds(compute_end))
         res.first_launch_s = spans[0][0] if spans else None
         return res
+
+    def _home(self, slots: torch.Tensor, loss: torch.Tensor | None,
+              local_sq: torch.Tensor | None, global_sq: torch.Tensor | None, buckets: int,
+              early: int, compute_end: float | torch.cuda.Event) -> tuple[Reduced, object]:
+        """The step's results from the all-reduced ``slots`` (the loss slot, then the
+        coverage) and this worker's scalars, with the mark of the communication's end; on a
+        GPU in one pinned copy, device-timed."""
+        comm_end = self.marks.mark()
+        if self.device.type != "cuda":
+            h = slots.numpy()
+            return Reduced(coverage=h[1:], loss_sum=_item(loss), local_sq=_item_or(local_sq),
+                           global_sq=_item_or(global_sq), hidden_s=0.0, buckets=buckets,
+                           early=early, global_loss_sum=float(h[0])), comm_end
+        host = self._to_host(slots, loss, local_sq, global_sq)
+        compute_s = self.marks.seconds(compute_end)
+        return Reduced(coverage=host[0][1:], loss_sum=host[1], local_sq=host[2],
+                       global_sq=host[3], hidden_s=0.0, buckets=buckets, early=early,
+                       compute_s=compute_s,
+                       wait_s=max(0.0, self.marks.seconds(comm_end) - compute_s),
+                       global_loss_sum=float(host[0][0])), comm_end
 
     def _to_host(self, cov: torch.Tensor, *scalars: torch.Tensor | None) -> tuple:
         """One pinned copy of the coverage and the scalars, then the step's one
@@ -507,20 +515,8 @@ class GradientReducer:
         local_sq = torch.dot(g, g) if self._norms else None
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         global_sq = torch.dot(g, g) if self._norms else None
-        slots = flat[self.n_params:]  # the loss slot, then the coverage
-        if self.device.type == "cuda":  # NCCL, flat
-            comm_end = self.marks.mark()
-            host = self._to_host(slots, loss, local_sq, global_sq)
-            compute_s = self.marks.seconds(compute_end)
-            return Reduced(coverage=host[0][1:], loss_sum=host[1], local_sq=host[2],
-                           global_sq=host[3], hidden_s=0.0, buckets=1, early=0,
-                           compute_s=compute_s,
-                           wait_s=max(0.0, self.marks.seconds(comm_end) - compute_s),
-                           global_loss_sum=float(host[0][0]))
-        h = slots.numpy()
-        return Reduced(coverage=h[1:], loss_sum=_item(loss), local_sq=_item_or(local_sq),
-                       global_sq=_item_or(global_sq), hidden_s=0.0, buckets=1, early=0,
-                       global_loss_sum=float(h[0]))
+        return self._home(flat[self.n_params:], loss, local_sq, global_sq, 1, 0,
+                          compute_end)[0]
 
 
 def _item(t: torch.Tensor | None) -> float:
