@@ -1,15 +1,11 @@
 """What to do when a live job's coordinator is lost: resume it from its checkpoint, or fail
-it, with the reason either way.
+it, with the reason either way. Pure: the service's reconciler gathers the facts
+(:class:`LostCoordinator`) and carries out :func:`decide_lost`'s decision.
 
-Pure (no Ray, no store, no clock): the service's reconciler gathers the facts into a
-:class:`LostCoordinator` and executes the :class:`RecoveryDecision` that :func:`decide_lost`
-returns, so the crash-loop policy is one function that can be tested over every case.
-
-The policy. A job is resumed only from a checkpoint that exists, under a spec the service's
-settings still allow, while automatic resume is on (``auto_resume_limit`` > 0) and the job
-has not been resumed automatically ``auto_resume_limit`` times in a row without finishing an
-epoch: a job that keeps losing its coordinator but makes progress is resumed each time, one
-that crash-loops ends FAILED.
+A job is resumed only from a checkpoint that exists, under a spec the settings still allow,
+while ``auto_resume_limit`` > 0 and it has not been resumed automatically that many times in
+a row without finishing an epoch: one that makes progress is resumed each time, one that
+crash-loops ends FAILED.
 """
 
 from __future__ import annotations

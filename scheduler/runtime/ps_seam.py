@@ -1,15 +1,8 @@
-"""What the parameter-server driver needs from the world it drives, and nothing more.
-
-:class:`~dynabatch.scheduler.ps.driver.PSCoordinator` owns the job's lifecycle and turns what
-happens to learners into calls on a :class:`PSRuntime`: Ray's
-(:class:`dynabatch.scheduler.runtime.ray_ps.RayPSRuntime`: the server, shard and learner
-actors) or the simulator's (:class:`dynabatch.scheduler.sim.ps_runtime.SimPSRuntime`: the
-same core, real gradients, on a virtual clock). The pure
-:class:`~dynabatch.scheduler.core.ps.machine.PSCore` lives behind the runtime, in the server;
-learners talk to the server, not to the driver.
-
-Every call is bounded: :meth:`PSRuntime.wait` returns within ``timeout_s`` (of the
-runtime's clock), and an implementation that cannot answer in time reports a learner lost.
+"""What the parameter-server driver needs from the world it drives, and nothing more: a
+:class:`PSRuntime`, Ray's (:class:`~dynabatch.scheduler.runtime.ray_ps.RayPSRuntime`) or the
+simulator's. The pure :class:`~dynabatch.scheduler.core.ps.machine.PSCore` lives behind it, in
+the server; learners talk to the server, not to the driver. Every call is bounded: an
+implementation that cannot answer in time reports a learner lost.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""The Ray side of a parameter-server job: :class:`RayPSRuntime`, the
-:class:`~dynabatch.scheduler.runtime.ps_seam.PSRuntime` whose calls become actor calls.
-
-* the server (:class:`dynabatch.actors.ps.ParameterServer`, holding the one core and slice 0)
-  and ``protocol.shards − 1`` :class:`~dynabatch.actors.ps.ParamShard` actors run on the head
-  node, beside the coordinator, never on a learner's node: losing a learner's node costs that
-  learner only, not the job's parameters;
-* a learner (:class:`~dynabatch.actors.learner.Learner`) is pinned to its node; its ``run`` ref
-  ends when the job finishes, or fails: a Ray error (its actor or node died) means it is
-  lost, an error its own code raised fails the job with it.
-
-Every ``ray.get`` has a timeout.
+"""The Ray side of a parameter-server job: :class:`RayPSRuntime`, whose calls become actor
+calls, each ``ray.get`` with a timeout. The server and its shards run on the head node, never
+on a learner's node, so losing a learner's node costs that learner only; a learner's ``run``
+ref ends when the job finishes, or fails: a Ray error means it is lost, an error its own code
+raised fails the job.
 """
 
 from __future__ import annotations

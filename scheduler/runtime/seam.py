@@ -1,13 +1,7 @@
-"""What the coordinator needs from the world it drives, and nothing more.
-
-The coordinator (``dynabatch.scheduler.sync.coordinator``) owns the pure machines and turns their
-decisions into calls on a :class:`Runtime`; the runtime turns those calls into actor calls
-(``dynabatch.scheduler.runtime.ray_runtime``), or into events on a virtual clock (the
-simulator, ``dynabatch.scheduler.sim.runtime``, with its fault script: the unit tests' runtime
-too). The same machine objects run under each.
-
-Every call is bounded: the timeouts are arguments, and an implementation that cannot
-answer in time reports the worker as lost rather than blocking.
+"""What the coordinator needs from the world it drives, and nothing more: a :class:`Runtime`,
+Ray's (:mod:`~dynabatch.scheduler.runtime.ray_runtime`) or the simulator's, so the same pure
+machines run under each. Every call is bounded: an implementation that cannot answer in time
+reports the worker lost rather than blocking.
 """
 
 from __future__ import annotations

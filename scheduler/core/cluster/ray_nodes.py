@@ -85,14 +85,12 @@ def _ray_units(amount: float) -> int:
     return round(amount * RAY_UNITS)
 
 
-def has_gpu(node: RayNode) -> bool:
-    return node.resources.get("GPU", 0.0) >= 1
-
-
 def cluster_nodes(nodes: Iterable[RayNode]) -> tuple[ClusterNode, ...]:
     """The alive nodes with at least one slot, as the policy takes them."""
     return tuple(
-        ClusterNode(n.node_id, node_type(n), slots(n), has_gpu(n), cpu_units=RAY_UNITS)
+        ClusterNode(
+            n.node_id, node_type(n), slots(n), n.resources.get("GPU", 0.0) >= 1, RAY_UNITS
+        )
         for n in sorted(nodes, key=lambda n: n.node_id)
         if n.alive and slots(n) > 0
     )

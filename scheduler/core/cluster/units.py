@@ -1,10 +1,7 @@
-"""Slots per node type for the cluster policy: the common unit a type's capacity and its
-workers are counted in, and how many of a job's workers each type's nodes hold whole (pure).
-
-A GPU node counts ``GPU_UNITS`` slots per GPU so that fractional ``worker_gpus`` share it
-(:mod:`.ray_nodes`); dividing each type by the greatest common divisor of its capacities and
-sizes keeps the common cases (whole GPUs, or every job of one share) at one slot per
-worker, where gang admission is Hall's condition and not a program per job.
+"""Slots per node type for the cluster policy (pure): each type's capacity and its workers'
+sizes divided by their greatest common divisor, so whole GPUs (``GPU_UNITS`` slots each), or
+one share throughout, count one slot per worker again, where gang admission is Hall's
+condition and not a program per job.
 """
 
 from __future__ import annotations

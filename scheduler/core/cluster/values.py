@@ -51,16 +51,10 @@ class ClusterNode:
 
 @dataclass(frozen=True, slots=True)
 class ClusterJob:
-    """A job as the cluster sees it.
-
-    ``allocation``: what it holds now, (node_id, workers) pairs (empty: waiting).
-    ``last_resize_s``: when its nodes last changed (started, grew, shrank or moved); None
-    when it never ran. ``model``: its throughput per node type, already completed by
-    :func:`~dynabatch.scheduler.core.cluster.throughput.bootstrap`. ``worker_slots``: the
-    slots one worker takes on a CPU node (its ``worker_cpus`` in the node's ``cpu_units``);
-    ``gpu_units``: those it
-    takes on a GPU node (``GPU_UNITS`` for a whole GPU, or for a CPU-only worker there;
-    less for a fractional ``worker_gpus``, :func:`~.nodes.gpu_units`)."""
+    """A job as the cluster sees it. ``allocation``: (node_id, workers) it holds now (empty:
+    waiting); ``last_resize_s``: when its nodes last changed (None: never ran); ``model``:
+    completed by :func:`~.throughput.bootstrap`; ``worker_slots`` / ``gpu_units``: the slots
+    one worker takes on a CPU / GPU node (:func:`~.ray_nodes.gpu_units`)."""
 
     job_id: str
     min_workers: int
