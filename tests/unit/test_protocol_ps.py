@@ -21,6 +21,13 @@ configs = st.builds(
 )
 
 
+def _joined(machine, workers):
+    """``machine`` (a PSCore or a PSProtocol) with ``workers`` joined."""
+    for w in workers:
+        machine.join(w)
+    return machine
+
+
 def _run(core: PSCore, data, workers: list[str], faults: bool, max_events: int = 3000):
     """Drive ``core`` with random interleavings until it finishes; returns every event."""
     events, inflight, names = [], {}, iter(f"j{i}" for i in range(100))
@@ -73,8 +80,8 @@ def test_every_sample_applied_exactly_once_and_staleness_bounded(cfg, n_workers,
     if cfg.mode == "softsync" and cfg.n > n_workers:
         cfg = PSConfig("softsync", n_workers, cfg.lr_staleness, cfg.max_staleness, cfg.on_stale)
     workers = [f"w{i}" for i in range(n_workers)]
-    core = PSCore(cfg, dataset_size=n, epochs=2, seed=0, batches=PerfAwareBatches(b),
-                  workers=workers)
+    core = _joined(PSCore(cfg, dataset_size=n, epochs=2, seed=0, batches=PerfAwareBatches(b)),
+                   workers)
     events = _run(core, data, workers, faults)
     assert core.finished, "the job must always finish: no deadlock under any schedule"
     ends = [e for e in events if isinstance(e, EpochEnd)]
@@ -101,7 +108,7 @@ def test_every_sample_applied_exactly_once_and_staleness_bounded(cfg, n_workers,
        data=st.data())
 def test_softsync_applies_exactly_every_floor_lambda_over_n(lam, n, pushes, data):
     n = min(n, lam)
-    p = PSProtocol(PSConfig("softsync", n), [f"w{i}" for i in range(lam)])
+    p = _joined(PSProtocol(PSConfig("softsync", n)), [f"w{i}" for i in range(lam)])
     c = lam // n
     version = {}
     for w in sorted(p.members):
@@ -122,7 +129,7 @@ def test_softsync_applies_exactly_every_floor_lambda_over_n(lam, n, pushes, data
 
 def test_staleness_rules():
     def weights(rule):
-        p = PSProtocol(PSConfig("async", lr_staleness=rule), ["a", "b", "c"])
+        p = _joined(PSProtocol(PSConfig("async", lr_staleness=rule)), ["a", "b", "c"])
         v = {w: p.pull(w).version for w in "abc"}
         out = []
         for i, w in enumerate("abc"):
@@ -136,7 +143,7 @@ def test_staleness_rules():
 
 
 def test_hardsync_learners_wait_and_weights_follow_samples():
-    p = PSProtocol(PSConfig("hardsync"), ["a", "b"])
+    p = _joined(PSProtocol(PSConfig("hardsync")), ["a", "b"])
     va, vb = p.pull("a").version, p.pull("b").version
     assert p.push("a", 1, va, samples=1) == []
     assert p.pull("a") == Wait("a")
@@ -146,12 +153,12 @@ def test_hardsync_learners_wait_and_weights_follow_samples():
 
 
 def test_bounded_refuse_and_wait_are_counted():
-    p = PSProtocol(PSConfig("async", max_staleness=0), ["a", "b"])
+    p = _joined(PSProtocol(PSConfig("async", max_staleness=0)), ["a", "b"])
     va, vb = p.pull("a").version, p.pull("b").version
     p.push("a", 1, va, 1)
     (r,) = p.push("b", 2, vb, 1)
     assert isinstance(r, Refuse) and r.staleness == 1 and p.refused == 1
-    w = PSProtocol(PSConfig("async", max_staleness=1, on_stale="wait"), ["a", "b", "c"])
+    w = _joined(PSProtocol(PSConfig("async", max_staleness=1, on_stale="wait")), ["a", "b", "c"])
     v = {x: w.pull(x).version for x in "abc"}
     assert len(w.push("a", 1, v["a"], 1)) == 1  # version 1; b and c have τ = 1 so far
     assert w.push("a", 2, w.pull("a").version, 1) == []  # would make b, c τ = 2: deferred
@@ -193,8 +200,8 @@ def test_ji_lr_scale_is_the_gradients_own_samples_not_the_replanned_batch():
     """A 16-sample gradient whose push triggers a re-plan is weighted 16/b0, not by the new
     batch the re-plan gives its learner."""
     ji = JiConfig(b0=16, b_min=4, b_max=64, every_pushes=2, scale_lr=True)
-    core = PSCore(PSConfig("async"), dataset_size=1000, epochs=1, seed=0,
-                  batches=PerfAwareBatches(16, ji), workers=["slow", "fast"])
+    core = _joined(PSCore(PSConfig("async"), dataset_size=1000, epochs=1, seed=0,
+                  batches=PerfAwareBatches(16, ji)), ["slow", "fast"])
     ws, _ = core.request("slow")
     wf, _ = core.request("fast")
     assert ws.chunk.samples == wf.chunk.samples == 16
@@ -253,8 +260,8 @@ def test_ji_replans_exactly_every_k_pushes_within_bounds(k, b0, pushes):
 
 
 def test_core_finishes_and_reports_idle_reasons():
-    core = PSCore(PSConfig("hardsync"), dataset_size=5, epochs=1, seed=0,
-                  batches=PerfAwareBatches(2), workers=["a", "b"])
+    core = _joined(PSCore(PSConfig("hardsync"), dataset_size=5, epochs=1, seed=0,
+                  batches=PerfAwareBatches(2)), ["a", "b"])
     wa, _ = core.request("a")
     wb, _ = core.request("b")
     assert core.push("a", wa.ticket, wa.version, 0.1) == []
@@ -271,8 +278,8 @@ def test_epochs_overlap_in_async_but_not_in_hardsync():
     """Async: once epoch 0 is handed out, a free learner takes epoch 1 while epoch 0's last
     gradient is in flight (no barrier, so no burst of learners all pulling one version).
     Hardsync keeps the barrier: an update never mixes two epochs."""
-    core = PSCore(PSConfig("async"), dataset_size=8, epochs=3, seed=0,
-                  batches=PerfAwareBatches(4), workers=["a", "b", "c"])
+    core = _joined(PSCore(PSConfig("async"), dataset_size=8, epochs=3, seed=0,
+                  batches=PerfAwareBatches(4)), ["a", "b", "c"])
     wa, _ = core.request("a")
     wb, _ = core.request("b")
     wc, _ = core.request("c")
@@ -287,8 +294,8 @@ def test_epochs_overlap_in_async_but_not_in_hardsync():
     ev = core.push("c", wc.ticket, wc.version, 0.1)
     assert [e.epoch for e in ev if isinstance(e, EpochEnd)] == [1]  # in order
 
-    hard = PSCore(PSConfig("hardsync"), dataset_size=6, epochs=2, seed=0,
-                  batches=PerfAwareBatches(4), workers=["a", "b"])
+    hard = _joined(PSCore(PSConfig("hardsync"), dataset_size=6, epochs=2, seed=0,
+                  batches=PerfAwareBatches(4)), ["a", "b"])
     wa, _ = hard.request("a")
     wb, _ = hard.request("b")
     assert (wa.chunk.samples, wb.chunk.samples) == (4, 2)

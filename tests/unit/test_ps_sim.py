@@ -169,7 +169,9 @@ def test_server_one_put_per_version_the_issue_interface_and_a_rolling_rate(monke
     monkeypatch.setattr(ray, "put", lambda value: puts.append(value) or f"ref{len(puts)}")
     ds = load_dataset(SPEC.dataset, seed=0)
     core = PSCore(PSConfig("async"), dataset_size=96, epochs=1, seed=0,
-                  batches=PerfAwareBatches(8), workers=["w0", "w1", "w2"])
+                  batches=PerfAwareBatches(8))
+    for w in ("w0", "w1", "w2"):
+        core.join(w)
     server = ParameterServer(SPEC, core, tuple(ds.input_shape), ds.num_classes, ds.x_test,
                              ds.y_test)
     size = server.store.size
@@ -310,7 +312,8 @@ def test_server_snapshot_never_shows_finished_before_the_last_epoch_is_recorded(
                                    "weights_ref": _Remote(lambda: _done(
                                        _done(np.zeros(shard_size, np.float32))))})()
         core = PSCore(PSConfig("async"), dataset_size=96, epochs=1, seed=0,
-                      batches=PerfAwareBatches(96), workers=["w0"])
+                      batches=PerfAwareBatches(96))
+        core.join("w0")
         server = ParameterServer(SPEC, core, tuple(ds.input_shape), ds.num_classes,
                                  ds.x_test, ds.y_test, shards=[shard], bounds=bounds)
         work = (await server.request("w0"))["work"]

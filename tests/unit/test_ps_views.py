@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dynabatch.actors.spec import JobSpec
 from dynabatch.api.cli.job_commands import _ps_table
-from dynabatch.api.metrics_ps import ps_families
+from dynabatch.api.metrics import ps_families
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.ps.batch_policy import PerfAwareBatches
 from dynabatch.scheduler.core.ps.machine import PSCore
@@ -20,7 +20,9 @@ SPEC = JobSpec.model_validate({"workers": 2, "protocol": {"name": "ps", "mode": 
 
 def _snapshot() -> JobSnapshot:
     core = PSCore(PSConfig("async"), dataset_size=20, epochs=1, seed=0,
-                  batches=PerfAwareBatches(4), workers=["w0", "w1"])
+                  batches=PerfAwareBatches(4))
+    core.join("w0")
+    core.join("w1")
     a, _ = core.request("w0")
     b, _ = core.request("w1")
     core.push("w0", a.ticket, a.version, 0.1)

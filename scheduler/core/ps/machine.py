@@ -17,7 +17,6 @@ when nothing more can arrive is flushed as a partial update.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,8 +99,7 @@ OPEN_EPOCHS = 2  # the epoch being completed and the next one
 
 class PSCore:
     def __init__(self, config: PSConfig, *, dataset_size: int, epochs: int, seed: int,
-                 batches: PerfAwareBatches, workers: Iterable[str] = (),
-                 overlap: bool | None = None):
+                 batches: PerfAwareBatches, overlap: bool | None = None):
         self.protocol = PSProtocol(config)
         self.batches = batches
         self.dataset_size = dataset_size
@@ -116,8 +114,6 @@ class PSCore:
         self._inflight: dict[str, int] = {}  # worker → ticket it is computing
         self._next_ticket = 0
         self._open(0)
-        for w in workers:
-            self.join(w)
 
     @property
     def finished(self) -> bool:

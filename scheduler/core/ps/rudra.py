@@ -46,7 +46,6 @@ Bounded staleness ``S`` (``max_staleness``; None: unbounded):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -154,7 +153,7 @@ class WorkerStats:
 
 
 class PSProtocol:
-    def __init__(self, config: PSConfig, workers: Iterable[str] = ()):
+    def __init__(self, config: PSConfig):
         self.config = config
         self.version = 0
         self._members: set[str] = set()
@@ -167,8 +166,6 @@ class PSProtocol:
         self.refused = 0
         self.deferred = 0  # updates put off because of ``wait``
         self._tau_sum = 0
-        for w in workers:
-            self.join(w)
 
     # --- membership -------------------------------------------------------------------
     @property
