@@ -106,6 +106,5 @@ class ComputeClock:
         a wait for data."""
         return self.emulated and self.sync is None
 
-    def finish(self, factor: float) -> float:
-        """End the phase, stretched to ``factor`` × its compute; return the compute time."""
-        return self.pace(factor)
+    # End the phase, stretched to ``factor`` × its compute; returns the compute time.
+    finish = pace

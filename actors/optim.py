@@ -241,19 +241,11 @@ class LrSteps:
     __call__ = factor
 
 
-def lr_scheduler_factors(sched: LrSchedulerSpec, base_lr: float, epochs: int) -> tuple[float, ...]:
-    """The learning rate of each of ``epochs`` epochs, as a factor of ``base_lr``, under the
-    torch.optim.lr_scheduler ``sched`` stepped once per epoch (:class:`LrSteps`): epoch ``e``
-    trains at the rate after ``e`` steps. A problem is a WorkloadError naming the field."""
-    steps = LrSteps(sched, base_lr, "epoch")
-    # No step after the last epoch (OneCycleLR's total_steps may be epochs).
-    return tuple(steps.factor(e) for e in range(epochs))
-
-
 def lr_schedule(spec: JobSpec) -> tuple[float, ...] | LrSteps:
     """The spec's ``optimizer.lr_scheduler`` as the driver's schedule takes it: a factor per
-    epoch (``interval: epoch``, empty without one), or the factor after each committed
-    optimizer step (``interval: step``)."""
+    epoch (``interval: epoch``, empty without one: epoch ``e`` trains at the rate after
+    ``e`` steps), or the factor after each committed optimizer step (``interval: step``).
+    A problem is a WorkloadError naming the field."""
     sched = spec.optimizer.lr_scheduler
     if sched is None:
         return ()
@@ -261,7 +253,9 @@ def lr_schedule(spec: JobSpec) -> tuple[float, ...] | LrSteps:
         steps = LrSteps(sched, spec.optimizer.lr)
         steps.factor(1)  # one step now: a schedule that cannot step fails the job at once
         return steps
-    return lr_scheduler_factors(sched, spec.optimizer.lr, spec.epochs)
+    steps = LrSteps(sched, spec.optimizer.lr, "epoch")
+    # No step after the last epoch (OneCycleLR's total_steps may be epochs).
+    return tuple(steps.factor(e) for e in range(spec.epochs))
 
 
 def check_optimizer(spec: JobSpec) -> None:

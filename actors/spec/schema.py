@@ -301,11 +301,6 @@ class JobSpec(_Strict):
         """Seconds a join may take (``join_timeout_s``; default ``collective_timeout_s``)."""
         return self.join_timeout_s or self.collective_timeout_s
 
-    @property
-    def needs_gpu(self) -> bool:
-        """Every worker must be on a GPU: ``device: cuda``, or GPUs asked for each worker."""
-        return self.device == "cuda" or (self.worker_gpus != "auto" and self.worker_gpus > 0)
-
     def gpus_on(self, node_gpus: float) -> float:
         """GPUs a worker asks for on a node offering ``node_gpus``."""
         if self.worker_gpus == "auto":
@@ -317,8 +312,9 @@ class JobSpec(_Strict):
         at once: its CPUs and the GPUs a worker asks for there, 0 without the job's
         ``node_resource`` or, for a job that needs a GPU on every worker, without one."""
         gpus = resources.get("GPU", 0.0)
-        want = self.gpus_on(gpus)
-        if self.needs_gpu and want <= 0:
+        # Every worker must be on a GPU (device: cuda, or GPUs asked for each worker).
+        needs_gpu = self.device == "cuda" or (self.worker_gpus != "auto" and self.worker_gpus > 0)
+        if needs_gpu and self.gpus_on(gpus) <= 0:
             return 0
         if self.node_resource and resources.get(self.node_resource, 0.0) <= 0:
             return 0

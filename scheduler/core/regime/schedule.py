@@ -14,7 +14,7 @@ The learning rate of a step is ``lr = lr_0 · f_sched(t) · f_warm(t) · f_batch
 * ``f_sched``: ``constant`` 1; ``multistep`` γ^(number of milestones m ≤ e); ``cosine``
   ``m + (1 − m)·½·(1 + cos(π·t/E))`` with ``m = min_factor`` and E the job's epochs; or,
   given ``epoch_factors`` (a ``torch.optim.lr_scheduler`` stepped once per epoch, computed
-  by :func:`dynabatch.actors.optim.lr_scheduler_factors` outside this pure module), the
+  by :func:`dynabatch.actors.optim.lr_schedule` outside this pure module), the
   factor of epoch e (the last one for any epoch past them).
 * ``f_warm``: ``min(1, t / w)`` for the LR schedule's ``warmup_epochs`` w (1 when w = 0).
 * ``f_batch`` (batch stages, Hu et al. 2022 / Goyal et al. 2017): stage k trains at B_k;
