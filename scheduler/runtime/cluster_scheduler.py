@@ -66,6 +66,8 @@ log = logging.getLogger("dynabatch.cluster")
 
 # Why the job's own scale and drain are answered by the scheduler, not the job.
 PLACES = "the cluster scheduler places this job"
+# How long a coordinator's launch (and its assignment) may take.
+START_TIMEOUT_S = 120.0
 
 Slots = tuple[tuple[str, int], ...]
 
@@ -135,12 +137,9 @@ class RayCalls:
 
 
 class ClusterScheduler:
-    """The actor (see the module docstring): Ray calls, threads and relaying. What is
-    decided (the queue, allocations, generations, a client's lease, whether a job's driver
-    was granted and is up, its members, the owner's requests and their refusals) is the
-    pure round state (:mod:`~dynabatch.scheduler.core.cluster.rounds`). Its methods may be
-    called from other threads while the round loop runs: state changes go through
-    ``_lock``."""
+    """The actor: Ray calls, threads and relaying; everything decided is the pure round state
+    (:mod:`~dynabatch.scheduler.core.cluster.rounds`). Its methods may be called from other
+    threads while the round loop runs: state changes go through ``_lock``."""
 
     def __init__(
         self,
@@ -148,9 +147,7 @@ class ClusterScheduler:
         round_s: float = 30.0,
         hold_s: float = 120.0,
         call_timeout_s: float = 10.0,
-        start_timeout_s: float = 120.0,
         synced: bool = False,
-        client_lease_s: float = 60.0,
         background: bool = True,
         clock: Callable[[], float] = time.time,
         calls: RayCalls | None = None,
@@ -160,10 +157,9 @@ class ClusterScheduler:
         ``background``: False runs rounds only when :meth:`round` is called (its caller
         drives them). ``clock``: the time rounds and holds are decided at. ``calls``: Ray
         (:class:`RayCalls`)."""
-        self.knobs = ClusterKnobs(policy=policy, hold_s=hold_s, client_lease_s=client_lease_s)
+        self.knobs = ClusterKnobs(policy=policy, hold_s=hold_s)
         self.round_s = round_s
         self.call_timeout_s = call_timeout_s
-        self.start_timeout_s = start_timeout_s
         self.clock = clock
         self.calls = calls or RayCalls()
         self._lock = threading.RLock()
@@ -482,12 +478,9 @@ class ClusterScheduler:
             self._step(JobGone(job_id))
 
     def _start(self, c: Start) -> None:
-        """Launch the granted job's coordinator; the rounds then say whether its workers
-        start (``Run``, after the newest assignment if a round moved it during the launch)
-        or, when the job is no longer held (a cancel or a later generation arrived
-        meanwhile: the launch runs outside the lock), that it is killed unstarted
-        (``Abandon``); its slots, freed when the job was dropped, go to the queue at the
-        next round. A client job's run launches its own (:meth:`grant`)."""
+        """Launch the granted job's coordinator (outside the lock); the rounds then say
+        whether its workers start (``Run``) or, the job no longer held meanwhile (cancelled or
+        resumed), it is killed unstarted (``Abandon``). A client job's run launches its own."""
         with self._lock:
             entry = self._state.job(c.job_id)
             e = self._entries.get(c.job_id)
@@ -498,7 +491,7 @@ class ClusterScheduler:
             return
         try:
             handle = self.calls.launch(
-                c.job_id, e.spec, entry.generation, c.slots, self.start_timeout_s
+                c.job_id, e.spec, entry.generation, c.slots, START_TIMEOUT_S
             )
         except Exception as err:
             why = first_line(err, typed=False)
