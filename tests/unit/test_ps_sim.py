@@ -66,7 +66,7 @@ def test_async_with_a_lost_and_a_joining_learner_is_exactly_once():
                                            {"at_s": 0.02, "join": {"class": "n9"}}],
                extra=[("n9", 0.5)])
     assert [e["verified"] for e in res.epochs] == [True, True]
-    assert core.counters.lost_inflight_samples > 0
+    assert core.lost_inflight_samples > 0
     # The driver names learners: the one started on the joining node is the fifth, w4.
     assert res.snapshot["workers"]["w4"]["applied"] > 0
     assert not res.snapshot["workers"]["w3"]["member"] and res.state == "SUCCEEDED"

@@ -88,12 +88,6 @@ class _Ticket:
     version: int
 
 
-@dataclass(slots=True)
-class CoreCounters:
-    pushes: int = 0
-    lost_inflight_samples: int = 0
-
-
 OPEN_EPOCHS = 2  # the epoch being completed and the next one
 
 
@@ -108,7 +102,8 @@ class PSCore:
         self.epoch = 0  # the oldest open epoch: the one being completed
         # None: overlap except in hardsync (False: the epoch barrier, for an ablation).
         self.overlap = config.mode != "hardsync" if overlap is None else overlap
-        self.counters = CoreCounters()
+        self.pushes = 0
+        self.lost_inflight_samples = 0  # re-queued from lost learners' chunks
         self.ledgers: dict[int, AsyncLedger] = {}
         self._tickets: dict[int, _Ticket] = {}
         self._inflight: dict[str, int] = {}  # worker → ticket it is computing
@@ -151,7 +146,7 @@ class PSCore:
         if t is not None:
             ticket = self._tickets.pop(t)
             self.ledgers[ticket.chunk.epoch].requeue(ticket.chunk.id)
-            self.counters.lost_inflight_samples += ticket.chunk.samples
+            self.lost_inflight_samples += ticket.chunk.samples
         self.batches.forget(worker)
         return self._after(self.protocol.leave(worker))
 
@@ -185,7 +180,7 @@ class PSCore:
         if t.version != version_pulled:
             raise ValueError(f"ticket {ticket} pulled version {t.version}, not {version_pulled}")
         del self._inflight[worker]
-        self.counters.pushes += 1
+        self.pushes += 1
         # This gradient's own batch sets its α scale: read before observe() may re-plan.
         scale = self.batches.lr_scale(t.chunk.samples)
         self.batches.observe(worker, t.chunk.samples, compute_s, self.protocol.members)
@@ -244,7 +239,7 @@ class PSCore:
             "applied": p.applied,
             "refused": p.refused,
             "deferred": p.deferred,
-            "pushes": self.counters.pushes,
+            "pushes": self.pushes,
             "inflight": {w: self._tickets[t].chunk.samples for w, t in self._inflight.items()},
             "workers": {
                 w: {"pushes": s.pushes, "applied": s.applied, "refused": s.refused,
