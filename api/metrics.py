@@ -2,7 +2,10 @@
 
 Names are exactly those of docs/architecture.md. Everything lives in the app's own
 ``CollectorRegistry``; nothing is registered globally. Counters are emitted without
-``_created`` series, so the exposition holds the documented names and no others.
+``_created`` series, so the exposition holds the documented names and no others. The job
+families, those of a job's schedule and of parameter-server jobs are read from the same
+snapshots; the cluster scheduler's from the same round as ``GET /v1/cluster`` (the families
+are there without samples while no scheduler runs).
 """
 
 from __future__ import annotations
@@ -14,9 +17,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from dynabatch.api.cluster_metrics import cluster_families
-from dynabatch.api.metrics_ps import ps_families
-from dynabatch.api.schedule_metrics import schedule_families
+from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot
 from dynabatch.service.job_service import JobService
@@ -66,17 +67,14 @@ UNMATCHED_ROUTE = "unmatched"
 WORKER_LABELS = ["job_id", "worker", "node"]
 
 
-def _bucket_counts(values: Iterable[float], bounds: Sequence[float]) -> list[int]:
-    """Per-bucket (not cumulative) counts; the last entry is the +Inf overflow."""
-    counts = [0] * (len(bounds) + 1)
-    for v in values:
-        counts[bisect.bisect_left(bounds, v)] += 1
-    return counts
-
-
-def _cumulative(counts: Sequence[int], bounds: Sequence[float]) -> list[tuple[str, float]]:
+def _histogram(counts: Iterable[tuple[float, int]], bounds: Sequence[float]
+               ) -> list[tuple[str, float]]:
+    """Cumulative bucket counts of (value, how many times) pairs, ``+Inf`` last."""
+    per = [0] * (len(bounds) + 1)
+    for value, n in counts:
+        per[bisect.bisect_left(bounds, value)] += n
     out, total = [], 0
-    for bound, n in zip([*bounds, math.inf], counts, strict=True):
+    for bound, n in zip([*bounds, math.inf], per, strict=True):
         total += n
         out.append(("+Inf" if math.isinf(bound) else repr(float(bound)), float(total)))
     return out
@@ -322,7 +320,7 @@ class JobCollector(Collector):
                 events.add_metric([job, kind, reason], float(n))
             durations.add_metric(
                 [job],
-                _cumulative(_bucket_counts(s.epoch_durations_s, EPOCH_BUCKETS), EPOCH_BUCKETS),
+                _histogram(((d, 1) for d in s.epoch_durations_s), EPOCH_BUCKETS),
                 sum_value=float(sum(s.epoch_durations_s)),
             )
             if s.state.is_terminal:
@@ -338,3 +336,98 @@ class JobCollector(Collector):
         yield from (batch, partition, throughput, compute, wait)
         yield from (info, state, epoch, step, workers, loss, accuracy, utilization, balance)
         yield from (rebalances, durations, generation, events, regroup, retried)
+
+
+def cluster_families(view: ClusterView | None) -> Iterator[Metric]:
+    queue = GaugeMetricFamily(
+        "dynabatch_cluster_queue_length", "Jobs the cluster scheduler keeps waiting."
+    )
+    allocated = GaugeMetricFamily(
+        "dynabatch_cluster_allocated_workers",
+        "Workers the cluster scheduler allocates to a job on a node type.",
+        labels=["job_id", "node_type"],
+    )
+    members = GaugeMetricFamily(
+        "dynabatch_cluster_member_workers",
+        "Workers a job itself last reported to the cluster scheduler (beside its allocation: "
+        "they differ while workers start or drain, or when it refused an assignment).",
+        labels=["job_id"],
+    )
+    utilization = GaugeMetricFamily(
+        "dynabatch_cluster_utilization_ratio",
+        "Worker slots held by jobs over the slots the nodes offer.",
+    )
+    resizes = CounterMetricFamily(
+        "dynabatch_cluster_resizes", "Job resizes the cluster scheduler made."
+    )
+    if view is not None:
+        queue.add_metric([], float(len(view.queue)))
+        for job in view.jobs:
+            for node_type, n in job.by_type:
+                allocated.add_metric([job.job_id, node_type], float(n))
+            if job.members is not None:
+                members.add_metric([job.job_id], float(sum(k for _, k in job.members)))
+        utilization.add_metric([], view.utilization)
+        resizes.add_metric([], float(view.resizes))
+    yield from (queue, allocated, members, utilization, resizes)
+
+
+def schedule_families(snaps: list[JobSnapshot]) -> Iterator[Metric]:
+    def gauge(name: str, doc: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=["job_id"])
+
+    def counter(name: str, doc: str) -> CounterMetricFamily:
+        return CounterMetricFamily(name, doc, labels=["job_id"])
+
+    batch = gauge("dynabatch_job_global_batch", "The global batch in force (samples).")
+    lr = gauge("dynabatch_job_learning_rate", "The learning rate of the current step.")
+    noise = gauge("dynabatch_job_gradient_noise_scale",
+                  "Goodput mode: estimated gradient noise scale tr(Sigma)/|grad L|^2.")
+    chosen = gauge("dynabatch_job_goodput_batch", "Goodput mode: the global batch it chose.")
+    flagged = counter("dynabatch_job_isgd_flagged_batches",
+                      "Batches ISGD flagged as under-trained.")
+    extra = counter("dynabatch_job_isgd_extra_iterations", "ISGD extra iterations.")
+    for s in snaps:
+        labels = [s.job_id]
+        for family, value in ((batch, s.global_batch), (lr, s.lr), (noise, s.noise_scale),
+                              (chosen, s.goodput_batch)):
+            if value is not None and math.isfinite(value):
+                family.add_metric(labels, float(value))
+        flagged.add_metric(labels, float(s.isgd_flagged_total))
+        extra.add_metric(labels, float(s.isgd_extra_iterations_total))
+    yield from (batch, lr, noise, chosen, flagged, extra)
+
+
+STALENESS_BUCKETS: tuple[float, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def ps_families(snaps: Iterable[JobSnapshot]) -> Iterator[Metric]:
+    staleness = HistogramMetricFamily(
+        "dynabatch_ps_staleness", "Staleness of each learner's applied gradients.",
+        labels=["job_id", "worker"])
+    pushes = GaugeMetricFamily(
+        "dynabatch_ps_pushes_per_second", "Gradients pushed per second (last 10 s).",
+        labels=["job_id"])
+    grads = CounterMetricFamily(
+        "dynabatch_ps_gradients", "Gradients by outcome (applied, refused).",
+        labels=["job_id", "outcome"])
+    deferred = CounterMetricFamily(
+        "dynabatch_ps_deferred_updates", "Updates put off by on_stale: wait.",
+        labels=["job_id"])
+    version = GaugeMetricFamily(
+        "dynabatch_ps_server_version", "Updates the server applied.", labels=["job_id"])
+    for snap in snaps:
+        ps = snap.ps
+        if ps is None:
+            continue
+        job = snap.job_id
+        pushes.add_metric([job], ps.pushes_per_s)
+        grads.add_metric([job, "applied"], float(ps.applied))
+        grads.add_metric([job, "refused"], float(ps.refused))
+        deferred.add_metric([job], float(ps.deferred))
+        version.add_metric([job], float(ps.version))
+        for w in ps.workers:
+            counts = w.staleness_counts
+            staleness.add_metric([job, w.worker], _histogram(counts.items(), STALENESS_BUCKETS),
+                                 sum_value=float(sum(tau * n for tau, n in counts.items())))
+    yield from (staleness, pushes, grads, deferred, version)

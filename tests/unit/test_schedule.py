@@ -776,7 +776,7 @@ def test_tune_judges_against_the_small_batch_baseline_on_a_validation_split(monk
 
 
 def test_schedule_metrics_come_from_the_snapshot():
-    from dynabatch.api.schedule_metrics import schedule_families
+    from dynabatch.api.metrics import schedule_families
     from dynabatch.scheduler.telemetry import JobSnapshot
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
