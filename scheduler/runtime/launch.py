@@ -31,14 +31,10 @@ def coordinator_name(job_id: str, generation: int = 0) -> str:
 def shipped_code(working_dir: str) -> dict[str, Any] | None:
     """The coordinator's runtime_env for the job's ``working_dir``; its workers inherit it.
 
-    A URI goes to the actor's runtime_env as it is, and Ray fetches and unpacks it on every
-    node: ``file://`` (a zip on a disk every node reads: the service's uploads,
-    ``dynabatch.service.code_store``), ``gcs://``, ``https://``, ``s3://``... An actor's runtime_env
-    takes nothing else: Ray uploads a local directory only for a whole Ray job, in its
-    driver's ``ray.init(runtime_env=...)``. So a local directory must have been shipped that
-    way (``dynabatch run`` does, see ``dynabatch.service.raycluster.connect``): then every actor of
-    this
-    driver's job has it already, and None is the answer."""
+    A URI (``file://`` of the service's uploads, ``gcs://``, ``s3://``...) goes to the actor's
+    runtime_env as it is, and Ray fetches it on every node. A local directory Ray uploads
+    only for a whole Ray job, in its driver's ``ray.init``: shipped that way (``dynabatch
+    run`` does), every actor of the job has it already, and None is the answer."""
     if is_uri(working_dir):
         return {"working_dir": working_dir}
     if not (ray.get_runtime_context().runtime_env or {}).get("working_dir"):

@@ -1,20 +1,11 @@
-"""Which jobs run at all: the queue order, holds, and gang admission (pure).
+"""Which jobs run at all: the queue order, lost slots, and gang admission (pure).
 
-Order. Jobs are considered by ``(-priority, running first, submit time, id)``: a higher
-priority comes first; among equals a running job is not displaced by a later arrival.
-
-Gangs. A job is admitted only when its ``min_workers`` fit together next to the held jobs'
-allocations and the minimums of the jobs admitted before it; a job that is not admitted
-holds nothing. Whether a set of minimums fits on node types each job may use is a
-transportation problem; by Hall's theorem it is feasible exactly when for every set U of
-types, the minimums of the jobs that can use only types in U fit in U's capacity. With a
-few node types that is 2^T sums (a subset-sum transform), cheap enough to ask per job.
-
-Sized workers. When a job's worker takes more than one slot on some type (``worker_slots``
-above 1 on CPU nodes), Hall's condition no longer decides it: :class:`SizedGangCheck` asks
-HiGHS whether the minimums fit the same capacity rows the MILP then solves (slots per type,
-and per job no more workers on a type than its nodes' free slots hold whole), one small
-feasibility program per job considered.
+Jobs are considered by ``(-priority, running first, submit time, id)``, so a running job is
+not displaced by a later arrival of its priority. A job is admitted only when its
+``min_workers`` fit together next to the held jobs and the minimums admitted before it. With
+one slot per worker that is Hall's condition over node types (:class:`GangCheck`: for every
+set of types, the minimums of the jobs limited to it fit its capacity, 2^T sums); with
+workers of several slots HiGHS checks the MILP's own capacity rows (:class:`SizedGangCheck`).
 """
 
 from __future__ import annotations

@@ -33,21 +33,14 @@ def _workers(slots: Slots) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One job the scheduler knows: the one record of a job (registered as it is, adopted
-    with its ``allocation``, kept in the rounds).
-
-    What it asks: bounds, ``priority``, ``submit_s``, ``eligible`` node types (None: all),
-    ``worker_slots`` (slots of one worker on a CPU node) and ``gpu_units`` (on a GPU node),
-    ``generation`` (its coordinator's: a resume is the next) and ``client`` (its own run
-    launches its coordinator once granted).
-
-    Its place in the rounds: ``allocation`` and ``last_resize_s`` (the hold); ``started``:
-    granted (its driver is launched or being launched on ``allocation``); ``launched``: its
-    driver is up (the launch returned, it was adopted, or its run launched it);
-    ``seen_s``: a client's run last heard from; ``model``; ``note``: why a start failed;
-    ``members``: its workers per node as it last reported them (None: no report yet);
-    ``refused``: an assignment it refused and why; ``waits``: what an owner's request still
-    waits for; ``said``: the reason an owner's request gave, shown until the next round."""
+    """One job the scheduler knows: what it asks (as :class:`ClusterJob`, plus ``eligible``
+    node types (None: all), its coordinator's ``generation`` and ``client``: its own run
+    launches it once granted) and its place in the rounds. ``started``: granted (its driver
+    is launched or being launched); ``launched``: its driver is up; ``seen_s``: a client's
+    run last heard from; ``note``: why a start failed; ``members``: its workers per node as
+    it last reported them (None: no report yet); ``refused``: an assignment it refused and
+    why; ``waits``: what an owner's request still waits for; ``said``: the reason an owner's
+    request gave, shown until the next round."""
 
     job_id: str
     min_workers: int

@@ -30,18 +30,11 @@ class NodeView:
 
 @dataclass(frozen=True, slots=True)
 class JobView:
-    """A job as the scheduler sees it after the round.
-
-    ``allocation``: (node_id, workers) it trains on (empty: queued). ``by_type``: workers per
-    node type. ``position``: 1-based place in the queue, None when running. ``rates``:
-    samples/s of one worker per node type, ``measured`` the types the job's own telemetry
-    gave (the others are estimates). ``normalised``: its throughput over its best.
-
-    Facts beside the decision: ``members``: (node_id, workers) the job itself last reported
-    (None: no report yet, or not running); ``differs``: why its members are not its
-    allocation (workers starting or draining per node, or an assignment it refused, with
-    the job's reason), None when they agree; ``waits``: what an owner's request (a scale)
-    still waits for, None when nothing."""
+    """A job as the scheduler sees it after the round: its plan (:class:`~.values.JobPlan`),
+    its ``rates`` per node type (``measured``: those from its own telemetry, the others
+    estimates), and facts beside the decision: ``members`` as the job last reported them
+    (None: no report yet), why they ``differs`` from its allocation (None: they agree), and
+    what an owner's request still ``waits`` for."""
 
     job_id: str
     priority: int
