@@ -14,8 +14,8 @@ from typing import Annotated
 import typer
 from dynabatch.api.cli.common import api_client, out_console, print_plain
 from dynabatch.api.cli.job_commands import Token, Url
+from dynabatch.service.cluster_client import node_label
 from dynabatch.service.cluster_schemas import ClusterState, Slot
-from dynabatch.service.labels import node_label
 from dynabatch.service.rest_client import DEFAULT_URL
 from rich.console import Group
 from rich.table import Table

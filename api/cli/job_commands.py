@@ -38,7 +38,7 @@ from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
 from dynabatch.api.cli.views import breakdown_table, tensorboard_line, tensorboard_made
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import LogLine, splits_text
-from dynabatch.service.labels import node_label
+from dynabatch.service.cluster_client import node_label
 from dynabatch.service.rest_client import DEFAULT_URL, DynabatchClient
 from dynabatch.service.schemas import JobDetail
 from rich.console import Group

@@ -11,7 +11,7 @@
   const $ = (id) => document.getElementById(id);
   const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
   // A Ray node id (56 hex digits) by its first 8, as the CLI and /metrics name it
-  // (dynabatch.service.labels).
+  // (dynabatch.service.cluster_client.node_label).
   const nodeLabel = (n) => (/^[0-9a-f]{40,}$/.test(n) ? n.slice(0, 8) : n);
   const PALETTE = ["#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
   // A link may carry the token in its fragment (/jobs/ID#token=...), which browsers never
