@@ -47,7 +47,6 @@ class PerfAwareBatches:
         self.speeds: dict[str, float] = {}
         self._batches: dict[str, int] = {}
         self._since = 0
-        self.replans = 0
 
     def batch(self, worker: str) -> int:
         return self._batches.get(worker, self.b0)
@@ -87,7 +86,6 @@ class PerfAwareBatches:
         mean = sum(known) / len(known)
         speeds = {w: self.speeds.get(w, mean) for w in workers}
         self._batches = ji_batches(len(workers) * c.b0, speeds, c.b_min, c.b_max)
-        self.replans += 1
         return dict(self._batches)
 
     def forget(self, worker: str) -> None:
