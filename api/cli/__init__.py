@@ -67,7 +67,3 @@ def main() -> None:
         raise SystemExit(2) from None
     _register()
     app()
-
-
-if __name__ == "__main__":
-    main()

@@ -540,13 +540,3 @@ def register(app: typer.Typer) -> None:
     app.command("scale")(scale)
     app.command("drain")(drain)
     app.command("resume")(resume)
-
-
-def main() -> None:  # pragma: no cover - ``dynabatch`` is dynabatch.api.cli:main
-    app = typer.Typer(pretty_exceptions_enable=False, no_args_is_help=True)
-    register(app)
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
