@@ -51,31 +51,24 @@ def open_checked(spec: JobSpec) -> tuple[Any, Any]:
     it too)."""
     import numpy as np
     from dynabatch.actors.data.open import open_dataset
+    from dynabatch.actors.spec.validation import batch_fits_data
+    from dynabatch.actors.workloads import WorkloadError
     from dynabatch.actors.workloads.hf import check_tokenizer
     from dynabatch.actors.workloads.models import build_model
     from dynabatch.actors.workloads.objective import check_objective
 
     check_tokenizer(spec)  # dataset.tokenizer against the model's vocab_size
     data = open_dataset(spec.dataset, seed=spec.seed)
-    _refuse_oversized_batch(spec, len(data.train),
-                            len(data.validation) if data.validation is not None else 0)
+    # A global batch the training set cannot fill fails the job here, naming the field, not
+    # with a one-step epoch; a validation split held out of it is said as the reason.
+    problem = batch_fits_data(spec, len(data.train))
+    if problem is not None:
+        held = (f"; dataset.validation held {len(data.validation)} out of it"
+                if data.validation is not None and spec.dataset.validation_fraction else "")
+        raise WorkloadError(f"{problem[0]}: {problem[1]}{held}")
     model = build_model(spec.model, tuple(data.input_shape), data.num_classes)
     x2, y2 = data.train.read(np.arange(min(2, len(data.train))))
     return data, check_objective(spec, model, x2, y2)
-
-
-def _refuse_oversized_batch(spec: JobSpec, n_train: int, n_validation: int = 0) -> None:
-    """A global batch the training set cannot fill fails the job at load time (one line,
-    naming the field), not with a one-step epoch; ``n_validation``: what a validation
-    fraction held out of it (said, as the reason it is smaller)."""
-    from dynabatch.actors.spec.validation import batch_fits_data
-    from dynabatch.actors.workloads import WorkloadError
-
-    problem = batch_fits_data(spec, n_train)
-    if problem is not None:
-        held = (f"; dataset.validation held {n_validation} out of it"
-                if n_validation and spec.dataset.validation_fraction else "")
-        raise WorkloadError(f"{problem[0]}: {problem[1]}{held}")
 
 
 def own_generation(job_id: str) -> int | None:

@@ -73,19 +73,6 @@ class ThroughputModel:
         return self.of_speed(sum(n * self.rate(t) for t, n in counts.items()))
 
 
-def type_ratios(models: Iterable[ThroughputModel]) -> dict[tuple[str, str], float]:
-    """(u, m) → median over the jobs that measured both of rate_u / rate_m (geometric:
-    the median of log ratios, so (u, m) and (m, u) are reciprocal)."""
-    logs: dict[tuple[str, str], list[float]] = {}
-    for model in models:
-        known = sorted((t, r) for t, r in model.rates if t in model.measured and r > 0.0)
-        for u, ru in known:
-            for m, rm in known:
-                if u != m:
-                    logs.setdefault((u, m), []).append(math.log(ru / rm))
-    return {k: math.exp(float(np.median(v))) for k, v in logs.items()}
-
-
 # Relative training throughput of one GPU by model (an H100 = 1): the class a node type's
 # GPU model puts it in, for a job that has not run on it. Round figures from public
 # per-GPU training benchmarks (MLPerf Training, vendor sheets) and Gavel's measured tables
@@ -151,9 +138,18 @@ def bootstrap(
     hints = dict(hints or {})
     types = sorted(set(node_types))
     out: dict[str, ThroughputModel] = {}
-    # A job's own ratios only cover pairs of types it measured, and a type it measured is
-    # never estimated, so one table over all jobs is the table over the others.
-    others = type_ratios(models.values())
+    # (u, m) → the median of rate_u / rate_m over the jobs that measured both (of the log
+    # ratios, so (u, m) and (m, u) are reciprocal). A job's own ratios only cover types it
+    # measured, which are never estimated, so one table over all jobs is the table over
+    # the others.
+    logs: dict[tuple[str, str], list[float]] = {}
+    for model in models.values():
+        known = sorted((t, r) for t, r in model.rates if t in model.measured and r > 0.0)
+        for u, ru in known:
+            for m, rm in known:
+                if u != m:
+                    logs.setdefault((u, m), []).append(math.log(ru / rm))
+    others = {k: math.exp(float(np.median(v))) for k, v in logs.items()}
     for job_id, model in models.items():
         mine = {t: r for t, r in model.rates if t in model.measured and r > 0.0}
         rates: dict[str, float] = {}
