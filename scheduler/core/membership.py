@@ -300,12 +300,9 @@ class Membership:
 
     # --- spawning and starting ----------------------------------------------------------
     def spawns(self, nodes: Sequence[NodeInfo], starting: bool, gpus_on) -> list[Spawn]:
-        """Workers to start on ``nodes``: first one per node with none of the job's workers
-        (a free one with a spare first, then free ones, then full ones, where the worker
-        waits for the resources). At the first start a small cluster then shares nodes
-        round-robin (a laptop running every worker on one node); later (a scale-up, a
-        replacement) a node takes more workers only while it has room for them now
-        (:attr:`NodeInfo.slots`). What cannot be placed is in :attr:`unplaced`."""
+        """Workers to start on ``nodes`` (docs/elasticity.md, "Scale up"): one per node with
+        none of the job's workers, spares first; then, at the first start, nodes shared
+        round-robin, later only nodes with room now. What cannot be placed: :attr:`unplaced`."""
         nodes = [n for n in nodes if n.node_id not in self.excluded_nodes]
         self.unplaced = None
         if self.assignment is not None:

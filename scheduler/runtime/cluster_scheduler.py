@@ -193,10 +193,8 @@ class ClusterScheduler:
         self._wake.set()
 
     def grant(self, job_id: str) -> tuple[Slots | None, str]:
-        """A client job's driver asks whether it may start: (its nodes as (node id, worker
-        slots) pairs, "") once granted, else (None, why it waits: the queue's reason).
-        Raises ``ValueError`` for a job the scheduler does not hold (dropped, or never
-        registered)."""
+        """A client job's driver asks whether it may start: (its (node id, worker slots) pairs,
+        "") once granted, else (None, the queue's reason). ``ValueError`` for a job not held."""
         with self._lock:
             self._step(Heard(job_id, self.clock()))
             entry = self._state.job(job_id)
@@ -259,11 +257,8 @@ class ClusterScheduler:
         self._wake.set()
 
     def request_scale(self, job_id: str, workers: int) -> str:
-        """The job's own scale request, answered at once by the rounds (not held): its
-        bounds become at most ``workers`` and it is resized now as far as free slots allow;
-        what it still waits for is its ``waits`` in the view. Raises ``ValueError`` (refused,
-        with the reason): below 1, above what the cluster's nodes of its types hold of its
-        workers, or a job not placed here."""
+        """The job's own scale request, answered at once by the rounds (:class:`ResizeRequested`);
+        ``ValueError`` with the reason when refused."""
         with self._lock:
             commands = self._step(ResizeRequested(job_id, workers, self.clock()))
             entry = self._state.job(job_id)
@@ -276,10 +271,8 @@ class ClusterScheduler:
         return f"{PLACES}; it has {workers} workers"
 
     def request_drain(self, job_id: str, node: str) -> str:
-        """The job's own drain of a worker on ``node``: the job gives up one slot there at
-        its next step boundary (its driver is assigned its nodes less that slot) and its
-        max_workers drops by one. Raises ``ValueError`` (refused, with the rounds' reason)
-        when the job holds no slot there or would fall below its ``min_workers``."""
+        """The job's own drain of a worker on ``node``, answered at once by the rounds
+        (:class:`Drained`); ``ValueError`` with the reason when refused."""
         with self._lock:
             e = self._entries.get(job_id)
             # Its own min_workers (``workers`` alone is the gang it starts with, no floor).
@@ -297,10 +290,8 @@ class ClusterScheduler:
         workers: Sequence[tuple[str, float]],
         global_batch: float,
     ) -> None:
-        """The job's own report, sent by its coordinator (of ``generation``) whenever its
-        group forms (:class:`~dynabatch.scheduler.runtime.seam.GroupReport`): its joined
-        members' nodes and speeds and its global batch. Its members in the view change at
-        once, not at the next round's poll."""
+        """The job's group as its coordinator (of ``generation``) reports it whenever it forms
+        (:class:`~dynabatch.scheduler.runtime.seam.GroupReport`): the view shows it at once."""
         workers = tuple((str(node), float(speed)) for node, speed in workers)
         self._heard_from(generation, JobReported(job_id, workers, float(global_batch or 1)))
 

@@ -96,13 +96,11 @@ class GangCheck:
 
 @dataclass
 class SizedGangCheck:
-    """Gang admission for jobs whose workers take several slots (see the module docstring).
-
-    ``free``: slots per type left for the jobs being admitted. :meth:`admit` takes the
-    job's slots per worker on each type (``size``) and the most workers its nodes hold
-    whole on each type (``room``; 0 where it cannot run). It keeps one placement of the
-    admitted minimums as a witness: a new gang that fits beside it greedily is admitted at
-    once; otherwise HiGHS decides, with every admitted gang free to move."""
+    """Gang admission for jobs whose workers take several slots. ``free``: slots per type
+    left; :meth:`admit` takes the job's slots per worker (``size``) and the most workers its
+    nodes hold whole (``room``) per type. A gang that fits greedily beside the placement kept
+    of the admitted minimums is admitted at once; otherwise HiGHS decides, all gangs free to
+    move."""
 
     free: np.ndarray
 

@@ -49,13 +49,9 @@ def decide(
     knobs: ClusterKnobs | None = None,
 ) -> ClusterDecision:
     """The allocation of every job, the queue, and a reason for each job. Node and job ids
-    are unique (the rounds keep one entry per id; the bench's inputs refuse repeats).
-
-    A job whose workers take several slots may find its count on a type not placed whole
-    on the nodes (the free slots split over nodes beside other jobs, :mod:`.assign`): the
-    round is then decided again with its workers on that type capped at what was placed,
-    until every count is placed as decided (each pass lowers a cap, so this ends); a gang
-    the caps leave no room for waits whole."""
+    are unique (the rounds keep one entry per id; the bench's inputs refuse repeats). A
+    count :mod:`.assign` cannot place whole is capped at what was placed and the round
+    decided again, until every count is placed (each pass lowers a cap, so this ends)."""
     knobs = knobs or ClusterKnobs()
     caps: dict[tuple[str, str], int] = {}
     while True:
