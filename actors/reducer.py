@@ -449,9 +449,10 @@ class GradientReducer:
         comm_end = self.marks.mark()
         if self.device.type != "cuda":
             h = slots.numpy()
-            return Reduced(coverage=h[1:], loss_sum=_item(loss), local_sq=_item_or(local_sq),
-                           global_sq=_item_or(global_sq), hidden_s=0.0, buckets=buckets,
-                           early=early, global_loss_sum=float(h[0])), comm_end
+            return Reduced(coverage=h[1:], loss_sum=_item_or(loss) or 0.0,
+                           local_sq=_item_or(local_sq), global_sq=_item_or(global_sq),
+                           hidden_s=0.0, buckets=buckets, early=early,
+                           global_loss_sum=float(h[0])), comm_end
         host = self._to_host(slots, loss, local_sq, global_sq)
         compute_s = self.marks.seconds(compute_end)
         return Reduced(coverage=host[0][1:], loss_sum=host[1], local_sq=host[2],
@@ -517,10 +518,6 @@ class GradientReducer:
         global_sq = torch.dot(g, g) if self._norms else None
         return self._home(flat[self.n_params:], loss, local_sq, global_sq, 1, 0,
                           compute_end)[0]
-
-
-def _item(t: torch.Tensor | None) -> float:
-    return float(t) if t is not None else 0.0
 
 
 def _item_or(t: torch.Tensor | None) -> float | None:

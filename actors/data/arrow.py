@@ -41,10 +41,6 @@ SUFFIXES = (".parquet", ".pq", ".parq")
 MAX_GROUP_BYTES = 512 << 20
 
 
-def _opt_list(v: Any) -> list[str]:
-    return [v] if isinstance(v, str) else list(v)
-
-
 def decode_image(blob: bytes, where: str) -> np.ndarray:
     """Encoded image bytes -> uint8 (H, W) or (H, W, C); DataError naming ``where``."""
     from PIL import Image
@@ -152,7 +148,8 @@ class ParquetSource(Source):
         self.collate_path, self._collate = collate, load_collate(collate)
 
         opts = dict(options)
-        self.xcols = _opt_list(opts.pop("x", "image"))
+        x = opts.pop("x", "image")
+        self.xcols = [x] if isinstance(x, str) else list(x)
         self.ycol = str(opts.pop("y", "label"))
         shape = opts.pop("shape", None)
         self.shape = tuple(int(s) for s in shape) if shape is not None else None

@@ -35,10 +35,6 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pg
                   ".tiff")
 
 
-def _scale_for(dtype: np.dtype, scale: Any) -> float:
-    return float(scale) if scale is not None else (1 / 255 if dtype == np.uint8 else 1.0)
-
-
 class NpySource(Source):
     # The options it reads: the one table of them (dynabatch.actors.data.open.
     # check_file_options refuses any other, before Ray starts and when the job opens it).
@@ -97,7 +93,9 @@ class NpySource(Source):
             order = np.argsort(rows)  # sorted rows: sequential page reads
             part = np.asarray(self.x[s][rows[order]])
             if not tok:
-                part = part.astype(np.float32) * np.float32(_scale_for(part.dtype, self.scale))
+                scale = self.scale if self.scale is not None else (
+                    1 / 255 if part.dtype == np.uint8 else 1.0)
+                part = part.astype(np.float32) * np.float32(scale)
             x[sel[order]] = part
             y[sel[order]] = self.y[s][rows[order]]
         return x, y

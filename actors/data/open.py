@@ -106,7 +106,9 @@ def open_source(spec: DatasetSpec, seed: int, split: str,
     fraction = spec.validation_fraction
     if split == "test" or (split == "validation" and fraction is None):
         return _open_split(spec, seed, split, extra or {}, result)
-    train = _limited(_open_split(spec, seed, "train", extra or {}, result), spec)
+    train = _open_split(spec, seed, "train", extra or {}, result)
+    if spec.limit is not None and spec.limit < len(train):
+        train = Range(train, 0, spec.limit)
     if fraction is None:
         return train
     keep, held = holdout_ids(len(train), fraction, seed)
@@ -269,10 +271,6 @@ def open_dataset(spec: DatasetSpec, seed: int = 0) -> Opened:
         opened.validation = open_source(spec, seed, "validation", extra, result)
         opened.validation_ref = DataRef(spec, seed, "validation", dict(extra))
     return opened
-
-
-def _limited(src: Source, spec: DatasetSpec) -> Source:
-    return src if spec.limit is None or spec.limit >= len(src) else Range(src, 0, spec.limit)
 
 
 def materialise(spec: DatasetSpec, seed: int = 0) -> Any:
