@@ -41,16 +41,16 @@ from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.reconciler import EMBEDDED_ENDED, Reconciler, SchedulerLink
 from dynabatch.service.scheduling import RayScheduling, Refused
 from dynabatch.service.service_errors import (
-    AlreadyFinished,
     ClusterUnavailable,
     CoordinatorGone,
     InvalidRequest,
     JobConflict,
-    JobFinished,
     JobNotFound,
     RayCallError,
     WorkerNotFound,
+    already_finished,
     finished_message,
+    job_finished,
 )
 from dynabatch.service.settings import Settings
 from dynabatch.service.store import QUEUED, STARTING, JobRecord, JobStore
@@ -227,7 +227,7 @@ class JobService:
             raise InvalidRequest("min_workers", problem)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobRecord:
-        """Cancel a live job. Raises :class:`AlreadyFinished` (an ``InvalidTransition``, 409)
+        """Cancel a live job. Raises :class:`JobConflict` (409)
         when it already ended.
 
         The coordinator stops at its next step boundary; this waits up to ``cancel_wait_s``
@@ -236,7 +236,7 @@ class JobService:
         with self.reconciler.lock:
             rec = self.record(job_id)
             if rec.state.is_terminal:
-                raise AlreadyFinished(rec.state, job_id)
+                raise already_finished(rec.state, job_id)
             if self.link is not None and job_id not in self.link.started:
                 self.link.finished(job_id)  # still queued: it leaves the queue unstarted
             try:
@@ -248,7 +248,7 @@ class JobService:
             except InvalidTransition:
                 # It finished between our read and the coordinator's; report what it is.
                 done = self.reconciler.sync_job(job_id) or rec
-                raise AlreadyFinished(done.state, job_id) from None
+                raise already_finished(done.state, job_id) from None
             log.info("job %s: cancel requested (%s)", job_id, reason)
         deadline = time.monotonic() + self.cancel_wait_s
         while not snap.state.is_terminal and time.monotonic() < deadline:
@@ -260,11 +260,11 @@ class JobService:
         return self.reconciler.sync_job(job_id, snapshot=snap) or rec
 
     def _live_record(self, job_id: str, done: str) -> JobRecord:
-        """The job's record; :class:`JobFinished` (409, "a finished job cannot be
+        """The job's record; :class:`JobConflict` (409, "a finished job cannot be
         ``done``") when it finished."""
         rec = self.record(job_id)
         if rec.state.is_terminal:
-            raise JobFinished(rec.state, job_id, done)
+            raise job_finished(rec.state, job_id, done)
         return rec
 
     def _membership_call(self, rec: JobRecord, call: Callable[[], JobSnapshot],
@@ -275,12 +275,12 @@ class JobService:
             return call()
         except InvalidTransition:
             ended = self.reconciler.sync_job(rec.id) or rec
-            raise JobFinished(ended.state, rec.id, done) from None
+            raise job_finished(ended.state, rec.id, done) from None
 
     def scale(self, job_id: str, workers: int) -> JobRecord:
         """Run the job with exactly ``workers`` workers from its next step boundary on.
 
-        Raises ``InvalidTransition`` (409) when it finished, :class:`InvalidRequest` (422)
+        Raises :class:`JobConflict` (409) when it finished, :class:`InvalidRequest` (422)
         when the job's global batch cannot be split that many ways (the membership's
         bounds: :func:`~dynabatch.scheduler.core.membership.scale_error`).
         """
@@ -301,7 +301,7 @@ class JobService:
                 self.store.set_target_workers(job_id, workers)
                 done = self.reconciler.coordinator_lost(rec, Reconciler.died(err))
                 if done is None or done.state.is_terminal:
-                    raise JobFinished(
+                    raise job_finished(
                         done.state if done else JobState.FAILED, job_id, "scaled"
                     ) from None
                 return done
@@ -380,7 +380,7 @@ class JobService:
         the epoch goes to the others).
 
         Raises :class:`WorkerNotFound` (404), :class:`JobConflict` (409) for the job's last
-        worker and ``InvalidTransition`` (409) when the job finished.
+        worker and when the job finished.
         """
         with self.reconciler.lock:
             rec = self._live_record(job_id, "drained")

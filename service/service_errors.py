@@ -1,13 +1,13 @@
 """The service's errors: what a Ray call, a lookup or a request can fail with.
 
-The API maps each to its status (``dynabatch.api.app``): :class:`RayCallError` 503,
-:class:`JobNotFound` and :class:`WorkerNotFound` 404, :class:`JobConflict` and
-:class:`AlreadyFinished` 409, :class:`InvalidRequest` 422.
+The API maps each to its status (``dynabatch.api.app``): :class:`ClusterUnavailable` 503,
+:class:`RayCallError` 502, :class:`JobNotFound` and :class:`WorkerNotFound` 404,
+:class:`JobConflict` 409, :class:`InvalidRequest` 422.
 """
 
 from __future__ import annotations
 
-from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
+from dynabatch.scheduler.core.lifecycle import JobState
 
 
 class RayCallError(RuntimeError):
@@ -40,41 +40,19 @@ class JobConflict(Exception):
     resuming a job whose coordinator is alive or which has no checkpoint."""
 
 
-class AlreadyFinished(InvalidTransition):
-    """Cancelling a job that already ended (409): says so, rather than the lifecycle's
-    ``job is CANCELLED; it cannot become CANCELLED``."""
-
-    def __init__(self, old: JobState, job_id: str = ""):
-        super().__init__(old, JobState.CANCELLED)
-        job = f"job {job_id}" if job_id else "job"
-        if old == JobState.CANCELLED:
-            self.args = (f"{job} is already CANCELLED",)
-        else:
-            self.args = (f"{job} already finished ({old.value}): there is nothing to cancel",)
-        self.job_id = job_id
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-    def __reduce__(self):
-        return (AlreadyFinished, (self.old, self.job_id))
+def already_finished(state: JobState, job_id: str) -> JobConflict:
+    """Cancelling a job that already ended (409), in the user's words rather than the
+    lifecycle's ``job is CANCELLED; it cannot become CANCELLED``."""
+    if state == JobState.CANCELLED:
+        return JobConflict(f"job {job_id} is already CANCELLED")
+    return JobConflict(f"job {job_id} already finished ({state.value}): there is nothing to "
+                       "cancel")
 
 
-class JobFinished(InvalidTransition):
-    """A request that only a live job takes (scale, drain) to one that finished (409), in
-    the user's words: ``job 3f2a has finished (SUCCEEDED); a finished job cannot be
-    scaled``, rather than the lifecycle's ``job is SUCCEEDED; it cannot become RUNNING``."""
-
-    def __init__(self, old: JobState, job_id: str = "", done: str = "changed"):
-        super().__init__(old, JobState.RUNNING)
-        self.args = (finished_message(old, job_id, f"a finished job cannot be {done}"),)
-        self.job_id, self.done = job_id, done
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-    def __reduce__(self):
-        return (JobFinished, (self.old, self.job_id, self.done))
+def job_finished(state: JobState, job_id: str, done: str) -> JobConflict:
+    """A request that only a live job takes (scale, drain) to one that finished (409):
+    ``job 3f2a has finished (SUCCEEDED); a finished job cannot be scaled``."""
+    return JobConflict(finished_message(state, job_id, f"a finished job cannot be {done}"))
 
 
 def finished_message(state: JobState, job_id: str, why: str) -> str:
