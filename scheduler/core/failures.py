@@ -120,11 +120,9 @@ FailureKind = Literal["segment", "regroup", "evaluation", "no_workers", "state_l
 
 @dataclass(frozen=True, slots=True)
 class FailureEvent:
-    """A failure as the driver saw it. ``where``: the position of a segment or the epoch of
-    an evaluation; ``failure``: a segment's, classified; ``worker``/``error``: whose and
-    what (an evaluation's shard, the reason of the others); ``lost``: a regroup lost
-    workers; ``user``: an evaluation's error is the job's own; ``checkpoint``: a rollback
-    found one to restore."""
+    """A failure as the driver saw it: where (a segment's ``position``, an evaluation's
+    epoch), a segment's classified ``failure``, whose and what ``error``; ``lost``: a
+    regroup lost workers; ``user``: the job's own error; ``checkpoint``: one to restore."""
 
     kind: FailureKind
     position: Position = field(default_factory=lambda: Position(0, 0))

@@ -47,8 +47,6 @@ class RecoveryDecision:
 
     action: Action
     reason: str
-    attempt: int | None = None
-    """Which automatic resume this is (1 to the limit); None unless resuming."""
 
 
 def decide_lost(lost: LostCoordinator) -> RecoveryDecision:
@@ -75,5 +73,4 @@ def decide_lost(lost: LostCoordinator) -> RecoveryDecision:
     return RecoveryDecision(
         Action.RESUME,
         f"{why}; resuming from its checkpoint (automatic resume {attempt} of {limit})",
-        attempt,
     )
