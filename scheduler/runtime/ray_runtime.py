@@ -89,10 +89,8 @@ def own_generation(job_id: str) -> int | None:
 
 
 class RayGroupReports:
-    """The cluster scheduler actor, as a job's coordinator tells it of its group
-    (:class:`~dynabatch.scheduler.runtime.seam.GroupReports`): found by name at each report
-    (a restarted scheduler is a new actor), called without waiting. With no scheduler (the
-    job's membership decides its size) nothing is sent."""
+    """Where a coordinator reports its group: the cluster scheduler actor, found by name at
+    each report (a restarted scheduler is a new actor) and not waited for; none, none sent."""
 
     def report(self, report: GroupReport) -> None:
         from dynabatch.scheduler.runtime.launch import NAMESPACE, SCHEDULER_NAME

@@ -120,10 +120,8 @@ class Runtime(Protocol):
         """Alive nodes that can host one of this job's workers."""
 
     def spawn(self, spawn: Spawn) -> None:
-        """Start a worker; :meth:`poll_started` reports when it is up (or failed). A
-        :class:`Spawn` marked ``adopt`` turns the node's spare into the worker (it reserves
-        the worker's resources, then takes the worker's identity); when that spare is gone,
-        the worker starts afresh."""
+        """Start a worker; :meth:`poll_started` reports when it is up (or failed). ``adopt``:
+        the node's spare becomes the worker (a fresh one starts when that spare is gone)."""
 
     def poll_started(self, timeout_s: float) -> list[Started]:
         """Workers whose start finished, waiting up to ``timeout_s`` for the first one."""
@@ -151,11 +149,9 @@ class Runtime(Protocol):
         after the first failure is reported as hung."""
 
     def update_segment(self, update: Any, timeout_s: float) -> bool:
-        """Post ``update`` (a ``PlanUpdate``, ``dynabatch.scheduler.core.sync.update``) to
-        the segment already sent that holds its step: True when every worker of it will
-        apply the new allocation from ``update.at_step``, False when refused (a worker had
-        started that step, or the group cannot be reached in ``timeout_s``: nothing
-        changes)."""
+        """Post ``update`` (a ``PlanUpdate``) to the segment already sent that holds its step:
+        True when every worker will apply it from ``update.at_step``, False when refused (a
+        worker had started that step, or the group is not reached in ``timeout_s``)."""
 
     def regroup(
         self, generation: int, members: Sequence[str], state: dict[str, Any] | None,
@@ -167,10 +163,9 @@ class Runtime(Protocol):
 
     def submit_evaluation(self, shards: dict[str, tuple[int, int]],
                           split: str = "test") -> Any:
-        """Queue each worker's evaluation of the held-out samples ``[lo, hi)`` of ``split``
-        (test, or validation when the data has one): behind the calls sent to it before
-        (so it scores the weights they leave) and ahead of those sent after. Returns a
-        ticket for :meth:`poll_evaluation`."""
+        """Queue each worker's evaluation of the samples ``[lo, hi)`` of ``split`` behind the
+        calls sent to it before (so it scores the weights they leave); a ticket for
+        :meth:`poll_evaluation`."""
 
     def poll_evaluation(self, ticket: Any, timeout_s: float) -> list[ShardResult]:
         """The ticket's shards that finished since the last poll (each returned once),

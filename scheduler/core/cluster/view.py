@@ -16,10 +16,8 @@ from dynabatch.scheduler.core.cluster.values import ClusterDecision, ClusterJob,
 
 @dataclass(frozen=True, slots=True)
 class NodeView:
-    """A node, its type, its capacity, and which jobs hold how many workers there.
-    ``capacity``: its GPUs on a GPU node, else its CPU slots; ``used``: what those workers
-    take of it (GPUs, fractions where jobs share them; several CPU slots for a worker of a
-    job asking several CPUs)."""
+    """A node, its type, and which jobs hold how many workers there. ``capacity`` and
+    ``used``: in GPUs on a GPU node (fractions where jobs share one), else in CPUs."""
 
     node_id: str
     node_type: str
