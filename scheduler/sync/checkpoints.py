@@ -1,4 +1,4 @@
-"""Checkpoints: save the job, restore it (resuming), and roll back to it.
+"""Checkpoints: save the job, restore it (resuming), roll back to it; and the trained model out.
 
 A checkpoint holds a holder's weights, the ledger, the schedule's position and state, the
 history and the counters. Restored weights stay in the :class:`~dynabatch.scheduler.sync.
@@ -6,6 +6,11 @@ job.SyncJob` until a regroup loads them into the group. When a regroup finds no 
 holding the committed state, the job rolls back to its last checkpoint or fails
 (:class:`~dynabatch.scheduler.core.failures.FailurePolicy` decides which). Checkpoints need
 torch, so ``dynabatch.scheduler.checkpoint`` is imported lazily: a simulated job keeps none.
+
+At the job's end the model goes out from the same state a checkpoint saves, as safetensors
+with a manifest (:meth:`~dynabatch.scheduler.control.JobControl.publish_model`, which the
+parameter server's driver uses too), with the best epoch's weights (``checkpoint.keep_best``)
+beside the final ones.
 """
 
 from __future__ import annotations
@@ -174,3 +179,46 @@ class Checkpoints:
             return False
         self.restore(ckpt, why=decision.reason)
         return True
+
+    # ---------------------------------------------------------------- the model out
+    def save_model(self, reason: str) -> None:
+        """Build the model's files from the state a holder returns, keep them, and write
+        them to ``artifacts.dir`` when it is set (the job control's ``publish_model``). A
+        job whose runtime has no real model (a simulation without gradients) has none; one
+        whose holders cannot be read still ends as it was going to: a WARNING in its log."""
+        job = self.job
+        data = job.data
+        if data is None or not data.input_shape or not data.num_classes:
+            return
+        state = self.workforce.held_state("model export", job.start.weights)
+        model = (state or {}).get("model")
+        if not model:
+            self.control.log("WARNING", f"model export ({reason}) skipped: no worker holds the "
+                                        "state")
+            return
+        p = job.protocol
+        epoch = p.epoch if p is not None else job.start.position.epoch
+        self.control.publish_model(input_shape=data.input_shape, num_classes=data.num_classes,
+                                   state=model, epoch=epoch, reason=reason, best=self._best())
+
+    def _best(self) -> tuple[dict[str, Any] | None, int | None, dict[str, float] | None]:
+        """The best epoch's model state, epoch (epochs trained) and metrics, from its
+        checkpoint when the job keeps one (``checkpoint.keep_best``); Nones otherwise, or
+        when it cannot be read (a WARNING: the final weights still go out)."""
+        s = self.control.spec
+        if s.checkpoint.keep_best is None or not s.checkpoint.dir:
+            return None, None, None
+        from dynabatch.scheduler.checkpoint import BEST, CheckpointError, load_checkpoint
+
+        try:
+            ckpt = load_checkpoint(s.checkpoint.dir, self.control.job_id, BEST)
+            if ckpt is None:
+                return None, None, None
+            state = ckpt["weights"]["model"]
+            history = ckpt.get("history") or []
+            rec = EpochRecord.model_validate(history[-1]) if history else None
+            metrics = {"train_loss": rec.train_loss, **rec.scores} if rec else {}
+            return state, ckpt.get("epoch"), metrics
+        except (CheckpointError, KeyError, TypeError, ValueError) as err:
+            self.control.log("WARNING", f"model export: the best weights are left out ({err})")
+            return None, None, None

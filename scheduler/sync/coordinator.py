@@ -3,7 +3,7 @@
 ``step()`` is one step boundary: the pure reducer (:func:`~dynabatch.scheduler.core.sync.
 loop.step`) decides it from what this executor tells it happened, and this executor carries
 out its effects on its parts (``workforce``, ``pipeline``, ``roster``, ``epochs``,
-``checkpoints``, ``final_model``), over the job's pure machines
+``checkpoints``), over the job's pure machines
 (:class:`~dynabatch.scheduler.sync.job.SyncJob`) and a :class:`Runtime`: Ray actors in
 production, the simulator's virtual clock in ``dynabatch simulate`` and the unit tests.
 ``run()`` loops it until the job is terminal. The other public methods may be called from
@@ -73,7 +73,6 @@ from dynabatch.scheduler.runtime.seam import Clock, GroupReports, Runtime
 from dynabatch.scheduler.sync.checkpoints import Checkpoints
 from dynabatch.scheduler.sync.epochs import Epochs
 from dynabatch.scheduler.sync.evaluation import Evaluations
-from dynabatch.scheduler.sync.final_model import FinalModel
 from dynabatch.scheduler.sync.job import SyncJob
 from dynabatch.scheduler.sync.pipeline import Pipeline
 from dynabatch.scheduler.sync.roster import Roster
@@ -169,7 +168,6 @@ class Coordinator(JobControl):
         self.roster = Roster(job, self, self.workforce, runtime, self.evals, reports)
         self.epochs = Epochs(job, self, self.workforce, runtime, self.evals)
         self.checkpoints = Checkpoints(job, self, self.workforce)
-        self.final_model = FinalModel(job, self, self.workforce)
         # A checkpoint that cannot be loaded fails the job, not this constructor (the job then
         # ends FAILED naming the file, and run() returns at once); so does an LR schedule.
         error = lr_error
@@ -445,7 +443,7 @@ class Coordinator(JobControl):
             case Checkpoint(reason, position):
                 self.checkpoints.save(reason=reason, position=position)
             case SaveModel(reason):
-                self.final_model.save(reason=reason)
+                self.checkpoints.save_model(reason=reason)
             case EndJob(outcome, reason):
                 self.finish(outcome, reason)
             case _:

@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 SYNC = Path(__file__).resolve().parents[2] / "scheduler" / "sync"
-PARTS = {"pipeline", "roster", "epochs", "checkpoints", "final_model"}
+PARTS = {"pipeline", "roster", "epochs", "checkpoints"}
 
 
 def _reaches(source: str) -> list[str]:
