@@ -90,7 +90,7 @@ def own_generation(job_id: str) -> int | None:
 
 class RayGroupReports:
     """Where a coordinator reports its group: the cluster scheduler actor, found by name at
-    each report (a restarted scheduler is a new actor) and not waited for; none, none sent."""
+    each report (a restarted one is a new actor), not waited for; with none, nothing is sent."""
 
     def report(self, report: GroupReport) -> None:
         from dynabatch.scheduler.runtime.launch import NAMESPACE, SCHEDULER_NAME
