@@ -242,13 +242,15 @@ class Loader:
         buf = self.pool.take(hi - lo) if self.pool is not None else None
         try:
             if self.structured and self._procs is not None:  # the share collated as a whole
-                xb, yb = self.source.collate(self._samples_in_processes(ids, keys), ids)
+                parts = self._in_processes(_child_samples, ids, keys)
+                xb, yb = self.source.collate([s for _, got in parts for s in got], ids)
             elif self.structured:
                 xb, yb = self.source.read(ids, keys)
             elif self._procs is not None:
                 x, y = (batch_arrays(self.source.meta, hi - lo) if buf is None
                         else (buf.x[:hi - lo].numpy(), buf.y[:hi - lo].numpy()))
-                self._read_in_processes(ids, keys, x, y)
+                for p, (px, py) in self._in_processes(_child_read, ids, keys):
+                    x[p[0]:p[-1] + 1], y[p[0]:p[-1] + 1] = px, py
                 xb, yb = torch.from_numpy(x), torch.from_numpy(y)
             elif buf is None:
                 x, y = self.source.read(ids, keys)
@@ -283,24 +285,14 @@ class Loader:
                         for _ in range(self.threads)]:
                 fut.result()
 
-    def _read_in_processes(self, ids: np.ndarray, keys: np.ndarray, x: np.ndarray,
-                           y: np.ndarray) -> None:
-        """A share split across the reader processes, each part written into ``x, y``."""
+    def _in_processes(self, fn: Callable[[np.ndarray, np.ndarray], object], ids: np.ndarray,
+                      keys: np.ndarray) -> list[tuple[np.ndarray, object]]:
+        """A share split across the reader processes: ``(positions in the share, fn of
+        their ids)`` per part, in order."""
         parts = [p for p in np.array_split(np.arange(len(ids)), self.threads) if len(p)]
-        futs = [self._procs.submit(_child_read, ids[p], keys[p]) for p in parts]
+        futs = [self._procs.submit(fn, ids[p], keys[p]) for p in parts]
         try:
-            for p, fut in zip(parts, futs, strict=True):
-                x[p[0]:p[-1] + 1], y[p[0]:p[-1] + 1] = fut.result()
-        finally:
-            for fut in futs:
-                fut.cancel()
-
-    def _samples_in_processes(self, ids: np.ndarray, keys: np.ndarray) -> list[object]:
-        """A structured share's samples, read in parts by the reader processes."""
-        parts = [p for p in np.array_split(np.arange(len(ids)), self.threads) if len(p)]
-        futs = [self._procs.submit(_child_samples, ids[p], keys[p]) for p in parts]
-        try:
-            return [s for fut in futs for s in fut.result()]
+            return [(p, fut.result()) for p, fut in zip(parts, futs, strict=True)]
         finally:
             for fut in futs:
                 fut.cancel()
