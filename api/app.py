@@ -10,6 +10,7 @@ the environment).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -26,7 +27,6 @@ from dynabatch.api.metrics import (
 from dynabatch.api.routes import health, jobs, pages
 from dynabatch.api.routes.cluster import router as cluster_router
 from dynabatch.api.routes.code import code_router
-from dynabatch.api.too_large import JsonTooLarge
 from dynabatch.scheduler.core.lifecycle import InvalidTransition
 from dynabatch.service.install_check import check_own_install_once
 from dynabatch.service.job_service import JobService, build_service
@@ -47,7 +47,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp
+from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("dynabatch.api")
 
@@ -181,6 +182,45 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
 
+class JsonTooLarge:
+    """413 as the API's JSON error, naming the limit the request met (Starlette keeps it in
+    the request's scope). FastAPI's body limit is Starlette's ``RequestBodyLimitMiddleware``:
+    a body over it is answered from inside that middleware, in plain text, outside every
+    exception handler, and a declared ``Content-Length`` over it replaces whatever the app
+    answered. So the only place to give that answer the API's shape is around the whole
+    middleware stack: this rewrites any 413 on its way out."""
+
+    def __init__(self, app: ASGIApp, default_limit: int | None):
+        self.app = app
+        self.default_limit = default_limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        replaced = False
+
+        async def send_json(message: Message) -> None:
+            nonlocal replaced
+            if replaced:
+                return  # the plain-text body that went with the replaced start
+            if message["type"] == "http.response.start" and message["status"] == 413:
+                replaced = True
+                limit = scope.get(MAX_BODY_SIZE_SCOPE_KEY, self.default_limit)
+                detail = "request body too large" + (
+                    "" if limit is None else f": this endpoint takes at most {limit} bytes")
+                body = json.dumps({"detail": detail}).encode()
+                await send({"type": "http.response.start", "status": 413, "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ]})
+                await send({"type": "http.response.body", "body": body})
+                return
+            await send(message)
+
+        await self.app(scope, receive, send_json)
+
+
 class _SpecWarningsSilenced:
     """Requests are answered without issuing a spec's :class:`SpecWarning`\\ s in the
     service's process (FastAPI's reading of a body, its re-validation of an answer that
@@ -200,7 +240,7 @@ class _SpecWarningsSilenced:
 
 class _App(FastAPI):
     def build_middleware_stack(self) -> ASGIApp:
-        # Around everything, FastAPI's body limit included: see api/too_large.py.
+        # Around everything, FastAPI's body limit included: see JsonTooLarge.
         return _SpecWarningsSilenced(
             JsonTooLarge(super().build_middleware_stack(), self.max_body_size))
 
