@@ -38,10 +38,6 @@ LABELS = {
 }
 
 
-def _describe(counts: dict[str, int]) -> str:
-    return ", ".join(f"{t}: {n}" for t, n in sorted(counts.items()) if n)
-
-
 def decide(
     nodes: Sequence[ClusterNode],
     jobs: Sequence[ClusterJob],
@@ -312,7 +308,7 @@ def _running_reason(
 ) -> str:
     label = LABELS[knobs.policy]
     was, now_n = sum(before.values()), sum(mine.values())
-    kinds = _describe(per_type)
+    kinds = ", ".join(f"{t}: {n}" for t, n in sorted(per_type.items()) if n)
     if not before:
         return f"starts on {now_n} workers ({kinds}) ({label})"
     if held and knobs.policy != "fifo":
