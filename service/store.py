@@ -152,6 +152,15 @@ _snapshot = functools.lru_cache(maxsize=1024)(JobSnapshot.model_validate_json)
 _epoch_record = functools.lru_cache(maxsize=1024)(EpochRecord.model_validate_json)
 
 
+def _coordinator_gone(snapshot: str | None, state: JobState, reason: str) -> str | None:
+    """A stored snapshot as a new coordinator starts from: its progress, with ``state`` and
+    ``reason``, and no workers (they went with the old one)."""
+    if not snapshot:
+        return snapshot
+    update = {"state": state, "reason": reason, "workers": [], "finished_at": None}
+    return JobSnapshot.model_validate_json(snapshot).model_copy(update=update).model_dump_json()
+
+
 def _row_to_record(row: sqlite3.Row) -> JobRecord:
     snap = row["snapshot"]
     return JobRecord(
@@ -441,17 +450,7 @@ class JobStore:
                 "INSERT INTO logs (job_id, seq, time, level, message) VALUES (?, ?, ?, ?, ?)",
                 (job_id, seq, now, "WARNING", reason),
             )
-            snapshot = row["snapshot"]
-            if snapshot:
-                snap = JobSnapshot.model_validate_json(snapshot)
-                snapshot = snap.model_copy(
-                    update={
-                        "state": new,
-                        "reason": reason,
-                        "workers": [],
-                        "finished_at": None,
-                    }
-                ).model_dump_json()
+            snapshot = _coordinator_gone(row["snapshot"], new, reason)
             db.execute(
                 "UPDATE jobs SET state = ?, reason = ?, updated_at = ?, finished_at = NULL, "
                 "snapshot = ?, resumes = resumes + 1, auto_resumes = ?, log_offset = ?, "
@@ -487,13 +486,7 @@ class JobStore:
             old = JobState(row["state"])
             if old is not JobState.PENDING and not old.can_become(JobState.PENDING):
                 return None
-            snapshot = row["snapshot"]
-            if snapshot:
-                snapshot = (
-                    JobSnapshot.model_validate_json(snapshot)
-                    .model_copy(update={"state": JobState.PENDING, "reason": reason, "workers": []})
-                    .model_dump_json()
-                )
+            snapshot = _coordinator_gone(row["snapshot"], JobState.PENDING, reason)
             db.execute(
                 "UPDATE jobs SET state = ?, reason = ?, updated_at = ?, snapshot = ? WHERE id = ?",
                 (JobState.PENDING.value, reason, now, snapshot, job_id),
