@@ -59,10 +59,6 @@ class WorkerTelemetry:
     se: float = 0.0
     previous_se: float = 0.0
 
-    @property
-    def measured(self) -> bool:
-        return self.samples > 0 and self.compute_s > 0.0
-
 
 @dataclass(frozen=True, slots=True)
 class Allocation:
@@ -76,15 +72,11 @@ class Allocation:
     def steps(self) -> int:
         return math.ceil(self.dataset_size / self.global_batch) if self.dataset_size else 0
 
-    def _check_step(self, step: int) -> int:
+    def step_shares(self, step: int) -> tuple[int, ...]:
+        """Each worker's number of samples in ``step``; IndexError if out of range."""
         steps = self.steps
         if not 0 <= step < steps:
             raise IndexError(f"step {step} is outside the epoch's {steps} steps")
-        return steps
-
-    def step_shares(self, step: int) -> tuple[int, ...]:
-        """Each worker's number of samples in ``step``; IndexError if out of range."""
-        steps = self._check_step(step)
         if step < steps - 1:
             return self.batches
         full = steps - 1

@@ -38,10 +38,11 @@ from dynabatch.scheduler.core.sync.shares import (
     beyond_noise,
     capacity_weights,
     current_batches,
-    keep,
+    kept,
     measured_speeds,
     proportional,
     replan_reason,
+    replanned,
     speed_floor,
     split,
 )
@@ -86,11 +87,9 @@ class StaticPolicy:
         cur = current_batches(current, workers, global_batch, lo, hi)
         # Keep a current plan that already is an equal split (any rounding of it).
         if cur is not None and (np.abs(cur - real) < 1.0).all():
-            return Decision(keep(current, global_batch, dataset_size), False, "static")
+            return kept(current, global_batch, dataset_size, "static")
         b = round_to_total(real, global_batch, lo, hi)
-        alloc = make_allocation(workers, b, global_batch, dataset_size)
-        reason = replan_reason(current, workers, global_batch) + "equal shares"
-        return Decision(alloc, current is not None, reason)
+        return replanned(current, workers, b, global_batch, dataset_size, "equal shares")
 
 
 @dataclass(frozen=True)
@@ -153,21 +152,19 @@ class DBSPolicy:
         if not measured.all() and cur is not None:
             # The rule corrects each share by its own measurement under it: without one
             # for every worker, a correction would mix plans (or capacity guesses).
-            return Decision(keep(current, global_batch, dataset_size), False,
-                            "no telemetry" if not measured.any() else
-                            "waiting for every worker's steps under the current plan")
+            return kept(current, global_batch, dataset_size,
+                        "no telemetry" if not measured.any() else
+                        "waiting for every worker's steps under the current plan")
         if not measured.any():
             b = split(capacity_weights(telemetry), global_batch, lo, hi)
-            alloc = make_allocation(workers, b, global_batch, dataset_size)
-            reason = replan_reason(current, workers, global_batch) + "shares from capacity hints"
-            return Decision(alloc, current is not None, reason)
+            return replanned(current, workers, b, global_batch, dataset_size,
+                             "shares from capacity hints")
         if cur is None:
-            b = split(v, global_batch, lo, hi)
-            alloc = make_allocation(workers, b, global_batch, dataset_size)
-            changed = (current is None or alloc.batches != current.batches
-                       or current.workers != workers)
-            return Decision(alloc, changed and current is not None,
-                            "shares proportional to throughput")
+            alloc = make_allocation(workers, split(v, global_batch, lo, hi), global_batch,
+                                    dataset_size)
+            changed = current is not None and (alloc.batches, alloc.workers) != (
+                current.batches, current.workers)
+            return Decision(alloc, changed, "shares proportional to throughput")
         a, c = np.zeros_like(v), 1.0 / v  # the proportional model: t_i(b) = b / v_i
         se = np.fromiter(map(_SE, telemetry), dtype=np.float64, count=len(telemetry))
         # Each worker's model scaled so that its step time under the current plan keeps
@@ -201,8 +198,7 @@ class DBSPolicy:
             within = (scale != 1.0).any() and np.ptp(a + c * cur) <= 1e-9 * current_s
             why = ("step times equal within their noise" if within
                    else "predicted gain below threshold")
-            return Decision(keep(current, global_batch, dataset_size), False,
-                            why, predicted, current_s)
+            return kept(current, global_batch, dataset_size, why, predicted, current_s)
         return Decision(make_allocation(workers, b, global_batch, dataset_size), True,
                         reason, predicted, current_s)
 
@@ -271,12 +267,10 @@ class AffinePolicy:
         cur = current_batches(current, workers, global_batch, lo, hi)
         if not known.any():
             if cur is not None:
-                return Decision(keep(current, global_batch, dataset_size), False, "no telemetry")
+                return kept(current, global_batch, dataset_size, "no telemetry")
             b = split(capacity_weights(telemetry), global_batch, lo, hi)
-            reason = replan_reason(current, workers, global_batch) + "shares from capacity hints"
-            return Decision(
-                make_allocation(workers, b, global_batch, dataset_size), current is not None, reason
-            )
+            return replanned(current, workers, b, global_batch, dataset_size,
+                             "shares from capacity hints")
         if not known.all():
             # New members: per-sample cost from capacity relative to the measured ones,
             # overhead as the median of theirs. Telemetry corrects it after a few steps.
@@ -296,13 +290,8 @@ class AffinePolicy:
         if cur is not None:
             current_s = float(np.max(a + c * cur))
             if not starved and (current_s <= 0 or 1.0 - predicted / current_s <= self.min_gain):
-                return Decision(
-                    keep(current, global_batch, dataset_size),
-                    False,
-                    "predicted gain below threshold",
-                    predicted,
-                    current_s,
-                )
+                return kept(current, global_batch, dataset_size, "predicted gain below threshold",
+                            predicted, current_s)
             alloc = make_allocation(workers, b, global_batch, dataset_size)
             why = "a worker below its share floor; " if starved else ""
             return Decision(alloc, True, why + "equal finish under fitted step-time model",

@@ -9,7 +9,12 @@ from collections.abc import Sequence
 from operator import attrgetter
 
 import numpy as np
-from dynabatch.scheduler.core.sync.allocation import Allocation, WorkerTelemetry, make_allocation
+from dynabatch.scheduler.core.sync.allocation import (
+    Allocation,
+    Decision,
+    WorkerTelemetry,
+    make_allocation,
+)
 from dynabatch.scheduler.core.sync.steptime import equal_finish, round_to_total
 
 _CAP = attrgetter("cap")
@@ -45,14 +50,6 @@ def batch_bounds(telemetry: Sequence[WorkerTelemetry], global_batch: int) -> tup
     return np.ones(n, dtype=np.int64), hi
 
 
-def _fill_unmeasured(v: np.ndarray, measured: np.ndarray, capacity: np.ndarray) -> np.ndarray:
-    if measured.all():
-        return v
-    cap = np.maximum(np.nan_to_num(capacity, nan=1.0), 1e-9)
-    per_unit = float(np.median(v[measured] / cap[measured])) if measured.any() else 1.0
-    return np.where(measured, v, per_unit * cap)
-
-
 def measured_speeds(telemetry: Sequence[WorkerTelemetry]) -> tuple[np.ndarray, np.ndarray]:
     """(speed, measured): samples per compute-second, from the capacity hint if unmeasured."""
     n = len(telemetry)
@@ -63,7 +60,9 @@ def measured_speeds(telemetry: Sequence[WorkerTelemetry]) -> tuple[np.ndarray, n
     measured = (samples > 0) & (secs > 0) & np.isfinite(v)
     if measured.all():
         return v, measured
-    return _fill_unmeasured(v, measured, _column(telemetry, _CAPACITY, n)), measured
+    cap = np.maximum(np.nan_to_num(_column(telemetry, _CAPACITY, n), nan=1.0), 1e-9)
+    per_unit = float(np.median(v[measured] / cap[measured])) if measured.any() else 1.0
+    return np.where(measured, v, per_unit * cap), measured
 
 
 def capacity_weights(telemetry: Sequence[WorkerTelemetry]) -> np.ndarray:
@@ -103,10 +102,13 @@ def current_batches(
     return cur
 
 
-def keep(current: Allocation, global_batch: int, dataset_size: int) -> Allocation:
-    if current.global_batch == global_batch and current.dataset_size == dataset_size:
-        return current  # frozen: safe to share
-    return make_allocation(current.workers, np.array(current.batches), global_batch, dataset_size)
+def kept(current: Allocation, global_batch: int, dataset_size: int, why: str,
+         predicted: float | None = None, current_s: float | None = None) -> Decision:
+    """The verdict that keeps ``current`` (re-cut over ``dataset_size`` when that changed)."""
+    if current.global_batch != global_batch or current.dataset_size != dataset_size:
+        current = make_allocation(current.workers, np.array(current.batches), global_batch,
+                                  dataset_size)
+    return Decision(current, False, why, predicted, current_s)  # frozen: safe to share
 
 
 def replan_reason(current: Allocation | None, workers: tuple[str, ...], global_batch: int) -> str:
@@ -117,6 +119,14 @@ def replan_reason(current: Allocation | None, workers: tuple[str, ...], global_b
     if current.global_batch != global_batch:
         return "global batch changed; "
     return ""
+
+
+def replanned(current: Allocation | None, workers: tuple[str, ...], b: np.ndarray,
+              global_batch: int, dataset_size: int, why: str) -> Decision:
+    """The verdict that adopts batches ``b`` (a rebalance when it replaces a plan), ``why``
+    after what changed."""
+    return Decision(make_allocation(workers, b, global_batch, dataset_size), current is not None,
+                    replan_reason(current, workers, global_batch) + why)
 
 
 def speed_floor(a: np.ndarray, c: np.ndarray, global_batch: int, fraction: float
