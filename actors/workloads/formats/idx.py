@@ -125,16 +125,15 @@ def find_mnist_files(directory: str | Path) -> dict[str, Path]:
     return found
 
 
-def parse_mnist(blobs: dict[str, bytes], sources: dict[str, str] | None = None) -> MnistArrays:
-    """Decode and cross-check the four MNIST IDX blobs (keys as in ``MNIST_FILES``).
-
-    Returns uint8 images (N, H, W) and uint8 labels (N,) for train and test.
-    """
-    src = {k: (sources or {}).get(k, MNIST_FILES[k]) for k in MNIST_FILES}
+def read_mnist(directory: str | Path) -> MnistArrays:
+    """The four MNIST IDX files in ``directory``, decoded and cross-checked: uint8 images
+    (N, H, W) and uint8 labels (N,) for train and test."""
+    files = find_mnist_files(directory)
+    src = {k: str(p) for k, p in files.items()}
     out: dict[str, np.ndarray] = {}
     for key in MNIST_FILES:
         magic = MNIST_IMAGES_MAGIC if key.endswith("images") else MNIST_LABELS_MAGIC
-        out[key] = decode_idx(blobs[key], source=src[key], magic=magic)
+        out[key] = decode_idx(_read_maybe_gzip(files[key]), source=src[key], magic=magic)
     for split in ("train", "test"):
         images, labels = out[f"{split}_images"], out[f"{split}_labels"]
         if len(images) != len(labels):
@@ -154,10 +153,3 @@ def parse_mnist(blobs: dict[str, bytes], sources: dict[str, str] | None = None) 
             f"images are {out['train_images'].shape[1:]}"
         )
     return out["train_images"], out["train_labels"], out["test_images"], out["test_labels"]
-
-
-def read_mnist(directory: str | Path) -> MnistArrays:
-    """Read the four MNIST IDX files from ``directory``; see :func:`parse_mnist`."""
-    files = find_mnist_files(directory)
-    blobs = {k: _read_maybe_gzip(p) for k, p in files.items()}
-    return parse_mnist(blobs, {k: str(p) for k, p in files.items()})
