@@ -104,16 +104,12 @@ def check_same_form(samples: Sequence[tuple[Any, Any]], ids: Sequence[int], fiel
             )
 
 
-def collate_samples(
-    samples: list[tuple[Any, Any]],
-    ids: Sequence[int],
-    fn: Collate | None,
-    path: str | None,
-    field: str,
-) -> tuple[Tree, Tree]:
-    """The batch ``(inputs, targets)`` of ``samples`` (read from the dataset's ``ids``): the
-    user's ``fn`` (``dataset.collate: path``), else ``default_collate``. Every tensor of it
-    must have one row per sample."""
+def collate_share(samples: list[tuple[Any, Any]], ids: Sequence[int], fn: Collate | None,
+                  path: str | None, field: str, meta: Any) -> tuple[Tree, Tree]:
+    """A share's batch ``(inputs, targets)`` from its ``samples`` (read from the dataset's
+    ``ids``): the user's ``fn`` (``dataset.collate: path``), else ``default_collate``; every
+    tensor of it must have one row per sample, and class labels fit ``meta``. What every
+    structured source's ``collate`` is."""
     if fn is None:
         check_same_form(samples, ids, field)
         try:
@@ -146,6 +142,8 @@ def collate_samples(
                     f"{where} returned {part}{keystr(key)} with {rows} for "
                     f"{len(ids)} samples; every tensor needs one row per sample"
                 )
+    if meta.targets == "classes":
+        check_labels(y, ids, meta.num_classes)
     return x, y
 
 
@@ -158,13 +156,3 @@ def check_labels(y: Tree, ids: Sequence[int], num_classes: int) -> None:
     if len(bad):
         row = int(bad[0, 0])
         raise SampleError(int(ids[row]), f"label {int(y[row])} is outside 0..{num_classes - 1}")
-
-
-def collate_share(samples: list[Any], ids: np.ndarray, fn: Collate | None, path: str | None,
-                  field: str, meta: Any) -> tuple[Any, Any]:
-    """A share's batch from its samples (:func:`collate_samples`), its class labels checked
-    against ``meta``: what every structured source's ``collate`` is."""
-    x, y = collate_samples(samples, ids, fn, path, field)
-    if meta.targets == "classes":
-        check_labels(y, ids, meta.num_classes)
-    return x, y
