@@ -262,11 +262,11 @@ def create_app(
         # Blocking on purpose: no request is served yet (or any more), and under uvicorn
         # this keeps ray.init on the main thread.
         svc.cluster.connect()
-        svc.start()
+        svc.reconciler.start()
         try:
             yield
         finally:
-            svc.stop()
+            svc.reconciler.stop()
             if owns_service:
                 svc.cluster.close()
                 svc.store.close()

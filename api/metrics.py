@@ -192,7 +192,7 @@ class JobCollector(Collector):
         yield from self._heldout_families(snaps, state.last_records)
         yield from ps_families(snaps)
         yield from schedule_families(snaps)
-        nodes = self.service.alive_nodes
+        nodes = self.service.reconciler.alive_nodes
         if nodes is not None:
             g = GaugeMetricFamily("dynabatch_cluster_nodes", "Alive Ray nodes.")
             g.add_metric([], float(nodes))

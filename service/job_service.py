@@ -131,32 +131,6 @@ class JobService:
             submit_policy=self.submit_policy,
         )
 
-    # Lifecycle and sync (the reconciler) ------------------------------------------------
-    def start(self) -> None:
-        """Re-attach jobs left live by an earlier process, then start the sync loop."""
-        self.reconciler.start()
-
-    def begin_shutdown(self) -> None:
-        """``serve`` got SIGTERM or SIGINT (see :meth:`Reconciler.begin_shutdown`)."""
-        self.reconciler.begin_shutdown()
-
-    def stop(self) -> None:
-        """Stop the sync loop. In embedded mode, live jobs end with Ray: those with a
-        checkpoint stay live (PENDING) to be resumed when the API starts again; the others
-        are marked FAILED."""
-        self.reconciler.stop()
-
-    def interrupt_live(self) -> None:
-        self.reconciler.interrupt_live()
-
-    @property
-    def ready(self) -> bool:
-        return self.cluster.ping()
-
-    @property
-    def alive_nodes(self) -> int | None:
-        return self.reconciler.alive_nodes
-
     # Commands ---------------------------------------------------------------------------
     def submit(self, spec: JobSpec) -> JobRecord:
         """Store the job and start its coordinator. A launch that fails leaves it FAILED.

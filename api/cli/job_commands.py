@@ -209,7 +209,7 @@ def _serve(insecure: bool, **overrides: Any) -> None:
         logging.getLogger("dynabatch.service").warning(
             "shutdown took over %.0f s; exiting now", SHUTDOWN_DEADLINE_S)
         try:
-            service.interrupt_live()
+            service.reconciler.interrupt_live()
         finally:
             _exit_now(0)
 
@@ -217,7 +217,7 @@ def _serve(insecure: bool, **overrides: Any) -> None:
         uvicorn.Config(app, host=settings.host, port=settings.port,
                        log_level=settings.log_level),
         deadline_s=SHUTDOWN_DEADLINE_S, on_deadline=past_deadline,
-        on_signal=service.begin_shutdown,
+        on_signal=service.reconciler.begin_shutdown,
     )
     try:
         server.run()

@@ -35,7 +35,7 @@ def healthz() -> Health:
 )
 def readyz(service: ServiceDep) -> Response:
     cluster = service.cluster
-    ready = service.ready
+    ready = cluster.ping()
     body = Readiness(
         status="ready" if ready else "unavailable",
         ray=cluster.address,

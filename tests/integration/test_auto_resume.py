@@ -38,7 +38,7 @@ settings = Settings(db_path=os.path.join(root, "jobs.db"), sync_interval_s=0.2,
                     checkpoint_root=root, ray_num_cpus=2)
 service = build_service(settings)
 service.cluster.connect()
-service.start()
+service.reconciler.start()
 spec = JobSpec.model_validate({
     "name": "sigkill", "dataset": {"name": "digits"}, "model": {"name": "mlp", "hidden": 32},
     "optimizer": {"name": "sgd", "lr": 0.1}, "workers": 2, "global_batch": 64, "epochs": 4,
@@ -68,7 +68,7 @@ out = {
     "epochs": [r.epoch for r in service.history(job)],
     "messages": [x.message for x in service.logs(job)],
 }
-service.stop()
+service.reconciler.stop()
 service.cluster.close()
 print("RESULT " + json.dumps(out), flush=True)
 """

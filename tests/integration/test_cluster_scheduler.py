@@ -106,13 +106,13 @@ def _service(tmp_path, policy: str, hold_s: float = 0.0, round_s: float = 0.5):
     )
     service = build_service(settings, RayClusterClient(ray.get_runtime_context().gcs_address))
     service.cluster.connect()
-    service.start()
+    service.reconciler.start()
     service.reconciler.sync_once()  # the scheduler exists and has rebuilt: rounds run
     return service
 
 
 def _stop(service, job_ids) -> None:
-    service.stop()
+    service.reconciler.stop()
     _release(*job_ids)
     sched = find_scheduler()
     if sched is not None:

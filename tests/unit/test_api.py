@@ -586,7 +586,7 @@ def test_embedded_coordinator_gone_during_shutdown_is_the_embedded_end(
     client, service, cluster = make_app(FakeCluster(embedded=True))
     job = _submit(client)
     _sync(service)
-    service.begin_shutdown()  # serve's signal handler
+    service.reconciler.begin_shutdown()  # serve's signal handler
     cluster.kill(job)
     _sync(service)
     assert client.get(f"/v1/jobs/{job}").json()["state"] == "RUNNING"
