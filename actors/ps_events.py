@@ -1,21 +1,9 @@
 """The one interpreter of a parameter-server core's events, used by the Ray server actor
 (:class:`dynabatch.actors.ps.ParameterServer`) and the simulator
 (:mod:`dynabatch.scheduler.sim.ps_runtime`) alike, so both keep the same books and write the
-same epoch records.
-
-:class:`CoreEventInterpreter` holds the pushed gradients (slice 0 when sharded) until the core
-decides on them, and dispatches each event by its class (``event.dispatch(self)`` calls
-:meth:`on_apply`, :meth:`on_refuse` or :meth:`on_epoch_end`; the event classes live in
-``dynabatch.scheduler.core.ps``, above this layer, so the dispatch is the events' own method):
-
-* ``Apply``: one optimizer step of the local store on ``Σ weight·g``; the update is returned
-  (:attr:`Effects.applied`) for the other slices; the training loss and samples of its
-  gradients are added to the epoch's, their staleness to the per-learner tally;
-* ``Refuse``: the gradient is dropped (:attr:`Effects.dropped`, for the other slices);
-* ``EpochEnd``: the epoch closes (:attr:`Effects.closed`, with its training loss); whoever
-  holds the full weights evaluates them and calls :meth:`record` for the epoch record.
-
-No torch here: the store is passed in (anything with ``apply([(grad, weight)])``).
+same epoch records. Each event dispatches itself (``event.dispatch(self)``: the event
+classes live in ``dynabatch.scheduler.core.ps``, above this layer). No torch here: the store
+is passed in (anything with ``apply([(grad, weight)])``).
 """
 
 from __future__ import annotations

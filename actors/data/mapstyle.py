@@ -7,10 +7,7 @@ learn its length and the first sample's shape) and again in each worker, which r
 the samples it trains. It may return one dataset (a seeded ``test_fraction`` of it is held
 out), a pair ``(train, test)`` or a dict with ``train`` and ``test``.
 
-Structured samples. An input may also be a dict or a tuple of tensors (a model taking
-``input_ids`` and ``attention_mask``; a tabular model's numeric and categorical columns), and
-``dataset.collate`` may name the function that builds a share's batch from its samples: such
-a source reads a share as samples and collates it as a whole
+An input may also be a dict or a tuple of tensors, collated per share
 (:mod:`dynabatch.actors.data.structured`).
 
 Augmentation. Before each ``__getitem__`` the global RNGs of ``torch``, ``numpy`` and
