@@ -352,12 +352,11 @@ class RayRuntime:
         from datetime import timedelta
 
         import torch.distributed as dist
-        from dynabatch.scheduler.core.sync.update import payload
 
         rv = self._rv
         if rv is None:
             return False
-        data = pickle.dumps(payload(update))
+        data = pickle.dumps(update.plans)  # each worker reads its own steps
         try:
             if self._plan_store is None:
                 self._plan_store = dist.TCPStore(rv.host, rv.port, None, is_master=False,

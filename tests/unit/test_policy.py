@@ -256,7 +256,6 @@ def test_empty_dataset_and_step_range():
         alloc.step_shares(-1)
     assert alloc.step_shares(2) == (1, 1)
     assert alloc.worker_ranges(1, 5) == [[(4, 7), (8, 9)], [(7, 8), (9, 10)]]
-    assert alloc.index("b") == 1
 
 
 def test_bounds_errors():

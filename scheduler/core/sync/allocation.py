@@ -94,9 +94,6 @@ class Allocation:
                 pos += share
         return out
 
-    def index(self, worker: str) -> int:
-        return self.workers.index(worker)
-
 
 @dataclass(frozen=True, slots=True)
 class Decision:

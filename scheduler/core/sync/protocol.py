@@ -121,15 +121,21 @@ class SyncProtocol:
         if first:
             self._plans = plans[first:]  # a new list: readers in other threads see either
 
+    def _left(self, step: int) -> int:
+        """The samples from ``step`` to the epoch's end; at its end, the next epoch's."""
+        if step < self.steps_per_epoch:
+            return self.dataset_size - step * self.global_batch
+        return self.dataset_size
+
     def _carried(self) -> Allocation | None:
         """The allocation in force at the epoch's end, re-cut over a whole epoch (the next
         epoch starts with it: a policy keeping it returns it as is)."""
         got = self._in_force(self.steps_per_epoch)
-        if got is None:
-            return None
-        a = got[1]
-        return make_allocation(a.workers, list(a.batches), self.global_batch,
-                               self.dataset_size)
+        return None if got is None else self._recut(got[1], self.steps_per_epoch)
+
+    def _recut(self, a: Allocation, step: int) -> Allocation:
+        """``a``'s batches over the samples from ``step`` on."""
+        return make_allocation(a.workers, list(a.batches), self.global_batch, self._left(step))
 
     def step_size(self, step: int) -> int:
         return min(self.global_batch, self.dataset_size - step * self.global_batch)
@@ -198,10 +204,8 @@ class SyncProtocol:
         if at is None and start >= spe:
             return None
         current = self._in_force(start)
-        left = self.dataset_size - start * self.global_batch if start < spe else self.dataset_size
-        decision = policy.decide(
-            telemetry, self.global_batch, left, current[1] if current else None,
-        )
+        decision = policy.decide(telemetry, self.global_batch, self._left(start),
+                                 current[1] if current else None)
         # A kept allocation comes back re-cut over what is left, so adopting it always
         # re-anchors the plan at ``start`` without changing any batch.
         self._plans = [x for x in self._plans if x[0] < start] + [(start, decision.allocation)]
@@ -218,10 +222,7 @@ class SyncProtocol:
         i = next((j for j, (anchor, _) in enumerate(plans) if anchor == step), None)
         if i is None or to < step:
             raise ValueError(f"no allocation adopted from step {step} to defer to {to}")
-        a = plans[i][1]
-        left = (self.dataset_size - to * self.global_batch if to < self.steps_per_epoch
-                else self.dataset_size)
-        moved = make_allocation(a.workers, list(a.batches), self.global_batch, left)
+        moved = self._recut(plans[i][1], to)
         self._plans = ([x for x in plans[:i] if x[0] < to] + [(to, moved)]
                        + [x for x in plans[i + 1:] if x[0] > to])
         if self._measure_at == step + 1:
@@ -236,7 +237,7 @@ class SyncProtocol:
             first = max(anchor, self.step)
             if first >= end or worker not in a.workers:
                 continue
-            i = a.index(worker)
+            i = a.workers.index(worker)
             lo, hi = first - anchor, min(end - anchor, a.steps)
             full = max(0, min(hi, a.steps - 1) - lo)
             total += full * a.batches[i]

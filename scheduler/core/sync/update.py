@@ -20,7 +20,6 @@ the workers' reports as for any segment.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from dynabatch.actors.contracts import SegmentPlan, StepPlan, plan_key
 from dynabatch.scheduler.core.sync.allocation import Decision
@@ -105,8 +104,3 @@ def check_update(plans: dict[str, SegmentPlan], update: PlanUpdate) -> str | Non
         if pos != sp.start + sp.size:
             return f"step {sp.step}'s shares do not cover its batch"
     return None
-
-
-def payload(update: PlanUpdate) -> dict[str, Any]:
-    """What is posted: each worker's steps (a worker reads its own)."""
-    return {w: tuple(steps) for w, steps in update.plans.items()}
