@@ -35,6 +35,7 @@ from dynabatch.actors.data.source import (
     split_ids,
 )
 from dynabatch.actors.spec import DatasetSpec
+from dynabatch.actors.workloads import check_option_names
 
 if TYPE_CHECKING:
     from dynabatch.actors.data.arrow import ParquetSource
@@ -76,11 +77,8 @@ def check_file_options(spec: DatasetSpec) -> None:
     it opens the files. Any other dataset name is not checked here."""
     if spec.name not in FILE_KINDS:
         return
-    allowed = _source_class(spec.name).OPTIONS
-    unknown = sorted(set(spec.options) - set(allowed))
-    if unknown:
-        raise DataError(f"dataset.options: unknown option {unknown[0]!r} for {spec.name} "
-                        f"(allowed: {', '.join(sorted(allowed))})")
+    check_option_names("dataset.options", spec.name, spec.options,
+                       _source_class(spec.name).OPTIONS, DataError)
 
 
 def _base(spec: DatasetSpec, path: str, extra: dict[str, Any]) -> Source:

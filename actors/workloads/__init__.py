@@ -12,6 +12,18 @@ This package imports nothing heavy (torch, scikit-learn), so that importing
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 
 class WorkloadError(ValueError):
     """A dataset or model that cannot be loaded or built; the message names the spec field."""
+
+
+def check_option_names(field: str, name: str, options: Collection[str],
+                       allowed: Collection[str], error: type[WorkloadError] = WorkloadError
+                       ) -> None:
+    """An ``error`` naming the first of ``options`` (``field``, of ``name``) not ``allowed``."""
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise error(f"{field}: unknown option {unknown[0]!r} for {name} "
+                    f"(allowed: {', '.join(sorted(allowed)) or 'none'})")

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from dynabatch.actors.data.open import FILE_KINDS
 from dynabatch.actors.spec import DatasetSpec
-from dynabatch.actors.workloads import WorkloadError
+from dynabatch.actors.workloads import WorkloadError, check_option_names
 from dynabatch.actors.workloads.arrays import DatasetArrays, InvalidArrays, as_labels
 from dynabatch.actors.workloads.formats import FormatError
 from dynabatch.actors.workloads.formats.cifar import read_cifar10
@@ -66,12 +66,7 @@ INT_OPTIONS: dict[str, dict[str, tuple[int, int, int]]] = {
 
 def _int_options(spec: DatasetSpec, allowed: dict[str, tuple[int, int, int]]) -> dict[str, int]:
     """Validate ``spec.options`` against ``{name: (default, minimum, maximum)}``."""
-    unknown = sorted(set(spec.options) - set(allowed))
-    if unknown:
-        names = ", ".join(sorted(allowed)) or "none"
-        raise WorkloadError(
-            f"dataset.options: unknown option {unknown[0]!r} for {spec.name} (allowed: {names})"
-        )
+    check_option_names("dataset.options", spec.name, spec.options, allowed)
     out = {}
     for key, (default, lo, hi) in allowed.items():
         v = spec.options.get(key, default)

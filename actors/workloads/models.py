@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from dynabatch.actors.spec import ModelSpec
-from dynabatch.actors.workloads import WorkloadError
+from dynabatch.actors.workloads import WorkloadError, check_option_names
 from dynabatch.actors.workloads.imports import call_user, check_user_options, resolve_callable
 from torch import nn
 
@@ -47,7 +47,7 @@ def check_model_options(spec: ModelSpec) -> None:
     """Check ``model.options`` before anything is built: a built-in's names, a user
     builder's against its signature (WorkloadError naming the option)."""
     if spec.name in OPTIONS:
-        _check_options(spec, OPTIONS[spec.name])
+        check_option_names("model.options", spec.name, spec.options, OPTIONS[spec.name])
         return
     if spec.name == "hf":
         from dynabatch.actors.workloads.hf import check_hf_options
@@ -67,15 +67,6 @@ def _user_builder(spec: ModelSpec) -> Callable[..., Any]:
     fn = resolve_callable(spec.name, "model.name")
     check_user_options(fn, spec.name, "model.options", spec.options, passed=PASSED)
     return fn
-
-
-def _check_options(spec: ModelSpec, allowed: Sequence[str]) -> None:
-    unknown = sorted(set(spec.options) - set(allowed))
-    if unknown:
-        names = ", ".join(sorted(allowed)) or "none"
-        raise WorkloadError(
-            f"model.options: unknown option {unknown[0]!r} for {spec.name} (allowed: {names})"
-        )
 
 
 def _int(value: Any, key: str, lo: int, hi: int) -> int:
@@ -159,7 +150,6 @@ def mlp(in_features: int, hidden: int, num_classes: int, layers: int = 2) -> nn.
 
 
 def _build_mlp(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    _check_options(spec, OPTIONS["mlp"])
     layers = _int(spec.options.get("layers", 2), "layers", 1, 32)
     return mlp(math.prod(input_shape), spec.hidden, num_classes, layers)
 
@@ -210,7 +200,6 @@ class LeNet(nn.Module):
 
 
 def _build_lenet(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    _check_options(spec, OPTIONS["lenet"])
     return LeNet(input_shape, num_classes)
 
 
@@ -285,7 +274,6 @@ class ResNet(nn.Module):
 
 
 def _build_resnet(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    _check_options(spec, OPTIONS["resnet"])
     widths = _int_list(spec.options.get("widths", [16, 32, 64]), "widths", 1, 4096)
     blocks = _int_list(spec.options.get("blocks", 1), "blocks", 1, 16, length=len(widths))
     norm = spec.options.get("norm", "group")
@@ -314,7 +302,6 @@ def _build_user(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int)
 def _build_charlm(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     from dynabatch.actors.workloads.charlm import CharLM
 
-    _check_options(spec, OPTIONS["charlm"])
     if len(input_shape) != 1:
         raise WorkloadError(
             f"model.name: charlm needs token sequences (N, T), got samples of shape {input_shape}"
@@ -355,5 +342,7 @@ def build_model(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int)
         raise WorkloadError(f"model: input_shape must be positive integers, got {input_shape!r}")
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise WorkloadError(f"model: num_classes must be a positive integer, got {num_classes!r}")
+    if spec.name in OPTIONS:
+        check_option_names("model.options", spec.name, spec.options, OPTIONS[spec.name])
     builder = _BUILDERS.get(spec.name, _build_user)
     return builder(spec, shape, num_classes)
