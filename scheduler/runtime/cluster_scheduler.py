@@ -48,6 +48,7 @@ from dynabatch.scheduler.core.cluster.rounds import (
     ResizeRequested,
     RoundState,
     Run,
+    Slots,
     Start,
     StartFailed,
     Tick,
@@ -68,9 +69,6 @@ log = logging.getLogger("dynabatch.cluster")
 PLACES = "the cluster scheduler places this job"
 # How long a coordinator's launch (and its assignment) may take.
 START_TIMEOUT_S = 120.0
-
-Slots = tuple[tuple[str, int], ...]
-
 
 @dataclass(frozen=True, slots=True)
 class JobEntry:
