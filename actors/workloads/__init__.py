@@ -13,6 +13,7 @@ This package imports nothing heavy (torch, scikit-learn), so that importing
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 
 class WorkloadError(ValueError):
@@ -27,3 +28,10 @@ def check_option_names(field: str, name: str, options: Collection[str],
     if unknown:
         raise error(f"{field}: unknown option {unknown[0]!r} for {name} "
                     f"(allowed: {', '.join(sorted(allowed)) or 'none'})")
+
+
+def int_option(value: Any, field: str, lo: int, hi: int) -> int:
+    """``value`` when it is an integer in ``[lo, hi]``, else a WorkloadError naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise WorkloadError(f"{field}: must be an integer from {lo} to {hi}, got {value!r}")
+    return value

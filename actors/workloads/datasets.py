@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from dynabatch.actors.data.open import FILE_KINDS
 from dynabatch.actors.spec import DatasetSpec
-from dynabatch.actors.workloads import WorkloadError, check_option_names
+from dynabatch.actors.workloads import WorkloadError, check_option_names, int_option
 from dynabatch.actors.workloads.arrays import DatasetArrays, InvalidArrays, as_labels
 from dynabatch.actors.workloads.formats import FormatError
 from dynabatch.actors.workloads.formats.cifar import read_cifar10
@@ -67,15 +67,8 @@ INT_OPTIONS: dict[str, dict[str, tuple[int, int, int]]] = {
 def _int_options(spec: DatasetSpec, allowed: dict[str, tuple[int, int, int]]) -> dict[str, int]:
     """Validate ``spec.options`` against ``{name: (default, minimum, maximum)}``."""
     check_option_names("dataset.options", spec.name, spec.options, allowed)
-    out = {}
-    for key, (default, lo, hi) in allowed.items():
-        v = spec.options.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise WorkloadError(
-                f"dataset.options.{key}: must be an integer from {lo} to {hi}, got {v!r}"
-            )
-        out[key] = v
-    return out
+    return {key: int_option(spec.options.get(key, default), f"dataset.options.{key}", lo, hi)
+            for key, (default, lo, hi) in allowed.items()}
 
 
 def _warn_unused_path(spec: DatasetSpec) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from dynabatch.actors.spec import ModelSpec
-from dynabatch.actors.workloads import WorkloadError, check_option_names
+from dynabatch.actors.workloads import WorkloadError, check_option_names, int_option
 from dynabatch.actors.workloads.imports import call_user, check_user_options, resolve_callable
 from torch import nn
 
@@ -70,11 +70,7 @@ def _user_builder(spec: ModelSpec) -> Callable[..., Any]:
 
 
 def _int(value: Any, key: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise WorkloadError(
-            f"model.options.{key}: must be an integer from {lo} to {hi}, got {value!r}"
-        )
-    return value
+    return int_option(value, f"model.options.{key}", lo, hi)
 
 
 def _int_list(value: Any, key: str, lo: int, hi: int, length: int | None = None) -> list[int]:
