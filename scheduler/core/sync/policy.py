@@ -1,22 +1,13 @@
-"""Rebalancing policies: telemetry in, allocation out (the values:
-:mod:`dynabatch.scheduler.core.sync.allocation`). Pure: no Ray, no torch, no clock.
-
-Policies:
+"""Rebalancing policies: telemetry in, allocation out. Pure: no Ray, no torch, no clock.
 
 * ``static``: equal shares.
-* ``dbs`` (Ye et al. 2020): ``share_i ∝ old_share_i / compute_time_i``, i.e. proportional to
-  measured throughput ``v_i = samples_i / compute_s_i``, renormalised to B.
-* ``affine``: fits ``t_i(b) = a_i + c_i·b`` (see :mod:`dynabatch.scheduler.core.sync.steptime`)
-  and solves for equal finish times; keeps the current allocation unless the predicted step
-  time improves by more than ``min_gain`` (hysteresis), so noise does not churn the plan.
+* ``dbs`` (Ye et al. 2020): shares proportional to measured throughput.
+* ``affine``: equal finish under fitted ``t_i(b) = a_i + c_i·b``
+  (:mod:`dynabatch.scheduler.core.sync.steptime`), with hysteresis (``min_gain``).
 
-A worker without telemetry yet (a new member) is sized from its ``capacity`` hint, scaled
-by the measured speed per unit capacity of the others.
-
-Every policy keeps ``current`` (returns it with ``rebalanced=False``) only when the
-membership, the global batch and the workers' caps still admit it; otherwise it re-plans.
-Cost is O(n) numpy per decision: per-worker Python work is limited to reading the
-telemetry fields (a few C-level ``attrgetter`` passes).
+A worker without telemetry yet is sized from its ``capacity`` hint. A policy keeps
+``current`` only while the membership, the global batch and the caps admit it. Cost is
+O(n) numpy per decision (per-worker Python work is a few ``attrgetter`` passes).
 """
 
 from __future__ import annotations
@@ -60,12 +51,10 @@ _STATS = attrgetter("stats")
 _STAT_FIELDS = attrgetter("n", "sb", "st", "sbb", "sbt")
 _SLOWED = attrgetter("slowed")
 _SE = attrgetter("se")
-# DBS's secant step needs its two batch sizes at least this far apart (larger / smaller):
-# nearby sizes give a slope of noise.
+# DBS's secant step needs its two batch sizes this far apart (larger / smaller; nearby sizes
+# give a slope of noise), and its two times this many standard errors apart (below
+# ``DBSPolicy.z``: noise makes no far move, and a far move leaves few steps to measure).
 SECANT_RATIO = 1.5
-# ... and its two times more than this many standard errors of their difference apart.
-# Lower than ``DBSPolicy.z``: the line is drawn only after a far move, which noise does not
-# make, and a far move leaves one step or two at the new size to measure it by.
 SECANT_Z = 1.0
 
 
@@ -96,37 +85,23 @@ class StaticPolicy:
 class DBSPolicy:
     """Ye et al.: new share ∝ old share / compute time, i.e. ∝ measured throughput.
 
-    ``min_gain`` (``rebalance: adaptive``'s threshold, as for affine): keep the current
-    allocation unless the step time DBS's own model predicts (``max_i b_i / v_i``) falls by
-    more than this fraction. 0 (the paper's per-epoch re-sizing): every measured change is
-    applied. Without it, frequent checks move shares on noise, and each new batch size costs
-    its first step the kernels' per-shape setup (see ``...sync.tracker``).
+    ``min_gain``: keep the current allocation unless the step time DBS's own model predicts
+    (``max_i b_i / v_i``) falls by more than this fraction (0: every change applies, the
+    paper's per-epoch re-sizing); a new batch size costs its first step the kernels'
+    per-shape setup, so moving on noise is not free.
 
-    ``secant``: the rule iterates towards equal finish (``b_i ∝ v_i(b_i)`` holds exactly
-    when every step takes ``B / Σv``), and slowly where a worker's fixed cost a dominates
-    its step: near the fixed point the map ``b ↦ B·v(b)/Σv`` has slope ``a / (a + c·b)``,
-    so each correction closes only ``c·b / (a + c·b)`` of the gap, and a slowed worker
-    takes several corrections to reach its share. Where a worker was measured at two batch
-    sizes ``SECANT_RATIO`` apart since its last change of speed
-    (``WorkerTelemetry.previous`` and the current window), the line
-    through the two gives its step time at any size and the fixed point is solved at once
-    (a secant step); elsewhere, and with ``secant=False``, the paper's proportional step.
-    The fixed point is the same; the path to it is shorter. ``min_share``: the floor of
-    :func:`speed_floor`, as for affine (a proportional step never starves a worker; a line
-    through a large fixed cost could).
+    ``secant``: the proportional step closes only ``c·b / (a + c·b)`` of the gap where a
+    worker's fixed cost a dominates. A worker measured at two batch sizes ``SECANT_RATIO``
+    apart since its last change of speed (``WorkerTelemetry.previous`` and the current
+    window) is planned on the line through them, reaching the same fixed point at once.
+    ``min_share``: the floor of :func:`speed_floor` (a line through a large fixed cost
+    could starve a worker).
 
-    ``z``: a share moves only where its worker's measured step time stands out of the
-    others' by more than ``z`` of its standard errors (:func:`beyond_noise`, from the
-    spread of the steps, ``WorkerTelemetry.se``; in full from ``2·z``). Two measurements
-    are taken whole: a worker the tracker found slowed down (``WorkerTelemetry.slowed``,
-    a change of speed beyond its noise), and a secant line (through two times more than
-    ``SECANT_Z`` standard errors apart): shrunk, they would move a slowed worker part of
-    the way at each re-plan. Where a per-step overhead dominates, a worker's throughput
-    grows with its share and the rule barely pulls a noisy split back, so without the test
-    noise drifts equal workers apart. Under a plan kept, the window goes on and its error
-    shrinks as its steps add up, so a real difference is corrected soon after. 0: every
-    measured difference moves the split (the paper). Measured: docs/benchmarks.md, "Equal
-    workers under noise" and "Why the policies' constants".
+    ``z``: a share moves only by what stands out of its worker's noise by more than ``z``
+    standard errors (:func:`beyond_noise`); a slowed worker (``WorkerTelemetry.slowed``)
+    and a secant line are taken whole. Without it, noise drifts equal workers apart where
+    a per-step overhead dominates. 0: every measured difference moves the split.
+    Measured: docs/benchmarks.md, "Equal workers under noise".
     """
 
     name: Literal["dbs"] = "dbs"
@@ -167,11 +142,9 @@ class DBSPolicy:
             return Decision(alloc, changed, "shares proportional to throughput")
         a, c = np.zeros_like(v), 1.0 / v  # the proportional model: t_i(b) = b / v_i
         se = np.fromiter(map(_SE, telemetry), dtype=np.float64, count=len(telemetry))
-        # Each worker's model scaled so that its step time under the current plan keeps
-        # only what stands out of the noise (ones: all of it). A worker the tracker found
-        # slowed down (a change of speed beyond its noise) keeps all of its measurement:
-        # shrunk, its first correction stopped part of the way, and what was left sat
-        # within the noise of the short window that the move restarted.
+        # Each worker's model scaled to keep only what stands out of the noise. A slowed
+        # worker keeps all of it: shrunk, its correction stopped part of the way, and the
+        # rest sat within the noise of the short window the move restarted.
         scale = beyond_noise(c * cur, se, self.z)
         slowed = np.fromiter(map(_SLOWED, telemetry), bool, count=len(telemetry))
         scale = np.where(slowed, 1.0, scale)
@@ -232,13 +205,10 @@ class AffinePolicy:
     # fits a_i and c_i per worker, better when workers differ in kind (GPU beside CPU).
     shared_overhead: bool = True
     # No starvation: every worker keeps at least this fraction of its speed-proportional
-    # share (:func:`speed_floor`). Equal finish alone can give a slowed worker 1 sample
-    # when its fixed cost alone nearly fills the step; a share it never trains cannot be
-    # measured back up.
+    # share (:func:`speed_floor`); a share it never trains cannot be measured back up.
     min_share: float = 0.25
-    # A worker measured at one batch size since it slowed down is planned with the largest
-    # overhead the model allows when the plan moves it down, until its own batch sizes
-    # spread this much (std / mean; see _cautious).
+    # A worker measured at one batch size since it slowed down is planned cautiously
+    # (_cautious) until its own batch sizes spread this much (std / mean).
     own_spread: float = 0.25
 
     def __post_init__(self) -> None:
@@ -314,15 +284,11 @@ def _cautious(a: np.ndarray, c: np.ndarray, cols: np.ndarray, slowed: np.ndarray
               own_spread: float) -> tuple[np.ndarray, np.ndarray]:
     """The model of a worker that just slowed down, for the worst case of its overhead.
 
-    Measured at one batch size b0 since the slowdown (time t0), its curve
-    ``t(b) = t0·(k + b)/(k + b0)`` is known but for its overhead k (in samples), which the
-    slowdown may have changed: on shared cores a tenant stretches short steps more than
-    long ones. Below b0 a batch takes longest when k is largest, above it when k = 0. So a
-    worker the plan moves down is planned with ``k = k_max``: if that was pessimistic,
-    its next measurements (at the smaller batch) give it an own fit and it gets more back;
-    guessing low overloads the one slow worker, and every step waits for it. (Moved up,
-    the proportional guess of ``shared_overhead_fit`` with no spread is already the
-    cautious one.)
+    Measured at one batch size b0 since the slowdown, its curve ``t(b) = t0·(k + b)/(k + b0)``
+    is known but for its overhead k (in samples). Below b0 a batch takes longest when k is
+    largest, so a worker the plan moves down is planned with ``k = k_max``: if pessimistic,
+    its next measurements give it more back; guessing low overloads the one slow worker,
+    and every step waits for it. (Moved up, the proportional guess is already cautious.)
     """
     n, sb, st, sbb, sbt = cols.T
     with np.errstate(divide="ignore", invalid="ignore"):

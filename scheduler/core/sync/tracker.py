@@ -1,27 +1,14 @@
 """Per-worker telemetry the policy and the reports need. Pure: no ray, no torch, no clock.
 
-For each worker it keeps the decayed step-time statistics of the affine model (older
-observations fade by ``STATS_DECAY`` per new one, so the model follows a worker whose speed
-changes), the window since the last decision (for DBS), and the epoch's totals.
+Per worker: the decayed step-time statistics of the affine model (``STATS_DECAY`` per new
+observation, so the model follows a change of speed), the window since the last decision
+(for DBS), the epoch's totals, and how noisy its steps are (:meth:`WorkerTrack.noise`), so
+DBS moves a share only by what stands out of the noise and the surprise test ignores it.
 
-It also measures how noisy the worker's steps are (``WorkerTrack.noise``: the spread of
-each window's seconds per sample, pooled over the windows before it, with a prior), so DBS
-moves a share only by what stands out of that noise (``WorkerTelemetry.se``), and the
-surprise test takes a change of speed for noise no more.
-
-A worker's first step at a batch size it has not computed before pays one-off costs: a
-newcomer's warm-up, and on every step whose shape is new the kernels' per-shape setup
-(oneDNN builds its convolution primitives per input shape on a CPU, cuDNN picks its
-algorithms on a GPU) and the allocator's new blocks (docs/benchmarks.md, "Why the
-policies' constants"). Such a step says little about the worker's speed, so it is left out of
-the step-time model and of the surprise test (a re-plan to new sizes would otherwise look
-like every worker slowing down), and of the DBS window (DBS would shrink every share it
-had just moved, and move it again). Epoch totals count every step.
-
-A worker that computes its share in k micro-batches (its memory cap, ``micro_cap``) is
-observed per micro-batch, (b/k, t/k), so the fit is the micro-batch's a and c; the policy
-plans the accumulated step with them
-(``dynabatch.scheduler.core.sync.steptime.accumulation_slope``).
+A step at a batch size the worker has not computed before pays one-off costs (warm-up,
+the kernels' per-shape setup, new allocator blocks: docs/benchmarks.md), so it is left out
+of the model, the surprise test and the DBS window; epoch totals count every step. A
+worker computing its share in k micro-batches is observed per micro-batch, (b/k, t/k).
 """
 
 from __future__ import annotations
@@ -35,36 +22,26 @@ from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry
 from dynabatch.scheduler.core.sync.steptime import StepTimeStats, fit
 
 STATS_DECAY = 0.9
-# A segment whose mean compute is off the model by more than this factor is a change of
-# speed (a disturbance), not noise: the worker's model restarts from the new observations,
-# not a rescaled old fit (where workers share cores the others speed up as the victim
-# slows, so its slowdown is not a uniform scale of the old model).
+# A change of speed, not noise, is a segment whose mean compute is off the model by more
+# than this factor, and by more than SURPRISE_Z standard errors, held to a model of at least
+# MIN_MODEL_STEPS steps: the model then restarts from the new observations (where workers
+# share cores, a slowdown is not a uniform scale of the old model).
 SURPRISE = 1.5
-# ... and by more than this many standard errors of the segment's mean against the model's
-# (``WorkerTrack.noise``), so that a short segment's noise does not restart the model.
 SURPRISE_Z = 3.0
-# ... and only by a model of at least this many steps since the last change: a model of
-# the one segment that showed a change is as noisy as what it would be held to.
 MIN_MODEL_STEPS = 3
+# ... in the decayed weight that StepTimeStats.n counts.
+MIN_MODEL_WEIGHT = (1.0 - STATS_DECAY**MIN_MODEL_STEPS) / (1.0 - STATS_DECAY) - 1e-9
 
-
-# The surprise test trusts a model measured at one batch size only this far from it: a
-# proportional fit (all a model of one size can be) extrapolated far misses the overhead.
+# A model of one batch size is trusted only this far from it (a proportional fit extrapolated
+# far misses the overhead); a worker nudged this little keeps its DBS window.
 NEAR = 0.25
 
-# DBS's noise estimate (see :meth:`WorkerTrack.noise`): the windows a worker closed stay in
-# it with weight ``NOISE_DECAY`` per step since, so it follows the host's load over about
-# 50 steps. ``PRIOR_NOISE`` (relative spread of one step's time: a step that takes 0.5-2x
-# its time, log-uniform) is pooled in with the weight of ``PRIOR_DOF`` steps, so a window of
-# one or two steps is not taken as exact; its weight fades as the worker's own steps add up.
-# Where these values come from: docs/benchmarks.md, "Why the policies' constants".
+# The noise estimate: closed windows decay by NOISE_DECAY per step (about 50 steps), and a
+# prior relative spread PRIOR_NOISE weighs as PRIOR_DOF steps, so a window of one or two
+# steps is not taken as exact. Values: docs/benchmarks.md, "Why the policies' constants".
 NOISE_DECAY = 0.98
 PRIOR_NOISE = 0.4
 PRIOR_DOF = 4.0
-
-
-# MIN_MODEL_STEPS in the decayed weight that StepTimeStats.n counts.
-MIN_MODEL_WEIGHT = (1.0 - STATS_DECAY**MIN_MODEL_STEPS) / (1.0 - STATS_DECAY) - 1e-9
 
 
 def _predicts(stats: StepTimeStats, batch: float) -> bool:
@@ -79,24 +56,20 @@ def _predicts(stats: StepTimeStats, batch: float) -> bool:
 class WorkerTrack:
     capacity: float
     stats: StepTimeStats = field(default_factory=StepTimeStats)
-    # Its last change of speed was a slowdown (at batch ``slowed_batch``): until it is
-    # measured at another batch size, the policy plans it cautiously
-    # (WorkerTelemetry.slowed); after that its own fit knows better.
+    # Its last change of speed was a slowdown (at ``slowed_batch``): planned cautiously
+    # until measured at another batch size.
     slowed: bool = False
     slowed_batch: float = 0.0
     seen_batches: set[int] = field(default_factory=set)
-    # Its batch under the allocation last decided (None: any): the window counts only
-    # steps at it, so DBS measures the plan it is about to correct, not the one before.
+    # Its batch under the allocation last decided (None: any): the window's steps are at it.
     plan_batch: int | None = None
-    # (batch, mean step compute) of the window under the plan before, at a batch other
-    # than plan_batch, since the last change of speed: DBS's second point.
+    # (batch, mean step compute) of the window under the plan before, since the last change
+    # of speed (DBS's second point), and its relative standard error.
     previous: tuple[int, float] | None = None
-    # The relative standard error of ``previous``'s mean step time (0 with none).
     previous_se: float = 0.0
     window_samples: int = 0
     window_compute: float = 0.0
-    # The window's steps and the sums of their seconds per sample, and of its squares:
-    # the spread of the window's own steps (see ``noise``).
+    # The window's steps and the sums of their seconds per sample and its squares.
     window_steps: int = 0
     window_x: float = 0.0
     window_xx: float = 0.0
@@ -107,8 +80,7 @@ class WorkerTrack:
     epoch_compute: float = 0.0
     epoch_wait: float = 0.0
     epoch_steps: int = 0
-    # The speed of the epoch before this one (0: none): what :attr:`speed` says until
-    # this epoch's first step is in.
+    # The speed of the epoch before this one (0: none).
     last_speed: float = 0.0
     compute_per_step: float = 0.0
     wait_per_step: float = 0.0
@@ -117,12 +89,9 @@ class WorkerTrack:
 
     @property
     def speed(self) -> float:
-        """The worker's speed: samples per compute-second over the epoch's steps (every
-        step counted, as the epoch's record counts them), the epoch before's until this
-        epoch has a step, 0 when not measured. The one definition of a worker's speed:
-        the live snapshot, the epoch record, the evaluation's split and a scale-down's
-        choice of whom to drain read it. (The policy reads the window's sums instead:
-        DBS measures the plan it is about to correct, see :meth:`Tracker.decided`.)"""
+        """Samples per compute-second over the epoch's steps (the epoch before's until this
+        one has a step; 0: not measured): the one speed the views, the evaluation's split
+        and a drain's choice read (the policy reads the window instead)."""
         if self.epoch_compute > 0:
             return self.epoch_samples / self.epoch_compute
         return self.last_speed
@@ -208,20 +177,13 @@ class Tracker:
         return out
 
     def decided(self, batches: dict[str, int] | None = None) -> None:
-        """A policy decision was taken. DBS measures each worker at its batch in the
-        allocation decided (``batches``): since that batch was decided, so a plan kept
-        is measured over all its steps, not re-judged on the last one or two (noise). Only
-        steps at that batch count: the segment in flight still runs
-        the old plan, and a second correction from its steps would repeat the first.
-        ``batches`` None: every window restarts.
+        """A policy decided ``batches``: each worker's DBS window counts only steps at its
+        new batch (the segment in flight still runs the old plan), so a kept plan is
+        measured over all its steps. ``batches`` None: every window restarts.
 
-        A worker nudged to a batch within ``NEAR`` of its last keeps its window: its
-        throughput holds at a near size, and a fresh window would be one or two steps of
-        noise, on which the windows of equal workers would re-split at every check, each
-        move costing the new sizes' first steps. A window
-        closed by a far move is kept as the worker's previous point
-        (``WorkerTelemetry.previous``, DBS's secant) unless the point it has is farther
-        from the new batch."""
+        A worker nudged within ``NEAR`` keeps its window (a fresh one would be a step or
+        two of noise). A window closed by a far move becomes the worker's previous point
+        (DBS's secant) unless the one it has is farther from the new batch."""
         for w, t in self.workers.items():
             b = None if batches is None else batches.get(w)
             old = t.plan_batch
@@ -259,9 +221,8 @@ class Tracker:
             new.append(s.batch not in t.seen_batches)
             t.seen_batches.add(s.batch)
         settled = [s for s, n in zip(steps, new, strict=True) if not n]
-        # First: a change of speed restarts the window too. The segment that showed it
-        # stays out of the new window: it was picked for standing out, and when the noise
-        # did that, DBS would move a share on it against the others' long windows.
+        # A change of speed restarts the window; the segment that showed it stays out
+        # (picked for standing out, it may be noise).
         changed = self._fit(t, settled)
         for s in settled if not changed else ():
             if t.plan_batch is None or s.batch == t.plan_batch:
