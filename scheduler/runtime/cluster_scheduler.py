@@ -70,6 +70,7 @@ PLACES = "the cluster scheduler places this job"
 # How long a coordinator's launch (and its assignment) may take.
 START_TIMEOUT_S = 120.0
 
+
 @dataclass(frozen=True, slots=True)
 class JobEntry:
     """A job the service asks the scheduler to place: its id, spec, submit time and the
