@@ -23,10 +23,9 @@ ORIGIN = Position(0, 0)
 def worker_bounds(smallest_batch: int, largest_batch: int, max_batch: int | None
                  ) -> tuple[int, int]:
     """The fewest and the most workers that can train at every global batch from
-    ``smallest_batch`` to ``largest_batch`` (a batch schedule trains several): ``max_batch``
-    samples each must hold the largest, and each worker needs at least one sample of the
-    smallest. The one definition of the batch's limits on a job's size: the membership's
-    bounds and the service's scale command both use it."""
+    ``smallest_batch`` to ``largest_batch``: ``max_batch`` samples each must hold the
+    largest, and each worker needs at least one sample of the smallest (the one rule:
+    the membership's bounds and the service's scale check use it)."""
     return (math.ceil(largest_batch / max_batch) if max_batch else 1), smallest_batch
 
 
@@ -176,10 +175,8 @@ class PlacementPlan:
 def placement_plan(workers: Sequence[tuple[str, int, str]], assignment: NodeAssignment,
                    speeds: dict[str, float] | None = None) -> PlacementPlan:
     """The changes that take ``workers`` ((id, ordinal, node), starting ones included) to
-    ``assignment``: on each assigned node the fastest of its workers (by ``speeds``, as
-    :func:`slowest_first` orders them) keep its slots; every other worker, on an unassigned
-    node or beyond its node's slots, drains, the slowest first; each assigned node gets
-    the slots its kept workers leave empty. Already matching: nothing to do."""
+    ``assignment``: on each assigned node its fastest workers keep its slots; every other
+    worker drains, the slowest first; each assigned node gets its empty slots."""
     order = slowest_first([(w, o) for w, o, _ in workers], speeds)
     node_of = {w: n for w, _, n in workers}
     on: dict[str, list[str]] = {}
@@ -330,10 +327,8 @@ class Membership:
         return [self._spawn_on(node, gpus_on) for node in choices[: want - have]]
 
     def _assigned_spawns(self, nodes: Sequence[NodeInfo], gpus_on) -> list[Spawn]:
-        """Workers for the assignment's empty slots, on the assigned nodes only. A node
-        named but not alive and eligible now gets none (counted in :attr:`unplaced`); one
-        that is full gets its workers anyway: they wait for its resources, which the
-        cluster scheduler that assigned it has freed or will."""
+        """Workers for the assignment's empty slots, on the assigned nodes only, full ones too
+        (the scheduler that assigned them frees them); one not alive now: :attr:`unplaced`."""
         by_id = {n.node_id: n for n in nodes}
         out: list[Spawn] = []
         short = 0
@@ -472,11 +467,9 @@ class Membership:
         self._drain.update(order[: max(0, len(self.members) - self.target)])
 
     def request_assignment(self, assignment: NodeAssignment) -> None:
-        """Train on exactly ``assignment`` from now on (workers start and spares wait only
-        on its nodes; the state is handed over, never lost: :meth:`handover`): its total
-        becomes the job's size (target and maximum; the minimum too when below the job's
-        floor). Raises ``ValueError`` only when the batch cannot be split over that many
-        (:meth:`batch_error`): the cluster scheduler owns the job's bounds."""
+        """Train on exactly ``assignment`` from now on: its total becomes the job's size (the
+        minimum too when below the job's floor), since the cluster scheduler owns the job's
+        bounds. ``ValueError`` only when the batch cannot be split over that many."""
         err = self.batch_error(assignment.total)
         if err is not None:
             raise ValueError(err)

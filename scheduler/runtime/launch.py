@@ -50,12 +50,10 @@ def launch_coordinator(
     generation: int = 0, assignment: Mapping[str, int] | None = None,
     timeout_s: float = 60.0,
 ) -> Any:
-    """Start the job's coordinator of ``generation`` (on a node with no CPU to spare is
-    fine: it asks 0). With ``assignment`` (node id: worker slots, the cluster scheduler's
-    grant) it trains on those nodes from its first step: the assignment is in force before
-    ``run`` starts (waited for, up to ``timeout_s``: the actor is threaded, so two calls
-    sent one after the other could run in either order); a refused one kills the actor
-    and raises."""
+    """Start the job's coordinator of ``generation`` (it asks no CPU). ``assignment`` (the
+    cluster scheduler's grant) is in force before ``run`` starts: waited for, up to
+    ``timeout_s``, since the threaded actor may run two calls in either order; a refused one
+    kills the actor and raises."""
     options: dict[str, Any] = {
         "name": coordinator_name(job_id, generation),
         "namespace": NAMESPACE,
