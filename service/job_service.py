@@ -7,7 +7,7 @@ coordinator (or the cluster scheduler, when it is on) and records the outcome in
 holding the reconciler's lock so that no sync of the job interleaves. ``submit`` refuses
 (:class:`~dynabatch.service.submit_policy.SpecNotAllowed`, 422, nothing stored) a spec naming
 user code or paths that ``submit_policy`` does not allow; a resume checks the stored spec
-again (:func:`~dynabatch.service.launch_checks.relaunch_refusal`).
+again (:func:`~dynabatch.service.reconciler.relaunch_refusal`).
 
 Every view of the jobs is read from the store, never from Ray; a live job that the cluster
 scheduler's last round queues is shown with the queue's reason. Routes and this service run
@@ -20,25 +20,26 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
+from dynabatch.scheduler.core.cluster.ray_nodes import RayNode, gang_error
 from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.core.membership import scale_error
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from dynabatch.service.cluster_client import NodeJob, NodeStatus
 from dynabatch.service.cluster_schemas import GRANTED, scheduler_note
-from dynabatch.service.launch_checks import (
-    capacity_problem,
+from dynabatch.service.ray_client import RayClusterClient
+from dynabatch.service.reconciler import (
+    EMBEDDED_ENDED,
+    Reconciler,
+    SchedulerLink,
     checkpoint_exists,
-    min_workers_problem,
     relaunch_refusal,
 )
-from dynabatch.service.ray_client import RayClusterClient
-from dynabatch.service.reconciler import EMBEDDED_ENDED, Reconciler, SchedulerLink
 from dynabatch.service.scheduling import RayScheduling, Refused
 from dynabatch.service.service_errors import (
     ClusterUnavailable,
@@ -90,6 +91,51 @@ def shown(rec: JobRecord, view: ClusterView | None) -> JobRecord:
     if rec.state != JobState.PENDING and why.startswith(GRANTED.split("{", 1)[0]):
         return rec  # it runs: its own report says so until the scheduler has heard it
     return replace(rec, reason=why)
+
+
+def min_workers_problem(spec: JobSpec, nodes: Sequence[NodeStatus]) -> str | None:
+    """Why no set of the alive ``nodes`` can ever hold the job's ``min_workers`` together,
+    or None when they can (or the spec sets no minimum, or no node is listed). Two limits:
+    the cluster scheduler's worker slots (:func:`gang_error`, what it can grant) and what
+    each node's resources hold of this job's workers (:meth:`JobSpec.workers_on`, what Ray
+    can place: a GPU job on CPU nodes, workers of several CPUs). Such a job would only wait
+    in the queue for ever."""
+    need = spec.min_workers
+    alive = [n for n in nodes if n.alive]
+    if need is None or not alive:
+        return None
+    problem = gang_error(
+        [RayNode(n.node_id, n.resources) for n in alive],
+        need,
+        spec.node_resource,
+        worker_cpus=spec.worker_cpus,
+        worker_gpus=spec.worker_gpus,
+    )
+    if problem:
+        return problem
+    short = capacity_problem(spec, alive, need)
+    return f"min_workers {need}: {short}; the job could never start" if short else None
+
+
+def capacity_problem(spec: JobSpec, nodes: Sequence[NodeStatus], workers: int) -> str | None:
+    """Why the alive ``nodes`` could never hold ``workers`` of the job's workers at once
+    (what each node's resources hold of them: :meth:`JobSpec.workers_on`), or None when
+    they can or no node is listed."""
+    alive = [n for n in nodes if n.alive]
+    if not alive:
+        return None
+    held = sum(spec.workers_on(n.resources) for n in alive)
+    if held >= workers:
+        return None
+    each = f"{spec.worker_cpus:g} CPU"
+    if spec.worker_gpus == "auto" or spec.worker_gpus > 0:
+        each += f", {spec.worker_gpus} GPU"
+    if spec.node_resource:
+        each += f", node_resource {spec.node_resource!r}"
+    return (
+        f"the cluster's {len(alive)} alive nodes hold {held} of this job's workers ({each} "
+        "each)"
+    )
 
 
 class JobService:

@@ -15,16 +15,16 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from dynabatch.actors.errors import first_line
+from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.core.recovery import Action, LostCoordinator, decide_lost
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 from dynabatch.service.artifacts import keep_model, models_dir
-from dynabatch.service.launch_checks import checkpoint_exists, launch_spec, relaunch_refusal
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.scheduling import RayScheduling, Refused
 from dynabatch.service.service_errors import ClusterUnavailable, CoordinatorGone, RayCallError
 from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
-from dynabatch.service.submit_policy import SubmitPolicy
+from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
 
 log = logging.getLogger("dynabatch.service")
 
@@ -40,6 +40,43 @@ def _reachable(cluster: object) -> bool:
     """Whether the cluster answers now, by its bounded check when it has one."""
     check = getattr(cluster, "reachable", None)
     return bool(check()) if callable(check) else True
+
+
+# A relaunch: the stored spec checked again (settings tightened since it was stored hold
+# too), the job's checkpoint, and the spec the new coordinator starts with.
+def relaunch_refusal(spec: JobSpec, policy: SubmitPolicy) -> str | None:
+    """Why a stored ``spec`` may not be launched again under ``policy`` (stored by an
+    earlier, more permissive service, say); None when it may."""
+    problems = check_submission(spec, policy)
+    if not problems:
+        return None
+    return f"its spec is not allowed by this service's settings ({SpecNotAllowed(problems)})"
+
+
+def checkpoint_exists(rec: JobRecord) -> bool:
+    """Whether the job's spec names a checkpoint dir and its checkpoint file is there.
+    The API reads the file where the coordinator writes it: the same filesystem in
+    embedded mode, the shared checkpoint volume in compose and k8s."""
+    if not rec.spec.checkpoint.dir:
+        return False
+    # Imports torch: only when needed.
+    from dynabatch.scheduler.checkpoint import checkpoint_exists as found
+
+    # A local path or a URI (s3://...): False when it cannot be looked at.
+    return found(rec.spec.checkpoint.dir, rec.id)
+
+
+def launch_spec(rec: JobRecord) -> JobSpec:
+    """The spec a job's coordinator starts with: the job's own, at the size last asked for
+    with scale or drain (which a checkpoint does not hold)."""
+    n = rec.target_workers
+    spec = rec.spec
+    if n is None or spec.workers == n:
+        return spec
+    update: dict[str, object] = {"workers": n, "max_workers": n}
+    if spec.min_workers is not None and spec.min_workers > n:
+        update["min_workers"] = n
+    return spec.model_copy(update=update)
 
 
 class SchedulerLink:

@@ -137,7 +137,7 @@ def test_a_uri_that_cannot_be_opened_is_one_line_naming_it() -> None:
 
 
 def test_a_job_resumes_and_starts_from_checkpoints_under_a_uri(store: Path) -> None:
-    from dynabatch.service.launch_checks import checkpoint_exists as service_finds
+    from dynabatch.service.reconciler import checkpoint_exists as service_finds
 
     uri = f"{BUCKET}/ckpt"
     first, _ = _fake_job("job-a", checkpoint={"dir": uri})

@@ -13,8 +13,6 @@ import pytest
 from dynabatch.actors.spec import parse_spec
 from dynabatch.api.cli.cluster_commands import cluster_tables
 from dynabatch.scheduler.core.cluster.decision import decide
-from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
-from dynabatch.scheduler.core.cluster.values import POLICIES, ClusterJob, ClusterKnobs
 from dynabatch.scheduler.core.cluster.ray_nodes import RayNode, cluster_nodes, gpu_units
 from dynabatch.scheduler.core.cluster.rounds import (
     Entry,
@@ -24,10 +22,11 @@ from dynabatch.scheduler.core.cluster.rounds import (
     Tick,
     step,
 )
-from dynabatch.scheduler.core.cluster.values import GPU_UNITS
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
+from dynabatch.scheduler.core.cluster.values import GPU_UNITS, POLICIES, ClusterJob, ClusterKnobs
 from dynabatch.service.cluster_client import NodeStatus
 from dynabatch.service.cluster_schemas import ClusterState
-from dynabatch.service.launch_checks import min_workers_problem
+from dynabatch.service.job_service import min_workers_problem
 from rich.console import Console
 
 GPU1 = "gpu-gpux1"  # the type Ray nodes of one GPU get

@@ -110,7 +110,6 @@ def test_fractional_cpus_pack_as_ray_packs_them():
     assert gang_error(two, 3, worker_cpus=0.6) is None
     assert gang_error(two, 4, worker_cpus=0.6) is not None
     # The rounds start the gang of 3 on the one node.
-    from dynabatch.scheduler.core.cluster.values import ClusterKnobs
     from dynabatch.scheduler.core.cluster.rounds import (
         Entry,
         NodesSeen,
@@ -119,6 +118,7 @@ def test_fractional_cpus_pack_as_ray_packs_them():
         Tick,
         step,
     )
+    from dynabatch.scheduler.core.cluster.values import ClusterKnobs
 
     knobs = ClusterKnobs(policy="fifo", hold_s=0.0)
     s, _ = step(RoundState(), NodesSeen(cluster_nodes(two)), knobs)
@@ -136,7 +136,7 @@ def test_serve_admits_the_demos_spec_on_a_two_cpu_node():
     import yaml
     from dynabatch.actors.spec import parse_spec
     from dynabatch.service.cluster_client import NodeStatus
-    from dynabatch.service.launch_checks import min_workers_problem
+    from dynabatch.service.job_service import min_workers_problem
 
     root = Path(__file__).resolve().parents[2]
     raw = yaml.safe_load((root / "examples" / "digits-hetero.yaml").read_text())

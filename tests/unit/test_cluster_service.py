@@ -295,13 +295,13 @@ def test_a_restarted_api_leaves_queued_jobs_queued_and_tells_a_new_scheduler(set
     # A new API process and a new scheduler, over the same store and cluster.
     fresh = RoundsScheduling(cluster)
     again = JobService(service.store, cluster, sync_interval_s=0, scheduling=fresh)
-    again.start()
+    again.reconciler.start()
     try:
         assert fresh.syncs >= 1 and {j.job_id for j in fresh.state.jobs} == {a.id, b.id}
         assert again.get(b.id).state == JobState.PENDING  # not failed as "lost"
         assert again.get(a.id).state != JobState.FAILED
     finally:
-        again.stop()
+        again.reconciler.stop()
 
 
 def test_a_parameter_server_learner_is_not_drained_through_the_scheduler(setup, monkeypatch):
