@@ -211,7 +211,6 @@ class Worker:
         # The cap this segment's shares are computed under: the spec's, tightened by the
         # memory cap the driver learned for this node and device (SegmentPlan.micro_cap).
         self._cap = self.micro_cap
-        self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
         self._late_failure: _StepFailed | None = None  # after a step that was applied
         # The last plan update applied: (epoch, its step plans by step).
         self._update: tuple[int, dict[int, StepPlan]] | None = None
@@ -307,20 +306,16 @@ class Worker:
             self.load_state(box[0])
 
     # --- training ---------------------------------------------------------------------
-    def _epoch_order(self, plan: SegmentPlan) -> Any:
-        """The gatherer, holding this epoch's order (computed and placed once an epoch),
-        with the segment's shares being read ahead (dynabatch.actors.device_data)."""
-        self._gather = self.data.for_epoch(plan.seed, plan.epoch, plan.dataset_size,
-                                           self.spec.dataset.shuffle)
-        self.data.plan(plan.steps, plan.dataset_size)
-        return self._gather
-
     def run_segment(self, plan: SegmentPlan) -> SegmentResult:
         if not self.group.active:
             # It left after a failed step: a plan sent ahead cannot run without a group.
             return SegmentResult(worker=self.worker_id, steps=[], error="not in a group",
                                  error_kind="peer", failed_compute_s=0.0)
-        self._epoch_order(plan)
+        # The gatherer holds this epoch's order (computed and placed once an epoch); the
+        # segment's shares are read ahead (dynabatch.actors.device_data).
+        self._gather = self.data.for_epoch(plan.seed, plan.epoch, plan.dataset_size,
+                                           self.spec.dataset.shuffle)
+        self.data.plan(plan.steps, plan.dataset_size)
         self._cap = tighter_cap(self.micro_cap, plan.micro_cap)
         steps: list[StepTelemetry] = []
         isgd = plan.isgd  # ISGD's chart, kept up to date with every step's global loss
