@@ -10,8 +10,6 @@ measurement covers other types only.
 from __future__ import annotations
 
 import pytest
-from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
-from dynabatch.scheduler.core.cluster.values import ClusterKnobs, ClusterNode
 from dynabatch.scheduler.core.cluster.rounds import (
     Entry,
     JobReported,
@@ -21,6 +19,8 @@ from dynabatch.scheduler.core.cluster.rounds import (
     policy_jobs,
     step,
 )
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
+from dynabatch.scheduler.core.cluster.values import ClusterKnobs, ClusterNode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

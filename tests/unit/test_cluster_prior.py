@@ -8,8 +8,8 @@ def test_prior_lets_two_equal_new_jobs_span_both_types():
     class, or a cluster file's speed) rates the types apart, so two equal jobs both span
     both types under goodput, where equal hints left them one type each."""
     from dynabatch.scheduler.core.cluster.decision import decide
-    from dynabatch.scheduler.core.cluster.values import ClusterJob, ClusterKnobs, ClusterNode
     from dynabatch.scheduler.core.cluster.throughput import bootstrap, prior
+    from dynabatch.scheduler.core.cluster.values import ClusterJob, ClusterKnobs, ClusterNode
 
     types = ["gpu-H100x2", "gpu-V100x2"]
     nodes = [ClusterNode("h", types[0], 2), ClusterNode("v", types[1], 2)]

@@ -13,7 +13,6 @@ its nodes' capacity, and every request is answered.
 from __future__ import annotations
 
 import pytest
-from dynabatch.scheduler.core.cluster.values import ClusterKnobs, ClusterNode
 from dynabatch.scheduler.core.cluster.rounds import (
     Abandon,
     AssignRefused,
@@ -32,6 +31,7 @@ from dynabatch.scheduler.core.cluster.rounds import (
     Tick,
     step,
 )
+from dynabatch.scheduler.core.cluster.values import ClusterKnobs, ClusterNode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

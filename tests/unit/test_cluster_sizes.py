@@ -15,13 +15,17 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from dynabatch.scheduler.core.cluster.decision import decide
-from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
-from dynabatch.scheduler.core.cluster.values import POLICIES, ClusterJob, ClusterKnobs, ClusterNode
-from dynabatch.scheduler.core.cluster.decision import SPLIT
+from dynabatch.scheduler.core.cluster.decision import SPLIT, decide
 from dynabatch.scheduler.core.cluster.ray_nodes import gpu_units
 from dynabatch.scheduler.core.cluster.rounds import Entry, NodesSeen, RoundState, Tick, step
-from dynabatch.scheduler.core.cluster.values import GPU_UNITS
+from dynabatch.scheduler.core.cluster.throughput import ThroughputModel
+from dynabatch.scheduler.core.cluster.values import (
+    GPU_UNITS,
+    POLICIES,
+    ClusterJob,
+    ClusterKnobs,
+    ClusterNode,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
