@@ -163,7 +163,3 @@ class DatasetArrays:
             f"test={len(self.y_test)}, input_shape={self.input_shape}, "
             f"num_classes={self.num_classes}, targets={self.targets!r})"
         )
-
-
-# --------------------------------------------------------------------------------------------
-# Options and helpers
