@@ -20,11 +20,11 @@ import os
 import re
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from dynabatch.actors.spec import URI_PATTERN
+from dynabatch.service.schemas import CodeUploaded
 
 # What one upload may unpack to on every node (Ray's own bound on a working_dir is 500 MiB).
 MAX_UNPACKED_BYTES = 512 * 2**20
@@ -35,14 +35,6 @@ SKIPPED_DIRS = frozenset({".git", "__pycache__", ".venv", ".mypy_cache", ".pytes
 
 class CodeRejected(ValueError):
     """The upload is not a zip the nodes can unpack safely (one line: why)."""
-
-
-@dataclass(frozen=True)
-class StoredCode:
-    uri: str
-    sha256: str
-    bytes: int
-    files: int
 
 
 def check_archive(data: bytes) -> int:
@@ -78,7 +70,7 @@ def check_archive(data: bytes) -> int:
     return files
 
 
-def store_code(data: bytes, code_root: str) -> StoredCode:
+def store_code(data: bytes, code_root: str) -> CodeUploaded:
     """Check ``data`` (:func:`check_archive`) and keep it under ``code_root``."""
     files = check_archive(data)
     digest = hashlib.sha256(data).hexdigest()
@@ -95,7 +87,8 @@ def store_code(data: bytes, code_root: str) -> StoredCode:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-    return StoredCode(uri=path.resolve().as_uri(), sha256=digest, bytes=len(data), files=files)
+    return CodeUploaded(working_dir=path.resolve().as_uri(), sha256=digest, bytes=len(data),
+                        files=files)
 
 
 def local_working_dir(value: Any) -> bool:

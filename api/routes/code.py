@@ -54,13 +54,11 @@ def code_router(max_bytes: int) -> APIRouter:
         same URI."""
         data = await request.body()
         try:
-            stored = await run_in_threadpool(store_code, data, settings.code_root)
+            return await run_in_threadpool(store_code, data, settings.code_root)
         except CodeRejected as err:
             problem = {"loc": ["body"], "field": "body", "msg": str(err),
                        "type": "invalid_archive"}
             return JSONResponse({"detail": [problem]},
                                 status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
-        return CodeUploaded(working_dir=stored.uri, sha256=stored.sha256, bytes=stored.bytes,
-                            files=stored.files)
 
     return router

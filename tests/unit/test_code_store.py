@@ -53,7 +53,7 @@ def test_store_keeps_one_file_per_content_and_names_it_by_uri(tmp_path: Path) ->
     again = store_code(data, str(root))
     assert first == again and first.files == 3 and first.bytes == len(data)
     path = root / f"{first.sha256}.zip"
-    assert first.uri == path.resolve().as_uri() and path.read_bytes() == data
+    assert first.working_dir == path.resolve().as_uri() and path.read_bytes() == data
     assert [p.name for p in root.iterdir()] == [path.name]  # no temporary file left behind
 
 
