@@ -1,11 +1,7 @@
-"""The FastAPI application: ``create_app(settings, cluster=None, service=None)``.
-
-Nothing happens at import time. ``create_app`` wires the store, the cluster client and the
-JobService (or takes the ones it is given, for tests), a per-app Prometheus registry and the
-middleware; the lifespan connects to Ray, re-attaches live jobs and runs the sync loop.
-``dynabatch serve`` runs it; so does ``uvicorn --factory dynabatch.api.app:create_app`` (settings
-from
-the environment).
+"""The FastAPI application: ``create_app(settings, cluster=None, service=None)``, run by
+``dynabatch serve`` or ``uvicorn --factory dynabatch.api.app:create_app`` (settings from the
+environment). Nothing happens at import time; the lifespan connects to Ray, re-attaches live
+jobs and runs the sync loop.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The job reads that clients poll (a job's status, its history, the job list) as serialized
 JSON kept between requests, with an ``ETag``.
 
-Each answer is built once from the store (a query, the response model, ``model_dump_json``)
-and kept with the store version it was read at (:meth:`dynabatch.service.store.JobStore.row_version`
-and friends); while that version is unchanged, a request is answered with the kept bytes: no
-SQLite query, no pydantic model built or validated, no thread hand-off. The store's versions
-move when the service writes (a sync tick that brought news, a submission, a cancel), so a
-live job's status is rebuilt about once per sync interval however many clients poll it.
-
-The ``ETag`` is a hash of the body; a request whose ``If-None-Match`` names it gets ``304 Not
-Modified`` with no body.
+Each answer is built once from the store and kept with the store version it was read at
+(:meth:`dynabatch.service.store.JobStore.row_version` and friends); while that version is
+unchanged, a request is answered with the kept bytes: no query, no model, no thread hand-off.
+A request whose ``If-None-Match`` names the body's ``ETag`` gets ``304 Not Modified``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """``GET /v1/cluster``'s answer: the cluster scheduler's last round, as JSON.
 
 Built from the one read model of a round
-(:class:`~dynabatch.scheduler.core.cluster.view.ClusterView`), which the CLI
-(``dynabatch cluster``), the job status and the metrics read too, so they cannot disagree.
-When no cluster scheduler runs (or it has not decided a round yet) the answer is the same
-shape with ``scheduler: null`` and empty lists: an honest "nothing decides", not an error.
+(:class:`~dynabatch.scheduler.core.cluster.view.ClusterView`), which the job status and the
+metrics read too, so they cannot disagree. With no round (no cluster scheduler) the answer
+has ``scheduler: null`` and empty lists: "nothing decides", not an error.
 """
 
 from __future__ import annotations

@@ -4,10 +4,7 @@ One connection guarded by a lock, so the API's request threads and the sync loop
 store. The schema is created on open (and columns added since are added to an older file).
 Every write that moves a job's state checks the move against the lifecycle
 (:mod:`dynabatch.scheduler.core.lifecycle`) inside its transaction and refuses one it does
-not allow, leaving the row as it was: :meth:`JobStore.transition` a step
-(``can_become``), :meth:`JobStore.save_snapshot` a sampled state (``can_observe``),
-:meth:`JobStore.mark_resumed` a resume (``resumed``: the one way out of FAILED or
-CANCELLED) and :meth:`JobStore.interrupt` a live job back to PENDING.
+not allow, leaving the row as it was.
 
 A resumed job gets a new coordinator whose log lines count from 0 again: each job keeps a
 ``log_offset`` added to its coordinator's sequence numbers, so stored lines never collide. The

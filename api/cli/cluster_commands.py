@@ -1,11 +1,5 @@
-"""``dynabatch cluster``: the cluster scheduler's last round, from the REST service.
-
-Three tables: the nodes (type, worker slots used of total, the jobs holding them), the
-placed jobs (the scheduler's allocation beside the members the job itself reported, and why
-they differ or what an owner's scale waits for) and the queue (position, job, priority, why
-it waits); ``--json`` prints ``GET /v1/cluster``'s answer as it is. Errors are one line, as
-for every client command (:mod:`dynabatch.api.cli.common`).
-"""
+"""``dynabatch cluster``: the cluster scheduler's last round (``GET /v1/cluster``) as tables
+of its nodes, placed jobs and queue."""
 
 from __future__ import annotations
 

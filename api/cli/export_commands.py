@@ -1,12 +1,6 @@
-"""``dynabatch export ID -o DIR``: a job's trained model from the REST service, unpacked.
-
-The directory gets ``model.safetensors``, ``best.safetensors`` (when the job kept one) and
-``manifest.json``, as ``GET /v1/jobs/{id}/model`` serves them; ``dynabatch.load_model(DIR)``
-rebuilds the module from it. ``--format hf`` writes a Hugging Face folder instead
-(``config.json``, ``model.safetensors``, the job's tokenizer) that
-``transformers.AutoModelFor...from_pretrained(DIR)`` loads. Errors are one ``error: ...``
-line and exit status 1, as the other client commands (:mod:`dynabatch.api.cli.common`).
-"""
+"""``dynabatch export ID -o DIR``: a job's trained model (``GET /v1/jobs/{id}/model``)
+unpacked into a directory, for ``dynabatch.load_model(DIR)`` or, ``--format hf``, for
+``transformers``' ``from_pretrained(DIR)``."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""CLI subcommands of the REST service: ``serve`` runs it; the others are clients of it.
-
-``submit CONFIG``, ``list``, ``status ID``, ``watch ID``, ``cancel ID``, ``logs ID``,
-``scale ID N``, ``drain ID WORKER`` and ``resume ID`` talk to ``--url`` (``DYNABATCH_URL``)
-with ``--token`` (``DYNABATCH_API_TOKEN``). Any failure prints
-one line, ``error: ...``, on stderr and exits 1; never a traceback
-(:mod:`dynabatch.api.cli.common`, which also says how tests inject a client). ``serve``
-exits 2 when it refuses to listen beyond loopback without a token (``--insecure`` overrides
-that).
-"""
+"""CLI subcommands of the REST service: ``serve`` runs it; the others are clients of it, at
+``--url`` with ``--token``, and print any failure as one ``error: ...`` line
+(:mod:`dynabatch.api.cli.common`)."""
 
 from __future__ import annotations
 
