@@ -125,10 +125,6 @@ def _r2_batch(outputs: torch.Tensor, targets: torch.Tensor
     return (preds, y) if y.dim() == 2 and y.shape[-1] > 1 else (preds.flatten(), y.flatten())
 
 
-def _regression(make: Callable[[Args], torchmetrics.Metric], prepare: Prepare) -> Stateful:
-    return Stateful(make, _values, prepare)
-
-
 def _builtin_stateful(fn: str, average: str | None) -> Stateful | None:
     avg = average or "macro"
     match fn:
@@ -143,12 +139,12 @@ def _builtin_stateful(fn: str, average: str | None) -> Stateful | None:
         case "confusion_matrix":
             return _classification(C.MulticlassConfusionMatrix, C.BinaryConfusionMatrix)
         case "mae":
-            return _regression(lambda a: R.MeanAbsoluteError(), _value_batch)
+            return Stateful(lambda a: R.MeanAbsoluteError(), _values, _value_batch)
         case "rmse":
-            return _regression(lambda a: R.MeanSquaredError(squared=False), _value_batch)
+            return Stateful(lambda a: R.MeanSquaredError(squared=False), _values, _value_batch)
         case "r2":
-            return _regression(lambda a: R.R2Score(num_outputs=a["num_outputs"])
-                               if a["num_outputs"] > 1 else R.R2Score(), _r2_batch)
+            return Stateful(lambda a: R.R2Score(num_outputs=a["num_outputs"])
+                            if a["num_outputs"] > 1 else R.R2Score(), _values, _r2_batch)
     return None
 
 
