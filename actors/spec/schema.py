@@ -46,9 +46,7 @@ MAX_PRIORITY = 1000
 class JobSpec(_Strict):
     """A training job. The same schema is used by YAML configs, ``POST /v1/jobs`` and the CLI."""
 
-    model_config = ConfigDict(
-        extra="forbid",
-        frozen=True,
+    model_config = ConfigDict(  # extra="forbid" and frozen, as every section (_Strict)
         json_schema_extra={
             "examples": [
                 {

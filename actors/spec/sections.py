@@ -660,8 +660,8 @@ class CheckpointSpec(_Strict):
     starts from (``from``: another job's ``DIR/JOB_ID/checkpoint.pt``). ``from`` is a Python
     keyword, so the attribute is ``from_``; specs and dumps spell it ``from``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True,
-                              validate_by_alias=True, serialize_by_alias=True)
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)
 
     dir: str | None = Field(default=None, description="Where checkpoints go; none when unset.")
     every_epochs: StrictInt = Field(default=1, ge=1)
