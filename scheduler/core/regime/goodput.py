@@ -60,11 +60,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from dynabatch.scheduler.core.sync.steptime import AffineFit, StepTimeStats, equal_finish, fit
+from dynabatch.scheduler.core.sync.steptime import (
+    MIN_SPREAD,
+    AffineFit,
+    StepTimeStats,
+    equal_finish,
+    fit,
+)
 
 GRID = 24
-# relative batch-size spread a worker's fit needs (as dynabatch.scheduler.core.sync.steptime.fit)
-MIN_SPREAD = 0.05
 
 
 def fpc(batch: float, population: int | None) -> float:
@@ -189,7 +193,7 @@ def worker_fit(stats: StepTimeStats) -> AffineFit | None:
         if not (mean_t > 0 and math.isfinite(mean_t)):
             return None
         return AffineFit(mean_t / 2.0, mean_t / (2.0 * mean_b))
-    return fit(stats, MIN_SPREAD)
+    return fit(stats)
 
 
 def step_time_model(stats: Mapping[str, StepTimeStats], overhead: float

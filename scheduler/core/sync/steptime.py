@@ -1,35 +1,17 @@
 """The step-time model: how long worker i takes to compute one step at local batch b.
 
-Pure (numpy only). The model is affine::
+Pure (numpy only). The model is affine, ``t_i(b) = a_i + c_i·b``: ``a_i`` the fixed
+per-step overhead, ``c_i`` the per-sample cost. Because ``a_i > 0`` a throughput measured
+at one batch size mispredicts another, so plain DBS (``t_i(b) = c_i·b``) needs several
+epochs to settle where this model can settle in one.
 
-    t_i(b) = a_i + c_i * b
+Fitting: weighted least squares over exponentially decayed sufficient statistics
+(``n = Σw, Sb = Σw·b, St = Σw·t, Sbb = Σw·b², Sbt = Σw·b·t``), so a disturbed worker's
+model follows its new speed. Without a spread of batch sizes the slope is unidentifiable
+and the fit falls back to DBS's proportional model ``a = 0, c = St / Sb``.
 
-``a_i`` is the fixed per-step overhead (Python, kernel launches, optimizer) and ``c_i`` the
-per-sample cost. Because ``a_i > 0``, per-sample cost falls as b grows, so a throughput
-measured at one batch size mispredicts another. That is why plain DBS, which assumes
-``t_i(b) = c_i * b``, needs several epochs to settle and this model can settle in one.
-
-Fitting: weighted least squares over exponentially-decayed sufficient statistics, so old
-observations fade (weight ``decay**age``) and a disturbed worker's model follows its new
-speed. With statistics ``n = Σw, Sb = Σw·b, St = Σw·t, Sbb = Σw·b², Sbt = Σw·b·t``::
-
-    c = (n·Sbt − Sb·St) / (n·Sbb − Sb²)
-    a = (St − c·Sb) / n
-
-When every observation has the same b the slope is unidentifiable; the fit then falls back
-to the proportional model ``a = 0, c = St / Sb`` (exactly DBS's assumption). A fit whose
-per-sample cost is not a positive finite number (e.g. observations of zero seconds) is
-unusable and treated like no data.
-
-Equal finish: for a global batch B, choose real batches b_i in [lo_i, hi_i] so that every
-worker finishes at the same time T::
-
-    b_i(T) = clip((T − a_i) / c_i, lo_i, hi_i),   Σ b_i(T) = B
-
-Σ b_i(T) is continuous, non-decreasing and piecewise linear in T (slope Σ 1/c_i over the
-unclipped workers). T is found by a safeguarded Newton (active-set) iteration: from a trial T
-the clipped set is known, and the exact T for that set is one linear solve away; a bracket
-with bisection fallback guarantees progress. It usually ends in 1-3 vectorised passes.
+Equal finish: real batches ``b_i(T) = clip((T − a_i) / c_i, lo_i, hi_i)`` with
+``Σ b_i(T) = B``, so that every worker finishes at the same time T.
 """
 
 from __future__ import annotations
@@ -38,6 +20,13 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+# Batch sizes whose spread (std / mean) is below this cannot separate overhead from slope.
+MIN_SPREAD = 0.05
+# shared_overhead_fit: a worker whose own batch sizes spread this much keeps its own fit, and
+# the shared overhead is estimated from at most K_ROWS workers (those that varied most).
+OWN_SPREAD = 0.25
+K_ROWS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +63,10 @@ class AffineFit:
         return self.a + self.c * batch
 
 
-def fit(stats: StepTimeStats, min_relative_spread: float = 0.05) -> AffineFit | None:
+def fit(stats: StepTimeStats) -> AffineFit | None:
     """Least-squares fit of t = a + c·b; proportional fallback; None without usable data
     (one row of :func:`fit_arrays`)."""
-    a, c = fit_arrays(*([x] for x in (stats.n, stats.sb, stats.st, stats.sbb, stats.sbt)),
-                      min_relative_spread)
+    a, c = fit_arrays(*([x] for x in (stats.n, stats.sb, stats.st, stats.sbb, stats.sbt)))
     return None if math.isnan(c[0]) else AffineFit(float(a[0]), float(c[0]))
 
 
@@ -98,12 +86,10 @@ def fit_arrays(
     st: np.ndarray,
     sbb: np.ndarray,
     sbt: np.ndarray,
-    min_relative_spread: float = 0.05,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the least-squares fit of t = a + c·b. A spread of batch sizes below a few
-    percent cannot separate overhead from slope, nor can a slope that is not positive: the
-    proportional fit ``a = 0``; a negative overhead (noise) refits through the origin. NaN
-    in rows without usable data."""
+    """Per row, the least-squares fit of t = a + c·b: the proportional fit ``a = 0`` below
+    ``MIN_SPREAD`` or for a slope that is not positive; a negative overhead (noise) refits
+    through the origin. NaN in rows without usable data."""
     n, sb, st, sbb, sbt = (np.asarray(x, dtype=np.float64) for x in (n, sb, st, sbb, sbt))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         mean_b = sb / n
@@ -111,7 +97,7 @@ def fit_arrays(
         c_prop = st / sb
         c = (n * sbt - sb * st) / (n * sbb - sb * sb)
         a = (st - c * sb) / n
-        spread_ok = var_b > (min_relative_spread * mean_b) ** 2
+        spread_ok = var_b > (MIN_SPREAD * mean_b) ** 2
         use_prop = ~spread_ok | ~(c > 0.0)
         a = np.where(use_prop, 0.0, a)
         c = np.where(use_prop, c_prop, c)
@@ -153,18 +139,14 @@ def equal_finish(
     total: float,
     lo: np.ndarray,
     hi: np.ndarray,
-    iterations: int = 100,
 ) -> tuple[np.ndarray, float]:
-    """Real batches b_i in [lo_i, hi_i] summing to ``total`` that equalise a_i + c_i·b_i.
+    """Real batches b_i in [lo_i, hi_i] summing to ``total`` that equalise a_i + c_i·b_i,
+    and T, the common finish time of the unclipped workers. Requires Σlo ≤ total ≤ Σhi,
+    lo ≤ hi and every c_i > 0 (finite).
 
-    Returns (b, T): T is the common finish time of the unclipped workers.
-    Requires Σlo ≤ total ≤ Σhi, lo ≤ hi and every c_i > 0 (finite).
-
-    Solver: f(T) = Σ clip((T − a_i)/c_i, lo_i, hi_i) is piecewise linear and non-decreasing.
-    At a trial T the unclipped set F is known and the root of f's linear piece through T is
-    ``T + (total − f(T)) / Σ_F 1/c_i`` — exact once F is the final set. Steps that leave the
-    bracket, or a bracket that fails to halve, fall back to bisection, so at most
-    ``iterations`` passes are made; the last residual is spread over the unclipped workers.
+    f(T) = Σ clip((T − a_i)/c_i, lo_i, hi_i) is piecewise linear and non-decreasing: a
+    Newton step on the linear piece through a trial T is exact once the unclipped set is
+    final, and steps that leave the bracket or fail to halve it fall back to bisection.
     """
     a = np.asarray(a, dtype=np.float64)
     c = np.asarray(c, dtype=np.float64)
@@ -191,7 +173,7 @@ def equal_finish(
     width = t_hi - t_lo
     slow = 0
     b = lo
-    for _ in range(max(iterations, 1)):
+    for _ in range(100):  # bounds the work; a bisection halves the bracket
         if not t_lo < t < t_hi:
             t = 0.5 * (t_lo + t_hi)
         x = (t - a) * w
@@ -274,17 +256,14 @@ def round_to_total(x: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarray) ->
 
 def shared_overhead_fit(
     n: np.ndarray, sb: np.ndarray, st: np.ndarray, sbb: np.ndarray, sbt: np.ndarray,
-    k_max: float = np.inf, min_relative_spread: float = 0.05, iterations: int = 25,
-    own_relative_spread: float = 0.25, max_rows_for_k: int = 512,
+    k_max: float = np.inf,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Refit every worker as ``t_i(b) = c_i·(k + b)`` with one overhead ``k`` for all.
 
-    Per-worker affine fits need each worker's own batch sizes to vary, and with steps of a
-    few milliseconds their slopes are noisy: two equal workers get unequal fits and the
-    plan churns. When heterogeneity scales a whole step (CPU generations, shared machines,
-    emulated slowdowns) the overhead *in samples*, ``k = a_i / c_i``, is common to all
-    workers, so it is estimated from all observations at once. For fixed k each worker's
-    least-squares scale is::
+    Per-worker fits need each worker's own batch sizes to vary, and their slopes are noisy
+    (equal workers get unequal fits, and the plan churns). When heterogeneity scales a whole
+    step, the overhead in samples ``k = a_i / c_i`` is common to all workers, so it is
+    estimated from all observations at once. For fixed k each worker's scale is::
 
         c_i(k) = (k·St_i + Sbt_i) / (k²·n_i + 2k·Sb_i + Sbb_i)
 
@@ -293,25 +272,22 @@ def shared_overhead_fit(
 
         F(k) = Σ_i (n_i / St_i)² · (k·St_i + Sbt_i)² / (k²·n_i + 2k·Sb_i + Sbb_i)
 
-    by golden-section search on [0, k_max]. ``k_max`` bounds how far the plan may move
-    from the proportional one: the sensitivity of b_i to timing noise grows as 1 + k/b_i.
-    With no worker whose batch size varied, k = 0: DBS's proportional model.
-    A worker whose own batch sizes spread by ``own_relative_spread`` (std / mean) or more
-    keeps its own affine fit instead. Returns (a, c, k); rows without data get NaN.
+    by golden-section search on [0, k_max] (the sensitivity of b_i to timing noise grows as
+    1 + k/b_i). With no worker whose batch size varied, k = 0: DBS's proportional model.
+    A worker whose own sizes spread ``OWN_SPREAD`` or more keeps its own affine fit.
+    Returns (a, c, k); rows without data get NaN.
     """
     with np.errstate(divide="ignore", invalid="ignore"):
         has = (n > 0) & (sb > 0) & (st > 0)
         mean_b = np.where(has, sb / np.where(has, n, 1), 0.0)
         var_b = np.where(has, sbb / np.where(has, n, 1) - mean_b * mean_b, 0.0)
-        spread = has & (var_b > (min_relative_spread * mean_b) ** 2)
+        spread = has & (var_b > (MIN_SPREAD * mean_b) ** 2)
         k = 0.0
         if spread.any() and k_max > 0:
             rows = np.flatnonzero(has)
-            if rows.size > max_rows_for_k:
-                # k is one scalar: the workers whose batch sizes varied most determine it;
-                # using only them keeps a decision over 10,000 workers within milliseconds.
+            if rows.size > K_ROWS:  # keeps a decision over 10,000 workers within milliseconds
                 rel = (var_b / np.where(mean_b > 0, mean_b * mean_b, 1.0))[rows]
-                rows = rows[np.argpartition(-rel, max_rows_for_k - 1)[:max_rows_for_k]]
+                rows = rows[np.argpartition(-rel, K_ROWS - 1)[:K_ROWS]]
             nn, b1, t1, b2, bt = n[rows], sb[rows], st[rows], sbb[rows], sbt[rows]
             w = (nn / t1) ** 2
 
@@ -323,7 +299,7 @@ def shared_overhead_fit(
             g = (np.sqrt(5.0) - 1.0) / 2.0
             x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
             f1, f2 = explained(x1), explained(x2)
-            for _ in range(iterations):
+            for _ in range(25):
                 if f1 >= f2:
                     hi, x2, f2 = x2, x1, f1
                     x1 = hi - g * (hi - lo)
@@ -343,7 +319,7 @@ def shared_overhead_fit(
         denom = n * sbb - sb * sb
         c_own = (n * sbt - sb * st) / denom
         a_own = (st - c_own * sb) / n
-        own = has & (var_b >= (own_relative_spread * mean_b) ** 2) & np.isfinite(c_own) & (
+        own = has & (var_b >= (OWN_SPREAD * mean_b) ** 2) & np.isfinite(c_own) & (
             c_own > 0) & (a_own >= 0)
         a = np.where(own, a_own, a)
         c = np.where(own, c_own, c)

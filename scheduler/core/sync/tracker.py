@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.scheduler.core.sync.allocation import WorkerTelemetry
-from dynabatch.scheduler.core.sync.steptime import StepTimeStats, fit
+from dynabatch.scheduler.core.sync.steptime import MIN_SPREAD, StepTimeStats, fit
 
 STATS_DECAY = 0.9
 # A change of speed, not noise, is a segment whose mean compute is off the model by more
@@ -49,7 +49,7 @@ def _predicts(stats: StepTimeStats, batch: float) -> bool:
     sizes varied (an affine fit), or ``batch`` is near the one size they hold."""
     mean_b = stats.sb / stats.n
     var_b = stats.sbb / stats.n - mean_b * mean_b
-    return var_b > (0.05 * mean_b) ** 2 or abs(batch - mean_b) <= NEAR * mean_b
+    return var_b > (MIN_SPREAD * mean_b) ** 2 or abs(batch - mean_b) <= NEAR * mean_b
 
 
 @dataclass
