@@ -18,6 +18,7 @@ from dynabatch.actors.spec import SpecWarning, spec_warnings_silenced
 from dynabatch.api.cli.common import (
     CliError,
     api_client,
+    breakdown_table,
     log_text,
     make_client,
     one_line,
@@ -25,10 +26,11 @@ from dynabatch.api.cli.common import (
     out_console,
     print_plain,
     stderr,
+    tensorboard_line,
+    tensorboard_made,
     timestamp,
 )
 from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
-from dynabatch.api.cli.views import breakdown_table, tensorboard_line, tensorboard_made
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import LogLine, splits_text
 from dynabatch.service.cluster_client import node_label

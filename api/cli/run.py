@@ -17,14 +17,16 @@ from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
 from dynabatch.api.cli.common import (
     CliError,
+    breakdown_table,
     log_text,
     one_line,
     out_console,
     print_plain,
     stderr,
+    tensorboard_line,
+    tensorboard_made,
 )
 from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
-from dynabatch.api.cli.views import breakdown_table, tensorboard_line, tensorboard_made
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, splits_text
 from dynabatch.service.cluster_client import node_label

@@ -18,7 +18,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from dynabatch.actors.spec import POLICIES, JobSpec, SpecError, load_spec
-from dynabatch.api.cli import views
+from dynabatch.api.cli.common import fail as fail_line
 from dynabatch.api.cli.config import spec_warnings_shown
 from dynabatch.api.cli.run import render, write_report
 from dynabatch.scheduler.core.lifecycle import JobState
@@ -244,7 +244,7 @@ def register(app: typer.Typer) -> None:
         err = Console(stderr=True)
 
         def fail(message: str) -> NoReturn:
-            views.fail(err, message)
+            fail_line(err, message)
 
         try:
             with spec_warnings_shown(config):

@@ -13,7 +13,7 @@ from typing import Annotated, NoReturn
 import typer
 import yaml
 from dynabatch.actors.spec import SpecError, load_spec
-from dynabatch.api.cli import views
+from dynabatch.api.cli.common import fail as fail_line
 from dynabatch.api.cli.config import spec_warnings_shown
 from dynabatch.api.cli.simulate import quiet_engine
 from dynabatch.api.cli.tuning import Probe, TuneError, tune
@@ -60,7 +60,7 @@ def register(app: typer.Typer) -> None:
         err = Console(stderr=True)
 
         def fail(message: str) -> NoReturn:
-            views.fail(err, message)
+            fail_line(err, message)
 
         try:
             with spec_warnings_shown(config):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from dynabatch.actors.contracts import SegmentPlan, StepTelemetry
-from dynabatch.api.cli.views import breakdown_table
+from dynabatch.api.cli.common import breakdown_table
 from dynabatch.scheduler.core.failures import WorkerOutcome
 from dynabatch.scheduler.runtime.seam import ShardResult
 from dynabatch.scheduler.sync.coordinator import Coordinator
