@@ -29,12 +29,8 @@ class ForeignPackage(RuntimeError):
     """A dynabatch package name resolves to, or shares files with, another distribution."""
 
 
-def own_root() -> Path:
-    return Path(__file__).resolve().parents[1]
-
-
 def check_own_install(root: Path | None = None) -> None:
-    root = root or own_root()
+    root = root or Path(__file__).resolve().parents[1]
     for name in PACKAGES:
         module = importlib.import_module(f"{NAMESPACE}.{name}")
         paths = [Path(p).resolve() for p in getattr(module, "__path__", [])]

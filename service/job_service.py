@@ -522,18 +522,14 @@ class JobService:
         return [n.model_copy(update={"jobs": list(hosted[n.node_id].values())}) for n in nodes]
 
     # Metrics ----------------------------------------------------------------------------
-    def metric_snapshots(self) -> list[JobSnapshot]:
-        """Live jobs and those that finished within the retention window, oldest first."""
+    def metric_state(self) -> MetricState:
+        """Live jobs and those that finished within the retention window (oldest first),
+        each job's last epoch record (its held-out loss and metrics) and the job counts."""
         recs = self.store.live() + self.store.finished_since(
             self.clock() - self.metrics_retention_s
         )
         recs.sort(key=lambda r: (r.created_at, r.id))
-        return [r.current_snapshot() for r in recs]
-
-    def metric_state(self) -> MetricState:
-        """:meth:`metric_snapshots`, each job's last epoch record (its held-out loss and
-        metrics) and the job counts."""
-        snaps = self.metric_snapshots()
+        snaps = [r.current_snapshot() for r in recs]
         return MetricState(
             snapshots=snaps,
             last_records=self.store.last_records(s.job_id for s in snaps),

@@ -174,13 +174,13 @@ def run_placed(
             time.sleep(poll_s)
         handle = launch(job_id, dict(slots))
     except BaseException:
-        _quietly(scheduling.finished, job_id)
+        quietly(scheduling.finished, job_id)
         raise
     scheduling.launched(job_id, slots)
     return job_id, handle
 
 
-def _quietly(call: Callable[..., Any], *args: Any) -> None:
+def quietly(call: Callable[..., Any], *args: Any) -> None:
     """A courtesy to the scheduler that must not mask what the run reports."""
     try:
         call(*args)
@@ -199,11 +199,6 @@ def keep_alive(
     def tick() -> None:
         if time.monotonic() - last[0] >= every_s:
             last[0] = time.monotonic()
-            _quietly(scheduling.register_client, job_id, spec, submit_s)
+            quietly(scheduling.register_client, job_id, spec, submit_s)
 
     return tick
-
-
-def finish_quietly(scheduling: RayScheduling, job_id: str) -> None:
-    """Tell the scheduler the run's job ended (its nodes free at once)."""
-    _quietly(scheduling.finished, job_id)

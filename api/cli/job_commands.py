@@ -138,7 +138,7 @@ def serve(
 ) -> None:
     """Run the REST API (uvicorn) connected to Ray."""
     with one_line_errors():
-        _serve(insecure, host=host, port=port, address=address, db=db)
+        _serve(insecure, host=host, port=port, ray_address=address, db_path=db)
 
 
 def is_loopback(host: str) -> bool:
@@ -175,10 +175,6 @@ def _serve(insecure: bool, **overrides: Any) -> None:
     from pydantic import ValidationError
 
     given = {k: v for k, v in overrides.items() if v is not None}
-    if "address" in given:
-        given["ray_address"] = given.pop("address")
-    if "db" in given:
-        given["db_path"] = given.pop("db")
     try:
         settings = Settings(**given)
     except ValidationError as err:

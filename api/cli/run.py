@@ -410,7 +410,7 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
                                     interrupted=interrupted, tick=tick, on_update=updated)
         finally:
             if placer is not None:
-                sched.finish_quietly(placer, job_id)
+                sched.quietly(placer.finished, job_id)  # its nodes free at once
     finally:
         signal.signal(signal.SIGINT, old)
     summary = utilization_summary(hist)
