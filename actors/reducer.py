@@ -248,8 +248,8 @@ class GradientReducer:
         self._norms = False
         self._sq: list[torch.Tensor] = []
         self._pace: Callable[[], object] | None = None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
-                       for i, p in enumerate(self.params)] if self.params else []
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(self._hook(i))
         self.alloc(max_step)
 
     @property
