@@ -1,14 +1,7 @@
-"""Decisions the synchronous driver takes at a step boundary when something is missing.
-
-Pure (no clock, no I/O: the driver passes in its clock readings and what it loaded):
-
-* too few workers: how long the job has waited and whether it gives up
-  (:func:`wait_for_minimum`);
-* an epoch's evaluation lost a shard: whether the holders score it again
-  (:func:`evaluate_again`).
-
-(Whether a regroup rolls back and when a checkpoint is due are the step loop's reducer's:
-``dynabatch.scheduler.core.sync.loop``.)
+"""Decisions the synchronous driver takes at a step boundary when something is missing:
+how long a job with too few workers waits (:func:`wait_for_minimum`), and whether an
+evaluation that lost a shard is scored again (:func:`evaluate_again`). Pure: no clock, no
+I/O (the driver passes its readings in).
 """
 
 from __future__ import annotations
@@ -29,18 +22,15 @@ class MinimumWait:
 
 def wait_for_minimum(*, since: float | None, now: float, started: bool,
                      start_timeout_s: float, worker_wait_timeout_s: float) -> MinimumWait:
-    """Too few workers at this boundary (``since``: when that began, None if just now).
-
-    A job that never formed a group (``started`` false) may be queued behind others'
-    workers, so it waits ``start_timeout_s``; a running one that lost workers waits
-    ``worker_wait_timeout_s``. It fails once it has waited that long."""
+    """Too few workers at this boundary (``since``: when that began, None if just now). A
+    job that never formed a group may be queued behind others' workers, so it waits
+    ``start_timeout_s``; a running one ``worker_wait_timeout_s``. Then it fails."""
     first = since is None
     since = now if since is None else since
     waited = now - since
     limit = worker_wait_timeout_s if started else start_timeout_s
     return MinimumWait(since=since, waited=waited, limit=limit, first=first,
                        give_up=waited >= limit)
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +45,10 @@ class Reevaluation:
 def evaluate_again(*, complete: bool, shard_failed: bool, last_queued: bool,
                    holders: tuple[str, ...], waited_s: float,
                    cancel_requested: bool = False) -> Reevaluation | None:
-    """An epoch's evaluation is in. When it is incomplete because a shard failed, and it
-    was the last evaluation queued (``last_queued``: no segment was sent behind it, so the
-    holders still have the epoch's weights), the holders left score the set again, so no
-    scores are lost. Otherwise (or with no holder left) the record goes without scores; so
-    it does when a cancel is pending, which takes effect within one evaluation. How often
-    a failing evaluation is run again is the
-    :class:`~dynabatch.scheduler.core.failures.FailurePolicy`'s."""
+    """An epoch's evaluation is in. When a shard failed and it was the last evaluation
+    queued (the holders still have the epoch's weights), the holders left score the set
+    again; otherwise, with no holder left or a cancel pending, the record goes without
+    scores. (How often: :class:`~dynabatch.scheduler.core.failures.FailurePolicy`.)"""
     if complete or not shard_failed or not last_queued or not holders or cancel_requested:
         return None
     return Reevaluation(workers=holders, waited_s=waited_s)

@@ -2,24 +2,14 @@
 
 Pure: numpy only, no ray, no torch, no clock.
 
-Step ``s`` of an epoch always trains the order positions ``[s·B, s·B + B_s)`` (the last
-step may be partial), cut into the workers' shares by the current :class:`Allocation`, so
-the sequence of global batches never depends on the allocation or the membership. An
-allocation covers the epoch from the step where it was adopted (its *anchor*) to the end;
-re-planning at a step boundary adopts a new one for the samples not trained yet.
-
-Re-plans need not wait. A segment can be sent before the one in flight reports (no
-bubble), so a re-plan may be decided while a segment it cannot change is queued:
-``replan(at=s)`` adopts the new allocation from step ``s`` on (the step after the segment
-ahead), and the steps before ``s`` keep the allocation they were planned under. Since the
-global batches never depend on the allocation, nothing else changes. At an epoch's end the
-allocation in force is kept for the next epoch (re-cut over the whole dataset, the same
-batches), so the next epoch's first segment can also be planned before the epoch ends
-(``plan_segment(at=Position(epoch + 1, s))``).
-
-The protocol advances only by what the workers report: :meth:`SyncProtocol.advance` takes
-the number of steps that the state holder completed, and the epoch is complete exactly
-when every step is (:attr:`epoch_complete`), whether the last segment succeeded or not.
+Step ``s`` of an epoch always trains the order positions ``[s·B, s·B + B_s)``, cut into the
+workers' shares by the allocation in force, so the global batches never depend on the
+allocation or the membership. An allocation is in force from the step where it was adopted
+(its *anchor*) to the epoch's end. A re-plan may be adopted ahead (``replan(at=s)``) while a
+segment it cannot change is queued; the steps before ``s`` keep their allocation. At the
+epoch's end the allocation in force is carried into the next epoch, so its first segment
+can be planned ahead too (``plan_segment(at=Position(epoch + 1, s))``). The protocol
+advances only by the steps the workers report complete (:meth:`SyncProtocol.advance`).
 """
 
 from __future__ import annotations
@@ -84,10 +74,9 @@ class SyncProtocol:
         # anchor), in step order: the first is in force now, a later one was adopted
         # ahead (``replan(at=)``).
         self._plans: list[tuple[int, Allocation]] = []
-        # Adaptive mode: the step that first measures the last allocation that moved
-        # batches (the one after its anchor: a worker's first step at a new batch size pays
-        # the kernels' per-shape setup and is not a measurement, see core/sync/tracker.py).
-        # A segment ends right after it, so the next check sees it a step sooner.
+        # Adaptive mode: the step that first measures the last allocation that moved batches
+        # (the one after its anchor: a first step at a new size is not a measurement). A
+        # segment ends right after it, so the next check sees it a step sooner.
         self._measure_at: int | None = None
 
     # --- where the epoch stands ---------------------------------------------------------
@@ -148,9 +137,8 @@ class SyncProtocol:
         self.epoch += 1
         self.step = 0
         self._measure_at = None
-        # The allocation is kept: the next epoch's first re-plan sees it as the current one
-        # (DBS scales it, affine keeps it unless a better one gains enough), and a segment
-        # planned ahead across the boundary trained under it.
+        # The allocation is kept: the next epoch's first re-plan sees it as the current one,
+        # and a segment planned ahead across the boundary trained under it.
         self._plans = [(0, carried)] if carried is not None else []
 
     def resize(self, global_batch: int) -> None:
@@ -191,11 +179,9 @@ class SyncProtocol:
         telemetry: Sequence[WorkerTelemetry],
         at: int | None = None,
     ) -> Decision | None:
-        """Ask ``policy`` for the rest of the epoch from step ``at`` (default: now) and
-        adopt its allocation from there; the steps before ``at`` (a segment already sent)
-        keep theirs. ``at`` = ``steps_per_epoch`` (the segment in flight ends the epoch):
-        the allocation the next epoch starts with. None when the epoch is complete and no
-        ``at`` was given."""
+        """Ask ``policy`` for the rest of the epoch from step ``at`` (default: now) and adopt
+        its allocation from there (``steps_per_epoch``: the next epoch's); the steps before
+        keep theirs. None when the epoch is complete and no ``at`` was given."""
         spe = self.steps_per_epoch
         start = self.step if at is None else at
         if start < self.step or start > spe:
@@ -261,11 +247,9 @@ class SyncProtocol:
 
     def plan_segment(self, at: int | Position | None = None, *, whole: bool = False
                      ) -> dict[str, SegmentPlan]:
-        """Each worker's steps for the next segment (empty when the epoch is complete); or
-        for the segment starting at step ``at`` of this epoch (one sent ahead: it trains
-        under the allocation in force there), or at ``Position(epoch + 1, s)`` (ahead
-        across the epoch's end: under the allocation carried into the next epoch, at the
-        same global batch). ``whole``: not cut after the step that measures a new
+        """Each worker's steps for the next segment (empty when the epoch is complete), or
+        for one sent ahead from step ``at`` of this epoch or ``Position(epoch + 1, s)`` (under
+        the allocation carried over). ``whole``: not cut after the step that measures a new
         allocation (a plan update must cover the rest of the segment in flight)."""
         epoch = self.epoch
         if isinstance(at, Position):
@@ -308,9 +292,8 @@ class SyncProtocol:
                 steps.append(StepPlan(step=s, start=s * self.global_batch,
                                       size=self.step_size(s), own_start=base + lo,
                                       own_size=hi - lo))
-            # Every runtime posts plan updates to a segment in flight (each worker claims
-            # a step's key before it starts it: core/sync/update.py); epoch mode re-plans
-            # only at the epoch's end.
+            # Plan updates reach a segment in flight (core/sync/update.py); epoch mode
+            # re-plans only at the epoch's end.
             plans[w] = SegmentPlan(epoch, self.seed, self.dataset_size, tuple(steps),
                                    updates=self.rule.mode != "epoch")
         return plans

@@ -1,20 +1,12 @@
 """Plan updates: a new allocation that takes effect inside a segment already sent.
 
-Pure (no ray, no torch, no clock). A re-plan need not wait for the segment in flight to
-end. The driver decides the new allocation from step ``at`` (:func:`update_at`: the
-earliest step no worker can have started), sends each worker its steps from there as a
-:class:`PlanUpdate`, and the workers apply it at their next step boundary, all from the
-same step. Agreement is atomic: the update is posted under the step's key in the group's
-store, and every worker, before it starts a step it may be updated at, claims that key; the
-first claim seals it. So either the update was posted before any worker reached step
-``at`` (every worker finds it and applies it from ``at``), or some worker got there first
-(every worker finds the seal, the driver's post is *refused*, and the new allocation takes
-effect at the next segment instead: ``SyncProtocol.defer``).
-
-Exactly once is untouched: an update changes the positions of steps ``at`` and later,
-never those of a step any worker started, and step ``s`` still trains
-``order[s·B : s·B + B_s]``, only cut differently (:func:`check_update`); the ledger checks
-the workers' reports as for any segment.
+Pure (no ray, no torch, no clock). The driver decides the new allocation from step ``at``
+(:func:`update_at`: the earliest step no worker can have started) and posts each worker's
+steps from there as a :class:`PlanUpdate` under the step's key in the group's store. Every
+worker claims that key before it starts the step, and the first claim seals it: either the
+update was posted first (every worker applies it from ``at``) or the post is refused and
+the allocation takes effect at the next segment (``SyncProtocol.defer``). Step ``s`` still
+trains ``order[s·B : s·B + B_s]``, only cut differently (:func:`check_update`).
 """
 
 from __future__ import annotations
@@ -53,11 +45,8 @@ class PlanUpdate:
 def update_at(*, committed: int, ahead_start: int | None, ahead_end: int | None,
               started: int = 1) -> int | None:
     """The step from which a re-plan decided now can take effect inside the segment in
-    flight (``[ahead_start, ahead_end)``), or None (it takes effect at ``ahead_end``).
-
-    The workers went into that segment as soon as they ended the one just collected
-    (``committed``: the step the protocol is at), so they may have started ``started`` of
-    its steps already; the update aims at the step after those."""
+    flight (``[ahead_start, ahead_end)``), or None (it takes effect at ``ahead_end``): the
+    workers may have started ``started`` of its steps since ``committed``."""
     if ahead_start is None or ahead_end is None or ahead_start != committed:
         return None
     at = committed + max(started, 0)
