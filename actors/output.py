@@ -165,10 +165,6 @@ class ActorOutput:
             if a is not None:
                 a.leaving = True
 
-    def sources(self) -> list[str]:
-        with self._lock:
-            return list(self._actors)
-
     # --- reading ------------------------------------------------------------------------
     def start(self) -> ActorOutput:
         if self._thread is None:

@@ -63,7 +63,7 @@ def test_an_actor_that_left_is_read_to_its_end_then_dropped() -> None:
     out.poll()
     assert got == [("w1", "stdout", "step 1"), ("w1", "stdout", "about to die"),
                    ("w1", "stderr", "Fatal Python error: Segmentation fault")]
-    assert out.sources() == []
+    assert list(out._actors) == []
     reads = logs.reads
     out.poll()
     assert logs.reads == reads
@@ -119,10 +119,10 @@ def test_a_live_actor_whose_files_cannot_be_read_is_given_up_after_some_tries() 
     out.watch("w0", "a0")
     for _ in range(output.LOST_AFTER - 1):
         out.poll()
-    assert got == [] and out.sources() == ["w0"]
+    assert got == [] and list(out._actors) == ["w0"]
     out.poll()
     assert got == [("w0", "note", "its output cannot be read any more (RuntimeError: node gone)")]
-    assert out.sources() == []
+    assert list(out._actors) == []
 
 
 def test_a_flood_is_cut_with_a_count(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,7 +168,7 @@ def test_close_reads_every_actor_a_last_time_in_the_reading_thread() -> None:
     assert got[-1] == ("w0", "stdout", "last words")
     assert threads == {"actor-output"}
     out.watch("w9", "a9")  # after close: nothing is followed any more
-    assert out.sources() == []
+    assert list(out._actors) == []
 
 
 def test_a_log_api_nobody_serves_is_told_apart_from_a_missing_file(
