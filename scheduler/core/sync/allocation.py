@@ -1,18 +1,12 @@
 """Allocations: how a global batch and an epoch's samples are split over workers, and the
-values a rebalancing policy reads and returns. Pure: no Ray, no torch, no clock.
+values a rebalancing policy (:mod:`dynabatch.scheduler.core.sync.policy`) reads and returns.
+Pure: no Ray, no torch, no clock.
 
-An :class:`Allocation` splits a global batch ``B`` over workers (``batches``, summing to B
-exactly) and ``N`` samples over workers (``partitions``, summing to N exactly). The N
-samples take ``steps = ceil(N / B)`` steps: every step but the last trains B samples, and
-the last trains the remainder ``r = N − (steps−1)·B``, split in proportion to the batches.
-Nothing is dropped.
-
-Step ``s`` trains ``order[s·B : s·B + B_s]`` of the epoch's sample order, cut into the
-workers' shares in worker order (:meth:`Allocation.step_shares`). So the sequence of global
-batches depends on the order alone, never on the allocation: training is the same SGD as
-one process with batch B, whatever the policy decides.
-
-The policies that decide allocations are :mod:`dynabatch.scheduler.core.sync.policy`.
+An :class:`Allocation` splits a global batch B over workers (``batches``, summing to B) and
+N samples over them (``partitions``, summing to N): ``ceil(N / B)`` steps of B samples but
+the last, which trains the remainder split in proportion to the batches. Step ``s`` trains
+``order[s·B : s·B + B_s]``, cut into the workers' shares in worker order, so the sequence of
+global batches never depends on the allocation: the same SGD as one process with batch B.
 """
 
 from __future__ import annotations
@@ -30,20 +24,13 @@ from dynabatch.scheduler.core.sync.steptime import StepTimeStats, round_to_total
 class WorkerTelemetry:
     """What the policy knows of one worker.
 
-    ``samples`` and ``compute_s`` cover the window since the last decision (for DBS);
-    ``stats`` holds the decayed (batch, step compute time) observations (for the affine
-    model). ``cap`` bounds the worker's batch; ``micro`` is its memory cap on one
-    micro-batch, which does not bound the share (it is accumulated, and the affine model
-    plans with :func:`dynabatch.scheduler.core.sync.steptime.accumulation_slope`); ``capacity`` is
-    a resource
-    hint (e.g. CPUs) for a worker that has no telemetry yet. ``stats`` are per
-    micro-batch when the worker accumulates. ``slowed``: the worker's last change of speed
-    was a slowdown, and ``stats`` hold only what it did since. ``previous``: (batch, mean
-    step compute seconds) of its window under the plan before the current one, since its
-    last change of speed (DBS's second point; None when there is none). ``se`` and
-    ``previous_se``: the relative standard errors of the window's throughput and of
-    ``previous``'s step time, from the spread of the worker's steps (0: taken as exact);
-    DBS moves a share only by what stands out of them.
+    ``samples`` and ``compute_s``: the window since the last decision (DBS); ``stats``: the
+    decayed (batch, step compute) observations, per micro-batch (affine). ``cap`` bounds
+    the batch; ``micro`` caps one micro-batch, not the share (it is accumulated:
+    ``steptime.accumulation_slope``); ``capacity``: a resource hint for a worker without
+    telemetry. ``slowed``: its last change of speed was a slowdown. ``previous``: (batch,
+    mean step compute) of its window under the plan before (DBS's second point). ``se``,
+    ``previous_se``: the relative standard errors of both (0: taken as exact).
     """
 
     worker: str

@@ -1,6 +1,5 @@
-"""What the rebalancing policies share (:mod:`dynabatch.scheduler.core.sync.policy`): each
-worker's batch bounds, its measured speed, splits in proportion to weights, the current plan
-kept or the reason it is not, and the no-starvation floor. Pure: numpy only.
+"""What the rebalancing policies (:mod:`dynabatch.scheduler.core.sync.policy`) share. Pure:
+numpy only.
 """
 
 from __future__ import annotations
@@ -131,10 +130,9 @@ def replanned(current: Allocation | None, workers: tuple[str, ...], b: np.ndarra
 
 def speed_floor(a: np.ndarray, c: np.ndarray, global_batch: int, fraction: float
                 ) -> np.ndarray:
-    """Each worker's least batch: 1 plus ``fraction`` of its share of the other
-    ``global_batch − n`` samples in proportion to its speed, measured where it does not
-    depend on the share it was given: its modelled throughput at an equal split,
-    ``v_i = (B/n) / (a_i + c_i·B/n)``. The floors sum to at most ``B``."""
+    """Each worker's least batch: 1 plus ``fraction`` of its speed-proportional share of the
+    other ``B − n`` samples, its speed taken at an equal split (where it does not depend on
+    the share it was given). The floors sum to at most ``B``."""
     n = len(a)
     if fraction <= 0.0 or n == 0:
         return np.ones(n, dtype=np.int64)
@@ -148,15 +146,10 @@ def speed_floor(a: np.ndarray, c: np.ndarray, global_batch: int, fraction: float
 
 
 def beyond_noise(t: np.ndarray, se: np.ndarray, z: float) -> np.ndarray:
-    """Per worker, the factor that takes its measured step time ``t`` (under the current
-    plan) towards the workers' median, in logs, where it does not stand out of its noise
-    (firm thresholding with ``λ = z·√(se² + median(se)²)``, ``se`` its relative standard
-    error, the second term the median's): a deviation
-    within λ is taken as noise, one beyond 2λ is kept whole, and one between is kept in
-    part, ramping from none to all. So workers whose times differ by their noise are made
-    equal and the current plan is kept, while a worker much slower keeps all of its
-    slowdown (a soft threshold, always taking λ off, would shrink every real correction).
-    Ones when ``z`` is 0 or no error is known."""
+    """Per worker, the factor that takes its measured step time ``t`` towards the workers'
+    median, in logs, by firm thresholding with ``λ = z·√(se² + median(se)²)``: a deviation
+    within λ is noise, one beyond 2λ is kept whole, a ramp between (a soft threshold would
+    shrink every real correction). Ones when ``z`` is 0 or no error is known."""
     se = np.asarray(se, dtype=np.float64)
     if z <= 0.0 or not (se > 0.0).any():
         return np.ones(len(se))
@@ -166,7 +159,6 @@ def beyond_noise(t: np.ndarray, se: np.ndarray, z: float) -> np.ndarray:
     # noisy steps deviates by the other's noise, not its own.
     lam = z * np.hypot(se, np.median(se))
     with np.errstate(invalid="ignore", divide="ignore"):
-        # Firm thresholding: nothing within lam, all of it beyond 2·lam, a ramp between.
         ramp = np.where(lam > 0, (np.abs(d) - lam) / np.where(lam > 0, lam, 1.0), 1.0)
         kept = d * np.clip(np.nan_to_num(ramp, nan=0.0, neginf=0.0), 0.0, 1.0)
     return np.exp(kept - d)
