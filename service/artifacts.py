@@ -28,14 +28,6 @@ if TYPE_CHECKING:  # the job service calls keep_model: no import cycle
 log = logging.getLogger("dynabatch.service")
 
 
-class NoModel(JobConflict):
-    """The job has no trained weights (yet): 409."""
-
-    def __init__(self, job_id: str):
-        super().__init__(f"job {job_id} has no trained weights yet")
-        self.job_id = job_id
-
-
 def models_dir(db_path: str) -> Path | None:
     """Where the service keeps the models of jobs without ``artifacts.dir``: ``models/``
     beside its database (``DYNABATCH_DB_PATH``), the service's own disk. None for an
@@ -65,8 +57,7 @@ def keep_model(cluster: RayClusterClient, job_id: str, models_dir: Path | None) 
 def job_model(service: JobService, job_id: str) -> dict[str, bytes]:
     """The job's model files by name, from its ``artifacts.dir``, the service's copy (in
     :func:`models_dir`) or its live coordinator. Raises ``JobNotFound`` (no such job),
-    :class:`NoModel` (no weights anywhere yet) or :class:`JobConflict` naming the file that
-    cannot be read."""
+    :class:`JobConflict` (409) when it has no weights anywhere yet or a file cannot be read."""
     rec = service.get(job_id)
     places = []
     if rec.spec.artifacts.dir:
@@ -85,7 +76,7 @@ def job_model(service: JobService, job_id: str) -> dict[str, bytes]:
     except RayCallError:  # no coordinator (released, lost) or Ray down
         files = None
     if not files:
-        raise NoModel(job_id)
+        raise JobConflict(f"job {job_id} has no trained weights yet")
     return files
 
 

@@ -2,10 +2,8 @@
 translated (:mod:`dynabatch.service.service_errors`). ``tests.fakes.FakeCluster`` stands in
 for it in route and service tests.
 
-Coordinator handles are cached per job; a job without a cached handle (e.g. after an API
-restart) is looked up by its actor name, that of the generation last launched or found.
-Ray and the scheduler are imported lazily, so the API process pays for them only when it
-connects.
+Coordinator handles are cached per job; one without (after an API restart) is looked up by
+its actor name. Ray is imported lazily, so the API process pays for it only when it connects.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The seam between the service and the cluster scheduler actor
 (:mod:`dynabatch.scheduler.runtime.cluster_scheduler`): :class:`RayScheduling`.
 
-With the scheduler on (``DYNABATCH_CLUSTER_SCHEDULER=1``) a submitted job is registered with
-it instead of launched: the scheduler starts its coordinator on the nodes it grants, and
-the job stays PENDING with the queue's reason until then. Every sync tick the service tells
-it every live job from the store (:meth:`RayScheduling.sync`), which is how a new scheduler
-rebuilds its state after the actor or the API restarted.
-
-``dynabatch run --address`` goes through the same scheduler when one runs on the cluster
-(:func:`run_placed`): its job registers as a client job, waits for its grant, and its own
-driver launches the coordinator on the granted nodes; the scheduler resizes it from then
-like any job, and hears when it ends.
+A submitted job is registered with it instead of launched: the scheduler starts its
+coordinator on the nodes it grants. Every sync tick the service tells it every live job
+(:meth:`RayScheduling.sync`), which is how a new scheduler rebuilds after a restart.
+``dynabatch run --address`` registers as a client job (:func:`run_placed`): its own driver
+launches the coordinator on the granted nodes.
 """
 
 from __future__ import annotations

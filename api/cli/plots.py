@@ -1,16 +1,8 @@
 """PNG plots of a job report (``dynabatch run --report``), made with matplotlib.
 
-Three figures, all from the per-epoch records the workers' reports produced:
-
-* ``shares``: each worker's share of the global batch, ``b_i / Σ_j b_j``, per epoch
-  (stacked; a policy moving work off a slow worker shows as its band thinning);
-* ``compute-wait``: per worker, the compute seconds and the all-reduce wait seconds
-  summed over the run (a balanced job has short, even wait bars);
-* ``loss``: training and held-out loss per epoch, and the job's metrics (accuracy,
-  perplexity, ...) on a second panel.
-
-``render(report, out_dir)`` writes them and returns their paths; ``dynabatch report
-REPORT.json`` calls it.
+Three figures from the per-epoch records: each worker's share of the global batch (a policy
+moving work off a slow worker shows as its band thinning), per worker compute and all-reduce
+wait seconds (a balanced job has short, even wait bars), and the loss and metrics.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """POST /v1/code: upload the code a job ships (``dynabatch submit --working-dir``).
 
-The body is a zip (``application/zip``); the answer names it as a ``working_dir`` URI for the
-job spec (see :mod:`dynabatch.service.code_store`). It has its own body limit,
-``DYNABATCH_MAX_CODE_BYTES``, larger than the JSON endpoints' ``DYNABATCH_MAX_BODY_BYTES``.
-Uploading needs what running shipped code needs: ``DYNABATCH_USER_CODE_MODULES='*'``, and a
-``DYNABATCH_CODE_ROOT`` to keep it in; without them the answer is 403 and nothing is read.
+The zip has its own body limit (``DYNABATCH_MAX_CODE_BYTES``). Uploading needs what running
+shipped code needs (``DYNABATCH_USER_CODE_MODULES='*'`` and a ``DYNABATCH_CODE_ROOT``);
+without them the answer is 403 and nothing is read.
 """
 
 from __future__ import annotations
