@@ -1,25 +1,14 @@
 """Experiment tracking: a job's scalars as TensorBoard event files (``tracking.tensorboard``).
 
-One :class:`Tracking` sink per job, made by :class:`~dynabatch.scheduler.control.JobControl`
-from the spec; the drivers hand it what they already record, at three points:
-
-* :meth:`Tracking.epoch`: an epoch's :class:`~dynabatch.scheduler.telemetry.EpochRecord`
-  once it joins the history (its held-out scores in). Tags ``epoch/*`` (train loss, each
-  held-out metric as ``epoch/test_NAME``, utilisation, compute balance, epoch time,
-  samples/s, global batch, learning rate) and ``worker_share/WORKER`` (the worker's share of
-  the epoch's samples) and ``worker_batch/WORKER`` (its batch at the epoch's end), at
-  step = the epoch (as in the job's log); each held-out table (a confusion matrix) as an
-  image ``epoch/test_NAME`` (:func:`matrix_image`).
-* :meth:`Tracking.step`: a committed synchronous step's reports. Tags ``step/loss`` (the
-  step's mean per-sample loss) and ``step/global_batch``, at step = samples trained since
-  the job began (``epoch * dataset size + the step's end position``): it stays monotone
-  across batch-size changes and is the same after a resume from a checkpoint.
-* :meth:`Tracking.close`: the job's end (flushes the files).
+One :class:`Tracking` sink per job, made by :class:`~dynabatch.scheduler.control.JobControl`:
+the drivers hand it each epoch's record once its held-out scores are in
+(:meth:`Tracking.epoch`, at step = the epoch) and each committed synchronous step's reports
+(:meth:`Tracking.step`, at step = samples trained since the job began: monotone across
+batch-size changes and the same after a resume). Tags: docs/spec.md, "Experiment tracking".
 
 The files go to ``DIR/JOB_ID/`` on the machine that runs the job's driver. Tracking never
-fails the job: the first error opening or writing the files becomes one WARNING in the job
-log and the sink writes nothing more. ``torch.utils.tensorboard`` is imported only by a
-job that tracks.
+fails the job: the first error becomes one WARNING in the job log and the sink writes
+nothing more. ``torch.utils.tensorboard`` is imported only by a job that tracks.
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ WriterFactory = Callable[[str], Any]
 
 
 def epoch_scalars(record: EpochRecord) -> dict[str, float]:
-    """The epoch's scalars by TensorBoard tag (see the module docstring)."""
+    """The epoch's scalars by TensorBoard tag."""
     out = {"epoch/train_loss": record.train_loss}
     for split in ("validation", "test"):  # each tag names the held-out split it is from
         loss, scores = record.held_out(split)
@@ -76,22 +65,6 @@ def matrix_image(matrix: Sequence[Sequence[float]], cell: int = 16) -> Any:
     frac = np.divide(m, rows, out=np.zeros_like(m), where=rows > 0)
     img = np.round(frac * 255).astype(np.uint8)
     return np.kron(img, np.ones((cell, cell), dtype=np.uint8))
-
-
-def step_scalars(
-    reports: Sequence[StepTelemetry], dataset_size: int
-) -> tuple[int, dict[str, float]] | None:
-    """A committed step's position on the job's sample axis and its scalars by tag; None
-    for a step no worker reported."""
-    if not reports:
-        return None
-    first = reports[0]
-    x = first.epoch * dataset_size + first.step_start + first.step_size
-    out: dict[str, float] = {"step/global_batch": first.step_size}
-    samples = sum(r.samples for r in reports)
-    if samples:
-        out["step/loss"] = sum(r.loss_sum for r in reports) / samples
-    return x, out
 
 
 def _summary_writer(logdir: str) -> Any:
@@ -132,11 +105,15 @@ class Tracking:
 
     def step(self, reports: Sequence[StepTelemetry], dataset_size: int) -> None:
         """Write a committed step's scalars (queued: the writer's thread writes them)."""
-        if self._broken:
+        if self._broken or not reports:
             return
-        point = step_scalars(reports, dataset_size)
-        if point is not None:
-            self._write(*point, flush=False)
+        first = reports[0]
+        scalars: dict[str, float] = {"step/global_batch": first.step_size}
+        samples = sum(r.samples for r in reports)
+        if samples:
+            scalars["step/loss"] = sum(r.loss_sum for r in reports) / samples
+        self._write(first.epoch * dataset_size + first.step_start + first.step_size, scalars,
+                    flush=False)
 
     def close(self) -> None:
         """Flush and close the files (the job's end); a later write opens them again."""
