@@ -1,15 +1,11 @@
 """Code shipped with a job: the zip ``dynabatch submit --working-dir`` makes of a directory
 and uploads (``POST /v1/code``), checked and stored under the operator's code root.
 
-Ray takes a per-actor ``working_dir`` only as a URI (a local directory is uploaded only by a
-driver's own ``ray.init``), and ``file://`` names a zip on the nodes' own disks: so the
-service keeps each upload as ``<code_root>/<sha256>.zip`` and names it
+Ray takes a per-actor ``working_dir`` only as a URI, so the service keeps each upload as
+``<code_root>/<sha256>.zip`` (content-addressed: the same code is stored once) and names it
 ``file://<code_root>/<sha256>.zip`` in the job's spec. Every Ray node must read the code root
-at the same path: one machine (the embedded Ray), or a volume they all mount (compose and
-k8s mount the checkpoint volume on every node). Ray unpacks the zip on each node, removing a
-single top-level directory, which is how :func:`zip_directory` lays the archive out.
-
-Uploads are content-addressed: the same code gives the same URI, and is stored once.
+at the same path (one machine, or a volume they all mount). Ray unpacks the zip on each node,
+removing a single top-level directory, which is how :func:`zip_directory` lays it out.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""``JobService``: submit, list, inspect, cancel, scale, drain and resume jobs; keep the store
-in step with Ray (:mod:`~dynabatch.service.reconciler`). What ``api/``, the CLI and the tests
-call.
+"""``JobService``: submit, list, inspect, cancel, scale, drain and resume jobs; the
+reconciler (:mod:`~dynabatch.service.reconciler`) keeps the store in step with Ray.
 
 Each command checks what it is asked against the job's stored state, calls the job's
 coordinator (or the cluster scheduler, when it is on) and records the outcome in the store,
-holding the reconciler's lock so that no sync of the job interleaves. ``submit`` refuses
-(:class:`~dynabatch.service.submit_policy.SpecNotAllowed`, 422, nothing stored) a spec naming
-user code or paths that ``submit_policy`` does not allow; a resume checks the stored spec
-again (:func:`~dynabatch.service.reconciler.relaunch_refusal`).
-
-Every view of the jobs is read from the store, never from Ray; a live job that the cluster
-scheduler's last round queues is shown with the queue's reason. Routes and this service run
-against ``tests.fakes.FakeCluster`` as well as the real
-:class:`~dynabatch.service.ray_client.RayClusterClient`.
+holding the reconciler's lock so that no sync of the job interleaves. Every view of the jobs
+is read from the store, never from Ray.
 """
 
 from __future__ import annotations
@@ -190,9 +182,16 @@ class JobService:
         problems = check_submission(spec, self.submit_policy)
         if problems:
             raise SpecNotAllowed(problems)
-        self._check_fits(spec)
+        # No set of the cluster's alive nodes could ever hold its min_workers (422).
+        if spec.min_workers is not None and (
+                problem := min_workers_problem(spec, self._nodes("min_workers"))):
+            raise InvalidRequest("min_workers", problem)
         if self.link is not None:
-            why = self._scheduler_refusal(spec)
+            try:  # why the scheduler could never place it: one line, the field first
+                why = self.scheduling.admissible(spec)
+            except RayCallError as err:  # it cannot be asked now: not refused for that
+                log.warning("cannot ask the cluster scheduler about a new job: %s", err)
+                why = None
             if why:
                 raise InvalidRequest(why.split(" ", 1)[0], why)
         job_id = uuid.uuid4().hex[:12]
@@ -222,29 +221,14 @@ class JobService:
         log.info("job %s (%s) submitted", job_id, spec.name)
         return rec
 
-    def _scheduler_refusal(self, spec: JobSpec) -> str | None:
-        """Why the cluster scheduler could never place this job (a one-line reason that
-        starts with the field), or None; None too when it cannot be asked now."""
+    def _nodes(self, what: str) -> list[NodeStatus]:
+        """Ray's nodes, to check ``what`` against; none (nothing is refused for them) when
+        Ray cannot list them now."""
         try:
-            return self.scheduling.admissible(spec)
+            return self.cluster.nodes()
         except RayCallError as err:
-            log.warning("cannot ask the cluster scheduler about a new job: %s", err)
-            return None
-
-    def _check_fits(self, spec: JobSpec) -> None:
-        """Refuse (:class:`InvalidRequest` on ``min_workers``, 422, nothing stored) a job
-        whose ``min_workers`` no set of the cluster's alive nodes can hold. When Ray cannot
-        list its nodes now, the job is not refused for it."""
-        if spec.min_workers is None:
-            return
-        try:
-            nodes = self.cluster.nodes()
-        except RayCallError as err:
-            log.warning("cannot list Ray nodes to check min_workers: %s", err)
-            return
-        problem = min_workers_problem(spec, nodes)
-        if problem:
-            raise InvalidRequest("min_workers", problem)
+            log.warning("cannot list Ray nodes to check %s: %s", what, err)
+            return []
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobRecord:
         """Cancel a live job. Raises :class:`JobConflict` (409)
@@ -312,7 +296,11 @@ class JobService:
                 raise InvalidRequest("workers", problem)
             if self.scheduling is not None:
                 return self._scheduled_scale(rec, workers)
-            self._check_capacity(spec, workers)
+            # The cluster's alive nodes could never hold that many of its workers (409; the
+            # cluster scheduler refuses the same scale with the same words).
+            problem = capacity_problem(spec, self._nodes("a scale"), workers)
+            if problem:
+                raise JobConflict(f"scale to {workers}: above the cluster's capacity: {problem}")
             try:
                 snap = self._membership_call(
                     rec, lambda: self.cluster.scale(job_id, workers), "scaled")
@@ -328,20 +316,6 @@ class JobService:
             self.store.set_target_workers(job_id, workers)
             log.info("job %s: scale to %d workers requested", job_id, workers)
             return self.reconciler.sync_job(job_id, snapshot=snap) or rec
-
-    def _check_capacity(self, spec: JobSpec, workers: int) -> None:
-        """Without the cluster scheduler: :class:`JobConflict` (409) when the cluster's
-        alive nodes could never hold ``workers`` of this job's workers at once (the
-        scheduler refuses the same scale with the same words). When Ray cannot list its
-        nodes now, the scale is not refused for it."""
-        try:
-            nodes = self.cluster.nodes()
-        except RayCallError as err:
-            log.warning("cannot list Ray nodes to check a scale: %s", err)
-            return
-        problem = capacity_problem(spec, nodes, workers)
-        if problem:
-            raise JobConflict(f"scale to {workers}: above the cluster's capacity: {problem}")
 
     def _scheduled_scale(self, rec: JobRecord, workers: int) -> JobRecord:
         """With the cluster scheduler on, a scale is a request to it, answered at once (not
