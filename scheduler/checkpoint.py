@@ -1,21 +1,17 @@
 """Job checkpoints: one file per job, written atomically.
 
-A checkpoint holds tensors and plain data only (dicts, lists, tuples, numbers, strings, None:
-the model and optimizer state dicts, the plan, the history), so it is loaded with
-``weights_only=True``: a file that would make the unpickler build any other object (run code)
-is refused with a :class:`CheckpointError`. Checkpoint directories are shared storage that
-others may be able to write to. Saving checks the payload against the same rule, so that a
-value the load would refuse (a numpy scalar, say) fails when it is written, not at resume.
+A checkpoint holds tensors and plain data only, so it is loaded with ``weights_only=True``:
+a file that would make the unpickler build any other object (run code) is refused with a
+:class:`CheckpointError` (checkpoint directories are shared storage others may write to).
+Saving checks the payload against the same rule, so what a load would refuse fails when it
+is written, not at resume.
 
-A checkpoint directory (and a ``checkpoint.from`` file) is a local path or a URI that
-``pyarrow.fs`` opens (``s3://``, ``gs://``, ``hdfs://``, ``file://``), opened by the one helper
-the data and the artifacts use (:func:`dynabatch.actors.data.fs.open_fs`). A reader sees the
-old checkpoint or the new one, never half of one: a local file (``file://`` too) is written to
-a temporary file, fsynced and renamed; on any other filesystem it is written to a temporary
-name beside it and moved over the old one, which is a rename on HDFS and a server-side copy on
-object stores: either way the destination appears whole or not at all. Writing the object in
-one put instead is not all-or-nothing through ``pyarrow.fs``: leaving its output stream after
-a failure closes it, and closing completes the upload with what was written.
+A checkpoint directory is a local path or a URI that ``pyarrow.fs`` opens
+(:func:`dynabatch.actors.data.fs.open_fs`). A reader sees the old checkpoint or the new one,
+never half of one: a local file is written to a temporary file, fsynced and renamed; on
+any other filesystem it is written to a temporary name beside it and moved over the old
+one (one put is not all-or-nothing: after a failure, closing its stream completes the
+upload with what was written).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """What every job driver shows and accepts, whatever its protocol.
 
-:class:`JobControl` holds the lifecycle (:class:`~dynabatch.scheduler.core.lifecycle.JobState` with
-its enforced
-transitions), the job's log, its membership events, its epoch history, and the requests
-(cancel, and the typed :data:`Request`: scale, drain, assign) that other threads queue for
-the driver's next step boundary. The
-synchronous :class:`~dynabatch.scheduler.sync.coordinator.Coordinator` and the parameter-server
-:class:`~dynabatch.scheduler.ps.driver.PSCoordinator` both extend it, so the service, REST and the
-CLI
-see one interface; the drivers keep only what their protocols do differently.
-
-The public methods may be called from other threads (the driver runs as a threaded actor)
-while ``run()`` blocks; every shared field is read and written under ``_lock``.
+:class:`JobControl` holds the lifecycle (:class:`~dynabatch.scheduler.core.lifecycle.JobState`),
+the job's log, membership events and epoch history, and the requests (cancel, and the typed
+:data:`Request`: scale, drain, assign) that other threads queue for the driver's next step
+boundary. The synchronous and the parameter-server drivers extend it, so the service, REST
+and the CLI see one interface. Its public methods may be called from other threads while
+``run()`` blocks; every shared field is read and written under ``lock``.
 """
 
 from __future__ import annotations
@@ -70,10 +64,6 @@ class Assign:
 # A membership request, applied at the driver's next step boundary.
 Request = Scale | Drain | Assign
 
-# Why scale and drain are refused once the job's nodes are assigned.
-ASSIGNED = "placement is the cluster scheduler's"
-
-
 # The best epoch's model state, epoch and metrics (checkpoint.keep_best), or Nones.
 BestEpoch = tuple[dict[str, Any] | None, int | None, dict[str, float] | None]
 
@@ -103,11 +93,9 @@ class JobControl:
         self.output: ActorOutput | None = None
         # Why requested workers cannot all be placed now (shown as the reason while so).
         self.placement_note: str | None = None
-        # The trained model's files (dynabatch.actors.export), kept from the job's end
-        # until this driver is released; the service copies them (model_files).
+        # The trained model's files (dynabatch.actors.export), kept from the job's end.
         self._model_files: dict[str, bytes] | None = None
-        # Experiment tracking (tracking.tensorboard): the drivers hand it each epoch's record
-        # and, the synchronous one, each committed step; closed at the job's end.
+        # Experiment tracking (tracking.tensorboard), closed at the job's end.
         self.tracking = Tracking(spec.tracking.tensorboard, job_id,
                                  warn=lambda message: self.log("WARNING", message))
 
@@ -199,19 +187,13 @@ class JobControl:
         return self.snapshot()
 
     def assign(self, nodes: Mapping[str, int] | NodeAssignment) -> JobSnapshot:
-        """Train on exactly these nodes (node id: worker slots): new workers start on the
-        assigned nodes' empty slots as it arrives while the job trains (the synchronous
-        driver; else at the driver's next step boundary), and join a boundary once up;
-        workers on nodes no longer assigned, or beyond a node's slots, drain with their
-        state handed over (those still starting stop at once). The assignment is
-        authoritative: its total becomes the job's size, whatever the spec's
-        ``min_workers``/``max_workers`` (the cluster scheduler owns them). Refused
-        (``ValueError``, one line, written to the job's log as a WARNING first) when an
-        entry is not a node id with at least one slot, the job's batch cannot be split
-        over the total, or the job has ended
-        (:class:`InvalidTransition`). From then on the placement is the cluster
-        scheduler's: the job's own ``scale`` and ``drain`` are refused, and it grows onto
-        no other node; a later ``assign`` replaces this one."""
+        """Train on exactly these nodes (node id: worker slots), whatever the spec's
+        ``min_workers``/``max_workers``: new workers start on the assigned nodes' empty
+        slots, workers elsewhere or beyond a node's slots drain with their state handed
+        over. Refused (``ValueError``, one line, logged as a WARNING first) when an entry is
+        not a node id with at least one slot or the batch cannot be split over the total;
+        :class:`InvalidTransition` when the job has ended. From then on the job's own
+        ``scale`` and ``drain`` are refused; a later ``assign`` replaces this one."""
         try:
             a = nodes if isinstance(nodes, NodeAssignment) else NodeAssignment.of(nodes)
         except ValueError as err:
@@ -243,8 +225,8 @@ class JobControl:
     def _refuse_if_assigned(self, what: str) -> None:
         """Under the lock: the job's own resizing stops once its nodes are assigned."""
         if self.assignment is not None:
-            raise ValueError(f"{what}: {ASSIGNED}: this job trains on the nodes assigned to "
-                             f"it ({self.assignment})")
+            raise ValueError(f"{what}: placement is the cluster scheduler's: this job trains on "
+                             f"the nodes assigned to it ({self.assignment})")
 
     # ------------------------------------------------------------------ for the drivers
     def take_requests(self, assignments: bool = False) -> list[Request]:
@@ -274,12 +256,10 @@ class JobControl:
         reason: str,
         best: BestEpoch = (None, None, None),
     ) -> None:
-        """The one way a job's driver (synchronous or parameter server) puts its trained model
-        out: build the files from ``state`` (a model state dict) and the last epoch's metrics,
-        keep them (:meth:`model_files`), and write them to ``artifacts.dir/JOB_ID`` when the
-        spec sets it. ``best``: the best epoch's state, epoch and metrics, when kept. A
-        problem (a state safetensors cannot hold, a directory it cannot write) is a WARNING in
-        the job's log: the job still ends as it was going to."""
+        """Put the trained model out: build its files from ``state`` (a model state dict) and
+        the last epoch's metrics (``best``: the best epoch's, when kept), keep them
+        (:meth:`model_files`) and write them to ``artifacts.dir/JOB_ID`` when set. A problem
+        is a WARNING in the job's log: the job still ends as it was going to."""
         from dynabatch.actors.data.fs import join
         from dynabatch.actors.data.source import DataError
         from dynabatch.actors.export import ExportError, model_files, write_files
