@@ -47,20 +47,17 @@ class RayScheduling:
         self._lock = threading.Lock()
         self._view: ClusterView | None = None
 
-    def _actor(self) -> Any:
-        with self._lock:
-            if self._handle is None:
-                from dynabatch.scheduler.runtime.cluster_scheduler import ensure_scheduler
-
-                self._handle = ensure_scheduler(*self._args)
-            return self._handle
-
     def _call(self, method: str, *args: Any) -> Any:
         import ray
         import ray.exceptions as rex
 
         for attempt in (0, 1):
-            handle = self._actor()
+            with self._lock:
+                if self._handle is None:
+                    from dynabatch.scheduler.runtime.cluster_scheduler import ensure_scheduler
+
+                    self._handle = ensure_scheduler(*self._args)
+                handle = self._handle
             try:
                 return ray.get(getattr(handle, method).remote(*args), timeout=self._timeout)
             except rex.RayActorError as err:

@@ -63,13 +63,6 @@ _SPEC_EXAMPLES = {
 }
 
 
-def _spec_warnings(spec: JobSpec) -> list[str]:
-    """Warnings (accepted settings with no effect) that validating this spec raises."""
-    with spec_warnings_caught() as messages:
-        JobSpec.model_validate(spec.model_dump())
-    return messages
-
-
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
@@ -89,12 +82,14 @@ def submit_job(
     a `checkpoint.dir` outside `DYNABATCH_CHECKPOINT_ROOT`; such a job is not stored."""
     rec = service.submit(spec)
     response.headers["Location"] = f"/v1/jobs/{rec.id}"
+    with spec_warnings_caught() as warnings:  # accepted settings that have no effect
+        JobSpec.model_validate(spec.model_dump())
     return JobSubmitted(
         job_id=rec.id,
         name=rec.name,
         state=rec.state,
         reason=rec.reason,
-        warnings=_spec_warnings(spec),
+        warnings=warnings,
     )
 
 
