@@ -59,9 +59,6 @@ class AffineFit:
     a: float
     c: float
 
-    def predict(self, batch: float) -> float:
-        return self.a + self.c * batch
-
 
 def fit(stats: StepTimeStats) -> AffineFit | None:
     """Least-squares fit of t = a + c·b; proportional fallback; None without usable data
@@ -71,11 +68,9 @@ def fit(stats: StepTimeStats) -> AffineFit | None:
 
 
 def accumulation_slope(a: np.ndarray, c: np.ndarray, micro: np.ndarray) -> np.ndarray:
-    """Per-sample cost of the affine envelope that equal finish plans with, of the step time
-    of a share computed in micro-batches of at most m (``dynabatch.actors.accumulate``;
-    every micro-batch pays the overhead): ceil(b/m)·a + c·b ≤ a + (c + a/m)·b, so a
-    worker whose memory caps its micro-batch at m is planned at ``c + a/m`` (exact within
-    one overhead ``a``; ``micro`` NaN or inf: uncapped, ``c`` unchanged)."""
+    """Per-sample cost to plan a share computed in micro-batches of at most m with (each pays
+    the overhead): ceil(b/m)·a + c·b ≤ a + (c + a/m)·b, so ``c + a/m`` (NaN or inf ``micro``:
+    uncapped, ``c``)."""
     m = np.where(np.isfinite(micro) & (micro > 0), micro, np.inf)
     return c + a / m
 
@@ -114,14 +109,10 @@ def two_point_fit(
     b1: np.ndarray, t1: np.ndarray, b2: np.ndarray, t2: np.ndarray, min_ratio: float,
     se1: np.ndarray | float = 0.0, se2: np.ndarray | float = 0.0, z: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the line ``t = a + c·b`` through (b1, t1) and (b2, t2); NaN where it is not
-    to be trusted: a point missing (NaN), batches less than ``min_ratio`` apart (the larger
-    over the smaller: nearby sizes give a slope of noise), a line with ``c <= 0`` or
-    ``a < 0`` (time that falls as the batch grows, or a negative overhead: noise again), or
-    two times that differ by no more than ``z`` standard errors of their difference
-    (``se1``, ``se2``: the relative standard errors of t1 and t2). Where a fixed cost
-    dominates, t1 and t2 differ by little, and a slope through their noise is nearly flat:
-    equal finish on flat lines would move whole shares on noise."""
+    """Per row, the line ``t = a + c·b`` through (b1, t1) and (b2, t2); NaN where noise may
+    have drawn it: a point missing, batches less than ``min_ratio`` apart (larger over
+    smaller), ``c <= 0`` or ``a < 0``, or times within ``z`` standard errors of their
+    difference (``se1``, ``se2``: relative; a nearly flat line would move whole shares)."""
     b1, t1, b2, t2 = (np.asarray(x, dtype=np.float64) for x in (b1, t1, b2, t2))
     with np.errstate(divide="ignore", invalid="ignore"):
         c = (t2 - t1) / (b2 - b1)
@@ -211,11 +202,8 @@ def equal_finish(
 
 
 def round_to_total(x: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Integers in [lo, hi] summing to ``total``, nearest to real ``x`` (largest remainder).
-
-    ``lo``/``hi`` are integer arrays with Σlo ≤ total ≤ Σhi. When Σ clip(x, lo, hi) equals
-    ``total`` every output is within 1 of its (clipped) ``x``.
-    """
+    """Integers in [lo, hi] (Σlo ≤ total ≤ Σhi) summing to ``total``, nearest to real ``x``
+    by largest remainder: within 1 of clip(x, lo, hi) when that sums to ``total``."""
     lo = np.asarray(lo, dtype=np.int64)
     hi = np.asarray(hi, dtype=np.int64)
     total = int(total)

@@ -45,8 +45,8 @@ PRIOR_DOF = 4.0
 
 
 def _predicts(stats: StepTimeStats, batch: float) -> bool:
-    """Whether a fit of ``stats`` can be held to a measurement at ``batch``: its batch
-    sizes varied (an affine fit), or ``batch`` is near the one size they hold."""
+    """Whether a fit of ``stats`` can be held to a measurement at ``batch`` (an affine fit,
+    or ``batch`` near the one size it holds)."""
     mean_b = stats.sb / stats.n
     var_b = stats.sbb / stats.n - mean_b * mean_b
     return var_b > (MIN_SPREAD * mean_b) ** 2 or abs(batch - mean_b) <= NEAR * mean_b
@@ -97,8 +97,7 @@ class WorkerTrack:
         return self.last_speed
 
     def window_spread(self) -> tuple[float, float]:
-        """(degrees of freedom, relative sum of squares) of the window's seconds per
-        sample: Σ(x − x̄)² / x̄² over its steps."""
+        """(degrees of freedom, Σ(x − x̄)² / x̄²) of the window's seconds per sample."""
         k = self.window_steps
         if k < 2 or self.window_x <= 0.0:
             return 0.0, 0.0
@@ -106,17 +105,15 @@ class WorkerTrack:
         return k - 1.0, max(self.window_xx / k - mean * mean, 0.0) * k / (mean * mean)
 
     def noise(self) -> float:
-        """The relative variance of one step's time per sample: the window's own spread,
-        the decayed spread of the windows closed before it, and the prior (``PRIOR_NOISE``,
-        weight ``PRIOR_DOF`` steps) pooled."""
+        """The relative variance of one step's time per sample: the window's spread, the
+        closed windows' (decayed) and the prior, pooled."""
         dof, ss = self.window_spread()
         return ((self.noise_ss + ss + PRIOR_DOF * PRIOR_NOISE ** 2)
                 / (self.noise_dof + dof + PRIOR_DOF))
 
     @property
     def se(self) -> float:
-        """The relative standard error of the window's throughput (0 without a window):
-        one step's noise over the square root of the window's steps."""
+        """The relative standard error of the window's throughput (0 without a window)."""
         k = self.window_steps
         return math.sqrt(self.noise() / k) if k else 0.0
 
@@ -159,9 +156,9 @@ class Tracker:
         self.workers.pop(worker, None)
 
     def telemetry(self, workers: Sequence[str], cap: int | None) -> list[WorkerTelemetry]:
-        """What the policy reads of ``workers``. A window's standard error is taken with
-        the larger of its worker's noise and the noise pooled over all ``workers``: they
-        share the host's load, and one worker's few steps can happen to agree."""
+        """What the policy reads of ``workers``; a window's error takes the larger of its
+        own noise and the pooled one (workers share the host's load, and a few steps can
+        happen to agree)."""
         tracks = [self.workers[w] for w in workers]
         pooled = pooled_noise(tracks)
         out = []
@@ -256,7 +253,7 @@ class Tracker:
         mean_b = sum(b for b, _ in obs) / len(obs)
         if f is not None and t.stats.n >= MIN_MODEL_WEIGHT and _predicts(t.stats, mean_b):
             mean_t = sum(s for _, s in obs) / len(obs)
-            pred = f.predict(mean_b)
+            pred = f.a + f.c * mean_b
             bound = max(SURPRISE, math.exp(SURPRISE_Z * math.sqrt(
                 t.noise() * (1.0 / len(obs) + 1.0 / t.stats.n))))
             if pred > 0 and not (1 / bound <= mean_t / pred <= bound):
