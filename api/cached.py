@@ -76,15 +76,12 @@ class JobViews:
             return store.row_version(key[1]), self.service.scheduler_note(key[1])
         if kind == "history":
             return store.history_version(key[1])
-        return store.rows_version, self._queue()
-
-    def _queue(self) -> tuple[tuple[str, str | None], ...]:
-        """What of the cluster scheduler's round a job list shows: each job's note (the
-        queue's reason, what a scale waits for, a grant)."""
+        # What of the cluster scheduler's round a job list shows: each job's note (the
+        # queue's reason, what a scale waits for, a grant).
         view = self.service.cluster_view()
-        if view is None:
-            return ()
-        return tuple((j.job_id, scheduler_note(view, j.job_id)) for j in view.jobs)
+        notes = () if view is None else tuple(
+            (j.job_id, scheduler_note(view, j.job_id)) for j in view.jobs)
+        return store.rows_version, notes
 
     def kept(self, key: tuple) -> Body | None:
         """The kept answer for ``key`` when it is current, else None. No I/O."""

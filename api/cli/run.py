@@ -83,15 +83,11 @@ def epoch_cells(r: EpochRecord) -> list[str]:
     from 1 as the progress's ``epoch 1/N``."""
     # "verified": the ledger found every sample trained exactly once, from the reports.
     samples = f"{r.samples_trained:,}" + (" verified" if r.verified else "")
-    return [str(r.epoch + 1), f"{r.wall_s:.2f}s", f"{r.train_loss:.4f}", held_out(r),
+    # The held-out metrics, each by its name in the spec and its split named ("-" before any).
+    held_out = splits_text(r.validation_metrics, r.scores) or "-"
+    return [str(r.epoch + 1), f"{r.wall_s:.2f}s", f"{r.train_loss:.4f}", held_out,
             f"{r.utilization:.3f}", f"{r.compute_balance:.3f}", str(r.rebalances),
             samples, str(r.retried_samples)]
-
-
-def held_out(record: EpochRecord) -> str:
-    """The epoch's held-out metrics, each by its name in the spec and its split named ("-"
-    before its scores)."""
-    return splits_text(record.validation_metrics, record.scores) or "-"
 
 
 def final_line(snap: JobSnapshot) -> str:
