@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from dynabatch.actors.data.fs import join
+from dynabatch.actors.data.fs import is_uri, join, kind_of
+from dynabatch.actors.data.source import DataError
+from dynabatch.actors.errors import first_line
 
 # What torch's weights-only unpickler rebuilds (exact types: subclasses such as namedtuples
 # or numpy scalars are refused by it).
@@ -47,8 +49,6 @@ LATEST, BEST = "checkpoint.pt", "best.pt"
 def checkpoint_path(directory: str | Path, job_id: str, name: str = LATEST) -> Path | str:
     """Where the job's checkpoint ``name`` is: a Path under a local ``directory``, the URI
     under a URI one."""
-    from dynabatch.actors.data.fs import is_uri
-
     if is_uri(str(directory)):
         return join(str(directory), job_id, name)
     return Path(directory) / job_id / name
@@ -58,9 +58,7 @@ def _open(location: str | Path) -> tuple[Any | None, str]:
     """(filesystem, path in it) for a URI; (None, local path) for a local path or a URI on
     the local filesystem (``file://``), which is written with the local, fsynced write.
     :class:`CheckpointError` naming ``location`` when the URI cannot be opened."""
-    from dynabatch.actors.data.fs import is_uri, open_fs
-    from dynabatch.actors.data.source import DataError
-    from dynabatch.actors.errors import first_line
+    from dynabatch.actors.data.fs import open_fs  # looked up per call: tests stand one in
     from pyarrow import fs
 
     if not is_uri(str(location)):
@@ -77,9 +75,6 @@ def _open(location: str | Path) -> tuple[Any | None, str]:
 def _kind(location: str | Path) -> tuple[Any | None, str, str]:
     """(filesystem, path, ``file``/``dir``/``missing``) of ``location`` (see :func:`_open`);
     :class:`CheckpointError` naming it when it cannot be looked at."""
-    from dynabatch.actors.data.fs import kind_of
-    from dynabatch.actors.errors import first_line
-
     filesystem, path = _open(location)
     if filesystem is None:
         local = Path(path)
@@ -184,8 +179,6 @@ def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
 
 def _load_found(path: str | Path, filesystem: Any | None, where: str, kind: str
                 ) -> dict[str, Any]:
-    from dynabatch.actors.errors import first_line
-
     if kind != "file":
         why = "it is a directory, not a checkpoint file" if kind == "dir" else "no such file"
         raise CheckpointError(f"{path}: {why}")
