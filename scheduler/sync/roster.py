@@ -1,24 +1,15 @@
 """The roster (membership and spares): who trains, at each step boundary.
 
-What a boundary does, and in which order, is the step loop's reducer's
-(:mod:`dynabatch.scheduler.core.sync.loop`); these carry out its effects. At a boundary with
-nothing in flight the group is reconciled: scale, drain and assign requests applied (and the
-workers an assignment moves drained, once the state is handed over), started workers
-adopted, workers started on nodes that appeared (and spares tended), then either the job
-waits for enough workers (the loop's ``Waiting``: it fails after its timeout,
-:func:`~dynabatch.scheduler.core.sync.boundary.wait_for_minimum`) or a new generation is
-formed (``Regrouping``), loading the last checkpoint first when no member holds the
-committed state (its ``rolling_back`` stage). With a segment in flight, changes only wait
-for the next boundary. Who is in, who holds the state and what to spawn is the pure
+These carry out the step loop's reconciling and regrouping effects (what a boundary does,
+and in which order, is the reducer's: :mod:`dynabatch.scheduler.core.sync.loop`); who is
+in, who holds the state and what to spawn is the pure
 :class:`~dynabatch.scheduler.core.membership.Membership`'s.
 
 An assignment is taken as it arrives, on the actor's request thread, while the step loop
 trains (:meth:`Roster.start_assigned`): its new workers start then, and a boundary adopts
-them once up, as it adopts any started worker. So the membership's placement (requests,
-spawns, adoptions, drains, the regroup's plan) changes under the job's lock on both threads;
-the loop never holds it while it waits. A worker's telemetry is tracked from when it joins
-the members (the tracker is the loop's alone). Once a group forms, the job tells the cluster
-scheduler its members (:meth:`Roster.report_group`)."""
+them once up, as it adopts any started worker. So the membership's placement changes
+under the job's lock on both threads; the loop never holds it while it waits. Once a group
+forms, the job tells the cluster scheduler its members (:meth:`Roster.report_group`)."""
 
 from __future__ import annotations
 
