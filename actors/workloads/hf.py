@@ -142,9 +142,10 @@ def pretrained_kind(folder: str) -> str:
                         f"folder) nor {MANIFEST} (a dynabatch model directory)")
 
 
-def pretrained_config(folder: str) -> dict[str, Any]:
+def pretrained_config(folder: str) -> tuple[dict[str, Any], str | None]:
     """The transformers config of a pretrained folder, as a dict: its ``config.json``, or
-    the one a dynabatch model directory's manifest recorded (``hf_config``)."""
+    the one a dynabatch model directory's manifest recorded (``hf_config``, with its model
+    class, ``hf_class``; None for a ``save_pretrained`` folder)."""
     import json
     from pathlib import Path
 
@@ -160,7 +161,7 @@ def pretrained_config(folder: str) -> dict[str, Any]:
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise WorkloadError(f"{PRETRAINED}: {folder}/{name}: holds no transformers config "
                             "with a model_type")
-    return config
+    return config, None if kind == "hf" else str(data.get("hf_class"))
 
 
 def _from_pretrained(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> Any:
@@ -352,7 +353,7 @@ def check_tokenizer(spec: Any) -> None:
         return
     options = spec.model.options
     if "pretrained" in options:
-        vocab = pretrained_config(options["pretrained"]).get("vocab_size")
+        vocab = pretrained_config(options["pretrained"])[0].get("vocab_size")
         source = f"{PRETRAINED}'s config.json"
     else:
         config = options.get("config") if isinstance(options.get("config"), dict) else {}
@@ -376,13 +377,8 @@ def hf_model_config(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: 
         return built.config.to_dict(), type(built).__name__
     folder = spec.options["pretrained"]
     if pretrained_kind(folder) == "dynabatch":
-        import json
-        from pathlib import Path
-
-        from dynabatch.actors.export import MANIFEST
-
-        manifest = json.loads((Path(folder) / MANIFEST).read_text())
-        return pretrained_config(folder), str(manifest.get("hf_class"))
+        config, hf_class = pretrained_config(folder)  # as its manifest recorded them
+        return config, str(hf_class)
     transformers = _transformers()
     extra: dict[str, Any] = {"use_cache": False}
     if _task(spec) == "sequence-classification":
