@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -302,11 +302,7 @@ class JobControl:
         self.log("INFO", f"trained model ({reason}) at epoch {epoch}: {target}")
 
     def _event_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for e in self.events:
-            key = f"{e.kind}:{e.reason}"
-            counts[key] = counts.get(key, 0) + 1
-        return counts
+        return dict(Counter(f"{e.kind}:{e.reason}" for e in self.events))
 
     def record_event(self, kind: str, worker: str, node: str, reason: str,
                generation: int = 0) -> None:
