@@ -22,11 +22,20 @@ waits on that one event, which in practice has long completed, never on the whol
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 from dynabatch.actors.batch import Tree, to_device
-from dynabatch.actors.data.loader import StagingPool, _Buffer
+from dynabatch.actors.data.loader import (
+    Loader,
+    StagingPool,
+    _Buffer,
+    default_threads,
+    read_batches,
+)
+from dynabatch.actors.data.order import block_order
+from dynabatch.actors.data.source import DataError
 
 # Fraction of what is left after the model, its optimizer state and the activations of
 # the largest micro-batch that the data may not take: the caching allocator's
@@ -128,21 +137,15 @@ class WorkerData:
     segment's planned shares ahead of time. Never a copy of a whole file-backed set."""
 
     def __init__(self, x_train: object, y_train: object, spec: object, device: torch.device):
-        from dynabatch.actors.data.order import block_order
-
-        self.spec, self.device, self._block_order = spec, device, block_order
+        self.spec, self.device = spec, device
         self.loader = None
         self._test: dict[tuple, object] = {}
         self._eval_pool = None
         if hasattr(x_train, "open"):  # a DataRef: open this worker's own view of the source
-            from dynabatch.actors.data.loader import Loader
-
             self.source = x_train.open()
             self.targets = self.source.meta.targets
             self.block = self.source.block
             self.n = len(self.source)
-            from dynabatch.actors.data.loader import default_threads
-
             self.loader = Loader(self.source, device, spec.seed, spec.dataset.prefetch,
                                  spec.dataset.loader_threads
                                  or default_threads(spec.worker_cpus), opener=x_train.open)
@@ -184,8 +187,6 @@ class WorkerData:
             return self.sample(np.arange(n))
         m = self.source.meta
         if m.structured:
-            from dynabatch.actors.data.source import DataError
-
             try:
                 return self.sample(np.arange(n))
             except DataError:
@@ -211,7 +212,7 @@ class WorkerData:
         key = (seed, epoch, size)
         if getattr(self, "_key", None) != key:
             self._key = key
-            order = self._block_order(seed, epoch, size, self.block, shuffle)
+            order = block_order(seed, epoch, size, self.block, shuffle)
             if self.loader is not None:
                 self.loader.set_order(key, order, epoch)
             else:
@@ -240,10 +241,6 @@ class WorkerData:
         source (``x_test`` a DataRef), or sliced from in-memory arrays."""
         if not hasattr(x_test, "open"):
             return objective.eval_sums(model, x_test, y_test, lo, hi, self.device, batch)
-        from concurrent.futures import ThreadPoolExecutor
-
-        from dynabatch.actors.data.loader import read_batches
-
         key = (x_test.spec.name, x_test.spec.path, x_test.split)
         src = self._test.get(key)
         if src is None:  # opened once; the worker keeps it for later epochs
