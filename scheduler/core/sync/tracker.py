@@ -107,9 +107,7 @@ class WorkerTrack:
     def noise(self) -> float:
         """The relative variance of one step's time per sample: the window's spread, the
         closed windows' (decayed) and the prior, pooled."""
-        dof, ss = self.window_spread()
-        return ((self.noise_ss + ss + PRIOR_DOF * PRIOR_NOISE ** 2)
-                / (self.noise_dof + dof + PRIOR_DOF))
+        return pooled_noise((self,))
 
     @property
     def se(self) -> float:
