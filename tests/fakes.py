@@ -4,7 +4,7 @@ that put the real coordinator on the simulator's runtime for the coordinator's o
 fake runtime: faults come from the simulator's fault script, nodes fail and join as the
 simulated cluster's events, so what a test sees is what ``dynabatch simulate`` does.
 
-:class:`FakeCluster` is an in-memory :class:`dynabatch.service.cluster_client.ClusterClient`
+:class:`FakeCluster` is an in-memory :class:`dynabatch.service.ray_client.RayClusterClient`
 for route, service and client tests. Each job it launches is run by the real driver (the
 synchronous :class:`~dynabatch.scheduler.sync.coordinator.Coordinator`, or the
 :class:`~dynabatch.scheduler.ps.driver.PSCoordinator` for ``protocol: ps``) on the
@@ -90,7 +90,8 @@ class _ServiceClock(SimClock):
 
 
 class FakeCluster:
-    """Implements ``ClusterClient`` over the simulator (see the module docstring).
+    """The service's cluster client, as ``RayClusterClient``, over the simulator (see the
+    module docstring).
 
     Knobs: ``embedded``; ``auto_advance`` (each ``snapshot()`` is one step of the job's
     driver); ``steps_per_epoch`` (a synchronous job trains that many steps of its global
@@ -134,7 +135,7 @@ class FakeCluster:
         self._stepping = threading.RLock()
         self._started: list[PSCoordinator] = []  # parameter-server drivers started
 
-    # ClusterClient ----------------------------------------------------------------------
+    # the cluster client -----------------------------------------------------------------
     @property
     def embedded(self) -> bool:
         return self._embedded

@@ -199,7 +199,7 @@ def is_ps_panel(title: str) -> bool:
     return title.startswith("Parameter server")
 
 
-# The cluster scheduler's series (api/cluster_metrics.py) have samples only while a scheduler
+# The cluster scheduler's series (api/metrics.py) have samples only while a scheduler
 # runs (DYNABATCH_CLUSTER_SCHEDULER); `dynabatch_cluster_nodes` is Ray's and always has.
 SCHEDULER_SERIES = (
     "dynabatch_cluster_queue_length",
