@@ -22,9 +22,6 @@ from dynabatch.actors.data.fs import join
 from dynabatch.actors.errors import first_line
 from dynabatch.scheduler.telemetry import EpochRecord
 
-# Makes the writer for a directory: torch's SummaryWriter, or a test's stand-in.
-WriterFactory = Callable[[str], Any]
-
 
 def epoch_scalars(record: EpochRecord) -> dict[str, float]:
     """The epoch's scalars by TensorBoard tag."""
@@ -77,16 +74,9 @@ class Tracking:
     """A job's tracking sink: TensorBoard event files under ``root/job_id/``, or nothing
     when ``root`` is None. ``warn`` gets the one line of the first failure."""
 
-    def __init__(
-        self,
-        root: str | None,
-        job_id: str,
-        warn: Callable[[str], None],
-        writer_factory: WriterFactory = _summary_writer,
-    ):
+    def __init__(self, root: str | None, job_id: str, warn: Callable[[str], None]):
         self.logdir = join(root, job_id) if root else None
         self._warn = warn
-        self._factory = writer_factory
         self._writer: Any = None
         self._broken = self.logdir is None  # nothing to write, or it failed once
 
@@ -131,7 +121,7 @@ class Tracking:
             return
         try:
             if self._writer is None:
-                self._writer = self._factory(self.logdir)
+                self._writer = _summary_writer(self.logdir)
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, global_step=step)
             for tag, img in (images or {}).items():

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from dynabatch.actors.spec import JobSpec, SpecError, parse_spec
 from dynabatch.api.cli.run import local_tracking
+from dynabatch.scheduler import tracking as tracking_module
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.sim.timeline import SimClock
 from dynabatch.scheduler.sync.coordinator import Coordinator
@@ -105,13 +106,12 @@ class _FailsAfter:
         pass
 
 
-def test_a_writer_failing_mid_job_warns_once_and_writes_no_more(tmp_path):
+def test_a_writer_failing_mid_job_warns_once_and_writes_no_more(tmp_path, monkeypatch):
     warnings: list[str] = []
     writer = _FailsAfter(ok=3)
     coord = _coordinator(tmp_path, tracking={"tensorboard": str(tmp_path / "tb")})
-    coord.tracking = Tracking(
-        str(tmp_path / "tb"), "job1", warnings.append, writer_factory=lambda _: writer
-    )
+    monkeypatch.setattr(tracking_module, "_summary_writer", lambda _: writer)
+    coord.tracking = Tracking(str(tmp_path / "tb"), "job1", warnings.append)
     coord.run()
     assert coord.snapshot().state == JobState.SUCCEEDED and len(coord.history()) == 2
     assert warnings == [
