@@ -109,12 +109,6 @@ class WorkerTrack:
         closed windows' (decayed) and the prior, pooled."""
         return pooled_noise((self,))
 
-    @property
-    def se(self) -> float:
-        """The relative standard error of the window's throughput (0 without a window)."""
-        k = self.window_steps
-        return math.sqrt(self.noise() / k) if k else 0.0
-
     def reset_window(self) -> None:
         dof, ss = self.window_spread()
         if dof:
@@ -192,7 +186,7 @@ class Tracker:
                     if (b is not None and old is not None and t.window_samples > 0
                             and (t.previous is None or _farther(old, t.previous[0], b))):
                         t.previous = (old, t.window_compute * old / t.window_samples)
-                        t.previous_se = t.se
+                        t.previous_se = math.sqrt(t.noise() / t.window_steps)
                     t.reset_window()
             t.plan_batch = b
 
