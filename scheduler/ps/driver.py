@@ -55,7 +55,7 @@ from dynabatch.scheduler.core.ps.messages import (
     StartServer,
 )
 from dynabatch.scheduler.core.ps.rudra import PSConfig
-from dynabatch.scheduler.runtime.ps_seam import Happening, NodeJoined, PSRuntime
+from dynabatch.scheduler.runtime.ps_seam import NodeJoined, PSRuntime
 from dynabatch.scheduler.runtime.seam import Clock
 from dynabatch.scheduler.telemetry import (
     EpochRecord,
@@ -162,12 +162,6 @@ class PSCoordinator(JobControl):
         with self.lock:
             return self._snap
 
-    @property
-    def _learners(self) -> dict[str, str]:
-        """The job's learners now (worker id → node id), as the engine holds them."""
-        with self.lock:
-            return learners(self.engine_state)
-
     def run(self) -> JobSnapshot:
         try:
             if self.start():
@@ -227,7 +221,8 @@ class PSCoordinator(JobControl):
             )
 
     def _member_ids(self) -> list[str]:
-        return list(self._learners)
+        with self.lock:
+            return list(learners(self.engine_state))
 
     def _assignment_error(self, nodes: NodeAssignment) -> str | None:
         # Learners are independent (asynchronous or stale-synchronous updates to the
@@ -248,8 +243,11 @@ class PSCoordinator(JobControl):
         for r in self.take_requests():
             self._feed(self._requested(r))
         for x in self.runtime.wait(POLL_S):
-            if not self.state.is_terminal:  # else a learner's own error failed the job
-                self._feed(self._happened(x))
+            if self.state.is_terminal:  # a learner's own error failed the job
+                continue
+            if isinstance(x, NodeJoined):
+                x = NodeAdded(x.node_id, self.assignment is not None, self.clock.now())
+            self._feed(x)
         if self.state.is_terminal:
             return False
         snap = self.runtime.snapshot()
@@ -268,7 +266,7 @@ class PSCoordinator(JobControl):
             event = None
             for command in commands:
                 event = self._carry_out(command)
-            with self.lock:  # other threads read the learners (drain, _learners)
+            with self.lock:  # other threads read the learners (drain: _member_ids)
                 self.engine_state = state
             public = job_state(state)
             if public.is_terminal:
@@ -338,11 +336,6 @@ class PSCoordinator(JobControl):
             case Assign(nodes):
                 return AssignRequested(nodes, self.clock.now())
         raise TypeError(f"not a request: {r!r}")
-
-    def _happened(self, x: Happening) -> Event:
-        if isinstance(x, NodeJoined):
-            return NodeAdded(x.node_id, self.assignment is not None, self.clock.now())
-        return x
 
     def _polled(self, snap: dict[str, Any]) -> Polled:
         """The server's snapshot as the engine's event (samples applied: pushes applied

@@ -16,6 +16,7 @@ import threading
 import pytest
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.ps.engine import learners
 from dynabatch.scheduler.ps.driver import PSCoordinator
 
 from .conftest import wait_for
@@ -78,7 +79,7 @@ def test_ps_job_survives_a_lost_learner_exactly_once(cluster):
         return s["workers"].get("w0", {}).get("pushes", 0) >= 3 and "w0" in s["inflight"]
 
     wait_for(w0_holds_a_slowed_chunk, timeout=60, interval=0.02)
-    node_id = coord._learners["w0"]  # the node it runs on
+    node_id = learners(coord.engine_state)["w0"]  # the node it runs on
     cluster.remove_node(next(n for n in nodes if n.node_id == node_id), allow_graceful=False)
     snap, workers = _finished(coord, thread, 4)
     assert any(e.kind == "failure" and e.worker == "w0" for e in coord.events)

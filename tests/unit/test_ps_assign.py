@@ -9,12 +9,13 @@ from collections import Counter
 
 import pytest
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.ps.engine import learners
 
 from tests.unit.test_ps_export import _job
 
 
 def _placed(coord) -> Counter:
-    return Counter(coord._learners.values())
+    return Counter(learners(coord.engine_state).values())
 
 
 def test_a_ps_job_starts_on_its_assigned_slots_and_moves_when_reassigned() -> None:
@@ -42,4 +43,4 @@ def test_an_assigned_ps_job_refuses_its_own_scale_and_drain() -> None:
     with pytest.raises(ValueError, match="assigned"):
         coord.scale(2)
     with pytest.raises(ValueError, match="assigned"):
-        coord.drain(next(iter(coord._learners)))
+        coord.drain(next(iter(learners(coord.engine_state))))

@@ -16,7 +16,7 @@ from dynabatch.actors.export import load_model
 from dynabatch.actors.spec import JobSpec
 from dynabatch.actors.workloads.datasets import load_dataset
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.scheduler.core.ps.engine import Ended, job_state
+from dynabatch.scheduler.core.ps.engine import Ended, job_state, learners
 from dynabatch.scheduler.ps.driver import PSCoordinator
 from dynabatch.scheduler.sim.cluster_spec import parse_cluster
 from dynabatch.scheduler.sim.cost_model import SimulatedCluster
@@ -115,4 +115,5 @@ def test_a_command_that_raises_fails_the_job_through_the_engine() -> None:
     assert not coord.step()
     why = "internal error: RuntimeError: the node refused the actor"
     assert coord.engine_state == Ended(JobState.FAILED, why)
-    assert (coord.state, coord.reason) == (JobState.FAILED, why) and coord._learners == {}
+    assert (coord.state, coord.reason) == (JobState.FAILED, why)
+    assert learners(coord.engine_state) == {}
