@@ -73,7 +73,7 @@ class JobViews:
         kind = key[0]
         if kind == "job":
             # A live job's reason may come from the cluster scheduler's round, not the store.
-            return store.row_version(key[1]), self.service.scheduler_note(key[1])
+            return store.row_version(key[1]), scheduler_note(self.service.cluster_view(), key[1])
         if kind == "history":
             return store.history_version(key[1])
         # What of the cluster scheduler's round a job list shows: each job's note (the

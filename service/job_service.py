@@ -72,9 +72,7 @@ class MetricState:
 
 def shown(rec: JobRecord, view: ClusterView | None) -> JobRecord:
     """``rec`` with the cluster scheduler's word on it (:func:`scheduler_note`) while it is
-    live: the queue's reason while its round ``view`` queues it, what an owner's scale
-    still waits for, and, while the job is PENDING, that its coordinator is starting on the
-    nodes it was granted."""
+    live."""
     if rec.state.is_terminal:
         return rec
     why = scheduler_note(view, rec.id)
@@ -86,12 +84,9 @@ def shown(rec: JobRecord, view: ClusterView | None) -> JobRecord:
 
 
 def min_workers_problem(spec: JobSpec, nodes: Sequence[NodeStatus]) -> str | None:
-    """Why no set of the alive ``nodes`` can ever hold the job's ``min_workers`` together,
-    or None when they can (or the spec sets no minimum, or no node is listed). Two limits:
-    the cluster scheduler's worker slots (:func:`gang_error`, what it can grant) and what
-    each node's resources hold of this job's workers (:meth:`JobSpec.workers_on`, what Ray
-    can place: a GPU job on CPU nodes, workers of several CPUs). Such a job would only wait
-    in the queue for ever."""
+    """Why no set of the alive ``nodes`` can ever hold the job's ``min_workers`` together
+    (such a job would wait in the queue for ever), or None: the cluster scheduler's worker
+    slots (:func:`gang_error`) and what Ray can place on each node (:func:`capacity_problem`)."""
     need = spec.min_workers
     alive = [n for n in nodes if n.alive]
     if need is None or not alive:
@@ -111,8 +106,7 @@ def min_workers_problem(spec: JobSpec, nodes: Sequence[NodeStatus]) -> str | Non
 
 def capacity_problem(spec: JobSpec, nodes: Sequence[NodeStatus], workers: int) -> str | None:
     """Why the alive ``nodes`` could never hold ``workers`` of the job's workers at once
-    (what each node's resources hold of them: :meth:`JobSpec.workers_on`), or None when
-    they can or no node is listed."""
+    (:meth:`JobSpec.workers_on`), or None."""
     alive = [n for n in nodes if n.alive]
     if not alive:
         return None
@@ -171,14 +165,8 @@ class JobService:
 
     # Commands ---------------------------------------------------------------------------
     def submit(self, spec: JobSpec) -> JobRecord:
-        """Store the job and start its coordinator. A launch that fails leaves it FAILED.
-
-        Raises :class:`SpecNotAllowed` (422; nothing is stored) when the spec names user code
-        or paths that ``submit_policy`` does not allow, :class:`InvalidRequest` (422; nothing
-        is stored) when no set of the cluster's nodes can hold its ``min_workers``,
-        :class:`ClusterUnavailable` (after recording the failure) when Ray did not answer;
-        other launch errors are the job's reason and the record is returned.
-        """
+        """Store the job and start its coordinator (or queue it with the cluster scheduler).
+        A refused spec stores nothing; a launch that fails leaves the job FAILED."""
         problems = check_submission(spec, self.submit_policy)
         if problems:
             raise SpecNotAllowed(problems)
@@ -231,12 +219,8 @@ class JobService:
             return []
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobRecord:
-        """Cancel a live job. Raises :class:`JobConflict` (409)
-        when it already ended.
-
-        The coordinator stops at its next step boundary; this waits up to ``cancel_wait_s``
-        for that, so the answer is usually the final CANCELLED state.
-        """
+        """Cancel a live job; waits up to ``cancel_wait_s`` for its coordinator to stop at
+        its next step boundary, so the answer is usually the final CANCELLED state."""
         with self.reconciler.lock:
             rec = self.record(job_id)
             if rec.state.is_terminal:
@@ -282,12 +266,7 @@ class JobService:
             raise job_finished(ended.state, rec.id, done) from None
 
     def scale(self, job_id: str, workers: int) -> JobRecord:
-        """Run the job with exactly ``workers`` workers from its next step boundary on.
-
-        Raises :class:`JobConflict` (409) when it finished, :class:`InvalidRequest` (422)
-        when the job's global batch cannot be split that many ways (the membership's
-        bounds: :func:`~dynabatch.scheduler.core.membership.scale_error`).
-        """
+        """Run the job with exactly ``workers`` workers from its next step boundary on."""
         with self.reconciler.lock:
             rec = self._live_record(job_id, "scaled")
             spec = rec.spec
@@ -295,7 +274,15 @@ class JobService:
             if problem:
                 raise InvalidRequest("workers", problem)
             if self.scheduling is not None:
-                return self._scheduled_scale(rec, workers)
+                # A request to the cluster scheduler, answered at once (not held): the job's
+                # bounds become at most ``workers``; what it still waits for is its status's.
+                try:
+                    answer = self.scheduling.request_scale(job_id, workers)
+                except Refused as err:
+                    raise JobConflict(str(err)) from None
+                self.store.set_target_workers(job_id, workers)
+                log.info("job %s: %s", job_id, answer)
+                return self.store.get(job_id) or rec
             # The cluster's alive nodes could never hold that many of its workers (409; the
             # cluster scheduler refuses the same scale with the same words).
             problem = capacity_problem(spec, self._nodes("a scale"), workers)
@@ -317,25 +304,10 @@ class JobService:
             log.info("job %s: scale to %d workers requested", job_id, workers)
             return self.reconciler.sync_job(job_id, snapshot=snap) or rec
 
-    def _scheduled_scale(self, rec: JobRecord, workers: int) -> JobRecord:
-        """With the cluster scheduler on, a scale is a request to it, answered at once (not
-        held): the job's bounds become at most ``workers`` and it is assigned what free
-        slots allow now; what it still waits for is in its status. :class:`JobConflict`
-        (409) when the scheduler refuses, with its reason (above the cluster's capacity for
-        the job, or a job it does not hold)."""
-        try:
-            answer = self.scheduling.request_scale(rec.id, workers)
-        except Refused as err:
-            raise JobConflict(str(err)) from None
-        self.store.set_target_workers(rec.id, workers)
-        log.info("job %s: %s", rec.id, answer)
-        return self.store.get(rec.id) or rec
-
     def _scheduled_drain(self, rec: JobRecord, worker: str) -> JobRecord:
         """With the cluster scheduler on, a drain is a request to it: the job gives up the
-        worker's slot on its node (a worker there leaves at the next step boundary: this
-        one when it is the only one there, else the slowest of them) and its max_workers
-        drops by one (:class:`JobConflict`, 409, when it refuses: below min_workers)."""
+        worker's slot on its node (the slowest worker there leaves) and its max_workers
+        drops by one."""
         try:
             snap = self._membership_call(
                 rec, lambda: self.cluster.snapshot(rec.id), "drained")
@@ -370,12 +342,8 @@ class JobService:
         return self.reconciler.sync_job(rec.id, snapshot=snap) or rec
 
     def drain(self, job_id: str, worker: str) -> JobRecord:
-        """Remove ``worker`` from the job at its next step boundary (gracefully: its share of
-        the epoch goes to the others).
-
-        Raises :class:`WorkerNotFound` (404), :class:`JobConflict` (409) for the job's last
-        worker and when the job finished.
-        """
+        """Remove ``worker`` from the job at its next step boundary (its share of the epoch
+        goes to the others)."""
         with self.reconciler.lock:
             rec = self._live_record(job_id, "drained")
             if self.scheduling is not None:
@@ -401,14 +369,9 @@ class JobService:
             return self.reconciler.sync_job(job_id, snapshot=snap) or rec
 
     def resume(self, job_id: str) -> JobRecord:
-        """Start a new coordinator for the job from its checkpoint.
-
-        For a FAILED or CANCELLED job (a cancel writes a checkpoint where it stopped), or a
-        live one whose coordinator is gone. Raises :class:`JobConflict` (409) for a job
-        that SUCCEEDED, that has no checkpoint, or whose coordinator is alive;
-        :class:`ClusterUnavailable` (503, after recording the failure) when Ray did not
-        answer.
-        """
+        """Start a new coordinator for a FAILED or CANCELLED job (a cancel writes a
+        checkpoint where it stopped), or a live one whose coordinator is gone, from its
+        checkpoint."""
         with self.reconciler.lock:
             rec = self.record(job_id)
             if not rec.state.can_resume:
@@ -467,9 +430,6 @@ class JobService:
         what the service keeps, without I/O: the job views' caches ask it on the event
         loop (api/cached.py)."""
         return None if self.scheduling is None else self.scheduling.view()
-
-    def scheduler_note(self, job_id: str) -> str | None:
-        return scheduler_note(self.cluster_view(), job_id)
 
     def history(self, job_id: str, since: int = 0) -> list[EpochRecord]:
         self.record(job_id)
