@@ -151,19 +151,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _check_exposure(host: str, token: str | None, insecure: bool) -> None:
-    """Refuse (exit 2) to serve an unauthenticated API beyond this machine unless told to:
-    whoever reaches it can run jobs on the cluster."""
-    if token is not None or insecure or is_loopback(host):
-        return
-    stderr().print(
-        f"error: refusing to listen on {host} without DYNABATCH_API_TOKEN: anyone who can "
-        "reach it could run jobs; set the token, bind 127.0.0.1, or pass --insecure",
-        markup=False,
-    )
-    raise typer.Exit(2)
-
-
 def _serve(insecure: bool, **overrides: Any) -> None:
     import logging
 
@@ -180,7 +167,14 @@ def _serve(insecure: bool, **overrides: Any) -> None:
     except ValidationError as err:
         problems = settings_problems(err)
         raise CliError(f"invalid settings ({len(problems)}): {'; '.join(problems)}") from None
-    _check_exposure(settings.host, settings.token, insecure)
+    if settings.token is None and not insecure and not is_loopback(settings.host):
+        # Whoever reaches an unauthenticated API can run jobs on the cluster: exit 2.
+        stderr().print(
+            f"error: refusing to listen on {settings.host} without DYNABATCH_API_TOKEN: anyone "
+            "who can reach it could run jobs; set the token, bind 127.0.0.1, or pass --insecure",
+            markup=False,
+        )
+        raise typer.Exit(2)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
