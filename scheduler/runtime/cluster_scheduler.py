@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -372,10 +373,7 @@ class ClusterScheduler:
                 snap = self.calls.get(handle.snapshot.remote(), self.call_timeout_s)
                 if snap.state.is_terminal:
                     return None
-                counts: dict[str, int] = {}
-                for w in snap.workers:
-                    counts[w.node] = counts.get(w.node, 0) + 1
-                assigned = tuple(sorted(counts.items()))
+                assigned = tuple(sorted(Counter(w.node for w in snap.workers).items()))
         except Exception as err:
             log.warning("job %s: cannot read its coordinator (%s)", e.job_id, err)
             return None

@@ -9,6 +9,7 @@ scheduler that runs", says what each event and command means.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -344,10 +345,7 @@ def _step(
         case ResizeRequested():
             return _scale(state, event)
         case JobReported(job_id, workers, batch):
-            counts: dict[str, int] = {}
-            for node, _ in workers:
-                counts[node] = counts.get(node, 0) + 1
-            entry = replace(known, members=tuple(sorted(counts.items())))
+            entry = replace(known, members=tuple(sorted(Counter(n for n, _ in workers).items())))
             model = _model_of(state, workers, batch)
             if model is not None:
                 entry = replace(entry, model=_merged(entry.model, model))
@@ -384,17 +382,15 @@ def _step(
             why = drain_refusal(state, job_id, node_id, floor)
             if why is not None:
                 return state, (RequestRefused(job_id, why),)
-            entry = state.job(job_id)
-            assert entry is not None
-            held = dict(entry.allocation)
+            held = dict(known.allocation)
             held[node_id] -= 1
             slots = tuple(sorted((n, k) for n, k in held.items() if k > 0))
             keeps = _workers(slots)
             entry = replace(
-                entry,
+                known,
                 allocation=slots,
-                min_workers=min(entry.min_workers, keeps),
-                max_workers=min(entry.max_workers, keeps),
+                min_workers=min(known.min_workers, keeps),
+                max_workers=min(known.max_workers, keeps),
                 last_resize_s=now,
                 waits=None,
                 refused=None,
@@ -427,16 +423,6 @@ def drain_refusal(state: RoundState, job_id: str, node_id: str, floor: int) -> s
     return None
 
 
-def capacity_for(state: RoundState, entry: Entry) -> int:
-    """The most of ``entry``'s workers the alive nodes of its types could ever hold (every
-    other job gone)."""
-    return sum(
-        n.capacity // entry.size_on(n)
-        for n in state.nodes
-        if entry.eligible is None or n.node_type in entry.eligible
-    )
-
-
 def _free(state: RoundState) -> dict[str, int]:
     """Slots per node that no job holds."""
     free = {n.node_id: n.capacity for n in state.nodes}
@@ -456,7 +442,13 @@ def _scale(state: RoundState, event: ResizeRequested) -> tuple[RoundState, tuple
         return state, (RequestRefused(job_id, f"the cluster scheduler does not hold job {job_id}"),)
     if n < 1:
         return state, (RequestRefused(job_id, f"scale to {n}: a job needs at least 1 worker"),)
-    most = capacity_for(state, entry)
+    # The most of its workers the alive nodes of its types could ever hold (every other job
+    # gone).
+    most = sum(
+        x.capacity // entry.size_on(x)
+        for x in state.nodes
+        if entry.eligible is None or x.node_type in entry.eligible
+    )
     if n > most:
         return state, (
             RequestRefused(
