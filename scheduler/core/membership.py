@@ -286,15 +286,6 @@ class Membership:
         return [(m.worker_id, m.ordinal, m.node)
                 for m in [*self.members, *self.pending.values()]]
 
-    def want(self, eligible: int, starting: bool) -> int:
-        """How many workers to have: the requested number at the start, then also one per
-        free eligible node (a node that joined), up to ``max_size``."""
-        if self.target is None:
-            return max(1, min(eligible, self.max_size))
-        if starting:
-            return max(1, min(self.target, self.max_size))
-        return max(1, min(max(self.target, eligible), self.max_size))
-
     # --- spawning and starting ----------------------------------------------------------
     def spawns(self, nodes: Sequence[NodeInfo], starting: bool, gpus_on) -> list[Spawn]:
         """Workers to start on ``nodes`` (docs/elasticity.md, "Scale up"): one per node with
@@ -306,7 +297,11 @@ class Membership:
             return self._assigned_spawns(nodes, gpus_on)
         if not nodes:
             return []
-        want = self.want(len(nodes), starting)
+        # The requested number at the start, then also one per free eligible node (a node
+        # that joined), up to max_size.
+        goal = self.target if self.target is not None and starting else max(
+            self.target or 0, len(nodes))
+        want = max(1, min(goal, self.max_size))
         have = len(self.members) + len(self.pending)
         if have >= want:
             return []
