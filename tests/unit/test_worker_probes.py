@@ -66,11 +66,10 @@ def test_fail_when_spawned_arms_only_the_worker_of_that_ordinal():
         def spawn(self, s):
             self.spawned = s.worker_id
 
-        def handle(self, w):
-            return SimpleNamespace(__ray_call__=SimpleNamespace(
-                remote=lambda fn, *args: armed.append((w, fn, args))))
-
     rt = Runtime()
+    # The worker actors' handles, by id, as RayRuntime keeps them.
+    rt._handles = {f"w{i}": SimpleNamespace(__ray_call__=SimpleNamespace(
+        remote=lambda fn, *args, w=f"w{i}": armed.append((w, fn, args)))) for i in range(3)}
     worker_probes.fail_when_spawned(rt, 1, 2, 3)
     for ordinal in (0, 1, 2):
         rt.spawn(SimpleNamespace(worker_id=f"w{ordinal}", ordinal=ordinal))
