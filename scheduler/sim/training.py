@@ -249,13 +249,8 @@ class SimTraining(SimWorld):
         self.clock.advance_to(max(done, t_fail + detect))
         if self._failed is None:
             self._failed = (t_fail, tuple(lost))
-        out = []
-        for i, w in enumerate(names):
-            if w in lost:
-                out.append(WorkerOutcome(w, lost=LOST))
-            else:
-                out.append(peer_failed(w, steps[w], PEER_LOST, float(compute[i])))
-        return out
+        return _answers(names, steps, compute, {w: WorkerOutcome(w, lost=LOST) for w in lost},
+                        PEER_LOST)
 
     def _compute_error(
         self,
@@ -269,22 +264,13 @@ class SimTraining(SimWorld):
         error tried) raises at the start of compute; the worker leaves the group, so its
         peers' collective fails as soon as they reach it."""
         self.clock.advance_to(t0 + float(compute.max()))
-        out = []
-        for i, w in enumerate(names):
-            if w in erred:
-                kind, message, oom_batch = erred[w]
-                res = SegmentResult(
-                    worker=w,
-                    steps=steps[w],
-                    error_kind=kind,
-                    error=message,
-                    failed_compute_s=0.0,
-                    oom_batch=oom_batch,
-                )
-                out.append(WorkerOutcome(w, result=res))
-            else:
-                out.append(peer_failed(w, steps[w], PEER_LEFT, float(compute[i])))
-        return out
+        own = {
+            w: WorkerOutcome(w, result=SegmentResult(worker=w, steps=steps[w], error_kind=kind,
+                                                     error=message, failed_compute_s=0.0,
+                                                     oom_batch=oom_batch))
+            for w, (kind, message, oom_batch) in erred.items()
+        }
+        return _answers(names, steps, compute, own, PEER_LEFT)
 
     def _timed_out(
         self,
@@ -301,13 +287,8 @@ class SimTraining(SimWorld):
         self.clock.advance_to(min(float(enter.max()), deadline))
         if self._failed is None:
             self._failed = (t_fail, tuple(w for i, w in enumerate(names) if enter[i] > t_fail))
-        out = []
-        for i, w in enumerate(names):
-            if enter[i] > deadline:
-                out.append(WorkerOutcome(w, lost=HUNG))
-            else:
-                out.append(peer_failed(w, steps[w], PEER_TIMEOUT, float(compute[i])))
-        return out
+        hung = {w: WorkerOutcome(w, lost=HUNG) for i, w in enumerate(names) if enter[i] > deadline}
+        return _answers(names, steps, compute, hung, PEER_TIMEOUT)
 
 
 def peer_failed(
@@ -320,6 +301,14 @@ def peer_failed(
             worker=worker, steps=steps, error=error, error_kind="peer", failed_compute_s=compute_s
         ),
     )
+
+
+def _answers(names: list[str], steps: _Steps, compute: np.ndarray,
+             own: dict[str, WorkerOutcome], peer_error: str) -> list[WorkerOutcome]:
+    """Each worker's answer to a failed step: its own failure (``own``), else ``peer_error``
+    once it finished computing."""
+    return [own[w] if w in own else peer_failed(w, steps[w], peer_error, float(compute[i]))
+            for i, w in enumerate(names)]
 
 
 def _micro_batches(b: np.ndarray, caps: Sequence[int | None]) -> np.ndarray:
