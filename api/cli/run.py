@@ -143,7 +143,8 @@ def utilization_line(summary: dict[str, Any]) -> str:
 
 
 def write_report(path: Path, spec: JobSpec, snap: JobSnapshot,
-                 history: list[EpochRecord]) -> None:
+                 history: list[EpochRecord], **extra: Any) -> None:
+    """The JSON report, with ``extra`` blocks (``simulate``'s ``simulation``)."""
     report = {
         "job_id": snap.job_id,
         "emulated": spec.emulated,
@@ -151,6 +152,7 @@ def write_report(path: Path, spec: JobSpec, snap: JobSnapshot,
         "final": snap.model_dump(mode="json"),
         "utilization": utilization_summary(history),
         "history": [r.model_dump(mode="json") for r in history],
+        **extra,
     }
     path.parent.mkdir(parents=True, exist_ok=True)  # a folder named for it, made here
     tmp = path.with_suffix(path.suffix + ".tmp")

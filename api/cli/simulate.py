@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 from dynabatch.actors.spec import POLICIES, JobSpec, SpecError, load_spec
-from dynabatch.api.cli.common import fail as fail_line
+from dynabatch.api.cli.common import fail
 from dynabatch.api.cli.config import spec_warnings_shown
 from dynabatch.api.cli.run import render, write_report
 from dynabatch.scheduler.core.lifecycle import JobState
@@ -113,16 +112,6 @@ def simulation_block(r: SimResult, real_gradients: bool) -> dict[str, Any]:
         "calls": {k: getattr(rec, k) for k in ("submitted", "segments", "regroups",
                                                 "evaluations", "fetches")},
     }
-
-
-def write_sim_report(path: Path, r: SimResult, real_gradients: bool) -> None:
-    """The report ``dynabatch run`` writes, with the ``simulation`` block added."""
-    write_report(path, r.spec, r.snapshot, r.history)
-    report = json.loads(path.read_text())
-    report["simulation"] = simulation_block(r, real_gradients)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, path)
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -243,29 +232,26 @@ def register(app: typer.Typer) -> None:
         console = Console()
         err = Console(stderr=True)
 
-        def fail(message: str) -> NoReturn:
-            fail_line(err, message)
-
         try:
             with spec_warnings_shown(config):
                 spec = load_spec(config)
             cl = cluster_for(cluster, from_report, spec)
             policies = policies_for(spec, compare)
         except SpecError as e:
-            fail(f"{config}: {e}")
+            fail(err, f"{config}: {e}")
         except (ClusterError, UsageError) as e:
-            fail(str(e))
+            fail(err, str(e))
         if spec.protocol.name == "ps":
             # The parameter server has its own simulator; the sync options do not apply.
             if compare:
-                fail("--compare: policies size sync batches; protocol.name is ps")
+                fail(err, "--compare: policies size sync batches; protocol.name is ps")
             if dataset_size is not None:
-                fail("--dataset-size: protocol ps simulates real gradients on the dataset")
+                fail(err, "--dataset-size: protocol ps simulates real gradients on the dataset")
             try:
                 with quiet_engine():
                     ok = run_ps(spec, cl, console, report)
             except (ClusterError, SpecError, ValueError) as e:
-                fail(str(e))  # WorkloadError (a dataset or model that cannot load) included
+                fail(err, str(e))  # WorkloadError (a dataset or model that cannot load) included
             if not ok:
                 raise typer.Exit(1)
             return
@@ -285,11 +271,12 @@ def register(app: typer.Typer) -> None:
                                  real_gradients=real_gradients, progress=progress)
                 except (ClusterError, SpecError, ValueError) as e:
                     # WorkloadError (a dataset or model that cannot load) is a ValueError
-                    fail(str(e))
+                    fail(err, str(e))
                 results.append(r)
                 if report:
                     path = report_path(report, policy, len(policies) > 1)
-                    write_sim_report(path, r, real_gradients)
+                    write_report(path, r.spec, r.snapshot, r.history,
+                                 simulation=simulation_block(r, real_gradients))
         if len(results) > 1:
             console.print(compare_table(results))
         else:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 import yaml
 from dynabatch.actors.spec import SpecError, load_spec
-from dynabatch.api.cli.common import fail as fail_line
+from dynabatch.api.cli.common import fail
 from dynabatch.api.cli.config import spec_warnings_shown
 from dynabatch.api.cli.simulate import quiet_engine
 from dynabatch.api.cli.tuning import Probe, TuneError, tune
@@ -59,22 +59,19 @@ def register(app: typer.Typer) -> None:
         console = Console()
         err = Console(stderr=True)
 
-        def fail(message: str) -> NoReturn:
-            fail_line(err, message)
-
         try:
             with spec_warnings_shown(config):
                 spec = load_spec(config)
             cl = (load_cluster(cluster) if cluster is not None
                   else _default_cluster(spec.initial_workers or 2))
         except SpecError as e:
-            fail(f"{config}: {e}")
+            fail(err, f"{config}: {e}")
         except ClusterError as e:
-            fail(str(e))
+            fail(err, str(e))
         try:
             warm = [float(w) for w in warmups.split(",") if w.strip()]
         except ValueError:
-            fail(f"--warmups: expected numbers separated by commas, got {warmups!r}")
+            fail(err, f"--warmups: expected numbers separated by commas, got {warmups!r}")
         with quiet_engine(), Progress(
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("probes"), TimeElapsedColumn(), console=err, disable=quiet,
@@ -92,7 +89,7 @@ def register(app: typer.Typer) -> None:
                               probe_epochs=probe_epochs, warmups=warm, seeds=seeds,
                               holdout=holdout, budget=budget, on_probe=on_probe)
             except (TuneError, ClusterError, SpecError, ValueError) as e:
-                fail(str(e))
+                fail(err, str(e))
         out.write_text(yaml.safe_dump(result.spec.model_dump(mode="json"), sort_keys=False))
         report.write_text(json.dumps(result.report(), indent=1))
         table = Table(title="probes")

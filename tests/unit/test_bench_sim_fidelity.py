@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 from dynabatch.actors.spec import JobSpec
-from dynabatch.api.cli.simulate import write_sim_report
+from dynabatch.api.cli.run import write_report
+from dynabatch.api.cli.simulate import simulation_block
 from dynabatch.scheduler.sim.cluster_spec import parse_cluster
 from dynabatch.scheduler.sim.simulator import simulate
 
@@ -73,7 +74,8 @@ def test_a_report_fits_a_cluster_that_simulates_the_run_it_came_from(tmp_path):
     )
     run = simulate(spec, cluster)
     report = tmp_path / "run.json"
-    write_sim_report(report, run, real_gradients=False)
+    write_report(report, run.spec, run.snapshot, run.history,
+                 simulation=simulation_block(run, real_gradients=False))
     fitted, numbers = fitted_cluster(report, spec)
     assert numbers["rest_of_step_ms"] == pytest.approx(6.0, rel=1e-3)  # 2(n-1)·α, n = 2
     again, _ = run_in_sim(spec, fitted)
