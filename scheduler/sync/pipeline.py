@@ -139,17 +139,16 @@ class Pipeline:
         are read: in this epoch, or, when ``across`` (the loop decides both), the next
         epoch's first, behind the epoch's evaluation. False: there is none to send."""
         job, p = self.job, self.job.protocol
-        plan = decide.plan_ahead(start, len(next(iter(plans.values())).steps),
-                                 p.steps_per_epoch)
+        at = decide.plan_ahead(start, len(next(iter(plans.values())).steps), p.steps_per_epoch)
         behind = None
-        if plan.crosses_epoch:
+        if at.epoch != start.epoch:
             if not across:
                 return False
             # Each of the segment's workers scores its shard of the epoch's final weights,
             # then trains on. Dropped if that segment fails (it is not the final state).
             behind = self.evals.submit(p.epoch, job.evaluation_shards(list(plans)))
-        nxt = self.stamp(p.plan_segment(at=plan.position))
-        self.ahead = Ahead(plan.position, nxt, self.runtime.submit_segment(nxt),
+        nxt = self.stamp(p.plan_segment(at=at))
+        self.ahead = Ahead(at, nxt, self.runtime.submit_segment(nxt),
                            self.control.clock.now(), behind)
         return True
 
@@ -222,7 +221,7 @@ class Pipeline:
             sent=t0, last_collected=self.last_collect, now=now,
             evaluation_s=evaluation_s, done=done, planned=planned, workers=len(plans),
             busy=segment_busy(results, done))
-        self.last_collect = share.collected
+        self.last_collect = now
         committed: list[list[Any]] = []
         with self.control.lock:
             ep = totals

@@ -50,12 +50,12 @@ def test_an_epoch_is_crossed_only_at_the_same_batch_with_nothing_decided_between
 @given(st.integers(0, 50), st.integers(0, 99), st.integers(1, 10), st.integers(1, 100))
 def test_the_next_segment_starts_where_this_one_ends_or_at_the_next_epoch(
         epoch, step, length, spe):
-    plan = plan_ahead(Position(epoch, step), length, spe)
+    at = plan_ahead(Position(epoch, step), length, spe)
     if step + length < spe:
-        assert plan.position == Position(epoch, step + length) and not plan.crosses_epoch
+        assert at == Position(epoch, step + length)
     else:
-        assert plan.position == Position(epoch + 1, 0) and plan.crosses_epoch
-    assert plan.position > Position(epoch, step)  # always forward
+        assert at == Position(epoch + 1, 0)
+    assert at > Position(epoch, step)  # always forward
 
 
 def test_a_replan_waits_for_the_segment_in_flight_in_this_epoch_only():
@@ -73,7 +73,6 @@ def test_wall_time_is_split_between_the_evaluation_and_the_completed_steps(
     share = attribute_wall(sent=sent, last_collected=last, now=now, evaluation_s=evaluation_s,
                            done=done, planned=planned, workers=workers)
     total = now - max(sent, last)  # from the later of sending and the last collection
-    assert share.collected == now
     assert 0.0 <= share.evaluation <= total
     if evaluation_s is None:
         assert share.evaluation == 0.0

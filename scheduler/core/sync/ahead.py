@@ -33,21 +33,12 @@ def can_cross_epoch(*, next_epoch: int, epochs: int, goodput: bool, next_batch: 
             and not checkpoint_due and not replans_at_end)
 
 
-@dataclass(frozen=True, slots=True)
-class AheadPlan:
-    """Where the segment after one starting at ``start`` of ``length`` steps begins."""
-
-    position: Position
-    crosses_epoch: bool  # the next epoch's first segment (after the epoch's evaluation)
-
-
-def plan_ahead(start: Position, length: int, steps_per_epoch: int) -> AheadPlan:
-    """The segment after the one at ``start``: in the same epoch, or the next epoch's first
-    when this one ends the epoch (the driver sends that only if :func:`can_cross_epoch`)."""
+def plan_ahead(start: Position, length: int, steps_per_epoch: int) -> Position:
+    """Where the segment after the one at ``start`` of ``length`` steps begins: in the same
+    epoch, or at the next epoch's first step when this one ends the epoch (the driver sends
+    that only if :func:`can_cross_epoch`, behind the epoch's evaluation)."""
     end = start.step + length
-    if end < steps_per_epoch:
-        return AheadPlan(Position(start.epoch, end), crosses_epoch=False)
-    return AheadPlan(Position(start.epoch + 1, 0), crosses_epoch=True)
+    return Position(start.epoch, end) if end < steps_per_epoch else Position(start.epoch + 1, 0)
 
 
 def ahead_end(ahead: Position | None, length: int, epoch: int) -> int | None:
@@ -62,12 +53,11 @@ def ahead_end(ahead: Position | None, length: int, epoch: int) -> int | None:
 class WallShare:
     """A collected segment's wall time: ``evaluation`` (the previous epoch's, queued in
     front of it), ``wall`` and ``worker_seconds`` (the training's, for the steps that
-    completed), ``collected`` (where the next segment's time starts at the latest)."""
+    completed)."""
 
     evaluation: float
     wall: float
     worker_seconds: float
-    collected: float
 
 
 def attribute_wall(*, sent: float, last_collected: float, now: float,
@@ -85,7 +75,7 @@ def attribute_wall(*, sent: float, last_collected: float, now: float,
         evaluation = min(max(0.0, wall - busy), evaluation_s)
         wall -= evaluation
     if not done:
-        return WallShare(evaluation, 0.0, 0.0, now)
+        return WallShare(evaluation, 0.0, 0.0)
     frac = done / planned
     # Spelled as the coordinator always summed it, so the totals do not move by a rounding.
-    return WallShare(evaluation, wall * frac, wall * frac * workers, now)
+    return WallShare(evaluation, wall * frac, wall * frac * workers)
