@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState
-from dynabatch.scheduler.core.membership import NodeAssignment, slowest_first
+from dynabatch.scheduler.core.membership import NodeAssignment, placement_plan, slowest_first
 from dynabatch.scheduler.core.ps.messages import (
     AssignRequested,
     Command,
@@ -238,24 +238,22 @@ def _scale(crew: Crew, workers: int, nodes: tuple[str, ...], now: float,
     while len(crew.members) < workers:
         crew = _spawn(crew, crew.nodes[crew.next % len(crew.nodes)], now, out)
     extra = max(0, len(crew.members) - workers)
-    for w in _slowest_first(crew, now)[:extra]:
+    order = slowest_first([(w, m.ordinal) for w, m in crew.members.items()], _speeds(crew, now))
+    for w in order[:extra]:
         crew = _remove(crew, w, f"scaled down to {workers}", out)
     return crew
 
 
 def _place(crew: Crew, a: NodeAssignment, now: float, out: list[Command]) -> Crew:
-    """Learners on exactly the assignment's slots: on each node the slowest beyond its
-    slots leave (all of them on a node no longer assigned), then empty slots get new
-    learners. A leaving learner's in-flight samples are re-queued, as on a drain."""
-    keep: dict[str, int] = {}
-    for w in reversed(_slowest_first(crew, now)):  # the fastest first keep their slots
-        node = crew.members[w].node
-        if keep.get(node, 0) < a.get(node):
-            keep[node] = keep.get(node, 0) + 1
-        else:
-            crew = _remove(crew, w, "assigned elsewhere", out)
-    for node, k in a.slots:
-        for _ in range(k - keep.get(node, 0)):
+    """Learners on exactly the assignment's slots, by the synchronous jobs' rule
+    (:func:`placement_plan`: the fastest keep their slots); a leaving learner's in-flight
+    samples are re-queued, as on a drain."""
+    workers = [(w, m.ordinal, m.node) for w, m in crew.members.items()]
+    plan = placement_plan(workers, a, _speeds(crew, now))
+    for w in reversed(plan.drain):  # the fastest leaver first
+        crew = _remove(crew, w, "assigned elsewhere", out)
+    for node, k in plan.spawn:
+        for _ in range(k):
             crew = _spawn(crew, node, now, out)
     return crew
 
@@ -278,12 +276,11 @@ def _without(crew: Crew, w: str) -> Crew:
     return replace(crew, members={k: m for k, m in crew.members.items() if k != w})
 
 
-def _slowest_first(crew: Crew, now: float) -> list[str]:
-    """Learners in the order a scale-down removes them: by samples applied per second
-    since each joined, the slowest first (one with none applied yet first of all)."""
+def _speeds(crew: Crew, now: float) -> dict[str, float]:
+    """Each learner's samples applied per second since it joined (none: not measured)."""
     speeds = {}
     for w, m in crew.members.items():
         applied, age = crew.applied.get(w), now - m.joined
         if applied is not None and age > 0:
             speeds[w] = applied / age
-    return slowest_first([(w, m.ordinal) for w, m in crew.members.items()], speeds)
+    return speeds
