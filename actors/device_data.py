@@ -1,22 +1,10 @@
 """Where a worker's training samples live, and how a micro-batch is gathered from them.
 
-A GPU worker gathers every micro-batch from the training set. Copying the whole set to
-the device once turns each step's host-to-device copies into an on-device
-``index_select``; it is done when the set fits in the memory the model leaves
-(:func:`data_budget`, decided after the model, its optimizer state and a warm-up pass are
-known: :meth:`WorkerData.place`). Otherwise the set stays in host memory as it is (never a
-page-locked copy of the whole set) and each micro-batch is *staged*: gathered straight
-into a reused page-locked buffer, then copied asynchronously. On the CPU the arrays stay as
-they are (zero-copy views of the object store).
-
-Gathering (:class:`BatchGather`). A worker trains order *positions*; the epoch's order (a
-permutation of sample ids) is set once per epoch, and on the device when the set is there,
-so a step sends no index to the GPU. In the staged case the gather writes into a
-preallocated pinned *staging* buffer (``index_select(out=...)``: the batch's one host copy;
-a pageable source's ``non_blocking`` copy would in fact be synchronous) and copies that
-asynchronously. Two staging buffers alternate, each guarded by a CUDA event recorded after
-its copy, so the host never overwrites a buffer whose copy the device has not done (it
-waits on that one event, which in practice has long completed, never on the whole device).
+The in-memory set goes to the GPU once when it fits in what the model leaves
+(:func:`data_budget`), else each micro-batch is staged through a reused page-locked buffer;
+on the CPU the arrays stay zero-copy views of the object store. The epoch's order is set
+once per epoch (on the device when the set is), so a step sends no index to the GPU.
+docs/architecture.md ("GPU") says why.
 """
 
 from __future__ import annotations

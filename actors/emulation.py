@@ -10,21 +10,10 @@ compute is therefore measured as the thread's CPU time (on the CPU, torch runs f
 and backward in the calling thread with one intra-op thread), which is what the phase
 would take on a core of its own. Real runs use the wall clock.
 
-On a GPU. A GPU's work is not the host thread's CPU time (the thread only queues kernels),
-so an emulated GPU worker's clock is the wall clock after a device synchronisation
-(``sync``): the phase so far is what the GPU took, less what the emulation slept; the
-sleep delays the kernels queued after it, so the device-timed compute (CUDA events) sees
-the slowed worker too. Slowdowns are thus applied on GPU workers as on CPU ones. The
-synchronisation before each bucket costs the overlap of the slowed worker's buckets with its
-backward: an emulation is a test of the coordinator, not of the GPU's speed.
-
-Where the slowdown is applied. A slow node is slow *before* its gradient leaves: with the
-bucketed all-reduce, buckets go out from backward's hooks, so the stretch cannot all come
-after backward (a slowed worker's buckets would leave at full speed, and its peers' waits
-would not show its slowness). The reducer therefore calls :meth:`ComputeClock.pace` before
-it launches a bucket, which sleeps until the phase has taken f × its compute so far, and
-:meth:`ComputeClock.finish` sleeps what is left at the end. Every bucket then leaves when
-a node f times slower would have sent it.
+On a GPU the clock is the wall clock after a device synchronisation (``sync``): the thread
+only queues kernels. The reducer calls :meth:`ComputeClock.pace` before a bucket leaves, so a
+slowed worker's buckets leave when a node f times slower would send them
+(docs/architecture.md, "Emulated slowness").
 """
 
 from __future__ import annotations

@@ -14,24 +14,12 @@ never comes fails the join there, whatever the backend. Only then is the group f
 an NCCL group is given its device (``device_id``), which creates the communicator at once,
 inside the join, instead of lazily inside the first collective (the state broadcast).
 
-NCCL faults. By default (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) a lost peer makes
-PyTorch's NCCL watchdog tear the *process* down after the timeout, which would kill every
-survivor. Before an NCCL group is formed, :func:`configure_nccl_fault_handling` sets
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up only: abort the communicator, keep the
-process) in both of the two fault modes (:data:`NCCL_FAULT_MODES`), which differ in how a
-collective's failure reaches the worker:
-
-* ``blocking`` (the default): ``TORCH_NCCL_BLOCKING_WAIT=1``, ``work.wait()`` blocks the
-  host until the collective ends and raises in the calling thread when it times out (it
-  polls the work every few milliseconds, one bucket at a time);
-* ``async``: ``TORCH_NCCL_BLOCKING_WAIT=0``, ``work.wait()`` only orders the stream; the
-  watchdog thread times the collective out, aborts the communicator and marks the work
-  failed, and the next call on the group raises.
-
-Both are bounded by the collectives' timeout; the setting ``DYNABATCH_NCCL_FAULT_MODE``
-picks one (docs/elasticity.md). :meth:`ProcessGroup.leave` aborts the communicator
-(:func:`abort_group`) before destroying the group, so a survivor raises, leaves and
-re-forms.
+NCCL faults. Before an NCCL group is formed, :func:`configure_nccl_fault_handling` sets
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (abort the communicator, keep the process: the default
+would tear down every survivor) and the fault mode ``DYNABATCH_NCCL_FAULT_MODE`` picks
+(:data:`NCCL_FAULT_MODES`; docs/elasticity.md). :meth:`ProcessGroup.leave` aborts the
+communicator (:func:`abort_group`) before destroying the group, so a survivor raises, leaves
+and re-forms.
 """
 
 from __future__ import annotations
@@ -47,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 # How an NCCL collective's failure reaches the worker (see the module docstring).
+# blocking: wait() blocks the host and raises at the timeout; async: wait() only orders the
+# stream, the watchdog aborts at the timeout and the next call on the group raises.
 NCCL_FAULT_MODES = {
     "blocking": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"},
     "async": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0"},

@@ -15,44 +15,14 @@ loss back with the gradient (:attr:`Reduced.global_loss_sum`), and ISGD's contro
 needs no collective of its own (a step that flags nothing costs what an SGD step costs).
 
 Each worker back-propagates its summed loss over 1/B (:mod:`dynabatch.actors.step`), so the
-SUM all-reduce is the global batch's mean gradient whatever the bucketing: a bucket is a
-contiguous slice of the buffer and the sum is taken element-wise.
+SUM all-reduce is the global batch's mean gradient whatever the bucketing.
 
-Two modes:
-
-* ``flat``: one all-reduce of the whole buffer after backward (the collective starts when
-  the last gradient is ready).
-* ``bucketed`` (as DDP's reducer): the buffer is cut into buckets from its END (the last
-  layers' gradients are ready first in backward); the first bucket also holds the loss and
-  coverage slots, which are written before its backward. A ``register_post_accumulate_grad_hook`` on
-  each parameter counts the gradients still missing in its bucket; when a bucket is
-  complete it is launched as an asynchronous all-reduce, so communication runs behind the
-  rest of backward. Buckets are launched strictly in index order (bucket k waits for every
-  bucket before it), so every rank issues the same sequence of collectives, as gloo and
-  NCCL require. :meth:`GradientReducer.finish` launches what the hooks did not (a worker
-  with an empty share runs no backward) and waits for all.
-
-Bucket sizes (:func:`auto_bucket_bytes`, when the spec gives no ``bucket_kb``). DDP's 25 MiB
-buckets (1 MiB first) make a small model's gradients ONE bucket, launched when the last
-gradient is ready: no overlap. On a GPU (NCCL reduces on its own stream, beside backward's
-kernels) a bucket is therefore a quarter of the model, at least 32 KiB (below that a
-collective's fixed cost outweighs what it hides) and at most DDP's 25 MiB, the first at most
-DDP's 1 MiB. On the CPU gloo reduces in a thread on the cores backward uses, so hiding
-communication costs compute, and the default is DDP's own sizes (measured: "Overlap on the
-CPU" in docs/benchmarks.md).
-
-Goodput. In goodput mode the worker reports |g_i|² of its own share *before* the
-all-reduce overwrites it in place. Each bucket's squared norm is taken just before that
-bucket is launched and the parts are summed at the end, so the buckets still go out from
-the hooks (overlap is kept); the coverage slots are not part of any norm.
-
-Hooks fire only while the reducer is *armed*: with micro-batch accumulation only the last
-micro-batch's backward completes the gradient, so the earlier ones run unarmed.
-
-Measuring overlap. Each bucket's launch is marked, and its completion by a callback on the
-collective's future; the communication *hidden* behind compute is the part of the buckets'
-in-flight intervals before compute ended (:func:`hidden_seconds`). On a GPU the marks are
-CUDA events, read after the step's one synchronisation (:meth:`GradientReducer.finish`).
+Two modes: ``flat``, one all-reduce of the whole buffer after backward; ``bucketed`` (as
+DDP's reducer), buckets cut from the buffer's END (the last layers' gradients are ready
+first), each launched from backward's hooks once complete, strictly in index order so every
+rank issues the same collectives. The first bucket also carries the loss and coverage slots.
+Bucket sizes, the overlap measurement and goodput's per-bucket norms: docs/architecture.md
+("Overlapped, bucketed all-reduce").
 
 One plan per group (:class:`CollectivePlan`). Every member of a group must issue the same
 collectives, the same number in the same order over the same offsets, or gloo fails on a
@@ -126,7 +96,7 @@ def stages_through_host(device: torch.device, backend: str | None) -> bool:
 def auto_bucket_bytes(model_bytes: int, *, gpu: bool = True) -> tuple[int, int]:
     """``(first, rest)`` bucket sizes for a model whose gradients take ``model_bytes``.
     On a GPU: a quarter of the model, between 32 KiB and DDP's 25 MiB; the first at most
-    1 MiB. On the CPU: DDP's 1 MiB and 25 MiB (see the module docstring for why)."""
+    1 MiB. On the CPU: DDP's 1 MiB and 25 MiB (why: docs/architecture.md)."""
     if not gpu:
         return DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES
     rest = min(DDP_BUCKET_BYTES, max(MIN_BUCKET_BYTES, model_bytes // AUTO_BUCKETS))
