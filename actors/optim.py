@@ -1,31 +1,10 @@
 """The worker's optimizer and what it does with a step plan's learning rate and ISGD rule.
 
 Workers never compute schedules: the coordinator's pure schedule
-(:mod:`dynabatch.scheduler.core.regime.schedule`)
-puts the learning rate of every step in its :class:`~dynabatch.actors.contracts.StepPlan`, and a
-segment's plan carries ISGD's control chart (:class:`~dynabatch.actors.contracts.IsgdPlan`), which
-every
-worker updates with each step's all-reduced loss; the worker applies them.
-
-ISGD's conservative sub-problem (Wang et al., arXiv 1603.05544), for a batch ``d`` whose loss
-ψ_w(d) is above the control limit::
-
-    min_w  ½·(ψ_w(d) − limit)² + ε/(2·n_w)·‖w − w_prev‖²
-
-with gradient ``(ψ_w(d) − limit)·∇ψ_w(d) + (ε/n_w)·(w − w_prev)``, where ``n_w`` is the
-number of weights and ``w_prev`` the weights at which the batch was judged.
-
-The order of a step (:func:`isgd_extras`). The batch is judged by its loss ψ_0 before any
-update: the loss of the step's own pass, all-reduced, which also goes into the chart. A batch
-above the limit is under-trained, and it *keeps training* on the sub-problem until its loss
-is at or below the limit or ``max_extra`` extra iterations are spent. Each extra iteration
-is one conservative update from the gradient in hand followed by one pass (forward,
-backward, all-reduce) at the new weights, which gives the loss the loop checks and the
-gradient of the next update. The batch's ordinary SGD step comes last, on the gradient of
-the last pass. So every pass is used by an update and none is left uncounted: a step costs
-``1 + extra`` passes, and a flagged batch always gets at least one extra iteration (its
-loss was above the limit). Every worker sees the same all-reduced losses, so all stop at
-the same iteration.
+(:mod:`dynabatch.scheduler.core.regime.schedule`) puts each step's learning rate in its
+:class:`~dynabatch.actors.contracts.StepPlan`, and a segment's plan carries ISGD's control
+chart (:class:`~dynabatch.actors.contracts.IsgdPlan`). ISGD's conservative sub-problem and
+the order of a flagged step's passes (:func:`isgd_extras`): docs/schedules.md ("ISGD").
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """The output of a job's actors (the user's ``print``s, warnings, errors) for the job log,
-read through Ray's log API.
-
-Ray writes each actor process's stdout and stderr to files on its node (``worker-*.out`` and
-``.err``): the user's prints, Python warnings, library messages, C-level writes to fds 1 and
-2, and the traceback of a process that dies. Ray's log API (``ray.util.state.get_log``,
-served by the dashboard and its per-node agents, which come with ``ray[default]``) reads
-those files by actor id, also after the actor died, as long as its node lives.
-
-:class:`ActorOutput` follows the files of the actors a job driver registers (its workers or
-learners, a parameter server, and the driver's own actor, where the dataset loader and the
-model check run user code) in a background thread, and hands each new complete line to a
-sink: the driver's job log (``dynabatch.scheduler.core.lifecycle.JobControl``), which ``dynabatch
-logs``,
-``/v1/jobs/{id}/logs`` and the event stream show. An actor that leaves (killed, dead, or
-drained) is read once more, then dropped; :meth:`ActorOutput.close` reads every actor a
-last time before the job is seen to end.
-
-When the cluster does not serve the log API (no dashboard, or Ray without ``ray[default]``)
-the job log says so in one line, and the job runs on without its actors' output.
+read through Ray's log API (``ray.util.state.get_log``) by actor id, also after the actor
+died, as long as its node lives. How it reaches the job log and its limits:
+docs/operations.md ("The processes' own output").
 """
 
 from __future__ import annotations

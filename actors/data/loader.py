@@ -1,32 +1,12 @@
 """A worker's loader: reads the order positions it will train, ahead of time.
 
-The worker tells the loader the epoch's order (:meth:`Loader.set_order`) and, at the start
-of every segment, the share ranges ``[lo, hi)`` of its planned steps (:meth:`Loader.plan`),
-plus the range the next step would train if the allocation stays. Background threads read
-them (``source.read`` of the ids at those positions, with augmentation keys from (job
-seed, epoch, position)) into a bounded queue of ``depth`` shares. A step's gather takes its
-share (or a micro-batch of it) from the queue; the time it blocked is the step's *data wait*, 0 when
-the read was hidden. A re-plan or a membership change only changes which ranges are read
-next: reads that are no longer planned are dropped.
+The worker gives the loader the epoch's order (:meth:`Loader.set_order`) and, each segment,
+the share ranges of its planned steps (:meth:`Loader.plan`); reader threads, or processes for
+a GIL-bound map-style source, read them into a bounded queue, and the time a step's gather
+blocks is its *data wait*. Readers and staging: docs/spec.md ("Data read by position").
 
-Readers. pyarrow's reads and decodes and numpy's gathers release the GIL, so threads read
-in parallel; by default a worker reads with one reader per CPU Ray gave it
-(:func:`default_threads`), ``dataset.loader_threads`` overrides it. A map-style dataset's
-Python ``__getitem__`` holds the GIL (``source.gil_bound``): with more than one reader its
-shares are split across that many worker *processes* (started with ``spawn``, each opening
-its own view of the source from the worker's recipe), as torch's ``DataLoader`` workers do.
-
-Staging (on a GPU). A share is read straight into a reused page-locked buffer
-(``source.read(..., out=)``): one host copy, then one asynchronous copy to the device per
-micro-batch. A buffer goes back to the pool once its share is consumed and the device has
-done its copies (a CUDA event), so the host never overwrites memory a copy still reads.
-A structured source (dict or tuple inputs, ``dataset.collate``) has no such buffer: its
-reader processes send samples back and the share is collated as a whole, so a collate that
-pads pads to the share's longest (:mod:`dynabatch.actors.data.structured`).
-
-A read that raises (a ``__getitem__`` error, a corrupt file, a sample of another shape)
-fails the step that gathers it, with the field, the sample, its order position and the
-cause's first line (:class:`~dynabatch.actors.data.source.DataError`).
+A read that raises fails the step that gathers it, with the field, the sample, its order
+position and the cause's first line (:class:`~dynabatch.actors.data.source.DataError`).
 """
 
 from __future__ import annotations
