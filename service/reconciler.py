@@ -18,7 +18,7 @@ from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.core.recovery import Action, LostCoordinator, decide_lost
-from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
+from dynabatch.scheduler.telemetry import JobSnapshot
 from dynabatch.service.artifacts import keep_model, models_dir
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.scheduling import RayScheduling, Refused
@@ -34,12 +34,6 @@ STOP_JOIN_S = 1.0  # how long stop() waits for a sync tick in progress
 # the process group ends Ray's processes too, maybe before our handler runs): the sync loop
 # waits this long for the shutdown to begin before calling it a loss.
 EMBEDDED_GONE_WAIT_S = 0.5
-
-
-def _reachable(cluster: object) -> bool:
-    """Whether the cluster answers now, by its bounded check when it has one."""
-    check = getattr(cluster, "reachable", None)
-    return bool(check()) if callable(check) else True
 
 
 # A relaunch: the stored spec checked again (settings tightened since it was stored hold
@@ -188,7 +182,7 @@ class Reconciler:
             self._thread.join(timeout=STOP_JOIN_S)
             self._thread = None
         if self._started and self.cluster.embedded:
-            if _reachable(self.cluster):
+            if self.cluster.reachable():
                 self.sync_once()
             else:
                 log.warning("the embedded Ray is gone: live jobs are recorded as they were")
@@ -210,10 +204,9 @@ class Reconciler:
             else:
                 self.fail(rec.id, EMBEDDED_ENDED)
 
-    def reattach(self) -> list[str]:
-        """Find the coordinators of jobs the store says are live; returns the ids found.
-        A job whose coordinator is gone is recovered by :meth:`coordinator_lost`."""
-        found = []
+    def reattach(self) -> None:
+        """Find the coordinators of jobs the store says are live. A job whose coordinator
+        is gone is recovered by :meth:`coordinator_lost`."""
         live = self.store.live()  # one read: see sync_once
         queued = self._queued(live)
         for rec in live:
@@ -242,11 +235,9 @@ class Reconciler:
                 why = "no coordinator actor on the Ray cluster after the API restarted"
             if ok:
                 log.info("job %s: re-attached to its coordinator", rec.id)
-                found.append(rec.id)
             else:
                 with self.lock:
                     self.coordinator_lost(rec, f"lost while the API was down: {why}")
-        return found
 
     def _loop(self) -> None:
         while not self._stop.wait(self.sync_interval_s):
@@ -269,12 +260,9 @@ class Reconciler:
 
     # Sync -------------------------------------------------------------------------------
     def sync_once(self) -> None:
-        """Poll every live job once, and refresh the count of alive nodes.
-
-        One read of the live jobs decides both which the cluster scheduler has not started
-        (queued: no coordinator to poll) and which are polled: a job submitted after it is
-        left to the next tick. (Two reads failed a job submitted between them for having
-        no coordinator: it was in neither the queued set nor the launching one.)"""
+        """Poll every live job once, and refresh the count of alive nodes. One read of the
+        live jobs decides both which are queued and which are polled, so a job submitted
+        after it is left to the next tick, never taken for one whose coordinator is gone."""
         live = self.store.live()
         queued = self._queued(live)
         for rec in live:
@@ -317,7 +305,18 @@ class Reconciler:
             except RayCallError as err:
                 log.warning("job %s: sync failed (%s)", job_id, first_line(err, typed=False))
                 return rec
-            done = self._record_sync(rec, snap, records, lines)
+            if rec.resync:
+                self.store.replace_history(job_id, records)
+            else:
+                self.store.add_history(job_id, records)
+                if records and rec.auto_resumes:
+                    # A resumed job that finished an epoch is not crash-looping.
+                    self.store.reset_auto_resumes(job_id)
+            if rec.log_offset:
+                lines = [x.model_copy(update={"seq": x.seq + rec.log_offset}) for x in lines]
+            self.store.add_logs(job_id, lines)
+            self.store.save_snapshot(snap, now=self.clock())
+            done = self.store.get(job_id)
             if snap.state.is_terminal and self.link is not None:
                 self.link.finished(job_id)
             if snap.state.is_terminal and self.release_finished:
@@ -328,27 +327,6 @@ class Reconciler:
                 except RayCallError as err:
                     log.warning("job %s: cannot release coordinator (%s)", job_id, err)
             return done
-
-    def _record_sync(
-        self,
-        rec: JobRecord,
-        snapshot: JobSnapshot,
-        records: Sequence[EpochRecord],
-        lines: Sequence[LogLine],
-    ) -> JobRecord | None:
-        """Store what one poll of ``rec``'s coordinator read. A resumed job that finished an
-        epoch is not crash-looping: its count of automatic resumes goes back to 0."""
-        if rec.resync:
-            self.store.replace_history(rec.id, records)
-        else:
-            self.store.add_history(rec.id, records)
-            if records and rec.auto_resumes:
-                self.store.reset_auto_resumes(rec.id)
-        if rec.log_offset:
-            lines = [x.model_copy(update={"seq": x.seq + rec.log_offset}) for x in lines]
-        self.store.add_logs(rec.id, lines)
-        self.store.save_snapshot(snapshot, now=self.clock())
-        return self.store.get(rec.id)
 
     def cluster_name(self) -> str:
         """Where this service starts coordinators, as stored with each job."""

@@ -153,6 +153,9 @@ class FakeCluster:
     def ping(self) -> bool:
         return self.connected and not self.unavailable
 
+    def reachable(self) -> bool:
+        return True
+
     def _check(self, op: str, job_id: str = "") -> None:
         self.calls.append((op, job_id))
         if self.unavailable:
