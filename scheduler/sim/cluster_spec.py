@@ -5,12 +5,13 @@ and the checks on it; what each thing costs in virtual time is
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
+from dynabatch.actors.spec.loading import format_validation_error
 from dynabatch.actors.spec.sections import _Strict
+from dynabatch.actors.spec.validation import CombinationError
 from pydantic import (
     ConfigDict,
     Field,
@@ -137,7 +138,7 @@ class Event(_Strict):
         if (self.at_s is None) == (self.epoch is None):
             raise ValueError("give exactly one of at_s, epoch")
         if isinstance(self.fail, int) and self.fail < 1:
-            raise ValueError("fail: must be at least 1 node")
+            raise CombinationError([("fail", "must be at least 1 node")])
         return self
 
     @property
@@ -190,13 +191,13 @@ class Fault(_Strict):
         allowed |= {"uneven"} if k in ("die", "hang") else set()
         for name in self.__class__.model_fields:
             if name in need and getattr(self, name) is None:
-                raise ValueError(f"{name}: required for kind {k}")
+                raise CombinationError([(name, f"required for kind {k}")])
         for name in self.__class__.model_fields:
             if name in given and name not in allowed:
-                raise ValueError(f"{name}: does not apply to kind {k}")
+                raise CombinationError([(name, f"does not apply to kind {k}")])
         if on_node and (self.node.node_class is None or self.node.index is None
                         or self.node.count != 1):
-            raise ValueError("node: give {class, index} (one node)")
+            raise CombinationError([("node", "give {class, index} (one node)")])
         return self
 
 
@@ -219,59 +220,40 @@ class ClusterSpec(_Strict):
         seen: set[str] = set()
         for i, n in enumerate(names):
             if n in seen:
-                raise ValueError(f"classes.{i}.name: duplicate node class {n!r}")
+                raise CombinationError([(f"classes.{i}.name", f"duplicate node class {n!r}")])
             seen.add(n)
         if self.nodes < 1:
-            raise ValueError("classes: no nodes (every count is 0)")
+            raise CombinationError([("classes", "no nodes (every count is 0)")])
         for i, e in enumerate(self.events):
             target = e.fail if isinstance(e.fail, NodeSelector) else e.join or e.slowdown
             if getattr(target, "node_class", None) is not None and (
                     err := self.node_error(target)):
-                raise ValueError(f"events.{i}.{e.kind}.{err}")
+                raise CombinationError([(f"events.{i}.{e.kind}.{err[0]}", err[1])])
             if isinstance(e.fail, NodeSelector) and e.fail.index is not None and e.fail.count != 1:
-                raise ValueError(f"events.{i}.fail.count: give count 1 with index")
+                raise CombinationError([(f"events.{i}.fail.count", "give count 1 with index")])
         for i, f in enumerate(self.faults):
             if f.node is not None and (err := self.node_error(f.node)):
-                raise ValueError(f"faults.{i}.node.{err}")
+                raise CombinationError([(f"faults.{i}.node.{err[0]}", err[1])])
         return self
 
-    def node_error(self, sel: NodeSelector | JoinSpec | SlowdownSpec) -> str | None:
+    def node_error(self, sel: NodeSelector | JoinSpec | SlowdownSpec) -> tuple[str, str] | None:
         """Why ``sel`` (a class and an index) names no node of this cluster at its start,
-        ``field: problem``; None when it does (an index past the class's nodes does when
+        (field, problem); None when it does (an index past the class's nodes does when
         nodes of the class join)."""
         counts = {c.name: c.count for c in self.classes}
         if sel.node_class not in counts:
-            return (f"class: unknown node class {sel.node_class!r} "
-                    f"(classes: {', '.join(counts)})")
+            return "class", f"unknown node class {sel.node_class!r} (classes: {', '.join(counts)})"
         n = counts[sel.node_class]
         joins = any(e.join is not None and e.join.node_class == sel.node_class
                     for e in self.events)
         index = getattr(sel, "index", None)  # a join names no index
         if index is not None and index >= n and not joins:
-            return f"index: class {sel.node_class!r} has {n} nodes (indices 0..{n - 1})"
+            return "index", f"class {sel.node_class!r} has {n} nodes (indices 0..{n - 1})"
         return None
 
     @property
     def nodes(self) -> int:
         return sum(c.count for c in self.classes)
-
-
-def format_errors(err: ValidationError) -> str:
-    """One line, ``field: problem; field: problem`` (model-level problems name their field)."""
-    out = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field"
-        out.append(f"{loc}: {msg}" if loc and not _names_field(msg) else
-                   (f"{loc}.{msg}" if loc else msg))
-    return " ".join("; ".join(out).split())
-
-
-def _names_field(msg: str) -> bool:
-    """A model validator's message that already starts with its own field path."""
-    return bool(re.match(r"^[A-Za-z_][\w.]*: ", msg))
 
 
 def parse_cluster(data: Any) -> ClusterSpec:
@@ -280,7 +262,8 @@ def parse_cluster(data: Any) -> ClusterSpec:
     try:
         return ClusterSpec.model_validate(data)
     except ValidationError as err:
-        raise ClusterError(format_errors(err)) from None
+        # One line: ``field: problem; field: problem``, as a job spec's errors read.
+        raise ClusterError(" ".join("; ".join(format_validation_error(err)).split())) from None
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:

@@ -65,7 +65,7 @@ class SimWorld:
         """Arm one more fault (a run under way included); see
         :class:`~dynabatch.scheduler.sim.cluster_spec.Fault`."""
         if fault.node is not None and (err := self.cluster.spec.node_error(fault.node)):
-            raise ValueError(f"node.{err}")
+            raise ValueError(f"node.{err[0]}: {err[1]}")
         self.faults.add(fault)
 
     def _node_key(self, node_id: str) -> tuple[str, int]:
