@@ -117,9 +117,21 @@ def model_files(
     }
     if model.name == "hf":
         # What rebuilds it with transformers alone: no pretrained folder, no user module.
-        manifest["hf_config"], manifest["hf_class"] = _hf_config(spec, input_shape, num_classes)
+        from dynabatch.actors.workloads import WorkloadError
+        from dynabatch.actors.workloads.hf import hf_model_config
+
+        try:
+            manifest["hf_config"], manifest["hf_class"] = hf_model_config(
+                model, tuple(input_shape), num_classes)
+        except WorkloadError as err:
+            raise ExportError(str(err)) from None
     if spec.dataset.tokenizer:
-        files[TOKENIZER] = _read_local(spec.dataset.tokenizer, "dataset.tokenizer")
+        try:
+            with open(spec.dataset.tokenizer, "rb") as f:
+                files[TOKENIZER] = f.read()
+        except OSError as err:
+            raise ExportError(f"dataset.tokenizer: cannot read {spec.dataset.tokenizer} "
+                              f"({err.strerror})") from None
         manifest["tokenizer"] = TOKENIZER
     files[MANIFEST] = json.dumps(manifest, indent=2, sort_keys=True).encode()
     return files
@@ -134,26 +146,6 @@ def input_description(spec: Any, input_shape: tuple[int, ...] | list[int]) -> di
                 "seq_len": int(input_shape[0]) if len(input_shape) == 1 else None,
                 "tokenizer": TOKENIZER if spec.dataset.tokenizer else None}
     return {"kind": "tensor", "dtype": "float32", "shape": [int(n) for n in input_shape]}
-
-
-def _read_local(path: str, field: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as err:
-        raise ExportError(f"{field}: cannot read {path} ({err.strerror})") from None
-
-
-def _hf_config(spec: Any, input_shape: Any, num_classes: int) -> tuple[dict[str, Any], str]:
-    """The transformers config (as a dict) and model class of an ``hf`` model, as the job
-    built it."""
-    from dynabatch.actors.workloads import WorkloadError
-    from dynabatch.actors.workloads.hf import hf_model_config
-
-    try:
-        return hf_model_config(spec.model, tuple(input_shape), num_classes)
-    except WorkloadError as err:
-        raise ExportError(str(err)) from None
 
 
 # ------------------------------------------------------------------------------ the files
