@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from dynabatch.actors.spec import spec_warnings_silenced
+from dynabatch.actors.spec.validation import CombinationError
 from dynabatch.api.cached import JobViews
 from dynabatch.api.metrics import (
     Exposition,
@@ -63,23 +64,15 @@ _LOC_PREFIXES = ("body", "query", "path", "header", "cookie")
 
 
 def _field_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per problem, naming the field (``rebalance.mode``) and what is wrong.
-
-    A spec's invalid combinations arrive as one model-level error carrying every
-    ``(field, problem)`` pair; they are split into one entry each.
-    """
+    """One entry per problem, naming the field (``rebalance.mode``) and what is wrong (a
+    spec's invalid combinations, one model-level error, are split into one entry each)."""
     out: list[dict[str, Any]] = []
     for e in errors:
         loc: list[str | int] = [p if isinstance(p, int) else str(p) for p in e.get("loc", ())]
         kind = str(e.get("type", ""))
         cause = (e.get("ctx") or {}).get("error")
-        problems = getattr(cause, "problems", None)
-        if (
-            isinstance(problems, list)
-            and problems
-            and all(isinstance(p, tuple) and len(p) == 2 for p in problems)
-        ):
-            for field, problem in problems:
+        if isinstance(cause, CombinationError):
+            for field, problem in cause.problems:
                 out.append(
                     {
                         "loc": [*loc, *str(field).split(".")],

@@ -55,12 +55,9 @@ USER_CODE_SETTING = "DYNABATCH_USER_CODE_MODULES"
 CODE_ROOT_SETTING = "DYNABATCH_CODE_ROOT"
 
 
-def shipping_problems(policy: SubmitPolicy | object) -> list[str]:
+def shipping_problems(policy: SubmitPolicy) -> list[str]:
     """Every reason this service takes no shipped code, all at once (an operator fixes them
-    in one go): what is missing and the setting that allows it. ``policy``: a
-    :class:`SubmitPolicy`, or the settings (anything with ``submit_policy``)."""
-    policy = getattr(policy, "submit_policy", policy)
-    assert isinstance(policy, SubmitPolicy)
+    in one go): what is missing and the setting that allows it."""
     problems = []
     if ANY_MODULE not in policy.user_code_modules:
         problems.append(f"allows no user code from any module (needs {USER_CODE_SETTING}='*')")

@@ -22,7 +22,7 @@ _BODY = {
 
 
 def _allowed(settings: SettingsDep) -> None:
-    problems = shipping_problems(settings)
+    problems = shipping_problems(settings.submit_policy)
     if problems:
         raise HTTPException(status.HTTP_403_FORBIDDEN, detail=(
             "shipping code is not allowed: this service " + "; and ".join(problems)))
