@@ -87,17 +87,6 @@ def cuda_index(gpu_ids: list[str | int], visible: str | None) -> int:
     return listed.index(mine)
 
 
-def ray_gpu_ids() -> list[str | int]:
-    """The GPUs Ray gave this process (``ray.get_gpu_ids()``); none outside a Ray worker
-    (tests, bench/gpu_check.py on a machine without Ray)."""
-    try:
-        import ray
-
-        return list(ray.get_gpu_ids()) if ray.is_initialized() else []
-    except ImportError:
-        return []
-
-
 def pick_device(spec: JobSpec, gpus: float, gpu_ids: list[str | int] | None = None
                 ) -> torch.device:
     """The worker's device: the GPU Ray gave it (``gpu_ids``, see :func:`cuda_index`) when
@@ -183,7 +172,11 @@ class Worker:
         self.worker_id = worker_id or "spare"
         self.ordinal = ordinal
         self.spec = spec
-        self._gpu_ids = ray_gpu_ids() if gpus > 0 else []
+        self._gpu_ids: list[str | int] = []
+        if gpus > 0:  # the GPUs Ray gave it; none outside Ray (tests, bench/gpu_check.py)
+            import ray
+
+            self._gpu_ids = list(ray.get_gpu_ids()) if ray.is_initialized() else []
         self.device = pick_device(spec, gpus, self._gpu_ids)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(spec.worker_cpus)))
@@ -466,18 +459,23 @@ class Worker:
     # --- evaluation and state ---------------------------------------------------------
     _eval_cap: int | None = None  # the evaluation batch an out-of-memory left
 
-    def _capped_eval(self, run: Any, batch: int, n: int) -> Any:
-        """``run(b)`` at the largest batch b the worker's memory allows: ``batch``, no more
-        than the held-out samples ``n``, tightened by the worker's memory cap (the spec's
-        and the one the driver learned for its node and device) and by what an earlier
-        evaluation learned. An out-of-memory halves it (kept for later evaluations) and
-        runs again from the start; only one sample not fitting raises."""
-        b = max(1, min(batch, max(1, n)))
+    def evaluate_shard(self, x_test: np.ndarray, y_test: np.ndarray, lo: int, hi: int,
+                       batch: int = 1024) -> dict[str, Any]:
+        """This worker's shard ``[lo, hi)`` of the held-out set: ``{"sums": {"n", "loss",
+        <metric>: Σ}, "seconds": wall time}`` (:meth:`Objective.eval_sums`). Sent between
+        segments, it scores the weights the segment before left (an actor runs its calls
+        in order); the coordinator adds the shards up and finishes them. Its batch is
+        ``batch``, at most the shard, tightened by the worker's memory cap and by what an
+        earlier evaluation learned: an out-of-memory halves it (kept for later evaluations)
+        and scores the shard again; only one sample not fitting raises."""
+        t0 = time.perf_counter()
+        b = max(1, min(batch, hi - lo))
         for cap in (self._cap, self._eval_cap):
             b = min(b, cap) if cap is not None else b
         while True:
             try:
-                return run(b)
+                sums = self.data.eval_sums(self.objective, self.model, x_test, y_test, lo, hi, b)
+                return {"sums": sums, "seconds": time.perf_counter() - t0}
             except Exception as err:
                 if not is_out_of_memory(err) or b <= 1:
                     raise
@@ -485,19 +483,6 @@ class Worker:
             b = self._eval_cap = b // 2
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-
-    def evaluate_shard(self, x_test: np.ndarray, y_test: np.ndarray, lo: int, hi: int,
-                       batch: int = 1024) -> dict[str, Any]:
-        """This worker's shard ``[lo, hi)`` of the held-out set: ``{"sums": {"n", "loss",
-        <metric>: Σ}, "seconds": wall time}`` (:meth:`Objective.eval_sums`). Sent between
-        segments, it scores the weights the segment before left (an actor runs its calls
-        in order); the coordinator adds the shards up and finishes them. Its batch is
-        ``batch`` under the worker's memory caps (:meth:`_capped_eval`)."""
-        t0 = time.perf_counter()
-        sums = self._capped_eval(
-            lambda b: self.data.eval_sums(self.objective, self.model, x_test, y_test, lo, hi,
-                                          b), batch, hi - lo)
-        return {"sums": sums, "seconds": time.perf_counter() - t0}
 
     def state(self) -> dict[str, Any]:
         """Model and optimizer state, every tensor on the CPU (checkpoints, broadcasts,
