@@ -1,13 +1,6 @@
-"""Parameter-server training, the learner's side (plain classes; ``ray.remote`` is applied
-where they are launched; the server is :mod:`dynabatch.actors.ps`).
-
-* :class:`GradientComputer`: a learner's model replica; loads a flat weight vector, returns
-  the *mean* gradient over the chunk's samples (and the summed loss). The simulator's
-  learners use it too.
-* :class:`Learner`: loops request → compute → push until the job is finished. With shards it
-  fetches the k slices of its version in parallel, puts slices 1..k−1 on their shards in
-  parallel, then pushes slice 0 to the server (the commit: the slices are in place before
-  the core can decide on the gradient).
+"""Parameter-server training, the learner's side (the server is :mod:`dynabatch.actors.ps`):
+:class:`GradientComputer`, a replica returning the mean gradient of a chunk (the simulator's
+learners use it too), and :class:`Learner`, which loops request → compute → push.
 """
 
 from __future__ import annotations
@@ -105,7 +98,7 @@ class Learner:
                                         work.chunk.ranges)
             grad, loss_sum = self.computer.gradient(weights, ids)
             compute = self._clock.finish(factor)
-            with _transport():
+            with _transport():  # the shards' slices first: in place before the core decides
                 if shards:
                     ray.get([s.put.remote(work.ticket, grad[lo:hi])
                              for s, (lo, hi) in zip(shards, bounds[1:], strict=True)],

@@ -1,27 +1,9 @@
-"""Parameter-server training, the server's side: the server and its shards (plain classes;
-``ray.remote`` is applied where they are launched), and the torch pieces both drivers share.
-The learner is :mod:`dynabatch.actors.learner`.
-
-* :class:`ParamStore`: a slice ``[lo, hi)`` of the model's flat float32 parameter vector (the
-  whole vector unless sharded), with the optimizer state (SGD momentum, Adam moments) of that
-  slice on the server. An update ``Σ_l w_l·g_l`` (the weights come from the protocol: sample
-  share × staleness factor × optional lr scale) becomes one optimizer step. SGD and Adam are
-  elementwise, so a slice steps exactly as the model's parameters would, and k slices with
-  their own optimizers step exactly as one vector.
-* :class:`ParameterServer`: an asyncio actor around the one pure job core
-  (``dynabatch.scheduler.core.ps.machine``, passed in, so this module imports nothing above it). It
-  holds slice
-  0 and *decides* for all slices. ``request`` hands a learner its work and the weights of the
-  version it pulls (one ``ray.put`` per version and slice), awaiting without blocking when
-  the protocol says wait; ``push`` feeds a gradient in and applies what the core decides.
-  Waiting learners never block pushes: both are coroutines on one event loop.
-* :class:`ParamShard`: slices 1..k−1 of a sharded server (``protocol.shards: k``). A shard
-  decides nothing: learners put their gradient's slice on it, and the coordinating server
-  tells it which tickets to apply with which weights (or to drop) and the resulting version.
-
-A learner's pull is :meth:`ParameterServer.request`: the chunk to train (the exactly-once
-ledger) with the version and its weights, in one round trip; :meth:`ParameterServer.pull`
-serves the final weights.
+"""Parameter-server training, the server's side: :class:`ParamStore` (a slice of the flat
+parameter vector with that slice's optimizer state), :class:`ParameterServer` (an asyncio
+actor around the pure job core ``dynabatch.scheduler.core.ps.machine``, passed in so this
+module imports nothing above it; it holds slice 0 and decides for all slices) and
+:class:`ParamShard` (slices 1..k−1: applies what the server decides). Plain classes;
+``ray.remote`` is applied where they are launched. Sharding: docs/parameter-server.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""``hf``: a Hugging Face ``transformers`` model built from its config, never downloaded.
-
-``model: {name: hf, options: {config: {model_type: gpt2, n_layer: 2, ...}, task: causal-lm}}``
-builds ``AutoModelForCausalLM.from_config(config)`` (``sequence-classification``:
-``AutoModelForSequenceClassification``) from the config class of ``model_type``, as
-``AutoConfig.for_model(model_type, **config)`` makes it. The weights are drawn
-from torch's global RNG, like the other built-ins, so every worker seeded alike starts from
-the same ones. A hub id is refused at spec validation
-(:func:`dynabatch.actors.spec.sections.hf_option_problems`): a job has no network at run
-time, and nothing is ever downloaded.
-
-What the service fills in, unless the config sets it: ``vocab_size`` (causal-lm) or
-``num_labels`` (sequence-classification) from the dataset's ``num_classes``; ``use_cache:
-false`` (training has no use for the key/value cache the forward would return); special
-token ids the config defaults to outside the vocabulary (GPT-2's 50256 for a small one) are
-dropped. The model returns a ``ModelOutput``; the loss gets its ``logits``
-(:func:`dynabatch.actors.workloads.objective.model_outputs`).
+"""``hf``: a Hugging Face ``transformers`` model built from its config, never downloaded
+(a hub id is refused at spec validation: a job has no network at run time). What the
+service fills in and the errors it gives: docs/spec.md ("Hugging Face models").
 
 transformers is imported here only when an ``hf`` model is checked or built: it is an
 optional extra (``pip install dynabatch[hf]``) and takes seconds to import.
