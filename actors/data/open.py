@@ -1,21 +1,10 @@
-"""Opening the job's data: which source a spec names, its train and test splits, and the
-picklable recipe (:class:`DataRef`) a worker opens its own copy of the source from.
+"""Opening the job's data: which source a spec names, its train, validation and test splits,
+and the picklable recipe (:class:`DataRef`) a worker opens its own copy of the source from.
 
-In-memory datasets (the built-ins, a loader returning ``DatasetArrays`` or a tuple) travel
-as arrays through the object store; file-backed sources (``parquet``, ``npy``,
-``imagefolder``) and map-style datasets travel as a :class:`DataRef`, and each worker reads
-only the samples it trains.
-
-Splits. A ``path`` holding ``train`` and ``test`` (files or folders) uses them; otherwise
-``test_fraction`` is held out: the last rows of a Parquet or ``.npy`` set, a seeded choice
-of images or map-style samples.
-
-Validation (``dataset.validation``, optional). A fraction: that share of the training
-samples (after ``dataset.limit``), held out by :func:`~dynabatch.actors.data.source.holdout_ids`
-seeded from the job's seed, for every kind of source. A name: the split of that name, a
-file or folder beside ``train`` and ``test`` under ``path`` (parquet, npy, imagefolder), or
-a key of the dict a map-style loader returns (an HF-style ``{"train", "validation",
-"test"}``). A path (with a ``/``, or a URI): its own files (parquet, npy, imagefolder).
+In-memory datasets travel as arrays through the object store; file-backed sources and
+map-style datasets travel as a :class:`DataRef`, and each worker reads only the samples it
+trains. How splits and ``dataset.validation`` are chosen: docs/spec.md ("Data read by
+position", and ``validation`` in the schema).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Structured samples: a map-style dataset whose inputs are dicts or tuples of tensors, or
-whose samples a user's ``dataset.collate`` builds into a batch.
-
-Such a share is read as a list of ``(input, target)`` samples and collated once, as a whole
-(so a collate that pads, pads to the share's own longest sequence): by the user's
-``collate`` when ``dataset.collate`` names one, else by
-``torch.utils.data.default_collate``, which stacks a dict of tensors into a dict of batched
-tensors and a tuple into a tuple. The share's batch is then a pytree of tensors with one row
-per sample (:mod:`dynabatch.actors.batch` slices and moves it). Samples are still read by
-position, so the ledger, coverage and weighting do not change: a share of ``b_i`` samples is
-``b_i`` rows whatever their padding, and a per-sample loss that masks the padding keeps the
-weighted all-reduce the global batch's gradient.
+whose samples a user's ``dataset.collate`` builds into a batch (docs/spec.md, "Structured
+samples"). A share is read as a list of ``(input, target)`` samples and collated once, as a
+whole (so padding is to the share's own longest), into a pytree with one row per sample.
 
 Problems are one-line :class:`DataError` s naming the field and the samples (the indices the
-dataset's ``__getitem__`` was called with): a collate that raises, dict inputs whose keys
-differ, a collate that returns something else than ``(inputs, targets)`` with one row per
-sample.
+dataset's ``__getitem__`` was called with).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Per-sample losses: ``(outputs, targets) -> losses`` of shape ``(B,)``, one per sample.
+"""Per-sample losses: ``(outputs, targets) -> losses`` of shape ``(B,)``, one per sample, so
+that a worker's ``Σ ℓ_j / B`` over its share, SUM all-reduced, is the global batch's mean
+loss's gradient for any split (docs/spec.md, "Losses, metrics and targets").
 
-Why per sample. A worker trains ``b_i`` of the step's ``B`` samples and back-propagates
-``Σ_{j ∈ b_i} ℓ_j / B``; the SUM all-reduce of the gradients then gives
-``∇ (1/B) Σ_{j ∈ B} ℓ_j``, the gradient of the global batch's mean loss, for any split of
-the batch. That holds for every loss that is a sum over samples, and only for those, so a
-loss is a function returning one value per sample and the service does the summing.
-
-Built-ins:
-
-* ``cross_entropy``: classification, outputs ``(B, C)`` logits, targets ``(B,)`` labels;
-* ``next_token``: language modelling, outputs ``(B, T, V)`` logits, targets ``(B, T)``; the
-  per-sample loss is the sequence's mean token cross-entropy ``(1/T) Σ_t -log p(y_t)``;
-* ``mse``: regression, the sample's mean squared error ``(1/k) Σ_d (o_d - t_d)²``.
+Built-ins: ``cross_entropy`` (``(B, C)`` logits, ``(B,)`` labels), ``next_token`` (``(B, T,
+V)`` logits, ``(B, T)`` targets; a sample's loss is its mean token cross-entropy) and
+``mse`` (a sample's mean squared error).
 """
 
 from __future__ import annotations
