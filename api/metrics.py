@@ -186,10 +186,14 @@ class JobCollector(Collector):
         self.requests = requests
 
     def collect(self) -> Iterator[Metric]:
-        state = self.service.metric_state()
-        snaps = state.snapshots
+        # Live jobs and those that finished within the retention window, oldest first.
+        store = self.service.store
+        recs = store.live() + store.finished_since(
+            self.service.clock() - self.service.metrics_retention_s)
+        recs.sort(key=lambda r: (r.created_at, r.id))
+        snaps = [r.current_snapshot() for r in recs]
         yield from self._job_families(snaps)
-        yield from self._heldout_families(snaps, state.last_records)
+        yield from self._heldout_families(snaps, store.last_records(s.job_id for s in snaps))
         yield from ps_families(snaps)
         yield from schedule_families(snaps)
         nodes = self.service.reconciler.alive_nodes
@@ -199,7 +203,7 @@ class JobCollector(Collector):
             yield g
         yield from cluster_families(self.service.cluster_view())
         jobs = GaugeMetricFamily("dynabatch_jobs", "Jobs in the store by state.", labels=["state"])
-        for job_state, n in state.job_counts.items():
+        for job_state, n in store.count_by_state().items():
             jobs.add_metric([job_state.value], float(n))
         yield jobs
         yield from self.requests.families()

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from dynabatch.actors.errors import first_line
 from dynabatch.actors.spec import JobSpec
@@ -50,7 +50,7 @@ from dynabatch.service.store import QUEUED, STARTING, JobRecord, JobStore
 from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
 
 __all__ = [
-    "EMBEDDED_ENDED", "JOB_ID_PATTERN", "WORKER_ID_PATTERN", "JobService", "MetricState",
+    "EMBEDDED_ENDED", "JOB_ID_PATTERN", "WORKER_ID_PATTERN", "JobService",
     "build_service",
 ]
 
@@ -59,15 +59,6 @@ log = logging.getLogger("dynabatch.service")
 JOB_ID_PATTERN = r"^[0-9a-f]{12}$"
 WORKER_ID_PATTERN = r"^w[0-9]{1,6}$"
 AUTO_RESUME_LIMIT = 3
-
-
-@dataclass(frozen=True)
-class MetricState:
-    """One read of the job state /metrics exports (:meth:`JobService.metric_state`)."""
-
-    snapshots: list[JobSnapshot]
-    last_records: dict[str, EpochRecord]
-    job_counts: dict[JobState, int]
 
 
 def shown(rec: JobRecord, view: ClusterView | None) -> JobRecord:
@@ -454,21 +445,6 @@ class JobService:
                         jobs[rec.id] = NodeJob(job_id=rec.id, name=rec.name, workers=workers)
                         break
         return [n.model_copy(update={"jobs": list(hosted[n.node_id].values())}) for n in nodes]
-
-    # Metrics ----------------------------------------------------------------------------
-    def metric_state(self) -> MetricState:
-        """Live jobs and those that finished within the retention window (oldest first),
-        each job's last epoch record (its held-out loss and metrics) and the job counts."""
-        recs = self.store.live() + self.store.finished_since(
-            self.clock() - self.metrics_retention_s
-        )
-        recs.sort(key=lambda r: (r.created_at, r.id))
-        snaps = [r.current_snapshot() for r in recs]
-        return MetricState(
-            snapshots=snaps,
-            last_records=self.store.last_records(s.job_id for s in snaps),
-            job_counts=self.store.count_by_state(),
-        )
 
 
 def build_service(settings: Settings, cluster: RayClusterClient | None = None) -> JobService:
