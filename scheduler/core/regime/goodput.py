@@ -165,20 +165,15 @@ class StepTimeModel:
     c: tuple[float, ...]
     overhead: float = 0.0
 
-    def split(self, batch: float) -> tuple[np.ndarray, float]:
-        """(b, T*): the real shares that finish together, and their finish time."""
+    def throughput(self, batch: float) -> float:
+        """B/T(B), T* the finish time of the real shares that finish together."""
         a = np.asarray(self.a, dtype=np.float64)
         c = np.asarray(self.c, dtype=np.float64)
         n = len(a)
         # No share can exceed B; an upper bound above it never binds (one at B would, when a
         # single worker takes everything, and T would no longer be its finish time).
-        return equal_finish(a, c, float(batch), np.zeros(n), np.full(n, 2.0 * batch))
-
-    def seconds(self, batch: float) -> float:
-        return self.split(batch)[1] + self.overhead
-
-    def throughput(self, batch: float) -> float:
-        return batch / self.seconds(batch)
+        _, t = equal_finish(a, c, float(batch), np.zeros(n), np.full(n, 2.0 * batch))
+        return batch / (t + self.overhead)
 
 
 def worker_fit(stats: StepTimeStats) -> AffineFit | None:
