@@ -91,20 +91,6 @@ def _int_list(value: Any, key: str, lo: int, hi: int, length: int | None = None)
 # Shapes
 
 
-class _Reshape(nn.Module):
-    """Views each sample as ``shape`` (e.g. 64 features as a 1x8x8 image)."""
-
-    def __init__(self, shape: tuple[int, ...]):
-        super().__init__()
-        self.shape = shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(x.shape[0], *self.shape)
-
-    def extra_repr(self) -> str:
-        return f"shape={self.shape}"
-
-
 def _image_shape(input_shape: tuple[int, ...], model: str) -> tuple[int, int, int]:
     """(C, H, W) for a CNN: images as they are, (H, W) as one channel, n*n flat as 1 x n x n."""
     if len(input_shape) == 3:
@@ -127,7 +113,10 @@ def _as_image(
     input_shape: tuple[int, ...], model: str
 ) -> tuple[tuple[int, int, int], list[nn.Module]]:
     chw = _image_shape(input_shape, model)
-    return chw, ([] if tuple(input_shape) == chw else [_Reshape(chw)])
+    if tuple(input_shape) == chw:
+        return chw, []
+    # The sample's first dimension unflattened: n = s² features into 1 x s x s, H into 1 x H.
+    return chw, [nn.Unflatten(1, chw[:4 - len(input_shape)])]
 
 
 # --------------------------------------------------------------------------------------------
