@@ -178,6 +178,14 @@ class Exposition:
             return body
 
 
+def job_gauge(name: str, doc: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=["job_id"])
+
+
+def job_counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=labels or ["job_id"])
+
+
 class JobCollector(Collector):
     """Reads the JobService's job state at scrape time."""
 
@@ -252,12 +260,6 @@ class JobCollector(Collector):
         wait = worker_gauge(
             "dynabatch_worker_wait_seconds", "Worker's all-reduce wait seconds per step."
         )
-
-        def job_gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=["job_id"])
-
-        def job_counter(name: str, doc: str, labels: list[str] | None = None) -> Any:
-            return CounterMetricFamily(name, doc, labels=labels or ["job_id"])
 
         info = GaugeMetricFamily(
             "dynabatch_job_info",
@@ -377,20 +379,14 @@ def cluster_families(view: ClusterView | None) -> Iterator[Metric]:
 
 
 def schedule_families(snaps: list[JobSnapshot]) -> Iterator[Metric]:
-    def gauge(name: str, doc: str) -> GaugeMetricFamily:
-        return GaugeMetricFamily(name, doc, labels=["job_id"])
-
-    def counter(name: str, doc: str) -> CounterMetricFamily:
-        return CounterMetricFamily(name, doc, labels=["job_id"])
-
-    batch = gauge("dynabatch_job_global_batch", "The global batch in force (samples).")
-    lr = gauge("dynabatch_job_learning_rate", "The learning rate of the current step.")
-    noise = gauge("dynabatch_job_gradient_noise_scale",
-                  "Goodput mode: estimated gradient noise scale tr(Sigma)/|grad L|^2.")
-    chosen = gauge("dynabatch_job_goodput_batch", "Goodput mode: the global batch it chose.")
-    flagged = counter("dynabatch_job_isgd_flagged_batches",
-                      "Batches ISGD flagged as under-trained.")
-    extra = counter("dynabatch_job_isgd_extra_iterations", "ISGD extra iterations.")
+    batch = job_gauge("dynabatch_job_global_batch", "The global batch in force (samples).")
+    lr = job_gauge("dynabatch_job_learning_rate", "The learning rate of the current step.")
+    noise = job_gauge("dynabatch_job_gradient_noise_scale",
+                      "Goodput mode: estimated gradient noise scale tr(Sigma)/|grad L|^2.")
+    chosen = job_gauge("dynabatch_job_goodput_batch", "Goodput mode: the global batch it chose.")
+    flagged = job_counter("dynabatch_job_isgd_flagged_batches",
+                          "Batches ISGD flagged as under-trained.")
+    extra = job_counter("dynabatch_job_isgd_extra_iterations", "ISGD extra iterations.")
     for s in snaps:
         labels = [s.job_id]
         for family, value in ((batch, s.global_batch), (lr, s.lr), (noise, s.noise_scale),
@@ -409,17 +405,11 @@ def ps_families(snaps: Iterable[JobSnapshot]) -> Iterator[Metric]:
     staleness = HistogramMetricFamily(
         "dynabatch_ps_staleness", "Staleness of each learner's applied gradients.",
         labels=["job_id", "worker"])
-    pushes = GaugeMetricFamily(
-        "dynabatch_ps_pushes_per_second", "Gradients pushed per second (last 10 s).",
-        labels=["job_id"])
-    grads = CounterMetricFamily(
-        "dynabatch_ps_gradients", "Gradients by outcome (applied, refused).",
-        labels=["job_id", "outcome"])
-    deferred = CounterMetricFamily(
-        "dynabatch_ps_deferred_updates", "Updates put off by on_stale: wait.",
-        labels=["job_id"])
-    version = GaugeMetricFamily(
-        "dynabatch_ps_server_version", "Updates the server applied.", labels=["job_id"])
+    pushes = job_gauge("dynabatch_ps_pushes_per_second", "Gradients pushed per second (last 10 s).")
+    grads = job_counter("dynabatch_ps_gradients", "Gradients by outcome (applied, refused).",
+                        labels=["job_id", "outcome"])
+    deferred = job_counter("dynabatch_ps_deferred_updates", "Updates put off by on_stale: wait.")
+    version = job_gauge("dynabatch_ps_server_version", "Updates the server applied.")
     for snap in snaps:
         ps = snap.ps
         if ps is None:
