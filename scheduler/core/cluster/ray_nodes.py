@@ -20,6 +20,8 @@ TYPE_RESOURCE = "node-type:"
 ACCELERATOR = "accelerator_type:"
 # Ray counts a resource in fixed point of 1/10000 (its RESOURCE_UNIT_SCALING).
 RAY_UNITS = 10000
+# Resources Ray gives every node (or a placement group's bundles): not what makes a type.
+_RAY_OWN = {"CPU", "GPU", "memory", "object_store_memory", "TPU"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +54,7 @@ def node_type(node: RayNode) -> str:
         base = f"gpu-{models[0] if models else 'gpu'}x{gpus}"
     else:
         base = f"cpu{int(node.resources.get('CPU', 0.0))}"
-    return "+".join([base, *custom_resources(node)])
-
-
-# Resources Ray gives every node (or a placement group's bundles): not what makes a type.
-_RAY_OWN = {"CPU", "GPU", "memory", "object_store_memory", "TPU"}
-
-
-def custom_resources(node: RayNode) -> list[str]:
-    """The node's custom resources (sorted), Ray's own ones left out."""
-    return sorted(
+    custom = sorted(
         k
         for k, v in node.resources.items()
         if v > 0
@@ -69,6 +62,7 @@ def custom_resources(node: RayNode) -> list[str]:
         and not k.startswith(("node:", ACCELERATOR, TYPE_RESOURCE, "bundle_group_"))
         and "_group_" not in k
     )
+    return "+".join([base, *custom])
 
 
 def slots(node: RayNode) -> int:
