@@ -1,32 +1,17 @@
-"""The one implementation of a training step's math, for every model replica that trains.
-
-Three callers compute gradients, and all of them go through :class:`StepMath`:
-
-* the worker (:meth:`dynabatch.actors.worker.Worker._step`), whose gradients are views of
-  the reducer's flat buffer, all-reduced from backward's hooks;
-* the simulator's real-gradient mode (:mod:`dynabatch.scheduler.sim.gradients`), which
-  computes every simulated worker's share on one replica and sums them (its all-reduce);
-* the parameter-server learner (:class:`dynabatch.actors.learner.GradientComputer`), whose chunk
-  is a step of its own (``B = b``: the mean gradient over the chunk).
+"""The one implementation of a training step's math, for every model replica that trains:
+the worker (its gradients are views of the reducer's flat buffer), the simulator's
+real-gradient mode (:mod:`dynabatch.scheduler.sim.gradients`) and the parameter-server
+learner (whose chunk is a step of its own, ``B = b``).
 
 Weighting. A share of ``b_i`` of the step's ``B`` samples back-propagates
-``Σ_{j ∈ b_i} ℓ_j / B`` (ℓ the job's per-sample loss), so its gradient is
-``(b_i/B)·g_i`` with g_i the mean gradient over the share, and the SUM over the shares is
-``Σ_i (b_i/B)·g_i``: the mean gradient of the global batch, whatever the split. A share
-larger than the replica's memory cap is cut into micro-batches
-(:func:`dynabatch.actors.accumulate.micro_ranges`) whose backward passes add their
-``Σ ℓ_j / B`` gradients into ``p.grad`` in place: exactly what one micro-batch of ``b_i``
-would give. Only the last micro-batch's backward completes the gradient: an ``arm``
-callback runs just before it (the worker's reducer launches its buckets from its hooks).
+``Σ_{j ∈ b_i} ℓ_j / B``, so the SUM over the shares is the global batch's mean gradient
+whatever the split; micro-batches of a share add into ``p.grad`` in place, and only the last
+one's backward completes the gradient (an ``arm`` callback runs just before it). fp16's
+overflow is decided on the all-reduced gradient, so every worker skips the same step
+(docs/spec.md, "Precision").
 
-fp16 (:class:`dynabatch.actors.precision.LossScaler`) back-propagates ``scale · Σ ℓ_j / B``,
-and :meth:`StepMath.update` unscales the all-reduced gradient. Whether the step overflowed
-is decided on that *all-reduced* gradient: an inf or NaN in any worker's share makes the sum
-non-finite in every worker's copy (IEEE addition carries it), so every worker, holding the
-same bits, skips the same step and halves its scale the same way.
-
-The all-reduce itself (a collective, a sum in-process, a push) and the timing are the
-caller's; :class:`PhaseLog` only records the marks the caller's clock gives it.
+The all-reduce itself and the timing are the caller's; :class:`PhaseLog` only records the
+marks the caller's clock gives it.
 """
 
 from __future__ import annotations
@@ -156,7 +141,6 @@ class StepMath:
         self.params = list(params)
         device = self.params[0].device if self.params else torch.device("cpu")
         set_matmul_precision(precision, device)
-        self.precision = precision
         self._autocast = autocast_dtype(precision)
         self._device_type = device.type
         # fp16 only: the loss scale (None: gradients are back-propagated unscaled).
