@@ -6,14 +6,9 @@ TF32 switch, fp16's dynamic loss scale, and :class:`SpeedOptions`: the channels_
 format and ``torch.compile``. Pure torch, nothing else of dynabatch, so the prepared GPU
 check (``bench/gpu_check.py``) drives it on a bare machine too.
 
-Compiling a model whose batch changes. A worker's share changes whenever the policy
-re-sizes it, and an accumulated share ends in a shorter micro-batch, so the forward sees
-many batch sizes. A graph specialised to one size would be recompiled for each new one
-(until torch's recompile limit turns the frame back to eager). So the batch dimension of
-every input is marked dynamic before the call (:func:`prepare_input`): one graph serves
-every size (sizes 0 and 1, which torch always specialises, may add one). The compiled
-module wraps the same parameters, so the reducer's post-accumulate-grad hooks still fire
-from backward's autograd engine, bucket by bucket, behind the rest of backward.
+Compiling a model whose batch changes (a share is re-sized, an accumulated share ends in a
+shorter micro-batch): the batch dimension of every input is marked dynamic
+(:func:`prepare_input`), so one graph serves every size instead of one graph per size.
 """
 
 from __future__ import annotations
@@ -141,8 +136,6 @@ def prepare_input(x: Any, speed: SpeedOptions) -> Any:
     specialises, compiles once more instead of failing)."""
     if not (speed.channels_last or (speed.compiled and speed.dynamic)):
         return x  # nothing to do: no walk over the batch on every micro-batch
-    if isinstance(x, torch.Tensor):
-        return _prepare(x, speed)
     return tree_map(lambda t: _prepare(t, speed) if isinstance(t, torch.Tensor) else t, x)
 
 
