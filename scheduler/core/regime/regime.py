@@ -37,10 +37,6 @@ class _EpochCounts:
     overhead_steps: int = 0
 
 
-def _decayed(s: StepTimeStats, k: float) -> StepTimeStats:
-    return StepTimeStats(s.n * k, s.sb * k, s.st * k, s.sbb * k, s.sbt * k)
-
-
 class Regime:
     def __init__(self, spec, lr_factors: tuple[float, ...] = ()) -> None:
         # lr_factors: the spec's LR scheduler per epoch (computed with torch, outside).
@@ -182,8 +178,9 @@ class Regime:
             self.goodput_batch = b
             fields["noise_scale"] = ns
             fields["goodput_batch"] = b
-            self._times = {w: _decayed(s, EPOCH_DECAY) for w, s in self._times.items()
-                           if w in self._seen}
+            k = EPOCH_DECAY
+            self._times = {w: StepTimeStats(s.n * k, s.sb * k, s.st * k, s.sbb * k, s.sbt * k)
+                           for w, s in self._times.items() if w in self._seen}
             self._seen = set()
         self._ep = _EpochCounts()
         return fields
