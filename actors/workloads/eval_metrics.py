@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 import torchmetrics
 from dynabatch.actors.workloads import WorkloadError, losses
 from dynabatch.actors.workloads.imports import resolve_callable
+from torch.utils._pytree import tree_map
 from torchmetrics import classification as C
 from torchmetrics import regression as R
 
@@ -209,18 +210,7 @@ class Accumulator:
 def export_state(metric: torchmetrics.Metric) -> dict[str, Any]:
     """A metric's states as numpy arrays (a list state: a list of arrays), picklable and
     free of any device."""
-    out: dict[str, Any] = {}
-    for k, v in metric.metric_state.items():
-        if isinstance(v, torch.Tensor):
-            out[k] = v.detach().cpu().numpy()
-        else:
-            out[k] = [t.detach().cpu().numpy() for t in v]
-    return out
-
-
-def _import_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: [torch.from_numpy(np.asarray(a)) for a in v] if isinstance(v, list)
-            else torch.from_numpy(np.asarray(v)) for k, v in state.items()}
+    return tree_map(lambda t: t.detach().cpu().numpy(), dict(metric.metric_state))
 
 
 def compute(metric: Metric, payloads: list[dict[str, Any]]) -> float | list[list[float]]:
@@ -230,7 +220,7 @@ def compute(metric: Metric, payloads: list[dict[str, Any]]) -> float | list[list
     assert metric.stateful is not None and payloads
     m = metric.stateful.make(payloads[0]["args"])
     for p in payloads:
-        m.merge_state(_import_state(p["state"]))
+        m.merge_state(tree_map(lambda a: torch.from_numpy(np.asarray(a)), p["state"]))
     with warnings.catch_warnings():
         # merge_state does not count as an update: torchmetrics would warn that none ran.
         warnings.filterwarnings("ignore", message=".*before the ``update`` method.*")
