@@ -37,8 +37,6 @@ class Repeats:
     occurrence is either logged or in exactly one final count."""
 
     def __init__(self, shown: int = SHOWN, window: int = WINDOW):
-        if shown < 1 or window < 1:
-            raise ValueError("shown and window must be at least 1")
         self.shown = shown
         self.window = window
         self.runs: dict[tuple[str, str], _Run] = {}
