@@ -19,7 +19,6 @@ import itertools
 import json
 import sqlite3
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -268,10 +267,9 @@ class JobStore:
         spec: JobSpec,
         *,
         cluster: str,
-        now: float | None = None,
+        now: float,
         reason: str = STARTING,
     ) -> JobRecord:
-        now = time.time() if now is None else now
         with self._tx(job_id) as db:
             db.execute(
                 "INSERT INTO jobs (id, name, spec, state, reason, cluster, created_at, "
@@ -347,7 +345,7 @@ class JobStore:
             counts[JobState(state)] = int(n)
         return counts
 
-    def save_snapshot(self, snapshot: JobSnapshot, *, now: float | None = None) -> bool:
+    def save_snapshot(self, snapshot: JobSnapshot, *, now: float) -> bool:
         """Store what the coordinator reported. A job already terminal here is left alone.
 
         The coordinator enforces its own transitions; the service samples them, so any
@@ -355,7 +353,6 @@ class JobStore:
         seen going straight to SUCCEEDED when the job was quick). Returns whether the row
         changed.
         """
-        now = time.time() if now is None else now
         with self._tx(snapshot.job_id) as db:
             row = db.execute(
                 "SELECT state, finished_at FROM jobs WHERE id = ?", (snapshot.job_id,)
@@ -380,14 +377,13 @@ class JobStore:
         return True
 
     def transition(
-        self, job_id: str, new: JobState, reason: str | None, *, now: float | None = None
+        self, job_id: str, new: JobState, reason: str | None, *, now: float
     ) -> JobRecord:
         """A service-initiated state change, checked against the lifecycle.
 
         Raises ``KeyError`` for an unknown job and ``InvalidTransition`` when the move is
         not allowed (e.g. cancelling a finished job).
         """
-        now = time.time() if now is None else now
         with self._tx(job_id) as db:
             row = db.execute(
                 "SELECT state, finished_at FROM jobs WHERE id = ?", (job_id,)
@@ -418,7 +414,7 @@ class JobStore:
         *,
         automatic: bool,
         cluster: str | None = None,
-        now: float | None = None,
+        now: float,
     ) -> JobRecord:
         """A new coordinator is being started for the job from its checkpoint.
 
@@ -431,7 +427,6 @@ class JobStore:
         Raises ``KeyError`` for an unknown job and ``InvalidTransition`` for one that
         cannot be resumed (``JobState.resumed``: it SUCCEEDED).
         """
-        now = time.time() if now is None else now
         with self._tx(job_id) as db:
             row = db.execute(
                 "SELECT state, snapshot, auto_resumes, cluster FROM jobs WHERE id = ?", (job_id,)
@@ -471,11 +466,10 @@ class JobStore:
         with self._tx(job_id) as db:
             db.execute("UPDATE jobs SET auto_resumes = 0 WHERE id = ?", (job_id,))
 
-    def interrupt(self, job_id: str, reason: str, *, now: float | None = None) -> JobRecord | None:
+    def interrupt(self, job_id: str, reason: str, *, now: float) -> JobRecord | None:
         """A live job whose coordinator is gone but which will be resumed later (when the API
         starts again): PENDING with ``reason``, no workers. A job the lifecycle does not let
         become PENDING (a finished one) is left alone: None."""
-        now = time.time() if now is None else now
         with self._tx(job_id) as db:
             row = db.execute("SELECT state, snapshot FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:

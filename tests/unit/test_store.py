@@ -72,29 +72,29 @@ def test_list_filters_and_paginates_newest_first(store: JobStore) -> None:
 
 
 def test_transitions_are_enforced(store: JobStore) -> None:
-    store.create("a" * 12, _spec(), cluster="x")
-    store.transition("a" * 12, JobState.RUNNING, None)
-    store.transition("a" * 12, JobState.SUCCEEDED, None)
+    store.create("a" * 12, _spec(), cluster="x", now=1.0)
+    store.transition("a" * 12, JobState.RUNNING, None, now=1.0)
+    store.transition("a" * 12, JobState.SUCCEEDED, None, now=1.0)
     with pytest.raises(InvalidTransition, match="SUCCEEDED; it cannot become CANCELLED"):
-        store.transition("a" * 12, JobState.CANCELLED, "late")
+        store.transition("a" * 12, JobState.CANCELLED, "late", now=1.0)
     with pytest.raises(KeyError):
-        store.transition("f" * 12, JobState.CANCELLED, "unknown")
+        store.transition("f" * 12, JobState.CANCELLED, "unknown", now=1.0)
 
 
 def test_snapshots_never_move_a_terminal_job(store: JobStore) -> None:
-    store.create("a" * 12, _spec(), cluster="x")
+    store.create("a" * 12, _spec(), cluster="x", now=1.0)
     running = JobSnapshot(job_id="a" * 12, name="job", state=JobState.RUNNING, epoch=1, step=2)
-    assert store.save_snapshot(running)
+    assert store.save_snapshot(running, now=1.0)
     rec = store.get("a" * 12)
     assert rec.state == JobState.RUNNING and rec.current_snapshot().step == 2
     # A quick job may be seen going from PENDING straight to SUCCEEDED: accepted.
-    store.create("b" * 12, _spec(), cluster="x")
+    store.create("b" * 12, _spec(), cluster="x", now=1.0)
     done = JobSnapshot(job_id="b" * 12, name="job", state=JobState.SUCCEEDED, finished_at=5.0)
-    assert store.save_snapshot(done)
+    assert store.save_snapshot(done, now=1.0)
     assert store.get("b" * 12).finished_at == 5.0
     # Once FAILED here (coordinator died), a stale snapshot does not resurrect it.
-    store.transition("a" * 12, JobState.FAILED, "the coordinator died")
-    assert not store.save_snapshot(running)
+    store.transition("a" * 12, JobState.FAILED, "the coordinator died", now=1.0)
+    assert not store.save_snapshot(running, now=1.0)
     rec = store.get("a" * 12)
     assert rec.state == JobState.FAILED
     snap = rec.current_snapshot()
@@ -103,7 +103,7 @@ def test_snapshots_never_move_a_terminal_job(store: JobStore) -> None:
 
 
 def test_history_and_logs(store: JobStore) -> None:
-    store.create("a" * 12, _spec(), cluster="x")
+    store.create("a" * 12, _spec(), cluster="x", now=1.0)
     assert store.last_epoch("a" * 12) is None and store.last_log_seq("a" * 12) is None
     store.add_history("a" * 12, [_record(0), _record(1)])
     store.add_history("a" * 12, [_record(1), _record(2)])  # re-delivery is idempotent
@@ -120,9 +120,9 @@ def test_history_and_logs(store: JobStore) -> None:
 def test_persists_across_reopen(tmp_path: Path) -> None:
     path = tmp_path / "jobs.db"
     s = JobStore(path)
-    s.create("a" * 12, _spec("kept", epochs=2), cluster=EMBEDDED_CLUSTER)
+    s.create("a" * 12, _spec("kept", epochs=2), cluster=EMBEDDED_CLUSTER, now=1.0)
     s.add_history("a" * 12, [_record(0)])
-    s.transition("a" * 12, JobState.CANCELLED, "stop")
+    s.transition("a" * 12, JobState.CANCELLED, "stop", now=1.0)
     s.close()
     s = JobStore(path)
     rec = s.get("a" * 12)
@@ -145,7 +145,7 @@ def test_memory_store_and_threads() -> None:
         try:
             for i in range(20):
                 jid = f"{k:02x}{i:010x}"
-                s.create(jid, _spec(), cluster="x")
+                s.create(jid, _spec(), cluster="x", now=1.0)
                 s.add_logs(jid, [LogLine(seq=0, time=0.0, level="INFO", message="x")])
                 s.list(limit=5)
         except BaseException as err:  # surfaced below
@@ -208,7 +208,7 @@ def test_mark_resumed_reopens_a_failed_job_and_offsets_its_logs(store: JobStore)
     store.reset_auto_resumes("j")
     assert store.get("j").auto_resumes == 0
     with pytest.raises(KeyError):
-        store.mark_resumed("nope", "x", automatic=True)
+        store.mark_resumed("nope", "x", automatic=True, now=1.0)
 
 
 def test_get_reads_the_row_once_until_it_is_written(store: JobStore) -> None:
@@ -236,7 +236,7 @@ def test_get_reads_the_row_once_until_it_is_written(store: JobStore) -> None:
     assert done is not None and done.state == JobState.CANCELLED
     row = store.row_version("j")
     with pytest.raises(InvalidTransition):  # a refused write changes nothing
-        store.transition("j", JobState.RUNNING, "no")
+        store.transition("j", JobState.RUNNING, "no", now=1.0)
     assert store.get("j") is done and store.row_version("j") == row
     assert store.get("nope") is None and store.row_version("nope") == 0
 
