@@ -175,7 +175,11 @@ class DynabatchClient:
     ) -> JobList:
         params: dict[str, Any] = {"offset": offset, "limit": limit}
         if state is not None:
-            params["state"] = JobState(str(state).upper()).value
+            try:
+                params["state"] = JobState(str(state).upper()).value
+            except ValueError:
+                names = ", ".join(s.value for s in JobState)
+                raise ValueError(f"state: {state!r} is not one of {names}") from None
         return self._call(JobList, "GET", "/v1/jobs", params=params)
 
     def get(self, job_id: str) -> JobDetail:

@@ -111,12 +111,6 @@ class Client:
         self, state: JobState | str | None = None, *, limit: int = 50, offset: int = 0
     ) -> list[JobSummary]:
         """The jobs, newest first (``dynabatch list``): only those in ``state`` when given."""
-        if state is not None:
-            try:
-                state = JobState(str(state).upper())
-            except ValueError:
-                names = ", ".join(s.value for s in JobState)
-                raise ValueError(f"state: {state!r} is not one of {names}") from None
         return self.call(self.api.list, state, offset=offset, limit=limit).items
 
 
