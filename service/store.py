@@ -1,15 +1,10 @@
 """SQLite persistence for jobs, their per-epoch history and their logs.
 
-One connection guarded by a lock, so the API's request threads and the sync loop can share a
-store. The schema is created on open (and columns added since are added to an older file).
-Every write that moves a job's state checks the move against the lifecycle
-(:mod:`dynabatch.scheduler.core.lifecycle`) inside its transaction and refuses one it does
-not allow, leaving the row as it was.
-
-A resumed job gets a new coordinator whose log lines count from 0 again: each job keeps a
-``log_offset`` added to its coordinator's sequence numbers, so stored lines never collide. The
-new coordinator also holds the history only up to its checkpoint: ``resync`` marks a job whose
-whole history is to be re-read (and replaced) at its next sync.
+One connection under a lock, shared by the API's request threads and the sync loop; columns
+added since the first release are added to an older file on open. Every state move is
+checked against the lifecycle inside its transaction. A resumed job's new coordinator counts
+its log lines from 0 and holds the history only up to its checkpoint: ``log_offset`` keeps
+stored lines apart and ``resync`` marks a history to be re-read whole.
 """
 
 from __future__ import annotations
@@ -346,13 +341,9 @@ class JobStore:
         return counts
 
     def save_snapshot(self, snapshot: JobSnapshot, *, now: float) -> bool:
-        """Store what the coordinator reported. A job already terminal here is left alone.
-
-        The coordinator enforces its own transitions; the service samples them, so any
-        state a live job can reach is accepted (``JobState.can_observe``: PENDING may be
-        seen going straight to SUCCEEDED when the job was quick). Returns whether the row
-        changed.
-        """
+        """Store what the coordinator reported; whether the row changed. The service only
+        samples the coordinator's transitions, so any state a live job can reach is accepted
+        (``JobState.can_observe``); a job already terminal here is left alone."""
         with self._tx(snapshot.job_id) as db:
             row = db.execute(
                 "SELECT state, finished_at FROM jobs WHERE id = ?", (snapshot.job_id,)
@@ -379,11 +370,8 @@ class JobStore:
     def transition(
         self, job_id: str, new: JobState, reason: str | None, *, now: float
     ) -> JobRecord:
-        """A service-initiated state change, checked against the lifecycle.
-
-        Raises ``KeyError`` for an unknown job and ``InvalidTransition`` when the move is
-        not allowed (e.g. cancelling a finished job).
-        """
+        """A service-initiated state change, checked against the lifecycle (``KeyError``,
+        ``InvalidTransition``)."""
         with self._tx(job_id) as db:
             row = db.execute(
                 "SELECT state, finished_at FROM jobs WHERE id = ?", (job_id,)
@@ -416,17 +404,9 @@ class JobStore:
         cluster: str | None = None,
         now: float,
     ) -> JobRecord:
-        """A new coordinator is being started for the job from its checkpoint.
-
-        The job becomes PENDING with ``reason`` (also from FAILED or CANCELLED: the one way
-        out of a terminal state), counts the resume, logs ``reason`` as a line of its own,
-        moves its log offset past the lines stored so far and is marked for a full history
-        re-read.
-        The stored snapshot keeps its progress but loses its workers (they died with the
-        old coordinator). ``cluster``, when given, is where the new coordinator runs.
-        Raises ``KeyError`` for an unknown job and ``InvalidTransition`` for one that
-        cannot be resumed (``JobState.resumed``: it SUCCEEDED).
-        """
+        """A new coordinator is being started for the job from its checkpoint: PENDING with
+        ``reason`` (the one way out of FAILED or CANCELLED), ``reason`` logged, the log offset
+        moved past the stored lines, a full history re-read marked, the old workers gone."""
         with self._tx(job_id) as db:
             row = db.execute(
                 "SELECT state, snapshot, auto_resumes, cluster FROM jobs WHERE id = ?", (job_id,)

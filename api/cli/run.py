@@ -213,16 +213,10 @@ def local_tracking(spec: JobSpec) -> JobSpec:
 
 
 def option_problem(spec: JobSpec, *, here: bool = False) -> str | None:
-    """The first dataset or model option the job's loader or builder cannot take (an
-    unknown name, a required one missing), as one line, or None: read from the built-ins'
-    tables and the user functions' signatures, so a typo is reported before Ray starts,
-    not after. A user module that does not import here (it may on the cluster) is left
-    to the job, which reports it. The file kinds' options (parquet, npy, imagefolder) are
-    checked against their sources' tables, with no file opened. ``dataset.collate`` is
-    imported too (the working_dir on the path): a module without the function named is
-    reported, and so is a module that does not import when the job runs ``here`` (the
-    embedded local Ray, whose workers see what this process sees). ``dataset.tokenizer``
-    is read and its vocabulary checked against an hf model's ``vocab_size``."""
+    """The first dataset, model, tokenizer or collate option the job cannot take, as one
+    line, or None: a typo is reported before Ray starts, not after. A user module that does
+    not import here is left to the job (it may import on the cluster), unless the job runs
+    ``here`` (the embedded local Ray, whose workers see what this process sees)."""
     from dynabatch.actors.data.open import check_file_options
     from dynabatch.actors.workloads import WorkloadError
     from dynabatch.actors.workloads.datasets import check_dataset_options
@@ -253,8 +247,7 @@ def option_problem(spec: JobSpec, *, here: bool = False) -> str | None:
 
 
 def _collate_problem(collate: str | None, *, here: bool) -> str | None:
-    """Why ``dataset.collate`` cannot be imported (one line), or None; see
-    :func:`option_problem`."""
+    """Why ``dataset.collate`` cannot be imported (one line), or None."""
     from dynabatch.actors.workloads.imports import NotImportable, resolve_callable
 
     if collate is None:
@@ -364,13 +357,11 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
     spec = local_tracking(spec)
     cores = os.cpu_count() or 1
     need = int(spec.worker_cpus * (spec.initial_workers or 1) + 0.999)
-    if address is None and not os.environ.get("RAY_ADDRESS"):
-        warning = capacity_warning(spec, cores)
-        if warning:
-            print_plain(stderr(), f"warning: {warning}")
+    embedded = address is None and not os.environ.get("RAY_ADDRESS")
+    if embedded and (warning := capacity_warning(spec, cores)):
+        print_plain(stderr(), f"warning: {warning}")
     # A local working_dir is shipped with this driver's Ray job
     # (dynabatch.scheduler.runtime.launch).
-    embedded = address is None and not os.environ.get("RAY_ADDRESS")
     connect(address, num_cpus=max(cores, need), working_dir=spec.working_dir)
     placer = sched.scheduler_for_run(not embedded, scheduler)
     interrupted = {"n": 0}
@@ -477,12 +468,12 @@ def register(app: typer.Typer) -> None:
         except CliError as err:
             print_plain(stderr(), f"error: {one_line(str(err))}")
             raise typer.Exit(2) from None
-        if scheduler and address is None and not os.environ.get("RAY_ADDRESS"):
+        here = address is None and not os.environ.get("RAY_ADDRESS")
+        if scheduler and here:
             print_plain(stderr(), "error: --scheduler needs --address: the embedded local "
                         "Ray runs one job, with no cluster scheduler")
             raise typer.Exit(2)
-        problem = option_problem(
-            spec, here=address is None and not os.environ.get("RAY_ADDRESS"))
+        problem = option_problem(spec, here=here)
         if problem:
             print_plain(stderr(), f"error: {config}: {problem}")
             raise typer.Exit(2)

@@ -81,12 +81,12 @@ def run(
     ``address`` cannot be reached.
     """
     _, job, _ = resolve_spec(spec, working_dir=working_dir)
-    if scheduler and address is None and not os.environ.get("RAY_ADDRESS"):
+    here = address is None and not os.environ.get("RAY_ADDRESS")
+    if scheduler and here:
         raise ValueError(
             "scheduler: needs address: the embedded local Ray runs one job, "
             "with no cluster scheduler"
         )
-    here = address is None and not os.environ.get("RAY_ADDRESS")
     problem = option_problem(job, here=here)
     if problem:
         raise SpecError([problem])
