@@ -61,6 +61,8 @@ class ParamStore:
         self.optimizer = build_optimizer(spec, [self.flat])
         self.adaptive = spec.optimizer.name in ADAPTIVE
         self.version = 0
+        self._ref: tuple[int, Any] | None = None  # (version, ObjectRef) of ref()
+        self.puts = 0  # ray.put calls: one per version pulled
 
     @property
     def size(self) -> int:
@@ -68,6 +70,15 @@ class ParamStore:
 
     def weights(self) -> np.ndarray:
         return self.flat.detach().numpy().copy()
+
+    def ref(self) -> Any:
+        """An object-store reference to this version's weights: one ``ray.put`` a version."""
+        import ray
+
+        if self._ref is None or self._ref[0] != self.version:
+            self._ref = (self.version, ray.put(self.weights()))
+            self.puts += 1
+        return self._ref[1]
 
     def apply(self, grads: Sequence[tuple[np.ndarray | torch.Tensor, float]]) -> None:
         """One optimizer step on ``Σ weight·grad``.
@@ -158,7 +169,6 @@ class ParamShard:
         torch.set_num_threads(1)
         self.store = ParamStore(spec, input_shape, num_classes, bounds)
         self._grads: dict[int, np.ndarray] = {}
-        self._ref: tuple[int, Any] | None = None
 
     # This actor's Ray id: the job reads its stdout and stderr by it (actors/output.py).
     actor_id = staticmethod(own_actor_id)
@@ -184,12 +194,7 @@ class ParamShard:
         return self.weights_ref()
 
     def weights_ref(self) -> Any:
-        import ray
-
-        v = self.store.version
-        if self._ref is None or self._ref[0] != v:
-            self._ref = (v, ray.put(self.store.weights()))
-        return self._ref[1]
+        return self.store.ref()
 
 
 class ParameterServer:
@@ -217,12 +222,10 @@ class ParameterServer:
         self.idle_poll_s = idle_poll_s
         self.call_timeout_s = call_timeout_s
         self.events = CoreEventInterpreter(self.store)  # holds the pushed slices 0
-        self._ref: tuple[int, Any] | None = None  # (version, ObjectRef) of slice 0
         self._shard_refs: list[Any] | None = None  # the shards' slices of this version
         self._changed = asyncio.Condition()
         self.epochs: list[dict[str, Any]] = []
         self._t0 = time.monotonic()
-        self.puts = 0  # ray.put calls of slice 0: one per version pulled
         self._push_times: deque[float] = deque()
         self.apply_s: deque[float] = deque(maxlen=5000)  # wall time of each update
         self._expected = start_learners
@@ -239,15 +242,9 @@ class ParameterServer:
         return list(await asyncio.wait_for(asyncio.gather(*refs), self.call_timeout_s))
 
     async def _weight_refs(self) -> list[Any]:
-        import ray
-
-        v = self.store.version
-        if self._ref is None or self._ref[0] != v:
-            self._ref = (v, ray.put(self.store.weights()))  # one put per version
-            self.puts += 1
         if self._shard_refs is None and self.shards:  # version 0: the shards' first puts
             self._shard_refs = await self._await([s.weights_ref.remote() for s in self.shards])
-        return [self._ref[1], *(self._shard_refs or [])]
+        return [self.store.ref(), *(self._shard_refs or [])]
 
     async def pull(self) -> tuple[int, np.ndarray]:
         """(version, the full flat weights)."""
@@ -385,5 +382,5 @@ class ParameterServer:
         snap["pushes_per_s"] = self.pushes_per_s(now)
         snap["shards"] = 1 + len(self.shards)
         snap["apply_ms_mean"] = (1e3 * float(np.mean(self.apply_s))) if self.apply_s else 0.0
-        snap["puts"] = self.puts
+        snap["puts"] = self.store.puts
         return snap
