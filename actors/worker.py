@@ -13,11 +13,6 @@ fit: the driver halves the memory cap of the worker's node and device and retrie
 (the share is then accumulated over smaller micro-batches, so the weighted all-reduce is
 unchanged). Either way the worker leaves the group at once, so peers blocked in the
 collective fail fast instead of waiting out the timeout.
-
-Devices. A worker trains on its node's GPU when it was placed with one, otherwise on the
-CPU with torch threads set to its CPUs; which collectives a step issues is the group's
-plan, the same in every member whatever its device
-(:func:`dynabatch.actors.reducer.group_plan`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""CIFAR-10 python batches: a safe unpickler (arrays and lists only) and readers."""
+"""CIFAR-10 python batches: a safe unpickler (arrays and lists only) and readers.
+
+``data_batch_1`` .. ``data_batch_5`` and ``test_batch`` are pickled dicts with bytes keys:
+``b"data"``, uint8 (N, 3072), each 32x32 image's R, G and B planes; ``b"labels"``, ints.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""IDX files (MNIST's format): decode and read, gzip or not."""
+"""IDX files (MNIST's format): decode and read, gzip or not. A big-endian magic ``00 00
+<type> <ndim>``, ``ndim`` big-endian uint32 sizes, then the data in C order."""
 
 from __future__ import annotations
 
