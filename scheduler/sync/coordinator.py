@@ -48,7 +48,7 @@ from dynabatch.scheduler.core.sync.loop import (
     MembershipView,
     Memo,
     NextEpoch,
-    PollNodes,
+    Place,
     PostPlanUpdate,
     PublishReady,
     Regroup,
@@ -56,10 +56,8 @@ from dynabatch.scheduler.core.sync.loop import (
     SaveModel,
     Seen,
     Settle,
-    SpawnWorkers,
     StopWorkers,
     TakeRequests,
-    TendSpares,
     TrainSegment,
     WaitForMinimum,
     Waiting,
@@ -391,12 +389,11 @@ class Coordinator(JobControl):
                 self.roster.apply_drains()
             case AdoptStarted():
                 self.roster.adopt_started(0.0)
-            case PollNodes(starting):
+            case Place(starting, at_rest):
                 self.roster.poll_nodes(starting)
-            case SpawnWorkers(starting, at_rest):
                 self.roster.spawn(starting, wait=at_rest)
-            case TendSpares():
-                self.roster.tend_spares()
+                if not starting:
+                    self.roster.tend_spares()
             case StopWorkers(workers):
                 self.workforce.stop(workers)
             case AwaitStarts():

@@ -48,11 +48,11 @@ class Roster:
         told)."""
         self.job, self.control, self.workforce = job, control, workforce
         self.runtime, self.evals, self.reports = runtime, evals, reports
-        self.nodes: list[NodeInfo] = []  # as last listed (PollNodes)
+        self.nodes: list[NodeInfo] = []  # as last listed (the loop's Place)
 
     # ---------------------------------------------------------------- at a boundary
     def poll_nodes(self, starting: bool) -> None:
-        """List the nodes now (the loop's ``PollNodes``): the job's first start says when
+        """List the nodes now (the loop's ``Place`` first): the job's first start says when
         there are none; spares lost before they were adopted are noted."""
         job = self.job
         with self.control.lock:
@@ -124,7 +124,7 @@ class Roster:
 
     def spawn(self, starting: bool, wait: bool = True) -> None:
         """Start workers where members are missing, on the nodes last listed (the loop's
-        ``SpawnWorkers``); which nodes is the membership's. ``wait`` (nothing in flight):
+        ``Place``); which nodes is the membership's. ``wait`` (nothing in flight):
         an adopted spare is waited for a moment (see :data:`ADOPT_WAIT_S`)."""
         job, s = self.job, self.control.spec
         m = job.membership
@@ -151,7 +151,7 @@ class Roster:
 
     def tend_spares(self) -> None:
         """Start and stop spares per the membership's plan on the nodes last listed (the
-        loop's ``TendSpares``, once the first workers are up)."""
+        loop's ``Place``, once the first workers are up)."""
         with self.control.lock:
             plan = self.job.membership.spare_plan(self.nodes, self.control.spec.spares)
             for node in plan.stop:

@@ -49,7 +49,7 @@ from dynabatch.scheduler.core.sync.loop import (
     MembershipView,
     Memo,
     NextEpoch,
-    PollNodes,
+    Place,
     PostPlanUpdate,
     PublishReady,
     Reconciling,
@@ -64,10 +64,8 @@ from dynabatch.scheduler.core.sync.loop import (
     SegmentDone,
     SegmentRun,
     Settle,
-    SpawnWorkers,
     StopWorkers,
     TakeRequests,
-    TendSpares,
     Training,
     TrainSegment,
     Verdict,
@@ -138,10 +136,10 @@ OFFER = OfferedUpdate(
     Decision(Allocation(("w0", "w1"), (40, 24), (600, 400), 64, 1000), True, "affine"),
     early=5, end=8, why="adaptive check")
 # Nodes listed after the first start: the missing workers started on them, spares tended.
-PLACE = [PollNodes(), SpawnWorkers(), TendSpares()]
+PLACE = [Place()]
 # The same with a segment in flight: a spare adopted now is not waited for.
-PLACE_FLYING = [PollNodes(), SpawnWorkers(at_rest=False), TendSpares()]
-START = [PollNodes(starting=True), SpawnWorkers(starting=True)]
+PLACE_FLYING = [Place(at_rest=False)]
+START = [Place(starting=True)]
 # An epoch's end with nothing due and nothing judged.
 END = [EndEpoch(), NextEpoch()]
 # A segment that ran with the next sent ahead (it is in flight), and one that failed so.
@@ -437,7 +435,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
         # Listing the nodes: when due, or at once after an assignment, a change or at the
         # first start; the first start's waits list them again to replace workers that
         # failed to start.
-        polls = [e for e in body if isinstance(e, PollNodes)]
+        polls = [e for e in body if isinstance(e, Place)]
         waited = prev is not None and prev.body[-1] == AwaitStarts()
         if in_flight and i == 0:
             assert bool(polls) == (poll_due or TakeRequests(assignments=True) in body)
@@ -455,11 +453,8 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert e.starting == seen.membership.first_start
             else:
                 assert not e.starting
-            j = body.index(e)
-            spares = [] if e.starting else [TendSpares()]
             # (a spare adopted at rest is waited for: it joins this boundary's regroup)
-            spawn = SpawnWorkers(e.starting, at_rest=not (in_flight and i == 0))
-            assert body[j + 1: j + 2 + len(spares)] == [spawn, *spares]
+            assert e.at_rest == (not (in_flight and i == 0))
             polled = now
         assert b.after.memo.polled_at == polled  # when the loop last listed the nodes
         # A segment is in flight exactly when the last segment run said it sent one ahead;
@@ -470,9 +465,6 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
         else:
             assert b.after.memo.in_flight == b.before.memo.in_flight
             assert b.after.memo.retrying == b.before.memo.retrying
-        for e in body:
-            if isinstance(e, (SpawnWorkers, TendSpares)):
-                assert any(isinstance(x, PollNodes) for x in body[: body.index(e)])
         # The first start's wait: a little at a time while workers are starting; given up
         # once the start timeout (counted from the first wait) is over, or on a cancel.
         if isinstance(b.before, Reconciling) and b.before.stage == "awaiting" \
@@ -484,7 +476,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             if isinstance(e, AwaitStarts):
                 assert body == [e] and seen.membership.starts_pending
                 assert seen.cancel is None
-                assert prev.body[-1] in (SpawnWorkers(starting=True), AwaitStarts())
+                assert prev.body[-1] in (Place(starting=True), AwaitStarts())
                 waits.append(now)
                 assert b.after.deadline == waits[0] + cfg.start_timeout_s
                 assert now < b.after.deadline
@@ -493,7 +485,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             if isinstance(e, GiveUpStarts):
                 assert body == [e] and seen.membership.starts_pending
                 assert seen.cancel is not None or (waits and now >= b.before.deadline)
-                assert prev.body[-1] in (SpawnWorkers(starting=True), AwaitStarts())
+                assert prev.body[-1] in (Place(starting=True), AwaitStarts())
             if isinstance(e, WaitForMinimum):  # too few: wait, and the step ends
                 assert e.shortfall == seen.membership.shortfall
                 assert seen.cancel is None  # a pending cancel cancels instead
@@ -886,7 +878,7 @@ def test_the_first_starts_wait_follows_its_rules(data: st.DataObject) -> None:
             assert body == START
             assert loop.state.deadline == first_wait + cfg.start_timeout_s
         else:  # who trains is known: no more waiting or starting at this boundary
-            assert not any(isinstance(e, (AwaitStarts, GiveUpStarts, PollNodes)) for e in body)
+            assert not any(isinstance(e, (AwaitStarts, GiveUpStarts, Place)) for e in body)
             return
         previous = body
     pytest.fail("the first start's wait did not end")
@@ -1242,7 +1234,7 @@ def test_each_state_takes_only_the_answer_its_batch_yields() -> None:
 @pytest.mark.parametrize(("effect", "kind"), [
     (TrainSegment(), SegmentDone), (AbsorbAhead(), SegmentDone), (CommitInFlight(), SegmentDone),
     (REGROUP, Regrouped), (AdoptStarted(), WorkersStarted), (AwaitStarts(), WorkersStarted),
-    (PollNodes(), WorkersPlaced), (SpawnWorkers(), WorkersPlaced), (TendSpares(), WorkersPlaced),
+    (Place(), WorkersPlaced),
     (TakeRequests(), RequestsTaken), (Settle(), EvaluationsIn), (JudgeEpoch(), EvaluationsIn),
     (NextEpoch(), Done), (Replan(), Replanned), (LoadCheckpoint(), Done),
     (GiveUpStarts(), Done), (PostPlanUpdate(OFFER), Done), (LoadData(), Done),

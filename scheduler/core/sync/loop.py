@@ -218,25 +218,14 @@ class AdoptStarted:
 
 
 @dataclass(frozen=True, slots=True)
-class PollNodes:
-    """List the nodes (the first start says when there are none)."""
-
-    starting: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SpawnWorkers:
-    """Start workers where the membership misses members, on the nodes last listed.
-    ``at_rest``: nothing in flight, so a spare adopted now is waited for a moment (it joins
-    this boundary's regroup)."""
+class Place:
+    """List the nodes, start workers on them where the membership misses members, and tend
+    the spares, except at the first start (``starting``: it says when there are no nodes,
+    and spares would compete with its workers' start-up). ``at_rest``: nothing in flight, so
+    a spare adopted now is waited for a moment (it joins this boundary's regroup)."""
 
     starting: bool = False
     at_rest: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class TendSpares:
-    """Start and stop spare workers per the membership's spare plan."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,11 +376,10 @@ class EndStep:
 
 
 Effect = (
-    LoadData | TakeRequests | ApplyDrains | AdoptStarted | PollNodes | SpawnWorkers
-    | TendSpares | StopWorkers | AwaitStarts | GiveUpStarts | WaitForMinimum | LoadCheckpoint
-    | Regroup | BeginEpoch | Replan | PostPlanUpdate | TrainSegment
-    | AbsorbAhead | CommitInFlight | EndEpoch | JudgeEpoch | NextEpoch
-    | PublishReady | Settle | Checkpoint | SaveModel | EndJob | EndStep
+    LoadData | TakeRequests | ApplyDrains | AdoptStarted | Place | StopWorkers | AwaitStarts
+    | GiveUpStarts | WaitForMinimum | LoadCheckpoint | Regroup | BeginEpoch | Replan
+    | PostPlanUpdate | TrainSegment | AbsorbAhead | CommitInFlight | EndEpoch | JudgeEpoch
+    | NextEpoch | PublishReady | Settle | Checkpoint | SaveModel | EndJob | EndStep
 )
 
 
@@ -411,7 +399,7 @@ def answer(effect: Effect, seen: Seen, now: float, ok: Any = True) -> Answer:
             return Regrouped(seen, now, formed=bool(ok))
         case AdoptStarted() | AwaitStarts():
             return WorkersStarted(seen, now)
-        case PollNodes() | SpawnWorkers() | TendSpares():
+        case Place():
             return WorkersPlaced(seen, now)
         case TakeRequests():
             return RequestsTaken(seen, now)
@@ -753,12 +741,8 @@ class _Decisions:
 
     def place(self, state: Reconciling, starting: bool, at_rest: bool = True
               ) -> tuple[LoopState, Effects]:
-        """List the nodes, start the workers the membership misses, tend the spares (not at
-        the first start: they would compete with its workers' start-up)."""
-        memo = replace(self.memo, polled_at=self.now)
-        spares: Effects = [] if starting else [TendSpares()]
-        return (replace(state, memo=memo),
-                [PollNodes(starting), SpawnWorkers(starting, at_rest), *spares])
+        return replace(state, memo=replace(self.memo, polled_at=self.now)), [
+            Place(starting, at_rest)]
 
     def await_starts(self, f: Seen, adopted: bool, deadline: float | None,
                      waiting: Waiting | None) -> tuple[LoopState, Effects]:
