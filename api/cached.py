@@ -55,14 +55,11 @@ def not_modified(if_none_match: str | None, etag: str) -> bool:
 
 
 class JobViews:
-    """Serialized status, history and list answers, each kept while the store's version of
-    what it shows is unchanged. :meth:`kept` never does I/O (an async route calls it on the
-    event loop); :meth:`job`, :meth:`history` and :meth:`list` read the store when needed
-    (a route calls them in a worker thread), one build at a time per answer."""
+    """Serialized status, history and list answers. :meth:`kept` never does I/O (an async
+    route calls it on the event loop); the others read the store in a worker thread."""
 
-    def __init__(self, service: JobService, size: int = KEPT):
+    def __init__(self, service: JobService):
         self.service = service
-        self.size = size
         self._items: OrderedDict[Hashable, Body] = OrderedDict()
         self._lock = threading.Lock()  # the dict
         self._build = threading.Lock()  # one build at a time: concurrent misses share it
@@ -107,7 +104,7 @@ class JobViews:
         with self._lock:
             self._items[key] = body
             self._items.move_to_end(key)
-            while len(self._items) > self.size:
+            while len(self._items) > KEPT:
                 self._items.popitem(last=False)
         return body
 

@@ -205,11 +205,8 @@ GRANTED = "granted {n} workers by the cluster scheduler; the coordinator is star
 
 
 def scheduler_note(view: ClusterView | None, job_id: str) -> str | None:
-    """What the scheduler's last round says of ``job_id`` beside the job's own state: why
-    it waits, when queued (``queued: position 2 of 3 (...)``); what an owner's request
-    still waits for (its ``waits``); that it was granted nodes and its coordinator is
-    starting (no report from it yet). None when the scheduler has nothing to add, the job
-    is not the scheduler's, or nothing schedules."""
+    """What the scheduler's last round says of ``job_id`` beside the job's own state (why
+    it is queued, what a scale waits for, that its coordinator is starting), or None."""
     if view is None:
         return None
     for j in view.jobs:

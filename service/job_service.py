@@ -1,10 +1,8 @@
-"""``JobService``: submit, list, inspect, cancel, scale, drain and resume jobs; the
-reconciler (:mod:`~dynabatch.service.reconciler`) keeps the store in step with Ray.
+"""``JobService``: submit, list, inspect, cancel, scale, drain and resume jobs.
 
-Each command checks what it is asked against the job's stored state, calls the job's
-coordinator (or the cluster scheduler, when it is on) and records the outcome in the store,
-holding the reconciler's lock so that no sync of the job interleaves. Every view of the jobs
-is read from the store, never from Ray.
+Each command holds the reconciler's lock, so that no sync of the job interleaves, while it
+calls the job's coordinator (or the cluster scheduler) and records the outcome in the store.
+Every view of the jobs is read from the store, never from Ray.
 """
 
 from __future__ import annotations
@@ -417,9 +415,8 @@ class JobService:
         return [shown(r, view) for r in records], total
 
     def cluster_view(self) -> ClusterView | None:
-        """The cluster scheduler's last round; None when no scheduler runs. Answers from
-        what the service keeps, without I/O: the job views' caches ask it on the event
-        loop (api/cached.py)."""
+        """The cluster scheduler's last round (None: no scheduler), without I/O: the job
+        views' caches ask it on the event loop."""
         return None if self.scheduling is None else self.scheduling.view()
 
     def history(self, job_id: str, since: int = 0) -> list[EpochRecord]:

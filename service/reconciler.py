@@ -1,10 +1,8 @@
-"""The reconciler: the sync loop that keeps the store in step with Ray (each live job's
-snapshot, new epochs and log lines; a finished job's coordinator released), the re-attach of
-jobs an earlier API process left live, and the recovery of a lost coordinator, as the pure
-crash-loop policy (:func:`dynabatch.scheduler.core.recovery.decide_lost`) decides. A resume
-starts the job's next generation, a coordinator named by the store's count of resumes, so it
-never waits for Ray to free a dead one's name. Every state move is checked against the
-lifecycle by the store's writes, which refuse one it does not allow.
+"""The reconciler: the sync loop that keeps the store in step with Ray, the re-attach of
+jobs an earlier API process left live, and the recovery of a lost coordinator
+(:func:`dynabatch.scheduler.core.recovery.decide_lost`). A resume starts the job's next
+generation, a coordinator named by the store's count of resumes, so it never waits for Ray
+to free a dead one's name.
 """
 
 from __future__ import annotations
@@ -48,9 +46,8 @@ def relaunch_refusal(spec: JobSpec, policy: SubmitPolicy) -> str | None:
 
 
 def checkpoint_exists(rec: JobRecord) -> bool:
-    """Whether the job's spec names a checkpoint dir and its checkpoint file is there.
-    The API reads the file where the coordinator writes it: the same filesystem in
-    embedded mode, the shared checkpoint volume in compose and k8s."""
+    """Whether the job's spec names a checkpoint dir and its checkpoint file is there (the
+    coordinator's filesystem: the same in embedded mode, a shared volume in compose and k8s)."""
     if not rec.spec.checkpoint.dir:
         return False
     # Imports torch: only when needed.
@@ -74,11 +71,9 @@ def launch_spec(rec: JobRecord) -> JobSpec:
 
 
 class SchedulerLink:
-    """The service's side of the cluster scheduler: which live jobs it has started, and the
-    calls the sync loop and the commands make to it. With the scheduler on, a job has no
-    coordinator to poll until the scheduler starts it once its nodes are granted. Which jobs
-    it started is the scheduler's fact: ``started`` is only its last answer to
-    :meth:`queued`, kept as it said it for when it cannot be reached."""
+    """The service's side of the cluster scheduler: a job has no coordinator to poll until
+    the scheduler starts it on the nodes it grants. ``started`` is the scheduler's last
+    answer to :meth:`queued`, kept for when it cannot be reached."""
 
     def __init__(self, scheduling: RayScheduling, cluster: RayClusterClient):
         self.scheduling = scheduling
@@ -86,10 +81,8 @@ class SchedulerLink:
         self.started: frozenset[str] = frozenset()  # the scheduler's last answer
 
     def queued(self, live: Sequence[JobRecord]) -> set[str]:
-        """Tell the scheduler every live job (so a new scheduler rebuilds from the store
-        and the live coordinators), and return those it has not started, which have no
-        coordinator to poll yet. If it cannot be reached, the jobs it started as of the last
-        sync are polled and the others wait."""
+        """Tell the scheduler every live job (a new scheduler rebuilds from them) and return
+        those it has not started (no coordinator to poll yet)."""
         try:
             started = self.scheduling.sync(
                 [(r.id, launch_spec(r), r.created_at, r.resumes) for r in live]
@@ -191,8 +184,8 @@ class Reconciler:
 
     def interrupt_live(self) -> None:
         """Record the end of the embedded Ray in every live job: those with a checkpoint
-        stay live (PENDING) to be resumed when the API starts again, the others FAIL.
-        Store writes only: safe when Ray is gone, and from another thread."""
+        stay PENDING, to be resumed when the API starts again; the others FAIL. Store
+        writes only: safe when Ray is gone."""
         for rec in self.store.live():
             if self.auto_resume_limit > 0 and checkpoint_exists(rec):
                 self.store.interrupt(
@@ -374,9 +367,8 @@ class Reconciler:
             return self.store.get(rec.id)  # relaunch recorded the failure
 
     def relaunch(self, rec: JobRecord, reason: str, automatic: bool) -> JobRecord:
-        """Start a new coordinator for ``rec``, the job's next generation, which picks up
-        the checkpoint. A launch that fails leaves the job FAILED and re-raises the
-        RayCallError, or the cluster scheduler's :class:`Refused` with its reason."""
+        """Start the job's next generation from its checkpoint. A launch that fails leaves
+        the job FAILED and re-raises."""
         rec = self.store.mark_resumed(
             rec.id, reason, automatic=automatic, cluster=self.cluster_name(), now=self.clock()
         )

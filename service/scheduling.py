@@ -120,11 +120,9 @@ class RayScheduling:
 
 
 def scheduler_for_run(address_given: bool, want: bool | None) -> RayScheduling | None:
-    """The scheduler ``dynabatch run`` goes through, on the Ray it is connected to: on a
-    cluster (``address_given``: not the embedded local Ray, which runs the one job), unless
-    ``want`` is False, the cluster's scheduler, or a new one when none runs there (policy,
-    round and hold from the service's settings, ``DYNABATCH_CLUSTER_*``), running rounds at
-    once since no service rebuilds it; else none."""
+    """The scheduler ``dynabatch run`` goes through on a cluster (``address_given``) unless
+    ``want`` is False: the cluster's, or a new one with the service's settings
+    (``DYNABATCH_CLUSTER_*``), running rounds at once since no service rebuilds it."""
     if want is False or not address_given:
         return None
     from dynabatch.service.settings import Settings
@@ -145,11 +143,9 @@ def run_placed(
     poll_s: float = 0.5,
     job_id: str | None = None,
 ) -> tuple[str, Any]:
-    """Register ``dynabatch run``'s job with the scheduler, wait for its grant and launch
-    its coordinator there (``launch(job_id, assignment)``); returns (job id, the
-    coordinator). ``on_wait`` hears each new reason it waits for (its place in the queue).
-    An interruption while it waits takes it out of the queue and raises
-    ``KeyboardInterrupt``; a refusal raises :class:`Refused` with the scheduler's reason."""
+    """Register ``dynabatch run``'s job with the scheduler, wait for its grant (``on_wait``
+    hears each new reason it waits for) and launch its coordinator there; returns (job id,
+    the coordinator). An interruption takes it out of the queue (``KeyboardInterrupt``)."""
     job_id = job_id or uuid.uuid4().hex[:12]
     scheduling.register_client(job_id, spec, time.time())
     shown = None
@@ -183,9 +179,8 @@ def quietly(call: Callable[..., Any], *args: Any) -> None:
 def keep_alive(
     scheduling: RayScheduling, job_id: str, spec: JobSpec, submit_s: float, every_s: float = 5.0
 ) -> Callable[[], None]:
-    """A tick for the run's follow loop: re-registers its job every ``every_s`` (a new
-    scheduler, after the old one died, adopts it as it runs; one call is a no-op to the one
-    that knows it). Failures are logged, never raised: the job trains on regardless."""
+    """A tick for the run's follow loop: re-registers its job every ``every_s``, so that a
+    new scheduler (the old one died) adopts it; failures are logged, never raised."""
     last = [time.monotonic()]
 
     def tick() -> None:

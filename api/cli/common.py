@@ -1,11 +1,6 @@
-"""What the CLI's commands share: one-line errors, the REST client, and the views that
-``run`` and ``status`` both show (the per-step time breakdown, where a job's TensorBoard
-event files are).
-
-A command's body runs inside :func:`api_client` (or :func:`one_line_errors` when it has work
-to do before it connects): any failure prints one line, ``error: ...``, on stderr and exits 1;
-never a traceback. Tests inject a client through the click context:
-``runner.invoke(app, args, obj={"client_factory": lambda url, token: DynabatchClient(...)})``.
+"""What the CLI's commands share: one-line errors (never a traceback), the REST client, and
+the views that ``run`` and ``status`` both show. Tests inject a client through the click
+context: ``obj={"client_factory": lambda url, token: DynabatchClient(...)}``.
 """
 
 from __future__ import annotations
@@ -104,9 +99,8 @@ def api_client(
     job_id: str | None = None,
     worker: str | None = None,
 ) -> Iterator[DynabatchClient]:
-    """The block of one client command: ``job_id`` and ``worker`` checked (when given), a
-    client of the API at ``url`` opened for it and closed after, and any failure in it one
-    ``error: ...`` line and exit status 1 (:func:`one_line_errors`)."""
+    """The block of one client command: ``job_id`` and ``worker`` checked, a client of the
+    API at ``url``, and any failure one ``error: ...`` line (:func:`one_line_errors`)."""
     with one_line_errors():
         if job_id is not None:
             check_job_id(job_id)

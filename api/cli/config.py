@@ -84,13 +84,7 @@ def read_config(
     path: Path, *, sets: Sequence[str] = (), working_dir: Path | None = None,
     working_dir_name: str = "--working-dir",
 ) -> tuple[dict[str, Any], JobSpec]:
-    """The config at ``path`` as a mapping and a validated spec.
-
-    ``sets`` override fields (``--set``); ``working_dir`` (``--working-dir``) overrides the
-    config's. A local ``working_dir`` in the file is relative to the file's folder (as
-    ``include``s are everywhere else), one given on the command line to the current
-    directory; either way it is made absolute and must be an existing directory.
-    """
+    """The config at ``path`` as a mapping and a validated spec (:func:`mapping_config`)."""
     try:
         text = path.read_text()
     except OSError as err:
@@ -110,11 +104,9 @@ def mapping_config(
     config: Path | None = None, working_dir_name: str = "--working-dir",
 ) -> tuple[dict[str, Any], JobSpec]:
     """A config's mapping (``data``, changed in place) with ``sets`` applied and its local
-    ``working_dir`` made absolute, and the validated spec. ``config`` is the file it was read
-    from: a relative ``working_dir`` in the mapping is read from that file's folder, and
-    every error names the file; None (a mapping built in Python), from the current
-    directory. ``working_dir`` overrides the mapping's (from the current directory); errors
-    about it name it ``working_dir_name``."""
+    ``working_dir`` made absolute, and the validated spec. A relative ``working_dir`` is read
+    from the ``config`` file's folder (as ``include``s are), else from the current directory,
+    as the ``working_dir`` override is; errors name the file."""
     prefix = f"{config}: " if config is not None else ""
     if not isinstance(data, dict):
         raise CliError(f"{prefix}spec: expected a mapping of fields, got {type(data).__name__}")

@@ -26,15 +26,10 @@ def resolve_spec(
     warn_at: int | None = 3,
 ) -> tuple[dict[str, Any], JobSpec, str]:
     """``spec`` as the mapping to send, the validated spec, and what its local
-    ``working_dir`` is called in errors (the argument, or the file's field).
-
-    A file's own relative ``working_dir`` is read from the file's folder, a mapping's from
-    the current directory; ``working_dir`` (relative to the current directory) overrides
-    either. Raises :class:`SpecError` (one line naming the field) for any problem.
-
-    The spec's warnings (:class:`SpecWarning`) are issued at the frame ``warn_at`` levels up
-    (3: the line that called the caller, ``dynabatch.run(...)`` in the user's code), not in
-    pydantic; None: not issued (``Client.submit`` issues the service's copy instead)."""
+    ``working_dir`` is called in errors (the argument, or the file's field); a
+    :class:`SpecError` for any problem. The spec's warnings are issued ``warn_at`` frames up
+    (3: ``dynabatch.run(...)`` in the user's code), not in pydantic; None: not issued
+    (``Client.submit`` issues the service's copy instead)."""
     with spec_warnings_caught() as messages:
         out = _resolve(spec, working_dir)
     if warn_at is not None:
