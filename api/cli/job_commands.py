@@ -233,7 +233,7 @@ def _exit_now(code: int) -> None:
 
 
 def graceful_server(config: Any, *, deadline_s: float, on_deadline: Any,
-                    on_signal: Any = None) -> Any:
+                    on_signal: Any) -> Any:
     """A uvicorn server that stops gracefully on SIGTERM or SIGINT and then lets ``serve``
     exit 0 (uvicorn itself raises the signal again once it stopped, so the process ends
     *by* the signal: status 143 for SIGTERM), with ``on_deadline`` called if the stop has
@@ -251,8 +251,7 @@ def graceful_server(config: Any, *, deadline_s: float, on_deadline: Any,
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.signalled:
                 self.signalled = True
-                if on_signal is not None:
-                    on_signal()
+                on_signal()
                 timer = threading.Timer(deadline_s, on_deadline)
                 timer.daemon = True
                 timer.start()
@@ -333,8 +332,7 @@ def _follow(client: DynabatchClient, job_id: str, interval: float) -> int:
                 with spec_warnings_silenced():  # read back: warned at the submission
                     final = JobDetail.model_validate(data)
                 live.update(_job_table(final), refresh=True)
-    if final is None:  # pragma: no cover - the server always ends with `end`
-        final = client.get(job_id)
+    assert final is not None  # events() ends with `end` or raises
     if not console.is_terminal:
         console.line()  # a non-terminal Live leaves the cursor after the table
     line = _outcome(final)

@@ -190,8 +190,8 @@ class PlainProgress:
     the end and at most every :data:`PROGRESS_EVERY_S` in between; the same calls as the
     tqdm bar's that :class:`ProgressView` makes."""
 
-    def __init__(self, file: Any, desc: str, every_s: float = PROGRESS_EVERY_S):
-        self.file, self.desc, self.every_s = file, desc, every_s
+    def __init__(self, file: Any, desc: str):
+        self.file, self.desc = file, desc
         self.n: int = 0
         self.total: int | None = None
         self._last: tuple[float, str] | None = None  # when, and the epoch, last printed
@@ -206,7 +206,7 @@ class PlainProgress:
         now = time.monotonic()
         ended = facts.endswith(tuple(s.value for s in JobState if s.is_terminal))
         if (self._last is not None and not ended and epoch == self._last[1]
-                and now - self._last[0] < self.every_s):
+                and now - self._last[0] < PROGRESS_EVERY_S):
             return
         self._last = (now, epoch)
         if self.total:
