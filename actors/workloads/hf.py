@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from dynabatch.actors.errors import UserError, one_line
@@ -178,18 +179,28 @@ def _from_pretrained(spec: ModelSpec, input_shape: tuple[int, ...], num_classes:
     cfg = getattr(model, "config", None)
     if cfg is None:
         raise WorkloadError(f"{PRETRAINED}: {folder}: not a transformers model")
-    if task == "causal-lm" and cfg.vocab_size < num_classes:
-        raise WorkloadError(f"{PRETRAINED}: its config's vocab_size {cfg.vocab_size} is "
-                            f"smaller than the dataset's vocabulary ({num_classes} token ids)")
-    if task == "sequence-classification" and cfg.num_labels != num_classes:
-        raise WorkloadError(f"{PRETRAINED}: its model has {cfg.num_labels} labels, but the "
-                            f"dataset has {num_classes} classes")
-    longest = getattr(cfg, "max_position_embeddings", None)
-    if isinstance(longest, int) and input_shape[0] > longest:
-        raise WorkloadError(f"{PRETRAINED}: its config's max_position_embeddings is {longest}, "
-                            f"but the samples are {input_shape[0]} tokens long")
+    _check_fits(cfg, task, input_shape, num_classes, lambda k, v: f"{PRETRAINED}: its "
+                f"config's {k} {v}")
     cfg.use_cache = False
     return guard_token_ids(model, f"{PRETRAINED} (its config's vocab_size)")
+
+
+def _check_fits(cfg: Any, task: str, input_shape: tuple[int, ...], num_classes: int,
+                name: Callable[[str, object], str]) -> None:
+    """A WorkloadError where the model's config does not fit the dataset: a vocabulary
+    smaller than its token ids, other labels than its classes, fewer positions than a
+    sample's tokens. ``name(key, value)`` names the config value at fault."""
+    vocab = getattr(cfg, "vocab_size", None)
+    longest = getattr(cfg, "max_position_embeddings", None)
+    if task == "causal-lm" and isinstance(vocab, int) and vocab < num_classes:
+        raise WorkloadError(f"{name('vocab_size', vocab)} is smaller than the dataset's "
+                            f"vocabulary ({num_classes} token ids)")
+    if task == "sequence-classification" and cfg.num_labels != num_classes:
+        raise WorkloadError(f"{name('num_labels', cfg.num_labels)}, but the dataset has "
+                            f"{num_classes} classes")
+    if isinstance(longest, int) and input_shape[0] > longest:
+        raise WorkloadError(f"{name('max_position_embeddings', longest)} positions, but the "
+                            f"samples are {input_shape[0]} tokens long")
 
 
 def build_hf(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> Any:
@@ -206,16 +217,7 @@ def build_hf(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) ->
     cls, config = _config_class(spec)
     task = _task(spec)
     size_key = "vocab_size" if task == "causal-lm" else "num_labels"
-    given = config.setdefault(size_key, num_classes)
-    if task == "causal-lm" and isinstance(given, int) and given < num_classes:
-        raise WorkloadError(
-            f"{FIELD}.vocab_size: {given} is smaller than the dataset's "
-            f"vocabulary ({num_classes} token ids)"
-        )
-    if task == "sequence-classification" and given != num_classes:
-        raise WorkloadError(
-            f"{FIELD}.num_labels: {given!r}, but the dataset has {num_classes} classes"
-        )
+    config.setdefault(size_key, num_classes)
     config.setdefault("use_cache", False)
     # Defaults outside the vocabulary are dropped before the config is made (it warns of
     # them, in every worker's log); ids the config sets are the user's.
@@ -236,12 +238,7 @@ def build_hf(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) ->
         raise WorkloadError(
             f"{FIELD}: {cls.__name__} refused it ({describe(err)})"
         ) from err
-    longest = getattr(cfg, "max_position_embeddings", None)
-    if isinstance(longest, int) and input_shape[0] > longest:
-        raise WorkloadError(
-            f"{FIELD}.max_position_embeddings: {longest} positions, but the "
-            f"samples are {input_shape[0]} tokens long"
-        )
+    _check_fits(cfg, task, input_shape, num_classes, lambda k, v: f"{FIELD}.{k}: {v}")
     auto = getattr(_transformers(), AUTO_CLASSES[task])
     if type(cfg) not in auto._model_mapping:
         raise WorkloadError(
@@ -258,18 +255,6 @@ def build_hf(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) ->
 
 
 # --------------------------------------------------------------------- token id checks
-
-def _token_problem(lo: int, hi: int, vocab: int, field: str, where: str) -> str | None:
-    """The one line for ids spanning ``lo..hi`` against ``vocab`` rows, or None."""
-    if lo < 0:
-        return (f"{field}: token id {lo} in {where} is negative (the model's ids are "
-                f"0..{vocab - 1}): padding belongs in attention_mask, not in input_ids")
-    if hi >= vocab:
-        return (f"{field}: token id {hi} in {where} is at or above the model's vocab_size "
-                f"{vocab} (its ids are 0..{vocab - 1}): set vocab_size to at least {hi + 1}, "
-                "or use the tokenizer the model was made for")
-    return None
-
 
 def guard_token_ids(model: Any, field: str) -> Any:
     """Check every batch's ``input_ids`` before the model's embedding looks them up: an id
@@ -303,9 +288,15 @@ def guard_token_ids(model: Any, field: str) -> Any:
                                    "ids")
             ids = ids.long()
         lo, hi = (int(v) for v in torch.aminmax(ids))
-        problem = _token_problem(lo, hi, vocab, field, "the batch's input_ids")
-        if problem is not None:
-            raise TokenIdError(problem)
+        if lo < 0:
+            raise TokenIdError(f"{field}: token id {lo} in the batch's input_ids is negative "
+                               f"(the model's ids are 0..{vocab - 1}): padding belongs in "
+                               "attention_mask, not in input_ids")
+        if hi >= vocab:
+            raise TokenIdError(f"{field}: token id {hi} in the batch's input_ids is at or "
+                               f"above the model's vocab_size {vocab} (its ids are "
+                               f"0..{vocab - 1}): set vocab_size to at least {hi + 1}, or use "
+                               "the tokenizer the model was made for")
         if not cast:
             return None
         if "input_ids" in kwargs:
@@ -314,7 +305,6 @@ def guard_token_ids(model: Any, field: str) -> Any:
 
     model.register_forward_pre_hook(check, with_kwargs=True)
     return model
-
 
 
 def check_tokenizer(spec: Any) -> None:
