@@ -1,19 +1,8 @@
 """What crosses between a job's coordinator and a worker: the plan it trains and what it reports.
 
 These types sit in ``actors`` because that is the lowest layer that uses them: the
-scheduler imports them downward. Pure: numpy and pydantic, no ray, no torch.
-
-Sample order. Epoch ``e`` trains the permutation :func:`epoch_order` ``(seed, e, N)``
-(epoch 0's in every epoch with ``dataset.shuffle: once``); step ``s`` trains the order
-positions ``[start, start + size)``, cut into the workers' shares. A worker receives
-*positions* and looks the sample ids up in the same permutation, so plans stay small and
-what it reports (the positions it trained) can be checked against the epoch's coverage.
-
-Coverage. Each step the gradient all-reduce also sums a vector with one slot per position
-of the step, in which every worker writes 1 at the positions it trained. After the
-all-reduce every participant holds, per position, how many workers trained it in that
-step: a fact produced by the collective itself, reported as a run-length encoding
-(:func:`encode_counts`). The coordinator's ledger rebuilds the epoch from these reports.
+scheduler imports them downward. Pure: numpy and pydantic, no ray, no torch. How sample
+order and coverage prove exactly-once: docs/architecture.md ("Sample order and coverage").
 """
 
 from __future__ import annotations
@@ -209,7 +198,7 @@ class StepTelemetry(_Frozen):
     weighted all-reduce after compute, which includes waiting for slower peers (with the
     bucketed all-reduce, only the part not hidden behind backward). ``start`` and
     ``samples`` are the order positions this worker trained; ``coverage`` is the step's
-    all-reduced per-position count (see the module docstring).
+    all-reduced per-position count (:func:`encode_counts`).
 
     The breakdown (wall seconds, summed over micro-batches; device-timed on a GPU):
     ``gather_s`` (index and copy the samples), ``forward_s`` (model and loss),
