@@ -40,7 +40,6 @@ from dynabatch.service.service_errors import (
     RayCallError,
     WorkerNotFound,
     already_finished,
-    finished_message,
     job_finished,
 )
 from dynabatch.service.settings import Settings
@@ -241,7 +240,7 @@ class JobService:
         ``done``") when it finished."""
         rec = self.record(job_id)
         if rec.state.is_terminal:
-            raise job_finished(rec.state, job_id, done)
+            raise job_finished(rec.state, job_id, f"a finished job cannot be {done}")
         return rec
 
     def _membership_call(self, rec: JobRecord, call: Callable[[], JobSnapshot],
@@ -252,7 +251,8 @@ class JobService:
             return call()
         except InvalidTransition:
             ended = self.reconciler.sync_job(rec.id) or rec
-            raise job_finished(ended.state, rec.id, done) from None
+            why = f"a finished job cannot be {done}"
+            raise job_finished(ended.state, rec.id, why) from None
 
     def scale(self, job_id: str, workers: int) -> JobRecord:
         """Run the job with exactly ``workers`` workers from its next step boundary on."""
@@ -286,7 +286,8 @@ class JobService:
                 done = self.reconciler.coordinator_lost(rec, Reconciler.died(err))
                 if done is None or done.state.is_terminal:
                     raise job_finished(
-                        done.state if done else JobState.FAILED, job_id, "scaled"
+                        done.state if done else JobState.FAILED, job_id,
+                        "a finished job cannot be scaled"
                     ) from None
                 return done
             self.store.set_target_workers(job_id, workers)
@@ -364,9 +365,9 @@ class JobService:
         with self.reconciler.lock:
             rec = self.record(job_id)
             if not rec.state.can_resume:
-                raise JobConflict(finished_message(
+                raise job_finished(
                     rec.state, job_id, "a job that succeeded cannot be resumed (only a FAILED "
-                    "or CANCELLED job, or a live one whose coordinator is gone, can be)"))
+                    "or CANCELLED job, or a live one whose coordinator is gone, can be)")
             alive = self.cluster.find(job_id, rec.resumes)
             if alive and not rec.state.is_terminal:
                 raise JobConflict(

@@ -49,17 +49,10 @@ def already_finished(state: JobState, job_id: str) -> JobConflict:
                        "cancel")
 
 
-def job_finished(state: JobState, job_id: str, done: str) -> JobConflict:
-    """A request that only a live job takes (scale, drain) to one that finished (409):
-    ``job 3f2a has finished (SUCCEEDED); a finished job cannot be scaled``."""
-    return JobConflict(finished_message(state, job_id, f"a finished job cannot be {done}"))
-
-
-def finished_message(state: JobState, job_id: str, why: str) -> str:
-    """``job ID has finished (STATE); WHY``: the refusal of a request a finished job cannot
-    take."""
-    job = f"job {job_id}" if job_id else "the job"
-    return f"{job} has finished ({state.value}); {why}"
+def job_finished(state: JobState, job_id: str, why: str) -> JobConflict:
+    """A request that only a live job takes, to one that finished (409): ``job 3f2a has
+    finished (SUCCEEDED); WHY``."""
+    return JobConflict(f"job {job_id} has finished ({state.value}); {why}")
 
 
 class InvalidRequest(ValueError):
