@@ -1,15 +1,7 @@
-"""NumPy ``.npy`` shards (memory-mapped) and image folders (one sub-folder per class).
-
-``npy``: ``path`` holds pairs of shards matched by sorted name, the features by the glob
-``options.x`` (default ``x*.npy``) and the labels by ``options.y`` (default ``y*.npy``).
-Each shard is opened with ``mmap_mode="r"``: a read touches only the rows it takes.
-
-``imagefolder``: ``path/<class>/<image>`` (sorted class names are the labels), decoded with
-Pillow into float32 (C, H, W) in [0, 1], then ``options.transforms`` in order, by name:
-``resize`` [H, W] or S, ``random_crop`` S (``padding`` P), ``center_crop`` S, ``flip``
-(horizontal, p = 0.5), ``grayscale``, ``normalize`` (``mean``, ``std`` per channel;
-default 0.5, 0.5). The random ones draw from the sample's key; without a key (evaluation)
-``random_crop`` is a centre crop and ``flip`` does nothing.
+"""NumPy ``.npy`` shards (memory-mapped: a read touches only the rows it takes) and image
+folders (``path/<class>/<image>``, sorted class names are the labels, decoded with Pillow
+into float32 (C, H, W) in [0, 1], then ``options.transforms``). Their options:
+docs/spec.md ("Data read by position").
 """
 
 from __future__ import annotations

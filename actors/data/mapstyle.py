@@ -1,19 +1,12 @@
 """A user's map-style dataset: any object with ``__len__`` and ``__getitem__(i)`` returning
-``(input, target)`` (tensors, arrays or numbers), e.g. a ``torch.utils.data.Dataset``
-with its own transforms.
+``(input, target)`` (tensors, arrays or numbers), e.g. a ``torch.utils.data.Dataset``.
 
 The import path in ``dataset.name`` is called with ``dataset.options`` on the driver (to
 learn its length and the first sample's shape) and again in each worker, which reads only
 the samples it trains. It may return one dataset (a seeded ``test_fraction`` of it is held
-out), a pair ``(train, test)`` or a dict with ``train`` and ``test``.
-
-An input may also be a dict or a tuple of tensors, collated per share
-(:mod:`dynabatch.actors.data.structured`).
-
-Augmentation. Before each ``__getitem__`` the global RNGs of ``torch``, ``numpy`` and
-``random`` are seeded from the sample's key, which comes from (job seed, epoch, order
-position): a transform that draws from them gives a sample the same augmentation whoever
-reads it and whatever failed before, and a new one each epoch.
+out), a pair ``(train, test)`` or a dict with ``train`` and ``test``. Before each
+``__getitem__`` the global RNGs are seeded from the sample's key (docs/spec.md,
+"Augmentation").
 """
 
 from __future__ import annotations
