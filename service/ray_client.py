@@ -180,7 +180,12 @@ class RayClusterClient:
             if isinstance(translated, CoordinatorGone):
                 with self._lock:
                     self._handles.pop(job_id, None)
-                _forget(handle)
+                # Ray lets go of a dead actor (and its name) now, not when every handle to it
+                # is gone. Best effort: a resumed coordinator does not need its name.
+                try:
+                    ray.kill(handle, no_restart=True)
+                except Exception as kill_err:
+                    log.debug("releasing a dead coordinator: %s", kill_err)
             raise translated from err
 
     def snapshot(self, job_id: str) -> JobSnapshot:
@@ -277,18 +282,6 @@ class RayClusterClient:
             settings.cluster_hold_s,
             settings.ray_call_timeout_s,
         )
-
-
-def _forget(handle: Any) -> None:
-    """Tell Ray that a coordinator found dead is to stay dead, so that it lets go of the
-    actor (and its name) now rather than when every handle to it is gone. Best effort:
-    the actor is dead already, and a resumed coordinator does not need its name."""
-    import ray
-
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception as err:
-        log.debug("releasing a dead coordinator: %s", err)
 
 
 def _probe(address: str, timeout: float) -> None:

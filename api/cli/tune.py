@@ -23,12 +23,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
-def _default_cluster(workers: int):
-    """Equal nodes, one per worker (the probes judge accuracy; time is secondary)."""
-    return parse_cluster({"classes": [{"name": "node", "count": workers, "a_ms": 2.0,
-                                       "c_ms_per_sample": 0.1}]})
-
-
 def register(app: typer.Typer) -> None:
     @app.command("tune")
     def tune_cmd(
@@ -62,8 +56,10 @@ def register(app: typer.Typer) -> None:
         try:
             with spec_warnings_shown(config):
                 spec = load_spec(config)
-            cl = (load_cluster(cluster) if cluster is not None
-                  else _default_cluster(spec.initial_workers or 2))
+            # By default equal nodes, one per worker (the probes judge accuracy, not time).
+            cl = load_cluster(cluster) if cluster is not None else parse_cluster({"classes": [
+                {"name": "node", "count": spec.initial_workers or 2, "a_ms": 2.0,
+                 "c_ms_per_sample": 0.1}]})
         except SpecError as e:
             fail(err, f"{config}: {e}")
         except ClusterError as e:
