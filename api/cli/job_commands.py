@@ -304,17 +304,12 @@ def submit(
             else:
                 typer.echo(job.job_id)
             # On stderr: stdout stays the id alone, for scripts.
-            print_plain(stderr(), f"job page: {page_url(client.url, job.job_id)}")
+            print_plain(stderr(), f"job page: {client.url}/jobs/{job.job_id}")
             for w in job.warnings:
                 if w not in local:  # the same validation, already shown for the file
                     print_plain(stderr(), f"warning: {one_line(w)}")
             if wait and (code := _follow(client, job.job_id, interval)):
                 raise typer.Exit(code)
-
-
-def page_url(base: str, job_id: str) -> str:
-    """The job's web page (``GET /jobs/{id}``) under the API's base URL."""
-    return f"{base.rstrip('/')}/jobs/{job_id}"
 
 
 def _follow(client: DynabatchClient, job_id: str, interval: float) -> int:

@@ -81,12 +81,6 @@ def policies_for(spec: JobSpec, compare: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def with_policy(spec: JobSpec, policy: str) -> JobSpec:
-    if policy == spec.policy:
-        return spec
-    return JobSpec.model_validate({**spec.model_dump(mode="json"), "policy": policy})
-
-
 def simulation_block(r: SimResult, real_gradients: bool) -> dict[str, Any]:
     """What a simulated report adds to a real run's: how it was simulated and its figures
     (the cluster events, recoveries, the faults of its fault script that fired, and how many
@@ -135,19 +129,14 @@ def compare_table(results: list[SimResult]) -> Table:
     return t
 
 
-def last_epoch_workers(r: SimResult) -> list[WorkerStatus]:
-    """The workers as the last epoch left them (a finished job's snapshot has no plan)."""
-    if not r.history:
-        return list(r.snapshot.workers)
-    return [WorkerStatus(worker=w.worker, node=w.node, rank=i, batch=w.batch,
-                         partition=w.partition, throughput=w.throughput,
-                         compute_s_per_step=w.compute_s / max(w.steps, 1),
-                         wait_s_per_step=w.wait_s / max(w.steps, 1), slowdown=w.slowdown)
-            for i, w in enumerate(r.history[-1].workers)]
-
-
 def print_result(console: Console, r: SimResult) -> None:
-    workers = last_epoch_workers(r)
+    # The workers as the last epoch left them (a finished job's snapshot has no plan).
+    workers = list(r.snapshot.workers) if not r.history else [
+        WorkerStatus(worker=w.worker, node=w.node, rank=i, batch=w.batch,
+                     partition=w.partition, throughput=w.throughput,
+                     compute_s_per_step=w.compute_s / max(w.steps, 1),
+                     wait_s_per_step=w.wait_s / max(w.steps, 1), slowdown=w.slowdown)
+        for i, w in enumerate(r.history[-1].workers)]
     shown = r.snapshot.model_copy(update={"workers": workers[:SHOWN_WORKERS]})
     console.print(render(shown, r.history))
     if len(workers) > SHOWN_WORKERS:
@@ -266,8 +255,10 @@ def register(app: typer.Typer) -> None:
                 def progress(done: int, total: int, task=task) -> None:
                     bar.update(task, completed=done, total=total)
 
+                run = spec if policy == spec.policy else JobSpec.model_validate(
+                    {**spec.model_dump(mode="json"), "policy": policy})
                 try:
-                    r = simulate(with_policy(spec, policy), cl, dataset_size=dataset_size,
+                    r = simulate(run, cl, dataset_size=dataset_size,
                                  real_gradients=real_gradients, progress=progress)
                 except (ClusterError, SpecError, ValueError) as e:
                     # WorkloadError (a dataset or model that cannot load) is a ValueError
