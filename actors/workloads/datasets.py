@@ -273,8 +273,9 @@ _VALUES_HINT = ("; for regression targets return DatasetArrays(..., targets=\"va
 
 
 def user_arrays(spec: DatasetSpec, result: Any, seed: int) -> DatasetArrays:
-    """A user loader's return value as DatasetArrays (a map-style dataset is read whole:
-    only :func:`load_dataset`'s callers that need every sample in memory get here)."""
+    """A user loader's return value as DatasetArrays, ``dataset.limit`` applied (a map-style
+    dataset is read whole: only :func:`load_dataset`'s callers that need every sample in
+    memory get here)."""
     field = "dataset.name"
     from dynabatch.actors.data.mapstyle import split_result
 
@@ -283,7 +284,7 @@ def user_arrays(spec: DatasetSpec, result: Any, seed: int) -> DatasetArrays:
 
         return materialise(spec, seed)
     if isinstance(result, DatasetArrays):
-        return result
+        return _limit(result, spec.limit, seed)
     if not isinstance(result, tuple | list) or len(result) != 4:
         what = (
             f"a {len(result)}-tuple"
@@ -302,22 +303,24 @@ def user_arrays(spec: DatasetSpec, result: Any, seed: int) -> DatasetArrays:
                 and not np.all(np.asarray(y_tr) == np.round(np.asarray(y_tr)))):
             # Float targets that are not whole numbers are regression targets.
             width = 1 if np.ndim(y_tr) == 1 else int(np.shape(y_tr)[1])
-            return DatasetArrays(spec.name, x_tr, y_tr, x_te, y_te, num_classes=width,
-                                 targets="values")
-        if np.ndim(y_tr) == 2 and np.asarray(y_tr).dtype.kind in "iu":
+            arrays = DatasetArrays(spec.name, x_tr, y_tr, x_te, y_te, num_classes=width,
+                                   targets="values")
+        elif np.ndim(y_tr) == 2 and np.asarray(y_tr).dtype.kind in "iu":
             # Integer (N, T) targets: token sequences; the vocabulary covers every id seen.
             top = max(int(np.max(a)) for a in (x_tr, y_tr, x_te, y_te))
-            return DatasetArrays(spec.name, x_tr, y_tr, x_te, y_te, num_classes=max(top + 1, 2),
-                                 targets="tokens")
-        labels = [as_labels(y_tr, "y_train"), as_labels(y_te, "y_test")]
-        # A tuple carries no class count: infer it from the largest label seen.
-        top = max((int(y.max()) for y in labels if len(y)), default=0)
-        return DatasetArrays(spec.name, x_tr, labels[0], x_te, labels[1],
-                             num_classes=spec.num_classes or top + 1)
+            arrays = DatasetArrays(spec.name, x_tr, y_tr, x_te, y_te,
+                                   num_classes=max(top + 1, 2), targets="tokens")
+        else:
+            labels = [as_labels(y_tr, "y_train"), as_labels(y_te, "y_test")]
+            # A tuple carries no class count: infer it from the largest label seen.
+            top = max((int(y.max()) for y in labels if len(y)), default=0)
+            arrays = DatasetArrays(spec.name, x_tr, labels[0], x_te, labels[1],
+                                   num_classes=spec.num_classes or top + 1)
     except InvalidArrays as err:
         hint = _VALUES_HINT if "class labels" in err.problem else ""
         raise WorkloadError(
             f"{field}: {spec.name!r} returned invalid data: {err.problem}{hint}") from err
+    return _limit(arrays, spec.limit, seed)
 
 
 def _pysource(spec: DatasetSpec, seed: int) -> DatasetArrays:
@@ -349,6 +352,6 @@ def load_dataset(spec: DatasetSpec, seed: int = 0) -> DatasetArrays:
         from dynabatch.actors.data.open import materialise
 
         return materialise(spec, seed)
-    loader = _BUILTINS.get(spec.name, _user)
-    arrays = loader(spec, seed)
-    return _limit(arrays, spec.limit, seed)
+    if spec.name not in _BUILTINS:
+        return _user(spec, seed)  # limited in user_arrays, as open_dataset's arrays are
+    return _limit(_BUILTINS[spec.name](spec, seed), spec.limit, seed)

@@ -536,6 +536,17 @@ def test_user_loader_returning_dataset_arrays() -> None:
     assert len(limited.x_train) == 7
 
 
+def test_dataset_limit_applies_to_a_user_loaders_arrays_in_the_job() -> None:
+    # The sync job opens its data with open_dataset, not load_dataset: the limit holds there too.
+    from dynabatch.actors.data.open import open_dataset
+
+    for loader in ("arrays_loader", "tuple_loader"):
+        spec = DatasetSpec(name=f"{PLUGINS}:{loader}", limit=7)
+        opened = open_dataset(spec, seed=0)
+        assert len(opened.train) == 7 and len(opened.arrays.y_train) == 7
+        assert np.array_equal(opened.arrays.y_train, load_dataset(spec, seed=0).y_train)
+
+
 def test_user_loader_returning_a_tuple() -> None:
     d = load_dataset(DatasetSpec(name=f"{PLUGINS}:tuple_loader"))
     assert d.name == f"{PLUGINS}:tuple_loader"
