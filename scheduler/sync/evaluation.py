@@ -1,25 +1,11 @@
 """Evaluation off the critical path: the held-out set split across the state holders.
 
-At an epoch's end every holder of the state has the same weights. The coordinator splits
-the test set into contiguous shards in proportion to the holders' measured throughput
-(:func:`split`), sends each holder its shard *before* the next segment, and collects the
-shards whenever they arrive (:class:`Evaluations`). An actor runs its calls in order, so a
-shard scores the epoch's final weights and its worker trains on right after it, without a
-round trip to the coordinator; nobody waits for one worker to score the whole set.
-
-Exact. A metric is a per-sample function plus a ``finish`` of the mean, or a torchmetrics
-metric whose states merge (``actors/workloads/eval_metrics.py``), so a shard's sums
-``{"n", "loss", <metric>: Σ, "states": ...}`` add up
-(:func:`combine`) to the sums of the whole set, and the runtime's ``finish_evaluation``
-applies the means and finishes once: the scores equal one worker's over the whole set, to
-float rounding (``tests/unit/test_evaluation.py``, perplexity and a user metric included).
-A shard that never arrives (its worker was lost) leaves the epoch without test scores,
-never with scores of part of the set.
-
-Time. A shard's ``seconds`` are the worker's own. The slowest shard is what evaluation
-costs the critical path (every worker waits for it at the next step's all-reduce); the rest
-of the work, ``Σ seconds − max seconds``, is what the split hid: one worker evaluating alone
-would have added it while the others waited.
+At an epoch's end the holders score contiguous shards of the held-out set in proportion to
+their measured throughput (:func:`split`), each queued ahead of its next segment; the
+shards' sums add up exactly to the whole set's (:func:`combine`), and a shard that never
+arrives leaves the epoch without scores, never with scores of part of the set. Why and how
+(exactness, what it costs the critical path): ``docs/architecture.md``, "Evaluation is off
+the critical path".
 
 Splits. Each epoch scores the judged split: ``dataset.validation``'s when the job has one,
 else the test set. With a validation split the test set is scored by a round of its own,

@@ -1,25 +1,12 @@
 """The segment pipeline: send segments ahead, commit what the workers report, absorb failures.
 
-No bubbles. One segment is always in flight: the next segment is sent to the workers before
-the current one's results are read (every runtime queues it behind the one running:
-:meth:`~dynabatch.scheduler.runtime.seam.Runtime.submit_segment`), so workers go from
-segment to segment without waiting for the coordinator. A re-plan does not stop it: the
-segment ahead keeps the allocation it was planned under, and the new plan takes effect at
-the step after it (``SyncProtocol.replan(at=)``). Across an epoch's end (same global batch,
-no checkpoint due) the epoch's evaluation is queued first, then the next epoch's first
-segment. If the segment before it failed, the one ahead cannot have trained (its workers
-left the group) and is collected and discarded.
-
-When a segment may be sent ahead, where it starts and how its wall time is attributed are
-pure decisions (``dynabatch.scheduler.core.sync.ahead``); this module executes them.
-
-Plan updates. A re-plan does not wait
-for the segment in flight either: it is adopted from the second step of that segment
-(``update_at``: the workers may have started its first) and posted to the workers
-(``update_segment``), which apply it at their next step boundary, all from that step, or
-none of them; a refused update (a worker had started the step) defers the allocation to
-the step after the segment (``SyncProtocol.defer``). See
-``dynabatch.scheduler.core.sync.update``.
+One segment is always in flight: the next is sent before the current one's results are
+read, so workers go from segment to segment without waiting for the coordinator; a re-plan
+takes effect after the segment sent ahead, or inside it through a plan update
+(``dynabatch.scheduler.core.sync.update``). Whether a segment may be sent ahead, where it
+starts and how its wall time is attributed are pure decisions
+(``dynabatch.scheduler.core.sync.ahead``); this module executes them. The whole, across an
+epoch's end and after a failure: ``docs/architecture.md``, "No bubbles".
 """
 
 from __future__ import annotations
