@@ -1,11 +1,8 @@
 """A job's trained model, as the service serves it (``GET /v1/jobs/{id}/model``).
 
-The job's coordinator builds the files at the job's end (safetensors and a manifest,
-:mod:`dynabatch.actors.export`) and writes them to ``artifacts.dir/JOB_ID/`` when the spec
-names one. A job without ``artifacts.dir`` has them only in its coordinator, which the service
-releases once the job has finished: :func:`keep_model` copies them first, into the service's
-own ``models/JOB_ID/`` beside its database (:func:`models_dir`). :func:`job_model` finds them
-in that order: the job's ``artifacts.dir``, the service's copy, the live coordinator.
+A job without ``artifacts.dir`` has its model files only in its coordinator, which the
+service releases once the job has finished: :func:`keep_model` first copies them beside the
+service's database (:func:`models_dir`).
 """
 
 from __future__ import annotations

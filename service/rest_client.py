@@ -148,11 +148,9 @@ class DynabatchClient:
 
     def submit_with_code(self, spec: dict[str, Any], *, what: str = "working_dir"
                          ) -> JobSubmitted:
-        """Submit ``spec``, first shipping its ``working_dir`` when that names a directory on
-        this machine (absolute, as ``read_config`` leaves it): the service may run anywhere,
-        so the code travels in a request (zipped, ``POST /v1/code``) and the spec sent names
-        the upload. A refused upload is an :class:`ApiError` that starts with ``what`` (the
-        option or field the directory came from)."""
+        """Submit ``spec``, first uploading its ``working_dir`` when that names a directory on
+        this machine (the service may run anywhere); a refused upload's :class:`ApiError`
+        starts with ``what``, the option or field the directory came from."""
         named = spec.get("working_dir")
         if local_working_dir(named):
             try:

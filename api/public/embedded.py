@@ -186,9 +186,8 @@ PROGRESS_EVERY_S = 30.0
 
 class PlainProgress:
     """The bar's stand-in where nothing redraws a line (output to a file or a pipe): a plain
-    line, ``NAME: step N/TOTAL (P%), epoch E/EPOCHS, loss ...``, when the epoch changes, at
-    the end and at most every :data:`PROGRESS_EVERY_S` in between; the same calls as the
-    tqdm bar's that :class:`ProgressView` makes."""
+    progress line when the epoch changes, at the end and at most every
+    :data:`PROGRESS_EVERY_S` in between."""
 
     def __init__(self, file: Any, desc: str):
         self.file, self.desc = file, desc

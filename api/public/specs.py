@@ -30,36 +30,25 @@ def resolve_spec(
     :class:`SpecError` for any problem. The spec's warnings are issued ``warn_at`` frames up
     (3: ``dynabatch.run(...)`` in the user's code), not in pydantic; None: not issued
     (``Client.submit`` issues the service's copy instead)."""
+    override = Path(working_dir) if working_dir is not None else None
+    what = "working_dir"
     with spec_warnings_caught() as messages:
-        out = _resolve(spec, working_dir)
+        try:
+            if isinstance(spec, str | os.PathLike):
+                data, parsed = read_config(Path(spec), working_dir=override,
+                                           working_dir_name="working_dir")
+                what = "working_dir" if override is not None else f"{Path(spec)}: working_dir"
+            elif isinstance(spec, JobSpec | dict):
+                # A dict is copied: the caller's is left as it was.
+                mapping = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else dict(spec)
+                data, parsed = mapping_config(mapping, working_dir=override,
+                                              working_dir_name="working_dir")
+            else:
+                raise SpecError([f"spec: expected a JobSpec, a dict of fields or a config "
+                                 f"file's path, got {type(spec).__name__}"])
+        except CliError as err:
+            raise SpecError([str(err)]) from None
     if warn_at is not None:
         for m in messages:
             warnings.warn(m, SpecWarning, stacklevel=warn_at)
-    return out
-
-
-def _resolve(
-    spec: SpecLike, working_dir: str | os.PathLike[str] | None
-) -> tuple[dict[str, Any], JobSpec, str]:
-    override = Path(working_dir) if working_dir is not None else None
-    try:
-        if isinstance(spec, str | os.PathLike):
-            path = Path(spec)
-            data, parsed = read_config(path, working_dir=override, working_dir_name="working_dir")
-            what = "working_dir" if override is not None else f"{path}: working_dir"
-            return data, parsed, what
-        if isinstance(spec, JobSpec):
-            mapping: Any = spec.model_dump(mode="json")
-        elif isinstance(spec, dict):
-            mapping = dict(spec)  # the caller's dict is left as it was
-        else:
-            raise SpecError(
-                [
-                    f"spec: expected a JobSpec, a dict of fields or a config file's "
-                    f"path, got {type(spec).__name__}"
-                ]
-            )
-        data, parsed = mapping_config(mapping, working_dir=override, working_dir_name="working_dir")
-        return data, parsed, "working_dir"
-    except CliError as err:
-        raise SpecError([str(err)]) from None
+    return data, parsed, what
