@@ -64,7 +64,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from dynabatch.scheduler.core.sync.steptime import equal_finish
-from dynabatch.scheduler.core.victims import failure_victims
 from dynabatch.scheduler.sim.cluster_spec import MB, ClusterSpec, Event
 
 
@@ -174,8 +173,15 @@ class SimulatedCluster:
             for n in nodes:
                 n.factor = s.factor
             return nodes
+        # A failure takes the class's ``index``-th node if it is alive; else the class's (or
+        # the cluster's) alive nodes, the latest first, those hosting a worker first.
         sel = e.selector
-        victims = failure_victims(self.nodes, sel.count, sel.node_class, sel.index, busy)
+        pool = [n for n in self.nodes if sel.node_class is None or n.node_class == sel.node_class]
+        if sel.node_class is not None and sel.index is not None:
+            pool = pool[sel.index:sel.index + 1]
+        alive = [n for n in reversed(pool) if n.alive]
+        victims = ([n for n in alive if n.node_id in busy]
+                   + [n for n in alive if n.node_id not in busy])[:sel.count]
         for n in victims:
             n.alive = False
         return victims

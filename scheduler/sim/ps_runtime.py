@@ -11,7 +11,7 @@ over the job's ``protocol.shards`` server actors (the cluster's ``parameter_serv
 gradient is computed, for real, when the learner pulls (it depends only on the version
 pulled, so this is exact) and pushed ``t(b)`` and the transfers later; the server's own work
 takes no virtual time. Timed cluster events: ``fail`` takes nodes by the rule every simulator
-uses (:func:`~dynabatch.scheduler.core.victims.failure_victims`) and their learners are lost;
+uses (``SimulatedCluster.apply``) and their learners are lost;
 ``join`` adds nodes, and the driver starts a learner on each.
 
 This module imports torch (through :mod:`dynabatch.actors.ps` and :mod:`dynabatch.actors.learner`).

@@ -2,7 +2,7 @@
 :class:`~dynabatch.scheduler.sim.cost_model.SimulatedCluster`, the cluster's events and the
 workers and spares placed on its nodes. Events happen at their simulated time, when the job
 reaches their (epoch, step), or now (``happen``); a failure takes nodes by the rule every
-simulator uses (:func:`~dynabatch.scheduler.core.victims.failure_victims`). Workers and spares
+simulator uses (``SimulatedCluster.apply``). Workers and spares
 are up ``start_s`` after they were started; an adopted spare's worker is up as soon as the
 spare is, as on Ray. :class:`~dynabatch.scheduler.sim.runtime.SimRuntime` adds the calls.
 """

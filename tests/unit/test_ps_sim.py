@@ -244,19 +244,23 @@ def test_one_failure_victim_rule_for_both_protocols():
     """One cluster file fails the same nodes whether a synchronous or a parameter-server job
     runs on it (one rule: the selected node, else the latest alive nodes hosting a worker,
     then idle ones)."""
-    from dynabatch.scheduler.core.victims import failure_victims
     from dynabatch.scheduler.ps.driver import build_core
-    from dynabatch.scheduler.sim.cluster_spec import parse_cluster
-    from dynabatch.scheduler.sim.cost_model import Node
+    from dynabatch.scheduler.sim.cluster_spec import Event, parse_cluster
+    from dynabatch.scheduler.sim.cost_model import SimulatedCluster
     from dynabatch.scheduler.sim.simulator import simulate
 
-    nodes = [Node(f"n{i}", "a" if i < 3 else "b", 0.0, 1.0) for i in range(5)]
-    assert [n.node_id for n in failure_victims(nodes, 2, busy={"n1", "n3"})] == ["n3", "n1"]
-    assert [n.node_id for n in failure_victims(nodes, 3, "a", busy={"n0"})] == [
-        "n0", "n2", "n1"]
-    assert [n.node_id for n in failure_victims(nodes, 1, "b", 0)] == ["n3"]
-    nodes[3].alive = False
-    assert failure_victims(nodes, 1, "b", 0) == []
+    five = SimulatedCluster(parse_cluster({"classes": [
+        {"name": "a", "count": 3, "a_ms": 4, "c_ms_per_sample": 1.0},
+        {"name": "b", "count": 2, "a_ms": 4, "c_ms_per_sample": 1.0}]}))
+
+    def fails(fail: object, busy: set[str] = frozenset()) -> list[str]:
+        return [n.node_id for n in five.apply(Event(at_s=0.0, fail=fail), busy)]
+
+    # Hosting a worker first, the latest first: b-00000 and a-00001 host workers.
+    assert fails(2, busy={"a-00001", "b-00000"}) == ["b-00000", "a-00001"]
+    assert fails({"class": "a", "count": 3}, busy={"a-00000"}) == ["a-00000", "a-00002"]
+    assert fails({"class": "b", "index": 1}) == ["b-00001"]
+    assert fails({"class": "b", "index": 1}) == []  # the selected node is dead already
 
     cluster = parse_cluster({
         "classes": [{"name": "a", "count": 3, "a_ms": 4, "c_ms_per_sample": 1.0},
