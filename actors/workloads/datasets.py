@@ -329,8 +329,10 @@ def _pysource(spec: DatasetSpec, seed: int) -> DatasetArrays:
 
     _warn_unused_path(spec)
     opts = _int_options(spec, INT_OPTIONS["pysource"])
-    x_tr, y_tr, x_te, y_te = text.split_corpus(opts["chars"], opts["seq_len"], spec.test_fraction)
-    return DatasetArrays("pysource", x_tr, y_tr, x_te, y_te, num_classes=text.VOCAB,
+    ids = text.encode(text.stdlib_text(opts["chars"]))
+    cut = int(len(ids) * (1.0 - spec.test_fraction))
+    return DatasetArrays("pysource", *text.windows(ids[:cut], opts["seq_len"]),
+                         *text.windows(ids[cut:], opts["seq_len"]), num_classes=text.VOCAB,
                          targets="tokens")
 
 

@@ -67,13 +67,3 @@ def windows(ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     x = ids[: n * seq_len].reshape(n, seq_len)
     y = ids[1 : n * seq_len + 1].reshape(n, seq_len)
     return np.ascontiguousarray(x), np.ascontiguousarray(y)
-
-
-def split_corpus(
-    max_chars: int, seq_len: int, test_fraction: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    ids = encode(stdlib_text(max_chars))
-    cut = int(len(ids) * (1.0 - test_fraction))
-    x_tr, y_tr = windows(ids[:cut], seq_len)
-    x_te, y_te = windows(ids[cut:], seq_len)
-    return x_tr, y_tr, x_te, y_te
