@@ -12,14 +12,14 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.service.cluster_schemas import scheduler_note
 from dynabatch.service.job_service import JobService
 from dynabatch.service.schemas import JobDetail, JobHistory, JobList, JobSummary
 from fastapi import Request, Response
+from starlette.concurrency import run_in_threadpool
 
 JSON = "application/json"
 KEPT = 256  # answers kept (each job's status and history, a few list pages)
@@ -90,7 +90,20 @@ class JobViews:
             self._items.move_to_end(key)
             return body
 
-    def _get(self, key: tuple, make: Callable[[], bytes]) -> Body:
+    def _make(self, key: tuple) -> bytes:
+        """The serialized answer for ``key``, read from the store. Raises JobNotFound."""
+        kind, *args = key
+        if kind == "job":
+            return JobDetail.of(self.service.get(args[0])).model_dump_json().encode()
+        if kind == "history":
+            records = self.service.history(*args)
+            return JobHistory(job_id=args[0], records=records).model_dump_json().encode()
+        state, offset, limit = args
+        records, total = self.service.list(state, offset=offset, limit=limit)
+        return JobList(items=[JobSummary.of(r) for r in records], total=total,
+                       offset=offset, limit=limit).model_dump_json().encode()
+
+    def _get(self, key: tuple) -> Body:
         body = self.kept(key)
         if body is not None:
             return body
@@ -99,7 +112,7 @@ class JobViews:
             if body is not None:
                 return body
             version = self._version(key)  # before the read: a write during it is news
-            data = make()
+            data = self._make(key)
             body = Body(version, data, etag_of(data))
         with self._lock:
             self._items[key] = body
@@ -108,38 +121,10 @@ class JobViews:
                 self._items.popitem(last=False)
         return body
 
-    # Answers ----------------------------------------------------------------------------
-    @staticmethod
-    def job_key(job_id: str) -> tuple:
-        return ("job", job_id)
-
-    @staticmethod
-    def history_key(job_id: str, since: int) -> tuple:
-        return ("history", job_id, since)
-
-    @staticmethod
-    def list_key(state: JobState | None, offset: int, limit: int) -> tuple:
-        return ("list", state, offset, limit)
-
-    def job(self, job_id: str) -> Body:
-        """``GET /v1/jobs/{id}``'s body. Raises JobNotFound."""
-        return self._get(self.job_key(job_id),
-                         lambda: JobDetail.of(self.service.get(job_id)).model_dump_json().encode())
-
-    def history(self, job_id: str, since: int) -> Body:
-        """``GET /v1/jobs/{id}/history``'s body. Raises JobNotFound."""
-        return self._get(
-            self.history_key(job_id, since),
-            lambda: JobHistory(job_id=job_id, records=self.service.history(job_id, since))
-            .model_dump_json().encode(),
-        )
-
-    def list(self, state: JobState | None, offset: int, limit: int) -> Body:
-        """``GET /v1/jobs``'s body."""
-
-        def make() -> bytes:
-            records, total = self.service.list(state, offset=offset, limit=limit)
-            return JobList(items=[JobSummary.of(r) for r in records], total=total,
-                           offset=offset, limit=limit).model_dump_json().encode()
-
-        return self._get(self.list_key(state, offset, limit), make)
+    async def answer(self, request: Request, key: tuple) -> Response:
+        """The answer for ``key``: ``("job", id)``, ``("history", id, since)`` or ``("list",
+        state, offset, limit)``; kept, else built in a worker thread. Raises JobNotFound."""
+        body = self.kept(key)
+        if body is None:
+            body = await run_in_threadpool(self._get, key)
+        return body.response(request)

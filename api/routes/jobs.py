@@ -111,22 +111,14 @@ async def list_jobs(
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> Response:
-    views = _views(request)
-    body = views.kept(views.list_key(state, offset, limit))
-    if body is None:
-        body = await run_in_threadpool(views.list, state, offset, limit)
-    return body.response(request)
+    return await _views(request).answer(request, ("list", state, offset, limit))
 
 
 @router.get("/{job_id}", response_model=JobDetail, summary="A job's state",
             responses={**NOT_FOUND, **_CACHED})
 async def get_job(job_id: JobId, request: Request) -> Response:
     """State, epoch, step, the latest per-worker allocation and telemetry, loss, accuracy."""
-    views = _views(request)
-    body = views.kept(views.job_key(job_id))
-    if body is None:
-        body = await run_in_threadpool(views.job, job_id)
-    return body.response(request)
+    return await _views(request).answer(request, ("job", job_id))
 
 
 @router.get(
@@ -140,11 +132,7 @@ async def get_history(
     request: Request,
     since: Annotated[int, Query(ge=0, le=2**31 - 1, description="First epoch.")] = 0,
 ) -> Response:
-    views = _views(request)
-    body = views.kept(views.history_key(job_id, since))
-    if body is None:
-        body = await run_in_threadpool(views.history, job_id, since)
-    return body.response(request)
+    return await _views(request).answer(request, ("history", job_id, since))
 
 
 @router.get("/{job_id}/logs", response_model=JobLogs, summary="Log lines", responses=NOT_FOUND)
