@@ -102,14 +102,10 @@ class ControlChart:
         return ControlChart(window, self.sigma, self.losses[-window:])
 
     @property
-    def full(self) -> bool:
-        return len(self.losses) == self.window
-
-    @property
     def limit(self) -> float | None:
-        if not self.full:
-            return None
         n = len(self.losses)
+        if n < self.window:
+            return None
         mean = sum(self.losses) / n
         var = sum((x - mean) ** 2 for x in self.losses) / n
         return mean + self.sigma * math.sqrt(var)

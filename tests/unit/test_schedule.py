@@ -150,7 +150,7 @@ def test_a_window_of_an_epoch_follows_the_steps_per_epoch():
     c = ControlChart(4, 3.0, (1.0, 2.0, 3.0, 4.0))
     assert c.resized(4) is c
     assert c.resized(2).losses == (3.0, 4.0) and c.resized(2).window == 2
-    assert c.resized(8).losses == c.losses and not c.resized(8).full
+    assert c.resized(8).losses == c.losses and c.resized(8).limit is None
     spec = _spec(isgd={"enabled": True, "window": "epoch"})
     coord, _ = _coord(spec)
     assert coord.run().state == JobState.SUCCEEDED
