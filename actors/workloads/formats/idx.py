@@ -99,42 +99,27 @@ MNIST_FILES: dict[str, str] = {
     "test_labels": "t10k-labels-idx1-ubyte",
 }
 
-MnistArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
-
-def _mnist_candidates(stem: str) -> list[str]:
-    # Some mirrors spell the files "train-images.idx3-ubyte"; accept both, each plain or .gz.
-    dotted = stem.replace("-idx", ".idx")
-    return [stem, f"{stem}.gz", dotted, f"{dotted}.gz"]
-
-
-def find_mnist_files(directory: str | Path) -> dict[str, Path]:
-    """The four MNIST files in ``directory`` (or in its ``MNIST/raw``, torchvision's layout)."""
+def read_mnist(directory: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The four MNIST IDX files in ``directory`` (or in its ``MNIST/raw``, torchvision's
+    layout), decoded and cross-checked: uint8 images (N, H, W) and uint8 labels (N,) for
+    train and test."""
     root = Path(directory)
     if not root.is_dir():
         raise FormatError(f"{root}: not a directory")
-    dirs = [root, root / "MNIST" / "raw"]
-    found: dict[str, Path] = {}
-    for key, stem in MNIST_FILES.items():
-        for d in dirs:
-            hit = next((d / n for n in _mnist_candidates(stem) if (d / n).is_file()), None)
-            if hit is not None:
-                found[key] = hit
-                break
-        else:
-            raise FormatError(f"{root}: no {stem} (or {stem}.gz) in this directory")
-    return found
-
-
-def read_mnist(directory: str | Path) -> MnistArrays:
-    """The four MNIST IDX files in ``directory``, decoded and cross-checked: uint8 images
-    (N, H, W) and uint8 labels (N,) for train and test."""
-    files = find_mnist_files(directory)
-    src = {k: str(p) for k, p in files.items()}
+    src: dict[str, str] = {}
     out: dict[str, np.ndarray] = {}
-    for key in MNIST_FILES:
+    for key, stem in MNIST_FILES.items():
+        # Some mirrors spell the files "train-images.idx3-ubyte"; accept both, each plain or .gz.
+        dotted = stem.replace("-idx", ".idx")
+        names = (stem, f"{stem}.gz", dotted, f"{dotted}.gz")
+        path = next((d / n for d in (root, root / "MNIST" / "raw") for n in names
+                     if (d / n).is_file()), None)
+        if path is None:
+            raise FormatError(f"{root}: no {stem} (or {stem}.gz) in this directory")
+        src[key] = str(path)
         magic = MNIST_IMAGES_MAGIC if key.endswith("images") else MNIST_LABELS_MAGIC
-        out[key] = decode_idx(_read_maybe_gzip(files[key]), source=src[key], magic=magic)
+        out[key] = decode_idx(_read_maybe_gzip(path), source=src[key], magic=magic)
     for split in ("train", "test"):
         images, labels = out[f"{split}_images"], out[f"{split}_labels"]
         if len(images) != len(labels):
