@@ -414,10 +414,8 @@ class JobStore:
             if row is None:
                 raise KeyError(job_id)
             new = JobState(row["state"]).resumed()
-            last = db.execute(
-                "SELECT MAX(seq) FROM logs WHERE job_id = ?", (job_id,)
-            ).fetchone()[0]
-            seq = 0 if last is None else int(last) + 1
+            last = self.last_log_seq(job_id)
+            seq = 0 if last is None else last + 1
             db.execute(
                 "INSERT INTO logs (job_id, seq, time, level, message) VALUES (?, ?, ?, ?, ?)",
                 (job_id, seq, now, "WARNING", reason),
@@ -465,7 +463,7 @@ class JobStore:
         return self.get(job_id)
 
     # History ----------------------------------------------------------------------------
-    def replace_history(self, job_id: str, records: Iterable[EpochRecord]) -> int:
+    def replace_history(self, job_id: str, records: Iterable[EpochRecord]) -> None:
         """The job's whole history is ``records`` (a resumed coordinator's, read in full);
         clears the job's ``resync`` mark."""
         rows = [(job_id, r.epoch, r.model_dump_json()) for r in records]
@@ -475,17 +473,15 @@ class JobStore:
                 "INSERT INTO history (job_id, epoch, record) VALUES (?, ?, ?)", rows
             )
             db.execute("UPDATE jobs SET resync = 0 WHERE id = ?", (job_id,))
-        return len(rows)
 
-    def add_history(self, job_id: str, records: Iterable[EpochRecord]) -> int:
+    def add_history(self, job_id: str, records: Iterable[EpochRecord]) -> None:
         rows = [(job_id, r.epoch, r.model_dump_json()) for r in records]
         if not rows:
-            return 0
+            return
         with self._tx(job_id, row=False, history=True) as db:
             db.executemany(
                 "INSERT OR REPLACE INTO history (job_id, epoch, record) VALUES (?, ?, ?)", rows
             )
-        return len(rows)
 
     def history(self, job_id: str, since: int = 0) -> list[EpochRecord]:
         with self._lock:
@@ -518,17 +514,16 @@ class JobStore:
         return None if row[0] is None else int(row[0])
 
     # Logs -------------------------------------------------------------------------------
-    def add_logs(self, job_id: str, lines: Iterable[LogLine]) -> int:
+    def add_logs(self, job_id: str, lines: Iterable[LogLine]) -> None:
         rows = [(job_id, x.seq, x.time, x.level, x.message) for x in lines]
         if not rows:
-            return 0
+            return
         with self._tx() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO logs (job_id, seq, time, level, message) "
                 "VALUES (?, ?, ?, ?, ?)",
                 rows,
             )
-        return len(rows)
 
     def logs(self, job_id: str, since: int = 0, limit: int = 1000) -> list[LogLine]:
         with self._lock:
