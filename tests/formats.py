@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 from dynabatch.actors.workloads.formats.cifar import (
-    CIFAR10_LABELS,
     CIFAR10_META,
     CIFAR10_TEST_BATCH,
     CIFAR10_TRAIN_BATCHES,
@@ -24,6 +23,8 @@ from dynabatch.actors.workloads.formats.idx import (
 )
 
 _CIFAR_PIXELS = 3 * 32 * 32
+CIFAR10_LABELS = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
+                  "ship", "truck")
 _IDX_CODES = {(dt.kind, dt.itemsize): code for code, dt in IDX_TYPES.items()}
 
 

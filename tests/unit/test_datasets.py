@@ -13,17 +13,14 @@ from dynabatch.actors.spec import DatasetSpec
 from dynabatch.actors.workloads import WorkloadError
 from dynabatch.actors.workloads.datasets import DatasetArrays, load_dataset
 from dynabatch.actors.workloads.formats import FormatError
-from dynabatch.actors.workloads.formats.cifar import (
-    CIFAR10_LABELS,
-    read_cifar10,
-    read_cifar10_meta,
-)
+from dynabatch.actors.workloads.formats.cifar import read_cifar10, read_cifar10_meta
 from dynabatch.actors.workloads.formats.idx import MNIST_FILES, decode_idx
 from dynabatch.actors.workloads.images import channel_stats, generate_mnist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.formats import (
+    CIFAR10_LABELS,
     encode_idx,
     read_idx,
     write_cifar10,

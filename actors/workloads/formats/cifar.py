@@ -18,22 +18,7 @@ CIFAR10_DIRNAME = "cifar-10-batches-py"
 CIFAR10_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST_BATCH = "test_batch"
 CIFAR10_META = "batches.meta"
-CIFAR10_LABELS = (
-    "airplane",
-    "automobile",
-    "bird",
-    "cat",
-    "deer",
-    "dog",
-    "frog",
-    "horse",
-    "ship",
-    "truck",
-)
 _CIFAR_PIXELS = 3 * 32 * 32
-
-CifarArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
 
 def _pickle_allowlist() -> dict[tuple[str, str], Any]:
     # Only what numpy arrays and bytes need, under both numpy 1 and numpy 2 module names.
@@ -137,17 +122,15 @@ def read_cifar10_meta(directory: str | Path) -> list[str] | None:
     return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
 
 
-def read_cifar10(path: str | Path) -> CifarArrays:
+def read_cifar10(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """All of CIFAR-10: uint8 images (N, 3, 32, 32) and int64 labels, train then test."""
     d = cifar10_dir(path)
     missing = [n for n in (*CIFAR10_TRAIN_BATCHES, CIFAR10_TEST_BATCH) if not (d / n).is_file()]
     if missing:
         raise FormatError(f"{d}: missing CIFAR-10 batch file(s): {', '.join(missing)}")
     names = read_cifar10_meta(d)
-    if names is not None and len(names) != len(CIFAR10_LABELS):
-        raise FormatError(
-            f"{d / CIFAR10_META}: {len(names)} label names, CIFAR-10 has {len(CIFAR10_LABELS)}"
-        )
+    if names is not None and len(names) != 10:
+        raise FormatError(f"{d / CIFAR10_META}: {len(names)} label names, CIFAR-10 has 10")
     train = [read_cifar_batch(d / n) for n in CIFAR10_TRAIN_BATCHES]
     x_test, y_test = read_cifar_batch(d / CIFAR10_TEST_BATCH)
     x_train = np.concatenate([x for x, _ in train])
