@@ -1,16 +1,7 @@
-"""Datasets as normalised in-memory numpy arrays.
-
-Built-ins (nothing is ever downloaded):
-
-* ``synthetic``: a seeded classification problem labelled by a random teacher network.
-* ``digits``: scikit-learn's bundled 8x8 digits (1797 samples), as 64 features in [0, 1].
-* ``mnist``: the four IDX files in ``dataset.path``; without a path, MNIST-format data is
-  generated from the seed (seven-segment style digits with random slant, scale, stroke width
-  and noise).
-* ``cifar10``: the python pickle batches in ``dataset.path`` (or its ``cifar-10-batches-py``).
-
-A user loader ``"pkg.mod:function"`` is called with ``dataset.options`` as keyword arguments
-and returns a :class:`DatasetArrays` or a tuple ``(x_train, y_train, x_test, y_test)``.
+"""Datasets as normalised in-memory numpy arrays: the built-ins (nothing is ever downloaded;
+what each reads or generates: docs/spec.md) and a user loader ``"pkg.mod:function"``, called
+with ``dataset.options`` as keyword arguments, returning a :class:`DatasetArrays` or a tuple
+``(x_train, y_train, x_test, y_test)``.
 """
 
 from __future__ import annotations
@@ -127,6 +118,7 @@ def _limit(arrays: DatasetArrays, limit: int | None, seed: int) -> DatasetArrays
 
 
 def _synthetic(spec: DatasetSpec, seed: int) -> DatasetArrays:
+    """A seeded classification problem labelled by a random teacher network."""
     _warn_unused_path(spec)
     opts = _int_options(spec, INT_OPTIONS["synthetic"])
     n, d, k = opts["n_samples"], opts["n_features"], opts["n_classes"]
