@@ -1,20 +1,7 @@
 """Parquet (and Arrow-written Parquet: Ray Data, pandas, Hugging Face ``datasets``), read by
-row group, never whole.
-
-``dataset: {name: parquet, path: DIR_OR_FILE_OR_URI, options: {x: image, y: label}}``. A
-directory of files is one dataset (files in sorted order). The feature column ``x`` may
-hold raw bytes of one fixed length (MNIST-style pixels), encoded images (PNG/JPEG bytes,
-or a ``{bytes, path}`` struct as ``datasets`` writes them), lists of numbers, or ``x`` may
-name several numeric columns (tabular features). ``shape`` reshapes a sample (e.g.
-``[1, 28, 28]``); ``scale`` multiplies it (default 1/255 for uint8 data, else 1).
-
-Variable-length lists (token ids of sequences of any length) need ``dataset.collate``: the
-source is then structured (:mod:`dynabatch.actors.data.structured`), each row a sample of its
-own length, and the collate builds the share's batch (pads it to the share's longest).
-
-A read groups the ids by row group and decodes each needed group once, into a small LRU
-cache (``cache_groups`` groups): with the block order the epoch trains
-(:mod:`dynabatch.actors.data.order`), each group is decoded about once per epoch per worker.
+row group, never whole, decoded groups kept in a small LRU cache (``cache_groups``). Its
+options, the forms of ``x``, variable-length lists with ``dataset.collate`` and the block order
+that decodes each group about once per epoch per worker: docs/spec.md ("Data read by position").
 """
 
 from __future__ import annotations
