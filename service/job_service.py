@@ -24,7 +24,6 @@ from dynabatch.service.cluster_client import NodeJob, NodeStatus
 from dynabatch.service.cluster_schemas import GRANTED, scheduler_note
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.reconciler import (
-    EMBEDDED_ENDED,
     Reconciler,
     SchedulerLink,
     checkpoint_exists,
@@ -45,11 +44,6 @@ from dynabatch.service.service_errors import (
 from dynabatch.service.settings import Settings
 from dynabatch.service.store import QUEUED, STARTING, JobRecord, JobStore
 from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
-
-__all__ = [
-    "EMBEDDED_ENDED", "JOB_ID_PATTERN", "WORKER_ID_PATTERN", "JobService",
-    "build_service",
-]
 
 log = logging.getLogger("dynabatch.service")
 
@@ -184,15 +178,12 @@ class JobService:
             except Refused as err:  # the cluster changed since the check above
                 why = f"refused by the cluster scheduler: {err}"
                 return self.reconciler.fail(job_id, why) or rec
-            except ClusterUnavailable as err:
-                self.reconciler.fail(
-                    job_id, f"could not start the job's coordinator: {first_line(err, typed=False)}"
-                )
-                raise
             except RayCallError as err:
                 failed = self.reconciler.fail(
                     job_id, f"could not start the job's coordinator: {first_line(err, typed=False)}"
                 )
+                if isinstance(err, ClusterUnavailable):
+                    raise  # Ray is not reachable (503): the job is stored FAILED
                 return failed or rec
         log.info("job %s (%s) submitted", job_id, spec.name)
         return rec

@@ -31,9 +31,6 @@ class JobNotFound(LookupError):
 class WorkerNotFound(LookupError):
     """The job has no such worker (404)."""
 
-    def __str__(self) -> str:  # KeyError-style quoting would wrap the message
-        return str(self.args[0]) if self.args else "worker not found"
-
 
 class JobConflict(Exception):
     """The request does not fit the job's current state (409): draining its last worker,

@@ -16,7 +16,8 @@ import pytest
 from dynabatch.api.app import create_app
 from dynabatch.scheduler.checkpoint import checkpoint_path
 from dynabatch.scheduler.core.lifecycle import JobState
-from dynabatch.service.job_service import EMBEDDED_ENDED, JobService, build_service
+from dynabatch.service.job_service import JobService, build_service
+from dynabatch.service.reconciler import EMBEDDED_ENDED
 from dynabatch.service.settings import Settings
 from dynabatch.service.store import JobStore
 from fastapi.testclient import TestClient
