@@ -1,19 +1,7 @@
-"""Heterogeneity emulation for clusters whose nodes are equal (CI, one laptop).
-
-A worker with slowdown f stretches each compute phase to f × its measured compute, by
-sleeping. Disturbances change f from a given epoch and step on. Off unless the job spec
-sets it; reports label such runs as emulated.
-
-Emulated nodes usually share one machine's cores (CI has two), so their wall-clock times
-depend on each other: a worker preempted by its neighbours looks slow. In emulated runs
-compute is therefore measured as the thread's CPU time (on the CPU, torch runs forward
-and backward in the calling thread with one intra-op thread), which is what the phase
-would take on a core of its own. Real runs use the wall clock.
-
-On a GPU the clock is the wall clock after a device synchronisation (``sync``): the thread
-only queues kernels. The reducer calls :meth:`ComputeClock.pace` before a bucket leaves, so a
-slowed worker's buckets leave when a node f times slower would send them
-(docs/architecture.md, "Emulated slowness").
+"""Heterogeneity emulation for clusters whose nodes are equal (CI, one laptop): a worker with
+slowdown f stretches each compute phase to f × its measured compute, by sleeping. Which clock
+measures compute, and why, and node slowdowns: docs/spec.md ("Heterogeneity emulation"); the
+reducer paces each bucket before it leaves (:meth:`ComputeClock.pace`).
 """
 
 from __future__ import annotations
