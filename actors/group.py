@@ -1,25 +1,7 @@
-"""Process-group rendezvous, one fresh TCP store per membership generation.
-
-Re-forming after a change of membership is destroy + init with a new store: reusing a
-store across generations would let a stale member's keys leak into the new group.
-
-Backends. The coordinator picks the backend per generation (:func:`choose_backend`): NCCL
-when every member trains on a GPU, gloo otherwise (a job that mixes GPU and CPU nodes;
-GPU members stage their flat gradient buffer through pinned host memory for it).
-
-Start-up. A join is bounded by its own timeout (``join_timeout_s``), apart from the
-collectives' (``collective_timeout_s``): every member first checks in through the store and
-waits, at most the start-up timeout, for all the others (:func:`check_in`), so a peer that
-never comes fails the join there, whatever the backend. Only then is the group formed, and
-an NCCL group is given its device (``device_id``), which creates the communicator at once,
-inside the join, instead of lazily inside the first collective (the state broadcast).
-
-NCCL faults. Before an NCCL group is formed, :func:`configure_nccl_fault_handling` sets
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (abort the communicator, keep the process: the default
-would tear down every survivor) and the fault mode ``DYNABATCH_NCCL_FAULT_MODE`` picks
-(:data:`NCCL_FAULT_MODES`; docs/elasticity.md). :meth:`ProcessGroup.leave` aborts the
-communicator (:func:`abort_group`) before destroying the group, so a survivor raises, leaves
-and re-forms.
+"""Process-group rendezvous, one fresh TCP store per membership generation: reusing a store
+across generations would let a stale member's keys leak into the new group. The backend
+(:func:`choose_backend`), the bounded join (:func:`check_in`) and NCCL fault handling
+(:func:`configure_nccl_fault_handling`, :meth:`ProcessGroup.leave`): docs/elasticity.md.
 """
 
 from __future__ import annotations
