@@ -35,24 +35,12 @@ def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return hit.flatten(1).mean(1) if hit.dim() > 1 else hit
 
 
-def _identity(v: float) -> float:
-    return v
-
-
 def _exp(v: float) -> float:
     return math.exp(min(v, 700.0))  # a diverged model reads as a huge number, not an error
 
 
 Args = dict[str, Any]  # what builds a stateful metric, read off the first batch
 Prepare = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def _as_is(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return outputs, targets
-
-
-def _no_args(outputs: torch.Tensor, targets: torch.Tensor) -> Args:
-    return {}
 
 
 @dataclass(frozen=True)
@@ -62,15 +50,15 @@ class Stateful:
     turns a batch into its ``update``'s arguments."""
 
     make: Callable[[Args], torchmetrics.Metric]
-    args_of: Callable[[torch.Tensor, torch.Tensor], Args] = _no_args
-    prepare: Prepare = _as_is
+    args_of: Callable[[torch.Tensor, torch.Tensor], Args] = lambda outputs, targets: {}
+    prepare: Prepare = lambda outputs, targets: (outputs, targets)
 
 
 @dataclass(frozen=True)
 class Metric:
     name: str  # what it is shown as (the spec's metrics.<i>.name)
     per_sample: losses.PerSample | None = None
-    finish: Callable[[float], float] = _identity
+    finish: Callable[[float], float] = float
     fn: str = ""  # what the spec names: a built-in or an import path (for errors)
     stateful: Stateful | None = None
 
