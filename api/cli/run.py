@@ -221,7 +221,7 @@ def option_problem(spec: JobSpec, *, here: bool = False) -> str | None:
     from dynabatch.actors.workloads import WorkloadError
     from dynabatch.actors.workloads.datasets import check_dataset_options
     from dynabatch.actors.workloads.hf import check_tokenizer
-    from dynabatch.actors.workloads.imports import NotImportable
+    from dynabatch.actors.workloads.imports import NotImportable, resolve_callable
     from dynabatch.actors.workloads.models import check_model_options
 
     # The job's working_dir is importable on the cluster (shipped with it), so here too.
@@ -240,26 +240,20 @@ def option_problem(spec: JobSpec, *, here: bool = False) -> str | None:
                 continue
             except WorkloadError as err:
                 return one_line(str(err))
-        return _collate_problem(spec.dataset.collate, here=here)
+        collate = spec.dataset.collate
+        if collate is None:
+            return None
+        try:
+            resolve_callable(collate, "dataset.collate")
+        except NotImportable as err:
+            module = collate.partition(":")[0]
+            return one_line(str(err)) if here or module in sys.modules else None
+        except Exception as err:  # a module whose own code fails: the job would fail the same
+            return one_line(f"dataset.collate: {first_line(err, limit=None)}")
+        return None
     finally:
         if local:
             sys.path.remove(local)
-
-
-def _collate_problem(collate: str | None, *, here: bool) -> str | None:
-    """Why ``dataset.collate`` cannot be imported (one line), or None."""
-    from dynabatch.actors.workloads.imports import NotImportable, resolve_callable
-
-    if collate is None:
-        return None
-    try:
-        resolve_callable(collate, "dataset.collate")
-    except NotImportable as err:
-        module = collate.partition(":")[0]
-        return one_line(str(err)) if here or module in sys.modules else None
-    except Exception as err:  # a module whose own code fails: the job would fail the same
-        return one_line(f"dataset.collate: {first_line(err, limit=None)}")
-    return None
 
 
 # Told the job's snapshot and epoch history at every poll, the last at its end.
