@@ -53,7 +53,8 @@ def resolve_callable(path: str, field: str) -> Callable[..., Any]:
     except AttributeError as err:
         # resolve_name imports the module, then looks the attribute up: the module being
         # loaded now tells a missing attribute from a module whose own code raised it.
-        if module_name in sys.modules and (was_loaded or _failed_in_lookup(err, attr)):
+        if module_name in sys.modules and (was_loaded or getattr(err, "name", None) == attr
+                                           or f"attribute {attr!r}" in str(err)):
             raise NotImportable(
                 f"{field}: module {module_name!r} has no attribute {attr!r}"
             ) from err
@@ -68,10 +69,6 @@ def resolve_callable(path: str, field: str) -> Callable[..., Any]:
     if not callable(obj):
         raise WorkloadError(f"{field}: {path!r} is not callable (it is a {type(obj).__name__})")
     return obj
-
-
-def _failed_in_lookup(err: AttributeError, attr: str) -> bool:
-    return getattr(err, "name", None) == attr or f"attribute {attr!r}" in str(err)
 
 
 def call_user(fn: Callable[..., Any], path: str, field: str, /, **options: Any) -> Any:
