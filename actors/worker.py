@@ -5,14 +5,9 @@ Each step the worker trains its share of the global batch with the step's math
 which also carries the step's coverage (:mod:`dynabatch.actors.reducer`); this module adds
 the group, the clocks and the error classes around them.
 
-Errors are classified where they happen: a failure inside the collective is a *peer*
-error (retryable: someone died, left or timed out); anything else during the step is this
-worker's own *compute* error (possibly deterministic), except that running out of device
-memory in forward or backward is an *oom* error, reported with the micro-batch that did not
-fit: the driver halves the memory cap of the worker's node and device and retries the step
-(the share is then accumulated over smaller micro-batches, so the weighted all-reduce is
-unchanged). Either way the worker leaves the group at once, so peers blocked in the
-collective fail fast instead of waiting out the timeout.
+Errors are classified where they happen (the kinds: :class:`SegmentResult`'s ``error_kind``;
+out of device memory: docs/spec.md), and the worker leaves the group at once on any, so
+peers blocked in the collective fail fast instead of waiting out the timeout.
 """
 
 from __future__ import annotations
