@@ -1,15 +1,7 @@
-"""The trained model as files anyone can load: safetensors weights and a JSON manifest.
-
-A job's model directory holds ``model.safetensors`` (the final weights), ``best.safetensors``
-(the best by metric, when the job kept one) and ``manifest.json``: the spec as validated,
-the model builder (a built-in's name or the user's import path, with its options), the input
-shape and class count the builder is called with, and for each weights file its epoch,
-metrics and tensor dtypes. :func:`load_model` rebuilds the ``torch.nn.Module`` from the
-manifest with that builder and loads the weights: no Ray, no service. The files are plain
-safetensors, so any safetensors reader takes them without dynabatch too.
-
-A directory is a local path or a URI that ``pyarrow.fs`` opens (``s3://``, ``gs://``,
-``hdfs://``, ``file://``), as the data side reads them (:mod:`dynabatch.actors.data.fs`).
+"""The trained model as files anyone can load: safetensors weights and a JSON manifest, in a
+local directory or a URI ``pyarrow.fs`` opens. The files and the manifest's fields:
+docs/spec.md ("The trained model: artifacts"). :func:`load_model` rebuilds the
+``torch.nn.Module`` from them without Ray or the service.
 """
 
 from __future__ import annotations
