@@ -64,8 +64,6 @@ EPOCH_BUCKETS: tuple[float, ...] = (
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 UNMATCHED_ROUTE = "unmatched"
 
-WORKER_LABELS = ["job_id", "worker", "node"]
-
 
 def _histogram(counts: Iterable[tuple[float, int]], bounds: Sequence[float]
                ) -> list[tuple[str, float]]:
@@ -85,8 +83,7 @@ class RequestStats:
     prometheus_client ``Counter`` and ``Histogram`` (thread-safe themselves), kept out of
     any registry and yielded by the app's collector with the job metrics."""
 
-    def __init__(self, buckets: Sequence[float] = REQUEST_BUCKETS):
-        self.buckets = tuple(buckets)
+    def __init__(self) -> None:
         self.requests = Counter(
             "dynabatch_http_requests", "HTTP requests by route template, method and status code.",
             ["route", "method", "status"], registry=None,
@@ -94,7 +91,7 @@ class RequestStats:
         self.latency = Histogram(
             "dynabatch_http_request_duration_seconds",
             "HTTP request latency by route template and method.",
-            ["route", "method"], buckets=self.buckets, registry=None,
+            ["route", "method"], buckets=REQUEST_BUCKETS, registry=None,
         )
 
     def observe(self, route: str, method: str, status: int, seconds: float) -> None:
@@ -244,7 +241,7 @@ class JobCollector(Collector):
     @staticmethod
     def _job_families(snaps: list[JobSnapshot]) -> Iterator[Metric]:
         def worker_gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=WORKER_LABELS)
+            return GaugeMetricFamily(name, doc, labels=["job_id", "worker", "node"])
 
         batch = worker_gauge("dynabatch_worker_batch_size", "Worker's batch size (samples).")
         partition = worker_gauge(

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from dynabatch.service.settings import Settings
 
 log = logging.getLogger("dynabatch.ray")
+PING_TIMEOUT_S = 3.0  # a readiness check of Ray, and the first connection to its GCS
 
 
 class RayClusterClient:
@@ -40,12 +41,10 @@ class RayClusterClient:
         *,
         num_cpus: int | None = None,
         call_timeout_s: float = 10.0,
-        ping_timeout_s: float = 3.0,
     ):
         self._requested = address
         self._num_cpus = num_cpus
         self._timeout = call_timeout_s
-        self._ping_timeout = ping_timeout_s
         self._address = address or "local"
         self._handles: dict[str, Any] = {}
         self._generations: dict[str, int] = {}  # the coordinator generation each job is at
@@ -69,7 +68,7 @@ class RayClusterClient:
         from dynabatch.service.raycluster import connect
 
         if not self.embedded:
-            _probe(self._address, self._ping_timeout)
+            _probe(self._address, PING_TIMEOUT_S)
         try:
             info = connect(self._requested, num_cpus=self._num_cpus)
         except Exception as err:  # ConnectionError, RuntimeError, ... from ray.init
@@ -122,7 +121,7 @@ class RayClusterClient:
             return any(n.get("Alive") for n in ray.nodes())
 
         try:
-            return bool(self._pinger.submit(alive).result(timeout=self._ping_timeout))
+            return bool(self._pinger.submit(alive).result(timeout=PING_TIMEOUT_S))
         except Exception:
             return False
 

@@ -22,6 +22,7 @@ from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.service.service_errors import ClusterUnavailable, RayCallError
 
 log = logging.getLogger("dynabatch.service")
+KEEP_ALIVE_S = 5.0  # how often it re-registers its job while it trains
 
 
 class Refused(ValueError):
@@ -140,7 +141,6 @@ def run_placed(
     *,
     on_wait: Callable[[str], None],
     interrupted: Callable[[], bool] = lambda: False,
-    poll_s: float = 0.5,
     job_id: str | None = None,
 ) -> tuple[str, Any]:
     """Register ``dynabatch run``'s job with the scheduler, wait for its grant (``on_wait``
@@ -159,7 +159,7 @@ def run_placed(
                 shown = why
             if interrupted():
                 raise KeyboardInterrupt
-            time.sleep(poll_s)
+            time.sleep(0.5)
         handle = launch(job_id, dict(slots))
     except BaseException:
         quietly(scheduling.finished, job_id)
@@ -177,14 +177,14 @@ def quietly(call: Callable[..., Any], *args: Any) -> None:
 
 
 def keep_alive(
-    scheduling: RayScheduling, job_id: str, spec: JobSpec, submit_s: float, every_s: float = 5.0
+    scheduling: RayScheduling, job_id: str, spec: JobSpec, submit_s: float
 ) -> Callable[[], None]:
-    """A tick for the run's follow loop: re-registers its job every ``every_s``, so that a
-    new scheduler (the old one died) adopts it; failures are logged, never raised."""
+    """A tick for the run's follow loop: re-registers its job every :data:`KEEP_ALIVE_S`, so
+    that a new scheduler (the old one died) adopts it; failures are logged, never raised."""
     last = [time.monotonic()]
 
     def tick() -> None:
-        if time.monotonic() - last[0] >= every_s:
+        if time.monotonic() - last[0] >= KEEP_ALIVE_S:
             last[0] = time.monotonic()
             quietly(scheduling.register_client, job_id, spec, submit_s)
 
