@@ -55,16 +55,18 @@ USER_CODE_SETTING = "DYNABATCH_USER_CODE_MODULES"
 CODE_ROOT_SETTING = "DYNABATCH_CODE_ROOT"
 
 
-def shipping_problems(policy: SubmitPolicy) -> list[str]:
-    """Every reason this service takes no shipped code, all at once (an operator fixes them
-    in one go): what is missing and the setting that allows it."""
+def shipping_refusal(policy: SubmitPolicy) -> str | None:
+    """Why this service takes no shipped code, every reason at once (an operator fixes them
+    in one go: what is missing and the setting that allows it); None when it takes it."""
     problems = []
     if ANY_MODULE not in policy.user_code_modules:
         problems.append(f"allows no user code from any module (needs {USER_CODE_SETTING}='*')")
     if policy.code_root is None:
         problems.append(f"has nowhere to keep it (needs {CODE_ROOT_SETTING}, a directory every "
                         "Ray node reads at the same path)")
-    return problems
+    if not problems:
+        return None
+    return "shipping code is not allowed: this service " + "; and ".join(problems)
 
 
 def module_allowed(module: str, allowed: Iterable[str]) -> bool:
@@ -110,9 +112,8 @@ def check_user_code(spec: JobSpec, allowed: Iterable[str],
         named.append(("optimizer.lr_scheduler.name", spec.optimizer.lr_scheduler.name))
     if spec.working_dir is not None and ANY_MODULE not in allowed:
         # Shipped code may shadow any module, allowed ones included: only with "*".
-        why = shipping_problems(SubmitPolicy(user_code_modules=allowed, code_root=code_root))
-        problems.append(("working_dir", "shipping code with the job is not allowed: this "
-                         "service " + "; and ".join(why)))
+        why = shipping_refusal(SubmitPolicy(user_code_modules=allowed, code_root=code_root))
+        problems.append(("working_dir", str(why)))
     elif spec.working_dir is not None:
         why = working_dir_problem(spec.working_dir, code_root)
         if why:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dynabatch.api.deps import ERRORS, SettingsDep, require_token
 from dynabatch.service.code_store import CodeRejected, store_code
 from dynabatch.service.schemas import CodeUploaded, ErrorResponse, ValidationErrorResponse
-from dynabatch.service.submit_policy import shipping_problems
+from dynabatch.service.submit_policy import shipping_refusal
 from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -22,10 +22,9 @@ _BODY = {
 
 
 def _allowed(settings: SettingsDep) -> None:
-    problems = shipping_problems(settings.submit_policy)
-    if problems:
-        raise HTTPException(status.HTTP_403_FORBIDDEN, detail=(
-            "shipping code is not allowed: this service " + "; and ".join(problems)))
+    refusal = shipping_refusal(settings.submit_policy)
+    if refusal:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, detail=refusal)
 
 
 def code_router(max_bytes: int) -> APIRouter:

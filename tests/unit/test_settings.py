@@ -94,11 +94,11 @@ def test_every_bad_setting_is_reported_at_once(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_shipping_code_names_every_missing_setting_at_once() -> None:
-    from dynabatch.service.submit_policy import shipping_problems
+    from dynabatch.service.submit_policy import shipping_refusal
 
-    problems = shipping_problems(Settings(user_code_modules="", code_root=None).submit_policy)
-    assert len(problems) == 2
-    assert "DYNABATCH_USER_CODE_MODULES='*'" in problems[0]
-    assert "DYNABATCH_CODE_ROOT" in problems[1]
+    refusal = shipping_refusal(Settings(user_code_modules="", code_root=None).submit_policy)
+    assert refusal is not None and refusal.startswith("shipping code is not allowed")
+    first, second = refusal.split("; and ")
+    assert "DYNABATCH_USER_CODE_MODULES='*'" in first and "DYNABATCH_CODE_ROOT" in second
     allowed = Settings(user_code_modules="*", code_root="/srv/code").submit_policy
-    assert shipping_problems(allowed) == []
+    assert shipping_refusal(allowed) is None
