@@ -13,20 +13,11 @@ app = typer.Typer(
 )
 
 
-def version() -> str:
-    """The installed dynabatch's version."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("dynabatch")
-    except PackageNotFoundError:  # pragma: no cover - run from a tree that is not installed
-        return "unknown"
-
-
 def _show_version(value: bool) -> None:
     if value:
-        typer.echo(f"dynabatch {version()}")
+        from dynabatch.actors.export import dynabatch_version
+
+        typer.echo(f"dynabatch {dynabatch_version()}")
         raise typer.Exit()
 
 
