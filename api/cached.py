@@ -35,23 +35,16 @@ class Body:
 
     def response(self, request: Request) -> Response:
         headers = {"ETag": self.etag, "Cache-Control": "no-cache"}
-        if not_modified(request.headers.get("if-none-match"), self.etag):
+        # A weak comparison (RFC 9110 13.1.2): ``W/`` prefixes are ignored; ``*`` matches any.
+        tags = [t.strip().removeprefix("W/") for t in request.headers.get("if-none-match", "")
+                .split(",")]
+        if "*" in tags or self.etag in tags:
             return Response(status_code=304, headers=headers)
         return Response(self.data, media_type=JSON, headers=headers)
 
 
 def etag_of(data: bytes) -> str:
     return '"' + hashlib.blake2b(data, digest_size=12).hexdigest() + '"'
-
-
-def not_modified(if_none_match: str | None, etag: str) -> bool:
-    """Whether an ``If-None-Match`` header matches ``etag`` (weak comparison, RFC 9110
-    13.1.2: ``W/`` prefixes are ignored; ``*`` matches any)."""
-    if not if_none_match:
-        return False
-    if if_none_match.strip() == "*":
-        return True
-    return any(t.strip().removeprefix("W/") == etag for t in if_none_match.split(","))
 
 
 class JobViews:
