@@ -42,6 +42,7 @@ from fastapi import FastAPI, Request, status
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
@@ -288,7 +289,7 @@ def create_app(
     app.include_router(jobs.router)
     app.include_router(code_router(settings.max_code_bytes))
     app.include_router(pages.router)
-    app.mount("/static", pages.static_files(), name="static")
+    app.mount("/static", StaticFiles(directory=pages.STATIC_DIR), name="static")
     app.include_router(cluster_router)
     app.include_router(health.health)
     app.include_router(health.metrics)

@@ -379,13 +379,9 @@ class Reconciler:
                     self.link.register(rec)
                 else:
                     self.cluster.launch(rec.id, launch_spec(rec), rec.resumes)
-            except Refused as err:
-                self.fail(rec.id, f"{reason}; not resumed: {err}")
-                raise
-            except RayCallError as err:
-                self.fail(
-                    rec.id,
-                    f"{reason}; could not start a new coordinator: {first_line(err, typed=False)}",
-                )
+            except (Refused, RayCallError) as err:
+                why = (f"not resumed: {err}" if isinstance(err, Refused) else
+                       f"could not start a new coordinator: {first_line(err, typed=False)}")
+                self.fail(rec.id, f"{reason}; {why}")
                 raise
         return rec

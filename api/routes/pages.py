@@ -27,15 +27,10 @@ from dynabatch.service.job_service import JOB_ID_PATTERN
 from dynabatch.service.service_errors import JobNotFound
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
-from fastapi.staticfiles import StaticFiles
 
 STATIC_DIR = Path(str(resources.files("dynabatch.api") / "static"))
 
 router = APIRouter(include_in_schema=False)
-
-
-def static_files() -> StaticFiles:
-    return StaticFiles(directory=STATIC_DIR)
 
 
 def not_found_page(what: str) -> HTMLResponse:
