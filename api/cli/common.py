@@ -110,16 +110,14 @@ def api_client(
             yield client
 
 
-def check_job_id(job_id: str) -> str:
+def check_job_id(job_id: str) -> None:
     if not re.fullmatch(JOB_ID_PATTERN, job_id):
         raise CliError(f"{job_id!r} is not a job id (12 lowercase hex digits, as submit prints)")
-    return job_id
 
 
-def check_worker(worker: str) -> str:
+def check_worker(worker: str) -> None:
     if not re.fullmatch(WORKER_ID_PATTERN, worker):
         raise CliError(f"{worker!r} is not a worker id (w0, w1, ... as status lists them)")
-    return worker
 
 
 def make_client(ctx: typer.Context, url: str, token: str | None) -> DynabatchClient:

@@ -188,7 +188,7 @@ class Job:
         return str(out)
 
 
-def _checked(check: Callable[[str], str], value: str) -> None:
+def _checked(check: Callable[[str], None], value: str) -> None:
     """The CLI's check of a job or worker id, as a ValueError with its message."""
     try:
         check(value)
