@@ -122,7 +122,7 @@ class FakeCluster:
         self.node_ids = nodes
         self.coordinators: dict[str, JobControl] = {}
         self.launch_error: Exception | None = None
-        self.scheduler: object | None = None  # a fake Scheduling (service.scheduling)
+        self.scheduler: object | None = None  # a fake RayScheduling (service.scheduling)
         self.unavailable = False
         self.connected = False
         self.released: list[str] = []

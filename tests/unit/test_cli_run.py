@@ -22,7 +22,7 @@ CONFIG = "name: run-job\ndataset: {name: digits}\nworkers: 2\nglobal_batch: 64\n
 
 
 class FakeJob:
-    """A fake cluster's coordinator as ``run`` sees it (a JobHandle)."""
+    """A fake cluster's coordinator as ``run`` sees it (as a RayJob)."""
 
     def __init__(self, cluster: FakeCluster, job_id: str):
         self.cluster, self.job_id = cluster, job_id
