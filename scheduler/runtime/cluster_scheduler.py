@@ -33,6 +33,7 @@ from dynabatch.scheduler.core.cluster.ray_nodes import (
 from dynabatch.scheduler.core.cluster.rounds import (
     Abandon,
     AssignRefused,
+    AssignTaken,
     Command,
     Drained,
     Dropped,
@@ -509,7 +510,9 @@ class ClusterScheduler:
             entry = self._state.job(c.job_id)
             handle = None if entry is None else self._handles.get((c.job_id, entry.generation))
         if handle is None:
-            return None  # dropped meanwhile, or its launch (which sends the newest) runs
+            # Dropped meanwhile, or its launch (which sends the newest) runs; a launched job's
+            # driver not found yet is sent it again by the next round.
+            return None
         try:
             self.calls.get(handle.assign.remote(dict(c.slots)), self.call_timeout_s)
         except ray.exceptions.RayActorError as err:
@@ -520,10 +523,13 @@ class ClusterScheduler:
             with self._lock:
                 self._step(AssignRefused(c.job_id, c.slots, why))
             return why
-        except Exception as err:  # a timeout: the next round decides again
-            log.warning("job %s: assignment %s not confirmed: %s", c.job_id, c.slots, err)
+        except Exception as err:  # a timeout: the next round sends it again
+            log.warning("job %s: assignment %s not confirmed (the next round sends it "
+                        "again): %s", c.job_id, c.slots, err)
         else:
             log.info("job %s: assigned %s", c.job_id, c.slots)
+            with self._lock:
+                self._step(AssignTaken(c.job_id, c.slots))
         return None
 
 

@@ -27,7 +27,7 @@ from fastapi.testclient import TestClient
 
 from .conftest import find_scheduler, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 TAG = "dynabatch_worker"  # the session's nodes (tests/integration/conftest.py)
 

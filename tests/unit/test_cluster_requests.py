@@ -16,6 +16,7 @@ import pytest
 from dynabatch.scheduler.core.cluster.rounds import (
     Abandon,
     AssignRefused,
+    AssignTaken,
     Drained,
     Entry,
     JobGone,
@@ -210,7 +211,10 @@ def _runs(draw):
     for _ in range(draw(st.integers(1, 30))):
         kind = draw(
             st.sampled_from(
-                ["register", "tick", "tick", "scale", "scale", "drain", "lose", "end", "poll"]
+                [
+                    "register", "tick", "tick", "scale", "scale", "drain", "lose", "end",
+                    "poll", "taken", "taken",
+                ]
             )
         )
         jid = f"j{draw(st.integers(0, 3))}"
@@ -229,6 +233,10 @@ def _runs(draw):
             events.append(NodesSeen(tuple(draw(st.lists(st.sampled_from(nodes), unique=True)))))
         elif kind == "end":
             events.append(JobGone(jid))
+        elif kind == "taken":
+            # Its driver took what it was sent: resolved against the state when the test
+            # reaches it.
+            events.append(("taken", jid))
         else:
             node = draw(st.sampled_from(nodes)).node_id
             events.append(JobReported(jid, ((node, 1.0),)))
@@ -259,7 +267,18 @@ def test_every_allocation_is_one_its_bounds_accept_and_every_request_is_answered
     knobs = ClusterKnobs(policy=policy, hold_s=HOLD)
     state = RoundState()
     for event in events:
+        event = _resolved(state, event)
+        if event is None:
+            continue
+        before = state
         state, commands = step(state, event, knobs)
+        if isinstance(event, Tick):
+            _check_resends(before, state, commands)
+            # The started jobs' drivers come up (not sending what they were started with:
+            # the scheduler's launch did).
+            for c in commands:
+                if isinstance(c, Start):
+                    state, _ = step(state, Launched(c.job_id, 0, c.slots), knobs)
         if isinstance(event, ResizeRequested | Drained):
             assert _answered(state, event, commands), (event, commands)
         alive = {n.node_id: n for n in state.nodes}
@@ -288,3 +307,62 @@ def test_every_allocation_is_one_its_bounds_accept_and_every_request_is_answered
 def _short(state: RoundState, job: Entry) -> bool:
     """Its view says it keeps fewer than its minimum after a node was lost."""
     return "below its min_workers" in state.view.job(job.job_id).reason
+
+
+def _resolved(state: RoundState, event):
+    """A ("taken", job) placeholder as the real event now, or None when nothing was sent to
+    the job."""
+    if not isinstance(event, tuple):
+        return event
+    entry = state.job(event[1])
+    return None if entry is None or entry.sent is None else AssignTaken(entry.job_id, entry.sent)
+
+
+def _check_resends(before: RoundState, after: RoundState, commands) -> None:
+    """An assignment a launched job's driver has not taken is sent again at every round
+    (unless the round moves it anew), as itself: no resize counted, no hold restarted."""
+    decided = after.resizes - before.resizes
+    resent = 0
+    for j in before.jobs:
+        if not (j.launched and j.sent is not None and j.sent == j.allocation):
+            continue
+        mine = [c for c in commands if c.job_id == j.job_id]
+        if after.job(j.job_id) is None:
+            continue
+        assert len(mine) == 1 and isinstance(mine[0], Reassign), (j, commands)
+        if mine[0].slots == j.allocation:
+            resent += 1
+            assert after.job(j.job_id).last_resize_s == j.last_resize_s
+    assert decided == sum(isinstance(c, Reassign) for c in commands) - resent
+    for j in after.jobs:
+        sent = [c.slots for c in commands if isinstance(c, Reassign) and c.job_id == j.job_id]
+        was = before.job(j.job_id)
+        if sent:
+            assert j.sent == tuple(sorted(sent[0])), j
+        else:
+            assert j.sent == (was.sent if was is not None else None), j
+
+
+def test_an_assignment_its_driver_did_not_take_is_sent_again_each_round_until_taken():
+    """An owner's scale is a Reassign at once; when its driver never answers (the call
+    timed out), every later round sends the same assignment again, counting no new resize
+    and restarting no hold, until an AssignTaken; an older assignment taken late does not
+    stop a newer one."""
+    s, knobs, (start,) = _running(_nodes(3), Entry("a", 1, 3), policy="fifo")
+    s, _ = step(s, Launched("a", 0, start.slots), knobs)
+    s, cmds = step(s, ResizeRequested("a", 2, 2.0), knobs)
+    two = (("n0", 1), ("n1", 1))
+    assert cmds == (Reassign("a", two),) and s.job("a").sent == two
+    resizes, held_from = s.resizes, s.job("a").last_resize_s
+    for now in (3.0, 4.0):
+        s, cmds = step(s, Tick(now), knobs)
+        assert cmds == (Reassign("a", two),)
+        assert (s.resizes, s.job("a").last_resize_s) == (resizes, held_from)
+    s, cmds = step(s, ResizeRequested("a", 1, 5.0), knobs)
+    s, _ = step(s, AssignTaken("a", two), knobs)  # the old one answered late
+    assert s.job("a").sent == (("n0", 1),)
+    s, cmds = step(s, Tick(6.0), knobs)
+    assert cmds == (Reassign("a", (("n0", 1),)),)
+    s, _ = step(s, AssignTaken("a", (("n0", 1),)), knobs)
+    s, cmds = step(s, Tick(7.0), knobs)
+    assert cmds == () and s.job("a").sent is None

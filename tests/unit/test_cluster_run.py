@@ -399,3 +399,36 @@ def test_a_first_start_sends_the_newest_assignment_before_its_workers_start(worl
     assert world["launched"] == [("a", {"n1": 1, "n2": 1})]
     assert coordinator.assigned_to == [{"n1": 1}] and coordinator.ran
     assert sched.allocation("a") == (("n1", 1),)
+
+
+def test_an_owners_scale_whose_send_timed_out_is_sent_again_by_the_next_round(world) -> None:
+    """CI's hang (stop 60: a scale answered 202, the job kept 3 workers to its end): the
+    scale's ``assign`` call timed out on a loaded machine, the rounds had already recorded
+    the new allocation, and no round sent it again. Now an assignment the driver never took
+    is sent again, round after round, until it answers; one taken is not."""
+    sched = _scheduler(world, "goodput", hold_s=120.0)
+    world["calls"].node_list.append(RayNode("n3", {"CPU": 1.0, "node-type:t": 1.0}))
+    sched.sync([cluster_rt.JobEntry("a", parse_spec({**GANG, "max_workers": 3}), 1.0)])
+    sched.round()
+    coordinator = world["coordinators"]["a"]
+    assert world["launched"] == [("a", {"n1": 1, "n2": 1, "n3": 1})]
+    calls = world["calls"]
+    plain_get = calls.get
+    timed_out: list[Any] = []
+
+    def timing_out(ref: Any, timeout_s: float) -> Any:
+        if ref is None and not timed_out:  # the assign's answer (it returns None here)
+            timed_out.append(ref)
+            raise TimeoutError("Get timed out: some object(s) not ready.")
+        return plain_get(ref, timeout_s)
+
+    calls.get = timing_out
+    world["clock"].now += 1.0  # within the hold: the resend is not a move
+    assert sched.request_scale("a", 2).endswith("from its next step boundary")
+    assert timed_out and sched.allocation("a") == (("n1", 1), ("n2", 1))
+    sent = list(coordinator.assigned_to)
+    sched.round()
+    assert coordinator.assigned_to == [*sent, {"n1": 1, "n2": 1}]
+    sched.round()
+    sched.round()
+    assert coordinator.assigned_to == [*sent, {"n1": 1, "n2": 1}]  # taken: not sent again

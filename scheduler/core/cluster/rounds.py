@@ -41,7 +41,9 @@ class Entry:
     run last heard from; ``note``: why a start failed; ``members``: its workers per node as
     it last reported them (None: no report yet); ``refused``: an assignment it refused and
     why; ``waits``: what an owner's request still waits for; ``said``: the reason an owner's
-    request gave, shown until the next round."""
+    request gave, shown until the next round; ``sent``: an assignment sent to its driver and
+    not yet taken (a send that timed out or found no driver is sent again by the next
+    round, as the job otherwise never hears of it)."""
 
     job_id: str
     min_workers: int
@@ -64,6 +66,7 @@ class Entry:
     refused: tuple[Slots, str] | None = None
     waits: str | None = None
     said: str | None = None
+    sent: Slots | None = None
 
     @property
     def workers(self) -> int:
@@ -183,6 +186,15 @@ class AssignRefused:
 
 
 @dataclass(frozen=True, slots=True)
+class AssignTaken:
+    """The job's driver took the assignment ``slots`` (its ``assign`` answered): it is no
+    longer sent again."""
+
+    job_id: str
+    slots: Slots
+
+
+@dataclass(frozen=True, slots=True)
 class Heard:
     """A client job's run was heard from at ``now`` (its registration or grant poll)."""
 
@@ -221,6 +233,7 @@ Event = (
     | StartFailed
     | Launched
     | AssignRefused
+    | AssignTaken
     | Heard
     | Drained
     | Tick
@@ -244,7 +257,9 @@ class Start:
 
 @dataclass(frozen=True, slots=True)
 class Reassign:
-    """The running job trains on ``slots`` from its next step boundary."""
+    """The running job trains on ``slots`` from its next step boundary. Its executor answers
+    with :class:`AssignTaken` or :class:`AssignRefused`; without either, the next round sends
+    it again."""
 
     job_id: str
     slots: Slots
@@ -298,6 +313,9 @@ def step(
 ) -> tuple[RoundState, tuple[Command, ...]]:
     """The state after ``event``, and what to do now."""
     state, commands = _step(state, event, knobs)
+    for c in commands:
+        if isinstance(c, Reassign) and (entry := state.job(c.job_id)) is not None:
+            state = state._with(replace(entry, sent=tuple(sorted(c.slots))))
     if not isinstance(event, Tick) and state.decision is not None:
         state = replace(state, view=_view(state))
     return state, commands
@@ -309,7 +327,9 @@ def _step(
     knobs: ClusterKnobs,
 ) -> tuple[RoundState, tuple[Command, ...]]:
     known = state.job(getattr(event, "job_id", ""))
-    if known is None and isinstance(event, JobReported | StartFailed | AssignRefused | Heard):
+    if known is None and isinstance(
+        event, JobReported | StartFailed | AssignRefused | AssignTaken | Heard
+    ):
         return state, ()  # about a job the rounds no longer hold
     match event:
         case Entry():  # a job registered: a known id's same or older generation changes
@@ -326,6 +346,7 @@ def _step(
                 waits=None,
                 said=None,
                 note=None,
+                sent=None,
                 model=known.model if known is not None else event.model,
             )
             return state._with(fresh), ()
@@ -337,6 +358,7 @@ def _step(
                 last_resize_s=now,
                 started=True,
                 launched=True,
+                sent=None,
                 model=known.model if known is not None else job.model,
             )
             return state._with(entry), ()
@@ -361,6 +383,7 @@ def _step(
                     allocation=(),
                     last_resize_s=None,
                     note=why,
+                    sent=None,
                 )
             ), ()
         case Launched(job_id, generation, slots):
@@ -371,11 +394,16 @@ def _step(
                 commands.append(Reassign(job_id, known.allocation))
             if not known.client:
                 commands.append(Run(job_id))
-            return state._with(replace(known, launched=True)), tuple(commands)
+            # Launched on ``slots``: what it was sent before is taken (or resent here).
+            return state._with(replace(known, launched=True, sent=None)), tuple(commands)
         case AssignRefused(job_id, slots, why):
             has = known.members if known.members else known.allocation
-            entry = replace(known, refused=(tuple(sorted(slots)), why), allocation=has)
+            entry = replace(known, refused=(tuple(sorted(slots)), why), allocation=has, sent=None)
             return state._with(entry), ()
+        case AssignTaken(job_id, slots):
+            if known.sent != tuple(sorted(slots)):
+                return state, ()  # an older one: a newer assignment is still on its way
+            return state._with(replace(known, sent=None)), ()
         case Heard(job_id, now):
             return state._with(replace(known, seen_s=now)), ()
         case Drained(job_id, node_id, now, floor):
@@ -650,6 +678,14 @@ def _round(
             resizes += 1
             entry = replace(entry, allocation=plan.slots, last_resize_s=now, refused=None)
         new = new._with(entry)
+    # An assignment its driver never answered (the call timed out, or no driver was found)
+    # is sent again: not a move (no resize, no hold), the same decision delivered.
+    moved = {c.job_id for c in commands}
+    commands += [
+        Reassign(j.job_id, j.allocation)
+        for j in new.jobs
+        if j.launched and j.sent is not None and j.sent == j.allocation and j.job_id not in moved
+    ]
     # An owner's request done (or no longer wanted) waits for nothing; reasons are the
     # round's again.
     new = replace(
