@@ -327,12 +327,12 @@ def _check_resends(before: RoundState, after: RoundState, commands) -> None:
         if not (j.launched and j.sent is not None and j.sent == j.allocation):
             continue
         mine = [c for c in commands if c.job_id == j.job_id]
-        if after.job(j.job_id) is None:
-            continue
-        assert len(mine) == 1 and isinstance(mine[0], Reassign), (j, commands)
-        if mine[0].slots == j.allocation:
-            resent += 1
-            assert after.job(j.job_id).last_resize_s == j.last_resize_s
+        now = after.job(j.job_id)
+        if now is None or now.allocation != j.allocation:
+            continue  # moved (a new Reassign), or kept short after a lost node (none)
+        assert mine == [Reassign(j.job_id, j.allocation)], (j, commands)
+        resent += 1
+        assert now.last_resize_s == j.last_resize_s
     assert decided == sum(isinstance(c, Reassign) for c in commands) - resent
     for j in after.jobs:
         sent = [c.slots for c in commands if isinstance(c, Reassign) and c.job_id == j.job_id]
