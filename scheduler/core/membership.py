@@ -109,16 +109,6 @@ class Change:
 
 
 @dataclass(frozen=True, slots=True)
-class RegroupPlan:
-    """Form the group with ``members`` (rank order); rank 0 is the source of the state.
-    ``needs_state``: no member holds the committed state, so the driver must load it
-    into rank 0 first (from the resume checkpoint, or by rolling back to one)."""
-
-    members: tuple[str, ...]
-    needs_state: bool
-
-
-@dataclass(frozen=True, slots=True)
 class NodeAssignment:
     """Train on exactly these nodes: ``slots`` pairs each node id (in order) with how many of
     the job's workers it runs. Built from a mapping with :meth:`of`; an entry that is not a
@@ -503,10 +493,10 @@ class Membership:
                 out.append(w)
         return out
 
-    def drains_due(self, speeds: dict[str, float] | None = None) -> bool:
-        """Whether :meth:`apply_drains` would remove anyone now: a worker asked to leave, or
-        one the assignment moves now."""
-        return bool(self._drain) or bool(self.handover(speeds))
+    def draining(self, speeds: dict[str, float] | None = None) -> list[str]:
+        """Who :meth:`apply_drains` would remove now: the workers asked to leave and those
+        the assignment moves now (sorted)."""
+        return sorted(self._drain | set(self.handover(speeds)))
 
     def apply_drains(self, speeds: dict[str, float] | None = None) -> list[Change]:
         """Remove the workers requested to leave, and those the assignment moves now."""
@@ -525,11 +515,11 @@ class Membership:
             self.committed = max(progress.values())
         return self.committed
 
-    def regroup_plan(self) -> RegroupPlan:
-        """Rank order for the next generation: a holder of the committed state first."""
+    def rank_order(self) -> tuple[str, ...]:
+        """The members in the next generation's rank order: holders of the committed state
+        first, so rank 0 is the source of the state when any member holds it."""
         order = sorted(self.members, key=lambda m: m.version != self.committed)  # stable
-        needs_state = not order or order[0].version != self.committed
-        return RegroupPlan(tuple(m.worker_id for m in order), needs_state=needs_state)
+        return tuple(m.worker_id for m in order)
 
     def regrouped(self, members: Sequence[str]) -> None:
         """A generation formed with ``members``: they all hold the committed state now."""

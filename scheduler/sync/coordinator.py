@@ -356,13 +356,10 @@ class Coordinator(JobControl):
         speeds = job.tracker.speeds()
         with self.lock:  # an arriving assignment changes the placement (Roster)
             requests = tuple(type(r).__name__.lower() for r in self._requests)
-            plan = m.regroup_plan() if m.dirty else None
             membership = MembershipView(
-                dirty=m.dirty, drains_due=m.drains_due(speeds), starts_pending=bool(m.pending),
-                first_start=not m.members and m.generation == 0,
-                shortfall=m.shortfall(), holders=bool(m.holders()),
-                needs_state=plan is not None and plan.needs_state,
-                group=plan.members if plan is not None else ())
+                generation=m.generation, members=m.rank_order(),
+                holders=tuple(x.worker_id for x in m.holders()), starting=tuple(m.pending),
+                draining=tuple(m.draining(speeds)), dirty=m.dirty, shortfall=m.shortfall())
             handing_over = m.handing_over
             cancel = self.cancel_reason
             recorded = len(self.records)

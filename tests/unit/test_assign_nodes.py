@@ -140,8 +140,9 @@ def test_handover_keeps_the_state_and_bounds_and_ends_matching(n, lo, extra, nod
     view = [NodeInfo(f"n{i}") for i in range(6)]
     by_worker = {f"w{i}": v for i, v in enumerate(speeds)}
     for _ in range(6):
-        # Whether anyone leaves is known before the drain (the engine settles first).
-        assert m.drains_due(by_worker) == bool(m.apply_drains(by_worker))
+        # Who leaves is known before the drain (the engine settles first).
+        leaving = m.draining(by_worker)
+        assert leaving == sorted(c.worker for c in m.apply_drains(by_worker))
         assert len(m.members) >= m.min_size and m.holders()
         for s in m.spawns(view, False, _cpu):
             assert s.node_id in a
@@ -154,7 +155,7 @@ def test_handover_keeps_the_state_and_bounds_and_ends_matching(n, lo, extra, nod
         on[x.node] = on.get(x.node, 0) + 1
     assert on == dict(a.slots)
     # Already matching: nothing more to drain or start.
-    assert not m.drains_due(by_worker)
+    assert m.draining(by_worker) == []
     assert m.apply_drains(by_worker) == [] and m.spawns(view, False, _cpu) == []
 
 

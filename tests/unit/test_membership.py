@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from dynabatch.scheduler.core.membership import ORIGIN, Membership, NodeInfo, SparePlan
+from dynabatch.scheduler.core.sync.loop import MembershipView
 from dynabatch.scheduler.core.sync.protocol import Position
 from hypothesis import given
 from hypothesis import strategies as st
@@ -51,37 +52,41 @@ def test_min_size_covers_the_global_batch_under_max_batch():
     assert "max_batch 24 x workers must hold global_batch 64" in m.shortfall()
 
 
-def test_holders_and_regroup_plans():
+def _needs_state(m: Membership) -> bool:
+    """What the step loop derives from this membership (its view, a regroup due)."""
+    holders = tuple(x.worker_id for x in m.holders())
+    return MembershipView(members=m.rank_order(), holders=holders, dirty=True).needs_state
+
+
+def test_holders_and_rank_order():
     m = _m()
     _start_all(m, _nodes(3))
-    plan = m.regroup_plan()
-    assert not plan.needs_state  # at the origin, the seeded weights are the state
-    m.regrouped(plan.members)
+    assert not _needs_state(m)  # at the origin, the seeded weights are the state
+    m.regrouped(m.rank_order())
     m.progressed({"w0": Position(0, 5), "w1": Position(0, 4)})  # w2 lost, no report
     m.remove("w2", "failure", "died")
     assert m.committed == Position(0, 5)
     assert [x.worker_id for x in m.holders()] == ["w0"]
-    assert m.regroup_plan().members[0] == "w0"
+    assert m.rank_order()[0] == "w0" and not _needs_state(m)
     # The holder dies too: a newcomer (at the origin) must not become the source.
     m.remove("w0", "failure", "died")
     m.remove("w1", "failure", "died")
     _start_all(m, _nodes(4), starting=False)
-    plan = m.regroup_plan()
-    assert plan.needs_state
+    assert _needs_state(m)
     m.restored(Position(0, 0))
-    assert not m.regroup_plan().needs_state
+    assert not _needs_state(m)
 
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 20)), min_size=1, max_size=6))
 def test_the_source_always_holds_the_furthest_reported_state(reports):
     m = _m(workers=6)
     _start_all(m, _nodes(6))
-    m.regrouped(m.regroup_plan().members)
+    m.regrouped(m.rank_order())
     progress = {f"w{w}": Position(1, s) for w, s in reports}
     m.progressed(progress)
-    plan = m.regroup_plan()
-    assert m.get(plan.members[0]).version == max(progress.values()) == m.committed
-    m.regrouped(plan.members)
+    order = m.rank_order()
+    assert m.get(order[0]).version == max(progress.values()) == m.committed
+    m.regrouped(order)
     assert all(x.version == m.committed for x in m.members)
 
 
@@ -99,11 +104,11 @@ def test_evicted_straggler_node_gets_no_new_worker():
 def test_drain_and_scale_requests():
     m = _m()
     _start_all(m, _nodes(3))
-    assert not m.drains_due()
+    assert m.draining() == []
     m.request_drain("w1")
-    assert m.drains_due()  # the engine settles the evaluations before the drain
+    assert m.draining() == ["w1"]  # the engine settles the evaluations before the drain
     assert [c.worker for c in m.apply_drains()] == ["w1"]
-    assert not m.drains_due()
+    assert m.draining() == []
     with pytest.raises(KeyError):
         m.request_drain("w9")
     m.request_drain("w0")

@@ -93,13 +93,34 @@ GROUP = ("w0", "w1")
 REGROUP = Regroup(GROUP, "holder")
 
 
+# Shorthands for a membership (:func:`V`), each the facts that make it so.
+_SAYS = {"first_start", "starts_pending", "drains_due", "needs_state", "group", "holders"}
+
+
+def V(**kw) -> MembershipView:
+    """The membership's view: by default a formed group of :data:`GROUP`, all holding the
+    committed state. Shorthands: ``first_start`` (no member, no group formed yet),
+    ``starts_pending`` (a worker starting), ``drains_due`` (a member to drain),
+    ``needs_state`` (no member holds the state), ``holders=False`` (the same, no regroup
+    implied), ``group`` (the members in rank order)."""
+    members = kw.pop("group", GROUP)
+    view = {"generation": 1, "members": members, "holders": members}
+    if kw.pop("first_start", False):
+        view.update(generation=0, members=(), holders=())
+    if kw.pop("starts_pending", False):
+        view["starting"] = ("w9",)
+    if kw.pop("drains_due", False):
+        view["draining"] = (members[-1],)
+    if kw.pop("needs_state", False) or kw.pop("holders", True) is False:
+        view["holders"] = ()
+    return MembershipView(**{**view, **kw})
+
+
 def S(**kw) -> Seen:
-    """What the machines say: :class:`Seen`'s fields and the membership's, in one call (a
-    regroup due plans :data:`GROUP` unless told otherwise)."""
-    view = {k: kw.pop(k) for k in list(kw) if k in _VIEW}
-    if view.get("dirty"):
-        view.setdefault("group", GROUP)
-    return Seen(membership=MembershipView(**view), **kw)
+    """What the machines say: :class:`Seen`'s fields and the membership's (:func:`V`'s
+    facts and shorthands), in one call."""
+    view = {k: kw.pop(k) for k in list(kw) if k in _VIEW or k in _SAYS}
+    return Seen(membership=V(**view), **kw)
 
 
 def _memo(**kw: object) -> Memo:
@@ -225,11 +246,23 @@ mostly = st.sampled_from([True, True, True, False])
 cancels = st.sampled_from([None] * 7 + ["enough"])
 verdicts = st.builds(Verdict, st.sampled_from([None, BEST]),
                      st.sampled_from([None, "early stopping: loss has not improved"]))
-views = st.builds(
-    MembershipView, dirty=rarely, drains_due=rarely, starts_pending=rarely,
-    first_start=rarely, shortfall=st.sampled_from([None, None, None, "1 of 2 workers"]),
-    holders=mostly, needs_state=st.booleans(),
-    group=st.sampled_from([(), GROUP, ("w2", "w0", "w1")]))
+
+
+@st.composite
+def views(draw) -> MembershipView:
+    """Views a membership can be in: its holders are the first members in rank order."""
+    first = draw(rarely)
+    # () after the first start: every member was lost.
+    members = () if first else draw(st.sampled_from([GROUP, GROUP, ("w2", "w0", "w1"), ()]))
+    held = draw(st.sampled_from([len(members)] * 3 + [0, 1]))
+    return MembershipView(
+        generation=0 if first else draw(st.sampled_from([1, 1, 2])),
+        members=members, holders=members[:held],
+        starting=("w9",) if draw(rarely) else (),
+        draining=members[-1:] if draw(rarely) else (),
+        dirty=draw(rarely), shortfall=draw(st.sampled_from([None, None, None, "1 of 2 workers"])))
+
+
 seens = st.builds(
     Seen, cancel=cancels,
     # (trained mostly not: the epochs are 1 to 4, early stopping rare)
@@ -239,7 +272,7 @@ seens = st.builds(
     batch=st.sampled_from([64, 64, 32]), next_batch=st.sampled_from([64, 64, 32]),
     stamps_fixed=mostly,
     requests=st.sampled_from([(), (), (), (), (), ("scale",), ("assign",), ("drain", "assign")]),
-    handing_over=rarely, membership=views,
+    handing_over=rarely, membership=views(),
     leaving=st.sampled_from([(), (), (), ("w3",), ("w1", "w2")]))
 configs = st.builds(
     LoopConfig, epochs=st.integers(1, 4),
@@ -505,7 +538,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             if isinstance(e, Regroup):
                 assert body == [e]
                 # The membership's plan, its state restored weights when they wait.
-                assert e.members == seen.membership.group
+                assert e.members == seen.membership.members
                 assert e.source == ("checkpoint" if b.after.memo.restored else "holder")
                 if not any(LoadCheckpoint() in x.body for x in batches):
                     m = seen.membership
@@ -672,9 +705,9 @@ def test_a_training_boundary() -> None:
     assert loop.ran(replace(opened, step=4)) == [PublishReady(), EndStep()]
     # Next boundary, a segment in flight: no requests taken, no regroup; nodes listed once
     # due (NODE_POLL_S after they last were); it completes the epoch.
-    in_flight = replace(opened, step=8, membership=MembershipView(dirty=True))
+    in_flight = replace(opened, step=8, membership=V(dirty=True))
     assert loop.tick(in_flight, now=T0 + NODE_POLL_S / 2) == [AdoptStarted()]
-    assert loop.ran(replace(in_flight, membership=MembershipView())) == [
+    assert loop.ran(replace(in_flight, membership=V())) == [
         TrainSegment(ahead=True, across=True)]
     assert loop.ran(S(step=1), ok=AHEAD) == END
     assert loop.ran(S()) == [PublishReady(), EndStep()]
@@ -790,6 +823,22 @@ def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once(
     assert loop.ran(flying, ok=False) == [PublishReady(), EndStep()]
 
 
+def test_every_member_lost_after_the_first_group_is_not_a_first_start() -> None:
+    """The view's facts, not a flag: no member and no group formed yet is the first start
+    (its workers are started and awaited); no member after a group formed is a lost group
+    (the nodes are listed and workers placed, and the job waits for its minimum)."""
+    first = S(first_start=True)
+    assert first.membership.first_start
+    loop = Loop()
+    _requests_taken(loop, first)
+    assert loop.ran(first) == START
+    lost = S(group=(), dirty=True, shortfall="0 of 2 workers")
+    assert lost.membership.generation == 1 and not lost.membership.first_start
+    loop = Loop()
+    _requests_taken(loop, lost)
+    assert loop.ran(lost) == PLACE
+
+
 def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> None:
     """The first start's wait is the loop's: a little at a time while workers are starting;
     the ones that failed started again once none is left starting; those still starting
@@ -797,7 +846,7 @@ def test_the_first_start_waits_for_its_workers_then_gives_up_those_not_up() -> N
     boundary's first wait: an earlier boundary's does not cut it) or on a cancel, which then
     cancels the job rather than wait for workers."""
     starting = S(first_start=True)
-    waiting = replace(starting, membership=replace(starting.membership, starts_pending=True))
+    waiting = replace(starting, membership=replace(starting.membership, starting=("w9",)))
     loop = Loop(LoopConfig(epochs=3, start_timeout_s=5.0))
     _requests_taken(loop, starting)
     assert loop.ran(starting) == START
@@ -1170,11 +1219,11 @@ def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_
     loop = Loop()
     _requests_taken(loop, S())
     loop.ran(trained)
-    assert loop.ran(replace(trained, membership=MembershipView(holders=False))) == [EndStep()]
+    assert loop.ran(replace(trained, membership=V(holders=False))) == [EndStep()]
     assert isinstance(loop.state, AtRest)
     # Trained, but no holder: nothing to finish with yet.
     _requests_taken(loop, S())
-    assert loop.ran(replace(trained, membership=MembershipView(holders=False))) == [EndStep()]
+    assert loop.ran(replace(trained, membership=V(holders=False))) == [EndStep()]
 
 
 def _states() -> list[LoopState]:

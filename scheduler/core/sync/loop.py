@@ -54,18 +54,36 @@ class LoopConfig:
 
 @dataclass(frozen=True, slots=True)
 class MembershipView:
-    """What the membership says (``dynabatch.scheduler.core.membership``)."""
+    """What the membership holds (``dynabatch.scheduler.core.membership``), as worker ids:
+    what is due from it (a drain, a regroup and its state, the first start) the reducer
+    derives here."""
 
+    generation: int = 0  # groups formed so far
+    # The members, in the next group's rank order: holders of the committed state first.
+    members: tuple[str, ...] = ()
+    holders: tuple[str, ...] = ()  # the members holding the committed state
+    starting: tuple[str, ...] = ()  # workers started that have not come up yet
+    draining: tuple[str, ...] = ()  # asked to leave, or moved now by an assignment
     dirty: bool = False  # a worker joined or was lost: the next boundary at rest regroups
-    drains_due: bool = False  # workers asked to leave, or an assignment moves now
-    starts_pending: bool = False  # workers started that have not come up yet
-    first_start: bool = False  # no member and no group formed yet
     shortfall: str | None = None  # fewer workers than the minimum: which, and why
-    holders: bool = True  # a member holds the committed state
-    needs_state: bool = False  # the next regroup has no member holding that state
-    # The next generation's members in rank order (a regroup due): rank 0 holds the
-    # committed state when any member does.
-    group: tuple[str, ...] = ()
+
+    @property
+    def first_start(self) -> bool:
+        """No member and no group formed yet."""
+        return not self.members and self.generation == 0
+
+    @property
+    def starts_pending(self) -> bool:
+        return bool(self.starting)
+
+    @property
+    def drains_due(self) -> bool:
+        return bool(self.draining)
+
+    @property
+    def needs_state(self) -> bool:
+        """A regroup is due and no member of it holds the committed state."""
+        return self.dirty and (not self.members or self.members[0] not in self.holders)
 
 
 @dataclass(frozen=True, slots=True)
@@ -785,7 +803,7 @@ class _Decisions:
     def regroup(self, f: Seen) -> Regroup:
         """The membership's next generation, its state from the weights a checkpoint
         restored when they wait to be loaded, else from the holder at rank 0."""
-        return Regroup(f.membership.group, "checkpoint" if self.memo.restored else "holder")
+        return Regroup(f.membership.members, "checkpoint" if self.memo.restored else "holder")
 
     def trained(self, f: Seen) -> bool:
         """Every epoch is trained, or early stopping ended the training."""
