@@ -264,12 +264,12 @@ class Membership:
         over the schedule's smallest and largest batch), or None."""
         return scale_error(workers, self.smallest_batch, self.largest_batch, self.max_batch)
 
-    @property
-    def handing_over(self) -> bool:
-        """An assignment is in force and some worker is still to leave for it (the driver
-        needs a boundary with nothing in flight to drain it)."""
-        return self.assignment is not None and bool(
-            placement_plan(self._placed(), self.assignment).drain)
+    def moving(self) -> list[str]:
+        """The workers an assignment in force still moves off their nodes (sorted): the
+        driver needs a boundary with nothing in flight to drain them."""
+        if self.assignment is None:
+            return []
+        return sorted(placement_plan(self._placed(), self.assignment).drain)
 
     def _placed(self) -> list[tuple[str, int, str]]:
         """Every worker of the job, starting ones too: (id, ordinal, node)."""

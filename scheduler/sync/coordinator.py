@@ -359,8 +359,8 @@ class Coordinator(JobControl):
             membership = MembershipView(
                 generation=m.generation, members=m.rank_order(),
                 holders=tuple(x.worker_id for x in m.holders()), starting=tuple(m.pending),
-                draining=tuple(m.draining(speeds)), dirty=m.dirty, shortfall=m.shortfall())
-            handing_over = m.handing_over
+                draining=tuple(m.draining(speeds)), moving=tuple(m.moving()), dirty=m.dirty,
+                shortfall=m.shortfall())
             cancel = self.cancel_reason
             recorded = len(self.records)
         return Seen(
@@ -370,7 +370,7 @@ class Coordinator(JobControl):
             recorded=recorded,
             batch=job.global_batch, next_batch=job.regime.batch_for(self.epoch + 1),
             stamps_fixed=job.regime.can_stamp_ahead,
-            requests=requests, handing_over=handing_over,
+            requests=requests,
             membership=membership, leaving=tuple(self.workforce.leaving))
 
     def _carry_out(self, effect: Effect) -> object:

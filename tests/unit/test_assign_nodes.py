@@ -149,7 +149,7 @@ def test_handover_keeps_the_state_and_bounds_and_ends_matching(n, lo, extra, nod
             assert m.started(s.worker_id) is not None
         assert len(m.members) <= a.total + m.min_size
         m.regrouped(m.worker_ids)
-    assert not m.handing_over and not m.pending
+    assert m.moving() == [] and not m.pending
     on = {}
     for x in m.members:
         on[x.node] = on.get(x.node, 0) + 1

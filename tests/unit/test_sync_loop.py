@@ -206,7 +206,7 @@ def _ahead(seen: Seen, retrying: bool) -> bool:
     (``retrying``: the last segment did not all run), the next boundary need not have the
     group at rest, and its stamps do not wait on this one's losses."""
     return (seen.cancel is None and not retrying and not seen.requests
-            and not seen.handing_over and not seen.membership.dirty and seen.stamps_fixed)
+            and not seen.membership.moving and not seen.membership.dirty and seen.stamps_fixed)
 
 
 def _across(cfg: LoopConfig, seen: Seen, retrying: bool) -> bool:
@@ -260,6 +260,7 @@ def views(draw) -> MembershipView:
         members=members, holders=members[:held],
         starting=("w9",) if draw(rarely) else (),
         draining=members[-1:] if draw(rarely) else (),
+        moving=members[:1] if draw(rarely) else (),
         dirty=draw(rarely), shortfall=draw(st.sampled_from([None, None, None, "1 of 2 workers"])))
 
 
@@ -272,7 +273,7 @@ seens = st.builds(
     batch=st.sampled_from([64, 64, 32]), next_batch=st.sampled_from([64, 64, 32]),
     stamps_fixed=mostly,
     requests=st.sampled_from([(), (), (), (), (), ("scale",), ("assign",), ("drain", "assign")]),
-    handing_over=rarely, membership=views(),
+    membership=views(),
     leaving=st.sampled_from([(), (), (), ("w3",), ("w1", "w2")]))
 configs = st.builds(
     LoopConfig, epochs=st.integers(1, 4),

@@ -64,6 +64,8 @@ class MembershipView:
     holders: tuple[str, ...] = ()  # the members holding the committed state
     starting: tuple[str, ...] = ()  # workers started that have not come up yet
     draining: tuple[str, ...] = ()  # asked to leave, or moved now by an assignment
+    # Moved off their nodes by the assignment in force, now or at a later boundary at rest.
+    moving: tuple[str, ...] = ()
     dirty: bool = False  # a worker joined or was lost: the next boundary at rest regroups
     shortfall: str | None = None  # fewer workers than the minimum: which, and why
 
@@ -79,6 +81,11 @@ class MembershipView:
     @property
     def drains_due(self) -> bool:
         return bool(self.draining)
+
+    @property
+    def handing_over(self) -> bool:
+        """An assignment's hand-over waits for a boundary at rest."""
+        return bool(self.moving)
 
     @property
     def needs_state(self) -> bool:
@@ -99,7 +106,6 @@ class Seen:
     next_batch: int = 0  # the regime's for the next epoch
     stamps_fixed: bool = True  # the next segment's stamps do not wait on this one's losses
     requests: tuple[str, ...] = ()  # the kinds queued: "scale", "drain", "assign"
-    handing_over: bool = False  # an assignment's hand-over waits for a boundary at rest
     membership: MembershipView = MembershipView()
     leaving: tuple[str, ...] = ()  # workers taken out whose processes still run
 
@@ -837,7 +843,8 @@ class _Decisions:
         cfg = self.cfg
         ahead = can_send_ahead(
             cancel_requested=f.cancel is not None, retrying=self.memo.retrying,
-            requests_pending=bool(f.requests) or f.handing_over, regroup_due=f.membership.dirty,
+            requests_pending=bool(f.requests) or f.membership.handing_over,
+            regroup_due=f.membership.dirty,
             stamps_fixed=f.stamps_fixed)
         nxt = f.epoch + 1
         across = ahead and can_cross_epoch(
