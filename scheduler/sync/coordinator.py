@@ -142,7 +142,7 @@ class Coordinator(JobControl):
             policy_static=s.policy == "static", goodput=s.schedule.mode == "goodput",
             checkpoint_dir=bool(s.checkpoint.dir), checkpoint_every=s.checkpoint.every_epochs,
             judges_epochs=s.early_stopping is not None or s.checkpoint.keep_best is not None,
-            start_timeout_s=s.start_timeout_s)
+            isgd=s.isgd.enabled, start_timeout_s=s.start_timeout_s)
         lr_factors, lr_error = _lr_scheduler_factors(s)
         self.job = SyncJob(
             job_id=job_id,
@@ -369,7 +369,6 @@ class Coordinator(JobControl):
             steps_per_epoch=p.steps_per_epoch if p else 1,
             recorded=recorded,
             batch=job.global_batch, next_batch=job.regime.batch_for(self.epoch + 1),
-            stamps_fixed=job.regime.can_stamp_ahead,
             requests=requests,
             membership=membership, leaving=tuple(self.workforce.leaving))
 

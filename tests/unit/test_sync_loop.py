@@ -201,19 +201,19 @@ def _trained(cfg: LoopConfig, seen: Seen, memo: Memo) -> bool:
     return seen.epoch >= cfg.epochs or memo.stopped is not None
 
 
-def _ahead(seen: Seen, retrying: bool) -> bool:
+def _ahead(cfg: LoopConfig, seen: Seen, retrying: bool) -> bool:
     """The next segment may be sent before this one's results are read: it is not a retry
     (``retrying``: the last segment did not all run), the next boundary need not have the
     group at rest, and its stamps do not wait on this one's losses."""
     return (seen.cancel is None and not retrying and not seen.requests
-            and not seen.membership.moving and not seen.membership.dirty and seen.stamps_fixed)
+            and not seen.membership.moving and not seen.membership.dirty and not cfg.isgd)
 
 
 def _across(cfg: LoopConfig, seen: Seen, retrying: bool) -> bool:
     """That next segment may be the next epoch's first: there is one, at the same batch,
     and nothing between the epochs reads the state or re-plans from the epoch's end."""
     nxt = seen.epoch + 1
-    return (_ahead(seen, retrying) and nxt < cfg.epochs and not cfg.goodput
+    return (_ahead(cfg, seen, retrying) and nxt < cfg.epochs and not cfg.goodput
             and seen.next_batch == seen.batch and not cfg.judges_epochs
             and not _checkpoint_due(cfg, nxt)
             and not (cfg.rule.mode == "epoch" and not cfg.policy_static))
@@ -271,7 +271,6 @@ seens = st.builds(
     steps_per_epoch=st.sampled_from([4, 8]),
     recorded=st.integers(0, 2),
     batch=st.sampled_from([64, 64, 32]), next_batch=st.sampled_from([64, 64, 32]),
-    stamps_fixed=mostly,
     requests=st.sampled_from([(), (), (), (), (), ("scale",), ("assign",), ("drain", "assign")]),
     membership=views(),
     leaving=st.sampled_from([(), (), (), ("w3",), ("w1", "w2")]))
@@ -280,7 +279,7 @@ configs = st.builds(
     rule=st.sampled_from([RebalanceRule(), RebalanceRule("steps", every_steps=2),
                           RebalanceRule("adaptive")]),
     policy_static=st.booleans(), goodput=rarely, checkpoint_dir=st.booleans(),
-    checkpoint_every=st.integers(1, 3), judges_epochs=rarely,
+    checkpoint_every=st.integers(1, 3), judges_epochs=rarely, isgd=rarely,
     start_timeout_s=st.just(5.0))
 # Time between two events: listing the nodes falls due (NODE_POLL_S) now and then.
 pauses = st.sampled_from([0.0, 0.0, 0.05, 0.3, 1.0])
@@ -450,7 +449,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 # Sent ahead exactly when the next boundary need not have the group at rest;
                 # across the epoch exactly when nothing between the epochs reads the state.
                 retrying = b.before.memo.retrying
-                assert e == TrainSegment(ahead=_ahead(seen, retrying),
+                assert e == TrainSegment(ahead=_ahead(cfg, seen, retrying),
                                          across=_across(cfg, seen, retrying))
                 assert b.after == Training(seen.epoch, "segment", memo=b.after.memo)
             if isinstance(e, (TakeRequests, ApplyDrains, Regroup, AwaitStarts, GiveUpStarts)):

@@ -76,13 +76,6 @@ class Regime:
         ns = self.noise.noise_scale
         return 1.0 if ns is None else gain(batch, self.base_batch, ns, self.population)
 
-    @property
-    def can_stamp_ahead(self) -> bool:
-        """Whether a segment's stamps can be fixed before the one before it reports: true
-        unless they depend on its losses (ISGD's chart). Goodput's AdaScale gain changes
-        only at epoch ends, and segments are sent ahead only within an epoch."""
-        return self.chart is None
-
     def stamp(self, plans: dict[str, SegmentPlan], steps_per_epoch: int
               ) -> dict[str, SegmentPlan]:
         """The plans with each step's learning rate and noise request, and the segment's

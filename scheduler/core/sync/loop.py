@@ -42,6 +42,9 @@ class LoopConfig:
     checkpoint_dir: bool = False  # the job keeps checkpoints
     checkpoint_every: int = 1
     judges_epochs: bool = False  # early_stopping or checkpoint.keep_best
+    # ISGD: a segment's stamps wait on the losses of the one before it (its chart), so no
+    # segment is sent ahead. (Goodput's AdaScale gain changes only at epoch ends.)
+    isgd: bool = False
     start_timeout_s: float = 600.0
 
     def checkpoint_due(self, epoch: int) -> bool:
@@ -104,7 +107,6 @@ class Seen:
     recorded: int = 0  # epochs recorded in the job's history
     batch: int = 0  # the global batch in force
     next_batch: int = 0  # the regime's for the next epoch
-    stamps_fixed: bool = True  # the next segment's stamps do not wait on this one's losses
     requests: tuple[str, ...] = ()  # the kinds queued: "scale", "drain", "assign"
     membership: MembershipView = MembershipView()
     leaving: tuple[str, ...] = ()  # workers taken out whose processes still run
@@ -845,7 +847,7 @@ class _Decisions:
             cancel_requested=f.cancel is not None, retrying=self.memo.retrying,
             requests_pending=bool(f.requests) or f.membership.handing_over,
             regroup_due=f.membership.dirty,
-            stamps_fixed=f.stamps_fixed)
+            stamps_fixed=not cfg.isgd)
         nxt = f.epoch + 1
         across = ahead and can_cross_epoch(
             next_epoch=nxt, epochs=cfg.epochs, goodput=cfg.goodput, next_batch=f.next_batch,
