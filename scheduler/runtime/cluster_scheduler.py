@@ -433,8 +433,10 @@ class ClusterScheduler:
             return
         try:
             snap = self.calls.get(handle.snapshot.remote(), self.call_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            log.warning("job %s: its coordinator did not answer in time", job_id)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError) as err:
+            # Not dead (a loaded or unreachable node): asked again next round, not dropped.
+            log.warning("job %s: its coordinator did not answer: %s", job_id,
+                        first_line(err, typed=False))
             return
         except ray.exceptions.RayActorError as err:
             self._gone(job_id, first_line(err, typed=False) if str(err) else "actor died")
@@ -515,6 +517,9 @@ class ClusterScheduler:
             return None
         try:
             self.calls.get(handle.assign.remote(dict(c.slots)), self.call_timeout_s)
+        except ray.exceptions.ActorUnavailableError as err:  # not dead: sent again next round
+            log.warning("job %s: assignment %s not confirmed (the next round sends it "
+                        "again): %s", c.job_id, c.slots, first_line(err, typed=False))
         except ray.exceptions.RayActorError as err:
             self._gone(c.job_id, first_line(err, typed=False) if str(err) else "actor died")
         except ValueError as err:  # the job refused it: a fact the rounds keep and show

@@ -432,3 +432,38 @@ def test_an_owners_scale_whose_send_timed_out_is_sent_again_by_the_next_round(wo
     sched.round()
     sched.round()
     assert coordinator.assigned_to == [*sent, {"n1": 1, "n2": 1}]  # taken: not sent again
+
+
+def test_a_coordinator_unavailable_for_a_moment_is_not_dropped_and_is_sent_its_scale(world):
+    """Ray's ActorUnavailableError (the actor not dead, its node unreachable for a moment)
+    answered the scale's ``assign``: the job was dropped from the rounds as if its driver
+    had died, re-adopted by the next sync with the allocation it ran on, and the owner's
+    scale was lost. Now it stays held and the assignment is sent again; a poll answered so
+    keeps the job too."""
+    import ray.exceptions
+
+    sched = _scheduler(world, "goodput", hold_s=120.0)
+    world["calls"].node_list.append(RayNode("n3", {"CPU": 1.0, "node-type:t": 1.0}))
+    sched.sync([cluster_rt.JobEntry("a", parse_spec({**GANG, "max_workers": 3}), 1.0)])
+    sched.round()
+    coordinator = world["coordinators"]["a"]
+    calls = world["calls"]
+    plain_get = calls.get
+    unavailable = ray.exceptions.ActorUnavailableError("its node is unreachable", None)
+    failing = {"assign": 1, "snapshot": 1}
+
+    def flaky(ref: Any, timeout_s: float) -> Any:
+        kind = "assign" if ref is None else "snapshot"  # assign answers None here
+        if failing[kind]:
+            failing[kind] -= 1
+            raise unavailable
+        return plain_get(ref, timeout_s)
+
+    calls.get = flaky
+    world["clock"].now += 1.0
+    sched.request_scale("a", 2)
+    sched.round()  # its poll fails once more: kept, and the assignment is sent again
+    assert sched.allocation("a") == (("n1", 1), ("n2", 1))
+    assert coordinator.assigned_to[-1] == {"n1": 1, "n2": 1} and failing == {
+        "assign": 0, "snapshot": 0}
+    assert sched.view().job("a").allocation == (("n1", 1), ("n2", 1))
