@@ -460,10 +460,10 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             if isinstance(e, TakeRequests) and not in_flight:  # alone; what it drains leaves
                 assert i == 0 and body[-1] == e and e == TakeRequests()
                 if answered is not None:
-                    drain = [Settle(), ApplyDrains()] if answered.membership.drains_due else []
+                    drain = [Settle(), ApplyDrains()] if answered.membership.draining else []
                     assert nxt.body == [*drain, AdoptStarted()]
             if isinstance(e, ApplyDrains):  # only right after the requests, when due
-                assert seen.membership.drains_due and prev.body[-1] == TakeRequests()
+                assert seen.membership.draining and prev.body[-1] == TakeRequests()
                 assert body[: body.index(e) + 1] == [Settle(), e]
         # Listing the nodes: when due, or at once after an assignment, a change or at the
         # first start; the first start's waits list them again to replace workers that
@@ -480,7 +480,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             assert (in_flight and i == 0) or gathering or waited
             if waited:
                 # None is left starting: those that failed to start are started again.
-                assert e.starting and not seen.membership.starts_pending
+                assert e.starting and not seen.membership.starting
                 assert body == START
             elif gathering:
                 assert e.starting == seen.membership.first_start
@@ -501,22 +501,22 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
         # The first start's wait: a little at a time while workers are starting; given up
         # once the start timeout (counted from the first wait) is over, or on a cancel.
         if isinstance(b.before, Reconciling) and b.before.stage == "awaiting" \
-                and seen.membership.starts_pending:
+                and seen.membership.starting:
             over = bool(waits) and now >= waits[0] + cfg.start_timeout_s
             assert body == ([GiveUpStarts()] if seen.cancel is not None or over
                             else [AwaitStarts()])
         for e in body:
             if isinstance(e, AwaitStarts):
-                assert body == [e] and seen.membership.starts_pending
+                assert body == [e] and seen.membership.starting
                 assert seen.cancel is None
                 assert prev.body[-1] in (Place(starting=True), AwaitStarts())
                 waits.append(now)
                 assert b.after.deadline == waits[0] + cfg.start_timeout_s
                 assert now < b.after.deadline
-                if answered is not None and not answered.membership.starts_pending:
+                if answered is not None and not answered.membership.starting:
                     assert nxt.body == START  # none left starting: replace those that failed
             if isinstance(e, GiveUpStarts):
-                assert body == [e] and seen.membership.starts_pending
+                assert body == [e] and seen.membership.starting
                 assert seen.cancel is not None or (waits and now >= b.before.deadline)
                 assert prev.body[-1] in (Place(starting=True), AwaitStarts())
             if isinstance(e, WaitForMinimum):  # too few: wait, and the step ends
@@ -915,7 +915,7 @@ def test_the_first_starts_wait_follows_its_rules(data: st.DataObject) -> None:
         effects = loop.ran(f, now=now)
         assert (effects[:1] == [StopWorkers(f.leaving)]) == bool(f.leaving)
         body = effects[1:] if f.leaving else effects
-        if f.membership.starts_pending:
+        if f.membership.starting:
             over = first_wait is not None and now >= first_wait + cfg.start_timeout_s
             if f.cancel is not None or over:
                 assert body == [GiveUpStarts()]

@@ -78,19 +78,6 @@ class MembershipView:
         return not self.members and self.generation == 0
 
     @property
-    def starts_pending(self) -> bool:
-        return bool(self.starting)
-
-    @property
-    def drains_due(self) -> bool:
-        return bool(self.draining)
-
-    @property
-    def handing_over(self) -> bool:
-        """An assignment's hand-over waits for a boundary at rest."""
-        return bool(self.moving)
-
-    @property
     def needs_state(self) -> bool:
         """A regroup is due and no member of it holds the committed state."""
         return self.dirty and (not self.members or self.members[0] not in self.holders)
@@ -639,7 +626,7 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
         case Reconciling("watching"), WorkersStarted() | WorkersPlaced():
             return d.formed(f)
         case Reconciling("requests", waiting), RequestsTaken():
-            drain = [Settle(), ApplyDrains()] if f.membership.drains_due else []
+            drain = [Settle(), ApplyDrains()] if f.membership.draining else []
             return Reconciling("gathering", waiting, memo=d.memo), [*drain, AdoptStarted()]
         case Reconciling("gathering", waiting), WorkersStarted():
             if f.membership.first_start:  # its workers are started, then awaited
@@ -776,7 +763,7 @@ class _Decisions:
         (from its first wait), starting again those that failed once none is left starting;
         those still starting at the deadline, or at a cancel, are given up."""
         memo = self.memo
-        if f.membership.starts_pending:
+        if f.membership.starting:
             if f.cancel is not None or (deadline is not None and self.now >= deadline):
                 return Reconciling("giving_up", waiting, memo=memo), [GiveUpStarts()]
             if deadline is None:  # the wait begins: the start timeout counts from now
@@ -845,7 +832,7 @@ class _Decisions:
         cfg = self.cfg
         ahead = can_send_ahead(
             cancel_requested=f.cancel is not None, retrying=self.memo.retrying,
-            requests_pending=bool(f.requests) or f.membership.handing_over,
+            requests_pending=bool(f.requests) or f.membership.moving,
             regroup_due=f.membership.dirty,
             stamps_fixed=not cfg.isgd)
         nxt = f.epoch + 1
