@@ -74,7 +74,9 @@ def wait_for(
 
 
 def _session_pids(sid: int) -> list[int]:
-    """Processes in session ``sid`` (a session this module created with setsid)."""
+    """Processes alive in session ``sid`` (a session this module created with setsid). A
+    zombie is not one: it has exited, and waits for its reaper (an orphan's is PID 1, which
+    on this VM reaps every second or two, later under load)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -84,9 +86,24 @@ def _session_pids(sid: int) -> list[int]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[3]) == sid:  # state, ppid, pgrp, session
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):  # state, ppid, pgrp, session
             pids.append(int(entry.name))
     return pids
+
+
+def describe(pids: list[int]) -> str:
+    """Each process's pid, parent and command line (what a test says was left behind)."""
+    lines = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace")
+        except OSError:
+            continue
+        ppid = stat[stat.rindex(")") + 2 :].split()[1]
+        lines.append(f"{pid} (parent {ppid}): {cmd[:120]}")
+    return "\n".join(lines)
 
 
 def stop_process(
