@@ -243,11 +243,15 @@ def running_job(live_api: str, live_prometheus: str) -> Iterator[dict[str, Any]]
         job = httpx.get(f"{live_api}/v1/jobs/{ps_id}", timeout=10).json()
         if job["state"] in ("FAILED", "CANCELLED", "SUCCEEDED"):
             pytest.fail(f"job {ps_id} ended early: {job['state']}: {job.get('reason')}")
+        # 15 s of samples, and gradients applied within the staleness panels' rate window
+        # (a version above 0 alone was not enough: on a loaded machine one early update,
+        # then none in any 10 s window, left those panels empty, 0/0).
         res = promql(
             live_prometheus,
             "query",
             query=f'count_over_time(dynabatch_ps_server_version{{job_id="{ps_id}"}}[15s])'
-            f' >= 12 and dynabatch_ps_server_version{{job_id="{ps_id}"}} > 0',
+            f" >= 12 and on (job_id) sum by (job_id) (rate(dynabatch_ps_staleness_count"
+            f'{{job_id="{ps_id}"}}[{RATE_INTERVAL}])) > 0',
         )
         return bool(res["result"])
 
