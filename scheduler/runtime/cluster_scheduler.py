@@ -517,20 +517,19 @@ class ClusterScheduler:
             return None
         try:
             self.calls.get(handle.assign.remote(dict(c.slots)), self.call_timeout_s)
-        except ray.exceptions.ActorUnavailableError as err:  # not dead: sent again next round
-            log.warning("job %s: assignment %s not confirmed (the next round sends it "
-                        "again): %s", c.job_id, c.slots, first_line(err, typed=False))
-        except ray.exceptions.RayActorError as err:
-            self._gone(c.job_id, first_line(err, typed=False) if str(err) else "actor died")
         except ValueError as err:  # the job refused it: a fact the rounds keep and show
             why = first_line(err, typed=False)
             log.warning("job %s: refused the assignment %s: %s", c.job_id, c.slots, why)
             with self._lock:
                 self._step(AssignRefused(c.job_id, c.slots, why))
             return why
-        except Exception as err:  # a timeout: the next round sends it again
-            log.warning("job %s: assignment %s not confirmed (the next round sends it "
-                        "again): %s", c.job_id, c.slots, err)
+        except Exception as err:
+            if (isinstance(err, ray.exceptions.RayActorError)
+                    and not isinstance(err, ray.exceptions.ActorUnavailableError)):
+                self._gone(c.job_id, first_line(err, typed=False) if str(err) else "actor died")
+            else:  # a timeout, or unreachable for a moment: the next round sends it again
+                log.warning("job %s: assignment %s not confirmed (the next round sends it "
+                            "again): %s", c.job_id, c.slots, first_line(err, typed=False))
         else:
             log.info("job %s: assigned %s", c.job_id, c.slots)
             with self._lock:

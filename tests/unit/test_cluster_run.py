@@ -467,3 +467,27 @@ def test_a_coordinator_unavailable_for_a_moment_is_not_dropped_and_is_sent_its_s
     assert coordinator.assigned_to[-1] == {"n1": 1, "n2": 1} and failing == {
         "assign": 0, "snapshot": 0}
     assert sched.view().job("a").allocation == (("n1", 1), ("n2", 1))
+
+
+def test_a_coordinator_dead_when_sent_its_scale_is_dropped_from_the_rounds(world) -> None:
+    """Ray's ActorDiedError answered the scale's ``assign``: that driver is gone, so the
+    job leaves the rounds (the next sync adopts its successor), unlike a timeout or a node
+    unreachable for a moment."""
+    import ray.exceptions
+
+    sched = _scheduler(world, "goodput", hold_s=120.0)
+    world["calls"].node_list.append(RayNode("n3", {"CPU": 1.0, "node-type:t": 1.0}))
+    sched.sync([cluster_rt.JobEntry("a", parse_spec({**GANG, "max_workers": 3}), 1.0)])
+    sched.round()
+    calls = world["calls"]
+    plain_get = calls.get
+
+    def dead(ref: Any, timeout_s: float) -> Any:
+        if ref is None:  # the assign's answer (it returns None here)
+            raise ray.exceptions.ActorDiedError()
+        return plain_get(ref, timeout_s)
+
+    calls.get = dead
+    world["clock"].now += 1.0
+    sched.request_scale("a", 2)
+    assert sched.allocation("a") is None
