@@ -70,6 +70,8 @@ class Ledger:
         self.dataset_size = 0
         self._steps: dict[int, StepEntry] = {}
         self._retried = 0
+        # Every epoch's, since the job started: the job's total (a checkpoint keeps it).
+        self.retried_total = 0
         self._problems: list[str] = []
 
     def begin_epoch(self, epoch: int, dataset_size: int) -> None:
@@ -110,6 +112,7 @@ class Ledger:
     def retry(self, samples: int) -> None:
         """Samples computed in an attempt that was not committed (the step is retried)."""
         self._retried += samples
+        self.retried_total += samples
 
     def verify(self) -> Verification:
         n = self.dataset_size
@@ -142,6 +145,7 @@ class Ledger:
             "epoch": self.epoch,
             "dataset_size": self.dataset_size,
             "retried": self._retried,
+            "retried_total": self.retried_total,
             "steps": [
                 [e.step, e.start, e.size, [list(c) for c in e.coverage],
                  [list(s) for s in e.shares]]
@@ -156,6 +160,7 @@ class Ledger:
             return led
         led.begin_epoch(state["epoch"], state["dataset_size"])
         led._retried = state["retried"]
+        led.retried_total = state.get("retried_total", led._retried)
         for step, start, size, cov, shares in state["steps"]:
             led._steps[step] = StepEntry(
                 step, start, size, tuple((int(c), int(n)) for c, n in cov),

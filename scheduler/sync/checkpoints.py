@@ -40,10 +40,11 @@ class Checkpoints:
         self.job, self.control, self.workforce = job, control, workforce
 
     def save(self, reason: str, position: Position | None = None,
-             best: dict[str, Any] | None = None) -> None:
+             best: dict[str, Any] | None = None, epoch_rebalances: int = 0) -> None:
         """Save the job where it stands (or at ``position``: the epoch that just ended is
         saved as the start of the next). ``best``: this is the best epoch by a metric
-        (keep_best; what it was judged by): written as ``best.pt``, not the latest."""
+        (keep_best; what it was judged by): written as ``best.pt``, not the latest.
+        ``epoch_rebalances``: those the open epoch made before the position saved."""
         job, s = self.job, self.control.spec
         if not s.checkpoint.dir:
             return
@@ -66,9 +67,10 @@ class Checkpoints:
                          "global_batch": job.global_batch,
                          "regime": job.regime.to_state()},
             "history": [r.model_dump(mode="json") for r in self.control.records],
+            # The job's rebalances are its history's and these (retried samples: the
+            # ledger's).
             "counters": {
-                "rebalances_total": job.rebalances_total,
-                "retried_samples_total": job.retried_samples_total,
+                "epoch_rebalances": epoch_rebalances,
                 "next_ordinal": job.membership.next_ordinal,
             },
             "time": self.control.clock.time(),
@@ -117,15 +119,16 @@ class Checkpoints:
         with self.control.lock:
             self.control.records[:] = [EpochRecord.model_validate(r) for r in ckpt["history"]]
             c = ckpt["counters"]
-            job.rebalances_total = c["rebalances_total"]
-            job.retried_samples_total = c["retried_samples_total"]
             m = job.membership
             m.next_ordinal = max(m.next_ordinal, c.get("next_ordinal", 0))
             m.restored(pos)
             job.ledger = Ledger.from_state(ckpt.get("ledger") or {})
+            if "retried_samples_total" in c:  # written before the ledger kept the total
+                job.ledger.retried_total = c["retried_samples_total"]
             sched = ckpt.get("schedule") or {}
             job.regime.load_state(sched.get("regime") or {})
-            job.start = StartPoint(pos, sched.get("global_batch"), ckpt["weights"])
+            job.start = StartPoint(pos, sched.get("global_batch"), ckpt["weights"],
+                                   c.get("epoch_rebalances", 0))
             if job.protocol is not None:
                 job.protocol.rewind(pos, job.start_batch)
         self.control.log("INFO" if why == "resuming" else "WARNING",

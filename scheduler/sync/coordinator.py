@@ -171,6 +171,7 @@ class Coordinator(JobControl):
         error = lr_error
         if error is None and resume and s.checkpoint.dir:
             error = self.checkpoints.resume()
+            self.epochs.restored()
         if error is None and s.checkpoint.from_ and self.job.start.weights is None:
             # A new job starts from another's checkpoint; one resuming from its own goes on
             # from that, which holds what it learnt since.
@@ -261,10 +262,10 @@ class Coordinator(JobControl):
                 validation_metrics=dict(last.validation_metrics) if last else {},
                 utilization=last.utilization if last else None,
                 compute_balance=last.compute_balance if last else None,
-                rebalances_total=job.rebalances_total, epochs_completed=len(self.records),
+                rebalances_total=self.epochs.rebalances, epochs_completed=len(self.records),
                 epoch_durations_s=[r.wall_s for r in self.records], worker_events=events,
-                regroup_seconds_total=job.regroup_seconds_total,
-                retried_samples_total=job.retried_samples_total,
+                regroup_seconds_total=self.roster.regroup_seconds,
+                retried_samples_total=job.ledger.retried_total,
                 step_breakdown=last.breakdown if last else None,
                 started_at=self.started_at, finished_at=self.finished_at,
             )
@@ -400,7 +401,7 @@ class Coordinator(JobControl):
                 self.roster.wait_for_min(shortfall, since)
             case LoadCheckpoint():
                 if self.checkpoints.roll_back():
-                    self.epochs.rolled_back()
+                    self.epochs.restored()
             case Regroup(members, source):
                 return self.roster.regroup(members, restored=source == "checkpoint")
             case BeginEpoch():
@@ -433,8 +434,9 @@ class Coordinator(JobControl):
             case Checkpoint("best", position, best):
                 self.checkpoints.save(reason=f"best {best['metric']}", position=position,
                                       best=best)
-            case Checkpoint(reason, position):
-                self.checkpoints.save(reason=reason, position=position)
+            case Checkpoint(reason, position):  # None: inside the open epoch, where it stands
+                self.checkpoints.save(reason=reason, position=position, epoch_rebalances=(
+                    self.epochs.open_rebalances if position is None else 0))
             case SaveModel(reason):
                 self.checkpoints.save_model(reason=reason)
             case EndJob(outcome, reason):

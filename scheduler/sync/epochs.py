@@ -45,6 +45,11 @@ class Epochs:
         # The open epoch's totals (the pipeline commits each segment into them); None
         # between epochs (the next step boundary begins one).
         self.totals: EpochTotals | None = None
+        # The job's rebalances: its history's and the open epoch's (restored: see restored).
+        self.rebalances = 0
+        # Those the restored checkpoint's epoch made before its position: its totals start
+        # with them, so its record counts every rebalance the epoch made.
+        self._carried = 0
         # Test scores of an epoch whose record is not in the history yet (publish_test).
         self.test_scores: dict[int, dict[str, Any]] = {}
 
@@ -85,7 +90,8 @@ class Epochs:
                 self.control.log("INFO", f"epoch {p.epoch}: global batch {p.global_batch} -> "
                                          f"{batch}")
                 p.resize(batch)
-        self.totals = EpochTotals(started=self.control.clock.now())
+        self.totals = EpochTotals(started=self.control.clock.now(), rebalances=self._carried)
+        self._carried = 0
         job.tracker.begin_epoch()
         if job.ledger.epoch != p.epoch:
             job.ledger.begin_epoch(p.epoch, p.dataset_size)
@@ -116,10 +122,21 @@ class Epochs:
         self.adopted(decision, at, why)
         return None
 
-    def rolled_back(self) -> None:
-        """The job went back to its last checkpoint: the open epoch's totals go (the next
-        boundary begins the epoch again, from the checkpoint's step)."""
+    def restored(self) -> None:
+        """The job (re)starts from a checkpoint (resumed, or rolled back to it): the open
+        epoch's totals go (the next boundary begins the epoch again, from the checkpoint's
+        step), and the rebalances are the restored history's and those the checkpoint's
+        epoch made before its position (its history is complete: evaluations in flight
+        were settled before it was written)."""
         self.totals = None
+        self._carried = self.job.start.rebalances
+        self.rebalances = sum(r.rebalances for r in self.control.records) + self._carried
+
+    @property
+    def open_rebalances(self) -> int:
+        """The open epoch's rebalances so far (0 between epochs): a checkpoint written
+        inside the epoch keeps them."""
+        return self.totals.rebalances if self.totals is not None else 0
 
     def adopted(self, decision: Decision, at: int | None, why: str) -> None:
         """A re-plan took effect from step ``at`` (None: now): the tracker learns the
@@ -128,7 +145,7 @@ class Epochs:
         a = decision.allocation
         job.tracker.decided(dict(zip(a.workers, a.batches, strict=True)))
         if decision.rebalanced:
-            job.rebalances_total += 1
+            self.rebalances += 1
             self.totals.rebalances += 1
             where = f" from step {at}" if at is not None and at != p.step else ""
             self.control.log("INFO", f"rebalance ({why}): batches "

@@ -1,9 +1,11 @@
 """The synchronous job's pure machines, and where its training (re)starts.
 
 :class:`SyncJob` holds the machines the driver's parts drive (membership, regime, policy,
-tracker, ledger, and the protocol once the data is loaded), where the protocol starts
-(:class:`StartPoint`) and the counters the snapshot reports and a checkpoint keeps. How the
-parts share them, and what each owns, is in ``docs/architecture.md`` ("The step loop").
+tracker, ledger, and the protocol once the data is loaded) and where the protocol starts
+(:class:`StartPoint`). How the parts share them, and what each owns, is in
+``docs/architecture.md`` ("The step loop"). The counts the snapshot reports are each kept by
+the one that makes them: rebalances by the epochs, retried samples by the ledger, regroup
+time by the roster.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from dynabatch.scheduler.sync.evaluation import split
 @dataclass(frozen=True, slots=True)
 class StartPoint:
     """Where the protocol (re)starts: a checkpoint's position and the global batch trained
-    there (None: the regime's for that epoch), and its weights until a regroup loads them
-    into the group (one that fails must be able to load them again)."""
+    there (None: the regime's for that epoch), its weights until a regroup loads them
+    into the group (one that fails must be able to load them again), and the rebalances
+    its epoch made before that position (a checkpoint written inside an epoch)."""
 
     position: Position = field(default_factory=lambda: Position(0, 0))
     batch: int | None = None
     weights: dict[str, Any] | None = None
+    rebalances: int = 0
 
 
 @dataclass
@@ -45,10 +49,6 @@ class SyncJob:
     data: DataInfo | None = None
     # Replaced whole: by a checkpoint restored, by the regroup that loads its weights.
     start: StartPoint = field(default_factory=StartPoint)
-
-    rebalances_total: int = 0
-    regroup_seconds_total: float = 0.0
-    retried_samples_total: int = 0
 
     @property
     def start_batch(self) -> int:

@@ -282,7 +282,6 @@ class Pipeline:
         if partial and not p.epoch_complete:
             in_flight = p.step_size(p.step)
             job.ledger.retry(in_flight)
-            job.retried_samples_total += in_flight
         self.control.log("WARNING", f"step {p.step} of epoch {p.epoch} failed: {failure.summary}")
         for w, why in failure.lost.items():
             self.workforce.remove(w, "failure", why)

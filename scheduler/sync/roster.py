@@ -49,6 +49,7 @@ class Roster:
         self.job, self.control, self.workforce = job, control, workforce
         self.runtime, self.evals, self.reports = runtime, evals, reports
         self.nodes: list[NodeInfo] = []  # as last listed (the loop's Place)
+        self.regroup_seconds = 0.0  # this driver's regroups, from the call to the group
 
     # ---------------------------------------------------------------- at a boundary
     def poll_nodes(self, starting: bool) -> None:
@@ -294,7 +295,7 @@ class Roster:
         # Only now: a failed join must be able to load it again.
         job.start = replace(job.start, weights=None)
         dt = self.control.clock.now() - t0
-        job.regroup_seconds_total += dt
+        self.regroup_seconds += dt
         self.control.log("INFO", f"generation {m.generation}: {len(members)} workers "
                                  f"{list(members)} (formed in {dt:.2f}s)")
         self.report_group(members)

@@ -172,6 +172,26 @@ def test_cancel_then_resume_verifies_every_epoch(step, tmp_path):
     assert min(int(w[1:]) for w in again.job.membership.worker_ids) >= 3
 
 
+def test_a_resumed_epochs_record_counts_the_rebalances_made_before_the_cancel(tmp_path):
+    """A rebalance made mid-epoch before a cancel happened in that epoch: the resumed
+    epoch's record counts it, and the job's total is its history's sum (one count)."""
+    spec = _spec(checkpoint={"dir": str(tmp_path)})
+    coord, _, _ = _job(spec)
+    _run_to(coord, 0, 6)
+    before = coord.snapshot().rebalances_total
+    assert before >= 1  # the speeds 4x apart are rebalanced within the first steps
+    coord.cancel()
+    coord.run()
+
+    again, _, _ = _job(spec)
+    snap = again.run()
+    assert snap.state == JobState.SUCCEEDED
+    history = again.history()
+    assert history[0].rebalances >= before
+    assert snap.rebalances_total == sum(r.rebalances for r in history)
+    assert snap.retried_samples_total == sum(r.retried_samples for r in history)
+
+
 def test_resumed_weights_survive_the_loss_of_the_member_carrying_them(tmp_path):
     spec = _spec(checkpoint={"dir": str(tmp_path)})
     coord, _, _ = _job(spec)

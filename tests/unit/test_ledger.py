@@ -111,6 +111,21 @@ def test_state_round_trip():
     assert v.verified and v.retried_samples == 10 and v.epoch == 2
 
 
+def test_the_retried_total_spans_epochs_and_checkpoints():
+    """An epoch's verification has its own retried samples; the job's total (what the
+    snapshot reports) keeps every epoch's, through a checkpoint's state too."""
+    led = Ledger()
+    led.begin_epoch(0, 100)
+    led.retry(10)
+    led.begin_epoch(1, 100)
+    led.retry(4)
+    assert led.verify().retried_samples == 4 and led.retried_total == 14
+    copy = Ledger.from_state(led.to_state())
+    assert copy.retried_total == 14 and copy.verify().retried_samples == 4
+    copy.begin_epoch(2, 100)
+    assert copy.retried_total == 14 and copy.verify().retried_samples == 0
+
+
 class _LosingRuntime(SimRuntime):
     """A defective all-reduce: one sample of step 3 is missing from what it summed."""
 

@@ -422,6 +422,9 @@ def check_every_epoch_once(run: Run) -> None:
         stopped_early = snap.reason is not None and snap.reason.startswith("early stopping")
         assert len(hist) == sc.epochs or (sc.early_stopping and stopped_early), why
         assert run.lineages.lineage(members[0]) == _full(len(hist)), why
+        # The job's counts are its history's, whatever rolled back (one count each).
+        assert snap.rebalances_total == sum(r.rebalances for r in hist), why
+        assert snap.retried_samples_total == sum(r.retried_samples for r in hist), why
     elif snap.state == JobState.CANCELLED and members and hist:
         # What the records say was trained, the state kept holds (and possibly more).
         held = max(len(run.lineages.lineage(m)) for m in members)
