@@ -105,7 +105,7 @@ def _payload() -> dict[str, Any]:
         "weights": _worker_state(),
         "ledger": ledger.to_state(),
         "history": [record.model_dump(mode="json")],
-        "counters": {"rebalances_total": 2, "retried_samples_total": 0, "next_ordinal": 2},
+        "counters": {"epoch_rebalances": 0, "next_ordinal": 2},
         "time": 1_700_000_000.5,
         "reason": "epoch",
     }

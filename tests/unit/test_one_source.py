@@ -70,6 +70,28 @@ def test_the_batch_in_force_is_the_restored_one_until_the_data_is_loaded(tmp_pat
     assert coord.job.protocol.global_batch == coord.snapshot().global_batch == 48
 
 
+def test_a_checkpoint_written_before_the_ledger_kept_the_retried_total_keeps_it(tmp_path):
+    # Its counters held the job's retried samples, and its ledger state only the epoch's:
+    # the resumed job reports the old total (its rebalances are its history's: none).
+    from dynabatch.scheduler.checkpoint import save_checkpoint
+    from dynabatch.scheduler.core.ledger import Ledger
+
+    spec = _spec(epochs=3, checkpoint={"dir": str(tmp_path)})
+    ledger = Ledger()
+    ledger.begin_epoch(1, 2048)
+    ledger.retry(3)
+    state = ledger.to_state()
+    del state["retried_total"]
+    save_checkpoint(tmp_path, "job", {
+        "job_id": "job", "epoch": 1, "step": 3, "weights": {"model": {}}, "history": [],
+        "ledger": state,
+        "counters": {"rebalances_total": 5, "retried_samples_total": 7, "next_ordinal": 3},
+        "schedule": {"epoch": 1, "step": 3, "global_batch": 64, "regime": {}}})
+    rt = sim_runtime(spec, n_train=2048, speeds={0: 1000, 1: 500, 2: 250})
+    snap = Coordinator("job", spec, runtime=rt, clock=rt.clock).snapshot()
+    assert (snap.retried_samples_total, snap.rebalances_total) == (7, 0)
+
+
 @pytest.mark.parametrize("policy", ["static", "dbs", "affine"])
 @pytest.mark.parametrize("mode", ["epoch", "steps", "adaptive"])
 def test_the_threshold_becomes_min_gain_where_validation_says_it_applies(policy, mode):
