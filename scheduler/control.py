@@ -166,10 +166,21 @@ class JobControl:
         with self.lock:
             if note is not None:
                 self.log("WARNING", f"scale to {workers}: {note}")
+            self.placement(note)
+        return self.snapshot()
+
+    def placement(self, note: str | None) -> None:
+        """Why requested workers cannot all be placed now (None: they are), shown as the
+        job's reason while so, unless another reason stands."""
+        with self.lock:
             if self.reason is None or self.reason == self.placement_note:
                 self.reason = note
             self.placement_note = note
-        return self.snapshot()
+
+    def waiting(self, why: str) -> None:
+        """Why the job waits now (for its workers to start, for nodes): its reason."""
+        with self.lock:
+            self.reason = why
 
     def drain(self, worker: str) -> JobSnapshot:
         """``worker`` leaves at the next step boundary. Refused (``ValueError``) while a

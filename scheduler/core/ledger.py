@@ -154,13 +154,14 @@ class Ledger:
         }
 
     @classmethod
-    def from_state(cls, state: dict) -> Ledger:
+    def from_state(cls, state: dict, retried_total: int | None = None) -> Ledger:
+        """``retried_total``: the job's, where the state does not hold it."""
         led = cls()
         if state.get("epoch") is None:
             return led
         led.begin_epoch(state["epoch"], state["dataset_size"])
         led._retried = state["retried"]
-        led.retried_total = state.get("retried_total", led._retried)
+        led.retried_total = state.get("retried_total", retried_total or led._retried)
         for step, start, size, cov, shares in state["steps"]:
             led._steps[step] = StepEntry(
                 step, start, size, tuple((int(c), int(n)) for c, n in cov),

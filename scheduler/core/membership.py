@@ -529,7 +529,13 @@ class Membership:
             if m.worker_id in members:
                 m.version = self.committed
 
-    def restored(self, position: Position) -> None:
-        """The committed state was rolled back to a checkpoint taken at ``position``."""
+    def restored(self, position: Position, next_ordinal: int = 0) -> None:
+        """The committed state was rolled back to a checkpoint taken at ``position``; worker
+        ids go on from ``next_ordinal`` (the checkpoint's), never reused."""
         self.committed = position
+        self.next_ordinal = max(self.next_ordinal, next_ordinal)
+        self.dirty = True
+
+    def broke(self) -> None:
+        """The group broke off a collective (a segment failed): it is formed again."""
         self.dirty = True

@@ -67,8 +67,7 @@ class Checkpoints:
                          "global_batch": job.global_batch,
                          "regime": job.regime.to_state()},
             "history": [r.model_dump(mode="json") for r in self.control.records],
-            # The job's rebalances are its history's and these (retried samples: the
-            # ledger's).
+            # (The job's rebalances: its history's and these; retried samples: the ledger's.)
             "counters": {
                 "epoch_rebalances": epoch_rebalances,
                 "next_ordinal": job.membership.next_ordinal,
@@ -119,12 +118,10 @@ class Checkpoints:
         with self.control.lock:
             self.control.records[:] = [EpochRecord.model_validate(r) for r in ckpt["history"]]
             c = ckpt["counters"]
-            m = job.membership
-            m.next_ordinal = max(m.next_ordinal, c.get("next_ordinal", 0))
-            m.restored(pos)
-            job.ledger = Ledger.from_state(ckpt.get("ledger") or {})
-            if "retried_samples_total" in c:  # written before the ledger kept the total
-                job.ledger.retried_total = c["retried_samples_total"]
+            job.membership.restored(pos, c.get("next_ordinal", 0))
+            # (An older checkpoint has the job's retried samples among its counters.)
+            job.ledger = Ledger.from_state(ckpt.get("ledger") or {},
+                                           c.get("retried_samples_total"))
             sched = ckpt.get("schedule") or {}
             job.regime.load_state(sched.get("regime") or {})
             job.start = StartPoint(pos, sched.get("global_batch"), ckpt["weights"],

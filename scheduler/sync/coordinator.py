@@ -434,9 +434,10 @@ class Coordinator(JobControl):
             case Checkpoint("best", position, best):
                 self.checkpoints.save(reason=f"best {best['metric']}", position=position,
                                       best=best)
-            case Checkpoint(reason, position):  # None: inside the open epoch, where it stands
+            case Checkpoint(reason, position):  # None: where it stands (in the open epoch)
+                open_epoch = self.epochs.totals if position is None else None
                 self.checkpoints.save(reason=reason, position=position, epoch_rebalances=(
-                    self.epochs.open_rebalances if position is None else 0))
+                    open_epoch.rebalances if open_epoch is not None else 0))
             case SaveModel(reason):
                 self.checkpoints.save_model(reason=reason)
             case EndJob(outcome, reason):

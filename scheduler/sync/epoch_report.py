@@ -17,6 +17,7 @@ from typing import Any
 from dynabatch.actors.contracts import StepTelemetry
 from dynabatch.actors.workloads.metric_states import split_scores
 from dynabatch.scheduler.core.ledger import Verification
+from dynabatch.scheduler.core.sync.ahead import WallShare
 from dynabatch.scheduler.core.sync.allocation import Allocation
 from dynabatch.scheduler.core.sync.tracker import WorkerTrack
 from dynabatch.scheduler.sync.evaluation import EvalRound
@@ -64,8 +65,16 @@ class EpochTotals:
             self.loss_sum += rep.loss_sum
             self.loss_samples += rep.samples
 
-    def add_segment(self, results: list[Any], done: int) -> None:
-        self.busy += segment_busy(results, done)
+    def add_segment(self, share: WallShare, busy: float) -> None:
+        """A segment's wall time as attributed (none to steps when it completed none) and
+        the longest a worker spent in its completed steps."""
+        self.evaluation += share.evaluation
+        self.wall += share.wall
+        self.worker_seconds += share.worker_seconds
+        self.busy += busy
+
+    def rebalanced(self) -> None:
+        self.rebalances += 1
 
     def breakdown(self, elapsed: float, evaluation: float, hidden: float
                   ) -> StepBreakdown | None:

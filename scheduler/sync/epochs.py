@@ -47,8 +47,7 @@ class Epochs:
         self.totals: EpochTotals | None = None
         # The job's rebalances: its history's and the open epoch's (restored: see restored).
         self.rebalances = 0
-        # Those the restored checkpoint's epoch made before its position: its totals start
-        # with them, so its record counts every rebalance the epoch made.
+        # Those a restored checkpoint's epoch made before its position: its totals start so.
         self._carried = 0
         # Test scores of an epoch whose record is not in the history yet (publish_test).
         self.test_scores: dict[int, dict[str, Any]] = {}
@@ -74,10 +73,9 @@ class Epochs:
         if job.ledger.epoch != job.protocol.epoch:
             job.ledger.begin_epoch(job.protocol.epoch, d.n_train)
         if d.n_validation:  # judged on the validation split; the test set when due
-            self.evals.split, self.evals.n_test = "validation", d.n_test
-            self.evals.test_after = lambda epoch: due_for_test(
+            self.evals.judge_on_validation(d.n_test, lambda epoch: due_for_test(
                 validation=True, every_epoch=s.evaluation.test_every_epoch,
-                last=epoch + 1 >= s.epochs, stopped=False)
+                last=epoch + 1 >= s.epochs, stopped=False))
         val = f"{d.n_validation} validation, " if d.n_validation else ""
         self.control.log("INFO", f"loaded {d.name}: {d.n_train} train, {val}{d.n_test} test "
                                  f"samples in {self.control.clock.now() - t0:.2f}s")
@@ -123,20 +121,13 @@ class Epochs:
         return None
 
     def restored(self) -> None:
-        """The job (re)starts from a checkpoint (resumed, or rolled back to it): the open
-        epoch's totals go (the next boundary begins the epoch again, from the checkpoint's
-        step), and the rebalances are the restored history's and those the checkpoint's
-        epoch made before its position (its history is complete: evaluations in flight
-        were settled before it was written)."""
+        """The job (re)starts from a checkpoint (resumed, or rolled back): the open epoch's
+        totals go (the next boundary begins it again, from the checkpoint's step); the
+        rebalances are the restored history's (complete: evaluations in flight were settled
+        before the checkpoint was written) and those of the checkpoint's epoch."""
         self.totals = None
         self._carried = self.job.start.rebalances
         self.rebalances = sum(r.rebalances for r in self.control.records) + self._carried
-
-    @property
-    def open_rebalances(self) -> int:
-        """The open epoch's rebalances so far (0 between epochs): a checkpoint written
-        inside the epoch keeps them."""
-        return self.totals.rebalances if self.totals is not None else 0
 
     def adopted(self, decision: Decision, at: int | None, why: str) -> None:
         """A re-plan took effect from step ``at`` (None: now): the tracker learns the
@@ -146,7 +137,7 @@ class Epochs:
         job.tracker.decided(dict(zip(a.workers, a.batches, strict=True)))
         if decision.rebalanced:
             self.rebalances += 1
-            self.totals.rebalances += 1
+            self.totals.rebalanced()
             where = f" from step {at}" if at is not None and at != p.step else ""
             self.control.log("INFO", f"rebalance ({why}): batches "
                                      f"{dict(zip(a.workers, a.batches, strict=True))}{where} — "
@@ -225,8 +216,7 @@ class Epochs:
         rnd = self.evals.unattached(p.epoch)
         if rnd is None:
             holders = [m.worker_id for m in job.membership.holders()]
-            rnd = self.evals.submit(p.epoch, job.evaluation_shards(holders))
-            self.evals.behind = rnd
+            self.evals.submit(p.epoch, job.evaluation_shards(holders), behind=True)
         self.evals.attach(p.epoch, record, ep)
 
     def next_epoch(self, stop: str | None = None) -> None:
@@ -239,10 +229,9 @@ class Epochs:
             # An early stop ends the training with these weights: the test set scores them
             # (the holders have them: a judged epoch sends nothing ahead of its evaluation).
             holders = [m.worker_id for m in job.membership.holders()]
-            rnd = self.evals.submit_test(p.epoch, holders, job.tracker.speeds())
-            # Published into that record.
-            rnd.record, rnd.extra = self.control.records[-1], self.totals
-            self.evals.behind = rnd
+            self.evals.submit_test(p.epoch, holders, job.tracker.speeds(),
+                                   record=self.control.records[-1], extra=self.totals,
+                                   behind=True)
         with self.control.lock:
             p.next_epoch()
             self.totals = None
@@ -275,7 +264,7 @@ class Epochs:
                 self.workforce.remove(w, "failure", "lost during evaluation")
         sums = rnd.sums()
         if sums is not None:
-            self.workforce.attempts = self.workforce.attempts.evaluated()
+            self.workforce.succeeded("evaluation")
         elif not closing and (bad := next(((w, r) for w, r in rnd.failures.items()
                                            if not r.lost), None)):
             w, r = bad
@@ -294,11 +283,8 @@ class Epochs:
             # and score the set again (at the job's end, say), so no scores are lost.
             self.control.log("INFO", f"epoch {rnd.epoch}: evaluating again on "
                                      f"{list(again.workers)}")
-            rerun = self.evals.submit(rnd.epoch, job.evaluation_shards(list(again.workers),
-                                                                      rnd.split), rnd.split)
-            rerun.record, rerun.extra = rnd.record, rnd.extra
-            rerun.waited_s = again.waited_s
-            self.evals.behind = rerun
+            self.evals.rerun(rnd, job.evaluation_shards(list(again.workers), rnd.split),
+                             again.waited_s)
             return
         scores = self.evals.runtime.finish_evaluation(sums) if sums is not None else None
         if scores is None and rnd.shards:

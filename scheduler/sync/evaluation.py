@@ -19,7 +19,7 @@ bookkeeping over a runtime and a clock (``dynabatch.scheduler.runtime.seam``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,37 +149,63 @@ class Evaluations:
         # set's size, and which epochs' weights are also scored on the test set (due_for_test).
         self.split = "test"
         self.n_test = 0
-        self.test_after: Any = None  # (epoch) -> bool; None: never
+        self.test_after: Callable[[int], bool] | None = None  # None: never
         # The round queued for the next segment sent (its workers score first: the
         # segment's time is not charged with it). A regroup drops it: it ran before.
         self.behind: EvalRound | None = None
 
+    def judge_on_validation(self, n_test: int, test_after: Callable[[int], bool]) -> None:
+        """The data has a validation split: each epoch is judged on it, and the test set
+        (``n_test`` samples) scores the weights of the epochs ``test_after`` names."""
+        self.split, self.n_test, self.test_after = "validation", n_test, test_after
+
     def submit(self, epoch: int, shards: dict[str, tuple[int, int]],
-               split: str | None = None) -> EvalRound:
+               split: str | None = None, *, behind: bool = False) -> EvalRound:
         """Queue a round of ``split`` (default: the judged split, followed by a test round
-        on the same holders when :attr:`test_after` says so for ``epoch``)."""
-        r = self._submit(epoch, shards, split or self.split)
+        on the same holders when :attr:`test_after` says so for ``epoch``). ``behind``: the
+        one queued for the next segment (:attr:`behind`)."""
+        r = self._submit(epoch, shards, split or self.split, behind)
         if split is None and self.split != "test" and self.test_after is not None \
                 and self.test_after(epoch):
             self.submit_test(epoch, list(shards), {w: hi - lo for w, (lo, hi) in shards.items()})
         return r
 
     def submit_test(self, epoch: int, holders: list[str],
-                    weights: Mapping[str, float] | None = None) -> EvalRound:
+                    weights: Mapping[str, float] | None = None, *, record: Any = None,
+                    extra: Any = None, behind: bool = False) -> EvalRound:
         """A round scoring ``epoch``'s weights on the test set, split over ``holders`` (in
-        proportion to ``weights``, their validation shares: their throughput)."""
+        proportion to ``weights``, their validation shares: their throughput), published
+        into ``record`` when given."""
         weights = weights or dict.fromkeys(holders, 1.0)
         return self._submit(epoch, split(self.n_test, {w: weights.get(w, 0.0) for w in holders}),
-                            "test")
+                            "test", behind, record=record, extra=extra)
 
-    def _submit(self, epoch: int, shards: dict[str, tuple[int, int]], which: str) -> EvalRound:
+    def rerun(self, rnd: EvalRound, shards: dict[str, tuple[int, int]], waited_s: float
+              ) -> None:
+        """Score ``rnd``'s split again over ``shards`` (a shard failed; nothing was queued
+        behind it), for the same record, queued for the next segment; ``waited_s``: what
+        the first try cost the critical path."""
+        self._submit(rnd.epoch, shards, rnd.split, True, record=rnd.record, extra=rnd.extra,
+                     waited_s=waited_s)
+
+    def take_behind(self) -> EvalRound | None:
+        """The round queued for the segment being sent now (or that a regroup ran), which
+        no longer waits."""
+        r, self.behind = self.behind, None
+        return r
+
+    def _submit(self, epoch: int, shards: dict[str, tuple[int, int]], which: str,
+                behind: bool = False, **given: Any) -> EvalRound:
         now = self.clock.now()
         ticket = None
         if shards:  # a runtime with no validation split need not know about splits
             ticket = (self.runtime.submit_evaluation(shards) if which == "test"
                       else self.runtime.submit_evaluation(shards, split=which))
-        r = EvalRound(epoch, dict(shards), ticket, now, now + self.timeout_s, split=which)
+        r = EvalRound(epoch, dict(shards), ticket, now, now + self.timeout_s, split=which,
+                      **given)
         self.rounds.append(r)
+        if behind:
+            self.behind = r
         return r
 
     def unattached(self, epoch: int) -> EvalRound | None:

@@ -3,9 +3,7 @@
 :class:`SyncJob` holds the machines the driver's parts drive (membership, regime, policy,
 tracker, ledger, and the protocol once the data is loaded) and where the protocol starts
 (:class:`StartPoint`). How the parts share them, and what each owns, is in
-``docs/architecture.md`` ("The step loop"). The counts the snapshot reports are each kept by
-the one that makes them: rebalances by the epochs, retried samples by the ledger, regroup
-time by the roster.
+``docs/architecture.md`` ("The step loop").
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 UPDATE_TIMEOUT_S = 2.0  # posting a plan update: one compare-and-set in the group's store
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Ahead:
     """A segment sent before the previous one's results were read."""
 
@@ -118,7 +118,7 @@ class Pipeline:
             return False
         ok = self.runtime.update_segment(update, UPDATE_TIMEOUT_S)
         if ok:
-            ahead.plans = updated_plans(ahead.plans, update)
+            self.ahead = replace(ahead, plans=updated_plans(ahead.plans, update))
         return ok
 
     def send_ahead(self, start: Position, plans: dict[str, Any], across: bool) -> bool:
@@ -179,7 +179,7 @@ class Pipeline:
                 raise RuntimeError(f"no segment to train at {p.position} (the epoch is "
                                    "complete)")
             t0 = self.control.clock.now()
-            behind, self.evals.behind = self.evals.behind, None
+            behind = self.evals.take_behind()
             ticket = self.runtime.submit_segment(plans)
         start = p.position
         sent = send_ahead and self.send_ahead(start, plans, across)
@@ -204,27 +204,23 @@ class Pipeline:
         results = [o.result for o in outcomes if o.result is not None]
         done = max((len(r.steps) for r in results), default=0)
         planned = len(next(iter(plans.values())).steps)
+        busy = segment_busy(results, done)
         share = decide.attribute_wall(
             sent=t0, last_collected=self.last_collect, now=now,
             evaluation_s=evaluation_s, done=done, planned=planned, workers=len(plans),
-            busy=segment_busy(results, done))
+            busy=busy)
         self.last_collect = now
         committed: list[list[Any]] = []
         with self.control.lock:
-            ep = totals
-            ep.evaluation += share.evaluation
             for j in range(done):
                 reports = [r.steps[j] for r in results if len(r.steps) > j]
                 committed.append(reports)
                 job.ledger.commit(reports)
                 job.regime.observe(reports)
-                ep.add_step(reports)
-            ep.add_segment(results, done)
+                totals.add_step(reports)
+            totals.add_segment(share, busy)
             for r in results:
                 job.tracker.observe(r.worker, r.steps)
-            if done:
-                ep.wall += share.wall
-                ep.worker_seconds += share.worker_seconds
             p.advance(done)
             job.membership.progressed(
                 {r.worker: Position(start.epoch, start.step + len(r.steps)) for r in results}
@@ -235,7 +231,7 @@ class Pipeline:
                 self.control.tracking.step(reports, p.dataset_size)
         if failure is None:
             # The retry, if this was one, is over.
-            self.workforce.attempts = self.workforce.attempts.succeeded()
+            self.workforce.succeeded("segment")
             return True
         # Lost and hung workers are removed here; the loop's next batch kills them before
         # anything else, so what they had queued ahead answers at once instead of after
@@ -292,7 +288,7 @@ class Pipeline:
                 self.control.log("WARNING", f"{w} ran out of memory on a micro-batch of {batch}: "
                                             f"node {m.node}'s memory cap is now {cap} samples")
         # Whoever is left broke off the collective: the group must be formed again.
-        job.membership.dirty = True
+        job.membership.broke()
         # Uncharged (a segment sent ahead), the failure before it was counted: the next
         # segment is a retry either way. The policy evicts the stragglers.
         self.workforce.failed(FailureEvent("segment", position=p.position, failure=failure,

@@ -59,7 +59,7 @@ class Roster:
         with self.control.lock:
             self.nodes = self.runtime.nodes()
             if not self.nodes and starting:
-                self.control.reason = f"waiting for resources: {self.no_node_hint()}"
+                self.control.waiting(f"waiting for resources: {self.no_node_hint()}")
             for node, why in self.runtime.lost_spares():
                 job.membership.spare_lost(node, why)
                 self.control.log("WARNING", f"the spare worker on node {node[:12]} was lost "
@@ -184,10 +184,7 @@ class Roster:
             self.control.log("WARNING", f"cannot place every worker: {note}")
         elif note != c.placement_note:
             self.control.log("INFO", "every requested worker is placed")
-        with self.control.lock:
-            if c.reason is None or c.reason == c.placement_note:
-                c.reason = note
-            c.placement_note = note
+        c.placement(note)
 
     def adopt_started(self, timeout_s: float) -> None:
         """Take in the workers that came up (waiting up to ``timeout_s`` for the first, not
@@ -213,11 +210,10 @@ class Roster:
         """Wait a little for the first start's workers to come up, and take in those that
         did (the loop's ``AwaitStarts``; the start timeout is its)."""
         m = self.job.membership
-        self.control.reason = (
+        self.control.waiting(
             f"waiting for resources: {len(m.pending)} of {len(m.pending) + len(m.members)}"
             f" workers not started yet ({len(self.runtime.nodes())} eligible nodes; other "
-            "jobs may hold their CPUs)"
-        )
+            "jobs may hold their CPUs)")
         self.adopt_started(START_WAIT_S)
 
     def give_up_starts(self) -> None:
@@ -251,8 +247,8 @@ class Roster:
                 error=f"only {shortfall} available after waiting {wait.limit:.0f}s{hint}"))
             return False
         # (The job is PENDING meanwhile: its state follows the loop's Waiting.)
-        c.reason = (f"waiting for nodes: {shortfall} ({wait.waited:.0f}s of "
-                    f"{wait.limit:.0f}s){hint}")
+        c.waiting(f"waiting for nodes: {shortfall} ({wait.waited:.0f}s of "
+                  f"{wait.limit:.0f}s){hint}")
         # The next boundary lists the nodes again (NODE_POLL_S) and starts what is missing.
         self.control.clock.sleep(NODE_POLL_S)
         return False
@@ -288,8 +284,8 @@ class Roster:
             self.control.log("WARNING", f"regroup failed ({why}); retrying")
             self.workforce.failed(FailureEvent("regroup", lost=bool(result.lost), error=why))
             return False
-        self.workforce.attempts = self.workforce.attempts.regrouped()
-        self.evals.behind = None  # an evaluation queued before the regroup ran before it
+        self.workforce.succeeded("regroup")
+        self.evals.take_behind()  # an evaluation queued before the regroup ran before it
         with self.control.lock:
             m.regrouped(members)
         # Only now: a failed join must be able to load it again.

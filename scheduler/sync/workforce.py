@@ -13,7 +13,7 @@ Membership`'s; the counts of failures and the memory caps learned from them are 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from dynabatch.scheduler.core.failures import (
     Attempts,
@@ -66,6 +66,13 @@ class Workforce:
             case Fail(reason):
                 self.failure = self.failure or reason
         return decision
+
+    def succeeded(self, what: Literal["segment", "regroup", "evaluation"]) -> None:
+        """A segment all ran, a group formed, or an evaluation scored every shard: the
+        failures the policy counts of that kind start over."""
+        a = self.attempts
+        self.attempts = {"segment": a.succeeded, "regroup": a.regrouped,
+                         "evaluation": a.evaluated}[what]()
 
     def remove(self, worker: str, kind: str, reason: str) -> None:
         """Take ``worker`` out of the job (lost, or evicted as a straggler): out of the

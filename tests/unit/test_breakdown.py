@@ -8,9 +8,10 @@ import pytest
 from dynabatch.actors.contracts import SegmentPlan, StepTelemetry
 from dynabatch.api.cli.common import breakdown_table
 from dynabatch.scheduler.core.failures import WorkerOutcome
+from dynabatch.scheduler.core.sync.ahead import WallShare
 from dynabatch.scheduler.runtime.seam import ShardResult
 from dynabatch.scheduler.sync.coordinator import Coordinator
-from dynabatch.scheduler.sync.epoch_report import EpochTotals, with_scores
+from dynabatch.scheduler.sync.epoch_report import EpochTotals, segment_busy, with_scores
 from dynabatch.scheduler.sync.evaluation import EvalRound
 from dynabatch.scheduler.telemetry import EpochRecord, StepBreakdown
 from rich.console import Console
@@ -36,8 +37,9 @@ def test_phases_are_averaged_over_workers_then_steps():
                       optimizer_s=0.05, overlap_s=0.2, micro_batches=1, step_s=0.8)])
     results = [type("R", (), {"steps": [_rep("a", 0, step_s=1.0), _rep("a", 1, step_s=0.8)]}),
                type("R", (), {"steps": [_rep("b", 0, step_s=1.2)]})]
-    ep.add_segment(results, 2)
-    ep.evaluation = 0.5
+    # The previous epoch's evaluation took 0.5 s of the segment's wall time.
+    ep.add_segment(WallShare(0.5, 2.5, 5.0), segment_busy(results, 2))
+    assert (ep.wall, ep.worker_seconds) == (2.5, 5.0)
     b = ep.breakdown(elapsed=4.0, evaluation=0.6, hidden=1.0)
     assert b.gather_s == pytest.approx((0.2 + 0.2) / 2)
     assert b.forward_s == pytest.approx((0.3 + 0.2) / 2)

@@ -89,3 +89,47 @@ def test_the_privates_check_sees_a_foreign_read() -> None:
            "        self._own = 1\n"
            "        return other._own, other._theirs\n")
     assert _foreign_privates(src) == ["2: control._log", "6: other._theirs"]
+
+
+def _foreign_writes(source: str) -> list[str]:
+    """Every assignment to a field of an object the part was given or was handed back
+    (``self.evals.behind = ...``, ``m.dirty = ...``, ``rnd.record = ...``): a machine's state
+    changes through its own methods. A part's own fields (``self.x = ...``) and the job's
+    slots, which are replaced whole (``job.start = ...``), are its to set."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        flat = [t for x in targets for t in (x.elts if isinstance(x, ast.Tuple) else [x])]
+        for t in flat:
+            if not isinstance(t, ast.Attribute):
+                continue
+            base = t.value
+            if isinstance(base, ast.Name) and base.id in ("self", "job"):
+                continue
+            if isinstance(base, ast.Attribute) and ast.unparse(base) == "self.job":
+                continue
+            out.append(f"{node.lineno}: {ast.unparse(t)}")
+    return out
+
+
+def test_no_part_sets_a_field_of_another_object() -> None:
+    found = {p: r for p in sorted(PARTS) if (r := _foreign_writes((SYNC / f"{p}.py").read_text()))}
+    assert found == {}
+
+
+def test_the_writes_check_sees_a_field_set_through_another_object() -> None:
+    src = ("def f(self, job, rnd):\n"
+           "    self.ahead = 1\n"
+           "    job.start = 2\n"
+           "    self.job.protocol = 3\n"
+           "    self.evals.behind, x = None, 4\n"
+           "    job.membership.dirty = True\n"
+           "    rnd.record = 5\n"
+           "    self.workforce.attempts += 1\n")
+    assert _foreign_writes(src) == ["5: self.evals.behind", "6: job.membership.dirty",
+                                    "7: rnd.record", "8: self.workforce.attempts"]
