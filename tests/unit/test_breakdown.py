@@ -8,6 +8,7 @@ import pytest
 from dynabatch.actors.contracts import SegmentPlan, StepTelemetry
 from dynabatch.api.cli.common import breakdown_table
 from dynabatch.scheduler.core.failures import WorkerOutcome
+from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.sync.ahead import WallShare
 from dynabatch.scheduler.runtime.seam import ShardResult
 from dynabatch.scheduler.sync.coordinator import Coordinator
@@ -18,7 +19,7 @@ from rich.console import Console
 
 from bench.runtime_watch import watch_steps
 from tests.fakes import EVAL_SPEEDUP, Lineages, TimedSimRuntime, edit_steps, sim_runtime
-from tests.unit.test_engine_faults import SPE, _assert_exactly_once, _spec
+from tests.unit.test_engine_faults import SPE, _assert_exactly_once, _run_to, _spec
 
 
 def _rep(w: str, step: int, **phases) -> StepTelemetry:
@@ -140,3 +141,29 @@ def test_the_cli_table_shows_milliseconds_per_step_for_every_phase():
         "all-reduce wait": "0.5",
         "optimizer": "0.3", "coordinator": "0.2", "evaluation": "1.2",
         "evaluation hidden": "2.4", "overlapped": "1.5", "micro-batches": "2"}
+
+
+class _DispatchingRuntime(TimedSimRuntime):
+    """Every segment's results take 50 ms more than its steps to come back (dispatch): a
+    segment's wall time is longer than its busiest worker's steps."""
+
+    def collect_segment(self, ticket, grace_s):
+        self.clock.sleep(0.05)
+        return super().collect_segment(ticket, grace_s)
+
+
+def test_an_evaluation_that_ran_before_a_regroup_is_not_taken_out_of_the_next_segment():
+    """The epoch's evaluation is queued for the next segment, whose workers score it first;
+    but a scale-down at that boundary waits for it and regroups, so it ran before the
+    segment was sent. Nothing of that segment's time is evaluation's (it was taken out of
+    the dispatch time the segment did spend)."""
+    spec = _spec(rebalance={"mode": "epoch"}, policy="dbs")
+    rt = sim_runtime(spec, n_train=1000, speeds={0: 1000, 1: 500, 2: 250},
+                     gradients=Lineages(), runtime=_DispatchingRuntime)
+    coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
+    _run_to(coord, 1, 0)
+    assert coord.evals.behind is not None  # epoch 0's round, queued for the next segment
+    coord.scale(2)
+    _run_to(coord, 1, 1)
+    assert coord.generation == 2 and coord.epochs.totals.evaluation == 0.0
+    assert coord.run().state == JobState.SUCCEEDED
