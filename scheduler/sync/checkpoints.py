@@ -159,6 +159,11 @@ class Checkpoints:
                                  f"{ckpt.get('step', '?')}): {note}")
         return None
 
+    def loaded(self) -> None:
+        """A group formed with the restored weights: the start point drops them (kept until
+        then, so that a failed join can load them again)."""
+        self.job.start = replace(self.job.start, weights=None)
+
     def roll_back(self) -> bool:
         """No member holds the committed state (the loop's rolling back): load the last
         checkpoint (True), or fail; the regroup goes on with its weights. (The loop settled

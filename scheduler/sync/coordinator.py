@@ -403,7 +403,10 @@ class Coordinator(JobControl):
                 if self.checkpoints.roll_back():
                     self.epochs.restored()
             case Regroup(members, source):
-                return self.roster.regroup(members, restored=source == "checkpoint")
+                weights = self.job.start.weights if source == "checkpoint" else None
+                if not self.roster.regroup(members, weights):
+                    return False
+                self.checkpoints.loaded()
             case BeginEpoch():
                 self.epochs.begin_epoch()
             case Replan(cause):

@@ -13,8 +13,7 @@ forms, the job tells the cluster scheduler its members (:meth:`Roster.report_gro
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dynabatch.scheduler.control import Assign, Drain, Scale
 from dynabatch.scheduler.core.failures import FailureEvent
@@ -263,19 +262,17 @@ class Roster:
         return f"no alive node offers {need}"
 
     # ---------------------------------------------------------------- the group
-    def regroup(self, members: tuple[str, ...], restored: bool) -> bool:
+    def regroup(self, members: tuple[str, ...], weights: dict[str, Any] | None) -> bool:
         """Form a new generation of ``members``, rank 0 first (the loop's ``Regroup``; no
-        member holding the committed state: it rolled back first). ``restored``: the weights
-        a checkpoint restored go to rank 0, even when every member holds the committed
+        member holding the committed state: it rolled back first). ``weights``: those a
+        checkpoint restored, which go to rank 0 even when every member holds the committed
         position (a job starting from another's checkpoint, ``checkpoint.from``, is at epoch
         0 step 0 with them). False when it failed (the next step tries again)."""
-        job = self.job
-        m = job.membership
-        state = job.start.weights if restored else None
+        m = self.job.membership
         t0 = self.control.clock.now()
         # A join is its start-up (join_timeout) and the state broadcast (a collective).
         s = self.control.spec
-        result = self.runtime.regroup(m.generation + 1, members, state,
+        result = self.runtime.regroup(m.generation + 1, members, weights,
                                       s.join_timeout + s.collective_timeout_s + 30)
         if not result.ok:
             for w, why in result.lost.items():
@@ -288,8 +285,6 @@ class Roster:
         self.evals.take_behind()  # an evaluation queued before the regroup ran before it
         with self.control.lock:
             m.regrouped(members)
-        # Only now: a failed join must be able to load it again.
-        job.start = replace(job.start, weights=None)
         dt = self.control.clock.now() - t0
         self.regroup_seconds += dt
         self.control.log("INFO", f"generation {m.generation}: {len(members)} workers "
