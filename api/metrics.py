@@ -292,6 +292,9 @@ class JobCollector(Collector):
         retried = job_counter(
             "dynabatch_job_retried_samples", "Samples trained again after a failed step."
         )
+        rollbacks = job_counter(
+            "dynabatch_job_rollbacks", "Returns to the last checkpoint: every holder lost."
+        )
         durations = HistogramMetricFamily(
             "dynabatch_job_epoch_duration_seconds",
             "Wall time of finished epochs.",
@@ -318,6 +321,7 @@ class JobCollector(Collector):
             rebalances.add_metric([job], float(s.rebalances_total))
             regroup.add_metric([job], float(s.regroup_seconds_total))
             retried.add_metric([job], float(s.retried_samples_total))
+            rollbacks.add_metric([job], float(s.rollbacks_total))
             for key, n in sorted(s.worker_events.items()):
                 kind, _, reason = key.partition(":")
                 events.add_metric([job, kind, reason], float(n))
@@ -338,7 +342,7 @@ class JobCollector(Collector):
 
         yield from (batch, partition, throughput, compute, wait)
         yield from (info, state, epoch, step, workers, loss, accuracy, utilization, balance)
-        yield from (rebalances, durations, generation, events, regroup, retried)
+        yield from (rebalances, durations, generation, events, regroup, retried, rollbacks)
 
 
 def cluster_families(view: ClusterView | None) -> Iterator[Metric]:

@@ -312,8 +312,20 @@ class JobControl:
             return
         self.log("INFO", f"trained model ({reason}) at epoch {epoch}: {target}")
 
-    def _event_counts(self) -> dict[str, int]:
-        return dict(Counter(f"{e.kind}:{e.reason}" for e in self.events))
+    def _snapshot(self, **fields: Any) -> JobSnapshot:
+        """The snapshot with what every driver reports alike (its lifecycle, its history's
+        last scores and durations, its workers' events) and the driver's own ``fields``.
+        The caller holds ``lock``."""
+        last = self.records[-1] if self.records else None
+        return JobSnapshot(
+            job_id=self.job_id, name=self.spec.name, state=self.state, reason=self.reason,
+            epochs=self.spec.epochs, emulated=self.spec.emulated,
+            train_loss=last.train_loss if last else None,
+            test_accuracy=last.test_accuracy if last else None,
+            test_metrics=last.scores if last else {}, epochs_completed=len(self.records),
+            epoch_durations_s=[r.wall_s for r in self.records],
+            worker_events=dict(Counter(f"{e.kind}:{e.reason}" for e in self.events)),
+            started_at=self.started_at, finished_at=self.finished_at, **fields)
 
     def record_event(self, kind: str, worker: str, node: str, reason: str,
                generation: int = 0) -> None:

@@ -262,6 +262,9 @@ class JobSnapshot(_Frozen):
     )
     regroup_seconds_total: float = 0.0
     retried_samples_total: int = 0
+    rollbacks_total: int = Field(0, description="Times every worker holding the state was "
+                                 "lost and the job went back to its last checkpoint, its "
+                                 "history with it (since its coordinator started).")
     step_breakdown: StepBreakdown | None = Field(
         default=None, description="Where the last epoch's step time went.")
     started_at: float | None = None

@@ -284,9 +284,13 @@ class Reconciler:
                 return rec
             try:
                 snap = snapshot if snapshot is not None else self.cluster.snapshot(job_id)
-                # A resumed job's history is read whole (``resync``); its coordinator numbers
-                # its log lines from 0, stored after the earlier ones' by ``log_offset``.
-                last_epoch = None if rec.resync else self.store.last_epoch(job_id)
+                # A resumed job's history is read whole (``resync``), as is one that rolled
+                # back since the last sync (its history went back to a checkpoint's, and the
+                # epochs after it are trained again); a resumed coordinator numbers its log
+                # lines from 0, stored after the earlier ones' by ``log_offset``.
+                whole = rec.resync or snap.rollbacks_total != (
+                    rec.snapshot.rollbacks_total if rec.snapshot else 0)
+                last_epoch = None if whole else self.store.last_epoch(job_id)
                 last_seq = self.store.last_log_seq(job_id)
                 since = 0 if last_seq is None else max(0, last_seq + 1 - rec.log_offset)
                 records = self.cluster.history(job_id, 0 if last_epoch is None else last_epoch + 1)
@@ -298,7 +302,7 @@ class Reconciler:
             except RayCallError as err:
                 log.warning("job %s: sync failed (%s)", job_id, first_line(err, typed=False))
                 return rec
-            if rec.resync:
+            if whole:
                 self.store.replace_history(job_id, records)
             else:
                 self.store.add_history(job_id, records)

@@ -197,28 +197,10 @@ class PSCoordinator(JobControl):
     def snapshot(self) -> JobSnapshot:
         with self.lock:
             snap = self._snap
-            last = self.records[-1] if self.records else None
-            events = self._event_counts()
-            return JobSnapshot(
-                job_id=self.job_id,
-                name=self.spec.name,
-                state=self.state,
-                reason=self.reason,
-                epoch=snap["epoch"] if snap else 0,
-                epochs=self.spec.epochs,
-                policy=f"ps-{self.spec.protocol.mode}",
-                emulated=self.spec.emulated,
-                train_loss=last.train_loss if last else None,
-                test_accuracy=last.test_accuracy if last else None,
-                test_metrics=last.scores if last else {},
-                epochs_completed=len(self.records),
-                epoch_durations_s=[r.wall_s for r in self.records],
-                worker_events=events,
+            return self._snapshot(
+                epoch=snap["epoch"] if snap else 0, policy=f"ps-{self.spec.protocol.mode}",
                 retried_samples_total=sum(r.retried_samples for r in self.records),
-                started_at=self.started_at,
-                finished_at=self.finished_at,
-                ps=ps_status(self.spec, snap) if snap else None,
-            )
+                ps=ps_status(self.spec, snap) if snap else None)
 
     def _member_ids(self) -> list[str]:
         with self.lock:

@@ -38,6 +38,7 @@ _RESTORED = ("epoch", "step", "weights", "history", "counters")
 class Checkpoints:
     def __init__(self, job: SyncJob, control: JobControl, workforce: Workforce):
         self.job, self.control, self.workforce = job, control, workforce
+        self.rollbacks = 0  # this coordinator's (the snapshot's rollbacks_total)
 
     def save(self, reason: str, position: Position | None = None,
              best: dict[str, Any] | None = None, epoch_rebalances: int = 0) -> None:
@@ -183,6 +184,7 @@ class Checkpoints:
         if not isinstance(decision, RollBack):
             return False
         self.restore(ckpt, why=decision.reason)
+        self.rollbacks += 1
         return True
 
     # ---------------------------------------------------------------- the model out

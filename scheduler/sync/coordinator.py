@@ -244,31 +244,20 @@ class Coordinator(JobControl):
                     slowdown=t.slowdown if t else 1.0,
                     joined=m.worker_id in batch_of,
                 ))
-            events = self._event_counts()
-            regime = job.regime.live(
-                self.epoch, self.step_in_epoch,
-                job.global_batch,
-                p.steps_per_epoch if p else 1)
-            return JobSnapshot(
-                **regime, job_id=self.job_id, name=self.spec.name, state=self.state,
-                reason=self.reason,
-                epoch=self.epoch, step=self.step_in_epoch,
-                steps_per_epoch=p.steps_per_epoch if p else 0,
-                epochs=self.spec.epochs, generation=self.generation, policy=self.spec.policy,
-                emulated=self.spec.emulated, workers=workers,
-                train_loss=last.train_loss if last else None,
-                test_accuracy=last.test_accuracy if last else None,
-                test_metrics=last.scores if last else {},
+            regime = job.regime.live(self.epoch, self.step_in_epoch, job.global_batch,
+                                     p.steps_per_epoch if p else 1)
+            return self._snapshot(
+                **regime, epoch=self.epoch, step=self.step_in_epoch,
+                steps_per_epoch=p.steps_per_epoch if p else 0, generation=self.generation,
+                policy=self.spec.policy, workers=workers,
                 validation_metrics=dict(last.validation_metrics) if last else {},
                 utilization=last.utilization if last else None,
                 compute_balance=last.compute_balance if last else None,
-                rebalances_total=self.epochs.rebalances, epochs_completed=len(self.records),
-                epoch_durations_s=[r.wall_s for r in self.records], worker_events=events,
+                rebalances_total=self.epochs.rebalances,
                 regroup_seconds_total=self.roster.regroup_seconds,
                 retried_samples_total=job.ledger.retried_total,
-                step_breakdown=last.breakdown if last else None,
-                started_at=self.started_at, finished_at=self.finished_at,
-            )
+                rollbacks_total=self.checkpoints.rollbacks,
+                step_breakdown=last.breakdown if last else None)
 
     def _member_ids(self) -> list[str]:
         return self.job.membership.worker_ids

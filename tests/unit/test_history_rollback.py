@@ -1,0 +1,83 @@
+"""The service's history is the job's, after a roll-back too.
+
+When every worker holding a job's state is lost, its coordinator goes back to the last
+checkpoint, and its history with it; the epochs after the checkpoint are trained again.
+The service's store kept the records it had synced of the lost epochs, and never synced
+the ones trained again (it read on from the epoch after its last), so the REST history,
+the job's page and the CLI showed epochs the job no longer had.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dynabatch.actors.spec import JobSpec
+from dynabatch.api.metrics import JobCollector
+from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.service.job_service import JobService
+from dynabatch.service.store import JobStore
+from dynabatch.service.submit_policy import SubmitPolicy
+
+from tests.fakes import FakeCluster
+
+
+def _service(tmp_path: Path) -> tuple[JobService, FakeCluster, str]:
+    """A 6-epoch job of 16 steps an epoch (two segments) on two nodes, checkpointed every
+    2 epochs, that steps only when told (``FakeCluster.advance``)."""
+    cluster = FakeCluster(steps_per_epoch=16, auto_advance=False)
+    cluster.connect()
+    service = JobService(JobStore(":memory:"), cluster, sync_interval_s=0,
+                         submit_policy=SubmitPolicy(checkpoint_root=str(tmp_path)))
+    job = service.submit(JobSpec(name="rb", epochs=6, workers=2, worker_cpus=2,
+                                 checkpoint={"dir": str(tmp_path), "every_epochs": 2}))
+    service.reconciler.sync_once()
+    return service, cluster, job.id
+
+
+def _lose_every_holder_after_epoch_3_begins(service: JobService, cluster: FakeCluster,
+                                            job_id: str, sync_each_step: bool) -> None:
+    """Train into epoch 3 (synced: the store has epochs 0-2), fail both nodes (the job waits
+    for workers), and bring two back: the job rolls back to its checkpoint at epoch 2."""
+    coord = cluster.coordinators[job_id]
+    for _ in range(100):
+        if coord.epoch >= 3 and coord.step_in_epoch >= 8:
+            break
+        cluster.advance(job_id)
+        service.reconciler.sync_once()
+    assert [r.epoch for r in service.history(job_id)] == [0, 1, 2]
+    for node in ("n0", "n1"):
+        coord.runtime.happen({"fail": {"class": node, "index": 0}})
+    cluster.advance(job_id)
+    service.reconciler.sync_once()
+    for node in ("n0", "n1"):
+        coord.runtime.happen({"join": {"class": node, "count": 1}})
+    for _ in range(100):
+        if coord.state.is_terminal:
+            break
+        cluster.advance(job_id)
+        if sync_each_step:
+            service.reconciler.sync_once()
+            assert service.history(job_id) == coord.history()
+
+
+@pytest.mark.parametrize("sync_each_step", [True, False],
+                         ids=["synced every step", "rolled back and retrained between syncs"])
+def test_the_stored_history_follows_a_roll_back(tmp_path: Path, sync_each_step: bool) -> None:
+    service, cluster, job_id = _service(tmp_path)
+    coord = cluster.coordinators[job_id]
+    _lose_every_holder_after_epoch_3_begins(service, cluster, job_id, sync_each_step)
+    assert any("rolling back from checkpoint at epoch 2" in x.message for x in coord.logs())
+    service.reconciler.sync_once()
+    snap = service.get(job_id).current_snapshot()
+    assert snap.state == JobState.SUCCEEDED, snap.reason
+    assert snap.rollbacks_total == 1
+    fams = {f.name: f for f in JobCollector._job_families([snap])}
+    assert fams["dynabatch_job_rollbacks"].samples[0].value == 1
+    # Epoch 2 was trained twice: the store has the second time (the job's new group), as
+    # the job does, not the record of the group that was lost.
+    stored = service.history(job_id)
+    assert stored == coord.history()
+    assert [r.epoch for r in stored] == list(range(6))
+    assert stored[2].generation == 2
+    service.store.close()
