@@ -208,7 +208,9 @@ def compute(metric: Metric, payloads: list[dict[str, Any]]) -> float | list[list
     assert metric.stateful is not None and payloads
     m = metric.stateful.make(payloads[0]["args"])
     for p in payloads:
-        m.merge_state(tree_map(lambda a: torch.from_numpy(np.asarray(a)), p["state"]))
+        # Copied: the states arrive read-only from Ray's object store, and a tensor over one
+        # makes torch warn, in the job's log, of undefined behaviour.
+        m.merge_state(tree_map(lambda a: torch.from_numpy(np.array(a)), p["state"]))
     with warnings.catch_warnings():
         # merge_state does not count as an update: torchmetrics would warn that none ran.
         warnings.filterwarnings("ignore", message=".*before the ``update`` method.*")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -200,3 +202,31 @@ def test_the_driver_keeps_the_confusion_matrix_in_history_report_and_tensorboard
     acc.Reload()
     images = acc.Images("epoch/test_confusion_matrix")
     assert [i.step for i in images] == [0, 1] and images[0].width == 160
+
+
+def test_states_that_arrive_read_only_merge_without_a_warning_in_the_jobs_log():
+    """Ray's object store hands the driver the workers' states as read-only arrays; a tensor
+    over one made torch warn, once a process (so in a fresh one here), of "undefined
+    behavior" in the job's log."""
+    script = (
+        "import warnings, numpy as np\n"
+        "from dynabatch.actors.spec import parse_spec\n"
+        "from dynabatch.actors.workloads.objective import objective_for\n"
+        "import torch\n"
+        "obj = objective_for(parse_spec({'metrics': ['f1', 'auroc']}), 'classes')\n"
+        "x = np.eye(3, dtype=np.float32)[[0, 1, 2, 1]]\n"
+        "sums = obj.eval_sums(torch.nn.Identity(), x, np.array([0, 1, 1, 1]), 0, 4,\n"
+        "                     torch.device('cpu'))\n"
+        "def frozen(a):\n"
+        "    if isinstance(a, np.ndarray):\n"
+        "        a = a.copy(); a.flags.writeable = False\n"
+        "    return a\n"
+        "from torch.utils._pytree import tree_map\n"
+        "sums['states'] = tree_map(frozen, sums['states'])\n"
+        "warnings.filterwarnings('error', message='.*not writable')\n"
+        "print(obj.finish(sums)['f1'])\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout) == pytest.approx(f1_score([0, 1, 1, 1], [0, 1, 2, 1],
+                                                       average="macro"))
