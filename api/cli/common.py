@@ -20,6 +20,7 @@ from dynabatch.scheduler.telemetry import StepBreakdown
 from dynabatch.service.job_service import JOB_ID_PATTERN, WORKER_ID_PATTERN
 from dynabatch.service.rest_client import ApiError, DynabatchClient
 from rich.console import Console
+from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
@@ -63,6 +64,18 @@ def print_plain(console: Console, text: str | Text) -> None:
     """Print ``text`` as it is: no markup, emoji or highlighting."""
     console.print(text if isinstance(text, Text) else Text(text), markup=False, emoji=False,
                   highlight=False)
+
+
+@contextmanager
+def live_view(console: Console, *args: Any, **options: Any) -> Iterator[Live]:
+    """A rich ``Live`` view that ends its last line, which rich does only on a terminal
+    (Textualize/rich#4192): redirected, what follows would run on from the view."""
+    try:
+        with Live(*args, console=console, transient=False, **options) as live:
+            yield live
+    finally:
+        if not console.is_terminal:
+            console.line()
 
 
 @contextmanager

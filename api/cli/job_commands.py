@@ -19,6 +19,7 @@ from dynabatch.api.cli.common import (
     CliError,
     api_client,
     breakdown_table,
+    live_view,
     log_text,
     make_client,
     one_line,
@@ -37,7 +38,6 @@ from dynabatch.service.cluster_client import node_label
 from dynabatch.service.rest_client import DEFAULT_URL, DynabatchClient
 from dynabatch.service.schemas import JobDetail
 from rich.console import Group
-from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
@@ -317,7 +317,7 @@ def _follow(client: DynabatchClient, job_id: str, interval: float) -> int:
     for SUCCEEDED, 1 otherwise."""
     console = out_console()
     final = None
-    with Live(console=console, auto_refresh=False, transient=False) as live:
+    with live_view(console, auto_refresh=False) as live:
         for event, data in client.events(job_id, interval_s=interval):
             if event == "log":
                 # The user's own output: printed as it is, never as markup or emoji.
@@ -328,8 +328,6 @@ def _follow(client: DynabatchClient, job_id: str, interval: float) -> int:
                     final = JobDetail.model_validate(data)
                 live.update(_job_table(final), refresh=True)
     assert final is not None  # events() ends with `end` or raises
-    if not console.is_terminal:
-        console.line()  # a non-terminal Live leaves the cursor after the table
     line = _outcome(final)
     if held := splits_text(getattr(final, "validation_metrics", None), final.test_metrics):
         line += f"; {held}"
@@ -395,7 +393,7 @@ def watch(
     console = out_console()
     with api_client(ctx, url, token, job_id=job_id) as client:
         job = client.get(job_id)
-        with Live(_job_table(job), console=console, auto_refresh=False) as live:
+        with live_view(console, _job_table(job), auto_refresh=False) as live:
             while not job.state.is_terminal:
                 time.sleep(interval)
                 job = client.get(job_id)

@@ -18,6 +18,7 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.api.cli.common import (
     CliError,
     breakdown_table,
+    live_view,
     log_text,
     one_line,
     out_console,
@@ -31,7 +32,6 @@ from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, splits_text
 from dynabatch.service.cluster_client import node_label
 from rich.console import Console, Group
-from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
@@ -274,24 +274,23 @@ def follow_job(job: RayJob, *, console: Console, quiet: bool,
     since = 0
     cancel_sent = False
 
-    def print_logs(live: Live) -> None:
+    def print_logs() -> None:  # above the live view (it is the console's)
         nonlocal since
         for line in job.logs(since):
-            print_plain(live.console, log_text(line.time, line.level, line.message))
+            print_plain(console, log_text(line.time, line.level, line.message))
             since = line.seq + 1
 
-    with Live(console=console, refresh_per_second=4, transient=False,
-              auto_refresh=not quiet) as live:
+    with live_view(console, refresh_per_second=4, auto_refresh=not quiet) as live:
         while True:
             snap = job.snapshot()
             hist = job.history(0)
-            print_logs(live)
+            print_logs()
             if not quiet:
                 live.update(render(snap, hist))
             if on_update is not None:
                 on_update(snap, hist)
             if snap.state.is_terminal:
-                print_logs(live)  # what the actors wrote last
+                print_logs()  # what the actors wrote last
                 break
             if interrupted["n"] and not cancel_sent:
                 live.console.print("[yellow]Ctrl-C: cancelling at the next step boundary "

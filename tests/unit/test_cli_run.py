@@ -62,6 +62,23 @@ def test_run_shows_the_users_own_output(tty: bool) -> None:
     assert text.count("dataset.path is ignored") == 1
 
 
+@pytest.mark.parametrize("tty", [False, True])
+def test_what_run_prints_after_the_live_table_starts_a_line_of_its_own(tty: bool) -> None:
+    """rich's Live ends its last line only on a terminal (Textualize/rich#4192): redirected
+    (a log file, CI, ``| tee``), ``make run``'s utilization line ran on from the table's
+    bottom border."""
+    cluster = FakeCluster()
+    cluster.launch("c" * 12, parse_spec({"workers": 2, "global_batch": 64, "epochs": 1}))
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=tty, width=200)
+    run_cli.follow_job(FakeJob(cluster, "c" * 12), console=console, quiet=False,
+                       interval_s=0.0)
+    console.print("utilization", highlight=False)
+    lines = out.getvalue().replace("\x1b[?25h", "").splitlines()  # a terminal's cursor shown
+    assert lines[-1] == "utilization", lines[-3:]
+    assert lines[-2].rstrip().endswith("┘"), lines[-3:]
+
+
 def test_capacity_warning_says_oversubscription() -> None:
     spec = parse_spec({"workers": 8, "global_batch": 64})
     line = run_cli.capacity_warning(spec, cores=2)

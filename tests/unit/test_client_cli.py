@@ -213,8 +213,9 @@ def test_watch_until_succeeded(
     job = _invoke(cli, http, "submit", str(config), "--no-wait").stdout.strip()
     result = _invoke(cli, http, "watch", job, "--interval", "0.05")
     assert result.exit_code == 0, result.output
-    assert f"job {job} SUCCEEDED" in result.stdout
-    assert "w0" in result.stdout  # the live table showed the workers
+    # The live table showed the workers; the outcome is a line of its own after it.
+    assert "w0" in result.stdout
+    assert result.stdout.splitlines()[-1].startswith(f"job {job} SUCCEEDED"), result.stdout
 
 
 def test_cancel_then_conflict(
