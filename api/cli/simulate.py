@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 from dynabatch.actors.spec import POLICIES, JobSpec, SpecError, load_spec
-from dynabatch.api.cli.common import fail
+from dynabatch.api.cli.common import fail, out_console, stderr
 from dynabatch.api.cli.config import spec_warnings_shown
 from dynabatch.api.cli.run import render, write_report
 from dynabatch.scheduler.core.lifecycle import JobState
@@ -218,8 +218,7 @@ def register(app: typer.Typer) -> None:
         quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
     ) -> None:
         """Simulate CONFIG on a cluster of unequal nodes (4 to 10,000) on a virtual clock."""
-        console = Console()
-        err = Console(stderr=True)
+        console, err = out_console(), stderr()  # stdout as wide as run's
 
         try:
             with spec_warnings_shown(config):

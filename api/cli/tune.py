@@ -13,12 +13,11 @@ from typing import Annotated
 import typer
 import yaml
 from dynabatch.actors.spec import SpecError, load_spec
-from dynabatch.api.cli.common import fail
+from dynabatch.api.cli.common import fail, out_console, stderr
 from dynabatch.api.cli.config import spec_warnings_shown
 from dynabatch.api.cli.simulate import quiet_engine
 from dynabatch.api.cli.tuning import Probe, TuneError, tune
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, load_cluster, parse_cluster
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -50,8 +49,7 @@ def register(app: typer.Typer) -> None:
         quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
     ) -> None:
         """Tune CONFIG's stage-wise batch schedule (Hu et al.) with short probe runs."""
-        console = Console()
-        err = Console(stderr=True)
+        console, err = out_console(), stderr()  # stdout as wide as run's
 
         try:
             with spec_warnings_shown(config):

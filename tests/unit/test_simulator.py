@@ -364,7 +364,7 @@ def test_more_workers_than_the_global_batch_names_the_field():
         simulate(_spec(), cluster, dataset_size=640)
 
 
-def _cli(tmp_path: Path, cluster: str, *extra: str):
+def _cli(tmp_path: Path, cluster: str, *extra: str, env: dict[str, str] | None = None):
     (tmp_path / "job.yaml").write_text("workers: auto\nglobal_batch: 64\nepochs: 3\n")
     (tmp_path / "cluster.yaml").write_text(cluster)
     app = typer.Typer()
@@ -372,7 +372,17 @@ def _cli(tmp_path: Path, cluster: str, *extra: str):
     sim_cli.register(app)
     return CliRunner().invoke(app, ["simulate", str(tmp_path / "job.yaml"), "--cluster",
                                     str(tmp_path / "cluster.yaml"), "--quiet", *extra],
-                            env={"COLUMNS": "200"})
+                            env={"COLUMNS": "200"} if env is None else env)
+
+
+def test_cli_tables_redirected_to_a_file_are_not_cut_to_80_columns(tmp_path):
+    """Output that is not a terminal (a file, a pipe) is as wide as ``run``'s and ``status``'s
+    (``out_console``): before, ``simulate``'s tables were cut to 80 columns (``utili…``)."""
+    res = _cli(tmp_path, "classes: [{name: a, count: 2, a_ms: 1, c_ms_per_sample: 0.1}]\n",
+               "--dataset-size", "640", env={"COLUMNS": ""})
+    assert res.exit_code == 0, res.output
+    assert "…" not in res.output, res.output
+    assert "utilization" in res.output and "compute/step" in res.output, res.output
 
 
 def test_cli_bad_cluster_is_one_line_naming_the_field_exit_2(tmp_path):
