@@ -37,7 +37,7 @@ def cluster_tables(state: ClusterState) -> Group:
         nodes.add_column(col, justify="right" if col == "slots" else "left")
     for n in state.nodes:
         jobs = ", ".join(f"{h.job_id} ({h.workers})" for h in n.jobs)
-        nodes.add_row(n.node_id, n.node_type, f"{n.used:g}/{n.capacity:g}", jobs or "-")
+        nodes.add_row(node_label(n.node_id), n.node_type, f"{n.used:g}/{n.capacity:g}", jobs or "-")
     placed = [j for j in state.jobs if j.position is None]
     jobs = Table(title=f"jobs ({len(placed)})", expand=False)
     for col in ("job", "allocated", "members", "differs"):

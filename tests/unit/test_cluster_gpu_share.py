@@ -13,7 +13,12 @@ import pytest
 from dynabatch.actors.spec import parse_spec
 from dynabatch.api.cli.cluster_commands import cluster_tables
 from dynabatch.scheduler.core.cluster.decision import decide
-from dynabatch.scheduler.core.cluster.ray_nodes import RayNode, cluster_nodes, gpu_units
+from dynabatch.scheduler.core.cluster.ray_nodes import (
+    RayNode,
+    cluster_nodes,
+    gpu_units,
+    worker_slots,
+)
 from dynabatch.scheduler.core.cluster.rounds import (
     Entry,
     JobGone,
@@ -117,6 +122,23 @@ def test_rounds_start_both_halves_and_the_view_shows_gpus():
     console = Console(width=120, record=True)
     console.print(cluster_tables(state))
     assert "0.5/1" in console.export_text()
+
+
+def test_the_cli_names_a_ray_node_by_its_first_8_hex_digits_as_every_view_does():
+    """``dynabatch cluster``'s nodes table showed a Ray node's whole 56-digit id, while its
+    jobs table, ``status`` and the job page show the first 8 (``node_label``)."""
+    ray_id = "f1144df1" + "ab" * 24
+    knobs = ClusterKnobs(policy="goodput", hold_s=0.0)
+    s = RoundState()
+    nodes = cluster_nodes([RayNode(ray_id, {"CPU": 2.0})])
+    for e in (NodesSeen(nodes), Entry("a", 1, 1, worker_slots=worker_slots(1.0))):
+        s, _ = step(s, e, knobs)
+    s, _ = step(s, Tick(1.0), knobs)
+    console = Console(width=200, record=True)
+    console.print(cluster_tables(ClusterState.of(s.view)))
+    text = console.export_text()
+    assert ray_id not in text, text
+    assert "│ f1144df1 " in text and "1 (f1144df1: 1)" in text, text
 
 
 def test_submit_admits_a_gang_that_fits_on_shared_gpus_and_names_the_field_otherwise():
