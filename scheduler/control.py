@@ -201,8 +201,8 @@ class JobControl:
         """Train on exactly these nodes (node id: worker slots), whatever the spec's
         ``min_workers``/``max_workers``: new workers start on the assigned nodes' empty
         slots, workers elsewhere or beyond a node's slots drain with their state handed
-        over. Refused (``ValueError``, one line, logged as a WARNING first) when an entry is
-        not a node id with at least one slot or the batch cannot be split over the total;
+        over, its ``leaving`` first. Refused (``ValueError``, one line, logged as a WARNING
+        first) when an entry is not a node id with a slot or the batch cannot be split;
         :class:`InvalidTransition` when the job has ended. From then on the job's own
         ``scale`` and ``drain`` are refused; a later ``assign`` replaces this one."""
         try:

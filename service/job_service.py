@@ -287,8 +287,7 @@ class JobService:
 
     def _scheduled_drain(self, rec: JobRecord, worker: str) -> JobRecord:
         """With the cluster scheduler on, a drain is a request to it: the job gives up the
-        worker's slot on its node (the slowest worker there leaves) and its max_workers
-        drops by one."""
+        worker's slot on its node (that worker leaves) and its max_workers drops by one."""
         try:
             snap = self._membership_call(
                 rec, lambda: self.cluster.snapshot(rec.id), "drained")
@@ -315,7 +314,7 @@ class JobService:
                 "stop it"
             )
         try:
-            answer = self.scheduling.request_drain(rec.id, member.node)
+            answer = self.scheduling.request_drain(rec.id, member.node, worker)
         except Refused as err:
             raise JobConflict(str(err)) from None
         self.store.set_target_workers(rec.id, staying - 1)

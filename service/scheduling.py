@@ -101,8 +101,8 @@ class RayScheduling:
     def request_scale(self, job_id: str, workers: int) -> str:
         return self._call("request_scale", job_id, workers)
 
-    def request_drain(self, job_id: str, node: str) -> str:
-        return self._call("request_drain", job_id, node)
+    def request_drain(self, job_id: str, node: str, worker: str) -> str:
+        return self._call("request_drain", job_id, node, worker)
 
     def view(self) -> ClusterView | None:
         return self._view

@@ -115,6 +115,7 @@ class NodeAssignment:
     node id with at least one slot is refused with a one-line reason naming it."""
 
     slots: tuple[tuple[str, int], ...]
+    leaving: tuple[str, ...] = ()  # workers its owner drained: they, not the slowest, leave
 
     def __post_init__(self) -> None:
         if not self.slots:
@@ -165,13 +166,15 @@ class PlacementPlan:
 def placement_plan(workers: Sequence[tuple[str, int, str]], assignment: NodeAssignment,
                    speeds: dict[str, float] | None = None) -> PlacementPlan:
     """The changes that take ``workers`` ((id, ordinal, node), starting ones included) to
-    ``assignment``: on each assigned node its fastest workers keep its slots; every other
-    worker drains, the slowest first; each assigned node gets its empty slots."""
-    order = slowest_first([(w, o) for w, o, _ in workers], speeds)
+    ``assignment``: on each assigned node its fastest workers not ``leaving`` keep its slots;
+    the others drain, the leaving then the slowest first; each node gets its empty slots."""
+    order = sorted(slowest_first([(w, o) for w, o, _ in workers], speeds),
+                   key=lambda w: w not in assignment.leaving)  # stable
     node_of = {w: n for w, _, n in workers}
     on: dict[str, list[str]] = {}
     for w in reversed(order):  # the fastest first
-        on.setdefault(node_of[w], []).append(w)
+        if w not in assignment.leaving:
+            on.setdefault(node_of[w], []).append(w)
     keep: set[str] = set()
     spawn = []
     for node, k in assignment.slots:

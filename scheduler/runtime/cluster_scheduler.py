@@ -58,6 +58,7 @@ from dynabatch.scheduler.core.cluster.rounds import (
 )
 from dynabatch.scheduler.core.cluster.values import ClusterKnobs
 from dynabatch.scheduler.core.cluster.view import ClusterView
+from dynabatch.scheduler.core.membership import NodeAssignment
 from dynabatch.scheduler.runtime.launch import (
     NAMESPACE,
     SCHEDULER_NAME,
@@ -271,14 +272,14 @@ class ClusterScheduler:
             return f"{PLACES}; scaled to {workers} workers from its next step boundary"
         return f"{PLACES}; it has {workers} workers"
 
-    def request_drain(self, job_id: str, node: str) -> str:
-        """The job's own drain of a worker on ``node``, answered at once by the rounds
+    def request_drain(self, job_id: str, node: str, worker: str | None = None) -> str:
+        """The job's own drain of ``worker`` on ``node``, answered at once by the rounds
         (:class:`Drained`); ``ValueError`` with the reason when refused."""
         with self._lock:
             e = self._entries.get(job_id)
             # Its own min_workers (``workers`` alone is the gang it starts with, no floor).
             least = (e.spec.min_workers if e is not None else None) or 1
-            commands = self._step(Drained(job_id, node, self.clock(), least))
+            commands = self._step(Drained(job_id, node, self.clock(), least, worker))
         self._carry_out(commands, "drain: ", "drain: ")
         self._wake.set()  # the freed slot may start or grow another job
         keeps = sum(c.workers for c in commands if isinstance(c, Reassign))
@@ -516,7 +517,8 @@ class ClusterScheduler:
             # driver not found yet is sent it again by the next round.
             return None
         try:
-            self.calls.get(handle.assign.remote(dict(c.slots)), self.call_timeout_s)
+            self.calls.get(handle.assign.remote(NodeAssignment(c.slots, c.leaving)),
+                           self.call_timeout_s)
         except ValueError as err:  # the job refused it: a fact the rounds keep and show
             why = first_line(err, typed=False)
             log.warning("job %s: refused the assignment %s: %s", c.job_id, c.slots, why)

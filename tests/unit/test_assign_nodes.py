@@ -72,28 +72,34 @@ def _workers(spec):
     return ws, {f"w{i}": v for i, (_, v) in enumerate(spec)}
 
 
-@given(spec=_WORKERS, nodes=_ASSIGN)
-def test_plan_drains_only_what_the_assignment_excludes_and_spawns_exactly_the_gaps(spec, nodes):
+@given(spec=_WORKERS, nodes=_ASSIGN, data=st.data())
+def test_plan_drains_only_what_the_assignment_excludes_and_spawns_exactly_the_gaps(
+    spec, nodes, data
+):
     ws, speeds = _workers(spec)
-    a = NodeAssignment.of(nodes)
+    # Workers an owner drained (an assignment's ``leaving``) never keep a slot and go first.
+    ids = [w for w, _, _ in ws]
+    leaving = tuple(data.draw(st.lists(st.sampled_from(ids), unique=True))) if ids else ()
+    a = NodeAssignment(NodeAssignment.of(nodes).slots, leaving)
     plan = placement_plan(ws, a, speeds)
     drained = set(plan.drain)
-    assert len(drained) == len(plan.drain)
+    assert len(drained) == len(plan.drain) and set(leaving) <= drained
     spawn = dict(plan.spawn)
     kept_total = 0
     for node in {n for _, _, n in ws} | set(nodes):
-        here = [w for w, _, n in ws if n == node]
-        kept = [w for w in here if w not in drained]
+        staying = [w for w, _, n in ws if n == node and w not in leaving]
+        kept = [w for w in staying if w not in drained]
         kept_total += len(kept)
         # A node keeps at most its slots, and drains only beyond them (none if unassigned).
-        assert len(kept) == min(len(here), a.get(node))
+        assert len(kept) == min(len(staying), a.get(node))
         assert spawn.get(node, 0) == a.get(node) - len(kept)
         # The kept are the fastest of the node's workers.
-        order = slowest_first([(w, int(w[1:])) for w in here], speeds)
+        order = slowest_first([(w, int(w[1:])) for w in staying], speeds)
         assert set(kept) == set(order[len(order) - len(kept) :])
     assert kept_total + sum(spawn.values()) == a.total
-    assert list(plan.drain) == [
-        w for w in slowest_first([(w, o) for w, o, _ in ws], speeds) if w in drained
+    slowest = slowest_first([(w, o) for w, o, _ in ws], speeds)
+    assert list(plan.drain) == [w for w in slowest if w in leaving] + [
+        w for w in slowest if w in drained and w not in leaving
     ]
 
 
@@ -248,6 +254,25 @@ def test_grow_then_shrink_by_assignment():
     coord.run()
     _assert_done(coord, lineages)
     assert coord.job.membership.worker_ids == ("w0",)
+
+
+def test_an_owners_drain_under_the_scheduler_takes_that_worker_not_the_slowest_there():
+    """Under the cluster scheduler ``drain W`` frees a slot on W's node (an assignment one
+    slot smaller there) and names W as the one leaving: W leaves, not the slowest worker on
+    its node, as the owner asked (before, the fastest on the node always stayed)."""
+    coord, _, lineages = _coord(epochs=5, max_workers=4)
+    _run_to_epoch(coord, 1)
+    coord.assign({"node00": 2, "node01": 1})  # w0 (the fastest) and a newcomer share node00
+    _run_to_epoch(coord, 2)
+    (new,) = {w.worker for w in coord.snapshot().workers if w.node == "node00"} - {"w0"}
+    before = len(coord.membership_events())
+    coord.assign(NodeAssignment((("node00", 1), ("node01", 1)), leaving=("w0",)))
+    _run_to_epoch(coord, 3)
+    assert sorted(coord.job.membership.worker_ids) == sorted(["w1", new])
+    coord.run()
+    _assert_done(coord, lineages)
+    after = coord.membership_events()[before:]
+    assert [(e.kind, e.worker) for e in after if e.kind in ("leave", "join")] == [("leave", "w0")]
 
 
 def test_bad_assignments_and_own_resizing_are_refused_with_reasons():

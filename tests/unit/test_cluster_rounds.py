@@ -202,8 +202,9 @@ def test_a_drain_gives_up_the_slot_and_no_round_gives_it_back():
         s, _ = step(s, e, knobs)
     s, (start,) = step(s, Tick(1.0), knobs)
     assert start.workers == 3
-    s, cmds = step(s, Drained("a", "n1", 2.0), knobs)
-    assert cmds == (Reassign("a", (("n0", 1), ("n2", 1))),)
+    s, cmds = step(s, Drained("a", "n1", 2.0, worker="w1"), knobs)
+    # The owner named the worker: it is the one that leaves its node, not the slowest there.
+    assert cmds == (Reassign("a", (("n0", 1), ("n2", 1)), leaving=("w1",)),)
     s, cmds = step(s, Tick(3.0), knobs)
     assert cmds == () and s.job("a").allocation == (("n0", 1), ("n2", 1))
     # Another job takes the freed slot; the drained one grows only when asked to.

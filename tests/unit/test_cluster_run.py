@@ -19,6 +19,7 @@ from dynabatch.actors.spec import JobSpec, parse_spec
 from dynabatch.api.cli import run as run_cli
 from dynabatch.scheduler.core.cluster.ray_nodes import RayNode
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.membership import NodeAssignment
 from dynabatch.scheduler.runtime import cluster_scheduler as cluster_rt
 from dynabatch.service import scheduling
 from rich.console import Console
@@ -45,17 +46,22 @@ class Coordinator:
 
     def __init__(self) -> None:
         self.assigned_to: list[dict[str, int]] = []
+        self.leaving: list[tuple[str, ...]] = []  # each assignment's workers to leave first
         self.workers: list[SimpleNamespace] = []  # its members, as its snapshot reports them
         self.snapshot = Remote(
             lambda: SimpleNamespace(
                 state=JobState.RUNNING, workers=list(self.workers), global_batch=64
             )
         )
-        self.assign = Remote(self.assigned_to.append)
+        self.assign = Remote(self._assign)
         self.assigned = Remote(lambda: None)
         self.ran = False  # run() called: its workers started
         self.run = Remote(self._run)
         self.killed = False
+
+    def _assign(self, a: NodeAssignment) -> None:
+        self.assigned_to.append(dict(a.slots))
+        self.leaving.append(a.leaving)
 
     def _run(self) -> None:
         self.ran = True
@@ -325,11 +331,13 @@ def test_the_actors_drain_refusals_are_the_pure_machines_reasons(world) -> None:
     sched.sync([cluster_rt.JobEntry("b", flexible, 2.0)])
     sched.round()
     assert sched.allocation("b") == (("n1", 1), ("n2", 1))
-    assert sched.request_drain("b", "n2").endswith(
+    assert sched.request_drain("b", "n2", "w1").endswith(
         "its slot on node n2 is freed, and its max_workers is now 1"
     )
     assert sched.allocation("b") == (("n1", 1),)
-    assert world["coordinators"]["b"].assigned_to[-1] == {"n1": 1}
+    coordinator = world["coordinators"]["b"]
+    # The worker the owner named is the one to leave (not the slowest on its node).
+    assert (coordinator.assigned_to[-1], coordinator.leaving[-1]) == ({"n1": 1}, ("w1",))
     with pytest.raises(ValueError, match=r"job b holds no slot on node n2$"):
         sched.request_drain("b", "n2")
 
@@ -372,8 +380,8 @@ def test_what_the_job_has_and_what_it_refused_are_in_the_view(world) -> None:
 
     asked: list[dict[str, int]] = []
 
-    def refuse(slots: dict[str, int]) -> None:
-        asked.append(slots)
+    def refuse(a: NodeAssignment) -> None:
+        asked.append(dict(a.slots))
         raise ValueError("the job is stopping")
 
     coordinator.assign = Remote(refuse)

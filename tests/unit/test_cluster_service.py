@@ -95,9 +95,10 @@ class RoundsScheduling:
         self._relayed(self._step(ResizeRequested(job_id, workers, self.now)), "")
         return f"the cluster scheduler places this job; scale to {workers}"
 
-    def request_drain(self, job_id: str, node: str) -> str:
+    def request_drain(self, job_id: str, node: str, worker: str) -> str:
         entry = self.state.job(job_id)
-        self._relayed(self._step(Drained(job_id, node, self.now, entry.min_workers)), "drain: ")
+        self._relayed(self._step(Drained(job_id, node, self.now, entry.min_workers, worker)),
+                      "drain: ")
         return f"the cluster scheduler places this job; its slot on node {node} is freed"
 
     def view(self) -> ClusterView | None:
@@ -274,7 +275,8 @@ def test_a_drain_frees_the_workers_slot_through_the_scheduler(setup):
     service.drain(job.id, member.worker)
     entry = sched.state.job(job.id)
     assert sum(k for _, k in entry.allocation) == 1 and entry.max_workers == 1
-    assert [c.slots for c in sched.assigned] == [entry.allocation]
+    assert [(c.slots, c.leaving) for c in sched.assigned] == [(entry.allocation,
+                                                               (member.worker,))]
     assert member.node not in dict(entry.allocation) or dict(entry.allocation)[member.node] < 2
     assert ("drain", job.id) not in cluster.calls
     sched.tick()  # a round keeps it at one: the slot stays free

@@ -214,6 +214,7 @@ class Drained:
     node_id: str
     now: float
     floor: int = 1
+    worker: str | None = None  # the one the owner named: it leaves (Reassign.leaving)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,12 +258,13 @@ class Start:
 
 @dataclass(frozen=True, slots=True)
 class Reassign:
-    """The running job trains on ``slots`` from its next step boundary. Its executor answers
-    with :class:`AssignTaken` or :class:`AssignRefused`; without either, the next round sends
-    it again."""
+    """The running job trains on ``slots`` from its next step boundary (``leaving``: the
+    workers its owner drained leave first). Its executor answers with :class:`AssignTaken` or
+    :class:`AssignRefused`; without either, the next round sends it again."""
 
     job_id: str
     slots: Slots
+    leaving: tuple[str, ...] = ()
 
     @property
     def workers(self) -> int:
@@ -406,7 +408,7 @@ def _step(
             return state._with(replace(known, sent=None)), ()
         case Heard(job_id, now):
             return state._with(replace(known, seen_s=now)), ()
-        case Drained(job_id, node_id, now, floor):
+        case Drained(job_id, node_id, now, floor, worker):
             why = drain_refusal(state, job_id, node_id, floor)
             if why is not None:
                 return state, (RequestRefused(job_id, why),)
@@ -425,7 +427,7 @@ def _step(
                 said=f"drained one worker on node {node_id} by its owner, keeps {keeps}",
             )
             return (replace(state._with(entry), resizes=state.resizes + 1),
-                    (Reassign(job_id, slots),))
+                    (Reassign(job_id, slots, (worker,) if worker else ()),))
         case Tick(now):
             if not state.synced:
                 return state, ()
