@@ -335,6 +335,8 @@ class JobCollector(Collector):
             for w in s.workers:
                 labels = [job, w.worker, node_label(w.node)]
                 batch.add_metric(labels, float(w.batch))
+                if s.ps is not None:
+                    continue  # a learner has no partition or step times (its staleness: ps_*)
                 partition.add_metric(labels, float(w.partition))
                 throughput.add_metric(labels, float(w.throughput))
                 compute.add_metric(labels, float(w.compute_s_per_step))

@@ -86,20 +86,16 @@ def _job_table(job: Any) -> Group:
     workers = Table(title="workers", expand=False)
     for col in ("worker", "node", "batch", "partition", "samples/s", "compute/step", "wait/step"):
         workers.add_column(col, justify="left" if col in ("worker", "node") else "right")
+    ps = getattr(job, "ps", None)
     for w in job.workers:
-        workers.add_row(
-            w.worker,
-            node_label(w.node),
-            str(w.batch),
-            str(w.partition),
-            f"{w.throughput:,.0f}",
-            f"{w.compute_s_per_step * 1e3:.1f} ms",
-            f"{w.wait_s_per_step * 1e3:.1f} ms",
-        )
+        # A parameter-server learner has no partition or step times (its staleness: below).
+        measured = ("-",) * 4 if ps is not None else (
+            str(w.partition), f"{w.throughput:,.0f}", f"{w.compute_s_per_step * 1e3:.1f} ms",
+            f"{w.wait_s_per_step * 1e3:.1f} ms")
+        workers.add_row(w.worker, node_label(w.node), str(w.batch), *measured)
     parts: list[Any] = [head, workers]
     if job.step_breakdown is not None:
         parts.append(breakdown_table(job.step_breakdown))
-    ps = getattr(job, "ps", None)
     if ps is not None:
         parts.append(_ps_table(ps))
     return Group(*parts)

@@ -63,6 +63,7 @@ from dynabatch.scheduler.telemetry import (
     PSStatus,
     PSWorkerStatus,
     WorkerEpochStats,
+    WorkerStatus,
 )
 
 log = logging.getLogger("dynabatch.ps")
@@ -197,10 +198,15 @@ class PSCoordinator(JobControl):
     def snapshot(self) -> JobSnapshot:
         with self.lock:
             snap = self._snap
+            ps = ps_status(self.spec, snap) if snap else None
+            batch = {w.worker: w.batch for w in ps.workers} if ps else {}
+            # The learners are the job's workers (one source of its members for every view).
+            workers = [WorkerStatus(worker=w, node=n, rank=i, batch=batch.get(w, 0), partition=0)
+                       for i, (w, n) in enumerate(sorted(learners(self.engine_state).items()))]
             return self._snapshot(
                 epoch=snap["epoch"] if snap else 0, policy=f"ps-{self.spec.protocol.mode}",
                 retried_samples_total=sum(r.retried_samples for r in self.records),
-                ps=ps_status(self.spec, snap) if snap else None)
+                workers=workers, ps=ps)
 
     def _member_ids(self) -> list[str]:
         with self.lock:

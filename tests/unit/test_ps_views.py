@@ -7,6 +7,7 @@ from dynabatch.api.cli.job_commands import _ps_table
 from dynabatch.api.metrics import ps_families
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.ps.batch_policy import PerfAwareBatches
+from dynabatch.scheduler.core.ps.engine import learners
 from dynabatch.scheduler.core.ps.machine import PSCore
 from dynabatch.scheduler.core.ps.rudra import PSConfig
 from dynabatch.scheduler.ps.driver import ps_status
@@ -73,3 +74,23 @@ def test_cli_table_shows_staleness_per_worker():
     console.print(_ps_table(_snapshot().ps))
     out = console.export_text()
     assert "staleness mean" in out and "w1" in out and "1.00" in out
+
+
+def test_a_running_ps_jobs_learners_are_its_snapshots_workers_with_their_nodes():
+    """The job's members have one source for both protocols, ``snapshot.workers``: the
+    cluster scheduler's poll, ``/v1/cluster``, ``status`` and the metrics read them. A
+    parameter-server job listed none, so a running one showed ``members 0 (none)`` and
+    "starting 2 workers" in ``dynabatch cluster``, and an empty workers table in ``status``."""
+    from tests.unit.test_ps_export import _job
+
+    coord, _ = _job("ps-members", epochs=3)
+    assert coord.start()
+    while not coord.history():
+        assert coord.step()
+    snap = coord.snapshot()
+    on = learners(coord.engine_state)
+    assert on and {(w.worker, w.node) for w in snap.workers} == set(on.items())
+    batch = {w.worker: w.batch for w in snap.ps.workers}
+    assert all(w.joined and w.batch == batch[w.worker] > 0 for w in snap.workers)
+    assert [w.rank for w in snap.workers] == list(range(len(on)))
+    assert snap.group_size == len(on)  # REST's and the metrics' worker count (it was 0)
