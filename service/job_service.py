@@ -295,7 +295,7 @@ class JobService:
             raise WorkerNotFound(
                 f"worker {worker!r} is not a member of job {rec.id}: it has no running coordinator"
             ) from None
-        if snap.ps is not None:  # its snapshot names no learner's node
+        if snap.ps is not None:  # its driver moves a node's slowest learner, not a named one
             raise JobConflict(
                 f"drain {worker}: the cluster scheduler places this parameter-server job; "
                 "scale it down instead (its slowest learners leave)"

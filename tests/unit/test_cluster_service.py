@@ -307,8 +307,8 @@ def test_a_restarted_api_leaves_queued_jobs_queued_and_tells_a_new_scheduler(set
 
 
 def test_a_parameter_server_learner_is_not_drained_through_the_scheduler(setup, monkeypatch):
-    """Its snapshot names no learner's node, so the scheduler could not free the right
-    slot: the drain is refused with what to do instead, and nothing changes."""
+    """Its driver takes an assignment by moving the slowest learner on a node, not a named
+    one: the drain is refused with what to do instead, and nothing changes."""
     from dynabatch.scheduler.telemetry import PSStatus
 
     service, cluster, sched = setup
