@@ -17,10 +17,10 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from dynabatch.scheduler.core.cluster.ray_nodes import node_label
 from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot
-from dynabatch.service.cluster_client import node_label
 from dynabatch.service.job_service import JobService
 from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.core import (

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from dynabatch.api.cli.common import api_client, out_console, print_plain
 from dynabatch.api.cli.job_commands import Token, Url
-from dynabatch.service.cluster_client import node_label
+from dynabatch.scheduler.core.cluster.ray_nodes import node_label
 from dynabatch.service.cluster_schemas import ClusterState, Slot
 from dynabatch.service.rest_client import DEFAULT_URL
 from rich.console import Group

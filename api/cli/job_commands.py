@@ -32,9 +32,9 @@ from dynabatch.api.cli.common import (
     timestamp,
 )
 from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
+from dynabatch.scheduler.core.cluster.ray_nodes import node_label
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import LogLine, splits_text
-from dynabatch.service.cluster_client import node_label
 from dynabatch.service.rest_client import DEFAULT_URL, DynabatchClient
 from dynabatch.service.schemas import JobDetail
 from rich.console import Group

@@ -28,9 +28,9 @@ from dynabatch.api.cli.common import (
     tensorboard_made,
 )
 from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
+from dynabatch.scheduler.core.cluster.ray_nodes import node_label
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, splits_text
-from dynabatch.service.cluster_client import node_label
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text

@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from dynabatch.scheduler.core.cluster.ray_nodes import node_label
 from dynabatch.scheduler.core.sync.protocol import Position
 
 ORIGIN = Position(0, 0)
@@ -151,7 +152,7 @@ class NodeAssignment:
         return next((k for n, k in self.slots if n == node), 0)
 
     def __str__(self) -> str:
-        return ", ".join(f"{n}: {k}" for n, k in self.slots)
+        return ", ".join(f"{node_label(n)}: {k}" for n, k in self.slots)
 
 
 @dataclass(frozen=True, slots=True)

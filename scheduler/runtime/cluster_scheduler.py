@@ -27,6 +27,7 @@ from dynabatch.scheduler.core.cluster.ray_nodes import (
     gang_error,
     gpu_units,
     job_bounds,
+    node_label,
     slot_error,
     worker_slots,
 )
@@ -283,7 +284,8 @@ class ClusterScheduler:
         self._carry_out(commands, "drain: ", "drain: ")
         self._wake.set()  # the freed slot may start or grow another job
         keeps = sum(c.workers for c in commands if isinstance(c, Reassign))
-        return f"{PLACES}; its slot on node {node} is freed, and its max_workers is now {keeps}"
+        return (f"{PLACES}; its slot on node {node_label(node)} is freed, and its max_workers is "
+                f"now {keeps}")
 
     def report(
         self,

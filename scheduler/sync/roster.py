@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dynabatch.scheduler.control import Assign, Drain, Scale
+from dynabatch.scheduler.core.cluster.ray_nodes import node_label
 from dynabatch.scheduler.core.failures import FailureEvent
 from dynabatch.scheduler.core.sync.boundary import wait_for_minimum
 from dynabatch.scheduler.core.sync.loop import NODE_POLL_S
@@ -61,7 +62,7 @@ class Roster:
                 self.control.waiting(f"waiting for resources: {self.no_node_hint()}")
             for node, why in self.runtime.lost_spares():
                 job.membership.spare_lost(node, why)
-                self.control.log("WARNING", f"the spare worker on node {node[:12]} was lost "
+                self.control.log("WARNING", f"the spare worker on node {node_label(node)} was lost "
                                             f"before it was adopted ({why}); that node gets no "
                                             "other spare")
 
@@ -139,8 +140,8 @@ class Roster:
                         m.start_failed(left.worker_id)
                     raise
                 adopted = adopted or sp.adopt
-                self.control.log("INFO", f"starting worker {sp.worker_id} on node {sp.node_id[:12]}"
-                                         + (" (GPU)" if sp.gpus else "")
+                self.control.log("INFO", f"starting worker {sp.worker_id} on node "
+                                         f"{node_label(sp.node_id)}" + (" (GPU)" if sp.gpus else "")
                                          + (" (adopting its spare)" if sp.adopt else ""))
             if not starting:
                 self.note_placement(m.unplaced)
@@ -158,7 +159,7 @@ class Roster:
                 self.runtime.stop_spare(node)
             for node in plan.start:
                 self.runtime.start_spare(node)
-                self.control.log("INFO", f"starting a spare worker on node {node[:12]}")
+                self.control.log("INFO", f"starting a spare worker on node {node_label(node)}")
 
     def placement_text(self, short: int, want: int) -> str:
         s = self.control.spec

@@ -18,6 +18,17 @@ from dynabatch.scheduler.core.cluster.values import GPU_UNITS, ClusterNode
 TYPE_LABEL = "dynabatch.io/node-type"
 TYPE_RESOURCE = "node-type:"
 ACCELERATOR = "accelerator_type:"
+# A Ray node id is 56 hex digits; its first NODE_CHARS name it wherever we show it (the CLI's
+# tables, the job page, the Prometheus labels, the job log, reasons), as ``git`` names a commit.
+NODE_CHARS = 8
+
+
+def node_label(node: str) -> str:
+    """A Ray node id cut to its first 8 hex digits; any other name (an address, a host, a
+    simulator's node) as it is."""
+    ray_id = len(node) >= 40 and not node.strip("0123456789abcdef")
+    return node[:NODE_CHARS] if ray_id else node
+
 # Ray counts a resource in fixed point of 1/10000 (its RESOURCE_UNIT_SCALING).
 RAY_UNITS = 10000
 # Resources Ray gives every node (or a placement group's bundles): not what makes a type.

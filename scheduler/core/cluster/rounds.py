@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from dynabatch.scheduler.core.cluster.decision import decide
+from dynabatch.scheduler.core.cluster.ray_nodes import node_label
 from dynabatch.scheduler.core.cluster.throughput import ThroughputModel, bootstrap, prior
 from dynabatch.scheduler.core.cluster.values import (
     GPU_UNITS,
@@ -424,7 +425,8 @@ def _step(
                 last_resize_s=now,
                 waits=None,
                 refused=None,
-                said=f"drained one worker on node {node_id} by its owner, keeps {keeps}",
+                said=f"drained one worker on node {node_label(node_id)} by its owner, keeps "
+                     f"{keeps}",
             )
             return (replace(state._with(entry), resizes=state.resizes + 1),
                     (Reassign(job_id, slots, (worker,) if worker else ()),))
@@ -446,7 +448,7 @@ def drain_refusal(state: RoundState, job_id: str, node_id: str, floor: int) -> s
         return f"it does not run job {job_id}"
     held = dict(entry.allocation)
     if held.get(node_id, 0) < 1:
-        return f"job {job_id} holds no slot on node {node_id}"
+        return f"job {job_id} holds no slot on node {node_label(node_id)}"
     keeps = sum(held.values()) - 1
     if keeps < max(1, floor):
         return f"refused: {keeps} workers would be below its min_workers {max(1, floor)}"
@@ -800,7 +802,7 @@ def differs(entry: Entry) -> str | None:
         if more:
             each = "worker" if abs(more) == 1 else "workers"
             verb = "starting" if more > 0 else "draining"
-            parts.append(f"{verb} {abs(more)} {each} on node {node}")
+            parts.append(f"{verb} {abs(more)} {each} on node {node_label(node)}")
     return "; ".join(parts) or None
 
 
