@@ -297,17 +297,19 @@
     $("rebalances").textContent = j.rebalances_total;
     const body = $("workers").tBodies[0];
     body.replaceChildren();
+    // A parameter-server learner has no partition, step times or slowdown in its status.
+    const measured = (text) => (j.ps ? "-" : text);
     for (const w of j.workers) {
       const row = body.insertRow();
       row.dataset.worker = w.worker;
       cell(row, w.worker);
       cell(row, nodeLabel(w.node));
       cell(row, w.batch).className = "batch";
-      cell(row, w.partition).className = "partition";
-      cell(row, Math.round(w.throughput).toLocaleString("en"));
-      cell(row, `${(w.compute_s_per_step * 1e3).toFixed(1)} ms`);
-      cell(row, `${(w.wait_s_per_step * 1e3).toFixed(1)} ms`);
-      cell(row, fmt(w.slowdown, 1));
+      cell(row, measured(w.partition)).className = "partition";
+      cell(row, measured(Math.round(w.throughput).toLocaleString("en")));
+      cell(row, measured(`${(w.compute_s_per_step * 1e3).toFixed(1)} ms`));
+      cell(row, measured(`${(w.wait_s_per_step * 1e3).toFixed(1)} ms`));
+      cell(row, measured(fmt(w.slowdown, 1)));
     }
     const controls = $("controls");
     controls.hidden = !(authorized && !TERMINAL.has(j.state));
