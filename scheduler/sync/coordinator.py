@@ -49,6 +49,7 @@ from dynabatch.scheduler.core.sync.loop import (
     Memo,
     NextEpoch,
     Place,
+    PlanSegment,
     PostPlanUpdate,
     PublishReady,
     Regroup,
@@ -406,8 +407,10 @@ class Coordinator(JobControl):
                                           early=self.pipeline.update_from())
             case PostPlanUpdate(offer):
                 self.epochs.adopted(offer.decision, self.pipeline.post_update(offer), offer.why)
-            case TrainSegment(ahead, across):
-                return self.pipeline.train_segment(self.epochs.totals, ahead, across)
+            case PlanSegment(ahead, across):
+                return self.pipeline.plan(ahead, across)
+            case TrainSegment(order):
+                return self.pipeline.train(order, self.epochs.totals)
             case AbsorbAhead():
                 return self.pipeline.absorb_ahead(self.epochs.totals)
             case EndEpoch():

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynabatch.scheduler.core.failures import Failure, FailureEvent, WorkerOutcome, classify
 from dynabatch.scheduler.core.sync import ahead as decide
-from dynabatch.scheduler.core.sync.loop import SegmentRun
+from dynabatch.scheduler.core.sync.loop import SegmentOrder
 from dynabatch.scheduler.core.sync.protocol import Position
 from dynabatch.scheduler.core.sync.update import (
     OfferedUpdate,
@@ -121,34 +121,46 @@ class Pipeline:
             self.ahead = replace(ahead, plans=updated_plans(ahead.plans, update))
         return ok
 
-    def send_ahead(self, start: Position, plans: dict[str, Any], across: bool) -> bool:
-        """Send the segment after the one at ``start`` (already sent) before its results
-        are read: in this epoch, or, when ``across`` (the loop decides both), the next
-        epoch's first, behind the epoch's evaluation. False: there is none to send."""
-        job, p = self.job, self.job.protocol
-        at = decide.plan_ahead(start, len(next(iter(plans.values())).steps), p.steps_per_epoch)
-        behind = None
-        if at.epoch != start.epoch:
-            if not across:
-                return False
-            # Each of the segment's workers scores its shard of the epoch's final weights,
-            # then trains on. Dropped if that segment fails (it is not the final state).
-            behind = self.evals.submit(p.epoch, job.evaluation_shards(list(plans)))
-        nxt = self.stamp(p.plan_segment(at=at))
-        self.ahead = Ahead(at, nxt, self.runtime.submit_segment(nxt),
-                           self.control.clock.now(), behind)
-        return True
+    def plan(self, ahead: bool, across: bool) -> SegmentOrder:
+        """The next segment's order (the loop's :class:`~dynabatch.scheduler.core.sync.loop.
+        PlanSegment`): the segment in flight when it starts where the protocol stands, else
+        the protocol's next, stamped. ``ahead``: with the one after it, in this epoch, or
+        (``across``) the next epoch's first, behind the epoch's evaluation, split over the
+        segment's workers."""
+        p, flying = self.job.protocol, self.ahead
+        if flying is not None and flying.position == p.position:
+            order = SegmentOrder(p.position, flying.plans, sent=True)
+        else:
+            if flying is not None:  # defensive: a segment ahead always starts here
+                self.drain(None)
+            plans = self.stamp(p.plan_segment())
+            if not plans:  # the loop trains only an epoch not complete: a bug
+                raise RuntimeError(f"no segment to train at {p.position} (the epoch is "
+                                   "complete)")
+            order = SegmentOrder(p.position, plans)
+        if not ahead:
+            return order
+        length = len(next(iter(order.plans.values())).steps)
+        at = decide.plan_ahead(order.position, length, p.steps_per_epoch)
+        crossing = at.epoch != order.position.epoch
+        if crossing and not across:
+            return order
+        # Each of the segment's workers scores its shard of the epoch's final weights, then
+        # trains on.
+        shards = self.job.evaluation_shards(list(order.plans)) if crossing else None
+        return replace(order, ahead=SegmentOrder(at, self.stamp(p.plan_segment(at=at)),
+                                                 shards=shards))
 
-    def drain(self, totals: EpochTotals | None) -> SegmentRun:
+    def drain(self, totals: EpochTotals | None) -> bool:
         """Collect the segment in flight: commit it into the open epoch's ``totals``, or
         (None) discard it after a failure of the one before it (it did not run)."""
         job = self.job
         ahead = self.ahead
         if ahead is None:
-            return SegmentRun()
+            return True
         if totals is not None and ahead.position == job.protocol.position:
             # (Sent across the epoch's end: the loop began its epoch.)
-            return self.train_segment(totals)
+            return self.train(SegmentOrder(ahead.position, ahead.plans, sent=True), totals)
         self.ahead = None
         outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
         trained = [o.worker for o in outcomes if o.result is not None and o.result.steps]
@@ -157,34 +169,32 @@ class Pipeline:
                                       "before it failed; their state is not the committed one")
             for w in trained:
                 self.workforce.remove(w, "failure", "trained past a failed segment")
-        return SegmentRun(all_ran=False)
+        return False
 
-    def train_segment(self, totals: EpochTotals, send_ahead: bool = False,
-                      across: bool = False) -> SegmentRun:
-        """Run one segment; commit what the state holder completed (into the open epoch's
-        ``totals``, the epochs' to close). ``send_ahead``/``across``:
-        send the next segment before reading this one's results, and may that be the next
-        epoch's first (the loop's :class:`~dynabatch.scheduler.core.sync.loop.
-        TrainSegment`)."""
-        p = self.job.protocol
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.position == p.position:
-            plans, ticket, t0, behind = ahead.plans, ahead.ticket, ahead.sent, ahead.behind
+    def train(self, order: SegmentOrder, totals: EpochTotals) -> bool:
+        """Run ``order`` (the loop's :class:`~dynabatch.scheduler.core.sync.loop.
+        TrainSegment`): send it (unless it is in flight), then the one ahead of it behind its
+        evaluation; commit what the state holders completed into the open epoch's
+        ``totals``. True when it all ran."""
+        if order.sent:
+            flying, self.ahead = self.ahead, None
+            if flying is None or flying.position != order.position:  # a bug
+                raise RuntimeError(f"no segment in flight at {order.position} to collect")
+            ticket, t0, behind = flying.ticket, flying.sent, flying.behind
         else:
-            if ahead is not None:  # defensive: a segment ahead always starts here
-                self.ahead = ahead
-                self.drain(None)
-            plans = self.stamp(p.plan_segment())
-            if not plans:  # the loop trains only an epoch not complete: a bug
-                raise RuntimeError(f"no segment to train at {p.position} (the epoch is "
-                                   "complete)")
             t0 = self.control.clock.now()
             behind = self.evals.take_behind()
-            ticket = self.runtime.submit_segment(plans)
-        start = p.position
-        sent = send_ahead and self.send_ahead(start, plans, across)
+            ticket = self.runtime.submit_segment(dict(order.plans))
+        if (nxt := order.ahead) is not None:
+            # Dropped if this segment fails (it is not the epoch's final state).
+            queued = None if nxt.shards is None else self.evals.submit(
+                self.job.protocol.epoch, dict(nxt.shards))
+            self.ahead = Ahead(nxt.position, dict(nxt.plans),
+                               self.runtime.submit_segment(dict(nxt.plans)),
+                               self.control.clock.now(), queued)
         outcomes = self.runtime.collect_segment(ticket, self.grace_s())
-        return SegmentRun(self.commit(plans, outcomes, start, t0, totals, behind=behind), sent)
+        return self.commit(dict(order.plans), outcomes, order.position, t0, totals,
+                           behind=behind)
 
     def commit(self, plans: dict, outcomes: list[WorkerOutcome], start: Position, t0: float,
                totals: EpochTotals, charge: bool = True, behind: EvalRound | None = None
@@ -243,7 +253,7 @@ class Pipeline:
             self.evals.discard(p.epoch)
         return False
 
-    def absorb_ahead(self, totals: EpochTotals) -> SegmentRun:
+    def absorb_ahead(self, totals: EpochTotals) -> bool:
         """After a failed segment, the one sent ahead (the loop's :class:`~dynabatch.
         scheduler.core.sync.loop.AbsorbAhead`). Usually it could not train: the
         failure broke the group and its workers refuse it. But a segment can "fail" after
@@ -257,18 +267,18 @@ class Pipeline:
         job = self.job
         ahead = self.ahead
         if ahead is None:
-            return SegmentRun(all_ran=False)
+            return False
         p = job.protocol
         if ahead.position != p.position:
             return self.drain(None)
         self.ahead = None
         outcomes = self.runtime.collect_segment(ahead.ticket, self.grace_s())
         if not any(o.result is not None and o.result.steps for o in outcomes):
-            return SegmentRun(all_ran=False)
+            return False
         self.control.log("INFO", f"committing what the segment ahead trained after step "
                                  f"{p.step} of epoch {p.epoch}")
-        return SegmentRun(self.commit(ahead.plans, outcomes, ahead.position, ahead.sent,
-                                      totals, charge=False, behind=ahead.behind))
+        return self.commit(ahead.plans, outcomes, ahead.position, ahead.sent, totals,
+                           charge=False, behind=ahead.behind)
 
     def segment_failed(self, failure: Failure, charge: bool = True,
                        partial: bool = True) -> None:

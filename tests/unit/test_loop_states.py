@@ -58,12 +58,28 @@ class _Cancelling(SimRuntime):
         return super().submit_evaluation(shards)
 
 
-def _coord(events: list[dict] | None = None, **kw) -> tuple[Coordinator, _Cancelling]:
+class _Sending(_Cancelling):
+    """The same, keeping what its driver sends the workers, in order: each segment's plans
+    and each evaluation's shards."""
+
+    sent: list[tuple[str, dict]]
+
+    def submit_segment(self, plans: dict) -> Call:
+        self.__dict__.setdefault("sent", []).append(("segment", dict(plans)))
+        return super().submit_segment(plans)
+
+    def submit_evaluation(self, shards: dict[str, tuple[int, int]]) -> Call:
+        self.__dict__.setdefault("sent", []).append(("evaluation", dict(shards)))
+        return super().submit_evaluation(shards)
+
+
+def _coord(events: list[dict] | None = None, runtime: type[_Cancelling] = _Cancelling,
+           **kw) -> tuple[Coordinator, _Cancelling]:
     """A job on the simulator's runtime over 3 nodes (node i computes 1000, 500, 250
     samples/s); ``events``: nodes that fail or join as the job trains a step."""
     spec = _spec(**{"epochs": 2, **kw})
     coord, rt, _ = sim_job(
-        spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250}, runtime=_Cancelling, events=events
+        spec, n_train=N, speeds={0: 1000, 1: 500, 2: 250}, runtime=runtime, events=events
     )
     return coord, rt
 
@@ -158,6 +174,36 @@ def test_a_clean_run_regroups_trains_ends_epochs_and_finishes(monkeypatch):
     assert not coord.step() and isinstance(coord.loop, Concluded)
 
 
+def test_the_workers_are_sent_exactly_the_segments_the_loops_effects_carry(monkeypatch):
+    """``TrainSegment(order)`` is what happens: each segment the workers are sent is its
+    order's plans or the plans it sends ahead (behind the evaluation shards it carries when
+    that is the next epoch's first), and an order for the segment in flight sends nothing."""
+    coord, rt = _coord(runtime=_Sending, epochs=3)
+    decisions: list[tuple[Event, Effects]] = []
+    _record(coord, monkeypatch, decisions=decisions)
+    assert coord.run().state == JobState.SUCCEEDED
+    orders = [e.order for _, effects in decisions for e in effects
+              if isinstance(e, TrainSegment)]
+    segments = [sent for what, sent in rt.sent if what == "segment"]
+    expected, flying = [], None
+    for order in orders:
+        if order.sent:  # the one sent ahead: its position, its workers
+            assert flying is not None and order.position == flying.position
+            assert set(order.plans) == set(flying.plans)
+        else:
+            expected.append(dict(order.plans))
+        flying = order.ahead
+        if flying is not None:
+            expected.append(dict(flying.plans))
+            if flying.shards is not None:  # scored before the next epoch's first segment
+                i = rt.sent.index(("segment", dict(flying.plans)))
+                assert rt.sent[i - 1] == ("evaluation", dict(flying.shards))
+    assert segments == expected
+    # Some went ahead, one across an epoch's end, and some were collected as sent ahead.
+    assert any(o.ahead is not None for o in orders) and any(o.sent for o in orders)
+    assert any(o.ahead is not None and o.ahead.shards is not None for o in orders)
+
+
 def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone(monkeypatch):
     coord, rt = _coord()
     rt.inject(Fault(kind="die", worker=1, epoch=0, step=5))
@@ -174,7 +220,8 @@ def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone(mo
     assert path[i - 1] == "training" and path[i + 1] == "training"
     # While the failure is being retried (as the coordinator's failure policy says), nothing
     # is sent ahead of the retry.
-    sent = [(retried, e.ahead) for (_, effects), retried in zip(decisions, retrying, strict=True)
+    sent = [(retried, e.order.ahead is not None)
+            for (_, effects), retried in zip(decisions, retrying, strict=True)
             for e in effects if isinstance(e, TrainSegment)]
     assert any(retrying for retrying, _ in sent)
     assert not any(retrying and ahead for retrying, ahead in sent)
@@ -215,8 +262,8 @@ def test_a_cancel_with_a_segment_in_flight_commits_it_and_is_done(monkeypatch):
     coord, _ = _coord()
     decisions: list[tuple[Event, Effects]] = []
     trail = _record(coord, monkeypatch, decisions=decisions)
-    while not any(e == TrainSegment(ahead=True, across=False) for _, effects in decisions
-                  for e in effects):  # a segment was sent ahead: one is in flight
+    while not any(isinstance(e, TrainSegment) and e.order.ahead is not None
+                  for _, effects in decisions for e in effects):  # one is in flight
         assert coord.step()
     coord.cancel("enough")
     assert not coord.step()

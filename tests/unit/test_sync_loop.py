@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 import pytest
+from dynabatch.actors.contracts import SegmentPlan
 from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState
 from dynabatch.scheduler.core.sync.allocation import Allocation, Decision
 from dynabatch.scheduler.core.sync.loop import (
@@ -50,6 +51,7 @@ from dynabatch.scheduler.core.sync.loop import (
     Memo,
     NextEpoch,
     Place,
+    PlanSegment,
     PostPlanUpdate,
     PublishReady,
     Reconciling,
@@ -62,7 +64,8 @@ from dynabatch.scheduler.core.sync.loop import (
     SaveModel,
     Seen,
     SegmentDone,
-    SegmentRun,
+    SegmentOrder,
+    SegmentPlanned,
     Settle,
     StopWorkers,
     TakeRequests,
@@ -146,8 +149,16 @@ class Loop:
 
     def ran(self, seen: Seen, ok: object = True, now: float = T0) -> Effects:
         """Answer the last batch: its last effect ran (``ok``: it formed, it all ran, its
-        verdict, its offer), and ``seen`` is what the machines say after it."""
+        verdict, its offer, the segment it planned), and ``seen`` is what the machines say
+        after it."""
         return self.on(answer(self.last[-1], seen, now, ok))
+
+    def trains(self, seen: Seen, planned: SegmentOrder, now: float = T0) -> None:
+        """Answer a :class:`PlanSegment` with ``planned``: that segment is run, and the
+        loop's state carries it."""
+        epoch = self.state.epoch
+        assert self.ran(seen, planned, now) == [TrainSegment(planned)]
+        assert self.state == Training(epoch, "segment", memo=self.state.memo, order=planned)
 
 
 # keep_best's description of the best epoch so far (a judged epoch's Verdict).
@@ -163,9 +174,25 @@ PLACE_FLYING = [Place(at_rest=False)]
 START = [Place(starting=True)]
 # An epoch's end with nothing due and nothing judged.
 END = [EndEpoch(), NextEpoch()]
-# A segment that ran with the next sent ahead (it is in flight), and one that failed so.
-AHEAD = SegmentRun(sent_ahead=True)
-FAILED_AHEAD = SegmentRun(all_ran=False, sent_ahead=True)
+
+
+def order(at: Position, ahead: Position | None = None, group: tuple[str, ...] = GROUP,
+          sent: bool = False) -> SegmentOrder:
+    """A segment of :data:`GROUP` planned at ``at`` (``sent``: the one in flight), with the
+    one after it at ``ahead`` (the next epoch's first: behind the epoch's evaluation)."""
+    plans = {w: SegmentPlan(at.epoch, 0, 1000, ()) for w in group}
+    nxt = None
+    if ahead is not None:
+        shards = {w: (i, i + 1) for i, w in enumerate(group)} if ahead.epoch != at.epoch \
+            else None
+        nxt = SegmentOrder(ahead, {w: SegmentPlan(ahead.epoch, 0, 1000, ()) for w in group},
+                           shards=shards)
+    return SegmentOrder(at, plans, sent, nxt)
+
+
+# A segment planned with the next to send ahead (it is in flight once it ran), and one alone.
+AHEAD = order(Position(0, 0), ahead=Position(0, 4))
+ALONE = order(Position(0, 0))
 # Between boundaries in an open epoch; the same with a segment in flight; and with the next
 # epoch's first segment in flight (sent across the epoch's end, which has ended).
 OPEN = AtRest(_memo(polled_at=T0, epoch_open=True))
@@ -293,6 +320,17 @@ def _draw_seen(data: st.DataObject, cancel: str | None) -> Seen:
     return seen if cancel is None else replace(seen, cancel=cancel)
 
 
+def _planned(plan: PlanSegment, seen: Seen, data: st.DataObject) -> SegmentOrder:
+    """What the executor plans: a segment of the group where the protocol stands (at times
+    the one in flight), and the one after it when asked, unless that is the next epoch's
+    first and may not be."""
+    at = Position(seen.epoch, seen.step)
+    nxt = data.draw(st.sampled_from([Position(seen.epoch, seen.step + 1),
+                                     Position(seen.epoch + 1, 0)]))
+    ahead = nxt if plan.ahead and (plan.across or nxt.epoch == at.epoch) else None
+    return order(at, ahead, seen.membership.members, sent=data.draw(st.booleans()))
+
+
 def _boundary(loop: Loop, tick: Boundary, data: st.DataObject) -> list[Batch]:
     """One boundary: every decision, each answered with random readings after it (or the
     job failed in it), until one ends the step."""
@@ -317,8 +355,9 @@ def _boundary(loop: Loop, tick: Boundary, data: st.DataObject) -> list[Batch]:
             ok = data.draw(verdicts)
         elif isinstance(last, Replan):  # a re-plan may offer an update to the segment in flight
             ok = data.draw(st.sampled_from([None, OFFER]))
-        elif isinstance(last, TrainSegment):  # the next goes ahead only when it may
-            ok = SegmentRun(data.draw(st.booleans()), last.ahead and data.draw(st.booleans()))
+        elif isinstance(last, PlanSegment):  # the next goes ahead only when asked, and
+            # across the epoch's end only when it may
+            ok = _planned(last, event.seen, data)
         else:
             ok = data.draw(st.booleans())
         event = answer(last, _draw_seen(data, cancel), now, ok)
@@ -382,8 +421,8 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
     if cancel_at is not None and not failed:  # a cancel trains nothing new, stops the loop
         assert flat[-1] == EndStep(stop=True)
         after_cancel = [e for b in batches[cancel_at:] for e in b.body]
-        assert not any(isinstance(e, (TrainSegment, TakeRequests, ApplyDrains, Regroup,
-                                      AbsorbAhead)) for e in after_cancel)
+        assert not any(isinstance(e, (PlanSegment, TrainSegment, TakeRequests, ApplyDrains,
+                                      Regroup, AbsorbAhead)) for e in after_cancel)
         for j, e in enumerate(after_cancel):  # only the segment in flight's epoch
             if isinstance(e, BeginEpoch):
                 assert after_cancel[j + 1] == CommitInFlight()
@@ -440,7 +479,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert e.reason == b.before.memo.stopped
                 assert seen.cancel is None or b.before.cancel is not None
                 assert b.after == Concluded(JobState.SUCCEEDED, e.reason, b.before.memo)
-            if isinstance(e, TrainSegment):
+            if isinstance(e, PlanSegment):
                 # Decided to train by the readings of the batch that began training.
                 began = next(x for x in batches if isinstance(x.after, Training))
                 assert began.seen.cancel is None
@@ -449,9 +488,14 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 # Sent ahead exactly when the next boundary need not have the group at rest;
                 # across the epoch exactly when nothing between the epochs reads the state.
                 retrying = b.before.memo.retrying
-                assert e == TrainSegment(ahead=_ahead(cfg, seen, retrying),
-                                         across=_across(cfg, seen, retrying))
-                assert b.after == Training(seen.epoch, "segment", memo=b.after.memo)
+                assert e == PlanSegment(ahead=_ahead(cfg, seen, retrying),
+                                        across=_across(cfg, seen, retrying))
+                assert b.after == Training(seen.epoch, "planning", memo=b.after.memo)
+            if isinstance(e, TrainSegment):  # the segment just planned, alone
+                assert body == [e] and isinstance(b.event, SegmentPlanned)
+                assert e.order is b.event.order
+                assert b.after == Training(b.before.epoch, "segment", memo=b.after.memo,
+                                           order=e.order)
             if isinstance(e, (TakeRequests, ApplyDrains, Regroup, AwaitStarts, GiveUpStarts)):
                 # membership changes wait for a rest (an assignment's workers start now)
                 assert not in_flight or e == TakeRequests(assignments=True)
@@ -490,10 +534,11 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             assert e.at_rest == (not (in_flight and i == 0))
             polled = now
         assert b.after.memo.polled_at == polled  # when the loop last listed the nodes
-        # A segment is in flight exactly when the last segment run said it sent one ahead;
+        # A segment is in flight exactly when the last segment run's order sent one ahead;
         # the next is a retry exactly when the last did not all run.
         if isinstance(b.event, SegmentDone):
-            assert b.after.memo.in_flight == b.event.sent_ahead
+            assert b.after.memo.in_flight == (isinstance(prev.body[-1], TrainSegment)
+                                              and prev.body[-1].order.ahead is not None)
             assert b.after.memo.retrying == (not b.event.all_ran)
         else:
             assert b.after.memo.in_flight == b.before.memo.in_flight
@@ -565,12 +610,13 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert not began.seen.membership.dirty
         if isinstance(body[-1], TrainSegment) and answered is not None:
             ok = nxt.event.all_ran
-            if not ok and nxt.event.sent_ahead:
+            if not ok and body[-1].order.ahead is not None:
                 # Failed with the next segment sent: that one is absorbed, in the next epoch
                 # when the failed one completed this.
                 if not answered.epoch_complete:
                     assert nxt.body == [AbsorbAhead()]
-                    assert nxt.after == Training(seen.epoch, "absorbing", memo=nxt.after.memo)
+                    assert nxt.after == Training(b.after.epoch, "absorbing",
+                                                 memo=nxt.after.memo)
                     continue
                 j = _epoch_end(cfg, batches, i + 1)
                 if j < len(batches) and batches[j].seen is not None:
@@ -596,7 +642,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 if body[-1].cause == "check":
                     assert after.body == [PublishReady(), EndStep()]
                 else:
-                    assert len(after.body) == 1 and isinstance(after.body[0], TrainSegment)
+                    assert len(after.body) == 1 and isinstance(after.body[0], PlanSegment)
         if AbsorbAhead() in body:  # what was sent ahead of a failed segment
             failed_at = [x for x in batches[:i] if x.body[-1:] and
                          isinstance(x.body[-1], TrainSegment)]
@@ -622,7 +668,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert body == [e, *save, EndJob(JobState.CANCELLED, b.before.reason),
                                 EndStep(stop=True)]
         absorbing = prev is not None and isinstance(prev.body[-1], TrainSegment) \
-            and not b.event.all_ran and b.event.sent_ahead
+            and not b.event.all_ran and prev.body[-1].order.ahead is not None
         if body[:1] == [EndEpoch()]:
             j = _epoch_end(cfg, batches, i)
             if j < len(batches) and batches[j].seen is not None and not absorbing \
@@ -698,9 +744,10 @@ def test_a_training_boundary() -> None:
                                   memo=_memo(polled_at=T0, epoch_open=True, running=True))
     assert public_state(loop.state) is JobState.RUNNING
     opened = S(steps_per_epoch=16, batch=64, next_batch=64)
-    assert loop.ran(opened) == [TrainSegment(ahead=True, across=True)]
+    assert loop.ran(opened) == [PlanSegment(ahead=True, across=True)]
+    loop.trains(opened, AHEAD)
     # At step 4 the rule's check is due after a segment that all ran.
-    assert loop.ran(replace(opened, step=4), ok=AHEAD) == [Replan("check")]
+    assert loop.ran(replace(opened, step=4)) == [Replan("check")]
     assert loop.state.memo.in_flight  # the next segment was sent ahead
     assert loop.ran(replace(opened, step=4)) == [PublishReady(), EndStep()]
     # Next boundary, a segment in flight: no requests taken, no regroup; nodes listed once
@@ -708,8 +755,9 @@ def test_a_training_boundary() -> None:
     in_flight = replace(opened, step=8, membership=V(dirty=True))
     assert loop.tick(in_flight, now=T0 + NODE_POLL_S / 2) == [AdoptStarted()]
     assert loop.ran(replace(in_flight, membership=V())) == [
-        TrainSegment(ahead=True, across=True)]
-    assert loop.ran(S(step=1), ok=AHEAD) == END
+        PlanSegment(ahead=True, across=True)]
+    loop.trains(S(step=8), order(Position(0, 8), ahead=Position(1, 0)))
+    assert loop.ran(S(step=1)) == END
     assert loop.ran(S()) == [PublishReady(), EndStep()]
     # The next epoch's first segment was sent across its end: that epoch begins (and is
     # planned) before the segment is collected.
@@ -718,14 +766,16 @@ def test_a_training_boundary() -> None:
     assert loop.tick(second, now=LATER) == [AdoptStarted(), *PLACE_FLYING]
     assert loop.state.memo.polled_at == LATER
     assert loop.ran(second) == [BeginEpoch(), Replan()]
-    assert loop.ran(second) == [TrainSegment(ahead=True, across=True)]
+    assert loop.ran(second) == [PlanSegment(ahead=True, across=True)]
+    loop.trains(second, order(Position(1, 0)))
     # It failed, with nothing sent ahead of it.
     assert loop.ran(replace(second, step=13), ok=False) == [PublishReady(), EndStep()]
     assert not loop.state.memo.in_flight and loop.state.memo.retrying
     # Its retry runs alone (nothing is sent ahead of it); it failed after its last step's
     # collective and still completed the epoch.
     _requests_taken(loop, second, now=LATER)
-    assert loop.ran(second, now=LATER) == [TrainSegment(ahead=False, across=False)]
+    assert loop.ran(second, now=LATER) == [PlanSegment(ahead=False, across=False)]
+    loop.trains(second, order(Position(1, 0)), now=LATER)
     assert loop.ran(S(epoch=1, step=1), ok=False) == END
     assert loop.ran(S()) == [PublishReady(), EndStep()]
 
@@ -745,13 +795,13 @@ def test_a_segment_goes_across_the_epochs_end_only_when_nothing_between_reads_th
     seen = replace(seen, batch=64, next_batch=seen.next_batch or 64)
     loop = Loop(cfg, OPEN)
     _requests_taken(loop, seen)
-    assert loop.ran(seen) == [TrainSegment(ahead=True, across=False)]
+    assert loop.ran(seen) == [PlanSegment(ahead=True, across=False)]
     # What makes it go across: a static policy, no checkpoint due, nothing judged.
     loop = Loop(LoopConfig(epochs=4, policy_static=True, checkpoint_dir=True,
                            checkpoint_every=2), OPEN)
     _requests_taken(loop, S())
     assert loop.ran(S(batch=64, next_batch=64)) == [
-        TrainSegment(ahead=True, across=True)]
+        PlanSegment(ahead=True, across=True)]
 
 
 def test_nodes_are_listed_when_due_and_at_once_for_an_assignment() -> None:
@@ -761,13 +811,15 @@ def test_nodes_are_listed_when_due_and_at_once_for_an_assignment() -> None:
     loop = Loop(state=OPEN)
     _requests_taken(loop, S(), now=T0 + NODE_POLL_S / 2)
     assert loop.ran(S(), now=T0 + NODE_POLL_S / 2) == [
-        TrainSegment(ahead=True, across=False)]
+        PlanSegment(ahead=True, across=False)]
     assert loop.state.memo.polled_at == T0
+    loop.trains(S(), ALONE)
     loop.ran(S())
     _requests_taken(loop, S(), now=LATER)
     assert loop.ran(S(), now=LATER) == PLACE
     assert loop.state.memo.polled_at == LATER
-    assert loop.ran(S(), now=LATER) == [TrainSegment(ahead=True, across=False)]
+    assert loop.ran(S(), now=LATER) == [PlanSegment(ahead=True, across=False)]
+    loop.trains(S(), ALONE, now=LATER)
     loop.ran(S())
     assign = S(requests=("assign",))
     assert loop.tick(assign, now=LATER) == [TakeRequests()]
@@ -808,8 +860,9 @@ def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once(
     # sent ahead; it is posted before the boundary ends.
     flying = S(step=4, steps_per_epoch=16)
     assert loop.tick(flying) == [AdoptStarted()]
-    assert loop.ran(flying) == [TrainSegment(ahead=True, across=False)]
-    assert loop.ran(flying, ok=AHEAD) == [Replan("check")]
+    assert loop.ran(flying) == [PlanSegment(ahead=True, across=False)]
+    loop.trains(flying, AHEAD)
+    assert loop.ran(flying) == [Replan("check")]
     assert loop.ran(flying, ok=OFFER) == [PostPlanUpdate(OFFER)]
     assert loop.ran(flying) == [PublishReady(), EndStep()]
     # The epoch's opening plan, with the next epoch's first segment already sent: posted,
@@ -818,7 +871,8 @@ def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once(
     assert loop.tick(S()) == [AdoptStarted()]
     assert loop.ran(S()) == [BeginEpoch(), Replan()]
     assert loop.ran(flying, ok=OFFER) == [PostPlanUpdate(OFFER)]
-    assert loop.ran(flying) == [TrainSegment(ahead=True, across=False)]
+    assert loop.ran(flying) == [PlanSegment(ahead=True, across=False)]
+    loop.trains(flying, ALONE)
     # A segment where a worker was lost re-plans nothing, whatever the rule says.
     assert loop.ran(flying, ok=False) == [PublishReady(), EndStep()]
 
@@ -941,7 +995,8 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
     assert loop.ran(mid) == [REGROUP]
     assert loop.ran(S(), ok=True) == [Replan("membership")]
     assert loop.state == Regrouping("resplitting", loop.state.memo)
-    assert loop.ran(S()) == [TrainSegment(ahead=True, across=False)]
+    assert loop.ran(S()) == [PlanSegment(ahead=True, across=False)]
+    loop.trains(S(), ALONE)
     # The re-split had nothing in flight to post to: a stray offer is not a re-plan's to
     # post, and the group trains on.
     assert loop.ran(S()) == [PublishReady(), EndStep()]
@@ -949,7 +1004,7 @@ def test_a_group_formed_mid_epoch_resplits_the_rest_of_the_epoch_before_training
     loop.ran(mid, now=LATER)
     loop.ran(mid, now=LATER)
     assert loop.ran(S(), ok=True) == [Replan("membership")]
-    assert loop.ran(S(), ok=OFFER) == [TrainSegment(ahead=True, across=False)]
+    assert loop.ran(S(), ok=OFFER) == [PlanSegment(ahead=True, across=False)]
     # Between epochs (the next is planned when it begins), or the epoch complete: no
     # re-split.
     for state, between in ((AtRest(_memo(polled_at=T0)), S()), (OPEN, S(step=1))):
@@ -968,8 +1023,9 @@ def test_workers_taken_out_are_stopped_before_anything_else() -> None:
     loop = Loop(state=OPEN)
     _requests_taken(loop, S())
     loop.ran(S())
+    loop.trains(S(), AHEAD)
     lost = S(leaving=("w1",))
-    assert loop.ran(lost, ok=FAILED_AHEAD) == [StopWorkers(("w1",)), AbsorbAhead()]
+    assert loop.ran(lost, ok=False) == [StopWorkers(("w1",)), AbsorbAhead()]
     assert loop.ran(S()) == [PublishReady(), EndStep()]
     assert loop.tick(S(requests=("drain",))) == [TakeRequests()]
     assert loop.ran(S(drains_due=True)) == [
@@ -987,8 +1043,9 @@ def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> N
     loop = Loop(LoopConfig(epochs=4), OPEN)
     _requests_taken(loop, S(epoch=1))
     loop.ran(S(epoch=1))
+    loop.trains(S(epoch=1), AHEAD)
     # The segment failed mid-epoch with the next one sent: that one is collected.
-    assert loop.ran(S(epoch=1), ok=FAILED_AHEAD) == [AbsorbAhead()]
+    assert loop.ran(S(epoch=1), ok=False) == [AbsorbAhead()]
     assert loop.state == Training(1, "absorbing", memo=loop.state.memo)
     assert loop.state.memo.in_flight
     assert loop.ran(S(epoch=1)) == [PublishReady(), EndStep()]
@@ -997,8 +1054,9 @@ def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> N
     # ends, the next begins, then the one sent ahead is absorbed (and may complete it).
     _requests_taken(loop, S(epoch=1))
     loop.ran(S(epoch=1))
+    loop.trains(S(epoch=1), order(Position(1, 7), ahead=Position(2, 0)))
     done = S(step=1, epoch=1)
-    assert loop.ran(done, ok=FAILED_AHEAD) == END
+    assert loop.ran(done, ok=False) == END
     assert loop.state == EndingEpoch(1, "absorb", memo=loop.state.memo)
     assert loop.ran(S(epoch=2)) == [BeginEpoch(), AbsorbAhead()]
     assert loop.state == Training(2, "absorbing", memo=loop.state.memo)
@@ -1009,6 +1067,7 @@ def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> N
     _requests_taken(loop, S(epoch=3))
     assert loop.ran(S(epoch=3)) == [BeginEpoch(), Replan()]
     loop.ran(S(epoch=3))
+    loop.trains(S(epoch=3), order(Position(3, 0)))
     assert loop.ran(S(epoch=3), ok=False) == [PublishReady(), EndStep()]
 
 
@@ -1022,6 +1081,7 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
         _requests_taken(loop, S(epoch=epoch))
         assert loop.ran(S(epoch=epoch)) == [BeginEpoch(), Replan()]
         loop.ran(S(epoch=epoch))
+        loop.trains(S(epoch=epoch), ALONE)
         complete = S(step=1, epoch=epoch)
         saves = [Settle(), Checkpoint("epoch", Position(epoch + 1, 0))] if due else []
         assert loop.ran(complete) == [*ending, *saves, NextEpoch()]
@@ -1045,6 +1105,7 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
         _requests_taken(loop, S(epoch=1))
         loop.ran(S(epoch=1))
         loop.ran(S(epoch=1))
+        loop.trains(S(epoch=1), ALONE)
         judged = S(step=1, epoch=1)
         assert loop.ran(judged) == [*ending, Settle(), JudgeEpoch()]
         assert loop.state == EndingEpoch(1, "train", judging=True, due=keeps and every != 3,
@@ -1062,6 +1123,7 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
     loop = Loop(LoopConfig(epochs=3, judges_epochs=True, checkpoint_dir=True), OPEN)
     _requests_taken(loop, S())
     loop.ran(S())
+    loop.trains(S(), ALONE)
     assert loop.ran(S(step=1))[-1] == JudgeEpoch()
     assert loop.on(Failed("evaluation: w0 raised")) == [
         EndJob(JobState.FAILED, "evaluation: w0 raised"), EndStep(stop=True)]
@@ -1124,7 +1186,8 @@ def test_a_wait_for_workers_is_the_loops_state_and_carries_since_when() -> None:
     # Enough workers: the group trains, and the wait is over.
     _requests_taken(loop, S(), now=T0 + 15)
     assert loop.ran(S(), now=T0 + 15) == [BeginEpoch(), Replan()]
-    assert loop.ran(S()) == [TrainSegment(ahead=True, across=False)]
+    assert loop.ran(S()) == [PlanSegment(ahead=True, across=False)]
+    loop.trains(S(), ALONE)
     assert loop.ran(S()) == [PublishReady(), EndStep()]
     assert isinstance(loop.state, AtRest)
     again = S(shortfall="1 of 2 workers")
@@ -1202,6 +1265,7 @@ def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_
     loop = Loop(state=OPEN)
     _requests_taken(loop, S(epoch=2))
     loop.ran(S(epoch=2))
+    loop.trains(S(epoch=2), ALONE)
     assert loop.ran(S(step=1, epoch=2)) == END
     trained = S(recorded=3, epoch=3)  # (of 3)
     assert loop.ran(trained) == [Settle()]
@@ -1275,13 +1339,14 @@ def test_each_state_takes_only_the_answer_its_batch_yields() -> None:
         loop.on(SegmentDone(S(), T0, all_ran=False))
     loop = Loop(state=OPEN)
     _requests_taken(loop, S())
-    assert loop.ran(S()) == [TrainSegment(ahead=True, across=False)]
+    assert loop.ran(S()) == [PlanSegment(ahead=True, across=False)]
     with pytest.raises(InvalidEvent, match="Regrouped while Training"):
         loop.on(Regrouped(S(), T0, formed=True))
 
 
 @pytest.mark.parametrize(("effect", "kind"), [
-    (TrainSegment(), SegmentDone), (AbsorbAhead(), SegmentDone), (CommitInFlight(), SegmentDone),
+    (TrainSegment(AHEAD), SegmentDone), (AbsorbAhead(), SegmentDone),
+    (CommitInFlight(), SegmentDone), (PlanSegment(), SegmentPlanned),
     (REGROUP, Regrouped), (AdoptStarted(), WorkersStarted), (AwaitStarts(), WorkersStarted),
     (Place(), WorkersPlaced),
     (TakeRequests(), RequestsTaken), (Settle(), EvaluationsIn), (JudgeEpoch(), EvaluationsIn),
@@ -1291,7 +1356,7 @@ def test_each_state_takes_only_the_answer_its_batch_yields() -> None:
 ])
 def test_an_effect_is_answered_with_its_own_kind_of_event(effect: Effect, kind: type) -> None:
     seen = S()
-    event = answer(effect, seen, 7.5, ok=False)
+    event = answer(effect, seen, 7.5, ok=ALONE if kind is SegmentPlanned else False)
     assert type(event) is kind and event.seen is seen and event.now == 7.5
     if kind is SegmentDone:
         assert event.all_ran is False
@@ -1302,9 +1367,10 @@ def test_an_effect_is_answered_with_its_own_kind_of_event(effect: Effect, kind: 
     verdict = Verdict(BEST, "stopped")
     assert answer(JudgeEpoch(), seen, 7.5, verdict) == EvaluationsIn(seen, 7.5, verdict)
     assert answer(Replan("check"), seen, 7.5, OFFER) == Replanned(seen, 7.5, OFFER)
-    # A segment run's answer says whether the next was sent ahead.
-    assert answer(TrainSegment(ahead=True), seen, 7.5, FAILED_AHEAD) == SegmentDone(
-        seen, 7.5, all_ran=False, sent_ahead=True)
+    # A segment's plan is answered with its order, and only with one.
+    assert answer(PlanSegment(ahead=True), seen, 7.5, AHEAD) == SegmentPlanned(seen, 7.5, AHEAD)
+    with pytest.raises(TypeError, match="SegmentOrder"):
+        answer(PlanSegment(), seen, 7.5, True)
 
 
 def test_nothing_answers_the_end_of_a_step() -> None:

@@ -14,12 +14,13 @@ what each state and effect means, is in ``docs/architecture.md`` ("The step loop
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState
 from dynabatch.scheduler.core.sync.ahead import can_cross_epoch, can_send_ahead
-from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule
+from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SegmentPlan
 from dynabatch.scheduler.core.sync.update import OfferedUpdate
 
 # How often nodes are listed (every step boundary at most, and between segments sent
@@ -165,23 +166,36 @@ class Regrouped:
 
 
 @dataclass(frozen=True, slots=True)
-class SegmentRun:
-    """What running a segment did: ``all_ran`` unless a worker was lost or failed in it;
-    ``sent_ahead``: the next segment was sent before its results were read (it is in
-    flight)."""
+class SegmentOrder:
+    """A segment to train at ``position``: each of its workers' stamped plan. ``sent``: it
+    is the segment in flight (sent ahead; its plans as updated since): it is collected, not
+    sent. ``ahead``: the segment to send before this one's results are read, with
+    ``shards`` when it is the next epoch's first: the evaluation of this epoch's final
+    weights queued on its workers in front of it."""
 
-    all_ran: bool = True
-    sent_ahead: bool = False
+    position: Position
+    plans: Mapping[str, SegmentPlan]
+    sent: bool = False
+    ahead: SegmentOrder | None = None
+    shards: Mapping[str, tuple[int, int]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentPlanned:
+    """The segment a :class:`PlanSegment` asked for, planned."""
+
+    seen: Seen
+    now: float
+    order: SegmentOrder
 
 
 @dataclass(frozen=True, slots=True)
 class SegmentDone:
-    """A segment ran (a collected one sent ahead sends nothing more)."""
+    """A segment ran, or the one in flight was collected."""
 
     seen: Seen
     now: float
     all_ran: bool = True  # not so: a worker was lost or failed in it
-    sent_ahead: bool = False  # the next segment is in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +214,7 @@ class Failed:
 
 
 Answer = Done | Replanned | RequestsTaken | WorkersStarted | WorkersPlaced | Regrouped \
-    | SegmentDone | EvaluationsIn
+    | SegmentPlanned | SegmentDone | EvaluationsIn
 Event = Boundary | Answer | Failed
 
 
@@ -306,13 +320,21 @@ class PostPlanUpdate:
 
 
 @dataclass(frozen=True, slots=True)
-class TrainSegment:
-    """Run the next segment and commit what it completed; answered with :class:`SegmentDone`.
-    ``ahead``: send the one after it before its results are read; ``across``: that may be
-    the next epoch's first (behind this epoch's evaluation)."""
+class PlanSegment:
+    """Plan the next segment (the one in flight, when it starts there); answered with
+    :class:`SegmentPlanned`. ``ahead``: plan the one after it too, to send before its
+    results are read; ``across``: that may be the next epoch's first."""
 
     ahead: bool = False
     across: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSegment:
+    """Run ``order`` (send it, then the one ahead of it, and read its results) and commit
+    what it completed; answered with :class:`SegmentDone`."""
+
+    order: SegmentOrder
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,23 +413,26 @@ class EndStep:
 Effect = (
     LoadData | TakeRequests | ApplyDrains | AdoptStarted | Place | StopWorkers | AwaitStarts
     | GiveUpStarts | WaitForMinimum | LoadCheckpoint | Regroup | BeginEpoch | Replan
-    | PostPlanUpdate | TrainSegment | AbsorbAhead | CommitInFlight | EndEpoch | JudgeEpoch
-    | NextEpoch | PublishReady | Settle | Checkpoint | SaveModel | EndJob | EndStep
+    | PostPlanUpdate | PlanSegment | TrainSegment | AbsorbAhead | CommitInFlight | EndEpoch
+    | JudgeEpoch | NextEpoch | PublishReady | Settle | Checkpoint | SaveModel | EndJob | EndStep
 )
 
 
 def answer(effect: Effect, seen: Seen, now: float, ok: Any = True) -> Answer:
     """The event that answers a batch whose last effect was ``effect``: ``seen`` after it,
-    ``ok`` what it returned (a regroup formed, a segment's :class:`SegmentRun` or whether it
-    all ran, an epoch's verdict, a re-plan's offer)."""
+    ``ok`` what it returned (a regroup formed, a segment's order or whether it all ran, an
+    epoch's verdict, a re-plan's offer)."""
     match effect:
         case Replan():
             return Replanned(seen, now, ok if isinstance(ok, OfferedUpdate) else None)
         case JudgeEpoch():
             return EvaluationsIn(seen, now, ok if isinstance(ok, Verdict) else Verdict())
+        case PlanSegment():
+            if not isinstance(ok, SegmentOrder):
+                raise TypeError(f"a segment's plan is a SegmentOrder, not {ok!r}")
+            return SegmentPlanned(seen, now, ok)
         case TrainSegment() | AbsorbAhead() | CommitInFlight():
-            run = ok if isinstance(ok, SegmentRun) else SegmentRun(all_ran=bool(ok))
-            return SegmentDone(seen, now, run.all_ran, run.sent_ahead)
+            return SegmentDone(seen, now, bool(ok))
         case Regroup():
             return Regrouped(seen, now, formed=bool(ok))
         case AdoptStarted() | AwaitStarts():
@@ -499,13 +524,14 @@ class Regrouping:
 class Training:
     """Training ``epoch``. ``stage``: ``opening`` (the epoch begun and planned),
     ``checking`` (the rebalance rule's re-plan), ``posting`` (a plan update; ``opening``
-    when the epoch's segment follows), ``segment``, ``absorbing`` (what was sent ahead of a
-    failed segment)."""
+    when the epoch's segment follows), ``planning`` the segment, ``segment`` (``order``,
+    running), ``absorbing`` (what was sent ahead of a failed segment)."""
 
     epoch: int
-    stage: Literal["opening", "checking", "posting", "segment", "absorbing"]
+    stage: Literal["opening", "checking", "posting", "planning", "segment", "absorbing"]
     opening: bool = False
     memo: Memo = Memo()
+    order: SegmentOrder | None = None
 
 
 Then = Literal["train", "absorb", "cancel"]
@@ -585,7 +611,9 @@ def step(state: LoopState, event: Event, config: LoopConfig) -> tuple[LoopState,
         return (Concluded(JobState.FAILED, event.reason, state.memo),
                 [EndJob(JobState.FAILED, event.reason), EndStep(stop=True)])
     if isinstance(event, SegmentDone):  # a run sends the next ahead, or collects all
-        state = replace(state, memo=replace(state.memo, in_flight=event.sent_ahead,
+        flying = isinstance(state, Training) and state.order is not None \
+            and state.order.ahead is not None
+        state = replace(state, memo=replace(state.memo, in_flight=flying,
                                             retrying=not event.all_ran))
     new, effects = _decide(state, event, config)
     if (memo := _remember(new.memo, effects)) is not new.memo:
@@ -660,8 +688,10 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
             return d.replanned(f, offer, opening=False)
         case Training(_, "posting", opening), Done():
             return d.segment(f) if opening else d.rest(PublishReady(), EndStep())
-        case Training(epoch, "segment"), SegmentDone(all_ran=all_ran, sent_ahead=flying):
-            if not all_ran and flying:
+        case Training(epoch, "planning"), SegmentPlanned(order=order):
+            return Training(epoch, "segment", memo=d.memo, order=order), [TrainSegment(order)]
+        case Training(epoch, "segment"), SegmentDone(all_ran=all_ran):
+            if not all_ran and d.memo.in_flight:
                 # Failed with the next one sent: what that trained past the failure is
                 # committed, in the next epoch when this one completed the epoch.
                 if f.epoch_complete:
@@ -840,7 +870,7 @@ class _Decisions:
             next_epoch=nxt, epochs=cfg.epochs, goodput=cfg.goodput, next_batch=f.next_batch,
             batch=f.batch, checkpoint_due=cfg.judges_epochs or cfg.checkpoint_due(nxt),
             replans_at_end=cfg.rule.mode == "epoch" and not cfg.policy_static)
-        return Training(f.epoch, "segment", memo=self.memo), [TrainSegment(ahead, across)]
+        return Training(f.epoch, "planning", memo=self.memo), [PlanSegment(ahead, across)]
 
     def end_epoch(self, f: Seen, then: Then, cancel: str | None = None
                   ) -> tuple[LoopState, Effects]:
