@@ -37,6 +37,7 @@ from dynabatch.scheduler.core.sync.loop import (
     EndEpoch,
     EndJob,
     EndStep,
+    Evaluate,
     Event,
     Failed,
     GiveUpStarts,
@@ -414,8 +415,9 @@ class Coordinator(JobControl):
             case AbsorbAhead():
                 return self.pipeline.absorb_ahead(self.epochs.totals)
             case EndEpoch():
-                if (ended := self.epochs.end_epoch()) is not None:
-                    self.epochs.evaluate(*ended)
+                return self.epochs.end_epoch()
+            case Evaluate(epoch, shards, record):
+                self.epochs.evaluate(epoch, shards, record)
             case JudgeEpoch():
                 return self.epochs.judge_epoch()
             case NextEpoch(stop):

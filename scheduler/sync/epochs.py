@@ -10,6 +10,7 @@ checkpoint is the step loop's decision (``dynabatch.scheduler.core.sync.loop``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dynabatch.scheduler.core.failures import Fail, FailureEvent
@@ -181,11 +182,11 @@ class Epochs:
         self.control.log("INFO", f"{why}; the job ends after epoch {epoch}")
         return why
 
-    def end_epoch(self) -> tuple[EpochRecord, EpochTotals] | None:
-        """Close the epoch's training: verify it from the workers' reports (None: the
-        exactly-once check does not hold, and the failure policy fails the job) and build
-        its record, returned with the epoch's totals (:meth:`evaluate` attaches them to the
-        epoch's evaluation; the job moves to the next epoch with :meth:`next_epoch`)."""
+    def end_epoch(self) -> tuple[EpochRecord, dict[str, tuple[int, int]] | None] | None:
+        """Close the epoch's training (the loop's ``EndEpoch``): verify it from the workers'
+        reports (None: the exactly-once check does not hold, and the failure policy fails
+        the job) and build its record, returned with the shards the holders score its final
+        weights on (None: the evaluation sent ahead of its end does; :meth:`evaluate`)."""
         job, p = self.job, self.job.protocol
         v = job.ledger.verify()
         if not v.verified:
@@ -206,18 +207,19 @@ class Epochs:
             regime=job.regime.end_epoch(p.epoch, p.global_batch, p.steps_per_epoch, ep.wall),
             policy=self.control.spec.policy, emulated=self.control.spec.emulated,
             generation=job.membership.generation)
-        return record, ep
+        if self.evals.unattached(p.epoch) is not None:
+            return record, None
+        holders = [m.worker_id for m in job.membership.holders()]
+        return record, job.evaluation_shards(holders)
 
-    def evaluate(self, record: EpochRecord, ep: EpochTotals) -> None:
-        """Have the holders score the ended epoch, each its shard (unless that evaluation was
-        sent ahead of the epoch's end), and attach the epoch's record to it: the record is
-        published when the evaluation is in."""
-        job, p = self.job, self.job.protocol
-        rnd = self.evals.unattached(p.epoch)
-        if rnd is None:
-            holders = [m.worker_id for m in job.membership.holders()]
-            self.evals.submit(p.epoch, job.evaluation_shards(holders), behind=True)
-        self.evals.attach(p.epoch, record, ep)
+    def evaluate(self, epoch: int, shards: Mapping[str, tuple[int, int]] | None,
+                 record: EpochRecord) -> None:
+        """Have the holders score the ended ``epoch``, each its shard (None: the evaluation
+        sent ahead of its end does), and attach its record, with its totals, to that
+        evaluation: the record is published when it is in (the loop's ``Evaluate``)."""
+        if shards is not None:
+            self.evals.submit(epoch, dict(shards), behind=True)
+        self.evals.attach(epoch, record, self.totals)
 
     def next_epoch(self, stop: str | None = None) -> None:
         """The ended epoch is closed: the job stands at the next epoch's start (training

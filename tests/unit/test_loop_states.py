@@ -18,6 +18,7 @@ from dynabatch.scheduler.core.sync.loop import (
     Concluded,
     Effects,
     EndingEpoch,
+    Evaluate,
     Event,
     LoopConfig,
     LoopState,
@@ -177,7 +178,9 @@ def test_a_clean_run_regroups_trains_ends_epochs_and_finishes(monkeypatch):
 def test_the_workers_are_sent_exactly_the_segments_the_loops_effects_carry(monkeypatch):
     """``TrainSegment(order)`` is what happens: each segment the workers are sent is its
     order's plans or the plans it sends ahead (behind the evaluation shards it carries when
-    that is the next epoch's first), and an order for the segment in flight sends nothing."""
+    that is the next epoch's first), and an order for the segment in flight sends nothing.
+    ``Evaluate(epoch, shards, record)`` too: its shards are scored, or (None) the ones sent
+    ahead of the epoch's end were, and its record is the epoch's."""
     coord, rt = _coord(runtime=_Sending, epochs=3)
     decisions: list[tuple[Event, Effects]] = []
     _record(coord, monkeypatch, decisions=decisions)
@@ -202,6 +205,16 @@ def test_the_workers_are_sent_exactly_the_segments_the_loops_effects_carry(monke
     # Some went ahead, one across an epoch's end, and some were collected as sent ahead.
     assert any(o.ahead is not None for o in orders) and any(o.sent for o in orders)
     assert any(o.ahead is not None and o.ahead.shards is not None for o in orders)
+    scored = [sent for what, sent in rt.sent if what == "evaluation"]
+    ahead = {o.ahead.position.epoch - 1: dict(o.ahead.shards) for o in orders
+             if o.ahead is not None and o.ahead.shards is not None}
+    evaluations = [e for _, effects in decisions for e in effects if isinstance(e, Evaluate)]
+    assert [e.epoch for e in evaluations] == [0, 1, 2]
+    for e in evaluations:
+        assert e.record.epoch == e.epoch
+        assert (dict(e.shards) if e.shards is not None else ahead[e.epoch]) in scored
+    assert any(e.shards is None for e in evaluations)  # one was sent ahead of its end
+    assert len(scored) == len(evaluations)  # each epoch scored once
 
 
 def test_a_lost_worker_regroups_at_the_next_boundary_and_its_retry_runs_alone(monkeypatch):

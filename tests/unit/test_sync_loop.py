@@ -37,6 +37,8 @@ from dynabatch.scheduler.core.sync.loop import (
     EndingEpoch,
     EndJob,
     EndStep,
+    EpochEnded,
+    Evaluate,
     EvaluationsIn,
     Event,
     Failed,
@@ -160,6 +162,19 @@ class Loop:
         assert self.ran(seen, planned, now) == [TrainSegment(planned)]
         assert self.state == Training(epoch, "segment", memo=self.state.memo, order=planned)
 
+    def ends(self, seen: Seen, ok: object = True, now: float = T0) -> Effects:
+        """Answer the last batch (a segment, ``ok``) with ``seen`` where the epoch is
+        complete: it ends (``EndEpoch`` alone), and its end is answered with its record and
+        the holders' shards; returns what the loop then does."""
+        assert self.ran(seen, ok, now) == [EndEpoch()]
+        assert isinstance(self.state, EndingEpoch) and self.state.record is None
+        return self.ran(seen, (RECORD, SHARDS), now)
+
+
+def closing(epoch: int) -> Effects:
+    """An epoch's end with nothing due and nothing judged, once its record is built."""
+    return [Evaluate(epoch, SHARDS, RECORD), NextEpoch()]
+
 
 # keep_best's description of the best epoch so far (a judged epoch's Verdict).
 BEST = {"metric": "loss", "mode": "min", "value": 0.5, "epoch": 0}
@@ -173,7 +188,9 @@ PLACE = [Place()]
 PLACE_FLYING = [Place(at_rest=False)]
 START = [Place(starting=True)]
 # An epoch's end with nothing due and nothing judged.
-END = [EndEpoch(), NextEpoch()]
+# An ended epoch's record (the executor's, opaque to the loop) and its evaluation's shards.
+RECORD = "the epoch's record"
+SHARDS = {"w0": (0, 60), "w1": (60, 100)}
 
 
 def order(at: Position, ahead: Position | None = None, group: tuple[str, ...] = GROUP,
@@ -355,6 +372,8 @@ def _boundary(loop: Loop, tick: Boundary, data: st.DataObject) -> list[Batch]:
             ok = data.draw(verdicts)
         elif isinstance(last, Replan):  # a re-plan may offer an update to the segment in flight
             ok = data.draw(st.sampled_from([None, OFFER]))
+        elif isinstance(last, EndEpoch):  # its record, and the holders' shards (or none)
+            ok = (RECORD, data.draw(st.sampled_from([None, SHARDS])))
         elif isinstance(last, PlanSegment):  # the next goes ahead only when asked, and
             # across the epoch's end only when it may
             ok = _planned(last, event.seen, data)
@@ -371,25 +390,33 @@ def _answer(batches: list[Batch], i: int) -> Batch | None:
 
 
 def _epoch_end(cfg: LoopConfig, batches: list[Batch], i: int) -> int:
-    """Check the epoch's end decided at batch ``i`` (it starts with EndEpoch) and return
-    the batch that decides what follows it: a checkpoint due or a judged epoch awaits the
-    evaluation first; a judged epoch's checkpoints follow its judgement (the best so far;
-    early stopping's when the job keeps checkpoints, a due one anyway), written as the next
-    epoch's start; then the next epoch begins."""
+    """Check the epoch's end decided at batch ``i`` (EndEpoch, alone: its record is built)
+    and return the batch that decides what follows it: the epoch is evaluated on the shards
+    its end answered with, its record attached; a checkpoint due or a judged epoch awaits
+    the evaluation first; a judged epoch's checkpoints follow its judgement (the best so
+    far; early stopping's when the job keeps checkpoints, a due one anyway), written as the
+    next epoch's start; then the next epoch begins."""
     b = batches[i]
     epoch = b.seen.epoch
     at = Position(epoch + 1, 0)
     due = _checkpoint_due(cfg, epoch + 1)
-    assert b.body[:1] == [EndEpoch()]
+    assert b.body == [EndEpoch()]
     assert isinstance(b.after, EndingEpoch) and b.after.epoch == epoch
+    assert b.after.record is None
+    ended = _answer(batches, i)
+    if ended is None or ended.seen is None:  # it failed as the record was built
+        return i + 1
+    e = ended.event
+    assert ended.body[:1] == [Evaluate(epoch, e.shards, e.record)]
+    assert isinstance(ended.after, EndingEpoch) and ended.after.record is e.record
     if not cfg.judges_epochs:
         saves = [Settle(), Checkpoint("epoch", at)] if due else []
-        assert b.body[1:] == [*saves, NextEpoch()]
-        return i + 1
-    assert b.body[1:] == [Settle(), JudgeEpoch()]
-    judged = _answer(batches, i)
+        assert ended.body[1:] == [*saves, NextEpoch()]
+        return i + 2
+    assert ended.body[1:] == [Settle(), JudgeEpoch()]
+    judged = _answer(batches, i + 1)
     if judged is None or judged.seen is None:  # it failed while the evaluation was awaited
-        return i + 1
+        return i + 2
     verdict = judged.event.verdict
     saves = [Checkpoint("best", at, BEST)] if verdict.best else []
     if due:
@@ -400,7 +427,8 @@ def _epoch_end(cfg: LoopConfig, batches: list[Batch], i: int) -> int:
     # Early stopping's reason is remembered from then on (the job is trained).
     assert judged.after.memo.stopped == (verdict.stop or judged.before.memo.stopped)
     assert isinstance(judged.after, EndingEpoch) and judged.after.epoch == epoch
-    return i + 2
+    assert judged.after.record is e.record
+    return i + 3
 
 
 def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
@@ -661,7 +689,9 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             if isinstance(e, (JudgeEpoch, NextEpoch)) or (
                     isinstance(e, Checkpoint) and e.reason != "cancel"):
                 # only in an epoch's end, written as the next epoch's start
-                assert body[:1] == [EndEpoch()] or prev.body[:1] == [EndEpoch()]
+                assert isinstance(body[0], Evaluate) or isinstance(prev.body[0], Evaluate)
+            if isinstance(e, Evaluate):  # the ended epoch's, as soon as its record is built
+                assert body[0] == e and prev.body == [EndEpoch()]
             if isinstance(e, Checkpoint) and e.reason == "cancel":
                 assert e.position is None and isinstance(b.before, Cancelling)
                 save = [SaveModel("cancel")] if seen.recorded or seen.step > 0 else []
@@ -757,7 +787,7 @@ def test_a_training_boundary() -> None:
     assert loop.ran(replace(in_flight, membership=V())) == [
         PlanSegment(ahead=True, across=True)]
     loop.trains(S(step=8), order(Position(0, 8), ahead=Position(1, 0)))
-    assert loop.ran(S(step=1)) == END
+    assert loop.ends(S(step=1)) == closing(0)
     assert loop.ran(S()) == [PublishReady(), EndStep()]
     # The next epoch's first segment was sent across its end: that epoch begins (and is
     # planned) before the segment is collected.
@@ -776,7 +806,7 @@ def test_a_training_boundary() -> None:
     _requests_taken(loop, second, now=LATER)
     assert loop.ran(second, now=LATER) == [PlanSegment(ahead=False, across=False)]
     loop.trains(second, order(Position(1, 0)), now=LATER)
-    assert loop.ran(S(epoch=1, step=1), ok=False) == END
+    assert loop.ends(S(epoch=1, step=1), ok=False) == closing(1)
     assert loop.ran(S()) == [PublishReady(), EndStep()]
 
 
@@ -1056,12 +1086,12 @@ def test_what_was_sent_ahead_of_a_failed_segment_is_absorbed_in_its_epoch() -> N
     loop.ran(S(epoch=1))
     loop.trains(S(epoch=1), order(Position(1, 7), ahead=Position(2, 0)))
     done = S(step=1, epoch=1)
-    assert loop.ran(done, ok=False) == END
-    assert loop.state == EndingEpoch(1, "absorb", memo=loop.state.memo)
+    assert loop.ends(done, ok=False) == closing(1)
+    assert loop.state == EndingEpoch(1, "absorb", memo=loop.state.memo, record=RECORD)
     assert loop.ran(S(epoch=2)) == [BeginEpoch(), AbsorbAhead()]
     assert loop.state == Training(2, "absorbing", memo=loop.state.memo)
-    assert loop.ran(S(step=1, epoch=2)) == END
-    assert loop.state == EndingEpoch(2, "train", memo=loop.state.memo)
+    assert loop.ends(S(step=1, epoch=2)) == closing(2)
+    assert loop.state == EndingEpoch(2, "train", memo=loop.state.memo, record=RECORD)
     assert loop.ran(S(epoch=3)) == [PublishReady(), EndStep()]
     # A segment that failed with nothing sent ahead: nothing to absorb.
     _requests_taken(loop, S(epoch=3))
@@ -1075,7 +1105,6 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
     """A checkpoint due (the job keeps them: every N epochs, and after the last) or a judged
     epoch awaits the epoch's evaluation (the checkpoint holds its record, scores included);
     every checkpoint of an epoch's end is written as the next epoch's start."""
-    ending = [EndEpoch()]
     loop = Loop(LoopConfig(epochs=4, checkpoint_dir=True, checkpoint_every=2))
     for epoch, due in [(0, False), (1, True), (2, False), (3, True)]:  # 2 by every, 4 last
         _requests_taken(loop, S(epoch=epoch))
@@ -1084,8 +1113,9 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
         loop.trains(S(epoch=epoch), ALONE)
         complete = S(step=1, epoch=epoch)
         saves = [Settle(), Checkpoint("epoch", Position(epoch + 1, 0))] if due else []
-        assert loop.ran(complete) == [*ending, *saves, NextEpoch()]
-        assert loop.state == EndingEpoch(epoch, "train", memo=loop.state.memo)
+        assert loop.ends(complete) == [Evaluate(epoch, SHARDS, RECORD), *saves, NextEpoch()]
+        assert loop.state == EndingEpoch(epoch, "train", due=due, memo=loop.state.memo,
+                                         record=RECORD)
         # (after the last, the job finishes)
         assert loop.ran(S(epoch=epoch + 1)) == (
             [Settle()] if epoch == 3 else [PublishReady(), EndStep()])
@@ -1107,12 +1137,12 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
         loop.ran(S(epoch=1))
         loop.trains(S(epoch=1), ALONE)
         judged = S(step=1, epoch=1)
-        assert loop.ran(judged) == [*ending, Settle(), JudgeEpoch()]
+        assert loop.ends(judged) == [Evaluate(1, SHARDS, RECORD), Settle(), JudgeEpoch()]
         assert loop.state == EndingEpoch(1, "train", judging=True, due=keeps and every != 3,
-                                         memo=loop.state.memo)
+                                         memo=loop.state.memo, record=RECORD)
         verdict = Verdict(BEST if best else None, "stopped" if stop else None)
         assert loop.ran(S(epoch=1), verdict) == [*saves, NextEpoch(verdict.stop)]
-        assert loop.state == EndingEpoch(1, "train", memo=loop.state.memo)
+        assert loop.state == EndingEpoch(1, "train", memo=loop.state.memo, record=RECORD)
         assert loop.state.memo.stopped == verdict.stop
         trained = S(epoch=2, recorded=2)
         assert loop.ran(trained) == ([Settle()] if stop else [PublishReady(), EndStep()])
@@ -1124,7 +1154,7 @@ def test_an_epochs_end_awaits_its_evaluation_then_writes_the_checkpoints_it_call
     _requests_taken(loop, S())
     loop.ran(S())
     loop.trains(S(), ALONE)
-    assert loop.ran(S(step=1))[-1] == JudgeEpoch()
+    assert loop.ends(S(step=1))[-1] == JudgeEpoch()
     assert loop.on(Failed("evaluation: w0 raised")) == [
         EndJob(JobState.FAILED, "evaluation: w0 raised"), EndStep(stop=True)]
 
@@ -1218,8 +1248,9 @@ def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed()
     cancel = S(cancel="enough", epoch=2)
     assert loop.tick(cancel) == [CommitInFlight()]
     done = S(cancel="enough", step=1, epoch=2)
-    assert loop.ran(done) == END
-    assert loop.state == EndingEpoch(2, "cancel", memo=loop.state.memo, cancel="enough")
+    assert loop.ends(done) == closing(2)
+    assert loop.state == EndingEpoch(2, "cancel", memo=loop.state.memo, cancel="enough",
+                                     record=RECORD)
     # That was the last epoch: the job finishes SUCCEEDED, not CANCELLED.
     trained = S(cancel="enough", recorded=3, epoch=3)
     assert loop.ran(trained) == [Settle()]
@@ -1229,7 +1260,7 @@ def test_a_cancel_commits_the_segment_in_flight_and_its_last_epoch_can_succeed()
     # Not the last (of 4): back to cancelling, with the cancel's reason.
     loop = Loop(LoopConfig(epochs=4), FLYING)
     loop.tick(cancel)
-    loop.ran(done)
+    loop.ends(done)
     assert loop.ran(S(cancel="enough", recorded=3, epoch=3)) == [Settle()]
     assert loop.state == Cancelling("enough", "settling", loop.state.memo)
     assert loop.ran(S(cancel="enough", recorded=3, epoch=3)) == [
@@ -1254,9 +1285,9 @@ def test_a_failure_in_a_cancels_judged_epoch_end_concludes_and_stops_the_loop() 
     cancel = S(cancel="enough")
     assert loop.tick(cancel) == [CommitInFlight()]
     done = S(cancel="enough", step=1)
-    assert loop.ran(done)[-1] == JudgeEpoch()
+    assert loop.ends(done)[-1] == JudgeEpoch()
     assert loop.state == EndingEpoch(0, "cancel", judging=True, memo=loop.state.memo,
-                                     cancel="enough")
+                                     cancel="enough", record=RECORD)
     assert loop.on(Failed("evaluation failed")) == [
         EndJob(JobState.FAILED, "evaluation failed"), EndStep(stop=True)]
 
@@ -1266,7 +1297,7 @@ def test_finishing_awaits_the_last_evaluations_and_yields_to_a_cancel_or_a_lost_
     _requests_taken(loop, S(epoch=2))
     loop.ran(S(epoch=2))
     loop.trains(S(epoch=2), ALONE)
-    assert loop.ran(S(step=1, epoch=2)) == END
+    assert loop.ends(S(step=1, epoch=2)) == closing(2)
     trained = S(recorded=3, epoch=3)  # (of 3)
     assert loop.ran(trained) == [Settle()]
     assert loop.state == Finishing(None, loop.state.memo)
@@ -1371,6 +1402,11 @@ def test_an_effect_is_answered_with_its_own_kind_of_event(effect: Effect, kind: 
     assert answer(PlanSegment(ahead=True), seen, 7.5, AHEAD) == SegmentPlanned(seen, 7.5, AHEAD)
     with pytest.raises(TypeError, match="SegmentOrder"):
         answer(PlanSegment(), seen, 7.5, True)
+    # An epoch's end with its record and the holders' shards, and only with them.
+    assert answer(EndEpoch(), seen, 7.5, (RECORD, SHARDS)) == EpochEnded(seen, 7.5, RECORD,
+                                                                          SHARDS)
+    with pytest.raises(TypeError, match="record and shards"):
+        answer(EndEpoch(), seen, 7.5, True)
 
 
 def test_nothing_answers_the_end_of_a_step() -> None:
@@ -1395,6 +1431,10 @@ def test_a_cancels_reason_is_the_states_through_its_epochs_end() -> None:
     committing = Cancelling("owner: stop", "committing", _memo(epoch_open=True))
     state, _ = step(committing, SegmentDone(S(step=1, epoch=1), 0.0), cfg)
     assert isinstance(state, EndingEpoch) and state.cancel == "owner: stop"
+    with pytest.raises(InvalidEvent, match="Done while EndingEpoch"):  # its record first
+        step(state, Done(S(epoch=2), 0.0), cfg)
+    state, effects = step(state, EpochEnded(S(step=1, epoch=1), 0.0, RECORD), cfg)
+    assert effects == [Evaluate(1, None, RECORD), NextEpoch()]
     state, effects = step(state, Done(S(epoch=2), 0.0), cfg)
     assert (state, effects) == (Cancelling("owner: stop", "settling", _memo()), [Settle()])
     assert not state.memo.epoch_open  # (closed by the epoch's end)

@@ -199,6 +199,18 @@ class SegmentDone:
 
 
 @dataclass(frozen=True, slots=True)
+class EpochEnded:
+    """The epoch is verified and its ``record`` built (the executor's); ``shards``: each
+    holder's share of the held-out set to score its final weights on (None: the evaluation
+    sent ahead of the epoch's end scores them)."""
+
+    seen: Seen
+    now: float
+    record: Any
+    shards: Mapping[str, tuple[int, int]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EvaluationsIn:
     seen: Seen
     now: float
@@ -214,7 +226,7 @@ class Failed:
 
 
 Answer = Done | Replanned | RequestsTaken | WorkersStarted | WorkersPlaced | Regrouped \
-    | SegmentPlanned | SegmentDone | EvaluationsIn
+    | SegmentPlanned | SegmentDone | EpochEnded | EvaluationsIn
 Event = Boundary | Answer | Failed
 
 
@@ -350,9 +362,19 @@ class CommitInFlight:
 
 @dataclass(frozen=True, slots=True)
 class EndEpoch:
-    """Verify the epoch from the workers' reports, build its record, and have the holders
-    score its final weights (unless that was sent ahead of its end): the record is
-    published when that evaluation is in."""
+    """Verify the epoch from the workers' reports and build its record; answered with
+    :class:`EpochEnded`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluate:
+    """Have the holders score ``epoch``'s final weights, each its shard (None: the
+    evaluation sent ahead of its end does), and attach the epoch's ``record`` to that
+    evaluation: the record is published when it is in."""
+
+    epoch: int
+    shards: Mapping[str, tuple[int, int]] | None
+    record: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,7 +436,8 @@ Effect = (
     LoadData | TakeRequests | ApplyDrains | AdoptStarted | Place | StopWorkers | AwaitStarts
     | GiveUpStarts | WaitForMinimum | LoadCheckpoint | Regroup | BeginEpoch | Replan
     | PostPlanUpdate | PlanSegment | TrainSegment | AbsorbAhead | CommitInFlight | EndEpoch
-    | JudgeEpoch | NextEpoch | PublishReady | Settle | Checkpoint | SaveModel | EndJob | EndStep
+    | Evaluate | JudgeEpoch | NextEpoch | PublishReady | Settle | Checkpoint | SaveModel | EndJob
+    | EndStep
 )
 
 
@@ -433,6 +456,10 @@ def answer(effect: Effect, seen: Seen, now: float, ok: Any = True) -> Answer:
             return SegmentPlanned(seen, now, ok)
         case TrainSegment() | AbsorbAhead() | CommitInFlight():
             return SegmentDone(seen, now, bool(ok))
+        case EndEpoch():
+            if not isinstance(ok, tuple):
+                raise TypeError(f"an epoch's end is its record and shards, not {ok!r}")
+            return EpochEnded(seen, now, *ok)
         case Regroup():
             return Regrouped(seen, now, formed=bool(ok))
         case AdoptStarted() | AwaitStarts():
@@ -542,7 +569,7 @@ class EndingEpoch:
     """Ending ``epoch``. ``then``: what follows (train on; absorb the next epoch's first,
     sent ahead of the failed segment that completed it; or go on cancelling, for
     ``cancel``). ``judging``: its evaluation is awaited to judge it; ``due``: its checkpoint
-    is due anyway."""
+    is due anyway; ``record``: the epoch's, once built (None: :class:`EndEpoch` builds it)."""
 
     epoch: int
     then: Then
@@ -550,6 +577,7 @@ class EndingEpoch:
     due: bool = False
     memo: Memo = Memo()
     cancel: str | None = None
+    record: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -706,6 +734,19 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
             if f.epoch_complete:
                 return d.end_epoch(f, "train")
             return d.rest(PublishReady(), EndStep())
+        case EndingEpoch(epoch, _, judging, due, record=None), \
+                EpochEnded(record=record, shards=shards):
+            # A checkpoint due, or an epoch judged by its evaluation, awaits that first (the
+            # checkpoint holds the epoch's record, scores included); the checkpoints are
+            # written as the next epoch's start.
+            evaluate = Evaluate(epoch, shards, record)
+            state = replace(state, record=record, memo=d.memo)
+            if judging:
+                return state, [evaluate, Settle(), JudgeEpoch()]
+            save = [Settle(), Checkpoint("epoch", Position(epoch + 1, 0))] if due else []
+            return state, [evaluate, *save, NextEpoch()]
+        case EndingEpoch(record=None), _:
+            pass  # its record is being built: only EpochEnded answers (refused below)
         case EndingEpoch(epoch, then, True, due), EvaluationsIn(verdict=verdict):
             best = [Checkpoint("best", Position(epoch + 1, 0), verdict.best)] \
                 if verdict.best else []
@@ -716,7 +757,7 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
             else:
                 save = []
             memo = replace(d.memo, stopped=verdict.stop) if verdict.stop else d.memo
-            return (EndingEpoch(epoch, then, memo=memo, cancel=state.cancel),
+            return (EndingEpoch(epoch, then, memo=memo, cancel=state.cancel, record=state.record),
                     [*best, *save, NextEpoch(verdict.stop)])
         case EndingEpoch(epoch, "absorb", False), Done():
             return Training(epoch + 1, "absorbing", memo=d.memo), [BeginEpoch(), AbsorbAhead()]
@@ -874,18 +915,10 @@ class _Decisions:
 
     def end_epoch(self, f: Seen, then: Then, cancel: str | None = None
                   ) -> tuple[LoopState, Effects]:
-        """The protocol's epoch is complete: end and evaluate it. A checkpoint due, or an
-        epoch judged by its evaluation, awaits that first (the checkpoint holds the epoch's
-        record, scores included); the checkpoints are written as the next epoch's start."""
-        cfg, epoch = self.cfg, f.epoch
-        due = cfg.checkpoint_due(epoch + 1)
-        if cfg.judges_epochs:
-            return (EndingEpoch(epoch, then, judging=True, due=due, memo=self.memo,
-                                cancel=cancel),
-                    [EndEpoch(), Settle(), JudgeEpoch()])
-        save = [Settle(), Checkpoint("epoch", Position(epoch + 1, 0))] if due else []
-        return (EndingEpoch(epoch, then, memo=self.memo, cancel=cancel),
-                [EndEpoch(), *save, NextEpoch()])
+        """The protocol's epoch is complete: end it, then evaluate it."""
+        cfg = self.cfg
+        return (EndingEpoch(f.epoch, then, cfg.judges_epochs, cfg.checkpoint_due(f.epoch + 1),
+                            self.memo, cancel), [EndEpoch()])
 
     def finishing(self, f: Seen, cancel: str | None) -> tuple[LoopState, Effects] | None:
         """Every epoch trained and a member holding the final state: await the last
