@@ -58,8 +58,10 @@ from dynabatch.scheduler.core.sync.loop import (
     SaveModel,
     Seen,
     Settle,
+    StartWorkers,
     StopWorkers,
     TakeRequests,
+    TendSpares,
     TrainSegment,
     WaitForMinimum,
     Waiting,
@@ -377,11 +379,12 @@ class Coordinator(JobControl):
                 self.roster.apply_drains()
             case AdoptStarted():
                 self.roster.adopt_started(0.0)
-            case Place(starting, at_rest):
-                self.roster.poll_nodes(starting)
-                self.roster.spawn(starting, wait=at_rest)
-                if not starting:
-                    self.roster.tend_spares()
+            case Place(starting):
+                return self.roster.place(starting)
+            case StartWorkers(spawns, wait):
+                self.roster.start(spawns, wait)
+            case TendSpares(plan):
+                self.roster.tend_spares(plan)
             case StopWorkers(workers):
                 self.workforce.stop(workers)
             case AwaitStarts():

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dynabatch.scheduler.control import Assign, Drain, Scale
 from dynabatch.scheduler.core.cluster.ray_nodes import node_label
 from dynabatch.scheduler.core.failures import FailureEvent
+from dynabatch.scheduler.core.membership import SparePlan, Spawn
 from dynabatch.scheduler.core.sync.boundary import wait_for_minimum
 from dynabatch.scheduler.core.sync.loop import NODE_POLL_S
 from dynabatch.scheduler.runtime.seam import GroupReport
@@ -121,17 +122,36 @@ class Roster:
                 return
             if self.apply_requests(assignments=True):
                 self.poll_nodes(starting=False)
-                self.spawn(starting=False, wait=False)
+                self.start(self.spawns(starting=False))
 
-    def spawn(self, starting: bool, wait: bool = True) -> None:
-        """Start workers where members are missing, on the nodes last listed (the loop's
-        ``Place``); which nodes is the membership's. ``wait`` (nothing in flight):
-        an adopted spare is waited for a moment (see :data:`ADOPT_WAIT_S`)."""
-        job, s = self.job, self.control.spec
-        m = job.membership
-        adopted = False
+    def place(self, starting: bool) -> tuple[tuple[Spawn, ...], SparePlan]:
+        """List the nodes and plan, on them, the workers to start where members are missing
+        and, except at the first start, the spares: the membership's plans (the loop's
+        ``Place``)."""
+        self.poll_nodes(starting)
+        spawns = self.spawns(starting)
+        if starting:
+            return spawns, SparePlan()
         with self.control.lock:
-            spawns = m.spawns(self.nodes, starting, s.gpus_on)
+            return spawns, self.job.membership.spare_plan(self.nodes, self.control.spec.spares)
+
+    def spawns(self, starting: bool) -> tuple[Spawn, ...]:
+        """The workers to start on the nodes last listed, now pending in the membership."""
+        m = self.job.membership
+        with self.control.lock:
+            spawns = tuple(m.spawns(self.nodes, starting, self.control.spec.gpus_on))
+            if not starting:
+                self.note_placement(m.unplaced)
+        return spawns
+
+    def start(self, spawns: tuple[Spawn, ...], wait: bool = False) -> None:
+        """Start ``spawns``' workers (the loop's ``StartWorkers``). ``wait``: an adopted
+        spare is waited for a moment (see :data:`ADOPT_WAIT_S`)."""
+        m = self.job.membership
+        with self.control.lock:
+            # One an assignment left out since it was planned (on the request thread) is not
+            # pending any more: it is not started.
+            spawns = tuple(sp for sp in spawns if sp.worker_id in m.pending)
             for i, sp in enumerate(spawns):
                 try:
                     self.runtime.spawn(sp)
@@ -139,22 +159,18 @@ class Roster:
                     for left in spawns[i:]:  # not started: not left starting for ever
                         m.start_failed(left.worker_id)
                     raise
-                adopted = adopted or sp.adopt
                 self.control.log("INFO", f"starting worker {sp.worker_id} on node "
                                          f"{node_label(sp.node_id)}" + (" (GPU)" if sp.gpus else "")
                                          + (" (adopting its spare)" if sp.adopt else ""))
-            if not starting:
-                self.note_placement(m.unplaced)
-        if wait and adopted:
+        if wait:
             # Nothing in flight: the adopted spare answers in milliseconds, and joins the
             # group formed at this boundary.
             self.adopt_started(ADOPT_WAIT_S)
 
-    def tend_spares(self) -> None:
-        """Start and stop spares per the membership's plan on the nodes last listed (the
-        loop's ``Place``, once the first workers are up)."""
+    def tend_spares(self, plan: SparePlan) -> None:
+        """Start and stop spares as the membership's ``plan`` says (the loop's
+        ``TendSpares``)."""
         with self.control.lock:
-            plan = self.job.membership.spare_plan(self.nodes, self.control.spec.spares)
             for node in plan.stop:
                 self.runtime.stop_spare(node)
             for node in plan.start:

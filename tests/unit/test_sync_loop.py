@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 import pytest
 from dynabatch.actors.contracts import SegmentPlan
 from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState
+from dynabatch.scheduler.core.membership import SparePlan, Spawn
 from dynabatch.scheduler.core.sync.allocation import Allocation, Decision
 from dynabatch.scheduler.core.sync.loop import (
     NODE_POLL_S,
@@ -53,6 +54,7 @@ from dynabatch.scheduler.core.sync.loop import (
     Memo,
     NextEpoch,
     Place,
+    Placed,
     PlanSegment,
     PostPlanUpdate,
     PublishReady,
@@ -69,8 +71,10 @@ from dynabatch.scheduler.core.sync.loop import (
     SegmentOrder,
     SegmentPlanned,
     Settle,
+    StartWorkers,
     StopWorkers,
     TakeRequests,
+    TendSpares,
     Training,
     TrainSegment,
     Verdict,
@@ -184,8 +188,9 @@ OFFER = OfferedUpdate(
     early=5, end=8, why="adaptive check")
 # Nodes listed after the first start: the missing workers started on them, spares tended.
 PLACE = [Place()]
-# The same with a segment in flight: a spare adopted now is not waited for.
-PLACE_FLYING = [Place(at_rest=False)]
+# Workers a placement starts: on a free node, and on a node holding the job's spare.
+SPAWN = Spawn("w9", 9, "n9", 1.0, 0.0)
+ADOPTING = Spawn("w8", 8, "n8", 1.0, 0.0, adopt=True)
 START = [Place(starting=True)]
 # An epoch's end with nothing due and nothing judged.
 # An ended epoch's record (the executor's, opaque to the loop) and its evaluation's shards.
@@ -372,6 +377,10 @@ def _boundary(loop: Loop, tick: Boundary, data: st.DataObject) -> list[Batch]:
             ok = data.draw(verdicts)
         elif isinstance(last, Replan):  # a re-plan may offer an update to the segment in flight
             ok = data.draw(st.sampled_from([None, OFFER]))
+        elif isinstance(last, Place):  # workers to start, spares (not at the first start)
+            spares = SparePlan() if last.starting else data.draw(
+                st.sampled_from([SparePlan(), SparePlan(), SparePlan(("n8",), ("n7",))]))
+            ok = (data.draw(st.sampled_from([(), (), (SPAWN,), (ADOPTING, SPAWN)])), spares)
         elif isinstance(last, EndEpoch):  # its record, and the holders' shards (or none)
             ok = (RECORD, data.draw(st.sampled_from([None, SHARDS])))
         elif isinstance(last, PlanSegment):  # the next goes ahead only when asked, and
@@ -382,6 +391,19 @@ def _boundary(loop: Loop, tick: Boundary, data: st.DataObject) -> list[Batch]:
         event = answer(last, _draw_seen(data, cancel), now, ok)
         cancel = event.seen.cancel
     pytest.fail("a boundary did not end within 24 batches")
+
+
+def _starts(b: Batch) -> bool:
+    """The batch starts a placement's workers or tends its spares (answering ``Place``)."""
+    return isinstance(b.event, Placed) and not b.event.nothing
+
+
+def _asked(batches: list[Batch], i: int) -> Effect:
+    """The last effect decided before batch ``i``, past the workers a placement started."""
+    j = i - 1
+    while _starts(batches[j]):
+        j -= 1
+    return batches[j].body[-1]
 
 
 def _answer(batches: list[Batch], i: int) -> Batch | None:
@@ -558,9 +580,15 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
                 assert e.starting == seen.membership.first_start
             else:
                 assert not e.starting
-            # (a spare adopted at rest is waited for: it joins this boundary's regroup)
-            assert e.at_rest == (not (in_flight and i == 0))
             polled = now
+        if _starts(b):  # the placement's workers started, its spares tended, then as before
+            e = b.event
+            assert isinstance(prev.body[-1], Place) and isinstance(b.before, Reconciling)
+            # (a spare adopted at rest is waited for: it joins this boundary's regroup)
+            wait = b.before.stage != "watching" and any(sp.adopt for sp in e.spawns)
+            start = [StartWorkers(e.spawns, wait)] if e.spawns else []
+            tend = [TendSpares(e.spares)] if e.spares != SparePlan() else []
+            assert body == [*start, *tend] and b.after == b.before
         assert b.after.memo.polled_at == polled  # when the loop last listed the nodes
         # A segment is in flight exactly when the last segment run's order sent one ahead;
         # the next is a retry exactly when the last did not all run.
@@ -574,7 +602,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
         # The first start's wait: a little at a time while workers are starting; given up
         # once the start timeout (counted from the first wait) is over, or on a cancel.
         if isinstance(b.before, Reconciling) and b.before.stage == "awaiting" \
-                and seen.membership.starting:
+                and seen.membership.starting and not _starts(b):
             over = bool(waits) and now >= waits[0] + cfg.start_timeout_s
             assert body == ([GiveUpStarts()] if seen.cancel is not None or over
                             else [AwaitStarts()])
@@ -582,7 +610,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             if isinstance(e, AwaitStarts):
                 assert body == [e] and seen.membership.starting
                 assert seen.cancel is None
-                assert prev.body[-1] in (Place(starting=True), AwaitStarts())
+                assert _asked(batches, i) in (Place(starting=True), AwaitStarts())
                 waits.append(now)
                 assert b.after.deadline == waits[0] + cfg.start_timeout_s
                 assert now < b.after.deadline
@@ -591,7 +619,7 @@ def _check_boundary(cfg: LoopConfig, rest: LoopState, batches: list[Batch],
             if isinstance(e, GiveUpStarts):
                 assert body == [e] and seen.membership.starting
                 assert seen.cancel is not None or (waits and now >= b.before.deadline)
-                assert prev.body[-1] in (Place(starting=True), AwaitStarts())
+                assert _asked(batches, i) in (Place(starting=True), AwaitStarts())
             if isinstance(e, WaitForMinimum):  # too few: wait, and the step ends
                 assert e.shortfall == seen.membership.shortfall
                 assert seen.cancel is None  # a pending cancel cancels instead
@@ -793,7 +821,7 @@ def test_a_training_boundary() -> None:
     # planned) before the segment is collected.
     assert not loop.state.memo.epoch_open and loop.state.memo.in_flight
     second = replace(opened, epoch=1)
-    assert loop.tick(second, now=LATER) == [AdoptStarted(), *PLACE_FLYING]
+    assert loop.tick(second, now=LATER) == [AdoptStarted(), *PLACE]
     assert loop.state.memo.polled_at == LATER
     assert loop.ran(second) == [BeginEpoch(), Replan()]
     assert loop.ran(second) == [PlanSegment(ahead=True, across=True)]
@@ -859,7 +887,7 @@ def test_nodes_are_listed_when_due_and_at_once_for_an_assignment() -> None:
     # workers started at once.
     loop = Loop(state=FLYING)
     queued = S(requests=("assign", "scale"))
-    assert loop.tick(queued) == [TakeRequests(assignments=True), AdoptStarted(), *PLACE_FLYING]
+    assert loop.tick(queued) == [TakeRequests(assignments=True), AdoptStarted(), *PLACE]
     loop = Loop(state=FLYING)
     queued = S(requests=("scale", "assign"))
     assert loop.tick(queued) == [AdoptStarted()]
@@ -905,6 +933,32 @@ def test_a_replan_inside_the_segment_in_flight_is_posted_to_its_workers_at_once(
     loop.trains(flying, ALONE)
     # A segment where a worker was lost re-plans nothing, whatever the rule says.
     assert loop.ran(flying, ok=False) == [PublishReady(), EndStep()]
+
+
+def test_a_placement_starts_its_workers_and_tends_its_spares_before_going_on() -> None:
+    """The nodes listed, the loop starts the workers the membership planned on them and
+    tends the spares as planned; a spare adopted at rest is waited for (it joins this
+    boundary's regroup), one adopted while a segment is in flight is not; with nothing to
+    start the loop goes on at once."""
+    loop = Loop(state=OPEN)
+    _requests_taken(loop, S(dirty=True))
+    assert loop.ran(S(dirty=True)) == PLACE
+    spares = SparePlan(("n7",), ("n6",))
+    assert loop.ran(S(dirty=True), ((ADOPTING, SPAWN), spares)) == [
+        StartWorkers((ADOPTING, SPAWN), wait=True), TendSpares(spares)]
+    assert loop.state.stage == "placing"
+    assert loop.ran(S(dirty=True)) == [REGROUP]
+    # In flight: started, not waited for; the segment's boundary goes on.
+    loop = Loop(state=FLYING)
+    assert loop.tick(S(), now=LATER) == [AdoptStarted(), *PLACE]
+    assert loop.ran(S(), ((ADOPTING,), SparePlan()), now=LATER) == [
+        StartWorkers((ADOPTING,), wait=False)]
+    assert loop.ran(S(), now=LATER) == [PlanSegment(ahead=True, across=False)]
+    # Nothing to start: on at once.
+    loop = Loop(state=OPEN)
+    _requests_taken(loop, S(dirty=True))
+    loop.ran(S(dirty=True))
+    assert loop.ran(S(dirty=True), ((), SparePlan())) == [REGROUP]
 
 
 def test_every_member_lost_after_the_first_group_is_not_a_first_start() -> None:
@@ -1379,7 +1433,8 @@ def test_each_state_takes_only_the_answer_its_batch_yields() -> None:
     (TrainSegment(AHEAD), SegmentDone), (AbsorbAhead(), SegmentDone),
     (CommitInFlight(), SegmentDone), (PlanSegment(), SegmentPlanned),
     (REGROUP, Regrouped), (AdoptStarted(), WorkersStarted), (AwaitStarts(), WorkersStarted),
-    (Place(), WorkersPlaced),
+    (Place(), Placed), (StartWorkers((SPAWN,)), WorkersPlaced),
+    (TendSpares(SparePlan()), WorkersPlaced),
     (TakeRequests(), RequestsTaken), (Settle(), EvaluationsIn), (JudgeEpoch(), EvaluationsIn),
     (NextEpoch(), Done), (Replan(), Replanned), (LoadCheckpoint(), Done),
     (GiveUpStarts(), Done), (PostPlanUpdate(OFFER), Done), (LoadData(), Done),

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from dynabatch.scheduler.core.lifecycle import InvalidEvent, JobState
+from dynabatch.scheduler.core.membership import SparePlan, Spawn
 from dynabatch.scheduler.core.sync.ahead import can_cross_epoch, can_send_ahead
 from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SegmentPlan
 from dynabatch.scheduler.core.sync.update import OfferedUpdate
@@ -153,7 +154,24 @@ class WorkersStarted:
 
 
 @dataclass(frozen=True, slots=True)
+class Placed:
+    """The nodes are listed: the workers to start on them where the membership misses
+    members (``spawns``, the membership's), and the spares to start and stop."""
+
+    seen: Seen
+    now: float
+    spawns: tuple[Spawn, ...] = ()
+    spares: SparePlan = field(default_factory=SparePlan)
+
+    @property
+    def nothing(self) -> bool:
+        return not (self.spawns or self.spares.start or self.spares.stop)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkersPlaced:
+    """The workers of a placement are starting, and its spares tended."""
+
     seen: Seen
     now: float
 
@@ -225,7 +243,7 @@ class Failed:
     reason: str
 
 
-Answer = Done | Replanned | RequestsTaken | WorkersStarted | WorkersPlaced | Regrouped \
+Answer = Done | Replanned | RequestsTaken | WorkersStarted | Placed | WorkersPlaced | Regrouped \
     | SegmentPlanned | SegmentDone | EpochEnded | EvaluationsIn
 Event = Boundary | Answer | Failed
 
@@ -258,13 +276,28 @@ class AdoptStarted:
 
 @dataclass(frozen=True, slots=True)
 class Place:
-    """List the nodes, start workers on them where the membership misses members, and tend
-    the spares, except at the first start (``starting``: it says when there are no nodes,
-    and spares would compete with its workers' start-up). ``at_rest``: nothing in flight, so
-    a spare adopted now is waited for a moment (it joins this boundary's regroup)."""
+    """List the nodes, and plan the workers to start on them where the membership misses
+    members and, except at the first start, the spares (``starting``: it says when there
+    are no nodes, and spares would compete with its workers' start-up); answered with
+    :class:`Placed`."""
 
     starting: bool = False
-    at_rest: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class StartWorkers:
+    """Start ``spawns``' workers. ``wait``: one adopts its node's spare with nothing in
+    flight, so it is waited for a moment (it joins this boundary's regroup)."""
+
+    spawns: tuple[Spawn, ...]
+    wait: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TendSpares:
+    """Start and stop spares as ``plan`` says."""
+
+    plan: SparePlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,7 +466,8 @@ class EndStep:
 
 
 Effect = (
-    LoadData | TakeRequests | ApplyDrains | AdoptStarted | Place | StopWorkers | AwaitStarts
+    LoadData | TakeRequests | ApplyDrains | AdoptStarted | Place | StartWorkers | TendSpares
+    | StopWorkers | AwaitStarts
     | GiveUpStarts | WaitForMinimum | LoadCheckpoint | Regroup | BeginEpoch | Replan
     | PostPlanUpdate | PlanSegment | TrainSegment | AbsorbAhead | CommitInFlight | EndEpoch
     | Evaluate | JudgeEpoch | NextEpoch | PublishReady | Settle | Checkpoint | SaveModel | EndJob
@@ -464,7 +498,9 @@ def answer(effect: Effect, seen: Seen, now: float, ok: Any = True) -> Answer:
             return Regrouped(seen, now, formed=bool(ok))
         case AdoptStarted() | AwaitStarts():
             return WorkersStarted(seen, now)
-        case Place():
+        case Place():  # (ok True, as a test may answer: nothing to start)
+            return Placed(seen, now, *ok) if isinstance(ok, tuple) else Placed(seen, now)
+        case StartWorkers() | TendSpares():
             return WorkersPlaced(seen, now)
         case TakeRequests():
             return RequestsTaken(seen, now)
@@ -679,7 +715,13 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
             return state, [EndStep(stop=True)]
         case AtRest() | Waiting(), Boundary():
             return d.tick(f, state if isinstance(state, Waiting) else None)
-        case Reconciling("watching"), WorkersStarted() | WorkersPlaced():
+        case Reconciling(stage), Placed() if not event.nothing:
+            # A spare adopted with nothing in flight is waited for: it joins this regroup.
+            wait = stage != "watching" and any(sp.adopt for sp in event.spawns)
+            start: Effects = [StartWorkers(event.spawns, wait)] if event.spawns else []
+            tend = [] if event.spares == SparePlan() else [TendSpares(event.spares)]
+            return state, [*start, *tend]
+        case Reconciling("watching"), WorkersStarted() | Placed() | WorkersPlaced():
             return d.formed(f)
         case Reconciling("requests", waiting), RequestsTaken():
             drain = [Settle(), ApplyDrains()] if f.membership.draining else []
@@ -691,9 +733,9 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
                 return d.place(Reconciling("placing", waiting), starting=False)
             return d.gathered(f, waiting)
         case Reconciling("awaiting", waiting, adopted, deadline), \
-                WorkersStarted() | WorkersPlaced():
+                WorkersStarted() | Placed() | WorkersPlaced():
             return d.await_starts(f, adopted, deadline, waiting)
-        case Reconciling("placing", waiting), WorkersPlaced():
+        case Reconciling("placing", waiting), Placed() | WorkersPlaced():
             return d.gathered(f, waiting)
         case Reconciling("giving_up", waiting), Done():
             return d.gathered(f, waiting)
@@ -817,16 +859,14 @@ class _Decisions:
             state: LoopState = Reconciling("watching", memo=self.memo)
             poll: Effects = []
             if self.poll_due() or take:
-                state, poll = self.place(state, starting=False, at_rest=False)
+                state, poll = self.place(state, starting=False)
             return state, [*load, *take, AdoptStarted(), *poll]
         # An assignment taken now has its workers started at once: the nodes are listed.
         memo = replace(self.memo, polled_at=None) if "assign" in f.requests else self.memo
         return Reconciling("requests", waiting, memo=memo), [*load, TakeRequests()]
 
-    def place(self, state: Reconciling, starting: bool, at_rest: bool = True
-              ) -> tuple[LoopState, Effects]:
-        return replace(state, memo=replace(self.memo, polled_at=self.now)), [
-            Place(starting, at_rest)]
+    def place(self, state: Reconciling, starting: bool) -> tuple[LoopState, Effects]:
+        return replace(state, memo=replace(self.memo, polled_at=self.now)), [Place(starting)]
 
     def await_starts(self, f: Seen, adopted: bool, deadline: float | None,
                      waiting: Waiting | None) -> tuple[LoopState, Effects]:
