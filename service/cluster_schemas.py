@@ -25,9 +25,10 @@ class ClusterNodeState(BaseModel):
         description="A Ray label or resource, or derived from the node's "
         "resources (GPU model, CPU count)."
     )
-    capacity: float = Field(description="GPUs on a GPU node, else CPU slots: what it offers.")
+    capacity: float = Field(description="GPUs on a GPU node, else CPUs: what it offers.")
     used: float = Field(
-        description="What jobs' workers hold of it (GPUs, fractions where they share one)."
+        description="What jobs' workers hold of it (GPUs, fractions where they share one; "
+        "else CPUs)."
     )
     jobs: list[NodeHolder] = Field(description="The jobs holding its slots.")
 
@@ -117,7 +118,7 @@ class SchedulerState(BaseModel):
     policy: str = Field(description="fifo, fair or goodput (DYNABATCH_CLUSTER_POLICY).")
     round: int = Field(description="The round these allocations come from.")
     decided_s: float = Field(description="When it was decided, on the cluster scheduler's clock.")
-    capacity: float = Field(description="GPUs of the GPU nodes plus CPU slots of the others.")
+    capacity: float = Field(description="GPUs of the GPU nodes plus CPUs of the others.")
     used: float = Field(description="What jobs hold of it.")
     utilization: float = Field(description="used / capacity (0 on an empty cluster).")
     resizes: int = Field(description="Job resizes the cluster scheduler made so far.")

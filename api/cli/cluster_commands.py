@@ -29,12 +29,12 @@ def cluster_tables(state: ClusterState) -> Group:
     s = state.scheduler
     assert s is not None  # the caller prints the message instead
     head = Text(
-        f"policy {s.policy}  round {s.round}  slots {s.used:g}/{s.capacity:g}  "
+        f"policy {s.policy}  round {s.round}  in use {s.used:g}/{s.capacity:g}  "
         f"utilization {s.utilization:.2f}  resizes {s.resizes}"
     )
     nodes = Table(title=f"nodes ({len(state.nodes)})", expand=False)
-    for col in ("node", "type", "slots", "jobs"):
-        nodes.add_column(col, justify="right" if col == "slots" else "left")
+    for col in ("node", "type", "in use", "jobs"):  # GPUs on a GPU node, else CPUs
+        nodes.add_column(col, justify="right" if col == "in use" else "left")
     for n in state.nodes:
         jobs = ", ".join(f"{h.job_id} ({h.workers})" for h in n.jobs)
         nodes.add_row(node_label(n.node_id), n.node_type, f"{n.used:g}/{n.capacity:g}", jobs or "-")

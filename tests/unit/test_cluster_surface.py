@@ -205,7 +205,10 @@ def test_cli_cluster_prints_nodes_and_queue(app, monkeypatch) -> None:
     out = _invoke(client, "cluster")
     assert out.exit_code == 0, out.output
     text = out.stdout
-    assert "policy goodput  round 7  slots 4/4  utilization 1.00  resizes 2" in text
+    # What is in use of what is offered: GPUs on a GPU node, CPUs on the others (a node's
+    # workers of half a CPU are 4 on 2 CPUs: not "slots 2/2" beside 4 workers).
+    assert "policy goodput  round 7  in use 4/4  utilization 1.00  resizes 2" in text
+    assert "in use" in next(x for x in text.splitlines() if "node" in x and "jobs" in x)
     rows = [
         [c.strip() for c in x.strip().strip("│").split("│")]
         for x in text.splitlines()
