@@ -228,7 +228,8 @@ def _runs(draw):
         elif kind == "scale":
             events.append(ResizeRequested(jid, draw(st.integers(-1, 8)), now))
         elif kind == "drain":
-            events.append(Drained(jid, draw(st.sampled_from(nodes)).node_id, now))
+            events.append(Drained(jid, draw(st.sampled_from(nodes)).node_id, now,
+                                  worker=draw(st.sampled_from([None, "w0"]))))
         elif kind == "lose":
             events.append(NodesSeen(tuple(draw(st.lists(st.sampled_from(nodes), unique=True)))))
         elif kind == "end":
@@ -330,7 +331,7 @@ def _check_resends(before: RoundState, after: RoundState, commands) -> None:
         now = after.job(j.job_id)
         if now is None or now.allocation != j.allocation:
             continue  # moved (a new Reassign), or kept short after a lost node (none)
-        assert mine == [Reassign(j.job_id, j.allocation)], (j, commands)
+        assert mine == [Reassign(j.job_id, j.allocation, j.leaving)], (j, commands)
         resent += 1
         assert now.last_resize_s == j.last_resize_s
     assert decided == sum(isinstance(c, Reassign) for c in commands) - resent
@@ -341,6 +342,20 @@ def _check_resends(before: RoundState, after: RoundState, commands) -> None:
             assert j.sent == tuple(sorted(sent[0])), j
         else:
             assert j.sent == (was.sent if was is not None else None), j
+
+
+def test_a_drain_not_taken_is_sent_again_with_the_worker_its_owner_named():
+    """Sent again after a send that timed out, an owner's drain still names its worker:
+    the job takes that one off the node, not the slowest there."""
+    s, knobs, (start,) = _running(_nodes(1, cap=3), Entry("a", 1, 3), policy="fifo")
+    s, _ = step(s, Launched("a", 0, start.slots), knobs)
+    s, cmds = step(s, Drained("a", "n0", 2.0, worker="w0"), knobs)
+    assert cmds == (Reassign("a", (("n0", 2),), leaving=("w0",)),)
+    s, cmds = step(s, Tick(3.0), knobs)  # not taken: sent again, as itself
+    assert cmds == (Reassign("a", (("n0", 2),), leaving=("w0",)),)
+    s, _ = step(s, AssignTaken("a", (("n0", 2),)), knobs)
+    s, cmds = step(s, Tick(4.0), knobs)
+    assert cmds == () and s.job("a").sent is None
 
 
 def test_an_assignment_its_driver_did_not_take_is_sent_again_each_round_until_taken():

@@ -44,7 +44,8 @@ class Entry:
     why; ``waits``: what an owner's request still waits for; ``said``: the reason an owner's
     request gave, shown until the next round; ``sent``: an assignment sent to its driver and
     not yet taken (a send that timed out or found no driver is sent again by the next
-    round, as the job otherwise never hears of it)."""
+    round, as the job otherwise never hears of it), with ``leaving``, the workers it named
+    to leave (an owner's drain)."""
 
     job_id: str
     min_workers: int
@@ -68,6 +69,7 @@ class Entry:
     waits: str | None = None
     said: str | None = None
     sent: Slots | None = None
+    leaving: tuple[str, ...] = ()
 
     @property
     def workers(self) -> int:
@@ -318,7 +320,7 @@ def step(
     state, commands = _step(state, event, knobs)
     for c in commands:
         if isinstance(c, Reassign) and (entry := state.job(c.job_id)) is not None:
-            state = state._with(replace(entry, sent=tuple(sorted(c.slots))))
+            state = state._with(replace(entry, sent=tuple(sorted(c.slots)), leaving=c.leaving))
     if not isinstance(event, Tick) and state.decision is not None:
         state = replace(state, view=_view(state))
     return state, commands
@@ -686,7 +688,7 @@ def _round(
     # is sent again: not a move (no resize, no hold), the same decision delivered.
     moved = {c.job_id for c in commands}
     commands += [
-        Reassign(j.job_id, j.allocation)
+        Reassign(j.job_id, j.allocation, j.leaving)
         for j in new.jobs
         if j.launched and j.sent is not None and j.sent == j.allocation and j.job_id not in moved
     ]
