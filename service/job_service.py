@@ -287,7 +287,9 @@ class JobService:
 
     def _scheduled_drain(self, rec: JobRecord, worker: str) -> JobRecord:
         """With the cluster scheduler on, a drain is a request to it: the job gives up the
-        worker's slot on its node (that worker leaves) and its max_workers drops by one."""
+        worker's slot on its node (that worker leaves: a synchronous job's worker or a
+        parameter-server job's learner, by the same placement rule) and its max_workers
+        drops by one."""
         try:
             snap = self._membership_call(
                 rec, lambda: self.cluster.snapshot(rec.id), "drained")
@@ -295,11 +297,6 @@ class JobService:
             raise WorkerNotFound(
                 f"worker {worker!r} is not a member of job {rec.id}: it has no running coordinator"
             ) from None
-        if snap.ps is not None:  # its driver moves a node's slowest learner, not a named one
-            raise JobConflict(
-                f"drain {worker}: the cluster scheduler places this parameter-server job; "
-                "scale it down instead (its slowest learners leave)"
-            )
         member = next((w for w in snap.workers if w.worker == worker), None)
         if member is None:
             raise WorkerNotFound(f"worker {worker!r} is not a member of job {rec.id}")

@@ -306,9 +306,10 @@ def test_a_restarted_api_leaves_queued_jobs_queued_and_tells_a_new_scheduler(set
         again.reconciler.stop()
 
 
-def test_a_parameter_server_learner_is_not_drained_through_the_scheduler(setup, monkeypatch):
-    """Its driver takes an assignment by moving the slowest learner on a node, not a named
-    one: the drain is refused with what to do instead, and nothing changes."""
+def test_a_parameter_server_learner_is_drained_through_the_scheduler(setup, monkeypatch):
+    """As a synchronous job's worker: the scheduler takes the slot on the learner's node off
+    the job, naming the learner (its driver places learners by the same rule, so that one
+    leaves: test_ps_assign.py)."""
     from dynabatch.scheduler.telemetry import PSStatus
 
     service, cluster, sched = setup
@@ -318,10 +319,12 @@ def test_a_parameter_server_learner_is_not_drained_through_the_scheduler(setup, 
     snap = cluster.snapshot(job.id)
     ps = PSStatus(mode="async", version=0, applied=0, refused=0, pushes=0, pushes_per_s=0.0)
     monkeypatch.setattr(cluster, "snapshot", lambda _: snap.model_copy(update={"ps": ps}))
-    before = sched.state.job(job.id)
-    with pytest.raises(JobConflict, match="scale it down instead"):
-        service.drain(job.id, snap.workers[0].worker)
-    assert sched.state.job(job.id) == before and not sched.assigned
+    member = snap.workers[0]
+    service.drain(job.id, member.worker)
+    entry = sched.state.job(job.id)
+    assert sum(k for _, k in entry.allocation) == 1 and entry.max_workers == 1
+    assert [(c.slots, c.leaving) for c in sched.assigned] == [(entry.allocation,
+                                                               (member.worker,))]
 
 
 def test_a_resume_the_scheduler_refuses_is_a_409_with_its_reason(setup, tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 from dynabatch.scheduler.core.lifecycle import JobState
+from dynabatch.scheduler.core.membership import NodeAssignment
 from dynabatch.scheduler.core.ps.engine import learners
 
 from tests.unit.test_ps_export import _job
@@ -34,6 +35,30 @@ def test_a_ps_job_starts_on_its_assigned_slots_and_moves_when_reassigned() -> No
     assert snap.state == JobState.SUCCEEDED, snap.reason
     assert all(r.verified for r in coord.history()) and len(coord.history()) == 3
     assert coord.assigned() == (("n0", 1), ("n1", 1))
+
+
+def test_an_assignment_naming_a_leaving_learner_takes_that_one_off_its_node() -> None:
+    """An owner's drain under the cluster scheduler: one slot fewer on the learner's node,
+    naming the learner. It leaves, not the one a plain re-assignment would move (w2, the
+    newest); the others train on."""
+    coord, _ = _job("ps-drained", epochs=3)
+    coord.assign({"n1": 3})
+    assert coord.start()
+    on = learners(coord.engine_state)
+    for _ in range(3):  # speeds measured: the one named is not simply the slowest
+        assert coord.step()
+    named = "w0"  # (left alone, the round's slot would go with w2: see the next line)
+    assert sorted(on) == ["w0", "w1", "w2"]
+    coord.assign(NodeAssignment((("n1", 2),), leaving=(named,)))
+    assert coord.step()
+    assert named not in learners(coord.engine_state)
+    assert set(learners(coord.engine_state)) == set(on) - {named}
+    [left] = [e for e in coord.events if e.kind == "leave"]
+    assert left.worker == named
+    while coord.step():
+        pass
+    assert coord.snapshot().state == JobState.SUCCEEDED
+    assert all(r.verified for r in coord.history())
 
 
 def test_an_assigned_ps_job_refuses_its_own_scale_and_drain() -> None:
