@@ -54,7 +54,7 @@ def test_an_assignment_naming_a_leaving_learner_takes_that_one_off_its_node() ->
     assert named not in learners(coord.engine_state)
     assert set(learners(coord.engine_state)) == set(on) - {named}
     [left] = [e for e in coord.events if e.kind == "leave"]
-    assert left.worker == named
+    assert (left.worker, left.reason) == (named, "drained")
     while coord.step():
         pass
     assert coord.snapshot().state == JobState.SUCCEEDED

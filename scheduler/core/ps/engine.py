@@ -246,12 +246,12 @@ def _scale(crew: Crew, workers: int, nodes: tuple[str, ...], now: float,
 
 def _place(crew: Crew, a: NodeAssignment, now: float, out: list[Command]) -> Crew:
     """Learners on exactly the assignment's slots, by the synchronous jobs' rule
-    (:func:`placement_plan`: the fastest keep their slots); a leaving learner's in-flight
-    samples are re-queued, as on a drain."""
+    (:func:`placement_plan`: those it names ``leaving``, an owner's drain, go first; then the
+    fastest keep their slots); a leaving learner's in-flight samples are re-queued."""
     workers = [(w, m.ordinal, m.node) for w, m in crew.members.items()]
     plan = placement_plan(workers, a, _speeds(crew, now))
     for w in reversed(plan.drain):  # the fastest leaver first
-        crew = _remove(crew, w, "assigned elsewhere", out)
+        crew = _remove(crew, w, "drained" if w in a.leaving else "assigned elsewhere", out)
     for node, k in plan.spawn:
         for _ in range(k):
             crew = _spawn(crew, node, now, out)
