@@ -56,7 +56,7 @@ from dynabatch.scheduler.core.ps.messages import (
 )
 from dynabatch.scheduler.core.ps.rudra import PSConfig
 from dynabatch.scheduler.runtime.ps_seam import NodeJoined, PSRuntime
-from dynabatch.scheduler.runtime.seam import Clock
+from dynabatch.scheduler.runtime.seam import Clock, GroupReport, GroupReports
 from dynabatch.scheduler.telemetry import (
     EpochRecord,
     JobSnapshot,
@@ -139,11 +139,17 @@ class PSCoordinator(JobControl):
         runtime: PSRuntime | None = None,
         core: PSCore | None = None,
         clock: Clock | None = None,
+        reports: GroupReports | None = None,
     ):
+        """``reports``: where the job tells the cluster scheduler its learners as they
+        change under an assignment (Ray's scheduler actor with Ray's runtime)."""
         if runtime is None:
             from dynabatch.scheduler.runtime.ray_ps import RayPSRuntime
+            from dynabatch.scheduler.runtime.ray_runtime import RayGroupReports
 
             runtime = RayPSRuntime(spec, self._follow_actor_output, clock)
+            reports = reports or RayGroupReports()
+        self.reports = reports
         super().__init__(job_id, spec, clock or runtime.clock)
         self.runtime = runtime
         self.core = core
@@ -255,7 +261,12 @@ class PSCoordinator(JobControl):
             for command in commands:
                 event = self._carry_out(command)
             with self.lock:  # other threads read the learners (drain: _member_ids)
+                moved = learners(state) != learners(self.engine_state)
                 self.engine_state = state
+            if moved and self.reports is not None and self.assignment is not None:
+                # As a synchronous job reports each group it forms: the scheduler's view
+                # shows the learners at once, not at its next round's poll.
+                self.reports.report(GroupReport.of(self.job_id, self.snapshot()))
             public = job_state(state)
             if public.is_terminal:
                 self.finish(public, state.reason if isinstance(state, Ended) else None)

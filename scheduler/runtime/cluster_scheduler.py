@@ -66,6 +66,7 @@ from dynabatch.scheduler.runtime.launch import (
     find_coordinator,
     launch_coordinator,
 )
+from dynabatch.scheduler.runtime.seam import GroupReport
 
 log = logging.getLogger("dynabatch.cluster")
 
@@ -447,12 +448,8 @@ class ClusterScheduler:
         if snap.state.is_terminal:
             self._gone(job_id, f"it ended {snap.state.value}")
             return
-        report = JobReported(
-            job_id,
-            tuple((w.node, float(w.throughput)) for w in snap.workers if w.joined),
-            float(snap.global_batch or 1),
-        )
-        self._heard_from(generation, report, handle)
+        r = GroupReport.of(job_id, snap)
+        self._heard_from(generation, JobReported(job_id, r.workers, r.global_batch), handle)
 
     def _heard_from(self, generation: int, report: JobReported, handle: Any = None) -> None:
         """The job's report into the rounds, when it comes from the coordinator generation

@@ -77,6 +77,14 @@ class GroupReport:
     workers: tuple[tuple[str, float], ...]
     global_batch: float
 
+    @classmethod
+    def of(cls, job_id: str, snapshot: Any) -> GroupReport:
+        """What a job's snapshot (:class:`~dynabatch.scheduler.telemetry.JobSnapshot`) says
+        of its group: its joined workers' nodes and speeds, its global batch. The scheduler's
+        poll reads a job so, and a job whose group changes between polls reports so."""
+        return cls(job_id, tuple((w.node, float(w.throughput)) for w in snapshot.workers
+                                 if w.joined), float(snapshot.global_batch or 1))
+
 
 class GroupReports(Protocol):
     """Where a job's :class:`GroupReport` goes: the cluster scheduler actor on Ray

@@ -6,11 +6,13 @@ over the simulator's runtime (real gradients)."""
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import NodeAssignment
 from dynabatch.scheduler.core.ps.engine import learners
+from dynabatch.scheduler.runtime.seam import GroupReport
 
 from tests.unit.test_ps_export import _job
 
@@ -59,6 +61,26 @@ def test_an_assignment_naming_a_leaving_learner_takes_that_one_off_its_node() ->
         pass
     assert coord.snapshot().state == JobState.SUCCEEDED
     assert all(r.verified for r in coord.history())
+
+
+def test_an_assigned_ps_job_reports_its_learners_to_the_cluster_scheduler_as_they_change():
+    """As a synchronous job reports each group it forms: the scheduler's view shows the
+    learners at once (``/v1/cluster``'s members), not at its next round's poll; and what it
+    reports is what that poll would read from the job's snapshot. Unassigned, it reports
+    nothing (no scheduler placed it)."""
+    sent: list[GroupReport] = []
+    coord, _ = _job("ps-reports", reports=SimpleNamespace(report=sent.append), epochs=3)
+    coord.assign({"n1": 2})
+    assert coord.start()
+    assert [Counter(n for n, _ in r.workers) for r in sent] == [{"n1": 2}]
+    coord.assign({"n0": 1, "n1": 1})
+    assert coord.step()
+    assert Counter(n for n, _ in sent[-1].workers) == {"n0": 1, "n1": 1}
+    assert sent[-1] == GroupReport.of("ps-reports", coord.snapshot())
+    quiet: list[GroupReport] = []
+    coord, _ = _job("ps-alone", reports=SimpleNamespace(report=quiet.append))
+    assert coord.start() and coord.step()
+    assert quiet == []
 
 
 def test_an_assigned_ps_job_refuses_its_own_scale_and_drain() -> None:

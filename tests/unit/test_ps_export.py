@@ -24,7 +24,7 @@ from dynabatch.scheduler.sim.ps_runtime import SimPSRuntime
 from dynabatch.scheduler.sim.timeline import SimClock
 
 
-def _job(job_id: str, **kw: Any) -> tuple[PSCoordinator, SimPSRuntime]:
+def _job(job_id: str, reports: Any = None, **kw: Any) -> tuple[PSCoordinator, SimPSRuntime]:
     spec = JobSpec.model_validate(
         {
             "dataset": {"name": "digits", "limit": 96},
@@ -45,7 +45,7 @@ def _job(job_id: str, **kw: Any) -> tuple[PSCoordinator, SimPSRuntime]:
     for node in cluster.nodes:
         node.node_id = node.node_class  # the nodes n0 and n1 (assignments name them)
     rt = SimPSRuntime(spec, load_dataset(spec.dataset, seed=spec.seed), cluster, clock=clock)
-    return PSCoordinator(job_id, spec, runtime=rt, clock=clock), rt
+    return PSCoordinator(job_id, spec, runtime=rt, clock=clock, reports=reports), rt
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
