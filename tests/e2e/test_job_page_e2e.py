@@ -14,8 +14,9 @@ as the job goes on, without a reload. Once it ends, the same page shows the fini
 and the charts (the loss, one per metric, each worker's share of the global batch, compute
 and wait per worker, samples per second) hold the job's whole history as REST reports it:
 the test reads what uPlot holds and that its canvas is painted, and switches the loss to a
-log scale. A screenshot is saved under tests/artifacts/. An unknown job's page is a 404 for a
-request that carries the token, and tells nothing to one that does not.
+log scale. A screenshot is saved under tests/artifacts/. A parameter-server job's page lists its
+learners. An unknown job's page is a 404 for a request that carries the token, and tells
+nothing to one that does not.
 """
 
 from __future__ import annotations
@@ -352,6 +353,43 @@ def _check_work_charts(page: Page, history: list[dict[str, Any]]) -> None:
     assert page.eval("document.getElementById('loss-chart').dataset.scale") == "log"
     assert log_loss["data"][1] == pytest.approx([h["train_loss"] for h in history])
     assert log_loss["painted"][0] > 20
+
+
+# A parameter-server job long enough to be watched (cancelled once its page is read).
+PS_SPEC = {
+    "name": "e2e-ps-page",
+    "dataset": {"name": "digits"},
+    "model": {"name": "mlp", "hidden": 16},
+    "protocol": {"name": "ps", "mode": "async"},
+    "workers": 2,
+    "global_batch": 64,
+    "epochs": 500,
+}
+
+
+def test_a_parameter_server_jobs_page_lists_its_learners(
+    server: ApiServer, browser: Browser
+) -> None:
+    """A parameter-server job's learners are its workers on its page, as in its status:
+    each on its node with its batch, and "-" for the partition, step times, speed and
+    slowdown a learner's status does not carry (not zeros)."""
+    r = httpx.post(f"{server.url}/v1/jobs", json=PS_SPEC, headers=AUTH, timeout=30)
+    r.raise_for_status()
+    job = r.json()["job_id"]
+    try:
+        page = browser.open(f"{server.url}/jobs/{job}#token={TOKEN}")
+        page.wait_for("document.body.dataset.state === 'RUNNING' && "
+                      "document.querySelectorAll('#workers tbody tr').length === 2",
+                      "the parameter-server job's learners on its page", 180)
+        rows = dom(page.html()).rows["workers"]
+        learners = {w["worker"]: w for w in rest(server, f"/v1/jobs/{job}")["workers"]}
+        assert sorted(row[0] for row in rows) == sorted(learners) == ["w0", "w1"]
+        for worker, node, batch, *rest_of_row in rows:
+            assert node == learners[worker]["node"][:8]  # the node's label, as everywhere
+            assert int(batch) > 0
+            assert rest_of_row == ["-"] * 5, rest_of_row
+    finally:
+        httpx.post(f"{server.url}/v1/jobs/{job}/cancel", headers=AUTH, timeout=30)
 
 
 def test_an_unknown_jobs_page(server: ApiServer, browser: Browser) -> None:
