@@ -1477,6 +1477,10 @@ def test_placing_and_giving_up_take_only_their_own_answers() -> None:
         step(Reconciling("placing"), Done(S(), 0.0), cfg)
     with pytest.raises(InvalidEvent, match="WorkersPlaced while Reconciling"):
         step(Reconciling("giving_up"), WorkersPlaced(S(), 0.0), cfg)
+    # Only a stage that placed takes a placement's answer, with workers to start or not.
+    for stage in ("requests", "gathering", "giving_up"):
+        with pytest.raises(InvalidEvent, match="Placed while Reconciling"):
+            step(Reconciling(stage), Placed(S(), 0.0, (SPAWN,)), cfg)
 
 
 def test_a_cancels_reason_is_the_states_through_its_epochs_end() -> None:

@@ -715,7 +715,8 @@ def _decide(state: LoopState, event: Answer | Boundary, cfg: LoopConfig
             return state, [EndStep(stop=True)]
         case AtRest() | Waiting(), Boundary():
             return d.tick(f, state if isinstance(state, Waiting) else None)
-        case Reconciling(stage), Placed() if not event.nothing:
+        case Reconciling("watching" | "awaiting" | "placing" as stage), Placed() \
+                if not event.nothing:
             # A spare adopted with nothing in flight is waited for: it joins this regroup.
             wait = stage != "watching" and any(sp.adopt for sp in event.spawns)
             start: Effects = [StartWorkers(event.spawns, wait)] if event.spawns else []
