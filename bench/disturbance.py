@@ -108,7 +108,7 @@ def run(policy: str, mode: str, check: int, args: argparse.Namespace,
     coord = Coordinator(f"disturb-{policy}", spec_for(policy, mode, check, args),
                         resume=False)
     if picard:  # dbs without its secant step: the paper's proportional correction alone
-        coord.job.policy = dataclasses.replace(coord.job.policy, secant=False)
+        coord.epochs.policy = dataclasses.replace(coord.epochs.policy, secant=False)
     if not updates:  # the driver as before plan updates: a re-plan waits for the segment ahead
         # (every update refused: the allocation is deferred to the step after that segment)
         coord.runtime.update_segment = lambda update, timeout_s: False

@@ -60,9 +60,9 @@ def spec_for(mode: str, epochs: int) -> JobSpec:
 
 def run(mode: str, z: float | None, epochs: int) -> dict[str, Any]:
     coord = Coordinator(f"equal-{mode}", spec_for(mode, epochs), resume=False)
-    assert coord.job.policy.name == "dbs"  # the default
+    assert coord.epochs.policy.name == "dbs"  # the default
     if z is not None:
-        coord.job.policy = dataclasses.replace(coord.job.policy, z=z)
+        coord.epochs.policy = dataclasses.replace(coord.epochs.policy, z=z)
     snap = coord.run()
     if snap.state.value != "SUCCEEDED":
         raise RuntimeError(f"{mode}: {snap.state.value}: {snap.reason}")

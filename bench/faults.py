@@ -107,7 +107,7 @@ def trial(cluster: Cluster, kind: str, i: int, rng: random.Random) -> dict[str, 
         return (coord.epoch, coord.step_in_epoch) >= (epoch, step) or coord.state.is_terminal
 
     def remove(worker_id: str) -> None:
-        m = coord.job.membership.get(worker_id)
+        m = coord.membership.get(worker_id)
         if m is not None and m.node in by_id:
             cluster.remove_node(by_id.pop(m.node), allow_graceful=False)
 
@@ -121,13 +121,13 @@ def trial(cluster: Cluster, kind: str, i: int, rng: random.Random) -> dict[str, 
     elif kind == "two_nodes":
         wait_until(lambda: at(1, SPE // 2), 120)
         fault_at = time.monotonic()
-        ids = list(coord.job.membership.worker_ids)
+        ids = list(coord.membership.worker_ids)
         for w in rng.sample(ids, 2):
             remove(w)
     elif kind == "during_regroup":
         wait_until(lambda: at(1, 5), 120)
         fault_at = time.monotonic()
-        ids = list(coord.job.membership.worker_ids)
+        ids = list(coord.membership.worker_ids)
         first, second = rng.sample(ids, 2)
         seen = len(coord.logs())
         remove(first)
@@ -148,7 +148,7 @@ def trial(cluster: Cluster, kind: str, i: int, rng: random.Random) -> dict[str, 
         note = f"drawn: epoch {epoch} step {step}"
         wait_until(lambda: coord.state != JobState.PENDING and at(epoch, step), 120)
         fault_at = time.monotonic()
-        ids = list(coord.job.membership.worker_ids)
+        ids = list(coord.membership.worker_ids)
         if ids and not coord.state.is_terminal:
             remove(rng.choice(ids))
     thread.join(timeout=JOB_LIMIT_S - (time.monotonic() - t0))

@@ -113,7 +113,7 @@ def run(spec: JobSpec, cluster: dict[str, Any] | None = None, eval_every: int | 
             return
         while nxt[0] <= steps:
             nxt[0] += eval_every
-        evals = c.job.regime.grad_evals
+        evals = c.regime.grad_evals
         g = c.runtime.gradients  # the held-out set on the simulated model, on the CPU
         acc = float(g.objective.evaluate(g.model, g.x_test, g.y_test, torch.device("cpu"),
                                          1024).get("accuracy"))

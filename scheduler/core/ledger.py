@@ -153,21 +153,20 @@ class Ledger:
             ],
         }
 
-    @classmethod
-    def from_state(cls, state: dict, retried_total: int | None = None) -> Ledger:
-        """``retried_total``: the job's, where the state does not hold it."""
-        led = cls()
+    def load_state(self, state: dict, retried_total: int | None = None) -> None:
+        """Become the ledger ``state`` holds (:meth:`to_state`); ``retried_total``: the
+        job's, where the state does not hold it."""
+        Ledger.__init__(self)  # what was there before goes
         if state.get("epoch") is None:
-            return led
-        led.begin_epoch(state["epoch"], state["dataset_size"])
-        led._retried = state["retried"]
-        led.retried_total = state.get("retried_total", retried_total or led._retried)
+            return
+        self.begin_epoch(state["epoch"], state["dataset_size"])
+        self._retried = state["retried"]
+        self.retried_total = state.get("retried_total", retried_total or self._retried)
         for step, start, size, cov, shares in state["steps"]:
-            led._steps[step] = StepEntry(
+            self._steps[step] = StepEntry(
                 step, start, size, tuple((int(c), int(n)) for c, n in cov),
                 tuple((str(w), int(s), int(k)) for w, s, k in shares),
             )
-        return led
 
 
 def _count_problems(counts: np.ndarray) -> list[str]:

@@ -166,7 +166,7 @@ def simulate(
     # first batch): the progress bar's scale.
     before = [0]
     for e in range(spec.epochs):
-        before.append(before[-1] + -(-data.n_train // coord.job.regime.batch_for(e)))
+        before.append(before[-1] + -(-data.n_train // coord.regime.batch_for(e)))
     total = before[-1]
     t0 = time.perf_counter()
     while coord.step():

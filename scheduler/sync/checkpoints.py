@@ -1,8 +1,8 @@
 """Checkpoints: save the job, restore it (resuming), roll back to it; and the trained model out.
 
 A checkpoint holds a holder's weights, the ledger, the schedule's position and state, the
-history and the counters. Restored weights stay in the :class:`~dynabatch.scheduler.sync.
-job.SyncJob` until a regroup loads them into the group. When a regroup finds no member
+history and the counters. Restored weights stay here (:attr:`Checkpoints.weights`) until a
+regroup loads them into the group. When a regroup finds no member
 holding the committed state, the job rolls back to its last checkpoint or fails
 (:class:`~dynabatch.scheduler.core.failures.FailurePolicy` decides which). Checkpoints need
 torch, so ``dynabatch.scheduler.checkpoint`` is imported lazily: a simulated job keeps none.
@@ -15,19 +15,20 @@ beside the final ones.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from dynabatch.actors.errors import first_line
 from dynabatch.scheduler.core.failures import FailureEvent, RollBack
-from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.sync.protocol import Position
-from dynabatch.scheduler.sync.job import StartPoint
 from dynabatch.scheduler.telemetry import EpochRecord
 
 if TYPE_CHECKING:
     from dynabatch.scheduler.control import JobControl
-    from dynabatch.scheduler.sync.job import SyncJob
+    from dynabatch.scheduler.core.ledger import Ledger
+    from dynabatch.scheduler.core.membership import Membership
+    from dynabatch.scheduler.core.regime.regime import Regime
+    from dynabatch.scheduler.core.sync.protocol import SyncProtocol
+    from dynabatch.scheduler.runtime.seam import DataInfo
     from dynabatch.scheduler.sync.workforce import Workforce
 
 # What :meth:`Checkpoints.restore` reads without a default: a file without them is not one of
@@ -36,9 +37,16 @@ _RESTORED = ("epoch", "step", "weights", "history", "counters")
 
 
 class Checkpoints:
-    def __init__(self, job: SyncJob, control: JobControl, workforce: Workforce):
-        self.job, self.control, self.workforce = job, control, workforce
+    def __init__(self, protocol: SyncProtocol, membership: Membership, regime: Regime,
+                 ledger: Ledger, control: JobControl, workforce: Workforce):
+        self.protocol, self.membership, self.regime = protocol, membership, regime
+        self.ledger, self.control, self.workforce = ledger, control, workforce
         self.rollbacks = 0  # this coordinator's (the snapshot's rollbacks_total)
+        # A restored checkpoint's weights, until a regroup loads them into the group (one
+        # that fails must be able to load them again), and the rebalances its epoch made
+        # before its position (written inside an epoch).
+        self.weights: dict[str, Any] | None = None
+        self.epoch_rebalances = 0
 
     def save(self, reason: str, position: Position | None = None,
              best: dict[str, Any] | None = None, epoch_rebalances: int = 0) -> None:
@@ -46,32 +54,31 @@ class Checkpoints:
         saved as the start of the next). ``best``: this is the best epoch by a metric
         (keep_best; what it was judged by): written as ``best.pt``, not the latest.
         ``epoch_rebalances``: those the open epoch made before the position saved."""
-        job, s = self.job, self.control.spec
+        s = self.control.spec
         if not s.checkpoint.dir:
             return
-        weights = self.workforce.held_state("checkpoint", job.start.weights)
+        weights = self.workforce.held_state("checkpoint", self.weights)
         if weights is None:
             self.control.log("WARNING", f"checkpoint ({reason}) skipped: no worker holds the state")
             return
-        p = job.protocol
-        pos = position or (p.position if p else job.start.position)
+        pos = position or self.protocol.position
         payload = {
             "job_id": self.control.job_id,
             "spec": s.model_dump(mode="json"),
             "epoch": pos.epoch,
             "step": pos.step,
             "weights": weights,
-            "ledger": job.ledger.to_state(),
+            "ledger": self.ledger.to_state(),
             # The schedule's position: the batch trained there and the regime's state (ISGD
             # chart, noise estimate, goodput's batch); the LR follows from them.
             "schedule": {"epoch": pos.epoch, "step": pos.step,
-                         "global_batch": job.global_batch,
-                         "regime": job.regime.to_state()},
+                         "global_batch": self.protocol.global_batch,
+                         "regime": self.regime.to_state()},
             "history": [r.model_dump(mode="json") for r in self.control.records],
             # (The job's rebalances: its history's and these; retried samples: the ledger's.)
             "counters": {
                 "epoch_rebalances": epoch_rebalances,
-                "next_ordinal": job.membership.next_ordinal,
+                "next_ordinal": self.membership.next_ordinal,
             },
             "time": self.control.clock.time(),
             "reason": reason,
@@ -114,21 +121,19 @@ class Checkpoints:
         return None
 
     def restore(self, ckpt: dict[str, Any], why: str) -> None:
-        job = self.job
         pos = Position(ckpt["epoch"], ckpt["step"])
         with self.control.lock:
             self.control.records[:] = [EpochRecord.model_validate(r) for r in ckpt["history"]]
             c = ckpt["counters"]
-            job.membership.restored(pos, c.get("next_ordinal", 0))
+            self.membership.restored(pos, c.get("next_ordinal", 0))
             # (An older checkpoint has the job's retried samples among its counters.)
-            job.ledger = Ledger.from_state(ckpt.get("ledger") or {},
-                                           c.get("retried_samples_total"))
+            self.ledger.load_state(ckpt.get("ledger") or {}, c.get("retried_samples_total"))
             sched = ckpt.get("schedule") or {}
-            job.regime.load_state(sched.get("regime") or {})
-            job.start = StartPoint(pos, sched.get("global_batch"), ckpt["weights"],
-                                   c.get("epoch_rebalances", 0))
-            if job.protocol is not None:
-                job.protocol.rewind(pos, job.start_batch)
+            self.regime.load_state(sched.get("regime") or {})
+            # The batch trained there: the checkpoint's, else the regime's for that epoch.
+            self.protocol.rewind(pos, sched.get("global_batch")
+                                 or self.regime.batch_for(pos.epoch))
+            self.weights, self.epoch_rebalances = ckpt["weights"], c.get("epoch_rebalances", 0)
         self.control.log("INFO" if why == "resuming" else "WARNING",
                          f"{why} from checkpoint at epoch {pos.epoch} step {pos.step}")
 
@@ -154,16 +159,16 @@ class Checkpoints:
         if "optimizer" in weights and theirs != mine:
             weights = {k: v for k, v in weights.items() if k != "optimizer"}
             note = f"weights (its {theirs} optimizer state does not fit {mine}: not loaded)"
-        self.job.start = replace(self.job.start, weights=weights)
+        self.weights = weights
         self.control.log("INFO", f"starting from checkpoint {path} (job "
                                  f"{ckpt.get('job_id', '?')}, epoch {ckpt.get('epoch', '?')} step "
                                  f"{ckpt.get('step', '?')}): {note}")
         return None
 
     def loaded(self) -> None:
-        """A group formed with the restored weights: the start point drops them (kept until
-        then, so that a failed join can load them again)."""
-        self.job.start = replace(self.job.start, weights=None)
+        """A group formed with the restored weights: they go (kept until then, so that a
+        failed join can load them again)."""
+        self.weights = None
 
     def roll_back(self) -> bool:
         """No member holds the committed state (the loop's rolling back): load the last
@@ -179,7 +184,7 @@ class Checkpoints:
             except CheckpointError as err:
                 error = str(err)
         decision = self.workforce.failed(FailureEvent(
-            "state_lost", position=self.job.membership.committed, error=error or "",
+            "state_lost", position=self.membership.committed, error=error or "",
             checkpoint=ckpt is not None))
         if not isinstance(decision, RollBack):
             return False
@@ -188,23 +193,21 @@ class Checkpoints:
         return True
 
     # ---------------------------------------------------------------- the model out
-    def save_model(self, reason: str) -> None:
+    def save_model(self, reason: str, data: DataInfo | None) -> None:
         """Build the model's files from the state a holder returns, keep them, and write
         them to ``artifacts.dir`` when it is set (the job control's ``publish_model``). A
         job whose runtime has no real model (a simulation without gradients) has none; one
-        whose holders cannot be read still ends as it was going to: a WARNING in its log."""
-        job = self.job
-        data = job.data
+        whose holders cannot be read still ends as it was going to: a WARNING in its log.
+        ``data``: the job's, once loaded."""
         if data is None or not data.input_shape or not data.num_classes:
             return
-        state = self.workforce.held_state("model export", job.start.weights)
+        state = self.workforce.held_state("model export", self.weights)
         model = (state or {}).get("model")
         if not model:
             self.control.log("WARNING", f"model export ({reason}) skipped: no worker holds the "
                                         "state")
             return
-        p = job.protocol
-        epoch = p.epoch if p is not None else job.start.position.epoch
+        epoch = self.protocol.epoch
         self.control.publish_model(input_shape=data.input_shape, num_classes=data.num_classes,
                                    state=model, epoch=epoch, reason=reason, best=self._best())
 

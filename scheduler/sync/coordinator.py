@@ -3,8 +3,8 @@
 ``step()`` is one step boundary: the pure reducer (:func:`~dynabatch.scheduler.core.sync.
 loop.step`) decides it from what this executor tells it happened, and this executor carries
 out its effects on its parts (``workforce``, ``pipeline``, ``roster``, ``epochs``,
-``checkpoints``), over the job's pure machines
-(:class:`~dynabatch.scheduler.sync.job.SyncJob`) and a :class:`Runtime`: Ray actors in
+``checkpoints``), over the job's pure machines (membership, regime, tracker, ledger and
+protocol: each part is given those it uses) and a :class:`Runtime`: Ray actors in
 production, the simulator's virtual clock in ``dynabatch simulate`` and the unit tests.
 ``run()`` loops it until the job is terminal. The other public methods may be called from
 other threads while it runs (the actor is threaded): requests are queued and applied at
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dynabatch.actors.spec import MAX_WORKERS, JobSpec
 from dynabatch.scheduler.control import JobControl
 from dynabatch.scheduler.core.failures import FailurePolicy
+from dynabatch.scheduler.core.ledger import Ledger
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.membership import Membership, NodeAssignment
 from dynabatch.scheduler.core.regime.regime import Regime
@@ -70,12 +71,12 @@ from dynabatch.scheduler.core.sync.loop import (
     step,
 )
 from dynabatch.scheduler.core.sync.policy import policy_for
-from dynabatch.scheduler.core.sync.protocol import RebalanceRule
+from dynabatch.scheduler.core.sync.protocol import RebalanceRule, SyncProtocol
+from dynabatch.scheduler.core.sync.tracker import Tracker
 from dynabatch.scheduler.runtime.seam import Clock, GroupReports, Runtime
 from dynabatch.scheduler.sync.checkpoints import Checkpoints
 from dynabatch.scheduler.sync.epochs import Epochs
 from dynabatch.scheduler.sync.evaluation import Evaluations
-from dynabatch.scheduler.sync.job import SyncJob
 from dynabatch.scheduler.sync.pipeline import Pipeline
 from dynabatch.scheduler.sync.roster import Roster
 from dynabatch.scheduler.sync.workforce import Workforce
@@ -106,9 +107,8 @@ def _lr_scheduler_factors(spec: JobSpec) -> tuple[tuple[float, ...] | Callable[[
 
 class Coordinator(JobControl):
     """A synchronous job's driver. Where its loop stands is its reducer's state,
-    :attr:`loop` (the job's public state is derived from it); its machines are :attr:`job`
-    (a :class:`SyncJob`); what it reports is :meth:`snapshot`, :meth:`history` and the
-    views below."""
+    :attr:`loop` (the job's public state is derived from it); what it reports is
+    :meth:`snapshot`, :meth:`history` and the views below."""
 
     def __init__(
         self,
@@ -148,62 +148,65 @@ class Coordinator(JobControl):
             judges_epochs=s.early_stopping is not None or s.checkpoint.keep_best is not None,
             isgd=s.isgd.enabled, start_timeout_s=s.start_timeout_s)
         lr_factors, lr_error = _lr_scheduler_factors(s)
-        self.job = SyncJob(
-            job_id=job_id,
-            membership=Membership(
-                workers=s.initial_workers, min_workers=s.min_workers,
-                max_workers=s.max_workers,
-                # The schedule's smallest and largest batch bound the group's size, as they
-                # bound the service's scale (batch_bounds: one rule).
-                smallest_batch=s.batch_range[0], largest_batch=s.batch_range[1],
-                max_batch=s.max_batch, max_possible=worker_cap),
-            regime=Regime(s, lr_factors),
-            policy=policy_for(s.policy, s.rebalance.min_gain(s.policy)),
-        )
+        # The job's pure machines: who is in (membership), the global batch, LR, ISGD and
+        # goodput of every step (regime), each worker's measured speed (tracker), the
+        # epoch's exactly-once account (ledger), and where training stands (protocol: until
+        # the data loads, where it starts).
+        self.membership = Membership(
+            workers=s.initial_workers, min_workers=s.min_workers, max_workers=s.max_workers,
+            # The schedule's smallest and largest batch bound the group's size, as they
+            # bound the service's scale (batch_bounds: one rule).
+            smallest_batch=s.batch_range[0], largest_batch=s.batch_range[1],
+            max_batch=s.max_batch, max_possible=worker_cap)
+        self.regime = Regime(s, lr_factors)
+        self.tracker, self.ledger = Tracker(), Ledger()
+        self.protocol = SyncProtocol(
+            global_batch=self.regime.batch_for(0), seed=s.seed,
+            rule=RebalanceRule(s.rebalance.mode, s.rebalance.every_steps,
+                               s.rebalance.check_steps))
         # Evaluations run on the holders between segments, collected as they arrive.
         self.evals = Evaluations(runtime, self.clock, EVAL_TIMEOUT_S)
         # The parts, each given what it uses; none holds this coordinator or another part.
-        job = self.job
-        self.workforce = Workforce(job.membership, job.tracker, FailurePolicy(s.max_retries),
-                                   runtime, self)
-        self.pipeline = Pipeline(job, self, self.workforce, runtime, self.evals)
-        self.roster = Roster(job, self, self.workforce, runtime, self.evals, reports)
-        self.epochs = Epochs(job, self, self.workforce, runtime, self.evals)
-        self.checkpoints = Checkpoints(job, self, self.workforce)
+        p, m, t = self.protocol, self.membership, self.tracker
+        self.workforce = Workforce(m, t, FailurePolicy(s.max_retries), runtime, self)
+        w = self.workforce
+        self.pipeline = Pipeline(p, m, self.regime, t, self.ledger, self, w, runtime, self.evals)
+        self.roster = Roster(p, m, t, self, w, runtime, self.evals, reports)
+        self.epochs = Epochs(p, m, self.regime, policy_for(s.policy, s.rebalance.min_gain(
+            s.policy)), t, self.ledger, self, w, runtime, self.evals)
+        self.checkpoints = Checkpoints(p, m, self.regime, self.ledger, self, w)
         # A checkpoint that cannot be loaded fails the job, not this constructor (the job then
         # ends FAILED naming the file, and run() returns at once); so does an LR schedule.
         error = lr_error
         if error is None and resume and s.checkpoint.dir:
             error = self.checkpoints.resume()
-            self.epochs.restored()
-        if error is None and s.checkpoint.from_ and self.job.start.weights is None:
+            self.epochs.restored(self.checkpoints.epoch_rebalances)
+        if error is None and s.checkpoint.from_ and self.checkpoints.weights is None:
             # A new job starts from another's checkpoint; one resuming from its own goes on
             # from that, which holds what it learnt since.
             error = self.checkpoints.start_from(s.checkpoint.from_)
         if error is not None:
             self.loop = Concluded(JobState.FAILED, error)
             self.finish(JobState.FAILED, error)
-        elif self.job.start.weights is not None:  # the first group forms with them
+        elif self.checkpoints.weights is not None:  # the first group forms with them
             self.loop = AtRest(Memo(restored=True))
 
     # ---------------------------------------------------------------- views
     @property
     def epoch(self) -> int:
-        p = self.job.protocol
-        return p.epoch if p else self.job.start.position.epoch
+        return self.protocol.epoch
 
     @property
     def step_in_epoch(self) -> int:
-        p = self.job.protocol
-        return p.step if p else self.job.start.position.step
+        return self.protocol.step
 
     @property
     def generation(self) -> int:
-        return self.job.membership.generation
+        return self.membership.generation
 
     @property
     def members(self):
-        return list(self.job.membership.members)
+        return list(self.membership.members)
 
     # ---------------------------------------------------------------- public interface
     def run(self) -> JobSnapshot:
@@ -221,19 +224,18 @@ class Coordinator(JobControl):
 
     def snapshot(self) -> JobSnapshot:
         with self.lock:
-            job = self.job
-            p = job.protocol
-            alloc = p.allocation if p else None
+            p = self.protocol
+            alloc = p.allocation
             batch_of = dict(zip(alloc.workers, alloc.batches, strict=True)) if alloc else {}
             # Between epochs (no totals open) the tracker still holds the ended epoch's
             # samples while the plan is the next one's: count one of them, never both. A
             # finished job shows its last epoch's partitions, as its record does.
             last = self.records[-1] if self.records else None
-            done = p is not None and p.epoch >= self.spec.epochs and last is not None
+            done = p.epoch >= self.spec.epochs and last is not None
             final = {w.worker: w.partition for w in last.workers} if done else {}
             workers = []
-            for rank, m in enumerate(job.membership.members):
-                t = job.tracker.workers.get(m.worker_id)
+            for rank, m in enumerate(self.membership.members):
+                t = self.tracker.workers.get(m.worker_id)
                 batch = part = 0
                 if m.worker_id in batch_of:
                     batch = batch_of[m.worker_id]
@@ -248,27 +250,27 @@ class Coordinator(JobControl):
                     slowdown=t.slowdown if t else 1.0,
                     joined=m.worker_id in batch_of,
                 ))
-            regime = job.regime.live(self.epoch, self.step_in_epoch, job.global_batch,
-                                     p.steps_per_epoch if p else 1)
+            regime = self.regime.live(self.epoch, self.step_in_epoch, p.global_batch,
+                                      p.steps_per_epoch or 1)
             return self._snapshot(
                 **regime, epoch=self.epoch, step=self.step_in_epoch,
-                steps_per_epoch=p.steps_per_epoch if p else 0, generation=self.generation,
+                steps_per_epoch=p.steps_per_epoch, generation=self.generation,
                 policy=self.spec.policy, workers=workers,
                 validation_metrics=dict(last.validation_metrics) if last else {},
                 utilization=last.utilization if last else None,
                 compute_balance=last.compute_balance if last else None,
                 rebalances_total=self.epochs.rebalances,
                 regroup_seconds_total=self.roster.regroup_seconds,
-                retried_samples_total=job.ledger.retried_total,
+                retried_samples_total=self.ledger.retried_total,
                 rollbacks_total=self.checkpoints.rollbacks,
                 step_breakdown=last.breakdown if last else None)
 
     def _member_ids(self) -> list[str]:
-        return self.job.membership.worker_ids
+        return self.membership.worker_ids
 
     def _assignment_error(self, nodes: NodeAssignment) -> str | None:
         with self.lock:
-            return self.job.membership.batch_error(nodes.total)
+            return self.membership.batch_error(nodes.total)
 
     def _assignment_arrived(self) -> None:
         """Start the assignment's new workers now, while the job trains (the roster's
@@ -283,7 +285,7 @@ class Coordinator(JobControl):
 
     def _placement_note(self, workers: int) -> str | None:
         with self.lock:
-            m = self.job.membership
+            m = self.membership
             if self.state == JobState.PENDING and m.generation == 0:
                 return None  # the first start shares nodes as it must
         nodes = self.runtime.nodes()
@@ -295,7 +297,7 @@ class Coordinator(JobControl):
         # Every spawned worker is a member, pending, or leaving until it is killed; spares
         # too.
         self.workforce.stop(tuple(self.workforce.leaving))
-        m = self.job.membership
+        m = self.membership
         for w in [*m.members, *m.pending.values()]:
             self.runtime.kill(w.worker_id)
         for node in m.drop_spares():
@@ -345,9 +347,8 @@ class Coordinator(JobControl):
 
     def _seen(self) -> Seen:
         """What the job's machines say now."""
-        job = self.job
-        p, m = job.protocol, job.membership
-        speeds = job.tracker.speeds()
+        p, m = self.protocol, self.membership
+        speeds = self.tracker.speeds()
         with self.lock:  # an arriving assignment changes the placement (Roster)
             requests = tuple(type(r).__name__.lower() for r in self._requests)
             membership = MembershipView(
@@ -360,9 +361,9 @@ class Coordinator(JobControl):
         return Seen(
             cancel=cancel,
             epoch=self.epoch, step=self.step_in_epoch,
-            steps_per_epoch=p.steps_per_epoch if p else 1,
+            steps_per_epoch=p.steps_per_epoch or 1,
             recorded=recorded,
-            batch=job.global_batch, next_batch=job.regime.batch_for(self.epoch + 1),
+            batch=p.global_batch, next_batch=self.regime.batch_for(self.epoch + 1),
             requests=requests,
             membership=membership, leaving=tuple(self.workforce.leaving))
 
@@ -395,9 +396,9 @@ class Coordinator(JobControl):
                 self.roster.wait_for_min(shortfall, since)
             case LoadCheckpoint():
                 if self.checkpoints.roll_back():
-                    self.epochs.restored()
+                    self.epochs.restored(self.checkpoints.epoch_rebalances)
             case Regroup(members, source):
-                weights = self.job.start.weights if source == "checkpoint" else None
+                weights = self.checkpoints.weights if source == "checkpoint" else None
                 if not self.roster.regroup(members, weights):
                     return False
                 self.checkpoints.loaded()
@@ -439,7 +440,7 @@ class Coordinator(JobControl):
                 self.checkpoints.save(reason=reason, position=position, epoch_rebalances=(
                     open_epoch.rebalances if open_epoch is not None else 0))
             case SaveModel(reason):
-                self.checkpoints.save_model(reason=reason)
+                self.checkpoints.save_model(reason, self.epochs.data)
             case EndJob(outcome, reason):
                 self.finish(outcome, reason)
             case _:

@@ -18,7 +18,7 @@ from dynabatch.scheduler.core.regime.stopping import Judgement, judge, should_st
 from dynabatch.scheduler.core.sync.allocation import Decision
 from dynabatch.scheduler.core.sync.boundary import evaluate_again
 from dynabatch.scheduler.core.sync.loop import Verdict
-from dynabatch.scheduler.core.sync.protocol import Position, RebalanceRule, SyncProtocol
+from dynabatch.scheduler.core.sync.protocol import Position, SyncProtocol
 from dynabatch.scheduler.core.sync.update import OfferedUpdate
 from dynabatch.scheduler.sync.epoch_report import (
     EpochTotals,
@@ -32,17 +32,25 @@ from dynabatch.scheduler.telemetry import EpochRecord, scores_text
 
 if TYPE_CHECKING:
     from dynabatch.scheduler.control import JobControl
-    from dynabatch.scheduler.runtime.seam import Runtime
+    from dynabatch.scheduler.core.ledger import Ledger
+    from dynabatch.scheduler.core.membership import Membership
+    from dynabatch.scheduler.core.regime.regime import Regime
+    from dynabatch.scheduler.core.sync.allocation import Policy
+    from dynabatch.scheduler.core.sync.tracker import Tracker
+    from dynabatch.scheduler.runtime.seam import DataInfo, Runtime
     from dynabatch.scheduler.sync.evaluation import Evaluations
-    from dynabatch.scheduler.sync.job import SyncJob
     from dynabatch.scheduler.sync.workforce import Workforce
 
 
 class Epochs:
-    def __init__(self, job: SyncJob, control: JobControl, workforce: Workforce, runtime: Runtime,
-                 evals: Evaluations):
-        self.job, self.control, self.workforce = job, control, workforce
+    def __init__(self, protocol: SyncProtocol, membership: Membership, regime: Regime,
+                 policy: Policy, tracker: Tracker, ledger: Ledger, control: JobControl,
+                 workforce: Workforce, runtime: Runtime, evals: Evaluations):
+        self.protocol, self.membership, self.regime = protocol, membership, regime
+        self.policy, self.tracker, self.ledger = policy, tracker, ledger
+        self.control, self.workforce = control, workforce
         self.runtime, self.evals = runtime, evals
+        self.data: DataInfo | None = None  # once loaded (the first boundary)
         # The open epoch's totals (the pipeline commits each segment into them); None
         # between epochs (the next step boundary begins one).
         self.totals: EpochTotals | None = None
@@ -57,43 +65,36 @@ class Epochs:
     def load_data(self) -> None:
         from dynabatch.actors.workloads import WorkloadError
 
-        job, s = self.job, self.control.spec
+        s, p = self.control.spec, self.protocol
         t0 = self.control.clock.now()
         try:
-            job.data = self.runtime.load_data()
+            d = self.data = self.runtime.load_data()
         except WorkloadError as err:
             self.workforce.failed(FailureEvent("data", error=str(err)))
             return
-        d = job.data
-        job.protocol = SyncProtocol(
-            global_batch=job.start_batch, dataset_size=d.n_train, seed=s.seed,
-            rule=RebalanceRule(s.rebalance.mode, s.rebalance.every_steps,
-                               s.rebalance.check_steps),
-            position=job.start.position,
-        )
-        if job.ledger.epoch != job.protocol.epoch:
-            job.ledger.begin_epoch(job.protocol.epoch, d.n_train)
-        if d.n_validation:  # judged on the validation split; the test set when due
-            self.evals.judge_on_validation(d.n_test, lambda epoch: due_for_test(
-                validation=True, every_epoch=s.evaluation.test_every_epoch,
-                last=epoch + 1 >= s.epochs, stopped=False))
+        p.load(d.n_train)
+        if self.ledger.epoch != p.epoch:
+            self.ledger.begin_epoch(p.epoch, d.n_train)
+        self.evals.loaded(d.n_validation, d.n_test, lambda epoch: due_for_test(
+            validation=True, every_epoch=s.evaluation.test_every_epoch,
+            last=epoch + 1 >= s.epochs, stopped=False))
         val = f"{d.n_validation} validation, " if d.n_validation else ""
         self.control.log("INFO", f"loaded {d.name}: {d.n_train} train, {val}{d.n_test} test "
                                  f"samples in {self.control.clock.now() - t0:.2f}s")
 
     def begin_epoch(self) -> None:
-        job, p = self.job, self.job.protocol
+        p = self.protocol
         if p.step == 0:
-            batch = job.regime.batch_for(p.epoch)
+            batch = self.regime.batch_for(p.epoch)
             if batch != p.global_batch:
                 self.control.log("INFO", f"epoch {p.epoch}: global batch {p.global_batch} -> "
                                          f"{batch}")
                 p.resize(batch)
         self.totals = EpochTotals(started=self.control.clock.now(), rebalances=self._carried)
         self._carried = 0
-        job.tracker.begin_epoch()
-        if job.ledger.epoch != p.epoch:
-            job.ledger.begin_epoch(p.epoch, p.dataset_size)
+        self.tracker.begin_epoch()
+        if self.ledger.epoch != p.epoch:
+            self.ledger.begin_epoch(p.epoch, p.dataset_size)
 
     def replan(self, why: str, at: int | None = None, early: int | None = None
                ) -> OfferedUpdate | None:
@@ -105,13 +106,13 @@ class Epochs:
         the batches is adopted from there and returned, offered to the segment in flight:
         the loop posts it (``PostPlanUpdate``: the pipeline's ``post_update``, then
         :meth:`adopted`)."""
-        job, p = self.job, self.job.protocol
-        if at is not None and job.membership.dirty:
+        p = self.protocol
+        if at is not None and self.membership.dirty:
             return None  # a worker joined or was lost: the boundary's regroup re-plans
-        workers = job.membership.worker_ids
+        workers = self.membership.worker_ids
         early = early if at is not None else None
-        decision = p.replan(job.policy, job.tracker.telemetry(workers, self.control.spec.max_batch),
-                            at=at if early is None else early)
+        telemetry = self.tracker.telemetry(workers, self.control.spec.max_batch)
+        decision = p.replan(self.policy, telemetry, at=at if early is None else early)
         if decision is None:
             return None
         if early is not None:
@@ -121,21 +122,22 @@ class Epochs:
         self.adopted(decision, at, why)
         return None
 
-    def restored(self) -> None:
+    def restored(self, carried: int) -> None:
         """The job (re)starts from a checkpoint (resumed, or rolled back): the open epoch's
         totals go (the next boundary begins it again, from the checkpoint's step); the
         rebalances are the restored history's (complete: evaluations in flight were settled
-        before the checkpoint was written) and those of the checkpoint's epoch."""
+        before the checkpoint was written) and those of the checkpoint's epoch before its
+        position (``carried``)."""
         self.totals = None
-        self._carried = self.job.start.rebalances
+        self._carried = carried
         self.rebalances = sum(r.rebalances for r in self.control.records) + self._carried
 
     def adopted(self, decision: Decision, at: int | None, why: str) -> None:
         """A re-plan took effect from step ``at`` (None: now): the tracker learns the
         batches, and a rebalance is counted and logged."""
-        job, p = self.job, self.job.protocol
+        p = self.protocol
         a = decision.allocation
-        job.tracker.decided(dict(zip(a.workers, a.batches, strict=True)))
+        self.tracker.decided(dict(zip(a.workers, a.batches, strict=True)))
         if decision.rebalanced:
             self.rebalances += 1
             self.totals.rebalanced()
@@ -156,7 +158,7 @@ class Epochs:
         """After the ended epoch's evaluation is in: whether it is the best by keep_best's
         metric (what it was judged by, for the best checkpoint), and early stopping's reason
         to end the training after it, if any."""
-        epoch = self.job.protocol.epoch
+        epoch = self.protocol.epoch
         history = self.control.records
         best = self.control.spec.checkpoint.keep_best
         judged_best = None
@@ -187,8 +189,8 @@ class Epochs:
         reports (None: the exactly-once check does not hold, and the failure policy fails
         the job) and build its record, returned with the shards the holders score its final
         weights on (None: the evaluation sent ahead of its end does; :meth:`evaluate`)."""
-        job, p = self.job, self.job.protocol
-        v = job.ledger.verify()
+        p = self.protocol
+        v = self.ledger.verify()
         if not v.verified:
             self.workforce.failed(FailureEvent("exactly_once", error=(
                 f"epoch {p.epoch}: exactly-once check of the workers' reports failed: "
@@ -197,20 +199,20 @@ class Epochs:
         ep = self.totals
         alloc = p.allocation
         planned = set(alloc.workers) if alloc else set()
-        tracks = {w: t for w in job.membership.worker_ids
-                  if (t := job.tracker.workers.get(w)) is not None
+        tracks = {w: t for w in self.membership.worker_ids
+                  if (t := self.tracker.workers.get(w)) is not None
                   and (t.epoch_steps or w in planned)}
         record = build_record(
             epoch=p.epoch, steps=p.steps_per_epoch, verification=v, totals=ep,
             elapsed=self.control.clock.now() - ep.started, tracks=tracks,
-            nodes={m.worker_id: m.node for m in job.membership.members}, allocation=alloc,
-            regime=job.regime.end_epoch(p.epoch, p.global_batch, p.steps_per_epoch, ep.wall),
+            nodes={m.worker_id: m.node for m in self.membership.members}, allocation=alloc,
+            regime=self.regime.end_epoch(p.epoch, p.global_batch, p.steps_per_epoch, ep.wall),
             policy=self.control.spec.policy, emulated=self.control.spec.emulated,
-            generation=job.membership.generation)
+            generation=self.membership.generation)
         if self.evals.unattached(p.epoch) is not None:
             return record, None
-        holders = [m.worker_id for m in job.membership.holders()]
-        return record, job.evaluation_shards(holders)
+        holders = [m.worker_id for m in self.membership.holders()]
+        return record, self.evals.shards(holders, self.tracker.speeds())
 
     def evaluate(self, epoch: int, shards: Mapping[str, tuple[int, int]] | None,
                  record: EpochRecord) -> None:
@@ -225,13 +227,13 @@ class Epochs:
         """The ended epoch is closed: the job stands at the next epoch's start (training
         ends there when early stopping said so: ``stop``), and the evaluations that are in
         are published."""
-        job, p = self.job, self.job.protocol
+        p = self.protocol
         due = self.evals.test_after
         if stop is not None and due is not None and not due(p.epoch):
             # An early stop ends the training with these weights: the test set scores them
             # (the holders have them: a judged epoch sends nothing ahead of its evaluation).
-            holders = [m.worker_id for m in job.membership.holders()]
-            self.evals.submit_test(p.epoch, holders, job.tracker.speeds(),
+            holders = [m.worker_id for m in self.membership.holders()]
+            self.evals.submit_test(p.epoch, holders, self.tracker.speeds(),
                                    record=self.control.records[-1], extra=self.totals,
                                    behind=True)
         with self.control.lock:
@@ -259,7 +261,6 @@ class Epochs:
         every shard was scored. A shard that failed on a live worker is a failure the
         policy decides (the job fails once its retries are spent), unless the job is ending anyway
         (``closing``)."""
-        job = self.job
         for w, r in rnd.failures.items():
             self.control.log("WARNING", f"evaluation of epoch {rnd.epoch} on {w} failed: {r.error}")
             if r.lost:
@@ -278,14 +279,15 @@ class Epochs:
         again = evaluate_again(
             complete=sums is not None, shard_failed=bool(rnd.failures),
             last_queued=rnd is self.evals.behind,
-            holders=tuple(m.worker_id for m in job.membership.holders()),
+            holders=tuple(m.worker_id for m in self.membership.holders()),
             waited_s=rnd.critical_s, cancel_requested=self.control.cancel_reason is not None)
         if again is not None:
             # Nothing was sent behind it: the holders left still have the epoch's weights
             # and score the set again (at the job's end, say), so no scores are lost.
             self.control.log("INFO", f"epoch {rnd.epoch}: evaluating again on "
                                      f"{list(again.workers)}")
-            self.evals.rerun(rnd, job.evaluation_shards(list(again.workers), rnd.split),
+            self.evals.rerun(rnd, self.evals.shards(list(again.workers), self.tracker.speeds(),
+                                             rnd.split),
                              again.waited_s)
             return
         scores = self.evals.runtime.finish_evaluation(sums) if sums is not None else None

@@ -145,19 +145,31 @@ class Evaluations:
         self.clock = clock
         self.timeout_s = timeout_s
         self.rounds: list[EvalRound] = []
-        # The judged split each epoch scores (validation, when the data has one), the test
-        # set's size, and which epochs' weights are also scored on the test set (due_for_test).
+        # The judged split each epoch scores (validation, when the data has one), the
+        # held-out splits' sizes, and which epochs' weights are also scored on the test set
+        # (due_for_test).
         self.split = "test"
-        self.n_test = 0
+        self.n_validation = self.n_test = 0
         self.test_after: Callable[[int], bool] | None = None  # None: never
         # The round queued for the next segment sent (its workers score first: the
         # segment's time is not charged with it). A regroup drops it: it ran before.
         self.behind: EvalRound | None = None
 
-    def judge_on_validation(self, n_test: int, test_after: Callable[[int], bool]) -> None:
-        """The data has a validation split: each epoch is judged on it, and the test set
-        (``n_test`` samples) scores the weights of the epochs ``test_after`` names."""
-        self.split, self.n_test, self.test_after = "validation", n_test, test_after
+    def loaded(self, n_validation: int, n_test: int, test_after: Callable[[int], bool]
+               ) -> None:
+        """The data's held-out splits: each epoch is judged on the validation split when the
+        data has one, and the test set then scores the weights of the epochs ``test_after``
+        names; else each is judged on the test set."""
+        self.n_validation, self.n_test = n_validation, n_test
+        if n_validation:
+            self.split, self.test_after = "validation", test_after
+
+    def shards(self, workers: list[str], speeds: Mapping[str, float], which: str | None = None
+               ) -> dict[str, tuple[int, int]]:
+        """The held-out split ``which`` (default: the judged one) over ``workers``, in
+        proportion to their measured throughput (``speeds``: the tracker's)."""
+        n = self.n_test if (which or self.split) == "test" else self.n_validation
+        return split(n, {w: speeds.get(w, 0.0) for w in workers})
 
     def submit(self, epoch: int, shards: dict[str, tuple[int, int]],
                split: str | None = None, *, behind: bool = False) -> EvalRound:

@@ -30,9 +30,13 @@ from dynabatch.scheduler.sync.evaluation import EvalRound
 
 if TYPE_CHECKING:
     from dynabatch.scheduler.control import JobControl
+    from dynabatch.scheduler.core.ledger import Ledger
+    from dynabatch.scheduler.core.membership import Membership
+    from dynabatch.scheduler.core.regime.regime import Regime
+    from dynabatch.scheduler.core.sync.protocol import SyncProtocol
+    from dynabatch.scheduler.core.sync.tracker import Tracker
     from dynabatch.scheduler.runtime.seam import Runtime
     from dynabatch.scheduler.sync.evaluation import Evaluations
-    from dynabatch.scheduler.sync.job import SyncJob
     from dynabatch.scheduler.sync.workforce import Workforce
 
 UPDATE_TIMEOUT_S = 2.0  # posting a plan update: one compare-and-set in the group's store
@@ -54,9 +58,12 @@ class Ahead:
 
 
 class Pipeline:
-    def __init__(self, job: SyncJob, control: JobControl, workforce: Workforce, runtime: Runtime,
-                 evals: Evaluations):
-        self.job, self.control, self.workforce = job, control, workforce
+    def __init__(self, protocol: SyncProtocol, membership: Membership, regime: Regime,
+                 tracker: Tracker, ledger: Ledger, control: JobControl, workforce: Workforce,
+                 runtime: Runtime, evals: Evaluations):
+        self.protocol, self.membership, self.regime = protocol, membership, regime
+        self.tracker, self.ledger = tracker, ledger
+        self.control, self.workforce = control, workforce
         self.runtime, self.evals = runtime, evals
         self.ahead: Ahead | None = None  # the segment in flight, sent ahead
         self.last_collect = -1e18  # when the last segment's results were read
@@ -68,11 +75,10 @@ class Pipeline:
         """The protocol's plans, stamped with the regime's learning rates and ISGD chart
         and with each worker's memory cap (learned for its node and device from an
         out-of-memory failure: dynabatch.scheduler.core.failures.MemoryCaps)."""
-        job = self.job
-        plans = job.regime.stamp(plans, job.protocol.steps_per_epoch)
+        plans = self.regime.stamp(plans, self.protocol.steps_per_epoch)
         out = {}
         for w, plan in plans.items():
-            m = job.membership.get(w)
+            m = self.membership.get(w)
             cap = self.workforce.memory.cap(m.node, m.gpus) if m is not None else None
             out[w] = replace(plan, micro_cap=cap) if cap is not None else plan
         return out
@@ -81,12 +87,12 @@ class Pipeline:
         """The step after the segment in flight, when it lies in this epoch."""
         a = self.ahead
         return decide.ahead_end(a.position if a else None, a.length if a else 0,
-                                self.job.protocol.epoch)
+                                self.protocol.epoch)
 
     def update_from(self) -> int | None:
         """The step from which a re-plan decided now can take effect inside the segment in
         flight, by a plan update (None: only after it)."""
-        a, p = self.ahead, self.job.protocol
+        a, p = self.ahead, self.protocol
         if a is None or a.position.epoch != p.epoch:
             return None
         if not next(iter(a.plans.values())).updates:
@@ -100,14 +106,14 @@ class Pipeline:
         worker had started that step) the segment's end, where the protocol defers it."""
         if self.send_update(offer.early, offer.end):
             return offer.early
-        self.job.protocol.defer(offer.early, offer.end)
+        self.protocol.defer(offer.early, offer.end)
         return offer.end
 
     def send_update(self, at: int, end: int) -> bool:
         """Send the workers their steps ``[at, end)`` of the segment in flight under the
         allocation just adopted from ``at``. True when they apply it; False when refused
         (a worker had started step ``at``): the caller defers the allocation to ``end``."""
-        p = self.job.protocol
+        p = self.protocol
         ahead = self.ahead
         seg = self.stamp(p.plan_segment(at=at, whole=True))
         update = PlanUpdate(p.epoch, at, {w: tuple(sp for sp in s.steps if sp.step < end)
@@ -127,7 +133,7 @@ class Pipeline:
         the protocol's next, stamped. ``ahead``: with the one after it, in this epoch, or
         (``across``) the next epoch's first, behind the epoch's evaluation, split over the
         segment's workers."""
-        p, flying = self.job.protocol, self.ahead
+        p, flying = self.protocol, self.ahead
         if flying is not None and flying.position == p.position:
             order = SegmentOrder(p.position, flying.plans, sent=True)
         else:
@@ -147,18 +153,17 @@ class Pipeline:
             return order
         # Each of the segment's workers scores its shard of the epoch's final weights, then
         # trains on.
-        shards = self.job.evaluation_shards(list(order.plans)) if crossing else None
+        shards = self.evals.shards(list(order.plans), self.tracker.speeds()) if crossing else None
         return replace(order, ahead=SegmentOrder(at, self.stamp(p.plan_segment(at=at)),
                                                  shards=shards))
 
     def drain(self, totals: EpochTotals | None) -> bool:
         """Collect the segment in flight: commit it into the open epoch's ``totals``, or
         (None) discard it after a failure of the one before it (it did not run)."""
-        job = self.job
         ahead = self.ahead
         if ahead is None:
             return True
-        if totals is not None and ahead.position == job.protocol.position:
+        if totals is not None and ahead.position == self.protocol.position:
             # (Sent across the epoch's end: the loop began its epoch.)
             return self.train(SegmentOrder(ahead.position, ahead.plans, sent=True), totals)
         self.ahead = None
@@ -188,7 +193,7 @@ class Pipeline:
         if (nxt := order.ahead) is not None:
             # Dropped if this segment fails (it is not the epoch's final state).
             queued = None if nxt.shards is None else self.evals.submit(
-                self.job.protocol.epoch, dict(nxt.shards))
+                self.protocol.epoch, dict(nxt.shards))
             self.ahead = Ahead(nxt.position, dict(nxt.plans),
                                self.runtime.submit_segment(dict(nxt.plans)),
                                self.control.clock.now(), queued)
@@ -203,7 +208,7 @@ class Pipeline:
         when it all ran. ``charge``: count a failure against the retries (not for a
         segment sent ahead, whose failure is the one already counted). ``behind``: an
         evaluation its workers ran just before it (its time is not the segment's)."""
-        job, p = self.job, self.job.protocol
+        p = self.protocol
         now = self.control.clock.now()  # before the poll below: a simulated clock moves in it
         evaluation_s = None
         if behind is not None:
@@ -225,14 +230,14 @@ class Pipeline:
             for j in range(done):
                 reports = [r.steps[j] for r in results if len(r.steps) > j]
                 committed.append(reports)
-                job.ledger.commit(reports)
-                job.regime.observe(reports)
+                self.ledger.commit(reports)
+                self.regime.observe(reports)
                 totals.add_step(reports)
             totals.add_segment(share, busy)
             for r in results:
-                job.tracker.observe(r.worker, r.steps)
+                self.tracker.observe(r.worker, r.steps)
             p.advance(done)
-            job.membership.progressed(
+            self.membership.progressed(
                 {r.worker: Position(start.epoch, start.step + len(r.steps)) for r in results}
             )
         # Outside the lock: the first write opens the event files (snapshots need not wait).
@@ -264,11 +269,10 @@ class Pipeline:
         rest is discarded. (One ahead in the next epoch: the loop ended this epoch and
         began that one first.) It all ran only when it was committed whole: otherwise the
         failed segment's retry is still to run."""
-        job = self.job
         ahead = self.ahead
         if ahead is None:
             return False
-        p = job.protocol
+        p = self.protocol
         if ahead.position != p.position:
             return self.drain(None)
         self.ahead = None
@@ -282,23 +286,23 @@ class Pipeline:
 
     def segment_failed(self, failure: Failure, charge: bool = True,
                        partial: bool = True) -> None:
-        job, p = self.job, self.job.protocol
+        p = self.protocol
         # A step was in flight unless every survivor completed the whole segment (a lost
         # worker's result went with its node after the segment's collectives completed).
         if partial and not p.epoch_complete:
             in_flight = p.step_size(p.step)
-            job.ledger.retry(in_flight)
+            self.ledger.retry(in_flight)
         self.control.log("WARNING", f"step {p.step} of epoch {p.epoch} failed: {failure.summary}")
         for w, why in failure.lost.items():
             self.workforce.remove(w, "failure", why)
         for w, (_, batch) in failure.oom.items():
-            m = job.membership.get(w)
+            m = self.membership.get(w)
             cap = self.workforce.memory.ran_out(m.node, m.gpus, batch) if m is not None else None
             if cap is not None:
                 self.control.log("WARNING", f"{w} ran out of memory on a micro-batch of {batch}: "
                                             f"node {m.node}'s memory cap is now {cap} samples")
         # Whoever is left broke off the collective: the group must be formed again.
-        job.membership.broke()
+        self.membership.broke()
         # Uncharged (a segment sent ahead), the failure before it was counted: the next
         # segment is a retry either way. The policy evicts the stragglers.
         self.workforce.failed(FailureEvent("segment", position=p.position, failure=failure,

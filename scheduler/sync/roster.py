@@ -25,10 +25,11 @@ from dynabatch.scheduler.runtime.seam import GroupReport
 
 if TYPE_CHECKING:
     from dynabatch.scheduler.control import JobControl
-    from dynabatch.scheduler.core.membership import NodeInfo
+    from dynabatch.scheduler.core.membership import Membership, NodeInfo
+    from dynabatch.scheduler.core.sync.protocol import SyncProtocol
+    from dynabatch.scheduler.core.sync.tracker import Tracker
     from dynabatch.scheduler.runtime.seam import GroupReports, Runtime
     from dynabatch.scheduler.sync.evaluation import Evaluations
-    from dynabatch.scheduler.sync.job import SyncJob
     from dynabatch.scheduler.sync.workforce import Workforce
 
 # After adopting a spare at a boundary with nothing in flight, how long to wait for it to
@@ -43,11 +44,13 @@ class Roster:
     """Who trains: the driver's side of :class:`~dynabatch.scheduler.core.membership.
     Membership` (named apart from the workers' process group, ``dynabatch.actors.group``)."""
 
-    def __init__(self, job: SyncJob, control: JobControl, workforce: Workforce, runtime: Runtime,
+    def __init__(self, protocol: SyncProtocol, membership: Membership, tracker: Tracker,
+                 control: JobControl, workforce: Workforce, runtime: Runtime,
                  evals: Evaluations, reports: GroupReports | None):
         """``reports``: where a group formed is told to the cluster scheduler (None: not
         told)."""
-        self.job, self.control, self.workforce = job, control, workforce
+        self.protocol, self.membership, self.tracker = protocol, membership, tracker
+        self.control, self.workforce = control, workforce
         self.runtime, self.evals, self.reports = runtime, evals, reports
         self.nodes: list[NodeInfo] = []  # as last listed (the loop's Place)
         self.regroup_seconds = 0.0  # this driver's regroups, from the call to the group
@@ -56,13 +59,12 @@ class Roster:
     def poll_nodes(self, starting: bool) -> None:
         """List the nodes now (the loop's ``Place`` first): the job's first start says when
         there are none; spares lost before they were adopted are noted."""
-        job = self.job
         with self.control.lock:
             self.nodes = self.runtime.nodes()
             if not self.nodes and starting:
                 self.control.waiting(f"waiting for resources: {self.no_node_hint()}")
             for node, why in self.runtime.lost_spares():
-                job.membership.spare_lost(node, why)
+                self.membership.spare_lost(node, why)
                 self.control.log("WARNING", f"the spare worker on node {node_label(node)} was lost "
                                             f"before it was adopted ({why}); that node gets no "
                                             "other spare")
@@ -72,14 +74,14 @@ class Roster:
         drain leaves at :meth:`apply_drains`; workers still starting that an assignment
         leaves out stop now); ``assignments``: only the assignments at the head of the queue
         (with a segment in flight: their workers start now). True when one was taken."""
-        m = self.job.membership
+        m = self.membership
         took = False
         with self.control.lock:
             for r in self.control.take_requests(assignments):
                 try:
                     match r:
                         case Scale(workers):
-                            m.request_scale(workers, speeds=self.job.tracker.speeds())
+                            m.request_scale(workers, speeds=self.tracker.speeds())
                         case Drain(worker):
                             m.request_drain(worker)
                         case Assign(nodes):
@@ -93,7 +95,7 @@ class Roster:
     def withdraw(self) -> None:
         """Stop the workers still starting that the assignment in force leaves out (an
         earlier one started them): they would hold slots the scheduler has given away."""
-        for w in self.job.membership.withdraw():
+        for w in self.membership.withdraw():
             self.runtime.kill(w)
             self.control.log("INFO", f"worker {w} stopped before it joined: the assignment in "
                                      "force leaves its slot out")
@@ -102,7 +104,7 @@ class Roster:
         """Remove the workers asked to leave, and those an assignment moves now (the loop
         settles the evaluations first: a drained worker may still owe its shard of one)."""
         with self.control.lock:
-            changes = self.job.membership.apply_drains(self.job.tracker.speeds())
+            changes = self.membership.apply_drains(self.tracker.speeds())
         for change in changes:
             self.workforce.changed(change)
             self.workforce.left(change.worker)
@@ -115,10 +117,10 @@ class Roster:
         the first boundary once up; workers still starting for an earlier assignment that
         it leaves out stop. Before the job's first group (its first start places the newest
         assignment), or once it ends or is cancelled, the next boundary takes it."""
-        c, job = self.control, self.job
+        c = self.control
         with self.control.lock:
-            if (c.state.is_terminal or c.cancel_reason is not None or job.protocol is None
-                    or job.membership.generation == 0):
+            if (c.state.is_terminal or c.cancel_reason is not None or not self.protocol.loaded
+                    or self.membership.generation == 0):
                 return
             if self.apply_requests(assignments=True):
                 self.poll_nodes(starting=False)
@@ -133,11 +135,11 @@ class Roster:
         if starting:
             return spawns, SparePlan()
         with self.control.lock:
-            return spawns, self.job.membership.spare_plan(self.nodes, self.control.spec.spares)
+            return spawns, self.membership.spare_plan(self.nodes, self.control.spec.spares)
 
     def spawns(self, starting: bool) -> tuple[Spawn, ...]:
         """The workers to start on the nodes last listed, now pending in the membership."""
-        m = self.job.membership
+        m = self.membership
         with self.control.lock:
             spawns = tuple(m.spawns(self.nodes, starting, self.control.spec.gpus_on))
             if not starting:
@@ -147,7 +149,7 @@ class Roster:
     def start(self, spawns: tuple[Spawn, ...], wait: bool = False) -> None:
         """Start ``spawns``' workers (the loop's ``StartWorkers``). ``wait``: an adopted
         spare is waited for a moment (see :data:`ADOPT_WAIT_S`)."""
-        m = self.job.membership
+        m = self.membership
         with self.control.lock:
             # One an assignment left out since it was planned (on the request thread) is not
             # pending any more: it is not started.
@@ -179,7 +181,7 @@ class Roster:
 
     def placement_text(self, short: int, want: int) -> str:
         s = self.control.spec
-        if self.job.membership.assignment is not None:
+        if self.membership.assignment is not None:
             return (f"{want - short} of {want} assigned workers placed: {short} are for "
                     "assigned nodes that are not alive or cannot host this job's workers "
                     f"(worker_cpus={s.worker_cpus:g}"
@@ -206,8 +208,7 @@ class Roster:
         """Take in the workers that came up (waiting up to ``timeout_s`` for the first, not
         under the lock): each joins the members, its telemetry tracked from now, or is
         stopped when no longer wanted."""
-        job = self.job
-        m = job.membership
+        m = self.membership
         for st in self.runtime.poll_started(timeout_s):
             if st.error is not None:
                 with self.control.lock:
@@ -219,13 +220,13 @@ class Roster:
             if change is None:
                 self.workforce.left(st.worker)
             else:
-                job.tracker.add(st.worker, m.get(st.worker).capacity)
+                self.tracker.add(st.worker, m.get(st.worker).capacity)
                 self.workforce.changed(change)
 
     def await_starts(self) -> None:
         """Wait a little for the first start's workers to come up, and take in those that
         did (the loop's ``AwaitStarts``; the start timeout is its)."""
-        m = self.job.membership
+        m = self.membership
         self.control.waiting(
             f"waiting for resources: {len(m.pending)} of {len(m.pending) + len(m.members)}"
             f" workers not started yet ({len(self.runtime.nodes())} eligible nodes; other "
@@ -235,7 +236,7 @@ class Roster:
     def give_up_starts(self) -> None:
         """The workers still starting when the first start's wait ended (the loop's
         ``GiveUpStarts``): out of the membership, queued to be killed."""
-        m = self.job.membership
+        m = self.membership
         why = ("the job was cancelled while it started" if self.control.cancel_reason is not None
                else f"it could not start in {self.control.spec.start_timeout_s:.0f}s")
         with self.control.lock:
@@ -249,10 +250,10 @@ class Roster:
     def wait_for_min(self, shortfall: str, since: float | None) -> bool:
         """Too few workers since ``since`` (None: from now; the loop's ``Waiting`` keeps
         when the wait began)."""
-        c, job, s = self.control, self.job, self.control.spec
+        c, s = self.control, self.control.spec
         wait = wait_for_minimum(
             since=since, now=self.control.clock.now(),
-            started=job.membership.generation != 0, start_timeout_s=s.start_timeout_s,
+            started=self.membership.generation != 0, start_timeout_s=s.start_timeout_s,
             worker_wait_timeout_s=s.worker_wait_timeout_s)
         if wait.first:
             self.control.log("WARNING", f"cannot train: {shortfall}")
@@ -285,7 +286,7 @@ class Roster:
         checkpoint restored, which go to rank 0 even when every member holds the committed
         position (a job starting from another's checkpoint, ``checkpoint.from``, is at epoch
         0 step 0 with them). False when it failed (the next step tries again)."""
-        m = self.job.membership
+        m = self.membership
         t0 = self.control.clock.now()
         # A join is its start-up (join_timeout) and the state broadcast (a collective).
         s = self.control.spec
@@ -313,12 +314,12 @@ class Roster:
         """Tell the cluster scheduler the group that formed (``members``: their nodes and
         speeds, and the global batch), when one placed the job (an assignment is in force):
         its view shows them at once. Sent without waiting."""
-        c, job = self.control, self.job
-        m = job.membership
+        c = self.control
+        m = self.membership
         if self.reports is None or m.assignment is None:
             return
-        speeds = job.tracker.speeds()
+        speeds = self.tracker.speeds()
         nodes = {x.worker_id: x.node for x in m.members}
         self.reports.report(GroupReport(
             c.job_id, tuple((nodes[w], speeds.get(w, 0.0)) for w in members if w in nodes),
-            float(job.global_batch)))
+            float(self.protocol.global_batch)))

@@ -54,7 +54,7 @@ def test_a_running_job_moves_to_two_other_nodes(cluster):
         new = sorted(n for n in nodes if n not in old)
         assert len(old) == 2 and len(new) == 2
         coord.assign({new[0]: 1, new[1]: 1})
-        pending = coord.job.membership.pending
+        pending = coord.membership.pending
         while not pending:  # up to the next boundary, which starts its workers
             assert coord.step(), coord.snapshot().reason
         assert {m.node for m in pending.values()} == set(new)

@@ -90,8 +90,8 @@ def test_nodes_lost_mid_epoch_and_in_an_epochs_last_steps_keep_training(cluster)
     wait_for(lambda: coord.epoch == 1 and coord.step_in_epoch >= 4, timeout=120, interval=0.01)
     first = coord.members[-1]
     cluster.remove_node(_node_of(cluster, nodes, first.node), allow_graceful=False)
-    wait_for(lambda: coord.job.protocol is not None and coord.epoch == 3
-             and coord.step_in_epoch >= coord.job.protocol.steps_per_epoch - 2,
+    wait_for(lambda: coord.protocol.loaded and coord.epoch == 3
+             and coord.step_in_epoch >= coord.protocol.steps_per_epoch - 2,
              timeout=120, interval=0.002)
     assert first.worker_id not in {m.worker_id for m in coord.members}
     second = coord.members[-1]
@@ -302,7 +302,7 @@ def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster, monkeypat
         wait_for(lambda: "w2" in trained, timeout=30, interval=0.05)
         assert coord.runtime.startups["w2"].get("spare") and "adopted" in (
             coord.runtime.startups["w2"])
-        assert coord.job.membership.get("w2").node == node
+        assert coord.membership.get("w2").node == node
         assert free_cpus()[node] == 0.0  # adopted: its CPU is reserved like a fresh worker's
     finally:
         coord.cancel("test done")

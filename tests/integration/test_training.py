@@ -83,7 +83,7 @@ def test_every_sample_trained_once_per_epoch(cluster):
     coord = Coordinator("exactly-once", spec, resume=False)
     snap = coord.run()
     assert snap.state == JobState.SUCCEEDED, snap.reason
-    n = coord.job.data.n_train
+    n = coord.epochs.data.n_train
     assert n % 50 != 0
     for rec in coord.history():
         # From the workers' reports: the all-reduced coverage of every committed step.

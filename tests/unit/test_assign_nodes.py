@@ -203,7 +203,7 @@ def _assert_done(coord: Coordinator, lineages: Lineages) -> None:
     for r in hist:
         assert r.verified and r.samples_trained == r.dataset_size == N, r
     full = [(e, s) for e in range(coord.spec.epochs) for s in range(SPE)]
-    for w in coord.job.membership.worker_ids:  # no step lost: each holds every step once
+    for w in coord.membership.worker_ids:  # no step lost: each holds every step once
         assert lineages.lineage(w) == full, w
 
 
@@ -253,7 +253,7 @@ def test_grow_then_shrink_by_assignment():
     coord.assign({"node00": 1})  # shrink: 4 -> 1, the fastest on node00 stays
     coord.run()
     _assert_done(coord, lineages)
-    assert coord.job.membership.worker_ids == ("w0",)
+    assert coord.membership.worker_ids == ("w0",)
 
 
 def test_an_owners_drain_under_the_scheduler_takes_that_worker_not_the_slowest_there():
@@ -268,7 +268,7 @@ def test_an_owners_drain_under_the_scheduler_takes_that_worker_not_the_slowest_t
     before = len(coord.membership_events())
     coord.assign(NodeAssignment((("node00", 1), ("node01", 1)), leaving=("w0",)))
     _run_to_epoch(coord, 3)
-    assert sorted(coord.job.membership.worker_ids) == sorted(["w1", new])
+    assert sorted(coord.membership.worker_ids) == sorted(["w1", new])
     coord.run()
     _assert_done(coord, lineages)
     after = coord.membership_events()[before:]
@@ -323,7 +323,7 @@ def test_an_assignment_above_the_specs_max_workers_is_carried_out():
     coord.assign({"node00": 1, "node01": 1})
     _run_to_epoch(coord, 2)
     assert _nodes_of(coord) == {"node00": 1, "node01": 1}
-    assert (coord.job.membership.min_size, coord.job.membership.max_size) == (1, 2)
+    assert (coord.membership.min_size, coord.membership.max_size) == (1, 2)
     coord.run()
     _assert_done(coord, lineages)
 
@@ -461,7 +461,7 @@ def test_workers_a_newer_assignment_withdraws_before_they_join_are_stopped():
     assert rt.arrived == [at, at + 2]
     assert rt.spawned[2:] == [("w2", at)]
     assert "w2" in rt.record.killed
-    assert "w2" not in coord.job.membership.pending
+    assert "w2" not in coord.membership.pending
     assert all(e.worker != "w2" for e in coord.membership_events())  # it never joined
     assert _nodes_of(coord) == {"node00": 1, "node01": 1}
     coord.run()
@@ -484,7 +484,7 @@ def test_a_joining_worker_is_listed_but_not_counted_until_the_group_forms():
     assert coord.snapshot().group_size == 2
     # The driver's view once a third worker's actor is up (Ray starts it in the background):
     # a member of the job, joining at the next regroup.
-    members = coord.job.membership
+    members = coord.membership
     members.pending["w9"] = Member("w9", 9, "node01", 1.0)
     assert members.started("w9") is not None
     snap = coord.snapshot()

@@ -272,7 +272,7 @@ def test_a_job_starts_from_another_jobs_checkpoint(tmp_path: Path) -> None:
     first, lin1 = _fake_job("job-a", checkpoint={"dir": str(tmp_path)})
     first.run()
     assert first.snapshot().state.value == "SUCCEEDED", first.snapshot().reason
-    trained = lin1.lineage(first.job.membership.worker_ids[0])
+    trained = lin1.lineage(first.membership.worker_ids[0])
     assert trained, "the first job trained"
 
     source = checkpoint_path(tmp_path, "job-a")
@@ -281,7 +281,7 @@ def test_a_job_starts_from_another_jobs_checkpoint(tmp_path: Path) -> None:
     snap = second.snapshot()
     assert snap.state.value == "SUCCEEDED", snap.reason
     # Its weights went on from the first job's: those updates, then its own two epochs.
-    lineage = lin2.lineage(second.job.membership.worker_ids[0])
+    lineage = lin2.lineage(second.membership.worker_ids[0])
     assert lineage[: len(trained)] == trained
     assert [e for e, _ in lineage[len(trained) :]] == sorted(e for e, _ in lineage[len(trained) :])
     assert {e for e, _ in lineage[len(trained) :]} == {0, 1}
@@ -311,7 +311,7 @@ def test_checkpoint_from_keeps_the_optimizer_state_only_for_the_same_optimizer(
         optimizer={"name": optimizer},
         checkpoint={"from": str(checkpoint_path(tmp_path, JOB))},
     )
-    weights = job.job.start.weights
+    weights = job.checkpoints.weights
     assert weights is not None and set(weights["model"]) == set(_payload()["weights"]["model"])
     assert ("optimizer" in weights) is keeps
     (line,) = [x.message for x in job.logs() if x.message.startswith("starting from")]

@@ -157,7 +157,7 @@ def test_a_job_resumes_and_starts_from_checkpoints_under_a_uri(store: Path) -> N
 
     source = f"{uri}/job-a/checkpoint.pt"
     other, _ = _fake_job("job-b", checkpoint={"from": source})
-    assert other.job.start.weights is not None
+    assert other.checkpoints.weights is not None
     assert any(f"starting from checkpoint {source}" in x.message for x in other.logs())
 
 

@@ -91,18 +91,11 @@ def test_the_privates_check_sees_a_foreign_read() -> None:
     assert _foreign_privates(src) == ["2: control._log", "6: other._theirs"]
 
 
-# The job's slots that are replaced whole while it runs, and the one part that replaces each:
-# the data and the protocol built over it are loaded at the first boundary; a checkpoint
-# restores the ledger and the start point, and drops its weights once a group loaded them.
-SLOT_OWNERS = {"data": "epochs", "protocol": "epochs", "ledger": "checkpoints",
-               "start": "checkpoints"}
-
-
-def _foreign_writes(source: str, part: str = "") -> list[str]:
+def _foreign_writes(source: str) -> list[str]:
     """Every assignment to a field of an object the part was given or was handed back
-    (``self.evals.behind = ...``, ``m.dirty = ...``, ``rnd.record = ...``): a machine's state
-    changes through its own methods. A part's own fields (``self.x = ...``) are its to set;
-    a slot of the job (``job.start = ...``) only its owner's (:data:`SLOT_OWNERS`)."""
+    (``self.evals.behind = ...``, ``m.dirty = ...``, ``self.protocol = ...`` through another
+    object): a machine's state changes through its own methods, and no part holds a slot
+    another part fills. A part's own fields (``self.x = ...``) are its to set."""
     out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Assign):
@@ -112,20 +105,13 @@ def _foreign_writes(source: str, part: str = "") -> list[str]:
         else:
             continue
         flat = [t for x in targets for t in (x.elts if isinstance(x, ast.Tuple) else [x])]
-        for t in flat:
-            if not isinstance(t, ast.Attribute):
-                continue
-            base = ast.unparse(t.value)
-            if base == "self" or (base in ("job", "self.job")
-                                  and SLOT_OWNERS.get(t.attr) == part):
-                continue
-            out.append(f"{node.lineno}: {ast.unparse(t)}")
+        out += [f"{node.lineno}: {ast.unparse(t)}" for t in flat
+                if isinstance(t, ast.Attribute) and ast.unparse(t.value) != "self"]
     return out
 
 
 def test_no_part_sets_a_field_of_another_object() -> None:
-    found = {p: r for p in sorted(PARTS)
-             if (r := _foreign_writes((SYNC / f"{p}.py").read_text(), p))}
+    found = {p: r for p in sorted(PARTS) if (r := _foreign_writes((SYNC / f"{p}.py").read_text()))}
     assert found == {}
 
 
@@ -138,7 +124,19 @@ def test_the_writes_check_sees_a_field_set_through_another_object() -> None:
            "    job.membership.dirty = True\n"
            "    rnd.record = 5\n"
            "    self.workforce.attempts += 1\n")
-    assert _foreign_writes(src, "epochs") == [
-        "3: job.start", "5: self.evals.behind", "6: job.membership.dirty", "7: rnd.record",
-        "8: self.workforce.attempts"]
-    assert _foreign_writes(src, "checkpoints")[0] == "4: self.job.protocol"
+    assert _foreign_writes(src) == [
+        "3: job.start", "4: self.job.protocol", "5: self.evals.behind",
+        "6: job.membership.dirty", "7: rnd.record", "8: self.workforce.attempts"]
+
+
+def test_each_part_is_given_the_machines_it_uses_not_a_shared_holder() -> None:
+    """No part's constructor takes the job's machines as one object (``job``, the
+    ``SyncJob`` that was a blackboard the parts filled): each names the ones it uses."""
+    given = {}
+    for p in sorted(PARTS):
+        tree = ast.parse((SYNC / f"{p}.py").read_text())
+        init = next(n for n in ast.walk(tree)
+                    if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+        given[p] = [a.arg for a in init.args.args[1:]]
+    assert all("job" not in args for args in given.values()), given
+    assert given["checkpoints"][:4] == ["protocol", "membership", "regime", "ledger"]

@@ -84,7 +84,7 @@ def _assert_exactly_once(coord: Coordinator, model: Lineages, n: int = N, spe: i
     for r in hist:
         assert r.verified and r.samples_trained == r.dataset_size == n, r
         assert sum(w.partition for w in r.workers) <= n
-    survivor = coord.job.membership.worker_ids[0]
+    survivor = coord.membership.worker_ids[0]
     assert model.lineage(survivor) == _full_lineage(coord.spec.epochs, spe)
 
 
@@ -117,7 +117,7 @@ def test_the_first_start_waits_for_its_workers_and_gives_up_those_not_up_in_time
     coord, rt, _ = _job(_spec(start_timeout_s=5), start_s=3.0)
     t0 = rt.clock.now()
     assert coord.step()
-    assert sorted(coord.job.membership.worker_ids) == ["w0", "w1", "w2"]
+    assert sorted(coord.membership.worker_ids) == ["w0", "w1", "w2"]
     assert coord.snapshot().state == JobState.RUNNING and coord.step_in_epoch > 0
     assert 3.0 <= rt.clock.now() - t0 < 4.0 and rt.record.killed == []
 
@@ -127,7 +127,7 @@ def test_the_first_start_waits_for_its_workers_and_gives_up_those_not_up_in_time
     assert 2.0 <= rt.clock.now() - t0 < 3.0  # the timeout, then WaitForMinimum's pause
     assert sorted(rt.record.killed) == ["w0", "w1", "w2"] and coord.workforce.leaving == []
     assert coord.snapshot().state == JobState.PENDING
-    assert not coord.job.membership.worker_ids and not coord.job.membership.pending
+    assert not coord.membership.worker_ids and not coord.membership.pending
     given_up = [x.message for x in coord.logs() if "given up" in x.message]
     assert given_up == [f"worker w{i} given up: it could not start in 2s" for i in range(3)]
 
@@ -169,7 +169,7 @@ def test_cancel_then_resume_verifies_every_epoch(step, tmp_path):
     again.run()
     _assert_exactly_once(again, lineages)
     # Worker ids continue after the checkpoint's: never reused for another worker.
-    assert min(int(w[1:]) for w in again.job.membership.worker_ids) >= 3
+    assert min(int(w[1:]) for w in again.membership.worker_ids) >= 3
 
 
 def test_a_resumed_epochs_record_counts_the_rebalances_made_before_the_cancel(tmp_path):
@@ -271,7 +271,7 @@ def test_an_evaluation_that_always_raises_fails_the_job_after_bounded_retries(
     assert "metrics.0: 'mae'" in snap.reason and "ValueError: bad shape" in snap.reason
     assert "6 attempts; max_retries=5" in snap.reason
     assert rt.record.evaluations == 6  # 1 attempt, then max_retries more
-    assert "w1" in coord.job.membership.worker_ids  # the worker stayed up
+    assert "w1" in coord.membership.worker_ids  # the worker stayed up
     lines = [x.message for x in coord.logs() if "evaluating again" in x.message]
     assert len(lines) <= 5
 
@@ -285,13 +285,13 @@ def test_straggler_past_the_collective_timeout_is_evicted():
     _assert_exactly_once(coord, lineages)
     (ev,) = [e for e in coord.membership_events() if e.kind == "evict"]
     assert ev.worker == "w2" and "straggler" in ev.reason
-    assert ev.node in coord.job.membership.excluded_nodes  # no new worker on its node
-    assert "w2" not in coord.job.membership.worker_ids
+    assert ev.node in coord.membership.excluded_nodes  # no new worker on its node
+    assert "w2" not in coord.membership.worker_ids
 
 
 def test_plan_that_becomes_infeasible_waits_with_the_reason_then_fails():
     coord, rt, _ = _job(_spec(max_batch=24))  # 3 x 24 hold B=64; 2 x 24 do not
-    assert coord.job.membership.min_size == 3
+    assert coord.membership.min_size == 3
     _run_to(coord, 0, 4)
     _fail(rt, "node01")  # the other two nodes' one CPU each is their worker's
     seen = []
@@ -326,7 +326,7 @@ def test_workers_auto_is_bounded_by_the_global_batch():
     rt = sim_runtime(spec, n_train=100, nodes=40)
     coord = Coordinator("auto", spec, runtime=rt, clock=rt.clock)
     coord.run()
-    assert len(coord.job.membership.members) == 8
+    assert len(coord.membership.members) == 8
     # Never spawned more than it could use.
     assert len(rt.record.fresh) + len(rt.record.adopted) == 8
 

@@ -102,7 +102,8 @@ def test_state_round_trip():
     for step, start, size in _epoch_steps(100, 10)[:4]:
         led.commit(_reports(2, step, start, [size - 3, 3]))
     led.retry(10)
-    copy = Ledger.from_state(led.to_state())
+    copy = Ledger()
+    copy.load_state(led.to_state())
     assert copy.to_state() == led.to_state()
     assert [s[0] for s in copy.to_state()["steps"]] == [0, 1, 2, 3]
     for step, start, size in _epoch_steps(100, 10)[4:]:
@@ -120,7 +121,8 @@ def test_the_retried_total_spans_epochs_and_checkpoints():
     led.begin_epoch(1, 100)
     led.retry(4)
     assert led.verify().retried_samples == 4 and led.retried_total == 14
-    copy = Ledger.from_state(led.to_state())
+    copy = Ledger()
+    copy.load_state(led.to_state())
     assert copy.retried_total == 14 and copy.verify().retried_samples == 4
     copy.begin_epoch(2, 100)
     assert copy.retried_total == 14 and copy.verify().retried_samples == 0

@@ -361,8 +361,8 @@ def drive(sc: Scenario, ck_dir: Path) -> Run:
                 assert coord.loop.memo.epoch_open == (coord.epochs.totals is not None)
                 assert coord.loop.memo.retrying == (coord.workforce.attempts.position
                                                     is not None)
-                assert coord.loop.memo.restored == (coord.job.start.weights is not None)
-                assert coord.loop.memo.data_loaded == (coord.job.protocol is not None)
+                assert coord.loop.memo.restored == (coord.checkpoints.weights is not None)
+                assert coord.loop.memo.data_loaded == coord.protocol.loaded
             if seen is not None and not seen.steps_to_end and not going:
                 seen.steps_to_end = i + 1 - sc.cancel_at
                 seen.submitted_after = rt.record.submitted

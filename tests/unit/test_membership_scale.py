@@ -144,15 +144,15 @@ def _run_epoch(coord, epoch):
 def test_driver_scale_up_shares_the_machine_then_drains_the_slowest():
     coord, _ = _coord(room_per_node=4)
     _run_epoch(coord, 1)
-    assert coord.job.membership.worker_ids == ("w0", "w1")
+    assert coord.membership.worker_ids == ("w0", "w1")
     snap = coord.scale(3)
     assert snap.reason is None
     _run_epoch(coord, 3)  # (joins at the first boundary with nothing sent ahead)
-    assert coord.job.membership.worker_ids == ("w0", "w1", "w2")
+    assert coord.membership.worker_ids == ("w0", "w1", "w2")
     _run_epoch(coord, 4)
     coord.scale(2)  # w1 (250 samples/s) is the slowest, w2 (500) is kept
     coord.run()
-    assert sorted(coord.job.membership.worker_ids) == ["w0", "w2"]
+    assert sorted(coord.membership.worker_ids) == ["w0", "w2"]
     leaves = [e.worker for e in coord.membership_events() if e.kind == "leave"]
     assert leaves == ["w1"]
 

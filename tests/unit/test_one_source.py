@@ -2,8 +2,9 @@
 
 A worker's speed is the tracker's (:attr:`WorkerTrack.speed`); the live snapshot, the
 epoch record, the evaluation's split and a scale-down's choice all read it, so on a run
-driven through the fakes they agree. The batch in force is the job's
-(:attr:`SyncJob.global_batch`): the snapshot, the checkpoint and the protocol read it."""
+driven through the fakes they agree. The batch in force is the protocol's
+(:attr:`SyncProtocol.global_batch`, where training (re)starts until the data loads): the
+snapshot and the checkpoint read it."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_the_snapshot_the_record_and_the_tracker_agree_on_a_workers_speed():
     coord, _ = _coord(epochs=2)
     snap = coord.run()
     last = coord.history()[-1]
-    tracks = coord.job.tracker.workers
+    tracks = coord.tracker.workers
     by_record = {w.worker: w.throughput for w in last.workers}
     by_snapshot = {w.worker: w.throughput for w in snap.workers}
     assert by_record and by_snapshot.keys() == by_record.keys()
@@ -37,7 +38,7 @@ def test_the_snapshot_the_record_and_the_tracker_agree_on_a_workers_speed():
         assert by_snapshot[w] == pytest.approx(v, rel=1e-9), w
         assert tracks[w].speed == pytest.approx(v, rel=1e-9), w
     # A scale-down drains by the same speeds.
-    assert coord.job.tracker.speeds() == pytest.approx(by_record, rel=1e-9)
+    assert coord.tracker.speeds() == pytest.approx(by_record, rel=1e-9)
 
 
 def test_the_batch_in_force_is_the_restored_one_until_the_data_is_loaded(tmp_path):
@@ -62,12 +63,12 @@ def test_the_batch_in_force_is_the_restored_one_until_the_data_is_loaded(tmp_pat
     )
     rt = sim_runtime(spec, n_train=2048, speeds={0: 1000, 1: 500, 2: 250})
     coord = Coordinator("job", spec, runtime=rt, clock=rt.clock)
-    assert spec.global_batch == 64 and coord.job.protocol is None
+    assert spec.global_batch == 64 and not coord.protocol.loaded
     assert coord.snapshot().global_batch == 48
     coord.checkpoints.save(reason="test")
     assert load_checkpoint(tmp_path, "job")["schedule"]["global_batch"] == 48
     coord.step()
-    assert coord.job.protocol.global_batch == coord.snapshot().global_batch == 48
+    assert coord.protocol.global_batch == coord.snapshot().global_batch == 48
 
 
 def test_a_checkpoint_written_before_the_ledger_kept_the_retried_total_keeps_it(tmp_path):
@@ -113,4 +114,4 @@ def test_the_threshold_becomes_min_gain_where_validation_says_it_applies(policy,
     expected = policy_for(policy, 0.2 if applies else None)
     assert policy_for(spec.policy, spec.rebalance.min_gain(spec.policy)) == expected
     coord = Coordinator("job", spec, runtime=sim_runtime(spec, n_train=64), resume=False)
-    assert coord.job.policy == expected
+    assert coord.epochs.policy == expected

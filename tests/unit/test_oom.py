@@ -190,12 +190,12 @@ def test_the_fastest_worker_out_of_memory_gets_a_smaller_micro_batch_and_the_job
     coord.run()
     _assert_exactly_once(coord, lineages)
     assert any("w0 ran out of memory on a micro-batch of" in x.message for x in coord.logs())
-    node = coord.job.membership.get("w0").node
+    node = coord.membership.get("w0").node
     assert coord.workforce.memory.cap(node, 0.0) <= 10
     # Every plan of w0 from the failure on carried the cap, and it trained under it.
     capped = [p["w0"] for p in rt.record.plans if p["w0"].micro_cap is not None]
     assert capped and all(p.micro_cap <= 10 for p in capped)
-    assert coord.job.tracker.workers["w0"].micro_cap <= 10
+    assert coord.tracker.workers["w0"].micro_cap <= 10
     assert all(p["w1"].micro_cap is None and p["w2"].micro_cap is None for p in rt.record.plans)
 
 
@@ -207,8 +207,8 @@ def test_a_replacement_on_the_same_node_inherits_the_cap():
     coord.run()
     _assert_exactly_once(coord, lineages)
     assert "w0" in rt.record.killed
-    (new,) = [w for w in coord.job.membership.worker_ids if w not in ("w0", "w1", "w2")]
-    assert coord.job.membership.get(new).node == "node00"  # w0's node
+    (new,) = [w for w in coord.membership.worker_ids if w not in ("w0", "w1", "w2")]
+    assert coord.membership.get(new).node == "node00"  # w0's node
     plans = [p[new] for p in rt.record.plans if new in p]
     assert plans and all(p.micro_cap is not None and p.micro_cap <= 10 for p in plans)
 
@@ -227,7 +227,7 @@ def test_the_cap_never_goes_below_what_fits(batch):
     coord, _, _ = _coord(Fault(kind="oom", worker=2, epoch=0, step=0, batch=batch), epochs=1)
     coord.run()
     assert coord.snapshot().state == JobState.SUCCEEDED, coord.snapshot().reason
-    node = coord.job.membership.get("w2").node
+    node = coord.membership.get("w2").node
     cap = coord.workforce.memory.cap(node, 0.0)
     assert cap <= batch and cap > batch // 2  # halved until it fit, not further
 

@@ -286,7 +286,7 @@ def test_a_failure_while_a_replanned_segment_is_ahead(mode, kind):
     rebalance = {"mode": mode, "check_steps": 2, "every_steps": 4}
     coord, rt, lineages = _coord(_spec(rebalance=rebalance, policy="dbs"))
     _run_to(coord, 1, 4)
-    p = coord.job.protocol
+    p = coord.protocol
     assert coord.pipeline.ahead is not None and len(p._plans) == 2  # a plan adopted ahead
     rt.inject(_at_step(kind, 2, epoch=1, step=p.step + 1))
     snap = coord.run()
@@ -433,7 +433,7 @@ def test_a_scale_request_waits_for_the_boundary_with_nothing_in_flight():
     coord.scale(4)
     coord.run()
     _assert_exactly_once(coord, lineages)
-    assert len(coord.job.membership.worker_ids) == 4
+    assert len(coord.membership.worker_ids) == 4
 
 
 def test_a_worker_still_starting_does_not_stop_the_pipeline():
@@ -445,17 +445,17 @@ def test_a_worker_still_starting_does_not_stop_the_pipeline():
     coord, rt, lineages = _coord(spec, start_s=0.5, events=[join])
     counts = count_segments(rt)
     _run_to(coord, 0, 4)
-    while not coord.job.membership.pending:  # the node joined; its worker is placed
+    while not coord.membership.pending:  # the node joined; its worker is placed
         assert coord.step(), coord.snapshot().reason
     sent, pending_steps = counts.sent_ahead, 0
-    while len(coord.job.membership.worker_ids) < 4:
+    while len(coord.membership.worker_ids) < 4:
         assert coord.step(), coord.snapshot().reason
-        pending_steps += bool(coord.job.membership.pending)
+        pending_steps += bool(coord.membership.pending)
     assert pending_steps >= 3
     assert counts.sent_ahead >= sent + pending_steps - 1
     coord.run()
     _assert_exactly_once(coord, lineages)
-    assert coord.job.membership.get("w3").node == "node00-00001"
+    assert coord.membership.get("w3").node == "node00-00001"
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -50,6 +50,19 @@ def test_epoch_completes_on_the_last_step_even_when_n_is_a_multiple_of_b():
     assert p.position == Position(4, 0)
 
 
+def test_before_the_data_loads_the_protocol_holds_where_training_restarts():
+    # A checkpoint's position and batch are kept as they are until the data says how long
+    # an epoch is; the load then clamps the step to the epoch (a smaller dataset).
+    p = SyncProtocol(global_batch=64, seed=0)
+    assert not p.loaded and p.steps_per_epoch == 0 and p.allocation is None
+    p.rewind(Position(2, 30), 48)
+    assert (p.position, p.global_batch) == (Position(2, 30), 48)
+    p.load(480)
+    assert p.loaded and p.steps_per_epoch == 10 and p.position == Position(2, 10)
+    with pytest.raises(ValueError, match="dataset_size must be at least 1, got 0"):
+        SyncProtocol(global_batch=64, seed=0).load(0)
+
+
 def test_cannot_advance_past_the_epoch_or_skip_it():
     p = SyncProtocol(global_batch=10, dataset_size=95, seed=0)
     with pytest.raises(ValueError):

@@ -64,7 +64,7 @@ def test_a_stage_wise_jobs_driver_and_service_agree_on_its_size_limits() -> None
                                 {"epochs": 1, "global_batch": 256}]},
     })
     smallest, largest = spec.batch_range
-    m = Coordinator("job", spec, runtime=sim_runtime(spec, n_train=512, nodes=4)).job.membership
+    m = Coordinator("job", spec, runtime=sim_runtime(spec, n_train=512, nodes=4)).membership
     lo, hi = worker_bounds(smallest, largest, spec.max_batch)
     assert (m.min_size, m.max_size) == (lo, min(hi, 4)) == (4, 4)
     for n in range(1, 9):  # every size the driver allows, the service's rule allows

@@ -154,7 +154,7 @@ def test_a_window_of_an_epoch_follows_the_steps_per_epoch():
     spec = _spec(isgd={"enabled": True, "window": "epoch"})
     coord, _ = _coord(spec)
     assert coord.run().state == JobState.SUCCEEDED
-    assert coord.job.regime.chart.window == N // 50  # 20 batches per epoch
+    assert coord.regime.chart.window == N // 50  # 20 batches per epoch
 
 
 def test_control_chart_rejects_a_window_below_two():
@@ -515,7 +515,7 @@ def test_checkpoint_resume_keeps_the_schedule_position(tmp_path):
     assert saved["epoch"] == 3 and saved["global_batch"] == 200
     assert len(saved["regime"]["chart"]) == 4
     coord2, rt2 = _coord(spec)
-    assert coord2.job.regime.chart.losses == tuple(saved["regime"]["chart"])
+    assert coord2.regime.chart.losses == tuple(saved["regime"]["chart"])
     assert coord2.run().state == JobState.SUCCEEDED
     assert [r.global_batch for r in coord2.history()] == [50, 50, 200, 200]
     first = next(iter(rt2.record.plans[0].values()))
@@ -540,7 +540,7 @@ def test_mid_epoch_resume_continues_the_schedule_where_it_stopped(tmp_path):
     assert (saved["epoch"], saved["step"]) == (1, 10) and saved["global_batch"] == 50
     assert saved["regime"]["epoch_counts"][3] == 10  # the open epoch's steps so far
     coord2, rt2 = _coord(spec)
-    assert coord2.job.regime.chart == coord.job.regime.chart
+    assert coord2.regime.chart == coord.regime.chart
     assert coord2.run().state == JobState.SUCCEEDED
     first = next(iter(rt2.record.plans[0].values()))
     assert (first.epoch, first.steps[0].step, first.steps[0].size) == (1, 10, 50)
@@ -583,8 +583,8 @@ def test_goodput_state_survives_a_resume(tmp_path):
     saved = load_checkpoint(str(tmp_path), "job")["schedule"]
     assert saved["epoch"] == 3 and saved["global_batch"] == hist[-1].goodput_batch
     coord2, rt2 = make()
-    assert coord2.job.regime.noise == coord.job.regime.noise
-    assert coord2.job.regime.goodput_batch == coord.job.regime.goodput_batch
+    assert coord2.regime.noise == coord.regime.noise
+    assert coord2.regime.goodput_batch == coord.regime.goodput_batch
     assert coord2.run().state == JobState.SUCCEEDED
     first = next(iter(rt2.record.plans[0].values()))
     b = hist[-1].goodput_batch

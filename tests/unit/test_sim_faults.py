@@ -59,7 +59,7 @@ def test_a_worker_process_dies_at_any_step_and_its_node_hosts_the_replacement(st
     assert _removed(coord) == [(f"w{ordinal}", "failure")]
     assert coord.snapshot().retried_samples_total > 0
     # The process died, not its node: the replacement started there.
-    assert coord.job.membership.get("w3").node == f"node{ordinal:02d}"
+    assert coord.membership.get("w3").node == f"node{ordinal:02d}"
     assert rt.record.fresh == ["w0", "w1", "w2", "w3"] and rt.record.killed[0] == f"w{ordinal}"
     # The dead worker's model stopped where it died.
     assert lineages.lineage(f"w{ordinal}") == _full_lineage(1) + [(1, s) for s in range(step)]

@@ -174,7 +174,7 @@ def test_simulated_and_replayed_runs_make_the_same_allocation_decisions(policy):
     sim_steps: list = []
 
     def hook(c) -> None:
-        c.job.policy = _RecordingPolicy(c.job.policy, sim_log)
+        c.epochs.policy = _RecordingPolicy(c.epochs.policy, sim_log)
         watch_steps(c.runtime, sim_steps.append)
 
     sim = simulate(spec, cluster, dataset_size=n_train, coordinator_hook=hook)
@@ -186,7 +186,7 @@ def test_simulated_and_replayed_runs_make_the_same_allocation_decisions(policy):
     replay_log: list = []
     coord = Coordinator("replay", spec, resume=False,
                         runtime=_ReplayRuntime(nodes, n_train, computes))
-    coord.job.policy = _RecordingPolicy(coord.job.policy, replay_log)
+    coord.epochs.policy = _RecordingPolicy(coord.epochs.policy, replay_log)
     assert coord.run().state == JobState.SUCCEEDED
     assert sum(d[3] for d in sim_log) >= 3  # the plan did change, several times
     assert sim_log == replay_log
@@ -208,7 +208,7 @@ def test_equal_workers_stay_equal_under_step_time_noise(rebalance):
         log: list = []
 
         def hook(c, log=log) -> None:
-            c.job.policy = _RecordingPolicy(c.job.policy, log)
+            c.epochs.policy = _RecordingPolicy(c.epochs.policy, log)
 
         sim = simulate(spec, cluster, dataset_size=64 * 30, coordinator_hook=hook)
         assert sim.snapshot.state == JobState.SUCCEEDED, sim.snapshot.reason

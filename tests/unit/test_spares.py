@@ -71,7 +71,7 @@ def test_a_spare_that_dies_before_adoption_is_dropped_and_the_worker_starts_fres
     coord, rt, lineages = _setup(Fault(kind="spare_dies", node=NODE2))
     t_request, t_join = _scale_to_three(coord, rt)
     assert rt.record.spares_started == ["node02"]  # one spare, never restarted on that node
-    assert coord.job.membership.no_spare == {"node02": "spare process died (simulated)"}
+    assert coord.membership.no_spare == {"node02": "spare process died (simulated)"}
     assert rt.record.adopted == [] and rt.record.fresh == ["w0", "w1", "w2"]
     assert t_join - t_request >= START_S
     assert any("spare worker on node node02 was lost" in x.message for x in coord.logs())
@@ -87,7 +87,7 @@ def test_a_spare_found_dead_when_adopted_is_replaced_by_a_fresh_worker():
     assert rt.record.adopted == ["w2"]  # it failed to start ...
     assert any("worker w2 failed to start" in x.message for x in coord.logs())
     assert rt.record.fresh[-1] == "w3"  # ... and w3 started fresh on the same node
-    assert coord.job.membership.get("w3").node == "node02"
+    assert coord.membership.get("w3").node == "node02"
     assert t_join - t_request >= START_S
     coord.run()
     _assert_exactly_once(coord, lineages)
@@ -98,7 +98,7 @@ def test_a_lost_worker_is_replaced_by_adopting_the_spare():
     coord.run()
     _assert_exactly_once(coord, lineages)
     assert rt.record.spares_started[0] == "node02" and rt.record.fresh == ["w0", "w1"]
-    assert rt.record.adopted == ["w2"] and coord.job.membership.get("w2").node == "node02"
+    assert rt.record.adopted == ["w2"] and coord.membership.get("w2").node == "node02"
     lost = next(e.time for e in coord.membership_events() if e.kind == "failure")
     joined = next(
         e.time for e in coord.membership_events() if e.kind == "join" and e.worker == "w2"

@@ -55,21 +55,20 @@ class SyncProtocol:
         self,
         *,
         global_batch: int,
-        dataset_size: int,
         seed: int,
+        dataset_size: int = 0,
         rule: RebalanceRule = RebalanceRule(),
         position: Position = Position(0, 0),
     ):
+        """``dataset_size`` 0: the data is not loaded yet (:meth:`load`); until then the
+        protocol only says where training (re)starts, and at what global batch."""
         if global_batch < 1:
             raise ValueError(f"global_batch must be at least 1, got {global_batch}")
-        if dataset_size < 1:
-            raise ValueError(f"dataset_size must be at least 1, got {dataset_size}")
         self.global_batch = global_batch
-        self.dataset_size = dataset_size
+        self.dataset_size = 0
         self.seed = seed
         self.rule = rule
-        self.epoch = position.epoch
-        self.step = min(position.step, self.steps_per_epoch)
+        self.epoch, self.step = position.epoch, position.step
         # The allocations of this epoch by the step from which each is in force (its
         # anchor), in step order: the first is in force now, a later one was adopted
         # ahead (``replan(at=)``).
@@ -78,6 +77,19 @@ class SyncProtocol:
         # (the one after its anchor: a first step at a new size is not a measurement). A
         # segment ends right after it, so the next check sees it a step sooner.
         self._measure_at: int | None = None
+        if dataset_size:
+            self.load(dataset_size)
+
+    def load(self, dataset_size: int) -> None:
+        """The data is loaded: an epoch is ``dataset_size`` samples."""
+        if dataset_size < 1:
+            raise ValueError(f"dataset_size must be at least 1, got {dataset_size}")
+        self.dataset_size = dataset_size
+        self.step = min(self.step, self.steps_per_epoch)
+
+    @property
+    def loaded(self) -> bool:
+        return self.dataset_size > 0
 
     # --- where the epoch stands ---------------------------------------------------------
     @property
@@ -169,7 +181,9 @@ class SyncProtocol:
             if global_batch < 1:
                 raise ValueError(f"global_batch must be at least 1, got {global_batch}")
             self.global_batch = global_batch
-        self.epoch, self.step = position.epoch, min(position.step, self.steps_per_epoch)
+        self.epoch, self.step = position.epoch, position.step
+        if self.loaded:
+            self.step = min(self.step, self.steps_per_epoch)
         self._plans = []
 
     # --- allocation -------------------------------------------------------------------
