@@ -233,9 +233,9 @@ class Epochs:
             # An early stop ends the training with these weights: the test set scores them
             # (the holders have them: a judged epoch sends nothing ahead of its evaluation).
             holders = [m.worker_id for m in self.membership.holders()]
-            self.evals.submit_test(p.epoch, holders, self.tracker.speeds(),
-                                   record=self.control.records[-1], extra=self.totals,
-                                   behind=True)
+            self.evals.submit(p.epoch, self.evals.shards(holders, self.tracker.speeds(), "test"),
+                              "test", behind=True, record=self.control.records[-1],
+                              extra=self.totals)
         with self.control.lock:
             p.next_epoch()
             self.totals = None
@@ -286,9 +286,9 @@ class Epochs:
             # and score the set again (at the job's end, say), so no scores are lost.
             self.control.log("INFO", f"epoch {rnd.epoch}: evaluating again on "
                                      f"{list(again.workers)}")
-            self.evals.rerun(rnd, self.evals.shards(list(again.workers), self.tracker.speeds(),
-                                             rnd.split),
-                             again.waited_s)
+            shards = self.evals.shards(list(again.workers), self.tracker.speeds(), rnd.split)
+            self.evals.submit(rnd.epoch, shards, rnd.split, behind=True, record=rnd.record,
+                              extra=rnd.extra, waited_s=again.waited_s)
             return
         scores = self.evals.runtime.finish_evaluation(sums) if sums is not None else None
         if scores is None and rnd.shards:

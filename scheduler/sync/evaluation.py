@@ -172,42 +172,14 @@ class Evaluations:
         return split(n, {w: speeds.get(w, 0.0) for w in workers})
 
     def submit(self, epoch: int, shards: dict[str, tuple[int, int]],
-               split: str | None = None, *, behind: bool = False) -> EvalRound:
+               split: str | None = None, *, behind: bool = False, **given: Any) -> EvalRound:
         """Queue a round of ``split`` (default: the judged split, followed by a test round
-        on the same holders when :attr:`test_after` says so for ``epoch``). ``behind``: the
-        one queued for the next segment (:attr:`behind`)."""
-        r = self._submit(epoch, shards, split or self.split, behind)
-        if split is None and self.split != "test" and self.test_after is not None \
-                and self.test_after(epoch):
-            self.submit_test(epoch, list(shards), {w: hi - lo for w, (lo, hi) in shards.items()})
-        return r
-
-    def submit_test(self, epoch: int, holders: list[str],
-                    weights: Mapping[str, float] | None = None, *, record: Any = None,
-                    extra: Any = None, behind: bool = False) -> EvalRound:
-        """A round scoring ``epoch``'s weights on the test set, split over ``holders`` (in
-        proportion to ``weights``, their validation shares: their throughput), published
-        into ``record`` when given."""
-        weights = weights or dict.fromkeys(holders, 1.0)
-        return self._submit(epoch, split(self.n_test, {w: weights.get(w, 0.0) for w in holders}),
-                            "test", behind, record=record, extra=extra)
-
-    def rerun(self, rnd: EvalRound, shards: dict[str, tuple[int, int]], waited_s: float
-              ) -> None:
-        """Score ``rnd``'s split again over ``shards`` (a shard failed; nothing was queued
-        behind it), for the same record, queued for the next segment; ``waited_s``: what
-        the first try cost the critical path."""
-        self._submit(rnd.epoch, shards, rnd.split, True, record=rnd.record, extra=rnd.extra,
-                     waited_s=waited_s)
-
-    def take_behind(self) -> EvalRound | None:
-        """The round queued for the segment being sent now (or that a regroup ran), which
-        no longer waits."""
-        r, self.behind = self.behind, None
-        return r
-
-    def _submit(self, epoch: int, shards: dict[str, tuple[int, int]], which: str,
-                behind: bool = False, **given: Any) -> EvalRound:
+        on the same holders, split in proportion to their shares, when :attr:`test_after`
+        says so for ``epoch``). ``behind``: the one queued for the next segment
+        (:attr:`behind`). ``given``: the record it is published into when it already has
+        one (a test round after an early stop, a round scored again) and ``waited_s``,
+        what an earlier try cost the critical path."""
+        which = split or self.split
         now = self.clock.now()
         ticket = None
         if shards:  # a runtime with no validation split need not know about splits
@@ -218,6 +190,16 @@ class Evaluations:
         self.rounds.append(r)
         if behind:
             self.behind = r
+        if split is None and which != "test" and self.test_after is not None \
+                and self.test_after(epoch):
+            self.submit(epoch, self.shards(list(shards), {w: hi - lo for w, (lo, hi)
+                                                          in shards.items()}, "test"), "test")
+        return r
+
+    def take_behind(self) -> EvalRound | None:
+        """The round queued for the segment being sent now (or that a regroup ran), which
+        no longer waits."""
+        r, self.behind = self.behind, None
         return r
 
     def unattached(self, epoch: int) -> EvalRound | None:

@@ -101,31 +101,22 @@ class Pipeline:
                          ahead_end=a.position.step + a.length)
 
     def post_update(self, offer: OfferedUpdate) -> int:
-        """Send the re-plan offered inside the segment in flight to its workers. Returns the
-        step it takes effect from: its early step when they apply it, else (refused: a
-        worker had started that step) the segment's end, where the protocol defers it."""
-        if self.send_update(offer.early, offer.end):
-            return offer.early
-        self.protocol.defer(offer.early, offer.end)
-        return offer.end
-
-    def send_update(self, at: int, end: int) -> bool:
-        """Send the workers their steps ``[at, end)`` of the segment in flight under the
-        allocation just adopted from ``at``. True when they apply it; False when refused
-        (a worker had started step ``at``): the caller defers the allocation to ``end``."""
-        p = self.protocol
-        ahead = self.ahead
+        """Send the re-plan offered inside the segment in flight to its workers: their steps
+        ``[early, end)`` under the allocation adopted from ``early``. Returns the step it
+        takes effect from: ``early`` when they apply it, else (refused: a worker had
+        started that step) the segment's end, where the protocol defers it."""
+        p, ahead, at, end = self.protocol, self.ahead, offer.early, offer.end
         seg = self.stamp(p.plan_segment(at=at, whole=True))
         update = PlanUpdate(p.epoch, at, {w: tuple(sp for sp in s.steps if sp.step < end)
                                           for w, s in seg.items()})
         why = check_update(ahead.plans, update)
         if why is not None:
             self.control.log("WARNING", f"plan update from step {at} not sent: {why}")
-            return False
-        ok = self.runtime.update_segment(update, UPDATE_TIMEOUT_S)
-        if ok:
+        elif self.runtime.update_segment(update, UPDATE_TIMEOUT_S):
             self.ahead = replace(ahead, plans=updated_plans(ahead.plans, update))
-        return ok
+            return at
+        p.defer(at, end)
+        return end
 
     def plan(self, ahead: bool, across: bool) -> SegmentOrder:
         """The next segment's order (the loop's :class:`~dynabatch.scheduler.core.sync.loop.

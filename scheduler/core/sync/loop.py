@@ -165,7 +165,7 @@ class Placed:
 
     @property
     def nothing(self) -> bool:
-        return not (self.spawns or self.spares.start or self.spares.stop)
+        return not self.spawns and self.spares == SparePlan()
 
 
 @dataclass(frozen=True, slots=True)
