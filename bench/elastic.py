@@ -57,7 +57,7 @@ def spec(tag: str, **kw: Any) -> JobSpec:
 def watch(coord: Coordinator, stop: threading.Event, out: list[tuple[float, int, int, int]]):
     last = None
     while not stop.is_set():
-        cur = (coord.epoch, coord.step_in_epoch, len(coord.members))
+        cur = (coord.epoch, coord.step_in_epoch, len(coord.membership.members))
         if cur != last:
             out.append((time.time(), *cur))
             last = cur
@@ -93,7 +93,7 @@ def node_loss(cluster: Cluster, run: int) -> dict[str, float]:
     runner.start()
     while not (coord.epoch == 1 and coord.step_in_epoch >= 5):
         time.sleep(0.005)
-    victim = coord.members[-1]
+    victim = coord.membership.members[-1]
     t_remove = time.time()
     cluster.remove_node(next(n for n in nodes if n.node_id == victim.node),
                         allow_graceful=False)

@@ -200,14 +200,6 @@ class Coordinator(JobControl):
     def step_in_epoch(self) -> int:
         return self.protocol.step
 
-    @property
-    def generation(self) -> int:
-        return self.membership.generation
-
-    @property
-    def members(self):
-        return list(self.membership.members)
-
     # ---------------------------------------------------------------- public interface
     def run(self) -> JobSnapshot:
         while self.step():
@@ -254,7 +246,7 @@ class Coordinator(JobControl):
                                       p.steps_per_epoch or 1)
             return self._snapshot(
                 **regime, epoch=self.epoch, step=self.step_in_epoch,
-                steps_per_epoch=p.steps_per_epoch, generation=self.generation,
+                steps_per_epoch=p.steps_per_epoch, generation=self.membership.generation,
                 policy=self.spec.policy, workers=workers,
                 validation_metrics=dict(last.validation_metrics) if last else {},
                 utilization=last.utilization if last else None,

@@ -50,7 +50,7 @@ def test_a_running_job_moves_to_two_other_nodes(cluster):
         # start (a thread running it would race them).
         while coord.epoch < 1:
             assert coord.step(), coord.snapshot().reason
-        old = {m.node for m in coord.members}
+        old = {m.node for m in coord.membership.members}
         new = sorted(n for n in nodes if n not in old)
         assert len(old) == 2 and len(new) == 2
         coord.assign({new[0]: 1, new[1]: 1})

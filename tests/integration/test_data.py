@@ -121,7 +121,7 @@ def _lose_a_node(cluster, coord, nodes, at: tuple[int, int]):
     # training, no failure ever seen.
     while (coord.epoch, coord.step_in_epoch) < at:
         assert coord.step(), coord.snapshot().reason
-    victim = coord.members[-1]
+    victim = coord.membership.members[-1]
     handle = coord.runtime._handles[victim.worker_id]
     cluster.remove_node(next(n for n in nodes if n.node_id == victim.node),
                         allow_graceful=False)

@@ -88,13 +88,13 @@ def test_nodes_lost_mid_epoch_and_in_an_epochs_last_steps_keep_training(cluster)
     coord = Coordinator("loss", spec, resume=False)
     thread = _start(coord)
     wait_for(lambda: coord.epoch == 1 and coord.step_in_epoch >= 4, timeout=120, interval=0.01)
-    first = coord.members[-1]
+    first = coord.membership.members[-1]
     cluster.remove_node(_node_of(cluster, nodes, first.node), allow_graceful=False)
     wait_for(lambda: coord.protocol.loaded and coord.epoch == 3
              and coord.step_in_epoch >= coord.protocol.steps_per_epoch - 2,
              timeout=120, interval=0.002)
-    assert first.worker_id not in {m.worker_id for m in coord.members}
-    second = coord.members[-1]
+    assert first.worker_id not in {m.worker_id for m in coord.membership.members}
+    second = coord.membership.members[-1]
     second_lost_at = time.time()
     cluster.remove_node(_node_of(cluster, nodes, second.node), allow_graceful=False)
     thread.join(timeout=180)
@@ -114,7 +114,7 @@ def test_nodes_lost_mid_epoch_and_in_an_epochs_last_steps_keep_training(cluster)
     # than the checks above (every epoch verified exactly once) and the unit tier's lineage
     # proofs after a loss at every point of an epoch.
     assert snap.test_accuracy >= 0.9, snap.test_accuracy
-    assert len(coord.members) == 1
+    assert len(coord.membership.members) == 1
 
 
 def test_deterministic_worker_error_fails_the_job_quickly_with_the_error(cluster):
@@ -147,7 +147,7 @@ def test_straggler_beyond_the_collective_timeout_is_evicted(cluster):
     assert snap.state == JobState.SUCCEEDED, snap.reason
     (ev,) = [e for e in coord.membership_events() if e.kind == "evict"]
     assert ev.worker == "w2" and "straggler" in ev.reason
-    assert len(coord.members) == 2
+    assert len(coord.membership.members) == 2
     assert all(r.verified for r in coord.history())
 
 
@@ -168,7 +168,7 @@ def test_joining_node_gets_a_worker_and_a_share_by_speed(cluster):
     thread = _start(coord)
     wait_for(lambda: coord.epoch >= 1, timeout=120, interval=0.05)
     _nodes(cluster, tag, 1)
-    wait_for(lambda: len(coord.members) == 3, timeout=60, interval=0.05)
+    wait_for(lambda: len(coord.membership.members) == 3, timeout=60, interval=0.05)
     joined_epoch = coord.epoch
     assert joined_epoch <= spec.epochs - 3, "the job ended too soon to watch the newcomer"
     thread.join(timeout=240)
@@ -296,7 +296,7 @@ def test_scale_up_adopts_a_spare_that_holds_no_cpu_until_then(cluster, monkeypat
     try:
         up = wait_for(lambda: spares_up(spares), timeout=120, interval=0.05)
         (node,) = up
-        assert node not in {m.node for m in coord.members}
+        assert node not in {m.node for m in coord.membership.members}
         wait_for(lambda: free_cpus()[node] == 1.0, timeout=10)  # the spare reserves nothing
         coord.scale(3)
         wait_for(lambda: "w2" in trained, timeout=30, interval=0.05)
@@ -329,12 +329,12 @@ def test_scale_up_shares_a_node_with_room_or_says_why_not(cluster):
         wait_for(lambda: coord.state == JobState.RUNNING and coord.epoch >= 1, timeout=120,
                  interval=0.05)
         assert coord.scale(2).reason is None
-        wait_for(lambda: len(coord.members) == 2, timeout=60, interval=0.05)
-        assert len({m.node for m in coord.members}) == 1  # both on the one node
+        wait_for(lambda: len(coord.membership.members) == 2, timeout=60, interval=0.05)
+        assert len({m.node for m in coord.membership.members}) == 1  # both on the one node
         snap = coord.scale(3)
         assert "2 of 3 requested workers placed" in (snap.reason or ""), snap.reason
         time.sleep(1.0)
-        assert len(coord.members) == 2
+        assert len(coord.membership.members) == 2
         assert "2 of 3 requested workers placed" in (coord.snapshot().reason or "")
     finally:
         coord.cancel("test done")

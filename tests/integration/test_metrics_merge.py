@@ -64,7 +64,7 @@ def test_metrics_merged_over_unequal_shards_survive_a_node_lost_mid_evaluation(c
         others = [ref for ref, w in ticket.items() if w != victim]
         done, _ = ray.wait(others, num_returns=len(others), timeout=120)
         assert len(done) == len(others), "the other holders' shards did not come in"
-        node = next(m.node for m in coord.members if m.worker_id == victim)
+        node = next(m.node for m in coord.membership.members if m.worker_id == victim)
         cluster.remove_node(next(n for n in nodes if n.node_id == node), allow_graceful=False)
         lost.append(victim)
         return ticket

@@ -165,5 +165,5 @@ def test_an_evaluation_that_ran_before_a_regroup_is_not_taken_out_of_the_next_se
     assert coord.evals.behind is not None  # epoch 0's round, queued for the next segment
     coord.scale(2)
     _run_to(coord, 1, 1)
-    assert coord.generation == 2 and coord.epochs.totals.evaluation == 0.0
+    assert coord.membership.generation == 2 and coord.epochs.totals.evaluation == 0.0
     assert coord.run().state == JobState.SUCCEEDED

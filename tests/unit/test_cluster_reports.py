@@ -75,11 +75,11 @@ def test_the_job_reports_each_group_it_forms_to_the_cluster_scheduler() -> None:
     _run_to_epoch(coord, 1)
     first = reports.sent[0]  # its first group: no speed measured yet
     assert first == GroupReport("job", (("node00", 0.0), ("node01", 0.0)), 64.0)
-    assert len(reports.sent) == coord.generation == 1
+    assert len(reports.sent) == coord.membership.generation == 1
 
     coord.assign({"node00": 1, "node01": 1, "node02": 1})  # grown by the scheduler
     _run_to_epoch(coord, 2)
-    assert len(reports.sent) == coord.generation == 2
+    assert len(reports.sent) == coord.membership.generation == 2
     speeds = dict(reports.sent[-1].workers)  # measured, but the newcomer's
     assert sorted(speeds) == ["node00", "node01", "node02"]
     assert speeds["node00"] > 0 and speeds["node01"] > 0 and speeds["node02"] == 0.0
@@ -91,4 +91,4 @@ def test_a_job_no_scheduler_placed_reports_nothing() -> None:
     reports = _Reports()
     coord, _ = _coord(reports)  # no assignment: its membership decides
     _run_to_epoch(coord, 1)
-    assert coord.generation >= 1 and reports.sent == []
+    assert coord.membership.generation >= 1 and reports.sent == []
