@@ -201,21 +201,23 @@ class Reconciler:
         """Find the coordinators of jobs the store says are live. A job whose coordinator
         is gone is recovered by :meth:`coordinator_lost`."""
         live = self.store.live()  # one read: see sync_once
+        if self.cluster.embedded:
+            # This process's Ray is new: the coordinators of the last one ended with it.
+            # Each job that had one is recovered before a new cluster scheduler hears of it,
+            # which would start it again as the same generation, unrecorded (no resume
+            # counted, its log's lines taken for those the store has). A job the scheduler
+            # had not started (it never reported: no snapshot) waits in its queue again.
+            for rec in live:
+                if self.link is None or rec.snapshot is not None:
+                    self._embedded_ended(rec)
+            self._queued(self.store.live())  # a new scheduler hears of every live job
+            return
         queued = self._queued(live)
         for rec in live:
             if rec.id in queued:
                 continue  # the cluster scheduler has not started it: nothing to re-attach
-            if rec.cluster == EMBEDDED_CLUSTER or self.cluster.embedded:
-                if rec.cluster != EMBEDDED_CLUSTER:
-                    # Its own cluster may still be running it: never start a second copy.
-                    self.fail(
-                        rec.id,
-                        f"the API restarted with an embedded Ray; the job's cluster "
-                        f"({rec.cluster}) is no longer attached",
-                    )
-                    continue
-                with self.lock:
-                    self.coordinator_lost(rec, EMBEDDED_ENDED)
+            if rec.cluster == EMBEDDED_CLUSTER:
+                self._embedded_ended(rec)
                 continue
             try:
                 ok = self.cluster.find(rec.id, rec.resumes)
@@ -231,6 +233,17 @@ class Reconciler:
             else:
                 with self.lock:
                     self.coordinator_lost(rec, f"lost while the API was down: {why}")
+
+    def _embedded_ended(self, rec: JobRecord) -> None:
+        """``rec``'s coordinator ran on an embedded Ray that is gone: resumed or failed as
+        :meth:`coordinator_lost` decides; failed when the job ran on another cluster (which
+        may still run it: never start a second copy)."""
+        if rec.cluster != EMBEDDED_CLUSTER:
+            self.fail(rec.id, f"the API restarted with an embedded Ray; the job's cluster "
+                              f"({rec.cluster}) is no longer attached")
+            return
+        with self.lock:
+            self.coordinator_lost(rec, EMBEDDED_ENDED)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.sync_interval_s):

@@ -351,3 +351,48 @@ def test_a_resume_the_scheduler_refuses_is_a_409_with_its_reason(setup, tmp_path
     assert str(err.value) == f"job {job.id} cannot be resumed: {why}"
     assert service.get(job.id).state == JobState.FAILED
     assert service.get(job.id).reason.endswith(f"not resumed: {why}")
+
+
+def test_an_embedded_apis_restart_resumes_a_started_job_as_a_recorded_resume(tmp_path):
+    """``dynabatch serve`` (embedded Ray, the scheduler on) killed and started again: the
+    job that trained is resumed from its checkpoint as the store's next generation (one
+    resume counted and logged, its log's lines kept after the stored ones, its history
+    re-read), not started again by the new scheduler as the same generation, unrecorded,
+    whose first lines the service then took for ones it had."""
+    cluster = FakeCluster(embedded=True, steps_per_epoch=1)
+    cluster.connect()
+    store = JobStore(str(tmp_path / "jobs.db"))
+    policy = SubmitPolicy(checkpoint_root=str(tmp_path))
+    service = JobService(store, cluster, sync_interval_s=0, scheduling=RoundsScheduling(cluster),
+                         submit_policy=policy)
+    job = service.submit(JobSpec(name="a", epochs=4, workers=1,
+                                 checkpoint={"dir": str(tmp_path / "ckpt")})).id
+    queued = service.submit(_gang("q"))  # one node short: it waits in the queue
+    service.scheduling.tick()
+    for _ in range(2):  # epochs 0 and 1 trained and checkpointed
+        service.reconciler.sync_once()
+    stored = [x.message for x in service.logs(job)]
+    # Killed: the embedded Ray's coordinators go with the process; a new process, Ray and
+    # scheduler over the same store.
+    cluster = FakeCluster(embedded=True, steps_per_epoch=1)
+    cluster.connect()
+    fresh = RoundsScheduling(cluster, slots=1)
+    again = JobService(store, cluster, sync_interval_s=0, scheduling=fresh, submit_policy=policy)
+    again.reconciler.start()
+    try:
+        rec = again.get(job)
+        assert rec.resumes == 1 and fresh.specs[job][1] == 1
+        assert again.get(queued.id).state == JobState.PENDING and queued.id not in cluster.launches
+        for _ in range(8):
+            fresh.tick()
+            again.reconciler.sync_once()
+        rec = again.get(job)
+        assert rec.state == JobState.SUCCEEDED and rec.resumes == 1
+        lines = [x.message for x in again.logs(job)]
+        assert lines[:len(stored)] == stored
+        assert any("resuming from its checkpoint (automatic resume 1 of" in m for m in lines)
+        assert any(m.startswith("resuming from checkpoint at epoch") for m in lines)
+        assert [r.epoch for r in again.history(job)] == [0, 1, 2, 3]
+    finally:
+        again.reconciler.stop()
+        store.close()
