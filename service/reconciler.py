@@ -177,10 +177,22 @@ class Reconciler:
         if self._started and self.cluster.embedded:
             if self.cluster.reachable():
                 self.sync_once()
+                self._stop_coordinators()
             else:
                 log.warning("the embedded Ray is gone: live jobs are recorded as they were")
             self.interrupt_live()
         self._started = False
+
+    def _stop_coordinators(self) -> None:
+        """Stop the live jobs' coordinators right after the last sync: they end with this
+        process's Ray anyway, and what one logged or trained between that sync and Ray's
+        shutdown (a second or more) would be lost, not copied (a resume goes on from the
+        checkpoint)."""
+        for rec in self.store.live():
+            try:
+                self.cluster.release(rec.id)
+            except RayCallError as err:
+                log.warning("job %s: %s", rec.id, first_line(err, typed=False))
 
     def interrupt_live(self) -> None:
         """Record the end of the embedded Ray in every live job: those with a checkpoint

@@ -1408,12 +1408,15 @@ def test_a_spec_the_settings_no_longer_allow_is_not_resumed(
 
 
 def test_embedded_restart_resumes_checkpointed_jobs(make_app: MakeApp, tmp_path: Path) -> None:
-    client, service, _ = make_app(FakeCluster(embedded=True))
+    client, service, first = make_app(FakeCluster(embedded=True))
     saved = _submit(client, **_ckpt_spec(tmp_path))
     plain = _submit(client, epochs=4)  # still running at the shutdown
     _sync(service)  # epoch 0 trained and checkpointed
     _checkpointed(tmp_path, saved)
     _stop(client)  # a clean shutdown: Ray ends with the process
+    # Their coordinators were stopped after the last sync, not left to train and log
+    # until Ray's own end, unread.
+    assert first.coordinators == {} and set(first.released) == {saved, plain}
     store = JobStore(service.store.path)  # the app closed its own
     rec, failed = store.get(saved), store.get(plain)
     store.close()
