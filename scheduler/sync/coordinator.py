@@ -172,8 +172,9 @@ class Coordinator(JobControl):
         w = self.workforce
         self.pipeline = Pipeline(p, m, self.regime, t, self.ledger, self, w, runtime, self.evals)
         self.roster = Roster(p, m, t, self, w, runtime, self.evals, reports)
-        self.epochs = Epochs(p, m, self.regime, policy_for(s.policy, s.rebalance.min_gain(
-            s.policy)), t, self.ledger, self, w, runtime, self.evals)
+        policy = policy_for(s.policy, s.rebalance.min_gain(s.policy))
+        self.epochs = Epochs(p, m, self.regime, policy, t, self.ledger, self, w, runtime,
+                             self.evals)
         self.checkpoints = Checkpoints(p, m, self.regime, self.ledger, self, w)
         # A checkpoint that cannot be loaded fails the job, not this constructor (the job then
         # ends FAILED naming the file, and run() returns at once); so does an LR schedule.
