@@ -79,6 +79,10 @@ class SchedulerLink:
         self.scheduling = scheduling
         self.cluster = cluster
         self.started: frozenset[str] = frozenset()  # the scheduler's last answer
+        # The (job, generation) coordinators looked up since the scheduler started them: a
+        # resumed job's next generation is looked up too, even when no answer in between
+        # had it queued (its launch was quicker than a sync tick).
+        self.found: frozenset[tuple[str, int]] = frozenset()
 
     def queued(self, live: Sequence[JobRecord]) -> set[str]:
         """Tell the scheduler every live job (a new scheduler rebuilds from them) and return
@@ -90,13 +94,13 @@ class SchedulerLink:
         except RayCallError as err:
             log.warning("cannot sync with the cluster scheduler: %s", err)
             started = self.started
-        for rec in live:
-            if rec.id in started and rec.id not in self.started:
-                try:  # later calls for the job go to the generation the scheduler started
-                    self.cluster.find(rec.id, rec.resumes)
-                except RayCallError as err:
-                    log.warning("job %s: cannot find its coordinator yet (%s)", rec.id, err)
-        self.started = frozenset(started)
+        found = {(r.id, r.resumes) for r in live if r.id in started}
+        for job_id, generation in sorted(found - self.found):
+            try:  # later calls for the job go to the generation the scheduler started
+                self.cluster.find(job_id, generation)
+            except RayCallError as err:
+                log.warning("job %s: cannot find its coordinator yet (%s)", job_id, err)
+        self.started, self.found = frozenset(started), frozenset(found)
         return {r.id for r in live if r.id not in started}
 
     def register(self, rec: JobRecord) -> None:

@@ -130,6 +130,7 @@ class FakeCluster:
         self.calls: list[tuple[str, str]] = []
         self.launches: dict[str, list[JobSpec]] = {}
         self.generations: dict[str, int] = {}  # each live coordinator's generation
+        self.followed: dict[str, int] = {}  # the generation the client's calls go to
         self.reserved: set[tuple[str, int]] = set()  # names of coordinators killed outside Ray
         # A driver steps in the thread that asked (a sync loop, a test): one at a time.
         self._stepping = threading.RLock()
@@ -165,9 +166,15 @@ class FakeCluster:
         c = self.coordinators.get(job_id)
         if c is None:
             raise CoordinatorGone(f"The actor died: dynabatch-job-{job_id}")
+        if self.generations.get(job_id) != self.followed.get(job_id, 0):
+            # As Ray's client: its calls go to the generation it launched or found last.
+            raise CoordinatorGone(f"no coordinator actor for job {job_id}")
         return c
 
-    def launch(self, job_id: str, spec: JobSpec, generation: int = 0) -> None:
+    def launch(self, job_id: str, spec: JobSpec, generation: int = 0, *,
+               client: bool = True) -> None:
+        """``client``: the service's own launch, which its later calls follow; False: the
+        cluster scheduler's (in its actor: the service finds it by name)."""
         self._check("launch", job_id)
         if self.launch_error is not None:
             raise self.launch_error
@@ -176,6 +183,8 @@ class FakeCluster:
                 f"actor name dynabatch-job-{job_id} (generation {generation}) is already taken"
             )
         self.generations[job_id] = generation
+        if client:
+            self.followed[job_id] = generation
         self.launches.setdefault(job_id, []).append(spec)
         # As launch_coordinator: resume=True, so a job with a checkpoint goes on from it.
         if spec.protocol.name == "ps":
@@ -223,6 +232,7 @@ class FakeCluster:
 
     def find(self, job_id: str, generation: int = 0) -> bool:
         self._check("find", job_id)
+        self.followed[job_id] = generation
         if job_id in self.coordinators and self.generations.get(job_id) == generation:
             self.found.append(job_id)
             return True

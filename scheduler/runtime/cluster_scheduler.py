@@ -45,6 +45,7 @@ from dynabatch.scheduler.core.cluster.rounds import (
     JobGone,
     JobReported,
     Launched,
+    Listed,
     NodesSeen,
     Reassign,
     RequestRefused,
@@ -233,19 +234,19 @@ class ClusterScheduler:
         """Every live job the service knows, at once: unknown ones are adopted (coordinator
         alive, holding its nodes from now) or queued, known ones not listed are dropped. A new
         scheduler's rounds start after its first call (its rebuild). Returns the jobs whose
-        coordinator it has launched (the launch returned) or adopted, and the last round's
-        view."""
-        listed = {e.job_id for e in entries}
+        coordinator it has launched (the launch returned) or adopted, or saw end or die (the
+        service polls them all), and the last round's view."""
         nodes = self.calls.nodes()
         with self._lock:
             first = not self._state.synced
-            # The run's jobs are not in the service's store: kept, not dropped.
-            kept = listed | {j.job_id for j in self._state.jobs if j.client}
             for e in entries:
                 self._add(e, nodes)
-            for job_id in [j.job_id for j in self._state.jobs if j.job_id not in kept]:
-                self._step(JobGone(job_id))
+            # The run's jobs are not in the service's store: kept, not dropped.
+            self._step(Listed(frozenset(e.job_id for e in entries)))
+            # A job whose coordinator ended or died is the service's to poll: it finds the
+            # end, or resumes the job as its next generation (or fails it).
             started = [j.job_id for j in self._state.jobs if j.started and j.launched]
+            started += [job_id for job_id, _ in self._state.ended]
             view = self._state.view
             if first:
                 self._state = replace(self._state, synced=True)

@@ -7,6 +7,11 @@ owner holds a handle to it, so a new coordinator under the same name is refused 
 ... is already taken"). The service starts each resumed coordinator under a new generation
 of the name, recorded in the store.
 
+The scheduler's rounds (every 0.1 s) find the dead coordinator before the service's
+sync (every second) does: the service, not the scheduler, decides what follows (a
+recorded resume as the next generation); the scheduler restarting the same generation,
+unrecorded, failed this test once in CI.
+
 The embedded Ray must be this child process's own (the integration tier's session cluster
 may already be connected in the test process), so the service runs in a child Python
 process, which kills the coordinator by its PID and reports what the service recorded.
@@ -34,14 +39,14 @@ from dynabatch.service.settings import Settings
 from dynabatch.service.job_service import build_service
 
 root = sys.argv[1]
-settings = Settings(db_path=os.path.join(root, "jobs.db"), sync_interval_s=0.2,
-                    checkpoint_root=root, ray_num_cpus=2)
+settings = Settings(db_path=os.path.join(root, "jobs.db"), sync_interval_s=1.0,
+                    cluster_round_s=0.1, checkpoint_root=root, ray_num_cpus=2)
 service = build_service(settings)
 service.cluster.connect()
 service.reconciler.start()
 spec = JobSpec.model_validate({
     "name": "sigkill", "dataset": {"name": "digits"}, "model": {"name": "mlp", "hidden": 32},
-    "optimizer": {"name": "sgd", "lr": 0.1}, "workers": 2, "global_batch": 64, "epochs": 4,
+    "optimizer": {"name": "sgd", "lr": 0.1}, "workers": 2, "global_batch": 64, "epochs": 40,
     "seed": 3, "checkpoint": {"dir": os.path.join(root, "ckpt"), "every_epochs": 1},
 })
 
@@ -90,7 +95,7 @@ def test_sigkilled_coordinator_of_an_embedded_ray_is_resumed(tmp_path: Path) -> 
     out = json.loads(lines[-1][len("RESULT ") :])
     assert out["state"] == "SUCCEEDED", out["reason"]
     assert out["resumes"] == 1
-    assert out["epochs"] == [0, 1, 2, 3]
+    assert out["epochs"] == list(range(40))
     messages = out["messages"]
     assert any("resuming from its checkpoint (automatic resume 1 of 3)" in m for m in messages)
     assert any(m.startswith("resuming from checkpoint at epoch") for m in messages)

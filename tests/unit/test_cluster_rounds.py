@@ -13,6 +13,7 @@ from dynabatch.scheduler.core.cluster.rounds import (
     FoundRunning,
     JobGone,
     JobReported,
+    Listed,
     NodesSeen,
     Reassign,
     RequestRefused,
@@ -292,6 +293,32 @@ def test_a_failed_start_waits_again_holding_nothing_and_says_why():
     assert s.job("a").allocation == () and not s.job("a").started
     s, cmds = step(s, Tick(2.0), knobs)
     assert cmds == (Start("a", (("n0", 1),)),)
+
+
+def test_a_generation_seen_to_end_is_never_queued_again_until_the_service_decides():
+    """Its driver died (or ended): the service, which still lists the job, must not get it
+    started again as the same generation behind its back (no resume recorded, no log
+    line); its next generation (a resume) is queued as any job."""
+    knobs = ClusterKnobs(policy="fifo", hold_s=0.0)
+    s = RoundState()
+    for e in (NodesSeen(_nodes([("cpu", 1)])), Entry("a", 1, 1, 0, 0.0, generation=2)):
+        s, _ = step(s, e, knobs)
+    s, cmds = step(s, Tick(1.0), knobs)
+    assert cmds == (Start("a", (("n0", 1),)),)
+    s, _ = step(s, JobGone("a"), knobs)
+    assert s.job("a") is None and s.ended == (("a", 2),)
+    for generation in (2, 1):  # the service's next sync lists it as it was
+        s, _ = step(s, Entry("a", 1, 1, 0, 0.0, generation=generation), knobs)
+        s, cmds = step(s, Tick(2.0), knobs)
+        assert s.job("a") is None and cmds == ()
+    s, _ = step(s, Entry("a", 1, 1, 0, 0.0, generation=3), knobs)  # resumed
+    assert s.ended == ()
+    s, cmds = step(s, Tick(3.0), knobs)
+    assert cmds == (Start("a", (("n0", 1),)),)
+    # The service no longer lists a job: what the rounds knew of it goes.
+    s, _ = step(s, JobGone("a"), knobs)
+    s, _ = step(s, Listed(frozenset({"b"})), knobs)
+    assert s.ended == () and s.jobs == ()
 
 
 def test_eligible_types_limit_a_job():

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import ray
 from dynabatch.actors.spec import JobSpec, parse_spec
 from dynabatch.api.cli import run as run_cli
 from dynabatch.scheduler.core.cluster.ray_nodes import RayNode
@@ -194,6 +195,34 @@ def test_a_queued_runs_job_whose_run_is_gone_is_dropped(world) -> None:
     sched.round()
     with pytest.raises(ValueError, match="does not hold job run1"):
         sched.grant("run1")
+
+
+def test_a_job_whose_coordinator_died_is_the_services_to_resume_not_restarted(world) -> None:
+    """The rounds saw the coordinator die before the service's poll did: the service's
+    next sync, which lists the job as it was, does not queue it again (the scheduler
+    would start the same generation, and the service never record a resume); the job is
+    reported for the service to poll, which resumes it as the next generation."""
+    sched = _scheduler(world)
+    spec = parse_spec(GANG)
+    sched.sync([cluster_rt.JobEntry("svc", spec, 1.0)])
+    sched.round()
+    assert world["launched"] == [("svc", {"n1": 1, "n2": 1})]
+
+    def died() -> None:
+        raise ray.exceptions.RayActorError()
+
+    world["coordinators"]["svc"].snapshot = Remote(died)
+    sched.round()  # its poll finds it dead
+    assert sched.allocation("svc") is None
+    started, _ = sched.sync([cluster_rt.JobEntry("svc", spec, 1.0)])
+    assert started == ["svc"]  # for the service to poll
+    sched.round()
+    assert len(world["launched"]) == 1
+    # The service resumed it: its next generation starts.
+    started, _ = sched.sync([cluster_rt.JobEntry("svc", spec, 1.0, generation=1)])
+    assert started == []
+    sched.round()
+    assert len(world["launched"]) == 2
 
 
 class FakeScheduling:

@@ -109,7 +109,7 @@ class RoundsScheduling:
         for c in self._step(Tick(self.now)):
             if isinstance(c, Start):
                 spec, generation = self.specs[c.job_id]
-                self.cluster.launch(c.job_id, spec, generation)
+                self.cluster.launch(c.job_id, spec, generation, client=False)
 
 
 @pytest.fixture
@@ -351,6 +351,33 @@ def test_a_resume_the_scheduler_refuses_is_a_409_with_its_reason(setup, tmp_path
     assert str(err.value) == f"job {job.id} cannot be resumed: {why}"
     assert service.get(job.id).state == JobState.FAILED
     assert service.get(job.id).reason.endswith(f"not resumed: {why}")
+
+
+def test_a_resumed_job_started_between_two_ticks_is_followed_to_its_new_generation(
+    setup, tmp_path
+):
+    """The scheduler started the resumed job's next generation before the service's next
+    tick: no answer in between had it queued, and the service still looks that generation
+    up (its calls went to the dead one, found gone again: a second resume, unasked)."""
+    _, cluster, sched = setup
+    service = JobService(
+        JobStore(":memory:"), cluster, sync_interval_s=0, scheduling=sched,
+        submit_policy=SubmitPolicy(checkpoint_root=str(tmp_path)),
+    )
+    job = service.submit(JobSpec(name="a", epochs=5, workers=1,
+                                 checkpoint={"dir": str(tmp_path)}))
+    sched.tick()
+    service.reconciler.sync_once()
+    service.reconciler.sync_once()  # an epoch trained and checkpointed
+    cluster.kill(job.id)
+    service.reconciler.sync_once()  # found gone: resumed as generation 1, queued
+    assert service.get(job.id).resumes == 1
+    sched.tick()  # generation 1 starts before the next tick
+    for _ in range(4):
+        service.reconciler.sync_once()
+    rec = service.get(job.id)
+    assert rec.resumes == 1 and rec.state == JobState.SUCCEEDED
+    assert cluster.followed[job.id] == cluster.generations[job.id] == 1
 
 
 def test_an_embedded_apis_restart_resumes_a_started_job_as_a_recorded_resume(tmp_path):

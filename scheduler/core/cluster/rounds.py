@@ -84,7 +84,9 @@ class Entry:
 class RoundState:
     """Everything the rounds keep: nodes, jobs (by id), the last round's decision and view,
     counters. ``synced``: rounds decide (a new scheduler waits for the service's list of
-    live jobs first)."""
+    live jobs first). ``ended``: (job, generation) of each job whose driver the rounds saw
+    end or die, while the service still lists it: what follows is the service's to decide
+    (a resume registers the next generation), so that generation is never queued again."""
 
     nodes: tuple[ClusterNode, ...] = ()
     jobs: tuple[Entry, ...] = ()
@@ -94,6 +96,7 @@ class RoundState:
     decision: ClusterDecision | None = None
     decided_s: float = 0.0
     synced: bool = True
+    ended: tuple[tuple[str, int], ...] = ()
 
     def job(self, job_id: str) -> Entry | None:
         return next((j for j in self.jobs if j.job_id == job_id), None)
@@ -104,6 +107,10 @@ class RoundState:
 
     def _without(self, job_id: str) -> RoundState:
         return replace(self, jobs=tuple(j for j in self.jobs if j.job_id != job_id))
+
+    def has_ended(self, job_id: str, generation: int) -> bool:
+        """The job's driver of ``generation`` (or a later one) was seen to end or die."""
+        return any(j == job_id and g >= generation for j, g in self.ended)
 
 
 # --- events ----------------------------------------------------------------------------------
@@ -120,9 +127,18 @@ class FoundRunning:
 
 @dataclass(frozen=True, slots=True)
 class JobGone:
-    """The job ended, or its driver is gone: its nodes are free at the next round."""
+    """The job ended, or its driver is gone: its nodes are free at the next round, and its
+    generation is :attr:`RoundState.ended`."""
 
     job_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """The service's live jobs (its sync): a held job not among them, a client run's aside,
+    is dropped, and what ``ended`` says of jobs not among them is forgotten."""
+
+    job_ids: frozenset[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +247,7 @@ Event = (
     Entry
     | FoundRunning
     | JobGone
+    | Listed
     | ResizeRequested
     | JobReported
     | NodesSeen
@@ -340,6 +357,9 @@ def _step(
         case Entry():  # a job registered: a known id's same or older generation changes
             if known is not None and known.generation >= event.generation:  # nothing; a
                 return state, ()  # later one (a resume) replaces it
+            if known is None and state.has_ended(event.job_id, event.generation):
+                return state, ()  # its driver ended or died: the service decides what next
+            state = replace(state, ended=tuple(e for e in state.ended if e[0] != event.job_id))
             fresh = replace(
                 event,
                 allocation=(),
@@ -368,7 +388,16 @@ def _step(
             )
             return state._with(entry), ()
         case JobGone(job_id):
-            return state._without(job_id), ()
+            if known is None:
+                return state, ()
+            ended = (*(e for e in state.ended if e[0] != job_id), (job_id, known.generation))
+            return replace(state._without(job_id), ended=tuple(sorted(ended))), ()
+        case Listed(ids):
+            return replace(
+                state,
+                jobs=tuple(j for j in state.jobs if j.job_id in ids or j.client),
+                ended=tuple(e for e in state.ended if e[0] in ids),
+            ), ()
         case ResizeRequested():
             return _scale(state, event)
         case JobReported(job_id, workers, batch):
