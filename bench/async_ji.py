@@ -275,6 +275,23 @@ def ratios(s: dict, arm: str, key: str) -> dict:
             "softsync_arm": best_soft}
 
 
+def exported_train_loss(coord: object, spec: JobSpec) -> float:
+    """The mean training loss, over the whole training set, of the model the Ray job
+    exported (what the simulator's ``final_train_loss`` measures on its final weights)."""
+    import tempfile
+
+    from dynabatch.actors.export import load_model, write_files
+    from dynabatch.actors.ps import ParamStore
+
+    ds = load_dataset(spec.dataset, seed=spec.seed)
+    with tempfile.TemporaryDirectory() as d:
+        model = load_model(write_files(coord.model_files(), d))  # type: ignore[attr-defined]
+    flat = torch.nn.utils.parameters_to_vector(
+        [p for p in model.parameters() if p.requires_grad])
+    store = ParamStore(spec, tuple(ds.input_shape), ds.num_classes)
+    return store.evaluate(ds.x_train, ds.y_train, flat.detach().numpy())[0]
+
+
 def run_ray(arm: str, a, speeds, lrs: dict[str, float]) -> dict:
     """``arm`` and ASGD on local Ray actors, each at its own α0 (``lrs``)."""
     import ray
@@ -289,13 +306,13 @@ def run_ray(arm: str, a, speeds, lrs: dict[str, float]) -> dict:
             spec = spec_for(name, arms(len(speeds))[name], a, len(speeds), lrs[name], 0,
                             {"name": "digits"}, {"name": "mlp", "hidden": 64}, a.ray_epochs,
                             speeds)
-            coord = PSCoordinator(f"ji-{name}", spec, final_train_loss=True)
+            coord = PSCoordinator(f"ji-{name}", spec)
             snap = coord.run()
             assert snap.state.value == "SUCCEEDED", snap.reason
             hist = coord.history()
             st = coord.server_stats
             span = st["epochs"][-1]["t"] - st["started_s"]
-            out[name] = {"alpha0": lrs[name], "final_loss": _r(coord.final_train_loss),
+            out[name] = {"alpha0": lrs[name], "final_loss": _r(exported_train_loss(coord, spec)),
                          "throughput": _r(sum(r.samples_trained for r in hist) / span, 1),
                          "batches": {w.worker: w.batch for w in snap.ps.workers}}
     finally:

@@ -43,7 +43,6 @@ from dynabatch.scheduler.core.ps.messages import (
     Leave,
     ListNodes,
     Log,
-    MeasureFinalLoss,
     NodeAdded,
     NodesListed,
     Note,
@@ -124,9 +123,7 @@ def ps_status(spec: JobSpec, snap: dict[str, Any]) -> PSStatus:
 
 
 class PSCoordinator(JobControl):
-    """``final_train_loss``: after the last epoch, evaluate the final weights on the whole
-    training set (:attr:`final_train_loss`; benchmarks compare Ray and the simulator on it).
-    ``runtime``: where the server and learners run (default: Ray). ``core``: the job's core
+    """``runtime``: where the server and learners run (default: Ray). ``core``: the job's core
     (default: :func:`build_core` from the spec; experiments pass their own)."""
 
     def __init__(
@@ -135,7 +132,6 @@ class PSCoordinator(JobControl):
         spec: JobSpec,
         resume: bool = True,
         *,
-        final_train_loss: bool = False,
         runtime: PSRuntime | None = None,
         core: PSCore | None = None,
         clock: Clock | None = None,
@@ -153,12 +149,11 @@ class PSCoordinator(JobControl):
         super().__init__(job_id, spec, clock or runtime.clock)
         self.runtime = runtime
         self.core = core
-        self.engine = PSEngine(spec.initial_workers, spec.worker_wait_timeout_s, final_train_loss)
+        self.engine = PSEngine(spec.initial_workers, spec.worker_wait_timeout_s)
         # Where the job is, with its learners: the engine's state once a step's commands
         # are carried out (the job's public state is derived from it).
         self.engine_state: EngineState = Starting()
         self._snap: dict[str, Any] | None = None
-        self.final_train_loss: float | None = None
         # (input shape, class count) of the model, once the data is loaded: its export.
         self.model_shape: tuple[tuple[int, ...], int] | None = None
 
@@ -298,8 +293,6 @@ class PSCoordinator(JobControl):
                 self.log(level, message)
             case RecordEpoch(epoch, wall_s):
                 self._record_epoch(epoch.record, wall_s)
-            case MeasureFinalLoss():
-                self.final_train_loss = self.runtime.train_loss()
             case ExportModel(reason):
                 self._export_model(reason)
             case _:

@@ -60,9 +60,6 @@ class PSRuntime(Protocol):
         :class:`dynabatch.actors.ps_events.CoreEventInterpreter`), ``started_s``,
         ``elapsed_s``, ``pushes_per_s``, ``shards``, ``puts``."""
 
-    def train_loss(self) -> float:
-        """The mean training loss of the final weights over the whole training set."""
-
     def final_weights(self) -> Any:
         """The server's weights now (the final ones once the job finished): the model's
         flat float32 parameter vector (every shard's slice, in order), a numpy array."""

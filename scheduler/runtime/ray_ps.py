@@ -127,14 +127,6 @@ class RayPSRuntime:
     def snapshot(self) -> dict[str, Any]:
         return ray.get(self._server.snapshot.remote(), timeout=CALL_TIMEOUT_S)
 
-    def train_loss(self) -> float:
-        """The full training-set loss of the final weights (the simulator's as well)."""
-        from dynabatch.actors.ps import ParamStore
-
-        ds = self._ds
-        store = ParamStore(self.spec, tuple(ds.input_shape), ds.num_classes)
-        return store.evaluate(ds.x_train, ds.y_train, self.final_weights())[0]
-
     def final_weights(self) -> Any:
         _, flat = ray.get(self._server.pull.remote(), timeout=CALL_TIMEOUT_S)
         return flat

@@ -65,16 +65,17 @@ def simulate_ps(spec: JobSpec, core: PSCore, cluster: ClusterSpec, *,
     spec = spec.model_copy(update={"tracking": TrackingSpec(), "artifacts": ArtifactsSpec()})
     clock = SimClock()
     runtime = SimPSRuntime(spec, ds, SimulatedCluster(cluster), clock=clock)
-    coord = PSCoordinator(job_id, spec, runtime=runtime, core=core, clock=clock,
-                          final_train_loss=final_train_loss)
+    coord = PSCoordinator(job_id, spec, runtime=runtime, core=core, clock=clock)
     coord.run()
     snap = coord.snapshot()
     interp = runtime.events
+    store = runtime.store
+    loss = store.evaluate(ds.x_train, ds.y_train)[0] if final_train_loss and store else None
     return PSSimResult(
         epochs=list(runtime.epochs), staleness=interp.staleness if interp else {},
         virtual_s=clock.now(), samples_applied=interp.samples_applied if interp else 0,
-        final_train_loss=coord.final_train_loss, snapshot=core.snapshot(),
-        weights=runtime.store.weights() if runtime.store is not None else None,
+        final_train_loss=loss, snapshot=core.snapshot(),
+        weights=store.weights() if store is not None else None,
         state=snap.state.value, reason=snap.reason, history=coord.history(),
         happened=list(runtime.happened))
 

@@ -147,9 +147,6 @@ class SimPSRuntime:
                     apply_ms_mean=0.0, puts=0)
         return snap
 
-    def train_loss(self) -> float:
-        return self.store.evaluate(self.ds.x_train, self.ds.y_train)[0]
-
     def final_weights(self) -> Any:
         return self.store.weights()
 

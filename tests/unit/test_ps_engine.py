@@ -42,7 +42,6 @@ from dynabatch.scheduler.core.ps.messages import (
     Leave,
     ListNodes,
     Log,
-    MeasureFinalLoss,
     NodeAdded,
     NodesListed,
     Note,
@@ -66,8 +65,8 @@ assignments = st.dictionaries(st.sampled_from(NODES), st.integers(1, 3), min_siz
 class Held:
     """The engine's rules and its state, stepped in place as the driver does."""
 
-    def __init__(self, initial: int | None, wait_s: float, final_loss: bool = False) -> None:
-        self.engine = PSEngine(initial, wait_s, final_loss)
+    def __init__(self, initial: int | None, wait_s: float) -> None:
+        self.engine = PSEngine(initial, wait_s)
         self.state: EngineState = Starting()
 
     def on(self, event: Event) -> list[Command]:
@@ -175,13 +174,10 @@ def running_event(draw: st.DrawFn, engine: Held, model: Model, now: float) -> Ev
 @settings(max_examples=300, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(
     initial=st.none() | st.integers(1, 4),
-    final_loss=st.booleans(),
     data=st.data(),
 )
-def test_every_run_follows_the_drivers_rules(
-    initial: int | None, final_loss: bool, data: st.DataObject
-) -> None:
-    engine = Held(initial, wait_s=2.0, final_loss=final_loss)
+def test_every_run_follows_the_drivers_rules(initial: int | None, data: st.DataObject) -> None:
+    engine = Held(initial, wait_s=2.0)
     model, now, exported = Model(), 0.0, 0
     for _ in range(25):
         now += data.draw(st.floats(0.0, 1.5))
@@ -293,7 +289,6 @@ def test_every_run_follows_the_drivers_rules(
                 assert len(recorded) == len(new)
                 if p.finished:  # success only when the server says finished
                     assert exports == [ExportModel("end")]
-                    assert (MeasureFinalLoss() in out) == final_loss
                     assert f == Ended(JobState.SUCCEEDED)
                 elif p.cancel:
                     assert exports == ([ExportModel("cancel")] if model.recorded else [])
@@ -432,15 +427,12 @@ def test_epochs_are_recorded_once_timed_from_the_start_and_an_unverified_one_fai
     assert engine.state == Ended(JobState.FAILED, "epoch 2 not exactly once: a; b; c")
 
 
-def test_the_end_measures_the_final_loss_when_wanted_exports_and_succeeds() -> None:
-    engine = _running(2, final_loss=True)
+def test_the_end_records_the_last_epochs_exports_and_succeeds() -> None:
+    engine = _running(2)
     e0 = EpochSeen(0, 4.0)
     out = engine.on(Polled(now=5.0, epochs=(e0,), finished=True, cancel="x"))
-    assert out == [RecordEpoch(e0, 4.0), MeasureFinalLoss(), ExportModel("end")]
+    assert out == [RecordEpoch(e0, 4.0), ExportModel("end")]
     assert engine.state == Ended(JobState.SUCCEEDED) and engine.learners == {}
-    plain = _running(2)
-    assert plain.on(Polled(now=5.0, finished=True)) == [ExportModel("end")]
-    assert plain.state == Ended(JobState.SUCCEEDED)
 
 
 def test_a_cancel_exports_the_model_only_once_an_epoch_was_trained() -> None:

@@ -33,7 +33,6 @@ from dynabatch.scheduler.core.ps.messages import (
     Leave,
     ListNodes,
     Log,
-    MeasureFinalLoss,
     NodeAdded,
     NodesListed,
     Note,
@@ -141,12 +140,11 @@ Step = tuple[EngineState, list[Command]]
 @dataclass(frozen=True, slots=True)
 class PSEngine:
     """The parameter-server job's rules. ``initial_workers``: the job's first learners
-    (None: one per node); ``wait_s``: how long the start waits for a node; ``final_loss``:
-    measure the final weights' training loss at the end. :meth:`step` is pure."""
+    (None: one per node); ``wait_s``: how long the start waits for a node. :meth:`step` is
+    pure."""
 
     initial_workers: int | None
     wait_s: float
-    final_loss: bool = False
 
     def step(self, state: EngineState, event: Event) -> Step:
         """The state after ``event`` and the commands to carry out, in order."""
@@ -208,8 +206,7 @@ class PSEngine:
                 why = f"epoch {e.epoch} not exactly once: " + "; ".join(e.problems[:3])
                 return Ended(JobState.FAILED, why), out
         if snap.finished:
-            loss = [MeasureFinalLoss()] if self.final_loss else []
-            return Ended(JobState.SUCCEEDED), [*out, *loss, ExportModel("end")]
+            return Ended(JobState.SUCCEEDED), [*out, ExportModel("end")]
         if snap.cancel is not None:
             export = [ExportModel("cancel")] if recorded else []  # it trained
             return Ended(JobState.CANCELLED, snap.cancel), [*out, *export]

@@ -204,11 +204,6 @@ class RecordEpoch:
 
 
 @dataclass(frozen=True, slots=True)
-class MeasureFinalLoss:
-    """Evaluate the final weights on the whole training set (``final_train_loss``)."""
-
-
-@dataclass(frozen=True, slots=True)
 class ExportModel:
     """Hand out the server's weights as the trained model (``reason``: end or cancel)."""
 
@@ -225,6 +220,5 @@ Command = (
     | Note
     | Log
     | RecordEpoch
-    | MeasureFinalLoss
     | ExportModel
 )
