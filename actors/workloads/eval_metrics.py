@@ -15,19 +15,21 @@
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torchmetrics
+from dynabatch.actors.spec.sections import BUILTIN_METRICS
 from dynabatch.actors.workloads import WorkloadError, losses
 from dynabatch.actors.workloads.imports import resolve_callable
 from torch.utils._pytree import tree_map
-from torchmetrics import classification as C
-from torchmetrics import regression as R
+
+if TYPE_CHECKING:
+    import torchmetrics
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -115,6 +117,13 @@ def _r2_batch(outputs: torch.Tensor, targets: torch.Tensor
 
 
 def _builtin_stateful(fn: str, average: str | None) -> Stateful | None:
+    if fn not in BUILTIN_METRICS:
+        return None
+    # Imported here: torchmetrics' import (its text metrics pull in transformers) would
+    # cost every worker's start seconds, and the built-in sums need none of it.
+    from torchmetrics import classification as C
+    from torchmetrics import regression as R
+
     avg = average or "macro"
     match fn:
         case "f1":
@@ -153,7 +162,9 @@ def resolve_metric(fn: str, field: str, name: str | None = None,
         found = Metric(fn, stateful=st)
     if found is None:
         obj = resolve_callable(fn, field)
-        if isinstance(obj, type) and issubclass(obj, torchmetrics.Metric):
+        # A torchmetrics.Metric subclass's module has imported torchmetrics.
+        tm = sys.modules.get("torchmetrics")
+        if isinstance(obj, type) and tm is not None and issubclass(obj, tm.Metric):
             found = Metric(fn, stateful=Stateful(_user_metric(obj, fn, field)))
         else:
             found = Metric(fn, obj)

@@ -230,3 +230,26 @@ def test_states_that_arrive_read_only_merge_without_a_warning_in_the_jobs_log():
     assert run.returncode == 0, run.stderr[-2000:]
     assert float(run.stdout) == pytest.approx(f1_score([0, 1, 1, 1], [0, 1, 2, 1],
                                                        average="macro"))
+
+
+def test_a_worker_whose_metrics_are_built_in_sums_never_imports_torchmetrics():
+    """torchmetrics' import (its text metrics pull in transformers, its audio ones scipy)
+    took 3.5 s of every worker's and spare's start on this machine: a job whose metrics
+    are plain sums (the defaults) starts without it; one that names a stateful metric
+    loads it then."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from dynabatch.actors.spec import JobSpec\n"
+        "from dynabatch.actors.workloads.objective import objective_for\n"
+        "objective_for(JobSpec(), 'classes')\n"
+        "print('torchmetrics' in sys.modules)\n"
+        "objective_for(JobSpec(metrics=[{'fn': 'f1'}]), 'classes')\n"
+        "print('torchmetrics' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]
