@@ -122,19 +122,6 @@ def to_cpu(obj: Any) -> Any:
                     obj)
 
 
-def _process_started() -> float | None:
-    """When this process started (epoch seconds), for the start-up timeline; None where
-    /proc does not say."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
 class Worker:
     """One training worker. ``worker_id`` None builds a *spare*: the process, the imports,
     the data, the model and its warm-up are paid now, on an idle node, and :meth:`adopt`
@@ -154,8 +141,6 @@ class Worker:
         num_classes: int,
         gpus: float = 0.0,
     ):
-        # Where start-up time goes (epoch seconds): bench/elastic.py prints it.
-        self.startup = {"process": _process_started(), "constructing": time.time()}
         from dynabatch.actors.workloads.models import build_model
         from dynabatch.actors.workloads.objective import objective_for
 
@@ -204,7 +189,6 @@ class Worker:
         self._node_factor = node_slowdown() if spec.emulated else 1.0
         act_per_sample = self._warm_up()
         self._place_data(free_before, act_per_sample)
-        self.startup["built"] = time.time()
 
     def _warm_up(self) -> float:
         """One throw-away forward/backward, so one-off costs (lazy init, allocator growth)
@@ -244,8 +228,7 @@ class Worker:
         node = ray.get_runtime_context().get_node_id()
         # "gpu": the physical GPU, so the driver can tell members that share one (gloo).
         return {"worker": self.worker_id, "node": node, "device": str(self.device),
-                "gpu": gpu_key(node, self._gpu_ids) if self.device.type == "cuda" else None,
-                "startup": dict(self.startup)}
+                "gpu": gpu_key(node, self._gpu_ids) if self.device.type == "cuda" else None}
 
     # This actor's Ray id: the job reads its stdout and stderr by it (actors/output.py).
     actor_id = staticmethod(own_actor_id)
@@ -258,7 +241,6 @@ class Worker:
         self.worker_id = worker_id
         self.ordinal = ordinal
         self.micro_cap = self._cap = micro_cap(self.spec.micro_batch, ordinal)
-        self.startup["adopted"] = time.time()
         return self.info()
 
     def open_store(self, generation: int, world_size: int, backend: str = "gloo") -> Rendezvous:

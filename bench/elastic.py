@@ -11,11 +11,12 @@
   on the idle one; once it is up, the job is scaled to 3. Reported: seconds from the
   request until the spare's worker joins, and until its first segment is committed.
 
-Timeline (seconds after the node was ready, or after the request): ``spawn`` (the job asked
-for the worker), ``process`` (its process started: Ray may have started it earlier),
-``constructing`` (imports done: Python, Ray, torch), ``built`` (data, model, optimizer and
-warm-up done; for a spare, long before the request), ``adopted`` (a spare took the worker's
-identity), ``started`` (the job saw it up), ``join`` (it joined the group), ``first_step``.
+Timeline (seconds after the node was ready, or after the request), from Ray's task events
+(``bench/runtime_watch.py``, ``actor_timeline``): ``spawn`` (the job asked for the worker's
+actor), ``process`` (its process started: Ray may have started it earlier), ``running``
+(Ray began its creation task: imports, torch's among them, then the constructor),
+``built`` (data, model, optimizer and warm-up done; for a spare, long before the request), ``adopt_asked`` and ``adopted`` (a
+spare took the worker's identity), ``join`` (it joined the group), ``first_step``.
 
 The gloo timeout is ``collective_timeout_s`` (3 s here): a survivor blocked in an
 all-reduce with the dead peer waits at most that long. Prints one JSON object.
@@ -42,7 +43,7 @@ from dynabatch.service.raycluster import fast_health_check
 from ray.cluster_utils import Cluster
 
 from bench.report import emit
-from bench.runtime_watch import record_spares, spares_up
+from bench.runtime_watch import actor_timeline, record_spares, record_workers, spares_up
 
 
 def spec(tag: str, **kw: Any) -> JobSpec:
@@ -64,10 +65,10 @@ def watch(coord: Coordinator, stop: threading.Event, out: list[tuple[float, int,
         time.sleep(0.002)
 
 
-def timeline(coord: Coordinator, worker: str, t0: float, first: float) -> dict[str, float]:
-    st = coord.runtime.startups.get(worker, {})
-    out = {k: round(st[k] - t0, 3) for k in ("spawn", "process", "constructing", "built",
-                                              "adopted", "started") if st.get(k) is not None}
+def timeline(coord: Coordinator, worker: str, handle: Any, adopted: bool, t0: float,
+             first: float) -> dict[str, float]:
+    st = actor_timeline(handle, adopted)
+    out = {k: round(v - t0, 3) for k, v in sorted(st.items(), key=lambda kv: kv[1])}
     join = next(e.time for e in coord.membership_events() if e.kind == "join"
                 and e.worker == worker)
     return out | {"join": round(join - t0, 3), "first_step": round(first - t0, 3)}
@@ -118,6 +119,8 @@ def scale_up(cluster: Cluster, run: int) -> dict[str, float]:
     for _ in range(2):
         cluster.add_node(num_cpus=1, resources={tag: 1})
     cluster.wait_for_nodes()
+    workers: dict[str, Any] = {}  # worker id -> its actor
+    ray_runtime.spawn_worker = record_workers(workers)
     coord = Coordinator("join", spec(tag, workers=2, max_workers=3, epochs=12), resume=False)
     progress: list[tuple[float, int, int, int]] = []
     stop = threading.Event()
@@ -135,7 +138,7 @@ def scale_up(cluster: Cluster, run: int) -> dict[str, float]:
     first = first_segment_with(progress, t_ready, 3)
     return {"ready_to_join_s": join.time - t_ready, "ready_to_first_step_s": first - t_ready,
             "join_to_first_step_s": first - join.time, "state": coord.snapshot().state.value,
-            "timeline": timeline(coord, "w2", t_ready, first)}
+            "timeline": timeline(coord, "w2", workers["w2"], False, t_ready, first)}
 
 
 def scale_up_spare(cluster: Cluster, run: int) -> dict[str, Any]:
@@ -162,12 +165,16 @@ def scale_up_spare(cluster: Cluster, run: int) -> dict[str, Any]:
     stop.set()
     join = next(e for e in coord.membership_events() if e.kind == "join" and e.worker == "w2")
     first = first_segment_with(progress, t_request, 3)
+    # The spare on w2's node, if it took w2's identity (its adopt call ran), else a fresh
+    # worker started there (the spare was lost meanwhile).
+    spare = spares.get(join.node)
+    shown = timeline(coord, "w2", spare.handle, True, t_request, first) if spare else {}
     return {"request_to_join_s": join.time - t_request,
             "request_to_first_step_s": first - t_request,
             "join_to_first_step_s": first - join.time,
-            "adopted_spare": bool(coord.runtime.startups.get("w2", {}).get("spare")),
+            "adopted_spare": "adopted" in shown,
             "state": coord.snapshot().state.value,
-            "timeline": timeline(coord, "w2", t_request, first)}
+            "timeline": shown}
 
 
 def main() -> None:

@@ -3,7 +3,8 @@
 The driver keeps no instrumentation of its own: these wrap the methods of the runtime it
 drives (any :class:`~dynabatch.scheduler.runtime.seam.Runtime`: Ray's, the simulator's), as
 a test wraps ``submit_evaluation``. Wrap before the job runs (for ``simulate``, in its
-``coordinator_hook``: ``watch_steps(c.runtime, ...)``).
+``coordinator_hook``: ``watch_steps(c.runtime, ...)``). A worker's start-up timeline comes
+from Ray's own records of its actor (:func:`actor_timeline`).
 """
 
 from __future__ import annotations
@@ -108,3 +109,68 @@ def spares_up(started: dict[str, StartedSpare]) -> list[str]:
                 continue
             up.append(node)
     return up
+
+
+def record_workers(started: dict[str, Any]) -> Callable[..., Any]:
+    """A stand-in for Ray's ``spawn_worker`` (``dynabatch.scheduler.runtime.ray_runtime``'s,
+    installed like :func:`record_spares`) that records each fresh worker's actor in
+    ``started`` by worker id."""
+    from dynabatch.scheduler.runtime.pool import spawn_worker
+
+    def spawning(spec: Any, worker_id: str, *args: Any, **kwargs: Any) -> Any:
+        started[worker_id] = handle = spawn_worker(spec, worker_id, *args, **kwargs)
+        return handle
+
+    return spawning
+
+
+def process_started(pid: int) -> float | None:
+    """When process ``pid`` of this host started (epoch seconds); None where /proc does not
+    say (another host, or gone)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def actor_timeline(handle: Any, adopted: bool = False, timeout_s: float = 30.0
+                   ) -> dict[str, float]:
+    """Where a worker actor's start-up went (epoch seconds), from Ray's task events:
+    ``spawn`` (its creation was asked), ``process`` (its process started: Ray may have
+    started it earlier, in its pool), ``running`` (Ray began its creation task: the class's
+    imports, torch's among them, then the constructor), ``built`` (the constructor returned:
+    data, model, optimizer, warm-up done); with ``adopted`` (a spare that took a worker's identity), ``adopt_asked`` and
+    ``adopted`` (its ``adopt`` call asked and returned). Ray reports task events about
+    once a second: waited for up to ``timeout_s``."""
+    import time
+
+    from ray.util.state import list_tasks
+
+    actor_id = handle._actor_id.hex()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        tasks = list_tasks(filters=[("actor_id", "=", actor_id)], detail=True,
+                           raise_on_missing_output=False)
+        create = next((t for t in tasks if t.type == "ACTOR_CREATION_TASK"), None)
+        adopt = next((t for t in tasks if t.func_or_class_name.endswith("adopt")), None)
+        done = create is not None and create.end_time_ms and (
+            not adopted or (adopt is not None and adopt.end_time_ms))
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    out: dict[str, float | None] = {}
+    if create is not None:
+        out |= {"spawn": create.creation_time_ms, "running": create.start_time_ms,
+                "built": create.end_time_ms}
+        out = {k: v / 1e3 for k, v in out.items() if v}
+        out["process"] = process_started(create.worker_pid) if create.worker_pid else None
+    if adopted and adopt is not None:
+        out |= {k: v / 1e3 for k, v in (("adopt_asked", adopt.creation_time_ms),
+                                        ("adopted", adopt.end_time_ms)) if v}
+    return {k: v for k, v in out.items() if v is not None}

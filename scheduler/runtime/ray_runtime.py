@@ -132,8 +132,6 @@ class RayRuntime:
         self._spares: dict[str, _Spare] = {}  # node id -> its spare, not yet adopted
         self._node_gpus: dict[str, float] = {}  # node id -> its GPUs, as last listed
         self._reservations: dict[str, Any] = {}  # adopted worker -> its placement group
-        # Per worker: where its start-up time went (epoch seconds; benchmarks print it).
-        self.startups: dict[str, dict[str, Any]] = {}
         self._rv: Any = None  # the group's rendezvous: its store takes plan updates
         self._plan_store: Any = None
 
@@ -172,7 +170,6 @@ class RayRuntime:
     def spawn(self, spawn: Spawn) -> None:
         with self._lock:
             w = spawn.worker_id
-            self.startups[w] = {"spawn": time.time()}
             spare = self._spares.pop(spawn.node_id, None) if spawn.adopt else None
             if spare is None:  # a fresh worker (also when the spare was lost meanwhile)
                 handle = spawn_worker(self.spec, w, spawn.ordinal, spawn.node_id, spawn.gpus,
@@ -184,7 +181,6 @@ class RayRuntime:
             # The spare takes the identity once the worker's CPUs are reserved on its node
             # (the placement group's ready() is the call's dependency); until then it is
             # pending, like a fresh worker waiting to be placed.
-            self.startups[w]["spare"] = True
             pg = reserve(self.spec, spawn.node_id)
             self._reservations[w] = pg
             self._handles[w] = spare.handle
@@ -212,8 +208,6 @@ class RayRuntime:
                     info = ray.get(ref, timeout=CALL_TIMEOUT_S)
                     self._devices[worker] = info["device"]
                     self._gpus[worker] = info.get("gpu")
-                    self.startups.setdefault(worker, {}).update(info.get("startup") or {},
-                                                                started=time.time())
                     out.append(Started(worker))
                 except (RayError, GetTimeoutError) as err:
                     self.kill(worker)
