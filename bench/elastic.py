@@ -15,8 +15,9 @@ Timeline (seconds after the node was ready, or after the request), from Ray's ta
 (``bench/runtime_watch.py``, ``actor_timeline``): ``spawn`` (the job asked for the worker's
 actor), ``process`` (its process started: Ray may have started it earlier), ``running``
 (Ray began its creation task: imports, torch's among them, then the constructor),
-``built`` (data, model, optimizer and warm-up done; for a spare, long before the request), ``adopt_asked`` and ``adopted`` (a
-spare took the worker's identity), ``join`` (it joined the group), ``first_step``.
+``built`` (data, model, optimizer and warm-up done; for a spare, long before the
+request), ``adopt_asked`` and ``adopted`` (a spare took the worker's identity), ``join``
+(it joined the group), ``first_step``.
 
 The gloo timeout is ``collective_timeout_s`` (3 s here): a survivor blocked in an
 all-reduce with the dead peer waits at most that long. Prints one JSON object.

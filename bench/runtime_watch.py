@@ -145,9 +145,9 @@ def actor_timeline(handle: Any, adopted: bool = False, timeout_s: float = 30.0
     ``spawn`` (its creation was asked), ``process`` (its process started: Ray may have
     started it earlier, in its pool), ``running`` (Ray began its creation task: the class's
     imports, torch's among them, then the constructor), ``built`` (the constructor returned:
-    data, model, optimizer, warm-up done); with ``adopted`` (a spare that took a worker's identity), ``adopt_asked`` and
-    ``adopted`` (its ``adopt`` call asked and returned). Ray reports task events about
-    once a second: waited for up to ``timeout_s``."""
+    data, model, optimizer, warm-up done); with ``adopted`` (a spare that took a worker's
+    identity), ``adopt_asked`` and ``adopted`` (its ``adopt`` call asked and returned).
+    Ray reports task events about once a second: waited for up to ``timeout_s``."""
     import time
 
     from ray.util.state import list_tasks
