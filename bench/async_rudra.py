@@ -64,7 +64,9 @@ def make_spec(lam: int, mu: int, lr: float, epochs: int, seed: int, model: str) 
 
 def run(spec: JobSpec, ds, cfg: PSConfig, lam: int, mu: int, *, overlap: bool | None = None):
     core = PSCore(cfg, dataset_size=len(ds.y_train), epochs=spec.epochs, seed=spec.seed,
-                  batches=PerfAwareBatches(mu), overlap=overlap)
+                  batches=PerfAwareBatches(mu))
+    if overlap is not None:  # the ablation: False puts the epoch barrier back
+        core.overlap = overlap
     cluster = parse_cluster({
         "classes": [{"name": "n", "count": lam, "a_ms": 2.0, "c_ms_per_sample": 0.5}],
         "noise_sigma": 0.1, "seed": spec.seed, "parameter_server": {"beta_ms_per_mb": 0.0}})

@@ -93,15 +93,15 @@ OPEN_EPOCHS = 2  # the epoch being completed and the next one
 
 class PSCore:
     def __init__(self, config: PSConfig, *, dataset_size: int, epochs: int, seed: int,
-                 batches: PerfAwareBatches, overlap: bool | None = None):
+                 batches: PerfAwareBatches):
         self.protocol = PSProtocol(config)
         self.batches = batches
         self.dataset_size = dataset_size
         self.epochs = epochs
         self.seed = seed
         self.epoch = 0  # the oldest open epoch: the one being completed
-        # None: overlap except in hardsync (False: the epoch barrier, for an ablation).
-        self.overlap = config.mode != "hardsync" if overlap is None else overlap
+        # The next epoch opens before this one completes, except in hardsync (its barrier).
+        self.overlap = config.mode != "hardsync"
         self.pushes = 0
         self.lost_inflight_samples = 0  # re-queued from lost learners' chunks
         self.ledgers: dict[int, AsyncLedger] = {}
