@@ -63,6 +63,7 @@ def _events(draw):
                     "measure",
                     "failed",
                     "drain",
+                    "listed",
                 ]
             )
         )
@@ -91,6 +92,9 @@ def _events(draw):
         elif kind == "measure":  # the job's report: one worker on each node
             workers = tuple((n.node_id, draw(st.floats(0.5, 10.0))) for n in all_nodes)
             events.append(JobReported(jid, workers, 64.0))
+        elif kind == "listed":  # the service's sync: the live jobs it knows
+            ids = draw(st.sets(st.sampled_from([f"j{i}" for i in range(5)])))
+            events.append(Listed(frozenset(ids)))
         elif kind == "drain":
             node = draw(st.sampled_from(all_nodes)).node_id
             events.append(Drained(jid, node, now, draw(st.integers(1, 3))))
@@ -109,6 +113,11 @@ def test_random_runs_keep_capacity_gangs_and_holds(policy, events):
     for event in events:
         before = state
         state, commands = step(state, event, knobs)
+        # A generation seen to end is the service's: never held again as it was.
+        assert not {j.job_id for j in state.jobs} & {job for job, _ in state.ended}
+        if isinstance(event, Listed):
+            assert {j.job_id for j in state.jobs} <= event.job_ids
+            assert {job for job, _ in state.ended} <= event.job_ids
         if isinstance(event, Drained):
             _check_drain(before, state, event, commands)
             continue
