@@ -70,9 +70,15 @@ log = logging.getLogger("dynabatch.ps")
 POLL_S = 0.25  # how long a step waits for the learners' exits
 
 
+def first_batch(spec: JobSpec) -> int:
+    """μ, a learner's batch until the server re-plans it (and a learner's it has not met
+    yet): μλ is the global batch."""
+    return max(1, spec.global_batch // (spec.initial_workers or 1))
+
+
 def build_core(spec: JobSpec, dataset_size: int) -> PSCore:
     p = spec.protocol
-    b0 = max(1, spec.global_batch // (spec.initial_workers or 1))  # μ, so μλ = global_batch
+    b0 = first_batch(spec)
     # b_min = b0/4: v_i = b_i/t_i under-rates a learner whose fixed per-push cost dominates
     # at a small batch, which shrinks its batch further; on Ray (digits MLP) b_min = 1 let
     # three of four learners collapse to 1 sample. The floor stops that feedback.
@@ -201,8 +207,10 @@ class PSCoordinator(JobControl):
             snap = self._snap
             ps = ps_status(self.spec, snap) if snap else None
             batch = {w.worker: w.batch for w in ps.workers} if ps else {}
-            # The learners are the job's workers (one source of its members for every view).
-            workers = [WorkerStatus(worker=w, node=n, rank=i, batch=batch.get(w, 0), partition=0)
+            # The learners are the job's workers (one source of its members for every view);
+            # one the server has not met yet gets the first batch when it does.
+            mu = first_batch(self.spec)
+            workers = [WorkerStatus(worker=w, node=n, rank=i, batch=batch.get(w, mu), partition=0)
                        for i, (w, n) in enumerate(sorted(learners(self.engine_state).items()))]
             return self._snapshot(
                 epoch=snap["epoch"] if snap else 0, policy=f"ps-{self.spec.protocol.mode}",

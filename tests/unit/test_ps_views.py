@@ -94,3 +94,19 @@ def test_a_running_ps_jobs_learners_are_its_snapshots_workers_with_their_nodes()
     assert all(w.joined and w.batch == batch[w.worker] > 0 for w in snap.workers)
     assert [w.rank for w in snap.workers] == list(range(len(on)))
     assert snap.group_size == len(on)  # REST's and the metrics' worker count (it was 0)
+
+
+def test_a_learner_the_server_has_not_met_yet_shows_the_batch_it_will_get_not_zero():
+    """Between its spawn and the server's next snapshot a learner is a RUNNING job's
+    worker that the server does not list: its batch is the one the server gives a learner
+    it has not met (μ, global_batch over the learners), as the job page and ``status``
+    show it; it was 0 (the job page's end-to-end test caught it once the learners started
+    quicker)."""
+    from tests.unit.test_ps_export import _job
+
+    coord, _ = _job("ps-first-batch", epochs=3)
+    assert coord.start()
+    snap = coord.snapshot()
+    assert snap.state == JobState.RUNNING and len(snap.workers) == 2
+    mu = coord.spec.global_batch // 2
+    assert [w.batch for w in snap.workers] == [mu, mu]
