@@ -4,7 +4,17 @@ Hypothesis' per-example deadline is a timing assertion, and timing belongs to be
 to tests: on a loaded 2-core machine a correct example can take longer than 200 ms. The
 ``too_slow`` health check is off for the same reason. Everything else (the search, the
 shrinking, the example database off) is Hypothesis' default.
+
+One OpenMP thread per process: ``make test`` runs two pytest workers on two cores beside
+Ray's processes, and torch's default of a thread per core makes every parallel region wait
+for a thread the other processes hold (a 5-step MLP took 0.16 s a step instead of 4 ms under
+that load). Set before anything imports torch; subprocesses and the tests' Ray inherit it.
+A worker still sets its own count from its spec's ``worker_cpus``.
 """
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 from hypothesis import HealthCheck, settings

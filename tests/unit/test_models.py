@@ -21,12 +21,6 @@ SHAPES = {
 CASES = [(name, shape) for name, shapes in SHAPES.items() for shape in shapes]
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> None:
-    # The test machine is shared; small convolutions gain nothing from many threads.
-    torch.set_num_threads(1)
-
-
 @pytest.mark.parametrize(
     ("name", "shape"), CASES, ids=[f"{n}-{'x'.join(map(str, s))}" for n, s in CASES]
 )
