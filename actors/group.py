@@ -16,26 +16,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# How an NCCL collective's failure reaches the worker (see the module docstring).
-# blocking: wait() blocks the host and raises at the timeout; async: wait() only orders the
-# stream, the watchdog aborts at the timeout and the next call on the group raises.
-NCCL_FAULT_MODES = {
-    "blocking": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"},
-    "async": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0"},
-}
-NCCL_FAULT_MODE_ENV = "DYNABATCH_NCCL_FAULT_MODE"
-DEFAULT_NCCL_FAULT_MODE = "blocking"
-
-
-def nccl_fault_mode() -> str:
-    """The NCCL fault mode this process's groups use: ``DYNABATCH_NCCL_FAULT_MODE``
-    (``blocking`` or ``async``), default ``blocking``; another value is a ValueError naming
-    the setting."""
-    mode = os.environ.get(NCCL_FAULT_MODE_ENV, "").strip() or DEFAULT_NCCL_FAULT_MODE
-    if mode not in NCCL_FAULT_MODES:
-        raise ValueError(f"{NCCL_FAULT_MODE_ENV}: unknown NCCL fault mode {mode!r}: use one "
-                         f"of {', '.join(NCCL_FAULT_MODES)}")
-    return mode
+# How an NCCL collective's failure reaches the worker: the communicator is aborted and the
+# process kept (2; 1 would kill it), and wait() blocks the host and raises at the
+# collectives' timeout (BLOCKING_WAIT=1), so a lost peer raises in the survivors.
+NCCL_FAULT_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 
 SEALED = b"-"  # a key claimed before anything was posted under it
@@ -68,12 +52,10 @@ def gpu_key(node_id: str, gpu_ids: Sequence[str | int]) -> str | None:
     return f"{node_id}/{gpu_ids[0]}" if gpu_ids else None
 
 
-def configure_nccl_fault_handling() -> str:
-    """Make NCCL raise in survivors instead of killing them, in this process's fault mode
-    (:func:`nccl_fault_mode`); read by torch when the group is formed. Returns the mode."""
-    mode = nccl_fault_mode()
-    os.environ.update(NCCL_FAULT_MODES[mode])
-    return mode
+def configure_nccl_fault_handling() -> None:
+    """Make NCCL raise in survivors instead of killing them (:data:`NCCL_FAULT_ENV`); read
+    by torch when the group is formed."""
+    os.environ.update(NCCL_FAULT_ENV)
 
 
 def _reset_group_counter() -> None:

@@ -25,6 +25,7 @@ from dynabatch.api.routes import health, jobs, pages
 from dynabatch.api.routes.cluster import router as cluster_router
 from dynabatch.api.routes.code import code_router
 from dynabatch.scheduler.core.lifecycle import InvalidTransition
+from dynabatch.service.code_store import CodeRejected
 from dynabatch.service.install_check import check_own_install_once
 from dynabatch.service.job_service import JobService, build_service
 from dynabatch.service.ray_client import RayClusterClient
@@ -119,9 +120,11 @@ def _plain_error(code: int, prefix: str) -> Callable[[Request, Exception], Await
 
 
 def _field_problems(problems: Iterable[tuple[str, str]], kind: str) -> JSONResponse:
-    """A 422 naming each body field and its problem, as the spec's validation errors do."""
+    """A 422 naming each body field (``body``: the body as a whole) and its problem, as the
+    spec's validation errors do."""
     detail = [
-        {"loc": ["body", *field.split(".")], "field": field, "msg": msg, "type": kind}
+        {"loc": ["body", *field.split(".")[field == "body" :]], "field": field, "msg": msg,
+         "type": kind}
         for field, msg in problems
     ]
     return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
@@ -140,19 +143,16 @@ def _install_error_handlers(app: FastAPI) -> None:
         # FastAPI answers 400 for a body it cannot decode (not UTF-8, say); that is bad
         # input like any other, so it gets the same 422 shape.
         if err.status_code == status.HTTP_400_BAD_REQUEST and err.detail == BODY_PARSE_ERROR:
-            problem = {
-                "loc": ["body"],
-                "field": "body",
-                "type": "body_decode",
-                "msg": "not valid JSON (cannot decode the body)",
-            }
-            return JSONResponse(
-                {"detail": [problem]}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT
-            )
+            why = "not valid JSON (cannot decode the body)"
+            return _field_problems([("body", why)], "body_decode")
         return await http_exception_handler(request, err)
 
     for exc, code, prefix in _PLAIN_ERRORS:
         app.add_exception_handler(exc, _plain_error(code, prefix))
+
+    @app.exception_handler(CodeRejected)
+    async def code_rejected(_: Request, err: CodeRejected) -> JSONResponse:
+        return _field_problems([("body", str(err))], "invalid_archive")
 
     @app.exception_handler(InvalidRequest)
     async def invalid_request(_: Request, err: InvalidRequest) -> JSONResponse:

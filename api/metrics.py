@@ -194,7 +194,7 @@ class JobCollector(Collector):
         # Live jobs and those that finished within the retention window, oldest first.
         store = self.service.store
         recs = store.live() + store.finished_since(
-            self.service.clock() - self.service.metrics_retention_s)
+            self.service.clock() - self.service.settings.metrics_retention_s)
         recs.sort(key=lambda r: (r.created_at, r.id))
         snaps = [r.current_snapshot() for r in recs]
         yield from self._job_families(snaps)

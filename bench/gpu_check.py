@@ -28,8 +28,8 @@ Checks:
 * ``nccl_missing_peer``: a two-member NCCL group whose peer never comes, joined as a worker
   joins (on its device: ``device_id``, the communicator created in the join): the join must
   raise within a bound of its start-up timeout, well before the collectives' (GPU).
-* ``nccl_fault_modes``: blocking wait against async error handling (the setting
-  ``DYNABATCH_NCCL_FAULT_MODE`` of :mod:`dynabatch.actors.group`): per mode, a two-GPU
+* ``nccl_fault_modes``: blocking wait (the product's, :mod:`dynabatch.actors.group`)
+  against async error handling: per mode, a two-GPU
   NCCL group's bucketed all-reduce step time, and a peer lost after the join making the
   survivor raise within a bound of the collectives' timeout (two GPUs; skipped with one:
   NCCL refuses two ranks on one device).
@@ -763,14 +763,25 @@ def check_compile(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# How an NCCL collective's failure reaches the worker. blocking (the product's): wait()
+# blocks the host and raises at the timeout; async: wait() only orders the stream, the
+# watchdog aborts at the timeout and the next call on the group raises.
+NCCL_FAULT_MODES = {
+    "blocking": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"},
+    "async": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0"},
+}
+
+
 def _fault_member(rank: int, rv: Any, mode: str, cfg: dict[str, Any], out: Any) -> None:
     """One member of a two-GPU NCCL group in fault mode ``mode`` (a child process): the
     bucketed all-reduce's step time, then rank 1 leaves without a word and rank 0 times how
     long its next collectives take to raise."""
     try:
-        os.environ["DYNABATCH_NCCL_FAULT_MODE"] = mode
         import torch.distributed as dist
+        from dynabatch.actors import group as product
         from dynabatch.actors.group import ProcessGroup
+
+        product.NCCL_FAULT_ENV = NCCL_FAULT_MODES[mode]  # what the group's join sets
 
         dev = torch.device("cuda", rank)
         torch.cuda.set_device(dev)
@@ -819,15 +830,15 @@ def _fault_member(rank: int, rv: Any, mode: str, cfg: dict[str, Any], out: Any) 
 
 
 def check_nccl_fault_modes(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Blocking wait against async error handling (``DYNABATCH_NCCL_FAULT_MODE``,
-    :mod:`dynabatch.actors.group`): per mode, a two-GPU NCCL group's bucketed all-reduce
-    step time, and that a lost peer makes the survivor raise within a bound of the
-    collectives' timeout. Two ranks cannot share one GPU in NCCL: skipped below two."""
+    """Blocking wait (the product's :data:`dynabatch.actors.group.NCCL_FAULT_ENV`) against
+    async error handling (:data:`NCCL_FAULT_MODES`): per mode, a two-GPU NCCL group's
+    bucketed all-reduce step time, and that a lost peer makes the survivor raise within a
+    bound of the collectives' timeout. Two ranks cannot share one GPU in NCCL: skipped below two."""
     if not _cuda():
         return _skipped("no GPU")
     if torch.cuda.device_count() < 2:
         return _skipped(f"{torch.cuda.device_count()} GPU: NCCL needs a GPU per rank, two here")
-    from dynabatch.actors.group import NCCL_FAULT_MODES, ProcessGroup
+    from dynabatch.actors.group import ProcessGroup
 
     res: dict[str, Any] = {"status": "ok", "collective_timeout_s": cfg["fault_timeout_s"]}
     ctx = mp.get_context("spawn")

@@ -43,13 +43,12 @@ from dynabatch.service.service_errors import (
 )
 from dynabatch.service.settings import Settings
 from dynabatch.service.store import QUEUED, STARTING, JobRecord, JobStore
-from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
+from dynabatch.service.submit_policy import SpecNotAllowed, check_submission
 
 log = logging.getLogger("dynabatch.service")
 
 JOB_ID_PATTERN = r"^[0-9a-f]{12}$"
 WORKER_ID_PATTERN = r"^w[0-9]{1,6}$"
-AUTO_RESUME_LIMIT = 3
 
 
 def shown(rec: JobRecord, view: ClusterView | None) -> JobRecord:
@@ -113,37 +112,23 @@ class JobService:
         self,
         store: JobStore,
         cluster: RayClusterClient,
+        settings: Settings,
         *,
-        sync_interval_s: float = 1.0,
-        metrics_retention_s: float = 3600.0,
-        release_finished: bool = True,
-        cancel_wait_s: float = 5.0,
-        auto_resume_limit: int = AUTO_RESUME_LIMIT,
-        submit_policy: SubmitPolicy | None = None,
         clock: Callable[[], float] = time.time,
         scheduling: RayScheduling | None = None,
     ):
         self.store = store
         self.cluster = cluster
-        self.cancel_wait_s = cancel_wait_s
+        self.settings = settings
         # What specs may name (user code, paths). The default allows nothing.
-        self.submit_policy = submit_policy if submit_policy is not None else SubmitPolicy()
+        self.submit_policy = settings.submit_policy
         self.clock = clock
         # The cluster scheduler (None: off, every job is launched at once).
         self.scheduling = scheduling
         self.link = None if scheduling is None else SchedulerLink(scheduling, cluster)
-        self.metrics_retention_s = metrics_retention_s
-        self.metrics_ttl_s = min(sync_interval_s, 1.0)  # how long one /metrics render serves
-        self.reconciler = Reconciler(
-            store,
-            cluster,
-            self.link,
-            clock=clock,
-            sync_interval_s=sync_interval_s,
-            release_finished=release_finished,
-            auto_resume_limit=auto_resume_limit,
-            submit_policy=self.submit_policy,
-        )
+        # How long one /metrics render serves.
+        self.metrics_ttl_s = min(settings.sync_interval_s, 1.0)
+        self.reconciler = Reconciler(store, cluster, self.link, settings, clock=clock)
 
     # Commands ---------------------------------------------------------------------------
     def submit(self, spec: JobSpec) -> JobRecord:
@@ -217,7 +202,7 @@ class JobService:
                 done = self.reconciler.sync_job(job_id) or rec
                 raise already_finished(done.state, job_id) from None
             log.info("job %s: cancel requested (%s)", job_id, reason)
-        deadline = time.monotonic() + self.cancel_wait_s
+        deadline = time.monotonic() + self.settings.cancel_wait_s
         while not snap.state.is_terminal and time.monotonic() < deadline:
             time.sleep(0.1)
             try:
@@ -441,14 +426,4 @@ def build_service(settings: Settings, cluster: RayClusterClient | None = None) -
             call_timeout_s=settings.ray_call_timeout_s,
         )
     scheduling = cluster.scheduling(settings) if settings.cluster_scheduler else None
-    return JobService(
-        JobStore(settings.db_path),
-        cluster,
-        sync_interval_s=settings.sync_interval_s,
-        metrics_retention_s=settings.metrics_retention_s,
-        release_finished=settings.release_finished,
-        cancel_wait_s=settings.cancel_wait_s,
-        auto_resume_limit=settings.auto_resume_limit,
-        submit_policy=settings.submit_policy,
-        scheduling=scheduling,
-    )
+    return JobService(JobStore(settings.db_path), cluster, settings, scheduling=scheduling)

@@ -275,12 +275,7 @@ class RayClusterClient:
     def scheduling(self, settings: Settings) -> RayScheduling:
         """The named cluster-scheduler actor on this Ray (created at its first call), with
         ``settings``' policy, round and hold. (A cluster without one answers None.)"""
-        return RayScheduling(
-            settings.cluster_policy,
-            settings.cluster_round_s,
-            settings.cluster_hold_s,
-            settings.ray_call_timeout_s,
-        )
+        return RayScheduling(settings)
 
 
 def _probe(address: str, timeout: float) -> None:

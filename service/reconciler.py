@@ -21,6 +21,7 @@ from dynabatch.service.artifacts import keep_model, models_dir
 from dynabatch.service.ray_client import RayClusterClient
 from dynabatch.service.scheduling import RayScheduling, Refused
 from dynabatch.service.service_errors import ClusterUnavailable, CoordinatorGone, RayCallError
+from dynabatch.service.settings import Settings
 from dynabatch.service.store import EMBEDDED_CLUSTER, JobRecord, JobStore
 from dynabatch.service.submit_policy import SpecNotAllowed, SubmitPolicy, check_submission
 
@@ -125,21 +126,16 @@ class Reconciler:
         store: JobStore,
         cluster: RayClusterClient,
         link: SchedulerLink | None,
+        settings: Settings,
         *,
         clock: Callable[[], float],
-        sync_interval_s: float,
-        release_finished: bool,
-        auto_resume_limit: int,
-        submit_policy: SubmitPolicy,
     ):
         self.store = store
         self.cluster = cluster
         self.clock = clock
         self.link = link  # the cluster scheduler's; None when it is off
-        self.sync_interval_s = sync_interval_s
-        self.release_finished = release_finished
-        self.auto_resume_limit = auto_resume_limit
-        self.submit_policy = submit_policy
+        self.settings = settings
+        self.submit_policy = settings.submit_policy
         # Held by a sync of a job and by each command on one, so they never interleave.
         self.lock = threading.RLock()
         self._stop = threading.Event()
@@ -158,7 +154,7 @@ class Reconciler:
         self._ending.clear()
         self.reattach()
         self._started = True
-        if self.sync_interval_s > 0:
+        if self.settings.sync_interval_s > 0:
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="dynabatch-sync", daemon=True)
             self._thread.start()
@@ -203,7 +199,7 @@ class Reconciler:
         stay PENDING, to be resumed when the API starts again; the others FAIL. Store
         writes only: safe when Ray is gone."""
         for rec in self.store.live():
-            if self.auto_resume_limit > 0 and checkpoint_exists(rec):
+            if self.settings.auto_resume_limit > 0 and checkpoint_exists(rec):
                 self.store.interrupt(
                     rec.id,
                     f"{EMBEDDED_ENDED}; the job resumes from its checkpoint when the "
@@ -262,7 +258,7 @@ class Reconciler:
             self.coordinator_lost(rec, EMBEDDED_ENDED)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.sync_interval_s):
+        while not self._stop.wait(self.settings.sync_interval_s):
             try:
                 self.sync_once()
             except Exception:  # the loop must survive anything one tick does
@@ -345,7 +341,7 @@ class Reconciler:
             done = self.store.get(job_id)
             if snap.state.is_terminal and self.link is not None:
                 self.link.finished(job_id)
-            if snap.state.is_terminal and self.release_finished:
+            if snap.state.is_terminal and self.settings.release_finished:
                 # The coordinator may hold the only copy of the trained model.
                 keep_model(self.cluster, job_id, models_dir(self.store.path))
                 try:
@@ -383,7 +379,7 @@ class Reconciler:
                 why=why,
                 checkpoint=checkpoint,
                 auto_resumes=rec.auto_resumes,
-                auto_resume_limit=self.auto_resume_limit,
+                auto_resume_limit=self.settings.auto_resume_limit,
                 not_allowed=relaunch_refusal(rec.spec, self.submit_policy) if checkpoint else None,
             )
         )

@@ -87,10 +87,13 @@ class DynabatchClient:
         retries: int = 4,
         retry_wait_s: float = 0.25,
         transport: httpx.BaseTransport | None = None,
+        token_hint: str = "",
     ):
         """``transport`` carries the requests instead of the network (httpx's own
-        ``MockTransport``, or a test's transport to an app in the same process)."""
+        ``MockTransport``, or a test's transport to an app in the same process);
+        ``token_hint`` ends a 401's message (how the caller's user gives a token)."""
         self.url = url.rstrip("/")
+        self.token_hint = token_hint
         self.retries = max(1, retries)
         self.retry_wait_s = retry_wait_s
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -128,10 +131,14 @@ class DynabatchClient:
             raise ConnectionFailed(f"cannot reach the dynabatch API at {self.url}: {why}") from None
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _failed(self, response: httpx.Response) -> ApiError:
+        hint = self.token_hint if response.status_code == 401 else ""
+        return ApiError(_error_message(response) + hint, response.status_code)
+
     def _call(self, model: type[M], method: str, path: str, **kwargs: Any) -> M:
         response = self._send(method, path, **kwargs)
         if response.status_code >= 400:
-            raise ApiError(_error_message(response), response.status_code)
+            raise self._failed(response)
         try:
             # A job's spec in an answer was warned about when it was submitted: reading
             # the job (status, polling, scale) never warns again.
@@ -217,7 +224,7 @@ class DynabatchClient:
                                        headers=self._headers, timeout=timeout) as response:
                     if response.status_code >= 400:
                         response.read()
-                        raise ApiError(_error_message(response), response.status_code)
+                        raise self._failed(response)
                     for event, data in _parse_sse(response.iter_lines()):
                         drops = 0
                         if event == "log":
@@ -260,7 +267,7 @@ class DynabatchClient:
         manifest; ``dynabatch.service.artifacts.unzip_model`` unpacks it."""
         response = self._send("GET", f"/v1/jobs/{job_id}/model")
         if response.status_code >= 400:
-            raise ApiError(_error_message(response), response.status_code)
+            raise self._failed(response)
         return response.content
 
     def nodes(self) -> NodeList:

@@ -20,6 +20,7 @@ from typing import Any
 from dynabatch.actors.spec import JobSpec
 from dynabatch.scheduler.core.cluster.view import ClusterView
 from dynabatch.service.service_errors import ClusterUnavailable, RayCallError
+from dynabatch.service.settings import Settings
 
 log = logging.getLogger("dynabatch.service")
 KEEP_ALIVE_S = 5.0  # how often it re-registers its job while it trains
@@ -34,16 +35,13 @@ class RayScheduling:
     new one, which rebuilds at the next :meth:`sync`). A refusal raises :class:`Refused`
     with the scheduler's reason. Tests stand in a fake over the pure rounds."""
 
-    def __init__(
-        self,
-        policy: str,
-        round_s: float,
-        hold_s: float,
-        call_timeout_s: float = 10.0,
-        synced: bool = False,
-    ):
-        self._args = (policy, round_s, hold_s, call_timeout_s, synced)
-        self._timeout = call_timeout_s
+    def __init__(self, settings: Settings, synced: bool = False):
+        """With ``settings``' policy, round and hold (``DYNABATCH_CLUSTER_*``); ``synced``:
+        the scheduler runs rounds at once, since no service rebuilds it."""
+        s = settings
+        self._args = (s.cluster_policy, s.cluster_round_s, s.cluster_hold_s,
+                      s.ray_call_timeout_s, synced)
+        self._timeout = s.ray_call_timeout_s
         self._handle: Any = None
         self._lock = threading.Lock()
         self._view: ClusterView | None = None
@@ -126,12 +124,7 @@ def scheduler_for_run(address_given: bool, want: bool | None) -> RayScheduling |
     (``DYNABATCH_CLUSTER_*``), running rounds at once since no service rebuilds it."""
     if want is False or not address_given:
         return None
-    from dynabatch.service.settings import Settings
-
-    s = Settings()
-    return RayScheduling(
-        s.cluster_policy, s.cluster_round_s, s.cluster_hold_s, s.ray_call_timeout_s, synced=True
-    )
+    return RayScheduling(Settings(), synced=True)
 
 
 def run_placed(

@@ -16,7 +16,8 @@ import typer
 from dynabatch.actors.data.fs import is_uri, join
 from dynabatch.actors.errors import one_line
 from dynabatch.actors.spec import SpecError
-from dynabatch.scheduler.telemetry import StepBreakdown
+from dynabatch.scheduler.core.cluster.ray_nodes import node_label
+from dynabatch.scheduler.telemetry import JobSnapshot, PSStatus, StepBreakdown
 from dynabatch.service.job_service import JOB_ID_PATTERN, WORKER_ID_PATTERN
 from dynabatch.service.rest_client import ApiError, DynabatchClient
 from rich.console import Console
@@ -149,6 +150,37 @@ _COLUMNS = (
     ("coordinator", "coordinator_s"), ("evaluation", "evaluation_s"),
     ("evaluation hidden", "evaluation_hidden_s"), ("overlapped", "overlap_s"),
 )
+
+
+def workers_table(snap: JobSnapshot) -> Table:
+    """Each worker's node, batch, partition and measured speed (``run``'s live view and
+    ``status``); a parameter-server learner has no partition, step times or slowdown ("-";
+    its staleness: :func:`ps_table`)."""
+    t = Table(title="workers", expand=False)
+    for col in ("worker", "node", "batch", "partition", "samples/s", "compute/step",
+                "wait/step", "slowdown"):
+        t.add_column(col, justify="left" if col in ("worker", "node") else "right")
+    for w in snap.workers:
+        measured = ("-",) * 5 if snap.ps is not None else (
+            str(w.partition), f"{w.throughput:,.0f}", f"{w.compute_s_per_step * 1e3:.1f} ms",
+            f"{w.wait_s_per_step * 1e3:.1f} ms", f"{w.slowdown:g}x")
+        t.add_row(w.worker, node_label(w.node), str(w.batch), *measured)
+    return t
+
+
+def ps_table(ps: PSStatus) -> Table:
+    """Per-learner staleness of a parameter-server job."""
+    t = Table(title=f"parameter server ({ps.mode}): version {ps.version}, applied "
+              f"{ps.applied}, refused {ps.refused}, {ps.pushes_per_s:,.1f} pushes/s",
+              expand=False)
+    for col in ("worker", "batch", "pushes", "applied", "refused", "staleness mean",
+                "staleness max"):
+        t.add_column(col, justify="left" if col == "worker" else "right")
+    for w in ps.workers:
+        t.add_row(w.worker + ("" if w.member else " (gone)"), str(w.batch), str(w.pushes),
+                  str(w.applied), str(w.refused), f"{w.staleness_mean:.2f}",
+                  str(w.staleness_max))
+    return t
 
 
 def breakdown_table(b: StepBreakdown) -> Table:

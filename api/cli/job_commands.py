@@ -26,13 +26,14 @@ from dynabatch.api.cli.common import (
     one_line_errors,
     out_console,
     print_plain,
+    ps_table,
     stderr,
     tensorboard_line,
     tensorboard_made,
     timestamp,
+    workers_table,
 )
 from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
-from dynabatch.scheduler.core.cluster.ray_nodes import node_label
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import LogLine, splits_text
 from dynabatch.service.rest_client import DEFAULT_URL, DynabatchClient
@@ -83,37 +84,12 @@ def _job_table(job: Any) -> Group:
             spec.tracking.tensorboard, job.job_id, here=False,
             trained=not job.state.is_terminal or job.epoch > 0 or job.step > 0):
         head.append("\n" + tensorboard_line(spec.tracking.tensorboard, job.job_id), style="dim")
-    workers = Table(title="workers", expand=False)
-    for col in ("worker", "node", "batch", "partition", "samples/s", "compute/step", "wait/step"):
-        workers.add_column(col, justify="left" if col in ("worker", "node") else "right")
-    ps = getattr(job, "ps", None)
-    for w in job.workers:
-        # A parameter-server learner has no partition or step times (its staleness: below).
-        measured = ("-",) * 4 if ps is not None else (
-            str(w.partition), f"{w.throughput:,.0f}", f"{w.compute_s_per_step * 1e3:.1f} ms",
-            f"{w.wait_s_per_step * 1e3:.1f} ms")
-        workers.add_row(w.worker, node_label(w.node), str(w.batch), *measured)
-    parts: list[Any] = [head, workers]
+    parts: list[Any] = [head, workers_table(job)]
     if job.step_breakdown is not None:
         parts.append(breakdown_table(job.step_breakdown))
-    if ps is not None:
-        parts.append(_ps_table(ps))
+    if job.ps is not None:
+        parts.append(ps_table(job.ps))
     return Group(*parts)
-
-
-def _ps_table(ps: Any) -> Table:
-    """Per-learner staleness of a parameter-server job."""
-    t = Table(title=f"parameter server ({ps.mode}): version {ps.version}, applied "
-              f"{ps.applied}, refused {ps.refused}, {ps.pushes_per_s:,.1f} pushes/s",
-              expand=False)
-    for col in ("worker", "batch", "pushes", "applied", "refused", "staleness mean",
-                "staleness max"):
-        t.add_column(col, justify="left" if col == "worker" else "right")
-    for w in ps.workers:
-        t.add_row(w.worker + ("" if w.member else " (gone)"), str(w.batch), str(w.pushes),
-                  str(w.applied), str(w.refused), f"{w.staleness_mean:.2f}",
-                  str(w.staleness_max))
-    return t
 
 
 def serve(

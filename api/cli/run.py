@@ -23,12 +23,13 @@ from dynabatch.api.cli.common import (
     one_line,
     out_console,
     print_plain,
+    ps_table,
     stderr,
     tensorboard_line,
     tensorboard_made,
+    workers_table,
 )
 from dynabatch.api.cli.config import SetOption, read_config, spec_warnings_shown
-from dynabatch.scheduler.core.cluster.ray_nodes import node_label
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine, splits_text
 from rich.console import Console, Group
@@ -51,24 +52,14 @@ def render(snap: JobSnapshot, history: list[EpochRecord]) -> Group:
     )
     if snap.reason:
         head.append(f"\n{snap.reason}", style="dim")
-    workers = Table(title="workers", expand=False)
-    for col in ("worker", "node", "batch", "partition", "samples/s", "compute/step",
-                "wait/step", "slowdown"):
-        workers.add_column(col, justify="right" if col not in ("worker", "node") else "left")
-    for w in snap.workers:
-        workers.add_row(w.worker, node_label(w.node), str(w.batch), str(w.partition),
-                        f"{w.throughput:,.0f}", f"{w.compute_s_per_step * 1e3:.1f} ms",
-                        f"{w.wait_s_per_step * 1e3:.1f} ms", f"{w.slowdown:g}x")
     epochs = Table(title="epochs", expand=False)
     for col in EPOCH_COLUMNS:
         epochs.add_column(col, justify="right")
     for r in history[-6:]:
         epochs.add_row(*epoch_cells(r))
-    parts = [head, workers, epochs]
+    parts = [head, workers_table(snap), epochs]
     if snap.ps is not None:  # protocol ps: per-learner staleness
-        from dynabatch.api.cli.job_commands import _ps_table
-
-        parts.append(_ps_table(snap.ps))
+        parts.append(ps_table(snap.ps))
     if snap.step_breakdown is not None:
         parts.append(breakdown_table(snap.step_breakdown))
     return Group(*parts)
@@ -319,6 +310,27 @@ def _tensorboard_teller(spec: JobSpec, job_id: str, *, here: bool) -> OnUpdate:
     return tell
 
 
+def embedded_ray(address: str | None) -> bool:
+    """Whether a run with ``address`` trains on the embedded local Ray (no cluster named)."""
+    return address is None and not os.environ.get("RAY_ADDRESS")
+
+
+def run_problem(
+    spec: JobSpec, *, address: str | None, scheduler: bool, report: str | Path | None
+) -> tuple[str, str] | None:
+    """Why a run cannot start, found before Ray starts: (the option at fault, ``spec`` for
+    the job's own, and the problem), or None."""
+    here = embedded_ray(address)
+    if scheduler and here:
+        return "scheduler", ("needs an address: the embedded local Ray runs one job, with no "
+                             "cluster scheduler")
+    if problem := option_problem(spec, here=here):
+        return "spec", problem
+    if report and (problem := report_problem(Path(report))):
+        return "report", f"{report}: {problem}"
+    return None
+
+
 def report_problem(path: Path) -> str | None:
     """Why the JSON report cannot be written at ``path`` (one line), or None: its folder is
     made now (as the report's own is at the end), so a job is never trained for a report
@@ -350,7 +362,7 @@ def run_job(spec: JobSpec, *, address: str | None, report: Path | None, quiet: b
     spec = local_tracking(spec)
     cores = os.cpu_count() or 1
     need = int(spec.worker_cpus * (spec.initial_workers or 1) + 0.999)
-    embedded = address is None and not os.environ.get("RAY_ADDRESS")
+    embedded = embedded_ray(address)
     if embedded and (warning := capacity_warning(spec, cores)):
         print_plain(stderr(), f"warning: {warning}")
     # A local working_dir is shipped with this driver's Ray job
@@ -461,18 +473,10 @@ def register(app: typer.Typer) -> None:
         except CliError as err:
             print_plain(stderr(), f"error: {one_line(str(err))}")
             raise typer.Exit(2) from None
-        here = address is None and not os.environ.get("RAY_ADDRESS")
-        if scheduler and here:
-            print_plain(stderr(), "error: --scheduler needs --address: the embedded local "
-                        "Ray runs one job, with no cluster scheduler")
-            raise typer.Exit(2)
-        problem = option_problem(spec, here=here)
-        if problem:
-            print_plain(stderr(), f"error: {config}: {problem}")
-            raise typer.Exit(2)
-        problem = report_problem(report) if report else None
-        if problem:
-            print_plain(stderr(), f"error: --report {report}: {problem}")
+        if found := run_problem(spec, address=address, scheduler=scheduler, report=report):
+            option, problem = found
+            print_plain(stderr(), f"error: {config if option == 'spec' else '--' + option}: "
+                        f"{problem}")
             raise typer.Exit(2)
         try:
             snap = run_job(spec, address=address, report=report, quiet=quiet, console=console,

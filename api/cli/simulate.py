@@ -159,7 +159,7 @@ def run_ps(spec: JobSpec, cl: ClusterSpec, console: Console, report: Path | None
     """A ``protocol: ps`` spec: the parameter-server simulator (dynabatch.scheduler.sim.ps_job:
     the same core as on Ray, real gradients, the cluster's push/pull costs). True if it finished."""
     from dynabatch.actors.workloads.datasets import load_dataset
-    from dynabatch.api.cli.job_commands import _ps_table
+    from dynabatch.api.cli.common import ps_table
     from dynabatch.scheduler.ps.driver import build_core, ps_status
     from dynabatch.scheduler.sim.ps_job import check_cluster, simulate_ps
 
@@ -176,7 +176,7 @@ def run_ps(spec: JobSpec, cl: ClusterSpec, console: Console, report: Path | None
             if r.virtual_s else 0.0}
     status = ps_status(spec, snap)
     console.print(t)
-    console.print(_ps_table(status))
+    console.print(ps_table(status))
     tau = r.staleness_summary()
     console.print(f"{r.samples_applied:,} samples applied in {r.virtual_s:.3f}s simulated "
                   f"({r.throughput:,.0f} samples/s); staleness mean {tau['mean']:.2f}, p99 "

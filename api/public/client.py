@@ -14,7 +14,6 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import httpx
 from dynabatch.actors.export import EXPORT_FORMATS
@@ -29,7 +28,6 @@ from dynabatch.specs import SpecLike, resolve_spec
 
 __all__ = ["ApiError", "Client", "ConnectionFailed", "Job", "SpecError"]
 
-T = TypeVar("T")
 
 # The CLI says "pass --token"; from Python the token is Client's argument.
 _TOKEN_HINT = " (pass Client(url, token=...) or set DYNABATCH_API_TOKEN to the service's token)"
@@ -56,7 +54,7 @@ class Client:
         if token is None:
             token = os.environ.get("DYNABATCH_API_TOKEN") or None
         self.api = DynabatchClient(url, token=token, timeout=timeout_s,
-                                    transport=transport)
+                                    transport=transport, token_hint=_TOKEN_HINT)
 
     @property
     def url(self) -> str:
@@ -75,16 +73,6 @@ class Client:
     def __repr__(self) -> str:
         return f"Client({self.url!r})"
 
-    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)`` (a ``DynabatchClient`` method) with the CLI's errors: a
-        401 says how to give the token."""
-        try:
-            return fn(*args, **kwargs)
-        except ApiError as err:
-            if err.status != 401:
-                raise
-            raise type(err)(f"{err}{_TOKEN_HINT}", err.status) from None
-
     def submit(self, spec: SpecLike, *, working_dir: str | os.PathLike[str] | None = None) -> Job:
         """Submit a job and return its handle.
 
@@ -96,7 +84,7 @@ class Client:
         issued as Python warnings and kept in :attr:`Job.warnings`. Raises
         :class:`SpecError` before anything is sent when the spec is not valid."""
         data, _, what = resolve_spec(spec, working_dir=working_dir, warn_at=None)
-        submitted = self.call(self.api.submit_with_code, data, what=what)
+        submitted = self.api.submit_with_code(data, what=what)
         for w in submitted.warnings:
             warnings.warn(f"job {submitted.job_id}: {w}", SpecWarning, stacklevel=2)
         return Job(self, submitted.job_id, warnings=list(submitted.warnings))
@@ -111,7 +99,7 @@ class Client:
         self, state: JobState | str | None = None, *, limit: int = 50, offset: int = 0
     ) -> list[JobSummary]:
         """The jobs, newest first (``dynabatch list``): only those in ``state`` when given."""
-        return self.call(self.api.list, state, offset=offset, limit=limit).items
+        return self.api.list(state, offset=offset, limit=limit).items
 
 
 class Job:
@@ -129,42 +117,40 @@ class Job:
 
     def status(self) -> JobDetail:
         """The job's state, progress, per-worker allocation and spec (``dynabatch status``)."""
-        return self.client.call(self.client.api.get, self.id)
+        return self.client.api.get(self.id)
 
     def wait(self, timeout_s: float | None = None, *, interval_s: float = 1.0) -> JobDetail:
         """Block until the job ends (SUCCEEDED, FAILED or CANCELLED) and return its last
         status; raises :class:`ApiError` when ``timeout_s`` passes first (None: no limit)."""
         limit = math.inf if timeout_s is None else timeout_s
-        return self.client.call(
-            self.client.api.wait, self.id, timeout_s=limit, interval_s=interval_s
-        )
+        return self.client.api.wait(self.id, timeout_s=limit, interval_s=interval_s)
 
     def history(self) -> list[EpochRecord]:
         """One record per finished epoch: loss, held-out metrics, utilization, the workers."""
-        return self.client.call(self.client.api.history, self.id).records
+        return self.client.api.history(self.id).records
 
     def logs(self, since: int = 0) -> list[LogLine]:
         """The job's log lines from sequence number ``since`` on (all pages)."""
         lines: list[LogLine] = []
-        self.client.call(self.client.api.read_logs, self.id, since, lines.append)
+        self.client.api.read_logs(self.id, since, lines.append)
         return lines
 
     def scale(self, workers: int) -> JobDetail:
         """Run the job with exactly ``workers`` workers from its next step boundary."""
-        return self.client.call(self.client.api.scale, self.id, workers)
+        return self.client.api.scale(self.id, workers)
 
     def drain(self, worker: str) -> JobDetail:
         """Remove the worker ``worker`` (``w0``, ``w1``, ...) at the next step boundary."""
         _checked(check_worker, worker)
-        return self.client.call(self.client.api.drain, self.id, worker)
+        return self.client.api.drain(self.id, worker)
 
     def resume(self) -> JobDetail:
         """Resume a FAILED job (or one whose coordinator is gone) from its checkpoint."""
-        return self.client.call(self.client.api.resume, self.id)
+        return self.client.api.resume(self.id)
 
     def cancel(self, reason: str | None = None) -> JobDetail:
         """Cancel the job at its next step boundary (an :class:`ApiError`, 409, if it ended)."""
-        return self.client.call(self.client.api.cancel, self.id, reason)
+        return self.client.api.cancel(self.id, reason)
 
     def model(self, directory: str | os.PathLike[str], format: str = "dynabatch") -> str:
         """Download the job's trained model (``model.safetensors``, ``best.safetensors`` when
@@ -180,7 +166,7 @@ class Job:
         out = Path(directory)
         if out.exists() and not out.is_dir():
             raise NotADirectoryError(f"directory: {out} is a file, not a directory")
-        data = self.client.call(self.client.api.model, self.id)
+        data = self.client.api.model(self.id)
         try:
             write_hf_export(data, out) if format == "hf" else unzip_model(data, out)
         except (ValueError, OSError) as err:

@@ -23,9 +23,8 @@ from dynabatch.api.cli.common import one_line, out_console
 from dynabatch.api.cli.run import (
     EPOCH_COLUMNS,
     epoch_cells,
-    option_problem,
-    report_problem,
     run_job,
+    run_problem,
 )
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, scores_text
@@ -81,18 +80,10 @@ def run(
     ``address`` cannot be reached.
     """
     _, job, _ = resolve_spec(spec, working_dir=working_dir)
-    here = address is None and not os.environ.get("RAY_ADDRESS")
-    if scheduler and here:
-        raise ValueError(
-            "scheduler: needs address: the embedded local Ray runs one job, "
-            "with no cluster scheduler"
-        )
-    problem = option_problem(job, here=here)
-    if problem:
-        raise SpecError([problem])
-    problem = report_problem(Path(report)) if report else None
-    if problem:  # before the job trains, not after: the report is never lost
-        raise ValueError(f"report: {report}: {problem}")
+    # Before the job trains, not after: a typo or a report that cannot be written is found now.
+    if found := run_problem(job, address=address, scheduler=scheduler, report=report):
+        option, problem = found
+        raise SpecError([problem]) if option == "spec" else ValueError(f"{option}: {problem}")
     view = ProgressView(enabled=progress)
     try:
         snap = run_job(

@@ -8,11 +8,10 @@ without them the answer is 403 and nothing is read.
 from __future__ import annotations
 
 from dynabatch.api.deps import ERRORS, SettingsDep, require_token
-from dynabatch.service.code_store import CodeRejected, store_code
+from dynabatch.service.code_store import store_code
 from dynabatch.service.schemas import CodeUploaded, ErrorResponse, ValidationErrorResponse
 from dynabatch.service.submit_policy import shipping_refusal
 from fastapi import APIRouter, Depends, HTTPException, Request, status
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 _BODY = {
@@ -45,17 +44,11 @@ def code_router(max_bytes: int) -> APIRouter:
             422: {"model": ValidationErrorResponse, "description": "Not a usable zip."},
         },
     )
-    async def upload_code(request: Request, settings: SettingsDep) -> CodeUploaded | JSONResponse:
+    async def upload_code(request: Request, settings: SettingsDep) -> CodeUploaded:
         """A zip of the job's code; Ray unpacks it on every node, removing a single top-level
         directory. Name the answer's `working_dir` in the job spec. The same zip gives the
         same URI."""
-        data = await request.body()
-        try:
-            return await run_in_threadpool(store_code, data, settings.code_root)
-        except CodeRejected as err:
-            problem = {"loc": ["body"], "field": "body", "msg": str(err),
-                       "type": "invalid_archive"}
-            return JSONResponse({"detail": [problem]},
-                                status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+        data = await request.body()  # a bad zip: CodeRejected, a 422 (dynabatch.api.app)
+        return await run_in_threadpool(store_code, data, settings.code_root)
 
     return router

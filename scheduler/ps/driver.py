@@ -113,9 +113,13 @@ def dataset_problem(spec: JobSpec, ds: Any) -> str | None:
     return None
 
 
-def ps_status(spec: JobSpec, snap: dict[str, Any]) -> PSStatus:
+def ps_status(spec: JobSpec, snap: dict[str, Any] | None) -> PSStatus:
     """The server's snapshot as the typed view REST, metrics and the CLI share. Pushes per
-    second is the server's rolling rate (the last 10 s), not a lifetime average."""
+    second is the server's rolling rate (the last 10 s), not a lifetime average. Before its
+    first snapshot, a server that has applied nothing: a parameter-server job's view always
+    says it is one."""
+    snap = snap or {"version": 0, "applied": 0, "refused": 0, "deferred": 0, "pushes": 0,
+                    "workers": {}}
     return PSStatus(
         mode=spec.protocol.mode,
         version=snap["version"],
@@ -205,8 +209,8 @@ class PSCoordinator(JobControl):
     def snapshot(self) -> JobSnapshot:
         with self.lock:
             snap = self._snap
-            ps = ps_status(self.spec, snap) if snap else None
-            batch = {w.worker: w.batch for w in ps.workers} if ps else {}
+            ps = ps_status(self.spec, snap)
+            batch = {w.worker: w.batch for w in ps.workers}
             # The learners are the job's workers (one source of its members for every view);
             # one the server has not met yet gets the first batch when it does.
             mu = first_batch(self.spec)

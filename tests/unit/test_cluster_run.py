@@ -324,7 +324,7 @@ def test_scheduler_flag_needs_an_address(tmp_path: Path, monkeypatch) -> None:
     result = CliRunner().invoke(_app(), ["run", str(cfg), "--scheduler"])
     assert result.exit_code == 2
     assert result.stderr.strip() == (
-        "error: --scheduler needs --address: the embedded local Ray runs one job, with no "
+        "error: --scheduler: needs an address: the embedded local Ray runs one job, with no "
         "cluster scheduler"
     )
 

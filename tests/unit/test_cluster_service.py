@@ -30,8 +30,8 @@ from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.service.job_service import JobService
 from dynabatch.service.scheduling import Refused
 from dynabatch.service.service_errors import InvalidRequest, JobConflict, WorkerNotFound
+from dynabatch.service.settings import Settings
 from dynabatch.service.store import JobStore
-from dynabatch.service.submit_policy import SubmitPolicy
 
 from tests.fakes import FakeCluster
 
@@ -117,7 +117,9 @@ def setup():
     cluster = FakeCluster(steps_per_epoch=1)
     cluster.connect()
     sched = RoundsScheduling(cluster)
-    service = JobService(JobStore(":memory:"), cluster, sync_interval_s=0, scheduling=sched)
+    service = JobService(
+        JobStore(":memory:"), cluster, Settings(sync_interval_s=0), scheduling=sched
+    )
     yield service, cluster, sched
     service.store.close()
 
@@ -199,7 +201,7 @@ def test_a_scale_above_the_clusters_capacity_is_refused_without_the_scheduler_to
     nodes could hold is a 409 in the same words, before the job is asked."""
     cluster = FakeCluster(steps_per_epoch=1)
     cluster.connect()
-    service = JobService(JobStore(":memory:"), cluster, sync_interval_s=0)
+    service = JobService(JobStore(":memory:"), cluster, Settings(sync_interval_s=0))
     try:
         job = service.submit(JobSpec(name="a", epochs=5, workers=1, worker_cpus=2))
         held = sum(JobSpec(name="x", worker_cpus=2).workers_on(n.resources)
@@ -296,7 +298,7 @@ def test_a_restarted_api_leaves_queued_jobs_queued_and_tells_a_new_scheduler(set
     service.scheduling.tick()
     # A new API process and a new scheduler, over the same store and cluster.
     fresh = RoundsScheduling(cluster)
-    again = JobService(service.store, cluster, sync_interval_s=0, scheduling=fresh)
+    again = JobService(service.store, cluster, Settings(sync_interval_s=0), scheduling=fresh)
     again.reconciler.start()
     try:
         assert fresh.syncs >= 1 and {j.job_id for j in fresh.state.jobs} == {a.id, b.id}
@@ -331,8 +333,8 @@ def test_a_resume_the_scheduler_refuses_is_a_409_with_its_reason(setup, tmp_path
     """Not a 503 as if Ray were gone: the scheduler's reason, and the job FAILED with it."""
     _, cluster, sched = setup
     service = JobService(
-        JobStore(":memory:"), cluster, sync_interval_s=0, scheduling=sched,
-        submit_policy=SubmitPolicy(checkpoint_root=str(tmp_path)),
+        JobStore(":memory:"), cluster,
+        Settings(sync_interval_s=0, checkpoint_root=str(tmp_path)), scheduling=sched,
     )
     spec = JobSpec(name="a", epochs=5, workers=1, checkpoint={"dir": str(tmp_path)})
     job = service.submit(spec)
@@ -361,8 +363,8 @@ def test_a_resumed_job_started_between_two_ticks_is_followed_to_its_new_generati
     up (its calls went to the dead one, found gone again: a second resume, unasked)."""
     _, cluster, sched = setup
     service = JobService(
-        JobStore(":memory:"), cluster, sync_interval_s=0, scheduling=sched,
-        submit_policy=SubmitPolicy(checkpoint_root=str(tmp_path)),
+        JobStore(":memory:"), cluster,
+        Settings(sync_interval_s=0, checkpoint_root=str(tmp_path)), scheduling=sched,
     )
     job = service.submit(JobSpec(name="a", epochs=5, workers=1,
                                  checkpoint={"dir": str(tmp_path)}))
@@ -389,9 +391,8 @@ def test_an_embedded_apis_restart_resumes_a_started_job_as_a_recorded_resume(tmp
     cluster = FakeCluster(embedded=True, steps_per_epoch=1)
     cluster.connect()
     store = JobStore(str(tmp_path / "jobs.db"))
-    policy = SubmitPolicy(checkpoint_root=str(tmp_path))
-    service = JobService(store, cluster, sync_interval_s=0, scheduling=RoundsScheduling(cluster),
-                         submit_policy=policy)
+    settings = Settings(sync_interval_s=0, checkpoint_root=str(tmp_path))
+    service = JobService(store, cluster, settings, scheduling=RoundsScheduling(cluster))
     job = service.submit(JobSpec(name="a", epochs=4, workers=1,
                                  checkpoint={"dir": str(tmp_path / "ckpt")})).id
     queued = service.submit(_gang("q"))  # one node short: it waits in the queue
@@ -404,7 +405,7 @@ def test_an_embedded_apis_restart_resumes_a_started_job_as_a_recorded_resume(tmp
     cluster = FakeCluster(embedded=True, steps_per_epoch=1)
     cluster.connect()
     fresh = RoundsScheduling(cluster, slots=1)
-    again = JobService(store, cluster, sync_interval_s=0, scheduling=fresh, submit_policy=policy)
+    again = JobService(store, cluster, settings, scheduling=fresh)
     again.reconciler.start()
     try:
         rec = again.get(job)

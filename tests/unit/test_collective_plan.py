@@ -202,7 +202,8 @@ def test_the_gpu_check_runs_bare_on_the_cpu_and_reports_its_json(tmp_path):
             "fp16_found_inf,data_wait,throughput",
         ],
         cwd=tmp_path,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
+        # One OpenMP thread, as the suite's (tests/conftest.py): the env is replaced here.
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=480,  # a liveness bound (about 45 s alone, 240+ at a load of 30)

@@ -17,8 +17,8 @@ from dynabatch.api.metrics import JobCollector
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.sim.cluster_spec import Fault
 from dynabatch.service.job_service import JobService
+from dynabatch.service.settings import Settings
 from dynabatch.service.store import JobStore
-from dynabatch.service.submit_policy import SubmitPolicy
 
 from tests.fakes import FakeCluster
 from tests.unit.test_cluster_service import RoundsScheduling
@@ -34,8 +34,9 @@ def _service(tmp_path: Path, scheduler: bool
     cluster = FakeCluster(steps_per_epoch=16, auto_advance=False)
     cluster.connect()
     sched = RoundsScheduling(cluster) if scheduler else None
-    service = JobService(JobStore(":memory:"), cluster, sync_interval_s=0, scheduling=sched,
-                         submit_policy=SubmitPolicy(checkpoint_root=str(tmp_path)))
+    service = JobService(JobStore(":memory:"), cluster,
+                         Settings(sync_interval_s=0, checkpoint_root=str(tmp_path)),
+                         scheduling=sched)
     job = service.submit(JobSpec(name="rb", epochs=6, workers=2, worker_cpus=2,
                                  checkpoint={"dir": str(tmp_path), "every_epochs": 2}))
     if sched is not None:

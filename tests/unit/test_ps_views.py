@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dynabatch.actors.spec import JobSpec
-from dynabatch.api.cli.job_commands import _ps_table
+from dynabatch.api.cli.common import ps_table
 from dynabatch.api.metrics import ps_families
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.core.ps.batch_policy import PerfAwareBatches
@@ -71,7 +71,7 @@ def test_run_live_view_shows_staleness_per_worker():
 
 def test_cli_table_shows_staleness_per_worker():
     console = Console(width=140, record=True)
-    console.print(_ps_table(_snapshot().ps))
+    console.print(ps_table(_snapshot().ps))
     out = console.export_text()
     assert "staleness mean" in out and "w1" in out and "1.00" in out
 
@@ -110,3 +110,19 @@ def test_a_learner_the_server_has_not_met_yet_shows_the_batch_it_will_get_not_ze
     assert snap.state == JobState.RUNNING and len(snap.workers) == 2
     mu = coord.spec.global_batch // 2
     assert [w.batch for w in snap.workers] == [mu, mu]
+
+
+def test_a_parameter_server_job_is_one_before_its_servers_first_snapshot():
+    """A RUNNING job's ``ps`` is never None: the job page, ``status`` and ``run`` show
+    a learner's partition and step times as "-" because it is a parameter-server job, and
+    read that from ``ps``. Before the server's first snapshot it was None, and the page
+    showed the learners' partition and step times as zeros (the page's end-to-end test
+    caught it)."""
+    from tests.unit.test_ps_export import _job
+
+    coord, _ = _job("ps-before-first-snapshot", epochs=3)
+    assert coord.start()
+    snap = coord.snapshot()
+    assert snap.state == JobState.RUNNING and len(snap.workers) == 2
+    assert snap.ps is not None and snap.ps.mode == coord.spec.protocol.mode
+    assert (snap.ps.version, snap.ps.pushes, snap.ps.workers) == (0, 0, [])

@@ -254,7 +254,7 @@ def test_run_refuses_a_bad_spec_before_ray_starts(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(SpecError) as err:
         dynabatch.run({**SPEC, "model": {"name": "mlp", "options": {"layerz": 3}}})
     assert str(err.value) == "model.options: unknown option 'layerz' for mlp (allowed: layers)"
-    with pytest.raises(ValueError, match=r"^scheduler: needs address"):
+    with pytest.raises(ValueError, match=r"^scheduler: needs an address"):
         dynabatch.run(SPEC, scheduler=True)
 
 

@@ -90,7 +90,7 @@ def test_run_refuses_a_report_path_it_cannot_write_before_ray_starts(
     result = CliRunner().invoke(_app(), ["run", str(cfg), "--report", str(report)])
     assert result.exit_code == 2 and "Traceback" not in result.output
     (line,) = result.stderr.splitlines()
-    assert line.startswith(f"error: --report {report}: ") and "afile" in line
+    assert line.startswith(f"error: --report: {report}: ") and "afile" in line
 
 
 def test_the_tensorboard_line_names_only_a_folder_that_exists(

@@ -26,7 +26,7 @@ from tests.fakes import FakeCluster
 def api_schema() -> Iterator[schemathesis.BaseSchema]:
     store = JobStore(":memory:")
     cluster = FakeCluster()
-    service = JobService(store, cluster, sync_interval_s=0)
+    service = JobService(store, cluster, Settings(sync_interval_s=0))
     app = create_app(Settings(db_path=":memory:", max_body_bytes=64 * 1024), service=service)
     service.cluster.connect()
     # Some jobs in every state, so list and detail routes return real data.

@@ -11,8 +11,7 @@ import pytest
 import torch
 from dynabatch.actors.contracts import SegmentPlan, StepPlan, epoch_order
 from dynabatch.actors.group import (
-    NCCL_FAULT_MODE_ENV,
-    NCCL_FAULT_MODES,
+    NCCL_FAULT_ENV,
     choose_backend,
     configure_nccl_fault_handling,
 )
@@ -84,19 +83,12 @@ def test_backend_is_nccl_only_when_every_member_has_a_gpu():
 
 
 def test_nccl_fault_handling_makes_survivors_raise(monkeypatch):
-    for k in (*NCCL_FAULT_MODES["blocking"], NCCL_FAULT_MODE_ENV):
+    for k in NCCL_FAULT_ENV:
         monkeypatch.delenv(k, raising=False)
-    assert configure_nccl_fault_handling() == "blocking"  # the default mode
+    configure_nccl_fault_handling()
     # 2: abort the communicator and raise, keeping the process (not 1, which kills it).
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
-    monkeypatch.setenv(NCCL_FAULT_MODE_ENV, "async")
-    assert configure_nccl_fault_handling() == "async"
-    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # still no process kill
-    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0"
-    monkeypatch.setenv(NCCL_FAULT_MODE_ENV, "polling")
-    with pytest.raises(ValueError, match=f"^{NCCL_FAULT_MODE_ENV}: unknown NCCL fault mode"):
-        configure_nccl_fault_handling()
 
 
 def test_device_choice():
