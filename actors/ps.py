@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from dynabatch.actors.accumulate import even_ranges
 from dynabatch.actors.optim import build_optimizer
 from dynabatch.actors.output import own_actor_id
 from dynabatch.actors.ps_events import CoreEventInterpreter
 from dynabatch.actors.spec import JobSpec
+from dynabatch.actors.workloads.objective import objective_for
 
 ADAPTIVE = ("adam", "adamw")
 RATE_WINDOW_S = 10.0  # pushes per second over this window (not a lifetime average)
@@ -53,6 +53,7 @@ class ParamStore:
     def __init__(self, spec: JobSpec, input_shape: tuple[int, ...], num_classes: int,
                  bounds: tuple[int, int] | None = None):
         self.model = build_replica(spec, input_shape, num_classes)
+        self.objective = objective_for(spec, "classes")
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         full = torch.nn.utils.parameters_to_vector(self._params).detach().clone().float()
         self.total = full.numel()
@@ -120,18 +121,11 @@ class ParamStore:
         else:
             flat_t = torch.tensor(np.asarray(flat), dtype=torch.float32)  # may be read-only
         torch.nn.utils.vector_to_parameters(flat_t, self._params)
-        self.model.eval()
-        total, correct = 0.0, 0
-        with torch.no_grad():
-            for s in range(0, len(y), batch):
-                xb = shared_tensor(x[s:s + batch])
-                yb = shared_tensor(y[s:s + batch])
-                out = self.model(xb)
-                total += float(F.cross_entropy(out, yb, reduction="sum"))
-                correct += int((out.argmax(1) == yb).sum())
-        self.model.train()
-        n = max(len(y), 1)
-        return total / n, correct / n
+        # The job's own objective, as a synchronous job's evaluation (spec validation keeps a
+        # parameter-server job to cross-entropy and accuracy).
+        obj = self.objective
+        scores = obj.finish(obj.eval_sums(self.model, x, y, 0, len(y), torch.device("cpu"), batch))
+        return scores["loss"], scores["accuracy"]
 
 
 def shared_tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:

@@ -226,14 +226,6 @@ class GradientReducer:
     def n_buckets(self) -> int:
         return len(self._buckets)
 
-    @property
-    def mode(self) -> str:
-        return self.plan.mode
-
-    @property
-    def bucket_bytes(self) -> tuple[int, int]:
-        return self.plan.bucket_bytes
-
     # --- the group's plan ---------------------------------------------------------------
     def use_group(self, backend: str | None) -> CollectivePlan:
         """Take the plan of a group of ``backend`` (at the join; see :func:`group_plan`),

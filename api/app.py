@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from dynabatch.actors.spec import spec_warnings_silenced
+from dynabatch.actors.spec import spec_warnings_caught
 from dynabatch.actors.spec.validation import CombinationError
 from dynabatch.api.cached import JobViews
 from dynabatch.api.metrics import (
@@ -224,7 +224,7 @@ class _SpecWarningsSilenced:
         if scope["type"] == "lifespan":
             await self.app(scope, receive, send)
             return
-        with spec_warnings_silenced():  # this request's task only (a context variable)
+        with spec_warnings_caught():  # this request's task only (a context variable)
             await self.app(scope, receive, send)
 
 

@@ -239,7 +239,7 @@ def _member(
                     "staged": reducer.staged,
                     "calls": red.buckets,
                     "buckets": reducer.n_buckets,
-                    "mode": reducer.mode,
+                    "mode": reducer.plan.mode,
                 },
             )
         )

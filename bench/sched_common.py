@@ -115,8 +115,9 @@ def run(spec: JobSpec, cluster: dict[str, Any] | None = None, eval_every: int | 
             nxt[0] += eval_every
         evals = c.regime.grad_evals
         g = c.runtime.gradients  # the held-out set on the simulated model, on the CPU
-        acc = float(g.objective.evaluate(g.model, g.x_test, g.y_test, torch.device("cpu"),
-                                         1024).get("accuracy"))
+        obj = g.objective
+        sums = obj.eval_sums(g.model, g.x_test, g.y_test, 0, len(g.y_test), torch.device("cpu"))
+        acc = float(obj.finish(sums).get("accuracy"))
         curve.points.append((c.clock.now() - start[0], evals, steps, acc))
         if stop_at is not None and acc >= stop_at and not c.state.is_terminal:
             c.cancel("reached the target")

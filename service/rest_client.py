@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import httpx
 from dynabatch.actors.errors import first_line
-from dynabatch.actors.spec import JobSpec, spec_warnings_silenced
+from dynabatch.actors.spec import JobSpec, spec_warnings_caught
 from dynabatch.scheduler.core.lifecycle import JobState
 from dynabatch.scheduler.telemetry import LogLine
 from dynabatch.service.cluster_schemas import ClusterState
@@ -142,7 +142,7 @@ class DynabatchClient:
         try:
             # A job's spec in an answer was warned about when it was submitted: reading
             # the job (status, polling, scale) never warns again.
-            with spec_warnings_silenced():
+            with spec_warnings_caught():
                 return model.model_validate(response.json())
         except (ValueError, ValidationError) as err:
             first = first_line(err, typed=False, limit=None)

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynabatch.actors.spec import JobSpec, spec_warnings_silenced
+from dynabatch.actors.spec import JobSpec, spec_warnings_caught
 from dynabatch.scheduler.core.lifecycle import InvalidTransition, JobState
 from dynabatch.scheduler.telemetry import EpochRecord, JobSnapshot, LogLine
 
@@ -135,7 +135,7 @@ def _load_spec(text: str) -> JobSpec:
             data["emulation"].pop("errors", None)
             text = json.dumps(data)
     # A stored spec was warned about when it was submitted; reading it back says nothing.
-    with spec_warnings_silenced():
+    with spec_warnings_caught():
         return JobSpec.model_validate_json(text)
 
 
@@ -342,13 +342,14 @@ class JobStore:
 
     def save_snapshot(self, snapshot: JobSnapshot, *, now: float) -> bool:
         """Store what the coordinator reported; whether the row changed. The service only
-        samples the coordinator's transitions, so any state a live job can reach is accepted
-        (``JobState.can_observe``); a job already terminal here is left alone."""
+        samples the coordinator's transitions, so any state is accepted for a live job (each is
+        reachable from each live one: dynabatch.scheduler.core.lifecycle); a job already
+        terminal here is left alone."""
         with self._tx(snapshot.job_id) as db:
             row = db.execute(
                 "SELECT state, finished_at FROM jobs WHERE id = ?", (snapshot.job_id,)
             ).fetchone()
-            if row is None or not JobState(row["state"]).can_observe(snapshot.state):
+            if row is None or JobState(row["state"]).is_terminal:
                 return False
             finished = row["finished_at"]
             if snapshot.state.is_terminal:

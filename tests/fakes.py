@@ -515,3 +515,10 @@ def reduced_steps(reducer: Any) -> list[Any]:
 
     reducer.finish = finishing
     return seen
+
+
+def evaluate(obj: Any, model: Any, x: Any, y: Any, device: Any, batch: int = 1024) -> dict:
+    """``{"loss": ..., <metric>: ...}`` of ``model`` over all of ``(x, y)``: an
+    :class:`~dynabatch.actors.workloads.objective.Objective`'s sums over one shard, finished
+    (what a job's evaluation does over every worker's shard)."""
+    return obj.finish(obj.eval_sums(model, x, y, 0, len(y), device, batch))

@@ -6,7 +6,6 @@ from dynabatch.actors.spec.loading import (
     load_spec,
     parse_spec,
     spec_warnings_caught,
-    spec_warnings_silenced,
 )
 from dynabatch.actors.spec.schema import MAX_WORKERS, POLICIES, JobSpec
 from dynabatch.actors.spec.sections import (
@@ -44,5 +43,4 @@ __all__ = [
     "load_spec",
     "parse_spec",
     "spec_warnings_caught",
-    "spec_warnings_silenced",
 ]

@@ -78,7 +78,8 @@ def spec_warnings_caught() -> Iterator[list[str]]:
     (each message once), instead of letting Python show them in its form, whose file and
     line point into pydantic. Yields the list their messages are put in, for the caller to
     show as its own (the CLI's lines, the REST reply, the Python API's warning at the
-    user's line). Only this thread's (or task's) validations are collected, and no
+    user's line), or to drop (a spec read back: warned about once, at its submission).
+    Only this thread's (or task's) validations are collected, and no
     ``warnings`` filter changes: warnings of other kinds, and other threads' spec
     warnings, go on as they come, also when the block raises."""
     messages: list[str] = []
@@ -88,8 +89,3 @@ def spec_warnings_caught() -> Iterator[list[str]]:
     finally:
         SPEC_WARNINGS_SINK.reset(token)
 
-
-# Validating specs in the block without issuing their SpecWarnings (what is caught is
-# dropped): a spec read back (a stored job, the service's answer about one) was warned
-# about once, when it was submitted, and a read never says it again.
-spec_warnings_silenced = spec_warnings_caught

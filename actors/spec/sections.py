@@ -37,8 +37,9 @@ class SpecWarning(UserWarning):
 
 
 # Where the SpecWarnings of the spec being validated go, in this thread or task: a list of
-# their messages (``spec_warnings_caught``, ``spec_warnings_silenced``), or None: issued
-# as Python warnings. A context variable, not a ``warnings`` filter: the service validates
+# their messages (``spec_warnings_caught``; a spec read back, warned about at its
+# submission, is validated in one and its list dropped), or None: issued as Python warnings.
+# A context variable, not a ``warnings`` filter: the service validates
 # specs on several threads at once, and a process-wide filter set for one request changed
 # what another thread's validation showed.
 SPEC_WARNINGS_SINK: ContextVar[list[str] | None] = ContextVar(

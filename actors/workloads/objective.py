@@ -14,7 +14,8 @@ transformers ``ModelOutput``'s logits, or the tensor a user's ``model.output`` p
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +97,8 @@ class Objective:
                     sums["loss"] += float(v.sum())
                     for field, m in self.metrics:
                         if m.stateful is not None:
-                            update_of(field, m.fn, states[m.name], out, yb)
+                            with failing_as(field, m.fn):
+                                states[m.name].update(out, yb)
                             continue
                         v = per_sample_of(field, m.fn, m.per_sample, out, yb)
                         sums[m.name] += float(v.sum())
@@ -120,11 +122,6 @@ class Objective:
             elif states.get(m.name):
                 out[m.name] = M.compute(m, states[m.name])
         return out
-
-    def evaluate(self, model: nn.Module, x: np.ndarray, y: np.ndarray, device: torch.device,
-                 batch: int = 1024) -> dict[str, Any]:
-        """``{"loss": mean per-sample loss, <metric>: value, ...}`` over ``(x, y)``."""
-        return self.finish(self.eval_sums(model, x, y, 0, len(y), device, batch))
 
 
 def objective_for(spec: JobSpec, kind: str) -> Objective:
@@ -202,22 +199,19 @@ def check_objective(spec: JobSpec, model: nn.Module, x: np.ndarray, y: np.ndarra
                 per_sample_of(field, m.fn, m.per_sample, out, yb)
                 continue
             acc = M.Accumulator(m)
-            update_of(field, m.fn, acc, out, yb)
-            payload = acc.payload()
-            try:
+            with failing_as(field, m.fn):
+                acc.update(out, yb)
+                payload = acc.payload()
                 M.compute(m, [payload] if payload else [])
-            except Exception as err:
-                raise WorkloadError(f"{field}: {m.fn!r} failed on this dataset and model "
-                                    f"({first_line(err)})") from err
     return obj
 
 
-def update_of(field: str, name: str, acc: M.Accumulator, outputs: Any,
-              targets: torch.Tensor) -> None:
-    """A stateful metric updated with a batch; an exception is a one-line WorkloadError
-    naming ``field`` and ``name``."""
+@contextmanager
+def failing_as(field: str, name: str) -> Iterator[None]:
+    """An exception in the block (a loss's or metric's own code) as a one-line
+    WorkloadError naming ``field`` and ``name``."""
     try:
-        acc.update(outputs, targets)
+        yield
     except WorkloadError:
         raise
     except Exception as err:
@@ -230,12 +224,6 @@ def per_sample_of(field: str, name: str, fn: Any, outputs: torch.Tensor,
                   targets: torch.Tensor) -> torch.Tensor:
     """``fn(outputs, targets)``, one floating value per sample; anything else, or an
     exception, is a one-line WorkloadError naming ``field`` and ``name``."""
-    try:
+    with failing_as(field, name):
         values = fn(outputs, targets)
-    except WorkloadError:
-        raise
-    except Exception as err:
-        raise WorkloadError(
-            f"{field}: {name!r} failed on this dataset and model ({first_line(err)})"
-        ) from err
     return L.check_per_sample(values, len(targets), field, name)

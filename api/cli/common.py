@@ -94,14 +94,11 @@ def one_line_errors() -> Iterator[None]:
         # A 401 is the token (or its absence): say how a command is given one.
         hint = (" (pass --token or set DYNABATCH_API_TOKEN to the service's token)"
                 if err.status == 401 else "")
-        print_plain(stderr(), f"error: {one_line(str(err))}{hint}")
-        raise typer.Exit(1) from None
+        fail(stderr(), f"{err}{hint}", code=1)
     except (SpecError, CliError) as err:
-        print_plain(stderr(), f"error: {one_line(str(err))}")
-        raise typer.Exit(1) from None
+        fail(stderr(), str(err), code=1)
     except Exception as err:  # last resort: still one line
-        print_plain(stderr(), f"error: {type(err).__name__}: {one_line(str(err))}")
-        raise typer.Exit(1) from None
+        fail(stderr(), f"{type(err).__name__}: {err}", code=1)
 
 
 @contextmanager
@@ -212,7 +209,9 @@ def tensorboard_made(root: str, job_id: str, *, trained: bool, here: bool) -> bo
     return trained
 
 
-def fail(err: Console, message: str) -> NoReturn:
-    """A one-line CLI error on stderr (the message's whitespace folded), exit status 2."""
-    err.print(f"[red]error:[/] {' '.join(message.split())}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
+def fail(err: Console, message: str, code: int = 2) -> NoReturn:
+    """A one-line CLI error on stderr (the message's whitespace folded), exit status
+    ``code`` (2: a usage error)."""
+    # The message is the user's text (a path, a value): never read as rich markup.
+    print_plain(err, Text.assemble(("error:", "red"), " ", one_line(message)))
+    raise typer.Exit(code)

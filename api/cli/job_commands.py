@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from dynabatch.actors.spec import SpecWarning, spec_warnings_silenced
+from dynabatch.actors.spec import SpecWarning, spec_warnings_caught
 from dynabatch.api.cli.common import (
     CliError,
     api_client,
     breakdown_table,
+    fail,
     live_view,
     log_text,
     make_client,
@@ -141,12 +142,9 @@ def _serve(insecure: bool, **overrides: Any) -> None:
         raise CliError(f"invalid settings ({len(problems)}): {'; '.join(problems)}") from None
     if settings.token is None and not insecure and not is_loopback(settings.host):
         # Whoever reaches an unauthenticated API can run jobs on the cluster: exit 2.
-        stderr().print(
-            f"error: refusing to listen on {settings.host} without DYNABATCH_API_TOKEN: anyone "
-            "who can reach it could run jobs; set the token, bind 127.0.0.1, or pass --insecure",
-            markup=False,
-        )
-        raise typer.Exit(2)
+        fail(stderr(), f"refusing to listen on {settings.host} without DYNABATCH_API_TOKEN: "
+             "anyone who can reach it could run jobs; set the token, bind 127.0.0.1, or pass "
+             "--insecure")
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -296,7 +294,7 @@ def _follow(client: DynabatchClient, job_id: str, interval: float) -> int:
                 print_plain(live.console, log_text(data["time"], data["level"],
                                                    data["message"]))
             elif event in ("job", "end"):
-                with spec_warnings_silenced():  # read back: warned at the submission
+                with spec_warnings_caught():  # read back: warned at the submission
                     final = JobDetail.model_validate(data)
                 live.update(_job_table(final), refresh=True)
     assert final is not None  # events() ends with `end` or raises

@@ -18,6 +18,7 @@ from dynabatch.actors.spec import JobSpec
 from dynabatch.api.cli.common import (
     CliError,
     breakdown_table,
+    fail,
     live_view,
     log_text,
     one_line,
@@ -439,9 +440,7 @@ def register(app: typer.Typer) -> None:
         try:
             paths = report_plots(report, out)
         except (OSError, ValueError, KeyError, TypeError) as err:
-            msg = " ".join(str(err).split()) or type(err).__name__
-            console.print(f"[red]error:[/] {report}: {msg}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
+            fail(stderr(), f"{report}: {str(err) or type(err).__name__}", code=1)
         for p in paths:
             console.print(str(p), highlight=False, soft_wrap=True)
 
@@ -471,13 +470,10 @@ def register(app: typer.Typer) -> None:
             with spec_warnings_shown(config):
                 _, spec = read_config(config, sets=sets or (), working_dir=working_dir)
         except CliError as err:
-            print_plain(stderr(), f"error: {one_line(str(err))}")
-            raise typer.Exit(2) from None
+            fail(stderr(), str(err))
         if found := run_problem(spec, address=address, scheduler=scheduler, report=report):
             option, problem = found
-            print_plain(stderr(), f"error: {config if option == 'spec' else '--' + option}: "
-                        f"{problem}")
-            raise typer.Exit(2)
+            fail(stderr(), f"{config if option == 'spec' else '--' + option}: {problem}")
         try:
             snap = run_job(spec, address=address, report=report, quiet=quiet, console=console,
                            scheduler=scheduler)
@@ -485,11 +481,9 @@ def register(app: typer.Typer) -> None:
             console.print("[red]aborted[/]")
             raise typer.Exit(130) from None
         except ConnectionError as err:
-            print_plain(stderr(), f"error: cannot reach Ray at {address}: {one_line(str(err))}")
-            raise typer.Exit(1) from None
+            fail(stderr(), f"cannot reach Ray at {address}: {err}", code=1)
         except Exception as err:  # never a traceback: one line, as every command
-            print_plain(stderr(), f"error: {first_line(err, limit=None)}")
-            raise typer.Exit(1) from None
+            fail(stderr(), first_line(err, limit=None), code=1)
         print_plain(console, final_line(snap))
         if snap.state == JobState.CANCELLED:
             raise typer.Exit(130)

@@ -45,6 +45,14 @@ def quiet_engine():
         logger.setLevel(level)
 
 
+def progress_bar(console: Console, unit: str, quiet: bool) -> Progress:
+    """A task's description, its bar, done of total ``unit`` and the time taken, on
+    ``console`` (stderr) while it runs (``quiet``: none)."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn(unit), TimeElapsedColumn(), console=console, disable=quiet,
+                    transient=True)
+
+
 class UsageError(ValueError):
     """A bad combination of options (one line)."""
 
@@ -244,10 +252,7 @@ def register(app: typer.Typer) -> None:
                 raise typer.Exit(1)
             return
         results = []
-        with quiet_engine(), Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("steps"), TimeElapsedColumn(), console=err, disable=quiet,
-                transient=True) as bar:
+        with quiet_engine(), progress_bar(err, "steps", quiet) as bar:
             for policy in policies:
                 task = bar.add_task(f"simulating {policy}", total=None)
 

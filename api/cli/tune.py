@@ -15,10 +15,9 @@ import yaml
 from dynabatch.actors.spec import SpecError, load_spec
 from dynabatch.api.cli.common import fail, out_console, stderr
 from dynabatch.api.cli.config import spec_warnings_shown
-from dynabatch.api.cli.simulate import quiet_engine
+from dynabatch.api.cli.simulate import progress_bar, quiet_engine
 from dynabatch.api.cli.tuning import Probe, TuneError, tune
 from dynabatch.scheduler.sim.cluster_spec import ClusterError, load_cluster, parse_cluster
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 
@@ -66,10 +65,7 @@ def register(app: typer.Typer) -> None:
             warm = [float(w) for w in warmups.split(",") if w.strip()]
         except ValueError:
             fail(err, f"--warmups: expected numbers separated by commas, got {warmups!r}")
-        with quiet_engine(), Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("probes"), TimeElapsedColumn(), console=err, disable=quiet,
-                transient=True) as bar:
+        with quiet_engine(), progress_bar(err, "probes", quiet) as bar:
             # Sized to what can run (the budget, or fewer when the stages have fewer
             # candidates), and shrunk as stages settle early.
             task = bar.add_task("baseline", total=None)

@@ -2,8 +2,8 @@
 
 Three kinds of move, each a rule here that the job store enforces on every write:
 :meth:`JobState.can_become` (one step, asked for by the service: a cancel, a failure),
-:meth:`JobState.can_observe` (what a coordinator's sampled snapshot may show: a live job
-seen anywhere further on, never a finished one moving) and :meth:`JobState.resumed` (a new
+a coordinator's sampled snapshot (a live job may be seen in any state, since every state is
+reachable from every live one; a finished one never moves) and :meth:`JobState.resumed` (a new
 coordinator from the checkpoint: the one way out of FAILED or CANCELLED, back to PENDING).
 """
 
@@ -34,13 +34,6 @@ class JobState(StrEnum):
         SUCCEEDED (nothing is left to train)."""
         return self is not JobState.SUCCEEDED
 
-    def can_observe(self, new: JobState) -> bool:
-        """Whether a job stored in this state may take ``new`` from its coordinator's
-        snapshot. The service samples the coordinator, which enforces its own steps, so a
-        live job may be seen in any state it can reach (PENDING straight to SUCCEEDED when
-        the job was quick); a finished one never moves."""
-        return not self.is_terminal and (new is self or new in _reachable(self))
-
     def resumed(self) -> JobState:
         """The state a resume from the checkpoint leads to (PENDING, under a new
         coordinator); raises :class:`InvalidTransition` when this state cannot be resumed
@@ -48,18 +41,6 @@ class JobState(StrEnum):
         if not self.can_resume:
             raise InvalidTransition(self, JobState.PENDING)
         return JobState.PENDING
-
-
-def _reachable(state: JobState) -> frozenset[JobState]:
-    """The states reachable from ``state`` by one or more transitions."""
-    seen: set[JobState] = set()
-    todo = list(_TRANSITIONS[state])
-    while todo:
-        s = todo.pop()
-        if s not in seen:
-            seen.add(s)
-            todo.extend(_TRANSITIONS[s])
-    return frozenset(seen)
 
 
 _TRANSITIONS: dict[JobState, frozenset[JobState]] = {

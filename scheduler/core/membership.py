@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dynabatch.scheduler.core.cluster.ray_nodes import node_label
 from dynabatch.scheduler.core.sync.protocol import Position
@@ -47,10 +47,8 @@ def scale_error(workers: int, smallest_batch: int, largest_batch: int,
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     node_id: str
-    address: str = ""
     cpus: float = 1.0
     gpus: float = 0.0
-    resources: dict[str, float] = field(default_factory=dict)
     # Room for one more of this job's workers now (unreserved CPUs and GPUs). A spawn on a
     # node with none of the job's workers goes there even when it is full (it waits for the
     # resources); a second worker shares a node only where there is room now.

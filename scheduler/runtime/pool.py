@@ -48,8 +48,7 @@ def eligible_nodes(spec: JobSpec, spare_gpus: dict[str, float] | None = None
             left["GPU"] = left.get("GPU", 0.0) + held
         room = spec.room_in(left, gpus) if avail is not None else 0
         out.append(
-            NodeInfo(n["NodeID"], n.get("NodeManagerAddress", ""), res.get("CPU", 0.0), gpus,
-                     dict(res), free=room > 0, room=room)
+            NodeInfo(n["NodeID"], res.get("CPU", 0.0), gpus, free=room > 0, room=room)
         )
     return sorted(out, key=lambda x: x.node_id)
 

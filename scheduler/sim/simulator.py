@@ -62,11 +62,10 @@ class SimResult:
     dataset_size: int
     ideal: Ideal | None
     runtime: SimRuntime = field(repr=False)
-    skip: int = 2
 
     def steady(self) -> list[EpochRecord]:
-        """The epochs after the first ``skip`` (the policies' learning epochs)."""
-        return self.history[self.skip:] or self.history
+        """The epochs after the first two (the policies' learning epochs)."""
+        return self.history[2:] or self.history
 
     @property
     def steady_epoch_s(self) -> float | None:
@@ -113,9 +112,6 @@ def simulate(
     real_gradients: bool = False,
     holdout: float = 0.0,
     progress: Callable[[int, int], None] | None = None,
-    job_id: str | None = None,
-    start_time: float | None = None,
-    skip: int = 2,
     coordinator_hook: Callable[[Coordinator], None] | None = None,
 ) -> SimResult:
     """Run ``spec`` on ``cluster`` with the production coordinator over a :class:`SimRuntime`.
@@ -151,14 +147,14 @@ def simulate(
             raise ClusterError(f"dataset_size: must be at least 1, got {dataset_size}")
         data = DataInfo(f"{spec.dataset.name} (timing only)", dataset_size, 0)
     model = SimulatedCluster(cluster)
-    clock = SimClock(start_time)
+    clock = SimClock()
     runtime = SimRuntime(spec, model, clock=clock, data=data, gradients=gradients)
 
     from dynabatch.scheduler.sync.coordinator import (
         Coordinator,  # imports torch (dynabatch.scheduler.checkpoint)
     )
 
-    coord = Coordinator(job_id or f"sim-{spec.policy}", spec, resume=False, runtime=runtime,
+    coord = Coordinator(f"sim-{spec.policy}", spec, resume=False, runtime=runtime,
                         clock=clock, worker_cap=SIM_MAX_WORKERS)
     if coordinator_hook is not None:
         coordinator_hook(coord)
@@ -186,4 +182,4 @@ def simulate(
         spec=spec, cluster=cluster, snapshot=coord.snapshot(), history=history,
         events=coord.membership_events(), logs=coord.logs(), happened=runtime.happened,
         recoveries=runtime.recoveries, sim_seconds=clock.now(), wall_s=wall,
-        dataset_size=data.n_train, ideal=ideal, runtime=runtime, skip=skip)
+        dataset_size=data.n_train, ideal=ideal, runtime=runtime)

@@ -23,7 +23,7 @@ from dynabatch.service.store import JobStore
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fakes import NODE_IDS, FakeCluster
+from tests.fakes import NODE_IDS, FakeCluster, evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = {"name": "digits", "workers": 2, "global_batch": 64, "epochs": 2}
@@ -774,7 +774,7 @@ def test_metrics_and_history_show_each_metric_by_its_name_in_the_spec(
     job = _submit(client, epochs=3, metrics=metrics)
     # The scores as a worker computes them for this spec (its objective's keys).
     logits = torch.tensor([[3.0, 2.0, 1.0], [1.0, 2.0, 3.0], [1.0, 3.0, 2.0]])
-    scores = objective_for(cluster.launches[job][0], "classes").evaluate(
+    scores = evaluate(objective_for(cluster.launches[job][0], "classes"),
         torch.nn.Identity(), logits.numpy(), np.array([1, 1, 1]), torch.device("cpu"))
     scores.pop("loss")
     fake_history = cluster.history

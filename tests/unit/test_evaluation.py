@@ -22,6 +22,8 @@ from dynabatch.scheduler.sync.evaluation import EvalRound, Evaluations, combine,
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.fakes import evaluate
+
 P = "tests.unit.workload_plugins"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +88,7 @@ def test_split_equals_single_for_perplexity_and_token_accuracy(cuts, seed):
     spec = parse_spec({"loss": "next_token", "metrics": ["perplexity", "accuracy"]})
     obj = objective_for(spec, "tokens")
     model = torch.nn.Identity()
-    single = obj.evaluate(model, logits.numpy(), y, torch.device("cpu"))
+    single = evaluate(obj, model, logits.numpy(), y, torch.device("cpu"))
     split_ = _split_scores(obj, model, logits.numpy(), y, cuts)
     assert split_.keys() == single.keys() == {"loss", "perplexity", "accuracy"}
     for k in single:
@@ -104,7 +106,7 @@ def test_split_equals_single_for_a_user_metric(cuts, seed):
     spec = parse_spec({"metrics": ["accuracy", f"{P}:top2_metric"]})
     obj = objective_for(spec, "classes")
     model = torch.nn.Identity()
-    single = obj.evaluate(model, logits.numpy(), y, torch.device("cpu"))
+    single = evaluate(obj, model, logits.numpy(), y, torch.device("cpu"))
     split_ = _split_scores(obj, model, logits.numpy(), y, cuts)
     assert split_.keys() == single.keys()
     for k in single:
@@ -121,7 +123,7 @@ def test_workers_shards_add_up_to_one_workers_whole_set():
     w = Worker("w0", 0, spec, x, y, (4,), 3)
     xt = rng.normal(size=(37, 4)).astype(np.float32)
     yt = rng.integers(0, 3, size=37)
-    whole = w.objective.evaluate(w.model, xt, yt, w.device, batch=8)
+    whole = evaluate(w.objective, w.model, xt, yt, w.device, batch=8)
     shards = [w.evaluate_shard(xt, yt, lo, hi, batch=8)
               for lo, hi in split(37, {"a": 2.0, "b": 1.0, "c": 0.5}).values()]
     assert all(s["seconds"] >= 0 for s in shards)

@@ -21,6 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.metrics import confusion_matrix, f1_score, roc_auc_score
 
+from tests.fakes import evaluate
+
 P = "tests.unit.workload_plugins"
 CPU = torch.device("cpu")
 CLASSIFY = ["f1", {"name": "f1_micro", "fn": "f1", "average": "micro"},
@@ -55,7 +57,7 @@ def test_classification_merged_over_any_split_equals_one_process(weights, seed, 
     y[:classes] = np.arange(classes)  # every class present (AUROC per class is defined)
     obj = objective_for(parse_spec({"metrics": CLASSIFY}), "classes")
     model = torch.nn.Identity()
-    single = obj.evaluate(model, logits, y, CPU, batch=n)
+    single = evaluate(obj, model, logits, y, CPU, batch=n)
     merged = _merged(obj, model, logits, y, weights, batch)
     assert merged.keys() == single.keys()
     for k in single:
@@ -85,7 +87,7 @@ def test_tokens_and_a_binary_logit_merge_too(weights, seed, n, batch):
     obj = objective_for(parse_spec({"loss": "next_token", "metrics": ["f1", "perplexity"]}),
                         "tokens")
     model = torch.nn.Identity()
-    single, merged = (obj.evaluate(model, logits, y, CPU, batch=n),
+    single, merged = (evaluate(obj, model, logits, y, CPU, batch=n),
                       _merged(obj, model, logits, y, weights, batch))
     assert all(_close(merged[k], single[k]) for k in single)
     assert _close(single["f1"], f1_score(y.ravel(), logits.argmax(-1).ravel(),
@@ -96,7 +98,7 @@ def test_tokens_and_a_binary_logit_merge_too(weights, seed, n, batch):
     b[:2] = [0, 1]
     obj = objective_for(parse_spec({"loss": f"{P}:bce_loss", "metrics": ["f1", "auroc"]}),
                         "classes")
-    single, merged = (obj.evaluate(model, z, b, CPU, batch=n),
+    single, merged = (evaluate(obj, model, z, b, CPU, batch=n),
                       _merged(obj, model, z, b, weights, batch))
     assert all(_close(merged[k], single[k]) for k in single)
     assert _close(single["auroc"], roc_auc_score(b, z[:, 0]))
@@ -112,7 +114,7 @@ def test_regression_merged_over_any_split_equals_one_process(weights, seed, n, b
     obj = objective_for(parse_spec({"loss": "mse", "metrics": ["mae", "rmse", "r2", "mse"]}),
                         "values")
     model = torch.nn.Identity()
-    single = obj.evaluate(model, out, y, CPU, batch=n)
+    single = evaluate(obj, model, out, y, CPU, batch=n)
     merged = _merged(obj, model, out, y, weights, batch)
     for k in single:
         assert _close(merged[k], single[k]), k

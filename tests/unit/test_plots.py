@@ -56,3 +56,8 @@ def test_report_command_writes_three_pngs(tmp_path: Path):
     empty.write_text(json.dumps({"history": []}))
     bad = CliRunner().invoke(app, ["report", str(empty)])
     assert bad.exit_code == 1 and "no epochs to plot" in bad.output
+    # The file's name as it is: rich markup once swallowed "[b]" from it.
+    named = tmp_path / "run[b]1.json"
+    named.write_text(json.dumps({"history": []}))
+    bad = CliRunner().invoke(app, ["report", str(named)])
+    assert bad.exit_code == 1 and f"error: {named}: " in bad.output, bad.output

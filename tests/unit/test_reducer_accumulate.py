@@ -149,7 +149,7 @@ def test_a_cpu_reducer_gives_lenet_ddps_single_bucket():
     sizes = _model_sizes("lenet")
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
     reducer = GradientReducer(params, torch.device("cpu"), max_step=8)
-    assert reducer.n_buckets == 1 and reducer.bucket_bytes == (1 << 20, 25 << 20)
+    assert reducer.n_buckets == 1 and reducer.plan.bucket_bytes == (1 << 20, 25 << 20)
 
 
 @given(st.integers(1, 10**9))

@@ -699,6 +699,9 @@ def test_tune_spends_at_most_its_budget_and_writes_a_loadable_config(tmp_path):
     # A config without stages, or bad warm-ups: one line, exit 2.
     res = CliRunner().invoke(app, ["tune", str(cfg), "--quiet", "--warmups", "1,x"])
     assert res.exit_code == 2 and "--warmups" in res.output
+    # The user's text as it is: rich markup once swallowed "[bold]" and "[x]" from it.
+    res = CliRunner().invoke(app, ["tune", str(cfg), "--quiet", "--warmups", "1,[bold]x[x]"])
+    assert res.exit_code == 2 and "got '1,[bold]x[x]'" in res.output, res.output
     cfg.write_text(yaml.safe_dump({"workers": 2}))
     res = CliRunner().invoke(app, ["tune", str(cfg), "--quiet"])
     assert res.exit_code == 2 and "schedule.stages" in res.output

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import typer
 from dynabatch import Client, SpecWarning
-from dynabatch.actors.spec import parse_spec, spec_warnings_caught, spec_warnings_silenced
+from dynabatch.actors.spec import parse_spec, spec_warnings_caught
 from dynabatch.api.cli import job_commands as jobs_cli
 from dynabatch.service.rest_client import DynabatchClient
 from typer.testing import CliRunner
@@ -120,7 +120,7 @@ def test_silenced_and_caught_are_per_thread() -> None:
 
     t = threading.Thread(target=elsewhere)
     t.start()
-    with spec_warnings_silenced():
+    with spec_warnings_caught():
         inside.set()
         outside.wait(5)
         parse_spec(WARNED)  # silenced here
