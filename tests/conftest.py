@@ -6,10 +6,10 @@ to tests: on a loaded 2-core machine a correct example can take longer than 200 
 shrinking, the example database off) is Hypothesis' default.
 
 One OpenMP thread per process: ``make test`` runs two pytest workers on two cores beside
-Ray's processes, and torch's default of a thread per core makes every parallel region wait
-for a thread the other processes hold (a 5-step MLP took 0.16 s a step instead of 4 ms under
-that load). Set before anything imports torch; subprocesses and the tests' Ray inherit it.
-A worker still sets its own count from its spec's ``worker_cpus``.
+Ray's processes, and torch's default of a thread per core makes each parallel region wait
+for a thread another process holds (docs/testing.md, "One OpenMP thread per test process").
+Set before anything imports torch; subprocesses and the tests' Ray inherit it. A worker
+still sets its own count from its spec's ``worker_cpus``.
 """
 
 import os
