@@ -123,8 +123,8 @@ def _field_problems(problems: Iterable[tuple[str, str]], kind: str) -> JSONRespo
     """A 422 naming each body field (``body``: the body as a whole) and its problem, as the
     spec's validation errors do."""
     detail = [
-        {"loc": ["body", *field.split(".")[field == "body" :]], "field": field, "msg": msg,
-         "type": kind}
+        {"loc": ["body", *([] if field == "body" else field.split("."))], "field": field,
+         "msg": msg, "type": kind}
         for field, msg in problems
     ]
     return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
